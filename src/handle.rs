@@ -1,0 +1,119 @@
+use std::fmt;
+use std::sync::Arc;
+
+use crate::key::PeriodKey;
+use crate::layer::Config;
+use crate::quota::Quota;
+use crate::store::{ChargeRequest, Store, StoreError, Usage};
+use crate::subject::Subject;
+
+/// The counters of a [`QuotaLayer`](crate::QuotaLayer), for support tools and
+/// handlers: where a subject stands, refunds and resets. Made with
+/// [`QuotaLayer::handle`](crate::QuotaLayer::handle); uses the layer's
+/// clock, namespace and store.
+///
+/// ```
+/// use tower_quota::{FromHeader, QuotaLayer, Subject};
+///
+/// # #[tokio::main(flavor = "current_thread")] async fn main() {
+/// let layer = QuotaLayer::daily(1_000, FromHeader::account("x-account-id"));
+/// let handle = layer.handle();
+/// let acme = Subject::account("acme");
+/// let status = handle.usage(&acme).await.unwrap();
+/// assert_eq!(status[0].usage.remaining(), 1_000);
+/// # }
+/// ```
+pub struct QuotaHandle<St> {
+    config: Arc<Config>,
+    store: St,
+}
+
+/// Where one subject stands on one quota.
+#[derive(Clone, Debug)]
+pub struct QuotaUsage {
+    /// The quota.
+    pub quota: Quota,
+    /// The counter's key.
+    pub key: PeriodKey,
+    /// The counter's state.
+    pub usage: Usage,
+}
+
+impl<St: Store> QuotaHandle<St> {
+    pub(crate) fn new(config: Arc<Config>, store: St) -> Self {
+        Self { config, store }
+    }
+
+    /// The quotas.
+    pub fn quotas(&self) -> &[Quota] {
+        &self.config.quotas
+    }
+
+    fn request(&self, subject: &Subject) -> ChargeRequest {
+        let now = self.config.clock.now();
+        let lines = self
+            .config
+            .quotas
+            .iter()
+            .map(|q| q.line(&self.config.namespace, subject, now, 0))
+            .collect();
+        ChargeRequest { now, lines }
+    }
+
+    /// Where `subject` stands on every quota now. Charges nothing.
+    pub async fn usage(&self, subject: &Subject) -> Result<Vec<QuotaUsage>, StoreError> {
+        let request = self.request(subject);
+        let keys: Vec<PeriodKey> = request.lines.iter().map(|l| l.key.clone()).collect();
+        let usage = self.store.peek(request).await?;
+        Ok(self
+            .config
+            .quotas
+            .iter()
+            .zip(keys)
+            .zip(usage)
+            .map(|((quota, key), usage)| QuotaUsage {
+                quota: quota.clone(),
+                key,
+                usage,
+            })
+            .collect())
+    }
+
+    /// Gives `amount` back to `subject` on every quota's current counter,
+    /// e.g. after a request failed on the server's side. Creates nothing and
+    /// moves no deadline.
+    pub async fn refund(&self, subject: &Subject, amount: u64) -> Result<(), StoreError> {
+        let request = self.request(subject);
+        for line in request.lines {
+            self.store.refund(request.now, line.key, amount).await?;
+        }
+        Ok(())
+    }
+
+    /// Gives `subject` a fresh allowance on every quota: the current counters
+    /// are deleted (a first-use period restarts at the next call).
+    pub async fn reset(&self, subject: &Subject) -> Result<(), StoreError> {
+        for line in self.request(subject).lines {
+            self.store.reset(line.key).await?;
+        }
+        Ok(())
+    }
+}
+
+impl<St: Clone> Clone for QuotaHandle<St> {
+    fn clone(&self) -> Self {
+        Self {
+            config: Arc::clone(&self.config),
+            store: self.store.clone(),
+        }
+    }
+}
+
+impl<St: fmt::Debug> fmt::Debug for QuotaHandle<St> {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("QuotaHandle")
+            .field("quotas", &self.config.quotas)
+            .field("store", &self.store)
+            .finish_non_exhaustive()
+    }
+}

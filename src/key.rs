@@ -1,0 +1,254 @@
+//! Counter keys: namespace, subject, allowance and period in one string.
+//!
+//! A key reads `{namespace}:{{{kind}:{id}}}:{allowance}:{period}`, for example
+//! `quota:{account:acme}:read:2026-12-02` for a calendar day or
+//! `quota:{user:42}:write:PT24H` for a rolling 24 hours. The subject sits in a
+//! Redis Cluster hash tag, so every counter of one subject lands in one slot
+//! (and, in the memory store, in one shard).
+//!
+//! The subject's kind and id and the allowance are percent-encoded (every byte
+//! but ASCII letters, digits and `-._~@`), so `:`, `{`, `}`, `%`, control bytes
+//! and non-UTF-8 bytes in an id can never imitate a separator. The period
+//! comes last and is taken whole. Reading a key from the left therefore gives
+//! back exactly one (kind, id, allowance, period): two different tuples never
+//! share a counter.
+
+use std::fmt::{self, Write as _};
+use std::sync::Arc;
+
+use percent_encoding::{percent_encode, AsciiSet, NON_ALPHANUMERIC};
+
+use crate::subject::Subject;
+
+const PART: &AsciiSet = &NON_ALPHANUMERIC
+    .remove(b'-')
+    .remove(b'_')
+    .remove(b'.')
+    .remove(b'~')
+    .remove(b'@');
+
+/// The prefix every key of a layer starts with. The default is `quota`.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct Namespace {
+    prefix: Arc<str>,
+}
+
+impl Namespace {
+    /// A namespace with this prefix, e.g. `myapp:quota`.
+    ///
+    /// # Panics
+    ///
+    /// When `prefix` contains `{` or `}`: a brace there would become the
+    /// key's Redis Cluster hash tag instead of the subject.
+    pub fn new(prefix: impl Into<String>) -> Self {
+        let prefix = prefix.into();
+        assert!(
+            !prefix.contains(['{', '}']),
+            "a key namespace must not contain braces (got {prefix:?}): the subject part is the key's hash tag"
+        );
+        Self {
+            prefix: prefix.into(),
+        }
+    }
+
+    /// The prefix.
+    pub fn as_str(&self) -> &str {
+        &self.prefix
+    }
+
+    /// The key of one counter.
+    pub fn key(&self, subject: &Subject, allowance: &str, period: &str) -> PeriodKey {
+        let mut key = String::with_capacity(
+            self.prefix.len() + subject.id().len() + allowance.len() + period.len() + 16,
+        );
+        write!(
+            key,
+            "{}:{{{}:{}}}:{}:{}",
+            self.prefix,
+            percent_encode(subject.kind().as_str().as_bytes(), PART),
+            percent_encode(subject.id(), PART),
+            percent_encode(allowance.as_bytes(), PART),
+            period,
+        )
+        .expect("writing to a String cannot fail");
+        PeriodKey(key)
+    }
+}
+
+impl Default for Namespace {
+    fn default() -> Self {
+        Self::new("quota")
+    }
+}
+
+/// The key of one counter: one subject, one allowance, one period.
+#[derive(Clone, Debug, PartialEq, Eq, Hash, PartialOrd, Ord)]
+pub struct PeriodKey(String);
+
+impl PeriodKey {
+    /// Wraps a key built elsewhere (e.g. read back from a store).
+    pub fn from_string(key: String) -> Self {
+        Self(key)
+    }
+
+    /// The key as text.
+    pub fn as_str(&self) -> &str {
+        &self.0
+    }
+
+    /// The subject part between the first `{` and the next `}`: what Redis
+    /// Cluster hashes, and what the memory store shards on. The whole key when
+    /// there is no such part.
+    pub fn hash_tag(&self) -> &str {
+        let key = self.0.as_str();
+        if let Some(open) = key.find('{') {
+            if let Some(len) = key[open + 1..].find('}') {
+                if len > 0 {
+                    return &key[open + 1..open + 1 + len];
+                }
+            }
+        }
+        key
+    }
+
+    /// The key as an owned `String`.
+    pub fn into_string(self) -> String {
+        self.0
+    }
+}
+
+impl fmt::Display for PeriodKey {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(&self.0)
+    }
+}
+
+impl AsRef<str> for PeriodKey {
+    fn as_ref(&self) -> &str {
+        &self.0
+    }
+}
+
+/// Splits a key back into (kind, id, allowance, period); used by tests to show
+/// the encoding is injective.
+#[cfg(test)]
+pub(crate) fn decode(namespace: &Namespace, key: &str) -> Option<(String, Vec<u8>, String, String)> {
+    use percent_encoding::percent_decode_str;
+    let rest = key.strip_prefix(namespace.as_str())?.strip_prefix(":{")?;
+    let (kind, rest) = rest.split_once(':')?;
+    let (id, rest) = rest.split_once("}:")?;
+    let (allowance, period) = rest.split_once(':')?;
+    Some((
+        percent_decode_str(kind).decode_utf8().ok()?.into_owned(),
+        percent_decode_str(id).collect(),
+        percent_decode_str(allowance).decode_utf8().ok()?.into_owned(),
+        period.to_owned(),
+    ))
+}
+
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::subject::SubjectKind;
+    use proptest::prelude::*;
+
+    #[test]
+    fn readable_for_ordinary_ids() {
+        let ns = Namespace::default();
+        let key = ns.key(&Subject::account("acme-corp"), "read", "2026-12-02");
+        assert_eq!(key.as_str(), "quota:{account:acme-corp}:read:2026-12-02");
+        assert_eq!(key.hash_tag(), "account:acme-corp");
+    }
+
+    #[test]
+    fn separators_in_ids_are_escaped() {
+        let ns = Namespace::default();
+        let a = ns.key(&Subject::account("a}:read:x"), "read", "2026-12-02");
+        let b = ns.key(&Subject::account("a"), "read", "x}:read:2026-12-02");
+        assert_ne!(a, b);
+        assert_eq!(a.as_str(), "quota:{account:a%7D%3Aread%3Ax}:read:2026-12-02");
+        assert_eq!(a.hash_tag(), "account:a%7D%3Aread%3Ax");
+    }
+
+    #[test]
+    fn non_utf8_and_control_bytes_are_escaped() {
+        let ns = Namespace::default();
+        let key = ns.key(&Subject::device(&b"\xff\x00\n%"[..]), "w", "P");
+        assert_eq!(key.as_str(), "quota:{device:%FF%00%0A%25}:w:P");
+    }
+
+    #[test]
+    fn kinds_do_not_share_keys() {
+        let ns = Namespace::default();
+        let account = ns.key(&Subject::account("7"), "read", "2026-12-02");
+        let user = ns.key(&Subject::user("7"), "read", "2026-12-02");
+        assert_ne!(account, user);
+    }
+
+    #[test]
+    #[should_panic(expected = "must not contain braces")]
+    fn braces_in_namespace_are_refused() {
+        let _ = Namespace::new("app{x}");
+    }
+
+    fn kind() -> impl Strategy<Value = SubjectKind> {
+        prop_oneof![
+            Just(SubjectKind::ACCOUNT),
+            Just(SubjectKind::USER),
+            Just(SubjectKind::DEVICE),
+            "[a-z][a-z0-9_.-]{0,8}".prop_map(SubjectKind::custom),
+        ]
+    }
+
+    fn tuple() -> impl Strategy<Value = (SubjectKind, Vec<u8>, String, String)> {
+        // Ids and allowances are drawn from a small alphabet full of
+        // separators so that near-collisions are common.
+        let id = proptest::collection::vec(
+            prop_oneof![
+                Just(b':'),
+                Just(b'{'),
+                Just(b'}'),
+                Just(b'%'),
+                Just(b'a'),
+                Just(b'3'),
+                Just(b'A'),
+                Just(0u8),
+                Just(0xffu8),
+                any::<u8>()
+            ],
+            0..12,
+        );
+        let allowance = "[:{}%a-c ]{1,6}";
+        let period = "[:{}%0-9TW/-]{0,12}";
+        (kind(), id, allowance, period)
+    }
+
+    proptest! {
+        #[test]
+        fn keys_decode_to_what_built_them((kind, id, allowance, period) in tuple()) {
+            let ns = Namespace::new("quota:v1");
+            let key = ns.key(&Subject::new(kind.clone(), id.clone()), &allowance, &period);
+            let decoded = decode(&ns, key.as_str()).expect("every key decodes");
+            prop_assert_eq!(decoded, (kind.as_str().to_owned(), id, allowance, period));
+        }
+
+        #[test]
+        fn different_tuples_give_different_keys(a in tuple(), b in tuple()) {
+            let ns = Namespace::default();
+            let ka = ns.key(&Subject::new(a.0.clone(), a.1.clone()), &a.2, &a.3);
+            let kb = ns.key(&Subject::new(b.0.clone(), b.1.clone()), &b.2, &b.3);
+            prop_assert_eq!(a == b, ka == kb);
+        }
+
+        #[test]
+        fn hash_tag_is_the_whole_subject(kind in kind(), id in proptest::collection::vec(any::<u8>(), 0..20)) {
+            let ns = Namespace::default();
+            let subject = Subject::new(kind, id);
+            let a = ns.key(&subject, "read", "2026-12-02");
+            let b = ns.key(&subject, "write", "PT24H");
+            prop_assert_eq!(a.hash_tag(), b.hash_tag());
+            prop_assert!(!a.hash_tag().contains(['{', '}']));
+        }
+    }
+}

@@ -1,0 +1,67 @@
+//! Per-subject quotas for tower and axum: "1 000 calls per day per
+//! customer", enforced exactly and explained to the client.
+//!
+//! Add one layer to an axum app:
+//!
+//! ```
+//! use axum::{routing::get, Router};
+//! use tower_quota::{FromHeader, QuotaLayer};
+//!
+//! let app: Router = Router::new()
+//!     .route("/", get(|| async { "hello" }))
+//!     .layer(QuotaLayer::daily(1_000, FromHeader::account("x-account-id")));
+//! ```
+//!
+//! Each request is charged to a [`Subject`] (an account, user, device or a
+//! kind of your own) on every [`Quota`] of the layer, all or nothing. A quota
+//! is an allowance tag (`read`, `write`, ...), a limit, a [`Period`] and an
+//! [`Anchor`]:
+//!
+//! - **calendar**: periods are named windows of a shared clock (the day
+//!   2026-12-02 in UTC, the month 2026-12 in Europe/Berlin). The window's
+//!   stamp is part of the counter's key, and every subject's allowance
+//!   returns at the same boundary.
+//! - **first use**: the period starts at the subject's first call, and the
+//!   counter's deadline, fixed when the counter is created, is the reset.
+//!   Later calls never move it.
+//!
+//! Responses carry the IETF `RateLimit-Policy` and `RateLimit` fields; a
+//! refused request gets `429 Too Many Requests`, `Retry-After` and an
+//! `application/problem+json` body naming the quotas it exceeded.
+//!
+//! Counters live in a [`Store`]: [`MemoryStore`] in the process by default.
+//!
+//! # Features
+//!
+//! - `axum` (default): the [`QuotaStatus`] extractor for handlers.
+
+#![deny(unsafe_code)]
+#![warn(missing_docs, unreachable_pub, rust_2018_idioms, missing_debug_implementations)]
+#![cfg_attr(docsrs, feature(doc_cfg))]
+
+mod body;
+mod future;
+mod handle;
+pub mod key;
+mod layer;
+pub mod period;
+mod quota;
+pub mod response;
+mod service;
+mod status;
+pub mod store;
+pub mod subject;
+
+pub use jiff;
+
+pub use crate::body::ResponseBody;
+pub use crate::future::ResponseFuture;
+pub use crate::handle::{QuotaHandle, QuotaUsage};
+pub use crate::key::{Namespace, PeriodKey};
+pub use crate::layer::{InvalidCost, OnStoreError, QuotaLayer, SubjectPolicy};
+pub use crate::period::{Anchor, Clock, ManualClock, Period, SystemClock, Window};
+pub use crate::quota::{Quota, DEFAULT_ALLOWANCE};
+pub use crate::service::QuotaService;
+pub use crate::status::{QuotaStatus, StatusEntry};
+pub use crate::store::{MemoryStore, Store, StoreError, Usage};
+pub use crate::subject::{FromExtension, FromHeader, Subject, SubjectError, SubjectExtractor, SubjectKind};

@@ -1,0 +1,439 @@
+//! Periods, their anchors and the windows they cut time into.
+//!
+//! A [`Period`] says how long an allowance lasts; an [`Anchor`] says where it
+//! starts:
+//!
+//! - [`Anchor::Calendar`]: the period is a named stretch of a shared clock (the
+//!   calendar day 2026-12-02 in UTC, ISO week 2026-W49 in Europe/Berlin, the
+//!   10-second window starting at 13:33:20Z). Every instance of an application
+//!   derives the same [`Window`] from the same instant, writes its stamp into
+//!   the counter's key, and all subjects get a fresh allowance at the same
+//!   moment.
+//! - [`Anchor::FirstUse`]: the period starts at each subject's first call and
+//!   ends one period later. Nothing in the key names it; the counter's fixed
+//!   deadline, set once when the counter is created, is the reset.
+
+mod clock;
+
+use std::fmt::{self, Write as _};
+use std::sync::Arc;
+use std::time::Duration;
+
+use jiff::civil::Date;
+use jiff::tz::TimeZone;
+use jiff::{SignedDuration, Timestamp, ToSpan};
+
+pub use self::clock::{Clock, ManualClock, SystemClock};
+
+/// Where a period starts.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub enum Anchor {
+    /// On a shared clock: every subject's period starts and ends together, at
+    /// calendar boundaries in the period's time zone (or, for fixed-length
+    /// periods, at multiples of the length since the Unix epoch).
+    ///
+    /// What it promises a customer: "1 000 calls per day, reset at midnight
+    /// UTC". Support can state the reset time from the calendar alone.
+    Calendar,
+    /// At the subject's first call: the allowance returns exactly one period
+    /// after the call that opened the period, however often the subject calls
+    /// in between.
+    ///
+    /// What it promises a customer: "1 000 calls per rolling 24 hours from
+    /// your first call". Resets are staggered across subjects.
+    FirstUse,
+}
+
+impl Anchor {
+    /// `"calendar"` or `"first-use"`.
+    pub fn as_str(self) -> &'static str {
+        match self {
+            Anchor::Calendar => "calendar",
+            Anchor::FirstUse => "first-use",
+        }
+    }
+}
+
+impl fmt::Display for Anchor {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(self.as_str())
+    }
+}
+
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+enum Unit {
+    Minute,
+    Hour,
+    Day,
+    Week,
+    Month,
+    /// Whole seconds, at least one.
+    Fixed(i64),
+}
+
+/// How long an allowance lasts: a calendar unit in a time zone, or a fixed
+/// number of seconds.
+///
+/// Calendar units (minute, hour, day, ISO week starting on Monday, month)
+/// follow the civil calendar of the period's time zone, UTC unless set with
+/// [`Period::in_time_zone`]: a day in Europe/Berlin lasts 23 hours on the
+/// last Sunday of March and 25 hours on the last Sunday of October, and a
+/// month lasts 28 to 31 days. Fixed periods ([`Period::fixed`]) are cut at
+/// multiples of their length since the Unix epoch.
+///
+/// Under [`Anchor::FirstUse`], minute, hour, day, week and fixed periods are
+/// exact durations (a day is 24 hours from the first call); a month ends on
+/// the same day of the next month at the same wall-clock time in the period's
+/// time zone (clamped to the month's last day).
+///
+/// ```
+/// use tower_quota::Period;
+/// use jiff::{tz::TimeZone, Timestamp};
+///
+/// let berlin = Period::day().in_time_zone(TimeZone::get("Europe/Berlin").unwrap());
+/// // The last Sunday of March 2026: clocks jump from 02:00 to 03:00.
+/// let at: Timestamp = "2026-03-29T12:00:00Z".parse().unwrap();
+/// let window = berlin.window(at);
+/// assert_eq!(window.stamp(), "2026-03-29[Europe/Berlin]");
+/// assert_eq!(window.length().as_hours(), 23);
+/// ```
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct Period {
+    unit: Unit,
+    tz: TimeZone,
+    // `None` for UTC: stamps carry no zone suffix then.
+    tz_label: Option<Arc<str>>,
+}
+
+impl Period {
+    const fn unit(unit: Unit) -> Self {
+        Self {
+            unit,
+            tz: TimeZone::UTC,
+            tz_label: None,
+        }
+    }
+
+    /// A calendar minute.
+    pub const fn minute() -> Self {
+        Self::unit(Unit::Minute)
+    }
+
+    /// A calendar hour.
+    pub const fn hour() -> Self {
+        Self::unit(Unit::Hour)
+    }
+
+    /// A calendar day, midnight to midnight.
+    pub const fn day() -> Self {
+        Self::unit(Unit::Day)
+    }
+
+    /// An ISO 8601 week, Monday 00:00 to the next Monday 00:00.
+    pub const fn week() -> Self {
+        Self::unit(Unit::Week)
+    }
+
+    /// A calendar month, from the first of the month at 00:00.
+    pub const fn month() -> Self {
+        Self::unit(Unit::Month)
+    }
+
+    /// A fixed number of whole seconds. Under [`Anchor::Calendar`] the windows
+    /// start at multiples of `length` since the Unix epoch, whatever the time
+    /// zone.
+    ///
+    /// # Panics
+    ///
+    /// When `length` is shorter than a second or not a whole number of
+    /// seconds.
+    pub fn fixed(length: Duration) -> Self {
+        assert!(
+            length.subsec_nanos() == 0 && length.as_secs() >= 1,
+            "a fixed period is a whole number of seconds, at least one (got {length:?})"
+        );
+        let secs = i64::try_from(length.as_secs()).expect("a period shorter than 292 billion years");
+        Self::unit(Unit::Fixed(secs))
+    }
+
+    /// The same period in time zone `tz`. Only calendar units (day, week,
+    /// month, and hour or minute in zones with odd offsets) depend on it.
+    ///
+    /// # Panics
+    ///
+    /// When `tz` has neither an IANA name nor a fixed offset (a bare POSIX TZ
+    /// string): counter keys need a stable name for the zone.
+    #[must_use]
+    pub fn in_time_zone(mut self, tz: TimeZone) -> Self {
+        self.tz_label = zone_label(&tz);
+        self.tz = tz;
+        self
+    }
+
+    /// The period's time zone.
+    pub fn time_zone(&self) -> &TimeZone {
+        &self.tz
+    }
+
+    /// A short human name: `minute`, `hour`, `day`, `week`, `month`, or the
+    /// length of a fixed period such as `10s`, `15m`, `2h`.
+    pub fn name(&self) -> String {
+        match self.unit {
+            Unit::Minute => "minute".into(),
+            Unit::Hour => "hour".into(),
+            Unit::Day => "day".into(),
+            Unit::Week => "week".into(),
+            Unit::Month => "month".into(),
+            Unit::Fixed(s) if s % 3600 == 0 => format!("{}h", s / 3600),
+            Unit::Fixed(s) if s % 60 == 0 => format!("{}m", s / 60),
+            Unit::Fixed(s) => format!("{s}s"),
+        }
+    }
+
+    /// The calendar window containing `at`: where it starts and ends, and the
+    /// stamp that names it in counter keys.
+    ///
+    /// Stamps are truncated timestamps in the period's time zone:
+    /// `2026-12-02T13:05` (minute), `2026-12-02T13` (hour), `2026-12-02`
+    /// (day), `2026-W49` (week), `2026-12` (month), and
+    /// `2026-12-02T13:33:20Z/PT10S` for fixed periods. Outside UTC the stamp
+    /// ends with the zone's name, `2026-12-02[Europe/Berlin]`, and hours and
+    /// minutes also carry their UTC offset, so the repeated hour when clocks
+    /// go back gets a stamp of its own. Two different windows never share a
+    /// stamp.
+    ///
+    /// # Panics
+    ///
+    /// Within a few days of the ends of the range `jiff` supports (years
+    /// -9999 and 9999).
+    pub fn window(&self, at: Timestamp) -> Window {
+        self.try_window(at)
+            .expect("the instant lies within the supported range of years")
+    }
+
+    fn try_window(&self, at: Timestamp) -> Result<Window, jiff::Error> {
+        let tz = &self.tz;
+        let mut stamp = String::with_capacity(40);
+        let (start, end) = match self.unit {
+            Unit::Fixed(len) => {
+                let floor = floor_seconds(at).div_euclid(len) * len;
+                let start = Timestamp::from_second(floor)?;
+                let end = Timestamp::from_second(floor + len)?;
+                write!(stamp, "{}/", start.strftime("%Y-%m-%dT%H:%M:%SZ")).expect("infallible");
+                write_duration(&mut stamp, len);
+                return Ok(Window::new(start, end, stamp));
+            }
+            Unit::Minute | Unit::Hour => {
+                let step = if self.unit == Unit::Minute { 60 } else { 3600 };
+                let (start, end) = sub_day_window(at, tz, step)?;
+                let local = start.to_zoned_datetime(tz.clone());
+                let format = match (self.unit, self.tz_label.is_some()) {
+                    (Unit::Minute, false) => "%Y-%m-%dT%H:%M",
+                    (Unit::Minute, true) => "%Y-%m-%dT%H:%M%:z",
+                    (_, false) => "%Y-%m-%dT%H",
+                    (_, true) => "%Y-%m-%dT%H%:z",
+                };
+                write!(stamp, "{}", local.strftime(format)).expect("infallible");
+                (start, end)
+            }
+            Unit::Day => {
+                let date = at.to_zoned_datetime(tz.clone()).date();
+                write!(stamp, "{}", date.strftime("%Y-%m-%d")).expect("infallible");
+                (midnight(date, tz)?, midnight(date.tomorrow()?, tz)?)
+            }
+            Unit::Week => {
+                let date = at.to_zoned_datetime(tz.clone()).date();
+                let monday =
+                    date.checked_sub(i64::from(date.weekday().to_monday_zero_offset()).days())?;
+                write!(stamp, "{}", monday.strftime("%G-W%V")).expect("infallible");
+                (midnight(monday, tz)?, midnight(monday.checked_add(7.days())?, tz)?)
+            }
+            Unit::Month => {
+                let first = at.to_zoned_datetime(tz.clone()).date().first_of_month();
+                write!(stamp, "{}", first.strftime("%Y-%m")).expect("infallible");
+                (midnight(first, tz)?, midnight(first.checked_add(1.month())?, tz)?)
+            }
+        };
+        if let Some(label) = &self.tz_label {
+            write!(stamp, "[{label}]").expect("infallible");
+        }
+        Ok(Window::new(start, end, stamp))
+    }
+
+    /// The instant a first-use period opened at `first_call` ends.
+    ///
+    /// # Panics
+    ///
+    /// Within a period of the ends of the range `jiff` supports.
+    pub fn end_of_first_use(&self, first_call: Timestamp) -> Timestamp {
+        let secs = match self.unit {
+            Unit::Minute => 60,
+            Unit::Hour => 3_600,
+            Unit::Day => 86_400,
+            Unit::Week => 604_800,
+            Unit::Fixed(s) => s,
+            Unit::Month => {
+                return first_call
+                    .to_zoned_datetime(self.tz.clone())
+                    .checked_add(1.month())
+                    .expect("the instant lies within the supported range of years")
+                    .timestamp()
+            }
+        };
+        first_call
+            .checked_add(SignedDuration::from_secs(secs))
+            .expect("the instant lies within the supported range of years")
+    }
+
+    /// The part of a first-use counter's key that names its period: the
+    /// length as an ISO 8601 duration (`PT24H`, `PT10S`), or `P1M` and the
+    /// zone for months. It tells apart two first-use quotas of one allowance
+    /// with different lengths.
+    pub fn first_use_label(&self) -> String {
+        let mut label = String::with_capacity(16);
+        match self.unit {
+            Unit::Minute => write_duration(&mut label, 60),
+            Unit::Hour => write_duration(&mut label, 3_600),
+            Unit::Day => write_duration(&mut label, 86_400),
+            Unit::Week => write_duration(&mut label, 604_800),
+            Unit::Fixed(s) => write_duration(&mut label, s),
+            Unit::Month => {
+                label.push_str("P1M");
+                if let Some(zone) = &self.tz_label {
+                    write!(label, "[{zone}]").expect("infallible");
+                }
+            }
+        }
+        label
+    }
+
+    /// A typical length in seconds: exact for fixed periods, minutes, hours
+    /// and weeks outside DST changes; 30 days for a month.
+    pub fn nominal_seconds(&self) -> u64 {
+        match self.unit {
+            Unit::Minute => 60,
+            Unit::Hour => 3_600,
+            Unit::Day => 86_400,
+            Unit::Week => 604_800,
+            Unit::Month => 2_592_000,
+            Unit::Fixed(s) => s.unsigned_abs(),
+        }
+    }
+}
+
+/// One calendar window: `[start, end)` and its stamp.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct Window {
+    start: Timestamp,
+    end: Timestamp,
+    stamp: Arc<str>,
+}
+
+impl Window {
+    fn new(start: Timestamp, end: Timestamp, stamp: String) -> Self {
+        Self {
+            start,
+            end,
+            stamp: stamp.into(),
+        }
+    }
+
+    pub(crate) fn first_use(start: Timestamp, end: Timestamp, label: &str) -> Self {
+        Self {
+            start,
+            end,
+            stamp: label.into(),
+        }
+    }
+
+    /// The first instant of the window.
+    pub fn start(&self) -> Timestamp {
+        self.start
+    }
+
+    /// The first instant after the window: when the allowance returns.
+    pub fn end(&self) -> Timestamp {
+        self.end
+    }
+
+    /// The name of the window, as written in counter keys.
+    pub fn stamp(&self) -> &str {
+        &self.stamp
+    }
+
+    /// `end - start`.
+    pub fn length(&self) -> SignedDuration {
+        self.end.duration_since(self.start)
+    }
+
+    /// Whether `at` falls in `[start, end)`.
+    pub fn contains(&self, at: Timestamp) -> bool {
+        self.start <= at && at < self.end
+    }
+}
+
+fn floor_seconds(at: Timestamp) -> i64 {
+    i64::try_from(at.as_nanosecond().div_euclid(1_000_000_000))
+        .expect("jiff timestamps fit in i64 seconds")
+}
+
+fn midnight(date: Date, tz: &TimeZone) -> Result<Timestamp, jiff::Error> {
+    // Where midnight falls in a gap, `start_of_day` gives the first instant
+    // that exists on that date.
+    Ok(date.to_zoned_datetime(tz.clone())?.start_of_day()?.timestamp())
+}
+
+/// Minute and hour windows follow the local clock: truncate the local time,
+/// and split the window at an offset change inside it (zones whose offsets
+/// move by half an hour).
+fn sub_day_window(at: Timestamp, tz: &TimeZone, step: i64) -> Result<(Timestamp, Timestamp), jiff::Error> {
+    let offset = i64::from(tz.to_offset(at).seconds());
+    let local = floor_seconds(at) + offset;
+    let floor = local.div_euclid(step) * step;
+    let mut start = Timestamp::from_second(floor - offset)?;
+    let mut end = Timestamp::from_second(floor + step - offset)?;
+    let current = tz.to_offset(at);
+    if tz.to_offset(start) != current {
+        let just_after = at.checked_add(SignedDuration::from_nanos(1))?;
+        if let Some(t) = tz.preceding(just_after).next() {
+            start = start.max(t.timestamp());
+        }
+    }
+    if tz.to_offset(end.checked_sub(SignedDuration::from_nanos(1))?) != current {
+        if let Some(t) = tz.following(at).next() {
+            end = end.min(t.timestamp());
+        }
+    }
+    Ok((start, end))
+}
+
+fn write_duration(out: &mut String, secs: i64) {
+    if secs % 3600 == 0 {
+        write!(out, "PT{}H", secs / 3600)
+    } else if secs % 60 == 0 {
+        write!(out, "PT{}M", secs / 60)
+    } else {
+        write!(out, "PT{secs}S")
+    }
+    .expect("infallible");
+}
+
+fn zone_label(tz: &TimeZone) -> Option<Arc<str>> {
+    match tz.iana_name() {
+        Some("UTC" | "Etc/UTC" | "Etc/UCT" | "UCT" | "Etc/Zulu" | "Zulu" | "Universal" | "Etc/Universal") => None,
+        Some(name) => Some(name.into()),
+        None => {
+            let offset = tz.to_fixed_offset().unwrap_or_else(|_| {
+                panic!("a quota's time zone needs an IANA name or a fixed offset, got {tz:?}")
+            });
+            if offset.seconds() == 0 {
+                None
+            } else {
+                Some(offset.to_string().into())
+            }
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests;

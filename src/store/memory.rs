@@ -1,0 +1,341 @@
+use std::cmp::Reverse;
+use std::collections::hash_map::RandomState;
+use std::collections::{BinaryHeap, HashMap};
+use std::fmt;
+use std::future::{ready, Future, Ready};
+use std::hash::BuildHasher;
+use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::{Arc, Mutex, MutexGuard};
+
+use jiff::Timestamp;
+
+use super::{ChargeLine, ChargeOutcome, ChargeRequest, Lifetime, Store, StoreError, Usage};
+use crate::key::PeriodKey;
+
+/// Expired counters reclaimed per shard visit: bounded so one request never
+/// pays for a whole period's worth of reclaiming.
+const SWEEP_BUDGET: usize = 32;
+
+/// Counters in this process's memory: the default store.
+///
+/// - Exact: one shard lock is held from check to commit, so concurrent
+///   requests of one subject never overspend.
+/// - Sharded by subject: all counters of a subject live in one shard (chosen
+///   from the key's hash tag), so a charge takes a single lock, and requests of
+///   different subjects rarely wait on each other.
+/// - Constant time per charge: a hash lookup per quota. Creating a counter
+///   also files its deadline in the shard's deadline heap.
+/// - Bounded memory: every charge reclaims a few expired counters of its own
+///   shard and of one other shard in turn, so expired counters go away
+///   without traffic to them, and memory follows the subjects active in the
+///   current periods. [`MemoryStore::purge_expired`] reclaims everything
+///   expired at once.
+///
+/// Clones share the counters. Counters are lost when the process exits; use
+/// a shared store when several instances enforce one quota.
+#[derive(Clone)]
+pub struct MemoryStore {
+    inner: Arc<Inner>,
+}
+
+struct Inner {
+    shards: Box<[Mutex<Shard>]>,
+    hasher: RandomState,
+    sweep_cursor: AtomicUsize,
+}
+
+#[derive(Default)]
+struct Shard {
+    counters: HashMap<Arc<str>, Counter>,
+    deadlines: BinaryHeap<Reverse<(Timestamp, Arc<str>)>>,
+}
+
+#[derive(Clone, Copy, Debug)]
+struct Counter {
+    used: u64,
+    first_call: Timestamp,
+    deadline: Timestamp,
+    first_use: bool,
+}
+
+impl Default for MemoryStore {
+    fn default() -> Self {
+        Self::new()
+    }
+}
+
+impl MemoryStore {
+    /// An empty store with a shard count fitted to the machine.
+    pub fn new() -> Self {
+        let cores = std::thread::available_parallelism().map_or(4, |n| n.get());
+        Self::with_shards((cores * 16).next_power_of_two())
+    }
+
+    /// An empty store with `shards` shards.
+    ///
+    /// # Panics
+    ///
+    /// When `shards` is zero.
+    pub fn with_shards(shards: usize) -> Self {
+        assert!(shards > 0, "a memory store needs at least one shard");
+        Self {
+            inner: Arc::new(Inner {
+                shards: (0..shards).map(|_| Mutex::default()).collect(),
+                hasher: RandomState::new(),
+                sweep_cursor: AtomicUsize::new(0),
+            }),
+        }
+    }
+
+    /// Live and not yet reclaimed counters. Counters past their deadline count
+    /// until they are reclaimed.
+    pub fn len(&self) -> usize {
+        self.inner.shards.iter().map(|s| lock(s).counters.len()).sum()
+    }
+
+    /// Whether the store holds no counter.
+    pub fn is_empty(&self) -> bool {
+        self.len() == 0
+    }
+
+    /// Reclaims every counter whose deadline is at or before `now`.
+    pub fn purge_expired(&self, now: Timestamp) {
+        for shard in self.inner.shards.iter() {
+            lock(shard).sweep(now, usize::MAX);
+        }
+    }
+
+    fn shard_of(&self, key: &PeriodKey) -> usize {
+        (self.inner.hasher.hash_one(key.hash_tag()) as usize) % self.inner.shards.len()
+    }
+
+    /// Runs `f` with the shards of every line locked. A request's lines
+    /// normally share one subject and so one shard; lines of several shards
+    /// lock them in index order, so two requests never wait on each other in
+    /// a cycle.
+    fn locked<R>(&self, lines: &[ChargeLine], now: Timestamp, f: impl FnOnce(&mut Locked<'_, '_>) -> R) -> R {
+        let first = lines.first().map_or(0, |l| self.shard_of(&l.key));
+        let result = if lines.iter().skip(1).all(|l| self.shard_of(&l.key) == first) {
+            let mut guard = lock(&self.inner.shards[first]);
+            guard.sweep(now, SWEEP_BUDGET);
+            f(&mut Locked::One(&mut guard))
+        } else {
+            let line_shards: Vec<usize> = lines.iter().map(|l| self.shard_of(&l.key)).collect();
+            let mut indices = line_shards.clone();
+            indices.sort_unstable();
+            indices.dedup();
+            let mut guards: Vec<(usize, MutexGuard<'_, Shard>)> = indices
+                .into_iter()
+                .map(|i| (i, lock(&self.inner.shards[i])))
+                .collect();
+            for (_, guard) in &mut guards {
+                guard.sweep(now, SWEEP_BUDGET);
+            }
+            f(&mut Locked::Many {
+                guards: &mut guards,
+                line_shards: &line_shards,
+            })
+        };
+        self.sweep_another(now);
+        result
+    }
+
+    /// Reclaims a few expired counters of the next shard in turn, if it is
+    /// free: this is what bounds memory when a shard's subjects stop calling.
+    fn sweep_another(&self, now: Timestamp) {
+        let shards = &self.inner.shards;
+        let i = self.inner.sweep_cursor.fetch_add(1, Ordering::Relaxed) % shards.len();
+        if let Ok(mut shard) = shards[i].try_lock() {
+            shard.sweep(now, SWEEP_BUDGET);
+        }
+    }
+
+    fn charge_now(&self, request: &ChargeRequest) -> ChargeOutcome {
+        let now = request.now;
+        let lines = &request.lines;
+        self.locked(lines, now, |locked| {
+            let mut admitted = true;
+            for (i, line) in lines.iter().enumerate() {
+                let used = locked.live(i, &line.key, now).map_or(0, |c| c.used);
+                // A key listed twice is charged twice.
+                let earlier: u64 = lines[..i]
+                    .iter()
+                    .filter(|l| l.key == line.key)
+                    .map(|l| l.cost)
+                    .sum();
+                if used.saturating_add(earlier).saturating_add(line.cost) > line.limit {
+                    admitted = false;
+                }
+            }
+            let usage = lines
+                .iter()
+                .enumerate()
+                .map(|(i, line)| {
+                    if admitted && line.cost > 0 {
+                        let counter = locked.spend(i, line, now);
+                        usage_of(line, Some(counter))
+                    } else {
+                        usage_of(line, locked.live(i, &line.key, now))
+                    }
+                })
+                .collect();
+            ChargeOutcome { admitted, usage }
+        })
+    }
+}
+
+enum Locked<'a, 'g> {
+    One(&'a mut Shard),
+    Many {
+        guards: &'a mut Vec<(usize, MutexGuard<'g, Shard>)>,
+        line_shards: &'a [usize],
+    },
+}
+
+impl Locked<'_, '_> {
+    fn shard(&mut self, line: usize) -> &mut Shard {
+        match self {
+            Locked::One(shard) => shard,
+            Locked::Many { guards, line_shards } => {
+                let index = line_shards[line];
+                let (_, guard) = guards
+                    .iter_mut()
+                    .find(|(i, _)| *i == index)
+                    .expect("every line's shard is locked");
+                guard
+            }
+        }
+    }
+
+    fn live(&mut self, line: usize, key: &PeriodKey, now: Timestamp) -> Option<Counter> {
+        self.shard(line).live(key.as_str(), now)
+    }
+
+    fn spend(&mut self, line: usize, charge: &ChargeLine, now: Timestamp) -> Counter {
+        self.shard(line).spend(charge, now)
+    }
+}
+
+impl Shard {
+    fn live(&self, key: &str, now: Timestamp) -> Option<Counter> {
+        self.counters.get(key).copied().filter(|c| c.deadline > now)
+    }
+
+    fn spend(&mut self, line: &ChargeLine, now: Timestamp) -> Counter {
+        if let Some(counter) = self.counters.get_mut(line.key.as_str()) {
+            if counter.deadline > now {
+                // The deadline stays as it was set at creation.
+                counter.used = counter.used.saturating_add(line.cost);
+                return *counter;
+            }
+        }
+        let (deadline, first_use) = match line.lifetime {
+            Lifetime::Calendar { end, .. } => (end, false),
+            Lifetime::FirstUse { deadline } => (deadline, true),
+        };
+        let counter = Counter {
+            used: line.cost,
+            first_call: now,
+            deadline,
+            first_use,
+        };
+        let key: Arc<str> = line.key.as_str().into();
+        self.deadlines.push(Reverse((deadline, Arc::clone(&key))));
+        self.counters.insert(key, counter);
+        counter
+    }
+
+    fn sweep(&mut self, now: Timestamp, budget: usize) {
+        for _ in 0..budget {
+            match self.deadlines.peek() {
+                Some(Reverse((deadline, _))) if *deadline <= now => {}
+                _ => return,
+            }
+            let Some(Reverse((deadline, key))) = self.deadlines.pop() else {
+                return;
+            };
+            // The counter may have been reset and created again since this
+            // deadline was filed; only the counter it belongs to goes.
+            if self.counters.get(&key).is_some_and(|c| c.deadline == deadline) {
+                self.counters.remove(&key);
+            }
+        }
+    }
+}
+
+fn usage_of(line: &ChargeLine, counter: Option<Counter>) -> Usage {
+    match line.lifetime {
+        Lifetime::Calendar { end, .. } => Usage {
+            limit: line.limit,
+            used: counter.map_or(0, |c| c.used),
+            resets_at: end,
+            first_call: None,
+        },
+        Lifetime::FirstUse { deadline } => Usage {
+            limit: line.limit,
+            used: counter.map_or(0, |c| c.used),
+            resets_at: counter.map_or(deadline, |c| c.deadline),
+            first_call: counter.filter(|c| c.first_use).map(|c| c.first_call),
+        },
+    }
+}
+
+fn lock(shard: &Mutex<Shard>) -> MutexGuard<'_, Shard> {
+    // A panic while a shard was locked cannot leave a counter half-written
+    // (every update is a single assignment), so the data stays usable.
+    shard.lock().unwrap_or_else(|poisoned| poisoned.into_inner())
+}
+
+impl fmt::Debug for MemoryStore {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("MemoryStore")
+            .field("shards", &self.inner.shards.len())
+            .finish_non_exhaustive()
+    }
+}
+
+impl Store for MemoryStore {
+    type ChargeFuture = Ready<Result<ChargeOutcome, StoreError>>;
+
+    fn charge(&self, request: ChargeRequest) -> Self::ChargeFuture {
+        ready(Ok(self.charge_now(&request)))
+    }
+
+    fn peek(&self, request: ChargeRequest) -> impl Future<Output = Result<Vec<Usage>, StoreError>> + Send {
+        let now = request.now;
+        let usage = self.locked(&request.lines, now, |locked| {
+            request
+                .lines
+                .iter()
+                .enumerate()
+                .map(|(i, line)| usage_of(line, locked.live(i, &line.key, now)))
+                .collect()
+        });
+        ready(Ok(usage))
+    }
+
+    fn refund(
+        &self,
+        now: Timestamp,
+        key: PeriodKey,
+        amount: u64,
+    ) -> impl Future<Output = Result<Option<u64>, StoreError>> + Send {
+        let mut shard = lock(&self.inner.shards[self.shard_of(&key)]);
+        let left = match shard.counters.get_mut(key.as_str()) {
+            Some(counter) if counter.deadline > now => {
+                counter.used = counter.used.saturating_sub(amount);
+                Some(counter.used)
+            }
+            _ => None,
+        };
+        ready(Ok(left))
+    }
+
+    fn reset(&self, key: PeriodKey) -> impl Future<Output = Result<bool, StoreError>> + Send {
+        let mut shard = lock(&self.inner.shards[self.shard_of(&key)]);
+        ready(Ok(shard.counters.remove(key.as_str()).is_some()))
+    }
+}
+
+#[cfg(test)]
+mod tests;

@@ -1,0 +1,253 @@
+//! Where counters live.
+//!
+//! A [`Store`] keeps one counter per [`PeriodKey`] and charges, peeks,
+//! refunds and resets them. [`MemoryStore`] keeps them in the process, the
+//! default for a single instance and for tests; a store shared by many
+//! instances implements the same trait.
+//!
+//! # The contract
+//!
+//! - [`Store::charge`] is all-or-nothing over the request's lines: if any line
+//!   would go over its limit, nothing is charged on any line (check, then
+//!   commit, atomically with respect to other charges).
+//! - A counter is created by the first charge that spends on its key, with a
+//!   deadline fixed at creation: [`Lifetime::FirstUse`] gives it the period's
+//!   end, and that deadline *is* the reset. Nothing may push a deadline
+//!   forward afterwards (a deadline that every hit extends means an active
+//!   subject never gets its allowance back), and nothing may leave a counter
+//!   without one (a first-use counter without a deadline locks its subject
+//!   out for good).
+//! - [`Lifetime::Calendar`] counters are named by their window, so their
+//!   deadline is only housekeeping, and the reset reported is the window's
+//!   end.
+//! - [`Store::refund`] never creates a counter and never touches a deadline.
+//!
+//! # Example: a store of your own
+//!
+//! A store that wraps another one and counts charges, e.g. for metrics:
+//!
+//! ```
+//! use std::sync::{atomic::{AtomicU64, Ordering}, Arc};
+//! use std::future::Future;
+//! use jiff::Timestamp;
+//! use tower_quota::store::{ChargeOutcome, ChargeRequest, Store, StoreError, Usage};
+//! use tower_quota::{MemoryStore, PeriodKey};
+//!
+//! #[derive(Clone, Default)]
+//! struct Counting { inner: MemoryStore, charges: Arc<AtomicU64> }
+//!
+//! impl Store for Counting {
+//!     type ChargeFuture = <MemoryStore as Store>::ChargeFuture;
+//!
+//!     fn charge(&self, request: ChargeRequest) -> Self::ChargeFuture {
+//!         self.charges.fetch_add(1, Ordering::Relaxed);
+//!         self.inner.charge(request)
+//!     }
+//!     fn peek(&self, request: ChargeRequest) -> impl Future<Output = Result<Vec<Usage>, StoreError>> + Send {
+//!         self.inner.peek(request)
+//!     }
+//!     fn refund(&self, now: Timestamp, key: PeriodKey, amount: u64) -> impl Future<Output = Result<Option<u64>, StoreError>> + Send {
+//!         self.inner.refund(now, key, amount)
+//!     }
+//!     fn reset(&self, key: PeriodKey) -> impl Future<Output = Result<bool, StoreError>> + Send {
+//!         self.inner.reset(key)
+//!     }
+//! }
+//!
+//! # #[tokio::main(flavor = "current_thread")] async fn main() {
+//! use axum::{body::Body, routing::get, Router};
+//! use http::{Request, StatusCode};
+//! use tower::ServiceExt;
+//! use tower_quota::{FromHeader, QuotaLayer};
+//!
+//! let store = Counting::default();
+//! let app = Router::new()
+//!     .route("/", get(|| async { "hi" }))
+//!     .layer(QuotaLayer::daily(5, FromHeader::account("x-account-id")).store(store.clone()));
+//! let request = Request::get("/").header("x-account-id", "acme").body(Body::empty()).unwrap();
+//! let response = app.oneshot(request).await.unwrap();
+//! assert_eq!(response.status(), StatusCode::OK);
+//! assert_eq!(store.charges.load(Ordering::Relaxed), 1);
+//! # }
+//! ```
+
+mod memory;
+
+use std::borrow::Cow;
+use std::error::Error as StdError;
+use std::fmt;
+use std::future::Future;
+
+use jiff::Timestamp;
+
+use crate::key::PeriodKey;
+
+pub use self::memory::MemoryStore;
+
+type BoxError = Box<dyn StdError + Send + Sync>;
+
+/// How long a counter lives and what its reset is.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Lifetime {
+    /// A counter of the calendar window `[start, end)`. The reset is `end`;
+    /// the counter may be reclaimed any time after it.
+    Calendar {
+        /// The window's first instant.
+        start: Timestamp,
+        /// The window's end: the reset.
+        end: Timestamp,
+    },
+    /// A counter of a period that starts at the first call. If the charge
+    /// creates the counter, its deadline is `deadline`, for good; an existing
+    /// counter keeps the deadline it was created with.
+    FirstUse {
+        /// The end of a period opened by this request.
+        deadline: Timestamp,
+    },
+}
+
+/// One counter to charge: the key, its limit, what this request costs on it,
+/// and its lifetime.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct ChargeLine {
+    /// The counter.
+    pub key: PeriodKey,
+    /// The most the counter may reach.
+    pub limit: u64,
+    /// What the request spends.
+    pub cost: u64,
+    /// The counter's lifetime.
+    pub lifetime: Lifetime,
+}
+
+/// All counters one request spends on, charged together.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct ChargeRequest {
+    /// The instant of the request, from the layer's clock.
+    pub now: Timestamp,
+    /// The counters, one per quota, in the layer's order.
+    pub lines: Vec<ChargeLine>,
+}
+
+/// Where one counter stands.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct Usage {
+    /// The counter's limit.
+    pub limit: u64,
+    /// What has been spent this period (after the charge, if it was admitted).
+    pub used: u64,
+    /// When the allowance returns.
+    pub resets_at: Timestamp,
+    /// For first-use counters, the call that opened the period; `None` for
+    /// calendar counters and when no period is open.
+    pub first_call: Option<Timestamp>,
+}
+
+impl Usage {
+    /// What is left to spend this period.
+    pub fn remaining(&self) -> u64 {
+        self.limit.saturating_sub(self.used)
+    }
+}
+
+/// The answer to a charge.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct ChargeOutcome {
+    /// Whether every line had room and was charged. When `false`, nothing was
+    /// charged.
+    pub admitted: bool,
+    /// One entry per line, in the request's order.
+    pub usage: Vec<Usage>,
+}
+
+/// What went wrong in a store.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+#[non_exhaustive]
+pub enum StoreErrorKind {
+    /// The store did not answer in time. A charge that timed out may or may
+    /// not have been applied.
+    Timeout,
+    /// The store could not be reached or refused to work (connection lost,
+    /// out of memory, restarting).
+    Unavailable,
+    /// Anything else, such as an unexpected reply.
+    Other,
+}
+
+/// A store failed to answer.
+#[derive(Debug)]
+pub struct StoreError {
+    kind: StoreErrorKind,
+    message: Cow<'static, str>,
+    source: Option<BoxError>,
+}
+
+impl StoreError {
+    /// An error of `kind` with a message for logs.
+    pub fn new(kind: StoreErrorKind, message: impl Into<Cow<'static, str>>) -> Self {
+        Self {
+            kind,
+            message: message.into(),
+            source: None,
+        }
+    }
+
+    /// Attaches the underlying error.
+    #[must_use]
+    pub fn with_source(mut self, source: impl Into<BoxError>) -> Self {
+        self.source = Some(source.into());
+        self
+    }
+
+    /// What kind of failure this is.
+    pub fn kind(&self) -> StoreErrorKind {
+        self.kind
+    }
+}
+
+impl fmt::Display for StoreError {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(&self.message)?;
+        if let Some(source) = &self.source {
+            write!(f, ": {source}")?;
+        }
+        Ok(())
+    }
+}
+
+impl StdError for StoreError {
+    fn source(&self) -> Option<&(dyn StdError + 'static)> {
+        self.source.as_deref().map(|e| e as &(dyn StdError + 'static))
+    }
+}
+
+/// Keeps the counters. See the [module documentation](self) for the contract
+/// every implementation keeps.
+pub trait Store: Clone + Send + Sync + 'static {
+    /// The future of [`Store::charge`]; named so the layer's response future
+    /// can hold it without boxing.
+    type ChargeFuture: Future<Output = Result<ChargeOutcome, StoreError>> + Send + 'static;
+
+    /// Charges every line of `request`, or none of them.
+    fn charge(&self, request: ChargeRequest) -> Self::ChargeFuture;
+
+    /// Where each line's counter stands, charging nothing and creating
+    /// nothing. Costs in `request` are ignored.
+    fn peek(&self, request: ChargeRequest) -> impl Future<Output = Result<Vec<Usage>, StoreError>> + Send;
+
+    /// Gives `amount` back to the live counter at `key` (never below zero).
+    /// Returns what the counter holds afterwards, or `None` when there is no
+    /// live counter: a refund never creates a counter and never changes a
+    /// deadline.
+    fn refund(
+        &self,
+        now: Timestamp,
+        key: PeriodKey,
+        amount: u64,
+    ) -> impl Future<Output = Result<Option<u64>, StoreError>> + Send;
+
+    /// Deletes the counter at `key`, so its subject starts afresh (for a
+    /// first-use quota, the next call opens a new period). Returns whether
+    /// there was one.
+    fn reset(&self, key: PeriodKey) -> impl Future<Output = Result<bool, StoreError>> + Send;
+}

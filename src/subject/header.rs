@@ -1,0 +1,114 @@
+use http::header::HeaderName;
+use http::request::Parts;
+
+use super::{Subject, SubjectError, SubjectExtractor, SubjectKind};
+
+/// Reads the subject from one header, such as `x-account-id`.
+///
+/// The header's raw bytes are the id. A missing header is
+/// [`SubjectError::Missing`]; the header sent twice is malformed, never
+/// resolved by picking one.
+///
+/// The header is trusted as sent: put this extractor behind a gateway or an
+/// authentication layer that sets or checks the header, or a client can spend
+/// any other subject's allowance by naming it.
+#[derive(Clone, Debug)]
+pub struct FromHeader {
+    kind: SubjectKind,
+    name: HeaderName,
+}
+
+impl FromHeader {
+    /// A subject of `kind` from header `name` (case-insensitive).
+    ///
+    /// # Panics
+    ///
+    /// When `name` is not a valid header name.
+    pub fn new(kind: SubjectKind, name: &str) -> Self {
+        let name = HeaderName::from_bytes(name.as_bytes())
+            .unwrap_or_else(|_| panic!("{name:?} is not a valid header name"));
+        Self { kind, name }
+    }
+
+    /// An account from header `name`.
+    ///
+    /// # Panics
+    ///
+    /// When `name` is not a valid header name.
+    pub fn account(name: &str) -> Self {
+        Self::new(SubjectKind::ACCOUNT, name)
+    }
+
+    /// A user from header `name`.
+    ///
+    /// # Panics
+    ///
+    /// When `name` is not a valid header name.
+    pub fn user(name: &str) -> Self {
+        Self::new(SubjectKind::USER, name)
+    }
+
+    /// A device from header `name`.
+    ///
+    /// # Panics
+    ///
+    /// When `name` is not a valid header name.
+    pub fn device(name: &str) -> Self {
+        Self::new(SubjectKind::DEVICE, name)
+    }
+
+    /// The header read.
+    pub fn header_name(&self) -> &HeaderName {
+        &self.name
+    }
+}
+
+impl SubjectExtractor for FromHeader {
+    fn extract(&self, parts: &Parts) -> Result<Subject, SubjectError> {
+        let mut values = parts.headers.get_all(&self.name).iter();
+        let value = values.next().ok_or(SubjectError::Missing)?;
+        if values.next().is_some() {
+            return Err(SubjectError::Malformed(
+                format!("the {} header is sent more than once", self.name).into(),
+            ));
+        }
+        Ok(Subject::new(self.kind.clone(), value.as_bytes()))
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use http::Request;
+
+    fn parts(headers: &[(&str, &[u8])]) -> Parts {
+        let mut request = Request::get("/");
+        for (name, value) in headers {
+            request = request.header(*name, http::HeaderValue::from_bytes(value).unwrap());
+        }
+        request.body(()).unwrap().into_parts().0
+    }
+
+    #[test]
+    fn reads_raw_bytes() {
+        let ex = FromHeader::account("X-Account-Id");
+        let subject = ex.extract(&parts(&[("x-account-id", b"acme\xff")])).unwrap();
+        assert_eq!(subject.kind(), &SubjectKind::ACCOUNT);
+        assert_eq!(subject.id(), b"acme\xff");
+    }
+
+    #[test]
+    fn missing_header_is_missing() {
+        let ex = FromHeader::user("x-user-id");
+        assert_eq!(ex.extract(&parts(&[])), Err(SubjectError::Missing));
+    }
+
+    #[test]
+    fn repeated_header_is_malformed() {
+        let ex = FromHeader::device("x-device-id");
+        let err = ex
+            .extract(&parts(&[("x-device-id", b"a"), ("x-device-id", b"b")]))
+            .unwrap_err();
+        assert!(matches!(err, SubjectError::Malformed(_)), "{err:?}");
+    }
+}

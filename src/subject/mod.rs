@@ -1,0 +1,251 @@
+//! Who a request is charged to.
+//!
+//! A [`SubjectExtractor`] reads the request head (never the body) and names
+//! the [`Subject`] whose allowance pays for the request: an account, a user, a
+//! device, or a kind of your own. Per-account and per-user quotas are
+//! different quotas: the kind is part of every counter key.
+//!
+//! Built-in extractors:
+//! - [`FromHeader`]: the raw value of a header such as `x-account-id`.
+//! - [`FromExtension`]: a typed request extension, as an authentication layer
+//!   inserts it.
+//! - [`from_fn`]: any closure over [`http::request::Parts`].
+//!
+//! # Example
+//!
+//! ```
+//! use axum::{routing::get, Router, body::Body};
+//! use http::{request::Parts, Request, StatusCode};
+//! use tower::ServiceExt;
+//! use tower_quota::{subject, QuotaLayer, Subject, SubjectError};
+//!
+//! // Charge the tenant named in the first path segment: /t/{tenant}/...
+//! let tenant = subject::from_fn(|parts: &Parts| {
+//!     let mut segments = parts.uri.path().split('/').skip(1);
+//!     match (segments.next(), segments.next()) {
+//!         (Some("t"), Some(id)) if !id.is_empty() => Ok(Subject::account(id)),
+//!         _ => Err(SubjectError::Missing),
+//!     }
+//! });
+//!
+//! let app = Router::new()
+//!     .route("/t/{tenant}/report", get(|| async { "report" }))
+//!     .layer(QuotaLayer::daily(1, tenant));
+//!
+//! # tokio_test_block_on(async {
+//! let call = || Request::get("/t/acme/report").body(Body::empty()).unwrap();
+//! assert_eq!(app.clone().oneshot(call()).await.unwrap().status(), StatusCode::OK);
+//! assert_eq!(app.clone().oneshot(call()).await.unwrap().status(), StatusCode::TOO_MANY_REQUESTS);
+//! # });
+//! # fn tokio_test_block_on<F: std::future::Future>(f: F) -> F::Output {
+//! #     tokio::runtime::Builder::new_current_thread().enable_all().build().unwrap().block_on(f)
+//! # }
+//! ```
+
+mod extension;
+mod header;
+
+use std::borrow::Cow;
+use std::fmt;
+
+use http::request::Parts;
+
+pub use self::extension::FromExtension;
+pub use self::header::FromHeader;
+
+/// The granularity an allowance is written in: account, user, device, or a
+/// kind of your own.
+#[derive(Clone, Debug, PartialEq, Eq, Hash)]
+pub struct SubjectKind(Cow<'static, str>);
+
+impl SubjectKind {
+    /// A customer account (every user and device of the account shares it).
+    pub const ACCOUNT: Self = Self(Cow::Borrowed("account"));
+    /// One user.
+    pub const USER: Self = Self(Cow::Borrowed("user"));
+    /// One device.
+    pub const DEVICE: Self = Self(Cow::Borrowed("device"));
+
+    /// A kind of your own, e.g. `api-key` or `tenant`. A kind is its name:
+    /// `custom("user")` is [`SubjectKind::USER`].
+    ///
+    /// # Panics
+    ///
+    /// When `name` is empty, longer than 64 bytes, or holds anything but
+    /// lowercase ASCII letters, digits, `-`, `_` and `.`.
+    pub fn custom(name: impl Into<String>) -> Self {
+        let name = name.into();
+        assert!(
+            !name.is_empty()
+                && name.len() <= 64
+                && name
+                    .bytes()
+                    .all(|b| b.is_ascii_lowercase() || b.is_ascii_digit() || b"-_.".contains(&b)),
+            "a subject kind is 1 to 64 of a-z, 0-9, '-', '_', '.' (got {name:?})"
+        );
+        match name.as_str() {
+            "account" => Self::ACCOUNT,
+            "user" => Self::USER,
+            "device" => Self::DEVICE,
+            _ => Self(Cow::Owned(name)),
+        }
+    }
+
+    /// The kind's name.
+    pub fn as_str(&self) -> &str {
+        &self.0
+    }
+}
+
+impl fmt::Display for SubjectKind {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(&self.0)
+    }
+}
+
+/// Whose allowance pays for a request: a kind and an id.
+///
+/// Ids are bytes: header values need not be UTF-8, and every byte is kept
+/// (and escaped in keys), so two different ids never share a counter.
+#[derive(Clone, PartialEq, Eq, Hash)]
+pub struct Subject {
+    kind: SubjectKind,
+    id: Box<[u8]>,
+}
+
+impl Subject {
+    /// A subject of `kind` with this id.
+    pub fn new(kind: SubjectKind, id: impl Into<Vec<u8>>) -> Self {
+        Self {
+            kind,
+            id: id.into().into_boxed_slice(),
+        }
+    }
+
+    /// An account.
+    pub fn account(id: impl Into<Vec<u8>>) -> Self {
+        Self::new(SubjectKind::ACCOUNT, id)
+    }
+
+    /// A user.
+    pub fn user(id: impl Into<Vec<u8>>) -> Self {
+        Self::new(SubjectKind::USER, id)
+    }
+
+    /// A device.
+    pub fn device(id: impl Into<Vec<u8>>) -> Self {
+        Self::new(SubjectKind::DEVICE, id)
+    }
+
+    /// The kind.
+    pub fn kind(&self) -> &SubjectKind {
+        &self.kind
+    }
+
+    /// The id's bytes.
+    pub fn id(&self) -> &[u8] {
+        &self.id
+    }
+}
+
+impl fmt::Debug for Subject {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        write!(f, "Subject({}:{:?})", self.kind, String::from_utf8_lossy(&self.id))
+    }
+}
+
+/// Why no subject could be read from a request.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub enum SubjectError {
+    /// The request does not say who it is (401 by default).
+    Missing,
+    /// The request says who it is, but not in a usable way (400 by default):
+    /// an empty id, one longer than the layer's bound, a repeated header.
+    Malformed(Cow<'static, str>),
+}
+
+impl SubjectError {
+    /// A malformed subject, with a reason the client may read.
+    pub fn malformed(reason: impl Into<Cow<'static, str>>) -> Self {
+        Self::Malformed(reason.into())
+    }
+}
+
+impl fmt::Display for SubjectError {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        match self {
+            Self::Missing => f.write_str("the request does not identify who it is charged to"),
+            Self::Malformed(reason) => write!(f, "the request's subject is malformed: {reason}"),
+        }
+    }
+}
+
+impl std::error::Error for SubjectError {}
+
+/// Reads the subject of a request from its head.
+///
+/// Implement it for your own type, or wrap a closure with [`from_fn`]. The
+/// layer then rejects empty ids and ids longer than its bound
+/// ([`QuotaLayer::max_subject_len`](crate::QuotaLayer::max_subject_len)), so an
+/// extractor need not check those.
+///
+/// ```
+/// use http::{request::Parts, Request};
+/// use tower_quota::{Subject, SubjectError, SubjectExtractor, SubjectKind};
+///
+/// /// Charges the API key in `authorization: ApiKey <key>`.
+/// struct ApiKey;
+///
+/// impl SubjectExtractor for ApiKey {
+///     fn extract(&self, parts: &Parts) -> Result<Subject, SubjectError> {
+///         let value = parts.headers.get(http::header::AUTHORIZATION).ok_or(SubjectError::Missing)?;
+///         let key = value
+///             .as_bytes()
+///             .strip_prefix(b"ApiKey ")
+///             .ok_or_else(|| SubjectError::malformed("expected `ApiKey <key>`"))?;
+///         Ok(Subject::new(SubjectKind::custom("api-key"), key))
+///     }
+/// }
+///
+/// let (parts, ()) = Request::get("/").header("authorization", "ApiKey k-1").body(()).unwrap().into_parts();
+/// assert_eq!(ApiKey.extract(&parts).unwrap().id(), b"k-1");
+/// ```
+pub trait SubjectExtractor: Send + Sync + 'static {
+    /// The subject charged for the request with this head.
+    fn extract(&self, parts: &Parts) -> Result<Subject, SubjectError>;
+}
+
+impl<E: SubjectExtractor + ?Sized> SubjectExtractor for std::sync::Arc<E> {
+    fn extract(&self, parts: &Parts) -> Result<Subject, SubjectError> {
+        (**self).extract(parts)
+    }
+}
+
+/// A subject extractor from a closure. See [`from_fn`].
+#[derive(Clone)]
+pub struct FromFn<F> {
+    f: F,
+}
+
+impl<F> fmt::Debug for FromFn<F> {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("FromFn").finish_non_exhaustive()
+    }
+}
+
+/// Uses `f` to read the subject from the request head.
+pub fn from_fn<F>(f: F) -> FromFn<F>
+where
+    F: Fn(&Parts) -> Result<Subject, SubjectError> + Send + Sync + 'static,
+{
+    FromFn { f }
+}
+
+impl<F> SubjectExtractor for FromFn<F>
+where
+    F: Fn(&Parts) -> Result<Subject, SubjectError> + Send + Sync + 'static,
+{
+    fn extract(&self, parts: &Parts) -> Result<Subject, SubjectError> {
+        (self.f)(parts)
+    }
+}
