@@ -158,8 +158,12 @@ where
                         windows,
                     } = pending.take().expect("polled after completion");
                     let next = match result {
-                        Ok(ChargeOutcome { admitted: true, usage }) => {
-                            let fields = RateLimitFields::new(&config.quotas, &usage, &windows, now);
+                        Ok(ChargeOutcome {
+                            admitted: true,
+                            usage,
+                        }) => {
+                            let fields =
+                                RateLimitFields::new(&config.quotas, &usage, &windows, now);
                             let entries = config
                                 .quotas
                                 .iter()
@@ -175,9 +179,14 @@ where
                                 fields: Some(fields),
                             }
                         }
-                        Ok(ChargeOutcome { admitted: false, usage }) => {
-                            let fields = RateLimitFields::new(&config.quotas, &usage, &windows, now);
-                            let mut response = response::quota_exceeded(&config.quotas, &usage, cost, now);
+                        Ok(ChargeOutcome {
+                            admitted: false,
+                            usage,
+                        }) => {
+                            let fields =
+                                RateLimitFields::new(&config.quotas, &usage, &windows, now);
+                            let mut response =
+                                response::quota_exceeded(&config.quotas, &usage, cost, now);
                             fields.append_to(response.headers_mut());
                             State::Rejected {
                                 response: Some(response),
@@ -197,7 +206,8 @@ where
                                     StatusCode::SERVICE_UNAVAILABLE,
                                     "The quota service is unavailable; try again later.",
                                 );
-                                let secs = retry_after.as_secs() + u64::from(retry_after.subsec_nanos() > 0);
+                                let secs = retry_after.as_secs()
+                                    + u64::from(retry_after.subsec_nanos() > 0);
                                 response
                                     .headers_mut()
                                     .insert(RETRY_AFTER, HeaderValue::from(secs.max(1)));

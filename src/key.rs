@@ -132,7 +132,10 @@ impl AsRef<str> for PeriodKey {
 /// Splits a key back into (kind, id, allowance, period); used by tests to show
 /// the encoding is injective.
 #[cfg(test)]
-pub(crate) fn decode(namespace: &Namespace, key: &str) -> Option<(String, Vec<u8>, String, String)> {
+pub(crate) fn decode(
+    namespace: &Namespace,
+    key: &str,
+) -> Option<(String, Vec<u8>, String, String)> {
     use percent_encoding::percent_decode_str;
     let rest = key.strip_prefix(namespace.as_str())?.strip_prefix(":{")?;
     let (kind, rest) = rest.split_once(':')?;
@@ -141,11 +144,13 @@ pub(crate) fn decode(namespace: &Namespace, key: &str) -> Option<(String, Vec<u8
     Some((
         percent_decode_str(kind).decode_utf8().ok()?.into_owned(),
         percent_decode_str(id).collect(),
-        percent_decode_str(allowance).decode_utf8().ok()?.into_owned(),
+        percent_decode_str(allowance)
+            .decode_utf8()
+            .ok()?
+            .into_owned(),
         period.to_owned(),
     ))
 }
-
 
 #[cfg(test)]
 mod tests {
@@ -167,7 +172,10 @@ mod tests {
         let a = ns.key(&Subject::account("a}:read:x"), "read", "2026-12-02");
         let b = ns.key(&Subject::account("a"), "read", "x}:read:2026-12-02");
         assert_ne!(a, b);
-        assert_eq!(a.as_str(), "quota:{account:a%7D%3Aread%3Ax}:read:2026-12-02");
+        assert_eq!(
+            a.as_str(),
+            "quota:{account:a%7D%3Aread%3Ax}:read:2026-12-02"
+        );
         assert_eq!(a.hash_tag(), "account:a%7D%3Aread%3Ax");
     }
 

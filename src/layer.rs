@@ -218,7 +218,11 @@ impl<E, St> QuotaLayer<E, St> {
     /// When `tz` has neither an IANA name nor a fixed offset.
     #[must_use]
     pub fn time_zone(mut self, tz: TimeZone) -> Self {
-        self.quotas = self.quotas.into_iter().map(|q| q.in_time_zone(tz.clone())).collect();
+        self.quotas = self
+            .quotas
+            .into_iter()
+            .map(|q| q.in_time_zone(tz.clone()))
+            .collect();
         self
     }
 
@@ -313,7 +317,10 @@ impl<E, St> QuotaLayer<E, St> {
     }
 
     fn config(&self) -> Config {
-        assert!(!self.quotas.is_empty(), "a QuotaLayer needs at least one quota");
+        assert!(
+            !self.quotas.is_empty(),
+            "a QuotaLayer needs at least one quota"
+        );
         for (i, a) in self.quotas.iter().enumerate() {
             for b in &self.quotas[..i] {
                 assert!(
@@ -359,7 +366,12 @@ where
     /// When the layer has no quota, or two quotas that share a name or would
     /// share counters (same allowance, period and anchor).
     fn layer(&self, inner: S) -> Self::Service {
-        QuotaService::new(inner, Arc::new(self.config()), Arc::clone(&self.extractor), self.store.clone())
+        QuotaService::new(
+            inner,
+            Arc::new(self.config()),
+            Arc::clone(&self.extractor),
+            self.store.clone(),
+        )
     }
 }
 

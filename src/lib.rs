@@ -36,7 +36,12 @@
 //! - `axum` (default): the [`QuotaStatus`] extractor for handlers.
 
 #![deny(unsafe_code)]
-#![warn(missing_docs, unreachable_pub, rust_2018_idioms, missing_debug_implementations)]
+#![warn(
+    missing_docs,
+    unreachable_pub,
+    rust_2018_idioms,
+    missing_debug_implementations
+)]
 #![cfg_attr(docsrs, feature(doc_cfg))]
 
 mod body;
@@ -64,4 +69,6 @@ pub use crate::quota::{Quota, DEFAULT_ALLOWANCE};
 pub use crate::service::QuotaService;
 pub use crate::status::{QuotaStatus, StatusEntry};
 pub use crate::store::{MemoryStore, Store, StoreError, Usage};
-pub use crate::subject::{FromExtension, FromHeader, Subject, SubjectError, SubjectExtractor, SubjectKind};
+pub use crate::subject::{
+    FromExtension, FromHeader, Subject, SubjectError, SubjectExtractor, SubjectKind,
+};

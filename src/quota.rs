@@ -242,7 +242,13 @@ impl Quota {
     }
 
     /// What the store is asked to charge for `subject` at `at`.
-    pub fn line(&self, namespace: &Namespace, subject: &Subject, at: Timestamp, cost: u64) -> ChargeLine {
+    pub fn line(
+        &self,
+        namespace: &Namespace,
+        subject: &Subject,
+        at: Timestamp,
+        cost: u64,
+    ) -> ChargeLine {
         match self.anchor {
             Anchor::Calendar => self.with_window(at, |window| ChargeLine {
                 key: namespace.key(subject, &self.allowance, window.stamp()),
@@ -266,7 +272,9 @@ impl Quota {
 
     /// Whether two quotas would count on the same keys.
     pub(crate) fn shares_counters_with(&self, other: &Quota) -> bool {
-        self.allowance == other.allowance && self.anchor == other.anchor && self.period == other.period
+        self.allowance == other.allowance
+            && self.anchor == other.anchor
+            && self.period == other.period
     }
 }
 

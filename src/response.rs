@@ -20,7 +20,8 @@ pub static RATELIMIT_POLICY: HeaderName = HeaderName::from_static("ratelimit-pol
 pub static RATELIMIT: HeaderName = HeaderName::from_static("ratelimit");
 
 /// The problem type of a refused request.
-pub const QUOTA_EXCEEDED_TYPE: &str = "https://iana.org/assignments/http-problem-types#quota-exceeded";
+pub const QUOTA_EXCEEDED_TYPE: &str =
+    "https://iana.org/assignments/http-problem-types#quota-exceeded";
 
 const PROBLEM_JSON: HeaderValue = HeaderValue::from_static("application/problem+json");
 
@@ -94,7 +95,13 @@ fn write_sf_string(out: &mut String, s: &str) {
 
 /// An `application/problem+json` response.
 pub(crate) fn problem(status: StatusCode, detail: &str) -> Response<Bytes> {
-    problem_of_type(status, "about:blank", status.canonical_reason().unwrap_or("Error"), detail, None)
+    problem_of_type(
+        status,
+        "about:blank",
+        status.canonical_reason().unwrap_or("Error"),
+        detail,
+        None,
+    )
 }
 
 fn problem_of_type(
@@ -120,7 +127,12 @@ fn problem_of_type(
 }
 
 /// The 429 for a refused charge.
-pub(crate) fn quota_exceeded(quotas: &[Quota], usage: &[Usage], cost: u64, now: Timestamp) -> Response<Bytes> {
+pub(crate) fn quota_exceeded(
+    quotas: &[Quota],
+    usage: &[Usage],
+    cost: u64,
+    now: Timestamp,
+) -> Response<Bytes> {
     let mut violated = Vec::new();
     let mut detail = String::new();
     let mut retry_after = 1;
@@ -148,7 +160,10 @@ pub(crate) fn quota_exceeded(quotas: &[Quota], usage: &[Usage], cost: u64, now: 
                 quota.period().name(),
                 usage.used,
                 cost,
-                usage.resets_at.round(jiff::Unit::Second).unwrap_or(usage.resets_at),
+                usage
+                    .resets_at
+                    .round(jiff::Unit::Second)
+                    .unwrap_or(usage.resets_at),
             )
         }
         .expect("infallible");

@@ -101,7 +101,10 @@ where
                 return match policy {
                     SubjectPolicy::Allow => {
                         tracing::trace!(%error, "request without a usable subject passes uncharged");
-                        ResponseFuture::calling(self.inner.call(Request::from_parts(parts, body)), None)
+                        ResponseFuture::calling(
+                            self.inner.call(Request::from_parts(parts, body)),
+                            None,
+                        )
                     }
                     SubjectPolicy::Reject(status) => {
                         let status = if status.is_client_error() || status.is_server_error() {
@@ -120,7 +123,10 @@ where
             Ok(cost) => cost,
             Err(error) => {
                 tracing::debug!(%error, "request rejected: invalid cost");
-                return ResponseFuture::rejected(response::problem(StatusCode::BAD_REQUEST, &error.0));
+                return ResponseFuture::rejected(response::problem(
+                    StatusCode::BAD_REQUEST,
+                    &error.0,
+                ));
             }
         };
 
@@ -145,7 +151,15 @@ where
         // the next request.
         let clone = self.inner.clone();
         let inner = mem::replace(&mut self.inner, clone);
-        ResponseFuture::charging(charge, inner, request, Arc::clone(config), now, cost, windows)
+        ResponseFuture::charging(
+            charge,
+            inner,
+            request,
+            Arc::clone(config),
+            now,
+            cost,
+            windows,
+        )
     }
 }
 

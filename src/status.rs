@@ -56,7 +56,10 @@ mod axum_impl {
     impl<S: Send + Sync> FromRequestParts<S> for QuotaStatus {
         type Rejection = (StatusCode, &'static str);
 
-        async fn from_request_parts(parts: &mut Parts, _state: &S) -> Result<Self, Self::Rejection> {
+        async fn from_request_parts(
+            parts: &mut Parts,
+            _state: &S,
+        ) -> Result<Self, Self::Rejection> {
             parts.extensions.get::<QuotaStatus>().cloned().ok_or((
                 StatusCode::INTERNAL_SERVER_ERROR,
                 "QuotaStatus is only available behind a QuotaLayer that charged the request",

@@ -152,7 +152,8 @@ impl Period {
             length.subsec_nanos() == 0 && length.as_secs() >= 1,
             "a fixed period is a whole number of seconds, at least one (got {length:?})"
         );
-        let secs = i64::try_from(length.as_secs()).expect("a period shorter than 292 billion years");
+        let secs =
+            i64::try_from(length.as_secs()).expect("a period shorter than 292 billion years");
         Self::unit(Unit::Fixed(secs))
     }
 
@@ -246,12 +247,18 @@ impl Period {
                 let monday =
                     date.checked_sub(i64::from(date.weekday().to_monday_zero_offset()).days())?;
                 write!(stamp, "{}", monday.strftime("%G-W%V")).expect("infallible");
-                (midnight(monday, tz)?, midnight(monday.checked_add(7.days())?, tz)?)
+                (
+                    midnight(monday, tz)?,
+                    midnight(monday.checked_add(7.days())?, tz)?,
+                )
             }
             Unit::Month => {
                 let first = at.to_zoned_datetime(tz.clone()).date().first_of_month();
                 write!(stamp, "{}", first.strftime("%Y-%m")).expect("infallible");
-                (midnight(first, tz)?, midnight(first.checked_add(1.month())?, tz)?)
+                (
+                    midnight(first, tz)?,
+                    midnight(first.checked_add(1.month())?, tz)?,
+                )
             }
         };
         if let Some(label) = &self.tz_label {
@@ -380,13 +387,20 @@ fn floor_seconds(at: Timestamp) -> i64 {
 fn midnight(date: Date, tz: &TimeZone) -> Result<Timestamp, jiff::Error> {
     // Where midnight falls in a gap, `start_of_day` gives the first instant
     // that exists on that date.
-    Ok(date.to_zoned_datetime(tz.clone())?.start_of_day()?.timestamp())
+    Ok(date
+        .to_zoned_datetime(tz.clone())?
+        .start_of_day()?
+        .timestamp())
 }
 
 /// Minute and hour windows follow the local clock: truncate the local time,
 /// and split the window at an offset change inside it (zones whose offsets
 /// move by half an hour).
-fn sub_day_window(at: Timestamp, tz: &TimeZone, step: i64) -> Result<(Timestamp, Timestamp), jiff::Error> {
+fn sub_day_window(
+    at: Timestamp,
+    tz: &TimeZone,
+    step: i64,
+) -> Result<(Timestamp, Timestamp), jiff::Error> {
     let offset = i64::from(tz.to_offset(at).seconds());
     let local = floor_seconds(at) + offset;
     let floor = local.div_euclid(step) * step;
@@ -420,7 +434,10 @@ fn write_duration(out: &mut String, secs: i64) {
 
 fn zone_label(tz: &TimeZone) -> Option<Arc<str>> {
     match tz.iana_name() {
-        Some("UTC" | "Etc/UTC" | "Etc/UCT" | "UCT" | "Etc/Zulu" | "Zulu" | "Universal" | "Etc/Universal") => None,
+        Some(
+            "UTC" | "Etc/UTC" | "Etc/UCT" | "UCT" | "Etc/Zulu" | "Zulu" | "Universal"
+            | "Etc/Universal",
+        ) => None,
         Some(name) => Some(name.into()),
         None => {
             let offset = tz.to_fixed_offset().unwrap_or_else(|_| {

@@ -90,7 +90,11 @@ impl MemoryStore {
     /// Live and not yet reclaimed counters. Counters past their deadline count
     /// until they are reclaimed.
     pub fn len(&self) -> usize {
-        self.inner.shards.iter().map(|s| lock(s).counters.len()).sum()
+        self.inner
+            .shards
+            .iter()
+            .map(|s| lock(s).counters.len())
+            .sum()
     }
 
     /// Whether the store holds no counter.
@@ -113,7 +117,12 @@ impl MemoryStore {
     /// normally share one subject and so one shard; lines of several shards
     /// lock them in index order, so two requests never wait on each other in
     /// a cycle.
-    fn locked<R>(&self, lines: &[ChargeLine], now: Timestamp, f: impl FnOnce(&mut Locked<'_, '_>) -> R) -> R {
+    fn locked<R>(
+        &self,
+        lines: &[ChargeLine],
+        now: Timestamp,
+        f: impl FnOnce(&mut Locked<'_, '_>) -> R,
+    ) -> R {
         let first = lines.first().map_or(0, |l| self.shard_of(&l.key));
         let result = if lines.iter().skip(1).all(|l| self.shard_of(&l.key) == first) {
             let mut guard = lock(&self.inner.shards[first]);
@@ -196,7 +205,10 @@ impl Locked<'_, '_> {
     fn shard(&mut self, line: usize) -> &mut Shard {
         match self {
             Locked::One(shard) => shard,
-            Locked::Many { guards, line_shards } => {
+            Locked::Many {
+                guards,
+                line_shards,
+            } => {
                 let index = line_shards[line];
                 let (_, guard) = guards
                     .iter_mut()
@@ -256,7 +268,11 @@ impl Shard {
             };
             // The counter may have been reset and created again since this
             // deadline was filed; only the counter it belongs to goes.
-            if self.counters.get(&key).is_some_and(|c| c.deadline == deadline) {
+            if self
+                .counters
+                .get(&key)
+                .is_some_and(|c| c.deadline == deadline)
+            {
                 self.counters.remove(&key);
             }
         }
@@ -283,7 +299,9 @@ fn usage_of(line: &ChargeLine, counter: Option<Counter>) -> Usage {
 fn lock(shard: &Mutex<Shard>) -> MutexGuard<'_, Shard> {
     // A panic while a shard was locked cannot leave a counter half-written
     // (every update is a single assignment), so the data stays usable.
-    shard.lock().unwrap_or_else(|poisoned| poisoned.into_inner())
+    shard
+        .lock()
+        .unwrap_or_else(|poisoned| poisoned.into_inner())
 }
 
 impl fmt::Debug for MemoryStore {
@@ -301,7 +319,10 @@ impl Store for MemoryStore {
         ready(Ok(self.charge_now(&request)))
     }
 
-    fn peek(&self, request: ChargeRequest) -> impl Future<Output = Result<Vec<Usage>, StoreError>> + Send {
+    fn peek(
+        &self,
+        request: ChargeRequest,
+    ) -> impl Future<Output = Result<Vec<Usage>, StoreError>> + Send {
         let now = request.now;
         let usage = self.locked(&request.lines, now, |locked| {
             request

@@ -217,7 +217,9 @@ impl fmt::Display for StoreError {
 
 impl StdError for StoreError {
     fn source(&self) -> Option<&(dyn StdError + 'static)> {
-        self.source.as_deref().map(|e| e as &(dyn StdError + 'static))
+        self.source
+            .as_deref()
+            .map(|e| e as &(dyn StdError + 'static))
     }
 }
 
@@ -233,7 +235,10 @@ pub trait Store: Clone + Send + Sync + 'static {
 
     /// Where each line's counter stands, charging nothing and creating
     /// nothing. Costs in `request` are ignored.
-    fn peek(&self, request: ChargeRequest) -> impl Future<Output = Result<Vec<Usage>, StoreError>> + Send;
+    fn peek(
+        &self,
+        request: ChargeRequest,
+    ) -> impl Future<Output = Result<Vec<Usage>, StoreError>> + Send;
 
     /// Gives `amount` back to the live counter at `key` (never below zero).
     /// Returns what the counter holds afterwards, or `None` when there is no

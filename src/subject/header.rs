@@ -92,7 +92,9 @@ mod tests {
     #[test]
     fn reads_raw_bytes() {
         let ex = FromHeader::account("X-Account-Id");
-        let subject = ex.extract(&parts(&[("x-account-id", b"acme\xff")])).unwrap();
+        let subject = ex
+            .extract(&parts(&[("x-account-id", b"acme\xff")]))
+            .unwrap();
         assert_eq!(subject.kind(), &SubjectKind::ACCOUNT);
         assert_eq!(subject.id(), b"acme\xff");
     }

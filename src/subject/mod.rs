@@ -150,7 +150,12 @@ impl Subject {
 
 impl fmt::Debug for Subject {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        write!(f, "Subject({}:{:?})", self.kind, String::from_utf8_lossy(&self.id))
+        write!(
+            f,
+            "Subject({}:{:?})",
+            self.kind,
+            String::from_utf8_lossy(&self.id)
+        )
     }
 }
 

@@ -1,0 +1,886 @@
+//! The layer driven as users drive it: an axum `Router`, real requests through
+//! `oneshot`, and a manual clock to cross period boundaries.
+
+use std::collections::BTreeMap;
+use std::future::{pending, ready, Future};
+use std::sync::Arc;
+use std::time::Duration;
+
+use axum::body::Body;
+use axum::routing::{get, post};
+use axum::Router;
+use http::request::Parts;
+use http::{HeaderMap, Request, StatusCode};
+use http_body_util::BodyExt;
+use jiff::tz::TimeZone;
+use jiff::{SignedDuration, Timestamp};
+use serde_json::Value;
+use tower::{service_fn, Layer, Service, ServiceBuilder, ServiceExt};
+use tower_quota::store::{ChargeOutcome, ChargeRequest, StoreErrorKind};
+use tower_quota::{
+    FromExtension, FromHeader, InvalidCost, ManualClock, MemoryStore, OnStoreError, PeriodKey,
+    Quota, QuotaLayer, QuotaStatus, Store, StoreError, SubjectPolicy, Usage,
+};
+
+fn at(s: &str) -> Timestamp {
+    s.parse().unwrap()
+}
+
+fn berlin() -> TimeZone {
+    TimeZone::get("Europe/Berlin").unwrap()
+}
+
+struct Reply {
+    status: StatusCode,
+    headers: HeaderMap,
+    body: Vec<u8>,
+}
+
+impl Reply {
+    fn json(&self) -> Value {
+        serde_json::from_slice(&self.body).unwrap()
+    }
+
+    fn header(&self, name: &str) -> &str {
+        self.headers
+            .get(name)
+            .unwrap_or_else(|| panic!("no {name} header"))
+            .to_str()
+            .unwrap()
+    }
+
+    /// `RateLimit` parsed as a Structured Field list: name -> (r, t).
+    fn ratelimit(&self) -> BTreeMap<String, (i64, i64)> {
+        parse_list(&self.headers, "ratelimit")
+            .into_iter()
+            .map(|(name, params)| (name, (params["r"], params["t"])))
+            .collect()
+    }
+
+    /// `RateLimit-Policy` parsed: name -> (q, w).
+    fn policy(&self) -> BTreeMap<String, (i64, i64)> {
+        parse_list(&self.headers, "ratelimit-policy")
+            .into_iter()
+            .map(|(name, params)| (name, (params["q"], params["w"])))
+            .collect()
+    }
+}
+
+/// Parses every field line of `name` as one Structured Field list of String
+/// items with Integer parameters.
+fn parse_list(headers: &HeaderMap, name: &str) -> Vec<(String, BTreeMap<String, i64>)> {
+    let joined = headers
+        .get_all(name)
+        .iter()
+        .map(|v| v.to_str().unwrap())
+        .collect::<Vec<_>>()
+        .join(", ");
+    let list: sfv::List = sfv::Parser::new(&joined)
+        .parse()
+        .unwrap_or_else(|e| panic!("{name}: {joined:?} is not a valid Structured Field list: {e}"));
+    list.into_iter()
+        .map(|entry| match entry {
+            sfv::ListEntry::Item(item) => {
+                let name = item
+                    .bare_item
+                    .as_string()
+                    .expect("the item is a String")
+                    .as_str()
+                    .to_owned();
+                let params = item
+                    .params
+                    .iter()
+                    .map(|(k, v)| {
+                        (
+                            k.as_str().to_owned(),
+                            i64::from(v.as_integer().expect("integer parameter")),
+                        )
+                    })
+                    .collect();
+                (name, params)
+            }
+            sfv::ListEntry::InnerList(_) => panic!("{name} holds an inner list"),
+        })
+        .collect()
+}
+
+async fn send(app: &Router, request: Request<Body>) -> Reply {
+    let response = app.clone().oneshot(request).await.unwrap();
+    let status = response.status();
+    let headers = response.headers().clone();
+    let body = response
+        .into_body()
+        .collect()
+        .await
+        .unwrap()
+        .to_bytes()
+        .to_vec();
+    Reply {
+        status,
+        headers,
+        body,
+    }
+}
+
+async fn get_as(app: &Router, path: &str, account: &str) -> Reply {
+    send(
+        app,
+        Request::get(path)
+            .header("x-account-id", account)
+            .body(Body::empty())
+            .unwrap(),
+    )
+    .await
+}
+
+fn hello(layer: QuotaLayer<FromHeader, MemoryStore>) -> Router {
+    Router::new()
+        .route("/", get(|| async { "hello" }))
+        .layer(layer)
+}
+
+fn account() -> FromHeader {
+    FromHeader::account("x-account-id")
+}
+
+// --- calendar anchor -------------------------------------------------------
+
+#[tokio::test]
+async fn calendar_day_resets_at_midnight_utc() {
+    let clock = ManualClock::new(at("2026-12-02T23:59:58Z"));
+    let app = hello(QuotaLayer::daily(2, account()).clock(clock.clone()));
+
+    assert_eq!(get_as(&app, "/", "acme").await.status, StatusCode::OK);
+    let second = get_as(&app, "/", "acme").await;
+    assert_eq!(second.status, StatusCode::OK);
+    assert_eq!(second.ratelimit()["default-day"], (0, 2));
+    assert_eq!(second.policy()["default-day"], (2, 86_400));
+
+    clock.set(at("2026-12-02T23:59:59.999Z"));
+    let refused = get_as(&app, "/", "acme").await;
+    assert_eq!(refused.status, StatusCode::TOO_MANY_REQUESTS);
+    assert_eq!(refused.header("retry-after"), "1");
+
+    clock.set(at("2026-12-03T00:00:00Z"));
+    let next_day = get_as(&app, "/", "acme").await;
+    assert_eq!(next_day.status, StatusCode::OK);
+    assert_eq!(next_day.ratelimit()["default-day"], (1, 86_400));
+}
+
+/// Exhausts a Berlin daily quota just after local midnight and checks that it
+/// stays refused until the next local midnight, `hours` later.
+async fn berlin_day(local_midnight: &str, hours: i64) {
+    let start = at(local_midnight);
+    let clock = ManualClock::new(start);
+    let app = hello(
+        QuotaLayer::daily(1, account())
+            .time_zone(berlin())
+            .clock(clock.clone()),
+    );
+
+    let first = get_as(&app, "/", "acme").await;
+    assert_eq!(first.status, StatusCode::OK);
+    assert_eq!(first.policy()["default-day"], (1, hours * 3600));
+    assert_eq!(first.ratelimit()["default-day"], (0, hours * 3600));
+
+    let end = start
+        .checked_add(SignedDuration::from_hours(hours))
+        .unwrap();
+    clock.set(end.checked_sub(SignedDuration::from_millis(1)).unwrap());
+    let refused = get_as(&app, "/", "acme").await;
+    assert_eq!(refused.status, StatusCode::TOO_MANY_REQUESTS);
+    assert_eq!(refused.header("retry-after"), "1");
+
+    clock.set(end);
+    assert_eq!(get_as(&app, "/", "acme").await.status, StatusCode::OK);
+}
+
+#[tokio::test]
+async fn berlin_day_of_23_hours() {
+    // 2026-03-29 00:00 CET; clocks jump from 02:00 to 03:00.
+    berlin_day("2026-03-28T23:00:00Z", 23).await;
+}
+
+#[tokio::test]
+async fn berlin_day_of_25_hours() {
+    // 2026-10-25 00:00 CEST; clocks fall back from 03:00 to 02:00.
+    berlin_day("2026-10-24T22:00:00Z", 25).await;
+}
+
+#[tokio::test]
+async fn month_ends() {
+    for (last_instant, next_month, days) in [
+        ("2026-01-31T23:59:59.999Z", "2026-02-01T00:00:00Z", 31),
+        ("2026-02-28T23:59:59.999Z", "2026-03-01T00:00:00Z", 28),
+        ("2028-02-29T23:59:59.999Z", "2028-03-01T00:00:00Z", 29),
+        ("2026-04-30T23:59:59.999Z", "2026-05-01T00:00:00Z", 30),
+        ("2026-12-31T23:59:59.999Z", "2027-01-01T00:00:00Z", 31),
+    ] {
+        let clock = ManualClock::new(at(last_instant));
+        let app = hello(QuotaLayer::monthly(1, account()).clock(clock.clone()));
+        let first = get_as(&app, "/", "acme").await;
+        assert_eq!(first.status, StatusCode::OK, "{last_instant}");
+        assert_eq!(
+            first.policy()["default-month"],
+            (1, days * 86_400),
+            "{last_instant}"
+        );
+        assert_eq!(
+            get_as(&app, "/", "acme").await.status,
+            StatusCode::TOO_MANY_REQUESTS
+        );
+        clock.set(at(next_month));
+        assert_eq!(
+            get_as(&app, "/", "acme").await.status,
+            StatusCode::OK,
+            "{next_month}"
+        );
+    }
+}
+
+#[tokio::test]
+async fn month_in_berlin_starts_at_local_midnight() {
+    let clock = ManualClock::new(at("2026-11-30T22:59:59Z"));
+    let app = hello(
+        QuotaLayer::monthly(1, account())
+            .time_zone(berlin())
+            .clock(clock.clone()),
+    );
+    assert_eq!(get_as(&app, "/", "acme").await.status, StatusCode::OK);
+    assert_eq!(
+        get_as(&app, "/", "acme").await.status,
+        StatusCode::TOO_MANY_REQUESTS
+    );
+    // 2026-12-01 00:00 in Berlin is 23:00 UTC on November 30.
+    clock.set(at("2026-11-30T23:00:00Z"));
+    assert_eq!(get_as(&app, "/", "acme").await.status, StatusCode::OK);
+}
+
+#[tokio::test]
+async fn fixed_windows_are_aligned_to_the_epoch() {
+    let clock = ManualClock::new(at("2026-12-02T13:33:29.500Z"));
+    let layer = QuotaLayer::new(account())
+        .quota(Quota::fixed_window(1, Duration::from_secs(10)))
+        .clock(clock.clone());
+    let app = hello(layer);
+    let first = get_as(&app, "/", "acme").await;
+    assert_eq!(first.ratelimit()["default-10s"], (0, 1));
+    assert_eq!(
+        get_as(&app, "/", "acme").await.status,
+        StatusCode::TOO_MANY_REQUESTS
+    );
+    clock.set(at("2026-12-02T13:33:30Z"));
+    assert_eq!(get_as(&app, "/", "acme").await.status, StatusCode::OK);
+}
+
+// --- first-use anchor ------------------------------------------------------
+
+#[tokio::test]
+async fn first_use_resets_one_period_after_the_first_call_however_often_the_subject_calls() {
+    let first_call = at("2026-12-02T10:00:00Z");
+    let clock = ManualClock::new(first_call);
+    let app =
+        hello(QuotaLayer::rolling(5, Duration::from_secs(60), account()).clock(clock.clone()));
+
+    let mut admitted = 0;
+    let deadline = first_call
+        .checked_add(SignedDuration::from_secs(60))
+        .unwrap();
+    // Call every 7 ms for the whole minute: an access-extended deadline would
+    // never arrive.
+    while clock.now() < deadline {
+        let reply = get_as(&app, "/", "acme").await;
+        if reply.status == StatusCode::OK {
+            admitted += 1;
+        } else {
+            assert_eq!(reply.status, StatusCode::TOO_MANY_REQUESTS);
+            let (remaining, reset) = reply.ratelimit()["default-rolling-1m"];
+            assert_eq!(remaining, 0);
+            let expected = deadline.duration_since(clock.now()).as_secs_f64().ceil() as i64;
+            assert_eq!(
+                reset, expected,
+                "the reset stays where the first call put it"
+            );
+        }
+        clock.advance(SignedDuration::from_millis(7));
+    }
+    assert_eq!(admitted, 5);
+
+    clock.set(deadline);
+    let fresh = get_as(&app, "/", "acme").await;
+    assert_eq!(fresh.status, StatusCode::OK);
+    // A new period opened at the deadline.
+    assert_eq!(fresh.ratelimit()["default-rolling-1m"], (4, 60));
+}
+
+#[tokio::test]
+async fn first_use_periods_are_per_subject() {
+    let clock = ManualClock::new(at("2026-12-02T10:00:00Z"));
+    let app =
+        hello(QuotaLayer::rolling(1, Duration::from_secs(3600), account()).clock(clock.clone()));
+    assert_eq!(get_as(&app, "/", "early").await.status, StatusCode::OK);
+    clock.advance(SignedDuration::from_mins(30));
+    assert_eq!(get_as(&app, "/", "late").await.status, StatusCode::OK);
+    clock.advance(SignedDuration::from_mins(30));
+    // The early subject's hour is over, the late subject's is not.
+    assert_eq!(get_as(&app, "/", "early").await.status, StatusCode::OK);
+    assert_eq!(
+        get_as(&app, "/", "late").await.status,
+        StatusCode::TOO_MANY_REQUESTS
+    );
+}
+
+// --- concurrency -------------------------------------------------------------
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn concurrent_requests_of_one_subject_admit_exactly_the_limit() {
+    let app = hello(QuotaLayer::daily(100, account()));
+    let tasks: Vec<_> = (0..1_000)
+        .map(|_| {
+            let app = app.clone();
+            tokio::spawn(async move { get_as(&app, "/", "acme").await.status })
+        })
+        .collect();
+    let mut ok = 0;
+    for task in tasks {
+        match task.await.unwrap() {
+            StatusCode::OK => ok += 1,
+            StatusCode::TOO_MANY_REQUESTS => {}
+            other => panic!("unexpected {other}"),
+        }
+    }
+    assert_eq!(ok, 100);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn concurrent_requests_with_two_quotas_never_overspend_either() {
+    let app = hello(
+        QuotaLayer::new(account())
+            .quota(Quota::per_minute(30))
+            .quota(Quota::daily(50)),
+    );
+    let tasks: Vec<_> = (0..400)
+        .map(|_| {
+            let app = app.clone();
+            tokio::spawn(async move { get_as(&app, "/", "acme").await.status })
+        })
+        .collect();
+    let mut ok = 0;
+    for task in tasks {
+        if task.await.unwrap() == StatusCode::OK {
+            ok += 1;
+        }
+    }
+    assert_eq!(ok, 30);
+}
+
+// --- several quotas, cost, allowances, kinds ------------------------------
+
+#[tokio::test]
+async fn quotas_are_charged_all_or_nothing() {
+    let clock = ManualClock::new(at("2026-12-02T10:00:00Z"));
+    let app = hello(
+        QuotaLayer::new(account())
+            .quota(Quota::per_minute(2))
+            .quota(Quota::daily(3))
+            .clock(clock.clone()),
+    );
+    assert_eq!(get_as(&app, "/", "acme").await.status, StatusCode::OK);
+    assert_eq!(get_as(&app, "/", "acme").await.status, StatusCode::OK);
+    let refused = get_as(&app, "/", "acme").await;
+    assert_eq!(refused.status, StatusCode::TOO_MANY_REQUESTS);
+    assert_eq!(
+        refused.json()["violated-policies"],
+        serde_json::json!(["default-minute"])
+    );
+    // The minute refused it, so the day was not charged: one left.
+    assert_eq!(refused.ratelimit()["default-day"].0, 1);
+
+    clock.advance(SignedDuration::from_mins(1));
+    let third = get_as(&app, "/", "acme").await;
+    assert_eq!(third.status, StatusCode::OK);
+    assert_eq!(third.ratelimit()["default-day"].0, 0);
+    let refused = get_as(&app, "/", "acme").await;
+    assert_eq!(
+        refused.json()["violated-policies"],
+        serde_json::json!(["default-day"])
+    );
+    // The day refused it, so the minute was not charged either.
+    assert_eq!(refused.ratelimit()["default-minute"].0, 1);
+}
+
+fn bulk_cost(parts: &Parts) -> Result<u64, InvalidCost> {
+    let query = parts.uri.query().unwrap_or("");
+    let n = query
+        .split('&')
+        .find_map(|kv| kv.strip_prefix("n="))
+        .ok_or_else(|| InvalidCost::new("missing ?n="))?;
+    n.parse()
+        .map_err(|_| InvalidCost::new("n must be a whole number"))
+}
+
+#[tokio::test]
+async fn per_request_cost() {
+    let app = Router::new()
+        .route("/bulk", post(|| async { "done" }))
+        .layer(QuotaLayer::daily(5, account()).cost_fn(bulk_cost));
+    let bulk = |n: &str| {
+        Request::post(format!("/bulk?n={n}"))
+            .header("x-account-id", "acme")
+            .body(Body::empty())
+            .unwrap()
+    };
+    let reply = send(&app, bulk("3")).await;
+    assert_eq!(reply.status, StatusCode::OK);
+    assert_eq!(reply.ratelimit()["default-day"].0, 2);
+    let refused = send(&app, bulk("3")).await;
+    assert_eq!(refused.status, StatusCode::TOO_MANY_REQUESTS);
+    assert_eq!(
+        refused.ratelimit()["default-day"].0,
+        2,
+        "a refused request spends nothing"
+    );
+    assert_eq!(send(&app, bulk("2")).await.status, StatusCode::OK);
+
+    let too_big = send(&app, bulk("6")).await;
+    assert_eq!(too_big.status, StatusCode::TOO_MANY_REQUESTS);
+    assert!(too_big.json()["detail"]
+        .as_str()
+        .unwrap()
+        .contains("more than quota"));
+
+    let bad = send(&app, bulk("many")).await;
+    assert_eq!(bad.status, StatusCode::BAD_REQUEST);
+    assert_eq!(bad.header("content-type"), "application/problem+json");
+    assert_eq!(bad.json()["detail"], "n must be a whole number");
+}
+
+#[tokio::test]
+async fn allowances_do_not_spend_each_other() {
+    let store = MemoryStore::new();
+    let app = Router::new()
+        .route("/read", get(|| async { "r" }))
+        .route_layer(
+            QuotaLayer::daily(1, account())
+                .allowance("read")
+                .store(store.clone()),
+        )
+        .merge(
+            Router::new()
+                .route("/write", post(|| async { "w" }))
+                .route_layer(
+                    QuotaLayer::daily(1, account())
+                        .allowance("write")
+                        .store(store.clone()),
+                ),
+        );
+    let write = || {
+        Request::post("/write")
+            .header("x-account-id", "acme")
+            .body(Body::empty())
+            .unwrap()
+    };
+    assert_eq!(get_as(&app, "/read", "acme").await.status, StatusCode::OK);
+    assert_eq!(
+        get_as(&app, "/read", "acme").await.status,
+        StatusCode::TOO_MANY_REQUESTS
+    );
+    let w = send(&app, write()).await;
+    assert_eq!(w.status, StatusCode::OK);
+    assert_eq!(w.ratelimit()["write-day"].0, 0);
+    assert_eq!(
+        send(&app, write()).await.status,
+        StatusCode::TOO_MANY_REQUESTS
+    );
+}
+
+#[tokio::test]
+async fn subject_kinds_do_not_share_counters() {
+    let store = MemoryStore::new();
+    let per_account = QuotaLayer::daily(1, FromHeader::account("x-id")).store(store.clone());
+    let per_user = QuotaLayer::daily(1, FromHeader::user("x-id")).store(store.clone());
+    let app = Router::new()
+        .route("/a", get(|| async { "a" }))
+        .route_layer(per_account)
+        .merge(
+            Router::new()
+                .route("/u", get(|| async { "u" }))
+                .route_layer(per_user),
+        );
+    let call = |path: &str| {
+        Request::get(path)
+            .header("x-id", "7")
+            .body(Body::empty())
+            .unwrap()
+    };
+    assert_eq!(send(&app, call("/a")).await.status, StatusCode::OK);
+    assert_eq!(send(&app, call("/u")).await.status, StatusCode::OK);
+    assert_eq!(
+        send(&app, call("/a")).await.status,
+        StatusCode::TOO_MANY_REQUESTS
+    );
+    assert_eq!(
+        send(&app, call("/u")).await.status,
+        StatusCode::TOO_MANY_REQUESTS
+    );
+}
+
+#[tokio::test]
+async fn subject_from_an_extension_set_by_an_auth_layer() {
+    #[derive(Clone)]
+    struct UserId(u64);
+    impl std::fmt::Display for UserId {
+        fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+            write!(f, "{}", self.0)
+        }
+    }
+    // A stand-in for an authentication layer: it trusts `x-token` as the user.
+    async fn auth(
+        mut request: Request<Body>,
+        next: axum::middleware::Next,
+    ) -> axum::response::Response {
+        if let Some(id) = request
+            .headers()
+            .get("x-token")
+            .and_then(|v| v.to_str().ok()?.parse().ok())
+        {
+            request.extensions_mut().insert(UserId(id));
+        }
+        next.run(request).await
+    }
+    let app = Router::new()
+        .route("/", get(|| async { "hi" }))
+        .layer(QuotaLayer::daily(1, FromExtension::<UserId>::user()))
+        .layer(axum::middleware::from_fn(auth));
+    let call = |token: &str| {
+        Request::get("/")
+            .header("x-token", token)
+            .body(Body::empty())
+            .unwrap()
+    };
+    assert_eq!(send(&app, call("1")).await.status, StatusCode::OK);
+    assert_eq!(
+        send(&app, call("1")).await.status,
+        StatusCode::TOO_MANY_REQUESTS
+    );
+    assert_eq!(send(&app, call("2")).await.status, StatusCode::OK);
+    let anonymous = send(&app, Request::get("/").body(Body::empty()).unwrap()).await;
+    assert_eq!(anonymous.status, StatusCode::UNAUTHORIZED);
+}
+
+// --- hostile input ---------------------------------------------------------
+
+#[tokio::test]
+async fn missing_subject_is_401_with_a_problem_document() {
+    let app = hello(QuotaLayer::daily(1, account()));
+    let reply = send(&app, Request::get("/").body(Body::empty()).unwrap()).await;
+    assert_eq!(reply.status, StatusCode::UNAUTHORIZED);
+    assert_eq!(reply.header("content-type"), "application/problem+json");
+    let body = reply.json();
+    assert_eq!(body["status"], 401);
+    assert_eq!(body["title"], "Unauthorized");
+    assert!(body["detail"].is_string());
+}
+
+#[tokio::test]
+async fn malformed_subjects_are_400() {
+    let app = hello(QuotaLayer::daily(1, account()));
+    let long = "a".repeat(257);
+    for id in ["", "   ", long.as_str()] {
+        let reply = get_as(&app, "/", id).await;
+        assert_eq!(reply.status, StatusCode::BAD_REQUEST, "{id:?}");
+        assert_eq!(reply.json()["status"], 400);
+    }
+    let twice = Request::get("/")
+        .header("x-account-id", "a")
+        .header("x-account-id", "b")
+        .body(Body::empty())
+        .unwrap();
+    assert_eq!(send(&app, twice).await.status, StatusCode::BAD_REQUEST);
+    // The bound itself is accepted.
+    assert_eq!(
+        get_as(&app, "/", &"a".repeat(256)).await.status,
+        StatusCode::OK
+    );
+}
+
+#[tokio::test]
+async fn unidentified_traffic_can_be_let_through_uncounted() {
+    let app = hello(
+        QuotaLayer::daily(1, account())
+            .on_missing_subject(SubjectPolicy::Allow)
+            .on_malformed_subject(SubjectPolicy::Reject(StatusCode::FORBIDDEN)),
+    );
+    for _ in 0..3 {
+        let reply = send(&app, Request::get("/").body(Body::empty()).unwrap()).await;
+        assert_eq!(reply.status, StatusCode::OK);
+        assert!(
+            !reply.headers.contains_key("ratelimit"),
+            "uncounted requests get no fields"
+        );
+    }
+    assert_eq!(get_as(&app, "/", "").await.status, StatusCode::FORBIDDEN);
+}
+
+#[tokio::test]
+async fn hostile_ids_never_share_a_counter() {
+    let app = hello(QuotaLayer::daily(1, account()));
+    let ids: Vec<&[u8]> = vec![
+        b"acme",
+        b"acme}",
+        b"{acme}",
+        b"acme:read",
+        b"acme%7D",
+        b"acme\t",
+        b"acme\xff",
+        b"acme\xfe",
+        b"%",
+        b"%25",
+        b"a b",
+        b"a+b",
+    ];
+    for id in &ids {
+        let request = Request::get("/")
+            .header("x-account-id", http::HeaderValue::from_bytes(id).unwrap())
+            .body(Body::empty())
+            .unwrap();
+        let reply = send(&app, request).await;
+        assert_eq!(
+            reply.status,
+            StatusCode::OK,
+            "{:?} shares a counter with an earlier id",
+            id
+        );
+    }
+}
+
+// --- what clients are told -------------------------------------------------
+
+#[tokio::test]
+async fn refusal_is_a_problem_document_with_retry_after() {
+    let clock = ManualClock::new(at("2026-12-02T13:00:00.250Z"));
+    let app = hello(
+        QuotaLayer::daily(1, account())
+            .allowance("read")
+            .clock(clock),
+    );
+    assert_eq!(get_as(&app, "/", "acme").await.status, StatusCode::OK);
+    let reply = get_as(&app, "/", "acme").await;
+    assert_eq!(reply.status, StatusCode::TOO_MANY_REQUESTS);
+    assert_eq!(reply.header("content-type"), "application/problem+json");
+    // 10 h 59 min 59.75 s to midnight, rounded up: never before the reset.
+    assert_eq!(reply.header("retry-after"), "39600");
+    let body = reply.json();
+    assert_eq!(
+        body["type"],
+        "https://iana.org/assignments/http-problem-types#quota-exceeded"
+    );
+    assert_eq!(body["title"], "Quota Exceeded");
+    assert_eq!(body["status"], 429);
+    assert_eq!(body["violated-policies"], serde_json::json!(["read-day"]));
+    assert!(body["detail"]
+        .as_str()
+        .unwrap()
+        .contains("2026-12-03T00:00:00Z"));
+    assert_eq!(reply.ratelimit()["read-day"], (0, 39600));
+    assert_eq!(reply.policy()["read-day"], (1, 86_400));
+}
+
+#[tokio::test]
+async fn fields_of_several_quotas_and_nested_layers_form_one_list() {
+    let app = Router::new()
+        .route("/", get(|| async { "hi" }))
+        .route_layer(
+            QuotaLayer::daily(10, account())
+                .allowance("read")
+                .quota(Quota::per_minute(3).allowance("burst")),
+        )
+        .layer(QuotaLayer::monthly(100, account()));
+    let reply = get_as(&app, "/", "acme").await;
+    assert_eq!(reply.status, StatusCode::OK);
+    let names: Vec<String> = reply.ratelimit().into_keys().collect();
+    assert_eq!(names, ["burst-minute", "default-month", "read-day"]);
+    assert_eq!(reply.policy()["burst-minute"].0, 3);
+    assert_eq!(reply.ratelimit()["default-month"].0, 99);
+}
+
+#[tokio::test]
+async fn handlers_see_where_the_caller_stands() {
+    let app =
+        Router::new()
+            .route(
+                "/",
+                get(|status: QuotaStatus| async move {
+                    status.entries()[0].usage.remaining().to_string()
+                }),
+            )
+            .layer(QuotaLayer::daily(10, account()));
+    let reply = get_as(&app, "/", "acme").await;
+    assert_eq!(reply.body, b"9");
+}
+
+#[tokio::test]
+async fn works_with_any_tower_service() {
+    let mut service = ServiceBuilder::new()
+        .layer(QuotaLayer::daily(1, account()))
+        .service(service_fn(|_: Request<String>| async {
+            Ok::<_, std::convert::Infallible>(http::Response::new(http_body_util::Full::new(
+                bytes::Bytes::from("ok"),
+            )))
+        }));
+    let call = || {
+        Request::get("/")
+            .header("x-account-id", "a")
+            .body(String::new())
+            .unwrap()
+    };
+    let ok = service.ready().await.unwrap().call(call()).await.unwrap();
+    assert_eq!(ok.status(), StatusCode::OK);
+    assert_eq!(ok.into_body().collect().await.unwrap().to_bytes(), "ok");
+    let refused = service.ready().await.unwrap().call(call()).await.unwrap();
+    assert_eq!(refused.status(), StatusCode::TOO_MANY_REQUESTS);
+}
+
+// --- store failures --------------------------------------------------------
+
+/// A store that fails every charge, or never answers.
+#[derive(Clone)]
+struct Broken {
+    hang: bool,
+}
+
+impl Store for Broken {
+    type ChargeFuture =
+        std::pin::Pin<Box<dyn Future<Output = Result<ChargeOutcome, StoreError>> + Send>>;
+
+    fn charge(&self, _: ChargeRequest) -> Self::ChargeFuture {
+        if self.hang {
+            Box::pin(pending())
+        } else {
+            Box::pin(ready(Err(StoreError::new(
+                StoreErrorKind::Unavailable,
+                "connection refused",
+            ))))
+        }
+    }
+    fn peek(
+        &self,
+        _: ChargeRequest,
+    ) -> impl Future<Output = Result<Vec<Usage>, StoreError>> + Send {
+        ready(Err(StoreError::new(StoreErrorKind::Unavailable, "down")))
+    }
+    fn refund(
+        &self,
+        _: Timestamp,
+        _: PeriodKey,
+        _: u64,
+    ) -> impl Future<Output = Result<Option<u64>, StoreError>> + Send {
+        ready(Err(StoreError::new(StoreErrorKind::Unavailable, "down")))
+    }
+    fn reset(&self, _: PeriodKey) -> impl Future<Output = Result<bool, StoreError>> + Send {
+        ready(Err(StoreError::new(StoreErrorKind::Unavailable, "down")))
+    }
+}
+
+fn broken_app(hang: bool, policy: OnStoreError) -> Router {
+    Router::new().route("/", get(|| async { "hello" })).layer(
+        QuotaLayer::daily(1, account())
+            .store(Broken { hang })
+            .on_store_error(policy),
+    )
+}
+
+#[tokio::test]
+async fn store_failure_fails_closed_by_default_with_503() {
+    let app = Router::new()
+        .route("/", get(|| async { "hello" }))
+        .layer(QuotaLayer::daily(1, account()).store(Broken { hang: false }));
+    let reply = get_as(&app, "/", "acme").await;
+    assert_eq!(reply.status, StatusCode::SERVICE_UNAVAILABLE);
+    assert_eq!(reply.header("retry-after"), "1");
+    assert_eq!(reply.header("content-type"), "application/problem+json");
+    assert_eq!(reply.json()["status"], 503);
+}
+
+#[tokio::test]
+async fn store_failure_can_fail_open() {
+    let reply = get_as(&broken_app(false, OnStoreError::FailOpen), "/", "acme").await;
+    assert_eq!(reply.status, StatusCode::OK);
+    assert_eq!(reply.body, b"hello");
+    assert!(!reply.headers.contains_key("ratelimit"));
+}
+
+#[tokio::test(start_paused = true)]
+async fn a_store_that_never_answers_is_bounded_by_the_timeout() {
+    let closed = broken_app(
+        true,
+        OnStoreError::FailClosed {
+            retry_after: Duration::from_secs(5),
+        },
+    );
+    let started = tokio::time::Instant::now();
+    let reply = get_as(&closed, "/", "acme").await;
+    assert_eq!(reply.status, StatusCode::SERVICE_UNAVAILABLE);
+    assert_eq!(reply.header("retry-after"), "5");
+    assert_eq!(started.elapsed(), Duration::from_millis(100));
+
+    let open = broken_app(true, OnStoreError::FailOpen);
+    assert_eq!(get_as(&open, "/", "acme").await.status, StatusCode::OK);
+}
+
+// --- support handle --------------------------------------------------------
+
+#[tokio::test]
+async fn support_can_read_refund_and_reset() {
+    let clock = ManualClock::new(at("2026-12-02T10:00:00Z"));
+    let layer = QuotaLayer::rolling(2, Duration::from_secs(3600), account()).clock(clock.clone());
+    let handle = layer.handle();
+    let app = hello(layer);
+    let acme = tower_quota::Subject::account("acme");
+
+    assert_eq!(get_as(&app, "/", "acme").await.status, StatusCode::OK);
+    clock.advance(SignedDuration::from_mins(10));
+    assert_eq!(get_as(&app, "/", "acme").await.status, StatusCode::OK);
+    let status = handle.usage(&acme).await.unwrap();
+    assert_eq!(status[0].usage.used, 2);
+    assert_eq!(status[0].usage.first_call, Some(at("2026-12-02T10:00:00Z")));
+    assert_eq!(status[0].usage.resets_at, at("2026-12-02T11:00:00Z"));
+
+    handle.refund(&acme, 1).await.unwrap();
+    let status = handle.usage(&acme).await.unwrap();
+    assert_eq!(status[0].usage.used, 1);
+    assert_eq!(
+        status[0].usage.resets_at,
+        at("2026-12-02T11:00:00Z"),
+        "a refund keeps the deadline"
+    );
+
+    handle.reset(&acme).await.unwrap();
+    assert_eq!(handle.usage(&acme).await.unwrap()[0].usage.used, 0);
+    clock.advance(SignedDuration::from_mins(5));
+    let fresh = get_as(&app, "/", "acme").await;
+    assert_eq!(
+        fresh.ratelimit()["default-rolling-1h"],
+        (1, 3600),
+        "a reset opens a new period"
+    );
+}
+
+#[test]
+#[should_panic(expected = "would share counters")]
+fn two_quotas_on_the_same_counters_are_refused() {
+    let _ = QuotaLayer::daily(1, account())
+        .quota(Quota::daily(2).named("other"))
+        .layer(service_fn(|_: Request<Body>| async {
+            Ok::<_, std::convert::Infallible>(http::Response::new(Body::empty()))
+        }));
+}
+
+#[tokio::test]
+async fn an_unused_arc_extractor_works_too() {
+    let shared = Arc::new(account());
+    let app = Router::new()
+        .route("/", get(|| async { "hi" }))
+        .layer(QuotaLayer::daily(1, shared));
+    assert_eq!(get_as(&app, "/", "x").await.status, StatusCode::OK);
+}
