@@ -256,7 +256,7 @@ mod tests {
             let a = ns.key(&subject, "read", "2026-12-02");
             let b = ns.key(&subject, "write", "PT24H");
             prop_assert_eq!(a.hash_tag(), b.hash_tag());
-            prop_assert!(!a.hash_tag().contains(['{', '}']));
+            prop_assert!(!a.hash_tag().contains(['{', '}']), "the hash tag holds a brace");
         }
     }
 }

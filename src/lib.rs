@@ -72,3 +72,8 @@ pub use crate::store::{MemoryStore, Store, StoreError, Usage};
 pub use crate::subject::{
     FromExtension, FromHeader, Subject, SubjectError, SubjectExtractor, SubjectKind,
 };
+
+/// The README's examples, compiled and run as doctests.
+#[cfg(doctest)]
+#[doc = include_str!("../README.md")]
+struct ReadmeDoctests;

@@ -6,7 +6,7 @@ use std::fmt::Write as _;
 use bytes::Bytes;
 use http::header::{HeaderName, HeaderValue, CONTENT_TYPE, RETRY_AFTER};
 use http::{Response, StatusCode};
-use jiff::Timestamp;
+use jiff::{RoundMode, Timestamp, TimestampRound, Unit};
 use serde_json::{json, Value};
 
 use crate::quota::Quota;
@@ -162,7 +162,7 @@ pub(crate) fn quota_exceeded(
                 cost,
                 usage
                     .resets_at
-                    .round(jiff::Unit::Second)
+                    .round(TimestampRound::new().smallest(Unit::Second).mode(RoundMode::Ceil))
                     .unwrap_or(usage.resets_at),
             )
         }

@@ -358,5 +358,3 @@ impl Store for MemoryStore {
     }
 }
 
-#[cfg(test)]
-mod tests;

@@ -72,6 +72,8 @@
 //! ```
 
 mod memory;
+#[cfg(test)]
+mod tests;
 
 use std::borrow::Cow;
 use std::error::Error as StdError;

@@ -1,1 +1,230 @@
+use std::future::Future;
+use std::pin::pin;
+use std::task::{Context, Poll, Waker};
 
+use jiff::{SignedDuration, Timestamp};
+
+use super::*;
+use crate::key::Namespace;
+use crate::subject::Subject;
+
+fn now_of<F: Future>(future: F) -> F::Output {
+    match pin!(future).poll(&mut Context::from_waker(Waker::noop())) {
+        Poll::Ready(output) => output,
+        Poll::Pending => panic!("the memory store answers at once"),
+    }
+}
+
+fn at(s: &str) -> Timestamp {
+    s.parse().unwrap()
+}
+
+fn key(id: &str, allowance: &str, period: &str) -> PeriodKey {
+    Namespace::default().key(&Subject::account(id), allowance, period)
+}
+
+fn first_use(key: PeriodKey, limit: u64, cost: u64, deadline: Timestamp) -> ChargeLine {
+    ChargeLine {
+        key,
+        limit,
+        cost,
+        lifetime: Lifetime::FirstUse { deadline },
+    }
+}
+
+fn calendar(key: PeriodKey, limit: u64, cost: u64, start: &str, end: &str) -> ChargeLine {
+    ChargeLine {
+        key,
+        limit,
+        cost,
+        lifetime: Lifetime::Calendar {
+            start: at(start),
+            end: at(end),
+        },
+    }
+}
+
+fn charge(store: &MemoryStore, now: Timestamp, lines: Vec<ChargeLine>) -> ChargeOutcome {
+    now_of(store.charge(ChargeRequest { now, lines })).unwrap()
+}
+
+#[test]
+fn hits_never_move_a_first_use_deadline() {
+    let store = MemoryStore::new();
+    let t0 = at("2026-12-02T10:00:00Z");
+    let deadline = at("2026-12-02T11:00:00Z");
+    let k = key("acme", "read", "PT1H");
+    let mut now = t0;
+    for i in 0..100 {
+        // Each request proposes a later deadline; the counter keeps its own.
+        let proposed = now.checked_add(SignedDuration::from_hours(1)).unwrap();
+        let outcome = charge(&store, now, vec![first_use(k.clone(), 1_000, 1, proposed)]);
+        assert!(outcome.admitted);
+        assert_eq!(outcome.usage[0].resets_at, deadline, "hit {i}");
+        assert_eq!(outcome.usage[0].first_call, Some(t0));
+        now = now.checked_add(SignedDuration::from_secs(30)).unwrap();
+    }
+}
+
+#[test]
+fn an_expired_first_use_counter_starts_a_new_period() {
+    let store = MemoryStore::new();
+    let k = key("acme", "read", "PT1H");
+    let t0 = at("2026-12-02T10:00:00Z");
+    let end = at("2026-12-02T11:00:00Z");
+    assert!(charge(&store, t0, vec![first_use(k.clone(), 1, 1, end)]).admitted);
+    assert!(!charge(&store, at("2026-12-02T10:59:59.999Z"), vec![first_use(k.clone(), 1, 1, end)]).admitted);
+    let next_end = at("2026-12-02T12:00:00Z");
+    let outcome = charge(&store, end, vec![first_use(k, 1, 1, next_end)]);
+    assert!(outcome.admitted);
+    assert_eq!(outcome.usage[0].resets_at, next_end);
+    assert_eq!(outcome.usage[0].first_call, Some(end));
+}
+
+#[test]
+fn refunds_never_create_or_resurrect_and_keep_the_deadline() {
+    let store = MemoryStore::new();
+    let k = key("acme", "read", "PT1H");
+    let t0 = at("2026-12-02T10:00:00Z");
+    let end = at("2026-12-02T11:00:00Z");
+    assert_eq!(now_of(store.refund(t0, k.clone(), 1)).unwrap(), None);
+    assert!(store.is_empty(), "a refund created a counter");
+
+    charge(&store, t0, vec![first_use(k.clone(), 5, 3, end)]);
+    assert_eq!(now_of(store.refund(t0, k.clone(), 1)).unwrap(), Some(2));
+    assert_eq!(now_of(store.refund(t0, k.clone(), 10)).unwrap(), Some(0), "never below zero");
+    let usage = now_of(store.peek(ChargeRequest {
+        now: t0,
+        lines: vec![first_use(k.clone(), 5, 0, at("2026-12-09T00:00:00Z"))],
+    }))
+    .unwrap();
+    assert_eq!(usage[0].resets_at, end);
+
+    assert_eq!(now_of(store.refund(end, k.clone(), 1)).unwrap(), None, "expired counters stay expired");
+    let after = charge(&store, end, vec![first_use(k, 5, 1, at("2026-12-02T12:00:00Z"))]);
+    assert_eq!(after.usage[0].used, 1);
+}
+
+#[test]
+fn a_refused_charge_spends_nothing_on_any_line() {
+    let store = MemoryStore::new();
+    let t0 = at("2026-12-02T10:00:00Z");
+    let minute = || calendar(key("acme", "read", "2026-12-02T10:00"), 2, 1, "2026-12-02T10:00:00Z", "2026-12-02T10:01:00Z");
+    let day = || calendar(key("acme", "read", "2026-12-02"), 100, 1, "2026-12-02T00:00:00Z", "2026-12-03T00:00:00Z");
+    assert!(charge(&store, t0, vec![minute(), day()]).admitted);
+    assert!(charge(&store, t0, vec![minute(), day()]).admitted);
+    let refused = charge(&store, t0, vec![minute(), day()]);
+    assert!(!refused.admitted);
+    assert_eq!(refused.usage[0].used, 2);
+    assert_eq!(refused.usage[1].used, 2);
+}
+
+#[test]
+fn lines_of_different_subjects_are_all_or_nothing_across_shards() {
+    let store = MemoryStore::with_shards(8);
+    let t0 = at("2026-12-02T10:00:00Z");
+    let end = at("2026-12-03T00:00:00Z");
+    let lines = |limit_b| {
+        (0..20)
+            .map(|i| {
+                let limit = if i == 7 { limit_b } else { 10 };
+                first_use(key(&format!("subject-{i}"), "read", "PT24H"), limit, 1, end)
+            })
+            .collect::<Vec<_>>()
+    };
+    assert!(!charge(&store, t0, lines(0)).admitted);
+    assert!(store.is_empty());
+    assert!(charge(&store, t0, lines(1)).admitted);
+    assert_eq!(store.len(), 20);
+}
+
+#[test]
+fn a_key_listed_twice_is_charged_twice() {
+    let store = MemoryStore::new();
+    let t0 = at("2026-12-02T10:00:00Z");
+    let end = at("2026-12-03T00:00:00Z");
+    let k = key("acme", "read", "PT24H");
+    let outcome = charge(&store, t0, vec![first_use(k.clone(), 3, 2, end), first_use(k.clone(), 3, 2, end)]);
+    assert!(!outcome.admitted);
+    let outcome = charge(&store, t0, vec![first_use(k.clone(), 4, 2, end), first_use(k, 4, 2, end)]);
+    assert!(outcome.admitted);
+    assert_eq!(outcome.usage[1].used, 4);
+}
+
+#[test]
+fn a_free_request_opens_no_period() {
+    let store = MemoryStore::new();
+    let t0 = at("2026-12-02T10:00:00Z");
+    let outcome = charge(&store, t0, vec![first_use(key("acme", "read", "PT1H"), 3, 0, at("2026-12-02T11:00:00Z"))]);
+    assert!(outcome.admitted);
+    assert_eq!(outcome.usage[0].first_call, None);
+    assert!(store.is_empty());
+}
+
+#[test]
+fn expired_counters_are_reclaimed_without_traffic_to_them() {
+    let store = MemoryStore::with_shards(16);
+    let t0 = at("2026-12-02T10:00:00Z");
+    for i in 0..2_000 {
+        let line = calendar(key(&format!("s{i}"), "read", "2026-12-02"), 10, 1, "2026-12-02T00:00:00Z", "2026-12-03T00:00:00Z");
+        charge(&store, t0, vec![line]);
+    }
+    assert_eq!(store.len(), 2_000);
+    // The next day only one subject calls, yet the old counters go.
+    let t1 = at("2026-12-03T08:00:00Z");
+    for _ in 0..200 {
+        let line = calendar(key("busy", "read", "2026-12-03"), 1_000, 1, "2026-12-03T00:00:00Z", "2026-12-04T00:00:00Z");
+        charge(&store, t1, vec![line]);
+    }
+    assert_eq!(store.len(), 1);
+}
+
+#[test]
+fn purge_reclaims_everything_expired() {
+    let store = MemoryStore::new();
+    let t0 = at("2026-12-02T10:00:00Z");
+    for i in 0..500 {
+        charge(&store, t0, vec![first_use(key(&format!("s{i}"), "w", "PT1M"), 5, 1, at("2026-12-02T10:01:00Z"))]);
+    }
+    store.purge_expired(at("2026-12-02T10:00:59Z"));
+    assert_eq!(store.len(), 500);
+    store.purge_expired(at("2026-12-02T10:01:00Z"));
+    assert!(store.is_empty());
+}
+
+#[test]
+fn reset_gives_a_fresh_allowance() {
+    let store = MemoryStore::new();
+    let t0 = at("2026-12-02T10:00:00Z");
+    let k = key("acme", "read", "PT1H");
+    charge(&store, t0, vec![first_use(k.clone(), 1, 1, at("2026-12-02T11:00:00Z"))]);
+    assert!(now_of(store.reset(k.clone())).unwrap());
+    assert!(!now_of(store.reset(k.clone())).unwrap());
+    let t1 = at("2026-12-02T10:30:00Z");
+    let outcome = charge(&store, t1, vec![first_use(k, 1, 1, at("2026-12-02T11:30:00Z"))]);
+    assert!(outcome.admitted);
+    assert_eq!(outcome.usage[0].resets_at, at("2026-12-02T11:30:00Z"));
+    // The old deadline, still in the heap, must not reclaim the new counter.
+    store.purge_expired(at("2026-12-02T11:00:00Z"));
+    assert_eq!(store.len(), 1);
+}
+
+#[test]
+fn exact_under_threads() {
+    let store = MemoryStore::new();
+    let t0 = at("2026-12-02T10:00:00Z");
+    let admitted = std::sync::atomic::AtomicU64::new(0);
+    std::thread::scope(|scope| {
+        for _ in 0..8 {
+            scope.spawn(|| {
+                for _ in 0..500 {
+                    let line = calendar(key("acme", "read", "2026-12-02"), 1_234, 1, "2026-12-02T00:00:00Z", "2026-12-03T00:00:00Z");
+                    if charge(&store, t0, vec![line]).admitted {
+                        admitted.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+                    }
+                }
+            });
+        }
+    });
+    assert_eq!(admitted.into_inner(), 1_234);
+}
