@@ -73,7 +73,14 @@ fn an_expired_first_use_counter_starts_a_new_period() {
     let t0 = at("2026-12-02T10:00:00Z");
     let end = at("2026-12-02T11:00:00Z");
     assert!(charge(&store, t0, vec![first_use(k.clone(), 1, 1, end)]).admitted);
-    assert!(!charge(&store, at("2026-12-02T10:59:59.999Z"), vec![first_use(k.clone(), 1, 1, end)]).admitted);
+    assert!(
+        !charge(
+            &store,
+            at("2026-12-02T10:59:59.999Z"),
+            vec![first_use(k.clone(), 1, 1, end)]
+        )
+        .admitted
+    );
     let next_end = at("2026-12-02T12:00:00Z");
     let outcome = charge(&store, end, vec![first_use(k, 1, 1, next_end)]);
     assert!(outcome.admitted);
@@ -92,7 +99,11 @@ fn refunds_never_create_or_resurrect_and_keep_the_deadline() {
 
     charge(&store, t0, vec![first_use(k.clone(), 5, 3, end)]);
     assert_eq!(now_of(store.refund(t0, k.clone(), 1)).unwrap(), Some(2));
-    assert_eq!(now_of(store.refund(t0, k.clone(), 10)).unwrap(), Some(0), "never below zero");
+    assert_eq!(
+        now_of(store.refund(t0, k.clone(), 10)).unwrap(),
+        Some(0),
+        "never below zero"
+    );
     let usage = now_of(store.peek(ChargeRequest {
         now: t0,
         lines: vec![first_use(k.clone(), 5, 0, at("2026-12-09T00:00:00Z"))],
@@ -100,8 +111,16 @@ fn refunds_never_create_or_resurrect_and_keep_the_deadline() {
     .unwrap();
     assert_eq!(usage[0].resets_at, end);
 
-    assert_eq!(now_of(store.refund(end, k.clone(), 1)).unwrap(), None, "expired counters stay expired");
-    let after = charge(&store, end, vec![first_use(k, 5, 1, at("2026-12-02T12:00:00Z"))]);
+    assert_eq!(
+        now_of(store.refund(end, k.clone(), 1)).unwrap(),
+        None,
+        "expired counters stay expired"
+    );
+    let after = charge(
+        &store,
+        end,
+        vec![first_use(k, 5, 1, at("2026-12-02T12:00:00Z"))],
+    );
     assert_eq!(after.usage[0].used, 1);
 }
 
@@ -109,8 +128,24 @@ fn refunds_never_create_or_resurrect_and_keep_the_deadline() {
 fn a_refused_charge_spends_nothing_on_any_line() {
     let store = MemoryStore::new();
     let t0 = at("2026-12-02T10:00:00Z");
-    let minute = || calendar(key("acme", "read", "2026-12-02T10:00"), 2, 1, "2026-12-02T10:00:00Z", "2026-12-02T10:01:00Z");
-    let day = || calendar(key("acme", "read", "2026-12-02"), 100, 1, "2026-12-02T00:00:00Z", "2026-12-03T00:00:00Z");
+    let minute = || {
+        calendar(
+            key("acme", "read", "2026-12-02T10:00"),
+            2,
+            1,
+            "2026-12-02T10:00:00Z",
+            "2026-12-02T10:01:00Z",
+        )
+    };
+    let day = || {
+        calendar(
+            key("acme", "read", "2026-12-02"),
+            100,
+            1,
+            "2026-12-02T00:00:00Z",
+            "2026-12-03T00:00:00Z",
+        )
+    };
     assert!(charge(&store, t0, vec![minute(), day()]).admitted);
     assert!(charge(&store, t0, vec![minute(), day()]).admitted);
     let refused = charge(&store, t0, vec![minute(), day()]);
@@ -144,9 +179,20 @@ fn a_key_listed_twice_is_charged_twice() {
     let t0 = at("2026-12-02T10:00:00Z");
     let end = at("2026-12-03T00:00:00Z");
     let k = key("acme", "read", "PT24H");
-    let outcome = charge(&store, t0, vec![first_use(k.clone(), 3, 2, end), first_use(k.clone(), 3, 2, end)]);
+    let outcome = charge(
+        &store,
+        t0,
+        vec![
+            first_use(k.clone(), 3, 2, end),
+            first_use(k.clone(), 3, 2, end),
+        ],
+    );
     assert!(!outcome.admitted);
-    let outcome = charge(&store, t0, vec![first_use(k.clone(), 4, 2, end), first_use(k, 4, 2, end)]);
+    let outcome = charge(
+        &store,
+        t0,
+        vec![first_use(k.clone(), 4, 2, end), first_use(k, 4, 2, end)],
+    );
     assert!(outcome.admitted);
     assert_eq!(outcome.usage[1].used, 4);
 }
@@ -155,7 +201,16 @@ fn a_key_listed_twice_is_charged_twice() {
 fn a_free_request_opens_no_period() {
     let store = MemoryStore::new();
     let t0 = at("2026-12-02T10:00:00Z");
-    let outcome = charge(&store, t0, vec![first_use(key("acme", "read", "PT1H"), 3, 0, at("2026-12-02T11:00:00Z"))]);
+    let outcome = charge(
+        &store,
+        t0,
+        vec![first_use(
+            key("acme", "read", "PT1H"),
+            3,
+            0,
+            at("2026-12-02T11:00:00Z"),
+        )],
+    );
     assert!(outcome.admitted);
     assert_eq!(outcome.usage[0].first_call, None);
     assert!(store.is_empty());
@@ -166,14 +221,26 @@ fn expired_counters_are_reclaimed_without_traffic_to_them() {
     let store = MemoryStore::with_shards(16);
     let t0 = at("2026-12-02T10:00:00Z");
     for i in 0..2_000 {
-        let line = calendar(key(&format!("s{i}"), "read", "2026-12-02"), 10, 1, "2026-12-02T00:00:00Z", "2026-12-03T00:00:00Z");
+        let line = calendar(
+            key(&format!("s{i}"), "read", "2026-12-02"),
+            10,
+            1,
+            "2026-12-02T00:00:00Z",
+            "2026-12-03T00:00:00Z",
+        );
         charge(&store, t0, vec![line]);
     }
     assert_eq!(store.len(), 2_000);
     // The next day only one subject calls, yet the old counters go.
     let t1 = at("2026-12-03T08:00:00Z");
     for _ in 0..200 {
-        let line = calendar(key("busy", "read", "2026-12-03"), 1_000, 1, "2026-12-03T00:00:00Z", "2026-12-04T00:00:00Z");
+        let line = calendar(
+            key("busy", "read", "2026-12-03"),
+            1_000,
+            1,
+            "2026-12-03T00:00:00Z",
+            "2026-12-04T00:00:00Z",
+        );
         charge(&store, t1, vec![line]);
     }
     assert_eq!(store.len(), 1);
@@ -184,7 +251,16 @@ fn purge_reclaims_everything_expired() {
     let store = MemoryStore::new();
     let t0 = at("2026-12-02T10:00:00Z");
     for i in 0..500 {
-        charge(&store, t0, vec![first_use(key(&format!("s{i}"), "w", "PT1M"), 5, 1, at("2026-12-02T10:01:00Z"))]);
+        charge(
+            &store,
+            t0,
+            vec![first_use(
+                key(&format!("s{i}"), "w", "PT1M"),
+                5,
+                1,
+                at("2026-12-02T10:01:00Z"),
+            )],
+        );
     }
     store.purge_expired(at("2026-12-02T10:00:59Z"));
     assert_eq!(store.len(), 500);
@@ -197,11 +273,19 @@ fn reset_gives_a_fresh_allowance() {
     let store = MemoryStore::new();
     let t0 = at("2026-12-02T10:00:00Z");
     let k = key("acme", "read", "PT1H");
-    charge(&store, t0, vec![first_use(k.clone(), 1, 1, at("2026-12-02T11:00:00Z"))]);
+    charge(
+        &store,
+        t0,
+        vec![first_use(k.clone(), 1, 1, at("2026-12-02T11:00:00Z"))],
+    );
     assert!(now_of(store.reset(k.clone())).unwrap());
     assert!(!now_of(store.reset(k.clone())).unwrap());
     let t1 = at("2026-12-02T10:30:00Z");
-    let outcome = charge(&store, t1, vec![first_use(k, 1, 1, at("2026-12-02T11:30:00Z"))]);
+    let outcome = charge(
+        &store,
+        t1,
+        vec![first_use(k, 1, 1, at("2026-12-02T11:30:00Z"))],
+    );
     assert!(outcome.admitted);
     assert_eq!(outcome.usage[0].resets_at, at("2026-12-02T11:30:00Z"));
     // The old deadline, still in the heap, must not reclaim the new counter.
@@ -218,7 +302,13 @@ fn exact_under_threads() {
         for _ in 0..8 {
             scope.spawn(|| {
                 for _ in 0..500 {
-                    let line = calendar(key("acme", "read", "2026-12-02"), 1_234, 1, "2026-12-02T00:00:00Z", "2026-12-03T00:00:00Z");
+                    let line = calendar(
+                        key("acme", "read", "2026-12-02"),
+                        1_234,
+                        1,
+                        "2026-12-02T00:00:00Z",
+                        "2026-12-03T00:00:00Z",
+                    );
                     if charge(&store, t0, vec![line]).admitted {
                         admitted.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
                     }
