@@ -20,7 +20,8 @@ use crate::subject::SubjectExtractor;
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum SubjectPolicy {
     /// Answer with this status and a problem document; the inner service is
-    /// not called.
+    /// not called. A status that is not a 4xx or 5xx falls back to the
+    /// default (401 for a missing subject, 400 for a malformed one).
     Reject(StatusCode),
     /// Let the request through without charging any quota (and without
     /// rate-limit fields). Unidentified requests never share a counter: they

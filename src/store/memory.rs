@@ -1,10 +1,10 @@
+use std::cell::Cell;
 use std::cmp::Reverse;
 use std::collections::hash_map::RandomState;
 use std::collections::{BinaryHeap, HashMap};
 use std::fmt;
 use std::future::{ready, Future, Ready};
 use std::hash::BuildHasher;
-use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex, MutexGuard};
 
 use jiff::Timestamp;
@@ -41,7 +41,12 @@ pub struct MemoryStore {
 struct Inner {
     shards: Box<[Mutex<Shard>]>,
     hasher: RandomState,
-    sweep_cursor: AtomicUsize,
+}
+
+thread_local! {
+    // Which shard this thread reclaims in next; per thread, so charges on
+    // different cores never contend on it.
+    static SWEEP_CURSOR: Cell<usize> = const { Cell::new(0) };
 }
 
 #[derive(Default)]
@@ -82,7 +87,6 @@ impl MemoryStore {
             inner: Arc::new(Inner {
                 shards: (0..shards).map(|_| Mutex::default()).collect(),
                 hasher: RandomState::new(),
-                sweep_cursor: AtomicUsize::new(0),
             }),
         }
     }
@@ -153,7 +157,11 @@ impl MemoryStore {
     /// free: this is what bounds memory when a shard's subjects stop calling.
     fn sweep_another(&self, now: Timestamp) {
         let shards = &self.inner.shards;
-        let i = self.inner.sweep_cursor.fetch_add(1, Ordering::Relaxed) % shards.len();
+        let i = SWEEP_CURSOR.with(|cursor| {
+            let next = cursor.get().wrapping_add(1);
+            cursor.set(next);
+            next
+        }) % shards.len();
         if let Ok(mut shard) = shards[i].try_lock() {
             shard.sweep(now, SWEEP_BUDGET);
         }
@@ -357,4 +365,3 @@ impl Store for MemoryStore {
         ready(Ok(shard.counters.remove(key.as_str()).is_some()))
     }
 }
-

@@ -318,3 +318,146 @@ fn exact_under_threads() {
     });
     assert_eq!(admitted.into_inner(), 1_234);
 }
+
+mod model {
+    //! The memory store against a plain model of the contract, on random
+    //! sequences of charges, refunds, resets and clock moves.
+
+    use std::collections::HashMap;
+
+    use proptest::prelude::*;
+
+    use super::*;
+
+    #[derive(Clone, Debug)]
+    enum Op {
+        Advance(i64),
+        Charge {
+            subject: u8,
+            quotas: Vec<usize>,
+            cost: u64,
+        },
+        Refund {
+            subject: u8,
+            quota: usize,
+            amount: u64,
+        },
+        Reset {
+            subject: u8,
+            quota: usize,
+        },
+    }
+
+    fn op() -> impl Strategy<Value = Op> {
+        prop_oneof![
+            (0i64..90_000).prop_map(Op::Advance),
+            (0u8..3, proptest::collection::vec(0usize..3, 1..4), 0u64..4).prop_map(
+                |(subject, quotas, cost)| Op::Charge {
+                    subject,
+                    quotas,
+                    cost
+                }
+            ),
+            (0u8..3, 0usize..3, 0u64..3).prop_map(|(subject, quota, amount)| Op::Refund {
+                subject,
+                quota,
+                amount
+            }),
+            (0u8..3, 0usize..3).prop_map(|(subject, quota)| Op::Reset { subject, quota }),
+        ]
+    }
+
+    /// Quota 0: 5 per rolling 60 s; 1: 3 per 10 s window; 2: 7 per rolling 30 s.
+    fn line(quota: usize, subject: u8, now: Timestamp, cost: u64) -> ChargeLine {
+        let id = format!("s{subject}");
+        let secs = now.as_second();
+        match quota {
+            0 | 2 => {
+                let (len, limit) = if quota == 0 { (60, 5) } else { (30, 7) };
+                first_use(
+                    key(&id, "a", &format!("PT{len}S")),
+                    limit,
+                    cost,
+                    now.checked_add(SignedDuration::from_secs(len)).unwrap(),
+                )
+            }
+            _ => {
+                let start = secs.div_euclid(10) * 10;
+                ChargeLine {
+                    key: key(&id, "a", &format!("w{start}")),
+                    limit: 3,
+                    cost,
+                    lifetime: Lifetime::Calendar {
+                        start: Timestamp::from_second(start).unwrap(),
+                        end: Timestamp::from_second(start + 10).unwrap(),
+                    },
+                }
+            }
+        }
+    }
+
+    #[derive(Clone, Copy, Debug)]
+    struct Entry {
+        used: u64,
+        deadline: Timestamp,
+    }
+
+    proptest! {
+        #![proptest_config(ProptestConfig::with_cases(200))]
+        #[test]
+        fn memory_store_follows_the_contract(ops in proptest::collection::vec(op(), 1..120)) {
+            let store = MemoryStore::with_shards(4);
+            let mut model: HashMap<PeriodKey, Entry> = HashMap::new();
+            let mut now = at("2026-12-02T10:00:00Z");
+            for op in ops {
+                model.retain(|_, e| e.deadline > now);
+                match op {
+                    Op::Advance(ms) => now = now.checked_add(SignedDuration::from_millis(ms)).unwrap(),
+                    Op::Charge { subject, quotas, cost } => {
+                        let mut seen = Vec::new();
+                        let lines: Vec<ChargeLine> = quotas
+                            .into_iter()
+                            .filter(|q| { let new = !seen.contains(q); seen.push(*q); new })
+                            .map(|q| line(q, subject, now, cost))
+                            .collect();
+                        let fits = lines.iter().all(|l| {
+                            model.get(&l.key).map_or(0, |e| e.used) + l.cost <= l.limit
+                        });
+                        let outcome = charge(&store, now, lines.clone());
+                        prop_assert_eq!(outcome.admitted, fits);
+                        for (l, usage) in lines.iter().zip(&outcome.usage) {
+                            if fits && cost > 0 {
+                                let deadline = match l.lifetime {
+                                    Lifetime::Calendar { end, .. } => end,
+                                    Lifetime::FirstUse { deadline } => deadline,
+                                };
+                                let entry = model.entry(l.key.clone()).or_insert(Entry { used: 0, deadline });
+                                entry.used += cost;
+                            }
+                            let expected = model.get(&l.key).map_or(0, |e| e.used);
+                            prop_assert_eq!(usage.used, expected);
+                            if let (Lifetime::FirstUse { .. }, Some(e)) = (l.lifetime, model.get(&l.key)) {
+                                prop_assert_eq!(usage.resets_at, e.deadline, "a hit moved a deadline");
+                            }
+                            prop_assert!(usage.resets_at > now);
+                        }
+                    }
+                    Op::Refund { subject, quota, amount } => {
+                        let k = line(quota, subject, now, 0).key;
+                        let got = now_of(store.refund(now, k.clone(), amount)).unwrap();
+                        let expected = model.get_mut(&k).map(|e| { e.used = e.used.saturating_sub(amount); e.used });
+                        prop_assert_eq!(got, expected);
+                    }
+                    Op::Reset { subject, quota } => {
+                        let k = line(quota, subject, now, 0).key;
+                        let removed = now_of(store.reset(k.clone())).unwrap();
+                        // The store may still hold an expired, unreclaimed counter.
+                        if model.remove(&k).is_some() {
+                            prop_assert!(removed);
+                        }
+                    }
+                }
+            }
+        }
+    }
+}
