@@ -157,6 +157,30 @@ impl<E: SubjectExtractor> QuotaLayer<E, MemoryStore> {
     }
 
     /// `limit` requests per calendar day (UTC), per subject: the one-liner.
+    ///
+    /// ```
+    /// use axum::{body::Body, routing::get, Router};
+    /// use http::{Request, StatusCode};
+    /// use tower::ServiceExt;
+    /// use tower_quota::{FromHeader, QuotaLayer};
+    ///
+    /// # #[tokio::main(flavor = "current_thread")] async fn main() {
+    /// let app = Router::new()
+    ///     .route("/", get(|| async { "hello" }))
+    ///     .layer(QuotaLayer::daily(1, FromHeader::account("x-account-id")));
+    ///
+    /// let call = |account: &str| {
+    ///     Request::get("/").header("x-account-id", account).body(Body::empty()).unwrap()
+    /// };
+    /// let ok = app.clone().oneshot(call("acme")).await.unwrap();
+    /// assert_eq!(ok.status(), StatusCode::OK);
+    /// assert_eq!(ok.headers()["ratelimit-policy"], "\"default-day\";q=1;w=86400");
+    /// // acme has spent its day; another account has not.
+    /// let refused = app.clone().oneshot(call("acme")).await.unwrap();
+    /// assert_eq!(refused.status(), StatusCode::TOO_MANY_REQUESTS);
+    /// assert_eq!(app.clone().oneshot(call("globex")).await.unwrap().status(), StatusCode::OK);
+    /// # }
+    /// ```
     pub fn daily(limit: u64, extractor: E) -> Self {
         Self::new(extractor).quota(Quota::daily(limit))
     }

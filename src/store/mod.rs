@@ -72,6 +72,8 @@
 //! ```
 
 mod memory;
+#[cfg(feature = "redis")]
+pub mod redis;
 #[cfg(test)]
 mod tests;
 
@@ -85,6 +87,9 @@ use jiff::Timestamp;
 use crate::key::PeriodKey;
 
 pub use self::memory::MemoryStore;
+#[cfg(feature = "redis")]
+#[cfg_attr(docsrs, doc(cfg(feature = "redis")))]
+pub use self::redis::{RedisChargeFuture, RedisStore, RedisStoreBuilder, ServerClock};
 
 type BoxError = Box<dyn StdError + Send + Sync>;
 
@@ -226,7 +231,28 @@ impl StdError for StoreError {
 }
 
 /// Keeps the counters. See the [module documentation](self) for the contract
-/// every implementation keeps.
+/// every implementation keeps, and an implementation of your own.
+///
+/// Swapping the store changes only the layer's type parameter: here two
+/// layers share one [`MemoryStore`], and the test keeps a clone to look at.
+///
+/// ```
+/// use axum::{body::Body, routing::get, Router};
+/// use http::{Request, StatusCode};
+/// use tower::ServiceExt;
+/// use tower_quota::{FromHeader, MemoryStore, QuotaLayer};
+///
+/// # #[tokio::main(flavor = "current_thread")] async fn main() {
+/// let store = MemoryStore::new();
+/// let app = Router::new()
+///     .route("/read", get(|| async { "r" }))
+///     .route_layer(QuotaLayer::daily(1, FromHeader::account("x-account-id")).allowance("read").store(store.clone()));
+///
+/// let read = Request::get("/read").header("x-account-id", "acme").body(Body::empty()).unwrap();
+/// assert_eq!(app.oneshot(read).await.unwrap().status(), StatusCode::OK);
+/// assert_eq!(store.len(), 1, "one counter: acme's reads today");
+/// # }
+/// ```
 pub trait Store: Clone + Send + Sync + 'static {
     /// The future of [`Store::charge`]; named so the layer's response future
     /// can hold it without boxing.

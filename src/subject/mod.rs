@@ -212,8 +212,28 @@ impl std::error::Error for SubjectError {}
 ///     }
 /// }
 ///
+/// # #[tokio::main(flavor = "current_thread")] async fn main() {
 /// let (parts, ()) = Request::get("/").header("authorization", "ApiKey k-1").body(()).unwrap().into_parts();
 /// assert_eq!(ApiKey.extract(&parts).unwrap().id(), b"k-1");
+///
+/// // Behind the layer: a missing key is 401, a malformed one 400.
+/// use axum::{body::Body, routing::get, Router};
+/// use http::StatusCode;
+/// use tower::ServiceExt;
+/// use tower_quota::QuotaLayer;
+///
+/// let app = Router::new().route("/", get(|| async { "hi" })).layer(QuotaLayer::daily(10, ApiKey));
+/// let send = |auth: Option<&str>| {
+///     let mut request = Request::get("/");
+///     if let Some(auth) = auth {
+///         request = request.header("authorization", auth);
+///     }
+///     app.clone().oneshot(request.body(Body::empty()).unwrap())
+/// };
+/// assert_eq!(send(Some("ApiKey k-1")).await.unwrap().status(), StatusCode::OK);
+/// assert_eq!(send(None).await.unwrap().status(), StatusCode::UNAUTHORIZED);
+/// assert_eq!(send(Some("Basic eA==")).await.unwrap().status(), StatusCode::BAD_REQUEST);
+/// # }
 /// ```
 pub trait SubjectExtractor: Send + Sync + 'static {
     /// The subject charged for the request with this head.
