@@ -34,6 +34,10 @@
 //! # Features
 //!
 //! - `axum` (default): the [`QuotaStatus`] extractor for handlers.
+//! - `redis`: [`RedisStore`](store::RedisStore), counters in Redis shared by
+//!   every instance.
+//! - `redis-cluster`: the Redis store on a Redis Cluster.
+//! - `testing`: [`testing`], the conformance suite every store must pass.
 
 #![deny(unsafe_code)]
 #![warn(
@@ -56,6 +60,9 @@ mod service;
 mod status;
 pub mod store;
 pub mod subject;
+#[cfg(feature = "testing")]
+#[cfg_attr(docsrs, doc(cfg(feature = "testing")))]
+pub mod testing;
 
 pub use jiff;
 

@@ -1,0 +1,3 @@
+//! Charges per second through the Redis store.
+
+fn main() {}
