@@ -1,0 +1,499 @@
+//! The Redis store against a real `redis-server` of its own.
+
+#![cfg(feature = "redis")]
+
+mod redis_support;
+
+use std::time::{Duration, Instant};
+
+use axum::body::Body;
+use axum::routing::get;
+use axum::Router;
+use deadpool_redis::redis::{self, AsyncCommands};
+use http::{Request, StatusCode};
+use tower::ServiceExt;
+use tower_quota::jiff::{SignedDuration, Timestamp};
+use tower_quota::store::{ChargeLine, ChargeRequest, Lifetime, RedisStore, Store, StoreErrorKind};
+use tower_quota::{FromHeader, Namespace, OnStoreError, PeriodKey, Quota, QuotaLayer, Subject};
+
+use redis_support::RedisServer;
+
+fn store(server: &RedisServer) -> RedisStore {
+    RedisStore::builder(server.url())
+        .wait_timeout(Duration::from_secs(1))
+        .connect_timeout(Duration::from_secs(1))
+        .response_timeout(Duration::from_secs(1))
+        .build()
+        .expect("a Redis store")
+}
+
+async fn client(server: &RedisServer) -> redis::aio::MultiplexedConnection {
+    redis::Client::open(server.url())
+        .unwrap()
+        .get_multiplexed_async_connection()
+        .await
+        .expect("a plain connection to the test server")
+}
+
+fn key(allowance: &str) -> PeriodKey {
+    Namespace::default().key(&Subject::account("acme"), allowance, "PT1H")
+}
+
+fn first_use(
+    key: &PeriodKey,
+    limit: u64,
+    cost: u64,
+    now: Timestamp,
+    period: SignedDuration,
+) -> ChargeRequest {
+    ChargeRequest {
+        now,
+        lines: vec![ChargeLine {
+            key: key.clone(),
+            limit,
+            cost,
+            lifetime: Lifetime::FirstUse {
+                deadline: now + period,
+            },
+        }],
+    }
+}
+
+fn calendar(
+    key: &PeriodKey,
+    limit: u64,
+    cost: u64,
+    now: Timestamp,
+    end: Timestamp,
+) -> ChargeRequest {
+    ChargeRequest {
+        now,
+        lines: vec![ChargeLine {
+            key: key.clone(),
+            limit,
+            cost,
+            lifetime: Lifetime::Calendar { start: now, end },
+        }],
+    }
+}
+
+fn hour() -> SignedDuration {
+    SignedDuration::from_hours(1)
+}
+
+#[tokio::test]
+async fn a_first_use_counter_is_a_hash_of_count_and_first_call_with_a_fixed_deadline() {
+    let server = redis_server_or_skip!();
+    let store = store(&server);
+    let mut redis = client(&server).await;
+    let key = key("read");
+    // Redis keeps the first call to the millisecond.
+    let t0 = Timestamp::from_millisecond(Timestamp::now().as_millisecond()).unwrap();
+    store
+        .charge(first_use(&key, 10, 1, t0, hour()))
+        .await
+        .unwrap();
+
+    let kind: String = redis::cmd("TYPE")
+        .arg(key.as_str())
+        .query_async(&mut redis)
+        .await
+        .unwrap();
+    assert_eq!(kind, "hash");
+    let fields: Vec<(String, i64)> = redis.hgetall(key.as_str()).await.unwrap();
+    assert!(fields.contains(&("n".into(), 1)), "{fields:?}");
+    assert!(
+        fields.contains(&("t".into(), t0.as_millisecond())),
+        "{fields:?}"
+    );
+    let ttl0: i64 = redis.pttl(key.as_str()).await.unwrap();
+    assert!(
+        (3_599_000..=3_600_000).contains(&ttl0),
+        "deadline set at creation: {ttl0}"
+    );
+
+    // Later hits, each asking for a deadline an hour from its own now.
+    tokio::time::sleep(Duration::from_millis(300)).await;
+    for _ in 0..3 {
+        let outcome = store
+            .charge(first_use(&key, 10, 1, Timestamp::now(), hour()))
+            .await
+            .unwrap();
+        assert_eq!(outcome.usage[0].first_call, Some(t0));
+    }
+    let ttl1: i64 = redis.pttl(key.as_str()).await.unwrap();
+    assert!(
+        ttl1 <= ttl0 - 250,
+        "hits must not push the deadline: {ttl0} then {ttl1}"
+    );
+    let usage = store
+        .peek(first_use(&key, 10, 0, Timestamp::now(), hour()))
+        .await
+        .unwrap();
+    assert_eq!(usage[0].used, 4);
+    assert_eq!(usage[0].first_call, Some(t0), "peek returns the first call");
+    let off = usage[0].resets_at.duration_since(t0 + hour()).abs();
+    assert!(
+        off < SignedDuration::from_millis(100),
+        "reset from the remaining life, off by {off:?}"
+    );
+}
+
+#[tokio::test]
+async fn a_string_counter_from_another_tool_is_counted_in_place_and_dated() {
+    let server = redis_server_or_skip!();
+    let store = store(&server);
+    let mut redis = client(&server).await;
+    let key = key("legacy");
+    let () = redis.set(key.as_str(), 5).await.unwrap();
+
+    let outcome = store
+        .charge(first_use(&key, 10, 1, Timestamp::now(), hour()))
+        .await
+        .unwrap();
+    assert!(outcome.admitted);
+    assert_eq!(outcome.usage[0].used, 6);
+    assert_eq!(outcome.usage[0].first_call, None);
+    let kind: String = redis::cmd("TYPE")
+        .arg(key.as_str())
+        .query_async(&mut redis)
+        .await
+        .unwrap();
+    assert_eq!(
+        kind, "string",
+        "the counter is charged in place, not rewritten"
+    );
+    let ttl: i64 = redis.pttl(key.as_str()).await.unwrap();
+    assert!(
+        (3_599_000..=3_600_000).contains(&ttl),
+        "healed to one period from now: {ttl}"
+    );
+
+    assert_eq!(
+        store
+            .refund(Timestamp::now(), key.clone(), 10)
+            .await
+            .unwrap(),
+        Some(0)
+    );
+    let after: i64 = redis.pttl(key.as_str()).await.unwrap();
+    assert!(
+        after <= ttl && after > ttl - 1_000,
+        "a refund keeps the deadline: {ttl} then {after}"
+    );
+}
+
+#[tokio::test]
+async fn calendar_counters_live_past_their_window_by_grace_and_jitter() {
+    let server = redis_server_or_skip!();
+    let store = RedisStore::builder(server.url())
+        .response_timeout(Duration::from_secs(1))
+        .calendar_grace(Duration::from_secs(10))
+        .calendar_jitter(Duration::from_secs(5))
+        .build()
+        .unwrap();
+    let mut redis = client(&server).await;
+    let now = Timestamp::now();
+    let end = now + SignedDuration::from_secs(60);
+    let mut ttls = Vec::new();
+    for i in 0..20 {
+        let key =
+            Namespace::default().key(&Subject::account(format!("c{i}")), "read", "2026-12-02");
+        let outcome = store.charge(calendar(&key, 10, 1, now, end)).await.unwrap();
+        assert_eq!(
+            outcome.usage[0].resets_at, end,
+            "the reset comes from the calendar"
+        );
+        let ttl: i64 = redis.pttl(key.as_str()).await.unwrap();
+        assert!(
+            (69_000..=75_000).contains(&ttl),
+            "end + grace + jitter: {ttl}"
+        );
+        ttls.push(ttl / 100);
+        // A second charge keeps the deadline.
+        store
+            .charge(calendar(&key, 10, 1, Timestamp::now(), end))
+            .await
+            .unwrap();
+        let again: i64 = redis.pttl(key.as_str()).await.unwrap();
+        assert!(again <= ttl, "set only when missing: {ttl} then {again}");
+    }
+    ttls.sort_unstable();
+    ttls.dedup();
+    assert!(ttls.len() > 5, "jitter spreads the deadlines: {ttls:?}");
+}
+
+#[tokio::test]
+async fn a_refund_never_creates_a_counter_nor_moves_its_deadline() {
+    let server = redis_server_or_skip!();
+    let store = store(&server);
+    let mut redis = client(&server).await;
+    let missing = key("never");
+    assert_eq!(
+        store
+            .refund(Timestamp::now(), missing.clone(), 3)
+            .await
+            .unwrap(),
+        None
+    );
+    let exists: bool = redis.exists(missing.as_str()).await.unwrap();
+    assert!(!exists, "a refund must not create a counter");
+
+    let key = key("refund");
+    store
+        .charge(first_use(&key, 10, 4, Timestamp::now(), hour()))
+        .await
+        .unwrap();
+    let before: i64 = redis.pttl(key.as_str()).await.unwrap();
+    assert_eq!(
+        store
+            .refund(Timestamp::now(), key.clone(), 3)
+            .await
+            .unwrap(),
+        Some(1)
+    );
+    assert_eq!(
+        store
+            .refund(Timestamp::now(), key.clone(), 3)
+            .await
+            .unwrap(),
+        Some(0),
+        "never below zero"
+    );
+    let after: i64 = redis.pttl(key.as_str()).await.unwrap();
+    assert!(
+        after <= before,
+        "a refund must not push the deadline: {before} then {after}"
+    );
+    assert!(after > 0, "a refund must not strip the deadline");
+}
+
+#[tokio::test]
+async fn the_script_is_loaded_again_after_a_flush() {
+    let server = redis_server_or_skip!();
+    let store = store(&server);
+    let key = key("flush");
+    store
+        .charge(first_use(&key, 10, 1, Timestamp::now(), hour()))
+        .await
+        .unwrap();
+    assert_eq!(server.cli(&["script", "flush"]), "OK");
+    let exists = server.cli(&["script", "exists", store.script_sha()]);
+    assert_eq!(exists, "0");
+    let outcome = store
+        .charge(first_use(&key, 10, 1, Timestamp::now(), hour()))
+        .await
+        .unwrap();
+    assert_eq!(outcome.usage[0].used, 2);
+    assert_eq!(server.cli(&["script", "exists", store.script_sha()]), "1");
+}
+
+#[tokio::test]
+async fn a_charge_that_times_out_is_an_error_and_is_not_sent_again() {
+    let server = redis_server_or_skip!();
+    let store = RedisStore::builder(server.url())
+        .response_timeout(Duration::from_millis(100))
+        .build()
+        .unwrap();
+    let key = key("slow");
+    store
+        .charge(first_use(&key, 10, 1, Timestamp::now(), hour()))
+        .await
+        .unwrap();
+
+    // Hold every client's commands for 600 ms, as a busy server would.
+    assert_eq!(server.cli(&["client", "pause", "600", "all"]), "OK");
+    let started = Instant::now();
+    let error = store
+        .charge(first_use(&key, 10, 1, Timestamp::now(), hour()))
+        .await
+        .expect_err("a server that does not answer in time is an error");
+    assert_eq!(error.kind(), StoreErrorKind::Timeout, "{error}");
+    assert!(
+        started.elapsed() < Duration::from_millis(400),
+        "timed out after {:?}",
+        started.elapsed()
+    );
+
+    tokio::time::sleep(Duration::from_millis(900)).await;
+    let used = server.cli(&["hget", key.as_str(), "n"]);
+    assert!(
+        used == "1" || used == "2",
+        "the timed-out charge ran at most once: n = {used}"
+    );
+    let outcome = store
+        .charge(first_use(&key, 10, 0, Timestamp::now(), hour()))
+        .await
+        .unwrap();
+    assert_eq!(
+        outcome.usage[0].used.to_string(),
+        used,
+        "the store works again after a timeout"
+    );
+}
+
+#[tokio::test]
+async fn requests_succeed_again_after_a_restart() {
+    let mut server = redis_server_or_skip!();
+    let store = RedisStore::new(server.url()).unwrap();
+    let key = key("restart");
+    store
+        .charge(first_use(&key, 10, 1, Timestamp::now(), hour()))
+        .await
+        .unwrap();
+
+    server.kill();
+    let started = Instant::now();
+    let error = store
+        .charge(first_use(&key, 10, 1, Timestamp::now(), hour()))
+        .await
+        .expect_err("a dead server is an error");
+    assert!(
+        matches!(
+            error.kind(),
+            StoreErrorKind::Unavailable | StoreErrorKind::Timeout
+        ),
+        "{error}"
+    );
+    assert!(
+        started.elapsed() < Duration::from_millis(500),
+        "failed after {:?}",
+        started.elapsed()
+    );
+    let error = store
+        .charge(first_use(&key, 10, 1, Timestamp::now(), hour()))
+        .await
+        .unwrap_err();
+    assert_eq!(error.kind(), StoreErrorKind::Unavailable, "{error}");
+
+    server.restart();
+    let outcome = store
+        .charge(first_use(&key, 10, 1, Timestamp::now(), hour()))
+        .await
+        .expect("the first charge after the restart succeeds");
+    // Nothing was persisted: the restart lost the counter.
+    assert_eq!(outcome.usage[0].used, 1);
+}
+
+#[tokio::test]
+async fn out_of_memory_under_noeviction_is_a_store_error() {
+    let server = redis_server_or_skip!();
+    let store = store(&server);
+    let key = key("oom");
+    store
+        .charge(first_use(&key, 10, 1, Timestamp::now(), hour()))
+        .await
+        .unwrap();
+    assert_eq!(server.cli(&["config", "set", "maxmemory", "1"]), "OK");
+    let error = store
+        .charge(first_use(&key, 10, 1, Timestamp::now(), hour()))
+        .await
+        .expect_err("a full server refuses the charge");
+    assert_eq!(error.kind(), StoreErrorKind::Unavailable, "{error}");
+    assert_eq!(server.cli(&["config", "set", "maxmemory", "0"]), "OK");
+    let outcome = store
+        .charge(first_use(&key, 10, 1, Timestamp::now(), hour()))
+        .await
+        .unwrap();
+    assert_eq!(outcome.usage[0].used, 2, "the refused charge spent nothing");
+}
+
+#[tokio::test]
+async fn an_unreachable_server_fails_fast() {
+    let port = redis_support::free_port();
+    let store = RedisStore::new(format!("redis://127.0.0.1:{port}/")).unwrap();
+    let started = Instant::now();
+    let error = store
+        .charge(first_use(&key("x"), 10, 1, Timestamp::now(), hour()))
+        .await
+        .unwrap_err();
+    assert_eq!(error.kind(), StoreErrorKind::Unavailable, "{error}");
+    assert!(started.elapsed() < Duration::from_millis(500));
+}
+
+#[tokio::test]
+async fn the_server_clock_follows_redis() {
+    let server = redis_server_or_skip!();
+    let store = store(&server);
+    let clock = store.server_clock(Duration::from_millis(50)).await.unwrap();
+    // Same machine, same clock: the offset is the measuring error only.
+    assert!(
+        clock.offset().abs() < SignedDuration::from_millis(50),
+        "{clock:?}"
+    );
+    use tower_quota::Clock;
+    let off = clock.now().duration_since(Timestamp::now()).abs();
+    assert!(off < SignedDuration::from_millis(50));
+}
+
+fn app(store: RedisStore, limit: u64) -> Router {
+    Router::new().route("/", get(|| async { "ok" })).layer(
+        QuotaLayer::new(FromHeader::account("x-account-id"))
+            .quota(Quota::daily(limit))
+            .quota(Quota::rolling(limit * 10, Duration::from_secs(3600)))
+            .store(store)
+            .store_timeout(Some(Duration::from_secs(2))),
+    )
+}
+
+fn call(account: &str) -> Request<Body> {
+    Request::get("/")
+        .header("x-account-id", account)
+        .body(Body::empty())
+        .unwrap()
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn two_instances_sharing_one_redis_enforce_one_quota_exactly() {
+    let server = redis_server_or_skip!();
+    let instances = [app(store(&server), 25), app(store(&server), 25)];
+    let mut calls = tokio::task::JoinSet::new();
+    for i in 0..80 {
+        let app = instances[i % 2].clone();
+        calls.spawn(async move { app.oneshot(call("shared")).await.unwrap().status() });
+    }
+    let mut ok = 0;
+    let mut refused = 0;
+    while let Some(status) = calls.join_next().await {
+        match status.unwrap() {
+            StatusCode::OK => ok += 1,
+            StatusCode::TOO_MANY_REQUESTS => refused += 1,
+            other => panic!("unexpected status {other}"),
+        }
+    }
+    assert_eq!((ok, refused), (25, 55));
+    let other = instances[0].clone().oneshot(call("other")).await.unwrap();
+    assert_eq!(
+        other.status(),
+        StatusCode::OK,
+        "subjects do not share counters"
+    );
+}
+
+#[tokio::test]
+async fn a_dead_server_is_answered_by_the_layer_policy() {
+    let mut server = redis_server_or_skip!();
+    let closed = app(RedisStore::new(server.url()).unwrap(), 5);
+    let open = Router::new().route("/", get(|| async { "ok" })).layer(
+        QuotaLayer::daily(5, FromHeader::account("x-account-id"))
+            .store(RedisStore::new(server.url()).unwrap())
+            .on_store_error(OnStoreError::FailOpen),
+    );
+    assert_eq!(
+        closed.clone().oneshot(call("a")).await.unwrap().status(),
+        StatusCode::OK
+    );
+    server.kill();
+    let refused = closed.clone().oneshot(call("a")).await.unwrap();
+    assert_eq!(refused.status(), StatusCode::SERVICE_UNAVAILABLE);
+    assert!(refused.headers().contains_key("retry-after"));
+    assert_eq!(
+        open.clone().oneshot(call("a")).await.unwrap().status(),
+        StatusCode::OK
+    );
+    server.restart();
+    assert_eq!(
+        closed.oneshot(call("a")).await.unwrap().status(),
+        StatusCode::OK
+    );
+}
