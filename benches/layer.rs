@@ -1,1 +1,117 @@
-fn main(){}
+//! The whole `QuotaLayer` (one daily quota, the memory store, the subject
+//! from `x-account-id`, the system clock) around a service that answers at
+//! once, against that bare service as a baseline: the layer's cost per
+//! request is `layer - baseline`.
+//!
+//! The timing covers building a request, `ready().await`,
+//! `call(request).await` and dropping the response, one request after the
+//! other on a current-thread tokio runtime.
+//!
+//! `cargo bench --bench layer`
+
+use std::convert::Infallible;
+use std::hint::black_box;
+use std::time::{Duration, Instant};
+
+use criterion::{criterion_group, criterion_main, Criterion};
+use http::{HeaderValue, Request, Response, StatusCode};
+use tokio::runtime::Runtime;
+use tower::{service_fn, Layer, Service, ServiceExt};
+use tower_quota::{FromHeader, QuotaLayer};
+
+const HEADER: &str = "x-account-id";
+
+/// More than the benchmark ever spends on one subject.
+const LIMIT: u64 = 1 << 40;
+
+async fn trivial(_: Request<()>) -> Result<Response<String>, Infallible> {
+    Ok(Response::new(String::new()))
+}
+
+/// Requests naming the subjects in turn, from where the last batch stopped.
+struct Subjects {
+    ids: Vec<HeaderValue>,
+    next: usize,
+}
+
+impl Subjects {
+    fn new(count: usize) -> Self {
+        let ids = (0..count)
+            .map(|i| HeaderValue::try_from(format!("account-{i:06}")).expect("a header value"))
+            .collect();
+        Self { ids, next: 0 }
+    }
+
+    fn request(&mut self) -> Request<()> {
+        let mut request = Request::new(());
+        request
+            .headers_mut()
+            .insert(HEADER, self.ids[self.next].clone());
+        self.next = (self.next + 1) % self.ids.len();
+        request
+    }
+}
+
+/// Sends `iters` requests through `service`, one after the other, and
+/// returns how long that took. Building each request (a header map with one
+/// entry) is timed too, in the baseline as in the layer, so it cancels out in
+/// `layer - baseline`; building them all beforehand would instead time cold
+/// memory and page faults.
+fn drive<S>(runtime: &Runtime, service: &mut S, subjects: &mut Subjects, iters: u64) -> Duration
+where
+    S: Service<Request<()>, Error = Infallible>,
+{
+    runtime.block_on(async {
+        let start = Instant::now();
+        for _ in 0..iters {
+            let request = subjects.request();
+            let response = service.ready().await.unwrap().call(request).await.unwrap();
+            black_box(response);
+        }
+        start.elapsed()
+    })
+}
+
+fn layer(c: &mut Criterion) {
+    let runtime = tokio::runtime::Builder::new_current_thread()
+        .enable_all()
+        .build()
+        .expect("a tokio runtime");
+    let mut group = c.benchmark_group("layer");
+    group
+        .warm_up_time(Duration::from_secs(1))
+        .measurement_time(Duration::from_secs(3));
+
+    let mut bare = service_fn(trivial);
+    let mut subjects = Subjects::new(1);
+    group.bench_function("baseline (no layer)", |b| {
+        b.iter_custom(|iters| drive(&runtime, &mut bare, &mut subjects, iters));
+    });
+
+    for (count, name) in [(1, "1 subject"), (100_000, "100000 subjects")] {
+        let mut service =
+            QuotaLayer::daily(LIMIT, FromHeader::account(HEADER)).layer(service_fn(trivial));
+        let mut subjects = Subjects::new(count);
+        // Every counter exists already: the steady state of a busy day.
+        runtime.block_on(async {
+            for _ in 0..count {
+                let response = service
+                    .ready()
+                    .await
+                    .unwrap()
+                    .call(subjects.request())
+                    .await
+                    .unwrap();
+                assert_eq!(response.status(), StatusCode::OK);
+                assert!(response.headers().contains_key("ratelimit"));
+            }
+        });
+        group.bench_function(name, |b| {
+            b.iter_custom(|iters| drive(&runtime, &mut service, &mut subjects, iters));
+        });
+    }
+    group.finish();
+}
+
+criterion_group!(benches, layer);
+criterion_main!(benches);
