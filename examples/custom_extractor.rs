@@ -16,7 +16,10 @@ struct BearerKey;
 
 impl SubjectExtractor for BearerKey {
     fn extract(&self, parts: &Parts) -> Result<Subject, SubjectError> {
-        let header = parts.headers.get(AUTHORIZATION).ok_or(SubjectError::Missing)?;
+        let header = parts
+            .headers
+            .get(AUTHORIZATION)
+            .ok_or(SubjectError::Missing)?;
         let key = header
             .as_bytes()
             .strip_prefix(b"Bearer ")
@@ -34,9 +37,13 @@ async fn main() {
     let layer = QuotaLayer::new(BearerKey)
         .quota(Quota::per_minute(10))
         .quota(Quota::daily(1_000));
-    let app = Router::new().route("/", get(|| async { "hello\n" })).layer(layer);
+    let app = Router::new()
+        .route("/", get(|| async { "hello\n" }))
+        .layer(layer);
 
-    let listener = tokio::net::TcpListener::bind("127.0.0.1:3000").await.unwrap();
+    let listener = tokio::net::TcpListener::bind("127.0.0.1:3000")
+        .await
+        .unwrap();
     println!("listening on http://{}", listener.local_addr().unwrap());
     axum::serve(listener, app).await.unwrap();
 }

@@ -12,9 +12,14 @@ use tower_quota::{FromHeader, QuotaLayer};
 async fn main() {
     let app = Router::new()
         .route("/", get(|| async { "hello\n" }))
-        .layer(QuotaLayer::daily(1_000, FromHeader::account("x-account-id")));
+        .layer(QuotaLayer::daily(
+            1_000,
+            FromHeader::account("x-account-id"),
+        ));
 
-    let listener = tokio::net::TcpListener::bind("127.0.0.1:3000").await.unwrap();
+    let listener = tokio::net::TcpListener::bind("127.0.0.1:3000")
+        .await
+        .unwrap();
     println!("listening on http://{}", listener.local_addr().unwrap());
     axum::serve(listener, app).await.unwrap();
 }

@@ -28,11 +28,12 @@ use http::{HeaderMap, StatusCode};
 use serde_json::{json, Value};
 use tower_quota::jiff::tz::TimeZone;
 use tower_quota::{
-    Anchor, FromHeader, InvalidCost, MemoryStore, OnStoreError, Period, Quota, QuotaHandle, QuotaLayer, Store,
-    Subject, SubjectError, SubjectExtractor,
+    Anchor, FromHeader, InvalidCost, MemoryStore, OnStoreError, Period, Quota, QuotaHandle,
+    QuotaLayer, Store, Subject, SubjectError, SubjectExtractor,
 };
 
-const USAGE: &str = "usage: server [--listen ADDR] [--limit N] [--period 10s|1m|1h|1d|1w|1mo|Ns|Nm|Nh] \
+const USAGE: &str =
+    "usage: server [--listen ADDR] [--limit N] [--period 10s|1m|1h|1d|1w|1mo|Ns|Nm|Nh] \
 [--anchor calendar|first-use] [--tz ZONE] [--subject account|user|device] [--store memory] \
 [--on-store-error open|closed] [--quota on|off]";
 
@@ -53,13 +54,14 @@ fn fail(message: &str) -> ! {
 }
 
 fn parse_period(text: &str) -> Result<Period, String> {
-    let split = text.find(|c: char| !c.is_ascii_digit()).unwrap_or(text.len());
+    let split = text
+        .find(|c: char| !c.is_ascii_digit())
+        .unwrap_or(text.len());
     let (number, unit) = text.split_at(split);
-    let n: u64 = number
-        .parse()
-        .ok()
-        .filter(|n| *n > 0)
-        .ok_or_else(|| format!("--period {text:?}: expected a positive whole number and a unit"))?;
+    let n: u64 =
+        number.parse().ok().filter(|n| *n > 0).ok_or_else(|| {
+            format!("--period {text:?}: expected a positive whole number and a unit")
+        })?;
     let fixed = |secs: u64| Ok(Period::fixed(Duration::from_secs(secs)));
     match (n, unit) {
         (1, "m") => Ok(Period::minute()),
@@ -96,7 +98,9 @@ fn parse_args() -> Options {
             println!("{USAGE}");
             exit(0);
         }
-        let value = args.next().unwrap_or_else(|| fail(&format!("{flag} needs a value")));
+        let value = args
+            .next()
+            .unwrap_or_else(|| fail(&format!("{flag} needs a value")));
         match flag.as_str() {
             "--listen" => {
                 options.listen = value
@@ -104,9 +108,9 @@ fn parse_args() -> Options {
                     .unwrap_or_else(|_| fail(&format!("--listen {value:?}: expected ADDR:PORT")))
             }
             "--limit" => {
-                options.limit = value
-                    .parse()
-                    .unwrap_or_else(|_| fail(&format!("--limit {value:?}: expected a whole number")))
+                options.limit = value.parse().unwrap_or_else(|_| {
+                    fail(&format!("--limit {value:?}: expected a whole number"))
+                })
             }
             "--period" => options.period = parse_period(&value).unwrap_or_else(|e| fail(&e)),
             "--anchor" => {
@@ -177,7 +181,10 @@ struct Handles<St> {
     write: QuotaHandle<St>,
 }
 
-async fn quota_status<St: Store>(State(handles): State<Handles<St>>, headers: HeaderMap) -> Response {
+async fn quota_status<St: Store>(
+    State(handles): State<Handles<St>>,
+    headers: HeaderMap,
+) -> Response {
     let (parts, ()) = {
         let mut request = http::Request::new(());
         *request.headers_mut() = headers;
@@ -200,7 +207,9 @@ async fn quota_status<St: Store>(State(handles): State<Handles<St>>, headers: He
     for (allowance, handle) in [("read", &handles.read), ("write", &handles.write)] {
         let usage = match handle.usage(&subject).await {
             Ok(usage) => usage,
-            Err(error) => return (StatusCode::SERVICE_UNAVAILABLE, format!("{error}\n")).into_response(),
+            Err(error) => {
+                return (StatusCode::SERVICE_UNAVAILABLE, format!("{error}\n")).into_response()
+            }
         };
         let entry = &usage[0];
         body.insert(
@@ -229,7 +238,9 @@ fn app<St: Store>(options: &Options, store: St) -> Router {
             .merge(write_routes)
             .route("/quota", get(|| async { Json(json!({})) }));
     }
-    let quota = |tag: &str| Quota::new(options.limit, options.period.clone(), options.anchor).allowance(tag);
+    let quota = |tag: &str| {
+        Quota::new(options.limit, options.period.clone(), options.anchor).allowance(tag)
+    };
     let layer = |tag: &str| {
         QuotaLayer::new(options.subject.clone())
             .quota(quota(tag))
@@ -256,7 +267,9 @@ fn app<St: Store>(options: &Options, store: St) -> Router {
 async fn serve(options: Options) {
     let app = match options.store.as_str() {
         "memory" => app(&options, MemoryStore::new()),
-        other => fail(&format!("--store {other:?}: this build knows the store `memory`")),
+        other => fail(&format!(
+            "--store {other:?}: this build knows the store `memory`"
+        )),
     };
     let listener = tokio::net::TcpListener::bind(options.listen)
         .await

@@ -162,7 +162,11 @@ pub(crate) fn quota_exceeded(
                 cost,
                 usage
                     .resets_at
-                    .round(TimestampRound::new().smallest(Unit::Second).mode(RoundMode::Ceil))
+                    .round(
+                        TimestampRound::new()
+                            .smallest(Unit::Second)
+                            .mode(RoundMode::Ceil)
+                    )
                     .unwrap_or(usage.resets_at),
             )
         }
