@@ -1,3 +1,184 @@
-//! Charges per second through the Redis store.
+//! Charges per second through the Redis store with 64 concurrent callers,
+//! beside `redis-benchmark` running `EVALSHA` of the same script with the
+//! same arguments at the same concurrency, against the same server, in the
+//! same run.
+//!
+//! ```text
+//! cargo bench --features redis --bench redis
+//! ```
+//!
+//! Environment: `BENCH_N` charges per round (default 200000), `BENCH_ROUNDS`
+//! rounds of each (default 3), `BENCH_POOL` the store's pool size (default
+//! 64, one connection per caller, as `redis-benchmark -c 64` opens).
 
-fn main() {}
+#[path = "../tests/redis_support/mod.rs"]
+mod redis_support;
+
+use std::process::Command;
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use jiff::{SignedDuration, Timestamp};
+use tower_quota::store::{ChargeLine, ChargeRequest, Lifetime, RedisStore, Store};
+use tower_quota::PeriodKey;
+
+const CALLERS: usize = 64;
+const SUBJECTS: u64 = 10_000;
+const LIMIT: u64 = 1_000_000_000_000;
+
+fn env(name: &str, default: usize) -> usize {
+    std::env::var(name)
+        .ok()
+        .and_then(|v| v.parse().ok())
+        .unwrap_or(default)
+}
+
+fn main() {
+    // `cargo bench` passes `--bench`; `cargo test --benches` does not, and
+    // only checks that the benchmark builds.
+    if !std::env::args().any(|a| a == "--bench") {
+        return;
+    }
+    if !redis_support::redis_available() {
+        return;
+    }
+    let n = env("BENCH_N", 200_000);
+    let rounds = env("BENCH_ROUNDS", 3);
+    let pool = env("BENCH_POOL", CALLERS);
+    let server = redis_support::RedisServer::start();
+    let runtime = tokio::runtime::Builder::new_multi_thread()
+        .enable_all()
+        .build()
+        .unwrap();
+    let store = RedisStore::builder(server.url())
+        .pool_size(pool)
+        .wait_timeout(Duration::from_secs(1))
+        .connect_timeout(Duration::from_secs(1))
+        .response_timeout(Duration::from_secs(1))
+        .build()
+        .unwrap();
+
+    // Every charge: one calendar line of one of SUBJECTS subjects, ending an
+    // hour from now, always with room.
+    let now = Timestamp::now();
+    let end = now + SignedDuration::from_hours(1);
+    let ttl_ms = end.as_millisecond() - now.as_millisecond() + 60_000 + 60_000;
+    runtime.block_on(charge_all(&store, now, end, 1_000));
+
+    let redis_benchmark_args: Vec<String> = [
+        "-h",
+        "127.0.0.1",
+        "-p",
+        &server.port().to_string(),
+        "-c",
+        &CALLERS.to_string(),
+        "-P",
+        "1",
+        "-n",
+        &n.to_string(),
+        "-r",
+        &SUBJECTS.to_string(),
+        "--csv",
+        "EVALSHA",
+        store.script_sha(),
+        "1",
+        "quota:{account:__rand_int__}:default:2026-12-02",
+        "c",
+        &now.as_millisecond().to_string(),
+        &LIMIT.to_string(),
+        "1",
+        "c",
+        // The store adds grace and jitter from the key; a fixed TTL of the
+        // same size here.
+        &ttl_ms.to_string(),
+    ]
+    .iter()
+    .map(|s| s.to_string())
+    .collect();
+
+    println!(
+        "redis-server {}",
+        server
+            .cli(&["info", "server"])
+            .lines()
+            .find(|l| l.starts_with("redis_version"))
+            .unwrap_or("")
+    );
+    println!("store: {CALLERS} concurrent callers, pool of {pool}, {n} charges per round");
+    println!("redis-benchmark {}", redis_benchmark_args.join(" "));
+    let mut store_rates = Vec::new();
+    let mut baseline_rates = Vec::new();
+    for round in 1..=rounds {
+        let started = Instant::now();
+        runtime.block_on(charge_all(&store, now, end, n));
+        let store_rate = n as f64 / started.elapsed().as_secs_f64();
+
+        let output = Command::new("redis-benchmark")
+            .args(&redis_benchmark_args)
+            .output()
+            .expect("redis-benchmark runs");
+        let text = String::from_utf8_lossy(&output.stdout);
+        let baseline_rate = parse_rps(&text)
+            .unwrap_or_else(|| panic!("no rate in redis-benchmark's output: {text}"));
+        println!(
+            "round {round}: RedisStore {store_rate:>9.0} charges/s   redis-benchmark EVALSHA {baseline_rate:>9.0} req/s   ratio {:.2}",
+            store_rate / baseline_rate
+        );
+        store_rates.push(store_rate);
+        baseline_rates.push(baseline_rate);
+    }
+    let (store_rate, baseline_rate) = (median(store_rates), median(baseline_rates));
+    println!(
+        "median: RedisStore {store_rate:.0} charges/s, redis-benchmark {baseline_rate:.0} req/s, ratio {:.2}",
+        store_rate / baseline_rate
+    );
+    let keys = server.cli(&["dbsize"]);
+    println!("counters in the server: {keys}");
+}
+
+async fn charge_all(store: &RedisStore, now: Timestamp, end: Timestamp, n: usize) {
+    let next = Arc::new(std::sync::atomic::AtomicUsize::new(0));
+    let mut callers = tokio::task::JoinSet::new();
+    for caller in 0..CALLERS {
+        let store = store.clone();
+        let next = Arc::clone(&next);
+        callers.spawn(async move {
+            let mut subject = (caller as u64).wrapping_mul(0x9E37_79B9_7F4A_7C15);
+            while next.fetch_add(1, std::sync::atomic::Ordering::Relaxed) < n {
+                subject = subject
+                    .wrapping_mul(6364136223846793005)
+                    .wrapping_add(1442695040888963407);
+                let key = PeriodKey::from_string(format!(
+                    "quota:{{account:{:012}}}:default:2026-12-02",
+                    (subject >> 33) % SUBJECTS
+                ));
+                let request = ChargeRequest {
+                    now,
+                    lines: vec![ChargeLine {
+                        key,
+                        limit: LIMIT,
+                        cost: 1,
+                        lifetime: Lifetime::Calendar { start: now, end },
+                    }],
+                };
+                let outcome = store.charge(request).await.expect("a charge");
+                assert!(outcome.admitted);
+            }
+        });
+    }
+    while let Some(result) = callers.join_next().await {
+        result.unwrap();
+    }
+}
+
+/// The rate in `redis-benchmark --csv` output: the line after the header,
+/// second field.
+fn parse_rps(csv: &str) -> Option<f64> {
+    let line = csv.lines().find(|l| l.starts_with("\"EVALSHA"))?;
+    line.split(',').nth(1)?.trim_matches('"').parse().ok()
+}
+
+fn median(mut values: Vec<f64>) -> f64 {
+    values.sort_by(f64::total_cmp);
+    values[values.len() / 2]
+}

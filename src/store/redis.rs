@@ -8,13 +8,19 @@ use std::sync::atomic::{AtomicI64, Ordering};
 use std::sync::{Arc, Weak};
 use std::time::Duration;
 
-use deadpool_redis::redis::{self, aio::ConnectionLike, ErrorKind, RedisError, Script, Value};
-use deadpool_redis::{Manager, Pool, PoolConfig, PoolError, Runtime, Timeouts};
+use deadpool::managed::{PoolConfig, PoolError, Timeouts};
+use deadpool::Runtime;
+use deadpool_redis::redis::{self, ErrorKind, RedisError, Script};
+use deadpool_redis::Pool;
 use jiff::{SignedDuration, Timestamp};
 
 use super::{ChargeOutcome, ChargeRequest, Lifetime, Store, StoreError, StoreErrorKind, Usage};
 use crate::key::PeriodKey;
 use crate::period::Clock;
+
+use self::connection::{Connection, Connections, ServerManager};
+
+mod connection;
 
 /// The counters script: check-then-commit for charges, plus peek, refund
 /// and the server's time, so that one SHA serves every call.
@@ -120,12 +126,6 @@ struct Inner {
     response_timeout: Duration,
     calendar_grace: Duration,
     calendar_jitter: Duration,
-}
-
-enum Connections {
-    Single(Pool),
-    #[cfg(feature = "redis-cluster")]
-    Cluster(deadpool_redis::cluster::Pool),
 }
 
 enum Source {
@@ -252,7 +252,10 @@ impl RedisStore {
         let mut invocation = self.inner.script.key(CLOCK_KEY);
         invocation.arg("t");
         let (secs, micros): (i64, i64) = self
-            .exchange(|mut conn| async move { invocation.invoke_async(&mut conn).await })
+            .exchange(|mut conn| async move {
+                let result = invocation.invoke_async(&mut conn).await;
+                (conn, result)
+            })
             .await?;
         let after = Timestamp::now();
         let local = (before.as_microsecond() + after.as_microsecond()) / 2;
@@ -260,15 +263,22 @@ impl RedisStore {
     }
 
     /// Takes a connection and runs `f` on it, each step within its timeout.
+    /// A connection whose command failed on the wire is closed rather than
+    /// returned to the pool; nothing is sent again.
     async fn exchange<T, F, Fut>(&self, f: F) -> Result<T, StoreError>
     where
         F: FnOnce(Connection) -> Fut,
-        Fut: Future<Output = Result<T, RedisError>>,
+        Fut: Future<Output = (Connection, Result<T, RedisError>)>,
     {
         let inner = &self.inner;
-        let get = inner.wait_timeout + inner.connect_timeout;
-        let conn = match tokio::time::timeout(get, inner.connection()).await {
-            Ok(conn) => conn?,
+        let timeouts = Timeouts {
+            wait: Some(inner.wait_timeout),
+            create: Some(inner.connect_timeout),
+            recycle: Some(inner.response_timeout),
+        };
+        let get = inner.wait_timeout + inner.connect_timeout + inner.response_timeout;
+        let conn = match tokio::time::timeout(get, inner.connections.get(&timeouts)).await {
+            Ok(conn) => conn.map_err(pool_error)?,
             Err(_) => {
                 return Err(StoreError::new(
                     StoreErrorKind::Timeout,
@@ -276,12 +286,31 @@ impl RedisStore {
                 ))
             }
         };
-        match tokio::time::timeout(inner.response_timeout, f(conn)).await {
-            Ok(result) => result.map_err(redis_error),
-            Err(_) => Err(StoreError::new(
-                StoreErrorKind::Timeout,
-                "Redis did not answer in time",
-            )),
+        // The store's own pools give each connection the response timeout;
+        // others are bounded here.
+        let answer = if inner.connections.time_their_answers() {
+            f(conn).await
+        } else {
+            match tokio::time::timeout(inner.response_timeout, f(conn)).await {
+                Ok(answer) => answer,
+                Err(_) => {
+                    return Err(StoreError::new(
+                        StoreErrorKind::Timeout,
+                        "Redis did not answer in time",
+                    ))
+                }
+            }
+        };
+        match answer {
+            (_, Ok(value)) => Ok(value),
+            (conn, Err(error)) => {
+                // A late answer does not spoil a multiplexed connection; a
+                // broken one is closed so the pool opens a fresh one.
+                if !error.is_timeout() && (error.is_unrecoverable_error() || error.is_io_error()) {
+                    conn.discard();
+                }
+                Err(redis_error(error))
+            }
         }
     }
 
@@ -291,8 +320,11 @@ impl RedisStore {
         &self,
         command: redis::Cmd,
     ) -> Result<T, StoreError> {
-        self.exchange(|mut conn| async move { command.query_async(&mut conn).await })
-            .await
+        self.exchange(|mut conn| async move {
+            let result = command.query_async(&mut conn).await;
+            (conn, result)
+        })
+        .await
     }
 
     async fn lines(
@@ -328,7 +360,10 @@ impl RedisStore {
                 .arg(ttl);
         }
         let reply: Vec<i64> = self
-            .exchange(|mut conn| async move { invocation.invoke_async(&mut conn).await })
+            .exchange(|mut conn| async move {
+                let result = invocation.invoke_async(&mut conn).await;
+                (conn, result)
+            })
             .await?;
         if reply.len() != 1 + 4 * request.lines.len() {
             return Err(StoreError::new(
@@ -373,75 +408,6 @@ impl RedisStore {
             })
             .collect();
         Ok(ChargeOutcome { admitted, usage })
-    }
-}
-
-impl Inner {
-    async fn connection(&self) -> Result<Connection, StoreError> {
-        let timeouts = Timeouts {
-            wait: Some(self.wait_timeout),
-            create: Some(self.connect_timeout),
-            recycle: Some(self.response_timeout),
-        };
-        match &self.connections {
-            Connections::Single(pool) => match pool.timeout_get(&timeouts).await {
-                Ok(conn) => Ok(Connection::Single(conn)),
-                // A pool built without a runtime cannot time its own waits;
-                // the caller's timeout bounds it instead.
-                Err(PoolError::NoRuntimeSpecified) => {
-                    pool.get().await.map(Connection::Single).map_err(pool_error)
-                }
-                Err(e) => Err(pool_error(e)),
-            },
-            #[cfg(feature = "redis-cluster")]
-            Connections::Cluster(pool) => match pool.timeout_get(&timeouts).await {
-                Ok(conn) => Ok(Connection::Cluster(conn)),
-                Err(PoolError::NoRuntimeSpecified) => pool
-                    .get()
-                    .await
-                    .map(Connection::Cluster)
-                    .map_err(pool_error),
-                Err(e) => Err(pool_error(e)),
-            },
-        }
-    }
-}
-
-/// A pooled connection to a server or a cluster.
-enum Connection {
-    Single(deadpool_redis::Connection),
-    #[cfg(feature = "redis-cluster")]
-    Cluster(deadpool_redis::cluster::Connection),
-}
-
-impl ConnectionLike for Connection {
-    fn req_packed_command<'a>(&'a mut self, cmd: &'a redis::Cmd) -> redis::RedisFuture<'a, Value> {
-        match self {
-            Connection::Single(conn) => conn.req_packed_command(cmd),
-            #[cfg(feature = "redis-cluster")]
-            Connection::Cluster(conn) => conn.req_packed_command(cmd),
-        }
-    }
-
-    fn req_packed_commands<'a>(
-        &'a mut self,
-        cmd: &'a redis::Pipeline,
-        offset: usize,
-        count: usize,
-    ) -> redis::RedisFuture<'a, Vec<Value>> {
-        match self {
-            Connection::Single(conn) => conn.req_packed_commands(cmd, offset, count),
-            #[cfg(feature = "redis-cluster")]
-            Connection::Cluster(conn) => conn.req_packed_commands(cmd, offset, count),
-        }
-    }
-
-    fn get_db(&self) -> i64 {
-        match self {
-            Connection::Single(conn) => conn.get_db(),
-            #[cfg(feature = "redis-cluster")]
-            Connection::Cluster(conn) => conn.get_db(),
-        }
     }
 }
 
@@ -526,38 +492,47 @@ impl RedisStoreBuilder {
             config.timeouts = timeouts;
             config
         };
+        let invalid = |what: &str, e: RedisError| {
+            StoreError::new(StoreErrorKind::Other, format!("invalid Redis {what}")).with_source(e)
+        };
+        let unbuilt = |e: deadpool::managed::BuildError| {
+            StoreError::new(StoreErrorKind::Other, "cannot build the Redis pool").with_source(e)
+        };
         let connections = match self.source {
             Source::Url(url) => {
-                let connection = redis::AsyncConnectionConfig::new()
-                    .set_connection_timeout(Some(self.connect_timeout))
-                    .set_response_timeout(Some(self.response_timeout));
-                let manager = Manager::new_with_config(url.as_str(), connection).map_err(|e| {
-                    StoreError::new(StoreErrorKind::Other, format!("invalid Redis URL {url:?}"))
-                        .with_source(e)
-                })?;
-                let pool = Pool::builder(manager)
+                let manager = ServerManager {
+                    client: redis::Client::open(url.as_str()).map_err(|e| invalid("URL", e))?,
+                    config: redis::AsyncConnectionConfig::new()
+                        .set_connection_timeout(Some(self.connect_timeout))
+                        .set_response_timeout(Some(self.response_timeout)),
+                };
+                let pool = deadpool::managed::Pool::builder(manager)
                     .config(pool_config(self.pool_size))
                     .runtime(Runtime::Tokio1)
                     .build()
-                    .map_err(|e| {
-                        StoreError::new(StoreErrorKind::Other, "cannot build the Redis pool")
-                            .with_source(e)
-                    })?;
-                Connections::Single(pool)
+                    .map_err(unbuilt)?;
+                Connections::Server(pool)
             }
-            Source::Pool(pool) => Connections::Single(pool),
+            Source::Pool(pool) => Connections::Pool(pool),
             #[cfg(feature = "redis-cluster")]
             Source::ClusterUrls(urls) => {
-                let mut config = deadpool_redis::cluster::Config::from_urls(urls);
-                config.pool = Some(pool_config(self.pool_size));
-                let pool = config.create_pool(Some(Runtime::Tokio1)).map_err(|e| {
-                    StoreError::new(StoreErrorKind::Other, "cannot build the Redis Cluster pool")
-                        .with_source(e)
-                })?;
+                let client = redis::cluster::ClusterClientBuilder::new(urls)
+                    // A charge is never sent twice; see the connection module.
+                    .retries(0)
+                    .connection_timeout(self.connect_timeout)
+                    .response_timeout(self.response_timeout)
+                    .build()
+                    .map_err(|e| invalid("cluster URLs", e))?;
+                let pool =
+                    deadpool::managed::Pool::builder(self::connection::ClusterManager { client })
+                        .config(pool_config(self.pool_size))
+                        .runtime(Runtime::Tokio1)
+                        .build()
+                        .map_err(unbuilt)?;
                 Connections::Cluster(pool)
             }
             #[cfg(feature = "redis-cluster")]
-            Source::ClusterPool(pool) => Connections::Cluster(pool),
+            Source::ClusterPool(pool) => Connections::ClusterPool(pool),
         };
         Ok(RedisStore {
             inner: Arc::new(Inner {
@@ -598,13 +573,9 @@ impl fmt::Debug for RedisStoreBuilder {
 impl fmt::Debug for RedisStore {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         let inner = &self.inner;
-        let (kind, status) = match &inner.connections {
-            Connections::Single(pool) => ("single", pool.status()),
-            #[cfg(feature = "redis-cluster")]
-            Connections::Cluster(pool) => ("cluster", pool.status()),
-        };
+        let (cluster, status) = inner.connections.status();
         f.debug_struct("RedisStore")
-            .field("server", &kind)
+            .field("cluster", &cluster)
             .field("pool_size", &status.max_size)
             .field("script_sha", &inner.script.get_hash())
             .field("wait_timeout", &inner.wait_timeout)
@@ -646,7 +617,10 @@ impl Store for RedisStore {
             let mut invocation = store.inner.script.key(key.as_str());
             invocation.arg("r").arg(clamp(amount));
             let left: i64 = store
-                .exchange(|mut conn| async move { invocation.invoke_async(&mut conn).await })
+                .exchange(|mut conn| async move {
+                    let result = invocation.invoke_async(&mut conn).await;
+                    (conn, result)
+                })
                 .await?;
             Ok(u64::try_from(left).ok())
         }
@@ -657,10 +631,11 @@ impl Store for RedisStore {
         async move {
             let deleted: i64 = store
                 .exchange(|mut conn| async move {
-                    redis::cmd("DEL")
+                    let result = redis::cmd("DEL")
                         .arg(key.as_str())
                         .query_async(&mut conn)
-                        .await
+                        .await;
+                    (conn, result)
                 })
                 .await?;
             Ok(deleted > 0)
@@ -757,7 +732,7 @@ fn clamp(n: u64) -> i64 {
     i64::try_from(n).unwrap_or(i64::MAX)
 }
 
-fn pool_error(error: PoolError) -> StoreError {
+fn pool_error(error: PoolError<RedisError>) -> StoreError {
     match error {
         PoolError::Timeout(_) => StoreError::new(
             StoreErrorKind::Timeout,
