@@ -77,3 +77,292 @@ mod redis {
         calendar_counters_are_distinct_per_period_and_dated,
     );
 }
+
+/// Stores with one planted bug each: the suite must catch every one.
+mod broken {
+    use std::collections::HashMap;
+    use std::future::Future;
+    use std::pin::Pin;
+    use std::sync::{Arc, Mutex};
+
+    use tower_quota::jiff::Timestamp;
+    use tower_quota::store::{ChargeOutcome, ChargeRequest, Lifetime, Store, StoreError, Usage};
+    use tower_quota::testing::{self, ConformanceHooks, Planted, StoredDeadline, Verdict};
+    use tower_quota::PeriodKey;
+
+    #[derive(Clone, Copy, Default)]
+    struct Bugs {
+        redates_on_hit: bool,
+        refund_creates: bool,
+        charges_lines_separately: bool,
+        checks_then_yields: bool,
+        calendar_without_deadline: bool,
+        leaves_undated: bool,
+    }
+
+    #[derive(Clone, Copy)]
+    struct Counter {
+        used: u64,
+        deadline: Option<Timestamp>,
+        first_call: Option<Timestamp>,
+    }
+
+    #[derive(Clone, Default)]
+    struct Buggy {
+        bugs: Bugs,
+        counters: Arc<Mutex<HashMap<PeriodKey, Counter>>>,
+    }
+
+    impl Buggy {
+        fn with(bugs: Bugs) -> Self {
+            Self {
+                bugs,
+                counters: Arc::default(),
+            }
+        }
+
+        fn live(&self, key: &PeriodKey, now: Timestamp) -> Option<Counter> {
+            let counters = self.counters.lock().unwrap();
+            counters
+                .get(key)
+                .copied()
+                .filter(|c| c.deadline.is_none_or(|d| d > now))
+        }
+
+        fn usage(&self, request: &ChargeRequest) -> Vec<Usage> {
+            request
+                .lines
+                .iter()
+                .map(|line| {
+                    let counter = self.live(&line.key, request.now);
+                    let (resets_at, first_call) = match line.lifetime {
+                        Lifetime::Calendar { end, .. } => (end, None),
+                        Lifetime::FirstUse { deadline } => (
+                            counter.and_then(|c| c.deadline).unwrap_or(deadline),
+                            counter.and_then(|c| c.first_call),
+                        ),
+                    };
+                    Usage {
+                        limit: line.limit,
+                        used: counter.map_or(0, |c| c.used),
+                        resets_at,
+                        first_call,
+                    }
+                })
+                .collect()
+        }
+
+        fn heal(&self, request: &ChargeRequest) {
+            let mut counters = self.counters.lock().unwrap();
+            for line in &request.lines {
+                let Some(counter) = counters.get_mut(&line.key) else {
+                    continue;
+                };
+                if counter.deadline.is_some() {
+                    continue;
+                }
+                counter.deadline = Some(match (line.lifetime, counter.first_call) {
+                    (Lifetime::Calendar { end, .. }, _) => end,
+                    (Lifetime::FirstUse { deadline }, Some(first)) => {
+                        first + deadline.duration_since(request.now)
+                    }
+                    (Lifetime::FirstUse { deadline }, None) => deadline,
+                });
+            }
+        }
+
+        async fn charge_now(self, request: ChargeRequest) -> Result<ChargeOutcome, StoreError> {
+            let now = request.now;
+            let fits = |line: &tower_quota::store::ChargeLine| {
+                self.live(&line.key, now).map_or(0, |c| c.used) + line.cost <= line.limit
+            };
+            if !self.bugs.leaves_undated {
+                self.heal(&request);
+            }
+            let admitted = request.lines.iter().all(fits);
+            if self.bugs.checks_then_yields {
+                tokio::task::yield_now().await;
+            }
+            for line in &request.lines {
+                let commit = if self.bugs.charges_lines_separately {
+                    fits(line)
+                } else {
+                    admitted
+                };
+                if !commit || line.cost == 0 {
+                    continue;
+                }
+                let live = self.live(&line.key, now);
+                let mut counters = self.counters.lock().unwrap();
+                let deadline = match line.lifetime {
+                    Lifetime::FirstUse { deadline } => Some(deadline),
+                    Lifetime::Calendar { .. } if self.bugs.calendar_without_deadline => None,
+                    Lifetime::Calendar { end, .. } => Some(end),
+                };
+                let counter = match live {
+                    Some(mut c) => {
+                        c.used += line.cost;
+                        if self.bugs.redates_on_hit {
+                            c.deadline = deadline;
+                        }
+                        c
+                    }
+                    None => Counter {
+                        used: line.cost,
+                        deadline,
+                        first_call: Some(now),
+                    },
+                };
+                counters.insert(line.key.clone(), counter);
+            }
+            Ok(ChargeOutcome {
+                admitted,
+                usage: self.usage(&request),
+            })
+        }
+    }
+
+    impl Store for Buggy {
+        type ChargeFuture = Pin<Box<dyn Future<Output = Result<ChargeOutcome, StoreError>> + Send>>;
+
+        fn charge(&self, request: ChargeRequest) -> Self::ChargeFuture {
+            Box::pin(self.clone().charge_now(request))
+        }
+
+        fn peek(
+            &self,
+            request: ChargeRequest,
+        ) -> impl Future<Output = Result<Vec<Usage>, StoreError>> + Send {
+            std::future::ready(Ok(self.usage(&request)))
+        }
+
+        fn refund(
+            &self,
+            now: Timestamp,
+            key: PeriodKey,
+            amount: u64,
+        ) -> impl Future<Output = Result<Option<u64>, StoreError>> + Send {
+            let left = match self.live(&key, now) {
+                Some(mut c) => {
+                    c.used = c.used.saturating_sub(amount);
+                    self.counters.lock().unwrap().insert(key, c);
+                    Some(c.used)
+                }
+                None if self.bugs.refund_creates => {
+                    let counter = Counter {
+                        used: 0,
+                        deadline: None,
+                        first_call: Some(now),
+                    };
+                    self.counters.lock().unwrap().insert(key, counter);
+                    Some(0)
+                }
+                None => None,
+            };
+            std::future::ready(Ok(left))
+        }
+
+        fn reset(&self, key: PeriodKey) -> impl Future<Output = Result<bool, StoreError>> + Send {
+            std::future::ready(Ok(self.counters.lock().unwrap().remove(&key).is_some()))
+        }
+    }
+
+    impl ConformanceHooks for Buggy {
+        fn plant_undated(
+            &self,
+            key: PeriodKey,
+            used: u64,
+            first_call: Option<Timestamp>,
+        ) -> impl Future<Output = Result<Planted, StoreError>> + Send {
+            let counter = Counter {
+                used,
+                deadline: None,
+                first_call,
+            };
+            self.counters.lock().unwrap().insert(key, counter);
+            std::future::ready(Ok(Planted::Planted))
+        }
+
+        fn stored_deadline(
+            &self,
+            key: PeriodKey,
+        ) -> impl Future<Output = Result<StoredDeadline, StoreError>> + Send {
+            let found = match self.counters.lock().unwrap().get(&key) {
+                None => StoredDeadline::NoCounter,
+                Some(Counter { deadline: None, .. }) => StoredDeadline::Undated,
+                Some(Counter {
+                    deadline: Some(at), ..
+                }) => StoredDeadline::At(*at),
+            };
+            std::future::ready(Ok(found))
+        }
+    }
+
+    #[tokio::test]
+    async fn a_correct_store_passes() {
+        for (name, verdict) in testing::run_all(&Buggy::default()).await {
+            assert_eq!(verdict, Verdict::Passed, "{name}");
+        }
+    }
+
+    #[tokio::test]
+    #[should_panic(expected = "an undated counter is dated to its first call plus one period")]
+    async fn leaving_a_counter_undated_is_caught() {
+        let store = Buggy::with(Bugs {
+            leaves_undated: true,
+            ..Bugs::default()
+        });
+        testing::undated_counter_is_healed(&store).await;
+    }
+
+    #[tokio::test]
+    #[should_panic(expected = "a later hit must not move the first-use deadline")]
+    async fn re_dating_on_every_hit_is_caught() {
+        let store = Buggy::with(Bugs {
+            redates_on_hit: true,
+            ..Bugs::default()
+        });
+        testing::hits_never_extend_a_first_use_deadline(&store).await;
+    }
+
+    #[tokio::test]
+    #[should_panic(expected = "a refund after the deadline must find no counter")]
+    async fn a_refund_that_creates_is_caught() {
+        let store = Buggy::with(Bugs {
+            refund_creates: true,
+            ..Bugs::default()
+        });
+        testing::refund_after_expiry_does_not_resurrect(&store).await;
+    }
+
+    #[tokio::test]
+    #[should_panic(expected = "a refused request must be charged on no quota")]
+    async fn charging_lines_separately_is_caught() {
+        let store = Buggy::with(Bugs {
+            charges_lines_separately: true,
+            ..Bugs::default()
+        });
+        testing::all_or_nothing_across_quotas(&store).await;
+    }
+
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    #[should_panic(expected = "exactly the limit must be admitted under concurrency")]
+    async fn check_then_commit_without_a_lock_is_caught() {
+        let store = Buggy::with(Bugs {
+            checks_then_yields: true,
+            ..Bugs::default()
+        });
+        testing::exactly_the_limit_under_concurrency(&store).await;
+    }
+
+    #[tokio::test]
+    #[should_panic(expected = "a calendar counter must carry a deadline")]
+    async fn a_calendar_counter_without_deadline_is_caught() {
+        let store = Buggy::with(Bugs {
+            calendar_without_deadline: true,
+            leaves_undated: true,
+            ..Bugs::default()
+        });
+        testing::calendar_counters_are_distinct_per_period_and_dated(&store).await;
+    }
+}

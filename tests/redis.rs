@@ -497,3 +497,33 @@ async fn a_dead_server_is_answered_by_the_layer_policy() {
         StatusCode::OK
     );
 }
+
+#[tokio::test]
+async fn a_store_on_an_existing_pool_charges_and_times_out_the_same() {
+    let server = redis_server_or_skip!();
+    let pool = deadpool_redis::Config::from_url(server.url())
+        .create_pool(Some(deadpool_redis::Runtime::Tokio1))
+        .unwrap();
+    let store = RedisStore::builder_from_pool(pool)
+        .response_timeout(Duration::from_millis(100))
+        .build()
+        .unwrap();
+    let key = key("pooled");
+    let outcome = store
+        .charge(first_use(&key, 2, 2, Timestamp::now(), hour()))
+        .await
+        .unwrap();
+    assert!(outcome.admitted);
+    let refused = store
+        .charge(first_use(&key, 2, 1, Timestamp::now(), hour()))
+        .await
+        .unwrap();
+    assert!(!refused.admitted);
+
+    assert_eq!(server.cli(&["client", "pause", "500", "all"]), "OK");
+    let error = store
+        .charge(first_use(&key, 2, 0, Timestamp::now(), hour()))
+        .await
+        .unwrap_err();
+    assert_eq!(error.kind(), StoreErrorKind::Timeout, "{error}");
+}
