@@ -8,8 +8,9 @@
 //! ```
 //!
 //! Environment: `BENCH_N` charges per round (default 200000), `BENCH_ROUNDS`
-//! rounds of each (default 3), `BENCH_POOL` the store's pool size (default
-//! 64, one connection per caller, as `redis-benchmark -c 64` opens).
+//! rounds of each (default 5), `BENCH_POOL` the store's pool size (default
+//! 64, one connection per caller, as `redis-benchmark -c 64` opens),
+//! `BENCH_STOCK_POOL=1` to run the store on deadpool-redis's stock pool.
 
 #[path = "../tests/redis_support/mod.rs"]
 mod redis_support;
@@ -43,15 +44,27 @@ fn main() {
         return;
     }
     let n = env("BENCH_N", 200_000);
-    let rounds = env("BENCH_ROUNDS", 3);
+    let rounds = env("BENCH_ROUNDS", 5);
     let pool = env("BENCH_POOL", CALLERS);
     let server = redis_support::RedisServer::start();
     let runtime = tokio::runtime::Builder::new_multi_thread()
         .enable_all()
         .build()
         .unwrap();
-    let store = RedisStore::builder(server.url())
-        .pool_size(pool)
+    // BENCH_STOCK_POOL=1: on deadpool-redis's stock pool, which pings every
+    // connection it hands out, for comparison.
+    let stock = std::env::var_os("BENCH_STOCK_POOL").is_some();
+    let builder = if stock {
+        let mut config = deadpool_redis::Config::from_url(server.url());
+        config.pool = Some(deadpool_redis::PoolConfig::new(pool));
+        let pool = config
+            .create_pool(Some(deadpool_redis::Runtime::Tokio1))
+            .unwrap();
+        RedisStore::builder_from_pool(pool)
+    } else {
+        RedisStore::builder(server.url()).pool_size(pool)
+    };
+    let store = builder
         .wait_timeout(Duration::from_secs(1))
         .connect_timeout(Duration::from_secs(1))
         .response_timeout(Duration::from_secs(1))
@@ -104,19 +117,49 @@ fn main() {
             .find(|l| l.starts_with("redis_version"))
             .unwrap_or("")
     );
-    println!("store: {CALLERS} concurrent callers, pool of {pool}, {n} charges per round");
+    let kind = if stock {
+        "stock deadpool-redis pool"
+    } else {
+        "pool"
+    };
+    println!("store: {CALLERS} concurrent callers, {kind} of {pool}, {n} charges per round");
     println!("redis-benchmark {}", redis_benchmark_args.join(" "));
     let mut store_rates = Vec::new();
     let mut baseline_rates = Vec::new();
+    let server_pid = server.pid().expect("the server runs");
     for round in 1..=rounds {
+        let (cpu0, server0) = (
+            cpu_seconds("self", Own),
+            cpu_seconds(&server_pid.to_string(), Own),
+        );
         let started = Instant::now();
         runtime.block_on(charge_all(&store, now, end, n));
         let store_rate = n as f64 / started.elapsed().as_secs_f64();
+        let (cpu1, server1) = (
+            cpu_seconds("self", Own),
+            cpu_seconds(&server_pid.to_string(), Own),
+        );
 
+        let (child0, server2) = (
+            cpu_seconds("self", Children),
+            cpu_seconds(&server_pid.to_string(), Own),
+        );
         let output = Command::new("redis-benchmark")
             .args(&redis_benchmark_args)
             .output()
             .expect("redis-benchmark runs");
+        let (child1, server3) = (
+            cpu_seconds("self", Children),
+            cpu_seconds(&server_pid.to_string(), Own),
+        );
+        let per = |cpu: f64| cpu / n as f64 * 1e6;
+        println!(
+            "round {round}: CPU per request, µs: store client {:.1}, its server {:.1}; redis-benchmark {:.1}, its server {:.1}",
+            per(cpu1 - cpu0),
+            per(server1 - server0),
+            per(child1 - child0),
+            per(server3 - server2)
+        );
         let text = String::from_utf8_lossy(&output.stdout);
         let baseline_rate = parse_rps(&text)
             .unwrap_or_else(|| panic!("no rate in redis-benchmark's output: {text}"));
@@ -127,10 +170,18 @@ fn main() {
         store_rates.push(store_rate);
         baseline_rates.push(baseline_rate);
     }
+    // Rounds are paired (store, then redis-benchmark, back to back), so the
+    // median of the per-round ratios discounts load that comes and goes.
+    let ratios: Vec<f64> = store_rates
+        .iter()
+        .zip(&baseline_rates)
+        .map(|(s, b)| s / b)
+        .collect();
     let (store_rate, baseline_rate) = (median(store_rates), median(baseline_rates));
     println!(
-        "median: RedisStore {store_rate:.0} charges/s, redis-benchmark {baseline_rate:.0} req/s, ratio {:.2}",
-        store_rate / baseline_rate
+        "median: RedisStore {store_rate:.0} charges/s, redis-benchmark {baseline_rate:.0} req/s, ratio of medians {:.2}, median ratio {:.2}",
+        store_rate / baseline_rate,
+        median(ratios)
     );
     let keys = server.cli(&["dbsize"]);
     println!("counters in the server: {keys}");
@@ -169,6 +220,36 @@ async fn charge_all(store: &RedisStore, now: Timestamp, end: Timestamp, n: usize
     while let Some(result) = callers.join_next().await {
         result.unwrap();
     }
+}
+
+#[derive(Clone, Copy)]
+enum Cpu {
+    Own,
+    Children,
+}
+use Cpu::{Children, Own};
+
+/// User plus system CPU seconds of a process (or of its waited-for
+/// children), from `/proc`; zero where there is no `/proc`.
+fn cpu_seconds(pid: &str, which: Cpu) -> f64 {
+    let Ok(stat) = std::fs::read_to_string(format!("/proc/{pid}/stat")) else {
+        return 0.0;
+    };
+    // Fields after the command name, which is in parentheses.
+    let fields: Vec<&str> = stat
+        .rsplit_once(')')
+        .map_or("", |(_, rest)| rest)
+        .split_whitespace()
+        .collect();
+    let (user, system) = match which {
+        Cpu::Own => (11, 12),
+        Cpu::Children => (13, 14),
+    };
+    let ticks: f64 = [user, system]
+        .iter()
+        .filter_map(|&i| fields.get(i)?.parse::<f64>().ok())
+        .sum();
+    ticks / 100.0
 }
 
 /// The rate in `redis-benchmark --csv` output: the line after the header,
