@@ -24,7 +24,12 @@ pub fn redis_available() -> bool {
             std::env::var("CI").as_deref() != Ok("true"),
             "redis-server is not installed, and CI=true: the Redis tests must run (apt-get install -y redis-server)"
         );
-        eprintln!("NOTICE: redis-server is not installed; skipping this Redis test (apt-get install -y redis-server)");
+        // Straight to stderr: the test harness captures eprintln!.
+        use std::io::Write;
+        let _ = writeln!(
+            std::io::stderr(),
+            "NOTICE: redis-server is not installed; skipping this Redis test (apt-get install -y redis-server)"
+        );
     }
     found
 }
@@ -64,21 +69,36 @@ impl RedisServer {
 
     /// A server with extra `--option value` arguments.
     pub fn start_with(extra: &[&str]) -> Self {
-        let port = free_port();
-        let dir =
-            std::env::temp_dir().join(format!("tower-quota-redis-{}-{port}", std::process::id()));
-        std::fs::create_dir_all(&dir).expect("a scratch directory for redis-server");
-        let mut server = Self {
-            port,
-            dir,
-            child: None,
-            extra: extra.iter().map(|s| s.to_string()).collect(),
-        };
-        server.spawn();
-        server
+        Self::start_with_ports(extra, |_| Vec::new())
     }
 
-    fn spawn(&mut self) {
+    /// A server with extra arguments, some of which depend on the port it
+    /// is given (e.g. a cluster bus port).
+    pub fn start_with_ports(extra: &[&str], per_port: impl Fn(u16) -> Vec<String>) -> Self {
+        // A free port may be taken by another test's server before this one
+        // binds it: then try another.
+        for _ in 0..10 {
+            let port = free_port();
+            let dir = std::env::temp_dir()
+                .join(format!("tower-quota-redis-{}-{port}", std::process::id()));
+            std::fs::create_dir_all(&dir).expect("a scratch directory for redis-server");
+            let mut extra: Vec<String> = extra.iter().map(|s| s.to_string()).collect();
+            extra.extend(per_port(port));
+            let mut server = Self {
+                port,
+                dir,
+                child: None,
+                extra,
+            };
+            if server.spawn() {
+                return server;
+            }
+        }
+        panic!("redis-server could not start on a free port in ten tries");
+    }
+
+    /// Starts the server; false when the port was taken.
+    fn spawn(&mut self) -> bool {
         let mut command = Command::new("redis-server");
         command
             .arg("--port")
@@ -90,9 +110,16 @@ impl RedisServer {
             .args(&self.extra)
             .stdout(Stdio::null())
             .stderr(Stdio::null());
-        self.child = Some(command.spawn().expect("redis-server starts"));
+        let mut child = command.spawn().expect("redis-server starts");
+        let pid = child.id();
         let deadline = Instant::now() + Duration::from_secs(10);
-        while !self.answers_ping() {
+        loop {
+            if child.try_wait().ok().flatten().is_some() {
+                return false;
+            }
+            if self.answers_ping() {
+                break;
+            }
             assert!(
                 Instant::now() < deadline,
                 "redis-server on port {} did not come up",
@@ -100,6 +127,14 @@ impl RedisServer {
             );
             std::thread::sleep(Duration::from_millis(20));
         }
+        // The server that answered must be this one, not another test's.
+        if !cli(self.port, &["info", "server"]).contains(&format!("process_id:{pid}")) {
+            let _ = child.kill();
+            let _ = child.wait();
+            return false;
+        }
+        self.child = Some(child);
+        true
     }
 
     fn answers_ping(&self) -> bool {
@@ -140,7 +175,11 @@ impl RedisServer {
     /// Starts the server again on the same port.
     pub fn restart(&mut self) {
         self.kill();
-        self.spawn();
+        assert!(
+            self.spawn(),
+            "redis-server could not start again on port {}",
+            self.port
+        );
     }
 
     /// Runs `redis-cli` against the server and returns its output.
@@ -175,14 +214,19 @@ impl RedisCluster {
     pub fn start() -> Self {
         let nodes: Vec<RedisServer> = (0..3)
             .map(|_| {
-                RedisServer::start_with(&[
-                    "--cluster-enabled",
-                    "yes",
-                    "--cluster-config-file",
-                    "nodes.conf",
-                    "--cluster-node-timeout",
-                    "2000",
-                ])
+                RedisServer::start_with_ports(
+                    &[
+                        "--cluster-enabled",
+                        "yes",
+                        "--cluster-config-file",
+                        "nodes.conf",
+                        "--cluster-node-timeout",
+                        "2000",
+                    ],
+                    // The default bus port, port + 10000, may be taken or
+                    // past 65535.
+                    |_| vec!["--cluster-port".into(), free_port().to_string()],
+                )
             })
             .collect();
         let addresses: Vec<String> = nodes
