@@ -527,3 +527,28 @@ async fn a_store_on_an_existing_pool_charges_and_times_out_the_same() {
         .unwrap_err();
     assert_eq!(error.kind(), StoreErrorKind::Timeout, "{error}");
 }
+
+#[tokio::test]
+async fn a_key_listed_twice_is_charged_twice_as_in_memory() {
+    let server = redis_server_or_skip!();
+    let redis = store(&server);
+    let memory = tower_quota::MemoryStore::new();
+    let key = key("twice");
+    let now = Timestamp::now();
+    let request = |cost| ChargeRequest {
+        now,
+        lines: vec![
+            first_use(&key, 3, cost, now, hour()).lines.remove(0),
+            first_use(&key, 3, cost, now, hour()).lines.remove(0),
+        ],
+    };
+    for cost in [1, 1, 0] {
+        let a = redis.charge(request(cost)).await.unwrap();
+        let b = memory.charge(request(cost)).await.unwrap();
+        assert_eq!(a.admitted, b.admitted);
+        assert_eq!(
+            a.usage.iter().map(|u| u.used).collect::<Vec<_>>(),
+            b.usage.iter().map(|u| u.used).collect::<Vec<_>>()
+        );
+    }
+}

@@ -77,8 +77,20 @@ pub const DEFAULT_CALENDAR_JITTER: Duration = Duration::from_secs(60);
 /// [`OnStoreError`](crate::OnStoreError) policy answers. Nothing is queued
 /// beyond the pool's size plus the callers waiting for it, and a charge that
 /// failed or timed out is never sent again (it may have been applied).
-/// Broken connections are dropped when next taken from the pool, so requests
-/// succeed again as soon as Redis is back.
+/// A connection whose command failed on the wire is closed instead of going
+/// back to the pool, and one that sat idle for a second is pinged before it
+/// is used again, so requests succeed again as soon as Redis is back.
+///
+/// # Connections
+///
+/// A store built from a URL keeps a deadpool pool of its own: a connection
+/// used within the last second is handed out without the `PING` that
+/// deadpool-redis's stock pool sends on every checkout (a second round trip
+/// per charge, which halves the store's throughput). On a cluster, the
+/// client never retries a request by itself, so a charge is never applied
+/// twice; a request caught by a slot migration fails, and the next one goes
+/// to the slot's new node. A store built from an existing
+/// `deadpool_redis::Pool` keeps that pool's behaviour.
 ///
 /// # What the quota depends on
 ///
@@ -175,7 +187,8 @@ impl RedisStore {
     }
 
     /// A store on an existing pool, with default settings. The pool's own
-    /// size and timeouts apply, bounded by the store's timeouts.
+    /// size and timeouts apply, bounded by the store's timeouts. Note that
+    /// deadpool-redis's pools ping every connection they hand out.
     pub fn from_pool(pool: Pool) -> Self {
         Self::builder_from_pool(pool)
             .build()
@@ -201,7 +214,10 @@ impl RedisStore {
         ))
     }
 
-    /// Settings for a store on an existing cluster pool.
+    /// Settings for a store on an existing cluster pool. Note that
+    /// deadpool-redis's cluster client retries failed requests (after a
+    /// connection error too, when a charge may already have been applied);
+    /// [`RedisStore::cluster_builder`] builds one that does not.
     #[cfg(feature = "redis-cluster")]
     #[cfg_attr(docsrs, doc(cfg(feature = "redis-cluster")))]
     pub fn cluster_builder_from_pool(pool: deadpool_redis::cluster::Pool) -> RedisStoreBuilder {
