@@ -34,10 +34,11 @@
 //! # Features
 //!
 //! - `axum` (default): the [`QuotaStatus`] extractor for handlers.
-//! - `redis`: [`RedisStore`](store::RedisStore), counters in Redis shared by
-//!   every instance.
+//! - `redis`: `store::RedisStore`, counters in Redis shared by every
+//!   instance.
 //! - `redis-cluster`: the Redis store on a Redis Cluster.
-//! - `testing`: [`testing`], the conformance suite every store must pass.
+//! - `testing`: the `testing` module, the conformance suite every store must
+//!   pass.
 
 #![deny(unsafe_code)]
 #![warn(
