@@ -552,3 +552,43 @@ async fn a_key_listed_twice_is_charged_twice_as_in_memory() {
         );
     }
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_quick_restart_costs_at_most_one_failed_request() {
+    let mut server = redis_server_or_skip!();
+    let store = RedisStore::builder(server.url())
+        .pool_size(8)
+        .response_timeout(Duration::from_secs(1))
+        .build()
+        .unwrap();
+    let key = key("quick");
+    // Open several connections at once.
+    let mut charges = tokio::task::JoinSet::new();
+    for _ in 0..32 {
+        let store = store.clone();
+        let key = key.clone();
+        charges.spawn(async move {
+            store
+                .charge(first_use(&key, 100, 1, Timestamp::now(), hour()))
+                .await
+        });
+    }
+    while let Some(result) = charges.join_next().await {
+        result.unwrap().unwrap();
+    }
+    assert!(format!("{store:?}").contains("pool_size: 8"));
+
+    // Back within the second in which idle connections are not pinged.
+    server.restart();
+    let mut failed = 0;
+    for _ in 0..10 {
+        if store
+            .charge(first_use(&key, 100, 1, Timestamp::now(), hour()))
+            .await
+            .is_err()
+        {
+            failed += 1;
+        }
+    }
+    assert!(failed <= 1, "{failed} requests failed after the restart");
+}

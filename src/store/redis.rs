@@ -78,8 +78,9 @@ pub const DEFAULT_CALENDAR_JITTER: Duration = Duration::from_secs(60);
 /// beyond the pool's size plus the callers waiting for it, and a charge that
 /// failed or timed out is never sent again (it may have been applied).
 /// A connection whose command failed on the wire is closed instead of going
-/// back to the pool, and one that sat idle for a second is pinged before it
-/// is used again, so requests succeed again as soon as Redis is back.
+/// back to the pool, and so are the idle ones, which most likely broke with
+/// it; one that sat idle for a second is pinged before it is used again. So
+/// requests succeed again as soon as Redis is back.
 ///
 /// # Connections
 ///
@@ -324,6 +325,7 @@ impl RedisStore {
                 // broken one is closed so the pool opens a fresh one.
                 if !error.is_timeout() && (error.is_unrecoverable_error() || error.is_io_error()) {
                     conn.discard();
+                    inner.connections.close_idle();
                 }
                 Err(redis_error(error))
             }

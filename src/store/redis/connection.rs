@@ -6,8 +6,8 @@
 //! - A connection used within the last second is handed out again without
 //!   a `PING`: the stock managers ping on every checkout, a second round
 //!   trip per charge. A connection that fails is discarded instead of going
-//!   back to the pool, and an idle one is still pinged, so a restarted
-//!   server is noticed.
+//!   back to the pool, together with the idle ones, and a connection idle
+//!   for longer is still pinged, so a restarted server is noticed.
 //! - The cluster client never retries a request by itself (redis-rs retries
 //!   up to 16 times by default, after connection errors too, which could
 //!   apply a charge twice). A redirect after a resharding fails that one
@@ -116,6 +116,20 @@ impl Connections {
             Connections::Cluster(pool) => get!(pool, Cluster),
             #[cfg(feature = "redis-cluster")]
             Connections::ClusterPool(pool) => get!(pool, ClusterPool),
+        }
+    }
+
+    /// Closes every idle connection. After one connection broke (a server
+    /// restart, a failover), the idle ones are most likely broken too, and
+    /// each would fail one request before the pool noticed.
+    pub(super) fn close_idle(&self) {
+        match self {
+            Connections::Server(pool) => drop(pool.retain(|_, _| false)),
+            Connections::Pool(pool) => drop(pool.retain(|_, _| false)),
+            #[cfg(feature = "redis-cluster")]
+            Connections::Cluster(pool) => drop(pool.retain(|_, _| false)),
+            #[cfg(feature = "redis-cluster")]
+            Connections::ClusterPool(pool) => drop(pool.retain(|_, _| false)),
         }
     }
 
