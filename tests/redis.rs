@@ -134,7 +134,7 @@ async fn a_first_use_counter_is_a_hash_of_count_and_first_call_with_a_fixed_dead
     assert_eq!(usage[0].first_call, Some(t0), "peek returns the first call");
     let off = usage[0].resets_at.duration_since(t0 + hour()).abs();
     assert!(
-        off < SignedDuration::from_millis(100),
+        off < SignedDuration::from_millis(250),
         "reset from the remaining life, off by {off:?}"
     );
 }
@@ -418,12 +418,12 @@ async fn the_server_clock_follows_redis() {
     let clock = store.server_clock(Duration::from_millis(50)).await.unwrap();
     // Same machine, same clock: the offset is the measuring error only.
     assert!(
-        clock.offset().abs() < SignedDuration::from_millis(50),
+        clock.offset().abs() < SignedDuration::from_millis(200),
         "{clock:?}"
     );
     use tower_quota::Clock;
     let off = clock.now().duration_since(Timestamp::now()).abs();
-    assert!(off < SignedDuration::from_millis(50));
+    assert!(off < SignedDuration::from_millis(200));
 }
 
 fn app(store: RedisStore, limit: u64) -> Router {
