@@ -592,3 +592,68 @@ async fn a_quick_restart_costs_at_most_one_failed_request() {
     }
     assert!(failed <= 1, "{failed} requests failed after the restart");
 }
+
+/// Records the message and key of every event.
+#[derive(Clone, Default)]
+struct Recorder(std::sync::Arc<std::sync::Mutex<Vec<String>>>);
+
+impl tracing::Subscriber for Recorder {
+    fn enabled(&self, _: &tracing::Metadata<'_>) -> bool {
+        true
+    }
+    fn new_span(&self, _: &tracing::span::Attributes<'_>) -> tracing::span::Id {
+        tracing::span::Id::from_u64(1)
+    }
+    fn record(&self, _: &tracing::span::Id, _: &tracing::span::Record<'_>) {}
+    fn record_follows_from(&self, _: &tracing::span::Id, _: &tracing::span::Id) {}
+    fn event(&self, event: &tracing::Event<'_>) {
+        struct Text(String);
+        impl tracing::field::Visit for Text {
+            fn record_debug(&mut self, field: &tracing::field::Field, value: &dyn std::fmt::Debug) {
+                self.0.push_str(&format!("{}={:?} ", field.name(), value));
+            }
+        }
+        let mut text = Text(format!("{} ", event.metadata().level()));
+        event.record(&mut text);
+        self.0.lock().unwrap().push(text.0);
+    }
+    fn enter(&self, _: &tracing::span::Id) {}
+    fn exit(&self, _: &tracing::span::Id) {}
+}
+
+#[tokio::test]
+async fn healing_an_undated_counter_is_logged() {
+    let server = redis_server_or_skip!();
+    let store = store(&server);
+    let mut redis = client(&server).await;
+    let key = key("undated-log");
+    let first_call = Timestamp::now() - SignedDuration::from_mins(10);
+    let () = redis
+        .hset_multiple(
+            key.as_str(),
+            &[("n", 2), ("t", first_call.as_millisecond())],
+        )
+        .await
+        .unwrap();
+
+    let recorder = Recorder::default();
+    let _guard = tracing::subscriber::set_default(recorder.clone());
+    let outcome = store
+        .charge(first_use(&key, 10, 1, Timestamp::now(), hour()))
+        .await
+        .unwrap();
+    assert_eq!(outcome.usage[0].used, 3);
+    let ttl: i64 = redis.pttl(key.as_str()).await.unwrap();
+    // First call ten minutes ago, a period of an hour: fifty minutes left.
+    assert!(
+        (2_999_000..=3_000_000).contains(&ttl),
+        "first call + period: {ttl}"
+    );
+    let events = recorder.0.lock().unwrap().clone();
+    assert!(
+        events.iter().any(|e| e.starts_with("WARN")
+            && e.contains(key.as_str())
+            && e.contains("first call plus one period")),
+        "{events:?}"
+    );
+}
