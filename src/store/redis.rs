@@ -26,6 +26,9 @@ mod connection;
 /// and the server's time, so that one SHA serves every call.
 const COUNTERS_LUA: &str = include_str!("redis/counters.lua");
 
+/// Fields per line in the script's reply.
+const FIELDS: usize = 5;
+
 /// The key that routes the server-time call on a cluster; never written.
 const CLOCK_KEY: &str = "tower-quota:{clock}";
 
@@ -383,7 +386,7 @@ impl RedisStore {
                 (conn, result)
             })
             .await?;
-        if reply.len() != 1 + 4 * request.lines.len() {
+        if reply.len() != 1 + FIELDS * request.lines.len() {
             return Err(StoreError::new(
                 StoreErrorKind::Other,
                 format!("unexpected reply from the counters script: {reply:?}"),
@@ -393,10 +396,12 @@ impl RedisStore {
         let usage = request
             .lines
             .iter()
-            .zip(reply[1..].chunks_exact(4))
+            .zip(reply[1..].chunks_exact(FIELDS))
             .map(|(line, fields)| {
-                let &[used, pttl, first_call, heal] = fields else {
-                    unreachable!("chunks of four")
+                // `remaining` is for other readers of the script's reply;
+                // `Usage` works it out from the limit.
+                let &[used, _remaining, pttl, first_call, heal] = fields else {
+                    unreachable!("chunks of {FIELDS}")
                 };
                 if heal != 0 {
                     log_heal(&line.key, heal, op == "c");
@@ -821,6 +826,37 @@ mod tests {
         assert_eq!(
             jitter(&PeriodKey::from_string("k".into()), Duration::ZERO),
             0
+        );
+    }
+
+    #[test]
+    fn the_script_uses_no_command_that_drops_a_deadline() {
+        let code: String = COUNTERS_LUA
+            .lines()
+            .filter(|l| !l.trim_start().starts_with("--"))
+            .collect::<Vec<_>>()
+            .join("\n");
+        for command in [
+            "'SET'",
+            "'GETSET'",
+            "'RESTORE'",
+            "'SETEX'",
+            "'PSETEX'",
+            "'PERSIST'",
+            "'GETDEL'",
+            "'RENAME'",
+        ] {
+            assert!(
+                !code.contains(command),
+                "the counters script uses {command}"
+            );
+        }
+        // Every counter the script creates gets its deadline in the same call.
+        assert_eq!(code.matches("'HSET'").count(), 1);
+        let create = code.find("'HSET'").unwrap();
+        assert!(
+            code[create..].find("'PEXPIRE'").unwrap() < 80,
+            "HSET is followed by PEXPIRE"
         );
     }
 

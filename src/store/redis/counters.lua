@@ -16,8 +16,9 @@
 --   limit, cost, anchor ('f' first use, 'c' calendar), ttl (ms)
 -- where ttl is the deadline of a counter created now: the period's length
 -- for first use, the window's end plus grace and jitter for calendar.
--- The reply is { admitted, then per key: used, pttl, first call, heal }
--- with pttl -2 and first call -1 when unknown, and heal:
+-- The reply is { admitted, then per key: used, remaining, pttl, first call,
+-- heal } with pttl (the counter's remaining life, ms) -2 when there is no
+-- counter, first call -1 when unknown, and heal:
 --   0 nothing to heal
 --   1 undated first-use counter dated to first call + period
 --   2 undated counter dated to now + period (first call unknown)
@@ -64,6 +65,7 @@ for i = 1, #KEYS do
   local a = 3 + (i - 1) * 4
   local line = {
     key = key,
+    limit = tonumber(ARGV[a]),
     cost = tonumber(ARGV[a + 1]),
     first_use = ARGV[a + 2] == 'f',
     ttl = tonumber(ARGV[a + 3]),
@@ -112,7 +114,7 @@ for i = 1, #KEYS do
       earlier = earlier + lines[j].cost
     end
   end
-  if line.used + earlier + line.cost > tonumber(ARGV[a]) then
+  if line.used + earlier + line.cost > line.limit then
     admitted = false
   end
   lines[i] = line
@@ -146,6 +148,7 @@ for i = 1, #KEYS do
     end
   end
   reply[#reply + 1] = l.used
+  reply[#reply + 1] = math.max(0, l.limit - l.used)
   reply[#reply + 1] = l.pttl
   reply[#reply + 1] = l.first or -1
   reply[#reply + 1] = l.heal
