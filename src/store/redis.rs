@@ -33,7 +33,9 @@ const FIELDS: usize = 5;
 const CLOCK_KEY: &str = "tower-quota:{clock}";
 
 /// Default wait for a free pooled connection.
-pub const DEFAULT_WAIT_TIMEOUT: Duration = Duration::from_millis(20);
+pub const DEFAULT_WAIT_TIMEOUT: Duration = Duration::from_millis(50);
+/// Default number of connections a store built from a URL may open.
+pub const DEFAULT_POOL_SIZE: usize = 32;
 /// Default time to open a connection.
 pub const DEFAULT_CONNECT_TIMEOUT: Duration = Duration::from_millis(50);
 /// Default time to wait for Redis to answer a command.
@@ -157,8 +159,8 @@ enum Source {
 ///
 /// | setting | default |
 /// |---|---|
-/// | [`pool_size`](Self::pool_size) | deadpool's (4 × cores) |
-/// | [`wait_timeout`](Self::wait_timeout) | 20 ms |
+/// | [`pool_size`](Self::pool_size) | 32 |
+/// | [`wait_timeout`](Self::wait_timeout) | 50 ms |
 /// | [`connect_timeout`](Self::connect_timeout) | 50 ms |
 /// | [`response_timeout`](Self::response_timeout) | 50 ms |
 /// | [`calendar_grace`](Self::calendar_grace) | 60 s |
@@ -447,7 +449,10 @@ impl RedisStoreBuilder {
         }
     }
 
-    /// The most connections the store opens (ignored for an existing pool).
+    /// The most connections the store opens (default 32; ignored for an
+    /// existing pool). Each call holds one for its round trip, so this is how
+    /// many calls can be in flight; the others wait up to the
+    /// [wait timeout](Self::wait_timeout).
     ///
     /// # Panics
     ///
@@ -459,7 +464,7 @@ impl RedisStoreBuilder {
     }
 
     /// How long a call waits for a free pooled connection before it fails
-    /// with [`StoreErrorKind::Timeout`] (default 20 ms). This bounds the queue
+    /// with [`StoreErrorKind::Timeout`] (default 50 ms). This bounds the queue
     /// in front of the pool.
     pub fn wait_timeout(mut self, timeout: Duration) -> Self {
         self.wait_timeout = timeout;
@@ -508,10 +513,7 @@ impl RedisStoreBuilder {
             recycle: Some(self.response_timeout),
         };
         let pool_config = |size: Option<usize>| {
-            let mut config = PoolConfig::default();
-            if let Some(size) = size {
-                config.max_size = size;
-            }
+            let mut config = PoolConfig::new(size.unwrap_or(DEFAULT_POOL_SIZE));
             config.timeouts = timeouts;
             config
         };
