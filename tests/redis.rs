@@ -269,6 +269,20 @@ async fn a_refund_never_creates_a_counter_nor_moves_its_deadline() {
 }
 
 #[tokio::test]
+async fn preload_loads_the_script_and_reports_an_unreachable_server() {
+    let server = redis_server_or_skip!();
+    let store = store(&server);
+    assert_eq!(server.cli(&["script", "exists", store.script_sha()]), "0");
+    store.preload().await.unwrap();
+    assert_eq!(server.cli(&["script", "exists", store.script_sha()]), "1");
+
+    let nowhere =
+        RedisStore::new(format!("redis://127.0.0.1:{}/", redis_support::free_port())).unwrap();
+    let error = nowhere.preload().await.unwrap_err();
+    assert_eq!(error.kind(), StoreErrorKind::Unavailable, "{error}");
+}
+
+#[tokio::test]
 async fn the_script_is_loaded_again_after_a_flush() {
     let server = redis_server_or_skip!();
     let store = store(&server);

@@ -230,6 +230,33 @@ impl RedisStore {
         RedisStoreBuilder::new(Source::ClusterPool(pool))
     }
 
+    /// Opens a connection and loads the counters script, so that the first
+    /// requests pay for neither; call it at startup to learn at once whether
+    /// Redis can be reached.
+    ///
+    /// # Errors
+    ///
+    /// When Redis cannot be reached or refuses the script.
+    pub async fn preload(&self) -> Result<(), StoreError> {
+        let script = &self.inner.script;
+        let sha: String = self
+            .exchange(|mut conn| async move {
+                let result = script.load_async(&mut conn).await;
+                (conn, result)
+            })
+            .await?;
+        if sha != script.get_hash() {
+            return Err(StoreError::new(
+                StoreErrorKind::Other,
+                format!(
+                    "Redis loaded the counters script as {sha}, expected {}",
+                    script.get_hash()
+                ),
+            ));
+        }
+        Ok(())
+    }
+
     /// The SHA1 of the counters script, as used with `EVALSHA`.
     pub fn script_sha(&self) -> &str {
         self.inner.script.get_hash()
