@@ -7,6 +7,9 @@
 //!     [--on-store-error open|closed] [--quota off]
 //! ```
 //!
+//! With `--features redis`, `--store redis://127.0.0.1:6379/` keeps the
+//! counters in Redis, so several server processes enforce one quota.
+//!
 //! Routes (the subject comes from `x-account-id`, `x-user-id` or
 //! `x-device-id`, per `--subject`):
 //! - `GET /read`: allowance `read`, cost 1.
@@ -34,7 +37,7 @@ use tower_quota::{
 
 const USAGE: &str =
     "usage: server [--listen ADDR] [--limit N] [--period 10s|1m|1h|1d|1w|1mo|Ns|Nm|Nh] \
-[--anchor calendar|first-use] [--tz ZONE] [--subject account|user|device] [--store memory] \
+[--anchor calendar|first-use] [--tz ZONE] [--subject account|user|device] [--store memory|redis://HOST:PORT/] \
 [--on-store-error open|closed] [--quota on|off]";
 
 struct Options {
@@ -267,8 +270,19 @@ fn app<St: Store>(options: &Options, store: St) -> Router {
 async fn serve(options: Options) {
     let app = match options.store.as_str() {
         "memory" => app(&options, MemoryStore::new()),
+        #[cfg(feature = "redis")]
+        url if url.starts_with("redis://") || url.starts_with("rediss://") => {
+            let store = tower_quota::store::RedisStore::new(url)
+                .unwrap_or_else(|e| fail(&format!("--store {url:?}: {e}")));
+            app(&options, store)
+        }
         other => fail(&format!(
-            "--store {other:?}: this build knows the store `memory`"
+            "--store {other:?}: use `memory`{}",
+            if cfg!(feature = "redis") {
+                " or a redis:// URL"
+            } else {
+                " (build with --features redis for a redis:// URL)"
+            }
         )),
     };
     let listener = tokio::net::TcpListener::bind(options.listen)

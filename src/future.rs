@@ -61,7 +61,6 @@ pub(crate) struct Pending<S, ReqBody> {
     config: Arc<Config>,
     now: Timestamp,
     cost: u64,
-    windows: Vec<u64>,
 }
 
 impl<S, St, ReqBody> ResponseFuture<S, St, ReqBody>
@@ -76,7 +75,6 @@ where
         config: Arc<Config>,
         now: Timestamp,
         cost: u64,
-        windows: Vec<u64>,
     ) -> Self {
         Self {
             state: State::Charging {
@@ -88,7 +86,6 @@ where
                     config,
                     now,
                     cost,
-                    windows,
                 }),
             },
         }
@@ -155,7 +152,6 @@ where
                         config,
                         now,
                         cost,
-                        windows,
                     } = pending.take().expect("polled after completion");
                     let next = match result {
                         Ok(ChargeOutcome {
@@ -163,7 +159,7 @@ where
                             usage,
                         }) => {
                             let fields =
-                                RateLimitFields::new(&config.quotas, &usage, &windows, now);
+                                RateLimitFields::new(&config.quotas, &usage, now, &config.policy_cache);
                             let entries = config
                                 .quotas
                                 .iter()
@@ -172,7 +168,7 @@ where
                                     name: q.shared_name(),
                                     usage,
                                 })
-                                .collect();
+                                .collect::<Arc<[StatusEntry]>>();
                             request.extensions_mut().insert(QuotaStatus::new(entries));
                             State::Calling {
                                 future: inner.call(request),
@@ -184,7 +180,7 @@ where
                             usage,
                         }) => {
                             let fields =
-                                RateLimitFields::new(&config.quotas, &usage, &windows, now);
+                                RateLimitFields::new(&config.quotas, &usage, now, &config.policy_cache);
                             let mut response =
                                 response::quota_exceeded(&config.quotas, &usage, cost, now);
                             fields.append_to(response.headers_mut());

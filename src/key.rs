@@ -61,17 +61,25 @@ impl Namespace {
         let mut key = String::with_capacity(
             self.prefix.len() + subject.id().len() + allowance.len() + period.len() + 16,
         );
-        write!(
-            key,
-            "{}:{{{}:{}}}:{}:{}",
-            self.prefix,
-            percent_encode(subject.kind().as_str().as_bytes(), PART),
-            percent_encode(subject.id(), PART),
-            percent_encode(allowance.as_bytes(), PART),
-            period,
-        )
-        .expect("writing to a String cannot fail");
+        key.push_str(&self.prefix);
+        key.push_str(":{");
+        push_encoded(&mut key, subject.kind().as_str().as_bytes());
+        key.push(':');
+        push_encoded(&mut key, subject.id());
+        key.push_str("}:");
+        push_encoded(&mut key, allowance.as_bytes());
+        key.push(':');
+        key.push_str(period);
         PeriodKey(key)
+    }
+}
+
+fn push_encoded(out: &mut String, bytes: &[u8]) {
+    let plain = |b: &u8| b.is_ascii_alphanumeric() || b"-_.~@".contains(b);
+    match std::str::from_utf8(bytes) {
+        // Most ids need no escaping at all.
+        Ok(text) if bytes.iter().all(plain) => out.push_str(text),
+        _ => write!(out, "{}", percent_encode(bytes, PART)).expect("writing to a String cannot fail"),
     }
 }
 

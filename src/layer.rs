@@ -12,6 +12,7 @@ use crate::handle::QuotaHandle;
 use crate::key::Namespace;
 use crate::period::{Clock, SystemClock};
 use crate::quota::Quota;
+use crate::response::PolicyCache;
 use crate::service::QuotaService;
 use crate::store::{MemoryStore, Store};
 use crate::subject::SubjectExtractor;
@@ -91,6 +92,7 @@ pub(crate) struct Config {
     pub(crate) max_subject_len: usize,
     pub(crate) on_store_error: OnStoreError,
     pub(crate) store_timeout: Option<Duration>,
+    pub(crate) policy_cache: Arc<PolicyCache>,
 }
 
 /// Enforces per-subject quotas on the services it wraps.
@@ -150,6 +152,7 @@ impl<E: SubjectExtractor> QuotaLayer<E, MemoryStore> {
                     retry_after: Duration::from_secs(1),
                 },
                 store_timeout: Some(Duration::from_millis(100)),
+                policy_cache: Arc::default(),
             },
             extractor: Arc::new(extractor),
             store: MemoryStore::new(),
@@ -363,6 +366,7 @@ impl<E, St> QuotaLayer<E, St> {
         }
         Config {
             quotas: self.quotas.clone().into(),
+            policy_cache: Arc::default(),
             ..self.config.clone()
         }
     }

@@ -9,6 +9,7 @@ use jiff::Timestamp;
 
 use crate::key::{Namespace, PeriodKey};
 use crate::period::{Anchor, Period, Window};
+use crate::response::seconds_until;
 use crate::store::{ChargeLine, Lifetime};
 use crate::subject::Subject;
 
@@ -42,6 +43,8 @@ pub struct Quota {
     period: Period,
     anchor: Anchor,
     name: Arc<str>,
+    // The name as a Structured Field string, quotes and escapes included.
+    quoted_name: Arc<str>,
     named: bool,
     // The period part of first-use keys, e.g. `PT24H`.
     first_use_label: Arc<str>,
@@ -60,6 +63,7 @@ impl Quota {
             period,
             anchor,
             name: "".into(),
+            quoted_name: "".into(),
             named: false,
             first_use_label: "".into(),
             current: Arc::default(),
@@ -165,6 +169,7 @@ impl Quota {
         );
         self.name = name.into();
         self.named = true;
+        self.quoted_name = sf_string(&self.name).into();
         self
     }
 
@@ -176,6 +181,7 @@ impl Quota {
                 Anchor::FirstUse => format!("{}-rolling-{}", self.allowance, self.period.name()),
             }
             .into();
+            self.quoted_name = sf_string(&self.name).into();
         }
     }
 
@@ -202,6 +208,22 @@ impl Quota {
     /// The name clients see.
     pub fn name(&self) -> &str {
         &self.name
+    }
+
+    pub(crate) fn quoted_name(&self) -> &str {
+        &self.quoted_name
+    }
+
+    /// The length in whole seconds of the period a client is in: the
+    /// calendar window at `now`, the first-use period that started at
+    /// `first_call`, or one that would start now.
+    pub(crate) fn window_seconds(&self, now: Timestamp, first_call: Option<Timestamp>) -> u64 {
+        let seconds = match (self.anchor, first_call) {
+            (Anchor::Calendar, _) => self.with_window(now, |w| seconds_until(w.start(), w.end())),
+            (Anchor::FirstUse, Some(first)) => seconds_until(first, self.period.end_of_first_use(first)),
+            (Anchor::FirstUse, None) => seconds_until(now, self.period.end_of_first_use(now)),
+        };
+        seconds.max(1)
     }
 
     pub(crate) fn shared_name(&self) -> Arc<str> {
@@ -288,4 +310,18 @@ impl fmt::Debug for Quota {
             .field("anchor", &self.anchor)
             .finish()
     }
+}
+
+/// `s` as a Structured Field string.
+fn sf_string(s: &str) -> String {
+    let mut out = String::with_capacity(s.len() + 2);
+    out.push('"');
+    for c in s.chars() {
+        if c == '"' || c == '\\' {
+            out.push('\\');
+        }
+        out.push(c);
+    }
+    out.push('"');
+    out
 }

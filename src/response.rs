@@ -2,6 +2,7 @@
 //! `Retry-After`, and RFC 9457 problem documents.
 
 use std::fmt::Write as _;
+use std::sync::RwLock;
 
 use bytes::Bytes;
 use http::header::{HeaderName, HeaderValue, CONTENT_TYPE, RETRY_AFTER};
@@ -28,12 +29,11 @@ const PROBLEM_JSON: HeaderValue = HeaderValue::from_static("application/problem+
 /// Whole seconds from `now` until `at`, rounded up: a client that waits this
 /// long never comes back before `at`.
 pub(crate) fn seconds_until(now: Timestamp, at: Timestamp) -> u64 {
-    let nanos = at.as_nanosecond() - now.as_nanosecond();
-    if nanos <= 0 {
-        0
-    } else {
-        u64::try_from((nanos + 999_999_999) / 1_000_000_000).unwrap_or(u64::MAX)
+    let d = at.duration_since(now);
+    if d.is_negative() || d.is_zero() {
+        return 0;
     }
+    d.as_secs().unsigned_abs() + u64::from(d.subsec_nanos() != 0)
 }
 
 /// The pair of fields for one response.
@@ -43,33 +43,56 @@ pub(crate) struct RateLimitFields {
     limit: HeaderValue,
 }
 
+/// The last `RateLimit-Policy` value a layer sent, with the window lengths it
+/// was built for: it changes only when a window's length does.
+#[derive(Default, Debug)]
+pub(crate) struct PolicyCache(RwLock<Option<(Box<[u64]>, HeaderValue)>>);
+
 impl RateLimitFields {
-    /// `windows[i]` is quota `i`'s window length in seconds.
-    pub(crate) fn new(quotas: &[Quota], usage: &[Usage], windows: &[u64], now: Timestamp) -> Self {
-        let mut policy = String::with_capacity(48 * quotas.len());
+    pub(crate) fn new(quotas: &[Quota], usage: &[Usage], now: Timestamp, cache: &PolicyCache) -> Self {
+        let windows = || {
+            quotas
+                .iter()
+                .zip(usage)
+                .map(move |(q, u)| q.window_seconds(now, u.first_call))
+        };
+        let cached = {
+            let guard = cache.0.read().unwrap_or_else(|e| e.into_inner());
+            guard
+                .as_ref()
+                .filter(|(ws, _)| ws.iter().copied().eq(windows()))
+                .map(|(_, value)| value.clone())
+        };
+        let mut digits = itoa::Buffer::new();
+        let policy = cached.unwrap_or_else(|| {
+            let mut policy = String::with_capacity(48 * quotas.len());
+            for (i, (quota, window)) in quotas.iter().zip(windows()).enumerate() {
+                if i > 0 {
+                    policy.push_str(", ");
+                }
+                policy.push_str(quota.quoted_name());
+                policy.push_str(";q=");
+                policy.push_str(digits.format(quota.limit()));
+                policy.push_str(";w=");
+                policy.push_str(digits.format(window));
+            }
+            let value = HeaderValue::try_from(policy).expect("quota names are printable ASCII");
+            *cache.0.write().unwrap_or_else(|e| e.into_inner()) = Some((windows().collect(), value.clone()));
+            value
+        });
         let mut limit = String::with_capacity(40 * quotas.len());
-        for (i, ((quota, usage), window)) in quotas.iter().zip(usage).zip(windows).enumerate() {
-            let window = usage
-                .first_call
-                .map_or(*window, |first| seconds_until(first, usage.resets_at))
-                .max(1);
+        for (i, (quota, usage)) in quotas.iter().zip(usage).enumerate() {
             if i > 0 {
-                policy.push_str(", ");
                 limit.push_str(", ");
             }
-            write_sf_string(&mut policy, quota.name());
-            write!(policy, ";q={};w={}", quota.limit(), window).expect("infallible");
-            write_sf_string(&mut limit, quota.name());
-            write!(
-                limit,
-                ";r={};t={}",
-                usage.remaining(),
-                seconds_until(now, usage.resets_at)
-            )
-            .expect("infallible");
+            limit.push_str(quota.quoted_name());
+            limit.push_str(";r=");
+            limit.push_str(digits.format(usage.remaining()));
+            limit.push_str(";t=");
+            limit.push_str(digits.format(seconds_until(now, usage.resets_at)));
         }
         Self {
-            policy: HeaderValue::try_from(policy).expect("quota names are printable ASCII"),
+            policy,
             limit: HeaderValue::try_from(limit).expect("quota names are printable ASCII"),
         }
     }
@@ -80,17 +103,6 @@ impl RateLimitFields {
         headers.append(RATELIMIT_POLICY.clone(), self.policy);
         headers.append(RATELIMIT.clone(), self.limit);
     }
-}
-
-fn write_sf_string(out: &mut String, s: &str) {
-    out.push('"');
-    for c in s.chars() {
-        if c == '"' || c == '\\' {
-            out.push('\\');
-        }
-        out.push(c);
-    }
-    out.push('"');
 }
 
 /// An `application/problem+json` response.

@@ -9,8 +9,8 @@ use tower_service::Service;
 use crate::body::ResponseBody;
 use crate::future::ResponseFuture;
 use crate::layer::{Config, SubjectPolicy};
-use crate::response::{self, seconds_until};
-use crate::store::{ChargeRequest, Lifetime, Store};
+use crate::response;
+use crate::store::{ChargeRequest, Store};
 use crate::subject::{Subject, SubjectError, SubjectExtractor};
 
 /// The service of a [`QuotaLayer`](crate::QuotaLayer): charges each request
@@ -131,18 +131,10 @@ where
         };
 
         let now = config.clock.now();
-        let mut windows = Vec::with_capacity(config.quotas.len());
         let lines = config
             .quotas
             .iter()
-            .map(|quota| {
-                let line = quota.line(&config.namespace, &subject, now, cost);
-                windows.push(match line.lifetime {
-                    Lifetime::Calendar { start, end } => seconds_until(start, end),
-                    Lifetime::FirstUse { deadline } => seconds_until(now, deadline),
-                });
-                line
-            })
+            .map(|quota| quota.line(&config.namespace, &subject, now, cost))
             .collect();
         let charge = self.store.charge(ChargeRequest { now, lines });
 
@@ -158,7 +150,6 @@ where
             Arc::clone(config),
             now,
             cost,
-            windows,
         )
     }
 }

@@ -33,10 +33,8 @@ pub struct StatusEntry {
 }
 
 impl QuotaStatus {
-    pub(crate) fn new(entries: Vec<StatusEntry>) -> Self {
-        Self {
-            entries: entries.into(),
-        }
+    pub(crate) fn new(entries: Arc<[StatusEntry]>) -> Self {
+        Self { entries }
     }
 
     /// One entry per quota of the layer, in the layer's order.
