@@ -65,16 +65,19 @@ fn parse_period(text: &str) -> Result<Period, String> {
         number.parse().ok().filter(|n| *n > 0).ok_or_else(|| {
             format!("--period {text:?}: expected a positive whole number and a unit")
         })?;
-    let fixed = |secs: u64| Ok(Period::fixed(Duration::from_secs(secs)));
+    let fixed = |n: u64, unit: u64| match n.checked_mul(unit) {
+        Some(secs) if secs <= 100 * 31_557_600 => Ok(Period::fixed(Duration::from_secs(secs))),
+        _ => Err(format!("--period {text:?}: at most 100 years")),
+    };
     match (n, unit) {
         (1, "m") => Ok(Period::minute()),
         (1, "h") => Ok(Period::hour()),
         (1, "d") => Ok(Period::day()),
         (1, "w") => Ok(Period::week()),
         (1, "mo") => Ok(Period::month()),
-        (n, "s") => fixed(n),
-        (n, "m") => fixed(n * 60),
-        (n, "h") => fixed(n * 3600),
+        (n, "s") => fixed(n, 1),
+        (n, "m") => fixed(n, 60),
+        (n, "h") => fixed(n, 3600),
         _ => Err(format!(
             "--period {text:?}: use 10s, 1m, 1h, 1d, 1w, 1mo, or any whole number of s, m or h"
         )),

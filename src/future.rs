@@ -158,8 +158,12 @@ where
                             admitted: true,
                             usage,
                         }) => {
-                            let fields =
-                                RateLimitFields::new(&config.quotas, &usage, now, &config.policy_cache);
+                            let fields = RateLimitFields::new(
+                                &config.quotas,
+                                &usage,
+                                now,
+                                &config.policy_cache,
+                            );
                             let entries = config
                                 .quotas
                                 .iter()
@@ -179,8 +183,12 @@ where
                             admitted: false,
                             usage,
                         }) => {
-                            let fields =
-                                RateLimitFields::new(&config.quotas, &usage, now, &config.policy_cache);
+                            let fields = RateLimitFields::new(
+                                &config.quotas,
+                                &usage,
+                                now,
+                                &config.policy_cache,
+                            );
                             let mut response =
                                 response::quota_exceeded(&config.quotas, &usage, cost, now);
                             fields.append_to(response.headers_mut());

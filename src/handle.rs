@@ -1,6 +1,8 @@
 use std::fmt;
 use std::sync::Arc;
 
+use jiff::Timestamp;
+
 use crate::key::PeriodKey;
 use crate::layer::Config;
 use crate::quota::Quota;
@@ -81,13 +83,54 @@ impl<St: Store> QuotaHandle<St> {
 
     /// Gives `amount` back to `subject` on every quota's current counter,
     /// e.g. after a request failed on the server's side. Creates nothing and
-    /// moves no deadline.
-    pub async fn refund(&self, subject: &Subject, amount: u64) -> Result<(), StoreError> {
-        let request = self.request(subject);
-        for line in request.lines {
-            self.store.refund(request.now, line.key, amount).await?;
+    /// moves no deadline. Same as [`QuotaHandle::refund_at`] at the clock's
+    /// current instant.
+    pub async fn refund(
+        &self,
+        subject: &Subject,
+        amount: u64,
+    ) -> Result<Vec<Option<u64>>, StoreError> {
+        self.refund_at(subject, self.config.clock.now(), amount)
+            .await
+    }
+
+    /// Gives `amount` back to `subject` on the counters of the periods that
+    /// were open at `charged_at`, the instant of the charge being undone, so a
+    /// refund made after a boundary never credits the next period.
+    ///
+    /// Returns, per quota, what the counter holds afterwards, or `None` when
+    /// nothing was refunded: that period has ended (calendar), or the
+    /// subject's first-use period started after `charged_at`.
+    pub async fn refund_at(
+        &self,
+        subject: &Subject,
+        charged_at: Timestamp,
+        amount: u64,
+    ) -> Result<Vec<Option<u64>>, StoreError> {
+        let now = self.config.clock.now();
+        let lines: Vec<_> = self
+            .config
+            .quotas
+            .iter()
+            .map(|q| q.line(&self.config.namespace, subject, charged_at, 0))
+            .collect();
+        let current = self
+            .store
+            .peek(ChargeRequest {
+                now,
+                lines: lines.clone(),
+            })
+            .await?;
+        let mut refunded = Vec::with_capacity(lines.len());
+        for (line, usage) in lines.into_iter().zip(current) {
+            let later_period = usage.first_call.is_some_and(|first| first > charged_at);
+            refunded.push(if later_period {
+                None
+            } else {
+                self.store.refund(now, line.key, amount).await?
+            });
         }
-        Ok(())
+        Ok(refunded)
     }
 
     /// Gives `subject` a fresh allowance on every quota: the current counters

@@ -79,7 +79,9 @@ fn push_encoded(out: &mut String, bytes: &[u8]) {
     match std::str::from_utf8(bytes) {
         // Most ids need no escaping at all.
         Ok(text) if bytes.iter().all(plain) => out.push_str(text),
-        _ => write!(out, "{}", percent_encode(bytes, PART)).expect("writing to a String cannot fail"),
+        _ => {
+            write!(out, "{}", percent_encode(bytes, PART)).expect("writing to a String cannot fail")
+        }
     }
 }
 

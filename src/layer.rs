@@ -101,7 +101,13 @@ pub(crate) struct Config {
 /// names, on every quota of the layer at once: if one quota has no room
 /// left, the request is refused with `429 Too Many Requests` and nothing is
 /// spent on any quota. Every charged response, admitted or refused, carries
-/// the `RateLimit-Policy` and `RateLimit` fields.
+/// the `RateLimit-Policy` and `RateLimit` fields. Responses that charged
+/// nothing carry none: a request without a usable subject (there is no
+/// counter to report) and a request let through or refused because the store
+/// failed (its counters are unknown).
+///
+/// Quota names should be unique across nested layers too: clients tell the
+/// items of the fields apart by name.
 ///
 /// # Example
 ///
@@ -331,8 +337,14 @@ impl<E, St> QuotaLayer<E, St> {
     }
 
     /// How long to wait for the store before treating it as failed (default
-    /// 100 ms; `None` waits forever). The wait uses tokio's timer and applies
-    /// only to stores that do not answer at once.
+    /// 100 ms; `None` waits forever). The wait applies only to stores that do
+    /// not answer at once (never to [`MemoryStore`]) and uses tokio's timer.
+    ///
+    /// # Panics
+    ///
+    /// A request whose store does not answer at once panics when it runs on
+    /// a tokio runtime built without its timer (`enable_time`). Runtimes made
+    /// by `#[tokio::main]` have it; otherwise pass `None`.
     #[must_use]
     pub fn store_timeout(mut self, timeout: Option<Duration>) -> Self {
         self.config.store_timeout = timeout;

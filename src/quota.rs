@@ -122,11 +122,15 @@ impl Quota {
     ///
     /// # Panics
     ///
-    /// When `tag` is empty.
+    /// When `tag` is empty or holds anything but printable ASCII: it is part
+    /// of the quota's default name, which travels in response fields.
     #[must_use]
     pub fn allowance(mut self, tag: impl Into<String>) -> Self {
         let tag = tag.into();
-        assert!(!tag.is_empty(), "an allowance tag must not be empty");
+        assert!(
+            !tag.is_empty() && tag.bytes().all(|b| (0x20..0x7f).contains(&b)),
+            "an allowance tag is non-empty printable ASCII (got {tag:?})"
+        );
         self.allowance = tag.into();
         self.rename();
         self
@@ -220,7 +224,9 @@ impl Quota {
     pub(crate) fn window_seconds(&self, now: Timestamp, first_call: Option<Timestamp>) -> u64 {
         let seconds = match (self.anchor, first_call) {
             (Anchor::Calendar, _) => self.with_window(now, |w| seconds_until(w.start(), w.end())),
-            (Anchor::FirstUse, Some(first)) => seconds_until(first, self.period.end_of_first_use(first)),
+            (Anchor::FirstUse, Some(first)) => {
+                seconds_until(first, self.period.end_of_first_use(first))
+            }
             (Anchor::FirstUse, None) => seconds_until(now, self.period.end_of_first_use(now)),
         };
         seconds.max(1)
@@ -294,9 +300,17 @@ impl Quota {
 
     /// Whether two quotas would count on the same keys.
     pub(crate) fn shares_counters_with(&self, other: &Quota) -> bool {
-        self.allowance == other.allowance
-            && self.anchor == other.anchor
-            && self.period == other.period
+        self.allowance == other.allowance && self.counter_space() == other.counter_space()
+    }
+
+    /// What a key says about the period, beyond the allowance: the first-use
+    /// label, or which calendar the stamps come from. Quotas that agree here
+    /// write the same keys.
+    fn counter_space(&self) -> String {
+        match self.anchor {
+            Anchor::FirstUse => self.first_use_label.to_string(),
+            Anchor::Calendar => self.period.calendar_identity(),
+        }
     }
 }
 

@@ -49,7 +49,12 @@ pub(crate) struct RateLimitFields {
 pub(crate) struct PolicyCache(RwLock<Option<(Box<[u64]>, HeaderValue)>>);
 
 impl RateLimitFields {
-    pub(crate) fn new(quotas: &[Quota], usage: &[Usage], now: Timestamp, cache: &PolicyCache) -> Self {
+    pub(crate) fn new(
+        quotas: &[Quota],
+        usage: &[Usage],
+        now: Timestamp,
+        cache: &PolicyCache,
+    ) -> Self {
         let windows = || {
             quotas
                 .iter()
@@ -77,7 +82,8 @@ impl RateLimitFields {
                 policy.push_str(digits.format(window));
             }
             let value = HeaderValue::try_from(policy).expect("quota names are printable ASCII");
-            *cache.0.write().unwrap_or_else(|e| e.into_inner()) = Some((windows().collect(), value.clone()));
+            *cache.0.write().unwrap_or_else(|e| e.into_inner()) =
+                Some((windows().collect(), value.clone()));
             value
         });
         let mut limit = String::with_capacity(40 * quotas.len());
@@ -147,7 +153,7 @@ pub(crate) fn quota_exceeded(
 ) -> Response<Bytes> {
     let mut violated = Vec::new();
     let mut detail = String::new();
-    let mut retry_after = 1;
+    let mut retry_after = Some(1);
     for (quota, usage) in quotas.iter().zip(usage) {
         if usage.used.saturating_add(cost) <= usage.limit {
             continue;
@@ -183,7 +189,13 @@ pub(crate) fn quota_exceeded(
             )
         }
         .expect("infallible");
-        retry_after = retry_after.max(seconds_until(now, usage.resets_at));
+        // A request that costs more than a whole period allows can never be
+        // admitted: waiting would not help, so no Retry-After is sent.
+        retry_after = if cost > usage.limit {
+            None
+        } else {
+            retry_after.map(|r| r.max(seconds_until(now, usage.resets_at)))
+        };
     }
     let mut response = problem_of_type(
         StatusCode::TOO_MANY_REQUESTS,
@@ -192,8 +204,10 @@ pub(crate) fn quota_exceeded(
         &detail,
         Some(("violated-policies", Value::Array(violated))),
     );
-    response
-        .headers_mut()
-        .insert(RETRY_AFTER, HeaderValue::from(retry_after));
+    if let Some(seconds) = retry_after {
+        response
+            .headers_mut()
+            .insert(RETRY_AFTER, HeaderValue::from(seconds));
+    }
     response
 }

@@ -143,14 +143,7 @@ where
         // the next request.
         let clone = self.inner.clone();
         let inner = mem::replace(&mut self.inner, clone);
-        ResponseFuture::charging(
-            charge,
-            inner,
-            request,
-            Arc::clone(config),
-            now,
-            cost,
-        )
+        ResponseFuture::charging(charge, inner, request, Arc::clone(config), now, cost)
     }
 }
 

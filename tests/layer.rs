@@ -18,8 +18,8 @@ use serde_json::Value;
 use tower::{service_fn, Layer, Service, ServiceBuilder, ServiceExt};
 use tower_quota::store::{ChargeOutcome, ChargeRequest, StoreErrorKind};
 use tower_quota::{
-    FromExtension, FromHeader, InvalidCost, ManualClock, MemoryStore, OnStoreError, PeriodKey,
-    Quota, QuotaLayer, QuotaStatus, Store, StoreError, SubjectPolicy, Usage,
+    Anchor, FromExtension, FromHeader, InvalidCost, ManualClock, MemoryStore, OnStoreError, Period,
+    PeriodKey, Quota, QuotaLayer, QuotaStatus, Store, StoreError, SubjectPolicy, Usage,
 };
 
 fn at(s: &str) -> Timestamp {
@@ -334,7 +334,8 @@ async fn first_use_periods_are_per_subject() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
 async fn concurrent_requests_of_one_subject_admit_exactly_the_limit() {
-    let app = hello(QuotaLayer::daily(100, account()));
+    let clock = ManualClock::new(at("2026-12-02T12:00:00Z"));
+    let app = hello(QuotaLayer::daily(100, account()).clock(clock));
     let tasks: Vec<_> = (0..1_000)
         .map(|_| {
             let app = app.clone();
@@ -352,13 +353,16 @@ async fn concurrent_requests_of_one_subject_admit_exactly_the_limit() {
     assert_eq!(ok, 100);
 }
 
-#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
-async fn concurrent_requests_with_two_quotas_never_overspend_either() {
-    let app = hello(
-        QuotaLayer::new(account())
-            .quota(Quota::per_minute(30))
-            .quota(Quota::daily(50)),
-    );
+/// Many concurrent requests on two quotas: exactly the binding limit is
+/// admitted, and the other quota was charged for exactly those requests.
+async fn concurrent_two_quotas(minute: u64, day: u64) {
+    let clock = ManualClock::new(at("2026-12-02T12:00:10Z"));
+    let layer = QuotaLayer::new(account())
+        .quota(Quota::per_minute(minute))
+        .quota(Quota::daily(day))
+        .clock(clock);
+    let handle = layer.handle();
+    let app = hello(layer);
     let tasks: Vec<_> = (0..400)
         .map(|_| {
             let app = app.clone();
@@ -371,7 +375,24 @@ async fn concurrent_requests_with_two_quotas_never_overspend_either() {
             ok += 1;
         }
     }
-    assert_eq!(ok, 30);
+    let binding = minute.min(day);
+    assert_eq!(ok, binding);
+    let usage = handle
+        .usage(&tower_quota::Subject::account("acme"))
+        .await
+        .unwrap();
+    assert_eq!(usage[0].usage.used, binding, "minute counter");
+    assert_eq!(usage[1].usage.used, binding, "day counter");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn concurrent_requests_never_overspend_when_the_minute_binds() {
+    concurrent_two_quotas(30, 50).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn concurrent_requests_never_overspend_when_the_day_binds() {
+    concurrent_two_quotas(50, 30).await;
 }
 
 // --- several quotas, cost, allowances, kinds ------------------------------
@@ -444,6 +465,10 @@ async fn per_request_cost() {
 
     let too_big = send(&app, bulk("6")).await;
     assert_eq!(too_big.status, StatusCode::TOO_MANY_REQUESTS);
+    assert!(
+        !too_big.headers.contains_key("retry-after"),
+        "waiting cannot help a request that costs more than the limit"
+    );
     assert!(too_big.json()["detail"]
         .as_str()
         .unwrap()
@@ -877,10 +902,92 @@ fn two_quotas_on_the_same_counters_are_refused() {
 }
 
 #[tokio::test]
-async fn an_unused_arc_extractor_works_too() {
+async fn an_extractor_behind_an_arc_works() {
     let shared = Arc::new(account());
     let app = Router::new()
         .route("/", get(|| async { "hi" }))
-        .layer(QuotaLayer::daily(1, shared));
+        .layer(QuotaLayer::daily(1, Arc::clone(&shared)));
     assert_eq!(get_as(&app, "/", "x").await.status, StatusCode::OK);
+    assert_eq!(
+        get_as(&app, "/", "x").await.status,
+        StatusCode::TOO_MANY_REQUESTS
+    );
+}
+
+fn layered(layer: QuotaLayer<FromHeader, MemoryStore>) {
+    let _ = layer.layer(service_fn(|_: Request<Body>| async {
+        Ok::<_, std::convert::Infallible>(http::Response::new(Body::empty()))
+    }));
+}
+
+#[test]
+#[should_panic(expected = "would share counters")]
+fn a_rolling_minute_and_a_rolling_60_seconds_share_counters() {
+    layered(
+        QuotaLayer::new(account())
+            .quota(Quota::new(5, Period::minute(), Anchor::FirstUse))
+            .quota(Quota::rolling(10, Duration::from_secs(60))),
+    );
+}
+
+#[test]
+#[should_panic(expected = "would share counters")]
+fn fixed_windows_in_two_zones_share_counters() {
+    layered(
+        QuotaLayer::new(account())
+            .quota(Quota::fixed_window(5, Duration::from_secs(10)))
+            .quota(
+                Quota::fixed_window(9, Duration::from_secs(10))
+                    .in_time_zone(berlin())
+                    .named("b"),
+            ),
+    );
+}
+
+#[tokio::test]
+async fn days_in_two_zones_have_counters_of_their_own() {
+    let clock = ManualClock::new(at("2026-12-02T23:30:00Z"));
+    let layer = QuotaLayer::new(account())
+        .quota(Quota::daily(1))
+        .quota(Quota::daily(1).in_time_zone(berlin()).named("berlin-day"))
+        .clock(clock);
+    let app = hello(layer);
+    let first = get_as(&app, "/", "acme").await;
+    assert_eq!(first.status, StatusCode::OK);
+    assert_eq!(first.ratelimit()["default-day"].0, 0);
+    assert_eq!(first.ratelimit()["berlin-day"].0, 0);
+}
+
+#[test]
+#[should_panic(expected = "printable ASCII")]
+fn allowance_tags_must_be_printable_ascii() {
+    let _ = Quota::daily(1).allowance("lesen\n");
+}
+
+#[tokio::test]
+async fn a_refund_after_midnight_does_not_credit_the_new_day() {
+    let clock = ManualClock::new(at("2026-12-02T23:59:59Z"));
+    let layer = QuotaLayer::daily(5, account()).clock(clock.clone());
+    let handle = layer.handle();
+    let app = hello(layer);
+    let acme = tower_quota::Subject::account("acme");
+    assert_eq!(get_as(&app, "/", "acme").await.status, StatusCode::OK);
+    clock.set(at("2026-12-03T00:00:01Z"));
+    assert_eq!(get_as(&app, "/", "acme").await.status, StatusCode::OK);
+
+    let refunded = handle
+        .refund_at(&acme, at("2026-12-02T23:59:59Z"), 1)
+        .await
+        .unwrap();
+    assert_eq!(
+        refunded,
+        [None],
+        "yesterday's counter is gone; nothing to refund"
+    );
+    assert_eq!(
+        handle.usage(&acme).await.unwrap()[0].usage.used,
+        1,
+        "today untouched"
+    );
+    assert_eq!(handle.refund(&acme, 1).await.unwrap(), [Some(0)]);
 }

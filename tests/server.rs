@@ -189,6 +189,7 @@ fn demo_server_refuses_bad_flags() {
         &["--period", "2d"][..],
         &["--anchor", "sometimes"],
         &["--limit", "many"],
+        &["--period", "100000000000h"],
         &["--tz", "Mars/Olympus"],
     ] {
         let output = Command::new(server_binary()).args(args).output().unwrap();

@@ -60,6 +60,10 @@ impl fmt::Display for Anchor {
     }
 }
 
+/// The longest fixed period: 100 Julian years. Longer ones would put window
+/// ends past the range of dates the calendar arithmetic supports.
+const MAX_FIXED_SECONDS: u64 = 100 * 31_557_600;
+
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
 enum Unit {
     Minute,
@@ -145,12 +149,12 @@ impl Period {
     ///
     /// # Panics
     ///
-    /// When `length` is shorter than a second or not a whole number of
-    /// seconds.
+    /// When `length` is shorter than a second, longer than 100 years
+    /// (3 155 760 000 seconds), or not a whole number of seconds.
     pub fn fixed(length: Duration) -> Self {
         assert!(
-            length.subsec_nanos() == 0 && length.as_secs() >= 1,
-            "a fixed period is a whole number of seconds, at least one (got {length:?})"
+            length.subsec_nanos() == 0 && (1..=MAX_FIXED_SECONDS).contains(&length.as_secs()),
+            "a fixed period is a whole number of seconds, from one second to 100 years (got {length:?})"
         );
         let secs =
             i64::try_from(length.as_secs()).expect("a period shorter than 292 billion years");
@@ -265,6 +269,16 @@ impl Period {
             write!(stamp, "[{label}]").expect("infallible");
         }
         Ok(Window::new(start, end, stamp))
+    }
+
+    /// Which calendar the stamps of this period come from: quotas with the
+    /// same identity write the same stamps. Fixed windows ignore the zone.
+    pub(crate) fn calendar_identity(&self) -> String {
+        match (self.unit, &self.tz_label) {
+            (Unit::Fixed(s), _) => format!("fixed/{s}"),
+            (unit, None) => format!("{unit:?}"),
+            (unit, Some(zone)) => format!("{unit:?}[{zone}]"),
+        }
     }
 
     /// The instant a first-use period opened at `first_call` ends.

@@ -809,9 +809,25 @@ fn fixed_period_of_a_fraction_of_a_second_is_refused() {
 }
 
 #[test]
-#[should_panic(expected = "at least one")]
+#[should_panic(expected = "from one second to 100 years")]
 fn fixed_period_of_zero_is_refused() {
     let _ = Period::fixed(Duration::ZERO);
+}
+
+#[test]
+#[should_panic(expected = "from one second to 100 years")]
+fn fixed_period_beyond_a_century_is_refused() {
+    let _ = Period::fixed(Duration::from_secs(400_000_000_000));
+}
+
+#[test]
+fn fixed_period_of_a_century_works_at_both_ends_of_the_clock() {
+    let century = Period::fixed(Duration::from_secs(100 * 31_557_600));
+    for at in ["1678-01-01T00:00:00Z", "2262-01-01T00:00:00Z"] {
+        let at: Timestamp = at.parse().unwrap();
+        assert!(century.window(at).contains(at));
+        assert!(century.end_of_first_use(at) > at);
+    }
 }
 
 #[test]

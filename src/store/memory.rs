@@ -24,13 +24,15 @@ const SWEEP_BUDGET: usize = 32;
 /// - Sharded by subject: all counters of a subject live in one shard (chosen
 ///   from the key's hash tag), so a charge takes a single lock, and requests of
 ///   different subjects rarely wait on each other.
-/// - Constant time per charge: a hash lookup per quota. Creating a counter
-///   also files its deadline in the shard's deadline heap.
-/// - Bounded memory: every charge reclaims a few expired counters of its own
-///   shard and of one other shard in turn, so expired counters go away
-///   without traffic to them, and memory follows the subjects active in the
-///   current periods. [`MemoryStore::purge_expired`] reclaims everything
-///   expired at once.
+/// - One hash lookup per quota and charge. Creating a counter also files its
+///   deadline in the shard's deadline heap (logarithmic in the shard's size).
+/// - Bounded memory: every charge reclaims up to 32 expired counters of its
+///   own shard, and every eighth charge of a thread as many of another shard
+///   in turn (skipped when that shard is busy), so expired counters go away
+///   without traffic to them as long as the store sees any traffic, and
+///   memory follows the subjects active in the current periods.
+///   [`MemoryStore::purge_expired`] reclaims everything expired at once, e.g.
+///   from a timer in an application that can go quiet for long.
 ///
 /// Clones share the counters. Counters are lost when the process exits; use
 /// a shared store when several instances enforce one quota.

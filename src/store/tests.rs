@@ -320,6 +320,53 @@ fn exact_under_threads() {
     assert_eq!(admitted.into_inner(), 1_234);
 }
 
+#[test]
+fn exact_under_threads_with_two_quotas() {
+    let store = MemoryStore::with_shards(4);
+    let t0 = at("2026-12-02T10:00:00Z");
+    let admitted = std::sync::atomic::AtomicU64::new(0);
+    let minute = || {
+        calendar(
+            key("acme", "read", "2026-12-02T10:00"),
+            700,
+            1,
+            "2026-12-02T10:00:00Z",
+            "2026-12-02T10:01:00Z",
+        )
+    };
+    let day = || {
+        calendar(
+            key("acme", "read", "2026-12-02"),
+            500,
+            1,
+            "2026-12-02T00:00:00Z",
+            "2026-12-03T00:00:00Z",
+        )
+    };
+    std::thread::scope(|scope| {
+        for _ in 0..8 {
+            scope.spawn(|| {
+                for _ in 0..200 {
+                    if charge(&store, t0, vec![minute(), day()]).admitted {
+                        admitted.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+                    }
+                }
+            });
+        }
+    });
+    assert_eq!(admitted.into_inner(), 500);
+    let usage = now_of(store.peek(ChargeRequest {
+        now: t0,
+        lines: vec![minute(), day()],
+    }))
+    .unwrap();
+    assert_eq!(
+        usage[0].used, 500,
+        "the minute was charged exactly for the admitted requests"
+    );
+    assert_eq!(usage[1].used, 500);
+}
+
 mod model {
     //! The memory store against a plain model of the contract, on random
     //! sequences of charges, refunds, resets and clock moves.
