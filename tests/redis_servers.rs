@@ -49,11 +49,17 @@ fn start(args: &[&str]) -> Server {
     BufReader::new(child.stdout.take().unwrap())
         .read_line(&mut line)
         .unwrap();
-    let addr = line
+    let Some(addr) = line
         .strip_prefix("listening on http://")
         .and_then(|rest| rest.split_whitespace().next())
-        .unwrap_or_else(|| panic!("unexpected first line {line:?}"))
-        .to_owned();
+    else {
+        // Its error is on stderr, above.
+        panic!(
+            "the demo server did not start; it needs the `redis` feature, which \
+             `cargo test --all-features` builds it with (first line {line:?})"
+        );
+    };
+    let addr = addr.to_owned();
     Server { child, addr }
 }
 
