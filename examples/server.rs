@@ -277,6 +277,11 @@ async fn serve(options: Options) {
         url if url.starts_with("redis://") || url.starts_with("rediss://") => {
             let store = tower_quota::store::RedisStore::new(url)
                 .unwrap_or_else(|e| fail(&format!("--store {url:?}: {e}")));
+            // Open a connection and load the script now, so the first
+            // requests do not pay for it (and a wrong URL shows at once).
+            if let Err(e) = store.preload().await {
+                eprintln!("warning: {url} is not answering yet: {e}");
+            }
             app(&options, store)
         }
         other => fail(&format!(

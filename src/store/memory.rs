@@ -167,7 +167,7 @@ impl MemoryStore {
         });
         // Every eighth charge of a thread is plenty to keep up: each visit
         // reclaims up to SWEEP_BUDGET counters.
-        if turn % 8 != 0 {
+        if !turn.is_multiple_of(8) {
             return;
         }
         let i = (turn / 8) % shards.len();
