@@ -154,46 +154,35 @@ where
                         cost,
                     } = pending.take().expect("polled after completion");
                     let next = match result {
-                        Ok(ChargeOutcome {
-                            admitted: true,
-                            usage,
-                        }) => {
+                        Ok(ChargeOutcome { admitted, usage }) => {
                             let fields = RateLimitFields::new(
                                 &config.quotas,
                                 &usage,
                                 now,
                                 &config.policy_cache,
                             );
-                            let entries = config
-                                .quotas
-                                .iter()
-                                .zip(usage)
-                                .map(|(q, usage)| StatusEntry {
-                                    name: q.shared_name(),
-                                    usage,
-                                })
-                                .collect::<Arc<[StatusEntry]>>();
-                            request.extensions_mut().insert(QuotaStatus::new(entries));
-                            State::Calling {
-                                future: inner.call(request),
-                                fields: Some(fields),
-                            }
-                        }
-                        Ok(ChargeOutcome {
-                            admitted: false,
-                            usage,
-                        }) => {
-                            let fields = RateLimitFields::new(
-                                &config.quotas,
-                                &usage,
-                                now,
-                                &config.policy_cache,
-                            );
-                            let mut response =
-                                response::quota_exceeded(&config.quotas, &usage, cost, now);
-                            fields.append_to(response.headers_mut());
-                            State::Rejected {
-                                response: Some(response),
+                            if admitted {
+                                let entries = config
+                                    .quotas
+                                    .iter()
+                                    .zip(usage)
+                                    .map(|(q, usage)| StatusEntry {
+                                        name: q.shared_name(),
+                                        usage,
+                                    })
+                                    .collect::<Arc<[StatusEntry]>>();
+                                request.extensions_mut().insert(QuotaStatus::new(entries));
+                                State::Calling {
+                                    future: inner.call(request),
+                                    fields: Some(fields),
+                                }
+                            } else {
+                                let mut response =
+                                    response::quota_exceeded(&config.quotas, &usage, cost, now);
+                                fields.append_to(response.headers_mut());
+                                State::Rejected {
+                                    response: Some(response),
+                                }
                             }
                         }
                         Err(error) => match config.on_store_error {

@@ -5,74 +5,14 @@
 
 mod redis_support;
 
-use std::io::{BufRead, BufReader};
-use std::path::PathBuf;
-use std::process::{Child, Command, Stdio};
+mod demo_server;
 
-use tokio::io::{AsyncReadExt, AsyncWriteExt};
-use tokio::net::TcpStream;
-
-struct Server {
-    child: Child,
-    addr: String,
-}
-
-impl Drop for Server {
-    fn drop(&mut self) {
-        let _ = self.child.kill();
-        let _ = self.child.wait();
-    }
-}
-
-fn start(args: &[&str]) -> Server {
-    // Integration tests live in target/<profile>/deps; examples beside it.
-    let exe = std::env::current_exe().unwrap();
-    let binary: PathBuf = exe
-        .parent()
-        .unwrap()
-        .parent()
-        .unwrap()
-        .join("examples")
-        .join("server");
-    assert!(
-        binary.exists(),
-        "{} is missing: `cargo test` builds the examples",
-        binary.display()
-    );
-    let mut child = Command::new(binary)
-        .args(["--listen", "127.0.0.1:0"])
-        .args(args)
-        .stdout(Stdio::piped())
-        .spawn()
-        .unwrap();
-    let mut line = String::new();
-    BufReader::new(child.stdout.take().unwrap())
-        .read_line(&mut line)
-        .unwrap();
-    let Some(addr) = line
-        .strip_prefix("listening on http://")
-        .and_then(|rest| rest.split_whitespace().next())
-    else {
-        // Its error is on stderr, above.
-        panic!(
-            "the demo server did not start; it needs the `redis` feature, which \
-             `cargo test --all-features` builds it with (first line {line:?})"
-        );
-    };
-    let addr = addr.to_owned();
-    Server { child, addr }
-}
+use demo_server::start;
 
 async fn status(addr: String, account: &str) -> u16 {
-    let mut stream = TcpStream::connect(&addr).await.unwrap();
-    let request = format!(
-        "GET /read HTTP/1.1\r\nhost: test\r\nconnection: close\r\nx-account-id: {account}\r\n\r\n"
-    );
-    stream.write_all(request.as_bytes()).await.unwrap();
-    let mut raw = Vec::new();
-    stream.read_to_end(&mut raw).await.unwrap();
-    let raw = String::from_utf8_lossy(&raw);
-    raw.split_whitespace().nth(1).unwrap().parse().unwrap()
+    demo_server::call(&addr, "GET", "/read", &[("x-account-id", account)])
+        .await
+        .status
 }
 
 async fn shared_quota_is_exact(anchor: &str) {

@@ -1,91 +1,13 @@
 //! Black-box tests of the demo server: the built example, spoken to over TCP.
 
-use std::io::{BufRead, BufReader};
-use std::path::PathBuf;
-use std::process::{Child, Command, Stdio};
+mod demo_server;
 
-use tokio::io::{AsyncReadExt, AsyncWriteExt};
-use tokio::net::TcpStream;
+use std::process::Command;
 
-struct Server {
-    child: Child,
-    addr: String,
-}
-
-impl Drop for Server {
-    fn drop(&mut self) {
-        let _ = self.child.kill();
-        let _ = self.child.wait();
-    }
-}
-
-fn server_binary() -> PathBuf {
-    // Integration tests live in target/<profile>/deps; examples beside it.
-    let exe = std::env::current_exe().unwrap();
-    let profile_dir = exe.parent().unwrap().parent().unwrap();
-    let path = profile_dir.join("examples").join("server");
-    assert!(
-        path.exists(),
-        "{} is missing: `cargo test` builds the examples",
-        path.display()
-    );
-    path
-}
-
-fn start(args: &[&str]) -> Server {
-    let mut child = Command::new(server_binary())
-        .args(["--listen", "127.0.0.1:0"])
-        .args(args)
-        .stdout(Stdio::piped())
-        .spawn()
-        .unwrap();
-    let mut line = String::new();
-    BufReader::new(child.stdout.take().unwrap())
-        .read_line(&mut line)
-        .unwrap();
-    let addr = line
-        .strip_prefix("listening on http://")
-        .and_then(|rest| rest.split_whitespace().next())
-        .unwrap_or_else(|| panic!("unexpected first line {line:?}"))
-        .to_owned();
-    Server { child, addr }
-}
-
-struct Reply {
-    status: u16,
-    head: String,
-    body: String,
-}
-
-impl Reply {
-    fn header(&self, name: &str) -> Option<&str> {
-        self.head.lines().find_map(|line| {
-            let (n, v) = line.split_once(':')?;
-            n.eq_ignore_ascii_case(name).then(|| v.trim())
-        })
-    }
-}
+use demo_server::{binary as server_binary, start, Reply, Server};
 
 async fn call(server: &Server, method: &str, path: &str, headers: &[(&str, &str)]) -> Reply {
-    let mut stream = TcpStream::connect(&server.addr).await.unwrap();
-    let mut request = format!(
-        "{method} {path} HTTP/1.1\r\nhost: test\r\nconnection: close\r\ncontent-length: 0\r\n"
-    );
-    for (name, value) in headers {
-        request.push_str(&format!("{name}: {value}\r\n"));
-    }
-    request.push_str("\r\n");
-    stream.write_all(request.as_bytes()).await.unwrap();
-    let mut raw = Vec::new();
-    stream.read_to_end(&mut raw).await.unwrap();
-    let raw = String::from_utf8(raw).unwrap();
-    let (head, body) = raw.split_once("\r\n\r\n").unwrap();
-    let status = head.split_whitespace().nth(1).unwrap().parse().unwrap();
-    Reply {
-        status,
-        head: head.to_owned(),
-        body: body.to_owned(),
-    }
+    demo_server::call(&server.addr, method, path, headers).await
 }
 
 const ACME: &[(&str, &str)] = &[("x-account-id", "acme")];

@@ -1,0 +1,106 @@
+//! Starting the demo server example and speaking HTTP/1.1 to it over TCP.
+
+// Each test binary uses its own part of this module.
+#![allow(dead_code)]
+
+use std::io::{BufRead, BufReader};
+use std::path::PathBuf;
+use std::process::{Child, Command, Stdio};
+
+use tokio::io::{AsyncReadExt, AsyncWriteExt};
+use tokio::net::TcpStream;
+
+/// A running demo server, killed when dropped.
+pub struct Server {
+    child: Child,
+    pub addr: String,
+}
+
+impl Drop for Server {
+    fn drop(&mut self) {
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+    }
+}
+
+/// The example's binary, which `cargo test` builds beside the test binaries.
+pub fn binary() -> PathBuf {
+    // Integration tests live in target/<profile>/deps; examples beside it.
+    let exe = std::env::current_exe().unwrap();
+    let path = exe
+        .parent()
+        .unwrap()
+        .parent()
+        .unwrap()
+        .join("examples")
+        .join("server");
+    assert!(
+        path.exists(),
+        "{} is missing: `cargo test` builds the examples",
+        path.display()
+    );
+    path
+}
+
+/// Starts the server on a free loopback port with `args`.
+pub fn start(args: &[&str]) -> Server {
+    let mut child = Command::new(binary())
+        .args(["--listen", "127.0.0.1:0"])
+        .args(args)
+        .stdout(Stdio::piped())
+        .spawn()
+        .unwrap();
+    let mut line = String::new();
+    BufReader::new(child.stdout.take().unwrap())
+        .read_line(&mut line)
+        .unwrap();
+    let Some(addr) = line
+        .strip_prefix("listening on http://")
+        .and_then(|rest| rest.split_whitespace().next())
+    else {
+        // Its error is on stderr, above.
+        panic!("the demo server did not start (first line {line:?}); with --store redis:// it needs the `redis` feature, which `cargo test --all-features` builds it with");
+    };
+    let addr = addr.to_owned();
+    Server { child, addr }
+}
+
+/// One response.
+pub struct Reply {
+    pub status: u16,
+    pub head: String,
+    pub body: String,
+}
+
+impl Reply {
+    /// The value of header `name`, if sent.
+    pub fn header(&self, name: &str) -> Option<&str> {
+        self.head.lines().find_map(|line| {
+            let (n, v) = line.split_once(':')?;
+            n.eq_ignore_ascii_case(name).then(|| v.trim())
+        })
+    }
+}
+
+/// Sends one request on a fresh connection.
+pub async fn call(addr: &str, method: &str, path: &str, headers: &[(&str, &str)]) -> Reply {
+    let mut stream = TcpStream::connect(addr).await.unwrap();
+    let mut request = format!(
+        "{method} {path} HTTP/1.1\r\nhost: test\r\nconnection: close\r\ncontent-length: 0\r\n"
+    );
+    for (name, value) in headers {
+        request.push_str(&format!("{name}: {value}\r\n"));
+    }
+    request.push_str("\r\n");
+    stream.write_all(request.as_bytes()).await.unwrap();
+    let mut raw = Vec::new();
+    stream.read_to_end(&mut raw).await.unwrap();
+    let raw = String::from_utf8_lossy(&raw).into_owned();
+    let (head, body) = raw.split_once("\r\n\r\n").unwrap_or((&raw, ""));
+    let status = head.split_whitespace().nth(1).unwrap().parse().unwrap();
+    Reply {
+        status,
+        head: head.to_owned(),
+        body: body.to_owned(),
+    }
+}
