@@ -101,6 +101,10 @@ impl<St: Store> QuotaHandle<St> {
     /// Returns, per quota, what the counter holds afterwards, or `None` when
     /// nothing was refunded: that period has ended (calendar), or the
     /// subject's first-use period started after `charged_at`.
+    ///
+    /// A first-use counter is read, then refunded, in two calls to the
+    /// store: if its period ends and a new one opens in between, the new
+    /// period gets the refund.
     pub async fn refund_at(
         &self,
         subject: &Subject,

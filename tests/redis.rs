@@ -276,8 +276,8 @@ async fn preload_loads_the_script_and_reports_an_unreachable_server() {
     store.preload().await.unwrap();
     assert_eq!(server.cli(&["script", "exists", store.script_sha()]), "1");
 
-    let nowhere =
-        RedisStore::new(format!("redis://127.0.0.1:{}/", redis_support::free_port())).unwrap();
+    let (dead, _reserved) = redis_support::dead_address();
+    let nowhere = RedisStore::new(format!("redis://{dead}/")).unwrap();
     let error = nowhere.preload().await.unwrap_err();
     assert_eq!(error.kind(), StoreErrorKind::Unavailable, "{error}");
 }
@@ -414,8 +414,8 @@ async fn out_of_memory_under_noeviction_is_a_store_error() {
 
 #[tokio::test]
 async fn an_unreachable_server_fails_fast() {
-    let port = redis_support::free_port();
-    let store = RedisStore::new(format!("redis://127.0.0.1:{port}/")).unwrap();
+    let (dead, _reserved) = redis_support::dead_address();
+    let store = RedisStore::new(format!("redis://{dead}/")).unwrap();
     let started = Instant::now();
     let error = store
         .charge(first_use(&key("x"), 10, 1, Timestamp::now(), hour()))
@@ -572,6 +572,8 @@ async fn a_quick_restart_costs_at_most_one_failed_request() {
     let mut server = redis_server_or_skip!();
     let store = RedisStore::builder(server.url())
         .pool_size(8)
+        .wait_timeout(Duration::from_secs(1))
+        .connect_timeout(Duration::from_secs(1))
         .response_timeout(Duration::from_secs(1))
         .build()
         .unwrap();
@@ -670,4 +672,66 @@ async fn healing_an_undated_counter_is_logged() {
             && e.contains("first call plus one period")),
         "{events:?}"
     );
+}
+
+#[tokio::test]
+async fn a_value_that_is_no_counter_is_refused_before_any_line_is_charged() {
+    let server = redis_server_or_skip!();
+    let store = store(&server);
+    let mut redis = client(&server).await;
+    let now = Timestamp::now();
+    let fresh = key("fresh");
+    for (name, setup) in [
+        ("text", vec!["SET", "abc"]),
+        ("fraction", vec!["SET", "5.5"]),
+        ("negative", vec!["SET", "-3"]),
+        ("hash without n", vec!["HSET", "x", "1"]),
+        ("list", vec!["RPUSH", "a"]),
+    ] {
+        let foreign = key(name);
+        let mut command = redis::cmd(setup[0]);
+        command.arg(foreign.as_str());
+        for arg in &setup[1..] {
+            command.arg(*arg);
+        }
+        let () = command.query_async(&mut redis).await.unwrap();
+        let () = redis.pexpire(foreign.as_str(), 5_000).await.unwrap();
+
+        let mut request = first_use(&fresh, 10, 1, now, hour());
+        request
+            .lines
+            .extend(first_use(&foreign, 10, 1, now, hour()).lines);
+        let error = store.charge(request).await.expect_err(name);
+        assert_eq!(error.kind(), StoreErrorKind::Other, "{name}");
+        assert!(
+            error.to_string().contains("not a counter"),
+            "{name}: {error}"
+        );
+        let exists: bool = redis.exists(fresh.as_str()).await.unwrap();
+        assert!(
+            !exists,
+            "{name}: the first line was charged although the request failed"
+        );
+        let ttl: i64 = redis.pttl(foreign.as_str()).await.unwrap();
+        assert!(
+            (1..=5_000).contains(&ttl),
+            "{name}: the foreign key's deadline moved to {ttl}"
+        );
+        let refund = store.refund(now, foreign.clone(), 1).await;
+        assert!(refund.is_err(), "{name}: a refund on it must fail too");
+    }
+}
+
+#[tokio::test]
+async fn limits_beyond_what_lua_counts_exactly_are_unlimited() {
+    let server = redis_server_or_skip!();
+    let store = store(&server);
+    let key = key("huge");
+    let outcome = store
+        .charge(first_use(&key, u64::MAX, 1_000, Timestamp::now(), hour()))
+        .await
+        .unwrap();
+    assert!(outcome.admitted);
+    assert_eq!(outcome.usage[0].used, 1_000);
+    assert_eq!(outcome.usage[0].remaining(), u64::MAX - 1_000);
 }

@@ -780,8 +780,10 @@ fn jitter(key: &PeriodKey, spread: Duration) -> i64 {
 }
 
 /// Counts travel as Redis integers.
+/// Lua counts in doubles, exact up to 2^53: a limit or cost that large is as
+/// good as unlimited, and is sent as 2^53.
 fn clamp(n: u64) -> i64 {
-    i64::try_from(n).unwrap_or(i64::MAX)
+    i64::try_from(n.min(1 << 53)).expect("2^53 fits in an i64")
 }
 
 fn pool_error(error: PoolError<RedisError>) -> StoreError {

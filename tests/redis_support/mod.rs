@@ -53,6 +53,18 @@ pub fn free_port() -> u16 {
         .port()
 }
 
+/// A loopback address where nothing answers, for as long as the returned
+/// socket lives: the port is bound but never listened on, so connections are
+/// refused and no other test's server can take it meanwhile.
+pub fn dead_address() -> (std::net::SocketAddr, tokio::net::TcpSocket) {
+    let socket = tokio::net::TcpSocket::new_v4().expect("a socket");
+    socket
+        .bind("127.0.0.1:0".parse().unwrap())
+        .expect("a loopback port");
+    let addr = socket.local_addr().expect("its address");
+    (addr, socket)
+}
+
 /// A `redis-server` of its own, stopped and cleaned up on drop.
 pub struct RedisServer {
     port: u16,

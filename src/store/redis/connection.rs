@@ -119,17 +119,20 @@ impl Connections {
         }
     }
 
-    /// Closes every idle connection. After one connection broke (a server
-    /// restart, a failover), the idle ones are most likely broken too, and
-    /// each would fail one request before the pool noticed.
+    /// Closes every idle connection of the store's own pools. After one
+    /// connection broke (a server restart, a failover), the idle ones are
+    /// most likely broken too, and each would fail one request before the
+    /// pool noticed. A pool the application handed over is left alone.
     pub(super) fn close_idle(&self) {
         match self {
             Connections::Server(pool) => drop(pool.retain(|_, _| false)),
-            Connections::Pool(pool) => drop(pool.retain(|_, _| false)),
+            // A pool handed to the store may serve the rest of the
+            // application too: it is not the store's to empty.
+            Connections::Pool(_) => {}
             #[cfg(feature = "redis-cluster")]
             Connections::Cluster(pool) => drop(pool.retain(|_, _| false)),
             #[cfg(feature = "redis-cluster")]
-            Connections::ClusterPool(pool) => drop(pool.retain(|_, _| false)),
+            Connections::ClusterPool(_) => {}
         }
     }
 

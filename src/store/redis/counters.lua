@@ -31,17 +31,50 @@ if op == 't' then
   return redis.call('TIME')
 end
 
-local function read(key)
-  local r = redis.pcall('HMGET', key, 'n', 't')
-  if r.err then
-    return tonumber(redis.call('GET', key)), nil, false
+-- A whole, non-negative number of units, or nil.
+local function whole(v)
+  local n = tonumber(v)
+  if n == nil or n < 0 or n ~= math.floor(n) then
+    return nil
   end
-  return tonumber(r[1]), tonumber(r[2]), true
+  return n
+end
+
+-- Reads a counter: units spent, first call, whether it is (or will be
+-- created as) a hash, and
+-- whether the key is usable at all. A missing key is usable (nothing spent).
+-- A key of another type, a hash without a whole `n`, or a string that is not
+-- a whole number is no counter: the script refuses it before writing
+-- anything, rather than overwrite it (and its deadline) or charge some lines
+-- of a request and fail on the next.
+local function read(key)
+  local kind = redis.call('TYPE', key)['ok']
+  if kind == 'none' then
+    -- Counters this script creates are hashes.
+    return nil, nil, true, true
+  end
+  if kind == 'hash' then
+    local r = redis.call('HMGET', key, 'n', 't')
+    local used = whole(r[1])
+    return used, tonumber(r[2]), true, used ~= nil
+  end
+  if kind == 'string' then
+    local used = whole(redis.call('GET', key))
+    return used, nil, false, used ~= nil
+  end
+  return nil, nil, false, false
+end
+
+local function not_a_counter(key)
+  return redis.error_reply('ERR tower-quota: ' .. key .. ' holds a value that is not a counter')
 end
 
 if op == 'r' then
   local key = KEYS[1]
-  local used, _, hash = read(key)
+  local used, _, hash, ok = read(key)
+  if not ok then
+    return not_a_counter(key)
+  end
   if used == nil then
     return -1
   end
@@ -60,6 +93,16 @@ local now = tonumber(ARGV[2])
 local lines = {}
 local admitted = true
 
+-- Every key is read and checked before anything is written.
+local reads = {}
+for i = 1, #KEYS do
+  local used, first, hash, ok = read(KEYS[i])
+  if not ok then
+    return not_a_counter(KEYS[i])
+  end
+  reads[i] = { used = used, first = first, hash = hash }
+end
+
 for i = 1, #KEYS do
   local key = KEYS[i]
   local a = 3 + (i - 1) * 4
@@ -72,7 +115,7 @@ for i = 1, #KEYS do
     pttl = -2,
     heal = 0,
   }
-  local used, first, hash = read(key)
+  local used, first, hash = reads[i].used, reads[i].first, reads[i].hash
   line.hash = hash
   if used ~= nil then
     line.pttl = redis.call('PTTL', key)
@@ -84,6 +127,8 @@ for i = 1, #KEYS do
         line.pttl = line.ttl
         line.heal = 2
       elseif first + line.ttl > now then
+        -- `ttl` is the length of a period opened now; for months it can
+        -- differ from the one opened at `first` by a few days.
         line.pttl = first + line.ttl - now
         line.heal = 1
       else
