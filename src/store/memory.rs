@@ -55,15 +55,36 @@ thread_local! {
 #[derive(Default)]
 struct Shard {
     counters: HashMap<Arc<str>, Counter, RandomState>,
-    deadlines: BinaryHeap<Reverse<(Timestamp, Arc<str>)>>,
+    deadlines: BinaryHeap<Reverse<(Nanos, Arc<str>)>>,
 }
 
+/// 32 bytes, so that more counters share the cache: with many subjects, a
+/// charge's time is mostly the wait for its counter's memory.
 #[derive(Clone, Copy, Debug)]
 struct Counter {
     used: u64,
-    first_call: Timestamp,
-    deadline: Timestamp,
+    first_call: Nanos,
+    deadline: Nanos,
     first_use: bool,
+}
+
+/// An instant in nanoseconds since the Unix epoch, held in an `i64` (the
+/// years 1678 to 2262; instants beyond saturate): half a `Timestamp`.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, PartialOrd, Ord)]
+struct Nanos(i64);
+
+impl Nanos {
+    fn of(at: Timestamp) -> Self {
+        let nanos = at
+            .as_nanosecond()
+            .clamp(i128::from(i64::MIN), i128::from(i64::MAX));
+        Self(i64::try_from(nanos).expect("clamped to the range of i64"))
+    }
+
+    fn timestamp(self) -> Timestamp {
+        Timestamp::from_nanosecond(i128::from(self.0))
+            .expect("an i64 of nanoseconds is a valid timestamp")
+    }
 }
 
 impl Default for MemoryStore {
@@ -181,7 +202,7 @@ impl MemoryStore {
         let mut shard = lock(&self.inner.shards[self.shard_of(&line.key)]);
         shard.sweep(now, SWEEP_BUDGET);
         let (admitted, counter) = match shard.counters.get_mut(line.key.as_str()) {
-            Some(counter) if counter.deadline > now => {
+            Some(counter) if counter.deadline > Nanos::of(now) => {
                 if counter.used.saturating_add(line.cost) <= line.limit {
                     counter.used += line.cost;
                     (true, Some(*counter))
@@ -275,12 +296,15 @@ impl Locked<'_, '_> {
 
 impl Shard {
     fn live(&self, key: &str, now: Timestamp) -> Option<Counter> {
-        self.counters.get(key).copied().filter(|c| c.deadline > now)
+        self.counters
+            .get(key)
+            .copied()
+            .filter(|c| c.deadline > Nanos::of(now))
     }
 
     fn spend(&mut self, line: &ChargeLine, now: Timestamp) -> Counter {
         if let Some(counter) = self.counters.get_mut(line.key.as_str()) {
-            if counter.deadline > now {
+            if counter.deadline > Nanos::of(now) {
                 // The deadline stays as it was set at creation.
                 counter.used = counter.used.saturating_add(line.cost);
                 return *counter;
@@ -290,9 +314,10 @@ impl Shard {
             Lifetime::Calendar { end, .. } => (end, false),
             Lifetime::FirstUse { deadline } => (deadline, true),
         };
+        let deadline = Nanos::of(deadline);
         let counter = Counter {
             used: line.cost,
-            first_call: now,
+            first_call: Nanos::of(now),
             deadline,
             first_use,
         };
@@ -303,6 +328,7 @@ impl Shard {
     }
 
     fn sweep(&mut self, now: Timestamp, budget: usize) {
+        let now = Nanos::of(now);
         for _ in 0..budget {
             match self.deadlines.peek() {
                 Some(Reverse((deadline, _))) if *deadline <= now => {}
@@ -335,8 +361,10 @@ fn usage_of(line: &ChargeLine, counter: Option<Counter>) -> Usage {
         Lifetime::FirstUse { deadline } => Usage {
             limit: line.limit,
             used: counter.map_or(0, |c| c.used),
-            resets_at: counter.map_or(deadline, |c| c.deadline),
-            first_call: counter.filter(|c| c.first_use).map(|c| c.first_call),
+            resets_at: counter.map_or(deadline, |c| c.deadline.timestamp()),
+            first_call: counter
+                .filter(|c| c.first_use)
+                .map(|c| c.first_call.timestamp()),
         },
     }
 }
@@ -388,7 +416,7 @@ impl Store for MemoryStore {
     ) -> impl Future<Output = Result<Option<u64>, StoreError>> + Send {
         let mut shard = lock(&self.inner.shards[self.shard_of(&key)]);
         let left = match shard.counters.get_mut(key.as_str()) {
-            Some(counter) if counter.deadline > now => {
+            Some(counter) if counter.deadline > Nanos::of(now) => {
                 counter.used = counter.used.saturating_sub(amount);
                 Some(counter.used)
             }
