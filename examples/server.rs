@@ -196,26 +196,43 @@ async fn quota_status<St: Store>(
         *request.headers_mut() = headers;
         request.into_parts()
     };
+    let problem = |status: StatusCode, detail: String| {
+        let body = json!({
+            "type": "about:blank",
+            "title": status.canonical_reason(),
+            "status": status.as_u16(),
+            "detail": detail,
+        });
+        (
+            status,
+            [(http::header::CONTENT_TYPE, "application/problem+json")],
+            body.to_string(),
+        )
+            .into_response()
+    };
     let subject: Subject = match handles.subject.extract(&parts) {
         Ok(subject) if !subject.id().is_empty() && subject.id().len() <= 256 => subject,
-        Ok(_) | Err(SubjectError::Malformed(_)) => {
-            return (StatusCode::BAD_REQUEST, "malformed subject\n").into_response()
+        Ok(_) => {
+            return problem(
+                StatusCode::BAD_REQUEST,
+                "the subject id is empty or too long".into(),
+            )
+        }
+        Err(error @ SubjectError::Malformed(_)) => {
+            return problem(StatusCode::BAD_REQUEST, error.to_string())
         }
         Err(SubjectError::Missing) => {
-            return (
+            return problem(
                 StatusCode::UNAUTHORIZED,
-                format!("send {}\n", handles.subject.header_name()),
+                format!("send the {} header", handles.subject.header_name()),
             )
-                .into_response()
         }
     };
     let mut body = serde_json::Map::new();
     for (allowance, handle) in [("read", &handles.read), ("write", &handles.write)] {
         let usage = match handle.usage(&subject).await {
             Ok(usage) => usage,
-            Err(error) => {
-                return (StatusCode::SERVICE_UNAVAILABLE, format!("{error}\n")).into_response()
-            }
+            Err(error) => return problem(StatusCode::SERVICE_UNAVAILABLE, error.to_string()),
         };
         let entry = &usage[0];
         body.insert(

@@ -57,6 +57,12 @@ async fn demo_server_enforces_read_and_write_allowances() {
     assert_eq!(again["read"]["used"], 3);
 
     assert_eq!(call(&server, "GET", "/read", &[]).await.status, 401);
+    let anonymous = call(&server, "GET", "/quota", &[]).await;
+    assert_eq!(anonymous.status, 401);
+    assert_eq!(
+        anonymous.header("content-type"),
+        Some("application/problem+json")
+    );
     assert_eq!(
         call(&server, "GET", "/read", &[("x-account-id", "other")])
             .await
