@@ -766,6 +766,27 @@ async fn works_with_any_tower_service() {
     assert_eq!(refused.status(), StatusCode::TOO_MANY_REQUESTS);
 }
 
+#[tokio::test]
+async fn the_inner_service_readied_by_poll_ready_is_the_one_called() {
+    // A concurrency limit hands its permit to the instance that `poll_ready`
+    // readied, and panics when a clone without one is called: the layer must
+    // call the readied instance, not its clone.
+    let mut service = ServiceBuilder::new()
+        .layer(QuotaLayer::daily(10, account()))
+        .concurrency_limit(1)
+        .service(service_fn(|_: Request<Body>| async {
+            Ok::<_, std::convert::Infallible>(http::Response::new(Body::empty()))
+        }));
+    for _ in 0..3 {
+        let request = Request::get("/")
+            .header("x-account-id", "acme")
+            .body(Body::empty())
+            .unwrap();
+        let response = service.ready().await.unwrap().call(request).await.unwrap();
+        assert_eq!(response.status(), StatusCode::OK);
+    }
+}
+
 // --- store failures --------------------------------------------------------
 
 /// A store that fails every charge, or never answers.

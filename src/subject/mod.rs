@@ -19,6 +19,7 @@
 //! use tower::ServiceExt;
 //! use tower_quota::{subject, QuotaLayer, Subject, SubjectError};
 //!
+//! # #[tokio::main(flavor = "current_thread")] async fn main() {
 //! // Charge the tenant named in the first path segment: /t/{tenant}/...
 //! let tenant = subject::from_fn(|parts: &Parts| {
 //!     let mut segments = parts.uri.path().split('/').skip(1);
@@ -32,13 +33,9 @@
 //!     .route("/t/{tenant}/report", get(|| async { "report" }))
 //!     .layer(QuotaLayer::daily(1, tenant));
 //!
-//! # tokio_test_block_on(async {
 //! let call = || Request::get("/t/acme/report").body(Body::empty()).unwrap();
 //! assert_eq!(app.clone().oneshot(call()).await.unwrap().status(), StatusCode::OK);
 //! assert_eq!(app.clone().oneshot(call()).await.unwrap().status(), StatusCode::TOO_MANY_REQUESTS);
-//! # });
-//! # fn tokio_test_block_on<F: std::future::Future>(f: F) -> F::Output {
-//! #     tokio::runtime::Builder::new_current_thread().enable_all().build().unwrap().block_on(f)
 //! # }
 //! ```
 
