@@ -4,7 +4,8 @@
 //! ```text
 //! cargo run --release --example server -- --listen 127.0.0.1:8080 --limit 1000 --period 1d \
 //!     --anchor calendar [--tz UTC] [--subject account|user|device] [--store memory] \
-//!     [--on-store-error open|closed] [--quota off]
+//!     [--on-store-error open|closed] [--quota off] [--burst 10] [--plans free=100,pro=10000] \
+//!     [--admin-token T]
 //! ```
 //!
 //! With `--features redis`, `--store redis://127.0.0.1:6379/` keeps the
@@ -15,30 +16,45 @@
 //! - `GET /read`: allowance `read`, cost 1.
 //! - `POST /write`: allowance `write`, cost 1.
 //! - `POST /bulk?n=K`: costs K of `write`.
+//! - `GET /search`: allowance `read`, and a burst quota of its own
+//!   (allowance `search`, `--burst` per calendar minute); a search refused by
+//!   the burst quota spends nothing of `read`.
+//! - `GET /fail`: allowance `read`, answers 500 and is refunded.
+//! - `GET /healthz`: never charged, no subject needed.
 //! - `GET /quota`: where the caller stands on each allowance, as JSON;
 //!   charges nothing.
+//! - With `--admin-token T`, the support routes under `/admin` (`GET
+//!   /admin/quota/{kind}/{id}`, `POST /admin/reset/{kind}/{id}/{allowance}`,
+//!   `POST /admin/refund/{kind}/{id}/{allowance}?amount=N`), for requests
+//!   with `Authorization: Bearer T`.
+//!
+//! Unknown paths (404) and wrong methods (405) are never charged. With
+//! `--plans free=100,pro=10000`, the caller's plan comes from the `x-plan`
+//! header (absent: the first plan listed; unknown: 403) and its number
+//! replaces `--limit` for `read` and `write`.
 
 use std::net::SocketAddr;
 use std::process::exit;
 use std::time::Duration;
 
-use axum::extract::State;
+use axum::extract::{Request, State};
+use axum::middleware::{self, Next};
 use axum::response::{IntoResponse, Response};
 use axum::routing::{get, post};
 use axum::{Json, Router};
 use http::request::Parts;
-use http::{HeaderMap, StatusCode};
+use http::StatusCode;
 use serde_json::{json, Value};
 use tower_quota::jiff::tz::TimeZone;
 use tower_quota::{
-    Anchor, FromHeader, InvalidCost, MemoryStore, OnStoreError, Period, Quota, QuotaHandle,
-    QuotaLayer, Store, Subject, SubjectError, SubjectExtractor,
+    response, unrouted, Anchor, FromHeader, InvalidCost, MemoryStore, OnStoreError, Period, Quota,
+    QuotaHandle, QuotaPolicy, Store, SubjectError, UnknownPlan,
 };
 
 const USAGE: &str =
     "usage: server [--listen ADDR] [--limit N] [--period 10s|1m|1h|1d|1w|1mo|Ns|Nm|Nh] \
 [--anchor calendar|first-use] [--tz ZONE] [--subject account|user|device] [--store memory|redis://HOST:PORT/] \
-[--on-store-error open|closed] [--quota on|off]";
+[--on-store-error open|closed] [--quota on|off] [--burst N] [--plans NAME=N,NAME=N] [--admin-token T]";
 
 struct Options {
     listen: SocketAddr,
@@ -49,6 +65,9 @@ struct Options {
     store: String,
     on_store_error: OnStoreError,
     quota: bool,
+    burst: u64,
+    plans: Vec<(String, u64)>,
+    admin_token: Option<String>,
 }
 
 fn fail(message: &str) -> ! {
@@ -84,6 +103,24 @@ fn parse_period(text: &str) -> Result<Period, String> {
     }
 }
 
+fn parse_plans(text: &str) -> Result<Vec<(String, u64)>, String> {
+    let mut plans: Vec<(String, u64)> = Vec::new();
+    for item in text.split(',') {
+        let (name, limit) = item
+            .split_once('=')
+            .filter(|(name, _)| !name.is_empty())
+            .ok_or_else(|| format!("--plans {text:?}: expected NAME=N,NAME=N"))?;
+        let limit = limit
+            .parse()
+            .map_err(|_| format!("--plans {text:?}: {limit:?} is not a whole number"))?;
+        if plans.iter().any(|(n, _)| n == name) {
+            return Err(format!("--plans {text:?}: plan {name:?} is listed twice"));
+        }
+        plans.push((name.to_owned(), limit));
+    }
+    Ok(plans)
+}
+
 fn parse_args() -> Options {
     let mut options = Options {
         listen: "127.0.0.1:8080".parse().unwrap(),
@@ -96,6 +133,9 @@ fn parse_args() -> Options {
             retry_after: Duration::from_secs(1),
         },
         quota: true,
+        burst: 10,
+        plans: Vec::new(),
+        admin_token: None,
     };
     let mut tz = None;
     let mut args = std::env::args().skip(1);
@@ -107,17 +147,19 @@ fn parse_args() -> Options {
         let value = args
             .next()
             .unwrap_or_else(|| fail(&format!("{flag} needs a value")));
+        let whole = |value: &str| -> u64 {
+            value
+                .parse()
+                .unwrap_or_else(|_| fail(&format!("{flag} {value:?}: expected a whole number")))
+        };
         match flag.as_str() {
             "--listen" => {
                 options.listen = value
                     .parse()
                     .unwrap_or_else(|_| fail(&format!("--listen {value:?}: expected ADDR:PORT")))
             }
-            "--limit" => {
-                options.limit = value.parse().unwrap_or_else(|_| {
-                    fail(&format!("--limit {value:?}: expected a whole number"))
-                })
-            }
+            "--limit" => options.limit = whole(&value),
+            "--burst" => options.burst = whole(&value),
             "--period" => options.period = parse_period(&value).unwrap_or_else(|e| fail(&e)),
             "--anchor" => {
                 options.anchor = match value.as_str() {
@@ -156,6 +198,9 @@ fn parse_args() -> Options {
                     _ => fail("--quota takes on or off"),
                 }
             }
+            "--plans" => options.plans = parse_plans(&value).unwrap_or_else(|e| fail(&e)),
+            "--admin-token" if value.is_empty() => fail("--admin-token needs a non-empty token"),
+            "--admin-token" => options.admin_token = Some(value),
             _ => fail(&format!("unknown flag {flag}")),
         }
     }
@@ -180,116 +225,183 @@ fn bulk_cost(parts: &Parts) -> Result<u64, InvalidCost> {
         .map_err(|_| InvalidCost::new("n must be a whole number"))
 }
 
-#[derive(Clone)]
-struct Handles<St> {
-    subject: FromHeader,
-    read: QuotaHandle<St>,
-    write: QuotaHandle<St>,
+fn problem(status: StatusCode, detail: &str) -> Response {
+    response::problem(status, detail)
+        .map(axum::body::Body::from)
+        .into_response()
 }
 
+/// `GET /quota`: where the caller stands on each allowance; charges nothing.
 async fn quota_status<St: Store>(
-    State(handles): State<Handles<St>>,
-    headers: HeaderMap,
+    State((handle, header)): State<(QuotaHandle<FromHeader, St>, http::HeaderName)>,
+    request: Request,
 ) -> Response {
-    let (parts, ()) = {
-        let mut request = http::Request::new(());
-        *request.headers_mut() = headers;
-        request.into_parts()
-    };
-    let problem = |status: StatusCode, detail: String| {
-        let body = json!({
-            "type": "about:blank",
-            "title": status.canonical_reason(),
-            "status": status.as_u16(),
-            "detail": detail,
-        });
-        (
-            status,
-            [(http::header::CONTENT_TYPE, "application/problem+json")],
-            body.to_string(),
-        )
-            .into_response()
-    };
-    let subject: Subject = match handles.subject.extract(&parts) {
-        Ok(subject) if !subject.id().is_empty() && subject.id().len() <= 256 => subject,
-        Ok(_) => {
-            return problem(
-                StatusCode::BAD_REQUEST,
-                "the subject id is empty or too long".into(),
-            )
-        }
+    let (parts, _) = request.into_parts();
+    let subject = match handle.subject_of(&parts) {
+        Ok(subject) => subject,
         Err(error @ SubjectError::Malformed(_)) => {
-            return problem(StatusCode::BAD_REQUEST, error.to_string())
+            return problem(StatusCode::BAD_REQUEST, &error.to_string())
         }
         Err(SubjectError::Missing) => {
             return problem(
                 StatusCode::UNAUTHORIZED,
-                format!("send the {} header", handles.subject.header_name()),
+                &format!("send the {header} header"),
             )
         }
     };
+    let usage = match handle
+        .usage_on_plan(&subject, handle.plan_of(&parts).as_deref())
+        .await
+    {
+        Ok(usage) => usage,
+        Err(error) => {
+            eprintln!("quota store failed: {error}");
+            return problem(
+                StatusCode::SERVICE_UNAVAILABLE,
+                "The quota store is unavailable; try again later.",
+            );
+        }
+    };
     let mut body = serde_json::Map::new();
-    for (allowance, handle) in [("read", &handles.read), ("write", &handles.write)] {
-        let usage = match handle.usage(&subject).await {
-            Ok(usage) => usage,
-            Err(error) => return problem(StatusCode::SERVICE_UNAVAILABLE, error.to_string()),
-        };
-        let entry = &usage[0];
+    for entry in usage {
         body.insert(
-            allowance.into(),
+            entry.quota.allowance_tag().to_owned(),
             json!({
                 "quota": entry.quota.name(),
                 "limit": entry.usage.limit,
                 "used": entry.usage.used,
-                "remaining": entry.usage.remaining(),
+                "remaining": entry.remaining(),
                 "resets_at": entry.usage.resets_at.to_string(),
                 "first_call": entry.usage.first_call.map(|t| t.to_string()),
                 "anchor": entry.quota.anchor().as_str(),
+                "reset": entry.explain_reset(),
             }),
         );
     }
     Json(Value::Object(body)).into_response()
 }
 
-fn app<St: Store>(options: &Options, store: St) -> Router {
-    let read_routes = Router::new().route("/read", get(|| async { "read\n" }));
-    let write_routes = Router::new()
+/// Lets through only requests with `Authorization: Bearer <token>`.
+async fn bearer(token: &str, request: Request, next: Next) -> Response {
+    let sent = request
+        .headers()
+        .get(http::header::AUTHORIZATION)
+        .and_then(|v| v.as_bytes().strip_prefix(b"Bearer "));
+    // Compared in full whatever the first difference, so timing tells
+    // nothing about the token.
+    let matches = sent.is_some_and(|sent| {
+        sent.len() == token.len()
+            && sent
+                .iter()
+                .zip(token.as_bytes())
+                .fold(0u8, |acc, (a, b)| acc | (a ^ b))
+                == 0
+    });
+    if matches {
+        next.run(request).await
+    } else {
+        let mut response = problem(
+            StatusCode::UNAUTHORIZED,
+            "send Authorization: Bearer <admin token>",
+        );
+        response.headers_mut().insert(
+            http::header::WWW_AUTHENTICATE,
+            http::HeaderValue::from_static("Bearer"),
+        );
+        response
+    }
+}
+
+fn routes() -> (Router, Router, Router) {
+    let read = Router::new()
+        .route("/read", get(|| async { "read\n" }))
+        .route(
+            "/fail",
+            get(|| async { (StatusCode::INTERNAL_SERVER_ERROR, "failed\n") }),
+        );
+    let search = Router::new().route("/search", get(|| async { "found\n" }));
+    let write = Router::new()
         .route("/write", post(|| async { "written\n" }))
         .route("/bulk", post(|| async { "bulk written\n" }));
+    (read, search, write)
+}
+
+fn app<St: Store>(options: &Options, store: St) -> Router {
+    let (read, search, write) = routes();
+    let health = Router::new().route("/healthz", get(|| async { "ok\n" }));
     if !options.quota {
-        return read_routes
-            .merge(write_routes)
+        return read
+            .merge(search)
+            .merge(write)
+            .merge(health)
             .route("/quota", get(|| async { Json(json!({})) }));
     }
+
+    let mut policy = QuotaPolicy::builder(options.subject.clone())
+        .store(store)
+        .on_store_error(options.on_store_error)
+        .refund_server_errors(true);
+    if let Some((first, _)) = options.plans.first() {
+        let first = first.clone();
+        policy = policy
+            .plan(move |parts| {
+                let plan = parts
+                    .headers
+                    .get("x-plan")
+                    .map(|v| v.to_str().unwrap_or("\u{fffd}").to_owned());
+                Some(plan.unwrap_or_else(|| first.clone()))
+            })
+            .on_unknown_plan(UnknownPlan::Reject);
+    }
+    let policy = policy.build();
+
     let quota = |tag: &str| {
-        Quota::new(options.limit, options.period.clone(), options.anchor).allowance(tag)
+        let mut quota =
+            Quota::new(options.limit, options.period.clone(), options.anchor).allowance(tag);
+        for (plan, limit) in &options.plans {
+            quota = quota.plan(plan, *limit);
+        }
+        quota
     };
-    let layer = |tag: &str| {
-        QuotaLayer::new(options.subject.clone())
-            .quota(quota(tag))
-            .store(store.clone())
-            .on_store_error(options.on_store_error)
-    };
-    let read = layer("read");
-    let write = layer("write").cost_fn(bulk_cost);
-    let handles = Handles {
-        subject: options.subject.clone(),
-        read: read.handle(),
-        write: write.handle(),
-    };
-    read_routes
-        .route_layer(read)
-        .merge(write_routes.route_layer(write))
-        .merge(
-            Router::new()
-                .route("/quota", get(quota_status::<St>))
-                .with_state(handles),
-        )
+    let burst = Quota::per_minute(options.burst).allowance("search");
+
+    let read = read
+        .merge(search.route_layer(policy.layer(burst)))
+        .route_layer(policy.layer(quota("read")));
+    let write = write.route_layer(policy.layer(quota("write")).cost_fn(bulk_cost));
+    let handle = policy.handle();
+    let mut app = read.merge(write).merge(health).route(
+        "/quota",
+        get(quota_status::<St>).with_state((handle.clone(), options.subject.header_name().clone())),
+    );
+    if let Some(token) = options.admin_token.clone() {
+        let admin = handle
+            .router()
+            .layer(middleware::from_fn(move |request, next| {
+                let token = token.clone();
+                async move { bearer(&token, request, next).await }
+            }));
+        app = app.nest("/admin", admin);
+    }
+    // Wrong methods answer 405 without a subject and without a charge.
+    app.method_not_allowed_fallback(unrouted::MethodNotAllowed)
 }
 
 async fn serve(options: Options) {
     let app = match options.store.as_str() {
-        "memory" => app(&options, MemoryStore::new()),
+        "memory" => {
+            let store = MemoryStore::new();
+            // A quiet server still gives back the memory of ended periods.
+            let purge = store.clone();
+            tokio::spawn(async move {
+                let mut every = tokio::time::interval(Duration::from_secs(10));
+                loop {
+                    every.tick().await;
+                    purge.purge_expired(tower_quota::jiff::Timestamp::now());
+                }
+            });
+            app(&options, store)
+        }
         #[cfg(feature = "redis")]
         url if url.starts_with("redis://") || url.starts_with("rediss://") => {
             let store = tower_quota::store::RedisStore::new(url)

@@ -1,18 +1,27 @@
+//! Support tools and handlers: where a subject stands, resets and refunds,
+//! without rebuilding any layer.
+
+#[cfg(feature = "axum")]
+mod router;
+
 use std::fmt;
 use std::sync::Arc;
 
+use http::request::Parts;
 use jiff::Timestamp;
 
-use crate::key::PeriodKey;
-use crate::layer::Config;
+use crate::policy::Shared;
 use crate::quota::Quota;
-use crate::store::{ChargeRequest, Store, StoreError, Usage};
-use crate::subject::Subject;
+use crate::status::QuotaUsage;
+use crate::store::{ChargeLine, ChargeRequest, Store, StoreError};
+use crate::subject::{Subject, SubjectError, SubjectExtractor};
 
-/// The counters of a [`QuotaLayer`](crate::QuotaLayer), for support tools and
-/// handlers: where a subject stands, refunds and resets. Made with
-/// [`QuotaLayer::handle`](crate::QuotaLayer::handle); uses the layer's
-/// clock, namespace and store.
+/// A handle on the counters of a [`QuotaPolicy`](crate::QuotaPolicy) (from
+/// [`QuotaPolicy::handle`](crate::QuotaPolicy::handle), every quota of its
+/// layers) or of one layer ([`QuotaLayer::handle`](crate::QuotaLayer::handle)):
+/// where a subject stands, resets and refunds. It uses the policy's clock,
+/// namespace, store and subject extractor, and charges nothing. With the
+/// `axum` feature, [`QuotaHandle::router`] serves it over HTTP.
 ///
 /// ```
 /// use tower_quota::{FromHeader, QuotaLayer, Subject};
@@ -21,63 +30,106 @@ use crate::subject::Subject;
 /// let layer = QuotaLayer::daily(1_000, FromHeader::account("x-account-id"));
 /// let handle = layer.handle();
 /// let acme = Subject::account("acme");
-/// let status = handle.usage(&acme).await.unwrap();
-/// assert_eq!(status[0].usage.remaining(), 1_000);
+/// let usage = handle.usage(&acme).await.unwrap();
+/// assert_eq!(usage[0].remaining(), 1_000);
+/// assert_eq!(usage[0].quota.describe_reset(), "every day at 00:00 UTC");
 /// # }
 /// ```
-pub struct QuotaHandle<St> {
-    config: Arc<Config>,
-    store: St,
+pub struct QuotaHandle<E, St> {
+    shared: Arc<Shared<E, St>>,
+    only: Option<Arc<[Quota]>>,
 }
 
-/// Where one subject stands on one quota.
-#[derive(Clone, Debug)]
-pub struct QuotaUsage {
-    /// The quota.
-    pub quota: Quota,
-    /// The counter's key.
-    pub key: PeriodKey,
-    /// The counter's state.
-    pub usage: Usage,
-}
-
-impl<St: Store> QuotaHandle<St> {
-    pub(crate) fn new(config: Arc<Config>, store: St) -> Self {
-        Self { config, store }
+impl<E, St> QuotaHandle<E, St> {
+    pub(crate) fn of_policy(shared: Arc<Shared<E, St>>) -> Self {
+        Self { shared, only: None }
     }
 
-    /// The quotas.
-    pub fn quotas(&self) -> &[Quota] {
-        &self.config.quotas
+    /// The handle on `quotas` only.
+    pub(crate) fn only(self, quotas: Arc<[Quota]>) -> Self {
+        Self {
+            only: Some(quotas),
+            ..self
+        }
     }
 
-    fn request(&self, subject: &Subject) -> ChargeRequest {
-        let now = self.config.clock.now();
-        let lines = self
-            .config
-            .quotas
+    /// The quotas this handle sees: for a policy's handle, those of every
+    /// layer built so far.
+    pub fn quotas(&self) -> Vec<Quota> {
+        match &self.only {
+            Some(quotas) => quotas.to_vec(),
+            None => self.shared.quotas(),
+        }
+    }
+
+    /// The subject the policy would charge a request with head `parts`, so a
+    /// handler can look up its caller's standing without being charged.
+    ///
+    /// # Errors
+    ///
+    /// When the request names no usable subject.
+    pub fn subject_of(&self, parts: &Parts) -> Result<Subject, SubjectError>
+    where
+        E: SubjectExtractor,
+    {
+        let subject = self.shared.extractor.extract(parts)?;
+        let max = self.shared.settings.max_subject_len;
+        if subject.id().is_empty() || subject.id().len() > max {
+            return Err(SubjectError::malformed(format!(
+                "the subject id is empty or longer than {max} bytes"
+            )));
+        }
+        Ok(subject)
+    }
+
+    /// The plan the policy reads from a request with head `parts`, if any.
+    pub fn plan_of(&self, parts: &Parts) -> Option<String> {
+        self.shared
+            .settings
+            .plan
+            .as_ref()
+            .and_then(|plan| plan(parts))
+    }
+
+    fn lines(
+        &self,
+        quotas: &[Quota],
+        subject: &Subject,
+        at: Timestamp,
+        plan: Option<&str>,
+    ) -> Vec<ChargeLine> {
+        let namespace = &self.shared.settings.namespace;
+        quotas
             .iter()
-            .map(|q| q.line(&self.config.namespace, subject, now, 0))
-            .collect();
-        ChargeRequest { now, lines }
+            .map(|q| q.line_with_limit(namespace, subject, at, 0, q.limit_for(plan)))
+            .collect()
     }
+}
 
-    /// Where `subject` stands on every quota now. Charges nothing.
+impl<E, St: Store> QuotaHandle<E, St> {
+    /// Where `subject` stands on every quota now, against each quota's own
+    /// limit. Charges nothing.
     pub async fn usage(&self, subject: &Subject) -> Result<Vec<QuotaUsage>, StoreError> {
-        let request = self.request(subject);
-        let keys: Vec<PeriodKey> = request.lines.iter().map(|l| l.key.clone()).collect();
-        let usage = self.store.peek(request).await?;
-        Ok(self
-            .config
-            .quotas
-            .iter()
+        self.usage_on_plan(subject, None).await
+    }
+
+    /// Where `subject` stands on every quota now, on `plan`'s limits.
+    /// Charges nothing.
+    pub async fn usage_on_plan(
+        &self,
+        subject: &Subject,
+        plan: Option<&str>,
+    ) -> Result<Vec<QuotaUsage>, StoreError> {
+        let quotas = self.quotas();
+        let now = self.shared.settings.clock.now();
+        let lines = self.lines(&quotas, subject, now, plan);
+        let keys: Vec<_> = lines.iter().map(|l| l.key.clone()).collect();
+        let usage = self.shared.store.peek(ChargeRequest { now, lines }).await?;
+        Ok(quotas
+            .into_iter()
             .zip(keys)
             .zip(usage)
-            .map(|((quota, key), usage)| QuotaUsage {
-                quota: quota.clone(),
-                key,
-                usage,
-            })
+            .map(|((quota, key), usage)| QuotaUsage::new(quota, key, usage))
             .collect())
     }
 
@@ -90,8 +142,8 @@ impl<St: Store> QuotaHandle<St> {
         subject: &Subject,
         amount: u64,
     ) -> Result<Vec<Option<u64>>, StoreError> {
-        self.refund_at(subject, self.config.clock.now(), amount)
-            .await
+        let now = self.shared.settings.clock.now();
+        self.refund_at(subject, now, amount).await
     }
 
     /// Gives `amount` back to `subject` on the counters of the periods that
@@ -111,14 +163,22 @@ impl<St: Store> QuotaHandle<St> {
         charged_at: Timestamp,
         amount: u64,
     ) -> Result<Vec<Option<u64>>, StoreError> {
-        let now = self.config.clock.now();
-        let lines: Vec<_> = self
-            .config
-            .quotas
-            .iter()
-            .map(|q| q.line(&self.config.namespace, subject, charged_at, 0))
-            .collect();
+        let quotas = self.quotas();
+        self.refund_quotas(&quotas, subject, charged_at, amount)
+            .await
+    }
+
+    async fn refund_quotas(
+        &self,
+        quotas: &[Quota],
+        subject: &Subject,
+        charged_at: Timestamp,
+        amount: u64,
+    ) -> Result<Vec<Option<u64>>, StoreError> {
+        let now = self.shared.settings.clock.now();
+        let lines = self.lines(quotas, subject, charged_at, None);
         let current = self
+            .shared
             .store
             .peek(ChargeRequest {
                 now,
@@ -131,7 +191,7 @@ impl<St: Store> QuotaHandle<St> {
             refunded.push(if later_period {
                 None
             } else {
-                self.store.refund(now, line.key, amount).await?
+                self.shared.store.refund(now, line.key, amount).await?
             });
         }
         Ok(refunded)
@@ -140,27 +200,67 @@ impl<St: Store> QuotaHandle<St> {
     /// Gives `subject` a fresh allowance on every quota: the current counters
     /// are deleted (a first-use period restarts at the next call).
     pub async fn reset(&self, subject: &Subject) -> Result<(), StoreError> {
-        for line in self.request(subject).lines {
-            self.store.reset(line.key).await?;
+        let quotas = self.quotas();
+        self.reset_quotas(&quotas, subject).await.map(drop)
+    }
+
+    /// Gives `subject` a fresh allowance on every quota of `allowance` (e.g.
+    /// `read`), leaving its other allowances as they are. Returns how many
+    /// quotas the allowance has: zero means no quota charges it.
+    pub async fn reset_allowance(
+        &self,
+        subject: &Subject,
+        allowance: &str,
+    ) -> Result<usize, StoreError> {
+        let quotas = self.quotas_of(allowance);
+        self.reset_quotas(&quotas, subject).await?;
+        Ok(quotas.len())
+    }
+
+    /// Gives `amount` back to `subject` on the current counters of
+    /// `allowance`'s quotas. Returns, per quota, what the counter holds
+    /// afterwards (`None`: no live counter, nothing refunded).
+    pub async fn refund_allowance(
+        &self,
+        subject: &Subject,
+        allowance: &str,
+        amount: u64,
+    ) -> Result<Vec<Option<u64>>, StoreError> {
+        let quotas = self.quotas_of(allowance);
+        let now = self.shared.settings.clock.now();
+        self.refund_quotas(&quotas, subject, now, amount).await
+    }
+
+    fn quotas_of(&self, allowance: &str) -> Vec<Quota> {
+        self.quotas()
+            .into_iter()
+            .filter(|q| q.allowance_tag() == allowance)
+            .collect()
+    }
+
+    async fn reset_quotas(&self, quotas: &[Quota], subject: &Subject) -> Result<(), StoreError> {
+        let now = self.shared.settings.clock.now();
+        for line in self.lines(quotas, subject, now, None) {
+            self.shared.store.reset(line.key).await?;
         }
         Ok(())
     }
 }
 
-impl<St: Clone> Clone for QuotaHandle<St> {
+impl<E, St> Clone for QuotaHandle<E, St> {
     fn clone(&self) -> Self {
         Self {
-            config: Arc::clone(&self.config),
-            store: self.store.clone(),
+            shared: Arc::clone(&self.shared),
+            only: self.only.clone(),
         }
     }
 }
 
-impl<St: fmt::Debug> fmt::Debug for QuotaHandle<St> {
+impl<E, St: fmt::Debug> fmt::Debug for QuotaHandle<E, St> {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         f.debug_struct("QuotaHandle")
-            .field("quotas", &self.config.quotas)
-            .field("store", &self.store)
+            .field("quotas", &self.quotas())
+            .field("store", &self.shared.store)
             .finish_non_exhaustive()
     }
 }

@@ -1,99 +1,22 @@
-use std::borrow::Cow;
 use std::fmt;
-use std::sync::Arc;
+use std::sync::{Arc, OnceLock};
 use std::time::Duration;
 
 use http::request::Parts;
-use http::StatusCode;
 use jiff::tz::TimeZone;
 use tower_layer::Layer;
 
+use crate::config::{
+    Cost, DeferredCost, InvalidCost, OnStoreError, Scope, SubjectPolicy, UnknownPlan,
+};
 use crate::handle::QuotaHandle;
-use crate::key::Namespace;
-use crate::period::{Clock, SystemClock};
+use crate::period::Clock;
+use crate::policy::{QuotaPolicyBuilder, Shared};
+use crate::probe;
 use crate::quota::Quota;
-use crate::response::PolicyCache;
-use crate::service::QuotaService;
+use crate::service::{Charges, QuotaService};
 use crate::store::{MemoryStore, Store};
 use crate::subject::SubjectExtractor;
-
-/// What to do with a request whose subject is missing or malformed.
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub enum SubjectPolicy {
-    /// Answer with this status and a problem document; the inner service is
-    /// not called. A status that is not a 4xx or 5xx falls back to the
-    /// default (401 for a missing subject, 400 for a malformed one).
-    Reject(StatusCode),
-    /// Let the request through without charging any quota (and without
-    /// rate-limit fields). Unidentified requests never share a counter: they
-    /// are simply not counted.
-    Allow,
-}
-
-/// What to do when the store fails or does not answer in time.
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub enum OnStoreError {
-    /// Let the request through uncharged, and log the failure. Availability
-    /// over enforcement.
-    FailOpen,
-    /// Answer 503 with a problem document and `Retry-After` (in seconds).
-    /// Enforcement over availability.
-    FailClosed {
-        /// The `Retry-After` sent with the 503.
-        retry_after: Duration,
-    },
-}
-
-/// Why a request's cost could not be worked out; answered with 400.
-#[derive(Clone, Debug, PartialEq, Eq)]
-pub struct InvalidCost(pub Cow<'static, str>);
-
-impl InvalidCost {
-    /// A cost error with a reason the client may read.
-    pub fn new(reason: impl Into<Cow<'static, str>>) -> Self {
-        Self(reason.into())
-    }
-}
-
-impl fmt::Display for InvalidCost {
-    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        f.write_str(&self.0)
-    }
-}
-
-impl std::error::Error for InvalidCost {}
-
-type CostFn = dyn Fn(&Parts) -> Result<u64, InvalidCost> + Send + Sync;
-
-#[derive(Clone)]
-pub(crate) enum Cost {
-    Fixed(u64),
-    Computed(Arc<CostFn>),
-}
-
-impl Cost {
-    pub(crate) fn of(&self, parts: &Parts) -> Result<u64, InvalidCost> {
-        match self {
-            Cost::Fixed(n) => Ok(*n),
-            Cost::Computed(f) => f(parts),
-        }
-    }
-}
-
-/// Everything a layer decides, shared by its services.
-#[derive(Clone)]
-pub(crate) struct Config {
-    pub(crate) quotas: Arc<[Quota]>,
-    pub(crate) namespace: Namespace,
-    pub(crate) cost: Cost,
-    pub(crate) clock: Arc<dyn Clock>,
-    pub(crate) on_missing: SubjectPolicy,
-    pub(crate) on_malformed: SubjectPolicy,
-    pub(crate) max_subject_len: usize,
-    pub(crate) on_store_error: OnStoreError,
-    pub(crate) store_timeout: Option<Duration>,
-    pub(crate) policy_cache: Arc<PolicyCache>,
-}
 
 /// Enforces per-subject quotas on the services it wraps.
 ///
@@ -106,8 +29,14 @@ pub(crate) struct Config {
 /// counter to report) and a request let through or refused because the store
 /// failed (its counters are unknown).
 ///
-/// Quota names should be unique across nested layers too: clients tell the
-/// items of the fields apart by name.
+/// A layer made with [`QuotaLayer::new`] (or `daily`, `hourly`, ...) is a
+/// policy of its own, with its own store. The layers of an application that
+/// should decide together (a router-wide quota and a burst quota on some
+/// routes) come from one [`QuotaPolicy`](crate::QuotaPolicy).
+///
+/// Builder methods mean the same whatever order they are called in:
+/// [`QuotaLayer::allowance`] and [`QuotaLayer::time_zone`] are the defaults
+/// of every quota of the layer that does not choose its own.
 ///
 /// # Example
 ///
@@ -134,35 +63,34 @@ pub(crate) struct Config {
 /// # }
 /// ```
 pub struct QuotaLayer<E, St = MemoryStore> {
+    policy: Source<E, St>,
     quotas: Vec<Quota>,
-    config: Config,
-    extractor: Arc<E>,
-    store: St,
+    allowance: Option<String>,
+    zone: Option<TimeZone>,
+    cost: Cost,
+    deferred: Option<DeferredCost>,
+    // Built once, on first use, for every service of the layer and its
+    // clones: the scope's identity is what nested layers recognise.
+    built: Arc<OnceLock<Built<E, St>>>,
+}
+
+enum Source<E, St> {
+    /// A layer that is a policy of its own.
+    Own(QuotaPolicyBuilder<E, St>),
+    /// A layer of a shared policy.
+    Of(Arc<Shared<E, St>>),
+}
+
+struct Built<E, St> {
+    shared: Arc<Shared<E, St>>,
+    scope: Arc<Scope>,
 }
 
 impl<E: SubjectExtractor> QuotaLayer<E, MemoryStore> {
     /// A layer with no quota yet, charging the subjects `extractor` names,
     /// on a fresh [`MemoryStore`]. Add quotas with [`QuotaLayer::quota`].
     pub fn new(extractor: E) -> Self {
-        Self {
-            quotas: Vec::new(),
-            config: Config {
-                quotas: Arc::new([]),
-                namespace: Namespace::default(),
-                cost: Cost::Fixed(1),
-                clock: Arc::new(SystemClock),
-                on_missing: SubjectPolicy::Reject(StatusCode::UNAUTHORIZED),
-                on_malformed: SubjectPolicy::Reject(StatusCode::BAD_REQUEST),
-                max_subject_len: 256,
-                on_store_error: OnStoreError::FailClosed {
-                    retry_after: Duration::from_secs(1),
-                },
-                store_timeout: Some(Duration::from_millis(100)),
-                policy_cache: Arc::default(),
-            },
-            extractor: Arc::new(extractor),
-            store: MemoryStore::new(),
-        }
+        Self::with_source(Source::Own(QuotaPolicyBuilder::new(extractor)))
     }
 
     /// `limit` requests per calendar day (UTC), per subject: the one-liner.
@@ -226,218 +154,383 @@ impl<E: SubjectExtractor> QuotaLayer<E, MemoryStore> {
 }
 
 impl<E, St> QuotaLayer<E, St> {
-    /// Adds a quota. A request must have room on every quota of the layer.
-    #[must_use]
-    pub fn quota(mut self, quota: Quota) -> Self {
-        self.quotas.push(quota);
+    fn with_source(policy: Source<E, St>) -> Self {
+        Self {
+            policy,
+            quotas: Vec::new(),
+            allowance: None,
+            zone: None,
+            cost: Cost::Fixed(1),
+            deferred: None,
+            built: Arc::default(),
+        }
+    }
+
+    pub(crate) fn of_policy(shared: Arc<Shared<E, St>>) -> Self {
+        Self::with_source(Source::Of(shared))
+    }
+
+    /// The layer, changed by `f`, to be built afresh.
+    fn changed(mut self, f: impl FnOnce(&mut Self)) -> Self {
+        f(&mut self);
+        self.built = Arc::default();
         self
     }
 
-    /// Sets the allowance tag of every quota added so far (e.g. `read`).
+    /// The layer with its own policy's settings changed by `f`.
     ///
     /// # Panics
     ///
-    /// When `tag` is empty.
-    #[must_use]
-    pub fn allowance(mut self, tag: &str) -> Self {
-        self.quotas = self.quotas.into_iter().map(|q| q.allowance(tag)).collect();
-        self
+    /// When the layer comes from a shared [`QuotaPolicy`](crate::QuotaPolicy).
+    fn own_policy(
+        self,
+        setting: &str,
+        f: impl FnOnce(QuotaPolicyBuilder<E, St>) -> QuotaPolicyBuilder<E, St>,
+    ) -> Self {
+        let Source::Own(builder) = self.policy else {
+            panic!("this layer comes from a QuotaPolicy: set {setting} on the policy's builder, for all of its layers");
+        };
+        Self {
+            policy: Source::Own(f(builder)),
+            built: Arc::default(),
+            ..self
+        }
     }
 
-    /// Counts the calendar periods of every quota added so far in time zone
-    /// `tz`.
+    /// Adds a quota. A request must have room on every quota of the layer.
+    #[must_use]
+    pub fn quota(self, quota: Quota) -> Self {
+        self.changed(|layer| layer.quotas.push(quota))
+    }
+
+    /// The allowance tag (e.g. `read`) of every quota of the layer that does
+    /// not set its own with [`Quota::allowance`], whenever it was added.
+    ///
+    /// # Panics
+    ///
+    /// When `tag` is empty or holds anything but printable ASCII.
+    #[must_use]
+    pub fn allowance(self, tag: &str) -> Self {
+        // Checked now, where the mistake is.
+        let _ = Quota::daily(0).allowance(tag);
+        self.changed(|layer| layer.allowance = Some(tag.to_owned()))
+    }
+
+    /// The time zone of the calendar periods of every quota of the layer that
+    /// does not set its own with [`Quota::in_time_zone`].
     ///
     /// # Panics
     ///
     /// When `tz` has neither an IANA name nor a fixed offset.
     #[must_use]
-    pub fn time_zone(mut self, tz: TimeZone) -> Self {
-        self.quotas = self
-            .quotas
-            .into_iter()
-            .map(|q| q.in_time_zone(tz.clone()))
-            .collect();
-        self
+    pub fn time_zone(self, tz: TimeZone) -> Self {
+        let _ = Quota::daily(0).in_time_zone(tz.clone());
+        self.changed(|layer| layer.zone = Some(tz))
     }
 
     /// Every request costs `cost` units (default 1).
     #[must_use]
-    pub fn cost(mut self, cost: u64) -> Self {
-        self.config.cost = Cost::Fixed(cost);
-        self
+    pub fn cost(self, cost: u64) -> Self {
+        self.changed(|layer| layer.cost = Cost::Fixed(cost))
     }
 
     /// Works out each request's cost from its head, e.g. from a `?n=` query
     /// parameter. An error is answered with 400 and the error's text.
     #[must_use]
-    pub fn cost_fn<F>(mut self, f: F) -> Self
+    pub fn cost_fn<F>(self, f: F) -> Self
     where
         F: Fn(&Parts) -> Result<u64, InvalidCost> + Send + Sync + 'static,
     {
-        self.config.cost = Cost::Computed(Arc::new(f));
-        self
+        self.changed(|layer| layer.cost = Cost::Computed(Arc::new(f)))
+    }
+
+    /// A cost known only from the response (tokens generated, rows
+    /// returned): a request is admitted when `upfront` fits, and once the
+    /// response's head is known, `real` reads the real cost from it (a
+    /// header or a response extension the handler set). The difference is
+    /// then charged, past the limit if need be (the request was served), or
+    /// given back, never below zero. It goes to the counters the request was
+    /// charged on, creating none and moving no deadline; the fields sent
+    /// with the response count it.
+    ///
+    /// ```
+    /// use tower_quota::{FromHeader, QuotaLayer};
+    ///
+    /// let layer = QuotaLayer::daily(100_000, FromHeader::account("x-account-id"))
+    ///     .allowance("tokens")
+    ///     .deferred_cost(1, |response| {
+    ///         response.headers.get("x-tokens-used")
+    ///             .and_then(|v| v.to_str().ok()?.parse().ok())
+    ///             .unwrap_or(1)
+    ///     });
+    /// # let _ = layer;
+    /// ```
+    #[must_use]
+    pub fn deferred_cost<F>(self, upfront: u64, real: F) -> Self
+    where
+        F: Fn(&http::response::Parts) -> u64 + Send + Sync + 'static,
+    {
+        self.changed(|layer| {
+            layer.cost = Cost::Fixed(upfront);
+            layer.deferred = Some(DeferredCost(Arc::new(real)));
+        })
     }
 
     /// Keeps counters in `store` instead.
+    ///
+    /// # Panics
+    ///
+    /// When the layer comes from a shared [`QuotaPolicy`](crate::QuotaPolicy),
+    /// which owns the store.
     pub fn store<St2: Store>(self, store: St2) -> QuotaLayer<E, St2> {
+        let Source::Own(builder) = self.policy else {
+            panic!("this layer comes from a QuotaPolicy: set the store on the policy's builder, for all of its layers");
+        };
         QuotaLayer {
+            policy: Source::Own(builder.store(store)),
             quotas: self.quotas,
-            config: self.config,
-            extractor: self.extractor,
-            store,
+            allowance: self.allowance,
+            zone: self.zone,
+            cost: self.cost,
+            deferred: self.deferred,
+            built: Arc::default(),
         }
     }
 
     /// Takes "now" from `clock` instead of the system clock.
+    ///
+    /// # Panics
+    ///
+    /// When the layer comes from a shared [`QuotaPolicy`](crate::QuotaPolicy).
     #[must_use]
-    pub fn clock(mut self, clock: impl Clock) -> Self {
-        self.config.clock = Arc::new(clock);
-        self
+    pub fn clock(self, clock: impl Clock) -> Self {
+        self.own_policy("the clock", |b| b.clock(clock))
     }
 
     /// Starts every key with `prefix` (default `quota`).
     ///
     /// # Panics
     ///
-    /// When `prefix` contains `{` or `}`.
+    /// When `prefix` contains `{` or `}`, or the layer comes from a shared
+    /// [`QuotaPolicy`](crate::QuotaPolicy).
     #[must_use]
-    pub fn namespace(mut self, prefix: &str) -> Self {
-        self.config.namespace = Namespace::new(prefix);
-        self
+    pub fn namespace(self, prefix: &str) -> Self {
+        self.own_policy("the namespace", |b| b.namespace(prefix))
     }
 
     /// What to do when the request names no subject. Default: 401.
+    ///
+    /// # Panics
+    ///
+    /// When the layer comes from a shared [`QuotaPolicy`](crate::QuotaPolicy).
     #[must_use]
-    pub fn on_missing_subject(mut self, policy: SubjectPolicy) -> Self {
-        self.config.on_missing = policy;
-        self
+    pub fn on_missing_subject(self, policy: SubjectPolicy) -> Self {
+        self.own_policy("on_missing_subject", |b| b.on_missing_subject(policy))
     }
 
     /// What to do when the request's subject is malformed. Default: 400.
+    ///
+    /// # Panics
+    ///
+    /// When the layer comes from a shared [`QuotaPolicy`](crate::QuotaPolicy).
     #[must_use]
-    pub fn on_malformed_subject(mut self, policy: SubjectPolicy) -> Self {
-        self.config.on_malformed = policy;
-        self
+    pub fn on_malformed_subject(self, policy: SubjectPolicy) -> Self {
+        self.own_policy("on_malformed_subject", |b| b.on_malformed_subject(policy))
     }
 
     /// The longest subject id accepted, in bytes (default 256). Longer ids are
     /// malformed.
+    ///
+    /// # Panics
+    ///
+    /// When the layer comes from a shared [`QuotaPolicy`](crate::QuotaPolicy).
     #[must_use]
-    pub fn max_subject_len(mut self, bytes: usize) -> Self {
-        self.config.max_subject_len = bytes;
-        self
+    pub fn max_subject_len(self, bytes: usize) -> Self {
+        self.own_policy("max_subject_len", |b| b.max_subject_len(bytes))
     }
 
     /// What to do when the store fails. Default: fail closed, 503 with
     /// `Retry-After: 1`.
-    #[must_use]
-    pub fn on_store_error(mut self, policy: OnStoreError) -> Self {
-        self.config.on_store_error = policy;
-        self
-    }
-
-    /// How long to wait for the store before treating it as failed (default
-    /// 100 ms; `None` waits forever). The wait applies only to stores that do
-    /// not answer at once (never to [`MemoryStore`]) and uses tokio's timer.
     ///
     /// # Panics
     ///
-    /// A request whose store does not answer at once panics when it runs on
-    /// a tokio runtime built without its timer (`enable_time`). Runtimes made
-    /// by `#[tokio::main]` have it; otherwise pass `None`.
+    /// When the layer comes from a shared [`QuotaPolicy`](crate::QuotaPolicy).
     #[must_use]
-    pub fn store_timeout(mut self, timeout: Option<Duration>) -> Self {
-        self.config.store_timeout = timeout;
-        self
+    pub fn on_store_error(self, policy: OnStoreError) -> Self {
+        self.own_policy("on_store_error", |b| b.on_store_error(policy))
     }
 
-    /// The layer's quotas.
-    pub fn quotas(&self) -> &[Quota] {
-        &self.quotas
+    /// How long to wait for the store before treating it as failed (default
+    /// 100 ms; `None` waits forever). See
+    /// [`QuotaPolicyBuilder::store_timeout`](crate::QuotaPolicyBuilder::store_timeout).
+    ///
+    /// # Panics
+    ///
+    /// When the layer comes from a shared [`QuotaPolicy`](crate::QuotaPolicy);
+    /// see also the policy builder's method.
+    #[must_use]
+    pub fn store_timeout(self, timeout: Option<Duration>) -> Self {
+        self.own_policy("store_timeout", |b| b.store_timeout(timeout))
     }
 
-    fn config(&self) -> Config {
-        assert!(
-            !self.quotas.is_empty(),
-            "a QuotaLayer needs at least one quota"
-        );
-        for (i, a) in self.quotas.iter().enumerate() {
-            for b in &self.quotas[..i] {
-                assert!(
-                    a.name() != b.name(),
-                    "two quotas of one layer are named {:?}; name them apart with Quota::named",
-                    a.name()
-                );
-                assert!(
-                    !a.shares_counters_with(b),
-                    "quotas {:?} and {:?} have the same allowance, period and anchor, so they would share counters",
-                    a.name(),
-                    b.name()
-                );
-            }
-        }
-        Config {
-            quotas: self.quotas.clone().into(),
-            policy_cache: Arc::default(),
-            ..self.config.clone()
-        }
+    /// Lets requests for which `predicate` is true through uncounted. See
+    /// [`QuotaPolicyBuilder::skip_if`](crate::QuotaPolicyBuilder::skip_if).
+    ///
+    /// # Panics
+    ///
+    /// When the layer comes from a shared [`QuotaPolicy`](crate::QuotaPolicy).
+    #[must_use]
+    pub fn skip_if<F>(self, predicate: F) -> Self
+    where
+        F: Fn(&Parts) -> bool + Send + Sync + 'static,
+    {
+        self.own_policy("skip_if", |b| b.skip_if(predicate))
+    }
+
+    /// Reads the subject's plan from each request. See
+    /// [`QuotaPolicyBuilder::plan`](crate::QuotaPolicyBuilder::plan).
+    ///
+    /// # Panics
+    ///
+    /// When the layer comes from a shared [`QuotaPolicy`](crate::QuotaPolicy).
+    #[must_use]
+    pub fn plan<F>(self, plan: F) -> Self
+    where
+        F: Fn(&Parts) -> Option<String> + Send + Sync + 'static,
+    {
+        self.own_policy("plan", |b| b.plan(plan))
+    }
+
+    /// What to do with a plan no quota names. Default: each quota's own
+    /// limit.
+    ///
+    /// # Panics
+    ///
+    /// When the layer comes from a shared [`QuotaPolicy`](crate::QuotaPolicy).
+    #[must_use]
+    pub fn on_unknown_plan(self, choice: UnknownPlan) -> Self {
+        self.own_policy("on_unknown_plan", |b| b.on_unknown_plan(choice))
+    }
+
+    /// Gives the charge back for server errors. See
+    /// [`QuotaPolicyBuilder::refund_server_errors`](crate::QuotaPolicyBuilder::refund_server_errors).
+    ///
+    /// # Panics
+    ///
+    /// When the layer comes from a shared [`QuotaPolicy`](crate::QuotaPolicy).
+    #[must_use]
+    pub fn refund_server_errors(self, refund: bool) -> Self {
+        self.own_policy("refund_server_errors", |b| b.refund_server_errors(refund))
+    }
+
+    /// The layer's quotas, with the layer's allowance and time zone applied.
+    pub fn quotas(&self) -> Vec<Quota> {
+        let allowance = self.allowance.as_deref();
+        self.quotas
+            .iter()
+            .map(|q| q.with_defaults(allowance, self.zone.as_ref()))
+            .collect()
     }
 }
 
 impl<E, St: Store> QuotaLayer<E, St> {
+    /// The layer's policy and scope, built on first use.
+    ///
+    /// # Panics
+    ///
+    /// When the layer has no quota, two quotas that share a name, or a quota
+    /// that would count on the counter of another quota of the policy.
+    fn built(&self) -> &Built<E, St> {
+        self.built.get_or_init(|| {
+            let quotas = self.quotas();
+            assert!(!quotas.is_empty(), "a QuotaLayer needs at least one quota");
+            for (i, a) in quotas.iter().enumerate() {
+                for b in &quotas[..i] {
+                    assert!(
+                        a.name() != b.name(),
+                        "two quotas of one layer are named {:?}; name them apart with Quota::named",
+                        a.name()
+                    );
+                    assert!(
+                        !a.shares_counters_with(b),
+                        "quotas {:?} and {:?} have the same allowance, period and anchor, so they would share counters",
+                        a.name(),
+                        b.name()
+                    );
+                }
+            }
+            let shared = match &self.policy {
+                Source::Own(builder) => Arc::new(builder.shared()),
+                Source::Of(shared) => Arc::clone(shared),
+            };
+            let scope = Scope::new(quotas, self.cost.clone(), self.deferred.clone());
+            shared.register(&scope);
+            Built {
+                shared,
+                scope: Arc::new(scope),
+            }
+        })
+    }
+
     /// A handle on the layer's counters for support tools and handlers: where
-    /// a subject stands, refunds and resets.
+    /// a subject stands, refunds and resets, on this layer's quotas.
     ///
     /// # Panics
     ///
     /// As [`Layer::layer`].
-    pub fn handle(&self) -> QuotaHandle<St> {
-        QuotaHandle::new(Arc::new(self.config()), self.store.clone())
+    pub fn handle(&self) -> QuotaHandle<E, St> {
+        let built = self.built();
+        QuotaHandle::of_policy(Arc::clone(&built.shared)).only(Arc::clone(&built.scope.quotas))
     }
 }
 
 impl<S, E, St> Layer<S> for QuotaLayer<E, St>
 where
+    S: Clone,
     St: Store,
 {
     type Service = QuotaService<S, E, St>;
 
     /// # Panics
     ///
-    /// When the layer has no quota, or two quotas that share a name or would
-    /// share counters (same allowance, period and anchor).
+    /// When the layer has no quota, two quotas that share a name, or quotas
+    /// that would count on one counter: in one layer, in two layers of one
+    /// policy, or in layers a request passes one inside the other.
     fn layer(&self, inner: S) -> Self::Service {
-        QuotaService::new(
-            inner,
-            Arc::new(self.config()),
-            Arc::clone(&self.extractor),
-            self.store.clone(),
-        )
+        let built = self.built();
+        // Layers of the policy inside `inner` announce themselves when it is
+        // cloned: their quotas are charged here, in the same charge.
+        let found = probe::discover(built.shared.id, || drop(inner.clone()));
+        let charges = Charges::new(Arc::clone(&built.scope), found);
+        QuotaService::new(inner, Arc::clone(&built.shared), Arc::new(charges))
     }
 }
 
 impl<E, St: Clone> Clone for QuotaLayer<E, St> {
     fn clone(&self) -> Self {
         Self {
+            policy: match &self.policy {
+                Source::Own(builder) => Source::Own(builder.clone()),
+                Source::Of(shared) => Source::Of(Arc::clone(shared)),
+            },
             quotas: self.quotas.clone(),
-            config: self.config.clone(),
-            extractor: Arc::clone(&self.extractor),
-            store: self.store.clone(),
+            allowance: self.allowance.clone(),
+            zone: self.zone.clone(),
+            cost: self.cost.clone(),
+            deferred: self.deferred.clone(),
+            built: Arc::clone(&self.built),
         }
     }
 }
 
 impl<E, St: fmt::Debug> fmt::Debug for QuotaLayer<E, St> {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        f.debug_struct("QuotaLayer")
-            .field("quotas", &self.quotas)
-            .field("namespace", &self.config.namespace)
-            .field("store", &self.store)
-            .field("on_missing_subject", &self.config.on_missing)
-            .field("on_malformed_subject", &self.config.on_malformed)
-            .field("max_subject_len", &self.config.max_subject_len)
-            .field("on_store_error", &self.config.on_store_error)
-            .field("store_timeout", &self.config.store_timeout)
-            .finish_non_exhaustive()
+        let mut debug = f.debug_struct("QuotaLayer");
+        debug.field("quotas", &self.quotas());
+        match &self.policy {
+            Source::Own(builder) => debug.field("policy", builder),
+            Source::Of(shared) => debug.field("policy", &shared.settings),
+        };
+        debug.finish_non_exhaustive()
     }
 }

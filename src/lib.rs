@@ -50,11 +50,15 @@
 #![cfg_attr(docsrs, feature(doc_cfg))]
 
 mod body;
+mod config;
+mod decision;
 mod future;
 mod handle;
 pub mod key;
 mod layer;
 pub mod period;
+mod policy;
+mod probe;
 mod quota;
 pub mod response;
 mod service;
@@ -64,18 +68,23 @@ pub mod subject;
 #[cfg(feature = "testing")]
 #[cfg_attr(docsrs, doc(cfg(feature = "testing")))]
 pub mod testing;
+#[cfg(feature = "axum")]
+#[cfg_attr(docsrs, doc(cfg(feature = "axum")))]
+pub mod unrouted;
 
 pub use jiff;
 
 pub use crate::body::ResponseBody;
+pub use crate::config::{InvalidCost, OnStoreError, SubjectPolicy, UnknownPlan};
 pub use crate::future::ResponseFuture;
-pub use crate::handle::{QuotaHandle, QuotaUsage};
+pub use crate::handle::QuotaHandle;
 pub use crate::key::{Namespace, PeriodKey};
-pub use crate::layer::{InvalidCost, OnStoreError, QuotaLayer, SubjectPolicy};
+pub use crate::layer::QuotaLayer;
 pub use crate::period::{Anchor, Clock, ManualClock, Period, SystemClock, Window};
+pub use crate::policy::{QuotaPolicy, QuotaPolicyBuilder};
 pub use crate::quota::{Quota, DEFAULT_ALLOWANCE};
 pub use crate::service::QuotaService;
-pub use crate::status::{QuotaStatus, StatusEntry};
+pub use crate::status::{QuotaStatus, QuotaUsage};
 pub use crate::store::{MemoryStore, Store, StoreError, Usage};
 pub use crate::subject::{
     FromExtension, FromHeader, Subject, SubjectError, SubjectExtractor, SubjectKind,

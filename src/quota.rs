@@ -8,8 +8,8 @@ use jiff::tz::TimeZone;
 use jiff::Timestamp;
 
 use crate::key::{Namespace, PeriodKey};
+use crate::period::seconds_until;
 use crate::period::{Anchor, Period, Window};
-use crate::response::seconds_until;
 use crate::store::{ChargeLine, Lifetime};
 use crate::subject::Subject;
 
@@ -37,9 +37,18 @@ pub const DEFAULT_ALLOWANCE: &str = "default";
 /// assert_eq!(rolling.name(), "write-rolling-24h");
 /// ```
 #[derive(Clone)]
-pub struct Quota {
+pub struct Quota(Arc<Inner>);
+
+#[derive(Clone)]
+struct Inner {
     limit: u64,
+    // Limits of named plans; a plan not listed here gets `limit`.
+    plans: Vec<(Arc<str>, u64)>,
     allowance: Arc<str>,
+    // Whether the allowance or the zone was chosen on the quota itself: a
+    // layer's defaults apply only to quotas that did not choose.
+    allowance_set: bool,
+    zone_set: bool,
     period: Period,
     anchor: Anchor,
     name: Arc<str>,
@@ -57,9 +66,12 @@ pub struct Quota {
 impl Quota {
     /// `limit` per `period`, anchored by `anchor`, for the default allowance.
     pub fn new(limit: u64, period: Period, anchor: Anchor) -> Self {
-        let mut quota = Self {
+        let mut quota = Self(Arc::new(Inner {
             limit,
+            plans: Vec::new(),
             allowance: DEFAULT_ALLOWANCE.into(),
+            allowance_set: false,
+            zone_set: false,
             period,
             anchor,
             name: "".into(),
@@ -67,7 +79,7 @@ impl Quota {
             named: false,
             first_use_label: "".into(),
             current: Arc::default(),
-        };
+        }));
         quota.rename();
         quota
     }
@@ -118,7 +130,13 @@ impl Quota {
         Self::new(limit, Period::fixed(length), Anchor::Calendar)
     }
 
-    /// Charges allowance `tag` (e.g. `read`, `write`).
+    fn inner(&mut self) -> &mut Inner {
+        Arc::make_mut(&mut self.0)
+    }
+
+    /// Charges allowance `tag` (e.g. `read`, `write`). A quota without one
+    /// takes its layer's ([`QuotaLayer::allowance`](crate::QuotaLayer::allowance)),
+    /// else `default`.
     ///
     /// # Panics
     ///
@@ -131,20 +149,26 @@ impl Quota {
             !tag.is_empty() && tag.bytes().all(|b| (0x20..0x7f).contains(&b)),
             "an allowance tag is non-empty printable ASCII (got {tag:?})"
         );
-        self.allowance = tag.into();
+        let inner = self.inner();
+        inner.allowance = tag.into();
+        inner.allowance_set = true;
         self.rename();
         self
     }
 
-    /// Counts calendar periods in time zone `tz` (default UTC).
+    /// Counts calendar periods in time zone `tz`. A quota without one takes
+    /// its layer's ([`QuotaLayer::time_zone`](crate::QuotaLayer::time_zone)),
+    /// else UTC.
     ///
     /// # Panics
     ///
     /// When `tz` has neither an IANA name nor a fixed offset.
     #[must_use]
     pub fn in_time_zone(mut self, tz: TimeZone) -> Self {
-        self.period = self.period.in_time_zone(tz);
-        self.current = Arc::default();
+        let inner = self.inner();
+        inner.period = inner.period.clone().in_time_zone(tz);
+        inner.zone_set = true;
+        inner.current = Arc::default();
         self.rename();
         self
     }
@@ -152,8 +176,9 @@ impl Quota {
     /// Anchors the period with `anchor`.
     #[must_use]
     pub fn anchored(mut self, anchor: Anchor) -> Self {
-        self.anchor = anchor;
-        self.current = Arc::default();
+        let inner = self.inner();
+        inner.anchor = anchor;
+        inner.current = Arc::default();
         self.rename();
         self
     }
@@ -171,92 +196,159 @@ impl Quota {
             !name.is_empty() && name.bytes().all(|b| (0x20..0x7f).contains(&b)),
             "a quota name is non-empty printable ASCII (got {name:?})"
         );
-        self.name = name.into();
-        self.named = true;
-        self.quoted_name = sf_string(&self.name).into();
+        let inner = self.inner();
+        inner.quoted_name = sf_string(&name).into();
+        inner.name = name.into();
+        inner.named = true;
         self
     }
 
+    /// Subjects on plan `plan` get `limit` instead of the quota's own limit,
+    /// which stays the limit of every plan not listed. The plan is read per
+    /// request (see [`QuotaPolicyBuilder::plan`](crate::QuotaPolicyBuilder::plan))
+    /// and is not part of the counter's key: a subject whose plan changes
+    /// keeps what it spent this period, measured against the new limit.
+    ///
+    /// ```
+    /// use tower_quota::Quota;
+    ///
+    /// let daily = Quota::daily(100).plan("pro", 10_000).plan("enterprise", 1_000_000);
+    /// assert_eq!(daily.limit_for(Some("pro")), 10_000);
+    /// assert_eq!(daily.limit_for(Some("free")), 100);
+    /// assert_eq!(daily.limit_for(None), 100);
+    /// ```
+    ///
+    /// # Panics
+    ///
+    /// When `plan` is empty.
+    #[must_use]
+    pub fn plan(mut self, plan: impl Into<String>, limit: u64) -> Self {
+        let plan = plan.into();
+        assert!(!plan.is_empty(), "a plan name is not empty");
+        let inner = self.inner();
+        inner.plans.retain(|(p, _)| **p != *plan);
+        inner.plans.push((plan.into(), limit));
+        self
+    }
+
+    /// The plans this quota names, with their limits.
+    pub fn plans(&self) -> impl Iterator<Item = (&str, u64)> + '_ {
+        self.0.plans.iter().map(|(p, l)| (&**p, *l))
+    }
+
+    /// The limit for a subject on `plan` (`None`: no plan, the quota's own
+    /// limit).
+    pub fn limit_for(&self, plan: Option<&str>) -> u64 {
+        plan.and_then(|plan| {
+            self.0
+                .plans
+                .iter()
+                .find(|(p, _)| **p == *plan)
+                .map(|(_, l)| *l)
+        })
+        .unwrap_or(self.0.limit)
+    }
+
+    /// This quota with a layer's defaults for what it did not choose itself.
+    pub(crate) fn with_defaults(&self, allowance: Option<&str>, zone: Option<&TimeZone>) -> Self {
+        let mut quota = self.clone();
+        if let (Some(tag), false) = (allowance, self.0.allowance_set) {
+            quota = quota.allowance(tag);
+            quota.inner().allowance_set = false;
+        }
+        if let (Some(tz), false) = (zone, self.0.zone_set) {
+            quota = quota.in_time_zone(tz.clone());
+            quota.inner().zone_set = false;
+        }
+        quota
+    }
+
     fn rename(&mut self) {
-        self.first_use_label = self.period.first_use_label().into();
-        if !self.named {
-            self.name = match self.anchor {
-                Anchor::Calendar => format!("{}-{}", self.allowance, self.period.name()),
-                Anchor::FirstUse => format!("{}-rolling-{}", self.allowance, self.period.name()),
+        let label = self.0.period.first_use_label();
+        let inner = self.inner();
+        inner.first_use_label = label.into();
+        if !inner.named {
+            inner.name = match inner.anchor {
+                Anchor::Calendar => format!("{}-{}", inner.allowance, inner.period.name()),
+                Anchor::FirstUse => format!("{}-rolling-{}", inner.allowance, inner.period.name()),
             }
             .into();
-            self.quoted_name = sf_string(&self.name).into();
+            inner.quoted_name = sf_string(&inner.name).into();
         }
     }
 
-    /// The most a subject may spend per period.
+    /// The most a subject without a plan (or on a plan this quota does not
+    /// name) may spend per period.
     pub fn limit(&self) -> u64 {
-        self.limit
+        self.0.limit
     }
 
     /// The allowance tag.
     pub fn allowance_tag(&self) -> &str {
-        &self.allowance
+        &self.0.allowance
     }
 
     /// The period.
     pub fn period(&self) -> &Period {
-        &self.period
+        &self.0.period
     }
 
     /// The anchor.
     pub fn anchor(&self) -> Anchor {
-        self.anchor
+        self.0.anchor
     }
 
     /// The name clients see.
     pub fn name(&self) -> &str {
-        &self.name
+        &self.0.name
+    }
+
+    /// How the allowance returns, in words: `every day at 00:00
+    /// Europe/Berlin`, `24h after the first call`.
+    pub fn describe_reset(&self) -> String {
+        self.0.period.describe_reset(self.0.anchor)
     }
 
     pub(crate) fn quoted_name(&self) -> &str {
-        &self.quoted_name
+        &self.0.quoted_name
     }
 
     /// The length in whole seconds of the period a client is in: the
     /// calendar window at `now`, the first-use period that started at
     /// `first_call`, or one that would start now.
     pub(crate) fn window_seconds(&self, now: Timestamp, first_call: Option<Timestamp>) -> u64 {
-        let seconds = match (self.anchor, first_call) {
+        let period = &self.0.period;
+        let seconds = match (self.0.anchor, first_call) {
             (Anchor::Calendar, _) => self.with_window(now, |w| seconds_until(w.start(), w.end())),
-            (Anchor::FirstUse, Some(first)) => {
-                seconds_until(first, self.period.end_of_first_use(first))
-            }
-            (Anchor::FirstUse, None) => seconds_until(now, self.period.end_of_first_use(now)),
+            (Anchor::FirstUse, Some(first)) => seconds_until(first, period.end_of_first_use(first)),
+            (Anchor::FirstUse, None) => seconds_until(now, period.end_of_first_use(now)),
         };
         seconds.max(1)
-    }
-
-    pub(crate) fn shared_name(&self) -> Arc<str> {
-        Arc::clone(&self.name)
     }
 
     /// The calendar window containing `at` (for [`Anchor::FirstUse`], the
     /// window a counter created at `at` would have).
     pub fn window(&self, at: Timestamp) -> Window {
-        match self.anchor {
+        match self.0.anchor {
             Anchor::Calendar => self.with_window(at, Window::clone),
-            Anchor::FirstUse => {
-                Window::first_use(at, self.period.end_of_first_use(at), &self.first_use_label)
-            }
+            Anchor::FirstUse => Window::first_use(
+                at,
+                self.0.period.end_of_first_use(at),
+                &self.0.first_use_label,
+            ),
         }
     }
 
     fn with_window<R>(&self, at: Timestamp, f: impl FnOnce(&Window) -> R) -> R {
         {
-            let current = self.current.read().unwrap_or_else(|e| e.into_inner());
+            let current = self.0.current.read().unwrap_or_else(|e| e.into_inner());
             if let Some(window) = current.as_ref().filter(|w| w.contains(at)) {
                 return f(window);
             }
         }
-        let window = self.period.window(at);
+        let window = self.0.period.window(at);
         let result = f(&window);
-        let mut current = self.current.write().unwrap_or_else(|e| e.into_inner());
+        let mut current = self.0.current.write().unwrap_or_else(|e| e.into_inner());
         // Keep the later window when requests race across a boundary.
         if current.as_ref().is_none_or(|w| w.start() < window.start()) {
             *current = Some(window);
@@ -269,7 +361,8 @@ impl Quota {
         self.line(namespace, subject, at, 0).key
     }
 
-    /// What the store is asked to charge for `subject` at `at`.
+    /// What the store is asked to charge for `subject` at `at`, against the
+    /// quota's own limit.
     pub fn line(
         &self,
         namespace: &Namespace,
@@ -277,10 +370,23 @@ impl Quota {
         at: Timestamp,
         cost: u64,
     ) -> ChargeLine {
-        match self.anchor {
+        self.line_with_limit(namespace, subject, at, cost, self.0.limit)
+    }
+
+    /// As [`Quota::line`], against `limit` (a plan's).
+    pub(crate) fn line_with_limit(
+        &self,
+        namespace: &Namespace,
+        subject: &Subject,
+        at: Timestamp,
+        cost: u64,
+        limit: u64,
+    ) -> ChargeLine {
+        let inner = &*self.0;
+        match inner.anchor {
             Anchor::Calendar => self.with_window(at, |window| ChargeLine {
-                key: namespace.key(subject, &self.allowance, window.stamp()),
-                limit: self.limit,
+                key: namespace.key(subject, &inner.allowance, window.stamp()),
+                limit,
                 cost,
                 lifetime: Lifetime::Calendar {
                     start: window.start(),
@@ -288,11 +394,11 @@ impl Quota {
                 },
             }),
             Anchor::FirstUse => ChargeLine {
-                key: namespace.key(subject, &self.allowance, &self.first_use_label),
-                limit: self.limit,
+                key: namespace.key(subject, &inner.allowance, &inner.first_use_label),
+                limit,
                 cost,
                 lifetime: Lifetime::FirstUse {
-                    deadline: self.period.end_of_first_use(at),
+                    deadline: inner.period.end_of_first_use(at),
                 },
             },
         }
@@ -300,16 +406,30 @@ impl Quota {
 
     /// Whether two quotas would count on the same keys.
     pub(crate) fn shares_counters_with(&self, other: &Quota) -> bool {
-        self.allowance == other.allowance && self.counter_space() == other.counter_space()
+        self.0.allowance == other.0.allowance && self.counter_space() == other.counter_space()
+    }
+
+    /// Whether `other` is this very quota (built twice, e.g. by a helper
+    /// that makes "the daily layer" for two routers): same counters, same
+    /// name, same limits. Such quotas share one budget on purpose.
+    pub(crate) fn same_as(&self, other: &Quota) -> bool {
+        Arc::ptr_eq(&self.0, &other.0)
+            || (self.shares_counters_with(other)
+                && self.0.name == other.0.name
+                && self.0.limit == other.0.limit
+                && self.0.plans.len() == other.0.plans.len()
+                && self.plans().all(|(p, l)| {
+                    other.limit_for(Some(p)) == l && other.plans().any(|(q, _)| q == p)
+                }))
     }
 
     /// What a key says about the period, beyond the allowance: the first-use
     /// label, or which calendar the stamps come from. Quotas that agree here
     /// write the same keys.
     fn counter_space(&self) -> String {
-        match self.anchor {
-            Anchor::FirstUse => self.first_use_label.to_string(),
-            Anchor::Calendar => self.period.calendar_identity(),
+        match self.0.anchor {
+            Anchor::FirstUse => self.0.first_use_label.to_string(),
+            Anchor::Calendar => self.0.period.calendar_identity(),
         }
     }
 }
@@ -317,11 +437,12 @@ impl Quota {
 impl fmt::Debug for Quota {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         f.debug_struct("Quota")
-            .field("name", &self.name)
-            .field("allowance", &self.allowance)
-            .field("limit", &self.limit)
-            .field("period", &self.period)
-            .field("anchor", &self.anchor)
+            .field("name", &self.0.name)
+            .field("allowance", &self.0.allowance)
+            .field("limit", &self.0.limit)
+            .field("plans", &self.0.plans)
+            .field("period", &self.0.period)
+            .field("anchor", &self.0.anchor)
             .finish()
     }
 }

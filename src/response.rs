@@ -10,6 +10,7 @@ use http::{Response, StatusCode};
 use jiff::{RoundMode, Timestamp, TimestampRound, Unit};
 use serde_json::{json, Value};
 
+use crate::period::seconds_until;
 use crate::quota::Quota;
 use crate::store::Usage;
 
@@ -26,16 +27,6 @@ pub const QUOTA_EXCEEDED_TYPE: &str =
 
 const PROBLEM_JSON: HeaderValue = HeaderValue::from_static("application/problem+json");
 
-/// Whole seconds from `now` until `at`, rounded up: a client that waits this
-/// long never comes back before `at`.
-pub(crate) fn seconds_until(now: Timestamp, at: Timestamp) -> u64 {
-    let d = at.duration_since(now);
-    if d.is_negative() || d.is_zero() {
-        return 0;
-    }
-    d.as_secs().unsigned_abs() + u64::from(d.subsec_nanos() != 0)
-}
-
 /// The pair of fields for one response.
 #[derive(Clone, Debug)]
 pub(crate) struct RateLimitFields {
@@ -43,10 +34,11 @@ pub(crate) struct RateLimitFields {
     limit: HeaderValue,
 }
 
-/// The last `RateLimit-Policy` value a layer sent, with the window lengths it
-/// was built for: it changes only when a window's length does.
+/// The last `RateLimit-Policy` value a layer sent, with the window lengths
+/// and limits it was built for: it changes only when one of them does (a
+/// window of another length, a subject on another plan).
 #[derive(Default, Debug)]
-pub(crate) struct PolicyCache(RwLock<Option<(Box<[u64]>, HeaderValue)>>);
+pub(crate) struct PolicyCache(RwLock<Option<(Box<[(u64, u64)]>, HeaderValue)>>);
 
 impl RateLimitFields {
     pub(crate) fn new(
@@ -59,7 +51,7 @@ impl RateLimitFields {
             quotas
                 .iter()
                 .zip(usage)
-                .map(move |(q, u)| q.window_seconds(now, u.first_call))
+                .map(move |(q, u)| (q.window_seconds(now, u.first_call), u.limit))
         };
         let cached = {
             let guard = cache.0.read().unwrap_or_else(|e| e.into_inner());
@@ -71,13 +63,13 @@ impl RateLimitFields {
         let mut digits = itoa::Buffer::new();
         let policy = cached.unwrap_or_else(|| {
             let mut policy = String::with_capacity(48 * quotas.len());
-            for (i, (quota, window)) in quotas.iter().zip(windows()).enumerate() {
+            for (i, (quota, (window, limit))) in quotas.iter().zip(windows()).enumerate() {
                 if i > 0 {
                     policy.push_str(", ");
                 }
                 policy.push_str(quota.quoted_name());
                 policy.push_str(";q=");
-                policy.push_str(digits.format(quota.limit()));
+                policy.push_str(digits.format(limit));
                 policy.push_str(";w=");
                 policy.push_str(digits.format(window));
             }
@@ -111,8 +103,8 @@ impl RateLimitFields {
     }
 }
 
-/// An `application/problem+json` response.
-pub(crate) fn problem(status: StatusCode, detail: &str) -> Response<Bytes> {
+/// An `application/problem+json` response with the `about:blank` type.
+pub fn problem(status: StatusCode, detail: &str) -> Response<Bytes> {
     problem_of_type(
         status,
         "about:blank",
@@ -144,17 +136,18 @@ fn problem_of_type(
     response
 }
 
-/// The 429 for a refused charge.
+/// The 429 for a refused charge: `costs` are what the request would have
+/// spent on each quota.
 pub(crate) fn quota_exceeded(
     quotas: &[Quota],
     usage: &[Usage],
-    cost: u64,
+    costs: &[u64],
     now: Timestamp,
 ) -> Response<Bytes> {
     let mut violated = Vec::new();
     let mut detail = String::new();
     let mut retry_after = Some(1);
-    for (quota, usage) in quotas.iter().zip(usage) {
+    for ((quota, usage), &cost) in quotas.iter().zip(usage).zip(costs) {
         if usage.used.saturating_add(cost) <= usage.limit {
             continue;
         }

@@ -3,13 +3,18 @@ use std::mem;
 use std::sync::Arc;
 use std::task::{Context, Poll};
 
+use http::request::Parts;
 use http::{Request, Response, StatusCode};
 use tower_service::Service;
 
 use crate::body::ResponseBody;
-use crate::future::ResponseFuture;
-use crate::layer::{Config, SubjectPolicy};
-use crate::response;
+use crate::config::{Scope, SubjectPolicy, UnknownPlan};
+use crate::future::{Admission, ResponseFuture};
+use crate::policy::Shared;
+use crate::probe;
+use crate::quota::Quota;
+use crate::response::{self, PolicyCache};
+use crate::status::QuotaStatus;
 use crate::store::{ChargeRequest, Store};
 use crate::subject::{Subject, SubjectError, SubjectExtractor};
 
@@ -17,18 +22,71 @@ use crate::subject::{Subject, SubjectError, SubjectExtractor};
 /// before calling the inner service.
 pub struct QuotaService<S, E, St> {
     inner: S,
-    config: Arc<Config>,
-    extractor: Arc<E>,
-    store: St,
+    shared: Arc<Shared<E, St>>,
+    charges: Arc<Charges>,
+}
+
+/// What one service charges: its own layer's scope and the scopes of the
+/// layers of its policy it found inside the service it wraps.
+pub(crate) struct Charges {
+    own: Arc<Scope>,
+    /// `own` first, then the inner ones.
+    scopes: Vec<Arc<Scope>>,
+    /// Every quota of `scopes`, in order; and `own`'s alone.
+    quotas: Arc<[Quota]>,
+    own_quotas: Arc<[Quota]>,
+    /// The wrapped service is the router's answer to an unknown path or
+    /// method: never charged.
+    unrouted: bool,
+    cache: Arc<PolicyCache>,
+    own_cache: Arc<PolicyCache>,
+}
+
+impl Charges {
+    /// # Panics
+    ///
+    /// When two quotas of the scopes would count on one counter: a request
+    /// passing these layers would be charged twice on it.
+    pub(crate) fn new(own: Arc<Scope>, found: probe::Found) -> Self {
+        let mut scopes = vec![Arc::clone(&own)];
+        scopes.extend(found.scopes.into_iter().filter(|s| s.id != own.id));
+        let quotas: Vec<Quota> = scopes
+            .iter()
+            .flat_map(|s| s.quotas.iter().cloned())
+            .collect();
+        for (i, a) in quotas.iter().enumerate() {
+            for b in &quotas[..i] {
+                assert!(
+                    !a.shares_counters_with(b),
+                    "quotas {:?} and {:?} would count on one counter for the same request (same allowance, period and anchor) in nested layers; give one of them its own allowance",
+                    b.name(),
+                    a.name()
+                );
+                assert!(
+                    a.name() != b.name(),
+                    "two quotas applying to one request are named {:?}; name them apart with Quota::named",
+                    a.name()
+                );
+            }
+        }
+        Self {
+            own_quotas: Arc::clone(&own.quotas),
+            own,
+            scopes,
+            quotas: quotas.into(),
+            unrouted: found.unrouted,
+            cache: Arc::default(),
+            own_cache: Arc::default(),
+        }
+    }
 }
 
 impl<S, E, St> QuotaService<S, E, St> {
-    pub(crate) fn new(inner: S, config: Arc<Config>, extractor: Arc<E>, store: St) -> Self {
+    pub(crate) fn new(inner: S, shared: Arc<Shared<E, St>>, charges: Arc<Charges>) -> Self {
         Self {
             inner,
-            config,
-            extractor,
-            store,
+            shared,
+            charges,
         }
     }
 
@@ -48,13 +106,14 @@ impl<S, E, St> QuotaService<S, E, St> {
     }
 }
 
-impl<S: Clone, E, St: Clone> Clone for QuotaService<S, E, St> {
+impl<S: Clone, E, St> Clone for QuotaService<S, E, St> {
     fn clone(&self) -> Self {
+        // An outer layer of the policy being built looks for this one.
+        probe::announce_scope(self.shared.id, &self.charges.own);
         Self {
             inner: self.inner.clone(),
-            config: Arc::clone(&self.config),
-            extractor: Arc::clone(&self.extractor),
-            store: self.store.clone(),
+            shared: Arc::clone(&self.shared),
+            charges: Arc::clone(&self.charges),
         }
     }
 }
@@ -63,8 +122,8 @@ impl<S: fmt::Debug, E, St: fmt::Debug> fmt::Debug for QuotaService<S, E, St> {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         f.debug_struct("QuotaService")
             .field("inner", &self.inner)
-            .field("quotas", &self.config.quotas)
-            .field("store", &self.store)
+            .field("quotas", &self.charges.quotas)
+            .field("store", &self.shared.store)
             .finish_non_exhaustive()
     }
 }
@@ -83,28 +142,46 @@ where
         self.inner.poll_ready(cx)
     }
 
+    /// The request path: a decision made further out → exemptions → the
+    /// subject → its plan → the lines of every quota that applies → one
+    /// charge, decided on and answered by the future.
     fn call(&mut self, request: Request<ReqBody>) -> Self::Future {
-        let config = &self.config;
         let (parts, body) = request.into_parts();
+        let shared = &*self.shared;
+        let settings = &shared.settings;
+        let charges = &*self.charges;
+        let now = settings.clock.now();
 
-        let subject = match self
-            .extractor
-            .extract(&parts)
-            .and_then(|s| check_len(s, config.max_subject_len))
-        {
+        let outer = parts
+            .extensions
+            .get::<QuotaStatus>()
+            .filter(|status| status.ticket().policy == shared.id)
+            .cloned();
+        match &outer {
+            Some(status) if status.is_exempt() || status.ticket().reach(charges.own.id) => {
+                return ResponseFuture::passing(self.call_inner(parts, body));
+            }
+            Some(_) => tracing::debug!(
+                quotas = ?charges.own_quotas,
+                "a quota layer hidden from the layer around it charges on its own"
+            ),
+            None if charges.unrouted || settings.skips(&parts) => {
+                return self.pass_uncounted(parts, body, now);
+            }
+            None => {}
+        }
+
+        let subject = match extract(&shared.extractor, &parts, settings.max_subject_len) {
             Ok(subject) => subject,
             Err(error) => {
                 let (policy, default_status) = match &error {
-                    SubjectError::Missing => (config.on_missing, StatusCode::UNAUTHORIZED),
-                    SubjectError::Malformed(_) => (config.on_malformed, StatusCode::BAD_REQUEST),
+                    SubjectError::Missing => (settings.on_missing, StatusCode::UNAUTHORIZED),
+                    SubjectError::Malformed(_) => (settings.on_malformed, StatusCode::BAD_REQUEST),
                 };
                 return match policy {
                     SubjectPolicy::Allow => {
                         tracing::trace!(%error, "request without a usable subject passes uncharged");
-                        ResponseFuture::calling(
-                            self.inner.call(Request::from_parts(parts, body)),
-                            None,
-                        )
+                        self.pass_uncounted(parts, body, now)
                     }
                     SubjectPolicy::Reject(status) => {
                         let status = if status.is_client_error() || status.is_server_error() {
@@ -119,41 +196,109 @@ where
             }
         };
 
-        let cost = match config.cost.of(&parts) {
-            Ok(cost) => cost,
-            Err(error) => {
-                tracing::debug!(%error, "request rejected: invalid cost");
-                return ResponseFuture::rejected(response::problem(
-                    StatusCode::BAD_REQUEST,
-                    &error.0,
-                ));
-            }
+        let plan = match settings.plan.as_ref().and_then(|plan| plan(&parts)) {
+            Some(plan) if !shared.knows_plan(&plan) => match settings.unknown_plan {
+                UnknownPlan::DefaultLimits => None,
+                UnknownPlan::Reject => {
+                    tracing::debug!(plan, "request rejected: unknown plan");
+                    return ResponseFuture::rejected(response::problem(
+                        StatusCode::FORBIDDEN,
+                        &format!("The plan {plan:?} has no quota here."),
+                    ));
+                }
+            },
+            plan => plan,
         };
 
-        let now = config.clock.now();
-        let lines = config
-            .quotas
-            .iter()
-            .map(|quota| quota.line(&config.namespace, &subject, now, cost))
-            .collect();
-        let charge = self.store.charge(ChargeRequest { now, lines });
+        let (scopes, quotas, cache) = match outer {
+            Some(_) => (
+                std::slice::from_ref(&charges.own),
+                &charges.own_quotas,
+                &charges.own_cache,
+            ),
+            None => (&charges.scopes[..], &charges.quotas, &charges.cache),
+        };
+        let mut admission = Admission::new(
+            shared.store.clone(),
+            shared.id,
+            Arc::clone(quotas),
+            now,
+            settings,
+            Arc::clone(cache),
+            outer,
+        );
+        let mut lines = Vec::with_capacity(quotas.len());
+        for scope in scopes {
+            let cost = match scope.cost.of(&parts) {
+                Ok(cost) => cost,
+                Err(error) => {
+                    tracing::debug!(%error, "request rejected: invalid cost");
+                    return ResponseFuture::rejected(response::problem(
+                        StatusCode::BAD_REQUEST,
+                        &error.0,
+                    ));
+                }
+            };
+            admission.add_scope(scope, cost);
+            for quota in scope.quotas.iter() {
+                let limit = quota.limit_for(plan.as_deref());
+                let line = quota.line_with_limit(&settings.namespace, &subject, now, cost, limit);
+                admission.add_key(line.key.clone());
+                lines.push(line);
+            }
+        }
+        let charge = shared.store.charge(ChargeRequest { now, lines });
 
         let request = Request::from_parts(parts, body);
-        // Call the instance that `poll_ready` readied, and keep a clone for
-        // the next request.
-        let clone = self.inner.clone();
-        let inner = mem::replace(&mut self.inner, clone);
-        ResponseFuture::charging(charge, inner, request, Arc::clone(config), now, cost)
+        ResponseFuture::charging(charge, self.take_ready(), request, admission)
     }
 }
 
-fn check_len(subject: Subject, max: usize) -> Result<Subject, SubjectError> {
+impl<S: Clone, E, St> QuotaService<S, E, St> {
+    /// The instance that `poll_ready` readied; a clone stays for the next
+    /// request.
+    fn take_ready(&mut self) -> S {
+        let clone = self.inner.clone();
+        mem::replace(&mut self.inner, clone)
+    }
+
+    fn call_inner<ReqBody>(&mut self, parts: Parts, body: ReqBody) -> S::Future
+    where
+        S: Service<Request<ReqBody>>,
+    {
+        self.inner.call(Request::from_parts(parts, body))
+    }
+
+    /// Lets a request through every layer of the policy without counting it.
+    fn pass_uncounted<ReqBody, ResBody>(
+        &mut self,
+        mut parts: Parts,
+        body: ReqBody,
+        now: jiff::Timestamp,
+    ) -> ResponseFuture<S, St, ReqBody>
+    where
+        S: Service<Request<ReqBody>, Response = Response<ResBody>>,
+        St: Store,
+    {
+        parts
+            .extensions
+            .insert(QuotaStatus::exempt(self.shared.id, now));
+        ResponseFuture::passing(self.call_inner(parts, body))
+    }
+}
+
+fn extract<E: SubjectExtractor>(
+    extractor: &E,
+    parts: &Parts,
+    max_len: usize,
+) -> Result<Subject, SubjectError> {
+    let subject = extractor.extract(parts)?;
     let id = subject.id();
     if id.is_empty() || id.iter().all(u8::is_ascii_whitespace) {
         Err(SubjectError::malformed("the subject id is empty"))
-    } else if id.len() > max {
+    } else if id.len() > max_len {
         Err(SubjectError::Malformed(
-            format!("the subject id is longer than {max} bytes").into(),
+            format!("the subject id is longer than {max_len} bytes").into(),
         ))
     } else {
         Ok(subject)

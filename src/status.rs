@@ -1,17 +1,64 @@
+use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
 
+use jiff::Timestamp;
+
+use crate::key::PeriodKey;
+use crate::period::Anchor;
+use crate::quota::Quota;
 use crate::store::Usage;
 
-/// Where the caller stands after its request was admitted, inserted into the
-/// request's extensions for the handler (with the `axum` feature, usable
-/// directly as an extractor).
+/// Where one subject stands on one quota: the quota, its counter's key and
+/// the counter's state. What [`QuotaStatus`] lists for a request and
+/// [`QuotaHandle::usage`](crate::QuotaHandle::usage) for support tools.
+#[derive(Clone, Debug)]
+#[non_exhaustive]
+pub struct QuotaUsage {
+    /// The quota.
+    pub quota: Quota,
+    /// The counter's key.
+    pub key: PeriodKey,
+    /// The counter's state (its limit is the subject's plan's).
+    pub usage: Usage,
+}
+
+impl QuotaUsage {
+    pub(crate) fn new(quota: Quota, key: PeriodKey, usage: Usage) -> Self {
+        Self { quota, key, usage }
+    }
+
+    /// What is left to spend this period.
+    pub fn remaining(&self) -> u64 {
+        self.usage.remaining()
+    }
+
+    /// How and when the allowance returns, in words: `every day at 00:00
+    /// Europe/Berlin`, or for a first-use quota `24h after the first call
+    /// (2026-12-02T10:00:00Z), at 2026-12-03T10:00:00Z`.
+    pub fn explain_reset(&self) -> String {
+        let rule = self.quota.describe_reset();
+        match (self.quota.anchor(), self.usage.first_call) {
+            (Anchor::FirstUse, Some(first)) => {
+                format!("{rule} ({first}), at {}", self.usage.resets_at)
+            }
+            (Anchor::FirstUse, None) => format!("{rule}; no period is open"),
+            (Anchor::Calendar, _) => format!("{rule}; next at {}", self.usage.resets_at),
+        }
+    }
+}
+
+/// Where the caller stands, inserted into the request's extensions once per
+/// request for the handler (with the `axum` feature, usable directly as an
+/// extractor): one entry per quota that applied, whichever layers of the
+/// policy the request passed. A request that was let through uncounted (a
+/// skip rule, an unknown route) carries a status with no entries.
 ///
 /// ```
 /// use axum::{routing::get, Router};
 /// use tower_quota::{FromHeader, QuotaLayer, QuotaStatus};
 ///
 /// async fn handler(status: QuotaStatus) -> String {
-///     format!("{} calls left today", status.entries()[0].usage.remaining())
+///     format!("{} calls left today", status.entries()[0].remaining())
 /// }
 ///
 /// let app: Router = Router::new()
@@ -20,26 +67,93 @@ use crate::store::Usage;
 /// ```
 #[derive(Clone, Debug)]
 pub struct QuotaStatus {
-    entries: Arc<[StatusEntry]>,
+    inner: Arc<Ticket>,
 }
 
-/// One quota in a [`QuotaStatus`].
-#[derive(Clone, Debug)]
-pub struct StatusEntry {
-    /// The quota's name.
-    pub name: Arc<str>,
-    /// The counter after this request's charge.
-    pub usage: Usage,
+/// What the layers of one policy know about a request they charged: the
+/// status the handler reads, and what inner layers and the response path
+/// need.
+#[derive(Debug)]
+pub(crate) struct Ticket {
+    pub(crate) policy: u64,
+    pub(crate) entries: Vec<QuotaUsage>,
+    /// Per entry: the scope (layer) it belongs to, and what it was charged.
+    pub(crate) scopes: Vec<u64>,
+    pub(crate) costs: Vec<u64>,
+    /// The scopes charged, and whether the request reached each one's layer.
+    pub(crate) covered: Vec<(u64, AtomicBool)>,
+    /// The instant of the charge.
+    pub(crate) charged_at: Timestamp,
+    /// Set when the charge was given back (an inner layer refused).
+    pub(crate) refunded: AtomicBool,
+    pub(crate) exempt: bool,
 }
 
 impl QuotaStatus {
-    pub(crate) fn new(entries: Arc<[StatusEntry]>) -> Self {
-        Self { entries }
+    pub(crate) fn new(ticket: Ticket) -> Self {
+        Self {
+            inner: Arc::new(ticket),
+        }
     }
 
-    /// One entry per quota of the layer, in the layer's order.
-    pub fn entries(&self) -> &[StatusEntry] {
-        &self.entries
+    /// The status of a request let through uncounted.
+    pub(crate) fn exempt(policy: u64, now: Timestamp) -> Self {
+        Self::new(Ticket {
+            policy,
+            entries: Vec::new(),
+            scopes: Vec::new(),
+            costs: Vec::new(),
+            covered: Vec::new(),
+            charged_at: now,
+            refunded: AtomicBool::new(false),
+            exempt: true,
+        })
+    }
+
+    pub(crate) fn ticket(&self) -> &Ticket {
+        &self.inner
+    }
+
+    /// One entry per quota that applied to the request, outer layers first.
+    pub fn entries(&self) -> &[QuotaUsage] {
+        &self.inner.entries
+    }
+
+    /// The entry of the quota named `name`.
+    pub fn get(&self, name: &str) -> Option<&QuotaUsage> {
+        self.inner.entries.iter().find(|e| e.quota.name() == name)
+    }
+
+    /// The instant the request was charged: what
+    /// [`QuotaHandle::refund_at`](crate::QuotaHandle::refund_at) takes to
+    /// undo it later.
+    pub fn charged_at(&self) -> Timestamp {
+        self.inner.charged_at
+    }
+
+    /// Whether the request was let through uncounted.
+    pub fn is_exempt(&self) -> bool {
+        self.inner.exempt
+    }
+}
+
+impl Ticket {
+    /// Marks the layer of `scope` as reached; whether this ticket charged
+    /// its quotas.
+    pub(crate) fn reach(&self, scope: u64) -> bool {
+        match self.covered.iter().find(|(id, _)| *id == scope) {
+            Some((_, reached)) => {
+                reached.store(true, Ordering::Relaxed);
+                true
+            }
+            None => false,
+        }
+    }
+
+    pub(crate) fn reached(&self, scope: u64) -> bool {
+        self.covered
+            .iter()
+            .any(|(id, reached)| *id == scope && reached.load(Ordering::Relaxed))
     }
 }
 
@@ -60,7 +174,7 @@ mod axum_impl {
         ) -> Result<Self, Self::Rejection> {
             parts.extensions.get::<QuotaStatus>().cloned().ok_or((
                 StatusCode::INTERNAL_SERVER_ERROR,
-                "QuotaStatus is only available behind a QuotaLayer that charged the request",
+                "QuotaStatus is only available behind a quota layer",
             ))
         }
     }

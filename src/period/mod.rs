@@ -281,6 +281,32 @@ impl Period {
         }
     }
 
+    /// How the allowance returns under `anchor`, in words a support agent
+    /// can read to a customer: `every day at 00:00 Europe/Berlin`,
+    /// `every Monday at 00:00 UTC`, `24h after the first call`.
+    pub fn describe_reset(&self, anchor: Anchor) -> String {
+        let zone = match &self.tz_label {
+            Some(zone) => zone.to_string(),
+            None => "UTC".to_owned(),
+        };
+        match (anchor, self.unit) {
+            (Anchor::FirstUse, Unit::Month) => {
+                format!("one month after the first call (same day and time, {zone})")
+            }
+            (Anchor::FirstUse, _) => format!("{} after the first call", self.name()),
+            (Anchor::Calendar, Unit::Minute) => format!("at the start of every minute ({zone})"),
+            (Anchor::Calendar, Unit::Hour) => format!("at the start of every hour ({zone})"),
+            (Anchor::Calendar, Unit::Day) => format!("every day at 00:00 {zone}"),
+            (Anchor::Calendar, Unit::Week) => format!("every Monday at 00:00 {zone}"),
+            (Anchor::Calendar, Unit::Month) => {
+                format!("on the 1st of every month at 00:00 {zone}")
+            }
+            (Anchor::Calendar, Unit::Fixed(_)) => {
+                format!("every {} counted from 1970-01-01T00:00:00Z", self.name())
+            }
+        }
+    }
+
     /// The instant a first-use period opened at `first_call` ends.
     ///
     /// # Panics
@@ -444,6 +470,16 @@ fn write_duration(out: &mut String, secs: i64) {
         write!(out, "PT{secs}S")
     }
     .expect("infallible");
+}
+
+/// Whole seconds from `now` until `at`, rounded up: a client that waits this
+/// long never comes back before `at`.
+pub(crate) fn seconds_until(now: Timestamp, at: Timestamp) -> u64 {
+    let d = at.duration_since(now);
+    if d.is_negative() || d.is_zero() {
+        return 0;
+    }
+    d.as_secs().unsigned_abs() + u64::from(d.subsec_nanos() != 0)
 }
 
 fn zone_label(tz: &TimeZone) -> Option<Arc<str>> {

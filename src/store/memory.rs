@@ -425,6 +425,23 @@ impl Store for MemoryStore {
         ready(Ok(left))
     }
 
+    fn add(
+        &self,
+        now: Timestamp,
+        key: PeriodKey,
+        amount: u64,
+    ) -> impl Future<Output = Result<Option<u64>, StoreError>> + Send {
+        let mut shard = lock(&self.inner.shards[self.shard_of(&key)]);
+        let now_used = match shard.counters.get_mut(key.as_str()) {
+            Some(counter) if counter.deadline > Nanos::of(now) => {
+                counter.used = counter.used.saturating_add(amount);
+                Some(counter.used)
+            }
+            _ => None,
+        };
+        ready(Ok(now_used))
+    }
+
     fn reset(&self, key: PeriodKey) -> impl Future<Output = Result<bool, StoreError>> + Send {
         let mut shard = lock(&self.inner.shards[self.shard_of(&key)]);
         ready(Ok(shard.counters.remove(key.as_str()).is_some()))

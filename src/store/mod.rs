@@ -279,6 +279,17 @@ pub trait Store: Clone + Send + Sync + 'static {
         amount: u64,
     ) -> impl Future<Output = Result<Option<u64>, StoreError>> + Send;
 
+    /// Adds `amount` to the live counter at `key` without checking its limit
+    /// (a deferred cost of a request already served). Returns what the
+    /// counter holds afterwards, or `None` when there is no live counter: it
+    /// never creates a counter and never changes a deadline.
+    fn add(
+        &self,
+        now: Timestamp,
+        key: PeriodKey,
+        amount: u64,
+    ) -> impl Future<Output = Result<Option<u64>, StoreError>> + Send;
+
     /// Deletes the counter at `key`, so its subject starts afresh (for a
     /// first-use quota, the next call opens a new period). Returns whether
     /// there was one.

@@ -678,6 +678,18 @@ impl Store for RedisStore {
         }
     }
 
+    fn add(
+        &self,
+        _now: Timestamp,
+        _key: PeriodKey,
+        _amount: u64,
+    ) -> impl Future<Output = Result<Option<u64>, StoreError>> + Send {
+        std::future::ready(Err(StoreError::new(
+            crate::store::StoreErrorKind::Other,
+            "interim",
+        )))
+    }
+
     fn reset(&self, key: PeriodKey) -> impl Future<Output = Result<bool, StoreError>> + Send {
         let store = self.clone();
         async move {

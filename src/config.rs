@@ -1,0 +1,192 @@
+//! What a policy and its layers are configured with: the settings shared by
+//! every layer of a policy, and the scope (quotas and cost) of one layer.
+//! Below the layer, the service, the future and the handle, which all read
+//! it.
+
+use std::borrow::Cow;
+use std::fmt;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::Arc;
+use std::time::Duration;
+
+use http::request::Parts;
+use http::StatusCode;
+
+use crate::key::Namespace;
+use crate::period::{Clock, SystemClock};
+use crate::quota::Quota;
+
+/// What to do with a request whose subject is missing or malformed.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum SubjectPolicy {
+    /// Answer with this status and a problem document; the inner service is
+    /// not called. A status that is not a 4xx or 5xx falls back to the
+    /// default (401 for a missing subject, 400 for a malformed one).
+    Reject(StatusCode),
+    /// Let the request through without charging any quota (and without
+    /// rate-limit fields). Unidentified requests never share a counter: they
+    /// are simply not counted.
+    Allow,
+}
+
+/// What to do when the store fails or does not answer in time.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum OnStoreError {
+    /// Let the request through uncharged, and log the failure. Availability
+    /// over enforcement.
+    FailOpen,
+    /// Answer 503 with a problem document and `Retry-After` (in seconds).
+    /// Enforcement over availability.
+    FailClosed {
+        /// The `Retry-After` sent with the 503.
+        retry_after: Duration,
+    },
+}
+
+/// What to do with a request whose plan no quota of the policy names.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum UnknownPlan {
+    /// Charge it against each quota's own limit, as a request without a
+    /// plan.
+    DefaultLimits,
+    /// Answer `403 Forbidden` with a problem document naming the plan; the
+    /// request is not charged.
+    Reject,
+}
+
+/// Why a request's cost could not be worked out; answered with 400.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct InvalidCost(pub Cow<'static, str>);
+
+impl InvalidCost {
+    /// A cost error with a reason the client may read.
+    pub fn new(reason: impl Into<Cow<'static, str>>) -> Self {
+        Self(reason.into())
+    }
+}
+
+impl fmt::Display for InvalidCost {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(&self.0)
+    }
+}
+
+impl std::error::Error for InvalidCost {}
+
+type CostFn = dyn Fn(&Parts) -> Result<u64, InvalidCost> + Send + Sync;
+type DeferredFn = dyn Fn(&http::response::Parts) -> u64 + Send + Sync;
+pub(crate) type SkipFn = dyn Fn(&Parts) -> bool + Send + Sync;
+pub(crate) type PlanFn = dyn Fn(&Parts) -> Option<String> + Send + Sync;
+
+/// What one request costs before it is served.
+#[derive(Clone)]
+pub(crate) enum Cost {
+    Fixed(u64),
+    Computed(Arc<CostFn>),
+}
+
+impl Cost {
+    pub(crate) fn of(&self, parts: &Parts) -> Result<u64, InvalidCost> {
+        match self {
+            Cost::Fixed(n) => Ok(*n),
+            Cost::Computed(f) => f(parts),
+        }
+    }
+}
+
+/// A cost known only once the response is: the request is admitted when
+/// its up-front cost fits, then the difference to the real cost is charged
+/// (or given back) after the response.
+#[derive(Clone)]
+pub(crate) struct DeferredCost(pub(crate) Arc<DeferredFn>);
+
+/// The settings every layer of one policy shares.
+#[derive(Clone)]
+pub(crate) struct Settings {
+    pub(crate) namespace: Namespace,
+    pub(crate) clock: Arc<dyn Clock>,
+    pub(crate) on_missing: SubjectPolicy,
+    pub(crate) on_malformed: SubjectPolicy,
+    pub(crate) max_subject_len: usize,
+    pub(crate) on_store_error: OnStoreError,
+    pub(crate) store_timeout: Option<Duration>,
+    pub(crate) skip: Vec<Arc<SkipFn>>,
+    pub(crate) plan: Option<Arc<PlanFn>>,
+    pub(crate) unknown_plan: UnknownPlan,
+    pub(crate) refund_server_errors: bool,
+}
+
+impl Default for Settings {
+    fn default() -> Self {
+        Self {
+            namespace: Namespace::default(),
+            clock: Arc::new(SystemClock),
+            on_missing: SubjectPolicy::Reject(StatusCode::UNAUTHORIZED),
+            on_malformed: SubjectPolicy::Reject(StatusCode::BAD_REQUEST),
+            max_subject_len: 256,
+            on_store_error: OnStoreError::FailClosed {
+                retry_after: Duration::from_secs(1),
+            },
+            store_timeout: Some(Duration::from_millis(100)),
+            skip: Vec::new(),
+            plan: None,
+            unknown_plan: UnknownPlan::DefaultLimits,
+            refund_server_errors: false,
+        }
+    }
+}
+
+impl Settings {
+    /// Whether a request passes every layer of the policy uncounted.
+    pub(crate) fn skips(&self, parts: &Parts) -> bool {
+        self.skip.iter().any(|skip| skip(parts))
+    }
+}
+
+impl fmt::Debug for Settings {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("Settings")
+            .field("namespace", &self.namespace)
+            .field("on_missing_subject", &self.on_missing)
+            .field("on_malformed_subject", &self.on_malformed)
+            .field("max_subject_len", &self.max_subject_len)
+            .field("on_store_error", &self.on_store_error)
+            .field("store_timeout", &self.store_timeout)
+            .field("skip_rules", &self.skip.len())
+            .field("plans", &self.plan.is_some())
+            .field("unknown_plan", &self.unknown_plan)
+            .field("refund_server_errors", &self.refund_server_errors)
+            .finish_non_exhaustive()
+    }
+}
+
+/// What one layer adds to a request's charge: its quotas and what a request
+/// costs on them.
+pub(crate) struct Scope {
+    /// Unique in the process: tells layers apart in a request's ticket.
+    pub(crate) id: u64,
+    pub(crate) quotas: Arc<[Quota]>,
+    pub(crate) cost: Cost,
+    pub(crate) deferred: Option<DeferredCost>,
+}
+
+impl Scope {
+    pub(crate) fn new(quotas: Vec<Quota>, cost: Cost, deferred: Option<DeferredCost>) -> Self {
+        static NEXT: AtomicU64 = AtomicU64::new(1);
+        Self {
+            id: NEXT.fetch_add(1, Ordering::Relaxed),
+            quotas: quotas.into(),
+            cost,
+            deferred,
+        }
+    }
+}
+
+impl fmt::Debug for Scope {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("Scope")
+            .field("quotas", &self.quotas)
+            .field("deferred_cost", &self.deferred.is_some())
+            .finish_non_exhaustive()
+    }
+}

@@ -1,0 +1,169 @@
+//! What to answer once the store has: a plain function over the store's
+//! answer, so that every outcome can be tested without a runtime.
+
+use bytes::Bytes;
+use http::header::{HeaderValue, RETRY_AFTER};
+use http::{Response, StatusCode};
+use jiff::Timestamp;
+
+use crate::config::OnStoreError;
+use crate::quota::Quota;
+use crate::response::{self, PolicyCache, RateLimitFields};
+use crate::store::{ChargeOutcome, StoreError, Usage};
+
+/// What the layer does with a request the store has answered for.
+#[derive(Debug)]
+pub(crate) enum Decision {
+    /// Every quota had room and was charged: call the inner service.
+    Admit { usage: Vec<Usage> },
+    /// Some quota had no room; nothing was charged. The 429, with its fields.
+    Refuse(Response<Bytes>),
+    /// The store failed and the policy is to let the request through,
+    /// uncharged and without fields.
+    PassUncharged,
+    /// The store failed and the policy is to refuse: the 503.
+    Unavailable(Response<Bytes>),
+}
+
+/// Decides on the store's answer to a charge of `costs` on `quotas` (one
+/// line each) at `now`.
+pub(crate) fn decide(
+    quotas: &[Quota],
+    costs: &[u64],
+    now: Timestamp,
+    on_store_error: OnStoreError,
+    cache: &PolicyCache,
+    answer: Result<ChargeOutcome, StoreError>,
+) -> Decision {
+    match answer {
+        Ok(ChargeOutcome {
+            admitted: true,
+            usage,
+        }) => Decision::Admit { usage },
+        Ok(ChargeOutcome {
+            admitted: false,
+            usage,
+        }) => {
+            let mut response = response::quota_exceeded(quotas, &usage, costs, now);
+            RateLimitFields::new(quotas, &usage, now, cache).append_to(response.headers_mut());
+            Decision::Refuse(response)
+        }
+        Err(error) => match on_store_error {
+            OnStoreError::FailOpen => {
+                tracing::warn!(%error, "quota store failed; request passes uncharged (fail open)");
+                Decision::PassUncharged
+            }
+            OnStoreError::FailClosed { retry_after } => {
+                tracing::error!(%error, "quota store failed; request refused (fail closed)");
+                let mut response = response::problem(
+                    StatusCode::SERVICE_UNAVAILABLE,
+                    "The quota service is unavailable; try again later.",
+                );
+                let secs = retry_after.as_secs() + u64::from(retry_after.subsec_nanos() > 0);
+                response
+                    .headers_mut()
+                    .insert(RETRY_AFTER, HeaderValue::from(secs.max(1)));
+                Decision::Unavailable(response)
+            }
+        },
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use std::time::Duration;
+
+    use super::*;
+    use crate::store::{StoreErrorKind, Usage};
+
+    fn at(s: &str) -> Timestamp {
+        s.parse().unwrap()
+    }
+
+    fn usage(limit: u64, used: u64, resets_at: &str) -> Usage {
+        Usage {
+            limit,
+            used,
+            resets_at: at(resets_at),
+            first_call: None,
+        }
+    }
+
+    #[test]
+    fn a_refusal_names_the_quota_without_room_and_waits_for_its_reset() {
+        let quotas = [Quota::per_minute(10), Quota::daily(100)];
+        let now = at("2026-12-02T10:00:30Z");
+        let answer = Ok(ChargeOutcome {
+            admitted: false,
+            usage: vec![
+                usage(10, 3, "2026-12-02T10:01:00Z"),
+                usage(100, 100, "2026-12-03T00:00:00Z"),
+            ],
+        });
+        let Decision::Refuse(response) = decide(
+            &quotas,
+            &[1, 1],
+            now,
+            OnStoreError::FailOpen,
+            &PolicyCache::default(),
+            answer,
+        ) else {
+            panic!("a full quota refuses");
+        };
+        assert_eq!(response.status(), StatusCode::TOO_MANY_REQUESTS);
+        assert_eq!(response.headers()[RETRY_AFTER], "50370");
+        let body: serde_json::Value = serde_json::from_slice(response.body()).unwrap();
+        assert_eq!(
+            body["violated-policies"],
+            serde_json::json!(["default-day"])
+        );
+        assert_eq!(
+            response.headers()["ratelimit"],
+            "\"default-minute\";r=7;t=30, \"default-day\";r=0;t=50370"
+        );
+    }
+
+    #[test]
+    fn a_store_error_follows_the_policy() {
+        let error = || Err(StoreError::new(StoreErrorKind::Unavailable, "down"));
+        let quotas = [Quota::daily(1)];
+        let now = at("2026-12-02T10:00:00Z");
+        let cache = PolicyCache::default();
+        assert!(matches!(
+            decide(&quotas, &[1], now, OnStoreError::FailOpen, &cache, error()),
+            Decision::PassUncharged
+        ));
+        let closed = OnStoreError::FailClosed {
+            retry_after: Duration::from_millis(1_500),
+        };
+        let Decision::Unavailable(response) = decide(&quotas, &[1], now, closed, &cache, error())
+        else {
+            panic!("fail closed answers 503");
+        };
+        assert_eq!(response.status(), StatusCode::SERVICE_UNAVAILABLE);
+        assert_eq!(response.headers()[RETRY_AFTER], "2");
+        assert!(!response.headers().contains_key("ratelimit"));
+    }
+
+    #[test]
+    fn a_plan_limit_is_what_the_policy_field_says() {
+        let quotas = [Quota::daily(100).plan("pro", 10_000)];
+        let now = at("2026-12-02T10:00:00Z");
+        let cache = PolicyCache::default();
+        let usage = [usage(10_000, 10_000, "2026-12-03T00:00:00Z")];
+        let fields = RateLimitFields::new(&quotas, &usage, now, &cache);
+        let mut headers = http::HeaderMap::new();
+        fields.append_to(&mut headers);
+        assert_eq!(
+            headers["ratelimit-policy"],
+            "\"default-day\";q=10000;w=86400"
+        );
+        let usage = [Usage {
+            limit: 100,
+            ..usage[0]
+        }];
+        let mut headers = http::HeaderMap::new();
+        RateLimitFields::new(&quotas, &usage, now, &cache).append_to(&mut headers);
+        assert_eq!(headers["ratelimit-policy"], "\"default-day\";q=100;w=86400");
+    }
+}

@@ -1,0 +1,216 @@
+//! The support handle over HTTP, for an application to mount behind its own
+//! admin authentication.
+
+use axum::extract::{Path, RawQuery, State};
+use axum::response::{IntoResponse, Response};
+use axum::routing::{get, post};
+use axum::Router;
+use http::header::CONTENT_TYPE;
+use http::StatusCode;
+use serde_json::{json, Value};
+
+use super::QuotaHandle;
+use crate::response;
+use crate::status::QuotaUsage;
+use crate::store::Store;
+use crate::subject::{Subject, SubjectExtractor, SubjectKind};
+
+impl<E: SubjectExtractor, St: Store> QuotaHandle<E, St> {
+    /// The handle as an axum router, to mount behind the application's own
+    /// admin authentication (it checks none itself):
+    ///
+    /// - `GET /quota/{kind}/{id}[?plan=P]`: every allowance of the subject,
+    ///   as `{"subject":{"kind","id"},"allowances":[{"allowance","name",
+    ///   "limit","used","remaining","resets_at","anchor","first_call",
+    ///   "reset"}]}`, with RFC 3339 instants, `anchor` `calendar` or
+    ///   `first-use`, `first_call` `null` unless a first-use period is open,
+    ///   and `reset` saying how the allowance returns.
+    /// - `POST /reset/{kind}/{id}/{allowance}`: gives that allowance back
+    ///   (its current counters are deleted); answers the subject's standing.
+    /// - `POST /refund/{kind}/{id}/{allowance}?amount=N`: gives back `N`
+    ///   units of it; answers the subject's standing.
+    ///
+    /// Errors are `application/problem+json`: 400 for a malformed kind, id or
+    /// amount, 404 for an allowance no quota charges, 503 when the store
+    /// fails.
+    ///
+    /// ```
+    /// use axum::{body::Body, Router};
+    /// use http::{Request, StatusCode};
+    /// use tower::ServiceExt;
+    /// use tower_quota::{FromHeader, QuotaPolicy, Quota};
+    ///
+    /// # #[tokio::main(flavor = "current_thread")] async fn main() {
+    /// let policy = QuotaPolicy::builder(FromHeader::account("x-account-id")).build();
+    /// let app: Router = Router::new()
+    ///     .route("/read", axum::routing::get(|| async { "read" }))
+    ///     .route_layer(policy.layer(Quota::daily(100).allowance("read")))
+    ///     // Behind the application's own admin authentication in real life.
+    ///     .nest("/admin", policy.handle().router());
+    ///
+    /// let request = Request::get("/admin/quota/account/acme").body(Body::empty()).unwrap();
+    /// let response = app.oneshot(request).await.unwrap();
+    /// assert_eq!(response.status(), StatusCode::OK);
+    /// let body = axum::body::to_bytes(response.into_body(), 1 << 16).await.unwrap();
+    /// let body: serde_json::Value = serde_json::from_slice(&body).unwrap();
+    /// assert_eq!(body["allowances"][0]["name"], "read-day");
+    /// assert_eq!(body["allowances"][0]["remaining"], 100);
+    /// # }
+    /// ```
+    pub fn router(&self) -> Router {
+        Router::new()
+            .route("/quota/{kind}/{id}", get(show::<E, St>))
+            .route("/reset/{kind}/{id}/{allowance}", post(reset::<E, St>))
+            .route("/refund/{kind}/{id}/{allowance}", post(refund::<E, St>))
+            .with_state(self.clone())
+    }
+}
+
+async fn show<E: SubjectExtractor, St: Store>(
+    State(handle): State<QuotaHandle<E, St>>,
+    Path((kind, id)): Path<(String, String)>,
+    RawQuery(query): RawQuery,
+) -> Response {
+    let subject = match subject(&handle, &kind, &id) {
+        Ok(subject) => subject,
+        Err(response) => return response,
+    };
+    let plan = param(query.as_deref(), "plan");
+    standing(&handle, &subject, plan.as_deref()).await
+}
+
+async fn reset<E: SubjectExtractor, St: Store>(
+    State(handle): State<QuotaHandle<E, St>>,
+    Path((kind, id, allowance)): Path<(String, String, String)>,
+) -> Response {
+    let subject = match subject(&handle, &kind, &id) {
+        Ok(subject) => subject,
+        Err(response) => return response,
+    };
+    match handle.reset_allowance(&subject, &allowance).await {
+        Ok(0) => unknown_allowance(&allowance),
+        Ok(_) => {
+            tracing::info!(?subject, allowance, "quota allowance reset by support");
+            standing(&handle, &subject, None).await
+        }
+        Err(error) => unavailable(&error),
+    }
+}
+
+async fn refund<E: SubjectExtractor, St: Store>(
+    State(handle): State<QuotaHandle<E, St>>,
+    Path((kind, id, allowance)): Path<(String, String, String)>,
+    RawQuery(query): RawQuery,
+) -> Response {
+    let subject = match subject(&handle, &kind, &id) {
+        Ok(subject) => subject,
+        Err(response) => return response,
+    };
+    let Some(amount) = param(query.as_deref(), "amount").and_then(|a| a.parse::<u64>().ok()) else {
+        return problem(StatusCode::BAD_REQUEST, "send ?amount=N, a whole number");
+    };
+    if !handle
+        .quotas()
+        .iter()
+        .any(|q| q.allowance_tag() == allowance)
+    {
+        return unknown_allowance(&allowance);
+    }
+    match handle.refund_allowance(&subject, &allowance, amount).await {
+        Ok(_) => {
+            tracing::info!(?subject, allowance, amount, "quota refunded by support");
+            standing(&handle, &subject, None).await
+        }
+        Err(error) => unavailable(&error),
+    }
+}
+
+/// The subject a support path names, checked as a request's would be.
+#[allow(clippy::result_large_err)]
+fn subject<E, St>(handle: &QuotaHandle<E, St>, kind: &str, id: &str) -> Result<Subject, Response> {
+    let valid_kind = !kind.is_empty()
+        && kind.len() <= 64
+        && kind
+            .bytes()
+            .all(|b| b.is_ascii_lowercase() || b.is_ascii_digit() || b"-_.".contains(&b));
+    if !valid_kind {
+        return Err(problem(
+            StatusCode::BAD_REQUEST,
+            "a subject kind is 1 to 64 of a-z, 0-9, '-', '_', '.'",
+        ));
+    }
+    let max = handle.shared.settings.max_subject_len;
+    if id.is_empty() || id.len() > max {
+        return Err(problem(
+            StatusCode::BAD_REQUEST,
+            &format!("a subject id is 1 to {max} bytes"),
+        ));
+    }
+    Ok(Subject::new(SubjectKind::custom(kind), id.as_bytes()))
+}
+
+async fn standing<E, St: Store>(
+    handle: &QuotaHandle<E, St>,
+    subject: &Subject,
+    plan: Option<&str>,
+) -> Response {
+    match handle.usage_on_plan(subject, plan).await {
+        Ok(usage) => {
+            let body = json!({
+                "subject": {
+                    "kind": subject.kind().as_str(),
+                    "id": String::from_utf8_lossy(subject.id()),
+                },
+                "allowances": usage.iter().map(allowance_json).collect::<Vec<_>>(),
+            });
+            ([(CONTENT_TYPE, "application/json")], body.to_string()).into_response()
+        }
+        Err(error) => unavailable(&error),
+    }
+}
+
+/// One quota's entry in the support answer.
+pub(crate) fn allowance_json(entry: &QuotaUsage) -> Value {
+    json!({
+        "allowance": entry.quota.allowance_tag(),
+        "name": entry.quota.name(),
+        "limit": entry.usage.limit,
+        "used": entry.usage.used,
+        "remaining": entry.remaining(),
+        "resets_at": entry.usage.resets_at.to_string(),
+        "anchor": entry.quota.anchor().as_str(),
+        "first_call": entry.usage.first_call.map(|t| t.to_string()),
+        "reset": entry.explain_reset(),
+    })
+}
+
+fn unknown_allowance(allowance: &str) -> Response {
+    problem(
+        StatusCode::NOT_FOUND,
+        &format!("no quota charges the allowance {allowance:?}"),
+    )
+}
+
+fn unavailable(error: &crate::store::StoreError) -> Response {
+    tracing::error!(%error, "quota store failed answering a support request");
+    problem(
+        StatusCode::SERVICE_UNAVAILABLE,
+        "The quota store is unavailable; try again later.",
+    )
+}
+
+/// The value of `name` in a query string, percent-decoded.
+fn param(query: Option<&str>, name: &str) -> Option<String> {
+    query?.split('&').find_map(|pair| {
+        let (key, value) = pair.split_once('=')?;
+        (key == name).then(|| {
+            percent_encoding::percent_decode_str(value)
+                .decode_utf8_lossy()
+                .into_owned()
+        })
+    })
+}
+
+fn problem(status: StatusCode, detail: &str) -> Response {
+    response::problem(status, detail).map(axum::body::Body::from)
+}

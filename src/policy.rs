@@ -1,0 +1,390 @@
+//! One quota policy per application: the store, clock, namespace, subject
+//! extractor and plans, owned once, and the layers handed out from them.
+
+use std::fmt;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::{Arc, Mutex, RwLock};
+use std::time::Duration;
+
+use http::request::Parts;
+
+use crate::config::{OnStoreError, Scope, Settings, SubjectPolicy, UnknownPlan};
+use crate::handle::QuotaHandle;
+use crate::key::Namespace;
+use crate::layer::QuotaLayer;
+use crate::period::Clock;
+use crate::quota::Quota;
+use crate::store::{MemoryStore, Store};
+
+/// The quotas of one application: one store, one clock, one namespace, one
+/// way to name the subject and its plan, and every layer of the app handed
+/// out from it.
+///
+/// Whatever layers of one policy a request passes (a router-wide one and a
+/// route-scoped one inside it, say), it is charged once, on every quota of
+/// every layer it passes, all or nothing: a request refused by the burst
+/// quota of `/search` spends nothing of the daily quota either, and on Redis
+/// the whole charge is one round trip. The handler sees one
+/// [`QuotaStatus`](crate::QuotaStatus) listing every quota that applied.
+///
+/// Two different quotas of one policy that would count on the same counter
+/// (same allowance, period and anchor) are refused when the layers are
+/// built; the same quota handed to two layers shares one budget.
+///
+/// ```
+/// use axum::{body::Body, routing::get, Router};
+/// use http::{Request, StatusCode};
+/// use tower::ServiceExt;
+/// use tower_quota::{FromHeader, Quota, QuotaPolicy};
+///
+/// # #[tokio::main(flavor = "current_thread")] async fn main() {
+/// let policy = QuotaPolicy::builder(FromHeader::account("x-account-id")).build();
+///
+/// let app = Router::new()
+///     .route("/search", get(|| async { "found" }))
+///     .route_layer(policy.layer(Quota::per_minute(1).allowance("search")))
+///     .route("/read", get(|| async { "read" }))
+///     .route_layer(policy.layer(Quota::daily(1_000).allowance("read")));
+///
+/// let call = |path: &str| Request::get(path).header("x-account-id", "acme").body(Body::empty()).unwrap();
+/// assert_eq!(app.clone().oneshot(call("/search")).await.unwrap().status(), StatusCode::OK);
+/// // Refused by the per-minute quota: nothing spent on the daily one.
+/// assert_eq!(app.clone().oneshot(call("/search")).await.unwrap().status(), StatusCode::TOO_MANY_REQUESTS);
+///
+/// let acme = tower_quota::Subject::account("acme");
+/// let usage = policy.handle().usage(&acme).await.unwrap();
+/// let read = usage.iter().find(|u| u.quota.name() == "read-day").unwrap();
+/// assert_eq!(read.usage.used, 1);
+/// # }
+/// ```
+pub struct QuotaPolicy<E, St = MemoryStore> {
+    pub(crate) shared: Arc<Shared<E, St>>,
+}
+
+/// What a policy's layers, services and handles share.
+pub(crate) struct Shared<E, St> {
+    /// Unique in the process: a request's ticket names the policy it
+    /// belongs to.
+    pub(crate) id: u64,
+    pub(crate) settings: Settings,
+    pub(crate) extractor: Arc<E>,
+    pub(crate) store: St,
+    registry: Mutex<Vec<Quota>>,
+    plans: RwLock<Arc<[Arc<str>]>>,
+}
+
+impl<E, St> Shared<E, St> {
+    fn new(settings: Settings, extractor: Arc<E>, store: St) -> Self {
+        static NEXT: AtomicU64 = AtomicU64::new(1);
+        Self {
+            id: NEXT.fetch_add(1, Ordering::Relaxed),
+            settings,
+            extractor,
+            store,
+            registry: Mutex::default(),
+            plans: RwLock::new(Arc::new([])),
+        }
+    }
+
+    /// Adds a layer's quotas to the policy's.
+    ///
+    /// # Panics
+    ///
+    /// When one of them would count on the counter of a different quota of
+    /// the policy.
+    pub(crate) fn register(&self, scope: &Scope) {
+        let mut registry = self.registry.lock().unwrap_or_else(|e| e.into_inner());
+        for quota in scope.quotas.iter() {
+            if let Some(known) = registry.iter().find(|k| k.shares_counters_with(quota)) {
+                assert!(
+                    known.same_as(quota),
+                    "quotas {:?} and {:?} of one policy have the same allowance ({:?}), period and anchor but differ, so they would count on one counter; give one of them its own allowance",
+                    known.name(),
+                    quota.name(),
+                    quota.allowance_tag(),
+                );
+            } else {
+                registry.push(quota.clone());
+            }
+        }
+        let mut plans: Vec<Arc<str>> = self
+            .plans
+            .read()
+            .unwrap_or_else(|e| e.into_inner())
+            .to_vec();
+        for quota in scope.quotas.iter() {
+            for (plan, _) in quota.plans() {
+                if !plans.iter().any(|p| **p == *plan) {
+                    plans.push(plan.into());
+                }
+            }
+        }
+        *self.plans.write().unwrap_or_else(|e| e.into_inner()) = plans.into();
+    }
+
+    /// Every quota of the policy's layers, in the order they were built.
+    pub(crate) fn quotas(&self) -> Vec<Quota> {
+        self.registry
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .clone()
+    }
+
+    /// Whether some quota of the policy names `plan`.
+    pub(crate) fn knows_plan(&self, plan: &str) -> bool {
+        self.plans
+            .read()
+            .unwrap_or_else(|e| e.into_inner())
+            .iter()
+            .any(|p| **p == *plan)
+    }
+}
+
+impl<E, St> QuotaPolicy<E, St> {
+    /// A layer charging `quota` (more with [`QuotaLayer::quota`]), on this
+    /// policy's store, clock and subjects. Apply it router-wide or to some
+    /// routes only: a request passing several layers of one policy is
+    /// charged once, on all of them.
+    pub fn layer(&self, quota: Quota) -> QuotaLayer<E, St> {
+        QuotaLayer::of_policy(Arc::clone(&self.shared)).quota(quota)
+    }
+
+    /// A layer with no quota of its own yet: add them with
+    /// [`QuotaLayer::quota`].
+    pub fn empty_layer(&self) -> QuotaLayer<E, St> {
+        QuotaLayer::of_policy(Arc::clone(&self.shared))
+    }
+
+    /// The store.
+    pub fn store(&self) -> &St {
+        &self.shared.store
+    }
+
+    /// The namespace of every key.
+    pub fn namespace(&self) -> &Namespace {
+        &self.shared.settings.namespace
+    }
+}
+
+impl<E, St: Store> QuotaPolicy<E, St> {
+    /// A handle for support tools and handlers on every quota of the
+    /// policy's layers: where a subject stands, resets and refunds.
+    pub fn handle(&self) -> QuotaHandle<E, St> {
+        QuotaHandle::of_policy(Arc::clone(&self.shared))
+    }
+}
+
+impl<E> QuotaPolicy<E, MemoryStore> {
+    /// A policy naming subjects with `extractor`; configure it, then
+    /// [`QuotaPolicyBuilder::build`].
+    pub fn builder(extractor: E) -> QuotaPolicyBuilder<E, MemoryStore> {
+        QuotaPolicyBuilder::new(extractor)
+    }
+}
+
+impl<E, St> Clone for QuotaPolicy<E, St> {
+    fn clone(&self) -> Self {
+        Self {
+            shared: Arc::clone(&self.shared),
+        }
+    }
+}
+
+impl<E, St: fmt::Debug> fmt::Debug for QuotaPolicy<E, St> {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("QuotaPolicy")
+            .field("settings", &self.shared.settings)
+            .field("store", &self.shared.store)
+            .field("quotas", &self.shared.quotas())
+            .finish_non_exhaustive()
+    }
+}
+
+/// Configures a [`QuotaPolicy`]. Every setting applies to every layer of the
+/// policy, whatever the order of the calls.
+#[must_use]
+pub struct QuotaPolicyBuilder<E, St = MemoryStore> {
+    pub(crate) settings: Settings,
+    pub(crate) extractor: Arc<E>,
+    pub(crate) store: St,
+}
+
+impl<E> QuotaPolicyBuilder<E, MemoryStore> {
+    pub(crate) fn new(extractor: E) -> Self {
+        Self {
+            settings: Settings::default(),
+            extractor: Arc::new(extractor),
+            store: MemoryStore::new(),
+        }
+    }
+}
+
+impl<E, St> QuotaPolicyBuilder<E, St> {
+    /// Keeps counters in `store` (default: a fresh [`MemoryStore`]).
+    pub fn store<St2: Store>(self, store: St2) -> QuotaPolicyBuilder<E, St2> {
+        QuotaPolicyBuilder {
+            settings: self.settings,
+            extractor: self.extractor,
+            store,
+        }
+    }
+
+    /// Takes "now" from `clock` instead of the system clock.
+    pub fn clock(mut self, clock: impl Clock) -> Self {
+        self.settings.clock = Arc::new(clock);
+        self
+    }
+
+    /// Starts every key with `prefix` (default `quota`).
+    ///
+    /// # Panics
+    ///
+    /// When `prefix` contains `{` or `}`.
+    pub fn namespace(mut self, prefix: &str) -> Self {
+        self.settings.namespace = Namespace::new(prefix);
+        self
+    }
+
+    /// What to do when the request names no subject. Default: 401.
+    pub fn on_missing_subject(mut self, policy: SubjectPolicy) -> Self {
+        self.settings.on_missing = policy;
+        self
+    }
+
+    /// What to do when the request's subject is malformed. Default: 400.
+    pub fn on_malformed_subject(mut self, policy: SubjectPolicy) -> Self {
+        self.settings.on_malformed = policy;
+        self
+    }
+
+    /// The longest subject id accepted, in bytes (default 256). Longer ids are
+    /// malformed.
+    pub fn max_subject_len(mut self, bytes: usize) -> Self {
+        self.settings.max_subject_len = bytes;
+        self
+    }
+
+    /// What to do when the store fails. Default: fail closed, 503 with
+    /// `Retry-After: 1`.
+    pub fn on_store_error(mut self, policy: OnStoreError) -> Self {
+        self.settings.on_store_error = policy;
+        self
+    }
+
+    /// How long to wait for the store before treating it as failed (default
+    /// 100 ms; `None` waits forever). The wait applies only to stores that do
+    /// not answer at once (never to [`MemoryStore`]) and uses tokio's timer.
+    ///
+    /// # Panics
+    ///
+    /// A request whose store does not answer at once panics when it runs on
+    /// a tokio runtime built without its timer (`enable_time`). Runtimes made
+    /// by `#[tokio::main]` have it; otherwise pass `None`.
+    pub fn store_timeout(mut self, timeout: Option<Duration>) -> Self {
+        self.settings.store_timeout = timeout;
+        self
+    }
+
+    /// Lets requests for which `predicate` is true through every layer of the
+    /// policy uncounted, without a subject and without rate-limit fields:
+    /// health checks, `OPTIONS` preflight, internal callers. Several
+    /// predicates add up: a request matching any of them is skipped.
+    ///
+    /// ```
+    /// use http::Method;
+    /// use tower_quota::{FromHeader, QuotaPolicy};
+    ///
+    /// let policy = QuotaPolicy::builder(FromHeader::account("x-account-id"))
+    ///     .skip_if(|parts| parts.method == Method::OPTIONS)
+    ///     .skip_if(|parts| parts.headers.contains_key("x-internal-caller"))
+    ///     .build();
+    /// # let _ = policy;
+    /// ```
+    pub fn skip_if<F>(mut self, predicate: F) -> Self
+    where
+        F: Fn(&Parts) -> bool + Send + Sync + 'static,
+    {
+        self.settings.skip.push(Arc::new(predicate));
+        self
+    }
+
+    /// Reads the subject's plan from each request (e.g. from a value an
+    /// authentication layer inserted); quotas give plans their limits with
+    /// [`Quota::plan`]. `None` means no plan: each quota's own limit. The plan
+    /// is not part of any key, so a subject whose plan changes keeps its
+    /// count.
+    ///
+    /// ```
+    /// use tower_quota::{FromHeader, Quota, QuotaPolicy, UnknownPlan};
+    ///
+    /// #[derive(Clone)]
+    /// struct Plan(String); // inserted by the authentication layer
+    ///
+    /// let policy = QuotaPolicy::builder(FromHeader::account("x-account-id"))
+    ///     .plan(|parts| parts.extensions.get::<Plan>().map(|p| p.0.clone()))
+    ///     .on_unknown_plan(UnknownPlan::Reject)
+    ///     .build();
+    /// let layer = policy.layer(Quota::daily(100).plan("pro", 10_000));
+    /// # let _ = layer;
+    /// ```
+    pub fn plan<F>(mut self, plan: F) -> Self
+    where
+        F: Fn(&Parts) -> Option<String> + Send + Sync + 'static,
+    {
+        self.settings.plan = Some(Arc::new(plan));
+        self
+    }
+
+    /// What to do with a plan no quota of the policy names. Default: each
+    /// quota's own limit.
+    pub fn on_unknown_plan(mut self, choice: UnknownPlan) -> Self {
+        self.settings.unknown_plan = choice;
+        self
+    }
+
+    /// Gives the charge back when the response is a server error (5xx) or
+    /// the inner service fails: the client is not billed for the server's
+    /// failures. Off by default. The refund goes to the counters that were
+    /// charged, even when a calendar boundary passed meanwhile.
+    pub fn refund_server_errors(mut self, refund: bool) -> Self {
+        self.settings.refund_server_errors = refund;
+        self
+    }
+
+    /// The policy.
+    pub fn build(self) -> QuotaPolicy<E, St> {
+        QuotaPolicy {
+            shared: Arc::new(Shared::new(self.settings, self.extractor, self.store)),
+        }
+    }
+
+    pub(crate) fn shared(&self) -> Shared<E, St>
+    where
+        St: Clone,
+    {
+        Shared::new(
+            self.settings.clone(),
+            Arc::clone(&self.extractor),
+            self.store.clone(),
+        )
+    }
+}
+
+impl<E, St: fmt::Debug> fmt::Debug for QuotaPolicyBuilder<E, St> {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("QuotaPolicyBuilder")
+            .field("settings", &self.settings)
+            .field("store", &self.store)
+            .finish_non_exhaustive()
+    }
+}
+
+impl<E, St: Clone> Clone for QuotaPolicyBuilder<E, St> {
+    fn clone(&self) -> Self {
+        Self {
+            settings: self.settings.clone(),
+            extractor: Arc::clone(&self.extractor),
+            store: self.store.clone(),
+        }
+    }
+}

@@ -1,0 +1,84 @@
+//! What a layer finds inside the service it wraps, when it is built.
+//!
+//! A layer must know, before it calls the service it wraps, whether the
+//! request will pass more layers of its policy on the way to the handler:
+//! then it charges their quotas too, in the same charge. Services are opaque
+//! (axum boxes every route), but they are cloned through: cloning an axum
+//! route clones the layers and handler inside it. So a layer, when it is
+//! built, clones the service it wraps once while a probe is open on the
+//! thread, and every quota service of the policy cloned meanwhile announces
+//! its scope. Markers such as [`crate::unrouted`]'s handlers announce that
+//! the wrapped service is the router's answer to an unknown path or method,
+//! which is never charged.
+//!
+//! A service whose clone does not reach inside (one shared behind an `Arc`)
+//! hides its layers: they then charge on their own (see
+//! [`crate::ticket`]), which is correct but no longer one decision.
+
+use std::cell::{Cell, RefCell};
+use std::sync::Arc;
+
+use crate::config::Scope;
+
+thread_local! {
+    // How many probes are open on this thread: cloning a quota service
+    // checks it on every request, so it is a plain counter.
+    static OPEN: Cell<u32> = const { Cell::new(0) };
+    static FOUND: RefCell<Vec<Found>> = const { RefCell::new(Vec::new()) };
+}
+
+/// What one probe found.
+#[derive(Default)]
+pub(crate) struct Found {
+    policy: u64,
+    pub(crate) scopes: Vec<Arc<Scope>>,
+    pub(crate) unrouted: bool,
+}
+
+/// Runs `clone` (which should clone the wrapped service) with a probe open
+/// for `policy`, and returns what announced itself.
+pub(crate) fn discover(policy: u64, clone: impl FnOnce()) -> Found {
+    FOUND.with(|found| {
+        found.borrow_mut().push(Found {
+            policy,
+            ..Found::default()
+        })
+    });
+    OPEN.with(|open| open.set(open.get() + 1));
+    struct Close;
+    impl Drop for Close {
+        fn drop(&mut self) {
+            OPEN.with(|open| open.set(open.get() - 1));
+        }
+    }
+    let close = Close;
+    clone();
+    drop(close);
+    FOUND.with(|found| found.borrow_mut().pop().unwrap_or_default())
+}
+
+/// Called by a quota service of `policy` being cloned.
+pub(crate) fn announce_scope(policy: u64, scope: &Arc<Scope>) {
+    if OPEN.with(Cell::get) == 0 {
+        return;
+    }
+    FOUND.with(|found| {
+        for probe in found.borrow_mut().iter_mut() {
+            if probe.policy == policy && !probe.scopes.iter().any(|s| s.id == scope.id) {
+                probe.scopes.push(Arc::clone(scope));
+            }
+        }
+    });
+}
+
+/// Called by a marker of the router's "no such route" answers being cloned.
+pub(crate) fn announce_unrouted() {
+    if OPEN.with(Cell::get) == 0 {
+        return;
+    }
+    FOUND.with(|found| {
+        for probe in found.borrow_mut().iter_mut() {
+            probe.unrouted = true;
+        }
+    });
+}

@@ -1,0 +1,73 @@
+//! The router's answers to requests it has no route for, which no quota
+//! charges.
+//!
+//! A layer applied with axum's `Router::route_layer` never sees a request
+//! for an unknown path (404), but it wraps each route's answer to a method
+//! the route does not serve (405), and `Router::layer` wraps the 404 too.
+//! Neither request is served, so neither should be charged nor need a
+//! subject. Axum's own answers are opaque to a layer; these handlers answer
+//! the same, and the quota layers wrapping them let their requests through
+//! uncounted:
+//!
+//! ```
+//! use axum::{body::Body, routing::post, Router};
+//! use http::{Request, StatusCode};
+//! use tower::ServiceExt;
+//! use tower_quota::{unrouted, FromHeader, QuotaLayer};
+//!
+//! # #[tokio::main(flavor = "current_thread")] async fn main() {
+//! let app = Router::new()
+//!     .route("/write", post(|| async { "written" }))
+//!     .route_layer(QuotaLayer::daily(10, FromHeader::account("x-account-id")))
+//!     .method_not_allowed_fallback(unrouted::MethodNotAllowed);
+//!
+//! // A wrong method needs no subject and costs nothing.
+//! let wrong = Request::get("/write").body(Body::empty()).unwrap();
+//! let response = app.oneshot(wrong).await.unwrap();
+//! assert_eq!(response.status(), StatusCode::METHOD_NOT_ALLOWED);
+//! assert_eq!(response.headers()["allow"], "POST");
+//! # }
+//! ```
+
+use std::future::{ready, Ready};
+
+use axum::handler::Handler;
+use axum::response::{IntoResponse, Response};
+use http::StatusCode;
+
+use crate::probe;
+
+/// Answers `405 Method Not Allowed` (axum adds the `Allow` field): use it
+/// with `Router::method_not_allowed_fallback`. Quota layers wrapping it
+/// charge nothing.
+#[derive(Debug)]
+pub struct MethodNotAllowed;
+
+/// Answers `404 Not Found`: use it with `Router::fallback` when quota layers
+/// are applied with `Router::layer`. Quota layers wrapping it charge
+/// nothing.
+#[derive(Debug)]
+pub struct NotFound;
+
+macro_rules! marker {
+    ($name:ident, $status:expr) => {
+        impl Clone for $name {
+            fn clone(&self) -> Self {
+                // A quota layer being built asks what it wraps.
+                probe::announce_unrouted();
+                $name
+            }
+        }
+
+        impl<S> Handler<(), S> for $name {
+            type Future = Ready<Response>;
+
+            fn call(self, _request: axum::extract::Request, _state: S) -> Self::Future {
+                ready($status.into_response())
+            }
+        }
+    };
+}
+
+marker!(MethodNotAllowed, StatusCode::METHOD_NOT_ALLOWED);
+marker!(NotFound, StatusCode::NOT_FOUND);
