@@ -1,0 +1,513 @@
+//! One policy per application, through real axum routers, on both stores:
+//! nested layers decide once, unrouted requests are free, plans, refunds of
+//! server errors, deferred costs and the support router.
+
+#[cfg(feature = "redis")]
+mod redis_support;
+
+use axum::body::Body;
+use axum::routing::{get, post};
+use axum::Router;
+use http::{Method, Request, Response, StatusCode};
+use tower::ServiceExt;
+use tower_quota::jiff::{SignedDuration, Timestamp};
+use tower_quota::{
+    unrouted, FromHeader, ManualClock, MemoryStore, Quota, QuotaPolicy, QuotaStatus, Store,
+    Subject, UnknownPlan,
+};
+
+fn at(s: &str) -> Timestamp {
+    s.parse().unwrap()
+}
+
+fn call(method: Method, path: &str, headers: &[(&str, &str)]) -> Request<Body> {
+    let mut request = Request::builder().method(method).uri(path);
+    for (name, value) in headers {
+        request = request.header(*name, *value);
+    }
+    request.body(Body::empty()).unwrap()
+}
+
+const ACME: &[(&str, &str)] = &[("x-account-id", "acme")];
+
+async fn send(app: &Router, request: Request<Body>) -> Response<Body> {
+    app.clone().oneshot(request).await.unwrap()
+}
+
+async fn body(response: Response<Body>) -> String {
+    let bytes = axum::body::to_bytes(response.into_body(), 1 << 20)
+        .await
+        .unwrap();
+    String::from_utf8(bytes.to_vec()).unwrap()
+}
+
+async fn used<St: Store>(policy: &QuotaPolicy<FromHeader, St>, name: &str) -> u64 {
+    let usage = policy
+        .handle()
+        .usage(&Subject::account("acme"))
+        .await
+        .unwrap();
+    usage
+        .iter()
+        .find(|u| u.quota.name() == name)
+        .unwrap_or_else(|| panic!("no quota {name} in {usage:?}"))
+        .usage
+        .used
+}
+
+/// A router-wide `read` quota around a route-scoped `search` burst quota.
+fn search_app<St: Store>(
+    store: St,
+    read: u64,
+    burst: u64,
+) -> (Router, QuotaPolicy<FromHeader, St>) {
+    let policy = QuotaPolicy::builder(FromHeader::account("x-account-id"))
+        .store(store)
+        .clock(ManualClock::new(at("2026-12-02T10:00:00Z")))
+        .build();
+    let names = |status: QuotaStatus| async move {
+        status
+            .entries()
+            .iter()
+            .map(|e| e.quota.name().to_owned())
+            .collect::<Vec<_>>()
+            .join(",")
+    };
+    let app = Router::new()
+        .route("/read", get(names))
+        .merge(
+            Router::new()
+                .route("/search", get(names))
+                .route_layer(policy.layer(Quota::per_minute(burst).allowance("search"))),
+        )
+        .route_layer(policy.layer(Quota::daily(read).allowance("read")))
+        .method_not_allowed_fallback(unrouted::MethodNotAllowed);
+    (app, policy)
+}
+
+async fn nested_layers_refused_inside_spend_nothing_outside<St: Store>(store: St) {
+    let (app, policy) = search_app(store, 10, 1);
+    let first = send(&app, call(Method::GET, "/search", ACME)).await;
+    assert_eq!(first.status(), StatusCode::OK);
+    let fields = first.headers()["ratelimit"].to_str().unwrap().to_owned();
+    assert!(fields.starts_with("\"read-day\";r=9;"), "{fields}");
+    assert!(fields.contains("\"search-minute\";r=0;"), "{fields}");
+    // One status per request, listing both quotas.
+    assert_eq!(body(first).await, "read-day,search-minute");
+
+    let refused = send(&app, call(Method::GET, "/search", ACME)).await;
+    assert_eq!(refused.status(), StatusCode::TOO_MANY_REQUESTS);
+    assert!(body(refused)
+        .await
+        .contains("\"violated-policies\":[\"search-minute\"]"));
+    assert_eq!(
+        used(&policy, "read-day").await,
+        1,
+        "the refused search spent no read"
+    );
+    assert_eq!(used(&policy, "search-minute").await, 1);
+
+    // A route without the burst layer sees the read quota only.
+    let read = send(&app, call(Method::GET, "/read", ACME)).await;
+    assert_eq!(body(read).await, "read-day");
+    assert_eq!(used(&policy, "read-day").await, 2);
+}
+
+async fn nested_layers_refused_outside_spend_nothing_inside<St: Store>(store: St) {
+    let (app, policy) = search_app(store, 1, 5);
+    assert_eq!(
+        send(&app, call(Method::GET, "/read", ACME)).await.status(),
+        StatusCode::OK
+    );
+    let refused = send(&app, call(Method::GET, "/search", ACME)).await;
+    assert_eq!(refused.status(), StatusCode::TOO_MANY_REQUESTS);
+    assert!(body(refused)
+        .await
+        .contains("\"violated-policies\":[\"read-day\"]"));
+    assert_eq!(
+        used(&policy, "search-minute").await,
+        0,
+        "the refused search spent no burst"
+    );
+}
+
+async fn unrouted_requests_are_free_and_need_no_subject<St: Store>(store: St) {
+    let policy = QuotaPolicy::builder(FromHeader::account("x-account-id"))
+        .store(store)
+        .build();
+    let app = Router::new()
+        .route("/write", post(|| async { "written" }))
+        .route_layer(policy.layer(Quota::daily(1).allowance("write")))
+        .method_not_allowed_fallback(unrouted::MethodNotAllowed);
+    for headers in [ACME, &[]] {
+        let wrong = send(&app, call(Method::GET, "/write", headers)).await;
+        assert_eq!(wrong.status(), StatusCode::METHOD_NOT_ALLOWED);
+        assert!(!wrong.headers().contains_key("ratelimit"));
+        let unknown = send(&app, call(Method::GET, "/nowhere", headers)).await;
+        assert_eq!(unknown.status(), StatusCode::NOT_FOUND);
+    }
+    assert_eq!(used(&policy, "write-day").await, 0);
+    assert_eq!(
+        send(&app, call(Method::POST, "/write", ACME))
+            .await
+            .status(),
+        StatusCode::OK
+    );
+    assert_eq!(
+        send(&app, call(Method::POST, "/write", &[])).await.status(),
+        StatusCode::UNAUTHORIZED
+    );
+}
+
+async fn skipped_requests_pass_uncounted<St: Store>(store: St) {
+    let policy = QuotaPolicy::builder(FromHeader::account("x-account-id"))
+        .store(store)
+        .skip_if(|parts| parts.method == Method::OPTIONS)
+        .build();
+    let app = Router::new()
+        .route(
+            "/",
+            get(|| async { "hi" }).options(|status: QuotaStatus| async move {
+                format!("exempt={}", status.is_exempt())
+            }),
+        )
+        .route_layer(policy.layer(Quota::daily(1)));
+    let preflight = send(&app, call(Method::OPTIONS, "/", &[])).await;
+    assert_eq!(preflight.status(), StatusCode::OK);
+    assert!(!preflight.headers().contains_key("ratelimit"));
+    assert_eq!(body(preflight).await, "exempt=true");
+    assert_eq!(used(&policy, "default-day").await, 0);
+}
+
+async fn a_plan_change_keeps_the_count<St: Store>(store: St) {
+    let policy = QuotaPolicy::builder(FromHeader::account("x-account-id"))
+        .store(store)
+        .plan(|parts| Some(parts.headers.get("x-plan")?.to_str().ok()?.to_owned()))
+        .on_unknown_plan(UnknownPlan::Reject)
+        .build();
+    let app = Router::new()
+        .route("/", get(|| async { "hi" }))
+        .route_layer(policy.layer(Quota::daily(2).plan("free", 2).plan("pro", 4)));
+    let free: &[(&str, &str)] = &[("x-account-id", "acme"), ("x-plan", "free")];
+    let pro: &[(&str, &str)] = &[("x-account-id", "acme"), ("x-plan", "pro")];
+    for _ in 0..2 {
+        assert_eq!(
+            send(&app, call(Method::GET, "/", free)).await.status(),
+            StatusCode::OK
+        );
+    }
+    assert_eq!(
+        send(&app, call(Method::GET, "/", free)).await.status(),
+        StatusCode::TOO_MANY_REQUESTS
+    );
+    // Upgraded mid-day: the two spent still count, against the new limit.
+    let upgraded = send(&app, call(Method::GET, "/", pro)).await;
+    assert_eq!(upgraded.status(), StatusCode::OK);
+    assert_eq!(
+        upgraded.headers()["ratelimit-policy"],
+        "\"default-day\";q=4;w=86400"
+    );
+    assert!(upgraded.headers()["ratelimit"]
+        .to_str()
+        .unwrap()
+        .starts_with("\"default-day\";r=1;"));
+    assert_eq!(
+        send(&app, call(Method::GET, "/", pro)).await.status(),
+        StatusCode::OK
+    );
+    assert_eq!(
+        send(&app, call(Method::GET, "/", pro)).await.status(),
+        StatusCode::TOO_MANY_REQUESTS
+    );
+    // No plan: the quota's own limit. An unknown plan: a clear 403.
+    assert_eq!(
+        send(&app, call(Method::GET, "/", ACME)).await.status(),
+        StatusCode::TOO_MANY_REQUESTS
+    );
+    let gold: &[(&str, &str)] = &[("x-account-id", "acme"), ("x-plan", "gold")];
+    let unknown = send(&app, call(Method::GET, "/", gold)).await;
+    assert_eq!(unknown.status(), StatusCode::FORBIDDEN);
+    assert!(body(unknown).await.contains("gold"));
+}
+
+async fn server_errors_are_refunded_to_the_counter_charged<St: Store>(store: St) {
+    let clock = ManualClock::new(at("2026-12-02T23:59:59Z"));
+    let policy = QuotaPolicy::builder(FromHeader::account("x-account-id"))
+        .store(store)
+        .clock(clock.clone())
+        .refund_server_errors(true)
+        .build();
+    let late = clock.clone();
+    let app = Router::new()
+        .route("/fail", get(|| async { StatusCode::INTERNAL_SERVER_ERROR }))
+        .route(
+            "/slow-fail",
+            get(move || {
+                let late = late.clone();
+                async move {
+                    // The response comes after midnight.
+                    late.advance(SignedDuration::from_secs(2));
+                    StatusCode::BAD_GATEWAY
+                }
+            }),
+        )
+        .route("/", get(|| async { "ok" }))
+        .route_layer(policy.layer(Quota::daily(3)));
+    let failed = send(&app, call(Method::GET, "/fail", ACME)).await;
+    assert_eq!(failed.status(), StatusCode::INTERNAL_SERVER_ERROR);
+    assert!(failed.headers()["ratelimit"]
+        .to_str()
+        .unwrap()
+        .starts_with("\"default-day\";r=3;"));
+    assert_eq!(used(&policy, "default-day").await, 0);
+    assert_eq!(
+        send(&app, call(Method::GET, "/", ACME)).await.status(),
+        StatusCode::OK
+    );
+
+    // Charged on the 2nd, answered on the 3rd: the refund never credits the
+    // 3rd's counter.
+    assert_eq!(
+        send(&app, call(Method::GET, "/slow-fail", ACME))
+            .await
+            .status(),
+        StatusCode::BAD_GATEWAY
+    );
+    assert_eq!(
+        send(&app, call(Method::GET, "/", ACME)).await.status(),
+        StatusCode::OK
+    );
+    assert_eq!(
+        used(&policy, "default-day").await,
+        1,
+        "the 3rd's counter holds only its own call"
+    );
+}
+
+async fn deferred_costs_are_charged_after_the_response<St: Store>(store: St) {
+    let policy = QuotaPolicy::builder(FromHeader::account("x-account-id"))
+        .store(store)
+        .build();
+    let app = Router::new()
+        .route(
+            "/complete",
+            get(|request: Request<Body>| async move {
+                let tokens =
+                    request.uri().query().unwrap_or("tokens=1")["tokens=".len()..].to_owned();
+                ([("x-tokens", tokens)], "done")
+            }),
+        )
+        .route_layer(
+            policy
+                .layer(Quota::daily(10).allowance("tokens"))
+                .deferred_cost(1, |response| {
+                    response.headers["x-tokens"]
+                        .to_str()
+                        .unwrap()
+                        .parse()
+                        .unwrap()
+                }),
+        );
+    let done = send(&app, call(Method::GET, "/complete?tokens=4", ACME)).await;
+    assert!(done.headers()["ratelimit"]
+        .to_str()
+        .unwrap()
+        .starts_with("\"tokens-day\";r=6;"));
+    assert_eq!(used(&policy, "tokens-day").await, 4);
+    // Cheaper than the up-front cost: the difference comes back.
+    send(&app, call(Method::GET, "/complete?tokens=0", ACME)).await;
+    assert_eq!(used(&policy, "tokens-day").await, 4);
+    // Admitted while its up-front cost fits, charged in full after.
+    send(&app, call(Method::GET, "/complete?tokens=5", ACME)).await;
+    assert_eq!(
+        send(&app, call(Method::GET, "/complete?tokens=2", ACME))
+            .await
+            .status(),
+        StatusCode::OK
+    );
+    assert_eq!(used(&policy, "tokens-day").await, 11);
+    assert_eq!(
+        send(&app, call(Method::GET, "/complete?tokens=1", ACME))
+            .await
+            .status(),
+        StatusCode::TOO_MANY_REQUESTS
+    );
+}
+
+async fn the_support_router_lists_resets_and_refunds<St: Store>(store: St) {
+    let (app, policy) = search_app(store, 10, 5);
+    for _ in 0..3 {
+        send(&app, call(Method::GET, "/search", ACME)).await;
+    }
+    let admin = Router::new().nest("/admin", policy.handle().router());
+    let shown = send(&admin, call(Method::GET, "/admin/quota/account/acme", &[])).await;
+    assert_eq!(shown.status(), StatusCode::OK);
+    let json: serde_json::Value = serde_json::from_str(&body(shown).await).unwrap();
+    assert_eq!(
+        json["subject"],
+        serde_json::json!({"kind": "account", "id": "acme"})
+    );
+    let read = &json["allowances"][1];
+    assert_eq!(read["allowance"], "read");
+    assert_eq!(read["name"], "read-day");
+    assert_eq!(read["limit"], 10);
+    assert_eq!(read["used"], 3);
+    assert_eq!(read["remaining"], 7);
+    assert_eq!(read["resets_at"], "2026-12-03T00:00:00Z");
+    assert_eq!(read["anchor"], "calendar");
+    assert_eq!(read["first_call"], serde_json::Value::Null);
+    assert!(read["reset"]
+        .as_str()
+        .unwrap()
+        .starts_with("every day at 00:00 UTC"));
+
+    let reset = send(
+        &admin,
+        call(Method::POST, "/admin/reset/account/acme/search", &[]),
+    )
+    .await;
+    assert_eq!(reset.status(), StatusCode::OK);
+    assert_eq!(used(&policy, "search-minute").await, 0);
+    assert_eq!(
+        used(&policy, "read-day").await,
+        3,
+        "only the allowance named is reset"
+    );
+    let refund = send(
+        &admin,
+        call(
+            Method::POST,
+            "/admin/refund/account/acme/read?amount=2",
+            &[],
+        ),
+    )
+    .await;
+    assert_eq!(refund.status(), StatusCode::OK);
+    assert_eq!(used(&policy, "read-day").await, 1);
+
+    for (method, path, status) in [
+        (
+            Method::POST,
+            "/admin/reset/account/acme/nothing",
+            StatusCode::NOT_FOUND,
+        ),
+        (
+            Method::GET,
+            "/admin/quota/Not%20A%20Kind/acme",
+            StatusCode::BAD_REQUEST,
+        ),
+        (
+            Method::POST,
+            "/admin/refund/account/acme/read?amount=x",
+            StatusCode::BAD_REQUEST,
+        ),
+    ] {
+        let response = send(&admin, call(method, path, &[])).await;
+        assert_eq!(response.status(), status, "{path}");
+        assert_eq!(
+            response.headers()["content-type"],
+            "application/problem+json"
+        );
+    }
+}
+
+macro_rules! on_every_store {
+    ($($case:ident),* $(,)?) => {
+        mod memory {
+            $(
+                #[tokio::test]
+                async fn $case() {
+                    super::$case(tower_quota::MemoryStore::new()).await;
+                }
+            )*
+        }
+
+        #[cfg(feature = "redis")]
+        mod redis {
+            use crate::redis_server_or_skip;
+
+            $(
+                #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+                async fn $case() {
+                    let server = redis_server_or_skip!();
+                    let store = tower_quota::store::RedisStore::builder(server.url())
+                        .wait_timeout(std::time::Duration::from_secs(2))
+                        .response_timeout(std::time::Duration::from_secs(2))
+                        .build()
+                        .unwrap();
+                    super::$case(store).await;
+                }
+            )*
+        }
+    };
+}
+
+on_every_store!(
+    nested_layers_refused_inside_spend_nothing_outside,
+    nested_layers_refused_outside_spend_nothing_inside,
+    unrouted_requests_are_free_and_need_no_subject,
+    skipped_requests_pass_uncounted,
+    a_plan_change_keeps_the_count,
+    server_errors_are_refunded_to_the_counter_charged,
+    deferred_costs_are_charged_after_the_response,
+    the_support_router_lists_resets_and_refunds,
+);
+
+#[test]
+#[should_panic(expected = "would count on one counter")]
+fn two_different_quotas_on_one_counter_are_refused() {
+    let policy = QuotaPolicy::builder(FromHeader::account("x-account-id")).build();
+    let _a = Router::<()>::new()
+        .route("/a", get(|| async {}))
+        .route_layer(policy.layer(Quota::daily(10).allowance("read")));
+    let _b = Router::<()>::new()
+        .route("/b", get(|| async {}))
+        .route_layer(policy.layer(Quota::daily(20).allowance("read")));
+}
+
+#[tokio::test]
+async fn the_same_quota_on_two_routers_is_one_budget() {
+    let policy = QuotaPolicy::builder(FromHeader::account("x-account-id")).build();
+    let daily = || policy.layer(Quota::daily(2).allowance("read"));
+    let app = Router::new()
+        .route("/a", get(|| async {}))
+        .route_layer(daily())
+        .merge(
+            Router::new()
+                .route("/b", get(|| async {}))
+                .route_layer(daily()),
+        );
+    assert_eq!(
+        send(&app, call(Method::GET, "/a", ACME)).await.status(),
+        StatusCode::OK
+    );
+    assert_eq!(
+        send(&app, call(Method::GET, "/b", ACME)).await.status(),
+        StatusCode::OK
+    );
+    assert_eq!(
+        send(&app, call(Method::GET, "/a", ACME)).await.status(),
+        StatusCode::TOO_MANY_REQUESTS
+    );
+    assert_eq!(
+        send(&app, call(Method::GET, "/b", ACME)).await.status(),
+        StatusCode::TOO_MANY_REQUESTS
+    );
+}
+
+#[test]
+#[should_panic(expected = "nested layers")]
+fn a_nested_layer_on_the_same_counter_is_refused() {
+    let policy = QuotaPolicy::builder(FromHeader::account("x-account-id")).build();
+    let _app: Router = Router::new()
+        .route("/a", get(|| async {}))
+        .route_layer(policy.layer(Quota::daily(10)))
+        .route_layer(policy.layer(Quota::daily(10)));
+}
+
+#[tokio::test]
+async fn a_memory_policy_is_shared_by_its_layers() {
+    // Guards the store type in signatures above.
+    let _: QuotaPolicy<FromHeader, MemoryStore> =
+        QuotaPolicy::builder(FromHeader::account("x-account-id")).build();
+}
