@@ -6,7 +6,7 @@
 use std::borrow::Cow;
 use std::fmt;
 use std::sync::atomic::{AtomicU64, Ordering};
-use std::sync::Arc;
+use std::sync::{Arc, Mutex, RwLock};
 use std::time::Duration;
 
 use http::request::Parts;
@@ -15,6 +15,7 @@ use http::StatusCode;
 use crate::key::Namespace;
 use crate::period::{Clock, SystemClock};
 use crate::quota::Quota;
+use crate::store::MemoryStore;
 
 /// What to do with a request whose subject is missing or malformed.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -188,5 +189,139 @@ impl fmt::Debug for Scope {
             .field("quotas", &self.quotas)
             .field("deferred_cost", &self.deferred.is_some())
             .finish_non_exhaustive()
+    }
+}
+
+/// A policy's settings, subject extractor and store, before it is shared.
+pub(crate) struct PolicyParts<E, St> {
+    pub(crate) settings: Settings,
+    pub(crate) extractor: Arc<E>,
+    pub(crate) store: St,
+}
+
+impl<E> PolicyParts<E, MemoryStore> {
+    pub(crate) fn new(extractor: E) -> Self {
+        Self {
+            settings: Settings::default(),
+            extractor: Arc::new(extractor),
+            store: MemoryStore::new(),
+        }
+    }
+}
+
+impl<E, St> PolicyParts<E, St> {
+    /// The same parts on another store.
+    pub(crate) fn with_store<St2>(self, store: St2) -> PolicyParts<E, St2> {
+        PolicyParts {
+            settings: self.settings,
+            extractor: self.extractor,
+            store,
+        }
+    }
+
+    /// The policy of these parts.
+    pub(crate) fn into_shared(self) -> Shared<E, St> {
+        Shared::new(self.settings, self.extractor, self.store)
+    }
+
+    /// A policy of these parts; each call a policy of its own.
+    pub(crate) fn shared(&self) -> Shared<E, St>
+    where
+        St: Clone,
+    {
+        Shared::new(
+            self.settings.clone(),
+            Arc::clone(&self.extractor),
+            self.store.clone(),
+        )
+    }
+}
+
+impl<E, St: Clone> Clone for PolicyParts<E, St> {
+    fn clone(&self) -> Self {
+        Self {
+            settings: self.settings.clone(),
+            extractor: Arc::clone(&self.extractor),
+            store: self.store.clone(),
+        }
+    }
+}
+
+/// What a policy's layers, services and handles share.
+pub(crate) struct Shared<E, St> {
+    /// Unique in the process: a request's ticket names the policy it
+    /// belongs to.
+    pub(crate) id: u64,
+    pub(crate) settings: Settings,
+    pub(crate) extractor: Arc<E>,
+    pub(crate) store: St,
+    registry: Mutex<Vec<Quota>>,
+    plans: RwLock<Arc<[Arc<str>]>>,
+}
+
+impl<E, St> Shared<E, St> {
+    fn new(settings: Settings, extractor: Arc<E>, store: St) -> Self {
+        static NEXT: AtomicU64 = AtomicU64::new(1);
+        Self {
+            id: NEXT.fetch_add(1, Ordering::Relaxed),
+            settings,
+            extractor,
+            store,
+            registry: Mutex::default(),
+            plans: RwLock::new(Arc::new([])),
+        }
+    }
+
+    /// Adds a layer's quotas to the policy's.
+    ///
+    /// # Panics
+    ///
+    /// When one of them would count on the counter of a different quota of
+    /// the policy.
+    pub(crate) fn register(&self, scope: &Scope) {
+        let mut registry = self.registry.lock().unwrap_or_else(|e| e.into_inner());
+        for quota in scope.quotas.iter() {
+            if let Some(known) = registry.iter().find(|k| k.shares_counters_with(quota)) {
+                assert!(
+                    known.same_as(quota),
+                    "quotas {:?} and {:?} of one policy have the same allowance ({:?}), period and anchor but differ, so they would count on one counter; give one of them its own allowance",
+                    known.name(),
+                    quota.name(),
+                    quota.allowance_tag(),
+                );
+            } else {
+                registry.push(quota.clone());
+            }
+        }
+        let mut plans: Vec<Arc<str>> = self
+            .plans
+            .read()
+            .unwrap_or_else(|e| e.into_inner())
+            .to_vec();
+        for quota in scope.quotas.iter() {
+            for (plan, _) in quota.plans() {
+                if !plans.iter().any(|p| **p == *plan) {
+                    plans.push(plan.into());
+                }
+            }
+        }
+        *self.plans.write().unwrap_or_else(|e| e.into_inner()) = plans.into();
+    }
+
+    /// Every quota of the policy's layers, in the order they were built.
+    pub(crate) fn quotas(&self) -> Vec<Quota> {
+        self.registry
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .clone()
+    }
+
+    /// Whether some quota of the policy names `plan`.
+    pub(crate) fn knows_plan(&self, plan: &str) -> bool {
+        self.plans
+            .read()
+            .unwrap_or_else(|e| e.into_inner())
+            .iter()
+            .any(|p| **p == *plan)
     }
 }

@@ -10,7 +10,7 @@ use std::sync::Arc;
 use http::request::Parts;
 use jiff::Timestamp;
 
-use crate::policy::Shared;
+use crate::config::Shared;
 use crate::quota::Quota;
 use crate::status::QuotaUsage;
 use crate::store::{ChargeLine, ChargeRequest, Store, StoreError};

@@ -7,11 +7,12 @@ use jiff::tz::TimeZone;
 use tower_layer::Layer;
 
 use crate::config::{
-    Cost, DeferredCost, InvalidCost, OnStoreError, Scope, SubjectPolicy, UnknownPlan,
+    Cost, DeferredCost, InvalidCost, OnStoreError, PolicyParts, Scope, Settings, Shared,
+    SubjectPolicy, UnknownPlan,
 };
 use crate::handle::QuotaHandle;
+use crate::key::Namespace;
 use crate::period::Clock;
-use crate::policy::{QuotaPolicyBuilder, Shared};
 use crate::probe;
 use crate::quota::Quota;
 use crate::service::{Charges, QuotaService};
@@ -76,7 +77,7 @@ pub struct QuotaLayer<E, St = MemoryStore> {
 
 enum Source<E, St> {
     /// A layer that is a policy of its own.
-    Own(QuotaPolicyBuilder<E, St>),
+    Own(PolicyParts<E, St>),
     /// A layer of a shared policy.
     Of(Arc<Shared<E, St>>),
 }
@@ -90,7 +91,7 @@ impl<E: SubjectExtractor> QuotaLayer<E, MemoryStore> {
     /// A layer with no quota yet, charging the subjects `extractor` names,
     /// on a fresh [`MemoryStore`]. Add quotas with [`QuotaLayer::quota`].
     pub fn new(extractor: E) -> Self {
-        Self::with_source(Source::Own(QuotaPolicyBuilder::new(extractor)))
+        Self::with_source(Source::Own(PolicyParts::new(extractor)))
     }
 
     /// `limit` requests per calendar day (UTC), per subject: the one-liner.
@@ -182,19 +183,13 @@ impl<E, St> QuotaLayer<E, St> {
     /// # Panics
     ///
     /// When the layer comes from a shared [`QuotaPolicy`](crate::QuotaPolicy).
-    fn own_policy(
-        self,
-        setting: &str,
-        f: impl FnOnce(QuotaPolicyBuilder<E, St>) -> QuotaPolicyBuilder<E, St>,
-    ) -> Self {
-        let Source::Own(builder) = self.policy else {
+    fn own_policy(mut self, setting: &str, f: impl FnOnce(&mut Settings)) -> Self {
+        let Source::Own(parts) = &mut self.policy else {
             panic!("this layer comes from a QuotaPolicy: set {setting} on the policy's builder, for all of its layers");
         };
-        Self {
-            policy: Source::Own(f(builder)),
-            built: Arc::default(),
-            ..self
-        }
+        f(&mut parts.settings);
+        self.built = Arc::default();
+        self
     }
 
     /// Adds a quota. A request must have room on every quota of the layer.
@@ -283,11 +278,11 @@ impl<E, St> QuotaLayer<E, St> {
     /// When the layer comes from a shared [`QuotaPolicy`](crate::QuotaPolicy),
     /// which owns the store.
     pub fn store<St2: Store>(self, store: St2) -> QuotaLayer<E, St2> {
-        let Source::Own(builder) = self.policy else {
+        let Source::Own(parts) = self.policy else {
             panic!("this layer comes from a QuotaPolicy: set the store on the policy's builder, for all of its layers");
         };
         QuotaLayer {
-            policy: Source::Own(builder.store(store)),
+            policy: Source::Own(parts.with_store(store)),
             quotas: self.quotas,
             allowance: self.allowance,
             zone: self.zone,
@@ -304,7 +299,7 @@ impl<E, St> QuotaLayer<E, St> {
     /// When the layer comes from a shared [`QuotaPolicy`](crate::QuotaPolicy).
     #[must_use]
     pub fn clock(self, clock: impl Clock) -> Self {
-        self.own_policy("the clock", |b| b.clock(clock))
+        self.own_policy("the clock", |s| s.clock = Arc::new(clock))
     }
 
     /// Starts every key with `prefix` (default `quota`).
@@ -315,7 +310,7 @@ impl<E, St> QuotaLayer<E, St> {
     /// [`QuotaPolicy`](crate::QuotaPolicy).
     #[must_use]
     pub fn namespace(self, prefix: &str) -> Self {
-        self.own_policy("the namespace", |b| b.namespace(prefix))
+        self.own_policy("the namespace", |s| s.namespace = Namespace::new(prefix))
     }
 
     /// What to do when the request names no subject. Default: 401.
@@ -325,7 +320,7 @@ impl<E, St> QuotaLayer<E, St> {
     /// When the layer comes from a shared [`QuotaPolicy`](crate::QuotaPolicy).
     #[must_use]
     pub fn on_missing_subject(self, policy: SubjectPolicy) -> Self {
-        self.own_policy("on_missing_subject", |b| b.on_missing_subject(policy))
+        self.own_policy("on_missing_subject", |s| s.on_missing = policy)
     }
 
     /// What to do when the request's subject is malformed. Default: 400.
@@ -335,7 +330,7 @@ impl<E, St> QuotaLayer<E, St> {
     /// When the layer comes from a shared [`QuotaPolicy`](crate::QuotaPolicy).
     #[must_use]
     pub fn on_malformed_subject(self, policy: SubjectPolicy) -> Self {
-        self.own_policy("on_malformed_subject", |b| b.on_malformed_subject(policy))
+        self.own_policy("on_malformed_subject", |s| s.on_malformed = policy)
     }
 
     /// The longest subject id accepted, in bytes (default 256). Longer ids are
@@ -346,7 +341,7 @@ impl<E, St> QuotaLayer<E, St> {
     /// When the layer comes from a shared [`QuotaPolicy`](crate::QuotaPolicy).
     #[must_use]
     pub fn max_subject_len(self, bytes: usize) -> Self {
-        self.own_policy("max_subject_len", |b| b.max_subject_len(bytes))
+        self.own_policy("max_subject_len", |s| s.max_subject_len = bytes)
     }
 
     /// What to do when the store fails. Default: fail closed, 503 with
@@ -357,7 +352,7 @@ impl<E, St> QuotaLayer<E, St> {
     /// When the layer comes from a shared [`QuotaPolicy`](crate::QuotaPolicy).
     #[must_use]
     pub fn on_store_error(self, policy: OnStoreError) -> Self {
-        self.own_policy("on_store_error", |b| b.on_store_error(policy))
+        self.own_policy("on_store_error", |s| s.on_store_error = policy)
     }
 
     /// How long to wait for the store before treating it as failed (default
@@ -370,7 +365,7 @@ impl<E, St> QuotaLayer<E, St> {
     /// see also the policy builder's method.
     #[must_use]
     pub fn store_timeout(self, timeout: Option<Duration>) -> Self {
-        self.own_policy("store_timeout", |b| b.store_timeout(timeout))
+        self.own_policy("store_timeout", |s| s.store_timeout = timeout)
     }
 
     /// Lets requests for which `predicate` is true through uncounted. See
@@ -384,7 +379,7 @@ impl<E, St> QuotaLayer<E, St> {
     where
         F: Fn(&Parts) -> bool + Send + Sync + 'static,
     {
-        self.own_policy("skip_if", |b| b.skip_if(predicate))
+        self.own_policy("skip_if", |s| s.skip.push(Arc::new(predicate)))
     }
 
     /// Reads the subject's plan from each request. See
@@ -398,7 +393,7 @@ impl<E, St> QuotaLayer<E, St> {
     where
         F: Fn(&Parts) -> Option<String> + Send + Sync + 'static,
     {
-        self.own_policy("plan", |b| b.plan(plan))
+        self.own_policy("plan", |s| s.plan = Some(Arc::new(plan)))
     }
 
     /// What to do with a plan no quota names. Default: each quota's own
@@ -409,7 +404,7 @@ impl<E, St> QuotaLayer<E, St> {
     /// When the layer comes from a shared [`QuotaPolicy`](crate::QuotaPolicy).
     #[must_use]
     pub fn on_unknown_plan(self, choice: UnknownPlan) -> Self {
-        self.own_policy("on_unknown_plan", |b| b.on_unknown_plan(choice))
+        self.own_policy("on_unknown_plan", |s| s.unknown_plan = choice)
     }
 
     /// Gives the charge back for server errors. See
@@ -420,7 +415,7 @@ impl<E, St> QuotaLayer<E, St> {
     /// When the layer comes from a shared [`QuotaPolicy`](crate::QuotaPolicy).
     #[must_use]
     pub fn refund_server_errors(self, refund: bool) -> Self {
-        self.own_policy("refund_server_errors", |b| b.refund_server_errors(refund))
+        self.own_policy("refund_server_errors", |s| s.refund_server_errors = refund)
     }
 
     /// The layer's quotas, with the layer's allowance and time zone applied.
@@ -460,7 +455,7 @@ impl<E, St: Store> QuotaLayer<E, St> {
                 }
             }
             let shared = match &self.policy {
-                Source::Own(builder) => Arc::new(builder.shared()),
+                Source::Own(parts) => Arc::new(parts.shared()),
                 Source::Of(shared) => Arc::clone(shared),
             };
             let scope = Scope::new(quotas, self.cost.clone(), self.deferred.clone());
@@ -510,7 +505,7 @@ impl<E, St: Clone> Clone for QuotaLayer<E, St> {
     fn clone(&self) -> Self {
         Self {
             policy: match &self.policy {
-                Source::Own(builder) => Source::Own(builder.clone()),
+                Source::Own(parts) => Source::Own(parts.clone()),
                 Source::Of(shared) => Source::Of(Arc::clone(shared)),
             },
             quotas: self.quotas.clone(),
@@ -528,7 +523,7 @@ impl<E, St: fmt::Debug> fmt::Debug for QuotaLayer<E, St> {
         let mut debug = f.debug_struct("QuotaLayer");
         debug.field("quotas", &self.quotas());
         match &self.policy {
-            Source::Own(builder) => debug.field("policy", builder),
+            Source::Own(parts) => debug.field("policy", &parts.settings),
             Source::Of(shared) => debug.field("policy", &shared.settings),
         };
         debug.finish_non_exhaustive()

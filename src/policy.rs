@@ -2,13 +2,12 @@
 //! extractor and plans, owned once, and the layers handed out from them.
 
 use std::fmt;
-use std::sync::atomic::{AtomicU64, Ordering};
-use std::sync::{Arc, Mutex, RwLock};
+use std::sync::Arc;
 use std::time::Duration;
 
 use http::request::Parts;
 
-use crate::config::{OnStoreError, Scope, Settings, SubjectPolicy, UnknownPlan};
+use crate::config::{OnStoreError, PolicyParts, Settings, Shared, SubjectPolicy, UnknownPlan};
 use crate::handle::QuotaHandle;
 use crate::key::Namespace;
 use crate::layer::QuotaLayer;
@@ -59,85 +58,6 @@ use crate::store::{MemoryStore, Store};
 /// ```
 pub struct QuotaPolicy<E, St = MemoryStore> {
     pub(crate) shared: Arc<Shared<E, St>>,
-}
-
-/// What a policy's layers, services and handles share.
-pub(crate) struct Shared<E, St> {
-    /// Unique in the process: a request's ticket names the policy it
-    /// belongs to.
-    pub(crate) id: u64,
-    pub(crate) settings: Settings,
-    pub(crate) extractor: Arc<E>,
-    pub(crate) store: St,
-    registry: Mutex<Vec<Quota>>,
-    plans: RwLock<Arc<[Arc<str>]>>,
-}
-
-impl<E, St> Shared<E, St> {
-    fn new(settings: Settings, extractor: Arc<E>, store: St) -> Self {
-        static NEXT: AtomicU64 = AtomicU64::new(1);
-        Self {
-            id: NEXT.fetch_add(1, Ordering::Relaxed),
-            settings,
-            extractor,
-            store,
-            registry: Mutex::default(),
-            plans: RwLock::new(Arc::new([])),
-        }
-    }
-
-    /// Adds a layer's quotas to the policy's.
-    ///
-    /// # Panics
-    ///
-    /// When one of them would count on the counter of a different quota of
-    /// the policy.
-    pub(crate) fn register(&self, scope: &Scope) {
-        let mut registry = self.registry.lock().unwrap_or_else(|e| e.into_inner());
-        for quota in scope.quotas.iter() {
-            if let Some(known) = registry.iter().find(|k| k.shares_counters_with(quota)) {
-                assert!(
-                    known.same_as(quota),
-                    "quotas {:?} and {:?} of one policy have the same allowance ({:?}), period and anchor but differ, so they would count on one counter; give one of them its own allowance",
-                    known.name(),
-                    quota.name(),
-                    quota.allowance_tag(),
-                );
-            } else {
-                registry.push(quota.clone());
-            }
-        }
-        let mut plans: Vec<Arc<str>> = self
-            .plans
-            .read()
-            .unwrap_or_else(|e| e.into_inner())
-            .to_vec();
-        for quota in scope.quotas.iter() {
-            for (plan, _) in quota.plans() {
-                if !plans.iter().any(|p| **p == *plan) {
-                    plans.push(plan.into());
-                }
-            }
-        }
-        *self.plans.write().unwrap_or_else(|e| e.into_inner()) = plans.into();
-    }
-
-    /// Every quota of the policy's layers, in the order they were built.
-    pub(crate) fn quotas(&self) -> Vec<Quota> {
-        self.registry
-            .lock()
-            .unwrap_or_else(|e| e.into_inner())
-            .clone()
-    }
-
-    /// Whether some quota of the policy names `plan`.
-    pub(crate) fn knows_plan(&self, plan: &str) -> bool {
-        self.plans
-            .read()
-            .unwrap_or_else(|e| e.into_inner())
-            .iter()
-            .any(|p| **p == *plan)
-    }
 }
 
 impl<E, St> QuotaPolicy<E, St> {
@@ -204,17 +124,22 @@ impl<E, St: fmt::Debug> fmt::Debug for QuotaPolicy<E, St> {
 /// policy, whatever the order of the calls.
 #[must_use]
 pub struct QuotaPolicyBuilder<E, St = MemoryStore> {
-    pub(crate) settings: Settings,
-    pub(crate) extractor: Arc<E>,
-    pub(crate) store: St,
+    settings: Settings,
+    extractor: Arc<E>,
+    store: St,
 }
 
 impl<E> QuotaPolicyBuilder<E, MemoryStore> {
-    pub(crate) fn new(extractor: E) -> Self {
+    fn new(extractor: E) -> Self {
+        let PolicyParts {
+            settings,
+            extractor,
+            store,
+        } = PolicyParts::new(extractor);
         Self {
-            settings: Settings::default(),
-            extractor: Arc::new(extractor),
-            store: MemoryStore::new(),
+            settings,
+            extractor,
+            store,
         }
     }
 }
@@ -353,20 +278,14 @@ impl<E, St> QuotaPolicyBuilder<E, St> {
 
     /// The policy.
     pub fn build(self) -> QuotaPolicy<E, St> {
+        let parts = PolicyParts {
+            settings: self.settings,
+            extractor: self.extractor,
+            store: self.store,
+        };
         QuotaPolicy {
-            shared: Arc::new(Shared::new(self.settings, self.extractor, self.store)),
+            shared: Arc::new(parts.into_shared()),
         }
-    }
-
-    pub(crate) fn shared(&self) -> Shared<E, St>
-    where
-        St: Clone,
-    {
-        Shared::new(
-            self.settings.clone(),
-            Arc::clone(&self.extractor),
-            self.store.clone(),
-        )
     }
 }
 

@@ -38,7 +38,11 @@ pub(crate) struct RateLimitFields {
 /// and limits it was built for: it changes only when one of them does (a
 /// window of another length, a subject on another plan).
 #[derive(Default, Debug)]
-pub(crate) struct PolicyCache(RwLock<Option<(Box<[(u64, u64)]>, HeaderValue)>>);
+pub(crate) struct PolicyCache(RwLock<Option<CachedPolicy>>);
+
+/// Per quota, the window's length and the limit; and the field built for
+/// them.
+type CachedPolicy = (Box<[(u64, u64)]>, HeaderValue);
 
 impl RateLimitFields {
     pub(crate) fn new(

@@ -8,9 +8,8 @@ use http::{Request, Response, StatusCode};
 use tower_service::Service;
 
 use crate::body::ResponseBody;
-use crate::config::{Scope, SubjectPolicy, UnknownPlan};
+use crate::config::{Scope, Shared, SubjectPolicy, UnknownPlan};
 use crate::future::{Admission, ResponseFuture};
-use crate::policy::Shared;
 use crate::probe;
 use crate::quota::Quota;
 use crate::response::{self, PolicyCache};
