@@ -119,6 +119,10 @@ fn demo_server_refuses_bad_flags() {
         &["--limit", "many"],
         &["--period", "100000000000h"],
         &["--tz", "Mars/Olympus"],
+        &["--burst", "-1"],
+        &["--plans", "free"],
+        &["--plans", "free=1,free=2"],
+        &["--admin-token", ""],
     ] {
         let output = Command::new(server_binary()).args(args).output().unwrap();
         assert_eq!(output.status.code(), Some(2), "{args:?}");
@@ -127,4 +131,180 @@ fn demo_server_refuses_bad_flags() {
             "{args:?}"
         );
     }
+}
+
+fn quota(reply: &Reply) -> serde_json::Value {
+    assert_eq!(reply.status, 200, "{}", reply.body);
+    serde_json::from_str(&reply.body).unwrap()
+}
+
+#[tokio::test]
+async fn demo_server_search_refused_by_its_burst_spends_no_read() {
+    let server = start(&["--limit", "10", "--burst", "2"]);
+    for _ in 0..2 {
+        let found = call(&server, "GET", "/search", ACME).await;
+        assert_eq!(found.status, 200);
+        let fields = found.header("ratelimit").unwrap();
+        assert!(
+            fields.contains("\"read-day\"") && fields.contains("\"search-minute\""),
+            "{fields}"
+        );
+    }
+    let refused = call(&server, "GET", "/search", ACME).await;
+    assert_eq!(refused.status, 429);
+    assert!(refused
+        .body
+        .contains("\"violated-policies\":[\"search-minute\"]"));
+    let json = quota(&call(&server, "GET", "/quota", ACME).await);
+    assert_eq!(json["read"]["used"], 2);
+    assert_eq!(json["search"]["used"], 2);
+    assert_eq!(json["search"]["limit"], 2);
+}
+
+#[tokio::test]
+async fn demo_server_never_charges_health_unknown_paths_or_wrong_methods() {
+    let server = start(&["--limit", "1"]);
+    for headers in [ACME, &[]] {
+        let health = call(&server, "GET", "/healthz", headers).await;
+        assert_eq!(health.status, 200);
+        assert_eq!(health.header("ratelimit"), None);
+        let wrong = call(&server, "GET", "/write", headers).await;
+        assert_eq!(wrong.status, 405);
+        assert_eq!(wrong.header("allow"), Some("POST"));
+        assert_eq!(wrong.header("ratelimit"), None);
+        assert_eq!(call(&server, "DELETE", "/read", headers).await.status, 405);
+        assert_eq!(call(&server, "GET", "/nowhere", headers).await.status, 404);
+    }
+    let json = quota(&call(&server, "GET", "/quota", ACME).await);
+    assert_eq!(json["read"]["used"], 0);
+    assert_eq!(json["write"]["used"], 0);
+    assert_eq!(call(&server, "GET", "/read", ACME).await.status, 200);
+}
+
+#[tokio::test]
+async fn demo_server_refunds_server_errors() {
+    let server = start(&["--limit", "1"]);
+    for _ in 0..3 {
+        let failed = call(&server, "GET", "/fail", ACME).await;
+        assert_eq!(failed.status, 500);
+        assert!(failed
+            .header("ratelimit")
+            .unwrap()
+            .starts_with("\"read-day\";r=1;"));
+    }
+    assert_eq!(
+        quota(&call(&server, "GET", "/quota", ACME).await)["read"]["used"],
+        0
+    );
+    assert_eq!(call(&server, "GET", "/read", ACME).await.status, 200);
+}
+
+#[tokio::test]
+async fn demo_server_plans_set_the_limit() {
+    let server = start(&["--limit", "1000", "--plans", "free=2,pro=3"]);
+    let pro: &[(&str, &str)] = &[("x-account-id", "acme"), ("x-plan", "pro")];
+    // No plan header: the first plan listed.
+    let first = call(&server, "GET", "/read", ACME).await;
+    assert_eq!(
+        first.header("ratelimit-policy"),
+        Some("\"read-day\";q=2;w=86400")
+    );
+    assert_eq!(call(&server, "GET", "/read", ACME).await.status, 200);
+    assert_eq!(call(&server, "GET", "/read", ACME).await.status, 429);
+    // Upgraded: the two spent still count.
+    let upgraded = call(&server, "GET", "/read", pro).await;
+    assert_eq!(upgraded.status, 200);
+    assert_eq!(
+        upgraded.header("ratelimit-policy"),
+        Some("\"read-day\";q=3;w=86400")
+    );
+    assert_eq!(call(&server, "GET", "/read", pro).await.status, 429);
+    assert_eq!(
+        quota(&call(&server, "GET", "/quota", pro).await)["read"]["limit"],
+        3
+    );
+    let gold: &[(&str, &str)] = &[("x-account-id", "acme"), ("x-plan", "gold")];
+    let unknown = call(&server, "GET", "/read", gold).await;
+    assert_eq!(unknown.status, 403);
+    assert_eq!(
+        unknown.header("content-type"),
+        Some("application/problem+json")
+    );
+}
+
+#[tokio::test]
+async fn demo_server_support_routes_need_the_token() {
+    let server = start(&["--limit", "5", "--admin-token", "s3cret"]);
+    for _ in 0..2 {
+        assert_eq!(call(&server, "GET", "/read", ACME).await.status, 200);
+    }
+    let path = "/admin/quota/account/acme";
+    for headers in [
+        &[][..],
+        &[("authorization", "Bearer wrong")],
+        &[("authorization", "s3cret")],
+    ] {
+        let refused = call(&server, "GET", path, headers).await;
+        assert_eq!(refused.status, 401);
+        assert_eq!(
+            refused.header("content-type"),
+            Some("application/problem+json")
+        );
+    }
+    let admin: &[(&str, &str)] = &[("authorization", "Bearer s3cret")];
+    let json = quota(&call(&server, "GET", path, admin).await);
+    assert_eq!(
+        json["subject"],
+        serde_json::json!({"kind": "account", "id": "acme"})
+    );
+    let read = json["allowances"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .find(|a| a["allowance"] == "read")
+        .unwrap();
+    assert_eq!(read["name"], "read-day");
+    assert_eq!(
+        (
+            read["limit"].clone(),
+            read["used"].clone(),
+            read["remaining"].clone()
+        ),
+        (5.into(), 2.into(), 3.into())
+    );
+    assert_eq!(read["anchor"], "calendar");
+    assert!(read["resets_at"].as_str().unwrap().ends_with("T00:00:00Z"));
+    assert!(read["first_call"].is_null());
+    for allowance in ["write", "search"] {
+        assert!(json["allowances"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .any(|a| a["allowance"] == allowance));
+    }
+
+    assert_eq!(
+        call(&server, "POST", "/admin/reset/account/acme/read", &[])
+            .await
+            .status,
+        401
+    );
+    let reset = call(&server, "POST", "/admin/reset/account/acme/read", admin).await;
+    assert_eq!(reset.status, 200);
+    assert_eq!(
+        quota(&call(&server, "GET", "/quota", ACME).await)["read"]["used"],
+        0
+    );
+}
+
+#[tokio::test]
+async fn demo_server_without_admin_token_has_no_support_routes() {
+    let server = start(&[]);
+    let admin: &[(&str, &str)] = &[("authorization", "Bearer anything")];
+    assert_eq!(
+        call(&server, "GET", "/admin/quota/account/acme", admin)
+            .await
+            .status,
+        404
+    );
 }
