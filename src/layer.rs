@@ -68,8 +68,8 @@ pub struct QuotaLayer<E, St = MemoryStore> {
     quotas: Vec<Quota>,
     allowance: Option<String>,
     zone: Option<TimeZone>,
-    cost: Cost,
-    deferred: Option<DeferredCost>,
+    cost: Option<Cost>,
+    deferred: Option<(u64, DeferredCost)>,
     // Built once, on first use, for every service of the layer and its
     // clones: the scope's identity is what nested layers recognise.
     built: Arc<OnceLock<Built<E, St>>>,
@@ -161,7 +161,7 @@ impl<E, St> QuotaLayer<E, St> {
             quotas: Vec::new(),
             allowance: None,
             zone: None,
-            cost: Cost::Fixed(1),
+            cost: None,
             deferred: None,
             built: Arc::default(),
         }
@@ -226,7 +226,7 @@ impl<E, St> QuotaLayer<E, St> {
     /// Every request costs `cost` units (default 1).
     #[must_use]
     pub fn cost(self, cost: u64) -> Self {
-        self.changed(|layer| layer.cost = Cost::Fixed(cost))
+        self.changed(|layer| layer.cost = Some(Cost::Fixed(cost)))
     }
 
     /// Works out each request's cost from its head, e.g. from a `?n=` query
@@ -236,7 +236,7 @@ impl<E, St> QuotaLayer<E, St> {
     where
         F: Fn(&Parts) -> Result<u64, InvalidCost> + Send + Sync + 'static,
     {
-        self.changed(|layer| layer.cost = Cost::Computed(Arc::new(f)))
+        self.changed(|layer| layer.cost = Some(Cost::Computed(Arc::new(f))))
     }
 
     /// A cost known only from the response (tokens generated, rows
@@ -260,15 +260,16 @@ impl<E, St> QuotaLayer<E, St> {
     ///     });
     /// # let _ = layer;
     /// ```
+    ///
+    /// A layer's cost is either known up front ([`QuotaLayer::cost`],
+    /// [`QuotaLayer::cost_fn`]) or deferred: building a layer with both
+    /// panics.
     #[must_use]
     pub fn deferred_cost<F>(self, upfront: u64, real: F) -> Self
     where
         F: Fn(&http::response::Parts) -> u64 + Send + Sync + 'static,
     {
-        self.changed(|layer| {
-            layer.cost = Cost::Fixed(upfront);
-            layer.deferred = Some(DeferredCost(Arc::new(real)));
-        })
+        self.changed(|layer| layer.deferred = Some((upfront, DeferredCost(Arc::new(real)))))
     }
 
     /// Keeps counters in `store` instead.
@@ -433,8 +434,9 @@ impl<E, St: Store> QuotaLayer<E, St> {
     ///
     /// # Panics
     ///
-    /// When the layer has no quota, two quotas that share a name, or a quota
-    /// that would count on the counter of another quota of the policy.
+    /// When the layer has no quota, two quotas that share a name, a quota
+    /// that would count on the counter of another quota of the policy, or
+    /// both an up-front and a deferred cost.
     fn built(&self) -> &Built<E, St> {
         self.built.get_or_init(|| {
             let quotas = self.quotas();
@@ -458,7 +460,15 @@ impl<E, St: Store> QuotaLayer<E, St> {
                 Source::Own(parts) => Arc::new(parts.shared()),
                 Source::Of(shared) => Arc::clone(shared),
             };
-            let scope = Scope::new(quotas, self.cost.clone(), self.deferred.clone());
+            let (cost, deferred) = match (&self.cost, &self.deferred) {
+                (Some(_), Some(_)) => panic!(
+                    "a layer's cost is either up front (cost, cost_fn) or deferred (deferred_cost), not both"
+                ),
+                (Some(cost), None) => (cost.clone(), None),
+                (None, Some((upfront, real))) => (Cost::Fixed(*upfront), Some(real.clone())),
+                (None, None) => (Cost::Fixed(1), None),
+            };
+            let scope = Scope::new(quotas, cost, deferred);
             shared.register(&scope);
             Built {
                 shared,

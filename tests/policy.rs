@@ -511,3 +511,44 @@ async fn a_memory_policy_is_shared_by_its_layers() {
     let _: QuotaPolicy<FromHeader, MemoryStore> =
         QuotaPolicy::builder(FromHeader::account("x-account-id")).build();
 }
+
+#[test]
+fn layer_defaults_do_not_depend_on_call_order() {
+    use tower_quota::jiff::tz::TimeZone;
+    use tower_quota::QuotaLayer;
+    let berlin = TimeZone::get("Europe/Berlin").unwrap();
+    let before = QuotaLayer::new(FromHeader::account("x-account-id"))
+        .allowance("read")
+        .time_zone(berlin.clone())
+        .quota(Quota::daily(1))
+        .quota(Quota::hourly(1).allowance("burst"));
+    let after = QuotaLayer::new(FromHeader::account("x-account-id"))
+        .quota(Quota::daily(1))
+        .quota(Quota::hourly(1).allowance("burst"))
+        .time_zone(berlin)
+        .allowance("read");
+    for layer in [before, after] {
+        let quotas = layer.quotas();
+        assert_eq!(quotas[0].name(), "read-day");
+        assert_eq!(
+            quotas[0].period().time_zone().iana_name(),
+            Some("Europe/Berlin")
+        );
+        assert_eq!(
+            quotas[1].name(),
+            "burst-hour",
+            "a quota's own allowance wins"
+        );
+    }
+}
+
+#[test]
+#[should_panic(expected = "either up front")]
+fn an_up_front_and_a_deferred_cost_are_refused() {
+    let layer = tower_quota::QuotaLayer::daily(10, FromHeader::account("x-account-id"))
+        .deferred_cost(1, |_| 2)
+        .cost(3);
+    let _app: Router = Router::new()
+        .route("/", get(|| async {}))
+        .route_layer(layer);
+}
