@@ -552,3 +552,88 @@ fn an_up_front_and_a_deferred_cost_are_refused() {
         .route("/", get(|| async {}))
         .route_layer(layer);
 }
+
+/// A service shared behind a lock: cloning it does not clone what is inside,
+/// so the layers around it cannot see the layers within.
+struct Opaque<S>(std::sync::Arc<std::sync::Mutex<S>>);
+
+impl<S> Clone for Opaque<S> {
+    fn clone(&self) -> Self {
+        Self(std::sync::Arc::clone(&self.0))
+    }
+}
+
+impl<S, R> tower::Service<R> for Opaque<S>
+where
+    S: tower::Service<R>,
+{
+    type Response = S::Response;
+    type Error = S::Error;
+    type Future = S::Future;
+
+    fn poll_ready(
+        &mut self,
+        cx: &mut std::task::Context<'_>,
+    ) -> std::task::Poll<Result<(), Self::Error>> {
+        self.0.lock().unwrap().poll_ready(cx)
+    }
+
+    fn call(&mut self, request: R) -> Self::Future {
+        self.0.lock().unwrap().call(request)
+    }
+}
+
+#[tokio::test]
+async fn a_hidden_inner_layer_that_refuses_gives_the_outer_charge_back() {
+    let policy = QuotaPolicy::builder(FromHeader::account("x-account-id")).build();
+    let search = tower::Layer::layer(
+        &policy.layer(Quota::per_minute(1).allowance("search")),
+        axum::routing::get(|status: QuotaStatus| async move { status.entries().len().to_string() })
+            .with_state::<()>(()),
+    );
+    let app = Router::new()
+        .route_service(
+            "/search",
+            Opaque(std::sync::Arc::new(std::sync::Mutex::new(search))),
+        )
+        .route_layer(policy.layer(Quota::daily(10).allowance("read")));
+    let first = send(&app, call(Method::GET, "/search", ACME)).await;
+    assert_eq!(first.status(), StatusCode::OK);
+    assert_eq!(body(first).await, "2", "the status lists both quotas");
+    let refused = send(&app, call(Method::GET, "/search", ACME)).await;
+    assert_eq!(refused.status(), StatusCode::TOO_MANY_REQUESTS);
+    assert_eq!(
+        used(&policy, "read-day").await,
+        1,
+        "the read charge was given back"
+    );
+}
+
+#[tokio::test]
+async fn quotas_of_a_layer_the_request_never_reached_are_given_back() {
+    let policy = QuotaPolicy::builder(FromHeader::account("x-account-id")).build();
+    // The burst layer guards GET only; the read layer wraps the whole method
+    // router, so it cannot tell which method will pass the burst layer.
+    let methods = get(|| async { "found" })
+        .route_layer(policy.layer(Quota::per_minute(5).allowance("search")))
+        .post(|| async { "posted" });
+    let app = Router::new()
+        .route_service("/search", methods.with_state::<()>(()))
+        .route_layer(policy.layer(Quota::daily(10).allowance("read")));
+    assert_eq!(
+        send(&app, call(Method::POST, "/search", ACME))
+            .await
+            .status(),
+        StatusCode::OK
+    );
+    assert_eq!(used(&policy, "search-minute").await, 0);
+    assert_eq!(used(&policy, "read-day").await, 1);
+    assert_eq!(
+        send(&app, call(Method::GET, "/search", ACME))
+            .await
+            .status(),
+        StatusCode::OK
+    );
+    assert_eq!(used(&policy, "search-minute").await, 1);
+    assert_eq!(used(&policy, "read-day").await, 2);
+}
