@@ -31,9 +31,18 @@
 //!
 //! Counters live in a [`Store`]: [`MemoryStore`] in the process by default.
 //!
+//! An application with several quotas (a daily one on every route, a burst
+//! limit on some, reads apart from writes) makes one [`QuotaPolicy`]: it owns
+//! the store, clock, namespace, subject extractor and plans, and hands out
+//! the layers. A request passing several layers of one policy is charged
+//! once, on all of their quotas, all or nothing. [`QuotaHandle`] is the
+//! policy's support handle: usage, resets and refunds per subject.
+//!
 //! # Features
 //!
-//! - `axum` (default): the [`QuotaStatus`] extractor for handlers.
+//! - `axum` (default): the [`QuotaStatus`] extractor for handlers, the
+//!   `unrouted` handlers (405 and 404 answers no quota charges) and
+//!   `QuotaHandle::router`, the support handle over HTTP.
 //! - `redis`: `store::RedisStore`, counters in Redis shared by every
 //!   instance.
 //! - `redis-cluster`: the Redis store on a Redis Cluster.
