@@ -7,13 +7,13 @@
 //! route clones the layers and handler inside it. So a layer, when it is
 //! built, clones the service it wraps once while a probe is open on the
 //! thread, and every quota service of the policy cloned meanwhile announces
-//! its scope. Markers such as [`crate::unrouted`]'s handlers announce that
+//! its scope. Markers such as the `unrouted` handlers announce that
 //! the wrapped service is the router's answer to an unknown path or method,
 //! which is never charged.
 //!
 //! A service whose clone does not reach inside (one shared behind an `Arc`)
 //! hides its layers: they then charge on their own (see
-//! [`crate::ticket`]), which is correct but no longer one decision.
+//! the service's module), which is correct but no longer one decision.
 
 use std::cell::{Cell, RefCell};
 use std::sync::Arc;
@@ -72,6 +72,7 @@ pub(crate) fn announce_scope(policy: u64, scope: &Arc<Scope>) {
 }
 
 /// Called by a marker of the router's "no such route" answers being cloned.
+#[cfg_attr(not(feature = "axum"), allow(dead_code))]
 pub(crate) fn announce_unrouted() {
     if OPEN.with(Cell::get) == 0 {
         return;
