@@ -7,7 +7,7 @@ use std::time::Duration;
 
 use http::request::Parts;
 
-use crate::config::{OnStoreError, PolicyParts, Settings, Shared, SubjectPolicy, UnknownPlan};
+use crate::config::{OnStoreError, PolicyParts, Shared, SubjectPolicy, UnknownPlan};
 use crate::handle::QuotaHandle;
 use crate::key::Namespace;
 use crate::layer::QuotaLayer;
@@ -123,40 +123,23 @@ impl<E, St: fmt::Debug> fmt::Debug for QuotaPolicy<E, St> {
 /// Configures a [`QuotaPolicy`]. Every setting applies to every layer of the
 /// policy, whatever the order of the calls.
 #[must_use]
-pub struct QuotaPolicyBuilder<E, St = MemoryStore> {
-    settings: Settings,
-    extractor: Arc<E>,
-    store: St,
-}
+pub struct QuotaPolicyBuilder<E, St = MemoryStore>(PolicyParts<E, St>);
 
 impl<E> QuotaPolicyBuilder<E, MemoryStore> {
     fn new(extractor: E) -> Self {
-        let PolicyParts {
-            settings,
-            extractor,
-            store,
-        } = PolicyParts::new(extractor);
-        Self {
-            settings,
-            extractor,
-            store,
-        }
+        Self(PolicyParts::new(extractor))
     }
 }
 
 impl<E, St> QuotaPolicyBuilder<E, St> {
     /// Keeps counters in `store` (default: a fresh [`MemoryStore`]).
     pub fn store<St2: Store>(self, store: St2) -> QuotaPolicyBuilder<E, St2> {
-        QuotaPolicyBuilder {
-            settings: self.settings,
-            extractor: self.extractor,
-            store,
-        }
+        QuotaPolicyBuilder(self.0.with_store(store))
     }
 
     /// Takes "now" from `clock` instead of the system clock.
     pub fn clock(mut self, clock: impl Clock) -> Self {
-        self.settings.clock = Arc::new(clock);
+        self.0.settings.clock = Arc::new(clock);
         self
     }
 
@@ -166,33 +149,33 @@ impl<E, St> QuotaPolicyBuilder<E, St> {
     ///
     /// When `prefix` contains `{` or `}`.
     pub fn namespace(mut self, prefix: &str) -> Self {
-        self.settings.namespace = Namespace::new(prefix);
+        self.0.settings.namespace = Namespace::new(prefix);
         self
     }
 
     /// What to do when the request names no subject. Default: 401.
     pub fn on_missing_subject(mut self, policy: SubjectPolicy) -> Self {
-        self.settings.on_missing = policy;
+        self.0.settings.on_missing = policy;
         self
     }
 
     /// What to do when the request's subject is malformed. Default: 400.
     pub fn on_malformed_subject(mut self, policy: SubjectPolicy) -> Self {
-        self.settings.on_malformed = policy;
+        self.0.settings.on_malformed = policy;
         self
     }
 
     /// The longest subject id accepted, in bytes (default 256). Longer ids are
     /// malformed.
     pub fn max_subject_len(mut self, bytes: usize) -> Self {
-        self.settings.max_subject_len = bytes;
+        self.0.settings.max_subject_len = bytes;
         self
     }
 
     /// What to do when the store fails. Default: fail closed, 503 with
     /// `Retry-After: 1`.
     pub fn on_store_error(mut self, policy: OnStoreError) -> Self {
-        self.settings.on_store_error = policy;
+        self.0.settings.on_store_error = policy;
         self
     }
 
@@ -206,7 +189,7 @@ impl<E, St> QuotaPolicyBuilder<E, St> {
     /// a tokio runtime built without its timer (`enable_time`). Runtimes made
     /// by `#[tokio::main]` have it; otherwise pass `None`.
     pub fn store_timeout(mut self, timeout: Option<Duration>) -> Self {
-        self.settings.store_timeout = timeout;
+        self.0.settings.store_timeout = timeout;
         self
     }
 
@@ -229,7 +212,7 @@ impl<E, St> QuotaPolicyBuilder<E, St> {
     where
         F: Fn(&Parts) -> bool + Send + Sync + 'static,
     {
-        self.settings.skip.push(Arc::new(predicate));
+        self.0.settings.skip.push(Arc::new(predicate));
         self
     }
 
@@ -256,14 +239,14 @@ impl<E, St> QuotaPolicyBuilder<E, St> {
     where
         F: Fn(&Parts) -> Option<String> + Send + Sync + 'static,
     {
-        self.settings.plan = Some(Arc::new(plan));
+        self.0.settings.plan = Some(Arc::new(plan));
         self
     }
 
     /// What to do with a plan no quota of the policy names. Default: each
     /// quota's own limit.
     pub fn on_unknown_plan(mut self, choice: UnknownPlan) -> Self {
-        self.settings.unknown_plan = choice;
+        self.0.settings.unknown_plan = choice;
         self
     }
 
@@ -272,19 +255,14 @@ impl<E, St> QuotaPolicyBuilder<E, St> {
     /// failures. Off by default. The refund goes to the counters that were
     /// charged, even when a calendar boundary passed meanwhile.
     pub fn refund_server_errors(mut self, refund: bool) -> Self {
-        self.settings.refund_server_errors = refund;
+        self.0.settings.refund_server_errors = refund;
         self
     }
 
     /// The policy.
     pub fn build(self) -> QuotaPolicy<E, St> {
-        let parts = PolicyParts {
-            settings: self.settings,
-            extractor: self.extractor,
-            store: self.store,
-        };
         QuotaPolicy {
-            shared: Arc::new(parts.into_shared()),
+            shared: Arc::new(self.0.into_shared()),
         }
     }
 }
@@ -292,18 +270,14 @@ impl<E, St> QuotaPolicyBuilder<E, St> {
 impl<E, St: fmt::Debug> fmt::Debug for QuotaPolicyBuilder<E, St> {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         f.debug_struct("QuotaPolicyBuilder")
-            .field("settings", &self.settings)
-            .field("store", &self.store)
+            .field("settings", &self.0.settings)
+            .field("store", &self.0.store)
             .finish_non_exhaustive()
     }
 }
 
 impl<E, St: Clone> Clone for QuotaPolicyBuilder<E, St> {
     fn clone(&self) -> Self {
-        Self {
-            settings: self.settings.clone(),
-            extractor: Arc::clone(&self.extractor),
-            store: self.store.clone(),
-        }
+        Self(self.0.clone())
     }
 }
