@@ -78,7 +78,7 @@ pub use crate::service::QuotaService;
 pub use crate::status::{QuotaStatus, StatusEntry};
 pub use crate::store::{MemoryStore, Store, StoreError, Usage};
 pub use crate::subject::{
-    FromExtension, FromHeader, Subject, SubjectError, SubjectExtractor, SubjectKind,
+    FromExtension, FromHeader, IntoSubjectId, Subject, SubjectError, SubjectExtractor, SubjectKind,
 };
 
 /// The README's examples, compiled and run as doctests.

@@ -11,6 +11,8 @@
 //!   inserts it.
 //! - [`from_fn`]: any closure over [`http::request::Parts`].
 //!
+//! Ids are anything [`IntoSubjectId`]: text, bytes, header values, integers.
+//!
 //! # Example
 //!
 //! ```
@@ -41,6 +43,7 @@
 
 mod extension;
 mod header;
+mod id;
 
 use std::borrow::Cow;
 use std::fmt;
@@ -49,6 +52,7 @@ use http::request::Parts;
 
 pub use self::extension::FromExtension;
 pub use self::header::FromHeader;
+pub use self::id::IntoSubjectId;
 
 /// The granularity an allowance is written in: account, user, device, or a
 /// kind of your own.
@@ -111,26 +115,55 @@ pub struct Subject {
 }
 
 impl Subject {
-    /// A subject of `kind` with this id.
-    pub fn new(kind: SubjectKind, id: impl Into<Vec<u8>>) -> Self {
+    /// A subject of `kind` with this id: text, bytes, a header value or an
+    /// integer (its decimal text), see [`IntoSubjectId`].
+    ///
+    /// ```
+    /// use tower_quota::{Subject, SubjectKind};
+    ///
+    /// let tenant = Subject::new(SubjectKind::custom("tenant"), "t-1");
+    /// assert_eq!(tenant.kind().as_str(), "tenant");
+    /// assert_eq!(tenant.id(), b"t-1");
+    /// ```
+    pub fn new(kind: SubjectKind, id: impl IntoSubjectId) -> Self {
         Self {
             kind,
-            id: id.into().into_boxed_slice(),
+            id: id.into_subject_id().into_boxed_slice(),
         }
     }
 
     /// An account.
-    pub fn account(id: impl Into<Vec<u8>>) -> Self {
+    ///
+    /// ```
+    /// use tower_quota::Subject;
+    ///
+    /// let name = String::from("acme");
+    /// assert_eq!(Subject::account(&name).id(), b"acme");
+    /// ```
+    pub fn account(id: impl IntoSubjectId) -> Self {
         Self::new(SubjectKind::ACCOUNT, id)
     }
 
     /// A user.
-    pub fn user(id: impl Into<Vec<u8>>) -> Self {
+    ///
+    /// ```
+    /// use tower_quota::Subject;
+    ///
+    /// assert_eq!(Subject::user(42_u64).id(), b"42");
+    /// assert_eq!(Subject::user(42).id(), b"42");
+    /// ```
+    pub fn user(id: impl IntoSubjectId) -> Self {
         Self::new(SubjectKind::USER, id)
     }
 
     /// A device.
-    pub fn device(id: impl Into<Vec<u8>>) -> Self {
+    ///
+    /// ```
+    /// use tower_quota::Subject;
+    ///
+    /// assert_eq!(Subject::device(b"x").id(), b"x");
+    /// ```
+    pub fn device(id: impl IntoSubjectId) -> Self {
         Self::new(SubjectKind::DEVICE, id)
     }
 
