@@ -78,7 +78,8 @@ pub use crate::service::QuotaService;
 pub use crate::status::{QuotaStatus, StatusEntry};
 pub use crate::store::{MemoryStore, Store, StoreError, Usage};
 pub use crate::subject::{
-    FromExtension, FromHeader, IntoSubjectId, Subject, SubjectError, SubjectExtractor, SubjectKind,
+    FromExtension, FromHeader, IntoSubjectId, MapExtension, Subject, SubjectError,
+    SubjectExtractor, SubjectKind,
 };
 
 /// The README's examples, compiled and run as doctests.

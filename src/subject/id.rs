@@ -4,6 +4,8 @@ use std::sync::Arc;
 use bytes::Bytes;
 use http::HeaderValue;
 
+use super::SubjectError;
+
 /// A value that can be a subject's id: text, bytes, a header value or an
 /// integer.
 ///
@@ -135,6 +137,34 @@ macro_rules! decimal {
 
 decimal!(u8 u16 u32 u64 u128 usize i8 i16 i32 i64 i128 isize);
 
+/// What a closure that picks an id may answer: an id, an [`Option`] of one
+/// (`None` is [`SubjectError::Missing`]), or a [`Result`] with a
+/// [`SubjectError`].
+///
+/// [`FromExtension::map`](super::FromExtension::map) takes such closures.
+pub trait MaybeSubjectId {
+    /// The id's bytes, or why there is none.
+    fn try_into_subject_id(self) -> Result<Vec<u8>, SubjectError>;
+}
+
+impl<I: IntoSubjectId> MaybeSubjectId for I {
+    fn try_into_subject_id(self) -> Result<Vec<u8>, SubjectError> {
+        Ok(self.into_subject_id())
+    }
+}
+
+impl<I: IntoSubjectId> MaybeSubjectId for Option<I> {
+    fn try_into_subject_id(self) -> Result<Vec<u8>, SubjectError> {
+        self.map(I::into_subject_id).ok_or(SubjectError::Missing)
+    }
+}
+
+impl<I: IntoSubjectId> MaybeSubjectId for Result<I, SubjectError> {
+    fn try_into_subject_id(self) -> Result<Vec<u8>, SubjectError> {
+        self.map(I::into_subject_id)
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -182,5 +212,22 @@ mod tests {
         assert_eq!(id(i64::MIN), i64::MIN.to_string().as_bytes());
         assert_eq!(id(i128::MIN), i128::MIN.to_string().as_bytes());
         assert_eq!(id(-3_isize), b"-3");
+    }
+
+    #[test]
+    fn maybe_ids() {
+        assert_eq!("a".try_into_subject_id(), Ok(b"a".to_vec()));
+        assert_eq!(Some(5_u32).try_into_subject_id(), Ok(b"5".to_vec()));
+        assert_eq!(
+            None::<String>.try_into_subject_id(),
+            Err(SubjectError::Missing)
+        );
+        let bad: Result<String, _> = Err(SubjectError::malformed("no"));
+        assert_eq!(
+            bad.try_into_subject_id(),
+            Err(SubjectError::malformed("no"))
+        );
+        let good: Result<&str, SubjectError> = Ok("g");
+        assert_eq!(good.try_into_subject_id(), Ok(b"g".to_vec()));
     }
 }

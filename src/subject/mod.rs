@@ -8,7 +8,9 @@
 //! Built-in extractors:
 //! - [`FromHeader`]: the raw value of a header such as `x-account-id`.
 //! - [`FromExtension`]: a typed request extension, as an authentication layer
-//!   inserts it.
+//!   inserts it; [`FromExtension::map`] (or `account_from`, `user_from`,
+//!   `device_from`) picks the id out of a field, such as the account of a
+//!   `Claims` struct.
 //! - [`from_fn`]: any closure over [`http::request::Parts`].
 //!
 //! Ids are anything [`IntoSubjectId`]: text, bytes, header values, integers.
@@ -50,9 +52,9 @@ use std::fmt;
 
 use http::request::Parts;
 
-pub use self::extension::FromExtension;
+pub use self::extension::{FromExtension, MapExtension};
 pub use self::header::FromHeader;
-pub use self::id::IntoSubjectId;
+pub use self::id::{IntoSubjectId, MaybeSubjectId};
 
 /// The granularity an allowance is written in: account, user, device, or a
 /// kind of your own.
