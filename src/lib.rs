@@ -78,7 +78,7 @@ pub use crate::service::QuotaService;
 pub use crate::status::{QuotaStatus, StatusEntry};
 pub use crate::store::{MemoryStore, Store, StoreError, Usage};
 pub use crate::subject::{
-    FromExtension, FromHeader, IntoSubjectId, MapExtension, Subject, SubjectError,
+    FromExtension, FromHeader, IntoSubjectId, MapExtension, Or, Subject, SubjectError,
     SubjectExtractor, SubjectKind,
 };
 

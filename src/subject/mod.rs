@@ -13,6 +13,8 @@
 //!   `Claims` struct.
 //! - [`from_fn`]: any closure over [`http::request::Parts`].
 //!
+//! [`SubjectExtractor::or`] falls back from one to another when the first
+//! finds no subject: "the token's account, or else the `x-api-key` header".
 //! Ids are anything [`IntoSubjectId`]: text, bytes, header values, integers.
 //!
 //! # Example
@@ -46,6 +48,7 @@
 mod extension;
 mod header;
 mod id;
+mod or;
 
 use std::borrow::Cow;
 use std::fmt;
@@ -55,6 +58,7 @@ use http::request::Parts;
 pub use self::extension::{FromExtension, MapExtension};
 pub use self::header::FromHeader;
 pub use self::id::{IntoSubjectId, MaybeSubjectId};
+pub use self::or::Or;
 
 /// The granularity an allowance is written in: account, user, device, or a
 /// kind of your own.
@@ -270,6 +274,54 @@ impl std::error::Error for SubjectError {}
 pub trait SubjectExtractor: Send + Sync + 'static {
     /// The subject charged for the request with this head.
     fn extract(&self, parts: &Parts) -> Result<Subject, SubjectError>;
+
+    /// Asks `self`, and `other` when `self` finds no subject
+    /// ([`SubjectError::Missing`]): "the token's account, or else the
+    /// `x-api-key` header".
+    ///
+    /// A malformed answer from `self` is the answer: a request that sends a
+    /// broken credential is refused (400), never charged to whatever the next
+    /// extractor finds. Chains read left to right: `a.or(b).or(c)`.
+    ///
+    /// The subjects may be of different kinds; each kind has its own
+    /// counters, so a client that sends both identities is charged to the
+    /// first one only.
+    ///
+    /// ```
+    /// use http::Request;
+    /// use tower_quota::{FromExtension, FromHeader, Subject, SubjectError, SubjectExtractor, SubjectKind};
+    ///
+    /// // What an authentication layer in front inserts.
+    /// #[derive(Clone)]
+    /// struct Claims {
+    ///     account_id: Option<String>,
+    /// }
+    ///
+    /// let subject = FromExtension::<Claims>::account_from(|claims| claims.account_id.clone())
+    ///     .or(FromHeader::new(SubjectKind::custom("api-key"), "x-api-key"));
+    ///
+    /// // A token with an account: the account pays.
+    /// let mut request = Request::get("/").header("x-api-key", "k-1").body(()).unwrap();
+    /// request.extensions_mut().insert(Claims { account_id: Some("acme".into()) });
+    /// assert_eq!(subject.extract(&request.into_parts().0), Ok(Subject::account("acme")));
+    ///
+    /// // A token without one, or no token: the API key pays.
+    /// let mut request = Request::get("/").header("x-api-key", "k-1").body(()).unwrap();
+    /// request.extensions_mut().insert(Claims { account_id: None });
+    /// let api_key = Subject::new(SubjectKind::custom("api-key"), "k-1");
+    /// assert_eq!(subject.extract(&request.into_parts().0), Ok(api_key));
+    ///
+    /// // Neither: missing (401 behind the layer).
+    /// let (parts, ()) = Request::get("/").body(()).unwrap().into_parts();
+    /// assert_eq!(subject.extract(&parts), Err(SubjectError::Missing));
+    /// ```
+    fn or<B>(self, other: B) -> Or<Self, B>
+    where
+        Self: Sized,
+        B: SubjectExtractor,
+    {
+        Or::new(self, other)
+    }
 }
 
 impl<E: SubjectExtractor + ?Sized> SubjectExtractor for std::sync::Arc<E> {
