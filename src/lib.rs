@@ -33,7 +33,8 @@
 //!
 //! # Features
 //!
-//! - `axum` (default): the [`QuotaStatus`] extractor for handlers.
+//! - `axum` (default): the [`QuotaStatus`] extractor for handlers, and
+//!   [`ClientIp`] reading axum's `ConnectInfo`.
 //! - `redis`: `store::RedisStore`, counters in Redis shared by every
 //!   instance.
 //! - `redis-cluster`: the Redis store on a Redis Cluster.
@@ -65,6 +66,7 @@ pub mod subject;
 #[cfg_attr(docsrs, doc(cfg(feature = "testing")))]
 pub mod testing;
 
+pub use ipnet;
 pub use jiff;
 
 pub use crate::body::ResponseBody;
@@ -78,8 +80,8 @@ pub use crate::service::QuotaService;
 pub use crate::status::{QuotaStatus, StatusEntry};
 pub use crate::store::{MemoryStore, Store, StoreError, Usage};
 pub use crate::subject::{
-    FromExtension, FromHeader, IntoSubjectId, MapExtension, Or, Subject, SubjectError,
-    SubjectExtractor, SubjectKind,
+    ClientIp, FromExtension, FromHeader, IntoSubjectId, MapExtension, Or, ProxyHeader, Subject,
+    SubjectError, SubjectExtractor, SubjectKind,
 };
 
 /// The README's examples, compiled and run as doctests.

@@ -11,6 +11,9 @@
 //!   inserts it; [`FromExtension::map`] (or `account_from`, `user_from`,
 //!   `device_from`) picks the id out of a field, such as the account of a
 //!   `Claims` struct.
+//! - [`ClientIp`]: the client's IP address, from the connection or, behind
+//!   proxies you trust, from `Forwarded` / `X-Forwarded-For`; IPv6 grouped by
+//!   /64.
 //! - [`from_fn`]: any closure over [`http::request::Parts`].
 //!
 //! [`SubjectExtractor::or`] falls back from one to another when the first
@@ -48,6 +51,7 @@
 mod extension;
 mod header;
 mod id;
+mod ip;
 mod or;
 
 use std::borrow::Cow;
@@ -58,6 +62,7 @@ use http::request::Parts;
 pub use self::extension::{FromExtension, MapExtension};
 pub use self::header::FromHeader;
 pub use self::id::{IntoSubjectId, MaybeSubjectId};
+pub use self::ip::{ClientIp, ProxyHeader};
 pub use self::or::Or;
 
 /// The granularity an allowance is written in: account, user, device, or a
@@ -72,9 +77,12 @@ impl SubjectKind {
     pub const USER: Self = Self(Cow::Borrowed("user"));
     /// One device.
     pub const DEVICE: Self = Self(Cow::Borrowed("device"));
+    /// A client IP address or IPv6 network, as [`ClientIp`] charges it.
+    pub const IP: Self = Self(Cow::Borrowed("ip"));
 
     /// A kind of your own, e.g. `api-key` or `tenant`. A kind is its name:
-    /// `custom("user")` is [`SubjectKind::USER`].
+    /// `custom("user")` is [`SubjectKind::USER`], `custom("ip")` is
+    /// [`SubjectKind::IP`].
     ///
     /// # Panics
     ///
@@ -94,6 +102,7 @@ impl SubjectKind {
             "account" => Self::ACCOUNT,
             "user" => Self::USER,
             "device" => Self::DEVICE,
+            "ip" => Self::IP,
             _ => Self(Cow::Owned(name)),
         }
     }
