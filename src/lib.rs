@@ -41,8 +41,9 @@
 //! # Features
 //!
 //! - `axum` (default): the [`QuotaStatus`] extractor for handlers, the
-//!   `unrouted` handlers (405 and 404 answers no quota charges) and
-//!   `QuotaHandle::router`, the support handle over HTTP.
+//!   `unrouted` handlers (405 and 404 answers no quota charges),
+//!   `QuotaHandle::router` (the support handle over HTTP), and [`ClientIp`]
+//!   reading axum's `ConnectInfo`.
 //! - `redis`: `store::RedisStore`, counters in Redis shared by every
 //!   instance.
 //! - `redis-cluster`: the Redis store on a Redis Cluster.
@@ -81,6 +82,7 @@ pub mod testing;
 #[cfg_attr(docsrs, doc(cfg(feature = "axum")))]
 pub mod unrouted;
 
+pub use ipnet;
 pub use jiff;
 
 pub use crate::body::ResponseBody;
@@ -96,7 +98,8 @@ pub use crate::service::QuotaService;
 pub use crate::status::{QuotaStatus, QuotaUsage};
 pub use crate::store::{MemoryStore, Store, StoreError, Usage};
 pub use crate::subject::{
-    FromExtension, FromHeader, Subject, SubjectError, SubjectExtractor, SubjectKind,
+    ClientIp, FromExtension, FromHeader, IntoSubjectId, MapExtension, Or, ProxyHeader, Subject,
+    SubjectError, SubjectExtractor, SubjectKind,
 };
 
 /// The README's examples, compiled and run as doctests.

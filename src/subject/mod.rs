@@ -8,8 +8,17 @@
 //! Built-in extractors:
 //! - [`FromHeader`]: the raw value of a header such as `x-account-id`.
 //! - [`FromExtension`]: a typed request extension, as an authentication layer
-//!   inserts it.
+//!   inserts it; [`FromExtension::map`] (or `account_from`, `user_from`,
+//!   `device_from`) picks the id out of a field, such as the account of a
+//!   `Claims` struct.
+//! - [`ClientIp`]: the client's IP address, from the connection or, behind
+//!   proxies you trust, from `Forwarded` / `X-Forwarded-For`; IPv6 grouped by
+//!   /64.
 //! - [`from_fn`]: any closure over [`http::request::Parts`].
+//!
+//! [`SubjectExtractor::or`] falls back from one to another when the first
+//! finds no subject: "the token's account, or else the `x-api-key` header".
+//! Ids are anything [`IntoSubjectId`]: text, bytes, header values, integers.
 //!
 //! # Example
 //!
@@ -41,14 +50,20 @@
 
 mod extension;
 mod header;
+mod id;
+mod ip;
+mod or;
 
 use std::borrow::Cow;
 use std::fmt;
 
 use http::request::Parts;
 
-pub use self::extension::FromExtension;
+pub use self::extension::{FromExtension, MapExtension};
 pub use self::header::FromHeader;
+pub use self::id::{IntoSubjectId, MaybeSubjectId};
+pub use self::ip::{ClientIp, ProxyHeader};
+pub use self::or::Or;
 
 /// The granularity an allowance is written in: account, user, device, or a
 /// kind of your own.
@@ -62,9 +77,12 @@ impl SubjectKind {
     pub const USER: Self = Self(Cow::Borrowed("user"));
     /// One device.
     pub const DEVICE: Self = Self(Cow::Borrowed("device"));
+    /// A client IP address or IPv6 network, as [`ClientIp`] charges it.
+    pub const IP: Self = Self(Cow::Borrowed("ip"));
 
     /// A kind of your own, e.g. `api-key` or `tenant`. A kind is its name:
-    /// `custom("user")` is [`SubjectKind::USER`].
+    /// `custom("user")` is [`SubjectKind::USER`], `custom("ip")` is
+    /// [`SubjectKind::IP`].
     ///
     /// # Panics
     ///
@@ -84,6 +102,7 @@ impl SubjectKind {
             "account" => Self::ACCOUNT,
             "user" => Self::USER,
             "device" => Self::DEVICE,
+            "ip" => Self::IP,
             _ => Self(Cow::Owned(name)),
         }
     }
@@ -111,26 +130,55 @@ pub struct Subject {
 }
 
 impl Subject {
-    /// A subject of `kind` with this id.
-    pub fn new(kind: SubjectKind, id: impl Into<Vec<u8>>) -> Self {
+    /// A subject of `kind` with this id: text, bytes, a header value or an
+    /// integer (its decimal text), see [`IntoSubjectId`].
+    ///
+    /// ```
+    /// use tower_quota::{Subject, SubjectKind};
+    ///
+    /// let tenant = Subject::new(SubjectKind::custom("tenant"), "t-1");
+    /// assert_eq!(tenant.kind().as_str(), "tenant");
+    /// assert_eq!(tenant.id(), b"t-1");
+    /// ```
+    pub fn new(kind: SubjectKind, id: impl IntoSubjectId) -> Self {
         Self {
             kind,
-            id: id.into().into_boxed_slice(),
+            id: id.into_subject_id().into_boxed_slice(),
         }
     }
 
     /// An account.
-    pub fn account(id: impl Into<Vec<u8>>) -> Self {
+    ///
+    /// ```
+    /// use tower_quota::Subject;
+    ///
+    /// let name = String::from("acme");
+    /// assert_eq!(Subject::account(&name).id(), b"acme");
+    /// ```
+    pub fn account(id: impl IntoSubjectId) -> Self {
         Self::new(SubjectKind::ACCOUNT, id)
     }
 
     /// A user.
-    pub fn user(id: impl Into<Vec<u8>>) -> Self {
+    ///
+    /// ```
+    /// use tower_quota::Subject;
+    ///
+    /// assert_eq!(Subject::user(42_u64).id(), b"42");
+    /// assert_eq!(Subject::user(42).id(), b"42");
+    /// ```
+    pub fn user(id: impl IntoSubjectId) -> Self {
         Self::new(SubjectKind::USER, id)
     }
 
     /// A device.
-    pub fn device(id: impl Into<Vec<u8>>) -> Self {
+    ///
+    /// ```
+    /// use tower_quota::Subject;
+    ///
+    /// assert_eq!(Subject::device(b"x").id(), b"x");
+    /// ```
+    pub fn device(id: impl IntoSubjectId) -> Self {
         Self::new(SubjectKind::DEVICE, id)
     }
 
@@ -235,6 +283,54 @@ impl std::error::Error for SubjectError {}
 pub trait SubjectExtractor: Send + Sync + 'static {
     /// The subject charged for the request with this head.
     fn extract(&self, parts: &Parts) -> Result<Subject, SubjectError>;
+
+    /// Asks `self`, and `other` when `self` finds no subject
+    /// ([`SubjectError::Missing`]): "the token's account, or else the
+    /// `x-api-key` header".
+    ///
+    /// A malformed answer from `self` is the answer: a request that sends a
+    /// broken credential is refused (400), never charged to whatever the next
+    /// extractor finds. Chains read left to right: `a.or(b).or(c)`.
+    ///
+    /// The subjects may be of different kinds; each kind has its own
+    /// counters, so a client that sends both identities is charged to the
+    /// first one only.
+    ///
+    /// ```
+    /// use http::Request;
+    /// use tower_quota::{FromExtension, FromHeader, Subject, SubjectError, SubjectExtractor, SubjectKind};
+    ///
+    /// // What an authentication layer in front inserts.
+    /// #[derive(Clone)]
+    /// struct Claims {
+    ///     account_id: Option<String>,
+    /// }
+    ///
+    /// let subject = FromExtension::<Claims>::account_from(|claims| claims.account_id.clone())
+    ///     .or(FromHeader::new(SubjectKind::custom("api-key"), "x-api-key"));
+    ///
+    /// // A token with an account: the account pays.
+    /// let mut request = Request::get("/").header("x-api-key", "k-1").body(()).unwrap();
+    /// request.extensions_mut().insert(Claims { account_id: Some("acme".into()) });
+    /// assert_eq!(subject.extract(&request.into_parts().0), Ok(Subject::account("acme")));
+    ///
+    /// // A token without one, or no token: the API key pays.
+    /// let mut request = Request::get("/").header("x-api-key", "k-1").body(()).unwrap();
+    /// request.extensions_mut().insert(Claims { account_id: None });
+    /// let api_key = Subject::new(SubjectKind::custom("api-key"), "k-1");
+    /// assert_eq!(subject.extract(&request.into_parts().0), Ok(api_key));
+    ///
+    /// // Neither: missing (401 behind the layer).
+    /// let (parts, ()) = Request::get("/").body(()).unwrap().into_parts();
+    /// assert_eq!(subject.extract(&parts), Err(SubjectError::Missing));
+    /// ```
+    fn or<B>(self, other: B) -> Or<Self, B>
+    where
+        Self: Sized,
+        B: SubjectExtractor,
+    {
+        Or::new(self, other)
+    }
 }
 
 impl<E: SubjectExtractor + ?Sized> SubjectExtractor for std::sync::Arc<E> {

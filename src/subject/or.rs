@@ -1,0 +1,110 @@
+use http::request::Parts;
+
+use super::{Subject, SubjectError, SubjectExtractor};
+
+/// Asks one extractor, then another when the first finds no subject. See
+/// [`SubjectExtractor::or`].
+#[derive(Clone, Debug)]
+pub struct Or<A, B> {
+    first: A,
+    second: B,
+}
+
+impl<A, B> Or<A, B> {
+    pub(super) fn new(first: A, second: B) -> Self {
+        Self { first, second }
+    }
+}
+
+impl<A, B> SubjectExtractor for Or<A, B>
+where
+    A: SubjectExtractor,
+    B: SubjectExtractor,
+{
+    fn extract(&self, parts: &Parts) -> Result<Subject, SubjectError> {
+        match self.first.extract(parts) {
+            Err(SubjectError::Missing) => self.second.extract(parts),
+            answer => answer,
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::subject::{from_fn, FromHeader};
+    use http::Request;
+
+    fn parts(headers: &[(&str, &str)]) -> Parts {
+        let mut request = Request::get("/");
+        for (name, value) in headers {
+            request = request.header(*name, *value);
+        }
+        request.body(()).unwrap().into_parts().0
+    }
+
+    fn three() -> impl SubjectExtractor {
+        FromHeader::account("x-account-id")
+            .or(FromHeader::user("x-user-id"))
+            .or(FromHeader::device("x-device-id"))
+    }
+
+    #[test]
+    fn first_answer_wins() {
+        let both = parts(&[("x-account-id", "a"), ("x-user-id", "u")]);
+        assert_eq!(three().extract(&both), Ok(Subject::account("a")));
+    }
+
+    #[test]
+    fn missing_falls_through_each_level() {
+        let user = parts(&[("x-user-id", "u"), ("x-device-id", "d")]);
+        assert_eq!(three().extract(&user), Ok(Subject::user("u")));
+        let device = parts(&[("x-device-id", "d")]);
+        assert_eq!(three().extract(&device), Ok(Subject::device("d")));
+        assert_eq!(three().extract(&parts(&[])), Err(SubjectError::Missing));
+    }
+
+    #[test]
+    fn malformed_is_never_replaced() {
+        // A repeated account header is malformed: the user header is not asked.
+        let first = parts(&[
+            ("x-account-id", "a"),
+            ("x-account-id", "b"),
+            ("x-user-id", "u"),
+        ]);
+        assert!(matches!(
+            three().extract(&first),
+            Err(SubjectError::Malformed(_))
+        ));
+        // Nor at the second level.
+        let second = parts(&[("x-user-id", "u"), ("x-user-id", "v"), ("x-device-id", "d")]);
+        assert!(matches!(
+            three().extract(&second),
+            Err(SubjectError::Malformed(_))
+        ));
+        // The last one's malformed answer is the answer too.
+        let last = parts(&[("x-device-id", "d"), ("x-device-id", "e")]);
+        assert!(matches!(
+            three().extract(&last),
+            Err(SubjectError::Malformed(_))
+        ));
+    }
+
+    #[test]
+    fn second_is_not_asked_when_the_first_answers() {
+        let asked = std::sync::Arc::new(std::sync::atomic::AtomicUsize::new(0));
+        let counter = asked.clone();
+        let second = from_fn(move |_: &Parts| {
+            counter.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+            Ok(Subject::user("fallback"))
+        });
+        let ex = FromHeader::account("x-account-id").or(second);
+        assert_eq!(
+            ex.extract(&parts(&[("x-account-id", "a")])),
+            Ok(Subject::account("a"))
+        );
+        assert_eq!(asked.load(std::sync::atomic::Ordering::Relaxed), 0);
+        assert_eq!(ex.extract(&parts(&[])), Ok(Subject::user("fallback")));
+        assert_eq!(asked.load(std::sync::atomic::Ordering::Relaxed), 1);
+    }
+}
