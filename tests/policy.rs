@@ -637,3 +637,54 @@ async fn quotas_of_a_layer_the_request_never_reached_are_given_back() {
     assert_eq!(used(&policy, "search-minute").await, 1);
     assert_eq!(used(&policy, "read-day").await, 2);
 }
+
+#[tokio::test]
+async fn client_ips_through_a_router_with_and_without_trusted_proxies() {
+    use axum::extract::ConnectInfo;
+    use std::net::SocketAddr;
+    use tower_quota::{ClientIp, SubjectKind};
+
+    let policy = QuotaPolicy::builder(ClientIp::new().trust_proxy_cidrs(["10.0.0.0/8"])).build();
+    let app = Router::new()
+        .route("/", get(|| async { "hi" }))
+        .route_layer(policy.layer(Quota::daily(2)));
+    let from = |peer: &str, forwarded: Option<&str>| {
+        let mut request = Request::get("/");
+        if let Some(forwarded) = forwarded {
+            request = request.header("x-forwarded-for", forwarded);
+        }
+        let mut request = request.body(Body::empty()).unwrap();
+        let peer: SocketAddr = peer.parse().unwrap();
+        request.extensions_mut().insert(ConnectInfo(peer));
+        request
+    };
+    let used_by = |ip: &str| {
+        let handle = policy.handle();
+        let subject = Subject::new(SubjectKind::IP, ip);
+        async move { handle.usage(&subject).await.unwrap()[0].usage.used }
+    };
+
+    // An untrusted peer cannot name another client.
+    let spoofed = send(&app, from("203.0.113.7:5000", Some("198.51.100.9"))).await;
+    assert_eq!(spoofed.status(), StatusCode::OK);
+    assert_eq!(used_by("203.0.113.7").await, 1);
+    assert_eq!(used_by("198.51.100.9").await, 0);
+    // Behind a trusted proxy, the client it names is charged.
+    send(&app, from("10.1.2.3:443", Some("198.51.100.9, 10.9.9.9"))).await;
+    assert_eq!(used_by("198.51.100.9").await, 1);
+    // IPv6 clients of one /64 share a counter; another /64 does not.
+    send(&app, from("[2001:db8:1:2::1]:1", None)).await;
+    send(&app, from("[2001:db8:1:2:ffff::9]:1", None)).await;
+    let third = send(&app, from("[2001:db8:1:2::7]:1", None)).await;
+    assert_eq!(third.status(), StatusCode::TOO_MANY_REQUESTS);
+    assert_eq!(
+        send(&app, from("[2001:db8:1:3::1]:1", None)).await.status(),
+        StatusCode::OK
+    );
+    // Garbage from a trusted proxy is a 400, never the proxy's own address.
+    let garbage = send(&app, from("10.1.2.3:443", Some("not-an-address"))).await;
+    assert_eq!(garbage.status(), StatusCode::BAD_REQUEST);
+    // No connection address at all: nobody to charge.
+    let nobody = send(&app, Request::get("/").body(Body::empty()).unwrap()).await;
+    assert_eq!(nobody.status(), StatusCode::UNAUTHORIZED);
+}
