@@ -325,3 +325,102 @@ impl<E, St> Shared<E, St> {
             .any(|p| **p == *plan)
     }
 }
+
+/// What one charge covers: the scopes of the layers it charges for (the
+/// charging layer's own first) and one line per quota of them.
+#[derive(Debug)]
+pub(crate) struct Layout {
+    pub(crate) scopes: Vec<Arc<Scope>>,
+    /// One per line.
+    pub(crate) quotas: Vec<Quota>,
+    /// Per line, the index of its scope in `scopes`.
+    pub(crate) line_scope: Vec<usize>,
+    pub(crate) cache: crate::response::PolicyCache,
+}
+
+impl Layout {
+    /// The most layers one charge covers.
+    pub(crate) const MAX_SCOPES: usize = 64;
+
+    /// # Panics
+    ///
+    /// When two quotas of the scopes would count on one counter, or share a
+    /// name: a request passing these layers would be charged twice on it.
+    pub(crate) fn new(scopes: Vec<Arc<Scope>>) -> Self {
+        assert!(
+            scopes.len() <= Self::MAX_SCOPES,
+            "a request passes more than {} quota layers of one policy",
+            Self::MAX_SCOPES
+        );
+        let mut quotas = Vec::new();
+        let mut line_scope = Vec::new();
+        for (i, scope) in scopes.iter().enumerate() {
+            for quota in scope.quotas.iter() {
+                for other in &quotas {
+                    assert!(
+                        !quota.shares_counters_with(other),
+                        "quotas {:?} and {:?} would count on one counter for the same request (same allowance, period and anchor) in nested layers; give one of them its own allowance",
+                        other.name(),
+                        quota.name()
+                    );
+                    assert!(
+                        quota.name() != other.name(),
+                        "two quotas applying to one request are named {:?}; name them apart with Quota::named",
+                        quota.name()
+                    );
+                }
+                quotas.push(quota.clone());
+                line_scope.push(i);
+            }
+        }
+        Self {
+            scopes,
+            quotas,
+            line_scope,
+            cache: Default::default(),
+        }
+    }
+}
+
+/// What a request costs on each scope of its charge; one scope needs no
+/// allocation.
+#[derive(Debug)]
+pub(crate) struct Costs {
+    first: u64,
+    rest: Vec<u64>,
+}
+
+impl Costs {
+    /// No cost at all (nothing charged).
+    pub(crate) fn none() -> Self {
+        Self {
+            first: 0,
+            rest: Vec::new(),
+        }
+    }
+
+    /// The costs of `scopes` for the request with head `parts`.
+    pub(crate) fn of(scopes: &[Arc<Scope>], parts: &Parts) -> Result<Self, InvalidCost> {
+        let mut costs = Self {
+            first: 0,
+            rest: Vec::new(),
+        };
+        for (i, scope) in scopes.iter().enumerate() {
+            let cost = scope.cost.of(parts)?;
+            if i == 0 {
+                costs.first = cost;
+            } else {
+                costs.rest.push(cost);
+            }
+        }
+        Ok(costs)
+    }
+
+    /// The cost on scope `i`.
+    pub(crate) fn get(&self, i: usize) -> u64 {
+        match i {
+            0 => self.first,
+            i => self.rest[i - 1],
+        }
+    }
+}

@@ -25,11 +25,11 @@ pub(crate) enum Decision {
     Unavailable(Response<Bytes>),
 }
 
-/// Decides on the store's answer to a charge of `costs` on `quotas` (one
-/// line each) at `now`.
+/// Decides on the store's answer to a charge on `quotas` (one line each,
+/// costing `cost_of_line`) at `now`.
 pub(crate) fn decide(
     quotas: &[Quota],
-    costs: &[u64],
+    cost_of_line: impl Fn(usize) -> u64,
     now: Timestamp,
     on_store_error: OnStoreError,
     cache: &PolicyCache,
@@ -44,7 +44,7 @@ pub(crate) fn decide(
             admitted: false,
             usage,
         }) => {
-            let mut response = response::quota_exceeded(quotas, &usage, costs, now);
+            let mut response = response::quota_exceeded(quotas, &usage, cost_of_line, now);
             RateLimitFields::new(quotas, &usage, now, cache).append_to(response.headers_mut());
             Decision::Refuse(response)
         }
@@ -102,7 +102,7 @@ mod tests {
         });
         let Decision::Refuse(response) = decide(
             &quotas,
-            &[1, 1],
+            |_| 1,
             now,
             OnStoreError::FailOpen,
             &PolicyCache::default(),
@@ -130,13 +130,13 @@ mod tests {
         let now = at("2026-12-02T10:00:00Z");
         let cache = PolicyCache::default();
         assert!(matches!(
-            decide(&quotas, &[1], now, OnStoreError::FailOpen, &cache, error()),
+            decide(&quotas, |_| 1, now, OnStoreError::FailOpen, &cache, error()),
             Decision::PassUncharged
         ));
         let closed = OnStoreError::FailClosed {
             retry_after: Duration::from_millis(1_500),
         };
-        let Decision::Unavailable(response) = decide(&quotas, &[1], now, closed, &cache, error())
+        let Decision::Unavailable(response) = decide(&quotas, |_| 1, now, closed, &cache, error())
         else {
             panic!("fail closed answers 503");
         };

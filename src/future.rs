@@ -1,6 +1,6 @@
 use std::future::Future;
 use std::pin::Pin;
-use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::atomic::Ordering;
 use std::sync::Arc;
 use std::task::{ready, Context, Poll};
 use std::time::Duration;
@@ -13,13 +13,12 @@ use tokio::time::Sleep;
 use tower_service::Service;
 
 use crate::body::ResponseBody;
-use crate::config::{DeferredCost, OnStoreError, Scope, Settings};
+use crate::config::{Layout, OnStoreError};
 use crate::decision::{decide, Decision};
 use crate::key::PeriodKey;
 use crate::period::Clock;
-use crate::quota::Quota;
-use crate::response::{PolicyCache, RateLimitFields};
-use crate::status::{QuotaStatus, QuotaUsage, Ticket};
+use crate::response::RateLimitFields;
+use crate::status::{QuotaStatus, QuotaUsage};
 use crate::store::{Store, StoreError, StoreErrorKind, Usage};
 
 type Adjusting = Pin<Box<dyn Future<Output = Vec<Option<u64>>> + Send>>;
@@ -84,34 +83,23 @@ pub(crate) struct Pending<S, St, ReqBody> {
     admission: Admission<St>,
 }
 
-/// What one request is charged: one line per quota, and what to do with the
-/// charge once the response is known.
+/// One request's charge: its ticket (the status the request will carry,
+/// still held by this charge alone), the keys of its lines, and the
+/// settings that decide what follows the store's answer.
 pub(crate) struct Admission<St> {
-    store: St,
-    policy: u64,
-    /// One per line.
-    quotas: Arc<[Quota]>,
-    keys: Vec<PeriodKey>,
-    costs: Vec<u64>,
-    scopes: Vec<u64>,
-    /// The scopes charged; the first is the charging layer's own.
-    covered: Vec<u64>,
-    deferred: Vec<(u64, DeferredCost, u64)>,
-    now: Timestamp,
-    clock: Arc<dyn Clock>,
-    on_store_error: OnStoreError,
-    store_timeout: Option<Duration>,
-    refund_server_errors: bool,
-    cache: Arc<PolicyCache>,
-    /// The status of an outer layer that charged without knowing this one.
-    outer: Option<QuotaStatus>,
+    pub(crate) store: St,
+    pub(crate) status: QuotaStatus,
+    pub(crate) keys: Vec<PeriodKey>,
+    pub(crate) clock: Arc<dyn Clock>,
+    pub(crate) on_store_error: OnStoreError,
+    pub(crate) store_timeout: Option<Duration>,
+    pub(crate) refund_server_errors: bool,
 }
 
-/// An admitted request: its charge and status, for the response path.
+/// An admitted request: its charge, for the response path.
 pub(crate) struct After<St> {
     admission: Admission<St>,
     usage: Vec<Usage>,
-    status: QuotaStatus,
     /// The adjustments the store is applying.
     pending: Vec<(usize, Adjust)>,
 }
@@ -124,108 +112,49 @@ enum Adjust {
 }
 
 impl<St: Store> Admission<St> {
-    pub(crate) fn new(
-        store: St,
-        policy: u64,
-        quotas: Arc<[Quota]>,
-        now: Timestamp,
-        settings: &Settings,
-        cache: Arc<PolicyCache>,
-        outer: Option<QuotaStatus>,
-    ) -> Self {
-        let lines = quotas.len();
-        Self {
-            store,
-            policy,
-            quotas,
-            keys: Vec::with_capacity(lines),
-            costs: Vec::with_capacity(lines),
-            scopes: Vec::with_capacity(lines),
-            covered: Vec::new(),
-            deferred: Vec::new(),
-            now,
-            clock: Arc::clone(&settings.clock),
-            on_store_error: settings.on_store_error,
-            store_timeout: settings.store_timeout,
-            refund_server_errors: settings.refund_server_errors,
-            cache,
-            outer,
-        }
+    fn layout(&self) -> &Layout {
+        self.status
+            .ticket()
+            .layout
+            .as_deref()
+            .expect("a charge has a layout")
     }
 
-    /// Charges `scope`'s quotas `cost` each.
-    pub(crate) fn add_scope(&mut self, scope: &Scope, cost: u64) {
-        self.covered.push(scope.id);
-        for _ in scope.quotas.iter() {
-            self.costs.push(cost);
-            self.scopes.push(scope.id);
-        }
-        if let Some(deferred) = &scope.deferred {
-            self.deferred.push((scope.id, deferred.clone(), cost));
-        }
-    }
-
-    /// The key of the next line.
-    pub(crate) fn add_key(&mut self, key: PeriodKey) {
-        self.keys.push(key);
-    }
-
-    /// The request's status once admitted with `usage`: this charge's lines,
-    /// after those of a hidden outer layer's.
-    fn admit(&mut self, usage: &[Usage]) -> QuotaStatus {
-        let own = self.covered.first().copied();
+    /// The ticket once admitted with `usage`: the entries the handler reads.
+    fn admit(&mut self, usage: &[Usage]) {
         let keys = std::mem::take(&mut self.keys);
-        let mut ticket = Ticket {
-            policy: self.policy,
-            entries: Vec::with_capacity(usage.len()),
-            scopes: Vec::with_capacity(usage.len()),
-            costs: Vec::with_capacity(usage.len()),
-            covered: Vec::with_capacity(self.covered.len()),
-            charged_at: self.now,
-            refunded: AtomicBool::new(false),
-            exempt: false,
-        };
-        if let Some(outer) = &self.outer {
-            let outer = outer.ticket();
-            ticket.entries.extend(outer.entries.iter().cloned());
-            ticket.scopes.extend(&outer.scopes);
-            ticket.costs.extend(&outer.costs);
-            ticket.covered.extend(
-                outer
-                    .covered
-                    .iter()
-                    .map(|(id, reached)| (*id, AtomicBool::new(reached.load(Ordering::Relaxed)))),
-            );
+        let ticket = self
+            .status
+            .ticket_mut()
+            .expect("the request does not carry its status before it is admitted");
+        let layout = ticket.layout.as_deref().expect("a charge has a layout");
+        let mut entries = Vec::with_capacity(ticket.outer_lines() + usage.len());
+        if let Some(outer) = &ticket.outer {
+            entries.extend(outer.entries().iter().cloned());
         }
-        ticket.entries.extend(
-            self.quotas
+        entries.extend(
+            layout
+                .quotas
                 .iter()
                 .zip(keys)
                 .zip(usage)
                 .map(|((quota, key), usage)| QuotaUsage::new(quota.clone(), key, *usage)),
         );
-        ticket.scopes.extend(&self.scopes);
-        ticket.costs.extend(&self.costs);
-        ticket.covered.extend(
-            self.covered
-                .iter()
-                .map(|id| (*id, AtomicBool::new(Some(*id) == own))),
-        );
-        QuotaStatus::new(ticket)
+        ticket.entries = entries;
     }
 
     /// Gives back what a hidden outer layer charged, when this layer refuses
     /// the request.
     fn refund_outer(&self) -> Option<Adjusting> {
-        let outer = self.outer.as_ref()?.ticket();
+        let outer = self.status.ticket().outer.as_ref()?.ticket();
         if outer.refunded.swap(true, Ordering::Relaxed) {
             return None;
         }
         let ops = outer
             .entries
             .iter()
-            .zip(&outer.costs)
-            .map(|(entry, cost)| (entry.key.clone(), Adjust::Refund(*cost)))
+            .enumerate()
+            .map(|(i, entry)| (entry.key.clone(), Adjust::Refund(outer.line_cost(i))))
             .collect();
         Some(settle(self.store.clone(), self.clock.now(), ops))
     }
@@ -234,51 +163,46 @@ impl<St: Store> Admission<St> {
 impl<St: Store> After<St> {
     /// How the response changes the charge: refunds for layers the request
     /// never reached and, when the rule is on, for a server error; the
-    /// difference to a deferred cost otherwise.
+    /// difference to a deferred cost otherwise. Indices are the ticket's
+    /// entries.
     fn adjustments(
         &self,
         failed: bool,
         response: Option<&http::response::Parts>,
     ) -> Vec<(usize, Adjust)> {
-        let ticket = self.status.ticket();
+        let ticket = self.admission.status.ticket();
         if ticket.refunded.load(Ordering::Relaxed) {
             return Vec::new();
         }
-        let admission = &self.admission;
-        let own = admission.covered.first().copied();
-        // This charge's lines follow a hidden outer layer's in the ticket.
-        let offset = ticket.entries.len() - admission.scopes.len();
-        let refund_all = failed && admission.refund_server_errors;
+        let layout = self.admission.layout();
+        let offset = ticket.outer_lines();
+        let refund_all = failed && self.admission.refund_server_errors;
         let mut ops = Vec::new();
-        for (i, (scope, cost)) in admission.scopes.iter().zip(&admission.costs).enumerate() {
-            let unreached = Some(*scope) != own && !ticket.reached(*scope);
+        for (line, &scope) in layout.line_scope.iter().enumerate() {
+            let cost = ticket.costs.get(scope);
+            let unreached = scope != 0 && !ticket.reached(scope);
             if unreached || refund_all {
-                if *cost > 0 {
-                    ops.push((offset + i, Adjust::Refund(*cost)));
+                if cost > 0 {
+                    ops.push((offset + line, Adjust::Refund(cost)));
                 }
                 continue;
             }
-            let Some(response) = response else { continue };
-            if let Some((_, deferred, upfront)) =
-                admission.deferred.iter().find(|(id, _, _)| id == scope)
-            {
-                let real = (deferred.0)(response);
-                match real.cmp(upfront) {
-                    std::cmp::Ordering::Greater => {
-                        ops.push((offset + i, Adjust::Add(real - upfront)))
-                    }
-                    std::cmp::Ordering::Less => {
-                        ops.push((offset + i, Adjust::Refund(upfront - real)))
-                    }
-                    std::cmp::Ordering::Equal => {}
-                }
+            let (Some(response), Some(deferred)) = (response, &layout.scopes[scope].deferred)
+            else {
+                continue;
+            };
+            let real = (deferred.0)(response);
+            match real.cmp(&cost) {
+                std::cmp::Ordering::Greater => ops.push((offset + line, Adjust::Add(real - cost))),
+                std::cmp::Ordering::Less => ops.push((offset + line, Adjust::Refund(cost - real))),
+                std::cmp::Ordering::Equal => {}
             }
         }
         ops
     }
 
     fn settle(&self, ops: &[(usize, Adjust)]) -> Adjusting {
-        let entries = &self.status.ticket().entries;
+        let entries = self.admission.status.entries();
         let ops = ops
             .iter()
             .map(|(i, op)| (entries[*i].key.clone(), *op))
@@ -292,7 +216,7 @@ impl<St: Store> After<St> {
 
     /// What the counters hold after the adjustments.
     fn settled(&mut self, ops: &[(usize, Adjust)], results: Vec<Option<u64>>) {
-        let offset = self.status.ticket().entries.len() - self.usage.len();
+        let offset = self.admission.status.ticket().outer_lines();
         for ((i, _), result) in ops.iter().zip(results) {
             if let Some(used) = result {
                 self.usage[i - offset].used = used;
@@ -301,12 +225,12 @@ impl<St: Store> After<St> {
     }
 
     fn fields(&self) -> RateLimitFields {
-        let admission = &self.admission;
+        let layout = self.admission.layout();
         RateLimitFields::new(
-            &admission.quotas,
+            &layout.quotas,
             &self.usage,
-            admission.now,
-            &admission.cache,
+            self.admission.status.charged_at(),
+            &layout.cache,
         )
     }
 }
@@ -394,32 +318,34 @@ where
         mut request,
         mut admission,
     } = pending;
+    let ticket = admission.status.ticket();
+    let layout = admission.layout();
     let decision = decide(
-        &admission.quotas,
-        &admission.costs,
-        admission.now,
+        &layout.quotas,
+        |line| ticket.costs.get(layout.line_scope[line]),
+        ticket.charged_at,
         admission.on_store_error,
-        &admission.cache,
+        &layout.cache,
         answer,
     );
     match decision {
         Decision::Admit { usage } => {
-            let status = admission.admit(&usage);
-            request.extensions_mut().insert(status.clone());
+            admission.admit(&usage);
+            request.extensions_mut().insert(admission.status.clone());
             State::Calling {
                 future: inner.call(request),
                 after: Some(After {
                     admission,
                     usage,
-                    status,
                     pending: Vec::new(),
                 }),
             }
         }
         Decision::PassUncharged => {
+            let ticket = admission.status.ticket();
             request
                 .extensions_mut()
-                .insert(QuotaStatus::exempt(admission.policy, admission.now));
+                .insert(QuotaStatus::exempt(ticket.policy, ticket.charged_at));
             State::Calling {
                 future: inner.call(request),
                 after: None,

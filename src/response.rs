@@ -140,18 +140,19 @@ fn problem_of_type(
     response
 }
 
-/// The 429 for a refused charge: `costs` are what the request would have
-/// spent on each quota.
+/// The 429 for a refused charge: `cost_of_line` is what the request would
+/// have spent on each quota.
 pub(crate) fn quota_exceeded(
     quotas: &[Quota],
     usage: &[Usage],
-    costs: &[u64],
+    cost_of_line: impl Fn(usize) -> u64,
     now: Timestamp,
 ) -> Response<Bytes> {
     let mut violated = Vec::new();
     let mut detail = String::new();
     let mut retry_after = Some(1);
-    for ((quota, usage), &cost) in quotas.iter().zip(usage).zip(costs) {
+    for (line, (quota, usage)) in quotas.iter().zip(usage).enumerate() {
+        let cost = cost_of_line(line);
         if usage.used.saturating_add(cost) <= usage.limit {
             continue;
         }

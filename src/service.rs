@@ -1,5 +1,6 @@
 use std::fmt;
 use std::mem;
+use std::sync::atomic::{AtomicBool, AtomicU64};
 use std::sync::Arc;
 use std::task::{Context, Poll};
 
@@ -8,12 +9,11 @@ use http::{Request, Response, StatusCode};
 use tower_service::Service;
 
 use crate::body::ResponseBody;
-use crate::config::{Scope, Shared, SubjectPolicy, UnknownPlan};
+use crate::config::{Costs, Layout, Scope, Shared, SubjectPolicy, UnknownPlan};
 use crate::future::{Admission, ResponseFuture};
 use crate::probe;
-use crate::quota::Quota;
-use crate::response::{self, PolicyCache};
-use crate::status::QuotaStatus;
+use crate::response;
+use crate::status::{QuotaStatus, Ticket};
 use crate::store::{ChargeRequest, Store};
 use crate::subject::{Subject, SubjectError, SubjectExtractor};
 
@@ -29,16 +29,13 @@ pub struct QuotaService<S, E, St> {
 /// layers of its policy it found inside the service it wraps.
 pub(crate) struct Charges {
     own: Arc<Scope>,
-    /// `own` first, then the inner ones.
-    scopes: Vec<Arc<Scope>>,
-    /// Every quota of `scopes`, in order; and `own`'s alone.
-    quotas: Arc<[Quota]>,
-    own_quotas: Arc<[Quota]>,
+    /// Charged when this is the first layer of the policy on the request.
+    full: Arc<Layout>,
+    /// Charged when an outer layer of the policy could not see this one.
+    alone: Arc<Layout>,
     /// The wrapped service is the router's answer to an unknown path or
     /// method: never charged.
     unrouted: bool,
-    cache: Arc<PolicyCache>,
-    own_cache: Arc<PolicyCache>,
 }
 
 impl Charges {
@@ -49,33 +46,11 @@ impl Charges {
     pub(crate) fn new(own: Arc<Scope>, found: probe::Found) -> Self {
         let mut scopes = vec![Arc::clone(&own)];
         scopes.extend(found.scopes.into_iter().filter(|s| s.id != own.id));
-        let quotas: Vec<Quota> = scopes
-            .iter()
-            .flat_map(|s| s.quotas.iter().cloned())
-            .collect();
-        for (i, a) in quotas.iter().enumerate() {
-            for b in &quotas[..i] {
-                assert!(
-                    !a.shares_counters_with(b),
-                    "quotas {:?} and {:?} would count on one counter for the same request (same allowance, period and anchor) in nested layers; give one of them its own allowance",
-                    b.name(),
-                    a.name()
-                );
-                assert!(
-                    a.name() != b.name(),
-                    "two quotas applying to one request are named {:?}; name them apart with Quota::named",
-                    a.name()
-                );
-            }
-        }
         Self {
-            own_quotas: Arc::clone(&own.quotas),
+            full: Arc::new(Layout::new(scopes)),
+            alone: Arc::new(Layout::new(vec![Arc::clone(&own)])),
             own,
-            scopes,
-            quotas: quotas.into(),
             unrouted: found.unrouted,
-            cache: Arc::default(),
-            own_cache: Arc::default(),
         }
     }
 }
@@ -121,7 +96,7 @@ impl<S: fmt::Debug, E, St: fmt::Debug> fmt::Debug for QuotaService<S, E, St> {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         f.debug_struct("QuotaService")
             .field("inner", &self.inner)
-            .field("quotas", &self.charges.quotas)
+            .field("quotas", &self.charges.full.quotas)
             .field("store", &self.shared.store)
             .finish_non_exhaustive()
     }
@@ -161,7 +136,7 @@ where
                 return ResponseFuture::passing(self.call_inner(parts, body));
             }
             Some(_) => tracing::debug!(
-                quotas = ?charges.own_quotas,
+                quotas = ?charges.own.quotas,
                 "a quota layer hidden from the layer around it charges on its own"
             ),
             None if charges.unrouted || settings.skips(&parts) => {
@@ -209,44 +184,49 @@ where
             plan => plan,
         };
 
-        let (scopes, quotas, cache) = match outer {
-            Some(_) => (
-                std::slice::from_ref(&charges.own),
-                &charges.own_quotas,
-                &charges.own_cache,
-            ),
-            None => (&charges.scopes[..], &charges.quotas, &charges.cache),
+        let layout = match outer {
+            Some(_) => &charges.alone,
+            None => &charges.full,
         };
-        let mut admission = Admission::new(
-            shared.store.clone(),
-            shared.id,
-            Arc::clone(quotas),
-            now,
-            settings,
-            Arc::clone(cache),
-            outer,
-        );
-        let mut lines = Vec::with_capacity(quotas.len());
-        for scope in scopes {
-            let cost = match scope.cost.of(&parts) {
-                Ok(cost) => cost,
-                Err(error) => {
-                    tracing::debug!(%error, "request rejected: invalid cost");
-                    return ResponseFuture::rejected(response::problem(
-                        StatusCode::BAD_REQUEST,
-                        &error.0,
-                    ));
-                }
-            };
-            admission.add_scope(scope, cost);
-            for quota in scope.quotas.iter() {
-                let limit = quota.limit_for(plan.as_deref());
-                let line = quota.line_with_limit(&settings.namespace, &subject, now, cost, limit);
-                admission.add_key(line.key.clone());
-                lines.push(line);
+        let costs = match Costs::of(&layout.scopes, &parts) {
+            Ok(costs) => costs,
+            Err(error) => {
+                tracing::debug!(%error, "request rejected: invalid cost");
+                return ResponseFuture::rejected(response::problem(
+                    StatusCode::BAD_REQUEST,
+                    &error.0,
+                ));
             }
+        };
+        let mut lines = Vec::with_capacity(layout.quotas.len());
+        let mut keys = Vec::with_capacity(layout.quotas.len());
+        for (quota, &scope) in layout.quotas.iter().zip(&layout.line_scope) {
+            let limit = quota.limit_for(plan.as_deref());
+            let cost = costs.get(scope);
+            let line = quota.line_with_limit(&settings.namespace, &subject, now, cost, limit);
+            keys.push(line.key.clone());
+            lines.push(line);
         }
         let charge = shared.store.charge(ChargeRequest { now, lines });
+        let admission = Admission {
+            store: shared.store.clone(),
+            status: QuotaStatus::new(Ticket {
+                policy: shared.id,
+                layout: Some(Arc::clone(layout)),
+                costs,
+                outer,
+                entries: Vec::new(),
+                // The charging layer is where the request is.
+                reached: AtomicU64::new(1),
+                refunded: AtomicBool::new(false),
+                charged_at: now,
+            }),
+            keys,
+            clock: Arc::clone(&settings.clock),
+            on_store_error: settings.on_store_error,
+            store_timeout: settings.store_timeout,
+            refund_server_errors: settings.refund_server_errors,
+        };
 
         let request = Request::from_parts(parts, body);
         ResponseFuture::charging(charge, self.take_ready(), request, admission)

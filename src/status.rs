@@ -1,8 +1,9 @@
-use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::Arc;
 
 use jiff::Timestamp;
 
+use crate::config::{Costs, Layout};
 use crate::key::PeriodKey;
 use crate::period::Anchor;
 use crate::quota::Quota;
@@ -76,17 +77,18 @@ pub struct QuotaStatus {
 #[derive(Debug)]
 pub(crate) struct Ticket {
     pub(crate) policy: u64,
+    /// What was charged; `None` for a request let through uncounted.
+    pub(crate) layout: Option<Arc<Layout>>,
+    pub(crate) costs: Costs,
+    /// A hidden outer layer's charge, whose entries come first.
+    pub(crate) outer: Option<QuotaStatus>,
     pub(crate) entries: Vec<QuotaUsage>,
-    /// Per entry: the scope (layer) it belongs to, and what it was charged.
-    pub(crate) scopes: Vec<u64>,
-    pub(crate) costs: Vec<u64>,
-    /// The scopes charged, and whether the request reached each one's layer.
-    pub(crate) covered: Vec<(u64, AtomicBool)>,
-    /// The instant of the charge.
-    pub(crate) charged_at: Timestamp,
+    /// Bit `i`: the request reached the layer of scope `i` of the layout.
+    pub(crate) reached: AtomicU64,
     /// Set when the charge was given back (an inner layer refused).
     pub(crate) refunded: AtomicBool,
-    pub(crate) exempt: bool,
+    /// The instant of the charge.
+    pub(crate) charged_at: Timestamp,
 }
 
 impl QuotaStatus {
@@ -100,18 +102,24 @@ impl QuotaStatus {
     pub(crate) fn exempt(policy: u64, now: Timestamp) -> Self {
         Self::new(Ticket {
             policy,
+            layout: None,
+            costs: Costs::none(),
+            outer: None,
             entries: Vec::new(),
-            scopes: Vec::new(),
-            costs: Vec::new(),
-            covered: Vec::new(),
-            charged_at: now,
+            reached: AtomicU64::new(0),
             refunded: AtomicBool::new(false),
-            exempt: true,
+            charged_at: now,
         })
     }
 
     pub(crate) fn ticket(&self) -> &Ticket {
         &self.inner
+    }
+
+    /// The ticket, while this status is its only holder (before the request
+    /// carries it).
+    pub(crate) fn ticket_mut(&mut self) -> Option<&mut Ticket> {
+        Arc::get_mut(&mut self.inner)
     }
 
     /// One entry per quota that applied to the request, outer layers first.
@@ -133,27 +141,44 @@ impl QuotaStatus {
 
     /// Whether the request was let through uncounted.
     pub fn is_exempt(&self) -> bool {
-        self.inner.exempt
+        self.inner.layout.is_none()
     }
 }
 
 impl Ticket {
-    /// Marks the layer of `scope` as reached; whether this ticket charged
-    /// its quotas.
+    /// Marks the layer of `scope` as reached; whether this charge (or a
+    /// hidden outer one) covered its quotas.
     pub(crate) fn reach(&self, scope: u64) -> bool {
-        match self.covered.iter().find(|(id, _)| *id == scope) {
-            Some((_, reached)) => {
-                reached.store(true, Ordering::Relaxed);
+        let Some(layout) = &self.layout else {
+            return false;
+        };
+        match layout.scopes.iter().position(|s| s.id == scope) {
+            Some(i) => {
+                self.reached.fetch_or(1 << i, Ordering::Relaxed);
                 true
             }
-            None => false,
+            None => self.outer.as_ref().is_some_and(|o| o.ticket().reach(scope)),
         }
     }
 
-    pub(crate) fn reached(&self, scope: u64) -> bool {
-        self.covered
-            .iter()
-            .any(|(id, reached)| *id == scope && reached.load(Ordering::Relaxed))
+    /// Whether the request reached the layer of scope `i` of the layout.
+    pub(crate) fn reached(&self, i: usize) -> bool {
+        self.reached.load(Ordering::Relaxed) & (1 << i) != 0
+    }
+
+    /// How many entries come from a hidden outer layer's charge.
+    pub(crate) fn outer_lines(&self) -> usize {
+        self.outer.as_ref().map_or(0, |o| o.entries().len())
+    }
+
+    /// What entry `i` was charged.
+    pub(crate) fn line_cost(&self, i: usize) -> u64 {
+        let offset = self.outer_lines();
+        match (&self.outer, &self.layout) {
+            (Some(outer), _) if i < offset => outer.ticket().line_cost(i),
+            (_, Some(layout)) => self.costs.get(layout.line_scope[i - offset]),
+            (_, None) => 0,
+        }
     }
 }
 
