@@ -18,7 +18,7 @@ use crate::decision::{decide, Decision};
 use crate::key::PeriodKey;
 use crate::period::Clock;
 use crate::response::RateLimitFields;
-use crate::status::{QuotaStatus, QuotaUsage};
+use crate::status::QuotaStatus;
 use crate::store::{Store, StoreError, StoreErrorKind, Usage};
 
 type Adjusting = Pin<Box<dyn Future<Output = Vec<Option<u64>>> + Send>>;
@@ -84,12 +84,11 @@ pub(crate) struct Pending<S, St, ReqBody> {
 }
 
 /// One request's charge: its ticket (the status the request will carry,
-/// still held by this charge alone), the keys of its lines, and the
-/// settings that decide what follows the store's answer.
+/// still held by this charge alone) and the settings that decide what
+/// follows the store's answer.
 pub(crate) struct Admission<St> {
     pub(crate) store: St,
     pub(crate) status: QuotaStatus,
-    pub(crate) keys: Vec<PeriodKey>,
     pub(crate) clock: Arc<dyn Clock>,
     pub(crate) on_store_error: OnStoreError,
     pub(crate) store_timeout: Option<Duration>,
@@ -122,25 +121,17 @@ impl<St: Store> Admission<St> {
 
     /// The ticket once admitted with `usage`: the entries the handler reads.
     fn admit(&mut self, usage: &[Usage]) {
-        let keys = std::mem::take(&mut self.keys);
         let ticket = self
             .status
             .ticket_mut()
             .expect("the request does not carry its status before it is admitted");
-        let layout = ticket.layout.as_deref().expect("a charge has a layout");
-        let mut entries = Vec::with_capacity(ticket.outer_lines() + usage.len());
-        if let Some(outer) = &ticket.outer {
-            entries.extend(outer.entries().iter().cloned());
+        for (entry, usage) in ticket.entries.iter_mut().zip(usage) {
+            entry.usage = *usage;
         }
-        entries.extend(
-            layout
-                .quotas
-                .iter()
-                .zip(keys)
-                .zip(usage)
-                .map(|((quota, key), usage)| QuotaUsage::new(quota.clone(), key, *usage)),
-        );
-        ticket.entries = entries;
+        if let Some(outer) = &ticket.outer {
+            let own = std::mem::take(&mut ticket.entries);
+            ticket.entries = outer.entries().iter().cloned().chain(own).collect();
+        }
     }
 
     /// Gives back what a hidden outer layer charged, when this layer refuses

@@ -13,6 +13,7 @@
 //! back exactly one (kind, id, allowance, period): two different tuples never
 //! share a counter.
 
+use std::cell::RefCell;
 use std::fmt::{self, Write as _};
 use std::sync::Arc;
 
@@ -58,19 +59,30 @@ impl Namespace {
 
     /// The key of one counter.
     pub fn key(&self, subject: &Subject, allowance: &str, period: &str) -> PeriodKey {
-        let mut key = String::with_capacity(
-            self.prefix.len() + subject.id().len() + allowance.len() + period.len() + 16,
-        );
-        key.push_str(&self.prefix);
-        key.push_str(":{");
-        push_encoded(&mut key, subject.kind().as_str().as_bytes());
-        key.push(':');
-        push_encoded(&mut key, subject.id());
-        key.push_str("}:");
-        push_encoded(&mut key, allowance.as_bytes());
-        key.push(':');
-        key.push_str(period);
-        PeriodKey(key)
+        thread_local! {
+            // Keys are written here, then copied once into their shared
+            // allocation.
+            static BUFFER: RefCell<String> = const { RefCell::new(String::new()) };
+        }
+        BUFFER.with(|buffer| {
+            let mut key = buffer.borrow_mut();
+            key.clear();
+            key.push_str(&self.prefix);
+            key.push_str(":{");
+            push_encoded(&mut key, subject.kind().as_str().as_bytes());
+            key.push(':');
+            push_encoded(&mut key, subject.id());
+            key.push_str("}:");
+            push_encoded(&mut key, allowance.as_bytes());
+            key.push(':');
+            key.push_str(period);
+            let built = PeriodKey(Arc::from(key.as_str()));
+            // A hostile id must not leave a large buffer behind.
+            if key.capacity() > 4096 {
+                *key = String::new();
+            }
+            built
+        })
     }
 }
 
@@ -91,14 +103,15 @@ impl Default for Namespace {
     }
 }
 
-/// The key of one counter: one subject, one allowance, one period.
+/// The key of one counter: one subject, one allowance, one period. Cheap to
+/// clone: clones share the text.
 #[derive(Clone, Debug, PartialEq, Eq, Hash, PartialOrd, Ord)]
-pub struct PeriodKey(String);
+pub struct PeriodKey(Arc<str>);
 
 impl PeriodKey {
     /// Wraps a key built elsewhere (e.g. read back from a store).
     pub fn from_string(key: String) -> Self {
-        Self(key)
+        Self(key.into())
     }
 
     /// The key as text.
@@ -110,7 +123,7 @@ impl PeriodKey {
     /// Cluster hashes, and what the memory store shards on. The whole key when
     /// there is no such part.
     pub fn hash_tag(&self) -> &str {
-        let key = self.0.as_str();
+        let key: &str = &self.0;
         if let Some(open) = key.find('{') {
             if let Some(len) = key[open + 1..].find('}') {
                 if len > 0 {
@@ -123,7 +136,12 @@ impl PeriodKey {
 
     /// The key as an owned `String`.
     pub fn into_string(self) -> String {
-        self.0
+        self.0.to_string()
+    }
+
+    /// The key's shared text.
+    pub(crate) fn shared(&self) -> &Arc<str> {
+        &self.0
     }
 }
 

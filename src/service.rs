@@ -13,8 +13,8 @@ use crate::config::{Costs, Layout, Scope, Shared, SubjectPolicy, UnknownPlan};
 use crate::future::{Admission, ResponseFuture};
 use crate::probe;
 use crate::response;
-use crate::status::{QuotaStatus, Ticket};
-use crate::store::{ChargeRequest, Store};
+use crate::status::{QuotaStatus, QuotaUsage, Ticket};
+use crate::store::{ChargeRequest, Store, Usage};
 use crate::subject::{Subject, SubjectError, SubjectExtractor};
 
 /// The service of a [`QuotaLayer`](crate::QuotaLayer): charges each request
@@ -199,12 +199,19 @@ where
             }
         };
         let mut lines = Vec::with_capacity(layout.quotas.len());
-        let mut keys = Vec::with_capacity(layout.quotas.len());
+        // What the handler will read, once the store has told the usage.
+        let mut entries = Vec::with_capacity(layout.quotas.len());
         for (quota, &scope) in layout.quotas.iter().zip(&layout.line_scope) {
             let limit = quota.limit_for(plan.as_deref());
             let cost = costs.get(scope);
             let line = quota.line_with_limit(&settings.namespace, &subject, now, cost, limit);
-            keys.push(line.key.clone());
+            let unknown = Usage {
+                limit,
+                used: 0,
+                resets_at: now,
+                first_call: None,
+            };
+            entries.push(QuotaUsage::new(quota.clone(), line.key.clone(), unknown));
             lines.push(line);
         }
         let charge = shared.store.charge(ChargeRequest { now, lines });
@@ -215,13 +222,12 @@ where
                 layout: Some(Arc::clone(layout)),
                 costs,
                 outer,
-                entries: Vec::new(),
+                entries,
                 // The charging layer is where the request is.
                 reached: AtomicU64::new(1),
                 refunded: AtomicBool::new(false),
                 charged_at: now,
             }),
-            keys,
             clock: Arc::clone(&settings.clock),
             on_store_error: settings.on_store_error,
             store_timeout: settings.store_timeout,

@@ -321,7 +321,7 @@ impl Shard {
             deadline,
             first_use,
         };
-        let key: Arc<str> = line.key.as_str().into();
+        let key: Arc<str> = Arc::clone(line.key.shared());
         self.deadlines.push(Reverse((deadline, Arc::clone(&key))));
         self.counters.insert(key, counter);
         counter
