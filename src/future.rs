@@ -1,7 +1,6 @@
 use std::future::Future;
 use std::pin::Pin;
 use std::sync::atomic::Ordering;
-use std::sync::Arc;
 use std::task::{ready, Context, Poll};
 use std::time::Duration;
 
@@ -16,7 +15,6 @@ use crate::body::ResponseBody;
 use crate::config::{Layout, OnStoreError};
 use crate::decision::{decide, Decision};
 use crate::key::PeriodKey;
-use crate::period::Clock;
 use crate::response::RateLimitFields;
 use crate::status::QuotaStatus;
 use crate::store::{Store, StoreError, StoreErrorKind, Usage};
@@ -87,9 +85,11 @@ pub(crate) struct Pending<S, St, ReqBody> {
 /// still held by this charge alone) and the settings that decide what
 /// follows the store's answer.
 pub(crate) struct Admission<St> {
-    pub(crate) store: St,
+    /// For changes of the charge after the store's answer; only when some
+    /// can happen (refunds of server errors, deferred costs, inner layers
+    /// that may not be reached).
+    pub(crate) store: Option<St>,
     pub(crate) status: QuotaStatus,
-    pub(crate) clock: Arc<dyn Clock>,
     pub(crate) on_store_error: OnStoreError,
     pub(crate) store_timeout: Option<Duration>,
     pub(crate) refund_server_errors: bool,
@@ -147,7 +147,8 @@ impl<St: Store> Admission<St> {
             .enumerate()
             .map(|(i, entry)| (entry.key.clone(), Adjust::Refund(outer.line_cost(i))))
             .collect();
-        Some(settle(self.store.clone(), self.clock.now(), ops))
+        let store = self.store.clone()?;
+        Some(settle(store, self.status.charged_at(), ops))
     }
 }
 
@@ -198,11 +199,12 @@ impl<St: Store> After<St> {
             .iter()
             .map(|(i, op)| (entries[*i].key.clone(), *op))
             .collect();
-        settle(
-            self.admission.store.clone(),
-            self.admission.clock.now(),
-            ops,
-        )
+        let store = self
+            .admission
+            .store
+            .clone()
+            .expect("a charge that can change keeps its store");
+        settle(store, self.admission.status.charged_at(), ops)
     }
 
     /// What the counters hold after the adjustments.
@@ -226,16 +228,17 @@ impl<St: Store> After<St> {
     }
 }
 
-/// Applies `ops` in the store. Runs as a task of its own when a tokio
+/// Applies `ops` in the store, to the counters live at `charged_at` (those
+/// the request was charged on). Runs as a task of its own when a tokio
 /// runtime is at hand, so a response future dropped meanwhile does not cut
 /// a refund short.
-fn settle<St: Store>(store: St, now: Timestamp, ops: Vec<(PeriodKey, Adjust)>) -> Adjusting {
+fn settle<St: Store>(store: St, charged_at: Timestamp, ops: Vec<(PeriodKey, Adjust)>) -> Adjusting {
     let work = async move {
         let mut results = Vec::with_capacity(ops.len());
         for (key, op) in ops {
             let result = match op {
-                Adjust::Refund(amount) => store.refund(now, key.clone(), amount).await,
-                Adjust::Add(amount) => store.add(now, key.clone(), amount).await,
+                Adjust::Refund(amount) => store.refund(charged_at, key.clone(), amount).await,
+                Adjust::Add(amount) => store.add(charged_at, key.clone(), amount).await,
             };
             results.push(result.unwrap_or_else(|error| {
                 tracing::warn!(%error, key = key.as_str(), ?op, "quota store failed to adjust a charge after the response");

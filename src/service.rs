@@ -215,8 +215,15 @@ where
             lines.push(line);
         }
         let charge = shared.store.charge(ChargeRequest { now, lines });
+        // Whether the charge can change once the store has answered (and
+        // so needs the store again): after the response, or a hidden outer
+        // layer's charge given back.
+        let adjustable = settings.refund_server_errors
+            || outer.is_some()
+            || layout.scopes.len() > 1
+            || layout.scopes.iter().any(|s| s.deferred.is_some());
         let admission = Admission {
-            store: shared.store.clone(),
+            store: adjustable.then(|| shared.store.clone()),
             status: QuotaStatus::new(Ticket {
                 policy: shared.id,
                 layout: Some(Arc::clone(layout)),
@@ -228,7 +235,6 @@ where
                 refunded: AtomicBool::new(false),
                 charged_at: now,
             }),
-            clock: Arc::clone(&settings.clock),
             on_store_error: settings.on_store_error,
             store_timeout: settings.store_timeout,
             refund_server_errors: settings.refund_server_errors,
