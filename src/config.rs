@@ -87,6 +87,7 @@ pub(crate) enum Cost {
 }
 
 impl Cost {
+    #[inline]
     pub(crate) fn of(&self, parts: &Parts) -> Result<u64, InvalidCost> {
         match self {
             Cost::Fixed(n) => Ok(*n),
@@ -139,6 +140,7 @@ impl Default for Settings {
 
 impl Settings {
     /// Whether a request passes every layer of the policy uncounted.
+    #[inline]
     pub(crate) fn skips(&self, parts: &Parts) -> bool {
         self.skip.iter().any(|skip| skip(parts))
     }
@@ -400,7 +402,14 @@ impl Costs {
     }
 
     /// The costs of `scopes` for the request with head `parts`.
+    #[inline]
     pub(crate) fn of(scopes: &[Arc<Scope>], parts: &Parts) -> Result<Self, InvalidCost> {
+        if let [scope] = scopes {
+            return Ok(Self {
+                first: scope.cost.of(parts)?,
+                rest: Vec::new(),
+            });
+        }
         let mut costs = Self {
             first: 0,
             rest: Vec::new(),
@@ -417,6 +426,7 @@ impl Costs {
     }
 
     /// The cost on scope `i`.
+    #[inline]
     pub(crate) fn get(&self, i: usize) -> u64 {
         match i {
             0 => self.first,

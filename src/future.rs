@@ -408,6 +408,10 @@ where
                     let Some(mut after) = after.take() else {
                         return Poll::Ready(result.map(|r| r.map(ResponseBody::inner)));
                     };
+                    if after.admission.store.is_none() {
+                        // Nothing can change this charge any more.
+                        return Poll::Ready(finish(&after, result));
+                    }
                     let (result, ops) = match result {
                         Ok(response) => {
                             let (parts, body) = response.into_parts();

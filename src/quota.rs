@@ -238,6 +238,7 @@ impl Quota {
 
     /// The limit for a subject on `plan` (`None`: no plan, the quota's own
     /// limit).
+    #[inline]
     pub fn limit_for(&self, plan: Option<&str>) -> u64 {
         plan.and_then(|plan| {
             self.0

@@ -92,6 +92,7 @@ pub(crate) struct Ticket {
 }
 
 impl QuotaStatus {
+    #[inline]
     pub(crate) fn new(ticket: Ticket) -> Self {
         Self {
             inner: Arc::new(ticket),
