@@ -337,6 +337,7 @@ pub(crate) struct Layout {
     pub(crate) quotas: Vec<Quota>,
     /// Per line, the index of its scope in `scopes`.
     pub(crate) line_scope: Vec<usize>,
+    pub(crate) namespace: Namespace,
     pub(crate) cache: crate::response::PolicyCache,
 }
 
@@ -348,7 +349,7 @@ impl Layout {
     ///
     /// When two quotas of the scopes would count on one counter, or share a
     /// name: a request passing these layers would be charged twice on it.
-    pub(crate) fn new(scopes: Vec<Arc<Scope>>) -> Self {
+    pub(crate) fn new(scopes: Vec<Arc<Scope>>, namespace: &Namespace) -> Self {
         assert!(
             scopes.len() <= Self::MAX_SCOPES,
             "a request passes more than {} quota layers of one policy",
@@ -379,6 +380,7 @@ impl Layout {
             scopes,
             quotas,
             line_scope,
+            namespace: namespace.clone(),
             cache: Default::default(),
         }
     }

@@ -98,7 +98,8 @@ pub(crate) struct Admission<St> {
 /// An admitted request: its charge, for the response path.
 pub(crate) struct After<St> {
     admission: Admission<St>,
-    usage: Vec<Usage>,
+    /// What the counters hold once the response changed the charge.
+    settled: Option<Vec<Usage>>,
     /// The adjustments the store is applying.
     pending: Vec<(usize, Adjust)>,
 }
@@ -119,19 +120,13 @@ impl<St: Store> Admission<St> {
             .expect("a charge has a layout")
     }
 
-    /// The ticket once admitted with `usage`: the entries the handler reads.
-    fn admit(&mut self, usage: &[Usage]) {
+    /// The ticket once admitted with `usage`.
+    fn admit(&mut self, usage: Vec<Usage>) {
         let ticket = self
             .status
             .ticket_mut()
             .expect("the request does not carry its status before it is admitted");
-        for (entry, usage) in ticket.entries.iter_mut().zip(usage) {
-            entry.usage = *usage;
-        }
-        if let Some(outer) = &ticket.outer {
-            let own = std::mem::take(&mut ticket.entries);
-            ticket.entries = outer.entries().iter().cloned().chain(own).collect();
-        }
+        ticket.usage = usage;
     }
 
     /// Gives back what a hidden outer layer charged, when this layer refuses
@@ -141,11 +136,8 @@ impl<St: Store> Admission<St> {
         if outer.refunded.swap(true, Ordering::Relaxed) {
             return None;
         }
-        let ops = outer
-            .entries
-            .iter()
-            .enumerate()
-            .map(|(i, entry)| (entry.key.clone(), Adjust::Refund(outer.line_cost(i))))
+        let ops = (0..outer.lines())
+            .map(|i| (outer.key(i), Adjust::Refund(outer.line_cost(i))))
             .collect();
         let store = self.store.clone()?;
         Some(settle(store, self.status.charged_at(), ops))
@@ -194,11 +186,8 @@ impl<St: Store> After<St> {
     }
 
     fn settle(&self, ops: &[(usize, Adjust)]) -> Adjusting {
-        let entries = self.admission.status.entries();
-        let ops = ops
-            .iter()
-            .map(|(i, op)| (entries[*i].key.clone(), *op))
-            .collect();
+        let ticket = self.admission.status.ticket();
+        let ops = ops.iter().map(|(i, op)| (ticket.key(*i), *op)).collect();
         let store = self
             .admission
             .store
@@ -209,19 +198,25 @@ impl<St: Store> After<St> {
 
     /// What the counters hold after the adjustments.
     fn settled(&mut self, ops: &[(usize, Adjust)], results: Vec<Option<u64>>) {
-        let offset = self.admission.status.ticket().outer_lines();
+        let ticket = self.admission.status.ticket();
+        let offset = ticket.outer_lines();
+        let usage = self.settled.get_or_insert_with(|| ticket.usage.clone());
         for ((i, _), result) in ops.iter().zip(results) {
             if let Some(used) = result {
-                self.usage[i - offset].used = used;
+                usage[i - offset].used = used;
             }
         }
     }
 
     fn fields(&self) -> RateLimitFields {
         let layout = self.admission.layout();
+        let usage = match &self.settled {
+            Some(usage) => usage,
+            None => &self.admission.status.ticket().usage,
+        };
         RateLimitFields::new(
             &layout.quotas,
-            &self.usage,
+            usage,
             self.admission.status.charged_at(),
             &layout.cache,
         )
@@ -324,13 +319,13 @@ where
     );
     match decision {
         Decision::Admit { usage } => {
-            admission.admit(&usage);
+            admission.admit(usage);
             request.extensions_mut().insert(admission.status.clone());
             State::Calling {
                 future: inner.call(request),
                 after: Some(After {
                     admission,
-                    usage,
+                    settled: None,
                     pending: Vec::new(),
                 }),
             }

@@ -11,10 +11,11 @@ use tower_service::Service;
 use crate::body::ResponseBody;
 use crate::config::{Costs, Layout, Scope, Shared, SubjectPolicy, UnknownPlan};
 use crate::future::{Admission, ResponseFuture};
+use crate::key::Namespace;
 use crate::probe;
 use crate::response;
-use crate::status::{QuotaStatus, QuotaUsage, Ticket};
-use crate::store::{ChargeRequest, Store, Usage};
+use crate::status::{QuotaStatus, Ticket};
+use crate::store::{ChargeRequest, Store};
 use crate::subject::{Subject, SubjectError, SubjectExtractor};
 
 /// The service of a [`QuotaLayer`](crate::QuotaLayer): charges each request
@@ -43,12 +44,12 @@ impl Charges {
     ///
     /// When two quotas of the scopes would count on one counter: a request
     /// passing these layers would be charged twice on it.
-    pub(crate) fn new(own: Arc<Scope>, found: probe::Found) -> Self {
+    pub(crate) fn new(own: Arc<Scope>, found: probe::Found, namespace: &Namespace) -> Self {
         let mut scopes = vec![Arc::clone(&own)];
         scopes.extend(found.scopes.into_iter().filter(|s| s.id != own.id));
         Self {
-            full: Arc::new(Layout::new(scopes)),
-            alone: Arc::new(Layout::new(vec![Arc::clone(&own)])),
+            full: Arc::new(Layout::new(scopes, namespace)),
+            alone: Arc::new(Layout::new(vec![Arc::clone(&own)], namespace)),
             own,
             unrouted: found.unrouted,
         }
@@ -198,22 +199,15 @@ where
                 ));
             }
         };
-        let mut lines = Vec::with_capacity(layout.quotas.len());
-        // What the handler will read, once the store has told the usage.
-        let mut entries = Vec::with_capacity(layout.quotas.len());
-        for (quota, &scope) in layout.quotas.iter().zip(&layout.line_scope) {
-            let limit = quota.limit_for(plan.as_deref());
-            let cost = costs.get(scope);
-            let line = quota.line_with_limit(&settings.namespace, &subject, now, cost, limit);
-            let unknown = Usage {
-                limit,
-                used: 0,
-                resets_at: now,
-                first_call: None,
-            };
-            entries.push(QuotaUsage::new(quota.clone(), line.key.clone(), unknown));
-            lines.push(line);
-        }
+        let lines = layout
+            .quotas
+            .iter()
+            .zip(&layout.line_scope)
+            .map(|(quota, &scope)| {
+                let limit = quota.limit_for(plan.as_deref());
+                quota.line_with_limit(&settings.namespace, &subject, now, costs.get(scope), limit)
+            })
+            .collect();
         let charge = shared.store.charge(ChargeRequest { now, lines });
         // Whether the charge can change once the store has answered (and
         // so needs the store again): after the response, or a hidden outer
@@ -229,7 +223,9 @@ where
                 layout: Some(Arc::clone(layout)),
                 costs,
                 outer,
-                entries,
+                subject: Some(subject),
+                usage: Vec::new(),
+                entries: std::sync::OnceLock::new(),
                 // The charging layer is where the request is.
                 reached: AtomicU64::new(1),
                 refunded: AtomicBool::new(false),

@@ -1,5 +1,5 @@
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
-use std::sync::Arc;
+use std::sync::{Arc, OnceLock};
 
 use jiff::Timestamp;
 
@@ -8,6 +8,7 @@ use crate::key::PeriodKey;
 use crate::period::Anchor;
 use crate::quota::Quota;
 use crate::store::Usage;
+use crate::subject::Subject;
 
 /// Where one subject stands on one quota: the quota, its counter's key and
 /// the counter's state. What [`QuotaStatus`] lists for a request and
@@ -82,7 +83,12 @@ pub(crate) struct Ticket {
     pub(crate) costs: Costs,
     /// A hidden outer layer's charge, whose entries come first.
     pub(crate) outer: Option<QuotaStatus>,
-    pub(crate) entries: Vec<QuotaUsage>,
+    /// Who was charged: the keys follow from it.
+    pub(crate) subject: Option<Subject>,
+    /// What the store answered, one per line of the layout.
+    pub(crate) usage: Vec<Usage>,
+    /// What the handler reads, built on first use: most handlers never look.
+    pub(crate) entries: OnceLock<Vec<QuotaUsage>>,
     /// Bit `i`: the request reached the layer of scope `i` of the layout.
     pub(crate) reached: AtomicU64,
     /// Set when the charge was given back (an inner layer refused).
@@ -106,7 +112,9 @@ impl QuotaStatus {
             layout: None,
             costs: Costs::none(),
             outer: None,
-            entries: Vec::new(),
+            subject: None,
+            usage: Vec::new(),
+            entries: OnceLock::new(),
             reached: AtomicU64::new(0),
             refunded: AtomicBool::new(false),
             charged_at: now,
@@ -125,12 +133,12 @@ impl QuotaStatus {
 
     /// One entry per quota that applied to the request, outer layers first.
     pub fn entries(&self) -> &[QuotaUsage] {
-        &self.inner.entries
+        self.inner.entries()
     }
 
     /// The entry of the quota named `name`.
     pub fn get(&self, name: &str) -> Option<&QuotaUsage> {
-        self.inner.entries.iter().find(|e| e.quota.name() == name)
+        self.entries().iter().find(|e| e.quota.name() == name)
     }
 
     /// The instant the request was charged: what
@@ -147,6 +155,38 @@ impl QuotaStatus {
 }
 
 impl Ticket {
+    fn entries(&self) -> &[QuotaUsage] {
+        self.entries.get_or_init(|| {
+            let outer = self.outer.as_ref().map(|o| o.entries()).unwrap_or_default();
+            let mut entries = outer.to_vec();
+            if let Some(layout) = &self.layout {
+                entries.extend(layout.quotas.iter().zip(&self.usage).enumerate().map(
+                    |(line, (quota, usage))| {
+                        QuotaUsage::new(quota.clone(), self.own_key(line), *usage)
+                    },
+                ));
+            }
+            entries
+        })
+    }
+
+    /// The key of line `line` of this charge's layout.
+    fn own_key(&self, line: usize) -> PeriodKey {
+        let (Some(layout), Some(subject)) = (&self.layout, &self.subject) else {
+            unreachable!("only a charge has lines")
+        };
+        layout.quotas[line].key(&layout.namespace, subject, self.charged_at)
+    }
+
+    /// The key of entry `i`: a hidden outer layer's lines first.
+    pub(crate) fn key(&self, i: usize) -> PeriodKey {
+        let offset = self.outer_lines();
+        match &self.outer {
+            Some(outer) if i < offset => outer.ticket().key(i),
+            _ => self.own_key(i - offset),
+        }
+    }
+
     /// Marks the layer of `scope` as reached; whether this charge (or a
     /// hidden outer one) covered its quotas.
     pub(crate) fn reach(&self, scope: u64) -> bool {
@@ -169,7 +209,12 @@ impl Ticket {
 
     /// How many entries come from a hidden outer layer's charge.
     pub(crate) fn outer_lines(&self) -> usize {
-        self.outer.as_ref().map_or(0, |o| o.entries().len())
+        self.outer.as_ref().map_or(0, |o| o.ticket().lines())
+    }
+
+    /// How many entries the status lists.
+    pub(crate) fn lines(&self) -> usize {
+        self.outer_lines() + self.layout.as_ref().map_or(0, |l| l.quotas.len())
     }
 
     /// What entry `i` was charged.
