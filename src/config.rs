@@ -338,6 +338,12 @@ pub(crate) struct Layout {
     /// Per line, the index of its scope in `scopes`.
     pub(crate) line_scope: Vec<usize>,
     pub(crate) namespace: Namespace,
+    pub(crate) on_store_error: OnStoreError,
+    pub(crate) store_timeout: Option<Duration>,
+    pub(crate) refund_server_errors: bool,
+    /// Whether a charge can change once the store has answered: a refund
+    /// rule, a deferred cost, or inner layers the request may not reach.
+    pub(crate) adjustable: bool,
     pub(crate) cache: crate::response::PolicyCache,
 }
 
@@ -349,7 +355,7 @@ impl Layout {
     ///
     /// When two quotas of the scopes would count on one counter, or share a
     /// name: a request passing these layers would be charged twice on it.
-    pub(crate) fn new(scopes: Vec<Arc<Scope>>, namespace: &Namespace) -> Self {
+    pub(crate) fn new(scopes: Vec<Arc<Scope>>, settings: &Settings) -> Self {
         assert!(
             scopes.len() <= Self::MAX_SCOPES,
             "a request passes more than {} quota layers of one policy",
@@ -376,11 +382,18 @@ impl Layout {
                 line_scope.push(i);
             }
         }
+        let adjustable = settings.refund_server_errors
+            || scopes.len() > 1
+            || scopes.iter().any(|s| s.deferred.is_some());
         Self {
             scopes,
             quotas,
             line_scope,
-            namespace: namespace.clone(),
+            namespace: settings.namespace.clone(),
+            on_store_error: settings.on_store_error,
+            store_timeout: settings.store_timeout,
+            refund_server_errors: settings.refund_server_errors,
+            adjustable,
             cache: Default::default(),
         }
     }

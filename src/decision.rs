@@ -27,6 +27,7 @@ pub(crate) enum Decision {
 
 /// Decides on the store's answer to a charge on `quotas` (one line each,
 /// costing `cost_of_line`) at `now`.
+#[inline]
 pub(crate) fn decide(
     quotas: &[Quota],
     cost_of_line: impl Fn(usize) -> u64,

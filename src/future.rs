@@ -2,7 +2,6 @@ use std::future::Future;
 use std::pin::Pin;
 use std::sync::atomic::Ordering;
 use std::task::{ready, Context, Poll};
-use std::time::Duration;
 
 use bytes::Bytes;
 use http::{Request, Response};
@@ -12,7 +11,7 @@ use tokio::time::Sleep;
 use tower_service::Service;
 
 use crate::body::ResponseBody;
-use crate::config::{Layout, OnStoreError};
+use crate::config::Layout;
 use crate::decision::{decide, Decision};
 use crate::key::PeriodKey;
 use crate::response::RateLimitFields;
@@ -90,9 +89,6 @@ pub(crate) struct Admission<St> {
     /// that may not be reached).
     pub(crate) store: Option<St>,
     pub(crate) status: QuotaStatus,
-    pub(crate) on_store_error: OnStoreError,
-    pub(crate) store_timeout: Option<Duration>,
-    pub(crate) refund_server_errors: bool,
 }
 
 /// An admitted request: its charge, for the response path.
@@ -160,7 +156,7 @@ impl<St: Store> After<St> {
         }
         let layout = self.admission.layout();
         let offset = ticket.outer_lines();
-        let refund_all = failed && self.admission.refund_server_errors;
+        let refund_all = failed && layout.refund_server_errors;
         let mut ops = Vec::new();
         for (line, &scope) in layout.line_scope.iter().enumerate() {
             let cost = ticket.costs.get(scope);
@@ -313,7 +309,7 @@ where
         &layout.quotas,
         |line| ticket.costs.get(layout.line_scope[line]),
         ticket.charged_at,
-        admission.on_store_error,
+        layout.on_store_error,
         &layout.cache,
         answer,
     );
@@ -377,6 +373,7 @@ where
                                 .as_ref()
                                 .expect("polled after completion")
                                 .admission
+                                .layout()
                                 .store_timeout;
                             // Stores that answer at once never arm a timer.
                             if let (None, Some(limit)) = (timeout.as_ref().as_pin_ref(), limit) {

@@ -506,11 +506,7 @@ where
         // Layers of the policy inside `inner` announce themselves when it is
         // cloned: their quotas are charged here, in the same charge.
         let found = probe::discover(built.shared.id, || drop(inner.clone()));
-        let charges = Charges::new(
-            Arc::clone(&built.scope),
-            found,
-            &built.shared.settings.namespace,
-        );
+        let charges = Charges::new(Arc::clone(&built.scope), found, &built.shared.settings);
         QuotaService::new(inner, Arc::clone(&built.shared), Arc::new(charges))
     }
 }

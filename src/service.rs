@@ -9,9 +9,8 @@ use http::{Request, Response, StatusCode};
 use tower_service::Service;
 
 use crate::body::ResponseBody;
-use crate::config::{Costs, Layout, Scope, Shared, SubjectPolicy, UnknownPlan};
+use crate::config::{Costs, Layout, Scope, Settings, Shared, SubjectPolicy, UnknownPlan};
 use crate::future::{Admission, ResponseFuture};
-use crate::key::Namespace;
 use crate::probe;
 use crate::response;
 use crate::status::{QuotaStatus, Ticket};
@@ -44,12 +43,12 @@ impl Charges {
     ///
     /// When two quotas of the scopes would count on one counter: a request
     /// passing these layers would be charged twice on it.
-    pub(crate) fn new(own: Arc<Scope>, found: probe::Found, namespace: &Namespace) -> Self {
+    pub(crate) fn new(own: Arc<Scope>, found: probe::Found, settings: &Settings) -> Self {
         let mut scopes = vec![Arc::clone(&own)];
         scopes.extend(found.scopes.into_iter().filter(|s| s.id != own.id));
         Self {
-            full: Arc::new(Layout::new(scopes, namespace)),
-            alone: Arc::new(Layout::new(vec![Arc::clone(&own)], namespace)),
+            full: Arc::new(Layout::new(scopes, settings)),
+            alone: Arc::new(Layout::new(vec![Arc::clone(&own)], settings)),
             own,
             unrouted: found.unrouted,
         }
@@ -212,10 +211,7 @@ where
         // Whether the charge can change once the store has answered (and
         // so needs the store again): after the response, or a hidden outer
         // layer's charge given back.
-        let adjustable = settings.refund_server_errors
-            || outer.is_some()
-            || layout.scopes.len() > 1
-            || layout.scopes.iter().any(|s| s.deferred.is_some());
+        let adjustable = layout.adjustable || outer.is_some();
         let admission = Admission {
             store: adjustable.then(|| shared.store.clone()),
             status: QuotaStatus::new(Ticket {
@@ -231,9 +227,6 @@ where
                 refunded: AtomicBool::new(false),
                 charged_at: now,
             }),
-            on_store_error: settings.on_store_error,
-            store_timeout: settings.store_timeout,
-            refund_server_errors: settings.refund_server_errors,
         };
 
         let request = Request::from_parts(parts, body);
