@@ -382,6 +382,7 @@ impl Layout {
                 line_scope.push(i);
             }
         }
+        let cache = crate::response::PolicyCache::for_quotas(&quotas);
         let adjustable = settings.refund_server_errors
             || scopes.len() > 1
             || scopes.iter().any(|s| s.deferred.is_some());
@@ -394,7 +395,7 @@ impl Layout {
             store_timeout: settings.store_timeout,
             refund_server_errors: settings.refund_server_errors,
             adjustable,
-            cache: Default::default(),
+            cache,
         }
     }
 }

@@ -167,4 +167,44 @@ mod tests {
         RateLimitFields::new(&quotas, &usage, now, &cache).append_to(&mut headers);
         assert_eq!(headers["ratelimit-policy"], "\"default-day\";q=100;w=86400");
     }
+
+    #[test]
+    fn a_constant_policy_field_is_the_one_computed_per_request() {
+        let berlin = jiff::tz::TimeZone::get("Europe/Berlin").unwrap();
+        let now = at("2026-03-29T10:00:00Z");
+        for quotas in [
+            vec![Quota::daily(5), Quota::per_minute(2).allowance("burst")],
+            vec![Quota::rolling(5, Duration::from_secs(3_600))],
+            vec![Quota::daily(5).in_time_zone(berlin.clone())],
+            vec![Quota::monthly(5)],
+            vec![Quota::daily(5).plan("pro", 50)],
+        ] {
+            let usage: Vec<Usage> = quotas
+                .iter()
+                .map(|q| usage(q.limit(), 1, "2026-03-30T00:00:00Z"))
+                .collect();
+            let field = |cache: &PolicyCache| {
+                let mut headers = http::HeaderMap::new();
+                RateLimitFields::new(&quotas, &usage, now, cache).append_to(&mut headers);
+                headers["ratelimit-policy"].clone()
+            };
+            assert_eq!(
+                field(&PolicyCache::for_quotas(&quotas)),
+                field(&PolicyCache::default()),
+                "{quotas:?}"
+            );
+        }
+        // A Berlin day is 23 hours long that Sunday: never a constant.
+        let berlin_day = [Quota::daily(5).in_time_zone(berlin)];
+        let usage = [usage(5, 1, "2026-03-29T22:00:00Z")];
+        let mut headers = http::HeaderMap::new();
+        RateLimitFields::new(
+            &berlin_day,
+            &usage,
+            now,
+            &PolicyCache::for_quotas(&berlin_day),
+        )
+        .append_to(&mut headers);
+        assert_eq!(headers["ratelimit-policy"], "\"default-day\";q=5;w=82800");
+    }
 }

@@ -310,6 +310,18 @@ impl Quota {
         self.0.period.describe_reset(self.0.anchor)
     }
 
+    /// The window length every client of this quota sees, when it never
+    /// changes, and the quota has one limit for every plan.
+    pub(crate) fn constant_window(&self) -> Option<u64> {
+        if !self.0.plans.is_empty() {
+            return None;
+        }
+        self.0
+            .period
+            .constant_seconds(self.0.anchor)
+            .map(|s| s.max(1))
+    }
+
     pub(crate) fn quoted_name(&self) -> &str {
         &self.0.quoted_name
     }

@@ -38,11 +38,48 @@ pub(crate) struct RateLimitFields {
 /// and limits it was built for: it changes only when one of them does (a
 /// window of another length, a subject on another plan).
 #[derive(Default, Debug)]
-pub(crate) struct PolicyCache(RwLock<Option<CachedPolicy>>);
+pub(crate) struct PolicyCache {
+    last: RwLock<Option<CachedPolicy>>,
+    /// The value, when it can never change: no lock to take.
+    constant: Option<HeaderValue>,
+}
 
 /// Per quota, the window's length and the limit; and the field built for
 /// them.
 type CachedPolicy = (Box<[(u64, u64)]>, HeaderValue);
+
+impl PolicyCache {
+    /// The cache for `quotas`, with the value built once when every quota's
+    /// window and limit are constant.
+    pub(crate) fn for_quotas(quotas: &[Quota]) -> Self {
+        let windows: Option<Vec<u64>> = quotas.iter().map(Quota::constant_window).collect();
+        let constant = windows.map(|windows| {
+            let windows = quotas.iter().zip(windows).map(|(q, w)| (w, q.limit()));
+            policy_value(quotas, windows)
+        });
+        Self {
+            last: RwLock::default(),
+            constant,
+        }
+    }
+}
+
+/// The `RateLimit-Policy` value of `quotas` with these windows and limits.
+fn policy_value(quotas: &[Quota], windows: impl Iterator<Item = (u64, u64)>) -> HeaderValue {
+    let mut digits = itoa::Buffer::new();
+    let mut policy = String::with_capacity(48 * quotas.len());
+    for (i, (quota, (window, limit))) in quotas.iter().zip(windows).enumerate() {
+        if i > 0 {
+            policy.push_str(", ");
+        }
+        policy.push_str(quota.quoted_name());
+        policy.push_str(";q=");
+        policy.push_str(digits.format(limit));
+        policy.push_str(";w=");
+        policy.push_str(digits.format(window));
+    }
+    HeaderValue::try_from(policy).expect("quota names are printable ASCII")
+}
 
 impl RateLimitFields {
     pub(crate) fn new(
@@ -57,31 +94,25 @@ impl RateLimitFields {
                 .zip(usage)
                 .map(move |(q, u)| (q.window_seconds(now, u.first_call), u.limit))
         };
-        let cached = {
-            let guard = cache.0.read().unwrap_or_else(|e| e.into_inner());
-            guard
-                .as_ref()
-                .filter(|(ws, _)| ws.iter().copied().eq(windows()))
-                .map(|(_, value)| value.clone())
+        let policy = match &cache.constant {
+            Some(value) => value.clone(),
+            None => {
+                let cached = {
+                    let guard = cache.last.read().unwrap_or_else(|e| e.into_inner());
+                    guard
+                        .as_ref()
+                        .filter(|(ws, _)| ws.iter().copied().eq(windows()))
+                        .map(|(_, value)| value.clone())
+                };
+                cached.unwrap_or_else(|| {
+                    let value = policy_value(quotas, windows());
+                    *cache.last.write().unwrap_or_else(|e| e.into_inner()) =
+                        Some((windows().collect(), value.clone()));
+                    value
+                })
+            }
         };
         let mut digits = itoa::Buffer::new();
-        let policy = cached.unwrap_or_else(|| {
-            let mut policy = String::with_capacity(48 * quotas.len());
-            for (i, (quota, (window, limit))) in quotas.iter().zip(windows()).enumerate() {
-                if i > 0 {
-                    policy.push_str(", ");
-                }
-                policy.push_str(quota.quoted_name());
-                policy.push_str(";q=");
-                policy.push_str(digits.format(limit));
-                policy.push_str(";w=");
-                policy.push_str(digits.format(window));
-            }
-            let value = HeaderValue::try_from(policy).expect("quota names are printable ASCII");
-            *cache.0.write().unwrap_or_else(|e| e.into_inner()) =
-                Some((windows().collect(), value.clone()));
-            value
-        });
         let mut limit = String::with_capacity(40 * quotas.len());
         for (i, (quota, usage)) in quotas.iter().zip(usage).enumerate() {
             if i > 0 {

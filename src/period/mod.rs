@@ -354,6 +354,22 @@ impl Period {
         label
     }
 
+    /// The length in seconds every period has under `anchor`, when they all
+    /// have one: not calendar months, nor calendar hours, days and weeks in
+    /// a zone whose offset changes.
+    pub(crate) fn constant_seconds(&self, anchor: Anchor) -> Option<u64> {
+        let steady_zone = self.tz_label.is_none() || self.tz.to_fixed_offset().is_ok();
+        match (anchor, self.unit) {
+            (_, Unit::Fixed(s)) => Some(s.unsigned_abs()),
+            (_, Unit::Minute) => Some(60),
+            (_, Unit::Month) => None,
+            (Anchor::Calendar, _) if !steady_zone => None,
+            (_, Unit::Hour) => Some(3_600),
+            (_, Unit::Day) => Some(86_400),
+            (_, Unit::Week) => Some(604_800),
+        }
+    }
+
     /// A typical length in seconds: exact for fixed periods, minutes, hours
     /// and weeks outside DST changes; 30 days for a month.
     pub fn nominal_seconds(&self) -> u64 {
