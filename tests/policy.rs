@@ -688,3 +688,39 @@ async fn client_ips_through_a_router_with_and_without_trusted_proxies() {
     let nobody = send(&app, Request::get("/").body(Body::empty()).unwrap()).await;
     assert_eq!(nobody.status(), StatusCode::UNAUTHORIZED);
 }
+
+#[tokio::test]
+async fn a_full_memory_store_is_a_store_error_for_new_subjects_only() {
+    for open in [false, true] {
+        let mut builder = QuotaPolicy::builder(FromHeader::account("x-account-id"))
+            .store(MemoryStore::new().max_counters(1));
+        if open {
+            builder = builder.on_store_error(tower_quota::OnStoreError::FailOpen);
+        }
+        let policy = builder.build();
+        let app = Router::new()
+            .route("/", get(|| async { "hi" }))
+            .route_layer(policy.layer(Quota::daily(5)));
+        assert_eq!(
+            send(&app, call(Method::GET, "/", ACME)).await.status(),
+            StatusCode::OK
+        );
+        let newcomer = send(&app, call(Method::GET, "/", &[("x-account-id", "globex")])).await;
+        if open {
+            assert_eq!(newcomer.status(), StatusCode::OK);
+            assert!(!newcomer.headers().contains_key("ratelimit"));
+        } else {
+            assert_eq!(newcomer.status(), StatusCode::SERVICE_UNAVAILABLE);
+            let text = body(newcomer).await;
+            assert!(
+                !text.contains("counters"),
+                "the store's detail stays in the logs: {text}"
+            );
+        }
+        let known = send(&app, call(Method::GET, "/", ACME)).await;
+        assert!(known.headers()["ratelimit"]
+            .to_str()
+            .unwrap()
+            .starts_with("\"default-day\";r=3;"));
+    }
+}

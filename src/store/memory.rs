@@ -6,11 +6,14 @@ use foldhash::fast::RandomState;
 use std::fmt;
 use std::future::{ready, Future, Ready};
 use std::hash::BuildHasher;
+use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex, MutexGuard};
 
 use jiff::Timestamp;
 
-use super::{ChargeLine, ChargeOutcome, ChargeRequest, Lifetime, Store, StoreError, Usage};
+use super::{
+    ChargeLine, ChargeOutcome, ChargeRequest, Lifetime, Store, StoreError, StoreErrorKind, Usage,
+};
 use crate::key::PeriodKey;
 
 /// Expired counters reclaimed per shard visit: bounded so one request never
@@ -33,6 +36,14 @@ const SWEEP_BUDGET: usize = 32;
 ///   memory follows the subjects active in the current periods.
 ///   [`MemoryStore::purge_expired`] reclaims everything expired at once, e.g.
 ///   from a timer in an application that can go quiet for long.
+/// - A bound on live counters ([`MemoryStore::DEFAULT_MAX_COUNTERS`], about
+///   200 MB; [`MemoryStore::max_counters`] sets another): one client
+///   inventing ids cannot grow the process without end. A charge that would
+///   create a counter beyond the bound first reclaims the expired counters of
+///   its shard; if the store is still full, it fails with
+///   [`StoreErrorKind::Full`](super::StoreErrorKind::Full) and creates
+///   nothing, so the layer's fail-open or fail-closed policy decides, while
+///   subjects that have a counter keep being charged as before.
 ///
 /// Clones share the counters. Counters are lost when the process exits; use
 /// a shared store when several instances enforce one quota.
@@ -44,6 +55,9 @@ pub struct MemoryStore {
 struct Inner {
     shards: Box<[Mutex<Shard>]>,
     hasher: RandomState,
+    /// Counters in the shards' maps, live or not yet reclaimed.
+    held: Arc<AtomicUsize>,
+    max: AtomicUsize,
 }
 
 thread_local! {
@@ -52,10 +66,11 @@ thread_local! {
     static SWEEP_CURSOR: Cell<usize> = const { Cell::new(0) };
 }
 
-#[derive(Default)]
 struct Shard {
     counters: HashMap<Arc<str>, Counter, RandomState>,
     deadlines: BinaryHeap<Reverse<(Nanos, Arc<str>)>>,
+    /// The store's count of counters, kept as this shard adds and removes.
+    held: Arc<AtomicUsize>,
 }
 
 /// 32 bytes, so that more counters share the cache: with many subjects, a
@@ -94,6 +109,10 @@ impl Default for MemoryStore {
 }
 
 impl MemoryStore {
+    /// The most counters a store holds unless told otherwise: a million,
+    /// about 200 MB.
+    pub const DEFAULT_MAX_COUNTERS: usize = 1_000_000;
+
     /// An empty store with a shard count fitted to the machine.
     pub fn new() -> Self {
         let cores = std::thread::available_parallelism().map_or(4, |n| n.get());
@@ -107,12 +126,74 @@ impl MemoryStore {
     /// When `shards` is zero.
     pub fn with_shards(shards: usize) -> Self {
         assert!(shards > 0, "a memory store needs at least one shard");
+        let held = Arc::new(AtomicUsize::new(0));
         Self {
             inner: Arc::new(Inner {
-                shards: (0..shards).map(|_| Mutex::default()).collect(),
+                shards: (0..shards)
+                    .map(|_| {
+                        Mutex::new(Shard {
+                            counters: HashMap::default(),
+                            deadlines: BinaryHeap::new(),
+                            held: Arc::clone(&held),
+                        })
+                    })
+                    .collect(),
                 hasher: RandomState::default(),
+                held,
+                max: AtomicUsize::new(Self::DEFAULT_MAX_COUNTERS),
             }),
         }
+    }
+
+    /// Holds at most `max` counters (default
+    /// [`MemoryStore::DEFAULT_MAX_COUNTERS`]); for this store and every
+    /// clone of it.
+    ///
+    /// ```
+    /// use tower_quota::MemoryStore;
+    ///
+    /// let store = MemoryStore::new().max_counters(50_000);
+    /// # let _ = store;
+    /// ```
+    #[must_use]
+    pub fn max_counters(self, max: usize) -> Self {
+        self.inner.max.store(max, Ordering::Relaxed);
+        self
+    }
+
+    /// As [`MemoryStore::room_for`], reclaiming in every shard of a charge.
+    fn room_for_all(
+        &self,
+        locked: &mut Locked<'_, '_>,
+        new: usize,
+        now: Timestamp,
+    ) -> Result<(), StoreError> {
+        let mut shards = locked.shards();
+        let (last, rest) = shards.split_last_mut().expect("a charge locks a shard");
+        for shard in rest {
+            if self.room_for(shard, new, now).is_ok() {
+                return Ok(());
+            }
+        }
+        self.room_for(last, new, now)
+    }
+
+    /// Whether `new` more counters fit; if not, reclaims the expired
+    /// counters of `shard` first.
+    fn room_for(&self, shard: &mut Shard, new: usize, now: Timestamp) -> Result<(), StoreError> {
+        let max = self.inner.max.load(Ordering::Relaxed);
+        let fits = || self.inner.held.load(Ordering::Relaxed).saturating_add(new) <= max;
+        if new == 0 || fits() {
+            return Ok(());
+        }
+        shard.sweep(now, usize::MAX);
+        if fits() {
+            return Ok(());
+        }
+        Err(StoreError::new(
+            StoreErrorKind::Full,
+            format!("the memory store holds its maximum of {max} counters"),
+        ))
     }
 
     /// Live and not yet reclaimed counters. Counters past their deadline count
@@ -198,7 +279,7 @@ impl MemoryStore {
     }
 
     /// One quota, the common case: a single lookup that checks and commits.
-    fn charge_one(&self, line: &ChargeLine, now: Timestamp) -> ChargeOutcome {
+    fn charge_one(&self, line: &ChargeLine, now: Timestamp) -> Result<ChargeOutcome, StoreError> {
         let mut shard = lock(&self.inner.shards[self.shard_of(&line.key)]);
         shard.sweep(now, SWEEP_BUDGET);
         let (admitted, counter) = match shard.counters.get_mut(line.key.as_str()) {
@@ -212,17 +293,23 @@ impl MemoryStore {
             }
             _ if line.cost > line.limit => (false, None),
             _ if line.cost == 0 => (true, None),
-            _ => (true, Some(shard.spend(line, now))),
+            existing => {
+                // An expired counter is replaced where it is; a new key grows
+                // the store.
+                let new = usize::from(existing.is_none());
+                self.room_for(&mut shard, new, now)?;
+                (true, Some(shard.spend(line, now)))
+            }
         };
         drop(shard);
         self.sweep_another(now);
-        ChargeOutcome {
+        Ok(ChargeOutcome {
             admitted,
             usage: vec![usage_of(line, counter)],
-        }
+        })
     }
 
-    fn charge_now(&self, request: &ChargeRequest) -> ChargeOutcome {
+    fn charge_now(&self, request: &ChargeRequest) -> Result<ChargeOutcome, StoreError> {
         let now = request.now;
         let lines = &request.lines;
         if let [line] = lines.as_slice() {
@@ -242,6 +329,19 @@ impl MemoryStore {
                     admitted = false;
                 }
             }
+            if admitted {
+                // Counters this charge would add, each key once.
+                let new = lines
+                    .iter()
+                    .enumerate()
+                    .filter(|(i, line)| {
+                        line.cost > 0
+                            && !lines[..*i].iter().any(|l| l.key == line.key && l.cost > 0)
+                            && locked.absent(*i, &line.key)
+                    })
+                    .count();
+                self.room_for_all(locked, new, now)?;
+            }
             let usage = lines
                 .iter()
                 .enumerate()
@@ -254,7 +354,7 @@ impl MemoryStore {
                     }
                 })
                 .collect();
-            ChargeOutcome { admitted, usage }
+            Ok(ChargeOutcome { admitted, usage })
         })
     }
 }
@@ -287,6 +387,18 @@ impl Locked<'_, '_> {
 
     fn live(&mut self, line: usize, key: &PeriodKey, now: Timestamp) -> Option<Counter> {
         self.shard(line).live(key.as_str(), now)
+    }
+
+    /// Whether the shard of `line` holds no counter at `key`, live or not.
+    fn absent(&mut self, line: usize, key: &PeriodKey) -> bool {
+        !self.shard(line).counters.contains_key(key.as_str())
+    }
+
+    fn shards(&mut self) -> Vec<&mut Shard> {
+        match self {
+            Locked::One(shard) => vec![&mut **shard],
+            Locked::Many { guards, .. } => guards.iter_mut().map(|(_, g)| &mut **g).collect(),
+        }
     }
 
     fn spend(&mut self, line: usize, charge: &ChargeLine, now: Timestamp) -> Counter {
@@ -323,8 +435,19 @@ impl Shard {
         };
         let key: Arc<str> = Arc::clone(line.key.shared());
         self.deadlines.push(Reverse((deadline, Arc::clone(&key))));
-        self.counters.insert(key, counter);
+        if self.counters.insert(key, counter).is_none() {
+            self.held.fetch_add(1, Ordering::Relaxed);
+        }
         counter
+    }
+
+    /// Removes the counter at `key`; whether there was one.
+    fn remove(&mut self, key: &str) -> bool {
+        let removed = self.counters.remove(key).is_some();
+        if removed {
+            self.held.fetch_sub(1, Ordering::Relaxed);
+        }
+        removed
     }
 
     fn sweep(&mut self, now: Timestamp, budget: usize) {
@@ -344,7 +467,7 @@ impl Shard {
                 .get(&key)
                 .is_some_and(|c| c.deadline == deadline)
             {
-                self.counters.remove(&key);
+                self.remove(&key);
             }
         }
     }
@@ -389,7 +512,7 @@ impl Store for MemoryStore {
     type ChargeFuture = Ready<Result<ChargeOutcome, StoreError>>;
 
     fn charge(&self, request: ChargeRequest) -> Self::ChargeFuture {
-        ready(Ok(self.charge_now(&request)))
+        ready(self.charge_now(&request))
     }
 
     fn peek(
@@ -444,6 +567,6 @@ impl Store for MemoryStore {
 
     fn reset(&self, key: PeriodKey) -> impl Future<Output = Result<bool, StoreError>> + Send {
         let mut shard = lock(&self.inner.shards[self.shard_of(&key)]);
-        ready(Ok(shard.counters.remove(key.as_str()).is_some()))
+        ready(Ok(shard.remove(key.as_str())))
     }
 }

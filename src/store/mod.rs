@@ -177,6 +177,9 @@ pub enum StoreErrorKind {
     /// The store could not be reached or refused to work (connection lost,
     /// out of memory, restarting).
     Unavailable,
+    /// The store holds as many counters as it may: a subject without a
+    /// counter cannot be counted until some are reclaimed.
+    Full,
     /// Anything else, such as an unexpected reply.
     Other,
 }

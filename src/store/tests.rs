@@ -509,3 +509,95 @@ mod model {
         }
     }
 }
+
+fn try_charge(
+    store: &MemoryStore,
+    now: Timestamp,
+    lines: Vec<ChargeLine>,
+) -> Result<ChargeOutcome, StoreError> {
+    now_of(store.charge(ChargeRequest { now, lines }))
+}
+
+fn minute(id: &str) -> ChargeLine {
+    calendar(
+        key(id, "read", "2026-12-02T10:00"),
+        10,
+        1,
+        "2026-12-02T10:00:00Z",
+        "2026-12-02T10:01:00Z",
+    )
+}
+
+#[test]
+fn a_full_store_refuses_new_subjects_and_keeps_charging_known_ones() {
+    let store = MemoryStore::with_shards(4).max_counters(3);
+    let t0 = at("2026-12-02T10:00:10Z");
+    for id in ["a", "b", "c"] {
+        assert!(charge(&store, t0, vec![minute(id)]).admitted);
+    }
+    let full = try_charge(&store, t0, vec![minute("d")]).unwrap_err();
+    assert_eq!(full.kind(), StoreErrorKind::Full);
+    assert!(full.to_string().contains("maximum of 3 counters"), "{full}");
+    assert_eq!(store.len(), 3, "nothing created");
+    // Known subjects are charged as before.
+    assert_eq!(charge(&store, t0, vec![minute("a")]).usage[0].used, 2);
+}
+
+#[test]
+fn a_full_store_reclaims_expired_counters_first() {
+    let store = MemoryStore::with_shards(1).max_counters(2);
+    let t0 = at("2026-12-02T10:00:10Z");
+    charge(&store, t0, vec![minute("a")]);
+    charge(&store, t0, vec![minute("b")]);
+    // The window is over: both counters are expired but not yet reclaimed.
+    let later = at("2026-12-02T10:05:00Z");
+    let next = calendar(
+        key("c", "read", "2026-12-02T10:05"),
+        10,
+        1,
+        "2026-12-02T10:05:00Z",
+        "2026-12-02T10:06:00Z",
+    );
+    assert!(try_charge(&store, later, vec![next]).unwrap().admitted);
+    assert_eq!(store.len(), 1);
+}
+
+#[test]
+fn a_full_store_creates_nothing_for_a_charge_of_several_lines() {
+    let store = MemoryStore::with_shards(2).max_counters(3);
+    let t0 = at("2026-12-02T10:00:10Z");
+    charge(&store, t0, vec![minute("a"), minute("b")]);
+    let day = calendar(
+        key("c", "write", "2026-12-02"),
+        10,
+        1,
+        "2026-12-02T00:00:00Z",
+        "2026-12-03T00:00:00Z",
+    );
+    let error = try_charge(&store, t0, vec![minute("c"), day]).unwrap_err();
+    assert_eq!(error.kind(), StoreErrorKind::Full);
+    assert_eq!(store.len(), 2, "neither line was created");
+    // One more fits.
+    assert!(charge(&store, t0, vec![minute("c")]).admitted);
+    // A refused charge (over its limit) needs no room at all.
+    let over = calendar(
+        key("d", "read", "x"),
+        1,
+        5,
+        "2026-12-02T10:00:00Z",
+        "2026-12-02T10:01:00Z",
+    );
+    assert!(!charge(&store, t0, vec![over]).admitted);
+}
+
+#[test]
+fn resets_and_reclaiming_give_room_back() {
+    let store = MemoryStore::with_shards(2).max_counters(1);
+    let t0 = at("2026-12-02T10:00:10Z");
+    charge(&store, t0, vec![minute("a")]);
+    assert!(try_charge(&store, t0, vec![minute("b")]).is_err());
+    assert!(now_of(store.reset(minute("a").key)).unwrap());
+    assert!(charge(&store, t0, vec![minute("b")]).admitted);
+    store.purge_expired(at("2026-12-02T11:00:00Z"));
+    assert!(charge(&store, at("2026-12-02T11:00:00Z"), vec![minute("c")]).admitted);
+}
