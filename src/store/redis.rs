@@ -862,11 +862,7 @@ mod tests {
 
     #[test]
     fn the_script_uses_no_command_that_drops_a_deadline() {
-        let code: String = COUNTERS_LUA
-            .lines()
-            .filter(|l| !l.trim_start().starts_with("--"))
-            .collect::<Vec<_>>()
-            .join("\n");
+        let code = script_code();
         for command in [
             "'SET'",
             "'GETSET'",
@@ -889,6 +885,53 @@ mod tests {
             code[create..].find("'PEXPIRE'").unwrap() < 80,
             "HSET is followed by PEXPIRE"
         );
+    }
+
+    /// The script without its comments.
+    fn script_code() -> String {
+        COUNTERS_LUA
+            .lines()
+            .filter(|l| !l.trim_start().starts_with("--"))
+            .collect::<Vec<_>>()
+            .join("\n")
+    }
+
+    /// The top-level block of the script that opens with the line `opening`,
+    /// up to its `end`.
+    fn block<'a>(code: &'a str, opening: &str) -> &'a str {
+        let start = code
+            .find(&format!("\n{opening}\n"))
+            .unwrap_or_else(|| panic!("the counters script has `{opening}`"));
+        let end = start + code[start..].find("\nend\n").expect("the block ends");
+        &code[start..end]
+    }
+
+    /// The Redis commands `code` calls, in order.
+    fn commands(code: &str) -> Vec<&str> {
+        code.split("redis.call('")
+            .skip(1)
+            .map(|rest| &rest[..rest.find('\'').expect("a quoted command")])
+            .collect()
+    }
+
+    #[test]
+    fn refund_and_add_only_change_the_count() {
+        let code = script_code();
+        // The read both start with writes nothing.
+        assert_eq!(
+            commands(block(&code, "local function read(key)")),
+            ["TYPE", "HMGET", "GET"]
+        );
+        // No PEXPIRE, HSET, SET or DEL: neither creates a counter nor sets,
+        // moves or drops a deadline.
+        assert_eq!(
+            commands(block(&code, "if op == 'r' then")),
+            ["HINCRBY", "DECRBY"]
+        );
+        let add = block(&code, "if op == 'a' then");
+        assert_eq!(commands(add), ["HINCRBY", "INCRBY"]);
+        // An add checks the bound before it writes.
+        assert!(add.find("EXACT").unwrap() < add.find("'HINCRBY'").unwrap());
     }
 
     #[test]
