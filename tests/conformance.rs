@@ -262,6 +262,20 @@ mod broken {
             std::future::ready(Ok(left))
         }
 
+        fn add(
+            &self,
+            now: Timestamp,
+            key: PeriodKey,
+            amount: u64,
+        ) -> impl Future<Output = Result<Option<u64>, StoreError>> + Send {
+            let total = self.live(&key, now).map(|mut c| {
+                c.used = c.used.saturating_add(amount);
+                self.counters.lock().unwrap().insert(key, c);
+                c.used
+            });
+            std::future::ready(Ok(total))
+        }
+
         fn reset(&self, key: PeriodKey) -> impl Future<Output = Result<bool, StoreError>> + Send {
             std::future::ready(Ok(self.counters.lock().unwrap().remove(&key).is_some()))
         }

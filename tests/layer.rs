@@ -823,6 +823,14 @@ impl Store for Broken {
     ) -> impl Future<Output = Result<Option<u64>, StoreError>> + Send {
         ready(Err(StoreError::new(StoreErrorKind::Unavailable, "down")))
     }
+    fn add(
+        &self,
+        _: Timestamp,
+        _: PeriodKey,
+        _: u64,
+    ) -> impl Future<Output = Result<Option<u64>, StoreError>> + Send {
+        ready(Err(StoreError::new(StoreErrorKind::Unavailable, "down")))
+    }
     fn reset(&self, _: PeriodKey) -> impl Future<Output = Result<bool, StoreError>> + Send {
         ready(Err(StoreError::new(StoreErrorKind::Unavailable, "down")))
     }

@@ -22,8 +22,8 @@ use self::connection::{Connection, Connections, ServerManager};
 
 mod connection;
 
-/// The counters script: check-then-commit for charges, plus peek, refund
-/// and the server's time, so that one SHA serves every call.
+/// The counters script: check-then-commit for charges, plus peek, refund,
+/// add and the server's time, so that one SHA serves every call.
 const COUNTERS_LUA: &str = include_str!("redis/counters.lua");
 
 /// Fields per line in the script's reply.
@@ -72,6 +72,10 @@ pub const DEFAULT_CALENDAR_JITTER: Duration = Duration::from_secs(60);
 ///   only when missing. The reset reported is the window's end.
 /// - **Refunds** (`HINCRBY` by a negative amount, in a script that checks the
 ///   counter exists) never create a counter and never touch a deadline.
+/// - **Adds** after the fact ([`Store::add`]) are the same `HINCRBY` the
+///   other way: a missing counter stays missing, the deadline stays as it
+///   was, and a count that would go beyond 2^53 (what the script counts
+///   exactly) is refused with a [`StoreError`] before anything is written.
 ///
 /// # Faults
 ///
@@ -675,6 +679,28 @@ impl Store for RedisStore {
                 })
                 .await?;
             Ok(u64::try_from(left).ok())
+        }
+    }
+
+    fn add(
+        &self,
+        _now: Timestamp,
+        key: PeriodKey,
+        amount: u64,
+    ) -> impl Future<Output = Result<Option<u64>, StoreError>> + Send {
+        let store = self.clone();
+        async move {
+            let mut invocation = store.inner.script.key(key.as_str());
+            // The exact amount, not clamped: the script refuses a count
+            // beyond 2^53 instead of storing one that says less.
+            invocation.arg("a").arg(amount);
+            let total: i64 = store
+                .exchange(|mut conn| async move {
+                    let result = invocation.invoke_async(&mut conn).await;
+                    (conn, result)
+                })
+                .await?;
+            Ok(u64::try_from(total).ok())
         }
     }
 
