@@ -1,9 +1,9 @@
 //! Where counters live.
 //!
 //! A [`Store`] keeps one counter per [`PeriodKey`] and charges, peeks,
-//! refunds, adds to and resets them. [`MemoryStore`] keeps them in the process, the
-//! default for a single instance and for tests; a store shared by many
-//! instances implements the same trait.
+//! refunds, adds to and resets them. [`MemoryStore`] keeps them in the
+//! process, the default for a single instance and for tests; a store shared
+//! by many instances implements the same trait.
 //!
 //! # The contract
 //!
