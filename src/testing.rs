@@ -9,6 +9,9 @@
 //!   deadline, and the period ends when it says.
 //! - [`refund_after_expiry_does_not_resurrect`]: a refund never creates a
 //!   counter.
+//! - [`add_never_creates_nor_moves_a_deadline`]: an add after the fact
+//!   ([`Store::add`]) goes past the limit if it must, but never creates a
+//!   counter, never brings an expired one back and never moves a deadline.
 //! - [`exactly_the_limit_under_concurrency`]: many tasks charging one subject
 //!   at once get exactly the limit admitted.
 //! - [`all_or_nothing_across_quotas`]: a request refused on one quota is
@@ -198,6 +201,10 @@ pub async fn run_all<S: ConformanceHooks>(store: &S) -> Vec<(&'static str, Verdi
         (
             "refund_after_expiry_does_not_resurrect",
             refund_after_expiry_does_not_resurrect(store).await,
+        ),
+        (
+            "add_never_creates_nor_moves_a_deadline",
+            add_never_creates_nor_moves_a_deadline(store).await,
         ),
         (
             "exactly_the_limit_under_concurrency",
@@ -416,6 +423,162 @@ pub async fn refund_after_expiry_does_not_resurrect<S: ConformanceHooks>(store: 
             StoredDeadline::NoCounter | StoredDeadline::Unknown
         ),
         "a refund must never create a counter"
+    );
+    Verdict::Passed
+}
+
+/// An add after the fact ([`Store::add`]) changes only the count of a live
+/// counter: it finds nothing on a key never charged and creates nothing
+/// there, keeps a first-use counter's deadline and first call while it takes
+/// the count past the limit, and after the deadline finds nothing and brings
+/// nothing back, so the next charge opens a period of its own.
+///
+/// # Panics
+///
+/// When the store breaks the rule, or fails to answer.
+pub async fn add_never_creates_nor_moves_a_deadline<S: ConformanceHooks>(store: &S) -> Verdict {
+    let mut time = Timeline::new(store.expiry());
+    let period = time.period();
+
+    let never = fresh_key("add-never-charged");
+    assert_eq!(
+        add(store, time.now(), &never, 5).await,
+        None,
+        "an add on a key never charged must find no counter"
+    );
+    assert!(
+        matches!(
+            stored(store, &never).await,
+            StoredDeadline::NoCounter | StoredDeadline::Unknown
+        ),
+        "an add must never create a counter"
+    );
+    let peeked = peek(
+        store,
+        time.now(),
+        vec![first_use(&never, 10, 0, time.now() + period)],
+    )
+    .await;
+    assert_eq!(peeked[0].used, 0, "an add must never create a counter");
+    assert_eq!(peeked[0].first_call, None, "an add must not open a period");
+    let opened_at = time.now();
+    let opened = charge(
+        store,
+        opened_at,
+        vec![first_use(&never, 10, 1, opened_at + period)],
+    )
+    .await;
+    assert_eq!(
+        opened.1[0].used, 1,
+        "after an add found no counter, the first charge starts from zero"
+    );
+    time.assert_near(
+        opened.1[0].resets_at,
+        opened_at + period,
+        "after an add found no counter, the first charge opens the period",
+    );
+
+    let key = fresh_key("add");
+    let t0 = time.now();
+    let deadline = t0 + period;
+    let first = charge(store, t0, vec![first_use(&key, 10, 3, deadline)]).await;
+    assert!(
+        first.0,
+        "a first charge on an empty counter must be admitted"
+    );
+    time.pass(period / 3).await;
+    assert_eq!(
+        add(store, time.now(), &key, 4).await,
+        Some(7),
+        "an add adds to a live counter"
+    );
+    expect_deadline(store, &time, &key, deadline, "after an add").await;
+    assert_eq!(
+        add(store, time.now(), &key, 20).await,
+        Some(27),
+        "an add is not checked against the limit"
+    );
+    assert_eq!(
+        add(store, time.now(), &key, 0).await,
+        Some(27),
+        "an add of nothing reports the count"
+    );
+    expect_deadline(store, &time, &key, deadline, "after an add past the limit").await;
+    let peeked = peek(
+        store,
+        time.now(),
+        vec![first_use(&key, 10, 0, time.now() + period)],
+    )
+    .await;
+    assert_eq!(peeked[0].used, 27, "peek sees what was added");
+    time.assert_near(
+        peeked[0].resets_at,
+        deadline,
+        "an add must not move the deadline",
+    );
+    time.assert_near_opt(peeked[0].first_call, t0, "an add keeps the first call");
+    let refused = charge(
+        store,
+        time.now(),
+        vec![first_use(&key, 10, 1, time.now() + period)],
+    )
+    .await;
+    assert!(
+        !refused.0,
+        "a counter an add took past its limit refuses charges"
+    );
+    assert_eq!(refused.1[0].used, 27, "a refused charge spends nothing");
+    time.assert_near(
+        refused.1[0].resets_at,
+        deadline,
+        "an add must not move the deadline",
+    );
+
+    time.pass_beyond(deadline).await;
+    assert_eq!(
+        add(store, time.now(), &key, 1).await,
+        None,
+        "an add after the deadline must find no counter"
+    );
+    let peeked = peek(
+        store,
+        time.now(),
+        vec![first_use(&key, 10, 0, time.now() + period)],
+    )
+    .await;
+    assert_eq!(
+        peeked[0].used, 0,
+        "an add must not bring an expired counter back"
+    );
+    assert_eq!(peeked[0].first_call, None, "an add must not open a period");
+    match stored(store, &key).await {
+        StoredDeadline::At(at) if at > time.now() => {
+            panic!("an add after the deadline must not create a counter (found one, deadline {at})")
+        }
+        StoredDeadline::Undated => {
+            panic!("an add after the deadline must not create a counter (found one, undated)")
+        }
+        _ => {}
+    }
+    let reopened_at = time.now();
+    let reopened = charge(
+        store,
+        reopened_at,
+        vec![first_use(&key, 10, 1, reopened_at + period)],
+    )
+    .await;
+    assert!(
+        reopened.0,
+        "the first charge of a new period must be admitted"
+    );
+    assert_eq!(
+        reopened.1[0].used, 1,
+        "the next charge opens a fresh period"
+    );
+    time.assert_near(
+        reopened.1[0].resets_at,
+        reopened_at + period,
+        "a new period's deadline is one period from its first call",
     );
     Verdict::Passed
 }
@@ -844,6 +1007,13 @@ async fn refund<S: Store>(store: &S, now: Timestamp, key: &PeriodKey, amount: u6
         .refund(now, key.clone(), amount)
         .await
         .unwrap_or_else(|e| panic!("the store failed to refund: {e}"))
+}
+
+async fn add<S: Store>(store: &S, now: Timestamp, key: &PeriodKey, amount: u64) -> Option<u64> {
+    store
+        .add(now, key.clone(), amount)
+        .await
+        .unwrap_or_else(|e| panic!("the store failed to add: {e}"))
 }
 
 fn first_use(key: &PeriodKey, limit: u64, cost: u64, deadline: Timestamp) -> ChargeLine {

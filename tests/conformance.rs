@@ -33,7 +33,7 @@ async fn memory_store_conforms_with_one_shard() {
             .iter()
             .filter(|(_, v)| *v == Verdict::Passed)
             .count(),
-        5
+        6
     );
 }
 
@@ -71,6 +71,7 @@ mod redis {
     conformance!(
         hits_never_extend_a_first_use_deadline,
         refund_after_expiry_does_not_resurrect,
+        add_never_creates_nor_moves_a_deadline,
         exactly_the_limit_under_concurrency,
         all_or_nothing_across_quotas,
         undated_counter_is_healed,
@@ -94,6 +95,9 @@ mod broken {
     struct Bugs {
         redates_on_hit: bool,
         refund_creates: bool,
+        add_creates: bool,
+        add_redates: bool,
+        add_ignores_deadline: bool,
         charges_lines_separately: bool,
         checks_then_yields: bool,
         calendar_without_deadline: bool,
@@ -262,6 +266,44 @@ mod broken {
             std::future::ready(Ok(left))
         }
 
+        fn add(
+            &self,
+            now: Timestamp,
+            key: PeriodKey,
+            amount: u64,
+        ) -> impl Future<Output = Result<Option<u64>, StoreError>> + Send {
+            let found = if self.bugs.add_ignores_deadline {
+                self.counters.lock().unwrap().get(&key).copied()
+            } else {
+                self.live(&key, now)
+            };
+            let total = match found {
+                Some(mut c) => {
+                    c.used = c.used.saturating_add(amount);
+                    if self.bugs.add_redates {
+                        // As `INCRBY` then `EXPIRE key period` would.
+                        if let (Some(deadline), Some(first)) = (c.deadline, c.first_call) {
+                            c.deadline = Some(now + deadline.duration_since(first));
+                        }
+                    }
+                    self.counters.lock().unwrap().insert(key, c);
+                    Some(c.used)
+                }
+                None if self.bugs.add_creates => {
+                    // As a bare `INCRBY` would: a counter with no deadline.
+                    let counter = Counter {
+                        used: amount,
+                        deadline: None,
+                        first_call: None,
+                    };
+                    self.counters.lock().unwrap().insert(key, counter);
+                    Some(amount)
+                }
+                None => None,
+            };
+            std::future::ready(Ok(total))
+        }
+
         fn reset(&self, key: PeriodKey) -> impl Future<Output = Result<bool, StoreError>> + Send {
             std::future::ready(Ok(self.counters.lock().unwrap().remove(&key).is_some()))
         }
@@ -333,6 +375,36 @@ mod broken {
             ..Bugs::default()
         });
         testing::refund_after_expiry_does_not_resurrect(&store).await;
+    }
+
+    #[tokio::test]
+    #[should_panic(expected = "an add on a key never charged must find no counter")]
+    async fn an_add_that_creates_is_caught() {
+        let store = Buggy::with(Bugs {
+            add_creates: true,
+            ..Bugs::default()
+        });
+        testing::add_never_creates_nor_moves_a_deadline(&store).await;
+    }
+
+    #[tokio::test]
+    #[should_panic(expected = "the stored deadline must not move after an add")]
+    async fn an_add_that_moves_the_deadline_is_caught() {
+        let store = Buggy::with(Bugs {
+            add_redates: true,
+            ..Bugs::default()
+        });
+        testing::add_never_creates_nor_moves_a_deadline(&store).await;
+    }
+
+    #[tokio::test]
+    #[should_panic(expected = "an add after the deadline must find no counter")]
+    async fn an_add_to_an_expired_counter_is_caught() {
+        let store = Buggy::with(Bugs {
+            add_ignores_deadline: true,
+            ..Bugs::default()
+        });
+        testing::add_never_creates_nor_moves_a_deadline(&store).await;
     }
 
     #[tokio::test]

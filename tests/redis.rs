@@ -735,3 +735,256 @@ async fn limits_beyond_what_lua_counts_exactly_are_unlimited() {
     assert_eq!(outcome.usage[0].used, 1_000);
     assert_eq!(outcome.usage[0].remaining(), u64::MAX - 1_000);
 }
+
+/// The key's deadline as Redis holds it (ms since the epoch; -1 none, -2 no
+/// key; `None` before Redis 7, which has no `PEXPIRETIME`), and its remaining
+/// life (`PTTL`).
+async fn deadline_of(
+    redis: &mut redis::aio::MultiplexedConnection,
+    key: &str,
+) -> (Option<i64>, i64) {
+    let at: Option<i64> = redis::cmd("PEXPIRETIME")
+        .arg(key)
+        .query_async(redis)
+        .await
+        .ok();
+    let pttl: i64 = redis.pttl(key).await.unwrap();
+    (at, pttl)
+}
+
+/// The key's value in Redis's serialization, to tell whether it changed.
+async fn dump(redis: &mut redis::aio::MultiplexedConnection, key: &str) -> Vec<u8> {
+    redis::cmd("DUMP")
+        .arg(key)
+        .query_async(redis)
+        .await
+        .unwrap()
+}
+
+#[tokio::test]
+async fn an_add_keeps_the_exact_deadline_and_never_creates_a_counter() {
+    let server = redis_server_or_skip!();
+    let store = store(&server);
+    let mut redis = client(&server).await;
+
+    let missing = key("add-never");
+    assert_eq!(
+        store
+            .add(Timestamp::now(), missing.clone(), 3)
+            .await
+            .unwrap(),
+        None
+    );
+    let exists: bool = redis.exists(missing.as_str()).await.unwrap();
+    assert!(!exists, "an add must not create a counter");
+
+    // A hash counter, taken past its limit.
+    let hash = key("add-hash");
+    let t0 = Timestamp::now();
+    store
+        .charge(first_use(&hash, 10, 4, t0, hour()))
+        .await
+        .unwrap();
+    let (at, before) = deadline_of(&mut redis, hash.as_str()).await;
+    assert!(before > 0, "a dated counter: {before}");
+    tokio::time::sleep(Duration::from_millis(20)).await;
+    assert_eq!(
+        store.add(Timestamp::now(), hash.clone(), 3).await.unwrap(),
+        Some(7)
+    );
+    assert_eq!(
+        store
+            .add(Timestamp::now(), hash.clone(), 100)
+            .await
+            .unwrap(),
+        Some(107),
+        "an add is not checked against the limit"
+    );
+    let (at_after, after) = deadline_of(&mut redis, hash.as_str()).await;
+    assert_eq!(at_after, at, "an add must not move the deadline");
+    assert!(
+        after <= before - 20 && after > 0,
+        "the remaining life only runs down: {before} then {after}"
+    );
+    let fields: Vec<(String, i64)> = redis.hgetall(hash.as_str()).await.unwrap();
+    assert!(fields.contains(&("n".into(), 107)), "{fields:?}");
+    assert!(
+        fields.contains(&("t".into(), t0.as_millisecond())),
+        "an add keeps the first call: {fields:?}"
+    );
+
+    // A string counter from another tool, dated and undated.
+    let string = key("add-string");
+    let () = redis.pset_ex(string.as_str(), 5, 60_000).await.unwrap();
+    let (at, before) = deadline_of(&mut redis, string.as_str()).await;
+    assert_eq!(
+        store
+            .add(Timestamp::now(), string.clone(), 2)
+            .await
+            .unwrap(),
+        Some(7)
+    );
+    let kind: String = redis::cmd("TYPE")
+        .arg(string.as_str())
+        .query_async(&mut redis)
+        .await
+        .unwrap();
+    assert_eq!(kind, "string", "the counter is added to in place");
+    let count: i64 = redis.get(string.as_str()).await.unwrap();
+    assert_eq!(count, 7);
+    let (at_after, after) = deadline_of(&mut redis, string.as_str()).await;
+    assert_eq!(at_after, at, "an add must not move the deadline");
+    assert!(
+        after <= before && after > 0,
+        "the remaining life only runs down: {before} then {after}"
+    );
+    let undated = key("add-undated");
+    let () = redis.set(undated.as_str(), 5).await.unwrap();
+    assert_eq!(
+        store
+            .add(Timestamp::now(), undated.clone(), 1)
+            .await
+            .unwrap(),
+        Some(6)
+    );
+    assert_eq!(
+        deadline_of(&mut redis, undated.as_str()).await.1,
+        -1,
+        "an add leaves dating a counter to the next charge"
+    );
+
+    // An expired counter stays expired.
+    let short = key("add-expired");
+    store
+        .charge(first_use(
+            &short,
+            10,
+            1,
+            Timestamp::now(),
+            SignedDuration::from_millis(50),
+        ))
+        .await
+        .unwrap();
+    tokio::time::sleep(Duration::from_millis(100)).await;
+    assert_eq!(
+        store.add(Timestamp::now(), short.clone(), 1).await.unwrap(),
+        None
+    );
+    let exists: bool = redis.exists(short.as_str()).await.unwrap();
+    assert!(!exists, "an add must not bring an expired counter back");
+}
+
+#[tokio::test]
+async fn an_add_to_a_value_that_is_no_counter_is_an_error_and_writes_nothing() {
+    let server = redis_server_or_skip!();
+    let store = store(&server);
+    let mut redis = client(&server).await;
+    for (name, setup) in [
+        ("text", vec!["SET", "abc"]),
+        ("fraction", vec!["SET", "5.5"]),
+        ("negative", vec!["SET", "-3"]),
+        ("hash without n", vec!["HSET", "x", "1"]),
+        ("list", vec!["RPUSH", "a"]),
+    ] {
+        let foreign = key(name);
+        let mut command = redis::cmd(setup[0]);
+        command.arg(foreign.as_str());
+        for arg in &setup[1..] {
+            command.arg(*arg);
+        }
+        let () = command.query_async(&mut redis).await.unwrap();
+        let () = redis.pexpire(foreign.as_str(), 60_000).await.unwrap();
+        let value = dump(&mut redis, foreign.as_str()).await;
+        let (at, before) = deadline_of(&mut redis, foreign.as_str()).await;
+
+        let error = store
+            .add(Timestamp::now(), foreign.clone(), 1)
+            .await
+            .expect_err(name);
+        assert_eq!(error.kind(), StoreErrorKind::Other, "{name}");
+        assert!(
+            error.to_string().contains("not a counter"),
+            "{name}: {error}"
+        );
+        assert_eq!(
+            dump(&mut redis, foreign.as_str()).await,
+            value,
+            "{name}: the value changed"
+        );
+        let (at_after, after) = deadline_of(&mut redis, foreign.as_str()).await;
+        assert_eq!(at_after, at, "{name}: the deadline moved");
+        assert!(
+            after <= before && after > 0,
+            "{name}: the deadline moved: {before} then {after}"
+        );
+    }
+}
+
+#[tokio::test]
+async fn an_add_beyond_what_lua_counts_exactly_is_an_error_and_writes_nothing() {
+    let server = redis_server_or_skip!();
+    let store = store(&server);
+    let mut redis = client(&server).await;
+    const EXACT: u64 = 1 << 53;
+
+    let huge = key("add-huge");
+    store
+        .charge(first_use(
+            &huge,
+            u64::MAX,
+            EXACT - 10,
+            Timestamp::now(),
+            hour(),
+        ))
+        .await
+        .unwrap();
+    let (at, before) = deadline_of(&mut redis, huge.as_str()).await;
+    assert_eq!(
+        store.add(Timestamp::now(), huge.clone(), 10).await.unwrap(),
+        Some(EXACT),
+        "up to 2^53 is counted"
+    );
+    for amount in [1, EXACT, u64::MAX] {
+        let error = store
+            .add(Timestamp::now(), huge.clone(), amount)
+            .await
+            .expect_err("beyond 2^53");
+        assert_eq!(error.kind(), StoreErrorKind::Other, "{error}");
+        assert!(error.to_string().contains("2^53"), "{error}");
+    }
+    let count: i64 = redis.hget(huge.as_str(), "n").await.unwrap();
+    assert_eq!(count, EXACT as i64, "a refused add writes nothing");
+    let (at_after, after) = deadline_of(&mut redis, huge.as_str()).await;
+    assert_eq!(at_after, at, "an add must not move the deadline");
+    assert!(after <= before && after > 0, "{before} then {after}");
+
+    // From zero: an amount a double would round down to 2^53 is refused too.
+    let empty = key("add-from-zero");
+    store
+        .charge(first_use(&empty, 10, 1, Timestamp::now(), hour()))
+        .await
+        .unwrap();
+    assert_eq!(
+        store
+            .refund(Timestamp::now(), empty.clone(), 1)
+            .await
+            .unwrap(),
+        Some(0)
+    );
+    for amount in [EXACT + 1, EXACT, u64::MAX] {
+        let error = store
+            .add(Timestamp::now(), empty.clone(), amount)
+            .await
+            .expect_err("beyond 2^53");
+        assert!(error.to_string().contains("2^53"), "{amount}: {error}");
+    }
+    let count: i64 = redis.hget(empty.as_str(), "n").await.unwrap();
+    assert_eq!(count, 0, "a refused add writes nothing");
+    assert_eq!(
+        store
+            .add(Timestamp::now(), empty.clone(), EXACT - 1)
+            .await
+            .unwrap(),
+        Some(EXACT - 1)
+    );
+}

@@ -555,14 +555,16 @@ impl Store for MemoryStore {
         amount: u64,
     ) -> impl Future<Output = Result<Option<u64>, StoreError>> + Send {
         let mut shard = lock(&self.inner.shards[self.shard_of(&key)]);
-        let now_used = match shard.counters.get_mut(key.as_str()) {
+        // Only a live counter: a counter at or past its deadline is over,
+        // even before it is reclaimed, and the deadline stays as it was.
+        let total = match shard.counters.get_mut(key.as_str()) {
             Some(counter) if counter.deadline > Nanos::of(now) => {
                 counter.used = counter.used.saturating_add(amount);
                 Some(counter.used)
             }
             _ => None,
         };
-        ready(Ok(now_used))
+        ready(Ok(total))
     }
 
     fn reset(&self, key: PeriodKey) -> impl Future<Output = Result<bool, StoreError>> + Send {

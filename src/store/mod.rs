@@ -1,9 +1,9 @@
 //! Where counters live.
 //!
 //! A [`Store`] keeps one counter per [`PeriodKey`] and charges, peeks,
-//! refunds and resets them. [`MemoryStore`] keeps them in the process, the
-//! default for a single instance and for tests; a store shared by many
-//! instances implements the same trait.
+//! refunds, adds to and resets them. [`MemoryStore`] keeps them in the
+//! process, the default for a single instance and for tests; a store shared
+//! by many instances implements the same trait.
 //!
 //! # The contract
 //!
@@ -21,6 +21,10 @@
 //!   deadline is only housekeeping, and the reset reported is the window's
 //!   end.
 //! - [`Store::refund`] never creates a counter and never touches a deadline.
+//! - [`Store::add`] (a cost known only once the response is, charged after
+//!   the fact) never checks a limit, never creates a counter and never
+//!   touches a deadline: an add to a counter that expired in the meantime
+//!   finds nothing, rather than open a new period.
 //!
 //! # Example: a store of your own
 //!
@@ -48,6 +52,9 @@
 //!     }
 //!     fn refund(&self, now: Timestamp, key: PeriodKey, amount: u64) -> impl Future<Output = Result<Option<u64>, StoreError>> + Send {
 //!         self.inner.refund(now, key, amount)
+//!     }
+//!     fn add(&self, now: Timestamp, key: PeriodKey, amount: u64) -> impl Future<Output = Result<Option<u64>, StoreError>> + Send {
+//!         self.inner.add(now, key, amount)
 //!     }
 //!     fn reset(&self, key: PeriodKey) -> impl Future<Output = Result<bool, StoreError>> + Send {
 //!         self.inner.reset(key)
@@ -282,10 +289,17 @@ pub trait Store: Clone + Send + Sync + 'static {
         amount: u64,
     ) -> impl Future<Output = Result<Option<u64>, StoreError>> + Send;
 
-    /// Adds `amount` to the live counter at `key` without checking its limit
-    /// (a deferred cost of a request already served). Returns what the
-    /// counter holds afterwards, or `None` when there is no live counter: it
-    /// never creates a counter and never changes a deadline.
+    /// Adds `amount` to the live counter at `key`, without checking its limit:
+    /// for a cost known only after the request was admitted and served.
+    /// Returns what the counter holds afterwards, or `None` when there is no
+    /// live counter: an add never creates a counter (one that expired in the
+    /// meantime stays expired, so no new period opens) and never changes a
+    /// deadline.
+    ///
+    /// A store fails rather than hold a count other than the sum: when the
+    /// sum is beyond what it counts exactly (2^53 for the Redis store), the
+    /// add is an error and nothing is written. [`MemoryStore`] counts up to
+    /// `u64::MAX` and stays there.
     fn add(
         &self,
         now: Timestamp,

@@ -22,8 +22,8 @@ use self::connection::{Connection, Connections, ServerManager};
 
 mod connection;
 
-/// The counters script: check-then-commit for charges, plus peek, refund
-/// and the server's time, so that one SHA serves every call.
+/// The counters script: check-then-commit for charges, plus peek, refund,
+/// add and the server's time, so that one SHA serves every call.
 const COUNTERS_LUA: &str = include_str!("redis/counters.lua");
 
 /// Fields per line in the script's reply.
@@ -72,6 +72,10 @@ pub const DEFAULT_CALENDAR_JITTER: Duration = Duration::from_secs(60);
 ///   only when missing. The reset reported is the window's end.
 /// - **Refunds** (`HINCRBY` by a negative amount, in a script that checks the
 ///   counter exists) never create a counter and never touch a deadline.
+/// - **Adds** after the fact ([`Store::add`]) are the same `HINCRBY` the
+///   other way: a missing counter stays missing, the deadline stays as it
+///   was, and a count that would go beyond 2^53 (what the script counts
+///   exactly) is refused with a [`StoreError`] before anything is written.
 ///
 /// # Faults
 ///
@@ -681,13 +685,23 @@ impl Store for RedisStore {
     fn add(
         &self,
         _now: Timestamp,
-        _key: PeriodKey,
-        _amount: u64,
+        key: PeriodKey,
+        amount: u64,
     ) -> impl Future<Output = Result<Option<u64>, StoreError>> + Send {
-        std::future::ready(Err(StoreError::new(
-            crate::store::StoreErrorKind::Other,
-            "interim",
-        )))
+        let store = self.clone();
+        async move {
+            let mut invocation = store.inner.script.key(key.as_str());
+            // The exact amount, not clamped: the script refuses a count
+            // beyond 2^53 instead of storing one that says less.
+            invocation.arg("a").arg(amount);
+            let total: i64 = store
+                .exchange(|mut conn| async move {
+                    let result = invocation.invoke_async(&mut conn).await;
+                    (conn, result)
+                })
+                .await?;
+            Ok(u64::try_from(total).ok())
+        }
     }
 
     fn reset(&self, key: PeriodKey) -> impl Future<Output = Result<bool, StoreError>> + Send {
@@ -874,11 +888,7 @@ mod tests {
 
     #[test]
     fn the_script_uses_no_command_that_drops_a_deadline() {
-        let code: String = COUNTERS_LUA
-            .lines()
-            .filter(|l| !l.trim_start().starts_with("--"))
-            .collect::<Vec<_>>()
-            .join("\n");
+        let code = script_code();
         for command in [
             "'SET'",
             "'GETSET'",
@@ -901,6 +911,53 @@ mod tests {
             code[create..].find("'PEXPIRE'").unwrap() < 80,
             "HSET is followed by PEXPIRE"
         );
+    }
+
+    /// The script without its comments.
+    fn script_code() -> String {
+        COUNTERS_LUA
+            .lines()
+            .filter(|l| !l.trim_start().starts_with("--"))
+            .collect::<Vec<_>>()
+            .join("\n")
+    }
+
+    /// The top-level block of the script that opens with the line `opening`,
+    /// up to its `end`.
+    fn block<'a>(code: &'a str, opening: &str) -> &'a str {
+        let start = code
+            .find(&format!("\n{opening}\n"))
+            .unwrap_or_else(|| panic!("the counters script has `{opening}`"));
+        let end = start + code[start..].find("\nend\n").expect("the block ends");
+        &code[start..end]
+    }
+
+    /// The Redis commands `code` calls, in order.
+    fn commands(code: &str) -> Vec<&str> {
+        code.split("redis.call('")
+            .skip(1)
+            .map(|rest| &rest[..rest.find('\'').expect("a quoted command")])
+            .collect()
+    }
+
+    #[test]
+    fn refund_and_add_only_change_the_count() {
+        let code = script_code();
+        // The read both start with writes nothing.
+        assert_eq!(
+            commands(block(&code, "local function read(key)")),
+            ["TYPE", "HMGET", "GET"]
+        );
+        // No PEXPIRE, HSET, SET or DEL: neither creates a counter nor sets,
+        // moves or drops a deadline.
+        assert_eq!(
+            commands(block(&code, "if op == 'r' then")),
+            ["HINCRBY", "DECRBY"]
+        );
+        let add = block(&code, "if op == 'a' then");
+        assert_eq!(commands(add), ["HINCRBY", "INCRBY"]);
+        // An add checks the bound before it writes.
+        assert!(add.find("EXACT").unwrap() < add.find("'HINCRBY'").unwrap());
     }
 
     #[test]

@@ -125,6 +125,74 @@ fn refunds_never_create_or_resurrect_and_keep_the_deadline() {
 }
 
 #[test]
+fn adds_never_create_or_resurrect_and_keep_the_deadline() {
+    let store = MemoryStore::new();
+    let k = key("acme", "read", "PT1H");
+    let t0 = at("2026-12-02T10:00:00Z");
+    let t1 = at("2026-12-02T10:30:00Z");
+    let end = at("2026-12-02T11:00:00Z");
+    assert_eq!(now_of(store.add(t0, k.clone(), 5)).unwrap(), None);
+    assert!(store.is_empty(), "an add created a counter");
+
+    charge(&store, t0, vec![first_use(k.clone(), 5, 3, end)]);
+    assert_eq!(
+        now_of(store.add(t1, k.clone(), 4)).unwrap(),
+        Some(7),
+        "an add checks no limit"
+    );
+    assert_eq!(now_of(store.add(t1, k.clone(), 0)).unwrap(), Some(7));
+    let later = at("2026-12-02T11:30:00Z");
+    let usage = now_of(store.peek(ChargeRequest {
+        now: t1,
+        lines: vec![first_use(k.clone(), 5, 0, later)],
+    }))
+    .unwrap();
+    assert_eq!(usage[0].used, 7);
+    assert_eq!(usage[0].resets_at, end, "an add moved the deadline");
+    assert_eq!(usage[0].first_call, Some(t0));
+    let refused = charge(&store, t1, vec![first_use(k.clone(), 5, 1, later)]);
+    assert!(
+        !refused.admitted,
+        "a counter over its limit refuses charges"
+    );
+    assert_eq!(refused.usage[0].resets_at, end);
+    assert_eq!(
+        now_of(store.add(t1, k.clone(), u64::MAX)).unwrap(),
+        Some(u64::MAX),
+        "the count saturates"
+    );
+
+    assert_eq!(
+        now_of(store.add(end, k.clone(), 1)).unwrap(),
+        None,
+        "expired counters stay expired"
+    );
+    let next_end = at("2026-12-02T12:00:00Z");
+    let after = charge(&store, end, vec![first_use(k, 5, 1, next_end)]);
+    assert_eq!(after.usage[0].used, 1, "the next charge opens a new period");
+    assert_eq!(after.usage[0].resets_at, next_end);
+    assert_eq!(after.usage[0].first_call, Some(end));
+
+    let window = key("acme", "read", "2026-12-02");
+    let day = || {
+        calendar(
+            window.clone(),
+            5,
+            1,
+            "2026-12-02T00:00:00Z",
+            "2026-12-03T00:00:00Z",
+        )
+    };
+    charge(&store, t0, vec![day()]);
+    assert_eq!(now_of(store.add(t1, window.clone(), 2)).unwrap(), Some(3));
+    assert_eq!(
+        now_of(store.add(at("2026-12-03T00:00:00Z"), window.clone(), 2)).unwrap(),
+        None,
+        "a calendar counter ends with its window"
+    );
+}
+
+#[test]
 fn a_refused_charge_spends_nothing_on_any_line() {
     let store = MemoryStore::new();
     let t0 = at("2026-12-02T10:00:00Z");
@@ -369,7 +437,7 @@ fn exact_under_threads_with_two_quotas() {
 
 mod model {
     //! The memory store against a plain model of the contract, on random
-    //! sequences of charges, refunds, resets and clock moves.
+    //! sequences of charges, refunds, adds, resets and clock moves.
 
     use std::collections::HashMap;
 
@@ -386,6 +454,11 @@ mod model {
             cost: u64,
         },
         Refund {
+            subject: u8,
+            quota: usize,
+            amount: u64,
+        },
+        Add {
             subject: u8,
             quota: usize,
             amount: u64,
@@ -407,6 +480,11 @@ mod model {
                 }
             ),
             (0u8..3, 0usize..3, 0u64..3).prop_map(|(subject, quota, amount)| Op::Refund {
+                subject,
+                quota,
+                amount
+            }),
+            (0u8..3, 0usize..3, 0u64..5).prop_map(|(subject, quota, amount)| Op::Add {
                 subject,
                 quota,
                 amount
@@ -494,6 +572,12 @@ mod model {
                         let k = line(quota, subject, now, 0).key;
                         let got = now_of(store.refund(now, k.clone(), amount)).unwrap();
                         let expected = model.get_mut(&k).map(|e| { e.used = e.used.saturating_sub(amount); e.used });
+                        prop_assert_eq!(got, expected);
+                    }
+                    Op::Add { subject, quota, amount } => {
+                        let k = line(quota, subject, now, 0).key;
+                        let got = now_of(store.add(now, k.clone(), amount)).unwrap();
+                        let expected = model.get_mut(&k).map(|e| { e.used += amount; e.used });
                         prop_assert_eq!(got, expected);
                     }
                     Op::Reset { subject, quota } => {

@@ -4,6 +4,9 @@
 --   c  charge: check every line, then commit all of them or none
 --   p  peek: read every line, write nothing
 --   r  refund KEYS[1] by ARGV[2], never creating it, never touching its TTL
+--   a  add ARGV[2] to KEYS[1] without a limit check (a cost known only after
+--      the response), never creating it, never touching its TTL; a count
+--      that would go beyond 2^53 is an error reply, and nothing is written
 --   t  the server's TIME (KEYS[1] only routes the call on a cluster)
 --
 -- A counter is a hash: n = units spent, t = the first call (ms since the
@@ -69,6 +72,9 @@ local function not_a_counter(key)
   return redis.error_reply('ERR tower-quota: ' .. key .. ' holds a value that is not a counter')
 end
 
+-- The most a count may reach: Lua numbers are doubles, exact up to 2^53.
+local EXACT = 2 ^ 53
+
 if op == 'r' then
   local key = KEYS[1]
   local used, _, hash, ok = read(key)
@@ -86,6 +92,38 @@ if op == 'r' then
     return redis.call('HINCRBY', key, 'n', -give)
   end
   return redis.call('DECRBY', key, give)
+end
+
+if op == 'a' then
+  local key = KEYS[1]
+  local used, _, hash, ok = read(key)
+  if not ok then
+    return not_a_counter(key)
+  end
+  if used == nil then
+    -- Nothing to add to: the counter expired or never was. INCRBY would
+    -- create it without a deadline.
+    return -1
+  end
+  local amount = whole(ARGV[2])
+  if amount == nil then
+    return redis.error_reply('ERR tower-quota: the amount to add is not a whole number')
+  end
+  -- Checked before writing, without forming used + amount (a double may
+  -- round it back to 2^53). An amount of 2^53 or more is refused whatever
+  -- the count: a double cannot tell 2^53 + 1 from 2^53.
+  if amount > EXACT - used or amount >= EXACT then
+    return redis.error_reply('ERR tower-quota: adding ' .. ARGV[2] .. ' to ' .. key
+      .. ' goes beyond 2^53, the most the counters script counts exactly')
+  end
+  if amount == 0 then
+    return used
+  end
+  -- HINCRBY and INCRBY keep the key's TTL.
+  if hash then
+    return redis.call('HINCRBY', key, 'n', ARGV[2])
+  end
+  return redis.call('INCRBY', key, ARGV[2])
 end
 
 local charging = op == 'c'
