@@ -342,7 +342,8 @@ pub(crate) struct Layout {
     pub(crate) store_timeout: Option<Duration>,
     pub(crate) refund_server_errors: bool,
     /// Whether a charge can change once the store has answered: a refund
-    /// rule, a deferred cost, or inner layers the request may not reach.
+    /// rule, a deferred cost, inner layers the request may not reach, or an
+    /// unrouted answer inside.
     pub(crate) adjustable: bool,
     pub(crate) cache: crate::response::PolicyCache,
 }
@@ -355,7 +356,7 @@ impl Layout {
     ///
     /// When two quotas of the scopes would count on one counter, or share a
     /// name: a request passing these layers would be charged twice on it.
-    pub(crate) fn new(scopes: Vec<Arc<Scope>>, settings: &Settings) -> Self {
+    pub(crate) fn new(scopes: Vec<Arc<Scope>>, settings: &Settings, unrouted: bool) -> Self {
         assert!(
             scopes.len() <= Self::MAX_SCOPES,
             "a request passes more than {} quota layers of one policy",
@@ -384,6 +385,7 @@ impl Layout {
         }
         let cache = crate::response::PolicyCache::for_quotas(&quotas);
         let adjustable = settings.refund_server_errors
+            || unrouted
             || scopes.len() > 1
             || scopes.iter().any(|s| s.deferred.is_some());
         Self {
@@ -400,6 +402,26 @@ impl Layout {
     }
 }
 
+impl Layout {
+    /// The charge of the first scope alone, with the same settings.
+    pub(crate) fn alone(&self) -> Self {
+        let own = Arc::clone(&self.scopes[0]);
+        let quotas: Vec<Quota> = own.quotas.to_vec();
+        let cache = crate::response::PolicyCache::for_quotas(&quotas);
+        Self {
+            line_scope: vec![0; quotas.len()],
+            adjustable: self.adjustable,
+            quotas,
+            scopes: vec![own],
+            namespace: self.namespace.clone(),
+            on_store_error: self.on_store_error,
+            store_timeout: self.store_timeout,
+            refund_server_errors: self.refund_server_errors,
+            cache,
+        }
+    }
+}
+
 /// What a request costs on each scope of its charge; one scope needs no
 /// allocation.
 #[derive(Debug)]
@@ -409,6 +431,14 @@ pub(crate) struct Costs {
 }
 
 impl Costs {
+    /// One scope's cost.
+    pub(crate) fn one(cost: u64) -> Self {
+        Self {
+            first: cost,
+            rest: Vec::new(),
+        }
+    }
+
     /// No cost at all (nothing charged).
     pub(crate) fn none() -> Self {
         Self {

@@ -1,6 +1,7 @@
 use std::future::Future;
 use std::pin::Pin;
-use std::sync::atomic::Ordering;
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::sync::{Arc, OnceLock};
 use std::task::{ready, Context, Poll};
 
 use bytes::Bytes;
@@ -11,12 +12,13 @@ use tokio::time::Sleep;
 use tower_service::Service;
 
 use crate::body::ResponseBody;
-use crate::config::Layout;
+use crate::config::{Costs, Layout};
 use crate::decision::{decide, Decision};
 use crate::key::PeriodKey;
-use crate::response::RateLimitFields;
-use crate::status::QuotaStatus;
-use crate::store::{Store, StoreError, StoreErrorKind, Usage};
+use crate::period::Clock;
+use crate::response::{PolicyCache, RateLimitFields};
+use crate::status::{QuotaStatus, Ticket};
+use crate::store::{ChargeRequest, Store, StoreError, StoreErrorKind, Usage};
 
 type Adjusting = Pin<Box<dyn Future<Output = Vec<Option<u64>>> + Send>>;
 
@@ -88,6 +90,8 @@ pub(crate) struct Admission<St> {
     /// can happen (refunds of server errors, deferred costs, inner layers
     /// that may not be reached).
     pub(crate) store: Option<St>,
+    /// With the store: "now" for the changes.
+    pub(crate) clock: Option<Arc<dyn Clock>>,
     pub(crate) status: QuotaStatus,
 }
 
@@ -129,14 +133,73 @@ impl<St: Store> Admission<St> {
     /// the request.
     fn refund_outer(&self) -> Option<Adjusting> {
         let outer = self.status.ticket().outer.as_ref()?.ticket();
-        if outer.refunded.swap(true, Ordering::Relaxed) {
+        // Every layer further out gave its lines to this one ticket: none of
+        // them may change them again.
+        let mut chain = Some(outer);
+        let mut already = false;
+        while let Some(ticket) = chain {
+            already |= ticket.refunded.swap(true, Ordering::Relaxed);
+            chain = ticket.outer.as_ref().map(QuotaStatus::ticket);
+        }
+        if already {
             return None;
         }
+        let now = self.clock.as_ref()?.now();
         let ops = (0..outer.lines())
+            .filter(|i| outer.line_live(*i, now))
             .map(|i| (outer.key(i), Adjust::Refund(outer.line_cost(i))))
             .collect();
         let store = self.store.clone()?;
-        Some(settle(store, self.status.charged_at(), ops))
+        Some(settle(store, now, ops))
+    }
+
+    /// When the store refused the charge only for quotas of inner layers,
+    /// which this request may never reach: charges this layer's own quotas
+    /// alone; the inner layers then decide for themselves if the request
+    /// reaches them (and give this charge back if they refuse).
+    fn alone(&self, usage: &[Usage]) -> Option<(Self, ChargeRequest)> {
+        let ticket = self.status.ticket();
+        let layout = ticket.layout.as_deref()?;
+        let subject = ticket.subject.clone()?;
+        let store = self.store.clone()?;
+        let alone = layout.alone();
+        let cost = ticket.costs.get(0);
+        let lines = alone
+            .quotas
+            .iter()
+            .zip(usage)
+            .map(|(quota, usage)| {
+                quota.line_with_limit(
+                    &alone.namespace,
+                    &subject,
+                    ticket.charged_at,
+                    cost,
+                    usage.limit,
+                )
+            })
+            .collect();
+        let request = ChargeRequest {
+            now: ticket.charged_at,
+            lines,
+        };
+        let status = QuotaStatus::new(Ticket {
+            policy: ticket.policy,
+            layout: Some(Arc::new(alone)),
+            costs: Costs::one(cost),
+            outer: ticket.outer.clone(),
+            subject: Some(subject),
+            usage: Vec::new(),
+            entries: OnceLock::new(),
+            reached: AtomicU64::new(1),
+            refunded: AtomicBool::new(false),
+            charged_at: ticket.charged_at,
+        });
+        let admission = Self {
+            store: Some(store),
+            clock: self.clock.clone(),
+            status,
+        };
+        Some((admission, request))
     }
 }
 
@@ -156,7 +219,7 @@ impl<St: Store> After<St> {
         }
         let layout = self.admission.layout();
         let offset = ticket.outer_lines();
-        let refund_all = failed && layout.refund_server_errors;
+        let refund_all = unrouted(response) || (failed && layout.refund_server_errors);
         let mut ops = Vec::new();
         for (line, &scope) in layout.line_scope.iter().enumerate() {
             let cost = ticket.costs.get(scope);
@@ -181,15 +244,28 @@ impl<St: Store> After<St> {
         ops
     }
 
-    fn settle(&self, ops: &[(usize, Adjust)]) -> Adjusting {
+    fn settle(&mut self, ops: Vec<(usize, Adjust)>) -> Adjusting {
         let ticket = self.admission.status.ticket();
-        let ops = ops.iter().map(|(i, op)| (ticket.key(*i), *op)).collect();
+        let now = self
+            .admission
+            .clock
+            .as_ref()
+            .expect("a charge that can change keeps its clock")
+            .now();
+        // A first-use counter whose period ended since is not the one that
+        // was charged any more, even if a new one has the same key.
+        let ops: Vec<(usize, Adjust)> = ops
+            .into_iter()
+            .filter(|(i, _)| ticket.line_live(*i, now))
+            .collect();
+        let keyed = ops.iter().map(|(i, op)| (ticket.key(*i), *op)).collect();
+        self.pending = ops;
         let store = self
             .admission
             .store
             .clone()
             .expect("a charge that can change keeps its store");
-        settle(store, self.admission.status.charged_at(), ops)
+        settle(store, now, keyed)
     }
 
     /// What the counters hold after the adjustments.
@@ -204,18 +280,27 @@ impl<St: Store> After<St> {
         }
     }
 
+    /// The fields of the quotas of the layers the request passed.
     fn fields(&self) -> RateLimitFields {
+        let ticket = self.admission.status.ticket();
         let layout = self.admission.layout();
         let usage = match &self.settled {
             Some(usage) => usage,
-            None => &self.admission.status.ticket().usage,
+            None => &ticket.usage,
         };
-        RateLimitFields::new(
-            &layout.quotas,
-            usage,
-            self.admission.status.charged_at(),
-            &layout.cache,
-        )
+        let now = ticket.charged_at;
+        if layout.line_scope.iter().all(|&scope| ticket.reached(scope)) {
+            return RateLimitFields::new(&layout.quotas, usage, now, &layout.cache);
+        }
+        let (quotas, usage): (Vec<_>, Vec<_>) = layout
+            .quotas
+            .iter()
+            .zip(usage)
+            .zip(&layout.line_scope)
+            .filter(|(_, &scope)| ticket.reached(scope))
+            .map(|((quota, usage), _)| (quota.clone(), *usage))
+            .unzip();
+        RateLimitFields::new(&quotas, &usage, now, &PolicyCache::default())
     }
 }
 
@@ -289,6 +374,25 @@ where
     }
 }
 
+/// Whether every quota without room belongs to an inner layer, which the
+/// request may never reach.
+fn refused_only_inside<St: Store>(admission: &Admission<St>, usage: &[Usage]) -> bool {
+    let ticket = admission.status.ticket();
+    let layout = admission.layout();
+    let mut inner_full = false;
+    for (line, (usage, &scope)) in usage.iter().zip(&layout.line_scope).enumerate() {
+        let _ = line;
+        let cost = ticket.costs.get(scope);
+        if usage.used.saturating_add(cost) > usage.limit {
+            if scope == 0 {
+                return false;
+            }
+            inner_full = true;
+        }
+    }
+    inner_full
+}
+
 /// The state that follows the store's answer.
 fn decided<S, St, ReqBody>(
     pending: Pending<S, St, ReqBody>,
@@ -303,6 +407,22 @@ where
         mut request,
         mut admission,
     } = pending;
+    if let Ok(outcome) = &answer {
+        if !outcome.admitted && refused_only_inside(&admission, &outcome.usage) {
+            if let Some((alone, charge)) = admission.alone(&outcome.usage) {
+                let store = alone.store.clone().expect("kept for this");
+                return State::Charging {
+                    charge: store.charge(charge),
+                    timeout: None,
+                    pending: Some(Pending {
+                        inner,
+                        request,
+                        admission: alone,
+                    }),
+                };
+            }
+        }
+    }
     let ticket = admission.status.ticket();
     let layout = admission.layout();
     let decision = decide(
@@ -416,8 +536,7 @@ where
                     if ops.is_empty() {
                         return Poll::Ready(finish(&after, result));
                     }
-                    let adjust = after.settle(&ops);
-                    after.pending = ops;
+                    let adjust = after.settle(ops);
                     this.state.set(State::Settling {
                         adjust,
                         result: Some(result),
@@ -450,12 +569,30 @@ where
     }
 }
 
-/// The admitted request's answer, with the fields of every quota charged.
+/// The admitted request's answer, with the fields of every quota charged;
+/// none for a request no route served.
 fn finish<St: Store, ResBody, Error>(
     after: &After<St>,
     result: Result<Response<ResBody>, Error>,
 ) -> Result<Response<ResponseBody<ResBody>>, Error> {
     let mut response = result?;
-    after.fields().append_to(response.headers_mut());
+    if !is_unrouted(response.extensions()) {
+        after.fields().append_to(response.headers_mut());
+    }
     Ok(response.map(ResponseBody::inner))
+}
+
+/// Whether no route served the response (see the `unrouted` handlers).
+fn unrouted(response: Option<&http::response::Parts>) -> bool {
+    response.is_some_and(|parts| is_unrouted(&parts.extensions))
+}
+
+#[cfg(feature = "axum")]
+fn is_unrouted(extensions: &http::Extensions) -> bool {
+    extensions.get::<crate::unrouted::Unrouted>().is_some()
+}
+
+#[cfg(not(feature = "axum"))]
+fn is_unrouted(_: &http::Extensions) -> bool {
+    false
 }

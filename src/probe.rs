@@ -7,9 +7,8 @@
 //! route clones the layers and handler inside it. So a layer, when it is
 //! built, clones the service it wraps once while a probe is open on the
 //! thread, and every quota service of the policy cloned meanwhile announces
-//! its scope. Markers such as the `unrouted` handlers announce that
-//! the wrapped service is the router's answer to an unknown path or method,
-//! which is never charged.
+//! its scope. The `unrouted` handlers announce themselves too: a layer
+//! around them keeps its store at hand to give their charge back.
 //!
 //! A service whose clone does not reach inside (one shared behind an `Arc`)
 //! hides its layers: they then charge on their own (see
@@ -45,16 +44,25 @@ pub(crate) fn discover(policy: u64, clone: impl FnOnce()) -> Found {
         })
     });
     OPEN.with(|open| open.set(open.get() + 1));
+    // Closes the probe even when `clone` panics.
     struct Close;
     impl Drop for Close {
         fn drop(&mut self) {
             OPEN.with(|open| open.set(open.get() - 1));
+            FOUND.with(|found| {
+                found.borrow_mut().pop();
+            });
         }
     }
     let close = Close;
     clone();
+    let found = FOUND.with(|found| {
+        let mut found = found.borrow_mut();
+        let top = found.last_mut().expect("the probe is open");
+        std::mem::take(top)
+    });
     drop(close);
-    FOUND.with(|found| found.borrow_mut().pop().unwrap_or_default())
+    found
 }
 
 /// Called by a quota service of `policy` being cloned.
@@ -71,7 +79,7 @@ pub(crate) fn announce_scope(policy: u64, scope: &Arc<Scope>) {
     });
 }
 
-/// Called by a marker of the router's "no such route" answers being cloned.
+/// Called by a handler of the router's "no such route" answers being cloned.
 #[cfg_attr(not(feature = "axum"), allow(dead_code))]
 pub(crate) fn announce_unrouted() {
     if OPEN.with(Cell::get) == 0 {

@@ -33,9 +33,6 @@ pub(crate) struct Charges {
     full: Arc<Layout>,
     /// Charged when an outer layer of the policy could not see this one.
     alone: Arc<Layout>,
-    /// The wrapped service is the router's answer to an unknown path or
-    /// method: never charged.
-    unrouted: bool,
 }
 
 impl Charges {
@@ -46,11 +43,12 @@ impl Charges {
     pub(crate) fn new(own: Arc<Scope>, found: probe::Found, settings: &Settings) -> Self {
         let mut scopes = vec![Arc::clone(&own)];
         scopes.extend(found.scopes.into_iter().filter(|s| s.id != own.id));
+        // An unrouted answer inside means charges to give back.
+        let unrouted = found.unrouted;
         Self {
-            full: Arc::new(Layout::new(scopes, settings)),
-            alone: Arc::new(Layout::new(vec![Arc::clone(&own)], settings)),
+            full: Arc::new(Layout::new(scopes, settings, unrouted)),
+            alone: Arc::new(Layout::new(vec![Arc::clone(&own)], settings, unrouted)),
             own,
-            unrouted: found.unrouted,
         }
     }
 }
@@ -135,11 +133,16 @@ where
             Some(status) if status.is_exempt() || status.ticket().reach(charges.own.id) => {
                 return ResponseFuture::passing(self.call_inner(parts, body));
             }
+            Some(status) if charges.own.quotas.iter().all(|q| status.ticket().counts(q)) => {
+                // Hidden, but the layer around already charged the same
+                // counters: they count once.
+                return ResponseFuture::passing(self.call_inner(parts, body));
+            }
             Some(_) => tracing::debug!(
                 quotas = ?charges.own.quotas,
                 "a quota layer hidden from the layer around it charges on its own"
             ),
-            None if charges.unrouted || settings.skips(&parts) => {
+            None if settings.skips(&parts) => {
                 return self.pass_uncounted(parts, body, now);
             }
             None => {}
@@ -184,7 +187,26 @@ where
             plan => plan,
         };
 
-        let layout = match outer {
+        let hidden_layout;
+        let layout = match &outer {
+            Some(status) if charges.own.quotas.iter().any(|q| status.ticket().counts(q)) => {
+                // Hidden, and partly charged already: the rest only.
+                let own = &charges.own;
+                let rest = own
+                    .quotas
+                    .iter()
+                    .filter(|q| !status.ticket().counts(q))
+                    .cloned()
+                    .collect::<Vec<_>>();
+                let scope = Scope {
+                    id: own.id,
+                    quotas: rest.into(),
+                    cost: own.cost.clone(),
+                    deferred: own.deferred.clone(),
+                };
+                hidden_layout = Arc::new(Layout::new(vec![Arc::new(scope)], settings, false));
+                &hidden_layout
+            }
             Some(_) => &charges.alone,
             None => &charges.full,
         };
@@ -214,6 +236,7 @@ where
         let adjustable = layout.adjustable || outer.is_some();
         let admission = Admission {
             store: adjustable.then(|| shared.store.clone()),
+            clock: adjustable.then(|| Arc::clone(&settings.clock)),
             status: QuotaStatus::new(Ticket {
                 policy: shared.id,
                 layout: Some(Arc::clone(layout)),

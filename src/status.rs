@@ -160,11 +160,12 @@ impl Ticket {
             let outer = self.outer.as_ref().map(|o| o.entries()).unwrap_or_default();
             let mut entries = outer.to_vec();
             if let Some(layout) = &self.layout {
-                entries.extend(layout.quotas.iter().zip(&self.usage).enumerate().map(
-                    |(line, (quota, usage))| {
-                        QuotaUsage::new(quota.clone(), self.own_key(line), *usage)
-                    },
-                ));
+                // Only the layers the request passed, so far.
+                for (line, (quota, usage)) in layout.quotas.iter().zip(&self.usage).enumerate() {
+                    if self.reached(layout.line_scope[line]) {
+                        entries.push(QuotaUsage::new(quota.clone(), self.own_key(line), *usage));
+                    }
+                }
             }
             entries
         })
@@ -207,6 +208,17 @@ impl Ticket {
         self.reached.load(Ordering::Relaxed) & (1 << i) != 0
     }
 
+    /// Whether this charge (or one further out) counts on `quota`'s counter.
+    pub(crate) fn counts(&self, quota: &Quota) -> bool {
+        self.layout
+            .as_ref()
+            .is_some_and(|l| l.quotas.iter().any(|q| q.shares_counters_with(quota)))
+            || self
+                .outer
+                .as_ref()
+                .is_some_and(|o| o.ticket().counts(quota))
+    }
+
     /// How many entries come from a hidden outer layer's charge.
     pub(crate) fn outer_lines(&self) -> usize {
         self.outer.as_ref().map_or(0, |o| o.ticket().lines())
@@ -215,6 +227,25 @@ impl Ticket {
     /// How many entries the status lists.
     pub(crate) fn lines(&self) -> usize {
         self.outer_lines() + self.layout.as_ref().map_or(0, |l| l.quotas.len())
+    }
+
+    /// Whether the counter of entry `i` is still the one that was charged
+    /// at `now`: a first-use counter whose period has ended is not, even if
+    /// a new one has the same key.
+    pub(crate) fn line_live(&self, i: usize, now: Timestamp) -> bool {
+        let offset = self.outer_lines();
+        match (&self.outer, &self.layout) {
+            (Some(outer), _) if i < offset => outer.ticket().line_live(i, now),
+            (_, Some(layout)) => {
+                let line = i - offset;
+                layout.quotas[line].anchor() != Anchor::FirstUse
+                    || self
+                        .usage
+                        .get(line)
+                        .is_none_or(|usage| usage.resets_at > now)
+            }
+            (_, None) => false,
+        }
     }
 
     /// What entry `i` was charged.

@@ -4,10 +4,14 @@
 //! A layer applied with axum's `Router::route_layer` never sees a request
 //! for an unknown path (404), but it wraps each route's answer to a method
 //! the route does not serve (405), and `Router::layer` wraps the 404 too.
-//! Neither request is served, so neither should be charged nor need a
-//! subject. Axum's own answers are opaque to a layer; these handlers answer
-//! the same, and the quota layers wrapping them let their requests through
-//! uncounted:
+//! Neither request is served, so neither should cost anything. These
+//! handlers answer the same as axum's own (axum adds `Allow` to the 405) and
+//! mark their response, so a quota layer that charged the request gives the
+//! charge back and sends no rate-limit fields.
+//!
+//! Set them last, after the quota layers: axum then puts them in place of
+//! the answers the layers wrapped, so the layers never see these requests at
+//! all, and they need no subject either:
 //!
 //! ```
 //! use axum::{body::Body, routing::post, Router};
@@ -38,22 +42,27 @@ use http::StatusCode;
 use crate::probe;
 
 /// Answers `405 Method Not Allowed` (axum adds the `Allow` field): use it
-/// with `Router::method_not_allowed_fallback`. Quota layers wrapping it
-/// charge nothing.
+/// with `Router::method_not_allowed_fallback`. Quota layers wrapping it give
+/// their charge back.
 #[derive(Debug)]
 pub struct MethodNotAllowed;
 
 /// Answers `404 Not Found`: use it with `Router::fallback` when quota layers
-/// are applied with `Router::layer`. Quota layers wrapping it charge
-/// nothing.
+/// are applied with `Router::layer`. Quota layers wrapping it give their
+/// charge back.
 #[derive(Debug)]
 pub struct NotFound;
+
+/// The mark of a response no route served.
+#[derive(Clone, Copy, Debug)]
+pub(crate) struct Unrouted;
 
 macro_rules! marker {
     ($name:ident, $status:expr) => {
         impl Clone for $name {
             fn clone(&self) -> Self {
-                // A quota layer being built asks what it wraps.
+                // A quota layer being built keeps its store at hand, to give
+                // back what it charges for these requests.
                 probe::announce_unrouted();
                 $name
             }
@@ -63,7 +72,9 @@ macro_rules! marker {
             type Future = Ready<Response>;
 
             fn call(self, _request: axum::extract::Request, _state: S) -> Self::Future {
-                ready($status.into_response())
+                let mut response = $status.into_response();
+                response.extensions_mut().insert(Unrouted);
+                ready(response)
             }
         }
     };

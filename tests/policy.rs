@@ -505,13 +505,6 @@ fn a_nested_layer_on_the_same_counter_is_refused() {
         .route_layer(policy.layer(Quota::daily(10)));
 }
 
-#[tokio::test]
-async fn a_memory_policy_is_shared_by_its_layers() {
-    // Guards the store type in signatures above.
-    let _: QuotaPolicy<FromHeader, MemoryStore> =
-        QuotaPolicy::builder(FromHeader::account("x-account-id")).build();
-}
-
 #[test]
 fn layer_defaults_do_not_depend_on_call_order() {
     use tower_quota::jiff::tz::TimeZone;
@@ -614,9 +607,13 @@ async fn quotas_of_a_layer_the_request_never_reached_are_given_back() {
     let policy = QuotaPolicy::builder(FromHeader::account("x-account-id")).build();
     // The burst layer guards GET only; the read layer wraps the whole method
     // router, so it cannot tell which method will pass the burst layer.
+    let names = |status: QuotaStatus| async move {
+        let names: Vec<&str> = status.entries().iter().map(|e| e.quota.name()).collect();
+        names.join(",")
+    };
     let methods = get(|| async { "found" })
-        .route_layer(policy.layer(Quota::per_minute(5).allowance("search")))
-        .post(|| async { "posted" });
+        .route_layer(policy.layer(Quota::per_minute(1).allowance("search")))
+        .post(names);
     let app = Router::new()
         .route_service("/search", methods.with_state::<()>(()))
         .route_layer(policy.layer(Quota::daily(10).allowance("read")));
@@ -723,4 +720,191 @@ async fn a_full_memory_store_is_a_store_error_for_new_subjects_only() {
             .unwrap()
             .starts_with("\"default-day\";r=3;"));
     }
+}
+
+#[tokio::test]
+async fn an_unrouted_answer_beside_real_routes_exempts_only_itself() {
+    let policy = QuotaPolicy::builder(FromHeader::account("x-account-id")).build();
+    let methods = get(|| async { "ok" }).fallback(unrouted::MethodNotAllowed);
+    let app = Router::new()
+        .route_service("/x", methods.with_state::<()>(()))
+        .route_layer(policy.layer(Quota::daily(1)));
+    let wrong = send(&app, call(Method::DELETE, "/x", ACME)).await;
+    assert_eq!(wrong.status(), StatusCode::METHOD_NOT_ALLOWED);
+    assert!(!wrong.headers().contains_key("ratelimit"));
+    assert_eq!(
+        used(&policy, "default-day").await,
+        0,
+        "the 405 was given back"
+    );
+    assert_eq!(
+        send(&app, call(Method::GET, "/x", ACME)).await.status(),
+        StatusCode::OK
+    );
+    assert_eq!(used(&policy, "default-day").await, 1, "the GET was charged");
+    assert_eq!(
+        send(&app, call(Method::GET, "/x", ACME)).await.status(),
+        StatusCode::TOO_MANY_REQUESTS
+    );
+}
+
+#[tokio::test]
+async fn not_found_under_a_router_wide_layer_is_given_back() {
+    let policy = QuotaPolicy::builder(FromHeader::account("x-account-id")).build();
+    let app = Router::new()
+        .route("/", get(|| async { "hi" }))
+        .fallback(unrouted::NotFound)
+        .layer(policy.layer(Quota::daily(1)));
+    let missing = send(&app, call(Method::GET, "/nowhere", ACME)).await;
+    assert_eq!(missing.status(), StatusCode::NOT_FOUND);
+    assert!(!missing.headers().contains_key("ratelimit"));
+    assert_eq!(used(&policy, "default-day").await, 0);
+    assert_eq!(
+        send(&app, call(Method::GET, "/", ACME)).await.status(),
+        StatusCode::OK
+    );
+}
+
+#[tokio::test]
+async fn the_same_quota_hidden_inside_is_charged_once() {
+    let policy = QuotaPolicy::builder(FromHeader::account("x-account-id")).build();
+    let daily = || policy.layer(Quota::daily(10).allowance("read"));
+    let inner = tower::Layer::layer(&daily(), get(|| async { "ok" }).with_state::<()>(()));
+    let app = Router::new()
+        .route_service(
+            "/",
+            Opaque(std::sync::Arc::new(std::sync::Mutex::new(inner))),
+        )
+        .route_layer(daily());
+    assert_eq!(
+        send(&app, call(Method::GET, "/", ACME)).await.status(),
+        StatusCode::OK
+    );
+    assert_eq!(used(&policy, "read-day").await, 1, "one request, one unit");
+}
+
+#[tokio::test]
+async fn a_late_refund_never_credits_a_later_first_use_period() {
+    let clock = ManualClock::new(at("2026-12-02T10:00:00Z"));
+    let policy = QuotaPolicy::builder(FromHeader::account("x-account-id"))
+        .clock(clock.clone())
+        .refund_server_errors(true)
+        .build();
+    let gate = std::sync::Arc::new(tokio::sync::Notify::new());
+    let opened = gate.clone();
+    let app = Router::new()
+        .route(
+            "/slow",
+            get(move || {
+                let opened = opened.clone();
+                async move {
+                    opened.notified().await;
+                    StatusCode::INTERNAL_SERVER_ERROR
+                }
+            }),
+        )
+        .route("/ok", get(|| async { "ok" }))
+        .route_layer(policy.layer(Quota::rolling(5, std::time::Duration::from_secs(60))));
+    let slow = tokio::spawn({
+        let app = app.clone();
+        async move { app.oneshot(call(Method::GET, "/slow", ACME)).await.unwrap() }
+    });
+    tokio::task::yield_now().await;
+    while used(&policy, "default-rolling-1m").await == 0 {
+        tokio::task::yield_now().await;
+    }
+    clock.advance(SignedDuration::from_secs(61));
+    for _ in 0..3 {
+        assert_eq!(
+            send(&app, call(Method::GET, "/ok", ACME)).await.status(),
+            StatusCode::OK
+        );
+    }
+    gate.notify_one();
+    assert_eq!(
+        slow.await.unwrap().status(),
+        StatusCode::INTERNAL_SERVER_ERROR
+    );
+    assert_eq!(
+        used(&policy, "default-rolling-1m").await,
+        3,
+        "the new period keeps its count"
+    );
+}
+
+/// A store that counts its round trips.
+#[derive(Clone, Default)]
+struct Counting {
+    inner: MemoryStore,
+    charges: std::sync::Arc<std::sync::atomic::AtomicUsize>,
+}
+
+impl Store for Counting {
+    type ChargeFuture = <MemoryStore as Store>::ChargeFuture;
+
+    fn charge(&self, request: tower_quota::store::ChargeRequest) -> Self::ChargeFuture {
+        self.charges
+            .fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+        self.inner.charge(request)
+    }
+    fn peek(
+        &self,
+        request: tower_quota::store::ChargeRequest,
+    ) -> impl std::future::Future<Output = Result<Vec<tower_quota::Usage>, tower_quota::StoreError>> + Send
+    {
+        self.inner.peek(request)
+    }
+    fn refund(
+        &self,
+        now: Timestamp,
+        key: tower_quota::PeriodKey,
+        amount: u64,
+    ) -> impl std::future::Future<Output = Result<Option<u64>, tower_quota::StoreError>> + Send
+    {
+        self.inner.refund(now, key, amount)
+    }
+    fn add(
+        &self,
+        now: Timestamp,
+        key: tower_quota::PeriodKey,
+        amount: u64,
+    ) -> impl std::future::Future<Output = Result<Option<u64>, tower_quota::StoreError>> + Send
+    {
+        self.inner.add(now, key, amount)
+    }
+    fn reset(
+        &self,
+        key: tower_quota::PeriodKey,
+    ) -> impl std::future::Future<Output = Result<bool, tower_quota::StoreError>> + Send {
+        self.inner.reset(key)
+    }
+}
+
+#[tokio::test]
+async fn nested_layers_take_one_round_trip() {
+    let store = Counting::default();
+    let (app, _policy) = search_app(store.clone(), 10, 5);
+    for _ in 0..3 {
+        assert_eq!(
+            send(&app, call(Method::GET, "/search", ACME))
+                .await
+                .status(),
+            StatusCode::OK
+        );
+    }
+    assert_eq!(store.charges.load(std::sync::atomic::Ordering::Relaxed), 3);
+}
+
+#[tokio::test]
+async fn a_response_future_dropped_before_it_ran_spends_nothing() {
+    let policy = QuotaPolicy::builder(FromHeader::account("x-account-id")).build();
+    let mut service = tower::Layer::layer(
+        &policy.layer(Quota::daily(5)),
+        tower::service_fn(|_: Request<Body>| async {
+            Ok::<_, std::convert::Infallible>(Response::new(Body::empty()))
+        }),
+    );
+    let future = tower::Service::call(&mut service, call(Method::GET, "/", ACME));
+    drop(future);
+    assert_eq!(used(&policy, "default-day").await, 0);
 }
