@@ -351,6 +351,7 @@ fn app<St: Store>(options: &Options, store: St) -> Router {
                     .map(|v| v.to_str().unwrap_or("\u{fffd}").to_owned());
                 Some(plan.unwrap_or_else(|| first.clone()))
             })
+            .plans(options.plans.iter().map(|(name, _)| name.clone()))
             .on_unknown_plan(UnknownPlan::Reject);
     }
     let policy = policy.build();

@@ -114,6 +114,8 @@ pub(crate) struct Settings {
     pub(crate) store_timeout: Option<Duration>,
     pub(crate) skip: Vec<Arc<SkipFn>>,
     pub(crate) plan: Option<Arc<PlanFn>>,
+    /// Plans known from the start, beside those the quotas name.
+    pub(crate) plans: Vec<Arc<str>>,
     pub(crate) unknown_plan: UnknownPlan,
     pub(crate) refund_server_errors: bool,
 }
@@ -132,6 +134,7 @@ impl Default for Settings {
             store_timeout: Some(Duration::from_millis(100)),
             skip: Vec::new(),
             plan: None,
+            plans: Vec::new(),
             unknown_plan: UnknownPlan::DefaultLimits,
             refund_server_errors: false,
         }
@@ -264,13 +267,14 @@ pub(crate) struct Shared<E, St> {
 impl<E, St> Shared<E, St> {
     fn new(settings: Settings, extractor: Arc<E>, store: St) -> Self {
         static NEXT: AtomicU64 = AtomicU64::new(1);
+        let plans: Arc<[Arc<str>]> = settings.plans.clone().into();
         Self {
             id: NEXT.fetch_add(1, Ordering::Relaxed),
             settings,
             extractor,
             store,
             registry: Mutex::default(),
-            plans: RwLock::new(Arc::new([])),
+            plans: RwLock::new(plans),
         }
     }
 

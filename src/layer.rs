@@ -1,5 +1,5 @@
 use std::fmt;
-use std::sync::{Arc, OnceLock};
+use std::sync::{Arc, Mutex, OnceLock};
 use std::time::Duration;
 
 use http::request::Parts;
@@ -85,6 +85,10 @@ enum Source<E, St> {
 struct Built<E, St> {
     shared: Arc<Shared<E, St>>,
     scope: Arc<Scope>,
+    // The charges of the services built so far, by what their probe found:
+    // axum builds a route's layers again for every connection (or request),
+    // and most find the same.
+    charges: Mutex<Vec<(probe::Found, Arc<Charges>)>>,
 }
 
 impl<E: SubjectExtractor> QuotaLayer<E, MemoryStore> {
@@ -473,6 +477,7 @@ impl<E, St: Store> QuotaLayer<E, St> {
             Built {
                 shared,
                 scope: Arc::new(scope),
+                charges: Mutex::default(),
             }
         })
     }
@@ -506,8 +511,24 @@ where
         // Layers of the policy inside `inner` announce themselves when it is
         // cloned: their quotas are charged here, in the same charge.
         let found = probe::discover(built.shared.id, || drop(inner.clone()));
-        let charges = Charges::new(Arc::clone(&built.scope), found, &built.shared.settings);
-        QuotaService::new(inner, Arc::clone(&built.shared), Arc::new(charges))
+        let mut known = built.charges.lock().unwrap_or_else(|e| e.into_inner());
+        let charges = match known.iter().find(|(f, _)| f.same_as(&found)) {
+            Some((_, charges)) => Arc::clone(charges),
+            None => {
+                let charges = Arc::new(Charges::new(
+                    Arc::clone(&built.scope),
+                    found.clone(),
+                    &built.shared.settings,
+                ));
+                // Bounded: a layer wraps few kinds of services.
+                if known.len() < 64 {
+                    known.push((found, Arc::clone(&charges)));
+                }
+                charges
+            }
+        };
+        drop(known);
+        QuotaService::new(inner, Arc::clone(&built.shared), charges)
     }
 }
 

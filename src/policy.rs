@@ -243,6 +243,22 @@ impl<E, St> QuotaPolicyBuilder<E, St> {
         self
     }
 
+    /// Declares the plans there are, so that a plan no quota names a limit
+    /// for (the quota's own limit applies) is not taken for an unknown one
+    /// before every layer has been built. Plans that quotas name with
+    /// [`Quota::plan`] are known anyway.
+    pub fn plans<I, P>(mut self, plans: I) -> Self
+    where
+        I: IntoIterator<Item = P>,
+        P: Into<String>,
+    {
+        self.0
+            .settings
+            .plans
+            .extend(plans.into_iter().map(|p| Arc::from(p.into())));
+        self
+    }
+
     /// What to do with a plan no quota of the policy names. Default: each
     /// quota's own limit.
     pub fn on_unknown_plan(mut self, choice: UnknownPlan) -> Self {

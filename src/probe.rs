@@ -27,11 +27,24 @@ thread_local! {
 }
 
 /// What one probe found.
-#[derive(Default)]
+#[derive(Clone, Default)]
 pub(crate) struct Found {
     policy: u64,
     pub(crate) scopes: Vec<Arc<Scope>>,
     pub(crate) unrouted: bool,
+}
+
+impl Found {
+    /// Whether two probes found the same.
+    pub(crate) fn same_as(&self, other: &Found) -> bool {
+        self.unrouted == other.unrouted
+            && self.scopes.len() == other.scopes.len()
+            && self
+                .scopes
+                .iter()
+                .zip(&other.scopes)
+                .all(|(a, b)| a.id == b.id)
+    }
 }
 
 /// Runs `clone` (which should clone the wrapped service) with a probe open

@@ -908,3 +908,26 @@ async fn a_response_future_dropped_before_it_ran_spends_nothing() {
     drop(future);
     assert_eq!(used(&policy, "default-day").await, 0);
 }
+
+#[tokio::test]
+async fn declared_plans_are_known_before_their_layers_are_built() {
+    let policy = QuotaPolicy::builder(FromHeader::account("x-account-id"))
+        .plan(|parts| Some(parts.headers.get("x-plan")?.to_str().ok()?.to_owned()))
+        .plans(["free", "pro"])
+        .on_unknown_plan(UnknownPlan::Reject)
+        .build();
+    // This layer names no plan at all; "pro" is still a plan.
+    let app = Router::new()
+        .route("/", get(|| async { "hi" }))
+        .route_layer(policy.layer(Quota::daily(2)));
+    let pro: &[(&str, &str)] = &[("x-account-id", "acme"), ("x-plan", "pro")];
+    assert_eq!(
+        send(&app, call(Method::GET, "/", pro)).await.status(),
+        StatusCode::OK
+    );
+    let gold: &[(&str, &str)] = &[("x-account-id", "acme"), ("x-plan", "gold")];
+    assert_eq!(
+        send(&app, call(Method::GET, "/", gold)).await.status(),
+        StatusCode::FORBIDDEN
+    );
+}
