@@ -78,6 +78,18 @@ type CostFn = dyn Fn(&Parts) -> Result<u64, InvalidCost> + Send + Sync;
 type DeferredFn = dyn Fn(&http::response::Parts) -> u64 + Send + Sync;
 pub(crate) type SkipFn = dyn Fn(&Parts) -> bool + Send + Sync;
 pub(crate) type PlanFn = dyn Fn(&Parts) -> Option<String> + Send + Sync;
+pub(crate) type RefusalFn =
+    dyn Fn(&crate::response::Refusal) -> http::Response<bytes::Bytes> + Send + Sync;
+
+/// A policy's refusal hook.
+#[derive(Clone)]
+pub(crate) struct RefusalHook(pub(crate) Arc<RefusalFn>);
+
+impl fmt::Debug for RefusalHook {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str("RefusalHook")
+    }
+}
 
 /// What one request costs before it is served.
 #[derive(Clone)]
@@ -118,6 +130,7 @@ pub(crate) struct Settings {
     pub(crate) plans: Vec<Arc<str>>,
     pub(crate) unknown_plan: UnknownPlan,
     pub(crate) refund_server_errors: bool,
+    pub(crate) refusal: Option<RefusalHook>,
 }
 
 impl Default for Settings {
@@ -137,6 +150,7 @@ impl Default for Settings {
             plans: Vec::new(),
             unknown_plan: UnknownPlan::DefaultLimits,
             refund_server_errors: false,
+            refusal: None,
         }
     }
 }
@@ -345,6 +359,7 @@ pub(crate) struct Layout {
     pub(crate) on_store_error: OnStoreError,
     pub(crate) store_timeout: Option<Duration>,
     pub(crate) refund_server_errors: bool,
+    pub(crate) refusal: Option<RefusalHook>,
     /// Whether a charge can change once the store has answered: a refund
     /// rule, a deferred cost, inner layers the request may not reach, or an
     /// unrouted answer inside.
@@ -400,6 +415,7 @@ impl Layout {
             on_store_error: settings.on_store_error,
             store_timeout: settings.store_timeout,
             refund_server_errors: settings.refund_server_errors,
+            refusal: settings.refusal.clone(),
             adjustable,
             cache,
         }
@@ -421,6 +437,7 @@ impl Layout {
             on_store_error: self.on_store_error,
             store_timeout: self.store_timeout,
             refund_server_errors: self.refund_server_errors,
+            refusal: self.refusal.clone(),
             cache,
         }
     }

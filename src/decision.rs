@@ -6,13 +6,13 @@ use std::sync::OnceLock;
 use std::time::Instant;
 
 use bytes::Bytes;
-use http::header::{HeaderValue, RETRY_AFTER};
-use http::{Response, StatusCode};
+use http::Response;
 use jiff::Timestamp;
 
 use crate::config::OnStoreError;
+use crate::config::RefusalFn;
 use crate::quota::Quota;
-use crate::response::{self, PolicyCache, RateLimitFields};
+use crate::response::{PolicyCache, RateLimitFields, Refusal};
 use crate::store::{ChargeOutcome, StoreError, Usage};
 
 /// Store failures logged per second at most: during an outage every request
@@ -62,6 +62,23 @@ impl Throttle {
     }
 }
 
+/// How a refusal is answered: the policy's hook, if any, and whether the
+/// request is a gRPC call.
+#[derive(Clone, Copy)]
+pub(crate) struct Answer<'a> {
+    pub(crate) hook: Option<&'a RefusalFn>,
+    pub(crate) grpc: bool,
+}
+
+impl Answer<'_> {
+    fn answer(&self, refusal: &Refusal) -> Response<Bytes> {
+        match self.hook {
+            Some(hook) => hook(refusal),
+            None => refusal.standard(),
+        }
+    }
+}
+
 /// What the layer does with a request the store has answered for.
 #[derive(Debug)]
 pub(crate) enum Decision {
@@ -85,6 +102,7 @@ pub(crate) fn decide(
     now: Timestamp,
     on_store_error: OnStoreError,
     cache: &PolicyCache,
+    how: Answer<'_>,
     answer: Result<ChargeOutcome, StoreError>,
 ) -> Decision {
     match answer {
@@ -96,7 +114,8 @@ pub(crate) fn decide(
             admitted: false,
             usage,
         }) => {
-            let mut response = response::quota_exceeded(quotas, &usage, cost_of_line, now);
+            let refusal = Refusal::quota_exceeded(quotas, &usage, cost_of_line, now, how.grpc);
+            let mut response = how.answer(&refusal);
             RateLimitFields::new(quotas, &usage, now, cache).append_to(response.headers_mut());
             Decision::Refuse(response)
         }
@@ -111,15 +130,8 @@ pub(crate) fn decide(
                 if let Some(suppressed) = STORE_ERRORS.admit() {
                     tracing::error!(%error, suppressed, "quota store failed; request refused (fail closed)");
                 }
-                let mut response = response::problem(
-                    StatusCode::SERVICE_UNAVAILABLE,
-                    "The quota service is unavailable; try again later.",
-                );
-                let secs = retry_after.as_secs() + u64::from(retry_after.subsec_nanos() > 0);
-                response
-                    .headers_mut()
-                    .insert(RETRY_AFTER, HeaderValue::from(secs.max(1)));
-                Decision::Unavailable(response)
+                let refusal = Refusal::store_unavailable(retry_after, how.grpc);
+                Decision::Unavailable(how.answer(&refusal))
             }
         },
     }
@@ -131,6 +143,13 @@ mod tests {
 
     use super::*;
     use crate::store::{StoreErrorKind, Usage};
+    use http::header::RETRY_AFTER;
+    use http::StatusCode;
+
+    const PLAIN: Answer<'static> = Answer {
+        hook: None,
+        grpc: false,
+    };
 
     fn at(s: &str) -> Timestamp {
         s.parse().unwrap()
@@ -162,6 +181,7 @@ mod tests {
             now,
             OnStoreError::FailOpen,
             &PolicyCache::default(),
+            PLAIN,
             answer,
         ) else {
             panic!("a full quota refuses");
@@ -186,13 +206,22 @@ mod tests {
         let now = at("2026-12-02T10:00:00Z");
         let cache = PolicyCache::default();
         assert!(matches!(
-            decide(&quotas, |_| 1, now, OnStoreError::FailOpen, &cache, error()),
+            decide(
+                &quotas,
+                |_| 1,
+                now,
+                OnStoreError::FailOpen,
+                &cache,
+                PLAIN,
+                error()
+            ),
             Decision::PassUncharged
         ));
         let closed = OnStoreError::FailClosed {
             retry_after: Duration::from_millis(1_500),
         };
-        let Decision::Unavailable(response) = decide(&quotas, |_| 1, now, closed, &cache, error())
+        let Decision::Unavailable(response) =
+            decide(&quotas, |_| 1, now, closed, &cache, PLAIN, error())
         else {
             panic!("fail closed answers 503");
         };

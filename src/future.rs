@@ -13,7 +13,7 @@ use tower_service::Service;
 
 use crate::body::ResponseBody;
 use crate::config::{Costs, Layout};
-use crate::decision::{decide, Decision};
+use crate::decision::{decide, Answer, Decision};
 use crate::key::PeriodKey;
 use crate::period::Clock;
 use crate::response::{PolicyCache, RateLimitFields};
@@ -93,6 +93,8 @@ pub(crate) struct Admission<St> {
     /// With the store: "now" for the changes.
     pub(crate) clock: Option<Arc<dyn Clock>>,
     pub(crate) status: QuotaStatus,
+    /// Whether the request is a gRPC call, answered as one if refused.
+    pub(crate) grpc: bool,
 }
 
 /// An admitted request: its charge, for the response path.
@@ -198,6 +200,7 @@ impl<St: Store> Admission<St> {
             store: Some(store),
             clock: self.clock.clone(),
             status,
+            grpc: self.grpc,
         };
         Some((admission, request))
     }
@@ -431,6 +434,10 @@ where
         ticket.charged_at,
         layout.on_store_error,
         &layout.cache,
+        Answer {
+            hook: layout.refusal.as_ref().map(|hook| &*hook.0),
+            grpc: admission.grpc,
+        },
         answer,
     );
     match decision {

@@ -7,7 +7,7 @@ use std::time::Duration;
 
 use http::request::Parts;
 
-use crate::config::{OnStoreError, PolicyParts, Shared, SubjectPolicy, UnknownPlan};
+use crate::config::{OnStoreError, PolicyParts, RefusalHook, Shared, SubjectPolicy, UnknownPlan};
 use crate::handle::QuotaHandle;
 use crate::key::Namespace;
 use crate::layer::QuotaLayer;
@@ -272,6 +272,20 @@ impl<E, St> QuotaPolicyBuilder<E, St> {
     /// charged, even when a calendar boundary passed meanwhile.
     pub fn refund_server_errors(mut self, refund: bool) -> Self {
         self.0.settings.refund_server_errors = refund;
+        self
+    }
+
+    /// Builds the answer to a refused request (a quota without room, or the
+    /// store failing under fail-closed) from what the layer knows: see
+    /// [`Refusal`](crate::response::Refusal), whose
+    /// [`standard`](crate::response::Refusal::standard) answer is the
+    /// default (`application/problem+json`, or a gRPC status for a gRPC
+    /// call).
+    pub fn refusal<F>(mut self, answer: F) -> Self
+    where
+        F: Fn(&crate::response::Refusal) -> http::Response<bytes::Bytes> + Send + Sync + 'static,
+    {
+        self.0.settings.refusal = Some(RefusalHook(Arc::new(answer)));
         self
     }
 

@@ -171,72 +171,205 @@ fn problem_of_type(
     response
 }
 
-/// The 429 for a refused charge: `cost_of_line` is what the request would
-/// have spent on each quota.
-pub(crate) fn quota_exceeded(
-    quotas: &[Quota],
-    usage: &[Usage],
-    cost_of_line: impl Fn(usize) -> u64,
-    now: Timestamp,
-) -> Response<Bytes> {
-    let mut violated = Vec::new();
-    let mut detail = String::new();
-    let mut retry_after = Some(1);
-    for (line, (quota, usage)) in quotas.iter().zip(usage).enumerate() {
-        let cost = cost_of_line(line);
-        if usage.used.saturating_add(cost) <= usage.limit {
-            continue;
-        }
-        violated.push(Value::from(quota.name()));
-        if !detail.is_empty() {
-            detail.push(' ');
-        }
-        if cost > usage.limit {
-            write!(
-                detail,
-                "This request costs {cost}, more than quota {:?} allows in a whole period ({}).",
-                quota.name(),
-                usage.limit
-            )
-        } else {
-            write!(
-                detail,
-                "Quota {:?} allows {} per {}; {} used, this request costs {}; it resets at {}.",
-                quota.name(),
-                usage.limit,
-                quota.period().name(),
-                usage.used,
-                cost,
-                usage
-                    .resets_at
-                    .round(
-                        TimestampRound::new()
-                            .smallest(Unit::Second)
-                            .mode(RoundMode::Ceil)
-                    )
-                    .unwrap_or(usage.resets_at),
-            )
-        }
-        .expect("infallible");
-        // A request that costs more than a whole period allows can never be
-        // admitted: waiting would not help, so no Retry-After is sent.
-        retry_after = if cost > usage.limit {
-            None
-        } else {
-            retry_after.map(|r| r.max(seconds_until(now, usage.resets_at)))
-        };
-    }
-    let mut response = problem_of_type(
-        StatusCode::TOO_MANY_REQUESTS,
-        QUOTA_EXCEEDED_TYPE,
-        "Quota Exceeded",
-        &detail,
-        Some(("violated-policies", Value::Array(violated))),
-    );
-    if let Some(seconds) = retry_after {
-        response
-            .headers_mut()
-            .insert(RETRY_AFTER, HeaderValue::from(seconds));
-    }
-    response
+/// A refused request, and everything the layer knows about why: what a
+/// refusal hook ([`QuotaPolicyBuilder::refusal`](crate::QuotaPolicyBuilder::refusal))
+/// builds the response from. The `RateLimit` fields are added to whatever
+/// the hook answers, for a quota without room.
+///
+/// ```
+/// use bytes::Bytes;
+/// use http::{Response, StatusCode};
+/// use tower_quota::{response::Refusal, FromHeader, QuotaPolicy};
+///
+/// // A plain-text 429 for one client; the standard answers for the others.
+/// let policy = QuotaPolicy::builder(FromHeader::account("x-account-id"))
+///     .refusal(|refusal: &Refusal| {
+///         if refusal.status == StatusCode::TOO_MANY_REQUESTS && !refusal.grpc {
+///             let mut response = Response::new(Bytes::from(format!("slow down: {}", refusal.detail)));
+///             *response.status_mut() = refusal.status;
+///             response
+///         } else {
+///             refusal.standard()
+///         }
+///     })
+///     .build();
+/// # let _ = policy;
+/// ```
+#[derive(Clone, Debug)]
+#[non_exhaustive]
+pub struct Refusal {
+    /// `429 Too Many Requests` for a quota without room, `503 Service
+    /// Unavailable` when the store failed (under fail-closed).
+    pub status: StatusCode,
+    /// The quotas without room, where the subject stands on each, and what
+    /// the request would have cost on it. Empty for a store failure.
+    pub violated: Vec<(Quota, Usage, u64)>,
+    /// When the request could succeed: the last reset among the violated
+    /// quotas, `None` when no wait helps (a request costing more than a
+    /// whole period allows) or the store failed.
+    pub resets_at: Option<Timestamp>,
+    /// Seconds to wait before trying again (`Retry-After`), rounded up;
+    /// `None` when no wait helps.
+    pub retry_after: Option<u64>,
+    /// A sentence for people: which quota, how much, when it resets.
+    pub detail: String,
+    /// Whether the request is a gRPC call (`content-type: application/grpc`
+    /// and its variants).
+    pub grpc: bool,
 }
+
+impl Refusal {
+    /// The refusal of a charge on `quotas` (one line each, costing
+    /// `cost_of_line`) that the store answered with `usage` at `now`.
+    pub(crate) fn quota_exceeded(
+        quotas: &[Quota],
+        usage: &[Usage],
+        cost_of_line: impl Fn(usize) -> u64,
+        now: Timestamp,
+        grpc: bool,
+    ) -> Self {
+        let mut violated = Vec::new();
+        let mut detail = String::new();
+        let mut retry_after = Some(1);
+        let mut resets_at: Option<Timestamp> = None;
+        for (line, (quota, usage)) in quotas.iter().zip(usage).enumerate() {
+            let cost = cost_of_line(line);
+            if usage.used.saturating_add(cost) <= usage.limit {
+                continue;
+            }
+            violated.push((quota.clone(), *usage, cost));
+            if !detail.is_empty() {
+                detail.push(' ');
+            }
+            if cost > usage.limit {
+                write!(
+                    detail,
+                    "This request costs {cost}, more than quota {:?} allows in a whole period ({}).",
+                    quota.name(),
+                    usage.limit
+                )
+            } else {
+                write!(
+                    detail,
+                    "Quota {:?} allows {} per {}; {} used, this request costs {}; it resets at {}.",
+                    quota.name(),
+                    usage.limit,
+                    quota.period().name(),
+                    usage.used,
+                    cost,
+                    usage
+                        .resets_at
+                        .round(
+                            TimestampRound::new()
+                                .smallest(Unit::Second)
+                                .mode(RoundMode::Ceil)
+                        )
+                        .unwrap_or(usage.resets_at),
+                )
+            }
+            .expect("infallible");
+            // A request that costs more than a whole period allows can never
+            // be admitted: waiting would not help, so no Retry-After is sent.
+            if cost > usage.limit {
+                retry_after = None;
+            } else {
+                retry_after = retry_after.map(|r| r.max(seconds_until(now, usage.resets_at)));
+                resets_at = Some(resets_at.map_or(usage.resets_at, |r| r.max(usage.resets_at)));
+            }
+        }
+        Self {
+            status: StatusCode::TOO_MANY_REQUESTS,
+            resets_at: retry_after.and(resets_at),
+            violated,
+            retry_after,
+            detail,
+            grpc,
+        }
+    }
+
+    /// The refusal of a request whose store failed, under fail-closed.
+    pub(crate) fn store_unavailable(retry_after: std::time::Duration, grpc: bool) -> Self {
+        let secs = retry_after.as_secs() + u64::from(retry_after.subsec_nanos() > 0);
+        Self {
+            status: StatusCode::SERVICE_UNAVAILABLE,
+            violated: Vec::new(),
+            resets_at: None,
+            retry_after: Some(secs.max(1)),
+            detail: "The quota service is unavailable; try again later.".to_owned(),
+            grpc,
+        }
+    }
+
+    /// The answer the layer gives by default: [`Refusal::grpc_status`] to a
+    /// gRPC call, [`Refusal::problem_json`] otherwise.
+    pub fn standard(&self) -> Response<Bytes> {
+        if self.grpc {
+            self.grpc_status()
+        } else {
+            self.problem_json()
+        }
+    }
+
+    /// An RFC 9457 `application/problem+json` answer with `Retry-After`: the
+    /// quota-exceeded problem type with `violated-policies` for a 429, an
+    /// `about:blank` problem for a 503.
+    pub fn problem_json(&self) -> Response<Bytes> {
+        let mut response = if self.status == StatusCode::TOO_MANY_REQUESTS {
+            let violated = self
+                .violated
+                .iter()
+                .map(|(quota, _, _)| Value::from(quota.name()))
+                .collect();
+            problem_of_type(
+                self.status,
+                QUOTA_EXCEEDED_TYPE,
+                "Quota Exceeded",
+                &self.detail,
+                Some(("violated-policies", Value::Array(violated))),
+            )
+        } else {
+            problem(self.status, &self.detail)
+        };
+        if let Some(seconds) = self.retry_after {
+            response
+                .headers_mut()
+                .insert(RETRY_AFTER, HeaderValue::from(seconds));
+        }
+        response
+    }
+
+    /// A gRPC answer: HTTP 200 with `grpc-status` 8 (`RESOURCE_EXHAUSTED`)
+    /// for a quota without room or 14 (`UNAVAILABLE`) for a store failure, a
+    /// `grpc-message` naming the quota and its reset, and `retry-after` in
+    /// the metadata. gRPC clients read a refused call's status from these
+    /// headers (a trailers-only response); the `RateLimit` fields travel as
+    /// metadata too.
+    pub fn grpc_status(&self) -> Response<Bytes> {
+        let code: u16 = if self.status == StatusCode::TOO_MANY_REQUESTS {
+            8
+        } else {
+            14
+        };
+        let mut response = Response::new(Bytes::new());
+        let headers = response.headers_mut();
+        headers.insert(CONTENT_TYPE, HeaderValue::from_static("application/grpc"));
+        headers.insert(GRPC_STATUS.clone(), HeaderValue::from(code));
+        let message = percent_encoding::utf8_percent_encode(&self.detail, GRPC_MESSAGE_ESCAPES);
+        let message = HeaderValue::try_from(message.to_string())
+            .expect("a percent-encoded message is a valid header value");
+        headers.insert(GRPC_MESSAGE.clone(), message);
+        if let Some(seconds) = self.retry_after {
+            headers.insert(RETRY_AFTER, HeaderValue::from(seconds));
+        }
+        response
+    }
+}
+
+/// `grpc-status`: the call's status code.
+static GRPC_STATUS: HeaderName = HeaderName::from_static("grpc-status");
+/// `grpc-message`: the status's description, percent-encoded.
+static GRPC_MESSAGE: HeaderName = HeaderName::from_static("grpc-message");
+
+/// What gRPC's `grpc-message` escapes: everything but printable ASCII, and
+/// `%` itself.
+const GRPC_MESSAGE_ESCAPES: &percent_encoding::AsciiSet = &percent_encoding::CONTROLS.add(b'%');

@@ -230,6 +230,10 @@ where
             })
             .collect();
         let charge = shared.store.charge(ChargeRequest { now, lines });
+        let grpc = parts
+            .headers
+            .get(http::header::CONTENT_TYPE)
+            .is_some_and(|v| v.as_bytes().starts_with(b"application/grpc"));
         // Whether the charge can change once the store has answered (and
         // so needs the store again): after the response, or a hidden outer
         // layer's charge given back.
@@ -237,6 +241,7 @@ where
         let admission = Admission {
             store: adjustable.then(|| shared.store.clone()),
             clock: adjustable.then(|| Arc::clone(&settings.clock)),
+            grpc,
             status: QuotaStatus::new(Ticket {
                 policy: shared.id,
                 layout: Some(Arc::clone(layout)),

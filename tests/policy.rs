@@ -931,3 +931,73 @@ async fn declared_plans_are_known_before_their_layers_are_built() {
         StatusCode::FORBIDDEN
     );
 }
+
+#[tokio::test]
+async fn a_grpc_call_is_refused_with_resource_exhausted() {
+    let policy = QuotaPolicy::builder(FromHeader::account("x-account-id"))
+        .clock(ManualClock::new(at("2026-12-02T23:59:00Z")))
+        .build();
+    let app = Router::new()
+        .route(
+            "/grpc.health.v1.Health/Check",
+            axum::routing::post(|| async { "ok" }),
+        )
+        .route_layer(policy.layer(Quota::daily(1)));
+    let grpc = || {
+        Request::post("/grpc.health.v1.Health/Check")
+            .header("x-account-id", "acme")
+            .header("content-type", "application/grpc+proto")
+            .body(Body::empty())
+            .unwrap()
+    };
+    assert_eq!(send(&app, grpc()).await.status(), StatusCode::OK);
+    let refused = send(&app, grpc()).await;
+    assert_eq!(
+        refused.status(),
+        StatusCode::OK,
+        "gRPC carries its status in grpc-status"
+    );
+    let headers = refused.headers();
+    assert_eq!(headers["grpc-status"], "8");
+    assert_eq!(headers["content-type"], "application/grpc");
+    assert_eq!(headers["retry-after"], "60");
+    let message = headers["grpc-message"].to_str().unwrap();
+    assert!(
+        message.contains("default-day") && message.contains("2026-12-03T00:00:00Z"),
+        "{message}"
+    );
+    assert!(headers["ratelimit"]
+        .to_str()
+        .unwrap()
+        .starts_with("\"default-day\";r=0;t=60"));
+    assert!(body(refused).await.is_empty());
+}
+
+#[tokio::test]
+async fn a_refusal_hook_shapes_the_answer_and_keeps_the_fields() {
+    let policy = QuotaPolicy::builder(FromHeader::account("x-account-id"))
+        .refusal(|refusal| {
+            let text = format!(
+                "{} over: {}",
+                refusal.status.as_u16(),
+                refusal
+                    .violated
+                    .iter()
+                    .map(|(q, _, _)| q.name())
+                    .collect::<Vec<_>>()
+                    .join(",")
+            );
+            let mut response = Response::new(bytes::Bytes::from(text));
+            *response.status_mut() = refusal.status;
+            response
+        })
+        .build();
+    let app = Router::new()
+        .route("/", get(|| async { "hi" }))
+        .route_layer(policy.layer(Quota::daily(1)));
+    send(&app, call(Method::GET, "/", ACME)).await;
+    let refused = send(&app, call(Method::GET, "/", ACME)).await;
+    assert_eq!(refused.status(), StatusCode::TOO_MANY_REQUESTS);
+    assert!(refused.headers().contains_key("ratelimit"));
+    assert_eq!(body(refused).await, "429 over: default-day");
+}
