@@ -5,7 +5,7 @@
 //! cargo run --release --example server -- --listen 127.0.0.1:8080 --limit 1000 --period 1d \
 //!     --anchor calendar [--tz UTC] [--subject account|user|device] [--store memory] \
 //!     [--on-store-error open|closed] [--quota off] [--burst 10] [--plans free=100,pro=10000] \
-//!     [--admin-token T]
+//!     [--admin-token T] [--shadow]
 //! ```
 //!
 //! With `--features redis`, `--store redis://127.0.0.1:6379/` keeps the
@@ -31,7 +31,8 @@
 //! Unknown paths (404) and wrong methods (405) are never charged. With
 //! `--plans free=100,pro=10000`, the caller's plan comes from the `x-plan`
 //! header (absent: the first plan listed; unknown: 403) and its number
-//! replaces `--limit` for `read` and `write`.
+//! replaces `--limit` for `read` and `write`. With `--shadow`, every quota
+//! is counted and reported but never refuses.
 
 use std::net::SocketAddr;
 use std::process::exit;
@@ -54,7 +55,8 @@ use tower_quota::{
 const USAGE: &str =
     "usage: server [--listen ADDR] [--limit N] [--period 10s|1m|1h|1d|1w|1mo|Ns|Nm|Nh] \
 [--anchor calendar|first-use] [--tz ZONE] [--subject account|user|device] [--store memory|redis://HOST:PORT/] \
-[--on-store-error open|closed] [--quota on|off] [--burst N] [--plans NAME=N,NAME=N] [--admin-token T]";
+[--on-store-error open|closed] [--quota on|off] [--burst N] [--plans NAME=N,NAME=N] [--admin-token T] \
+[--shadow on|off]";
 
 struct Options {
     listen: SocketAddr,
@@ -68,6 +70,7 @@ struct Options {
     burst: u64,
     plans: Vec<(String, u64)>,
     admin_token: Option<String>,
+    shadow: bool,
 }
 
 fn fail(message: &str) -> ! {
@@ -136,6 +139,7 @@ fn parse_args() -> Options {
         burst: 10,
         plans: Vec::new(),
         admin_token: None,
+        shadow: false,
     };
     let mut tz = None;
     let mut args = std::env::args().skip(1);
@@ -143,6 +147,11 @@ fn parse_args() -> Options {
         if flag == "--help" || flag == "-h" {
             println!("{USAGE}");
             exit(0);
+        }
+        if flag == "--shadow" {
+            // Every quota counted and reported, none enforced.
+            options.shadow = true;
+            continue;
         }
         let value = args
             .next()
@@ -356,15 +365,22 @@ fn app<St: Store>(options: &Options, store: St) -> Router {
     }
     let policy = policy.build();
 
+    let shadow = |quota: Quota| {
+        if options.shadow {
+            quota.shadow()
+        } else {
+            quota
+        }
+    };
     let quota = |tag: &str| {
         let mut quota =
             Quota::new(options.limit, options.period.clone(), options.anchor).allowance(tag);
         for (plan, limit) in &options.plans {
             quota = quota.plan(plan, *limit);
         }
-        quota
+        shadow(quota)
     };
-    let burst = Quota::per_minute(options.burst).allowance("search");
+    let burst = shadow(Quota::per_minute(options.burst).allowance("search"));
 
     let read = read
         .merge(search.route_layer(policy.layer(burst)))

@@ -360,6 +360,9 @@ pub(crate) struct Layout {
     pub(crate) store_timeout: Option<Duration>,
     pub(crate) refund_server_errors: bool,
     pub(crate) refusal: Option<RefusalHook>,
+    /// Whether some quota spreads its reset, or is in shadow mode.
+    pub(crate) spreads: bool,
+    pub(crate) shadows: bool,
     /// Whether a charge can change once the store has answered: a refund
     /// rule, a deferred cost, inner layers the request may not reach, or an
     /// unrouted answer inside.
@@ -403,6 +406,8 @@ impl Layout {
             }
         }
         let cache = crate::response::PolicyCache::for_quotas(&quotas);
+        let spreads = quotas.iter().any(Quota::spreads);
+        let shadows = quotas.iter().any(Quota::is_shadow);
         let adjustable = settings.refund_server_errors
             || unrouted
             || scopes.len() > 1
@@ -416,6 +421,8 @@ impl Layout {
             store_timeout: settings.store_timeout,
             refund_server_errors: settings.refund_server_errors,
             refusal: settings.refusal.clone(),
+            spreads,
+            shadows,
             adjustable,
             cache,
         }
@@ -428,6 +435,8 @@ impl Layout {
         let own = Arc::clone(&self.scopes[0]);
         let quotas: Vec<Quota> = own.quotas.to_vec();
         let cache = crate::response::PolicyCache::for_quotas(&quotas);
+        let spreads = quotas.iter().any(Quota::spreads);
+        let shadows = quotas.iter().any(Quota::is_shadow);
         Self {
             line_scope: vec![0; quotas.len()],
             adjustable: self.adjustable,
@@ -438,6 +447,8 @@ impl Layout {
             store_timeout: self.store_timeout,
             refund_server_errors: self.refund_server_errors,
             refusal: self.refusal.clone(),
+            spreads,
+            shadows,
             cache,
         }
     }

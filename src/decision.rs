@@ -68,6 +68,8 @@ impl Throttle {
 pub(crate) struct Answer<'a> {
     pub(crate) hook: Option<&'a RefusalFn>,
     pub(crate) grpc: bool,
+    /// The subject's hash, for spread resets.
+    pub(crate) subject: u64,
 }
 
 impl Answer<'_> {
@@ -114,9 +116,11 @@ pub(crate) fn decide(
             admitted: false,
             usage,
         }) => {
-            let refusal = Refusal::quota_exceeded(quotas, &usage, cost_of_line, now, how.grpc);
+            let refusal =
+                Refusal::quota_exceeded(quotas, &usage, cost_of_line, now, how.subject, how.grpc);
             let mut response = how.answer(&refusal);
-            RateLimitFields::new(quotas, &usage, now, cache).append_to(response.headers_mut());
+            RateLimitFields::new(quotas, &usage, now, cache, how.subject)
+                .append_to(response.headers_mut());
             Decision::Refuse(response)
         }
         Err(error) => match on_store_error {
@@ -149,6 +153,7 @@ mod tests {
     const PLAIN: Answer<'static> = Answer {
         hook: None,
         grpc: false,
+        subject: 0,
     };
 
     fn at(s: &str) -> Timestamp {
@@ -236,7 +241,7 @@ mod tests {
         let now = at("2026-12-02T10:00:00Z");
         let cache = PolicyCache::default();
         let usage = [usage(10_000, 10_000, "2026-12-03T00:00:00Z")];
-        let fields = RateLimitFields::new(&quotas, &usage, now, &cache);
+        let fields = RateLimitFields::new(&quotas, &usage, now, &cache, 0);
         let mut headers = http::HeaderMap::new();
         fields.append_to(&mut headers);
         assert_eq!(
@@ -248,7 +253,7 @@ mod tests {
             ..usage[0]
         }];
         let mut headers = http::HeaderMap::new();
-        RateLimitFields::new(&quotas, &usage, now, &cache).append_to(&mut headers);
+        RateLimitFields::new(&quotas, &usage, now, &cache, 0).append_to(&mut headers);
         assert_eq!(headers["ratelimit-policy"], "\"default-day\";q=100;w=86400");
     }
 
@@ -269,7 +274,7 @@ mod tests {
                 .collect();
             let field = |cache: &PolicyCache| {
                 let mut headers = http::HeaderMap::new();
-                RateLimitFields::new(&quotas, &usage, now, cache).append_to(&mut headers);
+                RateLimitFields::new(&quotas, &usage, now, cache, 0).append_to(&mut headers);
                 headers["ratelimit-policy"].clone()
             };
             assert_eq!(
@@ -287,6 +292,7 @@ mod tests {
             &usage,
             now,
             &PolicyCache::for_quotas(&berlin_day),
+            0,
         )
         .append_to(&mut headers);
         assert_eq!(headers["ratelimit-policy"], "\"default-day\";q=5;w=82800");

@@ -13,7 +13,7 @@ use tower_service::Service;
 
 use crate::body::ResponseBody;
 use crate::config::{Costs, Layout};
-use crate::decision::{decide, Answer, Decision};
+use crate::decision::{decide, Answer, Decision, Throttle};
 use crate::key::PeriodKey;
 use crate::period::Clock;
 use crate::response::{PolicyCache, RateLimitFields};
@@ -165,19 +165,19 @@ impl<St: Store> Admission<St> {
         let subject = ticket.subject.clone()?;
         let store = self.store.clone()?;
         let alone = layout.alone();
+        let own_lines = alone.quotas.len();
         let cost = ticket.costs.get(0);
         let lines = alone
             .quotas
             .iter()
             .zip(usage)
             .map(|(quota, usage)| {
-                quota.line_with_limit(
-                    &alone.namespace,
-                    &subject,
-                    ticket.charged_at,
-                    cost,
-                    usage.limit,
-                )
+                let limit = if quota.is_shadow() {
+                    u64::MAX
+                } else {
+                    usage.limit
+                };
+                quota.line_with_limit(&alone.namespace, &subject, ticket.charged_at, cost, limit)
             })
             .collect();
         let request = ChargeRequest {
@@ -191,6 +191,8 @@ impl<St: Store> Admission<St> {
             outer: ticket.outer.clone(),
             subject: Some(subject),
             usage: Vec::new(),
+            subject_hash: ticket.subject_hash,
+            limits: ticket.limits.iter().take(own_lines).copied().collect(),
             entries: OnceLock::new(),
             reached: AtomicU64::new(1),
             refunded: AtomicBool::new(false),
@@ -293,7 +295,13 @@ impl<St: Store> After<St> {
         };
         let now = ticket.charged_at;
         if layout.line_scope.iter().all(|&scope| ticket.reached(scope)) {
-            return RateLimitFields::new(&layout.quotas, usage, now, &layout.cache);
+            return RateLimitFields::new(
+                &layout.quotas,
+                usage,
+                now,
+                &layout.cache,
+                ticket.subject_hash,
+            );
         }
         let (quotas, usage): (Vec<_>, Vec<_>) = layout
             .quotas
@@ -303,7 +311,13 @@ impl<St: Store> After<St> {
             .filter(|(_, &scope)| ticket.reached(scope))
             .map(|((quota, usage), _)| (quota.clone(), *usage))
             .unzip();
-        RateLimitFields::new(&quotas, &usage, now, &PolicyCache::default())
+        RateLimitFields::new(
+            &quotas,
+            &usage,
+            now,
+            &PolicyCache::default(),
+            ticket.subject_hash,
+        )
     }
 }
 
@@ -377,16 +391,49 @@ where
     }
 }
 
+/// Shadow quotas were charged without a limit: their usage gets the limit
+/// the client is told, and a request over it is logged.
+fn shadow_limits<St: Store>(admission: &Admission<St>, usage: &mut [Usage]) {
+    let ticket = admission.status.ticket();
+    if ticket.limits.is_empty() {
+        return;
+    }
+    let layout = admission.layout();
+    for ((quota, usage), &limit) in layout.quotas.iter().zip(usage).zip(&ticket.limits) {
+        if !quota.is_shadow() {
+            continue;
+        }
+        usage.limit = limit;
+        if usage.used > limit {
+            if let Some(suppressed) = SHADOW_REFUSALS.admit() {
+                tracing::info!(
+                    quota = quota.name(),
+                    limit,
+                    used = usage.used,
+                    suppressed,
+                    "shadow quota exceeded: enforced, it would have refused this request"
+                );
+            }
+        }
+    }
+}
+
+/// Shadow refusals logged per second at most.
+static SHADOW_REFUSALS: Throttle = Throttle::new(5);
+
 /// Whether every quota without room belongs to an inner layer, which the
 /// request may never reach.
 fn refused_only_inside<St: Store>(admission: &Admission<St>, usage: &[Usage]) -> bool {
     let ticket = admission.status.ticket();
     let layout = admission.layout();
     let mut inner_full = false;
-    for (line, (usage, &scope)) in usage.iter().zip(&layout.line_scope).enumerate() {
-        let _ = line;
+    for (quota, (usage, &scope)) in layout
+        .quotas
+        .iter()
+        .zip(usage.iter().zip(&layout.line_scope))
+    {
         let cost = ticket.costs.get(scope);
-        if usage.used.saturating_add(cost) > usage.limit {
+        if !quota.is_shadow() && usage.used.saturating_add(cost) > usage.limit {
             if scope == 0 {
                 return false;
             }
@@ -410,6 +457,10 @@ where
         mut request,
         mut admission,
     } = pending;
+    let mut answer = answer;
+    if let Ok(outcome) = &mut answer {
+        shadow_limits(&admission, &mut outcome.usage);
+    }
     if let Ok(outcome) = &answer {
         if !outcome.admitted && refused_only_inside(&admission, &outcome.usage) {
             if let Some((alone, charge)) = admission.alone(&outcome.usage) {
@@ -437,6 +488,7 @@ where
         Answer {
             hook: layout.refusal.as_ref().map(|hook| &*hook.0),
             grpc: admission.grpc,
+            subject: ticket.subject_hash,
         },
         answer,
     );

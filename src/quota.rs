@@ -55,6 +55,10 @@ struct Inner {
     // The name as a Structured Field string, quotes and escapes included.
     quoted_name: Arc<str>,
     named: bool,
+    // Counted and reported, never refusing.
+    shadow: bool,
+    // The most seconds added to the reset a client is told, per subject.
+    spread: u64,
     // The period part of first-use keys, e.g. `PT24H`.
     first_use_label: Arc<str>,
     // The calendar window of the last request, shared by clones: computing a
@@ -77,6 +81,8 @@ impl Quota {
             name: "".into(),
             quoted_name: "".into(),
             named: false,
+            shadow: false,
+            spread: 0,
             first_use_label: "".into(),
             current: Arc::default(),
         }));
@@ -229,6 +235,65 @@ impl Quota {
         inner.plans.retain(|(p, _)| **p != *plan);
         inner.plans.push((plan.into(), limit));
         self
+    }
+
+    /// Shadow mode: the quota is counted and reported (fields, logs,
+    /// metrics) but never refuses a request, so a new limit can be watched
+    /// before it is enforced. A request over a shadow quota's limit is
+    /// logged at info level, a few times per second at most.
+    ///
+    /// ```
+    /// use tower_quota::Quota;
+    ///
+    /// let trial = Quota::per_minute(100).allowance("search").shadow();
+    /// assert!(trial.is_shadow());
+    /// ```
+    #[must_use]
+    pub fn shadow(mut self) -> Self {
+        self.inner().shadow = true;
+        self
+    }
+
+    /// Whether the quota is in shadow mode.
+    pub fn is_shadow(&self) -> bool {
+        self.0.shadow
+    }
+
+    /// Spreads the reset clients are told for a calendar quota: each subject
+    /// is told a reset up to `spread` later than the real one (the same for
+    /// a subject throughout a window, different across subjects), in the
+    /// `RateLimit` field's `t` and in `Retry-After`, so refused clients do
+    /// not all come back in the same second when the window turns. Never
+    /// earlier than the real reset. No effect on first-use quotas, whose
+    /// resets are spread already.
+    ///
+    /// # Panics
+    ///
+    /// When `spread` is not a whole number of seconds.
+    #[must_use]
+    pub fn spread_reset(mut self, spread: Duration) -> Self {
+        assert!(
+            spread.subsec_nanos() == 0,
+            "a reset spread is a whole number of seconds (got {spread:?})"
+        );
+        self.inner().spread = spread.as_secs();
+        self
+    }
+
+    /// Whether the quota spreads the resets it reports.
+    pub(crate) fn spreads(&self) -> bool {
+        self.0.spread > 0 && self.0.anchor == Anchor::Calendar
+    }
+
+    /// Seconds added to the reset told to the subject whose hash is
+    /// `subject`: at most the quota's spread.
+    pub(crate) fn spread_for(&self, subject: u64) -> u64 {
+        if self.0.spread == 0 || self.0.anchor == Anchor::FirstUse {
+            return 0;
+        }
+        // A different draw per quota for one subject.
+        let mixed = subject ^ (self.0.name.len() as u64).wrapping_mul(0x9e37_79b9_7f4a_7c15);
+        mixed.wrapping_mul(0xbf58_476d_1ce4_e5b9).rotate_left(31) % (self.0.spread + 1)
     }
 
     /// The plans this quota names, with their limits.

@@ -82,11 +82,14 @@ fn policy_value(quotas: &[Quota], windows: impl Iterator<Item = (u64, u64)>) -> 
 }
 
 impl RateLimitFields {
+    /// The fields of `quotas` where the subject (hashed to `subject`, for
+    /// spread resets) stands with `usage`, at `now`.
     pub(crate) fn new(
         quotas: &[Quota],
         usage: &[Usage],
         now: Timestamp,
         cache: &PolicyCache,
+        subject: u64,
     ) -> Self {
         let windows = || {
             quotas
@@ -122,7 +125,8 @@ impl RateLimitFields {
             limit.push_str(";r=");
             limit.push_str(digits.format(usage.remaining()));
             limit.push_str(";t=");
-            limit.push_str(digits.format(seconds_until(now, usage.resets_at)));
+            let wait = seconds_until(now, usage.resets_at) + quota.spread_for(subject);
+            limit.push_str(digits.format(wait));
         }
         Self {
             policy,
@@ -226,6 +230,7 @@ impl Refusal {
         usage: &[Usage],
         cost_of_line: impl Fn(usize) -> u64,
         now: Timestamp,
+        subject: u64,
         grpc: bool,
     ) -> Self {
         let mut violated = Vec::new();
@@ -234,7 +239,8 @@ impl Refusal {
         let mut resets_at: Option<Timestamp> = None;
         for (line, (quota, usage)) in quotas.iter().zip(usage).enumerate() {
             let cost = cost_of_line(line);
-            if usage.used.saturating_add(cost) <= usage.limit {
+            // A shadow quota never refuses: it is not what refused this one.
+            if quota.is_shadow() || usage.used.saturating_add(cost) <= usage.limit {
                 continue;
             }
             violated.push((quota.clone(), *usage, cost));
@@ -273,7 +279,8 @@ impl Refusal {
             if cost > usage.limit {
                 retry_after = None;
             } else {
-                retry_after = retry_after.map(|r| r.max(seconds_until(now, usage.resets_at)));
+                let wait = seconds_until(now, usage.resets_at) + quota.spread_for(subject);
+                retry_after = retry_after.map(|r| r.max(wait));
                 resets_at = Some(resets_at.map_or(usage.resets_at, |r| r.max(usage.resets_at)));
             }
         }
@@ -373,3 +380,37 @@ static GRPC_MESSAGE: HeaderName = HeaderName::from_static("grpc-message");
 /// What gRPC's `grpc-message` escapes: everything but printable ASCII, and
 /// `%` itself.
 const GRPC_MESSAGE_ESCAPES: &percent_encoding::AsciiSet = &percent_encoding::CONTROLS.add(b'%');
+
+#[cfg(test)]
+mod tests {
+    use std::time::Duration;
+
+    use proptest::prelude::*;
+
+    use super::*;
+
+    proptest! {
+        /// A spread reset is never told earlier than the real one, nor
+        /// later than the spread allows.
+        #[test]
+        fn a_spread_reset_is_never_earlier(
+            subject in any::<u64>(),
+            spread in 0u64..86_400,
+            before in 1i64..200_000,
+        ) {
+            let quota = Quota::daily(1).spread_reset(Duration::from_secs(spread));
+            let resets_at: Timestamp = "2026-12-03T00:00:00Z".parse().unwrap();
+            let now = resets_at.checked_sub(jiff::SignedDuration::from_millis(before)).unwrap();
+            let usage = [Usage { limit: 1, used: 1, resets_at, first_call: None }];
+            let real = seconds_until(now, resets_at);
+            let refusal = Refusal::quota_exceeded(std::slice::from_ref(&quota), &usage, |_| 1, now, subject, false);
+            let told = refusal.retry_after.unwrap();
+            prop_assert!(told >= real && told <= real + spread, "{told} vs {real}+{spread}");
+            let mut headers = http::HeaderMap::new();
+            RateLimitFields::new(std::slice::from_ref(&quota), &usage, now, &PolicyCache::default(), subject)
+                .append_to(&mut headers);
+            let field = headers["ratelimit"].to_str().unwrap().to_owned();
+            prop_assert!(field.ends_with(&format!(";t={told}")), "{}", field);
+        }
+    }
+}

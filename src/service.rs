@@ -220,15 +220,29 @@ where
                 ));
             }
         };
+        let mut limits = Vec::new();
         let lines = layout
             .quotas
             .iter()
             .zip(&layout.line_scope)
             .map(|(quota, &scope)| {
-                let limit = quota.limit_for(plan.as_deref());
+                let mut limit = quota.limit_for(plan.as_deref());
+                if layout.shadows {
+                    limits.push(limit);
+                    if quota.is_shadow() {
+                        // Counted, never refusing: the real limit is
+                        // reported, not enforced.
+                        limit = u64::MAX;
+                    }
+                }
                 quota.line_with_limit(&settings.namespace, &subject, now, costs.get(scope), limit)
             })
             .collect();
+        let subject_hash = if layout.spreads {
+            subject_hash(&subject)
+        } else {
+            0
+        };
         let charge = shared.store.charge(ChargeRequest { now, lines });
         let grpc = parts
             .headers
@@ -249,6 +263,8 @@ where
                 outer,
                 subject: Some(subject),
                 usage: Vec::new(),
+                subject_hash,
+                limits,
                 entries: std::sync::OnceLock::new(),
                 // The charging layer is where the request is.
                 reached: AtomicU64::new(1),
@@ -293,6 +309,13 @@ impl<S: Clone, E, St> QuotaService<S, E, St> {
             .insert(QuotaStatus::exempt(self.shared.id, now));
         ResponseFuture::passing(self.call_inner(parts, body))
     }
+}
+
+/// A hash of `subject` that every instance computes alike: it spreads the
+/// resets told to subjects.
+fn subject_hash(subject: &Subject) -> u64 {
+    use std::hash::BuildHasher;
+    foldhash::fast::FixedState::with_seed(0x7175_6f74_61).hash_one(subject)
 }
 
 fn extract<E: SubjectExtractor>(

@@ -87,6 +87,11 @@ pub(crate) struct Ticket {
     pub(crate) subject: Option<Subject>,
     /// What the store answered, one per line of the layout.
     pub(crate) usage: Vec<Usage>,
+    /// The subject's hash, for spread resets (0 when nothing spreads).
+    pub(crate) subject_hash: u64,
+    /// The real limits of the lines, when some quota is in shadow mode
+    /// (the store is asked to charge those without a limit).
+    pub(crate) limits: Vec<u64>,
     /// What the handler reads, built on first use: most handlers never look.
     pub(crate) entries: OnceLock<Vec<QuotaUsage>>,
     /// Bit `i`: the request reached the layer of scope `i` of the layout.
@@ -114,6 +119,8 @@ impl QuotaStatus {
             outer: None,
             subject: None,
             usage: Vec::new(),
+            subject_hash: 0,
+            limits: Vec::new(),
             entries: OnceLock::new(),
             reached: AtomicU64::new(0),
             refunded: AtomicBool::new(false),

@@ -1001,3 +1001,104 @@ async fn a_refusal_hook_shapes_the_answer_and_keeps_the_fields() {
     assert!(refused.headers().contains_key("ratelimit"));
     assert_eq!(body(refused).await, "429 over: default-day");
 }
+
+async fn shadow_quotas_count_and_never_refuse<St: Store>(store: St) {
+    let policy = QuotaPolicy::builder(FromHeader::account("x-account-id"))
+        .store(store)
+        .build();
+    let app = Router::new()
+        .route("/", get(|| async { "hi" }))
+        .route_layer(
+            policy
+                .layer(Quota::daily(1).shadow())
+                .quota(Quota::per_minute(10).allowance("burst")),
+        );
+    let mut last = None;
+    for _ in 0..3 {
+        let response = send(&app, call(Method::GET, "/", ACME)).await;
+        assert_eq!(response.status(), StatusCode::OK);
+        last = Some(response);
+    }
+    let last = last.unwrap();
+    assert!(last.headers()["ratelimit"]
+        .to_str()
+        .unwrap()
+        .starts_with("\"default-day\";r=0;"));
+    assert!(last.headers()["ratelimit-policy"]
+        .to_str()
+        .unwrap()
+        .starts_with("\"default-day\";q=1;"));
+    assert_eq!(used(&policy, "default-day").await, 3, "counted");
+}
+
+#[tokio::test]
+async fn shadow_quotas_on_the_memory_store() {
+    shadow_quotas_count_and_never_refuse(MemoryStore::new()).await;
+}
+
+#[cfg(feature = "redis")]
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn shadow_quotas_on_redis() {
+    let server = redis_server_or_skip!();
+    let store = tower_quota::store::RedisStore::builder(server.url())
+        .response_timeout(std::time::Duration::from_secs(2))
+        .build()
+        .unwrap();
+    shadow_quotas_count_and_never_refuse(store).await;
+}
+
+#[tokio::test]
+async fn a_refusal_names_only_enforced_quotas() {
+    let policy = QuotaPolicy::builder(FromHeader::account("x-account-id")).build();
+    let app = Router::new()
+        .route("/", get(|| async { "hi" }))
+        .route_layer(
+            policy
+                .layer(Quota::daily(1).shadow())
+                .quota(Quota::per_minute(2).allowance("burst")),
+        );
+    for _ in 0..2 {
+        assert_eq!(
+            send(&app, call(Method::GET, "/", ACME)).await.status(),
+            StatusCode::OK
+        );
+    }
+    let refused = send(&app, call(Method::GET, "/", ACME)).await;
+    assert_eq!(refused.status(), StatusCode::TOO_MANY_REQUESTS);
+    assert!(body(refused)
+        .await
+        .contains("\"violated-policies\":[\"burst-minute\"]"));
+}
+
+#[tokio::test]
+async fn spread_resets_are_never_earlier_than_the_reset() {
+    let clock = ManualClock::new(at("2026-12-02T23:59:00Z"));
+    let policy = QuotaPolicy::builder(FromHeader::account("x-account-id"))
+        .clock(clock)
+        .build();
+    let app = Router::new()
+        .route("/", get(|| async { "hi" }))
+        .route_layer(
+            policy.layer(Quota::daily(1).spread_reset(std::time::Duration::from_secs(300))),
+        );
+    let mut waits = std::collections::HashSet::new();
+    for i in 0..40 {
+        let account = format!("account-{i}");
+        let headers: &[(&str, &str)] = &[("x-account-id", &account)];
+        send(&app, call(Method::GET, "/", headers)).await;
+        let refused = send(&app, call(Method::GET, "/", headers)).await;
+        let retry: u64 = refused.headers()["retry-after"]
+            .to_str()
+            .unwrap()
+            .parse()
+            .unwrap();
+        assert!((60..=360).contains(&retry), "{retry}");
+        let field = refused.headers()["ratelimit"].to_str().unwrap().to_owned();
+        assert!(
+            field.ends_with(&format!(";t={retry}")),
+            "{field} vs {retry}"
+        );
+        waits.insert(retry);
+    }
+    assert!(waits.len() > 10, "subjects are spread: {waits:?}");
+}

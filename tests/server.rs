@@ -308,3 +308,23 @@ async fn demo_server_without_admin_token_has_no_support_routes() {
         404
     );
 }
+
+#[tokio::test]
+async fn demo_server_in_shadow_mode_counts_and_never_refuses() {
+    let server = start(&["--limit", "1", "--shadow"]);
+    let mut last = None;
+    for _ in 0..3 {
+        let reply = call(&server, "GET", "/read", ACME).await;
+        assert_eq!(reply.status, 200);
+        last = Some(reply);
+    }
+    assert!(last
+        .unwrap()
+        .header("ratelimit")
+        .unwrap()
+        .starts_with("\"read-day\";r=0;"));
+    assert_eq!(
+        quota(&call(&server, "GET", "/quota", ACME).await)["read"]["used"],
+        3
+    );
+}
