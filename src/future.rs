@@ -95,6 +95,9 @@ pub(crate) struct Admission<St> {
     pub(crate) status: QuotaStatus,
     /// Whether the request is a gRPC call, answered as one if refused.
     pub(crate) grpc: bool,
+    /// The decision's span (disabled unless debug logs of the crate are
+    /// on): subject kind and hash, allowances, anchors, outcome.
+    pub(crate) span: tracing::Span,
 }
 
 /// An admitted request: its charge, for the response path.
@@ -203,6 +206,7 @@ impl<St: Store> Admission<St> {
             clock: self.clock.clone(),
             status,
             grpc: self.grpc,
+            span: self.span.clone(),
         };
         Some((admission, request))
     }
@@ -492,6 +496,12 @@ where
         },
         answer,
     );
+    let outcome = match &decision {
+        Decision::Admit { .. } => "admitted",
+        Decision::Refuse(_) => "refused",
+        Decision::PassUncharged | Decision::Unavailable(_) => "store_error",
+    };
+    admission.span.record("outcome", outcome);
     match decision {
         Decision::Admit { usage } => {
             admission.admit(usage);

@@ -243,6 +243,14 @@ where
         } else {
             0
         };
+        let span = tracing::debug_span!(
+            "quota",
+            subject.kind = %subject.kind(),
+            subject.hash = %short_hash(&subject),
+            allowance = %Allowances(&layout.quotas),
+            anchor = %Anchors(&layout.quotas),
+            outcome = tracing::field::Empty,
+        );
         let charge = shared.store.charge(ChargeRequest { now, lines });
         let grpc = parts
             .headers
@@ -256,6 +264,7 @@ where
             store: adjustable.then(|| shared.store.clone()),
             clock: adjustable.then(|| Arc::clone(&settings.clock)),
             grpc,
+            span,
             status: QuotaStatus::new(Ticket {
                 policy: shared.id,
                 layout: Some(Arc::clone(layout)),
@@ -304,10 +313,55 @@ impl<S: Clone, E, St> QuotaService<S, E, St> {
         S: Service<Request<ReqBody>, Response = Response<ResBody>>,
         St: Store,
     {
+        tracing::debug_span!(
+            "quota",
+            allowance = %Allowances(&self.charges.own.quotas),
+            outcome = "skipped",
+        )
+        .in_scope(|| tracing::trace!("request passes uncounted"));
         parts
             .extensions
             .insert(QuotaStatus::exempt(self.shared.id, now));
         ResponseFuture::passing(self.call_inner(parts, body))
+    }
+}
+
+/// A short hash of `subject` for logs: ids can be API keys, so the hash is
+/// keyed with a secret drawn when the process starts, and cut to 32 bits.
+fn short_hash(subject: &Subject) -> impl std::fmt::Display {
+    use std::hash::BuildHasher;
+    static KEY: std::sync::OnceLock<foldhash::fast::RandomState> = std::sync::OnceLock::new();
+    let hash = KEY.get_or_init(Default::default).hash_one(subject);
+    format!("{:08x}", hash >> 32)
+}
+
+/// The allowances of `quotas`, comma-separated, for logs.
+struct Allowances<'a>(&'a [crate::quota::Quota]);
+
+impl std::fmt::Display for Allowances<'_> {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        for (i, quota) in self.0.iter().enumerate() {
+            if i > 0 {
+                f.write_str(",")?;
+            }
+            f.write_str(quota.allowance_tag())?;
+        }
+        Ok(())
+    }
+}
+
+/// The anchors of `quotas`, comma-separated, for logs.
+struct Anchors<'a>(&'a [crate::quota::Quota]);
+
+impl std::fmt::Display for Anchors<'_> {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        for (i, quota) in self.0.iter().enumerate() {
+            if i > 0 {
+                f.write_str(",")?;
+            }
+            f.write_str(quota.anchor().as_str())?;
+        }
+        Ok(())
     }
 }
 

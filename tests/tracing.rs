@@ -1,0 +1,96 @@
+//! One debug span per decision, naming the subject only by a short hash.
+
+use std::sync::{Arc, Mutex};
+
+use axum::body::Body;
+use axum::routing::get;
+use axum::Router;
+use http::{Request, StatusCode};
+use tower::ServiceExt;
+use tower_quota::{FromHeader, Quota, QuotaPolicy};
+use tracing::field::{Field, Visit};
+use tracing::span::{Attributes, Id, Record};
+use tracing::{Event, Metadata, Subscriber};
+
+/// The fields of every `quota` span, as text.
+#[derive(Clone, Default)]
+struct Spans(Arc<Mutex<Vec<Vec<(String, String)>>>>);
+
+struct Fields<'a>(&'a mut Vec<(String, String)>);
+
+impl Visit for Fields<'_> {
+    fn record_debug(&mut self, field: &Field, value: &dyn std::fmt::Debug) {
+        self.0.push((field.name().to_owned(), format!("{value:?}")));
+    }
+    fn record_str(&mut self, field: &Field, value: &str) {
+        self.0.push((field.name().to_owned(), value.to_owned()));
+    }
+}
+
+impl Subscriber for Spans {
+    fn enabled(&self, metadata: &Metadata<'_>) -> bool {
+        metadata.target().starts_with("tower_quota")
+    }
+    fn new_span(&self, span: &Attributes<'_>) -> Id {
+        let mut spans = self.0.lock().unwrap();
+        let mut fields = Vec::new();
+        span.record(&mut Fields(&mut fields));
+        spans.push(fields);
+        Id::from_u64(spans.len() as u64)
+    }
+    fn record(&self, span: &Id, values: &Record<'_>) {
+        let mut spans = self.0.lock().unwrap();
+        let index = span.into_u64() as usize - 1;
+        values.record(&mut Fields(&mut spans[index]));
+    }
+    fn record_follows_from(&self, _: &Id, _: &Id) {}
+    fn event(&self, _: &Event<'_>) {}
+    fn enter(&self, _: &Id) {}
+    fn exit(&self, _: &Id) {}
+}
+
+#[tokio::test(flavor = "current_thread")]
+async fn every_decision_has_a_span_without_the_subject_id() {
+    let spans = Spans::default();
+    let _guard = tracing::subscriber::set_default(spans.clone());
+    let policy = QuotaPolicy::builder(FromHeader::account("x-account-id")).build();
+    let app = Router::new()
+        .route("/", get(|| async { "hi" }))
+        .route_layer(policy.layer(Quota::daily(1).allowance("read")));
+    let call = || {
+        Request::get("/")
+            .header("x-account-id", "sk_live_secret_key")
+            .body(Body::empty())
+            .unwrap()
+    };
+    assert_eq!(
+        app.clone().oneshot(call()).await.unwrap().status(),
+        StatusCode::OK
+    );
+    assert_eq!(
+        app.clone().oneshot(call()).await.unwrap().status(),
+        StatusCode::TOO_MANY_REQUESTS
+    );
+    let spans = spans.0.lock().unwrap();
+    assert_eq!(spans.len(), 2, "{spans:?}");
+    let field = |span: &Vec<(String, String)>, name: &str| {
+        span.iter()
+            .find(|(n, _)| n == name)
+            .map(|(_, v)| v.clone())
+            .unwrap_or_else(|| panic!("no {name} in {span:?}"))
+    };
+    assert_eq!(field(&spans[0], "outcome"), "admitted");
+    assert_eq!(field(&spans[1], "outcome"), "refused");
+    for span in spans.iter() {
+        assert_eq!(field(span, "subject.kind"), "account");
+        assert_eq!(field(span, "allowance"), "read");
+        assert_eq!(field(span, "anchor"), "calendar");
+        let hash = field(span, "subject.hash");
+        assert_eq!(hash.len(), 8, "{hash}");
+        assert!(span.iter().all(|(_, v)| !v.contains("secret")), "{span:?}");
+    }
+    assert_eq!(
+        field(&spans[0], "subject.hash"),
+        field(&spans[1], "subject.hash")
+    );
+}
