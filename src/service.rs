@@ -369,7 +369,7 @@ impl std::fmt::Display for Anchors<'_> {
 /// resets told to subjects.
 fn subject_hash(subject: &Subject) -> u64 {
     use std::hash::BuildHasher;
-    foldhash::fast::FixedState::with_seed(0x7175_6f74_61).hash_one(subject)
+    foldhash::fast::FixedState::with_seed(0x0071_756f_7461).hash_one(subject)
 }
 
 fn extract<E: SubjectExtractor>(
