@@ -12,9 +12,12 @@ use tracing::field::{Field, Visit};
 use tracing::span::{Attributes, Id, Record};
 use tracing::{Event, Metadata, Subscriber};
 
-/// The fields of every `quota` span, as text.
+/// One span's fields, as text.
+type SpanFields = Vec<(String, String)>;
+
+/// The fields of every `quota` span.
 #[derive(Clone, Default)]
-struct Spans(Arc<Mutex<Vec<Vec<(String, String)>>>>);
+struct Spans(Arc<Mutex<Vec<SpanFields>>>);
 
 struct Fields<'a>(&'a mut Vec<(String, String)>);
 
@@ -73,7 +76,7 @@ async fn every_decision_has_a_span_without_the_subject_id() {
     );
     let spans = spans.0.lock().unwrap();
     assert_eq!(spans.len(), 2, "{spans:?}");
-    let field = |span: &Vec<(String, String)>, name: &str| {
+    let field = |span: &SpanFields, name: &str| {
         span.iter()
             .find(|(n, _)| n == name)
             .map(|(_, v)| v.clone())
