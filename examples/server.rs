@@ -49,7 +49,7 @@ use serde_json::{json, Value};
 use tower_quota::jiff::tz::TimeZone;
 use tower_quota::{
     response, unrouted, Anchor, FromHeader, InvalidCost, MemoryStore, OnStoreError, Period, Quota,
-    QuotaHandle, QuotaPolicy, Store, SubjectError, UnknownPlan,
+    QuotaHandle, QuotaPolicy, Store, UnknownPlan,
 };
 
 const USAGE: &str =
@@ -241,47 +241,23 @@ fn problem(status: StatusCode, detail: &str) -> Response {
 }
 
 /// `GET /quota`: where the caller stands on each allowance; charges nothing.
-async fn quota_status<St: Store>(
-    State((handle, header)): State<(QuotaHandle<FromHeader, St>, http::HeaderName)>,
-    request: Request,
-) -> Response {
-    let (parts, _) = request.into_parts();
-    let subject = match handle.subject_of(&parts) {
-        Ok(subject) => subject,
-        Err(error @ SubjectError::Malformed(_)) => {
-            return problem(StatusCode::BAD_REQUEST, &error.to_string())
-        }
-        Err(SubjectError::Missing) => {
-            return problem(
-                StatusCode::UNAUTHORIZED,
-                &format!("send the {header} header"),
-            )
-        }
-    };
-    let usage = match handle
-        .usage_on_plan(&subject, handle.plan_of(&parts).as_deref())
-        .await
-    {
+async fn quota_status<St: Store>(State(handle): State<QuotaHandle<St>>, parts: Parts) -> Response {
+    // Read as the layers read it: the subject, its plan; charges nothing.
+    let usage = match handle.standing(&parts).await {
         Ok(usage) => usage,
-        Err(error) => {
-            eprintln!("quota store failed: {error}");
-            return problem(
-                StatusCode::SERVICE_UNAVAILABLE,
-                "The quota store is unavailable; try again later.",
-            );
-        }
+        Err(error) => return error.into_response(),
     };
     let mut body = serde_json::Map::new();
     for entry in usage {
         body.insert(
-            entry.quota.allowance_tag().to_owned(),
+            entry.allowance().to_owned(),
             json!({
-                "quota": entry.quota.name(),
-                "limit": entry.usage.limit,
-                "used": entry.usage.used,
+                "quota": entry.name(),
+                "limit": entry.limit(),
+                "used": entry.used(),
                 "remaining": entry.remaining(),
-                "resets_at": entry.usage.resets_at.to_string(),
-                "first_call": entry.usage.first_call.map(|t| t.to_string()),
+                "resets_at": entry.resets_at().to_string(),
+                "first_call": entry.first_call().map(|t| t.to_string()),
                 "anchor": entry.quota.anchor().as_str(),
                 "reset": entry.explain_reset(),
             }),
@@ -387,10 +363,10 @@ fn app<St: Store>(options: &Options, store: St) -> Router {
         .route_layer(policy.layer(quota("read")));
     let write = write.route_layer(policy.layer(quota("write")).cost_fn(bulk_cost));
     let handle = policy.handle();
-    let mut app = read.merge(write).merge(health).route(
-        "/quota",
-        get(quota_status::<St>).with_state((handle.clone(), options.subject.header_name().clone())),
-    );
+    let mut app = read
+        .merge(write)
+        .merge(health)
+        .route("/quota", get(quota_status::<St>).with_state(handle.clone()));
     if let Some(token) = options.admin_token.clone() {
         let admin = handle
             .router()

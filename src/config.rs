@@ -304,9 +304,7 @@ impl<E, St> Shared<E, St> {
             if let Some(known) = registry.iter().find(|k| k.shares_counters_with(quota)) {
                 assert!(
                     known.same_as(quota),
-                    "quotas {:?} and {:?} of one policy have the same allowance ({:?}), period and anchor but differ, so they would count on one counter; give one of them its own allowance",
-                    known.name(),
-                    quota.name(),
+                    "two different quotas of one policy would count on one counter: {known:?} and {quota:?} have the same allowance ({:?}), period and anchor; give one of them its own allowance",
                     quota.allowance_tag(),
                 );
             } else {

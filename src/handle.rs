@@ -10,10 +10,10 @@ use std::sync::Arc;
 use http::request::Parts;
 use jiff::Timestamp;
 
-use crate::config::Shared;
+use crate::config::{Settings, Shared};
 use crate::quota::Quota;
 use crate::status::QuotaUsage;
-use crate::store::{ChargeLine, ChargeRequest, Store, StoreError};
+use crate::store::{ChargeLine, ChargeRequest, MemoryStore, Store, StoreError};
 use crate::subject::{Subject, SubjectError, SubjectExtractor};
 
 /// A handle on the counters of a [`QuotaPolicy`](crate::QuotaPolicy) (from
@@ -35,16 +35,41 @@ use crate::subject::{Subject, SubjectError, SubjectExtractor};
 /// assert_eq!(usage[0].quota.describe_reset(), "every day at 00:00 UTC");
 /// # }
 /// ```
-pub struct QuotaHandle<E, St> {
-    shared: Arc<Shared<E, St>>,
+pub struct QuotaHandle<St = MemoryStore> {
+    shared: Arc<dyn Policy<St>>,
     only: Option<Arc<[Quota]>>,
 }
 
-impl<E, St> QuotaHandle<E, St> {
-    pub(crate) fn of_policy(shared: Arc<Shared<E, St>>) -> Self {
+/// What a handle needs of its policy, whatever its subject extractor.
+trait Policy<St>: Send + Sync {
+    fn settings(&self) -> &Settings;
+    fn store(&self) -> &St;
+    fn quotas(&self) -> Vec<Quota>;
+    fn extract(&self, parts: &Parts) -> Result<Subject, SubjectError>;
+}
+
+impl<E: SubjectExtractor, St: Send + Sync> Policy<St> for Shared<E, St> {
+    fn settings(&self) -> &Settings {
+        &self.settings
+    }
+    fn store(&self) -> &St {
+        &self.store
+    }
+    fn quotas(&self) -> Vec<Quota> {
+        Shared::quotas(self)
+    }
+    fn extract(&self, parts: &Parts) -> Result<Subject, SubjectError> {
+        self.extractor.extract(parts)
+    }
+}
+
+impl<St: Send + Sync + 'static> QuotaHandle<St> {
+    pub(crate) fn of_policy<E: SubjectExtractor>(shared: Arc<Shared<E, St>>) -> Self {
         Self { shared, only: None }
     }
+}
 
+impl<St> QuotaHandle<St> {
     /// The handle on `quotas` only.
     pub(crate) fn only(self, quotas: Arc<[Quota]>) -> Self {
         Self {
@@ -62,18 +87,19 @@ impl<E, St> QuotaHandle<E, St> {
         }
     }
 
+    fn settings(&self) -> &Settings {
+        self.shared.settings()
+    }
+
     /// The subject the policy would charge a request with head `parts`, so a
     /// handler can look up its caller's standing without being charged.
     ///
     /// # Errors
     ///
     /// When the request names no usable subject.
-    pub fn subject_of(&self, parts: &Parts) -> Result<Subject, SubjectError>
-    where
-        E: SubjectExtractor,
-    {
-        let subject = self.shared.extractor.extract(parts)?;
-        let max = self.shared.settings.max_subject_len;
+    pub fn subject_of(&self, parts: &Parts) -> Result<Subject, SubjectError> {
+        let subject = self.shared.extract(parts)?;
+        let max = self.settings().max_subject_len;
         if subject.id().is_empty() || subject.id().len() > max {
             return Err(SubjectError::malformed(format!(
                 "the subject id is empty or longer than {max} bytes"
@@ -84,11 +110,7 @@ impl<E, St> QuotaHandle<E, St> {
 
     /// The plan the policy reads from a request with head `parts`, if any.
     pub fn plan_of(&self, parts: &Parts) -> Option<String> {
-        self.shared
-            .settings
-            .plan
-            .as_ref()
-            .and_then(|plan| plan(parts))
+        self.settings().plan.as_ref().and_then(|plan| plan(parts))
     }
 
     fn lines(
@@ -98,7 +120,7 @@ impl<E, St> QuotaHandle<E, St> {
         at: Timestamp,
         plan: Option<&str>,
     ) -> Vec<ChargeLine> {
-        let namespace = &self.shared.settings.namespace;
+        let namespace = &self.settings().namespace;
         quotas
             .iter()
             .map(|q| q.line_with_limit(namespace, subject, at, 0, q.limit_for(plan)))
@@ -106,9 +128,36 @@ impl<E, St> QuotaHandle<E, St> {
     }
 }
 
-impl<E, St: Store> QuotaHandle<E, St> {
+impl<St: Store> QuotaHandle<St> {
+    /// Where the caller of a request with head `parts` stands on every
+    /// quota, on its plan's limits, as the policy's layers would charge it:
+    /// the subject and plan are read as the layers read them. Charges
+    /// nothing. With the `axum` feature the error answers itself (401, 400
+    /// or 503 as `application/problem+json`).
+    ///
+    /// ```
+    /// use axum::{extract::State, response::{IntoResponse, Response}, Json};
+    /// use http::request::Parts;
+    /// use tower_quota::QuotaHandle;
+    ///
+    /// async fn my_quota(State(handle): State<QuotaHandle>, parts: Parts) -> Response {
+    ///     match handle.standing(&parts).await {
+    ///         Ok(usage) => Json(usage.iter().map(|u| u.to_json()).collect::<Vec<_>>()).into_response(),
+    ///         Err(error) => error.into_response(),
+    ///     }
+    /// }
+    /// ```
+    pub async fn standing(&self, parts: &Parts) -> Result<Vec<QuotaUsage>, StandingError> {
+        let subject = self.subject_of(parts).map_err(StandingError::Subject)?;
+        let plan = self.plan_of(parts);
+        self.usage_on_plan(&subject, plan.as_deref())
+            .await
+            .map_err(StandingError::Store)
+    }
+
     /// Where `subject` stands on every quota now, against each quota's own
-    /// limit. Charges nothing.
+    /// limit (see [`QuotaHandle::usage_on_plan`] for a subject on a plan).
+    /// Charges nothing.
     pub async fn usage(&self, subject: &Subject) -> Result<Vec<QuotaUsage>, StoreError> {
         self.usage_on_plan(subject, None).await
     }
@@ -121,10 +170,14 @@ impl<E, St: Store> QuotaHandle<E, St> {
         plan: Option<&str>,
     ) -> Result<Vec<QuotaUsage>, StoreError> {
         let quotas = self.quotas();
-        let now = self.shared.settings.clock.now();
+        let now = self.settings().clock.now();
         let lines = self.lines(&quotas, subject, now, plan);
         let keys: Vec<_> = lines.iter().map(|l| l.key.clone()).collect();
-        let usage = self.shared.store.peek(ChargeRequest { now, lines }).await?;
+        let usage = self
+            .shared
+            .store()
+            .peek(ChargeRequest { now, lines })
+            .await?;
         Ok(quotas
             .into_iter()
             .zip(keys)
@@ -142,7 +195,7 @@ impl<E, St: Store> QuotaHandle<E, St> {
         subject: &Subject,
         amount: u64,
     ) -> Result<Vec<Option<u64>>, StoreError> {
-        let now = self.shared.settings.clock.now();
+        let now = self.settings().clock.now();
         self.refund_at(subject, now, amount).await
     }
 
@@ -175,11 +228,11 @@ impl<E, St: Store> QuotaHandle<E, St> {
         charged_at: Timestamp,
         amount: u64,
     ) -> Result<Vec<Option<u64>>, StoreError> {
-        let now = self.shared.settings.clock.now();
+        let now = self.settings().clock.now();
         let lines = self.lines(quotas, subject, charged_at, None);
         let current = self
             .shared
-            .store
+            .store()
             .peek(ChargeRequest {
                 now,
                 lines: lines.clone(),
@@ -191,7 +244,7 @@ impl<E, St: Store> QuotaHandle<E, St> {
             refunded.push(if later_period {
                 None
             } else {
-                self.shared.store.refund(now, line.key, amount).await?
+                self.shared.store().refund(now, line.key, amount).await?
             });
         }
         Ok(refunded)
@@ -227,7 +280,7 @@ impl<E, St: Store> QuotaHandle<E, St> {
         amount: u64,
     ) -> Result<Vec<Option<u64>>, StoreError> {
         let quotas = self.quotas_of(allowance);
-        let now = self.shared.settings.clock.now();
+        let now = self.settings().clock.now();
         self.refund_quotas(&quotas, subject, now, amount).await
     }
 
@@ -239,15 +292,15 @@ impl<E, St: Store> QuotaHandle<E, St> {
     }
 
     async fn reset_quotas(&self, quotas: &[Quota], subject: &Subject) -> Result<(), StoreError> {
-        let now = self.shared.settings.clock.now();
+        let now = self.settings().clock.now();
         for line in self.lines(quotas, subject, now, None) {
-            self.shared.store.reset(line.key).await?;
+            self.shared.store().reset(line.key).await?;
         }
         Ok(())
     }
 }
 
-impl<E, St> Clone for QuotaHandle<E, St> {
+impl<St> Clone for QuotaHandle<St> {
     fn clone(&self) -> Self {
         Self {
             shared: Arc::clone(&self.shared),
@@ -256,11 +309,38 @@ impl<E, St> Clone for QuotaHandle<E, St> {
     }
 }
 
-impl<E, St: fmt::Debug> fmt::Debug for QuotaHandle<E, St> {
+impl<St: fmt::Debug> fmt::Debug for QuotaHandle<St> {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         f.debug_struct("QuotaHandle")
             .field("quotas", &self.quotas())
-            .field("store", &self.shared.store)
+            .field("store", self.shared.store())
             .finish_non_exhaustive()
+    }
+}
+
+/// Why [`QuotaHandle::standing`] could not tell where a caller stands.
+#[derive(Debug)]
+pub enum StandingError {
+    /// The request names no usable subject.
+    Subject(SubjectError),
+    /// The store failed.
+    Store(StoreError),
+}
+
+impl fmt::Display for StandingError {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        match self {
+            Self::Subject(error) => error.fmt(f),
+            Self::Store(error) => write!(f, "the quota store failed: {error}"),
+        }
+    }
+}
+
+impl std::error::Error for StandingError {
+    fn source(&self) -> Option<&(dyn std::error::Error + 'static)> {
+        match self {
+            Self::Subject(error) => Some(error),
+            Self::Store(error) => Some(error),
+        }
     }
 }

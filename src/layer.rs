@@ -488,7 +488,10 @@ impl<E, St: Store> QuotaLayer<E, St> {
     /// # Panics
     ///
     /// As [`Layer::layer`].
-    pub fn handle(&self) -> QuotaHandle<E, St> {
+    pub fn handle(&self) -> QuotaHandle<St>
+    where
+        E: SubjectExtractor,
+    {
         let built = self.built();
         QuotaHandle::of_policy(Arc::clone(&built.shared)).only(Arc::clone(&built.scope.quotas))
     }

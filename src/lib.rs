@@ -88,7 +88,7 @@ pub use jiff;
 pub use crate::body::ResponseBody;
 pub use crate::config::{InvalidCost, OnStoreError, SubjectPolicy, UnknownPlan};
 pub use crate::future::ResponseFuture;
-pub use crate::handle::QuotaHandle;
+pub use crate::handle::{QuotaHandle, StandingError};
 pub use crate::key::{Namespace, PeriodKey};
 pub use crate::layer::QuotaLayer;
 pub use crate::period::{Anchor, Clock, ManualClock, Period, SystemClock, Window};

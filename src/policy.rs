@@ -14,6 +14,7 @@ use crate::layer::QuotaLayer;
 use crate::period::Clock;
 use crate::quota::Quota;
 use crate::store::{MemoryStore, Store};
+use crate::subject::SubjectExtractor;
 
 /// The quotas of one application: one store, one clock, one namespace, one
 /// way to name the subject and its plan, and every layer of the app handed
@@ -89,7 +90,10 @@ impl<E, St> QuotaPolicy<E, St> {
 impl<E, St: Store> QuotaPolicy<E, St> {
     /// A handle for support tools and handlers on every quota of the
     /// policy's layers: where a subject stands, resets and refunds.
-    pub fn handle(&self) -> QuotaHandle<E, St> {
+    pub fn handle(&self) -> QuotaHandle<St>
+    where
+        E: SubjectExtractor,
+    {
         QuotaHandle::of_policy(Arc::clone(&self.shared))
     }
 }

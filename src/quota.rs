@@ -512,6 +512,13 @@ impl Quota {
     }
 }
 
+impl fmt::Display for Quota {
+    /// The quota's name.
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(&self.0.name)
+    }
+}
+
 impl fmt::Debug for Quota {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         f.debug_struct("Quota")

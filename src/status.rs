@@ -29,9 +29,57 @@ impl QuotaUsage {
         Self { quota, key, usage }
     }
 
+    /// The quota's name, as clients see it.
+    pub fn name(&self) -> &str {
+        self.quota.name()
+    }
+
+    /// The quota's allowance tag.
+    pub fn allowance(&self) -> &str {
+        self.quota.allowance_tag()
+    }
+
+    /// The limit this period (the subject's plan's).
+    pub fn limit(&self) -> u64 {
+        self.usage.limit
+    }
+
+    /// What has been spent this period.
+    pub fn used(&self) -> u64 {
+        self.usage.used
+    }
+
     /// What is left to spend this period.
     pub fn remaining(&self) -> u64 {
         self.usage.remaining()
+    }
+
+    /// When the allowance returns.
+    pub fn resets_at(&self) -> Timestamp {
+        self.usage.resets_at
+    }
+
+    /// The call that opened a first-use period, if one is open.
+    pub fn first_call(&self) -> Option<Timestamp> {
+        self.usage.first_call
+    }
+
+    /// As JSON: `{"allowance","name","limit","used","remaining",
+    /// "resets_at","anchor","first_call","reset"}`, instants in RFC 3339,
+    /// `anchor` `calendar` or `first-use`, `reset` from
+    /// [`QuotaUsage::explain_reset`]. What the support router answers.
+    pub fn to_json(&self) -> serde_json::Value {
+        serde_json::json!({
+            "allowance": self.allowance(),
+            "name": self.name(),
+            "limit": self.limit(),
+            "used": self.used(),
+            "remaining": self.remaining(),
+            "resets_at": self.resets_at().to_string(),
+            "anchor": self.quota.anchor().as_str(),
+            "first_call": self.first_call().map(|t| t.to_string()),
+            "reset": self.explain_reset(),
+        })
     }
 
     /// How and when the allowance returns, in words: `every day at 00:00

@@ -7,15 +7,15 @@ use axum::routing::{get, post};
 use axum::Router;
 use http::header::CONTENT_TYPE;
 use http::StatusCode;
-use serde_json::{json, Value};
+use serde_json::json;
 
-use super::QuotaHandle;
+use super::{QuotaHandle, StandingError};
 use crate::response;
 use crate::status::QuotaUsage;
 use crate::store::Store;
-use crate::subject::{Subject, SubjectExtractor, SubjectKind};
+use crate::subject::{Subject, SubjectKind};
 
-impl<E: SubjectExtractor, St: Store> QuotaHandle<E, St> {
+impl<St: Store> QuotaHandle<St> {
     /// The handle as an axum router, to mount behind the application's own
     /// admin authentication (it checks none itself):
     ///
@@ -59,15 +59,15 @@ impl<E: SubjectExtractor, St: Store> QuotaHandle<E, St> {
     /// ```
     pub fn router(&self) -> Router {
         Router::new()
-            .route("/quota/{kind}/{id}", get(show::<E, St>))
-            .route("/reset/{kind}/{id}/{allowance}", post(reset::<E, St>))
-            .route("/refund/{kind}/{id}/{allowance}", post(refund::<E, St>))
+            .route("/quota/{kind}/{id}", get(show::<St>))
+            .route("/reset/{kind}/{id}/{allowance}", post(reset::<St>))
+            .route("/refund/{kind}/{id}/{allowance}", post(refund::<St>))
             .with_state(self.clone())
     }
 }
 
-async fn show<E: SubjectExtractor, St: Store>(
-    State(handle): State<QuotaHandle<E, St>>,
+async fn show<St: Store>(
+    State(handle): State<QuotaHandle<St>>,
     Path((kind, id)): Path<(String, String)>,
     RawQuery(query): RawQuery,
 ) -> Response {
@@ -79,8 +79,8 @@ async fn show<E: SubjectExtractor, St: Store>(
     standing(&handle, &subject, plan.as_deref()).await
 }
 
-async fn reset<E: SubjectExtractor, St: Store>(
-    State(handle): State<QuotaHandle<E, St>>,
+async fn reset<St: Store>(
+    State(handle): State<QuotaHandle<St>>,
     Path((kind, id, allowance)): Path<(String, String, String)>,
 ) -> Response {
     let subject = match subject(&handle, &kind, &id) {
@@ -97,8 +97,8 @@ async fn reset<E: SubjectExtractor, St: Store>(
     }
 }
 
-async fn refund<E: SubjectExtractor, St: Store>(
-    State(handle): State<QuotaHandle<E, St>>,
+async fn refund<St: Store>(
+    State(handle): State<QuotaHandle<St>>,
     Path((kind, id, allowance)): Path<(String, String, String)>,
     RawQuery(query): RawQuery,
 ) -> Response {
@@ -127,7 +127,7 @@ async fn refund<E: SubjectExtractor, St: Store>(
 
 /// The subject a support path names, checked as a request's would be.
 #[allow(clippy::result_large_err)]
-fn subject<E, St>(handle: &QuotaHandle<E, St>, kind: &str, id: &str) -> Result<Subject, Response> {
+fn subject<St>(handle: &QuotaHandle<St>, kind: &str, id: &str) -> Result<Subject, Response> {
     let valid_kind = !kind.is_empty()
         && kind.len() <= 64
         && kind
@@ -139,7 +139,7 @@ fn subject<E, St>(handle: &QuotaHandle<E, St>, kind: &str, id: &str) -> Result<S
             "a subject kind is 1 to 64 of a-z, 0-9, '-', '_', '.'",
         ));
     }
-    let max = handle.shared.settings.max_subject_len;
+    let max = handle.settings().max_subject_len;
     if id.is_empty() || id.len() > max {
         return Err(problem(
             StatusCode::BAD_REQUEST,
@@ -149,8 +149,8 @@ fn subject<E, St>(handle: &QuotaHandle<E, St>, kind: &str, id: &str) -> Result<S
     Ok(Subject::new(SubjectKind::custom(kind), id.as_bytes()))
 }
 
-async fn standing<E, St: Store>(
-    handle: &QuotaHandle<E, St>,
+async fn standing<St: Store>(
+    handle: &QuotaHandle<St>,
     subject: &Subject,
     plan: Option<&str>,
 ) -> Response {
@@ -161,27 +161,12 @@ async fn standing<E, St: Store>(
                     "kind": subject.kind().as_str(),
                     "id": String::from_utf8_lossy(subject.id()),
                 },
-                "allowances": usage.iter().map(allowance_json).collect::<Vec<_>>(),
+                "allowances": usage.iter().map(QuotaUsage::to_json).collect::<Vec<_>>(),
             });
             ([(CONTENT_TYPE, "application/json")], body.to_string()).into_response()
         }
         Err(error) => unavailable(&error),
     }
-}
-
-/// One quota's entry in the support answer.
-pub(crate) fn allowance_json(entry: &QuotaUsage) -> Value {
-    json!({
-        "allowance": entry.quota.allowance_tag(),
-        "name": entry.quota.name(),
-        "limit": entry.usage.limit,
-        "used": entry.usage.used,
-        "remaining": entry.remaining(),
-        "resets_at": entry.usage.resets_at.to_string(),
-        "anchor": entry.quota.anchor().as_str(),
-        "first_call": entry.usage.first_call.map(|t| t.to_string()),
-        "reset": entry.explain_reset(),
-    })
 }
 
 fn unknown_allowance(allowance: &str) -> Response {
@@ -213,4 +198,27 @@ fn param(query: Option<&str>, name: &str) -> Option<String> {
 
 fn problem(status: StatusCode, detail: &str) -> Response {
     response::problem(status, detail).map(axum::body::Body::from)
+}
+
+impl axum::response::IntoResponse for StandingError {
+    /// 401 or 400 for the subject, as the layers answer; 503 for the store,
+    /// whose details go to the logs only.
+    fn into_response(self) -> Response {
+        match self {
+            StandingError::Subject(error) => error.into_response(),
+            StandingError::Store(error) => unavailable(&error),
+        }
+    }
+}
+
+impl axum::response::IntoResponse for crate::subject::SubjectError {
+    /// 401 for a missing subject, 400 for a malformed one, as
+    /// `application/problem+json`.
+    fn into_response(self) -> Response {
+        let status = match self {
+            crate::subject::SubjectError::Missing => StatusCode::UNAUTHORIZED,
+            crate::subject::SubjectError::Malformed(_) => StatusCode::BAD_REQUEST,
+        };
+        problem(status, &self.to_string())
+    }
 }
