@@ -104,6 +104,8 @@ fn main() {
         // The store adds grace and jitter from the key; a fixed TTL of the
         // same size here.
         &ttl_ms.to_string(),
+        // The window's end, recorded in a new calendar counter.
+        &end.as_millisecond().to_string(),
     ]
     .iter()
     .map(|s| s.to_string())

@@ -16,8 +16,11 @@
 //!   at once get exactly the limit admitted.
 //! - [`all_or_nothing_across_quotas`]: a request refused on one quota is
 //!   charged on none.
+//! - [`a_refused_charge_writes_nothing`]: a refused request leaves every
+//!   counter it names exactly as it was (count, first call, deadline, and
+//!   an undated counter undated), and creates none.
 //! - [`undated_counter_is_healed`]: a counter found without a deadline gets
-//!   one.
+//!   one from the next admitted charge.
 //! - [`calendar_counters_are_distinct_per_period_and_dated`]: each calendar
 //!   window has its own counter, and that counter has a deadline.
 //!
@@ -213,6 +216,10 @@ pub async fn run_all<S: ConformanceHooks>(store: &S) -> Vec<(&'static str, Verdi
         (
             "all_or_nothing_across_quotas",
             all_or_nothing_across_quotas(store).await,
+        ),
+        (
+            "a_refused_charge_writes_nothing",
+            a_refused_charge_writes_nothing(store).await,
         ),
         (
             "undated_counter_is_healed",
@@ -721,9 +728,108 @@ pub async fn all_or_nothing_across_quotas<S: ConformanceHooks>(store: &S) -> Ver
     Verdict::Passed
 }
 
-/// A counter found without a deadline gets one from the next charge: its
-/// first call plus one period when the first call is known, else one period
-/// from now; and a counter whose period is long over starts afresh.
+/// A refused charge writes nothing: every counter of the request keeps its
+/// count, its first call and its deadline, a counter without a deadline
+/// stays without one (healing it is a write, left to the next admitted
+/// charge), and the request creates no counter. Peeks write nothing either.
+///
+/// The request names a first-use counter and a calendar counter with room, a
+/// key never charged, an undated counter (when the store can hold one, see
+/// [`ConformanceHooks::plant_undated`]) and, last, a counter at its limit.
+///
+/// # Panics
+///
+/// When the store breaks the rule, or fails to answer.
+pub async fn a_refused_charge_writes_nothing<S: ConformanceHooks>(store: &S) -> Verdict {
+    let time = Timeline::new(store.expiry());
+    let period = time.period() * 10;
+    let now = time.now();
+    let keys = Keys::new();
+    let roomy = keys.key("roomy");
+    let daily = keys.key("calendar");
+    let fresh = keys.key("never-created");
+    let undated = keys.key("undated");
+    let tight = keys.key("tight");
+    let set_up = charge(
+        store,
+        now,
+        vec![
+            first_use(&roomy, 10, 2, now + period),
+            calendar_line(&daily, 10, 1, now, now + period),
+            first_use(&tight, 1, 1, now + period),
+        ],
+    )
+    .await;
+    assert!(
+        set_up.0,
+        "a request with room on every quota must be admitted"
+    );
+    let planted = store
+        .plant_undated(undated.clone(), 3, Some(now - period / 2))
+        .await
+        .unwrap_or_else(|e| panic!("the store failed to plant an undated counter: {e}"));
+
+    let mut lines = vec![
+        first_use(&roomy, 10, 1, now + period),
+        calendar_line(&daily, 10, 1, now, now + period),
+        first_use(&fresh, 10, 1, now + period),
+    ];
+    if planted == Planted::Planted {
+        lines.push(first_use(&undated, 10, 1, now + period));
+    }
+    lines.push(first_use(&tight, 1, 1, now + period));
+    let costless: Vec<ChargeLine> = lines
+        .iter()
+        .map(|l| ChargeLine {
+            cost: 0,
+            ..l.clone()
+        })
+        .collect();
+
+    let before = peek(store, now, costless.clone()).await;
+    let mut deadlines = Vec::with_capacity(lines.len());
+    for line in &lines {
+        deadlines.push(stored(store, &line.key).await);
+    }
+    let refused = charge(store, now, lines.clone()).await;
+    assert!(!refused.0, "a request over one quota must be refused");
+    let after = peek(store, now, costless).await;
+    for (i, line) in lines.iter().enumerate() {
+        let key = line.key.as_str();
+        for (usage, what) in [(&refused.1[i], "reported"), (&after[i], "peeked")] {
+            assert_eq!(
+                usage.used, before[i].used,
+                "a refused charge must write nothing: the count of {key} changed ({what})"
+            );
+            assert_eq!(
+                usage.first_call, before[i].first_call,
+                "a refused charge must write nothing: the first call of {key} changed ({what})"
+            );
+            time.assert_near(
+                usage.resets_at,
+                before[i].resets_at,
+                &format!("a refused charge must write nothing: the reset of {key} moved ({what})"),
+            );
+        }
+        match (deadlines[i], stored(store, &line.key).await) {
+            (StoredDeadline::At(was), StoredDeadline::At(is)) => time.assert_near(
+                is,
+                was,
+                &format!("a refused charge must write nothing: the deadline of {key} moved"),
+            ),
+            (was, is) => assert_eq!(
+                is, was,
+                "a refused charge must write nothing: the deadline of {key} changed"
+            ),
+        }
+    }
+    Verdict::Passed
+}
+
+/// A counter found without a deadline gets one from the next admitted
+/// charge: its first call plus one period when the first call is known, else
+/// one period from now; and a counter whose period is long over starts
+/// afresh.
 ///
 /// # Panics
 ///

@@ -33,7 +33,7 @@ async fn memory_store_conforms_with_one_shard() {
             .iter()
             .filter(|(_, v)| *v == Verdict::Passed)
             .count(),
-        6
+        7
     );
 }
 
@@ -74,6 +74,7 @@ mod redis {
         add_never_creates_nor_moves_a_deadline,
         exactly_the_limit_under_concurrency,
         all_or_nothing_across_quotas,
+        a_refused_charge_writes_nothing,
         undated_counter_is_healed,
         calendar_counters_are_distinct_per_period_and_dated,
     );
@@ -102,6 +103,7 @@ mod broken {
         checks_then_yields: bool,
         calendar_without_deadline: bool,
         leaves_undated: bool,
+        heals_when_refused: bool,
     }
 
     #[derive(Clone, Copy)]
@@ -157,22 +159,7 @@ mod broken {
         }
 
         fn heal(&self, request: &ChargeRequest) {
-            let mut counters = self.counters.lock().unwrap();
-            for line in &request.lines {
-                let Some(counter) = counters.get_mut(&line.key) else {
-                    continue;
-                };
-                if counter.deadline.is_some() {
-                    continue;
-                }
-                counter.deadline = Some(match (line.lifetime, counter.first_call) {
-                    (Lifetime::Calendar { end, .. }, _) => end,
-                    (Lifetime::FirstUse { deadline }, Some(first)) => {
-                        first + deadline.duration_since(request.now)
-                    }
-                    (Lifetime::FirstUse { deadline }, None) => deadline,
-                });
-            }
+            heal(&mut self.counters.lock().unwrap(), request);
         }
 
         async fn charge_now(self, request: ChargeRequest) -> Result<ChargeOutcome, StoreError> {
@@ -180,12 +167,24 @@ mod broken {
             let fits = |line: &tower_quota::store::ChargeLine| {
                 self.live(&line.key, now).map_or(0, |c| c.used) + line.cost <= line.limit
             };
+            // Decided on the counters as healing would leave them; healed
+            // for real only when admitted.
+            let mut healed = self.counters.lock().unwrap().clone();
             if !self.bugs.leaves_undated {
-                self.heal(&request);
+                heal(&mut healed, &request);
             }
-            let admitted = request.lines.iter().all(fits);
+            let admitted = request.lines.iter().all(|line| {
+                let used = healed
+                    .get(&line.key)
+                    .filter(|c| c.deadline.is_none_or(|d| d > now))
+                    .map_or(0, |c| c.used);
+                used + line.cost <= line.limit
+            });
             if self.bugs.checks_then_yields {
                 tokio::task::yield_now().await;
+            }
+            if !self.bugs.leaves_undated && (admitted || self.bugs.heals_when_refused) {
+                self.heal(&request);
             }
             for line in &request.lines {
                 let commit = if self.bugs.charges_lines_separately {
@@ -223,6 +222,25 @@ mod broken {
                 admitted,
                 usage: self.usage(&request),
             })
+        }
+    }
+
+    /// Dates the undated counters of `request`'s lines as a charge heals them.
+    fn heal(counters: &mut HashMap<PeriodKey, Counter>, request: &ChargeRequest) {
+        for line in &request.lines {
+            let Some(counter) = counters.get_mut(&line.key) else {
+                continue;
+            };
+            if counter.deadline.is_some() {
+                continue;
+            }
+            counter.deadline = Some(match (line.lifetime, counter.first_call) {
+                (Lifetime::Calendar { end, .. }, _) => end,
+                (Lifetime::FirstUse { deadline }, Some(first)) => {
+                    first + deadline.duration_since(request.now)
+                }
+                (Lifetime::FirstUse { deadline }, None) => deadline,
+            });
         }
     }
 
@@ -355,6 +373,16 @@ mod broken {
             ..Bugs::default()
         });
         testing::undated_counter_is_healed(&store).await;
+    }
+
+    #[tokio::test]
+    #[should_panic(expected = "a refused charge must write nothing")]
+    async fn healing_in_a_refused_charge_is_caught() {
+        let store = Buggy::with(Bugs {
+            heals_when_refused: true,
+            ..Bugs::default()
+        });
+        testing::a_refused_charge_writes_nothing(&store).await;
     }
 
     #[tokio::test]

@@ -988,3 +988,489 @@ async fn an_add_beyond_what_lua_counts_exactly_is_an_error_and_writes_nothing() 
         Some(EXACT - 1)
     );
 }
+
+/// Everything Redis holds about a key: its value, its deadline and its
+/// remaining life.
+async fn snapshot(
+    redis: &mut redis::aio::MultiplexedConnection,
+    key: &str,
+) -> (Option<Vec<u8>>, Option<i64>, i64) {
+    let value: Option<Vec<u8>> = redis::cmd("DUMP")
+        .arg(key)
+        .query_async(redis)
+        .await
+        .unwrap();
+    let (at, pttl) = deadline_of(redis, key).await;
+    (value, at, pttl)
+}
+
+/// Whether `after` is `before`, the remaining life having only run down.
+#[track_caller]
+fn unchanged(
+    before: &(Option<Vec<u8>>, Option<i64>, i64),
+    after: &(Option<Vec<u8>>, Option<i64>, i64),
+    what: &str,
+) {
+    assert_eq!(after.0, before.0, "{what}: the value changed");
+    assert_eq!(after.1, before.1, "{what}: the deadline changed");
+    if before.2 < 0 {
+        assert_eq!(after.2, before.2, "{what}: the remaining life changed");
+    } else {
+        assert!(
+            after.2 <= before.2 && after.2 > 0,
+            "{what}: the deadline moved: {} then {}",
+            before.2,
+            after.2
+        );
+    }
+}
+
+/// Values that are no counter, each as the commands that plant it.
+fn foreign_values() -> Vec<(String, Vec<Vec<String>>)> {
+    let owned = |args: &[&str]| args.iter().map(|a| a.to_string()).collect::<Vec<_>>();
+    let mut values = vec![
+        ("list".to_string(), vec![owned(&["RPUSH", "a"])]),
+        ("set".to_string(), vec![owned(&["SADD", "a"])]),
+        ("zset".to_string(), vec![owned(&["ZADD", "1", "a"])]),
+        ("stream".to_string(), vec![owned(&["XADD", "*", "f", "v"])]),
+        (
+            "hash without n".to_string(),
+            vec![owned(&["HSET", "x", "1"])],
+        ),
+        (
+            "hash with another field".to_string(),
+            vec![owned(&["HSET", "n", "1", "t", "5", "x", "1"])],
+        ),
+        (
+            "hash with a fractional first call".to_string(),
+            vec![owned(&["HSET", "n", "1", "t", "1.5"])],
+        ),
+        (
+            "hash with a negative first call".to_string(),
+            vec![owned(&["HSET", "n", "1", "t", "-5"])],
+        ),
+        (
+            "hash with a window end in words".to_string(),
+            vec![owned(&["HSET", "n", "1", "e", "soon"])],
+        ),
+    ];
+    for number in [
+        "1.0",
+        "1e0",
+        "0x1",
+        " 1",
+        "1 ",
+        "+1",
+        "-1",
+        "-0",
+        "01",
+        "",
+        "inf",
+        "nan",
+        "12345678901234567",
+        "9007199254740993",
+        "9223372036854775807",
+        "abc",
+    ] {
+        values.push((
+            format!("hash with n = {number:?}"),
+            vec![owned(&["HSET", "n", number])],
+        ));
+        values.push((format!("string {number:?}"), vec![owned(&["SET", number])]));
+    }
+    values
+}
+
+async fn plant(redis: &mut redis::aio::MultiplexedConnection, key: &str, setup: &[Vec<String>]) {
+    let _: () = redis.del(key).await.unwrap();
+    for step in setup {
+        let mut command = redis::cmd(&step[0]);
+        command.arg(key);
+        for arg in &step[1..] {
+            command.arg(arg);
+        }
+        let _: redis::Value = command.query_async(redis).await.unwrap();
+    }
+}
+
+#[tokio::test]
+async fn a_foreign_value_on_any_line_fails_the_request_before_anything_is_written() {
+    let server = redis_server_or_skip!();
+    let store = store(&server);
+    let mut redis = client(&server).await;
+    let now = Timestamp::now();
+    let dated = key("dated");
+    store
+        .charge(first_use(&dated, 10, 2, now, hour()))
+        .await
+        .unwrap();
+    // An undated counter an admitted charge would heal.
+    let undated = key("undated");
+    let () = redis
+        .hset_multiple(
+            undated.as_str(),
+            &[
+                ("n", 2),
+                ("t", (now - SignedDuration::from_mins(10)).as_millisecond()),
+            ],
+        )
+        .await
+        .unwrap();
+    // A calendar counter, and a key never charged.
+    let daily = key("daily");
+    let end = now + hour();
+    store
+        .charge(calendar(&daily, 10, 1, now, end))
+        .await
+        .unwrap();
+    let fresh = key("fresh");
+    let foreign = key("foreign");
+
+    for (name, setup) in foreign_values() {
+        plant(&mut redis, foreign.as_str(), &setup).await;
+        let () = redis.pexpire(foreign.as_str(), 60_000).await.unwrap();
+        let mut before = Vec::new();
+        for key in [&dated, &undated, &daily, &fresh, &foreign] {
+            before.push(snapshot(&mut redis, key.as_str()).await);
+        }
+        assert_eq!(before[1].2, -1, "{name}: the planted counter is undated");
+
+        let mut request = first_use(&dated, 10, 1, now, hour());
+        request
+            .lines
+            .extend(first_use(&undated, 10, 1, now, hour()).lines);
+        request
+            .lines
+            .extend(calendar(&daily, 10, 1, now, end).lines);
+        request
+            .lines
+            .extend(first_use(&fresh, 10, 1, now, hour()).lines);
+        request
+            .lines
+            .extend(first_use(&foreign, 10, 1, now, hour()).lines);
+        let peek = store.peek(request.clone()).await.expect_err(&name);
+        let error = store.charge(request).await.expect_err(&name);
+        for error in [&peek, &error] {
+            assert_eq!(error.kind(), StoreErrorKind::Other, "{name}: {error}");
+            let text = error.to_string();
+            assert!(text.contains("not a counter"), "{name}: {text}");
+            assert!(
+                text.contains(foreign.as_str()),
+                "{name}: names the key: {text}"
+            );
+        }
+        let refund = store.refund(now, foreign.clone(), 1).await;
+        assert!(
+            refund.is_err(),
+            "{name}: a refund on it fails too: {refund:?}"
+        );
+        let add = store.add(now, foreign.clone(), 1).await;
+        assert!(add.is_err(), "{name}: an add on it fails too: {add:?}");
+
+        for (key, before) in [&dated, &undated, &daily, &fresh, &foreign]
+            .into_iter()
+            .zip(&before)
+        {
+            let after = snapshot(&mut redis, key.as_str()).await;
+            unchanged(before, &after, &format!("{name}, {}", key.as_str()));
+        }
+    }
+}
+
+#[tokio::test]
+async fn a_refused_charge_heals_nothing_and_an_admitted_one_heals() {
+    let server = redis_server_or_skip!();
+    let store = store(&server);
+    let mut redis = client(&server).await;
+    let now = Timestamp::now();
+    let tight = key("tight");
+    store
+        .charge(first_use(&tight, 1, 1, now, hour()))
+        .await
+        .unwrap();
+    let known = key("undated-known");
+    let () = redis
+        .hset_multiple(
+            known.as_str(),
+            &[
+                ("n", 2),
+                ("t", (now - SignedDuration::from_mins(10)).as_millisecond()),
+            ],
+        )
+        .await
+        .unwrap();
+    let unknown = key("undated-unknown");
+    let () = redis.set(unknown.as_str(), 3).await.unwrap();
+    let over = key("undated-over");
+    let () = redis
+        .hset_multiple(
+            over.as_str(),
+            &[
+                ("n", 2),
+                ("t", (now - SignedDuration::from_hours(5)).as_millisecond()),
+            ],
+        )
+        .await
+        .unwrap();
+    let daily = key("undated-calendar");
+    let () = redis.hset(daily.as_str(), "n", 4).await.unwrap();
+    let keys = [&known, &unknown, &over, &daily];
+    let request = |tight_cost| {
+        let mut request = first_use(&known, 10, 1, now, hour());
+        request
+            .lines
+            .extend(first_use(&unknown, 10, 1, now, hour()).lines);
+        request
+            .lines
+            .extend(first_use(&over, 10, 1, now, hour()).lines);
+        request
+            .lines
+            .extend(calendar(&daily, 10, 1, now, now + hour()).lines);
+        request
+            .lines
+            .extend(first_use(&tight, 1, tight_cost, now, hour()).lines);
+        request
+    };
+    let mut before = Vec::new();
+    for key in keys {
+        before.push(snapshot(&mut redis, key.as_str()).await);
+    }
+
+    let peeked = store.peek(request(1)).await.unwrap();
+    assert_eq!(
+        peeked.iter().map(|u| u.used).collect::<Vec<_>>(),
+        [2, 3, 0, 4, 1]
+    );
+    let refused = store.charge(request(1)).await.unwrap();
+    assert!(!refused.admitted);
+    assert_eq!(
+        refused.usage.iter().map(|u| u.used).collect::<Vec<_>>(),
+        [2, 3, 0, 4, 1]
+    );
+    for (key, before) in keys.into_iter().zip(&before) {
+        let after = snapshot(&mut redis, key.as_str()).await;
+        unchanged(before, &after, key.as_str());
+        assert_eq!(after.2, -1, "{}: still undated", key.as_str());
+    }
+
+    let admitted = store.charge(request(0)).await.unwrap();
+    assert!(admitted.admitted);
+    assert_eq!(
+        admitted.usage.iter().map(|u| u.used).collect::<Vec<_>>(),
+        [3, 4, 1, 5, 1]
+    );
+    let ttl = |key: &PeriodKey| {
+        let key = key.as_str().to_owned();
+        let mut redis = redis.clone();
+        async move { redis.pttl::<_, i64>(key).await.unwrap() }
+    };
+    let known_ttl = ttl(&known).await;
+    assert!((2_999_000..=3_000_000).contains(&known_ttl), "{known_ttl}");
+    let unknown_ttl = ttl(&unknown).await;
+    assert!(
+        (3_599_000..=3_600_000).contains(&unknown_ttl),
+        "{unknown_ttl}"
+    );
+    let over_ttl = ttl(&over).await;
+    assert!((3_599_000..=3_600_000).contains(&over_ttl), "{over_ttl}");
+    let daily_ttl = ttl(&daily).await;
+    assert!(daily_ttl >= 3_599_000, "{daily_ttl}");
+}
+
+#[tokio::test]
+async fn a_count_beyond_what_the_store_holds_fails_closed_and_is_never_reported_as_zero() {
+    let server = redis_server_or_skip!();
+    let store = store(&server);
+    let mut redis = client(&server).await;
+    let layer = QuotaLayer::daily(5, FromHeader::account("x-account-id")).store(store);
+    let handle = layer.handle();
+    let app = Router::new()
+        .route("/", get(|| async { "ok" }))
+        .layer(layer);
+    let acme = Subject::account("acme");
+    let key = handle.usage(&acme).await.unwrap()[0].key.clone();
+
+    for (name, setup) in [
+        ("hash", ["HSET", "n", "9223372036854775807"]),
+        ("string", ["SET", "9223372036854775807", ""]),
+        ("negative hash", ["HSET", "n", "-3"]),
+        ("beyond 2^53", ["HSET", "n", "9007199254740993"]),
+    ] {
+        let setup: Vec<String> = setup
+            .iter()
+            .filter(|a| !a.is_empty())
+            .map(|a| a.to_string())
+            .collect();
+        plant(&mut redis, key.as_str(), &[setup]).await;
+        let () = redis.pexpire(key.as_str(), 60_000).await.unwrap();
+        let before = snapshot(&mut redis, key.as_str()).await;
+
+        let response = app.clone().oneshot(call("acme")).await.unwrap();
+        assert_eq!(
+            response.status(),
+            StatusCode::SERVICE_UNAVAILABLE,
+            "{name}: fail closed, neither admitted nor refused"
+        );
+        let body = axum::body::to_bytes(response.into_body(), 64 * 1024)
+            .await
+            .unwrap();
+        let body = String::from_utf8_lossy(&body);
+        for secret in [key.as_str(), "ERR", "tower-quota:", "not a counter", "2^53"] {
+            assert!(
+                !body.contains(secret),
+                "{name}: the body shows {secret:?}: {body}"
+            );
+        }
+        let usage = handle.usage(&acme).await;
+        let error = usage.expect_err("a count the store cannot hold is no usage");
+        assert_eq!(error.kind(), StoreErrorKind::Other, "{name}: {error}");
+        assert!(error.to_string().contains(key.as_str()), "{name}: {error}");
+        let refund = handle.refund(&acme, 1).await;
+        assert!(refund.is_err(), "{name}: {refund:?}");
+        unchanged(&before, &snapshot(&mut redis, key.as_str()).await, name);
+    }
+}
+
+#[tokio::test]
+async fn a_calendar_counter_in_its_grace_takes_no_refund_nor_add() {
+    let server = redis_server_or_skip!();
+    let store = RedisStore::builder(server.url())
+        .response_timeout(Duration::from_secs(1))
+        .calendar_grace(Duration::from_secs(60))
+        .build()
+        .unwrap();
+    let memory = tower_quota::MemoryStore::new();
+    let mut redis = client(&server).await;
+    let key = key("grace");
+    let now = Timestamp::from_millisecond(Timestamp::now().as_millisecond()).unwrap();
+    let end = now + SignedDuration::from_secs(30);
+    for cost in [4, 0] {
+        let a = store
+            .charge(calendar(&key, 10, cost, now, end))
+            .await
+            .unwrap();
+        let b = memory
+            .charge(calendar(&key, 10, cost, now, end))
+            .await
+            .unwrap();
+        assert_eq!(a, b);
+    }
+    let fields: Vec<(String, i64)> = redis.hgetall(key.as_str()).await.unwrap();
+    assert!(
+        fields.contains(&("e".into(), end.as_millisecond())),
+        "the counter records its window's end: {fields:?}"
+    );
+
+    // Within the window: live.
+    let during = end - SignedDuration::from_millis(1);
+    assert_eq!(store.refund(during, key.clone(), 1).await.unwrap(), Some(3));
+    assert_eq!(
+        memory.refund(during, key.clone(), 1).await.unwrap(),
+        Some(3)
+    );
+    assert_eq!(store.add(during, key.clone(), 2).await.unwrap(), Some(5));
+    assert_eq!(memory.add(during, key.clone(), 2).await.unwrap(), Some(5));
+
+    // At and past the end, in the grace: over, and left as it is.
+    let before = snapshot(&mut redis, key.as_str()).await;
+    for at in [end, end + SignedDuration::from_secs(10)] {
+        assert_eq!(store.refund(at, key.clone(), 1).await.unwrap(), None);
+        assert_eq!(memory.refund(at, key.clone(), 1).await.unwrap(), None);
+        assert_eq!(store.add(at, key.clone(), 1).await.unwrap(), None);
+        assert_eq!(memory.add(at, key.clone(), 1).await.unwrap(), None);
+        let peek = calendar(&key, 10, 0, at, end);
+        let a = store.peek(peek.clone()).await.unwrap();
+        assert_eq!(a, memory.peek(peek).await.unwrap());
+        assert_eq!(a[0].used, 0, "a window that is over counts nothing");
+    }
+    unchanged(
+        &before,
+        &snapshot(&mut redis, key.as_str()).await,
+        "in the grace",
+    );
+    // A lagging instance, still in the window, sees the count.
+    let lagging = store
+        .peek(calendar(&key, 10, 0, during, end))
+        .await
+        .unwrap();
+    assert_eq!(lagging[0].used, 5);
+
+    // A counter of an earlier version, without its end, lives until its
+    // deadline as before.
+    let old = self::key("grace-old");
+    let () = redis.hset(old.as_str(), "n", 3).await.unwrap();
+    let () = redis.pexpire(old.as_str(), 60_000).await.unwrap();
+    assert_eq!(
+        store
+            .refund(end + SignedDuration::from_secs(10), old.clone(), 1)
+            .await
+            .unwrap(),
+        Some(2)
+    );
+}
+
+/// Two calls of `acme` through `layer`, then the handle on it.
+async fn charged_twice<St: Store>(
+    layer: QuotaLayer<FromHeader, St>,
+) -> tower_quota::QuotaHandle<FromHeader, St> {
+    let handle = layer.handle();
+    let app = Router::new()
+        .route("/", get(|| async { "ok" }))
+        .layer(layer);
+    for _ in 0..2 {
+        let response = app.clone().oneshot(call("acme")).await.unwrap();
+        assert_eq!(response.status(), StatusCode::OK);
+    }
+    handle
+}
+
+#[tokio::test]
+async fn refund_at_after_a_calendar_window_ended_credits_nothing() {
+    let server = redis_server_or_skip!();
+    let mut redis = client(&server).await;
+    let t0 = Timestamp::now();
+    let clock = tower_quota::ManualClock::new(t0);
+    let layer = || {
+        QuotaLayer::new(FromHeader::account("x-account-id"))
+            .quota(Quota::hourly(5))
+            .quota(Quota::rolling(50, Duration::from_secs(7_200)))
+            .clock(clock.clone())
+    };
+    let on_redis = charged_twice(layer().store(store(&server))).await;
+    let on_memory = charged_twice(layer().store(tower_quota::MemoryStore::new())).await;
+    let acme = Subject::account("acme");
+    let usage = on_redis.usage(&acme).await.unwrap();
+    let hourly = usage[0].key.clone();
+    let hour_end = usage[0].usage.resets_at;
+
+    // During the window: both counters take the refund.
+    clock.set(t0 + SignedDuration::from_millis(1));
+    assert_eq!(
+        on_redis.refund_at(&acme, t0, 1).await.unwrap(),
+        [Some(1), Some(1)]
+    );
+    assert_eq!(
+        on_memory.refund_at(&acme, t0, 1).await.unwrap(),
+        [Some(1), Some(1)]
+    );
+
+    // Past the hour, while Redis keeps the counter through its grace: the
+    // calendar counter takes nothing, the first-use one still does.
+    clock.set(hour_end + SignedDuration::from_secs(1));
+    let before = snapshot(&mut redis, hourly.as_str()).await;
+    assert_eq!(
+        on_redis.refund_at(&acme, t0, 1).await.unwrap(),
+        [None, Some(0)]
+    );
+    assert_eq!(
+        on_memory.refund_at(&acme, t0, 1).await.unwrap(),
+        [None, Some(0)]
+    );
+    unchanged(
+        &before,
+        &snapshot(&mut redis, hourly.as_str()).await,
+        "the ended window's counter",
+    );
+    let count: i64 = redis.hget(hourly.as_str(), "n").await.unwrap();
+    assert_eq!(count, 1);
+}

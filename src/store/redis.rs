@@ -60,22 +60,39 @@ pub const DEFAULT_CALENDAR_JITTER: Duration = Duration::from_secs(60);
 ///   only in the script that creates it, and every later write is a
 ///   `HINCRBY`, which keeps it: hits never re-date a counter. A counter
 ///   found without a deadline (written by another tool, or restored without
-///   one) is healed by the next charge, to first call + period when the
-///   first call is known, else to one period from now, and the healing is
-///   logged at `warn`. The reset reported to clients is the counter's
-///   remaining life.
+///   one) is healed by the next admitted charge, to first call + period when
+///   the first call is known, else to one period from now, and the healing
+///   is logged at `warn`. A peek or a refused charge writes nothing, so it
+///   heals nothing either (it logs that the counter is undated): an undated
+///   counter without a first call that is at its limit refuses every charge
+///   until it is [reset](Store::reset). The reset reported to clients is the
+///   counter's remaining life.
 /// - **Calendar counters** carry the window's stamp in their key. Their
 ///   deadline is housekeeping only: the window's end plus
 ///   [a grace](RedisStoreBuilder::calendar_grace) plus [a
 ///   jitter](RedisStoreBuilder::calendar_jitter) drawn from the key, so that
 ///   the counters of all subjects are not reclaimed in one instant. It is set
-///   only when missing. The reset reported is the window's end.
+///   only when missing. The reset reported is the window's end. The counter
+///   also records that end, once, when it is created: from then on, through
+///   the grace, it is over, so a charge, peek, refund or add at an instant
+///   past the end finds no live counter (as [`MemoryStore`](super::MemoryStore) does). Counters
+///   created by earlier versions, without that record, stay live until
+///   their deadline.
 /// - **Refunds** (`HINCRBY` by a negative amount, in a script that checks the
-///   counter exists) never create a counter and never touch a deadline.
+///   counter is live at the refund's instant) never create a counter and
+///   never touch a deadline.
 /// - **Adds** after the fact ([`Store::add`]) are the same `HINCRBY` the
 ///   other way: a missing counter stays missing, the deadline stays as it
 ///   was, and a count that would go beyond 2^53 (what the script counts
 ///   exactly) is refused with a [`StoreError`] before anything is written.
+///
+/// - **Strict values.** A counter is a whole number from 0 to 2^53 (what the
+///   script counts exactly), written as Redis writes integers. A key of
+///   another type, a hash with other fields, or a count such as `1.0`,
+///   `1e0`, `-1` or `9223372036854775807` is no counter: the charge, peek,
+///   refund or add is a [`StoreError`] naming the key (for logs), checked
+///   before anything is written on any key of the request, never an
+///   admission or a refusal.
 ///
 /// # Faults
 ///
@@ -397,13 +414,15 @@ impl RedisStore {
         let mut invocation = self.inner.script.prepare_invoke();
         invocation.arg(op).arg(now_ms);
         for line in &request.lines {
-            let (anchor, ttl) = match line.lifetime {
-                Lifetime::FirstUse { deadline } => ("f", millis_until(now, deadline)),
+            let (anchor, ttl, window_end) = match line.lifetime {
+                Lifetime::FirstUse { deadline } => ("f", millis_until(now, deadline), 0),
                 Lifetime::Calendar { end, .. } => {
                     let housekeeping = millis_until(now, end)
                         .saturating_add(as_millis(self.inner.calendar_grace))
                         .saturating_add(jitter(&line.key, self.inner.calendar_jitter));
-                    ("c", housekeeping)
+                    // Stored in a new counter (`e`), so that refunds and adds,
+                    // which know only the key, can tell when its window ends.
+                    ("c", housekeeping, end.as_millisecond())
                 }
             };
             invocation
@@ -411,7 +430,8 @@ impl RedisStore {
                 .arg(clamp(line.limit))
                 .arg(clamp(line.cost))
                 .arg(anchor)
-                .arg(ttl);
+                .arg(ttl)
+                .arg(window_end);
         }
         let reply: Vec<i64> = self
             .exchange(|mut conn| async move {
@@ -420,12 +440,17 @@ impl RedisStore {
             })
             .await?;
         if reply.len() != 1 + FIELDS * request.lines.len() {
-            return Err(StoreError::new(
-                StoreErrorKind::Other,
-                format!("unexpected reply from the counters script: {reply:?}"),
-            ));
+            return Err(unexpected(format!(
+                "{} values for {} lines",
+                reply.len(),
+                request.lines.len()
+            )));
         }
-        let admitted = reply[0] == 1;
+        let admitted = match reply[0] {
+            1 => true,
+            0 => false,
+            other => return Err(unexpected(format!("{other} as the admission"))),
+        };
         let usage = request
             .lines
             .iter()
@@ -436,11 +461,26 @@ impl RedisStore {
                 let &[used, _remaining, pttl, first_call, heal] = fields else {
                     unreachable!("chunks of {FIELDS}")
                 };
-                if heal != 0 {
-                    log_heal(&line.key, heal, op == "c");
+                let key = &line.key;
+                let used = u64::try_from(used)
+                    .map_err(|_| unexpected(format!("{used} as the count of {key}")))?;
+                if !(0..=4).contains(&heal) {
+                    return Err(unexpected(format!("{heal} as the heal of {key}")));
                 }
-                let used = u64::try_from(used).unwrap_or(0);
-                match line.lifetime {
+                if heal != 0 {
+                    log_heal(key, heal, op == "c" && admitted);
+                }
+                if pttl < 0 && pttl != -2 {
+                    return Err(unexpected(format!("{pttl} as the life of {key}")));
+                }
+                let first_call = match first_call {
+                    -1 => None,
+                    ms => Some(
+                        Timestamp::from_millisecond(ms)
+                            .map_err(|_| unexpected(format!("{ms} as the first call of {key}")))?,
+                    ),
+                };
+                Ok(match line.lifetime {
                     Lifetime::Calendar { end, .. } => Usage {
                         limit: line.limit,
                         used,
@@ -456,13 +496,11 @@ impl RedisStore {
                         } else {
                             deadline
                         },
-                        first_call: (first_call >= 0)
-                            .then(|| Timestamp::from_millisecond(first_call).ok())
-                            .flatten(),
+                        first_call,
                     },
-                }
+                })
             })
-            .collect();
+            .collect::<Result<_, StoreError>>()?;
         Ok(ChargeOutcome { admitted, usage })
     }
 }
@@ -664,27 +702,32 @@ impl Store for RedisStore {
 
     fn refund(
         &self,
-        _now: Timestamp,
+        now: Timestamp,
         key: PeriodKey,
         amount: u64,
     ) -> impl Future<Output = Result<Option<u64>, StoreError>> + Send {
         let store = self.clone();
         async move {
             let mut invocation = store.inner.script.key(key.as_str());
-            invocation.arg("r").arg(clamp(amount));
+            // `now` decides whether a calendar counter kept through its
+            // grace is still live: past its window's end it is not.
+            invocation
+                .arg("r")
+                .arg(clamp(amount))
+                .arg(now.as_millisecond());
             let left: i64 = store
                 .exchange(|mut conn| async move {
                     let result = invocation.invoke_async(&mut conn).await;
                     (conn, result)
                 })
                 .await?;
-            Ok(u64::try_from(left).ok())
+            live_count(&key, "a refund", left)
         }
     }
 
     fn add(
         &self,
-        _now: Timestamp,
+        now: Timestamp,
         key: PeriodKey,
         amount: u64,
     ) -> impl Future<Output = Result<Option<u64>, StoreError>> + Send {
@@ -693,14 +736,14 @@ impl Store for RedisStore {
             let mut invocation = store.inner.script.key(key.as_str());
             // The exact amount, not clamped: the script refuses a count
             // beyond 2^53 instead of storing one that says less.
-            invocation.arg("a").arg(amount);
+            invocation.arg("a").arg(amount).arg(now.as_millisecond());
             let total: i64 = store
                 .exchange(|mut conn| async move {
                     let result = invocation.invoke_async(&mut conn).await;
                     (conn, result)
                 })
                 .await?;
-            Ok(u64::try_from(total).ok())
+            live_count(&key, "an add", total)
         }
     }
 
@@ -779,7 +822,27 @@ fn log_heal(key: &PeriodKey, heal: i64, charging: bool) {
     if charging {
         tracing::warn!(key = %key, "quota counter had no deadline; {what}");
     } else {
-        tracing::warn!(key = %key, "quota counter has no deadline; the next charge heals it");
+        tracing::warn!(key = %key, "quota counter has no deadline; the next admitted charge heals it");
+    }
+}
+
+/// A reply of the counters script that makes no sense: a store error, never
+/// a guess.
+fn unexpected(what: String) -> StoreError {
+    StoreError::new(
+        StoreErrorKind::Other,
+        format!("unexpected reply from the counters script: {what}"),
+    )
+}
+
+/// The script's answer to a refund or an add: the count afterwards, or -1
+/// when there is no live counter.
+fn live_count(key: &PeriodKey, op: &str, reply: i64) -> Result<Option<u64>, StoreError> {
+    match reply {
+        -1 => Ok(None),
+        n => u64::try_from(n)
+            .map(Some)
+            .map_err(|_| unexpected(format!("{n} as the count of {key} after {op}"))),
     }
 }
 
@@ -946,18 +1009,41 @@ mod tests {
         // The read both start with writes nothing.
         assert_eq!(
             commands(block(&code, "local function read(key)")),
-            ["TYPE", "HMGET", "GET"]
+            ["TYPE", "HMGET", "HLEN", "GET"]
         );
         // No PEXPIRE, HSET, SET or DEL: neither creates a counter nor sets,
         // moves or drops a deadline.
-        assert_eq!(
-            commands(block(&code, "if op == 'r' then")),
-            ["HINCRBY", "DECRBY"]
-        );
-        let add = block(&code, "if op == 'a' then");
-        assert_eq!(commands(add), ["HINCRBY", "INCRBY"]);
-        // An add checks the bound before it writes.
+        let both = block(&code, "if op == 'r' or op == 'a' then");
+        assert_eq!(commands(both), ["HINCRBY", "DECRBY", "HINCRBY", "INCRBY"]);
+        // Both check the counter's liveness at `now`, and an add the bound,
+        // before they write.
+        let add = &both[both.find("'^%d+$'").expect("the add's amount check")..];
+        assert!(add.find("over(c, now)").unwrap() < add.find("'HINCRBY'").unwrap());
         assert!(add.find("EXACT").unwrap() < add.find("'HINCRBY'").unwrap());
+        assert!(both.find("over(c, now)").unwrap() < both.find("'HINCRBY'").unwrap());
+    }
+
+    #[test]
+    fn a_charge_writes_only_once_admitted() {
+        let code = script_code();
+        let charge = &code[code.find("local charging = op == 'c'").unwrap()..];
+        let commit = charge
+            .find("if charging and admitted then")
+            .expect("a commit phase");
+        let writes = ["HINCRBY", "INCRBY", "DECRBY", "HSET", "PEXPIRE", "DEL"];
+        // Every key is read and every line decided before the first write,
+        // so a refused or failed charge writes nothing on any key, heals
+        // included.
+        assert!(
+            commands(&charge[..commit])
+                .iter()
+                .all(|c| !writes.contains(c)),
+            "{:?}",
+            commands(&charge[..commit])
+        );
+        assert!(commands(&charge[commit..])
+            .iter()
+            .any(|c| writes.contains(c)));
     }
 
     #[test]
