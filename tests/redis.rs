@@ -1412,7 +1412,7 @@ async fn a_calendar_counter_in_its_grace_takes_no_refund_nor_add() {
 /// Two calls of `acme` through `layer`, then the handle on it.
 async fn charged_twice<St: Store>(
     layer: QuotaLayer<FromHeader, St>,
-) -> tower_quota::QuotaHandle<FromHeader, St> {
+) -> tower_quota::QuotaHandle<St> {
     let handle = layer.handle();
     let app = Router::new()
         .route("/", get(|| async { "ok" }))
