@@ -1,6 +1,8 @@
 //! What a subject may spend: an allowance, a limit, a period and an anchor.
 
+use std::cell::RefCell;
 use std::fmt;
+use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, RwLock};
 use std::time::Duration;
 
@@ -64,7 +66,24 @@ struct Inner {
     // The calendar window of the last request, shared by clones: computing a
     // window formats a stamp, and consecutive requests nearly always fall in
     // the same one.
-    current: Arc<RwLock<Option<Window>>>,
+    current: Arc<WindowCache>,
+}
+
+/// The calendar window a quota's last request fell in, shared by its clones.
+struct WindowCache {
+    /// Unique in the process: names this cache in per-thread ones.
+    id: u64,
+    window: RwLock<Option<Window>>,
+}
+
+impl Default for WindowCache {
+    fn default() -> Self {
+        static NEXT: AtomicU64 = AtomicU64::new(1);
+        Self {
+            id: NEXT.fetch_add(1, Ordering::Relaxed),
+            window: RwLock::default(),
+        }
+    }
 }
 
 impl Quota {
@@ -418,15 +437,63 @@ impl Quota {
     }
 
     fn with_window<R>(&self, at: Timestamp, f: impl FnOnce(&Window) -> R) -> R {
+        thread_local! {
+            // The windows this thread used last, by the identity of the
+            // quota's shared cache: no lock, no shared cache line, for the
+            // request after request that falls in the same window.
+            static RECENT: RefCell<Vec<(u64, Window)>> = const { RefCell::new(Vec::new()) };
+        }
+        let id = self.0.current.id;
+        let mut f = Some(f);
+        let hit = RECENT.with(|recent| {
+            let recent = recent.borrow();
+            let window = recent
+                .iter()
+                .find(|(i, w)| *i == id && w.contains(at))
+                .map(|(_, w)| w)?;
+            f.take().map(|f| f(window))
+        });
+        let f = f.take();
+        match (hit, f) {
+            (Some(result), _) => result,
+            (None, None) => unreachable!("the window function runs at most once"),
+            (None, Some(f)) => self.shared_window(at, |window| {
+                RECENT.with(|recent| {
+                    // Busy only if `f` itself looks up a window: then this
+                    // one is simply not kept.
+                    if let Ok(mut recent) = recent.try_borrow_mut() {
+                        recent.retain(|(i, _)| *i != id);
+                        if recent.len() >= 8 {
+                            recent.remove(0);
+                        }
+                        recent.push((id, window.clone()));
+                    }
+                });
+                f(window)
+            }),
+        }
+    }
+
+    fn shared_window<R>(&self, at: Timestamp, f: impl FnOnce(&Window) -> R) -> R {
         {
-            let current = self.0.current.read().unwrap_or_else(|e| e.into_inner());
+            let current = self
+                .0
+                .current
+                .window
+                .read()
+                .unwrap_or_else(|e| e.into_inner());
             if let Some(window) = current.as_ref().filter(|w| w.contains(at)) {
                 return f(window);
             }
         }
         let window = self.0.period.window(at);
         let result = f(&window);
-        let mut current = self.0.current.write().unwrap_or_else(|e| e.into_inner());
+        let mut current = self
+            .0
+            .current
+            .window
+            .write()
+            .unwrap_or_else(|e| e.into_inner());
         // Keep the later window when requests race across a boundary.
         if current.as_ref().is_none_or(|w| w.start() < window.start()) {
             *current = Some(window);
