@@ -4,21 +4,21 @@ use std::fmt;
 use std::future::Future;
 use std::hash::{DefaultHasher, Hash, Hasher};
 use std::pin::Pin;
-use std::sync::atomic::{AtomicI64, Ordering};
-use std::sync::{Arc, Weak};
+use std::sync::atomic::{AtomicI64, AtomicU64, Ordering};
+use std::sync::{Arc, LazyLock, Weak};
 use std::time::Duration;
 
-use deadpool::managed::{PoolConfig, PoolError, Timeouts};
-use deadpool::Runtime;
+use deadpool::managed::{PoolError, Timeouts};
 use deadpool_redis::redis::{self, ErrorKind, RedisError, Script};
 use deadpool_redis::Pool;
 use jiff::{SignedDuration, Timestamp};
+use tokio::sync::{oneshot, OwnedSemaphorePermit, Semaphore};
 
 use super::{ChargeOutcome, ChargeRequest, Lifetime, Store, StoreError, StoreErrorKind, Usage};
 use crate::key::PeriodKey;
 use crate::period::Clock;
 
-use self::connection::{Connection, Connections, ServerManager};
+use self::connection::{Connection, Connections, Fault, ServerConnector, Shared};
 
 mod connection;
 
@@ -26,24 +26,43 @@ mod connection;
 /// add and the server's time, so that one SHA serves every call.
 const COUNTERS_LUA: &str = include_str!("redis/counters.lua");
 
+/// The script, for every store: calls hold it in tasks of their own.
+static SCRIPT: LazyLock<Script> = LazyLock::new(|| Script::new(COUNTERS_LUA));
+
 /// Fields per line in the script's reply.
 const FIELDS: usize = 5;
 
 /// The key that routes the server-time call on a cluster; never written.
 const CLOCK_KEY: &str = "tower-quota:{clock}";
 
-/// Default wait for a free pooled connection.
-pub const DEFAULT_WAIT_TIMEOUT: Duration = Duration::from_millis(50);
-/// Default number of connections a store built from a URL may open.
-pub const DEFAULT_POOL_SIZE: usize = 32;
-/// Default time to open a connection.
-pub const DEFAULT_CONNECT_TIMEOUT: Duration = Duration::from_millis(50);
-/// Default time to wait for Redis to answer a command.
-pub const DEFAULT_RESPONSE_TIMEOUT: Duration = Duration::from_millis(50);
+/// Default time within which a call must be answered, all included (room
+/// among the calls in flight, a connection, the round trip): 80 ms, below
+/// the layer's default [store
+/// timeout](crate::QuotaPolicyBuilder::store_timeout) of 100 ms, so that the
+/// store's own error reaches the layer.
+pub const DEFAULT_TIMEOUT: Duration = Duration::from_millis(80);
+/// Default most calls one store has in flight at once.
+pub const DEFAULT_MAX_IN_FLIGHT: usize = 4096;
+/// Default number of connections a store built from URLs keeps; each carries
+/// any number of concurrent calls.
+pub const DEFAULT_POOL_SIZE: usize = 2;
+/// Default wait for room among the calls in flight: the whole
+/// [budget](DEFAULT_TIMEOUT).
+pub const DEFAULT_WAIT_TIMEOUT: Duration = DEFAULT_TIMEOUT;
+/// Default time to open a connection. A connection still opening when its
+/// caller's budget runs out is opened for the next callers.
+pub const DEFAULT_CONNECT_TIMEOUT: Duration = Duration::from_secs(1);
+/// Default time Redis has to answer: the whole [budget](DEFAULT_TIMEOUT).
+pub const DEFAULT_RESPONSE_TIMEOUT: Duration = DEFAULT_TIMEOUT;
 /// Default time a calendar counter outlives its window.
 pub const DEFAULT_CALENDAR_GRACE: Duration = Duration::from_secs(60);
 /// Default spread of calendar counters' deadlines past the grace.
 pub const DEFAULT_CALENDAR_JITTER: Duration = Duration::from_secs(60);
+
+/// How long a call is followed after its caller stopped waiting, for its
+/// answer (and, for a charge Redis applied, its refund). A connection that
+/// stays silent this long is dropped.
+const FOLLOW_THROUGH: Duration = Duration::from_secs(30);
 
 /// Counters in Redis (or Valkey, 6.2 and later), so that any number of app
 /// instances enforce one quota exactly.
@@ -77,30 +96,49 @@ pub const DEFAULT_CALENDAR_JITTER: Duration = Duration::from_secs(60);
 ///   was, and a count that would go beyond 2^53 (what the script counts
 ///   exactly) is refused with a [`StoreError`] before anything is written.
 ///
-/// # Faults
-///
-/// Waiting for a pooled connection, opening one and waiting for an answer
-/// are each bounded ([defaults](RedisStoreBuilder) in tens of milliseconds).
-/// A lost connection, a restarting server, `OOM` under `noeviction` and a
-/// timeout all become a [`StoreError`], which the layer's
-/// [`OnStoreError`](crate::OnStoreError) policy answers. Nothing is queued
-/// beyond the pool's size plus the callers waiting for it, and a charge that
-/// failed or timed out is never sent again (it may have been applied).
-/// A connection whose command failed on the wire is closed instead of going
-/// back to the pool, and so are the idle ones, which most likely broke with
-/// it; one that sat idle for a second is pinged before it is used again. So
-/// requests succeed again as soon as Redis is back.
-///
 /// # Connections
 ///
-/// A store built from a URL keeps a deadpool pool of its own: a connection
-/// used within the last second is handed out without the `PING` that
-/// deadpool-redis's stock pool sends on every checkout (a second round trip
-/// per charge, which halves the store's throughput). On a cluster, the
-/// client never retries a request by itself, so a charge is never applied
-/// twice; a request caught by a slot migration fails, and the next one goes
-/// to the slot's new node. A store built from an existing
-/// `deadpool_redis::Pool` keeps that pool's behaviour.
+/// A store built from URLs keeps a few multiplexed connections ([two by
+/// default](RedisStoreBuilder::pool_size)) that every call uses at once:
+/// concurrent charges are pipelined on the same sockets, so no call waits
+/// for a connection to be free, and load alone is never an error. On a
+/// cluster, the cluster connection multiplexes per node; its client never
+/// retries a request by itself, so a charge is never applied twice, and a
+/// request caught by a slot migration fails while the next one goes to the
+/// slot's new node. A store built from an existing `deadpool_redis::Pool`
+/// works as before: one pooled connection per call, held for its round
+/// trip.
+///
+/// # Faults
+///
+/// - **One budget.** Every call is answered within the store's
+///   [`timeout`](RedisStoreBuilder::timeout) (80 ms by default, below the
+///   layer's 100 ms [store
+///   timeout](crate::QuotaPolicyBuilder::store_timeout), so the layer sees
+///   the store's own error): room among the calls in flight, a connection
+///   and the round trip all fit in it.
+/// - **A bound on load.** At most
+///   [`max_in_flight`](RedisStoreBuilder::max_in_flight) calls (4096 by
+///   default) are in flight at once; a call that finds no room within the
+///   budget fails with [`StoreErrorKind::Timeout`] and sends nothing. That
+///   sheds only load Redis cannot answer.
+/// - **No charge without an admission.** Each call runs in a task of its
+///   own, which follows it to its end even after its caller stopped waiting
+///   (the store's timeout, the layer's, a dropped future). A charge Redis
+///   applied after its caller was told it failed is given back, line by
+///   line, with the same refund as [`Store::refund`] (which never creates a
+///   counter nor moves a deadline), and logged at `debug`. So a charge that
+///   timed out is a [`StoreErrorKind::Timeout`] that charges nothing, and a
+///   stall of Redis leaves no charge behind once the queued scripts ran. A
+///   call is followed for 30 s at most; a connection silent that long is
+///   dropped.
+/// - A lost connection, a restarting server and `OOM` under `noeviction`
+///   become a [`StoreError`] too, which the layer's
+///   [`OnStoreError`](crate::OnStoreError) policy answers. A charge is never
+///   sent twice: one that failed on the wire may have been applied. After a
+///   command failed on the wire, every connection opened before it is
+///   dropped and the next calls open fresh ones, so requests succeed again
+///   as soon as Redis is back.
 ///
 /// # What the quota depends on
 ///
@@ -142,10 +180,14 @@ pub struct RedisStore {
 
 struct Inner {
     connections: Connections,
-    script: Script,
+    script: &'static Script,
+    timeout: Duration,
     wait_timeout: Duration,
     connect_timeout: Duration,
-    response_timeout: Duration,
+    max_in_flight: usize,
+    in_flight: Arc<Semaphore>,
+    /// Charges given back after their callers stopped waiting.
+    given_back: AtomicU64,
     calendar_grace: Duration,
     calendar_jitter: Duration,
 }
@@ -163,19 +205,21 @@ enum Source {
 ///
 /// | setting | default |
 /// |---|---|
-/// | [`pool_size`](Self::pool_size) | 32 |
-/// | [`wait_timeout`](Self::wait_timeout) | 50 ms |
-/// | [`connect_timeout`](Self::connect_timeout) | 50 ms |
-/// | [`response_timeout`](Self::response_timeout) | 50 ms |
+/// | [`timeout`](Self::timeout) (also [`response_timeout`](Self::response_timeout)) | 80 ms |
+/// | [`max_in_flight`](Self::max_in_flight) | 4096 |
+/// | [`pool_size`](Self::pool_size) | 2 multiplexed connections |
+/// | [`wait_timeout`](Self::wait_timeout) | the whole timeout |
+/// | [`connect_timeout`](Self::connect_timeout) | 1 s |
 /// | [`calendar_grace`](Self::calendar_grace) | 60 s |
 /// | [`calendar_jitter`](Self::calendar_jitter) | 60 s |
 #[must_use]
 pub struct RedisStoreBuilder {
     source: Source,
     pool_size: Option<usize>,
-    wait_timeout: Duration,
+    timeout: Duration,
+    wait_timeout: Option<Duration>,
     connect_timeout: Duration,
-    response_timeout: Duration,
+    max_in_flight: usize,
     calendar_grace: Duration,
     calendar_jitter: Duration,
 }
@@ -196,9 +240,13 @@ impl RedisStore {
         RedisStoreBuilder::new(Source::Url(url.into()))
     }
 
-    /// A store on an existing pool, with default settings. The pool's own
-    /// size and timeouts apply, bounded by the store's timeouts. Note that
-    /// deadpool-redis's pools ping every connection they hand out.
+    /// A store on an existing pool, with default settings: one pooled
+    /// connection per call, held for its round trip, as before the store
+    /// multiplexed its own connections (so it is slower than a store built
+    /// from a URL). The pool's own size and timeouts apply, within the
+    /// store's timeout. Note that deadpool-redis's pools ping every
+    /// connection they hand out, and time out answers after 500 ms by
+    /// default: a charge cut off that way may have been applied.
     pub fn from_pool(pool: Pool) -> Self {
         Self::builder_from_pool(pool)
             .build()
@@ -242,9 +290,9 @@ impl RedisStore {
     ///
     /// When Redis cannot be reached or refuses the script.
     pub async fn preload(&self) -> Result<(), StoreError> {
-        let script = &self.inner.script;
+        let script: &'static Script = self.inner.script;
         let sha: String = self
-            .exchange(|mut conn| async move {
+            .exchange(move |mut conn| async move {
                 let result = script.load_async(&mut conn).await;
                 (conn, result)
             })
@@ -315,62 +363,91 @@ impl RedisStore {
         Ok(secs * 1_000_000 + micros - local)
     }
 
-    /// Takes a connection and runs `f` on it, each step within its timeout.
-    /// A connection whose command failed on the wire is closed rather than
-    /// returned to the pool; nothing is sent again.
+    /// How many calls of this store are in flight: sent or about to be, and
+    /// not yet answered (or, for a charge whose caller stopped waiting, not
+    /// yet given back). At most [`max_in_flight`](RedisStoreBuilder::max_in_flight).
+    pub fn in_flight(&self) -> usize {
+        self.inner.max_in_flight - self.inner.in_flight.available_permits()
+    }
+
+    /// Runs `f` on a connection, answered within the store's timeout. Nothing
+    /// is sent again.
     async fn exchange<T, F, Fut>(&self, f: F) -> Result<T, StoreError>
     where
-        F: FnOnce(Connection) -> Fut,
-        Fut: Future<Output = (Connection, Result<T, RedisError>)>,
+        T: Send + 'static,
+        F: FnOnce(Connection) -> Fut + Send + 'static,
+        Fut: Future<Output = (Connection, Result<T, RedisError>)> + Send + 'static,
+    {
+        self.follow(None, f).await
+    }
+
+    /// Runs `f` on a connection in a task of its own and waits for its
+    /// answer within the store's timeout. The task follows the call to its
+    /// end even after the caller stopped waiting: then a charge that Redis
+    /// applied is given back (`give_back`).
+    async fn follow<T, F, Fut>(&self, give_back: Option<GiveBack<T>>, f: F) -> Result<T, StoreError>
+    where
+        T: Send + 'static,
+        F: FnOnce(Connection) -> Fut + Send + 'static,
+        Fut: Future<Output = (Connection, Result<T, RedisError>)> + Send + 'static,
     {
         let inner = &self.inner;
-        let timeouts = Timeouts {
-            wait: Some(inner.wait_timeout),
-            create: Some(inner.connect_timeout),
-            recycle: Some(inner.response_timeout),
-        };
-        let get = inner.wait_timeout + inner.connect_timeout + inner.response_timeout;
-        let conn = match tokio::time::timeout(get, inner.connections.get(&timeouts)).await {
-            Ok(conn) => conn.map_err(pool_error)?,
-            Err(_) => {
-                return Err(StoreError::new(
-                    StoreErrorKind::Timeout,
-                    "no Redis connection could be had in time",
-                ))
-            }
-        };
-        // The store's own pools give each connection the response timeout;
-        // others are bounded here.
-        let answer = if inner.connections.time_their_answers() {
-            f(conn).await
-        } else {
-            match tokio::time::timeout(inner.response_timeout, f(conn)).await {
-                Ok(answer) => answer,
+        let started = tokio::time::Instant::now();
+        let deadline = started + inner.timeout;
+        let room = deadline.min(started + inner.wait_timeout);
+        let permit =
+            match tokio::time::timeout_at(room, Arc::clone(&inner.in_flight).acquire_owned()).await
+            {
+                Ok(Ok(permit)) => permit,
+                Ok(Err(_)) => {
+                    return Err(StoreError::new(
+                        StoreErrorKind::Unavailable,
+                        "the Redis store is closed",
+                    ))
+                }
                 Err(_) => {
                     return Err(StoreError::new(
                         StoreErrorKind::Timeout,
-                        "Redis did not answer in time",
+                        format!(
+                            "the Redis store has {} calls in flight, its max_in_flight, and none \
+                         finished in time; nothing was sent",
+                            inner.max_in_flight
+                        ),
                     ))
                 }
-            }
-        };
-        match answer {
-            (_, Ok(value)) => Ok(value),
-            (conn, Err(error)) => {
-                // A late answer does not spoil a multiplexed connection; a
-                // broken one is closed so the pool opens a fresh one.
-                if !error.is_timeout() && (error.is_unrecoverable_error() || error.is_io_error()) {
-                    conn.discard();
-                    inner.connections.close_idle();
+            };
+        let charge = give_back.is_some();
+        let (tx, mut rx) = oneshot::channel();
+        tokio::spawn(follow_through(Arc::clone(inner), permit, give_back, f, tx));
+        match tokio::time::timeout_at(deadline, &mut rx).await {
+            Ok(Ok(answer)) => answer,
+            Ok(Err(_)) => Err(StoreError::new(
+                StoreErrorKind::Other,
+                "the Redis call ended without an answer",
+            )),
+            Err(_) => {
+                // From here on the task owns the answer, unless it came just
+                // now: a charge applied later is given back.
+                rx.close();
+                match rx.try_recv() {
+                    Ok(answer) => answer,
+                    Err(_) => Err(StoreError::new(
+                        StoreErrorKind::Timeout,
+                        if charge {
+                            "Redis did not answer within the store's timeout; nothing is \
+                             charged (a charge Redis applies later is given back)"
+                        } else {
+                            "Redis did not answer within the store's timeout"
+                        },
+                    )),
                 }
-                Err(redis_error(error))
             }
         }
     }
 
     /// Runs `command` on the counters' connection; for tests and tools.
     #[cfg(feature = "testing")]
-    pub(crate) async fn command<T: redis::FromRedisValue>(
+    pub(crate) async fn command<T: redis::FromRedisValue + Send + 'static>(
         &self,
         command: redis::Cmd,
     ) -> Result<T, StoreError> {
@@ -414,7 +491,7 @@ impl RedisStore {
                 .arg(ttl);
         }
         let reply: Vec<i64> = self
-            .exchange(|mut conn| async move {
+            .follow(give_back(op, &request), |mut conn| async move {
                 let result = invocation.invoke_async(&mut conn).await;
                 (conn, result)
             })
@@ -472,18 +549,58 @@ impl RedisStoreBuilder {
         Self {
             source,
             pool_size: None,
-            wait_timeout: DEFAULT_WAIT_TIMEOUT,
+            timeout: DEFAULT_TIMEOUT,
+            wait_timeout: None,
             connect_timeout: DEFAULT_CONNECT_TIMEOUT,
-            response_timeout: DEFAULT_RESPONSE_TIMEOUT,
+            max_in_flight: DEFAULT_MAX_IN_FLIGHT,
             calendar_grace: DEFAULT_CALENDAR_GRACE,
             calendar_jitter: DEFAULT_CALENDAR_JITTER,
         }
     }
 
-    /// The most connections the store opens (default 32; ignored for an
-    /// existing pool). Each call holds one for its round trip, so this is how
-    /// many calls can be in flight; the others wait up to the
-    /// [wait timeout](Self::wait_timeout).
+    /// The store's budget: the time within which every call is answered, all
+    /// included (room among the calls in flight, a connection, the round
+    /// trip). Default 80 ms. A call not answered in time fails with
+    /// [`StoreErrorKind::Timeout`]; a charge that did is given back if Redis
+    /// applies it later, so it charges nothing.
+    ///
+    /// Keep it below the layer's [store
+    /// timeout](crate::QuotaPolicyBuilder::store_timeout) (100 ms by
+    /// default), which stays an outer bound: past it the layer answers
+    /// without the store's own error.
+    pub fn timeout(mut self, timeout: Duration) -> Self {
+        self.timeout = timeout;
+        self
+    }
+
+    /// The same budget as [`timeout`](Self::timeout), under its former name:
+    /// how long Redis may take to answer, now all of a call.
+    pub fn response_timeout(self, timeout: Duration) -> Self {
+        self.timeout(timeout)
+    }
+
+    /// The most calls the store has in flight at once (default 4096): sent
+    /// to Redis or about to be, and not yet answered, including charges
+    /// followed after their callers stopped waiting. A call that finds no
+    /// room within its [wait](Self::wait_timeout) fails with
+    /// [`StoreErrorKind::Timeout`] and sends nothing: this sheds only load
+    /// that Redis does not answer, such as during a stall.
+    ///
+    /// # Panics
+    ///
+    /// When `max` is zero.
+    pub fn max_in_flight(mut self, max: usize) -> Self {
+        assert!(max > 0, "a Redis store needs room for one call");
+        self.max_in_flight = max.min(Semaphore::MAX_PERMITS);
+        self
+    }
+
+    /// How many multiplexed connections the store keeps (default 2; for a
+    /// cluster, cluster connections, each multiplexing per node; ignored for
+    /// an existing pool). Every call uses one of them, round robin, at the
+    /// same time as any others: this is not a bound on concurrent calls
+    /// ([`max_in_flight`](Self::max_in_flight) is). More than a few rarely
+    /// helps.
     ///
     /// # Panics
     ///
@@ -494,25 +611,19 @@ impl RedisStoreBuilder {
         self
     }
 
-    /// How long a call waits for a free pooled connection before it fails
-    /// with [`StoreErrorKind::Timeout`] (default 50 ms). This bounds the queue
-    /// in front of the pool.
+    /// Part of the [budget](Self::timeout): the longest a call waits for
+    /// room among the calls in flight, or, on an existing pool, for a pooled
+    /// connection (default: the whole budget).
     pub fn wait_timeout(mut self, timeout: Duration) -> Self {
-        self.wait_timeout = timeout;
+        self.wait_timeout = Some(timeout);
         self
     }
 
-    /// How long opening a connection may take (default 50 ms).
+    /// How long opening a connection may take (default 1 s). A caller waits
+    /// for a connection within its [budget](Self::timeout) only; one still
+    /// opening when the budget runs out is opened for the next calls.
     pub fn connect_timeout(mut self, timeout: Duration) -> Self {
         self.connect_timeout = timeout;
-        self
-    }
-
-    /// How long Redis may take to answer a command (default 50 ms). A charge
-    /// that times out fails with [`StoreErrorKind::Timeout`] and is not sent
-    /// again.
-    pub fn response_timeout(mut self, timeout: Duration) -> Self {
-        self.response_timeout = timeout;
         self
     }
 
@@ -536,38 +647,23 @@ impl RedisStoreBuilder {
     ///
     /// # Errors
     ///
-    /// When the URL is not a Redis URL, or the pool cannot be built.
+    /// When the URL is not a Redis URL.
     pub fn build(self) -> Result<RedisStore, StoreError> {
-        let timeouts = Timeouts {
-            wait: Some(self.wait_timeout),
-            create: Some(self.connect_timeout),
-            recycle: Some(self.response_timeout),
-        };
-        let pool_config = |size: Option<usize>| {
-            let mut config = PoolConfig::new(size.unwrap_or(DEFAULT_POOL_SIZE));
-            config.timeouts = timeouts;
-            config
-        };
         let invalid = |what: &str, e: RedisError| {
             StoreError::new(StoreErrorKind::Other, format!("invalid Redis {what}")).with_source(e)
         };
-        let unbuilt = |e: deadpool::managed::BuildError| {
-            StoreError::new(StoreErrorKind::Other, "cannot build the Redis pool").with_source(e)
-        };
+        let size = self.pool_size.unwrap_or(DEFAULT_POOL_SIZE);
         let connections = match self.source {
             Source::Url(url) => {
-                let manager = ServerManager {
+                let connector = ServerConnector {
                     client: redis::Client::open(url.as_str()).map_err(|e| invalid("URL", e))?,
+                    // No response timeout: each call is followed to its
+                    // answer (see `follow_through`).
                     config: redis::AsyncConnectionConfig::new()
                         .set_connection_timeout(Some(self.connect_timeout))
-                        .set_response_timeout(Some(self.response_timeout)),
+                        .set_response_timeout(None),
                 };
-                let pool = deadpool::managed::Pool::builder(manager)
-                    .config(pool_config(self.pool_size))
-                    .runtime(Runtime::Tokio1)
-                    .build()
-                    .map_err(unbuilt)?;
-                Connections::Server(pool)
+                Connections::Server(Shared::new(connector, size, self.connect_timeout))
             }
             Source::Pool(pool) => Connections::Pool(pool),
             #[cfg(feature = "redis-cluster")]
@@ -576,16 +672,14 @@ impl RedisStoreBuilder {
                     // A charge is never sent twice; see the connection module.
                     .retries(0)
                     .connection_timeout(self.connect_timeout)
-                    .response_timeout(self.response_timeout)
+                    .response_timeout(FOLLOW_THROUGH)
                     .build()
                     .map_err(|e| invalid("cluster URLs", e))?;
-                let pool =
-                    deadpool::managed::Pool::builder(self::connection::ClusterManager { client })
-                        .config(pool_config(self.pool_size))
-                        .runtime(Runtime::Tokio1)
-                        .build()
-                        .map_err(unbuilt)?;
-                Connections::Cluster(pool)
+                Connections::Cluster(Shared::new(
+                    self::connection::ClusterConnector { client },
+                    size,
+                    self.connect_timeout,
+                ))
             }
             #[cfg(feature = "redis-cluster")]
             Source::ClusterPool(pool) => Connections::ClusterPool(pool),
@@ -593,10 +687,13 @@ impl RedisStoreBuilder {
         Ok(RedisStore {
             inner: Arc::new(Inner {
                 connections,
-                script: Script::new(COUNTERS_LUA),
-                wait_timeout: self.wait_timeout,
+                script: &SCRIPT,
+                timeout: self.timeout,
+                wait_timeout: self.wait_timeout.unwrap_or(self.timeout),
                 connect_timeout: self.connect_timeout,
-                response_timeout: self.response_timeout,
+                max_in_flight: self.max_in_flight,
+                in_flight: Arc::new(Semaphore::new(self.max_in_flight)),
+                given_back: AtomicU64::new(0),
                 calendar_grace: self.calendar_grace,
                 calendar_jitter: self.calendar_jitter,
             }),
@@ -617,9 +714,10 @@ impl fmt::Debug for RedisStoreBuilder {
         f.debug_struct("RedisStoreBuilder")
             .field("source", &source)
             .field("pool_size", &self.pool_size)
+            .field("timeout", &self.timeout)
             .field("wait_timeout", &self.wait_timeout)
             .field("connect_timeout", &self.connect_timeout)
-            .field("response_timeout", &self.response_timeout)
+            .field("max_in_flight", &self.max_in_flight)
             .field("calendar_grace", &self.calendar_grace)
             .field("calendar_jitter", &self.calendar_jitter)
             .finish()
@@ -629,14 +727,17 @@ impl fmt::Debug for RedisStoreBuilder {
 impl fmt::Debug for RedisStore {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         let inner = &self.inner;
-        let (cluster, status) = inner.connections.status();
+        let (cluster, size) = inner.connections.status();
         f.debug_struct("RedisStore")
             .field("cluster", &cluster)
-            .field("pool_size", &status.max_size)
+            .field("pool_size", &size)
             .field("script_sha", &inner.script.get_hash())
+            .field("timeout", &inner.timeout)
             .field("wait_timeout", &inner.wait_timeout)
             .field("connect_timeout", &inner.connect_timeout)
-            .field("response_timeout", &inner.response_timeout)
+            .field("max_in_flight", &inner.max_in_flight)
+            .field("in_flight", &self.in_flight())
+            .field("given_back", &inner.given_back.load(Ordering::Relaxed))
             .field("calendar_grace", &inner.calendar_grace)
             .field("calendar_jitter", &inner.calendar_jitter)
             .finish()
@@ -810,6 +911,143 @@ fn jitter(key: &PeriodKey, spread: Duration) -> i64 {
 /// good as unlimited, and is sent as 2^53.
 fn clamp(n: u64) -> i64 {
     i64::try_from(n.min(1 << 53)).expect("2^53 fits in an i64")
+}
+
+/// What a charge gives back when Redis applied it after its caller stopped
+/// waiting: one refund per line, by the line's key and cost.
+struct GiveBack<T> {
+    /// Whether the answer says the charge was applied.
+    applied: fn(&T) -> bool,
+    lines: Vec<(PeriodKey, u64)>,
+}
+
+/// The give-back of a charge (`op` `c`); other calls have none.
+fn give_back(op: &str, request: &ChargeRequest) -> Option<GiveBack<Vec<i64>>> {
+    (op == "c").then(|| GiveBack {
+        // The script's reply opens with 1 when every line was charged.
+        applied: |reply: &Vec<i64>| reply.first() == Some(&1),
+        lines: request
+            .lines
+            .iter()
+            .filter(|line| line.cost > 0)
+            .map(|line| (line.key.clone(), line.cost))
+            .collect(),
+    })
+}
+
+/// One call, in a task of its own: takes a connection, runs `f` on it and
+/// sends the answer to the caller. When the caller is gone by then, a charge
+/// Redis applied is given back. The permit keeps the call counted in flight
+/// until all of that is done.
+async fn follow_through<T, F, Fut>(
+    inner: Arc<Inner>,
+    _permit: OwnedSemaphorePermit,
+    give_back: Option<GiveBack<T>>,
+    f: F,
+    tx: oneshot::Sender<Result<T, StoreError>>,
+) where
+    T: Send + 'static,
+    F: FnOnce(Connection) -> Fut + Send + 'static,
+    Fut: Future<Output = (Connection, Result<T, RedisError>)> + Send + 'static,
+{
+    let timeouts = Timeouts {
+        wait: Some(inner.wait_timeout.min(inner.timeout)),
+        create: Some(inner.connect_timeout),
+        recycle: Some(inner.timeout),
+    };
+    let wanted = || !tx.is_closed();
+    let got = tokio::time::timeout(FOLLOW_THROUGH, inner.connections.get(&timeouts, &wanted)).await;
+    let conn = match got {
+        Ok(Ok(conn)) => conn,
+        Ok(Err(Fault::Unwanted)) => return,
+        Ok(Err(fault)) => {
+            let _ = tx.send(Err(fault_error(fault)));
+            return;
+        }
+        Err(_) => {
+            let _ = tx.send(Err(StoreError::new(
+                StoreErrorKind::Timeout,
+                "no Redis connection could be had in time",
+            )));
+            return;
+        }
+    };
+    if tx.is_closed() {
+        // Nothing was sent: nothing to follow.
+        return;
+    }
+    let lost = conn.lost();
+    let (conn, answer) = match tokio::time::timeout(FOLLOW_THROUGH, f(conn)).await {
+        Ok((conn, Ok(value))) => (Some(conn), Ok(value)),
+        Ok((conn, Err(error))) => {
+            // A broken connection is not used again, nor are the others
+            // opened before it; a refusal by the server spoils nothing.
+            if !error.is_timeout() && (error.is_unrecoverable_error() || error.is_io_error()) {
+                inner.connections.failed(conn.failed());
+                (None, Err(redis_error(error)))
+            } else {
+                (Some(conn), Err(redis_error(error)))
+            }
+        }
+        Err(_) => {
+            if let Some(lost) = lost {
+                inner.connections.failed(lost);
+            }
+            tracing::warn!(
+                "Redis did not answer a call in {FOLLOW_THROUGH:?}; dropping its connection \
+                 (a charge it carried may have been applied)"
+            );
+            (
+                None,
+                Err(StoreError::new(
+                    StoreErrorKind::Timeout,
+                    "Redis did not answer",
+                )),
+            )
+        }
+    };
+    let Err(Ok(value)) = tx.send(answer) else {
+        return;
+    };
+    // The caller stopped waiting, and was told the call failed (or was
+    // dropped): a charge Redis applied is given back.
+    let (Some(give_back), Some(mut conn)) = (give_back, conn) else {
+        return;
+    };
+    if !(give_back.applied)(&value) {
+        return;
+    }
+    let mut refunded = 0;
+    for (key, cost) in give_back.lines {
+        let mut invocation = inner.script.key(key.as_str());
+        invocation.arg("r").arg(clamp(cost));
+        let refund = invocation.invoke_async::<i64>(&mut conn);
+        match tokio::time::timeout(FOLLOW_THROUGH, refund).await {
+            Ok(Ok(_)) => refunded += 1,
+            Ok(Err(error)) => tracing::warn!(
+                key = %key, cost, %error,
+                "could not give back a charge Redis applied after its caller stopped waiting"
+            ),
+            Err(_) => tracing::warn!(
+                key = %key, cost,
+                "could not give back a charge Redis applied after its caller stopped waiting: no answer"
+            ),
+        }
+    }
+    let total = inner.given_back.fetch_add(1, Ordering::Relaxed) + 1;
+    tracing::debug!(
+        lines = refunded,
+        total,
+        "gave back a charge Redis applied after its caller stopped waiting"
+    );
+}
+
+fn fault_error(fault: Fault) -> StoreError {
+    match fault {
+        Fault::Redis(error) => redis_error(error),
+        Fault::Pool(error) => pool_error(error),
+        Fault::Unwanted => StoreError::new(StoreErrorKind::Timeout, "the caller stopped waiting"),
+    }
 }
 
 fn pool_error(error: PoolError<RedisError>) -> StoreError {
