@@ -12,13 +12,13 @@ use deadpool::managed::{PoolError, Timeouts};
 use deadpool_redis::redis::{self, ErrorKind, RedisError, Script};
 use deadpool_redis::Pool;
 use jiff::{SignedDuration, Timestamp};
-use tokio::sync::{oneshot, OwnedSemaphorePermit, Semaphore};
+use tokio::sync::{OwnedSemaphorePermit, Semaphore};
 
 use super::{ChargeOutcome, ChargeRequest, Lifetime, Store, StoreError, StoreErrorKind, Usage};
 use crate::key::PeriodKey;
 use crate::period::Clock;
 
-use self::connection::{Connection, Connections, Fault, ServerConnector, Shared};
+use self::connection::{Connection, Connections, Failed, Fault, ServerConnector, Shared};
 
 mod connection;
 
@@ -282,29 +282,39 @@ impl RedisStore {
         RedisStoreBuilder::new(Source::ClusterPool(pool))
     }
 
-    /// Opens a connection and loads the counters script, so that the first
-    /// requests pay for neither; call it at startup to learn at once whether
-    /// Redis can be reached.
+    /// Opens the store's connections and loads the counters script, so that
+    /// the first requests pay for neither; call it at startup to learn at
+    /// once whether Redis can be reached. (On an existing pool, it opens
+    /// one.)
     ///
     /// # Errors
     ///
     /// When Redis cannot be reached or refuses the script.
     pub async fn preload(&self) -> Result<(), StoreError> {
         let script: &'static Script = self.inner.script;
-        let sha: String = self
-            .exchange(move |mut conn| async move {
-                let result = script.load_async(&mut conn).await;
-                (conn, result)
-            })
-            .await?;
-        if sha != script.get_hash() {
-            return Err(StoreError::new(
-                StoreErrorKind::Other,
-                format!(
-                    "Redis loaded the counters script as {sha}, expected {}",
-                    script.get_hash()
-                ),
-            ));
+        // Calls go to the connections in turn: one call each opens them all.
+        let connections = match &self.inner.connections {
+            Connections::Pool(_) => 1,
+            #[cfg(feature = "redis-cluster")]
+            Connections::ClusterPool(_) => 1,
+            other => other.status().1,
+        };
+        for _ in 0..connections {
+            let sha: String = self
+                .exchange(move |mut conn| async move {
+                    let result = script.load_async(&mut conn).await;
+                    (conn, result)
+                })
+                .await?;
+            if sha != script.get_hash() {
+                return Err(StoreError::new(
+                    StoreErrorKind::Other,
+                    format!(
+                        "Redis loaded the counters script as {sha}, expected {}",
+                        script.get_hash()
+                    ),
+                ));
+            }
         }
         Ok(())
     }
@@ -381,10 +391,11 @@ impl RedisStore {
         self.follow(None, f).await
     }
 
-    /// Runs `f` on a connection in a task of its own and waits for its
-    /// answer within the store's timeout. The task follows the call to its
-    /// end even after the caller stopped waiting: then a charge that Redis
-    /// applied is given back (`give_back`).
+    /// Runs `f` on a connection and waits for its answer within the store's
+    /// timeout. A call whose caller stops waiting once it was sent (the
+    /// store's timeout, a dropped future) is followed to its end in a task of
+    /// its own: then a charge that Redis applied is given back
+    /// (`give_back`).
     async fn follow<T, F, Fut>(&self, give_back: Option<GiveBack<T>>, f: F) -> Result<T, StoreError>
     where
         T: Send + 'static,
@@ -416,32 +427,53 @@ impl RedisStore {
                     ))
                 }
             };
+        let timeouts = Timeouts {
+            wait: Some(room.saturating_duration_since(tokio::time::Instant::now())),
+            create: Some(inner.connect_timeout),
+            recycle: Some(inner.timeout),
+        };
+        let conn =
+            match tokio::time::timeout_at(deadline, inner.connections.get(&timeouts)).await {
+                Ok(Ok(conn)) => conn,
+                Ok(Err(fault)) => return Err(fault_error(fault)),
+                Err(_) => return Err(StoreError::new(
+                    StoreErrorKind::Timeout,
+                    "no Redis connection could be had within the store's timeout; nothing was sent",
+                )),
+            };
         let charge = give_back.is_some();
-        let (tx, mut rx) = oneshot::channel();
-        tokio::spawn(follow_through(Arc::clone(inner), permit, give_back, f, tx));
-        match tokio::time::timeout_at(deadline, &mut rx).await {
-            Ok(Ok(answer)) => answer,
-            Ok(Err(_)) => Err(StoreError::new(
-                StoreErrorKind::Other,
-                "the Redis call ended without an answer",
-            )),
-            Err(_) => {
-                // From here on the task owns the answer, unless it came just
-                // now: a charge applied later is given back.
-                rx.close();
-                match rx.try_recv() {
-                    Ok(answer) => answer,
-                    Err(_) => Err(StoreError::new(
-                        StoreErrorKind::Timeout,
-                        if charge {
-                            "Redis did not answer within the store's timeout; nothing is \
-                             charged (a charge Redis applies later is given back)"
-                        } else {
-                            "Redis did not answer within the store's timeout"
-                        },
-                    )),
-                }
+        let mut call = Call {
+            inner: Arc::clone(inner),
+            lost: conn.lost(),
+            trip: Some(Box::pin(f(conn))),
+            permit: Some(permit),
+            give_back,
+        };
+        let trip = call.trip.as_mut().expect("the call is on its way");
+        match tokio::time::timeout_at(deadline, trip).await {
+            Ok((conn, result)) => {
+                call.trip = None;
+                result.map_err(|error| {
+                    // A broken connection is not used again, nor are the
+                    // others opened before it; a refusal by the server
+                    // spoils nothing.
+                    if broken(&error) {
+                        inner.connections.failed(conn.failed());
+                    }
+                    redis_error(error)
+                })
             }
+            // Dropping `call` hands the round trip over to a task that
+            // follows it to its end.
+            Err(_) => Err(StoreError::new(
+                StoreErrorKind::Timeout,
+                if charge {
+                    "Redis did not answer within the store's timeout; nothing is charged (a \
+                     charge Redis applies later is given back)"
+                } else {
+                    "Redis did not answer within the store's timeout"
+                },
+            )),
         }
     }
 
@@ -663,7 +695,7 @@ impl RedisStoreBuilder {
                         .set_connection_timeout(Some(self.connect_timeout))
                         .set_response_timeout(None),
                 };
-                Connections::Server(Shared::new(connector, size, self.connect_timeout))
+                Connections::Server(Arc::new(Shared::new(connector, size, self.connect_timeout)))
             }
             Source::Pool(pool) => Connections::Pool(pool),
             #[cfg(feature = "redis-cluster")]
@@ -675,11 +707,11 @@ impl RedisStoreBuilder {
                     .response_timeout(FOLLOW_THROUGH)
                     .build()
                     .map_err(|e| invalid("cluster URLs", e))?;
-                Connections::Cluster(Shared::new(
+                Connections::Cluster(Arc::new(Shared::new(
                     self::connection::ClusterConnector { client },
                     size,
                     self.connect_timeout,
-                ))
+                )))
             }
             #[cfg(feature = "redis-cluster")]
             Source::ClusterPool(pool) => Connections::ClusterPool(pool),
@@ -935,83 +967,72 @@ fn give_back(op: &str, request: &ChargeRequest) -> Option<GiveBack<Vec<i64>>> {
     })
 }
 
-/// One call, in a task of its own: takes a connection, runs `f` on it and
-/// sends the answer to the caller. When the caller is gone by then, a charge
-/// Redis applied is given back. The permit keeps the call counted in flight
-/// until all of that is done.
-async fn follow_through<T, F, Fut>(
+type RoundTrip<T> = Pin<Box<dyn Future<Output = (Connection, Result<T, RedisError>)> + Send>>;
+
+/// A call on its way. Dropped before its answer came (its caller timed out
+/// or went away), it hands its round trip to a task that follows it to the
+/// end.
+struct Call<T: Send + 'static> {
     inner: Arc<Inner>,
-    _permit: OwnedSemaphorePermit,
+    trip: Option<RoundTrip<T>>,
+    /// What to close if the round trip never comes back.
+    lost: Option<Failed>,
+    /// Keeps the call counted in flight until it is over.
+    permit: Option<OwnedSemaphorePermit>,
     give_back: Option<GiveBack<T>>,
-    f: F,
-    tx: oneshot::Sender<Result<T, StoreError>>,
-) where
-    T: Send + 'static,
-    F: FnOnce(Connection) -> Fut + Send + 'static,
-    Fut: Future<Output = (Connection, Result<T, RedisError>)> + Send + 'static,
-{
-    let timeouts = Timeouts {
-        wait: Some(inner.wait_timeout.min(inner.timeout)),
-        create: Some(inner.connect_timeout),
-        recycle: Some(inner.timeout),
-    };
-    let wanted = || !tx.is_closed();
-    let got = tokio::time::timeout(FOLLOW_THROUGH, inner.connections.get(&timeouts, &wanted)).await;
-    let conn = match got {
-        Ok(Ok(conn)) => conn,
-        Ok(Err(Fault::Unwanted)) => return,
-        Ok(Err(fault)) => {
-            let _ = tx.send(Err(fault_error(fault)));
+}
+
+impl<T: Send + 'static> Drop for Call<T> {
+    fn drop(&mut self) {
+        let Some(trip) = self.trip.take() else {
             return;
+        };
+        let follow = follow_through(
+            Arc::clone(&self.inner),
+            trip,
+            self.lost.take(),
+            self.permit.take(),
+            self.give_back.take(),
+        );
+        match tokio::runtime::Handle::try_current() {
+            Ok(runtime) => drop(runtime.spawn(follow)),
+            Err(_) => tracing::warn!(
+                "a Redis call was dropped outside a tokio runtime and cannot be followed; a \
+                 charge it carried may be applied without an admission"
+            ),
         }
-        Err(_) => {
-            let _ = tx.send(Err(StoreError::new(
-                StoreErrorKind::Timeout,
-                "no Redis connection could be had in time",
-            )));
-            return;
-        }
-    };
-    if tx.is_closed() {
-        // Nothing was sent: nothing to follow.
-        return;
     }
-    let lost = conn.lost();
-    let (conn, answer) = match tokio::time::timeout(FOLLOW_THROUGH, f(conn)).await {
-        Ok((conn, Ok(value))) => (Some(conn), Ok(value)),
+}
+
+/// Follows a round trip whose caller stopped waiting to its end: a charge
+/// Redis applied is given back.
+async fn follow_through<T>(
+    inner: Arc<Inner>,
+    trip: RoundTrip<T>,
+    lost: Option<Failed>,
+    _permit: Option<OwnedSemaphorePermit>,
+    give_back: Option<GiveBack<T>>,
+) {
+    let (mut conn, value) = match tokio::time::timeout(FOLLOW_THROUGH, trip).await {
+        Ok((conn, Ok(value))) => (conn, value),
         Ok((conn, Err(error))) => {
-            // A broken connection is not used again, nor are the others
-            // opened before it; a refusal by the server spoils nothing.
-            if !error.is_timeout() && (error.is_unrecoverable_error() || error.is_io_error()) {
+            if broken(&error) {
                 inner.connections.failed(conn.failed());
-                (None, Err(redis_error(error)))
-            } else {
-                (Some(conn), Err(redis_error(error)))
             }
+            return;
         }
         Err(_) => {
             if let Some(lost) = lost {
                 inner.connections.failed(lost);
             }
             tracing::warn!(
-                "Redis did not answer a call in {FOLLOW_THROUGH:?}; dropping its connection \
-                 (a charge it carried may have been applied)"
+                "Redis did not answer a call in {FOLLOW_THROUGH:?}; dropping its connection (a \
+                 charge it carried may have been applied without an admission)"
             );
-            (
-                None,
-                Err(StoreError::new(
-                    StoreErrorKind::Timeout,
-                    "Redis did not answer",
-                )),
-            )
+            return;
         }
     };
-    let Err(Ok(value)) = tx.send(answer) else {
-        return;
-    };
-    // The caller stopped waiting, and was told the call failed (or was
-    // dropped): a charge Redis applied is given back.
-    let (Some(give_back), Some(mut conn)) = (give_back, conn) else {
+    let Some(give_back) = give_back else {
         return;
     };
     if !(give_back.applied)(&value) {
@@ -1030,7 +1051,8 @@ async fn follow_through<T, F, Fut>(
             ),
             Err(_) => tracing::warn!(
                 key = %key, cost,
-                "could not give back a charge Redis applied after its caller stopped waiting: no answer"
+                "could not give back a charge Redis applied after its caller stopped waiting: \
+                 no answer"
             ),
         }
     }
@@ -1042,11 +1064,15 @@ async fn follow_through<T, F, Fut>(
     );
 }
 
+/// Whether `error` leaves its connection unusable.
+fn broken(error: &RedisError) -> bool {
+    !error.is_timeout() && (error.is_unrecoverable_error() || error.is_io_error())
+}
+
 fn fault_error(fault: Fault) -> StoreError {
     match fault {
         Fault::Redis(error) => redis_error(error),
         Fault::Pool(error) => pool_error(error),
-        Fault::Unwanted => StoreError::new(StoreErrorKind::Timeout, "the caller stopped waiting"),
     }
 }
 

@@ -25,7 +25,7 @@
 
 use std::future::Future;
 use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
-use std::sync::Mutex;
+use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
 use deadpool::managed::{PoolError, Timeouts};
@@ -90,7 +90,7 @@ struct Slot<T> {
     /// When the slot was last used, in milliseconds from `Shared::origin`.
     used: AtomicU64,
     /// Held while this slot's connection is being opened.
-    connecting: tokio::sync::Mutex<()>,
+    connecting: Arc<tokio::sync::Mutex<()>>,
 }
 
 impl<T: Clone> Slot<T> {
@@ -116,7 +116,7 @@ impl<C: Connect> Shared<C> {
             .map(|_| Slot {
                 current: Mutex::new(None),
                 used: AtomicU64::new(0),
-                connecting: tokio::sync::Mutex::new(()),
+                connecting: Arc::new(tokio::sync::Mutex::new(())),
             })
             .collect();
         Self {
@@ -129,10 +129,12 @@ impl<C: Connect> Shared<C> {
         }
     }
 
-    /// A connection, opened first if need be; `wanted` says whether the
-    /// caller still waits, checked before a connection is opened for it.
-    async fn get(&self, wanted: &(dyn Fn() -> bool + Sync)) -> Result<(u64, C::Conn), Fault> {
-        let slot = &self.slots[self.next.fetch_add(1, Ordering::Relaxed) % self.slots.len()];
+    /// A connection, opened first if need be. A connection is opened in a
+    /// task of its own, so it is opened for the next callers even when this
+    /// one stops waiting.
+    async fn get(self: &Arc<Self>) -> Result<(u64, C::Conn), RedisError> {
+        let index = self.next.fetch_add(1, Ordering::Relaxed) % self.slots.len();
+        let slot = &self.slots[index];
         let now = u64::try_from(self.origin.elapsed().as_millis()).unwrap_or(u64::MAX);
         let idle = now.saturating_sub(slot.used.swap(now, Ordering::Relaxed));
         let epoch = self.epoch.load(Ordering::Acquire);
@@ -142,25 +144,40 @@ impl<C: Connect> Shared<C> {
             }
             self.failed(epoch);
         }
-        let _connecting = slot.connecting.lock().await;
+        let connecting = Arc::clone(&slot.connecting).lock_owned().await;
         let epoch = self.epoch.load(Ordering::Acquire);
         if let Some(conn) = slot.current(epoch) {
             return Ok((epoch, conn));
         }
-        if !wanted() {
-            return Err(Fault::Unwanted);
+        let shared = Arc::clone(self);
+        let opening = tokio::spawn(async move {
+            let _connecting = connecting;
+            shared.open(index, epoch).await
+        });
+        match opening.await {
+            Ok(opened) => opened.map(|conn| (epoch, conn)),
+            Err(error) => Err(RedisError::from(std::io::Error::other(format!(
+                "opening a Redis connection failed: {error}"
+            )))),
         }
+    }
+
+    /// Opens the connection of slot `index`, in `epoch`.
+    async fn open(&self, index: usize, epoch: u64) -> Result<C::Conn, RedisError> {
         let conn = match self.connector.connect().await {
             Ok(conn) => conn,
             Err(error) => {
                 // The server is gone or unreachable: so are the connections
                 // opened before.
                 self.failed(epoch);
-                return Err(Fault::Redis(error));
+                return Err(error);
             }
         };
-        *slot.current.lock().unwrap_or_else(|e| e.into_inner()) = Some((epoch, conn.clone()));
-        Ok((epoch, conn))
+        *self.slots[index]
+            .current
+            .lock()
+            .unwrap_or_else(|e| e.into_inner()) = Some((epoch, conn.clone()));
+        Ok(conn)
     }
 
     /// Whether `conn` answers a `PING` in time.
@@ -182,26 +199,20 @@ impl<C: Connect> Shared<C> {
 pub(super) enum Fault {
     Redis(RedisError),
     Pool(PoolError<RedisError>),
-    /// The caller stopped waiting before a connection was opened for it.
-    Unwanted,
 }
 
 pub(super) enum Connections {
-    Server(Shared<ServerConnector>),
+    Server(Arc<Shared<ServerConnector>>),
     Pool(deadpool_redis::Pool),
     #[cfg(feature = "redis-cluster")]
-    Cluster(Shared<ClusterConnector>),
+    Cluster(Arc<Shared<ClusterConnector>>),
     #[cfg(feature = "redis-cluster")]
     ClusterPool(deadpool_redis::cluster::Pool),
 }
 
 impl Connections {
     /// A connection for one call.
-    pub(super) async fn get(
-        &self,
-        timeouts: &Timeouts,
-        wanted: &(dyn Fn() -> bool + Sync),
-    ) -> Result<Connection, Fault> {
+    pub(super) async fn get(&self, timeouts: &Timeouts) -> Result<Connection, Fault> {
         // A pool built without a runtime cannot time its own waits; the
         // store's timeout around this call bounds them instead.
         macro_rules! get {
@@ -217,15 +228,17 @@ impl Connections {
         }
         match self {
             Connections::Server(shared) => shared
-                .get(wanted)
+                .get()
                 .await
-                .map(|(epoch, conn)| Connection::Server { epoch, conn }),
+                .map(|(epoch, conn)| Connection::Server { epoch, conn })
+                .map_err(Fault::Redis),
             Connections::Pool(pool) => get!(pool, Pool),
             #[cfg(feature = "redis-cluster")]
             Connections::Cluster(shared) => shared
-                .get(wanted)
+                .get()
                 .await
-                .map(|(epoch, conn)| Connection::Cluster { epoch, conn }),
+                .map(|(epoch, conn)| Connection::Cluster { epoch, conn })
+                .map_err(Fault::Redis),
             #[cfg(feature = "redis-cluster")]
             Connections::ClusterPool(pool) => get!(pool, ClusterPool),
         }
