@@ -1,16 +1,19 @@
-//! Charges per second through the Redis store with 64 concurrent callers,
-//! beside `redis-benchmark` running `EVALSHA` of the same script with the
-//! same arguments at the same concurrency, against the same server, in the
-//! same run.
+//! Charges per second through the Redis store with 1, 16, 64 and 256
+//! concurrent callers, beside `redis-benchmark -c 64 -P 1` running `EVALSHA`
+//! of the same script with the same arguments, against the same server, in
+//! the same run.
 //!
 //! ```text
 //! cargo bench --features redis --bench redis
 //! ```
 //!
-//! Environment: `BENCH_N` charges per round (default 200000), `BENCH_ROUNDS`
-//! rounds of each (default 5), `BENCH_POOL` the store's pool size (default
-//! 64, one connection per caller, as `redis-benchmark -c 64` opens),
-//! `BENCH_STOCK_POOL=1` to run the store on deadpool-redis's stock pool.
+//! Environment: `BENCH_N` charges per round and caller count (default
+//! 200000; a tenth of it with one caller), `BENCH_ROUNDS` rounds of each
+//! (default 5), `BENCH_CALLERS` the caller counts (default `1,16,64,256`),
+//! `BENCH_POOL` the store's number of multiplexed connections (default: the
+//! store's default, 2), `BENCH_STOCK_POOL=1` to run the store on
+//! deadpool-redis's stock pool instead (one pooled connection per charge;
+//! give it `BENCH_POOL=64`).
 
 #[path = "../tests/redis_support/mod.rs"]
 mod redis_support;
@@ -23,6 +26,8 @@ use jiff::{SignedDuration, Timestamp};
 use tower_quota::store::{ChargeLine, ChargeRequest, Lifetime, RedisStore, Store};
 use tower_quota::PeriodKey;
 
+/// The concurrency of `redis-benchmark`, and the store's figure compared
+/// with it.
 const CALLERS: usize = 64;
 const SUBJECTS: u64 = 10_000;
 const LIMIT: u64 = 1_000_000_000_000;
@@ -45,7 +50,13 @@ fn main() {
     }
     let n = env("BENCH_N", 200_000);
     let rounds = env("BENCH_ROUNDS", 5);
-    let pool = env("BENCH_POOL", CALLERS);
+    let pool = env("BENCH_POOL", tower_quota::store::redis::DEFAULT_POOL_SIZE);
+    let callers: Vec<usize> = std::env::var("BENCH_CALLERS")
+        .unwrap_or_else(|_| "1,16,64,256".into())
+        .split(',')
+        .filter_map(|c| c.trim().parse().ok())
+        .collect();
+    let charges = |callers: usize| if callers == 1 { (n / 10).max(1) } else { n };
     let server = redis_support::RedisServer::start();
     let runtime = tokio::runtime::Builder::new_multi_thread()
         .enable_all()
@@ -64,19 +75,15 @@ fn main() {
     } else {
         RedisStore::builder(server.url()).pool_size(pool)
     };
-    let store = builder
-        .wait_timeout(Duration::from_secs(1))
-        .connect_timeout(Duration::from_secs(1))
-        .response_timeout(Duration::from_secs(1))
-        .build()
-        .unwrap();
+    let store = builder.timeout(Duration::from_secs(1)).build().unwrap();
+    runtime.block_on(store.preload()).unwrap();
 
     // Every charge: one calendar line of one of SUBJECTS subjects, ending an
     // hour from now, always with room.
     let now = Timestamp::now();
     let end = now + SignedDuration::from_hours(1);
     let ttl_ms = end.as_millisecond() - now.as_millisecond() + 60_000 + 60_000;
-    runtime.block_on(charge_all(&store, now, end, 1_000));
+    runtime.block_on(charge_all(&store, CALLERS, now, end, 1_000));
 
     let redis_benchmark_args: Vec<String> = [
         "-h",
@@ -120,27 +127,44 @@ fn main() {
             .unwrap_or("")
     );
     let kind = if stock {
-        "stock deadpool-redis pool"
+        "a stock deadpool-redis pool of"
     } else {
-        "pool"
+        "multiplexed connections:"
     };
-    println!("store: {CALLERS} concurrent callers, {kind} of {pool}, {n} charges per round");
+    println!(
+        "store: {callers:?} concurrent callers, {kind} {pool}, {n} charges per round ({} with one caller)",
+        charges(1)
+    );
     println!("redis-benchmark {}", redis_benchmark_args.join(" "));
-    let mut store_rates = Vec::new();
+    let mut store_rates: Vec<Vec<f64>> = vec![Vec::new(); callers.len()];
+    let mut store_rates_64 = Vec::new();
     let mut baseline_rates = Vec::new();
     let server_pid = server.pid().expect("the server runs");
     for round in 1..=rounds {
-        let (cpu0, server0) = (
-            cpu_seconds("self", Own),
-            cpu_seconds(&server_pid.to_string(), Own),
-        );
-        let started = Instant::now();
-        runtime.block_on(charge_all(&store, now, end, n));
-        let store_rate = n as f64 / started.elapsed().as_secs_f64();
-        let (cpu1, server1) = (
-            cpu_seconds("self", Own),
-            cpu_seconds(&server_pid.to_string(), Own),
-        );
+        let mut store_rate = f64::NAN;
+        let (mut cpu0, mut cpu1, mut server0, mut server1) = (0.0, 0.0, 0.0, 0.0);
+        for (i, &c) in callers.iter().enumerate() {
+            let count = charges(c);
+            let (c0, s0) = (
+                cpu_seconds("self", Own),
+                cpu_seconds(&server_pid.to_string(), Own),
+            );
+            let started = Instant::now();
+            runtime.block_on(charge_all(&store, c, now, end, count));
+            let rate = count as f64 / started.elapsed().as_secs_f64();
+            let (c1, s1) = (
+                cpu_seconds("self", Own),
+                cpu_seconds(&server_pid.to_string(), Own),
+            );
+            println!("round {round}: RedisStore, {c:>3} callers: {rate:>9.0} charges/s");
+            store_rates[i].push(rate);
+            if c == CALLERS {
+                (store_rate, cpu0, cpu1, server0, server1) = (rate, c0, c1, s0, s1);
+            }
+        }
+        if store_rate.is_nan() {
+            continue;
+        }
 
         let (child0, server2) = (
             cpu_seconds("self", Children),
@@ -156,7 +180,7 @@ fn main() {
         );
         let per = |cpu: f64| cpu / n as f64 * 1e6;
         println!(
-            "round {round}: CPU per request, µs: store client {:.1}, its server {:.1}; redis-benchmark {:.1}, its server {:.1}",
+            "round {round}: CPU per request, µs: store client ({CALLERS} callers) {:.1}, its server {:.1}; redis-benchmark {:.1}, its server {:.1}",
             per(cpu1 - cpu0),
             per(server1 - server0),
             per(child1 - child0),
@@ -166,22 +190,31 @@ fn main() {
         let baseline_rate = parse_rps(&text)
             .unwrap_or_else(|| panic!("no rate in redis-benchmark's output: {text}"));
         println!(
-            "round {round}: RedisStore {store_rate:>9.0} charges/s   redis-benchmark EVALSHA {baseline_rate:>9.0} req/s   ratio {:.2}",
+            "round {round}: RedisStore ({CALLERS} callers) {store_rate:>9.0} charges/s   redis-benchmark EVALSHA {baseline_rate:>9.0} req/s   ratio {:.2}",
             store_rate / baseline_rate
         );
-        store_rates.push(store_rate);
+        store_rates_64.push(store_rate);
         baseline_rates.push(baseline_rate);
+    }
+    for (&c, rates) in callers.iter().zip(store_rates) {
+        println!(
+            "median: RedisStore, {c:>3} callers: {:.0} charges/s",
+            median(rates)
+        );
+    }
+    if store_rates_64.is_empty() {
+        return;
     }
     // Rounds are paired (store, then redis-benchmark, back to back), so the
     // median of the per-round ratios discounts load that comes and goes.
-    let ratios: Vec<f64> = store_rates
+    let ratios: Vec<f64> = store_rates_64
         .iter()
         .zip(&baseline_rates)
         .map(|(s, b)| s / b)
         .collect();
-    let (store_rate, baseline_rate) = (median(store_rates), median(baseline_rates));
+    let (store_rate, baseline_rate) = (median(store_rates_64), median(baseline_rates));
     println!(
-        "median: RedisStore {store_rate:.0} charges/s, redis-benchmark {baseline_rate:.0} req/s, ratio of medians {:.2}, median ratio {:.2}",
+        "median: RedisStore ({CALLERS} callers) {store_rate:.0} charges/s, redis-benchmark {baseline_rate:.0} req/s, ratio of medians {:.2}, median ratio {:.2}",
         store_rate / baseline_rate,
         median(ratios)
     );
@@ -189,10 +222,11 @@ fn main() {
     println!("counters in the server: {keys}");
 }
 
-async fn charge_all(store: &RedisStore, now: Timestamp, end: Timestamp, n: usize) {
+async fn charge_all(store: &RedisStore, callers: usize, now: Timestamp, end: Timestamp, n: usize) {
     let next = Arc::new(std::sync::atomic::AtomicUsize::new(0));
+    let count = callers;
     let mut callers = tokio::task::JoinSet::new();
-    for caller in 0..CALLERS {
+    for caller in 0..count {
         let store = store.clone();
         let next = Arc::clone(&next);
         callers.spawn(async move {

@@ -4,21 +4,21 @@ use std::fmt;
 use std::future::Future;
 use std::hash::{DefaultHasher, Hash, Hasher};
 use std::pin::Pin;
-use std::sync::atomic::{AtomicI64, Ordering};
-use std::sync::{Arc, Weak};
+use std::sync::atomic::{AtomicI64, AtomicU64, Ordering};
+use std::sync::{Arc, LazyLock, Weak};
 use std::time::Duration;
 
-use deadpool::managed::{PoolConfig, PoolError, Timeouts};
-use deadpool::Runtime;
+use deadpool::managed::{PoolError, Timeouts};
 use deadpool_redis::redis::{self, ErrorKind, RedisError, Script};
 use deadpool_redis::Pool;
 use jiff::{SignedDuration, Timestamp};
+use tokio::sync::{OwnedSemaphorePermit, Semaphore};
 
 use super::{ChargeOutcome, ChargeRequest, Lifetime, Store, StoreError, StoreErrorKind, Usage};
 use crate::key::PeriodKey;
 use crate::period::Clock;
 
-use self::connection::{Connection, Connections, ServerManager};
+use self::connection::{Connection, Connections, Failed, Fault, ServerConnector, Shared};
 
 mod connection;
 
@@ -26,24 +26,43 @@ mod connection;
 /// add and the server's time, so that one SHA serves every call.
 const COUNTERS_LUA: &str = include_str!("redis/counters.lua");
 
+/// The script, for every store: calls hold it in tasks of their own.
+static SCRIPT: LazyLock<Script> = LazyLock::new(|| Script::new(COUNTERS_LUA));
+
 /// Fields per line in the script's reply.
 const FIELDS: usize = 5;
 
 /// The key that routes the server-time call on a cluster; never written.
 const CLOCK_KEY: &str = "tower-quota:{clock}";
 
-/// Default wait for a free pooled connection.
-pub const DEFAULT_WAIT_TIMEOUT: Duration = Duration::from_millis(50);
-/// Default number of connections a store built from a URL may open.
-pub const DEFAULT_POOL_SIZE: usize = 32;
-/// Default time to open a connection.
-pub const DEFAULT_CONNECT_TIMEOUT: Duration = Duration::from_millis(50);
-/// Default time to wait for Redis to answer a command.
-pub const DEFAULT_RESPONSE_TIMEOUT: Duration = Duration::from_millis(50);
+/// Default time within which a call must be answered, all included (room
+/// among the calls in flight, a connection, the round trip): 80 ms, below
+/// the layer's default [store
+/// timeout](crate::QuotaPolicyBuilder::store_timeout) of 100 ms, so that the
+/// store's own error reaches the layer.
+pub const DEFAULT_TIMEOUT: Duration = Duration::from_millis(80);
+/// Default most calls one store has in flight at once.
+pub const DEFAULT_MAX_IN_FLIGHT: usize = 4096;
+/// Default number of connections a store built from URLs keeps; each carries
+/// any number of concurrent calls.
+pub const DEFAULT_POOL_SIZE: usize = 2;
+/// Default wait for room among the calls in flight: the whole
+/// [budget](DEFAULT_TIMEOUT).
+pub const DEFAULT_WAIT_TIMEOUT: Duration = DEFAULT_TIMEOUT;
+/// Default time to open a connection. A connection still opening when its
+/// caller's budget runs out is opened for the next callers.
+pub const DEFAULT_CONNECT_TIMEOUT: Duration = Duration::from_secs(1);
+/// Default time Redis has to answer: the whole [budget](DEFAULT_TIMEOUT).
+pub const DEFAULT_RESPONSE_TIMEOUT: Duration = DEFAULT_TIMEOUT;
 /// Default time a calendar counter outlives its window.
 pub const DEFAULT_CALENDAR_GRACE: Duration = Duration::from_secs(60);
 /// Default spread of calendar counters' deadlines past the grace.
 pub const DEFAULT_CALENDAR_JITTER: Duration = Duration::from_secs(60);
+
+/// How long a call is followed after its caller stopped waiting, for its
+/// answer (and, for a charge Redis applied, its refund). A connection that
+/// stays silent this long is dropped.
+const FOLLOW_THROUGH: Duration = Duration::from_secs(30);
 
 /// Counters in Redis (or Valkey, 6.2 and later), so that any number of app
 /// instances enforce one quota exactly.
@@ -94,30 +113,49 @@ pub const DEFAULT_CALENDAR_JITTER: Duration = Duration::from_secs(60);
 ///   before anything is written on any key of the request, never an
 ///   admission or a refusal.
 ///
-/// # Faults
-///
-/// Waiting for a pooled connection, opening one and waiting for an answer
-/// are each bounded ([defaults](RedisStoreBuilder) in tens of milliseconds).
-/// A lost connection, a restarting server, `OOM` under `noeviction` and a
-/// timeout all become a [`StoreError`], which the layer's
-/// [`OnStoreError`](crate::OnStoreError) policy answers. Nothing is queued
-/// beyond the pool's size plus the callers waiting for it, and a charge that
-/// failed or timed out is never sent again (it may have been applied).
-/// A connection whose command failed on the wire is closed instead of going
-/// back to the pool, and so are the idle ones, which most likely broke with
-/// it; one that sat idle for a second is pinged before it is used again. So
-/// requests succeed again as soon as Redis is back.
-///
 /// # Connections
 ///
-/// A store built from a URL keeps a deadpool pool of its own: a connection
-/// used within the last second is handed out without the `PING` that
-/// deadpool-redis's stock pool sends on every checkout (a second round trip
-/// per charge, which halves the store's throughput). On a cluster, the
-/// client never retries a request by itself, so a charge is never applied
-/// twice; a request caught by a slot migration fails, and the next one goes
-/// to the slot's new node. A store built from an existing
-/// `deadpool_redis::Pool` keeps that pool's behaviour.
+/// A store built from URLs keeps a few multiplexed connections ([two by
+/// default](RedisStoreBuilder::pool_size)) that every call uses at once:
+/// concurrent charges are pipelined on the same sockets, so no call waits
+/// for a connection to be free, and load alone is never an error. On a
+/// cluster, the cluster connection multiplexes per node; its client never
+/// retries a request by itself, so a charge is never applied twice, and a
+/// request caught by a slot migration fails while the next one goes to the
+/// slot's new node. A store built from an existing `deadpool_redis::Pool`
+/// works as before: one pooled connection per call, held for its round
+/// trip.
+///
+/// # Faults
+///
+/// - **One budget.** Every call is answered within the store's
+///   [`timeout`](RedisStoreBuilder::timeout) (80 ms by default, below the
+///   layer's 100 ms [store
+///   timeout](crate::QuotaPolicyBuilder::store_timeout), so the layer sees
+///   the store's own error): room among the calls in flight, a connection
+///   and the round trip all fit in it.
+/// - **A bound on load.** At most
+///   [`max_in_flight`](RedisStoreBuilder::max_in_flight) calls (4096 by
+///   default) are in flight at once; a call that finds no room within the
+///   budget fails with [`StoreErrorKind::Timeout`] and sends nothing. That
+///   sheds only load Redis cannot answer.
+/// - **No charge without an admission.** Each call runs in a task of its
+///   own, which follows it to its end even after its caller stopped waiting
+///   (the store's timeout, the layer's, a dropped future). A charge Redis
+///   applied after its caller was told it failed is given back, line by
+///   line, with the same refund as [`Store::refund`] (which never creates a
+///   counter nor moves a deadline), and logged at `debug`. So a charge that
+///   timed out is a [`StoreErrorKind::Timeout`] that charges nothing, and a
+///   stall of Redis leaves no charge behind once the queued scripts ran. A
+///   call is followed for 30 s at most; a connection silent that long is
+///   dropped.
+/// - A lost connection, a restarting server and `OOM` under `noeviction`
+///   become a [`StoreError`] too, which the layer's
+///   [`OnStoreError`](crate::OnStoreError) policy answers. A charge is never
+///   sent twice: one that failed on the wire may have been applied. After a
+///   command failed on the wire, every connection opened before it is
+///   dropped and the next calls open fresh ones, so requests succeed again
+///   as soon as Redis is back.
 ///
 /// # What the quota depends on
 ///
@@ -159,10 +197,14 @@ pub struct RedisStore {
 
 struct Inner {
     connections: Connections,
-    script: Script,
+    script: &'static Script,
+    timeout: Duration,
     wait_timeout: Duration,
     connect_timeout: Duration,
-    response_timeout: Duration,
+    max_in_flight: usize,
+    in_flight: Arc<Semaphore>,
+    /// Charges given back after their callers stopped waiting.
+    given_back: AtomicU64,
     calendar_grace: Duration,
     calendar_jitter: Duration,
 }
@@ -180,19 +222,21 @@ enum Source {
 ///
 /// | setting | default |
 /// |---|---|
-/// | [`pool_size`](Self::pool_size) | 32 |
-/// | [`wait_timeout`](Self::wait_timeout) | 50 ms |
-/// | [`connect_timeout`](Self::connect_timeout) | 50 ms |
-/// | [`response_timeout`](Self::response_timeout) | 50 ms |
+/// | [`timeout`](Self::timeout) (also [`response_timeout`](Self::response_timeout)) | 80 ms |
+/// | [`max_in_flight`](Self::max_in_flight) | 4096 |
+/// | [`pool_size`](Self::pool_size) | 2 multiplexed connections |
+/// | [`wait_timeout`](Self::wait_timeout) | the whole timeout |
+/// | [`connect_timeout`](Self::connect_timeout) | 1 s |
 /// | [`calendar_grace`](Self::calendar_grace) | 60 s |
 /// | [`calendar_jitter`](Self::calendar_jitter) | 60 s |
 #[must_use]
 pub struct RedisStoreBuilder {
     source: Source,
     pool_size: Option<usize>,
-    wait_timeout: Duration,
+    timeout: Duration,
+    wait_timeout: Option<Duration>,
     connect_timeout: Duration,
-    response_timeout: Duration,
+    max_in_flight: usize,
     calendar_grace: Duration,
     calendar_jitter: Duration,
 }
@@ -213,9 +257,13 @@ impl RedisStore {
         RedisStoreBuilder::new(Source::Url(url.into()))
     }
 
-    /// A store on an existing pool, with default settings. The pool's own
-    /// size and timeouts apply, bounded by the store's timeouts. Note that
-    /// deadpool-redis's pools ping every connection they hand out.
+    /// A store on an existing pool, with default settings: one pooled
+    /// connection per call, held for its round trip, as before the store
+    /// multiplexed its own connections (so it is slower than a store built
+    /// from a URL). The pool's own size and timeouts apply, within the
+    /// store's timeout. Note that deadpool-redis's pools ping every
+    /// connection they hand out, and time out answers after 500 ms by
+    /// default: a charge cut off that way may have been applied.
     pub fn from_pool(pool: Pool) -> Self {
         Self::builder_from_pool(pool)
             .build()
@@ -251,29 +299,39 @@ impl RedisStore {
         RedisStoreBuilder::new(Source::ClusterPool(pool))
     }
 
-    /// Opens a connection and loads the counters script, so that the first
-    /// requests pay for neither; call it at startup to learn at once whether
-    /// Redis can be reached.
+    /// Opens the store's connections and loads the counters script, so that
+    /// the first requests pay for neither; call it at startup to learn at
+    /// once whether Redis can be reached. (On an existing pool, it opens
+    /// one.)
     ///
     /// # Errors
     ///
     /// When Redis cannot be reached or refuses the script.
     pub async fn preload(&self) -> Result<(), StoreError> {
-        let script = &self.inner.script;
-        let sha: String = self
-            .exchange(|mut conn| async move {
-                let result = script.load_async(&mut conn).await;
-                (conn, result)
-            })
-            .await?;
-        if sha != script.get_hash() {
-            return Err(StoreError::new(
-                StoreErrorKind::Other,
-                format!(
-                    "Redis loaded the counters script as {sha}, expected {}",
-                    script.get_hash()
-                ),
-            ));
+        let script: &'static Script = self.inner.script;
+        // Calls go to the connections in turn: one call each opens them all.
+        let connections = match &self.inner.connections {
+            Connections::Pool(_) => 1,
+            #[cfg(feature = "redis-cluster")]
+            Connections::ClusterPool(_) => 1,
+            other => other.status().1,
+        };
+        for _ in 0..connections {
+            let sha: String = self
+                .exchange(move |mut conn| async move {
+                    let result = script.load_async(&mut conn).await;
+                    (conn, result)
+                })
+                .await?;
+            if sha != script.get_hash() {
+                return Err(StoreError::new(
+                    StoreErrorKind::Other,
+                    format!(
+                        "Redis loaded the counters script as {sha}, expected {}",
+                        script.get_hash()
+                    ),
+                ));
+            }
         }
         Ok(())
     }
@@ -332,62 +390,113 @@ impl RedisStore {
         Ok(secs * 1_000_000 + micros - local)
     }
 
-    /// Takes a connection and runs `f` on it, each step within its timeout.
-    /// A connection whose command failed on the wire is closed rather than
-    /// returned to the pool; nothing is sent again.
+    /// How many calls of this store are in flight: sent or about to be, and
+    /// not yet answered (or, for a charge whose caller stopped waiting, not
+    /// yet given back). At most [`max_in_flight`](RedisStoreBuilder::max_in_flight).
+    pub fn in_flight(&self) -> usize {
+        self.inner.max_in_flight - self.inner.in_flight.available_permits()
+    }
+
+    /// Runs `f` on a connection, answered within the store's timeout. Nothing
+    /// is sent again.
     async fn exchange<T, F, Fut>(&self, f: F) -> Result<T, StoreError>
     where
-        F: FnOnce(Connection) -> Fut,
-        Fut: Future<Output = (Connection, Result<T, RedisError>)>,
+        T: Send + 'static,
+        F: FnOnce(Connection) -> Fut + Send + 'static,
+        Fut: Future<Output = (Connection, Result<T, RedisError>)> + Send + 'static,
+    {
+        self.follow(None, f).await
+    }
+
+    /// Runs `f` on a connection and waits for its answer within the store's
+    /// timeout. A call whose caller stops waiting once it was sent (the
+    /// store's timeout, a dropped future) is followed to its end in a task of
+    /// its own: then a charge that Redis applied is given back
+    /// (`give_back`).
+    async fn follow<T, F, Fut>(&self, give_back: Option<GiveBack<T>>, f: F) -> Result<T, StoreError>
+    where
+        T: Send + 'static,
+        F: FnOnce(Connection) -> Fut + Send + 'static,
+        Fut: Future<Output = (Connection, Result<T, RedisError>)> + Send + 'static,
     {
         let inner = &self.inner;
-        let timeouts = Timeouts {
-            wait: Some(inner.wait_timeout),
-            create: Some(inner.connect_timeout),
-            recycle: Some(inner.response_timeout),
-        };
-        let get = inner.wait_timeout + inner.connect_timeout + inner.response_timeout;
-        let conn = match tokio::time::timeout(get, inner.connections.get(&timeouts)).await {
-            Ok(conn) => conn.map_err(pool_error)?,
-            Err(_) => {
-                return Err(StoreError::new(
-                    StoreErrorKind::Timeout,
-                    "no Redis connection could be had in time",
-                ))
-            }
-        };
-        // The store's own pools give each connection the response timeout;
-        // others are bounded here.
-        let answer = if inner.connections.time_their_answers() {
-            f(conn).await
-        } else {
-            match tokio::time::timeout(inner.response_timeout, f(conn)).await {
-                Ok(answer) => answer,
+        let started = tokio::time::Instant::now();
+        let deadline = started + inner.timeout;
+        let room = deadline.min(started + inner.wait_timeout);
+        let permit =
+            match tokio::time::timeout_at(room, Arc::clone(&inner.in_flight).acquire_owned()).await
+            {
+                Ok(Ok(permit)) => permit,
+                Ok(Err(_)) => {
+                    return Err(StoreError::new(
+                        StoreErrorKind::Unavailable,
+                        "the Redis store is closed",
+                    ))
+                }
                 Err(_) => {
                     return Err(StoreError::new(
                         StoreErrorKind::Timeout,
-                        "Redis did not answer in time",
+                        format!(
+                            "the Redis store has {} calls in flight, its max_in_flight, and none \
+                         finished in time; nothing was sent",
+                            inner.max_in_flight
+                        ),
                     ))
                 }
-            }
+            };
+        let timeouts = Timeouts {
+            wait: Some(room.saturating_duration_since(tokio::time::Instant::now())),
+            create: Some(inner.connect_timeout),
+            recycle: Some(inner.timeout),
         };
-        match answer {
-            (_, Ok(value)) => Ok(value),
-            (conn, Err(error)) => {
-                // A late answer does not spoil a multiplexed connection; a
-                // broken one is closed so the pool opens a fresh one.
-                if !error.is_timeout() && (error.is_unrecoverable_error() || error.is_io_error()) {
-                    conn.discard();
-                    inner.connections.close_idle();
-                }
-                Err(redis_error(error))
+        let conn =
+            match tokio::time::timeout_at(deadline, inner.connections.get(&timeouts)).await {
+                Ok(Ok(conn)) => conn,
+                Ok(Err(fault)) => return Err(fault_error(fault)),
+                Err(_) => return Err(StoreError::new(
+                    StoreErrorKind::Timeout,
+                    "no Redis connection could be had within the store's timeout; nothing was sent",
+                )),
+            };
+        let charge = give_back.is_some();
+        let mut call = Call {
+            inner: Arc::clone(inner),
+            lost: conn.lost(),
+            trip: Some(Box::pin(f(conn))),
+            permit: Some(permit),
+            give_back,
+        };
+        let trip = call.trip.as_mut().expect("the call is on its way");
+        match tokio::time::timeout_at(deadline, trip).await {
+            Ok((conn, result)) => {
+                call.trip = None;
+                result.map_err(|error| {
+                    // A broken connection is not used again, nor are the
+                    // others opened before it; a refusal by the server
+                    // spoils nothing.
+                    if broken(&error) {
+                        inner.connections.failed(conn.failed());
+                    }
+                    redis_error(error)
+                })
             }
+            // Dropping `call` hands the round trip over to a task that
+            // follows it to its end.
+            Err(_) => Err(StoreError::new(
+                StoreErrorKind::Timeout,
+                if charge {
+                    "Redis did not answer within the store's timeout; nothing is charged (a \
+                     charge Redis applies later is given back)"
+                } else {
+                    "Redis did not answer within the store's timeout"
+                },
+            )),
         }
     }
 
     /// Runs `command` on the counters' connection; for tests and tools.
     #[cfg(feature = "testing")]
-    pub(crate) async fn command<T: redis::FromRedisValue>(
+    pub(crate) async fn command<T: redis::FromRedisValue + Send + 'static>(
         &self,
         command: redis::Cmd,
     ) -> Result<T, StoreError> {
@@ -434,7 +543,7 @@ impl RedisStore {
                 .arg(window_end);
         }
         let reply: Vec<i64> = self
-            .exchange(|mut conn| async move {
+            .follow(give_back(op, &request), |mut conn| async move {
                 let result = invocation.invoke_async(&mut conn).await;
                 (conn, result)
             })
@@ -510,18 +619,58 @@ impl RedisStoreBuilder {
         Self {
             source,
             pool_size: None,
-            wait_timeout: DEFAULT_WAIT_TIMEOUT,
+            timeout: DEFAULT_TIMEOUT,
+            wait_timeout: None,
             connect_timeout: DEFAULT_CONNECT_TIMEOUT,
-            response_timeout: DEFAULT_RESPONSE_TIMEOUT,
+            max_in_flight: DEFAULT_MAX_IN_FLIGHT,
             calendar_grace: DEFAULT_CALENDAR_GRACE,
             calendar_jitter: DEFAULT_CALENDAR_JITTER,
         }
     }
 
-    /// The most connections the store opens (default 32; ignored for an
-    /// existing pool). Each call holds one for its round trip, so this is how
-    /// many calls can be in flight; the others wait up to the
-    /// [wait timeout](Self::wait_timeout).
+    /// The store's budget: the time within which every call is answered, all
+    /// included (room among the calls in flight, a connection, the round
+    /// trip). Default 80 ms. A call not answered in time fails with
+    /// [`StoreErrorKind::Timeout`]; a charge that did is given back if Redis
+    /// applies it later, so it charges nothing.
+    ///
+    /// Keep it below the layer's [store
+    /// timeout](crate::QuotaPolicyBuilder::store_timeout) (100 ms by
+    /// default), which stays an outer bound: past it the layer answers
+    /// without the store's own error.
+    pub fn timeout(mut self, timeout: Duration) -> Self {
+        self.timeout = timeout;
+        self
+    }
+
+    /// The same budget as [`timeout`](Self::timeout), under its former name:
+    /// how long Redis may take to answer, now all of a call.
+    pub fn response_timeout(self, timeout: Duration) -> Self {
+        self.timeout(timeout)
+    }
+
+    /// The most calls the store has in flight at once (default 4096): sent
+    /// to Redis or about to be, and not yet answered, including charges
+    /// followed after their callers stopped waiting. A call that finds no
+    /// room within its [wait](Self::wait_timeout) fails with
+    /// [`StoreErrorKind::Timeout`] and sends nothing: this sheds only load
+    /// that Redis does not answer, such as during a stall.
+    ///
+    /// # Panics
+    ///
+    /// When `max` is zero.
+    pub fn max_in_flight(mut self, max: usize) -> Self {
+        assert!(max > 0, "a Redis store needs room for one call");
+        self.max_in_flight = max.min(Semaphore::MAX_PERMITS);
+        self
+    }
+
+    /// How many multiplexed connections the store keeps (default 2; for a
+    /// cluster, cluster connections, each multiplexing per node; ignored for
+    /// an existing pool). Every call uses one of them, round robin, at the
+    /// same time as any others: this is not a bound on concurrent calls
+    /// ([`max_in_flight`](Self::max_in_flight) is). More than a few rarely
+    /// helps.
     ///
     /// # Panics
     ///
@@ -532,25 +681,19 @@ impl RedisStoreBuilder {
         self
     }
 
-    /// How long a call waits for a free pooled connection before it fails
-    /// with [`StoreErrorKind::Timeout`] (default 50 ms). This bounds the queue
-    /// in front of the pool.
+    /// Part of the [budget](Self::timeout): the longest a call waits for
+    /// room among the calls in flight, or, on an existing pool, for a pooled
+    /// connection (default: the whole budget).
     pub fn wait_timeout(mut self, timeout: Duration) -> Self {
-        self.wait_timeout = timeout;
+        self.wait_timeout = Some(timeout);
         self
     }
 
-    /// How long opening a connection may take (default 50 ms).
+    /// How long opening a connection may take (default 1 s). A caller waits
+    /// for a connection within its [budget](Self::timeout) only; one still
+    /// opening when the budget runs out is opened for the next calls.
     pub fn connect_timeout(mut self, timeout: Duration) -> Self {
         self.connect_timeout = timeout;
-        self
-    }
-
-    /// How long Redis may take to answer a command (default 50 ms). A charge
-    /// that times out fails with [`StoreErrorKind::Timeout`] and is not sent
-    /// again.
-    pub fn response_timeout(mut self, timeout: Duration) -> Self {
-        self.response_timeout = timeout;
         self
     }
 
@@ -574,38 +717,23 @@ impl RedisStoreBuilder {
     ///
     /// # Errors
     ///
-    /// When the URL is not a Redis URL, or the pool cannot be built.
+    /// When the URL is not a Redis URL.
     pub fn build(self) -> Result<RedisStore, StoreError> {
-        let timeouts = Timeouts {
-            wait: Some(self.wait_timeout),
-            create: Some(self.connect_timeout),
-            recycle: Some(self.response_timeout),
-        };
-        let pool_config = |size: Option<usize>| {
-            let mut config = PoolConfig::new(size.unwrap_or(DEFAULT_POOL_SIZE));
-            config.timeouts = timeouts;
-            config
-        };
         let invalid = |what: &str, e: RedisError| {
             StoreError::new(StoreErrorKind::Other, format!("invalid Redis {what}")).with_source(e)
         };
-        let unbuilt = |e: deadpool::managed::BuildError| {
-            StoreError::new(StoreErrorKind::Other, "cannot build the Redis pool").with_source(e)
-        };
+        let size = self.pool_size.unwrap_or(DEFAULT_POOL_SIZE);
         let connections = match self.source {
             Source::Url(url) => {
-                let manager = ServerManager {
+                let connector = ServerConnector {
                     client: redis::Client::open(url.as_str()).map_err(|e| invalid("URL", e))?,
+                    // No response timeout: each call is followed to its
+                    // answer (see `follow_through`).
                     config: redis::AsyncConnectionConfig::new()
                         .set_connection_timeout(Some(self.connect_timeout))
-                        .set_response_timeout(Some(self.response_timeout)),
+                        .set_response_timeout(None),
                 };
-                let pool = deadpool::managed::Pool::builder(manager)
-                    .config(pool_config(self.pool_size))
-                    .runtime(Runtime::Tokio1)
-                    .build()
-                    .map_err(unbuilt)?;
-                Connections::Server(pool)
+                Connections::Server(Arc::new(Shared::new(connector, size, self.connect_timeout)))
             }
             Source::Pool(pool) => Connections::Pool(pool),
             #[cfg(feature = "redis-cluster")]
@@ -614,16 +742,14 @@ impl RedisStoreBuilder {
                     // A charge is never sent twice; see the connection module.
                     .retries(0)
                     .connection_timeout(self.connect_timeout)
-                    .response_timeout(self.response_timeout)
+                    .response_timeout(FOLLOW_THROUGH)
                     .build()
                     .map_err(|e| invalid("cluster URLs", e))?;
-                let pool =
-                    deadpool::managed::Pool::builder(self::connection::ClusterManager { client })
-                        .config(pool_config(self.pool_size))
-                        .runtime(Runtime::Tokio1)
-                        .build()
-                        .map_err(unbuilt)?;
-                Connections::Cluster(pool)
+                Connections::Cluster(Arc::new(Shared::new(
+                    self::connection::ClusterConnector { client },
+                    size,
+                    self.connect_timeout,
+                )))
             }
             #[cfg(feature = "redis-cluster")]
             Source::ClusterPool(pool) => Connections::ClusterPool(pool),
@@ -631,10 +757,13 @@ impl RedisStoreBuilder {
         Ok(RedisStore {
             inner: Arc::new(Inner {
                 connections,
-                script: Script::new(COUNTERS_LUA),
-                wait_timeout: self.wait_timeout,
+                script: &SCRIPT,
+                timeout: self.timeout,
+                wait_timeout: self.wait_timeout.unwrap_or(self.timeout),
                 connect_timeout: self.connect_timeout,
-                response_timeout: self.response_timeout,
+                max_in_flight: self.max_in_flight,
+                in_flight: Arc::new(Semaphore::new(self.max_in_flight)),
+                given_back: AtomicU64::new(0),
                 calendar_grace: self.calendar_grace,
                 calendar_jitter: self.calendar_jitter,
             }),
@@ -655,9 +784,10 @@ impl fmt::Debug for RedisStoreBuilder {
         f.debug_struct("RedisStoreBuilder")
             .field("source", &source)
             .field("pool_size", &self.pool_size)
+            .field("timeout", &self.timeout)
             .field("wait_timeout", &self.wait_timeout)
             .field("connect_timeout", &self.connect_timeout)
-            .field("response_timeout", &self.response_timeout)
+            .field("max_in_flight", &self.max_in_flight)
             .field("calendar_grace", &self.calendar_grace)
             .field("calendar_jitter", &self.calendar_jitter)
             .finish()
@@ -667,14 +797,17 @@ impl fmt::Debug for RedisStoreBuilder {
 impl fmt::Debug for RedisStore {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         let inner = &self.inner;
-        let (cluster, status) = inner.connections.status();
+        let (cluster, size) = inner.connections.status();
         f.debug_struct("RedisStore")
             .field("cluster", &cluster)
-            .field("pool_size", &status.max_size)
+            .field("pool_size", &size)
             .field("script_sha", &inner.script.get_hash())
+            .field("timeout", &inner.timeout)
             .field("wait_timeout", &inner.wait_timeout)
             .field("connect_timeout", &inner.connect_timeout)
-            .field("response_timeout", &inner.response_timeout)
+            .field("max_in_flight", &inner.max_in_flight)
+            .field("in_flight", &self.in_flight())
+            .field("given_back", &inner.given_back.load(Ordering::Relaxed))
             .field("calendar_grace", &inner.calendar_grace)
             .field("calendar_jitter", &inner.calendar_jitter)
             .finish()
@@ -873,6 +1006,143 @@ fn jitter(key: &PeriodKey, spread: Duration) -> i64 {
 /// good as unlimited, and is sent as 2^53.
 fn clamp(n: u64) -> i64 {
     i64::try_from(n.min(1 << 53)).expect("2^53 fits in an i64")
+}
+
+/// What a charge gives back when Redis applied it after its caller stopped
+/// waiting: one refund per line, by the line's key and cost.
+struct GiveBack<T> {
+    /// Whether the answer says the charge was applied.
+    applied: fn(&T) -> bool,
+    lines: Vec<(PeriodKey, u64)>,
+    /// The instant of the charge: the refund goes to the counters live then.
+    now: Timestamp,
+}
+
+/// The give-back of a charge (`op` `c`); other calls have none.
+fn give_back(op: &str, request: &ChargeRequest) -> Option<GiveBack<Vec<i64>>> {
+    (op == "c").then(|| GiveBack {
+        // The script's reply opens with 1 when every line was charged.
+        applied: |reply: &Vec<i64>| reply.first() == Some(&1),
+        lines: request
+            .lines
+            .iter()
+            .filter(|line| line.cost > 0)
+            .map(|line| (line.key.clone(), line.cost))
+            .collect(),
+        now: request.now,
+    })
+}
+
+type RoundTrip<T> = Pin<Box<dyn Future<Output = (Connection, Result<T, RedisError>)> + Send>>;
+
+/// A call on its way. Dropped before its answer came (its caller timed out
+/// or went away), it hands its round trip to a task that follows it to the
+/// end.
+struct Call<T: Send + 'static> {
+    inner: Arc<Inner>,
+    trip: Option<RoundTrip<T>>,
+    /// What to close if the round trip never comes back.
+    lost: Option<Failed>,
+    /// Keeps the call counted in flight until it is over.
+    permit: Option<OwnedSemaphorePermit>,
+    give_back: Option<GiveBack<T>>,
+}
+
+impl<T: Send + 'static> Drop for Call<T> {
+    fn drop(&mut self) {
+        let Some(trip) = self.trip.take() else {
+            return;
+        };
+        let follow = follow_through(
+            Arc::clone(&self.inner),
+            trip,
+            self.lost.take(),
+            self.permit.take(),
+            self.give_back.take(),
+        );
+        match tokio::runtime::Handle::try_current() {
+            Ok(runtime) => drop(runtime.spawn(follow)),
+            Err(_) => tracing::warn!(
+                "a Redis call was dropped outside a tokio runtime and cannot be followed; a \
+                 charge it carried may be applied without an admission"
+            ),
+        }
+    }
+}
+
+/// Follows a round trip whose caller stopped waiting to its end: a charge
+/// Redis applied is given back.
+async fn follow_through<T>(
+    inner: Arc<Inner>,
+    trip: RoundTrip<T>,
+    lost: Option<Failed>,
+    _permit: Option<OwnedSemaphorePermit>,
+    give_back: Option<GiveBack<T>>,
+) {
+    let (mut conn, value) = match tokio::time::timeout(FOLLOW_THROUGH, trip).await {
+        Ok((conn, Ok(value))) => (conn, value),
+        Ok((conn, Err(error))) => {
+            if broken(&error) {
+                inner.connections.failed(conn.failed());
+            }
+            return;
+        }
+        Err(_) => {
+            if let Some(lost) = lost {
+                inner.connections.failed(lost);
+            }
+            tracing::warn!(
+                "Redis did not answer a call in {FOLLOW_THROUGH:?}; dropping its connection (a \
+                 charge it carried may have been applied without an admission)"
+            );
+            return;
+        }
+    };
+    let Some(give_back) = give_back else {
+        return;
+    };
+    if !(give_back.applied)(&value) {
+        return;
+    }
+    let mut refunded = 0;
+    for (key, cost) in give_back.lines {
+        let mut invocation = inner.script.key(key.as_str());
+        invocation
+            .arg("r")
+            .arg(clamp(cost))
+            .arg(give_back.now.as_millisecond());
+        let refund = invocation.invoke_async::<i64>(&mut conn);
+        match tokio::time::timeout(FOLLOW_THROUGH, refund).await {
+            Ok(Ok(_)) => refunded += 1,
+            Ok(Err(error)) => tracing::warn!(
+                key = %key, cost, %error,
+                "could not give back a charge Redis applied after its caller stopped waiting"
+            ),
+            Err(_) => tracing::warn!(
+                key = %key, cost,
+                "could not give back a charge Redis applied after its caller stopped waiting: \
+                 no answer"
+            ),
+        }
+    }
+    let total = inner.given_back.fetch_add(1, Ordering::Relaxed) + 1;
+    tracing::debug!(
+        lines = refunded,
+        total,
+        "gave back a charge Redis applied after its caller stopped waiting"
+    );
+}
+
+/// Whether `error` leaves its connection unusable.
+fn broken(error: &RedisError) -> bool {
+    !error.is_timeout() && (error.is_unrecoverable_error() || error.is_io_error())
+}
+
+fn fault_error(fault: Fault) -> StoreError {
+    match fault {
+        Fault::Redis(error) => redis_error(error),
+        Fault::Pool(error) => pool_error(error),
+    }
 }
 
 fn pool_error(error: PoolError<RedisError>) -> StoreError {

@@ -1,102 +1,218 @@
-//! Pooled connections to a server or a cluster.
+//! Shared connections to a server or a cluster.
 //!
-//! The store's own pools differ from deadpool-redis's stock managers in two
-//! ways, both for charges:
+//! A store built from URLs keeps a small fixed set of multiplexed
+//! connections (`MultiplexedConnection`, or the cluster's connection, which
+//! multiplexes per node). Every call clones one, round robin, and sends its
+//! command at once: concurrent calls are pipelined on the same sockets, and
+//! nobody waits for a connection to be free. A connection is opened on first
+//! use, by one caller at a time per slot; the others wait for it.
 //!
-//! - A connection used within the last second is handed out again without
-//!   a `PING`: the stock managers ping on every checkout, a second round
-//!   trip per charge. A connection that fails is discarded instead of going
-//!   back to the pool, together with the idle ones, and a connection idle
-//!   for longer is still pinged, so a restarted server is noticed.
-//! - The cluster client never retries a request by itself (redis-rs retries
-//!   up to 16 times by default, after connection errors too, which could
-//!   apply a charge twice). A redirect after a resharding fails that one
-//!   request and refreshes the slot map for the next.
+//! After a command failed on the wire (the server restarted, the network
+//! broke), or a connection could not be opened, every connection opened
+//! before is dropped, not only the one that failed: the others most likely
+//! broke with it, and each would fail one more call before it was noticed.
+//! The next calls open fresh ones. A connection idle for a second is pinged
+//! before it is used again, so that a restart during a lull costs no call.
+//!
+//! The cluster client never retries a request by itself (redis-rs retries up
+//! to 16 times by default, after connection errors too, which could apply a
+//! charge twice). A redirect after a resharding fails that one request and
+//! refreshes the slot map for the next.
 //!
 //! Pools built elsewhere (`deadpool_redis::Pool`, and its cluster kind) are
-//! used as they are.
+//! used as they are: one pooled connection per call, held for its round
+//! trip; one that failed on the wire is closed instead of going back.
 
-use std::time::Duration;
+use std::future::Future;
+use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, Instant};
 
-use deadpool::managed::{self, Metrics, Object, PoolError, RecycleError, RecycleResult, Timeouts};
+use deadpool::managed::{PoolError, Timeouts};
 use deadpool_redis::redis::aio::{ConnectionLike, MultiplexedConnection};
 use deadpool_redis::redis::{self, RedisError, Value};
 
-/// Connections used within this long are handed out without a `PING`.
-const FRESH: Duration = Duration::from_secs(1);
+/// A connection idle for this long is pinged before it is used again.
+const IDLE: Duration = Duration::from_secs(1);
 
-pub(super) struct ServerManager {
+/// Opens one connection of a shared set.
+pub(super) trait Connect: Send + Sync + 'static {
+    type Conn: ConnectionLike + Clone + Send + Sync + 'static;
+
+    fn connect(&self) -> impl Future<Output = Result<Self::Conn, RedisError>> + Send;
+}
+
+pub(super) struct ServerConnector {
     pub(super) client: redis::Client,
     pub(super) config: redis::AsyncConnectionConfig,
 }
 
-impl managed::Manager for ServerManager {
-    type Type = MultiplexedConnection;
-    type Error = RedisError;
+impl Connect for ServerConnector {
+    type Conn = MultiplexedConnection;
 
-    async fn create(&self) -> Result<MultiplexedConnection, RedisError> {
+    async fn connect(&self) -> Result<MultiplexedConnection, RedisError> {
         self.client
             .get_multiplexed_async_connection_with_config(&self.config)
             .await
     }
-
-    async fn recycle(
-        &self,
-        conn: &mut MultiplexedConnection,
-        metrics: &Metrics,
-    ) -> RecycleResult<RedisError> {
-        if metrics.last_used() < FRESH {
-            return Ok(());
-        }
-        ping(conn).await
-    }
 }
 
 #[cfg(feature = "redis-cluster")]
-pub(super) struct ClusterManager {
+pub(super) struct ClusterConnector {
     pub(super) client: redis::cluster::ClusterClient,
 }
 
 #[cfg(feature = "redis-cluster")]
-impl managed::Manager for ClusterManager {
-    type Type = redis::cluster_async::ClusterConnection;
-    type Error = RedisError;
+impl Connect for ClusterConnector {
+    type Conn = redis::cluster_async::ClusterConnection;
 
-    async fn create(&self) -> Result<Self::Type, RedisError> {
+    async fn connect(&self) -> Result<Self::Conn, RedisError> {
         self.client.get_async_connection().await
-    }
-
-    async fn recycle(&self, conn: &mut Self::Type, metrics: &Metrics) -> RecycleResult<RedisError> {
-        if metrics.last_used() < FRESH {
-            return Ok(());
-        }
-        ping(conn).await
     }
 }
 
-async fn ping(conn: &mut impl ConnectionLike) -> RecycleResult<RedisError> {
-    let pong: String = redis::cmd("PING").query_async(conn).await?;
-    if pong == "PONG" {
-        Ok(())
-    } else {
-        Err(RecycleError::message("unexpected answer to PING"))
+/// A fixed set of connections that every call uses concurrently.
+pub(super) struct Shared<C: Connect> {
+    connector: C,
+    slots: Box<[Slot<C::Conn>]>,
+    next: AtomicUsize,
+    /// The instant `Slot::used` counts from.
+    origin: Instant,
+    /// How long a ping may take.
+    ping_timeout: Duration,
+    /// Bumped when a connection fails on the wire: connections opened in an
+    /// earlier epoch are not handed out again.
+    epoch: AtomicU64,
+}
+
+struct Slot<T> {
+    current: Mutex<Option<(u64, T)>>,
+    /// When the slot was last used, in milliseconds from `Shared::origin`.
+    used: AtomicU64,
+    /// Held while this slot's connection is being opened.
+    connecting: Arc<tokio::sync::Mutex<()>>,
+}
+
+impl<T: Clone> Slot<T> {
+    /// The slot's connection, if it was opened in `epoch`.
+    fn current(&self, epoch: u64) -> Option<T> {
+        let mut current = self.current.lock().unwrap_or_else(|e| e.into_inner());
+        match &*current {
+            Some((opened, conn)) if *opened == epoch => Some(conn.clone()),
+            Some(_) => {
+                // Stale: dropped here, so its socket closes once the calls
+                // still on it are answered.
+                *current = None;
+                None
+            }
+            None => None,
+        }
     }
+}
+
+impl<C: Connect> Shared<C> {
+    pub(super) fn new(connector: C, size: usize, ping_timeout: Duration) -> Self {
+        let slots = (0..size.max(1))
+            .map(|_| Slot {
+                current: Mutex::new(None),
+                used: AtomicU64::new(0),
+                connecting: Arc::new(tokio::sync::Mutex::new(())),
+            })
+            .collect();
+        Self {
+            connector,
+            slots,
+            next: AtomicUsize::new(0),
+            origin: Instant::now(),
+            ping_timeout,
+            epoch: AtomicU64::new(0),
+        }
+    }
+
+    /// A connection, opened first if need be. A connection is opened in a
+    /// task of its own, so it is opened for the next callers even when this
+    /// one stops waiting.
+    async fn get(self: &Arc<Self>) -> Result<(u64, C::Conn), RedisError> {
+        let index = self.next.fetch_add(1, Ordering::Relaxed) % self.slots.len();
+        let slot = &self.slots[index];
+        let now = u64::try_from(self.origin.elapsed().as_millis()).unwrap_or(u64::MAX);
+        let idle = now.saturating_sub(slot.used.swap(now, Ordering::Relaxed));
+        let epoch = self.epoch.load(Ordering::Acquire);
+        if let Some(mut conn) = slot.current(epoch) {
+            if idle < IDLE.as_millis() as u64 || self.ping(&mut conn).await {
+                return Ok((epoch, conn));
+            }
+            self.failed(epoch);
+        }
+        let connecting = Arc::clone(&slot.connecting).lock_owned().await;
+        let epoch = self.epoch.load(Ordering::Acquire);
+        if let Some(conn) = slot.current(epoch) {
+            return Ok((epoch, conn));
+        }
+        let shared = Arc::clone(self);
+        let opening = tokio::spawn(async move {
+            let _connecting = connecting;
+            shared.open(index, epoch).await
+        });
+        match opening.await {
+            Ok(opened) => opened.map(|conn| (epoch, conn)),
+            Err(error) => Err(RedisError::from(std::io::Error::other(format!(
+                "opening a Redis connection failed: {error}"
+            )))),
+        }
+    }
+
+    /// Opens the connection of slot `index`, in `epoch`.
+    async fn open(&self, index: usize, epoch: u64) -> Result<C::Conn, RedisError> {
+        let conn = match self.connector.connect().await {
+            Ok(conn) => conn,
+            Err(error) => {
+                // The server is gone or unreachable: so are the connections
+                // opened before.
+                self.failed(epoch);
+                return Err(error);
+            }
+        };
+        *self.slots[index]
+            .current
+            .lock()
+            .unwrap_or_else(|e| e.into_inner()) = Some((epoch, conn.clone()));
+        Ok(conn)
+    }
+
+    /// Whether `conn` answers a `PING` in time.
+    async fn ping(&self, conn: &mut C::Conn) -> bool {
+        let cmd = redis::cmd("PING");
+        let ping = cmd.query_async::<String>(conn);
+        matches!(tokio::time::timeout(self.ping_timeout, ping).await, Ok(Ok(pong)) if pong == "PONG")
+    }
+
+    /// A connection of `epoch` failed on the wire: that epoch is over.
+    fn failed(&self, epoch: u64) {
+        let _ = self
+            .epoch
+            .compare_exchange(epoch, epoch + 1, Ordering::AcqRel, Ordering::Relaxed);
+    }
+}
+
+/// Why no connection was had.
+pub(super) enum Fault {
+    Redis(RedisError),
+    Pool(PoolError<RedisError>),
 }
 
 pub(super) enum Connections {
-    Server(managed::Pool<ServerManager>),
+    Server(Arc<Shared<ServerConnector>>),
     Pool(deadpool_redis::Pool),
     #[cfg(feature = "redis-cluster")]
-    Cluster(managed::Pool<ClusterManager>),
+    Cluster(Arc<Shared<ClusterConnector>>),
     #[cfg(feature = "redis-cluster")]
     ClusterPool(deadpool_redis::cluster::Pool),
 }
 
 impl Connections {
-    pub(super) async fn get(
-        &self,
-        timeouts: &Timeouts,
-    ) -> Result<Connection, PoolError<RedisError>> {
+    /// A connection for one call.
+    pub(super) async fn get(&self, timeouts: &Timeouts) -> Result<Connection, Fault> {
         // A pool built without a runtime cannot time its own waits; the
         // store's timeout around this call bounds them instead.
         macro_rules! get {
@@ -107,77 +223,106 @@ impl Connections {
                     }
                     other => other.map(Connection::$variant),
                 }
+                .map_err(Fault::Pool)
             };
         }
         match self {
-            Connections::Server(pool) => get!(pool, Server),
+            Connections::Server(shared) => shared
+                .get()
+                .await
+                .map(|(epoch, conn)| Connection::Server { epoch, conn })
+                .map_err(Fault::Redis),
             Connections::Pool(pool) => get!(pool, Pool),
             #[cfg(feature = "redis-cluster")]
-            Connections::Cluster(pool) => get!(pool, Cluster),
+            Connections::Cluster(shared) => shared
+                .get()
+                .await
+                .map(|(epoch, conn)| Connection::Cluster { epoch, conn })
+                .map_err(Fault::Redis),
             #[cfg(feature = "redis-cluster")]
             Connections::ClusterPool(pool) => get!(pool, ClusterPool),
         }
     }
 
-    /// Closes every idle connection of the store's own pools. After one
-    /// connection broke (a server restart, a failover), the idle ones are
-    /// most likely broken too, and each would fail one request before the
-    /// pool noticed. A pool the application handed over is left alone.
-    pub(super) fn close_idle(&self) {
-        match self {
-            Connections::Server(pool) => drop(pool.retain(|_, _| false)),
-            // A pool handed to the store may serve the rest of the
-            // application too: it is not the store's to empty.
-            Connections::Pool(_) => {}
+    /// `conn` failed on the wire (or never answered): it is not used again,
+    /// and neither are the store's other connections opened before.
+    pub(super) fn failed(&self, conn: Failed) {
+        match (self, conn) {
+            (Connections::Server(shared), Failed::Epoch(epoch)) => shared.failed(epoch),
             #[cfg(feature = "redis-cluster")]
-            Connections::Cluster(pool) => drop(pool.retain(|_, _| false)),
-            #[cfg(feature = "redis-cluster")]
-            Connections::ClusterPool(_) => {}
+            (Connections::Cluster(shared), Failed::Epoch(epoch)) => shared.failed(epoch),
+            (_, Failed::Pooled(conn)) => conn.discard(),
+            _ => {}
         }
     }
 
-    /// Whether the connections time out their own answers.
-    pub(super) fn time_their_answers(&self) -> bool {
+    /// Whether this is a cluster, and how many connections it keeps (or
+    /// the most the pool opens).
+    pub(super) fn status(&self) -> (bool, usize) {
         match self {
-            Connections::Server(_) => true,
+            Connections::Server(shared) => (false, shared.slots.len()),
+            Connections::Pool(pool) => (false, pool.status().max_size),
             #[cfg(feature = "redis-cluster")]
-            Connections::Cluster(_) => true,
-            _ => false,
-        }
-    }
-
-    /// Whether this is a cluster, and the pool's status.
-    pub(super) fn status(&self) -> (bool, deadpool::Status) {
-        match self {
-            Connections::Server(pool) => (false, pool.status()),
-            Connections::Pool(pool) => (false, pool.status()),
+            Connections::Cluster(shared) => (true, shared.slots.len()),
             #[cfg(feature = "redis-cluster")]
-            Connections::Cluster(pool) => (true, pool.status()),
-            #[cfg(feature = "redis-cluster")]
-            Connections::ClusterPool(pool) => (true, pool.status()),
+            Connections::ClusterPool(pool) => (true, pool.status().max_size),
         }
     }
 }
 
+/// One call's connection: a clone of a shared one, or one checked out of a
+/// pool.
 pub(super) enum Connection {
-    Server(Object<ServerManager>),
+    Server {
+        epoch: u64,
+        conn: MultiplexedConnection,
+    },
     Pool(deadpool_redis::Connection),
     #[cfg(feature = "redis-cluster")]
-    Cluster(Object<ClusterManager>),
+    Cluster {
+        epoch: u64,
+        conn: redis::cluster_async::ClusterConnection,
+    },
     #[cfg(feature = "redis-cluster")]
     ClusterPool(deadpool_redis::cluster::Connection),
 }
 
+/// What to close after a failure.
+pub(super) enum Failed {
+    Epoch(u64),
+    Pooled(Connection),
+}
+
 impl Connection {
-    /// Closes a connection that failed, instead of returning it to the pool.
-    pub(super) fn discard(self) {
+    /// What to close when this connection failed.
+    pub(super) fn failed(self) -> Failed {
         match self {
-            Connection::Server(conn) => drop(Object::take(conn)),
+            Connection::Server { epoch, .. } => Failed::Epoch(epoch),
+            #[cfg(feature = "redis-cluster")]
+            Connection::Cluster { epoch, .. } => Failed::Epoch(epoch),
+            pooled => Failed::Pooled(pooled),
+        }
+    }
+
+    /// What to close when a call on this connection never came back; a
+    /// pooled connection is in the lost call's hands.
+    pub(super) fn lost(&self) -> Option<Failed> {
+        match self {
+            Connection::Server { epoch, .. } => Some(Failed::Epoch(*epoch)),
+            #[cfg(feature = "redis-cluster")]
+            Connection::Cluster { epoch, .. } => Some(Failed::Epoch(*epoch)),
+            _ => None,
+        }
+    }
+
+    /// Closes a pooled connection that failed, instead of returning it to
+    /// the pool.
+    fn discard(self) {
+        match self {
             Connection::Pool(conn) => drop(deadpool_redis::Connection::take(conn)),
             #[cfg(feature = "redis-cluster")]
-            Connection::Cluster(conn) => drop(Object::take(conn)),
-            #[cfg(feature = "redis-cluster")]
             Connection::ClusterPool(conn) => drop(deadpool_redis::cluster::Connection::take(conn)),
+            _ => {}
         }
     }
 }
@@ -185,10 +330,10 @@ impl Connection {
 macro_rules! each {
     ($self:expr, $conn:ident => $body:expr) => {
         match $self {
-            Connection::Server($conn) => $body,
+            Connection::Server { conn: $conn, .. } => $body,
             Connection::Pool($conn) => $body,
             #[cfg(feature = "redis-cluster")]
-            Connection::Cluster($conn) => $body,
+            Connection::Cluster { conn: $conn, .. } => $body,
             #[cfg(feature = "redis-cluster")]
             Connection::ClusterPool($conn) => $body,
         }

@@ -1,0 +1,297 @@
+//! The Redis store under load and through stalls, against a real
+//! `redis-server` of its own: load alone is never a store error, and a
+//! charge whose caller stopped waiting never stays charged.
+
+#![cfg(feature = "redis")]
+
+mod redis_support;
+
+use std::process::Command;
+use std::time::{Duration, Instant};
+
+use axum::body::Body;
+use axum::routing::get;
+use axum::Router;
+use http::{Request, StatusCode};
+use tower::ServiceExt;
+use tower_quota::jiff::{SignedDuration, Timestamp};
+use tower_quota::store::{ChargeLine, ChargeRequest, Lifetime, RedisStore, Store, StoreErrorKind};
+use tower_quota::{FromHeader, Namespace, OnStoreError, PeriodKey, QuotaLayer, Subject};
+
+use redis_support::RedisServer;
+
+fn key(allowance: &str) -> PeriodKey {
+    Namespace::default().key(&Subject::account("acme"), allowance, "PT1H")
+}
+
+fn charge(key: &PeriodKey, limit: u64) -> ChargeRequest {
+    let now = Timestamp::now();
+    ChargeRequest {
+        now,
+        lines: vec![ChargeLine {
+            key: key.clone(),
+            limit,
+            cost: 1,
+            lifetime: Lifetime::FirstUse {
+                deadline: now + SignedDuration::from_hours(1),
+            },
+        }],
+    }
+}
+
+/// The counter's count, as Redis holds it.
+fn used(server: &RedisServer, key: &PeriodKey) -> String {
+    server.cli(&["hget", key.as_str(), "n"])
+}
+
+/// Stops the server's process (SIGSTOP) until dropped or resumed: it
+/// accepts bytes on its sockets but answers nothing.
+struct Stopped {
+    pid: u32,
+    running: bool,
+}
+
+impl Stopped {
+    fn new(server: &RedisServer) -> Self {
+        let pid = server.pid().expect("the server runs");
+        signal("-STOP", pid);
+        Self {
+            pid,
+            running: false,
+        }
+    }
+
+    fn resume(&mut self) {
+        if !self.running {
+            signal("-CONT", self.pid);
+            self.running = true;
+        }
+    }
+}
+
+impl Drop for Stopped {
+    fn drop(&mut self) {
+        self.resume();
+    }
+}
+
+fn signal(which: &str, pid: u32) {
+    let status = Command::new("kill")
+        .args([which, &pid.to_string()])
+        .status()
+        .expect("kill runs");
+    assert!(status.success(), "kill {which} {pid}");
+}
+
+/// Waits until the store has no call in flight: every queued script has
+/// been answered and every charge whose caller stopped waiting given back.
+async fn quiet(store: &RedisStore) {
+    let deadline = Instant::now() + Duration::from_secs(10);
+    while store.in_flight() > 0 {
+        assert!(
+            Instant::now() < deadline,
+            "the store is still busy: {store:?}"
+        );
+        tokio::time::sleep(Duration::from_millis(10)).await;
+    }
+}
+
+fn call(account: &str) -> Request<Body> {
+    Request::get("/")
+        .header("x-account-id", account)
+        .body(Body::empty())
+        .unwrap()
+}
+
+/// 1 000 concurrent requests of one subject with a limit of 500, through a
+/// layer on a store with its default connections (two) and bound on calls
+/// in flight.
+///
+/// With an optimised build (`cargo test --release`) the timeouts are the
+/// defaults too (80 ms for the store, 100 ms for the layer). An unoptimised
+/// build spends ~10 times the CPU per request, and on two cores the last of
+/// 1 000 requests queues for longer than that in the test's own runtime, so
+/// there both get a second.
+async fn a_thousand_concurrent_requests(policy: OnStoreError) {
+    let server = redis_server_or_skip!();
+    let mut store = RedisStore::builder(server.url());
+    let mut store_timeout = Duration::from_millis(100);
+    if cfg!(debug_assertions) {
+        store = store.timeout(Duration::from_secs(1));
+        store_timeout = Duration::from_secs(2);
+    }
+    let store = store.build().unwrap();
+    store.preload().await.unwrap();
+    let app = Router::new().route("/", get(|| async { "ok" })).layer(
+        QuotaLayer::daily(500, FromHeader::account("x-account-id"))
+            .store(store.clone())
+            .store_timeout(Some(store_timeout))
+            .on_store_error(policy),
+    );
+    let mut calls = tokio::task::JoinSet::new();
+    for _ in 0..1_000 {
+        let app = app.clone();
+        calls.spawn(async move { app.oneshot(call("crowd")).await.unwrap().status() });
+    }
+    let (mut ok, mut refused, mut other) = (0, 0, Vec::new());
+    while let Some(status) = calls.join_next().await {
+        match status.unwrap() {
+            StatusCode::OK => ok += 1,
+            StatusCode::TOO_MANY_REQUESTS => refused += 1,
+            status => other.push(status),
+        }
+    }
+    assert_eq!(
+        (ok, refused, other),
+        (500, 500, vec![]),
+        "load alone is no store error"
+    );
+    assert_eq!(server.cli(&["dbsize"]), "1");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_thousand_concurrent_requests_admit_exactly_the_limit_failing_open() {
+    a_thousand_concurrent_requests(OnStoreError::FailOpen).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_thousand_concurrent_requests_admit_exactly_the_limit_failing_closed() {
+    a_thousand_concurrent_requests(OnStoreError::FailClosed {
+        retry_after: Duration::from_secs(1),
+    })
+    .await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn charges_that_failed_during_a_stall_are_not_charged_after_it() {
+    let server = redis_server_or_skip!();
+    let budget = Duration::from_millis(100);
+    let store = RedisStore::builder(server.url())
+        .timeout(budget)
+        .build()
+        .unwrap();
+    store.preload().await.unwrap();
+    let key = key("stall");
+    assert!(store.charge(charge(&key, 100)).await.unwrap().admitted);
+
+    let mut stopped = Stopped::new(&server);
+    let mut calls = tokio::task::JoinSet::new();
+    for _ in 0..150 {
+        let store = store.clone();
+        let key = key.clone();
+        calls.spawn(async move {
+            let started = Instant::now();
+            let result = store.charge(charge(&key, 100)).await;
+            (result.map(|o| o.admitted), started.elapsed())
+        });
+    }
+    while let Some(answer) = calls.join_next().await {
+        let (result, took) = answer.unwrap();
+        let error = result.expect_err("a stopped server answers nothing");
+        assert_eq!(error.kind(), StoreErrorKind::Timeout, "{error}");
+        assert!(took < budget * 2, "answered after {took:?}");
+    }
+    assert!(store.in_flight() >= 150, "{store:?}");
+
+    // The queued scripts run now: every charge they apply is given back.
+    stopped.resume();
+    quiet(&store).await;
+    assert_eq!(used(&server, &key), "1", "only the admitted request counts");
+    assert!(format!("{store:?}").contains("given_back: 99"), "{store:?}");
+
+    for i in 0..99 {
+        let outcome = store.charge(charge(&key, 100)).await.unwrap();
+        assert!(outcome.admitted, "charge {i} after the stall");
+    }
+    let outcome = store.charge(charge(&key, 100)).await.unwrap();
+    assert!(!outcome.admitted);
+    assert_eq!(outcome.usage[0].used, 100);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_dropped_charge_never_stays_charged() {
+    let server = redis_server_or_skip!();
+    let store = RedisStore::builder(server.url())
+        .timeout(Duration::from_secs(5))
+        .build()
+        .unwrap();
+    store.preload().await.unwrap();
+    let key = key("dropped");
+    assert!(store.charge(charge(&key, 10)).await.unwrap().admitted);
+
+    let mut stopped = Stopped::new(&server);
+    for _ in 0..5 {
+        // The caller gives up long before the store's own timeout.
+        let gave_up =
+            tokio::time::timeout(Duration::from_millis(5), store.charge(charge(&key, 10)))
+                .await
+                .is_err();
+        assert!(gave_up);
+    }
+    // A layer whose own timeout is shorter than the store's.
+    let app = Router::new().route("/", get(|| async { "ok" })).layer(
+        QuotaLayer::daily(10, FromHeader::account("x-account-id"))
+            .store(store.clone())
+            .store_timeout(Some(Duration::from_millis(20))),
+    );
+    let response = app.oneshot(call("acme")).await.unwrap();
+    assert_eq!(response.status(), StatusCode::SERVICE_UNAVAILABLE);
+
+    stopped.resume();
+    quiet(&store).await;
+    assert_eq!(
+        used(&server, &key),
+        "1",
+        "the abandoned charges were given back"
+    );
+    // The layer's own counter, if its charge reached Redis, holds nothing.
+    for other in server.cli(&["keys", "*"]).lines() {
+        if other != key.as_str() {
+            assert_eq!(server.cli(&["hget", other, "n"]), "0", "{other}");
+        }
+    }
+    let outcome = store.charge(charge(&key, 10)).await.unwrap();
+    assert_eq!(outcome.usage[0].used, 2, "charges work again");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn calls_beyond_max_in_flight_fail_within_the_budget_and_send_nothing() {
+    let server = redis_server_or_skip!();
+    let budget = Duration::from_millis(100);
+    let store = RedisStore::builder(server.url())
+        .timeout(budget)
+        .max_in_flight(10)
+        .build()
+        .unwrap();
+    store.preload().await.unwrap();
+    let key = key("bound");
+    assert!(store.charge(charge(&key, 100)).await.unwrap().admitted);
+
+    let mut stopped = Stopped::new(&server);
+    let mut calls = tokio::task::JoinSet::new();
+    for _ in 0..10 {
+        let store = store.clone();
+        let key = key.clone();
+        calls.spawn(async move { store.charge(charge(&key, 100)).await });
+    }
+    // The ten are sent and followed; the next finds no room.
+    let deadline = Instant::now() + Duration::from_secs(5);
+    while store.in_flight() < 10 {
+        assert!(Instant::now() < deadline, "{store:?}");
+        tokio::time::sleep(Duration::from_millis(5)).await;
+    }
+    let started = Instant::now();
+    let error = store.charge(charge(&key, 100)).await.unwrap_err();
+    assert!(started.elapsed() < budget * 2, "{:?}", started.elapsed());
+    assert_eq!(error.kind(), StoreErrorKind::Timeout);
+    assert!(error.to_string().contains("max_in_flight"), "{error}");
+    while let Some(result) = calls.join_next().await {
+        assert_eq!(result.unwrap().unwrap_err().kind(), StoreErrorKind::Timeout);
+    }
+
+    stopped.resume();
+    quiet(&store).await;
+    assert_eq!(used(&server, &key), "1");
+    let outcome = store.charge(charge(&key, 100)).await.unwrap();
+    assert_eq!(outcome.usage[0].used, 2);
+}
