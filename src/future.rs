@@ -48,6 +48,7 @@ pin_project! {
             #[pin]
             timeout: Option<Sleep>,
             pending: Option<Pending<S, St, ReqBody>>,
+            timer: crate::metrics::ChargeTimer,
         },
         // Admitted (or passing uncounted when `after` is `None`): the inner
         // service answers.
@@ -319,6 +320,9 @@ fn settle<St: Store>(store: St, charged_at: Timestamp, ops: Vec<(PeriodKey, Adju
                 Adjust::Refund(amount) => store.refund(charged_at, key.clone(), amount).await,
                 Adjust::Add(amount) => store.add(charged_at, key.clone(), amount).await,
             };
+            if let (Adjust::Refund(_), Ok(Some(_))) = (op, &result) {
+                crate::metrics::refunded();
+            }
             results.push(result.unwrap_or_else(|error| {
                 tracing::warn!(%error, key = key.as_str(), ?op, "quota store failed to adjust a charge after the response");
                 None
@@ -350,6 +354,7 @@ where
             state: State::Charging {
                 charge,
                 timeout: None,
+                timer: crate::metrics::ChargeTimer::start(),
                 pending: Some(Pending {
                     inner,
                     request,
@@ -417,6 +422,7 @@ where
                 return State::Charging {
                     charge: store.charge(charge),
                     timeout: None,
+                    timer: crate::metrics::ChargeTimer::start(),
                     pending: Some(Pending {
                         inner,
                         request,
@@ -492,6 +498,7 @@ where
                     charge,
                     mut timeout,
                     pending,
+                    timer,
                 } => {
                     let answer = match charge.poll(cx) {
                         Poll::Ready(answer) => answer,
@@ -518,6 +525,7 @@ where
                             ))
                         }
                     };
+                    timer.stop::<St>();
                     let pending = pending.take().expect("polled after completion");
                     let next = decided(pending, answer);
                     this.state.set(next);

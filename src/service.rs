@@ -288,6 +288,7 @@ impl<S: Clone, E, St> QuotaService<S, E, St> {
         S: Service<Request<ReqBody>, Response = Response<ResBody>>,
         St: Store,
     {
+        crate::metrics::skipped(&self.charges.full.quotas);
         parts
             .extensions
             .insert(QuotaStatus::exempt(self.shared.id, now));
