@@ -5,7 +5,7 @@
 //! cargo run --release --example server -- --listen 127.0.0.1:8080 --limit 1000 --period 1d \
 //!     --anchor calendar [--tz UTC] [--subject account|user|device] [--store memory] \
 //!     [--on-store-error open|closed] [--quota off] [--burst 10] [--plans free=100,pro=10000] \
-//!     [--admin-token T]
+//!     [--admin-token T] [--metrics]
 //! ```
 //!
 //! With `--features redis`, `--store redis://127.0.0.1:6379/` keeps the
@@ -27,6 +27,9 @@
 //!   /admin/quota/{kind}/{id}`, `POST /admin/reset/{kind}/{id}/{allowance}`,
 //!   `POST /admin/refund/{kind}/{id}/{allowance}?amount=N`), for requests
 //!   with `Authorization: Bearer T`.
+//!
+//! - With `--metrics` (a build with `--features metrics`), `GET /metrics`:
+//!   the layer's metrics in the Prometheus text format; never charged.
 //!
 //! Unknown paths (404) and wrong methods (405) are never charged. With
 //! `--plans free=100,pro=10000`, the caller's plan comes from the `x-plan`
@@ -54,7 +57,7 @@ use tower_quota::{
 const USAGE: &str =
     "usage: server [--listen ADDR] [--limit N] [--period 10s|1m|1h|1d|1w|1mo|Ns|Nm|Nh] \
 [--anchor calendar|first-use] [--tz ZONE] [--subject account|user|device] [--store memory|redis://HOST:PORT/] \
-[--on-store-error open|closed] [--quota on|off] [--burst N] [--plans NAME=N,NAME=N] [--admin-token T]";
+[--on-store-error open|closed] [--quota on|off] [--burst N] [--plans NAME=N,NAME=N] [--admin-token T] [--metrics]";
 
 struct Options {
     listen: SocketAddr,
@@ -68,6 +71,7 @@ struct Options {
     burst: u64,
     plans: Vec<(String, u64)>,
     admin_token: Option<String>,
+    metrics: bool,
 }
 
 fn fail(message: &str) -> ! {
@@ -136,6 +140,7 @@ fn parse_args() -> Options {
         burst: 10,
         plans: Vec::new(),
         admin_token: None,
+        metrics: false,
     };
     let mut tz = None;
     let mut args = std::env::args().skip(1);
@@ -143,6 +148,10 @@ fn parse_args() -> Options {
         if flag == "--help" || flag == "-h" {
             println!("{USAGE}");
             exit(0);
+        }
+        if flag == "--metrics" {
+            options.metrics = true;
+            continue;
         }
         let value = args
             .next()
@@ -388,6 +397,44 @@ fn app<St: Store>(options: &Options, store: St) -> Router {
     app.method_not_allowed_fallback(unrouted::MethodNotAllowed)
 }
 
+/// `GET /metrics`, in the Prometheus text format, outside every quota layer.
+#[cfg(feature = "metrics")]
+fn with_metrics(app: Router) -> Router {
+    use metrics_exporter_prometheus::PrometheusBuilder;
+
+    let handle = PrometheusBuilder::new()
+        .install_recorder()
+        .unwrap_or_else(|e| fail(&format!("--metrics: {e}")));
+    tower_quota::metrics::describe();
+    // Without the exporter's own listener, upkeep (draining histograms) is
+    // the application's job.
+    let upkeep = handle.clone();
+    tokio::spawn(async move {
+        let mut every = tokio::time::interval(Duration::from_secs(5));
+        loop {
+            every.tick().await;
+            upkeep.run_upkeep();
+        }
+    });
+    app.route(
+        "/metrics",
+        get(move || {
+            let text = handle.render();
+            async move {
+                (
+                    [(http::header::CONTENT_TYPE, "text/plain; version=0.0.4")],
+                    text,
+                )
+            }
+        }),
+    )
+}
+
+#[cfg(not(feature = "metrics"))]
+fn with_metrics(_: Router) -> Router {
+    fail("--metrics needs a build with `--features metrics`")
+}
+
 async fn serve(options: Options) {
     let app = match options.store.as_str() {
         "memory" => {
@@ -422,6 +469,11 @@ async fn serve(options: Options) {
                 " (build with --features redis for a redis:// URL)"
             }
         )),
+    };
+    let app = if options.metrics {
+        with_metrics(app)
+    } else {
+        app
     };
     let listener = tokio::net::TcpListener::bind(options.listen)
         .await
