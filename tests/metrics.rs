@@ -3,6 +3,9 @@
 
 #![cfg(feature = "metrics")]
 
+#[cfg(feature = "redis")]
+mod redis_support;
+
 use std::future::{ready, Future};
 
 use axum::body::Body;
@@ -370,4 +373,38 @@ fn descriptions_go_to_the_recorder() {
     let (unit, description) = described.expect("described");
     assert_eq!(unit, metrics::Unit::Count);
     assert!(description.contains("outcome"));
+}
+
+#[cfg(feature = "redis")]
+#[test]
+fn redis_charges_are_timed_and_healed_counters_counted() {
+    use std::time::Duration;
+    use tower_quota::store::RedisStore;
+
+    let server = redis_server_or_skip!();
+    let seen = recorded(|| async {
+        let store = RedisStore::new(server.url()).unwrap();
+        let app = Router::new().route("/", get(|| async { "hello" })).layer(
+            QuotaLayer::new(account())
+                .quota(Quota::rolling(10, Duration::from_secs(3_600)))
+                .store(store),
+        );
+        assert_eq!(get_as(&app, "/", Some(SUBJECT), &[]).await, StatusCode::OK);
+        // Someone takes the counter's deadline away; the next charge heals it.
+        let keys = server.cli(&["KEYS", "*"]);
+        let key = keys.lines().next().expect("the counter's key");
+        assert_eq!(server.cli(&["PERSIST", key]), "1");
+        assert_eq!(get_as(&app, "/", Some(SUBJECT), &[]).await, StatusCode::OK);
+        assert_ne!(server.cli(&["PTTL", key]), "-1");
+    });
+    assert_eq!(seen.counter(COUNTERS_HEALED, &[]), 1);
+    assert_eq!(seen.observations(CHARGE_DURATION, &[("store", "redis")]), 2);
+    assert_eq!(
+        seen.counter(
+            DECISIONS,
+            &[("outcome", "admitted"), ("allowance", "default")]
+        ),
+        2
+    );
+    seen.assert_no_subject_in_labels();
 }
