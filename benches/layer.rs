@@ -7,7 +7,10 @@
 //! `call(request).await` and dropping the response, one request after the
 //! other on a current-thread tokio runtime.
 //!
-//! `cargo bench --bench layer`
+//! `cargo bench --bench layer`; with `--features metrics`, the layer records
+//! its metrics (into no recorder: the facade's no-op), and a variant runs
+//! with a Prometheus recorder (built, not serving) as the recorder of the
+//! thread.
 
 use std::convert::Infallible;
 use std::hint::black_box;
@@ -109,6 +112,21 @@ fn layer(c: &mut Criterion) {
         group.bench_function(name, |b| {
             b.iter_custom(|iters| drive(&runtime, &mut service, &mut subjects, iters));
         });
+        #[cfg(feature = "metrics")]
+        {
+            let recorder = metrics_exporter_prometheus::PrometheusBuilder::new().build_recorder();
+            let handle = recorder.handle();
+            group.bench_function(format!("{name}, Prometheus recorder"), |b| {
+                b.iter_custom(|iters| {
+                    let elapsed = metrics::with_local_recorder(&recorder, || {
+                        drive(&runtime, &mut service, &mut subjects, iters)
+                    });
+                    // Drains the histograms, outside the timing.
+                    handle.run_upkeep();
+                    elapsed
+                });
+            });
+        }
     }
     group.finish();
 }

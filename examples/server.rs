@@ -5,7 +5,7 @@
 //! cargo run --release --example server -- --listen 127.0.0.1:8080 --limit 1000 --period 1d \
 //!     --anchor calendar [--tz UTC] [--subject account|user|device] [--store memory] \
 //!     [--on-store-error open|closed] [--quota off] [--burst 10] [--plans free=100,pro=10000] \
-//!     [--admin-token T] [--shadow]
+//!     [--admin-token T] [--shadow] [--metrics]
 //! ```
 //!
 //! With `--features redis`, `--store redis://127.0.0.1:6379/` keeps the
@@ -27,6 +27,9 @@
 //!   /admin/quota/{kind}/{id}`, `POST /admin/reset/{kind}/{id}/{allowance}`,
 //!   `POST /admin/refund/{kind}/{id}/{allowance}?amount=N`), for requests
 //!   with `Authorization: Bearer T`.
+//!
+//! - With `--metrics` (a build with `--features metrics`), `GET /metrics`:
+//!   the layer's metrics in the Prometheus text format; never charged.
 //!
 //! Unknown paths (404) and wrong methods (405) are never charged. With
 //! `--plans free=100,pro=10000`, the caller's plan comes from the `x-plan`
@@ -56,7 +59,7 @@ const USAGE: &str =
     "usage: server [--listen ADDR] [--limit N] [--period 10s|1m|1h|1d|1w|1mo|Ns|Nm|Nh] \
 [--anchor calendar|first-use] [--tz ZONE] [--subject account|user|device] [--store memory|redis://HOST:PORT/] \
 [--on-store-error open|closed] [--quota on|off] [--burst N] [--plans NAME=N,NAME=N] [--admin-token T] \
-[--shadow on|off]";
+[--shadow] [--metrics]";
 
 struct Options {
     listen: SocketAddr,
@@ -71,6 +74,7 @@ struct Options {
     plans: Vec<(String, u64)>,
     admin_token: Option<String>,
     shadow: bool,
+    metrics: bool,
 }
 
 fn fail(message: &str) -> ! {
@@ -140,6 +144,7 @@ fn parse_args() -> Options {
         plans: Vec::new(),
         admin_token: None,
         shadow: false,
+        metrics: false,
     };
     let mut tz = None;
     let mut args = std::env::args().skip(1);
@@ -151,6 +156,10 @@ fn parse_args() -> Options {
         if flag == "--shadow" {
             // Every quota counted and reported, none enforced.
             options.shadow = true;
+            continue;
+        }
+        if flag == "--metrics" {
+            options.metrics = true;
             continue;
         }
         let value = args
@@ -380,6 +389,44 @@ fn app<St: Store>(options: &Options, store: St) -> Router {
     app.method_not_allowed_fallback(unrouted::MethodNotAllowed)
 }
 
+/// `GET /metrics`, in the Prometheus text format, outside every quota layer.
+#[cfg(feature = "metrics")]
+fn with_metrics(app: Router) -> Router {
+    use metrics_exporter_prometheus::PrometheusBuilder;
+
+    let handle = PrometheusBuilder::new()
+        .install_recorder()
+        .unwrap_or_else(|e| fail(&format!("--metrics: {e}")));
+    tower_quota::metrics::describe();
+    // Without the exporter's own listener, upkeep (draining histograms) is
+    // the application's job.
+    let upkeep = handle.clone();
+    tokio::spawn(async move {
+        let mut every = tokio::time::interval(Duration::from_secs(5));
+        loop {
+            every.tick().await;
+            upkeep.run_upkeep();
+        }
+    });
+    app.route(
+        "/metrics",
+        get(move || {
+            let text = handle.render();
+            async move {
+                (
+                    [(http::header::CONTENT_TYPE, "text/plain; version=0.0.4")],
+                    text,
+                )
+            }
+        }),
+    )
+}
+
+#[cfg(not(feature = "metrics"))]
+fn with_metrics(_: Router) -> Router {
+    fail("--metrics needs a build with `--features metrics`")
+}
+
 async fn serve(options: Options) {
     let app = match options.store.as_str() {
         "memory" => {
@@ -414,6 +461,11 @@ async fn serve(options: Options) {
                 " (build with --features redis for a redis:// URL)"
             }
         )),
+    };
+    let app = if options.metrics {
+        with_metrics(app)
+    } else {
+        app
     };
     let listener = tokio::net::TcpListener::bind(options.listen)
         .await

@@ -107,6 +107,7 @@ pub(crate) fn decide(
     how: Answer<'_>,
     answer: Result<ChargeOutcome, StoreError>,
 ) -> Decision {
+    crate::metrics::decided(quotas, &answer);
     match answer {
         Ok(ChargeOutcome {
             admitted: true,

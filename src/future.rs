@@ -48,6 +48,7 @@ pin_project! {
             #[pin]
             timeout: Option<Sleep>,
             pending: Option<Pending<S, St, ReqBody>>,
+            timer: crate::metrics::ChargeTimer,
         },
         // Admitted (or passing uncounted when `after` is `None`): the inner
         // service answers.
@@ -337,6 +338,9 @@ fn settle<St: Store>(store: St, charged_at: Timestamp, ops: Vec<(PeriodKey, Adju
                 Adjust::Refund(amount) => store.refund(charged_at, key.clone(), amount).await,
                 Adjust::Add(amount) => store.add(charged_at, key.clone(), amount).await,
             };
+            if let (Adjust::Refund(_), Ok(Some(_))) = (op, &result) {
+                crate::metrics::refunded();
+            }
             results.push(result.unwrap_or_else(|error| {
                 tracing::warn!(%error, key = key.as_str(), ?op, "quota store failed to adjust a charge after the response");
                 None
@@ -368,6 +372,7 @@ where
             state: State::Charging {
                 charge,
                 timeout: None,
+                timer: crate::metrics::ChargeTimer::start(),
                 pending: Some(Pending {
                     inner,
                     request,
@@ -409,6 +414,7 @@ fn shadow_limits<St: Store>(admission: &Admission<St>, usage: &mut [Usage]) {
         }
         usage.limit = limit;
         if usage.used > limit {
+            crate::metrics::shadow_refused(quota);
             if let Some(suppressed) = SHADOW_REFUSALS.admit() {
                 tracing::info!(
                     quota = quota.name(),
@@ -472,6 +478,7 @@ where
                 return State::Charging {
                     charge: store.charge(charge),
                     timeout: None,
+                    timer: crate::metrics::ChargeTimer::start(),
                     pending: Some(Pending {
                         inner,
                         request,
@@ -554,6 +561,7 @@ where
                     charge,
                     mut timeout,
                     pending,
+                    timer,
                 } => {
                     let answer = match charge.poll(cx) {
                         Poll::Ready(answer) => answer,
@@ -580,6 +588,7 @@ where
                             ))
                         }
                     };
+                    timer.stop::<St>();
                     let pending = pending.take().expect("polled after completion");
                     let next = decided(pending, answer);
                     this.state.set(next);

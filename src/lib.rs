@@ -47,6 +47,8 @@
 //! - `redis`: `store::RedisStore`, counters in Redis shared by every
 //!   instance.
 //! - `redis-cluster`: the Redis store on a Redis Cluster.
+//! - `metrics`: the layer's decisions, charge times and refunds through the
+//!   `metrics` facade; the `metrics` module lists the names and labels.
 //! - `testing`: the `testing` module, the conformance suite every store must
 //!   pass.
 
@@ -66,6 +68,13 @@ mod future;
 mod handle;
 pub mod key;
 mod layer;
+#[cfg(feature = "metrics")]
+#[cfg_attr(docsrs, doc(cfg(feature = "metrics")))]
+pub mod metrics;
+// Without the feature: the same calls, doing nothing.
+#[cfg(not(feature = "metrics"))]
+#[allow(dead_code, unreachable_pub, unused_imports)]
+mod metrics;
 pub mod period;
 mod policy;
 mod probe;

@@ -373,6 +373,12 @@ impl Quota {
         &self.0.allowance
     }
 
+    /// The allowance tag, shared: a metrics label without a copy.
+    #[cfg(feature = "metrics")]
+    pub(crate) fn allowance_shared(&self) -> &Arc<str> {
+        &self.0.allowance
+    }
+
     /// The period.
     pub fn period(&self) -> &Period {
         &self.0.period

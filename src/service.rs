@@ -313,6 +313,7 @@ impl<S: Clone, E, St> QuotaService<S, E, St> {
         S: Service<Request<ReqBody>, Response = Response<ResBody>>,
         St: Store,
     {
+        crate::metrics::skipped(&self.charges.full.quotas);
         tracing::debug_span!(
             "quota",
             allowance = %Allowances(&self.charges.own.quotas),

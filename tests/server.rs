@@ -328,3 +328,61 @@ async fn demo_server_in_shadow_mode_counts_and_never_refuses() {
         3
     );
 }
+
+/// The value of the Prometheus sample `name{..}` whose labels include all of
+/// `labels`, if the text has one.
+#[cfg(feature = "metrics")]
+fn sample(text: &str, name: &str, labels: &[&str]) -> Option<f64> {
+    text.lines().find_map(|line| {
+        let rest = line.strip_prefix(name)?.strip_prefix('{')?;
+        let (set, value) = rest.split_once("} ")?;
+        let set: Vec<&str> = set.split(',').collect();
+        labels
+            .iter()
+            .all(|l| set.contains(l))
+            .then(|| value.trim().parse().unwrap())
+    })
+}
+
+#[cfg(feature = "metrics")]
+#[tokio::test]
+async fn demo_server_serves_its_metrics_uncharged() {
+    let server = start(&["--limit", "2", "--metrics"]);
+    for _ in 0..3 {
+        call(&server, "GET", "/read", ACME).await;
+    }
+    // Asked without a subject, twice: never charged, never a decision.
+    for _ in 0..2 {
+        let metrics = call(&server, "GET", "/metrics", &[]).await;
+        assert_eq!(metrics.status, 200);
+        assert!(metrics.header("ratelimit").is_none());
+    }
+    let metrics = call(&server, "GET", "/metrics", &[]).await;
+    assert!(metrics
+        .header("content-type")
+        .unwrap()
+        .starts_with("text/plain"));
+    let text = &metrics.body;
+    assert!(text.contains("tower_quota_decisions_total{"), "{text}");
+    let decisions = |outcome: &str| {
+        sample(
+            text,
+            "tower_quota_decisions_total",
+            &[&format!("outcome=\"{outcome}\""), "allowance=\"read\""],
+        )
+    };
+    assert_eq!(decisions("admitted"), Some(2.0), "{text}");
+    assert_eq!(decisions("refused"), Some(1.0), "{text}");
+    assert_eq!(decisions("skipped"), None, "{text}");
+    assert!(
+        text.contains("tower_quota_charge_duration_seconds"),
+        "{text}"
+    );
+    assert!(text.contains("store=\"memory\""), "{text}");
+    assert!(!text.contains("acme"), "no subject id in the metrics");
+    // The quota still answers as before.
+    assert_eq!(call(&server, "GET", "/quota", ACME).await.status, 200);
+    let status = call(&server, "GET", "/quota", ACME).await;
+    let json: serde_json::Value = serde_json::from_str(&status.body).unwrap();
+    assert_eq!(json["read"]["used"], 2);
+}

@@ -953,6 +953,7 @@ fn log_heal(key: &PeriodKey, heal: i64, charging: bool) {
         _ => "healed",
     };
     if charging {
+        crate::metrics::healed();
         tracing::warn!(key = %key, "quota counter had no deadline; {what}");
     } else {
         tracing::warn!(key = %key, "quota counter has no deadline; the next admitted charge heals it");

@@ -1,0 +1,293 @@
+//! Metrics, through the [`metrics`](https://docs.rs/metrics/0.24) facade
+//! (the `metrics` feature).
+//!
+//! The layer records into whatever recorder the application installed
+//! (`metrics-exporter-prometheus`, a StatsD or OpenTelemetry bridge, ...);
+//! with none installed, the calls cost next to nothing. Without the
+//! feature, nothing is compiled in.
+//!
+//! | name | type | labels |
+//! |---|---|---|
+//! | [`tower_quota_decisions_total`](DECISIONS) | counter | `outcome`, `allowance` |
+//! | [`tower_quota_charge_duration_seconds`](CHARGE_DURATION) | histogram | `store` |
+//! | [`tower_quota_counters_healed_total`](COUNTERS_HEALED) | counter | none |
+//! | [`tower_quota_abandoned_charges_refunded_total`](ABANDONED_CHARGES_REFUNDED) | counter | none |
+//!
+//! No label ever carries a subject id, a key or anything else per caller:
+//! the label values are the few listed here and the allowance tags of the
+//! application's quotas.
+//!
+//! # `tower_quota_decisions_total`
+//!
+//! What the layer did with a request, by `outcome`:
+//!
+//! - [`admitted`](outcome::ADMITTED): charged on every quota, passed on;
+//! - [`refused`](outcome::REFUSED): some quota had no room (the 429, or the
+//!   gRPC `RESOURCE_EXHAUSTED`); nothing was charged;
+//! - [`store_error`](outcome::STORE_ERROR): the store failed or did not
+//!   answer within `store_timeout`; the request passed uncharged (fail open)
+//!   or got the 503 (fail closed), whichever the policy says;
+//! - [`skipped`](outcome::SKIPPED): let through uncounted, by a `skip_if`
+//!   rule or by [`SubjectPolicy::Allow`](crate::SubjectPolicy::Allow) for a
+//!   request without a usable subject;
+//! - [`shadow_refused`](outcome::SHADOW_REFUSED): a quota in shadow mode
+//!   ([`Quota::shadow`](crate::Quota::shadow)) that would have refused the
+//!   request, which passed (labelled with that quota's allowance, beside
+//!   the request's own `admitted`).
+//!
+//! Each decision a layer takes on the store's answer counts once. A request
+//! is usually decided once per policy, by the outermost layer, however many
+//! layers of the policy it passes: one charge on all of their quotas. When
+//! the only quotas without room belong to inner layers (which the request
+//! may not reach), the outer layer charges its own quotas alone and each
+//! inner layer the request reaches decides for itself: such a request is
+//! counted once per layer that decided (`admitted` on the outer layers'
+//! allowances, `refused` on the inner one's), and the outer charges given
+//! back show in [`ABANDONED_CHARGES_REFUNDED`]. Requests answered before any
+//! charge (no subject, a malformed subject, an unknown plan, an invalid
+//! cost) are not counted here: they never reached the quotas.
+//!
+//! `allowance` is the allowance tag of the quotas charged. A request
+//! charged on quotas of several allowances (a `read` layer with a `search`
+//! burst layer inside it) is counted once per allowance, each allowance
+//! once however many of its quotas applied. Each allowance is a budget of
+//! its own, and this way the rate of `refused` per allowance is right
+//! whatever the nesting: labelling the first allowance alone would hide the
+//! inner layers' budgets (the `search` burst limit would never show). The
+//! price: summing over allowances counts such a request several times; to
+//! count requests, select one allowance that every route charges.
+//!
+//! # `tower_quota_charge_duration_seconds`
+//!
+//! From sending a charge to the store's answer, by `store`: `memory`
+//! ([`MemoryStore`](crate::MemoryStore)), `redis` (`RedisStore`) or `other`
+//! (any other type, wrappers of those two included). One observation per
+//! charge: a request refused only by the quota of an inner layer is charged
+//! again by each layer alone (see above), and records once per charge. A charge cut short by `store_timeout` is
+//! recorded at the time waited.
+//!
+//! # `tower_quota_counters_healed_total`
+//!
+//! Counters the Redis store found without a deadline and dated again while
+//! charging (each is also logged as a warning). Should stay at zero: any
+//! increase means another writer on the quota keys, or a counter written by
+//! hand.
+//!
+//! # `tower_quota_abandoned_charges_refunded_total`
+//!
+//! Charges given back after the store had made them, one per counter line
+//! that the store refunded: a server error with `refund_server_errors`, the
+//! quotas of layers the request never reached, an unrouted answer (404,
+//! 405), the charge of an outer layer given back when a hidden inner layer
+//! refuses, and the part of an up-front cost that a deferred cost did not
+//! use. Refunds through [`QuotaHandle`](crate::QuotaHandle) are support
+//! actions and are not counted.
+//!
+//! # Descriptions
+//!
+//! [`describe`] registers a description and unit for each metric with the
+//! recorder installed at the time (for `# HELP` lines in Prometheus); call
+//! it once after installing the recorder.
+
+/// Counter: what the layer did with a request. Labels `outcome` (one of
+/// [`outcome`]'s values) and `allowance`.
+pub const DECISIONS: &str = "tower_quota_decisions_total";
+
+/// Histogram, in seconds: from sending a charge to the store's answer.
+/// Label `store`: [`store::MEMORY`], [`store::REDIS`] or [`store::OTHER`].
+pub const CHARGE_DURATION: &str = "tower_quota_charge_duration_seconds";
+
+/// Counter: counters without a deadline that the Redis store dated again.
+pub const COUNTERS_HEALED: &str = "tower_quota_counters_healed_total";
+
+/// Counter: charges given back after the store had made them.
+pub const ABANDONED_CHARGES_REFUNDED: &str = "tower_quota_abandoned_charges_refunded_total";
+
+/// The values of the `outcome` label of [`DECISIONS`].
+pub mod outcome {
+    /// Charged on every quota and passed on.
+    pub const ADMITTED: &str = "admitted";
+    /// Some quota had no room; nothing was charged.
+    pub const REFUSED: &str = "refused";
+    /// The store failed or timed out (fail open or fail closed).
+    pub const STORE_ERROR: &str = "store_error";
+    /// Let through uncounted: `skip_if`, or `SubjectPolicy::Allow`.
+    pub const SKIPPED: &str = "skipped";
+    /// A shadow quota that would have refused the request (reported, not
+    /// enforced).
+    pub const SHADOW_REFUSED: &str = "shadow_refused";
+}
+
+/// The values of the `store` label of [`CHARGE_DURATION`].
+pub mod store {
+    /// [`MemoryStore`](crate::MemoryStore).
+    pub const MEMORY: &str = "memory";
+    /// `RedisStore` (the `redis` feature).
+    pub const REDIS: &str = "redis";
+    /// Any other store, wrappers of the two above included.
+    pub const OTHER: &str = "other";
+}
+
+pub use self::imp::describe;
+// `healed` is for the Redis store alone.
+#[cfg_attr(not(feature = "redis"), allow(unused_imports))]
+pub(crate) use self::imp::{decided, healed, refunded, shadow_refused, skipped, ChargeTimer};
+
+#[cfg(feature = "metrics")]
+mod imp {
+    use std::any::TypeId;
+    use std::time::Instant;
+
+    use metrics::{counter, describe_counter, describe_histogram, histogram, Unit};
+
+    use super::{outcome, store, ABANDONED_CHARGES_REFUNDED, CHARGE_DURATION};
+    use super::{COUNTERS_HEALED, DECISIONS};
+    use crate::quota::Quota;
+    use crate::store::{ChargeOutcome, StoreError};
+
+    /// Registers the description and unit of each metric with the recorder
+    /// installed now.
+    pub fn describe() {
+        describe_counter!(
+            DECISIONS,
+            Unit::Count,
+            "What the quota layer did with a request, by outcome and allowance"
+        );
+        describe_histogram!(
+            CHARGE_DURATION,
+            Unit::Seconds,
+            "Time from sending a charge to the quota store's answer"
+        );
+        describe_counter!(
+            COUNTERS_HEALED,
+            Unit::Count,
+            "Quota counters found without a deadline and dated again"
+        );
+        describe_counter!(
+            ABANDONED_CHARGES_REFUNDED,
+            Unit::Count,
+            "Quota charges given back after the store had made them"
+        );
+    }
+
+    /// One increment of `outcome` per allowance among `quotas`.
+    fn count(outcome: &'static str, quotas: &[Quota]) {
+        for (i, quota) in quotas.iter().enumerate() {
+            let tag = quota.allowance_shared();
+            if quotas[..i].iter().any(|q| q.allowance_shared() == tag) {
+                continue;
+            }
+            counter!(DECISIONS, "outcome" => outcome, "allowance" => tag.clone()).increment(1);
+        }
+    }
+
+    /// The store's answer to a charge on `quotas`, once decided on.
+    pub(crate) fn decided(quotas: &[Quota], answer: &Result<ChargeOutcome, StoreError>) {
+        let outcome = match answer {
+            Ok(outcome) if outcome.admitted => outcome::ADMITTED,
+            Ok(_) => outcome::REFUSED,
+            Err(_) => outcome::STORE_ERROR,
+        };
+        count(outcome, quotas);
+    }
+
+    /// A request let through uncounted by a layer of `quotas`.
+    pub(crate) fn skipped(quotas: &[Quota]) {
+        count(outcome::SKIPPED, quotas);
+    }
+
+    /// A request a shadow quota would have refused.
+    pub(crate) fn shadow_refused(quota: &Quota) {
+        count(outcome::SHADOW_REFUSED, std::slice::from_ref(quota));
+    }
+
+    /// A counter without a deadline, dated again by a charge.
+    #[cfg_attr(not(feature = "redis"), allow(dead_code))]
+    pub(crate) fn healed() {
+        counter!(COUNTERS_HEALED).increment(1);
+    }
+
+    /// A charge given back after the store had made it. A store that gives
+    /// back charges of its own accord (one whose caller went away before
+    /// the answer, say) calls this too.
+    pub(crate) fn refunded() {
+        counter!(ABANDONED_CHARGES_REFUNDED).increment(1);
+    }
+
+    /// Times one charge, from sending it to the store's answer.
+    pub(crate) struct ChargeTimer(Instant);
+
+    impl ChargeTimer {
+        pub(crate) fn start() -> Self {
+            Self(Instant::now())
+        }
+
+        /// Records the time since `start` for store `St`.
+        pub(crate) fn stop<St: 'static>(&self) {
+            histogram!(CHARGE_DURATION, "store" => store_label::<St>()).record(self.0.elapsed());
+        }
+    }
+
+    /// The `store` label of `St`: the type's name is no stable interface,
+    /// its identity is.
+    fn store_label<St: 'static>() -> &'static str {
+        let id = TypeId::of::<St>();
+        if id == TypeId::of::<crate::MemoryStore>() {
+            return store::MEMORY;
+        }
+        #[cfg(feature = "redis")]
+        if id == TypeId::of::<crate::store::RedisStore>() {
+            return store::REDIS;
+        }
+        store::OTHER
+    }
+
+    #[cfg(test)]
+    mod tests {
+        use super::*;
+
+        #[test]
+        fn stores_are_told_apart_by_type() {
+            assert_eq!(store_label::<crate::MemoryStore>(), "memory");
+            #[cfg(feature = "redis")]
+            assert_eq!(store_label::<crate::store::RedisStore>(), "redis");
+            assert_eq!(store_label::<String>(), "other");
+        }
+    }
+}
+
+/// Without the feature: nothing recorded, nothing kept.
+#[cfg(not(feature = "metrics"))]
+mod imp {
+    use crate::quota::Quota;
+    use crate::store::{ChargeOutcome, StoreError};
+
+    pub fn describe() {}
+
+    #[inline(always)]
+    pub(crate) fn decided(_: &[Quota], _: &Result<ChargeOutcome, StoreError>) {}
+
+    #[inline(always)]
+    pub(crate) fn skipped(_: &[Quota]) {}
+
+    #[inline(always)]
+    pub(crate) fn shadow_refused(_: &Quota) {}
+
+    #[inline(always)]
+    pub(crate) fn healed() {}
+
+    #[inline(always)]
+    pub(crate) fn refunded() {}
+
+    pub(crate) struct ChargeTimer;
+
+    impl ChargeTimer {
+        #[inline(always)]
+        pub(crate) fn start() -> Self {
+            Self
+        }
+
+        #[inline(always)]
+        pub(crate) fn stop<St: 'static>(&self) {}
+    }
+}
