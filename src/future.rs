@@ -94,8 +94,6 @@ pub(crate) struct Admission<St> {
     /// With the store: "now" for the changes.
     pub(crate) clock: Option<Arc<dyn Clock>>,
     pub(crate) status: QuotaStatus,
-    /// Whether the request is a gRPC call, answered as one if refused.
-    pub(crate) grpc: bool,
     /// The decision's span (disabled unless debug logs of the crate are
     /// on): subject kind and hash, allowances, anchors, outcome.
     pub(crate) span: tracing::Span,
@@ -206,7 +204,6 @@ impl<St: Store> Admission<St> {
             store: Some(store),
             clock: self.clock.clone(),
             status,
-            grpc: self.grpc,
             span: self.span.clone(),
         };
         Some((admission, request))
@@ -498,7 +495,8 @@ where
         &layout.cache,
         Answer {
             hook: layout.refusal.as_ref().map(|hook| &*hook.0),
-            grpc: admission.grpc,
+            // Looked up only for an answer that may refuse.
+            grpc: !matches!(&answer, Ok(outcome) if outcome.admitted) && is_grpc(&request),
             subject: ticket.subject_hash,
         },
         answer,
@@ -658,6 +656,15 @@ fn finish<St: Store, ResBody, Error>(
         after.fields().append_to(response.headers_mut());
     }
     Ok(response.map(ResponseBody::inner))
+}
+
+/// Whether `request` is a gRPC call (`content-type: application/grpc` and
+/// its variants), answered as one if refused.
+fn is_grpc<B>(request: &Request<B>) -> bool {
+    request
+        .headers()
+        .get(http::header::CONTENT_TYPE)
+        .is_some_and(|v| v.as_bytes().starts_with(b"application/grpc"))
 }
 
 /// Whether no route served the response (see the `unrouted` handlers).

@@ -243,19 +243,20 @@ where
         } else {
             0
         };
-        let span = tracing::debug_span!(
-            "quota",
-            subject.kind = %subject.kind(),
-            subject.hash = %short_hash(&subject),
-            allowance = %Allowances(&layout.quotas),
-            anchor = %Anchors(&layout.quotas),
-            outcome = tracing::field::Empty,
-        );
+        // Nothing to format when no one listens.
+        let span = if tracing::enabled!(tracing::Level::DEBUG) {
+            tracing::debug_span!(
+                "quota",
+                subject.kind = %subject.kind(),
+                subject.hash = %short_hash(&subject),
+                allowance = %Allowances(&layout.quotas),
+                anchor = %Anchors(&layout.quotas),
+                outcome = tracing::field::Empty,
+            )
+        } else {
+            tracing::Span::none()
+        };
         let charge = shared.store.charge(ChargeRequest { now, lines });
-        let grpc = parts
-            .headers
-            .get(http::header::CONTENT_TYPE)
-            .is_some_and(|v| v.as_bytes().starts_with(b"application/grpc"));
         // Whether the charge can change once the store has answered (and
         // so needs the store again): after the response, or a hidden outer
         // layer's charge given back.
@@ -263,7 +264,6 @@ where
         let admission = Admission {
             store: adjustable.then(|| shared.store.clone()),
             clock: adjustable.then(|| Arc::clone(&settings.clock)),
-            grpc,
             span,
             status: QuotaStatus::new(Ticket {
                 policy: shared.id,
@@ -314,12 +314,14 @@ impl<S: Clone, E, St> QuotaService<S, E, St> {
         St: Store,
     {
         crate::metrics::skipped(&self.charges.full.quotas);
-        tracing::debug_span!(
-            "quota",
-            allowance = %Allowances(&self.charges.own.quotas),
-            outcome = "skipped",
-        )
-        .in_scope(|| tracing::trace!("request passes uncounted"));
+        if tracing::enabled!(tracing::Level::DEBUG) {
+            tracing::debug_span!(
+                "quota",
+                allowance = %Allowances(&self.charges.own.quotas),
+                outcome = "skipped",
+            )
+            .in_scope(|| tracing::trace!("request passes uncounted"));
+        }
         parts
             .extensions
             .insert(QuotaStatus::exempt(self.shared.id, now));
