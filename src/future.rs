@@ -41,6 +41,13 @@ pin_project! {
         S: Service<Request<ReqBody>>,
         St: Store,
     {
+        // Not polled yet: nothing is charged until the request is on its way,
+        // so a response future dropped before it ran spends nothing.
+        Starting {
+            store: Option<St>,
+            charge: Option<ChargeRequest>,
+            pending: Option<Pending<S, St, ReqBody>>,
+        },
         // Waiting for the store's answer to the charge.
         Charging {
             #[pin]
@@ -360,16 +367,16 @@ where
     St: Store,
 {
     pub(crate) fn charging(
-        charge: St::ChargeFuture,
+        store: St,
+        charge: ChargeRequest,
         inner: S,
         request: Request<ReqBody>,
         admission: Admission<St>,
     ) -> Self {
         Self {
-            state: State::Charging {
-                charge,
-                timeout: None,
-                timer: crate::metrics::ChargeTimer::start(),
+            state: State::Starting {
+                store: Some(store),
+                charge: Some(charge),
                 pending: Some(Pending {
                     inner,
                     request,
@@ -555,6 +562,21 @@ where
         let mut this = self.project();
         loop {
             match this.state.as_mut().project() {
+                StateProj::Starting {
+                    store,
+                    charge,
+                    pending,
+                } => {
+                    let store = store.take().expect("polled after completion");
+                    let charge = store.charge(charge.take().expect("polled after completion"));
+                    let pending = pending.take();
+                    this.state.set(State::Charging {
+                        charge,
+                        timeout: None,
+                        timer: crate::metrics::ChargeTimer::start(),
+                        pending,
+                    });
+                }
                 StateProj::Charging {
                     charge,
                     mut timeout,

@@ -256,7 +256,7 @@ where
         } else {
             tracing::Span::none()
         };
-        let charge = shared.store.charge(ChargeRequest { now, lines });
+        let charge = ChargeRequest { now, lines };
         // Whether the charge can change once the store has answered (and
         // so needs the store again): after the response, or a hidden outer
         // layer's charge given back.
@@ -283,7 +283,8 @@ where
         };
 
         let request = Request::from_parts(parts, body);
-        ResponseFuture::charging(charge, self.take_ready(), request, admission)
+        let store = shared.store.clone();
+        ResponseFuture::charging(store, charge, self.take_ready(), request, admission)
     }
 }
 

@@ -4,7 +4,7 @@ use std::collections::{BinaryHeap, HashMap};
 
 use foldhash::fast::RandomState;
 use std::fmt;
-use std::future::{ready, Future};
+use std::future::{ready, Future, Ready};
 use std::hash::BuildHasher;
 use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex, MutexGuard};
@@ -508,35 +508,11 @@ impl fmt::Debug for MemoryStore {
     }
 }
 
-/// The future of [`MemoryStore`]'s charge: the charge happens when it is
-/// first polled, so a request whose response future is dropped before that
-/// spends nothing.
-#[derive(Debug)]
-pub struct MemoryChargeFuture {
-    store: MemoryStore,
-    request: Option<ChargeRequest>,
-}
-
-impl Future for MemoryChargeFuture {
-    type Output = Result<ChargeOutcome, StoreError>;
-
-    fn poll(
-        mut self: std::pin::Pin<&mut Self>,
-        _: &mut std::task::Context<'_>,
-    ) -> std::task::Poll<Self::Output> {
-        let request = self.request.take().expect("polled after completion");
-        std::task::Poll::Ready(self.store.charge_now(&request))
-    }
-}
-
 impl Store for MemoryStore {
-    type ChargeFuture = MemoryChargeFuture;
+    type ChargeFuture = Ready<Result<ChargeOutcome, StoreError>>;
 
     fn charge(&self, request: ChargeRequest) -> Self::ChargeFuture {
-        MemoryChargeFuture {
-            store: self.clone(),
-            request: Some(request),
-        }
+        ready(self.charge_now(&request))
     }
 
     fn peek(
