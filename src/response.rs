@@ -357,19 +357,50 @@ impl Refusal {
         } else {
             14
         };
-        let mut response = Response::new(Bytes::new());
-        let headers = response.headers_mut();
-        headers.insert(CONTENT_TYPE, HeaderValue::from_static("application/grpc"));
-        headers.insert(GRPC_STATUS.clone(), HeaderValue::from(code));
-        let message = percent_encoding::utf8_percent_encode(&self.detail, GRPC_MESSAGE_ESCAPES);
-        let message = HeaderValue::try_from(message.to_string())
-            .expect("a percent-encoded message is a valid header value");
-        headers.insert(GRPC_MESSAGE.clone(), message);
-        if let Some(seconds) = self.retry_after {
-            headers.insert(RETRY_AFTER, HeaderValue::from(seconds));
-        }
-        response
+        grpc_answer(code, &self.detail, self.retry_after)
     }
+}
+
+/// The answer to a request refused before any charge (no usable subject,
+/// an unknown plan, a cost that cannot be worked out): a problem document
+/// with `status`, or for a gRPC call the matching gRPC status
+/// (UNAUTHENTICATED for 401, PERMISSION_DENIED for 403, INVALID_ARGUMENT for
+/// other 4xx, UNAVAILABLE otherwise).
+pub(crate) fn early(
+    status: StatusCode,
+    detail: &str,
+    parts: &http::request::Parts,
+) -> Response<Bytes> {
+    let grpc = parts
+        .headers
+        .get(CONTENT_TYPE)
+        .is_some_and(|v| v.as_bytes().starts_with(b"application/grpc"));
+    if !grpc {
+        return problem(status, detail);
+    }
+    let code: u16 = match status {
+        StatusCode::UNAUTHORIZED => 16,
+        StatusCode::FORBIDDEN => 7,
+        s if s.is_client_error() => 3,
+        _ => 14,
+    };
+    grpc_answer(code, detail, None)
+}
+
+/// A gRPC trailers-only answer: HTTP 200, `grpc-status`, `grpc-message`.
+fn grpc_answer(code: u16, detail: &str, retry_after: Option<u64>) -> Response<Bytes> {
+    let mut response = Response::new(Bytes::new());
+    let headers = response.headers_mut();
+    headers.insert(CONTENT_TYPE, HeaderValue::from_static("application/grpc"));
+    headers.insert(GRPC_STATUS.clone(), HeaderValue::from(code));
+    let message = percent_encoding::utf8_percent_encode(detail, GRPC_MESSAGE_ESCAPES);
+    let message = HeaderValue::try_from(message.to_string())
+        .expect("a percent-encoded message is a valid header value");
+    headers.insert(GRPC_MESSAGE.clone(), message);
+    if let Some(seconds) = retry_after {
+        headers.insert(RETRY_AFTER, HeaderValue::from(seconds));
+    }
+    response
 }
 
 /// `grpc-status`: the call's status code.

@@ -167,7 +167,11 @@ where
                             default_status
                         };
                         tracing::debug!(%error, %status, "request rejected: no usable subject");
-                        ResponseFuture::rejected(response::problem(status, &error.to_string()))
+                        ResponseFuture::rejected(response::early(
+                            status,
+                            &error.to_string(),
+                            &parts,
+                        ))
                     }
                 };
             }
@@ -178,9 +182,10 @@ where
                 UnknownPlan::DefaultLimits => None,
                 UnknownPlan::Reject => {
                     tracing::debug!(plan, "request rejected: unknown plan");
-                    return ResponseFuture::rejected(response::problem(
+                    return ResponseFuture::rejected(response::early(
                         StatusCode::FORBIDDEN,
                         &format!("The plan {plan:?} has no quota here."),
+                        &parts,
                     ));
                 }
             },
@@ -214,9 +219,10 @@ where
             Ok(costs) => costs,
             Err(error) => {
                 tracing::debug!(%error, "request rejected: invalid cost");
-                return ResponseFuture::rejected(response::problem(
+                return ResponseFuture::rejected(response::early(
                     StatusCode::BAD_REQUEST,
                     &error.0,
+                    &parts,
                 ));
             }
         };
