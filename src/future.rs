@@ -41,17 +41,13 @@ pin_project! {
         S: Service<Request<ReqBody>>,
         St: Store,
     {
-        // Not polled yet: nothing is charged until the request is on its way,
-        // so a response future dropped before it ran spends nothing.
-        Starting {
-            store: Option<St>,
-            charge: Option<ChargeRequest>,
-            pending: Option<Pending<S, St, ReqBody>>,
-        },
-        // Waiting for the store's answer to the charge.
+        // Waiting for the store's answer to the charge. The charge is sent
+        // when the future is first polled (`start` holds it until then), so
+        // a response future dropped before it ran spends nothing.
         Charging {
+            start: Option<(St, ChargeRequest)>,
             #[pin]
-            charge: St::ChargeFuture,
+            charge: Option<St::ChargeFuture>,
             #[pin]
             timeout: Option<Sleep>,
             pending: Option<Pending<S, St, ReqBody>>,
@@ -374,9 +370,11 @@ where
         admission: Admission<St>,
     ) -> Self {
         Self {
-            state: State::Starting {
-                store: Some(store),
-                charge: Some(charge),
+            state: State::Charging {
+                start: Some((store, charge)),
+                charge: None,
+                timeout: None,
+                timer: crate::metrics::ChargeTimer::start(),
                 pending: Some(Pending {
                     inner,
                     request,
@@ -480,7 +478,8 @@ where
             if let Some((alone, charge)) = admission.alone(&outcome.usage) {
                 let store = alone.store.clone().expect("kept for this");
                 return State::Charging {
-                    charge: store.charge(charge),
+                    start: None,
+                    charge: Some(store.charge(charge)),
                     timeout: None,
                     timer: crate::metrics::ChargeTimer::start(),
                     pending: Some(Pending {
@@ -562,27 +561,17 @@ where
         let mut this = self.project();
         loop {
             match this.state.as_mut().project() {
-                StateProj::Starting {
-                    store,
-                    charge,
-                    pending,
-                } => {
-                    let store = store.take().expect("polled after completion");
-                    let charge = store.charge(charge.take().expect("polled after completion"));
-                    let pending = pending.take();
-                    this.state.set(State::Charging {
-                        charge,
-                        timeout: None,
-                        timer: crate::metrics::ChargeTimer::start(),
-                        pending,
-                    });
-                }
                 StateProj::Charging {
-                    charge,
+                    start,
+                    mut charge,
                     mut timeout,
                     pending,
                     timer,
                 } => {
+                    if let Some((store, request)) = start.take() {
+                        charge.set(Some(store.charge(request)));
+                    }
+                    let charge = charge.as_pin_mut().expect("the charge is on its way");
                     let answer = match charge.poll(cx) {
                         Poll::Ready(answer) => answer,
                         Poll::Pending => {
