@@ -103,6 +103,12 @@ impl QuotaUsage {
 /// policy the request passed. A request that was let through uncounted (a
 /// skip rule, an unknown route) carries a status with no entries.
 ///
+/// The status is also how the layers of a policy recognise a request they
+/// already charged: a request built with another request's extensions (a
+/// sub-request of a batch endpoint) passes those layers uncharged. Remove
+/// `QuotaStatus` from the extensions you copy when the sub-request must be
+/// charged on its own.
+///
 /// ```
 /// use axum::{routing::get, Router};
 /// use tower_quota::{FromHeader, QuotaLayer, QuotaStatus};
