@@ -211,6 +211,25 @@ impl MemoryStore {
         self.len() == 0
     }
 
+    /// Changes what the live counter at `key` holds with `change`, and
+    /// returns the new count; `None` when there is no live counter (one at
+    /// or past its deadline is over, even before it is reclaimed). Never
+    /// creates a counter, never touches a deadline: refunds and adds.
+    fn change_live(
+        &self,
+        now: Timestamp,
+        key: &PeriodKey,
+        change: impl FnOnce(u64) -> u64,
+    ) -> Option<u64> {
+        let mut shard = lock(&self.inner.shards[self.shard_of(key)]);
+        let counter = shard.counters.get_mut(key.as_str())?;
+        if counter.deadline <= Nanos::of(now) {
+            return None;
+        }
+        counter.used = change(counter.used);
+        Some(counter.used)
+    }
+
     /// Reclaims every counter whose deadline is at or before `now`.
     pub fn purge_expired(&self, now: Timestamp) {
         for shard in self.inner.shards.iter() {
@@ -537,15 +556,9 @@ impl Store for MemoryStore {
         key: PeriodKey,
         amount: u64,
     ) -> impl Future<Output = Result<Option<u64>, StoreError>> + Send {
-        let mut shard = lock(&self.inner.shards[self.shard_of(&key)]);
-        let left = match shard.counters.get_mut(key.as_str()) {
-            Some(counter) if counter.deadline > Nanos::of(now) => {
-                counter.used = counter.used.saturating_sub(amount);
-                Some(counter.used)
-            }
-            _ => None,
-        };
-        ready(Ok(left))
+        ready(Ok(
+            self.change_live(now, &key, |used| used.saturating_sub(amount))
+        ))
     }
 
     fn add(
@@ -554,17 +567,9 @@ impl Store for MemoryStore {
         key: PeriodKey,
         amount: u64,
     ) -> impl Future<Output = Result<Option<u64>, StoreError>> + Send {
-        let mut shard = lock(&self.inner.shards[self.shard_of(&key)]);
-        // Only a live counter: a counter at or past its deadline is over,
-        // even before it is reclaimed, and the deadline stays as it was.
-        let total = match shard.counters.get_mut(key.as_str()) {
-            Some(counter) if counter.deadline > Nanos::of(now) => {
-                counter.used = counter.used.saturating_add(amount);
-                Some(counter.used)
-            }
-            _ => None,
-        };
-        ready(Ok(total))
+        ready(Ok(
+            self.change_live(now, &key, |used| used.saturating_add(amount))
+        ))
     }
 
     fn reset(&self, key: PeriodKey) -> impl Future<Output = Result<bool, StoreError>> + Send {

@@ -494,6 +494,29 @@ impl RedisStore {
         }
     }
 
+    /// Refunds (`op` `r`) or adds (`a`) `amount` on the live counter at
+    /// `key`: the script never creates a counter and never touches a
+    /// deadline, and `now` decides whether a calendar counter kept through
+    /// its grace is still live (past its window's end it is not).
+    async fn change_live(
+        self,
+        op: &'static str,
+        now: Timestamp,
+        key: PeriodKey,
+        amount: u64,
+        what: &str,
+    ) -> Result<Option<u64>, StoreError> {
+        let mut invocation = self.inner.script.key(key.as_str());
+        invocation.arg(op).arg(amount).arg(now.as_millisecond());
+        let count: i64 = self
+            .exchange(|mut conn| async move {
+                let result = invocation.invoke_async(&mut conn).await;
+                (conn, result)
+            })
+            .await?;
+        live_count(&key, what, count)
+    }
+
     /// Runs `command` on the counters' connection; for tests and tools.
     #[cfg(feature = "testing")]
     pub(crate) async fn command<T: redis::FromRedisValue + Send + 'static>(
@@ -839,23 +862,9 @@ impl Store for RedisStore {
         key: PeriodKey,
         amount: u64,
     ) -> impl Future<Output = Result<Option<u64>, StoreError>> + Send {
-        let store = self.clone();
-        async move {
-            let mut invocation = store.inner.script.key(key.as_str());
-            // `now` decides whether a calendar counter kept through its
-            // grace is still live: past its window's end it is not.
-            invocation
-                .arg("r")
-                .arg(clamp(amount))
-                .arg(now.as_millisecond());
-            let left: i64 = store
-                .exchange(|mut conn| async move {
-                    let result = invocation.invoke_async(&mut conn).await;
-                    (conn, result)
-                })
-                .await?;
-            live_count(&key, "a refund", left)
-        }
+        // Clamped: a refund of more than a counter can hold empties it.
+        self.clone()
+            .change_live("r", now, key, amount.min(1 << 53), "a refund")
     }
 
     fn add(
@@ -864,20 +873,9 @@ impl Store for RedisStore {
         key: PeriodKey,
         amount: u64,
     ) -> impl Future<Output = Result<Option<u64>, StoreError>> + Send {
-        let store = self.clone();
-        async move {
-            let mut invocation = store.inner.script.key(key.as_str());
-            // The exact amount, not clamped: the script refuses a count
-            // beyond 2^53 instead of storing one that says less.
-            invocation.arg("a").arg(amount).arg(now.as_millisecond());
-            let total: i64 = store
-                .exchange(|mut conn| async move {
-                    let result = invocation.invoke_async(&mut conn).await;
-                    (conn, result)
-                })
-                .await?;
-            live_count(&key, "an add", total)
-        }
+        // The exact amount, not clamped: the script refuses a count beyond
+        // 2^53 instead of storing one that says less.
+        self.clone().change_live("a", now, key, amount, "an add")
     }
 
     fn reset(&self, key: PeriodKey) -> impl Future<Output = Result<bool, StoreError>> + Send {
