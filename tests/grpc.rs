@@ -1,10 +1,9 @@
 //! Black-box tests of the gRPC example: the built `grpc` example binary,
 //! called with tonic's generated `grpc.health.v1.Health` client.
 
-use std::io::{BufRead, BufReader};
-use std::path::PathBuf;
-use std::process::{Child, Command, Stdio};
+mod demo_server;
 
+use demo_server::Server;
 use tonic::metadata::MetadataValue;
 use tonic::transport::Channel;
 use tonic::{Code, Request};
@@ -12,56 +11,8 @@ use tonic_health::pb::health_check_response::ServingStatus;
 use tonic_health::pb::health_client::HealthClient;
 use tonic_health::pb::HealthCheckRequest;
 
-/// The running example, killed when dropped.
-struct Server {
-    child: Child,
-    addr: String,
-}
-
-impl Drop for Server {
-    fn drop(&mut self) {
-        let _ = self.child.kill();
-        let _ = self.child.wait();
-    }
-}
-
-/// The example's binary, which `cargo test` builds beside the test binaries
-/// (`cargo build --example grpc` first when running this test alone).
-fn binary() -> PathBuf {
-    let exe = std::env::current_exe().unwrap();
-    let path = exe
-        .parent()
-        .unwrap()
-        .parent()
-        .unwrap()
-        .join("examples")
-        .join("grpc");
-    assert!(
-        path.exists(),
-        "{} is missing: `cargo test` builds the examples",
-        path.display()
-    );
-    path
-}
-
-/// Starts the example on a free loopback port with `args`.
 fn start(args: &[&str]) -> Server {
-    let mut child = Command::new(binary())
-        .args(["--listen", "127.0.0.1:0"])
-        .args(args)
-        .stdout(Stdio::piped())
-        .spawn()
-        .unwrap();
-    let mut line = String::new();
-    BufReader::new(child.stdout.take().unwrap())
-        .read_line(&mut line)
-        .unwrap();
-    let addr = line
-        .strip_prefix("listening on http://")
-        .and_then(|rest| rest.split_whitespace().next())
-        .unwrap_or_else(|| panic!("the gRPC example did not start (first line {line:?})"))
-        .to_owned();
-    Server { child, addr }
+    demo_server::start_example("grpc", args)
 }
 
 async fn client(server: &Server) -> HealthClient<Channel> {

@@ -23,8 +23,15 @@ impl Drop for Server {
     }
 }
 
-/// The example's binary, which `cargo test` builds beside the test binaries.
+/// The demo server's binary, which `cargo test` builds beside the test
+/// binaries.
 pub fn binary() -> PathBuf {
+    example("server")
+}
+
+/// The binary of example `name` (`cargo build --example NAME` first when
+/// running one test alone).
+pub fn example(name: &str) -> PathBuf {
     // Integration tests live in target/<profile>/deps; examples beside it.
     let exe = std::env::current_exe().unwrap();
     let path = exe
@@ -33,7 +40,7 @@ pub fn binary() -> PathBuf {
         .parent()
         .unwrap()
         .join("examples")
-        .join("server");
+        .join(name);
     assert!(
         path.exists(),
         "{} is missing: `cargo test` builds the examples",
@@ -42,9 +49,15 @@ pub fn binary() -> PathBuf {
     path
 }
 
-/// Starts the server on a free loopback port with `args`.
+/// Starts the demo server on a free loopback port with `args`.
 pub fn start(args: &[&str]) -> Server {
-    let mut child = Command::new(binary())
+    start_example("server", args)
+}
+
+/// Starts example `name` on a free loopback port with `args`; it prints
+/// `listening on http://ADDR` first.
+pub fn start_example(name: &str, args: &[&str]) -> Server {
+    let mut child = Command::new(example(name))
         .args(["--listen", "127.0.0.1:0"])
         .args(args)
         .stdout(Stdio::piped())
@@ -59,7 +72,7 @@ pub fn start(args: &[&str]) -> Server {
         .and_then(|rest| rest.split_whitespace().next())
     else {
         // Its error is on stderr, above.
-        panic!("the demo server did not start (first line {line:?}); with --store redis:// it needs the `redis` feature, which `cargo test --all-features` builds it with");
+        panic!("the {name} example did not start (first line {line:?}); with --store redis:// it needs the `redis` feature, which `cargo test --all-features` builds it with");
     };
     let addr = addr.to_owned();
     Server { child, addr }
