@@ -3,6 +3,9 @@
 --
 --   c  charge: check every line, then commit all of them or none
 --   p  peek: read every line, write nothing
+--   b  a batch of charges, each one as `c` on its own lines, one after the
+--      other in this one call; the reply holds each charge's reply (or its
+--      error) in order
 --   r  refund ARGV[2] to KEYS[1] at ARGV[3] = now (ms), never creating it,
 --      never touching its TTL
 --   a  add ARGV[2] to KEYS[1] at ARGV[3] = now (ms) without a limit check (a
@@ -37,15 +40,26 @@
 -- for first use, the window's end plus grace and jitter for calendar; and
 -- end is the calendar window's end (0 for first use).
 -- The reply is { admitted, then per key: used, remaining, pttl, first call,
--- heal } with pttl (the counter's remaining life, ms) -2 when there is no
--- live counter, first call -1 when unknown, and heal:
+-- heal } with pttl the counter's remaining life (ms), -2 when there is no
+-- live counter, -3 when it was not read (below); first call -1 when unknown;
+-- and heal:
 --   0 nothing to heal
 --   1 undated first-use counter dated to first call + period
 --   2 undated counter dated to now + period (first call unknown)
 --   3 undated first-use counter whose period was over: ended
 --   4 undated calendar counter given its housekeeping deadline
 -- A heal is written only by an admitted charge, in its commit phase: a peek
--- and a refused charge report it and write nothing.
+-- and a refused charge report it and write nothing. A calendar counter that
+-- records its window's end (e) got its deadline from the call that wrote e:
+-- its deadline is not read (pttl -3), as the window's end, not the
+-- deadline, decides when it counts; one left undated by another tool stays
+-- until it is deleted. Counters without e are read and healed as above.
+--
+-- Batch: ARGV[2..] holds, charge after charge, the number of its lines n,
+-- its now (ms), then its 5 * n line arguments as above; KEYS holds the
+-- charges' keys in the same order. The batch's layout is checked before the
+-- first charge runs. Charges in one batch see each other's writes, as if
+-- they had come one after the other.
 
 local op = ARGV[1]
 
@@ -53,108 +67,104 @@ if op == 't' then
   return redis.call('TIME')
 end
 
--- The most a count may reach: Lua numbers are doubles, exact up to 2^53.
-local EXACT = 2 ^ 53
-local EXACT_DIGITS = '9007199254740992'
-
--- A whole number from 0 to 2^53 as Redis writes integers, or nil.
-local function strict(v)
-  if type(v) ~= 'string' then
-    return nil
+-- Whether `v` is a whole number from 0 to 2^53 written as Redis writes
+-- integers: digits only, no sign, no leading zero, no point, no exponent,
+-- no space. (Lua numbers are doubles, exact up to 2^53.) Two such strings
+-- of one length compare as their numbers do.
+local function digits(v)
+  if not v then
+    return false
   end
   local len = #v
-  if len == 0 or len > #EXACT_DIGITS then
-    return nil
+  if len == 0 or len > 16 then
+    return false
   end
   if v ~= '0' and string.find(v, '^[1-9]%d*$') == nil then
-    return nil
+    return false
   end
-  -- Digit strings of one length compare as numbers.
-  if len == #EXACT_DIGITS and v > EXACT_DIGITS then
-    return nil
-  end
-  return tonumber(v)
+  return len < 16 or v <= '9007199254740992'
 end
 
--- Reads the counter at `key`, writing nothing: a table { exists, used,
--- first, ends, hash }, or nil when the key holds something that is no
--- counter. A missing key is a counter with nothing spent (created as a
--- hash).
+local NOT_A_COUNTER = ' holds a value that is not a counter (a whole number from 0 to'
+  .. ' 2^53, or a hash of such numbers n, t and e)'
+local NOT_A_NUMBER = ' that is not a whole number from 0 to 2^53'
+
+-- Reads the counter at `key`, writing nothing. Returns its kind (0 no key:
+-- a counter with nothing spent, created as a hash; 1 a hash; 2 a plain
+-- string counter), the units spent (a number), and its first call and its
+-- window's end (digits, or nil); or nothing when the key holds something
+-- that is no counter.
 local function read(key)
-  local kind = redis.call('TYPE', key)['ok']
-  if kind == 'none' then
-    return { exists = false, used = 0, hash = true }
-  end
-  if kind == 'hash' then
-    local r = redis.call('HMGET', key, 'n', 't', 'e')
-    local used, first, ends = strict(r[1]), strict(r[2]), strict(r[3])
-    if used == nil or (r[2] and first == nil) or (r[3] and ends == nil) then
+  local r = redis.pcall('HGETALL', key)
+  if r.err ~= nil then
+    -- Not a hash.
+    if redis.call('TYPE', key)['ok'] ~= 'string' then
       return nil
     end
-    local fields = 1 + (r[2] and 1 or 0) + (r[3] and 1 or 0)
-    if redis.call('HLEN', key) ~= fields then
+    local used = redis.call('GET', key)
+    if not digits(used) then
       return nil
     end
-    return { exists = true, used = used, first = first, ends = ends, hash = true }
+    return 2, used + 0
   end
-  if kind == 'string' then
-    local used = strict(redis.call('GET', key))
-    if used == nil then
+  local size = #r
+  if size == 0 then
+    return 0, 0
+  end
+  local used, first, ends
+  for i = 1, size, 2 do
+    local field, value = r[i], r[i + 1]
+    if not digits(value) then
       return nil
     end
-    return { exists = true, used = used, hash = false }
+    if field == 'n' then
+      used = value + 0
+    elseif field == 't' then
+      first = value
+    elseif field == 'e' then
+      ends = value
+    else
+      return nil
+    end
   end
-  return nil
-end
-
-local function not_a_counter(key)
-  return redis.error_reply('ERR tower-quota: ' .. key
-    .. ' holds a value that is not a counter (a whole number from 0 to 2^53,'
-    .. ' or a hash of such numbers n, t and e)')
-end
-
-local function bad_argument(what)
-  return redis.error_reply('ERR tower-quota: the counters script was called with '
-    .. what .. ' that is not a whole number from 0 to 2^53')
-end
-
--- Whether a counter read at `now` is over: its window ended (its key may
--- live on through the grace).
-local function over(c, now)
-  return c.ends ~= nil and c.ends <= now
+  if used == nil then
+    return nil
+  end
+  return 1, used, first, ends
 end
 
 if op == 'r' or op == 'a' then
-  local key = KEYS[1]
-  local now = strict(ARGV[3])
-  if now == nil then
-    return bad_argument('an instant')
+  local key, amount, now = KEYS[1], ARGV[2], ARGV[3]
+  if not digits(now) then
+    return redis.error_reply('ERR tower-quota: an instant' .. NOT_A_NUMBER)
   end
-  local c = read(key)
-  if c == nil then
-    return not_a_counter(key)
+  local kind, used, _, ends = read(key)
+  if kind == nil then
+    return redis.error_reply('ERR tower-quota: ' .. key .. NOT_A_COUNTER)
   end
+  -- Live: the key exists and its window, if it records one, is not over
+  -- (its key may live on through the grace).
+  local live = kind ~= 0 and (ends == nil or now + 0 < ends + 0)
   if op == 'r' then
-    local amount = strict(ARGV[2])
-    if amount == nil then
-      return bad_argument('an amount')
+    if not digits(amount) then
+      return redis.error_reply('ERR tower-quota: an amount' .. NOT_A_NUMBER)
     end
-    if not c.exists or over(c, now) then
+    if not live then
       return -1
     end
-    local give = math.min(c.used, amount)
+    local give = math.min(used, amount + 0)
     if give == 0 then
-      return c.used
+      return used
     end
-    if c.hash then
+    if kind == 1 then
       return redis.call('HINCRBY', key, 'n', -give)
     end
     return redis.call('DECRBY', key, give)
   end
-  if string.find(ARGV[2] or '', '^%d+$') == nil then
+  if string.find(amount or '', '^%d+$') == nil then
     return redis.error_reply('ERR tower-quota: the amount to add is not a whole number')
   end
-  if not c.exists or over(c, now) then
+  if not live then
     -- Nothing live to add to: the counter expired, its window ended, or it
     -- never was. INCRBY would create it without a deadline.
     return -1
@@ -162,155 +172,188 @@ if op == 'r' or op == 'a' then
   -- Checked before writing, without forming used + amount (a double may
   -- round it back to 2^53). An amount of 2^53 or more is refused whatever
   -- the count: a double cannot tell 2^53 + 1 from 2^53.
-  local amount = strict(ARGV[2])
-  if amount == nil or amount >= EXACT or amount > EXACT - c.used then
-    return redis.error_reply('ERR tower-quota: adding ' .. ARGV[2] .. ' to ' .. key
+  local exact = 2 ^ 53
+  if not digits(amount) or amount + 0 >= exact or amount + 0 > exact - used then
+    return redis.error_reply('ERR tower-quota: adding ' .. amount .. ' to ' .. key
       .. ' goes beyond 2^53, the most the counters script counts exactly')
   end
-  if amount == 0 then
-    return c.used
+  if amount == '0' then
+    return used
   end
   -- HINCRBY and INCRBY keep the key's TTL.
-  if c.hash then
-    return redis.call('HINCRBY', key, 'n', ARGV[2])
+  if kind == 1 then
+    return redis.call('HINCRBY', key, 'n', amount)
   end
-  return redis.call('INCRBY', key, ARGV[2])
+  return redis.call('INCRBY', key, amount)
 end
 
-local charging = op == 'c'
-local now = strict(ARGV[2])
-if now == nil then
-  return bad_argument('an instant')
-end
-local PER = 5
+-- Charges (or, `charging` false, peeks at) the lines of one request: n keys
+-- from KEYS[k0 + 1], and from ARGV[a0] its now (ms) then five arguments per
+-- line. Returns its reply, or an error reply having written nothing.
+local function lines(k0, n, a0, charging)
+  local KEYS, ARGV, call = KEYS, ARGV, redis.call
+  local now = ARGV[a0]
+  if not digits(now) then
+    return redis.error_reply('ERR tower-quota: an instant' .. NOT_A_NUMBER)
+  end
+  local at = now + 0
 
--- Check phase: every key is read and checked, and every line decided,
--- before anything is written. A key listed twice is read once.
-local counters = {}
-local order = {}
-for i = 1, #KEYS do
-  local key = KEYS[i]
-  if counters[key] == nil then
-    local c = read(key)
-    if c == nil then
-      return not_a_counter(key)
+  -- Check phase: every key is read and checked, and every line decided,
+  -- before anything is written. A key listed twice is read once, and its
+  -- first line decides what the counter is at `now`.
+  local counters = {}
+  local admitted = true
+  for i = 1, n do
+    local key = KEYS[k0 + i]
+    local a = a0 + (i - 1) * 5
+    local limit, cost = ARGV[a + 1] + 0, ARGV[a + 2] + 0
+    local first_use = ARGV[a + 3] == 'f'
+    if not first_use and not digits(ARGV[a + 5]) then
+      return redis.error_reply('ERR tower-quota: a window end' .. NOT_A_NUMBER)
     end
-    counters[key] = c
-    order[#order + 1] = key
-  end
-end
-
-local lines = {}
-local admitted = true
-for i = 1, #KEYS do
-  local key = KEYS[i]
-  local a = 3 + (i - 1) * PER
-  local line = {
-    key = key,
-    limit = tonumber(ARGV[a]),
-    cost = tonumber(ARGV[a + 1]),
-    first_use = ARGV[a + 2] == 'f',
-    ttl = tonumber(ARGV[a + 3]),
-    ends = strict(ARGV[a + 4]),
-    cost_arg = ARGV[a + 1],
-    ends_arg = ARGV[a + 4],
-  }
-  if line.ends == nil then
-    return bad_argument('a window end')
-  end
-  local c = counters[key]
-  if c.pttl == nil then
-    -- The key's first line decides what the counter is at `now`.
-    c.pttl = -2
-    c.heal = 0
-    c.live = false
-    if c.exists then
-      c.pttl = redis.call('PTTL', key)
-      if c.pttl == -1 then
-        if not line.first_use then
-          c.pttl = line.ttl
-          c.heal = 4
-        elseif c.first == nil then
-          c.pttl = line.ttl
-          c.heal = 2
-        elseif c.first + line.ttl > now then
-          -- `ttl` is the length of a period opened now; for months it can
-          -- differ from the one opened at `first` by a few days.
-          c.pttl = c.first + line.ttl - now
-          c.heal = 1
+    local c = counters[key]
+    if c == nil then
+      local kind, used, first, ended = read(key)
+      if kind == nil then
+        return redis.error_reply('ERR tower-quota: ' .. key .. NOT_A_COUNTER)
+      end
+      local pttl, heal, live = -2, 0, false
+      if kind ~= 0 then
+        if ended ~= nil and not first_use then
+          -- Dated when e was written; see above.
+          pttl = -3
         else
-          -- The period ended long ago: as good as expired.
-          c.heal = 3
+          pttl = call('PTTL', key)
+        end
+        if pttl == -1 then
+          local ttl = ARGV[a + 4] + 0
+          if not first_use then
+            pttl = ttl
+            heal = 4
+          elseif first == nil then
+            pttl = ttl
+            heal = 2
+          elseif first + ttl > at then
+            -- `ttl` is the length of a period opened now; for months it
+            -- can differ from the one opened at `first` by a few days.
+            pttl = first + ttl - at
+            heal = 1
+          else
+            -- The period ended long ago: as good as expired.
+            heal = 3
+          end
+        end
+        -- Live unless ended, or past the window it records, or past the
+        -- calendar window this line charges.
+        live = heal ~= 3 and (ended == nil or at < ended + 0)
+        if live and not first_use then
+          live = at < ARGV[a + 5] + 0
         end
       end
-      c.live = c.heal ~= 3 and not over(c, now)
-        and not (not line.first_use and line.ends <= now)
-    end
-    if not c.live then
-      c.used = 0
-      c.first = nil
-      c.shown_pttl = -2
-    else
-      c.shown_pttl = c.pttl
-    end
-    c.spent = 0
-  end
-  -- A key listed twice is charged twice.
-  if c.used + c.spent + line.cost > line.limit then
-    admitted = false
-  end
-  c.spent = c.spent + line.cost
-  lines[i] = line
-end
-
--- Commit phase: only an admitted charge writes.
-if charging and admitted then
-  for _, key in ipairs(order) do
-    local c = counters[key]
-    if c.heal == 3 then
-      redis.call('DEL', key)
-    elseif c.heal ~= 0 then
-      redis.call('PEXPIRE', key, c.pttl)
-    end
-  end
-end
-
-local reply = { admitted and 1 or 0 }
-for i = 1, #KEYS do
-  local l = lines[i]
-  local c = counters[l.key]
-  if charging and admitted and l.cost > 0 then
-    if c.live then
-      if c.hash then
-        c.used = redis.call('HINCRBY', l.key, 'n', l.cost_arg)
+      if live then
+        c = { kind = kind, used = used, first = first or -1, pttl = pttl,
+              heal = heal, live = true, spent = 0, healed = false }
       else
-        c.used = redis.call('INCRBY', l.key, l.cost_arg)
+        c = { kind = kind, used = 0, first = -1, pttl = -2,
+              heal = heal, live = false, spent = 0, healed = false }
       end
-    elseif c.exists and c.heal ~= 3 then
-      -- A calendar counter whose window is over, kept through its grace:
-      -- a charge at `now` counts on no live counter, and leaves it as it is.
-      c.used = c.used + l.cost
-    else
-      -- A new counter: its first call, a calendar window's end, and its
-      -- deadline, all in this call and never again.
-      local fields = { 'n', l.cost_arg, 't', ARGV[2] }
-      if not l.first_use then
-        fields[5] = 'e'
-        fields[6] = l.ends_arg
-      end
-      redis.call('HSET', l.key, unpack(fields))
-      redis.call('PEXPIRE', l.key, l.ttl)
-      c.used = l.cost
-      c.first = now
-      c.hash = true
-      c.live = true
-      c.shown_pttl = l.ttl
+      counters[key] = c
     end
+    -- A key listed twice is charged twice.
+    if c.used + c.spent + cost > limit then
+      admitted = false
+    end
+    c.spent = c.spent + cost
   end
-  reply[#reply + 1] = c.used
-  reply[#reply + 1] = math.max(0, l.limit - c.used)
-  reply[#reply + 1] = c.shown_pttl
-  reply[#reply + 1] = c.first or -1
-  reply[#reply + 1] = c.heal
+
+  -- Commit phase: only an admitted charge writes. A key's heal is written
+  -- before its first count.
+  local commit = charging and admitted
+  local reply = { admitted and 1 or 0, 0, 0, 0, 0, 0 }
+  local r = 1
+  for i = 1, n do
+    local key = KEYS[k0 + i]
+    local a = a0 + (i - 1) * 5
+    local c = counters[key]
+    local cost = ARGV[a + 2]
+    if commit and c.heal ~= 0 and not c.healed then
+      c.healed = true
+      if c.heal == 3 then
+        call('DEL', key)
+      else
+        call('PEXPIRE', key, c.pttl)
+      end
+    end
+    if commit and cost ~= '0' then
+      if c.live then
+        if c.kind == 2 then
+          c.used = call('INCRBY', key, cost)
+        else
+          c.used = call('HINCRBY', key, 'n', cost)
+        end
+      elseif c.kind ~= 0 and c.heal ~= 3 then
+        -- A calendar counter whose window is over, kept through its grace:
+        -- a charge at `now` counts on no live counter, and leaves it as it
+        -- is.
+        c.used = c.used + cost
+      else
+        -- A new counter: its first call, a calendar window's end, and its
+        -- deadline, all in this call and never again.
+        local ttl = ARGV[a + 4]
+        local fields = { 'n', cost, 't', now }
+        if ARGV[a + 3] ~= 'f' then
+          fields[5] = 'e'
+          fields[6] = ARGV[a + 5]
+        end
+        call('HSET', key, unpack(fields))
+        call('PEXPIRE', key, ttl)
+        c.kind = 1
+        c.used = cost + 0
+        c.first = now
+        c.pttl = ttl + 0
+        c.live = true
+      end
+    end
+    local used = c.used
+    local left = ARGV[a + 1] - used
+    reply[r + 1] = used
+    reply[r + 2] = left > 0 and left or 0
+    reply[r + 3] = c.live and c.pttl or -2
+    reply[r + 4] = c.first
+    reply[r + 5] = c.heal
+    r = r + 5
+  end
+  return reply
 end
-return reply
+
+if op == 'c' or op == 'p' then
+  return lines(0, #KEYS, 2, op == 'c')
+end
+
+if op == 'b' then
+  -- The layout first: a malformed batch runs no charge.
+  local nkeys, nargs = #KEYS, #ARGV
+  local k, a = 0, 2
+  while a <= nargs do
+    local n = ARGV[a]
+    if not digits(n) or n == '0' or k + n > nkeys or a + 1 + 5 * n > nargs then
+      return redis.error_reply('ERR tower-quota: a malformed batch of charges')
+    end
+    k = k + n
+    a = a + 2 + 5 * n
+  end
+  if k ~= nkeys then
+    return redis.error_reply('ERR tower-quota: a malformed batch of charges')
+  end
+  local replies = {}
+  k, a = 0, 2
+  while a <= nargs do
+    local n = ARGV[a] + 0
+    replies[#replies + 1] = lines(k, n, a + 1, true)
+    k = k + n
+    a = a + 2 + 5 * n
+  end
+  return replies
+end
+
+return redis.error_reply('ERR tower-quota: unknown operation')
