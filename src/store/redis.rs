@@ -14,12 +14,16 @@ use deadpool_redis::Pool;
 use jiff::{SignedDuration, Timestamp};
 use tokio::sync::{OwnedSemaphorePermit, Semaphore};
 
-use super::{ChargeOutcome, ChargeRequest, Lifetime, Store, StoreError, StoreErrorKind, Usage};
+use super::{
+    ChargeLine, ChargeOutcome, ChargeRequest, Lifetime, Store, StoreError, StoreErrorKind, Usage,
+};
 use crate::key::PeriodKey;
 use crate::period::Clock;
 
+use self::batch::{Batches, LineArgs, Pending};
 use self::connection::{Connection, Connections, Failed, Fault, ServerConnector, Shared};
 
+mod batch;
 mod connection;
 
 /// The counters script: check-then-commit for charges, plus peek, refund,
@@ -197,6 +201,8 @@ pub struct RedisStore {
 
 struct Inner {
     connections: Connections,
+    /// Charges sent together; on a single server only.
+    batches: Option<Batches>,
     script: &'static Script,
     timeout: Duration,
     wait_timeout: Duration,
@@ -397,6 +403,39 @@ impl RedisStore {
         self.inner.max_in_flight - self.inner.in_flight.available_permits()
     }
 
+    /// Room for one call among the calls in flight, found within the wait:
+    /// its permit, the call's deadline, and the end of its wait.
+    async fn room(
+        &self,
+    ) -> Result<
+        (
+            OwnedSemaphorePermit,
+            tokio::time::Instant,
+            tokio::time::Instant,
+        ),
+        StoreError,
+    > {
+        let inner = &self.inner;
+        let started = tokio::time::Instant::now();
+        let deadline = started + inner.timeout;
+        let room = deadline.min(started + inner.wait_timeout);
+        match tokio::time::timeout_at(room, Arc::clone(&inner.in_flight).acquire_owned()).await {
+            Ok(Ok(permit)) => Ok((permit, deadline, room)),
+            Ok(Err(_)) => Err(StoreError::new(
+                StoreErrorKind::Unavailable,
+                "the Redis store is closed",
+            )),
+            Err(_) => Err(StoreError::new(
+                StoreErrorKind::Timeout,
+                format!(
+                    "the Redis store has {} calls in flight, its max_in_flight, and none \
+                     finished in time; nothing was sent",
+                    inner.max_in_flight
+                ),
+            )),
+        }
+    }
+
     /// Runs `f` on a connection, answered within the store's timeout. Nothing
     /// is sent again.
     async fn exchange<T, F, Fut>(&self, f: F) -> Result<T, StoreError>
@@ -420,30 +459,7 @@ impl RedisStore {
         Fut: Future<Output = (Connection, Result<T, RedisError>)> + Send + 'static,
     {
         let inner = &self.inner;
-        let started = tokio::time::Instant::now();
-        let deadline = started + inner.timeout;
-        let room = deadline.min(started + inner.wait_timeout);
-        let permit =
-            match tokio::time::timeout_at(room, Arc::clone(&inner.in_flight).acquire_owned()).await
-            {
-                Ok(Ok(permit)) => permit,
-                Ok(Err(_)) => {
-                    return Err(StoreError::new(
-                        StoreErrorKind::Unavailable,
-                        "the Redis store is closed",
-                    ))
-                }
-                Err(_) => {
-                    return Err(StoreError::new(
-                        StoreErrorKind::Timeout,
-                        format!(
-                            "the Redis store has {} calls in flight, its max_in_flight, and none \
-                         finished in time; nothing was sent",
-                            inner.max_in_flight
-                        ),
-                    ))
-                }
-            };
+        let (permit, deadline, room) = self.room().await?;
         let timeouts = Timeouts {
             wait: Some(room.saturating_duration_since(tokio::time::Instant::now())),
             create: Some(inner.connect_timeout),
@@ -542,28 +558,24 @@ impl RedisStore {
             });
         }
         let now = request.now;
-        let now_ms = now.as_millisecond();
+        let args: Vec<LineArgs> = request
+            .lines
+            .iter()
+            .map(|line| self.line_args(now, line))
+            .collect();
+        if op == "c" && self.inner.batches.is_some() {
+            return self.charge_in_batch(request, args).await;
+        }
         let mut invocation = self.inner.script.prepare_invoke();
-        invocation.arg(op).arg(now_ms);
-        for line in &request.lines {
-            let (anchor, ttl, window_end) = match line.lifetime {
-                Lifetime::FirstUse { deadline } => ("f", millis_until(now, deadline), 0),
-                Lifetime::Calendar { end, .. } => {
-                    let housekeeping = millis_until(now, end)
-                        .saturating_add(as_millis(self.inner.calendar_grace))
-                        .saturating_add(jitter(&line.key, self.inner.calendar_jitter));
-                    // Stored in a new counter (`e`), so that refunds and adds,
-                    // which know only the key, can tell when its window ends.
-                    ("c", housekeeping, end.as_millisecond())
-                }
-            };
+        invocation.arg(op).arg(now.as_millisecond());
+        for line in &args {
             invocation
                 .key(line.key.as_str())
-                .arg(clamp(line.limit))
-                .arg(clamp(line.cost))
-                .arg(anchor)
-                .arg(ttl)
-                .arg(window_end);
+                .arg(line.limit)
+                .arg(line.cost)
+                .arg(line.anchor)
+                .arg(line.ttl)
+                .arg(line.end);
         }
         let reply: Vec<i64> = self
             .follow(give_back(op, &request), |mut conn| async move {
@@ -571,72 +583,153 @@ impl RedisStore {
                 (conn, result)
             })
             .await?;
-        if reply.len() != 1 + FIELDS * request.lines.len() {
-            return Err(unexpected(format!(
-                "{} values for {} lines",
-                reply.len(),
-                request.lines.len()
-            )));
-        }
-        let admitted = match reply[0] {
-            1 => true,
-            0 => false,
-            other => return Err(unexpected(format!("{other} as the admission"))),
-        };
-        let usage = request
-            .lines
-            .iter()
-            .zip(reply[1..].chunks_exact(FIELDS))
-            .map(|(line, fields)| {
-                // `remaining` is for other readers of the script's reply;
-                // `Usage` works it out from the limit.
-                let &[used, _remaining, pttl, first_call, heal] = fields else {
-                    unreachable!("chunks of {FIELDS}")
-                };
-                let key = &line.key;
-                let used = u64::try_from(used)
-                    .map_err(|_| unexpected(format!("{used} as the count of {key}")))?;
-                if !(0..=4).contains(&heal) {
-                    return Err(unexpected(format!("{heal} as the heal of {key}")));
-                }
-                if heal != 0 {
-                    log_heal(key, heal, op == "c" && admitted);
-                }
-                // -3: a calendar counter's deadline, not read.
-                let calendar = matches!(line.lifetime, Lifetime::Calendar { .. });
-                if pttl < 0 && pttl != -2 && !(pttl == -3 && calendar) {
-                    return Err(unexpected(format!("{pttl} as the life of {key}")));
-                }
-                let first_call = match first_call {
-                    -1 => None,
-                    ms => Some(
-                        Timestamp::from_millisecond(ms)
-                            .map_err(|_| unexpected(format!("{ms} as the first call of {key}")))?,
-                    ),
-                };
-                Ok(match line.lifetime {
-                    Lifetime::Calendar { end, .. } => Usage {
-                        limit: line.limit,
-                        used,
-                        resets_at: end,
-                        first_call: None,
-                    },
-                    Lifetime::FirstUse { deadline } => Usage {
-                        limit: line.limit,
-                        used,
-                        resets_at: if pttl >= 0 {
-                            now.saturating_add(SignedDuration::from_millis(pttl))
-                                .unwrap_or(deadline)
-                        } else {
-                            deadline
-                        },
-                        first_call,
-                    },
-                })
-            })
-            .collect::<Result<_, StoreError>>()?;
-        Ok(ChargeOutcome { admitted, usage })
+        outcome(op, &request, reply)
     }
+
+    /// What the script takes for `line`, charged at `now`.
+    fn line_args(&self, now: Timestamp, line: &ChargeLine) -> LineArgs {
+        let (anchor, ttl, end) = match line.lifetime {
+            Lifetime::FirstUse { deadline } => ("f", millis_until(now, deadline), 0),
+            Lifetime::Calendar { end, .. } => {
+                let housekeeping = millis_until(now, end)
+                    .saturating_add(as_millis(self.inner.calendar_grace))
+                    .saturating_add(jitter(&line.key, self.inner.calendar_jitter));
+                // Stored in a new counter (`e`), so that refunds and adds,
+                // which know only the key, can tell when its window ends.
+                ("c", housekeeping, end.as_millisecond())
+            }
+        };
+        LineArgs {
+            key: line.key.clone(),
+            limit: clamp(line.limit),
+            cost: clamp(line.cost),
+            anchor,
+            ttl,
+            end,
+        }
+    }
+
+    /// A charge sent in a batch with other callers' (see the batch module),
+    /// answered within the store's timeout; one whose caller stops waiting
+    /// is not sent, or given back once Redis applied it.
+    async fn charge_in_batch(
+        &self,
+        request: ChargeRequest,
+        lines: Vec<LineArgs>,
+    ) -> Result<ChargeOutcome, StoreError> {
+        let (permit, deadline, _) = self.room().await?;
+        let (answer, mut answered) = tokio::sync::oneshot::channel();
+        let mut sender = Batches::push(
+            &self.inner,
+            Pending {
+                now: request.now,
+                lines,
+                answer,
+                permit,
+            },
+        );
+        // Drives the batch this call started, if any, until the answer
+        // comes; dropping `sender` then leaves the rest to a task.
+        let answer = std::future::poll_fn(|cx| {
+            if let Some(batch) = sender.as_mut() {
+                if Pin::new(batch).poll(cx).is_ready() {
+                    sender = None;
+                }
+            }
+            Pin::new(&mut answered).poll(cx)
+        });
+        let reply = match tokio::time::timeout_at(deadline, answer).await {
+            Ok(Ok(answer)) => answer.take().map_err(redis_error)?,
+            Ok(Err(_)) => {
+                return Err(StoreError::new(
+                    StoreErrorKind::Unavailable,
+                    "the Redis store's batch of charges was lost; this charge was not applied",
+                ))
+            }
+            Err(_) => {
+                return Err(StoreError::new(
+                    StoreErrorKind::Timeout,
+                    "Redis did not answer within the store's timeout; nothing is charged (a \
+                     charge Redis applies later is given back)",
+                ))
+            }
+        };
+        outcome("c", &request, reply)
+    }
+}
+
+/// The outcome of `request` from the script's reply to operation `op`.
+fn outcome(
+    op: &str,
+    request: &ChargeRequest,
+    reply: Vec<i64>,
+) -> Result<ChargeOutcome, StoreError> {
+    let now = request.now;
+    if reply.len() != 1 + FIELDS * request.lines.len() {
+        return Err(unexpected(format!(
+            "{} values for {} lines",
+            reply.len(),
+            request.lines.len()
+        )));
+    }
+    let admitted = match reply[0] {
+        1 => true,
+        0 => false,
+        other => return Err(unexpected(format!("{other} as the admission"))),
+    };
+    let usage = request
+        .lines
+        .iter()
+        .zip(reply[1..].chunks_exact(FIELDS))
+        .map(|(line, fields)| {
+            // `remaining` is for other readers of the script's reply;
+            // `Usage` works it out from the limit.
+            let &[used, _remaining, pttl, first_call, heal] = fields else {
+                unreachable!("chunks of {FIELDS}")
+            };
+            let key = &line.key;
+            let used = u64::try_from(used)
+                .map_err(|_| unexpected(format!("{used} as the count of {key}")))?;
+            if !(0..=4).contains(&heal) {
+                return Err(unexpected(format!("{heal} as the heal of {key}")));
+            }
+            if heal != 0 {
+                log_heal(key, heal, op == "c" && admitted);
+            }
+            // -3: a calendar counter's deadline, not read.
+            let calendar = matches!(line.lifetime, Lifetime::Calendar { .. });
+            if pttl < 0 && pttl != -2 && !(pttl == -3 && calendar) {
+                return Err(unexpected(format!("{pttl} as the life of {key}")));
+            }
+            let first_call = match first_call {
+                -1 => None,
+                ms => Some(
+                    Timestamp::from_millisecond(ms)
+                        .map_err(|_| unexpected(format!("{ms} as the first call of {key}")))?,
+                ),
+            };
+            Ok(match line.lifetime {
+                Lifetime::Calendar { end, .. } => Usage {
+                    limit: line.limit,
+                    used,
+                    resets_at: end,
+                    first_call: None,
+                },
+                Lifetime::FirstUse { deadline } => Usage {
+                    limit: line.limit,
+                    used,
+                    resets_at: if pttl >= 0 {
+                        now.saturating_add(SignedDuration::from_millis(pttl))
+                            .unwrap_or(deadline)
+                    } else {
+                        deadline
+                    },
+                    first_call,
+                },
+            })
+        })
+        .collect::<Result<_, StoreError>>()?;
+    Ok(ChargeOutcome { admitted, usage })
 }
 
 impl RedisStoreBuilder {
@@ -779,9 +872,14 @@ impl RedisStoreBuilder {
             #[cfg(feature = "redis-cluster")]
             Source::ClusterPool(pool) => Connections::ClusterPool(pool),
         };
+        // A cluster keeps each charge on its own: the keys of one batch would
+        // live on many nodes.
+        let (cluster, size) = connections.status();
+        let batches = (!cluster).then(|| Batches::new(size.min(8)));
         Ok(RedisStore {
             inner: Arc::new(Inner {
                 connections,
+                batches,
                 script: &SCRIPT,
                 timeout: self.timeout,
                 wait_timeout: self.wait_timeout.unwrap_or(self.timeout),
@@ -1105,14 +1203,25 @@ async fn follow_through<T>(
     if !(give_back.applied)(&value) {
         return;
     }
+    refund_lines(&inner, &mut conn, give_back.lines, give_back.now).await;
+}
+
+/// Gives back an applied charge whose caller stopped waiting, line by line,
+/// with the refund of [`Store::refund`] at the charge's instant.
+async fn refund_lines(
+    inner: &Inner,
+    conn: &mut Connection,
+    lines: Vec<(PeriodKey, u64)>,
+    now: Timestamp,
+) {
     let mut refunded = 0;
-    for (key, cost) in give_back.lines {
+    for (key, cost) in lines {
         let mut invocation = inner.script.key(key.as_str());
         invocation
             .arg("r")
             .arg(clamp(cost))
-            .arg(give_back.now.as_millisecond());
-        let refund = invocation.invoke_async::<i64>(&mut conn);
+            .arg(now.as_millisecond());
+        let refund = invocation.invoke_async::<i64>(conn);
         match tokio::time::timeout(FOLLOW_THROUGH, refund).await {
             Ok(Ok(_)) => refunded += 1,
             Ok(Err(error)) => tracing::warn!(

@@ -38,7 +38,9 @@
 --   limit, cost, anchor ('f' first use, 'c' calendar), ttl (ms), end (ms)
 -- where ttl is the deadline of a counter created now: the period's length
 -- for first use, the window's end plus grace and jitter for calendar; and
--- end is the calendar window's end (0 for first use).
+-- end is the calendar window's end (0 for first use). The store writes
+-- these from integers; the instant is checked (a charge with a malformed
+-- one is an error reply), the line arguments are taken as they come.
 -- The reply is { admitted, then per key: used, remaining, pttl, first call,
 -- heal } with pttl the counter's remaining life (ms), -2 when there is no
 -- live counter, -3 when it was not read (below); first call -1 when unknown;
@@ -208,9 +210,6 @@ local function lines(k0, n, a0, charging)
     local a = a0 + (i - 1) * 5
     local limit, cost = ARGV[a + 1] + 0, ARGV[a + 2] + 0
     local first_use = ARGV[a + 3] == 'f'
-    if not first_use and not digits(ARGV[a + 5]) then
-      return redis.error_reply('ERR tower-quota: a window end' .. NOT_A_NUMBER)
-    end
     local c = counters[key]
     if c == nil then
       local kind, used, first, ended = read(key)

@@ -1,0 +1,417 @@
+//! Charges sent together.
+//!
+//! On a single server (not a cluster, whose keys live on many nodes), the
+//! charges of concurrent callers are queued and sent in batches: one
+//! `EVALSHA` of the counters script's batch operation runs each queued
+//! charge in turn, each one checked and committed on its own as if it had
+//! come alone. A few batches are on their way at once; while they are,
+//! new charges wait in the queue and leave together with the next batch.
+//! So a lone charge leaves at once, and under load a round trip carries
+//! many: Redis reads, runs and answers one command for all of them.
+//!
+//! A batch runs in a task of its own, never in a caller's future, so a
+//! caller that stops waiting (its budget ran out, its future was dropped)
+//! cannot cut a batch that carries other callers' charges. Its own charge
+//! is then either not sent (it was still queued) or given back once Redis
+//! applied it: the answer finds nobody to take it, or is dropped untaken.
+
+use std::collections::VecDeque;
+use std::future::Future;
+use std::pin::Pin;
+use std::sync::{Arc, Mutex};
+use std::task::{ready, Context, Poll};
+
+use deadpool::managed::Timeouts;
+use deadpool_redis::redis::aio::ConnectionLike;
+use deadpool_redis::redis::{self, ErrorKind, FromRedisValue, RedisError, ServerErrorKind, Value};
+use jiff::Timestamp;
+use tokio::sync::{oneshot, OwnedSemaphorePermit};
+
+use super::{broken, refund_lines, Inner, COUNTERS_LUA, FOLLOW_THROUGH};
+use crate::key::PeriodKey;
+
+/// The most charges in one batch.
+const MAX_CHARGES: usize = 128;
+
+/// The queue of charges waiting for a batch, and how many batches are on
+/// their way.
+pub(super) struct Batches {
+    queue: Mutex<Queue>,
+    /// The most batches on their way at once.
+    max_sending: usize,
+}
+
+struct Queue {
+    waiting: VecDeque<Pending>,
+    sending: usize,
+}
+
+/// One charge's line, as the script takes it.
+pub(super) struct LineArgs {
+    pub(super) key: PeriodKey,
+    pub(super) limit: i64,
+    pub(super) cost: i64,
+    pub(super) anchor: &'static str,
+    pub(super) ttl: i64,
+    pub(super) end: i64,
+}
+
+/// A charge waiting for its batch.
+pub(super) struct Pending {
+    pub(super) now: Timestamp,
+    pub(super) lines: Vec<LineArgs>,
+    pub(super) answer: oneshot::Sender<Answer>,
+    /// Keeps the charge counted in flight until it is over.
+    pub(super) permit: OwnedSemaphorePermit,
+}
+
+/// Redis's answer to one charge: the script's reply, or why there is none.
+/// An applied charge carries what gives it back if the answer is dropped
+/// before its caller [took](Answer::take) it.
+pub(super) struct Answer {
+    reply: Result<Vec<i64>, RedisError>,
+    give_back: Option<GiveBack>,
+}
+
+impl Answer {
+    /// The reply, taken by the charge's caller: from here on, the charge is
+    /// the caller's.
+    pub(super) fn take(self) -> Result<Vec<i64>, RedisError> {
+        let Answer { reply, give_back } = self;
+        if let Some(mut give_back) = give_back {
+            give_back.lines.clear();
+        }
+        reply
+    }
+}
+
+/// Gives an applied charge back when dropped armed (with lines).
+struct GiveBack {
+    inner: Arc<Inner>,
+    now: Timestamp,
+    lines: Vec<(PeriodKey, u64)>,
+    /// Held until the charge is over: taken, or given back.
+    permit: Option<OwnedSemaphorePermit>,
+}
+
+impl Drop for GiveBack {
+    fn drop(&mut self) {
+        if self.lines.is_empty() {
+            return;
+        }
+        let inner = Arc::clone(&self.inner);
+        let lines = std::mem::take(&mut self.lines);
+        let now = self.now;
+        let permit = self.permit.take();
+        let give_back = async move {
+            let _permit = permit;
+            let timeouts = Timeouts {
+                wait: Some(FOLLOW_THROUGH),
+                create: Some(inner.connect_timeout),
+                recycle: Some(inner.timeout),
+            };
+            match tokio::time::timeout(FOLLOW_THROUGH, inner.connections.get(&timeouts)).await {
+                Ok(Ok(mut conn)) => refund_lines(&inner, &mut conn, lines, now).await,
+                _ => tracing::warn!(
+                    lines = lines.len(),
+                    "could not give back a charge Redis applied after its caller stopped \
+                     waiting: no connection"
+                ),
+            }
+        };
+        match tokio::runtime::Handle::try_current() {
+            Ok(runtime) => drop(runtime.spawn(give_back)),
+            Err(_) => tracing::warn!(
+                "a charge Redis applied after its caller stopped waiting was dropped outside a \
+                 tokio runtime and cannot be given back"
+            ),
+        }
+    }
+}
+
+impl Batches {
+    pub(super) fn new(max_sending: usize) -> Self {
+        Self {
+            queue: Mutex::new(Queue {
+                waiting: VecDeque::new(),
+                sending: 0,
+            }),
+            max_sending: max_sending.max(1),
+        }
+    }
+
+    /// Queues a charge. When fewer than the most batches are on their way,
+    /// returns what sends the next one (and the ones after it while charges
+    /// wait): the caller drives it until its own answer comes, and it goes
+    /// on in a task of its own from there (see [`Detached`]).
+    pub(super) fn push(
+        inner: &Arc<Inner>,
+        pending: Pending,
+    ) -> Option<Detached<impl Future<Output = ()> + Send + 'static>> {
+        let batches = inner.batches.as_ref().expect("a store that batches");
+        let batch = {
+            let mut queue = batches.lock();
+            queue.waiting.push_back(pending);
+            if queue.sending == batches.max_sending {
+                return None;
+            }
+            queue.sending += 1;
+            queue.take()
+        };
+        let sender = Sender {
+            inner: Arc::clone(inner),
+        };
+        Some(Detached(Some(Box::pin(sender.run(batch)))))
+    }
+
+    fn lock(&self) -> std::sync::MutexGuard<'_, Queue> {
+        self.queue.lock().unwrap_or_else(|e| e.into_inner())
+    }
+
+    /// The next batch, or none: then one fewer is on its way.
+    fn next(&self) -> Option<Vec<Pending>> {
+        let mut queue = self.lock();
+        if queue.waiting.is_empty() {
+            queue.sending -= 1;
+            return None;
+        }
+        Some(queue.take())
+    }
+}
+
+impl Queue {
+    fn take(&mut self) -> Vec<Pending> {
+        let count = self.waiting.len().min(MAX_CHARGES);
+        self.waiting.drain(..count).collect()
+    }
+}
+
+/// A future driven by whoever holds it, and run to its end in a task of its
+/// own if dropped before: a batch is never cut short by one caller.
+pub(super) struct Detached<F: Future<Output = ()> + Send + 'static>(Option<Pin<Box<F>>>);
+
+impl<F: Future<Output = ()> + Send + 'static> Future for Detached<F> {
+    type Output = ();
+
+    fn poll(mut self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<()> {
+        let Some(future) = self.0.as_mut() else {
+            return Poll::Ready(());
+        };
+        ready!(future.as_mut().poll(cx));
+        self.0 = None;
+        Poll::Ready(())
+    }
+}
+
+impl<F: Future<Output = ()> + Send + 'static> Drop for Detached<F> {
+    fn drop(&mut self) {
+        let Some(future) = self.0.take() else {
+            return;
+        };
+        match tokio::runtime::Handle::try_current() {
+            Ok(runtime) => drop(runtime.spawn(future)),
+            Err(_) => tracing::warn!(
+                "a batch of Redis charges was dropped outside a tokio runtime and cannot be \
+                 followed; a charge it carried may be applied without an admission"
+            ),
+        }
+    }
+}
+
+/// One of the batches on their way: sends batch after batch while charges
+/// are waiting.
+struct Sender {
+    inner: Arc<Inner>,
+}
+
+impl Sender {
+    async fn run(self, mut batch: Vec<Pending>) {
+        loop {
+            // A caller that stopped waiting before its charge was sent: the
+            // charge is never sent.
+            batch.retain(|pending| !pending.answer.is_closed());
+            if !batch.is_empty() {
+                send(&self.inner, batch).await;
+            }
+            batch = match self.inner.batches.as_ref().and_then(Batches::next) {
+                Some(batch) => batch,
+                None => return,
+            };
+            // Lets others run between batches.
+            tokio::task::yield_now().await;
+        }
+    }
+}
+
+impl Drop for Sender {
+    fn drop(&mut self) {
+        // Only a panic ends a sender between batches; the next push starts
+        // another.
+        if std::thread::panicking() {
+            if let Some(batches) = &self.inner.batches {
+                batches.lock().sending -= 1;
+            }
+        }
+    }
+}
+
+/// Sends one batch and hands each charge its answer.
+async fn send(inner: &Arc<Inner>, batch: Vec<Pending>) {
+    let timeouts = Timeouts {
+        wait: Some(inner.timeout),
+        create: Some(inner.connect_timeout),
+        recycle: Some(inner.timeout),
+    };
+    let mut conn =
+        match tokio::time::timeout(FOLLOW_THROUGH, inner.connections.get(&timeouts)).await {
+            Ok(Ok(conn)) => conn,
+            Ok(Err(fault)) => {
+                let error = match fault {
+                    super::Fault::Redis(error) => error,
+                    super::Fault::Pool(error) => RedisError::from(std::io::Error::other(format!(
+                        "no Redis connection: {error}"
+                    ))),
+                };
+                return fail(batch, &error);
+            }
+            Err(_) => {
+                return fail(
+                    batch,
+                    &RedisError::from(std::io::Error::other("no Redis connection in time")),
+                )
+            }
+        };
+    let command = command(&batch);
+    let lost = conn.lost();
+    let replies = match tokio::time::timeout(FOLLOW_THROUGH, eval(&mut conn, &command)).await {
+        Ok(Ok(Value::Array(replies))) if replies.len() == batch.len() => replies,
+        Ok(Ok(other)) => {
+            let error = RedisError::from(std::io::Error::other(format!(
+                "the counters script answered a batch of {} charges with {other:?}",
+                batch.len()
+            )));
+            return fail(batch, &error);
+        }
+        Ok(Err(error)) => {
+            if broken(&error) {
+                inner.connections.failed(conn.failed());
+            }
+            return fail(batch, &error);
+        }
+        Err(_) => {
+            if let Some(lost) = lost {
+                inner.connections.failed(lost);
+            }
+            tracing::warn!(
+                charges = batch.len(),
+                "Redis did not answer a batch of charges in {FOLLOW_THROUGH:?}; dropping its \
+                 connection (the charges may have been applied without an admission)"
+            );
+            return fail(
+                batch,
+                &RedisError::from(std::io::Error::other("Redis did not answer")),
+            );
+        }
+    };
+    for (pending, reply) in batch.into_iter().zip(replies) {
+        let reply = match reply {
+            Value::ServerError(error) => Err(RedisError::from(error)),
+            Value::Array(fields) => fields
+                .iter()
+                .map(i64::from_redis_value_ref)
+                .collect::<Result<Vec<i64>, _>>()
+                .map_err(RedisError::from),
+            other => Err(RedisError::from(std::io::Error::other(format!(
+                "the counters script answered a charge with {other:?}"
+            )))),
+        };
+        // The reply opens with 1 when every line was charged.
+        let applied = matches!(&reply, Ok(fields) if fields.first() == Some(&1));
+        let Pending {
+            now,
+            lines,
+            answer,
+            permit,
+        } = pending;
+        let give_back = GiveBack {
+            inner: Arc::clone(inner),
+            now,
+            lines: if applied {
+                lines
+                    .into_iter()
+                    .filter(|line| line.cost > 0)
+                    .map(|line| (line.key, line.cost.unsigned_abs()))
+                    .collect()
+            } else {
+                Vec::new()
+            },
+            permit: Some(permit),
+        };
+        // A caller gone by now drops the answer here, and with it gives
+        // the charge back.
+        let _ = answer.send(Answer {
+            reply,
+            give_back: Some(give_back),
+        });
+    }
+}
+
+/// Every charge of `batch` failed with `error`: none of them was applied
+/// as far as anyone can tell.
+fn fail(batch: Vec<Pending>, error: &RedisError) {
+    for pending in batch {
+        let _ = pending.answer.send(Answer {
+            reply: Err(error.clone()),
+            give_back: None,
+        });
+    }
+}
+
+/// The batch's `EVALSHA`.
+fn command(batch: &[Pending]) -> redis::Cmd {
+    let keys: usize = batch.iter().map(|pending| pending.lines.len()).sum();
+    let mut command = redis::cmd("EVALSHA");
+    command.arg(super::SCRIPT.get_hash()).arg(keys);
+    for pending in batch {
+        for line in &pending.lines {
+            command.arg(line.key.as_str());
+        }
+    }
+    command.arg("b");
+    for pending in batch {
+        command
+            .arg(pending.lines.len())
+            .arg(pending.now.as_millisecond());
+        for line in &pending.lines {
+            command
+                .arg(line.limit)
+                .arg(line.cost)
+                .arg(line.anchor)
+                .arg(line.ttl)
+                .arg(line.end);
+        }
+    }
+    command
+}
+
+/// Runs `command`, loading the script first if the server does not know
+/// it. An error reply to the whole command is an error; errors of single
+/// charges stay in the reply.
+async fn eval(conn: &mut super::Connection, command: &redis::Cmd) -> Result<Value, RedisError> {
+    match top_level(conn.req_packed_command(command).await) {
+        Err(error) if error.kind() == ErrorKind::Server(ServerErrorKind::NoScript) => {
+            let mut load = redis::cmd("SCRIPT");
+            load.arg("LOAD").arg(COUNTERS_LUA);
+            top_level(conn.req_packed_command(&load).await)?;
+            top_level(conn.req_packed_command(command).await)
+        }
+        other => other,
+    }
+}
+
+fn top_level(value: Result<Value, RedisError>) -> Result<Value, RedisError> {
+    match value? {
+        Value::ServerError(error) => Err(error.into()),
+        value => Ok(value),
+    }
+}
