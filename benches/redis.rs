@@ -13,7 +13,8 @@
 //! `BENCH_POOL` the store's number of multiplexed connections (default: the
 //! store's default, 2), `BENCH_STOCK_POOL=1` to run the store on
 //! deadpool-redis's stock pool instead (one pooled connection per charge;
-//! give it `BENCH_POOL=64`).
+//! give it `BENCH_POOL=64`), `BENCH_THREADS` the client runtime's worker
+//! threads (default one per core; 1 is a current-thread runtime).
 
 #[path = "../tests/redis_support/mod.rs"]
 mod redis_support;
@@ -58,10 +59,21 @@ fn main() {
         .collect();
     let charges = |callers: usize| if callers == 1 { (n / 10).max(1) } else { n };
     let server = redis_support::RedisServer::start();
-    let runtime = tokio::runtime::Builder::new_multi_thread()
-        .enable_all()
-        .build()
-        .unwrap();
+    // BENCH_THREADS: the client's tokio worker threads (default: one per
+    // core); 1 is a current-thread runtime.
+    let threads = env("BENCH_THREADS", 0);
+    let runtime = if threads == 1 {
+        tokio::runtime::Builder::new_current_thread()
+    } else {
+        let mut builder = tokio::runtime::Builder::new_multi_thread();
+        if threads > 1 {
+            builder.worker_threads(threads);
+        }
+        builder
+    }
+    .enable_all()
+    .build()
+    .unwrap();
     // BENCH_STOCK_POOL=1: on deadpool-redis's stock pool, which pings every
     // connection it hands out, for comparison.
     let stock = std::env::var_os("BENCH_STOCK_POOL").is_some();

@@ -383,3 +383,54 @@ async fn charges_sent_together_are_each_decided_on_their_own() {
         subjects.len()
     );
 }
+
+#[test]
+fn a_store_outlives_a_runtime_that_shut_down_in_the_middle_of_a_batch() {
+    let server = redis_server_or_skip!();
+    let store = RedisStore::builder(server.url())
+        .timeout(Duration::from_secs(5))
+        .build()
+        .unwrap();
+    let key = key("runtimes");
+    {
+        let first = tokio::runtime::Builder::new_current_thread()
+            .enable_all()
+            .build()
+            .unwrap();
+        first.block_on(store.preload()).unwrap();
+        let _stopped = Stopped::new(&server);
+        // Charges on their way, or queued behind them, when the runtime
+        // goes away.
+        first.block_on(async {
+            for _ in 0..20 {
+                let store = store.clone();
+                let key = key.clone();
+                tokio::spawn(async move { store.charge(charge(&key, 100)).await });
+            }
+            tokio::time::sleep(Duration::from_millis(50)).await;
+        });
+        drop(first);
+    }
+    let second = tokio::runtime::Builder::new_current_thread()
+        .enable_all()
+        .build()
+        .unwrap();
+    second.block_on(async {
+        // The connection opened on the first runtime went with it: the
+        // first call may find it broken, and drops it.
+        let first = tokio::time::timeout(Duration::from_secs(2), store.charge(charge(&key, 100)))
+            .await
+            .expect("charges are sent again");
+        if let Err(error) = first {
+            assert_eq!(error.kind(), StoreErrorKind::Unavailable, "{error}");
+        }
+        for _ in 0..3 {
+            let outcome =
+                tokio::time::timeout(Duration::from_secs(2), store.charge(charge(&key, 100)))
+                    .await
+                    .expect("charges are sent again")
+                    .unwrap();
+            assert!(outcome.admitted);
+        }
+    });
+}

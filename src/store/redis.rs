@@ -643,7 +643,8 @@ impl RedisStore {
             Ok(Err(_)) => {
                 return Err(StoreError::new(
                     StoreErrorKind::Unavailable,
-                    "the Redis store's batch of charges was lost; this charge was not applied",
+                    "the Redis store's batch of charges was dropped before its answer (its \
+                     runtime shut down); this charge may have been applied",
                 ))
             }
             Err(_) => {

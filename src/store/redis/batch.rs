@@ -160,6 +160,7 @@ impl Batches {
         };
         let sender = Sender {
             inner: Arc::clone(inner),
+            done: false,
         };
         Some(Detached(Some(Box::pin(sender.run(batch)))))
     }
@@ -222,10 +223,13 @@ impl<F: Future<Output = ()> + Send + 'static> Drop for Detached<F> {
 /// are waiting.
 struct Sender {
     inner: Arc<Inner>,
+    /// Whether it ran out of batches, rather than being dropped on the way
+    /// (a panic, or the runtime shutting down).
+    done: bool,
 }
 
 impl Sender {
-    async fn run(self, mut batch: Vec<Pending>) {
+    async fn run(mut self, mut batch: Vec<Pending>) {
         loop {
             // A caller that stopped waiting before its charge was sent: the
             // charge is never sent.
@@ -235,7 +239,10 @@ impl Sender {
             }
             batch = match self.inner.batches.as_ref().and_then(Batches::next) {
                 Some(batch) => batch,
-                None => return,
+                None => {
+                    self.done = true;
+                    return;
+                }
             };
             // Lets others run between batches.
             tokio::task::yield_now().await;
@@ -245,9 +252,10 @@ impl Sender {
 
 impl Drop for Sender {
     fn drop(&mut self) {
-        // Only a panic ends a sender between batches; the next push starts
-        // another.
-        if std::thread::panicking() {
+        // Dropped on its way: one fewer is, and the next push starts
+        // another for the charges still waiting. (Those of the batch it
+        // carried are dropped with it: their callers hear that it was lost.)
+        if !self.done {
             if let Some(batches) = &self.inner.batches {
                 batches.lock().sending -= 1;
             }
