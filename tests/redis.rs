@@ -1474,3 +1474,113 @@ async fn refund_at_after_a_calendar_window_ended_credits_nothing() {
     let count: i64 = redis.hget(hourly.as_str(), "n").await.unwrap();
     assert_eq!(count, 1);
 }
+
+/// The script decides a one-line charge on a live counter it created in
+/// short, and every other charge in full: both read a counter alike. A peek
+/// (always in full) predicts each charge, for counters in every state.
+#[tokio::test]
+async fn a_charge_is_decided_as_a_peek_reads_the_counter() {
+    let server = redis_server_or_skip!();
+    let store = store(&server);
+    let mut redis = client(&server).await;
+    let now = Timestamp::now();
+    let end = now + hour();
+    let ms = now.as_millisecond();
+    let past = ms - 1_000;
+
+    let calendar_live = key("calendar-live");
+    let calendar_full = key("calendar-full");
+    let calendar_over = key("calendar-over");
+    let calendar_legacy = key("calendar-legacy");
+    let first_live = key("first-live");
+    let first_undated = key("first-undated");
+    let string = key("string");
+    let fresh = key("fresh");
+    for (key, n) in [(&calendar_live, 2), (&calendar_full, 5)] {
+        for _ in 0..n {
+            assert!(
+                store
+                    .charge(calendar(key, 5, 1, now, end))
+                    .await
+                    .unwrap()
+                    .admitted
+            );
+        }
+    }
+    assert!(
+        store
+            .charge(first_use(&first_live, 5, 2, now, hour()))
+            .await
+            .unwrap()
+            .admitted
+    );
+    let () = redis
+        .hset_multiple(
+            calendar_over.as_str(),
+            &[("n", 2), ("t", past), ("e", past)],
+        )
+        .await
+        .unwrap();
+    let () = redis.pexpire(calendar_over.as_str(), 60_000).await.unwrap();
+    let () = redis
+        .hset_multiple(calendar_legacy.as_str(), &[("n", 1), ("t", past)])
+        .await
+        .unwrap();
+    let () = redis
+        .pexpire(calendar_legacy.as_str(), 60_000)
+        .await
+        .unwrap();
+    let () = redis
+        .hset_multiple(first_undated.as_str(), &[("n", 1), ("t", past)])
+        .await
+        .unwrap();
+    let () = redis.set_ex(string.as_str(), 3, 60).await.unwrap();
+
+    let cases = [
+        (calendar(&calendar_live, 5, 1, now, end), "live calendar"),
+        (
+            calendar(&calendar_live, 5, 0, now, end),
+            "live calendar, cost 0",
+        ),
+        (
+            calendar(&calendar_full, 5, 1, now, end),
+            "calendar at its limit",
+        ),
+        (
+            calendar(&calendar_over, 5, 1, now, end),
+            "calendar window over",
+        ),
+        (
+            calendar(&calendar_legacy, 5, 1, now, end),
+            "calendar without e",
+        ),
+        (first_use(&first_live, 5, 2, now, hour()), "live first use"),
+        (
+            first_use(&first_live, 5, 2, now, hour()),
+            "first use, then full",
+        ),
+        (
+            first_use(&first_undated, 5, 1, now, hour()),
+            "undated first use",
+        ),
+        (first_use(&string, 5, 1, now, hour()), "string counter"),
+        (calendar(&fresh, 5, 1, now, end), "no counter"),
+    ];
+    for (request, case) in cases {
+        let line = &request.lines[0];
+        let (cost, limit) = (line.cost, line.limit);
+        let peeked = store.peek(request.clone()).await.unwrap().remove(0);
+        let charged = store.charge(request).await.unwrap();
+        let admitted = peeked.used + cost <= limit;
+        assert_eq!(charged.admitted, admitted, "{case}");
+        let usage = &charged.usage[0];
+        let expected = peeked.used + if admitted { cost } else { 0 };
+        assert_eq!(usage.used, expected, "{case}");
+        assert_eq!(usage.first_call, peeked.first_call, "{case}");
+        let drift = (usage.resets_at - peeked.resets_at).abs();
+        assert!(
+            drift < SignedDuration::from_millis(200),
+            "{case}: {drift:?}"
+        );
+    }
+}

@@ -1433,6 +1433,22 @@ mod tests {
     }
 
     #[test]
+    fn the_short_charge_writes_only_its_count_once_every_check_passed() {
+        let code = script_code();
+        let short = block(&code, "local function one(k0, a0)");
+        let writes = ["HINCRBY", "INCRBY", "DECRBY", "HSET", "PEXPIRE", "DEL"];
+        let written: Vec<_> = commands(short)
+            .into_iter()
+            .filter(|c| writes.contains(c))
+            .collect();
+        assert_eq!(written, ["HINCRBY"]);
+        // Every way out to the full path comes before the write.
+        let write = short.find("'HINCRBY'").unwrap();
+        assert!(short.rfind("return nil").unwrap() < write);
+        assert!(short[..write].contains("admitted and"));
+    }
+
+    #[test]
     fn deadlines_in_the_past_end_at_once() {
         let now = Timestamp::from_second(1_000).unwrap();
         assert_eq!(millis_until(now, Timestamp::from_second(999).unwrap()), 1);
