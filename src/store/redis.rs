@@ -73,11 +73,14 @@ const FOLLOW_THROUGH: Duration = Duration::from_secs(30);
 ///
 /// # How counters are kept
 ///
-/// - **One round trip, atomic.** Every charge is one `EVALSHA` of one Lua
-///   script (loaded again if the server answers `NOSCRIPT`), which checks
-///   every line of the request and then commits all of them or none. All
-///   keys of a subject share the key's `{subject}` hash tag, so the script
-///   is valid on a cluster too.
+/// - **Atomic, and sent together.** Every charge is run by one Lua script
+///   (loaded again if the server answers `NOSCRIPT`), which checks every
+///   line of the request and then commits all of them or none. On a single
+///   server the charges of concurrent callers leave in batches, one
+///   `EVALSHA` for many charges, each still checked and committed on its
+///   own (see [Connections](#connections)). All keys of a subject share the
+///   key's `{subject}` hash tag, so the script is valid on a cluster too,
+///   where each charge is one `EVALSHA` of its own.
 /// - **First-use counters keep their deadline.** A counter is a hash of the
 ///   count and the first call's instant. Its deadline is set with `PEXPIRE`
 ///   only in the script that creates it, and every later write is a
@@ -94,13 +97,15 @@ const FOLLOW_THROUGH: Duration = Duration::from_secs(30);
 ///   deadline is housekeeping only: the window's end plus
 ///   [a grace](RedisStoreBuilder::calendar_grace) plus [a
 ///   jitter](RedisStoreBuilder::calendar_jitter) drawn from the key, so that
-///   the counters of all subjects are not reclaimed in one instant. It is set
-///   only when missing. The reset reported is the window's end. The counter
-///   also records that end, once, when it is created: from then on, through
-///   the grace, it is over, so a charge, peek, refund or add at an instant
-///   past the end finds no live counter (as [`MemoryStore`](super::MemoryStore) does). Counters
-///   created by earlier versions, without that record, stay live until
-///   their deadline.
+///   the counters of all subjects are not reclaimed in one instant, and it
+///   is set in the call that creates the counter. The reset reported is the
+///   window's end. The counter also records that end, once, when it is
+///   created: from then on, through the grace, it is over, so a charge,
+///   peek, refund or add at an instant past the end finds no live counter
+///   (as [`MemoryStore`](super::MemoryStore) does). Since the end, not the
+///   deadline, decides when such a counter counts, a charge does not read
+///   its deadline. Counters created by earlier versions, without that
+///   record, stay live until their deadline, and get one if they lack it.
 /// - **Refunds** (`HINCRBY` by a negative amount, in a script that checks the
 ///   counter is live at the refund's instant) never create a counter and
 ///   never touch a deadline.
@@ -121,8 +126,14 @@ const FOLLOW_THROUGH: Duration = Duration::from_secs(30);
 ///
 /// A store built from URLs keeps a few multiplexed connections ([two by
 /// default](RedisStoreBuilder::pool_size)) that every call uses at once:
-/// concurrent charges are pipelined on the same sockets, so no call waits
-/// for a connection to be free, and load alone is never an error. On a
+/// concurrent calls are pipelined on the same sockets, so no call waits for
+/// a connection to be free, and load alone is never an error. On a single
+/// server, charges go in batches: a lone charge leaves at once, and while a
+/// few batches are on their way (as many as connections), new charges
+/// queue and leave together in the next one, so under load one round trip
+/// and one script call carry many charges. A batch is sent by a task of its
+/// own, never cut short by one caller going away; a charge whose caller
+/// left before its batch did is not sent. On a
 /// cluster, the cluster connection multiplexes per node; its client never
 /// retries a request by itself, so a charge is never applied twice, and a
 /// request caught by a slot migration fails while the next one goes to the
