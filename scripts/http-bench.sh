@@ -57,6 +57,8 @@ for _ in $(seq 50); do
     sleep 0.1
 done
 
+declare -A ports
+# Not in a subshell: the server's pid must reach `pids` for the cleanup.
 start_server() { # name, args...
     local name=$1
     shift
@@ -68,13 +70,12 @@ start_server() { # name, args...
         grep -q "listening on" "$work/$name.log" 2>/dev/null && break
         sleep 0.1
     done
-    echo "$port"
+    ports[$name]=$port
 }
 
-declare -A ports
-ports[off]=$(start_server off --quota off)
-ports[memory]=$(start_server memory --store memory)
-ports[redis]=$(start_server redis --store "redis://127.0.0.1:$redis_port/")
+start_server off --quota off
+start_server memory --store memory
+start_server redis --store "redis://127.0.0.1:$redis_port/"
 
 cat >"$work/subjects.lua" <<EOF
 math.randomseed(os.time())
