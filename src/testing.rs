@@ -19,6 +19,9 @@
 //! - [`a_refused_charge_writes_nothing`]: a refused request leaves every
 //!   counter it names exactly as it was (count, first call, deadline, and
 //!   an undated counter undated), and creates none.
+//! - [`an_abandoned_charge_spends_nothing`]: a charge whose future is
+//!   dropped before it answered ends either not applied, or applied and
+//!   given back.
 //! - [`undated_counter_is_healed`]: a counter found without a deadline gets
 //!   one from the next admitted charge.
 //! - [`calendar_counters_are_distinct_per_period_and_dated`]: each calendar
@@ -220,6 +223,10 @@ pub async fn run_all<S: ConformanceHooks>(store: &S) -> Vec<(&'static str, Verdi
         (
             "a_refused_charge_writes_nothing",
             a_refused_charge_writes_nothing(store).await,
+        ),
+        (
+            "an_abandoned_charge_spends_nothing",
+            an_abandoned_charge_spends_nothing(store).await,
         ),
         (
             "undated_counter_is_healed",
@@ -822,6 +829,83 @@ pub async fn a_refused_charge_writes_nothing<S: ConformanceHooks>(store: &S) -> 
                 "a refused charge must write nothing: the deadline of {key} changed"
             ),
         }
+    }
+    Verdict::Passed
+}
+
+/// A charge whose caller stopped waiting spends nothing: a charge future
+/// dropped before its first poll, or after a first poll that left it
+/// pending (sent, not yet answered), ends either not applied, or applied and
+/// given back. The count comes back to what the answered charges made it,
+/// and stays there. (A store whose charges answer on their first poll is
+/// only checked on the first case.)
+///
+/// # Panics
+///
+/// When the store breaks the rule, or fails to answer.
+pub async fn an_abandoned_charge_spends_nothing<S: ConformanceHooks>(store: &S) -> Verdict {
+    use std::task::{Context, Poll, Waker};
+
+    let time = Timeline::new(store.expiry());
+    let period = time.period() * 10;
+    let now = time.now();
+    let keys = Keys::new();
+    let key = keys.key("abandoned");
+    let line = || first_use(&key, 1_000, 1, now + period);
+    let (admitted, _) = charge(store, now, vec![line()]).await;
+    assert!(admitted, "a charge with room must be admitted");
+    let mut answered = 1;
+
+    // Dropped before it was ever polled.
+    drop(store.charge(ChargeRequest {
+        now,
+        lines: vec![line()],
+    }));
+    // Polled once, then dropped unless it answered at once.
+    let mut pending = 0;
+    for _ in 0..20 {
+        let mut future = std::pin::pin!(store.charge(ChargeRequest {
+            now,
+            lines: vec![line()],
+        }));
+        match future
+            .as_mut()
+            .poll(&mut Context::from_waker(Waker::noop()))
+        {
+            Poll::Ready(Ok(outcome)) => {
+                assert!(outcome.admitted, "a charge with room must be admitted");
+                answered += 1;
+            }
+            Poll::Ready(Err(e)) => panic!("the store failed to charge: {e}"),
+            Poll::Pending => pending += 1,
+        }
+    }
+
+    // Given back in time: the count comes back to the answered charges and
+    // stays there a while.
+    let costless = || vec![ChargeLine { cost: 0, ..line() }];
+    let settle = match store.expiry() {
+        Expiry::FollowsRequests => Duration::ZERO,
+        Expiry::RealTime { .. } => Duration::from_secs(10),
+    };
+    let started = std::time::Instant::now();
+    let mut steady = 0;
+    loop {
+        let used = peek(store, now, costless()).await[0].used;
+        if used == answered {
+            steady += 1;
+            if steady == 3 || settle.is_zero() {
+                break;
+            }
+        } else {
+            steady = 0;
+            assert!(
+                started.elapsed() < settle,
+                "an abandoned charge must spend nothing: {used} units spent after {answered} \
+                 answered charges ({pending} charges dropped while pending)"
+            );
+        }
+        tokio::time::sleep(Duration::from_millis(100)).await;
     }
     Verdict::Passed
 }

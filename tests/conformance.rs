@@ -33,7 +33,7 @@ async fn memory_store_conforms_with_one_shard() {
             .iter()
             .filter(|(_, v)| *v == Verdict::Passed)
             .count(),
-        7
+        8
     );
 }
 
@@ -75,6 +75,7 @@ mod redis {
         exactly_the_limit_under_concurrency,
         all_or_nothing_across_quotas,
         a_refused_charge_writes_nothing,
+        an_abandoned_charge_spends_nothing,
         undated_counter_is_healed,
         calendar_counters_are_distinct_per_period_and_dated,
     );
@@ -104,6 +105,7 @@ mod broken {
         calendar_without_deadline: bool,
         leaves_undated: bool,
         heals_when_refused: bool,
+        keeps_abandoned: bool,
     }
 
     #[derive(Clone, Copy)]
@@ -248,7 +250,17 @@ mod broken {
         type ChargeFuture = Pin<Box<dyn Future<Output = Result<ChargeOutcome, StoreError>> + Send>>;
 
         fn charge(&self, request: ChargeRequest) -> Self::ChargeFuture {
-            Box::pin(self.clone().charge_now(request))
+            let store = self.clone();
+            Box::pin(async move {
+                let keeps_abandoned = store.bugs.keeps_abandoned;
+                let outcome = store.charge_now(request).await;
+                if keeps_abandoned {
+                    // Answers a poll later, the charge applied: dropped in
+                    // between, it stays charged.
+                    tokio::task::yield_now().await;
+                }
+                outcome
+            })
         }
 
         fn peek(
@@ -464,5 +476,15 @@ mod broken {
             ..Bugs::default()
         });
         testing::calendar_counters_are_distinct_per_period_and_dated(&store).await;
+    }
+
+    #[tokio::test]
+    #[should_panic(expected = "an abandoned charge must spend nothing")]
+    async fn a_charge_kept_for_a_caller_gone_is_caught() {
+        let store = Buggy::with(Bugs {
+            keeps_abandoned: true,
+            ..Bugs::default()
+        });
+        testing::an_abandoned_charge_spends_nothing(&store).await;
     }
 }

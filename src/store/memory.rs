@@ -4,10 +4,12 @@ use std::collections::{BinaryHeap, HashMap};
 
 use foldhash::fast::RandomState;
 use std::fmt;
-use std::future::{ready, Future, Ready};
+use std::future::{ready, Future};
 use std::hash::BuildHasher;
+use std::pin::Pin;
 use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex, MutexGuard};
+use std::task::{Context, Poll};
 
 use jiff::Timestamp;
 
@@ -527,11 +529,43 @@ impl fmt::Debug for MemoryStore {
     }
 }
 
+/// The future of [`MemoryStore::charge`]: the charge is made when the future
+/// is first polled, and the future is ready then. Dropped before that, it
+/// charges nothing.
+pub struct MemoryChargeFuture {
+    store: MemoryStore,
+    request: Option<ChargeRequest>,
+}
+
+impl Future for MemoryChargeFuture {
+    type Output = Result<ChargeOutcome, StoreError>;
+
+    fn poll(self: Pin<&mut Self>, _: &mut Context<'_>) -> Poll<Self::Output> {
+        let this = self.get_mut();
+        let request = this
+            .request
+            .take()
+            .expect("a MemoryChargeFuture polled after it was ready");
+        Poll::Ready(this.store.charge_now(&request))
+    }
+}
+
+impl fmt::Debug for MemoryChargeFuture {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("MemoryChargeFuture")
+            .field("charged", &self.request.is_none())
+            .finish()
+    }
+}
+
 impl Store for MemoryStore {
-    type ChargeFuture = Ready<Result<ChargeOutcome, StoreError>>;
+    type ChargeFuture = MemoryChargeFuture;
 
     fn charge(&self, request: ChargeRequest) -> Self::ChargeFuture {
-        ready(self.charge_now(&request))
+        MemoryChargeFuture {
+            store: self.clone(),
+            request: Some(request),
+        }
     }
 
     fn peek(

@@ -93,7 +93,7 @@ use jiff::Timestamp;
 
 use crate::key::PeriodKey;
 
-pub use self::memory::MemoryStore;
+pub use self::memory::{MemoryChargeFuture, MemoryStore};
 #[cfg(feature = "redis")]
 #[cfg_attr(docsrs, doc(cfg(feature = "redis")))]
 pub use self::redis::{RedisChargeFuture, RedisStore, RedisStoreBuilder, ServerClock};
