@@ -9,11 +9,14 @@
 //! So a lone charge leaves at once, and under load a round trip carries
 //! many: Redis reads, runs and answers one command for all of them.
 //!
-//! A batch runs in a task of its own, never in a caller's future, so a
-//! caller that stops waiting (its budget ran out, its future was dropped)
-//! cannot cut a batch that carries other callers' charges. Its own charge
-//! is then either not sent (it was still queued) or given back once Redis
-//! applied it: the answer finds nobody to take it, or is dropped untaken.
+//! The caller whose charge starts a batch drives it until its own answer
+//! comes (a lone charge takes no detour through another task); from then
+//! on, or as soon as that caller goes away, the batch goes on in a task of
+//! its own. So a caller that stops waiting (its budget ran out, its future
+//! was dropped) never cuts short a batch that carries other callers'
+//! charges. Its own charge is then either not sent (it was still queued) or
+//! given back once Redis applied it: the answer finds nobody to take it, or
+//! is dropped untaken.
 
 use std::collections::VecDeque;
 use std::future::Future;
