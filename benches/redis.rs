@@ -161,14 +161,19 @@ fn main() {
                 cpu_seconds("self", Own),
                 cpu_seconds(&server_pid.to_string(), Own),
             );
+            let calls0 = script_calls(&server);
             let started = Instant::now();
             runtime.block_on(charge_all(&store, c, now, end, count));
             let rate = count as f64 / started.elapsed().as_secs_f64();
+            let calls = script_calls(&server) - calls0;
             let (c1, s1) = (
                 cpu_seconds("self", Own),
                 cpu_seconds(&server_pid.to_string(), Own),
             );
-            println!("round {round}: RedisStore, {c:>3} callers: {rate:>9.0} charges/s");
+            println!(
+                "round {round}: RedisStore, {c:>3} callers: {rate:>9.0} charges/s, {:.1} charges per script call",
+                count as f64 / calls.max(1) as f64
+            );
             store_rates[i].push(rate);
             if c == CALLERS {
                 (store_rate, cpu0, cpu1, server0, server1) = (rate, c0, c1, s0, s1);
@@ -298,6 +303,17 @@ fn cpu_seconds(pid: &str, which: Cpu) -> f64 {
         .filter_map(|&i| fields.get(i)?.parse::<f64>().ok())
         .sum();
     ticks / 100.0
+}
+
+/// How many times the server has run a script (`EVALSHA`) so far.
+fn script_calls(server: &redis_support::RedisServer) -> u64 {
+    server
+        .cli(&["info", "commandstats"])
+        .lines()
+        .find_map(|line| line.strip_prefix("cmdstat_evalsha:calls="))
+        .and_then(|rest| rest.split(',').next())
+        .and_then(|n| n.parse().ok())
+        .unwrap_or(0)
 }
 
 /// The rate in `redis-benchmark --csv` output: the line after the header,
