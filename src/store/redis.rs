@@ -129,7 +129,7 @@ const FOLLOW_THROUGH: Duration = Duration::from_secs(30);
 /// concurrent calls are pipelined on the same sockets, so no call waits for
 /// a connection to be free, and load alone is never an error. On a single
 /// server, charges go in batches: a lone charge leaves at once, and while a
-/// few batches are on their way (as many as connections), new charges
+/// few batches are on their way (four per connection, 16 at most), new charges
 /// queue and leave together in the next one, so under load one round trip
 /// and one script call carry many charges. A batch is sent by a task of its
 /// own, never cut short by one caller going away; a charge whose caller
@@ -887,7 +887,7 @@ impl RedisStoreBuilder {
         // A cluster keeps each charge on its own: the keys of one batch would
         // live on many nodes.
         let (cluster, size) = connections.status();
-        let batches = (!cluster).then(|| Batches::new(size.min(8)));
+        let batches = (!cluster).then(|| Batches::new((4 * size).min(16)));
         Ok(RedisStore {
             inner: Arc::new(Inner {
                 connections,
