@@ -574,9 +574,6 @@ impl RedisStore {
             .iter()
             .map(|line| self.line_args(now, line))
             .collect();
-        if op == "c" && self.inner.batches.is_some() {
-            return self.charge_in_batch(request, args).await;
-        }
         let mut invocation = self.inner.script.prepare_invoke();
         invocation.arg(op).arg(now.as_millisecond());
         for line in &args {
@@ -957,7 +954,17 @@ impl Store for RedisStore {
     type ChargeFuture = RedisChargeFuture;
 
     fn charge(&self, request: ChargeRequest) -> Self::ChargeFuture {
-        Box::pin(self.clone().lines("c", request))
+        if self.inner.batches.is_none() || request.lines.is_empty() {
+            return Box::pin(self.clone().lines("c", request));
+        }
+        // A future of its own, a fraction of the size of `lines`'s.
+        let store = self.clone();
+        let lines = request
+            .lines
+            .iter()
+            .map(|line| store.line_args(request.now, line))
+            .collect();
+        Box::pin(async move { store.charge_in_batch(request, lines).await })
     }
 
     fn peek(
