@@ -477,7 +477,11 @@ impl RedisStore {
             recycle: Some(inner.timeout),
         };
         let conn =
-            match tokio::time::timeout_at(deadline, inner.connections.get(&timeouts)).await {
+            // Boxed: getting a connection (from a pool, or opening one) is
+            // a large future that a call only needs at times.
+            match tokio::time::timeout_at(deadline, Box::pin(inner.connections.get(&timeouts)))
+                .await
+            {
                 Ok(Ok(conn)) => conn,
                 Ok(Err(fault)) => return Err(fault_error(fault)),
                 Err(_) => return Err(StoreError::new(
