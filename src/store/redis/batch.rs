@@ -273,25 +273,26 @@ async fn send(inner: &Arc<Inner>, batch: Vec<Pending>) {
         create: Some(inner.connect_timeout),
         recycle: Some(inner.timeout),
     };
-    let mut conn =
-        match tokio::time::timeout(FOLLOW_THROUGH, inner.connections.get(&timeouts)).await {
-            Ok(Ok(conn)) => conn,
-            Ok(Err(fault)) => {
-                let error = match fault {
-                    super::Fault::Redis(error) => error,
-                    super::Fault::Pool(error) => RedisError::from(std::io::Error::other(format!(
-                        "no Redis connection: {error}"
-                    ))),
-                };
-                return fail(batch, &error);
-            }
-            Err(_) => {
-                return fail(
-                    batch,
-                    &RedisError::from(std::io::Error::other("no Redis connection in time")),
-                )
-            }
-        };
+    // Boxed, as in `RedisStore::follow`: a large future needed at times.
+    let get = Box::pin(inner.connections.get(&timeouts));
+    let mut conn = match tokio::time::timeout(FOLLOW_THROUGH, get).await {
+        Ok(Ok(conn)) => conn,
+        Ok(Err(fault)) => {
+            let error = match fault {
+                super::Fault::Redis(error) => error,
+                super::Fault::Pool(error) => RedisError::from(std::io::Error::other(format!(
+                    "no Redis connection: {error}"
+                ))),
+            };
+            return fail(batch, &error);
+        }
+        Err(_) => {
+            return fail(
+                batch,
+                &RedisError::from(std::io::Error::other("no Redis connection in time")),
+            )
+        }
+    };
     let command = command(&batch);
     let lost = conn.lost();
     let replies = match tokio::time::timeout(FOLLOW_THROUGH, eval(&mut conn, &command)).await {
