@@ -563,7 +563,8 @@ where
                     timer,
                 } => {
                     if let Some(request) = start.take() {
-                        let admission = &pending.as_ref().expect("polled after completion").admission;
+                        let admission =
+                            &pending.as_ref().expect("polled after completion").admission;
                         charge.set(Some(admission.store.charge(request)));
                     }
                     let charge = charge.as_pin_mut().expect("the charge is on its way");

@@ -88,8 +88,12 @@ struct Built<E, St> {
     // The charges of the services built so far, by what their probe found:
     // axum builds a route's layers again for every connection (or request),
     // and most find the same.
-    charges: Mutex<Vec<(probe::Found, Arc<Bound<E, St>>)>>,
+    charges: Mutex<Vec<Known<E, St>>>,
 }
+
+/// What a probe found inside a wrapped service, and what a service built
+/// around it charges.
+type Known<E, St> = (probe::Found, Arc<Bound<E, St>>);
 
 impl<E: SubjectExtractor> QuotaLayer<E, MemoryStore> {
     /// A layer with no quota yet, charging the subjects `extractor` names,
