@@ -81,6 +81,22 @@ pub(crate) type PlanFn = dyn Fn(&Parts) -> Option<String> + Send + Sync;
 pub(crate) type RefusalFn =
     dyn Fn(&crate::response::Refusal) -> http::Response<bytes::Bytes> + Send + Sync;
 
+/// A policy's clock, where a charge's layout keeps it.
+#[derive(Clone)]
+pub(crate) struct PolicyClock(pub(crate) Arc<dyn Clock>);
+
+impl PolicyClock {
+    pub(crate) fn now(&self) -> jiff::Timestamp {
+        self.0.now()
+    }
+}
+
+impl fmt::Debug for PolicyClock {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str("PolicyClock")
+    }
+}
+
 /// A policy's refusal hook.
 #[derive(Clone)]
 pub(crate) struct RefusalHook(pub(crate) Arc<RefusalFn>);
@@ -354,6 +370,8 @@ pub(crate) struct Layout {
     /// Per line, the index of its scope in `scopes`.
     pub(crate) line_scope: Vec<usize>,
     pub(crate) namespace: Namespace,
+    /// "Now" for changes of a charge after the store's answer.
+    pub(crate) clock: PolicyClock,
     pub(crate) on_store_error: OnStoreError,
     pub(crate) store_timeout: Option<Duration>,
     pub(crate) refund_server_errors: bool,
@@ -415,6 +433,7 @@ impl Layout {
             quotas,
             line_scope,
             namespace: settings.namespace.clone(),
+            clock: PolicyClock(Arc::clone(&settings.clock)),
             on_store_error: settings.on_store_error,
             store_timeout: settings.store_timeout,
             refund_server_errors: settings.refund_server_errors,
@@ -441,6 +460,7 @@ impl Layout {
             quotas,
             scopes: vec![own],
             namespace: self.namespace.clone(),
+            clock: self.clock.clone(),
             on_store_error: self.on_store_error,
             store_timeout: self.store_timeout,
             refund_server_errors: self.refund_server_errors,

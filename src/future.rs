@@ -15,7 +15,6 @@ use crate::body::ResponseBody;
 use crate::config::{Costs, Layout};
 use crate::decision::{decide, Answer, Decision, Throttle};
 use crate::key::PeriodKey;
-use crate::period::Clock;
 use crate::response::{PolicyCache, RateLimitFields};
 use crate::status::{QuotaStatus, Ticket};
 use crate::store::{ChargeRequest, Store, StoreError, StoreErrorKind, Usage};
@@ -45,7 +44,7 @@ pin_project! {
         // when the future is first polled (`start` holds it until then), so
         // a response future dropped before it ran spends nothing.
         Charging {
-            start: Option<(St, ChargeRequest)>,
+            start: Option<ChargeRequest>,
             #[pin]
             charge: Option<St::ChargeFuture>,
             #[pin]
@@ -90,12 +89,13 @@ pub(crate) struct Pending<S, St, ReqBody> {
 /// still held by this charge alone) and the settings that decide what
 /// follows the store's answer.
 pub(crate) struct Admission<St> {
-    /// For changes of the charge after the store's answer; only when some
-    /// can happen (refunds of server errors, deferred costs, inner layers
-    /// that may not be reached).
-    pub(crate) store: Option<St>,
-    /// With the store: "now" for the changes.
-    pub(crate) clock: Option<Arc<dyn Clock>>,
+    /// The store charged, and changed after its answer when that can
+    /// happen.
+    pub(crate) store: St,
+    /// Whether the charge can change after the store's answer (refunds of
+    /// server errors, deferred costs, inner layers that may not be reached,
+    /// a hidden outer layer's charge given back).
+    pub(crate) adjustable: bool,
     pub(crate) status: QuotaStatus,
     /// The decision's span (disabled unless debug logs of the crate are
     /// on): subject kind and hash, allowances, anchors, outcome.
@@ -151,13 +151,15 @@ impl<St: Store> Admission<St> {
         if already {
             return None;
         }
-        let now = self.clock.as_ref()?.now();
+        if !self.adjustable {
+            return None;
+        }
+        let now = self.layout().clock.now();
         let ops = (0..outer.lines())
             .filter(|i| outer.line_live(*i, now))
             .map(|i| (outer.key(i), Adjust::Refund(outer.line_cost(i))))
             .collect();
-        let store = self.store.clone()?;
-        Some(settle(store, now, ops))
+        Some(settle(self.store.clone(), now, ops))
     }
 
     /// When the store refused the charge only for quotas of inner layers,
@@ -168,7 +170,9 @@ impl<St: Store> Admission<St> {
         let ticket = self.status.ticket();
         let layout = ticket.layout.as_deref()?;
         let subject = ticket.subject.clone()?;
-        let store = self.store.clone()?;
+        if !self.adjustable {
+            return None;
+        }
         let alone = layout.alone();
         let own_lines = alone.quotas.len();
         let cost = ticket.costs.get(0);
@@ -204,8 +208,8 @@ impl<St: Store> Admission<St> {
             charged_at: ticket.charged_at,
         });
         let admission = Self {
-            store: Some(store),
-            clock: self.clock.clone(),
+            store: self.store.clone(),
+            adjustable: true,
             status,
             span: self.span.clone(),
         };
@@ -256,12 +260,8 @@ impl<St: Store> After<St> {
 
     fn settle(&mut self, ops: Vec<(usize, Adjust)>) -> Adjusting {
         let ticket = self.admission.status.ticket();
-        let now = self
-            .admission
-            .clock
-            .as_ref()
-            .expect("a charge that can change keeps its clock")
-            .now();
+        debug_assert!(self.admission.adjustable, "only a charge that can change");
+        let now = self.admission.layout().clock.now();
         // A first-use counter whose period ended since is not the one that
         // was charged any more, even if a new one has the same key.
         let ops: Vec<(usize, Adjust)> = ops
@@ -270,12 +270,7 @@ impl<St: Store> After<St> {
             .collect();
         let keyed = ops.iter().map(|(i, op)| (ticket.key(*i), *op)).collect();
         self.pending = ops;
-        let store = self
-            .admission
-            .store
-            .clone()
-            .expect("a charge that can change keeps its store");
-        settle(store, now, keyed)
+        settle(self.admission.store.clone(), now, keyed)
     }
 
     /// What the counters hold after the adjustments.
@@ -362,8 +357,8 @@ where
     S: Service<Request<ReqBody>>,
     St: Store,
 {
+    /// Charges `charge` in the admission's store once first polled.
     pub(crate) fn charging(
-        store: St,
         charge: ChargeRequest,
         inner: S,
         request: Request<ReqBody>,
@@ -371,7 +366,7 @@ where
     ) -> Self {
         Self {
             state: State::Charging {
-                start: Some((store, charge)),
+                start: Some(charge),
                 charge: None,
                 timeout: None,
                 timer: crate::metrics::ChargeTimer::start(),
@@ -476,10 +471,9 @@ where
     if let Ok(outcome) = &answer {
         if !outcome.admitted && refused_only_inside(&admission, &outcome.usage) {
             if let Some((alone, charge)) = admission.alone(&outcome.usage) {
-                let store = alone.store.clone().expect("kept for this");
                 return State::Charging {
                     start: None,
-                    charge: Some(store.charge(charge)),
+                    charge: Some(alone.store.charge(charge)),
                     timeout: None,
                     timer: crate::metrics::ChargeTimer::start(),
                     pending: Some(Pending {
@@ -568,8 +562,10 @@ where
                     pending,
                     timer,
                 } => {
-                    if let Some((store, request)) = start.take() {
-                        charge.set(Some(store.charge(request)));
+                    if let Some(request) = start.take() {
+                        let admission =
+                            &pending.as_ref().expect("polled after completion").admission;
+                        charge.set(Some(admission.store.charge(request)));
                     }
                     let charge = charge.as_pin_mut().expect("the charge is on its way");
                     let answer = match charge.poll(cx) {
@@ -607,7 +603,7 @@ where
                     let Some(mut after) = after.take() else {
                         return Poll::Ready(result.map(|r| r.map(ResponseBody::inner)));
                     };
-                    if after.admission.store.is_none() {
+                    if !after.admission.adjustable {
                         // Nothing can change this charge any more.
                         return Poll::Ready(finish(&after, result));
                     }

@@ -15,7 +15,7 @@ use crate::key::Namespace;
 use crate::period::Clock;
 use crate::probe;
 use crate::quota::Quota;
-use crate::service::{Charges, QuotaService};
+use crate::service::{Bound, Charges, QuotaService};
 use crate::store::{MemoryStore, Store};
 use crate::subject::SubjectExtractor;
 
@@ -88,8 +88,12 @@ struct Built<E, St> {
     // The charges of the services built so far, by what their probe found:
     // axum builds a route's layers again for every connection (or request),
     // and most find the same.
-    charges: Mutex<Vec<(probe::Found, Arc<Charges>)>>,
+    charges: Mutex<Vec<Known<E, St>>>,
 }
+
+/// What a probe found inside a wrapped service, and what a service built
+/// around it charges.
+type Known<E, St> = (probe::Found, Arc<Bound<E, St>>);
 
 impl<E: SubjectExtractor> QuotaLayer<E, MemoryStore> {
     /// A layer with no quota yet, charging the subjects `extractor` names,
@@ -515,23 +519,26 @@ where
         // cloned: their quotas are charged here, in the same charge.
         let found = probe::discover(built.shared.id, || drop(inner.clone()));
         let mut known = built.charges.lock().unwrap_or_else(|e| e.into_inner());
-        let charges = match known.iter().find(|(f, _)| f.same_as(&found)) {
-            Some((_, charges)) => Arc::clone(charges),
+        let bound = match known.iter().find(|(f, _)| f.same_as(&found)) {
+            Some((_, bound)) => Arc::clone(bound),
             None => {
-                let charges = Arc::new(Charges::new(
-                    Arc::clone(&built.scope),
-                    found.clone(),
-                    &built.shared.settings,
-                ));
+                let bound = Arc::new(Bound {
+                    shared: Arc::clone(&built.shared),
+                    charges: Charges::new(
+                        Arc::clone(&built.scope),
+                        found.clone(),
+                        &built.shared.settings,
+                    ),
+                });
                 // Bounded: a layer wraps few kinds of services.
                 if known.len() < 64 {
-                    known.push((found, Arc::clone(&charges)));
+                    known.push((found, Arc::clone(&bound)));
                 }
-                charges
+                bound
             }
         };
         drop(known);
-        QuotaService::new(inner, Arc::clone(&built.shared), charges)
+        QuotaService::new(inner, bound)
     }
 }
 

@@ -55,13 +55,40 @@ impl PolicyCache {
         let windows: Option<Vec<u64>> = quotas.iter().map(Quota::constant_window).collect();
         let constant = windows.map(|windows| {
             let windows = quotas.iter().zip(windows).map(|(q, w)| (w, q.limit()));
-            policy_value(quotas, windows)
+            interned(policy_value(quotas, windows))
         });
         Self {
             last: RwLock::default(),
             constant,
         }
     }
+}
+
+/// `value` with static text, when the process has few such values: a clone
+/// for every response then touches no reference count, which the worker
+/// threads would otherwise pass between them. Values are kept for the
+/// process's lifetime, each text once, up to a bound; beyond it, `value`
+/// itself.
+fn interned(value: HeaderValue) -> HeaderValue {
+    use std::collections::HashSet;
+    use std::sync::Mutex;
+
+    /// Distinct texts kept at most; each is one policy's field.
+    const MAX: usize = 256;
+    static TEXTS: Mutex<Option<HashSet<&'static [u8]>>> = Mutex::new(None);
+
+    let mut texts = TEXTS.lock().unwrap_or_else(|e| e.into_inner());
+    let texts = texts.get_or_insert_with(HashSet::new);
+    let text = match texts.get(value.as_bytes()) {
+        Some(text) => *text,
+        None if texts.len() < MAX => {
+            let text: &'static [u8] = Box::leak(value.as_bytes().into());
+            texts.insert(text);
+            text
+        }
+        None => return value,
+    };
+    HeaderValue::from_maybe_shared(Bytes::from_static(text)).unwrap_or(value)
 }
 
 /// The `RateLimit-Policy` value of `quotas` with these windows and limits.

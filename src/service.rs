@@ -21,8 +21,15 @@ use crate::subject::{Subject, SubjectError, SubjectExtractor};
 /// before calling the inner service.
 pub struct QuotaService<S, E, St> {
     inner: S,
-    shared: Arc<Shared<E, St>>,
-    charges: Arc<Charges>,
+    // One reference count for the whole service: routers clone their
+    // services for every request, on every worker thread.
+    bound: Arc<Bound<E, St>>,
+}
+
+/// A service's policy and what it charges, shared by its clones.
+pub(crate) struct Bound<E, St> {
+    pub(crate) shared: Arc<Shared<E, St>>,
+    pub(crate) charges: Charges,
 }
 
 /// What one service charges: its own layer's scope and the scopes of the
@@ -54,12 +61,8 @@ impl Charges {
 }
 
 impl<S, E, St> QuotaService<S, E, St> {
-    pub(crate) fn new(inner: S, shared: Arc<Shared<E, St>>, charges: Arc<Charges>) -> Self {
-        Self {
-            inner,
-            shared,
-            charges,
-        }
+    pub(crate) fn new(inner: S, bound: Arc<Bound<E, St>>) -> Self {
+        Self { inner, bound }
     }
 
     /// The wrapped service.
@@ -81,11 +84,10 @@ impl<S, E, St> QuotaService<S, E, St> {
 impl<S: Clone, E, St> Clone for QuotaService<S, E, St> {
     fn clone(&self) -> Self {
         // An outer layer of the policy being built looks for this one.
-        probe::announce_scope(self.shared.id, &self.charges.own);
+        probe::announce_scope(self.bound.shared.id, &self.bound.charges.own);
         Self {
             inner: self.inner.clone(),
-            shared: Arc::clone(&self.shared),
-            charges: Arc::clone(&self.charges),
+            bound: Arc::clone(&self.bound),
         }
     }
 }
@@ -94,8 +96,8 @@ impl<S: fmt::Debug, E, St: fmt::Debug> fmt::Debug for QuotaService<S, E, St> {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         f.debug_struct("QuotaService")
             .field("inner", &self.inner)
-            .field("quotas", &self.charges.full.quotas)
-            .field("store", &self.shared.store)
+            .field("quotas", &self.bound.charges.full.quotas)
+            .field("store", &self.bound.shared.store)
             .finish_non_exhaustive()
     }
 }
@@ -119,9 +121,10 @@ where
     /// charge, decided on and answered by the future.
     fn call(&mut self, request: Request<ReqBody>) -> Self::Future {
         let (parts, body) = request.into_parts();
-        let shared = &*self.shared;
+        let bound = &*self.bound;
+        let shared = &*bound.shared;
         let settings = &shared.settings;
-        let charges = &*self.charges;
+        let charges = &bound.charges;
         let now = settings.clock.now();
 
         let outer = parts
@@ -268,8 +271,8 @@ where
         // layer's charge given back.
         let adjustable = layout.adjustable || outer.is_some();
         let admission = Admission {
-            store: adjustable.then(|| shared.store.clone()),
-            clock: adjustable.then(|| Arc::clone(&settings.clock)),
+            store: shared.store.clone(),
+            adjustable,
             span,
             status: QuotaStatus::new(Ticket {
                 policy: shared.id,
@@ -289,8 +292,7 @@ where
         };
 
         let request = Request::from_parts(parts, body);
-        let store = shared.store.clone();
-        ResponseFuture::charging(store, charge, self.take_ready(), request, admission)
+        ResponseFuture::charging(charge, self.take_ready(), request, admission)
     }
 }
 
@@ -320,18 +322,18 @@ impl<S: Clone, E, St> QuotaService<S, E, St> {
         S: Service<Request<ReqBody>, Response = Response<ResBody>>,
         St: Store,
     {
-        crate::metrics::skipped(&self.charges.full.quotas);
+        crate::metrics::skipped(&self.bound.charges.full.quotas);
         if tracing::enabled!(tracing::Level::DEBUG) {
             tracing::debug_span!(
                 "quota",
-                allowance = %Allowances(&self.charges.own.quotas),
+                allowance = %Allowances(&self.bound.charges.own.quotas),
                 outcome = "skipped",
             )
             .in_scope(|| tracing::trace!("request passes uncounted"));
         }
         parts
             .extensions
-            .insert(QuotaStatus::exempt(self.shared.id, now));
+            .insert(QuotaStatus::exempt(self.bound.shared.id, now));
         ResponseFuture::passing(self.call_inner(parts, body))
     }
 }
