@@ -876,25 +876,25 @@ pub async fn an_abandoned_charge_spends_nothing<S: ConformanceHooks>(store: &S) 
                 assert!(outcome.admitted, "a charge with room must be admitted");
                 answered += 1;
             }
-            Poll::Ready(Err(e)) => panic!("the store failed to charge: {e}"),
-            Poll::Pending => pending += 1,
+            // A store that sheds load while earlier charges are given back
+            // may refuse at once: that charge was never applied.
+            Poll::Ready(Err(_)) | Poll::Pending => pending += 1,
         }
     }
 
     // Given back in time: the count comes back to the answered charges and
     // stays there a while.
     let costless = || vec![ChargeLine { cost: 0, ..line() }];
-    let settle = match store.expiry() {
-        Expiry::FollowsRequests => Duration::ZERO,
-        Expiry::RealTime { .. } => Duration::from_secs(10),
-    };
+    // However the store's deadlines pass, it may give back in a task of its
+    // own: a few seconds to settle, then a steady second.
+    let settle = Duration::from_secs(10);
     let started = std::time::Instant::now();
     let mut steady = 0;
     loop {
         let used = peek(store, now, costless()).await[0].used;
         if used == answered {
             steady += 1;
-            if steady == 3 || settle.is_zero() {
+            if steady == 10 {
                 break;
             }
         } else {

@@ -434,3 +434,31 @@ fn a_store_outlives_a_runtime_that_shut_down_in_the_middle_of_a_batch() {
         }
     });
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn charges_go_one_by_one_when_batches_are_off() {
+    let server = redis_server_or_skip!();
+    let store = RedisStore::builder(server.url())
+        .timeout(Duration::from_secs(5))
+        .batch_charges(false)
+        .build()
+        .unwrap();
+    store.preload().await.unwrap();
+    server.cli(&["config", "resetstat"]);
+    {
+        let mut stopped = Stopped::new(&server);
+        let mut calls = tokio::task::JoinSet::new();
+        for i in 0..20 {
+            let store = store.clone();
+            let key = Namespace::default().key(&Subject::account(i), "alone", "PT1H");
+            calls.spawn(async move { store.charge(charge(&key, 3)).await });
+        }
+        tokio::time::sleep(Duration::from_millis(50)).await;
+        stopped.resume();
+        while let Some(result) = calls.join_next().await {
+            assert!(result.unwrap().unwrap().admitted);
+        }
+    }
+    let stats = server.cli(&["info", "commandstats"]);
+    assert!(stats.contains("cmdstat_evalsha:calls=20,"), "{stats}");
+}

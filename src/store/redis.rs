@@ -131,15 +131,20 @@ const FOLLOW_THROUGH: Duration = Duration::from_secs(30);
 /// server, charges go in batches: a lone charge leaves at once, and while a
 /// few batches are on their way (four per connection, 16 at most), new charges
 /// queue and leave together in the next one, so under load one round trip
-/// and one script call carry many charges. A batch is sent by a task of its
-/// own, never cut short by one caller going away; a charge whose caller
-/// left before its batch did is not sent. On a
-/// cluster, the cluster connection multiplexes per node; its client never
-/// retries a request by itself, so a charge is never applied twice, and a
-/// request caught by a slot migration fails while the next one goes to the
-/// slot's new node. A store built from an existing `deadpool_redis::Pool`
-/// works as before: one pooled connection per call, held for its round
-/// trip.
+/// and one script call carry many charges. The caller that starts a batch
+/// drives it until its own answer comes, then a task of its own takes it
+/// over, so a batch is never cut short by one caller going away; a charge
+/// whose caller left before its batch was sent is not sent. A batch holds
+/// the keys of many subjects: behind a proxy or a sharded endpoint that
+/// routes each command by its first key, turn batches off with
+/// [`batch_charges(false)`](RedisStoreBuilder::batch_charges). On a
+/// cluster, each charge goes on its own; the cluster connection multiplexes
+/// per node; its client never retries a request by itself, so a charge is
+/// never applied twice, and a request caught by a slot migration fails
+/// while the next one goes to the slot's new node. A store built from an
+/// existing `deadpool_redis::Pool` holds one pooled connection per call or
+/// batch for its round trip (as many batches on their way as the pool has
+/// connections).
 ///
 /// # Faults
 ///
@@ -154,8 +159,8 @@ const FOLLOW_THROUGH: Duration = Duration::from_secs(30);
 ///   default) are in flight at once; a call that finds no room within the
 ///   budget fails with [`StoreErrorKind::Timeout`] and sends nothing. That
 ///   sheds only load Redis cannot answer.
-/// - **No charge without an admission.** Each call runs in a task of its
-///   own, which follows it to its end even after its caller stopped waiting
+/// - **No charge without an admission.** Each call (or batch) is followed
+///   to its end, in a task of its own, even after its caller stopped waiting
 ///   (the store's timeout, the layer's, a dropped future). A charge Redis
 ///   applied after its caller was told it failed is given back, line by
 ///   line, with the same refund as [`Store::refund`] (which never creates a
@@ -256,6 +261,7 @@ pub struct RedisStoreBuilder {
     max_in_flight: usize,
     calendar_grace: Duration,
     calendar_jitter: Duration,
+    batch_charges: bool,
 }
 
 impl RedisStore {
@@ -611,6 +617,9 @@ impl RedisStore {
                 ("c", housekeeping, end.as_millisecond())
             }
         };
+        // A deadline Redis can hold: `PEXPIRE` refuses one past i64::MAX ms
+        // from now, and the script counts exactly up to 2^53.
+        let ttl = ttl.clamp(1, (1_i64 << 53) - now.as_millisecond().max(0));
         LineArgs {
             key: line.key.clone(),
             limit: clamp(line.limit),
@@ -650,24 +659,30 @@ impl RedisStore {
             }
             Pin::new(&mut answered).poll(cx)
         });
-        let reply = match tokio::time::timeout_at(deadline, answer).await {
-            Ok(Ok(answer)) => answer.take().map_err(redis_error)?,
-            Ok(Err(_)) => {
-                return Err(StoreError::new(
-                    StoreErrorKind::Unavailable,
-                    "the Redis store's batch of charges was dropped before its answer (its \
+        match tokio::time::timeout_at(deadline, answer).await {
+            Ok(Ok(answer)) => {
+                // Read before it is taken: a reply that cannot be read drops
+                // the answer untaken, and an applied charge is given back.
+                let outcome = match answer.reply() {
+                    Ok(fields) => outcome("c", &request, fields.clone()),
+                    Err(error) => Err(redis_error(error.clone())),
+                };
+                if outcome.is_ok() {
+                    let _ = answer.take();
+                }
+                outcome
+            }
+            Ok(Err(_)) => Err(StoreError::new(
+                StoreErrorKind::Unavailable,
+                "the Redis store's batch of charges was dropped before its answer (its \
                      runtime shut down); this charge may have been applied",
-                ))
-            }
-            Err(_) => {
-                return Err(StoreError::new(
-                    StoreErrorKind::Timeout,
-                    "Redis did not answer within the store's timeout; nothing is charged (a \
+            )),
+            Err(_) => Err(StoreError::new(
+                StoreErrorKind::Timeout,
+                "Redis did not answer within the store's timeout; nothing is charged (a \
                      charge Redis applies later is given back)",
-                ))
-            }
-        };
-        outcome("c", &request, reply)
+            )),
+        }
     }
 }
 
@@ -756,6 +771,7 @@ impl RedisStoreBuilder {
             max_in_flight: DEFAULT_MAX_IN_FLIGHT,
             calendar_grace: DEFAULT_CALENDAR_GRACE,
             calendar_jitter: DEFAULT_CALENDAR_JITTER,
+            batch_charges: true,
         }
     }
 
@@ -844,6 +860,17 @@ impl RedisStoreBuilder {
         self
     }
 
+    /// Whether concurrent charges on a single server leave in batches (the
+    /// default), one `EVALSHA` for many subjects' charges. Turn it off when
+    /// the URL is not one Redis server but a proxy or a sharded endpoint
+    /// that routes each command by its first key (twemproxy, Envoy, a
+    /// sharded managed database): each charge then goes on its own, as on a
+    /// cluster, where batches are never used.
+    pub fn batch_charges(mut self, batch: bool) -> Self {
+        self.batch_charges = batch;
+        self
+    }
+
     /// The store.
     ///
     /// # Errors
@@ -888,7 +915,12 @@ impl RedisStoreBuilder {
         // A cluster keeps each charge on its own: the keys of one batch would
         // live on many nodes.
         let (cluster, size) = connections.status();
-        let batches = (!cluster).then(|| Batches::new((4 * size).min(16)));
+        let batches = match &connections {
+            _ if cluster || !self.batch_charges => None,
+            // A pooled connection carries one batch at a time.
+            Connections::Pool(_) => Some(Batches::new(size.min(16))),
+            _ => Some(Batches::new((4 * size).min(16))),
+        };
         Ok(RedisStore {
             inner: Arc::new(Inner {
                 connections,

@@ -79,6 +79,12 @@ pub(super) struct Answer {
 impl Answer {
     /// The reply, taken by the charge's caller: from here on, the charge is
     /// the caller's.
+    /// The reply, not yet taken: dropped without [`take`](Self::take), an
+    /// applied charge is given back.
+    pub(super) fn reply(&self) -> &Result<Vec<i64>, RedisError> {
+        &self.reply
+    }
+
     pub(super) fn take(self) -> Result<Vec<i64>, RedisError> {
         let Answer { reply, give_back } = self;
         if let Some(mut give_back) = give_back {
@@ -293,6 +299,15 @@ async fn send(inner: &Arc<Inner>, batch: Vec<Pending>) {
             )
         }
     };
+    // Callers that left while the connection was had (a ping, a reconnect)
+    // are not sent either.
+    let batch: Vec<Pending> = batch
+        .into_iter()
+        .filter(|pending| !pending.answer.is_closed())
+        .collect();
+    if batch.is_empty() {
+        return;
+    }
     let command = command(&batch);
     let lost = conn.lost();
     let replies = match tokio::time::timeout(FOLLOW_THROUGH, eval(&mut conn, &command)).await {
@@ -326,6 +341,11 @@ async fn send(inner: &Arc<Inner>, batch: Vec<Pending>) {
         }
     };
     for (pending, reply) in batch.into_iter().zip(replies) {
+        // The reply opens with 1 when every line was charged; read before
+        // the rest is parsed, so that a charge applied with a reply that
+        // cannot be read is still given back.
+        let applied =
+            matches!(&reply, Value::Array(fields) if matches!(fields.first(), Some(Value::Int(1))));
         let reply = match reply {
             Value::ServerError(error) => Err(RedisError::from(error)),
             Value::Array(fields) => fields
@@ -337,8 +357,6 @@ async fn send(inner: &Arc<Inner>, batch: Vec<Pending>) {
                 "the counters script answered a charge with {other:?}"
             )))),
         };
-        // The reply opens with 1 when every line was charged.
-        let applied = matches!(&reply, Ok(fields) if fields.first() == Some(&1));
         let Pending {
             now,
             lines,

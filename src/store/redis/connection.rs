@@ -20,8 +20,9 @@
 //! refreshes the slot map for the next.
 //!
 //! Pools built elsewhere (`deadpool_redis::Pool`, and its cluster kind) are
-//! used as they are: one pooled connection per call, held for its round
-//! trip; one that failed on the wire is closed instead of going back.
+//! used as they are: one pooled connection per call (or batch of charges),
+//! held for its round trip; one that failed on the wire is closed instead of
+//! going back.
 
 use std::future::Future;
 use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
