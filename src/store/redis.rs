@@ -601,7 +601,7 @@ impl RedisStore {
                 (conn, result)
             })
             .await?;
-        outcome(op, &request, reply)
+        outcome(op, &request, &reply)
     }
 
     /// What the script takes for `line`, charged at `now`.
@@ -664,7 +664,7 @@ impl RedisStore {
                 // Read before it is taken: a reply that cannot be read drops
                 // the answer untaken, and an applied charge is given back.
                 let outcome = match answer.reply() {
-                    Ok(fields) => outcome("c", &request, fields.clone()),
+                    Ok(fields) => outcome("c", &request, fields),
                     Err(error) => Err(redis_error(error.clone())),
                 };
                 if outcome.is_ok() {
@@ -687,11 +687,7 @@ impl RedisStore {
 }
 
 /// The outcome of `request` from the script's reply to operation `op`.
-fn outcome(
-    op: &str,
-    request: &ChargeRequest,
-    reply: Vec<i64>,
-) -> Result<ChargeOutcome, StoreError> {
+fn outcome(op: &str, request: &ChargeRequest, reply: &[i64]) -> Result<ChargeOutcome, StoreError> {
     let now = request.now;
     if reply.len() != 1 + FIELDS * request.lines.len() {
         return Err(unexpected(format!(
