@@ -161,11 +161,11 @@ fn main() {
                 cpu_seconds("self", Own),
                 cpu_seconds(&server_pid.to_string(), Own),
             );
-            let calls0 = script_calls(&server);
+            let calls0 = server.script_calls();
             let started = Instant::now();
             runtime.block_on(charge_all(&store, c, now, end, count));
             let rate = count as f64 / started.elapsed().as_secs_f64();
-            let calls = script_calls(&server) - calls0;
+            let calls = server.script_calls() - calls0;
             let (c1, s1) = (
                 cpu_seconds("self", Own),
                 cpu_seconds(&server_pid.to_string(), Own),
@@ -303,17 +303,6 @@ fn cpu_seconds(pid: &str, which: Cpu) -> f64 {
         .filter_map(|&i| fields.get(i)?.parse::<f64>().ok())
         .sum();
     ticks / 100.0
-}
-
-/// How many times the server has run a script (`EVALSHA`) so far.
-fn script_calls(server: &redis_support::RedisServer) -> u64 {
-    server
-        .cli(&["info", "commandstats"])
-        .lines()
-        .find_map(|line| line.strip_prefix("cmdstat_evalsha:calls="))
-        .and_then(|rest| rest.split(',').next())
-        .and_then(|n| n.parse().ok())
-        .unwrap_or(0)
 }
 
 /// The rate in `redis-benchmark --csv` output: the line after the header,

@@ -166,6 +166,17 @@ impl RedisServer {
         self.child.as_ref().map(Child::id)
     }
 
+    /// How many scripts (`EVALSHA`) the server has run since it started or
+    /// its statistics were last reset.
+    pub fn script_calls(&self) -> u64 {
+        self.cli(&["info", "commandstats"])
+            .lines()
+            .find_map(|line| line.strip_prefix("cmdstat_evalsha:calls="))
+            .and_then(|rest| rest.split(',').next())
+            .and_then(|n| n.parse().ok())
+            .unwrap_or(0)
+    }
+
     /// The port.
     pub fn port(&self) -> u16 {
         self.port
