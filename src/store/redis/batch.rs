@@ -310,8 +310,8 @@ async fn send(inner: &Arc<Inner>, batch: Vec<Pending>) {
     }
     let command = command(&batch);
     let lost = conn.lost();
-    let replies = match tokio::time::timeout(FOLLOW_THROUGH, eval(&mut conn, &command)).await {
-        Ok(Ok(Value::Array(replies))) if replies.len() == batch.len() => replies,
+    let values = match tokio::time::timeout(FOLLOW_THROUGH, eval(&mut conn, &command)).await {
+        Ok(Ok(Value::Array(values))) => values,
         Ok(Ok(other)) => {
             let error = RedisError::from(std::io::Error::other(format!(
                 "the counters script answered a batch of {} charges with {other:?}",
@@ -340,23 +340,9 @@ async fn send(inner: &Arc<Inner>, batch: Vec<Pending>) {
             );
         }
     };
-    for (pending, reply) in batch.into_iter().zip(replies) {
-        // The reply opens with 1 when every line was charged; read before
-        // the rest is parsed, so that a charge applied with a reply that
-        // cannot be read is still given back.
-        let applied =
-            matches!(&reply, Value::Array(fields) if matches!(fields.first(), Some(Value::Int(1))));
-        let reply = match reply {
-            Value::ServerError(error) => Err(RedisError::from(error)),
-            Value::Array(fields) => fields
-                .iter()
-                .map(i64::from_redis_value_ref)
-                .collect::<Result<Vec<i64>, _>>()
-                .map_err(RedisError::from),
-            other => Err(RedisError::from(std::io::Error::other(format!(
-                "the counters script answered a charge with {other:?}"
-            )))),
-        };
+    let mut values = values.into_iter();
+    for pending in batch {
+        let (applied, reply) = split(&mut values, pending.lines.len());
         let Pending {
             now,
             lines,
@@ -384,6 +370,45 @@ async fn send(inner: &Arc<Inner>, batch: Vec<Pending>) {
             give_back: Some(give_back),
         });
     }
+    if values.len() != 0 {
+        tracing::warn!(
+            left_over = values.len(),
+            "the counters script answered a batch of charges with more values than it holds"
+        );
+    }
+}
+
+/// The next charge's reply of `lines` lines from the batch's flat reply,
+/// and whether the charge was applied: each charge's reply is either one
+/// error, or 1 (every line charged) or 0 then five values per line.
+/// Whether the charge was applied is read before the rest is parsed, so
+/// that a charge applied with a reply that cannot be read is still given
+/// back. A reply cut short is an error for the charges it leaves out.
+fn split(
+    values: &mut std::vec::IntoIter<Value>,
+    lines: usize,
+) -> (bool, Result<Vec<i64>, RedisError>) {
+    let cut_short = || {
+        RedisError::from(std::io::Error::other(
+            "the counters script answered a batch of charges with too few values",
+        ))
+    };
+    let admitted = match values.next() {
+        None => return (false, Err(cut_short())),
+        Some(Value::ServerError(error)) => return (false, Err(RedisError::from(error))),
+        Some(admitted) => admitted,
+    };
+    let applied = matches!(admitted, Value::Int(1));
+    let fields: Vec<Value> = values.take(super::FIELDS * lines).collect();
+    if fields.len() != super::FIELDS * lines {
+        return (applied, Err(cut_short()));
+    }
+    let reply = std::iter::once(&admitted)
+        .chain(&fields)
+        .map(i64::from_redis_value_ref)
+        .collect::<Result<Vec<i64>, _>>()
+        .map_err(RedisError::from);
+    (applied, reply)
 }
 
 /// Every charge of `batch` failed with `error`: none of them was applied

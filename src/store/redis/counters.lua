@@ -64,6 +64,7 @@
 -- they had come one after the other.
 
 local op = ARGV[1]
+local find = string.find
 
 if op == 't' then
   return redis.call('TIME')
@@ -81,7 +82,7 @@ local function digits(v)
   if len == 0 or len > 16 then
     return false
   end
-  if v ~= '0' and string.find(v, '^[1-9]%d*$') == nil then
+  if v ~= '0' and find(v, '^[1-9]%d*$') == nil then
     return false
   end
   return len < 16 or v <= '9007199254740992'
@@ -325,21 +326,24 @@ local function lines(k0, n, a0, charging)
   return reply
 end
 
+-- The instant and the window's end last checked, and their numbers: the
+-- charges of one batch mostly share them.
+local last_now, last_at, last_end, last_end_at
+
 -- The common charge, in short: one line on a counter this script created
 -- (a hash of n and t, and e for calendar counters, in that order) that is
 -- live and dated. Decides and commits it exactly as `lines` would, with
--- fewer steps; returns nothing, having written nothing, for any other case,
--- which `lines` then takes.
-local function one(k0, a0)
+-- fewer steps, and appends its reply to `out`; returns nothing, having
+-- written nothing, for any other case, which `lines` then takes.
+local function one(k0, a0, out)
   local key, now = KEYS[k0 + 1], ARGV[a0]
   local r = redis.pcall('HGETALL', key)
   if r.err ~= nil or r[1] ~= 'n' or r[3] ~= 't' then
     return nil
   end
   local n, t, e = r[2], r[4], r[6]
-  local calendar = ARGV[a0 + 3] ~= 'f'
   local pttl = -3
-  if calendar then
+  if ARGV[a0 + 3] ~= 'f' then
     if #r ~= 6 or r[5] ~= 'e' then
       return nil
     end
@@ -352,29 +356,54 @@ local function one(k0, a0)
       return nil
     end
   end
-  if not (digits(now) and digits(n) and digits(t) and (e == nil or digits(e))) then
+  local at = last_at
+  if now ~= last_now then
+    if not digits(now) then
+      return nil
+    end
+    at = now + 0
+    last_now, last_at = now, at
+  end
+  if not (digits(n) and digits(t)) then
     return nil
   end
-  local at = now + 0
-  if e ~= nil and (at >= e + 0 or at >= ARGV[a0 + 5] + 0) then
-    return nil
+  if e ~= nil then
+    if e ~= last_end then
+      if not digits(e) then
+        return nil
+      end
+      last_end, last_end_at = e, e + 0
+    end
+    -- Past the window the counter records, or the one this line charges.
+    local ends = ARGV[a0 + 5]
+    if at >= last_end_at or (ends ~= e and at >= ends + 0) then
+      return nil
+    end
   end
-  local limit, used = ARGV[a0 + 1] + 0, n + 0
-  local admitted = used + ARGV[a0 + 2] <= limit
-  if admitted and ARGV[a0 + 2] ~= '0' then
-    used = redis.call('HINCRBY', key, 'n', ARGV[a0 + 2])
+  local limit, used, cost = ARGV[a0 + 1] + 0, n + 0, ARGV[a0 + 2]
+  local admitted = used + cost <= limit
+  if admitted and cost ~= '0' then
+    used = redis.call('HINCRBY', key, 'n', cost)
   end
   local left = limit - used
-  return { admitted and 1 or 0, used, left > 0 and left or 0, pttl, t, 0 }
-end
-
--- A charge of n lines: in short when it can be.
-local function charge(k0, n, a0)
-  return n == 1 and one(k0, a0) or lines(k0, n, a0, true)
+  local o = #out
+  out[o + 1] = admitted and 1 or 0
+  out[o + 2] = used
+  out[o + 3] = left > 0 and left or 0
+  out[o + 4] = pttl
+  out[o + 5] = t
+  out[o + 6] = 0
+  return true
 end
 
 if op == 'c' then
-  return charge(0, #KEYS, 2)
+  if #KEYS == 1 then
+    local reply = {}
+    if one(0, 2, reply) then
+      return reply
+    end
+  end
+  return lines(0, #KEYS, 2, true)
 end
 
 if op == 'p' then
@@ -384,27 +413,48 @@ end
 if op == 'b' then
   -- The layout first: a malformed batch runs no charge.
   local nkeys, nargs = #KEYS, #ARGV
+  local counts = {}
   local k, a = 0, 2
   while a <= nargs do
     local n = ARGV[a]
-    if not digits(n) or n == '0' or k + n > nkeys or a + 1 + 5 * n > nargs then
+    if n == '1' then
+      n = 1
+    elseif digits(n) and n ~= '0' then
+      n = n + 0
+    else
+      n = nil
+    end
+    if n == nil or k + n > nkeys or a + 1 + 5 * n > nargs then
       return redis.error_reply('ERR tower-quota: a malformed batch of charges')
     end
+    counts[#counts + 1] = n
     k = k + n
     a = a + 2 + 5 * n
   end
   if k ~= nkeys then
     return redis.error_reply('ERR tower-quota: a malformed batch of charges')
   end
-  local replies = {}
+  -- One flat reply: each charge's reply (as `c` gives it) after the one
+  -- before, or its error reply as one value.
+  local out = {}
   k, a = 0, 2
-  while a <= nargs do
-    local n = ARGV[a] + 0
-    replies[#replies + 1] = charge(k, n, a + 1)
+  for i = 1, #counts do
+    local n = counts[i]
+    if n ~= 1 or not one(k, a + 1, out) then
+      local reply = lines(k, n, a + 1, true)
+      if reply.err ~= nil then
+        out[#out + 1] = reply
+      else
+        local o = #out
+        for j = 1, #reply do
+          out[o + j] = reply[j]
+        end
+      end
+    end
     k = k + n
     a = a + 2 + 5 * n
   end
-  return replies
+  return out
 end
 
 return redis.error_reply('ERR tower-quota: unknown operation')
