@@ -129,7 +129,7 @@ const FOLLOW_THROUGH: Duration = Duration::from_secs(30);
 /// concurrent calls are pipelined on the same sockets, so no call waits for
 /// a connection to be free, and load alone is never an error. On a single
 /// server, charges go in batches: a lone charge leaves at once, and while a
-/// few batches are on their way (four per connection, 16 at most), new charges
+/// few batches are on their way (two per connection, 16 at most), new charges
 /// queue and leave together in the next one, so under load one round trip
 /// and one script call carry many charges. The caller that starts a batch
 /// drives it until its own answer comes, then a task of its own takes it
@@ -915,7 +915,7 @@ impl RedisStoreBuilder {
             _ if cluster || !self.batch_charges => None,
             // A pooled connection carries one batch at a time.
             Connections::Pool(_) => Some(Batches::new(size.min(16))),
-            _ => Some(Batches::new((4 * size).min(16))),
+            _ => Some(Batches::new((2 * size).min(16))),
         };
         Ok(RedisStore {
             inner: Arc::new(Inner {
@@ -1427,12 +1427,19 @@ mod tests {
     }
 
     /// The Redis commands `code` calls (`redis.call`, `redis.pcall`, or
-    /// `call`, its local name), in order.
+    /// `call` and `try`, their local names), in order.
     fn commands(code: &str) -> Vec<&str> {
-        code.split("call('")
-            .skip(1)
-            .map(|rest| &rest[..rest.find('\'').expect("a quoted command")])
-            .collect()
+        let mut found = Vec::new();
+        let mut rest = code;
+        while let Some(at) = ["call('", "try('"]
+            .iter()
+            .filter_map(|call| rest.find(call).map(|at| at + call.len()))
+            .min()
+        {
+            rest = &rest[at..];
+            found.push(&rest[..rest.find('\'').expect("a quoted command")]);
+        }
+        found
     }
 
     #[test]

@@ -4,8 +4,9 @@
 --   c  charge: check every line, then commit all of them or none
 --   p  peek: read every line, write nothing
 --   b  a batch of charges, each one as `c` on its own lines, one after the
---      other in this one call; the reply holds each charge's reply (or its
---      error) in order
+--      other in this one call; the reply is one flat array: each charge's
+--      reply as `c` gives it, or its error reply as one value, after the one
+--      before
 --   r  refund ARGV[2] to KEYS[1] at ARGV[3] = now (ms), never creating it,
 --      never touching its TTL
 --   a  add ARGV[2] to KEYS[1] at ARGV[3] = now (ms) without a limit check (a
@@ -65,9 +66,12 @@
 
 local op = ARGV[1]
 local find = string.find
+-- Locals: a global is looked up at each use. `try` answers an error reply
+-- as a table with `err` instead of raising it.
+local KEYS, ARGV, call, try = KEYS, ARGV, redis.call, redis.pcall
 
 if op == 't' then
-  return redis.call('TIME')
+  return call('TIME')
 end
 
 -- Whether `v` is a whole number from 0 to 2^53 written as Redis writes
@@ -98,13 +102,13 @@ local NOT_A_NUMBER = ' that is not a whole number from 0 to 2^53'
 -- window's end (digits, or nil); or nothing when the key holds something
 -- that is no counter.
 local function read(key)
-  local r = redis.pcall('HGETALL', key)
+  local r = try('HGETALL', key)
   if r.err ~= nil then
     -- Not a hash.
-    if redis.call('TYPE', key)['ok'] ~= 'string' then
+    if call('TYPE', key)['ok'] ~= 'string' then
       return nil
     end
-    local used = redis.call('GET', key)
+    local used = call('GET', key)
     if not digits(used) then
       return nil
     end
@@ -160,9 +164,9 @@ if op == 'r' or op == 'a' then
       return used
     end
     if kind == 1 then
-      return redis.call('HINCRBY', key, 'n', -give)
+      return call('HINCRBY', key, 'n', -give)
     end
-    return redis.call('DECRBY', key, give)
+    return call('DECRBY', key, give)
   end
   if string.find(amount or '', '^%d+$') == nil then
     return redis.error_reply('ERR tower-quota: the amount to add is not a whole number')
@@ -185,16 +189,15 @@ if op == 'r' or op == 'a' then
   end
   -- HINCRBY and INCRBY keep the key's TTL.
   if kind == 1 then
-    return redis.call('HINCRBY', key, 'n', amount)
+    return call('HINCRBY', key, 'n', amount)
   end
-  return redis.call('INCRBY', key, amount)
+  return call('INCRBY', key, amount)
 end
 
 -- Charges (or, `charging` false, peeks at) the lines of one request: n keys
 -- from KEYS[k0 + 1], and from ARGV[a0] its now (ms) then five arguments per
 -- line. Returns its reply, or an error reply having written nothing.
 local function lines(k0, n, a0, charging)
-  local KEYS, ARGV, call = KEYS, ARGV, redis.call
   local now = ARGV[a0]
   if not digits(now) then
     return redis.error_reply('ERR tower-quota: an instant' .. NOT_A_NUMBER)
@@ -337,7 +340,7 @@ local last_now, last_at, last_end, last_end_at
 -- written nothing, for any other case, which `lines` then takes.
 local function one(k0, a0, out)
   local key, now = KEYS[k0 + 1], ARGV[a0]
-  local r = redis.pcall('HGETALL', key)
+  local r = try('HGETALL', key)
   if r.err ~= nil or r[1] ~= 'n' or r[3] ~= 't' then
     return nil
   end
@@ -351,7 +354,7 @@ local function one(k0, a0, out)
     if #r ~= 4 then
       return nil
     end
-    pttl = redis.call('PTTL', key)
+    pttl = call('PTTL', key)
     if pttl < 0 then
       return nil
     end
@@ -364,7 +367,9 @@ local function one(k0, a0, out)
     at = now + 0
     last_now, last_at = now, at
   end
-  if not (digits(n) and digits(t)) then
+  -- Two counts below 10^15 in one pattern; `digits` takes the rest.
+  if (#n > 15 or #t > 15 or not find(n .. ' ' .. t, '^[1-9]%d* [1-9]%d*$'))
+      and not (digits(n) and digits(t)) then
     return nil
   end
   if e ~= nil then
@@ -383,7 +388,7 @@ local function one(k0, a0, out)
   local limit, used, cost = ARGV[a0 + 1] + 0, n + 0, ARGV[a0 + 2]
   local admitted = used + cost <= limit
   if admitted and cost ~= '0' then
-    used = redis.call('HINCRBY', key, 'n', cost)
+    used = call('HINCRBY', key, 'n', cost)
   end
   local left = limit - used
   local o = #out
