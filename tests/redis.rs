@@ -1584,3 +1584,65 @@ async fn a_charge_is_decided_as_a_peek_reads_the_counter() {
         );
     }
 }
+
+/// The script takes the instant of a charge on trust from no one: on a
+/// live counter the script created (the short path), a missing or
+/// malformed instant, alone or in a batch, is an error reply and nothing
+/// is written.
+#[tokio::test]
+async fn a_malformed_instant_is_an_error_reply_on_every_path() {
+    let server = redis_server_or_skip!();
+    let store = store(&server);
+    let now = Timestamp::now();
+    let end = now + hour();
+    let daily = key("instant");
+    assert!(
+        store
+            .charge(calendar(&daily, 10, 1, now, end))
+            .await
+            .unwrap()
+            .admitted
+    );
+    let hourly = key("instant-first-use");
+    assert!(
+        store
+            .charge(first_use(&hourly, 10, 1, now, hour()))
+            .await
+            .unwrap()
+            .admitted
+    );
+    let sha = store.script_sha();
+    let ms = now.as_millisecond().to_string();
+    let end_ms = end.as_millisecond().to_string();
+    let ttl = hour().as_millis().to_string();
+    for instant in ["", "1e3", " 1", "-1", "01", "1.0", "99999999999999999"] {
+        let calendar_line = ["10", "1", "c", ttl.as_str(), end_ms.as_str()];
+        let first_use_line = ["10", "1", "f", ttl.as_str(), "0"];
+        for (key, line) in [(&daily, calendar_line), (&hourly, first_use_line)] {
+            let mut charge = vec!["evalsha", sha, "1", key.as_str(), "c", instant];
+            charge.extend(line);
+            let reply = server.cli(&charge);
+            assert!(reply.contains("an instant"), "{instant:?}: {reply}");
+            // In a batch, after a well-formed charge of the same key.
+            let mut batch = vec!["evalsha", sha, "2", key.as_str(), key.as_str(), "b"];
+            batch.extend(["1", ms.as_str()]);
+            batch.extend(line);
+            batch.extend(["1", instant]);
+            batch.extend(line);
+            let reply = server.cli(&batch);
+            assert!(reply.contains("an instant"), "{instant:?}: {reply}");
+        }
+    }
+    // A charge with no instant at all, and nothing else.
+    let reply = server.cli(&["evalsha", sha, "1", daily.as_str(), "c"]);
+    assert!(reply.contains("an instant"), "{reply}");
+    // Each batch charged its first charge, and nothing else was written.
+    let charges = 1 + 7;
+    for key in [&daily, &hourly] {
+        assert_eq!(
+            server.cli(&["hget", key.as_str(), "n"]),
+            charges.to_string(),
+            "{key}"
+        );
+    }
+}

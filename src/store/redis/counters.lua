@@ -360,7 +360,7 @@ local function one(k0, a0, out)
     end
   end
   local at = last_at
-  if now ~= last_now then
+  if at == nil or now ~= last_now then
     if not digits(now) then
       return nil
     end
