@@ -380,35 +380,34 @@ async fn send(inner: &Arc<Inner>, batch: Vec<Pending>) {
 
 /// The next charge's reply of `lines` lines from the batch's flat reply,
 /// and whether the charge was applied: each charge's reply is either one
-/// error, or 1 (every line charged) or 0 then five values per line.
-/// Whether the charge was applied is read before the rest is parsed, so
-/// that a charge applied with a reply that cannot be read is still given
-/// back. A reply cut short is an error for the charges it leaves out.
+/// error, or 1 (every line charged) or 0 then five values per line. Takes
+/// exactly that many values whatever they hold, so the charges after it
+/// stay in step; whether the charge was applied is read before the rest is
+/// parsed, so that a charge applied with a reply that cannot be read is
+/// still given back. A reply cut short comes out short, and [`outcome`]
+/// refuses it.
+///
+/// [`outcome`]: super::outcome
 fn split(
     values: &mut std::vec::IntoIter<Value>,
     lines: usize,
 ) -> (bool, Result<Vec<i64>, RedisError>) {
-    let cut_short = || {
-        RedisError::from(std::io::Error::other(
-            "the counters script answered a batch of charges with too few values",
-        ))
-    };
-    let admitted = match values.next() {
-        None => return (false, Err(cut_short())),
+    let first = match values.next() {
         Some(Value::ServerError(error)) => return (false, Err(RedisError::from(error))),
-        Some(admitted) => admitted,
+        first => first,
     };
-    let applied = matches!(admitted, Value::Int(1));
-    let fields: Vec<Value> = values.take(super::FIELDS * lines).collect();
-    if fields.len() != super::FIELDS * lines {
-        return (applied, Err(cut_short()));
+    let applied = matches!(first, Some(Value::Int(1)));
+    let mut reply = Vec::with_capacity(1 + super::FIELDS * lines);
+    let mut error = None;
+    for value in first.into_iter().chain(values.take(super::FIELDS * lines)) {
+        match i64::from_redis_value_ref(&value) {
+            Ok(value) => reply.push(value),
+            Err(e) => {
+                error.get_or_insert(RedisError::from(e));
+            }
+        }
     }
-    let reply = std::iter::once(&admitted)
-        .chain(&fields)
-        .map(i64::from_redis_value_ref)
-        .collect::<Result<Vec<i64>, _>>()
-        .map_err(RedisError::from);
-    (applied, reply)
+    (applied, error.map_or(Ok(reply), Err))
 }
 
 /// Every charge of `batch` failed with `error`: none of them was applied
