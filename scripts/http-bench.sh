@@ -13,8 +13,12 @@
 #
 # Installs Debian's wrk, redis-server and redis-tools when they are missing
 # (redis-server and redis-tools only when the Redis server is measured).
-# Prints one line per round and server, then the medians and the ratios
-# "quota on / quota off".
+# Prints one line per round and server (requests per second, and the CPU
+# time per request of the server, of redis-server and of wrk, read from
+# /proc and from the shell's `times`), each round's ratios "quota on / quota
+# off", then the medians: the median of the rounds' ratios is the headline
+# (every other round runs the servers in the opposite order), the ratio of
+# the median rates is printed beside it.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
@@ -68,13 +72,14 @@ if measured redis; then
     redis-server --port "$redis_port" --bind 127.0.0.1 --save '' --appendonly no \
         --dir "$work" --daemonize no >"$work/redis.log" 2>&1 &
     pids+=($!)
+    redis_pid=$!
     for _ in $(seq 50); do
         redis-cli -p "$redis_port" ping >/dev/null 2>&1 && break
         sleep 0.1
     done
 fi
 
-declare -A ports
+declare -A ports server_pids
 # Not in a subshell: the server's pid must reach `pids` for the cleanup.
 start_server() { # name, args...
     local name=$1
@@ -83,6 +88,7 @@ start_server() { # name, args...
     port=$(free_port)
     "$server" --listen "127.0.0.1:$port" --limit 1000000000 "$@" >"$work/$name.log" 2>&1 &
     pids+=($!)
+    server_pids[$name]=$!
     for _ in $(seq 100); do
         grep -q "listening on" "$work/$name.log" 2>/dev/null && break
         sleep 0.1
@@ -102,16 +108,62 @@ request = function()
 end
 EOF
 
-declare -A results
+# CPU time (user + system) a process has used, in clock ticks.
+ticks() { awk '{print $14 + $15}' "/proc/$1/stat"; }
+# CPU time the shell's finished children (the wrk runs) have used, in
+# seconds. `times` runs in this shell, not in a command substitution's
+# subshell, whose children would be others.
+children_cpu() {
+    times >"$work/times"
+    awk 'NR == 2 { split($1, u, /[ms]/); split($2, s, /[ms]/); print u[1] * 60 + u[2] + s[1] * 60 + s[2] }' "$work/times"
+}
+hz=$(getconf CLK_TCK)
+
+declare -A results ratios
 for round in $(seq "$rounds"); do
-    for name in "${stores[@]}"; do
+    # Every other round runs the servers in the opposite order, so that a
+    # drift of the machine's speed within a round favours none of them.
+    order=("${stores[@]}")
+    if ((round % 2 == 0)); then
+        order=()
+        for ((i = ${#stores[@]} - 1; i >= 0; i--)); do order+=("${stores[i]}"); done
+    fi
+    declare -A rate=()
+    for name in "${order[@]}"; do
+        spid=${server_pids[$name]}
+        server0=$(ticks "$spid")
+        [ "$name" = redis ] && redis0=$(ticks "$redis_pid")
+        children_cpu >"$work/cpu"
+        wrk0=$(cat "$work/cpu")
         out=$(wrk -t"$threads" -c"$connections" -d"${seconds}s" -s "$work/subjects.lua" \
             "http://127.0.0.1:${ports[$name]}/read")
+        children_cpu >"$work/cpu"
+        wrk1=$(cat "$work/cpu")
+        server1=$(ticks "$spid")
+        [ "$name" = redis ] && redis1=$(ticks "$redis_pid")
         rps=$(echo "$out" | awk '/^Requests\/sec:/ {print $2}')
         failed=$(echo "$out" | awk '/Non-2xx/ {print $NF}')
-        echo "round $round  $name  $rps req/s${failed:+  ($failed answers not 2xx)}"
+        # CPU per request, in µs, of the server, Redis and wrk.
+        cpu=$(awk -v n="$rps" -v s="$seconds" -v hz="$hz" -v a="$server0" -v b="$server1" \
+            -v w0="$wrk0" -v w1="$wrk1" -v r0="${redis0:-0}" -v r1="${redis1:-0}" 'BEGIN {
+                q = n * s / 1e6
+                line = sprintf("server %.1f", (b - a) / hz / q)
+                if (r1 > r0) line = line sprintf(", redis-server %.1f", (r1 - r0) / hz / q)
+                printf "%s, wrk %.1f", line, (w1 - w0) / q
+            }')
+        unset redis0 redis1
+        echo "round $round  $name  $rps req/s  (CPU µs per request: $cpu)${failed:+  ($failed answers not 2xx)}"
         results[$name]="${results[$name]:-} $rps"
+        rate[$name]=$rps
     done
+    if measured off; then
+        for name in "${stores[@]}"; do
+            [ "$name" = off ] && continue
+            ratio=$(awk -v o="${rate[off]}" -v x="${rate[$name]}" 'BEGIN { printf "%.3f", x / o }')
+            ratios[$name]="${ratios[$name]:-} $ratio"
+            echo "round $round  $name/off $(printf '%.2f' "$ratio")"
+        done
+    fi
 done
 
 median() {
@@ -126,14 +178,12 @@ done
 echo
 echo "${line%,}"
 if measured off; then
-    ratios=()
+    # The headline: the median of the rounds' ratios (each round's servers
+    # ran back to back); the ratio of the medians beside it.
     for name in "${stores[@]}"; do
         [ "$name" = off ] && continue
-        ratios+=("$(awk -v o="${medians[off]}" -v x="${medians[$name]}" -v n="$name" \
-            'BEGIN { printf "%s/off %.2f", n, x / o }')")
+        echo "$name/off: median ratio $(echo "${ratios[$name]}" | median | xargs printf '%.2f')," \
+            "ratio of medians $(awk -v o="${medians[off]}" -v x="${medians[$name]}" 'BEGIN { printf "%.2f", x / o }')," \
+            "per round:${ratios[$name]}"
     done
-    if [ ${#ratios[@]} -gt 0 ]; then
-        joined=$(printf ', %s' "${ratios[@]}")
-        echo "ratio ${joined#, }"
-    fi
 fi
