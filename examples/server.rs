@@ -9,7 +9,9 @@
 //! ```
 //!
 //! With `--features redis`, `--store redis://127.0.0.1:6379/` keeps the
-//! counters in Redis, so several server processes enforce one quota.
+//! counters in Redis, so several server processes enforce one quota; a
+//! Redis on the same host can also be reached on its Unix socket,
+//! `--store redis+unix:///run/redis/redis.sock`.
 //!
 //! Routes (the subject comes from `x-account-id`, `x-user-id` or
 //! `x-device-id`, per `--subject`):
@@ -62,7 +64,7 @@ use tower_quota::{
 
 const USAGE: &str =
     "usage: server [--listen ADDR] [--limit N] [--period 10s|1m|1h|1d|1w|1mo|Ns|Nm|Nh] \
-[--anchor calendar|first-use] [--tz ZONE] [--subject account|user|device] [--store memory|redis://HOST:PORT/] \
+[--anchor calendar|first-use] [--tz ZONE] [--subject account|user|device] [--store memory|redis://HOST:PORT/|redis+unix:///PATH] \
 [--on-store-error open|closed] [--quota on|off] [--burst N] [--plans NAME=N,NAME=N] [--admin-token T] \
 [--shadow] [--metrics]";
 
@@ -420,7 +422,11 @@ async fn serve(options: Options) {
             app(&options, store)
         }
         #[cfg(feature = "redis")]
-        url if url.starts_with("redis://") || url.starts_with("rediss://") => {
+        url if url.starts_with("redis://")
+            || url.starts_with("rediss://")
+            || url.starts_with("redis+unix://")
+            || url.starts_with("unix://") =>
+        {
             let store = tower_quota::store::RedisStore::new(url)
                 .unwrap_or_else(|e| fail(&format!("--store {url:?}: {e}")));
             // Open a connection and load the script now, so the first
@@ -433,7 +439,7 @@ async fn serve(options: Options) {
         other => fail(&format!(
             "--store {other:?}: use `memory`{}",
             if cfg!(feature = "redis") {
-                " or a redis:// URL"
+                " or a redis://, rediss:// or redis+unix:// URL"
             } else {
                 " (build with --features redis for a redis:// URL)"
             }

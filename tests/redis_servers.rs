@@ -57,3 +57,34 @@ async fn two_servers_share_a_calendar_quota_exactly() {
 async fn two_servers_share_a_first_use_quota_exactly() {
     shared_quota_is_exact("first-use").await;
 }
+
+/// `--store redis+unix://PATH`: the counters in a Redis reached on its Unix
+/// socket.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_server_reaches_redis_on_its_unix_socket() {
+    let socket = std::env::temp_dir().join(format!(
+        "tower-quota-{}-{}.sock",
+        std::process::id(),
+        redis_support::free_port()
+    ));
+    let socket_arg = socket.to_str().expect("a UTF-8 temp path").to_owned();
+    let redis = match redis_support::redis_available() {
+        true => redis_support::RedisServer::start_with(&["--unixsocket", &socket_arg]),
+        false => return,
+    };
+    let url = format!("redis+unix://{socket_arg}");
+    let server = start(&["--limit", "2", "--period", "1d", "--store", &url]);
+    let statuses = [
+        status(server.addr.clone(), "by-socket").await,
+        status(server.addr.clone(), "by-socket").await,
+        status(server.addr.clone(), "by-socket").await,
+    ];
+    assert_eq!(statuses, [200, 200, 429]);
+    // The counter is the one Redis holds, seen over TCP too.
+    let keys = redis.cli(&["--scan", "--pattern", "*by-socket*"]);
+    let key = keys.lines().next().expect("a counter for the subject").trim();
+    assert_eq!(redis.cli(&["HGET", key, "n"]).trim(), "2");
+    drop(server);
+    drop(redis);
+    let _ = std::fs::remove_file(&socket);
+}
