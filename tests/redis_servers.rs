@@ -82,7 +82,11 @@ async fn a_server_reaches_redis_on_its_unix_socket() {
     assert_eq!(statuses, [200, 200, 429]);
     // The counter is the one Redis holds, seen over TCP too.
     let keys = redis.cli(&["--scan", "--pattern", "*by-socket*"]);
-    let key = keys.lines().next().expect("a counter for the subject").trim();
+    let key = keys
+        .lines()
+        .next()
+        .expect("a counter for the subject")
+        .trim();
     assert_eq!(redis.cli(&["HGET", key, "n"]).trim(), "2");
     drop(server);
     drop(redis);
