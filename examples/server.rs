@@ -424,8 +424,7 @@ async fn serve(options: Options) {
         #[cfg(feature = "redis")]
         url if url.starts_with("redis://")
             || url.starts_with("rediss://")
-            || url.starts_with("redis+unix://")
-            || url.starts_with("unix://") =>
+            || url.starts_with("redis+unix://") =>
         {
             let store = tower_quota::store::RedisStore::new(url)
                 .unwrap_or_else(|e| fail(&format!("--store {url:?}: {e}")));
