@@ -59,6 +59,16 @@ pub(super) struct LineArgs {
     pub(super) end: i64,
 }
 
+impl LineArgs {
+    /// Whether `other` has the same arguments but for the key and the ttl.
+    fn same_quota(&self, other: &LineArgs) -> bool {
+        self.limit == other.limit
+            && self.cost == other.cost
+            && self.anchor == other.anchor
+            && self.end == other.end
+    }
+}
+
 /// A charge waiting for its batch.
 pub(super) struct Pending {
     pub(super) now: Timestamp,
@@ -342,7 +352,7 @@ async fn send(inner: &Arc<Inner>, batch: Vec<Pending>) {
     };
     let mut values = values.into_iter();
     for pending in batch {
-        let (applied, reply) = split(&mut values, pending.lines.len());
+        let (applied, reply) = split(&mut values, &pending.lines);
         let Pending {
             now,
             lines,
@@ -378,9 +388,13 @@ async fn send(inner: &Arc<Inner>, batch: Vec<Pending>) {
     }
 }
 
-/// The next charge's reply of `lines` lines from the batch's flat reply,
-/// and whether the charge was applied: each charge's reply is either one
-/// error, or 1 (every line charged) or 0 then five values per line. Takes
+/// The next charge's reply from the batch's flat reply, as the script's
+/// charge operation gives it (1 or 0, then five values per line), and
+/// whether the charge was applied. The script answers a charge with one
+/// error; or, when it took the common path (one line, healing nothing), in
+/// a short form: `[2 + admitted, used]` on a calendar counter, `[4 +
+/// admitted, used, pttl, first call]` on a first-use one, which this
+/// widens; or else 1 or 0 then five values per line of `lines`. Takes
 /// exactly that many values whatever they hold, so the charges after it
 /// stay in step; whether the charge was applied is read before the rest is
 /// parsed, so that a charge applied with a reply that cannot be read is
@@ -390,24 +404,59 @@ async fn send(inner: &Arc<Inner>, batch: Vec<Pending>) {
 /// [`outcome`]: super::outcome
 fn split(
     values: &mut std::vec::IntoIter<Value>,
-    lines: usize,
+    lines: &[LineArgs],
 ) -> (bool, Result<Vec<i64>, RedisError>) {
     let first = match values.next() {
         Some(Value::ServerError(error)) => return (false, Err(RedisError::from(error))),
         first => first,
     };
-    let applied = matches!(first, Some(Value::Int(1)));
-    let mut reply = Vec::with_capacity(1 + super::FIELDS * lines);
+    let tag = match &first {
+        Some(Value::Int(tag)) => *tag,
+        _ => -1,
+    };
+    let applied = matches!(tag, 1 | 3 | 5);
+    let short = match tag {
+        2 | 3 => Some(1),
+        4 | 5 => Some(3),
+        _ => None,
+    };
     let mut error = None;
-    for value in first.into_iter().chain(values.take(super::FIELDS * lines)) {
-        match i64::from_redis_value_ref(&value) {
-            Ok(value) => reply.push(value),
-            Err(e) => {
-                error.get_or_insert(RedisError::from(e));
+    let mut number = |value: &Value| {
+        i64::from_redis_value_ref(value).unwrap_or_else(|e| {
+            error.get_or_insert(RedisError::from(e));
+            0
+        })
+    };
+    let reply = match short {
+        Some(count) => {
+            let taken: Vec<i64> = values.take(count).map(|v| number(&v)).collect();
+            match (taken.as_slice(), lines) {
+                (&[used], [line]) => vec![tag & 1, used, left(line, used), -3, -1, 0],
+                (&[used, pttl, first_call], [line]) => {
+                    vec![tag & 1, used, left(line, used), pttl, first_call, 0]
+                }
+                // Cut short, or a short form for a charge of many lines:
+                // [`outcome`] refuses it.
+                _ => taken,
             }
         }
-    }
+        None => {
+            let mut reply = Vec::with_capacity(1 + super::FIELDS * lines.len());
+            if let Some(first) = &first {
+                reply.push(number(first));
+                for value in values.take(super::FIELDS * lines.len()) {
+                    reply.push(number(&value));
+                }
+            }
+            reply
+        }
+    };
     (applied, error.map_or(Ok(reply), Err))
+}
+
+/// What is left of `line`'s limit after `used`.
+fn left(line: &LineArgs, used: i64) -> i64 {
+    line.limit.saturating_sub(used).max(0)
 }
 
 /// Every charge of `batch` failed with `error`: none of them was applied
@@ -421,7 +470,9 @@ fn fail(batch: Vec<Pending>, error: &RedisError) {
     }
 }
 
-/// The batch's `EVALSHA`.
+/// The batch's `EVALSHA`. A one-line charge of the same quota as the
+/// one-line charge before it (same limit, cost, anchor and window's end)
+/// is sent as `=`, its instant and its ttl.
 fn command(batch: &[Pending]) -> redis::Cmd {
     let keys: usize = batch.iter().map(|pending| pending.lines.len()).sum();
     // Sized once: EVALSHA, the hash, the key count and "b"; a key and five
@@ -438,10 +489,18 @@ fn command(batch: &[Pending]) -> redis::Cmd {
         }
     }
     command.arg("b");
+    let mut before: Option<&LineArgs> = None;
     for pending in batch {
-        command
-            .arg(pending.lines.len())
-            .arg(pending.now.as_millisecond());
+        let now = pending.now.as_millisecond();
+        match (before, pending.lines.as_slice()) {
+            (Some(before), [line]) if line.same_quota(before) => {
+                command.arg("=").arg(now).arg(line.ttl);
+                continue;
+            }
+            (_, [line]) => before = Some(line),
+            _ => before = None,
+        }
+        command.arg(pending.lines.len()).arg(now);
         for line in &pending.lines {
             command
                 .arg(line.limit)

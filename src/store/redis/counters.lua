@@ -5,8 +5,7 @@
 --   p  peek: read every line, write nothing
 --   b  a batch of charges, each one as `c` on its own lines, one after the
 --      other in this one call; the reply is one flat array: each charge's
---      reply as `c` gives it, or its error reply as one value, after the one
---      before
+--      reply (below), after the one before
 --   r  refund ARGV[2] to KEYS[1] at ARGV[3] = now (ms), never creating it,
 --      never touching its TTL
 --   a  add ARGV[2] to KEYS[1] at ARGV[3] = now (ms) without a limit check (a
@@ -58,11 +57,19 @@
 -- deadline, decides when it counts; one left undated by another tool stays
 -- until it is deleted. Counters without e are read and healed as above.
 --
--- Batch: ARGV[2..] holds, charge after charge, the number of its lines n,
--- its now (ms), then its 5 * n line arguments as above; KEYS holds the
--- charges' keys in the same order. The batch's layout is checked before the
--- first charge runs. Charges in one batch see each other's writes, as if
--- they had come one after the other.
+-- Batch: ARGV[2..] holds, charge after charge, either the number of its
+-- lines n, its now (ms), then its 5 * n line arguments as above; or `=`,
+-- its now and its ttl: one line with the limit, cost, anchor and end of the
+-- charge before, which had one line too (consecutive charges of one quota
+-- differ in their instants and, by the jitter, in their deadlines). KEYS
+-- holds the charges' keys in the same order. The batch's layout is checked
+-- before the first charge runs. Charges in one batch see each other's
+-- writes, as if they had come one after the other. Each charge's reply is
+-- its error reply as one value; or, when it took the common path (one line
+-- on a live, dated counter this script created, healing nothing), two
+-- values for a calendar counter, { 2 + admitted, used }, and four for a
+-- first-use one, { 4 + admitted, used, pttl, first call }; or else its
+-- reply as `c` gives it (which starts with 0 or 1).
 
 local op = ARGV[1]
 local find = string.find
@@ -194,11 +201,11 @@ if op == 'r' or op == 'a' then
   return call('INCRBY', key, amount)
 end
 
--- Charges (or, `charging` false, peeks at) the lines of one request: n keys
--- from KEYS[k0 + 1], and from ARGV[a0] its now (ms) then five arguments per
--- line. Returns its reply, or an error reply having written nothing.
-local function lines(k0, n, a0, charging)
-  local now = ARGV[a0]
+-- Charges (or, `charging` false, peeks at) the lines of one request at
+-- `now` (ms): n keys from KEYS[k0 + 1], and from ARGV[a0 + 1] five
+-- arguments per line, but for a one-line charge its ttl `ttl` when given.
+-- Returns its reply, or an error reply having written nothing.
+local function lines(k0, n, now, a0, charging, ttl)
   if not digits(now) then
     return redis.error_reply('ERR tower-quota: an instant' .. NOT_A_NUMBER)
   end
@@ -229,7 +236,7 @@ local function lines(k0, n, a0, charging)
           pttl = call('PTTL', key)
         end
         if pttl == -1 then
-          local ttl = ARGV[a + 4] + 0
+          local ttl = (ttl or ARGV[a + 4]) + 0
           if not first_use then
             pttl = ttl
             heal = 4
@@ -302,7 +309,7 @@ local function lines(k0, n, a0, charging)
       else
         -- A new counter: its first call, a calendar window's end, and its
         -- deadline, all in this call and never again.
-        local ttl = ARGV[a + 4]
+        local ttl = ttl or ARGV[a + 4]
         local fields = { 'n', cost, 't', now }
         if ARGV[a + 3] ~= 'f' then
           fields[5] = 'e'
@@ -336,10 +343,14 @@ local last_now, last_at, last_end, last_end_at
 -- The common charge, in short: one line on a counter this script created
 -- (a hash of n and t, and e for calendar counters, in that order) that is
 -- live and dated. Decides and commits it exactly as `lines` would, with
--- fewer steps, and appends its reply to `out`; returns nothing, having
--- written nothing, for any other case, which `lines` then takes.
-local function one(k0, a0, out)
-  local key, now = KEYS[k0 + 1], ARGV[a0]
+-- fewer steps, and appends its reply to `out` (in a batch's short form
+-- when `short`); returns nothing, having written nothing, for any other
+-- case, which `lines` then takes. Reads the line's limit, cost, anchor and
+-- end from ARGV[a0 + 1 ..], and its instant from `now`.
+-- The last limit and cost converted, and their numbers.
+local last_limit, last_limit_n, last_cost, last_cost_n
+local function one(k0, now, a0, out, short)
+  local key = KEYS[k0 + 1]
   local r = try('HGETALL', key)
   if r.err ~= nil or r[1] ~= 'n' or r[3] ~= 't' then
     return nil
@@ -385,13 +396,32 @@ local function one(k0, a0, out)
       return nil
     end
   end
-  local limit, used, cost = ARGV[a0 + 1] + 0, n + 0, ARGV[a0 + 2]
-  local admitted = used + cost <= limit
+  local ls, cost = ARGV[a0 + 1], ARGV[a0 + 2]
+  if ls ~= last_limit then
+    last_limit, last_limit_n = ls, ls + 0
+  end
+  if cost ~= last_cost then
+    last_cost, last_cost_n = cost, cost + 0
+  end
+  local limit, used = last_limit_n, n + 0
+  local admitted = used + last_cost_n <= limit
   if admitted and cost ~= '0' then
     used = call('HINCRBY', key, 'n', cost)
   end
-  local left = limit - used
   local o = #out
+  if short then
+    if pttl == -3 then
+      out[o + 1] = admitted and 3 or 2
+      out[o + 2] = used
+    else
+      out[o + 1] = admitted and 5 or 4
+      out[o + 2] = used
+      out[o + 3] = pttl
+      out[o + 4] = t
+    end
+    return true
+  end
+  local left = limit - used
   out[o + 1] = admitted and 1 or 0
   out[o + 2] = used
   out[o + 3] = left > 0 and left or 0
@@ -404,49 +434,64 @@ end
 if op == 'c' then
   if #KEYS == 1 then
     local reply = {}
-    if one(0, 2, reply) then
+    if one(0, ARGV[2], 2, reply) then
       return reply
     end
   end
-  return lines(0, #KEYS, 2, true)
+  return lines(0, #KEYS, ARGV[2], 2, true)
 end
 
 if op == 'p' then
-  return lines(0, #KEYS, 2, false)
+  return lines(0, #KEYS, ARGV[2], 2, false)
 end
 
 if op == 'b' then
-  -- The layout first: a malformed batch runs no charge.
+  -- The layout first: a malformed batch runs no charge. Per charge: its
+  -- number of lines, where its instant is, where its lines' arguments
+  -- start (its instant's place, or the charge before's), and its ttl when
+  -- it gives one of its own.
   local nkeys, nargs = #KEYS, #ARGV
-  local counts = {}
-  local k, a = 0, 2
+  local counts, nows, lines_at, ttls = {}, {}, {}, {}
+  local k, a, i = 0, 2, 0
+  local group = nil
   while a <= nargs do
     local n = ARGV[a]
-    if n == '1' then
-      n = 1
-    elseif digits(n) and n ~= '0' then
-      n = n + 0
+    i = i + 1
+    if n == '=' then
+      -- One line, as the charge before; its instant and ttl follow.
+      if group == nil or counts[i - 1] ~= 1 or k >= nkeys or a + 2 > nargs then
+        return redis.error_reply('ERR tower-quota: a malformed batch of charges')
+      end
+      counts[i], nows[i], lines_at[i], ttls[i] = 1, a + 1, group, ARGV[a + 2]
+      k = k + 1
+      a = a + 3
     else
-      n = nil
+      if n == '1' then
+        n = 1
+      elseif digits(n) and n ~= '0' then
+        n = n + 0
+      else
+        n = nil
+      end
+      if n == nil or k + n > nkeys or a + 1 + 5 * n > nargs then
+        return redis.error_reply('ERR tower-quota: a malformed batch of charges')
+      end
+      group = a + 1
+      counts[i], nows[i], lines_at[i], ttls[i] = n, group, group, false
+      k = k + n
+      a = a + 2 + 5 * n
     end
-    if n == nil or k + n > nkeys or a + 1 + 5 * n > nargs then
-      return redis.error_reply('ERR tower-quota: a malformed batch of charges')
-    end
-    counts[#counts + 1] = n
-    k = k + n
-    a = a + 2 + 5 * n
   end
   if k ~= nkeys then
     return redis.error_reply('ERR tower-quota: a malformed batch of charges')
   end
-  -- One flat reply: each charge's reply (as `c` gives it) after the one
-  -- before, or its error reply as one value.
+  -- One flat reply: each charge's reply after the one before.
   local out = {}
-  k, a = 0, 2
-  for i = 1, #counts do
-    local n = counts[i]
-    if n ~= 1 or not one(k, a + 1, out) then
-      local reply = lines(k, n, a + 1, true)
+  k = 0
+  for c = 1, i do
+    local n, now, group = counts[c], ARGV[nows[c]], lines_at[c]
+    if n ~= 1 or not one(k, now, group, out, true) then
+      local reply = lines(k, n, now, group, true, ttls[c] or nil)
       if reply.err ~= nil then
         out[#out + 1] = reply
       else
@@ -457,7 +502,6 @@ if op == 'b' then
       end
     end
     k = k + n
-    a = a + 2 + 5 * n
   end
   return out
 end
