@@ -1585,8 +1585,106 @@ async fn a_charge_is_decided_as_a_peek_reads_the_counter() {
     }
 }
 
-/// The script takes the instant of a charge on trust from no one: on a
+/// In a batch, `=` repeats the quota of the one-line charge before it with
+/// an instant and a deadline of its own; a charge that took the common
+/// path is answered in its short form. `=` anywhere else makes the batch
+/// malformed, and nothing in it runs.
+#[tokio::test]
+async fn a_repeated_quota_in_a_batch_keeps_its_own_instant_and_deadline() {
+    let server = redis_server_or_skip!();
+    let store = store(&server);
+    store.preload().await.unwrap();
+    let sha = store.script_sha();
+    let now = Timestamp::now();
+    let (first, second) = (key("repeat-first"), key("repeat-second"));
+    let ms = now.as_millisecond();
+    let end = (now + hour()).as_millisecond().to_string();
+    let (t1, t2) = (ms.to_string(), (ms + 10_000).to_string());
+    let (ttl1, ttl2) = ("3600000", "3590000");
+    let reply = server.cli(&[
+        "evalsha",
+        sha,
+        "3",
+        first.as_str(),
+        second.as_str(),
+        first.as_str(),
+        "b",
+        "1",
+        &t1,
+        "10",
+        "1",
+        "c",
+        ttl1,
+        &end,
+        "=",
+        &t2,
+        ttl2,
+        "=",
+        &t2,
+        ttl2,
+    ]);
+    let values: Vec<&str> = reply.lines().collect();
+    // Two new counters (the full form), then the first again (short: 2 + admitted, used).
+    assert_eq!(values.len(), 6 + 6 + 2, "{reply}");
+    assert_eq!(&values[..3], ["1", "1", "9"], "{reply}");
+    assert_eq!(&values[6..9], ["1", "1", "9"], "{reply}");
+    assert_eq!(&values[12..], ["3", "2"], "{reply}");
+    // The second counter has its own first call and deadline.
+    assert_eq!(server.cli(&["hget", first.as_str(), "t"]), t1);
+    assert_eq!(server.cli(&["hget", second.as_str(), "t"]), t2);
+    let pttl = |key: &PeriodKey| server.cli(&["pttl", key.as_str()]).parse::<i64>().unwrap();
+    assert!(
+        (3_590_000..=3_600_000).contains(&pttl(&first)),
+        "{}",
+        pttl(&first)
+    );
+    assert!(
+        (3_580_000..=3_590_000).contains(&pttl(&second)),
+        "{}",
+        pttl(&second)
+    );
+
+    let fresh = key("repeat-malformed");
+    let line = ["10", "1", "c", ttl1, end.as_str()];
+    let two = [fresh.as_str(), fresh.as_str()];
+    let malformed: Vec<Vec<&str>> = vec![
+        // First in the batch: no charge before it.
+        [&["1", fresh.as_str(), "b", "=", &t1, ttl1][..]].concat(),
+        // After a charge of two lines.
+        [
+            &["3"][..],
+            &[fresh.as_str(); 3],
+            &["b", "2", &t1],
+            &line,
+            &line,
+            &["=", &t1, ttl1],
+        ]
+        .concat(),
+        // Without its deadline.
+        [&["2"][..], &two, &["b", "1", &t1], &line, &["=", &t1]].concat(),
+        // More charges than keys.
+        [
+            &["1"][..],
+            &[fresh.as_str()],
+            &["b", "1", &t1],
+            &line,
+            &["=", &t1, ttl1],
+        ]
+        .concat(),
+    ];
+    for args in malformed {
+        let reply = server.cli(&[&["evalsha", sha][..], &args].concat());
+        assert!(reply.contains("a malformed batch"), "{args:?}: {reply}");
+    }
+    assert_eq!(
+        server.cli(&["exists", fresh.as_str()]),
+        "0",
+        "nothing written"
+    );
+}
+
 /// live counter the script created (the short path), a missing or
+/// The script takes the instant of a charge on trust from no one: on a
 /// malformed instant, alone or in a batch, is an error reply and nothing
 /// is written.
 #[tokio::test]

@@ -378,6 +378,106 @@ async fn charges_sent_together_are_each_decided_on_their_own() {
     );
 }
 
+/// Charges of one quota on counters that exist travel in a batch in their
+/// short form (the quota's arguments once, Redis's answer in two or four
+/// values); each is told what a charge sent alone would be told.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn batched_charges_on_existing_counters_are_told_what_a_lone_charge_is() {
+    let server = redis_server_or_skip!();
+    let store = RedisStore::builder(server.url())
+        .timeout(Duration::from_secs(5))
+        .build()
+        .unwrap();
+    store.preload().await.unwrap();
+    let t0 = Timestamp::now();
+    let end = t0 + SignedDuration::from_hours(1);
+    let calendar = |key: &PeriodKey, limit: u64, now: Timestamp| ChargeRequest {
+        now,
+        lines: vec![ChargeLine {
+            key: key.clone(),
+            limit,
+            cost: 1,
+            lifetime: Lifetime::Calendar { start: t0, end },
+        }],
+    };
+    let keys = |anchor: &str| -> Vec<PeriodKey> {
+        (0..12)
+            .map(|i| Namespace::default().key(&Subject::account(i), anchor, "PT1H"))
+            .collect()
+    };
+    let (daily, rolling) = (keys("calendar"), keys("first-use"));
+    // One charge each, alone: every counter exists, and the first of each
+    // kind is at its limit of 1.
+    let mut first_calls = Vec::new();
+    for (i, key) in daily.iter().enumerate() {
+        let limit = if i == 0 { 1 } else { 5 };
+        assert!(
+            store
+                .charge(calendar(key, limit, t0))
+                .await
+                .unwrap()
+                .admitted
+        );
+    }
+    for (i, key) in rolling.iter().enumerate() {
+        let request = charge(key, if i == 0 { 1 } else { 5 });
+        first_calls.push(Timestamp::from_millisecond(request.now.as_millisecond()).unwrap());
+        assert!(store.charge(request).await.unwrap().admitted);
+    }
+    server.cli(&["config", "resetstat"]);
+
+    for (anchor, keys) in [("calendar", &daily), ("first use", &rolling)] {
+        // Queued behind the first few while the server is stopped, they
+        // leave together once it answers again.
+        let mut stopped = Stopped::new(&server);
+        let mut calls = tokio::task::JoinSet::new();
+        for (i, key) in keys.iter().enumerate() {
+            let store = store.clone();
+            let limit = if i == 0 { 1 } else { 5 };
+            let request = if anchor == "calendar" {
+                calendar(key, limit, Timestamp::now())
+            } else {
+                charge(key, limit)
+            };
+            calls.spawn(async move { (i, store.charge(request).await.unwrap()) });
+        }
+        tokio::time::sleep(Duration::from_millis(100)).await;
+        stopped.resume();
+        while let Some(answer) = calls.join_next().await {
+            let (i, outcome) = answer.unwrap();
+            let usage = &outcome.usage[0];
+            if i == 0 {
+                assert!(!outcome.admitted, "{anchor}");
+                assert_eq!((usage.used, usage.remaining()), (1, 0), "{anchor}");
+            } else {
+                assert!(outcome.admitted, "{anchor} {i}");
+                assert_eq!((usage.used, usage.remaining()), (2, 3), "{anchor} {i}");
+            }
+            if anchor == "calendar" {
+                assert_eq!(usage.resets_at, end, "{i}");
+                assert_eq!(usage.first_call, None, "{i}");
+            } else {
+                // The counter's deadline, read back from its remaining
+                // life: an hour after its first call.
+                let deadline = first_calls[i] + SignedDuration::from_hours(1);
+                let off = (usage.resets_at - deadline).abs();
+                assert!(off < SignedDuration::from_secs(2), "{i}: {off:?} off");
+                assert_eq!(usage.first_call, Some(first_calls[i]), "{i}");
+            }
+        }
+        drop(stopped);
+        for (i, key) in keys.iter().enumerate() {
+            assert_eq!(
+                used(&server, key),
+                if i == 0 { "1" } else { "2" },
+                "{anchor} {i}"
+            );
+        }
+    }
+    let calls = server.script_calls();
+    assert!(calls < 12, "{calls} calls for 24 charges");
+}
+
 #[test]
 fn a_store_outlives_a_runtime_that_shut_down_in_the_middle_of_a_batch() {
     let server = redis_server_or_skip!();
