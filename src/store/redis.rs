@@ -1492,7 +1492,7 @@ mod tests {
     #[test]
     fn the_short_charge_writes_only_its_count_once_every_check_passed() {
         let code = script_code();
-        let short = block(&code, "local function one(k0, a0, out)");
+        let short = block(&code, "local function one(k0, now, a0, out, short)");
         let writes = ["HINCRBY", "INCRBY", "DECRBY", "HSET", "PEXPIRE", "DEL"];
         let written: Vec<_> = commands(short)
             .into_iter()
