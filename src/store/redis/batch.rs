@@ -534,3 +534,129 @@ fn top_level(value: Result<Value, RedisError>) -> Result<Value, RedisError> {
         value => Ok(value),
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use tokio::sync::Semaphore;
+
+    fn pending(lines: &[(&str, i64, &'static str, i64, i64)], now: i64) -> Pending {
+        let permit = Arc::new(Semaphore::new(1)).try_acquire_owned().unwrap();
+        Pending {
+            now: Timestamp::from_millisecond(now).unwrap(),
+            lines: lines
+                .iter()
+                .map(|&(key, limit, anchor, ttl, end)| LineArgs {
+                    key: PeriodKey::from_string(key.into()),
+                    limit,
+                    cost: 1,
+                    anchor,
+                    ttl,
+                    end,
+                })
+                .collect(),
+            answer: oneshot::channel().0,
+            permit,
+        }
+    }
+
+    fn args(command: &redis::Cmd) -> Vec<String> {
+        command
+            .args_iter()
+            .map(|arg| match arg {
+                redis::Arg::Simple(bytes) => String::from_utf8_lossy(bytes).into_owned(),
+                other => panic!("{other:?} in a batch"),
+            })
+            .collect()
+    }
+
+    #[test]
+    fn a_charge_of_the_quota_before_is_sent_as_a_repeat() {
+        let batch = [
+            pending(&[("a", 10, "c", 900, 5000)], 100),
+            // The same quota: its instant and ttl only.
+            pending(&[("b", 10, "c", 899, 5000)], 101),
+            // Two lines: whole, and no charge repeats it.
+            pending(&[("c", 10, "c", 898, 5000), ("d", 3, "f", 60, 0)], 102),
+            pending(&[("e", 10, "c", 897, 5000)], 103),
+            // Another limit: whole; the next one repeats this one.
+            pending(&[("f", 20, "c", 896, 5000)], 104),
+            pending(&[("g", 20, "c", 895, 5000)], 105),
+            // Another window's end.
+            pending(&[("h", 20, "c", 894, 6000)], 106),
+            // First use: the same anchor and end (0) as the one before.
+            pending(&[("i", 20, "f", 60, 0)], 107),
+            pending(&[("j", 20, "f", 60, 0)], 108),
+        ];
+        let got = args(&command(&batch));
+        let expected: Vec<&str> = [
+            &["EVALSHA", super::super::SCRIPT.get_hash(), "10"][..],
+            &["a", "b", "c", "d", "e", "f", "g", "h", "i", "j", "b"],
+            &["1", "100", "10", "1", "c", "900", "5000"],
+            &["=", "101", "899"],
+            &[
+                "2", "102", "10", "1", "c", "898", "5000", "3", "1", "f", "60", "0",
+            ],
+            &["1", "103", "10", "1", "c", "897", "5000"],
+            &["1", "104", "20", "1", "c", "896", "5000"],
+            &["=", "105", "895"],
+            &["1", "106", "20", "1", "c", "894", "6000"],
+            &["1", "107", "20", "1", "f", "60", "0"],
+            &["=", "108", "60"],
+        ]
+        .concat();
+        assert_eq!(got, expected);
+    }
+
+    fn take(values: Vec<Value>, lines: &[LineArgs]) -> (bool, Result<Vec<i64>, RedisError>) {
+        split(&mut values.into_iter(), lines)
+    }
+
+    #[test]
+    fn short_replies_are_widened_to_the_charge_operations_form() {
+        let calendar = pending(&[("a", 5, "c", 900, 5000)], 100).lines;
+        let first_use = pending(&[("a", 5, "f", 60_000, 0)], 100).lines;
+        let int = Value::Int;
+
+        // Calendar, admitted and refused.
+        let (applied, reply) = take(vec![int(3), int(2)], &calendar);
+        assert!(applied);
+        assert_eq!(reply.unwrap(), [1, 2, 3, -3, -1, 0]);
+        let (applied, reply) = take(vec![int(2), int(5)], &calendar);
+        assert!(!applied);
+        assert_eq!(reply.unwrap(), [0, 5, 0, -3, -1, 0]);
+        // First use, its first call as Redis's bulk string.
+        let first_call = Value::BulkString(b"1796318523929".to_vec());
+        let (applied, reply) = take(vec![int(5), int(1), int(59_000), first_call], &first_use);
+        assert!(applied);
+        assert_eq!(reply.unwrap(), [1, 1, 4, 59_000, 1_796_318_523_929, 0]);
+        // The full form, as before.
+        let full = [1, 1, 4, 59_000, 7, 0].map(int).to_vec();
+        assert_eq!(take(full, &first_use).1.unwrap(), [1, 1, 4, 59_000, 7, 0]);
+        // An error for the charge: one value, nothing applied.
+        let error = redis::parse_redis_value(b"-ERR tower-quota: no counter\r\n").unwrap();
+        assert!(matches!(error, Value::ServerError(_)));
+        let (applied, reply) = take(vec![error], &calendar);
+        assert!(!applied && reply.is_err());
+    }
+
+    #[test]
+    fn a_short_reply_that_does_not_fit_is_left_for_the_outcome_to_refuse() {
+        let calendar = pending(&[("a", 5, "c", 900, 5000)], 100).lines;
+        let two = pending(&[("a", 5, "c", 900, 5000), ("b", 5, "c", 900, 5000)], 100).lines;
+        let int = Value::Int;
+        // Cut short: applied (so given back), and too short for a charge.
+        let (applied, reply) = take(vec![int(3)], &calendar);
+        assert!(applied);
+        assert!(reply.unwrap().len() < 6);
+        // A short form for a charge of two lines takes its two values only,
+        // so the next charge's reply stays in step.
+        let mut values = vec![int(3), int(1), int(1), int(1)].into_iter();
+        let (_, reply) = split(&mut values, &two);
+        assert_eq!(reply.unwrap(), [1]);
+        assert_eq!(values.len(), 2);
+        // A value that is no number.
+        let (applied, reply) = take(vec![int(3), Value::Nil], &calendar);
+        assert!(applied && reply.is_err());
+    }
+}
