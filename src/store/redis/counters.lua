@@ -340,6 +340,9 @@ end
 -- charges of one batch mostly share them.
 local last_now, last_at, last_end, last_end_at
 
+-- The last limit and cost converted, and their numbers.
+local last_limit, last_limit_n, last_cost, last_cost_n
+
 -- The common charge, in short: one line on a counter this script created
 -- (a hash of n and t, and e for calendar counters, in that order) that is
 -- live and dated. Decides and commits it exactly as `lines` would, with
@@ -347,8 +350,6 @@ local last_now, last_at, last_end, last_end_at
 -- when `short`); returns nothing, having written nothing, for any other
 -- case, which `lines` then takes. Reads the line's limit, cost, anchor and
 -- end from ARGV[a0 + 1 ..], and its instant from `now`.
--- The last limit and cost converted, and their numbers.
-local last_limit, last_limit_n, last_cost, last_cost_n
 local function one(k0, now, a0, out, short)
   local key = KEYS[k0 + 1]
   local r = try('HGETALL', key)
