@@ -1025,6 +1025,11 @@ fn unchanged(
     }
 }
 
+/// The latest instant, in milliseconds, that a timestamp takes
+/// (9999-12-30T22:00:00Z), and one millisecond past it.
+const LAST_INSTANT: i64 = 253_402_207_200_000;
+const PAST_THE_LAST_INSTANT: &str = "253402207200001";
+
 /// Values that are no counter, each as the commands that plant it.
 fn foreign_values() -> Vec<(String, Vec<Vec<String>>)> {
     let owned = |args: &[&str]| args.iter().map(|a| a.to_string()).collect::<Vec<_>>();
@@ -1052,6 +1057,18 @@ fn foreign_values() -> Vec<(String, Vec<Vec<String>>)> {
         (
             "hash with a window end in words".to_string(),
             vec![owned(&["HSET", "n", "1", "e", "soon"])],
+        ),
+        (
+            "hash with a first call after the latest instant".to_string(),
+            vec![owned(&["HSET", "n", "0", "t", PAST_THE_LAST_INSTANT])],
+        ),
+        (
+            "hash with a window end after the latest instant".to_string(),
+            vec![owned(&["HSET", "n", "0", "e", PAST_THE_LAST_INSTANT])],
+        ),
+        (
+            "hash with a first call in the year 11475".to_string(),
+            vec![owned(&["HSET", "n", "0", "t", "300000000000000"])],
         ),
     ];
     for number in [
@@ -1174,6 +1191,72 @@ async fn a_foreign_value_on_any_line_fails_the_request_before_anything_is_writte
             let after = snapshot(&mut redis, key.as_str()).await;
             unchanged(before, &after, &format!("{name}, {}", key.as_str()));
         }
+    }
+}
+
+/// A counter whose first call no timestamp can hold is refused before the
+/// charge writes, on its own and in a batch: its caller is told an error and
+/// nothing is charged. The latest instant a timestamp holds is a first call
+/// like any other.
+#[tokio::test]
+async fn a_first_call_past_the_latest_instant_is_an_error_that_charges_nothing() {
+    let server = redis_server_or_skip!();
+    let mut redis = client(&server).await;
+    let now = Timestamp::now();
+    let last = LAST_INSTANT;
+    assert!(Timestamp::from_millisecond(last).is_ok());
+    assert!(Timestamp::from_millisecond(last + 1).is_err());
+    assert_eq!((last + 1).to_string(), PAST_THE_LAST_INSTANT);
+    for batched in [true, false] {
+        let store = RedisStore::builder(server.url())
+            .timeout(Duration::from_secs(1))
+            .batch_charges(batched)
+            .build()
+            .unwrap();
+        let far = key(&format!("far-{batched}"));
+        for t in [PAST_THE_LAST_INSTANT, "300000000000000"] {
+            plant(
+                &mut redis,
+                far.as_str(),
+                &[vec![
+                    "HSET".into(),
+                    "n".into(),
+                    "0".into(),
+                    "t".into(),
+                    t.into(),
+                ]],
+            )
+            .await;
+            let () = redis.pexpire(far.as_str(), 60_000).await.unwrap();
+            let before = snapshot(&mut redis, far.as_str()).await;
+            for _ in 0..3 {
+                let error = store
+                    .charge(first_use(&far, 10, 1, now, hour()))
+                    .await
+                    .expect_err("a first call no timestamp holds");
+                assert_eq!(error.kind(), StoreErrorKind::Other, "{error}");
+                assert!(error.to_string().contains("not a counter"), "{error}");
+            }
+            let after = snapshot(&mut redis, far.as_str()).await;
+            unchanged(&before, &after, &format!("batched {batched}, t {t}"));
+        }
+
+        let edge = key(&format!("edge-{batched}"));
+        let () = redis
+            .hset_multiple(edge.as_str(), &[("n", 0), ("t", last)])
+            .await
+            .unwrap();
+        let () = redis.pexpire(edge.as_str(), 60_000).await.unwrap();
+        let outcome = store
+            .charge(first_use(&edge, 10, 1, now, hour()))
+            .await
+            .unwrap();
+        assert!(outcome.admitted);
+        assert_eq!(outcome.usage[0].used, 1);
+        assert_eq!(
+            outcome.usage[0].first_call.map(|t| t.as_millisecond()),
+            Some(last)
+        );
     }
 }
 

@@ -461,15 +461,21 @@ impl RedisStore {
         F: FnOnce(Connection) -> Fut + Send + 'static,
         Fut: Future<Output = (Connection, Result<T, RedisError>)> + Send + 'static,
     {
-        self.follow(None, f).await
+        self.follow(None, f, Ok).await
     }
 
     /// Runs `f` on a connection and waits for its answer within the store's
     /// timeout. A call whose caller stops waiting once it was sent (the
     /// store's timeout, a dropped future) is followed to its end in a task of
     /// its own: then a charge that Redis applied is given back
-    /// (`give_back`).
-    async fn follow<T, F, Fut>(&self, give_back: Option<GiveBack<T>>, f: F) -> Result<T, StoreError>
+    /// (`give_back`). So is one whose answer `read` refuses: its caller is
+    /// told an error, and nothing stays charged.
+    async fn follow<T, R, F, Fut>(
+        &self,
+        give_back: Option<GiveBack<T>>,
+        f: F,
+        read: impl FnOnce(T) -> Result<R, StoreError>,
+    ) -> Result<R, StoreError>
     where
         T: Send + 'static,
         F: FnOnce(Connection) -> Fut + Send + 'static,
@@ -505,17 +511,29 @@ impl RedisStore {
         };
         let trip = call.trip.as_mut().expect("the call is on its way");
         match tokio::time::timeout_at(deadline, trip).await {
-            Ok((conn, result)) => {
+            Ok((mut conn, Ok(value))) => {
                 call.trip = None;
-                result.map_err(|error| {
-                    // A broken connection is not used again, nor are the
-                    // others opened before it; a refusal by the server
-                    // spoils nothing.
-                    if broken(&error) {
-                        inner.connections.failed(conn.failed());
-                    }
-                    redis_error(error)
-                })
+                let give_back = call.give_back.take().filter(|back| (back.applied)(&value));
+                let read = read(value);
+                if let (Err(_), Some(back)) = (&read, give_back) {
+                    // Applied, but not an answer this store can stand by.
+                    let inner = Arc::clone(inner);
+                    let permit = call.permit.take();
+                    tokio::spawn(async move {
+                        let _permit = permit;
+                        refund_lines(&inner, &mut conn, back.lines, back.now).await;
+                    });
+                }
+                read
+            }
+            Ok((conn, Err(error))) => {
+                call.trip = None;
+                // A broken connection is not used again, nor are the others
+                // opened before it; a refusal by the server spoils nothing.
+                if broken(&error) {
+                    inner.connections.failed(conn.failed());
+                }
+                Err(redis_error(error))
             }
             // Dropping `call` hands the round trip over to a task that
             // follows it to its end.
@@ -595,13 +613,15 @@ impl RedisStore {
                 .arg(line.ttl)
                 .arg(line.end);
         }
-        let reply: Vec<i64> = self
-            .follow(give_back(op, &request), |mut conn| async move {
+        self.follow(
+            give_back(op, &request),
+            |mut conn| async move {
                 let result = invocation.invoke_async(&mut conn).await;
                 (conn, result)
-            })
-            .await?;
-        outcome(op, &request, &reply)
+            },
+            |reply: Vec<i64>| outcome(op, &request, &reply),
+        )
+        .await
     }
 
     /// What the script takes for `line`, charged at `now`.

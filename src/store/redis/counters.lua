@@ -23,8 +23,9 @@
 --
 -- Every value is strict: n, t, e and a string counter are whole numbers
 -- from 0 to 2^53 written as Redis writes integers (digits only, no sign, no
--- leading zero, no point, no exponent, no space), and a hash holds no other
--- field. Anything else (another type, `1.0`, `1e0`, ` 1`, `-1`, a count
+-- leading zero, no point, no exponent, no space), t and e are no later than
+-- 9999-12-30T22:00:00Z, and a hash holds no other field. Anything else
+-- (another type, `1.0`, `1e0`, ` 1`, `-1`, a count
 -- beyond 2^53) is no counter: the request is an error reply naming the key,
 -- and nothing is written on any key.
 --
@@ -99,8 +100,18 @@ local function digits(v)
   return len < 16 or v <= '9007199254740992'
 end
 
+-- The latest instant (ms) the store can name: 9999-12-30T22:00:00Z.
+local LAST_INSTANT = '253402207200000'
+
+-- Whether `v` is an instant (ms since the epoch) as `digits` takes it, no
+-- later than LAST_INSTANT.
+local function instant(v)
+  return digits(v) and (#v < 15 or (#v == 15 and v <= LAST_INSTANT))
+end
+
 local NOT_A_COUNTER = ' holds a value that is not a counter (a whole number from 0 to'
-  .. ' 2^53, or a hash of such numbers n, t and e)'
+  .. ' 2^53, or a hash of such numbers n, t and e, t and e no later than'
+  .. ' 9999-12-30T22:00:00Z)'
 local NOT_A_NUMBER = ' that is not a whole number from 0 to 2^53'
 
 -- Reads the counter at `key`, writing nothing. Returns its kind (0 no key:
@@ -133,9 +144,9 @@ local function read(key)
     end
     if field == 'n' then
       used = value + 0
-    elseif field == 't' then
+    elseif field == 't' and instant(value) then
       first = value
-    elseif field == 'e' then
+    elseif field == 'e' and instant(value) then
       ends = value
     else
       return nil
@@ -379,14 +390,15 @@ local function one(k0, now, a0, out, short)
     at = now + 0
     last_now, last_at = now, at
   end
-  -- Two counts below 10^15 in one pattern; `digits` takes the rest.
-  if (#n > 15 or #t > 15 or not find(n .. ' ' .. t, '^[1-9]%d* [1-9]%d*$'))
-      and not (digits(n) and digits(t)) then
+  -- Two numbers below 10^14 in one pattern; `digits` and `instant` take
+  -- the rest.
+  if (#n > 14 or #t > 14 or not find(n .. ' ' .. t, '^[1-9]%d* [1-9]%d*$'))
+      and not (digits(n) and instant(t)) then
     return nil
   end
   if e ~= nil then
     if e ~= last_end then
-      if not digits(e) then
+      if not instant(e) then
         return nil
       end
       last_end, last_end_at = e, e + 0
