@@ -212,6 +212,38 @@ async fn charges_that_failed_during_a_stall_are_not_charged_after_it() {
     assert_eq!(outcome.usage[0].used, 100);
 }
 
+/// A refund or an add that times out was sent: its error says it may still
+/// be applied, and it is once the server answers.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_refund_that_timed_out_says_it_may_still_apply() {
+    let server = redis_server_or_skip!();
+    let store = RedisStore::builder(server.url())
+        .timeout(Duration::from_millis(100))
+        .build()
+        .unwrap();
+    store.preload().await.unwrap();
+    let key = key("late-refund");
+    for _ in 0..3 {
+        assert!(store.charge(charge(&key, 10)).await.unwrap().admitted);
+    }
+
+    let mut stopped = Stopped::new(&server);
+    let now = tower_quota::jiff::Timestamp::now();
+    for error in [
+        store.refund(now, key.clone(), 1).await.unwrap_err(),
+        store.add(now, key.clone(), 5).await.unwrap_err(),
+    ] {
+        assert_eq!(error.kind(), StoreErrorKind::Timeout, "{error}");
+        assert!(
+            error.to_string().contains("may still be applied"),
+            "{error}"
+        );
+    }
+    stopped.resume();
+    quiet(&store).await;
+    assert_eq!(used(&server, &key), "7", "3 charged, 1 refunded, 5 added");
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_dropped_charge_never_stays_charged() {
     let server = redis_server_or_skip!();

@@ -178,8 +178,10 @@ pub struct ChargeOutcome {
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 #[non_exhaustive]
 pub enum StoreErrorKind {
-    /// The store did not answer in time. A charge that timed out may or may
-    /// not have been applied.
+    /// The store did not answer in time. A refund, an add or a reset that
+    /// timed out may still be applied: sending it again may apply it twice.
+    /// (A store's own docs say what becomes of a charge that timed out;
+    /// the Redis store gives back one that Redis applies later.)
     Timeout,
     /// The store could not be reached or refused to work (connection lost,
     /// out of memory, restarting).

@@ -341,7 +341,7 @@ impl RedisStore {
         };
         for _ in 0..connections {
             let sha: String = self
-                .exchange(move |mut conn| async move {
+                .exchange(Sends::Read, move |mut conn| async move {
                     let result = script.load_async(&mut conn).await;
                     (conn, result)
                 })
@@ -403,7 +403,7 @@ impl RedisStore {
         let mut invocation = self.inner.script.key(CLOCK_KEY);
         invocation.arg("t");
         let (secs, micros): (i64, i64) = self
-            .exchange(|mut conn| async move {
+            .exchange(Sends::Read, |mut conn| async move {
                 let result = invocation.invoke_async(&mut conn).await;
                 (conn, result)
             })
@@ -455,13 +455,13 @@ impl RedisStore {
 
     /// Runs `f` on a connection, answered within the store's timeout. Nothing
     /// is sent again.
-    async fn exchange<T, F, Fut>(&self, f: F) -> Result<T, StoreError>
+    async fn exchange<T, F, Fut>(&self, sends: Sends, f: F) -> Result<T, StoreError>
     where
         T: Send + 'static,
         F: FnOnce(Connection) -> Fut + Send + 'static,
         Fut: Future<Output = (Connection, Result<T, RedisError>)> + Send + 'static,
     {
-        self.follow(None, f, Ok).await
+        self.follow(sends, None, f, Ok).await
     }
 
     /// Runs `f` on a connection and waits for its answer within the store's
@@ -472,6 +472,7 @@ impl RedisStore {
     /// told an error, and nothing stays charged.
     async fn follow<T, R, F, Fut>(
         &self,
+        sends: Sends,
         give_back: Option<GiveBack<T>>,
         f: F,
         read: impl FnOnce(T) -> Result<R, StoreError>,
@@ -539,11 +540,16 @@ impl RedisStore {
             // follows it to its end.
             Err(_) => Err(StoreError::new(
                 StoreErrorKind::Timeout,
-                if charge {
-                    "Redis did not answer within the store's timeout; nothing is charged (a \
-                     charge Redis applies later is given back)"
-                } else {
-                    "Redis did not answer within the store's timeout"
+                match sends {
+                    _ if charge => {
+                        "Redis did not answer within the store's timeout; nothing is charged (a \
+                         charge Redis applies later is given back)"
+                    }
+                    Sends::Read => "Redis did not answer within the store's timeout",
+                    Sends::Write => {
+                        "Redis did not answer within the store's timeout; the change was sent \
+                         and may still be applied (sending it again may apply it twice)"
+                    }
                 },
             )),
         }
@@ -564,7 +570,7 @@ impl RedisStore {
         let mut invocation = self.inner.script.key(key.as_str());
         invocation.arg(op).arg(amount).arg(now.as_millisecond());
         let count: i64 = self
-            .exchange(|mut conn| async move {
+            .exchange(Sends::Write, |mut conn| async move {
                 let result = invocation.invoke_async(&mut conn).await;
                 (conn, result)
             })
@@ -578,7 +584,7 @@ impl RedisStore {
         &self,
         command: redis::Cmd,
     ) -> Result<T, StoreError> {
-        self.exchange(|mut conn| async move {
+        self.exchange(Sends::Write, |mut conn| async move {
             let result = command.query_async(&mut conn).await;
             (conn, result)
         })
@@ -614,6 +620,7 @@ impl RedisStore {
                 .arg(line.end);
         }
         self.follow(
+            if op == "p" { Sends::Read } else { Sends::Write },
             give_back(op, &request),
             |mut conn| async move {
                 let result = invocation.invoke_async(&mut conn).await;
@@ -1053,7 +1060,7 @@ impl Store for RedisStore {
         let store = self.clone();
         async move {
             let deleted: i64 = store
-                .exchange(|mut conn| async move {
+                .exchange(Sends::Write, |mut conn| async move {
                     let result = redis::cmd("DEL")
                         .arg(key.as_str())
                         .query_async(&mut conn)
@@ -1176,6 +1183,14 @@ fn jitter(key: &PeriodKey, spread: Duration) -> i64 {
 /// good as unlimited, and is sent as 2^53.
 fn clamp(n: u64) -> i64 {
     i64::try_from(n.min(1 << 53)).expect("2^53 fits in an i64")
+}
+
+/// Whether a call changes what Redis holds: what a caller that stopped
+/// waiting is told.
+#[derive(Clone, Copy)]
+enum Sends {
+    Read,
+    Write,
 }
 
 /// What a charge gives back when Redis applied it after its caller stopped
