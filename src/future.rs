@@ -337,7 +337,15 @@ fn settle<St: Store>(store: St, charged_at: Timestamp, ops: Vec<(PeriodKey, Adju
                 crate::metrics::refunded();
             }
             results.push(result.unwrap_or_else(|error| {
-                tracing::warn!(%error, key = key.as_str(), ?op, "quota store failed to adjust a charge after the response");
+                if let Some(suppressed) = ADJUST_ERRORS.admit() {
+                    tracing::warn!(
+                        %error,
+                        key = key.as_str(),
+                        ?op,
+                        suppressed,
+                        "quota store failed to adjust a charge after the response"
+                    );
+                }
                 None
             }));
         }
@@ -427,6 +435,10 @@ fn shadow_limits<St: Store>(admission: &Admission<St>, usage: &mut [Usage]) {
 
 /// Shadow refusals logged per second at most.
 static SHADOW_REFUSALS: Throttle = Throttle::new(5);
+
+/// Lets a few warnings a second through about refunds and adds that failed
+/// (during a store outage, one per request).
+static ADJUST_ERRORS: Throttle = Throttle::new(5);
 
 /// Whether every quota without room belongs to an inner layer, which the
 /// request may never reach.

@@ -844,6 +844,63 @@ fn broken_app(hang: bool, policy: OnStoreError) -> Router {
     )
 }
 
+/// Counts the events logged at `level` while it is the default subscriber.
+#[derive(Clone)]
+struct CountEvents(tracing::Level, Arc<std::sync::atomic::AtomicUsize>);
+
+impl tracing::Subscriber for CountEvents {
+    fn enabled(&self, _: &tracing::Metadata<'_>) -> bool {
+        true
+    }
+    fn new_span(&self, _: &tracing::span::Attributes<'_>) -> tracing::span::Id {
+        tracing::span::Id::from_u64(1)
+    }
+    fn record(&self, _: &tracing::span::Id, _: &tracing::span::Record<'_>) {}
+    fn record_follows_from(&self, _: &tracing::span::Id, _: &tracing::span::Id) {}
+    fn event(&self, event: &tracing::Event<'_>) {
+        if *event.metadata().level() == self.0 {
+            self.1.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+        }
+    }
+    fn enter(&self, _: &tracing::span::Id) {}
+    fn exit(&self, _: &tracing::span::Id) {}
+}
+
+/// During an outage, every request fails on the store: the layer and the
+/// support router each log it a few times a second, not once per request.
+#[tokio::test(flavor = "current_thread")]
+async fn a_store_outage_is_logged_a_few_times_a_second() {
+    let errors = CountEvents(tracing::Level::ERROR, Arc::default());
+    let _guard = tracing::subscriber::set_default(errors.clone());
+    let policy = tower_quota::QuotaPolicy::builder(account())
+        .store(Broken { hang: false })
+        .build();
+    let app = Router::new()
+        .route("/", get(|| async { "hello" }))
+        .route_layer(policy.layer(Quota::daily(5).allowance("read")));
+    let started = std::time::Instant::now();
+    for _ in 0..200 {
+        let reply = get_as(&app, "/", "acme").await;
+        assert_eq!(reply.status, StatusCode::SERVICE_UNAVAILABLE);
+    }
+    let seconds = started.elapsed().as_secs() as usize + 1;
+    let logged = errors.1.swap(0, std::sync::atomic::Ordering::Relaxed);
+    assert!(logged <= 5 * seconds, "{logged} lines in {seconds} s");
+
+    let support = policy.handle().router();
+    let started = std::time::Instant::now();
+    for _ in 0..200 {
+        let reply = get_as(&support, "/quota/account/acme", "acme").await;
+        assert_eq!(reply.status, StatusCode::SERVICE_UNAVAILABLE);
+    }
+    let seconds = started.elapsed().as_secs() as usize + 1;
+    let logged = errors.1.load(std::sync::atomic::Ordering::Relaxed);
+    assert!(
+        (1..=5 * seconds).contains(&logged),
+        "{logged} lines in {seconds} s"
+    );
+}
+
 #[tokio::test]
 async fn store_failure_fails_closed_by_default_with_503() {
     let app = Router::new()

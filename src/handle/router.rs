@@ -176,8 +176,13 @@ fn unknown_allowance(allowance: &str) -> Response {
     )
 }
 
+/// Lets a few errors a second through while the store is down.
+static STORE_ERRORS: crate::decision::Throttle = crate::decision::Throttle::new(5);
+
 fn unavailable(error: &crate::store::StoreError) -> Response {
-    tracing::error!(%error, "quota store failed answering a support request");
+    if let Some(suppressed) = STORE_ERRORS.admit() {
+        tracing::error!(%error, suppressed, "quota store failed answering a support request");
+    }
     problem(
         StatusCode::SERVICE_UNAVAILABLE,
         "The quota store is unavailable; try again later.",

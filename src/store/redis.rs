@@ -17,6 +17,7 @@ use tokio::sync::{OwnedSemaphorePermit, Semaphore};
 use super::{
     ChargeLine, ChargeOutcome, ChargeRequest, Lifetime, Store, StoreError, StoreErrorKind, Usage,
 };
+use crate::decision::Throttle;
 use crate::key::PeriodKey;
 use crate::period::Clock;
 
@@ -1276,10 +1277,13 @@ async fn follow_through<T>(
             if let Some(lost) = lost {
                 inner.connections.failed(lost);
             }
-            tracing::warn!(
-                "Redis did not answer a call in {FOLLOW_THROUGH:?}; dropping its connection (a \
-                 charge it carried may have been applied without an admission)"
-            );
+            if let Some(suppressed) = LATE.admit() {
+                tracing::warn!(
+                    suppressed,
+                    "Redis did not answer a call in {FOLLOW_THROUGH:?}; dropping its connection \
+                     (a charge it carried may have been applied without an admission)"
+                );
+            }
             return;
         }
     };
@@ -1300,25 +1304,44 @@ async fn refund_lines(
     lines: Vec<(PeriodKey, u64)>,
     now: Timestamp,
 ) {
-    let mut refunded = 0;
+    let (mut refunded, mut missed) = (0, 0);
+    let mut first_miss: Option<(PeriodKey, String)> = None;
+    let mut answering = true;
     for (key, cost) in lines {
+        if !answering {
+            // The connection stopped answering: the rest waits no longer.
+            missed += 1;
+            continue;
+        }
         let mut invocation = inner.script.key(key.as_str());
         invocation
             .arg("r")
             .arg(clamp(cost))
             .arg(now.as_millisecond());
         let refund = invocation.invoke_async::<i64>(conn);
-        match tokio::time::timeout(FOLLOW_THROUGH, refund).await {
-            Ok(Ok(_)) => refunded += 1,
-            Ok(Err(error)) => tracing::warn!(
-                key = %key, cost, %error,
+        let why = match tokio::time::timeout(FOLLOW_THROUGH, refund).await {
+            Ok(Ok(_)) => {
+                refunded += 1;
+                continue;
+            }
+            Ok(Err(error)) => error.to_string(),
+            Err(_) => {
+                answering = false;
+                format!("no answer in {FOLLOW_THROUGH:?}")
+            }
+        };
+        missed += 1;
+        first_miss.get_or_insert((key, why));
+    }
+    if let Some((key, why)) = first_miss {
+        if let Some(suppressed) = LATE.admit() {
+            tracing::warn!(
+                lines = missed,
+                key = %key,
+                error = why,
+                suppressed,
                 "could not give back a charge Redis applied after its caller stopped waiting"
-            ),
-            Err(_) => tracing::warn!(
-                key = %key, cost,
-                "could not give back a charge Redis applied after its caller stopped waiting: \
-                 no answer"
-            ),
+            );
         }
     }
     let total = inner.given_back.fetch_add(1, Ordering::Relaxed) + 1;
@@ -1328,6 +1351,10 @@ async fn refund_lines(
         "gave back a charge Redis applied after its caller stopped waiting"
     );
 }
+
+/// Lets a few warnings a second through about calls followed after their
+/// callers stopped waiting (during an outage, there is one per call).
+pub(super) static LATE: Throttle = Throttle::new(5);
 
 /// Whether `error` leaves its connection unusable.
 fn broken(error: &RedisError) -> bool {

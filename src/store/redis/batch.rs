@@ -30,7 +30,7 @@ use deadpool_redis::redis::{self, ErrorKind, FromRedisValue, RedisError, ServerE
 use jiff::Timestamp;
 use tokio::sync::{oneshot, OwnedSemaphorePermit};
 
-use super::{broken, refund_lines, Inner, COUNTERS_LUA, FOLLOW_THROUGH};
+use super::{broken, refund_lines, Inner, COUNTERS_LUA, FOLLOW_THROUGH, LATE};
 use crate::key::PeriodKey;
 
 /// The most charges in one batch.
@@ -131,11 +131,16 @@ impl Drop for GiveBack {
             };
             match tokio::time::timeout(FOLLOW_THROUGH, inner.connections.get(&timeouts)).await {
                 Ok(Ok(mut conn)) => refund_lines(&inner, &mut conn, lines, now).await,
-                _ => tracing::warn!(
-                    lines = lines.len(),
-                    "could not give back a charge Redis applied after its caller stopped \
-                     waiting: no connection"
-                ),
+                _ => {
+                    if let Some(suppressed) = LATE.admit() {
+                        tracing::warn!(
+                            lines = lines.len(),
+                            suppressed,
+                            "could not give back a charge Redis applied after its caller \
+                             stopped waiting: no connection"
+                        );
+                    }
+                }
             }
         };
         match tokio::runtime::Handle::try_current() {
@@ -339,11 +344,14 @@ async fn send(inner: &Arc<Inner>, batch: Vec<Pending>) {
             if let Some(lost) = lost {
                 inner.connections.failed(lost);
             }
-            tracing::warn!(
-                charges = batch.len(),
-                "Redis did not answer a batch of charges in {FOLLOW_THROUGH:?}; dropping its \
-                 connection (the charges may have been applied without an admission)"
-            );
+            if let Some(suppressed) = LATE.admit() {
+                tracing::warn!(
+                    charges = batch.len(),
+                    suppressed,
+                    "Redis did not answer a batch of charges in {FOLLOW_THROUGH:?}; dropping \
+                     its connection (the charges may have been applied without an admission)"
+                );
+            }
             return fail(
                 batch,
                 &RedisError::from(std::io::Error::other("Redis did not answer")),
