@@ -507,6 +507,7 @@ impl RedisStore {
         let mut call = Call {
             inner: Arc::clone(inner),
             lost: conn.lost(),
+            sent: tokio::time::Instant::now(),
             trip: Some(Box::pin(f(conn))),
             permit: Some(permit),
             give_back,
@@ -1229,6 +1230,8 @@ struct Call<T: Send + 'static> {
     trip: Option<RoundTrip<T>>,
     /// What to close if the round trip never comes back.
     lost: Option<Failed>,
+    /// When it was sent.
+    sent: tokio::time::Instant,
     /// Keeps the call counted in flight until it is over.
     permit: Option<OwnedSemaphorePermit>,
     give_back: Option<GiveBack<T>>,
@@ -1243,6 +1246,7 @@ impl<T: Send + 'static> Drop for Call<T> {
             Arc::clone(&self.inner),
             trip,
             self.lost.take(),
+            self.sent,
             self.permit.take(),
             self.give_back.take(),
         );
@@ -1260,12 +1264,25 @@ impl<T: Send + 'static> Drop for Call<T> {
 /// Redis applied is given back.
 async fn follow_through<T>(
     inner: Arc<Inner>,
-    trip: RoundTrip<T>,
-    lost: Option<Failed>,
+    mut trip: RoundTrip<T>,
+    mut lost: Option<Failed>,
+    sent: tokio::time::Instant,
     _permit: Option<OwnedSemaphorePermit>,
     give_back: Option<GiveBack<T>>,
 ) {
-    let (mut conn, value) = match tokio::time::timeout(FOLLOW_THROUGH, trip).await {
+    let answer = match tokio::time::timeout_at(sent + inner.timeout, trip.as_mut()).await {
+        Ok(answer) => Ok(answer),
+        Err(_) => {
+            // Past the store's whole budget: the connection is not trusted
+            // with new calls (a socket gone silent, half-open, would hold
+            // every call sent on it), while this one is still followed.
+            if let Some(lost) = lost.take() {
+                inner.connections.failed(lost);
+            }
+            tokio::time::timeout_at(sent + FOLLOW_THROUGH, trip).await
+        }
+    };
+    let (mut conn, value) = match answer {
         Ok((conn, Ok(value))) => (conn, value),
         Ok((conn, Err(error))) => {
             if broken(&error) {

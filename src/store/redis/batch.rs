@@ -324,38 +324,73 @@ async fn send(inner: &Arc<Inner>, batch: Vec<Pending>) {
         return;
     }
     let command = command(&batch);
-    let lost = conn.lost();
-    let values = match tokio::time::timeout(FOLLOW_THROUGH, eval(&mut conn, &command)).await {
-        Ok(Ok(Value::Array(values))) => values,
-        Ok(Ok(other)) => {
+    let mut lost = conn.lost();
+    let sent = tokio::time::Instant::now();
+    let mut trip = Box::pin(async move {
+        let result = eval(&mut conn, &command).await;
+        (conn, result)
+    });
+    let (conn, result) = match tokio::time::timeout_at(sent + inner.timeout, trip.as_mut()).await {
+        Ok(answer) => answer,
+        Err(_) => {
+            // Every caller in the batch has given up by now. The batch is
+            // followed in a task of its own, so that the next one leaves
+            // at once, and its connection is not trusted with new calls: a
+            // socket that went silent (half-open) would hold each batch
+            // sent on it. The calls already on it go on.
+            if let Some(lost) = lost.take() {
+                inner.connections.failed(lost);
+            }
+            let inner = Arc::clone(inner);
+            tokio::spawn(async move {
+                match tokio::time::timeout_at(sent + FOLLOW_THROUGH, trip).await {
+                    Ok((conn, result)) => answer(&inner, batch, conn, result),
+                    Err(_) => unanswered(batch),
+                }
+            });
+            return;
+        }
+    };
+    answer(inner, batch, conn, result);
+}
+
+/// A batch whose round trip never came back.
+fn unanswered(batch: Vec<Pending>) {
+    if let Some(suppressed) = LATE.admit() {
+        tracing::warn!(
+            charges = batch.len(),
+            suppressed,
+            "Redis did not answer a batch of charges in {FOLLOW_THROUGH:?}; dropping its \
+             connection (the charges may have been applied without an admission)"
+        );
+    }
+    fail(
+        batch,
+        &RedisError::from(std::io::Error::other("Redis did not answer")),
+    );
+}
+
+/// Hands each charge of `batch` its answer from the batch's reply.
+fn answer(
+    inner: &Arc<Inner>,
+    batch: Vec<Pending>,
+    conn: super::Connection,
+    result: Result<Value, RedisError>,
+) {
+    let values = match result {
+        Ok(Value::Array(values)) => values,
+        Ok(other) => {
             let error = RedisError::from(std::io::Error::other(format!(
                 "the counters script answered a batch of {} charges with {other:?}",
                 batch.len()
             )));
             return fail(batch, &error);
         }
-        Ok(Err(error)) => {
+        Err(error) => {
             if broken(&error) {
                 inner.connections.failed(conn.failed());
             }
             return fail(batch, &error);
-        }
-        Err(_) => {
-            if let Some(lost) = lost {
-                inner.connections.failed(lost);
-            }
-            if let Some(suppressed) = LATE.admit() {
-                tracing::warn!(
-                    charges = batch.len(),
-                    suppressed,
-                    "Redis did not answer a batch of charges in {FOLLOW_THROUGH:?}; dropping \
-                     its connection (the charges may have been applied without an admission)"
-                );
-            }
-            return fail(
-                batch,
-                &RedisError::from(std::io::Error::other("Redis did not answer")),
-            );
         }
     };
     let mut values = values.into_iter();

@@ -11,8 +11,12 @@
 //! broke), or a connection could not be opened, every connection opened
 //! before is dropped, not only the one that failed: the others most likely
 //! broke with it, and each would fail one more call before it was noticed.
-//! The next calls open fresh ones. A connection idle for a second is pinged
-//! before it is used again, so that a restart during a lull costs no call.
+//! The next calls open fresh ones. So it goes, too, when a call has waited
+//! the store's whole timeout on a connection: a socket gone silent
+//! (half-open after a network fault) would otherwise hold every call sent
+//! on it until the follow-through gives up; the calls already on it are
+//! still followed. A connection idle for a second is pinged before it is
+//! used again, so that a restart during a lull costs no call.
 //!
 //! The cluster client never retries a request by itself (redis-rs retries up
 //! to 16 times by default, after connection errors too, which could apply a
