@@ -40,9 +40,11 @@ const SWEEP_BUDGET: usize = 32;
 ///   from a timer in an application that can go quiet for long.
 /// - A bound on live counters ([`MemoryStore::DEFAULT_MAX_COUNTERS`], about
 ///   200 MB; [`MemoryStore::max_counters`] sets another): one client
-///   inventing ids cannot grow the process without end. A charge that would
-///   create a counter beyond the bound first reclaims the expired counters of
-///   its shard; if the store is still full, it fails with
+///   inventing ids cannot grow the process without end, and concurrent
+///   charges never take it past the bound. A charge that would create a
+///   counter beyond the bound first reclaims the expired counters of its
+///   shard, then of every other shard not busy at that moment; if the store
+///   is still full, it fails with
 ///   [`StoreErrorKind::Full`](super::StoreErrorKind::Full) and creates
 ///   nothing, so the layer's fail-open or fail-closed policy decides, while
 ///   subjects that have a counter keep being charged as before.
@@ -163,39 +165,54 @@ impl MemoryStore {
         self
     }
 
-    /// As [`MemoryStore::room_for`], reclaiming in every shard of a charge.
-    fn room_for_all(
+    /// Makes room for `new` more counters in the store's count, to be
+    /// created by the charge that holds `locked` (and nothing else between).
+    /// When they do not fit, reclaims the expired counters of the charge's
+    /// own shards first, then of every other shard that is free; fails with
+    /// `Full` if they still do not fit. The count never goes beyond the
+    /// bound, however many charges make room at once.
+    fn room_for(
         &self,
-        locked: &mut Locked<'_, '_>,
+        locked: &mut [&mut Shard],
         new: usize,
         now: Timestamp,
     ) -> Result<(), StoreError> {
-        let mut shards = locked.shards();
-        let (last, rest) = shards.split_last_mut().expect("a charge locks a shard");
-        for shard in rest {
-            if self.room_for(shard, new, now).is_ok() {
+        if new == 0 || self.reserve(new) {
+            return Ok(());
+        }
+        for shard in locked.iter_mut() {
+            shard.sweep(now, usize::MAX);
+            if self.reserve(new) {
                 return Ok(());
             }
         }
-        self.room_for(last, new, now)
-    }
-
-    /// Whether `new` more counters fit; if not, reclaims the expired
-    /// counters of `shard` first.
-    fn room_for(&self, shard: &mut Shard, new: usize, now: Timestamp) -> Result<(), StoreError> {
-        let max = self.inner.max.load(Ordering::Relaxed);
-        let fits = || self.inner.held.load(Ordering::Relaxed).saturating_add(new) <= max;
-        if new == 0 || fits() {
-            return Ok(());
-        }
-        shard.sweep(now, usize::MAX);
-        if fits() {
-            return Ok(());
+        // Shards this charge holds are busy to `try_lock`, and were swept.
+        for shard in self.inner.shards.iter() {
+            if let Ok(mut shard) = shard.try_lock() {
+                shard.sweep(now, usize::MAX);
+                if self.reserve(new) {
+                    return Ok(());
+                }
+            }
         }
         Err(StoreError::new(
             StoreErrorKind::Full,
-            format!("the memory store holds its maximum of {max} counters"),
+            format!(
+                "the memory store holds its maximum of {} counters",
+                self.inner.max.load(Ordering::Relaxed)
+            ),
         ))
+    }
+
+    /// Counts `new` more counters if they fit within the bound.
+    fn reserve(&self, new: usize) -> bool {
+        let max = self.inner.max.load(Ordering::Relaxed);
+        self.inner
+            .held
+            .fetch_update(Ordering::Relaxed, Ordering::Relaxed, |held| {
+                held.checked_add(new).filter(|&total| total <= max)
+            })
+            .is_ok()
     }
 
     /// Live and not yet reclaimed counters. Counters past their deadline count
@@ -318,7 +335,7 @@ impl MemoryStore {
                 // An expired counter is replaced where it is; a new key grows
                 // the store.
                 let new = usize::from(existing.is_none());
-                self.room_for(&mut shard, new, now)?;
+                self.room_for(&mut [&mut shard], new, now)?;
                 (true, Some(shard.spend(line, now)))
             }
         };
@@ -361,7 +378,7 @@ impl MemoryStore {
                             && locked.absent(*i, &line.key)
                     })
                     .count();
-                self.room_for_all(locked, new, now)?;
+                self.room_for(&mut locked.shards(), new, now)?;
             }
             let usage = lines
                 .iter()
@@ -456,9 +473,8 @@ impl Shard {
         };
         let key: Arc<str> = Arc::clone(line.key.shared());
         self.deadlines.push(Reverse((deadline, Arc::clone(&key))));
-        if self.counters.insert(key, counter).is_none() {
-            self.held.fetch_add(1, Ordering::Relaxed);
-        }
+        // A new key was counted when its charge made room for it.
+        self.counters.insert(key, counter);
         counter
     }
 

@@ -675,6 +675,81 @@ fn a_full_store_creates_nothing_for_a_charge_of_several_lines() {
 }
 
 #[test]
+fn a_full_store_reclaims_expired_counters_of_other_shards_too() {
+    let store = MemoryStore::with_shards(8).max_counters(4);
+    let t0 = at("2026-12-02T10:00:10Z");
+    for id in ["a", "b", "c", "d"] {
+        assert!(charge(&store, t0, vec![minute(id)]).admitted);
+    }
+    // Every counter is expired, wherever it lives; the new subjects' shards
+    // need not be theirs.
+    let later = at("2026-12-02T10:05:00Z");
+    for id in ["e", "f", "g", "h"] {
+        let next = calendar(
+            key(id, "read", "2026-12-02T10:05"),
+            10,
+            1,
+            "2026-12-02T10:05:00Z",
+            "2026-12-02T10:06:00Z",
+        );
+        let outcome = try_charge(&store, later, vec![next]);
+        assert!(outcome.unwrap().admitted, "{id}");
+    }
+    assert_eq!(store.len(), 4);
+}
+
+#[test]
+fn concurrent_new_subjects_never_take_the_store_beyond_its_bound() {
+    const MAX: usize = 50;
+    let store = MemoryStore::with_shards(64).max_counters(MAX);
+    let t0 = at("2026-12-02T10:00:10Z");
+    let start = std::sync::Barrier::new(8);
+    let created: usize = std::thread::scope(|scope| {
+        let threads: Vec<_> = (0..8)
+            .map(|thread| {
+                let (store, start) = (&store, &start);
+                scope.spawn(move || {
+                    start.wait();
+                    (0..100)
+                        .filter(|i| {
+                            match try_charge(store, t0, vec![minute(&format!("{thread}-{i}"))]) {
+                                Ok(outcome) => outcome.admitted,
+                                Err(error) => {
+                                    assert_eq!(error.kind(), StoreErrorKind::Full);
+                                    false
+                                }
+                            }
+                        })
+                        .count()
+                })
+            })
+            .collect();
+        threads.into_iter().map(|t| t.join().unwrap()).sum()
+    });
+    assert_eq!(created, MAX);
+    assert_eq!(store.len(), MAX);
+    // What the store counts is what it holds: once everything is reclaimed,
+    // exactly the bound fits again.
+    let later = at("2026-12-02T11:00:00Z");
+    store.purge_expired(later);
+    assert_eq!(store.len(), 0);
+    let hour = |id: String| {
+        calendar(
+            key(&id, "read", "2026-12-02T11"),
+            10,
+            1,
+            "2026-12-02T11:00:00Z",
+            "2026-12-02T12:00:00Z",
+        )
+    };
+    for i in 0..MAX {
+        assert!(try_charge(&store, later, vec![hour(format!("n{i}"))]).is_ok());
+    }
+    let full = try_charge(&store, later, vec![hour("one-more".into())]).unwrap_err();
+    assert_eq!(full.kind(), StoreErrorKind::Full);
+}
+
+#[test]
 fn resets_and_reclaiming_give_room_back() {
     let store = MemoryStore::with_shards(2).max_counters(1);
     let t0 = at("2026-12-02T10:00:10Z");
