@@ -213,6 +213,52 @@ async fn charges_that_failed_during_a_stall_are_not_charged_after_it() {
     assert_eq!(outcome.usage[0].used, 100);
 }
 
+/// A store on a pool built elsewhere, whose connections give up on an
+/// answer after 500 ms (deadpool-redis's default): charges held up longer
+/// than that are still followed, and given back once Redis applies them.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn charges_on_a_pool_are_followed_past_its_own_response_timeout() {
+    let server = redis_server_or_skip!();
+    let pool = deadpool_redis::Config::from_url(server.url())
+        .create_pool(Some(deadpool_redis::Runtime::Tokio1))
+        .unwrap();
+    for batched in [true, false] {
+        let store = RedisStore::builder_from_pool(pool.clone())
+            .timeout(Duration::from_millis(100))
+            .batch_charges(batched)
+            .build()
+            .unwrap();
+        store.preload().await.unwrap();
+        let key = key(&format!("pooled-{batched}"));
+        assert!(store.charge(charge(&key, 100)).await.unwrap().admitted);
+
+        // Scripts wait for a second and a half; the pool's pings pass.
+        server.cli(&["client", "pause", "1500", "write"]);
+        let mut calls = tokio::task::JoinSet::new();
+        for _ in 0..8 {
+            let store = store.clone();
+            let key = key.clone();
+            calls.spawn(async move { store.charge(charge(&key, 100)).await });
+        }
+        while let Some(result) = calls.join_next().await {
+            let error = result.unwrap().expect_err("paused scripts answer late");
+            assert_eq!(error.kind(), StoreErrorKind::Timeout, "{error}");
+        }
+        // A write waits for the pause to end, after the scripts before it.
+        let port = server.port();
+        tokio::task::spawn_blocking(move || redis_support::cli(port, &["set", "fence", "1"]))
+            .await
+            .unwrap();
+        quiet(&store).await;
+        assert_eq!(
+            used(&server, &key),
+            "1",
+            "batched {batched}: only the admitted charge counts"
+        );
+        assert!(given_back(&store) >= 1, "batched {batched}: {store:?}");
+    }
+}
+
 /// A refund or an add that times out was sent: its error says it may still
 /// be applied, and it is once the server answers.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

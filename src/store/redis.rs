@@ -285,9 +285,10 @@ impl RedisStore {
     /// connection per call, held for its round trip, as before the store
     /// multiplexed its own connections (so it is slower than a store built
     /// from a URL). The pool's own size and timeouts apply, within the
-    /// store's timeout. Note that deadpool-redis's pools ping every
-    /// connection they hand out, and time out answers after 500 ms by
-    /// default: a charge cut off that way may have been applied.
+    /// store's timeout. (deadpool-redis's pools ping every connection they
+    /// hand out, and their connections give up on an answer after 500 ms by
+    /// default; the store waits on its own handle of the connection, so a
+    /// charge held up longer is still followed and given back.)
     pub fn from_pool(pool: Pool) -> Self {
         Self::builder_from_pool(pool)
             .build()

@@ -221,12 +221,10 @@ impl Connections {
         // A pool built without a runtime cannot time its own waits; the
         // store's timeout around this call bounds them instead.
         macro_rules! get {
-            ($pool:expr, $variant:ident) => {
+            ($pool:expr, $variant:expr) => {
                 match $pool.timeout_get(timeouts).await {
-                    Err(PoolError::NoRuntimeSpecified) => {
-                        $pool.get().await.map(Connection::$variant)
-                    }
-                    other => other.map(Connection::$variant),
+                    Err(PoolError::NoRuntimeSpecified) => $pool.get().await.map($variant),
+                    other => other.map($variant),
                 }
                 .map_err(Fault::Pool)
             };
@@ -237,7 +235,7 @@ impl Connections {
                 .await
                 .map(|(epoch, conn)| Connection::Server { epoch, conn })
                 .map_err(Fault::Redis),
-            Connections::Pool(pool) => get!(pool, Pool),
+            Connections::Pool(pool) => get!(pool, Connection::pooled),
             #[cfg(feature = "redis-cluster")]
             Connections::Cluster(shared) => shared
                 .get()
@@ -245,7 +243,7 @@ impl Connections {
                 .map(|(epoch, conn)| Connection::Cluster { epoch, conn })
                 .map_err(Fault::Redis),
             #[cfg(feature = "redis-cluster")]
-            Connections::ClusterPool(pool) => get!(pool, ClusterPool),
+            Connections::ClusterPool(pool) => get!(pool, Connection::ClusterPool),
         }
     }
 
@@ -282,7 +280,16 @@ pub(super) enum Connection {
         epoch: u64,
         conn: MultiplexedConnection,
     },
-    Pool(deadpool_redis::Connection),
+    Pool {
+        /// Checked out of the pool for the call's round trip.
+        pooled: deadpool_redis::Connection,
+        /// A handle on the same socket that waits for Redis's answer as
+        /// long as the call is followed. (deadpool-redis's connections give
+        /// up after 500 ms by default, and a charge cut off that way could
+        /// be applied later without being given back.) The pooled
+        /// connection's own setting is left as it is.
+        conn: MultiplexedConnection,
+    },
     #[cfg(feature = "redis-cluster")]
     Cluster {
         epoch: u64,
@@ -299,6 +306,12 @@ pub(super) enum Failed {
 }
 
 impl Connection {
+    fn pooled(pooled: deadpool_redis::Connection) -> Self {
+        let mut conn = MultiplexedConnection::clone(&pooled);
+        conn.set_response_timeout(super::FOLLOW_THROUGH);
+        Connection::Pool { pooled, conn }
+    }
+
     /// What to close when this connection failed.
     pub(super) fn failed(self) -> Failed {
         match self {
@@ -324,7 +337,7 @@ impl Connection {
     /// the pool.
     fn discard(self) {
         match self {
-            Connection::Pool(conn) => drop(deadpool_redis::Connection::take(conn)),
+            Connection::Pool { pooled, .. } => drop(deadpool_redis::Connection::take(pooled)),
             #[cfg(feature = "redis-cluster")]
             Connection::ClusterPool(conn) => drop(deadpool_redis::cluster::Connection::take(conn)),
             _ => {}
@@ -336,7 +349,7 @@ macro_rules! each {
     ($self:expr, $conn:ident => $body:expr) => {
         match $self {
             Connection::Server { conn: $conn, .. } => $body,
-            Connection::Pool($conn) => $body,
+            Connection::Pool { conn: $conn, .. } => $body,
             #[cfg(feature = "redis-cluster")]
             Connection::Cluster { conn: $conn, .. } => $body,
             #[cfg(feature = "redis-cluster")]
