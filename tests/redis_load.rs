@@ -107,11 +107,12 @@ fn call(account: &str) -> Request<Body> {
 /// layer on a store with its default connections (two) and bound on calls
 /// in flight.
 ///
-/// With an optimised build (`cargo test --release`) the timeouts are the
-/// defaults too (80 ms for the store, 100 ms for the layer). An unoptimised
-/// build spends ~10 times the CPU per request, and on two cores the last of
-/// 1 000 requests queues for longer than that in the test's own runtime, so
-/// there both get a second.
+/// With an optimised build (`cargo test --release`, which the test script
+/// runs after the whole suite) the timeouts are the defaults too (80 ms for
+/// the store, 100 ms for the layer). An unoptimised build spends ~10 times
+/// the CPU per request, and on two cores the last of 1 000 requests queues
+/// for longer than that in the test's own runtime, so there both get a
+/// second.
 async fn a_thousand_concurrent_requests(policy: OnStoreError) {
     let server = redis_server_or_skip!();
     let mut store = RedisStore::builder(server.url());
