@@ -86,15 +86,33 @@ impl Namespace {
     }
 }
 
+/// The bytes a key part keeps as they are: ASCII letters, digits and
+/// `-_.~@` (what `PART` leaves unescaped).
+const PLAIN: [bool; 256] = {
+    let mut plain = [false; 256];
+    let mut b = 0;
+    while b < 256 {
+        let c = b as u8;
+        plain[b] = c.is_ascii_alphanumeric()
+            || c == b'-'
+            || c == b'_'
+            || c == b'.'
+            || c == b'~'
+            || c == b'@';
+        b += 1;
+    }
+    plain
+};
+
 fn push_encoded(out: &mut String, bytes: &[u8]) {
-    let plain = |b: &u8| b.is_ascii_alphanumeric() || b"-_.~@".contains(b);
-    match std::str::from_utf8(bytes) {
-        // Most ids need no escaping at all.
-        Ok(text) if bytes.iter().all(plain) => out.push_str(text),
-        _ => {
-            write!(out, "{}", percent_encode(bytes, PART)).expect("writing to a String cannot fail")
+    // Most ids need no escaping at all.
+    if bytes.iter().all(|&b| PLAIN[usize::from(b)]) {
+        if let Ok(text) = std::str::from_utf8(bytes) {
+            out.push_str(text);
+            return;
         }
     }
+    write!(out, "{}", percent_encode(bytes, PART)).expect("writing to a String cannot fail")
 }
 
 impl Default for Namespace {
@@ -124,8 +142,12 @@ impl PeriodKey {
     /// there is no such part.
     pub fn hash_tag(&self) -> &str {
         let key: &str = &self.0;
-        if let Some(open) = key.find('{') {
-            if let Some(len) = key[open + 1..].find('}') {
+        // Keys are short and `{` comes early: a plain scan of the bytes
+        // beats a searcher's setup. Both braces are ASCII, so the slice
+        // falls on character boundaries.
+        let bytes = key.as_bytes();
+        if let Some(open) = bytes.iter().position(|&b| b == b'{') {
+            if let Some(len) = bytes[open + 1..].iter().position(|&b| b == b'}') {
                 if len > 0 {
                     return &key[open + 1..open + 1 + len];
                 }
@@ -185,6 +207,14 @@ mod tests {
     use super::*;
     use crate::subject::SubjectKind;
     use proptest::prelude::*;
+
+    #[test]
+    fn the_plain_bytes_are_those_the_encoding_keeps() {
+        for b in 0..=255u8 {
+            let kept = percent_encode(&[b], PART).to_string() == char::from(b).to_string();
+            assert_eq!(PLAIN[usize::from(b)], kept, "byte {b}");
+        }
+    }
 
     #[test]
     fn readable_for_ordinary_ids() {
