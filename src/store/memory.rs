@@ -20,7 +20,7 @@ use crate::key::PeriodKey;
 
 /// Expired counters reclaimed per shard visit: bounded so one request never
 /// pays for a whole period's worth of reclaiming.
-const SWEEP_BUDGET: usize = 32;
+pub(super) const SWEEP_BUDGET: usize = 32;
 
 /// Counters in this process's memory: the default store.
 ///
@@ -204,6 +204,21 @@ impl MemoryStore {
         ))
     }
 
+    /// Brings the store's count to what the shards hold after a charge that
+    /// made room for `reserved` counters and added `grown`.
+    fn settle(&self, reserved: usize, grown: usize) {
+        let held = &self.inner.held;
+        match reserved.cmp(&grown) {
+            std::cmp::Ordering::Greater => {
+                held.fetch_sub(reserved - grown, Ordering::Relaxed);
+            }
+            std::cmp::Ordering::Less => {
+                held.fetch_add(grown - reserved, Ordering::Relaxed);
+            }
+            std::cmp::Ordering::Equal => {}
+        }
+    }
+
     /// Counts `new` more counters if they fit within the bound.
     fn reserve(&self, new: usize) -> bool {
         let max = self.inner.max.load(Ordering::Relaxed);
@@ -336,7 +351,9 @@ impl MemoryStore {
                 // the store.
                 let new = usize::from(existing.is_none());
                 self.room_for(&mut [&mut shard], new, now)?;
-                (true, Some(shard.spend(line, now)))
+                let (counter, grown) = shard.spend(line, now);
+                self.settle(new, usize::from(grown));
+                (true, Some(counter))
             }
         };
         drop(shard);
@@ -367,31 +384,37 @@ impl MemoryStore {
                     admitted = false;
                 }
             }
+            // Counters this charge may add, each key once: those with no
+            // live counter. (An expired one would be replaced where it is,
+            // but making room may reclaim it first.)
+            let mut reserved = 0;
             if admitted {
-                // Counters this charge would add, each key once.
-                let new = lines
+                reserved = lines
                     .iter()
                     .enumerate()
                     .filter(|(i, line)| {
                         line.cost > 0
                             && !lines[..*i].iter().any(|l| l.key == line.key && l.cost > 0)
-                            && locked.absent(*i, &line.key)
+                            && locked.live(*i, &line.key, now).is_none()
                     })
                     .count();
-                self.room_for(&mut locked.shards(), new, now)?;
+                self.room_for(&mut locked.shards(), reserved, now)?;
             }
+            let mut grown = 0;
             let usage = lines
                 .iter()
                 .enumerate()
                 .map(|(i, line)| {
                     if admitted && line.cost > 0 {
-                        let counter = locked.spend(i, line, now);
+                        let (counter, grew) = locked.spend(i, line, now);
+                        grown += usize::from(grew);
                         usage_of(line, Some(counter))
                     } else {
                         usage_of(line, locked.live(i, &line.key, now))
                     }
                 })
                 .collect();
+            self.settle(reserved, grown);
             Ok(ChargeOutcome { admitted, usage })
         })
     }
@@ -427,11 +450,6 @@ impl Locked<'_, '_> {
         self.shard(line).live(key.as_str(), now)
     }
 
-    /// Whether the shard of `line` holds no counter at `key`, live or not.
-    fn absent(&mut self, line: usize, key: &PeriodKey) -> bool {
-        !self.shard(line).counters.contains_key(key.as_str())
-    }
-
     fn shards(&mut self) -> Vec<&mut Shard> {
         match self {
             Locked::One(shard) => vec![&mut **shard],
@@ -439,7 +457,7 @@ impl Locked<'_, '_> {
         }
     }
 
-    fn spend(&mut self, line: usize, charge: &ChargeLine, now: Timestamp) -> Counter {
+    fn spend(&mut self, line: usize, charge: &ChargeLine, now: Timestamp) -> (Counter, bool) {
         self.shard(line).spend(charge, now)
     }
 }
@@ -452,12 +470,14 @@ impl Shard {
             .filter(|c| c.deadline > Nanos::of(now))
     }
 
-    fn spend(&mut self, line: &ChargeLine, now: Timestamp) -> Counter {
+    /// Charges `line` at `now`, and whether that added a key to the map (the
+    /// store's count of counters is the caller's to keep).
+    fn spend(&mut self, line: &ChargeLine, now: Timestamp) -> (Counter, bool) {
         if let Some(counter) = self.counters.get_mut(line.key.as_str()) {
             if counter.deadline > Nanos::of(now) {
                 // The deadline stays as it was set at creation.
                 counter.used = counter.used.saturating_add(line.cost);
-                return *counter;
+                return (*counter, false);
             }
         }
         let (deadline, first_use) = match line.lifetime {
@@ -473,9 +493,8 @@ impl Shard {
         };
         let key: Arc<str> = Arc::clone(line.key.shared());
         self.deadlines.push(Reverse((deadline, Arc::clone(&key))));
-        // A new key was counted when its charge made room for it.
-        self.counters.insert(key, counter);
-        counter
+        let grew = self.counters.insert(key, counter).is_none();
+        (counter, grew)
     }
 
     /// Removes the counter at `key`; whether there was one.

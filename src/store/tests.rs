@@ -749,6 +749,83 @@ fn concurrent_new_subjects_never_take_the_store_beyond_its_bound() {
     assert_eq!(full.kind(), StoreErrorKind::Full);
 }
 
+/// A charge that replaces an expired counter where it is, while the store is
+/// full: making room may reclaim that very counter, and the store still
+/// counts exactly what it holds.
+#[test]
+fn a_full_store_counts_a_counter_it_reclaimed_and_created_again() {
+    let store = MemoryStore::with_shards(1).max_counters(2);
+    let t0 = at("2026-12-02T10:00:00Z");
+    // Deadlines filed before A's and no longer backed by a counter: the
+    // sweep that opens each charge spends its budget on them and stops
+    // short of A.
+    for i in 0..super::memory::SWEEP_BUDGET {
+        let stale = key(&format!("stale-{i}"), "read", "PT1S");
+        charge(
+            &store,
+            t0,
+            vec![first_use(stale.clone(), 10, 1, at("2026-12-02T10:00:01Z"))],
+        );
+        assert!(now_of(store.reset(stale)).unwrap());
+    }
+    let a = key("s", "read", "PT1M");
+    let b = key("other", "read", "PT1H");
+    charge(
+        &store,
+        t0,
+        vec![first_use(a.clone(), 10, 1, at("2026-12-02T10:00:02Z"))],
+    );
+    charge(
+        &store,
+        t0,
+        vec![first_use(b, 10, 1, at("2026-12-02T11:00:00Z"))],
+    );
+    assert_eq!(store.len(), 2);
+
+    // A is over; S charges it again with a new calendar counter: two
+    // counters to create where one place is free once A is reclaimed.
+    let t1 = at("2026-12-02T10:00:30Z");
+    let lines = vec![
+        first_use(a.clone(), 10, 1, at("2026-12-02T10:01:30Z")),
+        calendar(
+            key("s", "write", "2026-12-02"),
+            10,
+            1,
+            "2026-12-02T00:00:00Z",
+            "2026-12-03T00:00:00Z",
+        ),
+    ];
+    let full = try_charge(&store, t1, lines).unwrap_err();
+    assert_eq!(full.kind(), StoreErrorKind::Full);
+    assert!(store.len() <= 2, "{} counters", store.len());
+    // A alone fits again.
+    let again = try_charge(
+        &store,
+        t1,
+        vec![first_use(a, 10, 1, at("2026-12-02T10:01:30Z"))],
+    );
+    assert!(again.unwrap().admitted);
+    assert_eq!(store.len(), 2);
+
+    // The count is right: once everything is reclaimed, exactly two fit.
+    let later = at("2026-12-02T12:00:00Z");
+    store.purge_expired(later);
+    assert_eq!(store.len(), 0);
+    let fitted = (0..4)
+        .filter(|i| {
+            let line = first_use(
+                key(&format!("n{i}"), "read", "PT1H"),
+                10,
+                1,
+                at("2026-12-02T13:00:00Z"),
+            );
+            try_charge(&store, later, vec![line]).is_ok()
+        })
+        .count();
+    assert_eq!(fitted, 2);
+    assert_eq!(store.len(), 2);
+}
+
 #[test]
 fn resets_and_reclaiming_give_room_back() {
     let store = MemoryStore::with_shards(2).max_counters(1);
