@@ -22,7 +22,7 @@ use crate::key::PeriodKey;
 use crate::period::Clock;
 
 use self::batch::{Batches, LineArgs, Pending};
-use self::connection::{Connection, Connections, Failed, Fault, ServerConnector, Shared};
+use self::connection::{Connection, Connections, Fault, Lost, ServerConnector, Shared};
 
 mod batch;
 mod connection;
@@ -68,6 +68,12 @@ pub const DEFAULT_CALENDAR_JITTER: Duration = Duration::from_secs(60);
 /// answer (and, for a charge Redis applied, its refund). A connection that
 /// stays silent this long is dropped.
 const FOLLOW_THROUGH: Duration = Duration::from_secs(30);
+
+/// How long a call waits with nothing at all back on its connection before
+/// the connection is taken for silent (half-open, or the server stopped)
+/// and new calls go to fresh ones. (Or the store's timeout, if longer.) A
+/// connection merely busy keeps answering the calls sent before.
+const SILENCE: Duration = Duration::from_secs(1);
 
 /// Counters in Redis (or Valkey, 6.2 and later), so that any number of app
 /// instances enforce one quota exactly.
@@ -517,6 +523,7 @@ impl RedisStore {
         match tokio::time::timeout_at(deadline, trip).await {
             Ok((mut conn, Ok(value))) => {
                 call.trip = None;
+                conn.answered();
                 let give_back = call.give_back.take().filter(|back| (back.applied)(&value));
                 let read = read(value);
                 if let (Err(_), Some(back)) = (&read, give_back) {
@@ -536,6 +543,8 @@ impl RedisStore {
                 // opened before it; a refusal by the server spoils nothing.
                 if broken(&error) {
                     inner.connections.failed(conn.failed());
+                } else {
+                    conn.answered();
                 }
                 Err(redis_error(error))
             }
@@ -1230,7 +1239,7 @@ struct Call<T: Send + 'static> {
     inner: Arc<Inner>,
     trip: Option<RoundTrip<T>>,
     /// What to close if the round trip never comes back.
-    lost: Option<Failed>,
+    lost: Option<Lost>,
     /// When it was sent.
     sent: tokio::time::Instant,
     /// Keeps the call counted in flight until it is over.
@@ -1261,39 +1270,55 @@ impl<T: Send + 'static> Drop for Call<T> {
     }
 }
 
+/// Waits for `trip`, sent at `sent`, until `FOLLOW_THROUGH` from then. If
+/// nothing at all came back on its connection within `SILENCE` (or the
+/// store's timeout, if longer), the connection went silent (a socket left
+/// half-open would hold every call sent on it): it takes no new calls,
+/// while this one is still waited for.
+async fn wait_for<F: Future + Unpin>(
+    inner: &Inner,
+    trip: &mut F,
+    sent: tokio::time::Instant,
+    lost: &mut Option<Lost>,
+) -> Result<F::Output, tokio::time::error::Elapsed> {
+    let silence = sent + SILENCE.max(inner.timeout);
+    if let Ok(answer) = tokio::time::timeout_at(silence, &mut *trip).await {
+        return Ok(answer);
+    }
+    if lost.as_ref().is_some_and(Lost::silent) {
+        if let Some(lost) = lost.take() {
+            inner.connections.failed(lost.failed);
+        }
+    }
+    tokio::time::timeout_at(sent + FOLLOW_THROUGH, trip).await
+}
+
 /// Follows a round trip whose caller stopped waiting to its end: a charge
 /// Redis applied is given back.
 async fn follow_through<T>(
     inner: Arc<Inner>,
     mut trip: RoundTrip<T>,
-    mut lost: Option<Failed>,
+    mut lost: Option<Lost>,
     sent: tokio::time::Instant,
     _permit: Option<OwnedSemaphorePermit>,
     give_back: Option<GiveBack<T>>,
 ) {
-    let answer = match tokio::time::timeout_at(sent + inner.timeout, trip.as_mut()).await {
-        Ok(answer) => Ok(answer),
-        Err(_) => {
-            // Past the store's whole budget: the connection is not trusted
-            // with new calls (a socket gone silent, half-open, would hold
-            // every call sent on it), while this one is still followed.
-            if let Some(lost) = lost.take() {
-                inner.connections.failed(lost);
-            }
-            tokio::time::timeout_at(sent + FOLLOW_THROUGH, trip).await
+    let (mut conn, value) = match wait_for(&inner, &mut trip, sent, &mut lost).await {
+        Ok((conn, Ok(value))) => {
+            conn.answered();
+            (conn, value)
         }
-    };
-    let (mut conn, value) = match answer {
-        Ok((conn, Ok(value))) => (conn, value),
         Ok((conn, Err(error))) => {
             if broken(&error) {
                 inner.connections.failed(conn.failed());
+            } else {
+                conn.answered();
             }
             return;
         }
         Err(_) => {
             if let Some(lost) = lost {
-                inner.connections.failed(lost);
+                inner.connections.failed(lost.failed);
             }
             if let Some(suppressed) = LATE.admit() {
                 tracing::warn!(
@@ -1339,6 +1364,7 @@ async fn refund_lines(
         let refund = invocation.invoke_async::<i64>(conn);
         let why = match tokio::time::timeout(FOLLOW_THROUGH, refund).await {
             Ok(Ok(_)) => {
+                conn.answered();
                 refunded += 1;
                 continue;
             }

@@ -30,7 +30,7 @@ use deadpool_redis::redis::{self, ErrorKind, FromRedisValue, RedisError, ServerE
 use jiff::Timestamp;
 use tokio::sync::{oneshot, OwnedSemaphorePermit};
 
-use super::{broken, refund_lines, Inner, COUNTERS_LUA, FOLLOW_THROUGH, LATE};
+use super::{broken, refund_lines, wait_for, Inner, COUNTERS_LUA, FOLLOW_THROUGH, LATE};
 use crate::key::PeriodKey;
 
 /// The most charges in one batch.
@@ -334,18 +334,18 @@ async fn send(inner: &Arc<Inner>, batch: Vec<Pending>) {
         Ok(answer) => answer,
         Err(_) => {
             // Every caller in the batch has given up by now. The batch is
-            // followed in a task of its own, so that the next one leaves
-            // at once, and its connection is not trusted with new calls: a
-            // socket that went silent (half-open) would hold each batch
-            // sent on it. The calls already on it go on.
-            if let Some(lost) = lost.take() {
-                inner.connections.failed(lost);
-            }
+            // followed in a task of its own, so that the next one leaves at
+            // once (and does not wait behind a connection gone silent).
             let inner = Arc::clone(inner);
             tokio::spawn(async move {
-                match tokio::time::timeout_at(sent + FOLLOW_THROUGH, trip).await {
+                match wait_for(&inner, &mut trip, sent, &mut lost).await {
                     Ok((conn, result)) => answer(&inner, batch, conn, result),
-                    Err(_) => unanswered(batch),
+                    Err(_) => {
+                        if let Some(lost) = lost {
+                            inner.connections.failed(lost.failed);
+                        }
+                        unanswered(batch);
+                    }
                 }
             });
             return;
@@ -377,6 +377,9 @@ fn answer(
     conn: super::Connection,
     result: Result<Value, RedisError>,
 ) {
+    if result.is_ok() {
+        conn.answered();
+    }
     let values = match result {
         Ok(Value::Array(values)) => values,
         Ok(other) => {

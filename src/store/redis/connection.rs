@@ -11,12 +11,14 @@
 //! broke), or a connection could not be opened, every connection opened
 //! before is dropped, not only the one that failed: the others most likely
 //! broke with it, and each would fail one more call before it was noticed.
-//! The next calls open fresh ones. So it goes, too, when a call has waited
-//! the store's whole timeout on a connection: a socket gone silent
-//! (half-open after a network fault) would otherwise hold every call sent
-//! on it until the follow-through gives up; the calls already on it are
-//! still followed. A connection idle for a second is pinged before it is
-//! used again, so that a restart during a lull costs no call.
+//! The next calls open fresh ones. So it goes, too, when a call has waited a
+//! second (or the store's timeout, if longer) with nothing at all back on
+//! its connection: a socket gone silent (half-open after a network fault)
+//! would otherwise hold every call sent on it until the follow-through
+//! gives up. The calls already on it are still followed, and a connection
+//! merely busy, answering the calls sent before, is kept. A connection
+//! idle for a second is pinged before it is used again, so that a restart
+//! during a lull costs no call.
 //!
 //! The cluster client never retries a request by itself (redis-rs retries up
 //! to 16 times by default, after connection errors too, which could apply a
@@ -91,7 +93,9 @@ pub(super) struct Shared<C: Connect> {
 }
 
 struct Slot<T> {
-    current: Mutex<Option<(u64, T)>>,
+    /// The slot's connection, the epoch it was opened in, and how many
+    /// answers came back on it.
+    current: Mutex<Option<(u64, T, Arc<AtomicU64>)>>,
     /// When the slot was last used, in milliseconds from `Shared::origin`.
     used: AtomicU64,
     /// Held while this slot's connection is being opened.
@@ -99,11 +103,14 @@ struct Slot<T> {
 }
 
 impl<T: Clone> Slot<T> {
-    /// The slot's connection, if it was opened in `epoch`.
-    fn current(&self, epoch: u64) -> Option<T> {
+    /// The slot's connection and its count of answers, if it was opened in
+    /// `epoch`.
+    fn current(&self, epoch: u64) -> Option<(T, Arc<AtomicU64>)> {
         let mut current = self.current.lock().unwrap_or_else(|e| e.into_inner());
         match &*current {
-            Some((opened, conn)) if *opened == epoch => Some(conn.clone()),
+            Some((opened, conn, answers)) if *opened == epoch => {
+                Some((conn.clone(), Arc::clone(answers)))
+            }
             Some(_) => {
                 // Stale: dropped here, so its socket closes once the calls
                 // still on it are answered.
@@ -137,22 +144,26 @@ impl<C: Connect> Shared<C> {
     /// A connection, opened first if need be. A connection is opened in a
     /// task of its own, so it is opened for the next callers even when this
     /// one stops waiting.
-    async fn get(self: &Arc<Self>) -> Result<(u64, C::Conn), RedisError> {
+    async fn get(self: &Arc<Self>) -> Result<(u64, C::Conn, Arc<AtomicU64>), RedisError> {
         let index = self.next.fetch_add(1, Ordering::Relaxed) % self.slots.len();
         let slot = &self.slots[index];
         let now = u64::try_from(self.origin.elapsed().as_millis()).unwrap_or(u64::MAX);
         let idle = now.saturating_sub(slot.used.swap(now, Ordering::Relaxed));
         let epoch = self.epoch.load(Ordering::Acquire);
-        if let Some(mut conn) = slot.current(epoch) {
-            if idle < IDLE.as_millis() as u64 || self.ping(&mut conn).await {
-                return Ok((epoch, conn));
+        if let Some((mut conn, answers)) = slot.current(epoch) {
+            if idle < IDLE.as_millis() as u64 {
+                return Ok((epoch, conn, answers));
+            }
+            if self.ping(&mut conn).await {
+                answers.fetch_add(1, Ordering::Relaxed);
+                return Ok((epoch, conn, answers));
             }
             self.failed(epoch);
         }
         let connecting = Arc::clone(&slot.connecting).lock_owned().await;
         let epoch = self.epoch.load(Ordering::Acquire);
-        if let Some(conn) = slot.current(epoch) {
-            return Ok((epoch, conn));
+        if let Some((conn, answers)) = slot.current(epoch) {
+            return Ok((epoch, conn, answers));
         }
         let shared = Arc::clone(self);
         let opening = tokio::spawn(async move {
@@ -160,7 +171,7 @@ impl<C: Connect> Shared<C> {
             shared.open(index, epoch).await
         });
         match opening.await {
-            Ok(opened) => opened.map(|conn| (epoch, conn)),
+            Ok(opened) => opened.map(|(conn, answers)| (epoch, conn, answers)),
             Err(error) => Err(RedisError::from(std::io::Error::other(format!(
                 "opening a Redis connection failed: {error}"
             )))),
@@ -168,7 +179,11 @@ impl<C: Connect> Shared<C> {
     }
 
     /// Opens the connection of slot `index`, in `epoch`.
-    async fn open(&self, index: usize, epoch: u64) -> Result<C::Conn, RedisError> {
+    async fn open(
+        &self,
+        index: usize,
+        epoch: u64,
+    ) -> Result<(C::Conn, Arc<AtomicU64>), RedisError> {
         let conn = match self.connector.connect().await {
             Ok(conn) => conn,
             Err(error) => {
@@ -178,11 +193,12 @@ impl<C: Connect> Shared<C> {
                 return Err(error);
             }
         };
+        let answers = Arc::new(AtomicU64::new(0));
         *self.slots[index]
             .current
             .lock()
-            .unwrap_or_else(|e| e.into_inner()) = Some((epoch, conn.clone()));
-        Ok(conn)
+            .unwrap_or_else(|e| e.into_inner()) = Some((epoch, conn.clone(), Arc::clone(&answers)));
+        Ok((conn, answers))
     }
 
     /// Whether `conn` answers a `PING` in time.
@@ -233,14 +249,22 @@ impl Connections {
             Connections::Server(shared) => shared
                 .get()
                 .await
-                .map(|(epoch, conn)| Connection::Server { epoch, conn })
+                .map(|(epoch, conn, answers)| Connection::Server {
+                    epoch,
+                    conn,
+                    answers,
+                })
                 .map_err(Fault::Redis),
             Connections::Pool(pool) => get!(pool, Connection::pooled),
             #[cfg(feature = "redis-cluster")]
             Connections::Cluster(shared) => shared
                 .get()
                 .await
-                .map(|(epoch, conn)| Connection::Cluster { epoch, conn })
+                .map(|(epoch, conn, answers)| Connection::Cluster {
+                    epoch,
+                    conn,
+                    answers,
+                })
                 .map_err(Fault::Redis),
             #[cfg(feature = "redis-cluster")]
             Connections::ClusterPool(pool) => get!(pool, Connection::ClusterPool),
@@ -279,6 +303,8 @@ pub(super) enum Connection {
     Server {
         epoch: u64,
         conn: MultiplexedConnection,
+        /// Answers that came back on this connection, whoever sent them.
+        answers: Arc<AtomicU64>,
     },
     Pool {
         /// Checked out of the pool for the call's round trip.
@@ -294,9 +320,26 @@ pub(super) enum Connection {
     Cluster {
         epoch: u64,
         conn: redis::cluster_async::ClusterConnection,
+        answers: Arc<AtomicU64>,
     },
     #[cfg(feature = "redis-cluster")]
     ClusterPool(deadpool_redis::cluster::Connection),
+}
+
+/// A shared connection a call was sent on, as it was then.
+pub(super) struct Lost {
+    pub(super) failed: Failed,
+    answers: Arc<AtomicU64>,
+    seen: u64,
+}
+
+impl Lost {
+    /// Whether nothing at all came back on the connection since the call
+    /// was sent: it went silent (half-open, or the server stopped), unlike
+    /// one that is merely busy answering the calls sent before.
+    pub(super) fn silent(&self) -> bool {
+        self.answers.load(Ordering::Relaxed) == self.seen
+    }
 }
 
 /// What to close after a failure.
@@ -322,14 +365,33 @@ impl Connection {
         }
     }
 
-    /// What to close when a call on this connection never came back; a
-    /// pooled connection is in the lost call's hands.
-    pub(super) fn lost(&self) -> Option<Failed> {
-        match self {
-            Connection::Server { epoch, .. } => Some(Failed::Epoch(*epoch)),
+    /// What to close when a call about to be sent on this connection never
+    /// comes back; a pooled connection is in the lost call's hands.
+    pub(super) fn lost(&self) -> Option<Lost> {
+        let (epoch, answers) = match self {
+            Connection::Server { epoch, answers, .. } => (epoch, answers),
             #[cfg(feature = "redis-cluster")]
-            Connection::Cluster { epoch, .. } => Some(Failed::Epoch(*epoch)),
-            _ => None,
+            Connection::Cluster { epoch, answers, .. } => (epoch, answers),
+            _ => return None,
+        };
+        Some(Lost {
+            failed: Failed::Epoch(*epoch),
+            seen: answers.load(Ordering::Relaxed),
+            answers: Arc::clone(answers),
+        })
+    }
+
+    /// Counts an answer that came back on this connection.
+    pub(super) fn answered(&self) {
+        match self {
+            Connection::Server { answers, .. } => {
+                answers.fetch_add(1, Ordering::Relaxed);
+            }
+            #[cfg(feature = "redis-cluster")]
+            Connection::Cluster { answers, .. } => {
+                answers.fetch_add(1, Ordering::Relaxed);
+            }
+            _ => {}
         }
     }
 
