@@ -883,7 +883,9 @@ async fn a_store_outage_is_logged_a_few_times_a_second() {
         let reply = get_as(&app, "/", "acme").await;
         assert_eq!(reply.status, StatusCode::SERVICE_UNAVAILABLE);
     }
-    let seconds = started.elapsed().as_secs() as usize + 1;
+    // The layer's throttle is shared with the other tests of this process,
+    // so its seconds need not start with this loop: one more may begin.
+    let seconds = started.elapsed().as_secs() as usize + 2;
     let logged = errors.1.swap(0, std::sync::atomic::Ordering::Relaxed);
     assert!(logged <= 5 * seconds, "{logged} lines in {seconds} s");
 
@@ -893,6 +895,7 @@ async fn a_store_outage_is_logged_a_few_times_a_second() {
         let reply = get_as(&support, "/quota/account/acme", "acme").await;
         assert_eq!(reply.status, StatusCode::SERVICE_UNAVAILABLE);
     }
+    // This throttle's seconds start with this loop: nothing else uses it.
     let seconds = started.elapsed().as_secs() as usize + 1;
     let logged = errors.1.load(std::sync::atomic::Ordering::Relaxed);
     assert!(
