@@ -1796,7 +1796,17 @@ async fn a_malformed_instant_is_an_error_reply_on_every_path() {
     let ms = now.as_millisecond().to_string();
     let end_ms = end.as_millisecond().to_string();
     let ttl = hour().as_millis().to_string();
-    for instant in ["", "1e3", " 1", "-1", "01", "1.0", "99999999999999999"] {
+    let instants = [
+        "",
+        "1e3",
+        " 1",
+        "-1",
+        "01",
+        "1.0",
+        "99999999999999999",
+        PAST_THE_LAST_INSTANT,
+    ];
+    for instant in instants {
         let calendar_line = ["10", "1", "c", ttl.as_str(), end_ms.as_str()];
         let first_use_line = ["10", "1", "f", ttl.as_str(), "0"];
         for (key, line) in [(&daily, calendar_line), (&hourly, first_use_line)] {
@@ -1817,8 +1827,26 @@ async fn a_malformed_instant_is_an_error_reply_on_every_path() {
     // A charge with no instant at all, and nothing else.
     let reply = server.cli(&["evalsha", sha, "1", daily.as_str(), "c"]);
     assert!(reply.contains("an instant"), "{reply}");
+    // A calendar window ending past the latest instant: no counter could
+    // record it, so none is created.
+    let fresh = key("window-past-the-end");
+    let reply = server.cli(&[
+        "evalsha",
+        sha,
+        "1",
+        fresh.as_str(),
+        "c",
+        ms.as_str(),
+        "10",
+        "1",
+        "c",
+        ttl.as_str(),
+        PAST_THE_LAST_INSTANT,
+    ]);
+    assert!(reply.contains("a window end"), "{reply}");
+    assert_eq!(server.cli(&["exists", fresh.as_str()]), "0");
     // Each batch charged its first charge, and nothing else was written.
-    let charges = 1 + 7;
+    let charges = 1 + instants.len();
     for key in [&daily, &hourly] {
         assert_eq!(
             server.cli(&["hget", key.as_str(), "n"]),

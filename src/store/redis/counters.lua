@@ -40,8 +40,9 @@
 -- where ttl is the deadline of a counter created now: the period's length
 -- for first use, the window's end plus grace and jitter for calendar; and
 -- end is the calendar window's end (0 for first use). The store writes
--- these from integers; the instant is checked (a charge with a malformed
--- one is an error reply), the line arguments are taken as they come.
+-- these from integers; the instant and a calendar line's end are checked
+-- (a charge with a malformed one, or one past 9999-12-30T22:00:00Z, is an
+-- error reply), the other line arguments are taken as they come.
 -- The reply is { admitted, then per key: used, remaining, pttl, first call,
 -- heal } with pttl the counter's remaining life (ms), -2 when there is no
 -- live counter, -3 when it was not read (below); first call -1 when unknown;
@@ -113,6 +114,7 @@ local NOT_A_COUNTER = ' holds a value that is not a counter (a whole number from
   .. ' 2^53, or a hash of such numbers n, t and e, t and e no later than'
   .. ' 9999-12-30T22:00:00Z)'
 local NOT_A_NUMBER = ' that is not a whole number from 0 to 2^53'
+local NOT_AN_INSTANT = ' that is not an instant from 1970 to 9999-12-30T22:00:00Z'
 
 -- Reads the counter at `key`, writing nothing. Returns its kind (0 no key:
 -- a counter with nothing spent, created as a hash; 1 a hash; 2 a plain
@@ -217,8 +219,8 @@ end
 -- arguments per line, but for a one-line charge its ttl `ttl` when given.
 -- Returns its reply, or an error reply having written nothing.
 local function lines(k0, n, now, a0, charging, ttl)
-  if not digits(now) then
-    return redis.error_reply('ERR tower-quota: an instant' .. NOT_A_NUMBER)
+  if not instant(now) then
+    return redis.error_reply('ERR tower-quota: an instant' .. NOT_AN_INSTANT)
   end
   local at = now + 0
 
@@ -232,6 +234,10 @@ local function lines(k0, n, now, a0, charging, ttl)
     local a = a0 + (i - 1) * 5
     local limit, cost = ARGV[a + 1] + 0, ARGV[a + 2] + 0
     local first_use = ARGV[a + 3] == 'f'
+    if not first_use and not instant(ARGV[a + 5]) then
+      -- A window's end no counter could record.
+      return redis.error_reply('ERR tower-quota: a window end' .. NOT_AN_INSTANT)
+    end
     local c = counters[key]
     if c == nil then
       local kind, used, first, ended = read(key)
@@ -384,7 +390,7 @@ local function one(k0, now, a0, out, short)
   end
   local at = last_at
   if at == nil or now ~= last_now then
-    if not digits(now) then
+    if not instant(now) then
       return nil
     end
     at = now + 0
