@@ -175,7 +175,9 @@ const SILENCE: Duration = Duration::from_secs(1);
 ///   timed out is a [`StoreErrorKind::Timeout`] that charges nothing, and a
 ///   stall of Redis leaves no charge behind once the queued scripts ran. A
 ///   call is followed for 30 s at most; a connection silent that long is
-///   dropped.
+///   dropped. A connection that answers nothing at all for a second while
+///   a call waits on it (half-open after a network fault) takes no new
+///   calls from then on: they go to fresh connections.
 /// - A lost connection, a restarting server and `OOM` under `noeviction`
 ///   become a [`StoreError`] too, which the layer's
 ///   [`OnStoreError`](crate::OnStoreError) policy answers. A charge is never
