@@ -15,7 +15,9 @@ use axum::Router;
 use http::{Request, StatusCode};
 use tower::ServiceExt;
 use tower_quota::jiff::{SignedDuration, Timestamp};
-use tower_quota::store::{ChargeLine, ChargeRequest, Lifetime, RedisStore, Store, StoreErrorKind};
+use tower_quota::store::{
+    ChargeLine, ChargeRequest, Lifetime, RedisStore, RedisStoreBuilder, Store, StoreErrorKind,
+};
 use tower_quota::{FromHeader, Namespace, OnStoreError, PeriodKey, QuotaLayer, Subject};
 
 use redis_support::RedisServer;
@@ -81,6 +83,13 @@ fn signal(which: &str, pid: u32) {
         .status()
         .expect("kill runs");
     assert!(status.success(), "kill {which} {pid}");
+}
+
+/// The store `builder` builds, its script loaded and a connection open.
+async fn ready(builder: RedisStoreBuilder) -> RedisStore {
+    let store = builder.build().expect("a Redis store");
+    store.preload().await.expect("the test server answers");
+    store
 }
 
 /// Waits until the store has no call in flight: every queued script has
@@ -167,11 +176,7 @@ async fn a_thousand_concurrent_requests_admit_exactly_the_limit_failing_closed()
 async fn charges_that_failed_during_a_stall_are_not_charged_after_it() {
     let server = redis_server_or_skip!();
     let budget = Duration::from_millis(100);
-    let store = RedisStore::builder(server.url())
-        .timeout(budget)
-        .build()
-        .unwrap();
-    store.preload().await.unwrap();
+    let store = ready(RedisStore::builder(server.url()).timeout(budget)).await;
     let key = key("stall");
     assert!(store.charge(charge(&key, 100)).await.unwrap().admitted);
 
@@ -224,12 +229,12 @@ async fn charges_on_a_pool_are_followed_past_its_own_response_timeout() {
         .create_pool(Some(deadpool_redis::Runtime::Tokio1))
         .unwrap();
     for batched in [true, false] {
-        let store = RedisStore::builder_from_pool(pool.clone())
-            .timeout(Duration::from_millis(100))
-            .batch_charges(batched)
-            .build()
-            .unwrap();
-        store.preload().await.unwrap();
+        let store = ready(
+            RedisStore::builder_from_pool(pool.clone())
+                .timeout(Duration::from_millis(100))
+                .batch_charges(batched),
+        )
+        .await;
         let key = key(&format!("pooled-{batched}"));
         assert!(store.charge(charge(&key, 100)).await.unwrap().admitted);
 
@@ -265,11 +270,7 @@ async fn charges_on_a_pool_are_followed_past_its_own_response_timeout() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_refund_that_timed_out_says_it_may_still_apply() {
     let server = redis_server_or_skip!();
-    let store = RedisStore::builder(server.url())
-        .timeout(Duration::from_millis(100))
-        .build()
-        .unwrap();
-    store.preload().await.unwrap();
+    let store = ready(RedisStore::builder(server.url()).timeout(Duration::from_millis(100))).await;
     let key = key("late-refund");
     for _ in 0..3 {
         assert!(store.charge(charge(&key, 10)).await.unwrap().admitted);
@@ -297,11 +298,7 @@ async fn a_refund_that_timed_out_says_it_may_still_apply() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_dropped_charge_never_stays_charged() {
     let server = redis_server_or_skip!();
-    let store = RedisStore::builder(server.url())
-        .timeout(Duration::from_secs(5))
-        .build()
-        .unwrap();
-    store.preload().await.unwrap();
+    let store = ready(RedisStore::builder(server.url()).timeout(Duration::from_secs(5))).await;
     let key = key("dropped");
     assert!(store.charge(charge(&key, 10)).await.unwrap().admitted);
 
@@ -347,13 +344,13 @@ async fn calls_beyond_max_in_flight_fail_within_the_budget_and_send_nothing() {
     // One by one, each of the ten below is sent and followed. (In a batch,
     // a charge still queued when its caller leaves is never sent, and frees
     // its room.)
-    let store = RedisStore::builder(server.url())
-        .timeout(budget)
-        .max_in_flight(10)
-        .batch_charges(false)
-        .build()
-        .unwrap();
-    store.preload().await.unwrap();
+    let store = ready(
+        RedisStore::builder(server.url())
+            .timeout(budget)
+            .max_in_flight(10)
+            .batch_charges(false),
+    )
+    .await;
     let key = key("bound");
     assert!(store.charge(charge(&key, 100)).await.unwrap().admitted);
 
@@ -400,11 +397,7 @@ fn given_back(store: &RedisStore) -> u64 {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn charges_sent_together_are_each_decided_on_their_own() {
     let server = redis_server_or_skip!();
-    let store = RedisStore::builder(server.url())
-        .timeout(Duration::from_secs(5))
-        .build()
-        .unwrap();
-    store.preload().await.unwrap();
+    let store = ready(RedisStore::builder(server.url()).timeout(Duration::from_secs(5))).await;
     let subjects: Vec<PeriodKey> = (0..40)
         .map(|i| Namespace::default().key(&Subject::account(i), "batch", "PT1H"))
         .collect();
@@ -470,11 +463,7 @@ async fn charges_sent_together_are_each_decided_on_their_own() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn batched_charges_on_existing_counters_are_told_what_a_lone_charge_is() {
     let server = redis_server_or_skip!();
-    let store = RedisStore::builder(server.url())
-        .timeout(Duration::from_secs(5))
-        .build()
-        .unwrap();
-    store.preload().await.unwrap();
+    let store = ready(RedisStore::builder(server.url()).timeout(Duration::from_secs(5))).await;
     let t0 = Timestamp::now();
     let end = t0 + SignedDuration::from_hours(1);
     let calendar = |key: &PeriodKey, limit: u64, now: Timestamp| ChargeRequest {
@@ -618,12 +607,12 @@ fn a_store_outlives_a_runtime_that_shut_down_in_the_middle_of_a_batch() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn charges_go_one_by_one_when_batches_are_off() {
     let server = redis_server_or_skip!();
-    let store = RedisStore::builder(server.url())
-        .timeout(Duration::from_secs(5))
-        .batch_charges(false)
-        .build()
-        .unwrap();
-    store.preload().await.unwrap();
+    let store = ready(
+        RedisStore::builder(server.url())
+            .timeout(Duration::from_secs(5))
+            .batch_charges(false),
+    )
+    .await;
     server.cli(&["config", "resetstat"]);
     {
         let mut stopped = Stopped::new(&server);
@@ -723,12 +712,12 @@ async fn a_silent_connection_holds_up_only_the_calls_already_on_it() {
     let proxy = Silencer::start(&server).await;
     for batched in [true, false] {
         let budget = Duration::from_millis(300);
-        let store = RedisStore::builder(proxy.url())
-            .timeout(budget)
-            .batch_charges(batched)
-            .build()
-            .unwrap();
-        store.preload().await.unwrap();
+        let store = ready(
+            RedisStore::builder(proxy.url())
+                .timeout(budget)
+                .batch_charges(batched),
+        )
+        .await;
         let key = key(&format!("silent-{batched}"));
         for _ in 0..4 {
             assert!(store.charge(charge(&key, 1_000)).await.unwrap().admitted);
@@ -777,12 +766,12 @@ async fn a_silent_connection_holds_up_only_the_calls_already_on_it() {
 async fn a_busy_connection_is_kept() {
     let server = redis_server_or_skip!();
     for batched in [true, false] {
-        let store = RedisStore::builder(server.url())
-            .timeout(Duration::from_millis(20))
-            .batch_charges(batched)
-            .build()
-            .unwrap();
-        store.preload().await.unwrap();
+        let store = ready(
+            RedisStore::builder(server.url())
+                .timeout(Duration::from_millis(20))
+                .batch_charges(batched),
+        )
+        .await;
         let opened = |server: &RedisServer| -> u64 {
             server
                 .cli(&["info", "stats"])
