@@ -7,7 +7,7 @@ use std::fmt;
 use std::future::{ready, Future};
 use std::hash::BuildHasher;
 use std::pin::Pin;
-use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::atomic::{AtomicI64, AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex, MutexGuard};
 use std::task::{Context, Poll};
 
@@ -43,8 +43,9 @@ pub(super) const SWEEP_BUDGET: usize = 32;
 ///   inventing ids cannot grow the process without end, and concurrent
 ///   charges never take it past the bound. A charge that would create a
 ///   counter beyond the bound first reclaims the expired counters of its
-///   shard, then of every other shard not busy at that moment; if the store
-///   is still full, it fails with
+///   shard, then of every other shard not busy at that moment (no more than
+///   once every 10 ms while such visits find nothing, so that a flood of
+///   new ids costs little each); if the store is still full, it fails with
 ///   [`StoreErrorKind::Full`](super::StoreErrorKind::Full) and creates
 ///   nothing, so the layer's fail-open or fail-closed policy decides, while
 ///   subjects that have a counter keep being charged as before.
@@ -62,7 +63,15 @@ struct Inner {
     /// Counters in the shards' maps, live or not yet reclaimed.
     held: Arc<AtomicUsize>,
     max: AtomicUsize,
+    /// When (in the charges' time, ns) a full store last reclaimed in every
+    /// shard and found no room: new subjects refused soon after do not
+    /// repeat it (on a machine with many cores, a visit of every shard per
+    /// refused request would make a flood of new ids dear).
+    fruitless: AtomicI64,
 }
+
+/// How long after a fruitless visit of every shard the next one waits.
+const FRUITLESS_PAUSE: u64 = 10_000_000;
 
 thread_local! {
     // Which shard this thread reclaims in next; per thread, so charges on
@@ -145,6 +154,7 @@ impl MemoryStore {
                 hasher: RandomState::default(),
                 held,
                 max: AtomicUsize::new(Self::DEFAULT_MAX_COUNTERS),
+                fruitless: AtomicI64::new(i64::MIN),
             }),
         }
     }
@@ -187,13 +197,20 @@ impl MemoryStore {
             }
         }
         // Shards this charge holds are busy to `try_lock`, and were swept.
-        for shard in self.inner.shards.iter() {
-            if let Ok(mut shard) = shard.try_lock() {
-                shard.sweep(now, usize::MAX);
-                if self.reserve(new) {
-                    return Ok(());
+        // Not again within a pause (either way: concurrent charges read
+        // the clock in any order) after a visit that found nothing.
+        let at = Nanos::of(now).0;
+        let last = self.inner.fruitless.load(Ordering::Relaxed);
+        if at.abs_diff(last) >= FRUITLESS_PAUSE {
+            for shard in self.inner.shards.iter() {
+                if let Ok(mut shard) = shard.try_lock() {
+                    shard.sweep(now, usize::MAX);
+                    if self.reserve(new) {
+                        return Ok(());
+                    }
                 }
             }
+            self.inner.fruitless.store(at, Ordering::Relaxed);
         }
         Err(StoreError::new(
             StoreErrorKind::Full,

@@ -698,6 +698,31 @@ fn a_full_store_reclaims_expired_counters_of_other_shards_too() {
     assert_eq!(store.len(), 4);
 }
 
+/// A full store refuses a new subject when nothing has expired, and, a
+/// moment later, reclaims what has expired since, in any shard.
+#[test]
+fn a_full_store_that_found_no_room_reclaims_what_expired_since() {
+    let store = MemoryStore::with_shards(16).max_counters(4);
+    let t0 = at("2026-12-02T10:00:00Z");
+    let soon = at("2026-12-02T10:00:00.001Z");
+    for id in ["a", "b", "c", "d"] {
+        let line = first_use(key(id, "read", "PT1S"), 10, 1, soon);
+        assert!(charge(&store, t0 - SignedDuration::from_secs(1), vec![line]).admitted);
+    }
+    let new = |id: &str| first_use(key(id, "read", "PT1H"), 10, 1, at("2026-12-02T11:00:00Z"));
+    let full = try_charge(&store, t0, vec![new("e")]).unwrap_err();
+    assert_eq!(full.kind(), StoreErrorKind::Full);
+    // Every counter expired a millisecond later.
+    let later = t0 + SignedDuration::from_millis(20);
+    for id in ["f", "g", "h", "i"] {
+        assert!(
+            try_charge(&store, later, vec![new(id)]).unwrap().admitted,
+            "{id}"
+        );
+    }
+    assert_eq!(store.len(), 4);
+}
+
 #[test]
 fn concurrent_new_subjects_never_take_the_store_beyond_its_bound() {
     const MAX: usize = 50;
