@@ -1845,6 +1845,16 @@ async fn a_malformed_instant_is_an_error_reply_on_every_path() {
     ]);
     assert!(reply.contains("a window end"), "{reply}");
     assert_eq!(server.cli(&["exists", fresh.as_str()]), "0");
+    // The same on a counter that exists, on its own and in a batch.
+    let mut line = vec!["10", "1", "c", ttl.as_str(), PAST_THE_LAST_INSTANT];
+    let mut charge = vec!["evalsha", sha, "1", daily.as_str(), "c", ms.as_str()];
+    charge.append(&mut line.clone());
+    let reply = server.cli(&charge);
+    assert!(reply.contains("a window end"), "{reply}");
+    let mut batch = vec!["evalsha", sha, "1", daily.as_str(), "b", "1", ms.as_str()];
+    batch.append(&mut line);
+    let reply = server.cli(&batch);
+    assert!(reply.contains("a window end"), "{reply}");
     // Each batch charged its first charge, and nothing else was written.
     let charges = 1 + instants.len();
     for key in [&daily, &hourly] {

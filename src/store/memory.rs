@@ -70,6 +70,9 @@ struct Inner {
     fruitless: AtomicI64,
 }
 
+/// `Inner::fruitless` before any fruitless visit.
+const NEVER: i64 = i64::MIN;
+
 /// How long after a fruitless visit of every shard the next one waits.
 const FRUITLESS_PAUSE: u64 = 10_000_000;
 
@@ -154,7 +157,7 @@ impl MemoryStore {
                 hasher: RandomState::default(),
                 held,
                 max: AtomicUsize::new(Self::DEFAULT_MAX_COUNTERS),
-                fruitless: AtomicI64::new(i64::MIN),
+                fruitless: AtomicI64::new(NEVER),
             }),
         }
     }
@@ -201,7 +204,7 @@ impl MemoryStore {
         // the clock in any order) after a visit that found nothing.
         let at = Nanos::of(now).0;
         let last = self.inner.fruitless.load(Ordering::Relaxed);
-        if at.abs_diff(last) >= FRUITLESS_PAUSE {
+        if last == NEVER || at.abs_diff(last) >= FRUITLESS_PAUSE {
             for shard in self.inner.shards.iter() {
                 if let Ok(mut shard) = shard.try_lock() {
                     shard.sweep(now, usize::MAX);

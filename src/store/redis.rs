@@ -545,7 +545,7 @@ impl RedisStore {
                 // opened before it; a refusal by the server spoils nothing.
                 if broken(&error) {
                     inner.connections.failed(conn.failed());
-                } else {
+                } else if came_back(&error) {
                     conn.answered();
                 }
                 Err(redis_error(error))
@@ -1313,7 +1313,7 @@ async fn follow_through<T>(
         Ok((conn, Err(error))) => {
             if broken(&error) {
                 inner.connections.failed(conn.failed());
-            } else {
+            } else if came_back(&error) {
                 conn.answered();
             }
             return;
@@ -1370,7 +1370,12 @@ async fn refund_lines(
                 refunded += 1;
                 continue;
             }
-            Ok(Err(error)) => error.to_string(),
+            Ok(Err(error)) => {
+                if came_back(&error) {
+                    conn.answered();
+                }
+                error.to_string()
+            }
             Err(_) => {
                 answering = false;
                 format!("no answer in {FOLLOW_THROUGH:?}")
@@ -1401,6 +1406,12 @@ async fn refund_lines(
 /// Lets a few warnings a second through about calls followed after their
 /// callers stopped waiting (during an outage, there is one per call).
 pub(super) static LATE: Throttle = Throttle::new(5);
+
+/// Whether `error` is an answer Redis sent (a refusal, a script's error),
+/// rather than a connection that failed or a wait that ran out.
+fn came_back(error: &RedisError) -> bool {
+    !broken(error) && !error.is_timeout()
+}
 
 /// Whether `error` leaves its connection unusable.
 fn broken(error: &RedisError) -> bool {

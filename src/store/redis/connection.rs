@@ -329,16 +329,21 @@ pub(super) enum Connection {
 /// A shared connection a call was sent on, as it was then.
 pub(super) struct Lost {
     pub(super) failed: Failed,
-    answers: Arc<AtomicU64>,
-    seen: u64,
+    /// The connection's count of answers, and what it was when the call
+    /// was sent; none on a cluster, whose one connection answers for every
+    /// node (one node gone silent would hide behind the others' answers).
+    answers: Option<(Arc<AtomicU64>, u64)>,
 }
 
 impl Lost {
     /// Whether nothing at all came back on the connection since the call
     /// was sent: it went silent (half-open, or the server stopped), unlike
-    /// one that is merely busy answering the calls sent before.
+    /// one that is merely busy answering the calls sent before. On a
+    /// cluster, whether the call itself is still unanswered.
     pub(super) fn silent(&self) -> bool {
-        self.answers.load(Ordering::Relaxed) == self.seen
+        self.answers
+            .as_ref()
+            .is_none_or(|(answers, seen)| answers.load(Ordering::Relaxed) == *seen)
     }
 }
 
@@ -368,17 +373,18 @@ impl Connection {
     /// What to close when a call about to be sent on this connection never
     /// comes back; a pooled connection is in the lost call's hands.
     pub(super) fn lost(&self) -> Option<Lost> {
-        let (epoch, answers) = match self {
-            Connection::Server { epoch, answers, .. } => (epoch, answers),
+        match self {
+            Connection::Server { epoch, answers, .. } => Some(Lost {
+                failed: Failed::Epoch(*epoch),
+                answers: Some((Arc::clone(answers), answers.load(Ordering::Relaxed))),
+            }),
             #[cfg(feature = "redis-cluster")]
-            Connection::Cluster { epoch, answers, .. } => (epoch, answers),
-            _ => return None,
-        };
-        Some(Lost {
-            failed: Failed::Epoch(*epoch),
-            seen: answers.load(Ordering::Relaxed),
-            answers: Arc::clone(answers),
-        })
+            Connection::Cluster { epoch, .. } => Some(Lost {
+                failed: Failed::Epoch(*epoch),
+                answers: None,
+            }),
+            _ => None,
+        }
     }
 
     /// Counts an answer that came back on this connection.

@@ -409,9 +409,10 @@ local function one(k0, now, a0, out, short)
       end
       last_end, last_end_at = e, e + 0
     end
-    -- Past the window the counter records, or the one this line charges.
+    -- Past the window the counter records, or the one this line charges
+    -- (whose end `lines` checks when it differs).
     local ends = ARGV[a0 + 5]
-    if at >= last_end_at or (ends ~= e and at >= ends + 0) then
+    if at >= last_end_at or (ends ~= e and (not instant(ends) or at >= ends + 0)) then
       return nil
     end
   end
