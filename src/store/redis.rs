@@ -512,7 +512,6 @@ impl RedisStore {
                     "no Redis connection could be had within the store's timeout; nothing was sent",
                 )),
             };
-        let charge = give_back.is_some();
         let mut call = Call {
             inner: Arc::clone(inner),
             lost: conn.lost(),
@@ -525,7 +524,6 @@ impl RedisStore {
         match tokio::time::timeout_at(deadline, trip).await {
             Ok((mut conn, Ok(value))) => {
                 call.trip = None;
-                conn.answered();
                 let give_back = call.give_back.take().filter(|back| (back.applied)(&value));
                 let read = read(value);
                 if let (Err(_), Some(back)) = (&read, give_back) {
@@ -545,8 +543,6 @@ impl RedisStore {
                 // opened before it; a refusal by the server spoils nothing.
                 if broken(&error) {
                     inner.connections.failed(conn.failed());
-                } else if came_back(&error) {
-                    conn.answered();
                 }
                 Err(redis_error(error))
             }
@@ -555,7 +551,7 @@ impl RedisStore {
             Err(_) => Err(StoreError::new(
                 StoreErrorKind::Timeout,
                 match sends {
-                    _ if charge => {
+                    Sends::Charge => {
                         "Redis did not answer within the store's timeout; nothing is charged (a \
                          charge Redis applies later is given back)"
                     }
@@ -634,7 +630,11 @@ impl RedisStore {
                 .arg(line.end);
         }
         self.follow(
-            if op == "p" { Sends::Read } else { Sends::Write },
+            if op == "c" {
+                Sends::Charge
+            } else {
+                Sends::Read
+            },
             give_back(op, &request),
             |mut conn| async move {
                 let result = invocation.invoke_async(&mut conn).await;
@@ -1199,12 +1199,15 @@ fn clamp(n: u64) -> i64 {
     i64::try_from(n.min(1 << 53)).expect("2^53 fits in an i64")
 }
 
-/// Whether a call changes what Redis holds: what a caller that stopped
-/// waiting is told.
+/// What a call does to what Redis holds: what a caller that stopped waiting
+/// is told.
 #[derive(Clone, Copy)]
 enum Sends {
     Read,
+    /// A change that is not given back (a refund, an add, a reset).
     Write,
+    /// A charge: given back if Redis applies it after all.
+    Charge,
 }
 
 /// What a charge gives back when Redis applied it after its caller stopped
@@ -1306,15 +1309,10 @@ async fn follow_through<T>(
     give_back: Option<GiveBack<T>>,
 ) {
     let (mut conn, value) = match wait_for(&inner, &mut trip, sent, &mut lost).await {
-        Ok((conn, Ok(value))) => {
-            conn.answered();
-            (conn, value)
-        }
+        Ok((conn, Ok(value))) => (conn, value),
         Ok((conn, Err(error))) => {
             if broken(&error) {
                 inner.connections.failed(conn.failed());
-            } else if came_back(&error) {
-                conn.answered();
             }
             return;
         }
@@ -1366,16 +1364,10 @@ async fn refund_lines(
         let refund = invocation.invoke_async::<i64>(conn);
         let why = match tokio::time::timeout(FOLLOW_THROUGH, refund).await {
             Ok(Ok(_)) => {
-                conn.answered();
                 refunded += 1;
                 continue;
             }
-            Ok(Err(error)) => {
-                if came_back(&error) {
-                    conn.answered();
-                }
-                error.to_string()
-            }
+            Ok(Err(error)) => error.to_string(),
             Err(_) => {
                 answering = false;
                 format!("no answer in {FOLLOW_THROUGH:?}")

@@ -30,7 +30,7 @@ use deadpool_redis::redis::{self, ErrorKind, FromRedisValue, RedisError, ServerE
 use jiff::Timestamp;
 use tokio::sync::{oneshot, OwnedSemaphorePermit};
 
-use super::{broken, came_back, refund_lines, wait_for, Inner, COUNTERS_LUA, FOLLOW_THROUGH, LATE};
+use super::{broken, refund_lines, wait_for, Inner, COUNTERS_LUA, FOLLOW_THROUGH, LATE};
 use crate::key::PeriodKey;
 
 /// The most charges in one batch.
@@ -377,9 +377,6 @@ fn answer(
     conn: super::Connection,
     result: Result<Value, RedisError>,
 ) {
-    if result.as_ref().map_or_else(came_back, |_| true) {
-        conn.answered();
-    }
     let values = match result {
         Ok(Value::Array(values)) => values,
         Ok(other) => {

@@ -260,11 +260,7 @@ impl Connections {
             Connections::Cluster(shared) => shared
                 .get()
                 .await
-                .map(|(epoch, conn, answers)| Connection::Cluster {
-                    epoch,
-                    conn,
-                    answers,
-                })
+                .map(|(epoch, conn, _)| Connection::Cluster { epoch, conn })
                 .map_err(Fault::Redis),
             #[cfg(feature = "redis-cluster")]
             Connections::ClusterPool(pool) => get!(pool, Connection::ClusterPool),
@@ -303,7 +299,8 @@ pub(super) enum Connection {
     Server {
         epoch: u64,
         conn: MultiplexedConnection,
-        /// Answers that came back on this connection, whoever sent them.
+        /// Answers that came back on this connection, whoever sent them
+        /// (counted as they come, see `counted`).
         answers: Arc<AtomicU64>,
     },
     Pool {
@@ -320,7 +317,6 @@ pub(super) enum Connection {
     Cluster {
         epoch: u64,
         conn: redis::cluster_async::ClusterConnection,
-        answers: Arc<AtomicU64>,
     },
     #[cfg(feature = "redis-cluster")]
     ClusterPool(deadpool_redis::cluster::Connection),
@@ -387,20 +383,6 @@ impl Connection {
         }
     }
 
-    /// Counts an answer that came back on this connection.
-    pub(super) fn answered(&self) {
-        match self {
-            Connection::Server { answers, .. } => {
-                answers.fetch_add(1, Ordering::Relaxed);
-            }
-            #[cfg(feature = "redis-cluster")]
-            Connection::Cluster { answers, .. } => {
-                answers.fetch_add(1, Ordering::Relaxed);
-            }
-            _ => {}
-        }
-    }
-
     /// Closes a pooled connection that failed, instead of returning it to
     /// the pool.
     fn discard(self) {
@@ -426,9 +408,29 @@ macro_rules! each {
     };
 }
 
+/// `round_trip`, counting its answer on `answers` when it is one Redis sent
+/// (a reply, or an error of its own), for [`Lost::silent`].
+fn counted<'a, T: Send + 'a>(
+    answers: &'a AtomicU64,
+    round_trip: redis::RedisFuture<'a, T>,
+) -> redis::RedisFuture<'a, T> {
+    Box::pin(async move {
+        let result = round_trip.await;
+        if result.as_ref().map_or_else(super::came_back, |_| true) {
+            answers.fetch_add(1, Ordering::Relaxed);
+        }
+        result
+    })
+}
+
 impl ConnectionLike for Connection {
     fn req_packed_command<'a>(&'a mut self, cmd: &'a redis::Cmd) -> redis::RedisFuture<'a, Value> {
-        each!(self, conn => conn.req_packed_command(cmd))
+        match self {
+            Connection::Server { conn, answers, .. } => {
+                counted(answers, conn.req_packed_command(cmd))
+            }
+            other => each!(other, conn => conn.req_packed_command(cmd)),
+        }
     }
 
     fn req_packed_commands<'a>(
@@ -437,7 +439,12 @@ impl ConnectionLike for Connection {
         offset: usize,
         count: usize,
     ) -> redis::RedisFuture<'a, Vec<Value>> {
-        each!(self, conn => conn.req_packed_commands(cmd, offset, count))
+        match self {
+            Connection::Server { conn, answers, .. } => {
+                counted(answers, conn.req_packed_commands(cmd, offset, count))
+            }
+            other => each!(other, conn => conn.req_packed_commands(cmd, offset, count)),
+        }
     }
 
     fn get_db(&self) -> i64 {
