@@ -609,6 +609,36 @@ async fn a_quick_restart_costs_at_most_one_failed_request() {
     assert!(failed <= 1, "{failed} requests failed after the restart");
 }
 
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_connection_idle_for_a_second_is_checked_before_a_charge_is_sent_on_it() {
+    let mut server = redis_server_or_skip!();
+    let store = RedisStore::builder(server.url())
+        .pool_size(2)
+        .timeout(Duration::from_secs(2))
+        .build()
+        .unwrap();
+    let key = key("idle");
+    // Both connections open, and used.
+    for _ in 0..4 {
+        store
+            .charge(first_use(&key, 100, 1, Timestamp::now(), hour()))
+            .await
+            .unwrap();
+    }
+    server.restart();
+    // Both connections are now dead, and idle for more than a second: each
+    // is pinged before use, found dead, and replaced.
+    tokio::time::sleep(Duration::from_millis(1_100)).await;
+    for i in 0..10 {
+        let outcome = store
+            .charge(first_use(&key, 100, 1, Timestamp::now(), hour()))
+            .await
+            .unwrap_or_else(|e| panic!("charge {i} after the idle second failed: {e}"));
+        // Nothing was persisted: the restart lost the counter.
+        assert_eq!(outcome.usage[0].used, i + 1);
+    }
+}
+
 /// Records the message and key of every event.
 #[derive(Clone, Default)]
 struct Recorder(std::sync::Arc<std::sync::Mutex<Vec<String>>>);

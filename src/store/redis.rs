@@ -499,12 +499,16 @@ impl RedisStore {
             create: Some(inner.connect_timeout),
             recycle: Some(inner.timeout),
         };
-        let conn =
+        let get = match inner.connections.ready() {
+            Some(conn) => Ok(Ok(conn)),
             // Boxed: getting a connection (from a pool, or opening one) is
             // a large future that a call only needs at times.
-            match tokio::time::timeout_at(deadline, Box::pin(inner.connections.get(&timeouts)))
-                .await
-            {
+            None => {
+                tokio::time::timeout_at(deadline, Box::pin(inner.connections.get(&timeouts))).await
+            }
+        };
+        let conn =
+            match get {
                 Ok(Ok(conn)) => conn,
                 Ok(Err(fault)) => return Err(fault_error(fault)),
                 Err(_) => return Err(StoreError::new(

@@ -294,9 +294,16 @@ async fn send(inner: &Arc<Inner>, batch: Vec<Pending>) {
         create: Some(inner.connect_timeout),
         recycle: Some(inner.timeout),
     };
-    // Boxed, as in `RedisStore::follow`: a large future needed at times.
-    let get = Box::pin(inner.connections.get(&timeouts));
-    let mut conn = match tokio::time::timeout(FOLLOW_THROUGH, get).await {
+    // A shared connection at once when one is ready; otherwise the wait
+    // for one, boxed as in `RedisStore::follow`: a large future needed at
+    // times.
+    let get = match inner.connections.ready() {
+        Some(conn) => Ok(Ok(conn)),
+        None => {
+            tokio::time::timeout(FOLLOW_THROUGH, Box::pin(inner.connections.get(&timeouts))).await
+        }
+    };
+    let mut conn = match get {
         Ok(Ok(conn)) => conn,
         Ok(Err(fault)) => {
             let error = match fault {

@@ -141,13 +141,36 @@ impl<C: Connect> Shared<C> {
         }
     }
 
+    /// Milliseconds since `origin`.
+    fn now(&self) -> u64 {
+        u64::try_from(self.origin.elapsed().as_millis()).unwrap_or(u64::MAX)
+    }
+
+    /// The next slot's connection when it can be had without waiting: open
+    /// in the current epoch and used within [`IDLE`]. Otherwise nothing,
+    /// and the slot is left for [`get`](Self::get), which pings, opens or
+    /// reopens it.
+    fn ready(&self) -> Option<(u64, C::Conn, Arc<AtomicU64>)> {
+        let next = self.next.load(Ordering::Relaxed);
+        let slot = &self.slots[next % self.slots.len()];
+        let now = self.now();
+        if now.saturating_sub(slot.used.load(Ordering::Relaxed)) >= IDLE.as_millis() as u64 {
+            return None;
+        }
+        let epoch = self.epoch.load(Ordering::Acquire);
+        let (conn, answers) = slot.current(epoch)?;
+        self.next.fetch_add(1, Ordering::Relaxed);
+        slot.used.fetch_max(now, Ordering::Relaxed);
+        Some((epoch, conn, answers))
+    }
+
     /// A connection, opened first if need be. A connection is opened in a
     /// task of its own, so it is opened for the next callers even when this
     /// one stops waiting.
     async fn get(self: &Arc<Self>) -> Result<(u64, C::Conn, Arc<AtomicU64>), RedisError> {
         let index = self.next.fetch_add(1, Ordering::Relaxed) % self.slots.len();
         let slot = &self.slots[index];
-        let now = u64::try_from(self.origin.elapsed().as_millis()).unwrap_or(u64::MAX);
+        let now = self.now();
         let idle = now.saturating_sub(slot.used.swap(now, Ordering::Relaxed));
         let epoch = self.epoch.load(Ordering::Acquire);
         if let Some((mut conn, answers)) = slot.current(epoch) {
@@ -232,6 +255,29 @@ pub(super) enum Connections {
 }
 
 impl Connections {
+    /// A shared connection that can be had at once (see `Shared::ready`),
+    /// without the future of [`get`](Self::get), which is large (a pool's
+    /// wait is in it): the common case costs no allocation. `None` for a
+    /// pool, or when the connection must be pinged or opened first.
+    pub(super) fn ready(&self) -> Option<Connection> {
+        match self {
+            Connections::Server(shared) => {
+                shared
+                    .ready()
+                    .map(|(epoch, conn, answers)| Connection::Server {
+                        epoch,
+                        conn,
+                        answers,
+                    })
+            }
+            #[cfg(feature = "redis-cluster")]
+            Connections::Cluster(shared) => shared
+                .ready()
+                .map(|(epoch, conn, _)| Connection::Cluster { epoch, conn }),
+            _ => None,
+        }
+    }
+
     /// A connection for one call.
     pub(super) async fn get(&self, timeouts: &Timeouts) -> Result<Connection, Fault> {
         // A pool built without a runtime cannot time its own waits; the
