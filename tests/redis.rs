@@ -626,8 +626,9 @@ async fn a_connection_idle_for_a_second_is_checked_before_a_charge_is_sent_on_it
             .unwrap();
     }
     server.restart();
-    // Both connections are now dead, and idle for more than a second: each
-    // is pinged before use, found dead, and replaced.
+    // Both connections are now dead, and idle for more than a second: the
+    // first one used is pinged before a charge is sent on it, found dead,
+    // and both are replaced.
     tokio::time::sleep(Duration::from_millis(1_100)).await;
     for i in 0..10 {
         let outcome = store

@@ -151,17 +151,35 @@ impl<C: Connect> Shared<C> {
     /// and the slot is left for [`get`](Self::get), which pings, opens or
     /// reopens it.
     fn ready(&self) -> Option<(u64, C::Conn, Arc<AtomicU64>)> {
-        let next = self.next.load(Ordering::Relaxed);
-        let slot = &self.slots[next % self.slots.len()];
         let now = self.now();
-        if now.saturating_sub(slot.used.load(Ordering::Relaxed)) >= IDLE.as_millis() as u64 {
-            return None;
+        let mut next = self.next.load(Ordering::Relaxed);
+        // A few tries: callers that race for one turn each take the next.
+        for _ in 0..4 {
+            let slot = &self.slots[next % self.slots.len()];
+            // Acquire: pairs with the Release of `get`'s swap. A `get` that
+            // marked this slot used (and may be pinging it) took its turn
+            // before: the exchange below then fails, and the connection it
+            // checks is not handed out unchecked.
+            if now.saturating_sub(slot.used.load(Ordering::Acquire)) >= IDLE.as_millis() as u64 {
+                return None;
+            }
+            let epoch = self.epoch.load(Ordering::Acquire);
+            // Missing or stale: the turn is left for `get`, which opens it.
+            let (conn, answers) = slot.current(epoch)?;
+            match self.next.compare_exchange(
+                next,
+                next.wrapping_add(1),
+                Ordering::Relaxed,
+                Ordering::Relaxed,
+            ) {
+                Ok(_) => {
+                    slot.used.fetch_max(now, Ordering::Relaxed);
+                    return Some((epoch, conn, answers));
+                }
+                Err(current) => next = current,
+            }
         }
-        let epoch = self.epoch.load(Ordering::Acquire);
-        let (conn, answers) = slot.current(epoch)?;
-        self.next.fetch_add(1, Ordering::Relaxed);
-        slot.used.fetch_max(now, Ordering::Relaxed);
-        Some((epoch, conn, answers))
+        None
     }
 
     /// A connection, opened first if need be. A connection is opened in a
@@ -171,7 +189,8 @@ impl<C: Connect> Shared<C> {
         let index = self.next.fetch_add(1, Ordering::Relaxed) % self.slots.len();
         let slot = &self.slots[index];
         let now = self.now();
-        let idle = now.saturating_sub(slot.used.swap(now, Ordering::Relaxed));
+        // Release: see `ready`.
+        let idle = now.saturating_sub(slot.used.swap(now, Ordering::AcqRel));
         let epoch = self.epoch.load(Ordering::Acquire);
         if let Some((mut conn, answers)) = slot.current(epoch) {
             if idle < IDLE.as_millis() as u64 {
