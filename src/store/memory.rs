@@ -418,7 +418,11 @@ impl MemoryStore {
                             && locked.live(*i, &line.key, now).is_none()
                     })
                     .count();
-                self.room_for(&mut locked.shards(), reserved, now)?;
+                // The list of shards is built only when the charge adds a
+                // counter, not for every charge of counters that exist.
+                if reserved > 0 {
+                    self.room_for(&mut locked.shards(), reserved, now)?;
+                }
             }
             let mut grown = 0;
             let usage = lines
