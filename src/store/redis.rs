@@ -21,7 +21,7 @@ use crate::decision::Throttle;
 use crate::key::PeriodKey;
 use crate::period::Clock;
 
-use self::batch::{Batches, LineArgs, Pending};
+use self::batch::{Batches, LineArgs, Lines, Pending};
 use self::connection::{Connection, Connections, Fault, Lost, ServerConnector, Shared};
 
 mod batch;
@@ -681,7 +681,7 @@ impl RedisStore {
     async fn charge_in_batch(
         &self,
         request: ChargeRequest,
-        lines: Vec<LineArgs>,
+        lines: Lines,
     ) -> Result<ChargeOutcome, StoreError> {
         let (permit, deadline, _) = self.room().await?;
         let (answer, mut answered) = tokio::sync::oneshot::channel();

@@ -28,6 +28,7 @@ use deadpool::managed::Timeouts;
 use deadpool_redis::redis::aio::ConnectionLike;
 use deadpool_redis::redis::{self, ErrorKind, FromRedisValue, RedisError, ServerErrorKind, Value};
 use jiff::Timestamp;
+use smallvec::SmallVec;
 use tokio::sync::{oneshot, OwnedSemaphorePermit};
 
 use super::{broken, refund_lines, wait_for, Inner, COUNTERS_LUA, FOLLOW_THROUGH, LATE};
@@ -48,6 +49,14 @@ struct Queue {
     waiting: VecDeque<Pending>,
     sending: usize,
 }
+
+/// A charge's lines: a charge of one line, the common case, keeps it in
+/// place.
+pub(super) type Lines = SmallVec<[LineArgs; 1]>;
+
+/// One charge's reply in the charge operation's form: one line's fits in
+/// place, so that handing a charge its answer allocates nothing.
+pub(super) type Reply = SmallVec<[i64; 1 + super::FIELDS]>;
 
 /// One charge's line, as the script takes it.
 pub(super) struct LineArgs {
@@ -72,7 +81,7 @@ impl LineArgs {
 /// A charge waiting for its batch.
 pub(super) struct Pending {
     pub(super) now: Timestamp,
-    pub(super) lines: Vec<LineArgs>,
+    pub(super) lines: Lines,
     pub(super) answer: oneshot::Sender<Answer>,
     /// Keeps the charge counted in flight until it is over.
     pub(super) permit: OwnedSemaphorePermit,
@@ -82,7 +91,7 @@ pub(super) struct Pending {
 /// An applied charge carries what gives it back if the answer is dropped
 /// before its caller [took](Answer::take) it.
 pub(super) struct Answer {
-    reply: Result<Vec<i64>, RedisError>,
+    reply: Result<Reply, RedisError>,
     give_back: Option<GiveBack>,
 }
 
@@ -91,11 +100,11 @@ impl Answer {
     /// the caller's.
     /// The reply, not yet taken: dropped without [`take`](Self::take), an
     /// applied charge is given back.
-    pub(super) fn reply(&self) -> &Result<Vec<i64>, RedisError> {
+    pub(super) fn reply(&self) -> &Result<Reply, RedisError> {
         &self.reply
     }
 
-    pub(super) fn take(self) -> Result<Vec<i64>, RedisError> {
+    pub(super) fn take(self) -> Result<Reply, RedisError> {
         let Answer { reply, give_back } = self;
         if let Some(mut give_back) = give_back {
             give_back.lines.clear();
@@ -108,18 +117,26 @@ impl Answer {
 struct GiveBack {
     inner: Arc<Inner>,
     now: Timestamp,
-    lines: Vec<(PeriodKey, u64)>,
+    /// The applied charge's lines; none once it is taken, or when it was
+    /// not applied.
+    lines: Lines,
     /// Held until the charge is over: taken, or given back.
     permit: Option<OwnedSemaphorePermit>,
 }
 
 impl Drop for GiveBack {
     fn drop(&mut self) {
-        if self.lines.is_empty() {
+        // The lines worth a refund, listed only now: an answer taken (the
+        // common case) lists nothing.
+        let lines: Vec<(PeriodKey, u64)> = std::mem::take(&mut self.lines)
+            .into_iter()
+            .filter(|line| line.cost > 0)
+            .map(|line| (line.key, line.cost.unsigned_abs()))
+            .collect();
+        if lines.is_empty() {
             return;
         }
         let inner = Arc::clone(&self.inner);
-        let lines = std::mem::take(&mut self.lines);
         let now = self.now;
         let permit = self.permit.take();
         let give_back = async move {
@@ -412,15 +429,7 @@ fn answer(
         let give_back = GiveBack {
             inner: Arc::clone(inner),
             now,
-            lines: if applied {
-                lines
-                    .into_iter()
-                    .filter(|line| line.cost > 0)
-                    .map(|line| (line.key, line.cost.unsigned_abs()))
-                    .collect()
-            } else {
-                Vec::new()
-            },
+            lines: if applied { lines } else { Lines::new() },
             permit: Some(permit),
         };
         // A caller gone by now drops the answer here, and with it gives
@@ -455,7 +464,7 @@ fn answer(
 fn split(
     values: &mut std::vec::IntoIter<Value>,
     lines: &[LineArgs],
-) -> (bool, Result<Vec<i64>, RedisError>) {
+) -> (bool, Result<Reply, RedisError>) {
     let first = match values.next() {
         Some(Value::ServerError(error)) => return (false, Err(RedisError::from(error))),
         first => first,
@@ -479,19 +488,24 @@ fn split(
     };
     let reply = match short {
         Some(count) => {
-            let taken: Vec<i64> = values.take(count).map(|v| number(&v)).collect();
-            match (taken.as_slice(), lines) {
-                (&[used], [line]) => vec![tag & 1, used, left(line, used), -3, -1, 0],
+            let mut taken = [0; 3];
+            let mut got = 0;
+            for (slot, value) in taken.iter_mut().zip(values.take(count)) {
+                *slot = number(&value);
+                got += 1;
+            }
+            match (&taken[..got], lines) {
+                (&[used], [line]) => Reply::from_buf([tag & 1, used, left(line, used), -3, -1, 0]),
                 (&[used, pttl, first_call], [line]) => {
-                    vec![tag & 1, used, left(line, used), pttl, first_call, 0]
+                    Reply::from_buf([tag & 1, used, left(line, used), pttl, first_call, 0])
                 }
                 // Cut short, or a short form for a charge of many lines:
                 // [`outcome`] refuses it.
-                _ => taken,
+                (taken, _) => Reply::from_slice(taken),
             }
         }
         None => {
-            let mut reply = Vec::with_capacity(1 + super::FIELDS * lines.len());
+            let mut reply = Reply::with_capacity(1 + super::FIELDS * lines.len());
             if let Some(first) = &first {
                 reply.push(number(first));
                 for value in values.take(super::FIELDS * lines.len()) {
@@ -658,7 +672,7 @@ mod tests {
         assert_eq!(got, expected);
     }
 
-    fn take(values: Vec<Value>, lines: &[LineArgs]) -> (bool, Result<Vec<i64>, RedisError>) {
+    fn take(values: Vec<Value>, lines: &[LineArgs]) -> (bool, Result<Reply, RedisError>) {
         split(&mut values.into_iter(), lines)
     }
 
@@ -671,18 +685,24 @@ mod tests {
         // Calendar, admitted and refused.
         let (applied, reply) = take(vec![int(3), int(2)], &calendar);
         assert!(applied);
-        assert_eq!(reply.unwrap(), [1, 2, 3, -3, -1, 0]);
+        assert_eq!(reply.unwrap().as_slice(), [1, 2, 3, -3, -1, 0]);
         let (applied, reply) = take(vec![int(2), int(5)], &calendar);
         assert!(!applied);
-        assert_eq!(reply.unwrap(), [0, 5, 0, -3, -1, 0]);
+        assert_eq!(reply.unwrap().as_slice(), [0, 5, 0, -3, -1, 0]);
         // First use, its first call as Redis's bulk string.
         let first_call = Value::BulkString(b"1796318523929".to_vec());
         let (applied, reply) = take(vec![int(5), int(1), int(59_000), first_call], &first_use);
         assert!(applied);
-        assert_eq!(reply.unwrap(), [1, 1, 4, 59_000, 1_796_318_523_929, 0]);
+        assert_eq!(
+            reply.unwrap().as_slice(),
+            [1, 1, 4, 59_000, 1_796_318_523_929, 0]
+        );
         // The full form, as before.
         let full = [1, 1, 4, 59_000, 7, 0].map(int).to_vec();
-        assert_eq!(take(full, &first_use).1.unwrap(), [1, 1, 4, 59_000, 7, 0]);
+        assert_eq!(
+            take(full, &first_use).1.unwrap().as_slice(),
+            [1, 1, 4, 59_000, 7, 0]
+        );
         // An error for the charge: one value, nothing applied.
         let error = redis::parse_redis_value(b"-ERR tower-quota: no counter\r\n").unwrap();
         assert!(matches!(error, Value::ServerError(_)));
@@ -703,7 +723,7 @@ mod tests {
         // so the next charge's reply stays in step.
         let mut values = vec![int(3), int(1), int(1), int(1)].into_iter();
         let (_, reply) = split(&mut values, &two);
-        assert_eq!(reply.unwrap(), [1]);
+        assert_eq!(reply.unwrap().as_slice(), [1]);
         assert_eq!(values.len(), 2);
         // A value that is no number.
         let (applied, reply) = take(vec![int(3), Value::Nil], &calendar);
