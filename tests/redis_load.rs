@@ -6,7 +6,6 @@
 
 mod redis_support;
 
-use std::process::Command;
 use std::time::{Duration, Instant};
 
 use axum::body::Body;
@@ -20,7 +19,7 @@ use tower_quota::store::{
 };
 use tower_quota::{FromHeader, Namespace, OnStoreError, PeriodKey, QuotaLayer, Subject};
 
-use redis_support::RedisServer;
+use redis_support::{RedisServer, Stopped};
 
 fn key(allowance: &str) -> PeriodKey {
     Namespace::default().key(&Subject::account("acme"), allowance, "PT1H")
@@ -44,45 +43,6 @@ fn charge(key: &PeriodKey, limit: u64) -> ChargeRequest {
 /// The counter's count, as Redis holds it.
 fn used(server: &RedisServer, key: &PeriodKey) -> String {
     server.cli(&["hget", key.as_str(), "n"])
-}
-
-/// Stops the server's process (SIGSTOP) until dropped or resumed: it
-/// accepts bytes on its sockets but answers nothing.
-struct Stopped {
-    pid: u32,
-    running: bool,
-}
-
-impl Stopped {
-    fn new(server: &RedisServer) -> Self {
-        let pid = server.pid().expect("the server runs");
-        signal("-STOP", pid);
-        Self {
-            pid,
-            running: false,
-        }
-    }
-
-    fn resume(&mut self) {
-        if !self.running {
-            signal("-CONT", self.pid);
-            self.running = true;
-        }
-    }
-}
-
-impl Drop for Stopped {
-    fn drop(&mut self) {
-        self.resume();
-    }
-}
-
-fn signal(which: &str, pid: u32) {
-    let status = Command::new("kill")
-        .args([which, &pid.to_string()])
-        .status()
-        .expect("kill runs");
-    assert!(status.success(), "kill {which} {pid}");
 }
 
 /// The store `builder` builds, its script loaded and a connection open.

@@ -185,6 +185,12 @@ const SILENCE: Duration = Duration::from_secs(1);
 ///   command failed on the wire, every connection opened before it is
 ///   dropped and the next calls open fresh ones, so requests succeed again
 ///   as soon as Redis is back.
+/// - **One node of a cluster.** A cluster node that stops answering fails
+///   the subjects it holds, and only them: the cluster connection that
+///   waited on it goes on serving the other nodes while a replacement is
+///   tried in the background (once a second at most), and gives way only
+///   to one that reaches every master. Once the node answers again, its
+///   subjects are served and the charges it ran late are given back.
 ///
 /// # What the quota depends on
 ///

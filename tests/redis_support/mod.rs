@@ -218,6 +218,45 @@ impl Drop for RedisServer {
     }
 }
 
+/// Stops the server's process (SIGSTOP) until dropped or resumed: it
+/// accepts bytes on its sockets but answers nothing.
+pub struct Stopped {
+    pid: u32,
+    running: bool,
+}
+
+impl Stopped {
+    pub fn new(server: &RedisServer) -> Self {
+        let pid = server.pid().expect("the server runs");
+        signal("-STOP", pid);
+        Self {
+            pid,
+            running: false,
+        }
+    }
+
+    pub fn resume(&mut self) {
+        if !self.running {
+            signal("-CONT", self.pid);
+            self.running = true;
+        }
+    }
+}
+
+impl Drop for Stopped {
+    fn drop(&mut self) {
+        self.resume();
+    }
+}
+
+fn signal(which: &str, pid: u32) {
+    let status = Command::new("kill")
+        .args([which, &pid.to_string()])
+        .status()
+        .expect("kill runs");
+    assert!(status.success(), "kill {which} {pid}");
+}
+
 /// Runs `redis-cli -p port args..` and returns its trimmed output.
 pub fn cli(port: u16, args: &[&str]) -> String {
     let output = Command::new("redis-cli")
@@ -243,8 +282,11 @@ impl RedisCluster {
                         "yes",
                         "--cluster-config-file",
                         "nodes.conf",
+                        // Long enough that a node stopped for a few
+                        // seconds is not voted failed (which, without
+                        // replicas, takes the whole cluster down).
                         "--cluster-node-timeout",
-                        "2000",
+                        "15000",
                     ],
                     // The default bus port, port + 10000, may be taken or
                     // past 65535.

@@ -20,6 +20,15 @@
 //! idle for a second is pinged before it is used again, so that a restart
 //! during a lull costs no call.
 //!
+//! A cluster's connection spans every node, and what failed is most likely
+//! one node: the others still answer on it. So a cluster's connection that
+//! failed goes on serving calls while a replacement is opened in a task of
+//! its own (one try a second at most), and gives way only to one that
+//! reaches every master. Calls for the subjects of the other nodes never
+//! wait for a replacement; and one opened while a node is stopped or
+//! unreachable, which would lack that node, is not taken: the cluster
+//! client would then stop every call while it looks for the node again.
+//!
 //! The cluster client never retries a request by itself (redis-rs retries up
 //! to 16 times by default, after connection errors too, which could apply a
 //! charge twice). A redirect after a resharding fails that one request and
@@ -39,14 +48,30 @@ use deadpool::managed::{PoolError, Timeouts};
 use deadpool_redis::redis::aio::{ConnectionLike, MultiplexedConnection};
 use deadpool_redis::redis::{self, RedisError, Value};
 
+use crate::decision::Throttle;
+
 /// A connection idle for this long is pinged before it is used again.
 const IDLE: Duration = Duration::from_secs(1);
+
+/// Lets a few warnings a second through about replacements that could not
+/// be opened (during an outage, one per call).
+static REPLACING: Throttle = Throttle::new(5);
 
 /// Opens one connection of a shared set.
 pub(super) trait Connect: Send + Sync + 'static {
     type Conn: ConnectionLike + Clone + Send + Sync + 'static;
 
+    /// Whether a connection that failed still serves calls until its
+    /// replacement is open: one that spans nodes, of which one failed.
+    const SERVES_WHILE_REPLACED: bool = false;
+
     fn connect(&self) -> impl Future<Output = Result<Self::Conn, RedisError>> + Send;
+
+    /// Whether a replacement for a connection that serves while replaced
+    /// can take its place: it reaches everything the old one did.
+    fn complete(_conn: &mut Self::Conn) -> impl Future<Output = bool> + Send {
+        std::future::ready(true)
+    }
 }
 
 pub(super) struct ServerConnector {
@@ -73,8 +98,22 @@ pub(super) struct ClusterConnector {
 impl Connect for ClusterConnector {
     type Conn = redis::cluster_async::ClusterConnection;
 
+    const SERVES_WHILE_REPLACED: bool = true;
+
     async fn connect(&self) -> Result<Self::Conn, RedisError> {
         self.client.get_async_connection().await
+    }
+
+    /// Every master answers a `PING`.
+    async fn complete(conn: &mut Self::Conn) -> bool {
+        use redis::cluster_routing::{MultipleNodeRoutingInfo, ResponsePolicy, RoutingInfo};
+        let every_master = RoutingInfo::MultiNode((
+            MultipleNodeRoutingInfo::AllMasters,
+            Some(ResponsePolicy::AllSucceeded),
+        ));
+        conn.route_command(redis::cmd("PING"), every_master)
+            .await
+            .is_ok()
     }
 }
 
@@ -104,21 +143,30 @@ struct Slot<T> {
 
 impl<T: Clone> Slot<T> {
     /// The slot's connection and its count of answers, if it was opened in
-    /// `epoch`.
-    fn current(&self, epoch: u64) -> Option<(T, Arc<AtomicU64>)> {
+    /// `epoch`. A stale one (opened before) is dropped here, so that its
+    /// socket closes once the calls still on it are answered, unless
+    /// `keep_stale`.
+    fn current(&self, epoch: u64, keep_stale: bool) -> Option<(T, Arc<AtomicU64>)> {
         let mut current = self.current.lock().unwrap_or_else(|e| e.into_inner());
         match &*current {
             Some((opened, conn, answers)) if *opened == epoch => {
                 Some((conn.clone(), Arc::clone(answers)))
             }
-            Some(_) => {
-                // Stale: dropped here, so its socket closes once the calls
-                // still on it are answered.
+            Some(_) if !keep_stale => {
                 *current = None;
                 None
             }
-            None => None,
+            _ => None,
         }
+    }
+
+    /// The slot's connection, current or stale, the epoch it was opened in,
+    /// and its count of answers.
+    fn any(&self) -> Option<(u64, T, Arc<AtomicU64>)> {
+        let current = self.current.lock().unwrap_or_else(|e| e.into_inner());
+        current
+            .as_ref()
+            .map(|(opened, conn, answers)| (*opened, conn.clone(), Arc::clone(answers)))
     }
 }
 
@@ -146,11 +194,81 @@ impl<C: Connect> Shared<C> {
         u64::try_from(self.origin.elapsed().as_millis()).unwrap_or(u64::MAX)
     }
 
+    /// The connection of slot `index` that may serve a call in `epoch`, the
+    /// epoch it was opened in, and its count of answers: one opened in
+    /// `epoch`; or, when connections serve while replaced, one opened
+    /// before, whose replacement is then being opened.
+    fn usable(
+        self: &Arc<Self>,
+        index: usize,
+        epoch: u64,
+    ) -> Option<(u64, C::Conn, Arc<AtomicU64>)> {
+        let slot = &self.slots[index];
+        if !C::SERVES_WHILE_REPLACED {
+            return slot
+                .current(epoch, false)
+                .map(|(conn, answers)| (epoch, conn, answers));
+        }
+        let (opened, conn, answers) = slot.any()?;
+        if opened != epoch {
+            self.replace(index);
+        }
+        Some((opened, conn, answers))
+    }
+
+    /// Opens a replacement for slot `index`'s connection in a task of its
+    /// own, unless one is being opened already; it takes the slot only if
+    /// it is [complete](Connect::complete). One try a second at most.
+    fn replace(self: &Arc<Self>, index: usize) {
+        let slot = &self.slots[index];
+        let Ok(connecting) = Arc::clone(&slot.connecting).try_lock_owned() else {
+            return;
+        };
+        let epoch = self.epoch.load(Ordering::Acquire);
+        if slot.current(epoch, true).is_some() {
+            return;
+        }
+        let Ok(runtime) = tokio::runtime::Handle::try_current() else {
+            return;
+        };
+        let shared = Arc::clone(self);
+        drop(runtime.spawn(async move {
+            let _connecting = connecting;
+            let opening = async {
+                let mut conn = shared.connector.connect().await?;
+                Ok::<_, RedisError>(C::complete(&mut conn).await.then_some(conn))
+            };
+            let why = match tokio::time::timeout(2 * shared.ping_timeout, opening).await {
+                Ok(Ok(Some(conn))) => {
+                    *shared.slots[index]
+                        .current
+                        .lock()
+                        .unwrap_or_else(|e| e.into_inner()) =
+                        Some((epoch, conn, Arc::new(AtomicU64::new(0))));
+                    return;
+                }
+                Ok(Ok(None)) => "a node did not answer on it".to_owned(),
+                Ok(Err(error)) => error.to_string(),
+                Err(_) => "it did not open in time".to_owned(),
+            };
+            if let Some(suppressed) = REPLACING.admit() {
+                tracing::warn!(
+                    why,
+                    suppressed,
+                    "could not replace a Redis connection that failed; the one before goes on \
+                     serving the nodes that answer"
+                );
+            }
+            // The lock held a while: the next try comes a second later.
+            tokio::time::sleep(IDLE).await;
+        }));
+    }
+
     /// The next slot's connection when it can be had without waiting: open
-    /// in the current epoch and used within [`IDLE`]. Otherwise nothing,
-    /// and the slot is left for [`get`](Self::get), which pings, opens or
-    /// reopens it.
-    fn ready(&self) -> Option<(u64, C::Conn, Arc<AtomicU64>)> {
+    /// in the current epoch (or serving while replaced) and used within
+    /// [`IDLE`]. Otherwise nothing, and the slot is left for
+    /// [`get`](Self::get), which pings, opens or reopens it.
+    fn ready(self: &Arc<Self>) -> Option<(u64, C::Conn, Arc<AtomicU64>)> {
         let now = self.now();
         let mut next = self.next.load(Ordering::Relaxed);
         // A few tries: callers that race for one turn each take the next.
@@ -165,7 +283,7 @@ impl<C: Connect> Shared<C> {
             }
             let epoch = self.epoch.load(Ordering::Acquire);
             // Missing or stale: the turn is left for `get`, which opens it.
-            let (conn, answers) = slot.current(epoch)?;
+            let (opened, conn, answers) = self.usable(next % self.slots.len(), epoch)?;
             match self.next.compare_exchange(
                 next,
                 next.wrapping_add(1),
@@ -174,7 +292,7 @@ impl<C: Connect> Shared<C> {
             ) {
                 Ok(_) => {
                     slot.used.fetch_max(now, Ordering::Relaxed);
-                    return Some((epoch, conn, answers));
+                    return Some((opened, conn, answers));
                 }
                 Err(current) => next = current,
             }
@@ -192,7 +310,11 @@ impl<C: Connect> Shared<C> {
         // Release: see `ready`.
         let idle = now.saturating_sub(slot.used.swap(now, Ordering::AcqRel));
         let epoch = self.epoch.load(Ordering::Acquire);
-        if let Some((mut conn, answers)) = slot.current(epoch) {
+        if let Some((opened, mut conn, answers)) = self.usable(index, epoch) {
+            if opened != epoch {
+                // Serving while its replacement opens.
+                return Ok((opened, conn, answers));
+            }
             if idle < IDLE.as_millis() as u64 {
                 return Ok((epoch, conn, answers));
             }
@@ -201,10 +323,18 @@ impl<C: Connect> Shared<C> {
                 return Ok((epoch, conn, answers));
             }
             self.failed(epoch);
+            if C::SERVES_WHILE_REPLACED {
+                // Most likely one node that did not answer: the connection
+                // goes on serving the others while a replacement is tried.
+                self.replace(index);
+                return Ok((epoch, conn, answers));
+            }
+            // This caller waits for a fresh connection: after a restart
+            // during a lull, the old one would fail every call.
         }
         let connecting = Arc::clone(&slot.connecting).lock_owned().await;
         let epoch = self.epoch.load(Ordering::Acquire);
-        if let Some((conn, answers)) = slot.current(epoch) {
+        if let Some((conn, answers)) = slot.current(epoch, C::SERVES_WHILE_REPLACED) {
             return Ok((epoch, conn, answers));
         }
         let shared = Arc::clone(self);
