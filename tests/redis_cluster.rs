@@ -140,65 +140,53 @@ async fn request(app: &Router, account: &str) -> (StatusCode, Option<u64>) {
     (response.status(), remaining)
 }
 
-/// A node that stops answering (`SIGSTOP`) fails the subjects it holds, and
-/// only them. The cluster's connection that waited on it is replaced, but
-/// the other nodes' subjects never wait for the replacement, which cannot
-/// open while the node is stopped. Once the node answers again its
-/// subjects are served, and their counters hold only the admitted
-/// requests: the charges it ran late were given back.
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn a_stalled_node_fails_only_the_subjects_it_holds() {
-    const LIMIT: u64 = 1_000_000;
-    if !redis_available() {
-        return;
-    }
-    let cluster = RedisCluster::start();
+/// An app with a daily quota of `limit` on `cluster`, with short budgets.
+fn app_on(cluster: &RedisCluster, limit: u64) -> Router {
     let store = RedisStore::cluster_builder(cluster.urls())
         .timeout(Duration::from_millis(300))
         .connect_timeout(Duration::from_millis(300))
         .build()
         .expect("a Redis Cluster store");
-    let app = Router::new().route("/", get(|| async { "ok" })).layer(
+    Router::new().route("/", get(|| async { "ok" })).layer(
         QuotaLayer::new(FromHeader::account("x-account-id"))
-            .quota(Quota::daily(LIMIT))
+            .quota(Quota::daily(limit))
             .store(store)
             .store_timeout(Some(Duration::from_millis(500))),
-    );
+    )
+}
 
-    // One subject on the node to stop, one on each of the others.
+/// A subject held by each node, in the order of `cluster.nodes`.
+fn subject_per_node(cluster: &RedisCluster) -> [String; 3] {
     let namespace = Namespace::default();
     let mut on: [Option<String>; 3] = Default::default();
     for i in 0.. {
         let account = format!("node-fault-{i}");
         // The slot is the subject's alone, whatever the allowance and period.
         let key = namespace.key(&Subject::account(account.as_str()), "read", "any");
-        on[node_of(&cluster, key.as_str())].get_or_insert(account);
+        on[node_of(cluster, key.as_str())].get_or_insert(account);
         if on.iter().all(Option::is_some) {
             break;
         }
     }
-    let [Some(stalled), Some(first), Some(second)] = on else {
-        unreachable!("every node has a subject")
-    };
-    let healthy = [first, second];
-    let mut admitted_stalled = 0;
-    for account in std::iter::once(&stalled).chain(&healthy) {
-        assert_eq!(request(&app, account).await.0, StatusCode::OK);
-    }
-    admitted_stalled += 1;
+    on.map(|subject| subject.expect("every node holds a subject"))
+}
 
-    let mut stopped = Stopped::new(&cluster.nodes[0]);
-    let stall = Instant::now();
-    // The other nodes' subjects, from two callers without a pause, for the
-    // whole stall.
-    let traffic: Vec<_> = (0..2)
+/// Requests for `accounts` from two callers without a pause, until `until`
+/// has passed since `since`; their statuses.
+fn traffic(
+    app: &Router,
+    accounts: &[String],
+    since: Instant,
+    until: Duration,
+) -> Vec<tokio::task::JoinHandle<Vec<StatusCode>>> {
+    (0..2)
         .map(|_| {
             let app = app.clone();
-            let healthy = healthy.clone();
+            let accounts = accounts.to_vec();
             tokio::spawn(async move {
                 let mut statuses = Vec::new();
-                while stall.elapsed() < Duration::from_secs(4) {
-                    for account in &healthy {
+                while since.elapsed() < until {
+                    for account in &accounts {
                         statuses.push(request(&app, account).await.0);
                     }
                     tokio::time::sleep(Duration::from_millis(5)).await;
@@ -206,21 +194,14 @@ async fn a_stalled_node_fails_only_the_subjects_it_holds() {
                 statuses
             })
         })
-        .collect();
-    // The stopped node's subject: refused for want of a store, in time.
-    while stall.elapsed() < Duration::from_millis(3_500) {
-        let started = Instant::now();
-        let (status, _) = request(&app, &stalled).await;
-        assert_eq!(status, StatusCode::SERVICE_UNAVAILABLE);
-        assert!(
-            started.elapsed() < Duration::from_millis(800),
-            "answered after {:?}",
-            started.elapsed()
-        );
-        tokio::time::sleep(Duration::from_millis(200)).await;
-    }
+        .collect()
+}
+
+/// Waits for `callers` and asserts that every request they made was
+/// admitted.
+async fn all_admitted(callers: Vec<tokio::task::JoinHandle<Vec<StatusCode>>>) {
     let mut statuses = Vec::new();
-    for caller in traffic {
+    for caller in callers {
         statuses.extend(caller.await.unwrap());
     }
     let failed: Vec<_> = statuses.iter().filter(|s| **s != StatusCode::OK).collect();
@@ -231,36 +212,117 @@ async fn a_stalled_node_fails_only_the_subjects_it_holds() {
         failed.len(),
         statuses.len()
     );
+}
 
-    stopped.resume();
-    // Served again once the node answers...
-    let resumed = Instant::now();
+/// Asserts that a request for `account` is refused for want of a store
+/// (503), in time.
+async fn refused_in_time(app: &Router, account: &str) {
+    let started = Instant::now();
+    let (status, _) = request(app, account).await;
+    assert_eq!(status, StatusCode::SERVICE_UNAVAILABLE);
+    assert!(
+        started.elapsed() < Duration::from_millis(800),
+        "answered after {:?}",
+        started.elapsed()
+    );
+}
+
+/// Waits until a request for `account` is admitted again, for `within` at
+/// most.
+async fn admitted_again(app: &Router, account: &str, within: Duration) {
+    let since = Instant::now();
     loop {
-        let (status, _) = request(&app, &stalled).await;
+        let (status, _) = request(app, account).await;
         if status == StatusCode::OK {
-            admitted_stalled += 1;
-            break;
+            return;
         }
         assert!(
-            resumed.elapsed() < Duration::from_secs(5),
+            since.elapsed() < within,
             "the node's subject is still refused: {status}"
         );
         tokio::time::sleep(Duration::from_millis(100)).await;
     }
-    // ...and the charges it ran late are given back.
+}
+
+/// A node that stops answering (`SIGSTOP`) fails the subjects it holds, and
+/// only them: the cluster's connection that waited on it goes on serving
+/// the other nodes, and no replacement takes its place while the node is
+/// stopped. Once the node answers again its subjects are served, and their
+/// counters hold only the admitted requests: the charges it ran late were
+/// given back.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_stalled_node_fails_only_the_subjects_it_holds() {
+    const LIMIT: u64 = 1_000_000;
+    if !redis_available() {
+        return;
+    }
+    let cluster = RedisCluster::start();
+    let app = app_on(&cluster, LIMIT);
+    let [stalled, first, second] = subject_per_node(&cluster);
+    let healthy = [first, second];
+    for account in std::iter::once(&stalled).chain(&healthy) {
+        assert_eq!(request(&app, account).await.0, StatusCode::OK);
+    }
+
+    let mut stopped = Stopped::new(&cluster.nodes[0]);
+    let stall = Instant::now();
+    let callers = traffic(&app, &healthy, stall, Duration::from_secs(4));
+    while stall.elapsed() < Duration::from_millis(3_500) {
+        refused_in_time(&app, &stalled).await;
+        tokio::time::sleep(Duration::from_millis(200)).await;
+    }
+    all_admitted(callers).await;
+
+    stopped.resume();
+    let resumed = Instant::now();
+    admitted_again(&app, &stalled, Duration::from_secs(5)).await;
+    // The charges the node ran late are given back: what it counts is the
+    // two admitted requests and the ones below.
+    let mut admitted = 2;
     loop {
         let (status, remaining) = request(&app, &stalled).await;
         assert_eq!(status, StatusCode::OK);
-        admitted_stalled += 1;
-        if remaining == Some(LIMIT - admitted_stalled) {
+        admitted += 1;
+        if remaining == Some(LIMIT - admitted) {
             break;
         }
         assert!(
             resumed.elapsed() < Duration::from_secs(10),
-            "{admitted_stalled} admitted, and {remaining:?} left of {LIMIT}"
+            "{admitted} admitted, and {remaining:?} left of {LIMIT}"
         );
         tokio::time::sleep(Duration::from_millis(200)).await;
     }
+    for account in &healthy {
+        assert_eq!(request(&app, account).await.0, StatusCode::OK);
+    }
+}
+
+/// A node that goes down and comes back (killed, restarted on its port)
+/// fails the subjects it holds while it is down, and only them; they are
+/// served again once it is back.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_restarted_node_fails_only_the_subjects_it_holds() {
+    if !redis_available() {
+        return;
+    }
+    let mut cluster = RedisCluster::start();
+    let app = app_on(&cluster, 1_000_000);
+    let [restarted, first, second] = subject_per_node(&cluster);
+    let healthy = [first, second];
+    for account in std::iter::once(&restarted).chain(&healthy) {
+        assert_eq!(request(&app, account).await.0, StatusCode::OK);
+    }
+
+    cluster.nodes[0].kill();
+    let down = Instant::now();
+    let callers = traffic(&app, &healthy, down, Duration::from_secs(4));
+    while down.elapsed() < Duration::from_millis(1_500) {
+        refused_in_time(&app, &restarted).await;
+        tokio::time::sleep(Duration::from_millis(200)).await;
+    }
+    cluster.nodes[0].restart();
+    admitted_again(&app, &restarted, Duration::from_secs(5)).await;
+    all_admitted(callers).await;
     for account in &healthy {
         assert_eq!(request(&app, account).await.0, StatusCode::OK);
     }
