@@ -188,9 +188,11 @@ const SILENCE: Duration = Duration::from_secs(1);
 /// - **One node of a cluster.** A cluster node that stops answering fails
 ///   the subjects it holds, and only them: the cluster connection that
 ///   waited on it goes on serving the other nodes while a replacement is
-///   tried in the background (once a second at most), and gives way only
-///   to one that reaches every master. Once the node answers again, its
-///   subjects are served and the charges it ran late are given back.
+///   tried in the background (a second apart, doubling after each failure
+///   up to 32 s), and gives way only to one that reaches every master. An
+///   idle cluster connection is checked in the background too, never in a
+///   caller's time. Once the node answers again, its subjects are served
+///   and the charges it ran late are given back.
 ///
 /// # What the quota depends on
 ///

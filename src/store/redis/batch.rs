@@ -96,14 +96,14 @@ pub(super) struct Answer {
 }
 
 impl Answer {
-    /// The reply, taken by the charge's caller: from here on, the charge is
-    /// the caller's.
     /// The reply, not yet taken: dropped without [`take`](Self::take), an
     /// applied charge is given back.
     pub(super) fn reply(&self) -> &Result<Reply, RedisError> {
         &self.reply
     }
 
+    /// The reply, taken by the charge's caller: from here on, the charge is
+    /// the caller's.
     pub(super) fn take(self) -> Result<Reply, RedisError> {
         let Answer { reply, give_back } = self;
         if let Some(mut give_back) = give_back {

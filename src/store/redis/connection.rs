@@ -23,11 +23,15 @@
 //! A cluster's connection spans every node, and what failed is most likely
 //! one node: the others still answer on it. So a cluster's connection that
 //! failed goes on serving calls while a replacement is opened in a task of
-//! its own (one try a second at most), and gives way only to one that
-//! reaches every master. Calls for the subjects of the other nodes never
-//! wait for a replacement; and one opened while a node is stopped or
-//! unreachable, which would lack that node, is not taken: the cluster
-//! client would then stop every call while it looks for the node again.
+//! its own, and gives way only to one that reaches every master: one opened
+//! while a node is stopped or unreachable would lack that node, and the
+//! cluster client would stop every call while it looks for the node again.
+//! Tries are a second apart, twice as long after each failed one, up to
+//! half a minute. Calls for the subjects of the other nodes never wait for
+//! a replacement. Nor do they wait for a check: an idle cluster connection
+//! is checked (every master answers a `PING`) in a task of its own while
+//! it goes on serving, and so is a slot's first connection once it is open,
+//! which a caller had to wait for.
 //!
 //! The cluster client never retries a request by itself (redis-rs retries up
 //! to 16 times by default, after connection errors too, which could apply a
@@ -40,7 +44,7 @@
 //! going back.
 
 use std::future::Future;
-use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
+use std::sync::atomic::{AtomicU32, AtomicU64, AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
@@ -139,6 +143,9 @@ struct Slot<T> {
     used: AtomicU64,
     /// Held while this slot's connection is being opened.
     connecting: Arc<tokio::sync::Mutex<()>>,
+    /// Replacements in a row that could not be opened (see
+    /// `Shared::replace`).
+    failures: AtomicU32,
 }
 
 impl<T: Clone> Slot<T> {
@@ -177,6 +184,7 @@ impl<C: Connect> Shared<C> {
                 current: Mutex::new(None),
                 used: AtomicU64::new(0),
                 connecting: Arc::new(tokio::sync::Mutex::new(())),
+                failures: AtomicU32::new(0),
             })
             .collect();
         Self {
@@ -218,7 +226,9 @@ impl<C: Connect> Shared<C> {
 
     /// Opens a replacement for slot `index`'s connection in a task of its
     /// own, unless one is being opened already; it takes the slot only if
-    /// it is [complete](Connect::complete). One try a second at most.
+    /// it is [complete](Connect::complete). After a try that failed, the
+    /// next waits a second, twice as long after each failure in a row, up
+    /// to 32 s.
     fn replace(self: &Arc<Self>, index: usize) {
         let slot = &self.slots[index];
         let Ok(connecting) = Arc::clone(&slot.connecting).try_lock_owned() else {
@@ -240,11 +250,10 @@ impl<C: Connect> Shared<C> {
             };
             let why = match tokio::time::timeout(2 * shared.ping_timeout, opening).await {
                 Ok(Ok(Some(conn))) => {
-                    *shared.slots[index]
-                        .current
-                        .lock()
-                        .unwrap_or_else(|e| e.into_inner()) =
+                    let slot = &shared.slots[index];
+                    *slot.current.lock().unwrap_or_else(|e| e.into_inner()) =
                         Some((epoch, conn, Arc::new(AtomicU64::new(0))));
+                    slot.failures.store(0, Ordering::Relaxed);
                     return;
                 }
                 Ok(Ok(None)) => "a node did not answer on it".to_owned(),
@@ -259,8 +268,29 @@ impl<C: Connect> Shared<C> {
                      serving the nodes that answer"
                 );
             }
-            // The lock held a while: the next try comes a second later.
-            tokio::time::sleep(IDLE).await;
+            // The lock held a while: the next try comes that much later.
+            let failures = shared.slots[index].failures.fetch_add(1, Ordering::Relaxed);
+            tokio::time::sleep(IDLE * (1 << failures.min(5))).await;
+        }));
+    }
+
+    /// Checks slot `index`'s connection, opened in `epoch`, in a task of
+    /// its own: one that is not [complete](Connect::complete) is failed,
+    /// and goes on serving while a replacement is tried.
+    fn check(self: &Arc<Self>, index: usize, epoch: u64, mut conn: C::Conn) {
+        let Ok(runtime) = tokio::runtime::Handle::try_current() else {
+            return;
+        };
+        let shared = Arc::clone(self);
+        drop(runtime.spawn(async move {
+            let complete = C::complete(&mut conn);
+            if !matches!(
+                tokio::time::timeout(shared.ping_timeout, complete).await,
+                Ok(true)
+            ) {
+                shared.failed(epoch);
+                shared.replace(index);
+            }
         }));
     }
 
@@ -318,19 +348,19 @@ impl<C: Connect> Shared<C> {
             if idle < IDLE.as_millis() as u64 {
                 return Ok((epoch, conn, answers));
             }
+            if C::SERVES_WHILE_REPLACED {
+                // A node that does not answer would hold this caller for
+                // nothing: the connection serves the others either way.
+                self.check(index, epoch, conn.clone());
+                return Ok((epoch, conn, answers));
+            }
             if self.ping(&mut conn).await {
                 answers.fetch_add(1, Ordering::Relaxed);
                 return Ok((epoch, conn, answers));
             }
-            self.failed(epoch);
-            if C::SERVES_WHILE_REPLACED {
-                // Most likely one node that did not answer: the connection
-                // goes on serving the others while a replacement is tried.
-                self.replace(index);
-                return Ok((epoch, conn, answers));
-            }
             // This caller waits for a fresh connection: after a restart
             // during a lull, the old one would fail every call.
+            self.failed(epoch);
         }
         let connecting = Arc::clone(&slot.connecting).lock_owned().await;
         let epoch = self.epoch.load(Ordering::Acquire);
@@ -340,7 +370,13 @@ impl<C: Connect> Shared<C> {
         let shared = Arc::clone(self);
         let opening = tokio::spawn(async move {
             let _connecting = connecting;
-            shared.open(index, epoch).await
+            let opened = shared.open(index, epoch).await;
+            if let (true, Ok((conn, _))) = (C::SERVES_WHILE_REPLACED, &opened) {
+                // Opened while a node may have been away: the callers had
+                // to wait for it, but it is replaced if it lacks a node.
+                shared.check(index, epoch, conn.clone());
+            }
+            opened
         });
         match opening.await {
             Ok(opened) => opened.map(|(conn, answers)| (epoch, conn, answers)),
