@@ -142,23 +142,36 @@ impl RateLimitFields {
                 })
             }
         };
-        let mut digits = itoa::Buffer::new();
-        let mut limit = String::with_capacity(40 * quotas.len());
-        for (i, (quota, usage)) in quotas.iter().zip(usage).enumerate() {
-            if i > 0 {
-                limit.push_str(", ");
+        thread_local! {
+            // Written here, then copied once into the value's own
+            // allocation, of the exact size: no second allocation to share
+            // a buffer with room to spare.
+            static BUFFER: std::cell::RefCell<String> = const { std::cell::RefCell::new(String::new()) };
+        }
+        let limit = BUFFER.with(|buffer| {
+            let mut limit = buffer.borrow_mut();
+            limit.clear();
+            let mut digits = itoa::Buffer::new();
+            for (i, (quota, usage)) in quotas.iter().zip(usage).enumerate() {
+                if i > 0 {
+                    limit.push_str(", ");
+                }
+                limit.push_str(quota.quoted_name());
+                limit.push_str(";r=");
+                limit.push_str(digits.format(usage.remaining()));
+                limit.push_str(";t=");
+                let wait = seconds_until(now, usage.resets_at) + quota.spread_for(subject);
+                limit.push_str(digits.format(wait));
             }
-            limit.push_str(quota.quoted_name());
-            limit.push_str(";r=");
-            limit.push_str(digits.format(usage.remaining()));
-            limit.push_str(";t=");
-            let wait = seconds_until(now, usage.resets_at) + quota.spread_for(subject);
-            limit.push_str(digits.format(wait));
-        }
-        Self {
-            policy,
-            limit: HeaderValue::try_from(limit).expect("quota names are printable ASCII"),
-        }
+            let value = HeaderValue::from_maybe_shared(Bytes::copy_from_slice(limit.as_bytes()))
+                .expect("quota names are printable ASCII");
+            // Many quotas with long names must not leave a large buffer behind.
+            if limit.capacity() > 4096 {
+                *limit = String::new();
+            }
+            value
+        });
+        Self { policy, limit }
     }
 
     /// Appends the fields, so the fields of nested quota layers add up to one
