@@ -16,9 +16,9 @@
 //! its connection: a socket gone silent (half-open after a network fault)
 //! would otherwise hold every call sent on it until the follow-through
 //! gives up. The calls already on it are still followed, and a connection
-//! merely busy, answering the calls sent before, is kept. A connection
-//! idle for a second is pinged before it is used again, so that a restart
-//! during a lull costs no call.
+//! merely busy, answering the calls sent before, is kept. A server's
+//! connection idle for a second is pinged before it is used again, so that
+//! a restart during a lull costs no call (a cluster's: below).
 //!
 //! A cluster's connection spans every node, and what failed is most likely
 //! one node: the others still answer on it. So a cluster's connection that
@@ -27,8 +27,8 @@
 //! while a node is stopped or unreachable would lack that node, and the
 //! cluster client would stop every call while it looks for the node again.
 //! Tries are a second apart, twice as long after each failed one, up to
-//! half a minute. Calls for the subjects of the other nodes never wait for
-//! a replacement. Nor do they wait for a check: an idle cluster connection
+//! 32 s. Calls for the subjects of the other nodes never wait for a
+//! replacement. Nor do they wait for a check: an idle cluster connection
 //! is checked (every master answers a `PING`) in a task of its own while
 //! it goes on serving, and so is a slot's first connection once it is open,
 //! which a caller had to wait for.
