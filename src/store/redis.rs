@@ -177,22 +177,27 @@ const SILENCE: Duration = Duration::from_secs(1);
 ///   call is followed for 30 s at most; a connection silent that long is
 ///   dropped. A connection that answers nothing at all for a second while
 ///   a call waits on it (half-open after a network fault) takes no new
-///   calls from then on: they go to fresh connections.
+///   calls from then on: they go to fresh connections (on a cluster, see
+///   below).
 /// - A lost connection, a restarting server and `OOM` under `noeviction`
 ///   become a [`StoreError`] too, which the layer's
 ///   [`OnStoreError`](crate::OnStoreError) policy answers. A charge is never
 ///   sent twice: one that failed on the wire may have been applied. After a
 ///   command failed on the wire, every connection opened before it is
 ///   dropped and the next calls open fresh ones, so requests succeed again
-///   as soon as Redis is back.
+///   as soon as Redis is back (on a cluster, see below).
 /// - **One node of a cluster.** A cluster node that stops answering fails
 ///   the subjects it holds, and only them: the cluster connection that
 ///   waited on it goes on serving the other nodes while a replacement is
 ///   tried in the background (a second apart, doubling after each failure
-///   up to 32 s), and gives way only to one that reaches every master. An
+///   up to 8 s), and gives way only to one that reaches every master. An
 ///   idle cluster connection is checked in the background too, never in a
-///   caller's time. Once the node answers again, its subjects are served
-///   and the charges it ran late are given back.
+///   caller's time (after a restart during a lull, the restarted node's
+///   subjects lose their first call). Once the node answers again, its
+///   subjects are served and the charges it ran late are given back. This
+///   holds until the cluster itself declares the node failed
+///   (`cluster-node-timeout`): without a replica to take over, a cluster
+///   that requires full coverage (the default) then refuses every request.
 ///
 /// # What the quota depends on
 ///

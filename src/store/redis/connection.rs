@@ -27,11 +27,13 @@
 //! while a node is stopped or unreachable would lack that node, and the
 //! cluster client would stop every call while it looks for the node again.
 //! Tries are a second apart, twice as long after each failed one, up to
-//! 32 s. Calls for the subjects of the other nodes never wait for a
+//! 8 s. Calls for the subjects of the other nodes never wait for a
 //! replacement. Nor do they wait for a check: an idle cluster connection
-//! is checked (every master answers a `PING`) in a task of its own while
-//! it goes on serving, and so is a slot's first connection once it is open,
-//! which a caller had to wait for.
+//! is checked (every master the cluster names answers a `PING` sent to its
+//! address) in a task of its own while it goes on serving, and so is a
+//! slot's first connection once it is open, which a caller had to wait
+//! for. So after a restart during a lull, the restarted node's subjects
+//! lose their first call, where a server's lose none.
 //!
 //! The cluster client never retries a request by itself (redis-rs retries up
 //! to 16 times by default, after connection errors too, which could apply a
@@ -108,17 +110,60 @@ impl Connect for ClusterConnector {
         self.client.get_async_connection().await
     }
 
-    /// Every master answers a `PING`.
+    /// Every master the cluster names answers a `PING` sent to its own
+    /// address. (A `PING` routed to all masters would leave out one the
+    /// connection never reached.)
     async fn complete(conn: &mut Self::Conn) -> bool {
-        use redis::cluster_routing::{MultipleNodeRoutingInfo, ResponsePolicy, RoutingInfo};
-        let every_master = RoutingInfo::MultiNode((
-            MultipleNodeRoutingInfo::AllMasters,
-            Some(ResponsePolicy::AllSucceeded),
-        ));
-        conn.route_command(redis::cmd("PING"), every_master)
-            .await
-            .is_ok()
+        use redis::cluster_routing::{RoutingInfo, SingleNodeRoutingInfo};
+        let any = RoutingInfo::SingleNode(SingleNodeRoutingInfo::Random);
+        let mut cluster_slots = redis::cmd("CLUSTER");
+        cluster_slots.arg("SLOTS");
+        let Ok(slots) = conn.route_command(cluster_slots, any).await else {
+            return false;
+        };
+        let masters = masters(&slots);
+        if masters.is_empty() {
+            return false;
+        }
+        for (host, port) in masters {
+            let node = RoutingInfo::SingleNode(SingleNodeRoutingInfo::ByAddress { host, port });
+            if conn.route_command(redis::cmd("PING"), node).await.is_err() {
+                return false;
+            }
+        }
+        true
     }
+}
+
+/// The masters' addresses in a `CLUSTER SLOTS` reply: each range of slots
+/// is `[start, end, [host, port, ..], replicas..]`.
+#[cfg(feature = "redis-cluster")]
+fn masters(slots: &Value) -> Vec<(String, u16)> {
+    let mut masters: Vec<(String, u16)> = Vec::new();
+    let Value::Array(ranges) = slots else {
+        return masters;
+    };
+    for range in ranges {
+        let Value::Array(range) = range else { continue };
+        let Some(Value::Array(master)) = range.get(2) else {
+            continue;
+        };
+        let host = match master.first() {
+            Some(Value::BulkString(host)) => String::from_utf8_lossy(host).into_owned(),
+            Some(Value::SimpleString(host)) => host.clone(),
+            _ => continue,
+        };
+        let Some(Value::Int(port)) = master.get(1) else {
+            continue;
+        };
+        let Ok(port) = u16::try_from(*port) else {
+            continue;
+        };
+        if !masters.iter().any(|(h, p)| *h == host && *p == port) {
+            masters.push((host, port));
+        }
+    }
+    masters
 }
 
 /// A fixed set of connections that every call uses concurrently.
@@ -228,7 +273,7 @@ impl<C: Connect> Shared<C> {
     /// own, unless one is being opened already; it takes the slot only if
     /// it is [complete](Connect::complete). After a try that failed, the
     /// next waits a second, twice as long after each failure in a row, up
-    /// to 32 s.
+    /// to 8 s.
     fn replace(self: &Arc<Self>, index: usize) {
         let slot = &self.slots[index];
         let Ok(connecting) = Arc::clone(&slot.connecting).try_lock_owned() else {
@@ -269,8 +314,10 @@ impl<C: Connect> Shared<C> {
                 );
             }
             // The lock held a while: the next try comes that much later.
+            // (The store is not kept alive meanwhile.)
             let failures = shared.slots[index].failures.fetch_add(1, Ordering::Relaxed);
-            tokio::time::sleep(IDLE * (1 << failures.min(5))).await;
+            drop(shared);
+            tokio::time::sleep(IDLE * (1 << failures.min(3))).await;
         }));
     }
 
@@ -364,7 +411,17 @@ impl<C: Connect> Shared<C> {
         }
         let connecting = Arc::clone(&slot.connecting).lock_owned().await;
         let epoch = self.epoch.load(Ordering::Acquire);
-        if let Some((conn, answers)) = slot.current(epoch, C::SERVES_WHILE_REPLACED) {
+        if C::SERVES_WHILE_REPLACED {
+            // Opened meanwhile by the caller before: it serves, replaced in
+            // the background if it is stale already.
+            if let Some((opened, conn, answers)) = slot.any() {
+                drop(connecting);
+                if opened != epoch {
+                    self.replace(index);
+                }
+                return Ok((opened, conn, answers));
+            }
+        } else if let Some((conn, answers)) = slot.current(epoch, false) {
             return Ok((epoch, conn, answers));
         }
         let shared = Arc::clone(self);
@@ -680,5 +737,35 @@ impl ConnectionLike for Connection {
 
     fn get_db(&self) -> i64 {
         each!(self, conn => conn.get_db())
+    }
+}
+
+#[cfg(all(test, feature = "redis-cluster"))]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn the_masters_are_read_from_cluster_slots() {
+        // Three ranges, two of them on one master, one with a replica; as
+        // Redis 7 writes it (each node with its metadata, here empty).
+        let reply = b"*3\r\n\
+            *4\r\n:0\r\n:5460\r\n*4\r\n$9\r\n127.0.0.1\r\n:7000\r\n$2\r\nm1\r\n*0\r\n\
+            *4\r\n$9\r\n127.0.0.1\r\n:7004\r\n$2\r\nr1\r\n*0\r\n\
+            *3\r\n:5461\r\n:10922\r\n*4\r\n$9\r\n127.0.0.1\r\n:7001\r\n$2\r\nm2\r\n*0\r\n\
+            *3\r\n:10923\r\n:16383\r\n*4\r\n$9\r\n127.0.0.1\r\n:7000\r\n$2\r\nm1\r\n*0\r\n";
+        let slots = redis::parse_redis_value(reply).unwrap();
+        assert_eq!(
+            masters(&slots),
+            [
+                ("127.0.0.1".to_owned(), 7000),
+                ("127.0.0.1".to_owned(), 7001)
+            ]
+        );
+        // Nothing a cluster would answer: no master, so no connection is
+        // taken for complete.
+        assert!(masters(&Value::Nil).is_empty());
+        assert!(
+            masters(&redis::parse_redis_value(b"*1\r\n*2\r\n:0\r\n:1\r\n").unwrap()).is_empty()
+        );
     }
 }
