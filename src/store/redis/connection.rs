@@ -196,19 +196,18 @@ struct Slot<T> {
 impl<T: Clone> Slot<T> {
     /// The slot's connection and its count of answers, if it was opened in
     /// `epoch`. A stale one (opened before) is dropped here, so that its
-    /// socket closes once the calls still on it are answered, unless
-    /// `keep_stale`.
-    fn current(&self, epoch: u64, keep_stale: bool) -> Option<(T, Arc<AtomicU64>)> {
+    /// socket closes once the calls still on it are answered.
+    fn current(&self, epoch: u64) -> Option<(T, Arc<AtomicU64>)> {
         let mut current = self.current.lock().unwrap_or_else(|e| e.into_inner());
         match &*current {
             Some((opened, conn, answers)) if *opened == epoch => {
                 Some((conn.clone(), Arc::clone(answers)))
             }
-            Some(_) if !keep_stale => {
+            Some(_) => {
                 *current = None;
                 None
             }
-            _ => None,
+            None => None,
         }
     }
 
@@ -259,7 +258,7 @@ impl<C: Connect> Shared<C> {
         let slot = &self.slots[index];
         if !C::SERVES_WHILE_REPLACED {
             return slot
-                .current(epoch, false)
+                .current(epoch)
                 .map(|(conn, answers)| (epoch, conn, answers));
         }
         let (opened, conn, answers) = slot.any()?;
@@ -280,7 +279,7 @@ impl<C: Connect> Shared<C> {
             return;
         };
         let epoch = self.epoch.load(Ordering::Acquire);
-        if slot.current(epoch, true).is_some() {
+        if slot.any().is_some_and(|(opened, ..)| opened == epoch) {
             return;
         }
         let Ok(runtime) = tokio::runtime::Handle::try_current() else {
@@ -421,7 +420,7 @@ impl<C: Connect> Shared<C> {
                 }
                 return Ok((opened, conn, answers));
             }
-        } else if let Some((conn, answers)) = slot.current(epoch, false) {
+        } else if let Some((conn, answers)) = slot.current(epoch) {
             return Ok((epoch, conn, answers));
         }
         let shared = Arc::clone(self);
