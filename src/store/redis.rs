@@ -26,6 +26,11 @@ use self::connection::{Connection, Connections, Fault, Lost, ServerConnector, Sh
 
 mod batch;
 mod connection;
+// Real `redis-server` processes, shared with the integration tests.
+#[cfg(all(test, feature = "redis-cluster"))]
+#[path = "../../tests/redis_support/mod.rs"]
+#[allow(unreachable_pub)]
+mod redis_support;
 
 /// The counters script: check-then-commit for charges, plus peek, refund,
 /// add and the server's time, so that one SHA serves every call.
