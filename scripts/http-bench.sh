@@ -10,6 +10,13 @@
 #   BENCH_ROUNDS=3 BENCH_SECONDS=5 scripts/http-bench.sh
 #   BENCH_CONNECTIONS=64 BENCH_SUBJECTS=10000 BENCH_THREADS=2 scripts/http-bench.sh
 #   BENCH_STORES=off,memory scripts/http-bench.sh   # some of the servers only
+#   BENCH_STORES=off,redis,floor scripts/http-bench.sh
+#
+# `floor` is no quota: the `redis_floor` example, which sends one `INCR` per
+# request on a multiplexed redis-rs connection (`floor-eval`: an `EVALSHA`
+# of a one-line script instead), the least a request that waits on Redis
+# costs. It shows how much of the Redis server's gap to `off` is the round
+# trip itself.
 #
 # Installs Debian's wrk, redis-server and redis-tools when they are missing
 # (redis-server and redis-tools only when the Redis server is measured).
@@ -30,18 +37,21 @@ threads=${BENCH_THREADS:-2}
 IFS=, read -r -a stores <<<"${BENCH_STORES:-off,memory,redis}"
 for name in "${stores[@]}"; do
     case $name in
-    off | memory | redis) ;;
+    off | memory | redis | floor | floor-eval) ;;
     *)
-        echo "BENCH_STORES: unknown server $name (off, memory, redis)" >&2
+        echo "BENCH_STORES: unknown server $name (off, memory, redis, floor, floor-eval)" >&2
         exit 2
         ;;
     esac
 done
 measured() { [[ " ${stores[*]} " == *" $1 "* ]]; }
+# Whether a server that talks to Redis is measured.
+redis_measured() { measured redis || measured floor || measured floor-eval; }
+uses_redis() { [[ $1 == redis || $1 == floor* ]]; }
 
 missing=()
 command -v wrk >/dev/null || missing+=(wrk)
-if measured redis; then
+if redis_measured; then
     command -v redis-server >/dev/null || missing+=(redis-server)
     command -v redis-cli >/dev/null || missing+=(redis-tools)
 fi
@@ -51,7 +61,7 @@ if [ ${#missing[@]} -gt 0 ]; then
     service redis-server stop >/dev/null 2>&1 || true
 fi
 
-cargo build --release --features redis --example server
+cargo build --release --features redis --example server --example redis_floor
 server=target/release/examples/server
 
 work=$(mktemp -d)
@@ -67,7 +77,7 @@ free_port() {
     python3 -c 'import socket; s=socket.socket(); s.bind(("127.0.0.1", 0)); print(s.getsockname()[1])'
 }
 
-if measured redis; then
+if redis_measured; then
     redis_port=$(free_port)
     redis-server --port "$redis_port" --bind 127.0.0.1 --save '' --appendonly no \
         --dir "$work" --daemonize no >"$work/redis.log" 2>&1 &
@@ -81,12 +91,12 @@ fi
 
 declare -A ports server_pids
 # Not in a subshell: the server's pid must reach `pids` for the cleanup.
-start_server() { # name, args...
-    local name=$1
-    shift
+start_server() { # name, program, args...
+    local name=$1 program=$2
+    shift 2
     local port
     port=$(free_port)
-    "$server" --listen "127.0.0.1:$port" --limit 1000000000 "$@" >"$work/$name.log" 2>&1 &
+    "$program" --listen "127.0.0.1:$port" "$@" >"$work/$name.log" 2>&1 &
     pids+=($!)
     server_pids[$name]=$!
     for _ in $(seq 100); do
@@ -96,9 +106,11 @@ start_server() { # name, args...
     ports[$name]=$port
 }
 
-measured off && start_server off --quota off
-measured memory && start_server memory --store memory
-measured redis && start_server redis --store "redis://127.0.0.1:$redis_port/"
+measured off && start_server off "$server" --limit 1000000000 --quota off
+measured memory && start_server memory "$server" --limit 1000000000 --store memory
+measured redis && start_server redis "$server" --limit 1000000000 --store "redis://127.0.0.1:$redis_port/"
+measured floor && start_server floor target/release/examples/redis_floor --redis "redis://127.0.0.1:$redis_port/"
+measured floor-eval && start_server floor-eval target/release/examples/redis_floor --redis "redis://127.0.0.1:$redis_port/" --eval
 
 cat >"$work/subjects.lua" <<EOF
 math.randomseed(os.time())
@@ -132,7 +144,7 @@ for round in $(seq "$rounds"); do
     for name in "${order[@]}"; do
         spid=${server_pids[$name]}
         server0=$(ticks "$spid")
-        [ "$name" = redis ] && redis0=$(ticks "$redis_pid")
+        uses_redis "$name" && redis0=$(ticks "$redis_pid")
         children_cpu >"$work/cpu"
         wrk0=$(cat "$work/cpu")
         out=$(wrk -t"$threads" -c"$connections" -d"${seconds}s" -s "$work/subjects.lua" \
@@ -140,7 +152,7 @@ for round in $(seq "$rounds"); do
         children_cpu >"$work/cpu"
         wrk1=$(cat "$work/cpu")
         server1=$(ticks "$spid")
-        [ "$name" = redis ] && redis1=$(ticks "$redis_pid")
+        uses_redis "$name" && redis1=$(ticks "$redis_pid")
         rps=$(echo "$out" | awk '/^Requests\/sec:/ {print $2}')
         failed=$(echo "$out" | awk '/Non-2xx/ {print $NF}')
         # CPU per request, in µs, of the server, Redis and wrk.
