@@ -1549,13 +1549,23 @@ mod tests {
             .join("\n")
     }
 
-    /// The top-level block of the script that opens with the line `opening`,
-    /// up to its `end`.
+    /// The block of the script that opens with the line `opening` (at any
+    /// indentation), up to its `end` (at the same indentation).
     fn block<'a>(code: &'a str, opening: &str) -> &'a str {
-        let start = code
-            .find(&format!("\n{opening}\n"))
+        let (start, indent) = code
+            .match_indices(opening)
+            .find_map(|(at, _)| {
+                let line = code[..at].rfind('\n').map_or(0, |i| i + 1);
+                let indent = &code[line..at];
+                let whole =
+                    indent.trim().is_empty() && code[at + opening.len()..].starts_with('\n');
+                whole.then_some((line, indent))
+            })
             .unwrap_or_else(|| panic!("the counters script has `{opening}`"));
-        let end = start + code[start..].find("\nend\n").expect("the block ends");
+        let end = start
+            + code[start..]
+                .find(&format!("\n{indent}end\n"))
+                .expect("the block ends");
         &code[start..end]
     }
 
@@ -1625,7 +1635,7 @@ mod tests {
     #[test]
     fn the_short_charge_writes_only_its_count_once_every_check_passed() {
         let code = script_code();
-        let short = block(&code, "local function one(k0, now, a0, out, short)");
+        let short = block(&code, "local function one(k0, now, a0, out)");
         let writes = ["HINCRBY", "INCRBY", "DECRBY", "HSET", "PEXPIRE", "DEL"];
         let written: Vec<_> = commands(short)
             .into_iter()

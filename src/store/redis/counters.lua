@@ -83,82 +83,395 @@ if op == 't' then
   return call('TIME')
 end
 
--- Whether `v` is a whole number from 0 to 2^53 written as Redis writes
--- integers: digits only, no sign, no leading zero, no point, no exponent,
--- no space. (Lua numbers are doubles, exact up to 2^53.) Two such strings
--- of one length compare as their numbers do.
-local function digits(v)
-  if not v then
-    return false
-  end
-  local len = #v
-  if len == 0 or len > 16 then
-    return false
-  end
-  if v ~= '0' and find(v, '^[1-9]%d*$') == nil then
-    return false
-  end
-  return len < 16 or v <= '9007199254740992'
+-- The instant, the window's end, the limit and the cost last read, and
+-- their numbers: the charges of one batch mostly share them.
+local last_now, last_at, last_end, last_end_at
+local last_limit, last_limit_n, last_cost, last_cost_n
+
+-- Whether `v` is an instant of 13 digits (2001-09-09 to 2286-11-20, ms),
+-- the only ones the short path takes; `lines` checks any other.
+local function instant13(v)
+  return v ~= nil and #v == 13 and find(v, '^[1-9]%d+$') ~= nil
 end
 
--- The latest instant (ms) the store can name: 9999-12-30T22:00:00Z.
-local LAST_INSTANT = '253402207200000'
-
--- Whether `v` is an instant (ms since the epoch) as `digits` takes it, no
--- later than LAST_INSTANT.
-local function instant(v)
-  return digits(v) and (#v < 15 or (#v == 15 and v <= LAST_INSTANT))
-end
-
-local NOT_A_COUNTER = ' holds a value that is not a counter (a whole number from 0 to'
-  .. ' 2^53, or a hash of such numbers n, t and e, t and e no later than'
-  .. ' 9999-12-30T22:00:00Z)'
-local NOT_A_NUMBER = ' that is not a whole number from 0 to 2^53'
-local NOT_AN_INSTANT = ' that is not an instant from 1970 to 9999-12-30T22:00:00Z'
-
--- Reads the counter at `key`, writing nothing. Returns its kind (0 no key:
--- a counter with nothing spent, created as a hash; 1 a hash; 2 a plain
--- string counter), the units spent (a number), and its first call and its
--- window's end (digits, or nil); or nothing when the key holds something
--- that is no counter.
-local function read(key)
+-- The common charge, in short: one line on a counter this script created
+-- (a hash of n and t, and e for calendar counters, in that order) that is
+-- live and dated, with n below 10^14 and every instant of 13 digits.
+-- Decides and commits it exactly as `lines` would, with fewer steps (and
+-- without making the functions `lines` needs), and answers its reply: as
+-- a table of its own, or, when `out` is given, appended to `out` in a
+-- batch's short form. Answers nothing, having written nothing, for any
+-- other case, which `lines` then takes. Reads the line's limit, cost,
+-- anchor and end from ARGV[a0 + 1 ..], and its instant from `now`.
+local function one(k0, now, a0, out)
+  local key = KEYS[k0 + 1]
   local r = try('HGETALL', key)
-  if r.err ~= nil then
-    -- Not a hash.
-    if call('TYPE', key)['ok'] ~= 'string' then
-      return nil
-    end
-    local used = call('GET', key)
-    if not digits(used) then
-      return nil
-    end
-    return 2, used + 0
-  end
-  local size = #r
-  if size == 0 then
-    return 0, 0
-  end
-  local used, first, ends
-  for i = 1, size, 2 do
-    local field, value = r[i], r[i + 1]
-    if not digits(value) then
-      return nil
-    end
-    if field == 'n' then
-      used = value + 0
-    elseif field == 't' and instant(value) then
-      first = value
-    elseif field == 'e' and instant(value) then
-      ends = value
-    else
-      return nil
-    end
-  end
-  if used == nil then
+  -- An error reply (not a hash) is a table without these.
+  if r[1] ~= 'n' or r[3] ~= 't' then
     return nil
   end
-  return 1, used, first, ends
+  local n, t, e = r[2], r[4], r[6]
+  local pttl = -3
+  if ARGV[a0 + 3] ~= 'f' then
+    if #r ~= 6 or r[5] ~= 'e' then
+      return nil
+    end
+  else
+    if #r ~= 4 then
+      return nil
+    end
+    pttl = call('PTTL', key)
+    if pttl < 0 then
+      return nil
+    end
+  end
+  local at = last_at
+  if at == nil or now ~= last_now then
+    if not instant13(now) then
+      return nil
+    end
+    at = now + 0
+    last_now, last_at = now, at
+  end
+  if (n ~= '0' and (#n > 14 or not find(n, '^[1-9]%d*$'))) or not instant13(t) then
+    return nil
+  end
+  if e ~= nil then
+    if e ~= last_end then
+      if not instant13(e) then
+        return nil
+      end
+      last_end, last_end_at = e, e + 0
+    end
+    -- Past the window the counter records, or the one this line charges
+    -- (whose end `lines` checks when it differs).
+    local ends = ARGV[a0 + 5]
+    if at >= last_end_at or (ends ~= e and (not instant13(ends) or at >= ends + 0)) then
+      return nil
+    end
+  end
+  local ls, cost = ARGV[a0 + 1], ARGV[a0 + 2]
+  if ls ~= last_limit then
+    last_limit, last_limit_n = ls, ls + 0
+  end
+  if cost ~= last_cost then
+    last_cost, last_cost_n = cost, cost + 0
+  end
+  local limit, used = last_limit_n, n + 0
+  local admitted = used + last_cost_n <= limit
+  if admitted and cost ~= '0' then
+    used = call('HINCRBY', key, 'n', cost)
+  end
+  if out == nil then
+    local left = limit - used
+    return { admitted and 1 or 0, used, left > 0 and left or 0, pttl, t, 0 }
+  end
+  local o = #out
+  if pttl == -3 then
+    out[o + 1] = admitted and 3 or 2
+    out[o + 2] = used
+  else
+    out[o + 1] = admitted and 5 or 4
+    out[o + 2] = used
+    out[o + 3] = pttl
+    out[o + 4] = t
+  end
+  return true
 end
+
+-- What every other case needs: strict checks, the full read of a counter,
+-- and `lines`. Made at the first call only, so that the common charges
+-- above do not pay for making them.
+local slow
+local function rest()
+  if slow ~= nil then
+    return slow
+  end
+  -- Whether `v` is a whole number from 0 to 2^53 written as Redis writes
+  -- integers: digits only, no sign, no leading zero, no point, no exponent,
+  -- no space. (Lua numbers are doubles, exact up to 2^53.) Two such strings
+  -- of one length compare as their numbers do.
+  local function digits(v)
+    if not v then
+      return false
+    end
+    local len = #v
+    if len == 0 or len > 16 then
+      return false
+    end
+    if v ~= '0' and find(v, '^[1-9]%d*$') == nil then
+      return false
+    end
+    return len < 16 or v <= '9007199254740992'
+  end
+
+  -- The latest instant (ms) the store can name: 9999-12-30T22:00:00Z.
+  local LAST_INSTANT = '253402207200000'
+
+  -- Whether `v` is an instant (ms since the epoch) as `digits` takes it, no
+  -- later than LAST_INSTANT.
+  local function instant(v)
+    return digits(v) and (#v < 15 or (#v == 15 and v <= LAST_INSTANT))
+  end
+
+  local NOT_A_COUNTER = ' holds a value that is not a counter (a whole number from 0 to'
+    .. ' 2^53, or a hash of such numbers n, t and e, t and e no later than'
+    .. ' 9999-12-30T22:00:00Z)'
+  local NOT_A_NUMBER = ' that is not a whole number from 0 to 2^53'
+  local NOT_AN_INSTANT = ' that is not an instant from 1970 to 9999-12-30T22:00:00Z'
+
+  -- Reads the counter at `key`, writing nothing. Returns its kind (0 no key:
+  -- a counter with nothing spent, created as a hash; 1 a hash; 2 a plain
+  -- string counter), the units spent (a number), and its first call and its
+  -- window's end (digits, or nil); or nothing when the key holds something
+  -- that is no counter.
+  local function read(key)
+    local r = try('HGETALL', key)
+    if r.err ~= nil then
+      -- Not a hash.
+      if call('TYPE', key)['ok'] ~= 'string' then
+        return nil
+      end
+      local used = call('GET', key)
+      if not digits(used) then
+        return nil
+      end
+      return 2, used + 0
+    end
+    local size = #r
+    if size == 0 then
+      return 0, 0
+    end
+    local used, first, ends
+    for i = 1, size, 2 do
+      local field, value = r[i], r[i + 1]
+      if not digits(value) then
+        return nil
+      end
+      if field == 'n' then
+        used = value + 0
+      elseif field == 't' and instant(value) then
+        first = value
+      elseif field == 'e' and instant(value) then
+        ends = value
+      else
+        return nil
+      end
+    end
+    if used == nil then
+      return nil
+    end
+    return 1, used, first, ends
+  end
+
+  -- Charges (or, `charging` false, peeks at) the lines of one request at
+  -- `now` (ms): n keys from KEYS[k0 + 1], and from ARGV[a0 + 1] five
+  -- arguments per line, but for a one-line charge its ttl `ttl` when given.
+  -- Returns its reply, or an error reply having written nothing.
+  local function lines(k0, n, now, a0, charging, ttl)
+    if not instant(now) then
+      return redis.error_reply('ERR tower-quota: an instant' .. NOT_AN_INSTANT)
+    end
+    local at = now + 0
+
+    -- Check phase: every key is read and checked, and every line decided,
+    -- before anything is written. A key listed twice is read once, and its
+    -- first line decides what the counter is at `now`.
+    local counters = {}
+    local admitted = true
+    for i = 1, n do
+      local key = KEYS[k0 + i]
+      local a = a0 + (i - 1) * 5
+      local limit, cost = ARGV[a + 1] + 0, ARGV[a + 2] + 0
+      local first_use = ARGV[a + 3] == 'f'
+      if not first_use and not instant(ARGV[a + 5]) then
+        -- A window's end no counter could record.
+        return redis.error_reply('ERR tower-quota: a window end' .. NOT_AN_INSTANT)
+      end
+      local c = counters[key]
+      if c == nil then
+        local kind, used, first, ended = read(key)
+        if kind == nil then
+          return redis.error_reply('ERR tower-quota: ' .. key .. NOT_A_COUNTER)
+        end
+        local pttl, heal, live = -2, 0, false
+        if kind ~= 0 then
+          if ended ~= nil and not first_use then
+            -- Dated when e was written; see above.
+            pttl = -3
+          else
+            pttl = call('PTTL', key)
+          end
+          if pttl == -1 then
+            local ttl = (ttl or ARGV[a + 4]) + 0
+            if not first_use then
+              pttl = ttl
+              heal = 4
+            elseif first == nil then
+              pttl = ttl
+              heal = 2
+            elseif first + ttl > at then
+              -- `ttl` is the length of a period opened now; for months it
+              -- can differ from the one opened at `first` by a few days.
+              pttl = first + ttl - at
+              heal = 1
+            else
+              -- The period ended long ago: as good as expired.
+              heal = 3
+            end
+          end
+          -- Live unless ended, or past the window it records, or past the
+          -- calendar window this line charges.
+          live = heal ~= 3 and (ended == nil or at < ended + 0)
+          if live and not first_use then
+            live = at < ARGV[a + 5] + 0
+          end
+        end
+        if live then
+          c = { kind = kind, used = used, first = first or -1, pttl = pttl,
+                heal = heal, live = true, spent = 0, healed = false }
+        else
+          c = { kind = kind, used = 0, first = -1, pttl = -2,
+                heal = heal, live = false, spent = 0, healed = false }
+        end
+        counters[key] = c
+      end
+      -- A key listed twice is charged twice.
+      if c.used + c.spent + cost > limit then
+        admitted = false
+      end
+      c.spent = c.spent + cost
+    end
+
+    -- Commit phase: only an admitted charge writes. A key's heal is written
+    -- before its first count.
+    local commit = charging and admitted
+    local reply = { admitted and 1 or 0, 0, 0, 0, 0, 0 }
+    local r = 1
+    for i = 1, n do
+      local key = KEYS[k0 + i]
+      local a = a0 + (i - 1) * 5
+      local c = counters[key]
+      local cost = ARGV[a + 2]
+      if commit and c.heal ~= 0 and not c.healed then
+        c.healed = true
+        if c.heal == 3 then
+          call('DEL', key)
+        else
+          call('PEXPIRE', key, c.pttl)
+        end
+      end
+      if commit and cost ~= '0' then
+        if c.live then
+          if c.kind == 2 then
+            c.used = call('INCRBY', key, cost)
+          else
+            c.used = call('HINCRBY', key, 'n', cost)
+          end
+        elseif c.kind ~= 0 and c.heal ~= 3 then
+          -- A calendar counter whose window is over, kept through its grace:
+          -- a charge at `now` counts on no live counter, and leaves it as it
+          -- is.
+          c.used = c.used + cost
+        else
+          -- A new counter: its first call, a calendar window's end, and its
+          -- deadline, all in this call and never again.
+          local ttl = ttl or ARGV[a + 4]
+          local fields = { 'n', cost, 't', now }
+          if ARGV[a + 3] ~= 'f' then
+            fields[5] = 'e'
+            fields[6] = ARGV[a + 5]
+          end
+          call('HSET', key, unpack(fields))
+          call('PEXPIRE', key, ttl)
+          c.kind = 1
+          c.used = cost + 0
+          c.first = now
+          c.pttl = ttl + 0
+          c.live = true
+        end
+      end
+      local used = c.used
+      local left = ARGV[a + 1] - used
+      reply[r + 1] = used
+      reply[r + 2] = left > 0 and left or 0
+      reply[r + 3] = c.live and c.pttl or -2
+      reply[r + 4] = c.first
+      reply[r + 5] = c.heal
+      r = r + 5
+    end
+    return reply
+  end
+
+  slow = {
+    digits = digits,
+    instant = instant,
+    read = read,
+    lines = lines,
+    NOT_A_COUNTER = NOT_A_COUNTER,
+    NOT_A_NUMBER = NOT_A_NUMBER,
+  }
+  return slow
+end
+
+if op == 'c' and #KEYS == 1 then
+  local reply = one(0, ARGV[2], 2)
+  if reply then
+    return reply
+  end
+end
+
+if op == 'b' then
+  -- Most batches are of one-line charges only (each `1` or `=`): their
+  -- layout is walked without a table, then each charge runs as `one`, or
+  -- as `lines` when `one` does not take it. Any other batch, or a
+  -- malformed one, is read below.
+  local nkeys, nargs = #KEYS, #ARGV
+  local k, a = 0, 2
+  while a <= nargs do
+    local n = ARGV[a]
+    if n == '1' and a + 6 <= nargs then
+      a = a + 7
+    elseif n == '=' and k > 0 and a + 2 <= nargs then
+      a = a + 3
+    else
+      break
+    end
+    k = k + 1
+  end
+  if a > nargs and k == nkeys then
+    local out = {}
+    k, a = 0, 2
+    local group
+    while a <= nargs do
+      local now, ttl = ARGV[a + 1], nil
+      if ARGV[a] == '1' then
+        group = a + 1
+        a = a + 7
+      else
+        ttl = ARGV[a + 2]
+        a = a + 3
+      end
+      if not one(k, now, group, out) then
+        local reply = rest().lines(k, 1, now, group, true, ttl)
+        if reply.err ~= nil then
+          out[#out + 1] = reply
+        else
+          local o = #out
+          for j = 1, #reply do
+            out[o + j] = reply[j]
+          end
+        end
+      end
+      k = k + 1
+    end
+    return out
+  end
+end
+
+local S = rest()
+local digits, read, lines = S.digits, S.read, S.lines
+local NOT_A_COUNTER, NOT_A_NUMBER = S.NOT_A_COUNTER, S.NOT_A_NUMBER
 
 if op == 'r' or op == 'a' then
   local key, amount, now = KEYS[1], ARGV[2], ARGV[3]
@@ -214,250 +527,7 @@ if op == 'r' or op == 'a' then
   return call('INCRBY', key, amount)
 end
 
--- Charges (or, `charging` false, peeks at) the lines of one request at
--- `now` (ms): n keys from KEYS[k0 + 1], and from ARGV[a0 + 1] five
--- arguments per line, but for a one-line charge its ttl `ttl` when given.
--- Returns its reply, or an error reply having written nothing.
-local function lines(k0, n, now, a0, charging, ttl)
-  if not instant(now) then
-    return redis.error_reply('ERR tower-quota: an instant' .. NOT_AN_INSTANT)
-  end
-  local at = now + 0
-
-  -- Check phase: every key is read and checked, and every line decided,
-  -- before anything is written. A key listed twice is read once, and its
-  -- first line decides what the counter is at `now`.
-  local counters = {}
-  local admitted = true
-  for i = 1, n do
-    local key = KEYS[k0 + i]
-    local a = a0 + (i - 1) * 5
-    local limit, cost = ARGV[a + 1] + 0, ARGV[a + 2] + 0
-    local first_use = ARGV[a + 3] == 'f'
-    if not first_use and not instant(ARGV[a + 5]) then
-      -- A window's end no counter could record.
-      return redis.error_reply('ERR tower-quota: a window end' .. NOT_AN_INSTANT)
-    end
-    local c = counters[key]
-    if c == nil then
-      local kind, used, first, ended = read(key)
-      if kind == nil then
-        return redis.error_reply('ERR tower-quota: ' .. key .. NOT_A_COUNTER)
-      end
-      local pttl, heal, live = -2, 0, false
-      if kind ~= 0 then
-        if ended ~= nil and not first_use then
-          -- Dated when e was written; see above.
-          pttl = -3
-        else
-          pttl = call('PTTL', key)
-        end
-        if pttl == -1 then
-          local ttl = (ttl or ARGV[a + 4]) + 0
-          if not first_use then
-            pttl = ttl
-            heal = 4
-          elseif first == nil then
-            pttl = ttl
-            heal = 2
-          elseif first + ttl > at then
-            -- `ttl` is the length of a period opened now; for months it
-            -- can differ from the one opened at `first` by a few days.
-            pttl = first + ttl - at
-            heal = 1
-          else
-            -- The period ended long ago: as good as expired.
-            heal = 3
-          end
-        end
-        -- Live unless ended, or past the window it records, or past the
-        -- calendar window this line charges.
-        live = heal ~= 3 and (ended == nil or at < ended + 0)
-        if live and not first_use then
-          live = at < ARGV[a + 5] + 0
-        end
-      end
-      if live then
-        c = { kind = kind, used = used, first = first or -1, pttl = pttl,
-              heal = heal, live = true, spent = 0, healed = false }
-      else
-        c = { kind = kind, used = 0, first = -1, pttl = -2,
-              heal = heal, live = false, spent = 0, healed = false }
-      end
-      counters[key] = c
-    end
-    -- A key listed twice is charged twice.
-    if c.used + c.spent + cost > limit then
-      admitted = false
-    end
-    c.spent = c.spent + cost
-  end
-
-  -- Commit phase: only an admitted charge writes. A key's heal is written
-  -- before its first count.
-  local commit = charging and admitted
-  local reply = { admitted and 1 or 0, 0, 0, 0, 0, 0 }
-  local r = 1
-  for i = 1, n do
-    local key = KEYS[k0 + i]
-    local a = a0 + (i - 1) * 5
-    local c = counters[key]
-    local cost = ARGV[a + 2]
-    if commit and c.heal ~= 0 and not c.healed then
-      c.healed = true
-      if c.heal == 3 then
-        call('DEL', key)
-      else
-        call('PEXPIRE', key, c.pttl)
-      end
-    end
-    if commit and cost ~= '0' then
-      if c.live then
-        if c.kind == 2 then
-          c.used = call('INCRBY', key, cost)
-        else
-          c.used = call('HINCRBY', key, 'n', cost)
-        end
-      elseif c.kind ~= 0 and c.heal ~= 3 then
-        -- A calendar counter whose window is over, kept through its grace:
-        -- a charge at `now` counts on no live counter, and leaves it as it
-        -- is.
-        c.used = c.used + cost
-      else
-        -- A new counter: its first call, a calendar window's end, and its
-        -- deadline, all in this call and never again.
-        local ttl = ttl or ARGV[a + 4]
-        local fields = { 'n', cost, 't', now }
-        if ARGV[a + 3] ~= 'f' then
-          fields[5] = 'e'
-          fields[6] = ARGV[a + 5]
-        end
-        call('HSET', key, unpack(fields))
-        call('PEXPIRE', key, ttl)
-        c.kind = 1
-        c.used = cost + 0
-        c.first = now
-        c.pttl = ttl + 0
-        c.live = true
-      end
-    end
-    local used = c.used
-    local left = ARGV[a + 1] - used
-    reply[r + 1] = used
-    reply[r + 2] = left > 0 and left or 0
-    reply[r + 3] = c.live and c.pttl or -2
-    reply[r + 4] = c.first
-    reply[r + 5] = c.heal
-    r = r + 5
-  end
-  return reply
-end
-
--- The instant and the window's end last checked, and their numbers: the
--- charges of one batch mostly share them.
-local last_now, last_at, last_end, last_end_at
-
--- The last limit and cost converted, and their numbers.
-local last_limit, last_limit_n, last_cost, last_cost_n
-
--- The common charge, in short: one line on a counter this script created
--- (a hash of n and t, and e for calendar counters, in that order) that is
--- live and dated. Decides and commits it exactly as `lines` would, with
--- fewer steps, and appends its reply to `out` (in a batch's short form
--- when `short`); returns nothing, having written nothing, for any other
--- case, which `lines` then takes. Reads the line's limit, cost, anchor and
--- end from ARGV[a0 + 1 ..], and its instant from `now`.
-local function one(k0, now, a0, out, short)
-  local key = KEYS[k0 + 1]
-  local r = try('HGETALL', key)
-  if r.err ~= nil or r[1] ~= 'n' or r[3] ~= 't' then
-    return nil
-  end
-  local n, t, e = r[2], r[4], r[6]
-  local pttl = -3
-  if ARGV[a0 + 3] ~= 'f' then
-    if #r ~= 6 or r[5] ~= 'e' then
-      return nil
-    end
-  else
-    if #r ~= 4 then
-      return nil
-    end
-    pttl = call('PTTL', key)
-    if pttl < 0 then
-      return nil
-    end
-  end
-  local at = last_at
-  if at == nil or now ~= last_now then
-    if not instant(now) then
-      return nil
-    end
-    at = now + 0
-    last_now, last_at = now, at
-  end
-  -- Two numbers below 10^14 in one pattern; `digits` and `instant` take
-  -- the rest.
-  if (#n > 14 or #t > 14 or not find(n .. ' ' .. t, '^[1-9]%d* [1-9]%d*$'))
-      and not (digits(n) and instant(t)) then
-    return nil
-  end
-  if e ~= nil then
-    if e ~= last_end then
-      if not instant(e) then
-        return nil
-      end
-      last_end, last_end_at = e, e + 0
-    end
-    -- Past the window the counter records, or the one this line charges
-    -- (whose end `lines` checks when it differs).
-    local ends = ARGV[a0 + 5]
-    if at >= last_end_at or (ends ~= e and (not instant(ends) or at >= ends + 0)) then
-      return nil
-    end
-  end
-  local ls, cost = ARGV[a0 + 1], ARGV[a0 + 2]
-  if ls ~= last_limit then
-    last_limit, last_limit_n = ls, ls + 0
-  end
-  if cost ~= last_cost then
-    last_cost, last_cost_n = cost, cost + 0
-  end
-  local limit, used = last_limit_n, n + 0
-  local admitted = used + last_cost_n <= limit
-  if admitted and cost ~= '0' then
-    used = call('HINCRBY', key, 'n', cost)
-  end
-  local o = #out
-  if short then
-    if pttl == -3 then
-      out[o + 1] = admitted and 3 or 2
-      out[o + 2] = used
-    else
-      out[o + 1] = admitted and 5 or 4
-      out[o + 2] = used
-      out[o + 3] = pttl
-      out[o + 4] = t
-    end
-    return true
-  end
-  local left = limit - used
-  out[o + 1] = admitted and 1 or 0
-  out[o + 2] = used
-  out[o + 3] = left > 0 and left or 0
-  out[o + 4] = pttl
-  out[o + 5] = t
-  out[o + 6] = 0
-  return true
-end
-
 if op == 'c' then
-  if #KEYS == 1 then
-    local reply = {}
-    if one(0, ARGV[2], 2, reply) then
-      return reply
-    end
-  end
   return lines(0, #KEYS, ARGV[2], 2, true)
 end
 
@@ -510,7 +580,7 @@ if op == 'b' then
   k = 0
   for c = 1, i do
     local n, now, group = counts[c], ARGV[nows[c]], lines_at[c]
-    if n ~= 1 or not one(k, now, group, out, true) then
+    if n ~= 1 or not one(k, now, group, out) then
       local reply = lines(k, n, now, group, true, ttls[c] or nil)
       if reply.err ~= nil then
         out[#out + 1] = reply
