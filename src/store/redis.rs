@@ -517,23 +517,17 @@ impl RedisStore {
             create: Some(inner.connect_timeout),
             recycle: Some(inner.timeout),
         };
-        let get = match inner.connections.ready() {
-            Some(conn) => Ok(Ok(conn)),
-            // Boxed: getting a connection (from a pool, or opening one) is
-            // a large future that a call only needs at times.
+        let conn = match inner.connections.ready_or_get(&timeouts, deadline).await {
+            Some(Ok(conn)) => conn,
+            Some(Err(fault)) => return Err(fault_error(fault)),
             None => {
-                tokio::time::timeout_at(deadline, Box::pin(inner.connections.get(&timeouts))).await
+                return Err(StoreError::new(
+                    StoreErrorKind::Timeout,
+                    "no Redis connection could be had within the store's timeout; nothing was \
+                     sent",
+                ))
             }
         };
-        let conn =
-            match get {
-                Ok(Ok(conn)) => conn,
-                Ok(Err(fault)) => return Err(fault_error(fault)),
-                Err(_) => return Err(StoreError::new(
-                    StoreErrorKind::Timeout,
-                    "no Redis connection could be had within the store's timeout; nothing was sent",
-                )),
-            };
         let mut call = Call {
             inner: Arc::clone(inner),
             lost: conn.lost(),

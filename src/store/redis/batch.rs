@@ -146,8 +146,9 @@ impl Drop for GiveBack {
                 create: Some(inner.connect_timeout),
                 recycle: Some(inner.timeout),
             };
-            match tokio::time::timeout(FOLLOW_THROUGH, inner.connections.get(&timeouts)).await {
-                Ok(Ok(mut conn)) => refund_lines(&inner, &mut conn, lines, now).await,
+            let deadline = tokio::time::Instant::now() + FOLLOW_THROUGH;
+            match inner.connections.ready_or_get(&timeouts, deadline).await {
+                Some(Ok(mut conn)) => refund_lines(&inner, &mut conn, lines, now).await,
                 _ => {
                     if let Some(suppressed) = LATE.admit() {
                         tracing::warn!(
@@ -311,18 +312,10 @@ async fn send(inner: &Arc<Inner>, batch: Vec<Pending>) {
         create: Some(inner.connect_timeout),
         recycle: Some(inner.timeout),
     };
-    // A shared connection at once when one is ready; otherwise the wait
-    // for one, boxed as in `RedisStore::follow`: a large future needed at
-    // times.
-    let get = match inner.connections.ready() {
-        Some(conn) => Ok(Ok(conn)),
-        None => {
-            tokio::time::timeout(FOLLOW_THROUGH, Box::pin(inner.connections.get(&timeouts))).await
-        }
-    };
-    let mut conn = match get {
-        Ok(Ok(conn)) => conn,
-        Ok(Err(fault)) => {
+    let deadline = tokio::time::Instant::now() + FOLLOW_THROUGH;
+    let mut conn = match inner.connections.ready_or_get(&timeouts, deadline).await {
+        Some(Ok(conn)) => conn,
+        Some(Err(fault)) => {
             let error = match fault {
                 super::Fault::Redis(error) => error,
                 super::Fault::Pool(error) => RedisError::from(std::io::Error::other(format!(
@@ -331,7 +324,7 @@ async fn send(inner: &Arc<Inner>, batch: Vec<Pending>) {
             };
             return fail(batch, &error);
         }
-        Err(_) => {
+        None => {
             return fail(
                 batch,
                 &RedisError::from(std::io::Error::other("no Redis connection in time")),

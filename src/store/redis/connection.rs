@@ -554,6 +554,23 @@ impl Connections {
         }
     }
 
+    /// A connection for one call by `deadline`: a [ready](Self::ready) one
+    /// at once, or else the wait for one ([`get`](Self::get)), boxed: a
+    /// large future that a call only needs at times. `None` when none came
+    /// in time.
+    pub(super) async fn ready_or_get(
+        &self,
+        timeouts: &Timeouts,
+        deadline: tokio::time::Instant,
+    ) -> Option<Result<Connection, Fault>> {
+        if let Some(conn) = self.ready() {
+            return Some(Ok(conn));
+        }
+        tokio::time::timeout_at(deadline, Box::pin(self.get(timeouts)))
+            .await
+            .ok()
+    }
+
     /// `conn` failed on the wire (or never answered): it is not used again,
     /// and neither are the store's other connections opened before.
     pub(super) fn failed(&self, conn: Failed) {
