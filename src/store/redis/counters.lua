@@ -403,11 +403,26 @@ local function rest()
     return reply
   end
 
+  -- Charges as `lines` does, and appends its reply to a batch's flat
+  -- reply `out`: an error reply as one value, any other value by value.
+  local function batched(out, k0, n, now, a0, ttl)
+    local reply = lines(k0, n, now, a0, true, ttl)
+    if reply.err ~= nil then
+      out[#out + 1] = reply
+      return
+    end
+    local o = #out
+    for j = 1, #reply do
+      out[o + j] = reply[j]
+    end
+  end
+
   slow = {
     digits = digits,
     instant = instant,
     read = read,
     lines = lines,
+    batched = batched,
     NOT_A_COUNTER = NOT_A_COUNTER,
     NOT_A_NUMBER = NOT_A_NUMBER,
   }
@@ -453,15 +468,7 @@ if op == 'b' then
         a = a + 3
       end
       if not one(k, now, group, out) then
-        local reply = rest().lines(k, 1, now, group, true, ttl)
-        if reply.err ~= nil then
-          out[#out + 1] = reply
-        else
-          local o = #out
-          for j = 1, #reply do
-            out[o + j] = reply[j]
-          end
-        end
+        rest().batched(out, k, 1, now, group, ttl)
       end
       k = k + 1
     end
@@ -470,7 +477,7 @@ if op == 'b' then
 end
 
 local S = rest()
-local digits, read, lines = S.digits, S.read, S.lines
+local digits, read, lines, batched = S.digits, S.read, S.lines, S.batched
 local NOT_A_COUNTER, NOT_A_NUMBER = S.NOT_A_COUNTER, S.NOT_A_NUMBER
 
 if op == 'r' or op == 'a' then
@@ -581,15 +588,7 @@ if op == 'b' then
   for c = 1, i do
     local n, now, group = counts[c], ARGV[nows[c]], lines_at[c]
     if n ~= 1 or not one(k, now, group, out) then
-      local reply = lines(k, n, now, group, true, ttls[c] or nil)
-      if reply.err ~= nil then
-        out[#out + 1] = reply
-      else
-        local o = #out
-        for j = 1, #reply do
-          out[o + j] = reply[j]
-        end
-      end
+      batched(out, k, n, now, group, ttls[c] or nil)
     end
     k = k + n
   end
