@@ -1896,3 +1896,46 @@ async fn a_malformed_instant_is_an_error_reply_on_every_path() {
         );
     }
 }
+
+/// A limit or a cost that Lua reads as a number but is none (`nan`) refuses
+/// the charge and writes nothing, whichever path of the script takes it:
+/// the short one (one line on a live counter the script made), the full one
+/// (two lines), and a batch.
+#[tokio::test]
+async fn a_limit_or_cost_that_is_not_a_number_refuses_on_every_path() {
+    let server = redis_server_or_skip!();
+    let store = store(&server);
+    let now = Timestamp::now();
+    let end = now + hour();
+    let daily = key("nan");
+    assert!(
+        store
+            .charge(calendar(&daily, 10, 1, now, end))
+            .await
+            .unwrap()
+            .admitted
+    );
+    let sha = store.script_sha();
+    let ms = now.as_millisecond().to_string();
+    let end_ms = end.as_millisecond().to_string();
+    let ttl = hour().as_millis().to_string();
+    for (limit, cost) in [("nan", "1"), ("10", "nan"), ("nan", "nan")] {
+        let line = [limit, cost, "c", ttl.as_str(), end_ms.as_str()];
+        let mut short = vec!["evalsha", sha, "1", daily.as_str(), "c", ms.as_str()];
+        short.extend(line);
+        let reply = server.cli(&short);
+        assert_eq!(reply.lines().next(), Some("0"), "{limit}/{cost}: {reply}");
+        let mut full = vec!["evalsha", sha, "2", daily.as_str(), daily.as_str()];
+        full.extend(["c", ms.as_str()]);
+        full.extend(line);
+        full.extend(line);
+        let reply = server.cli(&full);
+        assert_eq!(reply.lines().next(), Some("0"), "{limit}/{cost}: {reply}");
+        let mut batch = vec!["evalsha", sha, "1", daily.as_str(), "b", "1", ms.as_str()];
+        batch.extend(line);
+        let reply = server.cli(&batch);
+        // Refused, in the short form: 2 + admitted, then the count.
+        assert_eq!(reply.lines().next(), Some("2"), "{limit}/{cost}: {reply}");
+    }
+    assert_eq!(server.cli(&["hget", daily.as_str(), "n"]), "1");
+}

@@ -88,19 +88,39 @@ end
 local last_now, last_at, last_end, last_end_at
 local last_limit, last_limit_n, last_cost, last_cost_n
 
--- Whether `v` is an instant of 13 digits (2001-09-09 to 2286-11-20, ms),
--- the only ones the short path takes; `lines` checks any other.
-local function instant13(v)
-  return v ~= nil and #v == 13 and find(v, '^[1-9]%d+$') ~= nil
+-- Whether `v` is a whole number from 0 to 2^53 written as Redis writes
+-- integers: digits only, no sign, no leading zero, no point, no exponent,
+-- no space. (Lua numbers are doubles, exact up to 2^53.) Two such strings
+-- of one length compare as their numbers do.
+local function digits(v)
+  if not v then
+    return false
+  end
+  local len = #v
+  if len == 0 or len > 16 then
+    return false
+  end
+  if v ~= '0' and find(v, '^[1-9]%d*$') == nil then
+    return false
+  end
+  return len < 16 or v <= '9007199254740992'
+end
+
+-- The latest instant (ms) the store can name: 9999-12-30T22:00:00Z.
+local LAST_INSTANT = '253402207200000'
+
+-- Whether `v` is an instant (ms since the epoch) as `digits` takes it, no
+-- later than LAST_INSTANT.
+local function instant(v)
+  return digits(v) and (#v < 15 or (#v == 15 and v <= LAST_INSTANT))
 end
 
 -- The common charge, in short: one line on a counter this script created
 -- (a hash of n and t, and e for calendar counters, in that order) that is
--- live and dated, with n below 10^14 and every instant of 13 digits.
--- Decides and commits it exactly as `lines` would, with fewer steps (and
--- without making the functions `lines` needs), and answers its reply: as
--- a table of its own, or, when `out` is given, appended to `out` in a
--- batch's short form. Answers nothing, having written nothing, for any
+-- live and dated. Decides and commits it exactly as `lines` would, with
+-- fewer steps (and without making the functions `lines` needs), and
+-- answers its reply: as a table of its own, or, when `out` is given,
+-- appended to `out` in a batch's short form. Answers nothing, having written nothing, for any
 -- other case, which `lines` then takes. Reads the line's limit, cost,
 -- anchor and end from ARGV[a0 + 1 ..], and its instant from `now`.
 local function one(k0, now, a0, out)
@@ -127,18 +147,18 @@ local function one(k0, now, a0, out)
   end
   local at = last_at
   if at == nil or now ~= last_now then
-    if not instant13(now) then
+    if not instant(now) then
       return nil
     end
     at = now + 0
     last_now, last_at = now, at
   end
-  if (n ~= '0' and (#n > 14 or not find(n, '^[1-9]%d*$'))) or not instant13(t) then
+  if not (digits(n) and instant(t)) then
     return nil
   end
   if e ~= nil then
     if e ~= last_end then
-      if not instant13(e) then
+      if not instant(e) then
         return nil
       end
       last_end, last_end_at = e, e + 0
@@ -146,7 +166,7 @@ local function one(k0, now, a0, out)
     -- Past the window the counter records, or the one this line charges
     -- (whose end `lines` checks when it differs).
     local ends = ARGV[a0 + 5]
-    if at >= last_end_at or (ends ~= e and (not instant13(ends) or at >= ends + 0)) then
+    if at >= last_end_at or (ends ~= e and (not instant(ends) or at >= ends + 0)) then
       return nil
     end
   end
@@ -187,33 +207,6 @@ local function rest()
   if slow ~= nil then
     return slow
   end
-  -- Whether `v` is a whole number from 0 to 2^53 written as Redis writes
-  -- integers: digits only, no sign, no leading zero, no point, no exponent,
-  -- no space. (Lua numbers are doubles, exact up to 2^53.) Two such strings
-  -- of one length compare as their numbers do.
-  local function digits(v)
-    if not v then
-      return false
-    end
-    local len = #v
-    if len == 0 or len > 16 then
-      return false
-    end
-    if v ~= '0' and find(v, '^[1-9]%d*$') == nil then
-      return false
-    end
-    return len < 16 or v <= '9007199254740992'
-  end
-
-  -- The latest instant (ms) the store can name: 9999-12-30T22:00:00Z.
-  local LAST_INSTANT = '253402207200000'
-
-  -- Whether `v` is an instant (ms since the epoch) as `digits` takes it, no
-  -- later than LAST_INSTANT.
-  local function instant(v)
-    return digits(v) and (#v < 15 or (#v == 15 and v <= LAST_INSTANT))
-  end
-
   local NOT_A_COUNTER = ' holds a value that is not a counter (a whole number from 0 to'
     .. ' 2^53, or a hash of such numbers n, t and e, t and e no later than'
     .. ' 9999-12-30T22:00:00Z)'
@@ -337,7 +330,8 @@ local function rest()
         counters[key] = c
       end
       -- A key listed twice is charged twice.
-      if c.used + c.spent + cost > limit then
+      -- As `one` decides: a limit or cost that Lua reads as NaN refuses.
+      if not (c.used + c.spent + cost <= limit) then
         admitted = false
       end
       c.spent = c.spent + cost
@@ -418,8 +412,6 @@ local function rest()
   end
 
   slow = {
-    digits = digits,
-    instant = instant,
     read = read,
     lines = lines,
     batched = batched,
@@ -477,7 +469,7 @@ if op == 'b' then
 end
 
 local S = rest()
-local digits, read, lines, batched = S.digits, S.read, S.lines, S.batched
+local read, lines, batched = S.read, S.lines, S.batched
 local NOT_A_COUNTER, NOT_A_NUMBER = S.NOT_A_COUNTER, S.NOT_A_NUMBER
 
 if op == 'r' or op == 'a' then
