@@ -120,9 +120,10 @@ end
 -- live and dated. Decides and commits it exactly as `lines` would, with
 -- fewer steps (and without making the functions `lines` needs), and
 -- answers its reply: as a table of its own, or, when `out` is given,
--- appended to `out` in a batch's short form. Answers nothing, having written nothing, for any
--- other case, which `lines` then takes. Reads the line's limit, cost,
--- anchor and end from ARGV[a0 + 1 ..], and its instant from `now`.
+-- appended to `out` in a batch's short form. Answers nothing, having
+-- written nothing, for any other case, which `lines` then takes. Reads the
+-- line's limit, cost, anchor and end from ARGV[a0 + 1 ..], and its instant
+-- from `now`.
 local function one(k0, now, a0, out)
   local key = KEYS[k0 + 1]
   local r = try('HGETALL', key)
@@ -199,9 +200,9 @@ local function one(k0, now, a0, out)
   return true
 end
 
--- What every other case needs: strict checks, the full read of a counter,
--- and `lines`. Made at the first call only, so that the common charges
--- above do not pay for making them.
+-- What every other case needs: the full read of a counter, `lines`, and
+-- their error texts. Made at the first call that needs them only, so that
+-- the common charges above do not pay for making them.
 local slow
 local function rest()
   if slow ~= nil then
