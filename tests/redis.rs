@@ -81,6 +81,21 @@ fn hour() -> SignedDuration {
     SignedDuration::from_hours(1)
 }
 
+/// Charges `request`, which must be admitted.
+async fn admit(store: &RedisStore, request: ChargeRequest) {
+    assert!(store.charge(request).await.unwrap().admitted);
+}
+
+/// A charge's instant, its window's end and an hour's ttl, in milliseconds,
+/// as a test passes them to the script by hand.
+fn raw_times(now: Timestamp, end: Timestamp) -> (String, String, String) {
+    (
+        now.as_millisecond().to_string(),
+        end.as_millisecond().to_string(),
+        hour().as_millis().to_string(),
+    )
+}
+
 #[tokio::test]
 async fn a_first_use_counter_is_a_hash_of_count_and_first_call_with_a_fixed_deadline() {
     let server = redis_server_or_skip!();
@@ -1808,25 +1823,11 @@ async fn a_malformed_instant_is_an_error_reply_on_every_path() {
     let now = Timestamp::now();
     let end = now + hour();
     let daily = key("instant");
-    assert!(
-        store
-            .charge(calendar(&daily, 10, 1, now, end))
-            .await
-            .unwrap()
-            .admitted
-    );
+    admit(&store, calendar(&daily, 10, 1, now, end)).await;
     let hourly = key("instant-first-use");
-    assert!(
-        store
-            .charge(first_use(&hourly, 10, 1, now, hour()))
-            .await
-            .unwrap()
-            .admitted
-    );
+    admit(&store, first_use(&hourly, 10, 1, now, hour())).await;
     let sha = store.script_sha();
-    let ms = now.as_millisecond().to_string();
-    let end_ms = end.as_millisecond().to_string();
-    let ttl = hour().as_millis().to_string();
+    let (ms, end_ms, ttl) = raw_times(now, end);
     let instants = [
         "",
         "1e3",
@@ -1908,17 +1909,9 @@ async fn a_limit_or_cost_that_is_not_a_number_refuses_on_every_path() {
     let now = Timestamp::now();
     let end = now + hour();
     let daily = key("nan");
-    assert!(
-        store
-            .charge(calendar(&daily, 10, 1, now, end))
-            .await
-            .unwrap()
-            .admitted
-    );
+    admit(&store, calendar(&daily, 10, 1, now, end)).await;
     let sha = store.script_sha();
-    let ms = now.as_millisecond().to_string();
-    let end_ms = end.as_millisecond().to_string();
-    let ttl = hour().as_millis().to_string();
+    let (ms, end_ms, ttl) = raw_times(now, end);
     for (limit, cost) in [("nan", "1"), ("10", "nan"), ("nan", "nan")] {
         let line = [limit, cost, "c", ttl.as_str(), end_ms.as_str()];
         let mut short = vec!["evalsha", sha, "1", daily.as_str(), "c", ms.as_str()];
