@@ -1,10 +1,6 @@
 //! What to answer once the store has: a plain function over the store's
 //! answer, so that every outcome can be tested without a runtime.
 
-use std::sync::atomic::{AtomicU32, AtomicU64, Ordering};
-use std::sync::OnceLock;
-use std::time::Instant;
-
 use bytes::Bytes;
 use http::Response;
 use jiff::Timestamp;
@@ -14,53 +10,13 @@ use crate::config::RefusalFn;
 use crate::quota::Quota;
 use crate::response::{PolicyCache, RateLimitFields, Refusal};
 use crate::store::{ChargeOutcome, StoreError, Usage};
+use crate::throttle::Throttle;
 
 /// Store failures logged per second at most: during an outage every request
 /// fails, and the log should say so, not drown.
 const STORE_ERRORS_PER_SECOND: u32 = 5;
 
 static STORE_ERRORS: Throttle = Throttle::new(STORE_ERRORS_PER_SECOND);
-
-/// Lets a few log lines through per second and counts the others.
-pub(crate) struct Throttle {
-    per_second: u32,
-    /// The second (since the process's first failure) being counted, and
-    /// the lines let through in it.
-    second: AtomicU64,
-    emitted: AtomicU32,
-    suppressed: AtomicU64,
-    start: OnceLock<Instant>,
-}
-
-impl Throttle {
-    pub(crate) const fn new(per_second: u32) -> Self {
-        Self {
-            per_second,
-            second: AtomicU64::new(0),
-            emitted: AtomicU32::new(0),
-            suppressed: AtomicU64::new(0),
-            start: OnceLock::new(),
-        }
-    }
-
-    /// Whether to log this one; if so, how many were suppressed since the
-    /// last line.
-    pub(crate) fn admit(&self) -> Option<u64> {
-        self.admit_at(self.start.get_or_init(Instant::now).elapsed().as_secs())
-    }
-
-    fn admit_at(&self, second: u64) -> Option<u64> {
-        if self.second.swap(second, Ordering::Relaxed) != second {
-            self.emitted.store(0, Ordering::Relaxed);
-        }
-        if self.emitted.fetch_add(1, Ordering::Relaxed) < self.per_second {
-            Some(self.suppressed.swap(0, Ordering::Relaxed))
-        } else {
-            self.suppressed.fetch_add(1, Ordering::Relaxed);
-            None
-        }
-    }
-}
 
 /// How a refusal is answered: the policy's hook, if any, and whether the
 /// request is a gRPC call.
@@ -297,19 +253,5 @@ mod tests {
         )
         .append_to(&mut headers);
         assert_eq!(headers["ratelimit-policy"], "\"default-day\";q=5;w=82800");
-    }
-
-    #[test]
-    fn store_failures_are_logged_a_few_times_per_second_with_a_count() {
-        let throttle = Throttle::new(2);
-        assert_eq!(throttle.admit_at(7), Some(0));
-        assert_eq!(throttle.admit_at(7), Some(0));
-        for _ in 0..10 {
-            assert_eq!(throttle.admit_at(7), None);
-        }
-        // The next second's first line says how many were left out.
-        assert_eq!(throttle.admit_at(8), Some(10));
-        assert_eq!(throttle.admit_at(8), Some(0));
-        assert_eq!(throttle.admit_at(8), None);
     }
 }

@@ -13,11 +13,12 @@ use tower_service::Service;
 
 use crate::body::ResponseBody;
 use crate::config::{Costs, Layout};
-use crate::decision::{decide, Answer, Decision, Throttle};
+use crate::decision::{decide, Answer, Decision};
 use crate::key::PeriodKey;
 use crate::response::{PolicyCache, RateLimitFields};
 use crate::status::{QuotaStatus, Ticket};
 use crate::store::{ChargeRequest, Store, StoreError, StoreErrorKind, Usage};
+use crate::throttle::Throttle;
 
 type Adjusting = Pin<Box<dyn Future<Output = Vec<Option<u64>>> + Send>>;
 

@@ -177,7 +177,7 @@ fn unknown_allowance(allowance: &str) -> Response {
 }
 
 /// Lets a few errors a second through while the store is down.
-static STORE_ERRORS: crate::decision::Throttle = crate::decision::Throttle::new(5);
+static STORE_ERRORS: crate::throttle::Throttle = crate::throttle::Throttle::new(5);
 
 fn unavailable(error: &crate::store::StoreError) -> Response {
     if let Some(suppressed) = STORE_ERRORS.admit() {

@@ -17,9 +17,9 @@ use tokio::sync::{OwnedSemaphorePermit, Semaphore};
 use super::{
     ChargeLine, ChargeOutcome, ChargeRequest, Lifetime, Store, StoreError, StoreErrorKind, Usage,
 };
-use crate::decision::Throttle;
 use crate::key::PeriodKey;
 use crate::period::Clock;
+use crate::throttle::Throttle;
 
 use self::batch::{Batches, LineArgs, Lines, Pending};
 use self::connection::{Connection, Connections, Fault, Lost, ServerConnector, Shared};

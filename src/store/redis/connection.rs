@@ -54,7 +54,7 @@ use deadpool::managed::{PoolError, Timeouts};
 use deadpool_redis::redis::aio::{ConnectionLike, MultiplexedConnection};
 use deadpool_redis::redis::{self, RedisError, Value};
 
-use crate::decision::Throttle;
+use crate::throttle::Throttle;
 
 /// A connection idle for this long is pinged before it is used again.
 const IDLE: Duration = Duration::from_secs(1);
