@@ -34,9 +34,7 @@ impl SubjectExtractor for BearerKey {
 #[tokio::main]
 async fn main() {
     // 10 calls per minute and 1 000 per day, charged together.
-    let layer = QuotaLayer::new(BearerKey)
-        .quota(Quota::per_minute(10))
-        .quota(Quota::daily(1_000));
+    let layer = QuotaLayer::new(Quota::per_minute(10), BearerKey).quota(Quota::daily(1_000));
     let app = Router::new()
         .route("/", get(|| async { "hello\n" }))
         .layer(layer);

@@ -100,7 +100,7 @@ async fn main() {
     let (_reporter, health) = tonic_health::server::health_reporter();
 
     let quota = Quota::new(options.limit, options.period.clone(), options.anchor);
-    let layer = QuotaLayer::new(FromHeader::account("x-account-id")).quota(quota);
+    let layer = QuotaLayer::new(quota, FromHeader::account("x-account-id"));
 
     let listener = tokio::net::TcpListener::bind(options.listen)
         .await

@@ -5,7 +5,7 @@
 //! cargo run --release --example server -- --listen 127.0.0.1:8080 --limit 1000 --period 1d \
 //!     --anchor calendar [--tz UTC] [--subject account|user|device] [--store memory] \
 //!     [--on-store-error open|closed] [--quota off] [--burst 10] [--plans free=100,pro=10000] \
-//!     [--admin-token T] [--shadow] [--metrics]
+//!     [--admin-token T] [--shadow] [--metrics] [--zone-header NAME]
 //! ```
 //!
 //! With `--features redis`, `--store redis://127.0.0.1:6379/` keeps the
@@ -37,7 +37,10 @@
 //! `--plans free=100,pro=10000`, the caller's plan comes from the `x-plan`
 //! header (absent: the first plan listed; unknown: 403) and its number
 //! replaces `--limit` for `read` and `write`. With `--shadow`, every quota
-//! is counted and reported but never refuses.
+//! is counted and reported but never refuses. With `--zone-header NAME`,
+//! each caller's calendar days (weeks, months) turn at midnight in the IANA
+//! zone its `NAME` header names (absent: `--tz`; unknown or malformed: 400,
+//! nothing charged).
 
 #[path = "shared/period.rs"]
 mod period;
@@ -58,15 +61,15 @@ use http::StatusCode;
 use serde_json::{json, Value};
 use tower_quota::jiff::tz::TimeZone;
 use tower_quota::{
-    response, unrouted, Anchor, FromHeader, InvalidCost, MemoryStore, OnStoreError, Period, Quota,
-    QuotaHandle, QuotaPolicy, Store, UnknownPlan,
+    response, unrouted, Anchor, FromHeader, InvalidRequest, MemoryStore, OnStoreError, Period,
+    Quota, QuotaHandle, QuotaPolicy, Store, UnknownPlan,
 };
 
 const USAGE: &str =
     "usage: server [--listen ADDR] [--limit N] [--period 10s|1m|1h|1d|1w|1mo|Ns|Nm|Nh] \
 [--anchor calendar|first-use] [--tz ZONE] [--subject account|user|device] [--store memory|redis://HOST:PORT/|redis+unix:///PATH] \
 [--on-store-error open|closed] [--quota on|off] [--burst N] [--plans NAME=N,NAME=N] [--admin-token T] \
-[--shadow] [--metrics]";
+[--shadow] [--metrics] [--zone-header NAME]";
 
 struct Options {
     listen: SocketAddr,
@@ -82,6 +85,7 @@ struct Options {
     admin_token: Option<String>,
     shadow: bool,
     metrics: bool,
+    zone_header: Option<http::HeaderName>,
 }
 
 fn fail(message: &str) -> ! {
@@ -124,6 +128,7 @@ fn parse_args() -> Options {
         admin_token: None,
         shadow: false,
         metrics: false,
+        zone_header: None,
     };
     let mut tz = None;
     let mut args = std::env::args().skip(1);
@@ -198,6 +203,13 @@ fn parse_args() -> Options {
             "--plans" => options.plans = parse_plans(&value).unwrap_or_else(|e| fail(&e)),
             "--admin-token" if value.is_empty() => fail("--admin-token needs a non-empty token"),
             "--admin-token" => options.admin_token = Some(value),
+            "--zone-header" => {
+                options.zone_header = Some(
+                    http::HeaderName::try_from(value.as_str()).unwrap_or_else(|_| {
+                        fail(&format!("--zone-header {value:?}: not a header name"))
+                    }),
+                )
+            }
             _ => fail(&format!("unknown flag {flag}")),
         }
     }
@@ -207,7 +219,7 @@ fn parse_args() -> Options {
     options
 }
 
-fn bulk_cost(parts: &Parts) -> Result<u64, InvalidCost> {
+fn bulk_cost(parts: &Parts) -> Result<u64, InvalidRequest> {
     if parts.uri.path() != "/bulk" {
         return Ok(1);
     }
@@ -217,9 +229,27 @@ fn bulk_cost(parts: &Parts) -> Result<u64, InvalidCost> {
         .unwrap_or("")
         .split('&')
         .find_map(|pair| pair.strip_prefix("n="))
-        .ok_or_else(|| InvalidCost::new("POST /bulk needs ?n=K"))?;
+        .ok_or_else(|| InvalidRequest::new("POST /bulk needs ?n=K"))?;
     n.parse()
-        .map_err(|_| InvalidCost::new("n must be a whole number"))
+        .map_err(|_| InvalidRequest::new("n must be a whole number"))
+}
+
+/// The IANA zone the `header` of a request names; `None` when it names none.
+fn caller_zone(
+    parts: &Parts,
+    header: &http::HeaderName,
+) -> Result<Option<TimeZone>, InvalidRequest> {
+    let Some(value) = parts.headers.get(header) else {
+        return Ok(None);
+    };
+    let name = value
+        .to_str()
+        .ok()
+        .filter(|name| !name.is_empty() && name.len() <= 64)
+        .ok_or_else(|| InvalidRequest::new(format!("{header} is not a time zone name")))?;
+    TimeZone::get(name)
+        .map(Some)
+        .map_err(|_| InvalidRequest::new(format!("{header}: unknown time zone {name:?}")))
 }
 
 fn problem(status: StatusCode, detail: &str) -> Response {
@@ -246,7 +276,7 @@ async fn quota_status<St: Store>(State(handle): State<QuotaHandle<St>>, parts: P
                 "remaining": entry.remaining(),
                 "resets_at": entry.resets_at().to_string(),
                 "first_call": entry.first_call().map(|t| t.to_string()),
-                "anchor": entry.quota.anchor().as_str(),
+                "anchor": entry.quota().anchor().as_str(),
                 "reset": entry.explain_reset(),
             }),
         );
@@ -326,6 +356,9 @@ fn app<St: Store>(options: &Options, store: St) -> Router {
             })
             .plans(options.plans.iter().map(|(name, _)| name.clone()))
             .on_unknown_plan(UnknownPlan::Reject);
+    }
+    if let Some(header) = options.zone_header.clone() {
+        policy = policy.time_zone(move |parts| caller_zone(parts, &header));
     }
     let policy = policy.build();
 

@@ -10,11 +10,12 @@ use std::sync::Arc;
 use http::request::Parts;
 use jiff::Timestamp;
 
-use crate::config::{Settings, Shared};
+use crate::middleware::QuotaLayer;
+use crate::policy::{Policy, QuotaPolicy, Settings};
 use crate::quota::Quota;
 use crate::status::QuotaUsage;
 use crate::store::{ChargeLine, ChargeRequest, MemoryStore, Store, StoreError};
-use crate::subject::{Subject, SubjectError, SubjectExtractor};
+use crate::subject::{check_subject, Subject, SubjectError, SubjectExtractor};
 
 /// A handle on the counters of a [`QuotaPolicy`](crate::QuotaPolicy) (from
 /// [`QuotaPolicy::handle`](crate::QuotaPolicy::handle), every quota of its
@@ -32,23 +33,23 @@ use crate::subject::{Subject, SubjectError, SubjectExtractor};
 /// let acme = Subject::account("acme");
 /// let usage = handle.usage(&acme).await.unwrap();
 /// assert_eq!(usage[0].remaining(), 1_000);
-/// assert_eq!(usage[0].quota.describe_reset(), "every day at 00:00 UTC");
+/// assert_eq!(usage[0].quota().describe_reset(), "every day at 00:00 UTC");
 /// # }
 /// ```
 pub struct QuotaHandle<St = MemoryStore> {
-    shared: Arc<dyn Policy<St>>,
+    shared: Arc<dyn PolicyView<St>>,
     only: Option<Arc<[Quota]>>,
 }
 
 /// What a handle needs of its policy, whatever its subject extractor.
-trait Policy<St>: Send + Sync {
+trait PolicyView<St>: Send + Sync {
     fn settings(&self) -> &Settings;
     fn store(&self) -> &St;
     fn quotas(&self) -> Vec<Quota>;
     fn extract(&self, parts: &Parts) -> Result<Subject, SubjectError>;
 }
 
-impl<E: SubjectExtractor, St: Send + Sync> Policy<St> for Shared<E, St> {
+impl<E: SubjectExtractor, St: Send + Sync> PolicyView<St> for Policy<E, St> {
     fn settings(&self) -> &Settings {
         &self.settings
     }
@@ -56,7 +57,7 @@ impl<E: SubjectExtractor, St: Send + Sync> Policy<St> for Shared<E, St> {
         &self.store
     }
     fn quotas(&self) -> Vec<Quota> {
-        Shared::quotas(self)
+        Policy::quotas(self)
     }
     fn extract(&self, parts: &Parts) -> Result<Subject, SubjectError> {
         self.extractor.extract(parts)
@@ -64,8 +65,28 @@ impl<E: SubjectExtractor, St: Send + Sync> Policy<St> for Shared<E, St> {
 }
 
 impl<St: Send + Sync + 'static> QuotaHandle<St> {
-    pub(crate) fn of_policy<E: SubjectExtractor>(shared: Arc<Shared<E, St>>) -> Self {
-        Self { shared, only: None }
+    fn of_policy<E: SubjectExtractor>(policy: Arc<Policy<E, St>>) -> Self {
+        Self {
+            shared: policy,
+            only: None,
+        }
+    }
+}
+
+impl<E: SubjectExtractor, St: Store> QuotaPolicy<E, St> {
+    /// A handle for support tools and handlers on every quota of the
+    /// policy's layers: where a subject stands, resets and refunds.
+    pub fn handle(&self) -> QuotaHandle<St> {
+        QuotaHandle::of_policy(Arc::clone(&self.core))
+    }
+}
+
+impl<E: SubjectExtractor, St: Store> QuotaLayer<E, St> {
+    /// A handle on the layer's quotas for support tools and handlers: where
+    /// a subject stands, refunds and resets.
+    pub fn handle(&self) -> QuotaHandle<St> {
+        QuotaHandle::of_policy(Arc::clone(&self.bound.policy))
+            .only(Arc::clone(&self.bound.scope.quotas))
     }
 }
 
@@ -99,13 +120,7 @@ impl<St> QuotaHandle<St> {
     /// When the request names no usable subject.
     pub fn subject_of(&self, parts: &Parts) -> Result<Subject, SubjectError> {
         let subject = self.shared.extract(parts)?;
-        let max = self.settings().max_subject_len;
-        if subject.id().is_empty() || subject.id().len() > max {
-            return Err(SubjectError::malformed(format!(
-                "the subject id is empty or longer than {max} bytes"
-            )));
-        }
-        Ok(subject)
+        check_subject(subject, self.settings().max_subject_len)
     }
 
     /// The plan the policy reads from a request with head `parts`, if any.

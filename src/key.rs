@@ -13,7 +13,6 @@
 //! back exactly one (kind, id, allowance, period): two different tuples never
 //! share a counter.
 
-use std::cell::RefCell;
 use std::fmt::{self, Write as _};
 use std::sync::Arc;
 
@@ -59,30 +58,24 @@ impl Namespace {
 
     /// The key of one counter.
     pub fn key(&self, subject: &Subject, allowance: &str, period: &str) -> PeriodKey {
-        thread_local! {
-            // Keys are written here, then copied once into their shared
-            // allocation.
-            static BUFFER: RefCell<String> = const { RefCell::new(String::new()) };
-        }
-        BUFFER.with(|buffer| {
-            let mut key = buffer.borrow_mut();
-            key.clear();
-            key.push_str(&self.prefix);
-            key.push_str(":{");
-            push_encoded(&mut key, subject.kind().as_str().as_bytes());
-            key.push(':');
-            push_encoded(&mut key, subject.id());
-            key.push_str("}:");
-            push_encoded(&mut key, allowance.as_bytes());
-            key.push(':');
-            key.push_str(period);
-            let built = PeriodKey(Arc::from(key.as_str()));
-            // A hostile id must not leave a large buffer behind.
-            if key.capacity() > 4096 {
-                *key = String::new();
-            }
-            built
-        })
+        let mut key = String::with_capacity(
+            self.prefix.len()
+                + 8
+                + subject.kind().as_str().len()
+                + subject.id().len()
+                + allowance.len()
+                + period.len(),
+        );
+        key.push_str(&self.prefix);
+        key.push_str(":{");
+        push_encoded(&mut key, subject.kind().as_str().as_bytes());
+        key.push(':');
+        push_encoded(&mut key, subject.id());
+        key.push_str("}:");
+        push_encoded(&mut key, allowance.as_bytes());
+        key.push(':');
+        key.push_str(period);
+        PeriodKey(Arc::from(key))
     }
 }
 

@@ -33,10 +33,12 @@
 //!
 //! An application with several quotas (a daily one on every route, a burst
 //! limit on some, reads apart from writes) makes one [`QuotaPolicy`]: it owns
-//! the store, clock, namespace, subject extractor and plans, and hands out
-//! the layers. A request passing several layers of one policy is charged
-//! once, on all of their quotas, all or nothing. [`QuotaHandle`] is the
-//! policy's support handle: usage, resets and refunds per subject.
+//! every setting (store, clock, namespace, subject extractor, plans, time
+//! zones) and hands out the layers, which carry only quotas and costs. A
+//! request passing several layers of one policy is charged once on each
+//! quota, and a layer that refuses gives back what the others charged.
+//! [`QuotaHandle`] is the policy's support handle: usage, resets and
+//! refunds per subject.
 //!
 //! # Features
 //!
@@ -62,12 +64,8 @@
 #![cfg_attr(docsrs, feature(doc_cfg))]
 
 mod body;
-mod config;
-mod decision;
-mod future;
 mod handle;
 pub mod key;
-mod layer;
 #[cfg(feature = "metrics")]
 #[cfg_attr(docsrs, doc(cfg(feature = "metrics")))]
 pub mod metrics;
@@ -75,12 +73,11 @@ pub mod metrics;
 #[cfg(not(feature = "metrics"))]
 #[allow(dead_code, unreachable_pub, unused_imports)]
 mod metrics;
+mod middleware;
 pub mod period;
 mod policy;
-mod probe;
 mod quota;
 pub mod response;
-mod service;
 mod status;
 pub mod store;
 pub mod subject;
@@ -96,15 +93,16 @@ pub use ipnet;
 pub use jiff;
 
 pub use crate::body::ResponseBody;
-pub use crate::config::{InvalidCost, OnStoreError, SubjectPolicy, UnknownPlan};
-pub use crate::future::ResponseFuture;
 pub use crate::handle::{QuotaHandle, StandingError};
 pub use crate::key::{Namespace, PeriodKey};
-pub use crate::layer::QuotaLayer;
+pub use crate::middleware::{QuotaLayer, QuotaService, ResponseFuture};
 pub use crate::period::{Anchor, Clock, ManualClock, Period, SystemClock, Window};
-pub use crate::policy::{QuotaPolicy, QuotaPolicyBuilder};
+pub use crate::policy::{
+    InvalidRequest, OnStoreError, QuotaPolicy, QuotaPolicyBuilder, SubjectPolicy, UnknownPlan,
+};
 pub use crate::quota::{Quota, DEFAULT_ALLOWANCE};
-pub use crate::service::QuotaService;
+#[cfg(feature = "axum")]
+pub use crate::status::MissingQuotaStatus;
 pub use crate::status::{QuotaStatus, QuotaUsage};
 pub use crate::store::{MemoryStore, Store, StoreError, Usage};
 pub use crate::subject::{

@@ -1,8 +1,6 @@
 //! What a subject may spend: an allowance, a limit, a period and an anchor.
 
-use std::cell::RefCell;
 use std::fmt;
-use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, RwLock};
 use std::time::Duration;
 
@@ -47,10 +45,6 @@ struct Inner {
     // Limits of named plans; a plan not listed here gets `limit`.
     plans: Vec<(Arc<str>, u64)>,
     allowance: Arc<str>,
-    // Whether the allowance or the zone was chosen on the quota itself: a
-    // layer's defaults apply only to quotas that did not choose.
-    allowance_set: bool,
-    zone_set: bool,
     period: Period,
     anchor: Anchor,
     name: Arc<str>,
@@ -70,20 +64,9 @@ struct Inner {
 }
 
 /// The calendar window a quota's last request fell in, shared by its clones.
+#[derive(Default)]
 struct WindowCache {
-    /// Unique in the process: names this cache in per-thread ones.
-    id: u64,
     window: RwLock<Option<Window>>,
-}
-
-impl Default for WindowCache {
-    fn default() -> Self {
-        static NEXT: AtomicU64 = AtomicU64::new(1);
-        Self {
-            id: NEXT.fetch_add(1, Ordering::Relaxed),
-            window: RwLock::default(),
-        }
-    }
 }
 
 impl Quota {
@@ -93,8 +76,6 @@ impl Quota {
             limit,
             plans: Vec::new(),
             allowance: DEFAULT_ALLOWANCE.into(),
-            allowance_set: false,
-            zone_set: false,
             period,
             anchor,
             name: "".into(),
@@ -159,9 +140,7 @@ impl Quota {
         Arc::make_mut(&mut self.0)
     }
 
-    /// Charges allowance `tag` (e.g. `read`, `write`). A quota without one
-    /// takes its layer's ([`QuotaLayer::allowance`](crate::QuotaLayer::allowance)),
-    /// else `default`.
+    /// Charges allowance `tag` (e.g. `read`, `write`; default `default`).
     ///
     /// # Panics
     ///
@@ -174,16 +153,15 @@ impl Quota {
             !tag.is_empty() && tag.bytes().all(|b| (0x20..0x7f).contains(&b)),
             "an allowance tag is non-empty printable ASCII (got {tag:?})"
         );
-        let inner = self.inner();
-        inner.allowance = tag.into();
-        inner.allowance_set = true;
+        self.inner().allowance = tag.into();
         self.rename();
         self
     }
 
-    /// Counts calendar periods in time zone `tz`. A quota without one takes
-    /// its layer's ([`QuotaLayer::time_zone`](crate::QuotaLayer::time_zone)),
-    /// else UTC.
+    /// Counts calendar periods in time zone `tz` (default UTC). A policy
+    /// that reads each caller's zone
+    /// ([`QuotaPolicyBuilder::time_zone`](crate::QuotaPolicyBuilder::time_zone))
+    /// counts a caller who names one in theirs instead.
     ///
     /// # Panics
     ///
@@ -192,7 +170,6 @@ impl Quota {
     pub fn in_time_zone(mut self, tz: TimeZone) -> Self {
         let inner = self.inner();
         inner.period = inner.period.clone().in_time_zone(tz);
-        inner.zone_set = true;
         inner.current = Arc::default();
         self.rename();
         self
@@ -299,11 +276,6 @@ impl Quota {
         self
     }
 
-    /// Whether the quota spreads the resets it reports.
-    pub(crate) fn spreads(&self) -> bool {
-        self.0.spread > 0 && self.0.anchor == Anchor::Calendar
-    }
-
     /// Seconds added to the reset told to the subject whose hash is
     /// `subject`: at most the quota's spread.
     pub(crate) fn spread_for(&self, subject: u64) -> u64 {
@@ -334,18 +306,13 @@ impl Quota {
         .unwrap_or(self.0.limit)
     }
 
-    /// This quota with a layer's defaults for what it did not choose itself.
-    pub(crate) fn with_defaults(&self, allowance: Option<&str>, zone: Option<&TimeZone>) -> Self {
-        let mut quota = self.clone();
-        if let (Some(tag), false) = (allowance, self.0.allowance_set) {
-            quota = quota.allowance(tag);
-            quota.inner().allowance_set = false;
+    /// This quota as a caller in zone `tz` counts it: a calendar quota whose
+    /// windows depend on the zone moves to it; any other is itself.
+    pub(crate) fn in_callers_zone(&self, tz: &TimeZone) -> Self {
+        if self.0.anchor != Anchor::Calendar || !self.0.period.depends_on_zone() {
+            return self.clone();
         }
-        if let (Some(tz), false) = (zone, self.0.zone_set) {
-            quota = quota.in_time_zone(tz.clone());
-            quota.inner().zone_set = false;
-        }
-        quota
+        self.clone().in_time_zone(tz.clone())
     }
 
     fn rename(&mut self) {
@@ -442,45 +409,9 @@ impl Quota {
         }
     }
 
+    /// Runs `f` on the calendar window containing `at`, computed once per
+    /// window and shared by the quota's clones.
     fn with_window<R>(&self, at: Timestamp, f: impl FnOnce(&Window) -> R) -> R {
-        thread_local! {
-            // The windows this thread used last, by the identity of the
-            // quota's shared cache: no lock, no shared cache line, for the
-            // request after request that falls in the same window.
-            static RECENT: RefCell<Vec<(u64, Window)>> = const { RefCell::new(Vec::new()) };
-        }
-        let id = self.0.current.id;
-        let mut f = Some(f);
-        let hit = RECENT.with(|recent| {
-            let recent = recent.borrow();
-            let window = recent
-                .iter()
-                .find(|(i, w)| *i == id && w.contains(at))
-                .map(|(_, w)| w)?;
-            f.take().map(|f| f(window))
-        });
-        let f = f.take();
-        match (hit, f) {
-            (Some(result), _) => result,
-            (None, None) => unreachable!("the window function runs at most once"),
-            (None, Some(f)) => self.shared_window(at, |window| {
-                RECENT.with(|recent| {
-                    // Busy only if `f` itself looks up a window: then this
-                    // one is simply not kept.
-                    if let Ok(mut recent) = recent.try_borrow_mut() {
-                        recent.retain(|(i, _)| *i != id);
-                        if recent.len() >= 8 {
-                            recent.remove(0);
-                        }
-                        recent.push((id, window.clone()));
-                    }
-                });
-                f(window)
-            }),
-        }
-    }
-
-    fn shared_window<R>(&self, at: Timestamp, f: impl FnOnce(&Window) -> R) -> R {
         {
             let current = self
                 .0
@@ -555,9 +486,19 @@ impl Quota {
         }
     }
 
-    /// Whether two quotas would count on the same keys.
-    pub(crate) fn shares_counters_with(&self, other: &Quota) -> bool {
-        self.0.allowance == other.0.allowance && self.counter_space() == other.counter_space()
+    /// Whether two quotas would count on the same keys; with `any_zone`,
+    /// whether they would for some caller, whose zone replaces theirs.
+    pub(crate) fn shares_counters_with(&self, other: &Quota, any_zone: bool) -> bool {
+        if self.0.allowance != other.0.allowance || self.0.anchor != other.0.anchor {
+            return false;
+        }
+        match self.0.anchor {
+            Anchor::FirstUse => self.0.first_use_label == other.0.first_use_label,
+            Anchor::Calendar if any_zone => self.0.period.same_unit(&other.0.period),
+            Anchor::Calendar => {
+                self.0.period.calendar_identity() == other.0.period.calendar_identity()
+            }
+        }
     }
 
     /// Whether `other` is this very quota (built twice, e.g. by a helper
@@ -565,23 +506,13 @@ impl Quota {
     /// name, same limits. Such quotas share one budget on purpose.
     pub(crate) fn same_as(&self, other: &Quota) -> bool {
         Arc::ptr_eq(&self.0, &other.0)
-            || (self.shares_counters_with(other)
+            || (self.shares_counters_with(other, false)
                 && self.0.name == other.0.name
                 && self.0.limit == other.0.limit
                 && self.0.plans.len() == other.0.plans.len()
                 && self.plans().all(|(p, l)| {
                     other.limit_for(Some(p)) == l && other.plans().any(|(q, _)| q == p)
                 }))
-    }
-
-    /// What a key says about the period, beyond the allowance: the first-use
-    /// label, or which calendar the stamps come from. Quotas that agree here
-    /// write the same keys.
-    fn counter_space(&self) -> String {
-        match self.0.anchor {
-            Anchor::FirstUse => self.0.first_use_label.to_string(),
-            Anchor::Calendar => self.0.period.calendar_identity(),
-        }
     }
 }
 

@@ -34,12 +34,14 @@ pub(crate) struct RateLimitFields {
     limit: HeaderValue,
 }
 
-/// The last `RateLimit-Policy` value a layer sent, with the window lengths
-/// and limits it was built for: it changes only when one of them does (a
-/// window of another length, a subject on another plan).
+/// The `RateLimit-Policy` values a layer sent, by the window lengths and
+/// limits they were built for: a value changes only with one of them (a
+/// window of another length, a subject on another plan or in another zone),
+/// and a layer sees few of those, so a request finds its value under a
+/// read lock.
 #[derive(Default, Debug)]
 pub(crate) struct PolicyCache {
-    last: RwLock<Option<CachedPolicy>>,
+    known: RwLock<Vec<CachedPolicy>>,
     /// The value, when it can never change: no lock to take.
     constant: Option<HeaderValue>,
 }
@@ -48,6 +50,9 @@ pub(crate) struct PolicyCache {
 /// them.
 type CachedPolicy = (Box<[(u64, u64)]>, HeaderValue);
 
+/// Values a layer keeps at most; past this, the oldest goes.
+const MAX_CACHED_POLICIES: usize = 32;
+
 impl PolicyCache {
     /// The cache for `quotas`, with the value built once when every quota's
     /// window and limit are constant.
@@ -55,12 +60,39 @@ impl PolicyCache {
         let windows: Option<Vec<u64>> = quotas.iter().map(Quota::constant_window).collect();
         let constant = windows.map(|windows| {
             let windows = quotas.iter().zip(windows).map(|(q, w)| (w, q.limit()));
-            interned(policy_value(quotas, windows))
+            let entries: Vec<&Quota> = quotas.iter().collect();
+            interned(policy_value(&entries, windows))
         });
         Self {
-            last: RwLock::default(),
+            known: RwLock::default(),
             constant,
         }
+    }
+
+    /// The value for `entries` with these windows, from the cache when it
+    /// has it.
+    fn value(&self, entries: &[(&Quota, Usage)], windows: &[(u64, u64)]) -> HeaderValue {
+        if let Some(value) = &self.constant {
+            if entries.len() == windows.len() {
+                return value.clone();
+            }
+        }
+        {
+            let known = self.known.read().unwrap_or_else(|e| e.into_inner());
+            if let Some((_, value)) = known.iter().find(|(ws, _)| **ws == *windows) {
+                return value.clone();
+            }
+        }
+        let quotas: Vec<&Quota> = entries.iter().map(|(q, _)| *q).collect();
+        let value = policy_value(&quotas, windows.iter().copied());
+        let mut known = self.known.write().unwrap_or_else(|e| e.into_inner());
+        if !known.iter().any(|(ws, _)| **ws == *windows) {
+            if known.len() >= MAX_CACHED_POLICIES {
+                known.remove(0);
+            }
+            known.push((windows.into(), value.clone()));
+        }
+        value
     }
 }
 
@@ -92,7 +124,7 @@ fn interned(value: HeaderValue) -> HeaderValue {
 }
 
 /// The `RateLimit-Policy` value of `quotas` with these windows and limits.
-fn policy_value(quotas: &[Quota], windows: impl Iterator<Item = (u64, u64)>) -> HeaderValue {
+fn policy_value(quotas: &[&Quota], windows: impl Iterator<Item = (u64, u64)>) -> HeaderValue {
     let mut digits = itoa::Buffer::new();
     let mut policy = String::with_capacity(48 * quotas.len());
     for (i, (quota, (window, limit))) in quotas.iter().zip(windows).enumerate() {
@@ -109,76 +141,70 @@ fn policy_value(quotas: &[Quota], windows: impl Iterator<Item = (u64, u64)>) -> 
 }
 
 impl RateLimitFields {
-    /// The fields of `quotas` where the subject (hashed to `subject`, for
-    /// spread resets) stands with `usage`, at `now`.
+    /// The fields of `entries` (each quota, and where the subject stands on
+    /// it) at `now`, for the subject hashed to `subject` (for spread
+    /// resets). `cache` keeps the policy field of one layer's quotas.
     pub(crate) fn new(
-        quotas: &[Quota],
-        usage: &[Usage],
+        entries: &[(&Quota, Usage)],
         now: Timestamp,
-        cache: &PolicyCache,
+        cache: Option<&PolicyCache>,
         subject: u64,
     ) -> Self {
-        let windows = || {
-            quotas
-                .iter()
-                .zip(usage)
-                .map(move |(q, u)| (q.window_seconds(now, u.first_call), u.limit))
-        };
-        let policy = match &cache.constant {
-            Some(value) => value.clone(),
+        let windows: Vec<(u64, u64)> = entries
+            .iter()
+            .map(|(q, u)| (q.window_seconds(now, u.first_call), u.limit))
+            .collect();
+        let policy = match cache {
+            Some(cache) => cache.value(entries, &windows),
             None => {
-                let cached = {
-                    let guard = cache.last.read().unwrap_or_else(|e| e.into_inner());
-                    guard
-                        .as_ref()
-                        .filter(|(ws, _)| ws.iter().copied().eq(windows()))
-                        .map(|(_, value)| value.clone())
-                };
-                cached.unwrap_or_else(|| {
-                    let value = policy_value(quotas, windows());
-                    *cache.last.write().unwrap_or_else(|e| e.into_inner()) =
-                        Some((windows().collect(), value.clone()));
-                    value
-                })
+                let quotas: Vec<&Quota> = entries.iter().map(|(q, _)| *q).collect();
+                policy_value(&quotas, windows.iter().copied())
             }
         };
-        thread_local! {
-            // Written here, then copied once into the value's own
-            // allocation, of the exact size: no second allocation to share
-            // a buffer with room to spare.
-            static BUFFER: std::cell::RefCell<String> = const { std::cell::RefCell::new(String::new()) };
+        let mut digits = itoa::Buffer::new();
+        let mut limit = String::with_capacity(entries.len() * 40);
+        for (i, (quota, usage)) in entries.iter().enumerate() {
+            if i > 0 {
+                limit.push_str(", ");
+            }
+            limit.push_str(quota.quoted_name());
+            limit.push_str(";r=");
+            limit.push_str(digits.format(usage.remaining()));
+            limit.push_str(";t=");
+            let wait = seconds_until(now, usage.resets_at) + quota.spread_for(subject);
+            limit.push_str(digits.format(wait));
         }
-        let limit = BUFFER.with(|buffer| {
-            let mut limit = buffer.borrow_mut();
-            limit.clear();
-            let mut digits = itoa::Buffer::new();
-            for (i, (quota, usage)) in quotas.iter().zip(usage).enumerate() {
-                if i > 0 {
-                    limit.push_str(", ");
-                }
-                limit.push_str(quota.quoted_name());
-                limit.push_str(";r=");
-                limit.push_str(digits.format(usage.remaining()));
-                limit.push_str(";t=");
-                let wait = seconds_until(now, usage.resets_at) + quota.spread_for(subject);
-                limit.push_str(digits.format(wait));
-            }
-            let value = HeaderValue::from_maybe_shared(Bytes::copy_from_slice(limit.as_bytes()))
-                .expect("quota names are printable ASCII");
-            // Many quotas with long names must not leave a large buffer behind.
-            if limit.capacity() > 4096 {
-                *limit = String::new();
-            }
-            value
-        });
+        let limit = HeaderValue::from_maybe_shared(Bytes::from(limit))
+            .expect("quota names are printable ASCII");
         Self { policy, limit }
     }
 
-    /// Appends the fields, so the fields of nested quota layers add up to one
-    /// list each.
-    pub(crate) fn append_to(self, headers: &mut http::HeaderMap) {
-        headers.append(RATELIMIT_POLICY.clone(), self.policy);
-        headers.append(RATELIMIT.clone(), self.limit);
+    /// Puts the fields in front of those already in `headers` (written by
+    /// quota layers further in), so the fields of nested layers form one
+    /// list each, outer layers first.
+    pub(crate) fn prepend_to(self, headers: &mut http::HeaderMap) {
+        prepend(headers, &RATELIMIT_POLICY, self.policy);
+        prepend(headers, &RATELIMIT, self.limit);
+    }
+}
+
+/// `value`, then the values `headers` has for `name`, as one list.
+fn prepend(headers: &mut http::HeaderMap, name: &HeaderName, value: HeaderValue) {
+    match headers.entry(name) {
+        http::header::Entry::Vacant(entry) => {
+            entry.insert(value);
+        }
+        http::header::Entry::Occupied(mut entry) => {
+            let mut list = value.as_bytes().to_vec();
+            for inner in entry.iter() {
+                list.extend_from_slice(b", ");
+                list.extend_from_slice(inner.as_bytes());
+            }
+            let joined = HeaderValue::from_maybe_shared(Bytes::from(list))
+                .expect("joined field values are valid");
+            // Replaces every value the entry had.
+            entry.insert(joined);
+        }
     }
 }
 
@@ -478,8 +504,8 @@ mod tests {
             let told = refusal.retry_after.unwrap();
             prop_assert!(told >= real && told <= real + spread, "{told} vs {real}+{spread}");
             let mut headers = http::HeaderMap::new();
-            RateLimitFields::new(std::slice::from_ref(&quota), &usage, now, &PolicyCache::default(), subject)
-                .append_to(&mut headers);
+            RateLimitFields::new(&[(&quota, usage[0])], now, None, subject)
+                .prepend_to(&mut headers);
             let field = headers["ratelimit"].to_str().unwrap().to_owned();
             prop_assert!(field.ends_with(&format!(";t={told}")), "{}", field);
         }

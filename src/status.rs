@@ -1,32 +1,43 @@
-use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+//! What a request carries once quota layers have seen it: for each policy,
+//! who was charged and on which counters ([`Ticket`]), and the handler's view
+//! of it ([`QuotaStatus`]).
+
+use std::fmt;
+use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, OnceLock};
 
+use jiff::tz::TimeZone;
 use jiff::Timestamp;
 
-use crate::config::{Costs, Layout};
 use crate::key::PeriodKey;
 use crate::period::Anchor;
 use crate::quota::Quota;
 use crate::store::Usage;
 use crate::subject::Subject;
 
-/// Where one subject stands on one quota: the quota, its counter's key and
-/// the counter's state. What [`QuotaStatus`] lists for a request and
-/// [`QuotaHandle::usage`](crate::QuotaHandle::usage) for support tools.
+/// Where one subject stands on one quota: what [`QuotaStatus`] lists for a
+/// request, and [`QuotaHandle::usage`](crate::QuotaHandle::usage) for support
+/// tools.
 #[derive(Clone, Debug)]
-#[non_exhaustive]
 pub struct QuotaUsage {
-    /// The quota.
-    pub quota: Quota,
-    /// The counter's key.
-    pub key: PeriodKey,
-    /// The counter's state (its limit is the subject's plan's).
-    pub usage: Usage,
+    quota: Quota,
+    key: PeriodKey,
+    usage: Usage,
 }
 
 impl QuotaUsage {
     pub(crate) fn new(quota: Quota, key: PeriodKey, usage: Usage) -> Self {
         Self { quota, key, usage }
+    }
+
+    /// The quota, in the time zone it was counted in.
+    pub fn quota(&self) -> &Quota {
+        &self.quota
+    }
+
+    /// The counter's key.
+    pub fn key(&self) -> &PeriodKey {
+        &self.key
     }
 
     /// The quota's name, as clients see it.
@@ -76,7 +87,7 @@ impl QuotaUsage {
             "used": self.used(),
             "remaining": self.remaining(),
             "resets_at": self.resets_at().to_string(),
-            "anchor": self.quota.anchor().as_str(),
+            "anchor": self.quota().anchor().as_str(),
             "first_call": self.first_call().map(|t| t.to_string()),
             "reset": self.explain_reset(),
         })
@@ -86,28 +97,28 @@ impl QuotaUsage {
     /// Europe/Berlin`, or for a first-use quota `24h after the first call
     /// (2026-12-02T10:00:00Z), at 2026-12-03T10:00:00Z`.
     pub fn explain_reset(&self) -> String {
-        let rule = self.quota.describe_reset();
-        match (self.quota.anchor(), self.usage.first_call) {
+        let rule = self.quota().describe_reset();
+        match (self.quota().anchor(), self.first_call()) {
             (Anchor::FirstUse, Some(first)) => {
-                format!("{rule} ({first}), at {}", self.usage.resets_at)
+                format!("{rule} ({first}), at {}", self.resets_at())
             }
             (Anchor::FirstUse, None) => format!("{rule}; no period is open"),
-            (Anchor::Calendar, _) => format!("{rule}; next at {}", self.usage.resets_at),
+            (Anchor::Calendar, _) => format!("{rule}; next at {}", self.resets_at()),
         }
     }
 }
 
-/// Where the caller stands, inserted into the request's extensions once per
-/// request for the handler (with the `axum` feature, usable directly as an
-/// extractor): one entry per quota that applied, whichever layers of the
-/// policy the request passed. A request that was let through uncounted (a
-/// skip rule, an unknown route) carries a status with no entries.
+/// Where the caller stands: one entry per quota that applied to the request,
+/// in the order the layers charged them (outer layers first), whatever
+/// policies and layers the request passed. A request no quota counted (a
+/// skip rule, a request without a subject let through) has no entries.
 ///
-/// The status is also how the layers of a policy recognise a request they
-/// already charged: a request built with another request's extensions (a
-/// sub-request of a batch endpoint) passes those layers uncharged. Remove
-/// `QuotaStatus` from the extensions you copy when the sub-request must be
-/// charged on its own.
+/// Quota layers insert it into the request's extensions; with the `axum`
+/// feature it is an extractor. It is also how the layers recognise a
+/// request they already charged: a request built with another request's
+/// extensions (a sub-request of a batch endpoint) passes those layers
+/// uncharged. Remove `QuotaStatus` from the extensions you copy when the
+/// sub-request must be charged on its own.
 ///
 /// ```
 /// use axum::{routing::get, Router};
@@ -121,224 +132,196 @@ impl QuotaUsage {
 ///     .route("/", get(handler))
 ///     .layer(QuotaLayer::daily(1_000, FromHeader::account("x-account-id")));
 /// ```
-#[derive(Clone, Debug)]
+#[derive(Clone, Default)]
 pub struct QuotaStatus {
-    inner: Arc<Ticket>,
-}
-
-/// What the layers of one policy know about a request they charged: the
-/// status the handler reads, and what inner layers and the response path
-/// need.
-#[derive(Debug)]
-pub(crate) struct Ticket {
-    pub(crate) policy: u64,
-    /// What was charged; `None` for a request let through uncounted.
-    pub(crate) layout: Option<Arc<Layout>>,
-    pub(crate) costs: Costs,
-    /// A hidden outer layer's charge, whose entries come first.
-    pub(crate) outer: Option<QuotaStatus>,
-    /// Who was charged: the keys follow from it.
-    pub(crate) subject: Option<Subject>,
-    /// What the store answered, one per line of the layout.
-    pub(crate) usage: Vec<Usage>,
-    /// The subject's hash, for spread resets (0 when nothing spreads).
-    pub(crate) subject_hash: u64,
-    /// The real limits of the lines, when some quota is in shadow mode
-    /// (the store is asked to charge those without a limit).
-    pub(crate) limits: Vec<u64>,
+    /// One per policy whose layers the request passed, in the order it met
+    /// them.
+    tickets: Vec<Ticket>,
     /// What the handler reads, built on first use: most handlers never look.
-    pub(crate) entries: OnceLock<Vec<QuotaUsage>>,
-    /// Bit `i`: the request reached the layer of scope `i` of the layout.
-    pub(crate) reached: AtomicU64,
-    /// Set when the charge was given back (an inner layer refused).
-    pub(crate) refunded: AtomicBool,
-    /// The instant of the charge.
-    pub(crate) charged_at: Timestamp,
+    entries: OnceLock<Vec<QuotaUsage>>,
 }
 
 impl QuotaStatus {
-    #[inline]
-    pub(crate) fn new(ticket: Ticket) -> Self {
-        Self {
-            inner: Arc::new(ticket),
-        }
-    }
-
-    /// The status of a request let through uncounted.
-    pub(crate) fn exempt(policy: u64, now: Timestamp) -> Self {
-        Self::new(Ticket {
-            policy,
-            layout: None,
-            costs: Costs::none(),
-            outer: None,
-            subject: None,
-            usage: Vec::new(),
-            subject_hash: 0,
-            limits: Vec::new(),
-            entries: OnceLock::new(),
-            reached: AtomicU64::new(0),
-            refunded: AtomicBool::new(false),
-            charged_at: now,
-        })
-    }
-
-    pub(crate) fn ticket(&self) -> &Ticket {
-        &self.inner
-    }
-
-    /// The ticket, while this status is its only holder (before the request
-    /// carries it).
-    pub(crate) fn ticket_mut(&mut self) -> Option<&mut Ticket> {
-        Arc::get_mut(&mut self.inner)
-    }
-
     /// One entry per quota that applied to the request, outer layers first.
     pub fn entries(&self) -> &[QuotaUsage] {
-        self.inner.entries()
+        self.entries.get_or_init(|| {
+            self.tickets
+                .iter()
+                .flat_map(|ticket| ticket.lines.iter())
+                .map(|line| QuotaUsage::new(line.quota.clone(), line.key.clone(), line.usage))
+                .collect()
+        })
     }
 
     /// The entry of the quota named `name`.
     pub fn get(&self, name: &str) -> Option<&QuotaUsage> {
-        self.entries().iter().find(|e| e.quota.name() == name)
+        self.entries().iter().find(|e| e.name() == name)
     }
 
-    /// The instant the request was charged: what
+    /// The instant the request was first charged: what
     /// [`QuotaHandle::refund_at`](crate::QuotaHandle::refund_at) takes to
-    /// undo it later.
-    pub fn charged_at(&self) -> Timestamp {
-        self.inner.charged_at
+    /// undo it later. `None` when nothing was charged.
+    pub fn charged_at(&self) -> Option<Timestamp> {
+        self.tickets
+            .iter()
+            .find(|t| !t.lines.is_empty())
+            .map(|t| t.now)
     }
 
-    /// Whether the request was let through uncounted.
+    /// Whether no quota counted the request.
     pub fn is_exempt(&self) -> bool {
-        self.inner.layout.is_none()
+        self.tickets.iter().all(|t| t.lines.is_empty())
+    }
+
+    /// The ticket of policy `policy`, if one of its layers saw the request.
+    pub(crate) fn ticket(&self, policy: u64) -> Option<&Ticket> {
+        self.tickets.iter().find(|t| t.policy == policy)
+    }
+
+    /// Records `ticket`, replacing what its policy knew before.
+    pub(crate) fn put(&mut self, ticket: Ticket) {
+        self.entries = OnceLock::new();
+        match self.tickets.iter_mut().find(|t| t.policy == ticket.policy) {
+            Some(known) => *known = ticket,
+            None => self.tickets.push(ticket),
+        }
     }
 }
 
+impl fmt::Debug for QuotaStatus {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("QuotaStatus")
+            .field("entries", &self.entries())
+            .finish()
+    }
+}
+
+/// What one policy knows of a request its layers saw: who is charged, on
+/// which plan and in which zone, and the lines its layers charged so far.
+#[derive(Clone, Debug)]
+pub(crate) struct Ticket {
+    /// The policy's identity.
+    pub(crate) policy: u64,
+    /// The request's instant: every layer of the policy charges it at the
+    /// same one, so a request near a boundary counts in one period.
+    pub(crate) now: Timestamp,
+    /// `None` when the policy lets the request through uncounted (a skip
+    /// rule, no usable subject under `SubjectPolicy::Allow`, a store failure
+    /// under fail-open): its inner layers pass it too.
+    pub(crate) caller: Option<Arc<Caller>>,
+    /// What the policy's layers charged, outer layers first.
+    pub(crate) lines: Vec<Arc<Line>>,
+}
+
 impl Ticket {
-    fn entries(&self) -> &[QuotaUsage] {
-        self.entries.get_or_init(|| {
-            let outer = self.outer.as_ref().map(|o| o.entries()).unwrap_or_default();
-            let mut entries = outer.to_vec();
-            if let Some(layout) = &self.layout {
-                // Only the layers the request passed, so far.
-                for (line, (quota, usage)) in layout.quotas.iter().zip(&self.usage).enumerate() {
-                    if self.reached(layout.line_scope[line]) {
-                        entries.push(QuotaUsage::new(quota.clone(), self.own_key(line), *usage));
-                    }
-                }
-            }
-            entries
-        })
+    /// Whether a line of this ticket counts on `key`.
+    pub(crate) fn counts(&self, key: &PeriodKey) -> bool {
+        self.lines.iter().any(|line| line.key == *key)
     }
+}
 
-    /// The key of line `line` of this charge's layout.
-    fn own_key(&self, line: usize) -> PeriodKey {
-        let (Some(layout), Some(subject)) = (&self.layout, &self.subject) else {
-            unreachable!("only a charge has lines")
-        };
-        layout.quotas[line].key(&layout.namespace, subject, self.charged_at)
-    }
+/// Who a request is charged to, as the first layer of a policy found.
+#[derive(Debug)]
+pub(crate) struct Caller {
+    pub(crate) subject: Subject,
+    pub(crate) plan: Option<Box<str>>,
+    /// The caller's own time zone, when the policy reads one.
+    pub(crate) zone: Option<TimeZone>,
+    /// A hash of the subject every instance computes alike: it spreads the
+    /// resets told to subjects.
+    pub(crate) spread: u64,
+}
 
-    /// The key of entry `i`: a hidden outer layer's lines first.
-    pub(crate) fn key(&self, i: usize) -> PeriodKey {
-        let offset = self.outer_lines();
-        match &self.outer {
-            Some(outer) if i < offset => outer.ticket().key(i),
-            _ => self.own_key(i - offset),
+/// One counter a layer charged for a request.
+#[derive(Debug)]
+pub(crate) struct Line {
+    /// The quota, in the caller's zone.
+    pub(crate) quota: Quota,
+    pub(crate) key: PeriodKey,
+    pub(crate) cost: u64,
+    /// What the store answered (with a shadow quota's real limit).
+    pub(crate) usage: Usage,
+    /// Set by whoever gives the line back first: a line is given back at
+    /// most once, however many layers see the request fail.
+    given_back: AtomicBool,
+}
+
+impl Line {
+    pub(crate) fn new(quota: Quota, key: PeriodKey, cost: u64, usage: Usage) -> Self {
+        Self {
+            quota,
+            key,
+            cost,
+            usage,
+            given_back: AtomicBool::new(false),
         }
     }
 
-    /// Marks the layer of `scope` as reached; whether this charge (or a
-    /// hidden outer one) covered its quotas.
-    pub(crate) fn reach(&self, scope: u64) -> bool {
-        let Some(layout) = &self.layout else {
-            return false;
-        };
-        match layout.scopes.iter().position(|s| s.id == scope) {
-            Some(i) => {
-                self.reached.fetch_or(1 << i, Ordering::Relaxed);
-                true
-            }
-            None => self.outer.as_ref().is_some_and(|o| o.ticket().reach(scope)),
-        }
+    /// Claims the line's give-back: `true` for the first caller only.
+    pub(crate) fn claim_give_back(&self) -> bool {
+        !self.given_back.swap(true, Ordering::AcqRel)
     }
 
-    /// Whether the request reached the layer of scope `i` of the layout.
-    pub(crate) fn reached(&self, i: usize) -> bool {
-        self.reached.load(Ordering::Relaxed) & (1 << i) != 0
+    /// Whether the line was given back.
+    pub(crate) fn is_given_back(&self) -> bool {
+        self.given_back.load(Ordering::Acquire)
     }
 
-    /// Whether this charge (or one further out) counts on `quota`'s counter.
-    pub(crate) fn counts(&self, quota: &Quota) -> bool {
-        self.layout
-            .as_ref()
-            .is_some_and(|l| l.quotas.iter().any(|q| q.shares_counters_with(quota)))
-            || self
-                .outer
-                .as_ref()
-                .is_some_and(|o| o.ticket().counts(quota))
-    }
-
-    /// How many entries come from a hidden outer layer's charge.
-    pub(crate) fn outer_lines(&self) -> usize {
-        self.outer.as_ref().map_or(0, |o| o.ticket().lines())
-    }
-
-    /// How many entries the status lists.
-    pub(crate) fn lines(&self) -> usize {
-        self.outer_lines() + self.layout.as_ref().map_or(0, |l| l.quotas.len())
-    }
-
-    /// Whether the counter of entry `i` is still the one that was charged
-    /// at `now`: a first-use counter whose period has ended is not, even if
-    /// a new one has the same key.
-    pub(crate) fn line_live(&self, i: usize, now: Timestamp) -> bool {
-        let offset = self.outer_lines();
-        match (&self.outer, &self.layout) {
-            (Some(outer), _) if i < offset => outer.ticket().line_live(i, now),
-            (_, Some(layout)) => {
-                let line = i - offset;
-                layout.quotas[line].anchor() != Anchor::FirstUse
-                    || self
-                        .usage
-                        .get(line)
-                        .is_none_or(|usage| usage.resets_at > now)
-            }
-            (_, None) => false,
-        }
-    }
-
-    /// What entry `i` was charged.
-    pub(crate) fn line_cost(&self, i: usize) -> u64 {
-        let offset = self.outer_lines();
-        match (&self.outer, &self.layout) {
-            (Some(outer), _) if i < offset => outer.ticket().line_cost(i),
-            (_, Some(layout)) => self.costs.get(layout.line_scope[i - offset]),
-            (_, None) => 0,
-        }
+    /// Whether the counter at the line's key is still the one charged, at
+    /// `now`: a first-use counter whose period ended is not, even if a new
+    /// one has the same key.
+    pub(crate) fn is_live(&self, now: Timestamp) -> bool {
+        self.quota.anchor() != Anchor::FirstUse || self.usage.resets_at > now
     }
 }
 
 #[cfg(feature = "axum")]
 mod axum_impl {
     use axum_core::extract::FromRequestParts;
+    use axum_core::response::{IntoResponse, Response};
     use http::request::Parts;
     use http::StatusCode;
 
     use super::QuotaStatus;
 
+    /// The [`QuotaStatus`] extractor's rejection: the handler is not behind a
+    /// quota layer. Answers 500, as a problem document: the app is wired
+    /// wrong, not the request.
+    #[derive(Debug)]
+    #[non_exhaustive]
+    pub struct MissingQuotaStatus;
+
+    impl std::fmt::Display for MissingQuotaStatus {
+        fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+            f.write_str("QuotaStatus is only available behind a quota layer")
+        }
+    }
+
+    impl std::error::Error for MissingQuotaStatus {}
+
+    impl IntoResponse for MissingQuotaStatus {
+        fn into_response(self) -> Response {
+            let problem =
+                crate::response::problem(StatusCode::INTERNAL_SERVER_ERROR, &self.to_string());
+            problem.map(axum_core::body::Body::from)
+        }
+    }
+
     impl<S: Send + Sync> FromRequestParts<S> for QuotaStatus {
-        type Rejection = (StatusCode, &'static str);
+        type Rejection = MissingQuotaStatus;
 
         async fn from_request_parts(
             parts: &mut Parts,
             _state: &S,
         ) -> Result<Self, Self::Rejection> {
-            parts.extensions.get::<QuotaStatus>().cloned().ok_or((
-                StatusCode::INTERNAL_SERVER_ERROR,
-                "QuotaStatus is only available behind a quota layer",
-            ))
+            parts
+                .extensions
+                .get::<QuotaStatus>()
+                .cloned()
+                .ok_or(MissingQuotaStatus)
         }
     }
 }
+
+#[cfg(feature = "axum")]
+pub use axum_impl::MissingQuotaStatus;

@@ -39,18 +39,16 @@ use axum::handler::Handler;
 use axum::response::{IntoResponse, Response};
 use http::StatusCode;
 
-use crate::probe;
-
 /// Answers `405 Method Not Allowed` (axum adds the `Allow` field): use it
 /// with `Router::method_not_allowed_fallback`. Quota layers wrapping it give
 /// their charge back.
-#[derive(Debug)]
+#[derive(Clone, Copy, Debug)]
 pub struct MethodNotAllowed;
 
 /// Answers `404 Not Found`: use it with `Router::fallback` when quota layers
 /// are applied with `Router::layer`. Quota layers wrapping it give their
 /// charge back.
-#[derive(Debug)]
+#[derive(Clone, Copy, Debug)]
 pub struct NotFound;
 
 /// The mark of a response no route served.
@@ -59,15 +57,6 @@ pub(crate) struct Unrouted;
 
 macro_rules! marker {
     ($name:ident, $status:expr) => {
-        impl Clone for $name {
-            fn clone(&self) -> Self {
-                // A quota layer being built keeps its store at hand, to give
-                // back what it charges for these requests.
-                probe::announce_unrouted();
-                $name
-            }
-        }
-
         impl<S> Handler<(), S> for $name {
             type Future = Ready<Response>;
 

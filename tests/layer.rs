@@ -18,8 +18,9 @@ use serde_json::Value;
 use tower::{service_fn, Layer, Service, ServiceBuilder, ServiceExt};
 use tower_quota::store::{ChargeOutcome, ChargeRequest, StoreErrorKind};
 use tower_quota::{
-    Anchor, FromExtension, FromHeader, InvalidCost, ManualClock, MemoryStore, OnStoreError, Period,
-    PeriodKey, Quota, QuotaLayer, QuotaStatus, Store, StoreError, SubjectPolicy, Usage,
+    Anchor, FromExtension, FromHeader, InvalidRequest, ManualClock, MemoryStore, OnStoreError,
+    Period, PeriodKey, Quota, QuotaLayer, QuotaPolicy, QuotaStatus, Store, StoreError,
+    SubjectPolicy, Usage,
 };
 
 fn at(s: &str) -> Timestamp {
@@ -148,7 +149,12 @@ fn account() -> FromHeader {
 #[tokio::test]
 async fn calendar_day_resets_at_midnight_utc() {
     let clock = ManualClock::new(at("2026-12-02T23:59:58Z"));
-    let app = hello(QuotaLayer::daily(2, account()).clock(clock.clone()));
+    let app = hello(
+        QuotaPolicy::builder(account())
+            .clock(clock.clone())
+            .build()
+            .layer(Quota::daily(2)),
+    );
 
     assert_eq!(get_as(&app, "/", "acme").await.status, StatusCode::OK);
     let second = get_as(&app, "/", "acme").await;
@@ -173,9 +179,10 @@ async fn berlin_day(local_midnight: &str, hours: i64) {
     let start = at(local_midnight);
     let clock = ManualClock::new(start);
     let app = hello(
-        QuotaLayer::daily(1, account())
-            .time_zone(berlin())
-            .clock(clock.clone()),
+        QuotaPolicy::builder(account())
+            .clock(clock.clone())
+            .build()
+            .layer(Quota::daily(1).in_time_zone(berlin())),
     );
 
     let first = get_as(&app, "/", "acme").await;
@@ -217,7 +224,12 @@ async fn month_ends() {
         ("2026-12-31T23:59:59.999Z", "2027-01-01T00:00:00Z", 31),
     ] {
         let clock = ManualClock::new(at(last_instant));
-        let app = hello(QuotaLayer::monthly(1, account()).clock(clock.clone()));
+        let app = hello(
+            QuotaPolicy::builder(account())
+                .clock(clock.clone())
+                .build()
+                .layer(Quota::monthly(1)),
+        );
         let first = get_as(&app, "/", "acme").await;
         assert_eq!(first.status, StatusCode::OK, "{last_instant}");
         assert_eq!(
@@ -242,9 +254,10 @@ async fn month_ends() {
 async fn month_in_berlin_starts_at_local_midnight() {
     let clock = ManualClock::new(at("2026-11-30T22:59:59Z"));
     let app = hello(
-        QuotaLayer::monthly(1, account())
-            .time_zone(berlin())
-            .clock(clock.clone()),
+        QuotaPolicy::builder(account())
+            .clock(clock.clone())
+            .build()
+            .layer(Quota::monthly(1).in_time_zone(berlin())),
     );
     assert_eq!(get_as(&app, "/", "acme").await.status, StatusCode::OK);
     assert_eq!(
@@ -259,9 +272,10 @@ async fn month_in_berlin_starts_at_local_midnight() {
 #[tokio::test]
 async fn fixed_windows_are_aligned_to_the_epoch() {
     let clock = ManualClock::new(at("2026-12-02T13:33:29.500Z"));
-    let layer = QuotaLayer::new(account())
-        .quota(Quota::fixed_window(1, Duration::from_secs(10)))
-        .clock(clock.clone());
+    let layer = QuotaPolicy::builder(account())
+        .clock(clock.clone())
+        .build()
+        .layer(Quota::fixed_window(1, Duration::from_secs(10)));
     let app = hello(layer);
     let first = get_as(&app, "/", "acme").await;
     assert_eq!(first.ratelimit()["default-10s"], (0, 1));
@@ -279,8 +293,12 @@ async fn fixed_windows_are_aligned_to_the_epoch() {
 async fn first_use_resets_one_period_after_the_first_call_however_often_the_subject_calls() {
     let first_call = at("2026-12-02T10:00:00Z");
     let clock = ManualClock::new(first_call);
-    let app =
-        hello(QuotaLayer::rolling(5, Duration::from_secs(60), account()).clock(clock.clone()));
+    let app = hello(
+        QuotaPolicy::builder(account())
+            .clock(clock.clone())
+            .build()
+            .layer(Quota::rolling(5, Duration::from_secs(60))),
+    );
 
     let mut admitted = 0;
     let deadline = first_call
@@ -316,8 +334,12 @@ async fn first_use_resets_one_period_after_the_first_call_however_often_the_subj
 #[tokio::test]
 async fn first_use_periods_are_per_subject() {
     let clock = ManualClock::new(at("2026-12-02T10:00:00Z"));
-    let app =
-        hello(QuotaLayer::rolling(1, Duration::from_secs(3600), account()).clock(clock.clone()));
+    let app = hello(
+        QuotaPolicy::builder(account())
+            .clock(clock.clone())
+            .build()
+            .layer(Quota::rolling(1, Duration::from_secs(3600))),
+    );
     assert_eq!(get_as(&app, "/", "early").await.status, StatusCode::OK);
     clock.advance(SignedDuration::from_mins(30));
     assert_eq!(get_as(&app, "/", "late").await.status, StatusCode::OK);
@@ -335,7 +357,12 @@ async fn first_use_periods_are_per_subject() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
 async fn concurrent_requests_of_one_subject_admit_exactly_the_limit() {
     let clock = ManualClock::new(at("2026-12-02T12:00:00Z"));
-    let app = hello(QuotaLayer::daily(100, account()).clock(clock));
+    let app = hello(
+        QuotaPolicy::builder(account())
+            .clock(clock)
+            .build()
+            .layer(Quota::daily(100)),
+    );
     let tasks: Vec<_> = (0..1_000)
         .map(|_| {
             let app = app.clone();
@@ -357,10 +384,11 @@ async fn concurrent_requests_of_one_subject_admit_exactly_the_limit() {
 /// admitted, and the other quota was charged for exactly those requests.
 async fn concurrent_two_quotas(minute: u64, day: u64) {
     let clock = ManualClock::new(at("2026-12-02T12:00:10Z"));
-    let layer = QuotaLayer::new(account())
-        .quota(Quota::per_minute(minute))
-        .quota(Quota::daily(day))
-        .clock(clock);
+    let layer = QuotaPolicy::builder(account())
+        .clock(clock)
+        .build()
+        .layer(Quota::per_minute(minute))
+        .quota(Quota::daily(day));
     let handle = layer.handle();
     let app = hello(layer);
     let tasks: Vec<_> = (0..400)
@@ -381,8 +409,8 @@ async fn concurrent_two_quotas(minute: u64, day: u64) {
         .usage(&tower_quota::Subject::account("acme"))
         .await
         .unwrap();
-    assert_eq!(usage[0].usage.used, binding, "minute counter");
-    assert_eq!(usage[1].usage.used, binding, "day counter");
+    assert_eq!(usage[0].used(), binding, "minute counter");
+    assert_eq!(usage[1].used(), binding, "day counter");
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
@@ -401,10 +429,11 @@ async fn concurrent_requests_never_overspend_when_the_day_binds() {
 async fn quotas_are_charged_all_or_nothing() {
     let clock = ManualClock::new(at("2026-12-02T10:00:00Z"));
     let app = hello(
-        QuotaLayer::new(account())
-            .quota(Quota::per_minute(2))
-            .quota(Quota::daily(3))
-            .clock(clock.clone()),
+        QuotaPolicy::builder(account())
+            .clock(clock.clone())
+            .build()
+            .layer(Quota::per_minute(2))
+            .quota(Quota::daily(3)),
     );
     assert_eq!(get_as(&app, "/", "acme").await.status, StatusCode::OK);
     assert_eq!(get_as(&app, "/", "acme").await.status, StatusCode::OK);
@@ -430,14 +459,14 @@ async fn quotas_are_charged_all_or_nothing() {
     assert_eq!(refused.ratelimit()["default-minute"].0, 1);
 }
 
-fn bulk_cost(parts: &Parts) -> Result<u64, InvalidCost> {
+fn bulk_cost(parts: &Parts) -> Result<u64, InvalidRequest> {
     let query = parts.uri.query().unwrap_or("");
     let n = query
         .split('&')
         .find_map(|kv| kv.strip_prefix("n="))
-        .ok_or_else(|| InvalidCost::new("missing ?n="))?;
+        .ok_or_else(|| InvalidRequest::new("missing ?n="))?;
     n.parse()
-        .map_err(|_| InvalidCost::new("n must be a whole number"))
+        .map_err(|_| InvalidRequest::new("n must be a whole number"))
 }
 
 #[tokio::test]
@@ -486,17 +515,19 @@ async fn allowances_do_not_spend_each_other() {
     let app = Router::new()
         .route("/read", get(|| async { "r" }))
         .route_layer(
-            QuotaLayer::daily(1, account())
-                .allowance("read")
-                .store(store.clone()),
+            QuotaPolicy::builder(account())
+                .store(store.clone())
+                .build()
+                .layer(Quota::daily(1).allowance("read")),
         )
         .merge(
             Router::new()
                 .route("/write", post(|| async { "w" }))
                 .route_layer(
-                    QuotaLayer::daily(1, account())
-                        .allowance("write")
-                        .store(store.clone()),
+                    QuotaPolicy::builder(account())
+                        .store(store.clone())
+                        .build()
+                        .layer(Quota::daily(1).allowance("write")),
                 ),
         );
     let write = || {
@@ -522,8 +553,14 @@ async fn allowances_do_not_spend_each_other() {
 #[tokio::test]
 async fn subject_kinds_do_not_share_counters() {
     let store = MemoryStore::new();
-    let per_account = QuotaLayer::daily(1, FromHeader::account("x-id")).store(store.clone());
-    let per_user = QuotaLayer::daily(1, FromHeader::user("x-id")).store(store.clone());
+    let per_account = QuotaPolicy::builder(FromHeader::account("x-id"))
+        .store(store.clone())
+        .build()
+        .layer(Quota::daily(1));
+    let per_user = QuotaPolicy::builder(FromHeader::user("x-id"))
+        .store(store.clone())
+        .build()
+        .layer(Quota::daily(1));
     let app = Router::new()
         .route("/a", get(|| async { "a" }))
         .route_layer(per_account)
@@ -632,9 +669,11 @@ async fn malformed_subjects_are_400() {
 #[tokio::test]
 async fn unidentified_traffic_can_be_let_through_uncounted() {
     let app = hello(
-        QuotaLayer::daily(1, account())
+        QuotaPolicy::builder(account())
             .on_missing_subject(SubjectPolicy::Allow)
-            .on_malformed_subject(SubjectPolicy::Reject(StatusCode::FORBIDDEN)),
+            .on_malformed_subject(SubjectPolicy::Reject(StatusCode::FORBIDDEN))
+            .build()
+            .layer(Quota::daily(1)),
     );
     for _ in 0..3 {
         let reply = send(&app, Request::get("/").body(Body::empty()).unwrap()).await;
@@ -685,9 +724,10 @@ async fn hostile_ids_never_share_a_counter() {
 async fn refusal_is_a_problem_document_with_retry_after() {
     let clock = ManualClock::new(at("2026-12-02T13:00:00.250Z"));
     let app = hello(
-        QuotaLayer::daily(1, account())
-            .allowance("read")
-            .clock(clock),
+        QuotaPolicy::builder(account())
+            .clock(clock)
+            .build()
+            .layer(Quota::daily(1).allowance("read")),
     );
     assert_eq!(get_as(&app, "/", "acme").await.status, StatusCode::OK);
     let reply = get_as(&app, "/", "acme").await;
@@ -716,8 +756,7 @@ async fn fields_of_several_quotas_and_nested_layers_form_one_list() {
     let app = Router::new()
         .route("/", get(|| async { "hi" }))
         .route_layer(
-            QuotaLayer::daily(10, account())
-                .allowance("read")
+            QuotaLayer::new(Quota::daily(10).allowance("read"), account())
                 .quota(Quota::per_minute(3).allowance("burst")),
         )
         .layer(QuotaLayer::monthly(100, account()));
@@ -731,15 +770,12 @@ async fn fields_of_several_quotas_and_nested_layers_form_one_list() {
 
 #[tokio::test]
 async fn handlers_see_where_the_caller_stands() {
-    let app =
-        Router::new()
-            .route(
-                "/",
-                get(|status: QuotaStatus| async move {
-                    status.entries()[0].usage.remaining().to_string()
-                }),
-            )
-            .layer(QuotaLayer::daily(10, account()));
+    let app = Router::new()
+        .route(
+            "/",
+            get(|status: QuotaStatus| async move { status.entries()[0].remaining().to_string() }),
+        )
+        .layer(QuotaLayer::daily(10, account()));
     let reply = get_as(&app, "/", "acme").await;
     assert_eq!(reply.body, b"9");
 }
@@ -838,9 +874,11 @@ impl Store for Broken {
 
 fn broken_app(hang: bool, policy: OnStoreError) -> Router {
     Router::new().route("/", get(|| async { "hello" })).layer(
-        QuotaLayer::daily(1, account())
+        QuotaPolicy::builder(account())
             .store(Broken { hang })
-            .on_store_error(policy),
+            .on_store_error(policy)
+            .build()
+            .layer(Quota::daily(1)),
     )
 }
 
@@ -906,9 +944,12 @@ async fn a_store_outage_is_logged_a_few_times_a_second() {
 
 #[tokio::test]
 async fn store_failure_fails_closed_by_default_with_503() {
-    let app = Router::new()
-        .route("/", get(|| async { "hello" }))
-        .layer(QuotaLayer::daily(1, account()).store(Broken { hang: false }));
+    let app = Router::new().route("/", get(|| async { "hello" })).layer(
+        QuotaPolicy::builder(account())
+            .store(Broken { hang: false })
+            .build()
+            .layer(Quota::daily(1)),
+    );
     let reply = get_as(&app, "/", "acme").await;
     assert_eq!(reply.status, StatusCode::SERVICE_UNAVAILABLE);
     assert_eq!(reply.header("retry-after"), "1");
@@ -947,7 +988,10 @@ async fn a_store_that_never_answers_is_bounded_by_the_timeout() {
 #[tokio::test]
 async fn support_can_read_refund_and_reset() {
     let clock = ManualClock::new(at("2026-12-02T10:00:00Z"));
-    let layer = QuotaLayer::rolling(2, Duration::from_secs(3600), account()).clock(clock.clone());
+    let layer = QuotaPolicy::builder(account())
+        .clock(clock.clone())
+        .build()
+        .layer(Quota::rolling(2, Duration::from_secs(3600)));
     let handle = layer.handle();
     let app = hello(layer);
     let acme = tower_quota::Subject::account("acme");
@@ -956,21 +1000,21 @@ async fn support_can_read_refund_and_reset() {
     clock.advance(SignedDuration::from_mins(10));
     assert_eq!(get_as(&app, "/", "acme").await.status, StatusCode::OK);
     let status = handle.usage(&acme).await.unwrap();
-    assert_eq!(status[0].usage.used, 2);
-    assert_eq!(status[0].usage.first_call, Some(at("2026-12-02T10:00:00Z")));
-    assert_eq!(status[0].usage.resets_at, at("2026-12-02T11:00:00Z"));
+    assert_eq!(status[0].used(), 2);
+    assert_eq!(status[0].first_call(), Some(at("2026-12-02T10:00:00Z")));
+    assert_eq!(status[0].resets_at(), at("2026-12-02T11:00:00Z"));
 
     handle.refund(&acme, 1).await.unwrap();
     let status = handle.usage(&acme).await.unwrap();
-    assert_eq!(status[0].usage.used, 1);
+    assert_eq!(status[0].used(), 1);
     assert_eq!(
-        status[0].usage.resets_at,
+        status[0].resets_at(),
         at("2026-12-02T11:00:00Z"),
         "a refund keeps the deadline"
     );
 
     handle.reset(&acme).await.unwrap();
-    assert_eq!(handle.usage(&acme).await.unwrap()[0].usage.used, 0);
+    assert_eq!(handle.usage(&acme).await.unwrap()[0].used(), 0);
     clock.advance(SignedDuration::from_mins(5));
     let fresh = get_as(&app, "/", "acme").await;
     assert_eq!(
@@ -981,7 +1025,7 @@ async fn support_can_read_refund_and_reset() {
 }
 
 #[test]
-#[should_panic(expected = "would share counters")]
+#[should_panic(expected = "would count on one counter")]
 fn two_quotas_on_the_same_counters_are_refused() {
     let _ = QuotaLayer::daily(1, account())
         .quota(Quota::daily(2).named("other"))
@@ -1010,36 +1054,34 @@ fn layered(layer: QuotaLayer<FromHeader, MemoryStore>) {
 }
 
 #[test]
-#[should_panic(expected = "would share counters")]
+#[should_panic(expected = "would count on one counter")]
 fn a_rolling_minute_and_a_rolling_60_seconds_share_counters() {
     layered(
-        QuotaLayer::new(account())
-            .quota(Quota::new(5, Period::minute(), Anchor::FirstUse))
+        QuotaLayer::new(Quota::new(5, Period::minute(), Anchor::FirstUse), account())
             .quota(Quota::rolling(10, Duration::from_secs(60))),
     );
 }
 
 #[test]
-#[should_panic(expected = "would share counters")]
+#[should_panic(expected = "would count on one counter")]
 fn fixed_windows_in_two_zones_share_counters() {
     layered(
-        QuotaLayer::new(account())
-            .quota(Quota::fixed_window(5, Duration::from_secs(10)))
-            .quota(
-                Quota::fixed_window(9, Duration::from_secs(10))
-                    .in_time_zone(berlin())
-                    .named("b"),
-            ),
+        QuotaLayer::new(Quota::fixed_window(5, Duration::from_secs(10)), account()).quota(
+            Quota::fixed_window(9, Duration::from_secs(10))
+                .in_time_zone(berlin())
+                .named("b"),
+        ),
     );
 }
 
 #[tokio::test]
 async fn days_in_two_zones_have_counters_of_their_own() {
     let clock = ManualClock::new(at("2026-12-02T23:30:00Z"));
-    let layer = QuotaLayer::new(account())
-        .quota(Quota::daily(1))
-        .quota(Quota::daily(1).in_time_zone(berlin()).named("berlin-day"))
-        .clock(clock);
+    let layer = QuotaPolicy::builder(account())
+        .clock(clock)
+        .build()
+        .layer(Quota::daily(1))
+        .quota(Quota::daily(1).in_time_zone(berlin()).named("berlin-day"));
     let app = hello(layer);
     let first = get_as(&app, "/", "acme").await;
     assert_eq!(first.status, StatusCode::OK);
@@ -1056,7 +1098,10 @@ fn allowance_tags_must_be_printable_ascii() {
 #[tokio::test]
 async fn a_refund_after_midnight_does_not_credit_the_new_day() {
     let clock = ManualClock::new(at("2026-12-02T23:59:59Z"));
-    let layer = QuotaLayer::daily(5, account()).clock(clock.clone());
+    let layer = QuotaPolicy::builder(account())
+        .clock(clock.clone())
+        .build()
+        .layer(Quota::daily(5));
     let handle = layer.handle();
     let app = hello(layer);
     let acme = tower_quota::Subject::account("acme");
@@ -1074,7 +1119,7 @@ async fn a_refund_after_midnight_does_not_credit_the_new_day() {
         "yesterday's counter is gone; nothing to refund"
     );
     assert_eq!(
-        handle.usage(&acme).await.unwrap()[0].usage.used,
+        handle.usage(&acme).await.unwrap()[0].used(),
         1,
         "today untouched"
     );

@@ -143,7 +143,10 @@ fn admitted_and_refused_requests_are_counted_per_allowance_and_timed() {
     let seen = recorded(|| async {
         let app = Router::new()
             .route("/", get(|| async { "hello" }))
-            .layer(QuotaLayer::daily(2, account()).allowance("read"));
+            .layer(QuotaLayer::new(
+                Quota::daily(2).allowance("read"),
+                account(),
+            ));
         for expected in [
             StatusCode::OK,
             StatusCode::OK,
@@ -168,10 +171,11 @@ fn admitted_and_refused_requests_are_counted_per_allowance_and_timed() {
 #[test]
 fn skipped_requests_are_counted_and_never_timed() {
     let seen = recorded(|| async {
-        let layer = QuotaLayer::daily(1, account())
-            .allowance("read")
+        let layer = QuotaPolicy::builder(account())
             .skip_if(|parts| parts.headers.contains_key("x-internal"))
-            .on_missing_subject(SubjectPolicy::Allow);
+            .on_missing_subject(SubjectPolicy::Allow)
+            .build()
+            .layer(Quota::daily(1).allowance("read"));
         let app = Router::new()
             .route("/", get(|| async { "hello" }))
             .layer(layer);
@@ -268,10 +272,11 @@ fn store_errors_are_counted_whether_failing_open_or_closed() {
             ),
         ] {
             let app = Router::new().route("/", get(|| async { "hello" })).layer(
-                QuotaLayer::daily(1, account())
-                    .allowance("write")
+                QuotaPolicy::builder(account())
                     .store(Broken)
-                    .on_store_error(policy),
+                    .on_store_error(policy)
+                    .build()
+                    .layer(Quota::daily(1).allowance("write")),
             );
             assert_eq!(get_as(&app, "/", Some(SUBJECT), &[]).await, expected);
         }
@@ -332,23 +337,19 @@ fn nested_layers_count_once_per_allowance_and_refunds_are_counted() {
     let count = |outcome, allowance| {
         seen.counter(DECISIONS, &[("outcome", outcome), ("allowance", allowance)])
     };
-    // /read, the first /search and /fail: one decision each, by the
-    // outermost layer, counted once per allowance (the two `read` quotas
-    // once).
-    // The second /search has room on `read` and none on `search`, an inner
-    // layer's quota: the outer layer charges its own quota alone (admitted
-    // on `read`), the inner `read` layer charges its own (admitted on
-    // `read`), the `search` layer refuses (refused on `search`) and gives
-    // both `read` charges back.
-    assert_eq!(count("admitted", "read"), 3 + 2);
+    // One decision per layer that charges: each counts once per allowance
+    // of its own quotas. /read and /fail pass both `read` layers (2
+    // decisions each); each /search passes both and the `search` layer (3).
+    // The second /search is admitted by both `read` layers and refused by
+    // the `search` layer, which gives both `read` charges back.
+    assert_eq!(count("admitted", "read"), 2 + 2 + 2 + 2);
     assert_eq!(count("admitted", "search"), 1);
     assert_eq!(count("refused", "search"), 1);
     assert_eq!(count("refused", "read"), 0);
-    // One observation per charge: one each, four for the second search
-    // (all layers together, then each layer alone).
+    // One observation per charge: one per layer a request passed.
     assert_eq!(
         seen.observations(CHARGE_DURATION, &[("store", "memory")]),
-        7
+        2 + 3 + 3 + 2
     );
     // Given back: the 500's two `read` counters, and the two `read`
     // charges of the refused search.
@@ -385,9 +386,10 @@ fn redis_charges_are_timed_and_healed_counters_counted() {
     let seen = recorded(|| async {
         let store = RedisStore::new(server.url()).unwrap();
         let app = Router::new().route("/", get(|| async { "hello" })).layer(
-            QuotaLayer::new(account())
-                .quota(Quota::rolling(10, Duration::from_secs(3_600)))
-                .store(store),
+            QuotaPolicy::builder(account())
+                .store(store)
+                .build()
+                .layer(Quota::rolling(10, Duration::from_secs(3_600))),
         );
         assert_eq!(get_as(&app, "/", Some(SUBJECT), &[]).await, StatusCode::OK);
         // Someone takes the counter's deadline away; the next charge heals it.
@@ -421,10 +423,10 @@ fn a_shadow_quota_over_its_limit_is_counted_as_shadow_refused() {
         runtime.block_on(async {
             let app = axum::Router::new()
                 .route("/", axum::routing::get(|| async { "hi" }))
-                .route_layer(
-                    tower_quota::QuotaLayer::new(tower_quota::FromHeader::account("x-account-id"))
-                        .quota(tower_quota::Quota::daily(1).shadow()),
-                );
+                .route_layer(tower_quota::QuotaLayer::new(
+                    tower_quota::Quota::daily(1).shadow(),
+                    tower_quota::FromHeader::account("x-account-id"),
+                ));
             for _ in 0..3 {
                 let request = http::Request::get("/")
                     .header("x-account-id", "acme")

@@ -14,7 +14,9 @@ use http::{Request, StatusCode};
 use tower::ServiceExt;
 use tower_quota::jiff::{SignedDuration, Timestamp};
 use tower_quota::store::{ChargeLine, ChargeRequest, Lifetime, RedisStore, Store, StoreErrorKind};
-use tower_quota::{FromHeader, Namespace, OnStoreError, PeriodKey, Quota, QuotaLayer, Subject};
+use tower_quota::{
+    FromHeader, Namespace, OnStoreError, PeriodKey, Quota, QuotaLayer, QuotaPolicy, Subject,
+};
 
 use redis_support::RedisServer;
 
@@ -457,11 +459,12 @@ async fn the_server_clock_follows_redis() {
 
 fn app(store: RedisStore, limit: u64) -> Router {
     Router::new().route("/", get(|| async { "ok" })).layer(
-        QuotaLayer::new(FromHeader::account("x-account-id"))
-            .quota(Quota::daily(limit))
-            .quota(Quota::rolling(limit * 10, Duration::from_secs(3600)))
+        QuotaPolicy::builder(FromHeader::account("x-account-id"))
             .store(store)
-            .store_timeout(Some(Duration::from_secs(2))),
+            .store_timeout(Some(Duration::from_secs(2)))
+            .build()
+            .layer(Quota::daily(limit))
+            .quota(Quota::rolling(limit * 10, Duration::from_secs(3600))),
     )
 }
 
@@ -504,9 +507,11 @@ async fn a_dead_server_is_answered_by_the_layer_policy() {
     let mut server = redis_server_or_skip!();
     let closed = app(RedisStore::new(server.url()).unwrap(), 5);
     let open = Router::new().route("/", get(|| async { "ok" })).layer(
-        QuotaLayer::daily(5, FromHeader::account("x-account-id"))
+        QuotaPolicy::builder(FromHeader::account("x-account-id"))
             .store(RedisStore::new(server.url()).unwrap())
-            .on_store_error(OnStoreError::FailOpen),
+            .on_store_error(OnStoreError::FailOpen)
+            .build()
+            .layer(Quota::daily(5)),
     );
     assert_eq!(
         closed.clone().oneshot(call("a")).await.unwrap().status(),
@@ -1411,13 +1416,16 @@ async fn a_count_beyond_what_the_store_holds_fails_closed_and_is_never_reported_
     let server = redis_server_or_skip!();
     let store = store(&server);
     let mut redis = client(&server).await;
-    let layer = QuotaLayer::daily(5, FromHeader::account("x-account-id")).store(store);
+    let layer = QuotaPolicy::builder(FromHeader::account("x-account-id"))
+        .store(store)
+        .build()
+        .layer(Quota::daily(5));
     let handle = layer.handle();
     let app = Router::new()
         .route("/", get(|| async { "ok" }))
         .layer(layer);
     let acme = Subject::account("acme");
-    let key = handle.usage(&acme).await.unwrap()[0].key.clone();
+    let key = handle.usage(&acme).await.unwrap()[0].key().clone();
 
     for (name, setup) in [
         ("hash", ["HSET", "n", "9223372036854775807"]),
@@ -1559,18 +1567,29 @@ async fn refund_at_after_a_calendar_window_ended_credits_nothing() {
     let mut redis = client(&server).await;
     let t0 = Timestamp::now();
     let clock = tower_quota::ManualClock::new(t0);
-    let layer = || {
-        QuotaLayer::new(FromHeader::account("x-account-id"))
-            .quota(Quota::hourly(5))
-            .quota(Quota::rolling(50, Duration::from_secs(7_200)))
-            .clock(clock.clone())
+    let quotas = |layer: QuotaLayer<FromHeader, _>| {
+        layer.quota(Quota::rolling(50, Duration::from_secs(7_200)))
     };
-    let on_redis = charged_twice(layer().store(store(&server))).await;
-    let on_memory = charged_twice(layer().store(tower_quota::MemoryStore::new())).await;
+    let on_redis = charged_twice(quotas(
+        QuotaPolicy::builder(FromHeader::account("x-account-id"))
+            .clock(clock.clone())
+            .store(store(&server))
+            .build()
+            .layer(Quota::hourly(5)),
+    ))
+    .await;
+    let on_memory = charged_twice(
+        QuotaPolicy::builder(FromHeader::account("x-account-id"))
+            .clock(clock.clone())
+            .build()
+            .layer(Quota::hourly(5))
+            .quota(Quota::rolling(50, Duration::from_secs(7_200))),
+    )
+    .await;
     let acme = Subject::account("acme");
     let usage = on_redis.usage(&acme).await.unwrap();
-    let hourly = usage[0].key.clone();
-    let hour_end = usage[0].usage.resets_at;
+    let hourly = usage[0].key().clone();
+    let hour_end = usage[0].resets_at();
 
     // During the window: both counters take the refund.
     clock.set(t0 + SignedDuration::from_millis(1));

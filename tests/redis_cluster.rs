@@ -13,7 +13,7 @@ use http::{Request, StatusCode};
 use tower::ServiceExt;
 use tower_quota::store::RedisStore;
 use tower_quota::testing::{self, Verdict};
-use tower_quota::{FromHeader, Namespace, Quota, QuotaLayer, Subject};
+use tower_quota::{FromHeader, Namespace, Quota, QuotaPolicy, Subject};
 
 use redis_support::{redis_available, RedisCluster, Stopped};
 
@@ -60,11 +60,12 @@ async fn the_store_keeps_every_rule_on_a_cluster() {
 
     // Subjects on every node, each with a daily and a rolling quota.
     let app = Router::new().route("/", get(|| async { "ok" })).layer(
-        QuotaLayer::new(FromHeader::account("x-account-id"))
-            .quota(Quota::daily(3))
-            .quota(Quota::rolling(10, Duration::from_secs(3600)))
+        QuotaPolicy::builder(FromHeader::account("x-account-id"))
             .store(store)
-            .store_timeout(Some(Duration::from_secs(2))),
+            .store_timeout(Some(Duration::from_secs(2)))
+            .build()
+            .layer(Quota::daily(3))
+            .quota(Quota::rolling(10, Duration::from_secs(3600))),
     );
     for subject in 0..12 {
         let statuses: Vec<StatusCode> = statuses_of(&app, &format!("cluster-{subject}"), 5).await;
@@ -149,10 +150,11 @@ fn app_on(seeds: Vec<String>, limit: u64) -> Router {
         .build()
         .expect("a Redis Cluster store");
     Router::new().route("/", get(|| async { "ok" })).layer(
-        QuotaLayer::new(FromHeader::account("x-account-id"))
-            .quota(Quota::daily(limit))
+        QuotaPolicy::builder(FromHeader::account("x-account-id"))
             .store(store)
-            .store_timeout(Some(Duration::from_millis(500))),
+            .store_timeout(Some(Duration::from_millis(500)))
+            .build()
+            .layer(Quota::daily(limit)),
     )
 }
 

@@ -17,7 +17,7 @@ use tower_quota::jiff::{SignedDuration, Timestamp};
 use tower_quota::store::{
     ChargeLine, ChargeRequest, Lifetime, RedisStore, RedisStoreBuilder, Store, StoreErrorKind,
 };
-use tower_quota::{FromHeader, Namespace, OnStoreError, PeriodKey, QuotaLayer, Subject};
+use tower_quota::{FromHeader, Namespace, OnStoreError, PeriodKey, Quota, QuotaPolicy, Subject};
 
 use redis_support::{RedisServer, Stopped};
 
@@ -93,10 +93,12 @@ async fn a_thousand_concurrent_requests(policy: OnStoreError) {
     let store = store.build().unwrap();
     store.preload().await.unwrap();
     let app = Router::new().route("/", get(|| async { "ok" })).layer(
-        QuotaLayer::daily(500, FromHeader::account("x-account-id"))
+        QuotaPolicy::builder(FromHeader::account("x-account-id"))
             .store(store.clone())
             .store_timeout(Some(store_timeout))
-            .on_store_error(policy),
+            .on_store_error(policy)
+            .build()
+            .layer(Quota::daily(500)),
     );
     let mut calls = tokio::task::JoinSet::new();
     for _ in 0..1_000 {
@@ -273,9 +275,11 @@ async fn a_dropped_charge_never_stays_charged() {
     }
     // A layer whose own timeout is shorter than the store's.
     let app = Router::new().route("/", get(|| async { "ok" })).layer(
-        QuotaLayer::daily(10, FromHeader::account("x-account-id"))
+        QuotaPolicy::builder(FromHeader::account("x-account-id"))
             .store(store.clone())
-            .store_timeout(Some(Duration::from_millis(20))),
+            .store_timeout(Some(Duration::from_millis(20)))
+            .build()
+            .layer(Quota::daily(10)),
     );
     let response = app.oneshot(call("acme")).await.unwrap();
     assert_eq!(response.status(), StatusCode::SERVICE_UNAVAILABLE);

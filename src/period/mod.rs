@@ -271,6 +271,17 @@ impl Period {
         Ok(Window::new(start, end, stamp))
     }
 
+    /// Whether the period's windows move with its time zone: every unit but
+    /// fixed windows, which are cut from the epoch.
+    pub(crate) fn depends_on_zone(&self) -> bool {
+        !matches!(self.unit, Unit::Fixed(_))
+    }
+
+    /// Whether two periods have the same unit, whatever their zones.
+    pub(crate) fn same_unit(&self, other: &Period) -> bool {
+        self.unit == other.unit
+    }
+
     /// Which calendar the stamps of this period come from: quotas with the
     /// same identity write the same stamps. Fixed windows ignore the zone.
     pub(crate) fn calendar_identity(&self) -> String {
@@ -496,6 +507,12 @@ pub(crate) fn seconds_until(now: Timestamp, at: Timestamp) -> u64 {
         return 0;
     }
     d.as_secs().unsigned_abs() + u64::from(d.subsec_nanos() != 0)
+}
+
+/// Whether `tz` can name calendar windows in counter keys: it has an IANA
+/// name or a fixed offset (a bare POSIX TZ string has neither).
+pub(crate) fn is_nameable(tz: &TimeZone) -> bool {
+    tz.iana_name().is_some() || tz.to_fixed_offset().is_ok()
 }
 
 fn zone_label(tz: &TimeZone) -> Option<Arc<str>> {

@@ -35,7 +35,7 @@
 //! use std::future::Future;
 //! use jiff::Timestamp;
 //! use tower_quota::store::{ChargeOutcome, ChargeRequest, Store, StoreError, Usage};
-//! use tower_quota::{MemoryStore, PeriodKey};
+//! use tower_quota::{QuotaPolicy, MemoryStore, PeriodKey};
 //!
 //! #[derive(Clone, Default)]
 //! struct Counting { inner: MemoryStore, charges: Arc<AtomicU64> }
@@ -70,7 +70,7 @@
 //! let store = Counting::default();
 //! let app = Router::new()
 //!     .route("/", get(|| async { "hi" }))
-//!     .layer(QuotaLayer::daily(5, FromHeader::account("x-account-id")).store(store.clone()));
+//!     .layer(QuotaPolicy::builder(FromHeader::account("x-account-id")).store(store.clone()).build().layer(Quota::daily(5)));
 //! let request = Request::get("/").header("x-account-id", "acme").body(Body::empty()).unwrap();
 //! let response = app.oneshot(request).await.unwrap();
 //! assert_eq!(response.status(), StatusCode::OK);
@@ -258,7 +258,7 @@ impl StdError for StoreError {
 /// let store = MemoryStore::new();
 /// let app = Router::new()
 ///     .route("/read", get(|| async { "r" }))
-///     .route_layer(QuotaLayer::daily(1, FromHeader::account("x-account-id")).allowance("read").store(store.clone()));
+///     .route_layer(QuotaPolicy::builder(FromHeader::account("x-account-id")).store(store.clone()).build().layer(Quota::daily(1).allowance("read")));
 ///
 /// let read = Request::get("/read").header("x-account-id", "acme").body(Body::empty()).unwrap();
 /// assert_eq!(app.oneshot(read).await.unwrap().status(), StatusCode::OK);

@@ -234,7 +234,7 @@ const SILENCE: Duration = Duration::from_secs(1);
 /// let store = RedisStore::new("redis://127.0.0.1:6379/")?;
 /// let app: Router = Router::new()
 ///     .route("/", get(|| async { "hello" }))
-///     .layer(QuotaLayer::daily(1_000, FromHeader::account("x-account-id")).store(store));
+///     .layer(QuotaPolicy::builder(FromHeader::account("x-account-id")).store(store).build().layer(Quota::daily(1_000)));
 /// # Ok(()) }
 /// ```
 #[derive(Clone)]

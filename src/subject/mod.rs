@@ -367,3 +367,18 @@ where
         (self.f)(parts)
     }
 }
+
+/// `subject`, if the layers accept it: an id that is not empty, not only
+/// ASCII whitespace, and at most `max_len` bytes long.
+pub(crate) fn check_subject(subject: Subject, max_len: usize) -> Result<Subject, SubjectError> {
+    let id = subject.id();
+    if id.is_empty() || id.iter().all(u8::is_ascii_whitespace) {
+        Err(SubjectError::malformed("the subject id is empty"))
+    } else if id.len() > max_len {
+        Err(SubjectError::Malformed(
+            format!("the subject id is longer than {max_len} bytes").into(),
+        ))
+    } else {
+        Ok(subject)
+    }
+}

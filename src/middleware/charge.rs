@@ -1,0 +1,493 @@
+//! The rules of the request path, as plain functions a test calls without a
+//! runtime: what a layer charges, what the store's answer means, and what a
+//! response changes. The future only moves between their results.
+
+use std::sync::Arc;
+
+use bytes::Bytes;
+use http::request::Parts;
+use http::{Response, StatusCode};
+use jiff::Timestamp;
+
+use super::layer::{Bound, Cost, Scope};
+use crate::policy::{OnStoreError, Policy, Settings, SubjectPolicy, UnknownPlan};
+use crate::quota::Quota;
+use crate::response::{self, RateLimitFields, Refusal};
+use crate::status::{Caller, Line, QuotaStatus, Ticket};
+use crate::store::{ChargeOutcome, ChargeRequest, StoreError, Usage};
+use crate::subject::{check_subject, Subject, SubjectError, SubjectExtractor};
+use crate::throttle::Throttle;
+
+/// Store failures logged per second at most: during an outage every request
+/// fails, and the log should say so, not drown.
+static STORE_ERRORS: Throttle = Throttle::new(5);
+
+/// Shadow refusals logged per second at most.
+static SHADOW_REFUSALS: Throttle = Throttle::new(5);
+
+/// Plans are echoed in a 403 up to this many bytes.
+const MAX_PLAN_ECHO: usize = 64;
+
+/// What a layer does with a request before the store is asked.
+pub(crate) enum Step {
+    /// Nothing of this layer's to charge (let through uncounted further
+    /// out, or charged there already): pass the request on.
+    Pass,
+    /// The policy lets the request through uncounted: record that, so its
+    /// inner layers pass it too, and pass it on.
+    PassUncounted(Ticket),
+    /// Refused before any charge (no usable subject, an unknown plan, a cost
+    /// or zone that cannot be worked out).
+    Reject(Response<Bytes>),
+    /// Charge these lines.
+    Charge(Charge),
+}
+
+/// One layer's charge for one request.
+#[derive(Debug)]
+pub(crate) struct Charge {
+    /// The policy's ticket as the layer found it (or made it, for the
+    /// outermost layer): the caller and the lines charged further out.
+    pub(crate) ticket: Ticket,
+    /// One per line of `request`, in the caller's zone.
+    pub(crate) quotas: Vec<Quota>,
+    /// What the store is asked; a shadow quota's line has no limit.
+    pub(crate) request: ChargeRequest,
+    /// The limit each line really has (the plan's): what a shadow quota
+    /// reports.
+    pub(crate) limits: Vec<u64>,
+    pub(crate) cost: u64,
+}
+
+impl Charge {
+    pub(crate) fn caller(&self) -> &Caller {
+        self.ticket
+            .caller
+            .as_deref()
+            .expect("a charge has a caller")
+    }
+}
+
+/// What the layer of `bound` does with the request with head `parts`.
+pub(crate) fn plan<E: SubjectExtractor, St>(bound: &Bound<E, St>, parts: &Parts) -> Step {
+    let policy = &*bound.policy;
+    let settings = &policy.settings;
+    let known = parts
+        .extensions
+        .get::<QuotaStatus>()
+        .and_then(|status| status.ticket(policy.id));
+    let ticket = match known {
+        Some(ticket) if ticket.caller.is_none() => return Step::Pass,
+        Some(ticket) => ticket.clone(),
+        None => {
+            let now = settings.clock.now();
+            if settings.skips(parts) {
+                crate::metrics::skipped(&bound.scope.quotas);
+                tracing::trace!("request passes uncounted: a skip rule");
+                return Step::PassUncounted(uncounted(policy.id, now));
+            }
+            match identify(policy, parts) {
+                Ok(Some(caller)) => Ticket {
+                    policy: policy.id,
+                    now,
+                    caller: Some(Arc::new(caller)),
+                    lines: Vec::new(),
+                },
+                Ok(None) => {
+                    crate::metrics::skipped(&bound.scope.quotas);
+                    return Step::PassUncounted(uncounted(policy.id, now));
+                }
+                Err(response) => return Step::Reject(response),
+            }
+        }
+    };
+    lines(&bound.scope, settings, ticket, parts)
+}
+
+/// The ticket of a request the policy lets through uncounted.
+pub(crate) fn uncounted(policy: u64, now: Timestamp) -> Ticket {
+    Ticket {
+        policy,
+        now,
+        caller: None,
+        lines: Vec::new(),
+    }
+}
+
+/// Who the request is charged to: its subject, plan and zone, or the answer
+/// when it cannot be charged; `None` when the policy lets it through.
+// The error is the answer itself, made once for a refused request.
+#[allow(clippy::result_large_err)]
+fn identify<E: SubjectExtractor, St>(
+    policy: &Policy<E, St>,
+    parts: &Parts,
+) -> Result<Option<Caller>, Response<Bytes>> {
+    let settings = &policy.settings;
+    let subject = match subject(&policy.extractor, parts, settings.max_subject_len) {
+        Ok(subject) => subject,
+        Err(error) => {
+            let (choice, default) = match &error {
+                SubjectError::Missing => (settings.on_missing, StatusCode::UNAUTHORIZED),
+                SubjectError::Malformed(_) => (settings.on_malformed, StatusCode::BAD_REQUEST),
+            };
+            return match choice {
+                SubjectPolicy::Allow => {
+                    tracing::trace!(%error, "request without a usable subject passes uncounted");
+                    Ok(None)
+                }
+                SubjectPolicy::Reject(status) => {
+                    let status = if status.is_client_error() || status.is_server_error() {
+                        status
+                    } else {
+                        default
+                    };
+                    tracing::debug!(%error, %status, "request refused: no usable subject");
+                    Err(response::early(status, &error.to_string(), parts))
+                }
+            };
+        }
+    };
+    let plan = match settings.plan.as_ref().and_then(|plan| plan(parts)) {
+        Some(plan) if !policy.knows_plan(&plan) => match settings.unknown_plan {
+            UnknownPlan::DefaultLimits => None,
+            UnknownPlan::Reject => {
+                tracing::debug!("request refused: unknown plan");
+                let detail = format!("The plan {:?} has no quota here.", echo(&plan));
+                return Err(response::early(StatusCode::FORBIDDEN, &detail, parts));
+            }
+        },
+        plan => plan.map(String::into_boxed_str),
+    };
+    let zone = match settings.zone.as_ref().map(|zone| zone(parts)) {
+        None | Some(Ok(None)) => None,
+        Some(Ok(Some(zone))) if crate::period::is_nameable(&zone) => Some(zone),
+        Some(Ok(Some(_))) => {
+            let detail = "The time zone has neither an IANA name nor a fixed offset.";
+            return Err(response::early(StatusCode::BAD_REQUEST, detail, parts));
+        }
+        Some(Err(error)) => {
+            tracing::debug!(%error, "request refused: invalid time zone");
+            return Err(response::early(
+                StatusCode::BAD_REQUEST,
+                error.reason(),
+                parts,
+            ));
+        }
+    };
+    let spread = spread_hash(&subject);
+    Ok(Some(Caller {
+        subject,
+        plan,
+        zone,
+        spread,
+    }))
+}
+
+/// At most [`MAX_PLAN_ECHO`] bytes of `plan`, cut at a character boundary.
+fn echo(plan: &str) -> String {
+    if plan.len() <= MAX_PLAN_ECHO {
+        return plan.to_owned();
+    }
+    let mut end = MAX_PLAN_ECHO;
+    while !plan.is_char_boundary(end) {
+        end -= 1;
+    }
+    format!("{}…", &plan[..end])
+}
+
+/// The subject the request names, if usable.
+fn subject<E: SubjectExtractor>(
+    extractor: &E,
+    parts: &Parts,
+    max_len: usize,
+) -> Result<Subject, SubjectError> {
+    check_subject(extractor.extract(parts)?, max_len)
+}
+
+/// A hash of `subject` that every instance computes alike: it spreads the
+/// resets told to subjects.
+fn spread_hash(subject: &Subject) -> u64 {
+    use std::hash::BuildHasher;
+    foldhash::fast::FixedState::with_seed(0x0071_756f_7461).hash_one(subject)
+}
+
+/// The lines of `scope`'s quotas that `ticket` does not count yet.
+fn lines(scope: &Scope, settings: &Settings, ticket: Ticket, parts: &Parts) -> Step {
+    let caller = ticket
+        .caller
+        .as_deref()
+        .expect("a charged ticket has a caller");
+    let all = scope.quotas_in(caller.zone.as_ref());
+    let mut quotas = Vec::with_capacity(all.len());
+    let mut lines = Vec::with_capacity(all.len());
+    let mut limits = Vec::with_capacity(all.len());
+    for quota in all.iter() {
+        let limit = quota.limit_for(caller.plan.as_deref());
+        // A shadow quota is counted, never refusing: its real limit is
+        // reported, not enforced.
+        let sent = if quota.is_shadow() { u64::MAX } else { limit };
+        let line = quota.line_with_limit(&settings.namespace, &caller.subject, ticket.now, 0, sent);
+        if ticket.counts(&line.key) {
+            continue;
+        }
+        quotas.push(quota.clone());
+        lines.push(line);
+        limits.push(limit);
+    }
+    if lines.is_empty() {
+        return Step::Pass;
+    }
+    let cost = match scope.cost.upfront(parts) {
+        Ok(cost) => cost,
+        Err(error) => {
+            tracing::debug!(%error, "request refused: invalid cost");
+            return Step::Reject(response::early(
+                StatusCode::BAD_REQUEST,
+                error.reason(),
+                parts,
+            ));
+        }
+    };
+    for line in &mut lines {
+        line.cost = cost;
+    }
+    Step::Charge(Charge {
+        request: ChargeRequest {
+            now: ticket.now,
+            lines,
+        },
+        ticket,
+        quotas,
+        limits,
+        cost,
+    })
+}
+
+/// What the layer does once the store has answered.
+#[derive(Debug)]
+pub(crate) enum Decision {
+    /// Every quota had room and was charged: the lines charged.
+    Admit(Vec<Arc<Line>>),
+    /// Some quota had no room; nothing was charged. Where each line stands.
+    Refuse(Vec<Usage>),
+    /// The store failed and the policy lets the request through uncounted.
+    PassUncounted,
+    /// The store failed and the policy refuses: the 503's `Retry-After`.
+    Unavailable(std::time::Duration),
+}
+
+/// What the store's `answer` to `charge` means under `settings`.
+pub(crate) fn decide(
+    charge: &Charge,
+    settings: &Settings,
+    answer: Result<ChargeOutcome, StoreError>,
+) -> Decision {
+    crate::metrics::decided(&charge.quotas, &answer);
+    match answer {
+        Ok(mut outcome) => {
+            shadow_limits(charge, &mut outcome.usage);
+            if !outcome.admitted {
+                return Decision::Refuse(outcome.usage);
+            }
+            let lines = charge
+                .quotas
+                .iter()
+                .zip(&charge.request.lines)
+                .zip(outcome.usage)
+                .map(|((quota, line), usage)| {
+                    Arc::new(Line::new(
+                        quota.clone(),
+                        line.key.clone(),
+                        charge.cost,
+                        usage,
+                    ))
+                })
+                .collect();
+            Decision::Admit(lines)
+        }
+        Err(error) => match settings.on_store_error {
+            OnStoreError::FailOpen => {
+                if let Some(suppressed) = STORE_ERRORS.admit() {
+                    tracing::warn!(%error, suppressed, "quota store failed; request passes uncounted (fail open)");
+                }
+                Decision::PassUncounted
+            }
+            OnStoreError::FailClosed { retry_after } => {
+                if let Some(suppressed) = STORE_ERRORS.admit() {
+                    tracing::error!(%error, suppressed, "quota store failed; request refused (fail closed)");
+                }
+                Decision::Unavailable(retry_after)
+            }
+        },
+    }
+}
+
+/// Shadow quotas were charged without a limit: their usage gets the limit
+/// the client is told, and a request over it is logged and counted.
+fn shadow_limits(charge: &Charge, usage: &mut [Usage]) {
+    for ((quota, usage), &limit) in charge.quotas.iter().zip(usage).zip(&charge.limits) {
+        if !quota.is_shadow() {
+            continue;
+        }
+        usage.limit = limit;
+        if usage.used > limit {
+            crate::metrics::shadow_refused(quota);
+            if let Some(suppressed) = SHADOW_REFUSALS.admit() {
+                tracing::info!(
+                    quota = quota.name(),
+                    limit,
+                    used = usage.used,
+                    suppressed,
+                    "shadow quota exceeded: enforced, it would have refused this request"
+                );
+            }
+        }
+    }
+}
+
+/// The refusal of `charge`, whose lines stand at `usage`.
+pub(crate) fn refusal(charge: &Charge, usage: &[Usage], grpc: bool) -> Refusal {
+    Refusal::quota_exceeded(
+        &charge.quotas,
+        usage,
+        |_| charge.cost,
+        charge.ticket.now,
+        charge.caller().spread,
+        grpc,
+    )
+}
+
+/// The answer to a refused request: the policy's hook or the standard
+/// answer, with the fields of every quota of the policy that applied — the
+/// lines charged further out (`outer`, where they stand once given back)
+/// and this layer's (`usage`, none for a store failure).
+pub(crate) fn refused(
+    settings: &Settings,
+    refusal: &Refusal,
+    charge: &Charge,
+    outer: &[(Quota, Usage)],
+    usage: &[Usage],
+) -> Response<Bytes> {
+    let mut response = match &settings.refusal {
+        Some(hook) => hook(refusal),
+        None => refusal.standard(),
+    };
+    if refusal.status == StatusCode::TOO_MANY_REQUESTS {
+        let mut entries: Vec<(&Quota, Usage)> = outer.iter().map(|(q, u)| (q, *u)).collect();
+        entries.extend(charge.quotas.iter().zip(usage.iter().copied()));
+        RateLimitFields::new(&entries, charge.ticket.now, None, charge.caller().spread)
+            .prepend_to(response.headers_mut());
+    }
+    response.extensions_mut().insert(Refused);
+    response
+}
+
+/// The mark of a response a quota layer refused: layers further out give
+/// their own charge back when they see it.
+#[derive(Clone, Copy, Debug)]
+pub(crate) struct Refused;
+
+/// A change of a charged line once the response is known.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(crate) enum Adjust {
+    Refund(u64),
+    Add(u64),
+}
+
+/// What the response means for the lines a layer charged.
+#[derive(Debug, PartialEq, Eq)]
+pub(crate) enum Outcome {
+    /// An inner layer of the policy refused the request and gave these
+    /// lines back: the response is its answer, fields included.
+    RefusedInside,
+    /// No route served the request: every line is given back, and the
+    /// response gets no fields.
+    Unrouted,
+    /// Served (or refused by another policy inside): these changes, then
+    /// the fields.
+    Served(Vec<(usize, Adjust)>),
+}
+
+/// What a response with head `response` (`None`: the inner service
+/// failed) changes for `lines`, charged by a layer costing `cost`.
+pub(crate) fn outcome(
+    lines: &[Arc<Line>],
+    cost: &Cost,
+    settings: &Settings,
+    response: Option<&http::response::Parts>,
+) -> Outcome {
+    if lines.iter().any(|line| line.is_given_back()) {
+        return Outcome::RefusedInside;
+    }
+    let Some(response) = response else {
+        let ops = if settings.refund_server_errors {
+            refund_all(lines)
+        } else {
+            Vec::new()
+        };
+        return Outcome::Served(ops);
+    };
+    if is_unrouted(&response.extensions) {
+        return Outcome::Unrouted;
+    }
+    let refused_inside = response.extensions.get::<Refused>().is_some();
+    if refused_inside || (settings.refund_server_errors && response.status.is_server_error()) {
+        return Outcome::Served(refund_all(lines));
+    }
+    let Some(real) = cost.real(response) else {
+        return Outcome::Served(Vec::new());
+    };
+    let ops = lines
+        .iter()
+        .enumerate()
+        .filter_map(|(i, line)| match real.cmp(&line.cost) {
+            std::cmp::Ordering::Greater => Some((i, Adjust::Add(real - line.cost))),
+            std::cmp::Ordering::Less => Some((i, Adjust::Refund(line.cost - real))),
+            std::cmp::Ordering::Equal => None,
+        })
+        .collect();
+    Outcome::Served(ops)
+}
+
+pub(crate) fn refund_all(lines: &[Arc<Line>]) -> Vec<(usize, Adjust)> {
+    lines
+        .iter()
+        .enumerate()
+        .filter(|(_, line)| line.cost > 0)
+        .map(|(i, line)| (i, Adjust::Refund(line.cost)))
+        .collect()
+}
+
+/// Whether no route served the response (see the `unrouted` handlers).
+#[cfg(feature = "axum")]
+fn is_unrouted(extensions: &http::Extensions) -> bool {
+    extensions.get::<crate::unrouted::Unrouted>().is_some()
+}
+
+#[cfg(not(feature = "axum"))]
+fn is_unrouted(_: &http::Extensions) -> bool {
+    false
+}
+
+/// Where each of `lines` stands once the store applied `ops` and answered
+/// `results` (what the counter holds after, `None`: no live counter).
+pub(crate) fn settled(
+    lines: &[Arc<Line>],
+    ops: &[(usize, Adjust)],
+    results: &[Option<u64>],
+) -> Vec<Usage> {
+    let mut usage: Vec<Usage> = lines.iter().map(|line| line.usage).collect();
+    for ((i, _), result) in ops.iter().zip(results) {
+        if let Some(used) = result {
+            usage[*i].used = *used;
+        }
+    }
+    usage
+}
+
+/// Whether `request` is a gRPC call, answered as one if refused.
+pub(crate) fn is_grpc(parts: &http::HeaderMap) -> bool {
+    parts
+        .get(http::header::CONTENT_TYPE)
+        .is_some_and(|v| v.as_bytes().starts_with(b"application/grpc"))
+}

@@ -1,0 +1,574 @@
+use std::future::Future;
+use std::pin::Pin;
+use std::sync::Arc;
+use std::task::{ready, Context, Poll};
+
+use bytes::Bytes;
+use http::{Request, Response};
+use jiff::Timestamp;
+use pin_project_lite::pin_project;
+use tokio::time::Sleep;
+use tower_service::Service;
+
+use super::charge::{self, Adjust, Charge, Decision, Outcome};
+use super::layer::Bound;
+use crate::body::ResponseBody;
+use crate::quota::Quota;
+use crate::response::RateLimitFields;
+use crate::status::{Line, QuotaStatus};
+use crate::store::{Store, StoreError, StoreErrorKind, Usage};
+use crate::throttle::Throttle;
+
+/// What the store answers to a batch of changes: per change, what the
+/// counter holds afterwards (`None`: no live counter, or the store failed).
+type Adjusting = Pin<Box<dyn Future<Output = Vec<Option<u64>>> + Send>>;
+
+pin_project! {
+    /// The response future of [`QuotaService`](crate::QuotaService).
+    pub struct ResponseFuture<S, E, St, ReqBody>
+    where
+        S: Service<Request<ReqBody>>,
+        St: Store,
+    {
+        #[pin]
+        state: State<S, E, St, ReqBody>,
+    }
+}
+
+pin_project! {
+    #[project = StateProj]
+    enum State<S, E, St, ReqBody>
+    where
+        S: Service<Request<ReqBody>>,
+        St: Store,
+    {
+        // Waiting for the store's answer. The charge is sent when the future
+        // is first polled (`start` holds it until then), so a response
+        // future dropped before it ran spends nothing.
+        Charging {
+            start: Option<crate::store::ChargeRequest>,
+            #[pin]
+            charge: Option<St::ChargeFuture>,
+            #[pin]
+            timeout: Option<Sleep>,
+            pending: Option<Pending<S, E, St, ReqBody>>,
+            timer: crate::metrics::ChargeTimer,
+        },
+        // The inner service answers; `charged` is what this layer charged
+        // (`None`: nothing).
+        Calling {
+            #[pin]
+            future: S::Future,
+            charged: Option<Charged<E, St>>,
+        },
+        // The store applies what the response changes before the fields are
+        // written.
+        Settling {
+            adjust: Adjusting,
+            ops: Vec<(usize, Adjust)>,
+            // Whether the response gets the fields (not when no route
+            // served it).
+            fields: bool,
+            result: Option<Result<S::Response, S::Error>>,
+            charged: Option<Charged<E, St>>,
+        },
+        // Refused here: what layers further out charged is given back before
+        // the refusal is answered.
+        Refusing {
+            adjust: Adjusting,
+            refusal: Option<Refusing<E, St>>,
+        },
+        Rejected {
+            response: Option<Response<Bytes>>,
+        },
+    }
+}
+
+/// A request waiting for its charge.
+pub(crate) struct Pending<S, E, St: Store, ReqBody> {
+    inner: S,
+    request: Request<ReqBody>,
+    charge: Charge,
+    bound: Arc<Bound<E, St>>,
+    /// Gives back what layers further out charged if the request is dropped
+    /// before the store answers: it was never admitted.
+    outer: GiveBackOnDrop<E, St>,
+}
+
+/// What a layer charged for an admitted request, for the response path.
+pub(crate) struct Charged<E, St> {
+    bound: Arc<Bound<E, St>>,
+    lines: Vec<Arc<Line>>,
+    now: Timestamp,
+    spread: u64,
+}
+
+/// A refusal, once what was charged further out is given back.
+pub(crate) struct Refusing<E, St> {
+    bound: Arc<Bound<E, St>>,
+    charge: Charge,
+    refusal: crate::response::Refusal,
+    /// Where this layer's lines stand (empty for a store failure).
+    usage: Vec<Usage>,
+}
+
+impl<S, E, St, ReqBody> ResponseFuture<S, E, St, ReqBody>
+where
+    S: Service<Request<ReqBody>>,
+    St: Store,
+{
+    /// Charges `charge` once first polled, then calls `inner`.
+    pub(crate) fn charging(
+        charge: Charge,
+        bound: Arc<Bound<E, St>>,
+        inner: S,
+        request: Request<ReqBody>,
+    ) -> Self {
+        let outer = GiveBackOnDrop {
+            lines: charge.ticket.lines.clone(),
+            bound: Arc::clone(&bound),
+        };
+        Self {
+            state: State::Charging {
+                start: Some(charge.request.clone()),
+                charge: None,
+                timeout: None,
+                timer: crate::metrics::ChargeTimer::start(),
+                pending: Some(Pending {
+                    inner,
+                    request,
+                    charge,
+                    bound,
+                    outer,
+                }),
+            },
+        }
+    }
+
+    /// The inner service's answer, untouched by this layer.
+    pub(crate) fn passing(future: S::Future) -> Self {
+        Self {
+            state: State::Calling {
+                future,
+                charged: None,
+            },
+        }
+    }
+
+    pub(crate) fn rejected(response: Response<Bytes>) -> Self {
+        Self {
+            state: State::Rejected {
+                response: Some(response),
+            },
+        }
+    }
+}
+
+/// The state that follows the store's answer to a pending charge.
+fn decided<S, E, St, ReqBody>(
+    pending: Pending<S, E, St, ReqBody>,
+    answer: Result<crate::store::ChargeOutcome, StoreError>,
+) -> State<S, E, St, ReqBody>
+where
+    S: Service<Request<ReqBody>>,
+    St: Store,
+{
+    let Pending {
+        mut inner,
+        mut request,
+        mut charge,
+        bound,
+        outer,
+    } = pending;
+    let outer = outer.disarm();
+    let settings = &bound.policy.settings;
+    match charge::decide(&charge, settings, answer) {
+        Decision::Admit(lines) => {
+            let now = charge.ticket.now;
+            let spread = charge.caller().spread;
+            charge.ticket.lines.extend(lines.iter().cloned());
+            let extensions = request.extensions_mut();
+            match extensions.get_mut::<QuotaStatus>() {
+                Some(status) => status.put(charge.ticket),
+                None => {
+                    let mut status = QuotaStatus::default();
+                    status.put(charge.ticket);
+                    extensions.insert(status);
+                }
+            }
+            State::Calling {
+                future: inner.call(request),
+                charged: Some(Charged {
+                    bound,
+                    lines,
+                    now,
+                    spread,
+                }),
+            }
+        }
+        Decision::PassUncounted => {
+            // The store is failing: the policy's inner layers pass too.
+            let mut ticket = charge::uncounted(bound.policy.id, charge.ticket.now);
+            ticket.lines = charge.ticket.lines;
+            let extensions = request.extensions_mut();
+            match extensions.get_mut::<QuotaStatus>() {
+                Some(status) => status.put(ticket),
+                None => {
+                    let mut status = QuotaStatus::default();
+                    status.put(ticket);
+                    extensions.insert(status);
+                }
+            }
+            State::Calling {
+                future: inner.call(request),
+                charged: None,
+            }
+        }
+        Decision::Refuse(usage) => {
+            let grpc = charge::is_grpc(request.headers());
+            let refusal = charge::refusal(&charge, &usage, grpc);
+            refusing(bound, charge, refusal, usage, outer)
+        }
+        Decision::Unavailable(retry_after) => {
+            let grpc = charge::is_grpc(request.headers());
+            let refusal = crate::response::Refusal::store_unavailable(retry_after, grpc);
+            refusing(bound, charge, refusal, Vec::new(), outer)
+        }
+    }
+}
+
+/// Gives back `outer` (what layers further out charged), then answers the
+/// refusal.
+fn refusing<S, E, St, ReqBody>(
+    bound: Arc<Bound<E, St>>,
+    charge: Charge,
+    refusal: crate::response::Refusal,
+    usage: Vec<Usage>,
+    outer: Vec<Arc<Line>>,
+) -> State<S, E, St, ReqBody>
+where
+    S: Service<Request<ReqBody>>,
+    St: Store,
+{
+    let now = bound.policy.settings.clock.now();
+    let adjust = give_back(bound.policy.store.clone(), now, outer);
+    State::Refusing {
+        adjust,
+        refusal: Some(Refusing {
+            bound,
+            charge,
+            refusal,
+            usage,
+        }),
+    }
+}
+
+/// Gives `lines` back, each at most once (a line another layer gave back
+/// already is left alone), and only to the counter that was charged.
+fn give_back<St: Store>(store: St, now: Timestamp, lines: Vec<Arc<Line>>) -> Adjusting {
+    let ops = lines
+        .iter()
+        .filter(|line| line.claim_give_back() && line.is_live(now) && line.cost > 0)
+        .map(|line| (line.key.clone(), Adjust::Refund(line.cost)))
+        .collect::<Vec<_>>();
+    let keys: Vec<_> = lines.iter().map(|line| line.key.clone()).collect();
+    let applied = apply(store, now, ops.clone());
+    Box::pin(async move {
+        let results = applied.await;
+        // Per line, in the lines' order.
+        keys.iter()
+            .map(|key| {
+                ops.iter()
+                    .zip(&results)
+                    .find(|((k, _), _)| k == key)
+                    .and_then(|(_, r)| *r)
+            })
+            .collect()
+    })
+}
+
+/// Refunds and adds that failed, logged a few times per second at most.
+static ADJUST_ERRORS: Throttle = Throttle::new(5);
+
+/// Applies `ops` in the store. Runs as a task of its own when a tokio
+/// runtime is at hand, so a response future dropped meanwhile does not cut
+/// a refund short.
+fn apply<St: Store>(
+    store: St,
+    now: Timestamp,
+    ops: Vec<(crate::key::PeriodKey, Adjust)>,
+) -> Adjusting {
+    let work = async move {
+        let mut results = Vec::with_capacity(ops.len());
+        for (key, op) in ops {
+            let result = match op {
+                Adjust::Refund(amount) => store.refund(now, key, amount).await,
+                Adjust::Add(amount) => store.add(now, key, amount).await,
+            };
+            if let (Adjust::Refund(_), Ok(Some(_))) = (op, &result) {
+                crate::metrics::refunded();
+            }
+            results.push(result.unwrap_or_else(|error| {
+                if let Some(suppressed) = ADJUST_ERRORS.admit() {
+                    tracing::warn!(
+                        %error,
+                        ?op,
+                        suppressed,
+                        "quota store failed to adjust a charge after the response"
+                    );
+                }
+                None
+            }));
+        }
+        results
+    };
+    match tokio::runtime::Handle::try_current() {
+        Ok(runtime) => {
+            let task = runtime.spawn(work);
+            Box::pin(async move { task.await.unwrap_or_default() })
+        }
+        Err(_) => Box::pin(work),
+    }
+}
+
+/// The lines a pending charge found charged further out, given back if the
+/// request is dropped before the store answers.
+struct GiveBackOnDrop<E, St: Store> {
+    lines: Vec<Arc<Line>>,
+    bound: Arc<Bound<E, St>>,
+}
+
+impl<E, St: Store> GiveBackOnDrop<E, St> {
+    /// The lines, no longer given back on drop.
+    fn disarm(mut self) -> Vec<Arc<Line>> {
+        std::mem::take(&mut self.lines)
+    }
+}
+
+impl<E, St: Store> Drop for GiveBackOnDrop<E, St> {
+    fn drop(&mut self) {
+        if self.lines.is_empty() || tokio::runtime::Handle::try_current().is_err() {
+            return;
+        }
+        let now = self.bound.policy.settings.clock.now();
+        let lines = std::mem::take(&mut self.lines);
+        // Spawned by `apply`: runs to the end on its own.
+        drop(give_back(self.bound.policy.store.clone(), now, lines));
+    }
+}
+
+impl<E, St: Store> Charged<E, St> {
+    /// The fields of this layer's quotas, standing at `usage`.
+    fn fields(&self, usage: &[Usage]) -> RateLimitFields {
+        let entries: Vec<(&Quota, Usage)> = self
+            .lines
+            .iter()
+            .zip(usage)
+            .map(|(line, usage)| (&line.quota, *usage))
+            .collect();
+        RateLimitFields::new(
+            &entries,
+            self.now,
+            Some(&self.bound.scope.fields),
+            self.spread,
+        )
+    }
+
+    /// The response, with this layer's fields in front of those of layers
+    /// further in.
+    fn finish<B>(&self, mut response: Response<B>, usage: &[Usage]) -> Response<B> {
+        self.fields(usage).prepend_to(response.headers_mut());
+        response
+    }
+}
+
+impl<S, E, St, ReqBody, ResBody> Future for ResponseFuture<S, E, St, ReqBody>
+where
+    S: Service<Request<ReqBody>, Response = Response<ResBody>>,
+    St: Store,
+{
+    type Output = Result<Response<ResponseBody<ResBody>>, S::Error>;
+
+    fn poll(self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<Self::Output> {
+        let mut this = self.project();
+        loop {
+            match this.state.as_mut().project() {
+                StateProj::Charging {
+                    start,
+                    mut charge,
+                    mut timeout,
+                    pending,
+                    timer,
+                } => {
+                    let store_timeout = {
+                        let pending = pending.as_ref().expect("polled after completion");
+                        if let Some(request) = start.take() {
+                            charge.set(Some(pending.bound.policy.store.charge(request)));
+                        }
+                        pending.bound.policy.settings.store_timeout
+                    };
+                    let future = charge.as_pin_mut().expect("the charge is on its way");
+                    let answer = match future.poll(cx) {
+                        Poll::Ready(answer) => answer,
+                        Poll::Pending => {
+                            // Stores that answer at once never arm a timer.
+                            if let (None, Some(limit)) =
+                                (timeout.as_ref().as_pin_ref(), store_timeout)
+                            {
+                                if tokio::runtime::Handle::try_current().is_ok() {
+                                    timeout.set(Some(tokio::time::sleep(limit)));
+                                }
+                            }
+                            let Some(sleep) = timeout.as_pin_mut() else {
+                                return Poll::Pending;
+                            };
+                            ready!(sleep.poll(cx));
+                            Err(StoreError::new(
+                                StoreErrorKind::Timeout,
+                                "the quota store did not answer in time",
+                            ))
+                        }
+                    };
+                    timer.stop::<St>();
+                    let pending = pending.take().expect("polled after completion");
+                    this.state.set(decided(pending, answer));
+                }
+                StateProj::Calling { future, charged } => {
+                    let result = ready!(future.poll(cx));
+                    let Some(charged) = charged.take() else {
+                        return Poll::Ready(result.map(|r| r.map(ResponseBody::inner)));
+                    };
+                    let settings = &charged.bound.policy.settings;
+                    let cost = &charged.bound.scope.cost;
+                    let (result, outcome) = match result {
+                        Ok(response) => {
+                            let (parts, body) = response.into_parts();
+                            let outcome =
+                                charge::outcome(&charged.lines, cost, settings, Some(&parts));
+                            (Ok(Response::from_parts(parts, body)), outcome)
+                        }
+                        Err(error) => {
+                            let outcome = charge::outcome(&charged.lines, cost, settings, None);
+                            (Err(error), outcome)
+                        }
+                    };
+                    let (ops, fields) = match outcome {
+                        Outcome::RefusedInside => {
+                            return Poll::Ready(result.map(|r| r.map(ResponseBody::inner)));
+                        }
+                        Outcome::Unrouted => (charge::refund_all(&charged.lines), false),
+                        Outcome::Served(ops) => (ops, true),
+                    };
+                    if ops.is_empty() {
+                        let usage: Vec<Usage> =
+                            charged.lines.iter().map(|line| line.usage).collect();
+                        return Poll::Ready(result.map(|response| {
+                            charged.finish(response, &usage).map(ResponseBody::inner)
+                        }));
+                    }
+                    let now = settings.clock.now();
+                    let adjust = adjust(&charged, now, &ops);
+                    this.state.set(State::Settling {
+                        adjust,
+                        ops,
+                        fields,
+                        result: Some(result),
+                        charged: Some(charged),
+                    });
+                }
+                StateProj::Settling {
+                    adjust,
+                    ops,
+                    fields,
+                    result,
+                    charged,
+                } => {
+                    let results = ready!(adjust.as_mut().poll(cx));
+                    let charged = charged.take().expect("polled after completion");
+                    let result = result.take().expect("polled after completion");
+                    if !*fields {
+                        return Poll::Ready(result.map(|r| r.map(ResponseBody::inner)));
+                    }
+                    let usage = charge::settled(&charged.lines, ops, &results);
+                    return Poll::Ready(result.map(|response| {
+                        charged.finish(response, &usage).map(ResponseBody::inner)
+                    }));
+                }
+                StateProj::Refusing { adjust, refusal } => {
+                    let results = ready!(adjust.as_mut().poll(cx));
+                    let Refusing {
+                        bound,
+                        charge,
+                        refusal,
+                        usage,
+                    } = refusal.take().expect("polled after completion");
+                    let outer: Vec<(Quota, Usage)> = charge
+                        .ticket
+                        .lines
+                        .iter()
+                        .zip(results)
+                        .map(|(line, result)| {
+                            let mut usage = line.usage;
+                            if let Some(used) = result {
+                                usage.used = used;
+                            }
+                            (line.quota.clone(), usage)
+                        })
+                        .collect();
+                    let response =
+                        charge::refused(&bound.policy.settings, &refusal, &charge, &outer, &usage);
+                    return Poll::Ready(Ok(response.map(ResponseBody::full)));
+                }
+                StateProj::Rejected { response } => {
+                    let response = response.take().expect("polled after completion");
+                    return Poll::Ready(Ok(response.map(ResponseBody::full)));
+                }
+            }
+        }
+    }
+}
+
+/// Applies `ops` to the lines of `charged`: refunds claim their line, so a
+/// line is never given back twice.
+fn adjust<E, St: Store>(
+    charged: &Charged<E, St>,
+    now: Timestamp,
+    ops: &[(usize, Adjust)],
+) -> Adjusting {
+    let keyed: Vec<_> = ops
+        .iter()
+        .filter(|(i, op)| {
+            let line = &charged.lines[*i];
+            let claimed = match op {
+                Adjust::Refund(_) => line.claim_give_back(),
+                Adjust::Add(_) => !line.is_given_back(),
+            };
+            // A first-use counter whose period ended since is not the one
+            // that was charged any more, even if a new one has the same key.
+            claimed && line.is_live(now)
+        })
+        .map(|(i, op)| (*i, charged.lines[*i].key.clone(), *op))
+        .collect();
+    let applied = apply(
+        charged.bound.policy.store.clone(),
+        now,
+        keyed
+            .iter()
+            .map(|(_, key, op)| (key.clone(), *op))
+            .collect(),
+    );
+    let all: Vec<usize> = ops.iter().map(|(i, _)| *i).collect();
+    Box::pin(async move {
+        let results = applied.await;
+        // Per op, in `ops`' order; `None` for an op left out.
+        all.iter()
+            .map(|i| {
+                keyed
+                    .iter()
+                    .zip(&results)
+                    .find(|((j, _, _), _)| j == i)
+                    .and_then(|(_, r)| *r)
+            })
+            .collect()
+    })
+}

@@ -1,0 +1,369 @@
+use std::collections::HashMap;
+use std::fmt;
+use std::sync::{Arc, RwLock};
+use std::time::Duration;
+
+use http::request::Parts;
+use jiff::tz::TimeZone;
+use tower_layer::Layer;
+
+use super::service::QuotaService;
+use crate::policy::{InvalidRequest, Policy, QuotaPolicy};
+use crate::quota::Quota;
+use crate::response::PolicyCache;
+use crate::store::{MemoryStore, Store};
+use crate::subject::SubjectExtractor;
+
+/// Enforces per-subject quotas on the services it wraps.
+///
+/// A layer carries quotas and what a request costs on them; every other
+/// setting is its [`QuotaPolicy`]'s. Each request is charged to the
+/// [`Subject`](crate::Subject) the policy's extractor names, on every quota
+/// of the layer at once: if one quota has no room left, the request is
+/// refused with `429 Too Many Requests` and nothing is spent on any quota.
+/// Every charged response, admitted or refused, carries the
+/// `RateLimit-Policy` and `RateLimit` fields.
+///
+/// A layer made with [`QuotaLayer::daily`] (or `hourly`, `new`, ...) is a
+/// policy of its own, on a fresh [`MemoryStore`] with the default settings.
+/// To choose the store, clock or anything else, or to share a budget between
+/// layers, make a [`QuotaPolicy`] and take its layers from
+/// [`QuotaPolicy::layer`].
+///
+/// # Example
+///
+/// ```
+/// use axum::{body::Body, routing::get, Router};
+/// use http::{Request, StatusCode};
+/// use tower::ServiceExt;
+/// use tower_quota::{FromHeader, QuotaLayer};
+///
+/// # #[tokio::main(flavor = "current_thread")] async fn main() {
+/// let app = Router::new()
+///     .route("/", get(|| async { "hello" }))
+///     .layer(QuotaLayer::daily(2, FromHeader::account("x-account-id")));
+///
+/// let call = || Request::get("/").header("x-account-id", "acme").body(Body::empty()).unwrap();
+/// let first = app.clone().oneshot(call()).await.unwrap();
+/// assert_eq!(first.status(), StatusCode::OK);
+/// assert!(first.headers()["ratelimit"].to_str().unwrap().starts_with("\"default-day\";r=1;t="));
+/// assert_eq!(app.clone().oneshot(call()).await.unwrap().status(), StatusCode::OK);
+/// let third = app.clone().oneshot(call()).await.unwrap();
+/// assert_eq!(third.status(), StatusCode::TOO_MANY_REQUESTS);
+/// assert_eq!(third.headers()["content-type"], "application/problem+json");
+/// assert!(third.headers().contains_key("retry-after"));
+/// # }
+/// ```
+pub struct QuotaLayer<E, St = MemoryStore> {
+    pub(crate) bound: Arc<Bound<E, St>>,
+}
+
+/// A layer's policy and scope, shared by its services and their clones.
+pub(crate) struct Bound<E, St> {
+    pub(crate) policy: Arc<Policy<E, St>>,
+    pub(crate) scope: Scope,
+}
+
+/// What one layer charges: its quotas, what a request costs on them, and
+/// what it keeps to answer fast.
+pub(crate) struct Scope {
+    pub(crate) quotas: Arc<[Quota]>,
+    pub(crate) cost: Cost,
+    /// The last `RateLimit-Policy` values this layer sent.
+    pub(crate) fields: PolicyCache,
+    /// The quotas as callers in other zones count them, by zone.
+    zoned: RwLock<HashMap<String, Arc<[Quota]>>>,
+}
+
+/// Callers' zones a layer keeps its quotas for; beyond, they are made per
+/// request.
+const MAX_ZONES: usize = 1_024;
+
+impl Scope {
+    fn new(quotas: Arc<[Quota]>, cost: Cost) -> Self {
+        Self {
+            fields: PolicyCache::for_quotas(&quotas),
+            quotas,
+            cost,
+            zoned: RwLock::default(),
+        }
+    }
+
+    /// The layer's quotas as a caller in `zone` counts them.
+    pub(crate) fn quotas_in(&self, zone: Option<&TimeZone>) -> Arc<[Quota]> {
+        let Some(zone) = zone else {
+            return Arc::clone(&self.quotas);
+        };
+        let name = zone_key(zone);
+        if let Some(quotas) = self
+            .zoned
+            .read()
+            .unwrap_or_else(|e| e.into_inner())
+            .get(&name)
+        {
+            return Arc::clone(quotas);
+        }
+        let quotas: Arc<[Quota]> = self
+            .quotas
+            .iter()
+            .map(|q| q.in_callers_zone(zone))
+            .collect();
+        let mut zoned = self.zoned.write().unwrap_or_else(|e| e.into_inner());
+        if zoned.len() < MAX_ZONES {
+            zoned.insert(name, Arc::clone(&quotas));
+        }
+        quotas
+    }
+}
+
+/// What tells zones apart: the IANA name, or the fixed offset.
+fn zone_key(zone: &TimeZone) -> String {
+    match zone.iana_name() {
+        Some(name) => name.to_owned(),
+        None => format!("{:?}", zone.to_fixed_offset().ok()),
+    }
+}
+
+type CostFn = dyn Fn(&Parts) -> Result<u64, InvalidRequest> + Send + Sync;
+type DeferredFn = dyn Fn(&http::response::Parts) -> u64 + Send + Sync;
+
+/// What a request costs.
+#[derive(Clone)]
+pub(crate) enum Cost {
+    Fixed(u64),
+    Computed(Arc<CostFn>),
+    /// Admitted when `upfront` fits; the real cost is read from the
+    /// response's head, and the difference charged or given back.
+    Deferred {
+        upfront: u64,
+        real: Arc<DeferredFn>,
+    },
+}
+
+impl Cost {
+    /// What the request with head `parts` is charged before it is served.
+    #[inline]
+    pub(crate) fn upfront(&self, parts: &Parts) -> Result<u64, InvalidRequest> {
+        match self {
+            Cost::Fixed(n) | Cost::Deferred { upfront: n, .. } => Ok(*n),
+            Cost::Computed(f) => f(parts),
+        }
+    }
+
+    /// The real cost, once the response's head is known; `None` when it was
+    /// known up front.
+    pub(crate) fn real(&self, response: &http::response::Parts) -> Option<u64> {
+        match self {
+            Cost::Deferred { real, .. } => Some(real(response)),
+            _ => None,
+        }
+    }
+}
+
+impl<E> QuotaLayer<E, MemoryStore> {
+    /// A layer charging `quota` (more with [`QuotaLayer::quota`]) to the
+    /// subjects `extractor` names, as a policy of its own on a fresh
+    /// [`MemoryStore`].
+    pub fn new(quota: Quota, extractor: E) -> Self {
+        QuotaPolicy::new(extractor).layer(quota)
+    }
+
+    /// `limit` requests per calendar day (UTC), per subject: the one-liner.
+    ///
+    /// ```
+    /// use axum::{body::Body, routing::get, Router};
+    /// use http::{Request, StatusCode};
+    /// use tower::ServiceExt;
+    /// use tower_quota::{FromHeader, QuotaLayer};
+    ///
+    /// # #[tokio::main(flavor = "current_thread")] async fn main() {
+    /// let app = Router::new()
+    ///     .route("/", get(|| async { "hello" }))
+    ///     .layer(QuotaLayer::daily(1, FromHeader::account("x-account-id")));
+    ///
+    /// let call = |account: &str| {
+    ///     Request::get("/").header("x-account-id", account).body(Body::empty()).unwrap()
+    /// };
+    /// let ok = app.clone().oneshot(call("acme")).await.unwrap();
+    /// assert_eq!(ok.status(), StatusCode::OK);
+    /// assert_eq!(ok.headers()["ratelimit-policy"], "\"default-day\";q=1;w=86400");
+    /// // acme has spent its day; another account has not.
+    /// let refused = app.clone().oneshot(call("acme")).await.unwrap();
+    /// assert_eq!(refused.status(), StatusCode::TOO_MANY_REQUESTS);
+    /// assert_eq!(app.clone().oneshot(call("globex")).await.unwrap().status(), StatusCode::OK);
+    /// # }
+    /// ```
+    pub fn daily(limit: u64, extractor: E) -> Self {
+        Self::new(Quota::daily(limit), extractor)
+    }
+
+    /// `limit` requests per calendar hour, per subject.
+    pub fn hourly(limit: u64, extractor: E) -> Self {
+        Self::new(Quota::hourly(limit), extractor)
+    }
+
+    /// `limit` requests per calendar minute, per subject.
+    pub fn per_minute(limit: u64, extractor: E) -> Self {
+        Self::new(Quota::per_minute(limit), extractor)
+    }
+
+    /// `limit` requests per ISO week, per subject.
+    pub fn weekly(limit: u64, extractor: E) -> Self {
+        Self::new(Quota::weekly(limit), extractor)
+    }
+
+    /// `limit` requests per calendar month, per subject.
+    pub fn monthly(limit: u64, extractor: E) -> Self {
+        Self::new(Quota::monthly(limit), extractor)
+    }
+
+    /// `limit` requests per `length` from each subject's first call.
+    ///
+    /// # Panics
+    ///
+    /// When `length` is shorter than a second or not a whole number of
+    /// seconds.
+    pub fn rolling(limit: u64, length: Duration, extractor: E) -> Self {
+        Self::new(Quota::rolling(limit, length), extractor)
+    }
+}
+
+impl<E, St> QuotaPolicy<E, St> {
+    /// A layer charging `quota` (more with [`QuotaLayer::quota`]), on this
+    /// policy's store, clock and subjects. Apply it router-wide or to some
+    /// routes only: a request passing several layers of one policy is
+    /// charged once on each quota, and a refusal by any of them gives back
+    /// what the others charged.
+    ///
+    /// # Panics
+    ///
+    /// When `quota` would count on the counter of a different quota of the
+    /// policy, or has the name of one.
+    pub fn layer(&self, quota: Quota) -> QuotaLayer<E, St> {
+        self.core.register(&quota);
+        QuotaLayer {
+            bound: Arc::new(Bound {
+                policy: Arc::clone(&self.core),
+                scope: Scope::new(Arc::from([quota]), Cost::Fixed(1)),
+            }),
+        }
+    }
+}
+
+impl<E, St> QuotaLayer<E, St> {
+    /// The same layer with its scope changed by `f`.
+    fn with_scope(self, f: impl FnOnce(&mut Vec<Quota>, &mut Cost)) -> Self {
+        let mut quotas = self.bound.scope.quotas.to_vec();
+        let mut cost = self.bound.scope.cost.clone();
+        f(&mut quotas, &mut cost);
+        Self {
+            bound: Arc::new(Bound {
+                policy: Arc::clone(&self.bound.policy),
+                scope: Scope::new(quotas.into(), cost),
+            }),
+        }
+    }
+
+    /// Adds a quota. A request must have room on every quota of the layer,
+    /// and is charged on all of them in one call to the store.
+    ///
+    /// # Panics
+    ///
+    /// When the layer has this quota already, or `quota` would count on the
+    /// counter of a different quota of the policy, or has the name of one.
+    #[must_use]
+    pub fn quota(self, quota: Quota) -> Self {
+        assert!(
+            !self.bound.scope.quotas.iter().any(|q| q.same_as(&quota)),
+            "the layer has quota {:?} already",
+            quota.name()
+        );
+        self.bound.policy.register(&quota);
+        self.with_scope(|quotas, _| quotas.push(quota))
+    }
+
+    /// Every request costs `cost` units (default 1).
+    #[must_use]
+    pub fn cost(self, cost: u64) -> Self {
+        self.with_scope(|_, c| *c = Cost::Fixed(cost))
+    }
+
+    /// Works out each request's cost from its head, e.g. from a `?n=` query
+    /// parameter. An error is answered with 400 and the error's text.
+    #[must_use]
+    pub fn cost_fn<F>(self, f: F) -> Self
+    where
+        F: Fn(&Parts) -> Result<u64, InvalidRequest> + Send + Sync + 'static,
+    {
+        self.with_scope(|_, c| *c = Cost::Computed(Arc::new(f)))
+    }
+
+    /// A cost known only from the response (tokens generated, rows
+    /// returned): a request is admitted when `upfront` fits, and once the
+    /// response's head is known, `real` reads the real cost from it (a
+    /// header or a response extension the handler set). The difference is
+    /// then charged, past the limit if need be (the request was served), or
+    /// given back, never below zero. It goes to the counters the request was
+    /// charged on, creating none and moving no deadline; the fields sent
+    /// with the response count it. Replaces [`QuotaLayer::cost`] and
+    /// [`QuotaLayer::cost_fn`]: the last of the three called is the cost.
+    ///
+    /// ```
+    /// use tower_quota::{FromHeader, QuotaLayer};
+    ///
+    /// let layer = QuotaLayer::daily(100_000, FromHeader::account("x-account-id"))
+    ///     .deferred_cost(1, |response| {
+    ///         response.headers.get("x-tokens-used")
+    ///             .and_then(|v| v.to_str().ok()?.parse().ok())
+    ///             .unwrap_or(1)
+    ///     });
+    /// # let _ = layer;
+    /// ```
+    #[must_use]
+    pub fn deferred_cost<F>(self, upfront: u64, real: F) -> Self
+    where
+        F: Fn(&http::response::Parts) -> u64 + Send + Sync + 'static,
+    {
+        self.with_scope(|_, c| {
+            *c = Cost::Deferred {
+                upfront,
+                real: Arc::new(real),
+            }
+        })
+    }
+
+    /// The layer's quotas.
+    pub fn quotas(&self) -> &[Quota] {
+        &self.bound.scope.quotas
+    }
+}
+
+impl<S, E, St> Layer<S> for QuotaLayer<E, St>
+where
+    E: SubjectExtractor,
+    St: Store,
+{
+    type Service = QuotaService<S, E, St>;
+
+    fn layer(&self, inner: S) -> Self::Service {
+        QuotaService::new(inner, Arc::clone(&self.bound))
+    }
+}
+
+impl<E, St> Clone for QuotaLayer<E, St> {
+    fn clone(&self) -> Self {
+        Self {
+            bound: Arc::clone(&self.bound),
+        }
+    }
+}
+
+impl<E, St: fmt::Debug> fmt::Debug for QuotaLayer<E, St> {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("QuotaLayer")
+            .field("quotas", &self.bound.scope.quotas)
+            .field("policy", &self.bound.policy.settings)
+            .field("store", &self.bound.policy.store)
+            .finish()
+    }
+}

@@ -1,0 +1,118 @@
+use std::fmt;
+use std::mem;
+use std::sync::Arc;
+use std::task::{Context, Poll};
+
+use http::{Request, Response};
+use tower_service::Service;
+
+use super::charge::{self, Step};
+use super::future::ResponseFuture;
+use super::layer::Bound;
+use crate::body::ResponseBody;
+use crate::status::QuotaStatus;
+use crate::store::Store;
+use crate::subject::SubjectExtractor;
+
+/// The service of a [`QuotaLayer`](crate::QuotaLayer): charges each request
+/// before calling the inner service.
+pub struct QuotaService<S, E, St> {
+    inner: S,
+    bound: Arc<Bound<E, St>>,
+}
+
+impl<S, E, St> QuotaService<S, E, St> {
+    pub(crate) fn new(inner: S, bound: Arc<Bound<E, St>>) -> Self {
+        Self { inner, bound }
+    }
+
+    /// The wrapped service.
+    pub fn get_ref(&self) -> &S {
+        &self.inner
+    }
+
+    /// The wrapped service, mutably.
+    pub fn get_mut(&mut self) -> &mut S {
+        &mut self.inner
+    }
+
+    /// The wrapped service, by value.
+    pub fn into_inner(self) -> S {
+        self.inner
+    }
+}
+
+impl<S: Clone, E, St> Clone for QuotaService<S, E, St> {
+    fn clone(&self) -> Self {
+        Self {
+            inner: self.inner.clone(),
+            bound: Arc::clone(&self.bound),
+        }
+    }
+}
+
+impl<S: fmt::Debug, E, St: fmt::Debug> fmt::Debug for QuotaService<S, E, St> {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("QuotaService")
+            .field("inner", &self.inner)
+            .field("quotas", &self.bound.scope.quotas)
+            .field("store", &self.bound.policy.store)
+            .finish()
+    }
+}
+
+impl<S, E, St, ReqBody, ResBody> Service<Request<ReqBody>> for QuotaService<S, E, St>
+where
+    S: Service<Request<ReqBody>, Response = Response<ResBody>> + Clone,
+    E: SubjectExtractor,
+    St: Store,
+{
+    type Response = Response<ResponseBody<ResBody>>;
+    type Error = S::Error;
+    type Future = ResponseFuture<S, E, St, ReqBody>;
+
+    fn poll_ready(&mut self, cx: &mut Context<'_>) -> Poll<Result<(), Self::Error>> {
+        self.inner.poll_ready(cx)
+    }
+
+    /// Decides what this layer charges (see [`charge::plan`]), then passes,
+    /// rejects, or charges and lets the future call the inner service.
+    fn call(&mut self, request: Request<ReqBody>) -> Self::Future {
+        let (mut parts, body) = request.into_parts();
+        match charge::plan(&self.bound, &parts) {
+            Step::Pass => {
+                ResponseFuture::passing(self.inner.call(Request::from_parts(parts, body)))
+            }
+            Step::PassUncounted(ticket) => {
+                match parts.extensions.get_mut::<QuotaStatus>() {
+                    Some(status) => status.put(ticket),
+                    None => {
+                        let mut status = QuotaStatus::default();
+                        status.put(ticket);
+                        parts.extensions.insert(status);
+                    }
+                }
+                ResponseFuture::passing(self.inner.call(Request::from_parts(parts, body)))
+            }
+            Step::Reject(response) => ResponseFuture::rejected(response),
+            Step::Charge(charge) => {
+                let request = Request::from_parts(parts, body);
+                ResponseFuture::charging(
+                    charge,
+                    Arc::clone(&self.bound),
+                    self.take_ready(),
+                    request,
+                )
+            }
+        }
+    }
+}
+
+impl<S: Clone, E, St> QuotaService<S, E, St> {
+    /// The instance that `poll_ready` readied; a clone stays for the next
+    /// request.
+    fn take_ready(&mut self) -> S {
+        let clone = self.inner.clone();
+        mem::replace(&mut self.inner, clone)
+    }
+}

@@ -1,0 +1,446 @@
+//! One quota policy per application: every setting, the store, the clock and
+//! the subject extractor, owned once. Its layers (see the middleware) carry
+//! only their quotas and cost.
+
+mod settings;
+
+use std::fmt;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::{Arc, Mutex, RwLock};
+use std::time::Duration;
+
+use http::request::Parts;
+use jiff::tz::TimeZone;
+
+use crate::key::Namespace;
+use crate::period::Clock;
+use crate::quota::Quota;
+use crate::response::Refusal;
+use crate::store::{MemoryStore, Store};
+
+pub(crate) use self::settings::Settings;
+pub use self::settings::{InvalidRequest, OnStoreError, SubjectPolicy, UnknownPlan};
+
+/// The quotas of one application: one store, one clock, one namespace, one
+/// way to name the subject, its plan and its time zone, and every layer of
+/// the app made from it with [`QuotaPolicy::layer`].
+///
+/// Each layer charges the quotas of its own that the request has not been
+/// charged on yet, in one call to the store: a router-wide daily quota and a
+/// burst quota on `/search` cost two calls for a search (one per layer), and
+/// one layer with several quotas stays one call. A layer that refuses gives
+/// back what the layers further out charged for the request before the
+/// refusal is answered, so a request refused by the burst quota spends
+/// nothing of the daily one. The handler sees one
+/// [`QuotaStatus`](crate::QuotaStatus) listing every quota that applied.
+///
+/// Two different quotas of one policy that would count on the same counter
+/// (same allowance, period and anchor) are refused when the second layer is
+/// made; the same quota handed to two layers shares one budget.
+///
+/// ```
+/// use axum::{body::Body, routing::get, Router};
+/// use http::{Request, StatusCode};
+/// use tower::ServiceExt;
+/// use tower_quota::{FromHeader, Quota, QuotaPolicy};
+///
+/// # #[tokio::main(flavor = "current_thread")] async fn main() {
+/// let policy = QuotaPolicy::builder(FromHeader::account("x-account-id")).build();
+///
+/// let app = Router::new()
+///     .route("/search", get(|| async { "found" }))
+///     .route_layer(policy.layer(Quota::per_minute(1).allowance("search")))
+///     .route("/read", get(|| async { "read" }))
+///     .route_layer(policy.layer(Quota::daily(1_000).allowance("read")));
+///
+/// let call = |path: &str| Request::get(path).header("x-account-id", "acme").body(Body::empty()).unwrap();
+/// assert_eq!(app.clone().oneshot(call("/search")).await.unwrap().status(), StatusCode::OK);
+/// // Refused by the per-minute quota: nothing spent on the daily one.
+/// assert_eq!(app.clone().oneshot(call("/search")).await.unwrap().status(), StatusCode::TOO_MANY_REQUESTS);
+///
+/// let acme = tower_quota::Subject::account("acme");
+/// let usage = policy.handle().usage(&acme).await.unwrap();
+/// let read = usage.iter().find(|u| u.name() == "read-day").unwrap();
+/// assert_eq!(read.used(), 1);
+/// # }
+/// ```
+pub struct QuotaPolicy<E, St = MemoryStore> {
+    pub(crate) core: Arc<Policy<E, St>>,
+}
+
+/// What a policy's layers, services and handles share.
+pub(crate) struct Policy<E, St> {
+    /// Unique in the process: a request's status keeps one ticket per
+    /// policy.
+    pub(crate) id: u64,
+    pub(crate) settings: Settings,
+    pub(crate) extractor: E,
+    pub(crate) store: St,
+    /// Every quota of the policy's layers, in the order they were made.
+    quotas: Mutex<Vec<Quota>>,
+    /// The plans there are: declared, and named by some quota.
+    plans: RwLock<Arc<[Arc<str>]>>,
+}
+
+impl<E, St> Policy<E, St> {
+    /// Adds a layer's quota to the policy's.
+    ///
+    /// # Panics
+    ///
+    /// When it would count on the counter of a different quota of the
+    /// policy, or carries the name of one.
+    pub(crate) fn register(&self, quota: &Quota) {
+        let mut quotas = self.quotas.lock().unwrap_or_else(|e| e.into_inner());
+        let per_caller = self.settings.zone.is_some();
+        for known in quotas.iter() {
+            if known.same_as(quota) {
+                return;
+            }
+            assert!(
+                !known.shares_counters_with(quota, per_caller),
+                "two different quotas of one policy would count on one counter: {known:?} and {quota:?} have the same allowance ({:?}), period and anchor{}; give one of them its own allowance",
+                quota.allowance_tag(),
+                if per_caller { " (the policy reads each caller's time zone, so their zones do not tell them apart)" } else { "" },
+            );
+            assert!(
+                known.name() != quota.name(),
+                "two different quotas of one policy are named {:?}; name them apart with Quota::named",
+                quota.name()
+            );
+        }
+        quotas.push(quota.clone());
+        drop(quotas);
+        let named: Vec<&str> = quota.plans().map(|(plan, _)| plan).collect();
+        if !named.is_empty() {
+            let mut plans = self.plans.write().unwrap_or_else(|e| e.into_inner());
+            let mut all = plans.to_vec();
+            for plan in named {
+                if !all.iter().any(|p| **p == *plan) {
+                    all.push(plan.into());
+                }
+            }
+            *plans = all.into();
+        }
+    }
+
+    /// Every quota of the policy's layers, in the order they were made.
+    pub(crate) fn quotas(&self) -> Vec<Quota> {
+        self.quotas
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .clone()
+    }
+
+    /// Whether `plan` is declared or named by some quota of the policy.
+    pub(crate) fn knows_plan(&self, plan: &str) -> bool {
+        self.plans
+            .read()
+            .unwrap_or_else(|e| e.into_inner())
+            .iter()
+            .any(|p| **p == *plan)
+    }
+}
+
+impl<E, St> QuotaPolicy<E, St> {
+    /// The store.
+    pub fn store(&self) -> &St {
+        &self.core.store
+    }
+
+    /// The namespace of every key.
+    pub fn namespace(&self) -> &Namespace {
+        &self.core.settings.namespace
+    }
+
+    /// Every quota of the policy's layers so far.
+    pub fn quotas(&self) -> Vec<Quota> {
+        self.core.quotas()
+    }
+}
+
+impl<E> QuotaPolicy<E, MemoryStore> {
+    /// A policy naming subjects with `extractor`, on a fresh
+    /// [`MemoryStore`], with every setting at its default.
+    pub fn new(extractor: E) -> Self {
+        Self::builder(extractor).build()
+    }
+
+    /// A policy naming subjects with `extractor`; configure it, then
+    /// [`QuotaPolicyBuilder::build`].
+    pub fn builder(extractor: E) -> QuotaPolicyBuilder<E, MemoryStore> {
+        QuotaPolicyBuilder {
+            settings: Settings::default(),
+            extractor,
+            store: MemoryStore::new(),
+        }
+    }
+}
+
+impl<E, St> Clone for QuotaPolicy<E, St> {
+    fn clone(&self) -> Self {
+        Self {
+            core: Arc::clone(&self.core),
+        }
+    }
+}
+
+impl<E, St: fmt::Debug> fmt::Debug for QuotaPolicy<E, St> {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("QuotaPolicy")
+            .field("settings", &self.core.settings)
+            .field("store", &self.core.store)
+            .field("quotas", &self.core.quotas())
+            .finish_non_exhaustive()
+    }
+}
+
+/// Configures a [`QuotaPolicy`]: every setting of every layer of the policy
+/// is made here, whatever the order of the calls.
+#[must_use]
+pub struct QuotaPolicyBuilder<E, St = MemoryStore> {
+    settings: Settings,
+    extractor: E,
+    store: St,
+}
+
+impl<E, St> QuotaPolicyBuilder<E, St> {
+    /// Keeps counters in `store` (default: a fresh [`MemoryStore`]).
+    pub fn store<St2: Store>(self, store: St2) -> QuotaPolicyBuilder<E, St2> {
+        QuotaPolicyBuilder {
+            settings: self.settings,
+            extractor: self.extractor,
+            store,
+        }
+    }
+
+    /// Takes "now" from `clock` instead of the system clock.
+    pub fn clock(mut self, clock: impl Clock) -> Self {
+        self.settings.clock = Arc::new(clock);
+        self
+    }
+
+    /// Starts every key with `prefix` (default `quota`).
+    ///
+    /// # Panics
+    ///
+    /// When `prefix` contains `{` or `}`.
+    pub fn namespace(mut self, prefix: &str) -> Self {
+        self.settings.namespace = Namespace::new(prefix);
+        self
+    }
+
+    /// What to do when the request names no subject. Default: 401.
+    pub fn on_missing_subject(mut self, policy: SubjectPolicy) -> Self {
+        self.settings.on_missing = policy;
+        self
+    }
+
+    /// What to do when the request's subject is malformed. Default: 400.
+    pub fn on_malformed_subject(mut self, policy: SubjectPolicy) -> Self {
+        self.settings.on_malformed = policy;
+        self
+    }
+
+    /// The longest subject id accepted, in bytes (default 256). Longer ids are
+    /// malformed.
+    ///
+    /// # Panics
+    ///
+    /// When `bytes` is 0: no subject would ever be accepted.
+    pub fn max_subject_len(mut self, bytes: usize) -> Self {
+        assert!(bytes > 0, "the longest subject id is at least one byte");
+        self.settings.max_subject_len = bytes;
+        self
+    }
+
+    /// What to do when the store fails. Default: fail closed, 503 with
+    /// `Retry-After: 1`.
+    pub fn on_store_error(mut self, policy: OnStoreError) -> Self {
+        self.settings.on_store_error = policy;
+        self
+    }
+
+    /// How long to wait for the store before treating it as failed (default
+    /// 100 ms; `None` waits forever). The wait applies only to stores that do
+    /// not answer at once (never to [`MemoryStore`]) and uses tokio's timer.
+    ///
+    /// # Panics
+    ///
+    /// When `timeout` is zero. A request whose store does not answer at once
+    /// panics when it runs on a tokio runtime built without its timer
+    /// (`enable_time`). Runtimes made by `#[tokio::main]` have it; otherwise
+    /// pass `None`.
+    pub fn store_timeout(mut self, timeout: Option<Duration>) -> Self {
+        assert!(
+            timeout != Some(Duration::ZERO),
+            "a store timeout of zero would fail every charge; pass None to wait forever"
+        );
+        self.settings.store_timeout = timeout;
+        self
+    }
+
+    /// Lets requests for which `predicate` is true through every layer of the
+    /// policy uncounted, without a subject and without rate-limit fields:
+    /// health checks, `OPTIONS` preflight, internal callers. Several
+    /// predicates add up: a request matching any of them is skipped.
+    ///
+    /// ```
+    /// use http::Method;
+    /// use tower_quota::{FromHeader, QuotaPolicy};
+    ///
+    /// let policy = QuotaPolicy::builder(FromHeader::account("x-account-id"))
+    ///     .skip_if(|parts| parts.method == Method::OPTIONS)
+    ///     .skip_if(|parts| parts.headers.contains_key("x-internal-caller"))
+    ///     .build();
+    /// # let _ = policy;
+    /// ```
+    pub fn skip_if<F>(mut self, predicate: F) -> Self
+    where
+        F: Fn(&Parts) -> bool + Send + Sync + 'static,
+    {
+        self.settings.skip.push(Arc::new(predicate));
+        self
+    }
+
+    /// Reads the subject's plan from each request (e.g. from a value an
+    /// authentication layer inserted); quotas give plans their limits with
+    /// [`Quota::plan`]. `None` means no plan: each quota's own limit. The plan
+    /// is not part of any key, so a subject whose plan changes keeps its
+    /// count.
+    ///
+    /// ```
+    /// use tower_quota::{FromHeader, Quota, QuotaPolicy, UnknownPlan};
+    ///
+    /// #[derive(Clone)]
+    /// struct Plan(String); // inserted by the authentication layer
+    ///
+    /// let policy = QuotaPolicy::builder(FromHeader::account("x-account-id"))
+    ///     .plan(|parts| parts.extensions.get::<Plan>().map(|p| p.0.clone()))
+    ///     .on_unknown_plan(UnknownPlan::Reject)
+    ///     .build();
+    /// let layer = policy.layer(Quota::daily(100).plan("pro", 10_000));
+    /// # let _ = layer;
+    /// ```
+    pub fn plan<F>(mut self, plan: F) -> Self
+    where
+        F: Fn(&Parts) -> Option<String> + Send + Sync + 'static,
+    {
+        self.settings.plan = Some(Arc::new(plan));
+        self
+    }
+
+    /// Declares the plans there are, so that a plan no quota names a limit
+    /// for (the quota's own limit applies) is not taken for an unknown one.
+    /// Plans that quotas name with [`Quota::plan`] are known anyway.
+    pub fn plans<I, P>(mut self, plans: I) -> Self
+    where
+        I: IntoIterator<Item = P>,
+        P: Into<String>,
+    {
+        self.settings
+            .plans
+            .extend(plans.into_iter().map(|p| Arc::from(p.into())));
+        self
+    }
+
+    /// What to do with a plan no quota of the policy names. Default: each
+    /// quota's own limit.
+    pub fn on_unknown_plan(mut self, choice: UnknownPlan) -> Self {
+        self.settings.unknown_plan = choice;
+        self
+    }
+
+    /// Reads each caller's own time zone from the request (e.g. from the
+    /// authenticated account): the caller's calendar quotas (days, weeks,
+    /// months, and hours or minutes in zones with odd offsets) then turn at
+    /// the caller's midnight, each zone on counters of its own. `Ok(None)`
+    /// means the request names no zone: each quota's own zone applies
+    /// ([`Quota::in_time_zone`], UTC by default). An error is answered with
+    /// 400 and its text, and nothing is charged. Fixed windows and first-use
+    /// quotas do not depend on a zone.
+    ///
+    /// The zone must have an IANA name or a fixed offset (it names the
+    /// calendar window in the counter's key); any other is refused with 400.
+    ///
+    /// ```
+    /// use tower_quota::jiff::tz::TimeZone;
+    /// use tower_quota::{FromHeader, InvalidRequest, QuotaPolicy};
+    ///
+    /// let policy = QuotaPolicy::builder(FromHeader::account("x-account-id"))
+    ///     .time_zone(|parts| {
+    ///         let Some(value) = parts.headers.get("x-time-zone") else {
+    ///             return Ok(None);
+    ///         };
+    ///         let name = value.to_str().map_err(|_| InvalidRequest::new("x-time-zone is not text"))?;
+    ///         TimeZone::get(name)
+    ///             .map(Some)
+    ///             .map_err(|_| InvalidRequest::new(format!("unknown time zone {name:?}")))
+    ///     })
+    ///     .build();
+    /// # let _ = policy;
+    /// ```
+    pub fn time_zone<F>(mut self, zone: F) -> Self
+    where
+        F: Fn(&Parts) -> Result<Option<TimeZone>, InvalidRequest> + Send + Sync + 'static,
+    {
+        self.settings.zone = Some(Arc::new(zone));
+        self
+    }
+
+    /// Gives the charge back when the response is a server error (5xx) or
+    /// the inner service fails: the client is not billed for the server's
+    /// failures. Off by default. The refund goes to the counters that were
+    /// charged, even when a calendar boundary passed meanwhile.
+    pub fn refund_server_errors(mut self, refund: bool) -> Self {
+        self.settings.refund_server_errors = refund;
+        self
+    }
+
+    /// Builds the answer to a refused request (a quota without room, or the
+    /// store failing under fail-closed) from what the layer knows: see
+    /// [`Refusal`], whose [`standard`](Refusal::standard) answer is the
+    /// default (`application/problem+json`, or a gRPC status for a gRPC
+    /// call).
+    pub fn refusal<F>(mut self, answer: F) -> Self
+    where
+        F: Fn(&Refusal) -> http::Response<bytes::Bytes> + Send + Sync + 'static,
+    {
+        self.settings.refusal = Some(Arc::new(answer));
+        self
+    }
+
+    /// The policy.
+    pub fn build(self) -> QuotaPolicy<E, St> {
+        static NEXT: AtomicU64 = AtomicU64::new(1);
+        let plans: Arc<[Arc<str>]> = self.settings.plans.clone().into();
+        QuotaPolicy {
+            core: Arc::new(Policy {
+                id: NEXT.fetch_add(1, Ordering::Relaxed),
+                settings: self.settings,
+                extractor: self.extractor,
+                store: self.store,
+                quotas: Mutex::default(),
+                plans: RwLock::new(plans),
+            }),
+        }
+    }
+}
+
+impl<E, St: fmt::Debug> fmt::Debug for QuotaPolicyBuilder<E, St> {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("QuotaPolicyBuilder")
+            .field("settings", &self.settings)
+            .field("store", &self.store)
+            .finish_non_exhaustive()
+    }
+}
+
+impl<E: Clone, St: Clone> Clone for QuotaPolicyBuilder<E, St> {
+    fn clone(&self) -> Self {
+        Self {
+            settings: self.settings.clone(),
+            extractor: self.extractor.clone(),
+            store: self.store.clone(),
+        }
+    }
+}

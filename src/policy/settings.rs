@@ -1,0 +1,152 @@
+//! The settings of a policy, read by every layer, service and handle of it.
+
+use std::borrow::Cow;
+use std::fmt;
+use std::sync::Arc;
+use std::time::Duration;
+
+use http::request::Parts;
+use http::StatusCode;
+use jiff::tz::TimeZone;
+
+use crate::key::Namespace;
+use crate::period::{Clock, SystemClock};
+use crate::response::Refusal;
+
+/// What to do with a request whose subject is missing or malformed.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum SubjectPolicy {
+    /// Answer with this status and a problem document; the inner service is
+    /// not called. A status that is not a 4xx or 5xx falls back to the
+    /// default (401 for a missing subject, 400 for a malformed one).
+    Reject(StatusCode),
+    /// Let the request through without charging any quota (and without
+    /// rate-limit fields). Unidentified requests never share a counter: they
+    /// are simply not counted.
+    Allow,
+}
+
+/// What to do when the store fails or does not answer in time.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum OnStoreError {
+    /// Let the request through uncharged, and log the failure. Availability
+    /// over enforcement.
+    FailOpen,
+    /// Answer 503 with a problem document and `Retry-After` (in seconds).
+    /// Enforcement over availability.
+    FailClosed {
+        /// The `Retry-After` sent with the 503.
+        retry_after: Duration,
+    },
+}
+
+/// What to do with a request whose plan no quota of the policy names.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum UnknownPlan {
+    /// Charge it against each quota's own limit, as a request without a
+    /// plan.
+    DefaultLimits,
+    /// Answer `403 Forbidden` with a problem document naming the plan; the
+    /// request is not charged.
+    Reject,
+}
+
+/// Why a request's head cannot be charged: a cost or a time zone that
+/// cannot be worked out. Answered with 400 and the reason; nothing is
+/// charged.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct InvalidRequest(Cow<'static, str>);
+
+impl InvalidRequest {
+    /// An error with a reason the client may read.
+    pub fn new(reason: impl Into<Cow<'static, str>>) -> Self {
+        Self(reason.into())
+    }
+
+    /// The reason.
+    pub fn reason(&self) -> &str {
+        &self.0
+    }
+}
+
+impl fmt::Display for InvalidRequest {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(&self.0)
+    }
+}
+
+impl std::error::Error for InvalidRequest {}
+
+pub(crate) type SkipFn = dyn Fn(&Parts) -> bool + Send + Sync;
+pub(crate) type PlanFn = dyn Fn(&Parts) -> Option<String> + Send + Sync;
+pub(crate) type ZoneFn = dyn Fn(&Parts) -> Result<Option<TimeZone>, InvalidRequest> + Send + Sync;
+pub(crate) type RefusalFn = dyn Fn(&Refusal) -> http::Response<bytes::Bytes> + Send + Sync;
+
+/// Every setting of a policy, in one place.
+#[derive(Clone)]
+pub(crate) struct Settings {
+    pub(crate) namespace: Namespace,
+    pub(crate) clock: Arc<dyn Clock>,
+    pub(crate) on_missing: SubjectPolicy,
+    pub(crate) on_malformed: SubjectPolicy,
+    pub(crate) max_subject_len: usize,
+    pub(crate) on_store_error: OnStoreError,
+    pub(crate) store_timeout: Option<Duration>,
+    pub(crate) skip: Vec<Arc<SkipFn>>,
+    pub(crate) plan: Option<Arc<PlanFn>>,
+    /// Plans declared up front, beside those the quotas name.
+    pub(crate) plans: Vec<Arc<str>>,
+    pub(crate) unknown_plan: UnknownPlan,
+    pub(crate) zone: Option<Arc<ZoneFn>>,
+    pub(crate) refund_server_errors: bool,
+    pub(crate) refusal: Option<Arc<RefusalFn>>,
+}
+
+impl Default for Settings {
+    fn default() -> Self {
+        Self {
+            namespace: Namespace::default(),
+            clock: Arc::new(SystemClock),
+            on_missing: SubjectPolicy::Reject(StatusCode::UNAUTHORIZED),
+            on_malformed: SubjectPolicy::Reject(StatusCode::BAD_REQUEST),
+            max_subject_len: 256,
+            on_store_error: OnStoreError::FailClosed {
+                retry_after: Duration::from_secs(1),
+            },
+            store_timeout: Some(Duration::from_millis(100)),
+            skip: Vec::new(),
+            plan: None,
+            plans: Vec::new(),
+            unknown_plan: UnknownPlan::DefaultLimits,
+            zone: None,
+            refund_server_errors: false,
+            refusal: None,
+        }
+    }
+}
+
+impl Settings {
+    /// Whether a request passes every layer of the policy uncounted.
+    #[inline]
+    pub(crate) fn skips(&self, parts: &Parts) -> bool {
+        self.skip.iter().any(|skip| skip(parts))
+    }
+}
+
+impl fmt::Debug for Settings {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("Settings")
+            .field("namespace", &self.namespace)
+            .field("on_missing_subject", &self.on_missing)
+            .field("on_malformed_subject", &self.on_malformed)
+            .field("max_subject_len", &self.max_subject_len)
+            .field("on_store_error", &self.on_store_error)
+            .field("store_timeout", &self.store_timeout)
+            .field("skip_rules", &self.skip.len())
+            .field("plans", &self.plan.is_some())
+            .field("unknown_plan", &self.unknown_plan)
+            .field("time_zone_per_caller", &self.zone.is_some())
+            .field("refund_server_errors", &self.refund_server_errors)
+            .finish_non_exhaustive()
+    }
+}
