@@ -1,0 +1,344 @@
+//! The rules of the request path, without a runtime.
+
+use std::time::Duration;
+
+use http::header::RETRY_AFTER;
+use http::{Request, StatusCode};
+
+use super::*;
+use crate::policy::QuotaPolicy;
+use crate::store::StoreErrorKind;
+use crate::subject::FromHeader;
+use crate::{ManualClock, QuotaLayer};
+
+fn at(s: &str) -> Timestamp {
+    s.parse().unwrap()
+}
+
+const NOW: &str = "2026-12-02T10:00:30Z";
+
+fn layer(quotas: &[Quota], f: impl FnOnce(crate::QuotaPolicyBuilder<FromHeader>) -> crate::QuotaPolicyBuilder<FromHeader>) -> QuotaLayer<FromHeader> {
+    let builder = QuotaPolicy::builder(FromHeader::account("x-account-id"))
+        .clock(ManualClock::new(at(NOW)));
+    let policy = f(builder).build();
+    let mut layer = policy.layer(quotas[0].clone());
+    for quota in &quotas[1..] {
+        layer = layer.quota(quota.clone());
+    }
+    layer
+}
+
+fn head(headers: &[(&str, &str)]) -> Parts {
+    let mut request = Request::get("/");
+    for (name, value) in headers {
+        request = request.header(*name, *value);
+    }
+    request.body(()).unwrap().into_parts().0
+}
+
+const ACME: &[(&str, &str)] = &[("x-account-id", "acme")];
+
+fn charge_of(layer: &QuotaLayer<FromHeader>, parts: &Parts) -> Charge {
+    match plan(&layer.bound, parts) {
+        Step::Charge(charge) => charge,
+        _ => panic!("a charge"),
+    }
+}
+
+fn usage(limit: u64, used: u64, resets_at: &str) -> Usage {
+    Usage {
+        limit,
+        used,
+        resets_at: at(resets_at),
+        first_call: None,
+    }
+}
+
+#[test]
+fn the_outermost_layer_names_the_caller_and_charges_every_quota() {
+    let layer = layer(&[Quota::per_minute(10), Quota::daily(100)], |b| b);
+    let charge = charge_of(&layer, &head(ACME));
+    assert_eq!(charge.caller().subject, Subject::account("acme"));
+    assert_eq!(charge.request.now, at(NOW));
+    assert_eq!(charge.request.lines.len(), 2);
+    assert!(charge.ticket.lines.is_empty(), "nothing charged further out");
+}
+
+#[test]
+fn quotas_the_ticket_counts_already_pass() {
+    let layer = layer(&[Quota::daily(100)], |b| b);
+    let mut parts = head(ACME);
+    let charge = charge_of(&layer, &parts);
+    let Decision::Admit(lines) = decide(
+        &charge,
+        &layer.bound.policy.settings,
+        Ok(ChargeOutcome {
+            admitted: true,
+            usage: vec![usage(100, 1, "2026-12-03T00:00:00Z")],
+        }),
+    ) else {
+        panic!("admitted");
+    };
+    let mut ticket = charge.ticket.clone();
+    ticket.lines.extend(lines);
+    let mut status = QuotaStatus::default();
+    status.put(ticket);
+    parts.extensions.insert(status);
+    assert!(matches!(plan(&layer.bound, &parts), Step::Pass));
+}
+
+#[test]
+fn a_request_the_policy_let_through_uncounted_passes_every_layer() {
+    let layer = layer(&[Quota::daily(1)], |b| b.skip_if(|p| p.uri.path() == "/"));
+    let Step::PassUncounted(ticket) = plan(&layer.bound, &head(&[])) else {
+        panic!("skipped");
+    };
+    let mut parts = head(ACME);
+    let mut status = QuotaStatus::default();
+    status.put(ticket);
+    parts.extensions.insert(status);
+    assert!(matches!(plan(&layer.bound, &parts), Step::Pass));
+}
+
+#[test]
+fn a_cost_that_cannot_be_worked_out_is_a_400_before_any_charge() {
+    let layer = layer(&[Quota::daily(10)], |b| b)
+        .cost_fn(|_| Err(crate::InvalidRequest::new("n must be a whole number")));
+    let Step::Reject(response) = plan(&layer.bound, &head(ACME)) else {
+        panic!("rejected");
+    };
+    assert_eq!(response.status(), StatusCode::BAD_REQUEST);
+    assert!(String::from_utf8_lossy(response.body()).contains("n must be a whole number"));
+}
+
+#[test]
+fn an_unknown_plan_is_echoed_short() {
+    let layer = layer(&[Quota::daily(10).plan("pro", 100)], |b| {
+        b.plan(|p| Some(p.headers.get("x-plan")?.to_str().ok()?.to_owned()))
+            .on_unknown_plan(UnknownPlan::Reject)
+    });
+    let long = "p".repeat(60_000);
+    let Step::Reject(response) =
+        plan(&layer.bound, &head(&[("x-account-id", "acme"), ("x-plan", &long)]))
+    else {
+        panic!("rejected");
+    };
+    assert_eq!(response.status(), StatusCode::FORBIDDEN);
+    assert!(response.body().len() < 1_000, "{}", response.body().len());
+}
+
+#[test]
+fn a_callers_zone_moves_its_calendar_quotas_and_keys() {
+    let tokyo = jiff::tz::TimeZone::get("Asia/Tokyo").unwrap();
+    let layer = layer(
+        &[Quota::daily(10), Quota::fixed_window(5, Duration::from_secs(10))],
+        |b| {
+            b.time_zone(move |p| {
+                Ok(p.headers.contains_key("x-tokyo").then(|| tokyo.clone()))
+            })
+        },
+    );
+    let utc = charge_of(&layer, &head(ACME));
+    let tokyo = charge_of(&layer, &head(&[("x-account-id", "acme"), ("x-tokyo", "1")]));
+    assert!(utc.request.lines[0].key.as_str().ends_with(":2026-12-02"));
+    assert!(
+        tokyo.request.lines[0].key.as_str().ends_with(":2026-12-02[Asia/Tokyo]"),
+        "{}",
+        tokyo.request.lines[0].key.as_str()
+    );
+    // Tokyo's day started at 15:00 UTC the day before.
+    assert_eq!(
+        tokyo.request.lines[0].lifetime,
+        crate::store::Lifetime::Calendar {
+            start: at("2026-12-01T15:00:00Z"),
+            end: at("2026-12-02T15:00:00Z"),
+        }
+    );
+    // Fixed windows do not depend on a zone.
+    assert_eq!(utc.request.lines[1].key, tokyo.request.lines[1].key);
+}
+
+#[test]
+fn a_refusal_names_the_quota_without_room_and_waits_for_its_reset() {
+    let layer = layer(&[Quota::per_minute(10), Quota::daily(100)], |b| b);
+    let charge = charge_of(&layer, &head(ACME));
+    let usage = vec![
+        usage(10, 3, "2026-12-02T10:01:00Z"),
+        usage(100, 100, "2026-12-03T00:00:00Z"),
+    ];
+    let decision = decide(
+        &charge,
+        &layer.bound.policy.settings,
+        Ok(ChargeOutcome {
+            admitted: false,
+            usage: usage.clone(),
+        }),
+    );
+    assert!(matches!(&decision, Decision::Refuse(u) if *u == usage));
+    let refusal = refusal(&charge, &usage, false);
+    let response = refused(&layer.bound.policy.settings, &refusal, &charge, &[], &usage);
+    assert_eq!(response.status(), StatusCode::TOO_MANY_REQUESTS);
+    assert_eq!(response.headers()[RETRY_AFTER], "50370");
+    let body: serde_json::Value = serde_json::from_slice(response.body()).unwrap();
+    assert_eq!(body["violated-policies"], serde_json::json!(["default-day"]));
+    assert_eq!(
+        response.headers()["ratelimit"],
+        "\"default-minute\";r=7;t=30, \"default-day\";r=0;t=50370"
+    );
+    assert!(response.extensions().get::<Refused>().is_some());
+}
+
+#[test]
+fn a_refusal_tells_what_is_left_of_the_quotas_charged_further_out() {
+    let layer = layer(&[Quota::per_minute(2).allowance("burst")], |b| b);
+    let charge = charge_of(&layer, &head(ACME));
+    let own = [usage(2, 2, "2026-12-02T10:01:00Z")];
+    // Given back: the outer daily quota holds 2 of 100 again.
+    let outer = [(Quota::daily(100).allowance("read"), usage(100, 2, "2026-12-03T00:00:00Z"))];
+    let refusal = refusal(&charge, &own, false);
+    let response = refused(&layer.bound.policy.settings, &refusal, &charge, &outer, &own);
+    assert_eq!(
+        response.headers()["ratelimit"],
+        "\"read-day\";r=98;t=50370, \"burst-minute\";r=0;t=30"
+    );
+}
+
+#[test]
+fn a_store_error_follows_the_policy() {
+    let error = || Err(StoreError::new(StoreErrorKind::Unavailable, "down"));
+    let open = layer(&[Quota::daily(1)], |b| b.on_store_error(OnStoreError::FailOpen));
+    let charge = charge_of(&open, &head(ACME));
+    assert!(matches!(
+        decide(&charge, &open.bound.policy.settings, error()),
+        Decision::PassUncounted
+    ));
+    let closed = layer(&[Quota::daily(1)], |b| {
+        b.on_store_error(OnStoreError::FailClosed {
+            retry_after: Duration::from_millis(1_500),
+        })
+    });
+    let charge = charge_of(&closed, &head(ACME));
+    let Decision::Unavailable(retry_after) =
+        decide(&charge, &closed.bound.policy.settings, error())
+    else {
+        panic!("fail closed");
+    };
+    let refusal = Refusal::store_unavailable(retry_after, false);
+    let response = refused(&closed.bound.policy.settings, &refusal, &charge, &[], &[]);
+    assert_eq!(response.status(), StatusCode::SERVICE_UNAVAILABLE);
+    assert_eq!(response.headers()[RETRY_AFTER], "2");
+    assert!(!response.headers().contains_key("ratelimit"));
+}
+
+#[test]
+fn a_shadow_quota_is_charged_without_a_limit_and_reports_its_own() {
+    let layer = layer(&[Quota::daily(1).shadow()], |b| b);
+    let charge = charge_of(&layer, &head(ACME));
+    assert_eq!(charge.request.lines[0].limit, u64::MAX);
+    let Decision::Admit(lines) = decide(
+        &charge,
+        &layer.bound.policy.settings,
+        Ok(ChargeOutcome {
+            admitted: true,
+            usage: vec![usage(u64::MAX, 5, "2026-12-03T00:00:00Z")],
+        }),
+    ) else {
+        panic!("a shadow quota never refuses");
+    };
+    assert_eq!(lines[0].usage.limit, 1);
+    assert_eq!(lines[0].usage.used, 5);
+}
+
+fn admitted(layer: &QuotaLayer<FromHeader>, used: u64) -> Vec<Arc<Line>> {
+    let charge = charge_of(layer, &head(ACME));
+    let answer = Ok(ChargeOutcome {
+        admitted: true,
+        usage: vec![usage(10, used, "2026-12-03T00:00:00Z")],
+    });
+    match decide(&charge, &layer.bound.policy.settings, answer) {
+        Decision::Admit(lines) => lines,
+        _ => panic!("admitted"),
+    }
+}
+
+fn response_head(status: StatusCode, f: impl FnOnce(&mut http::Extensions)) -> http::response::Parts {
+    let mut response = http::Response::new(());
+    *response.status_mut() = status;
+    f(response.extensions_mut());
+    response.into_parts().0
+}
+
+#[test]
+fn what_a_response_changes() {
+    let plain = layer(&[Quota::daily(10)], |b| b);
+    let settings = &plain.bound.policy.settings;
+    let cost = &plain.bound.scope.cost;
+    let lines = admitted(&plain, 1);
+    let ok = response_head(StatusCode::OK, |_| {});
+    assert_eq!(outcome(&lines, cost, settings, Some(&ok)), Outcome::Served(vec![]));
+    let failed = response_head(StatusCode::INTERNAL_SERVER_ERROR, |_| {});
+    assert_eq!(
+        outcome(&lines, cost, settings, Some(&failed)),
+        Outcome::Served(vec![]),
+        "server errors are charged unless the policy refunds them"
+    );
+    // Refused by a layer of another policy further in: given back.
+    let refused_inside = response_head(StatusCode::TOO_MANY_REQUESTS, |e| {
+        e.insert(Refused);
+    });
+    assert_eq!(
+        outcome(&lines, cost, settings, Some(&refused_inside)),
+        Outcome::Served(vec![(0, Adjust::Refund(1))])
+    );
+    // Given back by a layer of this policy further in: its answer stands.
+    assert!(lines[0].claim_give_back());
+    assert_eq!(
+        outcome(&lines, cost, settings, Some(&ok)),
+        Outcome::RefusedInside
+    );
+
+    let refunding = layer(&[Quota::daily(10)], |b| b.refund_server_errors(true));
+    let lines = admitted(&refunding, 1);
+    let settings = &refunding.bound.policy.settings;
+    assert_eq!(
+        outcome(&lines, cost, settings, Some(&failed)),
+        Outcome::Served(vec![(0, Adjust::Refund(1))])
+    );
+    assert_eq!(
+        outcome(&lines, cost, settings, None),
+        Outcome::Served(vec![(0, Adjust::Refund(1))]),
+        "an inner service that fails is a server error"
+    );
+}
+
+#[test]
+fn a_deferred_cost_charges_or_gives_back_the_difference() {
+    let deferred = layer(&[Quota::daily(10)], |b| b).deferred_cost(2, |response| {
+        response.headers["x-tokens"].to_str().unwrap().parse().unwrap()
+    });
+    let settings = &deferred.bound.policy.settings;
+    let cost = &deferred.bound.scope.cost;
+    let lines = admitted(&deferred, 2);
+    let tokens = |n: &'static str| {
+        let mut response = http::Response::new(());
+        response.headers_mut().insert("x-tokens", n.parse().unwrap());
+        response.into_parts().0
+    };
+    assert_eq!(
+        outcome(&lines, cost, settings, Some(&tokens("5"))),
+        Outcome::Served(vec![(0, Adjust::Add(3))])
+    );
+    assert_eq!(
+        outcome(&lines, cost, settings, Some(&tokens("0"))),
+        Outcome::Served(vec![(0, Adjust::Refund(2))])
+    );
+    assert_eq!(
+        outcome(&lines, cost, settings, Some(&tokens("2"))),
+        Outcome::Served(vec![])
+    );
+    // The counters after: what the store answered, where it did.
+    let settled = settled(&lines, &[(0, Adjust::Add(3))], &[Some(5)]);
+    assert_eq!(settled[0].used, 5);
+    let settled = super::settled(&lines, &[(0, Adjust::Add(3))], &[None]);
+    assert_eq!(settled[0].used, 2, "no live counter: as charged");
+}
