@@ -90,7 +90,12 @@ async fn reset<St: Store>(
     match handle.reset_allowance(&subject, &allowance).await {
         Ok(0) => unknown_allowance(&allowance),
         Ok(_) => {
-            tracing::info!(?subject, allowance, "quota allowance reset by support");
+            tracing::info!(
+                subject.kind = %subject.kind(),
+                subject.hash = %subject.log_hash(),
+                allowance,
+                "quota allowance reset by support"
+            );
             standing(&handle, &subject, None).await
         }
         Err(error) => unavailable(&error),
@@ -118,7 +123,13 @@ async fn refund<St: Store>(
     }
     match handle.refund_allowance(&subject, &allowance, amount).await {
         Ok(_) => {
-            tracing::info!(?subject, allowance, amount, "quota refunded by support");
+            tracing::info!(
+                subject.kind = %subject.kind(),
+                subject.hash = %subject.log_hash(),
+                allowance,
+                amount,
+                "quota refunded by support"
+            );
             standing(&handle, &subject, None).await
         }
         Err(error) => unavailable(&error),
