@@ -138,3 +138,97 @@ async fn support_logs_name_the_subject_by_kind_and_hash_never_by_id() {
     assert_eq!(hashes[0], hashes[1]);
     assert_eq!(field(support[1], "amount"), Some("1"));
 }
+
+async fn problem(response: Response<Body>) -> serde_json::Value {
+    assert_eq!(
+        response.headers()["content-type"],
+        "application/problem+json",
+        "{response:?}"
+    );
+    let body = axum::body::to_bytes(response.into_body(), 1 << 16)
+        .await
+        .unwrap();
+    serde_json::from_slice(&body).unwrap()
+}
+
+#[tokio::test(flavor = "current_thread")]
+async fn support_router_refuses_the_ids_the_layer_refuses() {
+    let policy = QuotaPolicy::builder(FromHeader::account("x-account-id"))
+        .max_subject_len(8)
+        .build();
+    let app = Router::new()
+        .route("/", get(|| async { "hi" }))
+        .route_layer(policy.layer(Quota::daily(10).allowance("read")));
+    let admin = Router::new().nest("/admin", policy.handle().router());
+    let layer = |id: &'static str| {
+        let request = Request::get("/")
+            .header("x-account-id", id)
+            .body(Body::empty())
+            .unwrap();
+        let app = app.clone();
+        async move { app.oneshot(request).await.unwrap().status() }
+    };
+    for (id, path) in [("  ", "%20%20"), ("\t", "%09"), ("123456789", "123456789")] {
+        assert_eq!(layer(id).await, StatusCode::BAD_REQUEST, "{id:?}");
+        for (method, uri) in [
+            (Method::GET, format!("/admin/quota/account/{path}")),
+            (Method::POST, format!("/admin/reset/account/{path}/read")),
+            (
+                Method::POST,
+                format!("/admin/refund/account/{path}/read?amount=1"),
+            ),
+        ] {
+            let response = send(&admin, method, &uri).await;
+            assert_eq!(response.status(), StatusCode::BAD_REQUEST, "{uri}");
+            assert_eq!(problem(response).await["status"], 400, "{uri}");
+        }
+    }
+    // Spaces inside an id are the layer's business, not a malformed id.
+    assert_eq!(layer(" a ").await, StatusCode::OK);
+    let shown = send(&admin, Method::GET, "/admin/quota/account/%20a%20").await;
+    assert_eq!(shown.status(), StatusCode::OK);
+}
+
+#[tokio::test(flavor = "current_thread")]
+async fn every_support_error_is_a_problem_document() {
+    let (_, admin) = apps();
+    for (method, uri, status) in [
+        (Method::GET, "/admin/quota/account/%FF", 400),
+        (Method::GET, "/admin/quota/%FF/acme", 400),
+        (Method::GET, "/admin/quota/Account/acme", 400),
+        (Method::POST, "/admin/reset/account/%FF/read", 400),
+        (Method::POST, "/admin/reset/account/acme/%FF", 400),
+        (
+            Method::POST,
+            "/admin/refund/account/acme/%C3%28?amount=1",
+            400,
+        ),
+        (
+            Method::POST,
+            "/admin/refund/account/acme/read?amount=x",
+            400,
+        ),
+        (
+            Method::POST,
+            "/admin/refund/account/acme/nope?amount=1",
+            404,
+        ),
+        (Method::POST, "/admin/reset/account/acme/nope", 404),
+        (Method::POST, "/admin/quota/account/acme", 405),
+        (Method::GET, "/admin/reset/account/acme/read", 405),
+        (
+            Method::DELETE,
+            "/admin/refund/account/acme/read?amount=1",
+            405,
+        ),
+    ] {
+        let response = send(&admin, method.clone(), uri).await;
+        assert_eq!(response.status().as_u16(), status, "{method} {uri}");
+        if status == 405 {
+            assert!(response.headers().contains_key("allow"), "{uri}");
+        }
+        let problem = problem(response).await;
+        assert_eq!(problem["status"], status, "{method} {uri}: {problem}");
+        assert!(problem["detail"].is_string(), "{problem}");
+    }
+}

@@ -208,6 +208,20 @@ impl Subject {
         let hash = KEY.get_or_init(Default::default).hash_one(self);
         LogHash((hash >> 32) as u32)
     }
+
+    /// The subject, if a layer would charge it: an id that is not empty,
+    /// not all ASCII whitespace, and at most `max_len` bytes.
+    pub(crate) fn checked(self, max_len: usize) -> Result<Self, SubjectError> {
+        if self.id.is_empty() || self.id.iter().all(u8::is_ascii_whitespace) {
+            Err(SubjectError::malformed("the subject id is empty"))
+        } else if self.id.len() > max_len {
+            Err(SubjectError::Malformed(
+                format!("the subject id is longer than {max_len} bytes").into(),
+            ))
+        } else {
+            Ok(self)
+        }
+    }
 }
 
 impl fmt::Debug for Subject {
@@ -415,5 +429,20 @@ mod tests {
         let debug = format!("{key:?}");
         assert_eq!(debug, format!("Subject(api-key:#{})", key.log_hash()));
         assert!(!debug.contains("secret"), "{debug}");
+    }
+
+    #[test]
+    fn checked_refuses_what_the_layer_refuses() {
+        let check = |id: &[u8]| Subject::account(id).checked(8);
+        assert_eq!(check(b"acme"), Ok(Subject::account("acme")));
+        assert_eq!(check(b" a "), Ok(Subject::account(" a ")));
+        assert_eq!(check(b"\xff"), Ok(Subject::account(b"\xff")));
+        assert_eq!(check(b"12345678"), Ok(Subject::account("12345678")));
+        for bad in [&b""[..], b" ", b"  \t\r\n", b"123456789"] {
+            assert!(
+                matches!(check(bad), Err(SubjectError::Malformed(_))),
+                "{bad:?}"
+            );
+        }
     }
 }
