@@ -98,14 +98,9 @@ impl<St> QuotaHandle<St> {
     ///
     /// When the request names no usable subject.
     pub fn subject_of(&self, parts: &Parts) -> Result<Subject, SubjectError> {
-        let subject = self.shared.extract(parts)?;
-        let max = self.settings().max_subject_len;
-        if subject.id().is_empty() || subject.id().len() > max {
-            return Err(SubjectError::malformed(format!(
-                "the subject id is empty or longer than {max} bytes"
-            )));
-        }
-        Ok(subject)
+        self.shared
+            .extract(parts)?
+            .checked(self.settings().max_subject_len)
     }
 
     /// The plan the policy reads from a request with head `parts`, if any.

@@ -232,3 +232,34 @@ async fn every_support_error_is_a_problem_document() {
         assert!(problem["detail"].is_string(), "{problem}");
     }
 }
+
+#[tokio::test(flavor = "current_thread")]
+async fn a_handle_reads_the_subjects_the_layer_charges() {
+    let policy = QuotaPolicy::builder(FromHeader::account("x-account-id"))
+        .max_subject_len(8)
+        .build();
+    let _layer = policy.layer(Quota::daily(10).allowance("read"));
+    let handle = policy.handle();
+    let parts = |id: &str| {
+        Request::get("/")
+            .header("x-account-id", id)
+            .body(())
+            .unwrap()
+            .into_parts()
+            .0
+    };
+    assert_eq!(
+        handle.subject_of(&parts(" a ")),
+        Ok(tower_quota::Subject::account(" a "))
+    );
+    for id in ["", "  ", "\t", "123456789"] {
+        assert!(
+            matches!(
+                handle.subject_of(&parts(id)),
+                Err(tower_quota::SubjectError::Malformed(_))
+            ),
+            "{id:?}"
+        );
+        assert!(handle.standing(&parts(id)).await.is_err(), "{id:?}");
+    }
+}
