@@ -288,12 +288,13 @@ impl Quota {
     ///
     /// # Panics
     ///
-    /// When `spread` is not a whole number of seconds.
+    /// When `spread` is not a whole number of seconds, or longer than 100
+    /// years.
     #[must_use]
     pub fn spread_reset(mut self, spread: Duration) -> Self {
         assert!(
-            spread.subsec_nanos() == 0,
-            "a reset spread is a whole number of seconds (got {spread:?})"
+            spread.subsec_nanos() == 0 && spread.as_secs() <= crate::period::MAX_FIXED_SECONDS,
+            "a reset spread is a whole number of seconds, at most 100 years (got {spread:?})"
         );
         self.inner().spread = spread.as_secs();
         self
@@ -312,7 +313,7 @@ impl Quota {
         }
         // A different draw per quota for one subject.
         let mixed = subject ^ (self.0.name.len() as u64).wrapping_mul(0x9e37_79b9_7f4a_7c15);
-        mixed.wrapping_mul(0xbf58_476d_1ce4_e5b9).rotate_left(31) % (self.0.spread + 1)
+        mixed.wrapping_mul(0xbf58_476d_1ce4_e5b9).rotate_left(31) % self.0.spread.saturating_add(1)
     }
 
     /// The plans this quota names, with their limits.

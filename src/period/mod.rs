@@ -60,9 +60,10 @@ impl fmt::Display for Anchor {
     }
 }
 
-/// The longest fixed period: 100 Julian years. Longer ones would put window
-/// ends past the range of dates the calendar arithmetic supports.
-const MAX_FIXED_SECONDS: u64 = 100 * 31_557_600;
+/// The longest fixed period, and the longest reset spread: 100 Julian years.
+/// Longer ones would put window ends past the range of dates the calendar
+/// arithmetic supports.
+pub(crate) const MAX_FIXED_SECONDS: u64 = 100 * 31_557_600;
 
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
 enum Unit {
