@@ -6,8 +6,11 @@ use axum::body::Body;
 use axum::routing::get;
 use axum::Router;
 use http::{Method, Request, Response, StatusCode};
+use std::time::Duration;
 use tower::ServiceExt;
-use tower_quota::{FromHeader, Quota, QuotaPolicy};
+
+use jiff::tz::TimeZone;
+use tower_quota::{FromHeader, ManualClock, Quota, QuotaPolicy, Subject};
 use tracing::field::{Field, Visit};
 use tracing::span::{Attributes, Id, Record};
 use tracing::{Event, Metadata, Subscriber};
@@ -250,7 +253,7 @@ async fn a_handle_reads_the_subjects_the_layer_charges() {
     };
     assert_eq!(
         handle.subject_of(&parts(" a ")),
-        Ok(tower_quota::Subject::account(" a "))
+        Ok(Subject::account(" a "))
     );
     for id in ["", "  ", "\t", "123456789"] {
         assert!(
@@ -262,4 +265,75 @@ async fn a_handle_reads_the_subjects_the_layer_charges() {
         );
         assert!(handle.standing(&parts(id)).await.is_err(), "{id:?}");
     }
+}
+
+#[tokio::test(flavor = "current_thread")]
+async fn resets_are_explained_with_instants_in_the_quota_zone() {
+    let berlin = TimeZone::get("Europe/Berlin").unwrap();
+    let policy = QuotaPolicy::builder(FromHeader::account("x-account-id"))
+        .clock(ManualClock::new("2026-12-04T10:00:00Z".parse().unwrap()))
+        .build();
+    let app = Router::new()
+        .route("/", get(|| async { "hi" }))
+        .route_layer(
+            policy
+                .layer(
+                    Quota::daily(10)
+                        .allowance("read")
+                        .in_time_zone(berlin.clone()),
+                )
+                .quota(Quota::daily(10).allowance("write"))
+                .quota(
+                    Quota::rolling(10, Duration::from_secs(24 * 3600))
+                        .allowance("burst")
+                        .in_time_zone(berlin),
+                )
+                .quota(Quota::rolling(10, Duration::from_secs(3600)).allowance("hour")),
+        );
+    let handle = policy.handle();
+    let explained = |usage: &[tower_quota::QuotaUsage]| -> Vec<String> {
+        usage.iter().map(|u| u.explain_reset()).collect()
+    };
+    let acme = Subject::account("sk_live_secret_key");
+    assert_eq!(
+        explained(&handle.usage(&acme).await.unwrap()),
+        [
+            "every day at 00:00 Europe/Berlin; next at 2026-12-05T00:00:00+01:00[Europe/Berlin]",
+            "every day at 00:00 UTC; next at 2026-12-05T00:00:00Z",
+            "24h after the first call; no period is open",
+            "1h after the first call; no period is open",
+        ]
+    );
+    assert_eq!(send(&app, Method::GET, "/").await.status(), StatusCode::OK);
+    let usage = handle.usage(&acme).await.unwrap();
+    assert_eq!(
+        explained(&usage)[2..],
+        [
+            "24h after the first call (2026-12-04T11:00:00+01:00[Europe/Berlin]), \
+             at 2026-12-05T11:00:00+01:00[Europe/Berlin]",
+            "1h after the first call (2026-12-04T10:00:00Z), at 2026-12-04T11:00:00Z",
+        ]
+    );
+
+    // The support router's `reset` is the same text.
+    let admin = Router::new().nest("/admin", handle.router());
+    let shown = send(
+        &admin,
+        Method::GET,
+        "/admin/quota/account/sk_live_secret_key",
+    )
+    .await;
+    assert_eq!(shown.status(), StatusCode::OK);
+    let body = axum::body::to_bytes(shown.into_body(), 1 << 16)
+        .await
+        .unwrap();
+    let json: serde_json::Value = serde_json::from_slice(&body).unwrap();
+    let resets: Vec<_> = json["allowances"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|a| a["reset"].as_str().unwrap().to_owned())
+        .collect();
+    assert_eq!(resets, explained(&usage));
+    assert_eq!(json["allowances"][0]["resets_at"], "2026-12-04T23:00:00Z");
 }

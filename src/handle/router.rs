@@ -25,7 +25,9 @@ impl<St: Store> QuotaHandle<St> {
     ///   "limit","used","remaining","resets_at","anchor","first_call",
     ///   "reset"}]}`, with RFC 3339 instants, `anchor` `calendar` or
     ///   `first-use`, `first_call` `null` unless a first-use period is open,
-    ///   and `reset` saying how the allowance returns.
+    ///   and `reset` saying how and when the allowance returns
+    ///   ([`QuotaUsage::explain_reset`]: `every day at 00:00 Europe/Berlin;
+    ///   next at 2026-12-05T00:00:00+01:00[Europe/Berlin]`).
     /// - `POST /reset/{kind}/{id}/{allowance}`: gives that allowance back
     ///   (its current counters are deleted); answers the subject's standing.
     /// - `POST /refund/{kind}/{id}/{allowance}?amount=N`: gives back `N`

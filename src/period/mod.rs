@@ -308,6 +308,19 @@ impl Period {
         }
     }
 
+    /// `at` as read in the period's time zone, in RFC 3339 (RFC 9557 with a
+    /// named zone): `2026-12-04T23:00:00Z` in UTC,
+    /// `2026-12-05T00:00:00+01:00[Europe/Berlin]` in a named zone,
+    /// `2026-12-05T05:30:00+05:30` at a fixed offset. The words of
+    /// [`Period::describe_reset`] and the instants told with them agree.
+    pub(crate) fn format_instant(&self, at: Timestamp) -> String {
+        match (&self.tz_label, self.tz.iana_name()) {
+            (None, _) => at.to_string(),
+            (Some(_), Some(_)) => at.to_zoned_datetime(self.tz.clone()).to_string(),
+            (Some(_), None) => at.display_with_offset(self.tz.to_offset(at)).to_string(),
+        }
+    }
+
     /// The instant a first-use period opened at `first_call` ends.
     ///
     /// # Panics
