@@ -15,7 +15,7 @@ use crate::policy::{Policy, QuotaPolicy, Settings};
 use crate::quota::Quota;
 use crate::status::QuotaUsage;
 use crate::store::{ChargeLine, ChargeRequest, MemoryStore, Store, StoreError};
-use crate::subject::{check_subject, Subject, SubjectError, SubjectExtractor};
+use crate::subject::{Subject, SubjectError, SubjectExtractor};
 
 /// A handle on the counters of a [`QuotaPolicy`](crate::QuotaPolicy) (from
 /// [`QuotaPolicy::handle`](crate::QuotaPolicy::handle), every quota of its
@@ -119,8 +119,9 @@ impl<St> QuotaHandle<St> {
     ///
     /// When the request names no usable subject.
     pub fn subject_of(&self, parts: &Parts) -> Result<Subject, SubjectError> {
-        let subject = self.shared.extract(parts)?;
-        check_subject(subject, self.settings().max_subject_len)
+        self.shared
+            .extract(parts)?
+            .checked(self.settings().max_subject_len)
     }
 
     /// The plan the policy reads from a request with head `parts`, if any.

@@ -265,12 +265,13 @@ impl Quota {
     ///
     /// # Panics
     ///
-    /// When `spread` is not a whole number of seconds.
+    /// When `spread` is not a whole number of seconds, or longer than 100
+    /// years.
     #[must_use]
     pub fn spread_reset(mut self, spread: Duration) -> Self {
         assert!(
-            spread.subsec_nanos() == 0,
-            "a reset spread is a whole number of seconds (got {spread:?})"
+            spread.subsec_nanos() == 0 && spread.as_secs() <= crate::period::MAX_FIXED_SECONDS,
+            "a reset spread is a whole number of seconds, at most 100 years (got {spread:?})"
         );
         self.inner().spread = spread.as_secs();
         self
@@ -282,9 +283,10 @@ impl Quota {
         if self.0.spread == 0 || self.0.anchor == Anchor::FirstUse {
             return 0;
         }
-        // A different draw per quota for one subject.
-        let mixed = subject ^ (self.0.name.len() as u64).wrapping_mul(0x9e37_79b9_7f4a_7c15);
-        mixed.wrapping_mul(0xbf58_476d_1ce4_e5b9).rotate_left(31) % (self.0.spread + 1)
+        // A different draw per quota for one subject, the same on every
+        // instance: a hash of the name that no process or release changes.
+        let mixed = subject ^ fnv1a_64(self.0.name.as_bytes());
+        mixed.wrapping_mul(0xbf58_476d_1ce4_e5b9).rotate_left(31) % self.0.spread.saturating_add(1)
     }
 
     /// The plans this quota names, with their limits.
@@ -548,4 +550,49 @@ fn sf_string(s: &str) -> String {
     }
     out.push('"');
     out
+}
+
+/// FNV-1a, 64 bits: a hash of `bytes` that no process, platform or release
+/// changes.
+pub(crate) fn fnv1a_64(bytes: &[u8]) -> u64 {
+    bytes.iter().fold(0xcbf2_9ce4_8422_2325, |hash, &byte| {
+        (hash ^ u64::from(byte)).wrapping_mul(0x0000_0100_0000_01b3)
+    })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn fnv1a_64_test_vectors() {
+        assert_eq!(fnv1a_64(b""), 0xcbf2_9ce4_8422_2325);
+        assert_eq!(fnv1a_64(b"a"), 0xaf63_dc4c_8601_ec8c);
+        assert_eq!(fnv1a_64(b"foobar"), 0x8594_4171_f739_67e8);
+    }
+
+    #[test]
+    fn quotas_with_names_of_one_length_draw_different_spreads() {
+        let spread = Duration::from_secs(3_600);
+        let read = Quota::daily(1).allowance("read").spread_reset(spread);
+        let list = Quota::daily(1).allowance("list").spread_reset(spread);
+        assert_eq!(read.name().len(), list.name().len());
+        let differ = (0..64_u64)
+            .filter(|&s| read.spread_for(s) != list.spread_for(s))
+            .count();
+        assert!(differ > 32, "{differ} of 64 subjects draw differently");
+    }
+
+    /// Every instance, of every release, tells a subject the same reset.
+    #[test]
+    fn a_subject_draws_the_same_spread_everywhere() {
+        let read = Quota::daily(1)
+            .allowance("read")
+            .spread_reset(Duration::from_secs(3_600));
+        let draws: Vec<u64> = [0, 1, 0x0123_4567_89ab_cdef]
+            .into_iter()
+            .map(|s| read.spread_for(s))
+            .collect();
+        assert_eq!(draws, [3_219, 2_267, 1_709]);
+    }
 }

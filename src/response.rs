@@ -171,7 +171,8 @@ impl RateLimitFields {
             limit.push_str(";r=");
             limit.push_str(digits.format(usage.remaining()));
             limit.push_str(";t=");
-            let wait = seconds_until(now, usage.resets_at) + quota.spread_for(subject);
+            let wait =
+                seconds_until(now, usage.resets_at).saturating_add(quota.spread_for(subject));
             limit.push_str(digits.format(wait));
         }
         let limit = HeaderValue::from_maybe_shared(Bytes::from(limit))
@@ -345,7 +346,8 @@ impl Refusal {
             if cost > usage.limit {
                 retry_after = None;
             } else {
-                let wait = seconds_until(now, usage.resets_at) + quota.spread_for(subject);
+                let wait =
+                    seconds_until(now, usage.resets_at).saturating_add(quota.spread_for(subject));
                 retry_after = retry_after.map(|r| r.max(wait));
                 resets_at = Some(resets_at.map_or(usage.resets_at, |r| r.max(usage.resets_at)));
             }
@@ -362,7 +364,9 @@ impl Refusal {
 
     /// The refusal of a request whose store failed, under fail-closed.
     pub(crate) fn store_unavailable(retry_after: std::time::Duration, grpc: bool) -> Self {
-        let secs = retry_after.as_secs() + u64::from(retry_after.subsec_nanos() > 0);
+        let secs = retry_after
+            .as_secs()
+            .saturating_add(u64::from(retry_after.subsec_nanos() > 0));
         Self {
             status: StatusCode::SERVICE_UNAVAILABLE,
             violated: Vec::new(),
@@ -509,5 +513,55 @@ mod tests {
             let field = headers["ratelimit"].to_str().unwrap().to_owned();
             prop_assert!(field.ends_with(&format!(";t={told}")), "{}", field);
         }
+    }
+
+    #[test]
+    #[should_panic(expected = "at most 100 years")]
+    fn a_spread_past_100_years_is_refused_where_the_quota_is_made() {
+        let _ = Quota::daily(1).spread_reset(Duration::from_secs(u64::MAX));
+    }
+
+    /// The longest spread, added to a wait until the end of time, fits.
+    #[test]
+    fn the_longest_spread_is_told_without_overflow() {
+        let spread = crate::period::MAX_FIXED_SECONDS;
+        let quota = Quota::daily(1).spread_reset(Duration::from_secs(spread));
+        let now: Timestamp = "2026-12-02T10:00:00Z".parse().unwrap();
+        let resets_at = Timestamp::MAX;
+        let usage = [Usage {
+            limit: 1,
+            used: 1,
+            resets_at,
+            first_call: None,
+        }];
+        let real = seconds_until(now, resets_at);
+        for subject in 0..64 {
+            let refusal = Refusal::quota_exceeded(
+                std::slice::from_ref(&quota),
+                &usage,
+                |_| 1,
+                now,
+                subject,
+                false,
+            );
+            let told = refusal.retry_after.unwrap();
+            assert!(
+                told >= real && told <= real + spread,
+                "{told} vs {real}+{spread}"
+            );
+            let mut headers = http::HeaderMap::new();
+            RateLimitFields::new(&[(&quota, usage[0])], now, None, subject)
+                .prepend_to(&mut headers);
+            assert!(headers["ratelimit"]
+                .to_str()
+                .unwrap()
+                .ends_with(&format!(";t={told}")));
+        }
+    }
+
+    #[test]
+    fn the_longest_retry_after_of_an_unavailable_store_saturates() {
+        let refusal = Refusal::store_unavailable(Duration::MAX, false);
+        assert_eq!(refusal.retry_after, Some(u64::MAX));
     }
 }

@@ -93,17 +93,22 @@ impl QuotaUsage {
         })
     }
 
-    /// How and when the allowance returns, in words: `every day at 00:00
-    /// Europe/Berlin`, or for a first-use quota `24h after the first call
-    /// (2026-12-02T10:00:00Z), at 2026-12-03T10:00:00Z`.
+    /// How and when the allowance returns, in words, with instants in the
+    /// quota's time zone: `every day at 00:00 Europe/Berlin; next at
+    /// 2026-12-05T00:00:00+01:00[Europe/Berlin]`, `every day at 00:00 UTC;
+    /// next at 2026-12-05T00:00:00Z`, or for a first-use quota `24h after the
+    /// first call (2026-12-02T10:00:00Z), at 2026-12-03T10:00:00Z`.
     pub fn explain_reset(&self) -> String {
-        let rule = self.quota().describe_reset();
-        match (self.quota().anchor(), self.first_call()) {
+        let rule = self.quota.describe_reset();
+        let period = self.quota.period();
+        let resets_at = period.format_instant(self.usage.resets_at);
+        match (self.quota.anchor(), self.usage.first_call) {
             (Anchor::FirstUse, Some(first)) => {
-                format!("{rule} ({first}), at {}", self.resets_at())
+                let first = period.format_instant(first);
+                format!("{rule} ({first}), at {resets_at}")
             }
             (Anchor::FirstUse, None) => format!("{rule}; no period is open"),
-            (Anchor::Calendar, _) => format!("{rule}; next at {}", self.resets_at()),
+            (Anchor::Calendar, _) => format!("{rule}; next at {resets_at}"),
         }
     }
 }

@@ -1,6 +1,7 @@
 //! The support handle over HTTP, for an application to mount behind its own
 //! admin authentication.
 
+use axum::extract::rejection::PathRejection;
 use axum::extract::{Path, RawQuery, State};
 use axum::response::{IntoResponse, Response};
 use axum::routing::{get, post};
@@ -24,15 +25,19 @@ impl<St: Store> QuotaHandle<St> {
     ///   "limit","used","remaining","resets_at","anchor","first_call",
     ///   "reset"}]}`, with RFC 3339 instants, `anchor` `calendar` or
     ///   `first-use`, `first_call` `null` unless a first-use period is open,
-    ///   and `reset` saying how the allowance returns.
+    ///   and `reset` saying how and when the allowance returns
+    ///   ([`QuotaUsage::explain_reset`]: `every day at 00:00 Europe/Berlin;
+    ///   next at 2026-12-05T00:00:00+01:00[Europe/Berlin]`).
     /// - `POST /reset/{kind}/{id}/{allowance}`: gives that allowance back
     ///   (its current counters are deleted); answers the subject's standing.
     /// - `POST /refund/{kind}/{id}/{allowance}?amount=N`: gives back `N`
     ///   units of it; answers the subject's standing.
     ///
     /// Errors are `application/problem+json`: 400 for a malformed kind, id or
-    /// amount, 404 for an allowance no quota charges, 503 when the store
-    /// fails.
+    /// amount (an id the layers would refuse: empty, all whitespace, longer
+    /// than the policy's `max_subject_len`; a path segment that is not
+    /// UTF-8), 404 for an allowance no quota charges, 405
+    /// for a route called with another method, 503 when the store fails.
     ///
     /// ```
     /// use axum::{body::Body, Router};
@@ -62,15 +67,20 @@ impl<St: Store> QuotaHandle<St> {
             .route("/quota/{kind}/{id}", get(show::<St>))
             .route("/reset/{kind}/{id}/{allowance}", post(reset::<St>))
             .route("/refund/{kind}/{id}/{allowance}", post(refund::<St>))
+            .method_not_allowed_fallback(method_not_allowed)
             .with_state(self.clone())
     }
 }
 
 async fn show<St: Store>(
     State(handle): State<QuotaHandle<St>>,
-    Path((kind, id)): Path<(String, String)>,
+    path: Result<Path<(String, String)>, PathRejection>,
     RawQuery(query): RawQuery,
 ) -> Response {
+    let (kind, id) = match segments(path) {
+        Ok(segments) => segments,
+        Err(response) => return response,
+    };
     let subject = match subject(&handle, &kind, &id) {
         Ok(subject) => subject,
         Err(response) => return response,
@@ -81,8 +91,12 @@ async fn show<St: Store>(
 
 async fn reset<St: Store>(
     State(handle): State<QuotaHandle<St>>,
-    Path((kind, id, allowance)): Path<(String, String, String)>,
+    path: Result<Path<(String, String, String)>, PathRejection>,
 ) -> Response {
+    let (kind, id, allowance) = match segments(path) {
+        Ok(segments) => segments,
+        Err(response) => return response,
+    };
     let subject = match subject(&handle, &kind, &id) {
         Ok(subject) => subject,
         Err(response) => return response,
@@ -90,7 +104,12 @@ async fn reset<St: Store>(
     match handle.reset_allowance(&subject, &allowance).await {
         Ok(0) => unknown_allowance(&allowance),
         Ok(_) => {
-            tracing::info!(?subject, allowance, "quota allowance reset by support");
+            tracing::info!(
+                subject.kind = %subject.kind(),
+                subject.hash = %subject.log_hash(),
+                allowance,
+                "quota allowance reset by support"
+            );
             standing(&handle, &subject, None).await
         }
         Err(error) => unavailable(&error),
@@ -99,9 +118,13 @@ async fn reset<St: Store>(
 
 async fn refund<St: Store>(
     State(handle): State<QuotaHandle<St>>,
-    Path((kind, id, allowance)): Path<(String, String, String)>,
+    path: Result<Path<(String, String, String)>, PathRejection>,
     RawQuery(query): RawQuery,
 ) -> Response {
+    let (kind, id, allowance) = match segments(path) {
+        Ok(segments) => segments,
+        Err(response) => return response,
+    };
     let subject = match subject(&handle, &kind, &id) {
         Ok(subject) => subject,
         Err(response) => return response,
@@ -118,11 +141,30 @@ async fn refund<St: Store>(
     }
     match handle.refund_allowance(&subject, &allowance, amount).await {
         Ok(_) => {
-            tracing::info!(?subject, allowance, amount, "quota refunded by support");
+            tracing::info!(
+                subject.kind = %subject.kind(),
+                subject.hash = %subject.log_hash(),
+                allowance,
+                amount,
+                "quota refunded by support"
+            );
             standing(&handle, &subject, None).await
         }
         Err(error) => unavailable(&error),
     }
+}
+
+/// The segments of a support path, or a problem document where axum's own
+/// rejection would answer plain text (a segment that is not UTF-8 once
+/// percent-decoded).
+#[allow(clippy::result_large_err)]
+fn segments<T>(path: Result<Path<T>, PathRejection>) -> Result<T, Response> {
+    path.map(|Path(segments)| segments).map_err(|_| {
+        problem(
+            StatusCode::BAD_REQUEST,
+            "the kind, id and allowance of a support path are percent-encoded UTF-8",
+        )
+    })
 }
 
 /// The subject a support path names, checked as a request's would be.
@@ -139,14 +181,9 @@ fn subject<St>(handle: &QuotaHandle<St>, kind: &str, id: &str) -> Result<Subject
             "a subject kind is 1 to 64 of a-z, 0-9, '-', '_', '.'",
         ));
     }
-    let max = handle.settings().max_subject_len;
-    if id.is_empty() || id.len() > max {
-        return Err(problem(
-            StatusCode::BAD_REQUEST,
-            &format!("a subject id is 1 to {max} bytes"),
-        ));
-    }
-    Ok(Subject::new(SubjectKind::custom(kind), id.as_bytes()))
+    Subject::new(SubjectKind::custom(kind), id.as_bytes())
+        .checked(handle.settings().max_subject_len)
+        .map_err(IntoResponse::into_response)
 }
 
 async fn standing<St: Store>(
@@ -167,6 +204,14 @@ async fn standing<St: Store>(
         }
         Err(error) => unavailable(&error),
     }
+}
+
+/// A route called with another method; axum adds the `Allow` field.
+async fn method_not_allowed() -> Response {
+    problem(
+        StatusCode::METHOD_NOT_ALLOWED,
+        "this support route takes another method",
+    )
 }
 
 fn unknown_allowance(allowance: &str) -> Response {

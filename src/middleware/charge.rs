@@ -15,7 +15,7 @@ use crate::quota::Quota;
 use crate::response::{self, RateLimitFields, Refusal};
 use crate::status::{Caller, Line, QuotaStatus, Ticket};
 use crate::store::{ChargeOutcome, ChargeRequest, StoreError, Usage};
-use crate::subject::{check_subject, Subject, SubjectError, SubjectExtractor};
+use crate::subject::{Subject, SubjectError, SubjectExtractor};
 use crate::throttle::Throttle;
 
 /// Store failures logged per second at most: during an outage every request
@@ -57,6 +57,9 @@ pub(crate) struct Charge {
     /// reports.
     pub(crate) limits: Vec<u64>,
     pub(crate) cost: u64,
+    /// The decision's span (disabled unless the crate's debug logs are on):
+    /// subject kind and hash, allowances, anchors, outcome.
+    pub(crate) span: tracing::Span,
 }
 
 impl Charge {
@@ -201,14 +204,17 @@ fn subject<E: SubjectExtractor>(
     parts: &Parts,
     max_len: usize,
 ) -> Result<Subject, SubjectError> {
-    check_subject(extractor.extract(parts)?, max_len)
+    extractor.extract(parts)?.checked(max_len)
 }
 
-/// A hash of `subject` that every instance computes alike: it spreads the
-/// resets told to subjects.
+/// A hash of `subject` that every instance, platform and release computes
+/// alike: it spreads the resets told to subjects.
 fn spread_hash(subject: &Subject) -> u64 {
-    use std::hash::BuildHasher;
-    foldhash::fast::FixedState::with_seed(0x0071_756f_7461).hash_one(subject)
+    let mut bytes = Vec::with_capacity(subject.kind().as_str().len() + 1 + subject.id().len());
+    bytes.extend_from_slice(subject.kind().as_str().as_bytes());
+    bytes.push(0);
+    bytes.extend_from_slice(subject.id());
+    crate::quota::fnv1a_64(&bytes)
 }
 
 /// The lines of `scope`'s quotas that `ticket` does not count yet.
@@ -251,7 +257,20 @@ fn lines(scope: &Scope, settings: &Settings, ticket: Ticket, parts: &Parts) -> S
     for line in &mut lines {
         line.cost = cost;
     }
+    let span = if tracing::enabled!(tracing::Level::DEBUG) {
+        tracing::debug_span!(
+            "quota",
+            subject.kind = %caller.subject.kind(),
+            subject.hash = %caller.subject.log_hash(),
+            allowance = %Allowances(&quotas),
+            anchor = %Anchors(&quotas),
+            outcome = tracing::field::Empty,
+        )
+    } else {
+        tracing::Span::none()
+    };
     Step::Charge(Charge {
+        span,
         request: ChargeRequest {
             now: ticket.now,
             lines,
@@ -261,6 +280,36 @@ fn lines(scope: &Scope, settings: &Settings, ticket: Ticket, parts: &Parts) -> S
         limits,
         cost,
     })
+}
+
+/// The allowances of `quotas`, comma-separated, for logs.
+struct Allowances<'a>(&'a [Quota]);
+
+impl std::fmt::Display for Allowances<'_> {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        for (i, quota) in self.0.iter().enumerate() {
+            if i > 0 {
+                f.write_str(",")?;
+            }
+            f.write_str(quota.allowance_tag())?;
+        }
+        Ok(())
+    }
+}
+
+/// The anchors of `quotas`, comma-separated, for logs.
+struct Anchors<'a>(&'a [Quota]);
+
+impl std::fmt::Display for Anchors<'_> {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        for (i, quota) in self.0.iter().enumerate() {
+            if i > 0 {
+                f.write_str(",")?;
+            }
+            f.write_str(quota.anchor().as_str())?;
+        }
+        Ok(())
+    }
 }
 
 /// What the layer does once the store has answered.
@@ -283,6 +332,12 @@ pub(crate) fn decide(
     answer: Result<ChargeOutcome, StoreError>,
 ) -> Decision {
     crate::metrics::decided(&charge.quotas, &answer);
+    let outcome = match &answer {
+        Ok(outcome) if outcome.admitted => "admitted",
+        Ok(_) => "refused",
+        Err(_) => "store_error",
+    };
+    charge.span.record("outcome", outcome);
     match answer {
         Ok(mut outcome) => {
             shadow_limits(charge, &mut outcome.usage);
@@ -491,3 +546,6 @@ pub(crate) fn is_grpc(parts: &http::HeaderMap) -> bool {
         .get(http::header::CONTENT_TYPE)
         .is_some_and(|v| v.as_bytes().starts_with(b"application/grpc"))
 }
+
+#[cfg(test)]
+mod tests;

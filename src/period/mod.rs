@@ -60,9 +60,10 @@ impl fmt::Display for Anchor {
     }
 }
 
-/// The longest fixed period: 100 Julian years. Longer ones would put window
-/// ends past the range of dates the calendar arithmetic supports.
-const MAX_FIXED_SECONDS: u64 = 100 * 31_557_600;
+/// The longest fixed period, and the longest reset spread: 100 Julian years.
+/// Longer ones would put window ends past the range of dates the calendar
+/// arithmetic supports.
+pub(crate) const MAX_FIXED_SECONDS: u64 = 100 * 31_557_600;
 
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
 enum Unit {
@@ -315,6 +316,19 @@ impl Period {
             (Anchor::Calendar, Unit::Fixed(_)) => {
                 format!("every {} counted from 1970-01-01T00:00:00Z", self.name())
             }
+        }
+    }
+
+    /// `at` as read in the period's time zone, in RFC 3339 (RFC 9557 with a
+    /// named zone): `2026-12-04T23:00:00Z` in UTC,
+    /// `2026-12-05T00:00:00+01:00[Europe/Berlin]` in a named zone,
+    /// `2026-12-05T05:30:00+05:30` at a fixed offset. The words of
+    /// [`Period::describe_reset`] and the instants told with them agree.
+    pub(crate) fn format_instant(&self, at: Timestamp) -> String {
+        match (&self.tz_label, self.tz.iana_name()) {
+            (None, _) => at.to_string(),
+            (Some(_), Some(_)) => at.to_zoned_datetime(self.tz.clone()).to_string(),
+            (Some(_), None) => at.display_with_offset(self.tz.to_offset(at)).to_string(),
         }
     }
 

@@ -1119,3 +1119,30 @@ proptest! {
         }
     }
 }
+
+#[test]
+fn instants_read_in_the_period_zone() {
+    let at = ts("2026-12-04T23:00:00Z");
+    assert_eq!(Period::day().format_instant(at), "2026-12-04T23:00:00Z");
+    assert_eq!(
+        Period::day()
+            .in_time_zone(zone("Etc/UTC"))
+            .format_instant(at),
+        "2026-12-04T23:00:00Z"
+    );
+    assert_eq!(
+        Period::day().in_time_zone(berlin()).format_instant(at),
+        "2026-12-05T00:00:00+01:00[Europe/Berlin]"
+    );
+    assert_eq!(
+        Period::month()
+            .in_time_zone(berlin())
+            .format_instant(ts("2026-06-30T22:00:00Z")),
+        "2026-07-01T00:00:00+02:00[Europe/Berlin]"
+    );
+    let india = TimeZone::fixed(Offset::from_seconds(19_800).unwrap());
+    assert_eq!(
+        Period::week().in_time_zone(india).format_instant(at),
+        "2026-12-05T04:30:00+05:30"
+    );
+}

@@ -123,6 +123,12 @@ impl fmt::Display for SubjectKind {
 ///
 /// Ids are bytes: header values need not be UTF-8, and every byte is kept
 /// (and escaped in keys), so two different ids never share a counter.
+///
+/// Ids are often credentials (API keys), so a subject's [`Debug`](fmt::Debug)
+/// shows its kind and a short hash keyed with a secret drawn when the
+/// process starts, never the id: `Subject(account:#1f2e3d4c)`. Within one
+/// process one subject always shows the same hash. Read the id with
+/// [`Subject::id`] where printing it is safe.
 #[derive(Clone, PartialEq, Eq, Hash)]
 pub struct Subject {
     kind: SubjectKind,
@@ -191,16 +197,47 @@ impl Subject {
     pub fn id(&self) -> &[u8] {
         &self.id
     }
+
+    /// What logs name the subject by, with its kind, in place of its id:
+    /// ids can be API keys, so this is a hash keyed with a secret drawn when
+    /// the process starts, cut to 32 bits (eight hex digits). The same
+    /// subject has the same hash throughout the process, and only there.
+    pub(crate) fn log_hash(&self) -> LogHash {
+        use std::hash::BuildHasher;
+        static KEY: std::sync::OnceLock<foldhash::fast::RandomState> = std::sync::OnceLock::new();
+        let hash = KEY.get_or_init(Default::default).hash_one(self);
+        LogHash((hash >> 32) as u32)
+    }
+
+    /// The subject, if a layer would charge it: an id that is not empty,
+    /// not all ASCII whitespace, and at most `max_len` bytes.
+    pub(crate) fn checked(self, max_len: usize) -> Result<Self, SubjectError> {
+        if self.id.is_empty() || self.id.iter().all(u8::is_ascii_whitespace) {
+            Err(SubjectError::malformed("the subject id is empty"))
+        } else if self.id.len() > max_len {
+            Err(SubjectError::Malformed(
+                format!("the subject id is longer than {max_len} bytes").into(),
+            ))
+        } else {
+            Ok(self)
+        }
+    }
 }
 
 impl fmt::Debug for Subject {
+    /// The kind and a short keyed hash, never the id.
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        write!(
-            f,
-            "Subject({}:{:?})",
-            self.kind,
-            String::from_utf8_lossy(&self.id)
-        )
+        write!(f, "Subject({}:#{})", self.kind, self.log_hash())
+    }
+}
+
+/// A subject's keyed hash for logs: see [`Subject::log_hash`].
+#[derive(Clone, Copy, PartialEq, Eq)]
+pub(crate) struct LogHash(u32);
+
+impl fmt::Display for LogHash {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        write!(f, "{:08x}", self.0)
     }
 }
 
@@ -368,17 +405,44 @@ where
     }
 }
 
-/// `subject`, if the layers accept it: an id that is not empty, not only
-/// ASCII whitespace, and at most `max_len` bytes long.
-pub(crate) fn check_subject(subject: Subject, max_len: usize) -> Result<Subject, SubjectError> {
-    let id = subject.id();
-    if id.is_empty() || id.iter().all(u8::is_ascii_whitespace) {
-        Err(SubjectError::malformed("the subject id is empty"))
-    } else if id.len() > max_len {
-        Err(SubjectError::Malformed(
-            format!("the subject id is longer than {max_len} bytes").into(),
-        ))
-    } else {
-        Ok(subject)
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn log_hash_is_eight_hex_digits_and_stable_in_the_process() {
+        let key = Subject::new(SubjectKind::custom("api-key"), "sk_live_secret");
+        let hash = key.log_hash().to_string();
+        assert_eq!(hash.len(), 8, "{hash}");
+        assert!(hash.bytes().all(|b| b.is_ascii_hexdigit()), "{hash}");
+        assert_eq!(key.clone().log_hash().to_string(), hash);
+        assert!(
+            (0..16).any(|i| Subject::account(i).log_hash() != Subject::account(i + 16).log_hash())
+        );
+        // The kind is part of what is hashed.
+        assert!((0..16).any(|i| Subject::account(i).log_hash() != Subject::user(i).log_hash()));
+    }
+
+    #[test]
+    fn debug_shows_the_kind_and_hash_never_the_id() {
+        let key = Subject::new(SubjectKind::custom("api-key"), "sk_live_secret");
+        let debug = format!("{key:?}");
+        assert_eq!(debug, format!("Subject(api-key:#{})", key.log_hash()));
+        assert!(!debug.contains("secret"), "{debug}");
+    }
+
+    #[test]
+    fn checked_refuses_what_the_layer_refuses() {
+        let check = |id: &[u8]| Subject::account(id).checked(8);
+        assert_eq!(check(b"acme"), Ok(Subject::account("acme")));
+        assert_eq!(check(b" a "), Ok(Subject::account(" a ")));
+        assert_eq!(check(b"\xff"), Ok(Subject::account(b"\xff")));
+        assert_eq!(check(b"12345678"), Ok(Subject::account("12345678")));
+        for bad in [&b""[..], b" ", b"  \t\r\n", b"123456789"] {
+            assert!(
+                matches!(check(bad), Err(SubjectError::Malformed(_))),
+                "{bad:?}"
+            );
+        }
     }
 }

@@ -17,9 +17,12 @@ fn at(s: &str) -> Timestamp {
 
 const NOW: &str = "2026-12-02T10:00:30Z";
 
-fn layer(quotas: &[Quota], f: impl FnOnce(crate::QuotaPolicyBuilder<FromHeader>) -> crate::QuotaPolicyBuilder<FromHeader>) -> QuotaLayer<FromHeader> {
-    let builder = QuotaPolicy::builder(FromHeader::account("x-account-id"))
-        .clock(ManualClock::new(at(NOW)));
+fn layer(
+    quotas: &[Quota],
+    f: impl FnOnce(crate::QuotaPolicyBuilder<FromHeader>) -> crate::QuotaPolicyBuilder<FromHeader>,
+) -> QuotaLayer<FromHeader> {
+    let builder =
+        QuotaPolicy::builder(FromHeader::account("x-account-id")).clock(ManualClock::new(at(NOW)));
     let policy = f(builder).build();
     let mut layer = policy.layer(quotas[0].clone());
     for quota in &quotas[1..] {
@@ -61,7 +64,10 @@ fn the_outermost_layer_names_the_caller_and_charges_every_quota() {
     assert_eq!(charge.caller().subject, Subject::account("acme"));
     assert_eq!(charge.request.now, at(NOW));
     assert_eq!(charge.request.lines.len(), 2);
-    assert!(charge.ticket.lines.is_empty(), "nothing charged further out");
+    assert!(
+        charge.ticket.lines.is_empty(),
+        "nothing charged further out"
+    );
 }
 
 #[test]
@@ -118,9 +124,10 @@ fn an_unknown_plan_is_echoed_short() {
             .on_unknown_plan(UnknownPlan::Reject)
     });
     let long = "p".repeat(60_000);
-    let Step::Reject(response) =
-        plan(&layer.bound, &head(&[("x-account-id", "acme"), ("x-plan", &long)]))
-    else {
+    let Step::Reject(response) = plan(
+        &layer.bound,
+        &head(&[("x-account-id", "acme"), ("x-plan", &long)]),
+    ) else {
         panic!("rejected");
     };
     assert_eq!(response.status(), StatusCode::FORBIDDEN);
@@ -131,18 +138,20 @@ fn an_unknown_plan_is_echoed_short() {
 fn a_callers_zone_moves_its_calendar_quotas_and_keys() {
     let tokyo = jiff::tz::TimeZone::get("Asia/Tokyo").unwrap();
     let layer = layer(
-        &[Quota::daily(10), Quota::fixed_window(5, Duration::from_secs(10))],
-        |b| {
-            b.time_zone(move |p| {
-                Ok(p.headers.contains_key("x-tokyo").then(|| tokyo.clone()))
-            })
-        },
+        &[
+            Quota::daily(10),
+            Quota::fixed_window(5, Duration::from_secs(10)),
+        ],
+        |b| b.time_zone(move |p| Ok(p.headers.contains_key("x-tokyo").then(|| tokyo.clone()))),
     );
     let utc = charge_of(&layer, &head(ACME));
     let tokyo = charge_of(&layer, &head(&[("x-account-id", "acme"), ("x-tokyo", "1")]));
     assert!(utc.request.lines[0].key.as_str().ends_with(":2026-12-02"));
     assert!(
-        tokyo.request.lines[0].key.as_str().ends_with(":2026-12-02[Asia/Tokyo]"),
+        tokyo.request.lines[0]
+            .key
+            .as_str()
+            .ends_with(":2026-12-02[Asia/Tokyo]"),
         "{}",
         tokyo.request.lines[0].key.as_str()
     );
@@ -180,7 +189,10 @@ fn a_refusal_names_the_quota_without_room_and_waits_for_its_reset() {
     assert_eq!(response.status(), StatusCode::TOO_MANY_REQUESTS);
     assert_eq!(response.headers()[RETRY_AFTER], "50370");
     let body: serde_json::Value = serde_json::from_slice(response.body()).unwrap();
-    assert_eq!(body["violated-policies"], serde_json::json!(["default-day"]));
+    assert_eq!(
+        body["violated-policies"],
+        serde_json::json!(["default-day"])
+    );
     assert_eq!(
         response.headers()["ratelimit"],
         "\"default-minute\";r=7;t=30, \"default-day\";r=0;t=50370"
@@ -194,9 +206,18 @@ fn a_refusal_tells_what_is_left_of_the_quotas_charged_further_out() {
     let charge = charge_of(&layer, &head(ACME));
     let own = [usage(2, 2, "2026-12-02T10:01:00Z")];
     // Given back: the outer daily quota holds 2 of 100 again.
-    let outer = [(Quota::daily(100).allowance("read"), usage(100, 2, "2026-12-03T00:00:00Z"))];
+    let outer = [(
+        Quota::daily(100).allowance("read"),
+        usage(100, 2, "2026-12-03T00:00:00Z"),
+    )];
     let refusal = refusal(&charge, &own, false);
-    let response = refused(&layer.bound.policy.settings, &refusal, &charge, &outer, &own);
+    let response = refused(
+        &layer.bound.policy.settings,
+        &refusal,
+        &charge,
+        &outer,
+        &own,
+    );
     assert_eq!(
         response.headers()["ratelimit"],
         "\"read-day\";r=98;t=50370, \"burst-minute\";r=0;t=30"
@@ -206,7 +227,9 @@ fn a_refusal_tells_what_is_left_of_the_quotas_charged_further_out() {
 #[test]
 fn a_store_error_follows_the_policy() {
     let error = || Err(StoreError::new(StoreErrorKind::Unavailable, "down"));
-    let open = layer(&[Quota::daily(1)], |b| b.on_store_error(OnStoreError::FailOpen));
+    let open = layer(&[Quota::daily(1)], |b| {
+        b.on_store_error(OnStoreError::FailOpen)
+    });
     let charge = charge_of(&open, &head(ACME));
     assert!(matches!(
         decide(&charge, &open.bound.policy.settings, error()),
@@ -261,7 +284,10 @@ fn admitted(layer: &QuotaLayer<FromHeader>, used: u64) -> Vec<Arc<Line>> {
     }
 }
 
-fn response_head(status: StatusCode, f: impl FnOnce(&mut http::Extensions)) -> http::response::Parts {
+fn response_head(
+    status: StatusCode,
+    f: impl FnOnce(&mut http::Extensions),
+) -> http::response::Parts {
     let mut response = http::Response::new(());
     *response.status_mut() = status;
     f(response.extensions_mut());
@@ -275,7 +301,10 @@ fn what_a_response_changes() {
     let cost = &plain.bound.scope.cost;
     let lines = admitted(&plain, 1);
     let ok = response_head(StatusCode::OK, |_| {});
-    assert_eq!(outcome(&lines, cost, settings, Some(&ok)), Outcome::Served(vec![]));
+    assert_eq!(
+        outcome(&lines, cost, settings, Some(&ok)),
+        Outcome::Served(vec![])
+    );
     let failed = response_head(StatusCode::INTERNAL_SERVER_ERROR, |_| {});
     assert_eq!(
         outcome(&lines, cost, settings, Some(&failed)),
@@ -314,14 +343,20 @@ fn what_a_response_changes() {
 #[test]
 fn a_deferred_cost_charges_or_gives_back_the_difference() {
     let deferred = layer(&[Quota::daily(10)], |b| b).deferred_cost(2, |response| {
-        response.headers["x-tokens"].to_str().unwrap().parse().unwrap()
+        response.headers["x-tokens"]
+            .to_str()
+            .unwrap()
+            .parse()
+            .unwrap()
     });
     let settings = &deferred.bound.policy.settings;
     let cost = &deferred.bound.scope.cost;
     let lines = admitted(&deferred, 2);
     let tokens = |n: &'static str| {
         let mut response = http::Response::new(());
-        response.headers_mut().insert("x-tokens", n.parse().unwrap());
+        response
+            .headers_mut()
+            .insert("x-tokens", n.parse().unwrap());
         response.into_parts().0
     };
     assert_eq!(

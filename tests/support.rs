@@ -1,0 +1,339 @@
+//! The support router: what it logs, what it accepts, how it answers errors.
+
+use std::sync::{Arc, Mutex};
+
+use axum::body::Body;
+use axum::routing::get;
+use axum::Router;
+use http::{Method, Request, Response, StatusCode};
+use std::time::Duration;
+use tower::ServiceExt;
+
+use jiff::tz::TimeZone;
+use tower_quota::{FromHeader, ManualClock, Quota, QuotaPolicy, Subject};
+use tracing::field::{Field, Visit};
+use tracing::span::{Attributes, Id, Record};
+use tracing::{Event, Metadata, Subscriber};
+
+/// One event's or span's fields, as text (an event's message is its
+/// `message` field).
+type Fields = Vec<(String, String)>;
+
+/// Every event and span of the crate, with its level.
+#[derive(Clone, Default)]
+struct Logs(Arc<Mutex<Vec<(tracing::Level, Fields)>>>);
+
+struct Collect<'a>(&'a mut Fields);
+
+impl Visit for Collect<'_> {
+    fn record_debug(&mut self, field: &Field, value: &dyn std::fmt::Debug) {
+        self.0.push((field.name().to_owned(), format!("{value:?}")));
+    }
+    fn record_str(&mut self, field: &Field, value: &str) {
+        self.0.push((field.name().to_owned(), value.to_owned()));
+    }
+}
+
+impl Subscriber for Logs {
+    fn enabled(&self, metadata: &Metadata<'_>) -> bool {
+        metadata.target().starts_with("tower_quota")
+    }
+    fn new_span(&self, span: &Attributes<'_>) -> Id {
+        let mut logs = self.0.lock().unwrap();
+        let mut fields = Vec::new();
+        span.record(&mut Collect(&mut fields));
+        logs.push((*span.metadata().level(), fields));
+        Id::from_u64(logs.len() as u64)
+    }
+    fn record(&self, span: &Id, values: &Record<'_>) {
+        let mut logs = self.0.lock().unwrap();
+        let index = span.into_u64() as usize - 1;
+        values.record(&mut Collect(&mut logs[index].1));
+    }
+    fn record_follows_from(&self, _: &Id, _: &Id) {}
+    fn event(&self, event: &Event<'_>) {
+        let mut fields = Vec::new();
+        event.record(&mut Collect(&mut fields));
+        self.0
+            .lock()
+            .unwrap()
+            .push((*event.metadata().level(), fields));
+    }
+    fn enter(&self, _: &Id) {}
+    fn exit(&self, _: &Id) {}
+}
+
+fn field<'a>(fields: &'a Fields, name: &str) -> Option<&'a str> {
+    fields
+        .iter()
+        .find(|(n, _)| n == name)
+        .map(|(_, v)| v.as_str())
+}
+
+/// An app charging `read` per account, and the support router of its policy
+/// under `/admin`.
+fn apps() -> (Router, Router) {
+    let policy = QuotaPolicy::builder(FromHeader::account("x-account-id")).build();
+    let app = Router::new()
+        .route("/", get(|| async { "hi" }))
+        .route_layer(policy.layer(Quota::daily(10).allowance("read")));
+    let admin = Router::new().nest("/admin", policy.handle().router());
+    (app, admin)
+}
+
+async fn send(app: &Router, method: Method, uri: &str) -> Response<Body> {
+    let request = Request::builder()
+        .method(method)
+        .uri(uri)
+        .header("x-account-id", "sk_live_secret_key")
+        .body(Body::empty())
+        .unwrap();
+    app.clone().oneshot(request).await.unwrap()
+}
+
+#[tokio::test(flavor = "current_thread")]
+async fn support_logs_name_the_subject_by_kind_and_hash_never_by_id() {
+    let logs = Logs::default();
+    let _guard = tracing::subscriber::set_default(logs.clone());
+    let (app, admin) = apps();
+    for _ in 0..3 {
+        assert_eq!(send(&app, Method::GET, "/").await.status(), StatusCode::OK);
+    }
+    let reset = "/admin/reset/account/sk_live_secret_key/read";
+    assert_eq!(
+        send(&admin, Method::POST, reset).await.status(),
+        StatusCode::OK
+    );
+    send(&app, Method::GET, "/").await;
+    let refund = "/admin/refund/account/sk_live_secret_key/read?amount=1";
+    assert_eq!(
+        send(&admin, Method::POST, refund).await.status(),
+        StatusCode::OK
+    );
+
+    let logs = logs.0.lock().unwrap();
+    for (_, fields) in logs.iter() {
+        assert!(
+            fields.iter().all(|(_, v)| !v.contains("secret")),
+            "{fields:?}"
+        );
+    }
+    let support: Vec<_> = logs
+        .iter()
+        .filter(|(level, fields)| {
+            *level == tracing::Level::INFO
+                && field(fields, "message").is_some_and(|m| m.contains("by support"))
+        })
+        .map(|(_, fields)| fields)
+        .collect();
+    assert_eq!(support.len(), 2, "{logs:?}");
+    let hashes: Vec<_> = support
+        .iter()
+        .map(|fields| {
+            assert_eq!(field(fields, "subject.kind"), Some("account"), "{fields:?}");
+            assert_eq!(field(fields, "allowance"), Some("read"), "{fields:?}");
+            let hash = field(fields, "subject.hash").expect("a subject.hash field");
+            assert_eq!(hash.len(), 8, "{hash}");
+            assert!(hash.bytes().all(|b| b.is_ascii_hexdigit()), "{hash}");
+            hash
+        })
+        .collect();
+    assert_eq!(hashes[0], hashes[1]);
+    assert_eq!(field(support[1], "amount"), Some("1"));
+}
+
+async fn problem(response: Response<Body>) -> serde_json::Value {
+    assert_eq!(
+        response.headers()["content-type"],
+        "application/problem+json",
+        "{response:?}"
+    );
+    let body = axum::body::to_bytes(response.into_body(), 1 << 16)
+        .await
+        .unwrap();
+    serde_json::from_slice(&body).unwrap()
+}
+
+#[tokio::test(flavor = "current_thread")]
+async fn support_router_refuses_the_ids_the_layer_refuses() {
+    let policy = QuotaPolicy::builder(FromHeader::account("x-account-id"))
+        .max_subject_len(8)
+        .build();
+    let app = Router::new()
+        .route("/", get(|| async { "hi" }))
+        .route_layer(policy.layer(Quota::daily(10).allowance("read")));
+    let admin = Router::new().nest("/admin", policy.handle().router());
+    let layer = |id: &'static str| {
+        let request = Request::get("/")
+            .header("x-account-id", id)
+            .body(Body::empty())
+            .unwrap();
+        let app = app.clone();
+        async move { app.oneshot(request).await.unwrap().status() }
+    };
+    for (id, path) in [("  ", "%20%20"), ("\t", "%09"), ("123456789", "123456789")] {
+        assert_eq!(layer(id).await, StatusCode::BAD_REQUEST, "{id:?}");
+        for (method, uri) in [
+            (Method::GET, format!("/admin/quota/account/{path}")),
+            (Method::POST, format!("/admin/reset/account/{path}/read")),
+            (
+                Method::POST,
+                format!("/admin/refund/account/{path}/read?amount=1"),
+            ),
+        ] {
+            let response = send(&admin, method, &uri).await;
+            assert_eq!(response.status(), StatusCode::BAD_REQUEST, "{uri}");
+            assert_eq!(problem(response).await["status"], 400, "{uri}");
+        }
+    }
+    // Spaces inside an id are the layer's business, not a malformed id.
+    assert_eq!(layer(" a ").await, StatusCode::OK);
+    let shown = send(&admin, Method::GET, "/admin/quota/account/%20a%20").await;
+    assert_eq!(shown.status(), StatusCode::OK);
+}
+
+#[tokio::test(flavor = "current_thread")]
+async fn every_support_error_is_a_problem_document() {
+    let (_, admin) = apps();
+    for (method, uri, status) in [
+        (Method::GET, "/admin/quota/account/%FF", 400),
+        (Method::GET, "/admin/quota/%FF/acme", 400),
+        (Method::GET, "/admin/quota/Account/acme", 400),
+        (Method::POST, "/admin/reset/account/%FF/read", 400),
+        (Method::POST, "/admin/reset/account/acme/%FF", 400),
+        (
+            Method::POST,
+            "/admin/refund/account/acme/%C3%28?amount=1",
+            400,
+        ),
+        (
+            Method::POST,
+            "/admin/refund/account/acme/read?amount=x",
+            400,
+        ),
+        (
+            Method::POST,
+            "/admin/refund/account/acme/nope?amount=1",
+            404,
+        ),
+        (Method::POST, "/admin/reset/account/acme/nope", 404),
+        (Method::POST, "/admin/quota/account/acme", 405),
+        (Method::GET, "/admin/reset/account/acme/read", 405),
+        (
+            Method::DELETE,
+            "/admin/refund/account/acme/read?amount=1",
+            405,
+        ),
+    ] {
+        let response = send(&admin, method.clone(), uri).await;
+        assert_eq!(response.status().as_u16(), status, "{method} {uri}");
+        if status == 405 {
+            assert!(response.headers().contains_key("allow"), "{uri}");
+        }
+        let problem = problem(response).await;
+        assert_eq!(problem["status"], status, "{method} {uri}: {problem}");
+        assert!(problem["detail"].is_string(), "{problem}");
+    }
+}
+
+#[tokio::test(flavor = "current_thread")]
+async fn a_handle_reads_the_subjects_the_layer_charges() {
+    let policy = QuotaPolicy::builder(FromHeader::account("x-account-id"))
+        .max_subject_len(8)
+        .build();
+    let _layer = policy.layer(Quota::daily(10).allowance("read"));
+    let handle = policy.handle();
+    let parts = |id: &str| {
+        Request::get("/")
+            .header("x-account-id", id)
+            .body(())
+            .unwrap()
+            .into_parts()
+            .0
+    };
+    assert_eq!(
+        handle.subject_of(&parts(" a ")),
+        Ok(Subject::account(" a "))
+    );
+    for id in ["", "  ", "\t", "123456789"] {
+        assert!(
+            matches!(
+                handle.subject_of(&parts(id)),
+                Err(tower_quota::SubjectError::Malformed(_))
+            ),
+            "{id:?}"
+        );
+        assert!(handle.standing(&parts(id)).await.is_err(), "{id:?}");
+    }
+}
+
+#[tokio::test(flavor = "current_thread")]
+async fn resets_are_explained_with_instants_in_the_quota_zone() {
+    let berlin = TimeZone::get("Europe/Berlin").unwrap();
+    let policy = QuotaPolicy::builder(FromHeader::account("x-account-id"))
+        .clock(ManualClock::new("2026-12-04T10:00:00Z".parse().unwrap()))
+        .build();
+    let app = Router::new()
+        .route("/", get(|| async { "hi" }))
+        .route_layer(
+            policy
+                .layer(
+                    Quota::daily(10)
+                        .allowance("read")
+                        .in_time_zone(berlin.clone()),
+                )
+                .quota(Quota::daily(10).allowance("write"))
+                .quota(
+                    Quota::rolling(10, Duration::from_secs(24 * 3600))
+                        .allowance("burst")
+                        .in_time_zone(berlin),
+                )
+                .quota(Quota::rolling(10, Duration::from_secs(3600)).allowance("hour")),
+        );
+    let handle = policy.handle();
+    let explained = |usage: &[tower_quota::QuotaUsage]| -> Vec<String> {
+        usage.iter().map(|u| u.explain_reset()).collect()
+    };
+    let acme = Subject::account("sk_live_secret_key");
+    assert_eq!(
+        explained(&handle.usage(&acme).await.unwrap()),
+        [
+            "every day at 00:00 Europe/Berlin; next at 2026-12-05T00:00:00+01:00[Europe/Berlin]",
+            "every day at 00:00 UTC; next at 2026-12-05T00:00:00Z",
+            "24h after the first call; no period is open",
+            "1h after the first call; no period is open",
+        ]
+    );
+    assert_eq!(send(&app, Method::GET, "/").await.status(), StatusCode::OK);
+    let usage = handle.usage(&acme).await.unwrap();
+    assert_eq!(
+        explained(&usage)[2..],
+        [
+            "24h after the first call (2026-12-04T11:00:00+01:00[Europe/Berlin]), \
+             at 2026-12-05T11:00:00+01:00[Europe/Berlin]",
+            "1h after the first call (2026-12-04T10:00:00Z), at 2026-12-04T11:00:00Z",
+        ]
+    );
+
+    // The support router's `reset` is the same text.
+    let admin = Router::new().nest("/admin", handle.router());
+    let shown = send(
+        &admin,
+        Method::GET,
+        "/admin/quota/account/sk_live_secret_key",
+    )
+    .await;
+    assert_eq!(shown.status(), StatusCode::OK);
+    let body = axum::body::to_bytes(shown.into_body(), 1 << 16)
+        .await
+        .unwrap();
+    let json: serde_json::Value = serde_json::from_slice(&body).unwrap();
+    let resets: Vec<_> = json["allowances"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|a| a["reset"].as_str().unwrap().to_owned())
+        .collect();
+    assert_eq!(resets, explained(&usage));
+    assert_eq!(json["allowances"][0]["resets_at"], "2026-12-04T23:00:00Z");
+}
