@@ -58,24 +58,17 @@ impl Namespace {
 
     /// The key of one counter.
     pub fn key(&self, subject: &Subject, allowance: &str, period: &str) -> PeriodKey {
-        let mut key = String::with_capacity(
-            self.prefix.len()
-                + 8
-                + subject.kind().as_str().len()
-                + subject.id().len()
-                + allowance.len()
-                + period.len(),
-        );
+        let mut key = KeyText::default();
         key.push_str(&self.prefix);
         key.push_str(":{");
         push_encoded(&mut key, subject.kind().as_str().as_bytes());
-        key.push(':');
+        key.push_str(":");
         push_encoded(&mut key, subject.id());
         key.push_str("}:");
         push_encoded(&mut key, allowance.as_bytes());
-        key.push(':');
+        key.push_str(":");
         key.push_str(period);
-        PeriodKey(Arc::from(key))
+        PeriodKey(Arc::from(key.as_str()))
     }
 }
 
@@ -97,7 +90,7 @@ const PLAIN: [bool; 256] = {
     plain
 };
 
-fn push_encoded(out: &mut String, bytes: &[u8]) {
+fn push_encoded(out: &mut KeyText, bytes: &[u8]) {
     // Most ids need no escaping at all.
     if bytes.iter().all(|&b| PLAIN[usize::from(b)]) {
         if let Ok(text) = std::str::from_utf8(bytes) {
@@ -105,7 +98,59 @@ fn push_encoded(out: &mut String, bytes: &[u8]) {
             return;
         }
     }
-    write!(out, "{}", percent_encode(bytes, PART)).expect("writing to a String cannot fail")
+    write!(out, "{}", percent_encode(bytes, PART)).expect("writing a key cannot fail")
+}
+
+/// A key being written: on the stack while it is short (nearly always), so
+/// the key's only allocation is its shared text.
+struct KeyText {
+    short: [u8; 192],
+    len: usize,
+    long: Option<String>,
+}
+
+impl Default for KeyText {
+    fn default() -> Self {
+        Self {
+            short: [0; 192],
+            len: 0,
+            long: None,
+        }
+    }
+}
+
+impl KeyText {
+    fn push_str(&mut self, text: &str) {
+        if let Some(long) = &mut self.long {
+            long.push_str(text);
+            return;
+        }
+        let end = self.len + text.len();
+        if end <= self.short.len() {
+            self.short[self.len..end].copy_from_slice(text.as_bytes());
+            self.len = end;
+        } else {
+            let mut long = String::with_capacity(end * 2);
+            long.push_str(self.as_str());
+            long.push_str(text);
+            self.long = Some(long);
+        }
+    }
+
+    fn as_str(&self) -> &str {
+        match &self.long {
+            Some(long) => long,
+            // Only whole `&str`s are copied in, so the bytes are UTF-8.
+            None => std::str::from_utf8(&self.short[..self.len]).expect("keys are UTF-8"),
+        }
+    }
+}
+
+impl fmt::Write for KeyText {
+    fn write_str(&mut self, text: &str) -> std::fmt::Result {
+        self.push_str(text);
+        Ok(())
+    }
 }
 
 impl Default for Namespace {

@@ -555,7 +555,12 @@ fn sf_string(s: &str) -> String {
 /// FNV-1a, 64 bits: a hash of `bytes` that no process, platform or release
 /// changes.
 pub(crate) fn fnv1a_64(bytes: &[u8]) -> u64 {
-    bytes.iter().fold(0xcbf2_9ce4_8422_2325, |hash, &byte| {
+    fnv1a_64_from(0xcbf2_9ce4_8422_2325, bytes)
+}
+
+/// FNV-1a, 64 bits, going on from `hash` (of what came before `bytes`).
+pub(crate) fn fnv1a_64_from(hash: u64, bytes: &[u8]) -> u64 {
+    bytes.iter().fold(hash, |hash, &byte| {
         (hash ^ u64::from(byte)).wrapping_mul(0x0000_0100_0000_01b3)
     })
 }

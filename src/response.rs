@@ -60,8 +60,7 @@ impl PolicyCache {
         let windows: Option<Vec<u64>> = quotas.iter().map(Quota::constant_window).collect();
         let constant = windows.map(|windows| {
             let windows = quotas.iter().zip(windows).map(|(q, w)| (w, q.limit()));
-            let entries: Vec<&Quota> = quotas.iter().collect();
-            interned(policy_value(&entries, windows))
+            interned(policy_value(quotas.iter(), windows))
         });
         Self {
             known: RwLock::default(),
@@ -69,22 +68,20 @@ impl PolicyCache {
         }
     }
 
-    /// The value for `entries` with these windows, from the cache when it
+    /// The value for `quotas` with these windows, from the cache when it
     /// has it.
-    fn value(&self, entries: &[(&Quota, Usage)], windows: &[(u64, u64)]) -> HeaderValue {
-        if let Some(value) = &self.constant {
-            if entries.len() == windows.len() {
-                return value.clone();
-            }
-        }
+    fn value<'a>(
+        &self,
+        quotas: impl Iterator<Item = &'a Quota> + Clone,
+        windows: &[(u64, u64)],
+    ) -> HeaderValue {
         {
             let known = self.known.read().unwrap_or_else(|e| e.into_inner());
             if let Some((_, value)) = known.iter().find(|(ws, _)| **ws == *windows) {
                 return value.clone();
             }
         }
-        let quotas: Vec<&Quota> = entries.iter().map(|(q, _)| *q).collect();
-        let value = policy_value(&quotas, windows.iter().copied());
+        let value = policy_value(quotas, windows.iter().copied());
         let mut known = self.known.write().unwrap_or_else(|e| e.into_inner());
         if !known.iter().any(|(ws, _)| **ws == *windows) {
             if known.len() >= MAX_CACHED_POLICIES {
@@ -124,10 +121,13 @@ fn interned(value: HeaderValue) -> HeaderValue {
 }
 
 /// The `RateLimit-Policy` value of `quotas` with these windows and limits.
-fn policy_value(quotas: &[&Quota], windows: impl Iterator<Item = (u64, u64)>) -> HeaderValue {
+fn policy_value<'a>(
+    quotas: impl Iterator<Item = &'a Quota>,
+    windows: impl Iterator<Item = (u64, u64)>,
+) -> HeaderValue {
     let mut digits = itoa::Buffer::new();
-    let mut policy = String::with_capacity(48 * quotas.len());
-    for (i, (quota, (window, limit))) in quotas.iter().zip(windows).enumerate() {
+    let mut policy = String::with_capacity(48);
+    for (i, (quota, (window, limit))) in quotas.zip(windows).enumerate() {
         if i > 0 {
             policy.push_str(", ");
         }
@@ -143,27 +143,31 @@ fn policy_value(quotas: &[&Quota], windows: impl Iterator<Item = (u64, u64)>) ->
 impl RateLimitFields {
     /// The fields of `entries` (each quota, and where the subject stands on
     /// it) at `now`, for the subject hashed to `subject` (for spread
-    /// resets). `cache` keeps the policy field of one layer's quotas.
-    pub(crate) fn new(
-        entries: &[(&Quota, Usage)],
+    /// resets). `cache` keeps the policy field of one layer's quotas, which
+    /// must then be the quotas of `entries`, in their order.
+    pub(crate) fn new<'a>(
+        entries: impl Iterator<Item = (&'a Quota, Usage)> + Clone,
         now: Timestamp,
         cache: Option<&PolicyCache>,
         subject: u64,
     ) -> Self {
-        let windows: Vec<(u64, u64)> = entries
-            .iter()
-            .map(|(q, u)| (q.window_seconds(now, u.first_call), u.limit))
-            .collect();
+        let quotas = entries.clone().map(|(q, _)| q);
+        let windows = || {
+            entries
+                .clone()
+                .map(|(q, u)| (q.window_seconds(now, u.first_call), u.limit))
+        };
         let policy = match cache {
-            Some(cache) => cache.value(entries, &windows),
-            None => {
-                let quotas: Vec<&Quota> = entries.iter().map(|(q, _)| *q).collect();
-                policy_value(&quotas, windows.iter().copied())
-            }
+            Some(PolicyCache {
+                constant: Some(value),
+                ..
+            }) => value.clone(),
+            Some(cache) => cache.value(quotas, &windows().collect::<Vec<_>>()),
+            None => policy_value(quotas, windows()),
         };
         let mut digits = itoa::Buffer::new();
-        let mut limit = String::with_capacity(entries.len() * 40);
-        for (i, (quota, usage)) in entries.iter().enumerate() {
+        let mut limit = String::with_capacity(40);
+        for (i, (quota, usage)) in entries.enumerate() {
             if i > 0 {
                 limit.push_str(", ");
             }
@@ -508,7 +512,7 @@ mod tests {
             let told = refusal.retry_after.unwrap();
             prop_assert!(told >= real && told <= real + spread, "{told} vs {real}+{spread}");
             let mut headers = http::HeaderMap::new();
-            RateLimitFields::new(&[(&quota, usage[0])], now, None, subject)
+            RateLimitFields::new([(&quota, usage[0])].into_iter(), now, None, subject)
                 .prepend_to(&mut headers);
             let field = headers["ratelimit"].to_str().unwrap().to_owned();
             prop_assert!(field.ends_with(&format!(";t={told}")), "{}", field);
@@ -550,7 +554,7 @@ mod tests {
                 "{told} vs {real}+{spread}"
             );
             let mut headers = http::HeaderMap::new();
-            RateLimitFields::new(&[(&quota, usage[0])], now, None, subject)
+            RateLimitFields::new([(&quota, usage[0])].into_iter(), now, None, subject)
                 .prepend_to(&mut headers);
             assert!(headers["ratelimit"]
                 .to_str()

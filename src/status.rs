@@ -152,7 +152,7 @@ impl QuotaStatus {
         self.entries.get_or_init(|| {
             self.tickets
                 .iter()
-                .flat_map(|ticket| ticket.lines.iter())
+                .flat_map(Ticket::lines)
                 .map(|line| QuotaUsage::new(line.quota.clone(), line.key.clone(), line.usage))
                 .collect()
         })
@@ -169,13 +169,13 @@ impl QuotaStatus {
     pub fn charged_at(&self) -> Option<Timestamp> {
         self.tickets
             .iter()
-            .find(|t| !t.lines.is_empty())
+            .find(|t| t.lines().next().is_some())
             .map(|t| t.now)
     }
 
     /// Whether no quota counted the request.
     pub fn is_exempt(&self) -> bool {
-        self.tickets.iter().all(|t| t.lines.is_empty())
+        self.tickets.iter().all(|t| t.lines().next().is_none())
     }
 
     /// The ticket of policy `policy`, if one of its layers saw the request.
@@ -213,20 +213,26 @@ pub(crate) struct Ticket {
     /// `None` when the policy lets the request through uncounted (a skip
     /// rule, no usable subject under `SubjectPolicy::Allow`, a store failure
     /// under fail-open): its inner layers pass it too.
-    pub(crate) caller: Option<Arc<Caller>>,
-    /// What the policy's layers charged, outer layers first.
-    pub(crate) lines: Vec<Arc<Line>>,
+    pub(crate) caller: Option<Caller>,
+    /// What the policy's layers charged, one entry per layer, outer layers
+    /// first.
+    pub(crate) charges: Vec<Arc<[Line]>>,
 }
 
 impl Ticket {
+    /// Every line charged, outer layers first.
+    pub(crate) fn lines(&self) -> impl Iterator<Item = &Line> {
+        self.charges.iter().flat_map(|charge| charge.iter())
+    }
+
     /// Whether a line of this ticket counts on `key`.
     pub(crate) fn counts(&self, key: &PeriodKey) -> bool {
-        self.lines.iter().any(|line| line.key == *key)
+        self.lines().any(|line| line.key == *key)
     }
 }
 
 /// Who a request is charged to, as the first layer of a policy found.
-#[derive(Debug)]
+#[derive(Clone, Debug)]
 pub(crate) struct Caller {
     pub(crate) subject: Subject,
     pub(crate) plan: Option<Box<str>>,

@@ -50,12 +50,9 @@ pub(crate) struct Charge {
     /// outermost layer): the caller and the lines charged further out.
     pub(crate) ticket: Ticket,
     /// One per line of `request`, in the caller's zone.
-    pub(crate) quotas: Vec<Quota>,
+    pub(crate) quotas: Arc<[Quota]>,
     /// What the store is asked; a shadow quota's line has no limit.
     pub(crate) request: ChargeRequest,
-    /// The limit each line really has (the plan's): what a shadow quota
-    /// reports.
-    pub(crate) limits: Vec<u64>,
     pub(crate) cost: u64,
     /// The decision's span (disabled unless the crate's debug logs are on):
     /// subject kind and hash, allowances, anchors, outcome.
@@ -64,10 +61,7 @@ pub(crate) struct Charge {
 
 impl Charge {
     pub(crate) fn caller(&self) -> &Caller {
-        self.ticket
-            .caller
-            .as_deref()
-            .expect("a charge has a caller")
+        self.ticket.caller.as_ref().expect("a charge has a caller")
     }
 }
 
@@ -93,8 +87,8 @@ pub(crate) fn plan<E: SubjectExtractor, St>(bound: &Bound<E, St>, parts: &Parts)
                 Ok(Some(caller)) => Ticket {
                     policy: policy.id,
                     now,
-                    caller: Some(Arc::new(caller)),
-                    lines: Vec::new(),
+                    caller: Some(caller),
+                    charges: Vec::new(),
                 },
                 Ok(None) => {
                     crate::metrics::skipped(&bound.scope.quotas);
@@ -113,7 +107,7 @@ pub(crate) fn uncounted(policy: u64, now: Timestamp) -> Ticket {
         policy,
         now,
         caller: None,
-        lines: Vec::new(),
+        charges: Vec::new(),
     }
 }
 
@@ -208,41 +202,55 @@ fn subject<E: SubjectExtractor>(
 }
 
 /// A hash of `subject` that every instance, platform and release computes
-/// alike: it spreads the resets told to subjects.
+/// alike: it spreads the resets told to subjects. FNV-1a of the kind, a
+/// zero byte and the id.
 fn spread_hash(subject: &Subject) -> u64 {
-    let mut bytes = Vec::with_capacity(subject.kind().as_str().len() + 1 + subject.id().len());
-    bytes.extend_from_slice(subject.kind().as_str().as_bytes());
-    bytes.push(0);
-    bytes.extend_from_slice(subject.id());
-    crate::quota::fnv1a_64(&bytes)
+    let kind = crate::quota::fnv1a_64_from(
+        crate::quota::fnv1a_64(subject.kind().as_str().as_bytes()),
+        &[0],
+    );
+    crate::quota::fnv1a_64_from(kind, subject.id())
 }
 
 /// The lines of `scope`'s quotas that `ticket` does not count yet.
 fn lines(scope: &Scope, settings: &Settings, ticket: Ticket, parts: &Parts) -> Step {
     let caller = ticket
         .caller
-        .as_deref()
+        .as_ref()
         .expect("a charged ticket has a caller");
     let all = scope.quotas_in(caller.zone.as_ref());
-    let mut quotas = Vec::with_capacity(all.len());
     let mut lines = Vec::with_capacity(all.len());
-    let mut limits = Vec::with_capacity(all.len());
-    for quota in all.iter() {
-        let limit = quota.limit_for(caller.plan.as_deref());
+    // Quotas a layer further out charged already (the same quota in two
+    // layers, or a sub-request): rare, so no allocation until one is met.
+    let mut counted = Vec::new();
+    for (i, quota) in all.iter().enumerate() {
         // A shadow quota is counted, never refusing: its real limit is
         // reported, not enforced.
-        let sent = if quota.is_shadow() { u64::MAX } else { limit };
-        let line = quota.line_with_limit(&settings.namespace, &caller.subject, ticket.now, 0, sent);
+        let limit = if quota.is_shadow() {
+            u64::MAX
+        } else {
+            quota.limit_for(caller.plan.as_deref())
+        };
+        let line =
+            quota.line_with_limit(&settings.namespace, &caller.subject, ticket.now, 0, limit);
         if ticket.counts(&line.key) {
-            continue;
+            counted.push(i);
+        } else {
+            lines.push(line);
         }
-        quotas.push(quota.clone());
-        lines.push(line);
-        limits.push(limit);
     }
     if lines.is_empty() {
         return Step::Pass;
     }
+    let quotas: Arc<[Quota]> = if counted.is_empty() {
+        all
+    } else {
+        all.iter()
+            .enumerate()
+            .filter(|(i, _)| !counted.contains(i))
+            .map(|(_, quota)| quota.clone())
+            .collect()
+    };
     let cost = match scope.cost.upfront(parts) {
         Ok(cost) => cost,
         Err(error) => {
@@ -277,7 +285,6 @@ fn lines(scope: &Scope, settings: &Settings, ticket: Ticket, parts: &Parts) -> S
         },
         ticket,
         quotas,
-        limits,
         cost,
     })
 }
@@ -316,7 +323,7 @@ impl std::fmt::Display for Anchors<'_> {
 #[derive(Debug)]
 pub(crate) enum Decision {
     /// Every quota had room and was charged: the lines charged.
-    Admit(Vec<Arc<Line>>),
+    Admit(Arc<[Line]>),
     /// Some quota had no room; nothing was charged. Where each line stands.
     Refuse(Vec<Usage>),
     /// The store failed and the policy lets the request through uncounted.
@@ -350,12 +357,7 @@ pub(crate) fn decide(
                 .zip(&charge.request.lines)
                 .zip(outcome.usage)
                 .map(|((quota, line), usage)| {
-                    Arc::new(Line::new(
-                        quota.clone(),
-                        line.key.clone(),
-                        charge.cost,
-                        usage,
-                    ))
+                    Line::new(quota.clone(), line.key.clone(), charge.cost, usage)
                 })
                 .collect();
             Decision::Admit(lines)
@@ -380,10 +382,12 @@ pub(crate) fn decide(
 /// Shadow quotas were charged without a limit: their usage gets the limit
 /// the client is told, and a request over it is logged and counted.
 fn shadow_limits(charge: &Charge, usage: &mut [Usage]) {
-    for ((quota, usage), &limit) in charge.quotas.iter().zip(usage).zip(&charge.limits) {
+    let plan = charge.caller().plan.as_deref();
+    for (quota, usage) in charge.quotas.iter().zip(usage) {
         if !quota.is_shadow() {
             continue;
         }
+        let limit = quota.limit_for(plan);
         usage.limit = limit;
         if usage.used > limit {
             crate::metrics::shadow_refused(quota);
@@ -428,9 +432,11 @@ pub(crate) fn refused(
         None => refusal.standard(),
     };
     if refusal.status == StatusCode::TOO_MANY_REQUESTS {
-        let mut entries: Vec<(&Quota, Usage)> = outer.iter().map(|(q, u)| (q, *u)).collect();
-        entries.extend(charge.quotas.iter().zip(usage.iter().copied()));
-        RateLimitFields::new(&entries, charge.ticket.now, None, charge.caller().spread)
+        let entries = outer
+            .iter()
+            .map(|(q, u)| (q, *u))
+            .chain(charge.quotas.iter().zip(usage.iter().copied()));
+        RateLimitFields::new(entries, charge.ticket.now, None, charge.caller().spread)
             .prepend_to(response.headers_mut());
     }
     response.extensions_mut().insert(Refused);
@@ -466,7 +472,7 @@ pub(crate) enum Outcome {
 /// What a response with head `response` (`None`: the inner service
 /// failed) changes for `lines`, charged by a layer costing `cost`.
 pub(crate) fn outcome(
-    lines: &[Arc<Line>],
+    lines: &[Line],
     cost: &Cost,
     settings: &Settings,
     response: Option<&http::response::Parts>,
@@ -504,7 +510,7 @@ pub(crate) fn outcome(
     Outcome::Served(ops)
 }
 
-pub(crate) fn refund_all(lines: &[Arc<Line>]) -> Vec<(usize, Adjust)> {
+pub(crate) fn refund_all(lines: &[Line]) -> Vec<(usize, Adjust)> {
     lines
         .iter()
         .enumerate()
@@ -527,7 +533,7 @@ fn is_unrouted(_: &http::Extensions) -> bool {
 /// Where each of `lines` stands once the store applied `ops` and answered
 /// `results` (what the counter holds after, `None`: no live counter).
 pub(crate) fn settled(
-    lines: &[Arc<Line>],
+    lines: &[Line],
     ops: &[(usize, Adjust)],
     results: &[Option<u64>],
 ) -> Vec<Usage> {

@@ -92,13 +92,13 @@ pub(crate) struct Pending<S, E, St: Store, ReqBody> {
     bound: Arc<Bound<E, St>>,
     /// Gives back what layers further out charged if the request is dropped
     /// before the store answers: it was never admitted.
-    outer: GiveBackOnDrop<E, St>,
+    outer: Option<GiveBackOnDrop<E, St>>,
 }
 
 /// What a layer charged for an admitted request, for the response path.
 pub(crate) struct Charged<E, St> {
     bound: Arc<Bound<E, St>>,
-    lines: Vec<Arc<Line>>,
+    lines: Arc<[Line]>,
     now: Timestamp,
     spread: u64,
 }
@@ -124,10 +124,11 @@ where
         inner: S,
         request: Request<ReqBody>,
     ) -> Self {
-        let outer = GiveBackOnDrop {
-            lines: charge.ticket.lines.clone(),
+        // Nothing to give back for the outermost layer of a policy.
+        let outer = (!charge.ticket.charges.is_empty()).then(|| GiveBackOnDrop {
+            charges: charge.ticket.charges.clone(),
             bound: Arc::clone(&bound),
-        };
+        });
         Self {
             state: State::Charging {
                 start: Some(charge.request.clone()),
@@ -180,13 +181,13 @@ where
         bound,
         outer,
     } = pending;
-    let outer = outer.disarm();
+    let outer = outer.map(GiveBackOnDrop::disarm).unwrap_or_default();
     let settings = &bound.policy.settings;
     match charge::decide(&charge, settings, answer) {
         Decision::Admit(lines) => {
             let now = charge.ticket.now;
             let spread = charge.caller().spread;
-            charge.ticket.lines.extend(lines.iter().cloned());
+            charge.ticket.charges.push(Arc::clone(&lines));
             let extensions = request.extensions_mut();
             match extensions.get_mut::<QuotaStatus>() {
                 Some(status) => status.put(charge.ticket),
@@ -209,7 +210,7 @@ where
         Decision::PassUncounted => {
             // The store is failing: the policy's inner layers pass too.
             let mut ticket = charge::uncounted(bound.policy.id, charge.ticket.now);
-            ticket.lines = charge.ticket.lines;
+            ticket.charges = charge.ticket.charges;
             let extensions = request.extensions_mut();
             match extensions.get_mut::<QuotaStatus>() {
                 Some(status) => status.put(ticket),
@@ -244,7 +245,7 @@ fn refusing<S, E, St, ReqBody>(
     charge: Charge,
     refusal: crate::response::Refusal,
     usage: Vec<Usage>,
-    outer: Vec<Arc<Line>>,
+    outer: Vec<Arc<[Line]>>,
 ) -> State<S, E, St, ReqBody>
 where
     S: Service<Request<ReqBody>>,
@@ -263,25 +264,30 @@ where
     }
 }
 
-/// Gives `lines` back, each at most once (a line another layer gave back
-/// already is left alone), and only to the counter that was charged.
-fn give_back<St: Store>(store: St, now: Timestamp, lines: Vec<Arc<Line>>) -> Adjusting {
-    let ops = lines
-        .iter()
-        .filter(|line| line.claim_give_back() && line.is_live(now) && line.cost > 0)
-        .map(|line| (line.key.clone(), Adjust::Refund(line.cost)))
-        .collect::<Vec<_>>();
-    let keys: Vec<_> = lines.iter().map(|line| line.key.clone()).collect();
-    let applied = apply(store, now, ops.clone());
+/// Gives the lines of `charges` back, each at most once (a line another
+/// layer gave back already is left alone), and only to the counter that was
+/// charged. Answers per line, in order, what its counter holds afterwards.
+fn give_back<St: Store>(store: St, now: Timestamp, charges: Vec<Arc<[Line]>>) -> Adjusting {
+    let lines = || charges.iter().flat_map(|charge| charge.iter());
+    let claimed: Vec<bool> = lines()
+        .map(|line| line.claim_give_back() && line.is_live(now) && line.cost > 0)
+        .collect();
+    let ops = lines()
+        .zip(&claimed)
+        .filter(|(_, claimed)| **claimed)
+        .map(|(line, _)| (line.key.clone(), Adjust::Refund(line.cost)))
+        .collect();
+    let applied = apply(store, now, ops);
     Box::pin(async move {
-        let results = applied.await;
-        // Per line, in the lines' order.
-        keys.iter()
-            .map(|key| {
-                ops.iter()
-                    .zip(&results)
-                    .find(|((k, _), _)| k == key)
-                    .and_then(|(_, r)| *r)
+        let mut results = applied.await.into_iter();
+        claimed
+            .into_iter()
+            .map(|claimed| {
+                if claimed {
+                    results.next().flatten()
+                } else {
+                    None
+                }
             })
             .collect()
     })
@@ -334,50 +340,46 @@ fn apply<St: Store>(
 /// The lines a pending charge found charged further out, given back if the
 /// request is dropped before the store answers.
 struct GiveBackOnDrop<E, St: Store> {
-    lines: Vec<Arc<Line>>,
+    charges: Vec<Arc<[Line]>>,
     bound: Arc<Bound<E, St>>,
 }
 
 impl<E, St: Store> GiveBackOnDrop<E, St> {
     /// The lines, no longer given back on drop.
-    fn disarm(mut self) -> Vec<Arc<Line>> {
-        std::mem::take(&mut self.lines)
+    fn disarm(mut self) -> Vec<Arc<[Line]>> {
+        std::mem::take(&mut self.charges)
     }
 }
 
 impl<E, St: Store> Drop for GiveBackOnDrop<E, St> {
     fn drop(&mut self) {
-        if self.lines.is_empty() || tokio::runtime::Handle::try_current().is_err() {
+        if self.charges.is_empty() || tokio::runtime::Handle::try_current().is_err() {
             return;
         }
         let now = self.bound.policy.settings.clock.now();
-        let lines = std::mem::take(&mut self.lines);
+        let charges = std::mem::take(&mut self.charges);
         // Spawned by `apply`: runs to the end on its own.
-        drop(give_back(self.bound.policy.store.clone(), now, lines));
+        drop(give_back(self.bound.policy.store.clone(), now, charges));
     }
 }
 
 impl<E, St: Store> Charged<E, St> {
-    /// The fields of this layer's quotas, standing at `usage`.
-    fn fields(&self, usage: &[Usage]) -> RateLimitFields {
-        let entries: Vec<(&Quota, Usage)> = self
+    /// The response, with the fields of this layer's quotas (standing at
+    /// `usage`, or as charged) in front of those of layers further in.
+    fn finish<B>(&self, mut response: Response<B>, usage: Option<&[Usage]>) -> Response<B> {
+        let usage = |i: usize| usage.map_or(self.lines[i].usage, |usage| usage[i]);
+        let entries = self
             .lines
             .iter()
-            .zip(usage)
-            .map(|(line, usage)| (&line.quota, *usage))
-            .collect();
+            .enumerate()
+            .map(|(i, line)| (&line.quota, usage(i)));
         RateLimitFields::new(
-            &entries,
+            entries,
             self.now,
             Some(&self.bound.scope.fields),
             self.spread,
         )
-    }
-
-    /// The response, with this layer's fields in front of those of layers
-    /// further in.
-    fn finish<B>(&self, mut response: Response<B>, usage: &[Usage]) -> Response<B> {
-        self.fields(usage).prepend_to(response.headers_mut());
+        .prepend_to(response.headers_mut());
         response
     }
 }
@@ -460,10 +462,8 @@ where
                         Outcome::Served(ops) => (ops, true),
                     };
                     if ops.is_empty() {
-                        let usage: Vec<Usage> =
-                            charged.lines.iter().map(|line| line.usage).collect();
                         return Poll::Ready(result.map(|response| {
-                            charged.finish(response, &usage).map(ResponseBody::inner)
+                            charged.finish(response, None).map(ResponseBody::inner)
                         }));
                     }
                     let now = settings.clock.now();
@@ -491,7 +491,9 @@ where
                     }
                     let usage = charge::settled(&charged.lines, ops, &results);
                     return Poll::Ready(result.map(|response| {
-                        charged.finish(response, &usage).map(ResponseBody::inner)
+                        charged
+                            .finish(response, Some(&usage))
+                            .map(ResponseBody::inner)
                     }));
                 }
                 StateProj::Refusing { adjust, refusal } => {
@@ -504,8 +506,7 @@ where
                     } = refusal.take().expect("polled after completion");
                     let outer: Vec<(Quota, Usage)> = charge
                         .ticket
-                        .lines
-                        .iter()
+                        .lines()
                         .zip(results)
                         .map(|(line, result)| {
                             let mut usage = line.usage;

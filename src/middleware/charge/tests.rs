@@ -65,7 +65,7 @@ fn the_outermost_layer_names_the_caller_and_charges_every_quota() {
     assert_eq!(charge.request.now, at(NOW));
     assert_eq!(charge.request.lines.len(), 2);
     assert!(
-        charge.ticket.lines.is_empty(),
+        charge.ticket.charges.is_empty(),
         "nothing charged further out"
     );
 }
@@ -86,7 +86,7 @@ fn quotas_the_ticket_counts_already_pass() {
         panic!("admitted");
     };
     let mut ticket = charge.ticket.clone();
-    ticket.lines.extend(lines);
+    ticket.charges.push(lines);
     let mut status = QuotaStatus::default();
     status.put(ticket);
     parts.extensions.insert(status);
@@ -272,7 +272,7 @@ fn a_shadow_quota_is_charged_without_a_limit_and_reports_its_own() {
     assert_eq!(lines[0].usage.used, 5);
 }
 
-fn admitted(layer: &QuotaLayer<FromHeader>, used: u64) -> Vec<Arc<Line>> {
+fn admitted(layer: &QuotaLayer<FromHeader>, used: u64) -> Arc<[Line]> {
     let charge = charge_of(layer, &head(ACME));
     let answer = Ok(ChargeOutcome {
         admitted: true,
