@@ -26,6 +26,9 @@
 //!   one from the next admitted charge.
 //! - [`calendar_counters_are_distinct_per_period_and_dated`]: each calendar
 //!   window has its own counter, and that counter has a deadline.
+//! - [`counts_never_pass_the_limit_nor_wrap`]: at the top of `u64`, a charge
+//!   that would pass its limit is refused and an add never leaves a smaller
+//!   count: nothing wraps.
 //!
 //! A store tells the suite what it cannot be driven to do through the trait
 //! through [`ConformanceHooks`]: how its deadlines pass ([`Expiry`]), how to
@@ -235,6 +238,10 @@ pub async fn run_all<S: ConformanceHooks>(store: &S) -> Vec<(&'static str, Verdi
         (
             "calendar_counters_are_distinct_per_period_and_dated",
             calendar_counters_are_distinct_per_period_and_dated(store).await,
+        ),
+        (
+            "counts_never_pass_the_limit_nor_wrap",
+            counts_never_pass_the_limit_nor_wrap(store).await,
         ),
     ]
 }
@@ -1074,6 +1081,80 @@ pub async fn calendar_counters_are_distinct_per_period_and_dated<S: ConformanceH
         }
         other => panic!("a calendar counter must carry a deadline (found {other:?})"),
     }
+    Verdict::Passed
+}
+
+/// Counts at the top of `u64` never wrap: with a limit of `u64::MAX`, a
+/// charge of `u64::MAX - 1` is admitted, and one more of 5 is refused, alone
+/// or with another line, and leaves the count as it was; an add of `u64::MAX`
+/// either fails (a store that counts less far, see [`Store::add`]) or leaves
+/// a count no smaller than before.
+///
+/// (A store may count less far than `u64` and treat a limit beyond its
+/// range as unlimited: the check reads the count the store reports after
+/// the first charge, not `u64::MAX - 1`.)
+///
+/// # Panics
+///
+/// When the store breaks the rule, or fails to answer.
+pub async fn counts_never_pass_the_limit_nor_wrap<S: ConformanceHooks>(store: &S) -> Verdict {
+    let time = Timeline::new(store.expiry());
+    let period = time.period() * 10;
+    let now = time.now();
+    let keys = Keys::new();
+    let top = keys.key("top");
+    let other = keys.key("other");
+    let line = |cost| first_use(&top, u64::MAX, cost, now + period);
+
+    let first = charge(store, now, vec![line(u64::MAX - 1)]).await;
+    assert!(
+        first.0,
+        "a charge within a limit of u64::MAX must be admitted"
+    );
+    let used = first.1[0].used;
+    assert!(used > 0, "an admitted charge must count");
+
+    let over = charge(store, now, vec![line(5)]).await;
+    assert!(
+        !over.0,
+        "a charge past the limit must be refused, however large the count"
+    );
+    assert_eq!(
+        over.1[0].used, used,
+        "a charge past the limit must leave the count as it was, never wrapped"
+    );
+    let over = charge(
+        store,
+        now,
+        vec![line(5), first_use(&other, 10, 1, now + period)],
+    )
+    .await;
+    assert!(
+        !over.0,
+        "a charge past the limit must be refused, however large the count (two lines)"
+    );
+    assert_eq!(
+        (over.1[0].used, over.1[1].used),
+        (used, 0),
+        "a charge past the limit must leave every count as it was, never wrapped (two lines)"
+    );
+
+    if let Ok(Some(after)) = store.add(now, top.clone(), u64::MAX).await {
+        assert!(
+            after >= used,
+            "an add must never leave a smaller count (from {used} to {after}): it saturates"
+        );
+    }
+    let peeked = peek(store, now, vec![line(0)]).await;
+    assert!(
+        peeked[0].used >= used,
+        "a count must never wrap (from {used} to {})",
+        peeked[0].used
+    );
+    assert!(
+        !charge(store, now, vec![line(5)]).await.0,
+        "a charge past the limit must be refused, however large the count"
+    );
     Verdict::Passed
 }
 

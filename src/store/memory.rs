@@ -357,8 +357,14 @@ impl MemoryStore {
         shard.sweep(now, SWEEP_BUDGET);
         let (admitted, counter) = match shard.counters.get_mut(line.key.as_str()) {
             Some(counter) if counter.deadline > Nanos::of(now) => {
-                if counter.used.saturating_add(line.cost) <= line.limit {
-                    counter.used += line.cost;
+                // A sum beyond `u64` is beyond any limit: refused, never
+                // wrapped.
+                if let Some(used) = counter
+                    .used
+                    .checked_add(line.cost)
+                    .filter(|&u| u <= line.limit)
+                {
+                    counter.used = used;
                     (true, Some(*counter))
                 } else {
                     (false, Some(*counter))
@@ -394,13 +400,14 @@ impl MemoryStore {
             let mut admitted = true;
             for (i, line) in lines.iter().enumerate() {
                 let used = locked.live(i, &line.key, now).map_or(0, |c| c.used);
-                // A key listed twice is charged twice.
-                let earlier: u64 = lines[..i]
+                // A key listed twice is charged twice. A sum beyond `u64`
+                // is beyond any limit: refused, never wrapped.
+                let after = lines[..i]
                     .iter()
                     .filter(|l| l.key == line.key)
-                    .map(|l| l.cost)
-                    .sum();
-                if used.saturating_add(earlier).saturating_add(line.cost) > line.limit {
+                    .try_fold(used, |sum, l| sum.checked_add(l.cost))
+                    .and_then(|earlier| earlier.checked_add(line.cost));
+                if after.is_none_or(|after| after > line.limit) {
                     admitted = false;
                 }
             }

@@ -192,6 +192,52 @@ fn adds_never_create_or_resurrect_and_keep_the_deadline() {
     );
 }
 
+/// A count at the top of `u64` never wraps: a charge that would take it past
+/// its limit is refused, on the short path of one line and on the path of
+/// several, and an add saturates.
+#[test]
+fn counts_near_u64_max_never_wrap() {
+    let store = MemoryStore::new();
+    let t0 = at("2026-12-02T10:00:00Z");
+    let end = at("2026-12-03T00:00:00Z");
+    let k = key("acme", "read", "PT24H");
+    let line = |cost| first_use(k.clone(), u64::MAX, cost, end);
+    assert!(charge(&store, t0, vec![line(u64::MAX - 1)]).admitted);
+    let over = charge(&store, t0, vec![line(5)]);
+    assert!(!over.admitted, "a charge past the limit was admitted");
+    assert_eq!(over.usage[0].used, u64::MAX - 1);
+
+    // The same over two lines: the sum passes the limit on the first.
+    let other = key("acme", "write", "PT24H");
+    let two = |cost| vec![line(cost), first_use(other.clone(), 10, 1, end)];
+    let over = charge(&store, t0, two(5));
+    assert!(
+        !over.admitted,
+        "a charge of two lines past the limit was admitted"
+    );
+    assert_eq!(over.usage[0].used, u64::MAX - 1);
+    assert_eq!(over.usage[1].used, 0);
+    // A key listed twice, whose costs together pass the limit.
+    let twice = vec![line(1), line(u64::MAX)];
+    let over = charge(&store, t0, twice);
+    assert!(!over.admitted);
+    assert_eq!(over.usage[0].used, u64::MAX - 1);
+    // Exactly the limit still fits.
+    let full = charge(&store, t0, two(1));
+    assert!(full.admitted);
+    assert_eq!(full.usage[0].used, u64::MAX);
+    assert!(!charge(&store, t0, vec![line(1)]).admitted);
+
+    // An add saturates.
+    let k2 = key("acme", "late", "PT24H");
+    charge(&store, t0, vec![first_use(k2.clone(), 10, 1, end)]);
+    assert_eq!(
+        now_of(store.add(t0, k2.clone(), u64::MAX - 1)).unwrap(),
+        Some(u64::MAX)
+    );
+    assert_eq!(now_of(store.add(t0, k2, 5)).unwrap(), Some(u64::MAX));
+}
+
 #[test]
 fn a_refused_charge_spends_nothing_on_any_line() {
     let store = MemoryStore::new();
