@@ -897,6 +897,73 @@ fn a_full_store_counts_a_counter_it_reclaimed_and_created_again() {
     assert_eq!(store.len(), 2);
 }
 
+/// A full store whose expired counters lie behind many stale deadlines (of
+/// counters reset since): one charge of a new subject reclaims no more than
+/// its budget, however many counters have expired, and still finds room.
+#[test]
+fn a_full_store_reclaims_at_most_a_budget_per_charge() {
+    use super::memory::{ROOM_BUDGET, SWEEP_BUDGET};
+    const MAX: usize = 2_000;
+    let store = MemoryStore::with_shards(1).max_counters(MAX);
+    let t0 = at("2026-12-02T10:00:00Z");
+    for i in 0..2 * SWEEP_BUDGET {
+        let stale = key(&format!("stale-{i}"), "read", "PT1S");
+        charge(
+            &store,
+            t0,
+            vec![first_use(stale.clone(), 10, 1, at("2026-12-02T10:00:01Z"))],
+        );
+        assert!(now_of(store.reset(stale)).unwrap());
+    }
+    for i in 0..MAX {
+        let line = first_use(
+            key(&format!("s{i}"), "read", "PT2S"),
+            10,
+            1,
+            at("2026-12-02T10:00:02Z"),
+        );
+        assert!(charge(&store, t0, vec![line]).admitted);
+    }
+    assert_eq!(store.len(), MAX);
+
+    // Every counter has expired: the first new subject reclaims a budget's
+    // worth (with the sweep that opens each try), not the whole store.
+    let later = at("2026-12-02T10:00:10Z");
+    let new = |id: &str| first_use(key(id, "read", "PT1H"), 10, 1, at("2026-12-02T11:00:00Z"));
+    assert!(try_charge(&store, later, vec![new("n0")]).unwrap().admitted);
+    let reclaimed = MAX + 1 - store.len();
+    assert!(
+        (1..=ROOM_BUDGET + 2 * SWEEP_BUDGET).contains(&reclaimed),
+        "one charge reclaimed {reclaimed} counters"
+    );
+    // So does a charge of several lines, and the next subjects find room.
+    let before = store.len();
+    let lines = vec![
+        new("n1"),
+        calendar(
+            key("n1", "write", "2026-12-02"),
+            10,
+            1,
+            "2026-12-02T00:00:00Z",
+            "2026-12-03T00:00:00Z",
+        ),
+    ];
+    assert!(try_charge(&store, later, lines).unwrap().admitted);
+    let reclaimed = before + 2 - store.len();
+    assert!(
+        reclaimed <= ROOM_BUDGET + 2 * SWEEP_BUDGET,
+        "one charge of two lines reclaimed {reclaimed} counters"
+    );
+    for i in 2..50 {
+        assert!(
+            try_charge(&store, later, vec![new(&format!("n{i}"))])
+                .unwrap()
+                .admitted
+        );
+    }
+    assert!(store.len() <= MAX);
+}
+
 #[test]
 fn resets_and_reclaiming_give_room_back() {
     let store = MemoryStore::with_shards(2).max_counters(1);
