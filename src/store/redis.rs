@@ -2,7 +2,6 @@
 
 use std::fmt;
 use std::future::Future;
-use std::hash::{DefaultHasher, Hash, Hasher};
 use std::pin::Pin;
 use std::sync::atomic::{AtomicI64, AtomicU64, Ordering};
 use std::sync::{Arc, LazyLock, Weak};
@@ -26,6 +25,7 @@ use self::connection::{Connection, Connections, Fault, Lost, ServerConnector, Sh
 
 mod batch;
 mod connection;
+mod hash;
 // Real `redis-server` processes, shared with the integration tests.
 #[cfg(all(test, feature = "redis-cluster"))]
 #[path = "../../tests/redis_support/mod.rs"]
@@ -1197,15 +1197,13 @@ fn as_millis(d: Duration) -> i64 {
 }
 
 /// A deadline offset in `[0, spread]` drawn from the key, so every instance
-/// picks the same one.
+/// picks the same one, whatever its build (see the hash module).
 fn jitter(key: &PeriodKey, spread: Duration) -> i64 {
     let spread = as_millis(spread);
     if spread == 0 {
         return 0;
     }
-    let mut hasher = DefaultHasher::new();
-    key.as_str().hash(&mut hasher);
-    (hasher.finish() % (spread as u64 + 1)) as i64
+    (hash::fnv1a_64(key.as_str().as_bytes()) % (spread as u64 + 1)) as i64
 }
 
 /// Counts travel as Redis integers.
@@ -1505,6 +1503,19 @@ mod tests {
             jitter(&PeriodKey::from_string("k".into()), Duration::ZERO),
             0
         );
+    }
+
+    /// Every instance, of any build, draws the same jitter for a key: the
+    /// values are pinned.
+    #[test]
+    fn jitter_is_the_same_in_every_build() {
+        let key = PeriodKey::from_string("quota:{account:acme}:read:2026-12-02".into());
+        let draws = [1, 1_000, 60_000].map(|ms| jitter(&key, Duration::from_millis(ms)));
+        assert_eq!(
+            hash::fnv1a_64(key.as_str().as_bytes()),
+            0x34b2_ed80_6a2c_668b
+        );
+        assert_eq!(draws, [1, 944, 38_223]);
     }
 
     #[test]
