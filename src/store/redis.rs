@@ -1150,6 +1150,8 @@ async fn refresh_offset(store: RedisStore, offset: Weak<AtomicI64>, every: Durat
     }
 }
 
+/// Logs a counter found without a deadline; by its key without the
+/// subject's id (see the hash module).
 fn log_heal(key: &PeriodKey, heal: i64, charging: bool) {
     let what = match heal {
         1 => "dated to its first call plus one period",
@@ -1160,9 +1162,15 @@ fn log_heal(key: &PeriodKey, heal: i64, charging: bool) {
     };
     if charging {
         crate::metrics::healed();
-        tracing::warn!(key = %key, "quota counter had no deadline; {what}");
+        tracing::warn!(
+            key = hash::logged(key),
+            "quota counter had no deadline; {what}"
+        );
     } else {
-        tracing::warn!(key = %key, "quota counter has no deadline; the next admitted charge heals it");
+        tracing::warn!(
+            key = hash::logged(key),
+            "quota counter has no deadline; the next admitted charge heals it"
+        );
     }
 }
 
@@ -1391,10 +1399,13 @@ async fn refund_lines(
         first_miss.get_or_insert((key, why));
     }
     if let Some((key, why)) = first_miss {
+        // Redis's answer may name the key: the log names it without its
+        // subject's id.
+        let why = why.replace(key.as_str(), &hash::logged(&key));
         if let Some(suppressed) = LATE.admit() {
             tracing::warn!(
                 lines = missed,
-                key = %key,
+                key = hash::logged(&key),
                 error = why,
                 suppressed,
                 "could not give back a charge Redis applied after its caller stopped waiting"

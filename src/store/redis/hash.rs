@@ -1,4 +1,6 @@
-//! A hash every instance computes alike, in every build: FNV-1a, 64 bits.
+//! Hashes of the Redis store: one every instance computes alike, in every
+//! build (FNV-1a, 64 bits), and one no log reader can compute (for keys in
+//! logs).
 //!
 //! What decides where a counter lives or how long it does, on every
 //! instance that shares the store, must not depend on the process or on the
@@ -7,6 +9,12 @@
 //! is fixed by its specification (the offset basis and prime below, one
 //! `xor` then one multiplication per byte), and the tests pin its outputs,
 //! so a change is caught.
+
+use std::fmt::Write;
+use std::hash::BuildHasher;
+use std::sync::OnceLock;
+
+use crate::key::PeriodKey;
 
 /// FNV-1a's 64-bit offset basis.
 const OFFSET_BASIS: u64 = 0xcbf2_9ce4_8422_2325;
@@ -20,9 +28,67 @@ pub(super) fn fnv1a_64(bytes: &[u8]) -> u64 {
     })
 }
 
+/// `key` as logs show it: the subject's id (often an API key) is replaced
+/// by a short hash, keyed with a secret drawn when the process starts (as
+/// the layer's spans name subjects), so that a log tells one subject's
+/// counters apart from another's without revealing the id:
+/// `quota:{account:#1a2b3c4d}:read:2026-12-02`. A key without a `{subject}`
+/// part is a hash of its own, `#1a2b3c4d`.
+pub(super) fn logged(key: &PeriodKey) -> String {
+    static SECRET: OnceLock<foldhash::fast::RandomState> = OnceLock::new();
+    let text = key.as_str();
+    let tag = key.hash_tag();
+    let hash = SECRET.get_or_init(Default::default).hash_one(tag) >> 32;
+    if tag.len() == text.len() {
+        return format!("#{hash:08x}");
+    }
+    // The tag is a slice of the key, between its first `{` and `}`.
+    let start = tag.as_ptr() as usize - text.as_ptr() as usize;
+    let end = start + tag.len();
+    let kind = tag.split_once(':').map_or("", |(kind, _)| kind);
+    let mut out = String::with_capacity(text.len() - tag.len() + kind.len() + 10);
+    out.push_str(&text[..start]);
+    if !kind.is_empty() {
+        out.push_str(kind);
+        out.push(':');
+    }
+    write!(out, "#{hash:08x}").expect("writing to a String cannot fail");
+    out.push_str(&text[end..]);
+    out
+}
+
 #[cfg(test)]
 mod tests {
-    use super::fnv1a_64;
+    use super::{fnv1a_64, logged};
+    use crate::key::{Namespace, PeriodKey};
+    use crate::subject::Subject;
+
+    #[test]
+    fn logged_keys_name_no_subject() {
+        let key = |id: &str| Namespace::default().key(&Subject::account(id), "read", "2026-12-02");
+        let secret = logged(&key("sk_live_secret"));
+        assert!(!secret.contains("sk_live_secret"), "{secret}");
+        let (head, tail) = secret.split_once('#').unwrap();
+        assert_eq!(head, "quota:{account:");
+        assert_eq!(tail.len(), "1a2b3c4d}:read:2026-12-02".len(), "{secret}");
+        assert!(tail.ends_with("}:read:2026-12-02"), "{secret}");
+        // One subject, one name; two subjects, two.
+        assert_eq!(secret, logged(&key("sk_live_secret")));
+        assert_ne!(secret, logged(&key("sk_live_other")));
+        let other = Namespace::default().key(&Subject::account("sk_live_secret"), "write", "PT1H");
+        assert_eq!(
+            logged(&other)[..secret.find('}').unwrap() + 1],
+            secret[..secret.find('}').unwrap() + 1]
+        );
+        // Keys of another shape.
+        let bare = logged(&PeriodKey::from_string("sk_live_secret".into()));
+        assert!(bare.starts_with('#') && bare.len() == 9, "{bare}");
+        let untyped = logged(&PeriodKey::from_string("q:{sk_live_secret}:x".into()));
+        assert!(
+            untyped.starts_with("q:{#") && untyped.ends_with("}:x"),
+            "{untyped}"
+        );
+    }
 
     /// The specification's test vectors: a change to the hash, and so to
     /// every instance's jitter, fails here.
