@@ -1158,6 +1158,16 @@ pub async fn counts_never_pass_the_limit_nor_wrap<S: ConformanceHooks>(store: &S
     Verdict::Passed
 }
 
+/// Whether a Redis Cluster connection opened through `seed` reaches every
+/// master the cluster names, within `within`: what the Redis store requires
+/// of a connection that takes a failed one's place. For the crate's own
+/// tests of the Redis store on a cluster.
+#[doc(hidden)]
+#[cfg(feature = "redis-cluster")]
+pub async fn redis_cluster_is_complete(seed: String, within: Duration) -> bool {
+    crate::store::redis::cluster_is_complete(seed, within).await
+}
+
 /// The suite's view of time: its own clock for stores whose deadlines follow
 /// the calls, the system clock and real sleeps for the others.
 struct Timeline {

@@ -26,11 +26,9 @@ use self::connection::{Connection, Connections, Fault, Lost, ServerConnector, Sh
 mod batch;
 mod connection;
 mod hash;
-// Real `redis-server` processes, shared with the integration tests.
-#[cfg(all(test, feature = "redis-cluster"))]
-#[path = "../../tests/redis_support/mod.rs"]
-#[allow(unreachable_pub)]
-mod redis_support;
+
+#[cfg(all(feature = "testing", feature = "redis-cluster"))]
+pub(crate) use self::connection::cluster_is_complete;
 
 /// The counters script: check-then-commit for charges, plus peek, refund,
 /// add and the server's time, so that one SHA serves every call.
