@@ -33,7 +33,7 @@ async fn memory_store_conforms_with_one_shard() {
             .iter()
             .filter(|(_, v)| *v == Verdict::Passed)
             .count(),
-        8
+        9
     );
 }
 
@@ -78,6 +78,7 @@ mod redis {
         an_abandoned_charge_spends_nothing,
         undated_counter_is_healed,
         calendar_counters_are_distinct_per_period_and_dated,
+        counts_never_pass_the_limit_nor_wrap,
     );
 }
 
@@ -106,6 +107,7 @@ mod broken {
         leaves_undated: bool,
         heals_when_refused: bool,
         keeps_abandoned: bool,
+        wraps: bool,
     }
 
     #[derive(Clone, Copy)]
@@ -166,8 +168,22 @@ mod broken {
 
         async fn charge_now(self, request: ChargeRequest) -> Result<ChargeOutcome, StoreError> {
             let now = request.now;
+            let wraps = self.bugs.wraps;
+            // A sum beyond u64 is beyond any limit; the bug saturates it,
+            // so that a count at the top passes a limit of u64::MAX.
+            let within = |used: u64, cost: u64, limit: u64| {
+                if wraps {
+                    used.saturating_add(cost) <= limit
+                } else {
+                    used.checked_add(cost).is_some_and(|sum| sum <= limit)
+                }
+            };
             let fits = |line: &tower_quota::store::ChargeLine| {
-                self.live(&line.key, now).map_or(0, |c| c.used) + line.cost <= line.limit
+                within(
+                    self.live(&line.key, now).map_or(0, |c| c.used),
+                    line.cost,
+                    line.limit,
+                )
             };
             // Decided on the counters as healing would leave them; healed
             // for real only when admitted.
@@ -180,7 +196,7 @@ mod broken {
                     .get(&line.key)
                     .filter(|c| c.deadline.is_none_or(|d| d > now))
                     .map_or(0, |c| c.used);
-                used + line.cost <= line.limit
+                within(used, line.cost, line.limit)
             });
             if self.bugs.checks_then_yields {
                 tokio::task::yield_now().await;
@@ -206,7 +222,7 @@ mod broken {
                 };
                 let counter = match live {
                     Some(mut c) => {
-                        c.used += line.cost;
+                        c.used = c.used.wrapping_add(line.cost);
                         if self.bugs.redates_on_hit {
                             c.deadline = deadline;
                         }
@@ -476,6 +492,16 @@ mod broken {
             ..Bugs::default()
         });
         testing::calendar_counters_are_distinct_per_period_and_dated(&store).await;
+    }
+
+    #[tokio::test]
+    #[should_panic(expected = "a charge past the limit must be refused")]
+    async fn a_count_that_wraps_is_caught() {
+        let store = Buggy::with(Bugs {
+            wraps: true,
+            ..Bugs::default()
+        });
+        testing::counts_never_pass_the_limit_nor_wrap(&store).await;
     }
 
     #[tokio::test]

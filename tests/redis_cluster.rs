@@ -247,6 +247,33 @@ async fn admitted_again(app: &Router, account: &str, within: Duration) {
     }
 }
 
+/// A cluster connection is complete (every master the cluster names answers
+/// on it, what a replacement must be) only while every master answers.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_cluster_connection_is_complete_only_while_every_master_answers() {
+    if !redis_available() {
+        return;
+    }
+    let cluster = RedisCluster::start();
+    let seed = cluster.nodes[1].url();
+    let within = Duration::from_secs(1);
+    assert!(
+        testing::redis_cluster_is_complete(seed.clone(), within).await,
+        "a healthy cluster"
+    );
+    // Learned from the seed, the stopped master is named but not reached.
+    let stopped = Stopped::new(&cluster.nodes[0]);
+    assert!(
+        !testing::redis_cluster_is_complete(seed.clone(), within).await,
+        "a master stopped"
+    );
+    drop(stopped);
+    assert!(
+        testing::redis_cluster_is_complete(seed, within).await,
+        "the master back"
+    );
+}
+
 /// A node that stops answering (`SIGSTOP`) fails the subjects it holds, and
 /// only them, under traffic and after lulls: the cluster's connection that
 /// waited on it goes on serving the other nodes, and no replacement takes

@@ -1,4 +1,3 @@
-use std::cell::Cell;
 use std::cmp::Reverse;
 use std::collections::{BinaryHeap, HashMap};
 
@@ -22,6 +21,10 @@ use crate::key::PeriodKey;
 /// pays for a whole period's worth of reclaiming.
 pub(super) const SWEEP_BUDGET: usize = 32;
 
+/// Deadlines one charge goes through, at most, to make room in a full store
+/// (beyond the sweeps every charge does).
+pub(super) const ROOM_BUDGET: usize = 256;
+
 /// Counters in this process's memory: the default store.
 ///
 /// - Exact: one shard lock is held from check to commit, so concurrent
@@ -32,7 +35,7 @@ pub(super) const SWEEP_BUDGET: usize = 32;
 /// - One hash lookup per quota and charge. Creating a counter also files its
 ///   deadline in the shard's deadline heap (logarithmic in the shard's size).
 /// - Bounded memory: every charge reclaims up to 32 expired counters of its
-///   own shard, and every eighth charge of a thread as many of another shard
+///   own shard, and every eighth charge of a shard as many of another shard
 ///   in turn (skipped when that shard is busy), so expired counters go away
 ///   without traffic to them as long as the store sees any traffic, and
 ///   memory follows the subjects active in the current periods.
@@ -42,10 +45,14 @@ pub(super) const SWEEP_BUDGET: usize = 32;
 ///   200 MB; [`MemoryStore::max_counters`] sets another): one client
 ///   inventing ids cannot grow the process without end, and concurrent
 ///   charges never take it past the bound. A charge that would create a
-///   counter beyond the bound first reclaims the expired counters of its
-///   shard, then of every other shard not busy at that moment (no more than
-///   once every 10 ms while such visits find nothing, so that a flood of
-///   new ids costs little each); if the store is still full, it fails with
+///   counter beyond the bound first reclaims expired counters of its own
+///   shard, then lets go of it and reclaims in the other shards not busy at
+///   that moment, in turn from where the last such charge stopped, then
+///   tries once more. It goes through 256 deadlines at most (and 64
+///   shards), so no charge pays for a whole store's worth of reclaiming;
+///   while such visits of every shard find nothing, the next ones wait
+///   10 ms, so that a flood of new ids costs little each. If the store is
+///   still full, the charge fails with
 ///   [`StoreErrorKind::Full`](super::StoreErrorKind::Full) and creates
 ///   nothing, so the layer's fail-open or fail-closed policy decides, while
 ///   subjects that have a counter keep being charged as before.
@@ -68,6 +75,8 @@ struct Inner {
     /// repeat it (on a machine with many cores, a visit of every shard per
     /// refused request would make a flood of new ids dear).
     fruitless: AtomicI64,
+    /// The shard where the next charge that makes room starts reclaiming.
+    room_cursor: AtomicUsize,
 }
 
 /// `Inner::fruitless` before any fruitless visit.
@@ -76,17 +85,18 @@ const NEVER: i64 = i64::MIN;
 /// How long after a fruitless visit of every shard the next one waits.
 const FRUITLESS_PAUSE: u64 = 10_000_000;
 
-thread_local! {
-    // Which shard this thread reclaims in next; per thread, so charges on
-    // different cores never contend on it.
-    static SWEEP_CURSOR: Cell<usize> = const { Cell::new(0) };
-}
+/// Shards one charge visits, at most, to make room in a full store.
+const ROOM_SHARDS: usize = 64;
 
 struct Shard {
     counters: HashMap<Arc<str>, Counter, RandomState>,
     deadlines: BinaryHeap<Reverse<(Nanos, Arc<str>)>>,
     /// The store's count of counters, kept as this shard adds and removes.
     held: Arc<AtomicUsize>,
+    /// Charges that locked this shard (first): every eighth reclaims in
+    /// another shard, in turn. Kept under the shard's lock, so charges on
+    /// different shards never contend on it.
+    turns: usize,
 }
 
 /// 32 bytes, so that more counters share the cache: with many subjects, a
@@ -151,6 +161,7 @@ impl MemoryStore {
                             counters: HashMap::default(),
                             deadlines: BinaryHeap::new(),
                             held: Arc::clone(&held),
+                            turns: 0,
                         })
                     })
                     .collect(),
@@ -158,6 +169,7 @@ impl MemoryStore {
                 held,
                 max: AtomicUsize::new(Self::DEFAULT_MAX_COUNTERS),
                 fruitless: AtomicI64::new(NEVER),
+                room_cursor: AtomicUsize::new(0),
             }),
         }
     }
@@ -180,48 +192,98 @@ impl MemoryStore {
 
     /// Makes room for `new` more counters in the store's count, to be
     /// created by the charge that holds `locked` (and nothing else between).
-    /// When they do not fit, reclaims the expired counters of the charge's
-    /// own shards first, then of every other shard that is free; fails with
-    /// `Full` if they still do not fit. The count never goes beyond the
-    /// bound, however many charges make room at once.
-    fn room_for(
+    /// When they do not fit, reclaims expired counters of the charge's own
+    /// shards, within what is left of its `budget` of deadlines; whether
+    /// they fit then. The count never goes beyond the bound, however many
+    /// charges make room at once.
+    fn room_in(
         &self,
         locked: &mut [&mut Shard],
         new: usize,
         now: Timestamp,
-    ) -> Result<(), StoreError> {
+        budget: &mut usize,
+    ) -> bool {
         if new == 0 || self.reserve(new) {
-            return Ok(());
+            return true;
         }
         for shard in locked.iter_mut() {
-            shard.sweep(now, usize::MAX);
+            if *budget == 0 {
+                break;
+            }
+            *budget -= shard.sweep(now, *budget).0;
             if self.reserve(new) {
-                return Ok(());
+                return true;
             }
         }
-        // Shards this charge holds are busy to `try_lock`, and were swept.
-        // Not again within a pause (either way: concurrent charges read
-        // the clock in any order) after a visit that found nothing.
+        false
+    }
+
+    /// Reclaims expired counters in the shards, for a charge that found no
+    /// room for `new` counters and holds no shard's lock: shards busy at
+    /// the moment are skipped, and the visit goes through what is left of
+    /// the charge's `budget` of deadlines and [`ROOM_SHARDS`] shards at most,
+    /// starting where the last one stopped. Whether they fit now (the
+    /// charge then tries again).
+    ///
+    /// Not again within a pause (either way: concurrent charges read the
+    /// clock in any order) after a visit of every shard that found nothing.
+    fn make_room(&self, new: usize, now: Timestamp, budget: &mut usize) -> bool {
         let at = Nanos::of(now).0;
         let last = self.inner.fruitless.load(Ordering::Relaxed);
-        if last == NEVER || at.abs_diff(last) >= FRUITLESS_PAUSE {
-            for shard in self.inner.shards.iter() {
-                if let Ok(mut shard) = shard.try_lock() {
-                    shard.sweep(now, usize::MAX);
-                    if self.reserve(new) {
-                        return Ok(());
-                    }
-                }
+        if last != NEVER && at.abs_diff(last) < FRUITLESS_PAUSE {
+            return false;
+        }
+        let shards = &self.inner.shards;
+        let visits = shards.len().min(ROOM_SHARDS);
+        let start = self.inner.room_cursor.load(Ordering::Relaxed);
+        let mut reclaimed = 0;
+        let mut visited: usize = 0;
+        let mut stopped = false;
+        for i in 0..visits {
+            if *budget == 0 || self.fits(new) {
+                stopped = true;
+                break;
             }
+            visited += 1;
+            if let Ok(mut shard) = shards[start.wrapping_add(i) % shards.len()].try_lock() {
+                let (gone_through, removed) = shard.sweep(now, *budget);
+                *budget -= gone_through;
+                reclaimed += removed;
+            }
+        }
+        // The next visit starts at the last shard of this one if this one
+        // stopped short (it may hold more), else after it.
+        let advance = if stopped {
+            visited.saturating_sub(1)
+        } else {
+            visited
+        };
+        self.inner.room_cursor.fetch_add(advance, Ordering::Relaxed);
+        if reclaimed == 0 && visited == shards.len() && *budget > 0 {
             self.inner.fruitless.store(at, Ordering::Relaxed);
         }
-        Err(StoreError::new(
+        self.fits(new)
+    }
+
+    /// Whether `new` more counters fit within the bound now.
+    fn fits(&self, new: usize) -> bool {
+        let max = self.inner.max.load(Ordering::Relaxed);
+        self.inner
+            .held
+            .load(Ordering::Relaxed)
+            .checked_add(new)
+            .is_some_and(|total| total <= max)
+    }
+
+    /// The error of a charge that found no room.
+    fn full(&self) -> StoreError {
+        StoreError::new(
             StoreErrorKind::Full,
             format!(
                 "the memory store holds its maximum of {} counters",
                 self.inner.max.load(Ordering::Relaxed)
             ),
-        ))
+        )
     }
 
     /// Brings the store's count to what the shards hold after a charge that
@@ -306,9 +368,11 @@ impl MemoryStore {
         f: impl FnOnce(&mut Locked<'_, '_>) -> R,
     ) -> R {
         let first = lines.first().map_or(0, |l| self.shard_of(&l.key));
+        let mut another = None;
         let result = if lines.iter().skip(1).all(|l| self.shard_of(&l.key) == first) {
             let mut guard = lock(&self.inner.shards[first]);
             guard.sweep(now, SWEEP_BUDGET);
+            another = self.turn(&mut guard, first);
             f(&mut Locked::One(&mut guard))
         } else {
             let line_shards: Vec<usize> = lines.iter().map(|l| self.shard_of(&l.key)).collect();
@@ -322,62 +386,91 @@ impl MemoryStore {
             for (_, guard) in &mut guards {
                 guard.sweep(now, SWEEP_BUDGET);
             }
+            if let Some((index, guard)) = guards.first_mut() {
+                another = self.turn(guard, *index);
+            }
             f(&mut Locked::Many {
                 guards: &mut guards,
                 line_shards: &line_shards,
             })
         };
-        self.sweep_another(now);
+        self.sweep_another(another, now);
         result
     }
 
-    /// Reclaims a few expired counters of the next shard in turn, if it is
-    /// free: this is what bounds memory when a shard's subjects stop calling.
-    fn sweep_another(&self, now: Timestamp) {
-        let shards = &self.inner.shards;
-        let turn = SWEEP_CURSOR.with(|cursor| {
-            let next = cursor.get().wrapping_add(1);
-            cursor.set(next);
-            next
-        });
-        // Every eighth charge of a thread is plenty to keep up: each visit
+    /// Counts a charge that locked shard `index`, `shard`: every eighth, the
+    /// shard whose expired counters it reclaims once it let go of its own
+    /// (the other shards in turn). This is what bounds memory when a
+    /// shard's subjects stop calling.
+    fn turn(&self, shard: &mut Shard, index: usize) -> Option<usize> {
+        let others = self.inner.shards.len() - 1;
+        shard.turns = shard.turns.wrapping_add(1);
+        // Every eighth charge of a shard is plenty to keep up: each visit
         // reclaims up to SWEEP_BUDGET counters.
-        if !turn.is_multiple_of(8) {
-            return;
+        if others == 0 || !shard.turns.is_multiple_of(8) {
+            return None;
         }
-        let i = (turn / 8) % shards.len();
-        if let Ok(mut shard) = shards[i].try_lock() {
+        Some((index + 1 + (shard.turns / 8) % others) % self.inner.shards.len())
+    }
+
+    /// Reclaims a few expired counters of shard `another`, if it is free.
+    /// Called with no shard locked.
+    fn sweep_another(&self, another: Option<usize>, now: Timestamp) {
+        if let Some(Ok(mut shard)) = another.map(|i| self.inner.shards[i].try_lock()) {
             shard.sweep(now, SWEEP_BUDGET);
         }
     }
 
     /// One quota, the common case: a single lookup that checks and commits.
     fn charge_one(&self, line: &ChargeLine, now: Timestamp) -> Result<ChargeOutcome, StoreError> {
-        let mut shard = lock(&self.inner.shards[self.shard_of(&line.key)]);
-        shard.sweep(now, SWEEP_BUDGET);
-        let (admitted, counter) = match shard.counters.get_mut(line.key.as_str()) {
-            Some(counter) if counter.deadline > Nanos::of(now) => {
-                if counter.used.saturating_add(line.cost) <= line.limit {
-                    counter.used += line.cost;
-                    (true, Some(*counter))
-                } else {
-                    (false, Some(*counter))
-                }
+        let index = self.shard_of(&line.key);
+        let mut budget = ROOM_BUDGET;
+        let mut another = None;
+        let mut tried = false;
+        let outcome = loop {
+            let mut shard = lock(&self.inner.shards[index]);
+            shard.sweep(now, SWEEP_BUDGET);
+            if !tried {
+                another = self.turn(&mut shard, index);
             }
-            _ if line.cost > line.limit => (false, None),
-            _ if line.cost == 0 => (true, None),
-            existing => {
-                // An expired counter is replaced where it is; a new key grows
-                // the store.
-                let new = usize::from(existing.is_none());
-                self.room_for(&mut [&mut shard], new, now)?;
-                let (counter, grown) = shard.spend(line, now);
-                self.settle(new, usize::from(grown));
-                (true, Some(counter))
+            let outcome = match shard.counters.get_mut(line.key.as_str()) {
+                Some(counter) if counter.deadline > Nanos::of(now) => {
+                    // A sum beyond `u64` is beyond any limit: refused, never
+                    // wrapped.
+                    let after = counter.used.checked_add(line.cost);
+                    if let Some(used) = after.filter(|&used| used <= line.limit) {
+                        counter.used = used;
+                        Some((true, Some(*counter)))
+                    } else {
+                        Some((false, Some(*counter)))
+                    }
+                }
+                _ if line.cost > line.limit => Some((false, None)),
+                _ if line.cost == 0 => Some((true, None)),
+                existing => {
+                    // An expired counter is replaced where it is; a new key
+                    // grows the store.
+                    let new = usize::from(existing.is_none());
+                    if self.room_in(&mut [&mut shard], new, now, &mut budget) {
+                        let (counter, grown) = shard.spend(line, now);
+                        self.settle(new, usize::from(grown));
+                        Some((true, Some(counter)))
+                    } else {
+                        None
+                    }
+                }
+            };
+            drop(shard);
+            match outcome {
+                Some(outcome) => break Ok(outcome),
+                // Room made in the other shards, without holding this one:
+                // one more try.
+                None if !tried && self.make_room(1, now, &mut budget) => tried = true,
+                None => break Err(self.full()),
             }
         };
-        drop(shard);
-        self.sweep_another(now);
+        self.sweep_another(another, now);
+        let (admitted, counter) = outcome?;
         Ok(ChargeOutcome {
             admitted,
             usage: vec![usage_of(line, counter)],
@@ -390,57 +483,83 @@ impl MemoryStore {
         if let [line] = lines.as_slice() {
             return self.charge_one(line, now);
         }
-        self.locked(lines, now, |locked| {
-            let mut admitted = true;
-            for (i, line) in lines.iter().enumerate() {
-                let used = locked.live(i, &line.key, now).map_or(0, |c| c.used);
-                // A key listed twice is charged twice.
-                let earlier: u64 = lines[..i]
-                    .iter()
-                    .filter(|l| l.key == line.key)
-                    .map(|l| l.cost)
-                    .sum();
-                if used.saturating_add(earlier).saturating_add(line.cost) > line.limit {
-                    admitted = false;
-                }
+        let mut budget = ROOM_BUDGET;
+        let mut tried = false;
+        loop {
+            // `Err(n)`: no room for the `n` counters the charge would create.
+            let charged = self.locked(lines, now, |locked| {
+                self.charge_locked(locked, lines, now, &mut budget)
+            });
+            match charged {
+                Ok(outcome) => return Ok(outcome),
+                // Room made in the other shards, without holding this
+                // charge's: one more try.
+                Err(new) if !tried && self.make_room(new, now, &mut budget) => tried = true,
+                Err(_) => return Err(self.full()),
             }
-            // Counters this charge may add, each key once: those with no
-            // live counter. (An expired one would be replaced where it is,
-            // but making room may reclaim it first.)
-            let mut reserved = 0;
-            if admitted {
-                reserved = lines
-                    .iter()
-                    .enumerate()
-                    .filter(|(i, line)| {
-                        line.cost > 0
-                            && !lines[..*i].iter().any(|l| l.key == line.key && l.cost > 0)
-                            && locked.live(*i, &line.key, now).is_none()
-                    })
-                    .count();
-                // The list of shards is built only when the charge adds a
-                // counter, not for every charge of counters that exist.
-                if reserved > 0 {
-                    self.room_for(&mut locked.shards(), reserved, now)?;
-                }
+        }
+    }
+
+    /// Checks and commits the lines of a charge on their locked shards; no
+    /// room for the `n` counters it would create is `Err(n)`, and nothing is
+    /// charged then.
+    fn charge_locked(
+        &self,
+        locked: &mut Locked<'_, '_>,
+        lines: &[ChargeLine],
+        now: Timestamp,
+        budget: &mut usize,
+    ) -> Result<ChargeOutcome, usize> {
+        let mut admitted = true;
+        for (i, line) in lines.iter().enumerate() {
+            let used = locked.live(i, &line.key, now).map_or(0, |c| c.used);
+            // A key listed twice is charged twice. A sum beyond `u64`
+            // is beyond any limit: refused, never wrapped.
+            let after = lines[..i]
+                .iter()
+                .filter(|l| l.key == line.key)
+                .try_fold(used, |sum, l| sum.checked_add(l.cost))
+                .and_then(|earlier| earlier.checked_add(line.cost));
+            if after.is_none_or(|after| after > line.limit) {
+                admitted = false;
             }
-            let mut grown = 0;
-            let usage = lines
+        }
+        // Counters this charge may add, each key once: those with no
+        // live counter. (An expired one would be replaced where it is,
+        // but making room may reclaim it first.)
+        let mut reserved = 0;
+        if admitted {
+            reserved = lines
                 .iter()
                 .enumerate()
-                .map(|(i, line)| {
-                    if admitted && line.cost > 0 {
-                        let (counter, grew) = locked.spend(i, line, now);
-                        grown += usize::from(grew);
-                        usage_of(line, Some(counter))
-                    } else {
-                        usage_of(line, locked.live(i, &line.key, now))
-                    }
+                .filter(|(i, line)| {
+                    line.cost > 0
+                        && !lines[..*i].iter().any(|l| l.key == line.key && l.cost > 0)
+                        && locked.live(*i, &line.key, now).is_none()
                 })
-                .collect();
-            self.settle(reserved, grown);
-            Ok(ChargeOutcome { admitted, usage })
-        })
+                .count();
+            // The list of shards is built only when the charge adds a
+            // counter, not for every charge of counters that exist.
+            if reserved > 0 && !self.room_in(&mut locked.shards(), reserved, now, budget) {
+                return Err(reserved);
+            }
+        }
+        let mut grown = 0;
+        let usage = lines
+            .iter()
+            .enumerate()
+            .map(|(i, line)| {
+                if admitted && line.cost > 0 {
+                    let (counter, grew) = locked.spend(i, line, now);
+                    grown += usize::from(grew);
+                    usage_of(line, Some(counter))
+                } else {
+                    usage_of(line, locked.live(i, &line.key, now))
+                }
+            })
+            .collect();
+        self.settle(reserved, grown);
+        Ok(ChargeOutcome { admitted, usage })
     }
 }
 
@@ -530,16 +649,21 @@ impl Shard {
         removed
     }
 
-    fn sweep(&mut self, now: Timestamp, budget: usize) {
+    /// Reclaims the counters whose deadline is at or before `now`, going
+    /// through `budget` deadlines at most: how many it went through, and
+    /// how many counters it removed.
+    fn sweep(&mut self, now: Timestamp, budget: usize) -> (usize, usize) {
         let now = Nanos::of(now);
-        for _ in 0..budget {
+        let (mut gone_through, mut removed) = (0, 0);
+        while gone_through < budget {
             match self.deadlines.peek() {
                 Some(Reverse((deadline, _))) if *deadline <= now => {}
-                _ => return,
+                _ => break,
             }
             let Some(Reverse((deadline, key))) = self.deadlines.pop() else {
-                return;
+                break;
             };
+            gone_through += 1;
             // The counter may have been reset and created again since this
             // deadline was filed; only the counter it belongs to goes.
             if self
@@ -548,8 +672,10 @@ impl Shard {
                 .is_some_and(|c| c.deadline == deadline)
             {
                 self.remove(&key);
+                removed += 1;
             }
         }
+        (gone_through, removed)
     }
 }
 

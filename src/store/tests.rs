@@ -192,6 +192,52 @@ fn adds_never_create_or_resurrect_and_keep_the_deadline() {
     );
 }
 
+/// A count at the top of `u64` never wraps: a charge that would take it past
+/// its limit is refused, on the short path of one line and on the path of
+/// several, and an add saturates.
+#[test]
+fn counts_near_u64_max_never_wrap() {
+    let store = MemoryStore::new();
+    let t0 = at("2026-12-02T10:00:00Z");
+    let end = at("2026-12-03T00:00:00Z");
+    let k = key("acme", "read", "PT24H");
+    let line = |cost| first_use(k.clone(), u64::MAX, cost, end);
+    assert!(charge(&store, t0, vec![line(u64::MAX - 1)]).admitted);
+    let over = charge(&store, t0, vec![line(5)]);
+    assert!(!over.admitted, "a charge past the limit was admitted");
+    assert_eq!(over.usage[0].used, u64::MAX - 1);
+
+    // The same over two lines: the sum passes the limit on the first.
+    let other = key("acme", "write", "PT24H");
+    let two = |cost| vec![line(cost), first_use(other.clone(), 10, 1, end)];
+    let over = charge(&store, t0, two(5));
+    assert!(
+        !over.admitted,
+        "a charge of two lines past the limit was admitted"
+    );
+    assert_eq!(over.usage[0].used, u64::MAX - 1);
+    assert_eq!(over.usage[1].used, 0);
+    // A key listed twice, whose costs together pass the limit.
+    let twice = vec![line(1), line(u64::MAX)];
+    let over = charge(&store, t0, twice);
+    assert!(!over.admitted);
+    assert_eq!(over.usage[0].used, u64::MAX - 1);
+    // Exactly the limit still fits.
+    let full = charge(&store, t0, two(1));
+    assert!(full.admitted);
+    assert_eq!(full.usage[0].used, u64::MAX);
+    assert!(!charge(&store, t0, vec![line(1)]).admitted);
+
+    // An add saturates.
+    let k2 = key("acme", "late", "PT24H");
+    charge(&store, t0, vec![first_use(k2.clone(), 10, 1, end)]);
+    assert_eq!(
+        now_of(store.add(t0, k2.clone(), u64::MAX - 1)).unwrap(),
+        Some(u64::MAX)
+    );
+    assert_eq!(now_of(store.add(t0, k2, 5)).unwrap(), Some(u64::MAX));
+}
+
 #[test]
 fn a_refused_charge_spends_nothing_on_any_line() {
     let store = MemoryStore::new();
@@ -849,6 +895,73 @@ fn a_full_store_counts_a_counter_it_reclaimed_and_created_again() {
         .count();
     assert_eq!(fitted, 2);
     assert_eq!(store.len(), 2);
+}
+
+/// A full store whose expired counters lie behind many stale deadlines (of
+/// counters reset since): one charge of a new subject reclaims no more than
+/// its budget, however many counters have expired, and still finds room.
+#[test]
+fn a_full_store_reclaims_at_most_a_budget_per_charge() {
+    use super::memory::{ROOM_BUDGET, SWEEP_BUDGET};
+    const MAX: usize = 2_000;
+    let store = MemoryStore::with_shards(1).max_counters(MAX);
+    let t0 = at("2026-12-02T10:00:00Z");
+    for i in 0..2 * SWEEP_BUDGET {
+        let stale = key(&format!("stale-{i}"), "read", "PT1S");
+        charge(
+            &store,
+            t0,
+            vec![first_use(stale.clone(), 10, 1, at("2026-12-02T10:00:01Z"))],
+        );
+        assert!(now_of(store.reset(stale)).unwrap());
+    }
+    for i in 0..MAX {
+        let line = first_use(
+            key(&format!("s{i}"), "read", "PT2S"),
+            10,
+            1,
+            at("2026-12-02T10:00:02Z"),
+        );
+        assert!(charge(&store, t0, vec![line]).admitted);
+    }
+    assert_eq!(store.len(), MAX);
+
+    // Every counter has expired: the first new subject reclaims a budget's
+    // worth (with the sweep that opens each try), not the whole store.
+    let later = at("2026-12-02T10:00:10Z");
+    let new = |id: &str| first_use(key(id, "read", "PT1H"), 10, 1, at("2026-12-02T11:00:00Z"));
+    assert!(try_charge(&store, later, vec![new("n0")]).unwrap().admitted);
+    let reclaimed = MAX + 1 - store.len();
+    assert!(
+        (1..=ROOM_BUDGET + 2 * SWEEP_BUDGET).contains(&reclaimed),
+        "one charge reclaimed {reclaimed} counters"
+    );
+    // So does a charge of several lines, and the next subjects find room.
+    let before = store.len();
+    let lines = vec![
+        new("n1"),
+        calendar(
+            key("n1", "write", "2026-12-02"),
+            10,
+            1,
+            "2026-12-02T00:00:00Z",
+            "2026-12-03T00:00:00Z",
+        ),
+    ];
+    assert!(try_charge(&store, later, lines).unwrap().admitted);
+    let reclaimed = before + 2 - store.len();
+    assert!(
+        reclaimed <= ROOM_BUDGET + 2 * SWEEP_BUDGET,
+        "one charge of two lines reclaimed {reclaimed} counters"
+    );
+    for i in 2..50 {
+        assert!(
+            try_charge(&store, later, vec![new(&format!("n{i}"))])
+                .unwrap()
+                .admitted
+        );
+    }
+    assert!(store.len() <= MAX);
 }
 
 #[test]

@@ -453,7 +453,7 @@ fn answer(
 /// still given back. A reply cut short comes out short, and [`outcome`]
 /// refuses it.
 ///
-/// [`outcome`]: super::outcome
+/// [`outcome`]: super::script::outcome
 fn split(
     values: &mut std::vec::IntoIter<Value>,
     lines: &[LineArgs],

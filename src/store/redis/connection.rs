@@ -756,46 +756,28 @@ impl ConnectionLike for Connection {
     }
 }
 
+/// Whether a cluster connection opened through `seed` is [complete](Connect::complete)
+/// within `within`: what a replacement must be to take a failed one's place.
+#[cfg(all(feature = "testing", feature = "redis-cluster"))]
+pub(crate) async fn cluster_is_complete(seed: String, within: Duration) -> bool {
+    let Ok(client) = redis::cluster::ClusterClientBuilder::new(vec![seed])
+        .retries(0)
+        .connection_timeout(within)
+        .build()
+    else {
+        return false;
+    };
+    let connector = ClusterConnector { client };
+    let checked = async {
+        let mut conn = connector.connect().await.ok()?;
+        Some(ClusterConnector::complete(&mut conn).await)
+    };
+    matches!(tokio::time::timeout(within, checked).await, Ok(Some(true)))
+}
+
 #[cfg(all(test, feature = "redis-cluster"))]
 mod tests {
     use super::*;
-
-    use super::super::redis_support::{redis_available, RedisCluster, Stopped};
-
-    /// A connection to `seed`'s cluster, and whether it is complete, within
-    /// a second.
-    async fn complete_through(seed: String) -> bool {
-        let client = redis::cluster::ClusterClientBuilder::new(vec![seed])
-            .retries(0)
-            .connection_timeout(Duration::from_millis(300))
-            .build()
-            .unwrap();
-        let connector = ClusterConnector { client };
-        let checked = async {
-            let mut conn = connector.connect().await.ok()?;
-            Some(ClusterConnector::complete(&mut conn).await)
-        };
-        matches!(
-            tokio::time::timeout(Duration::from_secs(1), checked).await,
-            Ok(Some(true))
-        )
-    }
-
-    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-    async fn a_cluster_connection_is_complete_only_while_every_master_answers() {
-        if !redis_available() {
-            return;
-        }
-        let cluster = RedisCluster::start();
-        let seed = cluster.nodes[1].url();
-        assert!(complete_through(seed.clone()).await, "a healthy cluster");
-        // Learned from the seed, the stopped master is named but not
-        // reached.
-        let stopped = Stopped::new(&cluster.nodes[0]);
-        assert!(!complete_through(seed.clone()).await, "a master stopped");
-        drop(stopped);
-        assert!(complete_through(seed).await, "the master back");
-    }
 
     #[test]
     fn the_masters_are_read_from_cluster_slots() {

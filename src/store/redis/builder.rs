@@ -1,0 +1,255 @@
+//! The settings of a store, and the store they build.
+
+use std::fmt;
+use std::sync::atomic::AtomicU64;
+use std::sync::Arc;
+use std::time::Duration;
+
+use deadpool_redis::redis::{self, RedisError};
+use deadpool_redis::Pool;
+use tokio::sync::Semaphore;
+
+use super::batch::Batches;
+use super::connection::{Connections, ServerConnector, Shared};
+use super::script::SCRIPT;
+use super::store::{Inner, RedisStore};
+use super::{
+    DEFAULT_CALENDAR_GRACE, DEFAULT_CALENDAR_JITTER, DEFAULT_CONNECT_TIMEOUT,
+    DEFAULT_MAX_IN_FLIGHT, DEFAULT_POOL_SIZE, DEFAULT_TIMEOUT,
+};
+use crate::store::{StoreError, StoreErrorKind};
+
+pub(super) enum Source {
+    Url(String),
+    Pool(Pool),
+    #[cfg(feature = "redis-cluster")]
+    ClusterUrls(Vec<String>),
+    #[cfg(feature = "redis-cluster")]
+    ClusterPool(deadpool_redis::cluster::Pool),
+}
+
+/// Settings of a [`RedisStore`]; from [`RedisStore::builder`] and friends.
+///
+/// | setting | default |
+/// |---|---|
+/// | [`timeout`](Self::timeout) (also [`response_timeout`](Self::response_timeout)) | 80 ms |
+/// | [`max_in_flight`](Self::max_in_flight) | 4096 |
+/// | [`pool_size`](Self::pool_size) | 2 multiplexed connections |
+/// | [`wait_timeout`](Self::wait_timeout) | the whole timeout |
+/// | [`connect_timeout`](Self::connect_timeout) | 1 s |
+/// | [`calendar_grace`](Self::calendar_grace) | 60 s |
+/// | [`calendar_jitter`](Self::calendar_jitter) | 60 s |
+#[must_use]
+pub struct RedisStoreBuilder {
+    source: Source,
+    pool_size: Option<usize>,
+    timeout: Duration,
+    wait_timeout: Option<Duration>,
+    connect_timeout: Duration,
+    max_in_flight: usize,
+    calendar_grace: Duration,
+    calendar_jitter: Duration,
+    batch_charges: bool,
+}
+
+impl RedisStoreBuilder {
+    pub(super) fn new(source: Source) -> Self {
+        Self {
+            source,
+            pool_size: None,
+            timeout: DEFAULT_TIMEOUT,
+            wait_timeout: None,
+            connect_timeout: DEFAULT_CONNECT_TIMEOUT,
+            max_in_flight: DEFAULT_MAX_IN_FLIGHT,
+            calendar_grace: DEFAULT_CALENDAR_GRACE,
+            calendar_jitter: DEFAULT_CALENDAR_JITTER,
+            batch_charges: true,
+        }
+    }
+
+    /// The store's budget: the time within which every call is answered, all
+    /// included (room among the calls in flight, a connection, the round
+    /// trip). Default 80 ms. A call not answered in time fails with
+    /// [`StoreErrorKind::Timeout`]; a charge that did is given back if Redis
+    /// applies it later, so it charges nothing.
+    ///
+    /// Keep it below the layer's [store
+    /// timeout](crate::QuotaPolicyBuilder::store_timeout) (100 ms by
+    /// default), which stays an outer bound: past it the layer answers
+    /// without the store's own error.
+    pub fn timeout(mut self, timeout: Duration) -> Self {
+        self.timeout = timeout;
+        self
+    }
+
+    /// The same budget as [`timeout`](Self::timeout), under its former name:
+    /// how long Redis may take to answer, now all of a call.
+    pub fn response_timeout(self, timeout: Duration) -> Self {
+        self.timeout(timeout)
+    }
+
+    /// The most calls the store has in flight at once (default 4096): sent
+    /// to Redis or about to be, and not yet answered, including charges
+    /// followed after their callers stopped waiting. A call that finds no
+    /// room within its [wait](Self::wait_timeout) fails with
+    /// [`StoreErrorKind::Timeout`] and sends nothing: this sheds only load
+    /// that Redis does not answer, such as during a stall.
+    ///
+    /// # Panics
+    ///
+    /// When `max` is zero.
+    pub fn max_in_flight(mut self, max: usize) -> Self {
+        assert!(max > 0, "a Redis store needs room for one call");
+        self.max_in_flight = max.min(Semaphore::MAX_PERMITS);
+        self
+    }
+
+    /// How many multiplexed connections the store keeps (default 2; for a
+    /// cluster, cluster connections, each multiplexing per node; ignored for
+    /// an existing pool). Every call uses one of them, round robin, at the
+    /// same time as any others: this is not a bound on concurrent calls
+    /// ([`max_in_flight`](Self::max_in_flight) is). More than a few rarely
+    /// helps.
+    ///
+    /// # Panics
+    ///
+    /// When `size` is zero.
+    pub fn pool_size(mut self, size: usize) -> Self {
+        assert!(size > 0, "a Redis store needs at least one connection");
+        self.pool_size = Some(size);
+        self
+    }
+
+    /// Part of the [budget](Self::timeout): the longest a call waits for
+    /// room among the calls in flight, or, on an existing pool, for a pooled
+    /// connection (default: the whole budget).
+    pub fn wait_timeout(mut self, timeout: Duration) -> Self {
+        self.wait_timeout = Some(timeout);
+        self
+    }
+
+    /// How long opening a connection may take (default 1 s). A caller waits
+    /// for a connection within its [budget](Self::timeout) only; one still
+    /// opening when the budget runs out is opened for the next calls.
+    pub fn connect_timeout(mut self, timeout: Duration) -> Self {
+        self.connect_timeout = timeout;
+        self
+    }
+
+    /// How long a calendar counter outlives its window (default 60 s), so an
+    /// instance whose clock lags a little still finds the window's real
+    /// count instead of a fresh counter.
+    pub fn calendar_grace(mut self, grace: Duration) -> Self {
+        self.calendar_grace = grace;
+        self
+    }
+
+    /// The most a calendar counter's deadline is pushed past the grace
+    /// (default 60 s), drawn per key so that the counters of all subjects are
+    /// not reclaimed in the same instant. Zero disables it.
+    pub fn calendar_jitter(mut self, jitter: Duration) -> Self {
+        self.calendar_jitter = jitter;
+        self
+    }
+
+    /// Whether concurrent charges on a single server leave in batches (the
+    /// default), one `EVALSHA` for many subjects' charges. Turn it off when
+    /// the URL is not one Redis server but a proxy or a sharded endpoint
+    /// that routes each command by its first key (twemproxy, Envoy, a
+    /// sharded managed database): each charge then goes on its own, as on a
+    /// cluster, where batches are never used.
+    pub fn batch_charges(mut self, batch: bool) -> Self {
+        self.batch_charges = batch;
+        self
+    }
+
+    /// The store.
+    ///
+    /// # Errors
+    ///
+    /// When the URL is not a Redis URL.
+    pub fn build(self) -> Result<RedisStore, StoreError> {
+        let invalid = |what: &str, e: RedisError| {
+            StoreError::new(StoreErrorKind::Other, format!("invalid Redis {what}")).with_source(e)
+        };
+        let size = self.pool_size.unwrap_or(DEFAULT_POOL_SIZE);
+        let connections = match self.source {
+            Source::Url(url) => {
+                let connector = ServerConnector {
+                    client: redis::Client::open(url.as_str()).map_err(|e| invalid("URL", e))?,
+                    // No response timeout: each call is followed to its
+                    // answer (see `follow_through`).
+                    config: redis::AsyncConnectionConfig::new()
+                        .set_connection_timeout(Some(self.connect_timeout))
+                        .set_response_timeout(None),
+                };
+                Connections::Server(Arc::new(Shared::new(connector, size, self.connect_timeout)))
+            }
+            Source::Pool(pool) => Connections::Pool(pool),
+            #[cfg(feature = "redis-cluster")]
+            Source::ClusterUrls(urls) => {
+                let client = redis::cluster::ClusterClientBuilder::new(urls)
+                    // A charge is never sent twice; see the connection module.
+                    .retries(0)
+                    .connection_timeout(self.connect_timeout)
+                    .response_timeout(super::FOLLOW_THROUGH)
+                    .build()
+                    .map_err(|e| invalid("cluster URLs", e))?;
+                Connections::Cluster(Arc::new(Shared::new(
+                    super::connection::ClusterConnector { client },
+                    size,
+                    self.connect_timeout,
+                )))
+            }
+            #[cfg(feature = "redis-cluster")]
+            Source::ClusterPool(pool) => Connections::ClusterPool(pool),
+        };
+        // A cluster keeps each charge on its own: the keys of one batch would
+        // live on many nodes.
+        let (cluster, size) = connections.status();
+        let batches = match &connections {
+            _ if cluster || !self.batch_charges => None,
+            // A pooled connection carries one batch at a time.
+            Connections::Pool(_) => Some(Batches::new(size.min(16))),
+            _ => Some(Batches::new((2 * size).min(16))),
+        };
+        Ok(RedisStore {
+            inner: Arc::new(Inner {
+                connections,
+                batches,
+                script: &SCRIPT,
+                timeout: self.timeout,
+                wait_timeout: self.wait_timeout.unwrap_or(self.timeout),
+                connect_timeout: self.connect_timeout,
+                max_in_flight: self.max_in_flight,
+                in_flight: Arc::new(Semaphore::new(self.max_in_flight)),
+                given_back: AtomicU64::new(0),
+                calendar_grace: self.calendar_grace,
+                calendar_jitter: self.calendar_jitter,
+            }),
+        })
+    }
+}
+
+impl fmt::Debug for RedisStoreBuilder {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        let source = match &self.source {
+            Source::Url(_) => "url",
+            Source::Pool(_) => "pool",
+            #[cfg(feature = "redis-cluster")]
+            Source::ClusterUrls(_) => "cluster urls",
+            #[cfg(feature = "redis-cluster")]
+            Source::ClusterPool(_) => "cluster pool",
+        };
+        f.debug_struct("RedisStoreBuilder")
+            .field("source", &source)
+            .field("pool_size", &self.pool_size)
+            .field("timeout", &self.timeout)
+            .field("wait_timeout", &self.wait_timeout)
+            .field("connect_timeout", &self.connect_timeout)
+            .field("max_in_flight", &self.max_in_flight)
+            .field("calendar_grace", &self.calendar_grace)
+            .field("calendar_jitter", &self.calendar_jitter)
+            .finish()
+    }
+}

@@ -1,0 +1,225 @@
+//! Calls followed after their callers stopped waiting: their answers
+//! awaited, and the charges Redis applied late given back.
+
+use std::future::Future;
+use std::pin::Pin;
+use std::sync::atomic::Ordering;
+use std::sync::Arc;
+
+use deadpool_redis::redis::RedisError;
+use jiff::Timestamp;
+use tokio::sync::OwnedSemaphorePermit;
+
+use super::connection::{Connection, Lost};
+use super::errors::broken;
+use super::hash;
+use super::script::clamp;
+use super::store::Inner;
+use super::{FOLLOW_THROUGH, SILENCE};
+use crate::key::PeriodKey;
+use crate::store::ChargeRequest;
+use crate::throttle::Throttle;
+
+/// What a call does to what Redis holds: what a caller that stopped waiting
+/// is told.
+#[derive(Clone, Copy)]
+pub(super) enum Sends {
+    Read,
+    /// A change that is not given back (a refund, an add, a reset).
+    Write,
+    /// A charge: given back if Redis applies it after all.
+    Charge,
+}
+
+/// What a charge gives back when Redis applied it after its caller stopped
+/// waiting: one refund per line, by the line's key and cost.
+pub(super) struct GiveBack<T> {
+    /// Whether the answer says the charge was applied.
+    pub(super) applied: fn(&T) -> bool,
+    pub(super) lines: Vec<(PeriodKey, u64)>,
+    /// The instant of the charge: the refund goes to the counters live then.
+    pub(super) now: Timestamp,
+}
+
+/// The give-back of a charge (`op` `c`); other calls have none.
+pub(super) fn give_back(op: &str, request: &ChargeRequest) -> Option<GiveBack<Vec<i64>>> {
+    (op == "c").then(|| GiveBack {
+        // The script's reply opens with 1 when every line was charged.
+        applied: |reply: &Vec<i64>| reply.first() == Some(&1),
+        lines: request
+            .lines
+            .iter()
+            .filter(|line| line.cost > 0)
+            .map(|line| (line.key.clone(), line.cost))
+            .collect(),
+        now: request.now,
+    })
+}
+
+pub(super) type RoundTrip<T> =
+    Pin<Box<dyn Future<Output = (Connection, Result<T, RedisError>)> + Send>>;
+
+/// A call on its way. Dropped before its answer came (its caller timed out
+/// or went away), it hands its round trip to a task that follows it to the
+/// end.
+pub(super) struct Call<T: Send + 'static> {
+    pub(super) inner: Arc<Inner>,
+    pub(super) trip: Option<RoundTrip<T>>,
+    /// What to close if the round trip never comes back.
+    pub(super) lost: Option<Lost>,
+    /// When it was sent.
+    pub(super) sent: tokio::time::Instant,
+    /// Keeps the call counted in flight until it is over.
+    pub(super) permit: Option<OwnedSemaphorePermit>,
+    pub(super) give_back: Option<GiveBack<T>>,
+}
+
+impl<T: Send + 'static> Drop for Call<T> {
+    fn drop(&mut self) {
+        let Some(trip) = self.trip.take() else {
+            return;
+        };
+        let follow = follow_through(
+            Arc::clone(&self.inner),
+            trip,
+            self.lost.take(),
+            self.sent,
+            self.permit.take(),
+            self.give_back.take(),
+        );
+        match tokio::runtime::Handle::try_current() {
+            Ok(runtime) => drop(runtime.spawn(follow)),
+            Err(_) => tracing::warn!(
+                "a Redis call was dropped outside a tokio runtime and cannot be followed; a \
+                 charge it carried may be applied without an admission"
+            ),
+        }
+    }
+}
+
+/// Waits for `trip`, sent at `sent`, until `FOLLOW_THROUGH` from then. If
+/// nothing at all came back on its connection within `SILENCE` (or the
+/// store's timeout, if longer), the connection went silent (a socket left
+/// half-open would hold every call sent on it): it takes no new calls,
+/// while this one is still waited for.
+pub(super) async fn wait_for<F: Future + Unpin>(
+    inner: &Inner,
+    trip: &mut F,
+    sent: tokio::time::Instant,
+    lost: &mut Option<Lost>,
+) -> Result<F::Output, tokio::time::error::Elapsed> {
+    let silence = sent + SILENCE.max(inner.timeout);
+    if let Ok(answer) = tokio::time::timeout_at(silence, &mut *trip).await {
+        return Ok(answer);
+    }
+    if lost.as_ref().is_some_and(Lost::silent) {
+        if let Some(lost) = lost.take() {
+            inner.connections.failed(lost.failed);
+        }
+    }
+    tokio::time::timeout_at(sent + FOLLOW_THROUGH, trip).await
+}
+
+/// Follows a round trip whose caller stopped waiting to its end: a charge
+/// Redis applied is given back.
+pub(super) async fn follow_through<T>(
+    inner: Arc<Inner>,
+    mut trip: RoundTrip<T>,
+    mut lost: Option<Lost>,
+    sent: tokio::time::Instant,
+    _permit: Option<OwnedSemaphorePermit>,
+    give_back: Option<GiveBack<T>>,
+) {
+    let (mut conn, value) = match wait_for(&inner, &mut trip, sent, &mut lost).await {
+        Ok((conn, Ok(value))) => (conn, value),
+        Ok((conn, Err(error))) => {
+            if broken(&error) {
+                inner.connections.failed(conn.failed());
+            }
+            return;
+        }
+        Err(_) => {
+            if let Some(lost) = lost {
+                inner.connections.failed(lost.failed);
+            }
+            if let Some(suppressed) = LATE.admit() {
+                tracing::warn!(
+                    suppressed,
+                    "Redis did not answer a call in {FOLLOW_THROUGH:?}; dropping its connection \
+                     (a charge it carried may have been applied without an admission)"
+                );
+            }
+            return;
+        }
+    };
+    let Some(give_back) = give_back else {
+        return;
+    };
+    if !(give_back.applied)(&value) {
+        return;
+    }
+    refund_lines(&inner, &mut conn, give_back.lines, give_back.now).await;
+}
+
+/// Gives back an applied charge whose caller stopped waiting, line by line,
+/// with the refund of [`Store::refund`] at the charge's instant.
+pub(super) async fn refund_lines(
+    inner: &Inner,
+    conn: &mut Connection,
+    lines: Vec<(PeriodKey, u64)>,
+    now: Timestamp,
+) {
+    let (mut refunded, mut missed) = (0, 0);
+    let mut first_miss: Option<(PeriodKey, String)> = None;
+    let mut answering = true;
+    for (key, cost) in lines {
+        if !answering {
+            // The connection stopped answering: the rest waits no longer.
+            missed += 1;
+            continue;
+        }
+        let mut invocation = inner.script.key(key.as_str());
+        invocation
+            .arg("r")
+            .arg(clamp(cost))
+            .arg(now.as_millisecond());
+        let refund = invocation.invoke_async::<i64>(conn);
+        let why = match tokio::time::timeout(FOLLOW_THROUGH, refund).await {
+            Ok(Ok(_)) => {
+                refunded += 1;
+                continue;
+            }
+            Ok(Err(error)) => error.to_string(),
+            Err(_) => {
+                answering = false;
+                format!("no answer in {FOLLOW_THROUGH:?}")
+            }
+        };
+        missed += 1;
+        first_miss.get_or_insert((key, why));
+    }
+    if let Some((key, why)) = first_miss {
+        // Redis's answer may name the key: the log names it without its
+        // subject's id.
+        let why = why.replace(key.as_str(), &hash::logged(&key));
+        if let Some(suppressed) = LATE.admit() {
+            tracing::warn!(
+                lines = missed,
+                key = hash::logged(&key),
+                error = why,
+                suppressed,
+                "could not give back a charge Redis applied after its caller stopped waiting"
+            );
+        }
+    }
+    let total = inner.given_back.fetch_add(1, Ordering::Relaxed) + 1;
+    tracing::debug!(
+        lines = refunded,
+        total,
+        "gave back a charge Redis applied after its caller stopped waiting"
+    );
+}
+
+/// Lets a few warnings a second through about calls followed after their
+/// callers stopped waiting (during an outage, there is one per call).
+pub(super) static LATE: Throttle = Throttle::new(5);

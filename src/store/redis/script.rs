@@ -1,0 +1,174 @@
+//! The counters script, what it takes and what its replies mean.
+
+use std::sync::LazyLock;
+use std::time::Duration;
+
+use deadpool_redis::redis::Script;
+use jiff::{SignedDuration, Timestamp};
+
+use super::hash;
+use crate::key::PeriodKey;
+use crate::store::{ChargeOutcome, ChargeRequest, Lifetime, StoreError, StoreErrorKind, Usage};
+
+/// The counters script: check-then-commit for charges, plus peek, refund,
+/// add and the server's time, so that one SHA serves every call.
+pub(super) const COUNTERS_LUA: &str = include_str!("counters.lua");
+
+/// The script, for every store: calls hold it in tasks of their own.
+pub(super) static SCRIPT: LazyLock<Script> = LazyLock::new(|| Script::new(COUNTERS_LUA));
+
+/// Fields per line in the script's reply.
+pub(super) const FIELDS: usize = 5;
+
+/// The key that routes the server-time call on a cluster; never written.
+pub(super) const CLOCK_KEY: &str = "tower-quota:{clock}";
+
+/// The outcome of `request` from the script's reply to operation `op`.
+pub(super) fn outcome(
+    op: &str,
+    request: &ChargeRequest,
+    reply: &[i64],
+) -> Result<ChargeOutcome, StoreError> {
+    let now = request.now;
+    if reply.len() != 1 + FIELDS * request.lines.len() {
+        return Err(unexpected(format!(
+            "{} values for {} lines",
+            reply.len(),
+            request.lines.len()
+        )));
+    }
+    let admitted = match reply[0] {
+        1 => true,
+        0 => false,
+        other => return Err(unexpected(format!("{other} as the admission"))),
+    };
+    let usage = request
+        .lines
+        .iter()
+        .zip(reply[1..].chunks_exact(FIELDS))
+        .map(|(line, fields)| {
+            // `remaining` is for other readers of the script's reply;
+            // `Usage` works it out from the limit.
+            let &[used, _remaining, pttl, first_call, heal] = fields else {
+                unreachable!("chunks of {FIELDS}")
+            };
+            let key = &line.key;
+            let used = u64::try_from(used)
+                .map_err(|_| unexpected(format!("{used} as the count of {key}")))?;
+            if !(0..=4).contains(&heal) {
+                return Err(unexpected(format!("{heal} as the heal of {key}")));
+            }
+            if heal != 0 {
+                log_heal(key, heal, op == "c" && admitted);
+            }
+            // -3: a calendar counter's deadline, not read.
+            let calendar = matches!(line.lifetime, Lifetime::Calendar { .. });
+            if pttl < 0 && pttl != -2 && !(pttl == -3 && calendar) {
+                return Err(unexpected(format!("{pttl} as the life of {key}")));
+            }
+            let first_call = match first_call {
+                -1 => None,
+                ms => Some(
+                    Timestamp::from_millisecond(ms)
+                        .map_err(|_| unexpected(format!("{ms} as the first call of {key}")))?,
+                ),
+            };
+            Ok(match line.lifetime {
+                Lifetime::Calendar { end, .. } => Usage {
+                    limit: line.limit,
+                    used,
+                    resets_at: end,
+                    first_call: None,
+                },
+                Lifetime::FirstUse { deadline } => Usage {
+                    limit: line.limit,
+                    used,
+                    resets_at: if pttl >= 0 {
+                        now.saturating_add(SignedDuration::from_millis(pttl))
+                            .unwrap_or(deadline)
+                    } else {
+                        deadline
+                    },
+                    first_call,
+                },
+            })
+        })
+        .collect::<Result<_, StoreError>>()?;
+    Ok(ChargeOutcome { admitted, usage })
+}
+
+/// Logs a counter found without a deadline; by its key without the
+/// subject's id (see the hash module).
+pub(super) fn log_heal(key: &PeriodKey, heal: i64, charging: bool) {
+    let what = match heal {
+        1 => "dated to its first call plus one period",
+        2 => "dated to one period from now (its first call is unknown)",
+        3 => "ended (its period was over)",
+        4 => "given its housekeeping deadline",
+        _ => "healed",
+    };
+    if charging {
+        crate::metrics::healed();
+        tracing::warn!(
+            key = hash::logged(key),
+            "quota counter had no deadline; {what}"
+        );
+    } else {
+        tracing::warn!(
+            key = hash::logged(key),
+            "quota counter has no deadline; the next admitted charge heals it"
+        );
+    }
+}
+
+/// A reply of the counters script that makes no sense: a store error, never
+/// a guess.
+pub(super) fn unexpected(what: String) -> StoreError {
+    StoreError::new(
+        StoreErrorKind::Other,
+        format!("unexpected reply from the counters script: {what}"),
+    )
+}
+
+/// The script's answer to a refund or an add: the count afterwards, or -1
+/// when there is no live counter.
+pub(super) fn live_count(key: &PeriodKey, op: &str, reply: i64) -> Result<Option<u64>, StoreError> {
+    match reply {
+        -1 => Ok(None),
+        n => u64::try_from(n)
+            .map(Some)
+            .map_err(|_| unexpected(format!("{n} as the count of {key} after {op}"))),
+    }
+}
+
+pub(super) fn millis_until(now: Timestamp, then: Timestamp) -> i64 {
+    // PEXPIRE needs a positive duration; a deadline in the past ends the
+    // counter at once.
+    (then.as_millisecond() - now.as_millisecond()).max(1)
+}
+
+pub(super) fn as_millis(d: Duration) -> i64 {
+    i64::try_from(d.as_millis()).unwrap_or(i64::MAX)
+}
+
+/// Counts travel as Redis integers.
+/// Lua counts in doubles, exact up to 2^53: a limit or cost that large is as
+/// good as unlimited, and is sent as 2^53.
+pub(super) fn clamp(n: u64) -> i64 {
+    i64::try_from(n.min(1 << 53)).expect("2^53 fits in an i64")
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn deadlines_in_the_past_end_at_once() {
+        let now = Timestamp::from_second(1_000).unwrap();
+        assert_eq!(millis_until(now, Timestamp::from_second(999).unwrap()), 1);
+        assert_eq!(
+            millis_until(now, Timestamp::from_second(1_002).unwrap()),
+            2_000
+        );
+    }
+}

@@ -1,0 +1,745 @@
+//! The store: its shared state, its calls and the [`Store`] trait.
+
+use std::fmt;
+use std::future::Future;
+use std::pin::Pin;
+use std::sync::atomic::{AtomicI64, AtomicU64, Ordering};
+use std::sync::Arc;
+use std::time::Duration;
+
+use deadpool::managed::Timeouts;
+use deadpool_redis::redis::{self, RedisError, Script};
+use deadpool_redis::Pool;
+use jiff::Timestamp;
+use tokio::sync::{OwnedSemaphorePermit, Semaphore};
+
+use super::batch::{Batches, LineArgs, Lines, Pending};
+use super::builder::{RedisStoreBuilder, Source};
+use super::clock::{refresh_offset, ServerClock};
+use super::connection::{Connection, Connections};
+use super::errors::{broken, fault_error, redis_error};
+use super::hash::jitter;
+use super::late::{give_back, refund_lines, Call, GiveBack, Sends};
+use super::script::{as_millis, clamp, live_count, millis_until, outcome, CLOCK_KEY, COUNTERS_LUA};
+use crate::key::PeriodKey;
+use crate::store::{
+    ChargeLine, ChargeOutcome, ChargeRequest, Lifetime, Store, StoreError, StoreErrorKind, Usage,
+};
+
+/// Counters in Redis (or Valkey, 6.2 and later), so that any number of app
+/// instances enforce one quota exactly.
+///
+/// # How counters are kept
+///
+/// - **Atomic, and sent together.** Every charge is run by one Lua script
+///   (loaded again if the server answers `NOSCRIPT`), which checks every
+///   line of the request and then commits all of them or none. On a single
+///   server the charges of concurrent callers leave in batches, one
+///   `EVALSHA` for many charges, each still checked and committed on its
+///   own (see [Connections](#connections)). All keys of a subject share the
+///   key's `{subject}` hash tag, so the script is valid on a cluster too,
+///   where each charge is one `EVALSHA` of its own.
+/// - **First-use counters keep their deadline.** A counter is a hash of the
+///   count and the first call's instant. Its deadline is set with `PEXPIRE`
+///   only in the script that creates it, and every later write is a
+///   `HINCRBY`, which keeps it: hits never re-date a counter. A counter
+///   found without a deadline (written by another tool, or restored without
+///   one) is healed by the next admitted charge, to first call + period when
+///   the first call is known, else to one period from now, and the healing
+///   is logged at `warn`. A peek or a refused charge writes nothing, so it
+///   heals nothing either (it logs that the counter is undated): an undated
+///   counter without a first call that is at its limit refuses every charge
+///   until it is [reset](Store::reset). The reset reported to clients is the
+///   counter's remaining life.
+/// - **Calendar counters** carry the window's stamp in their key. Their
+///   deadline is housekeeping only: the window's end plus
+///   [a grace](RedisStoreBuilder::calendar_grace) plus [a
+///   jitter](RedisStoreBuilder::calendar_jitter) drawn from the key, so that
+///   the counters of all subjects are not reclaimed in one instant, and it
+///   is set in the call that creates the counter. The reset reported is the
+///   window's end. The counter also records that end, once, when it is
+///   created: from then on, through the grace, it is over, so a charge,
+///   peek, refund or add at an instant past the end finds no live counter
+///   (as [`MemoryStore`](crate::store::MemoryStore) does). Since the end, not the
+///   deadline, decides when such a counter counts, a charge does not read
+///   its deadline. Counters created by earlier versions, without that
+///   record, stay live until their deadline, and get one if they lack it.
+/// - **Refunds** (`HINCRBY` by a negative amount, in a script that checks the
+///   counter is live at the refund's instant) never create a counter and
+///   never touch a deadline.
+/// - **Adds** after the fact ([`Store::add`]) are the same `HINCRBY` the
+///   other way: a missing counter stays missing, the deadline stays as it
+///   was, and a count that would go beyond 2^53 (what the script counts
+///   exactly) is refused with a [`StoreError`] before anything is written.
+///
+/// - **Strict values.** A counter is a whole number from 0 to 2^53 (what the
+///   script counts exactly), written as Redis writes integers. A key of
+///   another type, a hash with other fields, or a count such as `1.0`,
+///   `1e0`, `-1` or `9223372036854775807` is no counter: the charge, peek,
+///   refund or add is a [`StoreError`] naming the key (for logs), checked
+///   before anything is written on any key of the request, never an
+///   admission or a refusal.
+///
+/// # Connections
+///
+/// A store built from URLs keeps a few multiplexed connections ([two by
+/// default](RedisStoreBuilder::pool_size)) that every call uses at once:
+/// concurrent calls are pipelined on the same sockets, so no call waits for
+/// a connection to be free, and load alone is never an error. On a single
+/// server, charges go in batches: a lone charge leaves at once, and while a
+/// few batches are on their way (two per connection, 16 at most), new charges
+/// queue and leave together in the next one, so under load one round trip
+/// and one script call carry many charges. The caller that starts a batch
+/// drives it until its own answer comes, then a task of its own takes it
+/// over, so a batch is never cut short by one caller going away; a charge
+/// whose caller left before its batch was sent is not sent. A batch holds
+/// the keys of many subjects: behind a proxy or a sharded endpoint that
+/// routes each command by its first key, turn batches off with
+/// [`batch_charges(false)`](RedisStoreBuilder::batch_charges). On a
+/// cluster, each charge goes on its own; the cluster connection multiplexes
+/// per node; its client never retries a request by itself, so a charge is
+/// never applied twice, and a request caught by a slot migration fails
+/// while the next one goes to the slot's new node. A store built from an
+/// existing `deadpool_redis::Pool` holds one pooled connection per call or
+/// batch for its round trip (as many batches on their way as the pool has
+/// connections).
+///
+/// # Faults
+///
+/// - **One budget.** Every call is answered within the store's
+///   [`timeout`](RedisStoreBuilder::timeout) (80 ms by default, below the
+///   layer's 100 ms [store
+///   timeout](crate::QuotaPolicyBuilder::store_timeout), so the layer sees
+///   the store's own error): room among the calls in flight, a connection
+///   and the round trip all fit in it.
+/// - **A bound on load.** At most
+///   [`max_in_flight`](RedisStoreBuilder::max_in_flight) calls (4096 by
+///   default) are in flight at once; a call that finds no room within the
+///   budget fails with [`StoreErrorKind::Timeout`] and sends nothing. That
+///   sheds only load Redis cannot answer.
+/// - **No charge without an admission.** Each call (or batch) is followed
+///   to its end, in a task of its own, even after its caller stopped waiting
+///   (the store's timeout, the layer's, a dropped future). A charge Redis
+///   applied after its caller was told it failed is given back, line by
+///   line, with the same refund as [`Store::refund`] (which never creates a
+///   counter nor moves a deadline), and logged at `debug`. So a charge that
+///   timed out is a [`StoreErrorKind::Timeout`] that charges nothing, and a
+///   stall of Redis leaves no charge behind once the queued scripts ran. A
+///   call is followed for 30 s at most; a connection silent that long is
+///   dropped. A connection that answers nothing at all for a second while
+///   a call waits on it (half-open after a network fault) takes no new
+///   calls from then on: they go to fresh connections (on a cluster, see
+///   below).
+/// - A lost connection, a restarting server and `OOM` under `noeviction`
+///   become a [`StoreError`] too, which the layer's
+///   [`OnStoreError`](crate::OnStoreError) policy answers. A charge is never
+///   sent twice: one that failed on the wire may have been applied. After a
+///   command failed on the wire, every connection opened before it is
+///   dropped and the next calls open fresh ones, so requests succeed again
+///   as soon as Redis is back (on a cluster, see below).
+/// - **One node of a cluster.** A cluster node that stops answering fails
+///   the subjects it holds, and only them: the cluster connection that
+///   waited on it goes on serving the other nodes while a replacement is
+///   tried in the background (a second apart, doubling after each failure
+///   up to 8 s), and gives way only to one that reaches every master. An
+///   idle cluster connection is checked in the background too, never in a
+///   caller's time (after a restart during a lull, the restarted node's
+///   subjects lose their first call). Once the node answers again, its
+///   subjects are served and the charges it ran late are given back. This
+///   holds until the cluster itself declares the node failed
+///   (`cluster-node-timeout`): without a replica to take over, a cluster
+///   that requires full coverage (the default) then refuses every request.
+///
+/// # What the quota depends on
+///
+/// - `maxmemory-policy noeviction`: an evicted counter gives its subject a
+///   fresh allowance. With `noeviction` a full server refuses charges
+///   instead, which the layer reports as a store error.
+/// - Persistence (AOF or RDB) and replication decide what a restart or a
+///   failover loses: counters written after the last save, or not yet
+///   replicated, are lost, and their subjects are charged from zero.
+/// - No other writer on the keys of the layer's namespace.
+///
+/// # Time
+///
+/// Keys and deadlines are computed from the layer's clock (by default each
+/// instance's own). Deadlines are sent as durations (`PEXPIRE`), so a skewed
+/// instance never shortens or lengthens a period; but instances whose clocks
+/// disagree may name different calendar windows around a boundary. Where
+/// that matters, give the layer [`RedisStore::server_clock`], which reads the
+/// server's `TIME`.
+///
+/// # Example
+///
+/// ```no_run
+/// use axum::{routing::get, Router};
+/// use tower_quota::store::RedisStore;
+/// use tower_quota::{FromHeader, QuotaLayer};
+///
+/// # async fn run() -> Result<(), tower_quota::StoreError> {
+/// let store = RedisStore::new("redis://127.0.0.1:6379/")?;
+/// let app: Router = Router::new()
+///     .route("/", get(|| async { "hello" }))
+///     .layer(QuotaPolicy::builder(FromHeader::account("x-account-id")).store(store).build().layer(Quota::daily(1_000)));
+/// # Ok(()) }
+/// ```
+#[derive(Clone)]
+pub struct RedisStore {
+    pub(super) inner: Arc<Inner>,
+}
+
+pub(super) struct Inner {
+    pub(super) connections: Connections,
+    /// Charges sent together; on a single server only.
+    pub(super) batches: Option<Batches>,
+    pub(super) script: &'static Script,
+    pub(super) timeout: Duration,
+    pub(super) wait_timeout: Duration,
+    pub(super) connect_timeout: Duration,
+    pub(super) max_in_flight: usize,
+    pub(super) in_flight: Arc<Semaphore>,
+    /// Charges given back after their callers stopped waiting.
+    pub(super) given_back: AtomicU64,
+    pub(super) calendar_grace: Duration,
+    pub(super) calendar_jitter: Duration,
+}
+
+impl RedisStore {
+    /// A store on the Redis server at `url` (e.g. `redis://127.0.0.1:6379/`)
+    /// with default settings. No connection is opened until the first call.
+    ///
+    /// # Errors
+    ///
+    /// When `url` is not a Redis URL.
+    pub fn new(url: impl Into<String>) -> Result<Self, StoreError> {
+        Self::builder(url).build()
+    }
+
+    /// Settings for a store on the Redis server at `url`.
+    pub fn builder(url: impl Into<String>) -> RedisStoreBuilder {
+        RedisStoreBuilder::new(Source::Url(url.into()))
+    }
+
+    /// A store on an existing pool, with default settings: one pooled
+    /// connection per call, held for its round trip, as before the store
+    /// multiplexed its own connections (so it is slower than a store built
+    /// from a URL). The pool's own size and timeouts apply, within the
+    /// store's timeout. (deadpool-redis's pools ping every connection they
+    /// hand out, and their connections give up on an answer after 500 ms by
+    /// default; the store waits on its own handle of the connection, so a
+    /// charge held up longer is still followed and given back.)
+    pub fn from_pool(pool: Pool) -> Self {
+        Self::builder_from_pool(pool)
+            .build()
+            .expect("a store on an existing pool has nothing to fail on")
+    }
+
+    /// Settings for a store on an existing pool.
+    pub fn builder_from_pool(pool: Pool) -> RedisStoreBuilder {
+        RedisStoreBuilder::new(Source::Pool(pool))
+    }
+
+    /// Settings for a store on the Redis Cluster reached through `urls` (any
+    /// of its nodes).
+    #[cfg(feature = "redis-cluster")]
+    #[cfg_attr(docsrs, doc(cfg(feature = "redis-cluster")))]
+    pub fn cluster_builder<I, U>(urls: I) -> RedisStoreBuilder
+    where
+        I: IntoIterator<Item = U>,
+        U: Into<String>,
+    {
+        RedisStoreBuilder::new(Source::ClusterUrls(
+            urls.into_iter().map(Into::into).collect(),
+        ))
+    }
+
+    /// Settings for a store on an existing cluster pool. Note that
+    /// deadpool-redis's cluster client retries failed requests (after a
+    /// connection error too, when a charge may already have been applied);
+    /// [`RedisStore::cluster_builder`] builds one that does not.
+    #[cfg(feature = "redis-cluster")]
+    #[cfg_attr(docsrs, doc(cfg(feature = "redis-cluster")))]
+    pub fn cluster_builder_from_pool(pool: deadpool_redis::cluster::Pool) -> RedisStoreBuilder {
+        RedisStoreBuilder::new(Source::ClusterPool(pool))
+    }
+
+    /// Opens the store's connections and loads the counters script, so that
+    /// the first requests pay for neither; call it at startup to learn at
+    /// once whether Redis can be reached. (On an existing pool, it opens
+    /// one.)
+    ///
+    /// # Errors
+    ///
+    /// When Redis cannot be reached or refuses the script.
+    pub async fn preload(&self) -> Result<(), StoreError> {
+        let script: &'static Script = self.inner.script;
+        // Calls go to the connections in turn: one call each opens them all.
+        let connections = match &self.inner.connections {
+            Connections::Pool(_) => 1,
+            #[cfg(feature = "redis-cluster")]
+            Connections::ClusterPool(_) => 1,
+            other => other.status().1,
+        };
+        for _ in 0..connections {
+            let sha: String = self
+                .exchange(Sends::Read, move |mut conn| async move {
+                    let result = script.load_async(&mut conn).await;
+                    (conn, result)
+                })
+                .await?;
+            if sha != script.get_hash() {
+                return Err(StoreError::new(
+                    StoreErrorKind::Other,
+                    format!(
+                        "Redis loaded the counters script as {sha}, expected {}",
+                        script.get_hash()
+                    ),
+                ));
+            }
+        }
+        Ok(())
+    }
+
+    /// The SHA1 of the counters script, as used with `EVALSHA`.
+    pub fn script_sha(&self) -> &str {
+        self.inner.script.get_hash()
+    }
+
+    /// The counters script's source.
+    pub fn script_source() -> &'static str {
+        COUNTERS_LUA
+    }
+
+    /// A clock that reads the Redis server's time: the local clock plus the
+    /// offset to the server's `TIME`, measured now and again every
+    /// `refresh`. Give it to the layer ([`QuotaLayer::clock`]) so that all
+    /// instances agree on calendar windows even when their own clocks are
+    /// skewed.
+    ///
+    /// The local clock stays the default: it costs no round trip, keeps
+    /// working while Redis is unreachable (so a fail-open layer still names
+    /// the right window), and synchronised hosts differ by far less than a
+    /// period. Use the server's clock when instance clocks cannot be trusted.
+    ///
+    /// The offset is refreshed in a tokio task that ends when the last clone
+    /// of the clock is dropped; a failed refresh keeps the last offset.
+    ///
+    /// # Errors
+    ///
+    /// When the first reading fails.
+    ///
+    /// [`QuotaLayer::clock`]: crate::QuotaLayer::clock
+    pub async fn server_clock(&self, refresh: Duration) -> Result<ServerClock, StoreError> {
+        let offset = Arc::new(AtomicI64::new(self.server_offset().await?));
+        let weak = Arc::downgrade(&offset);
+        let store = self.clone();
+        let refresh = refresh.max(Duration::from_millis(10));
+        tokio::spawn(refresh_offset(store, weak, refresh));
+        Ok(ServerClock { offset })
+    }
+
+    /// The server's time minus the local time, in microseconds.
+    pub(super) async fn server_offset(&self) -> Result<i64, StoreError> {
+        let before = Timestamp::now();
+        let mut invocation = self.inner.script.key(CLOCK_KEY);
+        invocation.arg("t");
+        let (secs, micros): (i64, i64) = self
+            .exchange(Sends::Read, |mut conn| async move {
+                let result = invocation.invoke_async(&mut conn).await;
+                (conn, result)
+            })
+            .await?;
+        let after = Timestamp::now();
+        let local = (before.as_microsecond() + after.as_microsecond()) / 2;
+        Ok(secs * 1_000_000 + micros - local)
+    }
+
+    /// How many calls of this store are in flight: sent or about to be, and
+    /// not yet answered (or, for a charge whose caller stopped waiting, not
+    /// yet given back). At most [`max_in_flight`](RedisStoreBuilder::max_in_flight).
+    pub fn in_flight(&self) -> usize {
+        self.inner.max_in_flight - self.inner.in_flight.available_permits()
+    }
+
+    /// Room for one call among the calls in flight, found within the wait:
+    /// its permit, the call's deadline, and the end of its wait.
+    async fn room(
+        &self,
+    ) -> Result<
+        (
+            OwnedSemaphorePermit,
+            tokio::time::Instant,
+            tokio::time::Instant,
+        ),
+        StoreError,
+    > {
+        let inner = &self.inner;
+        let started = tokio::time::Instant::now();
+        let deadline = started + inner.timeout;
+        let room = deadline.min(started + inner.wait_timeout);
+        match tokio::time::timeout_at(room, Arc::clone(&inner.in_flight).acquire_owned()).await {
+            Ok(Ok(permit)) => Ok((permit, deadline, room)),
+            Ok(Err(_)) => Err(StoreError::new(
+                StoreErrorKind::Unavailable,
+                "the Redis store is closed",
+            )),
+            Err(_) => Err(StoreError::new(
+                StoreErrorKind::Timeout,
+                format!(
+                    "the Redis store has {} calls in flight, its max_in_flight, and none \
+                     finished in time; nothing was sent",
+                    inner.max_in_flight
+                ),
+            )),
+        }
+    }
+
+    /// Runs `f` on a connection, answered within the store's timeout. Nothing
+    /// is sent again.
+    async fn exchange<T, F, Fut>(&self, sends: Sends, f: F) -> Result<T, StoreError>
+    where
+        T: Send + 'static,
+        F: FnOnce(Connection) -> Fut + Send + 'static,
+        Fut: Future<Output = (Connection, Result<T, RedisError>)> + Send + 'static,
+    {
+        self.follow(sends, None, f, Ok).await
+    }
+
+    /// Runs `f` on a connection and waits for its answer within the store's
+    /// timeout. A call whose caller stops waiting once it was sent (the
+    /// store's timeout, a dropped future) is followed to its end in a task of
+    /// its own: then a charge that Redis applied is given back
+    /// (`give_back`). So is one whose answer `read` refuses: its caller is
+    /// told an error, and nothing stays charged.
+    async fn follow<T, R, F, Fut>(
+        &self,
+        sends: Sends,
+        give_back: Option<GiveBack<T>>,
+        f: F,
+        read: impl FnOnce(T) -> Result<R, StoreError>,
+    ) -> Result<R, StoreError>
+    where
+        T: Send + 'static,
+        F: FnOnce(Connection) -> Fut + Send + 'static,
+        Fut: Future<Output = (Connection, Result<T, RedisError>)> + Send + 'static,
+    {
+        let inner = &self.inner;
+        let (permit, deadline, room) = self.room().await?;
+        let timeouts = Timeouts {
+            wait: Some(room.saturating_duration_since(tokio::time::Instant::now())),
+            create: Some(inner.connect_timeout),
+            recycle: Some(inner.timeout),
+        };
+        let conn = match inner.connections.ready_or_get(&timeouts, deadline).await {
+            Some(Ok(conn)) => conn,
+            Some(Err(fault)) => return Err(fault_error(fault)),
+            None => {
+                return Err(StoreError::new(
+                    StoreErrorKind::Timeout,
+                    "no Redis connection could be had within the store's timeout; nothing was \
+                     sent",
+                ))
+            }
+        };
+        let mut call = Call {
+            inner: Arc::clone(inner),
+            lost: conn.lost(),
+            sent: tokio::time::Instant::now(),
+            trip: Some(Box::pin(f(conn))),
+            permit: Some(permit),
+            give_back,
+        };
+        let trip = call.trip.as_mut().expect("the call is on its way");
+        match tokio::time::timeout_at(deadline, trip).await {
+            Ok((mut conn, Ok(value))) => {
+                call.trip = None;
+                let give_back = call.give_back.take().filter(|back| (back.applied)(&value));
+                let read = read(value);
+                if let (Err(_), Some(back)) = (&read, give_back) {
+                    // Applied, but not an answer this store can stand by.
+                    let inner = Arc::clone(inner);
+                    let permit = call.permit.take();
+                    tokio::spawn(async move {
+                        let _permit = permit;
+                        refund_lines(&inner, &mut conn, back.lines, back.now).await;
+                    });
+                }
+                read
+            }
+            Ok((conn, Err(error))) => {
+                call.trip = None;
+                // A broken connection is not used again, nor are the others
+                // opened before it; a refusal by the server spoils nothing.
+                if broken(&error) {
+                    inner.connections.failed(conn.failed());
+                }
+                Err(redis_error(error))
+            }
+            // Dropping `call` hands the round trip over to a task that
+            // follows it to its end.
+            Err(_) => Err(StoreError::new(
+                StoreErrorKind::Timeout,
+                match sends {
+                    Sends::Charge => {
+                        "Redis did not answer within the store's timeout; nothing is charged (a \
+                         charge Redis applies later is given back)"
+                    }
+                    Sends::Read => "Redis did not answer within the store's timeout",
+                    Sends::Write => {
+                        "Redis did not answer within the store's timeout; the change was sent \
+                         and may still be applied (sending it again may apply it twice)"
+                    }
+                },
+            )),
+        }
+    }
+
+    /// Refunds (`op` `r`) or adds (`a`) `amount` on the live counter at
+    /// `key`: the script never creates a counter and never touches a
+    /// deadline, and `now` decides whether a calendar counter kept through
+    /// its grace is still live (past its window's end it is not).
+    async fn change_live(
+        self,
+        op: &'static str,
+        now: Timestamp,
+        key: PeriodKey,
+        amount: u64,
+        what: &str,
+    ) -> Result<Option<u64>, StoreError> {
+        let mut invocation = self.inner.script.key(key.as_str());
+        invocation.arg(op).arg(amount).arg(now.as_millisecond());
+        let count: i64 = self
+            .exchange(Sends::Write, |mut conn| async move {
+                let result = invocation.invoke_async(&mut conn).await;
+                (conn, result)
+            })
+            .await?;
+        live_count(&key, what, count)
+    }
+
+    /// Runs `command` on the counters' connection; for tests and tools.
+    #[cfg(feature = "testing")]
+    pub(crate) async fn command<T: redis::FromRedisValue + Send + 'static>(
+        &self,
+        command: redis::Cmd,
+    ) -> Result<T, StoreError> {
+        self.exchange(Sends::Write, |mut conn| async move {
+            let result = command.query_async(&mut conn).await;
+            (conn, result)
+        })
+        .await
+    }
+
+    async fn lines(
+        self,
+        op: &'static str,
+        request: ChargeRequest,
+    ) -> Result<ChargeOutcome, StoreError> {
+        if request.lines.is_empty() {
+            return Ok(ChargeOutcome {
+                admitted: true,
+                usage: Vec::new(),
+            });
+        }
+        let now = request.now;
+        let args: Vec<LineArgs> = request
+            .lines
+            .iter()
+            .map(|line| self.line_args(now, line))
+            .collect();
+        let mut invocation = self.inner.script.prepare_invoke();
+        invocation.arg(op).arg(now.as_millisecond());
+        for line in &args {
+            invocation
+                .key(line.key.as_str())
+                .arg(line.limit)
+                .arg(line.cost)
+                .arg(line.anchor)
+                .arg(line.ttl)
+                .arg(line.end);
+        }
+        self.follow(
+            if op == "c" {
+                Sends::Charge
+            } else {
+                Sends::Read
+            },
+            give_back(op, &request),
+            |mut conn| async move {
+                let result = invocation.invoke_async(&mut conn).await;
+                (conn, result)
+            },
+            |reply: Vec<i64>| outcome(op, &request, &reply),
+        )
+        .await
+    }
+
+    /// What the script takes for `line`, charged at `now`.
+    fn line_args(&self, now: Timestamp, line: &ChargeLine) -> LineArgs {
+        let (anchor, ttl, end) = match line.lifetime {
+            Lifetime::FirstUse { deadline } => ("f", millis_until(now, deadline), 0),
+            Lifetime::Calendar { end, .. } => {
+                let housekeeping = millis_until(now, end)
+                    .saturating_add(as_millis(self.inner.calendar_grace))
+                    .saturating_add(jitter(&line.key, self.inner.calendar_jitter));
+                // Stored in a new counter (`e`), so that refunds and adds,
+                // which know only the key, can tell when its window ends.
+                ("c", housekeeping, end.as_millisecond())
+            }
+        };
+        // A deadline Redis can hold: `PEXPIRE` refuses one past i64::MAX ms
+        // from now, and the script counts exactly up to 2^53.
+        let ttl = ttl.clamp(1, (1_i64 << 53) - now.as_millisecond().max(0));
+        LineArgs {
+            key: line.key.clone(),
+            limit: clamp(line.limit),
+            cost: clamp(line.cost),
+            anchor,
+            ttl,
+            end,
+        }
+    }
+
+    /// A charge sent in a batch with other callers' (see the batch module),
+    /// answered within the store's timeout; one whose caller stops waiting
+    /// is not sent, or given back once Redis applied it.
+    async fn charge_in_batch(
+        &self,
+        request: ChargeRequest,
+        lines: Lines,
+    ) -> Result<ChargeOutcome, StoreError> {
+        let (permit, deadline, _) = self.room().await?;
+        let (answer, mut answered) = tokio::sync::oneshot::channel();
+        let mut sender = Batches::push(
+            &self.inner,
+            Pending {
+                now: request.now,
+                lines,
+                answer,
+                permit,
+            },
+        );
+        // Drives the batch this call started, if any, until the answer
+        // comes; dropping `sender` then leaves the rest to a task.
+        let answer = std::future::poll_fn(|cx| {
+            if let Some(batch) = sender.as_mut() {
+                if Pin::new(batch).poll(cx).is_ready() {
+                    sender = None;
+                }
+            }
+            Pin::new(&mut answered).poll(cx)
+        });
+        match tokio::time::timeout_at(deadline, answer).await {
+            Ok(Ok(answer)) => {
+                // Read before it is taken: a reply that cannot be read drops
+                // the answer untaken, and an applied charge is given back.
+                let outcome = match answer.reply() {
+                    Ok(fields) => outcome("c", &request, fields),
+                    Err(error) => Err(redis_error(error.clone())),
+                };
+                if outcome.is_ok() {
+                    let _ = answer.take();
+                }
+                outcome
+            }
+            Ok(Err(_)) => Err(StoreError::new(
+                StoreErrorKind::Unavailable,
+                "the Redis store's batch of charges was dropped before its answer (its \
+                     runtime shut down); this charge may have been applied",
+            )),
+            Err(_) => Err(StoreError::new(
+                StoreErrorKind::Timeout,
+                "Redis did not answer within the store's timeout; nothing is charged (a \
+                     charge Redis applies later is given back)",
+            )),
+        }
+    }
+}
+
+impl fmt::Debug for RedisStore {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        let inner = &self.inner;
+        let (cluster, size) = inner.connections.status();
+        f.debug_struct("RedisStore")
+            .field("cluster", &cluster)
+            .field("pool_size", &size)
+            .field("script_sha", &inner.script.get_hash())
+            .field("timeout", &inner.timeout)
+            .field("wait_timeout", &inner.wait_timeout)
+            .field("connect_timeout", &inner.connect_timeout)
+            .field("max_in_flight", &inner.max_in_flight)
+            .field("in_flight", &self.in_flight())
+            .field("given_back", &inner.given_back.load(Ordering::Relaxed))
+            .field("calendar_grace", &inner.calendar_grace)
+            .field("calendar_jitter", &inner.calendar_jitter)
+            .finish()
+    }
+}
+
+/// The future of [`RedisStore::charge`].
+pub type RedisChargeFuture =
+    Pin<Box<dyn Future<Output = Result<ChargeOutcome, StoreError>> + Send>>;
+
+impl Store for RedisStore {
+    type ChargeFuture = RedisChargeFuture;
+
+    fn charge(&self, request: ChargeRequest) -> Self::ChargeFuture {
+        if self.inner.batches.is_none() || request.lines.is_empty() {
+            return Box::pin(self.clone().lines("c", request));
+        }
+        // A future of its own, a fraction of the size of `lines`'s.
+        let store = self.clone();
+        let lines = request
+            .lines
+            .iter()
+            .map(|line| store.line_args(request.now, line))
+            .collect();
+        Box::pin(async move { store.charge_in_batch(request, lines).await })
+    }
+
+    fn peek(
+        &self,
+        request: ChargeRequest,
+    ) -> impl Future<Output = Result<Vec<Usage>, StoreError>> + Send {
+        let store = self.clone();
+        async move { store.lines("p", request).await.map(|outcome| outcome.usage) }
+    }
+
+    fn refund(
+        &self,
+        now: Timestamp,
+        key: PeriodKey,
+        amount: u64,
+    ) -> impl Future<Output = Result<Option<u64>, StoreError>> + Send {
+        // Clamped: a refund of more than a counter can hold empties it.
+        self.clone()
+            .change_live("r", now, key, amount.min(1 << 53), "a refund")
+    }
+
+    fn add(
+        &self,
+        now: Timestamp,
+        key: PeriodKey,
+        amount: u64,
+    ) -> impl Future<Output = Result<Option<u64>, StoreError>> + Send {
+        // The exact amount, not clamped: the script refuses a count beyond
+        // 2^53 instead of storing one that says less.
+        self.clone().change_live("a", now, key, amount, "an add")
+    }
+
+    fn reset(&self, key: PeriodKey) -> impl Future<Output = Result<bool, StoreError>> + Send {
+        let store = self.clone();
+        async move {
+            let deleted: i64 = store
+                .exchange(Sends::Write, |mut conn| async move {
+                    let result = redis::cmd("DEL")
+                        .arg(key.as_str())
+                        .query_async(&mut conn)
+                        .await;
+                    (conn, result)
+                })
+                .await?;
+            Ok(deleted > 0)
+        }
+    }
+}

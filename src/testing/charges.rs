@@ -1,0 +1,396 @@
+//! Checks of charges: exact under concurrency, all or nothing, nothing
+//! written when refused or abandoned, never past a limit.
+
+use std::future::Future;
+use std::time::Duration;
+
+use super::hooks::{ConformanceHooks, Planted, StoredDeadline, Verdict};
+use super::support::{calendar_line, charge, first_use, peek, stored, Keys, Timeline};
+use crate::store::{ChargeLine, ChargeRequest};
+
+/// Many tasks charging one subject at once: exactly the limit is admitted.
+///
+/// # Panics
+///
+/// When the store breaks the rule, or fails to answer.
+pub async fn exactly_the_limit_under_concurrency<S: ConformanceHooks>(store: &S) -> Verdict {
+    const LIMIT: u64 = 50;
+    const TASKS: usize = 64;
+    const EACH: usize = 4;
+    let time = Timeline::new(store.expiry());
+    let period = time.period() * 10;
+    let keys = Keys::new();
+    let key = keys.key("concurrent");
+    let calendar = keys.key("concurrent-calendar");
+    let start = time.now();
+    let mut tasks = tokio::task::JoinSet::new();
+    for _ in 0..TASKS {
+        let store = store.clone();
+        let key = key.clone();
+        let calendar = calendar.clone();
+        tasks.spawn(async move {
+            let mut admitted = 0u64;
+            for _ in 0..EACH {
+                let request = ChargeRequest {
+                    now: start,
+                    lines: vec![
+                        first_use(&key, LIMIT, 1, start + period),
+                        calendar_line(&calendar, LIMIT * 2, 1, start, start + period),
+                    ],
+                };
+                let outcome = store
+                    .charge(request)
+                    .await
+                    .unwrap_or_else(|e| panic!("the store failed under concurrency: {e}"));
+                if outcome.admitted {
+                    admitted += 1;
+                }
+            }
+            admitted
+        });
+    }
+    let mut admitted = 0;
+    while let Some(result) = tasks.join_next().await {
+        admitted += result.expect("a charging task panicked");
+    }
+    assert_eq!(
+        admitted, LIMIT,
+        "exactly the limit must be admitted under concurrency"
+    );
+    let usage = peek(
+        store,
+        start,
+        vec![
+            first_use(&key, LIMIT, 0, start + period),
+            calendar_line(&calendar, LIMIT * 2, 0, start, start + period),
+        ],
+    )
+    .await;
+    assert_eq!(
+        usage[0].used, LIMIT,
+        "the counter holds exactly the admitted charges"
+    );
+    assert_eq!(
+        usage[1].used, LIMIT,
+        "a quota with room is charged only with the requests admitted on all quotas"
+    );
+    Verdict::Passed
+}
+
+/// A request refused on one quota is charged on none.
+///
+/// # Panics
+///
+/// When the store breaks the rule, or fails to answer.
+pub async fn all_or_nothing_across_quotas<S: ConformanceHooks>(store: &S) -> Verdict {
+    let time = Timeline::new(store.expiry());
+    let period = time.period() * 10;
+    let now = time.now();
+    let keys = Keys::new();
+    let roomy = keys.key("roomy");
+    let tight = keys.key("tight");
+    let daily = keys.key("calendar");
+    let lines = |cost| {
+        vec![
+            first_use(&roomy, 10, cost, now + period),
+            calendar_line(&daily, 10, cost, now, now + period),
+            first_use(&tight, 1, cost, now + period),
+        ]
+    };
+    let first = charge(store, now, lines(1)).await;
+    assert!(
+        first.0,
+        "a request with room on every quota must be admitted"
+    );
+    assert_eq!(
+        first.1.iter().map(|u| u.used).collect::<Vec<_>>(),
+        [1, 1, 1],
+        "an admitted request is charged on every quota"
+    );
+    let second = charge(store, now, lines(1)).await;
+    assert!(!second.0, "a request over one quota must be refused");
+    assert_eq!(
+        second.1.iter().map(|u| u.used).collect::<Vec<_>>(),
+        [1, 1, 1],
+        "a refused request must be charged on no quota"
+    );
+    let peeked = peek(store, now, lines(0)).await;
+    assert_eq!(
+        peeked.iter().map(|u| u.used).collect::<Vec<_>>(),
+        [1, 1, 1],
+        "a refused request must leave every counter as it was"
+    );
+    let fresh = keys.key("never-created");
+    let refused_fresh = charge(
+        store,
+        now,
+        vec![
+            first_use(&fresh, 10, 1, now + period),
+            first_use(&tight, 1, 1, now + period),
+        ],
+    )
+    .await;
+    assert!(!refused_fresh.0, "a request over one quota must be refused");
+    assert_eq!(
+        peek(store, now, vec![first_use(&fresh, 10, 0, now + period)]).await[0].used,
+        0,
+        "a refused request must not create the counters of its other quotas"
+    );
+    assert!(
+        matches!(
+            stored(store, &fresh).await,
+            StoredDeadline::NoCounter | StoredDeadline::Unknown
+        ),
+        "a refused request must not create the counters of its other quotas"
+    );
+    Verdict::Passed
+}
+
+/// A refused charge writes nothing: every counter of the request keeps its
+/// count, its first call and its deadline, a counter without a deadline
+/// stays without one (healing it is a write, left to the next admitted
+/// charge), and the request creates no counter. Peeks write nothing either.
+///
+/// The request names a first-use counter and a calendar counter with room, a
+/// key never charged, an undated counter (when the store can hold one, see
+/// [`ConformanceHooks::plant_undated`]) and, last, a counter at its limit.
+///
+/// # Panics
+///
+/// When the store breaks the rule, or fails to answer.
+pub async fn a_refused_charge_writes_nothing<S: ConformanceHooks>(store: &S) -> Verdict {
+    let time = Timeline::new(store.expiry());
+    let period = time.period() * 10;
+    let now = time.now();
+    let keys = Keys::new();
+    let roomy = keys.key("roomy");
+    let daily = keys.key("calendar");
+    let fresh = keys.key("never-created");
+    let undated = keys.key("undated");
+    let tight = keys.key("tight");
+    let set_up = charge(
+        store,
+        now,
+        vec![
+            first_use(&roomy, 10, 2, now + period),
+            calendar_line(&daily, 10, 1, now, now + period),
+            first_use(&tight, 1, 1, now + period),
+        ],
+    )
+    .await;
+    assert!(
+        set_up.0,
+        "a request with room on every quota must be admitted"
+    );
+    let planted = store
+        .plant_undated(undated.clone(), 3, Some(now - period / 2))
+        .await
+        .unwrap_or_else(|e| panic!("the store failed to plant an undated counter: {e}"));
+
+    let mut lines = vec![
+        first_use(&roomy, 10, 1, now + period),
+        calendar_line(&daily, 10, 1, now, now + period),
+        first_use(&fresh, 10, 1, now + period),
+    ];
+    if planted == Planted::Planted {
+        lines.push(first_use(&undated, 10, 1, now + period));
+    }
+    lines.push(first_use(&tight, 1, 1, now + period));
+    let costless: Vec<ChargeLine> = lines
+        .iter()
+        .map(|l| ChargeLine {
+            cost: 0,
+            ..l.clone()
+        })
+        .collect();
+
+    let before = peek(store, now, costless.clone()).await;
+    let mut deadlines = Vec::with_capacity(lines.len());
+    for line in &lines {
+        deadlines.push(stored(store, &line.key).await);
+    }
+    let refused = charge(store, now, lines.clone()).await;
+    assert!(!refused.0, "a request over one quota must be refused");
+    let after = peek(store, now, costless).await;
+    for (i, line) in lines.iter().enumerate() {
+        let key = line.key.as_str();
+        for (usage, what) in [(&refused.1[i], "reported"), (&after[i], "peeked")] {
+            assert_eq!(
+                usage.used, before[i].used,
+                "a refused charge must write nothing: the count of {key} changed ({what})"
+            );
+            assert_eq!(
+                usage.first_call, before[i].first_call,
+                "a refused charge must write nothing: the first call of {key} changed ({what})"
+            );
+            time.assert_near(
+                usage.resets_at,
+                before[i].resets_at,
+                &format!("a refused charge must write nothing: the reset of {key} moved ({what})"),
+            );
+        }
+        match (deadlines[i], stored(store, &line.key).await) {
+            (StoredDeadline::At(was), StoredDeadline::At(is)) => time.assert_near(
+                is,
+                was,
+                &format!("a refused charge must write nothing: the deadline of {key} moved"),
+            ),
+            (was, is) => assert_eq!(
+                is, was,
+                "a refused charge must write nothing: the deadline of {key} changed"
+            ),
+        }
+    }
+    Verdict::Passed
+}
+
+/// A charge whose caller stopped waiting spends nothing: a charge future
+/// dropped before its first poll, or after a first poll that left it
+/// pending (sent, not yet answered), ends either not applied, or applied and
+/// given back. The count comes back to what the answered charges made it,
+/// and stays there. (A store whose charges answer on their first poll is
+/// only checked on the first case.)
+///
+/// # Panics
+///
+/// When the store breaks the rule, or fails to answer.
+pub async fn an_abandoned_charge_spends_nothing<S: ConformanceHooks>(store: &S) -> Verdict {
+    use std::task::{Context, Poll, Waker};
+
+    let time = Timeline::new(store.expiry());
+    let period = time.period() * 10;
+    let now = time.now();
+    let keys = Keys::new();
+    let key = keys.key("abandoned");
+    let line = || first_use(&key, 1_000, 1, now + period);
+    let (admitted, _) = charge(store, now, vec![line()]).await;
+    assert!(admitted, "a charge with room must be admitted");
+    let mut answered = 1;
+
+    // Dropped before it was ever polled.
+    drop(store.charge(ChargeRequest {
+        now,
+        lines: vec![line()],
+    }));
+    // Polled once, then dropped unless it answered at once.
+    let mut pending = 0;
+    for _ in 0..20 {
+        let mut future = std::pin::pin!(store.charge(ChargeRequest {
+            now,
+            lines: vec![line()],
+        }));
+        match future
+            .as_mut()
+            .poll(&mut Context::from_waker(Waker::noop()))
+        {
+            Poll::Ready(Ok(outcome)) => {
+                assert!(outcome.admitted, "a charge with room must be admitted");
+                answered += 1;
+            }
+            // A store that sheds load while earlier charges are given back
+            // may refuse at once: that charge was never applied.
+            Poll::Ready(Err(_)) | Poll::Pending => pending += 1,
+        }
+    }
+
+    // Given back in time: the count comes back to the answered charges and
+    // stays there a while.
+    let costless = || vec![ChargeLine { cost: 0, ..line() }];
+    // However the store's deadlines pass, it may give back in a task of its
+    // own: a few seconds to settle, then a steady second.
+    let settle = Duration::from_secs(10);
+    let started = std::time::Instant::now();
+    let mut steady = 0;
+    loop {
+        let used = peek(store, now, costless()).await[0].used;
+        if used == answered {
+            steady += 1;
+            if steady == 10 {
+                break;
+            }
+        } else {
+            steady = 0;
+            assert!(
+                started.elapsed() < settle,
+                "an abandoned charge must spend nothing: {used} units spent after {answered} \
+                 answered charges ({pending} charges dropped while pending)"
+            );
+        }
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+    Verdict::Passed
+}
+
+/// Counts at the top of `u64` never wrap: with a limit of `u64::MAX`, a
+/// charge of `u64::MAX - 1` is admitted, and one more of 5 is refused, alone
+/// or with another line, and leaves the count as it was; an add of `u64::MAX`
+/// either fails (a store that counts less far, see [`Store::add`](crate::store::Store::add)) or leaves
+/// a count no smaller than before.
+///
+/// (A store may count less far than `u64` and treat a limit beyond its
+/// range as unlimited: the check reads the count the store reports after
+/// the first charge, not `u64::MAX - 1`.)
+///
+/// # Panics
+///
+/// When the store breaks the rule, or fails to answer.
+pub async fn counts_never_pass_the_limit_nor_wrap<S: ConformanceHooks>(store: &S) -> Verdict {
+    let time = Timeline::new(store.expiry());
+    let period = time.period() * 10;
+    let now = time.now();
+    let keys = Keys::new();
+    let top = keys.key("top");
+    let other = keys.key("other");
+    let line = |cost| first_use(&top, u64::MAX, cost, now + period);
+
+    let first = charge(store, now, vec![line(u64::MAX - 1)]).await;
+    assert!(
+        first.0,
+        "a charge within a limit of u64::MAX must be admitted"
+    );
+    let used = first.1[0].used;
+    assert!(used > 0, "an admitted charge must count");
+
+    let over = charge(store, now, vec![line(5)]).await;
+    assert!(
+        !over.0,
+        "a charge past the limit must be refused, however large the count"
+    );
+    assert_eq!(
+        over.1[0].used, used,
+        "a charge past the limit must leave the count as it was, never wrapped"
+    );
+    let over = charge(
+        store,
+        now,
+        vec![line(5), first_use(&other, 10, 1, now + period)],
+    )
+    .await;
+    assert!(
+        !over.0,
+        "a charge past the limit must be refused, however large the count (two lines)"
+    );
+    assert_eq!(
+        (over.1[0].used, over.1[1].used),
+        (used, 0),
+        "a charge past the limit must leave every count as it was, never wrapped (two lines)"
+    );
+
+    if let Ok(Some(after)) = store.add(now, top.clone(), u64::MAX).await {
+        assert!(
+            after >= used,
+            "an add must never leave a smaller count (from {used} to {after}): it saturates"
+        );
+    }
+    let peeked = peek(store, now, vec![line(0)]).await;
+    assert!(
+        peeked[0].used >= used,
+        "a count must never wrap (from {used} to {})",
+        peeked[0].used
+    );
+    assert!(
+        !charge(store, now, vec![line(5)]).await.0,
+        "a charge past the limit must be refused, however large the count"
+    );
+    Verdict::Passed
+}

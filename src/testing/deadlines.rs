@@ -1,0 +1,534 @@
+//! Checks of deadlines and lifetimes: what moves a deadline, what creates or
+//! ends a counter.
+
+use super::hooks::{ConformanceHooks, Expiry, Planted, StoredDeadline, Verdict};
+use super::support::{
+    add, calendar_line, charge, expect_deadline, first_use, fresh_key, fresh_namespace, peek,
+    refund, stored, Timeline,
+};
+use crate::subject::Subject;
+
+/// Hits never extend a first-use deadline, whatever the write path, and the
+/// period ends at that deadline.
+///
+/// # Panics
+///
+/// When the store breaks the rule, or fails to answer.
+pub async fn hits_never_extend_a_first_use_deadline<S: ConformanceHooks>(store: &S) -> Verdict {
+    let mut time = Timeline::new(store.expiry());
+    let period = time.period();
+    let key = fresh_key("first-use");
+    let t0 = time.now();
+    let deadline = t0 + period;
+
+    let first = charge(
+        store,
+        time.now(),
+        vec![first_use(&key, 100, 1, time.now() + period)],
+    )
+    .await;
+    assert!(
+        first.0,
+        "a first charge on an empty counter must be admitted"
+    );
+    time.assert_near(
+        first.1[0].resets_at,
+        deadline,
+        "the reset of a new first-use counter is its deadline",
+    );
+    time.assert_near_opt(
+        first.1[0].first_call,
+        t0,
+        "a new first-use counter records its first call",
+    );
+    expect_deadline(store, &time, &key, deadline, "after the creating charge").await;
+
+    time.pass(period / 3).await;
+    let hit = charge(
+        store,
+        time.now(),
+        vec![first_use(&key, 100, 1, time.now() + period)],
+    )
+    .await;
+    assert!(hit.0, "a charge with room must be admitted");
+    assert_eq!(hit.1[0].used, 2, "a later hit adds to the open period");
+    time.assert_near(
+        hit.1[0].resets_at,
+        deadline,
+        "a later hit must not move the first-use deadline",
+    );
+    time.assert_near_opt(hit.1[0].first_call, t0, "a later hit keeps the first call");
+    expect_deadline(store, &time, &key, deadline, "after a later hit").await;
+
+    let refused = charge(
+        store,
+        time.now(),
+        vec![first_use(&key, 100, 1_000, time.now() + period)],
+    )
+    .await;
+    assert!(!refused.0, "a charge over the limit must be refused");
+    assert_eq!(refused.1[0].used, 2, "a refused charge spends nothing");
+    time.assert_near(
+        refused.1[0].resets_at,
+        deadline,
+        "a refused charge must not move the deadline",
+    );
+    expect_deadline(store, &time, &key, deadline, "after a refused charge").await;
+
+    let free = charge(
+        store,
+        time.now(),
+        vec![first_use(&key, 100, 0, time.now() + period)],
+    )
+    .await;
+    assert!(
+        free.0,
+        "a zero-cost charge within the limit must be admitted"
+    );
+    time.assert_near(
+        free.1[0].resets_at,
+        deadline,
+        "a zero-cost charge must not move the deadline",
+    );
+
+    let left = refund(store, time.now(), &key, 1).await;
+    assert_eq!(left, Some(1), "a refund gives units back to a live counter");
+    expect_deadline(store, &time, &key, deadline, "after a refund").await;
+    let peeked = peek(
+        store,
+        time.now(),
+        vec![first_use(&key, 100, 0, time.now() + period)],
+    )
+    .await;
+    assert_eq!(peeked[0].used, 1, "peek sees the refund");
+    time.assert_near(
+        peeked[0].resets_at,
+        deadline,
+        "a refund must not move the deadline",
+    );
+
+    time.pass_beyond(deadline).await;
+    let after = peek(
+        store,
+        time.now(),
+        vec![first_use(&key, 100, 0, time.now() + period)],
+    )
+    .await;
+    assert_eq!(
+        after[0].used, 0,
+        "a first-use period must end at its deadline"
+    );
+    let reopened_at = time.now();
+    let reopened = charge(
+        store,
+        reopened_at,
+        vec![first_use(&key, 100, 1, reopened_at + period)],
+    )
+    .await;
+    assert!(
+        reopened.0,
+        "the first charge of a new period must be admitted"
+    );
+    assert_eq!(reopened.1[0].used, 1, "a new period starts from zero");
+    time.assert_near(
+        reopened.1[0].resets_at,
+        reopened_at + period,
+        "a new period's deadline is one period from its first call",
+    );
+    Verdict::Passed
+}
+
+/// A refund after a counter's deadline does not bring the counter back.
+///
+/// # Panics
+///
+/// When the store breaks the rule, or fails to answer.
+pub async fn refund_after_expiry_does_not_resurrect<S: ConformanceHooks>(store: &S) -> Verdict {
+    let mut time = Timeline::new(store.expiry());
+    let period = time.period();
+    let key = fresh_key("refund");
+    let t0 = time.now();
+    let deadline = t0 + period;
+    let charged = charge(store, t0, vec![first_use(&key, 10, 3, deadline)]).await;
+    assert!(
+        charged.0,
+        "a first charge on an empty counter must be admitted"
+    );
+
+    time.pass_beyond(deadline).await;
+    let left = refund(store, time.now(), &key, 1).await;
+    assert_eq!(
+        left, None,
+        "a refund after the deadline must find no counter"
+    );
+    let peeked = peek(
+        store,
+        time.now(),
+        vec![first_use(&key, 10, 0, time.now() + period)],
+    )
+    .await;
+    assert_eq!(
+        peeked[0].used, 0,
+        "a refund must not bring an expired counter back"
+    );
+    assert_eq!(
+        peeked[0].first_call, None,
+        "a refund must not open a period"
+    );
+    match stored(store, &key).await {
+        StoredDeadline::At(at) if at > time.now() => {
+            panic!(
+                "a refund after the deadline must not create a counter (found one, deadline {at})"
+            )
+        }
+        StoredDeadline::Undated => {
+            panic!("a refund after the deadline must not create a counter (found one, undated)")
+        }
+        _ => {}
+    }
+    let again = charge(
+        store,
+        time.now(),
+        vec![first_use(&key, 10, 1, time.now() + period)],
+    )
+    .await;
+    assert_eq!(again.1[0].used, 1, "the next charge opens a fresh period");
+
+    let never = fresh_key("refund-never-charged");
+    assert_eq!(
+        refund(store, time.now(), &never, 5).await,
+        None,
+        "a refund on a key never charged must find no counter"
+    );
+    assert!(
+        matches!(
+            stored(store, &never).await,
+            StoredDeadline::NoCounter | StoredDeadline::Unknown
+        ),
+        "a refund must never create a counter"
+    );
+    Verdict::Passed
+}
+
+/// An add after the fact ([`Store::add`](crate::store::Store::add)) changes only the count of a live
+/// counter: it finds nothing on a key never charged and creates nothing
+/// there, keeps a first-use counter's deadline and first call while it takes
+/// the count past the limit, and after the deadline finds nothing and brings
+/// nothing back, so the next charge opens a period of its own.
+///
+/// # Panics
+///
+/// When the store breaks the rule, or fails to answer.
+pub async fn add_never_creates_nor_moves_a_deadline<S: ConformanceHooks>(store: &S) -> Verdict {
+    let mut time = Timeline::new(store.expiry());
+    let period = time.period();
+
+    let never = fresh_key("add-never-charged");
+    assert_eq!(
+        add(store, time.now(), &never, 5).await,
+        None,
+        "an add on a key never charged must find no counter"
+    );
+    assert!(
+        matches!(
+            stored(store, &never).await,
+            StoredDeadline::NoCounter | StoredDeadline::Unknown
+        ),
+        "an add must never create a counter"
+    );
+    let peeked = peek(
+        store,
+        time.now(),
+        vec![first_use(&never, 10, 0, time.now() + period)],
+    )
+    .await;
+    assert_eq!(peeked[0].used, 0, "an add must never create a counter");
+    assert_eq!(peeked[0].first_call, None, "an add must not open a period");
+    let opened_at = time.now();
+    let opened = charge(
+        store,
+        opened_at,
+        vec![first_use(&never, 10, 1, opened_at + period)],
+    )
+    .await;
+    assert_eq!(
+        opened.1[0].used, 1,
+        "after an add found no counter, the first charge starts from zero"
+    );
+    time.assert_near(
+        opened.1[0].resets_at,
+        opened_at + period,
+        "after an add found no counter, the first charge opens the period",
+    );
+
+    let key = fresh_key("add");
+    let t0 = time.now();
+    let deadline = t0 + period;
+    let first = charge(store, t0, vec![first_use(&key, 10, 3, deadline)]).await;
+    assert!(
+        first.0,
+        "a first charge on an empty counter must be admitted"
+    );
+    time.pass(period / 3).await;
+    assert_eq!(
+        add(store, time.now(), &key, 4).await,
+        Some(7),
+        "an add adds to a live counter"
+    );
+    expect_deadline(store, &time, &key, deadline, "after an add").await;
+    assert_eq!(
+        add(store, time.now(), &key, 20).await,
+        Some(27),
+        "an add is not checked against the limit"
+    );
+    assert_eq!(
+        add(store, time.now(), &key, 0).await,
+        Some(27),
+        "an add of nothing reports the count"
+    );
+    expect_deadline(store, &time, &key, deadline, "after an add past the limit").await;
+    let peeked = peek(
+        store,
+        time.now(),
+        vec![first_use(&key, 10, 0, time.now() + period)],
+    )
+    .await;
+    assert_eq!(peeked[0].used, 27, "peek sees what was added");
+    time.assert_near(
+        peeked[0].resets_at,
+        deadline,
+        "an add must not move the deadline",
+    );
+    time.assert_near_opt(peeked[0].first_call, t0, "an add keeps the first call");
+    let refused = charge(
+        store,
+        time.now(),
+        vec![first_use(&key, 10, 1, time.now() + period)],
+    )
+    .await;
+    assert!(
+        !refused.0,
+        "a counter an add took past its limit refuses charges"
+    );
+    assert_eq!(refused.1[0].used, 27, "a refused charge spends nothing");
+    time.assert_near(
+        refused.1[0].resets_at,
+        deadline,
+        "an add must not move the deadline",
+    );
+
+    time.pass_beyond(deadline).await;
+    assert_eq!(
+        add(store, time.now(), &key, 1).await,
+        None,
+        "an add after the deadline must find no counter"
+    );
+    let peeked = peek(
+        store,
+        time.now(),
+        vec![first_use(&key, 10, 0, time.now() + period)],
+    )
+    .await;
+    assert_eq!(
+        peeked[0].used, 0,
+        "an add must not bring an expired counter back"
+    );
+    assert_eq!(peeked[0].first_call, None, "an add must not open a period");
+    match stored(store, &key).await {
+        StoredDeadline::At(at) if at > time.now() => {
+            panic!("an add after the deadline must not create a counter (found one, deadline {at})")
+        }
+        StoredDeadline::Undated => {
+            panic!("an add after the deadline must not create a counter (found one, undated)")
+        }
+        _ => {}
+    }
+    let reopened_at = time.now();
+    let reopened = charge(
+        store,
+        reopened_at,
+        vec![first_use(&key, 10, 1, reopened_at + period)],
+    )
+    .await;
+    assert!(
+        reopened.0,
+        "the first charge of a new period must be admitted"
+    );
+    assert_eq!(
+        reopened.1[0].used, 1,
+        "the next charge opens a fresh period"
+    );
+    time.assert_near(
+        reopened.1[0].resets_at,
+        reopened_at + period,
+        "a new period's deadline is one period from its first call",
+    );
+    Verdict::Passed
+}
+
+/// A counter found without a deadline gets one from the next admitted
+/// charge: its first call plus one period when the first call is known, else
+/// one period from now; and a counter whose period is long over starts
+/// afresh.
+///
+/// # Panics
+///
+/// When the store breaks the rule, or fails to answer.
+pub async fn undated_counter_is_healed<S: ConformanceHooks>(store: &S) -> Verdict {
+    let time = Timeline::new(store.expiry());
+    let period = time.period() * 10;
+    let now = time.now();
+
+    let known = fresh_key("undated-known");
+    let first_call = now - period / 2;
+    if store
+        .plant_undated(known.clone(), 3, Some(first_call))
+        .await
+        .unwrap_or_else(|e| panic!("the store failed to plant an undated counter: {e}"))
+        == Planted::NotApplicable
+    {
+        return Verdict::NotApplicable("the store cannot hold a counter without a deadline");
+    }
+    assert_eq!(
+        stored(store, &known).await,
+        StoredDeadline::Undated,
+        "plant_undated must leave the counter without a deadline"
+    );
+    let healed = charge(store, now, vec![first_use(&known, 10, 1, now + period)]).await;
+    assert!(
+        healed.0,
+        "a charge with room on an undated counter must be admitted"
+    );
+    assert_eq!(healed.1[0].used, 4, "healing keeps the count");
+    time.assert_near(
+        healed.1[0].resets_at,
+        first_call + period,
+        "an undated counter is dated to its first call plus one period",
+    );
+    expect_deadline(store, &time, &known, first_call + period, "after healing").await;
+
+    let unknown = fresh_key("undated-unknown");
+    store
+        .plant_undated(unknown.clone(), 5, None)
+        .await
+        .unwrap_or_else(|e| panic!("the store failed to plant an undated counter: {e}"));
+    let healed = charge(store, now, vec![first_use(&unknown, 10, 1, now + period)]).await;
+    assert_eq!(healed.1[0].used, 6, "healing keeps the count");
+    time.assert_near(
+        healed.1[0].resets_at,
+        now + period,
+        "an undated counter without a first call is dated to one period from now",
+    );
+    expect_deadline(store, &time, &unknown, now + period, "after healing").await;
+
+    let over = fresh_key("undated-over");
+    store
+        .plant_undated(over.clone(), 10, Some(now - period * 2))
+        .await
+        .unwrap_or_else(|e| panic!("the store failed to plant an undated counter: {e}"));
+    let fresh = charge(store, now, vec![first_use(&over, 10, 1, now + period)]).await;
+    assert!(
+        fresh.0,
+        "an undated counter whose period is over must not lock its subject out"
+    );
+    assert_eq!(fresh.1[0].used, 1, "a period that is over starts afresh");
+    time.assert_near(
+        fresh.1[0].resets_at,
+        now + period,
+        "the new period ends one period from now",
+    );
+
+    let calendar = fresh_key("undated-calendar");
+    store
+        .plant_undated(calendar.clone(), 2, None)
+        .await
+        .unwrap_or_else(|e| panic!("the store failed to plant an undated counter: {e}"));
+    let end = now + period;
+    let charged = charge(store, now, vec![calendar_line(&calendar, 10, 1, now, end)]).await;
+    assert_eq!(charged.1[0].used, 3, "healing keeps the count");
+    match stored(store, &calendar).await {
+        StoredDeadline::At(at) => assert!(
+            at + time.tolerance() >= end,
+            "an undated calendar counter gets a deadline no earlier than its window's end"
+        ),
+        StoredDeadline::Unknown => {}
+        other => panic!("an undated calendar counter must get a deadline (found {other:?})"),
+    }
+    Verdict::Passed
+}
+
+/// Calendar counters are distinct per window, report the window's end as
+/// their reset, and carry a deadline no earlier than that end.
+///
+/// # Panics
+///
+/// When the store breaks the rule, or fails to answer.
+pub async fn calendar_counters_are_distinct_per_period_and_dated<S: ConformanceHooks>(
+    store: &S,
+) -> Verdict {
+    let mut time = Timeline::new(store.expiry());
+    let length = time.period();
+    let namespace = fresh_namespace();
+    let subject = Subject::account("calendar");
+    let start = time.now();
+    let end = start + length;
+    let this = namespace.key(&subject, "read", "w1");
+    let next = namespace.key(&subject, "read", "w2");
+    assert_ne!(this, next, "two windows must have two keys");
+
+    for _ in 0..2 {
+        let outcome = charge(
+            store,
+            time.now(),
+            vec![calendar_line(&this, 10, 1, start, end)],
+        )
+        .await;
+        assert!(outcome.0, "a charge with room must be admitted");
+        assert_eq!(
+            outcome.1[0].resets_at, end,
+            "a calendar counter resets at its window's end"
+        );
+        assert_eq!(
+            outcome.1[0].first_call, None,
+            "calendar counters report no first call"
+        );
+    }
+    let later = charge(
+        store,
+        time.now(),
+        vec![calendar_line(&next, 10, 1, end, end + length)],
+    )
+    .await;
+    assert_eq!(later.1[0].used, 1, "the next window counts from zero");
+    assert_eq!(later.1[0].resets_at, end + length);
+    let both = peek(
+        store,
+        time.now(),
+        vec![
+            calendar_line(&this, 10, 0, start, end),
+            calendar_line(&next, 10, 0, end, end + length),
+        ],
+    )
+    .await;
+    assert_eq!(
+        (both[0].used, both[1].used),
+        (2, 1),
+        "each calendar window keeps its own count"
+    );
+
+    match stored(store, &this).await {
+        StoredDeadline::At(at) => assert!(
+            at + time.tolerance() >= end,
+            "a calendar counter must live at least until its window's end (deadline {at}, end {end})"
+        ),
+        StoredDeadline::Unknown => {
+            if time.expiry == Expiry::FollowsRequests {
+                time.pass_beyond(end).await;
+                let after = peek(store, time.now(), vec![calendar_line(&this, 10, 0, start, end)]).await;
+                assert_eq!(after[0].used, 0, "a calendar counter must end after its window");
+            }
+        }
+        other => panic!("a calendar counter must carry a deadline (found {other:?})"),
+    }
+    Verdict::Passed
+}

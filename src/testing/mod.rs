@@ -1,0 +1,129 @@
+//! The conformance suite: what every [`Store`] must do, as tests you can run
+//! against your own store.
+//!
+//! Each check drives the store through the [`Store`] trait alone and panics
+//! with a sentence naming the broken rule:
+//!
+//! - [`hits_never_extend_a_first_use_deadline`]: every write path (admitted,
+//!   refused and zero-cost charges, refunds) keeps a first-use counter's
+//!   deadline, and the period ends when it says.
+//! - [`refund_after_expiry_does_not_resurrect`]: a refund never creates a
+//!   counter.
+//! - [`add_never_creates_nor_moves_a_deadline`]: an add after the fact
+//!   ([`Store::add`]) goes past the limit if it must, but never creates a
+//!   counter, never brings an expired one back and never moves a deadline.
+//! - [`exactly_the_limit_under_concurrency`]: many tasks charging one subject
+//!   at once get exactly the limit admitted.
+//! - [`all_or_nothing_across_quotas`]: a request refused on one quota is
+//!   charged on none.
+//! - [`a_refused_charge_writes_nothing`]: a refused request leaves every
+//!   counter it names exactly as it was (count, first call, deadline, and
+//!   an undated counter undated), and creates none.
+//! - [`an_abandoned_charge_spends_nothing`]: a charge whose future is
+//!   dropped before it answered ends either not applied, or applied and
+//!   given back.
+//! - [`undated_counter_is_healed`]: a counter found without a deadline gets
+//!   one from the next admitted charge.
+//! - [`calendar_counters_are_distinct_per_period_and_dated`]: each calendar
+//!   window has its own counter, and that counter has a deadline.
+//! - [`counts_never_pass_the_limit_nor_wrap`]: at the top of `u64`, a charge
+//!   that would pass its limit is refused and an add never leaves a smaller
+//!   count: nothing wraps.
+//!
+//! A store tells the suite what it cannot be driven to do through the trait
+//! through [`ConformanceHooks`]: how its deadlines pass ([`Expiry`]), how to
+//! plant a counter without a deadline, and how to read a stored deadline.
+//! Every hook has a default, so `impl ConformanceHooks for MyStore {}` is
+//! enough to start.
+//!
+//! # Example
+//!
+//! ```
+//! use tower_quota::testing::{self, Verdict};
+//! use tower_quota::MemoryStore;
+//!
+//! # #[tokio::main(flavor = "current_thread")] async fn main() {
+//! let verdicts = testing::run_all(&MemoryStore::new()).await;
+//! assert!(verdicts.iter().any(|(_, v)| *v == Verdict::Passed));
+//! # }
+//! ```
+//!
+//! [`Store`]: crate::store::Store
+//! [`Store::add`]: crate::store::Store::add
+
+mod charges;
+mod deadlines;
+mod hooks;
+mod support;
+
+pub use self::charges::{
+    a_refused_charge_writes_nothing, all_or_nothing_across_quotas,
+    an_abandoned_charge_spends_nothing, counts_never_pass_the_limit_nor_wrap,
+    exactly_the_limit_under_concurrency,
+};
+pub use self::deadlines::{
+    add_never_creates_nor_moves_a_deadline, calendar_counters_are_distinct_per_period_and_dated,
+    hits_never_extend_a_first_use_deadline, refund_after_expiry_does_not_resurrect,
+    undated_counter_is_healed,
+};
+pub use self::hooks::{ConformanceHooks, Expiry, Planted, StoredDeadline, Verdict};
+
+/// Runs every check, in order, and returns each one's name and verdict.
+///
+/// # Panics
+///
+/// When the store breaks a rule, or fails to answer.
+pub async fn run_all<S: ConformanceHooks>(store: &S) -> Vec<(&'static str, Verdict)> {
+    vec![
+        (
+            "hits_never_extend_a_first_use_deadline",
+            hits_never_extend_a_first_use_deadline(store).await,
+        ),
+        (
+            "refund_after_expiry_does_not_resurrect",
+            refund_after_expiry_does_not_resurrect(store).await,
+        ),
+        (
+            "add_never_creates_nor_moves_a_deadline",
+            add_never_creates_nor_moves_a_deadline(store).await,
+        ),
+        (
+            "exactly_the_limit_under_concurrency",
+            exactly_the_limit_under_concurrency(store).await,
+        ),
+        (
+            "all_or_nothing_across_quotas",
+            all_or_nothing_across_quotas(store).await,
+        ),
+        (
+            "a_refused_charge_writes_nothing",
+            a_refused_charge_writes_nothing(store).await,
+        ),
+        (
+            "an_abandoned_charge_spends_nothing",
+            an_abandoned_charge_spends_nothing(store).await,
+        ),
+        (
+            "undated_counter_is_healed",
+            undated_counter_is_healed(store).await,
+        ),
+        (
+            "calendar_counters_are_distinct_per_period_and_dated",
+            calendar_counters_are_distinct_per_period_and_dated(store).await,
+        ),
+        (
+            "counts_never_pass_the_limit_nor_wrap",
+            counts_never_pass_the_limit_nor_wrap(store).await,
+        ),
+    ]
+}
+
+/// Whether a Redis Cluster connection opened through `seed` reaches every
+/// master the cluster names, within `within`: what the Redis store requires
+/// of a connection that takes a failed one's place. For the crate's own
+/// tests of the Redis store on a cluster.
+#[doc(hidden)]
+#[cfg(feature = "redis-cluster")]
+pub async fn redis_cluster_is_complete(seed: String, within: std::time::Duration) -> bool {
+    crate::store::redis::cluster_is_complete(seed, within).await
+}
