@@ -35,7 +35,7 @@
 //! use std::future::Future;
 //! use jiff::Timestamp;
 //! use tower_quota::store::{ChargeOutcome, ChargeRequest, Store, StoreError, Usage};
-//! use tower_quota::{QuotaPolicy, MemoryStore, PeriodKey};
+//! use tower_quota::{MemoryStore, PeriodKey, QuotaPolicy};
 //!
 //! #[derive(Clone, Default)]
 //! struct Counting { inner: MemoryStore, charges: Arc<AtomicU64> }
@@ -65,7 +65,7 @@
 //! use axum::{body::Body, routing::get, Router};
 //! use http::{Request, StatusCode};
 //! use tower::ServiceExt;
-//! use tower_quota::{FromHeader, QuotaLayer};
+//! use tower_quota::{FromHeader, Quota};
 //!
 //! let store = Counting::default();
 //! let app = Router::new()
@@ -252,7 +252,7 @@ impl StdError for StoreError {
 /// use axum::{body::Body, routing::get, Router};
 /// use http::{Request, StatusCode};
 /// use tower::ServiceExt;
-/// use tower_quota::{FromHeader, MemoryStore, QuotaLayer};
+/// use tower_quota::{FromHeader, MemoryStore, Quota, QuotaPolicy};
 ///
 /// # #[tokio::main(flavor = "current_thread")] async fn main() {
 /// let store = MemoryStore::new();

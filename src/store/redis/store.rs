@@ -174,7 +174,7 @@ use crate::store::{
 /// ```no_run
 /// use axum::{routing::get, Router};
 /// use tower_quota::store::RedisStore;
-/// use tower_quota::{FromHeader, QuotaLayer};
+/// use tower_quota::{FromHeader, Quota, QuotaPolicy};
 ///
 /// # async fn run() -> Result<(), tower_quota::StoreError> {
 /// let store = RedisStore::new("redis://127.0.0.1:6379/")?;
