@@ -8,10 +8,11 @@ use std::fmt;
 use std::sync::Arc;
 
 use http::request::Parts;
+use jiff::tz::TimeZone;
 use jiff::Timestamp;
 
 use crate::middleware::QuotaLayer;
-use crate::policy::{Policy, QuotaPolicy, Settings};
+use crate::policy::{InvalidRequest, Policy, QuotaPolicy, Settings};
 use crate::quota::Quota;
 use crate::status::QuotaUsage;
 use crate::store::{ChargeLine, ChargeRequest, MemoryStore, Store, StoreError};
@@ -39,6 +40,8 @@ use crate::subject::{Subject, SubjectError, SubjectExtractor};
 pub struct QuotaHandle<St = MemoryStore> {
     shared: Arc<dyn PolicyView<St>>,
     only: Option<Arc<[Quota]>>,
+    /// A caller's own zone, for its calendar quotas.
+    zone: Option<TimeZone>,
 }
 
 /// What a handle needs of its policy, whatever its subject extractor.
@@ -69,6 +72,7 @@ impl<St: Send + Sync + 'static> QuotaHandle<St> {
         Self {
             shared: policy,
             only: None,
+            zone: None,
         }
     }
 }
@@ -99,12 +103,35 @@ impl<St> QuotaHandle<St> {
         }
     }
 
+    /// The same handle for a caller in `zone`: its calendar quotas counted
+    /// in that zone, as the layers count them for a caller who names it
+    /// (see [`QuotaPolicyBuilder::time_zone`](crate::QuotaPolicyBuilder::time_zone)).
+    ///
+    /// # Panics
+    ///
+    /// When `zone` has neither an IANA name nor a fixed offset.
+    #[must_use]
+    pub fn in_zone(&self, zone: TimeZone) -> Self {
+        assert!(
+            crate::period::is_nameable(&zone),
+            "a caller's time zone needs an IANA name or a fixed offset, got {zone:?}"
+        );
+        Self {
+            zone: Some(zone),
+            ..self.clone()
+        }
+    }
+
     /// The quotas this handle sees: for a policy's handle, those of every
-    /// layer built so far.
+    /// layer built so far; in the handle's zone, if it has one.
     pub fn quotas(&self) -> Vec<Quota> {
-        match &self.only {
+        let quotas = match &self.only {
             Some(quotas) => quotas.to_vec(),
             None => self.shared.quotas(),
+        };
+        match &self.zone {
+            Some(zone) => quotas.iter().map(|q| q.in_callers_zone(zone)).collect(),
+            None => quotas,
         }
     }
 
@@ -166,9 +193,33 @@ impl<St: Store> QuotaHandle<St> {
     pub async fn standing(&self, parts: &Parts) -> Result<Vec<QuotaUsage>, StandingError> {
         let subject = self.subject_of(parts).map_err(StandingError::Subject)?;
         let plan = self.plan_of(parts);
-        self.usage_on_plan(&subject, plan.as_deref())
+        let zone = self.zone_of(parts).map_err(StandingError::Zone)?;
+        let handle = match zone {
+            Some(zone) => self.in_zone(zone),
+            None => self.clone(),
+        };
+        handle
+            .usage_on_plan(&subject, plan.as_deref())
             .await
             .map_err(StandingError::Store)
+    }
+
+    /// The caller's own time zone the policy reads from a request with head
+    /// `parts`, if it reads one and the request names one.
+    ///
+    /// # Errors
+    ///
+    /// When the request names a zone that cannot be used (the layers answer
+    /// 400).
+    pub fn zone_of(&self, parts: &Parts) -> Result<Option<TimeZone>, InvalidRequest> {
+        match self.settings().zone.as_ref().map(|zone| zone(parts)) {
+            None | Some(Ok(None)) => Ok(None),
+            Some(Ok(Some(zone))) if crate::period::is_nameable(&zone) => Ok(Some(zone)),
+            Some(Ok(Some(_))) => Err(InvalidRequest::new(
+                "The time zone has neither an IANA name nor a fixed offset.",
+            )),
+            Some(Err(error)) => Err(error),
+        }
     }
 
     /// Where `subject` stands on every quota now, against each quota's own
@@ -321,6 +372,7 @@ impl<St> Clone for QuotaHandle<St> {
         Self {
             shared: Arc::clone(&self.shared),
             only: self.only.clone(),
+            zone: self.zone.clone(),
         }
     }
 }
@@ -339,6 +391,8 @@ impl<St: fmt::Debug> fmt::Debug for QuotaHandle<St> {
 pub enum StandingError {
     /// The request names no usable subject.
     Subject(SubjectError),
+    /// The request names a time zone that cannot be used.
+    Zone(InvalidRequest),
     /// The store failed.
     Store(StoreError),
 }
@@ -347,6 +401,7 @@ impl fmt::Display for StandingError {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         match self {
             Self::Subject(error) => error.fmt(f),
+            Self::Zone(error) => error.fmt(f),
             Self::Store(error) => write!(f, "the quota store failed: {error}"),
         }
     }
@@ -356,6 +411,7 @@ impl std::error::Error for StandingError {
     fn source(&self) -> Option<&(dyn std::error::Error + 'static)> {
         match self {
             Self::Subject(error) => Some(error),
+            Self::Zone(error) => Some(error),
             Self::Store(error) => Some(error),
         }
     }

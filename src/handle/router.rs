@@ -20,7 +20,7 @@ impl<St: Store> QuotaHandle<St> {
     /// The handle as an axum router, to mount behind the application's own
     /// admin authentication (it checks none itself):
     ///
-    /// - `GET /quota/{kind}/{id}[?plan=P]`: every allowance of the subject,
+    /// - `GET /quota/{kind}/{id}[?plan=P][&zone=Z]`: every allowance of the subject,
     ///   as `{"subject":{"kind","id"},"allowances":[{"allowance","name",
     ///   "limit","used","remaining","resets_at","anchor","first_call",
     ///   "reset"}]}`, with RFC 3339 instants, `anchor` `calendar` or
@@ -32,6 +32,9 @@ impl<St: Store> QuotaHandle<St> {
     ///   (its current counters are deleted); answers the subject's standing.
     /// - `POST /refund/{kind}/{id}/{allowance}?amount=N`: gives back `N`
     ///   units of it; answers the subject's standing.
+    /// - Every route takes `?zone=Z` (an IANA name), the caller's own zone
+    ///   for a policy that reads one: the calendar counters of that zone
+    ///   are the ones shown, reset or refunded.
     ///
     /// Errors are `application/problem+json`: 400 for a malformed kind, id or
     /// amount (an id the layers would refuse: empty, all whitespace, longer
@@ -85,13 +88,34 @@ async fn show<St: Store>(
         Ok(subject) => subject,
         Err(response) => return response,
     };
+    let handle = match zoned(&handle, query.as_deref()) {
+        Ok(handle) => handle,
+        Err(response) => return response,
+    };
     let plan = param(query.as_deref(), "plan");
     standing(&handle, &subject, plan.as_deref()).await
+}
+
+/// The handle in the caller's zone that `?zone=` names (an IANA name), or
+/// as it is.
+#[allow(clippy::result_large_err)]
+fn zoned<St>(handle: &QuotaHandle<St>, query: Option<&str>) -> Result<QuotaHandle<St>, Response> {
+    let Some(name) = param(query, "zone") else {
+        return Ok(handle.clone());
+    };
+    match jiff::tz::TimeZone::get(&name) {
+        Ok(zone) if zone.iana_name().is_some() => Ok(handle.in_zone(zone)),
+        _ => Err(problem(
+            StatusCode::BAD_REQUEST,
+            "?zone= names an IANA time zone, e.g. Europe/Berlin",
+        )),
+    }
 }
 
 async fn reset<St: Store>(
     State(handle): State<QuotaHandle<St>>,
     path: Result<Path<(String, String, String)>, PathRejection>,
+    RawQuery(query): RawQuery,
 ) -> Response {
     let (kind, id, allowance) = match segments(path) {
         Ok(segments) => segments,
@@ -99,6 +123,10 @@ async fn reset<St: Store>(
     };
     let subject = match subject(&handle, &kind, &id) {
         Ok(subject) => subject,
+        Err(response) => return response,
+    };
+    let handle = match zoned(&handle, query.as_deref()) {
+        Ok(handle) => handle,
         Err(response) => return response,
     };
     match handle.reset_allowance(&subject, &allowance).await {
@@ -127,6 +155,10 @@ async fn refund<St: Store>(
     };
     let subject = match subject(&handle, &kind, &id) {
         Ok(subject) => subject,
+        Err(response) => return response,
+    };
+    let handle = match zoned(&handle, query.as_deref()) {
+        Ok(handle) => handle,
         Err(response) => return response,
     };
     let Some(amount) = param(query.as_deref(), "amount").and_then(|a| a.parse::<u64>().ok()) else {
@@ -251,11 +283,13 @@ fn problem(status: StatusCode, detail: &str) -> Response {
 }
 
 impl axum::response::IntoResponse for StandingError {
-    /// 401 or 400 for the subject, as the layers answer; 503 for the store,
+    /// 401 or 400 for the subject and 400 for the zone, as the layers
+    /// answer; 503 for the store,
     /// whose details go to the logs only.
     fn into_response(self) -> Response {
         match self {
             StandingError::Subject(error) => error.into_response(),
+            StandingError::Zone(error) => problem(StatusCode::BAD_REQUEST, error.reason()),
             StandingError::Store(error) => unavailable(&error),
         }
     }

@@ -99,6 +99,9 @@ pub(crate) struct Pending<S, E, St: Store, ReqBody> {
 pub(crate) struct Charged<E, St> {
     bound: Arc<Bound<E, St>>,
     lines: Arc<[Line]>,
+    /// Whether the lines are the layer's own quotas, all of them, in their
+    /// zone: then the layer's cache of the policy field applies.
+    own_quotas: bool,
     now: Timestamp,
     spread: u64,
 }
@@ -185,6 +188,7 @@ where
     let settings = &bound.policy.settings;
     match charge::decide(&charge, settings, answer) {
         Decision::Admit(lines) => {
+            let own_quotas = Arc::ptr_eq(&charge.quotas, &bound.scope.quotas);
             let now = charge.ticket.now;
             let spread = charge.caller().spread;
             charge.ticket.charges.push(Arc::clone(&lines));
@@ -202,6 +206,7 @@ where
                 charged: Some(Charged {
                     bound,
                     lines,
+                    own_quotas,
                     now,
                     spread,
                 }),
@@ -373,13 +378,9 @@ impl<E, St: Store> Charged<E, St> {
             .iter()
             .enumerate()
             .map(|(i, line)| (&line.quota, usage(i)));
-        RateLimitFields::new(
-            entries,
-            self.now,
-            Some(&self.bound.scope.fields),
-            self.spread,
-        )
-        .prepend_to(response.headers_mut());
+        let cache = self.own_quotas.then_some(&self.bound.scope.fields);
+        RateLimitFields::new(entries, self.now, cache, self.spread)
+            .prepend_to(response.headers_mut());
         response
     }
 }

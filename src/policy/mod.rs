@@ -362,6 +362,13 @@ impl<E, St> QuotaPolicyBuilder<E, St> {
     /// The zone must have an IANA name or a fixed offset (it names the
     /// calendar window in the counter's key); any other is refused with 400.
     ///
+    /// Each zone counts on counters of its own, so read the zone from what
+    /// the caller cannot change at will (its account's settings, set by an
+    /// authentication layer): a client free to name any zone per request
+    /// could spend its daily allowance once in each zone. The support
+    /// handle reaches a caller's counters with
+    /// [`QuotaHandle::in_zone`](crate::QuotaHandle::in_zone).
+    ///
     /// ```
     /// use tower_quota::jiff::tz::TimeZone;
     /// use tower_quota::{FromHeader, InvalidRequest, QuotaPolicy};

@@ -1,0 +1,297 @@
+//! Per-caller time zones: a policy reads each caller's zone, and the
+//! caller's calendar quotas turn at the caller's midnight, on counters of
+//! that zone, DST days included.
+
+mod demo_server;
+
+use axum::body::Body;
+use axum::routing::get;
+use axum::Router;
+use http::{Request, Response, StatusCode};
+use tower::ServiceExt;
+use tower_quota::jiff::tz::TimeZone;
+use tower_quota::jiff::{SignedDuration, Timestamp};
+use tower_quota::{
+    FromHeader, InvalidRequest, ManualClock, Quota, QuotaPolicy, QuotaStatus, Subject,
+};
+
+fn at(s: &str) -> Timestamp {
+    s.parse().unwrap()
+}
+
+/// A daily quota of 2 per account, each caller's day in the zone its
+/// `x-time-zone` header names (absent: UTC).
+fn app(clock: &ManualClock) -> (Router, QuotaPolicy<FromHeader>) {
+    let policy = QuotaPolicy::builder(FromHeader::account("x-account-id"))
+        .clock(clock.clone())
+        .time_zone(|parts| {
+            let Some(value) = parts.headers.get("x-time-zone") else {
+                return Ok(None);
+            };
+            let name = value
+                .to_str()
+                .map_err(|_| InvalidRequest::new("x-time-zone is not text"))?;
+            TimeZone::get(name)
+                .map(Some)
+                .map_err(|_| InvalidRequest::new(format!("unknown time zone {name:?}")))
+        })
+        .build();
+    let names = |status: QuotaStatus| async move {
+        status
+            .entries()
+            .iter()
+            .map(|e| e.key().as_str().to_owned())
+            .collect::<Vec<_>>()
+            .join(",")
+    };
+    let app = Router::new()
+        .route("/", get(names))
+        .layer(policy.layer(Quota::daily(2)));
+    (app, policy)
+}
+
+async fn send(app: &Router, account: &str, zone: Option<&str>) -> Response<Body> {
+    let mut request = Request::get("/").header("x-account-id", account);
+    if let Some(zone) = zone {
+        request = request.header("x-time-zone", zone);
+    }
+    app.clone()
+        .oneshot(request.body(Body::empty()).unwrap())
+        .await
+        .unwrap()
+}
+
+fn field<'a>(response: &'a Response<Body>, name: &str) -> &'a str {
+    response.headers()[name].to_str().unwrap()
+}
+
+async fn body(response: Response<Body>) -> String {
+    let bytes = axum::body::to_bytes(response.into_body(), 1 << 16)
+        .await
+        .unwrap();
+    String::from_utf8(bytes.to_vec()).unwrap()
+}
+
+/// The caller's day in Berlin on a day of `hours` hours that starts at
+/// `start` (UTC): its window, its counter, its reset.
+async fn a_berlin_day(start: &str, hours: i64) {
+    let start = at(start);
+    let clock = ManualClock::new(start + SignedDuration::from_mins(30));
+    let (app, _) = app(&clock);
+    let berlin = Some("Europe/Berlin");
+
+    let first = send(&app, "acme", berlin).await;
+    assert_eq!(first.status(), StatusCode::OK);
+    assert_eq!(
+        field(&first, "ratelimit-policy"),
+        format!("\"default-day\";q=2;w={}", hours * 3_600)
+    );
+    let left = hours * 3_600 - 30 * 60;
+    assert_eq!(
+        field(&first, "ratelimit"),
+        format!("\"default-day\";r=1;t={left}")
+    );
+    assert!(body(first).await.ends_with("[Europe/Berlin]"));
+    assert_eq!(send(&app, "acme", berlin).await.status(), StatusCode::OK);
+    assert_eq!(
+        send(&app, "acme", berlin).await.status(),
+        StatusCode::TOO_MANY_REQUESTS
+    );
+
+    // A second before the caller's midnight: still the same day.
+    clock.set(start + SignedDuration::from_hours(hours) - SignedDuration::from_secs(1));
+    let refused = send(&app, "acme", berlin).await;
+    assert_eq!(refused.status(), StatusCode::TOO_MANY_REQUESTS);
+    assert_eq!(refused.headers()["retry-after"], "1");
+    // The caller's midnight: a fresh day.
+    clock.set(start + SignedDuration::from_hours(hours));
+    assert_eq!(send(&app, "acme", berlin).await.status(), StatusCode::OK);
+}
+
+#[tokio::test]
+async fn a_callers_day_of_23_hours_when_clocks_go_forward() {
+    // 2026-03-29 in Berlin: from 00:00 CET (23:00 UTC the day before) to
+    // 00:00 CEST (22:00 UTC).
+    a_berlin_day("2026-03-28T23:00:00Z", 23).await;
+}
+
+#[tokio::test]
+async fn a_callers_day_of_25_hours_when_clocks_go_back() {
+    // 2026-10-25 in Berlin: from 00:00 CEST (22:00 UTC the day before) to
+    // 00:00 CET (23:00 UTC).
+    a_berlin_day("2026-10-24T22:00:00Z", 25).await;
+}
+
+#[tokio::test]
+async fn callers_in_different_zones_turn_at_their_own_midnight() {
+    // 23:30 UTC: already the 3rd in Tokyo, still the 2nd in UTC and New
+    // York.
+    let clock = ManualClock::new(at("2026-12-02T23:30:00Z"));
+    let (app, policy) = app(&clock);
+    for _ in 0..2 {
+        assert_eq!(
+            send(&app, "tokyo-co", Some("Asia/Tokyo")).await.status(),
+            StatusCode::OK
+        );
+        assert_eq!(send(&app, "utc-co", None).await.status(), StatusCode::OK);
+    }
+    let tokyo = send(&app, "tokyo-co", Some("Asia/Tokyo")).await;
+    assert_eq!(tokyo.status(), StatusCode::TOO_MANY_REQUESTS);
+    // Tokyo's next midnight is 15:00 UTC on the 3rd.
+    assert_eq!(
+        tokyo.headers()["retry-after"],
+        (15 * 3_600 + 30 * 60).to_string()
+    );
+    let utc = send(&app, "utc-co", None).await;
+    assert_eq!(utc.headers()["retry-after"], (30 * 60).to_string());
+
+    // Past UTC midnight: the UTC caller's day turned, Tokyo's did not.
+    clock.advance(SignedDuration::from_mins(30));
+    assert_eq!(send(&app, "utc-co", None).await.status(), StatusCode::OK);
+    assert_eq!(
+        send(&app, "tokyo-co", Some("Asia/Tokyo")).await.status(),
+        StatusCode::TOO_MANY_REQUESTS
+    );
+
+    // Support sees the caller's own counter in the caller's zone.
+    let tokyo_zone = TimeZone::get("Asia/Tokyo").unwrap();
+    let usage = policy
+        .handle()
+        .in_zone(tokyo_zone.clone())
+        .usage(&Subject::account("tokyo-co"))
+        .await
+        .unwrap();
+    assert_eq!(usage[0].used(), 2);
+    assert!(usage[0].key().as_str().ends_with(":2026-12-03[Asia/Tokyo]"));
+    assert!(
+        usage[0].explain_reset().contains("+09:00[Asia/Tokyo]"),
+        "{}",
+        usage[0].explain_reset()
+    );
+    // A reset in the caller's zone gives the caller its day back.
+    policy
+        .handle()
+        .in_zone(tokyo_zone)
+        .reset(&Subject::account("tokyo-co"))
+        .await
+        .unwrap();
+    assert_eq!(
+        send(&app, "tokyo-co", Some("Asia/Tokyo")).await.status(),
+        StatusCode::OK
+    );
+}
+
+#[tokio::test]
+async fn an_unknown_or_malformed_zone_is_a_400_and_charges_nothing() {
+    let clock = ManualClock::new(at("2026-12-02T10:00:00Z"));
+    let (app, policy) = app(&clock);
+    for zone in [
+        "Mars/Olympus_Mons",
+        "../../etc/passwd",
+        "",
+        "Europe/Berlin\u{0}",
+    ] {
+        let mut request = Request::get("/").header("x-account-id", "acme");
+        if let Ok(value) = http::HeaderValue::from_str(zone) {
+            request = request.header("x-time-zone", value);
+        } else {
+            continue;
+        }
+        let response = app
+            .clone()
+            .oneshot(request.body(Body::empty()).unwrap())
+            .await
+            .unwrap();
+        assert_eq!(response.status(), StatusCode::BAD_REQUEST, "{zone:?}");
+        assert_eq!(
+            response.headers()["content-type"],
+            "application/problem+json"
+        );
+        assert!(!response.headers().contains_key("ratelimit"));
+    }
+    let latin1 = Request::get("/")
+        .header("x-account-id", "acme")
+        .header(
+            "x-time-zone",
+            http::HeaderValue::from_bytes(b"Europe/Z\xfcrich").unwrap(),
+        )
+        .body(Body::empty())
+        .unwrap();
+    let response = app.clone().oneshot(latin1).await.unwrap();
+    assert_eq!(response.status(), StatusCode::BAD_REQUEST);
+    let usage = policy
+        .handle()
+        .usage(&Subject::account("acme"))
+        .await
+        .unwrap();
+    assert_eq!(usage[0].used(), 0, "nothing charged");
+}
+
+#[test]
+#[should_panic(expected = "would count on one counter")]
+fn quotas_that_only_their_zones_tell_apart_are_refused_when_callers_name_zones() {
+    let policy = QuotaPolicy::builder(FromHeader::account("x-account-id"))
+        .time_zone(|_| Ok(None))
+        .build();
+    let _utc = policy.layer(Quota::daily(10));
+    let _berlin =
+        policy.layer(Quota::daily(20).in_time_zone(TimeZone::get("Europe/Berlin").unwrap()));
+}
+
+#[tokio::test]
+async fn the_demo_server_reads_the_callers_zone_from_a_header() {
+    let server = demo_server::start(&[
+        "--limit",
+        "2",
+        "--period",
+        "1d",
+        "--tz",
+        "America/New_York",
+        "--zone-header",
+        "x-time-zone",
+    ]);
+    let call = |headers: &'static [(&'static str, &'static str)]| {
+        let addr = server.addr.clone();
+        async move { demo_server::call(&addr, "GET", "/read", headers).await }
+    };
+    let tokyo: &[(&str, &str)] = &[("x-account-id", "acme"), ("x-time-zone", "Asia/Tokyo")];
+    let first = call(tokyo).await;
+    assert_eq!(first.status, 200);
+    let quota = demo_server::call(&server.addr, "GET", "/quota", tokyo).await;
+    let json: serde_json::Value = serde_json::from_str(&quota.body).unwrap();
+    assert!(
+        json["read"]["resets_at"]
+            .as_str()
+            .unwrap()
+            .ends_with("T15:00:00Z"),
+        "Tokyo's midnight: {}",
+        json["read"]["resets_at"]
+    );
+    assert_eq!(json["read"]["used"], 1);
+
+    // Absent: --tz, New York's midnight, a counter of its own.
+    let new_york =
+        demo_server::call(&server.addr, "GET", "/quota", &[("x-account-id", "acme")]).await;
+    let json: serde_json::Value = serde_json::from_str(&new_york.body).unwrap();
+    assert_eq!(json["read"]["used"], 0);
+    let resets_at = json["read"]["resets_at"].as_str().unwrap();
+    assert!(
+        resets_at.ends_with("T05:00:00Z") || resets_at.ends_with("T04:00:00Z"),
+        "New York's midnight: {resets_at}"
+    );
+
+    // Unknown: 400, a problem document, nothing charged.
+    let unknown = call(&[("x-account-id", "acme"), ("x-time-zone", "Mars/Base")]).await;
+    assert_eq!(unknown.status, 400);
+    assert_eq!(
+        unknown.header("content-type"),
+        Some("application/problem+json")
+    );
+    let json: serde_json::Value = serde_json::from_str(
+        &demo_server::call(&server.addr, "GET", "/quota", tokyo)
+            .await
+            .body,
+    )
+    .unwrap();
+    assert_eq!(json["read"]["used"], 1);
+}
