@@ -58,7 +58,7 @@ impl Namespace {
 
     /// The key of one counter.
     pub fn key(&self, subject: &Subject, allowance: &str, period: &str) -> PeriodKey {
-        let mut key = KeyText::default();
+        let mut key = Text::default();
         key.push_str(&self.prefix);
         key.push_str(":{");
         push_encoded(&mut key, subject.kind().as_str().as_bytes());
@@ -90,7 +90,7 @@ const PLAIN: [bool; 256] = {
     plain
 };
 
-fn push_encoded(out: &mut KeyText, bytes: &[u8]) {
+fn push_encoded(out: &mut Text, bytes: &[u8]) {
     // Most ids need no escaping at all.
     if bytes.iter().all(|&b| PLAIN[usize::from(b)]) {
         if let Ok(text) = std::str::from_utf8(bytes) {
@@ -101,15 +101,16 @@ fn push_encoded(out: &mut KeyText, bytes: &[u8]) {
     write!(out, "{}", percent_encode(bytes, PART)).expect("writing a key cannot fail")
 }
 
-/// A key being written: on the stack while it is short (nearly always), so
-/// the key's only allocation is its shared text.
-struct KeyText {
+/// Text being written (a key, a field value): on the stack while it is
+/// short (nearly always), so that its only allocation is the final copy, of
+/// its exact size.
+pub(crate) struct Text {
     short: [u8; 192],
     len: usize,
     long: Option<String>,
 }
 
-impl Default for KeyText {
+impl Default for Text {
     fn default() -> Self {
         Self {
             short: [0; 192],
@@ -119,8 +120,8 @@ impl Default for KeyText {
     }
 }
 
-impl KeyText {
-    fn push_str(&mut self, text: &str) {
+impl Text {
+    pub(crate) fn push_str(&mut self, text: &str) {
         if let Some(long) = &mut self.long {
             long.push_str(text);
             return;
@@ -137,6 +138,13 @@ impl KeyText {
         }
     }
 
+    pub(crate) fn as_bytes(&self) -> &[u8] {
+        match &self.long {
+            Some(long) => long.as_bytes(),
+            None => &self.short[..self.len],
+        }
+    }
+
     fn as_str(&self) -> &str {
         match &self.long {
             Some(long) => long,
@@ -146,7 +154,7 @@ impl KeyText {
     }
 }
 
-impl fmt::Write for KeyText {
+impl fmt::Write for Text {
     fn write_str(&mut self, text: &str) -> std::fmt::Result {
         self.push_str(text);
         Ok(())

@@ -166,7 +166,7 @@ impl RateLimitFields {
             None => policy_value(quotas, windows()),
         };
         let mut digits = itoa::Buffer::new();
-        let mut limit = String::with_capacity(40);
+        let mut limit = crate::key::Text::default();
         for (i, (quota, usage)) in entries.enumerate() {
             if i > 0 {
                 limit.push_str(", ");
@@ -179,7 +179,8 @@ impl RateLimitFields {
                 seconds_until(now, usage.resets_at).saturating_add(quota.spread_for(subject));
             limit.push_str(digits.format(wait));
         }
-        let limit = HeaderValue::from_maybe_shared(Bytes::from(limit))
+        // One allocation, of the value's exact size.
+        let limit = HeaderValue::from_maybe_shared(Bytes::copy_from_slice(limit.as_bytes()))
             .expect("quota names are printable ASCII");
         Self { policy, limit }
     }

@@ -8,6 +8,7 @@ use std::sync::{Arc, OnceLock};
 
 use jiff::tz::TimeZone;
 use jiff::Timestamp;
+use smallvec::SmallVec;
 
 use crate::key::PeriodKey;
 use crate::period::Anchor;
@@ -140,8 +141,8 @@ impl QuotaUsage {
 #[derive(Clone, Default)]
 pub struct QuotaStatus {
     /// One per policy whose layers the request passed, in the order it met
-    /// them.
-    tickets: Vec<Ticket>,
+    /// them (nearly always one).
+    tickets: SmallVec<[Ticket; 1]>,
     /// What the handler reads, built on first use: most handlers never look.
     entries: OnceLock<Vec<QuotaUsage>>,
 }
@@ -215,9 +216,12 @@ pub(crate) struct Ticket {
     /// under fail-open): its inner layers pass it too.
     pub(crate) caller: Option<Caller>,
     /// What the policy's layers charged, one entry per layer, outer layers
-    /// first.
-    pub(crate) charges: Vec<Arc<[Line]>>,
+    /// first (seldom more than two).
+    pub(crate) charges: Charges,
 }
+
+/// The lines a policy's layers charged for a request, one entry per layer.
+pub(crate) type Charges = SmallVec<[Arc<[Line]>; 2]>;
 
 impl Ticket {
     /// Every line charged, outer layers first.

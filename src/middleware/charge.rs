@@ -88,7 +88,7 @@ pub(crate) fn plan<E: SubjectExtractor, St>(bound: &Bound<E, St>, parts: &Parts)
                     policy: policy.id,
                     now,
                     caller: Some(caller),
-                    charges: Vec::new(),
+                    charges: Default::default(),
                 },
                 Ok(None) => {
                     crate::metrics::skipped(&bound.scope.quotas);
@@ -107,7 +107,7 @@ pub(crate) fn uncounted(policy: u64, now: Timestamp) -> Ticket {
         policy,
         now,
         caller: None,
-        charges: Vec::new(),
+        charges: Default::default(),
     }
 }
 

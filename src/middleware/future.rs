@@ -15,7 +15,7 @@ use super::layer::Bound;
 use crate::body::ResponseBody;
 use crate::quota::Quota;
 use crate::response::RateLimitFields;
-use crate::status::{Line, QuotaStatus};
+use crate::status::{Charges, Line, QuotaStatus};
 use crate::store::{Store, StoreError, StoreErrorKind, Usage};
 use crate::throttle::Throttle;
 
@@ -49,8 +49,8 @@ pin_project! {
             start: Option<crate::store::ChargeRequest>,
             #[pin]
             charge: Option<St::ChargeFuture>,
-            #[pin]
-            timeout: Option<Sleep>,
+            // Armed only for a store that does not answer at once.
+            timeout: Option<Pin<Box<Sleep>>>,
             pending: Option<Pending<S, E, St, ReqBody>>,
             timer: crate::metrics::ChargeTimer,
         },
@@ -76,7 +76,7 @@ pin_project! {
         // the refusal is answered.
         Refusing {
             adjust: Adjusting,
-            refusal: Option<Refusing<E, St>>,
+            refusal: Option<Box<Refusing<E, St>>>,
         },
         Rejected {
             response: Option<Response<Bytes>>,
@@ -250,7 +250,7 @@ fn refusing<S, E, St, ReqBody>(
     charge: Charge,
     refusal: crate::response::Refusal,
     usage: Vec<Usage>,
-    outer: Vec<Arc<[Line]>>,
+    outer: Charges,
 ) -> State<S, E, St, ReqBody>
 where
     S: Service<Request<ReqBody>>,
@@ -260,19 +260,19 @@ where
     let adjust = give_back(bound.policy.store.clone(), now, outer);
     State::Refusing {
         adjust,
-        refusal: Some(Refusing {
+        refusal: Some(Box::new(Refusing {
             bound,
             charge,
             refusal,
             usage,
-        }),
+        })),
     }
 }
 
 /// Gives the lines of `charges` back, each at most once (a line another
 /// layer gave back already is left alone), and only to the counter that was
 /// charged. Answers per line, in order, what its counter holds afterwards.
-fn give_back<St: Store>(store: St, now: Timestamp, charges: Vec<Arc<[Line]>>) -> Adjusting {
+fn give_back<St: Store>(store: St, now: Timestamp, charges: Charges) -> Adjusting {
     let lines = || charges.iter().flat_map(|charge| charge.iter());
     let claimed: Vec<bool> = lines()
         .map(|line| line.claim_give_back() && line.is_live(now) && line.cost > 0)
@@ -345,13 +345,13 @@ fn apply<St: Store>(
 /// The lines a pending charge found charged further out, given back if the
 /// request is dropped before the store answers.
 struct GiveBackOnDrop<E, St: Store> {
-    charges: Vec<Arc<[Line]>>,
+    charges: Charges,
     bound: Arc<Bound<E, St>>,
 }
 
 impl<E, St: Store> GiveBackOnDrop<E, St> {
     /// The lines, no longer given back on drop.
-    fn disarm(mut self) -> Vec<Arc<[Line]>> {
+    fn disarm(mut self) -> Charges {
         std::mem::take(&mut self.charges)
     }
 }
@@ -399,7 +399,7 @@ where
                 StateProj::Charging {
                     start,
                     mut charge,
-                    mut timeout,
+                    timeout,
                     pending,
                     timer,
                 } => {
@@ -415,17 +415,15 @@ where
                         Poll::Ready(answer) => answer,
                         Poll::Pending => {
                             // Stores that answer at once never arm a timer.
-                            if let (None, Some(limit)) =
-                                (timeout.as_ref().as_pin_ref(), store_timeout)
-                            {
+                            if let (None, Some(limit)) = (timeout.as_ref(), store_timeout) {
                                 if tokio::runtime::Handle::try_current().is_ok() {
-                                    timeout.set(Some(tokio::time::sleep(limit)));
+                                    *timeout = Some(Box::pin(tokio::time::sleep(limit)));
                                 }
                             }
-                            let Some(sleep) = timeout.as_pin_mut() else {
+                            let Some(sleep) = timeout.as_mut() else {
                                 return Poll::Pending;
                             };
-                            ready!(sleep.poll(cx));
+                            ready!(sleep.as_mut().poll(cx));
                             Err(StoreError::new(
                                 StoreErrorKind::Timeout,
                                 "the quota store did not answer in time",
@@ -504,7 +502,7 @@ where
                         charge,
                         refusal,
                         usage,
-                    } = refusal.take().expect("polled after completion");
+                    } = *refusal.take().expect("polled after completion");
                     let outer: Vec<(Quota, Usage)> = charge
                         .ticket
                         .lines()
