@@ -75,7 +75,7 @@ where
         self.inner.poll_ready(cx)
     }
 
-    /// Decides what this layer charges (see [`charge::plan`]), then passes,
+    /// Decides what this layer charges (see `charge::plan`), then passes,
     /// rejects, or charges and lets the future call the inner service.
     fn call(&mut self, request: Request<ReqBody>) -> Self::Future {
         let (mut parts, body) = request.into_parts();

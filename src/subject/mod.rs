@@ -273,7 +273,7 @@ impl std::error::Error for SubjectError {}
 ///
 /// Implement it for your own type, or wrap a closure with [`from_fn`]. The
 /// layer then rejects empty ids and ids longer than its bound
-/// ([`QuotaLayer::max_subject_len`](crate::QuotaLayer::max_subject_len)), so an
+/// ([`QuotaPolicyBuilder::max_subject_len`](crate::QuotaPolicyBuilder::max_subject_len)), so an
 /// extractor need not check those.
 ///
 /// ```

@@ -312,7 +312,7 @@ impl RedisStore {
 
     /// A clock that reads the Redis server's time: the local clock plus the
     /// offset to the server's `TIME`, measured now and again every
-    /// `refresh`. Give it to the layer ([`QuotaLayer::clock`]) so that all
+    /// `refresh`. Give it to the policy ([`QuotaPolicyBuilder::clock`]) so that all
     /// instances agree on calendar windows even when their own clocks are
     /// skewed.
     ///
@@ -328,7 +328,7 @@ impl RedisStore {
     ///
     /// When the first reading fails.
     ///
-    /// [`QuotaLayer::clock`]: crate::QuotaLayer::clock
+    /// [`QuotaPolicyBuilder::clock`]: crate::QuotaPolicyBuilder::clock
     pub async fn server_clock(&self, refresh: Duration) -> Result<ServerClock, StoreError> {
         let offset = Arc::new(AtomicI64::new(self.server_offset().await?));
         let weak = Arc::downgrade(&offset);
