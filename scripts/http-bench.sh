@@ -62,7 +62,8 @@ if [ ${#missing[@]} -gt 0 ]; then
 fi
 
 cargo build --release --features redis --example server --example redis_floor
-server=target/release/examples/server
+examples=${CARGO_TARGET_DIR:-target}/release/examples
+server=$examples/server
 
 work=$(mktemp -d)
 pids=()
@@ -109,8 +110,8 @@ start_server() { # name, program, args...
 measured off && start_server off "$server" --limit 1000000000 --quota off
 measured memory && start_server memory "$server" --limit 1000000000 --store memory
 measured redis && start_server redis "$server" --limit 1000000000 --store "redis://127.0.0.1:$redis_port/"
-measured floor && start_server floor target/release/examples/redis_floor --redis "redis://127.0.0.1:$redis_port/"
-measured floor-eval && start_server floor-eval target/release/examples/redis_floor --redis "redis://127.0.0.1:$redis_port/" --eval
+measured floor && start_server floor "$examples/redis_floor" --redis "redis://127.0.0.1:$redis_port/"
+measured floor-eval && start_server floor-eval "$examples/redis_floor" --redis "redis://127.0.0.1:$redis_port/" --eval
 
 cat >"$work/subjects.lua" <<EOF
 math.randomseed(os.time())
