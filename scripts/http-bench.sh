@@ -11,6 +11,7 @@
 #   BENCH_CONNECTIONS=64 BENCH_SUBJECTS=10000 BENCH_THREADS=2 scripts/http-bench.sh
 #   BENCH_STORES=off,memory scripts/http-bench.sh   # some of the servers only
 #   BENCH_STORES=off,redis,floor scripts/http-bench.sh
+#   BENCH_STORES=off,memory,governor scripts/http-bench.sh
 #
 # `floor` is no quota: the `redis_floor` example, which sends one `INCR` per
 # request on a multiplexed redis-rs connection (`floor-eval`: an `EVALSHA`
@@ -18,14 +19,20 @@
 # costs. It shows how much of the Redis server's gap to `off` is the round
 # trip itself.
 #
+# `governor` is another rate limiter: the `governor_server` example, the same
+# route behind a tower_governor layer (a GCRA per account in memory) keyed by
+# the same header, with a limit nothing here reaches. It shows how the memory
+# store compares with a rate limiter that keeps one state per key in memory.
+#
 # Installs Debian's wrk, redis-server and redis-tools when they are missing
 # (redis-server and redis-tools only when the Redis server is measured).
 # Prints one line per round and server (requests per second, and the CPU
 # time per request of the server, of redis-server and of wrk, read from
 # /proc and from the shell's `times`), each round's ratios "quota on / quota
-# off", then the medians: the median of the rounds' ratios is the headline
-# (every other round runs the servers in the opposite order), the ratio of
-# the median rates is printed beside it.
+# off" (and "memory / governor" when both are measured), then the medians:
+# the median of the rounds' ratios is the headline (every other round runs
+# the servers in the opposite order), the ratio of the median rates is
+# printed beside it.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
@@ -37,9 +44,9 @@ threads=${BENCH_THREADS:-2}
 IFS=, read -r -a stores <<<"${BENCH_STORES:-off,memory,redis}"
 for name in "${stores[@]}"; do
     case $name in
-    off | memory | redis | floor | floor-eval) ;;
+    off | memory | redis | floor | floor-eval | governor) ;;
     *)
-        echo "BENCH_STORES: unknown server $name (off, memory, redis, floor, floor-eval)" >&2
+        echo "BENCH_STORES: unknown server $name (off, memory, redis, floor, floor-eval, governor)" >&2
         exit 2
         ;;
     esac
@@ -61,8 +68,9 @@ if [ ${#missing[@]} -gt 0 ]; then
     service redis-server stop >/dev/null 2>&1 || true
 fi
 
-cargo build --release --features redis --example server --example redis_floor
-server=target/release/examples/server
+cargo build --release --features redis --example server --example redis_floor --example governor_server
+examples=${CARGO_TARGET_DIR:-target}/release/examples
+server=$examples/server
 
 work=$(mktemp -d)
 pids=()
@@ -109,8 +117,9 @@ start_server() { # name, program, args...
 measured off && start_server off "$server" --limit 1000000000 --quota off
 measured memory && start_server memory "$server" --limit 1000000000 --store memory
 measured redis && start_server redis "$server" --limit 1000000000 --store "redis://127.0.0.1:$redis_port/"
-measured floor && start_server floor target/release/examples/redis_floor --redis "redis://127.0.0.1:$redis_port/"
-measured floor-eval && start_server floor-eval target/release/examples/redis_floor --redis "redis://127.0.0.1:$redis_port/" --eval
+measured floor && start_server floor "$examples/redis_floor" --redis "redis://127.0.0.1:$redis_port/"
+measured floor-eval && start_server floor-eval "$examples/redis_floor" --redis "redis://127.0.0.1:$redis_port/" --eval
+measured governor && start_server governor "$examples/governor_server" --burst 1000000000 --replenish-ns 1
 
 cat >"$work/subjects.lua" <<EOF
 math.randomseed(os.time())
@@ -132,6 +141,8 @@ children_cpu() {
 hz=$(getconf CLK_TCK)
 
 declare -A results ratios
+# The memory store's rate over governor's, per round.
+governor_ratios=
 for round in $(seq "$rounds"); do
     # Every other round runs the servers in the opposite order, so that a
     # drift of the machine's speed within a round favours none of them.
@@ -176,6 +187,11 @@ for round in $(seq "$rounds"); do
             echo "round $round  $name/off $(printf '%.2f' "$ratio")"
         done
     fi
+    if measured memory && measured governor; then
+        ratio=$(awk -v g="${rate[governor]}" -v m="${rate[memory]}" 'BEGIN { printf "%.3f", m / g }')
+        governor_ratios+=" $ratio"
+        echo "round $round  memory/governor $(printf '%.2f' "$ratio")"
+    fi
 done
 
 median() {
@@ -198,4 +214,9 @@ if measured off; then
             "ratio of medians $(awk -v o="${medians[off]}" -v x="${medians[$name]}" 'BEGIN { printf "%.2f", x / o }')," \
             "per round:${ratios[$name]}"
     done
+fi
+if measured memory && measured governor; then
+    echo "memory/governor: median ratio $(echo "$governor_ratios" | median | xargs printf '%.2f')," \
+        "ratio of medians $(awk -v g="${medians[governor]}" -v m="${medians[memory]}" 'BEGIN { printf "%.2f", m / g }')," \
+        "per round:$governor_ratios"
 fi
