@@ -1,0 +1,998 @@
+//! How layers compose, through real axum routers on both stores: a layer
+//! hidden behind `Handler::layer`, a shared service, a `Buffer`, a route
+//! service, a `Steer` or a nested service answers as a visible one; policies
+//! interleaved on one route charge their own customers only; a refusal
+//! anywhere, by any policy, leaves nothing charged anywhere, and so does a
+//! request dropped while a charge is pending.
+
+#[cfg(feature = "redis")]
+mod redis_support;
+
+use std::convert::Infallible;
+use std::future::Future;
+use std::pin::Pin;
+use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::{Arc, Mutex};
+use std::task::{Context, Poll};
+use std::time::Duration;
+
+use axum::body::Body;
+use axum::error_handling::HandleError;
+use axum::handler::Handler;
+use axum::response::IntoResponse;
+use axum::routing::{get, get_service};
+use axum::Router;
+use http::request::Parts;
+use http::{Request, Response, StatusCode};
+use proptest::prelude::*;
+use proptest::test_runner::{Config, TestCaseError, TestRunner};
+use tokio::sync::Notify;
+use tower::buffer::Buffer;
+use tower::steer::Steer;
+use tower::util::BoxCloneSyncService;
+use tower::{Layer, Service, ServiceExt};
+use tower_quota::jiff::tz::TimeZone;
+use tower_quota::jiff::Timestamp;
+use tower_quota::store::{ChargeOutcome, ChargeRequest, StoreErrorKind};
+use tower_quota::{
+    unrouted, FromHeader, ManualClock, PeriodKey, Quota, QuotaLayer, QuotaPolicy,
+    QuotaPolicyBuilder, QuotaStatus, Store, StoreError, Subject, Usage,
+};
+
+/// Every policy's clock: 10:00 UTC, 11:00 in Berlin, 19:00 in Tokyo.
+const NOW: &str = "2026-12-02T10:00:00Z";
+
+const ACME: &[(&str, &str)] = &[("x-account-id", "acme")];
+
+fn at(s: &str) -> Timestamp {
+    s.parse().unwrap()
+}
+
+fn call(path: &str, headers: &[(&str, &str)]) -> Request<Body> {
+    let mut request = Request::get(path);
+    for (name, value) in headers {
+        request = request.header(*name, *value);
+    }
+    request.body(Body::empty()).unwrap()
+}
+
+async fn send(app: &Router, request: Request<Body>) -> Response<Body> {
+    app.clone().oneshot(request).await.unwrap()
+}
+
+async fn body(response: Response<Body>) -> String {
+    let bytes = axum::body::to_bytes(response.into_body(), 1 << 20)
+        .await
+        .unwrap();
+    String::from_utf8(bytes.to_vec()).unwrap()
+}
+
+fn header(response: &Response<Body>, name: &str) -> String {
+    response
+        .headers()
+        .get(name)
+        .map(|v| v.to_str().unwrap().to_owned())
+        .unwrap_or_default()
+}
+
+/// A policy on `store` with its own namespace, at [`NOW`].
+fn policy<St: Store>(store: St, namespace: &str) -> QuotaPolicyBuilder<FromHeader, St> {
+    QuotaPolicy::builder(FromHeader::account("x-account-id"))
+        .store(store)
+        .namespace(namespace)
+        .clock(ManualClock::new(at(NOW)))
+        // Generous: a loaded machine must not turn a slow Redis into a 503.
+        .store_timeout(Some(Duration::from_secs(5)))
+}
+
+/// What `account` has spent on the quota `name` of `policy`.
+async fn used<St: Store>(policy: &QuotaPolicy<FromHeader, St>, account: &str, name: &str) -> u64 {
+    let usage = policy
+        .handle()
+        .usage(&Subject::account(account))
+        .await
+        .unwrap();
+    usage
+        .iter()
+        .find(|u| u.name() == name)
+        .unwrap_or_else(|| panic!("no quota {name} in {usage:?}"))
+        .used()
+}
+
+/// Waits (a few seconds at most) until `account` has spent `expected` on
+/// `name`: a give-back of a dropped request runs as a task of its own.
+async fn settles_at<St: Store>(
+    policy: &QuotaPolicy<FromHeader, St>,
+    account: &str,
+    name: &str,
+    expected: u64,
+) -> u64 {
+    let deadline = tokio::time::Instant::now() + Duration::from_secs(5);
+    loop {
+        let now = used(policy, account, name).await;
+        if now == expected || tokio::time::Instant::now() > deadline {
+            return now;
+        }
+        tokio::time::sleep(Duration::from_millis(10)).await;
+    }
+}
+
+/// The handler: every entry of its status as `name:used/limit`, in order.
+async fn entries(status: QuotaStatus) -> String {
+    status
+        .entries()
+        .iter()
+        .map(|e| format!("{}:{}/{}", e.name(), e.used(), e.limit()))
+        .collect::<Vec<_>>()
+        .join(",")
+}
+
+/// A service shared behind a lock: its clones share one inner service, so
+/// nothing outside can see what it wraps.
+struct Shared<S>(Arc<Mutex<S>>);
+
+impl<S> Shared<S> {
+    fn new(inner: S) -> Self {
+        Self(Arc::new(Mutex::new(inner)))
+    }
+}
+
+impl<S> Clone for Shared<S> {
+    fn clone(&self) -> Self {
+        Self(Arc::clone(&self.0))
+    }
+}
+
+impl<S: Service<R>, R> Service<R> for Shared<S> {
+    type Response = S::Response;
+    type Error = S::Error;
+    type Future = S::Future;
+
+    fn poll_ready(&mut self, cx: &mut Context<'_>) -> Poll<Result<(), Self::Error>> {
+        self.0.lock().unwrap().poll_ready(cx)
+    }
+
+    fn call(&mut self, request: R) -> Self::Future {
+        self.0.lock().unwrap().call(request)
+    }
+}
+
+/// A `Steer` made `Sync` (it holds a `PhantomData` of its request, which
+/// is not): each clone its own, as the `Steer` itself.
+struct Synced<S>(Mutex<S>);
+
+impl<S: Clone> Clone for Synced<S> {
+    fn clone(&self) -> Self {
+        Self(Mutex::new(self.0.lock().unwrap().clone()))
+    }
+}
+
+impl<S: Service<R>, R> Service<R> for Synced<S> {
+    type Response = S::Response;
+    type Error = S::Error;
+    type Future = S::Future;
+
+    fn poll_ready(&mut self, cx: &mut Context<'_>) -> Poll<Result<(), Self::Error>> {
+        self.0.get_mut().unwrap().poll_ready(cx)
+    }
+
+    fn call(&mut self, request: R) -> Self::Future {
+        self.0.get_mut().unwrap().call(request)
+    }
+}
+
+type Boxed = BoxCloneSyncService<Request<Body>, axum::response::Response, Infallible>;
+
+fn boxed<S>(service: S) -> Boxed
+where
+    S: Service<Request<Body>, Error = Infallible> + Clone + Send + Sync + 'static,
+    S::Response: IntoResponse,
+    S::Future: Send + 'static,
+{
+    BoxCloneSyncService::new(service.map_response(IntoResponse::into_response))
+}
+
+async fn buffer_failed(error: tower::BoxError) -> (StatusCode, String) {
+    (StatusCode::INTERNAL_SERVER_ERROR, error.to_string())
+}
+
+/// How the `search` burst layer is applied to `/search`.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+enum Hiding {
+    /// (a) `route_layer`, in plain sight.
+    RouteLayer,
+    /// (b) `get(handler.layer(..))`.
+    HandlerLayer,
+    /// (c) behind a service whose clones share one `Arc<Mutex<_>>`.
+    Shared,
+    /// (d) behind `tower::buffer::Buffer`.
+    Buffered,
+    /// (e) the layered service given to `Router::route_service`.
+    RouteService,
+    /// (f) one of the services of a `tower::steer::Steer`.
+    Steered,
+    /// (g) the layered service given to `Router::nest_service`.
+    NestedService,
+}
+
+/// A router-wide daily `read` quota around a per-minute `search` burst
+/// quota on `/search`, the burst layer applied as `hiding` says.
+fn search_app<St: Store>(
+    store: St,
+    namespace: &str,
+    hiding: Hiding,
+    read: u64,
+    burst: u64,
+) -> (Router, QuotaPolicy<FromHeader, St>) {
+    let policy = policy(store, namespace).build();
+    let burst = policy.layer(Quota::per_minute(burst).allowance("search"));
+    let searching = |burst: &QuotaLayer<FromHeader, St>| burst.layer(get(entries).with_state(()));
+    let search = match hiding {
+        Hiding::RouteLayer => Router::new()
+            .route("/search", get(entries))
+            .route_layer(burst),
+        Hiding::HandlerLayer => Router::new().route("/search", get(entries.layer(burst))),
+        Hiding::Shared => {
+            Router::new().route("/search", get_service(Shared::new(searching(&burst))))
+        }
+        Hiding::Buffered => Router::new().route_service(
+            "/search",
+            HandleError::new(Buffer::new(searching(&burst), 16), buffer_failed),
+        ),
+        Hiding::RouteService => Router::new().route_service("/search", searching(&burst)),
+        Hiding::Steered => {
+            let nowhere = boxed(tower::service_fn(|_: Request<Body>| async {
+                Ok::<_, Infallible>(StatusCode::NOT_FOUND.into_response())
+            }));
+            let steer = Steer::new(
+                [boxed(searching(&burst)), nowhere],
+                |request: &Request<Body>, _: &[Boxed]| {
+                    usize::from(request.uri().path() != "/search")
+                },
+            );
+            Router::new().route_service("/search", Synced(Mutex::new(steer)))
+        }
+        Hiding::NestedService => Router::new().nest_service("/search", searching(&burst)),
+    };
+    let app = Router::new()
+        .route("/read", get(entries))
+        .merge(search)
+        .route_layer(policy.layer(Quota::daily(read).allowance("read")))
+        .method_not_allowed_fallback(unrouted::MethodNotAllowed);
+    (app, policy)
+}
+
+/// Three searches and a read by acme on the app with `hiding`, a daily
+/// `read` of 10 and a burst of 2: each answer (status, fields, body: the
+/// handler's status entries or the problem document) and both counters
+/// after it.
+async fn observe<St: Store>(store: St, namespace: &str, hiding: Hiding) -> Vec<String> {
+    let (app, policy) = search_app(store, namespace, hiding, 10, 2);
+    let mut seen = Vec::new();
+    for path in ["/search", "/search", "/search", "/read"] {
+        let response = send(&app, call(path, ACME)).await;
+        let status = response.status();
+        let fields = header(&response, "ratelimit");
+        let policies = header(&response, "ratelimit-policy");
+        let retry = header(&response, "retry-after");
+        let text = body(response).await;
+        let read = used(&policy, "acme", "read-day").await;
+        let search = used(&policy, "acme", "search-minute").await;
+        seen.push(format!(
+            "GET {path} -> {status}; ratelimit: {fields}; ratelimit-policy: {policies}; \
+             retry-after: {retry}; body: {text}; spent: read-day={read} search-minute={search}"
+        ));
+    }
+    seen
+}
+
+/// What the visible nest answers.
+fn check_visible(seen: &[String]) {
+    let expect = [
+        "GET /search -> 200 OK; ratelimit: \"read-day\";r=9;t=50400, \"search-minute\";r=1;t=60; \
+         ratelimit-policy: \"read-day\";q=10;w=86400, \"search-minute\";q=2;w=60; retry-after: ; \
+         body: read-day:1/10,search-minute:1/2; spent: read-day=1 search-minute=1",
+        "GET /search -> 200 OK; ratelimit: \"read-day\";r=8;t=50400, \"search-minute\";r=0;t=60; \
+         ratelimit-policy: \"read-day\";q=10;w=86400, \"search-minute\";q=2;w=60; retry-after: ; \
+         body: read-day:2/10,search-minute:2/2; spent: read-day=2 search-minute=2",
+    ];
+    assert_eq!(seen[..2], expect);
+    let refused = &seen[2];
+    assert!(
+        refused.starts_with(
+            "GET /search -> 429 Too Many Requests; \
+             ratelimit: \"read-day\";r=8;t=50400, \"search-minute\";r=0;t=60; \
+             ratelimit-policy: \"read-day\";q=10;w=86400, \"search-minute\";q=2;w=60; \
+             retry-after: 60; body: {"
+        ),
+        "{refused}"
+    );
+    assert!(
+        refused.contains("\"violated-policies\":[\"search-minute\"]"),
+        "{refused}"
+    );
+    assert!(
+        refused.ends_with("spent: read-day=2 search-minute=2"),
+        "the refused search spent no read: {refused}"
+    );
+    assert_eq!(
+        seen[3],
+        "GET /read -> 200 OK; ratelimit: \"read-day\";r=7;t=50400; \
+         ratelimit-policy: \"read-day\";q=10;w=86400; retry-after: ; \
+         body: read-day:3/10; spent: read-day=3 search-minute=2"
+    );
+}
+
+/// The app with `hiding` answers exactly as the one with a visible
+/// `route_layer`, on the same store.
+async fn answers_as_visible<St: Store>(store: St, hiding: Hiding) {
+    let visible = observe(store.clone(), "visible", Hiding::RouteLayer).await;
+    check_visible(&visible);
+    let hidden = observe(store, "hidden", hiding).await;
+    for (i, (hidden, visible)) in hidden.iter().zip(&visible).enumerate() {
+        assert_eq!(hidden, visible, "request {i}, burst layer {hiding:?}");
+    }
+}
+
+async fn a_visible_nest_answers_as_documented<St: Store>(store: St) {
+    check_visible(&observe(store, "visible", Hiding::RouteLayer).await);
+}
+
+async fn a_handler_layer_answers_as_a_route_layer<St: Store>(store: St) {
+    answers_as_visible(store, Hiding::HandlerLayer).await;
+}
+
+async fn a_shared_service_answers_as_a_route_layer<St: Store>(store: St) {
+    answers_as_visible(store, Hiding::Shared).await;
+}
+
+async fn a_buffer_answers_as_a_route_layer<St: Store>(store: St) {
+    answers_as_visible(store, Hiding::Buffered).await;
+}
+
+async fn a_route_service_answers_as_a_route_layer<St: Store>(store: St) {
+    answers_as_visible(store, Hiding::RouteService).await;
+}
+
+async fn a_steer_answers_as_a_route_layer<St: Store>(store: St) {
+    answers_as_visible(store, Hiding::Steered).await;
+}
+
+async fn a_nested_service_answers_as_a_route_layer<St: Store>(store: St) {
+    answers_as_visible(store, Hiding::NestedService).await;
+}
+
+/// Skips requests whose `x-region` is not `region`.
+fn not_from(region: &'static str) -> impl Fn(&Parts) -> bool + Send + Sync + 'static {
+    move |parts| {
+        parts
+            .headers
+            .get("x-region")
+            .is_none_or(|v| v.as_bytes() != region.as_bytes())
+    }
+}
+
+async fn interleaved_policies_charge_their_own_customers<St: Store>(store: St) {
+    // One policy per region, each counting days in its customers' zone;
+    // on /search the EU's burst layer sits inside the APAC's read layer.
+    let eu = policy(store.clone(), "eu").skip_if(not_from("eu")).build();
+    let apac = policy(store, "apac").skip_if(not_from("apac")).build();
+    let berlin = TimeZone::get("Europe/Berlin").unwrap();
+    let tokyo = TimeZone::get("Asia/Tokyo").unwrap();
+    let app = Router::new()
+        .route("/search", get(entries))
+        .route_layer(eu.layer(Quota::per_minute(2).allowance("eu-search")))
+        .route("/read", get(entries))
+        .route_layer(apac.layer(Quota::daily(100).allowance("apac-read").in_time_zone(tokyo)))
+        .route_layer(eu.layer(Quota::daily(100).allowance("eu-read").in_time_zone(berlin)));
+    let acme: &[(&str, &str)] = &[("x-account-id", "acme"), ("x-region", "eu")];
+    let globex: &[(&str, &str)] = &[("x-account-id", "globex"), ("x-region", "apac")];
+
+    for n in 1..=2 {
+        let admitted = send(&app, call("/search", acme)).await;
+        assert_eq!(admitted.status(), StatusCode::OK);
+        assert_eq!(
+            header(&admitted, "ratelimit"),
+            format!(
+                "\"eu-read-day\";r={};t=46800, \"eu-search-minute\";r={};t=60",
+                100 - n,
+                2 - n
+            )
+        );
+        assert_eq!(
+            body(admitted).await,
+            format!("eu-read-day:{n}/100,eu-search-minute:{n}/2"),
+            "the status lists the quotas that charged acme, no other"
+        );
+    }
+    let refused = send(&app, call("/search", acme)).await;
+    assert_eq!(refused.status(), StatusCode::TOO_MANY_REQUESTS);
+    assert_eq!(
+        header(&refused, "ratelimit"),
+        "\"eu-read-day\";r=98;t=46800, \"eu-search-minute\";r=0;t=60"
+    );
+    assert!(body(refused)
+        .await
+        .contains("\"violated-policies\":[\"eu-search-minute\"]"));
+    assert_eq!(
+        used(&eu, "acme", "eu-read-day").await,
+        2,
+        "the refusal spent nothing"
+    );
+    assert_eq!(used(&eu, "acme", "eu-search-minute").await, 2);
+
+    // APAC's customers pass the EU's burst layer uncounted.
+    for n in 1..=3 {
+        let admitted = send(&app, call("/search", globex)).await;
+        assert_eq!(admitted.status(), StatusCode::OK);
+        assert_eq!(
+            header(&admitted, "ratelimit"),
+            format!("\"apac-read-day\";r={};t=18000", 100 - n)
+        );
+        assert_eq!(body(admitted).await, format!("apac-read-day:{n}/100"));
+    }
+    let read = send(&app, call("/read", acme)).await;
+    assert_eq!(body(read).await, "eu-read-day:3/100");
+
+    assert_eq!(used(&eu, "acme", "eu-read-day").await, 3);
+    assert_eq!(used(&eu, "acme", "eu-search-minute").await, 2);
+    assert_eq!(used(&apac, "acme", "apac-read-day").await, 0);
+    assert_eq!(used(&apac, "globex", "apac-read-day").await, 3);
+    assert_eq!(used(&eu, "globex", "eu-read-day").await, 0);
+    assert_eq!(used(&eu, "globex", "eu-search-minute").await, 0);
+
+    // A customer of neither region is nobody's.
+    let nobody = send(&app, call("/search", ACME)).await;
+    assert_eq!(nobody.status(), StatusCode::OK);
+    assert!(!nobody.headers().contains_key("ratelimit"));
+    assert_eq!(body(nobody).await, "");
+    assert_eq!(used(&eu, "acme", "eu-read-day").await, 3);
+}
+
+async fn a_nested_refusal_tells_what_is_truly_left<St: Store>(store: St) {
+    let (app, policy) = search_app(store, "fields", Hiding::RouteLayer, 100, 2);
+    for _ in 0..2 {
+        assert_eq!(
+            send(&app, call("/search", ACME)).await.status(),
+            StatusCode::OK
+        );
+    }
+    let refused = send(&app, call("/search", ACME)).await;
+    assert_eq!(refused.status(), StatusCode::TOO_MANY_REQUESTS);
+    // Before the give-back the read counter held 3: the field tells 98.
+    assert_eq!(
+        header(&refused, "ratelimit"),
+        "\"read-day\";r=98;t=50400, \"search-minute\";r=0;t=60"
+    );
+    assert_eq!(
+        header(&refused, "ratelimit-policy"),
+        "\"read-day\";q=100;w=86400, \"search-minute\";q=2;w=60"
+    );
+    assert_eq!(header(&refused, "retry-after"), "60");
+    assert_eq!(used(&policy, "acme", "read-day").await, 2);
+}
+
+/// What a rigged store does with the charges it is rigged for.
+#[derive(Clone, Copy, Debug)]
+enum Rig {
+    /// Never answers.
+    Stall,
+    /// Fails at once.
+    Fail,
+}
+
+/// A store that stalls or fails the charges of one allowance (of every
+/// allowance: `None`), and tells when it met one.
+#[derive(Clone)]
+struct Rigged<St> {
+    inner: St,
+    rig: Rig,
+    allowance: Option<&'static str>,
+    met: Arc<Notify>,
+}
+
+impl<St> Rigged<St> {
+    fn new(inner: St, rig: Rig, allowance: Option<&'static str>) -> Self {
+        Self {
+            inner,
+            rig,
+            allowance,
+            met: Arc::new(Notify::new()),
+        }
+    }
+
+    fn rigged(&self, key: &PeriodKey) -> bool {
+        self.allowance
+            .is_none_or(|allowance| key.as_str().contains(&format!("}}:{allowance}:")))
+    }
+}
+
+type Charging = Pin<Box<dyn Future<Output = Result<ChargeOutcome, StoreError>> + Send>>;
+
+impl<St: Store> Store for Rigged<St> {
+    type ChargeFuture = Charging;
+
+    fn charge(&self, request: ChargeRequest) -> Self::ChargeFuture {
+        if !request.lines.iter().any(|line| self.rigged(&line.key)) {
+            return Box::pin(self.inner.charge(request));
+        }
+        self.met.notify_one();
+        match self.rig {
+            Rig::Stall => Box::pin(std::future::pending()),
+            Rig::Fail => Box::pin(std::future::ready(Err(StoreError::new(
+                StoreErrorKind::Unavailable,
+                "rigged to fail",
+            )))),
+        }
+    }
+    fn peek(
+        &self,
+        request: ChargeRequest,
+    ) -> impl Future<Output = Result<Vec<Usage>, StoreError>> + Send {
+        self.inner.peek(request)
+    }
+    fn refund(
+        &self,
+        now: Timestamp,
+        key: PeriodKey,
+        amount: u64,
+    ) -> impl Future<Output = Result<Option<u64>, StoreError>> + Send {
+        self.inner.refund(now, key, amount)
+    }
+    fn add(
+        &self,
+        now: Timestamp,
+        key: PeriodKey,
+        amount: u64,
+    ) -> impl Future<Output = Result<Option<u64>, StoreError>> + Send {
+        self.inner.add(now, key, amount)
+    }
+    fn reset(&self, key: PeriodKey) -> impl Future<Output = Result<bool, StoreError>> + Send {
+        self.inner.reset(key)
+    }
+}
+
+async fn another_policys_refusal_gives_the_outer_charge_back<St: Store>(store: St) {
+    // An account's daily reads around a partner's burst limit, in plain
+    // sight and with the partner's layer hidden.
+    for hidden in [false, true] {
+        let account = policy(store.clone(), &format!("account-{hidden}")).build();
+        let partner = policy(store.clone(), &format!("partner-{hidden}")).build();
+        let burst = partner.layer(Quota::per_minute(1).allowance("burst"));
+        let search = if hidden {
+            Router::new().route_service(
+                "/search",
+                Shared::new(burst.layer(get(entries).with_state(()))),
+            )
+        } else {
+            Router::new()
+                .route("/search", get(entries))
+                .route_layer(burst)
+        };
+        let app = search.route_layer(account.layer(Quota::daily(10).allowance("read")));
+        let admitted = send(&app, call("/search", ACME)).await;
+        assert_eq!(admitted.status(), StatusCode::OK);
+        assert_eq!(body(admitted).await, "read-day:1/10,burst-minute:1/1");
+        let refused = send(&app, call("/search", ACME)).await;
+        assert_eq!(
+            refused.status(),
+            StatusCode::TOO_MANY_REQUESTS,
+            "hidden: {hidden}"
+        );
+        // The account's layer writes its own field, once given back.
+        assert_eq!(
+            header(&refused, "ratelimit"),
+            "\"read-day\";r=9;t=50400, \"burst-minute\";r=0;t=60",
+            "hidden: {hidden}"
+        );
+        assert!(body(refused)
+            .await
+            .contains("\"violated-policies\":[\"burst-minute\"]"));
+        assert_eq!(
+            used(&account, "acme", "read-day").await,
+            1,
+            "the partner's refusal spent no read (hidden: {hidden})"
+        );
+        assert_eq!(used(&partner, "acme", "burst-minute").await, 1);
+    }
+}
+
+async fn another_policys_store_failure_gives_the_outer_charge_back<St: Store>(store: St) {
+    let account = policy(store.clone(), "account").build();
+    let partner = policy(Rigged::new(store, Rig::Fail, None), "partner").build();
+    let app = Router::new()
+        .route("/search", get(entries))
+        .route_layer(partner.layer(Quota::per_minute(5).allowance("burst")))
+        .route_layer(account.layer(Quota::daily(10).allowance("read")));
+    let unavailable = send(&app, call("/search", ACME)).await;
+    assert_eq!(unavailable.status(), StatusCode::SERVICE_UNAVAILABLE);
+    assert_eq!(
+        used(&account, "acme", "read-day").await,
+        0,
+        "the partner's 503 spent no read"
+    );
+}
+
+async fn a_store_failure_inside_gives_back_what_the_policy_charged<St: Store>(store: St) {
+    let policy = policy(Rigged::new(store, Rig::Fail, Some("search")), "failing").build();
+    let app = Router::new()
+        .route("/search", get(entries))
+        .route_layer(policy.layer(Quota::per_minute(5).allowance("search")))
+        .route_layer(policy.layer(Quota::daily(10).allowance("read")));
+    let unavailable = send(&app, call("/search", ACME)).await;
+    assert_eq!(unavailable.status(), StatusCode::SERVICE_UNAVAILABLE);
+    assert_eq!(
+        used(&policy, "acme", "read-day").await,
+        0,
+        "the inner layer's 503 spent no read"
+    );
+}
+
+async fn a_refusal_inside_two_policies_gives_both_back<St: Store>(store: St) {
+    // The account's read layer, the partner's layer, then the account's
+    // burst layer, which refuses.
+    let account = policy(store.clone(), "account").build();
+    let partner = policy(store, "partner").build();
+    let app = Router::new()
+        .route("/search", get(entries))
+        .route_layer(account.layer(Quota::per_minute(1).allowance("search")))
+        .route_layer(partner.layer(Quota::daily(10).allowance("partner")))
+        .route_layer(account.layer(Quota::daily(10).allowance("read")));
+    let admitted = send(&app, call("/search", ACME)).await;
+    assert_eq!(admitted.status(), StatusCode::OK);
+    let refused = send(&app, call("/search", ACME)).await;
+    assert_eq!(refused.status(), StatusCode::TOO_MANY_REQUESTS);
+    assert_eq!(used(&account, "acme", "read-day").await, 1);
+    assert_eq!(used(&account, "acme", "search-minute").await, 1);
+    assert_eq!(
+        used(&partner, "acme", "partner-day").await,
+        1,
+        "the partner's layer gave its charge back"
+    );
+}
+
+/// Sends a search to `app` and drops its response future once the rigged
+/// store met the charge it stalls.
+async fn dropped_while_charging(app: &Router, met: &Notify) {
+    let pending = tokio::spawn(app.clone().oneshot(call("/search", ACME)));
+    met.notified().await;
+    pending.abort();
+    assert!(pending.await.unwrap_err().is_cancelled());
+}
+
+async fn a_dropped_request_gives_back_what_its_policy_charged<St: Store>(store: St) {
+    let rigged = Rigged::new(store, Rig::Stall, Some("search"));
+    let met = Arc::clone(&rigged.met);
+    let policy = policy(rigged, "dropped").store_timeout(None).build();
+    let app = Router::new()
+        .route("/search", get(entries))
+        .route_layer(policy.layer(Quota::per_minute(5).allowance("search")))
+        .route_layer(policy.layer(Quota::daily(10).allowance("read")));
+    dropped_while_charging(&app, &met).await;
+    assert_eq!(
+        settles_at(&policy, "acme", "read-day", 0).await,
+        0,
+        "the read charge of a request never admitted is given back"
+    );
+}
+
+async fn a_dropped_request_gives_back_what_another_policy_charged<St: Store>(store: St) {
+    let account = policy(store.clone(), "account").build();
+    let rigged = Rigged::new(store, Rig::Stall, None);
+    let met = Arc::clone(&rigged.met);
+    let partner = policy(rigged, "partner").store_timeout(None).build();
+    let app = Router::new()
+        .route("/search", get(entries))
+        .route_layer(partner.layer(Quota::per_minute(5).allowance("burst")))
+        .route_layer(account.layer(Quota::daily(10).allowance("read")));
+    dropped_while_charging(&app, &met).await;
+    assert_eq!(
+        settles_at(&account, "acme", "read-day", 0).await,
+        0,
+        "the read charge of a request never admitted is given back"
+    );
+}
+
+macro_rules! on_every_store {
+    ($($(#[$meta:meta])* $case:ident),* $(,)?) => {
+        mod memory {
+            $(
+                $(#[$meta])*
+                #[tokio::test]
+                async fn $case() {
+                    super::$case(tower_quota::MemoryStore::new()).await;
+                }
+            )*
+        }
+
+        #[cfg(feature = "redis")]
+        mod redis {
+            use crate::redis_server_or_skip;
+
+            $(
+                $(#[$meta])*
+                #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+                async fn $case() {
+                    let server = redis_server_or_skip!();
+                    super::$case(crate::redis_store(&server)).await;
+                }
+            )*
+        }
+    };
+}
+
+#[cfg(feature = "redis")]
+fn redis_store(server: &redis_support::RedisServer) -> tower_quota::store::RedisStore {
+    tower_quota::store::RedisStore::builder(server.url())
+        .wait_timeout(Duration::from_secs(2))
+        .response_timeout(Duration::from_secs(2))
+        .build()
+        .unwrap()
+}
+
+on_every_store!(
+    a_visible_nest_answers_as_documented,
+    a_handler_layer_answers_as_a_route_layer,
+    a_shared_service_answers_as_a_route_layer,
+    a_buffer_answers_as_a_route_layer,
+    a_route_service_answers_as_a_route_layer,
+    a_steer_answers_as_a_route_layer,
+    a_nested_service_answers_as_a_route_layer,
+    interleaved_policies_charge_their_own_customers,
+    a_nested_refusal_tells_what_is_truly_left,
+    another_policys_refusal_gives_the_outer_charge_back,
+    another_policys_store_failure_gives_the_outer_charge_back,
+    a_store_failure_inside_gives_back_what_the_policy_charged,
+    a_refusal_inside_two_policies_gives_both_back,
+    a_dropped_request_gives_back_what_its_policy_charged,
+    #[ignore = "a response future dropped while another policy's inner layer waits for its store keeps the outer policy's charge: read-day stays at 1"]
+    a_dropped_request_gives_back_what_another_policy_charged,
+);
+
+#[tokio::test]
+#[ignore = "QuotaStatus::entries lists each policy's quotas together, in the order the policies were first met, not in the order the layers charged them"]
+async fn status_entries_follow_the_layers_across_policies() {
+    let account = policy(tower_quota::MemoryStore::new(), "account").build();
+    let partner = policy(tower_quota::MemoryStore::new(), "partner").build();
+    let app = Router::new()
+        .route("/search", get(entries))
+        .route_layer(account.layer(Quota::per_minute(5).allowance("search")))
+        .route_layer(partner.layer(Quota::daily(10).allowance("partner")))
+        .route_layer(account.layer(Quota::daily(10).allowance("read")));
+    let admitted = send(&app, call("/search", ACME)).await;
+    assert_eq!(
+        header(&admitted, "ratelimit"),
+        "\"read-day\";r=9;t=50400, \"partner-day\";r=9;t=50400, \"search-minute\";r=4;t=60"
+    );
+    assert_eq!(
+        body(admitted).await,
+        "read-day:1/10,partner-day:1/10,search-minute:1/5",
+        "outer layers first, whatever their policy"
+    );
+}
+
+/// One layer of a random nest, outer first.
+#[derive(Clone, Debug)]
+struct Level {
+    /// Of the second policy (else of the first).
+    other: bool,
+    /// 0: per minute, 1: hourly, 2: daily.
+    period: usize,
+    limit: u64,
+    cost: u64,
+    /// Behind a [`Shared`] service.
+    hidden: bool,
+}
+
+/// A nest and what is sent through it: per request, the account (0 or 1)
+/// and how many layers it passes before a handler answers it.
+#[derive(Clone, Debug)]
+struct Nest {
+    levels: Vec<Level>,
+    requests: Vec<(usize, usize)>,
+}
+
+fn nests() -> impl Strategy<Value = Nest> {
+    let level = || (0..3usize, 1..=4u64, 1..=2u64, any::<bool>());
+    (
+        prop::collection::vec(level(), 1..=4),
+        prop::option::of((level(), 0..5usize)),
+        prop::collection::vec((0..2usize, 0..5usize), 1..=10),
+    )
+        .prop_map(|(own, other, requests)| {
+            let mut levels: Vec<Level> = own
+                .into_iter()
+                .map(|(period, limit, cost, hidden)| Level {
+                    other: false,
+                    period,
+                    limit,
+                    cost,
+                    hidden,
+                })
+                .collect();
+            if let Some(((period, limit, cost, hidden), at)) = other {
+                let at = at % (levels.len() + 1);
+                levels.insert(
+                    at,
+                    Level {
+                        other: true,
+                        period,
+                        limit,
+                        cost,
+                        hidden,
+                    },
+                );
+            }
+            let depth = levels.len();
+            let requests = requests
+                .into_iter()
+                .map(|(account, passes)| (account, 1 + passes % depth))
+                .collect();
+            Nest { levels, requests }
+        })
+}
+
+/// How many layers a request passes: its `x-depth`.
+fn depth(request: &Request<Body>) -> usize {
+    request.headers()["x-depth"]
+        .to_str()
+        .unwrap()
+        .parse()
+        .unwrap()
+}
+
+/// Builds the nest: level `k` answers a request of depth `k + 1` with the
+/// handler and passes deeper ones on. Returns the service and each level's
+/// quota name.
+fn build_nest<St: Store>(
+    levels: &[Level],
+    own: &QuotaPolicy<FromHeader, St>,
+    other: &QuotaPolicy<FromHeader, St>,
+) -> (Boxed, Vec<String>) {
+    let handler = boxed(get(entries).with_state(()));
+    let quotas: Vec<Quota> = levels
+        .iter()
+        .enumerate()
+        .map(|(k, level)| {
+            let quota = match level.period {
+                0 => Quota::per_minute(level.limit),
+                1 => Quota::hourly(level.limit),
+                _ => Quota::daily(level.limit),
+            };
+            quota.allowance(format!("level{k}"))
+        })
+        .collect();
+    let names = quotas.iter().map(|q| q.name().to_owned()).collect();
+    let mut service: Option<Boxed> = None;
+    for (k, (level, quota)) in levels.iter().zip(quotas).enumerate().rev() {
+        let inner = match service.take() {
+            None => handler.clone(),
+            Some(deeper) => boxed(Synced(Mutex::new(Steer::new(
+                [handler.clone(), deeper],
+                move |request: &Request<Body>, _: &[Boxed]| usize::from(depth(request) > k + 1),
+            )))),
+        };
+        let policy = if level.other { other } else { own };
+        let layered = policy.layer(quota).cost(level.cost).layer(inner);
+        service = Some(if level.hidden {
+            boxed(Shared::new(layered))
+        } else {
+            boxed(layered)
+        });
+    }
+    (service.expect("at least one level"), names)
+}
+
+const ACCOUNTS: [&str; 2] = ["acme", "globex"];
+
+/// Sends the nest's requests, and after each checks every counter against
+/// a model: an admitted request spends each layer's cost on each layer it
+/// passed; a refused one spends nothing anywhere.
+async fn check_nest<St: Store>(store: St, case: usize, nest: Nest) -> Result<(), TestCaseError> {
+    let own = policy(store.clone(), &format!("nest{case}-own")).build();
+    let other = policy(store, &format!("nest{case}-other")).build();
+    let (service, names) = build_nest(&nest.levels, &own, &other);
+    let mut spent = vec![[0u64; 2]; nest.levels.len()];
+    for (i, &(account, depth)) in nest.requests.iter().enumerate() {
+        let passed = &nest.levels[..depth];
+        let refuser = passed
+            .iter()
+            .enumerate()
+            .find(|(k, level)| spent[*k][account] + level.cost > level.limit)
+            .map(|(k, _)| k);
+        let request = Request::get("/")
+            .header("x-account-id", ACCOUNTS[account])
+            .header("x-depth", depth.to_string())
+            .body(Body::empty())
+            .unwrap();
+        let response = service.clone().oneshot(request).await.unwrap();
+        let status = response.status();
+        let text = body(response).await;
+        match refuser {
+            None => {
+                prop_assert_eq!(status, StatusCode::OK, "request {}: {}", i, text);
+                for (k, level) in passed.iter().enumerate() {
+                    spent[k][account] += level.cost;
+                }
+                let mut listed: Vec<&str> = text
+                    .split(',')
+                    .map(|entry| entry.split(':').next().unwrap())
+                    .collect();
+                let mut expected: Vec<&str> = names[..depth].iter().map(String::as_str).collect();
+                listed.sort_unstable();
+                expected.sort_unstable();
+                prop_assert_eq!(
+                    listed,
+                    expected,
+                    "request {}: the status lists the quotas charged",
+                    i
+                );
+            }
+            Some(k) => {
+                prop_assert_eq!(
+                    status,
+                    StatusCode::TOO_MANY_REQUESTS,
+                    "request {}: {}",
+                    i,
+                    text
+                );
+                let violated = format!("\"violated-policies\":[\"{}\"]", names[k]);
+                prop_assert!(text.contains(&violated), "request {}: {}", i, text);
+            }
+        }
+        for (k, level) in nest.levels.iter().enumerate() {
+            let policy = if level.other { &other } else { &own };
+            for (a, name) in ACCOUNTS.iter().enumerate() {
+                prop_assert_eq!(
+                    used(policy, name, &names[k]).await,
+                    spent[k][a],
+                    "after request {}, {}'s counter of level {}",
+                    i,
+                    name,
+                    k
+                );
+            }
+        }
+    }
+    Ok(())
+}
+
+fn run_nests<St: Store>(runtime: &tokio::runtime::Runtime, store: St) {
+    let mut runner = TestRunner::new(Config {
+        cases: 48,
+        failure_persistence: None,
+        ..Config::default()
+    });
+    let cases = AtomicUsize::new(0);
+    runner
+        .run(&nests(), |nest| {
+            let case = cases.fetch_add(1, Ordering::Relaxed);
+            runtime.block_on(check_nest(store.clone(), case, nest))
+        })
+        .unwrap();
+}
+
+#[test]
+fn random_nests_charge_exactly_the_admitted_requests_on_the_memory_store() {
+    let runtime = tokio::runtime::Builder::new_current_thread()
+        .enable_all()
+        .build()
+        .unwrap();
+    run_nests(&runtime, tower_quota::MemoryStore::new());
+}
+
+#[cfg(feature = "redis")]
+#[test]
+fn random_nests_charge_exactly_the_admitted_requests_on_redis() {
+    let server = crate::redis_server_or_skip!();
+    let runtime = tokio::runtime::Builder::new_multi_thread()
+        .worker_threads(2)
+        .enable_all()
+        .build()
+        .unwrap();
+    let store = {
+        let _entered = runtime.enter();
+        redis_store(&server)
+    };
+    run_nests(&runtime, store);
+}
