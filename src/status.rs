@@ -115,8 +115,8 @@ impl QuotaUsage {
 }
 
 /// Where the caller stands: one entry per quota that applied to the request,
-/// in the order the layers charged them (outer layers first), whatever
-/// policies and layers the request passed. A request no quota counted (a
+/// whatever layers the request passed: policy by policy, in the order the
+/// request met the policies, and within a policy outer layers first. A request no quota counted (a
 /// skip rule, a request without a subject let through) has no entries.
 ///
 /// Quota layers insert it into the request's extensions; with the `axum`
@@ -184,6 +184,11 @@ impl QuotaStatus {
         self.tickets.iter().find(|t| t.policy == policy)
     }
 
+    /// Every ticket, in the order the request met the policies.
+    pub(crate) fn tickets(&self) -> &[Ticket] {
+        &self.tickets
+    }
+
     /// Records `ticket`, replacing what its policy knew before.
     pub(crate) fn put(&mut self, ticket: Ticket) {
         self.entries = OnceLock::new();
@@ -218,6 +223,21 @@ pub(crate) struct Ticket {
     /// What the policy's layers charged, one entry per layer, outer layers
     /// first (seldom more than two).
     pub(crate) charges: Charges,
+    /// The policy, to give its lines back when the request is dropped
+    /// before an inner layer admitted it (`None` for a ticket that counts
+    /// nothing).
+    pub(crate) giver: Option<Arc<dyn GiveBack>>,
+}
+
+/// Gives a policy's charges back, in a task of their own.
+pub(crate) trait GiveBack: Send + Sync {
+    fn give_back(&self, charges: Charges);
+}
+
+impl fmt::Debug for dyn GiveBack {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str("GiveBack")
+    }
 }
 
 /// The lines a policy's layers charged for a request, one entry per layer.

@@ -1064,3 +1064,39 @@ async fn spread_resets_are_never_earlier_than_the_reset() {
     }
     assert!(waits.len() > 10, "subjects are spread: {waits:?}");
 }
+
+/// A batch endpoint sends sub-requests with its own extensions through a
+/// router of the same policy: what the batch was charged stays charged,
+/// whatever the sub-requests meet.
+#[tokio::test]
+async fn a_sub_request_refused_inside_leaves_the_batch_charged() {
+    let policy = QuotaPolicy::builder(FromHeader::account("x-account-id")).build();
+    let inner = Router::new()
+        .route("/search", get(|| async { "found" }))
+        .route_layer(policy.layer(Quota::per_minute(1).allowance("search")));
+    let batch = move |request: Request<Body>| {
+        let inner = inner.clone();
+        async move {
+            let mut statuses = Vec::new();
+            for _ in 0..2 {
+                let mut sub = Request::get("/search").body(Body::empty()).unwrap();
+                *sub.extensions_mut() = request.extensions().clone();
+                let response = inner.clone().oneshot(sub).await.unwrap();
+                statuses.push(response.status().as_u16().to_string());
+            }
+            statuses.join(",")
+        }
+    };
+    let app = Router::new()
+        .route("/batch", get(batch))
+        .route_layer(policy.layer(Quota::daily(10).allowance("read")));
+    let response = send(&app, call(Method::GET, "/batch", ACME)).await;
+    assert_eq!(response.status(), StatusCode::OK);
+    assert_eq!(body(response).await, "200,429");
+    assert_eq!(
+        used(&policy, "read-day").await,
+        1,
+        "the batch stays charged"
+    );
+    assert_eq!(used(&policy, "search-minute").await, 1);
+}

@@ -13,7 +13,7 @@ use super::layer::{Bound, Cost, Scope};
 use crate::policy::{OnStoreError, Policy, Settings, SubjectPolicy, UnknownPlan};
 use crate::quota::Quota;
 use crate::response::{self, RateLimitFields, Refusal};
-use crate::status::{Caller, Line, QuotaStatus, Ticket};
+use crate::status::{Caller, GiveBack, Line, QuotaStatus, Ticket};
 use crate::store::{ChargeOutcome, ChargeRequest, StoreError, Usage};
 use crate::subject::{Subject, SubjectError, SubjectExtractor};
 use crate::throttle::Throttle;
@@ -66,7 +66,10 @@ impl Charge {
 }
 
 /// What the layer of `bound` does with the request with head `parts`.
-pub(crate) fn plan<E: SubjectExtractor, St>(bound: &Bound<E, St>, parts: &Parts) -> Step {
+pub(crate) fn plan<E: SubjectExtractor, St: crate::store::Store>(
+    bound: &Bound<E, St>,
+    parts: &Parts,
+) -> Step {
     let policy = &*bound.policy;
     let settings = &policy.settings;
     let known = parts
@@ -89,6 +92,7 @@ pub(crate) fn plan<E: SubjectExtractor, St>(bound: &Bound<E, St>, parts: &Parts)
                     now,
                     caller: Some(caller),
                     charges: Default::default(),
+                    giver: Some(Arc::clone(&bound.policy) as Arc<dyn GiveBack>),
                 },
                 Ok(None) => {
                     crate::metrics::skipped(&bound.scope.quotas);
@@ -108,6 +112,7 @@ pub(crate) fn uncounted(policy: u64, now: Timestamp) -> Ticket {
         now,
         caller: None,
         charges: Default::default(),
+        giver: None,
     }
 }
 
@@ -417,14 +422,13 @@ pub(crate) fn refusal(charge: &Charge, usage: &[Usage], grpc: bool) -> Refusal {
 }
 
 /// The answer to a refused request: the policy's hook or the standard
-/// answer, with the fields of every quota of the policy that applied — the
-/// lines charged further out (`outer`, where they stand once given back)
-/// and this layer's (`usage`, none for a store failure).
+/// answer, with the fields of this layer's quotas where they stand (`usage`,
+/// none for a store failure), marked as a refusal so that the layers
+/// further out give their charges back and put their fields in front.
 pub(crate) fn refused(
     settings: &Settings,
     refusal: &Refusal,
     charge: &Charge,
-    outer: &[(Quota, Usage)],
     usage: &[Usage],
 ) -> Response<Bytes> {
     let mut response = match &settings.refusal {
@@ -432,10 +436,7 @@ pub(crate) fn refused(
         None => refusal.standard(),
     };
     if refusal.status == StatusCode::TOO_MANY_REQUESTS {
-        let entries = outer
-            .iter()
-            .map(|(q, u)| (q, *u))
-            .chain(charge.quotas.iter().zip(usage.iter().copied()));
+        let entries = charge.quotas.iter().zip(usage.iter().copied());
         RateLimitFields::new(entries, charge.ticket.now, None, charge.caller().spread)
             .prepend_to(response.headers_mut());
     }
@@ -443,10 +444,17 @@ pub(crate) fn refused(
     response
 }
 
-/// The mark of a response a quota layer refused: layers further out give
-/// their own charge back when they see it.
+/// The mark of a response a quota layer refused, before or after a charge:
+/// the request was not served, so the layers further out give their own
+/// charges back when they see it go by.
 #[derive(Clone, Copy, Debug)]
 pub(crate) struct Refused;
+
+/// `response`, marked as a refusal.
+pub(crate) fn marked(mut response: Response<Bytes>) -> Response<Bytes> {
+    response.extensions_mut().insert(Refused);
+    response
+}
 
 /// A change of a charged line once the response is known.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -458,14 +466,10 @@ pub(crate) enum Adjust {
 /// What the response means for the lines a layer charged.
 #[derive(Debug, PartialEq, Eq)]
 pub(crate) enum Outcome {
-    /// An inner layer of the policy refused the request and gave these
-    /// lines back: the response is its answer, fields included.
-    RefusedInside,
     /// No route served the request: every line is given back, and the
     /// response gets no fields.
     Unrouted,
-    /// Served (or refused by another policy inside): these changes, then
-    /// the fields.
+    /// Served, or refused further in: these changes, then the fields.
     Served(Vec<(usize, Adjust)>),
 }
 
@@ -477,9 +481,6 @@ pub(crate) fn outcome(
     settings: &Settings,
     response: Option<&http::response::Parts>,
 ) -> Outcome {
-    if lines.iter().any(|line| line.is_given_back()) {
-        return Outcome::RefusedInside;
-    }
     let Some(response) = response else {
         let ops = if settings.refund_server_errors {
             refund_all(lines)

@@ -13,9 +13,9 @@ use tower_service::Service;
 use super::charge::{self, Adjust, Charge, Decision, Outcome};
 use super::layer::Bound;
 use crate::body::ResponseBody;
-use crate::quota::Quota;
+use crate::policy::Policy;
 use crate::response::RateLimitFields;
-use crate::status::{Charges, Line, QuotaStatus};
+use crate::status::{Charges, GiveBack, Line, QuotaStatus};
 use crate::store::{Store, StoreError, StoreErrorKind, Usage};
 use crate::throttle::Throttle;
 
@@ -72,12 +72,6 @@ pin_project! {
             result: Option<Result<S::Response, S::Error>>,
             charged: Option<Charged<E, St>>,
         },
-        // Refused here: what layers further out charged is given back before
-        // the refusal is answered.
-        Refusing {
-            adjust: Adjusting,
-            refusal: Option<Box<Refusing<E, St>>>,
-        },
         Rejected {
             response: Option<Response<Bytes>>,
         },
@@ -92,7 +86,7 @@ pub(crate) struct Pending<S, E, St: Store, ReqBody> {
     bound: Arc<Bound<E, St>>,
     /// Gives back what layers further out charged if the request is dropped
     /// before the store answers: it was never admitted.
-    outer: Option<GiveBackOnDrop<E, St>>,
+    outer: Option<GiveBackOnDrop>,
 }
 
 /// What a layer charged for an admitted request, for the response path.
@@ -104,15 +98,6 @@ pub(crate) struct Charged<E, St> {
     own_quotas: bool,
     now: Timestamp,
     spread: u64,
-}
-
-/// A refusal, once what was charged further out is given back.
-pub(crate) struct Refusing<E, St> {
-    bound: Arc<Bound<E, St>>,
-    charge: Charge,
-    refusal: crate::response::Refusal,
-    /// Where this layer's lines stand (empty for a store failure).
-    usage: Vec<Usage>,
 }
 
 impl<S, E, St, ReqBody> ResponseFuture<S, E, St, ReqBody>
@@ -127,11 +112,9 @@ where
         inner: S,
         request: Request<ReqBody>,
     ) -> Self {
-        // Nothing to give back for the outermost layer of a policy.
-        let outer = (!charge.ticket.charges.is_empty()).then(|| GiveBackOnDrop {
-            charges: charge.ticket.charges.clone(),
-            bound: Arc::clone(&bound),
-        });
+        // What layers further out (of any policy) charged for the request:
+        // nothing, nearly always, for a request meets one layer.
+        let outer = GiveBackOnDrop::of(request.extensions());
         Self {
             state: State::Charging {
                 start: Some(charge.request.clone()),
@@ -184,7 +167,11 @@ where
         bound,
         outer,
     } = pending;
-    let outer = outer.map(GiveBackOnDrop::disarm).unwrap_or_default();
+    // Answered: whatever follows, the layers further out settle their own
+    // charges.
+    if let Some(outer) = outer {
+        outer.disarm();
+    }
     let settings = &bound.policy.settings;
     match charge::decide(&charge, settings, answer) {
         Decision::Admit(lines) => {
@@ -230,42 +217,22 @@ where
                 charged: None,
             }
         }
+        // The layers further out give their own charges back when they see
+        // the refusal go by (see `charge::outcome`).
         Decision::Refuse(usage) => {
             let grpc = charge::is_grpc(request.headers());
             let refusal = charge::refusal(&charge, &usage, grpc);
-            refusing(bound, charge, refusal, usage, outer)
+            State::Rejected {
+                response: Some(charge::refused(settings, &refusal, &charge, &usage)),
+            }
         }
         Decision::Unavailable(retry_after) => {
             let grpc = charge::is_grpc(request.headers());
             let refusal = crate::response::Refusal::store_unavailable(retry_after, grpc);
-            refusing(bound, charge, refusal, Vec::new(), outer)
+            State::Rejected {
+                response: Some(charge::refused(settings, &refusal, &charge, &[])),
+            }
         }
-    }
-}
-
-/// Gives back `outer` (what layers further out charged), then answers the
-/// refusal.
-fn refusing<S, E, St, ReqBody>(
-    bound: Arc<Bound<E, St>>,
-    charge: Charge,
-    refusal: crate::response::Refusal,
-    usage: Vec<Usage>,
-    outer: Charges,
-) -> State<S, E, St, ReqBody>
-where
-    S: Service<Request<ReqBody>>,
-    St: Store,
-{
-    let now = bound.policy.settings.clock.now();
-    let adjust = give_back(bound.policy.store.clone(), now, outer);
-    State::Refusing {
-        adjust,
-        refusal: Some(Box::new(Refusing {
-            bound,
-            charge,
-            refusal,
-            usage,
-        })),
     }
 }
 
@@ -342,29 +309,50 @@ fn apply<St: Store>(
     }
 }
 
-/// The lines a pending charge found charged further out, given back if the
-/// request is dropped before the store answers.
-struct GiveBackOnDrop<E, St: Store> {
-    charges: Charges,
-    bound: Arc<Bound<E, St>>,
+/// What layers further out charged for a pending request, given back if
+/// it is dropped before this layer's store answers: it was never admitted.
+struct GiveBackOnDrop {
+    tickets: Vec<(Arc<dyn GiveBack>, Charges)>,
 }
 
-impl<E, St: Store> GiveBackOnDrop<E, St> {
-    /// The lines, no longer given back on drop.
-    fn disarm(mut self) -> Charges {
-        std::mem::take(&mut self.charges)
+impl GiveBackOnDrop {
+    /// The guard of the lines the request's status lists; `None` when it
+    /// lists none.
+    fn of(extensions: &http::Extensions) -> Option<Self> {
+        let status = extensions.get::<QuotaStatus>()?;
+        let tickets: Vec<_> = status
+            .tickets()
+            .iter()
+            .filter(|ticket| !ticket.charges.is_empty())
+            .filter_map(|ticket| Some((Arc::clone(ticket.giver.as_ref()?), ticket.charges.clone())))
+            .collect();
+        (!tickets.is_empty()).then_some(Self { tickets })
+    }
+
+    /// No longer gives anything back: the request was answered.
+    fn disarm(mut self) {
+        self.tickets.clear();
     }
 }
 
-impl<E, St: Store> Drop for GiveBackOnDrop<E, St> {
+impl Drop for GiveBackOnDrop {
     fn drop(&mut self) {
-        if self.charges.is_empty() || tokio::runtime::Handle::try_current().is_err() {
+        for (giver, charges) in self.tickets.drain(..) {
+            giver.give_back(charges);
+        }
+    }
+}
+
+impl<E: Send + Sync, St: Store> GiveBack for Policy<E, St> {
+    /// Gives `charges` back in a task of its own, when a tokio runtime is at
+    /// hand (a drop cannot wait).
+    fn give_back(&self, charges: Charges) {
+        if tokio::runtime::Handle::try_current().is_err() {
             return;
         }
-        let now = self.bound.policy.settings.clock.now();
-        let charges = std::mem::take(&mut self.charges);
+        let now = self.settings.clock.now();
         // Spawned by `apply`: runs to the end on its own.
-        drop(give_back(self.bound.policy.store.clone(), now, charges));
+        drop(give_back(self.store.clone(), now, charges));
     }
 }
 
@@ -454,9 +442,6 @@ where
                         }
                     };
                     let (ops, fields) = match outcome {
-                        Outcome::RefusedInside => {
-                            return Poll::Ready(result.map(|r| r.map(ResponseBody::inner)));
-                        }
                         Outcome::Unrouted => (charge::refund_all(&charged.lines), false),
                         Outcome::Served(ops) => (ops, true),
                     };
@@ -494,30 +479,6 @@ where
                             .finish(response, Some(&usage))
                             .map(ResponseBody::inner)
                     }));
-                }
-                StateProj::Refusing { adjust, refusal } => {
-                    let results = ready!(adjust.as_mut().poll(cx));
-                    let Refusing {
-                        bound,
-                        charge,
-                        refusal,
-                        usage,
-                    } = *refusal.take().expect("polled after completion");
-                    let outer: Vec<(Quota, Usage)> = charge
-                        .ticket
-                        .lines()
-                        .zip(results)
-                        .map(|(line, result)| {
-                            let mut usage = line.usage;
-                            if let Some(used) = result {
-                                usage.used = used;
-                            }
-                            (line.quota.clone(), usage)
-                        })
-                        .collect();
-                    let response =
-                        charge::refused(&bound.policy.settings, &refusal, &charge, &outer, &usage);
-                    return Poll::Ready(Ok(response.map(ResponseBody::full)));
                 }
                 StateProj::Rejected { response } => {
                     let response = response.take().expect("polled after completion");

@@ -94,7 +94,7 @@ where
                 }
                 ResponseFuture::passing(self.inner.call(Request::from_parts(parts, body)))
             }
-            Step::Reject(response) => ResponseFuture::rejected(response),
+            Step::Reject(response) => ResponseFuture::rejected(charge::marked(response)),
             Step::Charge(charge) => {
                 let request = Request::from_parts(parts, body);
                 ResponseFuture::charging(

@@ -185,7 +185,7 @@ fn a_refusal_names_the_quota_without_room_and_waits_for_its_reset() {
     );
     assert!(matches!(&decision, Decision::Refuse(u) if *u == usage));
     let refusal = refusal(&charge, &usage, false);
-    let response = refused(&layer.bound.policy.settings, &refusal, &charge, &[], &usage);
+    let response = refused(&layer.bound.policy.settings, &refusal, &charge, &usage);
     assert_eq!(response.status(), StatusCode::TOO_MANY_REQUESTS);
     assert_eq!(response.headers()[RETRY_AFTER], "50370");
     let body: serde_json::Value = serde_json::from_slice(response.body()).unwrap();
@@ -198,30 +198,6 @@ fn a_refusal_names_the_quota_without_room_and_waits_for_its_reset() {
         "\"default-minute\";r=7;t=30, \"default-day\";r=0;t=50370"
     );
     assert!(response.extensions().get::<Refused>().is_some());
-}
-
-#[test]
-fn a_refusal_tells_what_is_left_of_the_quotas_charged_further_out() {
-    let layer = layer(&[Quota::per_minute(2).allowance("burst")], |b| b);
-    let charge = charge_of(&layer, &head(ACME));
-    let own = [usage(2, 2, "2026-12-02T10:01:00Z")];
-    // Given back: the outer daily quota holds 2 of 100 again.
-    let outer = [(
-        Quota::daily(100).allowance("read"),
-        usage(100, 2, "2026-12-03T00:00:00Z"),
-    )];
-    let refusal = refusal(&charge, &own, false);
-    let response = refused(
-        &layer.bound.policy.settings,
-        &refusal,
-        &charge,
-        &outer,
-        &own,
-    );
-    assert_eq!(
-        response.headers()["ratelimit"],
-        "\"read-day\";r=98;t=50370, \"burst-minute\";r=0;t=30"
-    );
 }
 
 #[test]
@@ -247,7 +223,7 @@ fn a_store_error_follows_the_policy() {
         panic!("fail closed");
     };
     let refusal = Refusal::store_unavailable(retry_after, false);
-    let response = refused(&closed.bound.policy.settings, &refusal, &charge, &[], &[]);
+    let response = refused(&closed.bound.policy.settings, &refusal, &charge, &[]);
     assert_eq!(response.status(), StatusCode::SERVICE_UNAVAILABLE);
     assert_eq!(response.headers()[RETRY_AFTER], "2");
     assert!(!response.headers().contains_key("ratelimit"));
@@ -311,19 +287,15 @@ fn what_a_response_changes() {
         Outcome::Served(vec![]),
         "server errors are charged unless the policy refunds them"
     );
-    // Refused by a layer of another policy further in: given back.
+    // Refused further in (by a quota, a store failure or before any
+    // charge): the request was not served, and this layer gives its charge
+    // back.
     let refused_inside = response_head(StatusCode::TOO_MANY_REQUESTS, |e| {
         e.insert(Refused);
     });
     assert_eq!(
         outcome(&lines, cost, settings, Some(&refused_inside)),
         Outcome::Served(vec![(0, Adjust::Refund(1))])
-    );
-    // Given back by a layer of this policy further in: its answer stands.
-    assert!(lines[0].claim_give_back());
-    assert_eq!(
-        outcome(&lines, cost, settings, Some(&ok)),
-        Outcome::RefusedInside
     );
 
     let refunding = layer(&[Quota::daily(10)], |b| b.refund_server_errors(true));
