@@ -91,12 +91,10 @@ const PLAIN: [bool; 256] = {
 };
 
 fn push_encoded(out: &mut Text, bytes: &[u8]) {
-    // Most ids need no escaping at all.
+    // Most ids need no escaping at all; plain bytes are ASCII.
     if bytes.iter().all(|&b| PLAIN[usize::from(b)]) {
-        if let Ok(text) = std::str::from_utf8(bytes) {
-            out.push_str(text);
-            return;
-        }
+        out.push_ascii(bytes);
+        return;
     }
     write!(out, "{}", percent_encode(bytes, PART)).expect("writing a key cannot fail")
 }
@@ -122,18 +120,30 @@ impl Default for Text {
 
 impl Text {
     pub(crate) fn push_str(&mut self, text: &str) {
+        self.push_ascii_or_utf8(text.as_bytes());
+    }
+
+    /// Bytes that are ASCII (plain key parts).
+    fn push_ascii(&mut self, bytes: &[u8]) {
+        debug_assert!(bytes.is_ascii());
+        self.push_ascii_or_utf8(bytes);
+    }
+
+    /// Only whole UTF-8 strings or ASCII bytes come in, so the text stays
+    /// UTF-8.
+    fn push_ascii_or_utf8(&mut self, bytes: &[u8]) {
         if let Some(long) = &mut self.long {
-            long.push_str(text);
+            long.push_str(std::str::from_utf8(bytes).unwrap_or_default());
             return;
         }
-        let end = self.len + text.len();
+        let end = self.len + bytes.len();
         if end <= self.short.len() {
-            self.short[self.len..end].copy_from_slice(text.as_bytes());
+            self.short[self.len..end].copy_from_slice(bytes);
             self.len = end;
         } else {
             let mut long = String::with_capacity(end * 2);
             long.push_str(self.as_str());
-            long.push_str(text);
+            long.push_str(std::str::from_utf8(bytes).unwrap_or_default());
             self.long = Some(long);
         }
     }
@@ -148,7 +158,7 @@ impl Text {
     fn as_str(&self) -> &str {
         match &self.long {
             Some(long) => long,
-            // Only whole `&str`s are copied in, so the bytes are UTF-8.
+            // Only whole `&str`s and ASCII are copied in: the bytes are UTF-8.
             None => std::str::from_utf8(&self.short[..self.len]).expect("keys are UTF-8"),
         }
     }

@@ -277,6 +277,11 @@ impl Quota {
         self
     }
 
+    /// Whether the quota spreads the resets it tells clients.
+    pub(crate) fn spreads(&self) -> bool {
+        self.0.spread > 0 && self.0.anchor == Anchor::Calendar
+    }
+
     /// Seconds added to the reset told to the subject whose hash is
     /// `subject`: at most the quota's spread.
     pub(crate) fn spread_for(&self, subject: u64) -> u64 {

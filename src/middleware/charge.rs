@@ -176,7 +176,11 @@ fn identify<E: SubjectExtractor, St>(
             ));
         }
     };
-    let spread = spread_hash(&subject);
+    let spread = if policy.spreads() {
+        spread_hash(&subject)
+    } else {
+        0
+    };
     Ok(Some(Caller {
         subject,
         plan,

@@ -5,7 +5,7 @@
 mod settings;
 
 use std::fmt;
-use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::{Arc, Mutex, RwLock};
 use std::time::Duration;
 
@@ -80,6 +80,9 @@ pub(crate) struct Policy<E, St> {
     quotas: Mutex<Vec<Quota>>,
     /// The plans there are: declared, and named by some quota.
     plans: RwLock<Arc<[Arc<str>]>>,
+    /// Whether some quota spreads the resets it tells clients: only then
+    /// is a subject's spread worked out.
+    spreads: AtomicBool,
 }
 
 impl<E, St> Policy<E, St> {
@@ -110,6 +113,9 @@ impl<E, St> Policy<E, St> {
         }
         quotas.push(quota.clone());
         drop(quotas);
+        if quota.spreads() {
+            self.spreads.store(true, Ordering::Relaxed);
+        }
         let named: Vec<&str> = quota.plans().map(|(plan, _)| plan).collect();
         if !named.is_empty() {
             let mut plans = self.plans.write().unwrap_or_else(|e| e.into_inner());
@@ -121,6 +127,11 @@ impl<E, St> Policy<E, St> {
             }
             *plans = all.into();
         }
+    }
+
+    /// Whether some quota of the policy spreads the resets it tells.
+    pub(crate) fn spreads(&self) -> bool {
+        self.spreads.load(Ordering::Relaxed)
     }
 
     /// Every quota of the policy's layers, in the order they were made.
@@ -428,6 +439,7 @@ impl<E, St> QuotaPolicyBuilder<E, St> {
                 store: self.store,
                 quotas: Mutex::default(),
                 plans: RwLock::new(plans),
+                spreads: AtomicBool::new(false),
             }),
         }
     }
