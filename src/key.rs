@@ -119,11 +119,13 @@ impl Default for Text {
 }
 
 impl Text {
+    #[inline]
     pub(crate) fn push_str(&mut self, text: &str) {
         self.push_ascii_or_utf8(text.as_bytes());
     }
 
     /// Bytes that are ASCII (plain key parts).
+    #[inline]
     fn push_ascii(&mut self, bytes: &[u8]) {
         debug_assert!(bytes.is_ascii());
         self.push_ascii_or_utf8(bytes);
@@ -131,20 +133,29 @@ impl Text {
 
     /// Only whole UTF-8 strings or ASCII bytes come in, so the text stays
     /// UTF-8.
+    #[inline]
     fn push_ascii_or_utf8(&mut self, bytes: &[u8]) {
-        if let Some(long) = &mut self.long {
-            long.push_str(std::str::from_utf8(bytes).unwrap_or_default());
-            return;
-        }
         let end = self.len + bytes.len();
-        if end <= self.short.len() {
+        if self.long.is_none() && end <= self.short.len() {
             self.short[self.len..end].copy_from_slice(bytes);
             self.len = end;
         } else {
-            let mut long = String::with_capacity(end * 2);
-            long.push_str(self.as_str());
-            long.push_str(std::str::from_utf8(bytes).unwrap_or_default());
-            self.long = Some(long);
+            self.push_long(bytes);
+        }
+    }
+
+    /// Past the stack's room: the text moves to the heap.
+    #[cold]
+    fn push_long(&mut self, bytes: &[u8]) {
+        let text = std::str::from_utf8(bytes).unwrap_or_default();
+        match &mut self.long {
+            Some(long) => long.push_str(text),
+            None => {
+                let mut long = String::with_capacity((self.len + bytes.len()) * 2);
+                long.push_str(self.as_str());
+                long.push_str(text);
+                self.long = Some(long);
+            }
         }
     }
 

@@ -8,8 +8,10 @@ use bytes::Bytes;
 use http::request::Parts;
 use http::{Response, StatusCode};
 use jiff::Timestamp;
+use smallvec::SmallVec;
 
 use super::layer::{Bound, Cost, Scope};
+use crate::key::PeriodKey;
 use crate::policy::{OnStoreError, Policy, Settings, SubjectPolicy, UnknownPlan};
 use crate::quota::Quota;
 use crate::response::{self, RateLimitFields, Refusal};
@@ -51,8 +53,11 @@ pub(crate) struct Charge {
     pub(crate) ticket: Ticket,
     /// One per line of `request`, in the caller's zone.
     pub(crate) quotas: Arc<[Quota]>,
-    /// What the store is asked; a shadow quota's line has no limit.
-    pub(crate) request: ChargeRequest,
+    /// What the store is asked (a shadow quota's line has no limit), until
+    /// it is sent.
+    pub(crate) request: Option<ChargeRequest>,
+    /// The key of each line, kept once the request is sent.
+    pub(crate) keys: SmallVec<[PeriodKey; 2]>,
     pub(crate) cost: u64,
     /// The decision's span (disabled unless the crate's debug logs are on):
     /// subject kind and hash, allowances, anchors, outcome.
@@ -288,10 +293,11 @@ fn lines(scope: &Scope, settings: &Settings, ticket: Ticket, parts: &Parts) -> S
     };
     Step::Charge(Charge {
         span,
-        request: ChargeRequest {
+        keys: lines.iter().map(|line| line.key.clone()).collect(),
+        request: Some(ChargeRequest {
             now: ticket.now,
             lines,
-        },
+        }),
         ticket,
         quotas,
         cost,
@@ -363,10 +369,10 @@ pub(crate) fn decide(
             let lines = charge
                 .quotas
                 .iter()
-                .zip(&charge.request.lines)
+                .zip(&charge.keys)
                 .zip(outcome.usage)
-                .map(|((quota, line), usage)| {
-                    Line::new(quota.clone(), line.key.clone(), charge.cost, usage)
+                .map(|((quota, key), usage)| {
+                    Line::new(quota.clone(), key.clone(), charge.cost, usage)
                 })
                 .collect();
             Decision::Admit(lines)

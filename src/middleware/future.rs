@@ -107,7 +107,7 @@ where
 {
     /// Charges `charge` once first polled, then calls `inner`.
     pub(crate) fn charging(
-        charge: Charge,
+        mut charge: Charge,
         bound: Arc<Bound<E, St>>,
         inner: S,
         request: Request<ReqBody>,
@@ -117,7 +117,7 @@ where
         let outer = GiveBackOnDrop::of(request.extensions());
         Self {
             state: State::Charging {
-                start: Some(charge.request.clone()),
+                start: charge.request.take(),
                 charge: None,
                 timeout: None,
                 timer: crate::metrics::ChargeTimer::start(),
