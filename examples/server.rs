@@ -4,7 +4,7 @@
 //! ```text
 //! cargo run --release --example server -- --listen 127.0.0.1:8080 --limit 1000 --period 1d \
 //!     --anchor calendar [--tz UTC] [--subject account|user|device] [--store memory] \
-//!     [--on-store-error open|closed] [--quota off] [--burst 10] [--plans free=100,pro=10000] \
+//!     [--on-store-error open|closed] [--quota off|governor] [--burst 10] [--plans free=100,pro=10000] \
 //!     [--admin-token T] [--shadow] [--metrics] [--zone-header NAME]
 //! ```
 //!
@@ -68,7 +68,7 @@ use tower_quota::{
 const USAGE: &str =
     "usage: server [--listen ADDR] [--limit N] [--period 10s|1m|1h|1d|1w|1mo|Ns|Nm|Nh] \
 [--anchor calendar|first-use] [--tz ZONE] [--subject account|user|device] [--store memory|redis://HOST:PORT/|redis+unix:///PATH] \
-[--on-store-error open|closed] [--quota on|off] [--burst N] [--plans NAME=N,NAME=N] [--admin-token T] \
+[--on-store-error open|closed] [--quota on|off|governor] [--burst N] [--plans NAME=N,NAME=N] [--admin-token T] \
 [--shadow] [--metrics] [--zone-header NAME]";
 
 struct Options {
@@ -79,13 +79,45 @@ struct Options {
     subject: FromHeader,
     store: String,
     on_store_error: OnStoreError,
-    quota: bool,
+    quota: Mode,
     burst: u64,
     plans: Vec<(String, u64)>,
     admin_token: Option<String>,
     shadow: bool,
     metrics: bool,
     zone_header: Option<http::HeaderName>,
+}
+
+/// `--quota`: this crate's layer, none, or tower_governor's.
+#[derive(Clone, Copy, PartialEq, Eq)]
+enum Mode {
+    On,
+    Off,
+    Governor,
+}
+
+/// tower_governor's key: the subject header's bytes, as the quota reads
+/// them.
+#[derive(Clone, Debug)]
+struct SubjectHeader(http::HeaderName);
+
+impl tower_governor::key_extractor::KeyExtractor for SubjectHeader {
+    type Key = Box<[u8]>;
+
+    fn extract<T>(
+        &self,
+        request: &http::Request<T>,
+    ) -> Result<Self::Key, tower_governor::GovernorError> {
+        let mut values = request.headers().get_all(&self.0).iter();
+        match (values.next(), values.next()) {
+            (Some(value), None) => Ok(value.as_bytes().into()),
+            _ => Err(tower_governor::GovernorError::Other {
+                code: StatusCode::BAD_REQUEST,
+                msg: Some(format!("send one {} header\n", self.0)),
+                headers: None,
+            }),
+        }
+    }
 }
 
 fn fail(message: &str) -> ! {
@@ -122,7 +154,7 @@ fn parse_args() -> Options {
         on_store_error: OnStoreError::FailClosed {
             retry_after: Duration::from_secs(1),
         },
-        quota: true,
+        quota: Mode::On,
         burst: 10,
         plans: Vec::new(),
         admin_token: None,
@@ -195,9 +227,10 @@ fn parse_args() -> Options {
             }
             "--quota" => {
                 options.quota = match value.as_str() {
-                    "on" => true,
-                    "off" => false,
-                    _ => fail("--quota takes on or off"),
+                    "on" => Mode::On,
+                    "off" => Mode::Off,
+                    "governor" => Mode::Governor,
+                    _ => fail("--quota takes on, off or governor"),
                 }
             }
             "--plans" => options.plans = parse_plans(&value).unwrap_or_else(|e| fail(&e)),
@@ -332,12 +365,39 @@ fn routes() -> (Router, Router, Router) {
 fn app<St: Store>(options: &Options, store: St) -> Router {
     let (read, search, write) = routes();
     let health = Router::new().route("/healthz", get(|| async { "ok\n" }));
-    if !options.quota {
-        return read
-            .merge(search)
-            .merge(write)
-            .merge(health)
-            .route("/quota", get(|| async { Json(json!({})) }));
+    match options.quota {
+        Mode::On => {}
+        Mode::Off => {
+            return read
+                .merge(search)
+                .merge(write)
+                .merge(health)
+                .route("/quota", get(|| async { Json(json!({})) }));
+        }
+        Mode::Governor => {
+            // Another rate limiter on the same routes, keyed by the same
+            // header, with a limit nothing reaches: a point of comparison.
+            let config = tower_governor::governor::GovernorConfigBuilder::default()
+                .key_extractor(SubjectHeader(options.subject.header_name().clone()))
+                .burst_size(1_000_000_000)
+                .period(Duration::from_nanos(1))
+                .finish()
+                .expect("a burst and a period above zero");
+            let limiter = config.limiter().clone();
+            tokio::spawn(async move {
+                let mut every = tokio::time::interval(Duration::from_secs(10));
+                loop {
+                    every.tick().await;
+                    limiter.retain_recent();
+                }
+            });
+            return read
+                .merge(search)
+                .merge(write)
+                .route_layer(tower_governor::GovernorLayer::new(config))
+                .merge(health)
+                .route("/quota", get(|| async { Json(json!({})) }));
+        }
     }
 
     let mut policy = QuotaPolicy::builder(options.subject.clone())
@@ -492,7 +552,11 @@ async fn serve(options: Options) {
         options.period.name(),
         options.anchor,
         options.store,
-        if options.quota { "on" } else { "off" },
+        match options.quota {
+            Mode::On => "on",
+            Mode::Off => "off",
+            Mode::Governor => "governor",
+        },
     );
     axum::serve(listener, app)
         .with_graceful_shutdown(async {

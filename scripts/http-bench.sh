@@ -19,10 +19,11 @@
 # costs. It shows how much of the Redis server's gap to `off` is the round
 # trip itself.
 #
-# `governor` is another rate limiter: the `governor_server` example, the same
-# route behind a tower_governor layer (a GCRA per account in memory) keyed by
-# the same header, with a limit nothing here reaches. It shows how the memory
-# store compares with a rate limiter that keeps one state per key in memory.
+# `governor` is another rate limiter: the demo server with `--quota
+# governor`, the same routes behind a tower_governor layer (a GCRA per
+# account in memory) keyed by the same header, with a limit nothing here
+# reaches. It shows how the memory store compares with a rate limiter that
+# keeps one state per key in memory.
 #
 # Installs Debian's wrk, redis-server and redis-tools when they are missing
 # (redis-server and redis-tools only when the Redis server is measured).
@@ -68,7 +69,7 @@ if [ ${#missing[@]} -gt 0 ]; then
     service redis-server stop >/dev/null 2>&1 || true
 fi
 
-cargo build --release --features redis --example server --example redis_floor --example governor_server
+cargo build --release --features redis --example server --example redis_floor
 examples=${CARGO_TARGET_DIR:-target}/release/examples
 server=$examples/server
 
@@ -119,7 +120,7 @@ measured memory && start_server memory "$server" --limit 1000000000 --store memo
 measured redis && start_server redis "$server" --limit 1000000000 --store "redis://127.0.0.1:$redis_port/"
 measured floor && start_server floor "$examples/redis_floor" --redis "redis://127.0.0.1:$redis_port/"
 measured floor-eval && start_server floor-eval "$examples/redis_floor" --redis "redis://127.0.0.1:$redis_port/" --eval
-measured governor && start_server governor "$examples/governor_server" --burst 1000000000 --replenish-ns 1
+measured governor && start_server governor "$server" --limit 1000000000 --quota governor
 
 cat >"$work/subjects.lua" <<EOF
 math.randomseed(os.time())

@@ -1100,3 +1100,41 @@ async fn a_sub_request_refused_inside_leaves_the_batch_charged() {
     );
     assert_eq!(used(&policy, "search-minute").await, 1);
 }
+
+#[test]
+#[should_panic(expected = "two policies on one store and namespace would count on one counter")]
+fn two_policies_on_one_store_never_give_different_quotas_one_counter() {
+    let store = MemoryStore::new();
+    let a = QuotaPolicy::builder(FromHeader::account("x-account-id"))
+        .store(store.clone())
+        .build();
+    let b = QuotaPolicy::builder(FromHeader::account("x-account-id"))
+        .store(store)
+        .build();
+    let _ten = a.layer(Quota::daily(10));
+    let _hundred = b.layer(Quota::daily(100));
+}
+
+#[test]
+fn policies_on_one_store_may_share_a_quota_or_keep_apart() {
+    let store = MemoryStore::new();
+    let policy = || {
+        QuotaPolicy::builder(FromHeader::account("x-account-id"))
+            .store(store.clone())
+            .build()
+    };
+    // Two instances of one app in a test: the same quota, one budget.
+    let (a, b) = (policy(), policy());
+    let _a = a.layer(Quota::daily(10));
+    let _b = b.layer(Quota::daily(10));
+    // Another namespace keeps its counters apart.
+    let other = QuotaPolicy::builder(FromHeader::account("x-account-id"))
+        .store(store.clone())
+        .namespace("other")
+        .build();
+    let _other = other.layer(Quota::daily(100));
+    // A policy gone leaves nothing behind.
+    drop((a, b, _a, _b));
+    let c = policy();
+    let _c = c.layer(Quota::daily(1_000));
+}

@@ -228,7 +228,7 @@ impl<E> QuotaLayer<E, MemoryStore> {
     }
 }
 
-impl<E, St> QuotaPolicy<E, St> {
+impl<E, St: Store> QuotaPolicy<E, St> {
     /// A layer charging `quota` (more with [`QuotaLayer::quota`]), on this
     /// policy's store, clock and subjects. Apply it router-wide or to some
     /// routes only: a request passing several layers of one policy is
@@ -238,7 +238,8 @@ impl<E, St> QuotaPolicy<E, St> {
     /// # Panics
     ///
     /// When `quota` would count on the counter of a different quota of the
-    /// policy, or has the name of one.
+    /// policy (or of another policy on the same store and namespace), or
+    /// has the name of a different quota of the policy.
     pub fn layer(&self, quota: Quota) -> QuotaLayer<E, St> {
         self.core.register(&quota);
         QuotaLayer {
@@ -250,7 +251,7 @@ impl<E, St> QuotaPolicy<E, St> {
     }
 }
 
-impl<E, St> QuotaLayer<E, St> {
+impl<E, St: Store> QuotaLayer<E, St> {
     /// The same layer with its scope changed by `f`.
     fn with_scope(self, f: impl FnOnce(&mut Vec<Quota>, &mut Cost)) -> Self {
         let mut quotas = self.bound.scope.quotas.to_vec();

@@ -85,14 +85,76 @@ pub(crate) struct Policy<E, St> {
     spreads: AtomicBool,
 }
 
-impl<E, St> Policy<E, St> {
+/// A quota of a policy on a store with an identity: what other policies
+/// on the same store must not contradict.
+struct Claim {
+    store: usize,
+    namespace: Namespace,
+    policy: u64,
+    any_zone: bool,
+    quota: Quota,
+}
+
+/// The claims of every live policy on a store with an identity.
+static CLAIMS: Mutex<Vec<Claim>> = Mutex::new(Vec::new());
+
+impl<E, St: Store> Policy<E, St> {
     /// Adds a layer's quota to the policy's.
     ///
     /// # Panics
     ///
     /// When it would count on the counter of a different quota of the
-    /// policy, or carries the name of one.
+    /// policy, or of another policy on the same store and namespace, or
+    /// carries the name of a different quota of the policy.
     pub(crate) fn register(&self, quota: &Quota) {
+        self.claim(quota);
+        self.register_own(quota);
+    }
+
+    /// Checks `quota` against the quotas of the other policies on the same
+    /// store, and records it.
+    fn claim(&self, quota: &Quota) {
+        let Some(store) = self.store.identity() else {
+            return;
+        };
+        let any_zone = self.settings.zone.is_some();
+        let mut claims = CLAIMS.lock().unwrap_or_else(|e| e.into_inner());
+        for claim in claims.iter() {
+            if claim.store != store
+                || claim.policy == self.id
+                || claim.namespace != self.settings.namespace
+                || claim.quota.same_as(quota)
+            {
+                continue;
+            }
+            assert!(
+                !claim.quota.shares_counters_with(quota, any_zone || claim.any_zone),
+                "two different quotas of two policies on one store and namespace would count on one counter: {:?} and {quota:?} have the same allowance ({:?}), period and anchor; give one of them its own allowance, or the policies namespaces of their own",
+                claim.quota,
+                quota.allowance_tag(),
+            );
+        }
+        claims.push(Claim {
+            store,
+            namespace: self.settings.namespace.clone(),
+            policy: self.id,
+            any_zone,
+            quota: quota.clone(),
+        });
+    }
+}
+
+impl<E, St> Drop for Policy<E, St> {
+    fn drop(&mut self) {
+        CLAIMS
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .retain(|claim| claim.policy != self.id);
+    }
+}
+
+impl<E, St> Policy<E, St> {
+    fn register_own(&self, quota: &Quota) {
         let mut quotas = self.quotas.lock().unwrap_or_else(|e| e.into_inner());
         let per_caller = self.settings.zone.is_some();
         for known in quotas.iter() {

@@ -795,4 +795,8 @@ impl Store for MemoryStore {
         let mut shard = lock(&self.inner.shards[self.shard_of(&key)]);
         ready(Ok(shard.remove(key.as_str())))
     }
+
+    fn identity(&self) -> Option<usize> {
+        Some(Arc::as_ptr(&self.inner) as usize)
+    }
 }

@@ -59,6 +59,9 @@
 //!     fn reset(&self, key: PeriodKey) -> impl Future<Output = Result<bool, StoreError>> + Send {
 //!         self.inner.reset(key)
 //!     }
+//!     fn identity(&self) -> Option<usize> {
+//!         self.inner.identity()
+//!     }
 //! }
 //!
 //! # #[tokio::main(flavor = "current_thread")] async fn main() {
@@ -313,4 +316,14 @@ pub trait Store: Clone + Send + Sync + 'static {
     /// first-use quota, the next call opens a new period). Returns whether
     /// there was one.
     fn reset(&self, key: PeriodKey) -> impl Future<Output = Result<bool, StoreError>> + Send;
+
+    /// An identity the clones of this store share, and no other live store
+    /// has: policies on one store check, when their layers are made, that
+    /// no two different quotas of theirs count on one counter (two policies
+    /// on one store with the same namespace, say, a daily 10 and a daily
+    /// 100). `None`, the default, leaves that unchecked; a store that wraps
+    /// another returns the inner store's.
+    fn identity(&self) -> Option<usize> {
+        None
+    }
 }

@@ -742,4 +742,8 @@ impl Store for RedisStore {
             Ok(deleted > 0)
         }
     }
+
+    fn identity(&self) -> Option<usize> {
+        Some(Arc::as_ptr(&self.inner) as usize)
+    }
 }
