@@ -569,4 +569,116 @@ mod tests {
         let refusal = Refusal::store_unavailable(Duration::MAX, false);
         assert_eq!(refusal.retry_after, Some(u64::MAX));
     }
+
+    fn usage_of(limit: u64, used: u64, resets_at: &str) -> Usage {
+        Usage {
+            limit,
+            used,
+            resets_at: resets_at.parse().unwrap(),
+            first_call: None,
+        }
+    }
+
+    fn policy_field(
+        quotas: &[Quota],
+        usage: &[Usage],
+        now: Timestamp,
+        cache: Option<&PolicyCache>,
+    ) -> HeaderValue {
+        let mut headers = http::HeaderMap::new();
+        RateLimitFields::new(quotas.iter().zip(usage.iter().copied()), now, cache, 0)
+            .prepend_to(&mut headers);
+        headers[&RATELIMIT_POLICY].clone()
+    }
+
+    #[test]
+    fn each_plans_limit_is_what_the_policy_field_says_from_one_cache() {
+        let quotas = [Quota::daily(100).plan("pro", 10_000)];
+        let now: Timestamp = "2026-12-02T10:00:00Z".parse().unwrap();
+        let cache = PolicyCache::for_quotas(&quotas);
+        let pro = [usage_of(10_000, 10_000, "2026-12-03T00:00:00Z")];
+        let free = [usage_of(100, 1, "2026-12-03T00:00:00Z")];
+        // Mixed-plan traffic: each value comes back from the cache right.
+        for _ in 0..3 {
+            assert_eq!(
+                policy_field(&quotas, &pro, now, Some(&cache)),
+                "\"default-day\";q=10000;w=86400"
+            );
+            assert_eq!(
+                policy_field(&quotas, &free, now, Some(&cache)),
+                "\"default-day\";q=100;w=86400"
+            );
+        }
+    }
+
+    #[test]
+    fn a_constant_policy_field_is_the_one_computed_per_request() {
+        let berlin = jiff::tz::TimeZone::get("Europe/Berlin").unwrap();
+        let now: Timestamp = "2026-03-29T10:00:00Z".parse().unwrap();
+        for quotas in [
+            vec![Quota::daily(5), Quota::per_minute(2).allowance("burst")],
+            vec![Quota::rolling(5, Duration::from_secs(3_600))],
+            vec![Quota::daily(5).in_time_zone(berlin.clone())],
+            vec![Quota::monthly(5)],
+            vec![Quota::daily(5).plan("pro", 50)],
+        ] {
+            let usage: Vec<Usage> = quotas
+                .iter()
+                .map(|q| usage_of(q.limit(), 1, "2026-03-30T00:00:00Z"))
+                .collect();
+            assert_eq!(
+                policy_field(
+                    &quotas,
+                    &usage,
+                    now,
+                    Some(&PolicyCache::for_quotas(&quotas))
+                ),
+                policy_field(&quotas, &usage, now, None),
+                "{quotas:?}"
+            );
+        }
+        // A Berlin day is 23 hours long that Sunday: never a constant.
+        let berlin_day = [Quota::daily(5).in_time_zone(berlin)];
+        let usage = [usage_of(5, 1, "2026-03-29T22:00:00Z")];
+        assert_eq!(
+            policy_field(
+                &berlin_day,
+                &usage,
+                now,
+                Some(&PolicyCache::for_quotas(&berlin_day))
+            ),
+            "\"default-day\";q=5;w=82800"
+        );
+    }
+
+    #[test]
+    fn fields_of_layers_further_out_come_first_in_one_list() {
+        let now: Timestamp = "2026-12-02T10:00:00Z".parse().unwrap();
+        let inner = [Quota::per_minute(2).allowance("burst")];
+        let outer = [Quota::daily(100).allowance("read")];
+        let mut headers = http::HeaderMap::new();
+        RateLimitFields::new(
+            inner.iter().zip([usage_of(2, 1, "2026-12-02T10:01:00Z")]),
+            now,
+            None,
+            0,
+        )
+        .prepend_to(&mut headers);
+        RateLimitFields::new(
+            outer.iter().zip([usage_of(100, 2, "2026-12-03T00:00:00Z")]),
+            now,
+            None,
+            0,
+        )
+        .prepend_to(&mut headers);
+        assert_eq!(headers.get_all(&RATELIMIT).iter().count(), 1);
+        assert_eq!(
+            headers[&RATELIMIT],
+            "\"read-day\";r=98;t=50400, \"burst-minute\";r=1;t=60"
+        );
+        assert_eq!(
+            headers[&RATELIMIT_POLICY],
+            "\"read-day\";q=100;w=86400, \"burst-minute\";q=2;w=60"
+        );
+    }
 }
