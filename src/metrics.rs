@@ -131,19 +131,17 @@ pub mod store {
 pub use self::imp::describe;
 // `healed` is for the Redis store alone.
 #[cfg_attr(not(feature = "redis"), allow(unused_imports))]
-pub(crate) use self::imp::{decided, healed, refunded, shadow_refused, skipped, ChargeTimer};
+pub(crate) use self::imp::{decisions, healed, refunded, ChargeTimer};
 
 #[cfg(feature = "metrics")]
 mod imp {
-    use std::any::TypeId;
+    use std::sync::Arc;
     use std::time::Instant;
 
     use metrics::{counter, describe_counter, describe_histogram, histogram, Unit};
 
-    use super::{outcome, store, ABANDONED_CHARGES_REFUNDED, CHARGE_DURATION};
+    use super::{ABANDONED_CHARGES_REFUNDED, CHARGE_DURATION};
     use super::{COUNTERS_HEALED, DECISIONS};
-    use crate::quota::Quota;
-    use crate::store::{ChargeOutcome, StoreError};
 
     /// Registers the description and unit of each metric with the recorder
     /// installed now.
@@ -170,35 +168,18 @@ mod imp {
         );
     }
 
-    /// One increment of `outcome` per allowance among `quotas`.
-    fn count(outcome: &'static str, quotas: &[Quota]) {
-        for (i, quota) in quotas.iter().enumerate() {
-            let tag = quota.allowance_shared();
-            if quotas[..i].iter().any(|q| q.allowance_shared() == tag) {
+    /// One increment of `outcome` per allowance among `allowances` (each
+    /// tag once).
+    pub(crate) fn decisions<'a>(
+        outcome: &'static str,
+        allowances: impl Iterator<Item = &'a Arc<str>> + Clone,
+    ) {
+        for (i, tag) in allowances.clone().enumerate() {
+            if allowances.clone().take(i).any(|seen| seen == tag) {
                 continue;
             }
             counter!(DECISIONS, "outcome" => outcome, "allowance" => tag.clone()).increment(1);
         }
-    }
-
-    /// The store's answer to a charge on `quotas`, once decided on.
-    pub(crate) fn decided(quotas: &[Quota], answer: &Result<ChargeOutcome, StoreError>) {
-        let outcome = match answer {
-            Ok(outcome) if outcome.admitted => outcome::ADMITTED,
-            Ok(_) => outcome::REFUSED,
-            Err(_) => outcome::STORE_ERROR,
-        };
-        count(outcome, quotas);
-    }
-
-    /// A request let through uncounted by a layer of `quotas`.
-    pub(crate) fn skipped(quotas: &[Quota]) {
-        count(outcome::SKIPPED, quotas);
-    }
-
-    /// A request a shadow quota would have refused.
-    pub(crate) fn shadow_refused(quota: &Quota) {
-        count(outcome::SHADOW_REFUSED, std::slice::from_ref(quota));
     }
 
     /// A counter without a deadline, dated again by a charge.
@@ -222,36 +203,10 @@ mod imp {
             Self(Instant::now())
         }
 
-        /// Records the time since `start` for store `St`.
-        pub(crate) fn stop<St: 'static>(&self) {
-            histogram!(CHARGE_DURATION, "store" => store_label::<St>()).record(self.0.elapsed());
-        }
-    }
-
-    /// The `store` label of `St`: the type's name is no stable interface,
-    /// its identity is.
-    fn store_label<St: 'static>() -> &'static str {
-        let id = TypeId::of::<St>();
-        if id == TypeId::of::<crate::MemoryStore>() {
-            return store::MEMORY;
-        }
-        #[cfg(feature = "redis")]
-        if id == TypeId::of::<crate::store::RedisStore>() {
-            return store::REDIS;
-        }
-        store::OTHER
-    }
-
-    #[cfg(test)]
-    mod tests {
-        use super::*;
-
-        #[test]
-        fn stores_are_told_apart_by_type() {
-            assert_eq!(store_label::<crate::MemoryStore>(), "memory");
-            #[cfg(feature = "redis")]
-            assert_eq!(store_label::<crate::store::RedisStore>(), "redis");
-            assert_eq!(store_label::<String>(), "other");
+        /// Records the time since `start` for the store labelled `store`
+        /// (a value of [`store`](super::store)).
+        pub(crate) fn stop(&self, store: &'static str) {
+            histogram!(CHARGE_DURATION, "store" => store).record(self.0.elapsed());
         }
     }
 }
@@ -259,19 +214,12 @@ mod imp {
 /// Without the feature: nothing recorded, nothing kept.
 #[cfg(not(feature = "metrics"))]
 mod imp {
-    use crate::quota::Quota;
-    use crate::store::{ChargeOutcome, StoreError};
+    use std::sync::Arc;
 
     pub fn describe() {}
 
     #[inline(always)]
-    pub(crate) fn decided(_: &[Quota], _: &Result<ChargeOutcome, StoreError>) {}
-
-    #[inline(always)]
-    pub(crate) fn skipped(_: &[Quota]) {}
-
-    #[inline(always)]
-    pub(crate) fn shadow_refused(_: &Quota) {}
+    pub(crate) fn decisions<'a>(_: &'static str, _: impl Iterator<Item = &'a Arc<str>> + Clone) {}
 
     #[inline(always)]
     pub(crate) fn healed() {}
@@ -288,6 +236,6 @@ mod imp {
         }
 
         #[inline(always)]
-        pub(crate) fn stop<St: 'static>(&self) {}
+        pub(crate) fn stop(&self, _: &'static str) {}
     }
 }

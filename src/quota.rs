@@ -348,7 +348,6 @@ impl Quota {
     }
 
     /// The allowance tag, shared: a metrics label without a copy.
-    #[cfg(feature = "metrics")]
     pub(crate) fn allowance_shared(&self) -> &Arc<str> {
         &self.0.allowance
     }

@@ -87,7 +87,7 @@ pub(crate) fn plan<E: SubjectExtractor, St: crate::store::Store>(
         None => {
             let now = settings.clock.now();
             if settings.skips(parts) {
-                crate::metrics::skipped(&bound.scope.quotas);
+                skipped(&bound.scope.quotas);
                 tracing::trace!("request passes uncounted: a skip rule");
                 return Step::PassUncounted(uncounted(policy.id, now));
             }
@@ -100,7 +100,7 @@ pub(crate) fn plan<E: SubjectExtractor, St: crate::store::Store>(
                     giver: Some(Arc::clone(&bound.policy) as Arc<dyn GiveBack>),
                 },
                 Ok(None) => {
-                    crate::metrics::skipped(&bound.scope.quotas);
+                    skipped(&bound.scope.quotas);
                     return Step::PassUncounted(uncounted(policy.id, now));
                 }
                 Err(response) => return Step::Reject(response),
@@ -108,6 +108,14 @@ pub(crate) fn plan<E: SubjectExtractor, St: crate::store::Store>(
         }
     };
     lines(&bound.scope, settings, ticket, parts)
+}
+
+/// Counts a request a layer of `quotas` lets through uncounted.
+fn skipped(quotas: &[Quota]) {
+    crate::metrics::decisions(
+        crate::metrics::outcome::SKIPPED,
+        quotas.iter().map(Quota::allowance_shared),
+    );
 }
 
 /// The ticket of a request the policy lets through uncounted.
@@ -353,12 +361,12 @@ pub(crate) fn decide(
     settings: &Settings,
     answer: Result<ChargeOutcome, StoreError>,
 ) -> Decision {
-    crate::metrics::decided(&charge.quotas, &answer);
     let outcome = match &answer {
-        Ok(outcome) if outcome.admitted => "admitted",
-        Ok(_) => "refused",
-        Err(_) => "store_error",
+        Ok(outcome) if outcome.admitted => crate::metrics::outcome::ADMITTED,
+        Ok(_) => crate::metrics::outcome::REFUSED,
+        Err(_) => crate::metrics::outcome::STORE_ERROR,
     };
+    crate::metrics::decisions(outcome, charge.quotas.iter().map(Quota::allowance_shared));
     charge.span.record("outcome", outcome);
     match answer {
         Ok(mut outcome) => {
@@ -405,7 +413,10 @@ fn shadow_limits(charge: &Charge, usage: &mut [Usage]) {
         let limit = quota.limit_for(plan);
         usage.limit = limit;
         if usage.used > limit {
-            crate::metrics::shadow_refused(quota);
+            crate::metrics::decisions(
+                crate::metrics::outcome::SHADOW_REFUSED,
+                std::iter::once(quota.allowance_shared()),
+            );
             if let Some(suppressed) = SHADOW_REFUSALS.admit() {
                 tracing::info!(
                     quota = quota.name(),

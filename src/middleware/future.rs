@@ -418,7 +418,7 @@ where
                             ))
                         }
                     };
-                    timer.stop::<St>();
+                    timer.stop(crate::store::metrics_label::<St>());
                     let pending = pending.take().expect("polled after completion");
                     this.state.set(decided(pending, answer));
                 }

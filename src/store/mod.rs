@@ -87,6 +87,17 @@ pub mod redis;
 #[cfg(test)]
 mod tests;
 
+#[cfg(test)]
+mod label_tests {
+    #[test]
+    fn stores_are_told_apart_by_type() {
+        assert_eq!(super::metrics_label::<super::MemoryStore>(), "memory");
+        #[cfg(feature = "redis")]
+        assert_eq!(super::metrics_label::<super::RedisStore>(), "redis");
+        assert_eq!(super::metrics_label::<String>(), "other");
+    }
+}
+
 use std::borrow::Cow;
 use std::error::Error as StdError;
 use std::fmt;
@@ -102,6 +113,21 @@ pub use self::memory::{MemoryChargeFuture, MemoryStore};
 pub use self::redis::{RedisChargeFuture, RedisStore, RedisStoreBuilder, ServerClock};
 
 type BoxError = Box<dyn StdError + Send + Sync>;
+
+/// The `store` label of `St` in the metrics: the type's name is no stable
+/// interface, its identity is.
+pub(crate) fn metrics_label<St: 'static>() -> &'static str {
+    use std::any::TypeId;
+    let id = TypeId::of::<St>();
+    if id == TypeId::of::<MemoryStore>() {
+        return crate::metrics::store::MEMORY;
+    }
+    #[cfg(feature = "redis")]
+    if id == TypeId::of::<RedisStore>() {
+        return crate::metrics::store::REDIS;
+    }
+    crate::metrics::store::OTHER
+}
 
 /// How long a counter lives and what its reset is.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
