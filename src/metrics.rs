@@ -35,17 +35,15 @@
 //!   request, which passed (labelled with that quota's allowance, beside
 //!   the request's own `admitted`).
 //!
-//! Each decision a layer takes on the store's answer counts once. A request
-//! is usually decided once per policy, by the outermost layer, however many
-//! layers of the policy it passes: one charge on all of their quotas. When
-//! the only quotas without room belong to inner layers (which the request
-//! may not reach), the outer layer charges its own quotas alone and each
-//! inner layer the request reaches decides for itself: such a request is
-//! counted once per layer that decided (`admitted` on the outer layers'
-//! allowances, `refused` on the inner one's), and the outer charges given
-//! back show in [`ABANDONED_CHARGES_REFUNDED`]. Requests answered before any
-//! charge (no subject, a malformed subject, an unknown plan, an invalid
-//! cost) are not counted here: they never reached the quotas.
+//! Each decision a layer takes on the store's answer counts once: a request
+//! is decided once by each layer that charges quotas of its own, so a
+//! search through a `read` layer and a `search` burst layer inside it is
+//! counted by both (`admitted` on `read`, then `admitted` or `refused` on
+//! `search`), and a `read` charge given back because the burst layer
+//! refused shows in [`ABANDONED_CHARGES_REFUNDED`]. Requests answered
+//! before any charge (no subject, a malformed subject, an unknown plan, an
+//! invalid cost or zone) are not counted here: they never reached the
+//! quotas.
 //!
 //! `allowance` is the allowance tag of the quotas charged. A request
 //! charged on quotas of several allowances (a `read` layer with a `search`
@@ -62,9 +60,8 @@
 //! From sending a charge to the store's answer, by `store`: `memory`
 //! ([`MemoryStore`](crate::MemoryStore)), `redis` (`RedisStore`) or `other`
 //! (any other type, wrappers of those two included). One observation per
-//! charge: a request refused only by the quota of an inner layer is charged
-//! again by each layer alone (see above), and records once per charge. A charge cut short by `store_timeout` is
-//! recorded at the time waited.
+//! charge, so one per layer that charges a request. A charge cut short by
+//! `store_timeout` is recorded at the time waited.
 //!
 //! # `tower_quota_counters_healed_total`
 //!
@@ -77,10 +74,10 @@
 //!
 //! Charges given back after the store had made them, one per counter line
 //! that the store refunded: a server error with `refund_server_errors`, the
-//! quotas of layers the request never reached, an unrouted answer (404,
-//! 405), the charge of an outer layer given back when a hidden inner layer
-//! refuses, and the part of an up-front cost that a deferred cost did not
-//! use. Refunds through [`QuotaHandle`](crate::QuotaHandle) are support
+//! an unrouted answer (404, 405), the charge of a layer given back when a
+//! layer further in refuses the request or the request is dropped before
+//! a layer further in was answered, and the part of an up-front cost that a
+//! deferred cost did not use. Refunds through [`QuotaHandle`](crate::QuotaHandle) are support
 //! actions and are not counted.
 //!
 //! # Descriptions
