@@ -123,8 +123,11 @@ impl QuotaUsage {
 /// feature it is an extractor. It is also how the layers recognise a
 /// request they already charged: a request built with another request's
 /// extensions (a sub-request of a batch endpoint) passes those layers
-/// uncharged. Remove `QuotaStatus` from the extensions you copy when the
-/// sub-request must be charged on its own.
+/// uncharged, and a refusal inside it leaves the request's charge as it is;
+/// a sub-request dropped while a layer waits for its store gives back what
+/// the request was charged, as the request itself would. Remove
+/// `QuotaStatus` from the extensions you copy when the sub-request must be
+/// charged on its own.
 ///
 /// ```
 /// use axum::{routing::get, Router};
