@@ -366,7 +366,20 @@ fn app<St: Store>(options: &Options, store: St) -> Router {
     let (read, search, write) = routes();
     let health = Router::new().route("/healthz", get(|| async { "ok\n" }));
     match options.quota {
-        Mode::On => {}
+        Mode::On => {
+            let max = store.max_count();
+            let largest = options
+                .plans
+                .iter()
+                .map(|(_, n)| *n)
+                .chain([options.limit])
+                .max();
+            if largest.is_some_and(|n| n > max) {
+                fail(&format!(
+                    "--limit or --plans: this store counts exactly up to {max}, a limit may not pass it"
+                ));
+            }
+        }
         Mode::Off => {
             return read
                 .merge(search)

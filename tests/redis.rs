@@ -1965,3 +1965,80 @@ async fn a_limit_or_cost_that_is_not_a_number_refuses_on_every_path() {
     }
     assert_eq!(server.cli(&["hget", daily.as_str(), "n"]), "1");
 }
+
+/// Limits and costs the script cannot decide on exactly (2^53 and past it:
+/// Lua adds in doubles) are refused where they are made, never admitted
+/// past a limit nor left as a count Redis then reads as foreign.
+#[tokio::test]
+async fn limits_and_costs_past_what_redis_counts_exactly_are_refused() {
+    let server = redis_server_or_skip!();
+    let max = store(&server).max_count();
+    assert_eq!(max, (1 << 53) - 1);
+    let too_large = std::panic::catch_unwind(|| {
+        QuotaPolicy::builder(FromHeader::account("x-account-id"))
+            .store(store(&server))
+            .build()
+            .layer(Quota::daily(1 << 53))
+    });
+    let Err(message) = too_large else {
+        panic!("a limit of 2^53 is refused");
+    };
+    let message = message.downcast_ref::<String>().expect("a message").clone();
+    assert!(
+        message.contains("more than its store counts exactly"),
+        "{message}"
+    );
+
+    let policy = QuotaPolicy::builder(FromHeader::account("x-account-id"))
+        .store(store(&server))
+        .build();
+    let layer = policy.layer(Quota::daily(max)).cost_fn(|parts| {
+        let n = parts.uri.query().unwrap_or("n=1")["n=".len()..].to_owned();
+        n.parse()
+            .map_err(|_| tower_quota::InvalidRequest::new("n is a whole number"))
+    });
+    let app = Router::new()
+        .route("/", get(|| async { "ok" }))
+        .layer(layer);
+    let call = |n: u64| {
+        Request::get(format!("/?n={n}"))
+            .header("x-account-id", "acme")
+            .body(Body::empty())
+            .unwrap()
+    };
+    let past = app.clone().oneshot(call(1 << 53)).await.unwrap();
+    assert_eq!(past.status(), StatusCode::BAD_REQUEST);
+    let body = axum::body::to_bytes(past.into_body(), 1 << 16)
+        .await
+        .unwrap();
+    assert!(
+        String::from_utf8_lossy(&body).contains("more than the quota store counts exactly"),
+        "{body:?}"
+    );
+    // The whole allowance at once, then one more: refused, with a reason.
+    assert_eq!(
+        app.clone().oneshot(call(max)).await.unwrap().status(),
+        StatusCode::OK
+    );
+    let over = app.clone().oneshot(call(1)).await.unwrap();
+    assert_eq!(over.status(), StatusCode::TOO_MANY_REQUESTS);
+    let body = axum::body::to_bytes(over.into_body(), 1 << 16)
+        .await
+        .unwrap();
+    let body: serde_json::Value = serde_json::from_slice(&body).unwrap();
+    assert_eq!(
+        body["violated-policies"],
+        serde_json::json!(["default-day"])
+    );
+    assert!(!body["detail"].as_str().unwrap().is_empty());
+    let usage = policy
+        .handle()
+        .usage(&Subject::account("acme"))
+        .await
+        .unwrap();
+    assert_eq!(
+        usage[0].used(),
+        max,
+        "the count is the limit, read back exactly"
+    );
+}

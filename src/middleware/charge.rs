@@ -107,7 +107,13 @@ pub(crate) fn plan<E: SubjectExtractor, St: crate::store::Store>(
             }
         }
     };
-    lines(&bound.scope, settings, ticket, parts)
+    lines(
+        &bound.scope,
+        settings,
+        policy.store.max_count(),
+        ticket,
+        parts,
+    )
 }
 
 /// Counts a request a layer of `quotas` lets through uncounted.
@@ -234,8 +240,15 @@ fn spread_hash(subject: &Subject) -> u64 {
     crate::quota::fnv1a_64_from(kind, subject.id())
 }
 
-/// The lines of `scope`'s quotas that `ticket` does not count yet.
-fn lines(scope: &Scope, settings: &Settings, ticket: Ticket, parts: &Parts) -> Step {
+/// The lines of `scope`'s quotas that `ticket` does not count yet, on a
+/// store that decides on costs up to `max_count` exactly.
+fn lines(
+    scope: &Scope,
+    settings: &Settings,
+    max_count: u64,
+    ticket: Ticket,
+    parts: &Parts,
+) -> Step {
     let caller = ticket
         .caller
         .as_ref()
@@ -274,6 +287,12 @@ fn lines(scope: &Scope, settings: &Settings, ticket: Ticket, parts: &Parts) -> S
             .collect()
     };
     let cost = match scope.cost.upfront(parts) {
+        Ok(cost) if cost > max_count => {
+            let detail = format!(
+                "This request costs {cost}, more than the quota store counts exactly ({max_count})."
+            );
+            return Step::Reject(response::early(StatusCode::BAD_REQUEST, &detail, parts));
+        }
         Ok(cost) => cost,
         Err(error) => {
             tracing::debug!(%error, "request refused: invalid cost");

@@ -107,6 +107,15 @@ impl<E, St: Store> Policy<E, St> {
     /// policy, or of another policy on the same store and namespace, or
     /// carries the name of a different quota of the policy.
     pub(crate) fn register(&self, quota: &Quota) {
+        let max = self.store.max_count();
+        let limits = std::iter::once(quota.limit()).chain(quota.plans().map(|(_, l)| l));
+        for limit in limits {
+            assert!(
+                limit <= max,
+                "quota {:?} has a limit of {limit}, more than its store counts exactly ({max})",
+                quota.name()
+            );
+        }
         self.claim(quota);
         self.register_own(quota);
     }

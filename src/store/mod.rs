@@ -62,6 +62,9 @@
 //!     fn identity(&self) -> Option<usize> {
 //!         self.inner.identity()
 //!     }
+//!     fn max_count(&self) -> u64 {
+//!         self.inner.max_count()
+//!     }
 //! }
 //!
 //! # #[tokio::main(flavor = "current_thread")] async fn main() {
@@ -351,5 +354,15 @@ pub trait Store: Clone + Send + Sync + 'static {
     /// another returns the inner store's.
     fn identity(&self) -> Option<usize> {
         None
+    }
+
+    /// The largest limit and cost this store decides on exactly: a quota
+    /// whose limit (or a plan's) is larger is refused when its layer is
+    /// made, and a request that costs more is refused with 400 before any
+    /// charge. `u64::MAX` by default (and for [`MemoryStore`]); the Redis
+    /// store's script counts in doubles, exact below 2^53. A store that
+    /// wraps another returns the inner store's.
+    fn max_count(&self) -> u64 {
+        u64::MAX
     }
 }

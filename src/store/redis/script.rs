@@ -151,11 +151,17 @@ pub(super) fn as_millis(d: Duration) -> i64 {
     i64::try_from(d.as_millis()).unwrap_or(i64::MAX)
 }
 
-/// Counts travel as Redis integers.
-/// Lua counts in doubles, exact up to 2^53: a limit or cost that large is as
-/// good as unlimited, and is sent as 2^53.
+/// The largest limit and cost the script decides on exactly: Lua adds and
+/// compares in doubles, and `used + cost <= limit` holds exactly while the
+/// limit is below 2^53 (a sum past it rounds to at least 2^53, still over
+/// the limit).
+pub(crate) const MAX_EXACT: u64 = (1 << 53) - 1;
+
+/// Counts travel as Redis integers. Larger limits and costs are refused
+/// before they reach the store, but for a shadow quota's, which has none:
+/// sent as the largest exact one, as good as unlimited.
 pub(super) fn clamp(n: u64) -> i64 {
-    i64::try_from(n.min(1 << 53)).expect("2^53 fits in an i64")
+    i64::try_from(n.min(MAX_EXACT)).expect("2^53 fits in an i64")
 }
 
 #[cfg(test)]

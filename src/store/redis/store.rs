@@ -746,4 +746,10 @@ impl Store for RedisStore {
     fn identity(&self) -> Option<usize> {
         Some(Arc::as_ptr(&self.inner) as usize)
     }
+
+    /// 2^53 - 1: the script adds and compares in Lua's doubles, exact below
+    /// 2^53, so that a count never passes a limit by a rounding.
+    fn max_count(&self) -> u64 {
+        super::script::MAX_EXACT
+    }
 }
