@@ -1138,3 +1138,40 @@ fn policies_on_one_store_may_share_a_quota_or_keep_apart() {
     let c = policy();
     let _c = c.layer(Quota::daily(1_000));
 }
+
+/// A layer has one cost: the last of `cost`, `cost_fn` and `deferred_cost`
+/// called is the one charged.
+#[tokio::test]
+async fn the_last_cost_set_on_a_layer_is_its_cost() {
+    let policy = QuotaPolicy::builder(FromHeader::account("x-account-id")).build();
+    let app = Router::new()
+        .route("/", get(|| async { "ok" }))
+        .route_layer(
+            policy
+                .layer(Quota::daily(10))
+                .deferred_cost(1, |_| 5)
+                .cost(3),
+        );
+    send(&app, call(Method::GET, "/", ACME)).await;
+    assert_eq!(
+        used(&policy, "default-day").await,
+        3,
+        "cost 3, no deferred cost"
+    );
+
+    let policy = QuotaPolicy::builder(FromHeader::account("x-account-id")).build();
+    let app = Router::new()
+        .route("/", get(|| async { "ok" }))
+        .route_layer(
+            policy
+                .layer(Quota::daily(10))
+                .cost(3)
+                .deferred_cost(1, |_| 5),
+        );
+    send(&app, call(Method::GET, "/", ACME)).await;
+    assert_eq!(
+        used(&policy, "default-day").await,
+        5,
+        "admitted on 1, charged 5"
+    );
+}
