@@ -515,6 +515,8 @@ impl Quota {
             || (self.shares_counters_with(other, false)
                 && self.0.name == other.0.name
                 && self.0.limit == other.0.limit
+                && self.0.shadow == other.0.shadow
+                && self.0.spread == other.0.spread
                 && self.0.plans.len() == other.0.plans.len()
                 && self.plans().all(|(p, l)| {
                     other.limit_for(Some(p)) == l && other.plans().any(|(q, _)| q == p)

@@ -187,6 +187,11 @@ impl QuotaStatus {
         self.tickets.iter().find(|t| t.policy == policy)
     }
 
+    /// Whether a line of any policy counts on `key`.
+    pub(crate) fn counts(&self, key: &PeriodKey) -> bool {
+        self.tickets.iter().any(|ticket| ticket.counts(key))
+    }
+
     /// Every ticket, in the order the request met the policies.
     pub(crate) fn tickets(&self) -> &[Ticket] {
         &self.tickets

@@ -249,6 +249,7 @@ fn lines(
     ticket: Ticket,
     parts: &Parts,
 ) -> Step {
+    let status = parts.extensions.get::<QuotaStatus>();
     let caller = ticket
         .caller
         .as_ref()
@@ -268,7 +269,9 @@ fn lines(
         };
         let line =
             quota.line_with_limit(&settings.namespace, &caller.subject, ticket.now, 0, limit);
-        if ticket.counts(&line.key) {
+        // A counter charged for this request by a layer further out, of this
+        // policy or another on the same store, counts once.
+        if ticket.counts(&line.key) || status.is_some_and(|s| s.counts(&line.key)) {
             counted.push(i);
         } else {
             lines.push(line);

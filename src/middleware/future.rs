@@ -55,11 +55,12 @@ pin_project! {
             timer: crate::metrics::ChargeTimer,
         },
         // The inner service answers; `charged` is what this layer charged
-        // (`None`: nothing).
+        // (nothing, for a request it let pass), given back if the request
+        // is dropped before the answer: it was not served.
         Calling {
             #[pin]
             future: S::Future,
-            charged: Option<Charged<E, St>>,
+            charged: Unanswered<E, St>,
         },
         // The store applies what the response changes before the fields are
         // written.
@@ -137,7 +138,7 @@ where
         Self {
             state: State::Calling {
                 future,
-                charged: None,
+                charged: Unanswered(None),
             },
         }
     }
@@ -190,19 +191,21 @@ where
             }
             State::Calling {
                 future: inner.call(request),
-                charged: Some(Charged {
+                charged: Unanswered(Some(Charged {
                     bound,
                     lines,
                     own_quotas,
                     now,
                     spread,
-                }),
+                })),
             }
         }
         Decision::PassUncounted => {
             // The store is failing: the policy's inner layers pass too.
             let mut ticket = charge::uncounted(bound.policy.id, charge.ticket.now);
+            // What layers further out charged stays theirs to give back.
             ticket.charges = charge.ticket.charges;
+            ticket.giver = charge.ticket.giver;
             let extensions = request.extensions_mut();
             match extensions.get_mut::<QuotaStatus>() {
                 Some(status) => status.put(ticket),
@@ -214,7 +217,7 @@ where
             }
             State::Calling {
                 future: inner.call(request),
-                charged: None,
+                charged: Unanswered(None),
             }
         }
         // The layers further out give their own charges back when they see
@@ -309,6 +312,23 @@ fn apply<St: Store>(
     }
 }
 
+/// Runs `adjusting` to the end without waiting for it: in a task of its own
+/// (spawned by `apply`) on a tokio runtime; without one, at once, which a
+/// store that answers at once (the memory store) finishes.
+fn detach(mut adjusting: Adjusting) {
+    let mut cx = Context::from_waker(std::task::Waker::noop());
+    if adjusting.as_mut().poll(&mut cx).is_pending()
+        && tokio::runtime::Handle::try_current().is_err()
+    {
+        if let Some(suppressed) = ADJUST_ERRORS.admit() {
+            tracing::warn!(
+                suppressed,
+                "a charge to give back was dropped: its store does not answer at once, and no tokio runtime runs it"
+            );
+        }
+    }
+}
+
 /// What layers further out charged for a pending request, given back if
 /// it is dropped before this layer's store answers: it was never admitted.
 struct GiveBackOnDrop {
@@ -343,16 +363,38 @@ impl Drop for GiveBackOnDrop {
     }
 }
 
-impl<E: Send + Sync, St: Store> GiveBack for Policy<E, St> {
-    /// Gives `charges` back in a task of its own, when a tokio runtime is at
-    /// hand (a drop cannot wait).
-    fn give_back(&self, charges: Charges) {
-        if tokio::runtime::Handle::try_current().is_err() {
-            return;
-        }
+impl<E, St: Store> Policy<E, St> {
+    /// Gives `charges` back without waiting (a drop cannot wait).
+    fn give_back_detached(&self, charges: Charges) {
         let now = self.settings.clock.now();
-        // Spawned by `apply`: runs to the end on its own.
-        drop(give_back(self.store.clone(), now, charges));
+        detach(give_back(self.store.clone(), now, charges));
+    }
+}
+
+impl<E: Send + Sync, St: Store> GiveBack for Policy<E, St> {
+    fn give_back(&self, charges: Charges) {
+        self.give_back_detached(charges);
+    }
+}
+
+/// A layer's charge while the inner service has not answered.
+pub(crate) struct Unanswered<E, St: Store>(Option<Charged<E, St>>);
+
+impl<E, St: Store> Unanswered<E, St> {
+    /// The charge, now that the inner service answered: it stays.
+    fn answered(&mut self) -> Option<Charged<E, St>> {
+        self.0.take()
+    }
+}
+
+impl<E, St: Store> Drop for Unanswered<E, St> {
+    /// Dropped before the inner service answered (a timeout further out, a
+    /// client gone): the request was not served, and its charge goes back.
+    fn drop(&mut self) {
+        if let Some(charged) = self.0.take() {
+            let charges = std::iter::once(charged.lines).collect();
+            charged.bound.policy.give_back_detached(charges);
+        }
     }
 }
 
@@ -360,7 +402,19 @@ impl<E, St: Store> Charged<E, St> {
     /// The response, with the fields of this layer's quotas (standing at
     /// `usage`, or as charged) in front of those of layers further in.
     fn finish<B>(&self, mut response: Response<B>, usage: Option<&[Usage]>) -> Response<B> {
-        let usage = |i: usize| usage.map_or(self.lines[i].usage, |usage| usage[i]);
+        let usage = |i: usize| {
+            let line = &self.lines[i];
+            match usage {
+                Some(usage) => usage[i],
+                // Given back meanwhile (the request was dropped further in):
+                // what it was charged is spent no more.
+                None if line.is_given_back() => Usage {
+                    used: line.usage.used.saturating_sub(line.cost),
+                    ..line.usage
+                },
+                None => line.usage,
+            }
+        };
         let entries = self
             .lines
             .iter()
@@ -424,7 +478,7 @@ where
                 }
                 StateProj::Calling { future, charged } => {
                     let result = ready!(future.poll(cx));
-                    let Some(charged) = charged.take() else {
+                    let Some(charged) = charged.answered() else {
                         return Poll::Ready(result.map(|r| r.map(ResponseBody::inner)));
                     };
                     let settings = &charged.bound.policy.settings;

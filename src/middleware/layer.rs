@@ -24,6 +24,11 @@ use crate::subject::SubjectExtractor;
 /// Every charged response, admitted or refused, carries the
 /// `RateLimit-Policy` and `RateLimit` fields.
 ///
+/// A request that is not served spends nothing: a refusal further in, or a
+/// request dropped before the inner service answered (a timeout around the
+/// layer, a client gone), gives the layer's charge back. A timeout inside
+/// the layer answers, and the request stays charged.
+///
 /// A layer made with [`QuotaLayer::daily`] (or `hourly`, `new`, ...) is a
 /// policy of its own, on a fresh [`MemoryStore`] with the default settings.
 /// To choose the store, clock or anything else, or to share a budget between
@@ -284,9 +289,23 @@ impl<E, St: Store> QuotaLayer<E, St> {
     }
 
     /// Every request costs `cost` units (default 1).
+    ///
+    /// # Panics
+    ///
+    /// When `cost` is more than the policy's store counts exactly
+    /// ([`Store::max_count`]).
     #[must_use]
     pub fn cost(self, cost: u64) -> Self {
+        self.check_cost(cost);
         self.with_scope(|_, c| *c = Cost::Fixed(cost))
+    }
+
+    fn check_cost(&self, cost: u64) {
+        let max = self.bound.policy.store.max_count();
+        assert!(
+            cost <= max,
+            "a cost of {cost} is more than the layer's store counts exactly ({max})"
+        );
     }
 
     /// Works out each request's cost from its head, e.g. from a `?n=` query
@@ -320,11 +339,17 @@ impl<E, St: Store> QuotaLayer<E, St> {
     ///     });
     /// # let _ = layer;
     /// ```
+    ///
+    /// # Panics
+    ///
+    /// When `upfront` is more than the policy's store counts exactly
+    /// ([`Store::max_count`]).
     #[must_use]
     pub fn deferred_cost<F>(self, upfront: u64, real: F) -> Self
     where
         F: Fn(&http::response::Parts) -> u64 + Send + Sync + 'static,
     {
+        self.check_cost(upfront);
         self.with_scope(|_, c| {
             *c = Cost::Deferred {
                 upfront,

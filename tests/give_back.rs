@@ -1,0 +1,301 @@
+//! What is given back, and when: a counter charged once per request across
+//! policies, drops with and without a runtime, timeouts around and between
+//! layers, and mistakes refused when a layer is made.
+
+use std::future::Future;
+use std::pin::Pin;
+use std::sync::Arc;
+use std::time::Duration;
+
+use axum::body::Body;
+use axum::response::IntoResponse;
+use axum::routing::get;
+use axum::Router;
+use http::{Request, Response, StatusCode};
+use tokio::sync::Notify;
+use tower::ServiceExt;
+use tower_quota::jiff::Timestamp;
+use tower_quota::store::{ChargeOutcome, ChargeRequest, StoreErrorKind};
+use tower_quota::{
+    FromHeader, ManualClock, MemoryStore, OnStoreError, PeriodKey, Quota, QuotaPolicy,
+    QuotaPolicyBuilder, Store, StoreError, Subject, Usage,
+};
+
+const NOW: &str = "2026-12-02T10:00:00Z";
+
+fn call(path: &str) -> Request<Body> {
+    Request::get(path)
+        .header("x-account-id", "acme")
+        .body(Body::empty())
+        .unwrap()
+}
+
+fn header(response: &Response<Body>, name: &str) -> String {
+    response
+        .headers()
+        .get(name)
+        .map(|v| v.to_str().unwrap().to_owned())
+        .unwrap_or_default()
+}
+
+fn policy<St: Store>(store: St, namespace: &str) -> QuotaPolicyBuilder<FromHeader, St> {
+    QuotaPolicy::builder(FromHeader::account("x-account-id"))
+        .store(store)
+        .namespace(namespace)
+        .clock(ManualClock::new(NOW.parse().unwrap()))
+}
+
+async fn used<St: Store>(policy: &QuotaPolicy<FromHeader, St>, name: &str) -> u64 {
+    let usage = policy
+        .handle()
+        .usage(&Subject::account("acme"))
+        .await
+        .unwrap();
+    usage.iter().find(|u| u.name() == name).unwrap().used()
+}
+
+async fn settles<St: Store>(
+    policy: &QuotaPolicy<FromHeader, St>,
+    name: &str,
+    expected: u64,
+) -> u64 {
+    let deadline = tokio::time::Instant::now() + Duration::from_secs(2);
+    loop {
+        let now = used(policy, name).await;
+        if now == expected || tokio::time::Instant::now() > deadline {
+            return now;
+        }
+        tokio::time::sleep(Duration::from_millis(10)).await;
+    }
+}
+
+#[derive(Clone, Copy)]
+enum Rig {
+    Stall,
+    Fail,
+}
+
+/// Stalls or fails the charges naming `allowance` (every charge: `None`).
+#[derive(Clone)]
+struct Rigged {
+    inner: MemoryStore,
+    rig: Rig,
+    allowance: Option<&'static str>,
+    met: Arc<Notify>,
+    max: u64,
+}
+
+impl Rigged {
+    fn new(inner: MemoryStore, rig: Rig, allowance: Option<&'static str>) -> Self {
+        Self {
+            inner,
+            rig,
+            allowance,
+            met: Arc::new(Notify::new()),
+            max: u64::MAX,
+        }
+    }
+}
+
+type Charging = Pin<Box<dyn Future<Output = Result<ChargeOutcome, StoreError>> + Send>>;
+
+impl Store for Rigged {
+    type ChargeFuture = Charging;
+    fn charge(&self, request: ChargeRequest) -> Charging {
+        let rigged = request.lines.iter().any(|l| {
+            self.allowance
+                .is_none_or(|a| l.key.as_str().contains(&format!("}}:{a}:")))
+        });
+        if !rigged {
+            return Box::pin(self.inner.charge(request));
+        }
+        self.met.notify_one();
+        match self.rig {
+            Rig::Stall => Box::pin(std::future::pending()),
+            Rig::Fail => Box::pin(std::future::ready(Err(StoreError::new(
+                StoreErrorKind::Unavailable,
+                "rigged",
+            )))),
+        }
+    }
+    fn peek(
+        &self,
+        r: ChargeRequest,
+    ) -> impl Future<Output = Result<Vec<Usage>, StoreError>> + Send {
+        self.inner.peek(r)
+    }
+    fn refund(
+        &self,
+        now: Timestamp,
+        key: PeriodKey,
+        n: u64,
+    ) -> impl Future<Output = Result<Option<u64>, StoreError>> + Send {
+        self.inner.refund(now, key, n)
+    }
+    fn add(
+        &self,
+        now: Timestamp,
+        key: PeriodKey,
+        n: u64,
+    ) -> impl Future<Output = Result<Option<u64>, StoreError>> + Send {
+        self.inner.add(now, key, n)
+    }
+    fn reset(&self, key: PeriodKey) -> impl Future<Output = Result<bool, StoreError>> + Send {
+        self.inner.reset(key)
+    }
+    fn identity(&self) -> Option<usize> {
+        self.inner.identity()
+    }
+    fn max_count(&self) -> u64 {
+        self.max
+    }
+}
+
+async fn ok() -> &'static str {
+    "ok"
+}
+
+/// Two policies on one store and namespace with the same quota: one budget,
+/// and a request through both counts once.
+#[tokio::test]
+async fn the_same_quota_of_two_policies_on_one_store_counts_once() {
+    let store = MemoryStore::new();
+    let a = policy(store.clone(), "quota").build();
+    let b = policy(store, "quota").build();
+    let app = Router::new()
+        .route("/", get(ok))
+        .route_layer(b.layer(Quota::daily(10)))
+        .route_layer(a.layer(Quota::daily(10)));
+    let response = app.oneshot(call("/")).await.unwrap();
+    assert_eq!(response.status(), StatusCode::OK);
+    assert_eq!(
+        header(&response, "ratelimit"),
+        "\"default-day\";r=9;t=50400"
+    );
+    assert_eq!(used(&a, "default-day").await, 1, "one admission");
+}
+
+/// A policy whose store fails further in lets the request through (fail
+/// open); dropped later while another policy's store stalls, the request
+/// gets its outer charge back.
+#[tokio::test]
+async fn a_drop_after_a_fail_open_inside_gives_the_outer_charge_back() {
+    let store = MemoryStore::new();
+    let account = policy(
+        Rigged::new(store.clone(), Rig::Fail, Some("search")),
+        "account",
+    )
+    .on_store_error(OnStoreError::FailOpen)
+    .build();
+    let stalled = Rigged::new(store, Rig::Stall, None);
+    let met = Arc::clone(&stalled.met);
+    let partner = policy(stalled, "partner").store_timeout(None).build();
+    let app = Router::new()
+        .route("/search", get(ok))
+        .route_layer(partner.layer(Quota::per_minute(5).allowance("burst")))
+        .route_layer(account.layer(Quota::per_minute(5).allowance("search")))
+        .route_layer(account.layer(Quota::daily(10).allowance("read")));
+    let pending = tokio::spawn(app.clone().oneshot(call("/search")));
+    met.notified().await;
+    pending.abort();
+    assert!(pending.await.unwrap_err().is_cancelled());
+    assert_eq!(settles(&account, "read-day", 0).await, 0, "never admitted");
+}
+
+/// A request dropped while a store stalls, outside a tokio runtime: a
+/// store that answers at once takes the give-back at once.
+#[test]
+fn a_drop_outside_a_runtime_gives_back_at_once() {
+    let store = MemoryStore::new();
+    let account = policy(store.clone(), "account").build();
+    let partner = policy(Rigged::new(store, Rig::Stall, None), "partner")
+        .store_timeout(None)
+        .build();
+    let app = Router::new()
+        .route("/", get(ok))
+        .route_layer(partner.layer(Quota::per_minute(5).allowance("burst")))
+        .route_layer(account.layer(Quota::daily(10).allowance("read")));
+    let mut future = Box::pin(app.oneshot(call("/")));
+    let mut cx = std::task::Context::from_waker(std::task::Waker::noop());
+    assert!(future.as_mut().poll(&mut cx).is_pending());
+    drop(future);
+    let rt = tokio::runtime::Runtime::new().unwrap();
+    rt.block_on(async {
+        assert_eq!(settles(&account, "read-day", 0).await, 0, "never admitted");
+    });
+}
+
+/// A timeout between two layers (a 408, as tower-http's timeout answers):
+/// the inner layer, dropped while it waits for its store, gives the outer
+/// charge back, and the outer layer's field tells it.
+#[tokio::test]
+async fn a_timeout_between_layers_gives_back_and_tells_it() {
+    let store = MemoryStore::new();
+    let account = policy(store.clone(), "account").build();
+    let partner = policy(Rigged::new(store, Rig::Stall, None), "partner")
+        .store_timeout(None)
+        .build();
+    let timeout = axum::middleware::from_fn(
+        |request: axum::extract::Request, next: axum::middleware::Next| async move {
+            match tokio::time::timeout(Duration::from_millis(50), next.run(request)).await {
+                Ok(response) => response,
+                Err(_) => StatusCode::REQUEST_TIMEOUT.into_response(),
+            }
+        },
+    );
+    let app = Router::new()
+        .route("/", get(ok))
+        .route_layer(partner.layer(Quota::per_minute(5).allowance("burst")))
+        .route_layer(timeout)
+        .route_layer(account.layer(Quota::daily(10).allowance("read")));
+    let response = app.oneshot(call("/")).await.unwrap();
+    assert_eq!(response.status(), StatusCode::REQUEST_TIMEOUT);
+    assert_eq!(settles(&account, "read-day", 0).await, 0);
+    assert_eq!(
+        header(&response, "ratelimit"),
+        "\"read-day\";r=10;t=50400",
+        "the field tells what is truly left"
+    );
+}
+
+/// A fixed cost the store cannot count exactly is refused when the layer
+/// is made.
+#[test]
+#[should_panic(expected = "more than the layer's store counts exactly")]
+fn a_fixed_cost_past_max_count_is_refused_when_the_layer_is_made() {
+    let mut store = Rigged::new(MemoryStore::new(), Rig::Fail, Some("never"));
+    store.max = 100;
+    let p = policy(store, "cost").build();
+    let _layer = p.layer(Quota::daily(100)).cost(1_000);
+}
+
+/// A shadow quota and an enforced one on one counter are two different
+/// quotas: refused when the second layer is made.
+#[test]
+fn a_shadow_and_an_enforced_quota_on_one_counter_are_refused() {
+    let p = policy(MemoryStore::new(), "shadow").build();
+    let _a = p.layer(Quota::daily(10));
+    let made = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
+        p.layer(Quota::daily(10).shadow())
+    }));
+    assert!(made.is_err(), "two different quotas on one counter");
+}
+
+/// A timeout around the quota layer (the request's future dropped while the
+/// handler works): the request was not served, and spends nothing.
+#[tokio::test]
+async fn a_timeout_around_the_layer_gives_the_charge_back() {
+    let account = policy(MemoryStore::new(), "slow").build();
+    let app = Router::new()
+        .route(
+            "/",
+            get(|| async {
+                tokio::time::sleep(Duration::from_secs(5)).await;
+                "late"
+            }),
+        )
+        .route_layer(account.layer(Quota::daily(10).allowance("read")));
+    let timed_out = tokio::time::timeout(Duration::from_millis(50), app.oneshot(call("/"))).await;
+    assert!(timed_out.is_err());
+    assert_eq!(settles(&account, "read-day", 0).await, 0, "not served");
+}
