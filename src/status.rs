@@ -123,9 +123,8 @@ impl QuotaUsage {
 /// feature it is an extractor. It is also how the layers recognise a
 /// request they already charged: a request built with another request's
 /// extensions (a sub-request of a batch endpoint) passes those layers
-/// uncharged, and a refusal inside it leaves the request's charge as it is;
-/// a sub-request dropped while a layer waits for its store gives back what
-/// the request was charged, as the request itself would. Remove
+/// uncharged, and a refusal or a drop inside it leaves the request's charge
+/// as it is. Remove
 /// `QuotaStatus` from the extensions you copy when the sub-request must be
 /// charged on its own.
 ///
@@ -192,11 +191,6 @@ impl QuotaStatus {
         self.tickets.iter().any(|ticket| ticket.counts(key))
     }
 
-    /// Every ticket, in the order the request met the policies.
-    pub(crate) fn tickets(&self) -> &[Ticket] {
-        &self.tickets
-    }
-
     /// Records `ticket`, replacing what its policy knew before.
     pub(crate) fn put(&mut self, ticket: Ticket) {
         self.entries = OnceLock::new();
@@ -231,21 +225,6 @@ pub(crate) struct Ticket {
     /// What the policy's layers charged, one entry per layer, outer layers
     /// first (seldom more than two).
     pub(crate) charges: Charges,
-    /// The policy, to give its lines back when the request is dropped
-    /// before an inner layer admitted it (`None` for a ticket that counts
-    /// nothing).
-    pub(crate) giver: Option<Arc<dyn GiveBack>>,
-}
-
-/// Gives a policy's charges back, in a task of their own.
-pub(crate) trait GiveBack: Send + Sync {
-    fn give_back(&self, charges: Charges);
-}
-
-impl fmt::Debug for dyn GiveBack {
-    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        f.write_str("GiveBack")
-    }
 }
 
 /// The lines a policy's layers charged for a request, one entry per layer.

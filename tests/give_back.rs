@@ -177,7 +177,7 @@ async fn the_same_quota_of_two_policies_on_one_store_counts_once() {
 
 /// A policy whose store fails further in lets the request through (fail
 /// open); dropped later while another policy's store stalls, the request
-/// gets its outer charge back.
+/// gets its outer charge back: it was never answered.
 #[tokio::test]
 async fn a_drop_after_a_fail_open_inside_gives_the_outer_charge_back() {
     let store = MemoryStore::new();
@@ -226,10 +226,11 @@ fn a_drop_outside_a_runtime_gives_back_at_once() {
 }
 
 /// A timeout between two layers (a 408, as tower-http's timeout answers):
-/// the inner layer, dropped while it waits for its store, gives the outer
-/// charge back, and the outer layer's field tells it.
+/// the inner layer, dropped while it waits for its store, charged nothing;
+/// the outer layer got an answer, and its charge stays, as for any timeout
+/// inside the layers.
 #[tokio::test]
-async fn a_timeout_between_layers_gives_back_and_tells_it() {
+async fn a_timeout_between_layers_keeps_the_outer_charge() {
     let store = MemoryStore::new();
     let account = policy(store.clone(), "account").build();
     let partner = policy(Rigged::new(store, Rig::Stall, None), "partner")
@@ -250,12 +251,8 @@ async fn a_timeout_between_layers_gives_back_and_tells_it() {
         .route_layer(account.layer(Quota::daily(10).allowance("read")));
     let response = app.oneshot(call("/")).await.unwrap();
     assert_eq!(response.status(), StatusCode::REQUEST_TIMEOUT);
-    assert_eq!(settles(&account, "read-day", 0).await, 0);
-    assert_eq!(
-        header(&response, "ratelimit"),
-        "\"read-day\";r=10;t=50400",
-        "the field tells what is truly left"
-    );
+    assert_eq!(used(&account, "read-day").await, 1);
+    assert_eq!(header(&response, "ratelimit"), "\"read-day\";r=9;t=50400");
 }
 
 /// A fixed cost the store cannot count exactly is refused when the layer
@@ -298,4 +295,44 @@ async fn a_timeout_around_the_layer_gives_the_charge_back() {
     let timed_out = tokio::time::timeout(Duration::from_millis(50), app.oneshot(call("/"))).await;
     assert!(timed_out.is_err());
     assert_eq!(settles(&account, "read-day", 0).await, 0, "not served");
+}
+
+/// A sub-request given the request's status, dropped while a layer of
+/// another policy waits for its store: the request, served, stays charged.
+#[tokio::test]
+async fn a_dropped_sub_request_leaves_the_served_request_charged() {
+    let store = MemoryStore::new();
+    let account = policy(store.clone(), "account").build();
+    let partner = policy(Rigged::new(store, Rig::Stall, None), "partner")
+        .store_timeout(None)
+        .build();
+    let backend: Router = Router::new()
+        .route("/sub", get(ok))
+        .route_layer(partner.layer(Quota::per_minute(5).allowance("burst")));
+    let app = Router::new()
+        .route(
+            "/",
+            get(move |status: tower_quota::QuotaStatus| {
+                let backend = backend.clone();
+                async move {
+                    let mut sub = Request::get("/sub")
+                        .header("x-account-id", "acme")
+                        .body(Body::empty())
+                        .unwrap();
+                    sub.extensions_mut().insert(status);
+                    let sub = backend.oneshot(sub);
+                    let _ = tokio::time::timeout(Duration::from_millis(20), sub).await;
+                    "served"
+                }
+            }),
+        )
+        .route_layer(account.layer(Quota::daily(10).allowance("read")));
+    let response = app.oneshot(call("/")).await.unwrap();
+    assert_eq!(response.status(), StatusCode::OK);
+    tokio::time::sleep(Duration::from_millis(50)).await;
+    assert_eq!(
+        used(&account, "read-day").await,
+        1,
+        "a served request is counted"
+    );
 }

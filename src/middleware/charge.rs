@@ -15,7 +15,7 @@ use crate::key::PeriodKey;
 use crate::policy::{OnStoreError, Policy, Settings, SubjectPolicy, UnknownPlan};
 use crate::quota::Quota;
 use crate::response::{self, RateLimitFields, Refusal};
-use crate::status::{Caller, GiveBack, Line, QuotaStatus, Ticket};
+use crate::status::{Caller, Line, QuotaStatus, Ticket};
 use crate::store::{ChargeOutcome, ChargeRequest, StoreError, Usage};
 use crate::subject::{Subject, SubjectError, SubjectExtractor};
 use crate::throttle::Throttle;
@@ -97,7 +97,6 @@ pub(crate) fn plan<E: SubjectExtractor, St: crate::store::Store>(
                     now,
                     caller: Some(caller),
                     charges: Default::default(),
-                    giver: Some(Arc::clone(&bound.policy) as Arc<dyn GiveBack>),
                 },
                 Ok(None) => {
                     skipped(&bound.scope.quotas);
@@ -131,7 +130,6 @@ pub(crate) fn uncounted(policy: u64, now: Timestamp) -> Ticket {
         now,
         caller: None,
         charges: Default::default(),
-        giver: None,
     }
 }
 

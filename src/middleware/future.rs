@@ -15,7 +15,7 @@ use super::layer::Bound;
 use crate::body::ResponseBody;
 use crate::policy::Policy;
 use crate::response::RateLimitFields;
-use crate::status::{Charges, GiveBack, Line, QuotaStatus};
+use crate::status::{Charges, Line, QuotaStatus};
 use crate::store::{Store, StoreError, StoreErrorKind, Usage};
 use crate::throttle::Throttle;
 
@@ -85,9 +85,6 @@ pub(crate) struct Pending<S, E, St: Store, ReqBody> {
     request: Request<ReqBody>,
     charge: Charge,
     bound: Arc<Bound<E, St>>,
-    /// Gives back what layers further out charged if the request is dropped
-    /// before the store answers: it was never admitted.
-    outer: Option<GiveBackOnDrop>,
 }
 
 /// What a layer charged for an admitted request, for the response path.
@@ -113,9 +110,6 @@ where
         inner: S,
         request: Request<ReqBody>,
     ) -> Self {
-        // What layers further out (of any policy) charged for the request:
-        // nothing, nearly always, for a request meets one layer.
-        let outer = GiveBackOnDrop::of(request.extensions());
         Self {
             state: State::Charging {
                 start: charge.request.take(),
@@ -127,7 +121,6 @@ where
                     request,
                     charge,
                     bound,
-                    outer,
                 }),
             },
         }
@@ -166,13 +159,7 @@ where
         mut request,
         mut charge,
         bound,
-        outer,
     } = pending;
-    // Answered: whatever follows, the layers further out settle their own
-    // charges.
-    if let Some(outer) = outer {
-        outer.disarm();
-    }
     let settings = &bound.policy.settings;
     match charge::decide(&charge, settings, answer) {
         Decision::Admit(lines) => {
@@ -205,7 +192,6 @@ where
             let mut ticket = charge::uncounted(bound.policy.id, charge.ticket.now);
             // What layers further out charged stays theirs to give back.
             ticket.charges = charge.ticket.charges;
-            ticket.giver = charge.ticket.giver;
             let extensions = request.extensions_mut();
             match extensions.get_mut::<QuotaStatus>() {
                 Some(status) => status.put(ticket),
@@ -329,51 +315,11 @@ fn detach(mut adjusting: Adjusting) {
     }
 }
 
-/// What layers further out charged for a pending request, given back if
-/// it is dropped before this layer's store answers: it was never admitted.
-struct GiveBackOnDrop {
-    tickets: Vec<(Arc<dyn GiveBack>, Charges)>,
-}
-
-impl GiveBackOnDrop {
-    /// The guard of the lines the request's status lists; `None` when it
-    /// lists none.
-    fn of(extensions: &http::Extensions) -> Option<Self> {
-        let status = extensions.get::<QuotaStatus>()?;
-        let tickets: Vec<_> = status
-            .tickets()
-            .iter()
-            .filter(|ticket| !ticket.charges.is_empty())
-            .filter_map(|ticket| Some((Arc::clone(ticket.giver.as_ref()?), ticket.charges.clone())))
-            .collect();
-        (!tickets.is_empty()).then_some(Self { tickets })
-    }
-
-    /// No longer gives anything back: the request was answered.
-    fn disarm(mut self) {
-        self.tickets.clear();
-    }
-}
-
-impl Drop for GiveBackOnDrop {
-    fn drop(&mut self) {
-        for (giver, charges) in self.tickets.drain(..) {
-            giver.give_back(charges);
-        }
-    }
-}
-
 impl<E, St: Store> Policy<E, St> {
     /// Gives `charges` back without waiting (a drop cannot wait).
     fn give_back_detached(&self, charges: Charges) {
         let now = self.settings.clock.now();
         detach(give_back(self.store.clone(), now, charges));
-    }
-}
-
-impl<E: Send + Sync, St: Store> GiveBack for Policy<E, St> {
-    fn give_back(&self, charges: Charges) {
-        self.give_back_detached(charges);
     }
 }
 
@@ -402,19 +348,7 @@ impl<E, St: Store> Charged<E, St> {
     /// The response, with the fields of this layer's quotas (standing at
     /// `usage`, or as charged) in front of those of layers further in.
     fn finish<B>(&self, mut response: Response<B>, usage: Option<&[Usage]>) -> Response<B> {
-        let usage = |i: usize| {
-            let line = &self.lines[i];
-            match usage {
-                Some(usage) => usage[i],
-                // Given back meanwhile (the request was dropped further in):
-                // what it was charged is spent no more.
-                None if line.is_given_back() => Usage {
-                    used: line.usage.used.saturating_sub(line.cost),
-                    ..line.usage
-                },
-                None => line.usage,
-            }
-        };
+        let usage = |i: usize| usage.map_or(self.lines[i].usage, |usage| usage[i]);
         let entries = self
             .lines
             .iter()
