@@ -212,14 +212,7 @@ impl<St: Store> QuotaHandle<St> {
     /// When the request names a zone that cannot be used (the layers answer
     /// 400).
     pub fn zone_of(&self, parts: &Parts) -> Result<Option<TimeZone>, InvalidRequest> {
-        match self.settings().zone.as_ref().map(|zone| zone(parts)) {
-            None | Some(Ok(None)) => Ok(None),
-            Some(Ok(Some(zone))) if crate::period::is_nameable(&zone) => Ok(Some(zone)),
-            Some(Ok(Some(_))) => Err(InvalidRequest::new(
-                "The time zone has neither an IANA name nor a fixed offset.",
-            )),
-            Some(Err(error)) => Err(error),
-        }
+        self.settings().caller_zone(parts)
     }
 
     /// Where `subject` stands on every quota now, against each quota's own

@@ -446,11 +446,7 @@ pub(crate) fn early(
     detail: &str,
     parts: &http::request::Parts,
 ) -> Response<Bytes> {
-    let grpc = parts
-        .headers
-        .get(CONTENT_TYPE)
-        .is_some_and(|v| v.as_bytes().starts_with(b"application/grpc"));
-    if !grpc {
+    if !is_grpc(&parts.headers) {
         return problem(status, detail);
     }
     let code: u16 = match status {
@@ -460,6 +456,15 @@ pub(crate) fn early(
         _ => 14,
     };
     grpc_answer(code, detail, None)
+}
+
+/// Whether a request with these headers is a gRPC call
+/// (`content-type: application/grpc` and its variants), answered as one if
+/// refused.
+pub(crate) fn is_grpc(headers: &http::HeaderMap) -> bool {
+    headers
+        .get(CONTENT_TYPE)
+        .is_some_and(|v| v.as_bytes().starts_with(b"application/grpc"))
 }
 
 /// A gRPC trailers-only answer: HTTP 200, `grpc-status`, `grpc-message`.

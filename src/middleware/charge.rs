@@ -177,14 +177,9 @@ fn identify<E: SubjectExtractor, St>(
         },
         plan => plan.map(String::into_boxed_str),
     };
-    let zone = match settings.zone.as_ref().map(|zone| zone(parts)) {
-        None | Some(Ok(None)) => None,
-        Some(Ok(Some(zone))) if crate::period::is_nameable(&zone) => Some(zone),
-        Some(Ok(Some(_))) => {
-            let detail = "The time zone has neither an IANA name nor a fixed offset.";
-            return Err(response::early(StatusCode::BAD_REQUEST, detail, parts));
-        }
-        Some(Err(error)) => {
+    let zone = match settings.caller_zone(parts) {
+        Ok(zone) => zone,
+        Err(error) => {
             tracing::debug!(%error, "request refused: invalid time zone");
             return Err(response::early(
                 StatusCode::BAD_REQUEST,
@@ -586,13 +581,6 @@ pub(crate) fn settled(
         }
     }
     usage
-}
-
-/// Whether `request` is a gRPC call, answered as one if refused.
-pub(crate) fn is_grpc(parts: &http::HeaderMap) -> bool {
-    parts
-        .get(http::header::CONTENT_TYPE)
-        .is_some_and(|v| v.as_bytes().starts_with(b"application/grpc"))
 }
 
 #[cfg(test)]

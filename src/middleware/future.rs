@@ -209,14 +209,14 @@ where
         // The layers further out give their own charges back when they see
         // the refusal go by (see `charge::outcome`).
         Decision::Refuse(usage) => {
-            let grpc = charge::is_grpc(request.headers());
+            let grpc = crate::response::is_grpc(request.headers());
             let refusal = charge::refusal(&charge, &usage, grpc);
             State::Rejected {
                 response: Some(charge::refused(settings, &refusal, &charge, &usage)),
             }
         }
         Decision::Unavailable(retry_after) => {
-            let grpc = charge::is_grpc(request.headers());
+            let grpc = crate::response::is_grpc(request.headers());
             let refusal = crate::response::Refusal::store_unavailable(retry_after, grpc);
             State::Rejected {
                 response: Some(charge::refused(settings, &refusal, &charge, &[])),

@@ -126,6 +126,20 @@ impl Default for Settings {
 }
 
 impl Settings {
+    /// The caller's own time zone for the request with head `parts`, when
+    /// the policy reads one and the request names one that can name
+    /// calendar windows in keys.
+    pub(crate) fn caller_zone(&self, parts: &Parts) -> Result<Option<TimeZone>, InvalidRequest> {
+        match self.zone.as_ref().map(|zone| zone(parts)) {
+            None | Some(Ok(None)) => Ok(None),
+            Some(Ok(Some(zone))) if crate::period::is_nameable(&zone) => Ok(Some(zone)),
+            Some(Ok(Some(_))) => Err(InvalidRequest::new(
+                "The time zone has neither an IANA name nor a fixed offset.",
+            )),
+            Some(Err(error)) => Err(error),
+        }
+    }
+
     /// Whether a request passes every layer of the policy uncounted.
     #[inline]
     pub(crate) fn skips(&self, parts: &Parts) -> bool {
