@@ -162,7 +162,10 @@ impl RateLimitFields {
                 constant: Some(value),
                 ..
             }) => value.clone(),
-            Some(cache) => cache.value(quotas, &windows().collect::<Vec<_>>()),
+            Some(cache) => {
+                let windows: smallvec::SmallVec<[(u64, u64); 4]> = windows().collect();
+                cache.value(quotas, &windows)
+            }
             None => policy_value(quotas, windows()),
         };
         let mut digits = itoa::Buffer::new();

@@ -264,7 +264,7 @@ fn lines(
             quota.line_with_limit(&settings.namespace, &caller.subject, ticket.now, 0, limit);
         // A counter charged for this request by a layer further out, of this
         // policy or another on the same store, counts once.
-        if ticket.counts(&line.key) || status.is_some_and(|s| s.counts(&line.key)) {
+        if status.is_some_and(|s| s.counts(&line.key)) {
             counted.push(i);
         } else {
             lines.push(line);

@@ -13,9 +13,8 @@ use tower_service::Service;
 use super::charge::{self, Adjust, Charge, Decision, Outcome};
 use super::layer::Bound;
 use crate::body::ResponseBody;
-use crate::policy::Policy;
 use crate::response::RateLimitFields;
-use crate::status::{Charges, Line, QuotaStatus};
+use crate::status::{Line, QuotaStatus};
 use crate::store::{Store, StoreError, StoreErrorKind, Usage};
 use crate::throttle::Throttle;
 
@@ -225,35 +224,6 @@ where
     }
 }
 
-/// Gives the lines of `charges` back, each at most once (a line another
-/// layer gave back already is left alone), and only to the counter that was
-/// charged. Answers per line, in order, what its counter holds afterwards.
-fn give_back<St: Store>(store: St, now: Timestamp, charges: Charges) -> Adjusting {
-    let lines = || charges.iter().flat_map(|charge| charge.iter());
-    let claimed: Vec<bool> = lines()
-        .map(|line| line.claim_give_back() && line.is_live(now) && line.cost > 0)
-        .collect();
-    let ops = lines()
-        .zip(&claimed)
-        .filter(|(_, claimed)| **claimed)
-        .map(|(line, _)| (line.key.clone(), Adjust::Refund(line.cost)))
-        .collect();
-    let applied = apply(store, now, ops);
-    Box::pin(async move {
-        let mut results = applied.await.into_iter();
-        claimed
-            .into_iter()
-            .map(|claimed| {
-                if claimed {
-                    results.next().flatten()
-                } else {
-                    None
-                }
-            })
-            .collect()
-    })
-}
-
 /// Refunds and adds that failed, logged a few times per second at most.
 static ADJUST_ERRORS: Throttle = Throttle::new(5);
 
@@ -315,14 +285,6 @@ fn detach(mut adjusting: Adjusting) {
     }
 }
 
-impl<E, St: Store> Policy<E, St> {
-    /// Gives `charges` back without waiting (a drop cannot wait).
-    fn give_back_detached(&self, charges: Charges) {
-        let now = self.settings.clock.now();
-        detach(give_back(self.store.clone(), now, charges));
-    }
-}
-
 /// A layer's charge while the inner service has not answered.
 pub(crate) struct Unanswered<E, St: Store>(Option<Charged<E, St>>);
 
@@ -338,8 +300,8 @@ impl<E, St: Store> Drop for Unanswered<E, St> {
     /// client gone): the request was not served, and its charge goes back.
     fn drop(&mut self) {
         if let Some(charged) = self.0.take() {
-            let charges = std::iter::once(charged.lines).collect();
-            charged.bound.policy.give_back_detached(charges);
+            let now = charged.bound.policy.settings.clock.now();
+            detach(adjust(&charged, now, &charge::refund_all(&charged.lines)));
         }
     }
 }

@@ -1,3 +1,4 @@
+use std::borrow::Cow;
 use std::collections::HashMap;
 use std::fmt;
 use std::sync::{Arc, RwLock};
@@ -104,7 +105,7 @@ impl Scope {
             .zoned
             .read()
             .unwrap_or_else(|e| e.into_inner())
-            .get(&name)
+            .get(name.as_ref())
         {
             return Arc::clone(quotas);
         }
@@ -115,17 +116,18 @@ impl Scope {
             .collect();
         let mut zoned = self.zoned.write().unwrap_or_else(|e| e.into_inner());
         if zoned.len() < MAX_ZONES {
-            zoned.insert(name, Arc::clone(&quotas));
+            zoned.insert(name.into_owned(), Arc::clone(&quotas));
         }
         quotas
     }
 }
 
-/// What tells zones apart: the IANA name, or the fixed offset.
-fn zone_key(zone: &TimeZone) -> String {
+/// What tells zones apart: the IANA name (borrowed: nothing to allocate for
+/// the request), or the fixed offset.
+fn zone_key(zone: &TimeZone) -> Cow<'_, str> {
     match zone.iana_name() {
-        Some(name) => name.to_owned(),
-        None => format!("{:?}", zone.to_fixed_offset().ok()),
+        Some(name) => Cow::Borrowed(name),
+        None => Cow::Owned(format!("{:?}", zone.to_fixed_offset().ok())),
     }
 }
 
