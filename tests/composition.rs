@@ -8,9 +8,9 @@
 #[cfg(feature = "redis")]
 mod redis_support;
 
+mod rigged;
+
 use std::convert::Infallible;
-use std::future::Future;
-use std::pin::Pin;
 use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex};
 use std::task::{Context, Poll};
@@ -26,6 +26,7 @@ use http::request::Parts;
 use http::{Request, Response, StatusCode};
 use proptest::prelude::*;
 use proptest::test_runner::{Config, TestCaseError, TestRunner};
+use rigged::{Rig, Rigged};
 use tokio::sync::Notify;
 use tower::buffer::Buffer;
 use tower::steer::Steer;
@@ -33,10 +34,9 @@ use tower::util::BoxCloneSyncService;
 use tower::{Layer, Service, ServiceExt};
 use tower_quota::jiff::tz::TimeZone;
 use tower_quota::jiff::Timestamp;
-use tower_quota::store::{ChargeOutcome, ChargeRequest, StoreErrorKind};
 use tower_quota::{
-    unrouted, FromHeader, ManualClock, PeriodKey, Quota, QuotaLayer, QuotaPolicy,
-    QuotaPolicyBuilder, QuotaStatus, Store, StoreError, Subject, Usage,
+    unrouted, FromHeader, ManualClock, Quota, QuotaLayer, QuotaPolicy, QuotaPolicyBuilder,
+    QuotaStatus, Store, Subject,
 };
 
 /// Every policy's clock: 10:00 UTC, 11:00 in Berlin, 19:00 in Tokyo.
@@ -470,86 +470,6 @@ async fn a_nested_refusal_tells_what_is_truly_left<St: Store>(store: St) {
     );
     assert_eq!(header(&refused, "retry-after"), "60");
     assert_eq!(used(&policy, "acme", "read-day").await, 2);
-}
-
-/// What a rigged store does with the charges it is rigged for.
-#[derive(Clone, Copy, Debug)]
-enum Rig {
-    /// Never answers.
-    Stall,
-    /// Fails at once.
-    Fail,
-}
-
-/// A store that stalls or fails the charges of one allowance (of every
-/// allowance: `None`), and tells when it met one.
-#[derive(Clone)]
-struct Rigged<St> {
-    inner: St,
-    rig: Rig,
-    allowance: Option<&'static str>,
-    met: Arc<Notify>,
-}
-
-impl<St> Rigged<St> {
-    fn new(inner: St, rig: Rig, allowance: Option<&'static str>) -> Self {
-        Self {
-            inner,
-            rig,
-            allowance,
-            met: Arc::new(Notify::new()),
-        }
-    }
-
-    fn rigged(&self, key: &PeriodKey) -> bool {
-        self.allowance
-            .is_none_or(|allowance| key.as_str().contains(&format!("}}:{allowance}:")))
-    }
-}
-
-type Charging = Pin<Box<dyn Future<Output = Result<ChargeOutcome, StoreError>> + Send>>;
-
-impl<St: Store> Store for Rigged<St> {
-    type ChargeFuture = Charging;
-
-    fn charge(&self, request: ChargeRequest) -> Self::ChargeFuture {
-        if !request.lines.iter().any(|line| self.rigged(&line.key)) {
-            return Box::pin(self.inner.charge(request));
-        }
-        self.met.notify_one();
-        match self.rig {
-            Rig::Stall => Box::pin(std::future::pending()),
-            Rig::Fail => Box::pin(std::future::ready(Err(StoreError::new(
-                StoreErrorKind::Unavailable,
-                "rigged to fail",
-            )))),
-        }
-    }
-    fn peek(
-        &self,
-        request: ChargeRequest,
-    ) -> impl Future<Output = Result<Vec<Usage>, StoreError>> + Send {
-        self.inner.peek(request)
-    }
-    fn refund(
-        &self,
-        now: Timestamp,
-        key: PeriodKey,
-        amount: u64,
-    ) -> impl Future<Output = Result<Option<u64>, StoreError>> + Send {
-        self.inner.refund(now, key, amount)
-    }
-    fn add(
-        &self,
-        now: Timestamp,
-        key: PeriodKey,
-        amount: u64,
-    ) -> impl Future<Output = Result<Option<u64>, StoreError>> + Send {
-        self.inner.add(now, key, amount)
-    }
-    fn reset(&self, key: PeriodKey) -> impl Future<Output = Result<bool, StoreError>> + Send {
-        self.inner.reset(key)
-    }
 }
 
 async fn another_policys_refusal_gives_the_outer_charge_back<St: Store>(store: St) {

@@ -2,8 +2,9 @@
 //! policies, drops with and without a runtime, timeouts around and between
 //! layers, and mistakes refused when a layer is made.
 
+mod rigged;
+
 use std::future::Future;
-use std::pin::Pin;
 use std::sync::Arc;
 use std::time::Duration;
 
@@ -12,13 +13,11 @@ use axum::response::IntoResponse;
 use axum::routing::get;
 use axum::Router;
 use http::{Request, Response, StatusCode};
-use tokio::sync::Notify;
+use rigged::{Rig, Rigged};
 use tower::ServiceExt;
-use tower_quota::jiff::Timestamp;
-use tower_quota::store::{ChargeOutcome, ChargeRequest, StoreErrorKind};
 use tower_quota::{
-    FromHeader, ManualClock, MemoryStore, OnStoreError, PeriodKey, Quota, QuotaPolicy,
-    QuotaPolicyBuilder, Store, StoreError, Subject, Usage,
+    FromHeader, ManualClock, MemoryStore, OnStoreError, Quota, QuotaPolicy, QuotaPolicyBuilder,
+    Store, Subject,
 };
 
 const NOW: &str = "2026-12-02T10:00:00Z";
@@ -66,88 +65,6 @@ async fn settles<St: Store>(
             return now;
         }
         tokio::time::sleep(Duration::from_millis(10)).await;
-    }
-}
-
-#[derive(Clone, Copy)]
-enum Rig {
-    Stall,
-    Fail,
-}
-
-/// Stalls or fails the charges naming `allowance` (every charge: `None`).
-#[derive(Clone)]
-struct Rigged {
-    inner: MemoryStore,
-    rig: Rig,
-    allowance: Option<&'static str>,
-    met: Arc<Notify>,
-    max: u64,
-}
-
-impl Rigged {
-    fn new(inner: MemoryStore, rig: Rig, allowance: Option<&'static str>) -> Self {
-        Self {
-            inner,
-            rig,
-            allowance,
-            met: Arc::new(Notify::new()),
-            max: u64::MAX,
-        }
-    }
-}
-
-type Charging = Pin<Box<dyn Future<Output = Result<ChargeOutcome, StoreError>> + Send>>;
-
-impl Store for Rigged {
-    type ChargeFuture = Charging;
-    fn charge(&self, request: ChargeRequest) -> Charging {
-        let rigged = request.lines.iter().any(|l| {
-            self.allowance
-                .is_none_or(|a| l.key.as_str().contains(&format!("}}:{a}:")))
-        });
-        if !rigged {
-            return Box::pin(self.inner.charge(request));
-        }
-        self.met.notify_one();
-        match self.rig {
-            Rig::Stall => Box::pin(std::future::pending()),
-            Rig::Fail => Box::pin(std::future::ready(Err(StoreError::new(
-                StoreErrorKind::Unavailable,
-                "rigged",
-            )))),
-        }
-    }
-    fn peek(
-        &self,
-        r: ChargeRequest,
-    ) -> impl Future<Output = Result<Vec<Usage>, StoreError>> + Send {
-        self.inner.peek(r)
-    }
-    fn refund(
-        &self,
-        now: Timestamp,
-        key: PeriodKey,
-        n: u64,
-    ) -> impl Future<Output = Result<Option<u64>, StoreError>> + Send {
-        self.inner.refund(now, key, n)
-    }
-    fn add(
-        &self,
-        now: Timestamp,
-        key: PeriodKey,
-        n: u64,
-    ) -> impl Future<Output = Result<Option<u64>, StoreError>> + Send {
-        self.inner.add(now, key, n)
-    }
-    fn reset(&self, key: PeriodKey) -> impl Future<Output = Result<bool, StoreError>> + Send {
-        self.inner.reset(key)
-    }
-    fn identity(&self) -> Option<usize> {
-        self.inner.identity()
-    }
-    fn max_count(&self) -> u64 {
-        self.max
     }
 }
 
@@ -261,7 +178,7 @@ async fn a_timeout_between_layers_keeps_the_outer_charge() {
 #[should_panic(expected = "more than the layer's store counts exactly")]
 fn a_fixed_cost_past_max_count_is_refused_when_the_layer_is_made() {
     let mut store = Rigged::new(MemoryStore::new(), Rig::Fail, Some("never"));
-    store.max = 100;
+    store.max = Some(100);
     let p = policy(store, "cost").build();
     let _layer = p.layer(Quota::daily(100)).cost(1_000);
 }

@@ -1,0 +1,102 @@
+//! A store that stalls or fails chosen charges, around a real one: for
+//! tests of what a request spends when a store does not answer.
+
+use std::future::Future;
+use std::pin::Pin;
+use std::sync::Arc;
+
+use tokio::sync::Notify;
+use tower_quota::jiff::Timestamp;
+use tower_quota::store::{ChargeOutcome, ChargeRequest, StoreErrorKind};
+use tower_quota::{PeriodKey, Store, StoreError, Usage};
+
+/// What a rigged store does with the charges it is rigged for.
+#[derive(Clone, Copy, Debug)]
+pub enum Rig {
+    /// Never answers.
+    Stall,
+    /// Fails at once.
+    Fail,
+}
+
+/// A store that stalls or fails the charges of one allowance (of every
+/// allowance: `None`), and tells when it met one.
+#[derive(Clone)]
+pub struct Rigged<St> {
+    inner: St,
+    rig: Rig,
+    allowance: Option<&'static str>,
+    /// Notified when a rigged charge arrives.
+    pub met: Arc<Notify>,
+    /// The largest count the store says it decides on (the inner store's
+    /// by default).
+    pub max: Option<u64>,
+}
+
+impl<St> Rigged<St> {
+    pub fn new(inner: St, rig: Rig, allowance: Option<&'static str>) -> Self {
+        Self {
+            inner,
+            rig,
+            allowance,
+            met: Arc::new(Notify::new()),
+            max: None,
+        }
+    }
+
+    fn rigged(&self, key: &PeriodKey) -> bool {
+        self.allowance
+            .is_none_or(|allowance| key.as_str().contains(&format!("}}:{allowance}:")))
+    }
+}
+
+type Charging = Pin<Box<dyn Future<Output = Result<ChargeOutcome, StoreError>> + Send>>;
+
+impl<St: Store> Store for Rigged<St> {
+    type ChargeFuture = Charging;
+
+    fn charge(&self, request: ChargeRequest) -> Self::ChargeFuture {
+        if !request.lines.iter().any(|line| self.rigged(&line.key)) {
+            return Box::pin(self.inner.charge(request));
+        }
+        self.met.notify_one();
+        match self.rig {
+            Rig::Stall => Box::pin(std::future::pending()),
+            Rig::Fail => Box::pin(std::future::ready(Err(StoreError::new(
+                StoreErrorKind::Unavailable,
+                "rigged to fail",
+            )))),
+        }
+    }
+    fn peek(
+        &self,
+        request: ChargeRequest,
+    ) -> impl Future<Output = Result<Vec<Usage>, StoreError>> + Send {
+        self.inner.peek(request)
+    }
+    fn refund(
+        &self,
+        now: Timestamp,
+        key: PeriodKey,
+        amount: u64,
+    ) -> impl Future<Output = Result<Option<u64>, StoreError>> + Send {
+        self.inner.refund(now, key, amount)
+    }
+    fn add(
+        &self,
+        now: Timestamp,
+        key: PeriodKey,
+        amount: u64,
+    ) -> impl Future<Output = Result<Option<u64>, StoreError>> + Send {
+        self.inner.add(now, key, amount)
+    }
+    fn reset(&self, key: PeriodKey) -> impl Future<Output = Result<bool, StoreError>> + Send {
+        self.inner.reset(key)
+    }
+    fn identity(&self) -> Option<usize> {
+        self.inner.identity()
+    }
+    fn max_count(&self) -> u64 {
+        self.max.unwrap_or_else(|| self.inner.max_count())
+    }
+}
