@@ -1175,3 +1175,16 @@ async fn the_last_cost_set_on_a_layer_is_its_cost() {
         "admitted on 1, charged 5"
     );
 }
+
+#[test]
+#[should_panic(expected = "at least one byte")]
+fn a_longest_subject_id_of_zero_is_refused_when_the_policy_is_made() {
+    let _ = QuotaPolicy::builder(FromHeader::account("x-account-id")).max_subject_len(0);
+}
+
+#[test]
+#[should_panic(expected = "a store timeout of zero")]
+fn a_store_timeout_of_zero_is_refused_when_the_policy_is_made() {
+    let _ = QuotaPolicy::builder(FromHeader::account("x-account-id"))
+        .store_timeout(Some(std::time::Duration::ZERO));
+}
