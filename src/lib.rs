@@ -104,7 +104,7 @@ pub use crate::quota::{Quota, DEFAULT_ALLOWANCE};
 #[cfg(feature = "axum")]
 pub use crate::status::MissingQuotaStatus;
 pub use crate::status::{QuotaStatus, QuotaUsage};
-pub use crate::store::{MemoryStore, Store, StoreError, Usage};
+pub use crate::store::{LeasedStore, MemoryStore, Store, StoreError, Usage};
 pub use crate::subject::{
     ClientIp, FromExtension, FromHeader, IntoSubjectId, MapExtension, Or, ProxyHeader, Subject,
     SubjectError, SubjectExtractor, SubjectKind,

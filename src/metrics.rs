@@ -12,6 +12,9 @@
 //! | [`tower_quota_charge_duration_seconds`](CHARGE_DURATION) | histogram | `store` |
 //! | [`tower_quota_counters_healed_total`](COUNTERS_HEALED) | counter | none |
 //! | [`tower_quota_abandoned_charges_refunded_total`](ABANDONED_CHARGES_REFUNDED) | counter | none |
+//! | [`tower_quota_lease_blocks_total`](LEASE_BLOCKS) | counter | none |
+//! | [`tower_quota_lease_units_returned_total`](LEASE_UNITS_RETURNED) | counter | none |
+//! | [`tower_quota_lease_local_charges_total`](LEASE_LOCAL_CHARGES) | counter | none |
 //!
 //! No label ever carries a subject id, a key or anything else per caller:
 //! the label values are the few listed here and the allowance tags of the
@@ -80,6 +83,16 @@
 //! deferred cost did not use. Refunds through [`QuotaHandle`](crate::QuotaHandle) are support
 //! actions and are not counted.
 //!
+//! # Leases
+//!
+//! A [`LeasedStore`](crate::store::LeasedStore) counts the blocks it took
+//! ([`tower_quota_lease_blocks_total`](LEASE_BLOCKS)), the unused units it
+//! gave back ([`tower_quota_lease_units_returned_total`](LEASE_UNITS_RETURNED))
+//! and the charges it answered from a block without asking its store
+//! ([`tower_quota_lease_local_charges_total`](LEASE_LOCAL_CHARGES)): the
+//! share of requests that took no round trip is local charges over all
+//! charges.
+//!
 //! # Descriptions
 //!
 //! [`describe`] registers a description and unit for each metric with the
@@ -99,6 +112,17 @@ pub const COUNTERS_HEALED: &str = "tower_quota_counters_healed_total";
 
 /// Counter: charges given back after the store had made them.
 pub const ABANDONED_CHARGES_REFUNDED: &str = "tower_quota_abandoned_charges_refunded_total";
+
+/// Counter: blocks of allowance a [`LeasedStore`](crate::store::LeasedStore)
+/// took from its store.
+pub const LEASE_BLOCKS: &str = "tower_quota_lease_blocks_total";
+
+/// Counter: unused leased units given back to the store.
+pub const LEASE_UNITS_RETURNED: &str = "tower_quota_lease_units_returned_total";
+
+/// Counter: charges a [`LeasedStore`](crate::store::LeasedStore) answered
+/// from a block, without asking its store.
+pub const LEASE_LOCAL_CHARGES: &str = "tower_quota_lease_local_charges_total";
 
 /// The values of the `outcome` label of [`DECISIONS`].
 pub mod outcome {
@@ -128,7 +152,9 @@ pub mod store {
 pub use self::imp::describe;
 // `healed` is for the Redis store alone.
 #[cfg_attr(not(feature = "redis"), allow(unused_imports))]
-pub(crate) use self::imp::{decisions, healed, refunded, ChargeTimer};
+pub(crate) use self::imp::{
+    decisions, healed, lease_block, lease_local, lease_returned, refunded, ChargeTimer,
+};
 
 #[cfg(feature = "metrics")]
 mod imp {
@@ -139,6 +165,7 @@ mod imp {
 
     use super::{ABANDONED_CHARGES_REFUNDED, CHARGE_DURATION};
     use super::{COUNTERS_HEALED, DECISIONS};
+    use super::{LEASE_BLOCKS, LEASE_LOCAL_CHARGES, LEASE_UNITS_RETURNED};
 
     /// Registers the description and unit of each metric with the recorder
     /// installed now.
@@ -162,6 +189,21 @@ mod imp {
             ABANDONED_CHARGES_REFUNDED,
             Unit::Count,
             "Quota charges given back after the store had made them"
+        );
+        describe_counter!(
+            LEASE_BLOCKS,
+            Unit::Count,
+            "Blocks of allowance a leased quota store took from its store"
+        );
+        describe_counter!(
+            LEASE_UNITS_RETURNED,
+            Unit::Count,
+            "Unused leased units given back to the quota store"
+        );
+        describe_counter!(
+            LEASE_LOCAL_CHARGES,
+            Unit::Count,
+            "Charges a leased quota store answered from a block, without its store"
         );
     }
 
@@ -190,6 +232,21 @@ mod imp {
     /// the answer, say) calls this too.
     pub(crate) fn refunded() {
         counter!(ABANDONED_CHARGES_REFUNDED).increment(1);
+    }
+
+    /// A block taken by a leased store.
+    pub(crate) fn lease_block() {
+        counter!(LEASE_BLOCKS).increment(1);
+    }
+
+    /// Unused leased units given back.
+    pub(crate) fn lease_returned(units: u64) {
+        counter!(LEASE_UNITS_RETURNED).increment(units);
+    }
+
+    /// A charge answered from a block.
+    pub(crate) fn lease_local() {
+        counter!(LEASE_LOCAL_CHARGES).increment(1);
     }
 
     /// Times one charge, from sending it to the store's answer.
@@ -223,6 +280,15 @@ mod imp {
 
     #[inline(always)]
     pub(crate) fn refunded() {}
+
+    #[inline(always)]
+    pub(crate) fn lease_block() {}
+
+    #[inline(always)]
+    pub(crate) fn lease_returned(_: u64) {}
+
+    #[inline(always)]
+    pub(crate) fn lease_local() {}
 
     pub(crate) struct ChargeTimer;
 

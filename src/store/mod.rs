@@ -84,6 +84,7 @@
 //! # }
 //! ```
 
+mod leased;
 mod memory;
 #[cfg(feature = "redis")]
 pub mod redis;
@@ -110,6 +111,7 @@ use jiff::Timestamp;
 
 use crate::key::PeriodKey;
 
+pub use self::leased::{LeasedChargeFuture, LeasedStore, LeasedStoreBuilder};
 pub use self::memory::{MemoryChargeFuture, MemoryStore};
 #[cfg(feature = "redis")]
 #[cfg_attr(docsrs, doc(cfg(feature = "redis")))]

@@ -1,0 +1,775 @@
+//! Leased counting: blocks of a subject's allowance taken from a shared
+//! store in one charge and spent locally.
+//!
+//! Every charge through a store shared by many instances (Redis) is a round
+//! trip. [`LeasedStore`] wraps such a store: when a subject calls often on
+//! this instance, a charge takes a few more units than the request costs (a
+//! *block*), and the next requests of that subject spend the block here,
+//! without asking the store. The units of a block are charged in the store
+//! the moment they are taken, so the store's count is never below what the
+//! instances admitted, and no instance can admit more than the limit
+//! however many share it: the limit holds exactly across instances.
+//!
+//! # What a block is
+//!
+//! - **Its size follows the subject's rate on this instance**: about what
+//!   the subject spends here in half the lease time, growing at most
+//!   twofold from one block to the next. A subject that calls once in a
+//!   while takes no block at all: each of its requests is one charge, as
+//!   without leases.
+//! - **It shrinks as the allowance runs low**: a block is at most a quarter
+//!   of what the counter had left when last seen, so near the limit blocks
+//!   are single units and every request is a charge of its own (exact, as
+//!   without leases). A charge whose block no longer fits (other instances
+//!   spent meanwhile) is sent again for the request alone.
+//! - **Unused units go back** to the store, with a refund (which never
+//!   creates a counter and never moves a deadline), when the subject has
+//!   been idle on this instance for the idle bound (1 s by default), when a
+//!   block is older than the lease time (5 s by default, whatever the
+//!   subject does), and on [`LeasedStore::shutdown`].
+//! - **A block of a period that has ended is dropped**, not given back: a
+//!   calendar window that closed, or a first-use period past its deadline.
+//!   A support [`reset`](Store::reset) through this store drops this
+//!   instance's block of that counter.
+//!
+//! # What leases cost
+//!
+//! - While this instance holds a block, other instances see its unused
+//!   units as spent: a subject can be refused on one instance while
+//!   another holds units of it, until that one's idle bound passes (or its
+//!   lease time, if the subject keeps calling there).
+//! - A reset or a refund made elsewhere reaches this instance when it next
+//!   asks the store: within the lease time at most, since no block is spent
+//!   past it.
+//! - An instance that stops without [`LeasedStore::shutdown`] (a crash, a
+//!   kill) leaves its unused units charged until the counter's period ends:
+//!   at most one block per subject it served in the last lease time, each
+//!   at most [`LeasedStoreBuilder::max_block`] units and a quarter of what
+//!   was left.
+//! - The usage a leased charge reports counts this instance's unused units
+//!   as not spent (they are not, yet), and other instances' as spent.
+//!
+//! Giving back runs in a task on the tokio runtime, started with the first
+//! block; outside a tokio runtime no block is taken.
+//!
+//! ```
+//! use tower_quota::store::LeasedStore;
+//! use tower_quota::{FromHeader, MemoryStore, Quota, QuotaPolicy};
+//!
+//! # #[tokio::main(flavor = "current_thread")] async fn main() {
+//! // A shared store (here a memory store, to keep the example small).
+//! let store = LeasedStore::new(MemoryStore::new());
+//! let policy = QuotaPolicy::builder(FromHeader::account("x-account-id"))
+//!     .store(store.clone())
+//!     .build();
+//! let layer = policy.layer(Quota::daily(1_000));
+//! // ... serve with `layer` ...
+//! # drop(layer);
+//! // On the way out, give the unused units back.
+//! store.shutdown().await;
+//! # }
+//! ```
+
+use std::collections::HashMap;
+use std::fmt;
+use std::future::Future;
+use std::pin::Pin;
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::{Arc, Mutex, MutexGuard, Weak};
+use std::task::{Context, Poll};
+use std::time::Duration;
+
+use jiff::{SignedDuration, Timestamp};
+use tokio::time::Instant;
+
+use super::{ChargeLine, ChargeOutcome, ChargeRequest, Store, StoreError, Usage};
+use crate::key::PeriodKey;
+use crate::throttle::Throttle;
+
+/// Give-backs that failed, logged a few times per second at most.
+static GIVE_BACK_ERRORS: Throttle = Throttle::new(5);
+
+/// A [`Store`] that leases blocks of each busy subject's allowance from
+/// another store and spends them locally. See the [module
+/// documentation](self) for what a block is and what leases cost.
+///
+/// Clones share the blocks.
+pub struct LeasedStore<St> {
+    inner: St,
+    shared: Arc<Shared>,
+}
+
+impl<St: Clone> Clone for LeasedStore<St> {
+    fn clone(&self) -> Self {
+        Self {
+            inner: self.inner.clone(),
+            shared: Arc::clone(&self.shared),
+        }
+    }
+}
+
+impl<St: fmt::Debug> fmt::Debug for LeasedStore<St> {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("LeasedStore")
+            .field("inner", &self.inner)
+            .field("settings", &self.shared.settings)
+            .finish()
+    }
+}
+
+/// Builds a [`LeasedStore`]; see [`LeasedStore::builder`].
+#[derive(Debug)]
+pub struct LeasedStoreBuilder<St> {
+    inner: St,
+    settings: Settings,
+}
+
+#[derive(Clone, Copy, Debug)]
+struct Settings {
+    idle: Duration,
+    lease_time: Duration,
+    max_block: u64,
+    max_counters: usize,
+}
+
+impl Default for Settings {
+    fn default() -> Self {
+        Self {
+            idle: Duration::from_secs(1),
+            lease_time: Duration::from_secs(5),
+            max_block: 1_000,
+            max_counters: 100_000,
+        }
+    }
+}
+
+impl<St: Store> LeasedStoreBuilder<St> {
+    /// How long a subject may go without a request on this instance before
+    /// its unused units go back to the store. 1 s by default.
+    ///
+    /// # Panics
+    ///
+    /// When `idle` is zero.
+    #[must_use]
+    pub fn idle(mut self, idle: Duration) -> Self {
+        assert!(!idle.is_zero(), "the idle bound of leases must not be zero");
+        self.settings.idle = idle;
+        self
+    }
+
+    /// The longest a block is spent from: its unused units go back once it
+    /// is this old, even while its subject keeps calling, so a reset or a
+    /// refund made elsewhere reaches this instance within it. 5 s by
+    /// default.
+    ///
+    /// # Panics
+    ///
+    /// When `lease_time` is zero.
+    #[must_use]
+    pub fn lease_time(mut self, lease_time: Duration) -> Self {
+        assert!(
+            !lease_time.is_zero(),
+            "the lease time of leases must not be zero"
+        );
+        self.settings.lease_time = lease_time;
+        self
+    }
+
+    /// The most units one block takes beyond the request's own cost. 1 000
+    /// by default; `0` turns leasing off (every request is a charge).
+    #[must_use]
+    pub fn max_block(mut self, max_block: u64) -> Self {
+        self.settings.max_block = max_block;
+        self
+    }
+
+    /// The most counters this instance keeps track of (their rate and
+    /// block); past it, new subjects are charged request by request until
+    /// some go idle. 100 000 by default.
+    #[must_use]
+    pub fn max_counters(mut self, max_counters: usize) -> Self {
+        self.settings.max_counters = max_counters;
+        self
+    }
+
+    /// The store.
+    pub fn build(self) -> LeasedStore<St> {
+        LeasedStore {
+            inner: self.inner,
+            shared: Arc::new(Shared {
+                settings: self.settings,
+                counters: Mutex::new(HashMap::default()),
+                closed: AtomicBool::new(false),
+                sweeping: AtomicBool::new(false),
+            }),
+        }
+    }
+}
+
+/// What the clones of one leased store share.
+struct Shared {
+    settings: Settings,
+    counters: Mutex<HashMap<PeriodKey, Counter, foldhash::fast::RandomState>>,
+    /// Set by `shutdown`: no block is taken any more.
+    closed: AtomicBool,
+    /// Whether the task that gives idle blocks back runs.
+    sweeping: AtomicBool,
+}
+
+impl Shared {
+    fn counters(&self) -> MutexGuard<'_, HashMap<PeriodKey, Counter, foldhash::fast::RandomState>> {
+        self.counters
+            .lock()
+            .unwrap_or_else(std::sync::PoisonError::into_inner)
+    }
+}
+
+/// What this instance knows of one counter: where it stood when the store
+/// last answered, the units it holds, and the subject's rate here.
+#[derive(Clone, Copy, Debug)]
+struct Counter {
+    /// Units charged in the store and not spent yet: the block.
+    units: u64,
+    /// When the oldest of `units` was taken.
+    block_since: Option<Instant>,
+    /// The counter's limit and count (this instance's units included) as
+    /// the store last told, and its reset.
+    limit: u64,
+    store_used: u64,
+    resets_at: Timestamp,
+    first_call: Option<Timestamp>,
+    /// The last request's instant, by the layer's clock and by the
+    /// runtime's: what the give-back task takes "now" to be.
+    seen: Timestamp,
+    seen_at: Instant,
+    /// Requests since the last charge sent, and when it was sent: the rate.
+    hits: u64,
+    charged_at: Instant,
+    /// The last block's size.
+    block: u64,
+    /// Whether a charge with a block is on its way (one at a time).
+    taking: bool,
+}
+
+impl Counter {
+    fn usage(&self) -> Usage {
+        Usage {
+            limit: self.limit,
+            used: self.store_used.saturating_sub(self.units),
+            resets_at: self.resets_at,
+            first_call: self.first_call,
+        }
+    }
+
+    /// The instant now, by the layer's clock as this counter last saw it.
+    fn now(&self, at: Instant) -> Timestamp {
+        let elapsed = SignedDuration::try_from(at.saturating_duration_since(self.seen_at))
+            .unwrap_or(SignedDuration::MAX);
+        self.seen.saturating_add(elapsed).unwrap_or(self.seen)
+    }
+
+    /// Whether the counter's period is over at `now`: its units are
+    /// dropped, not given back.
+    fn ended(&self, now: Timestamp) -> bool {
+        now >= self.resets_at
+    }
+}
+
+impl<St: Store> LeasedStore<St> {
+    /// Leases from `inner` with the default bounds (idle 1 s, lease time
+    /// 5 s, blocks of at most 1 000 units, 100 000 counters tracked).
+    pub fn new(inner: St) -> Self {
+        Self::builder(inner).build()
+    }
+
+    /// A builder to set the bounds.
+    pub fn builder(inner: St) -> LeasedStoreBuilder<St> {
+        LeasedStoreBuilder {
+            inner,
+            settings: Settings::default(),
+        }
+    }
+
+    /// The store leased from.
+    pub fn inner(&self) -> &St {
+        &self.inner
+    }
+
+    /// The unused units this instance holds, over all counters.
+    pub fn held(&self) -> u64 {
+        self.shared.counters().values().map(|c| c.units).sum()
+    }
+
+    /// Gives every unused unit back to the store and takes no block from
+    /// now on (requests are then charged one by one). Await it on a
+    /// graceful shutdown, once the server stopped taking requests: what an
+    /// instance holds when it stops without it stays charged until the
+    /// counters' periods end. Returns the units given back.
+    pub async fn shutdown(&self) -> u64 {
+        self.shared.closed.store(true, Ordering::SeqCst);
+        let at = Instant::now();
+        let drained: Vec<_> = {
+            let mut counters = self.shared.counters();
+            counters
+                .drain()
+                .filter(|(_, c)| c.units > 0)
+                .map(|(key, c)| (key, c, c.now(at)))
+                .collect()
+        };
+        let mut returned = 0;
+        for (key, counter, now) in drained {
+            if counter.ended(now) {
+                continue;
+            }
+            if give_back(&self.inner, now, key, counter.units).await {
+                returned += counter.units;
+            }
+        }
+        returned
+    }
+
+    /// The block to ask for beyond `line_cost` on `key` at `at`, and
+    /// whether this charge takes it (only one at a time per counter).
+    fn block_for(
+        &self,
+        counters: &mut HashMap<PeriodKey, Counter, foldhash::fast::RandomState>,
+        line: &ChargeLine,
+        now: Timestamp,
+        at: Instant,
+        runtime: bool,
+    ) -> u64 {
+        let settings = &self.shared.settings;
+        if !runtime || settings.max_block == 0 || self.shared.closed.load(Ordering::Relaxed) {
+            return 0;
+        }
+        let Some(counter) = counters.get_mut(&line.key) else {
+            return 0;
+        };
+        let since = at.saturating_duration_since(counter.charged_at);
+        // A subject calling less often than the idle bound would have its
+        // block given back before spending it: no block.
+        if counter.taking
+            || counter.limit != line.limit
+            || counter.ended(now)
+            || since >= settings.idle
+        {
+            return 0;
+        }
+        // The rate since the last charge sent, over half a lease.
+        let elapsed = since.as_secs_f64();
+        let horizon = settings.lease_time.as_secs_f64() / 2.0;
+        let wanted = if elapsed > 0.0 {
+            (counter.hits as f64 * horizon / elapsed).ceil()
+        } else {
+            f64::MAX
+        };
+        let left = counter.limit.saturating_sub(counter.store_used);
+        let block = [
+            wanted as u64,
+            settings.max_block,
+            counter.block.saturating_mul(2).saturating_add(2),
+            left.saturating_sub(line.cost) / 4,
+        ]
+        .into_iter()
+        .min()
+        .unwrap_or(0);
+        if block > 0 {
+            counter.taking = true;
+        }
+        block
+    }
+
+    /// Spends `request` from this instance's blocks if every line has one
+    /// with room; `None` sends it to the store.
+    fn spend_locally(&self, request: &ChargeRequest, at: Instant) -> Option<ChargeOutcome> {
+        let mut counters = self.shared.counters();
+        let lease_time = self.shared.settings.lease_time;
+        let mut usable = true;
+        for line in &request.lines {
+            if let Some(counter) = counters.get_mut(&line.key) {
+                counter.hits += 1;
+                counter.seen = request.now;
+                counter.seen_at = at;
+                if counter.units > 0 && counter.ended(request.now) {
+                    // The period is over: its block is dropped.
+                    counter.units = 0;
+                    counter.block_since = None;
+                }
+                let fresh = counter
+                    .block_since
+                    .is_some_and(|since| at.saturating_duration_since(since) < lease_time);
+                usable &= fresh && counter.units >= line.cost && counter.limit == line.limit;
+            } else {
+                usable = false;
+            }
+        }
+        if !usable || request.lines.is_empty() {
+            return None;
+        }
+        let usage = request
+            .lines
+            .iter()
+            .map(|line| {
+                let counter = counters.get_mut(&line.key).expect("checked above");
+                counter.units -= line.cost;
+                if counter.units == 0 {
+                    counter.block_since = None;
+                }
+                counter.usage()
+            })
+            .collect();
+        crate::metrics::lease_local();
+        Some(ChargeOutcome {
+            admitted: true,
+            usage,
+        })
+    }
+
+    /// The charge of `request` through the store, each line asking for a
+    /// block when its subject is busy here.
+    fn send(&self, mut request: ChargeRequest, at: Instant) -> RemoteCharge {
+        let runtime = tokio::runtime::Handle::try_current().is_ok();
+        let blocks: Vec<u64> = {
+            let mut counters = self.shared.counters();
+            request
+                .lines
+                .iter()
+                .map(|line| self.block_for(&mut counters, line, request.now, at, runtime))
+                .collect()
+        };
+        let taking = Taking {
+            shared: Arc::clone(&self.shared),
+            keys: request
+                .lines
+                .iter()
+                .zip(&blocks)
+                .filter(|(_, block)| **block > 0)
+                .map(|(line, _)| line.key.clone())
+                .collect(),
+        };
+        let store = self.clone();
+        Box::pin(async move {
+            let costs: Vec<u64> = request.lines.iter().map(|line| line.cost).collect();
+            let leasing = blocks.iter().any(|&b| b > 0);
+            if leasing {
+                for (line, block) in request.lines.iter_mut().zip(&blocks) {
+                    line.cost = line.cost.saturating_add(*block);
+                }
+            }
+            let mut outcome = store.inner.charge(request.clone()).await?;
+            let mut blocks = blocks;
+            if leasing && !outcome.admitted {
+                // The blocks did not fit (other instances spent meanwhile):
+                // the request alone.
+                for (line, cost) in request.lines.iter_mut().zip(&costs) {
+                    line.cost = *cost;
+                }
+                blocks.iter_mut().for_each(|b| *b = 0);
+                outcome = store.inner.charge(request.clone()).await?;
+            }
+            drop(taking);
+            Ok(store.learn(&request, &blocks, outcome, at))
+        })
+    }
+
+    /// Records what the store answered to `request` (whose lines took
+    /// `blocks` beyond their costs), and the outcome as the layer sees it.
+    fn learn(
+        &self,
+        request: &ChargeRequest,
+        blocks: &[u64],
+        mut outcome: ChargeOutcome,
+        at: Instant,
+    ) -> ChargeOutcome {
+        let mut counters = self.shared.counters();
+        let room = counters.len() < self.shared.settings.max_counters;
+        let closed = self.shared.closed.load(Ordering::SeqCst);
+        let mut sweep = false;
+        let mut back = Vec::new();
+        for ((line, &block), usage) in request.lines.iter().zip(blocks).zip(&mut outcome.usage) {
+            let counter = match counters.get_mut(&line.key) {
+                Some(counter) => counter,
+                None if room && line.cost > 0 => {
+                    sweep = true;
+                    counters.entry(line.key.clone()).or_insert(Counter {
+                        units: 0,
+                        block_since: None,
+                        limit: usage.limit,
+                        store_used: usage.used,
+                        resets_at: usage.resets_at,
+                        first_call: usage.first_call,
+                        seen: request.now,
+                        seen_at: at,
+                        hits: 0,
+                        charged_at: at,
+                        block: 0,
+                        taking: false,
+                    })
+                }
+                None => continue,
+            };
+            if counter.resets_at != usage.resets_at && counter.units > 0 {
+                // Another period's counter (a first-use period that ended
+                // and opened again): the old block is dropped.
+                counter.units = 0;
+                counter.block_since = None;
+            }
+            counter.limit = usage.limit;
+            counter.store_used = usage.used;
+            counter.resets_at = usage.resets_at;
+            counter.first_call = usage.first_call;
+            counter.seen = request.now;
+            counter.seen_at = at;
+            counter.charged_at = at;
+            counter.hits = 0;
+            if outcome.admitted && block > 0 && closed {
+                // Taken while the store shut down: straight back.
+                counter.store_used = counter.store_used.saturating_sub(block);
+                back.push((line.key.clone(), request.now, block));
+            } else if outcome.admitted && block > 0 {
+                counter.units += block;
+                counter.block_since.get_or_insert(at);
+                counter.block = block;
+                crate::metrics::lease_block();
+            }
+            *usage = counter.usage();
+        }
+        drop(counters);
+        if sweep {
+            self.start_sweeping();
+        }
+        if !back.is_empty() {
+            if let Ok(runtime) = tokio::runtime::Handle::try_current() {
+                let inner = self.inner.clone();
+                runtime.spawn(async move {
+                    for (key, now, units) in back {
+                        give_back(&inner, now, key, units).await;
+                    }
+                });
+            }
+        }
+        outcome
+    }
+
+    /// Starts the task that gives idle and old blocks back and forgets idle
+    /// counters, once.
+    fn start_sweeping(&self) {
+        if self.shared.sweeping.swap(true, Ordering::AcqRel) {
+            return;
+        }
+        let Ok(runtime) = tokio::runtime::Handle::try_current() else {
+            self.shared.sweeping.store(false, Ordering::Release);
+            return;
+        };
+        let shared = Arc::downgrade(&self.shared);
+        let inner = self.inner.clone();
+        let settings = self.shared.settings;
+        runtime.spawn(sweep(shared, inner, settings));
+    }
+}
+
+/// Gives idle and old blocks back every quarter of the shorter bound, until
+/// the store is dropped.
+async fn sweep<St: Store>(shared: Weak<Shared>, inner: St, settings: Settings) {
+    let tick = (settings.idle.min(settings.lease_time) / 4).max(Duration::from_millis(5));
+    let mut interval = tokio::time::interval(tick);
+    interval.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+    loop {
+        interval.tick().await;
+        let Some(shared) = shared.upgrade() else {
+            return;
+        };
+        let at = Instant::now();
+        let mut back = Vec::new();
+        {
+            let mut counters = shared.counters();
+            counters.retain(|key, counter| {
+                let idle = at.saturating_duration_since(counter.seen_at) >= settings.idle;
+                let old = counter.block_since.is_some_and(|since| {
+                    at.saturating_duration_since(since) >= settings.lease_time
+                });
+                if (idle || old) && counter.units > 0 {
+                    let now = counter.now(at);
+                    if !counter.ended(now) {
+                        back.push((key.clone(), now, counter.units));
+                    }
+                    counter.store_used = counter.store_used.saturating_sub(counter.units);
+                    counter.units = 0;
+                    counter.block_since = None;
+                }
+                // A counter idle here is forgotten, rate and all; one with
+                // a block on its way stays until the answer.
+                !idle || counter.taking
+            });
+        }
+        drop(shared);
+        for (key, now, units) in back {
+            give_back(&inner, now, key, units).await;
+        }
+    }
+}
+
+/// Refunds `units` unused units to the live counter at `key`; whether the
+/// store took them.
+async fn give_back<St: Store>(inner: &St, now: Timestamp, key: PeriodKey, units: u64) -> bool {
+    match inner.refund(now, key, units).await {
+        Ok(Some(_)) => {
+            crate::metrics::lease_returned(units);
+            true
+        }
+        Ok(None) => false,
+        Err(error) => {
+            if let Some(suppressed) = GIVE_BACK_ERRORS.admit() {
+                tracing::warn!(
+                    %error,
+                    units,
+                    suppressed,
+                    "quota store failed to take back unused leased units: they stay charged"
+                );
+            }
+            false
+        }
+    }
+}
+
+/// The mark of counters whose block is on its way, lifted when the charge
+/// is answered or dropped.
+struct Taking {
+    shared: Arc<Shared>,
+    keys: Vec<PeriodKey>,
+}
+
+impl Drop for Taking {
+    fn drop(&mut self) {
+        if self.keys.is_empty() {
+            return;
+        }
+        let mut counters = self.shared.counters();
+        for key in &self.keys {
+            if let Some(counter) = counters.get_mut(key) {
+                counter.taking = false;
+            }
+        }
+    }
+}
+
+type RemoteCharge = Pin<Box<dyn Future<Output = Result<ChargeOutcome, StoreError>> + Send>>;
+
+/// The future of [`LeasedStore`]'s charge: spent locally when first polled
+/// if this instance's blocks have room, else sent to the store then.
+pub struct LeasedChargeFuture<St> {
+    store: LeasedStore<St>,
+    request: Option<ChargeRequest>,
+    remote: Option<RemoteCharge>,
+}
+
+// Nothing is pinned in place: the remote charge is boxed.
+impl<St> Unpin for LeasedChargeFuture<St> {}
+
+impl<St> fmt::Debug for LeasedChargeFuture<St> {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("LeasedChargeFuture")
+            .field("sent", &self.remote.is_some())
+            .finish()
+    }
+}
+
+impl<St: Store> Future for LeasedChargeFuture<St> {
+    type Output = Result<ChargeOutcome, StoreError>;
+
+    fn poll(self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<Self::Output> {
+        let this = self.get_mut();
+        if let Some(request) = this.request.take() {
+            let at = Instant::now();
+            if let Some(outcome) = this.store.spend_locally(&request, at) {
+                return Poll::Ready(Ok(outcome));
+            }
+            this.remote = Some(this.store.send(request, at));
+        }
+        this.remote
+            .as_mut()
+            .expect("polled after completion")
+            .as_mut()
+            .poll(cx)
+    }
+}
+
+impl<St: Store> Store for LeasedStore<St> {
+    type ChargeFuture = LeasedChargeFuture<St>;
+
+    fn charge(&self, request: ChargeRequest) -> Self::ChargeFuture {
+        LeasedChargeFuture {
+            store: self.clone(),
+            request: Some(request),
+            remote: None,
+        }
+    }
+
+    /// Where each counter stands, this instance's unused units counted as
+    /// not spent.
+    async fn peek(&self, request: ChargeRequest) -> Result<Vec<Usage>, StoreError> {
+        let keys: Vec<PeriodKey> = request.lines.iter().map(|l| l.key.clone()).collect();
+        let mut usage = self.inner.peek(request).await?;
+        let counters = self.shared.counters();
+        for (key, usage) in keys.iter().zip(&mut usage) {
+            if let Some(counter) = counters.get(key) {
+                if counter.resets_at == usage.resets_at {
+                    usage.used = usage.used.saturating_sub(counter.units);
+                }
+            }
+        }
+        Ok(usage)
+    }
+
+    /// Gives `amount` back to this instance's block of `key` when it holds
+    /// one (the units go back to the store with the block), else to the
+    /// store.
+    async fn refund(
+        &self,
+        now: Timestamp,
+        key: PeriodKey,
+        amount: u64,
+    ) -> Result<Option<u64>, StoreError> {
+        {
+            let mut counters = self.shared.counters();
+            if let Some(counter) = counters.get_mut(&key) {
+                if counter.units > 0 && !counter.ended(now) {
+                    let room = counter.store_used.saturating_sub(counter.units);
+                    counter.units += amount.min(room);
+                    return Ok(Some(counter.usage().used));
+                }
+            }
+        }
+        let result = self.inner.refund(now, key.clone(), amount).await?;
+        if let Some(used) = result {
+            if let Some(counter) = self.shared.counters().get_mut(&key) {
+                counter.store_used = used.saturating_add(counter.units);
+            }
+        }
+        Ok(result)
+    }
+
+    fn add(
+        &self,
+        now: Timestamp,
+        key: PeriodKey,
+        amount: u64,
+    ) -> impl Future<Output = Result<Option<u64>, StoreError>> + Send {
+        self.inner.add(now, key, amount)
+    }
+
+    /// Drops this instance's block of `key` (not given back: the counter
+    /// is gone), then deletes the counter.
+    fn reset(&self, key: PeriodKey) -> impl Future<Output = Result<bool, StoreError>> + Send {
+        self.shared.counters().remove(&key);
+        self.inner.reset(key)
+    }
+
+    fn identity(&self) -> Option<usize> {
+        self.inner.identity()
+    }
+
+    fn max_count(&self) -> u64 {
+        self.inner.max_count()
+    }
+}

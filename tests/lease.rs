@@ -1,0 +1,355 @@
+//! Leased counting over the memory store, step by step: the runtime's time
+//! paused and moved by hand, the layer's instants given in each request.
+
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::Arc;
+use std::time::Duration;
+
+use jiff::{SignedDuration, Timestamp};
+use tower_quota::store::{
+    ChargeLine, ChargeOutcome, ChargeRequest, LeasedStore, Lifetime, Store, StoreError, Usage,
+};
+use tower_quota::{MemoryStore, PeriodKey};
+
+/// A store that counts the charges sent to it.
+#[derive(Clone, Default)]
+struct Counting {
+    inner: MemoryStore,
+    charges: Arc<AtomicU64>,
+}
+
+impl Store for Counting {
+    type ChargeFuture = <MemoryStore as Store>::ChargeFuture;
+
+    fn charge(&self, request: ChargeRequest) -> Self::ChargeFuture {
+        self.charges.fetch_add(1, Ordering::Relaxed);
+        self.inner.charge(request)
+    }
+    fn peek(
+        &self,
+        request: ChargeRequest,
+    ) -> impl std::future::Future<Output = Result<Vec<Usage>, StoreError>> + Send {
+        self.inner.peek(request)
+    }
+    fn refund(
+        &self,
+        now: Timestamp,
+        key: PeriodKey,
+        amount: u64,
+    ) -> impl std::future::Future<Output = Result<Option<u64>, StoreError>> + Send {
+        self.inner.refund(now, key, amount)
+    }
+    fn add(
+        &self,
+        now: Timestamp,
+        key: PeriodKey,
+        amount: u64,
+    ) -> impl std::future::Future<Output = Result<Option<u64>, StoreError>> + Send {
+        self.inner.add(now, key, amount)
+    }
+    fn reset(
+        &self,
+        key: PeriodKey,
+    ) -> impl std::future::Future<Output = Result<bool, StoreError>> + Send {
+        self.inner.reset(key)
+    }
+}
+
+fn t0() -> Timestamp {
+    "2026-12-04T10:00:00Z".parse().unwrap()
+}
+
+fn day_key() -> PeriodKey {
+    PeriodKey::from_string("quota:{account:acme}:default:2026-12-04".into())
+}
+
+fn day() -> Lifetime {
+    Lifetime::Calendar {
+        start: "2026-12-04T00:00:00Z".parse().unwrap(),
+        end: "2026-12-05T00:00:00Z".parse().unwrap(),
+    }
+}
+
+fn request(now: Timestamp, limit: u64) -> ChargeRequest {
+    ChargeRequest {
+        now,
+        lines: vec![ChargeLine {
+            key: day_key(),
+            limit,
+            cost: 1,
+            lifetime: day(),
+        }],
+    }
+}
+
+/// What the store counts on the day's counter at `now`.
+async fn counted<St: Store>(store: &St, now: Timestamp) -> u64 {
+    store.peek(request(now, u64::MAX)).await.unwrap()[0].used
+}
+
+/// One request at `now` on `leased`, after moving the runtime's time by
+/// `step`.
+async fn call<St: Store>(leased: &St, now: Timestamp, limit: u64) -> ChargeOutcome {
+    leased.charge(request(now, limit)).await.unwrap()
+}
+
+#[tokio::test(start_paused = true)]
+async fn a_subject_that_calls_once_in_a_while_takes_no_block() {
+    let inner = Counting::default();
+    let leased = LeasedStore::new(inner.clone());
+    let mut now = t0();
+    for _ in 0..5 {
+        assert!(call(&leased, now, 100).await.admitted);
+        tokio::time::advance(Duration::from_secs(2)).await;
+        now += SignedDuration::from_secs(2);
+    }
+    assert_eq!(leased.held(), 0);
+    assert_eq!(inner.charges.load(Ordering::Relaxed), 5, "one charge each");
+    assert_eq!(counted(&inner, now).await, 5);
+}
+
+#[tokio::test(start_paused = true)]
+async fn a_busy_subject_spends_blocks_locally_and_the_store_counts_every_admission() {
+    let inner = Counting::default();
+    let leased = LeasedStore::new(inner.clone());
+    let mut now = t0();
+    for i in 0..1_000u64 {
+        let outcome = call(&leased, now, 100_000).await;
+        assert!(outcome.admitted);
+        assert_eq!(
+            outcome.usage[0].used,
+            i + 1,
+            "the usage told counts what was served"
+        );
+        tokio::time::advance(Duration::from_millis(1)).await;
+        now += SignedDuration::from_millis(1);
+    }
+    let charges = inner.charges.load(Ordering::Relaxed);
+    assert!(charges <= 30, "{charges} charges for 1 000 requests");
+    // The store counts what was served and what this instance holds.
+    assert_eq!(counted(&inner, now).await, 1_000 + leased.held());
+    assert!(leased.held() > 0);
+    // Idle: the units go back.
+    tokio::time::advance(Duration::from_millis(1_300)).await;
+    tokio::task::yield_now().await;
+    assert_eq!(leased.held(), 0);
+    now += SignedDuration::from_millis(1_300);
+    assert_eq!(counted(&inner, now).await, 1_000);
+}
+
+#[tokio::test(start_paused = true)]
+async fn near_the_limit_every_request_is_a_charge_and_exactly_the_limit_is_admitted() {
+    let inner = Counting::default();
+    let leased = LeasedStore::new(inner.clone());
+    let mut now = t0();
+    let mut admitted = 0;
+    for _ in 0..300 {
+        if call(&leased, now, 200).await.admitted {
+            admitted += 1;
+        }
+        tokio::time::advance(Duration::from_millis(1)).await;
+        now += SignedDuration::from_millis(1);
+    }
+    assert_eq!(admitted, 200);
+    assert_eq!(leased.held(), 0, "nothing left to lease");
+    assert_eq!(counted(&inner, now).await, 200);
+}
+
+#[tokio::test(start_paused = true)]
+async fn another_instance_gets_the_units_once_the_holder_is_idle() {
+    let shared = MemoryStore::new();
+    let a = LeasedStore::new(shared.clone());
+    let b = LeasedStore::new(shared.clone());
+    let mut now = t0();
+    // A spends 80 of 100 at a good pace: it holds a block.
+    for _ in 0..80 {
+        assert!(call(&a, now, 100).await.admitted);
+        tokio::time::advance(Duration::from_millis(1)).await;
+        now += SignedDuration::from_millis(1);
+    }
+    let held = a.held();
+    assert!(held > 0, "a block is held");
+    // B gets what nobody holds, then is refused while A holds the rest.
+    let mut b_admitted = 0;
+    while call(&b, now, 100).await.admitted {
+        b_admitted += 1;
+    }
+    assert_eq!(b_admitted, 20 - held);
+    // A goes idle: its units come back, and B spends them.
+    tokio::time::advance(Duration::from_millis(1_300)).await;
+    tokio::task::yield_now().await;
+    now += SignedDuration::from_millis(1_300);
+    assert_eq!(a.held(), 0);
+    let mut more = 0;
+    while call(&b, now, 100).await.admitted {
+        more += 1;
+    }
+    assert_eq!(more, held);
+    assert_eq!(counted(&shared, now).await, 100);
+}
+
+#[tokio::test(start_paused = true)]
+async fn shutdown_gives_every_unused_unit_back() {
+    let shared = MemoryStore::new();
+    let leased = LeasedStore::new(shared.clone());
+    let mut now = t0();
+    for _ in 0..100 {
+        assert!(call(&leased, now, 10_000).await.admitted);
+        tokio::time::advance(Duration::from_millis(1)).await;
+        now += SignedDuration::from_millis(1);
+    }
+    let held = leased.held();
+    assert!(held > 0);
+    assert_eq!(leased.shutdown().await, held);
+    assert_eq!(counted(&shared, now).await, 100);
+    // After shutdown, requests are charged one by one.
+    for _ in 0..10 {
+        assert!(call(&leased, now, 10_000).await.admitted);
+        tokio::time::advance(Duration::from_millis(1)).await;
+        now += SignedDuration::from_millis(1);
+    }
+    assert_eq!(leased.held(), 0);
+    assert_eq!(counted(&shared, now).await, 110);
+}
+
+#[tokio::test(start_paused = true)]
+async fn a_block_is_not_spent_past_the_lease_time() {
+    let shared = MemoryStore::new();
+    let leased = LeasedStore::builder(shared.clone())
+        .lease_time(Duration::from_millis(500))
+        .build();
+    let mut now = t0();
+    let mut max_age_seen = 0;
+    for _ in 0..3_000 {
+        assert!(call(&leased, now, 1_000_000).await.admitted);
+        tokio::time::advance(Duration::from_millis(1)).await;
+        now += SignedDuration::from_millis(1);
+        max_age_seen = max_age_seen.max(leased.held());
+    }
+    // A support reset elsewhere: this instance drops what it holds within
+    // the lease time, and the store's count then is what it admits.
+    shared.reset(day_key()).await.unwrap();
+    for _ in 0..600 {
+        assert!(call(&leased, now, 1_000_000).await.admitted);
+        tokio::time::advance(Duration::from_millis(1)).await;
+        now += SignedDuration::from_millis(1);
+    }
+    let after = counted(&shared, now).await;
+    // At most one block (taken before the reset) was spent after it.
+    assert!(after >= 600 - max_age_seen, "{after}");
+    assert!(after <= 600 + leased.held(), "{after}");
+}
+
+#[tokio::test(start_paused = true)]
+async fn a_block_of_a_window_that_ended_is_dropped_not_given_back() {
+    let shared = MemoryStore::new();
+    let leased = LeasedStore::new(shared.clone());
+    // The last second of the day.
+    let mut now: Timestamp = "2026-12-04T23:59:59Z".parse().unwrap();
+    for _ in 0..500 {
+        assert!(call(&leased, now, 10_000).await.admitted);
+        tokio::time::advance(Duration::from_millis(1)).await;
+        now += SignedDuration::from_millis(1);
+    }
+    let held = leased.held();
+    assert!(held > 0);
+    // The window ends while the block is held, and the subject goes
+    // quiet: the block is dropped, not given back.
+    tokio::time::advance(Duration::from_secs(2)).await;
+    tokio::task::yield_now().await;
+    assert_eq!(leased.held(), 0, "the ended window's block is dropped");
+    // Nothing was given back to the ended window's counter.
+    let old = shared
+        .peek(request("2026-12-04T23:59:59.9Z".parse().unwrap(), u64::MAX))
+        .await
+        .unwrap()[0]
+        .used;
+    assert_eq!(old, 500 + held);
+}
+
+#[tokio::test(start_paused = true)]
+async fn a_reset_through_the_leased_store_drops_its_block() {
+    let shared = MemoryStore::new();
+    let leased = LeasedStore::new(shared.clone());
+    let mut now = t0();
+    for _ in 0..200 {
+        assert!(call(&leased, now, 10_000).await.admitted);
+        tokio::time::advance(Duration::from_millis(1)).await;
+        now += SignedDuration::from_millis(1);
+    }
+    assert!(leased.held() > 0);
+    assert!(leased.reset(day_key()).await.unwrap());
+    assert_eq!(leased.held(), 0);
+    let outcome = call(&leased, now, 10_000).await;
+    assert_eq!(outcome.usage[0].used, 1, "a fresh count");
+    assert_eq!(counted(&shared, now).await, 1);
+}
+
+#[tokio::test(start_paused = true)]
+async fn a_refund_lands_in_the_block_and_goes_back_with_it() {
+    let shared = MemoryStore::new();
+    let leased = LeasedStore::new(shared.clone());
+    let mut now = t0();
+    for _ in 0..200 {
+        assert!(call(&leased, now, 10_000).await.admitted);
+        tokio::time::advance(Duration::from_millis(1)).await;
+        now += SignedDuration::from_millis(1);
+    }
+    let held = leased.held();
+    assert_eq!(leased.refund(now, day_key(), 5).await.unwrap(), Some(195));
+    assert_eq!(leased.held(), held + 5);
+    assert_eq!(leased.shutdown().await, held + 5);
+    assert_eq!(counted(&shared, now).await, 195);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn many_instances_under_concurrency_admit_exactly_the_limit() {
+    let shared = MemoryStore::new();
+    let instances: Vec<_> = (0..3)
+        .map(|_| {
+            LeasedStore::builder(shared.clone())
+                .idle(Duration::from_millis(20))
+                .build()
+        })
+        .collect();
+    let admitted = Arc::new(AtomicU64::new(0));
+    let refused = Arc::new(AtomicU64::new(0));
+    let mut tasks = Vec::new();
+    // Far more callers than the limit, until the limit is spent or two
+    // seconds passed (units held by an instance come back once it idles).
+    let until = std::time::Instant::now() + Duration::from_secs(2);
+    for task in 0..24 {
+        let leased = instances[task % 3].clone();
+        let admitted = Arc::clone(&admitted);
+        let refused = Arc::clone(&refused);
+        tasks.push(tokio::spawn(async move {
+            let mut i = 0u64;
+            while admitted.load(Ordering::SeqCst) < 1_000 && std::time::Instant::now() < until {
+                if leased
+                    .charge(request(Timestamp::now(), 1_000))
+                    .await
+                    .unwrap()
+                    .admitted
+                {
+                    admitted.fetch_add(1, Ordering::SeqCst);
+                } else {
+                    refused.fetch_add(1, Ordering::Relaxed);
+                    tokio::time::sleep(Duration::from_millis(1)).await;
+                }
+                i += 1;
+                if i.is_multiple_of(3) {
+                    tokio::task::yield_now().await;
+                }
+            }
+        }));
+    }
+    for task in tasks {
+        task.await.unwrap();
+    }
+    assert_eq!(admitted.load(Ordering::SeqCst), 1_000);
+    assert!(refused.load(Ordering::Relaxed) > 0, "the limit was reached");
+    for leased in &instances {
+        leased.shutdown().await;
+    }
+    assert_eq!(counted(&shared, Timestamp::now()).await, 1_000);
+}
