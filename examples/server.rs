@@ -5,7 +5,7 @@
 //! cargo run --release --example server -- --listen 127.0.0.1:8080 --limit 1000 --period 1d \
 //!     --anchor calendar [--tz UTC] [--subject account|user|device] [--store memory] \
 //!     [--on-store-error open|closed] [--quota off|governor] [--burst 10] [--plans free=100,pro=10000] \
-//!     [--admin-token T] [--shadow] [--metrics] [--zone-header NAME]
+//!     [--admin-token T] [--shadow] [--metrics] [--zone-header NAME] [--lease] [--lease-idle MS]
 //! ```
 //!
 //! With `--features redis`, `--store redis://127.0.0.1:6379/` keeps the
@@ -41,6 +41,13 @@
 //! each caller's calendar days (weeks, months) turn at midnight in the IANA
 //! zone its `NAME` header names (absent: `--tz`; unknown or malformed: 400,
 //! nothing charged).
+//!
+//! With `--lease`, the store is wrapped in a `LeasedStore`: a busy subject's
+//! requests are counted from blocks taken from the store (Redis) in one
+//! charge, and the unused units go back when the subject has been idle for
+//! `--lease-idle` milliseconds (1000 by default). On Ctrl-C or SIGTERM the
+//! server stops taking requests, finishes those under way, gives every
+//! unused unit back, and exits.
 
 #[path = "shared/period.rs"]
 mod period;
@@ -61,15 +68,15 @@ use http::StatusCode;
 use serde_json::{json, Value};
 use tower_quota::jiff::tz::TimeZone;
 use tower_quota::{
-    response, unrouted, Anchor, FromHeader, InvalidRequest, MemoryStore, OnStoreError, Period,
-    Quota, QuotaHandle, QuotaPolicy, Store, UnknownPlan,
+    response, unrouted, Anchor, FromHeader, InvalidRequest, LeasedStore, MemoryStore, OnStoreError,
+    Period, Quota, QuotaHandle, QuotaPolicy, Store, UnknownPlan,
 };
 
 const USAGE: &str =
     "usage: server [--listen ADDR] [--limit N] [--period 10s|1m|1h|1d|1w|1mo|Ns|Nm|Nh] \
 [--anchor calendar|first-use] [--tz ZONE] [--subject account|user|device] [--store memory|redis://HOST:PORT/|redis+unix:///PATH] \
 [--on-store-error open|closed] [--quota on|off|governor] [--burst N] [--plans NAME=N,NAME=N] [--admin-token T] \
-[--shadow] [--metrics] [--zone-header NAME]";
+[--shadow] [--metrics] [--zone-header NAME] [--lease] [--lease-idle MS]";
 
 struct Options {
     listen: SocketAddr,
@@ -86,6 +93,8 @@ struct Options {
     shadow: bool,
     metrics: bool,
     zone_header: Option<http::HeaderName>,
+    lease: bool,
+    lease_idle: Duration,
 }
 
 /// `--quota`: this crate's layer, none, or tower_governor's.
@@ -161,6 +170,8 @@ fn parse_args() -> Options {
         shadow: false,
         metrics: false,
         zone_header: None,
+        lease: false,
+        lease_idle: Duration::from_secs(1),
     };
     let mut tz = None;
     let mut args = std::env::args().skip(1);
@@ -178,6 +189,10 @@ fn parse_args() -> Options {
             options.metrics = true;
             continue;
         }
+        if flag == "--lease" {
+            options.lease = true;
+            continue;
+        }
         let value = args
             .next()
             .unwrap_or_else(|| fail(&format!("{flag} needs a value")));
@@ -193,6 +208,10 @@ fn parse_args() -> Options {
                     .unwrap_or_else(|_| fail(&format!("--listen {value:?}: expected ADDR:PORT")))
             }
             "--limit" => options.limit = whole(&value),
+            "--lease-idle" => match whole(&value) {
+                0 => fail("--lease-idle takes a number of milliseconds above 0"),
+                ms => options.lease_idle = Duration::from_millis(ms),
+            },
             "--burst" => options.burst = whole(&value),
             "--period" => options.period = parse_period(&value).unwrap_or_else(|e| fail(&e)),
             "--anchor" => {
@@ -513,7 +532,7 @@ fn with_metrics(_: Router) -> Router {
 }
 
 async fn serve(options: Options) {
-    let app = match options.store.as_str() {
+    match options.store.as_str() {
         "memory" => {
             let store = MemoryStore::new();
             // A quiet server still gives back the memory of ended periods.
@@ -525,7 +544,7 @@ async fn serve(options: Options) {
                     purge.purge_expired(tower_quota::jiff::Timestamp::now());
                 }
             });
-            app(&options, store)
+            leased_or_not(&options, store).await;
         }
         #[cfg(feature = "redis")]
         url if url.starts_with("redis://")
@@ -539,7 +558,7 @@ async fn serve(options: Options) {
             if let Err(e) = store.preload().await {
                 eprintln!("warning: {url} is not answering yet: {e}");
             }
-            app(&options, store)
+            leased_or_not(&options, store).await;
         }
         other => fail(&format!(
             "--store {other:?}: use `memory`{}",
@@ -549,7 +568,23 @@ async fn serve(options: Options) {
                 " (build with --features redis for a redis:// URL)"
             }
         )),
-    };
+    }
+}
+
+/// Serves on `store`, or with `--lease` on a `LeasedStore` of it, whose
+/// unused units go back once the server stopped.
+async fn leased_or_not<St: Store>(options: &Options, store: St) {
+    if !options.lease {
+        return run(options, store).await;
+    }
+    let leased = LeasedStore::builder(store).idle(options.lease_idle).build();
+    run(options, leased.clone()).await;
+    let units = leased.shutdown().await;
+    println!("gave back {units} leased units");
+}
+
+async fn run<St: Store>(options: &Options, store: St) {
+    let app = app(options, store);
     let app = if options.metrics {
         with_metrics(app)
     } else {
@@ -559,12 +594,13 @@ async fn serve(options: Options) {
         .await
         .unwrap_or_else(|e| fail(&format!("cannot listen on {}: {e}", options.listen)));
     println!(
-        "listening on http://{} ({} per {} {}, store {}, quota {})",
+        "listening on http://{} ({} per {} {}, store {}{}, quota {})",
         listener.local_addr().unwrap(),
         options.limit,
         options.period.name(),
         options.anchor,
         options.store,
+        if options.lease { ", leased" } else { "" },
         match options.quota {
             Mode::On => "on",
             Mode::Off => "off",
@@ -572,11 +608,26 @@ async fn serve(options: Options) {
         },
     );
     axum::serve(listener, app)
-        .with_graceful_shutdown(async {
-            let _ = tokio::signal::ctrl_c().await;
-        })
+        .with_graceful_shutdown(stop_signal())
         .await
         .unwrap();
+}
+
+/// Ctrl-C, or SIGTERM on Unix.
+async fn stop_signal() {
+    #[cfg(unix)]
+    {
+        use tokio::signal::unix::{signal, SignalKind};
+        let mut term = signal(SignalKind::terminate()).expect("a SIGTERM handler");
+        tokio::select! {
+            _ = tokio::signal::ctrl_c() => {}
+            _ = term.recv() => {}
+        }
+    }
+    #[cfg(not(unix))]
+    {
+        let _ = tokio::signal::ctrl_c().await;
+    }
 }
 
 #[tokio::main]

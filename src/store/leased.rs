@@ -268,6 +268,17 @@ impl Counter {
         self.seen.saturating_add(elapsed).unwrap_or(self.seen)
     }
 
+    /// Whether `usage` is of the counter this one knows, not of a later
+    /// period on the same key: a first-use counter is known by its first
+    /// call (its reset is read from its remaining life, which moves by a
+    /// millisecond here and there), a calendar one by its window's end.
+    fn same_period(&self, usage: &Usage) -> bool {
+        match (self.first_call, usage.first_call) {
+            (Some(known), Some(told)) => known == told,
+            _ => self.resets_at == usage.resets_at,
+        }
+    }
+
     /// Whether the counter's period is over at `now`: its units are
     /// dropped, not given back.
     fn ended(&self, now: Timestamp) -> bool {
@@ -508,7 +519,7 @@ impl<St: Store> LeasedStore<St> {
                 }
                 None => continue,
             };
-            if counter.resets_at != usage.resets_at && counter.units > 0 {
+            if !counter.same_period(usage) && counter.units > 0 {
                 // Another period's counter (a first-use period that ended
                 // and opened again): the old block is dropped.
                 counter.units = 0;
@@ -713,7 +724,7 @@ impl<St: Store> Store for LeasedStore<St> {
         let counters = self.shared.counters();
         for (key, usage) in keys.iter().zip(&mut usage) {
             if let Some(counter) = counters.get(key) {
-                if counter.resets_at == usage.resets_at {
+                if counter.same_period(usage) {
                     usage.used = usage.used.saturating_sub(counter.units);
                 }
             }

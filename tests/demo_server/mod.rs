@@ -3,9 +3,9 @@
 // Each test binary uses its own part of this module.
 #![allow(dead_code)]
 
-use std::io::{BufRead, BufReader};
+use std::io::{BufRead, BufReader, Read};
 use std::path::PathBuf;
-use std::process::{Child, Command, Stdio};
+use std::process::{Child, ChildStdout, Command, Stdio};
 
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
 use tokio::net::TcpStream;
@@ -13,7 +13,25 @@ use tokio::net::TcpStream;
 /// A running demo server, killed when dropped.
 pub struct Server {
     child: Child,
+    /// The rest of what the server prints, after its first line.
+    stdout: BufReader<ChildStdout>,
     pub addr: String,
+}
+
+impl Server {
+    /// Sends `signal` (`TERM`, `KILL`, `INT`) and waits for the process to
+    /// end; returns what it printed since it started listening.
+    pub fn stop(&mut self, signal: &str) -> String {
+        let status = Command::new("kill")
+            .args(["-s", signal, &self.child.id().to_string()])
+            .status()
+            .expect("kill runs");
+        assert!(status.success(), "kill -s {signal}");
+        let _ = self.child.wait();
+        let mut rest = String::new();
+        let _ = self.stdout.read_to_string(&mut rest);
+        rest
+    }
 }
 
 impl Drop for Server {
@@ -64,9 +82,8 @@ pub fn start_example(name: &str, args: &[&str]) -> Server {
         .spawn()
         .unwrap();
     let mut line = String::new();
-    BufReader::new(child.stdout.take().unwrap())
-        .read_line(&mut line)
-        .unwrap();
+    let mut stdout = BufReader::new(child.stdout.take().unwrap());
+    stdout.read_line(&mut line).unwrap();
     let Some(addr) = line
         .strip_prefix("listening on http://")
         .and_then(|rest| rest.split_whitespace().next())
@@ -75,7 +92,11 @@ pub fn start_example(name: &str, args: &[&str]) -> Server {
         panic!("the {name} example did not start (first line {line:?}); with --store redis:// it needs the `redis` feature, which `cargo test --all-features` builds it with");
     };
     let addr = addr.to_owned();
-    Server { child, addr }
+    Server {
+        child,
+        stdout,
+        addr,
+    }
 }
 
 /// One response.

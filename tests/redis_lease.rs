@@ -1,0 +1,309 @@
+//! Leased counting against a real `redis-server`: instances in this process
+//! (each its own `RedisStore` and `LeasedStore`), and demo server processes
+//! stopped with SIGTERM and SIGKILL.
+
+#![cfg(feature = "redis")]
+
+mod redis_support;
+
+mod demo_server;
+
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::Arc;
+use std::time::Duration;
+
+use jiff::Timestamp;
+use redis_support::RedisServer;
+use tower_quota::store::{
+    ChargeLine, ChargeRequest, LeasedStore, Lifetime, RedisStore, Store, StoreErrorKind,
+};
+use tower_quota::PeriodKey;
+
+fn redis_store(url: String) -> RedisStore {
+    RedisStore::builder(url)
+        .wait_timeout(Duration::from_secs(2))
+        .connect_timeout(Duration::from_secs(2))
+        .response_timeout(Duration::from_secs(2))
+        .build()
+        .expect("a Redis store")
+}
+
+fn key(subject: &str) -> PeriodKey {
+    PeriodKey::from_string(format!("quota:{{account:{subject}}}:read:lease-test"))
+}
+
+/// One request of `subject` at the system clock's now, on a first-use
+/// counter of a day.
+fn request(subject: &str, limit: u64) -> ChargeRequest {
+    let now = Timestamp::now();
+    ChargeRequest {
+        now,
+        lines: vec![ChargeLine {
+            key: key(subject),
+            limit,
+            cost: 1,
+            lifetime: Lifetime::FirstUse {
+                deadline: now + jiff::SignedDuration::from_hours(24),
+            },
+        }],
+    }
+}
+
+/// What Redis counts for `subject` (0 without a counter).
+fn counted(redis: &RedisServer, subject: &str) -> u64 {
+    let key = key(subject);
+    redis.cli(&["HGET", key.as_str(), "n"]).parse().unwrap_or(0)
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn three_instances_admit_exactly_the_limit_under_concurrency() {
+    let redis = redis_server_or_skip!();
+    let instances: Vec<_> = (0..3)
+        .map(|_| {
+            LeasedStore::builder(redis_store(redis.url()))
+                .idle(Duration::from_millis(100))
+                .build()
+        })
+        .collect();
+    let admitted = Arc::new(AtomicU64::new(0));
+    let refused = Arc::new(AtomicU64::new(0));
+    let until = std::time::Instant::now() + Duration::from_secs(20);
+    let mut tasks = Vec::new();
+    for task in 0..30 {
+        let leased = instances[task % 3].clone();
+        let (admitted, refused) = (Arc::clone(&admitted), Arc::clone(&refused));
+        tasks.push(tokio::spawn(async move {
+            while admitted.load(Ordering::SeqCst) < 500 && std::time::Instant::now() < until {
+                let outcome = leased.charge(request("shared", 500)).await.unwrap();
+                if outcome.admitted {
+                    admitted.fetch_add(1, Ordering::SeqCst);
+                } else {
+                    refused.fetch_add(1, Ordering::Relaxed);
+                    tokio::time::sleep(Duration::from_millis(5)).await;
+                }
+            }
+        }));
+    }
+    for task in tasks {
+        task.await.unwrap();
+    }
+    assert_eq!(admitted.load(Ordering::SeqCst), 500);
+    assert!(refused.load(Ordering::Relaxed) > 0);
+    // The limit holds whatever the instances still hold: nothing more is
+    // admitted anywhere.
+    for leased in &instances {
+        assert!(
+            !leased
+                .charge(request("shared", 500))
+                .await
+                .unwrap()
+                .admitted
+        );
+    }
+    for leased in &instances {
+        leased.shutdown().await;
+    }
+    assert_eq!(counted(&redis, "shared"), 500, "counted equals admitted");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_idle_instance_gives_its_units_back_and_another_spends_them() {
+    let redis = redis_server_or_skip!();
+    let a = LeasedStore::builder(redis_store(redis.url()))
+        .idle(Duration::from_millis(200))
+        .build();
+    let b = LeasedStore::builder(redis_store(redis.url()))
+        .idle(Duration::from_millis(200))
+        .build();
+    for _ in 0..150 {
+        assert!(a.charge(request("idle", 200)).await.unwrap().admitted);
+    }
+    let held = a.held();
+    assert!(held > 0, "a busy subject holds a block");
+    assert_eq!(counted(&redis, "idle"), 150 + held);
+    let mut b_admitted = 0;
+    while b.charge(request("idle", 200)).await.unwrap().admitted {
+        b_admitted += 1;
+    }
+    assert_eq!(b_admitted + held, 50, "b is refused while a holds units");
+    // A goes idle: its units come back, and b spends them.
+    tokio::time::sleep(Duration::from_millis(500)).await;
+    assert_eq!(a.held(), 0);
+    let mut more = 0;
+    while b.charge(request("idle", 200)).await.unwrap().admitted {
+        more += 1;
+    }
+    assert_eq!(more, held);
+    b.shutdown().await;
+    assert_eq!(counted(&redis, "idle"), 200);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_reset_reaches_every_instance_within_the_lease_time() {
+    let redis = redis_server_or_skip!();
+    let lease_time = Duration::from_millis(300);
+    let a = LeasedStore::builder(redis_store(redis.url()))
+        .lease_time(lease_time)
+        .idle(Duration::from_secs(10))
+        .build();
+    let support = redis_store(redis.url());
+    for _ in 0..200 {
+        assert!(a.charge(request("reset", 100_000)).await.unwrap().admitted);
+    }
+    assert!(a.held() > 0);
+    assert!(support.reset(key("reset")).await.unwrap());
+    // Past the lease time, what a spends is counted on the new counter:
+    // the block taken before the reset is no longer spent.
+    tokio::time::sleep(lease_time + Duration::from_millis(200)).await;
+    for _ in 0..50 {
+        assert!(a.charge(request("reset", 100_000)).await.unwrap().admitted);
+    }
+    assert_eq!(counted(&redis, "reset"), 50 + a.held());
+    a.shutdown().await;
+    assert_eq!(counted(&redis, "reset"), 50);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_stall_and_a_restart_mid_lease_keep_the_count_right() {
+    let mut redis = redis_server_or_skip!();
+    let leased = LeasedStore::builder(
+        RedisStore::builder(redis.url())
+            .wait_timeout(Duration::from_millis(200))
+            .connect_timeout(Duration::from_millis(200))
+            .response_timeout(Duration::from_millis(200))
+            .build()
+            .unwrap(),
+    )
+    .idle(Duration::from_millis(300))
+    .build();
+    let mut admitted = 0;
+    for _ in 0..300 {
+        assert!(
+            leased
+                .charge(request("stall", 100_000))
+                .await
+                .unwrap()
+                .admitted
+        );
+        admitted += 1;
+    }
+    // A stall: what the block holds is still spent here; what needs Redis
+    // fails (the layer's fail-open or fail-closed decides), and nothing is
+    // counted twice.
+    {
+        let _stopped = redis_support::Stopped::new(&redis);
+        for _ in 0..50 {
+            match leased.charge(request("stall", 100_000)).await {
+                Ok(outcome) => {
+                    assert!(outcome.admitted);
+                    admitted += 1;
+                }
+                Err(error) => assert!(
+                    matches!(
+                        error.kind(),
+                        StoreErrorKind::Timeout | StoreErrorKind::Unavailable
+                    ),
+                    "{error}"
+                ),
+            }
+        }
+    }
+    // Redis answers again.
+    let mut answered = false;
+    for _ in 0..50 {
+        if let Ok(outcome) = leased.charge(request("stall", 100_000)).await {
+            assert!(outcome.admitted);
+            admitted += 1;
+            answered = true;
+            break;
+        }
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    assert!(answered);
+    leased.shutdown().await;
+    assert_eq!(counted(&redis, "stall"), admitted);
+
+    // A restart that forgets every counter while a block is held: the
+    // block's units go back to nothing (no counter is made by a give-back).
+    let leased = LeasedStore::builder(redis_store(redis.url()))
+        .idle(Duration::from_millis(200))
+        .build();
+    for _ in 0..300 {
+        assert!(
+            leased
+                .charge(request("restart", 100_000))
+                .await
+                .unwrap()
+                .admitted
+        );
+    }
+    assert!(leased.held() > 0);
+    redis.restart();
+    tokio::time::sleep(Duration::from_millis(600)).await;
+    assert_eq!(leased.held(), 0);
+    assert_eq!(
+        redis.cli(&["EXISTS", key("restart").as_str()]),
+        "0",
+        "a give-back never creates a counter"
+    );
+}
+
+/// The demo server with leases, on Redis, with an idle bound that never
+/// passes during the test.
+fn leased_server(redis: &RedisServer) -> demo_server::Server {
+    demo_server::start(&[
+        "--limit",
+        "100000",
+        "--period",
+        "1d",
+        "--anchor",
+        "first-use",
+        "--store",
+        &redis.url(),
+        "--lease",
+        "--lease-idle",
+        "60000",
+    ])
+}
+
+/// What Redis counts for the demo server's `read` allowance of `account`.
+fn served_count(redis: &RedisServer, account: &str) -> u64 {
+    let keys = redis.cli(&["KEYS", &format!("quota:{{account:{account}}}:read:*")]);
+    let key = keys.lines().next().expect("a counter");
+    redis.cli(&["HGET", key, "n"]).parse().unwrap_or(0)
+}
+
+async fn read_many(server: &demo_server::Server, account: &str, n: u64) {
+    for _ in 0..n {
+        let reply =
+            demo_server::call(&server.addr, "GET", "/read", &[("x-account-id", account)]).await;
+        assert_eq!(reply.status, 200);
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_server_stopped_with_sigterm_gives_its_units_back_at_once() {
+    let redis = redis_server_or_skip!();
+    let mut server = leased_server(&redis);
+    read_many(&server, "term", 200).await;
+    let held = served_count(&redis, "term") - 200;
+    assert!(held > 0, "the server holds a block");
+    let printed = server.stop("TERM");
+    assert!(
+        printed.contains(&format!("gave back {held} leased units")),
+        "{printed}"
+    );
+    assert_eq!(served_count(&redis, "term"), 200);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_server_killed_with_sigkill_leaves_at_most_its_block_charged() {
+    let redis = redis_server_or_skip!();
+    let mut server = leased_server(&redis);
+    read_many(&server, "kill", 200).await;
+    server.stop("KILL");
+    let left = served_count(&redis, "kill") - 200;
+    // The documented bound: one block per subject, at most `max_block`
+    // (1 000) and a quarter of what was left.
+    assert!(left > 0 && left <= 1_000, "{left}");
+}
