@@ -12,6 +12,14 @@
 #   BENCH_STORES=off,memory scripts/http-bench.sh   # some of the servers only
 #   BENCH_STORES=off,redis,floor scripts/http-bench.sh
 #   BENCH_STORES=off,memory,governor scripts/http-bench.sh
+#   BENCH_STORES=off,memory,redis,redis-lease,floor-eval scripts/http-bench.sh
+#
+# `redis-lease` is the demo server on Redis with `--lease`: a busy account's
+# requests are counted from blocks taken from Redis in one charge. For each
+# server that talks to Redis, the Redis commands it sent per request are
+# printed too (from `INFO commandstats`, before and after each round: the
+# calls of EVALSHA and EVAL, and of INCR for `floor`; the commands a script
+# runs inside Redis are not requests of the server's, and not counted).
 #
 # `floor` is no quota: the `redis_floor` example, which sends one `INCR` per
 # request on a multiplexed redis-rs connection (`floor-eval`: an `EVALSHA`
@@ -45,17 +53,17 @@ threads=${BENCH_THREADS:-2}
 IFS=, read -r -a stores <<<"${BENCH_STORES:-off,memory,redis}"
 for name in "${stores[@]}"; do
     case $name in
-    off | memory | redis | floor | floor-eval | governor) ;;
+    off | memory | redis | redis-lease | floor | floor-eval | governor) ;;
     *)
-        echo "BENCH_STORES: unknown server $name (off, memory, redis, floor, floor-eval, governor)" >&2
+        echo "BENCH_STORES: unknown server $name (off, memory, redis, redis-lease, floor, floor-eval, governor)" >&2
         exit 2
         ;;
     esac
 done
 measured() { [[ " ${stores[*]} " == *" $1 "* ]]; }
 # Whether a server that talks to Redis is measured.
-redis_measured() { measured redis || measured floor || measured floor-eval; }
-uses_redis() { [[ $1 == redis || $1 == floor* ]]; }
+redis_measured() { measured redis || measured redis-lease || measured floor || measured floor-eval; }
+uses_redis() { [[ $1 == redis* || $1 == floor* ]]; }
 
 missing=()
 command -v wrk >/dev/null || missing+=(wrk)
@@ -118,6 +126,7 @@ start_server() { # name, program, args...
 measured off && start_server off "$server" --limit 1000000000 --quota off
 measured memory && start_server memory "$server" --limit 1000000000 --store memory
 measured redis && start_server redis "$server" --limit 1000000000 --store "redis://127.0.0.1:$redis_port/"
+measured redis-lease && start_server redis-lease "$server" --limit 1000000000 --store "redis://127.0.0.1:$redis_port/" --lease
 measured floor && start_server floor "$examples/redis_floor" --redis "redis://127.0.0.1:$redis_port/"
 measured floor-eval && start_server floor-eval "$examples/redis_floor" --redis "redis://127.0.0.1:$redis_port/" --eval
 measured governor && start_server governor "$server" --limit 1000000000 --quota governor
@@ -140,6 +149,14 @@ children_cpu() {
     awk 'NR == 2 { split($1, u, /[ms]/); split($2, s, /[ms]/); print u[1] * 60 + u[2] + s[1] * 60 + s[2] }' "$work/times"
 }
 hz=$(getconf CLK_TCK)
+# Commands the server `$1` sent Redis since it started: scripts (and INCR
+# for `floor`, which sends nothing else).
+redis_commands() {
+    local sent='^cmdstat_(eval|evalsha|eval_ro|evalsha_ro)$'
+    [ "$1" = floor ] && sent='^cmdstat_incr$'
+    redis-cli -p "$redis_port" INFO commandstats |
+        awk -F'[:=,]' -v sent="$sent" '$1 ~ sent { s += $3 } END { print s + 0 }'
+}
 
 declare -A results ratios
 # The memory store's rate over governor's, per round.
@@ -156,7 +173,7 @@ for round in $(seq "$rounds"); do
     for name in "${order[@]}"; do
         spid=${server_pids[$name]}
         server0=$(ticks "$spid")
-        uses_redis "$name" && redis0=$(ticks "$redis_pid")
+        uses_redis "$name" && redis0=$(ticks "$redis_pid") && commands0=$(redis_commands "$name")
         children_cpu >"$work/cpu"
         wrk0=$(cat "$work/cpu")
         out=$(wrk -t"$threads" -c"$connections" -d"${seconds}s" -s "$work/subjects.lua" \
@@ -164,7 +181,7 @@ for round in $(seq "$rounds"); do
         children_cpu >"$work/cpu"
         wrk1=$(cat "$work/cpu")
         server1=$(ticks "$spid")
-        uses_redis "$name" && redis1=$(ticks "$redis_pid")
+        uses_redis "$name" && redis1=$(ticks "$redis_pid") && commands1=$(redis_commands "$name")
         rps=$(echo "$out" | awk '/^Requests\/sec:/ {print $2}')
         failed=$(echo "$out" | awk '/Non-2xx/ {print $NF}')
         # CPU per request, in µs, of the server, Redis and wrk.
@@ -175,8 +192,13 @@ for round in $(seq "$rounds"); do
                 if (r1 > r0) line = line sprintf(", redis-server %.1f", (r1 - r0) / hz / q)
                 printf "%s, wrk %.1f", line, (w1 - w0) / q
             }')
-        unset redis0 redis1
-        echo "round $round  $name  $rps req/s  (CPU µs per request: $cpu)${failed:+  ($failed answers not 2xx)}"
+        commands=
+        if uses_redis "$name"; then
+            commands=$(awk -v n="$rps" -v s="$seconds" -v a="$commands0" -v b="$commands1" \
+                'BEGIN { printf ", Redis commands per request %.3f", (b - a) / (n * s) }')
+        fi
+        unset redis0 redis1 commands0 commands1
+        echo "round $round  $name  $rps req/s  (CPU µs per request: $cpu$commands)${failed:+  ($failed answers not 2xx)}"
         results[$name]="${results[$name]:-} $rps"
         rate[$name]=$rps
     done

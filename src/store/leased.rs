@@ -14,7 +14,7 @@
 //!
 //! - **Its size follows the subject's rate on this instance**: about what
 //!   the subject spends here in half the lease time, growing at most
-//!   twofold from one block to the next. A subject that calls once in a
+//!   fourfold from one block to the next (the first at most 8 units). A subject that calls once in a
 //!   while takes no block at all: each of its requests is one charge, as
 //!   without leases.
 //! - **It shrinks as the allowance runs low**: a block is at most a quarter
@@ -25,7 +25,7 @@
 //! - **Unused units go back** to the store, with a refund (which never
 //!   creates a counter and never moves a deadline), when the subject has
 //!   been idle on this instance for the idle bound (1 s by default), when a
-//!   block is older than the lease time (5 s by default, whatever the
+//!   block is older than the lease time (10 s by default, whatever the
 //!   subject does), and on [`LeasedStore::shutdown`].
 //! - **A block of a period that has ended is dropped**, not given back: a
 //!   calendar window that closed, or a first-use period past its deadline.
@@ -136,7 +136,7 @@ impl Default for Settings {
     fn default() -> Self {
         Self {
             idle: Duration::from_secs(1),
-            lease_time: Duration::from_secs(5),
+            lease_time: Duration::from_secs(10),
             max_block: 1_000,
             max_counters: 100_000,
         }
@@ -159,7 +159,7 @@ impl<St: Store> LeasedStoreBuilder<St> {
 
     /// The longest a block is spent from: its unused units go back once it
     /// is this old, even while its subject keeps calling, so a reset or a
-    /// refund made elsewhere reaches this instance within it. 5 s by
+    /// refund made elsewhere reaches this instance within it. 10 s by
     /// default.
     ///
     /// # Panics
@@ -288,7 +288,7 @@ impl Counter {
 
 impl<St: Store> LeasedStore<St> {
     /// Leases from `inner` with the default bounds (idle 1 s, lease time
-    /// 5 s, blocks of at most 1 000 units, 100 000 counters tracked).
+    /// 10 s, blocks of at most 1 000 units, 100 000 counters tracked).
     pub fn new(inner: St) -> Self {
         Self::builder(inner).build()
     }
@@ -378,7 +378,7 @@ impl<St: Store> LeasedStore<St> {
         let block = [
             wanted as u64,
             settings.max_block,
-            counter.block.saturating_mul(2).saturating_add(2),
+            counter.block.saturating_mul(4).saturating_add(8),
             left.saturating_sub(line.cost) / 4,
         ]
         .into_iter()

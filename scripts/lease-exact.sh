@@ -1,0 +1,116 @@
+#!/usr/bin/env bash
+# Three demo servers with leased counting share one Redis, and wrk drives
+# all three at once until every account's limit is reached: the requests
+# admitted (answered 200) must equal the limits, and what Redis counts,
+# once the servers stopped (SIGTERM, which gives leased units back), must
+# equal what was admitted.
+#
+#   scripts/lease-exact.sh
+#   EXACT_SECONDS=10 EXACT_SUBJECTS=100 EXACT_LIMIT=1000 scripts/lease-exact.sh
+#
+# Installs Debian's wrk, redis-server and redis-tools when they are missing.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+
+seconds=${EXACT_SECONDS:-10}
+subjects=${EXACT_SUBJECTS:-100}
+limit=${EXACT_LIMIT:-1000}
+connections=${EXACT_CONNECTIONS:-64}
+
+missing=()
+command -v wrk >/dev/null || missing+=(wrk)
+command -v redis-server >/dev/null || missing+=(redis-server)
+command -v redis-cli >/dev/null || missing+=(redis-tools)
+if [ ${#missing[@]} -gt 0 ]; then
+    apt-get update -qq
+    DEBIAN_FRONTEND=noninteractive apt-get install -y -qq "${missing[@]}" >/dev/null
+    service redis-server stop >/dev/null 2>&1 || true
+fi
+
+cargo build --release --features redis --example server
+server=${CARGO_TARGET_DIR:-target}/release/examples/server
+
+work=$(mktemp -d)
+pids=()
+cleanup() {
+    for pid in "${pids[@]}"; do kill "$pid" 2>/dev/null || true; done
+    wait 2>/dev/null || true
+    rm -rf "$work"
+}
+trap cleanup EXIT
+
+free_port() {
+    python3 -c 'import socket; s=socket.socket(); s.bind(("127.0.0.1", 0)); print(s.getsockname()[1])'
+}
+
+redis_port=$(free_port)
+redis-server --port "$redis_port" --bind 127.0.0.1 --save '' --appendonly no \
+    --dir "$work" --daemonize no >"$work/redis.log" 2>&1 &
+pids+=($!)
+for _ in $(seq 50); do
+    redis-cli -p "$redis_port" ping >/dev/null 2>&1 && break
+    sleep 0.1
+done
+
+ports=()
+server_pids=()
+for i in 1 2 3; do
+    port=$(free_port)
+    "$server" --listen "127.0.0.1:$port" --limit "$limit" --period 1d \
+        --store "redis://127.0.0.1:$redis_port/" --lease >"$work/server$i.log" 2>&1 &
+    pids+=($!)
+    server_pids+=($!)
+    for _ in $(seq 100); do
+        grep -q "listening on" "$work/server$i.log" 2>/dev/null && break
+        sleep 0.1
+    done
+    ports+=("$port")
+done
+
+cat >"$work/subjects.lua" <<EOF
+math.randomseed(os.time())
+request = function()
+  local id = math.random(1, $subjects)
+  return wrk.format("GET", "/read", { ["x-account-id"] = "account-" .. id })
+end
+EOF
+
+wrk_pids=()
+for i in 0 1 2; do
+    wrk -t1 -c"$connections" -d"${seconds}s" -s "$work/subjects.lua" \
+        "http://127.0.0.1:${ports[i]}/read" >"$work/wrk$i.log" 2>&1 &
+    wrk_pids+=($!)
+done
+for pid in "${wrk_pids[@]}"; do wait "$pid"; done
+
+sent=0
+refused=0
+for i in 0 1 2; do
+    n=$(awk '/requests in/ {print $1}' "$work/wrk$i.log")
+    r=$(awk '/Non-2xx/ {print $NF}' "$work/wrk$i.log")
+    sent=$((sent + n))
+    refused=$((refused + ${r:-0}))
+done
+admitted=$((sent - refused))
+
+for pid in "${server_pids[@]}"; do kill -TERM "$pid"; done
+for pid in "${server_pids[@]}"; do
+    while kill -0 "$pid" 2>/dev/null; do sleep 0.1; done
+done
+given_back=$(cat "$work"/server*.log | awk '/gave back/ {s += $3} END {print s + 0}')
+
+counted=0
+while read -r key; do
+    [ -z "$key" ] && continue
+    n=$(redis-cli -p "$redis_port" HGET "$key" n)
+    counted=$((counted + n))
+done < <(redis-cli -p "$redis_port" --scan --pattern 'quota:*:read:*')
+
+expected=$((subjects * limit))
+echo "sent $sent, admitted $admitted, refused $refused; limits $expected; counted $counted; units given back on SIGTERM $given_back"
+if [ "$admitted" -eq "$expected" ] && [ "$counted" -eq "$admitted" ]; then
+    echo "exact: admitted equals the limits, counted equals admitted"
+else
+    echo "NOT EXACT" >&2
+    exit 1
+fi
