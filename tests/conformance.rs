@@ -25,6 +25,24 @@ async fn memory_store_conforms() {
     }
 }
 
+/// Leased counting keeps the contract: what it answers from a block is what
+/// the store would have answered, and what it takes is charged there.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn leased_memory_store_conforms() {
+    let leased = tower_quota::LeasedStore::new(MemoryStore::new());
+    let verdicts = testing::run_all(&leased).await;
+    for (name, verdict) in verdicts {
+        if name == "undated_counter_is_healed" {
+            assert!(
+                matches!(verdict, Verdict::NotApplicable(_)),
+                "{name}: {verdict:?}"
+            );
+        } else {
+            assert_eq!(verdict, Verdict::Passed, "{name}");
+        }
+    }
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn memory_store_conforms_with_one_shard() {
     let verdicts = testing::run_all(&MemoryStore::with_shards(1)).await;

@@ -353,3 +353,166 @@ async fn many_instances_under_concurrency_admit_exactly_the_limit() {
     }
     assert_eq!(counted(&shared, Timestamp::now()).await, 1_000);
 }
+
+mod through_the_layer {
+    //! The same requests through the same app, once on a memory store and
+    //! once on a leased one: every answer, and every count the support
+    //! handle reads, is the same.
+
+    use std::time::Duration;
+
+    use axum::body::Body;
+    use axum::routing::get;
+    use axum::Router;
+    use http::{Request, StatusCode};
+    use jiff::SignedDuration;
+    use tower::ServiceExt;
+    use tower_quota::store::LeasedStore;
+    use tower_quota::{
+        Anchor, FromHeader, ManualClock, MemoryStore, Period, Quota, QuotaHandle, QuotaPolicy,
+        Store, Subject, UnknownPlan,
+    };
+
+    fn app<St: Store>(store: St, clock: ManualClock) -> (Router, QuotaHandle<St>) {
+        let policy = QuotaPolicy::builder(FromHeader::account("x-account-id"))
+            .store(store)
+            .clock(clock)
+            .plan(|parts| Some(parts.headers.get("x-plan")?.to_str().ok()?.to_owned()))
+            .on_unknown_plan(UnknownPlan::DefaultLimits)
+            .refund_server_errors(true)
+            .build();
+        let read = policy
+            .layer(Quota::daily(300).plan("pro", 400).allowance("read"))
+            .quota(
+                Quota::new(40, Period::minute(), Anchor::FirstUse)
+                    .allowance("read-minute")
+                    .shadow(),
+            );
+        let burst = policy.layer(Quota::per_minute(25).allowance("search"));
+        let tokens = policy
+            .layer(Quota::daily(2_000).allowance("tokens"))
+            .deferred_cost(1, |response| {
+                response
+                    .headers
+                    .get("x-tokens-used")
+                    .and_then(|v| v.to_str().ok()?.parse().ok())
+                    .unwrap_or(1)
+            });
+        let router = Router::new()
+            .route("/read", get(|| async { "r" }))
+            .route("/fail", get(|| async { StatusCode::INTERNAL_SERVER_ERROR }))
+            .route("/search", get(|| async { "s" }).route_layer(burst))
+            .route_layer(read)
+            .route(
+                "/tokens",
+                get(|| async { ([("x-tokens-used", "7")], "t") }).route_layer(tokens),
+            );
+        (router, policy.handle())
+    }
+
+    /// Each quota's name, count and reset.
+    fn counts(usage: &[tower_quota::QuotaUsage]) -> Vec<(String, u64, jiff::Timestamp)> {
+        usage
+            .iter()
+            .map(|u| (u.name().to_owned(), u.used(), u.resets_at()))
+            .collect()
+    }
+
+    /// The answer's status and every field the client reads.
+    async fn ask(app: &Router, path: &str, account: &str, plan: Option<&str>) -> String {
+        let mut request = Request::get(path).header("x-account-id", account);
+        if let Some(plan) = plan {
+            request = request.header("x-plan", plan);
+        }
+        let response = app
+            .clone()
+            .oneshot(request.body(Body::empty()).unwrap())
+            .await
+            .unwrap();
+        let mut seen = response.status().to_string();
+        for name in ["ratelimit", "ratelimit-policy", "retry-after"] {
+            for value in response.headers().get_all(name) {
+                seen.push_str(&format!(" {name}: {}", value.to_str().unwrap()));
+            }
+        }
+        seen
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn every_answer_and_count_is_the_same_as_without_leases() {
+        let start = "2026-12-04T23:50:00Z".parse().unwrap();
+        let (plain_clock, leased_clock) = (ManualClock::new(start), ManualClock::new(start));
+        let (plain, plain_handle) = app(MemoryStore::new(), plain_clock.clone());
+        let leased_store = LeasedStore::builder(MemoryStore::new())
+            .idle(Duration::from_millis(400))
+            .lease_time(Duration::from_secs(3))
+            .build();
+        let (leased, leased_handle) = app(leased_store.clone(), leased_clock.clone());
+        // A fixed pseudo-random script: paths, accounts, plans, steps of
+        // time, support refunds and resets, across a calendar midnight and
+        // first-use minutes.
+        let mut seed = 0x2545_f491_4f6c_dd1d_u64;
+        let mut next = |n: u64| {
+            seed ^= seed << 13;
+            seed ^= seed >> 7;
+            seed ^= seed << 17;
+            seed % n
+        };
+        let accounts = ["acme", "globex", "initech"];
+        let mut leased_locally = false;
+        for step in 0..3_000 {
+            let account = accounts[next(3) as usize];
+            let plan = [None, Some("pro"), Some("free")][next(3) as usize];
+            let path = ["/read", "/read", "/read", "/search", "/fail", "/tokens"][next(6) as usize];
+            match next(200) {
+                0 => {
+                    let subject = Subject::account(account);
+                    let a = plain_handle
+                        .refund_allowance(&subject, "read", 3)
+                        .await
+                        .unwrap();
+                    let b = leased_handle
+                        .refund_allowance(&subject, "read", 3)
+                        .await
+                        .unwrap();
+                    assert_eq!(a, b, "step {step}: a support refund");
+                }
+                1 => {
+                    let subject = Subject::account(account);
+                    let a = plain_handle
+                        .reset_allowance(&subject, "search")
+                        .await
+                        .unwrap();
+                    let b = leased_handle
+                        .reset_allowance(&subject, "search")
+                        .await
+                        .unwrap();
+                    assert_eq!(a, b, "step {step}: a support reset");
+                }
+                _ => {
+                    let a = ask(&plain, path, account, plan).await;
+                    let b = ask(&leased, path, account, plan).await;
+                    assert_eq!(a, b, "step {step}: {path} of {account} on {plan:?}");
+                }
+            }
+            leased_locally |= leased_store.held() > 0;
+            let subject = Subject::account(account);
+            assert_eq!(
+                counts(&plain_handle.usage(&subject).await.unwrap()),
+                counts(&leased_handle.usage(&subject).await.unwrap()),
+                "step {step}: {account}'s counts after {path} on {plan:?}"
+            );
+            let pause = [1, 1, 2, 5, 20, 700][next(6) as usize];
+            plain_clock.advance(SignedDuration::from_millis(pause));
+            leased_clock.advance(SignedDuration::from_millis(pause));
+            tokio::time::advance(Duration::from_millis(pause as u64)).await;
+        }
+        assert!(leased_locally, "blocks were taken");
+        for account in accounts {
+            let subject = Subject::account(account);
+            let a = plain_handle.usage(&subject).await.unwrap();
+            let b = leased_handle.usage(&subject).await.unwrap();
+            assert_eq!(counts(&a), counts(&b), "{account}");
+        }
+    }
+}

@@ -359,11 +359,7 @@ impl<St: Store> LeasedStore<St> {
         let since = at.saturating_duration_since(counter.charged_at);
         // A subject calling less often than the idle bound would have its
         // block given back before spending it: no block.
-        if counter.taking
-            || counter.limit != line.limit
-            || counter.ended(now)
-            || since >= settings.idle
-        {
+        if counter.taking || counter.ended(now) || since >= settings.idle {
             return 0;
         }
         // The rate since the last charge sent, over half a lease.
@@ -374,7 +370,7 @@ impl<St: Store> LeasedStore<St> {
         } else {
             f64::MAX
         };
-        let left = counter.limit.saturating_sub(counter.store_used);
+        let left = line.limit.saturating_sub(counter.store_used);
         let block = [
             wanted as u64,
             settings.max_block,
@@ -391,63 +387,111 @@ impl<St: Store> LeasedStore<St> {
     }
 
     /// Spends `request` from this instance's blocks if every line has one
-    /// with room; `None` sends it to the store.
-    fn spend_locally(&self, request: &ChargeRequest, at: Instant) -> Option<ChargeOutcome> {
+    /// with room. Otherwise the request goes to the store: the lines whose
+    /// block has room are spent from it (and restored if the store refuses
+    /// the rest), the others are charged there, each asking for a block
+    /// when its subject is busy here.
+    fn spend_locally(&self, request: &ChargeRequest, at: Instant) -> Result<ChargeOutcome, Plan> {
         let mut counters = self.shared.counters();
         let lease_time = self.shared.settings.lease_time;
-        let mut usable = true;
+        // Per line, the units of a fresh block here it may spend (all of
+        // its cost, or part of it).
+        let mut held = Vec::with_capacity(request.lines.len());
+        let mut stale = Vec::new();
         for line in &request.lines {
-            if let Some(counter) = counters.get_mut(&line.key) {
-                counter.hits += 1;
-                counter.seen = request.now;
-                counter.seen_at = at;
-                if counter.units > 0 && counter.ended(request.now) {
-                    // The period is over: its block is dropped.
-                    counter.units = 0;
-                    counter.block_since = None;
+            let units = match counters.get_mut(&line.key) {
+                Some(counter) => {
+                    counter.hits += 1;
+                    counter.seen = request.now;
+                    counter.seen_at = at;
+                    if counter.units > 0 && counter.ended(request.now) {
+                        // The period is over: its block is dropped.
+                        counter.units = 0;
+                        counter.block_since = None;
+                    }
+                    let fresh = counter
+                        .block_since
+                        .is_some_and(|since| at.saturating_duration_since(since) < lease_time);
+                    if counter.units > 0 && !fresh {
+                        // Past its lease time: given back before the
+                        // store is asked, so it refuses nothing.
+                        stale.push((line.key.clone(), counter.units));
+                        counter.store_used = counter.store_used.saturating_sub(counter.units);
+                        counter.units = 0;
+                        counter.block_since = None;
+                    }
+                    // Only as far as what was served leaves room under
+                    // this request's limit (a caller's plan may change
+                    // while a block is held).
+                    let room = counter.usage().used.saturating_add(line.cost) <= line.limit;
+                    if room {
+                        counter.units.min(line.cost)
+                    } else {
+                        0
+                    }
                 }
-                let fresh = counter
-                    .block_since
-                    .is_some_and(|since| at.saturating_duration_since(since) < lease_time);
-                usable &= fresh && counter.units >= line.cost && counter.limit == line.limit;
+                None => 0,
+            };
+            held.push(units);
+        }
+        let local = !request.lines.is_empty()
+            && request
+                .lines
+                .iter()
+                .zip(&held)
+                .all(|(line, &units)| units == line.cost)
+            && stale.is_empty();
+        let runtime = !local && tokio::runtime::Handle::try_current().is_ok();
+        let mut reserved = Vec::new();
+        let mut blocks = Vec::with_capacity(request.lines.len());
+        let mut usage = Vec::with_capacity(request.lines.len());
+        for (line, units) in request.lines.iter().zip(held) {
+            if units < line.cost || line.cost == 0 {
+                blocks.push(self.block_for(&mut counters, line, request.now, at, runtime));
             } else {
-                usable = false;
+                blocks.push(0);
             }
-        }
-        if !usable || request.lines.is_empty() {
-            return None;
-        }
-        let usage = request
-            .lines
-            .iter()
-            .map(|line| {
-                let counter = counters.get_mut(&line.key).expect("checked above");
-                counter.units -= line.cost;
+            let Some(counter) = counters.get_mut(&line.key) else {
+                continue;
+            };
+            counter.units -= units;
+            if local {
                 if counter.units == 0 {
                     counter.block_since = None;
                 }
-                counter.usage()
-            })
-            .collect();
-        crate::metrics::lease_local();
-        Some(ChargeOutcome {
-            admitted: true,
-            usage,
+                usage.push(Usage {
+                    limit: line.limit,
+                    ..counter.usage()
+                });
+            } else if units > 0 {
+                reserved.push((line.key.clone(), units));
+            }
+        }
+        if local {
+            crate::metrics::lease_local();
+            return Ok(ChargeOutcome {
+                admitted: true,
+                usage,
+            });
+        }
+        Err(Plan {
+            blocks,
+            stale,
+            reserved: Reserved {
+                shared: Arc::clone(&self.shared),
+                lines: reserved,
+                spent: false,
+            },
         })
     }
 
-    /// The charge of `request` through the store, each line asking for a
-    /// block when its subject is busy here.
-    fn send(&self, mut request: ChargeRequest, at: Instant) -> RemoteCharge {
-        let runtime = tokio::runtime::Handle::try_current().is_ok();
-        let blocks: Vec<u64> = {
-            let mut counters = self.shared.counters();
-            request
-                .lines
-                .iter()
-                .map(|line| self.block_for(&mut counters, line, request.now, at, runtime))
-                .collect()
-        };
+    /// The charge of `request` through the store, as `plan` says.
+    fn send(&self, mut request: ChargeRequest, plan: Plan, at: Instant) -> RemoteCharge {
+        let Plan {
+            blocks,
+            stale,
+            mut reserved,
+        } = plan;
         let taking = Taking {
             shared: Arc::clone(&self.shared),
             keys: request
@@ -458,8 +502,17 @@ impl<St: Store> LeasedStore<St> {
                 .map(|(line, _)| line.key.clone())
                 .collect(),
         };
+        // What the blocks here pay is not charged again.
+        for line in &mut request.lines {
+            if let Some((_, units)) = reserved.lines.iter().find(|(key, _)| *key == line.key) {
+                line.cost -= units;
+            }
+        }
         let store = self.clone();
         Box::pin(async move {
+            for (key, units) in stale {
+                give_back(&store.inner, request.now, key, units).await;
+            }
             let costs: Vec<u64> = request.lines.iter().map(|line| line.cost).collect();
             let leasing = blocks.iter().any(|&b| b > 0);
             if leasing {
@@ -479,6 +532,11 @@ impl<St: Store> LeasedStore<St> {
                 outcome = store.inner.charge(request.clone()).await?;
             }
             drop(taking);
+            if outcome.admitted {
+                reserved.spent = true;
+            }
+            // Restored before the usage is read, if the store refused.
+            drop(reserved);
             Ok(store.learn(&request, &blocks, outcome, at))
         })
     }
@@ -562,6 +620,20 @@ impl<St: Store> LeasedStore<St> {
         outcome
     }
 
+    /// What the store told a refund or an add on `key` (the count after,
+    /// this instance's units included), recorded and answered with this
+    /// instance's unused units counted as not spent.
+    fn told(&self, key: &PeriodKey, result: Option<u64>) -> Option<u64> {
+        let used = result?;
+        match self.shared.counters().get_mut(key) {
+            Some(counter) => {
+                counter.store_used = used;
+                Some(used.saturating_sub(counter.units))
+            }
+            None => Some(used),
+        }
+    }
+
     /// Starts the task that gives idle and old blocks back and forgets idle
     /// counters, once.
     fn start_sweeping(&self) {
@@ -643,6 +715,45 @@ async fn give_back<St: Store>(inner: &St, now: Timestamp, key: PeriodKey, units:
     }
 }
 
+/// How a request that is not answered from blocks alone goes to the store.
+struct Plan {
+    /// Per line, the block it asks for beyond its cost.
+    blocks: Vec<u64>,
+    /// Blocks past their lease time, given back first.
+    stale: Vec<(PeriodKey, u64)>,
+    /// The lines paid from blocks here.
+    reserved: Reserved,
+}
+
+/// Units taken from blocks here for a request sent to the store: spent if
+/// the store admits it, put back if it refuses, fails, or the charge is
+/// dropped.
+struct Reserved {
+    shared: Arc<Shared>,
+    lines: Vec<(PeriodKey, u64)>,
+    spent: bool,
+}
+
+impl Drop for Reserved {
+    fn drop(&mut self) {
+        if self.lines.is_empty() {
+            return;
+        }
+        let mut counters = self.shared.counters();
+        for (key, units) in &self.lines {
+            if let Some(counter) = counters.get_mut(key) {
+                if self.spent {
+                    if counter.units == 0 {
+                        counter.block_since = None;
+                    }
+                } else {
+                    counter.units += units;
+                }
+            }
+        }
+    }
+}
+
 /// The mark of counters whose block is on its way, lifted when the charge
 /// is answered or dropped.
 struct Taking {
@@ -692,10 +803,10 @@ impl<St: Store> Future for LeasedChargeFuture<St> {
         let this = self.get_mut();
         if let Some(request) = this.request.take() {
             let at = Instant::now();
-            if let Some(outcome) = this.store.spend_locally(&request, at) {
-                return Poll::Ready(Ok(outcome));
+            match this.store.spend_locally(&request, at) {
+                Ok(outcome) => return Poll::Ready(Ok(outcome)),
+                Err(plan) => this.remote = Some(this.store.send(request, plan, at)),
             }
-            this.remote = Some(this.store.send(request, at));
         }
         this.remote
             .as_mut()
@@ -752,21 +863,19 @@ impl<St: Store> Store for LeasedStore<St> {
             }
         }
         let result = self.inner.refund(now, key.clone(), amount).await?;
-        if let Some(used) = result {
-            if let Some(counter) = self.shared.counters().get_mut(&key) {
-                counter.store_used = used.saturating_add(counter.units);
-            }
-        }
-        Ok(result)
+        Ok(self.told(&key, result))
     }
 
-    fn add(
+    /// Adds `amount` in the store (an add never checks a limit, so it
+    /// takes nothing from a block).
+    async fn add(
         &self,
         now: Timestamp,
         key: PeriodKey,
         amount: u64,
-    ) -> impl Future<Output = Result<Option<u64>, StoreError>> + Send {
-        self.inner.add(now, key, amount)
+    ) -> Result<Option<u64>, StoreError> {
+        let result = self.inner.add(now, key.clone(), amount).await?;
+        Ok(self.told(&key, result))
     }
 
     /// Drops this instance's block of `key` (not given back: the counter

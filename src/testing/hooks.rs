@@ -145,3 +145,27 @@ impl ConformanceHooks for crate::store::RedisStore {
         }
     }
 }
+
+/// A leased store answers as the store it leases from: its hooks are that
+/// store's.
+impl<St: ConformanceHooks> ConformanceHooks for crate::store::LeasedStore<St> {
+    fn expiry(&self) -> Expiry {
+        self.inner().expiry()
+    }
+
+    fn plant_undated(
+        &self,
+        key: PeriodKey,
+        used: u64,
+        first_call: Option<Timestamp>,
+    ) -> impl Future<Output = Result<Planted, StoreError>> + Send {
+        self.inner().plant_undated(key, used, first_call)
+    }
+
+    fn stored_deadline(
+        &self,
+        key: PeriodKey,
+    ) -> impl Future<Output = Result<StoredDeadline, StoreError>> + Send {
+        self.inner().stored_deadline(key)
+    }
+}
