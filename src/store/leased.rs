@@ -1,74 +1,4 @@
-//! Leased counting: blocks of a subject's allowance taken from a shared
-//! store in one charge and spent locally.
-//!
-//! Every charge through a store shared by many instances (Redis) is a round
-//! trip. [`LeasedStore`] wraps such a store: when a subject calls often on
-//! this instance, a charge takes a few more units than the request costs (a
-//! *block*), and the next requests of that subject spend the block here,
-//! without asking the store. The units of a block are charged in the store
-//! the moment they are taken, so the store's count is never below what the
-//! instances admitted, and no instance can admit more than the limit
-//! however many share it: the limit holds exactly across instances.
-//!
-//! # What a block is
-//!
-//! - **Its size follows the subject's rate on this instance**: about what
-//!   the subject spends here in half the lease time, growing at most
-//!   fourfold from one block to the next (the first at most 8 units). A subject that calls once in a
-//!   while takes no block at all: each of its requests is one charge, as
-//!   without leases.
-//! - **It shrinks as the allowance runs low**: a block is at most a quarter
-//!   of what the counter had left when last seen, so near the limit blocks
-//!   are single units and every request is a charge of its own (exact, as
-//!   without leases). A charge whose block no longer fits (other instances
-//!   spent meanwhile) is sent again for the request alone.
-//! - **Unused units go back** to the store, with a refund (which never
-//!   creates a counter and never moves a deadline), when the subject has
-//!   been idle on this instance for the idle bound (1 s by default), when a
-//!   block is older than the lease time (10 s by default, whatever the
-//!   subject does), and on [`LeasedStore::shutdown`].
-//! - **A block of a period that has ended is dropped**, not given back: a
-//!   calendar window that closed, or a first-use period past its deadline.
-//!   A support [`reset`](Store::reset) through this store drops this
-//!   instance's block of that counter.
-//!
-//! # What leases cost
-//!
-//! - While this instance holds a block, other instances see its unused
-//!   units as spent: a subject can be refused on one instance while
-//!   another holds units of it, until that one's idle bound passes (or its
-//!   lease time, if the subject keeps calling there).
-//! - A reset or a refund made elsewhere reaches this instance when it next
-//!   asks the store: within the lease time at most, since no block is spent
-//!   past it.
-//! - An instance that stops without [`LeasedStore::shutdown`] (a crash, a
-//!   kill) leaves its unused units charged until the counter's period ends:
-//!   at most one block per subject it served in the last lease time, each
-//!   at most [`LeasedStoreBuilder::max_block`] units and a quarter of what
-//!   was left.
-//! - The usage a leased charge reports counts this instance's unused units
-//!   as not spent (they are not, yet), and other instances' as spent.
-//!
-//! Giving back runs in a task on the tokio runtime, started with the first
-//! block; outside a tokio runtime no block is taken.
-//!
-//! ```
-//! use tower_quota::store::LeasedStore;
-//! use tower_quota::{FromHeader, MemoryStore, Quota, QuotaPolicy};
-//!
-//! # #[tokio::main(flavor = "current_thread")] async fn main() {
-//! // A shared store (here a memory store, to keep the example small).
-//! let store = LeasedStore::new(MemoryStore::new());
-//! let policy = QuotaPolicy::builder(FromHeader::account("x-account-id"))
-//!     .store(store.clone())
-//!     .build();
-//! let layer = policy.layer(Quota::daily(1_000));
-//! // ... serve with `layer` ...
-//! # drop(layer);
-//! // On the way out, give the unused units back.
-//! store.shutdown().await;
-//! # }
-//! ```
+//! Leased counting: see [`LeasedStore`].
 
 use std::collections::HashMap;
 use std::fmt;
@@ -89,9 +19,77 @@ use crate::throttle::Throttle;
 /// Give-backs that failed, logged a few times per second at most.
 static GIVE_BACK_ERRORS: Throttle = Throttle::new(5);
 
-/// A [`Store`] that leases blocks of each busy subject's allowance from
-/// another store and spends them locally. See the [module
-/// documentation](self) for what a block is and what leases cost.
+/// Leased counting: blocks of a subject's allowance taken from a shared
+/// store in one charge and spent locally.
+///
+/// Every charge through a store shared by many instances (Redis) is a round
+/// trip. [`LeasedStore`] wraps such a store: when a subject calls often on
+/// this instance, a charge takes a few more units than the request costs (a
+/// *block*), and the next requests of that subject spend the block here,
+/// without asking the store. The units of a block are charged in the store
+/// the moment they are taken, so the store's count is never below what the
+/// instances admitted, and no instance can admit more than the limit
+/// however many share it: the limit holds exactly across instances.
+///
+/// # What a block is
+///
+/// - **Its size follows the subject's rate on this instance**: about what
+///   the subject spends here in half the lease time, growing at most
+///   fourfold from one block to the next (the first at most 8 units). A subject that calls once in a
+///   while takes no block at all: each of its requests is one charge, as
+///   without leases.
+/// - **It shrinks as the allowance runs low**: a block is at most a quarter
+///   of what the counter had left when last seen, so near the limit blocks
+///   are single units and every request is a charge of its own (exact, as
+///   without leases). A charge whose block no longer fits (other instances
+///   spent meanwhile) is sent again for the request alone.
+/// - **Unused units go back** to the store, with a refund (which never
+///   creates a counter and never moves a deadline), when the subject has
+///   been idle on this instance for the idle bound (1 s by default), when a
+///   block is older than the lease time (10 s by default, whatever the
+///   subject does), and on [`LeasedStore::shutdown`].
+/// - **A block of a period that has ended is dropped**, not given back: a
+///   calendar window that closed, or a first-use period past its deadline.
+///   A support [`reset`](Store::reset) through this store drops this
+///   instance's block of that counter.
+///
+/// # What leases cost
+///
+/// - While this instance holds a block, other instances see its unused
+///   units as spent: a subject can be refused on one instance while
+///   another holds units of it, until that one's idle bound passes (or its
+///   lease time, if the subject keeps calling there).
+/// - A reset or a refund made elsewhere reaches this instance when it next
+///   asks the store: within the lease time at most, since no block is spent
+///   past it.
+/// - An instance that stops without [`LeasedStore::shutdown`] (a crash, a
+///   kill) leaves its unused units charged until the counter's period ends:
+///   at most one block per subject it served in the last lease time, each
+///   at most [`LeasedStoreBuilder::max_block`] units and a quarter of what
+///   was left.
+/// - The usage a leased charge reports counts this instance's unused units
+///   as not spent (they are not, yet), and other instances' as spent.
+///
+/// Giving back runs in a task on the tokio runtime, started with the first
+/// block; outside a tokio runtime no block is taken.
+///
+/// ```
+/// use tower_quota::store::LeasedStore;
+/// use tower_quota::{FromHeader, MemoryStore, Quota, QuotaPolicy};
+///
+/// # #[tokio::main(flavor = "current_thread")] async fn main() {
+/// // A shared store (here a memory store, to keep the example small).
+/// let store = LeasedStore::new(MemoryStore::new());
+/// let policy = QuotaPolicy::builder(FromHeader::account("x-account-id"))
+///     .store(store.clone())
+///     .build();
+/// let layer = policy.layer(Quota::daily(1_000));
+/// // ... serve with `layer` ...
+/// # drop(layer);
+/// // On the way out, give the unused units back.
+/// store.shutdown().await;
+/// # }
+/// ```
 ///
 /// Clones share the blocks.
 pub struct LeasedStore<St> {
