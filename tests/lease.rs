@@ -354,6 +354,123 @@ async fn many_instances_under_concurrency_admit_exactly_the_limit() {
     assert_eq!(counted(&shared, Timestamp::now()).await, 1_000);
 }
 
+#[tokio::test(start_paused = true)]
+async fn a_key_listed_twice_takes_from_its_block_twice() {
+    let shared = MemoryStore::new();
+    let leased = LeasedStore::new(shared.clone());
+    let mut now = t0();
+    for _ in 0..200 {
+        assert!(call(&leased, now, 10_000).await.admitted);
+        tokio::time::advance(Duration::from_millis(1)).await;
+        now += SignedDuration::from_millis(1);
+    }
+    // A fresh instance with a small block: a request listing the key
+    // twice takes from it for both lines, then from the store.
+    leased.shutdown().await;
+    let leased = LeasedStore::new(shared.clone());
+    for _ in 0..20 {
+        assert!(call(&leased, now, 10_000).await.admitted);
+        tokio::time::advance(Duration::from_millis(1)).await;
+        now += SignedDuration::from_millis(1);
+    }
+    let held = leased.held();
+    assert!(held > 0);
+    let mut twice = request(now, 10_000);
+    twice.lines.push(twice.lines[0].clone());
+    for _ in 0..held + 3 {
+        assert!(leased.charge(twice.clone()).await.unwrap().admitted);
+    }
+    leased.shutdown().await;
+    assert_eq!(counted(&shared, now).await, 220 + 2 * (held + 3));
+}
+
+/// A store whose charges take `delay` milliseconds of the runtime's time.
+#[derive(Clone, Default)]
+struct Slow {
+    inner: MemoryStore,
+    delay: Arc<AtomicU64>,
+}
+
+impl Store for Slow {
+    type ChargeFuture = std::pin::Pin<
+        Box<dyn std::future::Future<Output = Result<ChargeOutcome, StoreError>> + Send>,
+    >;
+
+    fn charge(&self, request: ChargeRequest) -> Self::ChargeFuture {
+        let inner = self.inner.clone();
+        let delay = Duration::from_millis(self.delay.load(Ordering::Relaxed));
+        Box::pin(async move {
+            tokio::time::sleep(delay).await;
+            inner.charge(request).await
+        })
+    }
+    fn peek(
+        &self,
+        request: ChargeRequest,
+    ) -> impl std::future::Future<Output = Result<Vec<Usage>, StoreError>> + Send {
+        self.inner.peek(request)
+    }
+    fn refund(
+        &self,
+        now: Timestamp,
+        key: PeriodKey,
+        amount: u64,
+    ) -> impl std::future::Future<Output = Result<Option<u64>, StoreError>> + Send {
+        self.inner.refund(now, key, amount)
+    }
+    fn add(
+        &self,
+        now: Timestamp,
+        key: PeriodKey,
+        amount: u64,
+    ) -> impl std::future::Future<Output = Result<Option<u64>, StoreError>> + Send {
+        self.inner.add(now, key, amount)
+    }
+    fn reset(
+        &self,
+        key: PeriodKey,
+    ) -> impl std::future::Future<Output = Result<bool, StoreError>> + Send {
+        self.inner.reset(key)
+    }
+}
+
+#[tokio::test(start_paused = true)]
+async fn units_taken_for_a_request_the_store_refuses_late_come_back_to_the_block() {
+    let slow = Slow::default();
+    let shared = slow.inner.clone();
+    let leased = LeasedStore::new(slow.clone());
+    let mut now = t0();
+    for _ in 0..200 {
+        assert!(call(&leased, now, 10_000).await.admitted);
+        tokio::time::advance(Duration::from_millis(10)).await;
+        now += SignedDuration::from_millis(10);
+    }
+    let held = leased.held();
+    assert!(held > 0);
+    // The day's line could be paid from the block; the other line, a quota
+    // without room, must be asked of the store, which answers only after
+    // the idle bound passed, and refuses.
+    slow.delay.store(3_000, Ordering::Relaxed);
+    let mut both = request(now, 10_000);
+    both.lines.push(ChargeLine {
+        key: PeriodKey::from_string("quota:{account:acme}:other:2026-12-04".into()),
+        limit: 0,
+        cost: 1,
+        lifetime: day(),
+    });
+    let refused = leased.charge(both);
+    let waiting = tokio::spawn(refused);
+    tokio::time::sleep(Duration::from_millis(5)).await;
+    assert!(leased.held() < held, "a unit is set aside meanwhile");
+    let outcome = waiting.await.unwrap().unwrap();
+    assert!(!outcome.admitted);
+    // Meanwhile the subject was idle: the rest of its block went back,
+    // and the unit set aside is back in the block, not lost.
+    assert_eq!(leased.held(), 1, "the unit set aside is back in the block");
+    leased.shutdown().await;
+    assert_eq!(counted(&shared, now).await, 200);
+}
+
 mod through_the_layer {
     //! The same requests through the same app, once on a memory store and
     //! once on a leased one: every answer, and every count the support

@@ -10,6 +10,7 @@ use std::task::{Context, Poll};
 use std::time::Duration;
 
 use jiff::{SignedDuration, Timestamp};
+use smallvec::SmallVec;
 use tokio::time::Instant;
 
 use super::{ChargeLine, ChargeOutcome, ChargeRequest, Store, StoreError, Usage};
@@ -247,6 +248,9 @@ struct Counter {
     block: u64,
     /// Whether a charge with a block is on its way (one at a time).
     taking: bool,
+    /// Units taken from the block for requests whose other lines the store
+    /// is asked for: spent or put back once it answers.
+    reserved: u64,
 }
 
 impl Counter {
@@ -392,88 +396,95 @@ impl<St: Store> LeasedStore<St> {
     fn spend_locally(&self, request: &ChargeRequest, at: Instant) -> Result<ChargeOutcome, Plan> {
         let mut counters = self.shared.counters();
         let lease_time = self.shared.settings.lease_time;
-        // Per line, the units of a fresh block here it may spend (all of
-        // its cost, or part of it).
-        let mut held = Vec::with_capacity(request.lines.len());
+        // Per line, the units taken from a fresh block here: all of its
+        // cost, part of it, or none. Taken as the lines come, so a key
+        // listed twice takes from its block twice.
+        let mut taken: SmallVec<[u64; 2]> = SmallVec::with_capacity(request.lines.len());
         let mut stale = Vec::new();
         for line in &request.lines {
-            let units = match counters.get_mut(&line.key) {
-                Some(counter) => {
-                    counter.hits += 1;
-                    counter.seen = request.now;
-                    counter.seen_at = at;
-                    if counter.units > 0 && counter.ended(request.now) {
-                        // The period is over: its block is dropped.
-                        counter.units = 0;
-                        counter.block_since = None;
-                    }
-                    let fresh = counter
-                        .block_since
-                        .is_some_and(|since| at.saturating_duration_since(since) < lease_time);
-                    if counter.units > 0 && !fresh {
-                        // Past its lease time: given back before the
-                        // store is asked, so it refuses nothing.
-                        stale.push((line.key.clone(), counter.units));
-                        counter.store_used = counter.store_used.saturating_sub(counter.units);
-                        counter.units = 0;
-                        counter.block_since = None;
-                    }
-                    // Only as far as what was served leaves room under
-                    // this request's limit (a caller's plan may change
-                    // while a block is held).
-                    let room = counter.usage().used.saturating_add(line.cost) <= line.limit;
-                    if room {
-                        counter.units.min(line.cost)
-                    } else {
-                        0
-                    }
-                }
-                None => 0,
+            let Some(counter) = counters.get_mut(&line.key) else {
+                taken.push(0);
+                continue;
             };
-            held.push(units);
+            counter.hits += 1;
+            counter.seen = request.now;
+            counter.seen_at = at;
+            if counter.units > 0 && counter.ended(request.now) {
+                // The period is over: its block is dropped.
+                counter.units = 0;
+                counter.block_since = None;
+            }
+            let fresh = counter
+                .block_since
+                .is_some_and(|since| at.saturating_duration_since(since) < lease_time);
+            if counter.units > 0 && !fresh {
+                // Past its lease time: given back before the store is
+                // asked, so it refuses nothing.
+                stale.push((line.key.clone(), counter.units));
+                counter.store_used = counter.store_used.saturating_sub(counter.units);
+                counter.units = 0;
+                counter.block_since = None;
+            }
+            // Only as far as what was served leaves room under this
+            // request's limit (a caller's plan may change while a block is
+            // held).
+            let room = counter.usage().used.saturating_add(line.cost) <= line.limit;
+            let units = if room {
+                counter.units.min(line.cost)
+            } else {
+                0
+            };
+            counter.units -= units;
+            taken.push(units);
         }
         let local = !request.lines.is_empty()
+            && stale.is_empty()
             && request
                 .lines
                 .iter()
-                .zip(&held)
-                .all(|(line, &units)| units == line.cost)
-            && stale.is_empty();
-        let runtime = !local && tokio::runtime::Handle::try_current().is_ok();
-        let mut reserved = Vec::new();
-        let mut blocks = Vec::with_capacity(request.lines.len());
-        let mut usage = Vec::with_capacity(request.lines.len());
-        for (line, units) in request.lines.iter().zip(held) {
-            if units < line.cost || line.cost == 0 {
-                blocks.push(self.block_for(&mut counters, line, request.now, at, runtime));
-            } else {
-                blocks.push(0);
-            }
-            let Some(counter) = counters.get_mut(&line.key) else {
-                continue;
-            };
-            counter.units -= units;
-            if local {
-                if counter.units == 0 {
-                    counter.block_since = None;
-                }
-                usage.push(Usage {
-                    limit: line.limit,
-                    ..counter.usage()
-                });
-            } else if units > 0 {
-                reserved.push((line.key.clone(), units));
-            }
-        }
+                .zip(&taken)
+                .all(|(line, &units)| units == line.cost);
         if local {
+            let usage = request
+                .lines
+                .iter()
+                .map(|line| {
+                    let counter = counters.get_mut(&line.key).expect("a block was spent");
+                    if counter.units == 0 {
+                        counter.block_since = None;
+                    }
+                    Usage {
+                        limit: line.limit,
+                        ..counter.usage()
+                    }
+                })
+                .collect();
             crate::metrics::lease_local();
             return Ok(ChargeOutcome {
                 admitted: true,
                 usage,
             });
         }
+        let runtime = tokio::runtime::Handle::try_current().is_ok();
+        let mut reserved = Vec::new();
+        let mut blocks = Vec::with_capacity(request.lines.len());
+        for (line, &units) in request.lines.iter().zip(&taken) {
+            let block = if units < line.cost {
+                self.block_for(&mut counters, line, request.now, at, runtime)
+            } else {
+                0
+            };
+            blocks.push(block);
+            if units > 0 {
+                let counter = counters.get_mut(&line.key).expect("a block was spent");
+                // Kept while the store is asked, however long that takes.
+                counter.reserved += units;
+                reserved.push((line.key.clone(), units));
+            }
+        }
         Err(Plan {
             blocks,
+            taken,
             stale,
             reserved: Reserved {
                 shared: Arc::clone(&self.shared),
@@ -487,6 +498,7 @@ impl<St: Store> LeasedStore<St> {
     fn send(&self, mut request: ChargeRequest, plan: Plan, at: Instant) -> RemoteCharge {
         let Plan {
             blocks,
+            taken,
             stale,
             mut reserved,
         } = plan;
@@ -501,10 +513,8 @@ impl<St: Store> LeasedStore<St> {
                 .collect(),
         };
         // What the blocks here pay is not charged again.
-        for line in &mut request.lines {
-            if let Some((_, units)) = reserved.lines.iter().find(|(key, _)| *key == line.key) {
-                line.cost -= units;
-            }
+        for (line, units) in request.lines.iter_mut().zip(&taken) {
+            line.cost -= units;
         }
         let store = self.clone();
         Box::pin(async move {
@@ -571,6 +581,7 @@ impl<St: Store> LeasedStore<St> {
                         charged_at: at,
                         block: 0,
                         taking: false,
+                        reserved: 0,
                     })
                 }
                 None => continue,
@@ -679,8 +690,9 @@ async fn sweep<St: Store>(shared: Weak<Shared>, inner: St, settings: Settings) {
                     counter.block_since = None;
                 }
                 // A counter idle here is forgotten, rate and all; one with
-                // a block on its way stays until the answer.
-                !idle || counter.taking
+                // a block or reserved units on their way stays until the
+                // store answers.
+                !idle || counter.taking || counter.reserved > 0
             });
         }
         drop(shared);
@@ -717,6 +729,8 @@ async fn give_back<St: Store>(inner: &St, now: Timestamp, key: PeriodKey, units:
 struct Plan {
     /// Per line, the block it asks for beyond its cost.
     blocks: Vec<u64>,
+    /// Per line, what blocks here pay of its cost.
+    taken: SmallVec<[u64; 2]>,
     /// Blocks past their lease time, given back first.
     stale: Vec<(PeriodKey, u64)>,
     /// The lines paid from blocks here.
@@ -740,6 +754,7 @@ impl Drop for Reserved {
         let mut counters = self.shared.counters();
         for (key, units) in &self.lines {
             if let Some(counter) = counters.get_mut(key) {
+                counter.reserved = counter.reserved.saturating_sub(*units);
                 if self.spent {
                     if counter.units == 0 {
                         counter.block_since = None;
