@@ -65,45 +65,18 @@ measured() { [[ " ${stores[*]} " == *" $1 "* ]]; }
 redis_measured() { measured redis || measured redis-lease || measured floor || measured floor-eval; }
 uses_redis() { [[ $1 == redis* || $1 == floor* ]]; }
 
-missing=()
-command -v wrk >/dev/null || missing+=(wrk)
-if redis_measured; then
-    command -v redis-server >/dev/null || missing+=(redis-server)
-    command -v redis-cli >/dev/null || missing+=(redis-tools)
-fi
-if [ ${#missing[@]} -gt 0 ]; then
-    apt-get update -qq
-    DEBIAN_FRONTEND=noninteractive apt-get install -y -qq "${missing[@]}" >/dev/null
-    service redis-server stop >/dev/null 2>&1 || true
-fi
+# shellcheck source=scripts/common.sh
+. scripts/common.sh
+needed=(wrk=wrk)
+redis_measured && needed+=(redis-server=redis-server redis-cli=redis-tools)
+install_missing "${needed[@]}"
 
 cargo build --release --features redis --example server --example redis_floor
 examples=${CARGO_TARGET_DIR:-target}/release/examples
 server=$examples/server
 
-work=$(mktemp -d)
-pids=()
-cleanup() {
-    for pid in "${pids[@]}"; do kill "$pid" 2>/dev/null || true; done
-    wait 2>/dev/null || true
-    rm -rf "$work"
-}
-trap cleanup EXIT
-
-free_port() {
-    python3 -c 'import socket; s=socket.socket(); s.bind(("127.0.0.1", 0)); print(s.getsockname()[1])'
-}
-
 if redis_measured; then
-    redis_port=$(free_port)
-    redis-server --port "$redis_port" --bind 127.0.0.1 --save '' --appendonly no \
-        --dir "$work" --daemonize no >"$work/redis.log" 2>&1 &
-    pids+=($!)
-    redis_pid=$!
-    for _ in $(seq 50); do
-        redis-cli -p "$redis_port" ping >/dev/null 2>&1 && break
-        sleep 0.1
-    done
+    start_redis
 fi
 
 declare -A ports server_pids

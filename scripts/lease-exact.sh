@@ -17,40 +17,14 @@ subjects=${EXACT_SUBJECTS:-100}
 limit=${EXACT_LIMIT:-1000}
 connections=${EXACT_CONNECTIONS:-64}
 
-missing=()
-command -v wrk >/dev/null || missing+=(wrk)
-command -v redis-server >/dev/null || missing+=(redis-server)
-command -v redis-cli >/dev/null || missing+=(redis-tools)
-if [ ${#missing[@]} -gt 0 ]; then
-    apt-get update -qq
-    DEBIAN_FRONTEND=noninteractive apt-get install -y -qq "${missing[@]}" >/dev/null
-    service redis-server stop >/dev/null 2>&1 || true
-fi
+# shellcheck source=scripts/common.sh
+. scripts/common.sh
+install_missing wrk=wrk redis-server=redis-server redis-cli=redis-tools
 
 cargo build --release --features redis --example server
 server=${CARGO_TARGET_DIR:-target}/release/examples/server
 
-work=$(mktemp -d)
-pids=()
-cleanup() {
-    for pid in "${pids[@]}"; do kill "$pid" 2>/dev/null || true; done
-    wait 2>/dev/null || true
-    rm -rf "$work"
-}
-trap cleanup EXIT
-
-free_port() {
-    python3 -c 'import socket; s=socket.socket(); s.bind(("127.0.0.1", 0)); print(s.getsockname()[1])'
-}
-
-redis_port=$(free_port)
-redis-server --port "$redis_port" --bind 127.0.0.1 --save '' --appendonly no \
-    --dir "$work" --daemonize no >"$work/redis.log" 2>&1 &
-pids+=($!)
-for _ in $(seq 50); do
-    redis-cli -p "$redis_port" ping >/dev/null 2>&1 && break
-    sleep 0.1
-done
+start_redis
 
 ports=()
 server_pids=()
