@@ -87,10 +87,19 @@ async fn counted<St: Store>(store: &St, now: Timestamp) -> u64 {
     store.peek(request(now, u64::MAX)).await.unwrap()[0].used
 }
 
-/// One request at `now` on `leased`, after moving the runtime's time by
-/// `step`.
+/// One request at `now` on `leased`.
 async fn call<St: Store>(leased: &St, now: Timestamp, limit: u64) -> ChargeOutcome {
     leased.charge(request(now, limit)).await.unwrap()
+}
+
+/// `n` requests on `leased`, each admitted, `every_ms` apart (on the
+/// runtime's time and on `now`).
+async fn busy<St: Store>(leased: &St, now: &mut Timestamp, n: u64, limit: u64, every_ms: u64) {
+    for _ in 0..n {
+        assert!(call(leased, *now, limit).await.admitted);
+        tokio::time::advance(Duration::from_millis(every_ms)).await;
+        *now += SignedDuration::from_millis(every_ms as i64);
+    }
 }
 
 #[tokio::test(start_paused = true)]
@@ -162,11 +171,7 @@ async fn another_instance_gets_the_units_once_the_holder_is_idle() {
     let b = LeasedStore::new(shared.clone());
     let mut now = t0();
     // A spends 70 of 100 at a good pace: it holds a block.
-    for _ in 0..70 {
-        assert!(call(&a, now, 100).await.admitted);
-        tokio::time::advance(Duration::from_millis(1)).await;
-        now += SignedDuration::from_millis(1);
-    }
+    busy(&a, &mut now, 70, 100, 1).await;
     let held = a.held();
     assert!(held > 0, "a block is held");
     // B gets what nobody holds, then is refused while A holds the rest.
@@ -193,21 +198,13 @@ async fn shutdown_gives_every_unused_unit_back() {
     let shared = MemoryStore::new();
     let leased = LeasedStore::new(shared.clone());
     let mut now = t0();
-    for _ in 0..100 {
-        assert!(call(&leased, now, 10_000).await.admitted);
-        tokio::time::advance(Duration::from_millis(1)).await;
-        now += SignedDuration::from_millis(1);
-    }
+    busy(&leased, &mut now, 100, 10_000, 1).await;
     let held = leased.held();
     assert!(held > 0);
     assert_eq!(leased.shutdown().await, held);
     assert_eq!(counted(&shared, now).await, 100);
     // After shutdown, requests are charged one by one.
-    for _ in 0..10 {
-        assert!(call(&leased, now, 10_000).await.admitted);
-        tokio::time::advance(Duration::from_millis(1)).await;
-        now += SignedDuration::from_millis(1);
-    }
+    busy(&leased, &mut now, 10, 10_000, 1).await;
     assert_eq!(leased.held(), 0);
     assert_eq!(counted(&shared, now).await, 110);
 }
@@ -221,11 +218,7 @@ async fn a_block_is_not_spent_past_the_lease_time() {
         .max_block(20)
         .build();
     let mut now = t0();
-    for _ in 0..3_000 {
-        assert!(call(&leased, now, 1_000_000).await.admitted);
-        tokio::time::advance(Duration::from_millis(1)).await;
-        now += SignedDuration::from_millis(1);
-    }
+    busy(&leased, &mut now, 3_000, 1_000_000, 1).await;
     assert!(leased.held() > 0, "a block is held at the reset");
     // A support reset elsewhere, and the lease time passes: the block
     // taken before the reset is given back (to no counter: a give-back
@@ -235,11 +228,7 @@ async fn a_block_is_not_spent_past_the_lease_time() {
     tokio::task::yield_now().await;
     now += SignedDuration::from_millis(600);
     // From then on, every request is counted on the new counter.
-    for _ in 0..300 {
-        assert!(call(&leased, now, 1_000_000).await.admitted);
-        tokio::time::advance(Duration::from_millis(1)).await;
-        now += SignedDuration::from_millis(1);
-    }
+    busy(&leased, &mut now, 300, 1_000_000, 1).await;
     assert_eq!(counted(&shared, now).await, 300 + leased.held());
 }
 
@@ -249,11 +238,7 @@ async fn a_block_of_a_window_that_ended_is_dropped_not_given_back() {
     let leased = LeasedStore::new(shared.clone());
     // The last second of the day.
     let mut now: Timestamp = "2026-12-04T23:59:59Z".parse().unwrap();
-    for _ in 0..500 {
-        assert!(call(&leased, now, 10_000).await.admitted);
-        tokio::time::advance(Duration::from_millis(1)).await;
-        now += SignedDuration::from_millis(1);
-    }
+    busy(&leased, &mut now, 500, 10_000, 1).await;
     let held = leased.held();
     assert!(held > 0);
     // The window ends while the block is held, and the subject goes
@@ -275,11 +260,7 @@ async fn a_reset_through_the_leased_store_drops_its_block() {
     let shared = MemoryStore::new();
     let leased = LeasedStore::new(shared.clone());
     let mut now = t0();
-    for _ in 0..200 {
-        assert!(call(&leased, now, 10_000).await.admitted);
-        tokio::time::advance(Duration::from_millis(1)).await;
-        now += SignedDuration::from_millis(1);
-    }
+    busy(&leased, &mut now, 200, 10_000, 1).await;
     assert!(leased.held() > 0);
     assert!(leased.reset(day_key()).await.unwrap());
     assert_eq!(leased.held(), 0);
@@ -293,11 +274,7 @@ async fn a_refund_lands_in_the_block_and_goes_back_with_it() {
     let shared = MemoryStore::new();
     let leased = LeasedStore::new(shared.clone());
     let mut now = t0();
-    for _ in 0..200 {
-        assert!(call(&leased, now, 10_000).await.admitted);
-        tokio::time::advance(Duration::from_millis(1)).await;
-        now += SignedDuration::from_millis(1);
-    }
+    busy(&leased, &mut now, 200, 10_000, 1).await;
     let held = leased.held();
     assert_eq!(leased.refund(now, day_key(), 5).await.unwrap(), Some(195));
     assert_eq!(leased.held(), held + 5);
@@ -362,20 +339,12 @@ async fn a_key_listed_twice_takes_from_its_block_twice() {
     let shared = MemoryStore::new();
     let leased = LeasedStore::new(shared.clone());
     let mut now = t0();
-    for _ in 0..200 {
-        assert!(call(&leased, now, 10_000).await.admitted);
-        tokio::time::advance(Duration::from_millis(1)).await;
-        now += SignedDuration::from_millis(1);
-    }
+    busy(&leased, &mut now, 200, 10_000, 1).await;
     // A fresh instance with a small block: a request listing the key
     // twice takes from it for both lines, then from the store.
     leased.shutdown().await;
     let leased = LeasedStore::new(shared.clone());
-    for _ in 0..20 {
-        assert!(call(&leased, now, 10_000).await.admitted);
-        tokio::time::advance(Duration::from_millis(1)).await;
-        now += SignedDuration::from_millis(1);
-    }
+    busy(&leased, &mut now, 20, 10_000, 1).await;
     let held = leased.held();
     assert!(held > 0);
     let mut twice = request(now, 10_000);
@@ -443,11 +412,7 @@ async fn units_taken_for_a_request_the_store_refuses_late_come_back_to_the_block
     let shared = slow.inner.clone();
     let leased = LeasedStore::new(slow.clone());
     let mut now = t0();
-    for _ in 0..200 {
-        assert!(call(&leased, now, 10_000).await.admitted);
-        tokio::time::advance(Duration::from_millis(10)).await;
-        now += SignedDuration::from_millis(10);
-    }
+    busy(&leased, &mut now, 200, 10_000, 10).await;
     let held = leased.held();
     assert!(held > 0);
     // The day's line could be paid from the block; the other line, a quota
