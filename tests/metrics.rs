@@ -450,3 +450,47 @@ fn a_shadow_quota_over_its_limit_is_counted_as_shadow_refused() {
         .count();
     assert_eq!(shadow, 1, "one series, for the two requests over the limit");
 }
+
+/// A leased store counts the blocks it takes, the charges it answers from
+/// them, and the unused units it gives back.
+#[test]
+fn leases_are_counted() {
+    use std::time::Duration;
+    use tower_quota::metrics::{LEASE_BLOCKS, LEASE_LOCAL_CHARGES, LEASE_UNITS_RETURNED};
+    use tower_quota::store::{ChargeLine, LeasedStore, Lifetime};
+    use tower_quota::MemoryStore;
+
+    let mut held = 0;
+    let seen = recorded(|| async {
+        tokio::time::pause();
+        let leased = LeasedStore::new(MemoryStore::new());
+        let mut now: Timestamp = "2026-12-04T10:00:00Z".parse().unwrap();
+        let request = |now: Timestamp| ChargeRequest {
+            now,
+            lines: vec![ChargeLine {
+                key: PeriodKey::from_string("quota:{account:x}:default:2026-12-04".into()),
+                limit: 1_000_000,
+                cost: 1,
+                lifetime: Lifetime::Calendar {
+                    start: "2026-12-04T00:00:00Z".parse().unwrap(),
+                    end: "2026-12-05T00:00:00Z".parse().unwrap(),
+                },
+            }],
+        };
+        for _ in 0..500 {
+            assert!(leased.charge(request(now)).await.unwrap().admitted);
+            tokio::time::advance(Duration::from_millis(1)).await;
+            now += jiff::SignedDuration::from_millis(1);
+        }
+        held = leased.held();
+        assert_eq!(leased.shutdown().await, held);
+    });
+    assert!(held > 0);
+    let blocks = seen.counter(LEASE_BLOCKS, &[]);
+    let local = seen.counter(LEASE_LOCAL_CHARGES, &[]);
+    assert!(blocks > 0);
+    assert!(local > 400, "{local} of 500 answered from blocks");
+    // Every other charge went to the store (at most one block each).
+    assert!(local + blocks <= 500);
+    assert_eq!(seen.counter(LEASE_UNITS_RETURNED, &[]), held);
+}
