@@ -51,7 +51,7 @@ async fn memory_store_conforms_with_one_shard() {
             .iter()
             .filter(|(_, v)| *v == Verdict::Passed)
             .count(),
-        9
+        10
     );
 }
 
@@ -108,7 +108,9 @@ mod broken {
     use std::sync::{Arc, Mutex};
 
     use tower_quota::jiff::Timestamp;
-    use tower_quota::store::{ChargeOutcome, ChargeRequest, Lifetime, Store, StoreError, Usage};
+    use tower_quota::store::{
+        ChargeOutcome, ChargeRequest, Debt, Lifetime, Store, StoreError, Usage,
+    };
     use tower_quota::testing::{self, ConformanceHooks, Planted, StoredDeadline, Verdict};
     use tower_quota::PeriodKey;
 
@@ -126,6 +128,9 @@ mod broken {
         heals_when_refused: bool,
         keeps_abandoned: bool,
         wraps: bool,
+        settle_redates: bool,
+        settle_opens_ended: bool,
+        settle_by_charge: bool,
     }
 
     #[derive(Clone, Copy)]
@@ -371,6 +376,54 @@ mod broken {
         fn reset(&self, key: PeriodKey) -> impl Future<Output = Result<bool, StoreError>> + Send {
             std::future::ready(Ok(self.counters.lock().unwrap().remove(&key).is_some()))
         }
+
+        fn settle_debt(
+            &self,
+            now: Timestamp,
+            debt: Debt,
+        ) -> impl Future<Output = Result<Option<u64>, StoreError>> + Send {
+            let store = self.clone();
+            async move {
+                if store.bugs.settle_by_charge {
+                    // As the trait's default does: a charge at the settle's
+                    // instant, which records that instant as the first call.
+                    let request = ChargeRequest {
+                        now,
+                        lines: vec![tower_quota::store::ChargeLine {
+                            key: debt.key,
+                            limit: u64::MAX,
+                            cost: debt.amount,
+                            lifetime: debt.lifetime,
+                        }],
+                    };
+                    let outcome = store.charge(request).await?;
+                    return Ok(Some(outcome.usage[0].used));
+                }
+                if debt.lifetime.end() <= now && !store.bugs.settle_opens_ended {
+                    return Ok(None);
+                }
+                let live = store.live(&debt.key, now);
+                let mut counters = store.counters.lock().unwrap();
+                let counter = match live {
+                    Some(mut c) => {
+                        c.used = c.used.saturating_add(debt.amount);
+                        c
+                    }
+                    None => Counter {
+                        used: debt.amount,
+                        deadline: Some(if store.bugs.settle_redates {
+                            // One period counted from the settle.
+                            now + debt.lifetime.end().duration_since(debt.since)
+                        } else {
+                            debt.lifetime.end()
+                        }),
+                        first_call: Some(debt.since),
+                    },
+                };
+                counters.insert(debt.key, counter);
+                Ok(Some(counter.used))
+            }
+        }
     }
 
     impl ConformanceHooks for Buggy {
@@ -520,6 +573,39 @@ mod broken {
             ..Bugs::default()
         });
         testing::counts_never_pass_the_limit_nor_wrap(&store).await;
+    }
+
+    #[tokio::test]
+    #[should_panic(expected = "a counter a settle creates ends at the debt's deadline")]
+    async fn a_settle_that_dates_from_itself_is_caught() {
+        let store = Buggy::with(Bugs {
+            settle_redates: true,
+            ..Bugs::default()
+        });
+        testing::settle_debt_keeps_to_the_debts_period(&store).await;
+    }
+
+    #[tokio::test]
+    #[should_panic(expected = "a debt of a calendar window that is over must not be settled")]
+    async fn a_settle_of_a_period_that_is_over_is_caught() {
+        let store = Buggy::with(Bugs {
+            settle_opens_ended: true,
+            ..Bugs::default()
+        });
+        testing::settle_debt_keeps_to_the_debts_period(&store).await;
+    }
+
+    /// The trait's default settle, a charge at the settle's instant, counts
+    /// right but records that instant as a new counter's first call: the
+    /// suite tells a store of its own to do better.
+    #[tokio::test]
+    #[should_panic(expected = "a counter a settle creates records the debt's first call")]
+    async fn a_settle_made_a_charge_is_caught() {
+        let store = Buggy::with(Bugs {
+            settle_by_charge: true,
+            ..Bugs::default()
+        });
+        testing::settle_debt_keeps_to_the_debts_period(&store).await;
     }
 
     #[tokio::test]

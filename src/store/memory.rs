@@ -13,7 +13,8 @@ use std::task::{Context, Poll};
 use jiff::Timestamp;
 
 use super::{
-    ChargeLine, ChargeOutcome, ChargeRequest, Lifetime, Store, StoreError, StoreErrorKind, Usage,
+    ChargeLine, ChargeOutcome, ChargeRequest, Debt, Lifetime, Store, StoreError, StoreErrorKind,
+    Usage,
 };
 use crate::key::PeriodKey;
 
@@ -798,5 +799,76 @@ impl Store for MemoryStore {
 
     fn identity(&self) -> Option<usize> {
         Some(Arc::as_ptr(&self.inner) as usize)
+    }
+
+    fn settle_debt(
+        &self,
+        now: Timestamp,
+        debt: Debt,
+    ) -> impl Future<Output = Result<Option<u64>, StoreError>> + Send {
+        ready(self.settle_now(now, &debt))
+    }
+}
+
+impl MemoryStore {
+    /// [`Store::settle_debt`]: adds to the live counter at the debt's key,
+    /// or creates it with the debt's lifetime and first call, making room
+    /// as a charge does; nothing when the debt's lifetime ended by `now`.
+    fn settle_now(&self, now: Timestamp, debt: &Debt) -> Result<Option<u64>, StoreError> {
+        if debt.lifetime.end() <= now {
+            return Ok(None);
+        }
+        let index = self.shard_of(&debt.key);
+        let mut budget = ROOM_BUDGET;
+        let mut tried = false;
+        loop {
+            let mut shard = lock(&self.inner.shards[index]);
+            shard.sweep(now, SWEEP_BUDGET);
+            let existing = match shard.counters.get_mut(debt.key.as_str()) {
+                Some(counter) if counter.deadline > Nanos::of(now) => {
+                    counter.used = counter.used.saturating_add(debt.amount);
+                    return Ok(Some(counter.used));
+                }
+                existing => existing.is_some(),
+            };
+            if debt.amount == 0 {
+                return Ok(Some(0));
+            }
+            // An expired counter is replaced where it is; a new key grows
+            // the store.
+            let new = usize::from(!existing);
+            if self.room_in(&mut [&mut shard], new, now, &mut budget) {
+                let grown = shard.open(debt);
+                self.settle(new, usize::from(grown));
+                return Ok(Some(debt.amount));
+            }
+            drop(shard);
+            if tried || !self.make_room(1, now, &mut budget) {
+                return Err(self.full());
+            }
+            tried = true;
+        }
+    }
+}
+
+impl Shard {
+    /// Creates the counter a debt owes to, as the requests' charges would
+    /// have: the debt's amount, its lifetime's deadline, its first call.
+    /// Whether that added a key to the map.
+    fn open(&mut self, debt: &Debt) -> bool {
+        let (deadline, first_use) = match debt.lifetime {
+            Lifetime::Calendar { end, .. } => (end, false),
+            Lifetime::FirstUse { deadline } => (deadline, true),
+        };
+        let deadline = Nanos::of(deadline);
+        let counter = Counter {
+            used: debt.amount,
+            first_call: Nanos::of(debt.since),
+            deadline,
+            first_use,
+        };
+        let key: Arc<str> = Arc::clone(debt.key.shared());
+        self.deadlines.push(Reverse((deadline, Arc::clone(&key))));
+        self.counters.insert(key, counter).is_none()
     }
 }

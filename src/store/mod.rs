@@ -25,6 +25,17 @@
 //!   the fact) never checks a limit, never creates a counter and never
 //!   touches a deadline: an add to a counter that expired in the meantime
 //!   finds nothing, rather than open a new period.
+//! - [`Store::settle_debt`] (what requests admitted while the store failed
+//!   owe, added once it answers again) never checks a limit and never
+//!   touches the deadline of a live counter; where there is none, it creates
+//!   the counter with the debt's lifetime, the one the requests had. A debt
+//!   whose lifetime ended writes nothing, so it never opens a new period.
+//! - A charge or a settle that fails, or whose future is dropped before it
+//!   answers, leaves nothing charged once the store is done with it (not
+//!   applied, or applied and given back): the layer counts a request that
+//!   passed on a failed charge under `OnStoreError::FailOpen` with a settle
+//!   of its own, and sends a failed settle again. A store that may keep a
+//!   failed charge counts such a request twice.
 //!
 //! # Example: a store of your own
 //!
@@ -34,7 +45,7 @@
 //! use std::sync::{atomic::{AtomicU64, Ordering}, Arc};
 //! use std::future::Future;
 //! use jiff::Timestamp;
-//! use tower_quota::store::{ChargeOutcome, ChargeRequest, Store, StoreError, Usage};
+//! use tower_quota::store::{ChargeOutcome, ChargeRequest, Debt, Store, StoreError, Usage};
 //! use tower_quota::{MemoryStore, PeriodKey, QuotaPolicy};
 //!
 //! #[derive(Clone, Default)]
@@ -58,6 +69,9 @@
 //!     }
 //!     fn reset(&self, key: PeriodKey) -> impl Future<Output = Result<bool, StoreError>> + Send {
 //!         self.inner.reset(key)
+//!     }
+//!     fn settle_debt(&self, now: Timestamp, debt: Debt) -> impl Future<Output = Result<Option<u64>, StoreError>> + Send {
+//!         self.inner.settle_debt(now, debt)
 //!     }
 //!     fn identity(&self) -> Option<usize> {
 //!         self.inner.identity()
@@ -154,6 +168,17 @@ pub enum Lifetime {
     },
 }
 
+impl Lifetime {
+    /// When a counter of this lifetime is over: the calendar window's end,
+    /// or the first-use deadline.
+    pub fn end(&self) -> Timestamp {
+        match *self {
+            Lifetime::Calendar { end, .. } => end,
+            Lifetime::FirstUse { deadline } => deadline,
+        }
+    }
+}
+
 /// One counter to charge: the key, its limit, what this request costs on it,
 /// and its lifetime.
 #[derive(Clone, Debug, PartialEq, Eq)]
@@ -175,6 +200,25 @@ pub struct ChargeRequest {
     pub now: Timestamp,
     /// The counters, one per quota, in the layer's order.
     pub lines: Vec<ChargeLine>,
+}
+
+/// What requests admitted while the store could not count them owe one
+/// counter, for [`Store::settle_debt`]: the layer records a debt when a
+/// charge fails under [`OnStoreError::FailOpen`](crate::OnStoreError), and
+/// its policy's ledger settles it once the store answers again.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct Debt {
+    /// The counter.
+    pub key: PeriodKey,
+    /// What is owed: the requests' costs, added up.
+    pub amount: u64,
+    /// The lifetime the requests' charges had: a counter the settle creates
+    /// gets it (a calendar window's end, or the deadline of the first-use
+    /// period the earliest of the requests opened).
+    pub lifetime: Lifetime,
+    /// The instant of the earliest of the requests: the first call of a
+    /// counter the settle creates.
+    pub since: Timestamp,
 }
 
 /// Where one counter stands.
@@ -342,6 +386,66 @@ pub trait Store: Clone + Send + Sync + 'static {
         key: PeriodKey,
         amount: u64,
     ) -> impl Future<Output = Result<Option<u64>, StoreError>> + Send;
+
+    /// Adds `debt.amount` to the counter at `debt.key` without checking its
+    /// limit: what requests admitted while the store could not count them
+    /// (under [`OnStoreError::FailOpen`](crate::OnStoreError)) owe, settled
+    /// by the policy's ledger once the store answers again. Returns what the
+    /// counter holds afterwards, or `None` when the debt's lifetime ended by
+    /// `now` (its calendar window is over, its first-use period has passed its
+    /// deadline): then nothing is written, so a debt is never charged to a
+    /// period after its own.
+    ///
+    /// A live counter keeps its deadline (and its first call). Where there is
+    /// none, the settle creates it as the requests' charges would have: with
+    /// `debt.lifetime` (the window's end, or the first-use deadline computed
+    /// at the requests' instant, never a later one) and `debt.since` as its
+    /// first call. A store fails rather than hold a count other than the
+    /// sum, as [`Store::add`] does.
+    ///
+    /// The ledger sends a settle that failed again: one that fails, or whose
+    /// future is dropped before it answers, must leave nothing added once the
+    /// store is done with it (as a charge).
+    ///
+    /// The default makes it a [`Store::charge`] of one line at `now`, with
+    /// the largest limit the store counts exactly ([`Store::max_count`]): it
+    /// adds to a live counter and creates a missing one with the debt's
+    /// lifetime, but records `now` as a new counter's first call. A store
+    /// that can do better overrides it; a store that wraps another passes it
+    /// on.
+    fn settle_debt(
+        &self,
+        now: Timestamp,
+        debt: Debt,
+    ) -> impl Future<Output = Result<Option<u64>, StoreError>> + Send {
+        let store = self.clone();
+        async move {
+            if debt.lifetime.end() <= now {
+                return Ok(None);
+            }
+            let request = ChargeRequest {
+                now,
+                lines: vec![ChargeLine {
+                    key: debt.key,
+                    limit: store.max_count(),
+                    cost: debt.amount,
+                    lifetime: debt.lifetime,
+                }],
+            };
+            let outcome = store.charge(request).await?;
+            match (outcome.admitted, outcome.usage.first()) {
+                (true, Some(usage)) => Ok(Some(usage.used)),
+                (false, _) => Err(StoreError::new(
+                    StoreErrorKind::Other,
+                    "settling a debt would take the counter beyond what the store counts exactly",
+                )),
+                (true, None) => Err(StoreError::new(
+                    StoreErrorKind::Other,
+                    "the store answered a charge of one line without its usage",
+                )),
+            }
+        }
+    }
 
     /// Deletes the counter at `key`, so its subject starts afresh (for a
     /// first-use quota, the next call opens a new period). Returns whether

@@ -4,8 +4,9 @@
 use super::hooks::{ConformanceHooks, Expiry, Planted, StoredDeadline, Verdict};
 use super::support::{
     add, calendar_line, charge, expect_deadline, first_use, fresh_key, fresh_namespace, peek,
-    refund, stored, Timeline,
+    refund, settle, stored, Timeline,
 };
+use crate::store::{Debt, Lifetime};
 use crate::subject::Subject;
 
 /// Hits never extend a first-use deadline, whatever the write path, and the
@@ -362,6 +363,203 @@ pub async fn add_never_creates_nor_moves_a_deadline<S: ConformanceHooks>(store: 
         reopened.1[0].resets_at,
         reopened_at + period,
         "a new period's deadline is one period from its first call",
+    );
+    Verdict::Passed
+}
+
+/// A debt settled after the fact ([`Store::settle_debt`](crate::store::Store::settle_debt))
+/// goes past the limit of a live counter, keeping its deadline and first
+/// call; creates a missing counter with the debt's own lifetime and first
+/// call (never a deadline counted from the settle); opens the debt's period
+/// where the counter before it expired; and writes nothing for a debt whose
+/// calendar window or first-use period is over.
+///
+/// # Panics
+///
+/// When the store breaks the rule, or fails to answer.
+pub async fn settle_debt_keeps_to_the_debts_period<S: ConformanceHooks>(store: &S) -> Verdict {
+    let mut time = Timeline::new(store.expiry());
+    let period = time.period();
+
+    // A live counter at its limit.
+    let key = fresh_key("settle-live");
+    let t0 = time.now();
+    let deadline = t0 + period;
+    let first = charge(store, t0, vec![first_use(&key, 2, 2, deadline)]).await;
+    assert!(
+        first.0,
+        "a first charge on an empty counter must be admitted"
+    );
+    time.pass(period / 4).await;
+    let now = time.now();
+    let debt = Debt {
+        key: key.clone(),
+        amount: 3,
+        lifetime: Lifetime::FirstUse {
+            deadline: now + period,
+        },
+        since: now,
+    };
+    assert_eq!(
+        settle(store, now, debt).await,
+        Some(5),
+        "a settle adds to a live counter, past its limit"
+    );
+    expect_deadline(store, &time, &key, deadline, "after a settle").await;
+    let peeked = peek(store, now, vec![first_use(&key, 2, 0, now + period)]).await;
+    assert_eq!(peeked[0].used, 5, "peek sees what was settled");
+    time.assert_near(
+        peeked[0].resets_at,
+        deadline,
+        "a settle must not move the deadline of a live counter",
+    );
+    time.assert_near_opt(peeked[0].first_call, t0, "a settle keeps the first call");
+
+    // No counter: the debt's own period, not one counted from the settle.
+    let fresh = fresh_key("settle-new");
+    let since = time.now() - period / 4;
+    let owed_deadline = since + period;
+    let now = time.now();
+    let debt = Debt {
+        key: fresh.clone(),
+        amount: 2,
+        lifetime: Lifetime::FirstUse {
+            deadline: owed_deadline,
+        },
+        since,
+    };
+    assert_eq!(
+        settle(store, now, debt).await,
+        Some(2),
+        "a settle creates a missing counter"
+    );
+    let peeked = peek(store, now, vec![first_use(&fresh, 3, 0, now + period)]).await;
+    assert_eq!(peeked[0].used, 2, "a created counter holds the debt");
+    time.assert_near(
+        peeked[0].resets_at,
+        owed_deadline,
+        "a counter a settle creates ends at the debt's deadline, not one period from the settle",
+    );
+    time.assert_near_opt(
+        peeked[0].first_call,
+        since,
+        "a counter a settle creates records the debt's first call",
+    );
+    expect_deadline(
+        store,
+        &time,
+        &fresh,
+        owed_deadline,
+        "after a settle created the counter",
+    )
+    .await;
+    let hit = charge(store, now, vec![first_use(&fresh, 3, 1, now + period)]).await;
+    assert!(hit.0, "a charge with room must be admitted");
+    assert_eq!(hit.1[0].used, 3, "charges count on top of a settled debt");
+    let over = charge(store, now, vec![first_use(&fresh, 3, 1, now + period)]).await;
+    assert!(!over.0, "a settled debt counts against the limit");
+
+    // A calendar window: created for the window, and charged on after.
+    let calendar = fresh_key("settle-calendar");
+    let now = time.now();
+    let (start, end) = (now - period / 4, now + period);
+    let debt = Debt {
+        key: calendar.clone(),
+        amount: 4,
+        lifetime: Lifetime::Calendar { start, end },
+        since: start,
+    };
+    assert_eq!(
+        settle(store, now, debt).await,
+        Some(4),
+        "a settle creates a missing calendar counter"
+    );
+    assert!(
+        !matches!(
+            stored(store, &calendar).await,
+            StoredDeadline::Undated | StoredDeadline::NoCounter
+        ),
+        "a calendar counter a settle creates has a deadline"
+    );
+    let charged = charge(
+        store,
+        now,
+        vec![calendar_line(&calendar, 10, 1, start, end)],
+    )
+    .await;
+    assert!(charged.0, "a charge with room must be admitted");
+    assert_eq!(
+        charged.1[0].used, 5,
+        "the window's charges count on top of its debt"
+    );
+
+    // Periods that are over: nothing written, no period opened.
+    let now = time.now();
+    let ended = fresh_key("settle-calendar-over");
+    let (start, end) = (now - period * 2, now - period);
+    let debt = Debt {
+        key: ended.clone(),
+        amount: 1,
+        lifetime: Lifetime::Calendar { start, end },
+        since: start,
+    };
+    assert_eq!(
+        settle(store, now, debt).await,
+        None,
+        "a debt of a calendar window that is over must not be settled"
+    );
+    assert!(
+        matches!(
+            stored(store, &ended).await,
+            StoredDeadline::NoCounter | StoredDeadline::Unknown
+        ),
+        "a debt of a window that is over must not create a counter"
+    );
+    let passed = fresh_key("settle-first-use-over");
+    let debt = Debt {
+        key: passed.clone(),
+        amount: 1,
+        lifetime: Lifetime::FirstUse {
+            deadline: now - period / 4,
+        },
+        since: now - period - period / 4,
+    };
+    assert_eq!(
+        settle(store, now, debt).await,
+        None,
+        "a debt of a first-use period past its deadline must not be settled"
+    );
+    let peeked = peek(store, now, vec![first_use(&passed, 10, 0, now + period)]).await;
+    assert_eq!(
+        peeked[0].used, 0,
+        "a debt of a period that is over adds nothing"
+    );
+    assert_eq!(
+        peeked[0].first_call, None,
+        "a debt of a period that is over must not open a period"
+    );
+
+    // The live counter's period ends: a debt of the next one opens its own.
+    time.pass_beyond(deadline).await;
+    let now = time.now();
+    let debt = Debt {
+        key: key.clone(),
+        amount: 1,
+        lifetime: Lifetime::FirstUse {
+            deadline: now + period,
+        },
+        since: now,
+    };
+    assert_eq!(
+        settle(store, now, debt).await,
+        Some(1),
+        "a settle after the deadline opens the debt's period, from zero"
+    );
+    let peeked = peek(store, now, vec![first_use(&key, 2, 0, now + period)]).await;
+    time.assert_near(
+        peeked[0].resets_at,
+        now + period,
+        "a period a settle opens ends at the debt's deadline",
     );
     Verdict::Passed
 }

@@ -12,6 +12,10 @@
 //! - [`add_never_creates_nor_moves_a_deadline`]: an add after the fact
 //!   ([`Store::add`]) goes past the limit if it must, but never creates a
 //!   counter, never brings an expired one back and never moves a deadline.
+//! - [`settle_debt_keeps_to_the_debts_period`]: a settled debt
+//!   ([`Store::settle_debt`]) goes past the limit of a live counter without
+//!   moving its deadline, creates a missing counter with the debt's own
+//!   lifetime and first call, and writes nothing for a period that is over.
 //! - [`exactly_the_limit_under_concurrency`]: many tasks charging one subject
 //!   at once get exactly the limit admitted.
 //! - [`all_or_nothing_across_quotas`]: a request refused on one quota is
@@ -50,6 +54,7 @@
 //!
 //! [`Store`]: crate::store::Store
 //! [`Store::add`]: crate::store::Store::add
+//! [`Store::settle_debt`]: crate::store::Store::settle_debt
 
 mod charges;
 mod deadlines;
@@ -64,7 +69,7 @@ pub use self::charges::{
 pub use self::deadlines::{
     add_never_creates_nor_moves_a_deadline, calendar_counters_are_distinct_per_period_and_dated,
     hits_never_extend_a_first_use_deadline, refund_after_expiry_does_not_resurrect,
-    undated_counter_is_healed,
+    settle_debt_keeps_to_the_debts_period, undated_counter_is_healed,
 };
 pub use self::hooks::{ConformanceHooks, Expiry, Planted, StoredDeadline, Verdict};
 
@@ -86,6 +91,10 @@ pub async fn run_all<S: ConformanceHooks>(store: &S) -> Vec<(&'static str, Verdi
         (
             "add_never_creates_nor_moves_a_deadline",
             add_never_creates_nor_moves_a_deadline(store).await,
+        ),
+        (
+            "settle_debt_keeps_to_the_debts_period",
+            settle_debt_keeps_to_the_debts_period(store).await,
         ),
         (
             "exactly_the_limit_under_concurrency",

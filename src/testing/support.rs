@@ -6,7 +6,7 @@ use jiff::{SignedDuration, Timestamp};
 
 use super::hooks::{ConformanceHooks, Expiry, StoredDeadline};
 use crate::key::{Namespace, PeriodKey};
-use crate::store::{ChargeLine, ChargeRequest, Lifetime, Store, Usage};
+use crate::store::{ChargeLine, ChargeRequest, Debt, Lifetime, Store, Usage};
 use crate::subject::Subject;
 
 /// The suite's view of time: its own clock for stores whose deadlines follow
@@ -159,6 +159,13 @@ pub(super) async fn add<S: Store>(
         .add(now, key.clone(), amount)
         .await
         .unwrap_or_else(|e| panic!("the store failed to add: {e}"))
+}
+
+pub(super) async fn settle<S: Store>(store: &S, now: Timestamp, debt: Debt) -> Option<u64> {
+    store
+        .settle_debt(now, debt)
+        .await
+        .unwrap_or_else(|e| panic!("the store failed to settle a debt: {e}"))
 }
 
 pub(super) fn first_use(key: &PeriodKey, limit: u64, cost: u64, deadline: Timestamp) -> ChargeLine {
