@@ -13,7 +13,7 @@ use jiff::{SignedDuration, Timestamp};
 use smallvec::SmallVec;
 use tokio::time::Instant;
 
-use super::{ChargeLine, ChargeOutcome, ChargeRequest, Store, StoreError, Usage};
+use super::{ChargeLine, ChargeOutcome, ChargeRequest, Debt, Store, StoreError, Usage};
 use crate::key::PeriodKey;
 use crate::throttle::Throttle;
 
@@ -629,7 +629,7 @@ impl<St: Store> LeasedStore<St> {
         outcome
     }
 
-    /// What the store told a refund or an add on `key` (the count after,
+    /// What the store told a refund, an add or a settle on `key` (the count after,
     /// this instance's units included), recorded and answered with this
     /// instance's unused units counted as not spent.
     fn told(&self, key: &PeriodKey, result: Option<u64>) -> Option<u64> {
@@ -888,6 +888,14 @@ impl<St: Store> Store for LeasedStore<St> {
         amount: u64,
     ) -> Result<Option<u64>, StoreError> {
         let result = self.inner.add(now, key.clone(), amount).await?;
+        Ok(self.told(&key, result))
+    }
+
+    /// Settles `debt` in the store (a settle never checks a limit, so it
+    /// takes nothing from a block, as an add).
+    async fn settle_debt(&self, now: Timestamp, debt: Debt) -> Result<Option<u64>, StoreError> {
+        let key = debt.key.clone();
+        let result = self.inner.settle_debt(now, debt).await?;
         Ok(self.told(&key, result))
     }
 
