@@ -90,6 +90,7 @@ mod redis {
         hits_never_extend_a_first_use_deadline,
         refund_after_expiry_does_not_resurrect,
         add_never_creates_nor_moves_a_deadline,
+        settle_debt_keeps_to_the_debts_period,
         exactly_the_limit_under_concurrency,
         all_or_nothing_across_quotas,
         a_refused_charge_writes_nothing,

@@ -12,6 +12,18 @@
 --      cost known only after the response), never creating it, never
 --      touching its TTL; a count that would go beyond 2^53 is an error
 --      reply, and nothing is written
+--   s  settle a debt: add ARGV[2] to KEYS[1] at ARGV[3] = now (ms) without
+--      a limit check, creating the counter when there is none live: what
+--      requests admitted while the store failed owe. ARGV[4] is the
+--      anchor ('f' first use, 'c' calendar), ARGV[5] the ttl (ms) of a
+--      counter created now, ARGV[6] the calendar window's end (ms; 0 for
+--      first use), ARGV[7] the first call (ms) a created counter records.
+--      A live counter keeps its TTL and its first call. A debt whose window
+--      is over at now, or a key whose counter records a window over at now
+--      (kept through its grace), writes nothing and answers -1; so does a
+--      first-use debt the caller found past its deadline, which it never
+--      sends. A count that would go beyond 2^53 is an error reply, and
+--      nothing is written.
 --   t  the server's TIME (KEYS[1] only routes the call on a cluster)
 --
 -- A counter is a hash: n = units spent, t = the first call (ms since the
@@ -525,6 +537,65 @@ if op == 'r' or op == 'a' then
     return call('HINCRBY', key, 'n', amount)
   end
   return call('INCRBY', key, amount)
+end
+
+if op == 's' then
+  local key, amount, now = KEYS[1], ARGV[2], ARGV[3]
+  local anchor, ttl, ends, first = ARGV[4], ARGV[5], ARGV[6], ARGV[7]
+  if not instant(now) or not instant(first) then
+    return redis.error_reply('ERR tower-quota: an instant' .. NOT_A_NUMBER)
+  end
+  if anchor ~= 'f' and anchor ~= 'c' then
+    return redis.error_reply('ERR tower-quota: an anchor that is neither f nor c')
+  end
+  if anchor == 'c' and not instant(ends) then
+    return redis.error_reply('ERR tower-quota: a window end' .. NOT_A_NUMBER)
+  end
+  if not digits(ttl) or ttl == '0' then
+    return redis.error_reply('ERR tower-quota: a ttl' .. NOT_A_NUMBER)
+  end
+  if not digits(amount) then
+    return redis.error_reply('ERR tower-quota: the amount to settle' .. NOT_A_NUMBER)
+  end
+  local at = now + 0
+  if anchor == 'c' and at >= ends + 0 then
+    -- The debt's window is over: never charged to a later one.
+    return -1
+  end
+  local kind, used, _, recorded = read(key)
+  if kind == nil then
+    return redis.error_reply('ERR tower-quota: ' .. key .. NOT_A_COUNTER)
+  end
+  if kind ~= 0 and recorded ~= nil and at >= recorded + 0 then
+    -- A counter whose window is over, kept through its grace.
+    return -1
+  end
+  -- As for an add: checked before writing, without forming used + amount.
+  local exact = 2 ^ 53
+  if amount + 0 >= exact or amount + 0 > exact - used then
+    return redis.error_reply('ERR tower-quota: settling ' .. amount .. ' on ' .. key
+      .. ' goes beyond 2^53, the most the counters script counts exactly')
+  end
+  if amount == '0' then
+    return used
+  end
+  if kind == 1 then
+    -- HINCRBY keeps the key's TTL.
+    return call('HINCRBY', key, 'n', amount)
+  end
+  if kind == 2 then
+    return call('INCRBY', key, amount)
+  end
+  -- A new counter, as a charge creates one: its first call (the debt's),
+  -- a calendar window's end, and its deadline, all in this call.
+  local fields = { 'n', amount, 't', first }
+  if anchor == 'c' then
+    fields[5] = 'e'
+    fields[6] = ends
+  end
+  call('HSET', key, unpack(fields))
+  call('PEXPIRE', key, ttl)
+  return amount + 0
 end
 
 if op == 'c' then

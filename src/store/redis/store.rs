@@ -23,7 +23,8 @@ use super::late::{give_back, refund_lines, Call, GiveBack, Sends};
 use super::script::{as_millis, clamp, live_count, millis_until, outcome, CLOCK_KEY, COUNTERS_LUA};
 use crate::key::PeriodKey;
 use crate::store::{
-    ChargeLine, ChargeOutcome, ChargeRequest, Lifetime, Store, StoreError, StoreErrorKind, Usage,
+    ChargeLine, ChargeOutcome, ChargeRequest, Debt, Lifetime, Store, StoreError, StoreErrorKind,
+    Usage,
 };
 
 /// Counters in Redis (or Valkey, 6.2 and later), so that any number of app
@@ -517,6 +518,55 @@ impl RedisStore {
         live_count(&key, what, count)
     }
 
+    /// Settles `debt` at `now` (see [`Store::settle_debt`]): one script call
+    /// on the debt's key. It is sent as a charge is: one that times out or
+    /// whose caller stops waiting is followed, and given back if Redis adds
+    /// it late, so the ledger may send it again and the counter still holds
+    /// the debt once.
+    async fn settle(self, now: Timestamp, debt: Debt) -> Result<Option<u64>, StoreError> {
+        if debt.lifetime.end() <= now {
+            return Ok(None);
+        }
+        let line = ChargeLine {
+            key: debt.key,
+            limit: 0,
+            cost: debt.amount,
+            lifetime: debt.lifetime,
+        };
+        let args = self.line_args(now, &line);
+        let key = line.key;
+        if debt.amount == 0 {
+            return self.clone().change_live("a", now, key, 0, "a settle").await;
+        }
+        let mut invocation = self.inner.script.key(key.as_str());
+        invocation
+            .arg("s")
+            // Exact, not clamped: the script refuses a count beyond 2^53.
+            .arg(debt.amount)
+            .arg(now.as_millisecond())
+            .arg(args.anchor)
+            .arg(args.ttl)
+            .arg(args.end)
+            .arg(debt.since.as_millisecond().max(0));
+        let give_back = GiveBack {
+            // The count afterwards; -1 when the debt's period is over and
+            // nothing was written.
+            applied: |count: &i64| *count >= 0,
+            lines: vec![(key.clone(), debt.amount)],
+            now,
+        };
+        self.follow(
+            Sends::Charge,
+            Some(give_back),
+            |mut conn| async move {
+                let result = invocation.invoke_async(&mut conn).await;
+                (conn, result)
+            },
+            |count: i64| live_count(&key, "a settle", count),
+        )
+        .await
+    }
+
     /// Runs `command` on the counters' connection; for tests and tools.
     #[cfg(feature = "testing")]
     pub(crate) async fn command<T: redis::FromRedisValue + Send + 'static>(
@@ -741,6 +791,14 @@ impl Store for RedisStore {
                 .await?;
             Ok(deleted > 0)
         }
+    }
+
+    fn settle_debt(
+        &self,
+        now: Timestamp,
+        debt: Debt,
+    ) -> impl Future<Output = Result<Option<u64>, StoreError>> + Send {
+        self.clone().settle(now, debt)
     }
 
     fn identity(&self) -> Option<usize> {
