@@ -66,6 +66,7 @@
 mod body;
 mod handle;
 pub mod key;
+mod ledger;
 #[cfg(feature = "metrics")]
 #[cfg_attr(docsrs, doc(cfg(feature = "metrics")))]
 pub mod metrics;
@@ -95,6 +96,7 @@ pub use jiff;
 pub use crate::body::ResponseBody;
 pub use crate::handle::{QuotaHandle, StandingError};
 pub use crate::key::{Namespace, PeriodKey};
+pub use crate::ledger::Owed;
 pub use crate::middleware::{QuotaLayer, QuotaService, ResponseFuture};
 pub use crate::period::{Anchor, Clock, ManualClock, Period, SystemClock, Window};
 pub use crate::policy::{

@@ -15,6 +15,10 @@
 //! | [`tower_quota_lease_blocks_total`](LEASE_BLOCKS) | counter | none |
 //! | [`tower_quota_lease_units_returned_total`](LEASE_UNITS_RETURNED) | counter | none |
 //! | [`tower_quota_lease_local_charges_total`](LEASE_LOCAL_CHARGES) | counter | none |
+//! | [`tower_quota_ledger_owed_total`](LEDGER_OWED) | counter | none |
+//! | [`tower_quota_ledger_settled_total`](LEDGER_SETTLED) | counter | none |
+//! | [`tower_quota_ledger_dropped_total`](LEDGER_DROPPED) | counter | `reason` |
+//! | [`tower_quota_ledger_counters`](LEDGER_COUNTERS) | gauge | none |
 //!
 //! No label ever carries a subject id, a key or anything else per caller:
 //! the label values are the few listed here and the allowance tags of the
@@ -28,8 +32,10 @@
 //! - [`refused`](outcome::REFUSED): some quota had no room (the 429, or the
 //!   gRPC `RESOURCE_EXHAUSTED`); nothing was charged;
 //! - [`store_error`](outcome::STORE_ERROR): the store failed or did not
-//!   answer within `store_timeout`; the request passed uncharged (fail open)
-//!   or got the 503 (fail closed), whichever the policy says;
+//!   answer within `store_timeout`; the request passed, its charge owed to
+//!   the policy's ledger (fail open), or got the 503 (fail closed), whichever
+//!   the policy says. A layer inside one that failed open owes its own
+//!   charge without asking the store, and counts it here too;
 //! - [`skipped`](outcome::SKIPPED): let through uncounted, by a `skip_if`
 //!   rule or by [`SubjectPolicy::Allow`](crate::SubjectPolicy::Allow) for a
 //!   request without a usable subject;
@@ -93,6 +99,32 @@
 //! share of requests that took no round trip is local charges over all
 //! charges.
 //!
+//! # The ledger
+//!
+//! A request that passes on a failed charge under
+//! [`OnStoreError::FailOpen`](crate::OnStoreError::FailOpen) owes its
+//! charge; the policy's ledger keeps what is owed per counter and adds it to
+//! the store once the store answers (see
+//! [`QuotaPolicyBuilder::max_owed_counters`](crate::QuotaPolicyBuilder::max_owed_counters)).
+//! In units (what the requests cost, added up):
+//!
+//! - [`tower_quota_ledger_owed_total`](LEDGER_OWED): units the ledger took
+//!   on;
+//! - [`tower_quota_ledger_settled_total`](LEDGER_SETTLED): units added to
+//!   the store;
+//! - [`tower_quota_ledger_dropped_total`](LEDGER_DROPPED): units that will
+//!   never be counted, by `reason`: [`full`](dropped::FULL), owed to a new
+//!   counter while the ledger held its bound (never taken on, so not in
+//!   `owed`); [`ended`](dropped::ENDED), owed to a period (a calendar
+//!   window, a first-use period) that was over before the store answered;
+//!   [`refused`](dropped::REFUSED), a debt the store cannot take (its key
+//!   holds no counter, or the sum is beyond what it counts exactly).
+//!
+//! Once everything is settled, `owed = settled + dropped{reason!="full"}`.
+//! [`tower_quota_ledger_counters`](LEDGER_COUNTERS) is how many counters the
+//! ledgers owe now (summed over policies): above zero while the store is
+//! away, back to zero once it answers.
+//!
 //! # Descriptions
 //!
 //! [`describe`] registers a description and unit for each metric with the
@@ -124,6 +156,30 @@ pub const LEASE_UNITS_RETURNED: &str = "tower_quota_lease_units_returned_total";
 /// from a block, without asking its store.
 pub const LEASE_LOCAL_CHARGES: &str = "tower_quota_lease_local_charges_total";
 
+/// Counter: units a policy's ledger took on, owed by requests that passed
+/// on a failed charge (fail open).
+pub const LEDGER_OWED: &str = "tower_quota_ledger_owed_total";
+
+/// Counter: units a policy's ledger added to the store.
+pub const LEDGER_SETTLED: &str = "tower_quota_ledger_settled_total";
+
+/// Counter: units owed that will never be counted. Label `reason`: one of
+/// [`dropped`]'s values.
+pub const LEDGER_DROPPED: &str = "tower_quota_ledger_dropped_total";
+
+/// Gauge: counters the policies' ledgers owe now.
+pub const LEDGER_COUNTERS: &str = "tower_quota_ledger_counters";
+
+/// The values of the `reason` label of [`LEDGER_DROPPED`].
+pub mod dropped {
+    /// Owed to a new counter while the ledger held its bound of counters.
+    pub const FULL: &str = "full";
+    /// Owed to a period that was over before the store answered again.
+    pub const ENDED: &str = "ended";
+    /// A debt the store cannot take.
+    pub const REFUSED: &str = "refused";
+}
+
 /// The values of the `outcome` label of [`DECISIONS`].
 pub mod outcome {
     /// Charged on every quota and passed on.
@@ -153,7 +209,8 @@ pub use self::imp::describe;
 // `healed` is for the Redis store alone.
 #[cfg_attr(not(feature = "redis"), allow(unused_imports))]
 pub(crate) use self::imp::{
-    decisions, healed, lease_block, lease_local, lease_returned, refunded, ChargeTimer,
+    decisions, healed, lease_block, lease_local, lease_returned, ledger_counters, ledger_dropped,
+    ledger_owed, ledger_settled, refunded, ChargeTimer,
 };
 
 #[cfg(feature = "metrics")]
@@ -161,11 +218,14 @@ mod imp {
     use std::sync::Arc;
     use std::time::Instant;
 
-    use metrics::{counter, describe_counter, describe_histogram, histogram, Unit};
+    use metrics::{
+        counter, describe_counter, describe_gauge, describe_histogram, gauge, histogram, Unit,
+    };
 
     use super::{ABANDONED_CHARGES_REFUNDED, CHARGE_DURATION};
     use super::{COUNTERS_HEALED, DECISIONS};
     use super::{LEASE_BLOCKS, LEASE_LOCAL_CHARGES, LEASE_UNITS_RETURNED};
+    use super::{LEDGER_COUNTERS, LEDGER_DROPPED, LEDGER_OWED, LEDGER_SETTLED};
 
     /// Registers the description and unit of each metric with the recorder
     /// installed now.
@@ -205,6 +265,52 @@ mod imp {
             Unit::Count,
             "Charges a leased quota store answered from a block, without its store"
         );
+        describe_counter!(
+            LEDGER_OWED,
+            Unit::Count,
+            "Units owed by requests that passed on a failed quota charge (fail open)"
+        );
+        describe_counter!(
+            LEDGER_SETTLED,
+            Unit::Count,
+            "Units owed by requests that passed on a failed quota charge, added to the store"
+        );
+        describe_counter!(
+            LEDGER_DROPPED,
+            Unit::Count,
+            "Units owed by requests that passed on a failed quota charge that will never be counted, by reason"
+        );
+        describe_gauge!(
+            LEDGER_COUNTERS,
+            Unit::Count,
+            "Quota counters owed units by requests that passed on a failed charge"
+        );
+    }
+
+    /// Units a ledger took on.
+    pub(crate) fn ledger_owed(units: u64) {
+        counter!(LEDGER_OWED).increment(units);
+    }
+
+    /// Units a ledger added to the store.
+    pub(crate) fn ledger_settled(units: u64) {
+        counter!(LEDGER_SETTLED).increment(units);
+    }
+
+    /// Units owed that will never be counted, for `reason` (a value of
+    /// [`dropped`](super::dropped)).
+    pub(crate) fn ledger_dropped(reason: &'static str, units: u64) {
+        counter!(LEDGER_DROPPED, "reason" => reason).increment(units);
+    }
+
+    /// A ledger owes `change` more (or fewer) counters.
+    pub(crate) fn ledger_counters(change: i64) {
+        let gauge = gauge!(LEDGER_COUNTERS);
+        if change >= 0 {
+            gauge.increment(change as f64);
+        } else {
+            gauge.decrement(change.unsigned_abs() as f64);
+        }
     }
 
     /// One increment of `outcome` per allowance among `allowances` (each
@@ -289,6 +395,18 @@ mod imp {
 
     #[inline(always)]
     pub(crate) fn lease_local() {}
+
+    #[inline(always)]
+    pub(crate) fn ledger_owed(_: u64) {}
+
+    #[inline(always)]
+    pub(crate) fn ledger_settled(_: u64) {}
+
+    #[inline(always)]
+    pub(crate) fn ledger_dropped(_: &'static str, _: u64) {}
+
+    #[inline(always)]
+    pub(crate) fn ledger_counters(_: i64) {}
 
     pub(crate) struct ChargeTimer;
 

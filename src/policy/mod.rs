@@ -13,6 +13,7 @@ use http::request::Parts;
 use jiff::tz::TimeZone;
 
 use crate::key::Namespace;
+use crate::ledger::{Ledger, Owed};
 use crate::period::Clock;
 use crate::quota::Quota;
 use crate::response::Refusal;
@@ -76,6 +77,8 @@ pub(crate) struct Policy<E, St> {
     pub(crate) settings: Settings,
     pub(crate) extractor: E,
     pub(crate) store: St,
+    /// What requests that passed on a failed charge owe the store.
+    pub(crate) ledger: Arc<Ledger>,
     /// Every quota of the policy's layers, in the order they were made.
     quotas: Mutex<Vec<Quota>>,
     /// The plans there are: declared, and named by some quota.
@@ -237,6 +240,23 @@ impl<E, St> QuotaPolicy<E, St> {
     /// Every quota of the policy's layers so far.
     pub fn quotas(&self) -> Vec<Quota> {
         self.core.quotas()
+    }
+
+    /// What the policy's ledger owes the store now: requests that passed on
+    /// a failed charge under [`OnStoreError::FailOpen`], not counted yet.
+    /// Nothing, unless the store failed; back to nothing once it answers and
+    /// the ledger has settled (in a task of its own on the tokio runtime).
+    /// What is still owed when the policy is dropped goes uncounted: an
+    /// application that shuts down can wait a moment for this to be empty.
+    ///
+    /// ```
+    /// use tower_quota::{FromHeader, QuotaPolicy};
+    ///
+    /// let policy = QuotaPolicy::builder(FromHeader::account("x-account-id")).build();
+    /// assert_eq!(policy.owed().units, 0);
+    /// ```
+    pub fn owed(&self) -> Owed {
+        self.core.ledger.owed()
     }
 }
 
@@ -476,6 +496,31 @@ impl<E, St> QuotaPolicyBuilder<E, St> {
         self
     }
 
+    /// The most counters the policy's ledger owes at once (default 10 000):
+    /// under [`OnStoreError::FailOpen`], a request that passes on a failed
+    /// charge owes it, per counter its layers charge, and the ledger adds
+    /// it to the store once the store answers again. Debts on one counter
+    /// (one key, and one period of a first-use quota) add up in one entry of
+    /// some 250 bytes, so a few MB at the default bound. A debt on a new
+    /// counter past the bound goes uncounted (logged a few times a second at
+    /// most, and counted in the metrics), as does one owed to a period that
+    /// is over before the store answers. 0 turns the ledger off: requests
+    /// that pass on a failed charge go uncounted, as they did before it.
+    ///
+    /// ```
+    /// use tower_quota::{FromHeader, OnStoreError, QuotaPolicy};
+    ///
+    /// let policy = QuotaPolicy::builder(FromHeader::account("x-account-id"))
+    ///     .on_store_error(OnStoreError::FailOpen)
+    ///     .max_owed_counters(50_000)
+    ///     .build();
+    /// # let _ = policy;
+    /// ```
+    pub fn max_owed_counters(mut self, counters: usize) -> Self {
+        self.settings.max_owed = counters;
+        self
+    }
+
     /// Gives the charge back when the response is a server error (5xx) or
     /// the inner service fails: the client is not billed for the server's
     /// failures. Off by default. The refund goes to the counters that were
@@ -505,6 +550,7 @@ impl<E, St> QuotaPolicyBuilder<E, St> {
         QuotaPolicy {
             core: Arc::new(Policy {
                 id: NEXT.fetch_add(1, Ordering::Relaxed),
+                ledger: Arc::new(Ledger::new(self.settings.max_owed)),
                 settings: self.settings,
                 extractor: self.extractor,
                 store: self.store,

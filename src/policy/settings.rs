@@ -29,8 +29,15 @@ pub enum SubjectPolicy {
 /// What to do when the store fails or does not answer in time.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum OnStoreError {
-    /// Let the request through uncharged, and log the failure. Availability
-    /// over enforcement.
+    /// Let the request through, and log the failure. Availability over
+    /// enforcement: the request is served without a charge, and owes it.
+    /// Once its answer is known (what it costs; nothing if it was not served
+    /// after all), its debt goes to the policy's ledger, which adds it to the
+    /// store once the store answers again, past the limit if need be: every
+    /// request served is counted. The ledger holds a bound of counters
+    /// ([`QuotaPolicyBuilder::max_owed_counters`](crate::QuotaPolicyBuilder::max_owed_counters));
+    /// a debt past it, or owed to a period that is over before the store
+    /// answers, goes uncounted, logged and counted in the metrics.
     FailOpen,
     /// Answer 503 with a problem document and `Retry-After` (in seconds).
     /// Enforcement over availability.
@@ -100,6 +107,8 @@ pub(crate) struct Settings {
     pub(crate) zone: Option<Arc<ZoneFn>>,
     pub(crate) refund_server_errors: bool,
     pub(crate) refusal: Option<Arc<RefusalFn>>,
+    /// The most counters the policy's ledger owes at once; 0: none.
+    pub(crate) max_owed: usize,
 }
 
 impl Default for Settings {
@@ -121,6 +130,7 @@ impl Default for Settings {
             zone: None,
             refund_server_errors: false,
             refusal: None,
+            max_owed: crate::ledger::DEFAULT_MAX_OWED,
         }
     }
 }
@@ -161,6 +171,7 @@ impl fmt::Debug for Settings {
             .field("unknown_plan", &self.unknown_plan)
             .field("time_zone_per_caller", &self.zone.is_some())
             .field("refund_server_errors", &self.refund_server_errors)
+            .field("max_owed_counters", &self.max_owed)
             .finish_non_exhaustive()
     }
 }

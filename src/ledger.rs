@@ -1,0 +1,559 @@
+//! The ledger: what requests admitted while the store could not count them
+//! owe, kept per counter until the store answers again.
+//!
+//! Under [`OnStoreError::FailOpen`](crate::OnStoreError::FailOpen) a request
+//! whose charge failed (the store did not answer within `store_timeout`, or
+//! could not be reached) is served all the same. Served, it is counted: once
+//! its answer is known (what it costs, or nothing if it was not served after
+//! all), the layer records its debt here, one per counter it would have
+//! charged, and the policy's ledger adds it to the store when the store
+//! answers again ([`Store::settle_debt`]): without a limit check, so the
+//! count may pass the limit and then says what was served.
+//!
+//! # Exactly once
+//!
+//! The charge that failed may still reach the store: the Redis store follows
+//! a charge whose caller stopped waiting, and Redis may apply it late. Two
+//! designs give one count per request: let that late charge stand and owe
+//! nothing, or give it back and owe the whole charge. The first needs the
+//! layer to learn, long after it answered, whether Redis applied the charge,
+//! and to owe it after all when Redis refused it late (the count had reached
+//! the limit meanwhile) or never ran it; the second needs nothing new. So
+//! here a failed charge charges nothing, whatever became of it (the store's
+//! contract: the Redis store gives back a charge it applied after its
+//! caller stopped waiting, and the memory store never fails a charge it
+//! made), and the request owes its whole charge:
+//!
+//! - never applied (the store was down, or the charge never left): 0 + the
+//!   debt = 1;
+//! - applied late and given back: 1 - 1 + the debt = 1, in whichever order
+//!   the give-back and the settle reach Redis (the give-back is a refund,
+//!   which never takes a counter below zero, and the counter holds the
+//!   late charge when the give-back comes);
+//! - refused late (the settle, or other requests, had filled the counter):
+//!   0 + the debt = 1.
+//!
+//! A settle is sent the same way: one that fails or times out adds nothing
+//! (one that Redis applies late is given back) and is sent again later. A
+//! debt counts twice only where a give-back itself is lost: Redis applying
+//! a call more than the Redis store's follow-through (30 s) after it was
+//! sent, or the connection failing between the late answer and the
+//! give-back.
+//!
+//! # The bound
+//!
+//! A policy's ledger holds at most
+//! [`max_owed_counters`](crate::QuotaPolicyBuilder::max_owed_counters)
+//! counters (10 000 by default; an entry is a key and a few numbers, some
+//! 250 bytes with the key and the map, so a few MB at the bound). A debt on a counter
+//! the ledger owes already is added to it; a debt on a new counter past the
+//! bound is dropped (after the debts of periods that are over are let go to
+//! make room), logged a few times a second at most and counted in the
+//! metrics: that admission goes uncounted. First-use debts of one key are
+//! one entry per period: a request within the period of the earliest one
+//! owed joins it; a later one opens an entry of its own.
+//!
+//! # Settling
+//!
+//! The first debt starts a task on the tokio runtime (none runs while
+//! nothing is owed) that settles the entries one by one, oldest first. While
+//! the store fails (a timeout, the store unreachable or full) it waits
+//! before the next try, 100 ms then twice as long after each failure, up to
+//! 5 s; a settle that goes through starts the waits afresh. A debt whose
+//! period is over by the time it would be settled is dropped, logged and
+//! counted, never added to a later period; so is one the store refuses (a
+//! key that holds no counter, a sum beyond what it counts exactly). The task
+//! ends when nothing is owed, or when the policy is dropped (what it still
+//! owed is lost with it).
+
+use std::collections::{HashMap, VecDeque};
+use std::future::Future;
+use std::sync::{Arc, Mutex, MutexGuard, Weak};
+use std::time::Duration;
+
+use jiff::Timestamp;
+use smallvec::SmallVec;
+
+use crate::key::PeriodKey;
+use crate::period::Clock;
+use crate::store::{Debt, Lifetime, Store, StoreError, StoreErrorKind};
+use crate::throttle::Throttle;
+
+/// The first wait after a settle failed.
+const FIRST_RETRY: Duration = Duration::from_millis(100);
+
+/// The longest wait between tries while the store fails.
+const LAST_RETRY: Duration = Duration::from_secs(5);
+
+/// The default bound of counters a policy's ledger owes at once.
+pub(crate) const DEFAULT_MAX_OWED: usize = 10_000;
+
+/// Debts dropped, and ledgers that cannot settle, logged a few times a
+/// second at most: during an outage there may be one per request.
+static DROPPED: Throttle = Throttle::new(5);
+
+/// What a policy's ledger owes its store: requests that passed on a failed
+/// charge under [`OnStoreError::FailOpen`](crate::OnStoreError::FailOpen),
+/// not counted yet. See [`QuotaPolicy::owed`](crate::QuotaPolicy::owed).
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+#[non_exhaustive]
+pub struct Owed {
+    /// Counters owed (per key, and per period of a first-use key).
+    pub counters: usize,
+    /// Units owed, over every counter.
+    pub units: u64,
+}
+
+/// A policy's ledger.
+pub(crate) struct Ledger {
+    max: usize,
+    book: Mutex<Book>,
+}
+
+/// What the ledger owes, and whether a task settles it.
+#[derive(Default)]
+struct Book {
+    /// The entries of each key: one for a calendar key (its window is in the
+    /// key), one per period for a first-use key.
+    owed: HashMap<PeriodKey, SmallVec<[Entry; 1]>>,
+    /// Every entry in the order it was opened, by key and id: what the
+    /// settling task takes next.
+    queue: VecDeque<(PeriodKey, u64)>,
+    counters: usize,
+    units: u64,
+    next_id: u64,
+    /// The earliest end of an entry's period (or earlier): no entry is over
+    /// before it.
+    earliest_end: Option<Timestamp>,
+    /// Whether a task settles the ledger.
+    settling: bool,
+    /// The entry the task is settling: kept while the store answers.
+    in_flight: Option<(PeriodKey, u64)>,
+}
+
+/// What requests owe one counter in one period.
+#[derive(Clone, Copy, Debug)]
+struct Entry {
+    id: u64,
+    lifetime: Lifetime,
+    /// The earliest of the requests.
+    since: Timestamp,
+    amount: u64,
+}
+
+impl Entry {
+    /// Whether `debt` (of the same key) counts in this entry's period.
+    fn covers(&self, debt: &Debt) -> bool {
+        match (self.lifetime, debt.lifetime) {
+            // The window is in the key: one entry per key.
+            (Lifetime::Calendar { .. }, Lifetime::Calendar { .. }) => true,
+            // The period the earlier of the two opened holds the later.
+            (Lifetime::FirstUse { deadline }, Lifetime::FirstUse { deadline: other }) => {
+                (self.since <= debt.since && debt.since < deadline)
+                    || (debt.since <= self.since && self.since < other)
+            }
+            _ => false,
+        }
+    }
+
+    /// Adds `debt`; its period is the earlier request's.
+    fn join(&mut self, debt: &Debt) {
+        if debt.since < self.since {
+            self.since = debt.since;
+            self.lifetime = debt.lifetime;
+        }
+        self.amount = self.amount.saturating_add(debt.amount);
+    }
+}
+
+impl Ledger {
+    pub(crate) fn new(max: usize) -> Self {
+        Self {
+            max,
+            book: Mutex::default(),
+        }
+    }
+
+    /// Whether the ledger takes debts (a bound above zero).
+    pub(crate) fn is_on(&self) -> bool {
+        self.max > 0
+    }
+
+    fn lock(&self) -> MutexGuard<'_, Book> {
+        // Every change to the book is made whole before anything can panic.
+        self.book.lock().unwrap_or_else(|e| e.into_inner())
+    }
+
+    /// What the ledger owes now.
+    pub(crate) fn owed(&self) -> Owed {
+        let book = self.lock();
+        Owed {
+            counters: book.counters,
+            units: book.units,
+        }
+    }
+
+    /// Records `debts` at `clock`'s now, and starts a task on the tokio
+    /// runtime that settles them in `store` (each settle waited for
+    /// `timeout` at most), unless one runs already.
+    pub(crate) fn owe<St: Store>(
+        self: &Arc<Self>,
+        store: &St,
+        clock: &Arc<dyn Clock>,
+        timeout: Option<Duration>,
+        debts: impl IntoIterator<Item = Debt>,
+    ) {
+        if !self.is_on() {
+            return;
+        }
+        let now = clock.now();
+        let mut book = self.lock();
+        for debt in debts {
+            if debt.amount == 0 {
+                continue;
+            }
+            let amount = debt.amount;
+            if book.record(debt, now, self.max) {
+                crate::metrics::ledger_owed(amount);
+            } else {
+                crate::metrics::ledger_dropped(crate::metrics::dropped::FULL, amount);
+                if let Some(suppressed) = DROPPED.admit() {
+                    tracing::warn!(
+                        amount,
+                        max_owed_counters = self.max,
+                        suppressed,
+                        "quota ledger owes its maximum of counters: a request that passed on a \
+                         failed charge (fail open) goes uncounted"
+                    );
+                }
+            }
+        }
+        if book.settling || book.counters == 0 {
+            return;
+        }
+        let Ok(runtime) = tokio::runtime::Handle::try_current() else {
+            if let Some(suppressed) = DROPPED.admit() {
+                tracing::warn!(
+                    suppressed,
+                    "quota ledger cannot settle what it owes: no tokio runtime here; it tries \
+                     again with the next debt recorded on one"
+                );
+            }
+            return;
+        };
+        book.settling = true;
+        drop(book);
+        let guard = Settling(Some(Arc::downgrade(self)));
+        drop(runtime.spawn(settle(guard, store.clone(), Arc::clone(clock), timeout)));
+    }
+}
+
+impl Book {
+    /// Adds `debt` recorded at `now` to its entry, or opens one within the
+    /// bound `max`; `false` when there is no room.
+    fn record(&mut self, debt: Debt, now: Timestamp, max: usize) -> bool {
+        if let Some(entry) = self
+            .owed
+            .get_mut(&debt.key)
+            .and_then(|entries| entries.iter_mut().find(|e| e.covers(&debt)))
+        {
+            entry.join(&debt);
+            self.units = self.units.saturating_add(debt.amount);
+            return true;
+        }
+        if self.counters >= max {
+            self.let_go_of_ended(now);
+            if self.counters >= max {
+                return false;
+            }
+        }
+        let id = self.next_id;
+        self.next_id += 1;
+        let end = debt.lifetime.end();
+        self.earliest_end = Some(self.earliest_end.map_or(end, |e| e.min(end)));
+        self.queue.push_back((debt.key.clone(), id));
+        self.owed.entry(debt.key).or_default().push(Entry {
+            id,
+            lifetime: debt.lifetime,
+            since: debt.since,
+            amount: debt.amount,
+        });
+        self.counters += 1;
+        self.units = self.units.saturating_add(debt.amount);
+        crate::metrics::ledger_counters(1);
+        true
+    }
+
+    /// Drops every entry whose period is over at `now` (but the one being
+    /// settled), when there can be one.
+    fn let_go_of_ended(&mut self, now: Timestamp) {
+        if self.earliest_end.is_none_or(|end| end > now) {
+            return;
+        }
+        let mut dropped = 0u64;
+        let mut earliest: Option<Timestamp> = None;
+        let mut removed = 0usize;
+        let in_flight = self.in_flight.clone();
+        self.owed.retain(|key, entries| {
+            entries.retain(|entry| {
+                let busy = in_flight
+                    .as_ref()
+                    .is_some_and(|(k, id)| k == key && *id == entry.id);
+                let end = entry.lifetime.end();
+                if end <= now && !busy {
+                    dropped = dropped.saturating_add(entry.amount);
+                    removed += 1;
+                    return false;
+                }
+                earliest = Some(earliest.map_or(end, |e| e.min(end)));
+                true
+            });
+            !entries.is_empty()
+        });
+        self.earliest_end = earliest;
+        if removed == 0 {
+            return;
+        }
+        let owed = &self.owed;
+        self.queue.retain(|(key, id)| {
+            owed.get(key)
+                .is_some_and(|entries| entries.iter().any(|e| e.id == *id))
+        });
+        self.counters -= removed;
+        self.units = self.units.saturating_sub(dropped);
+        crate::metrics::ledger_counters(-(removed as i64));
+        ended(dropped, removed);
+    }
+
+    /// The entry `id` of `key`.
+    fn entry(&mut self, key: &PeriodKey, id: u64) -> Option<&mut Entry> {
+        self.owed.get_mut(key)?.iter_mut().find(|e| e.id == id)
+    }
+
+    /// The next debt to settle at `now`: the oldest entry, once the entries
+    /// before it whose period is over are dropped. With none, the task that
+    /// asks ends.
+    fn next(&mut self, now: Timestamp) -> Option<(PeriodKey, u64, Debt)> {
+        loop {
+            let Some((key, id)) = self.queue.front().cloned() else {
+                self.settling = false;
+                return None;
+            };
+            let Some(entry) = self.entry(&key, id).copied() else {
+                self.queue.pop_front();
+                continue;
+            };
+            if entry.lifetime.end() <= now {
+                self.remove(&key, id);
+                self.units = self.units.saturating_sub(entry.amount);
+                ended(entry.amount, 1);
+                continue;
+            }
+            self.in_flight = Some((key.clone(), id));
+            let debt = Debt {
+                key: key.clone(),
+                amount: entry.amount,
+                lifetime: entry.lifetime,
+                since: entry.since,
+            };
+            return Some((key, id, debt));
+        }
+    }
+
+    /// `amount` of entry `id` of `key` is settled (or dropped): what was
+    /// added to it meanwhile stays owed.
+    fn paid(&mut self, key: &PeriodKey, id: u64, amount: u64) {
+        self.in_flight = None;
+        let Some(entry) = self.entry(key, id) else {
+            return;
+        };
+        let paid = amount.min(entry.amount);
+        entry.amount -= paid;
+        let left = entry.amount;
+        self.units = self.units.saturating_sub(paid);
+        if left == 0 {
+            self.remove(key, id);
+        }
+    }
+
+    /// Removes entry `id` of `key`.
+    fn remove(&mut self, key: &PeriodKey, id: u64) {
+        let Some(entries) = self.owed.get_mut(key) else {
+            return;
+        };
+        let before = entries.len();
+        entries.retain(|e| e.id != id);
+        if entries.len() == before {
+            return;
+        }
+        if entries.is_empty() {
+            self.owed.remove(key);
+        }
+        if self
+            .queue
+            .front()
+            .is_some_and(|(k, front)| k == key && *front == id)
+        {
+            self.queue.pop_front();
+        } else {
+            self.queue.retain(|(k, i)| !(k == key && *i == id));
+        }
+        self.counters -= 1;
+        crate::metrics::ledger_counters(-1);
+    }
+}
+
+/// Logs and counts `units` owed on `counters` counters whose periods were
+/// over before the store answered.
+fn ended(units: u64, counters: usize) {
+    crate::metrics::ledger_dropped(crate::metrics::dropped::ENDED, units);
+    if let Some(suppressed) = DROPPED.admit() {
+        tracing::warn!(
+            units,
+            counters,
+            suppressed,
+            "quota ledger drops what requests that passed on a failed charge (fail open) owe to \
+             periods that were over before the store answered again: they go uncounted"
+        );
+    }
+}
+
+/// The settling task's claim on the ledger: if the task ends without
+/// saying so (it panicked, or its runtime shut down), the next debt starts
+/// another.
+struct Settling(Option<Weak<Ledger>>);
+
+impl Settling {
+    fn ledger(&self) -> Option<Arc<Ledger>> {
+        self.0.as_ref().and_then(Weak::upgrade)
+    }
+
+    /// The task ended having found nothing owed (`Book::next` cleared the
+    /// flag).
+    fn done(mut self) {
+        self.0 = None;
+    }
+}
+
+impl Drop for Settling {
+    fn drop(&mut self) {
+        if let Some(ledger) = self.ledger() {
+            let mut book = ledger.lock();
+            book.settling = false;
+            book.in_flight = None;
+        }
+    }
+}
+
+/// Settles what the ledger owes in `store`, entry by entry, until nothing
+/// is owed; waits between tries while the store fails.
+async fn settle<St: Store>(
+    claim: Settling,
+    store: St,
+    clock: Arc<dyn Clock>,
+    timeout: Option<Duration>,
+) {
+    let mut wait = FIRST_RETRY;
+    let (mut units, mut counters) = (0u64, 0usize);
+    loop {
+        let Some(ledger) = claim.ledger() else {
+            return;
+        };
+        let now = clock.now();
+        let next = ledger.lock().next(now);
+        drop(ledger);
+        let Some((key, id, debt)) = next else {
+            claim.done();
+            if units > 0 {
+                tracing::info!(
+                    units,
+                    counters,
+                    "quota ledger settled what requests that passed on a failed charge (fail \
+                     open) owed"
+                );
+            }
+            return;
+        };
+        let amount = debt.amount;
+        let result = within(timeout, store.settle_debt(now, debt)).await;
+        let Some(ledger) = claim.ledger() else {
+            return;
+        };
+        // Decided under the lock, which is let go before any wait.
+        let failed = {
+            let mut book = ledger.lock();
+            match &result {
+                Err(error) if !matches!(error.kind(), StoreErrorKind::Other) => {
+                    book.in_flight = None;
+                    true
+                }
+                _ => {
+                    book.paid(&key, id, amount);
+                    false
+                }
+            }
+        };
+        drop(ledger);
+        match result {
+            Ok(Some(_)) => {
+                crate::metrics::ledger_settled(amount);
+                units = units.saturating_add(amount);
+                counters += 1;
+                wait = FIRST_RETRY;
+            }
+            Ok(None) => ended(amount, 1),
+            Err(error) if !failed => {
+                crate::metrics::ledger_dropped(crate::metrics::dropped::REFUSED, amount);
+                // The store's message may name the key, and with it the
+                // subject's id.
+                let error = error.to_string().replace(key.as_str(), "the counter");
+                if let Some(suppressed) = DROPPED.admit() {
+                    tracing::warn!(
+                        amount,
+                        error,
+                        suppressed,
+                        "quota store refused a debt of requests that passed on a failed charge \
+                         (fail open): they go uncounted"
+                    );
+                }
+            }
+            Err(error) => {
+                let error = error.to_string().replace(key.as_str(), "the counter");
+                tracing::debug!(
+                    error,
+                    retry_in = ?wait,
+                    "quota ledger could not settle; the store still fails"
+                );
+                tokio::time::sleep(wait).await;
+                wait = (wait * 2).min(LAST_RETRY);
+            }
+        }
+    }
+}
+
+/// `settle`, answered within `timeout`: the timer is armed only for a
+/// store that does not answer at once (as the layer's charge).
+async fn within<F>(timeout: Option<Duration>, settle: F) -> Result<Option<u64>, StoreError>
+where
+    F: Future<Output = Result<Option<u64>, StoreError>>,
+{
+    let mut settle = std::pin::pin!(settle);
+    let first = std::future::poll_fn(|cx| std::task::Poll::Ready(settle.as_mut().poll(cx))).await;
+    if let std::task::Poll::Ready(answer) = first {
+        return answer;
+    }
+    let Some(limit) = timeout else {
+        return settle.await;
+    };
+    tokio::time::timeout(limit, settle)
+        .await
+        .unwrap_or_else(|_| {
+            Err(StoreError::new(
+                StoreErrorKind::Timeout,
+                "the quota store did not answer in time",
+            ))
+        })
+}
+
+#[cfg(test)]
+mod tests;

@@ -1,0 +1,271 @@
+//! The ledger's book, and its settling task on a store that comes and goes.
+
+use std::future::Future;
+use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
+
+use jiff::SignedDuration;
+
+use super::*;
+use crate::store::{ChargeOutcome, ChargeRequest, MemoryStore, Usage};
+use crate::{ManualClock, Namespace, Subject};
+
+fn at(s: &str) -> Timestamp {
+    s.parse().unwrap()
+}
+
+fn key(subject: &str, period: &str) -> PeriodKey {
+    Namespace::default().key(&Subject::account(subject), "default", period)
+}
+
+fn minutes(n: i64) -> SignedDuration {
+    SignedDuration::from_mins(n)
+}
+
+fn calendar(key: &PeriodKey, amount: u64, since: Timestamp) -> Debt {
+    Debt {
+        key: key.clone(),
+        amount,
+        lifetime: Lifetime::Calendar {
+            start: at("2026-12-02T00:00:00Z"),
+            end: at("2026-12-03T00:00:00Z"),
+        },
+        since,
+    }
+}
+
+/// A debt of a first-use quota of an hour, for a request at `since`.
+fn first_use(key: &PeriodKey, amount: u64, since: Timestamp) -> Debt {
+    Debt {
+        key: key.clone(),
+        amount,
+        lifetime: Lifetime::FirstUse {
+            deadline: since + minutes(60),
+        },
+        since,
+    }
+}
+
+const NOON: &str = "2026-12-02T12:00:00Z";
+
+#[test]
+fn debts_on_one_calendar_counter_add_up_in_one_entry() {
+    let mut book = Book::default();
+    let now = at(NOON);
+    let acme = key("acme", "2026-12-02");
+    let other = key("other", "2026-12-02");
+    assert!(book.record(calendar(&acme, 1, now), now, 10));
+    assert!(book.record(calendar(&acme, 2, now + minutes(1)), now, 10));
+    assert!(book.record(calendar(&other, 1, now), now, 10));
+    assert_eq!((book.counters, book.units), (2, 4));
+    let (_, _, debt) = book.next(now).unwrap();
+    assert_eq!(
+        debt,
+        calendar(&acme, 3, now),
+        "the earliest request's instant"
+    );
+}
+
+#[test]
+fn first_use_debts_share_an_entry_within_the_earliest_ones_period() {
+    let mut book = Book::default();
+    let t0 = at(NOON);
+    let acme = key("acme", "PT1H");
+    assert!(book.record(first_use(&acme, 1, t0 + minutes(10)), t0, 10));
+    // Within its period: the same entry.
+    assert!(book.record(first_use(&acme, 1, t0 + minutes(40)), t0, 10));
+    // Answered later, but earlier: the period is the one it opened.
+    assert!(book.record(first_use(&acme, 1, t0), t0, 10));
+    // Past that period: an entry of its own.
+    assert!(book.record(first_use(&acme, 1, t0 + minutes(65)), t0, 10));
+    assert_eq!((book.counters, book.units), (2, 4));
+    let (key, id, debt) = book.next(t0).unwrap();
+    assert_eq!(debt, first_use(&acme, 3, t0));
+    book.paid(&key, id, 3);
+    let (_, _, debt) = book.next(t0).unwrap();
+    assert_eq!(debt, first_use(&acme, 1, t0 + minutes(65)));
+}
+
+#[test]
+fn past_the_bound_a_new_counter_is_refused_and_ended_ones_make_room() {
+    let mut book = Book::default();
+    let now = at(NOON);
+    let (a, b, c) = (key("a", "PT1H"), key("b", "PT1H"), key("c", "PT1H"));
+    assert!(book.record(first_use(&a, 1, now), now, 2));
+    assert!(book.record(first_use(&b, 1, now + minutes(30)), now, 2));
+    assert!(
+        !book.record(first_use(&c, 1, now), now, 2),
+        "past the bound"
+    );
+    assert!(
+        book.record(first_use(&a, 5, now + minutes(1)), now, 2),
+        "an owed counter takes more past the bound"
+    );
+    assert_eq!((book.counters, book.units), (2, 7));
+    // a's period is over: its entry goes, and c gets its place.
+    let later = now + minutes(61);
+    assert!(book.record(first_use(&c, 1, later), later, 2));
+    assert_eq!((book.counters, book.units), (2, 2));
+    assert_eq!(book.queue.len(), 2);
+    assert_eq!(book.next(later).unwrap().2.key, b);
+}
+
+#[test]
+fn the_next_debt_skips_periods_that_are_over_and_what_joins_meanwhile_stays() {
+    let mut book = Book::default();
+    let now = at(NOON);
+    let (a, b) = (key("a", "PT1H"), key("b", "PT1H"));
+    book.record(first_use(&a, 2, now), now, 10);
+    book.record(first_use(&b, 3, now + minutes(30)), now, 10);
+    let later = now + minutes(70);
+    let (key, id, debt) = book.next(later).unwrap();
+    assert_eq!(debt.key, b, "a's period is over: dropped");
+    assert_eq!((book.counters, book.units), (1, 3));
+    // A request joins b while its debt is on its way.
+    book.record(first_use(&b, 1, now + minutes(31)), later, 10);
+    book.paid(&key, id, debt.amount);
+    assert_eq!((book.counters, book.units), (1, 1));
+    let (key, id, debt) = book.next(later).unwrap();
+    assert_eq!(debt.amount, 1);
+    book.paid(&key, id, 1);
+    assert!(book.next(later).is_none());
+    assert!(!book.settling);
+    assert!(book.owed.is_empty() && book.queue.is_empty());
+}
+
+#[test]
+fn the_entry_being_settled_is_not_let_go_of() {
+    let mut book = Book::default();
+    let now = at(NOON);
+    let (a, b) = (key("a", "PT1H"), key("b", "PT1H"));
+    book.record(first_use(&a, 2, now), now, 1);
+    let (key, id, _) = book.next(now).unwrap();
+    // The bound is reached and a's period ends while its settle is on its
+    // way: it stays until the store answers.
+    let later = now + minutes(61);
+    assert!(!book.record(first_use(&b, 1, later), later, 1));
+    book.paid(&key, id, 2);
+    assert_eq!((book.counters, book.units), (0, 0));
+}
+
+/// A memory store that fails every settle while `away`, counting the tries.
+#[derive(Clone, Default)]
+struct Away {
+    inner: MemoryStore,
+    away: Arc<AtomicBool>,
+    tries: Arc<AtomicUsize>,
+}
+
+impl Store for Away {
+    type ChargeFuture = <MemoryStore as Store>::ChargeFuture;
+
+    fn charge(&self, request: ChargeRequest) -> Self::ChargeFuture {
+        self.inner.charge(request)
+    }
+    fn peek(
+        &self,
+        request: ChargeRequest,
+    ) -> impl Future<Output = Result<Vec<Usage>, StoreError>> + Send {
+        self.inner.peek(request)
+    }
+    fn refund(
+        &self,
+        now: Timestamp,
+        key: PeriodKey,
+        amount: u64,
+    ) -> impl Future<Output = Result<Option<u64>, StoreError>> + Send {
+        self.inner.refund(now, key, amount)
+    }
+    fn add(
+        &self,
+        now: Timestamp,
+        key: PeriodKey,
+        amount: u64,
+    ) -> impl Future<Output = Result<Option<u64>, StoreError>> + Send {
+        self.inner.add(now, key, amount)
+    }
+    fn reset(&self, key: PeriodKey) -> impl Future<Output = Result<bool, StoreError>> + Send {
+        self.inner.reset(key)
+    }
+    fn settle_debt(
+        &self,
+        now: Timestamp,
+        debt: Debt,
+    ) -> impl Future<Output = Result<Option<u64>, StoreError>> + Send {
+        self.tries.fetch_add(1, Ordering::Relaxed);
+        let away = self.away.load(Ordering::Relaxed);
+        let inner = self.inner.clone();
+        async move {
+            if away {
+                return Err(StoreError::new(StoreErrorKind::Unavailable, "away"));
+            }
+            inner.settle_debt(now, debt).await
+        }
+    }
+}
+
+async fn used(store: &MemoryStore, key: &PeriodKey, now: Timestamp) -> u64 {
+    let request = ChargeRequest {
+        now,
+        lines: vec![crate::store::ChargeLine {
+            key: key.clone(),
+            limit: 10,
+            cost: 0,
+            lifetime: Lifetime::FirstUse {
+                deadline: now + minutes(60),
+            },
+        }],
+    };
+    let outcome: ChargeOutcome = store.charge(request).await.unwrap();
+    outcome.usage[0].used
+}
+
+#[tokio::test(start_paused = true)]
+async fn the_ledger_settles_once_the_store_is_back_and_waits_longer_between_tries() {
+    let now = at(NOON);
+    let clock: Arc<dyn Clock> = Arc::new(ManualClock::new(now));
+    let store = Away::default();
+    let ledger = Arc::new(Ledger::new(10));
+    assert!(!ledger.lock().settling, "nothing owed, nothing running");
+    ledger.owe(&store, &clock, None, [first_use(&key("a", "PT1H"), 0, now)]);
+    assert!(!ledger.lock().settling, "a debt of nothing starts nothing");
+
+    store.away.store(true, Ordering::Relaxed);
+    let a = key("a", "PT1H");
+    ledger.owe(&store, &clock, None, [first_use(&a, 2, now)]);
+    assert!(ledger.lock().settling);
+    // Ten seconds of failures: tries 100 ms, then 200, 400 ... 5 s apart.
+    tokio::time::sleep(Duration::from_secs(10)).await;
+    let tries = store.tries.load(Ordering::Relaxed);
+    assert!((5..=9).contains(&tries), "{tries} tries in 10 s");
+    assert_eq!(
+        ledger.owed(),
+        Owed {
+            counters: 1,
+            units: 2
+        }
+    );
+
+    store.away.store(false, Ordering::Relaxed);
+    tokio::time::sleep(Duration::from_secs(6)).await;
+    assert_eq!(ledger.owed(), Owed::default());
+    assert!(!ledger.lock().settling, "the task ended");
+    assert_eq!(used(&store.inner, &a, now).await, 2);
+}
+
+#[tokio::test(start_paused = true)]
+async fn a_dropped_policy_stops_the_task() {
+    let now = at(NOON);
+    let clock: Arc<dyn Clock> = Arc::new(ManualClock::new(now));
+    let store = Away::default();
+    store.away.store(true, Ordering::Relaxed);
+    let ledger = Arc::new(Ledger::new(10));
+    ledger.owe(&store, &clock, None, [first_use(&key("a", "PT1H"), 1, now)]);
+    tokio::time::sleep(Duration::from_secs(1)).await;
+    drop(ledger);
+    let tries = store.tries.load(Ordering::Relaxed);
+    tokio::time::sleep(Duration::from_secs(60)).await;
+    assert!(
+        store.tries.load(Ordering::Relaxed) <= tries + 1,
+        "no tries once the ledger is gone"
+    );
+}
