@@ -220,11 +220,17 @@ pub(crate) struct Ticket {
     pub(crate) now: Timestamp,
     /// `None` when the policy lets the request through uncounted (a skip
     /// rule, no usable subject under `SubjectPolicy::Allow`, a store failure
-    /// under fail-open): its inner layers pass it too.
+    /// under fail-open when the policy keeps no ledger): its inner layers
+    /// pass it too.
     pub(crate) caller: Option<Caller>,
     /// What the policy's layers charged, one entry per layer, outer layers
     /// first (seldom more than two).
     pub(crate) charges: Charges,
+    /// The keys the policy's layers owe for the request: a charge failed
+    /// under fail-open, and the ledger counts it once the store answers.
+    /// Not empty: the layers further in owe their quotas too, without
+    /// asking the store.
+    pub(crate) owed: Vec<PeriodKey>,
 }
 
 /// The lines a policy's layers charged for a request, one entry per layer.
@@ -236,9 +242,15 @@ impl Ticket {
         self.charges.iter().flat_map(|charge| charge.iter())
     }
 
-    /// Whether a line of this ticket counts on `key`.
+    /// Whether a line of this ticket counts on `key`, charged or owed.
     pub(crate) fn counts(&self, key: &PeriodKey) -> bool {
-        self.lines().any(|line| line.key == *key)
+        self.lines().any(|line| line.key == *key) || self.owed.contains(key)
+    }
+
+    /// Whether the policy's layers owe their charges for the request
+    /// rather than ask the store.
+    pub(crate) fn owes(&self) -> bool {
+        !self.owed.is_empty()
     }
 }
 

@@ -43,6 +43,9 @@ pub(crate) enum Step {
     Reject(Response<Bytes>),
     /// Charge these lines.
     Charge(Charge),
+    /// Owe these lines, without asking the store: a layer further out of
+    /// the policy failed open on the request.
+    Owe(Charge),
 }
 
 /// One layer's charge for one request.
@@ -97,6 +100,7 @@ pub(crate) fn plan<E: SubjectExtractor, St: crate::store::Store>(
                     now,
                     caller: Some(caller),
                     charges: Default::default(),
+                    owed: Vec::new(),
                 },
                 Ok(None) => {
                     skipped(&bound.scope.quotas);
@@ -130,6 +134,7 @@ pub(crate) fn uncounted(policy: u64, now: Timestamp) -> Ticket {
         now,
         caller: None,
         charges: Default::default(),
+        owed: Vec::new(),
     }
 }
 
@@ -314,7 +319,8 @@ fn lines(
     } else {
         tracing::Span::none()
     };
-    Step::Charge(Charge {
+    let owes = ticket.owes();
+    let charge = Charge {
         span,
         keys: lines.iter().map(|line| line.key.clone()).collect(),
         request: Some(ChargeRequest {
@@ -324,7 +330,16 @@ fn lines(
         ticket,
         quotas,
         cost,
-    })
+    };
+    if owes {
+        // The store failed for a layer further out: this one owes its
+        // charge as that one does, without a call that would fail too.
+        let outcome = crate::metrics::outcome::STORE_ERROR;
+        crate::metrics::decisions(outcome, charge.quotas.iter().map(Quota::allowance_shared));
+        charge.span.record("outcome", outcome);
+        return Step::Owe(charge);
+    }
+    Step::Charge(charge)
 }
 
 /// The allowances of `quotas`, comma-separated, for logs.
@@ -364,7 +379,8 @@ pub(crate) enum Decision {
     Admit(Arc<[Line]>),
     /// Some quota had no room; nothing was charged. Where each line stands.
     Refuse(Vec<Usage>),
-    /// The store failed and the policy lets the request through uncounted.
+    /// The store failed and the policy lets the request through: it owes
+    /// its charge to the policy's ledger (uncounted, without one).
     PassUncounted,
     /// The store failed and the policy refuses: the 503's `Retry-After`.
     Unavailable(std::time::Duration),
@@ -403,7 +419,7 @@ pub(crate) fn decide(
         Err(error) => match settings.on_store_error {
             OnStoreError::FailOpen => {
                 if let Some(suppressed) = STORE_ERRORS.admit() {
-                    tracing::warn!(%error, suppressed, "quota store failed; request passes uncounted (fail open)");
+                    tracing::warn!(%error, suppressed, "quota store failed; request passes, its charge owed until the store answers (fail open)");
                 }
                 Decision::PassUncounted
             }

@@ -12,6 +12,7 @@ use tower_service::Service;
 
 use super::charge::{self, Adjust, Charge, Decision, Outcome};
 use super::layer::Bound;
+use super::owing::Owing;
 use crate::body::ResponseBody;
 use crate::response::RateLimitFields;
 use crate::status::{Line, QuotaStatus};
@@ -60,6 +61,9 @@ pin_project! {
             #[pin]
             future: S::Future,
             charged: Unanswered<E, St>,
+            // What a request that passed on a failed charge owes, once
+            // answered (fail open).
+            owing: Option<Box<Owing<E, St>>>,
         },
         // The store applies what the response changes before the fields are
         // written.
@@ -127,10 +131,17 @@ where
 
     /// The inner service's answer, untouched by this layer.
     pub(crate) fn passing(future: S::Future) -> Self {
+        Self::owing(future, None)
+    }
+
+    /// The inner service's answer, untouched by this layer, which records
+    /// what the request owes once it is known.
+    pub(crate) fn owing(future: S::Future, owing: Option<Box<Owing<E, St>>>) -> Self {
         Self {
             state: State::Calling {
                 future,
                 charged: Unanswered(None),
+                owing,
             },
         }
     }
@@ -184,25 +195,17 @@ where
                     now,
                     spread,
                 })),
+                owing: None,
             }
         }
         Decision::PassUncounted => {
-            // The store is failing: the policy's inner layers pass too.
-            let mut ticket = charge::uncounted(bound.policy.id, charge.ticket.now);
-            // What layers further out charged stays theirs to give back.
-            ticket.charges = charge.ticket.charges;
-            let extensions = request.extensions_mut();
-            match extensions.get_mut::<QuotaStatus>() {
-                Some(status) => status.put(ticket),
-                None => {
-                    let mut status = QuotaStatus::default();
-                    status.put(ticket);
-                    extensions.insert(status);
-                }
-            }
+            // The store is failing: the request owes its charge, and the
+            // policy's inner layers owe theirs without asking the store.
+            let owing = super::owing::owe(&bound, charge, request.extensions_mut());
             State::Calling {
                 future: inner.call(request),
                 charged: Unanswered(None),
+                owing,
             }
         }
         // The layers further out give their own charges back when they see
@@ -372,8 +375,15 @@ where
                     let pending = pending.take().expect("polled after completion");
                     this.state.set(decided(pending, answer));
                 }
-                StateProj::Calling { future, charged } => {
-                    let result = ready!(future.poll(cx));
+                StateProj::Calling {
+                    future,
+                    charged,
+                    owing,
+                } => {
+                    let mut result = ready!(future.poll(cx));
+                    if let Some(owing) = owing.take() {
+                        result = owing.answered(result);
+                    }
                     let Some(charged) = charged.answered() else {
                         return Poll::Ready(result.map(|r| r.map(ResponseBody::inner)));
                     };

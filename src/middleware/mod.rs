@@ -19,6 +19,7 @@
 mod charge;
 mod future;
 mod layer;
+mod owing;
 mod service;
 
 pub use self::future::ResponseFuture;

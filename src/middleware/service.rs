@@ -94,6 +94,11 @@ where
                 }
                 ResponseFuture::passing(self.inner.call(Request::from_parts(parts, body)))
             }
+            Step::Owe(charge) => {
+                let owing = super::owing::owe(&self.bound, charge, &mut parts.extensions);
+                let future = self.inner.call(Request::from_parts(parts, body));
+                ResponseFuture::owing(future, owing)
+            }
             Step::Reject(response) => ResponseFuture::rejected(charge::marked(response)),
             Step::Charge(charge) => {
                 let request = Request::from_parts(parts, body);

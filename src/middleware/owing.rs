@@ -1,0 +1,160 @@
+//! Requests that pass on a failed charge (fail open): what they owe the
+//! policy's ledger once their answer is known (see the ledger module).
+
+use std::sync::Arc;
+
+use http::{Extensions, Response};
+use jiff::Timestamp;
+use smallvec::SmallVec;
+
+use super::charge::{self, Adjust, Charge, Outcome};
+use super::layer::Bound;
+use crate::period::Anchor;
+use crate::quota::Quota;
+use crate::status::{Line, QuotaStatus, Ticket};
+use crate::store::{Debt, Lifetime, Store, Usage};
+
+/// What a layer's lines owe for a request that passed on a failed charge,
+/// recorded once its answer is known: the request was served, and owes
+/// what it would have been charged (the response may change that as it
+/// changes a charge: a refund of a server error, a deferred cost). A request
+/// dropped before its answer, or that no route served, owes nothing.
+pub(crate) struct Owing<E, St> {
+    bound: Arc<Bound<E, St>>,
+    /// The lines as if charged (the usage is not known, and not used).
+    lines: Vec<Line>,
+    /// Each line's lifetime at the request's instant.
+    lifetimes: SmallVec<[Lifetime; 2]>,
+    /// The request's instant.
+    now: Timestamp,
+}
+
+/// Lets the request of `charge` through without a charge, its ticket in
+/// `extensions`: owing the charge, so that the policy's layers further in
+/// owe theirs too without asking the store; or, when the policy keeps no
+/// ledger, uncounted, so that they pass.
+pub(crate) fn owe<E, St>(
+    bound: &Arc<Bound<E, St>>,
+    charge: Charge,
+    extensions: &mut Extensions,
+) -> Option<Box<Owing<E, St>>> {
+    let policy = &bound.policy;
+    let Charge {
+        mut ticket,
+        quotas,
+        keys,
+        cost,
+        ..
+    } = charge;
+    if !policy.ledger.is_on() {
+        let mut uncounted = charge::uncounted(policy.id, ticket.now);
+        // What layers further out charged stays theirs to give back.
+        uncounted.charges = ticket.charges;
+        put(extensions, uncounted);
+        return None;
+    }
+    let now = ticket.now;
+    let lifetimes = quotas.iter().map(|quota| lifetime(quota, now)).collect();
+    let lines = quotas
+        .iter()
+        .zip(&keys)
+        .map(|(quota, key)| {
+            let usage = Usage {
+                limit: 0,
+                used: 0,
+                resets_at: now,
+                first_call: None,
+            };
+            Line::new(quota.clone(), key.clone(), cost, usage)
+        })
+        .collect();
+    ticket.owed.extend(keys);
+    put(extensions, ticket);
+    // Boxed: the response future stays small for the requests that owe
+    // nothing.
+    Some(Box::new(Owing {
+        bound: Arc::clone(bound),
+        lines,
+        lifetimes,
+        now,
+    }))
+}
+
+/// Puts `ticket` in the request's status.
+fn put(extensions: &mut Extensions, ticket: Ticket) {
+    match extensions.get_mut::<QuotaStatus>() {
+        Some(status) => status.put(ticket),
+        None => {
+            let mut status = QuotaStatus::default();
+            status.put(ticket);
+            extensions.insert(status);
+        }
+    }
+}
+
+/// The lifetime of `quota`'s counter for a request at `now`, as its charge
+/// line has it.
+fn lifetime(quota: &Quota, now: Timestamp) -> Lifetime {
+    match quota.anchor() {
+        Anchor::Calendar => {
+            let window = quota.window(now);
+            Lifetime::Calendar {
+                start: window.start(),
+                end: window.end(),
+            }
+        }
+        Anchor::FirstUse => Lifetime::FirstUse {
+            deadline: quota.period().end_of_first_use(now),
+        },
+    }
+}
+
+impl<E, St: Store> Owing<E, St> {
+    /// The inner service's answer (`Err`: it failed): the debts it leaves
+    /// go to the ledger, and it goes on untouched.
+    pub(crate) fn answered<B, Er>(
+        self,
+        result: Result<Response<B>, Er>,
+    ) -> Result<Response<B>, Er> {
+        let policy = &self.bound.policy;
+        let settings = &policy.settings;
+        let cost = &self.bound.scope.cost;
+        let (result, outcome) = match result {
+            Ok(response) => {
+                let (parts, body) = response.into_parts();
+                let outcome = charge::outcome(&self.lines, cost, settings, Some(&parts));
+                (Ok(Response::from_parts(parts, body)), outcome)
+            }
+            Err(error) => (
+                Err(error),
+                charge::outcome(&self.lines, cost, settings, None),
+            ),
+        };
+        let Outcome::Served(ops) = outcome else {
+            // No route served it: nothing owed.
+            return result;
+        };
+        let debts = self.lines.iter().enumerate().map(|(i, line)| {
+            let amount = ops
+                .iter()
+                .filter(|(j, _)| *j == i)
+                .fold(line.cost, |amount, (_, op)| match op {
+                    Adjust::Refund(back) => amount.saturating_sub(*back),
+                    Adjust::Add(more) => amount.saturating_add(*more),
+                });
+            Debt {
+                key: line.key.clone(),
+                amount,
+                lifetime: self.lifetimes[i],
+                since: self.now,
+            }
+        });
+        policy.ledger.owe(
+            &policy.store,
+            &settings.clock,
+            settings.store_timeout,
+            debts,
+        );
+        result
+    }
+}
