@@ -826,6 +826,14 @@ impl Store for Counting {
     ) -> impl std::future::Future<Output = Result<bool, tower_quota::StoreError>> + Send {
         self.inner.reset(key)
     }
+    fn settle_debt(
+        &self,
+        now: Timestamp,
+        debt: tower_quota::store::Debt,
+    ) -> impl std::future::Future<Output = Result<Option<u64>, tower_quota::StoreError>> + Send
+    {
+        self.inner.settle_debt(now, debt)
+    }
 }
 
 #[tokio::test]

@@ -3,11 +3,12 @@
 
 use std::future::Future;
 use std::pin::Pin;
+use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
 
 use tokio::sync::Notify;
 use tower_quota::jiff::Timestamp;
-use tower_quota::store::{ChargeOutcome, ChargeRequest, StoreErrorKind};
+use tower_quota::store::{ChargeOutcome, ChargeRequest, Debt, StoreErrorKind};
 use tower_quota::{PeriodKey, Store, StoreError, Usage};
 
 /// What a rigged store does with the charges it is rigged for.
@@ -31,6 +32,9 @@ pub struct Rigged<St> {
     /// The largest count the store says it decides on (the inner store's
     /// by default).
     pub max: Option<u64>,
+    /// While set, settles of debts fail too (the store is away); otherwise
+    /// they reach the inner store.
+    pub away: Arc<AtomicBool>,
 }
 
 impl<St> Rigged<St> {
@@ -41,6 +45,7 @@ impl<St> Rigged<St> {
             allowance,
             met: Arc::new(Notify::new()),
             max: None,
+            away: Arc::default(),
         }
     }
 
@@ -92,6 +97,21 @@ impl<St: Store> Store for Rigged<St> {
     }
     fn reset(&self, key: PeriodKey) -> impl Future<Output = Result<bool, StoreError>> + Send {
         self.inner.reset(key)
+    }
+    fn settle_debt(
+        &self,
+        now: Timestamp,
+        debt: Debt,
+    ) -> impl Future<Output = Result<Option<u64>, StoreError>> + Send {
+        // Not sent while away: a settle that fails must add nothing.
+        let settle =
+            (!self.away.load(Ordering::Relaxed)).then(|| self.inner.settle_debt(now, debt));
+        async move {
+            match settle {
+                Some(settle) => settle.await,
+                None => Err(StoreError::new(StoreErrorKind::Unavailable, "rigged away")),
+            }
+        }
     }
     fn identity(&self) -> Option<usize> {
         self.inner.identity()

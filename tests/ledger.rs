@@ -1,0 +1,431 @@
+//! Requests that pass on a failed charge (fail open) are counted once the
+//! store answers: what they owe, through real layers on the memory store
+//! behind a store rigged to fail, the ledger's bound, and debts of periods
+//! that are over.
+
+// This binary rigs stores to fail, never to stall.
+#[allow(dead_code)]
+mod rigged;
+
+use std::future::Future;
+use std::sync::atomic::Ordering;
+use std::sync::{Arc, Mutex};
+use std::time::Duration;
+
+use axum::body::Body;
+use axum::response::IntoResponse;
+use axum::routing::get;
+use axum::Router;
+use http::{Request, StatusCode};
+use rigged::{Rig, Rigged};
+use tokio::sync::Notify;
+use tower::ServiceExt;
+use tower_quota::jiff::{SignedDuration, Timestamp};
+use tower_quota::store::ChargeRequest;
+use tower_quota::{
+    unrouted, FromHeader, ManualClock, MemoryStore, OnStoreError, Quota, QuotaPolicy,
+    QuotaPolicyBuilder, Store, Subject,
+};
+
+const NOW: &str = "2026-12-02T10:00:00Z";
+
+fn call(path: &str, account: &str) -> Request<Body> {
+    Request::get(path)
+        .header("x-account-id", account)
+        .body(Body::empty())
+        .unwrap()
+}
+
+fn policy<St: Store>(store: St, clock: &ManualClock) -> QuotaPolicyBuilder<FromHeader, St> {
+    QuotaPolicy::builder(FromHeader::account("x-account-id"))
+        .store(store)
+        .clock(clock.clone())
+        .on_store_error(OnStoreError::FailOpen)
+}
+
+fn clock() -> ManualClock {
+    ManualClock::new(NOW.parse().unwrap())
+}
+
+async fn used<St: Store>(policy: &QuotaPolicy<FromHeader, St>, account: &str, name: &str) -> u64 {
+    let usage = policy
+        .handle()
+        .usage(&Subject::account(account))
+        .await
+        .unwrap();
+    usage.iter().find(|u| u.name() == name).unwrap().used()
+}
+
+/// Waits (in the test runtime's time) until the policy's ledger owes
+/// nothing.
+async fn settled<St: Store>(policy: &QuotaPolicy<FromHeader, St>) {
+    for _ in 0..1_000 {
+        if policy.owed().units == 0 {
+            return;
+        }
+        tokio::time::sleep(Duration::from_millis(10)).await;
+    }
+    panic!("the ledger still owes {:?}", policy.owed());
+}
+
+async fn send(app: &Router, request: Request<Body>) -> StatusCode {
+    app.clone().oneshot(request).await.unwrap().status()
+}
+
+#[tokio::test(start_paused = true)]
+async fn a_request_passed_on_a_failed_charge_is_counted_once_the_store_answers() {
+    let clock = clock();
+    let store = Rigged::new(MemoryStore::new(), Rig::Fail, None);
+    store.away.store(true, Ordering::Relaxed);
+    let policy = policy(store.clone(), &clock).build();
+    let app = Router::new()
+        .route("/", get(|| async { "ok" }))
+        .layer(policy.layer(Quota::daily(2)));
+    for _ in 0..5 {
+        assert_eq!(send(&app, call("/", "acme")).await, StatusCode::OK);
+    }
+    let owed = policy.owed();
+    assert_eq!((owed.counters, owed.units), (1, 5), "one counter owes five");
+    // Still away a while: the ledger waits, and owes the same.
+    tokio::time::sleep(Duration::from_secs(3)).await;
+    assert_eq!(policy.owed().units, 5);
+
+    store.away.store(false, Ordering::Relaxed);
+    settled(&policy).await;
+    assert_eq!(
+        used(&policy, "acme", "default-day").await,
+        5,
+        "past the limit: what was served"
+    );
+}
+
+#[tokio::test(start_paused = true)]
+async fn the_policys_layers_further_in_owe_theirs_without_asking_the_store() {
+    let clock = clock();
+    let memory = MemoryStore::new();
+    let store = Rigged::new(memory.clone(), Rig::Fail, Some("read"));
+    let policy = policy(store, &clock).build();
+    let search = Quota::per_minute(1).allowance("search");
+    let app = Router::new()
+        .route("/search", get(|| async { "found" }))
+        .route_layer(policy.layer(search.clone()))
+        .route_layer(policy.layer(Quota::daily(10).allowance("read")));
+    // The search counter is at its limit: asked, the store would refuse.
+    let now: Timestamp = NOW.parse().unwrap();
+    let line = search.line(policy.namespace(), &Subject::account("acme"), now, 1);
+    let request = ChargeRequest {
+        now,
+        lines: vec![line],
+    };
+    assert!(memory.charge(request).await.unwrap().admitted);
+
+    assert_eq!(send(&app, call("/search", "acme")).await, StatusCode::OK);
+    settled(&policy).await;
+    assert_eq!(used(&policy, "acme", "read-day").await, 1);
+    assert_eq!(
+        used(&policy, "acme", "search-minute").await,
+        2,
+        "owed without asking the store, past the limit"
+    );
+}
+
+#[tokio::test(start_paused = true)]
+async fn what_the_answer_changes_a_charge_it_changes_a_debt() {
+    let clock = clock();
+    let store = Rigged::new(MemoryStore::new(), Rig::Fail, None);
+    let policy = policy(store, &clock).refund_server_errors(true).build();
+    let reached = Arc::new(Notify::new());
+    let slow = {
+        let reached = Arc::clone(&reached);
+        move || async move {
+            reached.notify_one();
+            std::future::pending::<&'static str>().await
+        }
+    };
+    let tokens = Router::new()
+        .route(
+            "/tokens",
+            get(|| async { ([("x-tokens-used", "7")], "generated").into_response() }),
+        )
+        .route_layer(
+            policy
+                .layer(Quota::daily(1_000).allowance("tokens"))
+                .deferred_cost(1, |response| {
+                    response
+                        .headers
+                        .get("x-tokens-used")
+                        .and_then(|v| v.to_str().ok()?.parse().ok())
+                        .unwrap_or(1)
+                }),
+        );
+    let app = Router::new()
+        .route("/ok", get(|| async { "ok" }))
+        .route("/fail", get(|| async { StatusCode::INTERNAL_SERVER_ERROR }))
+        .route("/slow", get(slow))
+        .merge(tokens)
+        .fallback(unrouted::NotFound)
+        .layer(policy.layer(Quota::daily(100).allowance("calls")));
+
+    assert_eq!(send(&app, call("/ok", "acme")).await, StatusCode::OK);
+    assert_eq!(
+        send(&app, call("/fail", "acme")).await,
+        StatusCode::INTERNAL_SERVER_ERROR
+    );
+    assert_eq!(
+        send(&app, call("/nowhere", "acme")).await,
+        StatusCode::NOT_FOUND
+    );
+    assert_eq!(send(&app, call("/tokens", "acme")).await, StatusCode::OK);
+    // Dropped before its answer: not served.
+    let pending = tokio::spawn(app.clone().oneshot(call("/slow", "acme")));
+    reached.notified().await;
+    pending.abort();
+    assert!(pending.await.unwrap_err().is_cancelled());
+
+    settled(&policy).await;
+    assert_eq!(
+        used(&policy, "acme", "calls-day").await,
+        2,
+        "/ok and /tokens; not the server error, the unrouted path nor the dropped request"
+    );
+    assert_eq!(
+        used(&policy, "acme", "tokens-day").await,
+        7,
+        "the deferred cost"
+    );
+}
+
+#[tokio::test(start_paused = true)]
+async fn a_refusal_by_another_policy_further_in_owes_nothing() {
+    let clock = clock();
+    let memory = MemoryStore::new();
+    let failing = policy(Rigged::new(memory.clone(), Rig::Fail, None), &clock)
+        .namespace("outer")
+        .build();
+    let inner = policy(memory, &clock).namespace("inner").build();
+    let app = Router::new()
+        .route("/", get(|| async { "ok" }))
+        .route_layer(inner.layer(Quota::daily(1).allowance("burst")))
+        .route_layer(failing.layer(Quota::daily(10).allowance("read")));
+    assert_eq!(send(&app, call("/", "acme")).await, StatusCode::OK);
+    assert_eq!(
+        send(&app, call("/", "acme")).await,
+        StatusCode::TOO_MANY_REQUESTS
+    );
+    settled(&failing).await;
+    assert_eq!(
+        used(&failing, "acme", "read-day").await,
+        1,
+        "the one served"
+    );
+}
+
+#[tokio::test(start_paused = true)]
+async fn without_a_ledger_a_request_passed_on_a_failed_charge_goes_uncounted() {
+    let clock = clock();
+    let store = Rigged::new(MemoryStore::new(), Rig::Fail, None);
+    let policy = policy(store, &clock).max_owed_counters(0).build();
+    let app = Router::new()
+        .route("/", get(|| async { "ok" }))
+        .layer(policy.layer(Quota::daily(2)));
+    for _ in 0..3 {
+        assert_eq!(send(&app, call("/", "acme")).await, StatusCode::OK);
+    }
+    assert_eq!(policy.owed().units, 0);
+    tokio::time::sleep(Duration::from_secs(1)).await;
+    assert_eq!(used(&policy, "acme", "default-day").await, 0);
+}
+
+/// Log lines at `warn` and above, with their fields, as text.
+#[derive(Clone, Default)]
+struct Logs(Arc<Mutex<Vec<String>>>);
+
+impl Logs {
+    fn lines(&self) -> Vec<String> {
+        self.0.lock().unwrap().clone()
+    }
+}
+
+struct Text<'a>(&'a mut String);
+
+impl tracing::field::Visit for Text<'_> {
+    fn record_debug(&mut self, field: &tracing::field::Field, value: &dyn std::fmt::Debug) {
+        self.0.push_str(&format!(" {}={value:?}", field.name()));
+    }
+}
+
+impl tracing::Subscriber for Logs {
+    fn enabled(&self, metadata: &tracing::Metadata<'_>) -> bool {
+        *metadata.level() <= tracing::Level::WARN
+    }
+    fn new_span(&self, _: &tracing::span::Attributes<'_>) -> tracing::span::Id {
+        tracing::span::Id::from_u64(1)
+    }
+    fn record(&self, _: &tracing::span::Id, _: &tracing::span::Record<'_>) {}
+    fn record_follows_from(&self, _: &tracing::span::Id, _: &tracing::span::Id) {}
+    fn event(&self, event: &tracing::Event<'_>) {
+        let mut line = String::new();
+        event.record(&mut Text(&mut line));
+        self.0.lock().unwrap().push(line);
+    }
+    fn enter(&self, _: &tracing::span::Id) {}
+    fn exit(&self, _: &tracing::span::Id) {}
+}
+
+/// Runs `work` on a current-thread runtime with paused time, with a log
+/// subscriber and (with the `metrics` feature) a metrics recorder of its
+/// own; returns the logs and the ledger's counters.
+fn observed<F: Future<Output = ()>>(work: impl FnOnce() -> F) -> (Vec<String>, Ledger) {
+    let logs = Logs::default();
+    let _guard = tracing::subscriber::set_default(logs.clone());
+    let runtime = tokio::runtime::Builder::new_current_thread()
+        .enable_all()
+        .start_paused(true)
+        .build()
+        .unwrap();
+    let ledger = metrics_of(|| runtime.block_on(work()));
+    (logs.lines(), ledger)
+}
+
+/// The ledger's metrics: owed, settled, dropped by reason.
+#[derive(Debug, Default, PartialEq, Eq)]
+struct Ledger {
+    owed: u64,
+    settled: u64,
+    full: u64,
+    ended: u64,
+}
+
+#[cfg(feature = "metrics")]
+fn metrics_of(work: impl FnOnce()) -> Ledger {
+    use metrics_util::debugging::{DebugValue, DebuggingRecorder};
+    use tower_quota::metrics::{LEDGER_DROPPED, LEDGER_OWED, LEDGER_SETTLED};
+
+    let recorder = DebuggingRecorder::new();
+    let snapshotter = recorder.snapshotter();
+    metrics::with_local_recorder(&recorder, work);
+    let mut ledger = Ledger::default();
+    for (key, _, _, value) in snapshotter.snapshot().into_vec() {
+        let DebugValue::Counter(n) = value else {
+            continue;
+        };
+        let key = key.key();
+        let reason = key
+            .labels()
+            .find(|l| l.key() == "reason")
+            .map(|l| l.value().to_owned());
+        match (key.name(), reason.as_deref()) {
+            (name, _) if name == LEDGER_OWED => ledger.owed += n,
+            (name, _) if name == LEDGER_SETTLED => ledger.settled += n,
+            (name, Some("full")) if name == LEDGER_DROPPED => ledger.full += n,
+            (name, Some("ended")) if name == LEDGER_DROPPED => ledger.ended += n,
+            _ => {}
+        }
+    }
+    ledger
+}
+
+#[cfg(not(feature = "metrics"))]
+fn metrics_of(work: impl FnOnce()) -> Ledger {
+    work();
+    Ledger::default()
+}
+
+#[test]
+fn debts_past_the_bound_are_dropped_logged_and_counted() {
+    let memory = MemoryStore::new();
+    let (logs, metrics) = observed(|| async {
+        let clock = clock();
+        let store = Rigged::new(memory.clone(), Rig::Fail, None);
+        store.away.store(true, Ordering::Relaxed);
+        let policy = policy(store.clone(), &clock).max_owed_counters(3).build();
+        let app = Router::new()
+            .route("/", get(|| async { "ok" }))
+            .layer(policy.layer(Quota::daily(10)));
+        for account in ["a", "b", "c", "d", "e", "a", "e"] {
+            assert_eq!(send(&app, call("/", account)).await, StatusCode::OK);
+        }
+        let owed = policy.owed();
+        assert_eq!(
+            (owed.counters, owed.units),
+            (3, 4),
+            "a, b and c owed (a twice); d and e past the bound"
+        );
+        store.away.store(false, Ordering::Relaxed);
+        settled(&policy).await;
+        assert_eq!(used(&policy, "a", "default-day").await, 2);
+        assert_eq!(used(&policy, "c", "default-day").await, 1);
+        assert_eq!(used(&policy, "d", "default-day").await, 0);
+        assert_eq!(used(&policy, "e", "default-day").await, 0);
+    });
+    let dropped: Vec<&String> = logs
+        .iter()
+        .filter(|l| l.contains("owes its maximum of counters"))
+        .collect();
+    assert_eq!(dropped.len(), 3, "{logs:#?}");
+    assert!(dropped[0].contains("max_owed_counters=3"), "{logs:#?}");
+    for line in &logs {
+        assert!(
+            !line.contains("acme") && !line.contains("{account:"),
+            "a log names a subject or a key: {line}"
+        );
+    }
+    if cfg!(feature = "metrics") {
+        assert_eq!(
+            metrics,
+            Ledger {
+                owed: 4,
+                settled: 4,
+                full: 3,
+                ended: 0,
+            }
+        );
+    }
+}
+
+#[test]
+fn a_debt_of_a_window_that_ended_is_dropped_not_charged_to_the_next() {
+    let memory = MemoryStore::new();
+    let (logs, metrics) = observed(|| async {
+        let clock = ManualClock::new("2026-12-02T23:59:50Z".parse().unwrap());
+        let store = Rigged::new(memory.clone(), Rig::Fail, Some("daily"));
+        store.away.store(true, Ordering::Relaxed);
+        let policy = policy(store.clone(), &clock).build();
+        let app = Router::new()
+            .route("/", get(|| async { "ok" }))
+            .layer(policy.layer(Quota::daily(10).allowance("daily")))
+            .layer(policy.layer(Quota::rolling(10, Duration::from_secs(3_600)).allowance("hour")));
+        assert_eq!(send(&app, call("/", "acme")).await, StatusCode::OK);
+        assert_eq!(policy.owed().units, 1, "the day's charge");
+        // The store answers again after midnight.
+        clock.advance(SignedDuration::from_secs(20));
+        store.away.store(false, Ordering::Relaxed);
+        settled(&policy).await;
+        assert_eq!(policy.owed().counters, 0);
+        assert_eq!(
+            memory.len(),
+            1,
+            "the hour's counter only: no counter for the day that ended"
+        );
+        assert_eq!(
+            used(&policy, "acme", "daily-day").await,
+            0,
+            "nothing charged to the new day"
+        );
+    });
+    assert!(
+        logs.iter().any(|l| l.contains("periods that were over")),
+        "{logs:#?}"
+    );
+    if cfg!(feature = "metrics") {
+        assert_eq!(
+            metrics,
+            Ledger {
+                owed: 1,
+                settled: 0,
+                full: 0,
+                ended: 1,
+            }
+        );
+    }
+}

@@ -1,0 +1,455 @@
+//! Every admission counted on a real `redis-server`: requests that pass on
+//! a failed charge (fail open) through a stall and through an outage are
+//! counted once Redis answers, a fail-closed refusal stays uncharged, and
+//! debts keep to their periods.
+
+#![cfg(feature = "redis")]
+
+mod demo_server;
+mod redis_support;
+
+use std::future::IntoFuture;
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use axum::body::Body;
+use axum::routing::get;
+use axum::Router;
+use http::{Request, StatusCode};
+use tower::ServiceExt;
+use tower_quota::jiff::{SignedDuration, Timestamp};
+use tower_quota::store::{Debt, Lifetime, RedisStore, Store, StoreErrorKind};
+use tower_quota::{
+    FromHeader, ManualClock, Namespace, OnStoreError, PeriodKey, Quota, QuotaPolicy, Subject,
+};
+
+use redis_support::{redis_available, RedisServer, Stopped};
+
+fn account() -> FromHeader {
+    FromHeader::account("x-account-id")
+}
+
+fn call(account: &str) -> Request<Body> {
+    Request::get("/")
+        .header("x-account-id", account)
+        .body(Body::empty())
+        .unwrap()
+}
+
+async fn send(app: &Router, account: &str) -> StatusCode {
+    app.clone().oneshot(call(account)).await.unwrap().status()
+}
+
+/// The key of `quota`'s counter for `account` at `at`, in the default
+/// namespace.
+fn key_of(quota: &Quota, account: &str, at: Timestamp) -> PeriodKey {
+    quota.key(&Namespace::default(), &Subject::account(account), at)
+}
+
+/// The counter's count as Redis holds it ("" when there is none).
+fn used(server: &RedisServer, key: &PeriodKey) -> String {
+    server.cli(&["hget", key.as_str(), "n"])
+}
+
+/// Waits until the policy's ledger owes nothing and the store has no call
+/// in flight (every late charge given back), both at once.
+async fn settled<E>(policy: &QuotaPolicy<E, RedisStore>) {
+    let deadline = Instant::now() + Duration::from_secs(30);
+    loop {
+        if policy.owed().units == 0 && policy.store().in_flight() == 0 {
+            // Once more after a moment: a give-back may start a settle.
+            tokio::time::sleep(Duration::from_millis(50)).await;
+            if policy.owed().units == 0 && policy.store().in_flight() == 0 {
+                return;
+            }
+        }
+        assert!(
+            Instant::now() < deadline,
+            "still owed {:?}, {} calls in flight",
+            policy.owed(),
+            policy.store().in_flight()
+        );
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+}
+
+/// What 20 callers saw, each sending requests over HTTP (a connection per
+/// request) until told to stop.
+#[derive(Debug, Default)]
+struct Seen {
+    ok: u64,
+    refused: u64,
+    unavailable: u64,
+    other: Vec<u16>,
+}
+
+/// Serves `app` over HTTP on a loopback port, sends from 20 callers while
+/// Redis stalls for 1.5 s (`DEBUG SLEEP`, far past the store's timeouts)
+/// in the middle, and returns what they saw and the most the policy's
+/// ledger owed meanwhile.
+async fn twenty_callers_through_a_stall<E>(
+    server: &RedisServer,
+    policy: &QuotaPolicy<E, RedisStore>,
+    app: Router,
+) -> (Seen, u64) {
+    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let addr = listener.local_addr().unwrap().to_string();
+    let serving = tokio::spawn(axum::serve(listener, app).into_future());
+    let stop = Arc::new(AtomicBool::new(false));
+    let mut callers = tokio::task::JoinSet::new();
+    for _ in 0..20 {
+        let stop = Arc::clone(&stop);
+        let addr = addr.clone();
+        callers.spawn(async move {
+            let mut seen = Seen::default();
+            while !stop.load(Ordering::Relaxed) {
+                let reply = demo_server::call(&addr, "GET", "/", &[("x-account-id", "acme")]).await;
+                match reply.status {
+                    200 => seen.ok += 1,
+                    429 => seen.refused += 1,
+                    503 => seen.unavailable += 1,
+                    other => seen.other.push(other),
+                }
+                tokio::time::sleep(Duration::from_millis(5)).await;
+            }
+            seen
+        });
+    }
+    tokio::time::sleep(Duration::from_millis(300)).await;
+    let port = server.port();
+    let stall =
+        tokio::task::spawn_blocking(move || redis_support::cli(port, &["debug", "sleep", "1.5"]));
+    let mut owed = 0;
+    while !stall.is_finished() {
+        owed = owed.max(policy.owed().units);
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    assert_eq!(stall.await.unwrap(), "OK");
+    tokio::time::sleep(Duration::from_millis(500)).await;
+    stop.store(true, Ordering::Relaxed);
+    let mut seen = Seen::default();
+    while let Some(one) = callers.join_next().await {
+        let one = one.unwrap();
+        seen.ok += one.ok;
+        seen.refused += one.refused;
+        seen.unavailable += one.unavailable;
+        seen.other.extend(one.other);
+    }
+    serving.abort();
+    (seen, owed)
+}
+
+fn stalling_server() -> Option<RedisServer> {
+    redis_available().then(|| RedisServer::start_with(&["--enable-debug-command", "yes"]))
+}
+
+/// Fail open through a stall, on a daily quota of `limit`: afterwards the
+/// counter holds the 200s, exactly.
+async fn fail_open_through_a_stall(limit: u64) -> (Seen, String) {
+    let server = stalling_server().expect("checked by the caller");
+    let store = RedisStore::new(server.url()).unwrap();
+    store.preload().await.unwrap();
+    let policy = QuotaPolicy::builder(account())
+        .store(store)
+        .on_store_error(OnStoreError::FailOpen)
+        .build();
+    let quota = Quota::daily(limit);
+    let app = Router::new()
+        .route("/", get(|| async { "ok" }))
+        .layer(policy.layer(quota.clone()));
+    let (seen, owed) = twenty_callers_through_a_stall(&server, &policy, app).await;
+    assert!(seen.other.is_empty(), "{seen:?}");
+    assert!(owed > 0, "requests passed on failed charges: {seen:?}");
+
+    settled(&policy).await;
+    let key = key_of(&quota, "acme", Timestamp::now());
+    assert_eq!(
+        used(&server, &key),
+        seen.ok.to_string(),
+        "every admission counted, once: {seen:?}, {:?}",
+        policy.store()
+    );
+    (seen, format!("{:?}", policy.store()))
+}
+
+/// The charges that timed out during the stall had room: Redis applies
+/// them late, and they are given back while their requests' debts are
+/// settled.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn fail_open_through_a_stall_counts_every_admission() {
+    if !redis_available() {
+        return;
+    }
+    let (seen, store) = fail_open_through_a_stall(1_000_000).await;
+    assert_eq!(seen.refused, 0, "{seen:?}");
+    assert!(
+        !store.contains("given_back: 0,"),
+        "late charges were given back: {store}"
+    );
+}
+
+/// The limit is reached before the stall: what passes during it takes the
+/// count past the limit, which then says what was served.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn fail_open_through_a_stall_at_the_limit_counts_past_it() {
+    if !redis_available() {
+        return;
+    }
+    let (seen, _) = fail_open_through_a_stall(100).await;
+    assert!(seen.refused > 0, "{seen:?}");
+    assert!(seen.ok > 100, "past the limit during the stall: {seen:?}");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn fail_closed_through_a_stall_leaves_its_refusals_uncharged() {
+    let Some(server) = stalling_server() else {
+        return;
+    };
+    let store = RedisStore::new(server.url()).unwrap();
+    store.preload().await.unwrap();
+    let policy = QuotaPolicy::builder(account()).store(store).build();
+    let quota = Quota::daily(1_000_000);
+    let app = Router::new()
+        .route("/", get(|| async { "ok" }))
+        .layer(policy.layer(quota.clone()));
+    let (seen, owed) = twenty_callers_through_a_stall(&server, &policy, app).await;
+    assert!(seen.other.is_empty() && seen.refused == 0, "{seen:?}");
+    assert!(seen.unavailable > 0, "503s during the stall: {seen:?}");
+    assert_eq!(owed, 0, "a refusal owes nothing");
+
+    settled(&policy).await;
+    let key = key_of(&quota, "acme", Timestamp::now());
+    assert_eq!(
+        used(&server, &key),
+        seen.ok.to_string(),
+        "the 200s only: {seen:?}, {:?}",
+        policy.store()
+    );
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn fail_open_through_an_outage_counts_every_admission() {
+    if !redis_available() {
+        return;
+    }
+    // Every write on disk before it is answered: the counter outlives the
+    // restart.
+    let mut server = RedisServer::start_with(&["--appendonly", "yes", "--appendfsync", "always"]);
+    let policy = QuotaPolicy::builder(account())
+        .store(RedisStore::new(server.url()).unwrap())
+        .on_store_error(OnStoreError::FailOpen)
+        .build();
+    let quota = Quota::daily(10);
+    let app = Router::new()
+        .route("/", get(|| async { "ok" }))
+        .layer(policy.layer(quota.clone()));
+    for _ in 0..5 {
+        assert_eq!(send(&app, "acme").await, StatusCode::OK);
+    }
+    let key = key_of(&quota, "acme", Timestamp::now());
+    assert_eq!(used(&server, &key), "5");
+
+    server.kill();
+    for _ in 0..20 {
+        assert_eq!(send(&app, "acme").await, StatusCode::OK, "fail open");
+    }
+    let owed = policy.owed();
+    assert_eq!((owed.counters, owed.units), (1, 20), "one counter owes 20");
+    // Still down a while: the ledger waits between tries.
+    tokio::time::sleep(Duration::from_millis(500)).await;
+    assert_eq!(policy.owed().units, 20);
+
+    server.restart();
+    assert_eq!(used(&server, &key), "5", "the counter outlived the restart");
+    settled(&policy).await;
+    assert_eq!(used(&server, &key), "25", "every admission counted");
+    assert_eq!(
+        send(&app, "acme").await,
+        StatusCode::TOO_MANY_REQUESTS,
+        "past the limit, as served"
+    );
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_first_use_counter_the_ledger_creates_ends_with_the_requests_period() {
+    if !redis_available() {
+        return;
+    }
+    let mut server = RedisServer::start();
+    let t0 = Timestamp::now();
+    let clock = ManualClock::new(t0);
+    let policy = QuotaPolicy::builder(account())
+        .store(RedisStore::new(server.url()).unwrap())
+        .clock(clock.clone())
+        .on_store_error(OnStoreError::FailOpen)
+        .build();
+    let quota = Quota::rolling(10, Duration::from_secs(3_600));
+    let app = Router::new()
+        .route("/", get(|| async { "ok" }))
+        .layer(policy.layer(quota.clone()));
+
+    server.kill();
+    assert_eq!(send(&app, "acme").await, StatusCode::OK);
+    clock.advance(SignedDuration::from_mins(5));
+    assert_eq!(send(&app, "acme").await, StatusCode::OK);
+    let owed = policy.owed();
+    assert_eq!((owed.counters, owed.units), (1, 2), "one period owed");
+
+    // Redis comes back (empty) ten minutes after the first request.
+    clock.advance(SignedDuration::from_mins(5));
+    server.restart();
+    settled(&policy).await;
+    let key = key_of(&quota, "acme", t0);
+    assert_eq!(used(&server, &key), "2");
+    assert_eq!(
+        server.cli(&["hget", key.as_str(), "t"]),
+        t0.as_millisecond().to_string(),
+        "the first call is the first request's"
+    );
+    let pttl: i64 = server.cli(&["pttl", key.as_str()]).parse().unwrap();
+    let left = 50 * 60 * 1_000;
+    assert!(
+        (left - 10_000..=left).contains(&pttl),
+        "the period opened by the first request ends in 50 minutes, not later: {pttl} ms"
+    );
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_debt_of_a_day_that_ended_is_not_charged_to_the_next_day() {
+    if !redis_available() {
+        return;
+    }
+    let mut server = RedisServer::start();
+    let clock = ManualClock::new("2026-12-02T23:59:50Z".parse().unwrap());
+    let policy = QuotaPolicy::builder(account())
+        .store(RedisStore::new(server.url()).unwrap())
+        .clock(clock.clone())
+        .on_store_error(OnStoreError::FailOpen)
+        .build();
+    let quota = Quota::daily(10);
+    let app = Router::new()
+        .route("/", get(|| async { "ok" }))
+        .layer(policy.layer(quota.clone()));
+
+    server.kill();
+    assert_eq!(send(&app, "acme").await, StatusCode::OK);
+    assert_eq!(policy.owed().units, 1);
+    // Redis answers again after midnight.
+    clock.advance(SignedDuration::from_secs(20));
+    server.restart();
+    settled(&policy).await;
+    assert_eq!(server.cli(&["dbsize"]), "0", "nothing written");
+
+    assert_eq!(send(&app, "acme").await, StatusCode::OK);
+    let today = key_of(&quota, "acme", clock.now());
+    assert!(today.as_str().ends_with("2026-12-03"), "{today:?}");
+    assert_eq!(used(&server, &today), "1", "the new day counts its own");
+    assert_eq!(server.cli(&["dbsize"]), "1");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn past_its_bound_the_ledger_counts_the_counters_it_owes_only() {
+    if !redis_available() {
+        return;
+    }
+    let mut server = RedisServer::start();
+    let policy = QuotaPolicy::builder(account())
+        .store(RedisStore::new(server.url()).unwrap())
+        .on_store_error(OnStoreError::FailOpen)
+        .max_owed_counters(2)
+        .build();
+    let quota = Quota::daily(10);
+    let app = Router::new()
+        .route("/", get(|| async { "ok" }))
+        .layer(policy.layer(quota.clone()));
+    server.kill();
+    for account in ["a", "b", "c", "a"] {
+        assert_eq!(send(&app, account).await, StatusCode::OK);
+    }
+    let owed = policy.owed();
+    assert_eq!((owed.counters, owed.units), (2, 3));
+    server.restart();
+    settled(&policy).await;
+    let now = Timestamp::now();
+    assert_eq!(used(&server, &key_of(&quota, "a", now)), "2");
+    assert_eq!(used(&server, &key_of(&quota, "b", now)), "1");
+    assert_eq!(
+        used(&server, &key_of(&quota, "c", now)),
+        "",
+        "past the bound"
+    );
+}
+
+/// A settle is sent as a charge is: one that times out, and that Redis
+/// applies later, is given back, so the ledger's next try counts it once.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_settle_redis_applies_late_is_given_back() {
+    if !redis_available() {
+        return;
+    }
+    let server = RedisServer::start();
+    let store = RedisStore::builder(server.url())
+        .timeout(Duration::from_millis(100))
+        .build()
+        .unwrap();
+    store.preload().await.unwrap();
+    let now = Timestamp::now();
+    let key = Namespace::default().key(&Subject::account("acme"), "late", "PT1H");
+    let debt = Debt {
+        key: key.clone(),
+        amount: 3,
+        lifetime: Lifetime::FirstUse {
+            deadline: now + SignedDuration::from_hours(1),
+        },
+        since: now,
+    };
+
+    let mut stopped = Stopped::new(&server);
+    let error = store.settle_debt(now, debt.clone()).await.unwrap_err();
+    assert_eq!(error.kind(), StoreErrorKind::Timeout, "{error}");
+    stopped.resume();
+    let deadline = Instant::now() + Duration::from_secs(10);
+    while store.in_flight() > 0 {
+        assert!(Instant::now() < deadline, "{store:?}");
+        tokio::time::sleep(Duration::from_millis(10)).await;
+    }
+    assert_eq!(used(&server, &key), "0", "applied late, and given back");
+
+    assert_eq!(store.settle_debt(now, debt).await.unwrap(), Some(3));
+    assert_eq!(used(&server, &key), "3", "counted once");
+}
+
+/// What the store cannot take is an error, and nothing is written.
+#[tokio::test]
+async fn a_settle_on_what_is_no_counter_or_beyond_2_53_writes_nothing() {
+    if !redis_available() {
+        return;
+    }
+    let server = RedisServer::start();
+    let store = RedisStore::new(server.url()).unwrap();
+    let now = Timestamp::now();
+    let debt = |key: &PeriodKey, amount: u64| Debt {
+        key: key.clone(),
+        amount,
+        lifetime: Lifetime::FirstUse {
+            deadline: now + SignedDuration::from_hours(1),
+        },
+        since: now,
+    };
+    let text = Namespace::default().key(&Subject::account("acme"), "text", "PT1H");
+    server.cli(&["set", text.as_str(), "abc"]);
+    let error = store.settle_debt(now, debt(&text, 1)).await.unwrap_err();
+    assert_eq!(error.kind(), StoreErrorKind::Other, "{error}");
+    assert_eq!(server.cli(&["get", text.as_str()]), "abc");
+
+    let full = Namespace::default().key(&Subject::account("acme"), "full", "PT1H");
+    server.cli(&["hset", full.as_str(), "n", "9007199254740990"]);
+    let error = store.settle_debt(now, debt(&full, 5)).await.unwrap_err();
+    assert!(error.to_string().contains("2^53"), "{error}");
+    assert_eq!(used(&server, &full), "9007199254740990");
+    assert_eq!(
+        store.settle_debt(now, debt(&full, 2)).await.unwrap(),
+        Some(9_007_199_254_740_992)
+    );
+}
