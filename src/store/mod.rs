@@ -259,7 +259,8 @@ pub enum StoreErrorKind {
     /// The store did not answer in time. A refund, an add or a reset that
     /// timed out may still be applied: sending it again may apply it twice.
     /// (A store's own docs say what becomes of a charge that timed out;
-    /// the Redis store gives back one that Redis applies later.)
+    /// the Redis store gives back one that Redis applies later, as the
+    /// layer's ledger counts on: see the [module documentation](self).)
     Timeout,
     /// The store could not be reached or refused to work (connection lost,
     /// out of memory, restarting).

@@ -72,6 +72,13 @@ use crate::store::{
 ///   other way: a missing counter stays missing, the deadline stays as it
 ///   was, and a count that would go beyond 2^53 (what the script counts
 ///   exactly) is refused with a [`StoreError`] before anything is written.
+/// - **Debts** ([`Store::settle_debt`], what requests that passed on a
+///   failed charge owe) are one script call on the debt's key: an add to a
+///   live counter, past its limit if need be; where there is none, the
+///   counter a charge of the debt's requests would have created (its first
+///   call the earliest request's, its deadline the debt's first-use deadline
+///   or the window's end plus grace and jitter), in the same call; and
+///   nothing, answered as such, for a window that is over.
 ///
 /// - **Strict values.** A counter is a whole number from 0 to 2^53 (what the
 ///   script counts exactly), written as Redis writes integers. A key of
@@ -125,7 +132,13 @@ use crate::store::{
 ///   line, with the same refund as [`Store::refund`] (which never creates a
 ///   counter nor moves a deadline), and logged at `debug`. So a charge that
 ///   timed out is a [`StoreErrorKind::Timeout`] that charges nothing, and a
-///   stall of Redis leaves no charge behind once the queued scripts ran. A
+///   stall of Redis leaves no charge behind once the queued scripts ran.
+///   (A request a layer lets through on such a charge under
+///   [`OnStoreError::FailOpen`](crate::OnStoreError::FailOpen) owes it, and
+///   its policy's ledger adds it with [`Store::settle_debt`] once Redis
+///   answers: one count for the request, whether the charge was never
+///   applied, or applied late and given back. A settle is followed and
+///   given back the same way, so the ledger can send it again.) A
 ///   call is followed for 30 s at most; a connection silent that long is
 ///   dropped. A connection that answers nothing at all for a second while
 ///   a call waits on it (half-open after a network fault) takes no new
