@@ -50,8 +50,10 @@
 //! bound is dropped (after the debts of periods that are over are let go to
 //! make room), logged a few times a second at most and counted in the
 //! metrics: that admission goes uncounted. First-use debts of one key are
-//! one entry per period: a request within the period of the earliest one
-//! owed joins it; a later one opens an entry of its own.
+//! one entry per period: a request within the period of an entry's earliest
+//! request joins it, and so does an earlier one whose own period holds every
+//! request of the entry (the entry's period is then that one); any other
+//! opens an entry of its own.
 //!
 //! # Settling
 //!
@@ -138,6 +140,9 @@ struct Entry {
     lifetime: Lifetime,
     /// The earliest of the requests.
     since: Timestamp,
+    /// The latest of the requests: every request of the entry is within
+    /// its period, which starts at `since`.
+    latest: Timestamp,
     amount: u64,
 }
 
@@ -147,21 +152,27 @@ impl Entry {
         match (self.lifetime, debt.lifetime) {
             // The window is in the key: one entry per key.
             (Lifetime::Calendar { .. }, Lifetime::Calendar { .. }) => true,
-            // The period the earlier of the two opened holds the later.
+            // A later request joins within the entry's period; an earlier
+            // one opens a period of its own, which it shares only if that
+            // period holds every request of the entry.
             (Lifetime::FirstUse { deadline }, Lifetime::FirstUse { deadline: other }) => {
-                (self.since <= debt.since && debt.since < deadline)
-                    || (debt.since <= self.since && self.since < other)
+                if self.since <= debt.since {
+                    debt.since < deadline
+                } else {
+                    self.latest < other
+                }
             }
             _ => false,
         }
     }
 
-    /// Adds `debt`; its period is the earlier request's.
+    /// Adds `debt`, which it covers; its period is the earlier request's.
     fn join(&mut self, debt: &Debt) {
         if debt.since < self.since {
             self.since = debt.since;
             self.lifetime = debt.lifetime;
         }
+        self.latest = self.latest.max(debt.since);
         self.amount = self.amount.saturating_add(debt.amount);
     }
 }
@@ -276,6 +287,7 @@ impl Book {
             id,
             lifetime: debt.lifetime,
             since: debt.since,
+            latest: debt.since,
             amount: debt.amount,
         });
         self.counters += 1;

@@ -85,6 +85,42 @@ fn first_use_debts_share_an_entry_within_the_earliest_ones_period() {
     assert_eq!(debt, first_use(&acme, 1, t0 + minutes(65)));
 }
 
+/// An earlier request, answered late, shares an entry only if its period
+/// holds every request of the entry: otherwise the entry would take its
+/// period, and be dropped with it while later requests of the entry are in
+/// a period that is not over.
+#[test]
+fn an_earlier_debt_joins_only_a_period_that_holds_the_whole_entry() {
+    let mut book = Book::default();
+    let t0 = at(NOON);
+    let acme = key("acme", "PT1H");
+    // B at 40 min: [40, 100); C at 90 min joins it.
+    assert!(book.record(first_use(&acme, 1, t0 + minutes(40)), t0, 10));
+    assert!(book.record(first_use(&acme, 1, t0 + minutes(90)), t0, 10));
+    assert_eq!(book.queue.len(), 1);
+    // A at 0, answered at 92 min: its period [0, 60) holds B, not C.
+    let late = t0 + minutes(92);
+    assert!(book.record(first_use(&acme, 1, t0), late, 10));
+    assert_eq!(book.queue.len(), 2, "A in an entry of its own");
+    assert_eq!(book.units, 3);
+    // At 92 min A's period is over: A goes, B and C are settled.
+    let (key, id, debt) = book.next(late).expect("B and C still owed");
+    assert_eq!(
+        debt,
+        Debt {
+            key: acme.clone(),
+            amount: 2,
+            lifetime: Lifetime::FirstUse {
+                deadline: t0 + minutes(100),
+            },
+            since: t0 + minutes(40),
+        }
+    );
+    book.paid(&key, id, 2);
+    assert!(book.next(late).is_none());
+    assert_eq!(book.units, 0);
+}
+
 #[test]
 fn past_the_bound_a_new_counter_is_refused_and_ended_ones_make_room() {
     let mut book = Book::default();
