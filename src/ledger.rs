@@ -58,10 +58,14 @@
 //! # Settling
 //!
 //! The first debt starts a task on the tokio runtime (none runs while
-//! nothing is owed) that settles the entries one by one, oldest first. While
-//! the store fails (a timeout, the store unreachable or full) it waits
-//! before the next try, 100 ms then twice as long after each failure, up to
-//! 5 s; a settle that goes through starts the waits afresh. A debt whose
+//! nothing is owed) that settles the entries one by one, oldest first. An
+//! entry the store fails to settle (a timeout, the store unreachable or
+//! full) goes to the back of the line, and the others are tried: a key the
+//! store keeps failing (a cluster node that is down, a new counter in a full
+//! store) holds up no other. Once every entry owed has failed in a row, the
+//! task waits before the next try, 100 ms then twice as long after each
+//! such round, up to 5 s; a settle that goes through starts the waits
+//! afresh. A debt whose
 //! period is over by the time it would be settled is dropped, logged and
 //! counted, never added to a later period; so is one the store refuses (a
 //! key that holds no counter, a sum beyond what it counts exactly). The task
@@ -372,6 +376,18 @@ impl Book {
         }
     }
 
+    /// The store failed to settle entry `id` of `key`: it goes to the back
+    /// of the queue, so that the others are tried before it again. How many
+    /// entries are owed.
+    fn postpone(&mut self, key: &PeriodKey, id: u64) -> usize {
+        self.in_flight = None;
+        if let Some(at) = self.queue.iter().position(|(k, i)| k == key && *i == id) {
+            let entry = self.queue.remove(at).expect("found in the queue");
+            self.queue.push_back(entry);
+        }
+        self.queue.len()
+    }
+
     /// `amount` of entry `id` of `key` is settled (or dropped): what was
     /// added to it meanwhile stays owed.
     fn paid(&mut self, key: &PeriodKey, id: u64, amount: u64) {
@@ -467,6 +483,9 @@ async fn settle<St: Store>(
 ) {
     let mut wait = FIRST_RETRY;
     let (mut units, mut counters) = (0u64, 0usize);
+    // Entries the store failed to settle in a row: once each entry owed has
+    // failed, the store is taken to fail for all, and the task waits.
+    let mut failures = 0usize;
     loop {
         let Some(ledger) = claim.ledger() else {
             return;
@@ -491,21 +510,24 @@ async fn settle<St: Store>(
         let Some(ledger) = claim.ledger() else {
             return;
         };
+        // A failure worth another try (a timeout, the store unreachable or
+        // full) leaves the entry owed, behind the others; any other answer
+        // settles it or drops it.
+        let failed = matches!(&result, Err(error) if error.kind() != StoreErrorKind::Other);
         // Decided under the lock, which is let go before any wait.
-        let failed = {
+        let owed = {
             let mut book = ledger.lock();
-            match &result {
-                Err(error) if !matches!(error.kind(), StoreErrorKind::Other) => {
-                    book.in_flight = None;
-                    true
-                }
-                _ => {
-                    book.paid(&key, id, amount);
-                    false
-                }
+            if failed {
+                book.postpone(&key, id)
+            } else {
+                book.paid(&key, id, amount);
+                0
             }
         };
         drop(ledger);
+        if !failed {
+            failures = 0;
+        }
         match result {
             Ok(Some(_)) => {
                 crate::metrics::ledger_settled(amount);
@@ -530,12 +552,22 @@ async fn settle<St: Store>(
                 }
             }
             Err(error) => {
+                failures += 1;
+                if failures < owed {
+                    // Another entry may settle (another key, another node of
+                    // a cluster): tried at once, after letting other tasks
+                    // run.
+                    tokio::task::yield_now().await;
+                    continue;
+                }
                 let error = error.to_string().replace(key.as_str(), "the counter");
                 tracing::debug!(
                     error,
+                    counters = owed,
                     retry_in = ?wait,
-                    "quota ledger could not settle; the store still fails"
+                    "quota ledger could not settle any counter it owes; the store still fails"
                 );
+                failures = 0;
                 tokio::time::sleep(wait).await;
                 wait = (wait * 2).min(LAST_RETRY);
             }

@@ -183,11 +183,13 @@ fn the_entry_being_settled_is_not_let_go_of() {
     assert_eq!((book.counters, book.units), (0, 0));
 }
 
-/// A memory store that fails every settle while `away`, counting the tries.
+/// A memory store that fails every settle while `away`, and every settle
+/// on `broken`, counting the tries.
 #[derive(Clone, Default)]
 struct Away {
     inner: MemoryStore,
     away: Arc<AtomicBool>,
+    broken: Arc<std::sync::Mutex<Option<PeriodKey>>>,
     tries: Arc<AtomicUsize>,
 }
 
@@ -228,7 +230,8 @@ impl Store for Away {
         debt: Debt,
     ) -> impl Future<Output = Result<Option<u64>, StoreError>> + Send {
         self.tries.fetch_add(1, Ordering::Relaxed);
-        let away = self.away.load(Ordering::Relaxed);
+        let away = self.away.load(Ordering::Relaxed)
+            || self.broken.lock().unwrap().as_ref() == Some(&debt.key);
         let inner = self.inner.clone();
         async move {
             if away {
@@ -304,4 +307,50 @@ async fn a_dropped_policy_stops_the_task() {
         store.tries.load(Ordering::Relaxed) <= tries + 1,
         "no tries once the ledger is gone"
     );
+}
+
+/// A key the store keeps failing (a cluster node that is down, a new
+/// counter in a full store) holds up no other: the others are settled, and
+/// the task waits between tries only once every entry failed.
+#[tokio::test(start_paused = true)]
+async fn a_key_the_store_keeps_failing_holds_up_no_other() {
+    let now = at(NOON);
+    let clock: Arc<dyn Clock> = Arc::new(ManualClock::new(now));
+    let store = Away::default();
+    let (a, b, c) = (key("a", "PT1H"), key("b", "PT1H"), key("c", "PT1H"));
+    *store.broken.lock().unwrap() = Some(a.clone());
+    let ledger = Arc::new(Ledger::new(10));
+    ledger.owe(
+        &store,
+        &clock,
+        None,
+        [first_use(&a, 1, now), first_use(&b, 2, now)],
+    );
+    tokio::time::sleep(Duration::from_millis(1)).await;
+    assert_eq!(
+        ledger.owed(),
+        Owed {
+            counters: 1,
+            units: 1
+        },
+        "b settled at once, behind a that failed"
+    );
+    assert_eq!(used(&store.inner, &b, now).await, 2);
+
+    // a alone: tries 100 ms, then 200, 400 ... apart.
+    let tries = store.tries.load(Ordering::Relaxed);
+    tokio::time::sleep(Duration::from_secs(10)).await;
+    let more = store.tries.load(Ordering::Relaxed) - tries;
+    assert!((5..=9).contains(&more), "{more} tries in 10 s");
+
+    // A debt recorded meanwhile is settled on the task's next round.
+    ledger.owe(&store, &clock, None, [first_use(&c, 3, now)]);
+    tokio::time::sleep(Duration::from_secs(6)).await;
+    assert_eq!(used(&store.inner, &c, now).await, 3);
+    assert_eq!(ledger.owed().units, 1, "a still owed");
+
+    *store.broken.lock().unwrap() = None;
+    tokio::time::sleep(Duration::from_secs(6)).await;
+    assert_eq!(ledger.owed(), Owed::default());
+    assert_eq!(used(&store.inner, &a, now).await, 1);
 }
