@@ -128,8 +128,8 @@ struct Book {
     counters: usize,
     units: u64,
     next_id: u64,
-    /// The earliest end of an entry's period (or earlier): no entry is over
-    /// before it.
+    /// The earliest end of an entry's period (or earlier), the entry being
+    /// settled left out: no other entry is over before it.
     earliest_end: Option<Timestamp>,
     /// Whether a task settles the ledger.
     settling: bool,
@@ -273,6 +273,15 @@ impl Book {
             .and_then(|entries| entries.iter_mut().find(|e| e.covers(&debt)))
         {
             entry.join(&debt);
+            // An earlier request may have brought the entry's end forward.
+            let (id, end) = (entry.id, entry.lifetime.end());
+            let busy = self
+                .in_flight
+                .as_ref()
+                .is_some_and(|(k, i)| *k == debt.key && *i == id);
+            if !busy {
+                self.earliest(end);
+            }
             self.units = self.units.saturating_add(debt.amount);
             return true;
         }
@@ -284,8 +293,7 @@ impl Book {
         }
         let id = self.next_id;
         self.next_id += 1;
-        let end = debt.lifetime.end();
-        self.earliest_end = Some(self.earliest_end.map_or(end, |e| e.min(end)));
+        self.earliest(debt.lifetime.end());
         self.queue.push_back((debt.key.clone(), id));
         self.owed.entry(debt.key).or_default().push(Entry {
             id,
@@ -300,8 +308,15 @@ impl Book {
         true
     }
 
+    /// Counts `end`, an entry's, in the earliest end.
+    fn earliest(&mut self, end: Timestamp) {
+        self.earliest_end = Some(self.earliest_end.map_or(end, |e| e.min(end)));
+    }
+
     /// Drops every entry whose period is over at `now` (but the one being
-    /// settled), when there can be one.
+    /// settled, which the earliest end leaves out: at the bound, a debt on a
+    /// new counter does not go through the book again for it), when there
+    /// can be one.
     fn let_go_of_ended(&mut self, now: Timestamp) {
         if self.earliest_end.is_none_or(|end| end > now) {
             return;
@@ -315,8 +330,11 @@ impl Book {
                 let busy = in_flight
                     .as_ref()
                     .is_some_and(|(k, id)| k == key && *id == entry.id);
+                if busy {
+                    return true;
+                }
                 let end = entry.lifetime.end();
-                if end <= now && !busy {
+                if end <= now {
                     dropped = dropped.saturating_add(entry.amount);
                     removed += 1;
                     return false;
@@ -380,7 +398,7 @@ impl Book {
     /// of the queue, so that the others are tried before it again. How many
     /// entries are owed.
     fn postpone(&mut self, key: &PeriodKey, id: u64) -> usize {
-        self.in_flight = None;
+        self.release();
         if let Some(at) = self.queue.iter().position(|(k, i)| k == key && *i == id) {
             let entry = self.queue.remove(at).expect("found in the queue");
             self.queue.push_back(entry);
@@ -391,16 +409,26 @@ impl Book {
     /// `amount` of entry `id` of `key` is settled (or dropped): what was
     /// added to it meanwhile stays owed.
     fn paid(&mut self, key: &PeriodKey, id: u64, amount: u64) {
-        self.in_flight = None;
-        let Some(entry) = self.entry(key, id) else {
+        if let Some(entry) = self.entry(key, id) {
+            let paid = amount.min(entry.amount);
+            entry.amount -= paid;
+            let left = entry.amount;
+            self.units = self.units.saturating_sub(paid);
+            if left == 0 {
+                self.remove(key, id);
+            }
+        }
+        self.release();
+    }
+
+    /// The entry being settled is back among the others, if it is still
+    /// owed: its end counts in the earliest end again.
+    fn release(&mut self) {
+        let Some((key, id)) = self.in_flight.take() else {
             return;
         };
-        let paid = amount.min(entry.amount);
-        entry.amount -= paid;
-        let left = entry.amount;
-        self.units = self.units.saturating_sub(paid);
-        if left == 0 {
-            self.remove(key, id);
+        if let Some(end) = self.entry(&key, id).map(|e| e.lifetime.end()) {
+            self.earliest(end);
         }
     }
 
@@ -468,7 +496,7 @@ impl Drop for Settling {
         if let Some(ledger) = self.ledger() {
             let mut book = ledger.lock();
             book.settling = false;
-            book.in_flight = None;
+            book.release();
         }
     }
 }

@@ -183,6 +183,31 @@ fn the_entry_being_settled_is_not_let_go_of() {
     assert_eq!((book.counters, book.units), (0, 0));
 }
 
+/// At the bound, with the entry being settled over, a debt on a new counter
+/// does not go through the book again for it; once the settle failed, the
+/// entry is let go of as any other.
+#[test]
+fn the_entry_being_settled_starts_no_search_for_ended_ones() {
+    let mut book = Book::default();
+    let now = at(NOON);
+    let (a, b) = (key("a", "PT1H"), key("b", "PT1H"));
+    book.record(first_use(&a, 2, now), now, 1);
+    let (key, id, _) = book.next(now).unwrap();
+    let later = now + minutes(61);
+    assert!(!book.record(first_use(&b, 1, later), later, 1));
+    assert!(
+        book.earliest_end.is_none_or(|end| end > later),
+        "no entry but the one being settled is over: {:?}",
+        book.earliest_end
+    );
+    // The settle failed: a is over, and makes room for b.
+    book.postpone(&key, id);
+    assert_eq!(book.earliest_end, Some(now + minutes(60)));
+    assert!(book.record(first_use(&b, 1, later), later, 1));
+    assert_eq!(book.units, 1);
+    assert_eq!(book.next(later).unwrap().2.key, b);
+}
+
 /// A memory store that fails every settle while `away`, and every settle
 /// on `broken`, counting the tries.
 #[derive(Clone, Default)]
