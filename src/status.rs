@@ -151,6 +151,9 @@ pub struct QuotaStatus {
 
 impl QuotaStatus {
     /// One entry per quota that applied to the request, outer layers first.
+    /// A quota whose charge the request owes (it passed on a failed charge
+    /// under [`OnStoreError::FailOpen`](crate::OnStoreError::FailOpen)) has
+    /// none: the store did not say where the caller stands.
     pub fn entries(&self) -> &[QuotaUsage] {
         self.entries.get_or_init(|| {
             self.tickets
@@ -169,16 +172,22 @@ impl QuotaStatus {
     /// The instant the request was first charged: what
     /// [`QuotaHandle::refund_at`](crate::QuotaHandle::refund_at) takes to
     /// undo it later. `None` when nothing was charged.
+    ///
+    /// A request that passed on a failed charge under
+    /// [`OnStoreError::FailOpen`](crate::OnStoreError::FailOpen) owes its
+    /// charge, counted once the policy's ledger settles it: this is its
+    /// instant all the same (a refund made before the ledger settled may
+    /// find no counter to give back to).
     pub fn charged_at(&self) -> Option<Timestamp> {
-        self.tickets
-            .iter()
-            .find(|t| t.lines().next().is_some())
-            .map(|t| t.now)
+        self.tickets.iter().find(|t| t.counted()).map(|t| t.now)
     }
 
-    /// Whether no quota counted the request.
+    /// Whether no quota counted the request: nothing charged, and nothing
+    /// owed (a request that passed on a failed charge under
+    /// [`OnStoreError::FailOpen`](crate::OnStoreError::FailOpen) is counted
+    /// once the policy's ledger settles it).
     pub fn is_exempt(&self) -> bool {
-        self.tickets.iter().all(|t| t.lines().next().is_none())
+        !self.tickets.iter().any(Ticket::counted)
     }
 
     /// The ticket of policy `policy`, if one of its layers saw the request.
@@ -245,6 +254,11 @@ impl Ticket {
     /// Whether a line of this ticket counts on `key`, charged or owed.
     pub(crate) fn counts(&self, key: &PeriodKey) -> bool {
         self.lines().any(|line| line.key == *key) || self.owed.contains(key)
+    }
+
+    /// Whether the policy's layers charged or owe anything for the request.
+    pub(crate) fn counted(&self) -> bool {
+        self.lines().next().is_some() || self.owes()
     }
 
     /// Whether the policy's layers owe their charges for the request

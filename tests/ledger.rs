@@ -24,7 +24,7 @@ use tower_quota::jiff::{SignedDuration, Timestamp};
 use tower_quota::store::ChargeRequest;
 use tower_quota::{
     unrouted, FromHeader, ManualClock, MemoryStore, OnStoreError, Quota, QuotaPolicy,
-    QuotaPolicyBuilder, Store, Subject,
+    QuotaPolicyBuilder, QuotaStatus, Store, Subject,
 };
 
 const NOW: &str = "2026-12-02T10:00:00Z";
@@ -193,6 +193,38 @@ async fn what_the_answer_changes_a_charge_it_changes_a_debt() {
         7,
         "the deferred cost"
     );
+}
+
+/// The handler sees a request that owes its charge as counted, at its
+/// instant.
+#[tokio::test(start_paused = true)]
+async fn a_request_that_owes_its_charge_is_not_exempt() {
+    let clock = clock();
+    let store = Rigged::new(MemoryStore::new(), Rig::Fail, None);
+    let policy = policy(store, &clock).build();
+    let app = Router::new()
+        .route(
+            "/",
+            get(|status: QuotaStatus| async move {
+                format!(
+                    "exempt={} charged_at={:?}",
+                    status.is_exempt(),
+                    status.charged_at()
+                )
+            }),
+        )
+        .layer(policy.layer(Quota::daily(2)));
+    let response = app.oneshot(call("/", "acme")).await.unwrap();
+    assert_eq!(response.status(), StatusCode::OK);
+    let body = axum::body::to_bytes(response.into_body(), 1_000)
+        .await
+        .unwrap();
+    assert_eq!(
+        std::str::from_utf8(&body).unwrap(),
+        format!("exempt=false charged_at=Some({NOW})")
+    );
+    settled(&policy).await;
+    assert_eq!(used(&policy, "acme", "default-day").await, 1);
 }
 
 #[tokio::test(start_paused = true)]
