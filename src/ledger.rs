@@ -69,8 +69,8 @@
 //! period is over by the time it would be settled is dropped, logged and
 //! counted, never added to a later period; so is one the store refuses (a
 //! key that holds no counter, a sum beyond what it counts exactly). The task
-//! ends when nothing is owed, or when the policy is dropped (what it still
-//! owed is lost with it).
+//! ends when nothing is owed, or when the policy is dropped: what the ledger
+//! still owes then is lost with it, logged and counted as abandoned.
 
 use std::collections::{HashMap, VecDeque};
 use std::future::Future;
@@ -134,7 +134,21 @@ struct Book {
     /// Whether a task settles the ledger.
     settling: bool,
     /// The entry the task is settling: kept while the store answers.
-    in_flight: Option<(PeriodKey, u64)>,
+    in_flight: Option<InFlight>,
+}
+
+/// The entry being settled, and the units its settle carries.
+#[derive(Clone)]
+struct InFlight {
+    key: PeriodKey,
+    id: u64,
+    amount: u64,
+}
+
+impl InFlight {
+    fn is(&self, key: &PeriodKey, id: u64) -> bool {
+        self.key == *key && self.id == id
+    }
 }
 
 /// What requests owe one counter in one period.
@@ -258,8 +272,30 @@ impl Ledger {
         };
         book.settling = true;
         drop(book);
-        let guard = Settling(Some(Arc::downgrade(self)));
+        let guard = Settling {
+            ledger: Some(Arc::downgrade(self)),
+            sent: None,
+        };
         drop(runtime.spawn(settle(guard, store.clone(), Arc::clone(clock), timeout)));
+    }
+}
+
+/// What a ledger still owes when its policy is dropped goes uncounted:
+/// logged, and counted as abandoned (but for a settle on its way, which its
+/// task accounts for once the store answers).
+impl Drop for Ledger {
+    fn drop(&mut self) {
+        let book = self.book.get_mut().unwrap_or_else(|e| e.into_inner());
+        let counters = book.counters;
+        if counters == 0 {
+            return;
+        }
+        crate::metrics::ledger_counters(-(counters as i64));
+        let sent = book.in_flight.as_ref().map_or(0, |sent| sent.amount);
+        let units = book.units.saturating_sub(sent);
+        if units > 0 {
+            abandoned(units, counters);
+        }
     }
 }
 
@@ -278,7 +314,7 @@ impl Book {
             let busy = self
                 .in_flight
                 .as_ref()
-                .is_some_and(|(k, i)| *k == debt.key && *i == id);
+                .is_some_and(|sent| sent.is(&debt.key, id));
             if !busy {
                 self.earliest(end);
             }
@@ -329,7 +365,7 @@ impl Book {
             entries.retain(|entry| {
                 let busy = in_flight
                     .as_ref()
-                    .is_some_and(|(k, id)| k == key && *id == entry.id);
+                    .is_some_and(|sent| sent.is(key, entry.id));
                 if busy {
                     return true;
                 }
@@ -383,7 +419,11 @@ impl Book {
                 ended(entry.amount, 1);
                 continue;
             }
-            self.in_flight = Some((key.clone(), id));
+            self.in_flight = Some(InFlight {
+                key: key.clone(),
+                id,
+                amount: entry.amount,
+            });
             let debt = Debt {
                 key: key.clone(),
                 amount: entry.amount,
@@ -424,7 +464,7 @@ impl Book {
     /// The entry being settled is back among the others, if it is still
     /// owed: its end counts in the earliest end again.
     fn release(&mut self) {
-        let Some((key, id)) = self.in_flight.take() else {
+        let Some(InFlight { key, id, .. }) = self.in_flight.take() else {
             return;
         };
         if let Some(end) = self.entry(&key, id).map(|e| e.lifetime.end()) {
@@ -474,29 +514,56 @@ fn ended(units: u64, counters: usize) {
     }
 }
 
+/// Logs and counts `units` owed on `counters` counters by a ledger dropped
+/// with its policy.
+fn abandoned(units: u64, counters: usize) {
+    crate::metrics::ledger_dropped(crate::metrics::dropped::ABANDONED, units);
+    if let Some(suppressed) = DROPPED.admit() {
+        tracing::warn!(
+            units,
+            counters,
+            suppressed,
+            "quota ledger dropped with its policy: what requests that passed on a failed charge \
+             (fail open) still owed goes uncounted"
+        );
+    }
+}
+
 /// The settling task's claim on the ledger: if the task ends without
 /// saying so (it panicked, or its runtime shut down), the next debt starts
 /// another.
-struct Settling(Option<Weak<Ledger>>);
+struct Settling {
+    ledger: Option<Weak<Ledger>>,
+    /// The units of the settle on its way: the task's to account for if
+    /// the ledger is dropped meanwhile (abandoned, if the task ends first).
+    sent: Option<u64>,
+}
 
 impl Settling {
     fn ledger(&self) -> Option<Arc<Ledger>> {
-        self.0.as_ref().and_then(Weak::upgrade)
+        self.ledger.as_ref().and_then(Weak::upgrade)
     }
 
     /// The task ended having found nothing owed (`Book::next` cleared the
     /// flag).
     fn done(mut self) {
-        self.0 = None;
+        self.ledger = None;
     }
 }
 
 impl Drop for Settling {
     fn drop(&mut self) {
-        if let Some(ledger) = self.ledger() {
-            let mut book = ledger.lock();
-            book.settling = false;
-            book.release();
+        match self.ledger() {
+            Some(ledger) => {
+                let mut book = ledger.lock();
+                book.settling = false;
+                book.release();
+            }
+            None => {
+                if let Some(units) = self.sent.take() {
+                    abandoned(units, 1);
+                }
+            }
         }
     }
 }
@@ -504,7 +571,7 @@ impl Drop for Settling {
 /// Settles what the ledger owes in `store`, entry by entry, until nothing
 /// is owed; waits between tries while the store fails.
 async fn settle<St: Store>(
-    claim: Settling,
+    mut claim: Settling,
     store: St,
     clock: Arc<dyn Clock>,
     timeout: Option<Duration>,
@@ -534,16 +601,17 @@ async fn settle<St: Store>(
             return;
         };
         let amount = debt.amount;
+        claim.sent = Some(amount);
         let result = within(timeout, store.settle_debt(now, debt)).await;
-        let Some(ledger) = claim.ledger() else {
-            return;
-        };
         // A failure worth another try (a timeout, the store unreachable or
         // full) leaves the entry owed, behind the others; any other answer
         // settles it or drops it.
         let failed = matches!(&result, Err(error) if error.kind() != StoreErrorKind::Other);
+        let ledger = claim.ledger();
+        // Accounted for below, whatever became of the ledger.
+        claim.sent = None;
         // Decided under the lock, which is let go before any wait.
-        let owed = {
+        let owed = ledger.as_ref().map_or(0, |ledger| {
             let mut book = ledger.lock();
             if failed {
                 book.postpone(&key, id)
@@ -551,7 +619,10 @@ async fn settle<St: Store>(
                 book.paid(&key, id, amount);
                 0
             }
-        };
+        });
+        // The policy was dropped while the store answered: its ledger
+        // counted what it owed as abandoned, but for this settle.
+        let gone = ledger.is_none();
         drop(ledger);
         if !failed {
             failures = 0;
@@ -579,6 +650,7 @@ async fn settle<St: Store>(
                     );
                 }
             }
+            Err(_) if gone => abandoned(amount, 1),
             Err(error) => {
                 failures += 1;
                 if failures < owed {
@@ -599,6 +671,9 @@ async fn settle<St: Store>(
                 tokio::time::sleep(wait).await;
                 wait = (wait * 2).min(LAST_RETRY);
             }
+        }
+        if gone {
+            return;
         }
     }
 }

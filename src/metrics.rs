@@ -118,12 +118,15 @@
 //!   `owed`); [`ended`](dropped::ENDED), owed to a period (a calendar
 //!   window, a first-use period) that was over before the store answered;
 //!   [`refused`](dropped::REFUSED), a debt the store cannot take (its key
-//!   holds no counter, or the sum is beyond what it counts exactly).
+//!   holds no counter, or the sum is beyond what it counts exactly);
+//!   [`abandoned`](dropped::ABANDONED), still owed when the policy was
+//!   dropped (its ledger goes with it).
 //!
 //! Once everything is settled, `owed = settled + dropped{reason!="full"}`.
 //! [`tower_quota_ledger_counters`](LEDGER_COUNTERS) is how many counters the
 //! ledgers owe now (summed over policies): above zero while the store is
-//! away, back to zero once it answers.
+//! away, back to zero once it answers (or once the policies that owe are
+//! dropped).
 //!
 //! # Descriptions
 //!
@@ -178,6 +181,8 @@ pub mod dropped {
     pub const ENDED: &str = "ended";
     /// A debt the store cannot take.
     pub const REFUSED: &str = "refused";
+    /// Still owed when the policy was dropped.
+    pub const ABANDONED: &str = "abandoned";
 }
 
 /// The values of the `outcome` label of [`DECISIONS`].

@@ -319,29 +319,37 @@ fn observed<F: Future<Output = ()>>(work: impl FnOnce() -> F) -> (Vec<String>, L
     (logs.lines(), ledger)
 }
 
-/// The ledger's metrics: owed, settled, dropped by reason.
+/// The ledger's metrics: owed, settled, dropped by reason, and the gauge
+/// of counters owed.
 #[derive(Debug, Default, PartialEq, Eq)]
 struct Ledger {
     owed: u64,
     settled: u64,
     full: u64,
     ended: u64,
+    abandoned: u64,
+    counters: i64,
 }
 
 #[cfg(feature = "metrics")]
 fn metrics_of(work: impl FnOnce()) -> Ledger {
     use metrics_util::debugging::{DebugValue, DebuggingRecorder};
-    use tower_quota::metrics::{LEDGER_DROPPED, LEDGER_OWED, LEDGER_SETTLED};
+    use tower_quota::metrics::{LEDGER_COUNTERS, LEDGER_DROPPED, LEDGER_OWED, LEDGER_SETTLED};
 
     let recorder = DebuggingRecorder::new();
     let snapshotter = recorder.snapshotter();
     metrics::with_local_recorder(&recorder, work);
     let mut ledger = Ledger::default();
     for (key, _, _, value) in snapshotter.snapshot().into_vec() {
-        let DebugValue::Counter(n) = value else {
-            continue;
-        };
         let key = key.key();
+        let n = match value {
+            DebugValue::Counter(n) => n,
+            DebugValue::Gauge(n) if key.name() == LEDGER_COUNTERS => {
+                ledger.counters = n.into_inner() as i64;
+                continue;
+            }
+            _ => continue,
+        };
         let reason = key
             .labels()
             .find(|l| l.key() == "reason")
@@ -351,6 +359,7 @@ fn metrics_of(work: impl FnOnce()) -> Ledger {
             (name, _) if name == LEDGER_SETTLED => ledger.settled += n,
             (name, Some("full")) if name == LEDGER_DROPPED => ledger.full += n,
             (name, Some("ended")) if name == LEDGER_DROPPED => ledger.ended += n,
+            (name, Some("abandoned")) if name == LEDGER_DROPPED => ledger.abandoned += n,
             _ => {}
         }
     }
@@ -410,6 +419,7 @@ fn debts_past_the_bound_are_dropped_logged_and_counted() {
                 settled: 4,
                 full: 3,
                 ended: 0,
+                ..Ledger::default()
             }
         );
     }
@@ -457,6 +467,46 @@ fn a_debt_of_a_window_that_ended_is_dropped_not_charged_to_the_next() {
                 settled: 0,
                 full: 0,
                 ended: 1,
+                ..Ledger::default()
+            }
+        );
+    }
+}
+
+#[test]
+fn what_a_dropped_policy_still_owes_is_counted_as_abandoned() {
+    let (logs, metrics) = observed(|| async {
+        let clock = clock();
+        let store = Rigged::new(MemoryStore::new(), Rig::Fail, None);
+        store.away.store(true, Ordering::Relaxed);
+        let policy = policy(store, &clock).build();
+        let app = Router::new()
+            .route("/", get(|| async { "ok" }))
+            .layer(policy.layer(Quota::daily(10)));
+        for account in ["acct-a", "acct-b", "acct-a"] {
+            assert_eq!(send(&app, call("/", account)).await, StatusCode::OK);
+        }
+        let owed = policy.owed();
+        assert_eq!((owed.counters, owed.units), (2, 3));
+        // The task tries, and waits.
+        tokio::time::sleep(Duration::from_secs(1)).await;
+        drop(app);
+        drop(policy);
+        tokio::time::sleep(Duration::from_secs(10)).await;
+    });
+    assert!(
+        logs.iter()
+            .any(|l| l.contains("dropped with its policy") && l.contains("units=3")),
+        "{logs:#?}"
+    );
+    if cfg!(feature = "metrics") {
+        assert_eq!(
+            metrics,
+            Ledger {
+                owed: 3,
+                abandoned: 3,
+                counters: 0,
+                ..Ledger::default()
             }
         );
     }

@@ -209,13 +209,16 @@ fn the_entry_being_settled_starts_no_search_for_ended_ones() {
 }
 
 /// A memory store that fails every settle while `away`, and every settle
-/// on `broken`, counting the tries.
+/// on `broken`, counting the tries; while `held`, a settle waits for
+/// `release` first.
 #[derive(Clone, Default)]
 struct Away {
     inner: MemoryStore,
     away: Arc<AtomicBool>,
     broken: Arc<std::sync::Mutex<Option<PeriodKey>>>,
     tries: Arc<AtomicUsize>,
+    held: Arc<AtomicBool>,
+    release: Arc<tokio::sync::Notify>,
 }
 
 impl Store for Away {
@@ -258,7 +261,12 @@ impl Store for Away {
         let away = self.away.load(Ordering::Relaxed)
             || self.broken.lock().unwrap().as_ref() == Some(&debt.key);
         let inner = self.inner.clone();
+        let held = self.held.load(Ordering::Relaxed);
+        let release = Arc::clone(&self.release);
         async move {
+            if held {
+                release.notified().await;
+            }
             if away {
                 return Err(StoreError::new(StoreErrorKind::Unavailable, "away"));
             }
@@ -378,4 +386,75 @@ async fn a_key_the_store_keeps_failing_holds_up_no_other() {
     tokio::time::sleep(Duration::from_secs(6)).await;
     assert_eq!(ledger.owed(), Owed::default());
     assert_eq!(used(&store.inner, &a, now).await, 1);
+}
+
+/// A ledger dropped with its policy while a settle is on its way: the
+/// ledger counts what it owes but that settle as abandoned, and the task
+/// accounts for the settle once the store answers (or counts it as
+/// abandoned, if the task ends first).
+#[cfg(feature = "metrics")]
+#[test]
+fn a_settle_on_its_way_when_the_ledger_is_dropped_is_its_tasks_to_account() {
+    use metrics_util::debugging::{DebugValue, DebuggingRecorder};
+
+    let recorder = DebuggingRecorder::new();
+    let snapshotter = recorder.snapshotter();
+    let now = at(NOON);
+    let clock: Arc<dyn Clock> = Arc::new(ManualClock::new(now));
+    let store = Away::default();
+    store.held.store(true, Ordering::Relaxed);
+    let (a, b, c) = (key("a", "PT1H"), key("b", "PT1H"), key("c", "PT1H"));
+    metrics::with_local_recorder(&recorder, || {
+        let runtime = tokio::runtime::Builder::new_current_thread()
+            .enable_all()
+            .start_paused(true)
+            .build()
+            .unwrap();
+        runtime.block_on(async {
+            let ledger = Arc::new(Ledger::new(10));
+            ledger.owe(
+                &store,
+                &clock,
+                None,
+                [first_use(&a, 2, now), first_use(&b, 3, now)],
+            );
+            tokio::time::sleep(Duration::from_millis(1)).await;
+            assert_eq!(store.tries.load(Ordering::Relaxed), 1, "a on its way");
+            drop(ledger);
+            store.release.notify_one();
+            tokio::time::sleep(Duration::from_secs(1)).await;
+            assert_eq!(used(&store.inner, &a, now).await, 2, "a settled");
+            assert_eq!(store.tries.load(Ordering::Relaxed), 1, "and no more");
+
+            // This time the runtime ends before the store answers.
+            let ledger = Arc::new(Ledger::new(10));
+            ledger.owe(&store, &clock, None, [first_use(&c, 4, now)]);
+            tokio::time::sleep(Duration::from_millis(1)).await;
+            assert_eq!(store.tries.load(Ordering::Relaxed), 2, "c on its way");
+            drop(ledger);
+        });
+        drop(runtime);
+    });
+    let (mut settled, mut abandoned, mut counters) = (0, 0, 0.0);
+    for (key, _, _, value) in snapshotter.snapshot().into_vec() {
+        let key = key.key();
+        let reason = key.labels().find(|l| l.key() == "reason");
+        match (key.name(), value) {
+            (crate::metrics::LEDGER_SETTLED, DebugValue::Counter(n)) => settled += n,
+            (crate::metrics::LEDGER_DROPPED, DebugValue::Counter(n))
+                if reason.is_some_and(|r| r.value() == "abandoned") =>
+            {
+                abandoned += n
+            }
+            (crate::metrics::LEDGER_COUNTERS, DebugValue::Gauge(n)) => counters = n.into_inner(),
+            _ => {}
+        }
+    }
+    assert_eq!(settled, 2, "a, by the task");
+    assert_eq!(
+        abandoned,
+        3 + 4,
+        "b by the ledger, c by the task that ended"
+    );
+    assert_eq!(counters, 0.0);
 }

@@ -246,8 +246,9 @@ impl<E, St> QuotaPolicy<E, St> {
     /// a failed charge under [`OnStoreError::FailOpen`], not counted yet.
     /// Nothing, unless the store failed; back to nothing once it answers and
     /// the ledger has settled (in a task of its own on the tokio runtime).
-    /// What is still owed when the policy is dropped goes uncounted: an
-    /// application that shuts down can wait a moment for this to be empty.
+    /// What is still owed when the policy is dropped goes uncounted (logged,
+    /// and counted in the metrics as abandoned): an application that shuts
+    /// down can wait a moment for this to be empty.
     ///
     /// ```
     /// use tower_quota::{FromHeader, QuotaPolicy};
