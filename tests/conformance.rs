@@ -404,6 +404,10 @@ mod broken {
                     return Ok(None);
                 }
                 let live = store.live(&debt.key, now);
+                if debt.amount == 0 {
+                    // Nothing to add: the count, and nothing written.
+                    return Ok(Some(live.map_or(0, |c| c.used)));
+                }
                 let mut counters = store.counters.lock().unwrap();
                 let counter = match live {
                     Some(mut c) => {

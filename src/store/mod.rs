@@ -401,8 +401,9 @@ pub trait Store: Clone + Send + Sync + 'static {
     /// none, the settle creates it as the requests' charges would have: with
     /// `debt.lifetime` (the window's end, or the first-use deadline computed
     /// at the requests' instant, never a later one) and `debt.since` as its
-    /// first call. A store fails rather than hold a count other than the
-    /// sum, as [`Store::add`] does.
+    /// first call. A debt of nothing writes nothing, and answers what the
+    /// counter holds (0 where there is none). A store fails rather than hold
+    /// a count other than the sum, as [`Store::add`] does.
     ///
     /// The ledger sends a settle that failed again: one that fails, or whose
     /// future is dropped before it answers, must leave nothing added once the

@@ -6,6 +6,7 @@ use super::support::{
     add, calendar_line, charge, expect_deadline, first_use, fresh_key, fresh_namespace, peek,
     refund, settle, stored, Timeline,
 };
+use crate::key::PeriodKey;
 use crate::store::{Debt, Lifetime};
 use crate::subject::Subject;
 
@@ -371,8 +372,10 @@ pub async fn add_never_creates_nor_moves_a_deadline<S: ConformanceHooks>(store: 
 /// goes past the limit of a live counter, keeping its deadline and first
 /// call; creates a missing counter with the debt's own lifetime and first
 /// call (never a deadline counted from the settle); opens the debt's period
-/// where the counter before it expired; and writes nothing for a debt whose
-/// calendar window or first-use period is over.
+/// where the counter before it expired; writes nothing for a debt whose
+/// calendar window or first-use period is over; and, for a debt of nothing,
+/// writes nothing and answers what the counter holds (0 where there is
+/// none).
 ///
 /// # Panics
 ///
@@ -560,6 +563,32 @@ pub async fn settle_debt_keeps_to_the_debts_period<S: ConformanceHooks>(store: &
         peeked[0].resets_at,
         now + period,
         "a period a settle opens ends at the debt's deadline",
+    );
+
+    // A debt of nothing: the count, and nothing written.
+    let nothing = |key: &PeriodKey| Debt {
+        key: key.clone(),
+        amount: 0,
+        lifetime: Lifetime::FirstUse {
+            deadline: now + period,
+        },
+        since: now,
+    };
+    assert_eq!(
+        settle(store, now, nothing(&key)).await,
+        Some(1),
+        "a settle of nothing answers what a live counter holds"
+    );
+    let empty = fresh_key("settle-nothing");
+    assert_eq!(
+        settle(store, now, nothing(&empty)).await,
+        Some(0),
+        "a settle of nothing where there is no counter answers 0"
+    );
+    let peeked = peek(store, now, vec![first_use(&empty, 2, 0, now + period)]).await;
+    assert_eq!(
+        peeked[0].first_call, None,
+        "a settle of nothing must not open a period"
     );
     Verdict::Passed
 }

@@ -548,9 +548,6 @@ impl RedisStore {
         };
         let args = self.line_args(now, &line);
         let key = line.key;
-        if debt.amount == 0 {
-            return self.clone().change_live("a", now, key, 0, "a settle").await;
-        }
         let mut invocation = self.inner.script.key(key.as_str());
         invocation
             .arg("s")
@@ -565,7 +562,11 @@ impl RedisStore {
             // The count afterwards; -1 when the debt's period is over and
             // nothing was written.
             applied: |count: &i64| *count >= 0,
-            lines: vec![(key.clone(), debt.amount)],
+            // As for a charge, a line of nothing has nothing to give back.
+            lines: (debt.amount > 0)
+                .then(|| (key.clone(), debt.amount))
+                .into_iter()
+                .collect(),
             now,
         };
         self.follow(
