@@ -82,6 +82,7 @@ use smallvec::SmallVec;
 
 use crate::key::PeriodKey;
 use crate::period::Clock;
+use crate::policy::Settings;
 use crate::store::{Debt, Lifetime, Store, StoreError, StoreErrorKind};
 use crate::throttle::Throttle;
 
@@ -110,9 +111,9 @@ pub struct Owed {
     pub units: u64,
 }
 
-/// A policy's ledger.
+/// A policy's ledger. Its bound is the policy's setting (`max_owed`).
+#[derive(Default)]
 pub(crate) struct Ledger {
-    max: usize,
     book: Mutex<Book>,
 }
 
@@ -196,18 +197,6 @@ impl Entry {
 }
 
 impl Ledger {
-    pub(crate) fn new(max: usize) -> Self {
-        Self {
-            max,
-            book: Mutex::default(),
-        }
-    }
-
-    /// Whether the ledger takes debts (a bound above zero).
-    pub(crate) fn is_on(&self) -> bool {
-        self.max > 0
-    }
-
     fn lock(&self) -> MutexGuard<'_, Book> {
         // Every change to the book is made whole before anything can panic.
         self.book.lock().unwrap_or_else(|e| e.into_inner())
@@ -222,34 +211,32 @@ impl Ledger {
         }
     }
 
-    /// Records `debts` at `clock`'s now, and starts a task on the tokio
-    /// runtime that settles them in `store` (each settle waited for
-    /// `timeout` at most), unless one runs already.
+    /// Records `debts` at the policy's now within its bound (`settings`,
+    /// whose ledger is on: a request owes only then), and starts a task on
+    /// the tokio runtime that settles them in `store` (each settle waited
+    /// for the policy's `store_timeout` at most), unless one runs already.
     pub(crate) fn owe<St: Store>(
         self: &Arc<Self>,
         store: &St,
-        clock: &Arc<dyn Clock>,
-        timeout: Option<Duration>,
+        settings: &Settings,
         debts: impl IntoIterator<Item = Debt>,
     ) {
-        if !self.is_on() {
-            return;
-        }
-        let now = clock.now();
+        let max = settings.max_owed;
+        let now = settings.clock.now();
         let mut book = self.lock();
         for debt in debts {
             if debt.amount == 0 {
                 continue;
             }
             let amount = debt.amount;
-            if book.record(debt, now, self.max) {
+            if book.record(debt, now, max) {
                 crate::metrics::ledger_owed(amount);
             } else {
                 crate::metrics::ledger_dropped(crate::metrics::dropped::FULL, amount);
                 if let Some(suppressed) = DROPPED.admit() {
                     tracing::warn!(
                         amount,
-                        max_owed_counters = self.max,
+                        max_owed_counters = max,
                         suppressed,
                         "quota ledger owes its maximum of counters: a request that passed on a \
                          failed charge (fail open) goes uncounted"
@@ -276,7 +263,8 @@ impl Ledger {
             ledger: Some(Arc::downgrade(self)),
             sent: None,
         };
-        drop(runtime.spawn(settle(guard, store.clone(), Arc::clone(clock), timeout)));
+        let (clock, timeout) = (Arc::clone(&settings.clock), settings.store_timeout);
+        drop(runtime.spawn(settle(guard, store.clone(), clock, timeout)));
     }
 }
 

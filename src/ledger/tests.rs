@@ -45,6 +45,17 @@ fn first_use(key: &PeriodKey, amount: u64, since: Timestamp) -> Debt {
     }
 }
 
+/// A policy's settings at `now` for the ledger: a bound of 10 counters, no
+/// timeout.
+fn settings(now: Timestamp) -> Settings {
+    Settings {
+        clock: Arc::new(ManualClock::new(now)),
+        store_timeout: None,
+        max_owed: 10,
+        ..Settings::default()
+    }
+}
+
 const NOON: &str = "2026-12-02T12:00:00Z";
 
 #[test]
@@ -294,16 +305,16 @@ async fn used(store: &MemoryStore, key: &PeriodKey, now: Timestamp) -> u64 {
 #[tokio::test(start_paused = true)]
 async fn the_ledger_settles_once_the_store_is_back_and_waits_longer_between_tries() {
     let now = at(NOON);
-    let clock: Arc<dyn Clock> = Arc::new(ManualClock::new(now));
+    let settings = settings(now);
     let store = Away::default();
-    let ledger = Arc::new(Ledger::new(10));
+    let ledger = Arc::new(Ledger::default());
     assert!(!ledger.lock().settling, "nothing owed, nothing running");
-    ledger.owe(&store, &clock, None, [first_use(&key("a", "PT1H"), 0, now)]);
+    ledger.owe(&store, &settings, [first_use(&key("a", "PT1H"), 0, now)]);
     assert!(!ledger.lock().settling, "a debt of nothing starts nothing");
 
     store.away.store(true, Ordering::Relaxed);
     let a = key("a", "PT1H");
-    ledger.owe(&store, &clock, None, [first_use(&a, 2, now)]);
+    ledger.owe(&store, &settings, [first_use(&a, 2, now)]);
     assert!(ledger.lock().settling);
     // Ten seconds of failures: tries 100 ms, then 200, 400 ... 5 s apart.
     tokio::time::sleep(Duration::from_secs(10)).await;
@@ -327,11 +338,11 @@ async fn the_ledger_settles_once_the_store_is_back_and_waits_longer_between_trie
 #[tokio::test(start_paused = true)]
 async fn a_dropped_policy_stops_the_task() {
     let now = at(NOON);
-    let clock: Arc<dyn Clock> = Arc::new(ManualClock::new(now));
+    let settings = settings(now);
     let store = Away::default();
     store.away.store(true, Ordering::Relaxed);
-    let ledger = Arc::new(Ledger::new(10));
-    ledger.owe(&store, &clock, None, [first_use(&key("a", "PT1H"), 1, now)]);
+    let ledger = Arc::new(Ledger::default());
+    ledger.owe(&store, &settings, [first_use(&key("a", "PT1H"), 1, now)]);
     tokio::time::sleep(Duration::from_secs(1)).await;
     drop(ledger);
     let tries = store.tries.load(Ordering::Relaxed);
@@ -348,15 +359,14 @@ async fn a_dropped_policy_stops_the_task() {
 #[tokio::test(start_paused = true)]
 async fn a_key_the_store_keeps_failing_holds_up_no_other() {
     let now = at(NOON);
-    let clock: Arc<dyn Clock> = Arc::new(ManualClock::new(now));
+    let settings = settings(now);
     let store = Away::default();
     let (a, b, c) = (key("a", "PT1H"), key("b", "PT1H"), key("c", "PT1H"));
     *store.broken.lock().unwrap() = Some(a.clone());
-    let ledger = Arc::new(Ledger::new(10));
+    let ledger = Arc::new(Ledger::default());
     ledger.owe(
         &store,
-        &clock,
-        None,
+        &settings,
         [first_use(&a, 1, now), first_use(&b, 2, now)],
     );
     tokio::time::sleep(Duration::from_millis(1)).await;
@@ -377,7 +387,7 @@ async fn a_key_the_store_keeps_failing_holds_up_no_other() {
     assert!((5..=9).contains(&more), "{more} tries in 10 s");
 
     // A debt recorded meanwhile is settled on the task's next round.
-    ledger.owe(&store, &clock, None, [first_use(&c, 3, now)]);
+    ledger.owe(&store, &settings, [first_use(&c, 3, now)]);
     tokio::time::sleep(Duration::from_secs(6)).await;
     assert_eq!(used(&store.inner, &c, now).await, 3);
     assert_eq!(ledger.owed().units, 1, "a still owed");
@@ -400,7 +410,7 @@ fn a_settle_on_its_way_when_the_ledger_is_dropped_is_its_tasks_to_account() {
     let recorder = DebuggingRecorder::new();
     let snapshotter = recorder.snapshotter();
     let now = at(NOON);
-    let clock: Arc<dyn Clock> = Arc::new(ManualClock::new(now));
+    let settings = settings(now);
     let store = Away::default();
     store.held.store(true, Ordering::Relaxed);
     let (a, b, c) = (key("a", "PT1H"), key("b", "PT1H"), key("c", "PT1H"));
@@ -411,11 +421,10 @@ fn a_settle_on_its_way_when_the_ledger_is_dropped_is_its_tasks_to_account() {
             .build()
             .unwrap();
         runtime.block_on(async {
-            let ledger = Arc::new(Ledger::new(10));
+            let ledger = Arc::new(Ledger::default());
             ledger.owe(
                 &store,
-                &clock,
-                None,
+                &settings,
                 [first_use(&a, 2, now), first_use(&b, 3, now)],
             );
             tokio::time::sleep(Duration::from_millis(1)).await;
@@ -427,8 +436,8 @@ fn a_settle_on_its_way_when_the_ledger_is_dropped_is_its_tasks_to_account() {
             assert_eq!(store.tries.load(Ordering::Relaxed), 1, "and no more");
 
             // This time the runtime ends before the store answers.
-            let ledger = Arc::new(Ledger::new(10));
-            ledger.owe(&store, &clock, None, [first_use(&c, 4, now)]);
+            let ledger = Arc::new(Ledger::default());
+            ledger.owe(&store, &settings, [first_use(&c, 4, now)]);
             tokio::time::sleep(Duration::from_millis(1)).await;
             assert_eq!(store.tries.load(Ordering::Relaxed), 2, "c on its way");
             drop(ledger);

@@ -46,7 +46,7 @@ pub(crate) fn owe<E, St>(
         cost,
         ..
     } = charge;
-    if !policy.ledger.is_on() {
+    if policy.settings.max_owed == 0 {
         let mut uncounted = charge::uncounted(policy.id, ticket.now);
         // What layers further out charged stays theirs to give back.
         uncounted.charges = ticket.charges;
@@ -149,12 +149,7 @@ impl<E, St: Store> Owing<E, St> {
                 since: self.now,
             }
         });
-        policy.ledger.owe(
-            &policy.store,
-            &settings.clock,
-            settings.store_timeout,
-            debts,
-        );
+        policy.ledger.owe(&policy.store, settings, debts);
         result
     }
 }

@@ -551,7 +551,7 @@ impl<E, St> QuotaPolicyBuilder<E, St> {
         QuotaPolicy {
             core: Arc::new(Policy {
                 id: NEXT.fetch_add(1, Ordering::Relaxed),
-                ledger: Arc::new(Ledger::new(self.settings.max_owed)),
+                ledger: Arc::default(),
                 settings: self.settings,
                 extractor: self.extractor,
                 store: self.store,

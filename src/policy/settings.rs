@@ -107,7 +107,8 @@ pub(crate) struct Settings {
     pub(crate) zone: Option<Arc<ZoneFn>>,
     pub(crate) refund_server_errors: bool,
     pub(crate) refusal: Option<Arc<RefusalFn>>,
-    /// The most counters the policy's ledger owes at once; 0: none.
+    /// The most counters the policy's ledger owes at once; 0: the ledger
+    /// is off (a request that passes on a failed charge goes uncounted).
     pub(crate) max_owed: usize,
 }
 
