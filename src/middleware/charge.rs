@@ -16,7 +16,7 @@ use crate::policy::{OnStoreError, Policy, Settings, SubjectPolicy, UnknownPlan};
 use crate::quota::Quota;
 use crate::response::{self, RateLimitFields, Refusal};
 use crate::status::{Caller, Line, QuotaStatus, Ticket};
-use crate::store::{ChargeOutcome, ChargeRequest, StoreError, Usage};
+use crate::store::{ChargeOutcome, ChargeRequest, Lifetime, StoreError, Usage};
 use crate::subject::{Subject, SubjectError, SubjectExtractor};
 use crate::throttle::Throttle;
 
@@ -61,6 +61,9 @@ pub(crate) struct Charge {
     pub(crate) request: Option<ChargeRequest>,
     /// The key of each line, kept once the request is sent.
     pub(crate) keys: SmallVec<[PeriodKey; 2]>,
+    /// The lifetime of each line, kept once the request is sent: what a
+    /// request that passes on a failed charge owes to.
+    pub(crate) lifetimes: SmallVec<[Lifetime; 2]>,
     pub(crate) cost: u64,
     /// The decision's span (disabled unless the crate's debug logs are on):
     /// subject kind and hash, allowances, anchors, outcome.
@@ -323,6 +326,7 @@ fn lines(
     let charge = Charge {
         span,
         keys: lines.iter().map(|line| line.key.clone()).collect(),
+        lifetimes: lines.iter().map(|line| line.lifetime).collect(),
         request: Some(ChargeRequest {
             now: ticket.now,
             lines,

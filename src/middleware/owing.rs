@@ -9,8 +9,6 @@ use smallvec::SmallVec;
 
 use super::charge::{self, Adjust, Charge, Outcome};
 use super::layer::Bound;
-use crate::period::Anchor;
-use crate::quota::Quota;
 use crate::status::{Line, QuotaStatus, Ticket};
 use crate::store::{Debt, Lifetime, Store, Usage};
 
@@ -23,7 +21,7 @@ pub(crate) struct Owing<E, St> {
     bound: Arc<Bound<E, St>>,
     /// The lines as if charged (the usage is not known, and not used).
     lines: Vec<Line>,
-    /// Each line's lifetime at the request's instant.
+    /// Each line's lifetime, as its charge line had it.
     lifetimes: SmallVec<[Lifetime; 2]>,
     /// The request's instant.
     now: Timestamp,
@@ -43,6 +41,7 @@ pub(crate) fn owe<E, St>(
         mut ticket,
         quotas,
         keys,
+        lifetimes,
         cost,
         ..
     } = charge;
@@ -54,7 +53,6 @@ pub(crate) fn owe<E, St>(
         return None;
     }
     let now = ticket.now;
-    let lifetimes = quotas.iter().map(|quota| lifetime(quota, now)).collect();
     let lines = quotas
         .iter()
         .zip(&keys)
@@ -89,23 +87,6 @@ fn put(extensions: &mut Extensions, ticket: Ticket) {
             status.put(ticket);
             extensions.insert(status);
         }
-    }
-}
-
-/// The lifetime of `quota`'s counter for a request at `now`, as its charge
-/// line has it.
-fn lifetime(quota: &Quota, now: Timestamp) -> Lifetime {
-    match quota.anchor() {
-        Anchor::Calendar => {
-            let window = quota.window(now);
-            Lifetime::Calendar {
-                start: window.start(),
-                end: window.end(),
-            }
-        }
-        Anchor::FirstUse => Lifetime::FirstUse {
-            deadline: quota.period().end_of_first_use(now),
-        },
     }
 }
 
