@@ -6,6 +6,7 @@ use std::fmt;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, OnceLock};
 
+use http::Extensions;
 use jiff::tz::TimeZone;
 use jiff::Timestamp;
 use smallvec::SmallVec;
@@ -198,6 +199,19 @@ impl QuotaStatus {
     /// Whether a line of any policy counts on `key`.
     pub(crate) fn counts(&self, key: &PeriodKey) -> bool {
         self.tickets.iter().any(|ticket| ticket.counts(key))
+    }
+
+    /// Records `ticket` in the status in `extensions`, made if there is
+    /// none yet.
+    pub(crate) fn put_in(extensions: &mut Extensions, ticket: Ticket) {
+        match extensions.get_mut::<QuotaStatus>() {
+            Some(status) => status.put(ticket),
+            None => {
+                let mut status = QuotaStatus::default();
+                status.put(ticket);
+                extensions.insert(status);
+            }
+        }
     }
 
     /// Records `ticket`, replacing what its policy knew before.

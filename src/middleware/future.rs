@@ -177,15 +177,7 @@ where
             let now = charge.ticket.now;
             let spread = charge.caller().spread;
             charge.ticket.charges.push(Arc::clone(&lines));
-            let extensions = request.extensions_mut();
-            match extensions.get_mut::<QuotaStatus>() {
-                Some(status) => status.put(charge.ticket),
-                None => {
-                    let mut status = QuotaStatus::default();
-                    status.put(charge.ticket);
-                    extensions.insert(status);
-                }
-            }
+            QuotaStatus::put_in(request.extensions_mut(), charge.ticket);
             State::Calling {
                 future: inner.call(request),
                 charged: Unanswered(Some(Charged {

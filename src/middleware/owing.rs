@@ -9,7 +9,7 @@ use smallvec::SmallVec;
 
 use super::charge::{self, Adjust, Charge, Outcome};
 use super::layer::Bound;
-use crate::status::{Line, QuotaStatus, Ticket};
+use crate::status::{Line, QuotaStatus};
 use crate::store::{Debt, Lifetime, Store, Usage};
 
 /// What a layer's lines owe for a request that passed on a failed charge,
@@ -49,7 +49,7 @@ pub(crate) fn owe<E, St>(
         let mut uncounted = charge::uncounted(policy.id, ticket.now);
         // What layers further out charged stays theirs to give back.
         uncounted.charges = ticket.charges;
-        put(extensions, uncounted);
+        QuotaStatus::put_in(extensions, uncounted);
         return None;
     }
     let now = ticket.now;
@@ -67,7 +67,7 @@ pub(crate) fn owe<E, St>(
         })
         .collect();
     ticket.owed.extend(keys);
-    put(extensions, ticket);
+    QuotaStatus::put_in(extensions, ticket);
     // Boxed: the response future stays small for the requests that owe
     // nothing.
     Some(Box::new(Owing {
@@ -76,18 +76,6 @@ pub(crate) fn owe<E, St>(
         lifetimes,
         now,
     }))
-}
-
-/// Puts `ticket` in the request's status.
-fn put(extensions: &mut Extensions, ticket: Ticket) {
-    match extensions.get_mut::<QuotaStatus>() {
-        Some(status) => status.put(ticket),
-        None => {
-            let mut status = QuotaStatus::default();
-            status.put(ticket);
-            extensions.insert(status);
-        }
-    }
 }
 
 impl<E, St: Store> Owing<E, St> {

@@ -84,14 +84,7 @@ where
                 ResponseFuture::passing(self.inner.call(Request::from_parts(parts, body)))
             }
             Step::PassUncounted(ticket) => {
-                match parts.extensions.get_mut::<QuotaStatus>() {
-                    Some(status) => status.put(ticket),
-                    None => {
-                        let mut status = QuotaStatus::default();
-                        status.put(ticket);
-                        parts.extensions.insert(status);
-                    }
-                }
+                QuotaStatus::put_in(&mut parts.extensions, ticket);
                 ResponseFuture::passing(self.inner.call(Request::from_parts(parts, body)))
             }
             Step::Owe(charge) => {
