@@ -123,10 +123,11 @@ struct Book {
     /// The entries of each key: one for a calendar key (its window is in the
     /// key), one per period for a first-use key.
     owed: HashMap<PeriodKey, SmallVec<[Entry; 1]>>,
-    /// Every entry in the order it was opened, by key and id: what the
-    /// settling task takes next.
+    /// Every entry, by key and id, in the order the settling task takes
+    /// them (the order they were opened, but for those the store failed to
+    /// settle, which went to the back): one item per entry, so its length is
+    /// the number of counters owed.
     queue: VecDeque<(PeriodKey, u64)>,
-    counters: usize,
     units: u64,
     next_id: u64,
     /// The earliest end of an entry's period (or earlier), the entry being
@@ -206,7 +207,7 @@ impl Ledger {
     pub(crate) fn owed(&self) -> Owed {
         let book = self.lock();
         Owed {
-            counters: book.counters,
+            counters: book.queue.len(),
             units: book.units,
         }
     }
@@ -244,7 +245,7 @@ impl Ledger {
                 }
             }
         }
-        if book.settling || book.counters == 0 {
+        if book.settling || book.queue.is_empty() {
             return;
         }
         let Ok(runtime) = tokio::runtime::Handle::try_current() else {
@@ -274,7 +275,7 @@ impl Ledger {
 impl Drop for Ledger {
     fn drop(&mut self) {
         let book = self.book.get_mut().unwrap_or_else(|e| e.into_inner());
-        let counters = book.counters;
+        let counters = book.queue.len();
         if counters == 0 {
             return;
         }
@@ -309,9 +310,9 @@ impl Book {
             self.units = self.units.saturating_add(debt.amount);
             return true;
         }
-        if self.counters >= max {
+        if self.queue.len() >= max {
             self.let_go_of_ended(now);
-            if self.counters >= max {
+            if self.queue.len() >= max {
                 return false;
             }
         }
@@ -326,7 +327,6 @@ impl Book {
             latest: debt.since,
             amount: debt.amount,
         });
-        self.counters += 1;
         self.units = self.units.saturating_add(debt.amount);
         crate::metrics::ledger_counters(1);
         true
@@ -377,7 +377,6 @@ impl Book {
             owed.get(key)
                 .is_some_and(|entries| entries.iter().any(|e| e.id == *id))
         });
-        self.counters -= removed;
         self.units = self.units.saturating_sub(dropped);
         crate::metrics::ledger_counters(-(removed as i64));
         ended(dropped, removed);
@@ -397,10 +396,9 @@ impl Book {
                 self.settling = false;
                 return None;
             };
-            let Some(entry) = self.entry(&key, id).copied() else {
-                self.queue.pop_front();
-                continue;
-            };
+            let entry = *self
+                .entry(&key, id)
+                .expect("the queue and the book hold the same entries");
             if entry.lifetime.end() <= now {
                 self.remove(&key, id);
                 self.units = self.units.saturating_sub(entry.amount);
@@ -482,7 +480,6 @@ impl Book {
         } else {
             self.queue.retain(|(k, i)| !(k == key && *i == id));
         }
-        self.counters -= 1;
         crate::metrics::ledger_counters(-1);
     }
 }

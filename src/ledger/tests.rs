@@ -56,6 +56,19 @@ fn settings(now: Timestamp) -> Settings {
     }
 }
 
+/// The queue names each entry of the book once, and nothing else.
+fn assert_queue_holds_every_entry_once(book: &Book) {
+    let mut queued: Vec<_> = book.queue.iter().cloned().collect();
+    let mut held: Vec<_> = book
+        .owed
+        .iter()
+        .flat_map(|(key, entries)| entries.iter().map(|e| (key.clone(), e.id)))
+        .collect();
+    queued.sort_by(|x, y| (x.0.as_str(), x.1).cmp(&(y.0.as_str(), y.1)));
+    held.sort_by(|x, y| (x.0.as_str(), x.1).cmp(&(y.0.as_str(), y.1)));
+    assert_eq!(queued, held);
+}
+
 const NOON: &str = "2026-12-02T12:00:00Z";
 
 #[test]
@@ -67,7 +80,7 @@ fn debts_on_one_calendar_counter_add_up_in_one_entry() {
     assert!(book.record(calendar(&acme, 1, now), now, 10));
     assert!(book.record(calendar(&acme, 2, now + minutes(1)), now, 10));
     assert!(book.record(calendar(&other, 1, now), now, 10));
-    assert_eq!((book.counters, book.units), (2, 4));
+    assert_eq!((book.queue.len(), book.units), (2, 4));
     let (_, _, debt) = book.next(now).unwrap();
     assert_eq!(
         debt,
@@ -88,7 +101,7 @@ fn first_use_debts_share_an_entry_within_the_earliest_ones_period() {
     assert!(book.record(first_use(&acme, 1, t0), t0, 10));
     // Past that period: an entry of its own.
     assert!(book.record(first_use(&acme, 1, t0 + minutes(65)), t0, 10));
-    assert_eq!((book.counters, book.units), (2, 4));
+    assert_eq!((book.queue.len(), book.units), (2, 4));
     let (key, id, debt) = book.next(t0).unwrap();
     assert_eq!(debt, first_use(&acme, 3, t0));
     book.paid(&key, id, 3);
@@ -113,6 +126,7 @@ fn an_earlier_debt_joins_only_a_period_that_holds_the_whole_entry() {
     let late = t0 + minutes(92);
     assert!(book.record(first_use(&acme, 1, t0), late, 10));
     assert_eq!(book.queue.len(), 2, "A in an entry of its own");
+    assert_queue_holds_every_entry_once(&book);
     assert_eq!(book.units, 3);
     // At 92 min A's period is over: A goes, B and C are settled.
     let (key, id, debt) = book.next(late).expect("B and C still owed");
@@ -147,12 +161,12 @@ fn past_the_bound_a_new_counter_is_refused_and_ended_ones_make_room() {
         book.record(first_use(&a, 5, now + minutes(1)), now, 2),
         "an owed counter takes more past the bound"
     );
-    assert_eq!((book.counters, book.units), (2, 7));
+    assert_eq!((book.queue.len(), book.units), (2, 7));
     // a's period is over: its entry goes, and c gets its place.
     let later = now + minutes(61);
     assert!(book.record(first_use(&c, 1, later), later, 2));
-    assert_eq!((book.counters, book.units), (2, 2));
-    assert_eq!(book.queue.len(), 2);
+    assert_eq!((book.queue.len(), book.units), (2, 2));
+    assert_queue_holds_every_entry_once(&book);
     assert_eq!(book.next(later).unwrap().2.key, b);
 }
 
@@ -166,11 +180,11 @@ fn the_next_debt_skips_periods_that_are_over_and_what_joins_meanwhile_stays() {
     let later = now + minutes(70);
     let (key, id, debt) = book.next(later).unwrap();
     assert_eq!(debt.key, b, "a's period is over: dropped");
-    assert_eq!((book.counters, book.units), (1, 3));
+    assert_eq!((book.queue.len(), book.units), (1, 3));
     // A request joins b while its debt is on its way.
     book.record(first_use(&b, 1, now + minutes(31)), later, 10);
     book.paid(&key, id, debt.amount);
-    assert_eq!((book.counters, book.units), (1, 1));
+    assert_eq!((book.queue.len(), book.units), (1, 1));
     let (key, id, debt) = book.next(later).unwrap();
     assert_eq!(debt.amount, 1);
     book.paid(&key, id, 1);
@@ -191,7 +205,7 @@ fn the_entry_being_settled_is_not_let_go_of() {
     let later = now + minutes(61);
     assert!(!book.record(first_use(&b, 1, later), later, 1));
     book.paid(&key, id, 2);
-    assert_eq!((book.counters, book.units), (0, 0));
+    assert_eq!((book.queue.len(), book.units), (0, 0));
 }
 
 /// At the bound, with the entry being settled over, a debt on a new counter
@@ -213,6 +227,7 @@ fn the_entry_being_settled_starts_no_search_for_ended_ones() {
     );
     // The settle failed: a is over, and makes room for b.
     book.postpone(&key, id);
+    assert_queue_holds_every_entry_once(&book);
     assert_eq!(book.earliest_end, Some(now + minutes(60)));
     assert!(book.record(first_use(&b, 1, later), later, 1));
     assert_eq!(book.units, 1);
