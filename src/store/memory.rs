@@ -624,18 +624,32 @@ impl Shard {
                 return (*counter, false);
             }
         }
-        let (deadline, first_use) = match line.lifetime {
+        self.create(&line.key, line.cost, now, line.lifetime)
+    }
+
+    /// Creates the counter at `key` (replacing an expired one) holding
+    /// `used`, with its first call and the deadline of `lifetime`; and
+    /// whether that added a key to the map (the store's count of counters
+    /// is the caller's to keep).
+    fn create(
+        &mut self,
+        key: &PeriodKey,
+        used: u64,
+        first_call: Timestamp,
+        lifetime: Lifetime,
+    ) -> (Counter, bool) {
+        let (deadline, first_use) = match lifetime {
             Lifetime::Calendar { end, .. } => (end, false),
             Lifetime::FirstUse { deadline } => (deadline, true),
         };
         let deadline = Nanos::of(deadline);
         let counter = Counter {
-            used: line.cost,
-            first_call: Nanos::of(now),
+            used,
+            first_call: Nanos::of(first_call),
             deadline,
             first_use,
         };
-        let key: Arc<str> = Arc::clone(line.key.shared());
+        let key: Arc<str> = Arc::clone(key.shared());
         self.deadlines.push(Reverse((deadline, Arc::clone(&key))));
         let grew = self.counters.insert(key, counter).is_none();
         (counter, grew)
@@ -838,7 +852,9 @@ impl MemoryStore {
             // the store.
             let new = usize::from(!existing);
             if self.room_in(&mut [&mut shard], new, now, &mut budget) {
-                let grown = shard.open(debt);
+                // As the requests' charges would have: the debt's first
+                // call and lifetime.
+                let (_, grown) = shard.create(&debt.key, debt.amount, debt.since, debt.lifetime);
                 self.settle(new, usize::from(grown));
                 return Ok(Some(debt.amount));
             }
@@ -848,27 +864,5 @@ impl MemoryStore {
             }
             tried = true;
         }
-    }
-}
-
-impl Shard {
-    /// Creates the counter a debt owes to, as the requests' charges would
-    /// have: the debt's amount, its lifetime's deadline, its first call.
-    /// Whether that added a key to the map.
-    fn open(&mut self, debt: &Debt) -> bool {
-        let (deadline, first_use) = match debt.lifetime {
-            Lifetime::Calendar { end, .. } => (end, false),
-            Lifetime::FirstUse { deadline } => (deadline, true),
-        };
-        let deadline = Nanos::of(deadline);
-        let counter = Counter {
-            used: debt.amount,
-            first_call: Nanos::of(debt.since),
-            deadline,
-            first_use,
-        };
-        let key: Arc<str> = Arc::clone(debt.key.shared());
-        self.deadlines.push(Reverse((deadline, Arc::clone(&key))));
-        self.counters.insert(key, counter).is_none()
     }
 }
