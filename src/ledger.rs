@@ -96,8 +96,14 @@ const LAST_RETRY: Duration = Duration::from_secs(5);
 pub(crate) const DEFAULT_MAX_OWED: usize = 10_000;
 
 /// Debts dropped, and ledgers that cannot settle, logged a few times a
-/// second at most: during an outage there may be one per request.
-static DROPPED: Throttle = Throttle::new(5);
+/// second at most: during an outage there may be one per request. Each
+/// reason on a throttle of its own, so that a flood of one does not hide
+/// another.
+static FULL: Throttle = Throttle::new(5);
+static ENDED: Throttle = Throttle::new(5);
+static REFUSED: Throttle = Throttle::new(5);
+static ABANDONED: Throttle = Throttle::new(5);
+static NO_RUNTIME: Throttle = Throttle::new(5);
 
 /// What a policy's ledger owes its store: requests that passed on a failed
 /// charge under [`OnStoreError::FailOpen`](crate::OnStoreError::FailOpen),
@@ -234,7 +240,7 @@ impl Ledger {
                 crate::metrics::ledger_owed(amount);
             } else {
                 crate::metrics::ledger_dropped(crate::metrics::dropped::FULL, amount);
-                if let Some(suppressed) = DROPPED.admit() {
+                if let Some(suppressed) = FULL.admit() {
                     tracing::warn!(
                         amount,
                         max_owed_counters = max,
@@ -249,7 +255,7 @@ impl Ledger {
             return;
         }
         let Ok(runtime) = tokio::runtime::Handle::try_current() else {
-            if let Some(suppressed) = DROPPED.admit() {
+            if let Some(suppressed) = NO_RUNTIME.admit() {
                 tracing::warn!(
                     suppressed,
                     "quota ledger cannot settle what it owes: no tokio runtime here; it tries \
@@ -488,7 +494,7 @@ impl Book {
 /// over before the store answered.
 fn ended(units: u64, counters: usize) {
     crate::metrics::ledger_dropped(crate::metrics::dropped::ENDED, units);
-    if let Some(suppressed) = DROPPED.admit() {
+    if let Some(suppressed) = ENDED.admit() {
         tracing::warn!(
             units,
             counters,
@@ -503,7 +509,7 @@ fn ended(units: u64, counters: usize) {
 /// with its policy.
 fn abandoned(units: u64, counters: usize) {
     crate::metrics::ledger_dropped(crate::metrics::dropped::ABANDONED, units);
-    if let Some(suppressed) = DROPPED.admit() {
+    if let Some(suppressed) = ABANDONED.admit() {
         tracing::warn!(
             units,
             counters,
@@ -625,7 +631,7 @@ async fn settle<St: Store>(
                 // The store's message may name the key, and with it the
                 // subject's id.
                 let error = error.to_string().replace(key.as_str(), "the counter");
-                if let Some(suppressed) = DROPPED.admit() {
+                if let Some(suppressed) = REFUSED.admit() {
                     tracing::warn!(
                         amount,
                         error,
