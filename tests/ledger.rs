@@ -23,8 +23,8 @@ use tower::ServiceExt;
 use tower_quota::jiff::{SignedDuration, Timestamp};
 use tower_quota::store::ChargeRequest;
 use tower_quota::{
-    unrouted, FromHeader, ManualClock, MemoryStore, OnStoreError, Quota, QuotaPolicy,
-    QuotaPolicyBuilder, QuotaStatus, Store, Subject,
+    unrouted, FromHeader, ManualClock, MemoryStore, Namespace, OnStoreError, PeriodKey, Quota,
+    QuotaPolicy, QuotaPolicyBuilder, QuotaStatus, Store, Subject,
 };
 
 const NOW: &str = "2026-12-02T10:00:00Z";
@@ -268,7 +268,8 @@ async fn without_a_ledger_a_request_passed_on_a_failed_charge_goes_uncounted() {
     assert_eq!(used(&policy, "acme", "default-day").await, 0);
 }
 
-/// Log lines at `warn` and above, with their fields, as text.
+/// Every log line, at every level, with its fields, and the fields of
+/// every span, as text.
 #[derive(Clone, Default)]
 struct Logs(Arc<Mutex<Vec<String>>>);
 
@@ -287,21 +288,53 @@ impl tracing::field::Visit for Text<'_> {
 }
 
 impl tracing::Subscriber for Logs {
-    fn enabled(&self, metadata: &tracing::Metadata<'_>) -> bool {
-        *metadata.level() <= tracing::Level::WARN
+    fn enabled(&self, _: &tracing::Metadata<'_>) -> bool {
+        true
     }
-    fn new_span(&self, _: &tracing::span::Attributes<'_>) -> tracing::span::Id {
+    fn new_span(&self, span: &tracing::span::Attributes<'_>) -> tracing::span::Id {
+        let mut line = format!("span {}:", span.metadata().name());
+        span.record(&mut Text(&mut line));
+        self.0.lock().unwrap().push(line);
         tracing::span::Id::from_u64(1)
     }
-    fn record(&self, _: &tracing::span::Id, _: &tracing::span::Record<'_>) {}
+    fn record(&self, _: &tracing::span::Id, values: &tracing::span::Record<'_>) {
+        let mut line = String::from("span record:");
+        values.record(&mut Text(&mut line));
+        self.0.lock().unwrap().push(line);
+    }
     fn record_follows_from(&self, _: &tracing::span::Id, _: &tracing::span::Id) {}
     fn event(&self, event: &tracing::Event<'_>) {
-        let mut line = String::new();
+        let mut line = format!("{}:", event.metadata().level());
         event.record(&mut Text(&mut line));
         self.0.lock().unwrap().push(line);
     }
     fn enter(&self, _: &tracing::span::Id) {}
     fn exit(&self, _: &tracing::span::Id) {}
+}
+
+/// Checks that no log line names one of the subjects `ids` or their
+/// counters' `keys`.
+fn assert_no_subject_in(logs: &[String], ids: &[&str], keys: &[PeriodKey]) {
+    for line in logs {
+        for id in ids {
+            assert!(!line.contains(id), "a log names the subject {id}: {line}");
+        }
+        for key in keys {
+            assert!(
+                !line.contains(key.as_str()),
+                "a log names the key {key:?}: {line}"
+            );
+        }
+        assert!(!line.contains("{account:"), "a log names a key: {line}");
+    }
+}
+
+/// The keys of `quota`'s counters of `ids` at `at`.
+fn keys_of(quota: &Quota, ids: &[&str], at: &str) -> Vec<PeriodKey> {
+    let at: Timestamp = at.parse().unwrap();
+    ids.iter()
+        .map(|id| quota.key(&Namespace::default(), &Subject::account(*id), at))
+        .collect()
 }
 
 /// Runs `work` on a current-thread runtime with paused time, with a log
@@ -372,6 +405,9 @@ fn metrics_of(work: impl FnOnce()) -> Ledger {
     Ledger::default()
 }
 
+/// The subjects of the test of the bound: ids no log line has otherwise.
+const BOUND_IDS: [&str; 5] = ["acct-ann", "acct-bob", "acct-cyd", "acct-dee", "acct-eve"];
+
 #[test]
 fn debts_past_the_bound_are_dropped_logged_and_counted() {
     let memory = MemoryStore::new();
@@ -383,7 +419,8 @@ fn debts_past_the_bound_are_dropped_logged_and_counted() {
         let app = Router::new()
             .route("/", get(|| async { "ok" }))
             .layer(policy.layer(Quota::daily(10)));
-        for account in ["a", "b", "c", "d", "e", "a", "e"] {
+        let [a, b, c, d, e] = BOUND_IDS;
+        for account in [a, b, c, d, e, a, e] {
             assert_eq!(send(&app, call("/", account)).await, StatusCode::OK);
         }
         let owed = policy.owed();
@@ -394,10 +431,10 @@ fn debts_past_the_bound_are_dropped_logged_and_counted() {
         );
         store.away.store(false, Ordering::Relaxed);
         settled(&policy).await;
-        assert_eq!(used(&policy, "a", "default-day").await, 2);
-        assert_eq!(used(&policy, "c", "default-day").await, 1);
-        assert_eq!(used(&policy, "d", "default-day").await, 0);
-        assert_eq!(used(&policy, "e", "default-day").await, 0);
+        assert_eq!(used(&policy, a, "default-day").await, 2);
+        assert_eq!(used(&policy, c, "default-day").await, 1);
+        assert_eq!(used(&policy, d, "default-day").await, 0);
+        assert_eq!(used(&policy, e, "default-day").await, 0);
     });
     let dropped: Vec<&String> = logs
         .iter()
@@ -405,12 +442,12 @@ fn debts_past_the_bound_are_dropped_logged_and_counted() {
         .collect();
     assert_eq!(dropped.len(), 3, "{logs:#?}");
     assert!(dropped[0].contains("max_owed_counters=3"), "{logs:#?}");
-    for line in &logs {
-        assert!(
-            !line.contains("acme") && !line.contains("{account:"),
-            "a log names a subject or a key: {line}"
-        );
-    }
+    assert!(
+        logs.iter().any(|l| l.contains("settled what requests")),
+        "the settle is logged too: {logs:#?}"
+    );
+    let keys = keys_of(&Quota::daily(10), &BOUND_IDS, NOW);
+    assert_no_subject_in(&logs, &BOUND_IDS, &keys);
     if cfg!(feature = "metrics") {
         assert_eq!(
             metrics,
@@ -428,15 +465,18 @@ fn debts_past_the_bound_are_dropped_logged_and_counted() {
 #[test]
 fn a_debt_of_a_window_that_ended_is_dropped_not_charged_to_the_next() {
     let memory = MemoryStore::new();
+    let before_midnight = "2026-12-02T23:59:50Z";
+    let daily = Quota::daily(10).allowance("daily");
+    let hourly = Quota::rolling(10, Duration::from_secs(3_600)).allowance("hour");
     let (logs, metrics) = observed(|| async {
-        let clock = ManualClock::new("2026-12-02T23:59:50Z".parse().unwrap());
+        let clock = ManualClock::new(before_midnight.parse().unwrap());
         let store = Rigged::new(memory.clone(), Rig::Fail, Some("daily"));
         store.away.store(true, Ordering::Relaxed);
         let policy = policy(store.clone(), &clock).build();
         let app = Router::new()
             .route("/", get(|| async { "ok" }))
-            .layer(policy.layer(Quota::daily(10).allowance("daily")))
-            .layer(policy.layer(Quota::rolling(10, Duration::from_secs(3_600)).allowance("hour")));
+            .layer(policy.layer(daily.clone()))
+            .layer(policy.layer(hourly.clone()));
         assert_eq!(send(&app, call("/", "acme")).await, StatusCode::OK);
         assert_eq!(policy.owed().units, 1, "the day's charge");
         // The store answers again after midnight.
@@ -459,6 +499,9 @@ fn a_debt_of_a_window_that_ended_is_dropped_not_charged_to_the_next() {
         logs.iter().any(|l| l.contains("periods that were over")),
         "{logs:#?}"
     );
+    let mut keys = keys_of(&daily, &["acme"], before_midnight);
+    keys.extend(keys_of(&hourly, &["acme"], before_midnight));
+    assert_no_subject_in(&logs, &["acme"], &keys);
     if cfg!(feature = "metrics") {
         assert_eq!(
             metrics,
@@ -499,6 +542,8 @@ fn what_a_dropped_policy_still_owes_is_counted_as_abandoned() {
             .any(|l| l.contains("dropped with its policy") && l.contains("units=3")),
         "{logs:#?}"
     );
+    let ids = ["acct-a", "acct-b"];
+    assert_no_subject_in(&logs, &ids, &keys_of(&Quota::daily(10), &ids, NOW));
     if cfg!(feature = "metrics") {
         assert_eq!(
             metrics,
