@@ -145,8 +145,8 @@ fn stalling_server() -> Option<RedisServer> {
 }
 
 /// Fail open through a stall, on a daily quota of `limit`: afterwards the
-/// counter holds the 200s, exactly.
-async fn fail_open_through_a_stall(limit: u64) -> (Seen, String) {
+/// counter holds the 200s, exactly. What the callers saw, and the store.
+async fn fail_open_through_a_stall(limit: u64) -> (Seen, RedisStore) {
     let server = stalling_server().expect("checked by the caller");
     let store = RedisStore::new(server.url()).unwrap();
     store.preload().await.unwrap();
@@ -170,7 +170,7 @@ async fn fail_open_through_a_stall(limit: u64) -> (Seen, String) {
         "every admission counted, once: {seen:?}, {:?}",
         policy.store()
     );
-    (seen, format!("{:?}", policy.store()))
+    (seen, policy.store().clone())
 }
 
 /// The charges that timed out during the stall had room: Redis applies
@@ -184,8 +184,8 @@ async fn fail_open_through_a_stall_counts_every_admission() {
     let (seen, store) = fail_open_through_a_stall(1_000_000).await;
     assert_eq!(seen.refused, 0, "{seen:?}");
     assert!(
-        !store.contains("given_back: 0,"),
-        "late charges were given back: {store}"
+        store.given_back() > 0,
+        "late charges were given back: {store:?}"
     );
 }
 

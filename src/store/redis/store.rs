@@ -375,6 +375,13 @@ impl RedisStore {
         self.inner.max_in_flight - self.inner.in_flight.available_permits()
     }
 
+    /// How many calls Redis applied after their callers stopped waiting (a
+    /// charge, a settle) this store gave back (or tried to: a give-back
+    /// that fails is logged), since it was made. Its clones share the count.
+    pub fn given_back(&self) -> u64 {
+        self.inner.given_back.load(Ordering::Relaxed)
+    }
+
     /// Room for one call among the calls in flight, found within the wait:
     /// its permit, the call's deadline, and the end of its wait.
     async fn room(
