@@ -34,11 +34,38 @@
 //!   0 + the debt = 1.
 //!
 //! A settle is sent the same way: one that fails or times out adds nothing
-//! (one that Redis applies late is given back) and is sent again later. A
-//! debt counts twice only where a give-back itself is lost: Redis applying
-//! a call more than the Redis store's follow-through (30 s) after it was
-//! sent, or the connection failing between the late answer and the
-//! give-back.
+//! (one that Redis applies late is given back) and is sent again later.
+//!
+//! # Known limits
+//!
+//! - **A call lost on the wire counts twice if it was applied.** The
+//!   above holds as far as the store learns what became of a call. A charge
+//!   or a settle may fail after it was sent with no answer ever to follow
+//!   (the connection breaks before Redis answers), be applied more than the
+//!   Redis store's follow-through (30 s) after it was sent, or be applied
+//!   late with the connection failing before its give-back. If Redis
+//!   applied it, it stays: a charge lost so is counted and owed as well, so
+//!   its request counts twice; a settle lost so is sent again, so its debt
+//!   counts twice. Each call lost so adds its units once more (a request's
+//!   cost, or the units of the one entry a settle carries), and a settle
+//!   lost so again and again adds them again each time. Settles are not
+//!   idempotent: telling a settle sent again from a new one would take a
+//!   marker per settle in the store (an id the script records and checks),
+//!   which the ledger does not keep.
+//! - **A first-use debt counts in the counter live when it is settled.** A
+//!   first-use key names no period, so the store adds a debt to whatever
+//!   counter lives at the key at the settle, which need not hold the period
+//!   the requests fell in: a period opened after them (a charge made once
+//!   the store answered, before the settle) takes their units; and where
+//!   their own period was opened before the outage and has ended, the settle
+//!   creates a counter with the debt's lifetime, a period from the debt's
+//!   earliest request, which then counts the subject's calls until its
+//!   deadline. Either way each unit counts once, and the bound holds: a debt
+//!   is never settled at or past its deadline (one period after its earliest
+//!   request), so the counter it lands in started before that deadline;
+//!   at worst a subject finds the debt's units in the period after their
+//!   own, or a period that starts at a request that did not open one.
+//!   Calendar debts are exact: the window is in the key.
 //!
 //! # The bound
 //!
@@ -65,10 +92,12 @@
 //! store) holds up no other. Once every entry owed has failed in a row, the
 //! task waits before the next try, 100 ms then twice as long after each
 //! such round, up to 5 s; a settle that goes through starts the waits
-//! afresh. A debt whose
-//! period is over by the time it would be settled is dropped, logged and
-//! counted, never added to a later period; so is one the store refuses (a
-//! key that holds no counter, a sum beyond what it counts exactly). The task
+//! afresh. A debt whose period is over by the time it would be settled is
+//! dropped, logged and counted: never added once its own window or
+//! first-use deadline is past (a first-use debt may still land in a period
+//! opened after its requests: see the known limits above). So is one the
+//! store refuses (a key that holds no counter, a sum beyond what it counts
+//! exactly). The task
 //! ends when nothing is owed, or when the policy is dropped: what the ledger
 //! still owes then is lost with it, logged and counted as abandoned.
 

@@ -29,13 +29,24 @@
 //!   owe, added once it answers again) never checks a limit and never
 //!   touches the deadline of a live counter; where there is none, it creates
 //!   the counter with the debt's lifetime, the one the requests had. A debt
-//!   whose lifetime ended writes nothing, so it never opens a new period.
+//!   whose lifetime ended writes nothing, so it never opens a new period. A
+//!   live counter takes the debt whatever period it counts: a first-use key
+//!   names no period, so a debt may land in a period opened after its
+//!   requests (never one opened at or past the debt's deadline, one period
+//!   after its earliest request).
 //! - A charge or a settle that fails, or whose future is dropped before it
 //!   answers, leaves nothing charged once the store is done with it (not
 //!   applied, or applied and given back): the layer counts a request that
 //!   passed on a failed charge under `OnStoreError::FailOpen` with a settle
 //!   of its own, and sends a failed settle again. A store that may keep a
-//!   failed charge counts such a request twice.
+//!   failed charge counts such a request twice. A store keeps this as far
+//!   as it learns what became of a call: one that fails on the wire after
+//!   it was sent (its connection lost before the answer; for the Redis
+//!   store also one applied more than 30 s late) may have been applied
+//!   without the store knowing, and then stays. Its request then counts
+//!   twice, or, for a settle (sent again), its debt does: once more per
+//!   call lost so. Settles are not idempotent (that would take a marker per
+//!   settle in the store).
 //!
 //! # Example: a store of your own
 //!
@@ -397,17 +408,27 @@ pub trait Store: Clone + Send + Sync + 'static {
     /// deadline): then nothing is written, so a debt is never charged to a
     /// period after its own.
     ///
-    /// A live counter keeps its deadline (and its first call). Where there is
-    /// none, the settle creates it as the requests' charges would have: with
-    /// `debt.lifetime` (the window's end, or the first-use deadline computed
-    /// at the requests' instant, never a later one) and `debt.since` as its
-    /// first call. A debt of nothing writes nothing, and answers what the
+    /// A live counter keeps its deadline (and its first call), and takes the
+    /// debt whatever period it counts: a first-use key names no period, so a
+    /// debt whose requests fell in an earlier period (one that has ended, or
+    /// that the store never held) goes to a period opened after them, by a
+    /// charge made once the store answered; never to one opened at or past
+    /// the debt's deadline, since a settle then writes nothing. Where there
+    /// is none, the settle creates it as the requests' charges would have:
+    /// with `debt.lifetime` (the window's end, or the first-use deadline
+    /// computed at the requests' instant, never a later one) and
+    /// `debt.since` as its first call, which may open a period at a request
+    /// that fell in an earlier period. A debt of nothing writes nothing, and answers what the
     /// counter holds (0 where there is none). A store fails rather than hold
     /// a count other than the sum, as [`Store::add`] does.
     ///
     /// The ledger sends a settle that failed again: one that fails, or whose
     /// future is dropped before it answers, must leave nothing added once the
-    /// store is done with it (as a charge).
+    /// store is done with it (as a charge). Where the store cannot learn
+    /// what became of a call (its connection lost after it was sent), a
+    /// settle it applied and reported failed is sent again and counts
+    /// twice: the settle carries no marker that would let the store tell
+    /// it from a new one.
     ///
     /// The default makes it a [`Store::charge`] of one line at `now`, with
     /// the largest limit the store counts exactly ([`Store::max_count`]): it

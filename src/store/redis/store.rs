@@ -138,7 +138,10 @@ use crate::store::{
 ///   its policy's ledger adds it with [`Store::settle_debt`] once Redis
 ///   answers: one count for the request, whether the charge was never
 ///   applied, or applied late and given back. A settle is followed and
-///   given back the same way, so the ledger can send it again.) A
+///   given back the same way, so the ledger can send it again. A charge or
+///   a settle that fails on the wire after it was sent, as below, has no
+///   answer to follow: if Redis applied it, its request, or its debt,
+///   counts twice.) A
 ///   call is followed for 30 s at most; a connection silent that long is
 ///   dropped. A connection that answers nothing at all for a second while
 ///   a call waits on it (half-open after a network fault) takes no new
