@@ -223,6 +223,23 @@ impl PeriodKey {
         key
     }
 
+    /// The key of this counter's lease mark (see
+    /// [`LeasedStore`](crate::store::LeasedStore)): the key with `%held`
+    /// after its allowance, `quota:{account:acme}:read%held:2026-12-02`.
+    /// No counter's key can be a mark's: an allowance is percent-encoded,
+    /// and its escapes are `%` and two hex digits. In the same hash tag as
+    /// the counter. `None` for a key not built by a [`Namespace`].
+    pub(crate) fn lease_mark(&self) -> Option<PeriodKey> {
+        let key: &str = &self.0;
+        let open = key.find('{')?;
+        let close = open + key[open..].find("}:")?;
+        let allowance = close + 2;
+        let end = allowance + key[allowance..].find(':')?;
+        Some(PeriodKey(
+            format!("{}%held{}", &key[..end], &key[end..]).into(),
+        ))
+    }
+
     /// The key as an owned `String`.
     pub fn into_string(self) -> String {
         self.0.to_string()
@@ -274,6 +291,16 @@ mod tests {
     use super::*;
     use crate::subject::SubjectKind;
     use proptest::prelude::*;
+
+    #[test]
+    fn a_lease_mark_follows_the_allowance() {
+        let key = Namespace::new("app:q").key(&Subject::account("a:b"), "read", "2026-12-02");
+        assert_eq!(
+            key.lease_mark().unwrap().as_str(),
+            "app:q:{account:a%3Ab}:read%held:2026-12-02"
+        );
+        assert_eq!(PeriodKey::from_string("plain".into()).lease_mark(), None);
+    }
 
     #[test]
     fn the_plain_bytes_are_those_the_encoding_keeps() {
@@ -372,6 +399,17 @@ mod tests {
             let ka = ns.key(&Subject::new(a.0.clone(), a.1.clone()), &a.2, &a.3);
             let kb = ns.key(&Subject::new(b.0.clone(), b.1.clone()), &b.2, &b.3);
             prop_assert_eq!(a == b, ka == kb);
+        }
+
+        #[test]
+        fn a_lease_mark_is_no_counter_of_any_tuple(a in tuple(), b in tuple()) {
+            let ns = Namespace::default();
+            let ka = ns.key(&Subject::new(a.0.clone(), a.1.clone()), &a.2, &a.3);
+            let kb = ns.key(&Subject::new(b.0.clone(), b.1.clone()), &b.2, &b.3);
+            let mark = ka.lease_mark().expect("a namespace's key has a mark");
+            prop_assert_ne!(&mark, &kb);
+            prop_assert_eq!(mark.hash_tag(), ka.hash_tag());
+            prop_assert_eq!(a == b, Some(mark) == kb.lease_mark());
         }
 
         #[test]

@@ -284,8 +284,10 @@ pub struct Refusal {
     /// the request would have cost on it. Empty for a store failure.
     pub violated: Vec<(Quota, Usage, u64)>,
     /// When the request could succeed: the last reset among the violated
-    /// quotas, `None` when no wait helps (a request costing more than a
-    /// whole period allows) or the store failed.
+    /// quotas (or, for a quota whose units another instance holds unused
+    /// under leased counting, when those come back), `None` when no wait
+    /// helps (a request costing more than a whole period allows) or the
+    /// store failed.
     pub resets_at: Option<Timestamp>,
     /// Seconds to wait before trying again (`Retry-After`), rounded up;
     /// `None` when no wait helps.
@@ -353,12 +355,27 @@ impl Refusal {
             // be admitted: waiting would not help, so no Retry-After is sent.
             if cost > usage.limit {
                 retry_after = None;
-            } else {
-                let wait =
-                    seconds_until(now, usage.resets_at).saturating_add(quota.spread_for(subject));
-                retry_after = retry_after.map(|r| r.max(wait));
-                resets_at = Some(resets_at.map_or(usage.resets_at, |r| r.max(usage.resets_at)));
+                continue;
             }
+            // Units another instance holds unused come back soon (leased
+            // counting): worth a try then, before the reset.
+            let (back_at, wait) = match usage.held_elsewhere_until {
+                Some(until) if until < usage.resets_at => {
+                    write!(
+                        detail,
+                        " Other instances hold unused units of it, back within {} s.",
+                        seconds_until(now, until)
+                    )
+                    .expect("infallible");
+                    (until, seconds_until(now, until))
+                }
+                _ => (
+                    usage.resets_at,
+                    seconds_until(now, usage.resets_at).saturating_add(quota.spread_for(subject)),
+                ),
+            };
+            retry_after = retry_after.map(|r| r.max(wait));
+            resets_at = Some(resets_at.map_or(back_at, |r| r.max(back_at)));
         }
         Self {
             status: StatusCode::TOO_MANY_REQUESTS,
@@ -515,7 +532,7 @@ mod tests {
             let quota = Quota::daily(1).spread_reset(Duration::from_secs(spread));
             let resets_at: Timestamp = "2026-12-03T00:00:00Z".parse().unwrap();
             let now = resets_at.checked_sub(jiff::SignedDuration::from_millis(before)).unwrap();
-            let usage = [Usage { limit: 1, used: 1, resets_at, first_call: None }];
+            let usage = [Usage { limit: 1, used: 1, resets_at, first_call: None, held_elsewhere_until: None }];
             let real = seconds_until(now, resets_at);
             let refusal = Refusal::quota_exceeded(std::slice::from_ref(&quota), &usage, |_| 1, now, subject, false);
             let told = refusal.retry_after.unwrap();
@@ -542,6 +559,7 @@ mod tests {
         let now: Timestamp = "2026-12-02T10:00:00Z".parse().unwrap();
         let resets_at = Timestamp::MAX;
         let usage = [Usage {
+            held_elsewhere_until: None,
             limit: 1,
             used: 1,
             resets_at,
@@ -580,6 +598,7 @@ mod tests {
 
     fn usage_of(limit: u64, used: u64, resets_at: &str) -> Usage {
         Usage {
+            held_elsewhere_until: None,
             limit,
             used,
             resets_at: resets_at.parse().unwrap(),

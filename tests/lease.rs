@@ -180,17 +180,99 @@ async fn another_instance_gets_the_units_once_the_holder_is_idle() {
         b_admitted += 1;
     }
     assert_eq!(b_admitted, 30 - held);
+    // The refusal says the units come back within A's idle bound.
+    let refused = call(&b, now, 100).await;
+    assert!(!refused.admitted);
+    assert_eq!(
+        refused.usage[0].held_elsewhere_until,
+        Some(now + SignedDuration::from_secs(1))
+    );
+    // B took a block on the way, spent it, and left the mark once refused.
+    tokio::task::yield_now().await;
+    assert_eq!(holders(&shared, now).await, 1);
     // A goes idle: its units come back, and B spends them.
     tokio::time::advance(Duration::from_millis(1_300)).await;
     tokio::task::yield_now().await;
     now += SignedDuration::from_millis(1_300);
     assert_eq!(a.held(), 0);
+    assert_eq!(holders(&shared, now).await, 0, "A left the mark");
     let mut more = 0;
     while call(&b, now, 100).await.admitted {
         more += 1;
     }
     assert_eq!(more, held);
     assert_eq!(counted(&shared, now).await, 100);
+    // Spent for good: the refusal waits for the reset.
+    let refused = call(&b, now, 100).await;
+    assert!(!refused.admitted);
+    assert_eq!(refused.usage[0].held_elsewhere_until, None);
+}
+
+/// How many instances the lease mark of the day's counter counts at `now`.
+async fn holders<St: Store>(store: &St, now: Timestamp) -> u64 {
+    let mark = ChargeLine {
+        key: PeriodKey::from_string("quota:{account:acme}:default%held:2026-12-04".into()),
+        limit: u64::MAX,
+        cost: 0,
+        lifetime: Lifetime::FirstUse {
+            deadline: now + SignedDuration::from_secs(10),
+        },
+    };
+    let request = ChargeRequest {
+        now,
+        lines: vec![mark],
+    };
+    store.peek(request).await.unwrap()[0].used
+}
+
+#[tokio::test(start_paused = true)]
+async fn the_mark_of_an_instance_that_died_ends_with_its_lease_time() {
+    let shared = MemoryStore::new();
+    let a = LeasedStore::new(shared.clone());
+    let b = LeasedStore::new(shared.clone());
+    let mut now = t0();
+    busy(&a, &mut now, 70, 100, 1).await;
+    let held = a.held();
+    assert!(held > 0);
+    // A dies: no shutdown, no give-back.
+    drop(a);
+    while call(&b, now, 100).await.admitted {}
+    let refused = call(&b, now, 100).await;
+    assert!(refused.usage[0].held_elsewhere_until.is_some());
+    // Past the lease time the mark is gone: A's units stay charged (the
+    // documented bound), and refusals wait for the reset.
+    tokio::time::advance(Duration::from_secs(11)).await;
+    now += SignedDuration::from_secs(11);
+    let refused = call(&b, now, 100).await;
+    assert!(!refused.admitted);
+    assert_eq!(refused.usage[0].held_elsewhere_until, None);
+    assert_eq!(refused.usage[0].used, 100);
+    assert_eq!(holders(&shared, now).await, 0);
+}
+
+#[tokio::test(start_paused = true)]
+async fn an_instance_counts_once_in_the_mark_and_leaves_it_when_it_holds_nothing() {
+    let shared = MemoryStore::new();
+    let a = LeasedStore::new(shared.clone());
+    let b = LeasedStore::new(shared.clone());
+    let mut now = t0();
+    // Many blocks in a row: still one holder.
+    busy(&a, &mut now, 2_000, 1_000_000, 1).await;
+    assert_eq!(holders(&shared, now).await, 1);
+    busy(&b, &mut now, 50, 1_000_000, 1).await;
+    assert_eq!(holders(&shared, now).await, 2);
+    assert!(b.shutdown().await > 0);
+    assert_eq!(holders(&shared, now).await, 1);
+    assert!(a.shutdown().await > 0);
+    assert_eq!(holders(&shared, now).await, 0);
+    // C spends its blocks to the end near the limit: it leaves the mark
+    // with the first charge that takes no new block.
+    let c = LeasedStore::new(shared.clone());
+    let used = counted(&shared, now).await;
+    busy(&c, &mut now, 200, used + 200, 1).await;
+    assert_eq!(c.held(), 0);
+    tokio::task::yield_now().await;
+    assert_eq!(holders(&shared, now).await, 0);
 }
 
 #[tokio::test(start_paused = true)]

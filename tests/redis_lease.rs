@@ -307,3 +307,58 @@ async fn a_server_killed_with_sigkill_leaves_at_most_its_block_charged() {
     // (1 000) and a quarter of what was left.
     assert!(left > 0 && left <= 1_000, "{left}");
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_refusal_while_another_server_holds_units_tells_a_short_wait() {
+    let redis = redis_server_or_skip!();
+    let server = |idle: &str| {
+        demo_server::start(&[
+            "--limit",
+            "200",
+            "--period",
+            "1d",
+            "--anchor",
+            "first-use",
+            "--store",
+            &redis.url(),
+            "--lease",
+            "--lease-idle",
+            idle,
+        ])
+    };
+    let (a, b) = (server("1000"), server("1000"));
+    read_many(&a, "short", 100).await;
+    let held = served_count(&redis, "short") - 100;
+    assert!(held > 0, "a holds a block");
+    // B spends what nobody holds, then is refused while A holds the rest:
+    // told to come back within A's idle bound.
+    let refusal = loop {
+        let reply = demo_server::call(&b.addr, "GET", "/read", &[("x-account-id", "short")]).await;
+        if reply.status == 429 {
+            break reply;
+        }
+        assert_eq!(reply.status, 200);
+    };
+    assert_eq!(refusal.header("retry-after"), Some("1"), "{}", refusal.body);
+    assert!(
+        refusal.body.contains("Other instances hold unused units"),
+        "{}",
+        refusal.body
+    );
+    // A idles: its units come back, and B spends them.
+    tokio::time::sleep(Duration::from_millis(1_600)).await;
+    let mut more = 0;
+    let last = loop {
+        let reply = demo_server::call(&b.addr, "GET", "/read", &[("x-account-id", "short")]).await;
+        if reply.status != 200 {
+            break reply;
+        }
+        more += 1;
+    };
+    assert_eq!(more, held);
+    // Nothing held anywhere: the wait is the reset's.
+    assert_eq!(last.status, 429);
+    let wait: u64 = last.header("retry-after").unwrap().parse().unwrap();
+    assert!(wait > 80_000, "{wait}");
+    assert_eq!(served_count(&redis, "short"), 200);
+}

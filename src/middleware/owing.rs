@@ -58,6 +58,7 @@ pub(crate) fn owe<E, St>(
         .zip(&keys)
         .map(|(quota, key)| {
             let usage = Usage {
+                held_elsewhere_until: None,
                 limit: 0,
                 used: 0,
                 resets_at: now,

@@ -13,7 +13,7 @@ use jiff::{SignedDuration, Timestamp};
 use smallvec::SmallVec;
 use tokio::time::Instant;
 
-use super::{ChargeLine, ChargeOutcome, ChargeRequest, Debt, Store, StoreError, Usage};
+use super::{ChargeLine, ChargeOutcome, ChargeRequest, Debt, Lifetime, Store, StoreError, Usage};
 use crate::key::PeriodKey;
 use crate::throttle::Throttle;
 
@@ -59,7 +59,25 @@ static GIVE_BACK_ERRORS: Throttle = Throttle::new(5);
 /// - While this instance holds a block, other instances see its unused
 ///   units as spent: a subject can be refused on one instance while
 ///   another holds units of it, until that one's idle bound passes (or its
-///   lease time, if the subject keeps calling there).
+///   lease time, if the subject keeps calling there). Such a refusal tells
+///   the client so: its `Retry-After` is the idle bound, not the wait until
+///   the reset (see [`Usage::held_elsewhere_until`]).
+///
+/// # Lease marks
+///
+/// Beside each counter it leases from, the store keeps a *lease mark*: how
+/// many instances hold a block of it. It is a counter of its own (the
+/// counter's key with `%held` after the allowance, in the same hash tag),
+/// charged with the block that makes an instance a holder, given back when
+/// the instance holds nothing any more (its block went back, was dropped,
+/// or was spent and no new one came), and read with every charge this
+/// store sends. It lives one lease time from when it was made, so the mark
+/// of an instance that died ends on its own. A refusal on a counter that
+/// other instances are marked on tells a wait of the idle bound (or until
+/// the mark ends, if sooner). The mark is a hint for clients, never a
+/// count: an instance that joined it after it was made may hold a block
+/// beyond its end, and a holder may have spent its block but not yet gone
+/// idle; neither changes what is admitted.
 /// - A reset or a refund made elsewhere reaches this instance when it next
 ///   asks the store: within the lease time at most, since no block is spent
 ///   past it.
@@ -251,11 +269,15 @@ struct Counter {
     /// Units taken from the block for requests whose other lines the store
     /// is asked for: spent or put back once it answers.
     reserved: u64,
+    /// The end of the counter's lease mark in the store, while this
+    /// instance counts in it (it holds a block): see `Marks`.
+    marked_until: Option<Timestamp>,
 }
 
 impl Counter {
     fn usage(&self) -> Usage {
         Usage {
+            held_elsewhere_until: None,
             limit: self.limit,
             used: self.store_used.saturating_sub(self.units),
             resets_at: self.resets_at,
@@ -285,6 +307,17 @@ impl Counter {
     /// dropped, not given back.
     fn ended(&self, now: Timestamp) -> bool {
         now >= self.resets_at
+    }
+
+    /// Whether this instance counts in the counter's lease mark at `now`.
+    fn marked(&self, now: Timestamp) -> bool {
+        self.marked_until.is_some_and(|until| until > now)
+    }
+
+    /// Stops counting in the lease mark: whether the mark is to be
+    /// released in the store (it has not ended on its own).
+    fn unmark(&mut self, now: Timestamp) -> bool {
+        self.marked_until.take().is_some_and(|until| until > now)
     }
 }
 
@@ -325,13 +358,16 @@ impl<St: Store> LeasedStore<St> {
             let mut counters = self.shared.counters();
             counters
                 .drain()
-                .filter(|(_, c)| c.units > 0)
                 .map(|(key, c)| (key, c, c.now(at)))
+                .filter(|(_, c, now)| c.units > 0 || c.marked(*now))
                 .collect()
         };
         let mut returned = 0;
         for (key, counter, now) in drained {
-            if counter.ended(now) {
+            if counter.marked(now) {
+                unmark(&self.inner, now, &key).await;
+            }
+            if counter.units == 0 || counter.ended(now) {
                 continue;
             }
             if give_back(&self.inner, now, key, counter.units).await {
@@ -393,7 +429,11 @@ impl<St: Store> LeasedStore<St> {
     /// block has room are spent from it (and restored if the store refuses
     /// the rest), the others are charged there, each asking for a block
     /// when its subject is busy here.
-    fn spend_locally(&self, request: &ChargeRequest, at: Instant) -> Result<ChargeOutcome, Plan> {
+    fn spend_locally(
+        &self,
+        request: &ChargeRequest,
+        at: Instant,
+    ) -> Result<ChargeOutcome, Box<Plan>> {
         let mut counters = self.shared.counters();
         let lease_time = self.shared.settings.lease_time;
         // Per line, the units taken from a fresh block here: all of its
@@ -401,6 +441,7 @@ impl<St: Store> LeasedStore<St> {
         // listed twice takes from its block twice.
         let mut taken: SmallVec<[u64; 2]> = SmallVec::with_capacity(request.lines.len());
         let mut stale = Vec::new();
+        let mut unmarked = Vec::new();
         for line in &request.lines {
             let Some(counter) = counters.get_mut(&line.key) else {
                 taken.push(0);
@@ -413,6 +454,9 @@ impl<St: Store> LeasedStore<St> {
                 // The period is over: its block is dropped.
                 counter.units = 0;
                 counter.block_since = None;
+                if counter.unmark(request.now) {
+                    unmarked.push(line.key.clone());
+                }
             }
             let fresh = counter
                 .block_since
@@ -424,6 +468,9 @@ impl<St: Store> LeasedStore<St> {
                 counter.store_used = counter.store_used.saturating_sub(counter.units);
                 counter.units = 0;
                 counter.block_since = None;
+                if counter.unmark(request.now) {
+                    unmarked.push(line.key.clone());
+                }
             }
             // Only as far as what was served leaves room under this
             // request's limit (a caller's plan may change while a block is
@@ -439,6 +486,7 @@ impl<St: Store> LeasedStore<St> {
         }
         let local = !request.lines.is_empty()
             && stale.is_empty()
+            && unmarked.is_empty()
             && request
                 .lines
                 .iter()
@@ -454,6 +502,7 @@ impl<St: Store> LeasedStore<St> {
                         counter.block_since = None;
                     }
                     Usage {
+                        held_elsewhere_until: None,
                         limit: line.limit,
                         ..counter.usage()
                     }
@@ -468,6 +517,7 @@ impl<St: Store> LeasedStore<St> {
         let runtime = tokio::runtime::Handle::try_current().is_ok();
         let mut reserved = Vec::new();
         let mut blocks = Vec::with_capacity(request.lines.len());
+        let mut marks = Vec::with_capacity(request.lines.len());
         for (line, &units) in request.lines.iter().zip(&taken) {
             let block = if units < line.cost {
                 self.block_for(&mut counters, line, request.now, at, runtime)
@@ -475,6 +525,13 @@ impl<St: Store> LeasedStore<St> {
                 0
             };
             blocks.push(block);
+            // A block makes this instance count in the counter's mark, once.
+            marks.push(
+                block > 0
+                    && counters
+                        .get(&line.key)
+                        .is_some_and(|c| !c.marked(request.now)),
+            );
             if units > 0 {
                 let counter = counters.get_mut(&line.key).expect("a block was spent");
                 // Kept while the store is asked, however long that takes.
@@ -482,24 +539,29 @@ impl<St: Store> LeasedStore<St> {
                 reserved.push((line.key.clone(), units));
             }
         }
-        Err(Plan {
+        // Boxed: the store is asked next, and the plan waits for it.
+        Err(Box::new(Plan {
             blocks,
+            marks,
             taken,
             stale,
+            unmarked,
             reserved: Reserved {
                 shared: Arc::clone(&self.shared),
                 lines: reserved,
                 spent: false,
             },
-        })
+        }))
     }
 
     /// The charge of `request` through the store, as `plan` says.
     fn send(&self, mut request: ChargeRequest, plan: Plan, at: Instant) -> RemoteCharge {
         let Plan {
             blocks,
+            marks,
             taken,
             stale,
+            unmarked,
             mut reserved,
         } = plan;
         let taking = Taking {
@@ -521,6 +583,9 @@ impl<St: Store> LeasedStore<St> {
             for (key, units) in stale {
                 give_back(&store.inner, request.now, key, units).await;
             }
+            for key in unmarked {
+                unmark(&store.inner, request.now, &key).await;
+            }
             let costs: Vec<u64> = request.lines.iter().map(|line| line.cost).collect();
             let leasing = blocks.iter().any(|&b| b > 0);
             if leasing {
@@ -528,8 +593,8 @@ impl<St: Store> LeasedStore<St> {
                     line.cost = line.cost.saturating_add(*block);
                 }
             }
-            let mut outcome = store.inner.charge(request.clone()).await?;
-            let mut blocks = blocks;
+            let mut outcome = store.inner.charge(store.marked(&request, &marks)).await?;
+            let (mut blocks, mut marks) = (blocks, marks);
             if leasing && !outcome.admitted {
                 // The blocks did not fit (other instances spent meanwhile):
                 // the request alone.
@@ -537,33 +602,82 @@ impl<St: Store> LeasedStore<St> {
                     line.cost = *cost;
                 }
                 blocks.iter_mut().for_each(|b| *b = 0);
-                outcome = store.inner.charge(request.clone()).await?;
+                marks.iter_mut().for_each(|m| *m = false);
+                outcome = store.inner.charge(store.marked(&request, &marks)).await?;
             }
+            let seen = split_marks(&request, &mut outcome);
             drop(taking);
             if outcome.admitted {
                 reserved.spent = true;
             }
             // Restored before the usage is read, if the store refused.
             drop(reserved);
-            Ok(store.learn(&request, &blocks, outcome, at))
+            Ok(store.learn(&request, &blocks, &marks, &seen, outcome, at))
         })
     }
 
+    /// `request` as sent to the store: each line followed, at the end, by
+    /// its counter's lease mark, taken (`marks`) or only read.
+    fn marked(&self, request: &ChargeRequest, marks: &[bool]) -> ChargeRequest {
+        let lease = SignedDuration::try_from(self.shared.settings.lease_time)
+            .unwrap_or(SignedDuration::MAX);
+        let deadline = request.now.saturating_add(lease).unwrap_or(request.now);
+        let mut sent = request.clone();
+        for (line, &take) in request.lines.iter().zip(marks) {
+            if let Some(key) = line.key.lease_mark() {
+                sent.lines.push(ChargeLine {
+                    key,
+                    limit: self.inner.max_count(),
+                    cost: u64::from(take),
+                    lifetime: Lifetime::FirstUse { deadline },
+                });
+            }
+        }
+        sent
+    }
+
+    /// When the units other instances hold of a counter whose mark stood at
+    /// `mark` come back at the latest, if any do; `counted`: whether this
+    /// instance counted in the mark.
+    fn held_elsewhere(
+        &self,
+        mark: Option<&Usage>,
+        counted: bool,
+        now: Timestamp,
+    ) -> Option<Timestamp> {
+        let mark = mark?;
+        let others = mark.used.saturating_sub(u64::from(counted));
+        if others == 0 || mark.resets_at <= now {
+            return None;
+        }
+        let idle =
+            SignedDuration::try_from(self.shared.settings.idle).unwrap_or(SignedDuration::MAX);
+        let idled = now.saturating_add(idle).unwrap_or(mark.resets_at);
+        Some(idled.min(mark.resets_at))
+    }
+
     /// Records what the store answered to `request` (whose lines took
-    /// `blocks` beyond their costs), and the outcome as the layer sees it.
+    /// `blocks` beyond their costs, and their counters' lease marks where
+    /// `marks` says; the marks stood at `seen`), and the outcome as the
+    /// layer sees it.
     fn learn(
         &self,
         request: &ChargeRequest,
         blocks: &[u64],
+        marks: &[bool],
+        seen: &[Option<Usage>],
         mut outcome: ChargeOutcome,
         at: Instant,
     ) -> ChargeOutcome {
         let mut counters = self.shared.counters();
         let room = counters.len() < self.shared.settings.max_counters;
         let closed = self.shared.closed.load(Ordering::SeqCst);
+        let now = request.now;
         let mut sweep = false;
         let mut back = Vec::new();
-        for ((line, &block), usage) in request.lines.iter().zip(blocks).zip(&mut outcome.usage) {
+        let mut unmarked = Vec::new();
+        for (i, (line, usage)) in request.lines.iter().zip(&mut outcome.usage).enumerate() {
+            let (block, mark) = (blocks[i], seen[i].as_ref());
             let counter = match counters.get_mut(&line.key) {
                 Some(counter) => counter,
                 None if room && line.cost > 0 => {
@@ -582,10 +696,17 @@ impl<St: Store> LeasedStore<St> {
                         block: 0,
                         taking: false,
                         reserved: 0,
+                        marked_until: None,
                     })
                 }
-                None => continue,
+                None => {
+                    if !outcome.admitted {
+                        usage.held_elsewhere_until = self.held_elsewhere(mark, false, now);
+                    }
+                    continue;
+                }
             };
+            let counted = counter.marked(now);
             if !counter.same_period(usage) && counter.units > 0 {
                 // Another period's counter (a first-use period that ended
                 // and opened again): the old block is dropped.
@@ -600,28 +721,46 @@ impl<St: Store> LeasedStore<St> {
             counter.seen_at = at;
             counter.charged_at = at;
             counter.hits = 0;
-            if outcome.admitted && block > 0 && closed {
+            let took = outcome.admitted && block > 0;
+            if took && closed {
                 // Taken while the store shut down: straight back.
                 counter.store_used = counter.store_used.saturating_sub(block);
                 back.push((line.key.clone(), request.now, block));
-            } else if outcome.admitted && block > 0 {
+                if marks[i] {
+                    unmarked.push(line.key.clone());
+                }
+            } else if took {
                 counter.units += block;
                 counter.block_since.get_or_insert(at);
                 counter.block = block;
+                if marks[i] {
+                    counter.marked_until = mark.map(|m| m.resets_at);
+                }
                 crate::metrics::lease_block();
             }
+            // Holding nothing any more (the block was spent, and no new one
+            // came): this instance leaves the mark.
+            if !took && counter.units == 0 && counter.reserved == 0 && counter.unmark(now) {
+                unmarked.push(line.key.clone());
+            }
             *usage = counter.usage();
+            if !outcome.admitted {
+                usage.held_elsewhere_until = self.held_elsewhere(mark, counted, now);
+            }
         }
         drop(counters);
         if sweep {
             self.start_sweeping();
         }
-        if !back.is_empty() {
+        if !back.is_empty() || !unmarked.is_empty() {
             if let Ok(runtime) = tokio::runtime::Handle::try_current() {
                 let inner = self.inner.clone();
                 runtime.spawn(async move {
                     for (key, now, units) in back {
                         give_back(&inner, now, key, units).await;
+                    }
+                    for key in unmarked {
+                        unmark(&inner, now, &key).await;
                     }
                 });
             }
@@ -673,6 +812,7 @@ async fn sweep<St: Store>(shared: Weak<Shared>, inner: St, settings: Settings) {
         };
         let at = Instant::now();
         let mut back = Vec::new();
+        let mut unmarked = Vec::new();
         {
             let mut counters = shared.counters();
             counters.retain(|key, counter| {
@@ -680,14 +820,18 @@ async fn sweep<St: Store>(shared: Weak<Shared>, inner: St, settings: Settings) {
                 let old = counter.block_since.is_some_and(|since| {
                     at.saturating_duration_since(since) >= settings.lease_time
                 });
+                let now = counter.now(at);
                 if (idle || old) && counter.units > 0 {
-                    let now = counter.now(at);
                     if !counter.ended(now) {
                         back.push((key.clone(), now, counter.units));
                     }
                     counter.store_used = counter.store_used.saturating_sub(counter.units);
                     counter.units = 0;
                     counter.block_since = None;
+                }
+                let holding = counter.units > 0 || counter.taking || counter.reserved > 0;
+                if (idle || old) && !holding && counter.unmark(now) {
+                    unmarked.push((key.clone(), now));
                 }
                 // A counter idle here is forgotten, rate and all; one with
                 // a block or reserved units on their way stays until the
@@ -698,6 +842,9 @@ async fn sweep<St: Store>(shared: Weak<Shared>, inner: St, settings: Settings) {
         drop(shared);
         for (key, now, units) in back {
             give_back(&inner, now, key, units).await;
+        }
+        for (key, now) in unmarked {
+            unmark(&inner, now, &key).await;
         }
     }
 }
@@ -725,10 +872,47 @@ async fn give_back<St: Store>(inner: &St, now: Timestamp, key: PeriodKey, units:
     }
 }
 
+/// Leaves the lease mark of the counter at `key`: one holder fewer. A
+/// guarded refund, as every give-back: a mark that ended stays gone.
+async fn unmark<St: Store>(inner: &St, now: Timestamp, key: &PeriodKey) {
+    let Some(mark) = key.lease_mark() else {
+        return;
+    };
+    if let Err(error) = inner.refund(now, mark, 1).await {
+        if let Some(suppressed) = GIVE_BACK_ERRORS.admit() {
+            tracing::warn!(
+                %error,
+                suppressed,
+                "quota store failed to lift a lease mark: refusals may tell a short wait until it ends"
+            );
+        }
+    }
+}
+
+/// Takes the lease marks that `request`'s lines were sent with off the end
+/// of `outcome`: per line, where its mark stood (`None`: no mark).
+fn split_marks(request: &ChargeRequest, outcome: &mut ChargeOutcome) -> Vec<Option<Usage>> {
+    let lines = request.lines.len();
+    let mut marks = outcome
+        .usage
+        .split_off(lines.min(outcome.usage.len()))
+        .into_iter();
+    request
+        .lines
+        .iter()
+        .map(|line| line.key.lease_mark().and_then(|_| marks.next()))
+        .collect()
+}
+
 /// How a request that is not answered from blocks alone goes to the store.
 struct Plan {
     /// Per line, the block it asks for beyond its cost.
     blocks: Vec<u64>,
+    /// Per line, whether its block makes this instance count in the
+    /// counter's lease mark.
+    marks: Vec<bool>,
+    /// Counters whose lease mark this instance leaves first.
+    unmarked: Vec<PeriodKey>,
     /// Per line, what blocks here pay of its cost.
     taken: SmallVec<[u64; 2]>,
     /// Blocks past their lease time, given back first.
@@ -818,7 +1002,7 @@ impl<St: Store> Future for LeasedChargeFuture<St> {
             let at = Instant::now();
             match this.store.spend_locally(&request, at) {
                 Ok(outcome) => return Poll::Ready(Ok(outcome)),
-                Err(plan) => this.remote = Some(this.store.send(request, plan, at)),
+                Err(plan) => this.remote = Some(this.store.send(request, *plan, at)),
             }
         }
         this.remote
@@ -900,10 +1084,20 @@ impl<St: Store> Store for LeasedStore<St> {
     }
 
     /// Drops this instance's block of `key` (not given back: the counter
-    /// is gone), then deletes the counter.
+    /// is gone) and leaves its lease mark, then deletes the counter.
     fn reset(&self, key: PeriodKey) -> impl Future<Output = Result<bool, StoreError>> + Send {
-        self.shared.counters().remove(&key);
-        self.inner.reset(key)
+        let known = self.shared.counters().remove(&key);
+        let marked = known.and_then(|c| {
+            let now = c.now(Instant::now());
+            c.marked(now).then_some(now)
+        });
+        let inner = self.inner.clone();
+        async move {
+            if let Some(now) = marked {
+                unmark(&inner, now, &key).await;
+            }
+            inner.reset(key).await
+        }
     }
 
     fn identity(&self) -> Option<usize> {

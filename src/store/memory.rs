@@ -697,12 +697,14 @@ impl Shard {
 fn usage_of(line: &ChargeLine, counter: Option<Counter>) -> Usage {
     match line.lifetime {
         Lifetime::Calendar { end, .. } => Usage {
+            held_elsewhere_until: None,
             limit: line.limit,
             used: counter.map_or(0, |c| c.used),
             resets_at: end,
             first_call: None,
         },
         Lifetime::FirstUse { deadline } => Usage {
+            held_elsewhere_until: None,
             limit: line.limit,
             used: counter.map_or(0, |c| c.used),
             resets_at: counter.map_or(deadline, |c| c.deadline.timestamp()),

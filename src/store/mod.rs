@@ -244,6 +244,11 @@ pub struct Usage {
     /// For first-use counters, the call that opened the period; `None` for
     /// calendar counters and when no period is open.
     pub first_call: Option<Timestamp>,
+    /// With leased counting ([`LeasedStore`]): when the unused units that
+    /// other instances hold of this counter come back at the latest, if
+    /// another instance holds a block of it. A refusal is worth retrying
+    /// then, before `resets_at`. `None` from every other store.
+    pub held_elsewhere_until: Option<Timestamp>,
 }
 
 impl Usage {

@@ -75,12 +75,14 @@ pub(super) fn outcome(
             };
             Ok(match line.lifetime {
                 Lifetime::Calendar { end, .. } => Usage {
+                    held_elsewhere_until: None,
                     limit: line.limit,
                     used,
                     resets_at: end,
                     first_call: None,
                 },
                 Lifetime::FirstUse { deadline } => Usage {
+                    held_elsewhere_until: None,
                     limit: line.limit,
                     used,
                     resets_at: if pttl >= 0 {
