@@ -180,6 +180,8 @@ async fn another_instance_gets_the_units_once_the_holder_is_idle() {
         b_admitted += 1;
     }
     assert_eq!(b_admitted, 30 - held);
+    // B's own joining and leaving of the mark land (a store call each).
+    tokio::task::yield_now().await;
     // The refusal says the units come back within A's idle bound.
     let refused = call(&b, now, 100).await;
     assert!(!refused.admitted);
@@ -237,6 +239,7 @@ async fn the_mark_of_an_instance_that_died_ends_with_its_lease_time() {
     // A dies: no shutdown, no give-back.
     drop(a);
     while call(&b, now, 100).await.admitted {}
+    tokio::task::yield_now().await;
     let refused = call(&b, now, 100).await;
     assert!(refused.usage[0].held_elsewhere_until.is_some());
     // Past the lease time the mark is gone: A's units stay charged (the
@@ -414,6 +417,22 @@ async fn many_instances_under_concurrency_admit_exactly_the_limit() {
         leased.shutdown().await;
     }
     assert_eq!(counted(&shared, Timestamp::now()).await, 1_000);
+    // Every instance left the lease mark, whatever the interleaving of its
+    // joinings and leavings.
+    tokio::time::sleep(Duration::from_millis(100)).await;
+    assert_eq!(holders(&shared, Timestamp::now()).await, 0);
+}
+
+#[tokio::test(start_paused = true)]
+async fn a_full_memory_store_charges_a_leased_subject_as_before() {
+    // Room for the subject's counter and nothing else: the lease mark,
+    // a counter of its own, cannot be made, and admits nothing less.
+    let shared = MemoryStore::new().max_counters(1);
+    let leased = LeasedStore::new(shared.clone());
+    let mut now = t0();
+    busy(&leased, &mut now, 300, 10_000, 1).await;
+    assert!(leased.held() > 0, "blocks are taken all the same");
+    assert_eq!(counted(&shared, now).await, 300 + leased.held());
 }
 
 #[tokio::test(start_paused = true)]

@@ -330,15 +330,19 @@ async fn a_refusal_while_another_server_holds_units_tells_a_short_wait() {
     read_many(&a, "short", 100).await;
     let held = served_count(&redis, "short") - 100;
     assert!(held > 0, "a holds a block");
-    // B spends what nobody holds, then is refused while A holds the rest:
-    // told to come back within A's idle bound.
-    let refusal = loop {
+    // B spends what nobody holds, then is refused while A holds the rest.
+    loop {
         let reply = demo_server::call(&b.addr, "GET", "/read", &[("x-account-id", "short")]).await;
         if reply.status == 429 {
-            break reply;
+            break;
         }
         assert_eq!(reply.status, 200);
-    };
+    }
+    // Once B's own part in the lease mark landed (B took blocks too), the
+    // refusal tells the client to come back within A's idle bound.
+    tokio::time::sleep(Duration::from_millis(50)).await;
+    let refusal = demo_server::call(&b.addr, "GET", "/read", &[("x-account-id", "short")]).await;
+    assert_eq!(refusal.status, 429);
     assert_eq!(refusal.header("retry-after"), Some("1"), "{}", refusal.body);
     assert!(
         refusal.body.contains("Other instances hold unused units"),

@@ -61,23 +61,8 @@ static GIVE_BACK_ERRORS: Throttle = Throttle::new(5);
 ///   another holds units of it, until that one's idle bound passes (or its
 ///   lease time, if the subject keeps calling there). Such a refusal tells
 ///   the client so: its `Retry-After` is the idle bound, not the wait until
-///   the reset (see [`Usage::held_elsewhere_until`]).
-///
-/// # Lease marks
-///
-/// Beside each counter it leases from, the store keeps a *lease mark*: how
-/// many instances hold a block of it. It is a counter of its own (the
-/// counter's key with `%held` after the allowance, in the same hash tag),
-/// charged with the block that makes an instance a holder, given back when
-/// the instance holds nothing any more (its block went back, was dropped,
-/// or was spent and no new one came), and read with every charge this
-/// store sends. It lives one lease time from when it was made, so the mark
-/// of an instance that died ends on its own. A refusal on a counter that
-/// other instances are marked on tells a wait of the idle bound (or until
-/// the mark ends, if sooner). The mark is a hint for clients, never a
-/// count: an instance that joined it after it was made may hold a block
-/// beyond its end, and a holder may have spent its block but not yet gone
-/// idle; neither changes what is admitted.
+///   the reset (see [`Usage::held_elsewhere_until`] and the lease marks
+///   below).
 /// - A reset or a refund made elsewhere reaches this instance when it next
 ///   asks the store: within the lease time at most, since no block is spent
 ///   past it.
@@ -88,6 +73,33 @@ static GIVE_BACK_ERRORS: Throttle = Throttle::new(5);
 ///   was left.
 /// - The usage a leased charge reports counts this instance's unused units
 ///   as not spent (they are not, yet), and other instances' as spent.
+/// - Store calls beyond the charges: a give-back per block, and for the
+///   lease marks one call when an instance becomes a holder of a counter,
+///   one when it stops, and one read per refusal (at most one per counter
+///   every quarter of the idle bound).
+///
+/// # Lease marks
+///
+/// Beside each counter it leases from, the store keeps a *lease mark*: how
+/// many instances hold a block of it. It is a counter of its own (the
+/// counter's key with `%held` after the allowance, in the same hash tag),
+/// living one lease time from when it was made, so the mark of an instance
+/// that died ends on its own. An instance joins it (one more) after the
+/// charge that makes it a holder, and leaves it (a guarded refund) when it
+/// holds nothing any more: its block went back, was dropped, or was spent
+/// and no new one came. Both are calls of their own, after the charge and
+/// apart from it, so a mark never changes what is admitted; a store that
+/// cannot make the mark (a full memory store) only loses the hint. A
+/// refused charge reads the marks of its counters: when other instances
+/// are marked on one, the refusal tells a wait of the idle bound (or until
+/// the mark ends, if sooner).
+///
+/// The mark is a hint for clients, never a count: a holder whose subject
+/// keeps calling keeps its block up to the lease time, an instance that
+/// joined a mark after it was made may hold a block beyond its end, and
+/// while this instance's own joining or leaving is on its way it takes the
+/// mark to count it (so it may tell the full wait where a short one was
+/// due, never the other way round).
 ///
 /// Giving back runs in a task on the tokio runtime, started with the first
 /// block; outside a tokio runtime no block is taken.
@@ -147,6 +159,14 @@ struct Settings {
     lease_time: Duration,
     max_block: u64,
     max_counters: usize,
+}
+
+impl Settings {
+    /// How near its end a lease mark is left alone, not left with a refund
+    /// (see `Counter::unmark`).
+    fn mark_margin(&self) -> SignedDuration {
+        SignedDuration::try_from(self.lease_time / 10).unwrap_or(SignedDuration::MAX)
+    }
 }
 
 impl Default for Settings {
@@ -269,9 +289,26 @@ struct Counter {
     /// Units taken from the block for requests whose other lines the store
     /// is asked for: spent or put back once it answers.
     reserved: u64,
-    /// The end of the counter's lease mark in the store, while this
-    /// instance counts in it (it holds a block): see `Marks`.
-    marked_until: Option<Timestamp>,
+    /// The counter's lease mark (see "Lease marks" above) as far as this
+    /// instance's own joining and leaving go.
+    mark: Mark,
+}
+
+/// One instance's part in a counter's lease mark. Joining and leaving are
+/// store calls of their own; while one is on its way, this instance does
+/// not know whether the store's count includes it, and takes it that it
+/// does: a short wait is told only for holders beyond this one.
+#[derive(Clone, Copy, Debug, Default)]
+struct Mark {
+    /// The end of the mark the store counts this instance in, as its last
+    /// joining or leaving that landed says.
+    counted_until: Option<Timestamp>,
+    joining: bool,
+    /// To leave once the joining on its way lands: the block is gone.
+    leave_when_joined: bool,
+    leaving: bool,
+    /// The mark as last read, and when: refusals in a row read it once.
+    seen: Option<(Instant, Usage)>,
 }
 
 impl Counter {
@@ -308,16 +345,72 @@ impl Counter {
     fn ended(&self, now: Timestamp) -> bool {
         now >= self.resets_at
     }
+}
 
-    /// Whether this instance counts in the counter's lease mark at `now`.
-    fn marked(&self, now: Timestamp) -> bool {
-        self.marked_until.is_some_and(|until| until > now)
+impl Mark {
+    /// Whether the store counts this instance in the mark at `now`.
+    fn counted(&self, now: Timestamp) -> bool {
+        self.counted_until.is_some_and(|until| until > now)
     }
 
-    /// Stops counting in the lease mark: whether the mark is to be
-    /// released in the store (it has not ended on its own).
-    fn unmark(&mut self, now: Timestamp) -> bool {
-        self.marked_until.take().is_some_and(|until| until > now)
+    /// Whether neither a joining nor a leaving is on its way.
+    fn settled(&self) -> bool {
+        !self.joining && !self.leaving
+    }
+
+    /// Whether the store's count of the mark may include this instance at
+    /// `now`.
+    fn may_count(&self, now: Timestamp) -> bool {
+        self.counted(now) || !self.settled()
+    }
+
+    /// Whether a holder of a new block joins the mark now.
+    fn join(&mut self, now: Timestamp) -> bool {
+        if self.joining || self.leaving || self.counted(now) {
+            self.leave_when_joined = false;
+            return false;
+        }
+        self.joining = true;
+        self.seen = None;
+        true
+    }
+
+    /// The joining landed: counted until `until` (`None`: not joined).
+    /// Whether to leave at once (the block went meanwhile).
+    fn joined(&mut self, until: Option<Timestamp>) -> bool {
+        self.joining = false;
+        self.seen = None;
+        self.counted_until = until;
+        let leave = until.is_some() && std::mem::take(&mut self.leave_when_joined);
+        self.leaving |= leave;
+        leave
+    }
+
+    /// This instance holds nothing any more: whether to leave the mark in
+    /// the store now. Not when the mark ends within `margin`: it ends on
+    /// its own, and a refund landing after that could take one from a new
+    /// mark.
+    fn leave(&mut self, now: Timestamp, margin: SignedDuration) -> bool {
+        if self.joining {
+            self.leave_when_joined = true;
+            return false;
+        }
+        let ends_later = self
+            .counted_until
+            .is_some_and(|until| now.saturating_add(margin).is_ok_and(|soon| until > soon));
+        if self.leaving || !ends_later {
+            return false;
+        }
+        self.leaving = true;
+        self.seen = None;
+        true
+    }
+
+    /// The leaving landed.
+    fn left(&mut self) {
+        self.leaving = false;
+        self.counted_until = None;
+        self.seen = None;
     }
 }
 
@@ -359,19 +452,22 @@ impl<St: Store> LeasedStore<St> {
             counters
                 .drain()
                 .map(|(key, c)| (key, c, c.now(at)))
-                .filter(|(_, c, now)| c.units > 0 || c.marked(*now))
+                .filter(|(_, c, now)| c.units > 0 || c.mark.counted(*now) || c.mark.joining)
                 .collect()
         };
+        let margin = self.shared.settings.mark_margin();
         let mut returned = 0;
-        for (key, counter, now) in drained {
-            if counter.marked(now) {
-                unmark(&self.inner, now, &key).await;
-            }
-            if counter.units == 0 || counter.ended(now) {
-                continue;
-            }
-            if give_back(&self.inner, now, key, counter.units).await {
+        for (key, mut counter, now) in drained {
+            // The units first, then the mark: never a holder's units
+            // charged with no holder marked.
+            if counter.units > 0
+                && !counter.ended(now)
+                && give_back(&self.inner, now, key.clone(), counter.units).await
+            {
                 returned += counter.units;
+            }
+            if counter.mark.leave(now, margin) {
+                unmark(&self.inner, now, &key).await;
             }
         }
         returned
@@ -436,6 +532,7 @@ impl<St: Store> LeasedStore<St> {
     ) -> Result<ChargeOutcome, Box<Plan>> {
         let mut counters = self.shared.counters();
         let lease_time = self.shared.settings.lease_time;
+        let margin = self.shared.settings.mark_margin();
         // Per line, the units taken from a fresh block here: all of its
         // cost, part of it, or none. Taken as the lines come, so a key
         // listed twice takes from its block twice.
@@ -454,7 +551,7 @@ impl<St: Store> LeasedStore<St> {
                 // The period is over: its block is dropped.
                 counter.units = 0;
                 counter.block_since = None;
-                if counter.unmark(request.now) {
+                if counter.mark.leave(request.now, margin) {
                     unmarked.push(line.key.clone());
                 }
             }
@@ -468,7 +565,7 @@ impl<St: Store> LeasedStore<St> {
                 counter.store_used = counter.store_used.saturating_sub(counter.units);
                 counter.units = 0;
                 counter.block_since = None;
-                if counter.unmark(request.now) {
+                if counter.mark.leave(request.now, margin) {
                     unmarked.push(line.key.clone());
                 }
             }
@@ -517,7 +614,6 @@ impl<St: Store> LeasedStore<St> {
         let runtime = tokio::runtime::Handle::try_current().is_ok();
         let mut reserved = Vec::new();
         let mut blocks = Vec::with_capacity(request.lines.len());
-        let mut marks = Vec::with_capacity(request.lines.len());
         for (line, &units) in request.lines.iter().zip(&taken) {
             let block = if units < line.cost {
                 self.block_for(&mut counters, line, request.now, at, runtime)
@@ -525,13 +621,6 @@ impl<St: Store> LeasedStore<St> {
                 0
             };
             blocks.push(block);
-            // A block makes this instance count in the counter's mark, once.
-            marks.push(
-                block > 0
-                    && counters
-                        .get(&line.key)
-                        .is_some_and(|c| !c.marked(request.now)),
-            );
             if units > 0 {
                 let counter = counters.get_mut(&line.key).expect("a block was spent");
                 // Kept while the store is asked, however long that takes.
@@ -542,7 +631,6 @@ impl<St: Store> LeasedStore<St> {
         // Boxed: the store is asked next, and the plan waits for it.
         Err(Box::new(Plan {
             blocks,
-            marks,
             taken,
             stale,
             unmarked,
@@ -558,7 +646,6 @@ impl<St: Store> LeasedStore<St> {
     fn send(&self, mut request: ChargeRequest, plan: Plan, at: Instant) -> RemoteCharge {
         let Plan {
             blocks,
-            marks,
             taken,
             stale,
             unmarked,
@@ -584,7 +671,7 @@ impl<St: Store> LeasedStore<St> {
                 give_back(&store.inner, request.now, key, units).await;
             }
             for key in unmarked {
-                unmark(&store.inner, request.now, &key).await;
+                leave(&store.inner, &store.shared, request.now, key).await;
             }
             let costs: Vec<u64> = request.lines.iter().map(|line| line.cost).collect();
             let leasing = blocks.iter().any(|&b| b > 0);
@@ -593,8 +680,8 @@ impl<St: Store> LeasedStore<St> {
                     line.cost = line.cost.saturating_add(*block);
                 }
             }
-            let mut outcome = store.inner.charge(store.marked(&request, &marks)).await?;
-            let (mut blocks, mut marks) = (blocks, marks);
+            let mut outcome = store.inner.charge(request.clone()).await?;
+            let mut blocks = blocks;
             if leasing && !outcome.admitted {
                 // The blocks did not fit (other instances spent meanwhile):
                 // the request alone.
@@ -602,43 +689,76 @@ impl<St: Store> LeasedStore<St> {
                     line.cost = *cost;
                 }
                 blocks.iter_mut().for_each(|b| *b = 0);
-                marks.iter_mut().for_each(|m| *m = false);
-                outcome = store.inner.charge(store.marked(&request, &marks)).await?;
+                outcome = store.inner.charge(request.clone()).await?;
             }
-            let seen = split_marks(&request, &mut outcome);
+            // A refusal says whether other instances hold units.
+            let seen = if outcome.admitted {
+                vec![None; request.lines.len()]
+            } else {
+                store.read_marks(&request, at).await
+            };
             drop(taking);
             if outcome.admitted {
                 reserved.spent = true;
             }
             // Restored before the usage is read, if the store refused.
             drop(reserved);
-            Ok(store.learn(&request, &blocks, &marks, &seen, outcome, at))
+            Ok(store.learn(&request, &blocks, &seen, outcome, at))
         })
     }
 
-    /// `request` as sent to the store: each line followed, at the end, by
-    /// its counter's lease mark, taken (`marks`) or only read.
-    fn marked(&self, request: &ChargeRequest, marks: &[bool]) -> ChargeRequest {
+    /// Where the lease marks of `request`'s counters stand, per line
+    /// (`None`: no mark, or the store did not say): read from the store
+    /// unless read lately.
+    async fn read_marks(&self, request: &ChargeRequest, at: Instant) -> Vec<Option<Usage>> {
+        let fresh_for = self.shared.settings.idle / 4;
+        let mut seen = vec![None; request.lines.len()];
+        let mut reads = Vec::new();
+        {
+            let counters = self.shared.counters();
+            for (i, line) in request.lines.iter().enumerate() {
+                let Some(mark) = line.key.lease_mark() else {
+                    continue;
+                };
+                let known = counters.get(&line.key).and_then(|c| c.mark.seen);
+                match known {
+                    Some((read, usage)) if at.saturating_duration_since(read) < fresh_for => {
+                        seen[i] = Some(usage);
+                    }
+                    _ => reads.push((i, mark)),
+                }
+            }
+        }
+        if reads.is_empty() {
+            return seen;
+        }
         let lease = SignedDuration::try_from(self.shared.settings.lease_time)
             .unwrap_or(SignedDuration::MAX);
         let deadline = request.now.saturating_add(lease).unwrap_or(request.now);
-        let mut sent = request.clone();
-        for (line, &take) in request.lines.iter().zip(marks) {
-            if let Some(key) = line.key.lease_mark() {
-                sent.lines.push(ChargeLine {
-                    key,
-                    limit: self.inner.max_count(),
-                    cost: u64::from(take),
-                    lifetime: Lifetime::FirstUse { deadline },
-                });
+        let peek = ChargeRequest {
+            now: request.now,
+            lines: reads
+                .iter()
+                .map(|(_, key)| mark_line(key.clone(), 0, deadline, self.inner.max_count()))
+                .collect(),
+        };
+        // A hint only: a store that fails here leaves the refusal as it is.
+        let Ok(usage) = self.inner.peek(peek).await else {
+            return seen;
+        };
+        let mut counters = self.shared.counters();
+        for ((i, _), usage) in reads.iter().zip(usage) {
+            seen[*i] = Some(usage);
+            if let Some(counter) = counters.get_mut(&request.lines[*i].key) {
+                counter.mark.seen = Some((at, usage));
             }
         }
-        sent
+        seen
     }
 
     /// When the units other instances hold of a counter whose mark stood at
-    /// `mark` come back at the latest, if any do; `counted`: whether this
-    /// instance counted in the mark.
+    /// `mark` are expected back, if any do; `counted`: whether the mark may
+    /// count this instance.
     fn held_elsewhere(
         &self,
         mark: Option<&Usage>,
@@ -657,14 +777,12 @@ impl<St: Store> LeasedStore<St> {
     }
 
     /// Records what the store answered to `request` (whose lines took
-    /// `blocks` beyond their costs, and their counters' lease marks where
-    /// `marks` says; the marks stood at `seen`), and the outcome as the
-    /// layer sees it.
+    /// `blocks` beyond their costs; their counters' lease marks stood at
+    /// `seen`, read for a refusal), and the outcome as the layer sees it.
     fn learn(
         &self,
         request: &ChargeRequest,
         blocks: &[u64],
-        marks: &[bool],
         seen: &[Option<Usage>],
         mut outcome: ChargeOutcome,
         at: Instant,
@@ -674,8 +792,12 @@ impl<St: Store> LeasedStore<St> {
         let closed = self.shared.closed.load(Ordering::SeqCst);
         let now = request.now;
         let mut sweep = false;
+        let margin = self.shared.settings.mark_margin();
+        let lease = SignedDuration::try_from(self.shared.settings.lease_time)
+            .unwrap_or(SignedDuration::MAX);
         let mut back = Vec::new();
         let mut unmarked = Vec::new();
+        let mut joins = Vec::new();
         for (i, (line, usage)) in request.lines.iter().zip(&mut outcome.usage).enumerate() {
             let (block, mark) = (blocks[i], seen[i].as_ref());
             let counter = match counters.get_mut(&line.key) {
@@ -696,7 +818,7 @@ impl<St: Store> LeasedStore<St> {
                         block: 0,
                         taking: false,
                         reserved: 0,
-                        marked_until: None,
+                        mark: Mark::default(),
                     })
                 }
                 None => {
@@ -706,7 +828,7 @@ impl<St: Store> LeasedStore<St> {
                     continue;
                 }
             };
-            let counted = counter.marked(now);
+            let counted = counter.mark.may_count(now);
             if !counter.same_period(usage) && counter.units > 0 {
                 // Another period's counter (a first-use period that ended
                 // and opened again): the old block is dropped.
@@ -726,21 +848,21 @@ impl<St: Store> LeasedStore<St> {
                 // Taken while the store shut down: straight back.
                 counter.store_used = counter.store_used.saturating_sub(block);
                 back.push((line.key.clone(), request.now, block));
-                if marks[i] {
-                    unmarked.push(line.key.clone());
-                }
             } else if took {
                 counter.units += block;
                 counter.block_since.get_or_insert(at);
                 counter.block = block;
-                if marks[i] {
-                    counter.marked_until = mark.map(|m| m.resets_at);
-                }
                 crate::metrics::lease_block();
+                // A holder now: it joins the mark, after the charge and
+                // apart from it, so the mark never changes what is admitted.
+                if counter.mark.join(now) {
+                    joins.push(line.key.clone());
+                }
             }
             // Holding nothing any more (the block was spent, and no new one
-            // came): this instance leaves the mark.
-            if !took && counter.units == 0 && counter.reserved == 0 && counter.unmark(now) {
+            // is on its way): this instance leaves the mark.
+            let holding = counter.units > 0 || counter.reserved > 0 || counter.taking;
+            if !took && !holding && counter.mark.leave(now, margin) {
                 unmarked.push(line.key.clone());
             }
             *usage = counter.usage();
@@ -752,17 +874,34 @@ impl<St: Store> LeasedStore<St> {
         if sweep {
             self.start_sweeping();
         }
-        if !back.is_empty() || !unmarked.is_empty() {
-            if let Ok(runtime) = tokio::runtime::Handle::try_current() {
+        if back.is_empty() && unmarked.is_empty() && joins.is_empty() {
+            return outcome;
+        }
+        match tokio::runtime::Handle::try_current() {
+            Ok(runtime) => {
                 let inner = self.inner.clone();
+                let shared = Arc::clone(&self.shared);
+                let max = self.inner.max_count();
                 runtime.spawn(async move {
                     for (key, now, units) in back {
                         give_back(&inner, now, key, units).await;
                     }
                     for key in unmarked {
-                        unmark(&inner, now, &key).await;
+                        leave(&inner, &shared, now, key).await;
+                    }
+                    for key in joins {
+                        join(&inner, &shared, now, key, lease, max).await;
                     }
                 });
+            }
+            Err(_) => {
+                // No runtime, no joining: no block is taken then either.
+                let mut counters = self.shared.counters();
+                for key in joins {
+                    if let Some(counter) = counters.get_mut(&key) {
+                        counter.mark.joined(None);
+                    }
+                }
             }
         }
         outcome
@@ -830,22 +969,27 @@ async fn sweep<St: Store>(shared: Weak<Shared>, inner: St, settings: Settings) {
                     counter.block_since = None;
                 }
                 let holding = counter.units > 0 || counter.taking || counter.reserved > 0;
-                if (idle || old) && !holding && counter.unmark(now) {
+                if (idle || old) && !holding && counter.mark.leave(now, settings.mark_margin()) {
                     unmarked.push((key.clone(), now));
                 }
                 // A counter idle here is forgotten, rate and all; one with
                 // a block or reserved units on their way stays until the
                 // store answers.
-                !idle || counter.taking || counter.reserved > 0
+                // So does one the store's lease mark still counts.
+                !idle
+                    || counter.taking
+                    || counter.reserved > 0
+                    || !counter.mark.settled()
+                    || counter.mark.counted(now)
             });
         }
-        drop(shared);
         for (key, now, units) in back {
             give_back(&inner, now, key, units).await;
         }
         for (key, now) in unmarked {
-            unmark(&inner, now, &key).await;
+            leave(&inner, &shared, now, key).await;
         }
+        drop(shared);
     }
 }
 
@@ -889,28 +1033,65 @@ async fn unmark<St: Store>(inner: &St, now: Timestamp, key: &PeriodKey) {
     }
 }
 
-/// Takes the lease marks that `request`'s lines were sent with off the end
-/// of `outcome`: per line, where its mark stood (`None`: no mark).
-fn split_marks(request: &ChargeRequest, outcome: &mut ChargeOutcome) -> Vec<Option<Usage>> {
-    let lines = request.lines.len();
-    let mut marks = outcome
-        .usage
-        .split_off(lines.min(outcome.usage.len()))
-        .into_iter();
-    request
-        .lines
-        .iter()
-        .map(|line| line.key.lease_mark().and_then(|_| marks.next()))
-        .collect()
+/// The charge line of the lease mark at `key`: `cost` holders more, never
+/// refused, living until `deadline` when it is made.
+fn mark_line(key: PeriodKey, cost: u64, deadline: Timestamp, max: u64) -> ChargeLine {
+    ChargeLine {
+        key,
+        limit: max,
+        cost,
+        lifetime: Lifetime::FirstUse { deadline },
+    }
+}
+
+/// Joins the lease mark of the counter at `key` (one holder more), and
+/// records how long it lives; leaves it at once if this instance stopped
+/// holding meanwhile. A hint only: a store that fails leaves no mark.
+async fn join<St: Store>(
+    inner: &St,
+    shared: &Shared,
+    now: Timestamp,
+    key: PeriodKey,
+    lease: SignedDuration,
+    max: u64,
+) {
+    let Some(mark) = key.lease_mark() else {
+        return;
+    };
+    let deadline = now.saturating_add(lease).unwrap_or(now);
+    let request = ChargeRequest {
+        now,
+        lines: vec![mark_line(mark, 1, deadline, max)],
+    };
+    let joined = match inner.charge(request).await {
+        Ok(outcome) if outcome.admitted => outcome.usage.first().map(|u| u.resets_at),
+        _ => None,
+    };
+    // Joined for an instance that holds nothing any more (its block went,
+    // or it forgot the counter, while the joining was on its way): it
+    // leaves at once.
+    let leave_now = match shared.counters().get_mut(&key) {
+        Some(counter) => counter.mark.joined(joined),
+        None => joined.is_some(),
+    };
+    if leave_now {
+        leave(inner, shared, now, key).await;
+    }
+}
+
+/// Leaves the lease mark of the counter at `key`, then notes that the
+/// leaving landed.
+async fn leave<St: Store>(inner: &St, shared: &Shared, now: Timestamp, key: PeriodKey) {
+    unmark(inner, now, &key).await;
+    if let Some(counter) = shared.counters().get_mut(&key) {
+        counter.mark.left();
+    }
 }
 
 /// How a request that is not answered from blocks alone goes to the store.
 struct Plan {
     /// Per line, the block it asks for beyond its cost.
     blocks: Vec<u64>,
-    /// Per line, whether its block makes this instance count in the
-    /// counter's lease mark.
-    marks: Vec<bool>,
     /// Counters whose lease mark this instance leaves first.
     unmarked: Vec<PeriodKey>,
     /// Per line, what blocks here pay of its cost.
@@ -1087,9 +1268,10 @@ impl<St: Store> Store for LeasedStore<St> {
     /// is gone) and leaves its lease mark, then deletes the counter.
     fn reset(&self, key: PeriodKey) -> impl Future<Output = Result<bool, StoreError>> + Send {
         let known = self.shared.counters().remove(&key);
-        let marked = known.and_then(|c| {
+        let margin = self.shared.settings.mark_margin();
+        let marked = known.and_then(|mut c| {
             let now = c.now(Instant::now());
-            c.marked(now).then_some(now)
+            c.mark.leave(now, margin).then_some(now)
         });
         let inner = self.inner.clone();
         async move {

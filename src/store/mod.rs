@@ -244,10 +244,12 @@ pub struct Usage {
     /// For first-use counters, the call that opened the period; `None` for
     /// calendar counters and when no period is open.
     pub first_call: Option<Timestamp>,
-    /// With leased counting ([`LeasedStore`]): when the unused units that
-    /// other instances hold of this counter come back at the latest, if
-    /// another instance holds a block of it. A refusal is worth retrying
-    /// then, before `resets_at`. `None` from every other store.
+    /// With leased counting ([`LeasedStore`]), in a refusal: when the
+    /// unused units that other instances hold of this counter are expected
+    /// back (this instance's idle bound), if another instance is marked as
+    /// holding a block of it. A refusal is worth retrying then, before
+    /// `resets_at`; it is a hint, not a promise (see the lease marks in
+    /// [`LeasedStore`]). `None` from every other store.
     pub held_elsewhere_until: Option<Timestamp>,
 }
 
