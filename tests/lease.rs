@@ -147,6 +147,47 @@ async fn a_busy_subject_spends_blocks_locally_and_the_store_counts_every_admissi
 }
 
 #[tokio::test(start_paused = true)]
+async fn a_busy_subject_back_after_a_pause_takes_a_block_at_once_then_fewer_if_it_stays_rare() {
+    let inner = Counting::default();
+    let leased = LeasedStore::new(inner.clone());
+    let mut now = t0();
+    busy(&leased, &mut now, 500, 1_000_000, 1).await;
+    let last = leased.held();
+    assert!(last > 0);
+    // A pause: the block goes back.
+    tokio::time::advance(Duration::from_secs(5)).await;
+    tokio::task::yield_now().await;
+    now += SignedDuration::from_secs(5);
+    assert_eq!(leased.held(), 0);
+    // Back: the first request takes a block, and the next ones are local.
+    let before = inner.charges.load(Ordering::Relaxed);
+    busy(&leased, &mut now, 20, 1_000_000, 1).await;
+    assert!(leased.held() > 0, "a block at once");
+    // One charge for them all, and one that joins the lease mark.
+    assert_eq!(inner.charges.load(Ordering::Relaxed) - before, 2);
+    // A subject that became rare: one call per pause, each block half the
+    // one before, until none.
+    let mut blocks = Vec::new();
+    for _ in 0..40 {
+        tokio::time::advance(Duration::from_secs(5)).await;
+        tokio::task::yield_now().await;
+        now += SignedDuration::from_secs(5);
+        assert_eq!(leased.held(), 0);
+        assert!(call(&leased, now, 1_000_000).await.admitted);
+        blocks.push(leased.held());
+    }
+    assert!(
+        blocks.windows(2).all(|w| w[1] <= w[0] / 2 + 1),
+        "{blocks:?}"
+    );
+    assert_eq!(blocks.last(), Some(&0), "{blocks:?}");
+    tokio::time::advance(Duration::from_secs(5)).await;
+    tokio::task::yield_now().await;
+    now += SignedDuration::from_secs(5);
+    assert_eq!(counted(&inner, now).await, 500 + 20 + 40);
+}
+
+#[tokio::test(start_paused = true)]
 async fn near_the_limit_every_request_is_a_charge_and_exactly_the_limit_is_admitted() {
     let inner = Counting::default();
     let leased = LeasedStore::new(inner.clone());

@@ -36,9 +36,13 @@ static GIVE_BACK_ERRORS: Throttle = Throttle::new(5);
 ///
 /// - **Its size follows the subject's rate on this instance**: about what
 ///   the subject spends here in half the lease time, growing at most
-///   fourfold from one block to the next (the first at most 8 units). A subject that calls once in a
-///   while takes no block at all: each of its requests is one charge, as
-///   without leases.
+///   fourfold from one block to the next (the first at most 8 units). A
+///   subject that calls once in a while takes no block at all: each of its
+///   requests is one charge, as without leases. A subject that took blocks
+///   and comes back after a pause (within six lease times, while this
+///   instance tracks fewer than half its bound of counters) takes half its
+///   last block with its first request back; one that stays rare halves
+///   it at each return, down to none.
 /// - **It shrinks as the allowance runs low**: a block is at most a quarter
 ///   of what the counter had left when last seen, so near the limit blocks
 ///   are single units and every request is a charge of its own (exact, as
@@ -162,6 +166,12 @@ struct Settings {
 }
 
 impl Settings {
+    /// How long this instance remembers that an idle subject was busy: six
+    /// lease times.
+    fn rate_memory(&self) -> Duration {
+        self.lease_time.saturating_mul(6)
+    }
+
     /// How near its end a lease mark is left alone, not left with a refund
     /// (see `Counter::unmark`).
     fn mark_margin(&self) -> SignedDuration {
@@ -490,23 +500,30 @@ impl<St: Store> LeasedStore<St> {
         let Some(counter) = counters.get_mut(&line.key) else {
             return 0;
         };
-        let since = at.saturating_duration_since(counter.charged_at);
-        // A subject calling less often than the idle bound would have its
-        // block given back before spending it: no block.
-        if counter.taking || counter.ended(now) || since >= settings.idle {
+        if counter.taking || counter.ended(now) {
             return 0;
         }
-        // The rate since the last charge sent, over half a lease.
-        let elapsed = since.as_secs_f64();
-        let horizon = settings.lease_time.as_secs_f64() / 2.0;
-        let wanted = if elapsed > 0.0 {
-            (counter.hits as f64 * horizon / elapsed).ceil()
+        let since = at.saturating_duration_since(counter.charged_at);
+        let wanted = if since >= settings.idle {
+            // Back after a pause here. A subject that never took a block
+            // calls less often than the idle bound, and a block would go
+            // back unspent: none. One that did was busy: half its last
+            // block, so one that became rare stops taking blocks after a
+            // few returns.
+            counter.block / 2
         } else {
-            f64::MAX
+            // The rate since the last charge sent, over half a lease.
+            let elapsed = since.as_secs_f64();
+            let horizon = settings.lease_time.as_secs_f64() / 2.0;
+            if elapsed > 0.0 {
+                (counter.hits as f64 * horizon / elapsed).ceil() as u64
+            } else {
+                u64::MAX
+            }
         };
         let left = line.limit.saturating_sub(counter.store_used);
         let block = [
-            wanted as u64,
+            wanted,
             settings.max_block,
             counter.block.saturating_mul(4).saturating_add(8),
             left.saturating_sub(line.cost) / 4,
@@ -954,8 +971,12 @@ async fn sweep<St: Store>(shared: Weak<Shared>, inner: St, settings: Settings) {
         let mut unmarked = Vec::new();
         {
             let mut counters = shared.counters();
+            // Room is kept for new subjects: past half the bound, a subject
+            // idle here is forgotten at once.
+            let roomy = counters.len() <= settings.max_counters / 2;
             counters.retain(|key, counter| {
-                let idle = at.saturating_duration_since(counter.seen_at) >= settings.idle;
+                let quiet = at.saturating_duration_since(counter.seen_at);
+                let idle = quiet >= settings.idle;
                 let old = counter.block_since.is_some_and(|since| {
                     at.saturating_duration_since(since) >= settings.lease_time
                 });
@@ -972,11 +993,15 @@ async fn sweep<St: Store>(shared: Weak<Shared>, inner: St, settings: Settings) {
                 if (idle || old) && !holding && counter.mark.leave(now, settings.mark_margin()) {
                     unmarked.push((key.clone(), now));
                 }
-                // A counter idle here is forgotten, rate and all; one with
-                // a block or reserved units on their way stays until the
-                // store answers.
-                // So does one the store's lease mark still counts.
+                // A counter idle here is forgotten, unless its subject took
+                // blocks (it was busy: it takes one as soon as it is back)
+                // and has been quiet for less than the memory of rates. One
+                // with a block or reserved units on their way stays until
+                // the store answers; so does one the store's lease mark
+                // still counts.
+                let remembered = roomy && counter.block > 0 && quiet < settings.rate_memory();
                 !idle
+                    || remembered
                     || counter.taking
                     || counter.reserved > 0
                     || !counter.mark.settled()
