@@ -35,7 +35,7 @@ static GIVE_BACK_ERRORS: Throttle = Throttle::new(5);
 /// # What a block is
 ///
 /// - **Its size follows the subject's rate on this instance**: about what
-///   the subject spends here in half the lease time, growing at most
+///   the subject spends here in a lease time, growing at most
 ///   fourfold from one block to the next (the first at most 8 units). A
 ///   subject that calls once in a while takes no block at all: each of its
 ///   requests is one charge, as without leases. A subject that took blocks
@@ -512,9 +512,10 @@ impl<St: Store> LeasedStore<St> {
             // few returns.
             counter.block / 2
         } else {
-            // The rate since the last charge sent, over half a lease.
+            // The rate since the last charge sent, over a lease: the block
+            // lasts until it is given back anyway.
             let elapsed = since.as_secs_f64();
-            let horizon = settings.lease_time.as_secs_f64() / 2.0;
+            let horizon = settings.lease_time.as_secs_f64();
             if elapsed > 0.0 {
                 (counter.hits as f64 * horizon / elapsed).ceil() as u64
             } else {
