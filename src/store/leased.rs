@@ -4,7 +4,7 @@ use std::collections::HashMap;
 use std::fmt;
 use std::future::Future;
 use std::pin::Pin;
-use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::{Arc, Mutex, MutexGuard, Weak};
 use std::task::{Context, Poll};
 use std::time::Duration;
@@ -38,11 +38,12 @@ static GIVE_BACK_ERRORS: Throttle = Throttle::new(5);
 ///   the subject spends here in a lease time, growing at most
 ///   fourfold from one block to the next (the first at most 8 units). A
 ///   subject that calls once in a while takes no block at all: each of its
-///   requests is one charge, as without leases. A subject that took blocks
-///   and comes back after a pause (within six lease times, while this
-///   instance tracks fewer than half its bound of counters) takes half its
-///   last block with its first request back; one that stays rare halves
-///   it at each return, down to none.
+///   requests is one charge, as without leases, and so is the first
+///   request of a subject back after a pause. A subject that took blocks
+///   is remembered for six lease times after it went quiet (while this
+///   instance tracks fewer than half its bound of counters): the block its
+///   second request back takes grows from the last block's size, not from
+///   8.
 /// - **It shrinks as the allowance runs low**: a block is at most a quarter
 ///   of what the counter had left when last seen, so near the limit blocks
 ///   are single units and every request is a charge of its own (exact, as
@@ -78,9 +79,9 @@ static GIVE_BACK_ERRORS: Throttle = Throttle::new(5);
 /// - The usage a leased charge reports counts this instance's unused units
 ///   as not spent (they are not, yet), and other instances' as spent.
 /// - Store calls beyond the charges: a give-back per block, and for the
-///   lease marks one call when an instance becomes a holder of a counter,
-///   one when it stops, and one read per refusal (at most one per counter
-///   every quarter of the idle bound).
+///   lease marks one call when an instance becomes a holder of a counter
+///   and one when it stops. Each charge sent to the store reads the marks
+///   of its counters (one more line per counter, in the same call).
 ///
 /// # Lease marks
 ///
@@ -91,19 +92,23 @@ static GIVE_BACK_ERRORS: Throttle = Throttle::new(5);
 /// that died ends on its own. An instance joins it (one more) after the
 /// charge that makes it a holder, and leaves it (a guarded refund) when it
 /// holds nothing any more: its block went back, was dropped, or was spent
-/// and no new one came. Both are calls of their own, after the charge and
-/// apart from it, so a mark never changes what is admitted; a store that
-/// cannot make the mark (a full memory store) only loses the hint. A
-/// refused charge reads the marks of its counters: when other instances
-/// are marked on one, the refusal tells a wait of the idle bound (or until
-/// the mark ends, if sooner).
+/// and no new one came. Both are calls of their own, in tasks of their
+/// own, never waited for by a request: a mark never changes whether a
+/// request is admitted, nor how long its answer takes. (A mark is a
+/// counter, though: on a memory store with a bound it takes room as one.)
+/// Every charge sent to the store reads the marks of its counters, in the
+/// same call, with lines that cost nothing (they never make a counter nor
+/// refuse): when other instances are marked on a counter that refused, the
+/// refusal tells a wait of this instance's idle bound (or until the mark
+/// ends, if sooner).
 ///
 /// The mark is a hint for clients, never a count: a holder whose subject
-/// keeps calling keeps its block up to the lease time, an instance that
-/// joined a mark after it was made may hold a block beyond its end, and
-/// while this instance's own joining or leaving is on its way it takes the
-/// mark to count it (so it may tell the full wait where a short one was
-/// due, never the other way round).
+/// keeps calling keeps its block up to the lease time, instances may set
+/// other idle bounds, an instance that joined a mark after it was made may
+/// hold a block beyond its end, and while this instance's own joining or
+/// leaving is on its way, or after one failed, it takes the mark to count
+/// it (so it may tell the full wait where a short one was due, but never a
+/// short wait because of its own part).
 ///
 /// Giving back runs in a task on the tokio runtime, started with the first
 /// block; outside a tokio runtime no block is taken.
@@ -173,7 +178,7 @@ impl Settings {
     }
 
     /// How near its end a lease mark is left alone, not left with a refund
-    /// (see `Counter::unmark`).
+    /// (see `Mark::leave`).
     fn mark_margin(&self) -> SignedDuration {
         SignedDuration::try_from(self.lease_time / 10).unwrap_or(SignedDuration::MAX)
     }
@@ -248,6 +253,7 @@ impl<St: Store> LeasedStoreBuilder<St> {
                 counters: Mutex::new(HashMap::default()),
                 closed: AtomicBool::new(false),
                 sweeping: AtomicBool::new(false),
+                generations: AtomicU64::new(0),
             }),
         }
     }
@@ -261,9 +267,16 @@ struct Shared {
     closed: AtomicBool,
     /// Whether the task that gives idle blocks back runs.
     sweeping: AtomicBool,
+    /// The last counter entry's generation.
+    generations: AtomicU64,
 }
 
 impl Shared {
+    /// A new counter entry's generation.
+    fn next_generation(&self) -> u64 {
+        self.generations.fetch_add(1, Ordering::Relaxed) + 1
+    }
+
     fn counters(&self) -> MutexGuard<'_, HashMap<PeriodKey, Counter, foldhash::fast::RandomState>> {
         self.counters
             .lock()
@@ -289,6 +302,13 @@ struct Counter {
     /// runtime's: what the give-back task takes "now" to be.
     seen: Timestamp,
     seen_at: Instant,
+    /// The time between the last two requests here: a subject back after
+    /// a pause takes no block with its first request.
+    gap: Duration,
+    /// Which entry this is: a reset makes a new one, and what was on its
+    /// way for the old one (units to put back, a mark's joining) does not
+    /// land on it.
+    generation: u64,
     /// Requests since the last charge sent, and when it was sent: the rate.
     hits: u64,
     charged_at: Instant,
@@ -305,20 +325,22 @@ struct Counter {
 }
 
 /// One instance's part in a counter's lease mark. Joining and leaving are
-/// store calls of their own; while one is on its way, this instance does
-/// not know whether the store's count includes it, and takes it that it
-/// does: a short wait is told only for holders beyond this one.
+/// store calls of their own, in tasks of their own; while one is on its
+/// way, or when one failed (a timeout may still have applied it), this
+/// instance takes the mark to count it: a short wait is told only for
+/// holders beyond this one, never because of this one.
 #[derive(Clone, Copy, Debug, Default)]
 struct Mark {
     /// The end of the mark the store counts this instance in, as its last
     /// joining or leaving that landed says.
     counted_until: Option<Timestamp>,
+    /// Until when the store may count this instance after a joining or a
+    /// leaving that failed.
+    unsure_until: Option<Timestamp>,
     joining: bool,
     /// To leave once the joining on its way lands: the block is gone.
     leave_when_joined: bool,
     leaving: bool,
-    /// The mark as last read, and when: refusals in a row read it once.
-    seen: Option<(Instant, Usage)>,
 }
 
 impl Counter {
@@ -363,35 +385,39 @@ impl Mark {
         self.counted_until.is_some_and(|until| until > now)
     }
 
-    /// Whether neither a joining nor a leaving is on its way.
-    fn settled(&self) -> bool {
-        !self.joining && !self.leaving
-    }
-
     /// Whether the store's count of the mark may include this instance at
     /// `now`.
     fn may_count(&self, now: Timestamp) -> bool {
-        self.counted(now) || !self.settled()
+        self.counted(now)
+            || self.joining
+            || self.leaving
+            || self.unsure_until.is_some_and(|until| until > now)
     }
 
     /// Whether a holder of a new block joins the mark now.
     fn join(&mut self, now: Timestamp) -> bool {
+        self.leave_when_joined = false;
         if self.joining || self.leaving || self.counted(now) {
-            self.leave_when_joined = false;
             return false;
         }
         self.joining = true;
-        self.seen = None;
         true
     }
 
-    /// The joining landed: counted until `until` (`None`: not joined).
-    /// Whether to leave at once (the block went meanwhile).
-    fn joined(&mut self, until: Option<Timestamp>) -> bool {
+    /// The joining landed: counted until `until` (`Ok(None)`: the store
+    /// made no mark; `Err(unsure)`: it failed, and may count this instance
+    /// until `unsure`). Whether to leave at once (the block went
+    /// meanwhile).
+    fn joined(&mut self, result: Result<Option<Timestamp>, Timestamp>) -> bool {
         self.joining = false;
-        self.seen = None;
-        self.counted_until = until;
-        let leave = until.is_some() && std::mem::take(&mut self.leave_when_joined);
+        match result {
+            Ok(until) => self.counted_until = until,
+            Err(unsure) => {
+                self.counted_until = None;
+                self.unsure_until = Some(unsure);
+            }
+        }
+        let leave = std::mem::take(&mut self.leave_when_joined) && self.counted_until.is_some();
         self.leaving |= leave;
         leave
     }
@@ -412,15 +438,16 @@ impl Mark {
             return false;
         }
         self.leaving = true;
-        self.seen = None;
         true
     }
 
-    /// The leaving landed.
-    fn left(&mut self) {
+    /// The leaving landed (`ok`: the store took it).
+    fn left(&mut self, ok: bool) {
         self.leaving = false;
+        if !ok {
+            self.unsure_until = self.counted_until.max(self.unsure_until);
+        }
         self.counted_until = None;
-        self.seen = None;
     }
 }
 
@@ -500,27 +527,24 @@ impl<St: Store> LeasedStore<St> {
         let Some(counter) = counters.get_mut(&line.key) else {
             return 0;
         };
-        if counter.taking || counter.ended(now) {
+        // A subject calling less often than the idle bound would have its
+        // block given back before spending it, and one back after a pause
+        // may be back for one request: no block. (One that took blocks
+        // before the pause keeps its last block's size, so the block its
+        // next request takes may grow fourfold from there, not from 8.)
+        if counter.taking || counter.ended(now) || counter.gap >= settings.idle {
             return 0;
         }
-        let since = at.saturating_duration_since(counter.charged_at);
-        let wanted = if since >= settings.idle {
-            // Back after a pause here. A subject that never took a block
-            // calls less often than the idle bound, and a block would go
-            // back unspent: none. One that did was busy: half its last
-            // block, so one that became rare stops taking blocks after a
-            // few returns.
-            counter.block / 2
+        // The rate since the last charge sent, over a lease: the block
+        // lasts until it is given back anyway.
+        let elapsed = at
+            .saturating_duration_since(counter.charged_at)
+            .as_secs_f64();
+        let horizon = settings.lease_time.as_secs_f64();
+        let wanted = if elapsed > 0.0 {
+            (counter.hits as f64 * horizon / elapsed).ceil() as u64
         } else {
-            // The rate since the last charge sent, over a lease: the block
-            // lasts until it is given back anyway.
-            let elapsed = since.as_secs_f64();
-            let horizon = settings.lease_time.as_secs_f64();
-            if elapsed > 0.0 {
-                (counter.hits as f64 * horizon / elapsed).ceil() as u64
-            } else {
-                u64::MAX
-            }
+            u64::MAX
         };
         let left = line.limit.saturating_sub(counter.store_used);
         let block = [
@@ -564,13 +588,14 @@ impl<St: Store> LeasedStore<St> {
             };
             counter.hits += 1;
             counter.seen = request.now;
+            counter.gap = at.saturating_duration_since(counter.seen_at);
             counter.seen_at = at;
             if counter.units > 0 && counter.ended(request.now) {
                 // The period is over: its block is dropped.
                 counter.units = 0;
                 counter.block_since = None;
                 if counter.mark.leave(request.now, margin) {
-                    unmarked.push(line.key.clone());
+                    unmarked.push((line.key.clone(), counter.generation));
                 }
             }
             let fresh = counter
@@ -584,7 +609,7 @@ impl<St: Store> LeasedStore<St> {
                 counter.units = 0;
                 counter.block_since = None;
                 if counter.mark.leave(request.now, margin) {
-                    unmarked.push(line.key.clone());
+                    unmarked.push((line.key.clone(), counter.generation));
                 }
             }
             // Only as far as what was served leaves room under this
@@ -632,6 +657,7 @@ impl<St: Store> LeasedStore<St> {
         let runtime = tokio::runtime::Handle::try_current().is_ok();
         let mut reserved = Vec::new();
         let mut blocks = Vec::with_capacity(request.lines.len());
+        let mut known = Vec::with_capacity(request.lines.len());
         for (line, &units) in request.lines.iter().zip(&taken) {
             let block = if units < line.cost {
                 self.block_for(&mut counters, line, request.now, at, runtime)
@@ -639,16 +665,22 @@ impl<St: Store> LeasedStore<St> {
                 0
             };
             blocks.push(block);
+            let counter = counters.get_mut(&line.key);
+            known.push(counter.as_ref().map(|c| Known {
+                generation: c.generation,
+                in_mark: c.mark.may_count(request.now),
+            }));
             if units > 0 {
-                let counter = counters.get_mut(&line.key).expect("a block was spent");
+                let counter = counter.expect("a block was spent");
                 // Kept while the store is asked, however long that takes.
                 counter.reserved += units;
-                reserved.push((line.key.clone(), units));
+                reserved.push((line.key.clone(), units, counter.generation));
             }
         }
         // Boxed: the store is asked next, and the plan waits for it.
         Err(Box::new(Plan {
             blocks,
+            known,
             taken,
             stale,
             unmarked,
@@ -664,6 +696,7 @@ impl<St: Store> LeasedStore<St> {
     fn send(&self, mut request: ChargeRequest, plan: Plan, at: Instant) -> RemoteCharge {
         let Plan {
             blocks,
+            known,
             taken,
             stale,
             unmarked,
@@ -683,13 +716,12 @@ impl<St: Store> LeasedStore<St> {
         for (line, units) in request.lines.iter_mut().zip(&taken) {
             line.cost -= units;
         }
+        // Leaving a mark is nothing to wait for.
+        self.spawn_leaves(request.now, unmarked);
         let store = self.clone();
         Box::pin(async move {
             for (key, units) in stale {
                 give_back(&store.inner, request.now, key, units).await;
-            }
-            for key in unmarked {
-                leave(&store.inner, &store.shared, request.now, key).await;
             }
             let costs: Vec<u64> = request.lines.iter().map(|line| line.cost).collect();
             let leasing = blocks.iter().any(|&b| b > 0);
@@ -698,7 +730,7 @@ impl<St: Store> LeasedStore<St> {
                     line.cost = line.cost.saturating_add(*block);
                 }
             }
-            let mut outcome = store.inner.charge(request.clone()).await?;
+            let mut outcome = store.inner.charge(store.reading_marks(&request)).await?;
             let mut blocks = blocks;
             if leasing && !outcome.admitted {
                 // The blocks did not fit (other instances spent meanwhile):
@@ -707,71 +739,67 @@ impl<St: Store> LeasedStore<St> {
                     line.cost = *cost;
                 }
                 blocks.iter_mut().for_each(|b| *b = 0);
-                outcome = store.inner.charge(request.clone()).await?;
+                outcome = store.inner.charge(store.reading_marks(&request)).await?;
             }
-            // A refusal says whether other instances hold units.
-            let seen = if outcome.admitted {
-                vec![None; request.lines.len()]
-            } else {
-                store.read_marks(&request, at).await
-            };
+            let marks = split_marks(&request, &mut outcome);
             drop(taking);
             if outcome.admitted {
                 reserved.spent = true;
             }
             // Restored before the usage is read, if the store refused.
             drop(reserved);
-            Ok(store.learn(&request, &blocks, &seen, outcome, at))
+            Ok(store.learn(&request, &blocks, &known, &marks, outcome, at))
         })
     }
 
-    /// Where the lease marks of `request`'s counters stand, per line
-    /// (`None`: no mark, or the store did not say): read from the store
-    /// unless read lately.
-    async fn read_marks(&self, request: &ChargeRequest, at: Instant) -> Vec<Option<Usage>> {
-        let fresh_for = self.shared.settings.idle / 4;
-        let mut seen = vec![None; request.lines.len()];
-        let mut reads = Vec::new();
-        {
-            let counters = self.shared.counters();
-            for (i, line) in request.lines.iter().enumerate() {
-                let Some(mark) = line.key.lease_mark() else {
-                    continue;
-                };
-                let known = counters.get(&line.key).and_then(|c| c.mark.seen);
-                match known {
-                    Some((read, usage)) if at.saturating_duration_since(read) < fresh_for => {
-                        seen[i] = Some(usage);
-                    }
-                    _ => reads.push((i, mark)),
-                }
-            }
-        }
-        if reads.is_empty() {
-            return seen;
-        }
+    /// `request` as sent to the store: its lines, then the lease mark of
+    /// each line's counter, read with a line that costs nothing (which
+    /// never makes a counter, nor refuses).
+    fn reading_marks(&self, request: &ChargeRequest) -> ChargeRequest {
         let lease = SignedDuration::try_from(self.shared.settings.lease_time)
             .unwrap_or(SignedDuration::MAX);
         let deadline = request.now.saturating_add(lease).unwrap_or(request.now);
-        let peek = ChargeRequest {
-            now: request.now,
-            lines: reads
+        let max = self.inner.max_count();
+        let mut sent = request.clone();
+        sent.lines.extend(
+            request
+                .lines
                 .iter()
-                .map(|(_, key)| mark_line(key.clone(), 0, deadline, self.inner.max_count()))
-                .collect(),
-        };
-        // A hint only: a store that fails here leaves the refusal as it is.
-        let Ok(usage) = self.inner.peek(peek).await else {
-            return seen;
-        };
-        let mut counters = self.shared.counters();
-        for ((i, _), usage) in reads.iter().zip(usage) {
-            seen[*i] = Some(usage);
-            if let Some(counter) = counters.get_mut(&request.lines[*i].key) {
-                counter.mark.seen = Some((at, usage));
+                .filter_map(|line| line.key.lease_mark())
+                .map(|mark| mark_line(mark, 0, deadline, max)),
+        );
+        sent
+    }
+
+    /// Leaves the lease marks of `unmarked` (key, entry generation) in a
+    /// task of its own.
+    fn spawn_leaves(&self, now: Timestamp, unmarked: Vec<(PeriodKey, u64)>) {
+        if unmarked.is_empty() {
+            return;
+        }
+        match tokio::runtime::Handle::try_current() {
+            Ok(runtime) => {
+                let inner = self.inner.clone();
+                let shared = Arc::clone(&self.shared);
+                runtime.spawn(async move {
+                    for (key, generation) in unmarked {
+                        leave(&inner, &shared, now, key, generation).await;
+                    }
+                });
+            }
+            // No runtime, no leaving: the mark ends on its own.
+            Err(_) => {
+                let mut counters = self.shared.counters();
+                for (key, generation) in unmarked {
+                    if let Some(counter) = counters
+                        .get_mut(&key)
+                        .filter(|c| c.generation == generation)
+                    {
+                        counter.mark.left(false);
+                    }
+                }
             }
         }
-        seen
     }
 
     /// When the units other instances hold of a counter whose mark stood at
@@ -801,6 +829,7 @@ impl<St: Store> LeasedStore<St> {
         &self,
         request: &ChargeRequest,
         blocks: &[u64],
+        known: &[Option<Known>],
         seen: &[Option<Usage>],
         mut outcome: ChargeOutcome,
         at: Instant,
@@ -817,7 +846,7 @@ impl<St: Store> LeasedStore<St> {
         let mut unmarked = Vec::new();
         let mut joins = Vec::new();
         for (i, (line, usage)) in request.lines.iter().zip(&mut outcome.usage).enumerate() {
-            let (block, mark) = (blocks[i], seen[i].as_ref());
+            let (mut block, mark, known) = (blocks[i], seen[i].as_ref(), known[i]);
             let counter = match counters.get_mut(&line.key) {
                 Some(counter) => counter,
                 None if room && line.cost > 0 => {
@@ -831,6 +860,8 @@ impl<St: Store> LeasedStore<St> {
                         first_call: usage.first_call,
                         seen: request.now,
                         seen_at: at,
+                        gap: Duration::MAX,
+                        generation: self.shared.next_generation(),
                         hits: 0,
                         charged_at: at,
                         block: 0,
@@ -841,12 +872,21 @@ impl<St: Store> LeasedStore<St> {
                 }
                 None => {
                     if !outcome.admitted {
-                        usage.held_elsewhere_until = self.held_elsewhere(mark, false, now);
+                        let counted = known.is_some_and(|k| k.in_mark);
+                        usage.held_elsewhere_until = self.held_elsewhere(mark, counted, now);
                     }
                     continue;
                 }
             };
-            let counted = counter.mark.may_count(now);
+            if known.is_some_and(|k| k.generation != counter.generation) {
+                // Reset here while the charge was on its way: a block it
+                // took belongs to the counter that was reset, and is
+                // dropped with it.
+                block = 0;
+            }
+            // Whether the mark read may count this instance: as things
+            // stood when the charge was sent, or stand now.
+            let counted = known.is_some_and(|k| k.in_mark) || counter.mark.may_count(now);
             if !counter.same_period(usage) && counter.units > 0 {
                 // Another period's counter (a first-use period that ended
                 // and opened again): the old block is dropped.
@@ -874,14 +914,14 @@ impl<St: Store> LeasedStore<St> {
                 // A holder now: it joins the mark, after the charge and
                 // apart from it, so the mark never changes what is admitted.
                 if counter.mark.join(now) {
-                    joins.push(line.key.clone());
+                    joins.push((line.key.clone(), counter.generation));
                 }
             }
             // Holding nothing any more (the block was spent, and no new one
             // is on its way): this instance leaves the mark.
             let holding = counter.units > 0 || counter.reserved > 0 || counter.taking;
             if !took && !holding && counter.mark.leave(now, margin) {
-                unmarked.push(line.key.clone());
+                unmarked.push((line.key.clone(), counter.generation));
             }
             *usage = counter.usage();
             if !outcome.admitted {
@@ -892,37 +932,57 @@ impl<St: Store> LeasedStore<St> {
         if sweep {
             self.start_sweeping();
         }
-        if back.is_empty() && unmarked.is_empty() && joins.is_empty() {
+        self.spawn_leaves(now, unmarked);
+        if back.is_empty() && joins.is_empty() {
             return outcome;
         }
-        match tokio::runtime::Handle::try_current() {
-            Ok(runtime) => {
-                let inner = self.inner.clone();
-                let shared = Arc::clone(&self.shared);
-                let max = self.inner.max_count();
-                runtime.spawn(async move {
-                    for (key, now, units) in back {
-                        give_back(&inner, now, key, units).await;
-                    }
-                    for key in unmarked {
-                        leave(&inner, &shared, now, key).await;
-                    }
-                    for key in joins {
-                        join(&inner, &shared, now, key, lease, max).await;
-                    }
-                });
-            }
-            Err(_) => {
-                // No runtime, no joining: no block is taken then either.
-                let mut counters = self.shared.counters();
-                for key in joins {
-                    if let Some(counter) = counters.get_mut(&key) {
-                        counter.mark.joined(None);
-                    }
+        // Blocks are taken only on a runtime (see `block_for`).
+        if let Ok(runtime) = tokio::runtime::Handle::try_current() {
+            let inner = self.inner.clone();
+            let shared = Arc::clone(&self.shared);
+            let max = self.inner.max_count();
+            runtime.spawn(async move {
+                for (key, now, units) in back {
+                    give_back(&inner, now, key, units).await;
                 }
-            }
+                for (key, generation) in joins {
+                    join(&inner, &shared, now, key, generation, lease, max).await;
+                }
+            });
         }
         outcome
+    }
+
+    /// Makes `counter` a new entry, of a counter reset at `now`: no block,
+    /// nothing reserved, a generation of its own. The store's lease mark
+    /// may count this instance until the old entry's part in it ends or is
+    /// left: the time and generation to leave it with, if it is to be left.
+    fn renew(&self, counter: &mut Counter, now: Timestamp) -> Option<(Timestamp, u64)> {
+        let margin = self.shared.settings.mark_margin();
+        let lease = SignedDuration::try_from(self.shared.settings.lease_time)
+            .unwrap_or(SignedDuration::MAX);
+        let old = counter.generation;
+        let leave = counter.mark.leave(now, margin);
+        let mark = counter.mark;
+        let on_its_way = (mark.joining || mark.leaving)
+            .then(|| now.saturating_add(lease).ok())
+            .flatten();
+        let unsure = [mark.counted_until, mark.unsure_until, on_its_way]
+            .into_iter()
+            .flatten()
+            .max();
+        counter.generation = self.shared.next_generation();
+        counter.units = 0;
+        counter.block_since = None;
+        counter.block = 0;
+        counter.hits = 0;
+        counter.reserved = 0;
+        counter.store_used = 0;
+        counter.mark = Mark {
+            unsure_until: unsure,
+            ..Mark::default()
+        };
+        leave.then_some((now, old))
     }
 
     /// What the store told a refund, an add or a settle on `key` (the count after,
@@ -974,7 +1034,7 @@ async fn sweep<St: Store>(shared: Weak<Shared>, inner: St, settings: Settings) {
             let mut counters = shared.counters();
             // Room is kept for new subjects: past half the bound, a subject
             // idle here is forgotten at once.
-            let roomy = counters.len() <= settings.max_counters / 2;
+            let roomy = counters.len() < settings.max_counters / 2;
             counters.retain(|key, counter| {
                 let quiet = at.saturating_duration_since(counter.seen_at);
                 let idle = quiet >= settings.idle;
@@ -992,28 +1052,27 @@ async fn sweep<St: Store>(shared: Weak<Shared>, inner: St, settings: Settings) {
                 }
                 let holding = counter.units > 0 || counter.taking || counter.reserved > 0;
                 if (idle || old) && !holding && counter.mark.leave(now, settings.mark_margin()) {
-                    unmarked.push((key.clone(), now));
+                    unmarked.push((key.clone(), now, counter.generation));
                 }
                 // A counter idle here is forgotten, unless its subject took
-                // blocks (it was busy: it takes one as soon as it is back)
-                // and has been quiet for less than the memory of rates. One
-                // with a block or reserved units on their way stays until
-                // the store answers; so does one the store's lease mark
-                // still counts.
+                // blocks (it was busy: its next block may grow from the
+                // last one's size) and has been quiet for less than the
+                // memory of rates. One with a block or reserved units on
+                // their way stays until the store answers; so does one the
+                // store's lease mark may still count.
                 let remembered = roomy && counter.block > 0 && quiet < settings.rate_memory();
                 !idle
                     || remembered
                     || counter.taking
                     || counter.reserved > 0
-                    || !counter.mark.settled()
-                    || counter.mark.counted(now)
+                    || counter.mark.may_count(now)
             });
         }
         for (key, now, units) in back {
             give_back(&inner, now, key, units).await;
         }
-        for (key, now) in unmarked {
-            leave(&inner, &shared, now, key).await;
+        for (key, now, generation) in unmarked {
+            leave(&inner, &shared, now, key, generation).await;
         }
         drop(shared);
     }
@@ -1044,19 +1103,36 @@ async fn give_back<St: Store>(inner: &St, now: Timestamp, key: PeriodKey, units:
 
 /// Leaves the lease mark of the counter at `key`: one holder fewer. A
 /// guarded refund, as every give-back: a mark that ended stays gone.
-async fn unmark<St: Store>(inner: &St, now: Timestamp, key: &PeriodKey) {
+/// Whether the store took it.
+async fn unmark<St: Store>(inner: &St, now: Timestamp, key: &PeriodKey) -> bool {
     let Some(mark) = key.lease_mark() else {
-        return;
+        return true;
     };
-    if let Err(error) = inner.refund(now, mark, 1).await {
-        if let Some(suppressed) = GIVE_BACK_ERRORS.admit() {
-            tracing::warn!(
-                %error,
-                suppressed,
-                "quota store failed to lift a lease mark: refusals may tell a short wait until it ends"
-            );
+    match inner.refund(now, mark, 1).await {
+        Ok(_) => true,
+        Err(error) => {
+            if let Some(suppressed) = GIVE_BACK_ERRORS.admit() {
+                tracing::warn!(
+                    %error,
+                    suppressed,
+                    "quota store failed to lift a lease mark: it ends on its own within the lease time"
+                );
+            }
+            false
         }
     }
+}
+
+/// Per line of `request`, where its counter's lease mark stood, taken off
+/// the end of `outcome` (`None`: no mark).
+fn split_marks(request: &ChargeRequest, outcome: &mut ChargeOutcome) -> Vec<Option<Usage>> {
+    let lines = request.lines.len().min(outcome.usage.len());
+    let mut marks = outcome.usage.split_off(lines).into_iter();
+    request
+        .lines
+        .iter()
+        .map(|line| line.key.lease_mark().and_then(|_| marks.next()))
+        .collect()
 }
 
 /// The charge line of the lease mark at `key`: `cost` holders more, never
@@ -1070,14 +1146,16 @@ fn mark_line(key: PeriodKey, cost: u64, deadline: Timestamp, max: u64) -> Charge
     }
 }
 
-/// Joins the lease mark of the counter at `key` (one holder more), and
-/// records how long it lives; leaves it at once if this instance stopped
-/// holding meanwhile. A hint only: a store that fails leaves no mark.
+/// Joins the lease mark of the counter at `key` for its entry of
+/// `generation` (one holder more), and records how long it lives; leaves
+/// it at once if the entry stopped holding, or is gone, meanwhile. A hint
+/// only: a store that fails leaves no mark, or one that ends on its own.
 async fn join<St: Store>(
     inner: &St,
     shared: &Shared,
     now: Timestamp,
     key: PeriodKey,
+    generation: u64,
     lease: SignedDuration,
     max: u64,
 ) {
@@ -1089,28 +1167,36 @@ async fn join<St: Store>(
         now,
         lines: vec![mark_line(mark, 1, deadline, max)],
     };
-    let joined = match inner.charge(request).await {
-        Ok(outcome) if outcome.admitted => outcome.usage.first().map(|u| u.resets_at),
-        _ => None,
+    let result = match inner.charge(request).await {
+        Ok(outcome) if outcome.admitted => Ok(outcome.usage.first().map(|u| u.resets_at)),
+        Ok(_) => Ok(None),
+        Err(_) => Err(deadline),
     };
-    // Joined for an instance that holds nothing any more (its block went,
-    // or it forgot the counter, while the joining was on its way): it
-    // leaves at once.
     let leave_now = match shared.counters().get_mut(&key) {
-        Some(counter) => counter.mark.joined(joined),
-        None => joined.is_some(),
+        Some(counter) if counter.generation == generation => counter.mark.joined(result),
+        _ => matches!(result, Ok(Some(_))),
     };
     if leave_now {
-        leave(inner, shared, now, key).await;
+        leave(inner, shared, now, key, generation).await;
     }
 }
 
-/// Leaves the lease mark of the counter at `key`, then notes that the
-/// leaving landed.
-async fn leave<St: Store>(inner: &St, shared: &Shared, now: Timestamp, key: PeriodKey) {
-    unmark(inner, now, &key).await;
-    if let Some(counter) = shared.counters().get_mut(&key) {
-        counter.mark.left();
+/// Leaves the lease mark of the counter at `key` for its entry of
+/// `generation`, then notes that the leaving landed.
+async fn leave<St: Store>(
+    inner: &St,
+    shared: &Shared,
+    now: Timestamp,
+    key: PeriodKey,
+    generation: u64,
+) {
+    let ok = unmark(inner, now, &key).await;
+    if let Some(counter) = shared
+        .counters()
+        .get_mut(&key)
+        .filter(|c| c.generation == generation)
+    {
+        counter.mark.left(ok);
     }
 }
 
@@ -1118,8 +1204,11 @@ async fn leave<St: Store>(inner: &St, shared: &Shared, now: Timestamp, key: Peri
 struct Plan {
     /// Per line, the block it asks for beyond its cost.
     blocks: Vec<u64>,
-    /// Counters whose lease mark this instance leaves first.
-    unmarked: Vec<PeriodKey>,
+    /// Per line, its counter's entry here when the charge was sent.
+    known: Vec<Option<Known>>,
+    /// Counters (and their entries' generations) whose lease mark this
+    /// instance leaves.
+    unmarked: Vec<(PeriodKey, u64)>,
     /// Per line, what blocks here pay of its cost.
     taken: SmallVec<[u64; 2]>,
     /// Blocks past their lease time, given back first.
@@ -1128,12 +1217,22 @@ struct Plan {
     reserved: Reserved,
 }
 
+/// A counter's entry as a charge sent to the store found it.
+#[derive(Clone, Copy, Debug)]
+struct Known {
+    generation: u64,
+    /// Whether the store's lease mark may count this instance.
+    in_mark: bool,
+}
+
 /// Units taken from blocks here for a request sent to the store: spent if
 /// the store admits it, put back if it refuses, fails, or the charge is
 /// dropped.
 struct Reserved {
     shared: Arc<Shared>,
-    lines: Vec<(PeriodKey, u64)>,
+    /// Key, units, and the generation of the entry they came from: a
+    /// reset meanwhile drops them.
+    lines: Vec<(PeriodKey, u64, u64)>,
     spent: bool,
 }
 
@@ -1143,8 +1242,11 @@ impl Drop for Reserved {
             return;
         }
         let mut counters = self.shared.counters();
-        for (key, units) in &self.lines {
-            if let Some(counter) = counters.get_mut(key) {
+        for (key, units, generation) in &self.lines {
+            if let Some(counter) = counters
+                .get_mut(key)
+                .filter(|c| c.generation == *generation)
+            {
                 counter.reserved = counter.reserved.saturating_sub(*units);
                 if self.spent {
                     if counter.units == 0 {
@@ -1291,18 +1393,18 @@ impl<St: Store> Store for LeasedStore<St> {
     }
 
     /// Drops this instance's block of `key` (not given back: the counter
-    /// is gone) and leaves its lease mark, then deletes the counter.
+    /// is gone), and what is on its way for it (a block being taken, units
+    /// to put back), and leaves its lease mark; then deletes the counter.
     fn reset(&self, key: PeriodKey) -> impl Future<Output = Result<bool, StoreError>> + Send {
-        let known = self.shared.counters().remove(&key);
-        let margin = self.shared.settings.mark_margin();
-        let marked = known.and_then(|mut c| {
-            let now = c.now(Instant::now());
-            c.mark.leave(now, margin).then_some(now)
+        let leaving = self.shared.counters().get_mut(&key).and_then(|counter| {
+            let now = counter.now(Instant::now());
+            self.renew(counter, now)
         });
         let inner = self.inner.clone();
+        let shared = Arc::clone(&self.shared);
         async move {
-            if let Some(now) = marked {
-                unmark(&inner, now, &key).await;
+            if let Some((now, generation)) = leaving {
+                leave(&inner, &shared, now, key.clone(), generation).await;
             }
             inner.reset(key).await
         }
