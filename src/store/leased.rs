@@ -42,8 +42,7 @@ static GIVE_BACK_ERRORS: Throttle = Throttle::new(5);
 ///   request of a subject back after a pause. A subject that took blocks
 ///   is remembered for six lease times after it went quiet (while this
 ///   instance tracks fewer than half its bound of counters): the block its
-///   second request back takes grows from the last block's size, not from
-///   8.
+///   second request back takes is at least the last block's size.
 /// - **It shrinks as the allowance runs low**: a block is at most a quarter
 ///   of what the counter had left when last seen, so near the limit blocks
 ///   are single units and every request is a charge of its own (exact, as
@@ -305,6 +304,8 @@ struct Counter {
     /// The time between the last two requests here: a subject back after
     /// a pause takes no block with its first request.
     gap: Duration,
+    /// Whether the subject came back from a pause since its last block.
+    back: bool,
     /// Which entry this is: a reset makes a new one, and what was on its
     /// way for the old one (units to put back, a mark's joining) does not
     /// land on it.
@@ -529,9 +530,7 @@ impl<St: Store> LeasedStore<St> {
         };
         // A subject calling less often than the idle bound would have its
         // block given back before spending it, and one back after a pause
-        // may be back for one request: no block. (One that took blocks
-        // before the pause keeps its last block's size, so the block its
-        // next request takes may grow fourfold from there, not from 8.)
+        // may be back for one request: no block.
         if counter.taking || counter.ended(now) || counter.gap >= settings.idle {
             return 0;
         }
@@ -541,10 +540,18 @@ impl<St: Store> LeasedStore<St> {
             .saturating_duration_since(counter.charged_at)
             .as_secs_f64();
         let horizon = settings.lease_time.as_secs_f64();
-        let wanted = if elapsed > 0.0 {
+        let rate = if elapsed > 0.0 {
             (counter.hits as f64 * horizon / elapsed).ceil() as u64
         } else {
             u64::MAX
+        };
+        // Back from a pause, the rate is read from a request or two: a
+        // subject that took blocks before takes at least the last one's
+        // size.
+        let wanted = if counter.back {
+            rate.max(counter.block)
+        } else {
+            rate
         };
         let left = line.limit.saturating_sub(counter.store_used);
         let block = [
@@ -589,6 +596,7 @@ impl<St: Store> LeasedStore<St> {
             counter.hits += 1;
             counter.seen = request.now;
             counter.gap = at.saturating_duration_since(counter.seen_at);
+            counter.back |= counter.gap >= self.shared.settings.idle;
             counter.seen_at = at;
             if counter.units > 0 && counter.ended(request.now) {
                 // The period is over: its block is dropped.
@@ -861,6 +869,7 @@ impl<St: Store> LeasedStore<St> {
                         seen: request.now,
                         seen_at: at,
                         gap: Duration::MAX,
+                        back: false,
                         generation: self.shared.next_generation(),
                         hits: 0,
                         charged_at: at,
@@ -910,6 +919,7 @@ impl<St: Store> LeasedStore<St> {
                 counter.units += block;
                 counter.block_since.get_or_insert(at);
                 counter.block = block;
+                counter.back = false;
                 crate::metrics::lease_block();
                 // A holder now: it joins the mark, after the charge and
                 // apart from it, so the mark never changes what is admitted.
