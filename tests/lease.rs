@@ -220,7 +220,11 @@ async fn a_busy_subject_back_after_a_pause_takes_a_large_block_with_its_second_r
     tokio::time::advance(Duration::from_millis(200)).await;
     now += SignedDuration::from_millis(200);
     busy(&leased, &mut now, 1, 1_000_000, 1).await;
-    assert!(leased.held() >= largest / 2, "{} of {largest}", leased.held());
+    assert!(
+        leased.held() >= largest / 2,
+        "{} of {largest}",
+        leased.held()
+    );
     busy(&leased, &mut now, 99, 1_000_000, 1).await;
     // The two charges, and the one that joins the lease mark.
     assert_eq!(inner.charges.load(Ordering::Relaxed) - before, 3);
