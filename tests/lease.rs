@@ -510,6 +510,31 @@ async fn a_reset_through_the_leased_store_drops_its_block() {
 }
 
 #[tokio::test(start_paused = true)]
+async fn units_held_across_a_reset_made_elsewhere_never_go_back_to_the_new_counter() {
+    let shared = MemoryStore::new();
+    let a = LeasedStore::new(shared.clone());
+    let mut now = t0();
+    busy(&a, &mut now, 200, 10_000, 1).await;
+    let held = a.held();
+    assert!(held > 0);
+    // Support resets the counter through another instance, and the
+    // subject starts afresh there.
+    tokio::time::advance(Duration::from_millis(10)).await;
+    now += SignedDuration::from_millis(10);
+    assert!(shared.reset(day_key()).await.unwrap());
+    for _ in 0..5 {
+        assert!(call(&shared, now, 10_000).await.admitted);
+    }
+    // A goes idle: what it held was taken from the counter that was
+    // reset, and does not come off the new one.
+    tokio::time::advance(Duration::from_millis(1_300)).await;
+    tokio::task::yield_now().await;
+    now += SignedDuration::from_millis(1_300);
+    assert_eq!(a.held(), 0);
+    assert_eq!(counted(&shared, now).await, 5);
+}
+
+#[tokio::test(start_paused = true)]
 async fn a_refund_lands_in_the_block_and_goes_back_with_it() {
     let shared = MemoryStore::new();
     let leased = LeasedStore::new(shared.clone());

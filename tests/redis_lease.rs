@@ -366,3 +366,59 @@ async fn a_refusal_while_another_server_holds_units_tells_a_short_wait() {
     assert!(wait > 80_000, "{wait}");
     assert_eq!(served_count(&redis, "short"), 200);
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn units_held_across_a_reset_never_go_back_to_the_new_counter() {
+    let redis = redis_server_or_skip!();
+    let a = LeasedStore::builder(redis_store(redis.url()))
+        .idle(Duration::from_millis(200))
+        .build();
+    let support = redis_store(redis.url());
+    for _ in 0..200 {
+        assert!(
+            a.charge(request("reset-back", 100_000))
+                .await
+                .unwrap()
+                .admitted
+        );
+    }
+    assert!(a.held() > 0);
+    tokio::time::sleep(Duration::from_millis(5)).await;
+    assert!(support.reset(key("reset-back")).await.unwrap());
+    for _ in 0..5 {
+        assert!(
+            support
+                .charge(request("reset-back", 100_000))
+                .await
+                .unwrap()
+                .admitted
+        );
+    }
+    // A idles and gives back: not to the counter made after the reset.
+    tokio::time::sleep(Duration::from_millis(600)).await;
+    assert_eq!(a.held(), 0);
+    assert_eq!(counted(&redis, "reset-back"), 5);
+    // A refund to a counter made by then still goes through.
+    let made_by = Timestamp::now();
+    assert_eq!(
+        support
+            .refund_made_by(Timestamp::now(), key("reset-back"), 2, made_by)
+            .await
+            .unwrap(),
+        Some(3)
+    );
+    assert_eq!(
+        support
+            .refund_made_by(
+                Timestamp::now(),
+                key("reset-back"),
+                2,
+                "2000-01-01T00:00:00Z".parse().unwrap()
+            )
+            .await
+            .unwrap(),
+        None,
+        "a counter made since is left as it is"
+    );
+    assert_eq!(counted(&redis, "reset-back"), 3);
+}

@@ -49,7 +49,9 @@ static GIVE_BACK_ERRORS: Throttle = Throttle::new(5);
 ///   without leases). A charge whose block no longer fits (other instances
 ///   spent meanwhile) is sent again for the request alone.
 /// - **Unused units go back** to the store, with a refund (which never
-///   creates a counter and never moves a deadline), when the subject has
+///   creates a counter and never moves a deadline, and goes only to a
+///   counter made by the time the units were taken: never to one made
+///   since, after a reset; see [`Store::refund_made_by`]), when the subject has
 ///   been idle on this instance for the idle bound (1 s by default), when a
 ///   block is older than the lease time (10 s by default, whatever the
 ///   subject does), and on [`LeasedStore::shutdown`].
@@ -289,8 +291,10 @@ impl Shared {
 struct Counter {
     /// Units charged in the store and not spent yet: the block.
     units: u64,
-    /// When the oldest of `units` was taken.
+    /// When the oldest of `units` was taken, by the runtime's clock and
+    /// by the layer's: a give-back goes only to a counter made by then.
     block_since: Option<Instant>,
+    taken_at: Option<Timestamp>,
     /// The counter's limit and count (this instance's units included) as
     /// the store last told, and its reset.
     limit: u64,
@@ -500,7 +504,14 @@ impl<St: Store> LeasedStore<St> {
             // charged with no holder marked.
             if counter.units > 0
                 && !counter.ended(now)
-                && give_back(&self.inner, now, key.clone(), counter.units).await
+                && give_back(
+                    &self.inner,
+                    now,
+                    key.clone(),
+                    counter.units,
+                    counter.taken_at.unwrap_or(now),
+                )
+                .await
             {
                 returned += counter.units;
             }
@@ -602,6 +613,7 @@ impl<St: Store> LeasedStore<St> {
                 // The period is over: its block is dropped.
                 counter.units = 0;
                 counter.block_since = None;
+                counter.taken_at = None;
                 if counter.mark.leave(request.now, margin) {
                     unmarked.push((line.key.clone(), counter.generation));
                 }
@@ -612,10 +624,15 @@ impl<St: Store> LeasedStore<St> {
             if counter.units > 0 && !fresh {
                 // Past its lease time: given back before the store is
                 // asked, so it refuses nothing.
-                stale.push((line.key.clone(), counter.units));
+                stale.push((
+                    line.key.clone(),
+                    counter.units,
+                    counter.taken_at.unwrap_or(request.now),
+                ));
                 counter.store_used = counter.store_used.saturating_sub(counter.units);
                 counter.units = 0;
                 counter.block_since = None;
+                counter.taken_at = None;
                 if counter.mark.leave(request.now, margin) {
                     unmarked.push((line.key.clone(), counter.generation));
                 }
@@ -648,6 +665,7 @@ impl<St: Store> LeasedStore<St> {
                     let counter = counters.get_mut(&line.key).expect("a block was spent");
                     if counter.units == 0 {
                         counter.block_since = None;
+                        counter.taken_at = None;
                     }
                     Usage {
                         held_elsewhere_until: None,
@@ -728,8 +746,8 @@ impl<St: Store> LeasedStore<St> {
         self.spawn_leaves(request.now, unmarked);
         let store = self.clone();
         Box::pin(async move {
-            for (key, units) in stale {
-                give_back(&store.inner, request.now, key, units).await;
+            for (key, units, taken_at) in stale {
+                give_back(&store.inner, request.now, key, units, taken_at).await;
             }
             let costs: Vec<u64> = request.lines.iter().map(|line| line.cost).collect();
             let leasing = blocks.iter().any(|&b| b > 0);
@@ -862,6 +880,7 @@ impl<St: Store> LeasedStore<St> {
                     counters.entry(line.key.clone()).or_insert(Counter {
                         units: 0,
                         block_since: None,
+                        taken_at: None,
                         limit: usage.limit,
                         store_used: usage.used,
                         resets_at: usage.resets_at,
@@ -901,6 +920,7 @@ impl<St: Store> LeasedStore<St> {
                 // and opened again): the old block is dropped.
                 counter.units = 0;
                 counter.block_since = None;
+                counter.taken_at = None;
             }
             counter.limit = usage.limit;
             counter.store_used = usage.used;
@@ -914,10 +934,11 @@ impl<St: Store> LeasedStore<St> {
             if took && closed {
                 // Taken while the store shut down: straight back.
                 counter.store_used = counter.store_used.saturating_sub(block);
-                back.push((line.key.clone(), request.now, block));
+                back.push((line.key.clone(), request.now, block, request.now));
             } else if took {
                 counter.units += block;
                 counter.block_since.get_or_insert(at);
+                counter.taken_at.get_or_insert(now);
                 counter.block = block;
                 counter.back = false;
                 crate::metrics::lease_block();
@@ -952,8 +973,8 @@ impl<St: Store> LeasedStore<St> {
             let shared = Arc::clone(&self.shared);
             let max = self.inner.max_count();
             runtime.spawn(async move {
-                for (key, now, units) in back {
-                    give_back(&inner, now, key, units).await;
+                for (key, now, units, taken_at) in back {
+                    give_back(&inner, now, key, units, taken_at).await;
                 }
                 for (key, generation) in joins {
                     join(&inner, &shared, now, key, generation, lease, max).await;
@@ -984,6 +1005,7 @@ impl<St: Store> LeasedStore<St> {
         counter.generation = self.shared.next_generation();
         counter.units = 0;
         counter.block_since = None;
+        counter.taken_at = None;
         counter.block = 0;
         counter.hits = 0;
         counter.reserved = 0;
@@ -1054,11 +1076,17 @@ async fn sweep<St: Store>(shared: Weak<Shared>, inner: St, settings: Settings) {
                 let now = counter.now(at);
                 if (idle || old) && counter.units > 0 {
                     if !counter.ended(now) {
-                        back.push((key.clone(), now, counter.units));
+                        back.push((
+                            key.clone(),
+                            now,
+                            counter.units,
+                            counter.taken_at.unwrap_or(now),
+                        ));
                     }
                     counter.store_used = counter.store_used.saturating_sub(counter.units);
                     counter.units = 0;
                     counter.block_since = None;
+                    counter.taken_at = None;
                 }
                 let holding = counter.units > 0 || counter.taking || counter.reserved > 0;
                 if (idle || old) && !holding && counter.mark.leave(now, settings.mark_margin()) {
@@ -1078,8 +1106,8 @@ async fn sweep<St: Store>(shared: Weak<Shared>, inner: St, settings: Settings) {
                     || counter.mark.may_count(now)
             });
         }
-        for (key, now, units) in back {
-            give_back(&inner, now, key, units).await;
+        for (key, now, units, taken_at) in back {
+            give_back(&inner, now, key, units, taken_at).await;
         }
         for (key, now, generation) in unmarked {
             leave(&inner, &shared, now, key, generation).await;
@@ -1088,10 +1116,17 @@ async fn sweep<St: Store>(shared: Weak<Shared>, inner: St, settings: Settings) {
     }
 }
 
-/// Refunds `units` unused units to the live counter at `key`; whether the
-/// store took them.
-async fn give_back<St: Store>(inner: &St, now: Timestamp, key: PeriodKey, units: u64) -> bool {
-    match inner.refund(now, key, units).await {
+/// Refunds `units` unused units, taken at `taken_at`, to the live counter
+/// at `key` if it was made by then (not to one made since, after a reset);
+/// whether the store took them.
+async fn give_back<St: Store>(
+    inner: &St,
+    now: Timestamp,
+    key: PeriodKey,
+    units: u64,
+    taken_at: Timestamp,
+) -> bool {
+    match inner.refund_made_by(now, key, units, taken_at).await {
         Ok(Some(_)) => {
             crate::metrics::lease_returned(units);
             true
@@ -1221,8 +1256,9 @@ struct Plan {
     unmarked: Vec<(PeriodKey, u64)>,
     /// Per line, what blocks here pay of its cost.
     taken: SmallVec<[u64; 2]>,
-    /// Blocks past their lease time, given back first.
-    stale: Vec<(PeriodKey, u64)>,
+    /// Blocks past their lease time (and when they were taken), given back
+    /// first.
+    stale: Vec<(PeriodKey, u64, Timestamp)>,
     /// The lines paid from blocks here.
     reserved: Reserved,
 }
@@ -1261,6 +1297,7 @@ impl Drop for Reserved {
                 if self.spent {
                     if counter.units == 0 {
                         counter.block_since = None;
+                        counter.taken_at = None;
                     }
                 } else {
                     counter.units += units;

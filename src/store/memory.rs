@@ -338,9 +338,24 @@ impl MemoryStore {
         key: &PeriodKey,
         change: impl FnOnce(u64) -> u64,
     ) -> Option<u64> {
+        self.change_live_made_by(now, key, None, change)
+    }
+
+    /// As `change_live`, only on a counter made at or before `made_by`
+    /// when one is given.
+    fn change_live_made_by(
+        &self,
+        now: Timestamp,
+        key: &PeriodKey,
+        made_by: Option<Timestamp>,
+        change: impl FnOnce(u64) -> u64,
+    ) -> Option<u64> {
         let mut shard = lock(&self.inner.shards[self.shard_of(key)]);
         let counter = shard.counters.get_mut(key.as_str())?;
         if counter.deadline <= Nanos::of(now) {
+            return None;
+        }
+        if made_by.is_some_and(|made_by| counter.first_call > Nanos::of(made_by)) {
             return None;
         }
         counter.used = change(counter.used);
@@ -795,6 +810,21 @@ impl Store for MemoryStore {
         ready(Ok(
             self.change_live(now, &key, |used| used.saturating_sub(amount))
         ))
+    }
+
+    fn refund_made_by(
+        &self,
+        now: Timestamp,
+        key: PeriodKey,
+        amount: u64,
+        made_by: Timestamp,
+    ) -> impl Future<Output = Result<Option<u64>, StoreError>> + Send {
+        ready(Ok(self.change_live_made_by(
+            now,
+            &key,
+            Some(made_by),
+            |used| used.saturating_sub(amount),
+        )))
     }
 
     fn add(

@@ -388,6 +388,24 @@ pub trait Store: Clone + Send + Sync + 'static {
         amount: u64,
     ) -> impl Future<Output = Result<Option<u64>, StoreError>> + Send;
 
+    /// As [`Store::refund`], only to a counter made at or before
+    /// `made_by`: units charged at `made_by` and given back later (the
+    /// unused part of a [`LeasedStore`] block) must not land on a counter
+    /// made since, after a reset. `None` when the live counter at `key` is
+    /// younger, as when there is none. The default, for a store that does
+    /// not record when a counter was made, refunds as [`Store::refund`]
+    /// does; [`MemoryStore`] and the Redis store check.
+    fn refund_made_by(
+        &self,
+        now: Timestamp,
+        key: PeriodKey,
+        amount: u64,
+        made_by: Timestamp,
+    ) -> impl Future<Output = Result<Option<u64>, StoreError>> + Send {
+        let _ = made_by;
+        self.refund(now, key, amount)
+    }
+
     /// Adds `amount` to the live counter at `key`, without checking its limit:
     /// for a cost known only after the request was admitted and served.
     /// Returns what the counter holds afterwards, or `None` when there is no

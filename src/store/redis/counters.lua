@@ -7,7 +7,9 @@
 --      other in this one call; the reply is one flat array: each charge's
 --      reply (below), after the one before
 --   r  refund ARGV[2] to KEYS[1] at ARGV[3] = now (ms), never creating it,
---      never touching its TTL
+--      never touching its TTL; with ARGV[4] (ms), only to a counter whose
+--      first call t is no later (one made since is left as it is, and the
+--      answer is -1); a string counter, which records no t, takes it
 --   a  add ARGV[2] to KEYS[1] at ARGV[3] = now (ms) without a limit check (a
 --      cost known only after the response), never creating it, never
 --      touching its TTL; a count that would go beyond 2^53 is an error
@@ -490,9 +492,13 @@ if op == 'r' or op == 'a' then
   if not digits(now) then
     return redis.error_reply('ERR tower-quota: an instant' .. NOT_A_NUMBER)
   end
-  local kind, used, _, ends = read(key)
+  local kind, used, first, ends = read(key)
   if kind == nil then
     return redis.error_reply('ERR tower-quota: ' .. key .. NOT_A_COUNTER)
+  end
+  local made_by = ARGV[4]
+  if op == 'r' and made_by ~= nil and not digits(made_by) then
+    return redis.error_reply('ERR tower-quota: an instant' .. NOT_A_NUMBER)
   end
   -- Live: the key exists and its window, if it records one, is not over
   -- (its key may live on through the grace).
@@ -502,6 +508,9 @@ if op == 'r' or op == 'a' then
       return redis.error_reply('ERR tower-quota: an amount' .. NOT_A_NUMBER)
     end
     if not live then
+      return -1
+    end
+    if made_by ~= nil and kind == 1 and first + 0 > made_by + 0 then
       return -1
     end
     local give = math.min(used, amount + 0)

@@ -528,10 +528,23 @@ impl RedisStore {
         now: Timestamp,
         key: PeriodKey,
         amount: u64,
+        made_by: Option<Timestamp>,
         what: &str,
     ) -> Result<Option<u64>, StoreError> {
         let mut invocation = self.inner.script.key(key.as_str());
         invocation.arg(op).arg(amount).arg(now.as_millisecond());
+        if let Some(made_by) = made_by {
+            // Whole milliseconds, rounded up: a counter made within the
+            // same millisecond is the one charged.
+            let ms = made_by
+                .round(
+                    jiff::TimestampRound::new()
+                        .smallest(jiff::Unit::Millisecond)
+                        .mode(jiff::RoundMode::Ceil),
+                )
+                .unwrap_or(made_by);
+            invocation.arg(ms.as_millisecond().max(0));
+        }
         let count: i64 = self
             .exchange(Sends::Write, |mut conn| async move {
                 let result = invocation.invoke_async(&mut conn).await;
@@ -787,7 +800,24 @@ impl Store for RedisStore {
     ) -> impl Future<Output = Result<Option<u64>, StoreError>> + Send {
         // Clamped: a refund of more than a counter can hold empties it.
         self.clone()
-            .change_live("r", now, key, amount.min(1 << 53), "a refund")
+            .change_live("r", now, key, amount.min(1 << 53), None, "a refund")
+    }
+
+    fn refund_made_by(
+        &self,
+        now: Timestamp,
+        key: PeriodKey,
+        amount: u64,
+        made_by: Timestamp,
+    ) -> impl Future<Output = Result<Option<u64>, StoreError>> + Send {
+        self.clone().change_live(
+            "r",
+            now,
+            key,
+            amount.min(1 << 53),
+            Some(made_by),
+            "a refund",
+        )
     }
 
     fn add(
@@ -798,7 +828,8 @@ impl Store for RedisStore {
     ) -> impl Future<Output = Result<Option<u64>, StoreError>> + Send {
         // The exact amount, not clamped: the script refuses a count beyond
         // 2^53 instead of storing one that says less.
-        self.clone().change_live("a", now, key, amount, "an add")
+        self.clone()
+            .change_live("a", now, key, amount, None, "an add")
     }
 
     fn reset(&self, key: PeriodKey) -> impl Future<Output = Result<bool, StoreError>> + Send {
