@@ -181,8 +181,18 @@ impl Settings {
     /// How near its end a lease mark is left alone, not left with a refund
     /// (see `Mark::leave`).
     fn mark_margin(&self) -> SignedDuration {
-        SignedDuration::try_from(self.lease_time / 10).unwrap_or(SignedDuration::MAX)
+        span(self.lease_time / 10)
     }
+
+    /// The lease time, to add to an instant.
+    fn lease(&self) -> SignedDuration {
+        span(self.lease_time)
+    }
+}
+
+/// `duration` as a span of time to add to an instant.
+fn span(duration: Duration) -> SignedDuration {
+    SignedDuration::try_from(duration).unwrap_or(SignedDuration::MAX)
 }
 
 impl Default for Settings {
@@ -361,8 +371,7 @@ impl Counter {
 
     /// The instant now, by the layer's clock as this counter last saw it.
     fn now(&self, at: Instant) -> Timestamp {
-        let elapsed = SignedDuration::try_from(at.saturating_duration_since(self.seen_at))
-            .unwrap_or(SignedDuration::MAX);
+        let elapsed = span(at.saturating_duration_since(self.seen_at));
         self.seen.saturating_add(elapsed).unwrap_or(self.seen)
     }
 
@@ -744,6 +753,9 @@ impl<St: Store> LeasedStore<St> {
         }
         // Leaving a mark is nothing to wait for.
         self.spawn_leaves(request.now, unmarked);
+        // Each line's counter's lease mark, read with the charge.
+        let marks: Vec<Option<PeriodKey>> =
+            request.lines.iter().map(|l| l.key.lease_mark()).collect();
         let store = self.clone();
         Box::pin(async move {
             for (key, units, taken_at) in stale {
@@ -756,7 +768,7 @@ impl<St: Store> LeasedStore<St> {
                     line.cost = line.cost.saturating_add(*block);
                 }
             }
-            let mut outcome = store.inner.charge(store.reading_marks(&request)).await?;
+            let mut outcome = store.inner.charge(store.reading(&marks, &request)).await?;
             let mut blocks = blocks;
             if leasing && !outcome.admitted {
                 // The blocks did not fit (other instances spent meanwhile):
@@ -765,9 +777,9 @@ impl<St: Store> LeasedStore<St> {
                     line.cost = *cost;
                 }
                 blocks.iter_mut().for_each(|b| *b = 0);
-                outcome = store.inner.charge(store.reading_marks(&request)).await?;
+                outcome = store.inner.charge(store.reading(&marks, &request)).await?;
             }
-            let marks = split_marks(&request, &mut outcome);
+            let marks = split_marks(&marks, &mut outcome);
             drop(taking);
             if outcome.admitted {
                 reserved.spent = true;
@@ -778,21 +790,21 @@ impl<St: Store> LeasedStore<St> {
         })
     }
 
-    /// `request` as sent to the store: its lines, then the lease mark of
-    /// each line's counter, read with a line that costs nothing (which
-    /// never makes a counter, nor refuses).
-    fn reading_marks(&self, request: &ChargeRequest) -> ChargeRequest {
-        let lease = SignedDuration::try_from(self.shared.settings.lease_time)
-            .unwrap_or(SignedDuration::MAX);
-        let deadline = request.now.saturating_add(lease).unwrap_or(request.now);
+    /// `request` as sent to the store: its lines, then the lease `marks`
+    /// of their counters, read with lines that cost nothing (which never
+    /// make a counter, nor refuse).
+    fn reading(&self, marks: &[Option<PeriodKey>], request: &ChargeRequest) -> ChargeRequest {
+        let deadline = request
+            .now
+            .saturating_add(self.shared.settings.lease())
+            .unwrap_or(request.now);
         let max = self.inner.max_count();
         let mut sent = request.clone();
         sent.lines.extend(
-            request
-                .lines
+            marks
                 .iter()
-                .filter_map(|line| line.key.lease_mark())
-                .map(|mark| mark_line(mark, 0, deadline, max)),
+                .flatten()
+                .map(|mark| mark_line(mark.clone(), 0, deadline, max)),
         );
         sent
     }
@@ -842,9 +854,9 @@ impl<St: Store> LeasedStore<St> {
         if others == 0 || mark.resets_at <= now {
             return None;
         }
-        let idle =
-            SignedDuration::try_from(self.shared.settings.idle).unwrap_or(SignedDuration::MAX);
-        let idled = now.saturating_add(idle).unwrap_or(mark.resets_at);
+        let idled = now
+            .saturating_add(span(self.shared.settings.idle))
+            .unwrap_or(mark.resets_at);
         Some(idled.min(mark.resets_at))
     }
 
@@ -866,8 +878,7 @@ impl<St: Store> LeasedStore<St> {
         let now = request.now;
         let mut sweep = false;
         let margin = self.shared.settings.mark_margin();
-        let lease = SignedDuration::try_from(self.shared.settings.lease_time)
-            .unwrap_or(SignedDuration::MAX);
+        let lease = self.shared.settings.lease();
         let mut back = Vec::new();
         let mut unmarked = Vec::new();
         let mut joins = Vec::new();
@@ -990,8 +1001,7 @@ impl<St: Store> LeasedStore<St> {
     /// left: the time and generation to leave it with, if it is to be left.
     fn renew(&self, counter: &mut Counter, now: Timestamp) -> Option<(Timestamp, u64)> {
         let margin = self.shared.settings.mark_margin();
-        let lease = SignedDuration::try_from(self.shared.settings.lease_time)
-            .unwrap_or(SignedDuration::MAX);
+        let lease = self.shared.settings.lease();
         let old = counter.generation;
         let leave = counter.mark.leave(now, margin);
         let mark = counter.mark;
@@ -1168,15 +1178,14 @@ async fn unmark<St: Store>(inner: &St, now: Timestamp, key: &PeriodKey) -> bool 
     }
 }
 
-/// Per line of `request`, where its counter's lease mark stood, taken off
-/// the end of `outcome` (`None`: no mark).
-fn split_marks(request: &ChargeRequest, outcome: &mut ChargeOutcome) -> Vec<Option<Usage>> {
-    let lines = request.lines.len().min(outcome.usage.len());
-    let mut marks = outcome.usage.split_off(lines).into_iter();
-    request
-        .lines
+/// Per line, where its counter's lease mark (one of `marks`) stood, taken
+/// off the end of `outcome` (`None`: no mark).
+fn split_marks(marks: &[Option<PeriodKey>], outcome: &mut ChargeOutcome) -> Vec<Option<Usage>> {
+    let lines = marks.len().min(outcome.usage.len());
+    let mut read = outcome.usage.split_off(lines).into_iter();
+    marks
         .iter()
-        .map(|line| line.key.lease_mark().and_then(|_| marks.next()))
+        .map(|mark| mark.as_ref().and_then(|_| read.next()))
         .collect()
 }
 
