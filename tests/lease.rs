@@ -39,6 +39,15 @@ impl Store for Counting {
     ) -> impl std::future::Future<Output = Result<Option<u64>, StoreError>> + Send {
         self.inner.refund(now, key, amount)
     }
+    fn refund_made_by(
+        &self,
+        now: Timestamp,
+        key: PeriodKey,
+        amount: u64,
+        made_by: Timestamp,
+    ) -> impl std::future::Future<Output = Result<Option<u64>, StoreError>> + Send {
+        self.inner.refund_made_by(now, key, amount, made_by)
+    }
     fn add(
         &self,
         now: Timestamp,
@@ -55,28 +64,41 @@ impl Store for Counting {
     }
 }
 
-/// A memory store that takes `delay` (on the runtime's clock) to answer
-/// anything.
-#[derive(Clone)]
-struct Sluggish {
+/// A memory store that takes `delay` milliseconds of the runtime's time to
+/// answer anything (none by default; a test may change it on the way).
+#[derive(Clone, Default)]
+struct Slow {
     inner: MemoryStore,
-    delay: Duration,
+    delay: Arc<AtomicU64>,
 }
 
-impl Store for Sluggish {
+impl Slow {
+    fn new(inner: MemoryStore, delay_ms: u64) -> Self {
+        Self {
+            inner,
+            delay: Arc::new(AtomicU64::new(delay_ms)),
+        }
+    }
+
+    fn delay(&self) -> Duration {
+        Duration::from_millis(self.delay.load(Ordering::Relaxed))
+    }
+}
+
+impl Store for Slow {
     type ChargeFuture = std::pin::Pin<
         Box<dyn std::future::Future<Output = Result<ChargeOutcome, StoreError>> + Send>,
     >;
 
     fn charge(&self, request: ChargeRequest) -> Self::ChargeFuture {
-        let (inner, delay) = (self.inner.clone(), self.delay);
+        let (inner, delay) = (self.inner.clone(), self.delay());
         Box::pin(async move {
             tokio::time::sleep(delay).await;
             inner.charge(request).await
         })
     }
     async fn peek(&self, request: ChargeRequest) -> Result<Vec<Usage>, StoreError> {
-        tokio::time::sleep(self.delay).await;
+        tokio::time::sleep(self.delay()).await;
         self.inner.peek(request).await
     }
     async fn refund(
@@ -85,8 +107,18 @@ impl Store for Sluggish {
         key: PeriodKey,
         amount: u64,
     ) -> Result<Option<u64>, StoreError> {
-        tokio::time::sleep(self.delay).await;
+        tokio::time::sleep(self.delay()).await;
         self.inner.refund(now, key, amount).await
+    }
+    async fn refund_made_by(
+        &self,
+        now: Timestamp,
+        key: PeriodKey,
+        amount: u64,
+        made_by: Timestamp,
+    ) -> Result<Option<u64>, StoreError> {
+        tokio::time::sleep(self.delay()).await;
+        self.inner.refund_made_by(now, key, amount, made_by).await
     }
     async fn add(
         &self,
@@ -94,11 +126,11 @@ impl Store for Sluggish {
         key: PeriodKey,
         amount: u64,
     ) -> Result<Option<u64>, StoreError> {
-        tokio::time::sleep(self.delay).await;
+        tokio::time::sleep(self.delay()).await;
         self.inner.add(now, key, amount).await
     }
     async fn reset(&self, key: PeriodKey) -> Result<bool, StoreError> {
-        tokio::time::sleep(self.delay).await;
+        tokio::time::sleep(self.delay()).await;
         self.inner.reset(key).await
     }
 }
@@ -348,14 +380,8 @@ async fn a_refusal_takes_one_round_trip_however_the_marks_stand() {
     // admission).
     let delay = Duration::from_millis(60);
     let shared = MemoryStore::new();
-    let a = LeasedStore::new(Sluggish {
-        inner: shared.clone(),
-        delay,
-    });
-    let b = LeasedStore::new(Sluggish {
-        inner: shared.clone(),
-        delay,
-    });
+    let a = LeasedStore::new(Slow::new(shared.clone(), 60));
+    let b = LeasedStore::new(Slow::new(shared.clone(), 60));
     let mut now = t0();
     busy(&a, &mut now, 70, 100, 1).await;
     assert!(a.held() > 0);
@@ -635,56 +661,6 @@ async fn a_key_listed_twice_takes_from_its_block_twice() {
     }
     leased.shutdown().await;
     assert_eq!(counted(&shared, now).await, 220 + 2 * (held + 3));
-}
-
-/// A store whose charges take `delay` milliseconds of the runtime's time.
-#[derive(Clone, Default)]
-struct Slow {
-    inner: MemoryStore,
-    delay: Arc<AtomicU64>,
-}
-
-impl Store for Slow {
-    type ChargeFuture = std::pin::Pin<
-        Box<dyn std::future::Future<Output = Result<ChargeOutcome, StoreError>> + Send>,
-    >;
-
-    fn charge(&self, request: ChargeRequest) -> Self::ChargeFuture {
-        let inner = self.inner.clone();
-        let delay = Duration::from_millis(self.delay.load(Ordering::Relaxed));
-        Box::pin(async move {
-            tokio::time::sleep(delay).await;
-            inner.charge(request).await
-        })
-    }
-    fn peek(
-        &self,
-        request: ChargeRequest,
-    ) -> impl std::future::Future<Output = Result<Vec<Usage>, StoreError>> + Send {
-        self.inner.peek(request)
-    }
-    fn refund(
-        &self,
-        now: Timestamp,
-        key: PeriodKey,
-        amount: u64,
-    ) -> impl std::future::Future<Output = Result<Option<u64>, StoreError>> + Send {
-        self.inner.refund(now, key, amount)
-    }
-    fn add(
-        &self,
-        now: Timestamp,
-        key: PeriodKey,
-        amount: u64,
-    ) -> impl std::future::Future<Output = Result<Option<u64>, StoreError>> + Send {
-        self.inner.add(now, key, amount)
-    }
-    fn reset(
-        &self,
-        key: PeriodKey,
-    ) -> impl std::future::Future<Output = Result<bool, StoreError>> + Send {
-        self.inner.reset(key)
-    }
 }
 
 #[tokio::test(start_paused = true)]

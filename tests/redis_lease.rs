@@ -248,12 +248,12 @@ async fn a_stall_and_a_restart_mid_lease_keep_the_count_right() {
     );
 }
 
-/// The demo server with leases, on Redis, with an idle bound that never
-/// passes during the test.
-fn leased_server(redis: &RedisServer) -> demo_server::Server {
+/// The demo server with leases, on Redis: a daily first-use quota of
+/// `limit`, and an idle bound of `idle_ms`.
+fn leased_server(redis: &RedisServer, limit: &str, idle_ms: &str) -> demo_server::Server {
     demo_server::start(&[
         "--limit",
-        "100000",
+        limit,
         "--period",
         "1d",
         "--anchor",
@@ -262,9 +262,12 @@ fn leased_server(redis: &RedisServer) -> demo_server::Server {
         &redis.url(),
         "--lease",
         "--lease-idle",
-        "60000",
+        idle_ms,
     ])
 }
+
+/// An idle bound that never passes during a test.
+const NEVER_IDLE: &str = "60000";
 
 /// What Redis counts for the demo server's `read` allowance of `account`.
 fn served_count(redis: &RedisServer, account: &str) -> u64 {
@@ -284,7 +287,7 @@ async fn read_many(server: &demo_server::Server, account: &str, n: u64) {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_server_stopped_with_sigterm_gives_its_units_back_at_once() {
     let redis = redis_server_or_skip!();
-    let mut server = leased_server(&redis);
+    let mut server = leased_server(&redis, "100000", NEVER_IDLE);
     read_many(&server, "term", 200).await;
     let held = served_count(&redis, "term") - 200;
     assert!(held > 0, "the server holds a block");
@@ -299,7 +302,7 @@ async fn a_server_stopped_with_sigterm_gives_its_units_back_at_once() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_server_killed_with_sigkill_leaves_at_most_its_block_charged() {
     let redis = redis_server_or_skip!();
-    let mut server = leased_server(&redis);
+    let mut server = leased_server(&redis, "100000", NEVER_IDLE);
     read_many(&server, "kill", 200).await;
     server.stop("KILL");
     let left = served_count(&redis, "kill") - 200;
@@ -311,22 +314,10 @@ async fn a_server_killed_with_sigkill_leaves_at_most_its_block_charged() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_refusal_while_another_server_holds_units_tells_a_short_wait() {
     let redis = redis_server_or_skip!();
-    let server = |idle: &str| {
-        demo_server::start(&[
-            "--limit",
-            "200",
-            "--period",
-            "1d",
-            "--anchor",
-            "first-use",
-            "--store",
-            &redis.url(),
-            "--lease",
-            "--lease-idle",
-            idle,
-        ])
-    };
-    let (a, b) = (server("1000"), server("1000"));
+    let (a, b) = (
+        leased_server(&redis, "200", "1000"),
+        leased_server(&redis, "200", "1000"),
+    );
     read_many(&a, "short", 100).await;
     let held = served_count(&redis, "short") - 100;
     assert!(held > 0, "a holds a block");
