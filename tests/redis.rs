@@ -1054,6 +1054,69 @@ async fn an_add_beyond_what_lua_counts_exactly_is_an_error_and_writes_nothing() 
     );
 }
 
+#[tokio::test]
+async fn a_settle_beyond_what_lua_counts_exactly_is_an_error_and_writes_nothing() {
+    let server = redis_server_or_skip!();
+    let store = store(&server);
+    let mut redis = client(&server).await;
+    const EXACT: u64 = 1 << 53;
+    let debt = |key: &PeriodKey, amount: u64| tower_quota::store::Debt {
+        key: key.clone(),
+        amount,
+        lifetime: Lifetime::FirstUse {
+            deadline: Timestamp::now() + hour(),
+        },
+        since: Timestamp::now(),
+    };
+
+    let live = key("settle-huge");
+    store
+        .charge(first_use(
+            &live,
+            u64::MAX,
+            EXACT - 10,
+            Timestamp::now(),
+            hour(),
+        ))
+        .await
+        .unwrap();
+    assert_eq!(
+        store
+            .settle_debt(Timestamp::now(), debt(&live, 10))
+            .await
+            .unwrap(),
+        Some(EXACT),
+        "up to 2^53 is counted"
+    );
+    for amount in [1, EXACT, u64::MAX] {
+        let error = store
+            .settle_debt(Timestamp::now(), debt(&live, amount))
+            .await
+            .expect_err("beyond 2^53");
+        assert!(error.to_string().contains("2^53"), "{amount}: {error}");
+    }
+    let count: i64 = redis.hget(live.as_str(), "n").await.unwrap();
+    assert_eq!(count, EXACT as i64, "a refused settle writes nothing");
+
+    // No counter yet: a debt of 2^53 or more makes none.
+    let none = key("settle-from-nothing");
+    for amount in [EXACT, u64::MAX] {
+        assert!(store
+            .settle_debt(Timestamp::now(), debt(&none, amount))
+            .await
+            .is_err());
+    }
+    let exists: bool = redis.exists(none.as_str()).await.unwrap();
+    assert!(!exists, "a refused settle creates nothing");
+    assert_eq!(
+        store
+            .settle_debt(Timestamp::now(), debt(&none, EXACT - 1))
+            .await
+            .unwrap(),
+        Some(EXACT - 1)
+    );
+}
+
 /// Everything Redis holds about a key: its value, its deadline and its
 /// remaining life.
 async fn snapshot(

@@ -487,6 +487,30 @@ local S = rest()
 local read, lines, batched = S.read, S.lines, S.batched
 local NOT_A_COUNTER, NOT_A_NUMBER = S.NOT_A_COUNTER, S.NOT_A_NUMBER
 
+-- Adds amount (digits) to the counter at key of kind 1 (a hash) or 2 (a
+-- string) holding used, keeping its TTL (HINCRBY and INCRBY do); for kind
+-- 0 (none), nil: the caller creates the counter. Checked before writing,
+-- without forming used + amount (a double may round it back to 2^53): an
+-- amount of 2^53 or more is refused whatever the count, since a double
+-- cannot tell 2^53 + 1 from 2^53; what names the change in the error.
+local function add_exactly(key, kind, used, amount, what)
+  local exact = 2 ^ 53
+  if amount + 0 >= exact or amount + 0 > exact - used then
+    return redis.error_reply('ERR tower-quota: ' .. what .. ' of ' .. amount .. ' on ' .. key
+      .. ' goes beyond 2^53, the most the counters script counts exactly')
+  end
+  if amount == '0' then
+    return used
+  end
+  if kind == 1 then
+    return call('HINCRBY', key, 'n', amount)
+  end
+  if kind == 2 then
+    return call('INCRBY', key, amount)
+  end
+  return nil
+end
+
 if op == 'r' or op == 'a' then
   local key, amount, now = KEYS[1], ARGV[2], ARGV[3]
   if not digits(now) then
@@ -530,22 +554,11 @@ if op == 'r' or op == 'a' then
     -- never was. INCRBY would create it without a deadline.
     return -1
   end
-  -- Checked before writing, without forming used + amount (a double may
-  -- round it back to 2^53). An amount of 2^53 or more is refused whatever
-  -- the count: a double cannot tell 2^53 + 1 from 2^53.
-  local exact = 2 ^ 53
-  if not digits(amount) or amount + 0 >= exact or amount + 0 > exact - used then
-    return redis.error_reply('ERR tower-quota: adding ' .. amount .. ' to ' .. key
+  if not digits(amount) then
+    return redis.error_reply('ERR tower-quota: an add of ' .. amount .. ' on ' .. key
       .. ' goes beyond 2^53, the most the counters script counts exactly')
   end
-  if amount == '0' then
-    return used
-  end
-  -- HINCRBY and INCRBY keep the key's TTL.
-  if kind == 1 then
-    return call('HINCRBY', key, 'n', amount)
-  end
-  return call('INCRBY', key, amount)
+  return add_exactly(key, kind, used, amount, 'an add')
 end
 
 if op == 's' then
@@ -579,21 +592,9 @@ if op == 's' then
     -- A counter whose window is over, kept through its grace.
     return -1
   end
-  -- As for an add: checked before writing, without forming used + amount.
-  local exact = 2 ^ 53
-  if amount + 0 >= exact or amount + 0 > exact - used then
-    return redis.error_reply('ERR tower-quota: settling ' .. amount .. ' on ' .. key
-      .. ' goes beyond 2^53, the most the counters script counts exactly')
-  end
-  if amount == '0' then
-    return used
-  end
-  if kind == 1 then
-    -- HINCRBY keeps the key's TTL.
-    return call('HINCRBY', key, 'n', amount)
-  end
-  if kind == 2 then
-    return call('INCRBY', key, amount)
+  local added = add_exactly(key, kind, used, amount, 'a settle')
+  if added ~= nil then
+    return added
   end
   -- A new counter, as a charge creates one: its first call (the debt's),
   -- a calendar window's end, and its deadline, all in this call.
