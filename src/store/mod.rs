@@ -75,6 +75,9 @@
 //!     fn refund(&self, now: Timestamp, key: PeriodKey, amount: u64) -> impl Future<Output = Result<Option<u64>, StoreError>> + Send {
 //!         self.inner.refund(now, key, amount)
 //!     }
+//!     fn refund_made_by(&self, now: Timestamp, key: PeriodKey, amount: u64, made_by: Timestamp) -> impl Future<Output = Result<Option<u64>, StoreError>> + Send {
+//!         self.inner.refund_made_by(now, key, amount, made_by)
+//!     }
 //!     fn add(&self, now: Timestamp, key: PeriodKey, amount: u64) -> impl Future<Output = Result<Option<u64>, StoreError>> + Send {
 //!         self.inner.add(now, key, amount)
 //!     }
