@@ -35,7 +35,7 @@ fn requests(subjects: usize, now: Timestamp) -> Vec<ChargeRequest> {
             let subject = Subject::account(format!("account-{i:06}"));
             ChargeRequest {
                 now,
-                lines: vec![quota.line(&namespace, &subject, now, 1)],
+                lines: smallvec::smallvec![quota.line(&namespace, &subject, now, 1)],
             }
         })
         .collect()

@@ -258,7 +258,7 @@ async fn charge_all(store: &RedisStore, callers: usize, now: Timestamp, end: Tim
                 ));
                 let request = ChargeRequest {
                     now,
-                    lines: vec![ChargeLine {
+                    lines: smallvec::smallvec![ChargeLine {
                         key,
                         limit: LIMIT,
                         cost: 1,

@@ -236,7 +236,10 @@ impl<St: Store> QuotaHandle<St> {
         let usage = self
             .shared
             .store()
-            .peek(ChargeRequest { now, lines })
+            .peek(ChargeRequest {
+                now,
+                lines: lines.into(),
+            })
             .await?;
         Ok(quotas
             .into_iter()
@@ -295,7 +298,7 @@ impl<St: Store> QuotaHandle<St> {
             .store()
             .peek(ChargeRequest {
                 now,
-                lines: lines.clone(),
+                lines: lines.iter().cloned().collect(),
             })
             .await?;
         let mut refunded = Vec::with_capacity(lines.len());

@@ -11,6 +11,8 @@ mod redis_support;
 mod rigged;
 
 use std::convert::Infallible;
+use std::future::Future;
+use std::pin::Pin;
 use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex};
 use std::task::{Context, Poll};
@@ -128,7 +130,9 @@ async fn entries(status: QuotaStatus) -> String {
 }
 
 /// A service shared behind a lock: its clones share one inner service, so
-/// nothing outside can see what it wraps.
+/// nothing outside can see what it wraps. Each call readies a clone of it
+/// first (as a `Buffer`'s worker does): readiness is per instance in tower,
+/// and one shared by every clone would let a clone call it unreadied.
 struct Shared<S>(Arc<Mutex<S>>);
 
 impl<S> Shared<S> {
@@ -143,17 +147,23 @@ impl<S> Clone for Shared<S> {
     }
 }
 
-impl<S: Service<R>, R> Service<R> for Shared<S> {
+impl<S, R> Service<R> for Shared<S>
+where
+    S: Service<R> + Clone + Send + 'static,
+    S::Future: Send,
+    R: Send + 'static,
+{
     type Response = S::Response;
     type Error = S::Error;
-    type Future = S::Future;
+    type Future = Pin<Box<dyn Future<Output = Result<S::Response, S::Error>> + Send>>;
 
-    fn poll_ready(&mut self, cx: &mut Context<'_>) -> Poll<Result<(), Self::Error>> {
-        self.0.lock().unwrap().poll_ready(cx)
+    fn poll_ready(&mut self, _: &mut Context<'_>) -> Poll<Result<(), Self::Error>> {
+        Poll::Ready(Ok(()))
     }
 
     fn call(&mut self, request: R) -> Self::Future {
-        self.0.lock().unwrap().call(request)
+        let inner = self.0.lock().unwrap().clone();
+        Box::pin(inner.oneshot(request))
     }
 }
 

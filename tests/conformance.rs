@@ -263,7 +263,7 @@ mod broken {
             }
             Ok(ChargeOutcome {
                 admitted,
-                usage: self.usage(&request),
+                usage: self.usage(&request).into(),
             })
         }
     }
@@ -391,7 +391,7 @@ mod broken {
                     // instant, which records that instant as the first call.
                     let request = ChargeRequest {
                         now,
-                        lines: vec![tower_quota::store::ChargeLine {
+                        lines: smallvec::smallvec![tower_quota::store::ChargeLine {
                             key: debt.key,
                             limit: u64::MAX,
                             cost: debt.amount,

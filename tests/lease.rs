@@ -153,7 +153,7 @@ fn day() -> Lifetime {
 fn request(now: Timestamp, limit: u64) -> ChargeRequest {
     ChargeRequest {
         now,
-        lines: vec![ChargeLine {
+        lines: smallvec::smallvec![ChargeLine {
             key: day_key(),
             limit,
             cost: 1,
@@ -367,7 +367,7 @@ async fn holders<St: Store>(store: &St, now: Timestamp) -> u64 {
     };
     let request = ChargeRequest {
         now,
-        lines: vec![mark],
+        lines: smallvec::smallvec![mark],
     };
     store.peek(request).await.unwrap()[0].used
 }

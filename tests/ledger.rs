@@ -115,7 +115,7 @@ async fn the_policys_layers_further_in_owe_theirs_without_asking_the_store() {
     let line = search.line(policy.namespace(), &Subject::account("acme"), now, 1);
     let request = ChargeRequest {
         now,
-        lines: vec![line],
+        lines: smallvec::smallvec![line],
     };
     assert!(memory.charge(request).await.unwrap().admitted);
 

@@ -467,7 +467,7 @@ fn leases_are_counted() {
         let mut now: Timestamp = "2026-12-04T10:00:00Z".parse().unwrap();
         let request = |now: Timestamp| ChargeRequest {
             now,
-            lines: vec![ChargeLine {
+            lines: smallvec::smallvec![ChargeLine {
                 key: PeriodKey::from_string("quota:{account:x}:default:2026-12-04".into()),
                 limit: 1_000_000,
                 cost: 1,

@@ -50,7 +50,7 @@ fn first_use(
 ) -> ChargeRequest {
     ChargeRequest {
         now,
-        lines: vec![ChargeLine {
+        lines: smallvec::smallvec![ChargeLine {
             key: key.clone(),
             limit,
             cost,
@@ -70,7 +70,7 @@ fn calendar(
 ) -> ChargeRequest {
     ChargeRequest {
         now,
-        lines: vec![ChargeLine {
+        lines: smallvec::smallvec![ChargeLine {
             key: key.clone(),
             limit,
             cost,
@@ -571,7 +571,7 @@ async fn a_key_listed_twice_is_charged_twice_as_in_memory() {
     let now = Timestamp::now();
     let request = |cost| ChargeRequest {
         now,
-        lines: vec![
+        lines: smallvec::smallvec![
             first_use(&key, 3, cost, now, hour()).lines.remove(0),
             first_use(&key, 3, cost, now, hour()).lines.remove(0),
         ],

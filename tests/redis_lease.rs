@@ -38,7 +38,7 @@ fn request(subject: &str, limit: u64) -> ChargeRequest {
     let now = Timestamp::now();
     ChargeRequest {
         now,
-        lines: vec![ChargeLine {
+        lines: smallvec::smallvec![ChargeLine {
             key: key(subject),
             limit,
             cost: 1,

@@ -29,7 +29,7 @@ fn charge(key: &PeriodKey, limit: u64) -> ChargeRequest {
     let now = Timestamp::now();
     ChargeRequest {
         now,
-        lines: vec![ChargeLine {
+        lines: smallvec::smallvec![ChargeLine {
             key: key.clone(),
             limit,
             cost: 1,
@@ -432,7 +432,7 @@ async fn batched_charges_on_existing_counters_are_told_what_a_lone_charge_is() {
     let end = t0 + SignedDuration::from_hours(1);
     let calendar = |key: &PeriodKey, limit: u64, now: Timestamp| ChargeRequest {
         now,
-        lines: vec![ChargeLine {
+        lines: smallvec::smallvec![ChargeLine {
             key: key.clone(),
             limit,
             cost: 1,

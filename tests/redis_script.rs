@@ -156,7 +156,10 @@ fn calendar(
 
 async fn charge(store: &RedisStore, now: Timestamp, lines: Vec<ChargeLine>) -> bool {
     store
-        .charge(ChargeRequest { now, lines })
+        .charge(ChargeRequest {
+            now,
+            lines: lines.into(),
+        })
         .await
         .expect("the charge is answered")
         .admitted
@@ -294,7 +297,7 @@ async fn a_peek_a_refused_charge_and_a_failed_one_write_nothing() {
         let peeked = store
             .peek(ChargeRequest {
                 now,
-                lines: lines(1),
+                lines: lines(1).into(),
             })
             .await
             .unwrap();
@@ -333,7 +336,7 @@ async fn a_peek_a_refused_charge_and_a_failed_one_write_nothing() {
         let failed = store
             .charge(ChargeRequest {
                 now,
-                lines: failing,
+                lines: failing.into(),
             })
             .await;
         assert!(failed.is_err(), "{failed:?}");

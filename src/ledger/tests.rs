@@ -304,7 +304,7 @@ impl Store for Away {
 async fn used(store: &MemoryStore, key: &PeriodKey, now: Timestamp) -> u64 {
     let request = ChargeRequest {
         now,
-        lines: vec![crate::store::ChargeLine {
+        lines: smallvec::smallvec![crate::store::ChargeLine {
             key: key.clone(),
             limit: 10,
             cost: 0,

@@ -256,7 +256,7 @@ fn lines(
         .as_ref()
         .expect("a charged ticket has a caller");
     let all = scope.quotas_in(caller.zone.as_ref());
-    let mut lines = Vec::with_capacity(all.len());
+    let mut lines = SmallVec::<[_; 2]>::with_capacity(all.len());
     // Quotas a layer further out charged already (the same quota in two
     // layers, or a sub-request): rare, so no allocation until one is met.
     let mut counted = Vec::new();
@@ -382,7 +382,7 @@ pub(crate) enum Decision {
     /// Every quota had room and was charged: the lines charged.
     Admit(Arc<[Line]>),
     /// Some quota had no room; nothing was charged. Where each line stands.
-    Refuse(Vec<Usage>),
+    Refuse(SmallVec<[Usage; 2]>),
     /// The store failed and the policy lets the request through: it owes
     /// its charge to the policy's ledger (uncounted, without one).
     PassUncounted,
@@ -413,9 +413,9 @@ pub(crate) fn decide(
                 .quotas
                 .iter()
                 .zip(&charge.keys)
-                .zip(outcome.usage)
+                .zip(outcome.usage.iter())
                 .map(|((quota, key), usage)| {
-                    Line::new(quota.clone(), key.clone(), charge.cost, usage)
+                    Line::new(quota.clone(), key.clone(), charge.cost, *usage)
                 })
                 .collect();
             Decision::Admit(lines)

@@ -42,13 +42,11 @@ pin_project! {
         S: Service<Request<ReqBody>>,
         St: Store,
     {
-        // Waiting for the store's answer. The charge is sent when the future
-        // is first polled (`start` holds it until then), so a response
-        // future dropped before it ran spends nothing.
+        // Waiting for the store's answer: the charge was sent when the
+        // layer made it (see `QuotaService::call`), and was not answered at
+        // once.
         Charging {
-            start: Option<crate::store::ChargeRequest>,
-            #[pin]
-            charge: Option<St::ChargeFuture>,
+            charge: St::ChargeFuture,
             // Armed only for a store that does not answer at once.
             timeout: Option<Pin<Box<Sleep>>>,
             pending: Option<Pending<S, E, St, ReqBody>>,
@@ -106,19 +104,21 @@ where
     S: Service<Request<ReqBody>>,
     St: Store,
 {
-    /// Charges `charge` once first polled, then calls `inner`.
+    /// Waits for `answer`, the store's future for `charge`, then calls
+    /// `inner`.
     pub(crate) fn charging(
-        mut charge: Charge,
+        answer: St::ChargeFuture,
+        timer: crate::metrics::ChargeTimer,
+        charge: Charge,
         bound: Arc<Bound<E, St>>,
         inner: S,
         request: Request<ReqBody>,
     ) -> Self {
         Self {
             state: State::Charging {
-                start: charge.request.take(),
-                charge: None,
+                charge: answer,
                 timeout: None,
-                timer: crate::metrics::ChargeTimer::start(),
+                timer,
                 pending: Some(Pending {
                     inner,
                     request,
@@ -126,6 +126,20 @@ where
                     bound,
                 }),
             },
+        }
+    }
+
+    /// What follows the store's `answer` to `charge`, at once: `inner`
+    /// called with `request`, or the refusal.
+    pub(crate) fn decided(
+        inner: &mut S,
+        request: Request<ReqBody>,
+        charge: Charge,
+        bound: &Arc<Bound<E, St>>,
+        answer: Result<crate::store::ChargeOutcome, StoreError>,
+    ) -> Self {
+        Self {
+            state: decided(inner, request, charge, bound, answer),
         }
     }
 
@@ -155,21 +169,18 @@ where
     }
 }
 
-/// The state that follows the store's answer to a pending charge.
+/// The state that follows the store's `answer` to `charge`.
 fn decided<S, E, St, ReqBody>(
-    pending: Pending<S, E, St, ReqBody>,
+    inner: &mut S,
+    mut request: Request<ReqBody>,
+    mut charge: Charge,
+    bound: &Arc<Bound<E, St>>,
     answer: Result<crate::store::ChargeOutcome, StoreError>,
 ) -> State<S, E, St, ReqBody>
 where
     S: Service<Request<ReqBody>>,
     St: Store,
 {
-    let Pending {
-        mut inner,
-        mut request,
-        mut charge,
-        bound,
-    } = pending;
     let settings = &bound.policy.settings;
     match charge::decide(&charge, settings, answer) {
         Decision::Admit(lines) => {
@@ -181,7 +192,7 @@ where
             State::Calling {
                 future: inner.call(request),
                 charged: Unanswered(Some(Charged {
-                    bound,
+                    bound: Arc::clone(bound),
                     lines,
                     own_quotas,
                     now,
@@ -193,7 +204,7 @@ where
         Decision::PassUncounted => {
             // The store is failing: the request owes its charge, and the
             // policy's inner layers owe theirs without asking the store.
-            let owing = super::owing::owe(&bound, charge, request.extensions_mut());
+            let owing = super::owing::owe(bound, charge, request.extensions_mut());
             State::Calling {
                 future: inner.call(request),
                 charged: Unanswered(None),
@@ -222,9 +233,9 @@ where
 /// Refunds and adds that failed, logged a few times per second at most.
 static ADJUST_ERRORS: Throttle = Throttle::new(5);
 
-/// Applies `ops` in the store. Runs as a task of its own when a tokio
-/// runtime is at hand, so a response future dropped meanwhile does not cut
-/// a refund short.
+/// Applies `ops` in the store: at once when the store answers at once,
+/// otherwise in a task of its own when a tokio runtime is at hand, so a
+/// response future dropped meanwhile does not cut a refund short.
 fn apply<St: Store>(
     store: St,
     now: Timestamp,
@@ -254,12 +265,20 @@ fn apply<St: Store>(
         }
         results
     };
+    // A store that answers at once (the memory store) is done here.
+    let mut work = Box::pin(work);
+    if let Poll::Ready(results) = work
+        .as_mut()
+        .poll(&mut Context::from_waker(std::task::Waker::noop()))
+    {
+        return Box::pin(std::future::ready(results));
+    }
     match tokio::runtime::Handle::try_current() {
         Ok(runtime) => {
             let task = runtime.spawn(work);
             Box::pin(async move { task.await.unwrap_or_default() })
         }
-        Err(_) => Box::pin(work),
+        Err(_) => work,
     }
 }
 
@@ -330,24 +349,21 @@ where
         loop {
             match this.state.as_mut().project() {
                 StateProj::Charging {
-                    start,
-                    mut charge,
+                    charge,
                     timeout,
                     pending,
                     timer,
                 } => {
-                    let store_timeout = {
-                        let pending = pending.as_ref().expect("polled after completion");
-                        if let Some(request) = start.take() {
-                            charge.set(Some(pending.bound.policy.store.charge(request)));
-                        }
-                        pending.bound.policy.settings.store_timeout
-                    };
-                    let future = charge.as_pin_mut().expect("the charge is on its way");
-                    let answer = match future.poll(cx) {
+                    let answer = match Pin::new(charge).poll(cx) {
                         Poll::Ready(answer) => answer,
                         Poll::Pending => {
-                            // Stores that answer at once never arm a timer.
+                            let store_timeout = pending
+                                .as_ref()
+                                .expect("polled after completion")
+                                .bound
+                                .policy
+                                .settings
+                                .store_timeout;
                             if let (None, Some(limit)) = (timeout.as_ref(), store_timeout) {
                                 if tokio::runtime::Handle::try_current().is_ok() {
                                     *timeout = Some(Box::pin(tokio::time::sleep(limit)));
@@ -364,8 +380,14 @@ where
                         }
                     };
                     timer.stop(crate::store::metrics_label::<St>());
-                    let pending = pending.take().expect("polled after completion");
-                    this.state.set(decided(pending, answer));
+                    let Pending {
+                        mut inner,
+                        request,
+                        charge,
+                        bound,
+                    } = pending.take().expect("polled after completion");
+                    this.state
+                        .set(decided(&mut inner, request, charge, &bound, answer));
                 }
                 StateProj::Calling {
                     future,

@@ -1,7 +1,9 @@
 use std::fmt;
+use std::future::Future;
 use std::mem;
+use std::pin::Pin;
 use std::sync::Arc;
-use std::task::{Context, Poll};
+use std::task::{Context, Poll, Waker};
 
 use http::{Request, Response};
 use tower_service::Service;
@@ -93,14 +95,34 @@ where
                 ResponseFuture::owing(future, owing)
             }
             Step::Reject(response) => ResponseFuture::rejected(charge::marked(response)),
-            Step::Charge(charge) => {
+            Step::Charge(mut charge) => {
                 let request = Request::from_parts(parts, body);
-                ResponseFuture::charging(
-                    charge,
-                    Arc::clone(&self.bound),
-                    self.take_ready(),
-                    request,
-                )
+                let sent = charge.request.take().expect("a charge not sent yet");
+                let timer = crate::metrics::ChargeTimer::start();
+                let mut answer = self.bound.policy.store.charge(sent);
+                // A store that answers at once is answered here, and the
+                // inner service called now; any other, in the future.
+                let mut cx = Context::from_waker(Waker::noop());
+                match Pin::new(&mut answer).poll(&mut cx) {
+                    Poll::Ready(answer) => {
+                        timer.stop(crate::store::metrics_label::<St>());
+                        ResponseFuture::decided(
+                            &mut self.inner,
+                            request,
+                            charge,
+                            &self.bound,
+                            answer,
+                        )
+                    }
+                    Poll::Pending => ResponseFuture::charging(
+                        answer,
+                        timer,
+                        charge,
+                        Arc::clone(&self.bound),
+                        self.take_ready(),
+                        request,
+                    ),
+                }
             }
         }
     }

@@ -1182,7 +1182,7 @@ async fn unmark<St: Store>(inner: &St, now: Timestamp, key: &PeriodKey) -> bool 
 /// off the end of `outcome` (`None`: no mark).
 fn split_marks(marks: &[Option<PeriodKey>], outcome: &mut ChargeOutcome) -> Vec<Option<Usage>> {
     let lines = marks.len().min(outcome.usage.len());
-    let mut read = outcome.usage.split_off(lines).into_iter();
+    let mut read = outcome.usage.drain(lines..);
     marks
         .iter()
         .map(|mark| mark.as_ref().and_then(|_| read.next()))
@@ -1219,7 +1219,7 @@ async fn join<St: Store>(
     let deadline = now.saturating_add(lease).unwrap_or(now);
     let request = ChargeRequest {
         now,
-        lines: vec![mark_line(mark, 1, deadline, max)],
+        lines: smallvec::smallvec![mark_line(mark, 1, deadline, max)],
     };
     let result = match inner.charge(request).await {
         Ok(outcome) if outcome.admitted => Ok(outcome.usage.first().map(|u| u.resets_at)),

@@ -489,7 +489,7 @@ impl MemoryStore {
         let (admitted, counter) = outcome?;
         Ok(ChargeOutcome {
             admitted,
-            usage: vec![usage_of(line, counter)],
+            usage: smallvec::smallvec![usage_of(line, counter)],
         })
     }
 

@@ -136,6 +136,7 @@ use std::fmt;
 use std::future::Future;
 
 use jiff::Timestamp;
+use smallvec::SmallVec;
 
 use crate::key::PeriodKey;
 
@@ -212,8 +213,10 @@ pub struct ChargeLine {
 pub struct ChargeRequest {
     /// The instant of the request, from the layer's clock.
     pub now: Timestamp,
-    /// The counters, one per quota, in the layer's order.
-    pub lines: Vec<ChargeLine>,
+    /// The counters, one per quota, in the layer's order (inline up to two:
+    /// a request's charge allocates no list; build one with `.into()` from a
+    /// `Vec`, or `smallvec::smallvec![...]`).
+    pub lines: SmallVec<[ChargeLine; 2]>,
 }
 
 /// What requests admitted while the store could not count them owe one
@@ -269,8 +272,8 @@ pub struct ChargeOutcome {
     /// Whether every line had room and was charged. When `false`, nothing was
     /// charged.
     pub admitted: bool,
-    /// One entry per line, in the request's order.
-    pub usage: Vec<Usage>,
+    /// One entry per line, in the request's order (inline up to two).
+    pub usage: SmallVec<[Usage; 2]>,
 }
 
 /// What went wrong in a store.
@@ -367,8 +370,11 @@ impl StdError for StoreError {
 /// ```
 pub trait Store: Clone + Send + Sync + 'static {
     /// The future of [`Store::charge`]; named so the layer's response future
-    /// can hold it without boxing.
-    type ChargeFuture: Future<Output = Result<ChargeOutcome, StoreError>> + Send + 'static;
+    /// can hold it without boxing. `Unpin` (a boxed future is), so the layer
+    /// polls it once as soon as it makes it: a store that answers at once
+    /// (the memory store, a leased block) is answered before the inner
+    /// service is called, and the request needs no future of its own.
+    type ChargeFuture: Future<Output = Result<ChargeOutcome, StoreError>> + Send + Unpin + 'static;
 
     /// Charges every line of `request`, or none of them.
     fn charge(&self, request: ChargeRequest) -> Self::ChargeFuture;
@@ -476,7 +482,7 @@ pub trait Store: Clone + Send + Sync + 'static {
             }
             let request = ChargeRequest {
                 now,
-                lines: vec![ChargeLine {
+                lines: smallvec::smallvec![ChargeLine {
                     key: debt.key,
                     limit: store.max_count(),
                     cost: debt.amount,

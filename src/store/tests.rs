@@ -45,7 +45,11 @@ fn calendar(key: PeriodKey, limit: u64, cost: u64, start: &str, end: &str) -> Ch
 }
 
 fn charge(store: &MemoryStore, now: Timestamp, lines: Vec<ChargeLine>) -> ChargeOutcome {
-    now_of(store.charge(ChargeRequest { now, lines })).unwrap()
+    now_of(store.charge(ChargeRequest {
+        now,
+        lines: lines.into(),
+    }))
+    .unwrap()
 }
 
 #[test]
@@ -106,7 +110,7 @@ fn refunds_never_create_or_resurrect_and_keep_the_deadline() {
     );
     let usage = now_of(store.peek(ChargeRequest {
         now: t0,
-        lines: vec![first_use(k.clone(), 5, 0, at("2026-12-09T00:00:00Z"))],
+        lines: smallvec::smallvec![first_use(k.clone(), 5, 0, at("2026-12-09T00:00:00Z"))],
     }))
     .unwrap();
     assert_eq!(usage[0].resets_at, end);
@@ -144,7 +148,7 @@ fn adds_never_create_or_resurrect_and_keep_the_deadline() {
     let later = at("2026-12-02T11:30:00Z");
     let usage = now_of(store.peek(ChargeRequest {
         now: t1,
-        lines: vec![first_use(k.clone(), 5, 0, later)],
+        lines: smallvec::smallvec![first_use(k.clone(), 5, 0, later)],
     }))
     .unwrap();
     assert_eq!(usage[0].used, 7);
@@ -471,7 +475,7 @@ fn exact_under_threads_with_two_quotas() {
     assert_eq!(admitted.into_inner(), 500);
     let usage = now_of(store.peek(ChargeRequest {
         now: t0,
-        lines: vec![minute(), day()],
+        lines: smallvec::smallvec![minute(), day()],
     }))
     .unwrap();
     assert_eq!(
@@ -645,7 +649,10 @@ fn try_charge(
     now: Timestamp,
     lines: Vec<ChargeLine>,
 ) -> Result<ChargeOutcome, StoreError> {
-    now_of(store.charge(ChargeRequest { now, lines }))
+    now_of(store.charge(ChargeRequest {
+        now,
+        lines: lines.into(),
+    }))
 }
 
 fn minute(id: &str) -> ChargeLine {

@@ -31,12 +31,13 @@ use super::SubjectError;
 /// Implement it for an id type of your own:
 ///
 /// ```
+/// use bytes::Bytes;
 /// use tower_quota::{subject::IntoSubjectId, Subject};
 ///
 /// struct AccountId(u32);
 ///
 /// impl IntoSubjectId for AccountId {
-///     fn into_subject_id(self) -> Vec<u8> {
+///     fn into_subject_id(self) -> Bytes {
 ///         self.0.into_subject_id()
 ///     }
 /// }
@@ -44,61 +45,61 @@ use super::SubjectError;
 /// assert_eq!(Subject::account(AccountId(7)).id(), b"7");
 /// ```
 pub trait IntoSubjectId {
-    /// The id's bytes.
-    fn into_subject_id(self) -> Vec<u8>;
+    /// The id's bytes. A [`Bytes`] is kept as it is, without a copy.
+    fn into_subject_id(self) -> Bytes;
 }
 
 impl IntoSubjectId for Vec<u8> {
-    fn into_subject_id(self) -> Vec<u8> {
-        self
-    }
-}
-
-impl IntoSubjectId for String {
-    fn into_subject_id(self) -> Vec<u8> {
-        self.into_bytes()
-    }
-}
-
-impl IntoSubjectId for Box<str> {
-    fn into_subject_id(self) -> Vec<u8> {
-        self.into_string().into_bytes()
-    }
-}
-
-impl IntoSubjectId for Box<[u8]> {
-    fn into_subject_id(self) -> Vec<u8> {
-        self.into_vec()
-    }
-}
-
-impl IntoSubjectId for Cow<'_, str> {
-    fn into_subject_id(self) -> Vec<u8> {
-        self.into_owned().into_bytes()
-    }
-}
-
-impl IntoSubjectId for Cow<'_, [u8]> {
-    fn into_subject_id(self) -> Vec<u8> {
-        self.into_owned()
-    }
-}
-
-impl<const N: usize> IntoSubjectId for [u8; N] {
-    fn into_subject_id(self) -> Vec<u8> {
-        self.to_vec()
-    }
-}
-
-impl IntoSubjectId for Bytes {
-    fn into_subject_id(self) -> Vec<u8> {
+    fn into_subject_id(self) -> Bytes {
         self.into()
     }
 }
 
+impl IntoSubjectId for String {
+    fn into_subject_id(self) -> Bytes {
+        self.into()
+    }
+}
+
+impl IntoSubjectId for Box<str> {
+    fn into_subject_id(self) -> Bytes {
+        self.into_string().into()
+    }
+}
+
+impl IntoSubjectId for Box<[u8]> {
+    fn into_subject_id(self) -> Bytes {
+        self.into()
+    }
+}
+
+impl IntoSubjectId for Cow<'_, str> {
+    fn into_subject_id(self) -> Bytes {
+        self.into_owned().into()
+    }
+}
+
+impl IntoSubjectId for Cow<'_, [u8]> {
+    fn into_subject_id(self) -> Bytes {
+        self.into_owned().into()
+    }
+}
+
+impl<const N: usize> IntoSubjectId for [u8; N] {
+    fn into_subject_id(self) -> Bytes {
+        Bytes::copy_from_slice(&self)
+    }
+}
+
+impl IntoSubjectId for Bytes {
+    fn into_subject_id(self) -> Bytes {
+        self
+    }
+}
+
 impl IntoSubjectId for HeaderValue {
-    fn into_subject_id(self) -> Vec<u8> {
-        self.as_bytes().to_vec()
+    fn into_subject_id(self) -> Bytes {
+        Bytes::copy_from_slice(self.as_bytes())
     }
 }
 
@@ -106,9 +107,9 @@ impl IntoSubjectId for HeaderValue {
 macro_rules! by_copy {
     ($([$($param:tt)*] $ty:ty => |$id:ident| $bytes:expr;)*) => {$(
         impl<$($param)*> IntoSubjectId for $ty {
-            fn into_subject_id(self) -> Vec<u8> {
+            fn into_subject_id(self) -> Bytes {
                 let $id = self;
-                $bytes.to_vec()
+                Bytes::copy_from_slice($bytes)
             }
         }
     )*};
@@ -128,8 +129,8 @@ by_copy! {
 macro_rules! decimal {
     ($($int:ty)*) => {$(
         impl IntoSubjectId for $int {
-            fn into_subject_id(self) -> Vec<u8> {
-                itoa::Buffer::new().format(self).as_bytes().to_vec()
+            fn into_subject_id(self) -> Bytes {
+                Bytes::copy_from_slice(itoa::Buffer::new().format(self).as_bytes())
             }
         }
     )*};
@@ -144,23 +145,23 @@ decimal!(u8 u16 u32 u64 u128 usize i8 i16 i32 i64 i128 isize);
 /// [`FromExtension::map`](super::FromExtension::map) takes such closures.
 pub trait MaybeSubjectId {
     /// The id's bytes, or why there is none.
-    fn try_into_subject_id(self) -> Result<Vec<u8>, SubjectError>;
+    fn try_into_subject_id(self) -> Result<Bytes, SubjectError>;
 }
 
 impl<I: IntoSubjectId> MaybeSubjectId for I {
-    fn try_into_subject_id(self) -> Result<Vec<u8>, SubjectError> {
+    fn try_into_subject_id(self) -> Result<Bytes, SubjectError> {
         Ok(self.into_subject_id())
     }
 }
 
 impl<I: IntoSubjectId> MaybeSubjectId for Option<I> {
-    fn try_into_subject_id(self) -> Result<Vec<u8>, SubjectError> {
+    fn try_into_subject_id(self) -> Result<Bytes, SubjectError> {
         self.map(I::into_subject_id).ok_or(SubjectError::Missing)
     }
 }
 
 impl<I: IntoSubjectId> MaybeSubjectId for Result<I, SubjectError> {
-    fn try_into_subject_id(self) -> Result<Vec<u8>, SubjectError> {
+    fn try_into_subject_id(self) -> Result<Bytes, SubjectError> {
         self.map(I::into_subject_id)
     }
 }
@@ -170,7 +171,7 @@ mod tests {
     use super::*;
 
     fn id(value: impl IntoSubjectId) -> Vec<u8> {
-        value.into_subject_id()
+        value.into_subject_id().to_vec()
     }
 
     #[test]
@@ -216,8 +217,11 @@ mod tests {
 
     #[test]
     fn maybe_ids() {
-        assert_eq!("a".try_into_subject_id(), Ok(b"a".to_vec()));
-        assert_eq!(Some(5_u32).try_into_subject_id(), Ok(b"5".to_vec()));
+        assert_eq!("a".try_into_subject_id(), Ok(Bytes::from_static(b"a")));
+        assert_eq!(
+            Some(5_u32).try_into_subject_id(),
+            Ok(Bytes::from_static(b"5"))
+        );
         assert_eq!(
             None::<String>.try_into_subject_id(),
             Err(SubjectError::Missing)
@@ -228,6 +232,6 @@ mod tests {
             Err(SubjectError::malformed("no"))
         );
         let good: Result<&str, SubjectError> = Ok("g");
-        assert_eq!(good.try_into_subject_id(), Ok(b"g".to_vec()));
+        assert_eq!(good.try_into_subject_id(), Ok(Bytes::from_static(b"g")));
     }
 }

@@ -54,6 +54,8 @@ mod id;
 mod ip;
 mod or;
 
+use bytes::Bytes;
+use http::HeaderValue;
 use std::borrow::Cow;
 use std::fmt;
 
@@ -132,7 +134,39 @@ impl fmt::Display for SubjectKind {
 #[derive(Clone, PartialEq, Eq, Hash)]
 pub struct Subject {
     kind: SubjectKind,
-    id: Box<[u8]>,
+    id: Id,
+}
+
+/// A subject's id: its own bytes, or those of the header it was read from,
+/// shared with the request (a header value's bytes are kept without a
+/// copy).
+#[derive(Clone)]
+enum Id {
+    Bytes(Bytes),
+    Header(HeaderValue),
+}
+
+impl Id {
+    fn as_bytes(&self) -> &[u8] {
+        match self {
+            Id::Bytes(bytes) => bytes,
+            Id::Header(value) => value.as_bytes(),
+        }
+    }
+}
+
+impl PartialEq for Id {
+    fn eq(&self, other: &Self) -> bool {
+        self.as_bytes() == other.as_bytes()
+    }
+}
+
+impl Eq for Id {}
+
+impl std::hash::Hash for Id {
+    fn hash<H: std::hash::Hasher>(&self, state: &mut H) {
+        self.as_bytes().hash(state);
+    }
 }
 
 impl Subject {
@@ -149,7 +183,15 @@ impl Subject {
     pub fn new(kind: SubjectKind, id: impl IntoSubjectId) -> Self {
         Self {
             kind,
-            id: id.into_subject_id().into_boxed_slice(),
+            id: Id::Bytes(id.into_subject_id()),
+        }
+    }
+
+    /// A subject of `kind` whose id is the bytes of `value`, shared with it.
+    pub(crate) fn from_header(kind: SubjectKind, value: &HeaderValue) -> Self {
+        Self {
+            kind,
+            id: Id::Header(value.clone()),
         }
     }
 
@@ -195,7 +237,7 @@ impl Subject {
 
     /// The id's bytes.
     pub fn id(&self) -> &[u8] {
-        &self.id
+        self.id.as_bytes()
     }
 
     /// What logs name the subject by, with its kind, in place of its id:
@@ -212,9 +254,10 @@ impl Subject {
     /// The subject, if a layer would charge it: an id that is not empty,
     /// not all ASCII whitespace, and at most `max_len` bytes.
     pub(crate) fn checked(self, max_len: usize) -> Result<Self, SubjectError> {
-        if self.id.is_empty() || self.id.iter().all(u8::is_ascii_whitespace) {
+        let id = self.id();
+        if id.is_empty() || id.iter().all(u8::is_ascii_whitespace) {
             Err(SubjectError::malformed("the subject id is empty"))
-        } else if self.id.len() > max_len {
+        } else if id.len() > max_len {
             Err(SubjectError::Malformed(
                 format!("the subject id is longer than {max_len} bytes").into(),
             ))

@@ -33,7 +33,7 @@ pub async fn exactly_the_limit_under_concurrency<S: ConformanceHooks>(store: &S)
             for _ in 0..EACH {
                 let request = ChargeRequest {
                     now: start,
-                    lines: vec![
+                    lines: smallvec::smallvec![
                         first_use(&key, LIMIT, 1, start + period),
                         calendar_line(&calendar, LIMIT * 2, 1, start, start + period),
                     ],
@@ -270,14 +270,14 @@ pub async fn an_abandoned_charge_spends_nothing<S: ConformanceHooks>(store: &S) 
     // Dropped before it was ever polled.
     drop(store.charge(ChargeRequest {
         now,
-        lines: vec![line()],
+        lines: smallvec::smallvec![line()],
     }));
     // Polled once, then dropped unless it answered at once.
     let mut pending = 0;
     for _ in 0..20 {
         let mut future = std::pin::pin!(store.charge(ChargeRequest {
             now,
-            lines: vec![line()],
+            lines: smallvec::smallvec![line()],
         }));
         match future
             .as_mut()

@@ -120,10 +120,13 @@ pub(super) async fn charge<S: Store>(
     lines: Vec<ChargeLine>,
 ) -> (bool, Vec<Usage>) {
     let outcome = store
-        .charge(ChargeRequest { now, lines })
+        .charge(ChargeRequest {
+            now,
+            lines: lines.into(),
+        })
         .await
         .unwrap_or_else(|e| panic!("the store failed to charge: {e}"));
-    (outcome.admitted, outcome.usage)
+    (outcome.admitted, outcome.usage.into_vec())
 }
 
 pub(super) async fn peek<S: Store>(
@@ -132,7 +135,10 @@ pub(super) async fn peek<S: Store>(
     lines: Vec<ChargeLine>,
 ) -> Vec<Usage> {
     store
-        .peek(ChargeRequest { now, lines })
+        .peek(ChargeRequest {
+            now,
+            lines: lines.into(),
+        })
         .await
         .unwrap_or_else(|e| panic!("the store failed to peek: {e}"))
 }

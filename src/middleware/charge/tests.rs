@@ -81,7 +81,7 @@ fn quotas_the_ticket_counts_already_pass() {
         &layer.bound.policy.settings,
         Ok(ChargeOutcome {
             admitted: true,
-            usage: vec![usage(100, 1, "2026-12-03T00:00:00Z")],
+            usage: smallvec::smallvec![usage(100, 1, "2026-12-03T00:00:00Z")],
         }),
     ) else {
         panic!("admitted");
@@ -187,10 +187,10 @@ fn a_refusal_names_the_quota_without_room_and_waits_for_its_reset() {
         &layer.bound.policy.settings,
         Ok(ChargeOutcome {
             admitted: false,
-            usage: usage.clone(),
+            usage: usage.clone().into(),
         }),
     );
-    assert!(matches!(&decision, Decision::Refuse(u) if *u == usage));
+    assert!(matches!(&decision, Decision::Refuse(u) if u[..] == usage[..]));
     let refusal = refusal(&charge, &usage, false);
     let response = refused(&layer.bound.policy.settings, &refusal, &charge, &usage);
     assert_eq!(response.status(), StatusCode::TOO_MANY_REQUESTS);
@@ -246,7 +246,7 @@ fn a_shadow_quota_is_charged_without_a_limit_and_reports_its_own() {
         &layer.bound.policy.settings,
         Ok(ChargeOutcome {
             admitted: true,
-            usage: vec![usage(u64::MAX, 5, "2026-12-03T00:00:00Z")],
+            usage: smallvec::smallvec![usage(u64::MAX, 5, "2026-12-03T00:00:00Z")],
         }),
     ) else {
         panic!("a shadow quota never refuses");
@@ -259,7 +259,7 @@ fn admitted(layer: &QuotaLayer<FromHeader>, used: u64) -> Arc<[Line]> {
     let charge = charge_of(layer, &head(ACME));
     let answer = Ok(ChargeOutcome {
         admitted: true,
-        usage: vec![usage(10, used, "2026-12-03T00:00:00Z")],
+        usage: smallvec::smallvec![usage(10, used, "2026-12-03T00:00:00Z")],
     });
     match decide(&charge, &layer.bound.policy.settings, answer) {
         Decision::Admit(lines) => lines,

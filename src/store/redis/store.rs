@@ -11,6 +11,7 @@ use deadpool::managed::Timeouts;
 use deadpool_redis::redis::{self, RedisError, Script};
 use deadpool_redis::Pool;
 use jiff::Timestamp;
+use smallvec::SmallVec;
 use tokio::sync::{OwnedSemaphorePermit, Semaphore};
 
 use super::batch::{Batches, LineArgs, Lines, Pending};
@@ -625,7 +626,7 @@ impl RedisStore {
         if request.lines.is_empty() {
             return Ok(ChargeOutcome {
                 admitted: true,
-                usage: Vec::new(),
+                usage: SmallVec::new(),
             });
         }
         let now = request.now;
@@ -789,7 +790,12 @@ impl Store for RedisStore {
         request: ChargeRequest,
     ) -> impl Future<Output = Result<Vec<Usage>, StoreError>> + Send {
         let store = self.clone();
-        async move { store.lines("p", request).await.map(|outcome| outcome.usage) }
+        async move {
+            store
+                .lines("p", request)
+                .await
+                .map(|outcome| outcome.usage.into_vec())
+        }
     }
 
     fn refund(
