@@ -8,6 +8,7 @@
 #
 #   scripts/http-bench.sh                       # 5 rounds of 10 s each
 #   BENCH_ROUNDS=3 BENCH_SECONDS=5 scripts/http-bench.sh
+#   BENCH_WARMUP=2 scripts/http-bench.sh        # unmeasured seconds before each run (2)
 #   BENCH_CONNECTIONS=64 BENCH_SUBJECTS=10000 BENCH_THREADS=2 scripts/http-bench.sh
 #   BENCH_STORES=off,memory scripts/http-bench.sh   # some of the servers only
 #   BENCH_STORES=off,redis,floor scripts/http-bench.sh
@@ -47,6 +48,7 @@ cd "$(dirname "$0")/.."
 
 rounds=${BENCH_ROUNDS:-5}
 seconds=${BENCH_SECONDS:-10}
+warmup=${BENCH_WARMUP:-2}
 connections=${BENCH_CONNECTIONS:-64}
 subjects=${BENCH_SUBJECTS:-10000}
 threads=${BENCH_THREADS:-2}
@@ -145,6 +147,14 @@ for round in $(seq "$rounds"); do
     declare -A rate=()
     for name in "${order[@]}"; do
         spid=${server_pids[$name]}
+        # Unmeasured: the same load for a moment first, so that every
+        # server starts its round as under steady load, not as after the
+        # pause while the others were measured (a leased server's blocks
+        # went back meanwhile, and the rates it sizes them by were lost).
+        if ((warmup > 0)); then
+            wrk -t"$threads" -c"$connections" -d"${warmup}s" -s "$work/subjects.lua" \
+                "http://127.0.0.1:${ports[$name]}/read" >/dev/null
+        fi
         server0=$(ticks "$spid")
         uses_redis "$name" && redis0=$(ticks "$redis_pid") && commands0=$(redis_commands "$name")
         children_cpu >"$work/cpu"

@@ -13,7 +13,10 @@ use jiff::{SignedDuration, Timestamp};
 use smallvec::SmallVec;
 use tokio::time::Instant;
 
-use super::{ChargeLine, ChargeOutcome, ChargeRequest, Debt, Lifetime, Store, StoreError, Usage};
+use super::{
+    ChargeLine, ChargeOutcome, ChargeRequest, Debt, Lifetime, Store, StoreError, StoreErrorKind,
+    Usage,
+};
 use crate::key::PeriodKey;
 use crate::throttle::Throttle;
 
@@ -35,7 +38,9 @@ static GIVE_BACK_ERRORS: Throttle = Throttle::new(5);
 /// # What a block is
 ///
 /// - **Its size follows the subject's rate on this instance**: about what
-///   the subject spends here in a lease time, growing at most
+///   the subject spends here in four fifths of a lease time (so that a
+///   steady subject spends it before the lease time ends, and its next
+///   block comes with the charge that finds it spent), growing at most
 ///   fourfold from one block to the next (the first at most 8 units). A
 ///   subject that calls once in a while takes no block at all: each of its
 ///   requests is one charge, as without leases, and so is the first
@@ -79,10 +84,12 @@ static GIVE_BACK_ERRORS: Throttle = Throttle::new(5);
 ///   was left.
 /// - The usage a leased charge reports counts this instance's unused units
 ///   as not spent (they are not, yet), and other instances' as spent.
-/// - Store calls beyond the charges: a give-back per block, and for the
-///   lease marks one call when an instance becomes a holder of a counter
-///   and one when it stops. Each charge sent to the store reads the marks
-///   of its counters (one more line per counter, in the same call).
+/// - Store calls beyond the charges: a give-back per block that was not
+///   spent, and for the lease marks one call when an instance stops
+///   holding units of a counter before its mark ends. Each charge sent to
+///   the store reads the marks of its counters (one more line per counter,
+///   in the same call), and a charge that takes a block joins its mark in
+///   that same line.
 ///
 /// # Lease marks
 ///
@@ -90,13 +97,16 @@ static GIVE_BACK_ERRORS: Throttle = Throttle::new(5);
 /// many instances hold a block of it. It is a counter of its own (the
 /// counter's key with `%held` after the allowance, in the same hash tag),
 /// living one lease time from when it was made, so the mark of an instance
-/// that died ends on its own. An instance joins it (one more) after the
-/// charge that makes it a holder, and leaves it (a guarded refund) when it
-/// holds nothing any more: its block went back, was dropped, or was spent
-/// and no new one came. Both are calls of their own, in tasks of their
-/// own, never waited for by a request: a mark never changes whether a
-/// request is admitted, nor how long its answer takes. (A mark is a
-/// counter, though: on a memory store with a bound it takes room as one.)
+/// that died ends on its own. An instance joins it (one more) with the
+/// charge that makes it a holder: the mark's line in that charge costs one
+/// instead of nothing, and never refuses, so it is counted exactly when the
+/// block is taken. It leaves it (a guarded refund) when it holds nothing
+/// any more: its block went back, was dropped, or was spent and no new one
+/// came; that is a call of its own, in a task of its own, never waited for
+/// by a request. A mark never changes whether a request is admitted.
+/// (A mark is a counter, though: on a memory store with a bound it takes
+/// room as one; a charge that finds no room for it is sent again without
+/// joining.)
 /// Every charge sent to the store reads the marks of its counters, in the
 /// same call, with lines that cost nothing (they never make a counter nor
 /// refuse): when other instances are marked on a counter that refused, the
@@ -554,12 +564,15 @@ impl<St: Store> LeasedStore<St> {
         if counter.taking || counter.ended(now) || counter.gap >= settings.idle {
             return 0;
         }
-        // The rate since the last charge sent, over a lease: the block
-        // lasts until it is given back anyway.
+        // The rate since the last charge sent, over four fifths of a lease
+        // time: a steady subject spends its block before the lease time
+        // ends, and takes the next one with the charge that finds it spent
+        // (one store call), instead of giving back what is left at the end
+        // of the lease and taking a new block (two).
         let elapsed = at
             .saturating_duration_since(counter.charged_at)
             .as_secs_f64();
-        let horizon = settings.lease_time.as_secs_f64();
+        let horizon = settings.lease_time.as_secs_f64() * 0.8;
         let rate = if elapsed > 0.0 {
             (counter.hits as f64 * horizon / elapsed).ceil() as u64
         } else {
@@ -608,6 +621,7 @@ impl<St: Store> LeasedStore<St> {
         let mut taken: SmallVec<[u64; 2]> = SmallVec::with_capacity(request.lines.len());
         let mut stale = Vec::new();
         let mut unmarked = Vec::new();
+        let mut alone = None;
         for line in &request.lines {
             let Some(counter) = counters.get_mut(&line.key) else {
                 taken.push(0);
@@ -657,6 +671,22 @@ impl<St: Store> LeasedStore<St> {
             };
             counter.units -= units;
             taken.push(units);
+            // A request of one line, paid from the block, is answered
+            // without looking its counter up again.
+            if request.lines.len() == 1 && units == line.cost && counter.units > 0 {
+                alone = Some(Usage {
+                    held_elsewhere_until: None,
+                    limit: line.limit,
+                    ..counter.usage()
+                });
+            }
+        }
+        if let Some(usage) = alone.filter(|_| stale.is_empty() && unmarked.is_empty()) {
+            crate::metrics::lease_local();
+            return Ok(ChargeOutcome {
+                admitted: true,
+                usage: smallvec::smallvec![usage],
+            });
         }
         let local = !request.lines.is_empty()
             && stale.is_empty()
@@ -693,6 +723,7 @@ impl<St: Store> LeasedStore<St> {
         let mut reserved = Vec::new();
         let mut blocks = Vec::with_capacity(request.lines.len());
         let mut known = Vec::with_capacity(request.lines.len());
+        let mut joins = SmallVec::with_capacity(request.lines.len());
         for (line, &units) in request.lines.iter().zip(&taken) {
             let block = if units < line.cost {
                 self.block_for(&mut counters, line, request.now, at, runtime)
@@ -700,7 +731,15 @@ impl<St: Store> LeasedStore<St> {
                 0
             };
             blocks.push(block);
-            let counter = counters.get_mut(&line.key);
+            let mut counter = counters.get_mut(&line.key);
+            // A charge that takes a block joins the counter's lease mark in
+            // the same call, unless the mark counts this instance already.
+            let join = block > 0
+                && line.key.lease_mark().is_some()
+                && counter
+                    .as_mut()
+                    .is_some_and(|counter| counter.mark.join(request.now));
+            joins.push(join);
             known.push(counter.as_ref().map(|c| Known {
                 generation: c.generation,
                 in_mark: c.mark.may_count(request.now),
@@ -715,6 +754,7 @@ impl<St: Store> LeasedStore<St> {
         // Boxed: the store is asked next, and the plan waits for it.
         Err(Box::new(Plan {
             blocks,
+            joins,
             known,
             taken,
             stale,
@@ -731,12 +771,30 @@ impl<St: Store> LeasedStore<St> {
     fn send(&self, mut request: ChargeRequest, plan: Plan, at: Instant) -> RemoteCharge {
         let Plan {
             blocks,
+            joins,
             known,
             taken,
             stale,
             unmarked,
             mut reserved,
         } = plan;
+        let joining = Joining {
+            shared: Arc::clone(&self.shared),
+            lines: request
+                .lines
+                .iter()
+                .zip(&joins)
+                .zip(&known)
+                .filter(|((_, join), _)| **join)
+                .filter_map(|((line, _), known)| {
+                    Some((line.key.clone(), known.as_ref()?.generation))
+                })
+                .collect(),
+            unsure: request
+                .now
+                .saturating_add(self.shared.settings.lease())
+                .unwrap_or(request.now),
+        };
         let taking = Taking {
             shared: Arc::clone(&self.shared),
             keys: request
@@ -768,7 +826,24 @@ impl<St: Store> LeasedStore<St> {
                     line.cost = line.cost.saturating_add(*block);
                 }
             }
-            let mut outcome = store.inner.charge(store.reading(&marks, &request)).await?;
+            let tried = joins.clone();
+            let mut joins = joins;
+            let mut outcome = match store
+                .inner
+                .charge(store.reading(&marks, &joins, &request))
+                .await
+            {
+                // No room for a new mark (a memory store at its bound): the
+                // charge again, without joining.
+                Err(error) if error.kind() == StoreErrorKind::Full && joins.contains(&true) => {
+                    joins.iter_mut().for_each(|j| *j = false);
+                    store
+                        .inner
+                        .charge(store.reading(&marks, &joins, &request))
+                        .await?
+                }
+                answer => answer?,
+            };
             let mut blocks = blocks;
             if leasing && !outcome.admitted {
                 // The blocks did not fit (other instances spent meanwhile):
@@ -777,35 +852,58 @@ impl<St: Store> LeasedStore<St> {
                     line.cost = *cost;
                 }
                 blocks.iter_mut().for_each(|b| *b = 0);
-                outcome = store.inner.charge(store.reading(&marks, &request)).await?;
+                joins.iter_mut().for_each(|j| *j = false);
+                outcome = store
+                    .inner
+                    .charge(store.reading(&marks, &joins, &request))
+                    .await?;
             }
             let marks = split_marks(&marks, &mut outcome);
             drop(taking);
+            // Per line that tried to join: the end of the mark it joined,
+            // if the joining went with the charge (`None`: it did not).
+            let joined: SmallVec<[Option<Option<Timestamp>>; 2]> = tried
+                .iter()
+                .zip(&joins)
+                .zip(&marks)
+                .map(|((&tried, &join), mark)| {
+                    tried.then(|| {
+                        let until = mark.as_ref().map(|mark| mark.resets_at);
+                        until.filter(|_| join && outcome.admitted)
+                    })
+                })
+                .collect();
+            joining.landed();
             if outcome.admitted {
                 reserved.spent = true;
             }
             // Restored before the usage is read, if the store refused.
             drop(reserved);
-            Ok(store.learn(&request, &blocks, &known, &marks, outcome, at))
+            Ok(store.learn(&request, &blocks, &joined, &known, &marks, outcome, at))
         })
     }
 
     /// `request` as sent to the store: its lines, then the lease `marks`
     /// of their counters, read with lines that cost nothing (which never
-    /// make a counter, nor refuse).
-    fn reading(&self, marks: &[Option<PeriodKey>], request: &ChargeRequest) -> ChargeRequest {
+    /// make a counter, nor refuse), or joined (one holder more, never
+    /// refused) for the lines of `joins`.
+    fn reading(
+        &self,
+        marks: &[Option<PeriodKey>],
+        joins: &[bool],
+        request: &ChargeRequest,
+    ) -> ChargeRequest {
         let deadline = request
             .now
             .saturating_add(self.shared.settings.lease())
             .unwrap_or(request.now);
         let max = self.inner.max_count();
         let mut sent = request.clone();
-        sent.lines.extend(
-            marks
-                .iter()
-                .flatten()
-                .map(|mark| mark_line(mark.clone(), 0, deadline, max)),
-        );
+        sent.lines
+            .extend(marks.iter().zip(joins).filter_map(|(mark, &join)| {
+                let mark = mark.as_ref()?;
+                Some(mark_line(mark.clone(), u64::from(join), deadline, max))
+            }));
         sent
     }
 
@@ -863,10 +961,12 @@ impl<St: Store> LeasedStore<St> {
     /// Records what the store answered to `request` (whose lines took
     /// `blocks` beyond their costs; their counters' lease marks stood at
     /// `seen`, read for a refusal), and the outcome as the layer sees it.
+    #[allow(clippy::too_many_arguments)]
     fn learn(
         &self,
         request: &ChargeRequest,
         blocks: &[u64],
+        joined: &[Option<Option<Timestamp>>],
         known: &[Option<Known>],
         seen: &[Option<Usage>],
         mut outcome: ChargeOutcome,
@@ -922,6 +1022,15 @@ impl<St: Store> LeasedStore<St> {
                 // took belongs to the counter that was reset, and is
                 // dropped with it.
                 block = 0;
+            }
+            let same_entry = known.is_some_and(|k| k.generation == counter.generation);
+            if let Some(landed) = joined[i].filter(|_| same_entry) {
+                // The joining sent with the charge landed, or did not (a
+                // reset here meanwhile made the entry anew, which the
+                // store's mark may count, until the old entry's part ends).
+                if counter.mark.joined(Ok(landed)) {
+                    unmarked.push((line.key.clone(), counter.generation));
+                }
             }
             // Whether the mark read may count this instance: as things
             // stood when the charge was sent, or stand now.
@@ -1258,6 +1367,9 @@ async fn leave<St: Store>(
 struct Plan {
     /// Per line, the block it asks for beyond its cost.
     blocks: Vec<u64>,
+    /// Per line, whether the charge joins its counter's lease mark (one
+    /// holder more, in the same call as the block).
+    joins: SmallVec<[bool; 2]>,
     /// Per line, its counter's entry here when the charge was sent.
     known: Vec<Option<Known>>,
     /// Counters (and their entries' generations) whose lease mark this
@@ -1311,6 +1423,39 @@ impl Drop for Reserved {
                 } else {
                     counter.units += units;
                 }
+            }
+        }
+    }
+}
+
+/// Lease marks joined with a charge on its way (key, entry generation):
+/// when the charge fails or is dropped, the store may have counted this
+/// instance in them, until `unsure`.
+struct Joining {
+    shared: Arc<Shared>,
+    lines: Vec<(PeriodKey, u64)>,
+    unsure: Timestamp,
+}
+
+impl Joining {
+    /// The charge was answered: what it joined is known.
+    fn landed(mut self) {
+        self.lines.clear();
+    }
+}
+
+impl Drop for Joining {
+    fn drop(&mut self) {
+        if self.lines.is_empty() {
+            return;
+        }
+        let mut counters = self.shared.counters();
+        for (key, generation) in &self.lines {
+            if let Some(counter) = counters
+                .get_mut(key)
+                .filter(|c| c.generation == *generation)
+            {
+                counter.mark.joined(Err(self.unsure));
             }
         }
     }

@@ -483,6 +483,36 @@ if op == 'b' then
   end
 end
 
+-- The common refund, in short (a give-back of leased units, a lease mark
+-- left, a refund after a response): valid arguments and a counter this
+-- script created, or none. Answers exactly as the full path below would;
+-- anything else goes there.
+if op == 'r' then
+  local key, amount, now, made_by = KEYS[1], ARGV[2], ARGV[3], ARGV[4]
+  if digits(now) and digits(amount) and (made_by == nil or digits(made_by)) then
+    local r = try('HGETALL', key)
+    if r.err == nil and #r == 0 then
+      return -1
+    end
+    local n, t, e = r[2], r[4], r[6]
+    if r[1] == 'n' and r[3] == 't' and (#r == 4 or (#r == 6 and r[5] == 'e'))
+        and digits(n) and instant(t) and (e == nil or instant(e)) then
+      if e ~= nil and now + 0 >= e + 0 then
+        return -1
+      end
+      if made_by ~= nil and t + 0 > made_by + 0 then
+        return -1
+      end
+      local used = n + 0
+      local give = math.min(used, amount + 0)
+      if give == 0 then
+        return used
+      end
+      return call('HINCRBY', key, 'n', -give)
+    end
+  end
+end
+
 local S = rest()
 local read, lines, batched = S.read, S.lines, S.batched
 local NOT_A_COUNTER, NOT_A_NUMBER = S.NOT_A_COUNTER, S.NOT_A_NUMBER
