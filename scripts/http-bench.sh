@@ -106,8 +106,17 @@ measured floor && start_server floor "$examples/redis_floor" --redis "redis://12
 measured floor-eval && start_server floor-eval "$examples/redis_floor" --redis "redis://127.0.0.1:$redis_port/" --eval
 measured governor && start_server governor "$server" --limit 1000000000 --quota governor
 
+# Each wrk thread draws its own accounts: seeded alike, the threads would
+# send the same account at the same moment, each request in a pair.
 cat >"$work/subjects.lua" <<EOF
-math.randomseed(os.time())
+local threads = 0
+function setup(thread)
+  threads = threads + 1
+  thread:set("seed", os.time() * 1000 + threads)
+end
+function init(args)
+  math.randomseed(seed)
+end
 request = function()
   local id = math.random(1, $subjects)
   return wrk.format("GET", "/read", { ["x-account-id"] = "account-" .. id })

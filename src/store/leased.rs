@@ -569,8 +569,14 @@ impl<St: Store> LeasedStore<St> {
         // ends, and takes the next one with the charge that finds it spent
         // (one store call), instead of giving back what is left at the end
         // of the lease and taking a new block (two).
+        // The rate is read over at least the idle bound: the requests since
+        // a charge sent a moment ago (the first request back after a pause,
+        // or one sent alone while a block was on its way) say little of it,
+        // and over a few milliseconds would make it look hundreds of times
+        // higher than it is.
         let elapsed = at
             .saturating_duration_since(counter.charged_at)
+            .max(settings.idle)
             .as_secs_f64();
         let horizon = settings.lease_time.as_secs_f64() * 0.8;
         let rate = if elapsed > 0.0 {
