@@ -273,6 +273,29 @@ async fn a_busy_subject_back_after_a_pause_takes_a_large_block_with_its_second_r
 }
 
 #[tokio::test(start_paused = true)]
+async fn a_rate_is_not_read_from_the_milliseconds_after_a_charge() {
+    // Back from a pause, two requests 5 ms apart: the second takes a block
+    // of about the last one's size, not one sized as if the subject called
+    // every 5 ms.
+    let inner = Counting::default();
+    let leased = LeasedStore::new(inner.clone());
+    let mut now = t0();
+    let mut last = 0;
+    for _ in 0..50 {
+        busy(&leased, &mut now, 1, 1_000_000, 20).await;
+        last = last.max(leased.held());
+    }
+    assert!(last > 8, "{last}");
+    tokio::time::advance(Duration::from_secs(5)).await;
+    tokio::task::yield_now().await;
+    now += SignedDuration::from_secs(5);
+    assert_eq!(leased.held(), 0);
+    busy(&leased, &mut now, 2, 1_000_000, 5).await;
+    let held = leased.held();
+    assert!(held > 0 && held <= last + 8, "{held} after {last}");
+}
+
+#[tokio::test(start_paused = true)]
 async fn a_steady_subject_keeps_its_blocks_growing_past_the_idle_bound() {
     // 200 requests a second: a block lasts longer than the idle bound, and
     // the next one still follows the rate, up to the largest block.
