@@ -49,7 +49,9 @@ pin_project! {
             charge: St::ChargeFuture,
             // Armed only for a store that does not answer at once.
             timeout: Option<Pin<Box<Sleep>>>,
-            pending: Option<Pending<S, E, St, ReqBody>>,
+            // Boxed: only a store that does not answer at once needs it,
+            // and the future of every other request stays small.
+            pending: Option<Box<Pending<S, E, St, ReqBody>>>,
             timer: crate::metrics::ChargeTimer,
         },
         // The inner service answers; `charged` is what this layer charged
@@ -119,12 +121,12 @@ where
                 charge: answer,
                 timeout: None,
                 timer,
-                pending: Some(Pending {
+                pending: Some(Box::new(Pending {
                     inner,
                     request,
                     charge,
                     bound,
-                }),
+                })),
             },
         }
     }
@@ -385,7 +387,7 @@ where
                         request,
                         charge,
                         bound,
-                    } = pending.take().expect("polled after completion");
+                    } = *pending.take().expect("polled after completion");
                     this.state
                         .set(decided(&mut inner, request, charge, &bound, answer));
                 }
