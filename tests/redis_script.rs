@@ -428,3 +428,116 @@ async fn a_refund_and_an_add_write_only_the_count_of_a_live_counter() {
     assert!(store.add(now, hash.clone(), 1 << 53).await.is_err());
     assert!(writes.take().is_empty(), "wrote without a live counter");
 }
+
+/// A charge of two lines (a leased block's charge and its lease mark)
+/// answers alike in a batch and on its own, whatever the counters hold:
+/// both there, one missing and read for nothing or created, a refusal, a
+/// window past its end, an undated counter, one key twice. The two stores
+/// charge twin counters (another subject each), step by step.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_charge_of_two_lines_answers_alike_in_a_batch_and_alone() {
+    let server = RedisServer::start();
+    let stores = [store(&server, true), store(&server, false)];
+    let mut redis = client(&server).await;
+    let t0: Timestamp = "2026-12-04T10:00:00Z".parse().unwrap();
+    let start: Timestamp = "2026-12-04T00:00:00Z".parse().unwrap();
+    let end: Timestamp = "2026-12-05T00:00:00Z".parse().unwrap();
+    // (seconds after t0, counter cost, mark cost, counter limit, same key)
+    let steps: [(i64, u64, u64, u64, bool); 12] = [
+        (0, 5, 0, 20, false),      // both missing: the counter is created, the mark read
+        (1, 5, 1, 20, false),      // the mark is created
+        (2, 5, 0, 20, false),      // both there: the short path
+        (3, 4, 1, 20, false),      // both there, both counted
+        (4, 5, 1, 20, false),      // refused: nothing written
+        (5, 1, 0, 20, false),      // exactly the limit
+        (6, 1, 0, 20, false),      // refused at the limit
+        (7, 0, 0, 20, false),      // nothing to spend
+        (8, 1, 1, 30, false),      // a higher limit
+        (9, 1, 1, 30, true),       // one key twice
+        (7_200, 1, 0, 30, false),  // the mark's period is over
+        (90_000, 1, 1, 30, false), // past the counter's window
+    ];
+    for (step, &(at, cost, mark_cost, limit, twice)) in steps.iter().enumerate() {
+        let now = t0 + SignedDuration::from_secs(at);
+        let mut answers = Vec::new();
+        for (s, store) in stores.iter().enumerate() {
+            let counter = key(&format!("twin{s}"), "read");
+            let mark = key(&format!("twin{s}"), "read%held");
+            let second = if twice {
+                calendar(&counter, limit, mark_cost, start, end)
+            } else {
+                first_use(&mark, u64::MAX >> 11, mark_cost, now)
+            };
+            let lines = vec![calendar(&counter, limit, cost, start, end), second];
+            let outcome = store
+                .charge(ChargeRequest {
+                    now,
+                    lines: lines.into(),
+                })
+                .await
+                .expect("the charge is answered");
+            let usage: Vec<_> = outcome
+                .usage
+                .iter()
+                .map(|u| (u.limit, u.used, u.first_call))
+                .collect();
+            let held: Vec<Option<String>> = redis::cmd("HGET")
+                .arg(counter.as_str())
+                .arg("n")
+                .query_async::<Option<String>>(&mut redis)
+                .await
+                .map(|n| vec![n])
+                .unwrap();
+            answers.push((outcome.admitted, usage, held));
+        }
+        assert_eq!(answers[0], answers[1], "step {step}");
+    }
+    // Undated counters (written by another tool): healed alike.
+    for s in 0..2 {
+        let counter = key(&format!("undated{s}"), "read");
+        let mark = key(&format!("undated{s}"), "read%held");
+        let () = redis::cmd("HSET")
+            .arg(counter.as_str())
+            .arg("n")
+            .arg("3")
+            .arg("t")
+            .arg(t0.as_millisecond().to_string())
+            .arg("e")
+            .arg(end.as_millisecond().to_string())
+            .query_async(&mut redis)
+            .await
+            .unwrap();
+        let () = redis::cmd("HSET")
+            .arg(mark.as_str())
+            .arg("n")
+            .arg("1")
+            .arg("t")
+            .arg(t0.as_millisecond().to_string())
+            .query_async(&mut redis)
+            .await
+            .unwrap();
+    }
+    let mut answers = Vec::new();
+    for (s, store) in stores.iter().enumerate() {
+        let counter = key(&format!("undated{s}"), "read");
+        let mark = key(&format!("undated{s}"), "read%held");
+        let outcome = store
+            .charge(ChargeRequest {
+                now: t0,
+                lines: vec![
+                    calendar(&counter, 10, 1, start, end),
+                    first_use(&mark, u64::MAX >> 11, 1, t0),
+                ]
+                .into(),
+            })
+            .await
+            .expect("the charge is answered");
+        let usage: Vec<_> = outcome
+            .usage
+            .iter()
+            .map(|u| (u.limit, u.used, u.first_call))
+            .collect();
+        answers.push((outcome.admitted, usage, pttl(&mut redis, &mark).await > 0));
+    }
+    assert_eq!(answers[0], answers[1]);
+}
