@@ -78,7 +78,9 @@ where
     }
 
     /// Decides what this layer charges (see `charge::plan`), then passes,
-    /// rejects, or charges and lets the future call the inner service.
+    /// rejects, or charges: when the store answers at once, the inner
+    /// service is called here; otherwise the future calls it once the store
+    /// answered.
     fn call(&mut self, request: Request<ReqBody>) -> Self::Future {
         let (mut parts, body) = request.into_parts();
         match charge::plan(&self.bound, &parts) {
