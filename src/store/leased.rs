@@ -349,11 +349,12 @@ struct Counter {
     mark: Mark,
 }
 
-/// One instance's part in a counter's lease mark. Joining and leaving are
-/// store calls of their own, in tasks of their own; while one is on its
-/// way, or when one failed (a timeout may still have applied it), this
-/// instance takes the mark to count it: a short wait is told only for
-/// holders beyond this one, never because of this one.
+/// One instance's part in a counter's lease mark. Joining goes with the
+/// charge that takes a block (or, rarely, in a call of its own); leaving is
+/// a call of its own, in a task of its own. While one is on its way, or
+/// when one failed (a timeout may still have applied it), this instance
+/// takes the mark to count it: a short wait is told only for holders
+/// beyond this one, never because of this one.
 #[derive(Clone, Copy, Debug, Default)]
 struct Mark {
     /// The end of the mark the store counts this instance in, as its last
