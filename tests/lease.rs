@@ -524,6 +524,37 @@ async fn a_block_charge_dropped_on_its_way_leaves_no_joining_hanging() {
 }
 
 #[tokio::test(start_paused = true)]
+async fn a_mark_joined_by_a_charge_that_lands_after_shutdown_is_left() {
+    // A block's charge joins the lease mark; the store shuts down while it
+    // is on its way. The block goes straight back when it lands, and so
+    // does this instance's part in the mark: no holder is left marked.
+    let shared = MemoryStore::new();
+    let slow = Slow::new(shared.clone(), 0);
+    let a = LeasedStore::new(slow.clone());
+    let mut now = t0();
+    busy(&a, &mut now, 100, 1_000_000, 1).await;
+    tokio::time::advance(Duration::from_secs(2)).await;
+    tokio::task::yield_now().await;
+    now += SignedDuration::from_secs(2);
+    assert_eq!(holders(&shared, now).await, 0);
+    // Back: the first request alone, the second takes a block and joins.
+    slow.delay.store(60, Ordering::Relaxed);
+    assert!(call(&a, now, 1_000_000).await.admitted);
+    let charging = tokio::spawn({
+        let a = a.clone();
+        async move { a.charge(request(now, 1_000_000)).await }
+    });
+    tokio::time::advance(Duration::from_millis(10)).await;
+    tokio::task::yield_now().await;
+    a.shutdown().await;
+    assert!(charging.await.unwrap().unwrap().admitted);
+    tokio::time::advance(Duration::from_millis(500)).await;
+    tokio::task::yield_now().await;
+    assert_eq!(holders(&shared, now).await, 0);
+    assert_eq!(counted(&shared, now).await, 100 + 2);
+}
+
+#[tokio::test(start_paused = true)]
 async fn shutdown_gives_every_unused_unit_back() {
     let shared = MemoryStore::new();
     let leased = LeasedStore::new(shared.clone());

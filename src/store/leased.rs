@@ -380,6 +380,14 @@ impl Counter {
         }
     }
 
+    /// Where a request under `limit` (its plan's) stands on this counter.
+    fn usage_under(&self, limit: u64) -> Usage {
+        Usage {
+            limit,
+            ..self.usage()
+        }
+    }
+
     /// The instant now, by the layer's clock as this counter last saw it.
     fn now(&self, at: Instant) -> Timestamp {
         let elapsed = span(at.saturating_duration_since(self.seen_at));
@@ -681,11 +689,7 @@ impl<St: Store> LeasedStore<St> {
             // A request of one line, paid from the block, is answered
             // without looking its counter up again.
             if request.lines.len() == 1 && units == line.cost && counter.units > 0 {
-                alone = Some(Usage {
-                    held_elsewhere_until: None,
-                    limit: line.limit,
-                    ..counter.usage()
-                });
+                alone = Some(counter.usage_under(line.limit));
             }
         }
         if let Some(usage) = alone.filter(|_| stale.is_empty() && unmarked.is_empty()) {
@@ -713,11 +717,7 @@ impl<St: Store> LeasedStore<St> {
                         counter.block_since = None;
                         counter.taken_at = None;
                     }
-                    Usage {
-                        held_elsewhere_until: None,
-                        limit: line.limit,
-                        ..counter.usage()
-                    }
+                    counter.usage_under(line.limit)
                 })
                 .collect();
             crate::metrics::lease_local();
@@ -991,9 +991,20 @@ impl<St: Store> LeasedStore<St> {
         let mut joins = Vec::new();
         for (i, (line, usage)) in request.lines.iter().zip(&mut outcome.usage).enumerate() {
             let (mut block, mark, known) = (blocks[i], seen[i].as_ref(), known[i]);
+            // A mark joined for an entry that is gone, or was made anew
+            // meanwhile (a shutdown, a reset here): left at once.
+            let joined_for = |counter: Option<&Counter>| match (joined[i], known) {
+                (Some(Some(_)), Some(known))
+                    if counter.is_none_or(|c| c.generation != known.generation) =>
+                {
+                    Some((line.key.clone(), known.generation))
+                }
+                _ => None,
+            };
             let counter = match counters.get_mut(&line.key) {
                 Some(counter) => counter,
-                None if room && line.cost > 0 => {
+                // Nothing new is tracked once the store shut down.
+                None if room && line.cost > 0 && !closed => {
                     sweep = true;
                     counters.entry(line.key.clone()).or_insert(Counter {
                         units: 0,
@@ -1017,6 +1028,12 @@ impl<St: Store> LeasedStore<St> {
                     })
                 }
                 None => {
+                    if closed && outcome.admitted && block > 0 {
+                        // Taken while the store shut down, its entry gone
+                        // with the others: straight back.
+                        back.push((line.key.clone(), request.now, block, request.now));
+                    }
+                    unmarked.extend(joined_for(None));
                     if !outcome.admitted {
                         let counted = known.is_some_and(|k| k.in_mark);
                         usage.held_elsewhere_until = self.held_elsewhere(mark, counted, now);
@@ -1024,6 +1041,7 @@ impl<St: Store> LeasedStore<St> {
                     continue;
                 }
             };
+            unmarked.extend(joined_for(Some(counter)));
             if known.is_some_and(|k| k.generation != counter.generation) {
                 // Reset here while the charge was on its way: a block it
                 // took belongs to the counter that was reset, and is
@@ -1059,9 +1077,13 @@ impl<St: Store> LeasedStore<St> {
             counter.hits = 0;
             let took = outcome.admitted && block > 0;
             if took && closed {
-                // Taken while the store shut down: straight back.
+                // Taken while the store shut down: straight back, and out of
+                // the mark it joined.
                 counter.store_used = counter.store_used.saturating_sub(block);
                 back.push((line.key.clone(), request.now, block, request.now));
+                if counter.mark.leave(now, margin) {
+                    unmarked.push((line.key.clone(), counter.generation));
+                }
             } else if took {
                 counter.units += block;
                 counter.block_since.get_or_insert(at);
