@@ -429,11 +429,33 @@ async fn a_refund_and_an_add_write_only_the_count_of_a_live_counter() {
     assert!(writes.take().is_empty(), "wrote without a live counter");
 }
 
+/// What a charge answers, as a test compares it: admitted, and per line
+/// the limit, the count and the first call.
+type Answer = (bool, Vec<(u64, u64, Option<Timestamp>)>);
+
+async fn answer(store: &RedisStore, now: Timestamp, lines: Vec<ChargeLine>) -> Answer {
+    let outcome = store
+        .charge(ChargeRequest {
+            now,
+            lines: lines.into(),
+        })
+        .await
+        .expect("the charge is answered");
+    let usage = outcome
+        .usage
+        .iter()
+        .map(|u| (u.limit, u.used, u.first_call))
+        .collect();
+    (outcome.admitted, usage)
+}
+
 /// A charge of two lines (a leased block's charge and its lease mark)
-/// answers alike in a batch and on its own, whatever the counters hold:
-/// both there, one missing and read for nothing or created, a refusal, a
-/// window past its end, an undated counter, one key twice. The two stores
-/// charge twin counters (another subject each), step by step.
+/// answers alike in a batch (the script's `b`) and on its own (`c`),
+/// whatever the counters hold: both there, one missing and read for
+/// nothing or created, a refusal, the limit reached, one key twice, a
+/// first-use period over, a calendar window past its end, a first-use
+/// counter without a deadline. The two stores charge twin counters
+/// (another subject each), step by step.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_charge_of_two_lines_answers_alike_in_a_batch_and_alone() {
     let server = RedisServer::start();
@@ -446,7 +468,7 @@ async fn a_charge_of_two_lines_answers_alike_in_a_batch_and_alone() {
     let steps: [(i64, u64, u64, u64, bool); 12] = [
         (0, 5, 0, 20, false),      // both missing: the counter is created, the mark read
         (1, 5, 1, 20, false),      // the mark is created
-        (2, 5, 0, 20, false),      // both there: the short path
+        (2, 5, 0, 20, false),      // both there
         (3, 4, 1, 20, false),      // both there, both counted
         (4, 5, 1, 20, false),      // refused: nothing written
         (5, 1, 0, 20, false),      // exactly the limit
@@ -469,75 +491,35 @@ async fn a_charge_of_two_lines_answers_alike_in_a_batch_and_alone() {
                 first_use(&mark, u64::MAX >> 11, mark_cost, now)
             };
             let lines = vec![calendar(&counter, limit, cost, start, end), second];
-            let outcome = store
-                .charge(ChargeRequest {
-                    now,
-                    lines: lines.into(),
-                })
-                .await
-                .expect("the charge is answered");
-            let usage: Vec<_> = outcome
-                .usage
-                .iter()
-                .map(|u| (u.limit, u.used, u.first_call))
-                .collect();
-            let held: Vec<Option<String>> = redis::cmd("HGET")
-                .arg(counter.as_str())
-                .arg("n")
-                .query_async::<Option<String>>(&mut redis)
-                .await
-                .map(|n| vec![n])
-                .unwrap();
-            answers.push((outcome.admitted, usage, held));
+            let answer = answer(store, now, lines).await;
+            let count: Option<String> = redis.hget(counter.as_str(), "n").await.unwrap();
+            answers.push((answer, count));
         }
         assert_eq!(answers[0], answers[1], "step {step}");
     }
-    // Undated counters (written by another tool): healed alike.
-    for s in 0..2 {
-        let counter = key(&format!("undated{s}"), "read");
-        let mark = key(&format!("undated{s}"), "read%held");
-        let () = redis::cmd("HSET")
-            .arg(counter.as_str())
-            .arg("n")
-            .arg("3")
-            .arg("t")
-            .arg(t0.as_millisecond().to_string())
-            .arg("e")
-            .arg(end.as_millisecond().to_string())
-            .query_async(&mut redis)
-            .await
-            .unwrap();
-        let () = redis::cmd("HSET")
-            .arg(mark.as_str())
-            .arg("n")
-            .arg("1")
-            .arg("t")
-            .arg(t0.as_millisecond().to_string())
-            .query_async(&mut redis)
-            .await
-            .unwrap();
-    }
+    // A first-use counter without a deadline (written by another tool):
+    // dated alike.
     let mut answers = Vec::new();
     for (s, store) in stores.iter().enumerate() {
         let counter = key(&format!("undated{s}"), "read");
         let mark = key(&format!("undated{s}"), "read%held");
-        let outcome = store
-            .charge(ChargeRequest {
-                now: t0,
-                lines: vec![
-                    calendar(&counter, 10, 1, start, end),
-                    first_use(&mark, u64::MAX >> 11, 1, t0),
-                ]
-                .into(),
-            })
+        let () = redis
+            .hset_multiple(
+                mark.as_str(),
+                &[
+                    ("n", "1".to_owned()),
+                    ("t", t0.as_millisecond().to_string()),
+                ],
+            )
             .await
-            .expect("the charge is answered");
-        let usage: Vec<_> = outcome
-            .usage
-            .iter()
-            .map(|u| (u.limit, u.used, u.first_call))
-            .collect();
-        answers.push((outcome.admitted, usage, pttl(&mut redis, &mark).await > 0));
+            .unwrap();
+        let lines = vec![
+            calendar(&counter, 10, 1, start, end),
+            first_use(&mark, u64::MAX >> 11, 1, t0),
+        ];
+        let answer = answer(store, t0, lines).await;
+        answers.push((answer, pttl(&mut redis, &mark).await > 0));
     }
     assert_eq!(answers[0], answers[1]);
+    assert!(answers[0].1, "the counter is dated");
 }
