@@ -412,6 +412,38 @@ fn reset_gives_a_fresh_allowance() {
     assert_eq!(store.len(), 1);
 }
 
+/// Keys of every length around the longest a shard's map keeps in its slot
+/// are counted apart, refunded, reclaimed and reset alike; two keys that
+/// share their first bytes never share a counter.
+#[test]
+fn keys_short_and_long_are_counted_alike() {
+    let store = MemoryStore::with_shards(1);
+    let t0 = at("2026-12-02T10:00:00Z");
+    let end = at("2026-12-02T11:00:00Z");
+    let base = key("", "read", "PT1H").as_str().len();
+    let keys: Vec<PeriodKey> = (50..80)
+        .map(|len| key(&"a".repeat(len - base), "read", "PT1H"))
+        .collect();
+    assert!(keys.iter().any(|k| k.as_str().len() < 62));
+    assert!(keys.iter().any(|k| k.as_str().len() > 62));
+    for (i, k) in keys.iter().enumerate() {
+        let cost = i as u64 + 1;
+        let outcome = charge(&store, t0, vec![first_use(k.clone(), 1_000, cost, end)]);
+        assert_eq!(outcome.usage[0].used, cost, "{}", k.as_str().len());
+    }
+    for (i, k) in keys.iter().enumerate() {
+        let cost = i as u64 + 1;
+        let outcome = charge(&store, t0, vec![first_use(k.clone(), 1_000, 1, end)]);
+        assert_eq!(outcome.usage[0].used, cost + 1, "{}", k.as_str().len());
+        assert_eq!(now_of(store.refund(t0, k.clone(), 1)).unwrap(), Some(cost));
+    }
+    assert_eq!(store.len(), keys.len());
+    assert!(now_of(store.reset(keys[20].clone())).unwrap());
+    assert_eq!(store.len(), keys.len() - 1);
+    store.purge_expired(end);
+    assert!(store.is_empty());
+}
+
 #[test]
 fn exact_under_threads() {
     let store = MemoryStore::new();
