@@ -13,6 +13,7 @@ use std::task::{Context, Poll};
 
 use jiff::Timestamp;
 
+use super::slot_key::MapKey;
 use super::{
     ChargeLine, ChargeOutcome, ChargeRequest, Debt, Lifetime, Store, StoreError, StoreErrorKind,
     Usage,
@@ -102,41 +103,6 @@ struct Shard {
     /// another shard, in turn. Kept under the shard's lock, so charges on
     /// different shards never contend on it.
     turns: usize,
-}
-
-/// A counter's key as a shard's map holds it: in the map's own slot when
-/// short (nearly always), so that a lookup finds the key beside its counter
-/// instead of in an allocation of its own, one more read from memory. With
-/// many subjects, a charge's time is mostly those reads.
-#[derive(Clone)]
-enum MapKey {
-    Inline { len: u8, bytes: [u8; INLINE_KEY] },
-    Shared(Arc<str>),
-}
-
-/// The longest key a map keeps in its slot: the key and its tag fill 64
-/// bytes.
-const INLINE_KEY: usize = 62;
-
-impl MapKey {
-    fn new(key: &PeriodKey) -> Self {
-        let text = key.as_str().as_bytes();
-        if text.len() <= INLINE_KEY {
-            let mut bytes = [0; INLINE_KEY];
-            bytes[..text.len()].copy_from_slice(text);
-            let len = u8::try_from(text.len()).expect("INLINE_KEY fits in a u8");
-            Self::Inline { len, bytes }
-        } else {
-            Self::Shared(Arc::clone(key.shared()))
-        }
-    }
-
-    fn as_bytes(&self) -> &[u8] {
-        match self {
-            Self::Inline { len, bytes } => &bytes[..usize::from(*len)],
-            Self::Shared(key) => key.as_bytes(),
-        }
-    }
 }
 
 /// A counter in a shard's map, with its key.

@@ -116,6 +116,7 @@ mod leased;
 mod memory;
 #[cfg(feature = "redis")]
 pub mod redis;
+mod slot_key;
 #[cfg(test)]
 mod tests;
 
