@@ -7,6 +7,12 @@
 //! `call(request).await` and dropping the response, one request after the
 //! other on a current-thread tokio runtime.
 //!
+//! A second baseline, "baseline, RateLimit fields written", is the bare
+//! service writing the two fields the layer writes on every answer
+//! (`RateLimit-Policy`, the same value each time, and `RateLimit`, formatted
+//! per request) into its response, which has no other header: what writing
+//! the fields costs by itself, a floor under any layer that writes them.
+//!
 //! `cargo bench --bench layer`; with `--features metrics`, the layer records
 //! its metrics (into no recorder: the facade's no-op), and a variant runs
 //! with a Prometheus recorder (built, not serving) as the recorder of the
@@ -17,7 +23,7 @@ use std::hint::black_box;
 use std::time::{Duration, Instant};
 
 use criterion::{criterion_group, criterion_main, Criterion};
-use http::{HeaderValue, Request, Response, StatusCode};
+use http::{HeaderName, HeaderValue, Request, Response, StatusCode};
 use tokio::runtime::Runtime;
 use tower::{service_fn, Layer, Service, ServiceExt};
 use tower_quota::{FromHeader, QuotaLayer};
@@ -29,6 +35,28 @@ const LIMIT: u64 = 1 << 40;
 
 async fn trivial(_: Request<()>) -> Result<Response<String>, Infallible> {
     Ok(Response::new(String::new()))
+}
+
+static RATELIMIT: HeaderName = HeaderName::from_static("ratelimit");
+static RATELIMIT_POLICY: HeaderName = HeaderName::from_static("ratelimit-policy");
+const POLICY: HeaderValue = HeaderValue::from_static("\"default\";q=1099511627776;w=86400");
+
+/// `trivial`, answering with the two fields a quota layer writes.
+async fn with_fields(request: Request<()>) -> Result<Response<String>, Infallible> {
+    let mut response = Response::new(String::new());
+    // A value that changes per request, as a remaining count does.
+    let id = request.headers().get(HEADER).map_or(0, |id| id.len());
+    let mut digits = itoa::Buffer::new();
+    let mut value = Vec::with_capacity(48);
+    value.extend_from_slice(b"\"default\";r=");
+    value.extend_from_slice(digits.format(LIMIT - id as u64).as_bytes());
+    value.extend_from_slice(b";t=");
+    value.extend_from_slice(digits.format(86_400 - id as u64).as_bytes());
+    let value = HeaderValue::from_maybe_shared(bytes::Bytes::from(value)).expect("a field value");
+    let headers = response.headers_mut();
+    headers.insert(RATELIMIT_POLICY.clone(), POLICY);
+    headers.insert(RATELIMIT.clone(), value);
+    Ok(response)
 }
 
 /// Requests naming the subjects in turn, from where the last batch stopped.
@@ -89,6 +117,10 @@ fn layer(c: &mut Criterion) {
     let mut subjects = Subjects::new(1);
     group.bench_function("baseline (no layer)", |b| {
         b.iter_custom(|iters| drive(&runtime, &mut bare, &mut subjects, iters));
+    });
+    let mut fields = service_fn(with_fields);
+    group.bench_function("baseline, RateLimit fields written", |b| {
+        b.iter_custom(|iters| drive(&runtime, &mut fields, &mut subjects, iters));
     });
 
     for (count, name) in [(1, "1 subject"), (100_000, "100000 subjects")] {

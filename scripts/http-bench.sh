@@ -13,6 +13,7 @@
 #   BENCH_STORES=off,memory scripts/http-bench.sh   # some of the servers only
 #   BENCH_STORES=off,redis,floor scripts/http-bench.sh
 #   BENCH_STORES=off,memory,governor scripts/http-bench.sh
+#   BENCH_STORES=off,fields,memory,governor scripts/http-bench.sh
 #   BENCH_STORES=off,memory,redis,redis-lease,floor-eval scripts/http-bench.sh
 #
 # `redis-lease` is the demo server on Redis with `--lease`: a busy account's
@@ -27,6 +28,12 @@
 # of a one-line script instead), the least a request that waits on Redis
 # costs. It shows how much of the Redis server's gap to `off` is the round
 # trip itself.
+#
+# `fields` is no quota either: the `fields_floor` example, which reads the
+# subject header and writes the two fields the quota layer writes on every
+# answer (`RateLimit-Policy` and a `RateLimit` formatted per request), and
+# counts nothing: what telling clients where they stand costs by itself,
+# a floor under the memory store's figure.
 #
 # `governor` is another rate limiter: the demo server with `--quota
 # governor`, the same routes behind a tower_governor layer (a GCRA per
@@ -55,9 +62,9 @@ threads=${BENCH_THREADS:-2}
 IFS=, read -r -a stores <<<"${BENCH_STORES:-off,memory,redis}"
 for name in "${stores[@]}"; do
     case $name in
-    off | memory | redis | redis-lease | floor | floor-eval | governor) ;;
+    off | fields | memory | redis | redis-lease | floor | floor-eval | governor) ;;
     *)
-        echo "BENCH_STORES: unknown server $name (off, memory, redis, redis-lease, floor, floor-eval, governor)" >&2
+        echo "BENCH_STORES: unknown server $name (off, fields, memory, redis, redis-lease, floor, floor-eval, governor)" >&2
         exit 2
         ;;
     esac
@@ -73,7 +80,7 @@ needed=(wrk=wrk)
 redis_measured && needed+=(redis-server=redis-server redis-cli=redis-tools)
 install_missing "${needed[@]}"
 
-cargo build --release --features redis --example server --example redis_floor
+cargo build --release --features redis --example server --example redis_floor --example fields_floor
 examples=${CARGO_TARGET_DIR:-target}/release/examples
 server=$examples/server
 
@@ -105,6 +112,7 @@ measured redis-lease && start_server redis-lease "$server" --limit 1000000000 --
 measured floor && start_server floor "$examples/redis_floor" --redis "redis://127.0.0.1:$redis_port/"
 measured floor-eval && start_server floor-eval "$examples/redis_floor" --redis "redis://127.0.0.1:$redis_port/" --eval
 measured governor && start_server governor "$server" --limit 1000000000 --quota governor
+measured fields && start_server fields "$examples/fields_floor"
 
 # Each wrk thread draws its own accounts: seeded alike, the threads would
 # send the same account at the same moment, each request in a pair.
