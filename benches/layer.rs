@@ -13,6 +13,11 @@
 //! per request) into its response, which has no other header: what writing
 //! the fields costs by itself, a floor under any layer that writes them.
 //!
+//! For comparison, `tower_governor`'s layer (a GCRA per key in memory,
+//! keyed by the same header, a limit nothing reaches) around a service that
+//! answers at once with axum's body type, which it needs, against that bare
+//! service: governor's cost is `governor - baseline (axum body)`.
+//!
 //! `cargo bench --bench layer`; with `--features metrics`, the layer records
 //! its metrics (into no recorder: the facade's no-op), and a variant runs
 //! with a Prometheus recorder (built, not serving) as the recorder of the
@@ -35,6 +40,26 @@ const LIMIT: u64 = 1 << 40;
 
 async fn trivial(_: Request<()>) -> Result<Response<String>, Infallible> {
     Ok(Response::new(String::new()))
+}
+
+async fn trivial_body(_: Request<()>) -> Result<Response<axum::body::Body>, Infallible> {
+    Ok(Response::new(axum::body::Body::empty()))
+}
+
+/// tower_governor's key: the subject header's bytes.
+#[derive(Clone)]
+struct SubjectHeader;
+
+impl tower_governor::key_extractor::KeyExtractor for SubjectHeader {
+    type Key = Box<[u8]>;
+
+    fn extract<T>(&self, request: &Request<T>) -> Result<Self::Key, tower_governor::GovernorError> {
+        request
+            .headers()
+            .get(HEADER)
+            .map(|id| id.as_bytes().into())
+            .ok_or(tower_governor::GovernorError::UnableToExtractKey)
+    }
 }
 
 static RATELIMIT: HeaderName = HeaderName::from_static("ratelimit");
@@ -122,6 +147,26 @@ fn layer(c: &mut Criterion) {
     group.bench_function("baseline, RateLimit fields written", |b| {
         b.iter_custom(|iters| drive(&runtime, &mut fields, &mut subjects, iters));
     });
+
+    let mut bare_body = service_fn(trivial_body);
+    group.bench_function("baseline (no layer), axum body", |b| {
+        b.iter_custom(|iters| drive(&runtime, &mut bare_body, &mut subjects, iters));
+    });
+
+    for (count, name) in [(1, "1 subject"), (100_000, "100000 subjects")] {
+        let config = tower_governor::governor::GovernorConfigBuilder::default()
+            .key_extractor(SubjectHeader)
+            .burst_size(1_000_000_000)
+            .period(Duration::from_nanos(1))
+            .finish()
+            .expect("a burst and a period above zero");
+        let mut governor =
+            tower_governor::GovernorLayer::new(config).layer(service_fn(trivial_body));
+        let mut subjects = Subjects::new(count);
+        group.bench_function(format!("tower_governor, {name}"), |b| {
+            b.iter_custom(|iters| drive(&runtime, &mut governor, &mut subjects, iters));
+        });
+    }
 
     for (count, name) in [(1, "1 subject"), (100_000, "100000 subjects")] {
         let mut service =
