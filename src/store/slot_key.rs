@@ -8,7 +8,6 @@ use crate::key::PeriodKey;
 /// (nearly always), so that a lookup finds the key beside its counter
 /// instead of in an allocation of its own, one more read from memory. With
 /// many subjects, a charge's time is mostly those reads.
-#[derive(Clone)]
 pub(super) enum MapKey {
     Inline { len: u8, bytes: [u8; INLINE_KEY] },
     Shared(Arc<str>),

@@ -444,6 +444,48 @@ fn keys_short_and_long_are_counted_alike() {
     assert!(store.is_empty());
 }
 
+/// A calendar counter reset and made again in its period ends when the
+/// period does: its deadline, filed twice, reclaims it once, and the
+/// store's count of counters stays right for the bound.
+#[test]
+fn a_counter_made_again_after_a_reset_is_reclaimed_once_and_counted_once() {
+    let store = MemoryStore::with_shards(1).max_counters(1);
+    let t0 = at("2026-12-02T10:00:00Z");
+    let day = |id: &str| {
+        calendar(
+            key(id, "read", "2026-12-02"),
+            10,
+            1,
+            "2026-12-02T00:00:00Z",
+            "2026-12-03T00:00:00Z",
+        )
+    };
+    assert!(charge(&store, t0, vec![day("acme")]).admitted);
+    assert!(now_of(store.reset(key("acme", "read", "2026-12-02"))).unwrap());
+    assert!(store.is_empty());
+    let outcome = charge(&store, t0, vec![day("acme")]);
+    assert!(outcome.admitted);
+    assert_eq!(outcome.usage[0].used, 1, "a fresh allowance");
+    // The bound counts the counter once: another subject finds no room.
+    assert!(try_charge(&store, t0, vec![day("other")]).is_err());
+    store.purge_expired(at("2026-12-02T23:59:59Z"));
+    assert_eq!(store.len(), 1, "reclaimed before its end");
+    store.purge_expired(at("2026-12-03T00:00:00Z"));
+    assert!(store.is_empty());
+    let t1 = at("2026-12-03T00:00:00Z");
+    let next = calendar(
+        key("other", "read", "2026-12-03"),
+        10,
+        1,
+        "2026-12-03T00:00:00Z",
+        "2026-12-04T00:00:00Z",
+    );
+    assert!(
+        try_charge(&store, t1, vec![next]).is_ok(),
+        "room once reclaimed"
+    );
+}
+
 #[test]
 fn exact_under_threads() {
     let store = MemoryStore::new();
