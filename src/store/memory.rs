@@ -48,9 +48,9 @@ pub(super) const ROOM_BUDGET: usize = 256;
 ///   220 MB with keys of about 50 bytes; [`MemoryStore::max_counters`] sets
 ///   another): one client inventing ids cannot grow the process without
 ///   end, and concurrent charges never take it past the bound. A charge
-///   that would create a counter beyond the bound first reclaims expired counters of its own
-///   shard, then lets go of it and reclaims in the other shards not busy at
-///   that moment, in turn from where the last such charge stopped, then
+///   that would create a counter beyond the bound first reclaims expired
+///   counters of its own shard, then lets go of it and reclaims in the
+///   other shards not busy at that moment, in turn from where the last such charge stopped, then
 ///   tries once more. It goes through 256 deadlines at most (and 64
 ///   shards), so no charge pays for a whole store's worth of reclaiming;
 ///   while such visits of every shard find nothing, the next ones wait
