@@ -46,19 +46,19 @@ pub(super) const ROOM_BUDGET: usize = 256;
 ///   from a timer in an application that can go quiet for long.
 /// - A bound on live counters ([`MemoryStore::DEFAULT_MAX_COUNTERS`], about
 ///   220 MB with keys of about 50 bytes; [`MemoryStore::max_counters`] sets
-///   another): one client inventing ids cannot grow the process without
-///   end, and concurrent charges never take it past the bound. A charge
-///   that would create a counter beyond the bound first reclaims expired
-///   counters of its own shard, then lets go of it and reclaims in the
-///   other shards not busy at that moment, in turn from where the last such charge stopped, then
-///   tries once more. It goes through 256 deadlines at most (and 64
-///   shards), so no charge pays for a whole store's worth of reclaiming;
-///   while such visits of every shard find nothing, the next ones wait
-///   10 ms, so that a flood of new ids costs little each. If the store is
-///   still full, the charge fails with
-///   [`StoreErrorKind::Full`](super::StoreErrorKind::Full) and creates
-///   nothing, so the layer's fail-open or fail-closed policy decides, while
-///   subjects that have a counter keep being charged as before.
+///   another): one client inventing ids cannot grow the process without end,
+///   and concurrent charges never take it past the bound. A charge that would
+///   create a counter beyond the bound first reclaims expired counters of its
+///   own shard, then lets go of it and reclaims in the other shards not busy
+///   at that moment, in turn from where the last such charge stopped, then
+///   tries once more. It goes through 256 deadlines at most (and 64 shards),
+///   so no charge pays for a whole store's worth of reclaiming; while such
+///   visits of every shard find nothing, the next ones wait 10 ms, so that a
+///   flood of new ids costs little each. If the store is still full, the
+///   charge fails with [`StoreErrorKind::Full`](super::StoreErrorKind::Full)
+///   and creates nothing, so the layer's fail-open or fail-closed policy
+///   decides, while subjects that have a counter keep being charged as
+///   before.
 ///
 /// Clones share the counters. Counters are lost when the process exits; use
 /// a shared store when several instances enforce one quota.
