@@ -953,3 +953,43 @@ mod through_the_layer {
         }
     }
 }
+
+/// A counter whose key names no lease mark (made by hand, not by a
+/// `Namespace`) takes blocks, and is forgotten once idle like any other:
+/// no joining of a mark that cannot be joined keeps its entry, and its
+/// room, forever.
+#[tokio::test(start_paused = true)]
+async fn a_key_without_a_lease_mark_is_forgotten_once_idle() {
+    let inner = Counting::default();
+    let leased = LeasedStore::builder(inner.clone()).max_counters(1).build();
+    let plain = PeriodKey::from_string("plain".into());
+    assert!(plain.as_str().len() < 10, "no `{{subject}}:allowance` part");
+    let mut now = t0();
+    for _ in 0..200 {
+        let request = ChargeRequest {
+            now,
+            lines: smallvec::smallvec![ChargeLine {
+                key: plain.clone(),
+                limit: 100_000,
+                cost: 1,
+                lifetime: day(),
+            }],
+        };
+        assert!(leased.charge(request).await.unwrap().admitted);
+        tokio::time::advance(Duration::from_millis(10)).await;
+        now += SignedDuration::from_millis(10);
+    }
+    assert!(leased.held() > 0, "a busy subject takes blocks");
+    // Idle past the bound: its units go back, and its entry goes.
+    tokio::time::advance(Duration::from_secs(3)).await;
+    tokio::task::yield_now().await;
+    now += SignedDuration::from_secs(3);
+    assert_eq!(leased.held(), 0);
+    // The only room there is goes to the next busy subject, which takes
+    // blocks in turn.
+    let before = inner.charges.load(Ordering::Relaxed);
+    busy(&leased, &mut now, 200, 100_000, 10).await;
+    let charges = inner.charges.load(Ordering::Relaxed) - before;
+    assert!(charges < 40, "{charges} charges for 200 requests");
+    assert!(leased.held() > 0);
+}

@@ -1091,9 +1091,11 @@ impl<St: Store> LeasedStore<St> {
                 counter.block = block;
                 counter.back = false;
                 crate::metrics::lease_block();
-                // A holder now: it joins the mark, after the charge and
-                // apart from it, so the mark never changes what is admitted.
-                if counter.mark.join(now) {
+                // A holder now. The charge joined the mark already, unless
+                // it could not (no room for a new mark in the store): then
+                // it joins in a call of its own, after the charge. A key
+                // that names no mark has none to join.
+                if line.key.lease_mark().is_some() && counter.mark.join(now) {
                     joins.push((line.key.clone(), counter.generation));
                 }
             }
