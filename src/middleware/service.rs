@@ -13,7 +13,7 @@ use super::future::ResponseFuture;
 use super::layer::Bound;
 use crate::body::ResponseBody;
 use crate::status::QuotaStatus;
-use crate::store::Store;
+use crate::store::{ChargeAnswer, Store};
 use crate::subject::SubjectExtractor;
 
 /// The service of a [`QuotaLayer`](crate::QuotaLayer): charges each request
@@ -101,12 +101,21 @@ where
                 let request = Request::from_parts(parts, body);
                 let sent = charge.request.take().expect("a charge not sent yet");
                 let timer = crate::metrics::ChargeTimer::start();
-                let mut answer = self.bound.policy.store.charge(sent);
                 // A store that answers at once is answered here, and the
                 // inner service called now; any other, in the future.
-                let mut cx = Context::from_waker(Waker::noop());
-                match Pin::new(&mut answer).poll(&mut cx) {
-                    Poll::Ready(answer) => {
+                let mut answer = match self.bound.policy.store.charge_at_once(sent) {
+                    ChargeAnswer::Now(answer) => Ok(answer),
+                    ChargeAnswer::Later(future) => Err(future),
+                };
+                if let Err(future) = &mut answer {
+                    // Polled once: a future may answer at once too.
+                    let mut cx = Context::from_waker(Waker::noop());
+                    if let Poll::Ready(ready) = Pin::new(future).poll(&mut cx) {
+                        answer = Ok(ready);
+                    }
+                }
+                match answer {
+                    Ok(answer) => {
                         timer.stop(crate::store::metrics_label::<St>());
                         ResponseFuture::decided(
                             &mut self.inner,
@@ -116,8 +125,8 @@ where
                             answer,
                         )
                     }
-                    Poll::Pending => ResponseFuture::charging(
-                        answer,
+                    Err(future) => ResponseFuture::charging(
+                        future,
                         timer,
                         charge,
                         Arc::clone(&self.bound),

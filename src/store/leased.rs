@@ -14,8 +14,8 @@ use smallvec::SmallVec;
 use tokio::time::Instant;
 
 use super::{
-    ChargeLine, ChargeOutcome, ChargeRequest, Debt, Lifetime, Store, StoreError, StoreErrorKind,
-    Usage,
+    ChargeAnswer, ChargeLine, ChargeOutcome, ChargeRequest, Debt, Lifetime, Store, StoreError,
+    StoreErrorKind, Usage,
 };
 use crate::key::PeriodKey;
 use crate::throttle::Throttle;
@@ -1562,6 +1562,20 @@ impl<St: Store> Store for LeasedStore<St> {
             store: self.clone(),
             request: Some(request),
             remote: None,
+        }
+    }
+
+    /// At once when this instance's blocks have room for every line;
+    /// otherwise the store is asked, in the future.
+    fn charge_at_once(&self, request: ChargeRequest) -> ChargeAnswer<Self::ChargeFuture> {
+        let at = Instant::now();
+        match self.spend_locally(&request, at) {
+            Ok(outcome) => ChargeAnswer::Now(Ok(outcome)),
+            Err(plan) => ChargeAnswer::Later(LeasedChargeFuture {
+                store: self.clone(),
+                request: None,
+                remote: Some(self.send(request, *plan, at)),
+            }),
         }
     }
 

@@ -15,8 +15,8 @@ use jiff::Timestamp;
 
 use super::slot_key::MapKey;
 use super::{
-    ChargeLine, ChargeOutcome, ChargeRequest, Debt, Lifetime, Store, StoreError, StoreErrorKind,
-    Usage,
+    ChargeAnswer, ChargeLine, ChargeOutcome, ChargeRequest, Debt, Lifetime, Store, StoreError,
+    StoreErrorKind, Usage,
 };
 use crate::key::PeriodKey;
 
@@ -837,6 +837,11 @@ impl Store for MemoryStore {
             store: self.clone(),
             request: Some(request),
         }
+    }
+
+    /// Always at once: the counters are here.
+    fn charge_at_once(&self, request: ChargeRequest) -> ChargeAnswer<Self::ChargeFuture> {
+        ChargeAnswer::Now(self.charge_now(&request))
     }
 
     fn peek(

@@ -209,6 +209,16 @@ pub struct ChargeLine {
     pub lifetime: Lifetime,
 }
 
+/// What [`Store::charge_at_once`] gives: the charge's answer, or the future
+/// that will give it.
+#[derive(Debug)]
+pub enum ChargeAnswer<F> {
+    /// The store answered at once.
+    Now(Result<ChargeOutcome, StoreError>),
+    /// The store answers when this future completes.
+    Later(F),
+}
+
 /// All counters one request spends on, charged together.
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub struct ChargeRequest {
@@ -379,6 +389,17 @@ pub trait Store: Clone + Send + Sync + 'static {
 
     /// Charges every line of `request`, or none of them.
     fn charge(&self, request: ChargeRequest) -> Self::ChargeFuture;
+
+    /// Charges `request` as [`Store::charge`] does, answering at once when
+    /// the store can: [`ChargeAnswer::Now`] with the answer, made without a
+    /// future (nor the clone of the store a future holds), or
+    /// [`ChargeAnswer::Later`] with the future of a charge that waits, which
+    /// spends nothing if it is dropped before it answers. The layer charges
+    /// through this; the default makes the future. [`MemoryStore`] always
+    /// answers at once, [`LeasedStore`] when its blocks have room.
+    fn charge_at_once(&self, request: ChargeRequest) -> ChargeAnswer<Self::ChargeFuture> {
+        ChargeAnswer::Later(self.charge(request))
+    }
 
     /// Where each line's counter stands, charging nothing and creating
     /// nothing. Costs in `request` are ignored.

@@ -6,7 +6,7 @@ use std::time::Duration;
 
 use super::hooks::{ConformanceHooks, Planted, StoredDeadline, Verdict};
 use super::support::{calendar_line, charge, first_use, peek, stored, Keys, Timeline};
-use crate::store::{ChargeLine, ChargeRequest};
+use crate::store::{ChargeAnswer, ChargeLine, ChargeRequest};
 
 /// Many tasks charging one subject at once: exactly the limit is admitted.
 ///
@@ -30,7 +30,7 @@ pub async fn exactly_the_limit_under_concurrency<S: ConformanceHooks>(store: &S)
         let calendar = calendar.clone();
         tasks.spawn(async move {
             let mut admitted = 0u64;
-            for _ in 0..EACH {
+            for i in 0..EACH {
                 let request = ChargeRequest {
                     now: start,
                     lines: smallvec::smallvec![
@@ -38,10 +38,18 @@ pub async fn exactly_the_limit_under_concurrency<S: ConformanceHooks>(store: &S)
                         calendar_line(&calendar, LIMIT * 2, 1, start, start + period),
                     ],
                 };
-                let outcome = store
-                    .charge(request)
-                    .await
-                    .unwrap_or_else(|e| panic!("the store failed under concurrency: {e}"));
+                // Half the charges as the layer makes them, at once when
+                // the store can.
+                let outcome = if i % 2 == 0 {
+                    store.charge(request).await
+                } else {
+                    match store.charge_at_once(request) {
+                        ChargeAnswer::Now(answer) => answer,
+                        ChargeAnswer::Later(future) => future.await,
+                    }
+                };
+                let outcome =
+                    outcome.unwrap_or_else(|e| panic!("the store failed under concurrency: {e}"));
                 if outcome.admitted {
                     admitted += 1;
                 }
@@ -246,8 +254,9 @@ pub async fn a_refused_charge_writes_nothing<S: ConformanceHooks>(store: &S) -> 
 
 /// A charge whose caller stopped waiting spends nothing: a charge future
 /// dropped before its first poll, or after a first poll that left it
-/// pending (sent, not yet answered), ends either not applied, or applied and
-/// given back. The count comes back to what the answered charges made it,
+/// pending (sent, not yet answered), or the future that
+/// [`Store::charge_at_once`](crate::store::Store::charge_at_once) gave instead of an answer, ends either not
+/// applied, or applied and given back. The count comes back to what the answered charges made it,
 /// and stays there. (A store whose charges answer on their first poll is
 /// only checked on the first case.)
 ///
@@ -272,8 +281,21 @@ pub async fn an_abandoned_charge_spends_nothing<S: ConformanceHooks>(store: &S) 
         now,
         lines: smallvec::smallvec![line()],
     }));
-    // Polled once, then dropped unless it answered at once.
+    // Made as the layer makes it, and dropped unless it answered at once.
     let mut pending = 0;
+    for _ in 0..20 {
+        match store.charge_at_once(ChargeRequest {
+            now,
+            lines: smallvec::smallvec![line()],
+        }) {
+            ChargeAnswer::Now(Ok(outcome)) => {
+                assert!(outcome.admitted, "a charge with room must be admitted");
+                answered += 1;
+            }
+            ChargeAnswer::Now(Err(_)) | ChargeAnswer::Later(_) => pending += 1,
+        }
+    }
+    // Polled once, then dropped unless it answered at once.
     for _ in 0..20 {
         let mut future = std::pin::pin!(store.charge(ChargeRequest {
             now,
