@@ -11,12 +11,11 @@ use jiff::Timestamp;
 use smallvec::SmallVec;
 
 use super::layer::{Bound, Cost, Scope};
-use crate::key::PeriodKey;
 use crate::policy::{OnStoreError, Policy, Settings, SubjectPolicy, UnknownPlan};
 use crate::quota::Quota;
 use crate::response::{self, RateLimitFields, Refusal};
 use crate::status::{Caller, Line, QuotaStatus, Ticket};
-use crate::store::{ChargeOutcome, ChargeRequest, Lifetime, StoreError, Usage};
+use crate::store::{ChargeOutcome, ChargeRequest, StoreError, Usage};
 use crate::subject::{Subject, SubjectError, SubjectExtractor};
 use crate::throttle::Throttle;
 
@@ -56,14 +55,10 @@ pub(crate) struct Charge {
     pub(crate) ticket: Ticket,
     /// One per line of `request`, in the caller's zone.
     pub(crate) quotas: Arc<[Quota]>,
-    /// What the store is asked (a shadow quota's line has no limit), until
-    /// it is sent.
-    pub(crate) request: Option<ChargeRequest>,
-    /// The key of each line, kept once the request is sent.
-    pub(crate) keys: SmallVec<[PeriodKey; 2]>,
-    /// The lifetime of each line, kept once the request is sent: what a
-    /// request that passes on a failed charge owes to.
-    pub(crate) lifetimes: SmallVec<[Lifetime; 2]>,
+    /// What the store is asked (a shadow quota's line has no limit): each
+    /// line's key, and its lifetime, which a request that passes on a
+    /// failed charge owes to.
+    pub(crate) request: ChargeRequest,
     pub(crate) cost: u64,
     /// The decision's span (disabled unless the crate's debug logs are on):
     /// subject kind and hash, allowances, anchors, outcome.
@@ -325,12 +320,10 @@ fn lines(
     let owes = ticket.owes();
     let charge = Charge {
         span,
-        keys: lines.iter().map(|line| line.key.clone()).collect(),
-        lifetimes: lines.iter().map(|line| line.lifetime).collect(),
-        request: Some(ChargeRequest {
+        request: ChargeRequest {
             now: ticket.now,
             lines,
-        }),
+        },
         ticket,
         quotas,
         cost,
@@ -412,10 +405,10 @@ pub(crate) fn decide(
             let lines = charge
                 .quotas
                 .iter()
-                .zip(&charge.keys)
+                .zip(&charge.request.lines)
                 .zip(outcome.usage.iter())
-                .map(|((quota, key), usage)| {
-                    Line::new(quota.clone(), key.clone(), charge.cost, *usage)
+                .map(|((quota, line), usage)| {
+                    Line::new(quota.clone(), line.key.clone(), charge.cost, *usage)
                 })
                 .collect();
             Decision::Admit(lines)

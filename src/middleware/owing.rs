@@ -40,8 +40,7 @@ pub(crate) fn owe<E, St>(
     let Charge {
         mut ticket,
         quotas,
-        keys,
-        lifetimes,
+        request,
         cost,
         ..
     } = charge;
@@ -55,8 +54,8 @@ pub(crate) fn owe<E, St>(
     let now = ticket.now;
     let lines = quotas
         .iter()
-        .zip(&keys)
-        .map(|(quota, key)| {
+        .zip(&request.lines)
+        .map(|(quota, line)| {
             let usage = Usage {
                 held_elsewhere_until: None,
                 limit: 0,
@@ -64,10 +63,13 @@ pub(crate) fn owe<E, St>(
                 resets_at: now,
                 first_call: None,
             };
-            Line::new(quota.clone(), key.clone(), cost, usage)
+            Line::new(quota.clone(), line.key.clone(), cost, usage)
         })
         .collect();
-    ticket.owed.extend(keys);
+    let lifetimes = request.lines.iter().map(|line| line.lifetime).collect();
+    ticket
+        .owed
+        .extend(request.lines.into_iter().map(|line| line.key));
     QuotaStatus::put_in(extensions, ticket);
     // Boxed: the response future stays small for the requests that owe
     // nothing.

@@ -97,13 +97,12 @@ where
                 ResponseFuture::owing(future, owing)
             }
             Step::Reject(response) => ResponseFuture::rejected(charge::marked(response)),
-            Step::Charge(mut charge) => {
+            Step::Charge(charge) => {
                 let request = Request::from_parts(parts, body);
-                let sent = charge.request.take().expect("a charge not sent yet");
                 let timer = crate::metrics::ChargeTimer::start();
                 // A store that answers at once is answered here, and the
                 // inner service called now; any other, in the future.
-                let mut answer = match self.bound.policy.store.charge_at_once(sent) {
+                let mut answer = match self.bound.policy.store.charge_at_once(&charge.request) {
                     ChargeAnswer::Now(answer) => Ok(answer),
                     ChargeAnswer::Later(future) => Err(future),
                 };

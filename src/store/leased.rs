@@ -1567,14 +1567,14 @@ impl<St: Store> Store for LeasedStore<St> {
 
     /// At once when this instance's blocks have room for every line;
     /// otherwise the store is asked, in the future.
-    fn charge_at_once(&self, request: ChargeRequest) -> ChargeAnswer<Self::ChargeFuture> {
+    fn charge_at_once(&self, request: &ChargeRequest) -> ChargeAnswer<Self::ChargeFuture> {
         let at = Instant::now();
-        match self.spend_locally(&request, at) {
+        match self.spend_locally(request, at) {
             Ok(outcome) => ChargeAnswer::Now(Ok(outcome)),
             Err(plan) => ChargeAnswer::Later(LeasedChargeFuture {
                 store: self.clone(),
                 request: None,
-                remote: Some(self.send(request, *plan, at)),
+                remote: Some(self.send(request.clone(), *plan, at)),
             }),
         }
     }

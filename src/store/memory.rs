@@ -840,8 +840,8 @@ impl Store for MemoryStore {
     }
 
     /// Always at once: the counters are here.
-    fn charge_at_once(&self, request: ChargeRequest) -> ChargeAnswer<Self::ChargeFuture> {
-        ChargeAnswer::Now(self.charge_now(&request))
+    fn charge_at_once(&self, request: &ChargeRequest) -> ChargeAnswer<Self::ChargeFuture> {
+        ChargeAnswer::Now(self.charge_now(request))
     }
 
     fn peek(

@@ -392,13 +392,13 @@ pub trait Store: Clone + Send + Sync + 'static {
 
     /// Charges `request` as [`Store::charge`] does, answering at once when
     /// the store can: [`ChargeAnswer::Now`] with the answer, made without a
-    /// future (nor the clone of the store a future holds), or
-    /// [`ChargeAnswer::Later`] with the future of a charge that waits, which
-    /// spends nothing if it is dropped before it answers. The layer charges
-    /// through this; the default makes the future. [`MemoryStore`] always
+    /// future (nor the clones of the store and of the request a future
+    /// holds), or [`ChargeAnswer::Later`] with the future of a charge that
+    /// waits, which spends nothing if it is dropped before it answers. The
+    /// layer charges through this; the default makes the future. [`MemoryStore`] always
     /// answers at once, [`LeasedStore`] when its blocks have room.
-    fn charge_at_once(&self, request: ChargeRequest) -> ChargeAnswer<Self::ChargeFuture> {
-        ChargeAnswer::Later(self.charge(request))
+    fn charge_at_once(&self, request: &ChargeRequest) -> ChargeAnswer<Self::ChargeFuture> {
+        ChargeAnswer::Later(self.charge(request.clone()))
     }
 
     /// Where each line's counter stands, charging nothing and creating

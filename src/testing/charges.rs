@@ -43,7 +43,7 @@ pub async fn exactly_the_limit_under_concurrency<S: ConformanceHooks>(store: &S)
                 let outcome = if i % 2 == 0 {
                     store.charge(request).await
                 } else {
-                    match store.charge_at_once(request) {
+                    match store.charge_at_once(&request) {
                         ChargeAnswer::Now(answer) => answer,
                         ChargeAnswer::Later(future) => future.await,
                     }
@@ -284,7 +284,7 @@ pub async fn an_abandoned_charge_spends_nothing<S: ConformanceHooks>(store: &S) 
     // Made as the layer makes it, and dropped unless it answered at once.
     let mut pending = 0;
     for _ in 0..20 {
-        match store.charge_at_once(ChargeRequest {
+        match store.charge_at_once(&ChargeRequest {
             now,
             lines: smallvec::smallvec![line()],
         }) {

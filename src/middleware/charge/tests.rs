@@ -63,8 +63,8 @@ fn the_outermost_layer_names_the_caller_and_charges_every_quota() {
     let layer = layer(&[Quota::per_minute(10), Quota::daily(100)], |b| b);
     let charge = charge_of(&layer, &head(ACME));
     assert_eq!(charge.caller().subject, Subject::account("acme"));
-    assert_eq!(charge.request.as_ref().unwrap().now, at(NOW));
-    assert_eq!(charge.request.as_ref().unwrap().lines.len(), 2);
+    assert_eq!(charge.request.now, at(NOW));
+    assert_eq!(charge.request.lines.len(), 2);
     assert!(
         charge.ticket.charges.is_empty(),
         "nothing charged further out"
@@ -147,31 +147,25 @@ fn a_callers_zone_moves_its_calendar_quotas_and_keys() {
     );
     let utc = charge_of(&layer, &head(ACME));
     let tokyo = charge_of(&layer, &head(&[("x-account-id", "acme"), ("x-tokyo", "1")]));
-    assert!(utc.request.as_ref().unwrap().lines[0]
-        .key
-        .as_str()
-        .ends_with(":2026-12-02"));
+    assert!(utc.request.lines[0].key.as_str().ends_with(":2026-12-02"));
     assert!(
-        tokyo.request.as_ref().unwrap().lines[0]
+        tokyo.request.lines[0]
             .key
             .as_str()
             .ends_with(":2026-12-02[Asia/Tokyo]"),
         "{}",
-        tokyo.request.as_ref().unwrap().lines[0].key.as_str()
+        tokyo.request.lines[0].key.as_str()
     );
     // Tokyo's day started at 15:00 UTC the day before.
     assert_eq!(
-        tokyo.request.as_ref().unwrap().lines[0].lifetime,
+        tokyo.request.lines[0].lifetime,
         crate::store::Lifetime::Calendar {
             start: at("2026-12-01T15:00:00Z"),
             end: at("2026-12-02T15:00:00Z"),
         }
     );
     // Fixed windows do not depend on a zone.
-    assert_eq!(
-        utc.request.as_ref().unwrap().lines[1].key,
-        tokyo.request.as_ref().unwrap().lines[1].key
-    );
+    assert_eq!(utc.request.lines[1].key, tokyo.request.lines[1].key);
 }
 
 #[test]
@@ -240,7 +234,7 @@ fn a_store_error_follows_the_policy() {
 fn a_shadow_quota_is_charged_without_a_limit_and_reports_its_own() {
     let layer = layer(&[Quota::daily(1).shadow()], |b| b);
     let charge = charge_of(&layer, &head(ACME));
-    assert_eq!(charge.request.as_ref().unwrap().lines[0].limit, u64::MAX);
+    assert_eq!(charge.request.lines[0].limit, u64::MAX);
     let Decision::Admit(lines) = decide(
         &charge,
         &layer.bound.policy.settings,
