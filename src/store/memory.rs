@@ -128,14 +128,22 @@ struct Nanos(i64);
 
 impl Nanos {
     fn of(at: Timestamp) -> Self {
+        // In `i64` arithmetic (every charge converts its instant): an
+        // instant beyond the range saturates.
         let nanos = at
-            .as_nanosecond()
-            .clamp(i128::from(i64::MIN), i128::from(i64::MAX));
-        Self(i64::try_from(nanos).expect("clamped to the range of i64"))
+            .as_second()
+            .checked_mul(1_000_000_000)
+            .and_then(|n| n.checked_add(i64::from(at.subsec_nanosecond())));
+        Self(nanos.unwrap_or(if at.as_second() < 0 {
+            i64::MIN
+        } else {
+            i64::MAX
+        }))
     }
 
     fn timestamp(self) -> Timestamp {
-        Timestamp::from_nanosecond(i128::from(self.0))
+        let nanos = i32::try_from(self.0.rem_euclid(1_000_000_000)).expect("below 10^9");
+        Timestamp::new(self.0.div_euclid(1_000_000_000), nanos)
             .expect("an i64 of nanoseconds is a valid timestamp")
     }
 }
@@ -955,5 +963,36 @@ impl MemoryStore {
             }
             tried = true;
         }
+    }
+}
+
+#[cfg(test)]
+mod nanos_tests {
+    use jiff::Timestamp;
+
+    use super::Nanos;
+
+    #[test]
+    fn instants_convert_both_ways_and_saturate_beyond_i64() {
+        for text in [
+            "2026-12-04T23:00:00.123456789Z",
+            "1970-01-01T00:00:00Z",
+            "1969-12-31T23:59:59.999999999Z",
+            "1700-03-01T12:00:00.5Z",
+            "2262-04-11T23:47:16.854775807Z",
+        ] {
+            let at: Timestamp = text.parse().unwrap();
+            let nanos = Nanos::of(at);
+            assert_eq!(i128::from(nanos.0), at.as_nanosecond(), "{text}");
+            assert_eq!(nanos.timestamp(), at, "{text}");
+        }
+        let late: Timestamp = "2300-01-01T00:00:00Z".parse().unwrap();
+        assert_eq!(Nanos::of(late).0, i64::MAX);
+        let early: Timestamp = "1600-01-01T00:00:00.5Z".parse().unwrap();
+        assert_eq!(Nanos::of(early).0, i64::MIN);
+        assert_eq!(
+            Nanos(i64::MIN).timestamp().as_nanosecond(),
+            i128::from(i64::MIN)
+        );
     }
 }
