@@ -993,3 +993,70 @@ async fn a_key_without_a_lease_mark_is_forgotten_once_idle() {
     assert!(charges < 40, "{charges} charges for 200 requests");
     assert!(leased.held() > 0);
 }
+
+/// A line of a counter of `subject`, for today.
+fn line_of(subject: &str, limit: u64) -> ChargeLine {
+    ChargeLine {
+        key: PeriodKey::from_string(format!("quota:{{account:{subject}}}:default:2026-12-04")),
+        limit,
+        cost: 1,
+        lifetime: day(),
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn charges_over_two_subjects_in_either_order_are_exact_and_never_wait_on_each_other() {
+    // The subjects' counters sit in different shards (with many subjects,
+    // some pair does): charges naming both lock both, from many tasks at
+    // once, half naming them in one order and half in the other.
+    const LIMIT: u64 = 500;
+    let inner = MemoryStore::new();
+    let leased = LeasedStore::new(inner.clone());
+    let now = t0();
+    let subjects: Vec<String> = (0..16).map(|i| format!("s{i}")).collect();
+    let mut tasks = tokio::task::JoinSet::new();
+    for task in 0..16usize {
+        let leased = leased.clone();
+        let (a, b) = (subjects[task % 4].clone(), subjects[4 + task % 4].clone());
+        tasks.spawn(async move {
+            let mut admitted = [0u64; 2];
+            for i in 0..300 {
+                let lines = if (task + i) % 2 == 0 {
+                    smallvec::smallvec![line_of(&a, LIMIT), line_of(&b, LIMIT)]
+                } else {
+                    smallvec::smallvec![line_of(&b, LIMIT), line_of(&a, LIMIT)]
+                };
+                let outcome = leased.charge(ChargeRequest { now, lines }).await.unwrap();
+                if outcome.admitted {
+                    admitted[(task + i) % 2] += 1;
+                }
+            }
+            (task % 4, admitted[0] + admitted[1])
+        });
+    }
+    let mut admitted = [0u64; 4];
+    let all = tokio::time::timeout(Duration::from_secs(60), async {
+        while let Some(result) = tasks.join_next().await {
+            let (pair, n) = result.unwrap();
+            admitted[pair] += n;
+        }
+    })
+    .await;
+    assert!(all.is_ok(), "charges over two subjects must never deadlock");
+    leased.shutdown().await;
+    for pair in 0..4 {
+        // Four tasks of 300 charges each on the pair: the limit, exactly.
+        assert_eq!(admitted[pair], LIMIT, "pair {pair}");
+        for subject in [&subjects[pair], &subjects[4 + pair]] {
+            let used = inner
+                .peek(ChargeRequest {
+                    now,
+                    lines: smallvec::smallvec![line_of(subject, u64::MAX)],
+                })
+                .await
+                .unwrap()[0]
+                .used;
+            assert_eq!(used, LIMIT, "counted for {subject}");
+        }
+    }
+}

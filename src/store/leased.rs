@@ -3,8 +3,9 @@
 use std::collections::HashMap;
 use std::fmt;
 use std::future::Future;
+use std::hash::BuildHasher;
 use std::pin::Pin;
-use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex, MutexGuard, Weak};
 use std::task::{Context, Poll};
 use std::time::Duration;
@@ -271,7 +272,9 @@ impl<St: Store> LeasedStoreBuilder<St> {
             inner: self.inner,
             shared: Arc::new(Shared {
                 settings: self.settings,
-                counters: Mutex::new(HashMap::default()),
+                shards: (0..shard_count()).map(|_| Mutex::default()).collect(),
+                hasher: foldhash::fast::RandomState::default(),
+                entries: AtomicUsize::new(0),
                 closed: AtomicBool::new(false),
                 sweeping: AtomicBool::new(false),
                 generations: AtomicU64::new(0),
@@ -280,10 +283,27 @@ impl<St: Store> LeasedStoreBuilder<St> {
     }
 }
 
+/// Shards of the counters an instance knows: enough that requests of
+/// different subjects on different cores seldom wait for each other.
+fn shard_count() -> usize {
+    let cores = std::thread::available_parallelism().map_or(4, |n| n.get());
+    (cores * 4).next_power_of_two()
+}
+
+/// One shard of the counters an instance knows.
+type Map = HashMap<PeriodKey, Counter, foldhash::fast::RandomState>;
+
 /// What the clones of one leased store share.
 struct Shared {
     settings: Settings,
-    counters: Mutex<HashMap<PeriodKey, Counter, foldhash::fast::RandomState>>,
+    /// The counters this instance knows, sharded by key: a request locks
+    /// the shards of its keys (one, nearly always), and requests on other
+    /// keys go on meanwhile.
+    shards: Box<[Mutex<Map>]>,
+    /// Picks a key's shard.
+    hasher: foldhash::fast::RandomState,
+    /// The counters in all shards, against `max_counters`.
+    entries: AtomicUsize,
     /// Set by `shutdown`: no block is taken any more.
     closed: AtomicBool,
     /// Whether the task that gives idle blocks back runs.
@@ -298,10 +318,112 @@ impl Shared {
         self.generations.fetch_add(1, Ordering::Relaxed) + 1
     }
 
-    fn counters(&self) -> MutexGuard<'_, HashMap<PeriodKey, Counter, foldhash::fast::RandomState>> {
-        self.counters
+    fn shard_of(&self, key: &PeriodKey) -> usize {
+        // The shard count is a power of two.
+        (self.hasher.hash_one(key.as_str()) as usize) & (self.shards.len() - 1)
+    }
+
+    fn lock(&self, shard: usize) -> MutexGuard<'_, Map> {
+        self.shards[shard]
             .lock()
             .unwrap_or_else(std::sync::PoisonError::into_inner)
+    }
+
+    /// The counters at `keys`, their shards locked in index order, so that
+    /// two callers never wait for each other in a cycle (a request has one
+    /// key nearly always).
+    fn counters<'a>(&self, keys: impl IntoIterator<Item = &'a PeriodKey>) -> Counters<'_> {
+        let mut shards = SmallVec::<[usize; 2]>::new();
+        for key in keys {
+            let shard = self.shard_of(key);
+            if !shards.contains(&shard) {
+                shards.push(shard);
+            }
+        }
+        shards.sort_unstable();
+        let mut guards = SmallVec::new();
+        for shard in shards {
+            guards.push((shard, self.lock(shard)));
+        }
+        Counters {
+            shared: self,
+            guards,
+        }
+    }
+
+    /// The counter at `key`, its shard locked.
+    fn counter(&self, key: &PeriodKey) -> Counters<'_> {
+        self.counters(std::iter::once(key))
+    }
+
+    /// Runs `f` on every shard in turn, each locked while `f` runs on it.
+    fn each_shard(&self, mut f: impl FnMut(&mut Map)) {
+        for shard in 0..self.shards.len() {
+            let mut map = self.lock(shard);
+            let before = map.len();
+            f(&mut map);
+            self.entries.fetch_add(map.len(), Ordering::Relaxed);
+            self.entries.fetch_sub(before, Ordering::Relaxed);
+        }
+    }
+}
+
+/// The counters at some keys, their shards locked: see
+/// [`Shared::counters`].
+struct Counters<'a> {
+    shared: &'a Shared,
+    guards: SmallVec<[(usize, MutexGuard<'a, Map>); 1]>,
+}
+
+impl Counters<'_> {
+    /// The shard of `key`, which must be one of the keys asked for.
+    fn map(&self, key: &PeriodKey) -> &Map {
+        let shard = match self.guards.as_slice() {
+            [(shard, _)] => *shard,
+            _ => self.shared.shard_of(key),
+        };
+        debug_assert_eq!(shard, self.shared.shard_of(key), "a key not asked for");
+        let (_, map) = self
+            .guards
+            .iter()
+            .find(|(s, _)| *s == shard)
+            .expect("the shard of a key asked for is locked");
+        map
+    }
+
+    fn map_mut(&mut self, key: &PeriodKey) -> &mut Map {
+        let shard = match self.guards.as_slice() {
+            [(shard, _)] => *shard,
+            _ => self.shared.shard_of(key),
+        };
+        debug_assert_eq!(shard, self.shared.shard_of(key), "a key not asked for");
+        let (_, map) = self
+            .guards
+            .iter_mut()
+            .find(|(s, _)| *s == shard)
+            .expect("the shard of a key asked for is locked");
+        map
+    }
+
+    fn get(&self, key: &PeriodKey) -> Option<&Counter> {
+        self.map(key).get(key)
+    }
+
+    fn get_mut(&mut self, key: &PeriodKey) -> Option<&mut Counter> {
+        self.map_mut(key).get_mut(key)
+    }
+
+    /// The counter at `key`, made with `make` when there is none.
+    fn get_or_insert_with(
+        &mut self,
+        key: &PeriodKey,
+        make: impl FnOnce() -> Counter,
+    ) -> &mut Counter {
+        let entries = &self.shared.entries;
+        self.map_mut(key).entry(key.clone()).or_insert_with(|| {
+            entries.fetch_add(1, Ordering::Relaxed);
+            make()
+        })
     }
 }
 
@@ -506,7 +628,10 @@ impl<St: Store> LeasedStore<St> {
 
     /// The unused units this instance holds, over all counters.
     pub fn held(&self) -> u64 {
-        self.shared.counters().values().map(|c| c.units).sum()
+        let mut held = 0;
+        self.shared
+            .each_shard(|counters| held += counters.values().map(|c| c.units).sum::<u64>());
+        held
     }
 
     /// Gives every unused unit back to the store and takes no block from
@@ -517,14 +642,15 @@ impl<St: Store> LeasedStore<St> {
     pub async fn shutdown(&self) -> u64 {
         self.shared.closed.store(true, Ordering::SeqCst);
         let at = Instant::now();
-        let drained: Vec<_> = {
-            let mut counters = self.shared.counters();
-            counters
-                .drain()
-                .map(|(key, c)| (key, c, c.now(at)))
-                .filter(|(_, c, now)| c.units > 0 || c.mark.counted(*now) || c.mark.joining)
-                .collect()
-        };
+        let mut drained = Vec::new();
+        self.shared.each_shard(|counters| {
+            drained.extend(
+                counters
+                    .drain()
+                    .map(|(key, c)| (key, c, c.now(at)))
+                    .filter(|(_, c, now)| c.units > 0 || c.mark.counted(*now) || c.mark.joining),
+            );
+        });
         let margin = self.shared.settings.mark_margin();
         let mut returned = 0;
         for (key, mut counter, now) in drained {
@@ -554,7 +680,7 @@ impl<St: Store> LeasedStore<St> {
     /// whether this charge takes it (only one at a time per counter).
     fn block_for(
         &self,
-        counters: &mut HashMap<PeriodKey, Counter, foldhash::fast::RandomState>,
+        counters: &mut Counters<'_>,
         line: &ChargeLine,
         now: Timestamp,
         at: Instant,
@@ -627,7 +753,9 @@ impl<St: Store> LeasedStore<St> {
         request: &ChargeRequest,
         at: Instant,
     ) -> Result<ChargeOutcome, Box<Plan>> {
-        let mut counters = self.shared.counters();
+        let mut counters = self
+            .shared
+            .counters(request.lines.iter().map(|line| &line.key));
         let lease_time = self.shared.settings.lease_time;
         let margin = self.shared.settings.mark_margin();
         // Per line, the units taken from a fresh block here: all of its
@@ -932,11 +1060,11 @@ impl<St: Store> LeasedStore<St> {
             }
             // No runtime, no leaving: the mark ends on its own.
             Err(_) => {
-                let mut counters = self.shared.counters();
-                for (key, generation) in unmarked {
+                let mut counters = self.shared.counters(unmarked.iter().map(|(key, _)| key));
+                for (key, generation) in &unmarked {
                     if let Some(counter) = counters
-                        .get_mut(&key)
-                        .filter(|c| c.generation == generation)
+                        .get_mut(key)
+                        .filter(|c| c.generation == *generation)
                     {
                         counter.mark.left(false);
                     }
@@ -979,8 +1107,10 @@ impl<St: Store> LeasedStore<St> {
         mut outcome: ChargeOutcome,
         at: Instant,
     ) -> ChargeOutcome {
-        let mut counters = self.shared.counters();
-        let room = counters.len() < self.shared.settings.max_counters;
+        let mut counters = self
+            .shared
+            .counters(request.lines.iter().map(|line| &line.key));
+        let room = self.shared.entries.load(Ordering::Relaxed) < self.shared.settings.max_counters;
         let closed = self.shared.closed.load(Ordering::SeqCst);
         let now = request.now;
         let mut sweep = false;
@@ -1006,7 +1136,7 @@ impl<St: Store> LeasedStore<St> {
                 // Nothing new is tracked once the store shut down.
                 None if room && line.cost > 0 && !closed => {
                     sweep = true;
-                    counters.entry(line.key.clone()).or_insert(Counter {
+                    counters.get_or_insert_with(&line.key, || Counter {
                         units: 0,
                         block_since: None,
                         taken_at: None,
@@ -1172,7 +1302,7 @@ impl<St: Store> LeasedStore<St> {
     /// instance's unused units counted as not spent.
     fn told(&self, key: &PeriodKey, result: Option<u64>) -> Option<u64> {
         let used = result?;
-        match self.shared.counters().get_mut(key) {
+        match self.shared.counter(key).get_mut(key) {
             Some(counter) => {
                 counter.store_used = used;
                 Some(used.saturating_sub(counter.units))
@@ -1212,11 +1342,10 @@ async fn sweep<St: Store>(shared: Weak<Shared>, inner: St, settings: Settings) {
         let at = Instant::now();
         let mut back = Vec::new();
         let mut unmarked = Vec::new();
-        {
-            let mut counters = shared.counters();
-            // Room is kept for new subjects: past half the bound, a subject
-            // idle here is forgotten at once.
-            let roomy = counters.len() < settings.max_counters / 2;
+        // Room is kept for new subjects: past half the bound, a subject idle
+        // here is forgotten at once.
+        let roomy = shared.entries.load(Ordering::Relaxed) < settings.max_counters / 2;
+        shared.each_shard(|counters| {
             counters.retain(|key, counter| {
                 let quiet = at.saturating_duration_since(counter.seen_at);
                 let idle = quiet >= settings.idle;
@@ -1255,7 +1384,7 @@ async fn sweep<St: Store>(shared: Weak<Shared>, inner: St, settings: Settings) {
                     || counter.reserved > 0
                     || counter.mark.may_count(now)
             });
-        }
+        });
         for (key, now, units, taken_at) in back {
             give_back(&inner, now, key, units, taken_at).await;
         }
@@ -1366,7 +1495,7 @@ async fn join<St: Store>(
         Ok(_) => Ok(None),
         Err(_) => Err(deadline),
     };
-    let leave_now = match shared.counters().get_mut(&key) {
+    let leave_now = match shared.counter(&key).get_mut(&key) {
         Some(counter) if counter.generation == generation => counter.mark.joined(result),
         _ => matches!(result, Ok(Some(_))),
     };
@@ -1386,7 +1515,7 @@ async fn leave<St: Store>(
 ) {
     let ok = unmark(inner, now, &key).await;
     if let Some(counter) = shared
-        .counters()
+        .counter(&key)
         .get_mut(&key)
         .filter(|c| c.generation == generation)
     {
@@ -1439,7 +1568,9 @@ impl Drop for Reserved {
         if self.lines.is_empty() {
             return;
         }
-        let mut counters = self.shared.counters();
+        let mut counters = self
+            .shared
+            .counters(self.lines.iter().map(|(key, _, _)| key));
         for (key, units, generation) in &self.lines {
             if let Some(counter) = counters
                 .get_mut(key)
@@ -1480,7 +1611,7 @@ impl Drop for Joining {
         if self.lines.is_empty() {
             return;
         }
-        let mut counters = self.shared.counters();
+        let mut counters = self.shared.counters(self.lines.iter().map(|(key, _)| key));
         for (key, generation) in &self.lines {
             if let Some(counter) = counters
                 .get_mut(key)
@@ -1504,7 +1635,7 @@ impl Drop for Taking {
         if self.keys.is_empty() {
             return;
         }
-        let mut counters = self.shared.counters();
+        let mut counters = self.shared.counters(&self.keys);
         for key in &self.keys {
             if let Some(counter) = counters.get_mut(key) {
                 counter.taking = false;
@@ -1584,7 +1715,7 @@ impl<St: Store> Store for LeasedStore<St> {
     async fn peek(&self, request: ChargeRequest) -> Result<Vec<Usage>, StoreError> {
         let keys: Vec<PeriodKey> = request.lines.iter().map(|l| l.key.clone()).collect();
         let mut usage = self.inner.peek(request).await?;
-        let counters = self.shared.counters();
+        let counters = self.shared.counters(&keys);
         for (key, usage) in keys.iter().zip(&mut usage) {
             if let Some(counter) = counters.get(key) {
                 if counter.same_period(usage) {
@@ -1605,7 +1736,7 @@ impl<St: Store> Store for LeasedStore<St> {
         amount: u64,
     ) -> Result<Option<u64>, StoreError> {
         {
-            let mut counters = self.shared.counters();
+            let mut counters = self.shared.counter(&key);
             if let Some(counter) = counters.get_mut(&key) {
                 if counter.units > 0 && !counter.ended(now) {
                     let room = counter.store_used.saturating_sub(counter.units);
@@ -1642,7 +1773,7 @@ impl<St: Store> Store for LeasedStore<St> {
     /// is gone), and what is on its way for it (a block being taken, units
     /// to put back), and leaves its lease mark; then deletes the counter.
     fn reset(&self, key: PeriodKey) -> impl Future<Output = Result<bool, StoreError>> + Send {
-        let leaving = self.shared.counters().get_mut(&key).and_then(|counter| {
+        let leaving = self.shared.counter(&key).get_mut(&key).and_then(|counter| {
             let now = counter.now(Instant::now());
             self.renew(counter, now)
         });
