@@ -207,9 +207,10 @@ impl QuotaStatus {
         match extensions.get_mut::<QuotaStatus>() {
             Some(status) => status.put(ticket),
             None => {
-                let mut status = QuotaStatus::default();
-                status.put(ticket);
-                extensions.insert(status);
+                extensions.insert(QuotaStatus {
+                    tickets: smallvec::smallvec![ticket],
+                    entries: OnceLock::new(),
+                });
             }
         }
     }
