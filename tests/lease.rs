@@ -668,6 +668,12 @@ async fn a_refund_lands_in_the_block_and_goes_back_with_it() {
     assert_eq!(counted(&shared, now).await, 195);
 }
 
+/// The instant on the test's day (`t0`) as far past it as real time is past
+/// `start`: instants that move with the runtime, whatever the date.
+fn on_the_day(start: std::time::Instant) -> Timestamp {
+    t0() + SignedDuration::try_from(start.elapsed()).unwrap()
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn many_instances_under_concurrency_admit_exactly_the_limit() {
     let shared = MemoryStore::new();
@@ -683,7 +689,8 @@ async fn many_instances_under_concurrency_admit_exactly_the_limit() {
     let mut tasks = Vec::new();
     // Far more callers than the limit, until the limit is spent or two
     // seconds passed (units held by an instance come back once it idles).
-    let until = std::time::Instant::now() + Duration::from_secs(2);
+    let start = std::time::Instant::now();
+    let until = start + Duration::from_secs(2);
     for task in 0..24 {
         let leased = instances[task % 3].clone();
         let admitted = Arc::clone(&admitted);
@@ -692,7 +699,7 @@ async fn many_instances_under_concurrency_admit_exactly_the_limit() {
             let mut i = 0u64;
             while admitted.load(Ordering::SeqCst) < 1_000 && std::time::Instant::now() < until {
                 if leased
-                    .charge(request(Timestamp::now(), 1_000))
+                    .charge(request(on_the_day(start), 1_000))
                     .await
                     .unwrap()
                     .admitted
@@ -717,11 +724,11 @@ async fn many_instances_under_concurrency_admit_exactly_the_limit() {
     for leased in &instances {
         leased.shutdown().await;
     }
-    assert_eq!(counted(&shared, Timestamp::now()).await, 1_000);
+    assert_eq!(counted(&shared, on_the_day(start)).await, 1_000);
     // Every instance left the lease mark, whatever the interleaving of its
     // joinings and leavings.
     tokio::time::sleep(Duration::from_millis(100)).await;
-    assert_eq!(holders(&shared, Timestamp::now()).await, 0);
+    assert_eq!(holders(&shared, on_the_day(start)).await, 0);
 }
 
 #[tokio::test(start_paused = true)]
