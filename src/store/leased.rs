@@ -259,7 +259,8 @@ impl<St: Store> LeasedStoreBuilder<St> {
 
     /// The most counters this instance keeps track of (their rate and
     /// block); past it, new subjects are charged request by request until
-    /// some go idle. 100 000 by default.
+    /// some go idle. 100 000 by default. (Charges that land at the same
+    /// moment on different cores may each add one past it.)
     #[must_use]
     pub fn max_counters(mut self, max_counters: usize) -> Self {
         self.settings.max_counters = max_counters;
