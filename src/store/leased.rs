@@ -1703,11 +1703,22 @@ impl<St: Store> Store for LeasedStore<St> {
         let at = Instant::now();
         match self.spend_locally(request, at) {
             Ok(outcome) => ChargeAnswer::Now(Ok(outcome)),
-            Err(plan) => ChargeAnswer::Later(LeasedChargeFuture {
-                store: self.clone(),
-                request: None,
-                remote: Some(self.send(request.clone(), *plan, at)),
-            }),
+            Err(plan) => {
+                let mut future = LeasedChargeFuture {
+                    store: self.clone(),
+                    request: None,
+                    remote: Some(self.send(request.clone(), *plan, at)),
+                };
+                // Started here, as `charge`'s future is by its first poll:
+                // a block past its lease time that `spend_locally` took off
+                // the counter is on its way back before the future is
+                // handed out, so dropping it unpolled loses no units.
+                let mut cx = Context::from_waker(std::task::Waker::noop());
+                match Pin::new(&mut future).poll(&mut cx) {
+                    Poll::Ready(answer) => ChargeAnswer::Now(answer),
+                    Poll::Pending => ChargeAnswer::Later(future),
+                }
+            }
         }
     }
 
