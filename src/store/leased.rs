@@ -377,33 +377,32 @@ struct Counters<'a> {
 }
 
 impl Counters<'_> {
-    /// The shard of `key`, which must be one of the keys asked for.
-    fn map(&self, key: &PeriodKey) -> &Map {
-        let shard = match self.guards.as_slice() {
-            [(shard, _)] => *shard,
-            _ => self.shared.shard_of(key),
-        };
-        debug_assert_eq!(shard, self.shared.shard_of(key), "a key not asked for");
-        let (_, map) = self
-            .guards
+    /// Where the guard of `key`'s shard is; `key` must be one of the keys
+    /// asked for.
+    fn guard_of(&self, key: &PeriodKey) -> usize {
+        // One shard locked (nearly always): it is the key's.
+        if self.guards.len() == 1 {
+            debug_assert_eq!(
+                self.guards[0].0,
+                self.shared.shard_of(key),
+                "a key not asked for"
+            );
+            return 0;
+        }
+        let shard = self.shared.shard_of(key);
+        self.guards
             .iter()
-            .find(|(s, _)| *s == shard)
-            .expect("the shard of a key asked for is locked");
-        map
+            .position(|(s, _)| *s == shard)
+            .expect("the shard of a key asked for is locked")
+    }
+
+    fn map(&self, key: &PeriodKey) -> &Map {
+        &self.guards[self.guard_of(key)].1
     }
 
     fn map_mut(&mut self, key: &PeriodKey) -> &mut Map {
-        let shard = match self.guards.as_slice() {
-            [(shard, _)] => *shard,
-            _ => self.shared.shard_of(key),
-        };
-        debug_assert_eq!(shard, self.shared.shard_of(key), "a key not asked for");
-        let (_, map) = self
-            .guards
-            .iter_mut()
-            .find(|(s, _)| *s == shard)
-            .expect("the shard of a key asked for is locked");
-        map
+        let guard = self.guard_of(key);
+        &mut self.guards[guard].1
     }
 
     fn get(&self, key: &PeriodKey) -> Option<&Counter> {
