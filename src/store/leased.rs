@@ -1697,7 +1697,8 @@ impl<St: Store> Store for LeasedStore<St> {
     }
 
     /// At once when this instance's blocks have room for every line;
-    /// otherwise the store is asked, in the future.
+    /// otherwise the charge is sent to the store here (answered at once if
+    /// the store answers at once), and the future gives the store's answer.
     fn charge_at_once(&self, request: &ChargeRequest) -> ChargeAnswer<Self::ChargeFuture> {
         let at = Instant::now();
         match self.spend_locally(request, at) {
