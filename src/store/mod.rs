@@ -212,6 +212,7 @@ pub struct ChargeLine {
 /// What [`Store::charge_at_once`] gives: the charge's answer, or the future
 /// that will give it.
 #[derive(Debug)]
+#[must_use = "the charge is made: its answer says whether it was admitted"]
 pub enum ChargeAnswer<F> {
     /// The store answered at once.
     Now(Result<ChargeOutcome, StoreError>),
