@@ -363,8 +363,12 @@ impl Shared {
             let mut map = self.lock(shard);
             let before = map.len();
             f(&mut map);
-            self.entries.fetch_add(map.len(), Ordering::Relaxed);
-            self.entries.fetch_sub(before, Ordering::Relaxed);
+            let after = map.len();
+            if after > before {
+                self.entries.fetch_add(after - before, Ordering::Relaxed);
+            } else if after < before {
+                self.entries.fetch_sub(before - after, Ordering::Relaxed);
+            }
         }
     }
 }
