@@ -1,5 +1,6 @@
 //! Leased counting: see [`LeasedStore`].
 
+use std::borrow::Cow;
 use std::collections::HashMap;
 use std::fmt;
 use std::future::Future;
@@ -906,6 +907,15 @@ impl<St: Store> LeasedStore<St> {
         }))
     }
 
+    /// Spends `request` from this instance's blocks, or sends it to the
+    /// store: the charge sent, which runs when polled. (Copied only when it
+    /// is sent.)
+    fn start(&self, request: Cow<'_, ChargeRequest>) -> Result<ChargeOutcome, RemoteCharge> {
+        let at = Instant::now();
+        self.spend_locally(&request, at)
+            .map_err(|plan| self.send(request.into_owned(), *plan, at))
+    }
+
     /// The charge of `request` through the store, as `plan` says.
     fn send(&self, mut request: ChargeRequest, plan: Plan, at: Instant) -> RemoteCharge {
         let Plan {
@@ -1675,10 +1685,9 @@ impl<St: Store> Future for LeasedChargeFuture<St> {
     fn poll(self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<Self::Output> {
         let this = self.get_mut();
         if let Some(request) = this.request.take() {
-            let at = Instant::now();
-            match this.store.spend_locally(&request, at) {
+            match this.store.start(Cow::Owned(request)) {
                 Ok(outcome) => return Poll::Ready(Ok(outcome)),
-                Err(plan) => this.remote = Some(this.store.send(request, *plan, at)),
+                Err(remote) => this.remote = Some(remote),
             }
         }
         this.remote
@@ -1704,14 +1713,13 @@ impl<St: Store> Store for LeasedStore<St> {
     /// otherwise the charge is sent to the store here (answered at once if
     /// the store answers at once), and the future gives the store's answer.
     fn charge_at_once(&self, request: &ChargeRequest) -> ChargeAnswer<Self::ChargeFuture> {
-        let at = Instant::now();
-        match self.spend_locally(request, at) {
+        match self.start(Cow::Borrowed(request)) {
             Ok(outcome) => ChargeAnswer::Now(Ok(outcome)),
-            Err(plan) => {
+            Err(remote) => {
                 let mut future = LeasedChargeFuture {
                     store: self.clone(),
                     request: None,
-                    remote: Some(self.send(request.clone(), *plan, at)),
+                    remote: Some(remote),
                 };
                 // Started here, as `charge`'s future is by its first poll:
                 // a block past its lease time that `spend_locally` took off
