@@ -31,8 +31,6 @@ const PART: &AsciiSet = &NON_ALPHANUMERIC
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub struct Namespace {
     prefix: Arc<str>,
-    /// The prefix and the opening of the subject's part, `{prefix}:{`.
-    open: Arc<str>,
 }
 
 impl Namespace {
@@ -49,7 +47,6 @@ impl Namespace {
             "a key namespace must not contain braces (got {prefix:?}): the subject part is the key's hash tag"
         );
         Self {
-            open: format!("{prefix}:{{").into(),
             prefix: prefix.into(),
         }
     }
@@ -61,36 +58,18 @@ impl Namespace {
 
     /// The key of one counter.
     pub fn key(&self, subject: &Subject, allowance: &str, period: &str) -> PeriodKey {
-        self.key_with(subject, &allowance_part(allowance), period)
-    }
-
-    /// The key of one counter, the allowance given as its part of the key
-    /// ([`allowance_part`], which a quota keeps).
-    pub(crate) fn key_with(
-        &self,
-        subject: &Subject,
-        allowance_part: &str,
-        period: &str,
-    ) -> PeriodKey {
         let mut key = Text::default();
-        key.push_str(&self.open);
+        key.push_str(&self.prefix);
+        key.push_str(":{");
         push_encoded(&mut key, subject.kind().as_str().as_bytes());
         key.push_str(":");
         push_encoded(&mut key, subject.id());
-        key.push_str(allowance_part);
+        key.push_str("}:");
+        push_encoded(&mut key, allowance.as_bytes());
+        key.push_str(":");
         key.push_str(period);
         PeriodKey(Arc::from(key.as_str()))
     }
-}
-
-/// What follows the subject in a key, up to the period: `}:{allowance}:`,
-/// the allowance encoded.
-pub(crate) fn allowance_part(allowance: &str) -> String {
-    let mut part = Text::default();
-    part.push_str("}:");
-    push_encoded(&mut part, allowance.as_bytes());
-    part.push_str(":");
-    part.as_str().to_owned()
 }
 
 /// The bytes a key part keeps as they are: ASCII letters, digits and

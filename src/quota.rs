@@ -45,8 +45,6 @@ struct Inner {
     // Limits of named plans; a plan not listed here gets `limit`.
     plans: Vec<(Arc<str>, u64)>,
     allowance: Arc<str>,
-    // What follows the subject in the quota's keys, up to the period.
-    allowance_part: Arc<str>,
     period: Period,
     anchor: Anchor,
     name: Arc<str>,
@@ -78,7 +76,6 @@ impl Quota {
             limit,
             plans: Vec::new(),
             allowance: DEFAULT_ALLOWANCE.into(),
-            allowance_part: "".into(),
             period,
             anchor,
             name: "".into(),
@@ -329,7 +326,6 @@ impl Quota {
         let label = self.0.period.first_use_label();
         let inner = self.inner();
         inner.first_use_label = label.into();
-        inner.allowance_part = crate::key::allowance_part(&inner.allowance).into();
         if !inner.named {
             inner.name = match inner.anchor {
                 Anchor::Calendar => format!("{}-{}", inner.allowance, inner.period.name()),
@@ -477,7 +473,7 @@ impl Quota {
         let inner = &*self.0;
         match inner.anchor {
             Anchor::Calendar => self.with_window(at, |window| ChargeLine {
-                key: namespace.key_with(subject, &inner.allowance_part, window.stamp()),
+                key: namespace.key(subject, &inner.allowance, window.stamp()),
                 limit,
                 cost,
                 lifetime: Lifetime::Calendar {
@@ -486,7 +482,7 @@ impl Quota {
                 },
             }),
             Anchor::FirstUse => ChargeLine {
-                key: namespace.key_with(subject, &inner.allowance_part, &inner.first_use_label),
+                key: namespace.key(subject, &inner.allowance, &inner.first_use_label),
                 limit,
                 cost,
                 lifetime: Lifetime::FirstUse {
