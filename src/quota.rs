@@ -1,13 +1,14 @@
 //! What a subject may spend: an allowance, a limit, a period and an anchor.
 
 use std::fmt;
-use std::sync::{Arc, RwLock};
+use std::sync::Arc;
 use std::time::Duration;
 
 use jiff::tz::TimeZone;
 use jiff::Timestamp;
 
 use crate::key::{Namespace, PeriodKey};
+use crate::period::cache::WindowCache;
 use crate::period::seconds_until;
 use crate::period::{Anchor, Period, Window};
 use crate::store::{ChargeLine, Lifetime};
@@ -61,12 +62,6 @@ struct Inner {
     // window formats a stamp, and consecutive requests nearly always fall in
     // the same one.
     current: Arc<WindowCache>,
-}
-
-/// The calendar window a quota's last request fell in, shared by its clones.
-#[derive(Default)]
-struct WindowCache {
-    window: RwLock<Option<Window>>,
 }
 
 impl Quota {
@@ -395,7 +390,9 @@ impl Quota {
     pub(crate) fn window_seconds(&self, now: Timestamp, first_call: Option<Timestamp>) -> u64 {
         let period = &self.0.period;
         let seconds = match (self.0.anchor, first_call) {
-            (Anchor::Calendar, _) => self.with_window(now, |w| seconds_until(w.start(), w.end())),
+            (Anchor::Calendar, _) => {
+                self.with_window(now, |start, end, _| seconds_until(start, end))
+            }
             (Anchor::FirstUse, Some(first)) => seconds_until(first, period.end_of_first_use(first)),
             (Anchor::FirstUse, None) => seconds_until(now, period.end_of_first_use(now)),
         };
@@ -406,7 +403,9 @@ impl Quota {
     /// window a counter created at `at` would have).
     pub fn window(&self, at: Timestamp) -> Window {
         match self.0.anchor {
-            Anchor::Calendar => self.with_window(at, Window::clone),
+            Anchor::Calendar => self.with_window(at, |start, end, stamp| {
+                Window::new(start, end, stamp.into())
+            }),
             Anchor::FirstUse => Window::first_use(
                 at,
                 self.0.period.end_of_first_use(at),
@@ -415,33 +414,15 @@ impl Quota {
         }
     }
 
-    /// Runs `f` on the calendar window containing `at`, computed once per
-    /// window and shared by the quota's clones.
-    fn with_window<R>(&self, at: Timestamp, f: impl FnOnce(&Window) -> R) -> R {
-        {
-            let current = self
-                .0
-                .current
-                .window
-                .read()
-                .unwrap_or_else(|e| e.into_inner());
-            if let Some(window) = current.as_ref().filter(|w| w.contains(at)) {
-                return f(window);
-            }
+    /// Runs `f` on the calendar window containing `at` (its start, end and
+    /// stamp), computed once per window and shared by the quota's clones.
+    fn with_window<R>(&self, at: Timestamp, f: impl FnOnce(Timestamp, Timestamp, &str) -> R) -> R {
+        if let Some(window) = self.0.current.get(at) {
+            return f(window.start, window.end, window.stamp());
         }
         let window = self.0.period.window(at);
-        let result = f(&window);
-        let mut current = self
-            .0
-            .current
-            .window
-            .write()
-            .unwrap_or_else(|e| e.into_inner());
-        // Keep the later window when requests race across a boundary.
-        if current.as_ref().is_none_or(|w| w.start() < window.start()) {
-            *current = Some(window);
-        }
-        result
+        self.0.current.put(&window);
+        f(window.start(), window.end(), window.stamp())
     }
 
     /// The key of `subject`'s counter for this quota at `at`.
@@ -472,14 +453,11 @@ impl Quota {
     ) -> ChargeLine {
         let inner = &*self.0;
         match inner.anchor {
-            Anchor::Calendar => self.with_window(at, |window| ChargeLine {
-                key: namespace.key(subject, &inner.allowance, window.stamp()),
+            Anchor::Calendar => self.with_window(at, |start, end, stamp| ChargeLine {
+                key: namespace.key(subject, &inner.allowance, stamp),
                 limit,
                 cost,
-                lifetime: Lifetime::Calendar {
-                    start: window.start(),
-                    end: window.end(),
-                },
+                lifetime: Lifetime::Calendar { start, end },
             }),
             Anchor::FirstUse => ChargeLine {
                 key: namespace.key(subject, &inner.allowance, &inner.first_use_label),

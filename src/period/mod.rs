@@ -13,6 +13,7 @@
 //!   ends one period later. Nothing in the key names it; the counter's fixed
 //!   deadline, set once when the counter is created, is the reset.
 
+pub(crate) mod cache;
 mod clock;
 
 use std::fmt::{self, Write as _};
@@ -418,7 +419,7 @@ pub struct Window {
 }
 
 impl Window {
-    fn new(start: Timestamp, end: Timestamp, stamp: String) -> Self {
+    pub(crate) fn new(start: Timestamp, end: Timestamp, stamp: String) -> Self {
         Self {
             start,
             end,
