@@ -159,8 +159,9 @@ impl QuotaStatus {
         self.entries.get_or_init(|| {
             self.tickets
                 .iter()
-                .flat_map(Ticket::lines)
-                .map(|line| QuotaUsage::new(line.quota.clone(), line.key.clone(), line.usage))
+                .flat_map(|ticket| ticket.charges.iter())
+                .flat_map(|lines| lines.with_quotas())
+                .map(|(quota, line)| QuotaUsage::new(quota.clone(), line.key.clone(), line.usage))
                 .collect()
         })
     }
@@ -258,7 +259,7 @@ pub(crate) struct Ticket {
 }
 
 /// The lines a policy's layers charged for a request, one entry per layer.
-pub(crate) type Charges = SmallVec<[Arc<[Line]>; 2]>;
+pub(crate) type Charges = SmallVec<[Arc<Lines>; 2]>;
 
 impl Ticket {
     /// Every line charged, outer layers first.
@@ -295,24 +296,95 @@ pub(crate) struct Caller {
     pub(crate) spread: u64,
 }
 
+/// The quotas of a layer, for the lines it charged: what a request keeps
+/// of the layer that charged it.
+pub(crate) trait LayerQuotas: Send + Sync + 'static {
+    /// The layer's quotas.
+    fn quotas(&self) -> &[Quota];
+}
+
+/// The lines one layer charged for a request: the `i`-th line counts the
+/// `i`-th of their quotas.
+pub(crate) struct Lines {
+    /// The layer, for its quotas. One reference to the allocation that the
+    /// layer's services and the request's response future hold too: a
+    /// request then adds to one reference count that every core shares,
+    /// where a clone of each quota would add to one per quota, each a write
+    /// that the next request on another core waits for.
+    layer: Arc<dyn LayerQuotas>,
+    /// The quotas of the lines, when they are not the layer's own, all of
+    /// them, as it has them: a caller in another zone, or a request some of
+    /// whose quotas a layer further out charged already.
+    quotas: Option<Arc<[Quota]>>,
+    lines: SmallVec<[Line; 1]>,
+}
+
+impl Lines {
+    /// `lines`, counting the quotas of `layer` (`quotas`: those instead).
+    pub(crate) fn new(
+        layer: Arc<dyn LayerQuotas>,
+        quotas: Option<Arc<[Quota]>>,
+        lines: SmallVec<[Line; 1]>,
+    ) -> Self {
+        Self {
+            layer,
+            quotas,
+            lines,
+        }
+    }
+
+    /// The quotas the lines count, in their order.
+    pub(crate) fn quotas(&self) -> &[Quota] {
+        self.quotas
+            .as_deref()
+            .unwrap_or_else(|| self.layer.quotas())
+    }
+
+    /// Whether the lines count the layer's own quotas, all of them, as it
+    /// has them.
+    pub(crate) fn are_the_layers_own(&self) -> bool {
+        self.quotas.is_none()
+    }
+
+    /// Each line with its quota.
+    pub(crate) fn with_quotas(&self) -> impl Iterator<Item = (&Quota, &Line)> {
+        self.quotas().iter().zip(self.lines.iter())
+    }
+}
+
+impl std::ops::Deref for Lines {
+    type Target = [Line];
+
+    fn deref(&self) -> &[Line] {
+        &self.lines
+    }
+}
+
+impl fmt::Debug for Lines {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_list().entries(self.with_quotas()).finish()
+    }
+}
+
 /// One counter a layer charged for a request.
 #[derive(Debug)]
 pub(crate) struct Line {
-    /// The quota, in the caller's zone.
-    pub(crate) quota: Quota,
     pub(crate) key: PeriodKey,
     pub(crate) cost: u64,
     /// What the store answered (with a shadow quota's real limit).
     pub(crate) usage: Usage,
+    /// Whether the quota is anchored at first use.
+    first_use: bool,
     /// Set by whoever gives the line back first: a line is given back at
     /// most once, however many layers see the request fail.
     given_back: AtomicBool,
 }
 
 impl Line {
-    pub(crate) fn new(quota: Quota, key: PeriodKey, cost: u64, usage: Usage) -> Self {
+    /// A line of `quota`.
+    pub(crate) fn new(quota: &Quota, key: PeriodKey, cost: u64, usage: Usage) -> Self {
         Self {
-            quota,
+            first_use: quota.anchor() == Anchor::FirstUse,
             key,
             cost,
             usage,
@@ -334,7 +406,7 @@ impl Line {
     /// `now`: a first-use counter whose period ended is not, even if a new
     /// one has the same key.
     pub(crate) fn is_live(&self, now: Timestamp) -> bool {
-        self.quota.anchor() != Anchor::FirstUse || self.usage.resets_at > now
+        !self.first_use || self.usage.resets_at > now
     }
 }
 

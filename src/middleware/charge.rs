@@ -53,8 +53,10 @@ pub(crate) struct Charge {
     /// The policy's ticket as the layer found it (or made it, for the
     /// outermost layer): the caller and the lines charged further out.
     pub(crate) ticket: Ticket,
-    /// One per line of `request`, in the caller's zone.
-    pub(crate) quotas: Arc<[Quota]>,
+    /// One per line of `request`, in the caller's zone, when they are not
+    /// the layer's own quotas, all of them, as it has them (see
+    /// [`Charge::quotas`]).
+    pub(crate) quotas: Option<Arc<[Quota]>>,
     /// What the store is asked (a shadow quota's line has no limit): each
     /// line's key, and its lifetime, which a request that passes on a
     /// failed charge owes to.
@@ -68,6 +70,12 @@ pub(crate) struct Charge {
 impl Charge {
     pub(crate) fn caller(&self) -> &Caller {
         self.ticket.caller.as_ref().expect("a charge has a caller")
+    }
+
+    /// One quota per line, in the caller's zone: those of the charge, or
+    /// the layer's (of `scope`).
+    pub(crate) fn quotas<'a>(&'a self, scope: &'a Scope) -> &'a [Quota] {
+        self.quotas.as_deref().unwrap_or(&scope.quotas)
     }
 }
 
@@ -250,7 +258,8 @@ fn lines(
         .caller
         .as_ref()
         .expect("a charged ticket has a caller");
-    let all = scope.quotas_in(caller.zone.as_ref());
+    let zoned = scope.quotas_in(caller.zone.as_ref());
+    let all = zoned.as_deref().unwrap_or(&scope.quotas);
     let mut lines = SmallVec::<[_; 2]>::with_capacity(all.len());
     // Quotas a layer further out charged already (the same quota in two
     // layers, or a sub-request): rare, so no allocation until one is met.
@@ -276,15 +285,18 @@ fn lines(
     if lines.is_empty() {
         return Step::Pass;
     }
-    let quotas: Arc<[Quota]> = if counted.is_empty() {
-        all
+    let quotas: Option<Arc<[Quota]>> = if counted.is_empty() {
+        zoned
     } else {
-        all.iter()
-            .enumerate()
-            .filter(|(i, _)| !counted.contains(i))
-            .map(|(_, quota)| quota.clone())
-            .collect()
+        Some(
+            all.iter()
+                .enumerate()
+                .filter(|(i, _)| !counted.contains(i))
+                .map(|(_, quota)| quota.clone())
+                .collect(),
+        )
     };
+    let charged = quotas.as_deref().unwrap_or(&scope.quotas);
     let cost = match scope.cost.upfront(parts) {
         Ok(cost) if cost > max_count => {
             let detail = format!(
@@ -310,8 +322,8 @@ fn lines(
             "quota",
             subject.kind = %caller.subject.kind(),
             subject.hash = %caller.subject.log_hash(),
-            allowance = %Allowances(&quotas),
-            anchor = %Anchors(&quotas),
+            allowance = %Allowances(charged),
+            anchor = %Anchors(charged),
             outcome = tracing::field::Empty,
         )
     } else {
@@ -332,7 +344,10 @@ fn lines(
         // The store failed for a layer further out: this one owes its
         // charge as that one does, without a call that would fail too.
         let outcome = crate::metrics::outcome::STORE_ERROR;
-        crate::metrics::decisions(outcome, charge.quotas.iter().map(Quota::allowance_shared));
+        crate::metrics::decisions(
+            outcome,
+            charge.quotas(scope).iter().map(Quota::allowance_shared),
+        );
         charge.span.record("outcome", outcome);
         return Step::Owe(charge);
     }
@@ -372,8 +387,9 @@ impl std::fmt::Display for Anchors<'_> {
 /// What the layer does once the store has answered.
 #[derive(Debug)]
 pub(crate) enum Decision {
-    /// Every quota had room and was charged: the lines charged.
-    Admit(Arc<[Line]>),
+    /// Every quota had room and was charged: the lines charged, one per
+    /// quota of the charge.
+    Admit(SmallVec<[Line; 1]>),
     /// Some quota had no room; nothing was charged. Where each line stands.
     Refuse(SmallVec<[Usage; 2]>),
     /// The store failed and the policy lets the request through: it owes
@@ -383,32 +399,34 @@ pub(crate) enum Decision {
     Unavailable(std::time::Duration),
 }
 
-/// What the store's `answer` to `charge` means under `settings`.
+/// What the store's `answer` to `charge`, made by a layer of `scope`, means
+/// under `settings`.
 pub(crate) fn decide(
     charge: &Charge,
+    scope: &Scope,
     settings: &Settings,
     answer: Result<ChargeOutcome, StoreError>,
 ) -> Decision {
+    let quotas = charge.quotas(scope);
     let outcome = match &answer {
         Ok(outcome) if outcome.admitted => crate::metrics::outcome::ADMITTED,
         Ok(_) => crate::metrics::outcome::REFUSED,
         Err(_) => crate::metrics::outcome::STORE_ERROR,
     };
-    crate::metrics::decisions(outcome, charge.quotas.iter().map(Quota::allowance_shared));
+    crate::metrics::decisions(outcome, quotas.iter().map(Quota::allowance_shared));
     charge.span.record("outcome", outcome);
     match answer {
         Ok(mut outcome) => {
-            shadow_limits(charge, &mut outcome.usage);
+            shadow_limits(charge, quotas, &mut outcome.usage);
             if !outcome.admitted {
                 return Decision::Refuse(outcome.usage);
             }
-            let lines = charge
-                .quotas
+            let lines = quotas
                 .iter()
                 .zip(&charge.request.lines)
                 .zip(outcome.usage.iter())
                 .map(|((quota, line), usage)| {
-                    Line::new(quota.clone(), line.key.clone(), charge.cost, *usage)
+                    Line::new(quota, line.key.clone(), charge.cost, *usage)
                 })
                 .collect();
             Decision::Admit(lines)
@@ -432,9 +450,9 @@ pub(crate) fn decide(
 
 /// Shadow quotas were charged without a limit: their usage gets the limit
 /// the client is told, and a request over it is logged and counted.
-fn shadow_limits(charge: &Charge, usage: &mut [Usage]) {
+fn shadow_limits(charge: &Charge, quotas: &[Quota], usage: &mut [Usage]) {
     let plan = charge.caller().plan.as_deref();
-    for (quota, usage) in charge.quotas.iter().zip(usage) {
+    for (quota, usage) in quotas.iter().zip(usage) {
         if !quota.is_shadow() {
             continue;
         }
@@ -458,10 +476,11 @@ fn shadow_limits(charge: &Charge, usage: &mut [Usage]) {
     }
 }
 
-/// The refusal of `charge`, whose lines stand at `usage`.
-pub(crate) fn refusal(charge: &Charge, usage: &[Usage], grpc: bool) -> Refusal {
+/// The refusal of `charge`, made by a layer of `scope`, whose lines stand
+/// at `usage`.
+pub(crate) fn refusal(charge: &Charge, scope: &Scope, usage: &[Usage], grpc: bool) -> Refusal {
     Refusal::quota_exceeded(
-        &charge.quotas,
+        charge.quotas(scope),
         usage,
         |_| charge.cost,
         charge.ticket.now,
@@ -478,6 +497,7 @@ pub(crate) fn refused(
     settings: &Settings,
     refusal: &Refusal,
     charge: &Charge,
+    scope: &Scope,
     usage: &[Usage],
 ) -> Response<Bytes> {
     let mut response = match &settings.refusal {
@@ -485,7 +505,7 @@ pub(crate) fn refused(
         None => refusal.standard(),
     };
     if refusal.status == StatusCode::TOO_MANY_REQUESTS {
-        let entries = charge.quotas.iter().zip(usage.iter().copied());
+        let entries = charge.quotas(scope).iter().zip(usage.iter().copied());
         RateLimitFields::new(entries, charge.ticket.now, None, charge.caller().spread)
             .prepend_to(response.headers_mut());
     }

@@ -15,8 +15,9 @@ use super::layer::Bound;
 use super::owing::Owing;
 use crate::body::ResponseBody;
 use crate::response::RateLimitFields;
-use crate::status::{Line, QuotaStatus};
+use crate::status::{LayerQuotas, Lines, QuotaStatus};
 use crate::store::{Store, StoreError, StoreErrorKind, Usage};
+use crate::subject::SubjectExtractor;
 use crate::throttle::Throttle;
 
 /// What the store answers to a batch of changes: per change, what the
@@ -93,10 +94,7 @@ pub(crate) struct Pending<S, E, St: Store, ReqBody> {
 /// What a layer charged for an admitted request, for the response path.
 pub(crate) struct Charged<E, St> {
     bound: Arc<Bound<E, St>>,
-    lines: Arc<[Line]>,
-    /// Whether the lines are the layer's own quotas, all of them, in their
-    /// zone: then the layer's cache of the policy field applies.
-    own_quotas: bool,
+    lines: Arc<Lines>,
     now: Timestamp,
     spread: u64,
 }
@@ -104,6 +102,7 @@ pub(crate) struct Charged<E, St> {
 impl<S, E, St, ReqBody> ResponseFuture<S, E, St, ReqBody>
 where
     S: Service<Request<ReqBody>>,
+    E: SubjectExtractor,
     St: Store,
 {
     /// Waits for `answer`, the store's future for `charge`, then calls
@@ -181,14 +180,17 @@ fn decided<S, E, St, ReqBody>(
 ) -> State<S, E, St, ReqBody>
 where
     S: Service<Request<ReqBody>>,
+    E: SubjectExtractor,
     St: Store,
 {
     let settings = &bound.policy.settings;
-    match charge::decide(&charge, settings, answer) {
+    match charge::decide(&charge, &bound.scope, settings, answer) {
         Decision::Admit(lines) => {
-            let own_quotas = Arc::ptr_eq(&charge.quotas, &bound.scope.quotas);
             let now = charge.ticket.now;
             let spread = charge.caller().spread;
+            // The same allocation as `bound`: one reference count.
+            let layer: Arc<dyn LayerQuotas> = Arc::clone(bound) as _;
+            let lines = Arc::new(Lines::new(layer, charge.quotas.take(), lines));
             charge.ticket.charges.push(Arc::clone(&lines));
             QuotaStatus::put_in(request.extensions_mut(), charge.ticket);
             State::Calling {
@@ -196,7 +198,6 @@ where
                 charged: Unanswered(Some(Charged {
                     bound: Arc::clone(bound),
                     lines,
-                    own_quotas,
                     now,
                     spread,
                 })),
@@ -217,16 +218,28 @@ where
         // the refusal go by (see `charge::outcome`).
         Decision::Refuse(usage) => {
             let grpc = crate::response::is_grpc(request.headers());
-            let refusal = charge::refusal(&charge, &usage, grpc);
+            let refusal = charge::refusal(&charge, &bound.scope, &usage, grpc);
             State::Rejected {
-                response: Some(charge::refused(settings, &refusal, &charge, &usage)),
+                response: Some(charge::refused(
+                    settings,
+                    &refusal,
+                    &charge,
+                    &bound.scope,
+                    &usage,
+                )),
             }
         }
         Decision::Unavailable(retry_after) => {
             let grpc = crate::response::is_grpc(request.headers());
             let refusal = crate::response::Refusal::store_unavailable(retry_after, grpc);
             State::Rejected {
-                response: Some(charge::refused(settings, &refusal, &charge, &[])),
+                response: Some(charge::refused(
+                    settings,
+                    &refusal,
+                    &charge,
+                    &bound.scope,
+                    &[],
+                )),
             }
         }
     }
@@ -329,10 +342,14 @@ impl<E, St: Store> Charged<E, St> {
         let usage = |i: usize| usage.map_or(self.lines[i].usage, |usage| usage[i]);
         let entries = self
             .lines
+            .quotas()
             .iter()
             .enumerate()
-            .map(|(i, line)| (&line.quota, usage(i)));
-        let cache = self.own_quotas.then_some(&self.bound.scope.fields);
+            .map(|(i, quota)| (quota, usage(i)));
+        let cache = self
+            .lines
+            .are_the_layers_own()
+            .then_some(&self.bound.scope.fields);
         RateLimitFields::new(entries, self.now, cache, self.spread)
             .prepend_to(response.headers_mut());
         response
@@ -342,6 +359,7 @@ impl<E, St: Store> Charged<E, St> {
 impl<S, E, St, ReqBody, ResBody> Future for ResponseFuture<S, E, St, ReqBody>
 where
     S: Service<Request<ReqBody>, Response = Response<ResBody>>,
+    E: SubjectExtractor,
     St: Store,
 {
     type Output = Result<Response<ResponseBody<ResBody>>, S::Error>;

@@ -12,6 +12,7 @@ use super::service::QuotaService;
 use crate::policy::{InvalidRequest, Policy, QuotaPolicy};
 use crate::quota::Quota;
 use crate::response::PolicyCache;
+use crate::status::LayerQuotas;
 use crate::store::{MemoryStore, Store};
 use crate::subject::SubjectExtractor;
 
@@ -70,6 +71,12 @@ pub(crate) struct Bound<E, St> {
     pub(crate) scope: Scope,
 }
 
+impl<E: SubjectExtractor, St: Store> LayerQuotas for Bound<E, St> {
+    fn quotas(&self) -> &[Quota] {
+        &self.scope.quotas
+    }
+}
+
 /// What one layer charges: its quotas, what a request costs on them, and
 /// what it keeps to answer fast.
 pub(crate) struct Scope {
@@ -95,11 +102,10 @@ impl Scope {
         }
     }
 
-    /// The layer's quotas as a caller in `zone` counts them.
-    pub(crate) fn quotas_in(&self, zone: Option<&TimeZone>) -> Arc<[Quota]> {
-        let Some(zone) = zone else {
-            return Arc::clone(&self.quotas);
-        };
+    /// The layer's quotas as a caller in `zone` counts them: `None` for
+    /// its own, as they are.
+    pub(crate) fn quotas_in(&self, zone: Option<&TimeZone>) -> Option<Arc<[Quota]>> {
+        let zone = zone?;
         let name = zone_key(zone);
         if let Some(quotas) = self
             .zoned
@@ -107,7 +113,7 @@ impl Scope {
             .unwrap_or_else(|e| e.into_inner())
             .get(name.as_ref())
         {
-            return Arc::clone(quotas);
+            return Some(Arc::clone(quotas));
         }
         let quotas: Arc<[Quota]> = self
             .quotas
@@ -118,7 +124,7 @@ impl Scope {
         if zoned.len() < MAX_ZONES {
             zoned.insert(name.into_owned(), Arc::clone(&quotas));
         }
-        quotas
+        Some(quotas)
     }
 }
 

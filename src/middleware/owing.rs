@@ -52,6 +52,7 @@ pub(crate) fn owe<E, St>(
         return None;
     }
     let now = ticket.now;
+    let quotas = quotas.as_deref().unwrap_or(&bound.scope.quotas);
     let lines = quotas
         .iter()
         .zip(&request.lines)
@@ -63,7 +64,7 @@ pub(crate) fn owe<E, St>(
                 resets_at: now,
                 first_call: None,
             };
-            Line::new(quota.clone(), line.key.clone(), cost, usage)
+            Line::new(quota, line.key.clone(), cost, usage)
         })
         .collect();
     let lifetimes = request.lines.iter().map(|line| line.lifetime).collect();

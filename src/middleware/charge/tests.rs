@@ -7,6 +7,7 @@ use http::{Request, StatusCode};
 
 use super::*;
 use crate::policy::QuotaPolicy;
+use crate::status::{LayerQuotas, Lines};
 use crate::store::StoreErrorKind;
 use crate::subject::FromHeader;
 use crate::{ManualClock, QuotaLayer};
@@ -78,6 +79,7 @@ fn quotas_the_ticket_counts_already_pass() {
     let charge = charge_of(&layer, &parts);
     let Decision::Admit(lines) = decide(
         &charge,
+        &layer.bound.scope,
         &layer.bound.policy.settings,
         Ok(ChargeOutcome {
             admitted: true,
@@ -87,7 +89,10 @@ fn quotas_the_ticket_counts_already_pass() {
         panic!("admitted");
     };
     let mut ticket = charge.ticket.clone();
-    ticket.charges.push(lines);
+    let own: Arc<dyn LayerQuotas> = layer.bound.clone();
+    ticket
+        .charges
+        .push(Arc::new(Lines::new(own, charge.quotas.clone(), lines)));
     let mut status = QuotaStatus::default();
     status.put(ticket);
     parts.extensions.insert(status);
@@ -178,6 +183,7 @@ fn a_refusal_names_the_quota_without_room_and_waits_for_its_reset() {
     ];
     let decision = decide(
         &charge,
+        &layer.bound.scope,
         &layer.bound.policy.settings,
         Ok(ChargeOutcome {
             admitted: false,
@@ -185,8 +191,14 @@ fn a_refusal_names_the_quota_without_room_and_waits_for_its_reset() {
         }),
     );
     assert!(matches!(&decision, Decision::Refuse(u) if u[..] == usage[..]));
-    let refusal = refusal(&charge, &usage, false);
-    let response = refused(&layer.bound.policy.settings, &refusal, &charge, &usage);
+    let refusal = refusal(&charge, &layer.bound.scope, &usage, false);
+    let response = refused(
+        &layer.bound.policy.settings,
+        &refusal,
+        &charge,
+        &layer.bound.scope,
+        &usage,
+    );
     assert_eq!(response.status(), StatusCode::TOO_MANY_REQUESTS);
     assert_eq!(response.headers()[RETRY_AFTER], "50370");
     let body: serde_json::Value = serde_json::from_slice(response.body()).unwrap();
@@ -209,7 +221,12 @@ fn a_store_error_follows_the_policy() {
     });
     let charge = charge_of(&open, &head(ACME));
     assert!(matches!(
-        decide(&charge, &open.bound.policy.settings, error()),
+        decide(
+            &charge,
+            &open.bound.scope,
+            &open.bound.policy.settings,
+            error()
+        ),
         Decision::PassUncounted
     ));
     let closed = layer(&[Quota::daily(1)], |b| {
@@ -218,13 +235,22 @@ fn a_store_error_follows_the_policy() {
         })
     });
     let charge = charge_of(&closed, &head(ACME));
-    let Decision::Unavailable(retry_after) =
-        decide(&charge, &closed.bound.policy.settings, error())
-    else {
+    let Decision::Unavailable(retry_after) = decide(
+        &charge,
+        &closed.bound.scope,
+        &closed.bound.policy.settings,
+        error(),
+    ) else {
         panic!("fail closed");
     };
     let refusal = Refusal::store_unavailable(retry_after, false);
-    let response = refused(&closed.bound.policy.settings, &refusal, &charge, &[]);
+    let response = refused(
+        &closed.bound.policy.settings,
+        &refusal,
+        &charge,
+        &closed.bound.scope,
+        &[],
+    );
     assert_eq!(response.status(), StatusCode::SERVICE_UNAVAILABLE);
     assert_eq!(response.headers()[RETRY_AFTER], "2");
     assert!(!response.headers().contains_key("ratelimit"));
@@ -237,6 +263,7 @@ fn a_shadow_quota_is_charged_without_a_limit_and_reports_its_own() {
     assert_eq!(charge.request.lines[0].limit, u64::MAX);
     let Decision::Admit(lines) = decide(
         &charge,
+        &layer.bound.scope,
         &layer.bound.policy.settings,
         Ok(ChargeOutcome {
             admitted: true,
@@ -249,13 +276,18 @@ fn a_shadow_quota_is_charged_without_a_limit_and_reports_its_own() {
     assert_eq!(lines[0].usage.used, 5);
 }
 
-fn admitted(layer: &QuotaLayer<FromHeader>, used: u64) -> Arc<[Line]> {
+fn admitted(layer: &QuotaLayer<FromHeader>, used: u64) -> SmallVec<[Line; 1]> {
     let charge = charge_of(layer, &head(ACME));
     let answer = Ok(ChargeOutcome {
         admitted: true,
         usage: smallvec::smallvec![usage(10, used, "2026-12-03T00:00:00Z")],
     });
-    match decide(&charge, &layer.bound.policy.settings, answer) {
+    match decide(
+        &charge,
+        &layer.bound.scope,
+        &layer.bound.policy.settings,
+        answer,
+    ) {
         Decision::Admit(lines) => lines,
         _ => panic!("admitted"),
     }
