@@ -66,6 +66,12 @@ pub struct QuotaLayer<E, St = MemoryStore> {
 }
 
 /// A layer's policy and scope, shared by its services and their clones.
+///
+/// Aligned so that its fields start on a cache line of their own, after
+/// the `Arc`'s reference counts: requests on every core add to the count
+/// (a service clone per request in axum, a request's lines, its response),
+/// and a field read beside it would wait for the core that wrote it last.
+#[repr(align(128))]
 pub(crate) struct Bound<E, St> {
     pub(crate) policy: Arc<Policy<E, St>>,
     pub(crate) scope: Scope,
