@@ -245,6 +245,11 @@ impl PeriodKey {
         self.0.to_string()
     }
 
+    /// The key whose text is `key`, shared.
+    pub(crate) fn from_shared(key: Arc<str>) -> Self {
+        Self(key)
+    }
+
     /// The key's shared text.
     pub(crate) fn shared(&self) -> &Arc<str> {
         &self.0

@@ -1,7 +1,6 @@
 //! Leased counting: see [`LeasedStore`].
 
 use std::borrow::Cow;
-use std::collections::HashMap;
 use std::fmt;
 use std::future::Future;
 use std::hash::BuildHasher;
@@ -11,10 +10,12 @@ use std::sync::{Arc, Mutex, MutexGuard, Weak};
 use std::task::{Context, Poll};
 use std::time::Duration;
 
+use hashbrown::HashTable;
 use jiff::{SignedDuration, Timestamp};
 use smallvec::SmallVec;
 use tokio::time::Instant;
 
+use super::slot_key::MapKey;
 use super::{
     ChargeAnswer, ChargeLine, ChargeOutcome, ChargeRequest, Debt, Lifetime, Store, StoreError,
     StoreErrorKind, Usage,
@@ -293,7 +294,15 @@ fn shard_count() -> usize {
 }
 
 /// One shard of the counters an instance knows.
-type Map = HashMap<PeriodKey, Counter, foldhash::fast::RandomState>;
+type Map = HashTable<Entry>;
+
+/// A counter with its key, kept in the map's slot when short (see
+/// [`MapKey`]): a lookup then compares the key beside its counter, without
+/// a read from another allocation.
+struct Entry {
+    key: MapKey,
+    counter: Counter,
+}
 
 /// What the clones of one leased store share.
 struct Shared {
@@ -320,9 +329,17 @@ impl Shared {
         self.generations.fetch_add(1, Ordering::Relaxed) + 1
     }
 
-    fn shard_of(&self, key: &PeriodKey) -> usize {
-        // The shard count is a power of two.
-        (self.hasher.hash_one(key.as_str()) as usize) & (self.shards.len() - 1)
+    /// The hash of `key`, which picks its shard and its slot there.
+    fn hash(&self, key: &[u8]) -> u64 {
+        self.hasher.hash_one(key)
+    }
+
+    /// The shard of the key hashed to `hash`: bits a shard's table does
+    /// not use for the slot (the lowest) nor for its tag (the highest), so
+    /// the keys of one shard spread over its slots. The shard count is a
+    /// power of two.
+    fn shard_of(&self, hash: u64) -> usize {
+        ((hash >> 32) as usize) & (self.shards.len() - 1)
     }
 
     fn lock(&self, shard: usize) -> MutexGuard<'_, Map> {
@@ -337,7 +354,7 @@ impl Shared {
     fn counters<'a>(&self, keys: impl IntoIterator<Item = &'a PeriodKey>) -> Counters<'_> {
         let mut shards = SmallVec::<[usize; 2]>::new();
         for key in keys {
-            let shard = self.shard_of(key);
+            let shard = self.shard_of(self.hash(key.as_str().as_bytes()));
             if !shards.contains(&shard) {
                 shards.push(shard);
             }
@@ -382,40 +399,46 @@ struct Counters<'a> {
 }
 
 impl Counters<'_> {
-    /// Where the guard of `key`'s shard is; `key` must be one of the keys
-    /// asked for.
-    fn guard_of(&self, key: &PeriodKey) -> usize {
+    /// The hash of `key`, and where the guard of its shard is; `key` must
+    /// be one of the keys asked for.
+    fn find(&self, key: &PeriodKey) -> (u64, usize) {
+        let hash = self.shared.hash(key.as_str().as_bytes());
         // One shard locked (nearly always): it is the key's.
         if self.guards.len() == 1 {
             debug_assert_eq!(
                 self.guards[0].0,
-                self.shared.shard_of(key),
+                self.shared.shard_of(hash),
                 "a key not asked for"
             );
-            return 0;
+            return (hash, 0);
         }
-        let shard = self.shared.shard_of(key);
-        self.guards
+        let shard = self.shared.shard_of(hash);
+        let guard = self
+            .guards
             .iter()
             .position(|(s, _)| *s == shard)
-            .expect("the shard of a key asked for is locked")
-    }
-
-    fn map(&self, key: &PeriodKey) -> &Map {
-        &self.guards[self.guard_of(key)].1
-    }
-
-    fn map_mut(&mut self, key: &PeriodKey) -> &mut Map {
-        let guard = self.guard_of(key);
-        &mut self.guards[guard].1
+            .expect("the shard of a key asked for is locked");
+        (hash, guard)
     }
 
     fn get(&self, key: &PeriodKey) -> Option<&Counter> {
-        self.map(key).get(key)
+        let (hash, guard) = self.find(key);
+        self.guards[guard]
+            .1
+            .find(hash, |entry| {
+                entry.key.as_bytes() == key.as_str().as_bytes()
+            })
+            .map(|entry| &entry.counter)
     }
 
     fn get_mut(&mut self, key: &PeriodKey) -> Option<&mut Counter> {
-        self.map_mut(key).get_mut(key)
+        let (hash, guard) = self.find(key);
+        self.guards[guard]
+            .1
+            .find_mut(hash, |entry| {
+                entry.key.as_bytes() == key.as_str().as_bytes()
+            })
+            .map(|entry| &mut entry.counter)
     }
 
     /// The counter at `key`, made with `make` when there is none.
@@ -424,11 +447,26 @@ impl Counters<'_> {
         key: &PeriodKey,
         make: impl FnOnce() -> Counter,
     ) -> &mut Counter {
-        let entries = &self.shared.entries;
-        self.map_mut(key).entry(key.clone()).or_insert_with(|| {
-            entries.fetch_add(1, Ordering::Relaxed);
-            make()
-        })
+        let (hash, guard) = self.find(key);
+        let shared = self.shared;
+        let entry = self.guards[guard].1.entry(
+            hash,
+            |entry| entry.key.as_bytes() == key.as_str().as_bytes(),
+            |entry| shared.hash(entry.key.as_bytes()),
+        );
+        let entry = match entry {
+            hashbrown::hash_table::Entry::Occupied(entry) => entry.into_mut(),
+            hashbrown::hash_table::Entry::Vacant(entry) => {
+                shared.entries.fetch_add(1, Ordering::Relaxed);
+                entry
+                    .insert(Entry {
+                        key: MapKey::new(key),
+                        counter: make(),
+                    })
+                    .into_mut()
+            }
+        };
+        &mut entry.counter
     }
 }
 
@@ -635,7 +673,7 @@ impl<St: Store> LeasedStore<St> {
     pub fn held(&self) -> u64 {
         let mut held = 0;
         self.shared
-            .each_shard(|counters| held += counters.values().map(|c| c.units).sum::<u64>());
+            .each_shard(|counters| held += counters.iter().map(|e| e.counter.units).sum::<u64>());
         held
     }
 
@@ -652,7 +690,7 @@ impl<St: Store> LeasedStore<St> {
             drained.extend(
                 counters
                     .drain()
-                    .map(|(key, c)| (key, c, c.now(at)))
+                    .map(|Entry { key, counter: c }| (key.to_period_key(), c, c.now(at)))
                     .filter(|(_, c, now)| c.units > 0 || c.mark.counted(*now) || c.mark.joining),
             );
         });
@@ -1360,7 +1398,7 @@ async fn sweep<St: Store>(shared: Weak<Shared>, inner: St, settings: Settings) {
         // here is forgotten at once.
         let roomy = shared.entries.load(Ordering::Relaxed) < settings.max_counters / 2;
         shared.each_shard(|counters| {
-            counters.retain(|key, counter| {
+            counters.retain(|Entry { key, counter }| {
                 let quiet = at.saturating_duration_since(counter.seen_at);
                 let idle = quiet >= settings.idle;
                 let old = counter.block_since.is_some_and(|since| {
@@ -1370,7 +1408,7 @@ async fn sweep<St: Store>(shared: Weak<Shared>, inner: St, settings: Settings) {
                 if (idle || old) && counter.units > 0 {
                     if !counter.ended(now) {
                         back.push((
-                            key.clone(),
+                            key.to_period_key(),
                             now,
                             counter.units,
                             counter.taken_at.unwrap_or(now),
@@ -1383,7 +1421,7 @@ async fn sweep<St: Store>(shared: Weak<Shared>, inner: St, settings: Settings) {
                 }
                 let holding = counter.units > 0 || counter.taking || counter.reserved > 0;
                 if (idle || old) && !holding && counter.mark.leave(now, settings.mark_margin()) {
-                    unmarked.push((key.clone(), now, counter.generation));
+                    unmarked.push((key.to_period_key(), now, counter.generation));
                 }
                 // A counter idle here is forgotten, unless its subject took
                 // blocks (it was busy: its next block may grow from the

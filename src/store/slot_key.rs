@@ -29,6 +29,17 @@ impl MapKey {
         }
     }
 
+    /// The key, as requests name it.
+    pub(super) fn to_period_key(&self) -> PeriodKey {
+        match self {
+            Self::Inline { .. } => {
+                let text = std::str::from_utf8(self.as_bytes()).expect("kept from a key's text");
+                PeriodKey::from_string(text.to_owned())
+            }
+            Self::Shared(key) => PeriodKey::from_shared(Arc::clone(key)),
+        }
+    }
+
     pub(super) fn as_bytes(&self) -> &[u8] {
         match self {
             Self::Inline { len, bytes } => &bytes[..usize::from(*len)],
@@ -48,6 +59,7 @@ mod tests {
             let key = PeriodKey::from_string(text.clone());
             let kept = MapKey::new(&key);
             assert_eq!(kept.as_bytes(), text.as_bytes());
+            assert_eq!(kept.to_period_key(), key);
             assert_eq!(matches!(kept, MapKey::Inline { .. }), len <= INLINE_KEY);
         }
     }
