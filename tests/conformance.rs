@@ -51,7 +51,7 @@ async fn memory_store_conforms_with_one_shard() {
             .iter()
             .filter(|(_, v)| *v == Verdict::Passed)
             .count(),
-        10
+        11
     );
 }
 
@@ -110,7 +110,7 @@ mod broken {
 
     use tower_quota::jiff::Timestamp;
     use tower_quota::store::{
-        ChargeOutcome, ChargeRequest, Debt, Lifetime, Store, StoreError, Usage,
+        ChargeOutcome, ChargeRequest, Debt, Lifetime, Store, StoreError, StoreErrorKind, Usage,
     };
     use tower_quota::testing::{self, ConformanceHooks, Planted, StoredDeadline, Verdict};
     use tower_quota::PeriodKey;
@@ -132,6 +132,7 @@ mod broken {
         settle_redates: bool,
         settle_opens_ended: bool,
         settle_by_charge: bool,
+        charges_past_the_period: bool,
     }
 
     #[derive(Clone, Copy)]
@@ -193,6 +194,14 @@ mod broken {
 
         async fn charge_now(self, request: ChargeRequest) -> Result<ChargeOutcome, StoreError> {
             let now = request.now;
+            if !self.bugs.charges_past_the_period
+                && request.lines.iter().any(|line| line.lifetime.end() <= now)
+            {
+                return Err(StoreError::new(
+                    StoreErrorKind::Other,
+                    "a line past its period",
+                ));
+            }
             let wraps = self.bugs.wraps;
             // A sum beyond u64 is beyond any limit; the bug saturates it,
             // so that a count at the top passes a limit of u64::MAX.
@@ -569,6 +578,16 @@ mod broken {
             ..Bugs::default()
         });
         testing::calendar_counters_are_distinct_per_period_and_dated(&store).await;
+    }
+
+    #[tokio::test]
+    #[should_panic(expected = "a charge past its period must be an error")]
+    async fn charging_a_line_past_its_period_is_caught() {
+        let store = Buggy::with(Bugs {
+            charges_past_the_period: true,
+            ..Bugs::default()
+        });
+        testing::a_charge_past_its_period_is_an_error(&store).await;
     }
 
     #[tokio::test]

@@ -514,6 +514,9 @@ impl MemoryStore {
     }
 
     fn charge_now(&self, request: &ChargeRequest) -> Result<ChargeOutcome, StoreError> {
+        if let Some(error) = super::past_its_period(request) {
+            return Err(error);
+        }
         let now = request.now;
         let lines = &request.lines;
         if let [line] = lines.as_slice() {

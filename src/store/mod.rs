@@ -20,6 +20,11 @@
 //! - [`Lifetime::Calendar`] counters are named by their window, so their
 //!   deadline is only housekeeping, and the reset reported is the window's
 //!   end.
+//! - A charge with a line whose lifetime is over at the charge's instant (a
+//!   window that ends at it or before, a deadline not after it) is an error,
+//!   and charges nothing: a counter made for it would be over as soon as
+//!   made, and the next charge would find none, so such lines would be
+//!   admitted however often they came.
 //! - [`Store::refund`] never creates a counter and never touches a deadline.
 //! - [`Store::add`] (a cost known only once the response is, charged after
 //!   the fact) never checks a limit, never creates a counter and never
@@ -250,6 +255,21 @@ pub struct Debt {
     pub since: Timestamp,
 }
 
+/// The error of a charge with a line whose lifetime is over at its instant
+/// (see [`Store::charge`]), if it has one.
+pub(crate) fn past_its_period(request: &ChargeRequest) -> Option<StoreError> {
+    request
+        .lines
+        .iter()
+        .any(|line| line.lifetime.end() <= request.now)
+        .then(|| {
+            StoreError::new(
+                StoreErrorKind::Other,
+                "a charge line whose period is over at the charge's instant: nothing charged",
+            )
+        })
+}
+
 /// Where one counter stands.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub struct Usage {
@@ -389,6 +409,13 @@ pub trait Store: Clone + Send + Sync + 'static {
     type ChargeFuture: Future<Output = Result<ChargeOutcome, StoreError>> + Send + Unpin + 'static;
 
     /// Charges every line of `request`, or none of them.
+    ///
+    /// A line whose lifetime is over at `request.now` (a calendar window
+    /// that ends at or before it, a first-use deadline that is not after it)
+    /// names no counter the request could count on: the charge is an error
+    /// ([`StoreErrorKind::Other`]), and nothing is charged. (A layer never
+    /// sends one: it charges the window that contains the request's
+    /// instant.)
     fn charge(&self, request: ChargeRequest) -> Self::ChargeFuture;
 
     /// Charges `request` as [`Store::charge`] does, answering at once when

@@ -416,3 +416,66 @@ pub async fn counts_never_pass_the_limit_nor_wrap<S: ConformanceHooks>(store: &S
     );
     Verdict::Passed
 }
+
+/// A charge with a line whose lifetime is over at its instant (a calendar
+/// window that ends at it, or before; a first-use deadline that is not after
+/// it) names no counter the request could count on: the store answers an
+/// error, by [`Store::charge`](crate::store::Store::charge) and by
+/// [`Store::charge_at_once`](crate::store::Store::charge_at_once), and
+/// charges nothing on any of its lines, however often it is sent.
+///
+/// # Panics
+///
+/// When the store breaks the rule.
+pub async fn a_charge_past_its_period_is_an_error<S: ConformanceHooks>(store: &S) -> Verdict {
+    let time = Timeline::new(store.expiry());
+    let period = time.period() * 10;
+    let now = time.now();
+    let keys = Keys::new();
+    let live = keys.key("live");
+    let ended = keys.key("ended");
+    let past = keys.key("past");
+    let lines = vec![
+        vec![
+            calendar_line(&live, 10, 1, now, now + period),
+            calendar_line(&ended, 10, 1, now - period, now),
+        ],
+        vec![calendar_line(&past, 10, 1, now - period * 2, now - period)],
+        vec![first_use(&ended, 10, 1, now)],
+    ];
+    for round in 0..3 {
+        for lines in &lines {
+            let request = ChargeRequest {
+                now,
+                lines: lines.clone().into(),
+            };
+            let answer = match store.charge_at_once(&request) {
+                ChargeAnswer::Now(answer) => answer,
+                ChargeAnswer::Later(future) => future.await,
+            };
+            assert!(
+                answer.is_err(),
+                "a charge past its period must be an error (charge_at_once, round {round})"
+            );
+            assert!(
+                store.charge(request).await.is_err(),
+                "a charge past its period must be an error (charge, round {round})"
+            );
+        }
+    }
+    let peeked = peek(
+        store,
+        now,
+        vec![
+            calendar_line(&live, 10, 0, now, now + period),
+            first_use(&ended, 10, 0, now + period),
+        ],
+    )
+    .await;
+    assert_eq!(
+        (peeked[0].used, peeked[1].used),
+        (0, 0),
+        "a charge past its period must charge nothing, on none of its lines"
+    );
+    Verdict::Passed
+}

@@ -62,9 +62,9 @@ mod hooks;
 mod support;
 
 pub use self::charges::{
-    a_refused_charge_writes_nothing, all_or_nothing_across_quotas,
-    an_abandoned_charge_spends_nothing, counts_never_pass_the_limit_nor_wrap,
-    exactly_the_limit_under_concurrency,
+    a_charge_past_its_period_is_an_error, a_refused_charge_writes_nothing,
+    all_or_nothing_across_quotas, an_abandoned_charge_spends_nothing,
+    counts_never_pass_the_limit_nor_wrap, exactly_the_limit_under_concurrency,
 };
 pub use self::deadlines::{
     add_never_creates_nor_moves_a_deadline, calendar_counters_are_distinct_per_period_and_dated,
@@ -123,6 +123,10 @@ pub async fn run_all<S: ConformanceHooks>(store: &S) -> Vec<(&'static str, Verdi
         (
             "counts_never_pass_the_limit_nor_wrap",
             counts_never_pass_the_limit_nor_wrap(store).await,
+        ),
+        (
+            "a_charge_past_its_period_is_an_error",
+            a_charge_past_its_period_is_an_error(store).await,
         ),
     ]
 }

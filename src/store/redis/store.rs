@@ -772,6 +772,9 @@ impl Store for RedisStore {
     type ChargeFuture = RedisChargeFuture;
 
     fn charge(&self, request: ChargeRequest) -> Self::ChargeFuture {
+        if let Some(error) = crate::store::past_its_period(&request) {
+            return Box::pin(std::future::ready(Err(error)));
+        }
         if self.inner.batches.is_none() || request.lines.is_empty() {
             return Box::pin(self.clone().lines("c", request));
         }
