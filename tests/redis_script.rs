@@ -477,7 +477,7 @@ async fn a_charge_of_two_lines_answers_alike_in_a_batch_and_alone() {
         (8, 1, 1, 30, false),      // a higher limit
         (9, 1, 1, 30, true),       // one key twice
         (7_200, 1, 0, 30, false),  // the mark's period is over
-        (90_000, 1, 1, 30, false), // past the counter's window
+        (90_000, 1, 1, 30, false), // past the counter's window: an error, nothing written
     ];
     for (step, &(at, cost, mark_cost, limit, twice)) in steps.iter().enumerate() {
         let now = t0 + SignedDuration::from_secs(at);
@@ -491,7 +491,22 @@ async fn a_charge_of_two_lines_answers_alike_in_a_batch_and_alone() {
                 first_use(&mark, u64::MAX >> 11, mark_cost, now)
             };
             let lines = vec![calendar(&counter, limit, cost, start, end), second];
-            let answer = answer(store, now, lines).await;
+            let answer = store
+                .charge(ChargeRequest {
+                    now,
+                    lines: lines.into(),
+                })
+                .await
+                .map(|outcome| {
+                    let usage: Vec<_> = outcome
+                        .usage
+                        .iter()
+                        .map(|u| (u.limit, u.used, u.first_call))
+                        .collect();
+                    (outcome.admitted, usage)
+                })
+                .map_err(|error| error.to_string());
+            assert_eq!(answer.is_err(), now >= end, "step {step}: {answer:?}");
             let count: Option<String> = redis.hget(counter.as_str(), "n").await.unwrap();
             answers.push((answer, count));
         }

@@ -1054,5 +1054,12 @@ fn resets_and_reclaiming_give_room_back() {
     assert!(now_of(store.reset(minute("a").key)).unwrap());
     assert!(charge(&store, t0, vec![minute("b")]).admitted);
     store.purge_expired(at("2026-12-02T11:00:00Z"));
-    assert!(charge(&store, at("2026-12-02T11:00:00Z"), vec![minute("c")]).admitted);
+    let eleven = calendar(
+        key("c", "read", "2026-12-02T11:00"),
+        10,
+        1,
+        "2026-12-02T11:00:00Z",
+        "2026-12-02T11:01:00Z",
+    );
+    assert!(charge(&store, at("2026-12-02T11:00:00Z"), vec![eleven]).admitted);
 }
