@@ -58,6 +58,18 @@ impl Namespace {
 
     /// The key of one counter.
     pub fn key(&self, subject: &Subject, allowance: &str, period: &str) -> PeriodKey {
+        self.key_with_period(subject, allowance, period.as_bytes())
+    }
+
+    /// [`Namespace::key`], with `period` the bytes of a `str` (a period
+    /// stamp read back from a cache, whose reader need not check them
+    /// again: the key is checked whole).
+    pub(crate) fn key_with_period(
+        &self,
+        subject: &Subject,
+        allowance: &str,
+        period: &[u8],
+    ) -> PeriodKey {
         let mut key = Text::default();
         key.push_str(&self.prefix);
         key.push_str(":{");
@@ -67,7 +79,7 @@ impl Namespace {
         key.push_str("}:");
         push_encoded(&mut key, allowance.as_bytes());
         key.push_str(":");
-        key.push_str(period);
+        key.push_ascii_or_utf8(period);
         PeriodKey(Arc::from(key.as_str()))
     }
 }
@@ -131,8 +143,8 @@ impl Text {
         self.push_ascii_or_utf8(bytes);
     }
 
-    /// Only whole UTF-8 strings or ASCII bytes come in, so the text stays
-    /// UTF-8.
+    /// Only the bytes of whole UTF-8 strings, or ASCII bytes, come in, so
+    /// the text stays UTF-8 (and `as_str` checks it).
     #[inline]
     fn push_ascii_or_utf8(&mut self, bytes: &[u8]) {
         let end = self.len + bytes.len();

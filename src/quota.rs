@@ -404,7 +404,7 @@ impl Quota {
     pub fn window(&self, at: Timestamp) -> Window {
         match self.0.anchor {
             Anchor::Calendar => self.with_window(at, |start, end, stamp| {
-                Window::new(start, end, stamp.into())
+                Window::new(start, end, String::from_utf8_lossy(stamp).into_owned())
             }),
             Anchor::FirstUse => Window::first_use(
                 at,
@@ -415,14 +415,20 @@ impl Quota {
     }
 
     /// Runs `f` on the calendar window containing `at` (its start, end and
-    /// stamp), computed once per window and shared by the quota's clones.
-    fn with_window<R>(&self, at: Timestamp, f: impl FnOnce(Timestamp, Timestamp, &str) -> R) -> R {
-        if let Some(window) = self.0.current.get(at) {
-            return f(window.start, window.end, window.stamp());
+    /// stamp, as the bytes of a `str`), computed once per window and shared
+    /// by the quota's clones.
+    fn with_window<R, F>(&self, at: Timestamp, f: F) -> R
+    where
+        F: FnOnce(Timestamp, Timestamp, &[u8]) -> R,
+    {
+        match self.0.current.with(at, f) {
+            Ok(result) => result,
+            Err(f) => {
+                let window = self.0.period.window(at);
+                self.0.current.put(&window);
+                f(window.start(), window.end(), window.stamp().as_bytes())
+            }
         }
-        let window = self.0.period.window(at);
-        self.0.current.put(&window);
-        f(window.start(), window.end(), window.stamp())
     }
 
     /// The key of `subject`'s counter for this quota at `at`.
@@ -454,7 +460,7 @@ impl Quota {
         let inner = &*self.0;
         match inner.anchor {
             Anchor::Calendar => self.with_window(at, |start, end, stamp| ChargeLine {
-                key: namespace.key(subject, &inner.allowance, stamp),
+                key: namespace.key_with_period(subject, &inner.allowance, stamp),
                 limit,
                 cost,
                 lifetime: Lifetime::Calendar { start, end },

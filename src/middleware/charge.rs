@@ -421,14 +421,12 @@ pub(crate) fn decide(
             if !outcome.admitted {
                 return Decision::Refuse(outcome.usage);
             }
-            let lines = quotas
-                .iter()
-                .zip(&charge.request.lines)
-                .zip(outcome.usage.iter())
-                .map(|((quota, line), usage)| {
-                    Line::new(quota, line.key.clone(), charge.cost, *usage)
-                })
-                .collect();
+            let mut lines = SmallVec::with_capacity(quotas.len());
+            for ((quota, line), usage) in
+                quotas.iter().zip(&charge.request.lines).zip(&outcome.usage)
+            {
+                lines.push(Line::new(quota, line.key.clone(), charge.cost, *usage));
+            }
             Decision::Admit(lines)
         }
         Err(error) => match settings.on_store_error {

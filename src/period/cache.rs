@@ -39,31 +39,19 @@ pub(crate) struct WindowCache {
     writer: Mutex<()>,
 }
 
-/// A window read from the cache.
-#[derive(Clone, Copy)]
-pub(crate) struct CachedWindow {
-    pub(crate) start: Timestamp,
-    pub(crate) end: Timestamp,
-    len: usize,
-    stamp: [u8; MAX_STAMP],
-}
-
-impl CachedWindow {
-    /// The window's stamp.
-    pub(crate) fn stamp(&self) -> &str {
-        // Written from a `str` and read back whole (see `WindowCache::get`).
-        std::str::from_utf8(&self.stamp[..self.len]).expect("a stamp read whole is UTF-8")
-    }
-}
-
 impl WindowCache {
-    /// The window kept, if it contains `at`.
-    pub(crate) fn get(&self, at: Timestamp) -> Option<CachedWindow> {
+    /// Runs `f` on the window kept (its start, end, and the bytes of its
+    /// stamp, a `str` read back whole), if it contains `at`; gives `f` back
+    /// otherwise.
+    pub(crate) fn with<R, F>(&self, at: Timestamp, f: F) -> Result<R, F>
+    where
+        F: FnOnce(Timestamp, Timestamp, &[u8]) -> R,
+    {
         let before = self.sequence.load(Ordering::Acquire);
         if before % 2 == 1 {
-            return None;
+            return Err(f);
         }
-        let len = self.len.load(Ordering::Relaxed);
+        let len = self.len.load(Ordering::Relaxed).min(MAX_STAMP);
         let start = (
             self.start.0.load(Ordering::Relaxed),
             self.start.1.load(Ordering::Relaxed),
@@ -73,21 +61,29 @@ impl WindowCache {
             self.end.1.load(Ordering::Relaxed),
         );
         let mut stamp = [0; MAX_STAMP];
-        for (bytes, word) in stamp.chunks_exact_mut(8).zip(&self.stamp) {
+        // The words that hold the stamp, no more.
+        for (bytes, word) in stamp[..len.div_ceil(8) * 8]
+            .chunks_exact_mut(8)
+            .zip(&self.stamp)
+        {
             bytes.copy_from_slice(&word.load(Ordering::Relaxed).to_ne_bytes());
         }
         // The loads above happen before the sequence is read again.
         fence(Ordering::Acquire);
-        if self.sequence.load(Ordering::Relaxed) != before || len == 0 || len > MAX_STAMP {
-            return None;
+        if self.sequence.load(Ordering::Relaxed) != before || len == 0 {
+            return Err(f);
         }
-        let window = CachedWindow {
-            start: Timestamp::new(start.0, start.1).ok()?,
-            end: Timestamp::new(end.0, end.1).ok()?,
-            len,
-            stamp,
+        let (Ok(start), Ok(end)) = (
+            Timestamp::new(start.0, start.1),
+            Timestamp::new(end.0, end.1),
+        ) else {
+            return Err(f);
         };
-        (window.start <= at && at < window.end).then_some(window)
+        if start <= at && at < end {
+            Ok(f(start, end, &stamp[..len]))
+        } else {
+            Err(f)
+        }
     }
 
     /// Keeps `window`, unless the one kept starts later (requests racing
@@ -145,6 +141,16 @@ mod tests {
         text.parse().expect("an instant")
     }
 
+    /// The window kept, if it contains `at`: its start, end and stamp.
+    fn read(cache: &WindowCache, at: Timestamp) -> Option<(Timestamp, Timestamp, String)> {
+        cache
+            .with(at, |start, end, stamp| {
+                let stamp = std::str::from_utf8(stamp).expect("a stamp read whole");
+                (start, end, stamp.to_owned())
+            })
+            .ok()
+    }
+
     #[test]
     fn a_window_kept_is_read_back_whole_while_it_contains_the_instant() {
         let cache = WindowCache::default();
@@ -152,18 +158,20 @@ mod tests {
             Period::day().in_time_zone(TimeZone::get("America/Argentina/ComodRivadavia").unwrap());
         let window = day.window(at("2026-12-05T12:00:00Z"));
         assert!(
-            cache.get(at("2026-12-05T12:00:00Z")).is_none(),
+            read(&cache, at("2026-12-05T12:00:00Z")).is_none(),
             "nothing kept yet"
         );
         cache.put(&window);
-        let read = cache
-            .get(at("2026-12-05T12:00:00Z"))
-            .expect("the window kept");
-        assert_eq!(read.start, window.start());
-        assert_eq!(read.end, window.end());
-        assert_eq!(read.stamp(), window.stamp());
-        assert!(cache.get(window.end()).is_none(), "the end is outside");
-        assert!(cache.get(window.start()).is_some(), "the start is inside");
+        let kept = read(&cache, at("2026-12-05T12:00:00Z")).expect("the window kept");
+        assert_eq!(
+            kept,
+            (window.start(), window.end(), window.stamp().to_owned())
+        );
+        assert!(read(&cache, window.end()).is_none(), "the end is outside");
+        assert!(
+            read(&cache, window.start()).is_some(),
+            "the start is inside"
+        );
     }
 
     #[test]
@@ -175,10 +183,10 @@ mod tests {
         cache.put(&today);
         cache.put(&yesterday);
         assert_eq!(
-            cache.get(at("2026-12-05T12:00:00Z")).unwrap().stamp(),
+            read(&cache, at("2026-12-05T12:00:00Z")).unwrap().2,
             today.stamp()
         );
-        assert!(cache.get(at("2026-12-04T12:00:00Z")).is_none());
+        assert!(read(&cache, at("2026-12-04T12:00:00Z")).is_none());
     }
 
     #[test]
@@ -190,7 +198,7 @@ mod tests {
             "x".repeat(MAX_STAMP + 1),
         );
         cache.put(&long);
-        assert!(cache.get(at("2026-12-05T12:00:00Z")).is_none());
+        assert!(read(&cache, at("2026-12-05T12:00:00Z")).is_none());
         let longest = Window::new(
             at("2026-12-05T00:00:00Z"),
             at("2026-12-06T00:00:00Z"),
@@ -198,7 +206,7 @@ mod tests {
         );
         cache.put(&longest);
         assert_eq!(
-            cache.get(at("2026-12-05T12:00:00Z")).unwrap().stamp(),
+            read(&cache, at("2026-12-05T12:00:00Z")).unwrap().2,
             longest.stamp()
         );
     }
@@ -224,11 +232,16 @@ mod tests {
                     for round in 0..200_000 {
                         let i = round % windows.len();
                         let probe = windows[i].start();
-                        if let Some(read) = cache.get(probe) {
+                        if let Some(kept) = read(&cache, probe) {
                             let expected = &windows[i];
-                            assert_eq!(read.start, expected.start());
-                            assert_eq!(read.end, expected.end());
-                            assert_eq!(read.stamp(), expected.stamp());
+                            assert_eq!(
+                                kept,
+                                (
+                                    expected.start(),
+                                    expected.end(),
+                                    expected.stamp().to_owned()
+                                )
+                            );
                             seen += 1;
                         }
                     }
