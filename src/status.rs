@@ -129,6 +129,11 @@ impl QuotaUsage {
 /// `QuotaStatus` from the extensions you copy when the sub-request must be
 /// charged on its own.
 ///
+/// It holds the layers that charged the request (their policy and store
+/// with them), as the request does while it is served: keep what you need
+/// of it ([`entries`](Self::entries), [`charged_at`](Self::charged_at)),
+/// not the status itself, past the request.
+///
 /// ```
 /// use axum::{routing::get, Router};
 /// use tower_quota::{FromHeader, QuotaLayer, QuotaStatus};
@@ -347,7 +352,7 @@ impl Lines {
     }
 
     /// Each line with its quota.
-    pub(crate) fn with_quotas(&self) -> impl Iterator<Item = (&Quota, &Line)> {
+    pub(crate) fn with_quotas(&self) -> impl Iterator<Item = (&Quota, &Line)> + Clone {
         self.quotas().iter().zip(self.lines.iter())
     }
 }

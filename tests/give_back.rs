@@ -253,3 +253,20 @@ async fn a_dropped_sub_request_leaves_the_served_request_charged() {
         "a served request is counted"
     );
 }
+
+/// A store that charges but answers without the usage of the lines (it
+/// breaks the contract: one entry per line) gets its request served, with
+/// the fields the layer can tell: never a panic in the response.
+#[tokio::test]
+async fn a_store_answering_without_usage_never_panics_the_response() {
+    let account = policy(
+        Rigged::new(MemoryStore::new(), Rig::ShortUsage, None),
+        "account",
+    )
+    .build();
+    let app = Router::new()
+        .route("/search", get(ok))
+        .route_layer(account.layer(Quota::daily(10).allowance("read")));
+    let response = app.oneshot(call("/search")).await.unwrap();
+    assert_eq!(response.status(), StatusCode::OK);
+}

@@ -339,13 +339,15 @@ impl<E, St: Store> Charged<E, St> {
     /// The response, with the fields of this layer's quotas (standing at
     /// `usage`, or as charged) in front of those of layers further in.
     fn finish<B>(&self, mut response: Response<B>, usage: Option<&[Usage]>) -> Response<B> {
-        let usage = |i: usize| usage.map_or(self.lines[i].usage, |usage| usage[i]);
+        // A line per quota, as far as the store answered for them.
         let entries = self
             .lines
-            .quotas()
-            .iter()
+            .with_quotas()
             .enumerate()
-            .map(|(i, quota)| (quota, usage(i)));
+            .map(|(i, (quota, line))| {
+                let usage = usage.and_then(|usage| usage.get(i).copied());
+                (quota, usage.unwrap_or(line.usage))
+            });
         let cache = self
             .lines
             .are_the_layers_own()

@@ -949,6 +949,11 @@ impl<St: Store> LeasedStore<St> {
     /// store: the charge sent, which runs when polled. (Copied only when it
     /// is sent.)
     fn start(&self, request: Cow<'_, ChargeRequest>) -> Result<ChargeOutcome, RemoteCharge> {
+        // Never spent from a block either: a first-use key names every
+        // period of its subject, and a block of the live one may be held.
+        if let Some(error) = super::past_its_period(&request) {
+            return Err(Box::pin(std::future::ready(Err(error))));
+        }
         let at = Instant::now();
         self.spend_locally(&request, at)
             .map_err(|plan| self.send(request.into_owned(), *plan, at))

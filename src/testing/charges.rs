@@ -435,6 +435,15 @@ pub async fn a_charge_past_its_period_is_an_error<S: ConformanceHooks>(store: &S
     let live = keys.key("live");
     let ended = keys.key("ended");
     let past = keys.key("past");
+    // A first-use key charged often: a store that keeps part of a
+    // subject's allowance at hand (a leased block) holds some of it now,
+    // and a first-use key names every period of its subject.
+    let busy = keys.key("busy");
+    let roomy = 1_000_000;
+    for _ in 0..2_000 {
+        charge(store, now, vec![first_use(&busy, roomy, 1, now + period)]).await;
+    }
+    let busy_before = peek(store, now, vec![first_use(&busy, roomy, 0, now + period)]).await;
     let lines = vec![
         vec![
             calendar_line(&live, 10, 1, now, now + period),
@@ -442,6 +451,7 @@ pub async fn a_charge_past_its_period_is_an_error<S: ConformanceHooks>(store: &S
         ],
         vec![calendar_line(&past, 10, 1, now - period * 2, now - period)],
         vec![first_use(&ended, 10, 1, now)],
+        vec![first_use(&busy, roomy, 1, now)],
     ];
     for round in 0..3 {
         for lines in &lines {
@@ -476,6 +486,11 @@ pub async fn a_charge_past_its_period_is_an_error<S: ConformanceHooks>(store: &S
         (peeked[0].used, peeked[1].used),
         (0, 0),
         "a charge past its period must charge nothing, on none of its lines"
+    );
+    let busy_after = peek(store, now, vec![first_use(&busy, roomy, 0, now + period)]).await;
+    assert_eq!(
+        busy_after[0].used, busy_before[0].used,
+        "a charge past its period must charge nothing, on a key charged often too"
     );
     Verdict::Passed
 }

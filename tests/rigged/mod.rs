@@ -18,6 +18,11 @@ pub enum Rig {
     Stall,
     /// Fails at once.
     Fail,
+    /// Charges, and answers without the usage of the lines (a store that
+    /// breaks the contract: one entry per line).
+    // Not every test file that includes this module uses it.
+    #[allow(dead_code)]
+    ShortUsage,
 }
 
 /// A store that stalls or fails the charges of one allowance (of every
@@ -71,6 +76,14 @@ impl<St: Store> Store for Rigged<St> {
                 StoreErrorKind::Unavailable,
                 "rigged to fail",
             )))),
+            Rig::ShortUsage => {
+                let charge = self.inner.charge(request);
+                Box::pin(async move {
+                    let mut outcome = charge.await?;
+                    outcome.usage.clear();
+                    Ok(outcome)
+                })
+            }
         }
     }
     fn peek(
