@@ -140,7 +140,22 @@ fn t0() -> Timestamp {
 }
 
 fn day_key() -> PeriodKey {
-    PeriodKey::from_string("quota:{account:acme}:default:2026-12-04".into())
+    key_of("acme")
+}
+
+/// The key of `subject`'s counter for the test's day.
+fn key_of(subject: &str) -> PeriodKey {
+    PeriodKey::from_string(format!("quota:{{account:{subject}}}:default:2026-12-04"))
+}
+
+/// A line of `subject`'s counter for the test's day, costing one.
+fn line_of(subject: &str, limit: u64) -> ChargeLine {
+    ChargeLine {
+        key: key_of(subject),
+        limit,
+        cost: 1,
+        lifetime: day(),
+    }
 }
 
 fn day() -> Lifetime {
@@ -153,18 +168,19 @@ fn day() -> Lifetime {
 fn request(now: Timestamp, limit: u64) -> ChargeRequest {
     ChargeRequest {
         now,
-        lines: smallvec::smallvec![ChargeLine {
-            key: day_key(),
-            limit,
-            cost: 1,
-            lifetime: day(),
-        }],
+        lines: smallvec::smallvec![line_of("acme", limit)],
     }
 }
 
 /// What the store counts on the day's counter at `now`.
 async fn counted<St: Store>(store: &St, now: Timestamp) -> u64 {
-    store.peek(request(now, u64::MAX)).await.unwrap()[0].used
+    counted_for(store, "acme", now).await
+}
+
+/// What the store counts on `subject`'s counter of the day at `now`.
+async fn counted_for<St: Store>(store: &St, subject: &str, now: Timestamp) -> u64 {
+    let lines = smallvec::smallvec![line_of(subject, u64::MAX)];
+    store.peek(ChargeRequest { now, lines }).await.unwrap()[0].used
 }
 
 /// One request at `now` on `leased`.
@@ -1001,16 +1017,6 @@ async fn a_key_without_a_lease_mark_is_forgotten_once_idle() {
     assert!(leased.held() > 0);
 }
 
-/// A line of a counter of `subject`, for today.
-fn line_of(subject: &str, limit: u64) -> ChargeLine {
-    ChargeLine {
-        key: PeriodKey::from_string(format!("quota:{{account:{subject}}}:default:2026-12-04")),
-        limit,
-        cost: 1,
-        lifetime: day(),
-    }
-}
-
 #[test]
 fn charges_over_two_subjects_in_either_order_are_exact_and_never_wait_on_each_other() {
     // Run on a thread of its own: a charge that waits forever on another's
@@ -1078,15 +1084,11 @@ async fn charges_over_two_subjects() {
         // Four tasks of 300 charges each on the pair: the limit, exactly.
         assert_eq!(admitted[pair], LIMIT, "pair {pair}");
         for subject in [&subjects[pair], &subjects[4 + pair]] {
-            let used = inner
-                .peek(ChargeRequest {
-                    now,
-                    lines: smallvec::smallvec![line_of(subject, u64::MAX)],
-                })
-                .await
-                .unwrap()[0]
-                .used;
-            assert_eq!(used, LIMIT, "counted for {subject}");
+            assert_eq!(
+                counted_for(&inner, subject, now).await,
+                LIMIT,
+                "counted for {subject}"
+            );
         }
     }
 }
