@@ -13,6 +13,14 @@
 //! per request) into its response, which has no other header: what writing
 //! the fields costs by itself, a floor under any layer that writes them.
 //!
+//! A third baseline, "floor of a quota layer", is the least a quota layer
+//! does per request, written by hand around the bare service: read the
+//! subject, build its counter's key (on the stack), count it in a map under
+//! a lock, put where the subject stands in the request's extensions (what
+//! the handler reads), and write the two fields. No plans, zones, refunds,
+//! nested layers or policies: what no layer that counts and tells can go
+//! below, and what this crate's layer adds above it is its own machinery.
+//!
 //! For comparison, `tower_governor`'s layer (a GCRA per key in memory,
 //! keyed by the same header, a limit nothing reaches) around a service that
 //! answers at once with axum's body type, which it needs, against that bare
@@ -23,10 +31,14 @@
 //! with a Prometheus recorder (built, not serving) as the recorder of the
 //! thread.
 
+use std::collections::HashMap;
 use std::convert::Infallible;
+use std::future::Future;
 use std::hint::black_box;
-use std::sync::Arc;
-use std::time::{Duration, Instant};
+use std::pin::Pin;
+use std::sync::{Arc, Mutex};
+use std::task::{ready, Context, Poll};
+use std::time::{Duration, Instant, SystemTime};
 
 use criterion::{criterion_group, criterion_main, Criterion};
 use http::{HeaderName, HeaderValue, Request, Response, StatusCode};
@@ -83,6 +95,115 @@ async fn with_fields(request: Request<()>) -> Result<Response<String>, Infallibl
     headers.insert(RATELIMIT_POLICY.clone(), POLICY);
     headers.insert(RATELIMIT.clone(), value);
     Ok(response)
+}
+
+/// The least a quota layer does per request, written by hand around
+/// `trivial`: read the subject, build its counter's key (on the stack),
+/// count it in a map under a lock, put where the subject stands in the
+/// request's extensions for the handler, and write the two fields into
+/// the response. No plans, zones, refunds, nested layers or policies: a
+/// floor under any layer that counts and tells.
+#[derive(Clone)]
+struct Floor<S> {
+    inner: S,
+    counts: Arc<Mutex<HashMap<Box<[u8]>, u64>>>,
+}
+
+/// What the floor tells the handler.
+#[derive(Clone, Copy)]
+#[allow(dead_code)]
+struct FloorStatus {
+    used: u64,
+    resets_in: u64,
+}
+
+impl<S> Service<Request<()>> for Floor<S>
+where
+    S: Service<Request<()>, Response = Response<String>, Error = Infallible>,
+{
+    type Response = Response<String>;
+    type Error = Infallible;
+    type Future = FloorFuture<S::Future>;
+
+    fn poll_ready(&mut self, cx: &mut Context<'_>) -> Poll<Result<(), Infallible>> {
+        self.inner.poll_ready(cx)
+    }
+
+    fn call(&mut self, mut request: Request<()>) -> Self::Future {
+        let id = request.headers().get(HEADER).expect("a subject");
+        let seconds = SystemTime::now()
+            .duration_since(SystemTime::UNIX_EPOCH)
+            .expect("after 1970")
+            .as_secs();
+        let mut digits = itoa::Buffer::new();
+        let mut key = [0u8; 160];
+        let mut len = 0;
+        for part in [
+            b"quota:account:".as_slice(),
+            id.as_bytes(),
+            b":",
+            digits.format(seconds / 86_400).as_bytes(),
+            b":default",
+        ] {
+            key[len..len + part.len()].copy_from_slice(part);
+            len += part.len();
+        }
+        let used = {
+            let mut counts = self.counts.lock().expect("not poisoned");
+            match counts.get_mut(&key[..len]) {
+                Some(count) => {
+                    *count += 1;
+                    *count
+                }
+                None => {
+                    counts.insert(key[..len].into(), 1);
+                    1
+                }
+            }
+        };
+        let resets_in = 86_400 - seconds % 86_400;
+        request
+            .extensions_mut()
+            .insert(FloorStatus { used, resets_in });
+        FloorFuture {
+            inner: self.inner.call(request),
+            remaining: LIMIT - used,
+            resets_in,
+        }
+    }
+}
+
+pin_project_lite::pin_project! {
+    struct FloorFuture<F> {
+        #[pin]
+        inner: F,
+        remaining: u64,
+        resets_in: u64,
+    }
+}
+
+impl<F> Future for FloorFuture<F>
+where
+    F: Future<Output = Result<Response<String>, Infallible>>,
+{
+    type Output = F::Output;
+
+    fn poll(self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<Self::Output> {
+        let this = self.project();
+        let mut response = ready!(this.inner.poll(cx))?;
+        let mut digits = itoa::Buffer::new();
+        let mut value = Vec::with_capacity(48);
+        value.extend_from_slice(b"\"default\";r=");
+        value.extend_from_slice(digits.format(*this.remaining).as_bytes());
+        value.extend_from_slice(b";t=");
+        value.extend_from_slice(digits.format(*this.resets_in).as_bytes());
+        let value =
+            HeaderValue::from_maybe_shared(bytes::Bytes::from(value)).expect("a field value");
+        let headers = response.headers_mut();
+        headers.insert(RATELIMIT_POLICY.clone(), POLICY);
+        headers.insert(RATELIMIT.clone(), value);
+        Poll::Ready(Ok(response))
+    }
 }
 
 /// Requests naming the subjects in turn, from where the last batch stopped.
@@ -148,6 +269,18 @@ fn layer(c: &mut Criterion) {
     group.bench_function("baseline, RateLimit fields written", |b| {
         b.iter_custom(|iters| drive(&runtime, &mut fields, &mut subjects, iters));
     });
+
+    for (count, name) in [(1, "1 subject"), (100_000, "100000 subjects")] {
+        let mut floor = Floor {
+            inner: service_fn(trivial),
+            counts: Arc::default(),
+        };
+        let mut subjects = Subjects::new(count);
+        drive(&runtime, &mut floor, &mut subjects, count as u64);
+        group.bench_function(format!("floor of a quota layer, {name}"), |b| {
+            b.iter_custom(|iters| drive(&runtime, &mut floor, &mut subjects, iters));
+        });
+    }
 
     let mut bare_body = service_fn(trivial_body);
     group.bench_function("baseline (no layer), axum body", |b| {

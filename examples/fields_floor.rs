@@ -8,14 +8,32 @@
 //! (formatted per request). Nothing is counted: what is left is the cost of
 //! reading the subject and of the fields themselves, over the wire too.
 //!
+//! With `--count`, the middleware is a tower layer of its own (as the quota
+//! layer is, without the boxed future of `from_fn`) that does the least a
+//! quota layer does per request: reads the subject, builds its counter's
+//! key (namespace, subject, day, allowance; on the stack), counts it in a
+//! map under a lock, puts where the subject stands in the request's
+//! extensions, for the handler, and writes the two fields. No plans, zones,
+//! refunds or nested layers: a floor under any quota layer that counts and
+//! tells.
+//!
 //! ```sh
-//! cargo run --release --example fields_floor -- --listen 127.0.0.1:3001
+//! cargo run --release --example fields_floor -- --listen 127.0.0.1:3001 [--count]
 //! ```
 //!
 //! `scripts/http-bench.sh` measures it beside the demo server
-//! (`BENCH_STORES=off,fields,memory`).
+//! (`BENCH_STORES=off,fields,layer-floor,memory`).
+use std::collections::HashMap;
+use std::convert::Infallible;
+use std::future::Future;
 use std::net::SocketAddr;
+use std::pin::Pin;
 use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::{Arc, Mutex};
+use std::task::{ready, Context, Poll};
+use std::time::SystemTime;
+
+use tower::Service;
 
 use axum::{
     extract::Request,
@@ -26,7 +44,7 @@ use axum::{
     Router,
 };
 
-const USAGE: &str = "usage: fields_floor --listen ADDR:PORT";
+const USAGE: &str = "usage: fields_floor --listen ADDR:PORT [--count]";
 
 static RATELIMIT: HeaderName = HeaderName::from_static("ratelimit");
 static RATELIMIT_POLICY: HeaderName = HeaderName::from_static("ratelimit-policy");
@@ -40,18 +58,147 @@ async fn fields(request: Request, next: Next) -> Response {
     if !matches!((ids.next(), ids.next()), (Some(_), None)) {
         return (StatusCode::UNAUTHORIZED, "send one x-account-id header\n").into_response();
     }
-    let mut response = next.run(request).await;
+    let response = next.run(request).await;
     let served = SERVED.fetch_add(1, Ordering::Relaxed);
+    with_fields(
+        response,
+        1_000_000_000 - served % 1_000_000_000,
+        86_400 - served % 86_400,
+    )
+}
+
+/// The counters of `--count`, by key.
+type Counts = Arc<Mutex<HashMap<Box<[u8]>, u64>>>;
+
+/// What `--count` tells the handler.
+#[derive(Clone, Copy)]
+#[allow(dead_code)]
+struct Standing {
+    used: u64,
+    resets_in: u64,
+}
+
+/// The middleware of `--count`, as a tower layer (no boxed future): see
+/// the module's docs.
+#[derive(Clone)]
+struct Counted<S> {
+    inner: S,
+    counts: Counts,
+}
+
+impl<S> Service<Request> for Counted<S>
+where
+    S: Service<Request, Response = Response, Error = Infallible>,
+{
+    type Response = Response;
+    type Error = Infallible;
+    type Future = CountedFuture<S::Future>;
+
+    fn poll_ready(&mut self, cx: &mut Context<'_>) -> Poll<Result<(), Infallible>> {
+        self.inner.poll_ready(cx)
+    }
+
+    fn call(&mut self, mut request: Request) -> Self::Future {
+        let mut ids = request.headers().get_all("x-account-id").iter();
+        let id = match (ids.next(), ids.next()) {
+            (Some(id), None) if id.len() <= 128 => id,
+            _ => {
+                let refused =
+                    (StatusCode::UNAUTHORIZED, "send one x-account-id header\n").into_response();
+                return CountedFuture::Refused {
+                    response: Some(refused),
+                };
+            }
+        };
+        let seconds = SystemTime::now()
+            .duration_since(SystemTime::UNIX_EPOCH)
+            .expect("after 1970")
+            .as_secs();
+        let mut digits = itoa::Buffer::new();
+        let mut key = [0u8; 192];
+        let mut len = 0;
+        for part in [
+            b"quota:account:".as_slice(),
+            id.as_bytes(),
+            b":",
+            digits.format(seconds / 86_400).as_bytes(),
+            b":default",
+        ] {
+            key[len..len + part.len()].copy_from_slice(part);
+            len += part.len();
+        }
+        let used = {
+            let mut counts = self.counts.lock().expect("not poisoned");
+            match counts.get_mut(&key[..len]) {
+                Some(count) => {
+                    *count += 1;
+                    *count
+                }
+                None => {
+                    counts.insert(key[..len].into(), 1);
+                    1
+                }
+            }
+        };
+        let resets_in = 86_400 - seconds % 86_400;
+        request
+            .extensions_mut()
+            .insert(Standing { used, resets_in });
+        CountedFuture::Called {
+            inner: self.inner.call(request),
+            remaining: 1_000_000_000 - used,
+            resets_in,
+        }
+    }
+}
+
+pin_project_lite::pin_project! {
+    #[project = CountedProj]
+    enum CountedFuture<F> {
+        Called {
+            #[pin]
+            inner: F,
+            remaining: u64,
+            resets_in: u64,
+        },
+        Refused {
+            response: Option<Response>,
+        },
+    }
+}
+
+impl<F> Future for CountedFuture<F>
+where
+    F: Future<Output = Result<Response, Infallible>>,
+{
+    type Output = F::Output;
+
+    fn poll(self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<Self::Output> {
+        match self.project() {
+            CountedProj::Called {
+                inner,
+                remaining,
+                resets_in,
+            } => {
+                let response = ready!(inner.poll(cx))?;
+                Poll::Ready(Ok(with_fields(response, *remaining, *resets_in)))
+            }
+            CountedProj::Refused { response } => {
+                Poll::Ready(Ok(response.take().expect("polled after completion")))
+            }
+        }
+    }
+}
+
+/// `response` with the two fields, for `remaining` calls left and a reset
+/// in `resets_in` seconds.
+fn with_fields(mut response: Response, remaining: u64, resets_in: u64) -> Response {
     let mut digits = itoa::Buffer::new();
     let mut value = Vec::with_capacity(48);
     value.extend_from_slice(b"\"default\";r=");
-    value.extend_from_slice(
-        digits
-            .format(1_000_000_000 - served % 1_000_000_000)
-            .as_bytes(),
-    );
+    value.extend_from_slice(digits.format(remaining).as_bytes());
     value.extend_from_slice(b";t=");
-    value.extend_from_slice(digits.format(86_400 - served % 86_400).as_bytes());
+    value.extend_from_slice(digits.format(resets_in).as_bytes());
     let value = HeaderValue::from_maybe_shared(bytes::Bytes::from(value))
         .expect("digits and quotes are a valid field value");
     let headers = response.headers_mut();
@@ -68,9 +215,11 @@ fn fail(message: &str) -> ! {
 #[tokio::main]
 async fn main() {
     let mut listen: SocketAddr = ([127, 0, 0, 1], 3001).into();
+    let mut count = false;
     let mut args = std::env::args().skip(1);
     while let Some(flag) = args.next() {
         match flag.as_str() {
+            "--count" => count = true,
             "--listen" => {
                 let value = args
                     .next()
@@ -82,9 +231,16 @@ async fn main() {
             other => fail(&format!("unknown argument {other:?}")),
         }
     }
-    let app = Router::new()
-        .route("/read", get(|| async { "read\n" }))
-        .route_layer(middleware::from_fn(fields));
+    let app = Router::new().route("/read", get(|| async { "read\n" }));
+    let app = if count {
+        let counts = Counts::default();
+        app.route_layer(tower::layer::layer_fn(move |inner| Counted {
+            inner,
+            counts: Arc::clone(&counts),
+        }))
+    } else {
+        app.route_layer(middleware::from_fn(fields))
+    };
     let listener = tokio::net::TcpListener::bind(listen)
         .await
         .unwrap_or_else(|e| fail(&format!("--listen {listen}: {e}")));

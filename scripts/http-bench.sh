@@ -14,6 +14,7 @@
 #   BENCH_STORES=off,redis,floor scripts/http-bench.sh
 #   BENCH_STORES=off,memory,governor scripts/http-bench.sh
 #   BENCH_STORES=off,fields,memory,governor scripts/http-bench.sh
+#   BENCH_STORES=off,fields,layer-floor,memory,governor scripts/http-bench.sh
 #   BENCH_STORES=off,memory,redis,redis-lease,floor-eval scripts/http-bench.sh
 #
 # `redis-lease` is the demo server on Redis with `--lease`: a busy account's
@@ -33,7 +34,10 @@
 # subject header and writes the two fields the quota layer writes on every
 # answer (`RateLimit-Policy` and a `RateLimit` formatted per request), and
 # counts nothing: what telling clients where they stand costs by itself,
-# a floor under the memory store's figure.
+# a floor under the memory store's figure. `layer-floor` is the same
+# example with `--count`: it also builds each request's counter key, counts
+# it in a map under a lock and puts the count in the request's extensions,
+# the least a quota layer does per request.
 #
 # `governor` is another rate limiter: the demo server with `--quota
 # governor`, the same routes behind a tower_governor layer (a GCRA per
@@ -62,9 +66,9 @@ threads=${BENCH_THREADS:-2}
 IFS=, read -r -a stores <<<"${BENCH_STORES:-off,memory,redis}"
 for name in "${stores[@]}"; do
     case $name in
-    off | fields | memory | redis | redis-lease | floor | floor-eval | governor) ;;
+    off | fields | layer-floor | memory | redis | redis-lease | floor | floor-eval | governor) ;;
     *)
-        echo "BENCH_STORES: unknown server $name (off, fields, memory, redis, redis-lease, floor, floor-eval, governor)" >&2
+        echo "BENCH_STORES: unknown server $name (off, fields, layer-floor, memory, redis, redis-lease, floor, floor-eval, governor)" >&2
         exit 2
         ;;
     esac
@@ -113,6 +117,7 @@ measured floor && start_server floor "$examples/redis_floor" --redis "redis://12
 measured floor-eval && start_server floor-eval "$examples/redis_floor" --redis "redis://127.0.0.1:$redis_port/" --eval
 measured governor && start_server governor "$server" --limit 1000000000 --quota governor
 measured fields && start_server fields "$examples/fields_floor"
+measured layer-floor && start_server layer-floor "$examples/fields_floor" --count
 
 # Each wrk thread draws its own accounts: seeded alike, the threads would
 # send the same account at the same moment, each request in a pair.
