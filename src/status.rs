@@ -14,6 +14,7 @@ use smallvec::SmallVec;
 use crate::key::PeriodKey;
 use crate::period::Anchor;
 use crate::quota::Quota;
+use crate::response::PolicyCache;
 use crate::store::Usage;
 use crate::subject::Subject;
 
@@ -308,6 +309,36 @@ pub(crate) trait LayerQuotas: Send + Sync + 'static {
     fn quotas(&self) -> &[Quota];
 }
 
+/// Quotas a charge counts that are not its layer's own, all of them, as it
+/// has them: the layer's quotas as a caller in another zone counts them
+/// (kept by the layer, zone by zone, with the `RateLimit-Policy` values
+/// sent for them), or those of its quotas that a layer further out did not
+/// charge already (made for the request).
+#[derive(Debug)]
+pub(crate) struct OtherQuotas {
+    pub(crate) quotas: Box<[Quota]>,
+    /// The `RateLimit-Policy` values sent for `quotas`, when kept.
+    pub(crate) fields: Option<PolicyCache>,
+}
+
+impl OtherQuotas {
+    /// `quotas`, with a cache of the values sent for them.
+    pub(crate) fn cached(quotas: Box<[Quota]>) -> Self {
+        Self {
+            fields: Some(PolicyCache::for_quotas(&quotas)),
+            quotas,
+        }
+    }
+
+    /// `quotas` for one request: each value is made when sent.
+    pub(crate) fn uncached(quotas: Box<[Quota]>) -> Self {
+        Self {
+            quotas,
+            fields: None,
+        }
+    }
+}
+
 /// The lines one layer charged for a request: the `i`-th line counts the
 /// `i`-th of their quotas.
 pub(crate) struct Lines {
@@ -317,10 +348,8 @@ pub(crate) struct Lines {
     /// where a clone of each quota would add to one per quota, each a write
     /// that the next request on another core waits for.
     layer: Arc<dyn LayerQuotas>,
-    /// The quotas of the lines, when they are not the layer's own, all of
-    /// them, as it has them: a caller in another zone, or a request some of
-    /// whose quotas a layer further out charged already.
-    quotas: Option<Arc<[Quota]>>,
+    /// The quotas of the lines, when they are not the layer's own.
+    quotas: Option<Arc<OtherQuotas>>,
     lines: SmallVec<[Line; 1]>,
 }
 
@@ -328,7 +357,7 @@ impl Lines {
     /// `lines`, counting the quotas of `layer` (`quotas`: those instead).
     pub(crate) fn new(
         layer: Arc<dyn LayerQuotas>,
-        quotas: Option<Arc<[Quota]>>,
+        quotas: Option<Arc<OtherQuotas>>,
         lines: SmallVec<[Line; 1]>,
     ) -> Self {
         Self {
@@ -340,15 +369,19 @@ impl Lines {
 
     /// The quotas the lines count, in their order.
     pub(crate) fn quotas(&self) -> &[Quota] {
-        self.quotas
-            .as_deref()
-            .unwrap_or_else(|| self.layer.quotas())
+        match &self.quotas {
+            Some(other) => &other.quotas,
+            None => self.layer.quotas(),
+        }
     }
 
-    /// Whether the lines count the layer's own quotas, all of them, as it
-    /// has them.
-    pub(crate) fn are_the_layers_own(&self) -> bool {
-        self.quotas.is_none()
+    /// The `RateLimit-Policy` values sent for the lines' quotas, if kept:
+    /// `own`, the layer's, when they are its own quotas.
+    pub(crate) fn policy_cache<'a>(&'a self, own: &'a PolicyCache) -> Option<&'a PolicyCache> {
+        match &self.quotas {
+            Some(other) => other.fields.as_ref(),
+            None => Some(own),
+        }
     }
 
     /// Each line with its quota.

@@ -123,6 +123,38 @@ async fn a_callers_day_of_25_hours_when_clocks_go_back() {
 }
 
 #[tokio::test]
+async fn a_callers_policy_field_follows_the_length_of_each_of_their_days() {
+    // One layer through three Berlin days: 24, 23 (clocks go forward on
+    // 2026-03-29) and 24 hours. The layer keeps the caller's zone's quotas
+    // and the `RateLimit-Policy` values it sent for them: each day's value
+    // is its own.
+    let clock = ManualClock::new(at("2026-03-28T10:00:00Z"));
+    let (app, _) = app(&clock);
+    let berlin = Some("Europe/Berlin");
+    for (instant, hours) in [
+        ("2026-03-28T10:00:00Z", 24),
+        ("2026-03-29T10:00:00Z", 23),
+        ("2026-03-30T10:00:00Z", 24),
+        ("2026-03-29T21:59:59Z", 23),
+    ] {
+        clock.set(at(instant));
+        let response = send(&app, "acme", berlin).await;
+        assert_eq!(response.status(), StatusCode::OK, "at {instant}");
+        assert_eq!(
+            field(&response, "ratelimit-policy"),
+            format!("\"default-day\";q=2;w={}", hours * 3_600),
+            "at {instant}"
+        );
+    }
+    // A caller in UTC on the same layer meanwhile: a day of 24 hours.
+    let utc = send(&app, "other", None).await;
+    assert_eq!(
+        field(&utc, "ratelimit-policy"),
+        "\"default-day\";q=2;w=86400"
+    );
+}
+
+#[tokio::test]
 async fn callers_in_different_zones_turn_at_their_own_midnight() {
     // 23:30 UTC: already the 3rd in Tokyo, still the 2nd in UTC and New
     // York.

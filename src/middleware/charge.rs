@@ -14,7 +14,7 @@ use super::layer::{Bound, Cost, Scope};
 use crate::policy::{OnStoreError, Policy, Settings, SubjectPolicy, UnknownPlan};
 use crate::quota::Quota;
 use crate::response::{self, RateLimitFields, Refusal};
-use crate::status::{Caller, Line, QuotaStatus, Ticket};
+use crate::status::{Caller, Line, OtherQuotas, QuotaStatus, Ticket};
 use crate::store::{ChargeOutcome, ChargeRequest, StoreError, Usage};
 use crate::subject::{Subject, SubjectError, SubjectExtractor};
 use crate::throttle::Throttle;
@@ -56,7 +56,7 @@ pub(crate) struct Charge {
     /// One per line of `request`, in the caller's zone, when they are not
     /// the layer's own quotas, all of them, as it has them (see
     /// [`Charge::quotas`]).
-    pub(crate) quotas: Option<Arc<[Quota]>>,
+    pub(crate) quotas: Option<Arc<OtherQuotas>>,
     /// What the store is asked (a shadow quota's line has no limit): each
     /// line's key, and its lifetime, which a request that passes on a
     /// failed charge owes to.
@@ -75,7 +75,10 @@ impl Charge {
     /// One quota per line, in the caller's zone: those of the charge, or
     /// the layer's (of `scope`).
     pub(crate) fn quotas<'a>(&'a self, scope: &'a Scope) -> &'a [Quota] {
-        self.quotas.as_deref().unwrap_or(&scope.quotas)
+        match &self.quotas {
+            Some(other) => &other.quotas,
+            None => &scope.quotas,
+        }
     }
 }
 
@@ -259,7 +262,9 @@ fn lines(
         .as_ref()
         .expect("a charged ticket has a caller");
     let zoned = scope.quotas_in(caller.zone.as_ref());
-    let all = zoned.as_deref().unwrap_or(&scope.quotas);
+    let all = zoned
+        .as_deref()
+        .map_or(&scope.quotas[..], |zoned| &zoned.quotas);
     let mut lines = SmallVec::<[_; 2]>::with_capacity(all.len());
     // Quotas a layer further out charged already (the same quota in two
     // layers, or a sub-request): rare, so no allocation until one is met.
@@ -285,18 +290,20 @@ fn lines(
     if lines.is_empty() {
         return Step::Pass;
     }
-    let quotas: Option<Arc<[Quota]>> = if counted.is_empty() {
+    let quotas = if counted.is_empty() {
         zoned
     } else {
-        Some(
+        Some(Arc::new(OtherQuotas::uncached(
             all.iter()
                 .enumerate()
                 .filter(|(i, _)| !counted.contains(i))
                 .map(|(_, quota)| quota.clone())
                 .collect(),
-        )
+        )))
     };
-    let charged = quotas.as_deref().unwrap_or(&scope.quotas);
+    let charged = quotas
+        .as_deref()
+        .map_or(&scope.quotas[..], |other| &other.quotas);
     let cost = match scope.cost.upfront(parts) {
         Ok(cost) if cost > max_count => {
             let detail = format!(

@@ -348,10 +348,7 @@ impl<E, St: Store> Charged<E, St> {
                 let usage = usage.and_then(|usage| usage.get(i).copied());
                 (quota, usage.unwrap_or(line.usage))
             });
-        let cache = self
-            .lines
-            .are_the_layers_own()
-            .then_some(&self.bound.scope.fields);
+        let cache = self.lines.policy_cache(&self.bound.scope.fields);
         RateLimitFields::new(entries, self.now, cache, self.spread)
             .prepend_to(response.headers_mut());
         response

@@ -12,7 +12,7 @@ use super::service::QuotaService;
 use crate::policy::{InvalidRequest, Policy, QuotaPolicy};
 use crate::quota::Quota;
 use crate::response::PolicyCache;
-use crate::status::LayerQuotas;
+use crate::status::{LayerQuotas, OtherQuotas};
 use crate::store::{MemoryStore, Store};
 use crate::subject::SubjectExtractor;
 
@@ -90,8 +90,9 @@ pub(crate) struct Scope {
     pub(crate) cost: Cost,
     /// The last `RateLimit-Policy` values this layer sent.
     pub(crate) fields: PolicyCache,
-    /// The quotas as callers in other zones count them, by zone.
-    zoned: RwLock<HashMap<String, Arc<[Quota]>>>,
+    /// The quotas as callers in other zones count them, by zone, with the
+    /// `RateLimit-Policy` values sent for them.
+    zoned: RwLock<HashMap<String, Arc<OtherQuotas>>>,
 }
 
 /// Callers' zones a layer keeps its quotas for; beyond, they are made per
@@ -110,7 +111,7 @@ impl Scope {
 
     /// The layer's quotas as a caller in `zone` counts them: `None` for
     /// its own, as they are.
-    pub(crate) fn quotas_in(&self, zone: Option<&TimeZone>) -> Option<Arc<[Quota]>> {
+    pub(crate) fn quotas_in(&self, zone: Option<&TimeZone>) -> Option<Arc<OtherQuotas>> {
         let zone = zone?;
         let name = zone_key(zone);
         if let Some(quotas) = self
@@ -121,15 +122,20 @@ impl Scope {
         {
             return Some(Arc::clone(quotas));
         }
-        let quotas: Arc<[Quota]> = self
+        let quotas: Box<[Quota]> = self
             .quotas
             .iter()
             .map(|q| q.in_callers_zone(zone))
             .collect();
         let mut zoned = self.zoned.write().unwrap_or_else(|e| e.into_inner());
-        if zoned.len() < MAX_ZONES {
-            zoned.insert(name.into_owned(), Arc::clone(&quotas));
+        if let Some(known) = zoned.get(name.as_ref()) {
+            return Some(Arc::clone(known));
         }
+        if zoned.len() >= MAX_ZONES {
+            return Some(Arc::new(OtherQuotas::uncached(quotas)));
+        }
+        let quotas = Arc::new(OtherQuotas::cached(quotas));
+        zoned.insert(name.into_owned(), Arc::clone(&quotas));
         Some(quotas)
     }
 }

@@ -52,7 +52,9 @@ pub(crate) fn owe<E, St>(
         return None;
     }
     let now = ticket.now;
-    let quotas = quotas.as_deref().unwrap_or(&bound.scope.quotas);
+    let quotas = quotas
+        .as_deref()
+        .map_or(&bound.scope.quotas[..], |other| &other.quotas);
     let lines = quotas
         .iter()
         .zip(&request.lines)
