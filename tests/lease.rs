@@ -243,6 +243,67 @@ async fn a_busy_subject_spends_blocks_locally_and_the_store_counts_every_admissi
 }
 
 #[tokio::test(start_paused = true)]
+async fn a_busy_subjects_next_block_is_taken_when_its_block_runs_out() {
+    // 20 requests a second: the next request comes 50 ms after the one
+    // that spends a block's last unit, long after the next block was taken
+    // in the background (10 ms later).
+    let inner = Counting::default();
+    let leased = LeasedStore::new(inner.clone());
+    let mut now = t0();
+    let mut served = 0;
+    let mut prefetched = 0;
+    for _ in 0..400 {
+        let before = inner.charges.load(Ordering::Relaxed);
+        assert!(call(&leased, now, 100_000).await.admitted);
+        served += 1;
+        let ran_out = leased.held() == 0 && inner.charges.load(Ordering::Relaxed) == before;
+        // The task that takes it starts, then its wait passes.
+        tokio::task::yield_now().await;
+        tokio::time::advance(Duration::from_millis(20)).await;
+        for _ in 0..4 {
+            tokio::task::yield_now().await;
+        }
+        if ran_out && leased.held() > 0 {
+            prefetched += 1;
+            assert_eq!(
+                inner.charges.load(Ordering::Relaxed),
+                before + 1,
+                "one charge, no request"
+            );
+        }
+        // Every admission is counted, and so is what this instance holds.
+        assert_eq!(counted(&inner, now).await, served + leased.held());
+        tokio::time::advance(Duration::from_millis(30)).await;
+        now += SignedDuration::from_millis(50);
+    }
+    assert!(
+        prefetched >= 2,
+        "{prefetched} blocks taken in the background"
+    );
+    // 400 requests, nearly all of them answered here.
+    let charges = inner.charges.load(Ordering::Relaxed);
+    assert!(charges <= 20, "{charges} charges for 400 requests");
+}
+
+#[tokio::test(start_paused = true)]
+async fn a_request_that_comes_before_the_next_block_takes_it_itself() {
+    // 1 000 requests a second: the request after the one that spent a
+    // block's last unit comes before the next block would be taken in the
+    // background, and takes it with its own charge; no second one is taken.
+    let inner = Counting::default();
+    let leased = LeasedStore::new(inner.clone());
+    let mut now = t0();
+    busy(&leased, &mut now, 500, 100_000, 1).await;
+    tokio::time::advance(Duration::from_millis(20)).await;
+    tokio::task::yield_now().await;
+    let held = leased.held();
+    assert_eq!(counted(&inner, now).await, 500 + held);
+    // No block is taken in the background while one is held.
+    let charges = inner.charges.load(Ordering::Relaxed);
+    assert!(charges <= 20, "{charges} charges for 500 requests");
+}
+
+#[tokio::test(start_paused = true)]
 async fn a_busy_subject_back_after_a_pause_takes_a_large_block_with_its_second_request() {
     let inner = Counting::default();
     let leased = LeasedStore::new(inner.clone());

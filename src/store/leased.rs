@@ -42,8 +42,7 @@ static GIVE_BACK_ERRORS: Throttle = Throttle::new(5);
 ///
 /// - **Its size follows the subject's rate on this instance**: about what
 ///   the subject spends here in four fifths of a lease time (so that a
-///   steady subject spends it before the lease time ends, and its next
-///   block comes with the charge that finds it spent), growing at most
+///   steady subject spends it before the lease time ends), growing at most
 ///   fourfold from one block to the next (the first at most 8 units). A
 ///   subject that calls once in a while takes no block at all: each of its
 ///   requests is one charge, as without leases, and so is the first
@@ -51,6 +50,15 @@ static GIVE_BACK_ERRORS: Throttle = Throttle::new(5);
 ///   is remembered for six lease times after it went quiet (while this
 ///   instance tracks fewer than half its bound of counters): the block its
 ///   second request back takes is at least the last block's size.
+/// - **The next block is taken when a block runs out**, 10 ms after the
+///   request that spent its last unit, without waiting for the subject's
+///   next request, and together with the next blocks of the subjects whose
+///   blocks ran out meanwhile: with a store that batches concurrent
+///   charges (as the Redis store does), one call
+///   takes many subjects' blocks. A request that comes before (a subject
+///   calling more than a hundred times a second here) takes the block with
+///   its own charge instead, as does a subject's first request back after
+///   a pause.
 /// - **It shrinks as the allowance runs low**: a block is at most a quarter
 ///   of what the counter had left when last seen, so near the limit blocks
 ///   are single units and every request is a charge of its own (exact, as
@@ -281,6 +289,7 @@ impl<St: Store> LeasedStoreBuilder<St> {
                 closed: AtomicBool::new(false),
                 sweeping: AtomicBool::new(false),
                 generations: AtomicU64::new(0),
+                prefetch: Mutex::default(),
             }),
         }
     }
@@ -321,6 +330,27 @@ struct Shared {
     sweeping: AtomicBool,
     /// The last counter entry's generation.
     generations: AtomicU64,
+    /// The next blocks of busy subjects whose block ran out, taken together
+    /// once [`PREFETCH_DELAY`] has passed since the first of them.
+    prefetch: Mutex<Vec<Prefetch>>,
+}
+
+/// How long a busy subject's next block waits to be taken once its block
+/// ran out, so that the takes of the subjects whose blocks run out meanwhile
+/// go to the store together: one call for them all with a store that
+/// batches concurrent charges (as `RedisStore` does), instead of one each.
+const PREFETCH_DELAY: Duration = Duration::from_millis(10);
+
+/// A busy subject's next block, to take without waiting for its next
+/// request: the counter's line (costing nothing), and the instant its
+/// block ran out, by the layer's clock and the runtime's.
+struct Prefetch {
+    line: ChargeLine,
+    now: Timestamp,
+    at: Instant,
+    /// The counter's entry when its block ran out: a reset meanwhile makes
+    /// a new one, which takes no block of the old one's.
+    generation: u64,
 }
 
 impl Shared {
@@ -506,6 +536,9 @@ struct Counter {
     block: u64,
     /// Whether a charge with a block is on its way (one at a time).
     taking: bool,
+    /// Whether the block ran out and the next one is to be taken shortly
+    /// (see [`PREFETCH_DELAY`]): a request that comes first takes it.
+    prefetching: bool,
     /// Units taken from the block for requests whose other lines the store
     /// is asked for: spent or put back once it answers.
     reserved: u64,
@@ -782,6 +815,7 @@ impl<St: Store> LeasedStore<St> {
         .unwrap_or(0);
         if block > 0 {
             counter.taking = true;
+            counter.prefetching = false;
         }
         block
     }
@@ -879,18 +913,26 @@ impl<St: Store> LeasedStore<St> {
                 .zip(&taken)
                 .all(|(line, &units)| units == line.cost);
         if local {
+            let mut ran_out = SmallVec::<[&ChargeLine; 1]>::new();
             let usage = request
                 .lines
                 .iter()
-                .map(|line| {
+                .zip(&taken)
+                .map(|(line, &units)| {
                     let counter = counters.get_mut(&line.key).expect("a block was spent");
                     if counter.units == 0 {
                         counter.block_since = None;
                         counter.taken_at = None;
+                        if units > 0 {
+                            ran_out.push(line);
+                        }
                     }
                     counter.usage_under(line.limit)
                 })
                 .collect();
+            for line in ran_out {
+                self.take_next_block(&mut counters, line, request.now, at);
+            }
             crate::metrics::lease_local();
             return Ok(ChargeOutcome {
                 admitted: true,
@@ -943,6 +985,133 @@ impl<St: Store> LeasedStore<St> {
                 spent: false,
             },
         }))
+    }
+
+    /// The block of the counter at `line`'s key ran out with a request at
+    /// `now` (`at`): its next block is to be taken after [`PREFETCH_DELAY`]
+    /// without waiting for the subject's next request (unless that request
+    /// comes first, and takes it), together with those of the subjects
+    /// whose blocks run out meanwhile.
+    fn take_next_block(
+        &self,
+        counters: &mut Counters<'_>,
+        line: &ChargeLine,
+        now: Timestamp,
+        at: Instant,
+    ) {
+        let Ok(runtime) = tokio::runtime::Handle::try_current() else {
+            return;
+        };
+        let Some(counter) = counters.get_mut(&line.key) else {
+            return;
+        };
+        if counter.taking || counter.prefetching {
+            return;
+        }
+        counter.prefetching = true;
+        let generation = counter.generation;
+        let line = ChargeLine {
+            cost: 0,
+            ..line.clone()
+        };
+        let first = {
+            let mut queue = self
+                .shared
+                .prefetch
+                .lock()
+                .unwrap_or_else(std::sync::PoisonError::into_inner);
+            queue.push(Prefetch {
+                line,
+                now,
+                at,
+                generation,
+            });
+            queue.len() == 1
+        };
+        if first {
+            let store = self.clone();
+            runtime.spawn(async move {
+                tokio::time::sleep(PREFETCH_DELAY).await;
+                let queued = std::mem::take(
+                    &mut *store
+                        .shared
+                        .prefetch
+                        .lock()
+                        .unwrap_or_else(std::sync::PoisonError::into_inner),
+                );
+                // Each in a task of its own, so the store sees them at
+                // once and can send them together.
+                for prefetch in queued {
+                    if let Some(charge) = store.prefetched(prefetch) {
+                        tokio::spawn(async move {
+                            // The subject's next request goes to the store.
+                            if let Err(error) = charge.await {
+                                tracing::debug!(%error, "a busy subject's next block was not taken");
+                            }
+                        });
+                    }
+                }
+            });
+        }
+    }
+
+    /// The charge that takes the next block of `prefetch`'s counter, unless
+    /// none is to be taken: a request took it first, the counter was reset
+    /// or its period ended, the store shut down, or its subject is not busy
+    /// enough for a block.
+    fn prefetched(&self, prefetch: Prefetch) -> Option<RemoteCharge> {
+        let Prefetch {
+            line,
+            now,
+            at: then,
+            generation,
+        } = prefetch;
+        let at = Instant::now();
+        let now = now
+            .saturating_add(span(at.saturating_duration_since(then)))
+            .unwrap_or(now);
+        let request = ChargeRequest {
+            now,
+            lines: smallvec::smallvec![line],
+        };
+        let key = &request.lines[0].key;
+        let mut counters = self.shared.counter(key);
+        // Gone: forgotten, with the store shut down.
+        let counter = counters.get_mut(key)?;
+        if !std::mem::take(&mut counter.prefetching)
+            || counter.generation != generation
+            || counter.units > 0
+            || super::past_its_period(&request).is_some()
+        {
+            return None;
+        }
+        let block = self.block_for(&mut counters, &request.lines[0], now, at, true);
+        if block == 0 {
+            return None;
+        }
+        let counter = counters.get_mut(key).expect("looked up above");
+        // The charge that takes a block joins the counter's lease mark, as
+        // in `spend_locally`.
+        let join = key.lease_mark().is_some() && counter.mark.join(now);
+        let known = Known {
+            generation,
+            in_mark: counter.mark.may_count(now),
+        };
+        drop(counters);
+        let plan = Plan {
+            blocks: vec![block],
+            joins: smallvec::smallvec![join],
+            known: vec![Some(known)],
+            unmarked: Vec::new(),
+            taken: smallvec::smallvec![0],
+            stale: Vec::new(),
+            reserved: Reserved {
+                shared: Arc::clone(&self.shared),
+                lines: Vec::new(),
+                spent: false,
+            },
+        };
+        Some(self.send(request, plan, at))
     }
 
     /// Spends `request` from this instance's blocks, or sends it to the
@@ -1037,7 +1206,9 @@ impl<St: Store> LeasedStore<St> {
                 answer => answer?,
             };
             let mut blocks = blocks;
-            if leasing && !outcome.admitted {
+            // A charge that costs nothing beyond its blocks (the next block
+            // of a busy subject) has no request to send alone.
+            if leasing && !outcome.admitted && costs.iter().any(|&cost| cost > 0) {
                 // The blocks did not fit (other instances spent meanwhile):
                 // the request alone.
                 for (line, cost) in request.lines.iter_mut().zip(&costs) {
@@ -1210,6 +1381,7 @@ impl<St: Store> LeasedStore<St> {
                         charged_at: at,
                         block: 0,
                         taking: false,
+                        prefetching: false,
                         reserved: 0,
                         mark: Mark::default(),
                     })
@@ -1344,6 +1516,7 @@ impl<St: Store> LeasedStore<St> {
         counter.block_since = None;
         counter.taken_at = None;
         counter.block = 0;
+        counter.prefetching = false;
         counter.hits = 0;
         counter.reserved = 0;
         counter.store_used = 0;
