@@ -16,6 +16,7 @@
 #   BENCH_STORES=off,fields,memory,governor scripts/http-bench.sh
 #   BENCH_STORES=off,fields,layer-floor,memory,governor scripts/http-bench.sh
 #   BENCH_STORES=off,memory,redis,redis-lease,floor-eval scripts/http-bench.sh
+#   BENCH_BASE_SERVER=path/to/server BENCH_STORES=off,redis-lease,redis-lease-base scripts/http-bench.sh
 #
 # `redis-lease` is the demo server on Redis with `--lease`: a busy account's
 # requests are counted from blocks taken from Redis in one charge. For each
@@ -38,6 +39,11 @@
 # example with `--count`: it also builds each request's counter key, counts
 # it in a map under a lock and puts the count in the request's extensions,
 # the least a quota layer does per request.
+#
+# `memory-base`, `redis-base` and `redis-lease-base` are `memory`, `redis`
+# and `redis-lease` served by the demo server binary `BENCH_BASE_SERVER`
+# (another build, e.g. of an earlier commit): two builds side by side in the
+# same rounds, which on a noisy machine is the way to compare them.
 #
 # `governor` is another rate limiter: the demo server with `--quota
 # governor`, the same routes behind a tower_governor layer (a GCRA per
@@ -67,15 +73,24 @@ IFS=, read -r -a stores <<<"${BENCH_STORES:-off,memory,redis}"
 for name in "${stores[@]}"; do
     case $name in
     off | fields | layer-floor | memory | redis | redis-lease | floor | floor-eval | governor) ;;
+    memory-base | redis-base | redis-lease-base)
+        if [ ! -x "${BENCH_BASE_SERVER:-}" ]; then
+            echo "BENCH_STORES: $name needs BENCH_BASE_SERVER, the path of another build's demo server" >&2
+            exit 2
+        fi
+        ;;
     *)
-        echo "BENCH_STORES: unknown server $name (off, fields, layer-floor, memory, redis, redis-lease, floor, floor-eval, governor)" >&2
+        echo "BENCH_STORES: unknown server $name (off, fields, layer-floor, memory, redis, redis-lease, floor, floor-eval, governor, memory-base, redis-base, redis-lease-base)" >&2
         exit 2
         ;;
     esac
 done
 measured() { [[ " ${stores[*]} " == *" $1 "* ]]; }
 # Whether a server that talks to Redis is measured.
-redis_measured() { measured redis || measured redis-lease || measured floor || measured floor-eval; }
+redis_measured() {
+    measured redis || measured redis-lease || measured floor || measured floor-eval ||
+        measured redis-base || measured redis-lease-base
+}
 uses_redis() { [[ $1 == redis* || $1 == floor* ]]; }
 
 # shellcheck source=scripts/common.sh
@@ -117,6 +132,10 @@ measured floor && start_server floor "$examples/redis_floor" --redis "redis://12
 measured floor-eval && start_server floor-eval "$examples/redis_floor" --redis "redis://127.0.0.1:$redis_port/" --eval
 measured governor && start_server governor "$server" --limit 1000000000 --quota governor
 measured fields && start_server fields "$examples/fields_floor"
+base=${BENCH_BASE_SERVER:-}
+measured memory-base && start_server memory-base "$base" --limit 1000000000 --store memory
+measured redis-base && start_server redis-base "$base" --limit 1000000000 --store "redis://127.0.0.1:$redis_port/"
+measured redis-lease-base && start_server redis-lease-base "$base" --limit 1000000000 --store "redis://127.0.0.1:$redis_port/" --lease
 measured layer-floor && start_server layer-floor "$examples/fields_floor" --count
 
 # Each wrk thread draws its own accounts: seeded alike, the threads would
