@@ -65,11 +65,13 @@ impl Store for Counting {
 }
 
 /// A memory store that takes `delay` milliseconds of the runtime's time to
-/// answer anything (none by default; a test may change it on the way).
+/// answer anything (none by default; a test may change it on the way), and
+/// answers a charge `late` milliseconds after it applied it.
 #[derive(Clone, Default)]
 struct Slow {
     inner: MemoryStore,
     delay: Arc<AtomicU64>,
+    late: Arc<AtomicU64>,
 }
 
 impl Slow {
@@ -77,6 +79,7 @@ impl Slow {
         Self {
             inner,
             delay: Arc::new(AtomicU64::new(delay_ms)),
+            late: Arc::default(),
         }
     }
 
@@ -92,9 +95,12 @@ impl Store for Slow {
 
     fn charge(&self, request: ChargeRequest) -> Self::ChargeFuture {
         let (inner, delay) = (self.inner.clone(), self.delay());
+        let late = Duration::from_millis(self.late.load(Ordering::Relaxed));
         Box::pin(async move {
             tokio::time::sleep(delay).await;
-            inner.charge(request).await
+            let answer = inner.charge(request).await;
+            tokio::time::sleep(late).await;
+            answer
         })
     }
     async fn peek(&self, request: ChargeRequest) -> Result<Vec<Usage>, StoreError> {
@@ -283,6 +289,118 @@ async fn a_busy_subjects_next_block_is_taken_when_its_block_runs_out() {
     // 400 requests, nearly all of them answered here.
     let charges = inner.charges.load(Ordering::Relaxed);
     assert!(charges <= 20, "{charges} charges for 400 requests");
+}
+
+/// Requests of "acme" on `leased`, 50 ms apart, until a block that was
+/// held ran out with one of them; how many were served.
+async fn until_a_block_runs_out<St: Store>(leased: &LeasedStore<St>, now: &mut Timestamp) -> u64 {
+    let mut served = 0;
+    let mut held = false;
+    loop {
+        assert!(call(leased, *now, 100_000).await.admitted);
+        served += 1;
+        if held && leased.held() == 0 {
+            return served;
+        }
+        held |= leased.held() > 0;
+        tokio::time::advance(Duration::from_millis(50)).await;
+        *now += SignedDuration::from_millis(50);
+        assert!(served < 1_000, "no block ran out");
+    }
+}
+
+#[tokio::test(start_paused = true)]
+async fn a_shutdown_waits_for_a_next_block_on_its_way_and_gives_it_back() {
+    let inner = Slow::new(MemoryStore::new(), 0);
+    let leased = LeasedStore::new(inner.clone());
+    let mut now = t0();
+    let served = until_a_block_runs_out(&leased, &mut now).await;
+    // The next block is taken 10 ms later; its answer comes 100 ms after
+    // the store counted it.
+    inner.late.store(100, Ordering::Relaxed);
+    tokio::task::yield_now().await;
+    tokio::time::advance(Duration::from_millis(20)).await;
+    for _ in 0..4 {
+        tokio::task::yield_now().await;
+    }
+    assert!(
+        counted(&inner, now).await > served,
+        "the next block is counted in the store"
+    );
+    assert_eq!(leased.held(), 0, "and not here yet");
+    // The server stopped: the shutdown waits for that block, and gives it
+    // back before it returns.
+    leased.shutdown().await;
+    assert_eq!(counted(&inner, now).await, served);
+}
+
+#[tokio::test(start_paused = true)]
+async fn a_reset_drops_a_next_block_not_taken_yet() {
+    let inner = Counting::default();
+    let leased = LeasedStore::new(inner.clone());
+    let mut now = t0();
+    let served = until_a_block_runs_out(&leased, &mut now).await;
+    let charges = inner.charges.load(Ordering::Relaxed);
+    // A support reset through this store, before the next block is taken.
+    assert!(leased.reset(key_of("acme")).await.unwrap());
+    tokio::task::yield_now().await;
+    tokio::time::advance(Duration::from_millis(20)).await;
+    for _ in 0..4 {
+        tokio::task::yield_now().await;
+    }
+    assert_eq!(
+        inner.charges.load(Ordering::Relaxed),
+        charges,
+        "no block taken"
+    );
+    assert_eq!(leased.held(), 0);
+    assert_eq!(counted(&inner, now).await, 0);
+    // The subject goes on, from a fresh counter (with a block again).
+    assert!(call(&leased, now, 100_000).await.admitted);
+    assert_eq!(counted(&inner, now).await, 1 + leased.held());
+    assert!(served > 0);
+}
+
+#[tokio::test(start_paused = true)]
+async fn a_first_use_counter_takes_no_block_for_no_request() {
+    // A charge made for no request could open a first-use period (were
+    // the counter reset elsewhere): a first-use quota's next block comes
+    // with the subject's next request, as without prefetching.
+    let inner = Counting::default();
+    let leased = LeasedStore::new(inner.clone());
+    let mut now = t0();
+    let line = |now: Timestamp| ChargeLine {
+        key: PeriodKey::from_string("quota:{account:acme}:trial".into()),
+        limit: 100_000,
+        cost: 1,
+        lifetime: Lifetime::FirstUse {
+            deadline: now + SignedDuration::from_hours(24),
+        },
+    };
+    let mut held = false;
+    let mut ran_out = 0;
+    for _ in 0..400 {
+        let request = ChargeRequest {
+            now,
+            lines: smallvec::smallvec![line(now)],
+        };
+        let before = inner.charges.load(Ordering::Relaxed);
+        assert!(leased.charge(request).await.unwrap().admitted);
+        let local = inner.charges.load(Ordering::Relaxed) == before;
+        if held && local && leased.held() == 0 {
+            ran_out += 1;
+            tokio::task::yield_now().await;
+            tokio::time::advance(Duration::from_millis(20)).await;
+            for _ in 0..4 {
+                tokio::task::yield_now().await;
+            }
+            assert_eq!(inner.charges.load(Ordering::Relaxed), before, "no charge");
+        }
+        held |= leased.held() > 0;
+        tokio::time::advance(Duration::from_millis(50)).await;
+        now += SignedDuration::from_millis(50);
+    }
+    assert!(ran_out >= 2, "{ran_out} blocks ran out");
 }
 
 #[tokio::test(start_paused = true)]

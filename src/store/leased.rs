@@ -50,15 +50,16 @@ static GIVE_BACK_ERRORS: Throttle = Throttle::new(5);
 ///   is remembered for six lease times after it went quiet (while this
 ///   instance tracks fewer than half its bound of counters): the block its
 ///   second request back takes is at least the last block's size.
-/// - **The next block is taken when a block runs out**, 10 ms after the
-///   request that spent its last unit, without waiting for the subject's
-///   next request, and together with the next blocks of the subjects whose
+/// - **The next block is taken when a block runs out**, within 10 ms of
+///   the request that spent its last unit, without waiting for the
+///   subject's next request, and together with the next blocks of the subjects whose
 ///   blocks ran out meanwhile: with a store that batches concurrent
 ///   charges (as the Redis store does), one call
 ///   takes many subjects' blocks. A request that comes before (a subject
 ///   calling more than a hundred times a second here) takes the block with
 ///   its own charge instead, as does a subject's first request back after
-///   a pause.
+///   a pause. (Not for a first-use quota: a charge made for no request
+///   could open a period, if its counter was reset elsewhere meanwhile.)
 /// - **It shrinks as the allowance runs low**: a block is at most a quarter
 ///   of what the counter had left when last seen, so near the limit blocks
 ///   are single units and every request is a charge of its own (exact, as
@@ -290,6 +291,7 @@ impl<St: Store> LeasedStoreBuilder<St> {
                 sweeping: AtomicBool::new(false),
                 generations: AtomicU64::new(0),
                 prefetch: Mutex::default(),
+                busy: AtomicUsize::new(0),
             }),
         }
     }
@@ -333,6 +335,58 @@ struct Shared {
     /// The next blocks of busy subjects whose block ran out, taken together
     /// once [`PREFETCH_DELAY`] has passed since the first of them.
     prefetch: Mutex<Vec<Prefetch>>,
+    /// Work in tasks of its own that takes or gives back units (the next
+    /// blocks taken, and what their answers give back): a shutdown waits
+    /// for it.
+    busy: AtomicUsize,
+}
+
+/// One piece of the work a shutdown waits for, while it lives.
+struct Busy(Arc<Shared>);
+
+impl Busy {
+    fn new(shared: &Arc<Shared>) -> Self {
+        shared.busy.fetch_add(1, Ordering::SeqCst);
+        Self(Arc::clone(shared))
+    }
+}
+
+impl Drop for Busy {
+    fn drop(&mut self) {
+        self.0.busy.fetch_sub(1, Ordering::SeqCst);
+    }
+}
+
+/// The queued next blocks, for the task that drains them: when that task
+/// is dropped before it took them (its runtime shut down), they are
+/// dropped, so that the next block that runs out starts a task again.
+struct Queued(Option<Arc<Shared>>);
+
+impl Queued {
+    /// The queued next blocks, now to be taken.
+    fn take(mut self) -> Vec<Prefetch> {
+        self.0
+            .take()
+            .map_or_else(Vec::new, |shared| shared.drain_prefetch())
+    }
+}
+
+impl Drop for Queued {
+    fn drop(&mut self) {
+        let Some(shared) = self.0.take() else {
+            return;
+        };
+        for prefetch in shared.drain_prefetch() {
+            let key = &prefetch.line.key;
+            if let Some(counter) = shared
+                .counter(key)
+                .get_mut(key)
+                .filter(|c| c.generation == prefetch.generation)
+            {
+                counter.prefetching = false;
+            }
+        }
+    }
 }
 
 /// How long a busy subject's next block waits to be taken once its block
@@ -354,6 +408,16 @@ struct Prefetch {
 }
 
 impl Shared {
+    /// The queued next blocks, the queue left empty.
+    fn drain_prefetch(&self) -> Vec<Prefetch> {
+        std::mem::take(
+            &mut *self
+                .prefetch
+                .lock()
+                .unwrap_or_else(std::sync::PoisonError::into_inner),
+        )
+    }
+
     /// A new counter entry's generation.
     fn next_generation(&self) -> u64 {
         self.generations.fetch_add(1, Ordering::Relaxed) + 1
@@ -749,6 +813,11 @@ impl<St: Store> LeasedStore<St> {
                 unmark(&self.inner, now, &key).await;
             }
         }
+        // A next block taken in the background may still be on its way:
+        // it goes back as soon as it lands (see `learn`).
+        while self.shared.busy.load(Ordering::SeqCst) > 0 {
+            tokio::time::sleep(Duration::from_millis(1)).await;
+        }
         returned
     }
 
@@ -999,6 +1068,11 @@ impl<St: Store> LeasedStore<St> {
         now: Timestamp,
         at: Instant,
     ) {
+        // A charge made for no request must not open a first-use period:
+        // one would if the store's counter is gone (reset elsewhere).
+        if matches!(line.lifetime, Lifetime::FirstUse { .. }) {
+            return;
+        }
         let Ok(runtime) = tokio::runtime::Handle::try_current() else {
             return;
         };
@@ -1030,20 +1104,20 @@ impl<St: Store> LeasedStore<St> {
         };
         if first {
             let store = self.clone();
+            let queued = Queued(Some(Arc::clone(&self.shared)));
             runtime.spawn(async move {
                 tokio::time::sleep(PREFETCH_DELAY).await;
-                let queued = std::mem::take(
-                    &mut *store
-                        .shared
-                        .prefetch
-                        .lock()
-                        .unwrap_or_else(std::sync::PoisonError::into_inner),
-                );
+                // Counted before `prefetched` reads whether the store shut
+                // down: a shutdown either waits for this, or is seen.
+                let busy = Busy::new(&store.shared);
+                let taken = queued.take();
                 // Each in a task of its own, so the store sees them at
                 // once and can send them together.
-                for prefetch in queued {
+                for prefetch in taken {
                     if let Some(charge) = store.prefetched(prefetch) {
+                        let busy = Busy::new(&store.shared);
                         tokio::spawn(async move {
+                            let _busy = busy;
                             // The subject's next request goes to the store.
                             if let Err(error) = charge.await {
                                 tracing::debug!(%error, "a busy subject's next block was not taken");
@@ -1051,6 +1125,7 @@ impl<St: Store> LeasedStore<St> {
                         });
                     }
                 }
+                drop(busy);
             });
         }
     }
@@ -1078,9 +1153,11 @@ impl<St: Store> LeasedStore<St> {
         let mut counters = self.shared.counter(key);
         // Gone: forgotten, with the store shut down.
         let counter = counters.get_mut(key)?;
-        if !std::mem::take(&mut counter.prefetching)
-            || counter.generation != generation
+        // A reset since made a new entry, whose flag is its own.
+        if counter.generation != generation
+            || !std::mem::take(&mut counter.prefetching)
             || counter.units > 0
+            || self.shared.closed.load(Ordering::SeqCst)
             || super::past_its_period(&request).is_some()
         {
             return None;
@@ -1482,7 +1559,9 @@ impl<St: Store> LeasedStore<St> {
             let inner = self.inner.clone();
             let shared = Arc::clone(&self.shared);
             let max = self.inner.max_count();
+            let busy = Busy::new(&self.shared);
             runtime.spawn(async move {
+                let _busy = busy;
                 for (key, now, units, taken_at) in back {
                     give_back(&inner, now, key, units, taken_at).await;
                 }
