@@ -846,9 +846,9 @@ impl<St: Store> LeasedStore<St> {
         }
         // The rate since the last charge sent, over four fifths of a lease
         // time: a steady subject spends its block before the lease time
-        // ends, and takes the next one with the charge that finds it spent
-        // (one store call), instead of giving back what is left at the end
-        // of the lease and taking a new block (two).
+        // ends, and takes the next one when it runs out (one store call),
+        // instead of giving back what is left at the end of the lease and
+        // taking a new block (two).
         // The rate is read over at least the idle bound: the requests since
         // a charge sent a moment ago (the first request back after a pause,
         // or one sent alone while a block was on its way) say little of it,
