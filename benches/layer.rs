@@ -344,7 +344,8 @@ fn layer(c: &mut Criterion) {
 
 /// Two threads (each with a runtime of its own, as a server's workers)
 /// sending requests for 10 000 subjects at random through one shared layer,
-/// and through a layer each (each with a store of its own): what the layer
+/// through a layer each (each with a store of its own), and through one
+/// shared layer whose callers are all in a zone of their own: what the layer
 /// costs when cores share it, beside what it costs alone. The time is per
 /// request on one thread (the elapsed time, times the threads, over the
 /// requests). On a machine whose two cores share their caches (two threads
@@ -364,12 +365,23 @@ fn two_threads(c: &mut Criterion) {
     let layer = || QuotaLayer::daily(LIMIT, FromHeader::account(HEADER));
     let shared = layer();
     let own: Vec<_> = (0..THREADS).map(|_| layer()).collect();
-    let cases: [(&str, LayerOf<'_>); 3] = [
+    // Every caller in Berlin, the quota's day in UTC: each request counts
+    // the layer's quotas as kept for that zone.
+    let berlin = tower_quota::jiff::tz::TimeZone::get("Europe/Berlin").expect("a zone");
+    let zoned = tower_quota::QuotaPolicy::builder(FromHeader::account(HEADER))
+        .time_zone(move |_| Ok(Some(berlin.clone())))
+        .build()
+        .layer(tower_quota::Quota::daily(LIMIT));
+    let cases: [(&str, LayerOf<'_>); 4] = [
         ("bare service", Box::new(|_| None)),
         ("one shared layer", Box::new(|_| Some(shared.clone()))),
         (
             "a layer per thread",
             Box::new(|t| Some(own[t as usize].clone())),
+        ),
+        (
+            "one shared layer, callers in another zone",
+            Box::new(|_| Some(zoned.clone())),
         ),
     ];
     for (name, layer_of) in &cases {
