@@ -307,6 +307,48 @@ pub(crate) struct Caller {
 pub(crate) trait LayerQuotas: Send + Sync + 'static {
     /// The layer's quotas.
     fn quotas(&self) -> &[Quota];
+    /// The `RateLimit-Policy` values the layer sent for them.
+    fn fields(&self) -> &PolicyCache;
+    /// The layer's quotas as callers in one zone count them, kept in the
+    /// layer's slot `slot` (see [`QuotaSet::Zoned`]).
+    fn zoned(&self, slot: usize) -> &OtherQuotas;
+}
+
+/// Which quotas the lines of a charge count, one per line.
+#[derive(Clone, Debug)]
+pub(crate) enum QuotaSet {
+    /// The layer's own, as it has them.
+    Own,
+    /// The layer's quotas in a caller's zone, kept by the layer: a slot of
+    /// its, so that a request reaches them without a reference count of
+    /// their own, which every core would write.
+    Zoned(usize),
+    /// Made for the request: some of the layer's quotas (a layer further
+    /// out charged the others), or those of a zone the layer keeps no more.
+    Other(Arc<OtherQuotas>),
+}
+
+impl QuotaSet {
+    /// The quotas, of `layer` when they are its own or kept in its slot.
+    pub(crate) fn quotas<'a, L: LayerQuotas + ?Sized>(&'a self, layer: &'a L) -> &'a [Quota] {
+        match self {
+            Self::Own => layer.quotas(),
+            Self::Zoned(slot) => &layer.zoned(*slot).quotas,
+            Self::Other(other) => &other.quotas,
+        }
+    }
+
+    /// The `RateLimit-Policy` values sent for the quotas, when kept.
+    pub(crate) fn fields<'a, L: LayerQuotas + ?Sized>(
+        &'a self,
+        layer: &'a L,
+    ) -> Option<&'a PolicyCache> {
+        match self {
+            Self::Own => Some(layer.fields()),
+            Self::Zoned(slot) => layer.zoned(*slot).fields.as_ref(),
+            Self::Other(other) => other.fields.as_ref(),
+        }
+    }
 }
 
 /// Quotas a charge counts that are not its layer's own, all of them, as it
@@ -348,16 +390,16 @@ pub(crate) struct Lines {
     /// where a clone of each quota would add to one per quota, each a write
     /// that the next request on another core waits for.
     layer: Arc<dyn LayerQuotas>,
-    /// The quotas of the lines, when they are not the layer's own.
-    quotas: Option<Arc<OtherQuotas>>,
+    /// The quotas of the lines.
+    quotas: QuotaSet,
     lines: SmallVec<[Line; 1]>,
 }
 
 impl Lines {
-    /// `lines`, counting the quotas of `layer` (`quotas`: those instead).
+    /// `lines`, counting `quotas` of `layer`.
     pub(crate) fn new(
         layer: Arc<dyn LayerQuotas>,
-        quotas: Option<Arc<OtherQuotas>>,
+        quotas: QuotaSet,
         lines: SmallVec<[Line; 1]>,
     ) -> Self {
         Self {
@@ -369,19 +411,13 @@ impl Lines {
 
     /// The quotas the lines count, in their order.
     pub(crate) fn quotas(&self) -> &[Quota] {
-        match &self.quotas {
-            Some(other) => &other.quotas,
-            None => self.layer.quotas(),
-        }
+        self.quotas.quotas(&*self.layer)
     }
 
-    /// The `RateLimit-Policy` values sent for the lines' quotas, if kept:
-    /// `own`, the layer's, when they are its own quotas.
-    pub(crate) fn policy_cache<'a>(&'a self, own: &'a PolicyCache) -> Option<&'a PolicyCache> {
-        match &self.quotas {
-            Some(other) => other.fields.as_ref(),
-            None => Some(own),
-        }
+    /// The `RateLimit-Policy` values sent for the lines' quotas, if kept.
+    #[inline]
+    pub(crate) fn policy_cache(&self) -> Option<&PolicyCache> {
+        self.quotas.fields(&*self.layer)
     }
 
     /// Each line with its quota.

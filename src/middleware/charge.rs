@@ -14,7 +14,7 @@ use super::layer::{Bound, Cost, Scope};
 use crate::policy::{OnStoreError, Policy, Settings, SubjectPolicy, UnknownPlan};
 use crate::quota::Quota;
 use crate::response::{self, RateLimitFields, Refusal};
-use crate::status::{Caller, Line, OtherQuotas, QuotaStatus, Ticket};
+use crate::status::{Caller, Line, OtherQuotas, QuotaSet, QuotaStatus, Ticket};
 use crate::store::{ChargeOutcome, ChargeRequest, StoreError, Usage};
 use crate::subject::{Subject, SubjectError, SubjectExtractor};
 use crate::throttle::Throttle;
@@ -56,18 +56,23 @@ pub(crate) struct Charge {
     /// One per line of `request`, in the caller's zone, when they are not
     /// the layer's own quotas, all of them, as it has them (see
     /// [`Charge::quotas`]).
-    pub(crate) quotas: Option<Arc<OtherQuotas>>,
+    pub(crate) quotas: QuotaSet,
     /// What the store is asked (a shadow quota's line has no limit): each
     /// line's key, and its lifetime, which a request that passes on a
     /// failed charge owes to.
     pub(crate) request: ChargeRequest,
-    pub(crate) cost: u64,
     /// The decision's span (disabled unless the crate's debug logs are on):
     /// subject kind and hash, allowances, anchors, outcome.
     pub(crate) span: tracing::Span,
 }
 
 impl Charge {
+    /// What the request costs, on each line alike (a charge has one line
+    /// at least).
+    pub(crate) fn cost(&self) -> u64 {
+        self.request.lines.first().map_or(0, |line| line.cost)
+    }
+
     pub(crate) fn caller(&self) -> &Caller {
         self.ticket.caller.as_ref().expect("a charge has a caller")
     }
@@ -75,10 +80,7 @@ impl Charge {
     /// One quota per line, in the caller's zone: those of the charge, or
     /// the layer's (of `scope`).
     pub(crate) fn quotas<'a>(&'a self, scope: &'a Scope) -> &'a [Quota] {
-        match &self.quotas {
-            Some(other) => &other.quotas,
-            None => &scope.quotas,
-        }
+        self.quotas.quotas(scope)
     }
 }
 
@@ -262,9 +264,7 @@ fn lines(
         .as_ref()
         .expect("a charged ticket has a caller");
     let zoned = scope.quotas_in(caller.zone.as_ref());
-    let all = zoned
-        .as_deref()
-        .map_or(&scope.quotas[..], |zoned| &zoned.quotas);
+    let all = zoned.quotas(scope);
     let mut lines = SmallVec::<[_; 2]>::with_capacity(all.len());
     // Quotas a layer further out charged already (the same quota in two
     // layers, or a sub-request): rare, so no allocation until one is met.
@@ -293,7 +293,7 @@ fn lines(
     let quotas = if counted.is_empty() {
         zoned
     } else {
-        Some(Arc::new(OtherQuotas::uncached(
+        QuotaSet::Other(Arc::new(OtherQuotas::uncached(
             all.iter()
                 .enumerate()
                 .filter(|(i, _)| !counted.contains(i))
@@ -301,9 +301,7 @@ fn lines(
                 .collect(),
         )))
     };
-    let charged = quotas
-        .as_deref()
-        .map_or(&scope.quotas[..], |other| &other.quotas);
+    let charged = quotas.quotas(scope);
     let cost = match scope.cost.upfront(parts) {
         Ok(cost) if cost > max_count => {
             let detail = format!(
@@ -345,7 +343,6 @@ fn lines(
         },
         ticket,
         quotas,
-        cost,
     };
     if owes {
         // The store failed for a layer further out: this one owes its
@@ -432,7 +429,7 @@ pub(crate) fn decide(
             for ((quota, line), usage) in
                 quotas.iter().zip(&charge.request.lines).zip(&outcome.usage)
             {
-                lines.push(Line::new(quota, line.key.clone(), charge.cost, *usage));
+                lines.push(Line::new(quota, line.key.clone(), line.cost, *usage));
             }
             Decision::Admit(lines)
         }
@@ -487,7 +484,7 @@ pub(crate) fn refusal(charge: &Charge, scope: &Scope, usage: &[Usage], grpc: boo
     Refusal::quota_exceeded(
         charge.quotas(scope),
         usage,
-        |_| charge.cost,
+        |_| charge.cost(),
         charge.ticket.now,
         charge.caller().spread,
         grpc,

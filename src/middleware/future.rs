@@ -15,7 +15,7 @@ use super::layer::Bound;
 use super::owing::Owing;
 use crate::body::ResponseBody;
 use crate::response::RateLimitFields;
-use crate::status::{LayerQuotas, Lines, QuotaStatus};
+use crate::status::{LayerQuotas, Lines, QuotaSet, QuotaStatus};
 use crate::store::{Store, StoreError, StoreErrorKind, Usage};
 use crate::subject::SubjectExtractor;
 use crate::throttle::Throttle;
@@ -190,7 +190,8 @@ where
             let spread = charge.caller().spread;
             // The same allocation as `bound`: one reference count.
             let layer: Arc<dyn LayerQuotas> = Arc::clone(bound) as _;
-            let lines = Arc::new(Lines::new(layer, charge.quotas.take(), lines));
+            let quotas = std::mem::replace(&mut charge.quotas, QuotaSet::Own);
+            let lines = Arc::new(Lines::new(layer, quotas, lines));
             charge.ticket.charges.push(Arc::clone(&lines));
             QuotaStatus::put_in(request.extensions_mut(), charge.ticket);
             State::Calling {
@@ -338,6 +339,7 @@ impl<E, St: Store> Drop for Unanswered<E, St> {
 impl<E, St: Store> Charged<E, St> {
     /// The response, with the fields of this layer's quotas (standing at
     /// `usage`, or as charged) in front of those of layers further in.
+    #[inline]
     fn finish<B>(&self, mut response: Response<B>, usage: Option<&[Usage]>) -> Response<B> {
         // A line per quota, as far as the store answered for them.
         let entries = self
@@ -348,7 +350,7 @@ impl<E, St: Store> Charged<E, St> {
                 let usage = usage.and_then(|usage| usage.get(i).copied());
                 (quota, usage.unwrap_or(line.usage))
             });
-        let cache = self.lines.policy_cache(&self.bound.scope.fields);
+        let cache = self.lines.policy_cache();
         RateLimitFields::new(entries, self.now, cache, self.spread)
             .prepend_to(response.headers_mut());
         response

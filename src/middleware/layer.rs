@@ -1,7 +1,7 @@
 use std::borrow::Cow;
-use std::collections::HashMap;
 use std::fmt;
-use std::sync::{Arc, RwLock};
+use std::hash::BuildHasher;
+use std::sync::{Arc, OnceLock};
 use std::time::Duration;
 
 use http::request::Parts;
@@ -12,7 +12,7 @@ use super::service::QuotaService;
 use crate::policy::{InvalidRequest, Policy, QuotaPolicy};
 use crate::quota::Quota;
 use crate::response::PolicyCache;
-use crate::status::{LayerQuotas, OtherQuotas};
+use crate::status::{LayerQuotas, OtherQuotas, QuotaSet};
 use crate::store::{MemoryStore, Store};
 use crate::subject::SubjectExtractor;
 
@@ -79,7 +79,15 @@ pub(crate) struct Bound<E, St> {
 
 impl<E: SubjectExtractor, St: Store> LayerQuotas for Bound<E, St> {
     fn quotas(&self) -> &[Quota] {
-        &self.scope.quotas
+        self.scope.quotas()
+    }
+
+    fn fields(&self) -> &PolicyCache {
+        self.scope.fields()
+    }
+
+    fn zoned(&self, slot: usize) -> &OtherQuotas {
+        self.scope.zoned(slot)
     }
 }
 
@@ -90,14 +98,43 @@ pub(crate) struct Scope {
     pub(crate) cost: Cost,
     /// The last `RateLimit-Policy` values this layer sent.
     pub(crate) fields: PolicyCache,
-    /// The quotas as callers in other zones count them, by zone, with the
-    /// `RateLimit-Policy` values sent for them.
-    zoned: RwLock<HashMap<String, Arc<OtherQuotas>>>,
+    /// The quotas as callers in other zones count them, with the
+    /// `RateLimit-Policy` values sent for them: [`MAX_ZONES`] slots, made
+    /// for the first caller in another zone, each filled once, for one
+    /// zone, and read without a lock.
+    zones: OnceLock<Box<[OnceLock<Box<ZoneSlot>>]>>,
+}
+
+/// A layer's quotas in one zone.
+struct ZoneSlot {
+    /// The zone (see `zone_key`).
+    name: Box<str>,
+    quotas: OtherQuotas,
 }
 
 /// Callers' zones a layer keeps its quotas for; beyond, they are made per
-/// request.
+/// request. A power of two: the slot a zone looks in first is its hash's
+/// low bits.
 const MAX_ZONES: usize = 1_024;
+
+impl LayerQuotas for Scope {
+    fn quotas(&self) -> &[Quota] {
+        &self.quotas
+    }
+
+    fn fields(&self) -> &PolicyCache {
+        &self.fields
+    }
+
+    fn zoned(&self, slot: usize) -> &OtherQuotas {
+        let slot = self
+            .zones
+            .get()
+            .and_then(|zones| zones[slot].get())
+            .expect("a zone's slot is filled before a charge names it");
+        &slot.quotas
+    }
+}
 
 impl Scope {
     fn new(quotas: Arc<[Quota]>, cost: Cost) -> Self {
@@ -105,38 +142,45 @@ impl Scope {
             fields: PolicyCache::for_quotas(&quotas),
             quotas,
             cost,
-            zoned: RwLock::default(),
+            zones: OnceLock::new(),
         }
     }
 
-    /// The layer's quotas as a caller in `zone` counts them: `None` for
-    /// its own, as they are.
-    pub(crate) fn quotas_in(&self, zone: Option<&TimeZone>) -> Option<Arc<OtherQuotas>> {
-        let zone = zone?;
+    /// The layer's quotas as a caller in `zone` counts them: its own, as
+    /// they are, for none.
+    pub(crate) fn quotas_in(&self, zone: Option<&TimeZone>) -> QuotaSet {
+        let Some(zone) = zone else {
+            return QuotaSet::Own;
+        };
         let name = zone_key(zone);
-        if let Some(quotas) = self
-            .zoned
-            .read()
-            .unwrap_or_else(|e| e.into_inner())
-            .get(name.as_ref())
-        {
-            return Some(Arc::clone(quotas));
+        let zones = self
+            .zones
+            .get_or_init(|| (0..MAX_ZONES).map(|_| OnceLock::new()).collect());
+        let first = foldhash::fast::FixedState::with_seed(0).hash_one(name.as_ref()) as usize;
+        // Open addressing: a zone's slot is the first, from its hash's,
+        // that is its own or empty (then filled for it, unless another
+        // zone fills it first).
+        for probe in 0..MAX_ZONES {
+            let slot = (first + probe) & (MAX_ZONES - 1);
+            let kept = zones[slot].get_or_init(|| {
+                Box::new(ZoneSlot {
+                    name: name.as_ref().into(),
+                    quotas: OtherQuotas::cached(self.in_zone(zone)),
+                })
+            });
+            if *kept.name == *name {
+                return QuotaSet::Zoned(slot);
+            }
         }
-        let quotas: Box<[Quota]> = self
-            .quotas
+        QuotaSet::Other(Arc::new(OtherQuotas::uncached(self.in_zone(zone))))
+    }
+
+    /// The layer's quotas in `zone`.
+    fn in_zone(&self, zone: &TimeZone) -> Box<[Quota]> {
+        self.quotas
             .iter()
             .map(|q| q.in_callers_zone(zone))
-            .collect();
-        let mut zoned = self.zoned.write().unwrap_or_else(|e| e.into_inner());
-        if let Some(known) = zoned.get(name.as_ref()) {
-            return Some(Arc::clone(known));
-        }
-        if zoned.len() >= MAX_ZONES {
-            return Some(Arc::new(OtherQuotas::uncached(quotas)));
-        }
-        let quotas = Arc::new(OtherQuotas::cached(quotas));
-        zoned.insert(name.into_owned(), Arc::clone(&quotas));
-        Some(quotas)
+            .collect()
     }
 }
 
@@ -411,5 +455,75 @@ impl<E, St: fmt::Debug> fmt::Debug for QuotaLayer<E, St> {
             .field("policy", &self.bound.policy.settings)
             .field("store", &self.bound.policy.store)
             .finish()
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use jiff::tz::{Offset, TimeZone};
+    use jiff::Timestamp;
+
+    use super::*;
+
+    fn scope() -> Scope {
+        Scope::new(Arc::from([Quota::daily(10)]), Cost::Fixed(1))
+    }
+
+    /// The start of the day a caller in `zone` is in at `at`, as `set`
+    /// counts it.
+    fn day_start(scope: &Scope, set: &QuotaSet, at: Timestamp) -> String {
+        format!("{:?}", set.quotas(scope)[0].window(at))
+    }
+
+    fn offset_zone(minutes: i32) -> TimeZone {
+        TimeZone::fixed(Offset::from_seconds(minutes * 60).unwrap())
+    }
+
+    #[test]
+    fn a_callers_zone_gets_a_slot_of_its_own_read_again_by_the_next_caller() {
+        let scope = scope();
+        let at: Timestamp = "2026-12-04T23:30:00Z".parse().unwrap();
+        assert!(matches!(scope.quotas_in(None), QuotaSet::Own));
+        let tokyo = TimeZone::get("Asia/Tokyo").unwrap();
+        let berlin = TimeZone::get("Europe/Berlin").unwrap();
+        let (QuotaSet::Zoned(a), QuotaSet::Zoned(b)) = (
+            scope.quotas_in(Some(&tokyo)),
+            scope.quotas_in(Some(&berlin)),
+        ) else {
+            panic!("each zone is kept");
+        };
+        assert_ne!(a, b);
+        assert!(matches!(scope.quotas_in(Some(&tokyo)), QuotaSet::Zoned(s) if s == a));
+        for (zone, set) in [(&tokyo, QuotaSet::Zoned(a)), (&berlin, QuotaSet::Zoned(b))] {
+            let expected = format!("{:?}", Quota::daily(10).in_callers_zone(zone).window(at));
+            assert_eq!(day_start(&scope, &set, at), expected);
+        }
+        // The cached `RateLimit-Policy` values come with a zone's slot.
+        assert!(QuotaSet::Zoned(a).fields(&scope).is_some());
+    }
+
+    #[test]
+    fn past_the_zones_a_layer_keeps_a_callers_quotas_are_made_for_the_request() {
+        let scope = scope();
+        let at: Timestamp = "2026-12-04T12:00:00Z".parse().unwrap();
+        // Distinct fixed offsets, a minute apart.
+        let mut slots = std::collections::HashSet::new();
+        for minutes in 0..MAX_ZONES as i32 {
+            let zone = offset_zone(minutes - 600);
+            match scope.quotas_in(Some(&zone)) {
+                QuotaSet::Zoned(slot) => assert!(slots.insert(slot), "slot {slot} twice"),
+                other => panic!("zone {minutes} not kept: {other:?}"),
+            }
+        }
+        let beyond = offset_zone(MAX_ZONES as i32 - 600);
+        let set = scope.quotas_in(Some(&beyond));
+        assert!(matches!(set, QuotaSet::Other(_)), "{set:?}");
+        let expected = format!("{:?}", Quota::daily(10).in_callers_zone(&beyond).window(at));
+        assert_eq!(day_start(&scope, &set, at), expected);
+        // A kept zone is still found.
+        assert!(matches!(
+            scope.quotas_in(Some(&offset_zone(-600))),
+            QuotaSet::Zoned(_)
+        ));
     }
 }

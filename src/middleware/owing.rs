@@ -41,7 +41,6 @@ pub(crate) fn owe<E, St>(
         mut ticket,
         quotas,
         request,
-        cost,
         ..
     } = charge;
     if policy.settings.max_owed == 0 {
@@ -52,9 +51,7 @@ pub(crate) fn owe<E, St>(
         return None;
     }
     let now = ticket.now;
-    let quotas = quotas
-        .as_deref()
-        .map_or(&bound.scope.quotas[..], |other| &other.quotas);
+    let quotas = quotas.quotas(&bound.scope);
     let lines = quotas
         .iter()
         .zip(&request.lines)
@@ -66,7 +63,7 @@ pub(crate) fn owe<E, St>(
                 resets_at: now,
                 first_call: None,
             };
-            Line::new(quota, line.key.clone(), cost, usage)
+            Line::new(quota, line.key.clone(), line.cost, usage)
         })
         .collect();
     let lifetimes = request.lines.iter().map(|line| line.lifetime).collect();
