@@ -2,7 +2,7 @@
 //! `Retry-After`, and RFC 9457 problem documents.
 
 use std::fmt::Write as _;
-use std::sync::RwLock;
+use std::sync::OnceLock;
 
 use bytes::Bytes;
 use http::header::{HeaderName, HeaderValue, CONTENT_TYPE, RETRY_AFTER};
@@ -36,22 +36,31 @@ pub(crate) struct RateLimitFields {
 
 /// The `RateLimit-Policy` values a layer sent, by the window lengths and
 /// limits they were built for: a value changes only with one of them (a
-/// window of another length, a subject on another plan or in another zone),
-/// and a layer sees few of those, so a request finds its value under a
-/// read lock.
-#[derive(Default, Debug)]
+/// window of another length, a subject on another plan), and a layer sees
+/// few of those. They are kept in slots filled once each, in turn, and read
+/// without a lock: a request on one core writes nothing another reads.
+#[derive(Debug)]
 pub(crate) struct PolicyCache {
-    known: RwLock<Vec<CachedPolicy>>,
-    /// The value, when it can never change: no lock to take.
+    known: [OnceLock<Box<CachedPolicy>>; MAX_CACHED_POLICIES],
+    /// The value, when it can never change.
     constant: Option<HeaderValue>,
+}
+
+impl Default for PolicyCache {
+    fn default() -> Self {
+        Self {
+            known: [const { OnceLock::new() }; MAX_CACHED_POLICIES],
+            constant: None,
+        }
+    }
 }
 
 /// Per quota, the window's length and the limit; and the field built for
 /// them.
 type CachedPolicy = (Box<[(u64, u64)]>, HeaderValue);
 
-/// Values a layer keeps at most; past this, the oldest goes.
-const MAX_CACHED_POLICIES: usize = 32;
+/// Values a layer keeps at most; past this, each is built when sent.
+const MAX_CACHED_POLICIES: usize = 16;
 
 impl PolicyCache {
     /// The cache for `quotas`, with the value built once when every quota's
@@ -63,8 +72,8 @@ impl PolicyCache {
             interned(policy_value(quotas.iter(), windows))
         });
         Self {
-            known: RwLock::default(),
             constant,
+            ..Self::default()
         }
     }
 
@@ -75,21 +84,18 @@ impl PolicyCache {
         quotas: impl Iterator<Item = &'a Quota> + Clone,
         windows: &[(u64, u64)],
     ) -> HeaderValue {
-        {
-            let known = self.known.read().unwrap_or_else(|e| e.into_inner());
-            if let Some((_, value)) = known.iter().find(|(ws, _)| **ws == *windows) {
+        for slot in &self.known {
+            // The first slot that holds these windows, or is empty (then
+            // filled with them, unless another request fills it first).
+            let (kept, value) = &**slot.get_or_init(|| {
+                let value = policy_value(quotas.clone(), windows.iter().copied());
+                Box::new((windows.into(), interned(value)))
+            });
+            if **kept == *windows {
                 return value.clone();
             }
         }
-        let value = policy_value(quotas, windows.iter().copied());
-        let mut known = self.known.write().unwrap_or_else(|e| e.into_inner());
-        if !known.iter().any(|(ws, _)| **ws == *windows) {
-            if known.len() >= MAX_CACHED_POLICIES {
-                known.remove(0);
-            }
-            known.push((windows.into(), value.clone()));
-        }
-        value
+        policy_value(quotas, windows.iter().copied())
     }
 }
 
@@ -636,6 +642,30 @@ mod tests {
                 "\"default-day\";q=100;w=86400"
             );
         }
+    }
+
+    #[test]
+    fn past_the_values_a_cache_keeps_each_is_built_when_sent() {
+        // More plans than the cache has slots, each with a limit of its
+        // own: every value is right, kept or not, however often it comes.
+        let mut quota = Quota::daily(1);
+        for plan in 0..MAX_CACHED_POLICIES as u64 * 2 {
+            quota = quota.plan(format!("p{plan}"), 1_000 + plan);
+        }
+        let quotas = [quota];
+        let now: Timestamp = "2026-12-02T10:00:00Z".parse().unwrap();
+        let cache = PolicyCache::for_quotas(&quotas);
+        for _ in 0..2 {
+            for plan in 0..MAX_CACHED_POLICIES as u64 * 2 {
+                let limit = 1_000 + plan;
+                let usage = [usage_of(limit, 1, "2026-12-03T00:00:00Z")];
+                assert_eq!(
+                    policy_field(&quotas, &usage, now, Some(&cache)),
+                    format!("\"default-day\";q={limit};w=86400").as_str()
+                );
+            }
+        }
+        assert!(cache.known.iter().all(|slot| slot.get().is_some()));
     }
 
     #[test]
