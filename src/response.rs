@@ -59,8 +59,10 @@ impl Default for PolicyCache {
 /// them.
 type CachedPolicy = (Box<[(u64, u64)]>, HeaderValue);
 
-/// Values a layer keeps at most; past this, each is built when sent.
-const MAX_CACHED_POLICIES: usize = 16;
+/// Values a layer keeps at most, for the life of the layer (e.g. 16 plans
+/// of a monthly quota, each in months of four lengths); past this, each is
+/// built when sent.
+const MAX_CACHED_POLICIES: usize = 64;
 
 impl PolicyCache {
     /// The cache for `quotas`, with the value built once when every quota's

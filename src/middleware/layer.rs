@@ -103,6 +103,9 @@ pub(crate) struct Scope {
     /// for the first caller in another zone, each filled once, for one
     /// zone, and read without a lock.
     zones: OnceLock<Box<[OnceLock<Box<ZoneSlot>>]>>,
+    /// Picks a zone's first slot: seeded per layer, so that no caller
+    /// can choose zones that crowd the same slots.
+    zone_hasher: foldhash::fast::RandomState,
 }
 
 /// A layer's quotas in one zone.
@@ -116,6 +119,10 @@ struct ZoneSlot {
 /// request. A power of two: the slot a zone looks in first is its hash's
 /// low bits.
 const MAX_ZONES: usize = 1_024;
+
+/// The slots a zone looks in, from its first: a zone that finds none of
+/// them its own or free has its quotas made per request.
+const ZONE_PROBES: usize = 32;
 
 impl LayerQuotas for Scope {
     fn quotas(&self) -> &[Quota] {
@@ -143,6 +150,7 @@ impl Scope {
             quotas,
             cost,
             zones: OnceLock::new(),
+            zone_hasher: foldhash::fast::RandomState::default(),
         }
     }
 
@@ -156,11 +164,11 @@ impl Scope {
         let zones = self
             .zones
             .get_or_init(|| (0..MAX_ZONES).map(|_| OnceLock::new()).collect());
-        let first = foldhash::fast::FixedState::with_seed(0).hash_one(name.as_ref()) as usize;
+        let first = self.zone_hasher.hash_one(name.as_ref()) as usize;
         // Open addressing: a zone's slot is the first, from its hash's,
         // that is its own or empty (then filled for it, unless another
         // zone fills it first).
-        for probe in 0..MAX_ZONES {
+        for probe in 0..ZONE_PROBES {
             let slot = (first + probe) & (MAX_ZONES - 1);
             let kept = zones[slot].get_or_init(|| {
                 Box::new(ZoneSlot {
@@ -506,24 +514,31 @@ mod tests {
     fn past_the_zones_a_layer_keeps_a_callers_quotas_are_made_for_the_request() {
         let scope = scope();
         let at: Timestamp = "2026-12-04T12:00:00Z".parse().unwrap();
-        // Distinct fixed offsets, a minute apart.
-        let mut slots = std::collections::HashSet::new();
-        for minutes in 0..MAX_ZONES as i32 {
-            let zone = offset_zone(minutes - 600);
-            match scope.quotas_in(Some(&zone)) {
-                QuotaSet::Zoned(slot) => assert!(slots.insert(slot), "slot {slot} twice"),
-                other => panic!("zone {minutes} not kept: {other:?}"),
+        // More distinct fixed offsets, a minute apart, than the layer has
+        // slots: each caller's quotas are its zone's, kept or not.
+        let zones: Vec<TimeZone> = (0..MAX_ZONES as i32 + 64)
+            .map(|minutes| offset_zone(minutes - 600))
+            .collect();
+        let mut kept = std::collections::HashMap::new();
+        let mut made = 0;
+        for (i, zone) in zones.iter().enumerate() {
+            let set = scope.quotas_in(Some(zone));
+            let expected = format!("{:?}", Quota::daily(10).in_callers_zone(zone).window(at));
+            assert_eq!(day_start(&scope, &set, at), expected, "zone {i}");
+            match set {
+                QuotaSet::Zoned(slot) => {
+                    assert!(!kept.values().any(|&s| s == slot), "slot {slot} twice");
+                    kept.insert(i, slot);
+                }
+                QuotaSet::Other(_) => made += 1,
+                QuotaSet::Own => panic!("zone {i} counted as the layer's own"),
             }
         }
-        let beyond = offset_zone(MAX_ZONES as i32 - 600);
-        let set = scope.quotas_in(Some(&beyond));
-        assert!(matches!(set, QuotaSet::Other(_)), "{set:?}");
-        let expected = format!("{:?}", Quota::daily(10).in_callers_zone(&beyond).window(at));
-        assert_eq!(day_start(&scope, &set, at), expected);
-        // A kept zone is still found.
-        assert!(matches!(
-            scope.quotas_in(Some(&offset_zone(-600))),
-            QuotaSet::Zoned(_)
-        ));
+        assert!(kept.len() >= MAX_ZONES * 3 / 4, "{} zones kept", kept.len());
+        assert!(made >= 64, "{made} zones made per request");
+        // A kept zone is found again, in its slot.
+        for (i, slot) in kept {
+            assert!(matches!(scope.quotas_in(Some(&zones[i])), QuotaSet::Zoned(s) if s == slot));
+        }
     }
 }
