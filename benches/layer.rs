@@ -31,20 +31,22 @@
 //! with a Prometheus recorder (built, not serving) as the recorder of the
 //! thread.
 
-use std::collections::HashMap;
 use std::convert::Infallible;
 use std::future::Future;
 use std::hint::black_box;
 use std::pin::Pin;
-use std::sync::{Arc, Mutex};
+use std::sync::Arc;
 use std::task::{ready, Context, Poll};
-use std::time::{Duration, Instant, SystemTime};
+use std::time::{Duration, Instant};
 
 use criterion::{criterion_group, criterion_main, Criterion};
 use http::{HeaderName, HeaderValue, Request, Response, StatusCode};
 use tokio::runtime::Runtime;
 use tower::{service_fn, Layer, Service, ServiceExt};
 use tower_quota::{FromHeader, QuotaLayer};
+
+#[path = "../examples/shared/floor.rs"]
+mod floor;
 
 const HEADER: &str = "x-account-id";
 
@@ -83,14 +85,11 @@ const POLICY: HeaderValue = HeaderValue::from_static("\"default\";q=109951162777
 async fn with_fields(request: Request<()>) -> Result<Response<String>, Infallible> {
     let mut response = Response::new(String::new());
     // A value that changes per request, as a remaining count does.
-    let id = request.headers().get(HEADER).map_or(0, |id| id.len());
-    let mut digits = itoa::Buffer::new();
-    let mut value = Vec::with_capacity(48);
-    value.extend_from_slice(b"\"default\";r=");
-    value.extend_from_slice(digits.format(LIMIT - id as u64).as_bytes());
-    value.extend_from_slice(b";t=");
-    value.extend_from_slice(digits.format(86_400 - id as u64).as_bytes());
-    let value = HeaderValue::from_maybe_shared(bytes::Bytes::from(value)).expect("a field value");
+    let id = request
+        .headers()
+        .get(HEADER)
+        .map_or(0, |id| id.len() as u64);
+    let value = floor::ratelimit_value(LIMIT - id, 86_400 - id);
     let headers = response.headers_mut();
     headers.insert(RATELIMIT_POLICY.clone(), POLICY);
     headers.insert(RATELIMIT.clone(), value);
@@ -101,20 +100,13 @@ async fn with_fields(request: Request<()>) -> Result<Response<String>, Infallibl
 /// `trivial`: read the subject, build its counter's key (on the stack),
 /// count it in a map under a lock, put where the subject stands in the
 /// request's extensions for the handler, and write the two fields into
-/// the response. No plans, zones, refunds, nested layers or policies: a
-/// floor under any layer that counts and tells.
+/// the response (`examples/shared/floor.rs`, which the `fields_floor`
+/// example serves too). No plans, zones, refunds, nested layers or
+/// policies: a floor under any layer that counts and tells.
 #[derive(Clone)]
 struct Floor<S> {
     inner: S,
-    counts: Arc<Mutex<HashMap<Box<[u8]>, u64>>>,
-}
-
-/// What the floor tells the handler.
-#[derive(Clone, Copy)]
-#[allow(dead_code)]
-struct FloorStatus {
-    used: u64,
-    resets_in: u64,
+    counts: Arc<floor::Counts>,
 }
 
 impl<S> Service<Request<()>> for Floor<S>
@@ -131,44 +123,12 @@ where
 
     fn call(&mut self, mut request: Request<()>) -> Self::Future {
         let id = request.headers().get(HEADER).expect("a subject");
-        let seconds = SystemTime::now()
-            .duration_since(SystemTime::UNIX_EPOCH)
-            .expect("after 1970")
-            .as_secs();
-        let mut digits = itoa::Buffer::new();
-        let mut key = [0u8; 160];
-        let mut len = 0;
-        for part in [
-            b"quota:account:".as_slice(),
-            id.as_bytes(),
-            b":",
-            digits.format(seconds / 86_400).as_bytes(),
-            b":default",
-        ] {
-            key[len..len + part.len()].copy_from_slice(part);
-            len += part.len();
-        }
-        let used = {
-            let mut counts = self.counts.lock().expect("not poisoned");
-            match counts.get_mut(&key[..len]) {
-                Some(count) => {
-                    *count += 1;
-                    *count
-                }
-                None => {
-                    counts.insert(key[..len].into(), 1);
-                    1
-                }
-            }
-        };
-        let resets_in = 86_400 - seconds % 86_400;
-        request
-            .extensions_mut()
-            .insert(FloorStatus { used, resets_in });
+        let standing = floor::count(&self.counts, id.as_bytes()).expect("a short id");
+        request.extensions_mut().insert(standing);
         FloorFuture {
             inner: self.inner.call(request),
-            remaining: LIMIT - used,
-            resets_in,
+            remaining: LIMIT - standing.used,
+            resets_in: standing.resets_in,
         }
     }
 }
@@ -191,14 +151,7 @@ where
     fn poll(self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<Self::Output> {
         let this = self.project();
         let mut response = ready!(this.inner.poll(cx))?;
-        let mut digits = itoa::Buffer::new();
-        let mut value = Vec::with_capacity(48);
-        value.extend_from_slice(b"\"default\";r=");
-        value.extend_from_slice(digits.format(*this.remaining).as_bytes());
-        value.extend_from_slice(b";t=");
-        value.extend_from_slice(digits.format(*this.resets_in).as_bytes());
-        let value =
-            HeaderValue::from_maybe_shared(bytes::Bytes::from(value)).expect("a field value");
+        let value = floor::ratelimit_value(*this.remaining, *this.resets_in);
         let headers = response.headers_mut();
         headers.insert(RATELIMIT_POLICY.clone(), POLICY);
         headers.insert(RATELIMIT.clone(), value);

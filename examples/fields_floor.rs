@@ -23,15 +23,13 @@
 //!
 //! `scripts/http-bench.sh` measures it beside the demo server
 //! (`BENCH_STORES=off,fields,layer-floor,memory`).
-use std::collections::HashMap;
 use std::convert::Infallible;
 use std::future::Future;
 use std::net::SocketAddr;
 use std::pin::Pin;
 use std::sync::atomic::{AtomicU64, Ordering};
-use std::sync::{Arc, Mutex};
+use std::sync::Arc;
 use std::task::{ready, Context, Poll};
-use std::time::SystemTime;
 
 use tower::Service;
 
@@ -43,6 +41,9 @@ use axum::{
     routing::get,
     Router,
 };
+
+#[path = "shared/floor.rs"]
+mod floor;
 
 const USAGE: &str = "usage: fields_floor --listen ADDR:PORT [--count]";
 
@@ -67,23 +68,12 @@ async fn fields(request: Request, next: Next) -> Response {
     )
 }
 
-/// The counters of `--count`, by key.
-type Counts = Arc<Mutex<HashMap<Box<[u8]>, u64>>>;
-
-/// What `--count` tells the handler.
-#[derive(Clone, Copy)]
-#[allow(dead_code)]
-struct Standing {
-    used: u64,
-    resets_in: u64,
-}
-
 /// The middleware of `--count`, as a tower layer (no boxed future): see
 /// the module's docs.
 #[derive(Clone)]
 struct Counted<S> {
     inner: S,
-    counts: Counts,
+    counts: Arc<floor::Counts>,
 }
 
 impl<S> Service<Request> for Counted<S>
@@ -100,54 +90,22 @@ where
 
     fn call(&mut self, mut request: Request) -> Self::Future {
         let mut ids = request.headers().get_all("x-account-id").iter();
-        let id = match (ids.next(), ids.next()) {
-            (Some(id), None) if id.len() <= 128 => id,
-            _ => {
-                let refused =
-                    (StatusCode::UNAUTHORIZED, "send one x-account-id header\n").into_response();
-                return CountedFuture::Refused {
-                    response: Some(refused),
-                };
-            }
+        let standing = match (ids.next(), ids.next()) {
+            (Some(id), None) => floor::count(&self.counts, id.as_bytes()),
+            _ => None,
         };
-        let seconds = SystemTime::now()
-            .duration_since(SystemTime::UNIX_EPOCH)
-            .expect("after 1970")
-            .as_secs();
-        let mut digits = itoa::Buffer::new();
-        let mut key = [0u8; 192];
-        let mut len = 0;
-        for part in [
-            b"quota:account:".as_slice(),
-            id.as_bytes(),
-            b":",
-            digits.format(seconds / 86_400).as_bytes(),
-            b":default",
-        ] {
-            key[len..len + part.len()].copy_from_slice(part);
-            len += part.len();
-        }
-        let used = {
-            let mut counts = self.counts.lock().expect("not poisoned");
-            match counts.get_mut(&key[..len]) {
-                Some(count) => {
-                    *count += 1;
-                    *count
-                }
-                None => {
-                    counts.insert(key[..len].into(), 1);
-                    1
-                }
-            }
+        let Some(standing) = standing else {
+            let refused =
+                (StatusCode::UNAUTHORIZED, "send one x-account-id header\n").into_response();
+            return CountedFuture::Refused {
+                response: Some(refused),
+            };
         };
-        let resets_in = 86_400 - seconds % 86_400;
-        request
-            .extensions_mut()
-            .insert(Standing { used, resets_in });
+        request.extensions_mut().insert(standing);
         CountedFuture::Called {
             inner: self.inner.call(request),
-            remaining: 1_000_000_000 - used,
-            resets_in,
+            remaining: 1_000_000_000 - standing.used,
+            resets_in: standing.resets_in,
         }
     }
 }
@@ -193,14 +151,7 @@ where
 /// `response` with the two fields, for `remaining` calls left and a reset
 /// in `resets_in` seconds.
 fn with_fields(mut response: Response, remaining: u64, resets_in: u64) -> Response {
-    let mut digits = itoa::Buffer::new();
-    let mut value = Vec::with_capacity(48);
-    value.extend_from_slice(b"\"default\";r=");
-    value.extend_from_slice(digits.format(remaining).as_bytes());
-    value.extend_from_slice(b";t=");
-    value.extend_from_slice(digits.format(resets_in).as_bytes());
-    let value = HeaderValue::from_maybe_shared(bytes::Bytes::from(value))
-        .expect("digits and quotes are a valid field value");
+    let value = floor::ratelimit_value(remaining, resets_in);
     let headers = response.headers_mut();
     headers.insert(RATELIMIT_POLICY.clone(), POLICY);
     headers.insert(RATELIMIT.clone(), value);
@@ -233,7 +184,7 @@ async fn main() {
     }
     let app = Router::new().route("/read", get(|| async { "read\n" }));
     let app = if count {
-        let counts = Counts::default();
+        let counts = Arc::new(floor::Counts::default());
         app.route_layer(tower::layer::layer_fn(move |inner| Counted {
             inner,
             counts: Arc::clone(&counts),
