@@ -263,12 +263,7 @@ async fn a_busy_subjects_next_block_is_taken_when_its_block_runs_out() {
         assert!(call(&leased, now, 100_000).await.admitted);
         served += 1;
         let ran_out = leased.held() == 0 && inner.charges.load(Ordering::Relaxed) == before;
-        // The task that takes it starts, then its wait passes.
-        tokio::task::yield_now().await;
-        tokio::time::advance(Duration::from_millis(20)).await;
-        for _ in 0..4 {
-            tokio::task::yield_now().await;
-        }
+        background_takes_its_blocks().await;
         if ran_out && leased.held() > 0 {
             prefetched += 1;
             assert_eq!(
@@ -289,6 +284,16 @@ async fn a_busy_subjects_next_block_is_taken_when_its_block_runs_out() {
     // 400 requests, nearly all of them answered here.
     let charges = inner.charges.load(Ordering::Relaxed);
     assert!(charges <= 20, "{charges} charges for 400 requests");
+}
+
+/// Lets the next blocks queued in the background be taken: the task that
+/// takes them starts, its wait (10 ms) passes, and their charges land.
+async fn background_takes_its_blocks() {
+    tokio::task::yield_now().await;
+    tokio::time::advance(Duration::from_millis(20)).await;
+    for _ in 0..4 {
+        tokio::task::yield_now().await;
+    }
 }
 
 /// Requests of "acme" on `leased`, 50 ms apart, until a block that was
@@ -318,11 +323,7 @@ async fn a_shutdown_waits_for_a_next_block_on_its_way_and_gives_it_back() {
     // The next block is taken 10 ms later; its answer comes 100 ms after
     // the store counted it.
     inner.late.store(100, Ordering::Relaxed);
-    tokio::task::yield_now().await;
-    tokio::time::advance(Duration::from_millis(20)).await;
-    for _ in 0..4 {
-        tokio::task::yield_now().await;
-    }
+    background_takes_its_blocks().await;
     assert!(
         counted(&inner, now).await > served,
         "the next block is counted in the store"
@@ -339,15 +340,11 @@ async fn a_reset_drops_a_next_block_not_taken_yet() {
     let inner = Counting::default();
     let leased = LeasedStore::new(inner.clone());
     let mut now = t0();
-    let served = until_a_block_runs_out(&leased, &mut now).await;
+    until_a_block_runs_out(&leased, &mut now).await;
     let charges = inner.charges.load(Ordering::Relaxed);
     // A support reset through this store, before the next block is taken.
     assert!(leased.reset(key_of("acme")).await.unwrap());
-    tokio::task::yield_now().await;
-    tokio::time::advance(Duration::from_millis(20)).await;
-    for _ in 0..4 {
-        tokio::task::yield_now().await;
-    }
+    background_takes_its_blocks().await;
     assert_eq!(
         inner.charges.load(Ordering::Relaxed),
         charges,
@@ -358,7 +355,6 @@ async fn a_reset_drops_a_next_block_not_taken_yet() {
     // The subject goes on, from a fresh counter (with a block again).
     assert!(call(&leased, now, 100_000).await.admitted);
     assert_eq!(counted(&inner, now).await, 1 + leased.held());
-    assert!(served > 0);
 }
 
 #[tokio::test(start_paused = true)]
@@ -389,11 +385,7 @@ async fn a_first_use_counter_takes_no_block_for_no_request() {
         let local = inner.charges.load(Ordering::Relaxed) == before;
         if held && local && leased.held() == 0 {
             ran_out += 1;
-            tokio::task::yield_now().await;
-            tokio::time::advance(Duration::from_millis(20)).await;
-            for _ in 0..4 {
-                tokio::task::yield_now().await;
-            }
+            background_takes_its_blocks().await;
             assert_eq!(inner.charges.load(Ordering::Relaxed), before, "no charge");
         }
         held |= leased.held() > 0;
@@ -433,11 +425,7 @@ async fn a_request_that_comes_before_the_next_block_takes_it_itself() {
         assert_eq!(inner.charges.load(Ordering::Relaxed), before + 1);
         assert!(leased.held() > 0);
         // Nothing more once the background's time has come.
-        tokio::task::yield_now().await;
-        tokio::time::advance(Duration::from_millis(20)).await;
-        for _ in 0..4 {
-            tokio::task::yield_now().await;
-        }
+        background_takes_its_blocks().await;
         assert_eq!(inner.charges.load(Ordering::Relaxed), before + 1);
         assert_eq!(counted(&inner, now).await, served + leased.held());
         now += SignedDuration::from_millis(20);
