@@ -53,9 +53,8 @@ pub(crate) struct Charge {
     /// The policy's ticket as the layer found it (or made it, for the
     /// outermost layer): the caller and the lines charged further out.
     pub(crate) ticket: Ticket,
-    /// One per line of `request`, in the caller's zone, when they are not
-    /// the layer's own quotas, all of them, as it has them (see
-    /// [`Charge::quotas`]).
+    /// Which quotas the lines of `request` count, one per line, in the
+    /// caller's zone (see [`Charge::quotas`]).
     pub(crate) quotas: QuotaSet,
     /// What the store is asked (a shadow quota's line has no limit): each
     /// line's key, and its lifetime, which a request that passes on a

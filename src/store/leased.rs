@@ -52,14 +52,14 @@ static GIVE_BACK_ERRORS: Throttle = Throttle::new(5);
 ///   second request back takes is at least the last block's size.
 /// - **The next block is taken when a block runs out**, within 10 ms of
 ///   the request that spent its last unit, without waiting for the
-///   subject's next request, and together with the next blocks of the subjects whose
-///   blocks ran out meanwhile: with a store that batches concurrent
-///   charges (as the Redis store does), one call
-///   takes many subjects' blocks. A request that comes before (a subject
-///   calling more than a hundred times a second here) takes the block with
-///   its own charge instead, as does a subject's first request back after
-///   a pause. (Not for a first-use quota: a charge made for no request
-///   could open a period, if its counter was reset elsewhere meanwhile.)
+///   subject's next request, and together with the next blocks of the
+///   subjects whose blocks ran out meanwhile: with a store that batches
+///   concurrent charges (as the Redis store does), one call takes many
+///   subjects' blocks. A request that comes before (a subject calling more
+///   than a hundred times a second here) takes the block with its own
+///   charge instead, as does a subject's first request back after a pause.
+///   (Not for a first-use quota: a charge made for no request could open a
+///   period, if its counter was reset elsewhere meanwhile.)
 /// - **It shrinks as the allowance runs low**: a block is at most a quarter
 ///   of what the counter had left when last seen, so near the limit blocks
 ///   are single units and every request is a charge of its own (exact, as
