@@ -358,6 +358,58 @@ async fn a_reset_drops_a_next_block_not_taken_yet() {
 }
 
 #[tokio::test(start_paused = true)]
+async fn a_next_block_queued_before_a_reset_leaves_the_new_entrys_alone() {
+    // Within the 10 ms a next block waits: a block runs out, a reset makes
+    // the counter anew, and the new entry's first block runs out too. The
+    // block queued for the old entry is not taken, and the new entry's is.
+    let inner = Counting::default();
+    let leased = LeasedStore::new(inner.clone());
+    let mut now = t0();
+    until_a_block_runs_out(&leased, &mut now).await;
+    assert!(leased.reset(key_of("acme")).await.unwrap());
+    // No time passes: the new entry's first block, spent to its end.
+    let mut held = false;
+    loop {
+        assert!(call(&leased, now, 100_000).await.admitted);
+        if held && leased.held() == 0 {
+            break;
+        }
+        held |= leased.held() > 0;
+        assert!(counted(&inner, now).await < 100, "no block ran out");
+    }
+    let served = counted(&inner, now).await;
+    background_takes_its_blocks().await;
+    assert!(leased.held() > 0, "the new entry's next block is taken");
+    assert_eq!(counted(&inner, now).await, served + leased.held());
+}
+
+#[test]
+fn a_runtime_stopped_with_a_next_block_queued_leaves_no_queue_behind() {
+    let paused = || {
+        tokio::runtime::Builder::new_current_thread()
+            .enable_time()
+            .start_paused(true)
+            .build()
+            .unwrap()
+    };
+    let inner = Counting::default();
+    let leased = LeasedStore::new(inner.clone());
+    let mut now = t0();
+    // A block runs out, and the runtime stops before its next one is
+    // taken: the task that would take it is dropped with the runtime.
+    let before = paused().block_on(until_a_block_runs_out(&leased, &mut now));
+    // On another runtime, the next block that runs out is taken in the
+    // background again.
+    paused().block_on(async {
+        let served = before + until_a_block_runs_out(&leased, &mut now).await;
+        assert_eq!(leased.held(), 0);
+        background_takes_its_blocks().await;
+        assert!(leased.held() > 0, "the next block is taken");
+        assert_eq!(counted(&inner, now).await, served + leased.held());
+    });
+}
+
+#[tokio::test(start_paused = true)]
 async fn a_first_use_counter_takes_no_block_for_no_request() {
     // A charge made for no request could open a first-use period (were
     // the counter reset elsewhere): a first-use quota's next block comes
