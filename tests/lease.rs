@@ -1368,3 +1368,26 @@ async fn a_charge_made_at_once_gives_back_an_old_block_even_when_its_future_is_d
     leased.shutdown().await;
     assert_eq!(counted(&inner, on_the_day(start)).await, admitted);
 }
+
+#[tokio::test(start_paused = true)]
+async fn a_charge_of_nothing_is_answered_for_a_subject_this_instance_never_saw() {
+    let shared = MemoryStore::new();
+    let leased = LeasedStore::new(shared.clone());
+    let now = t0();
+    let free = || ChargeRequest {
+        now,
+        lines: smallvec::smallvec![ChargeLine {
+            cost: 0,
+            ..line_of("acme", 10)
+        }],
+    };
+    let outcome = leased.charge(free()).await.unwrap();
+    assert!(outcome.admitted);
+    assert_eq!(outcome.usage[0].used, 0);
+    // And once the subject has a counter here, as the store counts it.
+    assert!(call(&leased, now, 10).await.admitted);
+    let outcome = leased.charge(free()).await.unwrap();
+    assert!(outcome.admitted);
+    assert_eq!(outcome.usage[0].used, 1);
+    assert_eq!(counted(&shared, now).await, 1);
+}

@@ -911,9 +911,13 @@ impl<St: Store> LeasedStore<St> {
         let mut stale = Vec::new();
         let mut unmarked = Vec::new();
         let mut alone = None;
+        // A line whose counter this instance does not know (a first
+        // charge, or one that costs nothing) is the store's to answer.
+        let mut unknown = false;
         for line in &request.lines {
             let Some(counter) = counters.get_mut(&line.key) else {
                 taken.push(0);
+                unknown = true;
                 continue;
             };
             counter.hits += 1;
@@ -974,6 +978,7 @@ impl<St: Store> LeasedStore<St> {
             });
         }
         let local = !request.lines.is_empty()
+            && !unknown
             && stale.is_empty()
             && unmarked.is_empty()
             && request
