@@ -1391,3 +1391,26 @@ async fn a_charge_of_nothing_is_answered_for_a_subject_this_instance_never_saw()
     assert_eq!(outcome.usage[0].used, 1);
     assert_eq!(counted(&shared, now).await, 1);
 }
+
+#[tokio::test(start_paused = true)]
+async fn a_shutdown_waits_for_what_the_idle_sweep_is_giving_back() {
+    let inner = Slow::new(MemoryStore::new(), 0);
+    let leased = LeasedStore::new(inner.clone());
+    let mut now = t0();
+    busy(&leased, &mut now, 100, 10_000, 1).await;
+    assert!(leased.held() > 0);
+    // The subject goes quiet; the sweep takes its block off and gives it
+    // back, which the store answers 60 ms later.
+    inner.delay.store(60, Ordering::Relaxed);
+    tokio::time::advance(Duration::from_millis(1_300)).await;
+    for _ in 0..10 {
+        tokio::task::yield_now().await;
+    }
+    assert_eq!(leased.held(), 0, "the sweep has the block");
+    // The server stops meanwhile: the shutdown returns once the block is
+    // back.
+    leased.shutdown().await;
+    inner.delay.store(0, Ordering::Relaxed);
+    now += SignedDuration::from_millis(1_300);
+    assert_eq!(counted(&inner, now).await, 100);
+}

@@ -1653,6 +1653,9 @@ async fn sweep<St: Store>(shared: Weak<Shared>, inner: St, settings: Settings) {
         let Some(shared) = shared.upgrade() else {
             return;
         };
+        // A shutdown waits for what this pass takes off the counters, until
+        // it is given back.
+        let busy = Busy::new(&shared);
         let at = Instant::now();
         let mut back = Vec::new();
         let mut unmarked = Vec::new();
@@ -1705,6 +1708,7 @@ async fn sweep<St: Store>(shared: Weak<Shared>, inner: St, settings: Settings) {
         for (key, now, generation) in unmarked {
             leave(&inner, &shared, now, key, generation).await;
         }
+        drop(busy);
         drop(shared);
     }
 }
