@@ -1414,3 +1414,39 @@ async fn a_shutdown_waits_for_what_the_idle_sweep_is_giving_back() {
     now += SignedDuration::from_millis(1_300);
     assert_eq!(counted(&inner, now).await, 100);
 }
+
+#[tokio::test(start_paused = true)]
+async fn the_idle_sweep_gives_many_subjects_back_together() {
+    let inner = Slow::new(MemoryStore::new(), 0);
+    let leased = LeasedStore::new(inner.clone());
+    let mut now = t0();
+    let subjects: Vec<String> = (0..20).map(|i| format!("s{i}")).collect();
+    let mut admitted = 0;
+    for _ in 0..40 {
+        for subject in &subjects {
+            let lines = smallvec::smallvec![line_of(subject, 10_000)];
+            let outcome = leased.charge(ChargeRequest { now, lines }).await.unwrap();
+            assert!(outcome.admitted);
+            admitted += 1;
+            tokio::time::advance(Duration::from_millis(1)).await;
+            now += SignedDuration::from_millis(1);
+        }
+    }
+    assert!(leased.held() > 0);
+    // Every subject goes quiet; each give-back takes the store 60 ms.
+    inner.delay.store(60, Ordering::Relaxed);
+    for _ in 0..14 {
+        tokio::time::advance(Duration::from_millis(100)).await;
+        tokio::task::yield_now().await;
+    }
+    now += SignedDuration::from_millis(1_400);
+    inner.delay.store(0, Ordering::Relaxed);
+    let mut counted = 0;
+    for subject in &subjects {
+        counted += counted_for(&inner, subject, now).await;
+    }
+    assert_eq!(
+        counted, admitted,
+        "every block back within a round trip or two"
+    );
+}

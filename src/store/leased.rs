@@ -1642,6 +1642,9 @@ impl<St: Store> LeasedStore<St> {
     }
 }
 
+/// Give-backs a sweep has on their way at most.
+const SWEEP_GIVE_BACKS: usize = 64;
+
 /// Gives idle and old blocks back every quarter of the shorter bound, until
 /// the store is dropped.
 async fn sweep<St: Store>(shared: Weak<Shared>, inner: St, settings: Settings) {
@@ -1702,9 +1705,20 @@ async fn sweep<St: Store>(shared: Weak<Shared>, inner: St, settings: Settings) {
                     || counter.mark.may_count(now)
             });
         });
+        // Together, a bounded number at a time: one at a time, a pass over
+        // many idle subjects would keep the last ones' units from other
+        // instances for as many round trips.
+        let mut giving = tokio::task::JoinSet::new();
         for (key, now, units, taken_at) in back {
-            give_back(&inner, now, key, units, taken_at).await;
+            if giving.len() >= SWEEP_GIVE_BACKS {
+                giving.join_next().await;
+            }
+            let inner = inner.clone();
+            giving.spawn(async move {
+                give_back(&inner, now, key, units, taken_at).await;
+            });
         }
+        while giving.join_next().await.is_some() {}
         for (key, now, generation) in unmarked {
             leave(&inner, &shared, now, key, generation).await;
         }
