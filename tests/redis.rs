@@ -772,6 +772,11 @@ async fn a_value_that_is_no_counter_is_refused_before_any_line_is_charged() {
             error.to_string().contains("not a counter"),
             "{name}: {error}"
         );
+        // Keys name subjects, and errors are logged: the id is hidden.
+        assert!(
+            !error.to_string().contains("acme") && error.to_string().contains("{account:#"),
+            "{name}: {error}"
+        );
         let exists: bool = redis.exists(fresh.as_str()).await.unwrap();
         assert!(
             !exists,
@@ -969,6 +974,11 @@ async fn an_add_to_a_value_that_is_no_counter_is_an_error_and_writes_nothing() {
         assert_eq!(error.kind(), StoreErrorKind::Other, "{name}");
         assert!(
             error.to_string().contains("not a counter"),
+            "{name}: {error}"
+        );
+        // Keys name subjects, and errors are logged: the id is hidden.
+        assert!(
+            !error.to_string().contains("acme") && error.to_string().contains("{account:#"),
             "{name}: {error}"
         );
         assert_eq!(

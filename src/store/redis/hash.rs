@@ -38,26 +38,51 @@ pub(super) fn fnv1a_64(bytes: &[u8]) -> u64 {
 /// `quota:{account:#1a2b3c4d}:read:2026-12-02`. A key without a `{subject}`
 /// part is a hash of its own, `#1a2b3c4d`.
 pub(super) fn logged(key: &PeriodKey) -> String {
-    static SECRET: OnceLock<foldhash::fast::RandomState> = OnceLock::new();
     let text = key.as_str();
     let tag = key.hash_tag();
-    let hash = SECRET.get_or_init(Default::default).hash_one(tag) >> 32;
     if tag.len() == text.len() {
-        return format!("#{hash:08x}");
+        return format!("#{:08x}", secret_hash(tag));
     }
     // The tag is a slice of the key, between its first `{` and `}`.
     let start = tag.as_ptr() as usize - text.as_ptr() as usize;
     let end = start + tag.len();
-    let kind = tag.split_once(':').map_or("", |(kind, _)| kind);
-    let mut out = String::with_capacity(text.len() - tag.len() + kind.len() + 10);
+    let mut out = String::with_capacity(text.len() + 10);
     out.push_str(&text[..start]);
-    if !kind.is_empty() {
+    push_hidden(&mut out, tag);
+    out.push_str(&text[end..]);
+    out
+}
+
+/// `text` (an error Redis sent, which may name keys) with every `{subject}`
+/// part of a key in it hidden as [`logged`] hides it.
+pub(super) fn scrubbed(text: &str) -> String {
+    let mut out = String::with_capacity(text.len() + 10);
+    let mut rest = text;
+    while let Some(open) = rest.find('{') {
+        let Some(len) = rest[open + 1..].find('}') else {
+            break;
+        };
+        out.push_str(&rest[..=open]);
+        push_hidden(&mut out, &rest[open + 1..open + 1 + len]);
+        rest = &rest[open + 1 + len..];
+    }
+    out.push_str(rest);
+    out
+}
+
+/// Writes the hash tag `tag` (`kind:id`) as `kind:#1a2b3c4d`.
+fn push_hidden(out: &mut String, tag: &str) {
+    if let Some((kind, _)) = tag.split_once(':') {
         out.push_str(kind);
         out.push(':');
     }
-    write!(out, "#{hash:08x}").expect("writing to a String cannot fail");
-    out.push_str(&text[end..]);
-    out
+    write!(out, "#{:08x}", secret_hash(tag)).expect("writing to a String cannot fail");
+}
+
+/// A hash of `tag` keyed with a secret drawn when the process starts.
+fn secret_hash(tag: &str) -> u64 {
+    static SECRET: OnceLock<foldhash::fast::RandomState> = OnceLock::new();
+    SECRET.get_or_init(Default::default).hash_one(tag) >> 32
 }
 
 /// A deadline offset in `[0, spread]` drawn from the key, so every instance
@@ -74,7 +99,7 @@ pub(super) fn jitter(key: &PeriodKey, spread: Duration) -> i64 {
 mod tests {
     use std::time::Duration;
 
-    use super::{fnv1a_64, jitter, logged};
+    use super::{fnv1a_64, jitter, logged, scrubbed};
     use crate::key::{Namespace, PeriodKey};
     use crate::subject::Subject;
 
@@ -103,6 +128,26 @@ mod tests {
             untyped.starts_with("q:{#") && untyped.ends_with("}:x"),
             "{untyped}"
         );
+    }
+
+    #[test]
+    fn errors_name_keys_as_logs_do() {
+        let key = Namespace::default().key(&Subject::account("sk_live_secret"), "read", "PT1H");
+        let error = format!(
+            "ERR tower-quota: {} holds a value that is not a counter",
+            key.as_str()
+        );
+        let shown = scrubbed(&error);
+        assert!(!shown.contains("sk_live_secret"), "{shown}");
+        assert_eq!(
+            shown,
+            format!(
+                "ERR tower-quota: {} holds a value that is not a counter",
+                logged(&key)
+            )
+        );
+        assert_eq!(scrubbed("no key {here"), "no key {here");
+        assert_eq!(scrubbed("plain"), "plain");
     }
 
     /// The specification's test vectors: a change to the hash, and so to

@@ -6,7 +6,7 @@ use std::time::Duration;
 use deadpool_redis::redis::Script;
 use jiff::{SignedDuration, Timestamp};
 
-use super::hash;
+use super::hash::{self, logged};
 use crate::key::PeriodKey;
 use crate::store::{ChargeOutcome, ChargeRequest, Lifetime, StoreError, StoreErrorKind, Usage};
 
@@ -54,9 +54,9 @@ pub(super) fn outcome(
             };
             let key = &line.key;
             let used = u64::try_from(used)
-                .map_err(|_| unexpected(format!("{used} as the count of {key}")))?;
+                .map_err(|_| unexpected(format!("{used} as the count of {}", logged(key))))?;
             if !(0..=4).contains(&heal) {
-                return Err(unexpected(format!("{heal} as the heal of {key}")));
+                return Err(unexpected(format!("{heal} as the heal of {}", logged(key))));
             }
             if heal != 0 {
                 log_heal(key, heal, op == "c" && admitted);
@@ -64,14 +64,13 @@ pub(super) fn outcome(
             // -3: a calendar counter's deadline, not read.
             let calendar = matches!(line.lifetime, Lifetime::Calendar { .. });
             if pttl < 0 && pttl != -2 && !(pttl == -3 && calendar) {
-                return Err(unexpected(format!("{pttl} as the life of {key}")));
+                return Err(unexpected(format!("{pttl} as the life of {}", logged(key))));
             }
             let first_call = match first_call {
                 -1 => None,
-                ms => Some(
-                    Timestamp::from_millisecond(ms)
-                        .map_err(|_| unexpected(format!("{ms} as the first call of {key}")))?,
-                ),
+                ms => Some(Timestamp::from_millisecond(ms).map_err(|_| {
+                    unexpected(format!("{ms} as the first call of {}", logged(key)))
+                })?),
             };
             Ok(match line.lifetime {
                 Lifetime::Calendar { end, .. } => Usage {
@@ -139,7 +138,7 @@ pub(super) fn live_count(key: &PeriodKey, op: &str, reply: i64) -> Result<Option
         -1 => Ok(None),
         n => u64::try_from(n)
             .map(Some)
-            .map_err(|_| unexpected(format!("{n} as the count of {key} after {op}"))),
+            .map_err(|_| unexpected(format!("{n} as the count of {} after {op}", logged(key)))),
     }
 }
 
