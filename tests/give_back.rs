@@ -270,3 +270,33 @@ async fn a_store_answering_without_usage_never_panics_the_response() {
     let response = app.oneshot(call("/search")).await.unwrap();
     assert_eq!(response.status(), StatusCode::OK);
 }
+
+/// A give-back the store does not answer holds the response no longer than
+/// the store's timeout: it goes out with the fields as charged.
+#[tokio::test(start_paused = true)]
+async fn a_give_back_the_store_does_not_answer_delays_the_response_by_the_store_timeout_at_most() {
+    let store = Rigged::new(MemoryStore::new(), Rig::Fail, Some("nothing"));
+    let stalled = Arc::clone(&store.stalled);
+    let policy = policy(store, "stalled")
+        .refund_server_errors(true)
+        .store_timeout(Some(Duration::from_millis(100)))
+        .build();
+    let app = Router::new()
+        .route(
+            "/",
+            get(|| async { (StatusCode::INTERNAL_SERVER_ERROR, "failed") }),
+        )
+        .layer(policy.layer(Quota::daily(10)));
+    stalled.store(true, std::sync::atomic::Ordering::Relaxed);
+    let started = tokio::time::Instant::now();
+    let response = tokio::time::timeout(Duration::from_secs(5), app.oneshot(call("/")))
+        .await
+        .expect("the response comes within the store's timeout")
+        .unwrap();
+    assert_eq!(response.status(), StatusCode::INTERNAL_SERVER_ERROR);
+    assert!(started.elapsed() <= Duration::from_millis(150));
+    assert_eq!(
+        header(&response, "ratelimit"),
+        "\"default-day\";r=9;t=50400"
+    );
+}

@@ -70,6 +70,10 @@ pin_project! {
         // written.
         Settling {
             adjust: Adjusting,
+            // Armed once the store does not answer at once: past the
+            // store's timeout the response goes out with the fields as
+            // charged, and the changes carry on in their task.
+            timeout: Option<Pin<Box<Sleep>>>,
             ops: Vec<(usize, Adjust)>,
             // Whether the response gets the fields (not when no route
             // served it).
@@ -449,6 +453,7 @@ where
                     let adjust = adjust(&charged, now, &ops);
                     this.state.set(State::Settling {
                         adjust,
+                        timeout: None,
                         ops,
                         fields,
                         result: Some(result),
@@ -457,21 +462,39 @@ where
                 }
                 StateProj::Settling {
                     adjust,
+                    timeout,
                     ops,
                     fields,
                     result,
                     charged,
                 } => {
-                    let results = ready!(adjust.as_mut().poll(cx));
+                    let results = match adjust.as_mut().poll(cx) {
+                        Poll::Ready(results) => Some(results),
+                        Poll::Pending => {
+                            let bound = &charged.as_ref().expect("polled after completion").bound;
+                            let store_timeout = bound.policy.settings.store_timeout;
+                            if let (None, Some(limit)) = (timeout.as_ref(), store_timeout) {
+                                if tokio::runtime::Handle::try_current().is_ok() {
+                                    *timeout = Some(Box::pin(tokio::time::sleep(limit)));
+                                }
+                            }
+                            let Some(sleep) = timeout.as_mut() else {
+                                return Poll::Pending;
+                            };
+                            ready!(sleep.as_mut().poll(cx));
+                            None
+                        }
+                    };
                     let charged = charged.take().expect("polled after completion");
                     let result = result.take().expect("polled after completion");
                     if !*fields {
                         return Poll::Ready(result.map(|r| r.map(ResponseBody::inner)));
                     }
-                    let usage = charge::settled(&charged.lines, ops, &results);
+                    let usage =
+                        results.map(|results| charge::settled(&charged.lines, ops, &results));
                     return Poll::Ready(result.map(|response| {
                         charged
-                            .finish(response, Some(&usage))
+                            .finish(response, usage.as_deref())
                             .map(ResponseBody::inner)
                     }));
                 }

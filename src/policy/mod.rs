@@ -366,6 +366,10 @@ impl<E, St> QuotaPolicyBuilder<E, St> {
     /// How long to wait for the store before treating it as failed (default
     /// 100 ms; `None` waits forever). The wait applies only to stores that do
     /// not answer at once (never to [`MemoryStore`]) and uses tokio's timer.
+    /// It also bounds how long a response waits for what it changes after
+    /// the handler answered (a give-back, a deferred cost's rest): past it,
+    /// the response goes out with its fields as charged, and the change
+    /// carries on in its own task.
     ///
     /// # Panics
     ///

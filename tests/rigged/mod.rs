@@ -40,6 +40,10 @@ pub struct Rigged<St> {
     /// While set, settles of debts fail too (the store is away); otherwise
     /// they reach the inner store.
     pub away: Arc<AtomicBool>,
+    /// While set, refunds and adds never answer.
+    // Not every test file that includes this module uses it.
+    #[allow(dead_code)]
+    pub stalled: Arc<AtomicBool>,
 }
 
 impl<St> Rigged<St> {
@@ -51,6 +55,7 @@ impl<St> Rigged<St> {
             met: Arc::new(Notify::new()),
             max: None,
             away: Arc::default(),
+            stalled: Arc::default(),
         }
     }
 
@@ -98,7 +103,14 @@ impl<St: Store> Store for Rigged<St> {
         key: PeriodKey,
         amount: u64,
     ) -> impl Future<Output = Result<Option<u64>, StoreError>> + Send {
-        self.inner.refund(now, key, amount)
+        let stalled = self.stalled.load(Ordering::Relaxed);
+        let refund = self.inner.refund(now, key, amount);
+        async move {
+            if stalled {
+                std::future::pending::<()>().await;
+            }
+            refund.await
+        }
     }
     fn add(
         &self,
@@ -106,7 +118,14 @@ impl<St: Store> Store for Rigged<St> {
         key: PeriodKey,
         amount: u64,
     ) -> impl Future<Output = Result<Option<u64>, StoreError>> + Send {
-        self.inner.add(now, key, amount)
+        let stalled = self.stalled.load(Ordering::Relaxed);
+        let add = self.inner.add(now, key, amount);
+        async move {
+            if stalled {
+                std::future::pending::<()>().await;
+            }
+            add.await
+        }
     }
     fn reset(&self, key: PeriodKey) -> impl Future<Output = Result<bool, StoreError>> + Send {
         self.inner.reset(key)
