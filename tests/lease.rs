@@ -1450,3 +1450,71 @@ async fn the_idle_sweep_gives_many_subjects_back_together() {
         "every block back within a round trip or two"
     );
 }
+
+#[tokio::test(start_paused = true)]
+async fn no_block_taken_while_a_reset_is_on_its_way_outlives_it() {
+    let inner = Slow::new(MemoryStore::new(), 0);
+    let leased = LeasedStore::new(inner.clone());
+    let mut now = t0();
+    busy(&leased, &mut now, 200, 100_000, 1).await;
+    assert!(leased.held() > 0);
+    // Every store call now takes 50 ms: the reset's counter is deleted
+    // 100 ms on (its mark left first), and requests keep coming meanwhile.
+    inner.delay.store(50, Ordering::Relaxed);
+    let reset = tokio::spawn({
+        let leased = leased.clone();
+        async move { leased.reset(day_key()).await.unwrap() }
+    });
+    let mut calls = Vec::new();
+    for _ in 0..40 {
+        let leased = leased.clone();
+        let at = now;
+        calls.push(tokio::spawn(
+            async move { call(&leased, at, 100_000).await },
+        ));
+        tokio::time::advance(Duration::from_millis(1)).await;
+        now += SignedDuration::from_millis(1);
+    }
+    for _ in 0..30 {
+        tokio::time::advance(Duration::from_millis(10)).await;
+        tokio::task::yield_now().await;
+    }
+    assert!(reset.await.unwrap());
+    for call in calls {
+        assert!(call.await.unwrap().admitted);
+    }
+    inner.delay.store(0, Ordering::Relaxed);
+    // What this instance holds was taken from the counter there is now,
+    // not from the one deleted.
+    assert!(
+        counted(&inner, now).await >= leased.held(),
+        "{} units held, {} counted",
+        leased.held(),
+        counted(&inner, now).await
+    );
+}
+
+#[tokio::test(start_paused = true)]
+async fn a_next_block_that_lands_after_a_reset_goes_back() {
+    let inner = Slow::new(MemoryStore::new(), 0);
+    let leased = LeasedStore::new(inner.clone());
+    let mut now = t0();
+    until_a_block_runs_out(&leased, &mut now).await;
+    // The next block's charge takes 50 ms to land; the reset, none: the
+    // counter is deleted before the block lands, and the block makes it
+    // anew.
+    inner.delay.store(50, Ordering::Relaxed);
+    background_takes_its_blocks().await;
+    inner.delay.store(0, Ordering::Relaxed);
+    assert!(leased.reset(day_key()).await.unwrap());
+    for _ in 0..10 {
+        tokio::time::advance(Duration::from_millis(10)).await;
+        tokio::task::yield_now().await;
+    }
+    assert_eq!(leased.held(), 0);
+    assert_eq!(
+        counted(&inner, now).await,
+        0,
+        "nothing admitted since the reset"
+    );
+}

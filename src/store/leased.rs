@@ -357,6 +357,21 @@ impl Drop for Busy {
     }
 }
 
+/// A reset of a counter on its way through this instance (see
+/// [`Counter::resetting`]), over when dropped: answered, or given up.
+struct Resetting {
+    shared: Arc<Shared>,
+    key: PeriodKey,
+}
+
+impl Drop for Resetting {
+    fn drop(&mut self) {
+        if let Some(counter) = self.shared.counter(&self.key).get_mut(&self.key) {
+            counter.resetting = counter.resetting.saturating_sub(1);
+        }
+    }
+}
+
 /// The queued next blocks, for the task that drains them: when that task
 /// is dropped before it took them (its runtime shut down), they are
 /// dropped, so that the next block that runs out starts a task again.
@@ -609,6 +624,10 @@ struct Counter {
     /// The counter's lease mark (see "Lease marks" above) as far as this
     /// instance's own joining and leaving go.
     mark: Mark,
+    /// Resets of the counter on their way through this instance: until the
+    /// store deleted it, no block is taken, which would be taken from the
+    /// counter about to go and outlive it here.
+    resetting: u32,
 }
 
 /// One instance's part in a counter's lease mark. Joining goes with the
@@ -841,7 +860,11 @@ impl<St: Store> LeasedStore<St> {
         // A subject calling less often than the idle bound would have its
         // block given back before spending it, and one back after a pause
         // may be back for one request: no block.
-        if counter.taking || counter.ended(now) || counter.gap >= settings.idle {
+        if counter.taking
+            || counter.resetting > 0
+            || counter.ended(now)
+            || counter.gap >= settings.idle
+        {
             return 0;
         }
         // The rate since the last charge sent, over four fifths of a lease
@@ -1466,6 +1489,7 @@ impl<St: Store> LeasedStore<St> {
                         prefetching: false,
                         reserved: 0,
                         mark: Mark::default(),
+                        resetting: 0,
                     })
                 }
                 None => {
@@ -1483,10 +1507,18 @@ impl<St: Store> LeasedStore<St> {
                 }
             };
             unmarked.extend(joined_for(Some(counter)));
+            // Units of a block taken here and given back at once.
+            let mut returned = 0;
             if known.is_some_and(|k| k.generation != counter.generation) {
-                // Reset here while the charge was on its way: a block it
-                // took belongs to the counter that was reset, and is
-                // dropped with it.
+                // Reset here while the charge was on its way: the block it
+                // took is not this entry's. Given back to the counter it
+                // was charged to, if that one was made by the charge (it
+                // landed after the reset deleted the counter); a counter
+                // made since, or none (it landed before), takes nothing.
+                if outcome.admitted && block > 0 {
+                    back.push((line.key.clone(), request.now, block, request.now));
+                    returned = block;
+                }
                 block = 0;
             }
             let same_entry = known.is_some_and(|k| k.generation == counter.generation);
@@ -1509,7 +1541,7 @@ impl<St: Store> LeasedStore<St> {
                 counter.taken_at = None;
             }
             counter.limit = usage.limit;
-            counter.store_used = usage.used;
+            counter.store_used = usage.used.saturating_sub(returned);
             counter.resets_at = usage.resets_at;
             counter.first_call = usage.first_call;
             counter.seen = request.now;
@@ -2115,8 +2147,14 @@ impl<St: Store> Store for LeasedStore<St> {
     /// is gone), and what is on its way for it (a block being taken, units
     /// to put back), and leaves its lease mark; then deletes the counter.
     fn reset(&self, key: PeriodKey) -> impl Future<Output = Result<bool, StoreError>> + Send {
+        let mut resetting = None;
         let leaving = self.shared.counter(&key).get_mut(&key).and_then(|counter| {
             let now = counter.now(Instant::now());
+            counter.resetting += 1;
+            resetting = Some(Resetting {
+                shared: Arc::clone(&self.shared),
+                key: key.clone(),
+            });
             self.renew(counter, now)
         });
         let inner = self.inner.clone();
@@ -2125,7 +2163,9 @@ impl<St: Store> Store for LeasedStore<St> {
             if let Some((now, generation)) = leaving {
                 leave(&inner, &shared, now, key.clone(), generation).await;
             }
-            inner.reset(key).await
+            let reset = inner.reset(key).await;
+            drop(resetting);
+            reset
         }
     }
 
