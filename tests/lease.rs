@@ -65,13 +65,15 @@ impl Store for Counting {
 }
 
 /// A memory store that takes `delay` milliseconds of the runtime's time to
-/// answer anything (none by default; a test may change it on the way), and
-/// answers a charge `late` milliseconds after it applied it.
+/// answer anything (none by default; a test may change it on the way),
+/// answers a charge `late` milliseconds after it applied it, and takes
+/// `slow_refunds` milliseconds more for a refund.
 #[derive(Clone, Default)]
 struct Slow {
     inner: MemoryStore,
     delay: Arc<AtomicU64>,
     late: Arc<AtomicU64>,
+    slow_refunds: Arc<AtomicU64>,
 }
 
 impl Slow {
@@ -80,6 +82,7 @@ impl Slow {
             inner,
             delay: Arc::new(AtomicU64::new(delay_ms)),
             late: Arc::default(),
+            slow_refunds: Arc::default(),
         }
     }
 
@@ -123,7 +126,8 @@ impl Store for Slow {
         amount: u64,
         made_by: Timestamp,
     ) -> Result<Option<u64>, StoreError> {
-        tokio::time::sleep(self.delay()).await;
+        let slow = Duration::from_millis(self.slow_refunds.load(Ordering::Relaxed));
+        tokio::time::sleep(self.delay() + slow).await;
         self.inner.refund_made_by(now, key, amount, made_by).await
     }
     async fn add(
@@ -1517,4 +1521,63 @@ async fn a_next_block_that_lands_after_a_reset_goes_back() {
         0,
         "nothing admitted since the reset"
     );
+}
+
+/// `leased` over `inner`, with blocks that pass their lease time in 200 ms
+/// of real time, and a busy subject holding one.
+async fn holding_an_old_block(inner: Slow) -> (LeasedStore<Slow>, std::time::Instant, u64) {
+    let leased = LeasedStore::builder(inner)
+        .lease_time(Duration::from_millis(200))
+        .idle(Duration::from_secs(10))
+        .max_block(50)
+        .build();
+    let start = std::time::Instant::now();
+    let mut admitted = 0;
+    for _ in 0..300 {
+        assert!(call(&leased, on_the_day(start), 10_000).await.admitted);
+        admitted += 1;
+    }
+    assert!(leased.held() > 0, "a busy subject holds a block");
+    // The block passes its lease time while no sweep can run (this thread
+    // runs the runtime).
+    std::thread::sleep(Duration::from_millis(250));
+    (leased, start, admitted)
+}
+
+#[tokio::test]
+async fn an_old_block_goes_back_beside_the_charge_not_before_it() {
+    let inner = Slow::new(MemoryStore::new(), 0);
+    let (leased, start, _) = holding_an_old_block(inner.clone()).await;
+    // Every store call now takes 150 ms: the request waits for its charge,
+    // not for the give-back first.
+    inner.delay.store(150, Ordering::Relaxed);
+    let outcome = tokio::time::timeout(
+        Duration::from_millis(250),
+        leased.charge(request(on_the_day(start), 10_000)),
+    )
+    .await
+    .expect("one round trip, not two");
+    assert!(outcome.unwrap().admitted);
+}
+
+#[tokio::test]
+async fn a_charge_refused_before_an_old_block_is_back_is_sent_again() {
+    let inner = Slow::new(MemoryStore::new(), 0);
+    let (leased, start, admitted) = holding_an_old_block(inner.clone()).await;
+    let now = on_the_day(start);
+    let held = leased.held();
+    let limit = admitted + held + 5;
+    // Another instance spends all that nobody holds (a memory store
+    // answers at once: no sweep runs meanwhile).
+    let mut elsewhere = 0;
+    while call(&inner.inner, now, limit).await.admitted {
+        elsewhere += 1;
+    }
+    assert_eq!(elsewhere, 5);
+    // The old block's units make room for the request, but come back
+    // 100 ms after its charge landed: refused, then sent again.
+    inner.slow_refunds.store(100, Ordering::Relaxed);
+    assert!(call(&leased, now, limit).await.admitted);
+    leased.shutdown().await;
+    assert_eq!(counted(&inner, now).await, admitted + 5 + 1);
 }

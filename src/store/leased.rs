@@ -961,8 +961,9 @@ impl<St: Store> LeasedStore<St> {
                 .block_since
                 .is_some_and(|since| at.saturating_duration_since(since) < lease_time);
             if counter.units > 0 && !fresh {
-                // Past its lease time: given back before the store is
-                // asked, so it refuses nothing.
+                // Past its lease time: given back beside the charge (see
+                // `send`), which is sent again if the store refused it
+                // before the units were back.
                 stale.push((
                     line.key.clone(),
                     counter.units,
@@ -1280,9 +1281,29 @@ impl<St: Store> LeasedStore<St> {
         // Each line's counter's lease mark, read with the charge.
         let marks: Vec<Option<PeriodKey>> =
             request.lines.iter().map(|l| l.key.lease_mark()).collect();
+        // Blocks past their lease time go back beside the charge, in a task
+        // of their own: a request dropped meanwhile does not cut them short,
+        // and the charge does not wait for them (it is sent again once they
+        // landed, if the store refused it).
+        let (mut stale, giving_back) = match tokio::runtime::Handle::try_current() {
+            Ok(runtime) if !stale.is_empty() => {
+                let inner = self.inner.clone();
+                let busy = Busy::new(&self.shared);
+                let now = request.now;
+                let task = runtime.spawn(async move {
+                    let _busy = busy;
+                    for (key, units, taken_at) in stale {
+                        give_back(&inner, now, key, units, taken_at).await;
+                    }
+                });
+                (Vec::new(), Some(task))
+            }
+            _ => (stale, None),
+        };
         let store = self.clone();
         Box::pin(async move {
-            for (key, units, taken_at) in stale {
+            // Without a runtime, before the charge, as they must land first.
+            for (key, units, taken_at) in stale.drain(..) {
                 give_back(&store.inner, request.now, key, units, taken_at).await;
             }
             let costs: Vec<u64> = request.lines.iter().map(|line| line.cost).collect();
@@ -1313,9 +1334,14 @@ impl<St: Store> LeasedStore<St> {
             let mut blocks = blocks;
             // A charge that costs nothing beyond its blocks (the next block
             // of a busy subject) has no request to send alone.
-            if leasing && !outcome.admitted && costs.iter().any(|&cost| cost > 0) {
-                // The blocks did not fit (other instances spent meanwhile):
-                // the request alone.
+            let refused = !outcome.admitted && costs.iter().any(|&cost| cost > 0);
+            if refused && (leasing || giving_back.is_some()) {
+                // The blocks did not fit (other instances spent meanwhile),
+                // or the old blocks' units were not back yet: the request
+                // alone, once they are.
+                if let Some(giving_back) = giving_back {
+                    let _ = giving_back.await;
+                }
                 for (line, cost) in request.lines.iter_mut().zip(&costs) {
                     line.cost = *cost;
                 }
