@@ -300,3 +300,26 @@ async fn a_give_back_the_store_does_not_answer_delays_the_response_by_the_store_
         "\"default-day\";r=9;t=50400"
     );
 }
+
+/// A give-back the store never sent (it was away) is sent again once it is
+/// back: a request refused further in leaves nothing charged further out.
+#[tokio::test]
+async fn a_give_back_the_store_never_sent_is_sent_again_when_it_is_back() {
+    let store = Rigged::new(MemoryStore::new(), Rig::Fail, Some("inner"));
+    let unsent = Arc::clone(&store.unsent);
+    let policy = policy(store, "unsent")
+        .on_store_error(OnStoreError::FailClosed {
+            retry_after: Duration::from_secs(1),
+        })
+        .build();
+    let app = Router::new()
+        .route("/", get(ok))
+        .route_layer(policy.layer(Quota::daily(10).allowance("inner")))
+        .layer(policy.layer(Quota::daily(10).allowance("outer")));
+    unsent.store(true, std::sync::atomic::Ordering::Relaxed);
+    let response = app.oneshot(call("/")).await.unwrap();
+    assert_eq!(response.status(), StatusCode::SERVICE_UNAVAILABLE);
+    assert_eq!(used(&policy, "outer-day").await, 1, "not given back yet");
+    unsent.store(false, std::sync::atomic::Ordering::Relaxed);
+    assert_eq!(settles(&policy, "outer-day", 0).await, 0);
+}

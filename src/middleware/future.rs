@@ -2,6 +2,7 @@ use std::future::Future;
 use std::pin::Pin;
 use std::sync::Arc;
 use std::task::{ready, Context, Poll};
+use std::time::Duration;
 
 use bytes::Bytes;
 use http::{Request, Response};
@@ -253,6 +254,13 @@ where
 /// Refunds and adds that failed, logged a few times per second at most.
 static ADJUST_ERRORS: Throttle = Throttle::new(5);
 
+/// The wait before a refund or an add the store never sent is sent again;
+/// doubled after each try, up to [`MAX_RESEND_WAIT`].
+const FIRST_RESEND: Duration = Duration::from_millis(100);
+const MAX_RESEND_WAIT: Duration = Duration::from_secs(5);
+/// How long a refund or an add the store never sent is sent again, at most.
+const RESEND_FOR: Duration = Duration::from_secs(60);
+
 /// Applies `ops` in the store: at once when the store answers at once,
 /// otherwise in a task of its own when a tokio runtime is at hand, so a
 /// response future dropped meanwhile does not cut a refund short.
@@ -264,9 +272,29 @@ fn apply<St: Store>(
     let work = async move {
         let mut results = Vec::with_capacity(ops.len());
         for (key, op) in ops {
-            let result = match op {
-                Adjust::Refund(amount) => store.refund(now, key, amount).await,
-                Adjust::Add(amount) => store.add(now, key, amount).await,
+            let mut wait = FIRST_RESEND;
+            let mut resent = Duration::ZERO;
+            let result = loop {
+                let result = match op {
+                    Adjust::Refund(amount) => store.refund(now, key.clone(), amount).await,
+                    Adjust::Add(amount) => store.add(now, key.clone(), amount).await,
+                };
+                // A change the store never sent applied nothing: sent again
+                // a while later, for as long as `RESEND_FOR`, so that an
+                // outage does not leave a request charged that was not
+                // served. (Its response does not wait: see `Settling`.)
+                match &result {
+                    Err(error)
+                        if error.is_unsent()
+                            && resent < RESEND_FOR
+                            && tokio::runtime::Handle::try_current().is_ok() =>
+                    {
+                        tokio::time::sleep(wait).await;
+                        resent += wait;
+                        wait = (wait * 2).min(MAX_RESEND_WAIT);
+                    }
+                    _ => break result,
+                }
             };
             if let (Adjust::Refund(_), Ok(Some(_))) = (op, &result) {
                 crate::metrics::refunded();

@@ -334,6 +334,7 @@ pub struct StoreError {
     kind: StoreErrorKind,
     message: Cow<'static, str>,
     source: Option<BoxError>,
+    unsent: bool,
 }
 
 impl StoreError {
@@ -343,7 +344,23 @@ impl StoreError {
             kind,
             message: message.into(),
             source: None,
+            unsent: false,
         }
+    }
+
+    /// Marks the error as one of a call the store never sent (no
+    /// connection could be had, no room for another call): nothing of it
+    /// was applied, so the layer may send a give-back or an add that failed
+    /// so again later, without applying it twice.
+    #[must_use]
+    pub fn unsent(mut self) -> Self {
+        self.unsent = true;
+        self
+    }
+
+    /// Whether the call was never sent (see [`StoreError::unsent`]).
+    pub fn is_unsent(&self) -> bool {
+        self.unsent
     }
 
     /// Attaches the underlying error.

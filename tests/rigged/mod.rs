@@ -44,6 +44,9 @@ pub struct Rigged<St> {
     // Not every test file that includes this module uses it.
     #[allow(dead_code)]
     pub stalled: Arc<AtomicBool>,
+    /// While set, refunds and adds fail as calls the store never sent.
+    #[allow(dead_code)]
+    pub unsent: Arc<AtomicBool>,
 }
 
 impl<St> Rigged<St> {
@@ -56,6 +59,7 @@ impl<St> Rigged<St> {
             max: None,
             away: Arc::default(),
             stalled: Arc::default(),
+            unsent: Arc::default(),
         }
     }
 
@@ -63,6 +67,11 @@ impl<St> Rigged<St> {
         self.allowance
             .is_none_or(|allowance| key.as_str().contains(&format!("}}:{allowance}:")))
     }
+}
+
+/// The error of a call the store never sent.
+fn never_sent() -> StoreError {
+    StoreError::new(StoreErrorKind::Unavailable, "rigged: not sent").unsent()
 }
 
 type Charging = Pin<Box<dyn Future<Output = Result<ChargeOutcome, StoreError>> + Send>>;
@@ -104,12 +113,18 @@ impl<St: Store> Store for Rigged<St> {
         amount: u64,
     ) -> impl Future<Output = Result<Option<u64>, StoreError>> + Send {
         let stalled = self.stalled.load(Ordering::Relaxed);
-        let refund = self.inner.refund(now, key, amount);
+        // Not even made when stalled or not sent: the memory store applies
+        // a change when it is made.
+        let refund = (!stalled && !self.unsent.load(Ordering::Relaxed))
+            .then(|| self.inner.refund(now, key, amount));
         async move {
             if stalled {
                 std::future::pending::<()>().await;
             }
-            refund.await
+            match refund {
+                Some(refund) => refund.await,
+                None => Err(never_sent()),
+            }
         }
     }
     fn add(
@@ -119,12 +134,18 @@ impl<St: Store> Store for Rigged<St> {
         amount: u64,
     ) -> impl Future<Output = Result<Option<u64>, StoreError>> + Send {
         let stalled = self.stalled.load(Ordering::Relaxed);
-        let add = self.inner.add(now, key, amount);
+        // Not even made when stalled or not sent: the memory store applies
+        // a change when it is made.
+        let add = (!stalled && !self.unsent.load(Ordering::Relaxed))
+            .then(|| self.inner.add(now, key, amount));
         async move {
             if stalled {
                 std::future::pending::<()>().await;
             }
-            add.await
+            match add {
+                Some(add) => add.await,
+                None => Err(never_sent()),
+            }
         }
     }
     fn reset(&self, key: PeriodKey) -> impl Future<Output = Result<bool, StoreError>> + Send {

@@ -407,7 +407,8 @@ impl RedisStore {
             Ok(Err(_)) => Err(StoreError::new(
                 StoreErrorKind::Unavailable,
                 "the Redis store is closed",
-            )),
+            )
+            .unsent()),
             Err(_) => Err(StoreError::new(
                 StoreErrorKind::Timeout,
                 format!(
@@ -415,7 +416,8 @@ impl RedisStore {
                      finished in time; nothing was sent",
                     inner.max_in_flight
                 ),
-            )),
+            )
+            .unsent()),
         }
     }
 
@@ -457,13 +459,14 @@ impl RedisStore {
         };
         let conn = match inner.connections.ready_or_get(&timeouts, deadline).await {
             Some(Ok(conn)) => conn,
-            Some(Err(fault)) => return Err(fault_error(fault)),
+            Some(Err(fault)) => return Err(fault_error(fault).unsent()),
             None => {
                 return Err(StoreError::new(
                     StoreErrorKind::Timeout,
                     "no Redis connection could be had within the store's timeout; nothing was \
                      sent",
-                ))
+                )
+                .unsent())
             }
         };
         let mut call = Call {
