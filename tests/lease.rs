@@ -1581,3 +1581,32 @@ async fn a_charge_refused_before_an_old_block_is_back_is_sent_again() {
     leased.shutdown().await;
     assert_eq!(counted(&inner, now).await, admitted + 5 + 1);
 }
+
+#[test]
+fn a_runtime_stopped_while_its_sweep_ran_leaves_the_next_runtime_a_sweep() {
+    let paused = || {
+        tokio::runtime::Builder::new_current_thread()
+            .enable_time()
+            .start_paused(true)
+            .build()
+            .unwrap()
+    };
+    let shared = MemoryStore::new();
+    let leased = LeasedStore::new(shared.clone());
+    let mut now = t0();
+    // The sweep starts on the first runtime, which stops.
+    paused().block_on(busy(&leased, &mut now, 100, 10_000, 1));
+    // On another one, a subject holding a block goes quiet: a sweep runs
+    // there and gives the block back.
+    paused().block_on(async {
+        busy(&leased, &mut now, 100, 10_000, 1).await;
+        assert!(leased.held() > 0);
+        tokio::time::advance(Duration::from_millis(1_300)).await;
+        for _ in 0..4 {
+            tokio::task::yield_now().await;
+        }
+        now += SignedDuration::from_millis(1_300);
+        assert_eq!(leased.held(), 0, "given back on the second runtime");
+        assert_eq!(counted(&shared, now).await, 200);
+    });
+}

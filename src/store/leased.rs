@@ -922,6 +922,9 @@ impl<St: Store> LeasedStore<St> {
         request: &ChargeRequest,
         at: Instant,
     ) -> Result<ChargeOutcome, Box<Plan>> {
+        // Blocks held here go back once idle, by a sweep: started again
+        // if the runtime that ran it stopped (a load, nearly always).
+        self.start_sweeping();
         let mut counters = self
             .shared
             .counters(request.lines.iter().map(|line| &line.key));
@@ -1686,7 +1689,9 @@ impl<St: Store> LeasedStore<St> {
     /// Starts the task that gives idle and old blocks back and forgets idle
     /// counters, once.
     fn start_sweeping(&self) {
-        if self.shared.sweeping.swap(true, Ordering::AcqRel) {
+        if self.shared.sweeping.load(Ordering::Acquire)
+            || self.shared.sweeping.swap(true, Ordering::AcqRel)
+        {
             return;
         }
         let Ok(runtime) = tokio::runtime::Handle::try_current() else {
@@ -1700,12 +1705,26 @@ impl<St: Store> LeasedStore<St> {
     }
 }
 
+/// The sweep, while its task lives.
+struct Sweeping(Weak<Shared>);
+
+impl Drop for Sweeping {
+    fn drop(&mut self) {
+        if let Some(shared) = self.0.upgrade() {
+            shared.sweeping.store(false, Ordering::Release);
+        }
+    }
+}
+
 /// Give-backs a sweep has on their way at most.
 const SWEEP_GIVE_BACKS: usize = 64;
 
 /// Gives idle and old blocks back every quarter of the shorter bound, until
 /// the store is dropped.
 async fn sweep<St: Store>(shared: Weak<Shared>, inner: St, settings: Settings) {
+    // Dropped with the task (its runtime stopped): the next charge starts a
+    // sweep again, on its own runtime.
+    let _sweeping = Sweeping(shared.clone());
     let tick = (settings.idle.min(settings.lease_time) / 4).max(Duration::from_millis(5));
     let mut interval = tokio::time::interval(tick);
     interval.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
