@@ -94,6 +94,12 @@ static GIVE_BACK_ERRORS: Throttle = Throttle::new(5);
 ///   at most one block per subject it served in the last lease time, each
 ///   at most [`LeasedStoreBuilder::max_block`] units and a quarter of what
 ///   was left.
+/// - A give-back goes only to a counter made by the instant its block was
+///   taken (never to one made anew after a reset), as the instance that
+///   made the counter dated it. Instances whose clocks differ by `d` may
+///   then find a block taken within `d` of its counter's making refused
+///   back: its unused units stay charged until the period ends. Keep the
+///   instances' clocks synchronised (NTP keeps them within milliseconds).
 /// - The usage a leased charge reports counts this instance's unused units
 ///   as not spent (they are not, yet), and other instances' as spent.
 /// - Store calls beyond the charges: a give-back per block that was not
