@@ -396,6 +396,11 @@ fn forwarded_element(element: &[u8]) -> Result<IpAddr, &'static str> {
             .iter()
             .position(|&b| b == b'=')
             .ok_or("a parameter is not name=value")?;
+        // Every value whole: a quote opened in one (a client's own
+        // `x="`) must not swallow what a proxy appended after it.
+        if !whole_value(pair[eq + 1..].trim_ascii()) {
+            return Err("a parameter's value is an unclosed or cut quoted-string");
+        }
         if pair[..eq].trim_ascii().eq_ignore_ascii_case(b"for") {
             if found.is_some() {
                 return Err("an element has for= twice");
@@ -478,6 +483,25 @@ fn is_port(port: &str) -> bool {
         }
         None => (1..=5).contains(&port.len()) && port.bytes().all(|b| b.is_ascii_digit()),
     }
+}
+
+/// Whether `value` is one quoted-string, closed at its end, or holds no
+/// quote at all.
+fn whole_value(value: &[u8]) -> bool {
+    let Some(quoted) = value.strip_prefix(b"\"") else {
+        return !value.contains(&b'"');
+    };
+    let mut escaped = false;
+    for (i, &b) in quoted.iter().enumerate() {
+        if escaped {
+            escaped = false;
+        } else if b == b'\\' {
+            escaped = true;
+        } else if b == b'"' {
+            return i + 1 == quoted.len();
+        }
+    }
+    false
 }
 
 /// Splits at `separator` outside quoted-strings (RFC 9110), in one pass. An
@@ -768,6 +792,11 @@ mod tests {
             "for=\"[2001:db8::1]:port\"",
             "for=2001:db8::1:x",
             "for=203.0.113.7, for=unknown",
+            // A quote the client left open swallows the proxy's element
+            // appended on the same line.
+            "for=198.51.100.1;x=\", for=203.0.113.9",
+            "for=198.51.100.1;x=\", for=\"[2001:db8::5]\"",
+            "for=198.51.100.1;x=a\"b",
         ] {
             let parts = from("10.0.0.1", &[("forwarded", value)]);
             let reason = malformed(id(&ex, &parts));
