@@ -141,9 +141,9 @@ fn policy_value<'a>(
         }
         policy.push_str(quota.quoted_name());
         policy.push_str(";q=");
-        policy.push_str(digits.format(limit));
+        policy.push_str(digits.format(sf_integer(limit)));
         policy.push_str(";w=");
-        policy.push_str(digits.format(window));
+        policy.push_str(digits.format(sf_integer(window)));
     }
     HeaderValue::try_from(policy).expect("quota names are printable ASCII")
 }
@@ -184,11 +184,11 @@ impl RateLimitFields {
             }
             limit.push_str(quota.quoted_name());
             limit.push_str(";r=");
-            limit.push_str(digits.format(usage.remaining()));
+            limit.push_str(digits.format(sf_integer(usage.remaining())));
             limit.push_str(";t=");
             let wait =
                 seconds_until(now, usage.resets_at).saturating_add(quota.spread_for(subject));
-            limit.push_str(digits.format(wait));
+            limit.push_str(digits.format(sf_integer(wait)));
         }
         // One allocation, of the value's exact size.
         let limit = HeaderValue::from_maybe_shared(Bytes::copy_from_slice(limit.as_bytes()))
@@ -203,6 +203,16 @@ impl RateLimitFields {
         prepend(headers, &RATELIMIT_POLICY, self.policy);
         prepend(headers, &RATELIMIT, self.limit);
     }
+}
+
+/// The largest Integer a Structured Field carries (15 digits, RFC 9651).
+const MAX_SF_INTEGER: u64 = 999_999_999_999_999;
+
+/// `n` as a Structured Field Integer holds it: a larger one (a limit of
+/// `u64::MAX` meaning "unlimited") is told as the largest, where its
+/// digits would make a strict client drop the whole field.
+fn sf_integer(n: u64) -> u64 {
+    n.min(MAX_SF_INTEGER)
 }
 
 /// `value`, then the values `headers` has for `name`, as one list.

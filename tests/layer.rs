@@ -1125,3 +1125,20 @@ async fn a_refund_after_midnight_does_not_credit_the_new_day() {
     );
     assert_eq!(handle.refund(&acme, 1).await.unwrap(), [Some(0)]);
 }
+
+/// A limit past what a Structured Field Integer holds (15 digits), such as
+/// `u64::MAX` for an unlimited plan, is told as the largest one: the fields
+/// stay valid for strict clients.
+#[tokio::test]
+async fn limits_past_fifteen_digits_keep_the_fields_valid() {
+    let app = hello(QuotaLayer::daily(
+        u64::MAX,
+        FromHeader::account("x-account-id"),
+    ));
+    let reply = get_as(&app, "/", "acme").await;
+    assert_eq!(reply.status, StatusCode::OK);
+    let (q, _) = reply.policy()["default-day"];
+    let (r, _) = reply.ratelimit()["default-day"];
+    assert_eq!(q, 999_999_999_999_999);
+    assert_eq!(r, 999_999_999_999_999);
+}
