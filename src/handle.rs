@@ -122,6 +122,14 @@ impl<St> QuotaHandle<St> {
         }
     }
 
+    /// Whether the policy reads a calendar zone per caller
+    /// ([`QuotaPolicyBuilder::time_zone`](crate::QuotaPolicyBuilder::time_zone)):
+    /// otherwise every caller counts in the quotas' own zones, and a handle
+    /// [`in_zone`](Self::in_zone) names counters no layer writes.
+    pub fn reads_caller_zones(&self) -> bool {
+        self.settings().zone.is_some()
+    }
+
     /// The quotas this handle sees: for a policy's handle, those of every
     /// layer built so far; in the handle's zone, if it has one.
     pub fn quotas(&self) -> Vec<Quota> {

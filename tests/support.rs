@@ -337,3 +337,41 @@ async fn resets_are_explained_with_instants_in_the_quota_zone() {
     assert_eq!(resets, explained(&usage));
     assert_eq!(json["allowances"][0]["resets_at"], "2026-12-04T23:00:00Z");
 }
+
+/// `?zone=` names a caller's zone: for a policy that reads none, it would
+/// name counters no layer writes, and a reset there would change nothing
+/// the caller sees. Refused, and the counter stays as it was.
+#[tokio::test]
+async fn a_zone_for_a_policy_that_reads_none_is_refused() {
+    let (app, admin) = apps();
+    for _ in 0..10 {
+        assert_eq!(send(&app, Method::GET, "/").await.status(), StatusCode::OK);
+    }
+    for (method, uri) in [
+        (
+            Method::GET,
+            "/admin/quota/account/sk_live_secret_key?zone=Europe/Berlin",
+        ),
+        (
+            Method::POST,
+            "/admin/reset/account/sk_live_secret_key/read?zone=Europe/Berlin",
+        ),
+        (
+            Method::POST,
+            "/admin/refund/account/sk_live_secret_key/read?amount=1&zone=Europe/Berlin",
+        ),
+    ] {
+        let response = send(&admin, method, uri).await;
+        assert_eq!(response.status(), StatusCode::BAD_REQUEST, "{uri}");
+        assert_eq!(
+            response.headers()["content-type"],
+            "application/problem+json",
+            "{uri}"
+        );
+    }
+    assert_eq!(
+        send(&app, Method::GET, "/").await.status(),
+        StatusCode::TOO_MANY_REQUESTS,
+        "nothing was reset"
+    );
+}

@@ -327,3 +327,45 @@ async fn the_demo_server_reads_the_callers_zone_from_a_header() {
     .unwrap();
     assert_eq!(json["read"]["used"], 1);
 }
+
+/// The support router's `?zone=` reaches the caller's own counters.
+#[tokio::test]
+async fn the_support_router_sees_and_resets_a_callers_day_in_their_zone() {
+    let clock = ManualClock::new(at("2026-12-02T10:00:00Z"));
+    let (app, policy) = app(&clock);
+    for _ in 0..2 {
+        assert_eq!(
+            send(&app, "tokyo-co", Some("Asia/Tokyo")).await.status(),
+            StatusCode::OK
+        );
+    }
+    let admin = Router::new().nest("/admin", policy.handle().router());
+    let call = |method: &str, uri: &str| {
+        Request::builder()
+            .method(method)
+            .uri(uri)
+            .body(Body::empty())
+            .unwrap()
+    };
+    let shown = admin
+        .clone()
+        .oneshot(call("GET", "/admin/quota/account/tokyo-co?zone=Asia/Tokyo"))
+        .await
+        .unwrap();
+    assert_eq!(shown.status(), StatusCode::OK);
+    let json: serde_json::Value = serde_json::from_str(&body(shown).await).unwrap();
+    assert_eq!(json["allowances"][0]["used"], 2, "{json}");
+    let reset = admin
+        .clone()
+        .oneshot(call(
+            "POST",
+            "/admin/reset/account/tokyo-co/default?zone=Asia/Tokyo",
+        ))
+        .await
+        .unwrap();
+    assert_eq!(reset.status(), StatusCode::OK);
+    assert_eq!(
+        send(&app, "tokyo-co", Some("Asia/Tokyo")).await.status(),
+        StatusCode::OK
+    );
+}

@@ -34,7 +34,8 @@ impl<St: Store> QuotaHandle<St> {
     ///   units of it; answers the subject's standing.
     /// - Every route takes `?zone=Z` (an IANA name), the caller's own zone
     ///   for a policy that reads one: the calendar counters of that zone
-    ///   are the ones shown, reset or refunded.
+    ///   are the ones shown, reset or refunded. A policy that reads no
+    ///   caller's zone answers it 400: no layer writes such counters.
     ///
     /// Errors are `application/problem+json`: 400 for a malformed kind, id or
     /// amount (an id the layers would refuse: empty, all whitespace, longer
@@ -103,6 +104,14 @@ fn zoned<St>(handle: &QuotaHandle<St>, query: Option<&str>) -> Result<QuotaHandl
     let Some(name) = param(query, "zone") else {
         return Ok(handle.clone());
     };
+    if !handle.reads_caller_zones() {
+        // Its counters would be ones no layer writes: a reset or refund
+        // there would change nothing the caller sees.
+        return Err(problem(
+            StatusCode::BAD_REQUEST,
+            "?zone= names a caller's zone, and this policy counts every caller in its quotas' own zones",
+        ));
+    }
     match jiff::tz::TimeZone::get(&name) {
         Ok(zone) if zone.iana_name().is_some() => Ok(handle.in_zone(zone)),
         _ => Err(problem(
