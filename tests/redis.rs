@@ -2129,3 +2129,65 @@ async fn limits_and_costs_past_what_redis_counts_exactly_are_refused() {
         "the count is the limit, read back exactly"
     );
 }
+
+#[tokio::test]
+async fn a_late_charge_goes_back_to_the_counter_it_was_charged_to_only() {
+    let server = redis_server_or_skip!();
+    let store = RedisStore::builder(server.url())
+        .response_timeout(Duration::from_millis(100))
+        .build()
+        .unwrap();
+    let other = RedisStore::builder(server.url())
+        .response_timeout(Duration::from_secs(3))
+        .build()
+        .unwrap();
+    let key = key("late-reset");
+    let t0 = Timestamp::now();
+    admit(&store, first_use(&key, 10, 1, t0, hour())).await;
+    admit(&other, first_use(&key, 10, 0, t0, hour())).await;
+
+    // While Redis holds every command: a charge that times out, a reset of
+    // its counter, and a charge a second later that makes it anew. Redis
+    // runs them in that order once it resumes; then the late charge is
+    // given back, which must not come off the new counter.
+    assert_eq!(server.cli(&["client", "pause", "600", "all"]), "OK");
+    let late = store.charge(first_use(&key, 10, 1, t0, hour()));
+    let error = late.await.expect_err("held past the store's timeout");
+    assert_eq!(error.kind(), StoreErrorKind::Timeout, "{error}");
+    // The reset, from a client of its own, held as well.
+    let port = server.port();
+    let deleting = {
+        let key = key.as_str().to_owned();
+        std::thread::spawn(move || redis_support::cli(port, &["del", &key]))
+    };
+    tokio::time::sleep(Duration::from_millis(50)).await;
+    let later = t0 + SignedDuration::from_secs(1);
+    let anew = other
+        .charge(first_use(&key, 10, 1, later, hour()))
+        .await
+        .unwrap();
+    assert!(anew.admitted);
+    assert_eq!(deleting.join().unwrap(), "1");
+    tokio::time::sleep(Duration::from_millis(500)).await;
+    assert_eq!(
+        server.cli(&["hget", key.as_str(), "n"]),
+        "1",
+        "the new counter's own charge"
+    );
+}
+
+#[tokio::test]
+async fn a_guarded_refund_takes_from_a_counter_that_records_no_first_call() {
+    let server = redis_server_or_skip!();
+    let store = store(&server);
+    let key = key("undated");
+    // A counter written by another tool: a hash with `n` only.
+    assert_eq!(server.cli(&["hset", key.as_str(), "n", "5"]), "1");
+    assert_eq!(server.cli(&["pexpire", key.as_str(), "60000"]), "1");
+    let now = Timestamp::now();
+    let refunded = store
+        .refund_made_by(now, key.clone(), 1, now)
+        .await
+        .unwrap();
+    assert_eq!(refunded, Some(4));
+}

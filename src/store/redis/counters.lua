@@ -564,7 +564,7 @@ if op == 'r' or op == 'a' then
     if not live then
       return -1
     end
-    if made_by ~= nil and kind == 1 and first + 0 > made_by + 0 then
+    if made_by ~= nil and kind == 1 and first ~= nil and first + 0 > made_by + 0 then
       return -1
     end
     local give = math.min(used, amount + 0)

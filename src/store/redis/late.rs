@@ -162,7 +162,8 @@ pub(super) async fn follow_through<T>(
 }
 
 /// Gives back an applied charge whose caller stopped waiting, line by line,
-/// with the refund of [`Store::refund`] at the charge's instant.
+/// with the refund of [`Store::refund_made_by`] at the charge's instant,
+/// made by then.
 pub(super) async fn refund_lines(
     inner: &Inner,
     conn: &mut Connection,
@@ -179,9 +180,12 @@ pub(super) async fn refund_lines(
             continue;
         }
         let mut invocation = inner.script.key(key.as_str());
+        // Only to the counter charged, or an older one: not to one made
+        // since (the counter reset or expired, and a new charge made it).
         invocation
             .arg("r")
             .arg(clamp(cost))
+            .arg(now.as_millisecond())
             .arg(now.as_millisecond());
         let refund = invocation.invoke_async::<i64>(conn);
         let why = match tokio::time::timeout(FOLLOW_THROUGH, refund).await {
