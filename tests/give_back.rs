@@ -323,3 +323,49 @@ async fn a_give_back_the_store_never_sent_is_sent_again_when_it_is_back() {
     unsent.store(false, std::sync::atomic::Ordering::Relaxed);
     assert_eq!(settles(&policy, "outer-day", 0).await, 0);
 }
+
+/// A request's charge goes back to the counter it was charged to only: a
+/// support reset while it was served, and a charge that made the counter
+/// anew, leave the new counter as it is when the request fails.
+#[tokio::test]
+async fn a_give_back_after_a_reset_leaves_the_new_counter_alone() {
+    let clock = ManualClock::new(NOW.parse().unwrap());
+    let policy = QuotaPolicy::builder(FromHeader::account("x-account-id"))
+        .store(MemoryStore::new())
+        .clock(clock.clone())
+        .refund_server_errors(true)
+        .build();
+    let release = Arc::new(tokio::sync::Notify::new());
+    let app = Router::new()
+        .route(
+            "/slow",
+            get({
+                let release = Arc::clone(&release);
+                move || async move {
+                    release.notified().await;
+                    StatusCode::INTERNAL_SERVER_ERROR
+                }
+            }),
+        )
+        .route("/", get(ok))
+        .layer(policy.layer(Quota::daily(10)));
+    let slow = tokio::spawn(app.clone().oneshot(call("/slow")));
+    tokio::task::yield_now().await;
+    assert_eq!(used(&policy, "default-day").await, 1);
+    // Support resets the subject while the request is served, and the
+    // subject's next request, a second later, makes the counter anew.
+    policy
+        .handle()
+        .reset(&Subject::account("acme"))
+        .await
+        .unwrap();
+    clock.advance(tower_quota::jiff::SignedDuration::from_secs(1));
+    let response = app.clone().oneshot(call("/")).await.unwrap();
+    assert_eq!(response.status(), StatusCode::OK);
+    // The first request fails: its charge was on the counter that was
+    // reset, and nothing comes off the new one.
+    release.notify_one();
+    let failed = slow.await.unwrap().unwrap();
+    assert_eq!(failed.status(), StatusCode::INTERNAL_SERVER_ERROR);
+    assert_eq!(used(&policy, "default-day").await, 1);
+}

@@ -263,10 +263,13 @@ const RESEND_FOR: Duration = Duration::from_secs(60);
 
 /// Applies `ops` in the store: at once when the store answers at once,
 /// otherwise in a task of its own when a tokio runtime is at hand, so a
-/// response future dropped meanwhile does not cut a refund short.
+/// response future dropped meanwhile does not cut a refund short. A refund
+/// goes only to a counter made by `charged_at`, the request's instant: not
+/// to one made anew since (a reset while the request was served).
 fn apply<St: Store>(
     store: St,
     now: Timestamp,
+    charged_at: Timestamp,
     ops: Vec<(crate::key::PeriodKey, Adjust)>,
 ) -> Adjusting {
     let work = async move {
@@ -276,7 +279,11 @@ fn apply<St: Store>(
             let mut resent = Duration::ZERO;
             let result = loop {
                 let result = match op {
-                    Adjust::Refund(amount) => store.refund(now, key.clone(), amount).await,
+                    Adjust::Refund(amount) => {
+                        store
+                            .refund_made_by(now, key.clone(), amount, charged_at)
+                            .await
+                    }
                     Adjust::Add(amount) => store.add(now, key.clone(), amount).await,
                 };
                 // A change the store never sent applied nothing: sent again
@@ -559,6 +566,7 @@ fn adjust<E, St: Store>(
     let applied = apply(
         charged.bound.policy.store.clone(),
         now,
+        charged.now,
         keyed
             .iter()
             .map(|(_, key, op)| (key.clone(), *op))

@@ -529,7 +529,11 @@ impl<E, St> QuotaPolicyBuilder<E, St> {
     /// Gives the charge back when the response is a server error (5xx) or
     /// the inner service fails: the client is not billed for the server's
     /// failures. Off by default. The refund goes to the counters that were
-    /// charged, even when a calendar boundary passed meanwhile.
+    /// charged, even when a calendar boundary passed meanwhile, and never
+    /// to one made anew since (a support reset while the request was
+    /// served). Stores date counters by the clock of the instance that made
+    /// them: keep the clocks of instances that share a store synchronised,
+    /// or a refund may find its counter dated after the request.
     pub fn refund_server_errors(mut self, refund: bool) -> Self {
         self.settings.refund_server_errors = refund;
         self

@@ -1692,6 +1692,36 @@ impl<St: Store> LeasedStore<St> {
         }
     }
 
+    /// A refund (guarded by `made_by` in the store, if given): into this
+    /// instance's block of `key` when it holds one, else to the store.
+    async fn refund_to(
+        &self,
+        now: Timestamp,
+        key: PeriodKey,
+        amount: u64,
+        made_by: Option<Timestamp>,
+    ) -> Result<Option<u64>, StoreError> {
+        {
+            let mut counters = self.shared.counter(&key);
+            if let Some(counter) = counters.get_mut(&key) {
+                if counter.units > 0 && !counter.ended(now) {
+                    let room = counter.store_used.saturating_sub(counter.units);
+                    counter.units += amount.min(room);
+                    return Ok(Some(counter.usage().used));
+                }
+            }
+        }
+        let result = match made_by {
+            Some(made_by) => {
+                self.inner
+                    .refund_made_by(now, key.clone(), amount, made_by)
+                    .await?
+            }
+            None => self.inner.refund(now, key.clone(), amount).await?,
+        };
+        Ok(self.told(&key, result))
+    }
+
     /// Starts the task that gives idle and old blocks back and forgets idle
     /// counters, once.
     fn start_sweeping(&self) {
@@ -2160,18 +2190,18 @@ impl<St: Store> Store for LeasedStore<St> {
         key: PeriodKey,
         amount: u64,
     ) -> Result<Option<u64>, StoreError> {
-        {
-            let mut counters = self.shared.counter(&key);
-            if let Some(counter) = counters.get_mut(&key) {
-                if counter.units > 0 && !counter.ended(now) {
-                    let room = counter.store_used.saturating_sub(counter.units);
-                    counter.units += amount.min(room);
-                    return Ok(Some(counter.usage().used));
-                }
-            }
-        }
-        let result = self.inner.refund(now, key.clone(), amount).await?;
-        Ok(self.told(&key, result))
+        self.refund_to(now, key, amount, None).await
+    }
+
+    /// As [`refund`](Self::refund), guarded by `made_by` in the store.
+    async fn refund_made_by(
+        &self,
+        now: Timestamp,
+        key: PeriodKey,
+        amount: u64,
+        made_by: Timestamp,
+    ) -> Result<Option<u64>, StoreError> {
+        self.refund_to(now, key, amount, Some(made_by)).await
     }
 
     /// Adds `amount` in the store (an add never checks a limit, so it
