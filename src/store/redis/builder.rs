@@ -95,6 +95,12 @@ impl RedisStoreBuilder {
     /// [`StoreErrorKind::Timeout`] and sends nothing: this sheds only load
     /// that Redis does not answer, such as during a stall.
     ///
+    /// The budget is the whole store's. A followed call keeps its room for
+    /// up to 30 s, so on a cluster, a node that stalls without being declared
+    /// failed, and whose subjects are sent more than `max / 30` calls a
+    /// second, fills the budget: calls for every node then fail that way
+    /// until the node answers or the cluster fails it over.
+    ///
     /// # Panics
     ///
     /// When `max` is zero.
