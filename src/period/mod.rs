@@ -243,28 +243,42 @@ impl Period {
                 write!(stamp, "{}", local.strftime(format)).expect("infallible");
                 (start, end)
             }
+            // The window of the local date, week or month `at` falls in;
+            // or a later one that began by `at`: a clock set back just after
+            // midnight (St. John's did so at 00:01 from 1987 to 2010) shows
+            // the day before again after the next one began, and the window
+            // is the one that began last.
             Unit::Day => {
-                let date = at.to_zoned_datetime(tz.clone()).date();
+                let mut date = at.to_zoned_datetime(tz.clone()).date();
+                let mut end = midnight(date.tomorrow()?, tz)?;
+                while at >= end {
+                    date = date.tomorrow()?;
+                    end = midnight(date.tomorrow()?, tz)?;
+                }
                 write!(stamp, "{}", date.strftime("%Y-%m-%d")).expect("infallible");
-                (midnight(date, tz)?, midnight(date.tomorrow()?, tz)?)
+                (midnight(date, tz)?, end)
             }
             Unit::Week => {
                 let date = at.to_zoned_datetime(tz.clone()).date();
-                let monday =
+                let mut monday =
                     date.checked_sub(i64::from(date.weekday().to_monday_zero_offset()).days())?;
+                let mut end = midnight(monday.checked_add(7.days())?, tz)?;
+                while at >= end {
+                    monday = monday.checked_add(7.days())?;
+                    end = midnight(monday.checked_add(7.days())?, tz)?;
+                }
                 write!(stamp, "{}", monday.strftime("%G-W%V")).expect("infallible");
-                (
-                    midnight(monday, tz)?,
-                    midnight(monday.checked_add(7.days())?, tz)?,
-                )
+                (midnight(monday, tz)?, end)
             }
             Unit::Month => {
-                let first = at.to_zoned_datetime(tz.clone()).date().first_of_month();
+                let mut first = at.to_zoned_datetime(tz.clone()).date().first_of_month();
+                let mut end = midnight(first.checked_add(1.month())?, tz)?;
+                while at >= end {
+                    first = first.checked_add(1.month())?;
+                    end = midnight(first.checked_add(1.month())?, tz)?;
+                }
                 write!(stamp, "{}", first.strftime("%Y-%m")).expect("infallible");
-                (
-                    midnight(first, tz)?,
-                    midnight(first.checked_add(1.month())?, tz)?,
-                )
+                (midnight(first, tz)?, end)
             }
         };
         if let Some(label) = &self.tz_label {

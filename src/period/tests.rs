@@ -1146,3 +1146,37 @@ fn instants_read_in_the_period_zone() {
         "2026-12-05T04:30:00+05:30"
     );
 }
+
+#[test]
+fn a_clock_set_back_just_after_midnight_stays_in_the_day_that_began_last() {
+    // St. John's set its clocks back at 00:01 from 1987 to 2010: on
+    // 1987-10-25 at 00:01 NDT (02:31Z) back to 23:01 NST, so the 24th
+    // shows again for an hour after the 25th began (02:30Z). Every instant
+    // is in the window that began last, and windows stay contiguous.
+    let day = Period::day().in_time_zone(zone("America/St_Johns"));
+    for at in [
+        "1987-10-25T02:30:00Z",
+        "1987-10-25T02:40:00Z",
+        "1987-10-25T03:29:59Z",
+    ] {
+        assert_window(
+            &day.window(ts(at)),
+            "1987-10-25T02:30:00Z",
+            "1987-10-26T03:30:00Z",
+            "1987-10-25[America/St_Johns]",
+        );
+    }
+    assert_window(
+        &day.window(ts("1987-10-25T02:29:59Z")),
+        "1987-10-24T02:30:00Z",
+        "1987-10-25T02:30:00Z",
+        "1987-10-24[America/St_Johns]",
+    );
+    let windows = windows_between(&day, ts("1987-10-20T00:00:00Z"), ts("1987-10-30T00:00:00Z"));
+    assert_contiguous_and_distinct(&windows);
+    for unit in [Period::week(), Period::month()] {
+        let period = unit.in_time_zone(zone("America/St_Johns"));
+        let window = period.window(ts("1987-10-25T02:40:00Z"));
+        assert!(window.contains(ts("1987-10-25T02:40:00Z")), "{window:?}");
+    }
+}
