@@ -375,3 +375,28 @@ async fn a_restarted_node_fails_only_the_subjects_it_holds() {
         assert_eq!(request(&app, account).await.0, StatusCode::OK);
     }
 }
+
+/// A node that lost the script (restarted, flushed) is sent it with the
+/// charge that needs it, while another node does not answer: only the
+/// node that holds the subject is asked.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_node_that_lost_the_script_gets_it_while_another_is_stalled() {
+    if !redis_available() {
+        return;
+    }
+    let cluster = RedisCluster::start();
+    let app = app_on(vec![cluster.nodes[1].url()], 1_000);
+    let [stalled, _, flushed] = subject_per_node(&cluster);
+    for account in [&stalled, &flushed] {
+        assert_eq!(request(&app, account).await.0, StatusCode::OK);
+    }
+    let _stopped = Stopped::new(&cluster.nodes[0]);
+    assert_eq!(cluster.nodes[2].cli(&["script", "flush"]), "OK");
+    let started = Instant::now();
+    assert_eq!(request(&app, &flushed).await.0, StatusCode::OK);
+    assert!(
+        started.elapsed() < Duration::from_millis(300),
+        "answered after {:?}",
+        started.elapsed()
+    );
+}

@@ -179,7 +179,7 @@ pub(super) async fn refund_lines(
             missed += 1;
             continue;
         }
-        let mut invocation = inner.script.key(key.as_str());
+        let mut invocation = super::script::Invocation::on(key.as_str());
         // Only to the counter charged, or an older one: not to one made
         // since (the counter reset or expired, and a new charge made it).
         invocation

@@ -3,7 +3,9 @@
 use std::sync::LazyLock;
 use std::time::Duration;
 
-use deadpool_redis::redis::Script;
+use deadpool_redis::redis::{
+    self, ErrorKind, FromRedisValue, Script, ServerErrorKind, ToRedisArgs,
+};
 use jiff::{SignedDuration, Timestamp};
 
 use super::hash::{self, logged};
@@ -16,6 +18,62 @@ pub(super) const COUNTERS_LUA: &str = include_str!("counters.lua");
 
 /// The script, for every store: calls hold it in tasks of their own.
 pub(super) static SCRIPT: LazyLock<Script> = LazyLock::new(|| Script::new(COUNTERS_LUA));
+
+/// A call of the counters script: its keys and arguments, as
+/// `redis::ScriptInvocation` takes them, sent as `EVALSHA`. A server that
+/// does not know the script (restarted, flushed) is sent `EVAL` with its
+/// text, which runs it and keeps it: routed by the keys, as `EVALSHA` is,
+/// so that on a cluster only the node that holds them is asked. (redis-rs
+/// sends a `SCRIPT LOAD` to every node instead, which one node that does
+/// not answer fails for all.)
+#[derive(Clone, Default)]
+pub(super) struct Invocation {
+    keys: Vec<Vec<u8>>,
+    args: Vec<Vec<u8>>,
+}
+
+impl Invocation {
+    /// A call on `key`.
+    pub(super) fn on(key: &str) -> Self {
+        let mut call = Self::default();
+        call.key(key);
+        call
+    }
+
+    pub(super) fn key(&mut self, key: &str) -> &mut Self {
+        self.keys.push(key.as_bytes().to_vec());
+        self
+    }
+
+    pub(super) fn arg<T: ToRedisArgs>(&mut self, arg: T) -> &mut Self {
+        arg.write_redis_args(&mut self.args);
+        self
+    }
+
+    fn command(&self, verb: &str, script: &str) -> redis::Cmd {
+        let mut command = redis::cmd(verb);
+        command
+            .arg(script)
+            .arg(self.keys.len())
+            .arg(&self.keys)
+            .arg(&self.args);
+        command
+    }
+
+    /// Runs the script on `conn`, which knows it as `SCRIPT` or not at all.
+    pub(super) async fn invoke_async<T: FromRedisValue>(
+        &self,
+        conn: &mut (impl redis::aio::ConnectionLike + Send),
+    ) -> redis::RedisResult<T> {
+        let sha = self.command("EVALSHA", SCRIPT.get_hash());
+        match sha.query_async(conn).await {
+            Err(error) if error.kind() == ErrorKind::Server(ServerErrorKind::NoScript) => {
+                self.command("EVAL", COUNTERS_LUA).query_async(conn).await
+            }
+            other => other,
+        }
+    }
+}
 
 /// Fields per line in the script's reply.
 pub(super) const FIELDS: usize = 5;
@@ -168,6 +226,34 @@ pub(super) fn clamp(n: u64) -> i64 {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn an_invocation_names_its_keys_then_its_arguments() {
+        let mut call = Invocation::on("a{x}");
+        call.arg("c").arg(5_i64).key("b{x}").arg("r");
+        let packed = call
+            .command("EVALSHA", SCRIPT.get_hash())
+            .get_packed_command();
+        let text = String::from_utf8(packed).unwrap();
+        let words: Vec<&str> = text
+            .split("\r\n")
+            .filter(|w| !w.starts_with(['*', '$']))
+            .collect();
+        assert_eq!(
+            words,
+            [
+                "EVALSHA",
+                SCRIPT.get_hash(),
+                "2",
+                "a{x}",
+                "b{x}",
+                "c",
+                "5",
+                "r",
+                ""
+            ]
+        );
+    }
 
     #[test]
     fn deadlines_in_the_past_end_at_once() {

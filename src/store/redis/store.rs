@@ -21,7 +21,9 @@ use super::connection::{Connection, Connections};
 use super::errors::{broken, fault_error, redis_error};
 use super::hash::jitter;
 use super::late::{give_back, refund_lines, Call, GiveBack, Sends};
-use super::script::{as_millis, clamp, live_count, millis_until, outcome, CLOCK_KEY, COUNTERS_LUA};
+use super::script::{
+    as_millis, clamp, live_count, millis_until, outcome, Invocation, CLOCK_KEY, COUNTERS_LUA,
+};
 use crate::key::PeriodKey;
 use crate::store::{
     ChargeLine, ChargeOutcome, ChargeRequest, Debt, Lifetime, Store, StoreError, StoreErrorKind,
@@ -359,7 +361,7 @@ impl RedisStore {
     /// The server's time minus the local time, in microseconds.
     pub(super) async fn server_offset(&self) -> Result<i64, StoreError> {
         let before = Timestamp::now();
-        let mut invocation = self.inner.script.key(CLOCK_KEY);
+        let mut invocation = Invocation::on(CLOCK_KEY);
         invocation.arg("t");
         let (secs, micros): (i64, i64) = self
             .exchange(Sends::Read, |mut conn| async move {
@@ -535,7 +537,7 @@ impl RedisStore {
         made_by: Option<Timestamp>,
         what: &str,
     ) -> Result<Option<u64>, StoreError> {
-        let mut invocation = self.inner.script.key(key.as_str());
+        let mut invocation = Invocation::on(key.as_str());
         invocation.arg(op).arg(amount).arg(now.as_millisecond());
         if let Some(made_by) = made_by {
             // Whole milliseconds, rounded up: a counter made within the
@@ -575,7 +577,7 @@ impl RedisStore {
         };
         let args = self.line_args(now, &line);
         let key = line.key;
-        let mut invocation = self.inner.script.key(key.as_str());
+        let mut invocation = Invocation::on(key.as_str());
         invocation
             .arg("s")
             // Exact, not clamped: the script refuses a count beyond 2^53.
@@ -638,7 +640,7 @@ impl RedisStore {
             .iter()
             .map(|line| self.line_args(now, line))
             .collect();
-        let mut invocation = self.inner.script.prepare_invoke();
+        let mut invocation = Invocation::default();
         invocation.arg(op).arg(now.as_millisecond());
         for line in &args {
             invocation
