@@ -313,7 +313,9 @@ pub struct ChargeOutcome {
 #[non_exhaustive]
 pub enum StoreErrorKind {
     /// The store did not answer in time. A refund, an add or a reset that
-    /// timed out may still be applied: sending it again may apply it twice.
+    /// timed out may still be applied: sending it again may apply it twice
+    /// (unless the error is [`unsent`](StoreError::unsent): the call never
+    /// left, and the layer sends a refund or an add that failed so again).
     /// (A store's own docs say what becomes of a charge that timed out;
     /// the Redis store gives back one that Redis applies later, as the
     /// layer's ledger counts on: see the [module documentation](self).)
