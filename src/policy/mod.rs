@@ -532,7 +532,8 @@ impl<E, St> QuotaPolicyBuilder<E, St> {
     /// charged, even when a calendar boundary passed meanwhile, and never
     /// to one made anew since (a support reset while the request was
     /// served). Stores date counters by the clock of the instance that made
-    /// them: keep the clocks of instances that share a store synchronised,
+    /// them: keep the clocks of instances that share a store synchronised
+    /// (or give the policy the Redis server's, `RedisStore::server_clock`),
     /// or a refund may find its counter dated after the request.
     pub fn refund_server_errors(mut self, refund: bool) -> Self {
         self.settings.refund_server_errors = refund;

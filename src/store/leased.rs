@@ -99,7 +99,8 @@ static GIVE_BACK_ERRORS: Throttle = Throttle::new(5);
 ///   made the counter dated it. Instances whose clocks differ by `d` may
 ///   then find a block taken within `d` of its counter's making refused
 ///   back: its unused units stay charged until the period ends. Keep the
-///   instances' clocks synchronised (NTP keeps them within milliseconds).
+///   instances' clocks synchronised (NTP keeps them within milliseconds),
+///   or give every policy the Redis server's (`RedisStore::server_clock`).
 /// - The usage a leased charge reports counts this instance's unused units
 ///   as not spent (they are not, yet), and other instances' as spent.
 /// - Store calls beyond the charges: a give-back per block that was not
