@@ -4,7 +4,7 @@
 //! ```text
 //! cargo run --release --example server -- --listen 127.0.0.1:8080 --limit 1000 --period 1d \
 //!     --anchor calendar [--tz UTC] [--subject account|user|device] [--store memory] \
-//!     [--on-store-error open|closed] [--quota off|governor] [--burst 10] [--plans free=100,pro=10000] \
+//!     [--on-store-error open|closed] [--quota on|off|governor] [--burst 10] [--plans free=100,pro=10000] \
 //!     [--admin-token T] [--shadow] [--metrics] [--zone-header NAME] [--lease] [--lease-idle MS]
 //! ```
 //!
@@ -74,7 +74,7 @@ use tower_quota::{
 
 const USAGE: &str =
     "usage: server [--listen ADDR] [--limit N] [--period 10s|1m|1h|1d|1w|1mo|Ns|Nm|Nh] \
-[--anchor calendar|first-use] [--tz ZONE] [--subject account|user|device] [--store memory|redis://HOST:PORT/|redis+unix:///PATH] \
+[--anchor calendar|first-use] [--tz ZONE] [--subject account|user|device] [--store memory|redis://HOST:PORT/|rediss://HOST:PORT/|redis+unix:///PATH] \
 [--on-store-error open|closed] [--quota on|off|governor] [--burst N] [--plans NAME=N,NAME=N] [--admin-token T] \
 [--shadow] [--metrics] [--zone-header NAME] [--lease] [--lease-idle MS]";
 
@@ -174,6 +174,7 @@ fn parse_args() -> Options {
         lease_idle: Duration::from_secs(1),
     };
     let mut tz = None;
+    let mut lease_idle_given = false;
     let mut args = std::env::args().skip(1);
     while let Some(flag) = args.next() {
         if flag == "--help" || flag == "-h" {
@@ -210,7 +211,10 @@ fn parse_args() -> Options {
             "--limit" => options.limit = whole(&value),
             "--lease-idle" => match whole(&value) {
                 0 => fail("--lease-idle takes a number of milliseconds above 0"),
-                ms => options.lease_idle = Duration::from_millis(ms),
+                ms => {
+                    options.lease_idle = Duration::from_millis(ms);
+                    lease_idle_given = true;
+                }
             },
             "--burst" => options.burst = whole(&value),
             "--period" => options.period = parse_period(&value).unwrap_or_else(|e| fail(&e)),
@@ -267,6 +271,9 @@ fn parse_args() -> Options {
     }
     if let Some(tz) = tz {
         options.period = options.period.in_time_zone(tz);
+    }
+    if lease_idle_given && !options.lease {
+        fail("--lease-idle sets the idle bound of --lease, which is not given");
     }
     options
 }
@@ -391,11 +398,11 @@ fn app<St: Store>(options: &Options, store: St) -> Router {
                 .plans
                 .iter()
                 .map(|(_, n)| *n)
-                .chain([options.limit])
+                .chain([options.limit, options.burst])
                 .max();
             if largest.is_some_and(|n| n > max) {
                 fail(&format!(
-                    "--limit or --plans: this store counts exactly up to {max}, a limit may not pass it"
+                    "--limit, --plans or --burst: this store counts exactly up to {max}, a limit may not pass it"
                 ));
             }
         }

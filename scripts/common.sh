@@ -1,7 +1,7 @@
 # What the benchmark scripts share: sourced, not run.
 #
 # - `install_missing CMD=PACKAGE...` installs Debian's PACKAGE for each CMD
-#   not on the PATH;
+#   not on the PATH (and python3, which `free_port` runs);
 # - `work` is a scratch directory, and every pid added to `pids` is killed
 #   on exit (then `work` is removed);
 # - `free_port` prints a free loopback port;
@@ -10,14 +10,16 @@
 #   answers.
 
 install_missing() {
-    local missing=() pair
-    for pair in "$@"; do
+    local missing=() pair sudo=""
+    for pair in "$@" python3=python3; do
         command -v "${pair%%=*}" >/dev/null || missing+=("${pair#*=}")
     done
+    [ "$(id -u)" = 0 ] || sudo="sudo"
     if [ ${#missing[@]} -gt 0 ]; then
-        apt-get update -qq
-        DEBIAN_FRONTEND=noninteractive apt-get install -y -qq "${missing[@]}" >/dev/null
-        service redis-server stop >/dev/null 2>&1 || true
+        $sudo apt-get update -qq
+        # Through `env`: sudo drops the caller's environment.
+        $sudo env DEBIAN_FRONTEND=noninteractive apt-get install -y -qq "${missing[@]}" >/dev/null
+        $sudo service redis-server stop >/dev/null 2>&1 || true
     fi
 }
 

@@ -123,6 +123,7 @@ fn demo_server_refuses_bad_flags() {
         &["--plans", "free"],
         &["--plans", "free=1,free=2"],
         &["--admin-token", ""],
+        &["--lease-idle", "500"],
     ] {
         let output = Command::new(server_binary()).args(args).output().unwrap();
         assert_eq!(output.status.code(), Some(2), "{args:?}");
