@@ -655,7 +655,7 @@ macro_rules! on_every_store {
 fn redis_store(server: &redis_support::RedisServer) -> tower_quota::store::RedisStore {
     tower_quota::store::RedisStore::builder(server.url())
         .wait_timeout(Duration::from_secs(2))
-        .response_timeout(Duration::from_secs(2))
+        .timeout(Duration::from_secs(2))
         .build()
         .unwrap()
 }

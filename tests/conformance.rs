@@ -70,7 +70,7 @@ mod redis {
         RedisStore::builder(url)
             .wait_timeout(Duration::from_secs(2))
             .connect_timeout(Duration::from_secs(2))
-            .response_timeout(Duration::from_secs(2))
+            .timeout(Duration::from_secs(2))
             .build()
             .expect("a Redis store")
     }

@@ -431,7 +431,7 @@ macro_rules! on_every_store {
                     let server = redis_server_or_skip!();
                     let store = tower_quota::store::RedisStore::builder(server.url())
                         .wait_timeout(std::time::Duration::from_secs(2))
-                        .response_timeout(std::time::Duration::from_secs(2))
+                        .timeout(std::time::Duration::from_secs(2))
                         .build()
                         .unwrap();
                     super::$case(store).await;
@@ -1011,7 +1011,7 @@ async fn shadow_quotas_on_the_memory_store() {
 async fn shadow_quotas_on_redis() {
     let server = redis_server_or_skip!();
     let store = tower_quota::store::RedisStore::builder(server.url())
-        .response_timeout(std::time::Duration::from_secs(2))
+        .timeout(std::time::Duration::from_secs(2))
         .build()
         .unwrap();
     shadow_quotas_count_and_never_refuse(store).await;

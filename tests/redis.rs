@@ -24,7 +24,7 @@ fn store(server: &RedisServer) -> RedisStore {
     RedisStore::builder(server.url())
         .wait_timeout(Duration::from_secs(1))
         .connect_timeout(Duration::from_secs(1))
-        .response_timeout(Duration::from_secs(1))
+        .timeout(Duration::from_secs(1))
         .build()
         .expect("a Redis store")
 }
@@ -218,7 +218,7 @@ async fn a_string_counter_from_another_tool_is_counted_in_place_and_dated() {
 async fn calendar_counters_live_past_their_window_by_grace_and_jitter() {
     let server = redis_server_or_skip!();
     let store = RedisStore::builder(server.url())
-        .response_timeout(Duration::from_secs(1))
+        .timeout(Duration::from_secs(1))
         .calendar_grace(Duration::from_secs(10))
         .calendar_jitter(Duration::from_secs(5))
         .build()
@@ -337,7 +337,7 @@ async fn the_script_is_loaded_again_after_a_flush() {
 async fn a_charge_that_times_out_is_an_error_and_is_not_sent_again() {
     let server = redis_server_or_skip!();
     let store = RedisStore::builder(server.url())
-        .response_timeout(Duration::from_millis(100))
+        .timeout(Duration::from_millis(100))
         .build()
         .unwrap();
     let key = key("slow");
@@ -553,7 +553,7 @@ async fn a_store_on_an_existing_pool_charges_and_times_out_the_same() {
         .create_pool(Some(deadpool_redis::Runtime::Tokio1))
         .unwrap();
     let store = RedisStore::builder_from_pool(pool)
-        .response_timeout(Duration::from_millis(100))
+        .timeout(Duration::from_millis(100))
         .build()
         .unwrap();
     let key = key("pooled");
@@ -608,7 +608,7 @@ async fn a_quick_restart_costs_at_most_one_failed_request() {
         .pool_size(8)
         .wait_timeout(Duration::from_secs(1))
         .connect_timeout(Duration::from_secs(1))
-        .response_timeout(Duration::from_secs(1))
+        .timeout(Duration::from_secs(1))
         .build()
         .unwrap();
     let key = key("quick");
@@ -1573,7 +1573,7 @@ async fn a_count_beyond_what_the_store_holds_fails_closed_and_is_never_reported_
 async fn a_calendar_counter_in_its_grace_takes_no_refund_nor_add() {
     let server = redis_server_or_skip!();
     let store = RedisStore::builder(server.url())
-        .response_timeout(Duration::from_secs(1))
+        .timeout(Duration::from_secs(1))
         .calendar_grace(Duration::from_secs(60))
         .build()
         .unwrap();
@@ -2134,11 +2134,11 @@ async fn limits_and_costs_past_what_redis_counts_exactly_are_refused() {
 async fn a_late_charge_goes_back_to_the_counter_it_was_charged_to_only() {
     let server = redis_server_or_skip!();
     let store = RedisStore::builder(server.url())
-        .response_timeout(Duration::from_millis(100))
+        .timeout(Duration::from_millis(100))
         .build()
         .unwrap();
     let other = RedisStore::builder(server.url())
-        .response_timeout(Duration::from_secs(3))
+        .timeout(Duration::from_secs(3))
         .build()
         .unwrap();
     let key = key("late-reset");

@@ -21,7 +21,7 @@ fn store(cluster: &RedisCluster) -> RedisStore {
     RedisStore::cluster_builder(cluster.urls())
         .wait_timeout(Duration::from_secs(2))
         .connect_timeout(Duration::from_secs(2))
-        .response_timeout(Duration::from_secs(2))
+        .timeout(Duration::from_secs(2))
         .build()
         .expect("a Redis Cluster store")
 }

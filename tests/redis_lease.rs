@@ -23,7 +23,7 @@ fn redis_store(url: String) -> RedisStore {
     RedisStore::builder(url)
         .wait_timeout(Duration::from_secs(2))
         .connect_timeout(Duration::from_secs(2))
-        .response_timeout(Duration::from_secs(2))
+        .timeout(Duration::from_secs(2))
         .build()
         .expect("a Redis store")
 }
@@ -170,7 +170,7 @@ async fn a_stall_and_a_restart_mid_lease_keep_the_count_right() {
         RedisStore::builder(redis.url())
             .wait_timeout(Duration::from_millis(200))
             .connect_timeout(Duration::from_millis(200))
-            .response_timeout(Duration::from_millis(200))
+            .timeout(Duration::from_millis(200))
             .build()
             .unwrap(),
     )

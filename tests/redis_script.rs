@@ -110,7 +110,7 @@ impl Writes {
 /// one-line charge takes the script's short path).
 fn store(server: &RedisServer, batch: bool) -> RedisStore {
     RedisStore::builder(server.url())
-        .response_timeout(Duration::from_secs(2))
+        .timeout(Duration::from_secs(2))
         .batch_charges(batch)
         .build()
         .expect("a Redis store")

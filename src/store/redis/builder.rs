@@ -32,7 +32,7 @@ pub(super) enum Source {
 ///
 /// | setting | default |
 /// |---|---|
-/// | [`timeout`](Self::timeout) (also [`response_timeout`](Self::response_timeout)) | 80 ms |
+/// | [`timeout`](Self::timeout) | 80 ms |
 /// | [`max_in_flight`](Self::max_in_flight) | 4096 |
 /// | [`pool_size`](Self::pool_size) | 2 multiplexed connections |
 /// | [`wait_timeout`](Self::wait_timeout) | the whole timeout |
@@ -80,12 +80,6 @@ impl RedisStoreBuilder {
     pub fn timeout(mut self, timeout: Duration) -> Self {
         self.timeout = timeout;
         self
-    }
-
-    /// The same budget as [`timeout`](Self::timeout), under its former name:
-    /// how long Redis may take to answer, now all of a call.
-    pub fn response_timeout(self, timeout: Duration) -> Self {
-        self.timeout(timeout)
     }
 
     /// The most calls the store has in flight at once (default 4096): sent
