@@ -8,10 +8,10 @@ use std::future::{ready, Future};
 use std::hash::BuildHasher;
 use std::pin::Pin;
 use std::sync::atomic::{AtomicI64, AtomicUsize, Ordering};
-use std::sync::{Arc, Mutex, MutexGuard};
+use std::sync::{Arc, Mutex, MutexGuard, TryLockError};
 use std::task::{Context, Poll};
 
-use jiff::Timestamp;
+use jiff::{SignedDuration, Timestamp};
 
 use super::slot_key::MapKey;
 use super::{
@@ -23,6 +23,16 @@ use crate::key::PeriodKey;
 /// Expired counters reclaimed per shard visit: bounded so one request never
 /// pays for a whole period's worth of reclaiming.
 pub(super) const SWEEP_BUDGET: usize = 32;
+
+/// How long a counter outlives its deadline before it is reclaimed. A
+/// request reads the clock before it charges, so a charge stamped just
+/// before a deadline can reach the store after one stamped just after it;
+/// the grace keeps the ended window's counter for the late one, which then
+/// finds it spent, not a fresh counter to be admitted on.
+pub(super) const RECLAIM_GRACE: SignedDuration = SignedDuration::from_secs(1);
+
+/// Deadlines a purge goes through each time it holds a shard's lock.
+const PURGE_STEP: usize = 512;
 
 /// Deadlines one charge goes through, at most, to make room in a full store
 /// (beyond the sweeps every charge does).
@@ -37,7 +47,9 @@ pub(super) const ROOM_BUDGET: usize = 256;
 ///   different subjects rarely wait on each other.
 /// - One hash lookup per quota and charge. Creating a counter also files its
 ///   deadline in the shard's deadline heap (logarithmic in the shard's size).
-/// - Bounded memory: every charge reclaims up to 32 expired counters of its
+/// - Bounded memory: a counter is reclaimed a second after its deadline at
+///   the earliest (a charge stamped just before the deadline that reaches the
+///   store late still finds it); every charge reclaims up to 32 such counters of its
 ///   own shard, and every eighth charge of a shard as many of another shard
 ///   in turn (skipped when that shard is busy), so expired counters go away
 ///   without traffic to them as long as the store sees any traffic, and
@@ -53,7 +65,7 @@ pub(super) const ROOM_BUDGET: usize = 256;
 ///   at that moment, in turn from where the last such charge stopped, then
 ///   tries once more. It goes through 256 deadlines at most (and 64 shards),
 ///   so no charge pays for a whole store's worth of reclaiming; while such
-///   visits of every shard find nothing, the next ones wait 10 ms, so that a
+///   visits find nothing, the next ones wait 10 ms, so that a
 ///   flood of new ids costs little each. If the store is still full, the
 ///   charge fails with [`StoreErrorKind::Full`](super::StoreErrorKind::Full)
 ///   and creates nothing, so the layer's fail-open or fail-closed policy
@@ -247,7 +259,8 @@ impl MemoryStore {
     /// charge then tries again).
     ///
     /// Not again within a pause (either way: concurrent charges read the
-    /// clock in any order) after a visit of every shard that found nothing.
+    /// clock in any order) after a visit that went through all the shards it
+    /// may visit and found nothing.
     fn make_room(&self, new: usize, now: Timestamp, budget: &mut usize) -> bool {
         let at = Nanos::of(now).0;
         let last = self.inner.fruitless.load(Ordering::Relaxed);
@@ -266,7 +279,7 @@ impl MemoryStore {
                 break;
             }
             visited += 1;
-            if let Ok(mut shard) = shards[start.wrapping_add(i) % shards.len()].try_lock() {
+            if let Some(mut shard) = try_lock(&shards[start.wrapping_add(i) % shards.len()]) {
                 let (gone_through, removed) = shard.sweep(now, *budget);
                 *budget -= gone_through;
                 reclaimed += removed;
@@ -280,7 +293,9 @@ impl MemoryStore {
             visited
         };
         self.inner.room_cursor.fetch_add(advance, Ordering::Relaxed);
-        if reclaimed == 0 && visited == shards.len() && *budget > 0 {
+        // A visit of its whole share of shards (all of them, or the most one
+        // charge visits) that found nothing pauses the next ones.
+        if reclaimed == 0 && visited == visits && *budget > 0 {
             self.inner.fruitless.store(at, Ordering::Relaxed);
         }
         self.fits(new)
@@ -382,10 +397,15 @@ impl MemoryStore {
         Some(counter.used)
     }
 
-    /// Reclaims every counter whose deadline is at or before `now`.
+    /// Reclaims every counter whose deadline is a second or more before
+    /// `now` (a counter outlives its deadline by a second, for the charges
+    /// stamped before it that reach the store late).
+    ///
+    /// Each shard is reclaimed a few hundred counters at a time, letting go
+    /// of its lock between them, so charges wait little on a purge.
     pub fn purge_expired(&self, now: Timestamp) {
         for shard in self.inner.shards.iter() {
-            lock(shard).sweep(now, usize::MAX);
+            while lock(shard).sweep(now, PURGE_STEP).0 == PURGE_STEP {}
         }
     }
 
@@ -452,7 +472,7 @@ impl MemoryStore {
     /// Reclaims a few expired counters of shard `another`, if it is free.
     /// Called with no shard locked.
     fn sweep_another(&self, another: Option<usize>, now: Timestamp) {
-        if let Some(Ok(mut shard)) = another.map(|i| self.inner.shards[i].try_lock()) {
+        if let Some(mut shard) = another.and_then(|i| try_lock(&self.inner.shards[i])) {
             shard.sweep(now, SWEEP_BUDGET);
         }
     }
@@ -742,11 +762,12 @@ impl Shard {
         removed
     }
 
-    /// Reclaims the counters whose deadline is at or before `now`, going
-    /// through `budget` deadlines at most: how many it went through, and
-    /// how many counters it removed.
+    /// Reclaims the counters whose deadline is [`RECLAIM_GRACE`] or more
+    /// before `now`, going through `budget` deadlines at most: how many it
+    /// went through, and how many counters it removed.
     fn sweep(&mut self, now: Timestamp, budget: usize) -> (usize, usize) {
-        let now = Nanos::of(now);
+        let grace = RECLAIM_GRACE.as_nanos() as i64;
+        let now = Nanos(Nanos::of(now).0.saturating_sub(grace));
         let (mut gone_through, mut removed) = (0, 0);
         while gone_through < budget {
             match self.deadlines.peek() {
@@ -801,6 +822,16 @@ fn lock(shard: &Mutex<Shard>) -> MutexGuard<'_, Shard> {
     shard
         .lock()
         .unwrap_or_else(|poisoned| poisoned.into_inner())
+}
+
+/// The shard's lock if no one holds it now; a poisoned shard is as usable as
+/// with [`lock`].
+fn try_lock(shard: &Mutex<Shard>) -> Option<MutexGuard<'_, Shard>> {
+    match shard.try_lock() {
+        Ok(guard) => Some(guard),
+        Err(TryLockError::Poisoned(poisoned)) => Some(poisoned.into_inner()),
+        Err(TryLockError::WouldBlock) => None,
+    }
 }
 
 impl fmt::Debug for MemoryStore {
@@ -996,6 +1027,83 @@ mod nanos_tests {
         assert_eq!(
             Nanos(i64::MIN).timestamp().as_nanosecond(),
             i128::from(i64::MIN)
+        );
+    }
+}
+
+#[cfg(test)]
+mod room_tests {
+    use std::sync::atomic::Ordering;
+
+    use jiff::{SignedDuration, Timestamp};
+
+    use super::{MemoryStore, NEVER};
+    use crate::key::Namespace;
+    use crate::store::{ChargeLine, ChargeRequest, Lifetime, StoreErrorKind};
+    use crate::subject::Subject;
+
+    fn charge(store: &MemoryStore, now: Timestamp, id: &str) -> Result<bool, StoreErrorKind> {
+        let line = ChargeLine {
+            key: Namespace::default().key(&Subject::account(id), "read", "PT1H"),
+            limit: 10,
+            cost: 1,
+            lifetime: Lifetime::FirstUse {
+                deadline: now + SignedDuration::from_hours(1),
+            },
+        };
+        store
+            .charge_now(&ChargeRequest {
+                now,
+                lines: vec![line].into(),
+            })
+            .map(|outcome| outcome.admitted)
+            .map_err(|e| e.kind())
+    }
+
+    /// A shard whose lock was poisoned (a panic while it was held) is
+    /// reclaimed in like the others when a full store makes room.
+    #[test]
+    fn a_full_store_reclaims_in_a_poisoned_shard() {
+        let store = MemoryStore::with_shards(2).max_counters(1);
+        let shard_of = |id: &str| {
+            store.shard_of(&Namespace::default().key(&Subject::account(id), "read", "PT1H"))
+        };
+        let other = (0..)
+            .map(|i| format!("s{i}"))
+            .find(|id| shard_of(id) != shard_of("a"))
+            .unwrap();
+        let t0: Timestamp = "2026-12-02T10:00:00Z".parse().unwrap();
+        assert_eq!(charge(&store, t0, "a"), Ok(true));
+        let poisoner = store.clone();
+        let shard = shard_of("a");
+        std::thread::spawn(move || {
+            let _guard = poisoner.inner.shards[shard].lock().unwrap();
+            panic!("poisons the shard");
+        })
+        .join()
+        .unwrap_err();
+        assert!(store.inner.shards[shard].is_poisoned());
+        let later = t0 + SignedDuration::from_hours(2);
+        assert_eq!(charge(&store, later, &other), Ok(true));
+        assert_eq!(store.len(), 1);
+    }
+
+    /// With more shards than one charge visits, a full store whose visits
+    /// find nothing still pauses them: a flood of new ids costs little each.
+    #[test]
+    fn a_fruitless_visit_pauses_the_next_with_many_shards() {
+        let store = MemoryStore::with_shards(256).max_counters(2);
+        let t0: Timestamp = "2026-12-02T10:00:00Z".parse().unwrap();
+        assert_eq!(charge(&store, t0, "a"), Ok(true));
+        assert_eq!(charge(&store, t0, "b"), Ok(true));
+        assert_eq!(charge(&store, t0, "c"), Err(StoreErrorKind::Full));
+        assert_ne!(store.inner.fruitless.load(Ordering::Relaxed), NEVER);
+        let cursor = store.inner.room_cursor.load(Ordering::Relaxed);
+        assert_eq!(charge(&store, t0, "d"), Err(StoreErrorKind::Full));
+        assert_eq!(
+            store.inner.room_cursor.load(Ordering::Relaxed),
+            cursor,
+            "no visit within the pause"
         );
     }
 }

@@ -365,11 +365,63 @@ fn expired_counters_are_reclaimed_without_traffic_to_them() {
     assert_eq!(store.len(), 1);
 }
 
+/// A request reads the clock, then charges: another that read it later can
+/// charge first. A sweep on the later one's instant must not take the
+/// earlier one's window from it: a counter lives past its deadline by the
+/// grace, so the late charge finds the full counter, never a fresh one.
+#[test]
+fn a_charge_stamped_before_a_deadline_finds_its_counter_after_a_later_sweep() {
+    let end = at("2026-12-03T00:00:00Z");
+    let just_before = end - SignedDuration::from_nanos(1);
+    let just_after = end + SignedDuration::from_nanos(1);
+    let day = |id: &str| {
+        calendar(
+            key(id, "read", "2026-12-02"),
+            1,
+            1,
+            "2026-12-02T00:00:00Z",
+            "2026-12-03T00:00:00Z",
+        )
+    };
+    let store = MemoryStore::with_shards(1);
+    assert!(charge(&store, just_before, vec![day("acme")]).admitted);
+    assert!(!charge(&store, just_before, vec![day("acme")]).admitted);
+    // Another subject's charge of the next day sweeps the shard.
+    let next = calendar(
+        key("other", "read", "2026-12-03"),
+        1,
+        1,
+        "2026-12-03T00:00:00Z",
+        "2026-12-04T00:00:00Z",
+    );
+    assert!(charge(&store, just_after, vec![next]).admitted);
+    store.purge_expired(just_after);
+    let late = charge(&store, just_before, vec![day("acme")]);
+    assert!(!late.admitted, "the day's allowance was spent");
+    assert_eq!(late.usage[0].used, 1);
+    // A full store makes room the same way.
+    let full = MemoryStore::with_shards(1).max_counters(1);
+    assert!(charge(&full, just_before, vec![day("acme")]).admitted);
+    let other_day = calendar(
+        key("other", "read", "2026-12-03"),
+        1,
+        1,
+        "2026-12-03T00:00:00Z",
+        "2026-12-04T00:00:00Z",
+    );
+    assert!(try_charge(&full, just_after, vec![other_day]).is_err());
+    assert!(!charge(&full, just_before, vec![day("acme")]).admitted);
+    // Past the grace, the counter goes.
+    store.purge_expired(end + memory::RECLAIM_GRACE);
+    assert_eq!(store.len(), 1, "only the next day's counter is left");
+}
+
 #[test]
 fn purge_reclaims_everything_expired() {
-    let store = MemoryStore::new();
+    // One shard, and more counters than a purge reclaims under one lock.
+    let store = MemoryStore::with_shards(1);
     let t0 = at("2026-12-02T10:00:00Z");
-    for i in 0..500 {
+    for i in 0..1_500 {
         charge(
             &store,
             t0,
@@ -382,8 +434,11 @@ fn purge_reclaims_everything_expired() {
         );
     }
     store.purge_expired(at("2026-12-02T10:00:59Z"));
-    assert_eq!(store.len(), 500);
+    assert_eq!(store.len(), 1_500);
+    // A counter outlives its deadline by the grace.
     store.purge_expired(at("2026-12-02T10:01:00Z"));
+    assert_eq!(store.len(), 1_500);
+    store.purge_expired(at("2026-12-02T10:01:00Z") + memory::RECLAIM_GRACE);
     assert!(store.is_empty());
 }
 
@@ -440,7 +495,7 @@ fn keys_short_and_long_are_counted_alike() {
     assert_eq!(store.len(), keys.len());
     assert!(now_of(store.reset(keys[20].clone())).unwrap());
     assert_eq!(store.len(), keys.len() - 1);
-    store.purge_expired(end);
+    store.purge_expired(end + memory::RECLAIM_GRACE);
     assert!(store.is_empty());
 }
 
@@ -470,7 +525,7 @@ fn a_counter_made_again_after_a_reset_is_reclaimed_once_and_counted_once() {
     assert!(try_charge(&store, t0, vec![day("other")]).is_err());
     store.purge_expired(at("2026-12-02T23:59:59Z"));
     assert_eq!(store.len(), 1, "reclaimed before its end");
-    store.purge_expired(at("2026-12-03T00:00:00Z"));
+    store.purge_expired(at("2026-12-03T00:00:00Z") + memory::RECLAIM_GRACE);
     assert!(store.is_empty());
     let t1 = at("2026-12-03T00:00:00Z");
     let next = calendar(
@@ -831,15 +886,16 @@ fn a_full_store_reclaims_expired_counters_of_other_shards_too() {
 fn a_full_store_that_found_no_room_reclaims_what_expired_since() {
     let store = MemoryStore::with_shards(16).max_counters(4);
     let t0 = at("2026-12-02T10:00:00Z");
-    let soon = at("2026-12-02T10:00:00.001Z");
+    // Reclaimable a millisecond after t0, at the end of their grace.
+    let soon = at("2026-12-02T10:00:00.001Z") - memory::RECLAIM_GRACE;
     for id in ["a", "b", "c", "d"] {
         let line = first_use(key(id, "read", "PT1S"), 10, 1, soon);
-        assert!(charge(&store, t0 - SignedDuration::from_secs(1), vec![line]).admitted);
+        assert!(charge(&store, soon - SignedDuration::from_secs(1), vec![line]).admitted);
     }
     let new = |id: &str| first_use(key(id, "read", "PT1H"), 10, 1, at("2026-12-02T11:00:00Z"));
     let full = try_charge(&store, t0, vec![new("e")]).unwrap_err();
     assert_eq!(full.kind(), StoreErrorKind::Full);
-    // Every counter expired a millisecond later.
+    // Every counter's grace ended a millisecond later.
     let later = t0 + SignedDuration::from_millis(20);
     for id in ["f", "g", "h", "i"] {
         assert!(
