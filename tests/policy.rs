@@ -6,6 +6,8 @@
 mod redis_support;
 
 use axum::body::Body;
+use axum::extract::Path;
+use axum::response::IntoResponse;
 use axum::routing::{get, post};
 use axum::Router;
 use http::{Method, Request, Response, StatusCode};
@@ -229,6 +231,17 @@ async fn a_plan_change_keeps_the_count<St: Store>(store: St) {
     assert!(body(unknown).await.contains("gold"));
 }
 
+/// A gRPC trailers-only answer with status `code`.
+fn grpc_status(code: u16) -> impl IntoResponse {
+    (
+        [
+            ("content-type", "application/grpc".to_string()),
+            ("grpc-status", code.to_string()),
+        ],
+        (),
+    )
+}
+
 async fn server_errors_are_refunded_to_the_counter_charged<St: Store>(store: St) {
     let clock = ManualClock::new(at("2026-12-02T23:59:59Z"));
     let policy = QuotaPolicy::builder(FromHeader::account("x-account-id"))
@@ -239,6 +252,10 @@ async fn server_errors_are_refunded_to_the_counter_charged<St: Store>(store: St)
     let late = clock.clone();
     let app = Router::new()
         .route("/fail", get(|| async { StatusCode::INTERNAL_SERVER_ERROR }))
+        .route(
+            "/grpc/{code}",
+            get(|Path(code): Path<u16>| async move { grpc_status(code) }),
+        )
         .route(
             "/slow-fail",
             get(move || {
@@ -259,6 +276,17 @@ async fn server_errors_are_refunded_to_the_counter_charged<St: Store>(store: St)
         .unwrap()
         .starts_with("\"default-day\";r=3;"));
     assert_eq!(used(&policy, "default-day").await, 0);
+    // A gRPC call's status is in `grpc-status` (a trailers-only answer, as
+    // tonic gives a failed unary call): the codes of the server's failures
+    // are refunded, the others charged.
+    for code in [2, 4, 12, 13, 14, 15] {
+        let failed = send(&app, call(Method::GET, &format!("/grpc/{code}"), ACME)).await;
+        assert_eq!(failed.headers()["grpc-status"], code.to_string().as_str());
+        assert_eq!(used(&policy, "default-day").await, 0, "grpc-status {code}");
+    }
+    let not_found = send(&app, call(Method::GET, "/grpc/5", ACME)).await;
+    assert_eq!(not_found.status(), StatusCode::OK);
+    assert_eq!(used(&policy, "default-day").await, 1, "grpc-status 5");
     assert_eq!(
         send(&app, call(Method::GET, "/", ACME)).await.status(),
         StatusCode::OK

@@ -563,7 +563,7 @@ pub(crate) fn outcome(
         return Outcome::Unrouted;
     }
     let refused_inside = response.extensions.get::<Refused>().is_some();
-    if refused_inside || (settings.refund_server_errors && response.status.is_server_error()) {
+    if refused_inside || (settings.refund_server_errors && is_server_failure(response)) {
         return Outcome::Served(refund_all(lines));
     }
     let Some(real) = cost.real(response) else {
@@ -579,6 +579,21 @@ pub(crate) fn outcome(
         })
         .collect();
     Outcome::Served(ops)
+}
+
+/// Whether `response` tells of the server's failure: a 5xx status, or a gRPC
+/// call answered with a `grpc-status` among those that map to one (UNKNOWN,
+/// DEADLINE_EXCEEDED, UNIMPLEMENTED, INTERNAL, UNAVAILABLE, DATA_LOSS).
+/// Only the head is read: a status sent in trailers, after a streamed
+/// body, is not seen.
+fn is_server_failure(response: &http::response::Parts) -> bool {
+    if response.status.is_server_error() {
+        return true;
+    }
+    response
+        .headers
+        .get("grpc-status")
+        .is_some_and(|code| matches!(code.as_bytes(), b"2" | b"4" | b"12" | b"13" | b"14" | b"15"))
 }
 
 pub(crate) fn refund_all(lines: &[Line]) -> Vec<(usize, Adjust)> {
