@@ -56,7 +56,7 @@ pub(super) const ROOM_BUDGET: usize = 256;
 ///   memory follows the subjects active in the current periods.
 ///   [`MemoryStore::purge_expired`] reclaims everything expired at once, e.g.
 ///   from a timer in an application that can go quiet for long.
-/// - A bound on live counters ([`MemoryStore::DEFAULT_MAX_COUNTERS`], about
+/// - A bound on the counters held ([`MemoryStore::DEFAULT_MAX_COUNTERS`], about
 ///   220 MB with keys of about 50 bytes; [`MemoryStore::max_counters`] sets
 ///   another): one client inventing ids cannot grow the process without end,
 ///   and concurrent charges never take it past the bound. A charge that would
@@ -85,10 +85,10 @@ struct Inner {
     /// Counters in the shards' maps, live or not yet reclaimed.
     held: Arc<AtomicUsize>,
     max: AtomicUsize,
-    /// When (in the charges' time, ns) a full store last reclaimed in every
-    /// shard and found no room: new subjects refused soon after do not
-    /// repeat it (on a machine with many cores, a visit of every shard per
-    /// refused request would make a flood of new ids dear).
+    /// When (in the charges' time, ns) a full store last went through all
+    /// the shards one charge visits and found no room: new subjects refused
+    /// soon after do not repeat it (on a machine with many cores, such a
+    /// visit per refused request would make a flood of new ids dear).
     fruitless: AtomicI64,
     /// The shard where the next charge that makes room starts reclaiming.
     room_cursor: AtomicUsize,
@@ -97,7 +97,8 @@ struct Inner {
 /// `Inner::fruitless` before any fruitless visit.
 const NEVER: i64 = i64::MIN;
 
-/// How long after a fruitless visit of every shard the next one waits.
+/// How long after a fruitless visit (of all the shards one charge visits)
+/// the next one waits.
 const FRUITLESS_PAUSE: u64 = 10_000_000;
 
 /// Shards one charge visits, at most, to make room in a full store.
@@ -210,6 +211,11 @@ impl MemoryStore {
     /// Holds at most `max` counters (default
     /// [`MemoryStore::DEFAULT_MAX_COUNTERS`]); for this store and every
     /// clone of it.
+    ///
+    /// A counter is held until a second after its period ends, so at a
+    /// calendar boundary the ended windows' counters still count for that
+    /// second beside the new window's: size the bound for the subjects of
+    /// a period and those that start the next one within a second.
     ///
     /// ```
     /// use tower_quota::MemoryStore;
@@ -584,8 +590,9 @@ impl MemoryStore {
             }
         }
         // Counters this charge may add, each key once: those with no
-        // live counter. (An expired one would be replaced where it is,
-        // but making room may reclaim it first.)
+        // counter, or one past its grace, which making room may reclaim
+        // first. (One that ended within its grace is replaced where it is:
+        // making room, at the same instant, cannot reclaim it.)
         let mut reserved = 0;
         if admitted {
             reserved = lines
@@ -594,7 +601,7 @@ impl MemoryStore {
                 .filter(|(i, line)| {
                     line.cost > 0
                         && !lines[..*i].iter().any(|l| l.key == line.key && l.cost > 0)
-                        && locked.live(*i, &line.key, now).is_none()
+                        && locked.needs_room(*i, &line.key, now)
                 })
                 .count();
             // The list of shards is built only when the charge adds a
@@ -650,6 +657,15 @@ impl Locked<'_, '_> {
 
     fn live(&mut self, line: usize, key: &PeriodKey, now: Timestamp) -> Option<Counter> {
         self.shard(line).live(key.as_str(), now)
+    }
+
+    /// Whether charging `key` at `now` may add a counter to the shard of
+    /// line `line`: it has none, or one a sweep at `now` reclaims.
+    fn needs_room(&mut self, line: usize, key: &PeriodKey, now: Timestamp) -> bool {
+        let cutoff = reclaimed_by(now);
+        self.shard(line)
+            .get(key.as_str())
+            .is_none_or(|c| c.deadline <= cutoff)
     }
 
     fn shards(&mut self) -> Vec<&mut Shard> {
@@ -766,8 +782,7 @@ impl Shard {
     /// before `now`, going through `budget` deadlines at most: how many it
     /// went through, and how many counters it removed.
     fn sweep(&mut self, now: Timestamp, budget: usize) -> (usize, usize) {
-        let grace = RECLAIM_GRACE.as_nanos() as i64;
-        let now = Nanos(Nanos::of(now).0.saturating_sub(grace));
+        let now = reclaimed_by(now);
         let (mut gone_through, mut removed) = (0, 0);
         while gone_through < budget {
             match self.deadlines.peek() {
@@ -793,6 +808,12 @@ impl Shard {
         }
         (gone_through, removed)
     }
+}
+
+/// The latest deadline a sweep at `now` reclaims: [`RECLAIM_GRACE`] before.
+fn reclaimed_by(now: Timestamp) -> Nanos {
+    let grace = RECLAIM_GRACE.as_nanos() as i64;
+    Nanos(Nanos::of(now).0.saturating_sub(grace))
 }
 
 fn usage_of(line: &ChargeLine, counter: Option<Counter>) -> Usage {

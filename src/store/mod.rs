@@ -173,7 +173,11 @@ pub(crate) fn metrics_label<St: 'static>() -> &'static str {
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum Lifetime {
     /// A counter of the calendar window `[start, end)`. The reset is `end`;
-    /// the counter may be reclaimed any time after it.
+    /// the counter may be reclaimed after it. (Not at once: a charge
+    /// stamped just before `end` can reach the store after one stamped
+    /// later, and must still find the window's counter, or it is admitted
+    /// on a fresh one. The memory store keeps a counter a second past its
+    /// end, the Redis store a minute by default.)
     Calendar {
         /// The window's first instant.
         start: Timestamp,

@@ -463,7 +463,7 @@ fn reset_gives_a_fresh_allowance() {
     assert!(outcome.admitted);
     assert_eq!(outcome.usage[0].resets_at, at("2026-12-02T11:30:00Z"));
     // The old deadline, still in the heap, must not reclaim the new counter.
-    store.purge_expired(at("2026-12-02T11:00:00Z"));
+    store.purge_expired(at("2026-12-02T11:00:00Z") + memory::RECLAIM_GRACE);
     assert_eq!(store.len(), 1);
 }
 
@@ -809,6 +809,29 @@ fn a_full_store_refuses_new_subjects_and_keeps_charging_known_ones() {
     assert_eq!(charge(&store, t0, vec![minute("a")]).usage[0].used, 2);
 }
 
+/// A subject whose first-use counters just ended is charged on them anew,
+/// where they are, in a full store: in their grace they take no more room.
+#[test]
+fn a_full_store_starts_a_known_subjects_ended_counters_again() {
+    let store = MemoryStore::with_shards(1).max_counters(2);
+    let t0 = at("2026-12-02T10:00:00Z");
+    let end = at("2026-12-02T11:00:00Z");
+    let lines = |deadline| {
+        vec![
+            first_use(key("acme", "read", "PT1H"), 10, 1, deadline),
+            first_use(key("acme", "write", "PT1H"), 10, 1, deadline),
+        ]
+    };
+    assert!(charge(&store, t0, lines(end)).admitted);
+    let later = end + SignedDuration::from_millis(500);
+    let again = try_charge(&store, later, lines(later + SignedDuration::from_hours(1)));
+    let again = again.expect("no new room needed");
+    assert!(again.admitted);
+    assert_eq!(again.usage[0].used, 1, "a new period");
+    assert_eq!(again.usage[1].used, 1, "a new period");
+    assert_eq!(store.len(), 2);
+}
+
 #[test]
 fn a_full_store_reclaims_expired_counters_first() {
     let store = MemoryStore::with_shards(1).max_counters(2);
@@ -880,7 +903,7 @@ fn a_full_store_reclaims_expired_counters_of_other_shards_too() {
     assert_eq!(store.len(), 4);
 }
 
-/// A full store refuses a new subject when nothing has expired, and, a
+/// A full store refuses a new subject when nothing is past its grace, and, a
 /// moment later, reclaims what has expired since, in any shard.
 #[test]
 fn a_full_store_that_found_no_room_reclaims_what_expired_since() {
