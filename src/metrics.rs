@@ -82,8 +82,8 @@
 //! # `tower_quota_abandoned_charges_refunded_total`
 //!
 //! Charges given back after the store had made them, one per counter line
-//! that the store refunded: a server error with `refund_server_errors`, the
-//! an unrouted answer (404, 405), the charge of a layer given back when a
+//! that the store refunded: a server error with `refund_server_errors`, an
+//! unrouted answer (404, 405), the charge of a layer given back when a
 //! layer further in refuses the request or the request is dropped before
 //! a layer further in was answered, and the part of an up-front cost that a
 //! deferred cost did not use. Refunds through [`QuotaHandle`](crate::QuotaHandle) are support

@@ -114,8 +114,8 @@ impl Quota {
     ///
     /// # Panics
     ///
-    /// When `length` is shorter than a second or not a whole number of
-    /// seconds.
+    /// When `length` is shorter than a second, longer than 100 years, or not
+    /// a whole number of seconds.
     pub fn rolling(limit: u64, length: Duration) -> Self {
         Self::new(limit, Period::fixed(length), Anchor::FirstUse)
     }
@@ -125,8 +125,8 @@ impl Quota {
     ///
     /// # Panics
     ///
-    /// When `length` is shorter than a second or not a whole number of
-    /// seconds.
+    /// When `length` is shorter than a second, longer than 100 years, or not
+    /// a whole number of seconds.
     pub fn fixed_window(limit: u64, length: Duration) -> Self {
         Self::new(limit, Period::fixed(length), Anchor::Calendar)
     }

@@ -505,6 +505,21 @@ pub(crate) fn is_grpc(headers: &http::HeaderMap) -> bool {
         .is_some_and(|v| v.as_bytes().starts_with(b"application/grpc"))
 }
 
+/// Whether `response` is a gRPC answer (HTTP 200, `content-type:
+/// application/grpc*`) whose head carries a `grpc-status` of the server's
+/// failure: UNKNOWN, UNIMPLEMENTED, INTERNAL, UNAVAILABLE or DATA_LOSS, the
+/// codes that map to a 5xx. Not DEADLINE_EXCEEDED: the client sets the
+/// deadline, often after the work was done. Only the head is read: a
+/// status in trailers, after a streamed body, is not seen.
+pub(crate) fn is_grpc_server_failure(response: &http::response::Parts) -> bool {
+    response.status == StatusCode::OK
+        && is_grpc(&response.headers)
+        && response
+            .headers
+            .get(&GRPC_STATUS)
+            .is_some_and(|code| matches!(code.as_bytes(), b"2" | b"12" | b"13" | b"14" | b"15"))
+}
+
 /// A gRPC trailers-only answer: HTTP 200, `grpc-status`, `grpc-message`.
 fn grpc_answer(code: u16, detail: &str, retry_after: Option<u64>) -> Response<Bytes> {
     let mut response = Response::new(Bytes::new());

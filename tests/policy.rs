@@ -257,6 +257,10 @@ async fn server_errors_are_refunded_to_the_counter_charged<St: Store>(store: St)
             get(|Path(code): Path<u16>| async move { grpc_status(code) }),
         )
         .route(
+            "/plain-grpc-status",
+            get(|| async { ([("grpc-status", "13")], "ok") }),
+        )
+        .route(
             "/slow-fail",
             get(move || {
                 let late = late.clone();
@@ -268,18 +272,18 @@ async fn server_errors_are_refunded_to_the_counter_charged<St: Store>(store: St)
             }),
         )
         .route("/", get(|| async { "ok" }))
-        .route_layer(policy.layer(Quota::daily(3)));
+        .route_layer(policy.layer(Quota::daily(10)));
     let failed = send(&app, call(Method::GET, "/fail", ACME)).await;
     assert_eq!(failed.status(), StatusCode::INTERNAL_SERVER_ERROR);
     assert!(failed.headers()["ratelimit"]
         .to_str()
         .unwrap()
-        .starts_with("\"default-day\";r=3;"));
+        .starts_with("\"default-day\";r=10;"));
     assert_eq!(used(&policy, "default-day").await, 0);
     // A gRPC call's status is in `grpc-status` (a trailers-only answer, as
     // tonic gives a failed unary call): the codes of the server's failures
     // are refunded, the others charged.
-    for code in [2, 4, 12, 13, 14, 15] {
+    for code in [2, 12, 13, 14, 15] {
         let failed = send(&app, call(Method::GET, &format!("/grpc/{code}"), ACME)).await;
         assert_eq!(failed.headers()["grpc-status"], code.to_string().as_str());
         assert_eq!(used(&policy, "default-day").await, 0, "grpc-status {code}");
@@ -287,6 +291,13 @@ async fn server_errors_are_refunded_to_the_counter_charged<St: Store>(store: St)
     let not_found = send(&app, call(Method::GET, "/grpc/5", ACME)).await;
     assert_eq!(not_found.status(), StatusCode::OK);
     assert_eq!(used(&policy, "default-day").await, 1, "grpc-status 5");
+    // The client sets the deadline: DEADLINE_EXCEEDED is charged.
+    send(&app, call(Method::GET, "/grpc/4", ACME)).await;
+    assert_eq!(used(&policy, "default-day").await, 2, "grpc-status 4");
+    // Only a gRPC answer's status counts: a plain answer that passes the
+    // header on from elsewhere is charged.
+    send(&app, call(Method::GET, "/plain-grpc-status", ACME)).await;
+    assert_eq!(used(&policy, "default-day").await, 3);
     assert_eq!(
         send(&app, call(Method::GET, "/", ACME)).await.status(),
         StatusCode::OK

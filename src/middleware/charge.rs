@@ -581,19 +581,10 @@ pub(crate) fn outcome(
     Outcome::Served(ops)
 }
 
-/// Whether `response` tells of the server's failure: a 5xx status, or a gRPC
-/// call answered with a `grpc-status` among those that map to one (UNKNOWN,
-/// DEADLINE_EXCEEDED, UNIMPLEMENTED, INTERNAL, UNAVAILABLE, DATA_LOSS).
-/// Only the head is read: a status sent in trailers, after a streamed
-/// body, is not seen.
+/// Whether `response` tells of the server's failure: a 5xx status, or a
+/// gRPC answer whose head says so.
 fn is_server_failure(response: &http::response::Parts) -> bool {
-    if response.status.is_server_error() {
-        return true;
-    }
-    response
-        .headers
-        .get("grpc-status")
-        .is_some_and(|code| matches!(code.as_bytes(), b"2" | b"4" | b"12" | b"13" | b"14" | b"15"))
+    response.status.is_server_error() || response::is_grpc_server_failure(response)
 }
 
 pub(crate) fn refund_all(lines: &[Line]) -> Vec<(usize, Adjust)> {

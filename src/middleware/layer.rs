@@ -315,8 +315,10 @@ impl<E, St: Store> QuotaPolicy<E, St> {
     /// # Panics
     ///
     /// When `quota` would count on the counter of a different quota of the
-    /// policy (or of another policy on the same store and namespace), or
-    /// has the name of a different quota of the policy.
+    /// policy (or of another policy on the same store and namespace), has
+    /// the name of a different quota of the policy, or has a limit (or a
+    /// plan's) above what the store counts exactly
+    /// ([`Store::max_count`](crate::Store::max_count)).
     pub fn layer(&self, quota: Quota) -> QuotaLayer<E, St> {
         self.core.register(&quota);
         QuotaLayer {
@@ -348,7 +350,9 @@ impl<E, St: Store> QuotaLayer<E, St> {
     /// # Panics
     ///
     /// When the layer has this quota already, or `quota` would count on the
-    /// counter of a different quota of the policy, or has the name of one.
+    /// counter of a different quota of the policy, has the name of one, or
+    /// has a limit (or a plan's) above what the store counts exactly
+    /// ([`Store::max_count`](crate::Store::max_count)).
     #[must_use]
     pub fn quota(self, quota: Quota) -> Self {
         assert!(

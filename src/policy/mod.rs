@@ -528,12 +528,16 @@ impl<E, St> QuotaPolicyBuilder<E, St> {
 
     /// Gives the charge back when the response is a server error (5xx) or
     /// the inner service fails: the client is not billed for the server's
-    /// failures. Off by default. A gRPC call counts as failed when its
-    /// response head carries a `grpc-status` of a server failure (2 UNKNOWN,
-    /// 4 DEADLINE_EXCEEDED, 12 UNIMPLEMENTED, 13 INTERNAL, 14 UNAVAILABLE,
-    /// 15 DATA_LOSS: the codes that map to a 5xx), as in a trailers-only
+    /// failures. Off by default.
+    ///
+    /// A gRPC call (HTTP 200, `content-type: application/grpc*`) counts as
+    /// failed when its response head carries a `grpc-status` of a server
+    /// failure: 2 UNKNOWN, 12 UNIMPLEMENTED, 13 INTERNAL, 14 UNAVAILABLE or
+    /// 15 DATA_LOSS, the codes that map to a 5xx. That is a trailers-only
     /// answer, the way tonic answers a failed unary call; a status sent in
-    /// trailers after a streamed body is not read, and stays charged. The refund goes to the counters that were
+    /// trailers after a streamed body is not read, and stays charged.
+    /// DEADLINE_EXCEEDED stays charged too: the client sets the deadline,
+    /// often after the work was done. The refund goes to the counters that were
     /// charged, even when a calendar boundary passed meanwhile, and never
     /// to one made anew since (a support reset while the request was
     /// served). Stores date counters by the clock of the instance that made
