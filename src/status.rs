@@ -73,9 +73,13 @@ impl QuotaUsage {
         self.usage.resets_at
     }
 
-    /// The call that opened a first-use period, if one is open.
+    /// The call that opened a first-use period, if one is open; `None` for
+    /// a calendar quota.
     pub fn first_call(&self) -> Option<Timestamp> {
-        self.usage.first_call
+        match self.quota.anchor() {
+            Anchor::FirstUse => self.usage.first_call,
+            Anchor::Calendar => None,
+        }
     }
 
     /// As JSON: `{"allowance","name","limit","used","remaining",
@@ -464,6 +468,17 @@ impl Line {
             usage,
             given_back: AtomicBool::new(false),
         }
+    }
+
+    /// The instant a give-back of this line, charged at `charged_at`, goes
+    /// by: only to a counter made by then. The charge's instant, or the
+    /// counter's first call when that is later: a concurrent request with a
+    /// later instant made the counter before this one's charge reached the
+    /// store. A counter made anew after a reset is younger than both.
+    pub(crate) fn made_by(&self, charged_at: Timestamp) -> Timestamp {
+        self.usage
+            .first_call
+            .map_or(charged_at, |first| first.max(charged_at))
     }
 
     /// Claims the line's give-back: `true` for the first caller only.

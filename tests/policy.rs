@@ -322,6 +322,63 @@ async fn server_errors_are_refunded_to_the_counter_charged<St: Store>(store: St)
     );
 }
 
+/// A request's charge goes back to the counter it was charged to, even when
+/// a concurrent request with a later instant made that counter first.
+async fn a_give_back_reaches_a_counter_a_later_request_made<St: Store>(store: St) {
+    let clock = ManualClock::new(at("2026-12-02T10:00:00Z"));
+    let policy = QuotaPolicy::builder(FromHeader::account("x-account-id"))
+        .store(store)
+        .clock(clock.clone())
+        .refund_server_errors(true)
+        .build();
+    let gate = std::sync::Arc::new(tokio::sync::Notify::new());
+    let held = std::sync::Arc::clone(&gate);
+    let app = Router::new()
+        .route("/fail", get(|| async { StatusCode::INTERNAL_SERVER_ERROR }))
+        .route("/", get(|| async { "ok" }))
+        .route_layer(policy.layer(Quota::daily(10).allowance("inner")))
+        .layer(axum::middleware::from_fn(
+            move |request: Request<Body>, next: axum::middleware::Next| {
+                let held = std::sync::Arc::clone(&held);
+                async move {
+                    if request.headers().contains_key("x-hold") {
+                        held.notified().await;
+                    }
+                    next.run(request).await
+                }
+            },
+        ))
+        .layer(policy.layer(Quota::daily(10)));
+    // The first request passes the outer layer at 10:00:00 and is held
+    // before the inner one.
+    let first = tokio::spawn(app.clone().oneshot(call(
+        Method::GET,
+        "/fail",
+        &[("x-account-id", "acme"), ("x-hold", "1")],
+    )));
+    while used(&policy, "default-day").await == 0 {
+        tokio::task::yield_now().await;
+    }
+    // A second later, another request makes the inner counter.
+    clock.advance(SignedDuration::from_secs(1));
+    assert_eq!(
+        send(&app, call(Method::GET, "/", ACME)).await.status(),
+        StatusCode::OK
+    );
+    assert_eq!(used(&policy, "inner-day").await, 1);
+    // The first is charged on that counter, fails, and is given back on
+    // both quotas.
+    gate.notify_one();
+    let failed = first.await.unwrap().unwrap();
+    assert_eq!(failed.status(), StatusCode::INTERNAL_SERVER_ERROR);
+    assert_eq!(used(&policy, "default-day").await, 1);
+    assert_eq!(
+        used(&policy, "inner-day").await,
+        1,
+        "the inner charge went back"
+    );
+}
+
 async fn deferred_costs_are_charged_after_the_response<St: Store>(store: St) {
     let policy = QuotaPolicy::builder(FromHeader::account("x-account-id"))
         .store(store)
@@ -487,6 +544,7 @@ on_every_store!(
     skipped_requests_pass_uncounted,
     a_plan_change_keeps_the_count,
     server_errors_are_refunded_to_the_counter_charged,
+    a_give_back_reaches_a_counter_a_later_request_made,
     deferred_costs_are_charged_after_the_response,
     the_support_router_lists_resets_and_refunds,
 );

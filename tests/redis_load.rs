@@ -494,7 +494,9 @@ async fn batched_charges_on_existing_counters_are_told_what_a_lone_charge_is() {
             }
             if anchor == "calendar" {
                 assert_eq!(usage.resets_at, end, "{i}");
-                assert_eq!(usage.first_call, None, "{i}");
+                // The charge alone, at t0, made it.
+                let made = Timestamp::from_millisecond(t0.as_millisecond()).unwrap();
+                assert_eq!(usage.first_call, Some(made), "{i}");
             } else {
                 // The counter's deadline, read back from its remaining
                 // life: an hour after its first call.

@@ -264,24 +264,24 @@ const RESEND_FOR: Duration = Duration::from_secs(60);
 /// Applies `ops` in the store: at once when the store answers at once,
 /// otherwise in a task of its own when a tokio runtime is at hand, so a
 /// response future dropped meanwhile does not cut a refund short. A refund
-/// goes only to a counter made by `charged_at`, the request's instant: not
-/// to one made anew since (a reset while the request was served).
+/// goes only to a counter made by the instant beside it (see
+/// [`Line::made_by`](crate::status::Line::made_by)): not to one made anew since (a reset while the
+/// request was served).
 fn apply<St: Store>(
     store: St,
     now: Timestamp,
-    charged_at: Timestamp,
-    ops: Vec<(crate::key::PeriodKey, Adjust)>,
+    ops: Vec<(crate::key::PeriodKey, Adjust, Timestamp)>,
 ) -> Adjusting {
     let work = async move {
         let mut results = Vec::with_capacity(ops.len());
-        for (key, op) in ops {
+        for (key, op, made_by) in ops {
             let mut wait = FIRST_RESEND;
             let mut resent = Duration::ZERO;
             let result = loop {
                 let result = match op {
                     Adjust::Refund(amount) => {
                         store
-                            .refund_made_by(now, key.clone(), amount, charged_at)
+                            .refund_made_by(now, key.clone(), amount, made_by)
                             .await
                     }
                     Adjust::Add(amount) => store.add(now, key.clone(), amount).await,
@@ -566,10 +566,9 @@ fn adjust<E, St: Store>(
     let applied = apply(
         charged.bound.policy.store.clone(),
         now,
-        charged.now,
         keyed
             .iter()
-            .map(|(_, key, op)| (key.clone(), *op))
+            .map(|(i, key, op)| (key.clone(), *op, charged.lines[*i].made_by(charged.now)))
             .collect(),
     );
     let all: Vec<usize> = ops.iter().map(|(i, _)| *i).collect();

@@ -1490,6 +1490,10 @@ impl<St: Store> LeasedStore<St> {
         let mut joins = Vec::new();
         for (i, (line, usage)) in request.lines.iter().zip(&mut outcome.usage).enumerate() {
             let (mut block, mark, known) = (blocks[i], seen[i].as_ref(), known[i]);
+            // Units of this charge's block go back only to a counter made
+            // by then: the charge's instant, or the counter's first call if
+            // a concurrent charge with a later instant made it first.
+            let made_by = usage.first_call.map_or(now, |first| first.max(now));
             // A mark joined for an entry that is gone, or was made anew
             // meanwhile (a shutdown, a reset here): left at once.
             let joined_for = |counter: Option<&Counter>| match (joined[i], known) {
@@ -1532,7 +1536,7 @@ impl<St: Store> LeasedStore<St> {
                     if closed && outcome.admitted && block > 0 {
                         // Taken while the store shut down, its entry gone
                         // with the others: straight back.
-                        back.push((line.key.clone(), request.now, block, request.now));
+                        back.push((line.key.clone(), request.now, block, made_by));
                     }
                     unmarked.extend(joined_for(None));
                     if !outcome.admitted {
@@ -1552,7 +1556,7 @@ impl<St: Store> LeasedStore<St> {
                 // landed after the reset deleted the counter); a counter
                 // made since, or none (it landed before), takes nothing.
                 if outcome.admitted && block > 0 {
-                    back.push((line.key.clone(), request.now, block, request.now));
+                    back.push((line.key.clone(), request.now, block, made_by));
                     returned = block;
                 }
                 block = 0;
@@ -1589,14 +1593,14 @@ impl<St: Store> LeasedStore<St> {
                 // Taken while the store shut down: straight back, and out of
                 // the mark it joined.
                 counter.store_used = counter.store_used.saturating_sub(block);
-                back.push((line.key.clone(), request.now, block, request.now));
+                back.push((line.key.clone(), request.now, block, made_by));
                 if counter.mark.leave(now, margin) {
                     unmarked.push((line.key.clone(), counter.generation));
                 }
             } else if took {
                 counter.units += block;
                 counter.block_since.get_or_insert(at);
-                counter.taken_at.get_or_insert(now);
+                counter.taken_at.get_or_insert(made_by);
                 counter.block = block;
                 counter.back = false;
                 crate::metrics::lease_block();

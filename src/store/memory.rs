@@ -823,7 +823,7 @@ fn usage_of(line: &ChargeLine, counter: Option<Counter>) -> Usage {
             limit: line.limit,
             used: counter.map_or(0, |c| c.used),
             resets_at: end,
-            first_call: None,
+            first_call: counter.map(|c| c.first_call.timestamp()),
         },
         Lifetime::FirstUse { deadline } => Usage {
             held_elsewhere_until: None,

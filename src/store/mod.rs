@@ -283,8 +283,15 @@ pub struct Usage {
     pub used: u64,
     /// When the allowance returns.
     pub resets_at: Timestamp,
-    /// For first-use counters, the call that opened the period; `None` for
-    /// calendar counters and when no period is open.
+    /// The call that made the counter: for a first-use counter, the call
+    /// that opened the period; for a calendar counter, the window's first
+    /// call (since a reset, if any). `None` when no period is open, or from
+    /// a store that does not date its counters.
+    ///
+    /// The layer gives a request's charge back only to a counter made by
+    /// then ([`Store::refund_made_by`]): this instant, when it is later
+    /// than the request's (the counter was made by a concurrent request
+    /// with a later instant that reached the store first).
     pub first_call: Option<Timestamp>,
     /// With leased counting ([`LeasedStore`]), in a refusal: when the
     /// unused units that other instances hold of this counter are expected

@@ -31,6 +31,7 @@ use jiff::Timestamp;
 use smallvec::SmallVec;
 use tokio::sync::{oneshot, OwnedSemaphorePermit};
 
+use super::late::{latest_first_call, made_by};
 use super::{broken, refund_lines, wait_for, Inner, COUNTERS_LUA, FOLLOW_THROUGH, LATE};
 use crate::key::PeriodKey;
 
@@ -117,6 +118,8 @@ impl Answer {
 struct GiveBack {
     inner: Arc<Inner>,
     now: Timestamp,
+    /// The give-back goes to counters made by then (see [`made_by`]).
+    made_by: Timestamp,
     /// The applied charge's lines; none once it is taken, or when it was
     /// not applied.
     lines: Lines,
@@ -137,7 +140,7 @@ impl Drop for GiveBack {
             return;
         }
         let inner = Arc::clone(&self.inner);
-        let now = self.now;
+        let (now, made_by) = (self.now, self.made_by);
         let permit = self.permit.take();
         let give_back = async move {
             let _permit = permit;
@@ -148,7 +151,7 @@ impl Drop for GiveBack {
             };
             let deadline = tokio::time::Instant::now() + FOLLOW_THROUGH;
             match inner.connections.ready_or_get(&timeouts, deadline).await {
-                Some(Ok(mut conn)) => refund_lines(&inner, &mut conn, lines, now).await,
+                Some(Ok(mut conn)) => refund_lines(&inner, &mut conn, lines, now, made_by).await,
                 _ => {
                     if let Some(suppressed) = LATE.admit() {
                         tracing::warn!(
@@ -419,9 +422,14 @@ fn answer(
             answer,
             permit,
         } = pending;
+        let first_call = match (&reply, applied) {
+            (Ok(reply), true) => latest_first_call(reply.as_slice()),
+            _ => None,
+        };
         let give_back = GiveBack {
             inner: Arc::clone(inner),
             now,
+            made_by: made_by(now, first_call),
             lines: if applied { lines } else { Lines::new() },
             permit: Some(permit),
         };
@@ -444,7 +452,7 @@ fn answer(
 /// charge operation gives it (1 or 0, then five values per line), and
 /// whether the charge was applied. The script answers a charge with one
 /// error; or, when it took the common path (one line, healing nothing), in
-/// a short form: `[2 + admitted, used]` on a calendar counter, `[4 +
+/// a short form: `[2 + admitted, used, first call]` on a calendar counter, `[4 +
 /// admitted, used, pttl, first call]` on a first-use one, which this
 /// widens; or else 1 or 0 then five values per line of `lines`. Takes
 /// exactly that many values whatever they hold, so the charges after it
@@ -468,7 +476,7 @@ fn split(
     };
     let applied = matches!(tag, 1 | 3 | 5);
     let short = match tag {
-        2 | 3 => Some(1),
+        2 | 3 => Some(2),
         4 | 5 => Some(3),
         _ => None,
     };
@@ -488,7 +496,9 @@ fn split(
                 got += 1;
             }
             match (&taken[..got], lines) {
-                (&[used], [line]) => Reply::from_buf([tag & 1, used, left(line, used), -3, -1, 0]),
+                (&[used, first_call], [line]) if tag < 4 => {
+                    Reply::from_buf([tag & 1, used, left(line, used), -3, first_call, 0])
+                }
                 (&[used, pttl, first_call], [line]) => {
                     Reply::from_buf([tag & 1, used, left(line, used), pttl, first_call, 0])
                 }
@@ -676,12 +686,15 @@ mod tests {
         let int = Value::Int;
 
         // Calendar, admitted and refused.
-        let (applied, reply) = take(vec![int(3), int(2)], &calendar);
+        let (applied, reply) = take(vec![int(3), int(2), int(1_796_318_523_929)], &calendar);
         assert!(applied);
-        assert_eq!(reply.unwrap().as_slice(), [1, 2, 3, -3, -1, 0]);
-        let (applied, reply) = take(vec![int(2), int(5)], &calendar);
+        assert_eq!(
+            reply.unwrap().as_slice(),
+            [1, 2, 3, -3, 1_796_318_523_929, 0]
+        );
+        let (applied, reply) = take(vec![int(2), int(5), int(7)], &calendar);
         assert!(!applied);
-        assert_eq!(reply.unwrap().as_slice(), [0, 5, 0, -3, -1, 0]);
+        assert_eq!(reply.unwrap().as_slice(), [0, 5, 0, -3, 7, 0]);
         // First use, its first call as Redis's bulk string.
         let first_call = Value::BulkString(b"1796318523929".to_vec());
         let (applied, reply) = take(vec![int(5), int(1), int(59_000), first_call], &first_use);
@@ -712,11 +725,11 @@ mod tests {
         let (applied, reply) = take(vec![int(3)], &calendar);
         assert!(applied);
         assert!(reply.unwrap().len() < 6);
-        // A short form for a charge of two lines takes its two values only,
-        // so the next charge's reply stays in step.
-        let mut values = vec![int(3), int(1), int(1), int(1)].into_iter();
+        // A short form for a charge of two lines takes its three values
+        // only, so the next charge's reply stays in step.
+        let mut values = vec![int(3), int(1), int(7), int(1), int(1)].into_iter();
         let (_, reply) = split(&mut values, &two);
-        assert_eq!(reply.unwrap().as_slice(), [1]);
+        assert_eq!(reply.unwrap().as_slice(), [1, 7]);
         assert_eq!(values.len(), 2);
         // A value that is no number.
         let (applied, reply) = take(vec![int(3), Value::Nil], &calendar);

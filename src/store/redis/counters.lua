@@ -205,6 +205,7 @@ local function one(k0, now, a0, out)
   if pttl == -3 then
     out[o + 1] = admitted and 3 or 2
     out[o + 2] = used
+    out[o + 3] = t
   else
     out[o + 1] = admitted and 5 or 4
     out[o + 2] = used

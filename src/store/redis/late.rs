@@ -36,9 +36,43 @@ pub(super) enum Sends {
 pub(super) struct GiveBack<T> {
     /// Whether the answer says the charge was applied.
     pub(super) applied: fn(&T) -> bool,
+    /// The latest first call (ms) of the counters the answer says were
+    /// charged, if it tells.
+    pub(super) first_call: fn(&T) -> Option<i64>,
     pub(super) lines: Vec<(PeriodKey, u64)>,
     /// The instant of the charge: the refund goes to the counters live then.
     pub(super) now: Timestamp,
+}
+
+impl<T> GiveBack<T> {
+    /// The instant the give-back of a charge answered with `value` goes
+    /// by: see [`made_by`].
+    pub(super) fn made_by(&self, value: &T) -> Timestamp {
+        made_by(self.now, (self.first_call)(value))
+    }
+}
+
+/// The instant a give-back of a charge made at `now` goes by: only to
+/// counters made by then. The charge's instant, or the latest `first_call`
+/// (ms) of the counters it was charged to when that is later (a concurrent
+/// charge with a later instant made one first). A counter made anew after
+/// a reset is younger than both.
+pub(super) fn made_by(now: Timestamp, first_call: Option<i64>) -> Timestamp {
+    first_call
+        .and_then(|ms| Timestamp::from_millisecond(ms).ok())
+        .map_or(now, |first| first.max(now))
+}
+
+/// The latest first call (ms) among the lines of a charge's reply in the
+/// script's form (the admission, then five values per line, the fourth the
+/// counter's first call, -1 when it has none).
+pub(super) fn latest_first_call(reply: &[i64]) -> Option<i64> {
+    reply
+        .get(1..)?
+        .chunks_exact(super::FIELDS)
+        .map(|fields| fields[3])
+        .filter(|&ms| ms >= 0)
+        .max()
 }
 
 /// The give-back of a charge (`op` `c`); other calls have none.
@@ -46,6 +80,7 @@ pub(super) fn give_back(op: &str, request: &ChargeRequest) -> Option<GiveBack<Ve
     (op == "c").then(|| GiveBack {
         // The script's reply opens with 1 when every line was charged.
         applied: |reply: &Vec<i64>| reply.first() == Some(&1),
+        first_call: |reply: &Vec<i64>| latest_first_call(reply),
         lines: request
             .lines
             .iter()
@@ -158,17 +193,19 @@ pub(super) async fn follow_through<T>(
     if !(give_back.applied)(&value) {
         return;
     }
-    refund_lines(&inner, &mut conn, give_back.lines, give_back.now).await;
+    let made_by = give_back.made_by(&value);
+    refund_lines(&inner, &mut conn, give_back.lines, give_back.now, made_by).await;
 }
 
 /// Gives back an applied charge whose caller stopped waiting, line by line,
-/// with the refund of [`Store::refund_made_by`] at the charge's instant,
-/// made by then.
+/// with the refund of [`Store::refund_made_by`] at the charge's instant
+/// `now`, to counters made by `made_by` (see [`made_by`]).
 pub(super) async fn refund_lines(
     inner: &Inner,
     conn: &mut Connection,
     lines: Vec<(PeriodKey, u64)>,
     now: Timestamp,
+    made_by: Timestamp,
 ) {
     let (mut refunded, mut missed) = (0, 0);
     let mut first_miss: Option<(PeriodKey, String)> = None;
@@ -186,7 +223,7 @@ pub(super) async fn refund_lines(
             .arg("r")
             .arg(clamp(cost))
             .arg(now.as_millisecond())
-            .arg(now.as_millisecond());
+            .arg(made_by.as_millisecond());
         let refund = invocation.invoke_async::<i64>(conn);
         let why = match tokio::time::timeout(FOLLOW_THROUGH, refund).await {
             Ok(Ok(_)) => {

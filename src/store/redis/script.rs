@@ -136,7 +136,7 @@ pub(super) fn outcome(
                     limit: line.limit,
                     used,
                     resets_at: end,
-                    first_call: None,
+                    first_call,
                 },
                 Lifetime::FirstUse { deadline } => Usage {
                     held_elsewhere_until: None,

@@ -483,15 +483,22 @@ impl RedisStore {
         match tokio::time::timeout_at(deadline, trip).await {
             Ok((mut conn, Ok(value))) => {
                 call.trip = None;
-                let give_back = call.give_back.take().filter(|back| (back.applied)(&value));
+                let give_back = call
+                    .give_back
+                    .take()
+                    .filter(|back| (back.applied)(&value))
+                    .map(|back| {
+                        let made_by = back.made_by(&value);
+                        (back, made_by)
+                    });
                 let read = read(value);
-                if let (Err(_), Some(back)) = (&read, give_back) {
+                if let (Err(_), Some((back, made_by))) = (&read, give_back) {
                     // Applied, but not an answer this store can stand by.
                     let inner = Arc::clone(inner);
                     let permit = call.permit.take();
                     tokio::spawn(async move {
                         let _permit = permit;
-                        refund_lines(&inner, &mut conn, back.lines, back.now).await;
+                        refund_lines(&inner, &mut conn, back.lines, back.now, made_by).await;
                     });
                 }
                 read
@@ -591,6 +598,8 @@ impl RedisStore {
             // The count afterwards; -1 when the debt's period is over and
             // nothing was written.
             applied: |count: &i64| *count >= 0,
+            // The settle's answer is the count alone.
+            first_call: |_: &i64| None,
             // As for a charge, a line of nothing has nothing to give back.
             lines: (debt.amount > 0)
                 .then(|| (key.clone(), debt.amount))
