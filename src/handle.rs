@@ -12,11 +12,12 @@ use jiff::tz::TimeZone;
 use jiff::Timestamp;
 
 use crate::middleware::QuotaLayer;
+use crate::policy::UnknownPlan;
 use crate::policy::{InvalidRequest, Policy, QuotaPolicy, Settings};
 use crate::quota::Quota;
 use crate::status::QuotaUsage;
 use crate::store::{ChargeLine, ChargeRequest, MemoryStore, Store, StoreError};
-use crate::subject::{Subject, SubjectError, SubjectExtractor};
+use crate::subject::{Subject, SubjectError, SubjectExtractor, SubjectKind};
 
 /// A handle on the counters of a [`QuotaPolicy`](crate::QuotaPolicy) (from
 /// [`QuotaPolicy::handle`](crate::QuotaPolicy::handle), every quota of its
@@ -50,6 +51,8 @@ trait PolicyView<St>: Send + Sync {
     fn store(&self) -> &St;
     fn quotas(&self) -> Vec<Quota>;
     fn extract(&self, parts: &Parts) -> Result<Subject, SubjectError>;
+    fn kinds(&self) -> Option<Vec<SubjectKind>>;
+    fn knows_plan(&self, plan: &str) -> bool;
 }
 
 impl<E: SubjectExtractor, St: Send + Sync> PolicyView<St> for Policy<E, St> {
@@ -64,6 +67,12 @@ impl<E: SubjectExtractor, St: Send + Sync> PolicyView<St> for Policy<E, St> {
     }
     fn extract(&self, parts: &Parts) -> Result<Subject, SubjectError> {
         self.extractor.extract(parts)
+    }
+    fn kinds(&self) -> Option<Vec<SubjectKind>> {
+        self.extractor.kinds()
+    }
+    fn knows_plan(&self, plan: &str) -> bool {
+        Policy::knows_plan(self, plan)
     }
 }
 
@@ -164,6 +173,26 @@ impl<St> QuotaHandle<St> {
         self.settings().plan.as_ref().and_then(|plan| plan(parts))
     }
 
+    /// The kinds of subject the policy's extractor answers, if it tells
+    /// ([`SubjectExtractor::kinds`]).
+    pub fn subject_kinds(&self) -> Option<Vec<SubjectKind>> {
+        self.shared.kinds()
+    }
+
+    /// `plan` as the layers charge it: itself when a quota of the policy
+    /// names it or it was declared; else no plan (the quotas' own limits),
+    /// or an error when the policy refuses unknown plans
+    /// ([`UnknownPlan::Reject`]).
+    pub(crate) fn known_plan(&self, plan: Option<String>) -> Result<Option<String>, StandingError> {
+        match plan {
+            Some(plan) if !self.shared.knows_plan(&plan) => match self.settings().unknown_plan {
+                UnknownPlan::DefaultLimits => Ok(None),
+                UnknownPlan::Reject => Err(StandingError::Plan(plan)),
+            },
+            plan => Ok(plan),
+        }
+    }
+
     fn lines(
         &self,
         quotas: &[Quota],
@@ -200,7 +229,7 @@ impl<St: Store> QuotaHandle<St> {
     /// ```
     pub async fn standing(&self, parts: &Parts) -> Result<Vec<QuotaUsage>, StandingError> {
         let subject = self.subject_of(parts).map_err(StandingError::Subject)?;
-        let plan = self.plan_of(parts);
+        let plan = self.known_plan(self.plan_of(parts))?;
         let zone = self.zone_of(parts).map_err(StandingError::Zone)?;
         let handle = match zone {
             Some(zone) => self.in_zone(zone),
@@ -397,6 +426,9 @@ pub enum StandingError {
     Subject(SubjectError),
     /// The request names a time zone that cannot be used.
     Zone(InvalidRequest),
+    /// The request names a plan no quota has, and the policy refuses
+    /// unknown plans (the layers answer 403).
+    Plan(String),
     /// The store failed.
     Store(StoreError),
 }
@@ -406,6 +438,11 @@ impl fmt::Display for StandingError {
         match self {
             Self::Subject(error) => error.fmt(f),
             Self::Zone(error) => error.fmt(f),
+            Self::Plan(plan) => write!(
+                f,
+                "the plan {:?} has no quota here",
+                crate::response::echo(plan)
+            ),
             Self::Store(error) => write!(f, "the quota store failed: {error}"),
         }
     }
@@ -416,6 +453,7 @@ impl std::error::Error for StandingError {
         match self {
             Self::Subject(error) => Some(error),
             Self::Zone(error) => Some(error),
+            Self::Plan(_) => None,
             Self::Store(error) => Some(error),
         }
     }

@@ -395,6 +395,11 @@ impl Refusal {
             retry_after = retry_after.map(|r| r.max(wait));
             resets_at = Some(resets_at.map_or(back_at, |r| r.max(back_at)));
         }
+        if violated.is_empty() {
+            // A store that refused a charge its own answer shows room for
+            // (one of the application's own, breaking its contract).
+            detail.push_str("The quota store refused this request; try again shortly.");
+        }
         Self {
             status: StatusCode::TOO_MANY_REQUESTS,
             resets_at: retry_after.and(resets_at),
@@ -520,6 +525,22 @@ pub(crate) fn is_grpc_server_failure(response: &http::response::Parts) -> bool {
             .is_some_and(|code| matches!(code.as_bytes(), b"2" | b"12" | b"13" | b"14" | b"15"))
 }
 
+/// What a client sent (a plan, an allowance) is echoed in an answer up to
+/// this many bytes.
+const MAX_ECHO: usize = 64;
+
+/// At most [`MAX_ECHO`] bytes of `text`, cut at a character boundary.
+pub(crate) fn echo(text: &str) -> String {
+    if text.len() <= MAX_ECHO {
+        return text.to_owned();
+    }
+    let mut end = MAX_ECHO;
+    while !text.is_char_boundary(end) {
+        end -= 1;
+    }
+    format!("{}…", &text[..end])
+}
+
 /// A gRPC trailers-only answer: HTTP 200, `grpc-status`, `grpc-message`.
 fn grpc_answer(code: u16, detail: &str, retry_after: Option<u64>) -> Response<Bytes> {
     let mut response = Response::new(Bytes::new());
@@ -621,6 +642,20 @@ mod tests {
                 .unwrap()
                 .ends_with(&format!(";t={told}")));
         }
+    }
+
+    /// A store that refuses while its answer shows room still gets a 429
+    /// that says something.
+    #[test]
+    fn a_refusal_with_room_on_every_quota_has_a_detail() {
+        let quota = Quota::daily(10);
+        let now: Timestamp = "2026-12-02T10:00:00Z".parse().unwrap();
+        let usage = [usage_of(10, 1, "2026-12-03T00:00:00Z")];
+        let refusal =
+            Refusal::quota_exceeded(std::slice::from_ref(&quota), &usage, |_| 1, now, 0, false);
+        assert!(refusal.violated.is_empty());
+        assert!(!refusal.detail.is_empty());
+        assert_eq!(refusal.retry_after, Some(1));
     }
 
     #[test]

@@ -217,6 +217,15 @@ async fn every_support_error_is_a_problem_document() {
             404,
         ),
         (Method::POST, "/admin/reset/account/acme/nope", 404),
+        // Empty or missing segments, other paths.
+        (Method::GET, "/admin/quota/account/", 404),
+        (Method::GET, "/admin/quota/account", 404),
+        (Method::POST, "/admin/reset/account/acme/", 404),
+        (Method::GET, "/admin/nothing", 404),
+        // A kind the policy's extractor never answers: a typo resets
+        // nothing a layer charges.
+        (Method::GET, "/admin/quota/acount/acme", 404),
+        (Method::POST, "/admin/reset/acount/acme/read", 404),
         (Method::POST, "/admin/quota/account/acme", 405),
         (Method::GET, "/admin/reset/account/acme/read", 405),
         (
@@ -234,6 +243,73 @@ async fn every_support_error_is_a_problem_document() {
         assert_eq!(problem["status"], status, "{method} {uri}: {problem}");
         assert!(problem["detail"].is_string(), "{problem}");
     }
+}
+
+/// Plans over the support routes and `standing`: as the layers read them,
+/// on every route; an unknown plan refused as the layers refuse it.
+#[tokio::test(flavor = "current_thread")]
+async fn support_reads_plans_as_the_layers_do() {
+    let policy = QuotaPolicy::builder(FromHeader::account("x-account-id"))
+        .plan(|parts| Some(parts.headers.get("x-plan")?.to_str().ok()?.to_owned()))
+        .on_unknown_plan(tower_quota::UnknownPlan::Reject)
+        .build();
+    let _layer = policy.layer(Quota::daily(10).plan("pro", 100).allowance("read"));
+    let admin = Router::new().nest("/admin", policy.handle().router());
+    let limit = |body: &serde_json::Value| body["allowances"][0]["limit"].clone();
+    for (method, uri) in [
+        (Method::GET, "/admin/quota/account/acme?plan=pro"),
+        (Method::POST, "/admin/reset/account/acme/read?plan=pro"),
+        (
+            Method::POST,
+            "/admin/refund/account/acme/read?amount=1&plan=pro",
+        ),
+    ] {
+        let response = send(&admin, method.clone(), uri).await;
+        assert_eq!(response.status(), StatusCode::OK, "{method} {uri}");
+        let body = axum::body::to_bytes(response.into_body(), 1 << 16)
+            .await
+            .unwrap();
+        let body: serde_json::Value = serde_json::from_slice(&body).unwrap();
+        assert_eq!(limit(&body), 100, "{method} {uri}");
+    }
+    let refused = send(&admin, Method::GET, "/admin/quota/account/acme?plan=gold").await;
+    assert_eq!(refused.status(), StatusCode::FORBIDDEN);
+    assert!(problem(refused).await["detail"]
+        .as_str()
+        .unwrap()
+        .contains("gold"));
+
+    let handle = policy.handle();
+    let parts = Request::get("/")
+        .header("x-account-id", "acme")
+        .header("x-plan", "gold")
+        .body(())
+        .unwrap()
+        .into_parts()
+        .0;
+    assert!(matches!(
+        handle.standing(&parts).await,
+        Err(tower_quota::StandingError::Plan(plan)) if plan == "gold"
+    ));
+}
+
+/// What a client sends is echoed short in a problem document.
+#[tokio::test(flavor = "current_thread")]
+async fn a_long_allowance_is_echoed_short() {
+    let (_, admin) = apps();
+    let long = "x".repeat(60_000);
+    let response = send(
+        &admin,
+        Method::POST,
+        &format!("/admin/reset/account/acme/{long}"),
+    )
+    .await;
+    assert_eq!(response.status(), StatusCode::NOT_FOUND);
+    let detail = problem(response).await["detail"]
+        .as_str()
+        .unwrap()
+        .to_owned();
+    assert!(detail.len() < 200, "{} bytes", detail.len());
 }
 
 #[tokio::test(flavor = "current_thread")]

@@ -28,10 +28,14 @@ impl<St: Store> QuotaHandle<St> {
     ///   and `reset` saying how and when the allowance returns
     ///   ([`QuotaUsage::explain_reset`]: `every day at 00:00 Europe/Berlin;
     ///   next at 2026-12-05T00:00:00+01:00[Europe/Berlin]`).
-    /// - `POST /reset/{kind}/{id}/{allowance}`: gives that allowance back
-    ///   (its current counters are deleted); answers the subject's standing.
-    /// - `POST /refund/{kind}/{id}/{allowance}?amount=N`: gives back `N`
-    ///   units of it; answers the subject's standing.
+    /// - `POST /reset/{kind}/{id}/{allowance}[?plan=P]`: gives that
+    ///   allowance back (its current counters are deleted); answers the
+    ///   subject's standing (on plan `P`'s limits, if given).
+    /// - `POST /refund/{kind}/{id}/{allowance}?amount=N[&plan=P]`: gives
+    ///   back `N` units of it; answers the subject's standing. A refund
+    ///   that fails part-way (the store failing between two quotas of the
+    ///   allowance) keeps what it gave back: check the standing before
+    ///   sending it again.
     /// - Every route takes `?zone=Z` (an IANA name), the caller's own zone
     ///   for a policy that reads one: the calendar counters of that zone
     ///   are the ones shown, reset or refunded. A policy that reads no
@@ -40,8 +44,12 @@ impl<St: Store> QuotaHandle<St> {
     /// Errors are `application/problem+json`: 400 for a malformed kind, id or
     /// amount (an id the layers would refuse: empty, all whitespace, longer
     /// than the policy's `max_subject_len`; a path segment that is not
-    /// UTF-8), 404 for an allowance no quota charges, 405
-    /// for a route called with another method, 503 when the store fails.
+    /// UTF-8), 403 for a plan the policy refuses
+    /// ([`UnknownPlan::Reject`](crate::UnknownPlan::Reject)), 404 for an
+    /// allowance no quota charges, a kind of subject the policy's extractor
+    /// never answers ([`SubjectExtractor::kinds`](crate::SubjectExtractor::kinds))
+    /// or any other path, 405 for a route called with another method, 503
+    /// when the store fails.
     ///
     /// ```
     /// use axum::{body::Body, Router};
@@ -72,6 +80,7 @@ impl<St: Store> QuotaHandle<St> {
             .route("/reset/{kind}/{id}/{allowance}", post(reset::<St>))
             .route("/refund/{kind}/{id}/{allowance}", post(refund::<St>))
             .method_not_allowed_fallback(method_not_allowed)
+            .fallback(not_found)
             .with_state(self.clone())
     }
 }
@@ -93,8 +102,7 @@ async fn show<St: Store>(
         Ok(handle) => handle,
         Err(response) => return response,
     };
-    let plan = param(query.as_deref(), "plan");
-    standing(&handle, &subject, plan.as_deref()).await
+    standing(&handle, &subject, query.as_deref()).await
 }
 
 /// The handle in the caller's zone that `?zone=` names (an IANA name), or
@@ -147,7 +155,7 @@ async fn reset<St: Store>(
                 allowance,
                 "quota allowance reset by support"
             );
-            standing(&handle, &subject, None).await
+            standing(&handle, &subject, query.as_deref()).await
         }
         Err(error) => unavailable(&error),
     }
@@ -189,7 +197,7 @@ async fn refund<St: Store>(
                 amount,
                 "quota refunded by support"
             );
-            standing(&handle, &subject, None).await
+            standing(&handle, &subject, query.as_deref()).await
         }
         Err(error) => unavailable(&error),
     }
@@ -222,17 +230,36 @@ fn subject<St>(handle: &QuotaHandle<St>, kind: &str, id: &str) -> Result<Subject
             "a subject kind is 1 to 64 of a-z, 0-9, '-', '_', '.'",
         ));
     }
-    Subject::new(SubjectKind::custom(kind), id.as_bytes())
+    let kind = SubjectKind::custom(kind);
+    if let Some(kinds) = handle.subject_kinds() {
+        if !kinds.contains(&kind) {
+            let known: Vec<&str> = kinds.iter().map(SubjectKind::as_str).collect();
+            return Err(problem(
+                StatusCode::NOT_FOUND,
+                &format!(
+                    "this policy charges no subject of kind {:?}; it charges: {}",
+                    kind.as_str(),
+                    known.join(", ")
+                ),
+            ));
+        }
+    }
+    Subject::new(kind, id.as_bytes())
         .checked(handle.settings().max_subject_len)
         .map_err(IntoResponse::into_response)
 }
 
+/// The subject's standing on the plan `?plan=` names, if any.
 async fn standing<St: Store>(
     handle: &QuotaHandle<St>,
     subject: &Subject,
-    plan: Option<&str>,
+    query: Option<&str>,
 ) -> Response {
-    match handle.usage_on_plan(subject, plan).await {
+    let plan = match handle.known_plan(param(query, "plan")) {
+        Ok(plan) => plan,
+        Err(error) => return error.into_response(),
+    };
+    match handle.usage_on_plan(subject, plan.as_deref()).await {
         Ok(usage) => {
             let body = json!({
                 "subject": {
@@ -247,6 +274,15 @@ async fn standing<St: Store>(
     }
 }
 
+/// A path no support route serves.
+async fn not_found() -> Response {
+    problem(
+        StatusCode::NOT_FOUND,
+        "no support route here: GET /quota/{kind}/{id}, POST /reset/{kind}/{id}/{allowance}, \
+         POST /refund/{kind}/{id}/{allowance}?amount=N",
+    )
+}
+
 /// A route called with another method; axum adds the `Allow` field.
 async fn method_not_allowed() -> Response {
     problem(
@@ -258,7 +294,10 @@ async fn method_not_allowed() -> Response {
 fn unknown_allowance(allowance: &str) -> Response {
     problem(
         StatusCode::NOT_FOUND,
-        &format!("no quota charges the allowance {allowance:?}"),
+        &format!(
+            "no quota charges the allowance {:?}",
+            response::echo(allowance)
+        ),
     )
 }
 
@@ -299,6 +338,7 @@ impl axum::response::IntoResponse for StandingError {
         match self {
             StandingError::Subject(error) => error.into_response(),
             StandingError::Zone(error) => problem(StatusCode::BAD_REQUEST, error.reason()),
+            StandingError::Plan(_) => problem(StatusCode::FORBIDDEN, &self.to_string()),
             StandingError::Store(error) => unavailable(&error),
         }
     }

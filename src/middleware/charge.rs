@@ -26,9 +26,6 @@ static STORE_ERRORS: Throttle = Throttle::new(5);
 /// Shadow refusals logged per second at most.
 static SHADOW_REFUSALS: Throttle = Throttle::new(5);
 
-/// Plans are echoed in a 403 up to this many bytes.
-const MAX_PLAN_ECHO: usize = 64;
-
 /// What a layer does with a request before the store is asked.
 pub(crate) enum Step {
     /// Nothing of this layer's to charge (let through uncounted further
@@ -186,7 +183,7 @@ fn identify<E: SubjectExtractor, St>(
             UnknownPlan::DefaultLimits => None,
             UnknownPlan::Reject => {
                 tracing::debug!("request refused: unknown plan");
-                let detail = format!("The plan {:?} has no quota here.", echo(&plan));
+                let detail = format!("The plan {:?} has no quota here.", response::echo(&plan));
                 return Err(response::early(StatusCode::FORBIDDEN, &detail, parts));
             }
         },
@@ -214,18 +211,6 @@ fn identify<E: SubjectExtractor, St>(
         zone,
         spread,
     }))
-}
-
-/// At most [`MAX_PLAN_ECHO`] bytes of `plan`, cut at a character boundary.
-fn echo(plan: &str) -> String {
-    if plan.len() <= MAX_PLAN_ECHO {
-        return plan.to_owned();
-    }
-    let mut end = MAX_PLAN_ECHO;
-    while !plan.is_char_boundary(end) {
-        end -= 1;
-    }
-    format!("{}…", &plan[..end])
 }
 
 /// The subject the request names, if usable.

@@ -162,6 +162,10 @@ where
         let value = parts.extensions.get::<T>().ok_or(SubjectError::Missing)?;
         Ok(Subject::new(self.kind.clone(), value.to_string()))
     }
+
+    fn kinds(&self) -> Option<Vec<SubjectKind>> {
+        Some(vec![self.kind.clone()])
+    }
 }
 
 /// Reads the subject from a field of a typed request extension. See
@@ -201,6 +205,10 @@ where
         let value = parts.extensions.get::<T>().ok_or(SubjectError::Missing)?;
         let id = (self.f)(value).try_into_subject_id()?;
         Ok(Subject::new(self.kind.clone(), id))
+    }
+
+    fn kinds(&self) -> Option<Vec<SubjectKind>> {
+        Some(vec![self.kind.clone()])
     }
 }
 

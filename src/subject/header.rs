@@ -75,6 +75,10 @@ impl SubjectExtractor for FromHeader {
         // The header value's bytes, shared: no copy.
         Ok(Subject::from_header(self.kind.clone(), value))
     }
+
+    fn kinds(&self) -> Option<Vec<SubjectKind>> {
+        Some(vec![self.kind.clone()])
+    }
 }
 
 #[cfg(test)]

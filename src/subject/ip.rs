@@ -336,6 +336,10 @@ impl SubjectExtractor for ClientIp {
         let client = self.client_ip(parts)?;
         Ok(Subject::new(SubjectKind::IP, self.id(client)))
     }
+
+    fn kinds(&self) -> Option<Vec<SubjectKind>> {
+        Some(vec![SubjectKind::IP])
+    }
 }
 
 /// The peer address the server put in the request extensions.

@@ -364,6 +364,14 @@ pub trait SubjectExtractor: Send + Sync + 'static {
     /// The subject charged for the request with this head.
     fn extract(&self, parts: &Parts) -> Result<Subject, SubjectError>;
 
+    /// The kinds of subject this extractor can answer, when it knows them
+    /// before any request; `None` (the default) when it does not (a
+    /// closure's). The support router answers 404 for a subject of any
+    /// other kind: a reset of a kind no layer charges would change nothing.
+    fn kinds(&self) -> Option<Vec<SubjectKind>> {
+        None
+    }
+
     /// Asks `self`, and `other` when `self` finds no subject
     /// ([`SubjectError::Missing`]): "the token's account, or else the
     /// `x-api-key` header".
@@ -416,6 +424,10 @@ pub trait SubjectExtractor: Send + Sync + 'static {
 impl<E: SubjectExtractor + ?Sized> SubjectExtractor for std::sync::Arc<E> {
     fn extract(&self, parts: &Parts) -> Result<Subject, SubjectError> {
         (**self).extract(parts)
+    }
+
+    fn kinds(&self) -> Option<Vec<SubjectKind>> {
+        (**self).kinds()
     }
 }
 

@@ -1,6 +1,6 @@
 use http::request::Parts;
 
-use super::{Subject, SubjectError, SubjectExtractor};
+use super::{Subject, SubjectError, SubjectExtractor, SubjectKind};
 
 /// Asks one extractor, then another when the first finds no subject. See
 /// [`SubjectExtractor::or`].
@@ -26,6 +26,16 @@ where
             Err(SubjectError::Missing) => self.second.extract(parts),
             answer => answer,
         }
+    }
+
+    fn kinds(&self) -> Option<Vec<SubjectKind>> {
+        let mut kinds = self.first.kinds()?;
+        for kind in self.second.kinds()? {
+            if !kinds.contains(&kind) {
+                kinds.push(kind);
+            }
+        }
+        Some(kinds)
     }
 }
 
