@@ -159,7 +159,7 @@ impl Text {
     /// Past the stack's room: the text moves to the heap.
     #[cold]
     fn push_long(&mut self, bytes: &[u8]) {
-        let text = std::str::from_utf8(bytes).unwrap_or_default();
+        let text = std::str::from_utf8(bytes).expect("keys are UTF-8");
         match &mut self.long {
             Some(long) => long.push_str(text),
             None => {
@@ -202,10 +202,58 @@ impl Default for Namespace {
 
 /// The key of one counter: one subject, one allowance, one period. Cheap to
 /// clone: clones share the text.
-#[derive(Clone, Debug, PartialEq, Eq, Hash, PartialOrd, Ord)]
+///
+/// Its text (`as_str`, `Display`) holds the subject's id, often an API key;
+/// its `Debug` hides the id behind a short keyed hash:
+/// `PeriodKey("quota:{account:#1a2b3c4d}:read:2026-12-02")`.
+#[derive(Clone, PartialEq, Eq, Hash, PartialOrd, Ord)]
 pub struct PeriodKey(Arc<str>);
 
+impl fmt::Debug for PeriodKey {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_tuple("PeriodKey").field(&self.logged()).finish()
+    }
+}
+
+/// Writes the hash tag `tag` (`kind:id`) as `kind:#1a2b3c4d`.
+pub(crate) fn push_hidden(out: &mut String, tag: &str) {
+    if let Some((kind, _)) = tag.split_once(':') {
+        out.push_str(kind);
+        out.push(':');
+    }
+    write!(out, "#{:08x}", secret_hash(tag)).expect("writing to a String cannot fail");
+}
+
+/// A hash of `tag` keyed with a secret drawn when the process starts.
+fn secret_hash(tag: &str) -> u64 {
+    use std::hash::BuildHasher;
+    static SECRET: std::sync::OnceLock<foldhash::fast::RandomState> = std::sync::OnceLock::new();
+    SECRET.get_or_init(Default::default).hash_one(tag) >> 32
+}
+
 impl PeriodKey {
+    /// The key as logs show it: the subject's id (often an API key) is
+    /// replaced by a short hash, keyed with a secret drawn when the process
+    /// starts (as the layer's spans name subjects), so that a log tells one
+    /// subject's counters apart from another's without revealing the id:
+    /// `quota:{account:#1a2b3c4d}:read:2026-12-02`. A key without a
+    /// `{subject}` part is a hash of its own, `#1a2b3c4d`.
+    pub(crate) fn logged(&self) -> String {
+        let text = self.as_str();
+        let tag = self.hash_tag();
+        if tag.len() == text.len() {
+            return format!("#{:08x}", secret_hash(tag));
+        }
+        // The tag is a slice of the key, between its first `{` and `}`.
+        let start = tag.as_ptr() as usize - text.as_ptr() as usize;
+        let end = start + tag.len();
+        let mut out = String::with_capacity(text.len() + 10);
+        out.push_str(&text[..start]);
+        push_hidden(&mut out, tag);
+        out.push_str(&text[end..]);
+        out
+    }
+
     /// Wraps a key built elsewhere (e.g. read back from a store).
     pub fn from_string(key: String) -> Self {
         Self(key.into())
@@ -308,6 +356,17 @@ mod tests {
     use super::*;
     use crate::subject::SubjectKind;
     use proptest::prelude::*;
+
+    #[test]
+    fn debug_hides_the_subjects_id() {
+        let key =
+            Namespace::default().key(&Subject::account("sk_live_secret"), "read", "2026-12-02");
+        let shown = format!("{key:?}");
+        assert!(!shown.contains("sk_live_secret"), "{shown}");
+        assert!(shown.starts_with("PeriodKey(\"quota:{account:#"), "{shown}");
+        assert!(shown.ends_with("}:read:2026-12-02\")"), "{shown}");
+        assert_eq!(key.to_string(), key.as_str(), "the text keeps the id");
+    }
 
     #[test]
     fn a_lease_mark_follows_the_allowance() {

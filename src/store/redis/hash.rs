@@ -10,9 +10,6 @@
 //! `xor` then one multiplication per byte), and the tests pin its outputs,
 //! so a change is caught.
 
-use std::fmt::Write;
-use std::hash::BuildHasher;
-use std::sync::OnceLock;
 use std::time::Duration;
 
 use super::script::as_millis;
@@ -31,26 +28,9 @@ pub(super) fn fnv1a_64(bytes: &[u8]) -> u64 {
     })
 }
 
-/// `key` as logs show it: the subject's id (often an API key) is replaced
-/// by a short hash, keyed with a secret drawn when the process starts (as
-/// the layer's spans name subjects), so that a log tells one subject's
-/// counters apart from another's without revealing the id:
-/// `quota:{account:#1a2b3c4d}:read:2026-12-02`. A key without a `{subject}`
-/// part is a hash of its own, `#1a2b3c4d`.
+/// `key` as logs show it: see [`PeriodKey::logged`].
 pub(super) fn logged(key: &PeriodKey) -> String {
-    let text = key.as_str();
-    let tag = key.hash_tag();
-    if tag.len() == text.len() {
-        return format!("#{:08x}", secret_hash(tag));
-    }
-    // The tag is a slice of the key, between its first `{` and `}`.
-    let start = tag.as_ptr() as usize - text.as_ptr() as usize;
-    let end = start + tag.len();
-    let mut out = String::with_capacity(text.len() + 10);
-    out.push_str(&text[..start]);
-    push_hidden(&mut out, tag);
-    out.push_str(&text[end..]);
-    out
+    key.logged()
 }
 
 /// `text` (an error Redis sent, which may name keys) with every `{subject}`
@@ -63,26 +43,11 @@ pub(super) fn scrubbed(text: &str) -> String {
             break;
         };
         out.push_str(&rest[..=open]);
-        push_hidden(&mut out, &rest[open + 1..open + 1 + len]);
+        crate::key::push_hidden(&mut out, &rest[open + 1..open + 1 + len]);
         rest = &rest[open + 1 + len..];
     }
     out.push_str(rest);
     out
-}
-
-/// Writes the hash tag `tag` (`kind:id`) as `kind:#1a2b3c4d`.
-fn push_hidden(out: &mut String, tag: &str) {
-    if let Some((kind, _)) = tag.split_once(':') {
-        out.push_str(kind);
-        out.push(':');
-    }
-    write!(out, "#{:08x}", secret_hash(tag)).expect("writing to a String cannot fail");
-}
-
-/// A hash of `tag` keyed with a secret drawn when the process starts.
-fn secret_hash(tag: &str) -> u64 {
-    static SECRET: OnceLock<foldhash::fast::RandomState> = OnceLock::new();
-    SECRET.get_or_init(Default::default).hash_one(tag) >> 32
 }
 
 /// A deadline offset in `[0, spread]` drawn from the key, so every instance
