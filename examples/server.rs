@@ -17,7 +17,7 @@
 //! `x-device-id`, per `--subject`):
 //! - `GET /read`: allowance `read`, cost 1.
 //! - `POST /write`: allowance `write`, cost 1.
-//! - `POST /bulk?n=K`: costs K of `write`.
+//! - `POST /bulk?n=K`: costs K (above 0) of `write`.
 //! - `GET /search`: allowance `read`, and a burst quota of its own
 //!   (allowance `search`, `--burst` per calendar minute); a search refused by
 //!   the burst quota spends nothing of `read`.
@@ -40,7 +40,9 @@
 //! is counted and reported but never refuses. With `--zone-header NAME`,
 //! each caller's calendar days (weeks, months) turn at midnight in the IANA
 //! zone its `NAME` header names (absent: `--tz`; unknown or malformed: 400,
-//! nothing charged).
+//! nothing charged). A demonstration: each zone has counters of its own, so
+//! a client that chooses its zone can spend a day's allowance in each; a
+//! real API reads the zone from the authenticated account.
 //!
 //! With `--lease`, the store is wrapped in a `LeasedStore`: a busy subject's
 //! requests are counted from blocks taken from the store (Redis) in one
@@ -289,8 +291,11 @@ fn bulk_cost(parts: &Parts) -> Result<u64, InvalidRequest> {
         .split('&')
         .find_map(|pair| pair.strip_prefix("n="))
         .ok_or_else(|| InvalidRequest::new("POST /bulk needs ?n=K"))?;
-    n.parse()
-        .map_err(|_| InvalidRequest::new("n must be a whole number"))
+    match n.parse() {
+        // Nothing to write is not a free pass past a spent allowance.
+        Ok(0) | Err(_) => Err(InvalidRequest::new("n must be a whole number above 0")),
+        Ok(n) => Ok(n),
+    }
 }
 
 /// The IANA zone the `header` of a request names; `None` when it names none.
@@ -345,19 +350,21 @@ async fn quota_status<St: Store>(State(handle): State<QuotaHandle<St>>, parts: P
 
 /// Lets through only requests with `Authorization: Bearer <token>`.
 async fn bearer(token: &str, request: Request, next: Next) -> Response {
+    // The scheme is case-insensitive (RFC 9110).
     let sent = request
         .headers()
         .get(http::header::AUTHORIZATION)
-        .and_then(|v| v.as_bytes().strip_prefix(b"Bearer "));
-    // Compared in full whatever the first difference, so timing tells
-    // nothing about the token.
+        .map(|v| v.as_bytes())
+        .filter(|v| v.len() > 7 && v[..7].eq_ignore_ascii_case(b"bearer "))
+        .map(|v| &v[7..]);
+    // Compared in full, over the longer of the two, whatever the first
+    // difference: timing tells nothing about the token, nor its length.
     let matches = sent.is_some_and(|sent| {
-        sent.len() == token.len()
-            && sent
-                .iter()
-                .zip(token.as_bytes())
-                .fold(0u8, |acc, (a, b)| acc | (a ^ b))
-                == 0
+        let token = token.as_bytes();
+        let differ = (0..sent.len().max(token.len())).fold(0u8, |acc, i| {
+            acc | (sent.get(i).copied().unwrap_or(0) ^ token.get(i).copied().unwrap_or(0))
+        });
+        differ == 0 && sent.len() == token.len()
     });
     if matches {
         next.run(request).await

@@ -39,6 +39,8 @@ async fn demo_server_enforces_read_and_write_allowances() {
     assert_eq!(call(&server, "POST", "/bulk?n=2", ACME).await.status, 429);
     assert_eq!(call(&server, "POST", "/write", ACME).await.status, 200);
     assert_eq!(call(&server, "POST", "/bulk?n=x", ACME).await.status, 400);
+    // Nothing to write is no free pass past a spent allowance.
+    assert_eq!(call(&server, "POST", "/bulk?n=0", ACME).await.status, 400);
 
     let status = call(&server, "GET", "/quota", ACME).await;
     assert_eq!(status.status, 200);
@@ -243,6 +245,8 @@ async fn demo_server_support_routes_need_the_token() {
     for headers in [
         &[][..],
         &[("authorization", "Bearer wrong")],
+        &[("authorization", "Bearer s3cret2")],
+        &[("authorization", "Bearer s3cre")],
         &[("authorization", "s3cret")],
     ] {
         let refused = call(&server, "GET", path, headers).await;
@@ -252,6 +256,9 @@ async fn demo_server_support_routes_need_the_token() {
             Some("application/problem+json")
         );
     }
+    // The scheme is case-insensitive.
+    let lower: &[(&str, &str)] = &[("authorization", "bearer s3cret")];
+    assert_eq!(call(&server, "GET", path, lower).await.status, 200);
     let admin: &[(&str, &str)] = &[("authorization", "Bearer s3cret")];
     let json = quota(&call(&server, "GET", path, admin).await);
     assert_eq!(
