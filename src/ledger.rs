@@ -258,14 +258,33 @@ impl Ledger {
         debts: impl IntoIterator<Item = Debt>,
     ) {
         let max = settings.max_owed;
+        let most = store.max_count();
         let now = settings.clock.now();
         let mut book = self.lock();
-        for debt in debts {
+        for mut debt in debts {
             if debt.amount == 0 {
                 continue;
             }
+            if debt.amount > most {
+                // More than the store counts: it would refuse the whole
+                // settle. What it can hold is owed; the rest goes uncounted.
+                crate::metrics::ledger_dropped(
+                    crate::metrics::dropped::REFUSED,
+                    debt.amount - most,
+                );
+                if let Some(suppressed) = FULL.admit() {
+                    tracing::warn!(
+                        amount = debt.amount,
+                        most,
+                        suppressed,
+                        "a request that passed on a failed charge (fail open) owes more than \
+                         the store counts: the rest goes uncounted"
+                    );
+                }
+                debt.amount = most;
+            }
             let amount = debt.amount;
-            if book.record(debt, now, max) {
+            if book.record_within(debt, now, max, most) {
                 crate::metrics::ledger_owed(amount);
             } else {
                 crate::metrics::ledger_dropped(crate::metrics::dropped::FULL, amount);
@@ -324,14 +343,26 @@ impl Drop for Ledger {
 }
 
 impl Book {
-    /// Adds `debt` recorded at `now` to its entry, or opens one within the
-    /// bound `max`; `false` when there is no room.
+    /// [`record_within`](Self::record_within) a store that counts any sum.
+    #[cfg(test)]
     fn record(&mut self, debt: Debt, now: Timestamp, max: usize) -> bool {
-        if let Some(entry) = self
-            .owed
-            .get_mut(&debt.key)
-            .and_then(|entries| entries.iter_mut().find(|e| e.covers(&debt)))
-        {
+        self.record_within(debt, now, max, u64::MAX)
+    }
+
+    /// Adds `debt` recorded at `now` to its entry, or opens one within the
+    /// bound `max`; `false` when there is no room. For a store that counts
+    /// up to `most`, an entry never grows past it (the store would refuse
+    /// its settle whole): a debt that would take it there opens an entry of
+    /// its own.
+    fn record_within(&mut self, debt: Debt, now: Timestamp, max: usize, most: u64) -> bool {
+        if let Some(entry) = self.owed.get_mut(&debt.key).and_then(|entries| {
+            entries.iter_mut().find(|e| {
+                e.covers(&debt)
+                    && e.amount
+                        .checked_add(debt.amount)
+                        .is_some_and(|sum| sum <= most)
+            })
+        }) {
             entry.join(&debt);
             // An earlier request may have brought the entry's end forward.
             let (id, end) = (entry.id, entry.lifetime.end());

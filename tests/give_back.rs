@@ -369,3 +369,38 @@ async fn a_give_back_after_a_reset_leaves_the_new_counter_alone() {
     assert_eq!(failed.status(), StatusCode::INTERNAL_SERVER_ERROR);
     assert_eq!(used(&policy, "default-day").await, 1);
 }
+
+/// An inner service whose `call` panics.
+#[derive(Clone)]
+struct Panics;
+
+impl tower::Service<Request<Body>> for Panics {
+    type Response = Response<Body>;
+    type Error = std::convert::Infallible;
+    type Future = std::future::Ready<Result<Response<Body>, std::convert::Infallible>>;
+
+    fn poll_ready(
+        &mut self,
+        _: &mut std::task::Context<'_>,
+    ) -> std::task::Poll<Result<(), Self::Error>> {
+        std::task::Poll::Ready(Ok(()))
+    }
+
+    fn call(&mut self, _: Request<Body>) -> Self::Future {
+        panic!("the inner service panics in call");
+    }
+}
+
+/// A request whose inner service panics in `call` (caught further out)
+/// was never served: its charge goes back.
+#[tokio::test]
+async fn a_panic_in_the_inner_call_gives_the_charge_back() {
+    let policy = policy(MemoryStore::new(), "quota").build();
+    let mut service = tower::Layer::layer(&policy.layer(Quota::daily(10)), Panics);
+    tower::ServiceExt::ready(&mut service).await.unwrap();
+    let caught = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
+        tower::Service::call(&mut service, call("/"))
+    }));
+    assert!(caught.is_err());
+    assert_eq!(used(&policy, "default-day").await, 0);
+}

@@ -2,6 +2,9 @@
 
 use std::sync::{Arc, Mutex};
 
+#[allow(dead_code)]
+mod rigged;
+
 use axum::body::Body;
 use axum::routing::get;
 use axum::Router;
@@ -450,4 +453,40 @@ async fn a_zone_for_a_policy_that_reads_none_is_refused() {
         StatusCode::TOO_MANY_REQUESTS,
         "nothing was reset"
     );
+}
+
+/// A store's error that names a key is logged with the subject's id hidden,
+/// fail-open and fail-closed alike.
+#[tokio::test(flavor = "current_thread")]
+async fn store_errors_are_logged_without_the_subject_id() {
+    for fail_open in [true, false] {
+        let logs = Logs::default();
+        let _guard = tracing::subscriber::set_default(logs.clone());
+        let store = rigged::Rigged::new(tower_quota::MemoryStore::new(), rigged::Rig::Fail, None);
+        let on_error = if fail_open {
+            tower_quota::OnStoreError::FailOpen
+        } else {
+            tower_quota::OnStoreError::FailClosed {
+                retry_after: std::time::Duration::from_secs(1),
+            }
+        };
+        let policy = QuotaPolicy::builder(FromHeader::account("x-account-id"))
+            .store(store)
+            .on_store_error(on_error)
+            .build();
+        let app = Router::new()
+            .route("/", get(|| async { "hi" }))
+            .route_layer(policy.layer(Quota::daily(10)));
+        send(&app, Method::GET, "/").await;
+        let logs = logs.0.lock().unwrap();
+        let errors: Vec<&str> = logs.iter().filter_map(|(_, f)| field(f, "error")).collect();
+        assert!(!errors.is_empty(), "the failure is logged");
+        for error in errors {
+            assert!(!error.contains("sk_live_secret_key"), "{error}");
+            assert!(
+                error.contains("rigged to fail on quota:{account:#"),
+                "{error}"
+            );
+        }
+    }
 }

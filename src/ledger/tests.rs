@@ -71,6 +71,22 @@ fn assert_queue_holds_every_entry_once(book: &Book) {
 
 const NOON: &str = "2026-12-02T12:00:00Z";
 
+/// Debts that together pass what the store counts go in entries of their
+/// own: the store would refuse one settle of the sum whole.
+#[test]
+fn an_entry_never_grows_past_what_the_store_counts() {
+    let mut book = Book::default();
+    let now = at(NOON);
+    let acme = key("acme", "2026-12-02");
+    assert!(book.record_within(calendar(&acme, 8, now), now, 10, 10));
+    assert!(book.record_within(calendar(&acme, 2, now), now, 10, 10));
+    assert!(book.record_within(calendar(&acme, 5, now), now, 10, 10));
+    assert_eq!((book.queue.len(), book.units), (2, 15));
+    let amounts: Vec<u64> = book.owed[&acme].iter().map(|e| e.amount).collect();
+    assert_eq!(amounts, [10, 5]);
+    assert_queue_holds_every_entry_once(&book);
+}
+
 #[test]
 fn debts_on_one_calendar_counter_add_up_in_one_entry() {
     let mut book = Book::default();

@@ -420,18 +420,36 @@ pub(crate) fn decide(
         Err(error) => match settings.on_store_error {
             OnStoreError::FailOpen => {
                 if let Some(suppressed) = STORE_ERRORS.admit() {
-                    tracing::warn!(%error, suppressed, "quota store failed; request passes, its charge owed until the store answers (fail open)");
+                    let error = hidden(&error, charge.request.lines.iter().map(|l| &l.key));
+                    tracing::warn!(error, suppressed, "quota store failed; request passes, its charge owed until the store answers (fail open)");
                 }
                 Decision::PassUncounted
             }
             OnStoreError::FailClosed { retry_after } => {
                 if let Some(suppressed) = STORE_ERRORS.admit() {
-                    tracing::error!(%error, suppressed, "quota store failed; request refused (fail closed)");
+                    let error = hidden(&error, charge.request.lines.iter().map(|l| &l.key));
+                    tracing::error!(
+                        error,
+                        suppressed,
+                        "quota store failed; request refused (fail closed)"
+                    );
                 }
                 Decision::Unavailable(retry_after)
             }
         },
     }
+}
+
+/// `error`'s text with every key of `keys` in it shown as logs show keys,
+/// without the subject's id: a store of the application's own may name
+/// them.
+pub(crate) fn hidden<'k>(
+    error: &StoreError,
+    keys: impl Iterator<Item = &'k crate::key::PeriodKey>,
+) -> String {
+    keys.fold(error.to_string(), |text, key| {
+        text.replace(key.as_str(), &key.logged())
+    })
 }
 
 /// Shadow quotas were charged without a limit: their usage gets the limit

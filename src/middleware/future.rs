@@ -199,14 +199,17 @@ where
             let lines = Arc::new(Lines::new(layer, quotas, lines));
             charge.ticket.charges.push(Arc::clone(&lines));
             QuotaStatus::put_in(request.extensions_mut(), charge.ticket);
+            // Made before the inner service is called: if its `call`
+            // panics, dropping it gives the charge back.
+            let charged = Unanswered(Some(Charged {
+                bound: Arc::clone(bound),
+                lines,
+                now,
+                spread,
+            }));
             State::Calling {
                 future: inner.call(request),
-                charged: Unanswered(Some(Charged {
-                    bound: Arc::clone(bound),
-                    lines,
-                    now,
-                    spread,
-                })),
+                charged,
                 owing: None,
             }
         }
@@ -308,8 +311,9 @@ fn apply<St: Store>(
             }
             results.push(result.unwrap_or_else(|error| {
                 if let Some(suppressed) = ADJUST_ERRORS.admit() {
+                    let error = charge::hidden(&error, std::iter::once(&key));
                     tracing::warn!(
-                        %error,
+                        error,
                         ?op,
                         suppressed,
                         "quota store failed to adjust a charge after the response"

@@ -86,9 +86,10 @@ impl<St: Store> Store for Rigged<St> {
         self.met.notify_one();
         match self.rig {
             Rig::Stall => Box::pin(std::future::pending()),
+            // Naming the key, as a store of an application's own may.
             Rig::Fail => Box::pin(std::future::ready(Err(StoreError::new(
                 StoreErrorKind::Unavailable,
-                "rigged to fail",
+                format!("rigged to fail on {}", request.lines[0].key),
             )))),
             Rig::ShortUsage => {
                 let charge = self.inner.charge(request);
