@@ -358,7 +358,7 @@ async fn bearer(token: &str, request: Request, next: Next) -> Response {
         .filter(|v| v.len() > 7 && v[..7].eq_ignore_ascii_case(b"bearer "))
         .map(|v| &v[7..]);
     // Compared in full, over the longer of the two, whatever the first
-    // difference: timing tells nothing about the token, nor its length.
+    // difference: timing tells nothing about the token's bytes.
     let matches = sent.is_some_and(|sent| {
         let token = token.as_bytes();
         let differ = (0..sent.len().max(token.len())).fold(0u8, |acc, i| {

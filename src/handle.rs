@@ -339,8 +339,12 @@ impl<St: Store> QuotaHandle<St> {
             })
             .await?;
         let mut refunded = Vec::with_capacity(lines.len());
-        for (line, usage) in lines.into_iter().zip(current) {
-            let later_period = usage.first_call.is_some_and(|first| first > charged_at);
+        for ((line, usage), quota) in lines.into_iter().zip(current).zip(quotas) {
+            // A first-use period that opened after the charge is not the one
+            // charged. (A calendar counter's first call tells no period: the
+            // window is in its key.)
+            let later_period = quota.anchor() == crate::period::Anchor::FirstUse
+                && usage.first_call.is_some_and(|first| first > charged_at);
             refunded.push(if later_period {
                 None
             } else {

@@ -224,6 +224,24 @@ pub(crate) fn push_hidden(out: &mut String, tag: &str) {
     write!(out, "#{:08x}", secret_hash(tag)).expect("writing to a String cannot fail");
 }
 
+/// `text` (an error a store sent, which may name keys) with every
+/// `{subject}` part of a key in it hidden as [`PeriodKey::logged`] hides
+/// it.
+pub(crate) fn scrubbed(text: &str) -> String {
+    let mut out = String::with_capacity(text.len() + 10);
+    let mut rest = text;
+    while let Some(open) = rest.find('{') {
+        let Some(len) = rest[open + 1..].find('}') else {
+            break;
+        };
+        out.push_str(&rest[..=open]);
+        push_hidden(&mut out, &rest[open + 1..open + 1 + len]);
+        rest = &rest[open + 1 + len..];
+    }
+    out.push_str(rest);
+    out
+}
+
 /// A hash of `tag` keyed with a secret drawn when the process starts.
 fn secret_hash(tag: &str) -> u64 {
     use std::hash::BuildHasher;

@@ -690,7 +690,8 @@ async fn settle<St: Store>(
                 crate::metrics::ledger_dropped(crate::metrics::dropped::REFUSED, amount);
                 // The store's message may name the key, and with it the
                 // subject's id.
-                let error = error.to_string().replace(key.as_str(), "the counter");
+                let error =
+                    crate::key::scrubbed(&error.to_string().replace(key.as_str(), "the counter"));
                 if let Some(suppressed) = REFUSED.admit() {
                     tracing::warn!(
                         amount,
@@ -711,7 +712,8 @@ async fn settle<St: Store>(
                     tokio::task::yield_now().await;
                     continue;
                 }
-                let error = error.to_string().replace(key.as_str(), "the counter");
+                let error =
+                    crate::key::scrubbed(&error.to_string().replace(key.as_str(), "the counter"));
                 tracing::debug!(
                     error,
                     counters = owed,

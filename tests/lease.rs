@@ -918,6 +918,31 @@ async fn units_held_across_a_reset_made_elsewhere_never_go_back_to_the_new_count
     assert_eq!(counted(&shared, now).await, 5);
 }
 
+/// A refund of a request charged before a reset lands neither in a block
+/// of the counter made since nor on that counter.
+#[tokio::test(start_paused = true)]
+async fn a_refund_made_before_a_reset_never_lands_in_a_block_of_the_new_counter() {
+    let shared = MemoryStore::new();
+    let leased = LeasedStore::new(shared.clone());
+    let mut now = t0();
+    let charged_at = now;
+    assert!(call(&leased, now, 10_000).await.admitted);
+    assert!(leased.reset(day_key()).await.unwrap());
+    tokio::time::advance(Duration::from_millis(10)).await;
+    now += SignedDuration::from_millis(10);
+    busy(&leased, &mut now, 200, 10_000, 1).await;
+    let held = leased.held();
+    assert!(held > 0);
+    let refunded = leased
+        .refund_made_by(now, day_key(), 1, charged_at)
+        .await
+        .unwrap();
+    assert_eq!(refunded, None, "the counter charged is gone");
+    assert_eq!(leased.held(), held);
+    assert_eq!(leased.shutdown().await, held);
+    assert_eq!(counted(&shared, now).await, 200);
+}
+
 #[tokio::test(start_paused = true)]
 async fn a_refund_lands_in_the_block_and_goes_back_with_it() {
     let shared = MemoryStore::new();

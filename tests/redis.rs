@@ -2057,7 +2057,8 @@ async fn a_limit_or_cost_that_is_not_a_number_refuses_on_every_path() {
         let mut batch = vec!["evalsha", sha, "1", daily.as_str(), "b", "1", ms.as_str()];
         batch.extend(line);
         let reply = server.cli(&batch);
-        // Refused, in the short form: 2 + admitted, then the count.
+        // Refused, in the short form: 2 + admitted, the count, the first
+        // call.
         assert_eq!(reply.lines().next(), Some("2"), "{limit}/{cost}: {reply}");
     }
     assert_eq!(server.cli(&["hget", daily.as_str(), "n"]), "1");

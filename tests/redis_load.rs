@@ -422,7 +422,7 @@ async fn charges_sent_together_are_each_decided_on_their_own() {
 }
 
 /// Charges of one quota on counters that exist travel in a batch in their
-/// short form (the quota's arguments once, Redis's answer in two or four
+/// short form (the quota's arguments once, Redis's answer in three or four
 /// values); each is told what a charge sent alone would be told.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn batched_charges_on_existing_counters_are_told_what_a_lone_charge_is() {

@@ -256,8 +256,32 @@ async fn support_reads_plans_as_the_layers_do() {
         .plan(|parts| Some(parts.headers.get("x-plan")?.to_str().ok()?.to_owned()))
         .on_unknown_plan(tower_quota::UnknownPlan::Reject)
         .build();
-    let _layer = policy.layer(Quota::daily(10).plan("pro", 100).allowance("read"));
+    let app = Router::new()
+        .route("/", get(|| async { "hi" }))
+        .route_layer(policy.layer(Quota::daily(10).plan("pro", 100).allowance("read")));
     let admin = Router::new().nest("/admin", policy.handle().router());
+    let charge = Request::get("/")
+        .header("x-account-id", "acme")
+        .body(Body::empty())
+        .unwrap();
+    assert_eq!(app.oneshot(charge).await.unwrap().status(), StatusCode::OK);
+    // A refund or reset with a refused plan changes nothing.
+    for uri in [
+        "/admin/refund/account/acme/read?amount=1&plan=gold",
+        "/admin/reset/account/acme/read?plan=gold",
+    ] {
+        let refused = send(&admin, Method::POST, uri).await;
+        assert_eq!(refused.status(), StatusCode::FORBIDDEN, "{uri}");
+    }
+    assert_eq!(
+        policy
+            .handle()
+            .usage(&Subject::account("acme"))
+            .await
+            .unwrap()[0]
+            .used(),
+        1
+    );
     let limit = |body: &serde_json::Value| body["allowances"][0]["limit"].clone();
     for (method, uri) in [
         (Method::GET, "/admin/quota/account/acme?plan=pro"),

@@ -51,6 +51,13 @@ impl<St: Store> QuotaHandle<St> {
     /// or any other path, 405 for a route called with another method, 503
     /// when the store fails.
     ///
+    /// Mount it with `Router::nest` under a prefix of its own, as below: its
+    /// 404 answers only the paths under that prefix. (`Router::merge` would
+    /// make it the application's 404, and panics when the application has
+    /// a fallback of its own.) Put the admin authentication on it with
+    /// `Router::layer`, which covers its 404 and 405 too, not
+    /// `route_layer`.
+    ///
     /// ```
     /// use axum::{body::Body, Router};
     /// use http::{Request, StatusCode};
@@ -102,7 +109,11 @@ async fn show<St: Store>(
         Ok(handle) => handle,
         Err(response) => return response,
     };
-    standing(&handle, &subject, query.as_deref()).await
+    let plan = match handle.known_plan(param(query.as_deref(), "plan")) {
+        Ok(plan) => plan,
+        Err(error) => return error.into_response(),
+    };
+    standing(&handle, &subject, plan.as_deref()).await
 }
 
 /// The handle in the caller's zone that `?zone=` names (an IANA name), or
@@ -146,6 +157,11 @@ async fn reset<St: Store>(
         Ok(handle) => handle,
         Err(response) => return response,
     };
+    // Checked before anything is written: a refused plan changes nothing.
+    let plan = match handle.known_plan(param(query.as_deref(), "plan")) {
+        Ok(plan) => plan,
+        Err(error) => return error.into_response(),
+    };
     match handle.reset_allowance(&subject, &allowance).await {
         Ok(0) => unknown_allowance(&allowance),
         Ok(_) => {
@@ -155,7 +171,7 @@ async fn reset<St: Store>(
                 allowance,
                 "quota allowance reset by support"
             );
-            standing(&handle, &subject, query.as_deref()).await
+            standing(&handle, &subject, plan.as_deref()).await
         }
         Err(error) => unavailable(&error),
     }
@@ -181,6 +197,11 @@ async fn refund<St: Store>(
     let Some(amount) = param(query.as_deref(), "amount").and_then(|a| a.parse::<u64>().ok()) else {
         return problem(StatusCode::BAD_REQUEST, "send ?amount=N, a whole number");
     };
+    // Checked before anything is written: a refused plan changes nothing.
+    let plan = match handle.known_plan(param(query.as_deref(), "plan")) {
+        Ok(plan) => plan,
+        Err(error) => return error.into_response(),
+    };
     if !handle
         .quotas()
         .iter()
@@ -197,7 +218,7 @@ async fn refund<St: Store>(
                 amount,
                 "quota refunded by support"
             );
-            standing(&handle, &subject, query.as_deref()).await
+            standing(&handle, &subject, plan.as_deref()).await
         }
         Err(error) => unavailable(&error),
     }
@@ -249,17 +270,13 @@ fn subject<St>(handle: &QuotaHandle<St>, kind: &str, id: &str) -> Result<Subject
         .map_err(IntoResponse::into_response)
 }
 
-/// The subject's standing on the plan `?plan=` names, if any.
+/// The subject's standing on `plan`'s limits, if it has one.
 async fn standing<St: Store>(
     handle: &QuotaHandle<St>,
     subject: &Subject,
-    query: Option<&str>,
+    plan: Option<&str>,
 ) -> Response {
-    let plan = match handle.known_plan(param(query, "plan")) {
-        Ok(plan) => plan,
-        Err(error) => return error.into_response(),
-    };
-    match handle.usage_on_plan(subject, plan.as_deref()).await {
+    match handle.usage_on_plan(subject, plan).await {
         Ok(usage) => {
             let body = json!({
                 "subject": {
@@ -306,7 +323,12 @@ static STORE_ERRORS: crate::throttle::Throttle = crate::throttle::Throttle::new(
 
 fn unavailable(error: &crate::store::StoreError) -> Response {
     if let Some(suppressed) = STORE_ERRORS.admit() {
-        tracing::error!(%error, suppressed, "quota store failed answering a support request");
+        let error = crate::key::scrubbed(&error.to_string());
+        tracing::error!(
+            error,
+            suppressed,
+            "quota store failed answering a support request"
+        );
     }
     problem(
         StatusCode::SERVICE_UNAVAILABLE,

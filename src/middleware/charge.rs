@@ -420,14 +420,14 @@ pub(crate) fn decide(
         Err(error) => match settings.on_store_error {
             OnStoreError::FailOpen => {
                 if let Some(suppressed) = STORE_ERRORS.admit() {
-                    let error = hidden(&error, charge.request.lines.iter().map(|l| &l.key));
+                    let error = hidden(&error);
                     tracing::warn!(error, suppressed, "quota store failed; request passes, its charge owed until the store answers (fail open)");
                 }
                 Decision::PassUncounted
             }
             OnStoreError::FailClosed { retry_after } => {
                 if let Some(suppressed) = STORE_ERRORS.admit() {
-                    let error = hidden(&error, charge.request.lines.iter().map(|l| &l.key));
+                    let error = hidden(&error);
                     tracing::error!(
                         error,
                         suppressed,
@@ -440,16 +440,10 @@ pub(crate) fn decide(
     }
 }
 
-/// `error`'s text with every key of `keys` in it shown as logs show keys,
-/// without the subject's id: a store of the application's own may name
-/// them.
-pub(crate) fn hidden<'k>(
-    error: &StoreError,
-    keys: impl Iterator<Item = &'k crate::key::PeriodKey>,
-) -> String {
-    keys.fold(error.to_string(), |text, key| {
-        text.replace(key.as_str(), &key.logged())
-    })
+/// `error`'s text with every key in it shown as logs show keys, without
+/// the subject's id: a store of the application's own may name them.
+pub(crate) fn hidden(error: &StoreError) -> String {
+    crate::key::scrubbed(&error.to_string())
 }
 
 /// Shadow quotas were charged without a limit: their usage gets the limit

@@ -311,7 +311,7 @@ fn apply<St: Store>(
             }
             results.push(result.unwrap_or_else(|error| {
                 if let Some(suppressed) = ADJUST_ERRORS.admit() {
-                    let error = charge::hidden(&error, std::iter::once(&key));
+                    let error = charge::hidden(&error);
                     tracing::warn!(
                         error,
                         ?op,

@@ -683,9 +683,10 @@ impl Counter {
     }
 
     /// Whether `usage` is of the counter this one knows, not of a later
-    /// period on the same key: a first-use counter is known by its first
-    /// call (its reset is read from its remaining life, which moves by a
-    /// millisecond here and there), a calendar one by its window's end.
+    /// period on the same key or a counter made anew after a reset: a
+    /// counter is known by its first call when the store tells it (a
+    /// first-use counter's reset is read from its remaining life, which
+    /// moves by a millisecond here and there), else by its reset.
     fn same_period(&self, usage: &Usage) -> bool {
         match (self.first_call, usage.first_call) {
             (Some(known), Some(told)) => known == told,
@@ -1159,7 +1160,10 @@ impl<St: Store> LeasedStore<St> {
                             let _busy = busy;
                             // The subject's next request goes to the store.
                             if let Err(error) = charge.await {
-                                tracing::debug!(%error, "a busy subject's next block was not taken");
+                                tracing::debug!(
+                                    error = crate::key::scrubbed(&error.to_string()),
+                                    "a busy subject's next block was not taken"
+                                );
                             }
                         });
                     }
@@ -1574,8 +1578,9 @@ impl<St: Store> LeasedStore<St> {
             // stood when the charge was sent, or stand now.
             let counted = known.is_some_and(|k| k.in_mark) || counter.mark.may_count(now);
             if !counter.same_period(usage) && counter.units > 0 {
-                // Another period's counter (a first-use period that ended
-                // and opened again): the old block is dropped.
+                // Another counter (a first-use period that ended and opened
+                // again, or one made anew after a reset elsewhere): the old
+                // block is dropped, its units gone with the counter.
                 counter.units = 0;
                 counter.block_since = None;
                 counter.taken_at = None;
@@ -1709,7 +1714,11 @@ impl<St: Store> LeasedStore<St> {
         {
             let mut counters = self.shared.counter(&key);
             if let Some(counter) = counters.get_mut(&key) {
-                if counter.units > 0 && !counter.ended(now) {
+                // Into the block only when it is of the counter charged: not
+                // of one made since (after a reset), which takes nothing.
+                let same_counter = made_by
+                    .is_none_or(|made_by| counter.first_call.is_none_or(|first| first <= made_by));
+                if counter.units > 0 && !counter.ended(now) && same_counter {
                     let room = counter.store_used.saturating_sub(counter.units);
                     counter.units += amount.min(room);
                     return Ok(Some(counter.usage().used));
@@ -1864,7 +1873,7 @@ async fn give_back<St: Store>(
         Err(error) => {
             if let Some(suppressed) = GIVE_BACK_ERRORS.admit() {
                 tracing::warn!(
-                    %error,
+                    error = crate::key::scrubbed(&error.to_string()),
                     units,
                     suppressed,
                     "quota store failed to take back unused leased units: they stay charged"
@@ -1887,7 +1896,7 @@ async fn unmark<St: Store>(inner: &St, now: Timestamp, key: &PeriodKey) -> bool 
         Err(error) => {
             if let Some(suppressed) = GIVE_BACK_ERRORS.admit() {
                 tracing::warn!(
-                    %error,
+                    error = crate::key::scrubbed(&error.to_string()),
                     suppressed,
                     "quota store failed to lift a lease mark: it ends on its own within the lease time"
                 );

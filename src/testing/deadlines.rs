@@ -704,13 +704,9 @@ pub async fn calendar_counters_are_distinct_per_period_and_dated<S: ConformanceH
     assert_ne!(this, next, "two windows must have two keys");
 
     let made = time.now();
-    for _ in 0..2 {
-        let outcome = charge(
-            store,
-            time.now(),
-            vec![calendar_line(&this, 10, 1, start, end)],
-        )
-        .await;
+    for i in 0..2 {
+        let at = if i == 0 { made } else { time.now() };
+        let outcome = charge(store, at, vec![calendar_line(&this, 10, 1, start, end)]).await;
         assert!(outcome.0, "a charge with room must be admitted");
         assert_eq!(
             outcome.1[0].resets_at, end,

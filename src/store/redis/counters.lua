@@ -82,9 +82,10 @@
 -- before the first charge runs. Charges in one batch see each other's
 -- writes, as if they had come one after the other. Each charge's reply is
 -- its error reply as one value; or, when it took the common path (one line
--- on a live, dated counter this script created, healing nothing), two
--- values for a calendar counter, { 2 + admitted, used }, and four for a
--- first-use one, { 4 + admitted, used, pttl, first call }; or else its
+-- on a live, dated counter this script created, healing nothing), three
+-- values for a calendar counter, { 2 + admitted, used, first call }, and
+-- four for a first-use one, { 4 + admitted, used, pttl, first call }; or
+-- else its
 -- reply as `c` gives it (which starts with 0 or 1).
 
 local op = ARGV[1]

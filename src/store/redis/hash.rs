@@ -33,21 +33,10 @@ pub(super) fn logged(key: &PeriodKey) -> String {
     key.logged()
 }
 
-/// `text` (an error Redis sent, which may name keys) with every `{subject}`
-/// part of a key in it hidden as [`logged`] hides it.
+/// `text` with every `{subject}` part of a key in it hidden: see
+/// [`crate::key::scrubbed`].
 pub(super) fn scrubbed(text: &str) -> String {
-    let mut out = String::with_capacity(text.len() + 10);
-    let mut rest = text;
-    while let Some(open) = rest.find('{') {
-        let Some(len) = rest[open + 1..].find('}') else {
-            break;
-        };
-        out.push_str(&rest[..=open]);
-        crate::key::push_hidden(&mut out, &rest[open + 1..open + 1 + len]);
-        rest = &rest[open + 1 + len..];
-    }
-    out.push_str(rest);
-    out
+    crate::key::scrubbed(text)
 }
 
 /// A deadline offset in `[0, spread]` drawn from the key, so every instance
