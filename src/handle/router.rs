@@ -39,7 +39,9 @@ impl<St: Store> QuotaHandle<St> {
     /// - Every route takes `?zone=Z` (an IANA name), the caller's own zone
     ///   for a policy that reads one: the calendar counters of that zone
     ///   are the ones shown, reset or refunded. A policy that reads no
-    ///   caller's zone answers it 400: no layer writes such counters.
+    ///   caller's zone answers it 400: no layer writes such counters. (A
+    ///   caller the policy counts in a fixed offset, not an IANA zone, is
+    ///   reached through [`QuotaHandle::in_zone`] instead.)
     ///
     /// Errors are `application/problem+json`: 400 for a malformed kind, id or
     /// amount (an id the layers would refuse: empty, all whitespace, longer

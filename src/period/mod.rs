@@ -483,10 +483,24 @@ fn floor_seconds(at: Timestamp) -> i64 {
 fn midnight(date: Date, tz: &TimeZone) -> Result<Timestamp, jiff::Error> {
     // Where midnight falls in a gap, `start_of_day` gives the first instant
     // that exists on that date.
-    Ok(date
+    let start = date
         .to_zoned_datetime(tz.clone())?
         .start_of_day()?
-        .timestamp())
+        .timestamp();
+    // Unless the gap began the day before (Toronto, 1919-03-31: 23:30 EST
+    // to 00:30 EDT): then the date begins at the clock change, before the
+    // instant `start_of_day` names.
+    if let Some(change) = tz.preceding(start).next() {
+        let at = change.timestamp();
+        let began = tz.to_datetime(at).date() == date;
+        let before = at
+            .checked_sub(SignedDuration::from_nanos(1))
+            .is_ok_and(|before| tz.to_datetime(before).date() < date);
+        if began && before {
+            return Ok(at);
+        }
+    }
+    Ok(start)
 }
 
 /// Minute and hour windows follow the local clock: truncate the local time,

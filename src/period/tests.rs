@@ -1006,6 +1006,7 @@ const ZONES: &[&str] = &[
     "America/Sao_Paulo",
     "America/Havana",
     "America/St_Johns",
+    "America/Toronto",
     "America/Caracas",
     "Africa/Monrovia",
     "Antarctica/Troll",
@@ -1145,6 +1146,39 @@ fn instants_read_in_the_period_zone() {
         Period::week().in_time_zone(india).format_instant(at),
         "2026-12-05T04:30:00+05:30"
     );
+}
+
+#[test]
+fn a_gap_that_begins_before_midnight_begins_the_day_at_the_change() {
+    // Toronto, 1919-03-31: 23:30 EST on the 30th jumped to 00:30 EDT on the
+    // 31st (04:30Z). The 31st begins then, not at 01:00 EDT.
+    let toronto = zone("America/Toronto");
+    let day = Period::day().in_time_zone(toronto.clone());
+    for at in [
+        "1919-03-31T04:30:00Z",
+        "1919-03-31T04:45:00Z",
+        "1919-03-31T05:00:00Z",
+    ] {
+        assert_window(
+            &day.window(ts(at)),
+            "1919-03-31T04:30:00Z",
+            "1919-04-01T04:00:00Z",
+            "1919-03-31[America/Toronto]",
+        );
+    }
+    assert_window(
+        &day.window(ts("1919-03-31T04:29:59Z")),
+        "1919-03-30T05:00:00Z",
+        "1919-03-31T04:30:00Z",
+        "1919-03-30[America/Toronto]",
+    );
+    let windows = windows_between(&day, ts("1919-03-28T00:00:00Z"), ts("1919-04-03T00:00:00Z"));
+    assert_contiguous_and_distinct(&windows);
+    // The 31st was a Monday: the week begins at the change too.
+    let week = Period::week().in_time_zone(toronto);
+    let window = week.window(ts("1919-03-31T04:45:00Z"));
+    assert_eq!(window.start(), ts("1919-03-31T04:30:00Z"));
+    assert!(window.contains(ts("1919-03-31T04:45:00Z")), "{window:?}");
 }
 
 #[test]

@@ -346,7 +346,9 @@ impl RedisStore {
     ///
     /// # Errors
     ///
-    /// When the first reading fails.
+    /// When the first reading fails, or the server's time is more than a
+    /// day away from this host's (a refresh that reads such a time keeps
+    /// the last offset): a clock that far off is a fault, not a skew.
     ///
     /// [`QuotaPolicyBuilder::clock`]: crate::QuotaPolicyBuilder::clock
     pub async fn server_clock(&self, refresh: Duration) -> Result<ServerClock, StoreError> {
@@ -371,7 +373,7 @@ impl RedisStore {
             .await?;
         let after = Timestamp::now();
         let local = (before.as_microsecond() + after.as_microsecond()) / 2;
-        Ok(secs * 1_000_000 + micros - local)
+        server_offset(secs, micros, local)
     }
 
     /// How many calls of this store are in flight: sent or about to be, and
@@ -887,5 +889,48 @@ impl Store for RedisStore {
     /// 2^53, so that a count never passes a limit by a rounding.
     fn max_count(&self) -> u64 {
         super::script::MAX_EXACT
+    }
+}
+
+/// The most the server's clock may be from this host's, in microseconds.
+const MAX_CLOCK_OFFSET: i64 = 86_400 * 1_000_000;
+
+/// The offset of a server time `secs`.`micros` (Redis's `TIME`) from the
+/// local instant `local` (µs), if it is a time and within a day of it.
+fn server_offset(secs: i64, micros: i64, local: i64) -> Result<i64, StoreError> {
+    let offset = (0..1_000_000)
+        .contains(&micros)
+        .then(|| {
+            secs.checked_mul(1_000_000)?
+                .checked_add(micros)?
+                .checked_sub(local)
+        })
+        .flatten()
+        .filter(|offset| offset.abs() <= MAX_CLOCK_OFFSET);
+    offset.ok_or_else(|| {
+        StoreError::new(
+            StoreErrorKind::Other,
+            format!(
+                "the Redis server's time ({secs} s, {micros} µs) is not within a day of this host's: not followed"
+            ),
+        )
+    })
+}
+
+#[cfg(test)]
+mod clock_tests {
+    use super::server_offset;
+
+    #[test]
+    fn a_server_time_far_off_or_malformed_is_refused() {
+        let local = 1_796_000_000_000_000;
+        assert_eq!(
+            server_offset(1_796_000_001, 500_000, local).unwrap(),
+            1_500_000
+        );
+        assert!(server_offset(i64::MAX, 0, local).is_err());
+        assert!(server_offset(1_796_000_000 + 2 * 86_400, 0, local).is_err());
+        assert!(server_offset(1_796_000_000, -1, local).is_err());
+        assert!(server_offset(1_796_000_000, 1_000_000, local).is_err());
     }
 }
