@@ -39,6 +39,14 @@ pub(super) enum Source {
 /// | [`connect_timeout`](Self::connect_timeout) | 1 s |
 /// | [`calendar_grace`](Self::calendar_grace) | 60 s |
 /// | [`calendar_jitter`](Self::calendar_jitter) | 60 s |
+///
+/// The TCP connections the store opens itself (from a URL, plain or
+/// cluster) send each request at once (`TCP_NODELAY`), probe a silent peer
+/// after 5 s (keepalive), and on Linux fail when what they sent stays
+/// unacknowledged for 3 s (`TCP_USER_TIMEOUT`): calls on a connection whose
+/// peer vanished fail within seconds and free their room in
+/// [`max_in_flight`](Self::max_in_flight), where they waited for their
+/// follow-through. A pool made by the application keeps its own settings.
 #[must_use]
 pub struct RedisStoreBuilder {
     source: Source,
@@ -175,8 +183,11 @@ impl RedisStoreBuilder {
         let size = self.pool_size.unwrap_or(DEFAULT_POOL_SIZE);
         let connections = match self.source {
             Source::Url(url) => {
+                let info = redis::IntoConnectionInfo::into_connection_info(url.as_str())
+                    .map_err(|e| invalid("URL", e))?
+                    .set_tcp_settings(tcp_settings());
                 let connector = ServerConnector {
-                    client: redis::Client::open(url.as_str()).map_err(|e| invalid("URL", e))?,
+                    client: redis::Client::open(info).map_err(|e| invalid("URL", e))?,
                     // No response timeout: each call is followed to its
                     // answer (see `follow_through`).
                     config: redis::AsyncConnectionConfig::new()
@@ -191,6 +202,7 @@ impl RedisStoreBuilder {
                 let client = redis::cluster::ClusterClientBuilder::new(urls)
                     // A charge is never sent twice; see the connection module.
                     .retries(0)
+                    .tcp_settings(tcp_settings())
                     .connection_timeout(self.connect_timeout)
                     .response_timeout(super::FOLLOW_THROUGH)
                     .build()
@@ -252,4 +264,28 @@ impl fmt::Debug for RedisStoreBuilder {
             .field("calendar_jitter", &self.calendar_jitter)
             .finish()
     }
+}
+
+/// How long data sent to Redis may stay unacknowledged before the kernel
+/// fails the connection (Linux's `TCP_USER_TIMEOUT`).
+#[cfg(any(target_os = "android", target_os = "fuchsia", target_os = "linux"))]
+const TCP_USER_TIMEOUT: Duration = Duration::from_secs(3);
+
+/// The TCP settings of the connections the store opens itself: requests
+/// leave at once (no Nagle delay behind an unanswered one), and a connection
+/// whose peer vanished without a word (a host gone, a NAT that forgot it)
+/// fails within seconds, where the calls on it would wait for their follow
+/// through (30 s) holding their room in `max_in_flight`: keepalive probes
+/// after 5 s of silence, and on Linux a bound on unacknowledged data. A
+/// Redis that is stalled but alive still acknowledges what it is sent.
+fn tcp_settings() -> redis::io::tcp::TcpSettings {
+    let keepalive = redis::io::tcp::socket2::TcpKeepalive::new().with_time(Duration::from_secs(5));
+    #[cfg(any(target_os = "linux", target_os = "macos", target_os = "windows"))]
+    let keepalive = keepalive.with_interval(Duration::from_secs(1));
+    let settings = redis::io::tcp::TcpSettings::default()
+        .set_nodelay(true)
+        .set_keepalive(keepalive);
+    #[cfg(any(target_os = "android", target_os = "fuchsia", target_os = "linux"))]
+    let settings = settings.set_user_timeout(TCP_USER_TIMEOUT);
+    settings
 }
