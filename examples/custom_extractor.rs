@@ -29,6 +29,12 @@ impl SubjectExtractor for BearerKey {
         }
         Ok(Subject::new(SubjectKind::custom("api-key"), key))
     }
+
+    // The kinds it answers: the support router refuses (404) any other, so
+    // a typo in an admin tool resets nothing by mistake.
+    fn kinds(&self) -> Option<Vec<SubjectKind>> {
+        Some(vec![SubjectKind::custom("api-key")])
+    }
 }
 
 #[tokio::main]
