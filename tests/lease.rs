@@ -1369,22 +1369,9 @@ async fn charges_over_two_subjects() {
 async fn a_charge_made_at_once_gives_back_an_old_block_even_when_its_future_is_dropped() {
     use tower_quota::store::ChargeAnswer;
     let inner = MemoryStore::new();
-    let leased = LeasedStore::builder(inner.clone())
-        .lease_time(Duration::from_millis(200))
-        .idle(Duration::from_secs(10))
-        .max_block(50)
-        .build();
-    let start = std::time::Instant::now();
-    let mut admitted = 0;
-    for _ in 0..300 {
-        assert!(call(&leased, on_the_day(start), 10_000).await.admitted);
-        admitted += 1;
-    }
-    assert!(leased.held() > 0, "a busy subject holds a block");
-    // The block passes its lease time while no sweep can run (this thread
-    // runs the runtime), and the next charge finds it so: it goes back as
+    let (leased, start, mut admitted) = holding_an_old_block(inner.clone()).await;
+    // The next charge finds the block past its lease time: it goes back as
     // the charge is made, even though its future is dropped unpolled.
-    std::thread::sleep(Duration::from_millis(250));
     match leased.charge_at_once(&request(on_the_day(start), 10_000)) {
         ChargeAnswer::Now(answer) => {
             if answer.unwrap().admitted {
@@ -1550,7 +1537,7 @@ async fn a_next_block_that_lands_after_a_reset_goes_back() {
 
 /// `leased` over `inner`, with blocks that pass their lease time in 200 ms
 /// of real time, and a busy subject holding one.
-async fn holding_an_old_block(inner: Slow) -> (LeasedStore<Slow>, std::time::Instant, u64) {
+async fn holding_an_old_block<St: Store>(inner: St) -> (LeasedStore<St>, std::time::Instant, u64) {
     let leased = LeasedStore::builder(inner)
         .lease_time(Duration::from_millis(200))
         .idle(Duration::from_secs(10))
