@@ -471,14 +471,9 @@ impl Line {
     }
 
     /// The instant a give-back of this line, charged at `charged_at`, goes
-    /// by: only to a counter made by then. The charge's instant, or the
-    /// counter's first call when that is later: a concurrent request with a
-    /// later instant made the counter before this one's charge reached the
-    /// store. A counter made anew after a reset is younger than both.
+    /// by (see [`Usage::made_by`]).
     pub(crate) fn made_by(&self, charged_at: Timestamp) -> Timestamp {
-        self.usage
-            .first_call
-            .map_or(charged_at, |first| first.max(charged_at))
+        self.usage.made_by(charged_at)
     }
 
     /// Claims the line's give-back: `true` for the first caller only.

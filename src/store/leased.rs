@@ -1495,9 +1495,8 @@ impl<St: Store> LeasedStore<St> {
         for (i, (line, usage)) in request.lines.iter().zip(&mut outcome.usage).enumerate() {
             let (mut block, mark, known) = (blocks[i], seen[i].as_ref(), known[i]);
             // Units of this charge's block go back only to a counter made
-            // by then: the charge's instant, or the counter's first call if
-            // a concurrent charge with a later instant made it first.
-            let made_by = usage.first_call.map_or(now, |first| first.max(now));
+            // by then.
+            let made_by = usage.made_by(now);
             // A mark joined for an entry that is gone, or was made anew
             // meanwhile (a shutdown, a reset here): left at once.
             let joined_for = |counter: Option<&Counter>| match (joined[i], known) {

@@ -307,6 +307,17 @@ impl Usage {
     pub fn remaining(&self) -> u64 {
         self.limit.saturating_sub(self.used)
     }
+
+    /// The instant a give-back of a charge made at `charged_at`, answered
+    /// with this usage, goes by ([`Store::refund_made_by`]): only to a
+    /// counter made by then. The charge's instant, or the counter's first
+    /// call when that is later (a concurrent charge with a later instant
+    /// made the counter first). A counter made anew after a reset is
+    /// younger than both.
+    pub(crate) fn made_by(&self, charged_at: Timestamp) -> Timestamp {
+        self.first_call
+            .map_or(charged_at, |first| first.max(charged_at))
+    }
 }
 
 /// The answer to a charge.
