@@ -376,6 +376,53 @@ mod tests {
     use proptest::prelude::*;
 
     #[test]
+    fn logged_keys_name_no_subject() {
+        let key = |id: &str| Namespace::default().key(&Subject::account(id), "read", "2026-12-02");
+        let secret = key("sk_live_secret").logged();
+        assert!(!secret.contains("sk_live_secret"), "{secret}");
+        let (head, tail) = secret.split_once('#').unwrap();
+        assert_eq!(head, "quota:{account:");
+        assert_eq!(tail.len(), "1a2b3c4d}:read:2026-12-02".len(), "{secret}");
+        assert!(tail.ends_with("}:read:2026-12-02"), "{secret}");
+        // One subject, one name; two subjects, two.
+        assert_eq!(secret, key("sk_live_secret").logged());
+        assert_ne!(secret, key("sk_live_other").logged());
+        let other = Namespace::default().key(&Subject::account("sk_live_secret"), "write", "PT1H");
+        assert_eq!(
+            other.logged()[..secret.find('}').unwrap() + 1],
+            secret[..secret.find('}').unwrap() + 1]
+        );
+        // Keys of another shape.
+        let bare = PeriodKey::from_string("sk_live_secret".into()).logged();
+        assert!(bare.starts_with('#') && bare.len() == 9, "{bare}");
+        let untyped = PeriodKey::from_string("q:{sk_live_secret}:x".into()).logged();
+        assert!(
+            untyped.starts_with("q:{#") && untyped.ends_with("}:x"),
+            "{untyped}"
+        );
+    }
+
+    #[test]
+    fn errors_name_keys_as_logs_do() {
+        let key = Namespace::default().key(&Subject::account("sk_live_secret"), "read", "PT1H");
+        let error = format!(
+            "ERR tower-quota: {} holds a value that is not a counter",
+            key.as_str()
+        );
+        let shown = scrubbed(&error);
+        assert!(!shown.contains("sk_live_secret"), "{shown}");
+        assert_eq!(
+            shown,
+            format!(
+                "ERR tower-quota: {} holds a value that is not a counter",
+                key.logged()
+            )
+        );
+        assert_eq!(scrubbed("no key {here"), "no key {here");
+        assert_eq!(scrubbed("plain"), "plain");
+    }
+
+    #[test]
     fn debug_hides_the_subjects_id() {
         let key =
             Namespace::default().key(&Subject::account("sk_live_secret"), "read", "2026-12-02");

@@ -70,7 +70,7 @@ pub(super) fn redis_error(error: RedisError) -> StoreError {
     if came_back(&error) {
         // An answer from Redis (a script's error) may name the request's
         // keys, and a key names its subject: hidden, as in every log.
-        let shown = super::hash::scrubbed(&error.to_string());
+        let shown = crate::key::scrubbed(&error.to_string());
         return StoreError::new(kind, format!("Redis failed: {shown}"));
     }
     StoreError::new(kind, "Redis failed").with_source(error)

@@ -1,6 +1,6 @@
-//! Hashes of the Redis store: one every instance computes alike, in every
-//! build (FNV-1a, 64 bits), and one no log reader can compute (for keys in
-//! logs).
+//! The Redis store's hash that every instance computes alike, in every
+//! build (FNV-1a, 64 bits). (Keys in logs are hidden by `PeriodKey::logged`,
+//! with a hash no log reader can compute.)
 //!
 //! What decides where a counter lives or how long it does, on every
 //! instance that shares the store, must not depend on the process or on the
@@ -28,17 +28,6 @@ pub(super) fn fnv1a_64(bytes: &[u8]) -> u64 {
     })
 }
 
-/// `key` as logs show it: see [`PeriodKey::logged`].
-pub(super) fn logged(key: &PeriodKey) -> String {
-    key.logged()
-}
-
-/// `text` with every `{subject}` part of a key in it hidden: see
-/// [`crate::key::scrubbed`].
-pub(super) fn scrubbed(text: &str) -> String {
-    crate::key::scrubbed(text)
-}
-
 /// A deadline offset in `[0, spread]` drawn from the key, so every instance
 /// picks the same one, whatever its build (see the hash module).
 pub(super) fn jitter(key: &PeriodKey, spread: Duration) -> i64 {
@@ -53,56 +42,8 @@ pub(super) fn jitter(key: &PeriodKey, spread: Duration) -> i64 {
 mod tests {
     use std::time::Duration;
 
-    use super::{fnv1a_64, jitter, logged, scrubbed};
-    use crate::key::{Namespace, PeriodKey};
-    use crate::subject::Subject;
-
-    #[test]
-    fn logged_keys_name_no_subject() {
-        let key = |id: &str| Namespace::default().key(&Subject::account(id), "read", "2026-12-02");
-        let secret = logged(&key("sk_live_secret"));
-        assert!(!secret.contains("sk_live_secret"), "{secret}");
-        let (head, tail) = secret.split_once('#').unwrap();
-        assert_eq!(head, "quota:{account:");
-        assert_eq!(tail.len(), "1a2b3c4d}:read:2026-12-02".len(), "{secret}");
-        assert!(tail.ends_with("}:read:2026-12-02"), "{secret}");
-        // One subject, one name; two subjects, two.
-        assert_eq!(secret, logged(&key("sk_live_secret")));
-        assert_ne!(secret, logged(&key("sk_live_other")));
-        let other = Namespace::default().key(&Subject::account("sk_live_secret"), "write", "PT1H");
-        assert_eq!(
-            logged(&other)[..secret.find('}').unwrap() + 1],
-            secret[..secret.find('}').unwrap() + 1]
-        );
-        // Keys of another shape.
-        let bare = logged(&PeriodKey::from_string("sk_live_secret".into()));
-        assert!(bare.starts_with('#') && bare.len() == 9, "{bare}");
-        let untyped = logged(&PeriodKey::from_string("q:{sk_live_secret}:x".into()));
-        assert!(
-            untyped.starts_with("q:{#") && untyped.ends_with("}:x"),
-            "{untyped}"
-        );
-    }
-
-    #[test]
-    fn errors_name_keys_as_logs_do() {
-        let key = Namespace::default().key(&Subject::account("sk_live_secret"), "read", "PT1H");
-        let error = format!(
-            "ERR tower-quota: {} holds a value that is not a counter",
-            key.as_str()
-        );
-        let shown = scrubbed(&error);
-        assert!(!shown.contains("sk_live_secret"), "{shown}");
-        assert_eq!(
-            shown,
-            format!(
-                "ERR tower-quota: {} holds a value that is not a counter",
-                logged(&key)
-            )
-        );
-        assert_eq!(scrubbed("no key {here"), "no key {here");
-        assert_eq!(scrubbed("plain"), "plain");
-    }
+    use super::{fnv1a_64, jitter};
+    use crate::key::PeriodKey;
 
     /// The specification's test vectors: a change to the hash, and so to
     /// every instance's jitter, fails here.

@@ -12,7 +12,6 @@ use tokio::sync::OwnedSemaphorePermit;
 
 use super::connection::{Connection, Lost};
 use super::errors::broken;
-use super::hash;
 use super::script::clamp;
 use super::store::Inner;
 use super::{FOLLOW_THROUGH, SILENCE};
@@ -242,11 +241,11 @@ pub(super) async fn refund_lines(
     if let Some((key, why)) = first_miss {
         // Redis's answer may name the key: the log names it without its
         // subject's id.
-        let why = why.replace(key.as_str(), &hash::logged(&key));
+        let why = why.replace(key.as_str(), &key.logged());
         if let Some(suppressed) = LATE.admit() {
             tracing::warn!(
                 lines = missed,
-                key = hash::logged(&key),
+                key = key.logged(),
                 error = why,
                 suppressed,
                 "could not give back a charge Redis applied after its caller stopped waiting"

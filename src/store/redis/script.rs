@@ -8,7 +8,6 @@ use deadpool_redis::redis::{
 };
 use jiff::{SignedDuration, Timestamp};
 
-use super::hash::{self, logged};
 use crate::key::PeriodKey;
 use crate::store::{ChargeOutcome, ChargeRequest, Lifetime, StoreError, StoreErrorKind, Usage};
 
@@ -112,9 +111,12 @@ pub(super) fn outcome(
             };
             let key = &line.key;
             let used = u64::try_from(used)
-                .map_err(|_| unexpected(format!("{used} as the count of {}", logged(key))))?;
+                .map_err(|_| unexpected(format!("{used} as the count of {}", key.logged())))?;
             if !(0..=4).contains(&heal) {
-                return Err(unexpected(format!("{heal} as the heal of {}", logged(key))));
+                return Err(unexpected(format!(
+                    "{heal} as the heal of {}",
+                    key.logged()
+                )));
             }
             if heal != 0 {
                 log_heal(key, heal, op == "c" && admitted);
@@ -122,12 +124,15 @@ pub(super) fn outcome(
             // -3: a calendar counter's deadline, not read.
             let calendar = matches!(line.lifetime, Lifetime::Calendar { .. });
             if pttl < 0 && pttl != -2 && !(pttl == -3 && calendar) {
-                return Err(unexpected(format!("{pttl} as the life of {}", logged(key))));
+                return Err(unexpected(format!(
+                    "{pttl} as the life of {}",
+                    key.logged()
+                )));
             }
             let first_call = match first_call {
                 -1 => None,
                 ms => Some(Timestamp::from_millisecond(ms).map_err(|_| {
-                    unexpected(format!("{ms} as the first call of {}", logged(key)))
+                    unexpected(format!("{ms} as the first call of {}", key.logged()))
                 })?),
             };
             Ok(match line.lifetime {
@@ -168,13 +173,10 @@ pub(super) fn log_heal(key: &PeriodKey, heal: i64, charging: bool) {
     };
     if charging {
         crate::metrics::healed();
-        tracing::warn!(
-            key = hash::logged(key),
-            "quota counter had no deadline; {what}"
-        );
+        tracing::warn!(key = key.logged(), "quota counter had no deadline; {what}");
     } else {
         tracing::warn!(
-            key = hash::logged(key),
+            key = key.logged(),
             "quota counter has no deadline; the next admitted charge heals it"
         );
     }
@@ -196,7 +198,7 @@ pub(super) fn live_count(key: &PeriodKey, op: &str, reply: i64) -> Result<Option
         -1 => Ok(None),
         n => u64::try_from(n)
             .map(Some)
-            .map_err(|_| unexpected(format!("{n} as the count of {} after {op}", logged(key)))),
+            .map_err(|_| unexpected(format!("{n} as the count of {} after {op}", key.logged()))),
     }
 }
 
