@@ -111,11 +111,20 @@ async fn show<St: Store>(
         Ok(handle) => handle,
         Err(response) => return response,
     };
-    let plan = match handle.known_plan(param(query.as_deref(), "plan")) {
+    let plan = match planned(&handle, query.as_deref()) {
         Ok(plan) => plan,
-        Err(error) => return error.into_response(),
+        Err(response) => return response,
     };
     standing(&handle, &subject, plan.as_deref()).await
+}
+
+/// The plan `?plan=` names, as the layers read it (see
+/// `QuotaHandle::known_plan`).
+#[allow(clippy::result_large_err)]
+fn planned<St>(handle: &QuotaHandle<St>, query: Option<&str>) -> Result<Option<String>, Response> {
+    handle
+        .known_plan(param(query, "plan"))
+        .map_err(IntoResponse::into_response)
 }
 
 /// The handle in the caller's zone that `?zone=` names (an IANA name), or
@@ -160,9 +169,9 @@ async fn reset<St: Store>(
         Err(response) => return response,
     };
     // Checked before anything is written: a refused plan changes nothing.
-    let plan = match handle.known_plan(param(query.as_deref(), "plan")) {
+    let plan = match planned(&handle, query.as_deref()) {
         Ok(plan) => plan,
-        Err(error) => return error.into_response(),
+        Err(response) => return response,
     };
     match handle.reset_allowance(&subject, &allowance).await {
         Ok(0) => unknown_allowance(&allowance),
@@ -200,9 +209,9 @@ async fn refund<St: Store>(
         return problem(StatusCode::BAD_REQUEST, "send ?amount=N, a whole number");
     };
     // Checked before anything is written: a refused plan changes nothing.
-    let plan = match handle.known_plan(param(query.as_deref(), "plan")) {
+    let plan = match planned(&handle, query.as_deref()) {
         Ok(plan) => plan,
-        Err(error) => return error.into_response(),
+        Err(response) => return response,
     };
     if !handle
         .quotas()
