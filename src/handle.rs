@@ -12,7 +12,6 @@ use jiff::tz::TimeZone;
 use jiff::Timestamp;
 
 use crate::middleware::QuotaLayer;
-use crate::policy::UnknownPlan;
 use crate::policy::{InvalidRequest, Policy, QuotaPolicy, Settings};
 use crate::quota::Quota;
 use crate::status::QuotaUsage;
@@ -52,7 +51,7 @@ trait PolicyView<St>: Send + Sync {
     fn quotas(&self) -> Vec<Quota>;
     fn extract(&self, parts: &Parts) -> Result<Subject, SubjectError>;
     fn kinds(&self) -> Option<Vec<SubjectKind>>;
-    fn knows_plan(&self, plan: &str) -> bool;
+    fn plan_as_charged(&self, plan: Option<String>) -> Result<Option<String>, String>;
 }
 
 impl<E: SubjectExtractor, St: Send + Sync> PolicyView<St> for Policy<E, St> {
@@ -71,8 +70,8 @@ impl<E: SubjectExtractor, St: Send + Sync> PolicyView<St> for Policy<E, St> {
     fn kinds(&self) -> Option<Vec<SubjectKind>> {
         self.extractor.kinds()
     }
-    fn knows_plan(&self, plan: &str) -> bool {
-        Policy::knows_plan(self, plan)
+    fn plan_as_charged(&self, plan: Option<String>) -> Result<Option<String>, String> {
+        Policy::plan_as_charged(self, plan)
     }
 }
 
@@ -184,13 +183,9 @@ impl<St> QuotaHandle<St> {
     /// or an error when the policy refuses unknown plans
     /// ([`UnknownPlan::Reject`]).
     pub(crate) fn known_plan(&self, plan: Option<String>) -> Result<Option<String>, StandingError> {
-        match plan {
-            Some(plan) if !self.shared.knows_plan(&plan) => match self.settings().unknown_plan {
-                UnknownPlan::DefaultLimits => Ok(None),
-                UnknownPlan::Reject => Err(StandingError::Plan(plan)),
-            },
-            plan => Ok(plan),
-        }
+        self.shared
+            .plan_as_charged(plan)
+            .map_err(StandingError::Plan)
     }
 
     fn lines(

@@ -11,7 +11,7 @@ use jiff::Timestamp;
 use smallvec::SmallVec;
 
 use super::layer::{Bound, Cost, Scope};
-use crate::policy::{OnStoreError, Policy, Settings, SubjectPolicy, UnknownPlan};
+use crate::policy::{OnStoreError, Policy, Settings, SubjectPolicy};
 use crate::quota::Quota;
 use crate::response::{self, RateLimitFields, Refusal};
 use crate::status::{Caller, Line, OtherQuotas, QuotaSet, QuotaStatus, Ticket};
@@ -178,16 +178,13 @@ fn identify<E: SubjectExtractor, St>(
             };
         }
     };
-    let plan = match settings.plan.as_ref().and_then(|plan| plan(parts)) {
-        Some(plan) if !policy.knows_plan(&plan) => match settings.unknown_plan {
-            UnknownPlan::DefaultLimits => None,
-            UnknownPlan::Reject => {
-                tracing::debug!("request refused: unknown plan");
-                let detail = format!("The plan {:?} has no quota here.", response::echo(&plan));
-                return Err(response::early(StatusCode::FORBIDDEN, &detail, parts));
-            }
-        },
-        plan => plan.map(String::into_boxed_str),
+    let plan = match policy.plan_as_charged(settings.plan.as_ref().and_then(|plan| plan(parts))) {
+        Ok(plan) => plan.map(String::into_boxed_str),
+        Err(plan) => {
+            tracing::debug!("request refused: unknown plan");
+            let detail = format!("The plan {:?} has no quota here.", response::echo(&plan));
+            return Err(response::early(StatusCode::FORBIDDEN, &detail, parts));
+        }
     };
     let zone = match settings.caller_zone(parts) {
         Ok(zone) => zone,

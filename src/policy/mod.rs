@@ -216,6 +216,19 @@ impl<E, St> Policy<E, St> {
             .clone()
     }
 
+    /// `plan` as the layers charge it: itself when the policy knows it;
+    /// else no plan (the quotas' own limits), or `Err` with the plan when the
+    /// policy refuses unknown plans ([`UnknownPlan::Reject`]).
+    pub(crate) fn plan_as_charged(&self, plan: Option<String>) -> Result<Option<String>, String> {
+        match plan {
+            Some(plan) if !self.knows_plan(&plan) => match self.settings.unknown_plan {
+                UnknownPlan::DefaultLimits => Ok(None),
+                UnknownPlan::Reject => Err(plan),
+            },
+            plan => Ok(plan),
+        }
+    }
+
     /// Whether `plan` is declared or named by some quota of the policy.
     pub(crate) fn knows_plan(&self, plan: &str) -> bool {
         self.plans

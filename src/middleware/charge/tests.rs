@@ -6,7 +6,7 @@ use http::header::RETRY_AFTER;
 use http::{Request, StatusCode};
 
 use super::*;
-use crate::policy::QuotaPolicy;
+use crate::policy::{QuotaPolicy, UnknownPlan};
 use crate::status::{LayerQuotas, Lines};
 use crate::store::StoreErrorKind;
 use crate::subject::FromHeader;
