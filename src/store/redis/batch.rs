@@ -118,8 +118,9 @@ impl Answer {
 struct GiveBack {
     inner: Arc<Inner>,
     now: Timestamp,
-    /// The give-back goes to counters made by then (see [`made_by`]).
-    made_by: Timestamp,
+    /// The latest first call (ms) of the counters charged, as the reply
+    /// told: the give-back goes to counters made by then (see [`made_by`]).
+    first_call: Option<i64>,
     /// The applied charge's lines; none once it is taken, or when it was
     /// not applied.
     lines: Lines,
@@ -140,7 +141,7 @@ impl Drop for GiveBack {
             return;
         }
         let inner = Arc::clone(&self.inner);
-        let (now, made_by) = (self.now, self.made_by);
+        let (now, made_by) = (self.now, made_by(self.now, self.first_call));
         let permit = self.permit.take();
         let give_back = async move {
             let _permit = permit;
@@ -429,7 +430,7 @@ fn answer(
         let give_back = GiveBack {
             inner: Arc::clone(inner),
             now,
-            made_by: made_by(now, first_call),
+            first_call,
             lines: if applied { lines } else { Lines::new() },
             permit: Some(permit),
         };
