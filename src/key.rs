@@ -258,18 +258,10 @@ impl PeriodKey {
     /// `{subject}` part is a hash of its own, `#1a2b3c4d`.
     pub(crate) fn logged(&self) -> String {
         let text = self.as_str();
-        let tag = self.hash_tag();
-        if tag.len() == text.len() {
-            return format!("#{:08x}", secret_hash(tag));
+        if self.hash_tag().len() == text.len() {
+            return format!("#{:08x}", secret_hash(text));
         }
-        // The tag is a slice of the key, between its first `{` and `}`.
-        let start = tag.as_ptr() as usize - text.as_ptr() as usize;
-        let end = start + tag.len();
-        let mut out = String::with_capacity(text.len() + 10);
-        out.push_str(&text[..start]);
-        push_hidden(&mut out, tag);
-        out.push_str(&text[end..]);
-        out
+        scrubbed(text)
     }
 
     /// Wraps a key built elsewhere (e.g. read back from a store).
