@@ -69,6 +69,31 @@ impl<St> Rigged<St> {
     }
 }
 
+impl<St> Rigged<St> {
+    /// A refund or an add, made by `make` unless the store is stalled (then
+    /// it never answers) or sends nothing (then it fails unsent). Not even
+    /// made then: the memory store applies a change when it is made.
+    fn change<F>(
+        &self,
+        make: impl FnOnce() -> F,
+    ) -> impl Future<Output = Result<Option<u64>, StoreError>> + Send
+    where
+        F: Future<Output = Result<Option<u64>, StoreError>> + Send,
+    {
+        let stalled = self.stalled.load(Ordering::Relaxed);
+        let change = (!stalled && !self.unsent.load(Ordering::Relaxed)).then(make);
+        async move {
+            if stalled {
+                std::future::pending::<()>().await;
+            }
+            match change {
+                Some(change) => change.await,
+                None => Err(never_sent()),
+            }
+        }
+    }
+}
+
 /// The error of a call the store never sent.
 fn never_sent() -> StoreError {
     StoreError::new(StoreErrorKind::Unavailable, "rigged: not sent").unsent()
@@ -113,20 +138,7 @@ impl<St: Store> Store for Rigged<St> {
         key: PeriodKey,
         amount: u64,
     ) -> impl Future<Output = Result<Option<u64>, StoreError>> + Send {
-        let stalled = self.stalled.load(Ordering::Relaxed);
-        // Not even made when stalled or not sent: the memory store applies
-        // a change when it is made.
-        let refund = (!stalled && !self.unsent.load(Ordering::Relaxed))
-            .then(|| self.inner.refund(now, key, amount));
-        async move {
-            if stalled {
-                std::future::pending::<()>().await;
-            }
-            match refund {
-                Some(refund) => refund.await,
-                None => Err(never_sent()),
-            }
-        }
+        self.change(move || self.inner.refund(now, key, amount))
     }
     fn add(
         &self,
@@ -134,20 +146,7 @@ impl<St: Store> Store for Rigged<St> {
         key: PeriodKey,
         amount: u64,
     ) -> impl Future<Output = Result<Option<u64>, StoreError>> + Send {
-        let stalled = self.stalled.load(Ordering::Relaxed);
-        // Not even made when stalled or not sent: the memory store applies
-        // a change when it is made.
-        let add = (!stalled && !self.unsent.load(Ordering::Relaxed))
-            .then(|| self.inner.add(now, key, amount));
-        async move {
-            if stalled {
-                std::future::pending::<()>().await;
-            }
-            match add {
-                Some(add) => add.await,
-                None => Err(never_sent()),
-            }
-        }
+        self.change(move || self.inner.add(now, key, amount))
     }
     fn reset(&self, key: PeriodKey) -> impl Future<Output = Result<bool, StoreError>> + Send {
         self.inner.reset(key)
