@@ -7,7 +7,7 @@
 //! ```
 
 use axum::{routing::get, Router};
-use http::{header::AUTHORIZATION, request::Parts};
+use http::{header::AUTHORIZATION, request::Parts, HeaderValue};
 use tower_quota::{Quota, QuotaLayer, Subject, SubjectError, SubjectExtractor, SubjectKind};
 
 /// Charges the key in `authorization: Bearer key_...` to a subject kind of
@@ -34,6 +34,12 @@ impl SubjectExtractor for BearerKey {
     // a typo in an admin tool resets nothing by mistake.
     fn kinds(&self) -> Option<Vec<SubjectKind>> {
         Some(vec![SubjectKind::custom("api-key")])
+    }
+
+    // What the 401 for a missing key tells the client to send
+    // (`WWW-Authenticate`).
+    fn challenge(&self) -> Option<HeaderValue> {
+        Some(HeaderValue::from_static("Bearer"))
     }
 }
 

@@ -20,7 +20,7 @@ use tower_quota::store::{ChargeOutcome, ChargeRequest, StoreErrorKind};
 use tower_quota::{
     Anchor, FromExtension, FromHeader, InvalidRequest, ManualClock, MemoryStore, OnStoreError,
     Period, PeriodKey, Quota, QuotaLayer, QuotaPolicy, QuotaStatus, Store, StoreError,
-    SubjectPolicy, Usage,
+    SubjectExtractor, SubjectPolicy, Usage,
 };
 
 fn at(s: &str) -> Timestamp {
@@ -642,6 +642,76 @@ async fn missing_subject_is_401_with_a_problem_document() {
     assert_eq!(body["status"], 401);
     assert_eq!(body["title"], "Unauthorized");
     assert!(body["detail"].is_string());
+    // HTTP requires a challenge on every 401: the header to send.
+    assert_eq!(
+        reply.header("www-authenticate"),
+        "ApiKey header=\"x-account-id\""
+    );
+}
+
+#[tokio::test]
+async fn a_401_carries_the_policys_challenge_over_the_extractors() {
+    let app = hello(
+        QuotaPolicy::builder(account())
+            .challenge(http::HeaderValue::from_static("Bearer realm=\"api\""))
+            .on_malformed_subject(SubjectPolicy::Reject(StatusCode::UNAUTHORIZED))
+            .build()
+            .layer(Quota::daily(1)),
+    );
+    let missing = send(&app, Request::get("/").body(Body::empty()).unwrap()).await;
+    assert_eq!(missing.status, StatusCode::UNAUTHORIZED);
+    assert_eq!(missing.header("www-authenticate"), "Bearer realm=\"api\"");
+    // A malformed subject answered with 401 carries it too.
+    let malformed = get_as(&app, "/", "  ").await;
+    assert_eq!(malformed.status, StatusCode::UNAUTHORIZED);
+    assert_eq!(malformed.header("www-authenticate"), "Bearer realm=\"api\"");
+}
+
+#[tokio::test]
+async fn only_a_401_carries_a_challenge() {
+    let app = hello(QuotaLayer::daily(1, account()));
+    let malformed = get_as(&app, "/", "   ").await;
+    assert_eq!(malformed.status, StatusCode::BAD_REQUEST);
+    assert!(malformed.headers.get("www-authenticate").is_none());
+    assert_eq!(get_as(&app, "/", "a").await.status, StatusCode::OK);
+    let refused = get_as(&app, "/", "a").await;
+    assert_eq!(refused.status, StatusCode::TOO_MANY_REQUESTS);
+    assert!(refused.headers.get("www-authenticate").is_none());
+    // A gRPC call is told by its status (UNAUTHENTICATED), not a challenge.
+    let grpc = Request::post("/")
+        .header("content-type", "application/grpc")
+        .body(Body::empty())
+        .unwrap();
+    let grpc = send(&app, grpc).await;
+    assert_eq!(grpc.header("grpc-status"), "16");
+    assert!(grpc.headers.get("www-authenticate").is_none());
+    // An extractor that cannot tell, and no challenge set: none.
+    let nobody = tower_quota::subject::from_fn(|_: &Parts| Err(tower_quota::SubjectError::Missing));
+    let app = Router::new()
+        .route("/", get(|| async { "hello" }))
+        .layer(QuotaLayer::daily(1, nobody));
+    let missing = send(&app, Request::get("/").body(Body::empty()).unwrap()).await;
+    assert_eq!(missing.status, StatusCode::UNAUTHORIZED);
+    assert!(missing.headers.get("www-authenticate").is_none());
+}
+
+#[tokio::test]
+async fn chained_extractors_list_both_challenges() {
+    let either = FromHeader::account("x-account-id").or(FromHeader::user("x-user-id"));
+    assert_eq!(
+        either.challenge().unwrap(),
+        "ApiKey header=\"x-account-id\", ApiKey header=\"x-user-id\""
+    );
+    let same = FromHeader::account("x-id").or(FromHeader::user("x-id"));
+    assert_eq!(same.challenge().unwrap(), "ApiKey header=\"x-id\"");
+    let app = Router::new()
+        .route("/", get(|| async { "hello" }))
+        .layer(QuotaLayer::daily(1, either));
+    let missing = send(&app, Request::get("/").body(Body::empty()).unwrap()).await;
+    assert_eq!(
+        missing.header("www-authenticate"),
+        "ApiKey header=\"x-account-id\", ApiKey header=\"x-user-id\""
+    );
 }
 
 #[tokio::test]

@@ -173,7 +173,19 @@ fn identify<E: SubjectExtractor, St>(
                         default
                     };
                     tracing::debug!(%error, %status, "request refused: no usable subject");
-                    Err(response::early(status, &error.to_string(), parts))
+                    let mut answer = response::early(status, &error.to_string(), parts);
+                    if status == StatusCode::UNAUTHORIZED && !response::is_grpc(&parts.headers) {
+                        let challenge = settings
+                            .challenge
+                            .clone()
+                            .or_else(|| policy.extractor.challenge());
+                        if let Some(challenge) = challenge {
+                            answer
+                                .headers_mut()
+                                .insert(http::header::WWW_AUTHENTICATE, challenge);
+                        }
+                    }
+                    Err(answer)
                 }
             };
         }

@@ -10,6 +10,7 @@ use std::sync::{Arc, Mutex, RwLock};
 use std::time::Duration;
 
 use http::request::Parts;
+use http::HeaderValue;
 use jiff::tz::TimeZone;
 
 use crate::key::Namespace;
@@ -354,6 +355,28 @@ impl<E, St> QuotaPolicyBuilder<E, St> {
     /// What to do when the request's subject is malformed. Default: 400.
     pub fn on_malformed_subject(mut self, policy: SubjectPolicy) -> Self {
         self.settings.on_malformed = policy;
+        self
+    }
+
+    /// The `WWW-Authenticate` challenge of the layers' 401s (a missing
+    /// subject, by default), telling the client how to name itself. Default:
+    /// the extractor's ([`SubjectExtractor::challenge`](crate::SubjectExtractor::challenge):
+    /// `ApiKey header="x-account-id"` for
+    /// [`FromHeader`](crate::FromHeader)); a 401 goes without one when
+    /// neither has one. gRPC answers carry none: their status says it.
+    ///
+    /// ```
+    /// use http::HeaderValue;
+    /// use tower_quota::{FromExtension, QuotaPolicy};
+    ///
+    /// # #[derive(Clone)] struct Claims { account: String }
+    /// // The subject comes from the application's bearer tokens.
+    /// let policy = QuotaPolicy::builder(FromExtension::<Claims>::account_from(|c| Some(c.account.clone())))
+    ///     .challenge(HeaderValue::from_static("Bearer realm=\"api\""))
+    ///     .build();
+    /// ```
+    pub fn challenge(mut self, challenge: HeaderValue) -> Self {
+        self.settings.challenge = Some(challenge);
         self
     }
 

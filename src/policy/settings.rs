@@ -97,6 +97,9 @@ pub(crate) struct Settings {
     pub(crate) on_missing: SubjectPolicy,
     pub(crate) on_malformed: SubjectPolicy,
     pub(crate) max_subject_len: usize,
+    /// The `WWW-Authenticate` value of a 401 for a missing or malformed
+    /// subject, over the extractor's.
+    pub(crate) challenge: Option<http::HeaderValue>,
     pub(crate) on_store_error: OnStoreError,
     pub(crate) store_timeout: Option<Duration>,
     pub(crate) skip: Vec<Arc<SkipFn>>,
@@ -120,6 +123,7 @@ impl Default for Settings {
             on_missing: SubjectPolicy::Reject(StatusCode::UNAUTHORIZED),
             on_malformed: SubjectPolicy::Reject(StatusCode::BAD_REQUEST),
             max_subject_len: 256,
+            challenge: None,
             on_store_error: OnStoreError::FailClosed {
                 retry_after: Duration::from_secs(1),
             },
@@ -165,6 +169,7 @@ impl fmt::Debug for Settings {
             .field("on_missing_subject", &self.on_missing)
             .field("on_malformed_subject", &self.on_malformed)
             .field("max_subject_len", &self.max_subject_len)
+            .field("challenge", &self.challenge)
             .field("on_store_error", &self.on_store_error)
             .field("store_timeout", &self.store_timeout)
             .field("skip_rules", &self.skip.len())

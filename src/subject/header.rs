@@ -1,4 +1,4 @@
-use http::header::HeaderName;
+use http::header::{HeaderName, HeaderValue};
 use http::request::Parts;
 
 use super::{Subject, SubjectError, SubjectExtractor, SubjectKind};
@@ -78,6 +78,12 @@ impl SubjectExtractor for FromHeader {
 
     fn kinds(&self) -> Option<Vec<SubjectKind>> {
         Some(vec![self.kind.clone()])
+    }
+
+    /// `ApiKey header="<name>"`: send the header.
+    fn challenge(&self) -> Option<HeaderValue> {
+        // A header name is lowercase token characters: nothing to escape.
+        HeaderValue::try_from(format!("ApiKey header=\"{}\"", self.name)).ok()
     }
 }
 

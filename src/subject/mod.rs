@@ -372,6 +372,16 @@ pub trait SubjectExtractor: Send + Sync + 'static {
         None
     }
 
+    /// The challenge a client that sent no subject is told how to send one
+    /// with: the `WWW-Authenticate` value of the layer's 401 (HTTP requires
+    /// one on every 401). `None` (the default) when the extractor cannot
+    /// tell (the subject comes from the application's own authentication);
+    /// [`QuotaPolicyBuilder::challenge`](crate::QuotaPolicyBuilder::challenge)
+    /// sets it for the policy, over the extractor's.
+    fn challenge(&self) -> Option<HeaderValue> {
+        None
+    }
+
     /// Asks `self`, and `other` when `self` finds no subject
     /// ([`SubjectError::Missing`]): "the token's account, or else the
     /// `x-api-key` header".
@@ -428,6 +438,10 @@ impl<E: SubjectExtractor + ?Sized> SubjectExtractor for std::sync::Arc<E> {
 
     fn kinds(&self) -> Option<Vec<SubjectKind>> {
         (**self).kinds()
+    }
+
+    fn challenge(&self) -> Option<HeaderValue> {
+        (**self).challenge()
     }
 }
 

@@ -1,4 +1,5 @@
 use http::request::Parts;
+use http::HeaderValue;
 
 use super::{Subject, SubjectError, SubjectExtractor, SubjectKind};
 
@@ -36,6 +37,19 @@ where
             }
         }
         Some(kinds)
+    }
+
+    /// Both challenges, as one list (either alone when the other has none).
+    fn challenge(&self) -> Option<HeaderValue> {
+        match (self.first.challenge(), self.second.challenge()) {
+            (Some(first), Some(second)) if first != second => {
+                let mut both = first.as_bytes().to_vec();
+                both.extend_from_slice(b", ");
+                both.extend_from_slice(second.as_bytes());
+                HeaderValue::from_bytes(&both).ok()
+            }
+            (first, second) => first.or(second),
+        }
     }
 }
 
