@@ -5,7 +5,7 @@
 //! cargo run --release --example server -- --listen 127.0.0.1:8080 --limit 1000 --period 1d \
 //!     --anchor calendar [--tz UTC] [--subject account|user|device] [--store memory] \
 //!     [--on-store-error open|closed] [--quota on|off|governor] [--burst 10] [--plans free=100,pro=10000] \
-//!     [--admin-token T] [--shadow] [--metrics] [--zone-header NAME] [--lease] [--lease-idle MS]
+//!     [--admin-token T | --admin-token-file PATH] [--shadow] [--metrics] [--zone-header NAME] [--lease] [--lease-idle MS]
 //! ```
 //!
 //! With `--features redis`, `--store redis://127.0.0.1:6379/` keeps the
@@ -28,7 +28,9 @@
 //! - With `--admin-token T`, the support routes under `/admin` (`GET
 //!   /admin/quota/{kind}/{id}`, `POST /admin/reset/{kind}/{id}/{allowance}`,
 //!   `POST /admin/refund/{kind}/{id}/{allowance}?amount=N`), for requests
-//!   with `Authorization: Bearer T`.
+//!   with `Authorization: Bearer T`. `--admin-token-file PATH` reads the
+//!   token from a file instead (its first line), where other users of the
+//!   machine cannot read it in the process list.
 //!
 //! - With `--metrics` (a build with `--features metrics`), `GET /metrics`:
 //!   the layer's metrics in the Prometheus text format; never charged.
@@ -77,7 +79,7 @@ use tower_quota::{
 const USAGE: &str =
     "usage: server [--listen ADDR] [--limit N] [--period 10s|1m|1h|1d|1w|1mo|Ns|Nm|Nh] \
 [--anchor calendar|first-use] [--tz ZONE] [--subject account|user|device] [--store memory|redis://HOST:PORT/|rediss://HOST:PORT/|redis+unix:///PATH] \
-[--on-store-error open|closed] [--quota on|off|governor] [--burst N] [--plans NAME=N,NAME=N] [--admin-token T] \
+[--on-store-error open|closed] [--quota on|off|governor] [--burst N] [--plans NAME=N,NAME=N] [--admin-token T | --admin-token-file PATH] \
 [--shadow] [--metrics] [--zone-header NAME] [--lease] [--lease-idle MS]";
 
 struct Options {
@@ -261,6 +263,18 @@ fn parse_args() -> Options {
             "--plans" => options.plans = parse_plans(&value).unwrap_or_else(|e| fail(&e)),
             "--admin-token" if value.is_empty() => fail("--admin-token needs a non-empty token"),
             "--admin-token" => options.admin_token = Some(value),
+            "--admin-token-file" => {
+                let text = std::fs::read_to_string(&value)
+                    .unwrap_or_else(|e| fail(&format!("--admin-token-file {value:?}: {e}")));
+                match text.lines().next().map(str::trim) {
+                    Some(token) if !token.is_empty() => {
+                        options.admin_token = Some(token.to_owned())
+                    }
+                    _ => fail(&format!(
+                        "--admin-token-file {value:?}: the file's first line is empty"
+                    )),
+                }
+            }
             "--zone-header" => {
                 options.zone_header = Some(
                     http::HeaderName::try_from(value.as_str()).unwrap_or_else(|_| {

@@ -125,6 +125,7 @@ fn demo_server_refuses_bad_flags() {
         &["--plans", "free"],
         &["--plans", "free=1,free=2"],
         &["--admin-token", ""],
+        &["--admin-token-file", "/nonexistent/token"],
         &["--lease-idle", "500"],
     ] {
         let output = Command::new(server_binary()).args(args).output().unwrap();
@@ -303,6 +304,29 @@ async fn demo_server_support_routes_need_the_token() {
         quota(&call(&server, "GET", "/quota", ACME).await)["read"]["used"],
         0
     );
+}
+
+#[tokio::test]
+async fn demo_server_reads_the_admin_token_from_a_file() {
+    let dir = std::env::temp_dir().join(format!("tower-quota-token-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).unwrap();
+    let file = dir.join("token");
+    std::fs::write(&file, "s3cret\n").unwrap();
+    let server = start(&["--admin-token-file", file.to_str().unwrap()]);
+    let path = "/admin/quota/account/acme";
+    let admin: &[(&str, &str)] = &[("authorization", "Bearer s3cret")];
+    assert_eq!(call(&server, "GET", path, admin).await.status, 200);
+    let wrong: &[(&str, &str)] = &[("authorization", "Bearer s3cret2")];
+    assert_eq!(call(&server, "GET", path, wrong).await.status, 401);
+    // A file whose first line is empty is refused, not a token "".
+    let empty = dir.join("empty");
+    std::fs::write(&empty, "\nsecond line\n").unwrap();
+    let output = Command::new(server_binary())
+        .args(["--admin-token-file", empty.to_str().unwrap()])
+        .output()
+        .unwrap();
+    assert_eq!(output.status.code(), Some(2));
+    std::fs::remove_dir_all(&dir).unwrap();
 }
 
 #[tokio::test]
