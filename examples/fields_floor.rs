@@ -21,8 +21,8 @@
 //! cargo run --release --example fields_floor -- --listen 127.0.0.1:3001 [--count]
 //! ```
 //!
-//! `scripts/http-bench.sh` measures it beside the demo server
-//! (`BENCH_STORES=off,fields,layer-floor,memory`).
+//! `scripts/http-bench.sh` measures it with `--count` beside the demo
+//! server (`BENCH_STORES=off,layer-floor,memory`).
 use std::convert::Infallible;
 use std::future::Future;
 use std::net::SocketAddr;

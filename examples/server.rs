@@ -4,7 +4,7 @@
 //! ```text
 //! cargo run --release --example server -- --listen 127.0.0.1:8080 --limit 1000 --period 1d \
 //!     --anchor calendar [--tz UTC] [--subject account|user|device] [--store memory] \
-//!     [--on-store-error open|closed] [--quota on|off|governor] [--burst 10] [--plans free=100,pro=10000] \
+//!     [--on-store-error open|closed] [--quota on|off|fields|governor] [--burst 10] [--plans free=100,pro=10000] \
 //!     [--admin-token T | --admin-token-file PATH] [--shadow] [--metrics] [--zone-header NAME] [--lease] [--lease-idle MS]
 //! ```
 //!
@@ -46,6 +46,11 @@
 //! a client that chooses its zone can spend a day's allowance in each; a
 //! real API reads the zone from the authenticated account.
 //!
+//! `--quota off` serves the same routes without a quota, `--quota fields`
+//! writes the two `RateLimit` fields on them and counts nothing, `--quota
+//! governor` puts tower_governor's layer in front, keyed by the same header
+//! with a limit nothing reaches: the references of the benchmarks.
+//!
 //! With `--lease`, the store is wrapped in a `LeasedStore`: a busy subject's
 //! requests are counted from blocks taken from the store (Redis) in one
 //! charge, and the unused units go back when the subject has been idle for
@@ -79,7 +84,7 @@ use tower_quota::{
 const USAGE: &str =
     "usage: server [--listen ADDR] [--limit N] [--period 10s|1m|1h|1d|1w|1mo|Ns|Nm|Nh] \
 [--anchor calendar|first-use] [--tz ZONE] [--subject account|user|device] [--store memory|redis://HOST:PORT/|rediss://HOST:PORT/|redis+unix:///PATH] \
-[--on-store-error open|closed] [--quota on|off|governor] [--burst N] [--plans NAME=N,NAME=N] [--admin-token T | --admin-token-file PATH] \
+[--on-store-error open|closed] [--quota on|off|fields|governor] [--burst N] [--plans NAME=N,NAME=N] [--admin-token T | --admin-token-file PATH] \
 [--shadow] [--metrics] [--zone-header NAME] [--lease] [--lease-idle MS]";
 
 struct Options {
@@ -101,11 +106,13 @@ struct Options {
     lease_idle: Duration,
 }
 
-/// `--quota`: this crate's layer, none, or tower_governor's.
+/// `--quota`: this crate's layer, none, the fields alone, or
+/// tower_governor's.
 #[derive(Clone, Copy, PartialEq, Eq)]
 enum Mode {
     On,
     Off,
+    Fields,
     Governor,
 }
 
@@ -256,8 +263,9 @@ fn parse_args() -> Options {
                 options.quota = match value.as_str() {
                     "on" => Mode::On,
                     "off" => Mode::Off,
+                    "fields" => Mode::Fields,
                     "governor" => Mode::Governor,
-                    _ => fail("--quota takes on, off or governor"),
+                    _ => fail("--quota takes on, off, fields or governor"),
                 }
             }
             "--plans" => options.plans = parse_plans(&value).unwrap_or_else(|e| fail(&e)),
@@ -434,6 +442,17 @@ fn app<St: Store>(options: &Options, store: St) -> Router {
                 .merge(health)
                 .route("/quota", get(|| async { Json(json!({})) }));
         }
+        Mode::Fields => {
+            // What telling clients where they stand costs by itself: the
+            // two fields a quota writes, on the same routes, counting
+            // nothing (what is "left" goes down by one per request).
+            return read
+                .merge(search)
+                .merge(write)
+                .route_layer(tower::util::MapResponseLayer::new(with_fields))
+                .merge(health)
+                .route("/quota", get(|| async { Json(json!({})) }));
+        }
         Mode::Governor => {
             // Another rate limiter on the same routes, keyed by the same
             // header, with a limit nothing reaches: a point of comparison.
@@ -519,6 +538,30 @@ fn app<St: Store>(options: &Options, store: St) -> Router {
     }
     // Wrong methods answer 405 without a subject and without a charge.
     app.method_not_allowed_fallback(unrouted::MethodNotAllowed)
+}
+
+/// `response` with the `RateLimit-Policy` and `RateLimit` fields of a
+/// quota of a billion a day that nothing counts (`--quota fields`).
+fn with_fields(mut response: Response) -> Response {
+    use std::sync::atomic::{AtomicU64, Ordering};
+    static SERVED: AtomicU64 = AtomicU64::new(0);
+    const LIMIT: u64 = 1_000_000_000;
+    let served = SERVED.fetch_add(1, Ordering::Relaxed) % LIMIT;
+    let mut digits = itoa::Buffer::new();
+    let mut value = Vec::with_capacity(48);
+    value.extend_from_slice(b"\"read-day\";r=");
+    value.extend_from_slice(digits.format(LIMIT - 1 - served).as_bytes());
+    value.extend_from_slice(b";t=");
+    value.extend_from_slice(digits.format(86_400 - served % 86_400).as_bytes());
+    let value = http::HeaderValue::from_maybe_shared(bytes::Bytes::from(value))
+        .expect("digits and quotes are a valid field value");
+    let headers = response.headers_mut();
+    headers.insert(
+        response::RATELIMIT_POLICY.clone(),
+        http::HeaderValue::from_static("\"read-day\";q=1000000000;w=86400"),
+    );
+    headers.insert(response::RATELIMIT.clone(), value);
+    response
 }
 
 /// `GET /metrics`, in the Prometheus text format, outside every quota layer.
@@ -632,6 +675,7 @@ async fn run<St: Store>(options: &Options, store: St) {
         match options.quota {
             Mode::On => "on",
             Mode::Off => "off",
+            Mode::Fields => "fields",
             Mode::Governor => "governor",
         },
     );

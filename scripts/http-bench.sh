@@ -31,14 +31,15 @@
 # costs. It shows how much of the Redis server's gap to `off` is the round
 # trip itself.
 #
-# `fields` is no quota either: the `fields_floor` example, which reads the
-# subject header and writes the two fields the quota layer writes on every
-# answer (`RateLimit-Policy` and a `RateLimit` formatted per request), and
-# counts nothing: what telling clients where they stand costs by itself,
-# a floor under the memory store's figure. `layer-floor` is the same
-# example with `--count`: it also builds each request's counter key, counts
-# it in a map under a lock and puts the count in the request's extensions,
-# the least a quota layer does per request.
+# `fields` is no quota either: the demo server with `--quota fields`, whose
+# routes write the two fields the quota layer writes on every answer
+# (`RateLimit-Policy` and a `RateLimit` formatted per request) and count
+# nothing: what telling clients where they stand costs by itself, a floor
+# under the memory store's figure. `layer-floor` is the `fields_floor`
+# example with `--count`: it reads the subject, builds each request's
+# counter key, counts it in a map under a lock, puts the count in the
+# request's extensions and writes the fields, the least a quota layer does
+# per request.
 #
 # `memory-base`, `redis-base` and `redis-lease-base` are `memory`, `redis`
 # and `redis-lease` served by the demo server binary `BENCH_BASE_SERVER`
@@ -131,7 +132,7 @@ measured redis-lease && start_server redis-lease "$server" --limit 1000000000 --
 measured floor && start_server floor "$examples/redis_floor" --redis "redis://127.0.0.1:$redis_port/"
 measured floor-eval && start_server floor-eval "$examples/redis_floor" --redis "redis://127.0.0.1:$redis_port/" --eval
 measured governor && start_server governor "$server" --limit 1000000000 --quota governor
-measured fields && start_server fields "$examples/fields_floor"
+measured fields && start_server fields "$server" --limit 1000000000 --quota fields
 base=${BENCH_BASE_SERVER:-}
 measured memory-base && start_server memory-base "$base" --limit 1000000000 --store memory
 measured redis-base && start_server redis-base "$base" --limit 1000000000 --store "redis://127.0.0.1:$redis_port/"

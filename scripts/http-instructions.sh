@@ -5,7 +5,7 @@
 # that two builds, or the quota and its references, compare within a
 # fraction of a percent.
 #
-#   scripts/http-instructions.sh                    # off, memory, governor
+#   scripts/http-instructions.sh                    # off, fields, memory, governor
 #   BENCH_STORES=off,memory,governor,redis scripts/http-instructions.sh
 #   BENCH_SECONDS=8 BENCH_CONNECTIONS=16 scripts/http-instructions.sh
 #   BENCH_BASE_SERVER=path/to/server BENCH_STORES=off,memory,memory-base scripts/http-instructions.sh
@@ -15,8 +15,10 @@
 # `BENCH_CONNECTIONS` (16) connections from one thread, first for 3 s
 # unmeasured, then for `BENCH_SECONDS` (8) with counting on. The figure is
 # the instructions counted over the requests wrk completed meanwhile.
-# Servers, as in `scripts/http-bench.sh`: `off`, `memory`, `governor`,
-# `redis`, and `memory-base` from `BENCH_BASE_SERVER`. Not the leased
+# Servers, as in `scripts/http-bench.sh`: `off`, `fields` (the demo server
+# with `--quota fields`: the two fields written, nothing counted),
+# `memory`, `governor`, `redis`, and `memory-base` from
+# `BENCH_BASE_SERVER`. Not the leased
 # server: slowed down some fifty times, its subjects idle between two
 # requests, and its background work falls on few requests. Installs Debian's valgrind and wrk (and
 # redis-server, redis-tools when a Redis server is measured) when missing.
@@ -26,10 +28,10 @@ cd "$(dirname "$0")/.."
 seconds=${BENCH_SECONDS:-8}
 connections=${BENCH_CONNECTIONS:-16}
 subjects=${BENCH_SUBJECTS:-10000}
-IFS=, read -r -a stores <<<"${BENCH_STORES:-off,memory,governor}"
+IFS=, read -r -a stores <<<"${BENCH_STORES:-off,fields,memory,governor}"
 for name in "${stores[@]}"; do
     case $name in
-    off | memory | governor | redis) ;;
+    off | fields | memory | governor | redis) ;;
     memory-base)
         if [ ! -x "${BENCH_BASE_SERVER:-}" ]; then
             echo "BENCH_STORES: $name needs BENCH_BASE_SERVER, the path of another build's demo server" >&2
@@ -37,7 +39,7 @@ for name in "${stores[@]}"; do
         fi
         ;;
     *)
-        echo "BENCH_STORES: unknown server $name (off, memory, governor, redis, memory-base)" >&2
+        echo "BENCH_STORES: unknown server $name (off, fields, memory, governor, redis, memory-base)" >&2
         exit 2
         ;;
     esac
@@ -106,6 +108,7 @@ redis_url() { echo "redis://127.0.0.1:$redis_port/"; }
 for name in "${stores[@]}"; do
     case $name in
     off) measure off "$server" --limit 1000000000 --quota off ;;
+    fields) measure fields "$server" --limit 1000000000 --quota fields ;;
     memory) measure memory "$server" --limit 1000000000 --store memory ;;
     governor) measure governor "$server" --limit 1000000000 --quota governor ;;
     redis) measure redis "$server" --limit 1000000000 --store "$(redis_url)" ;;

@@ -113,6 +113,32 @@ async fn demo_server_without_quota_is_a_baseline() {
     }
 }
 
+#[tokio::test]
+async fn demo_server_with_fields_only_writes_them_and_counts_nothing() {
+    let server = start(&["--quota", "fields", "--limit", "1"]);
+    let mut left = Vec::new();
+    for _ in 0..3 {
+        let reply = call(&server, "GET", "/read", ACME).await;
+        assert_eq!(reply.status, 200);
+        assert_eq!(
+            reply.header("ratelimit-policy"),
+            Some("\"read-day\";q=1000000000;w=86400")
+        );
+        let field = reply.header("ratelimit").unwrap().to_owned();
+        let r: u64 = field
+            .split(";r=")
+            .nth(1)
+            .and_then(|rest| rest.split(';').next())
+            .unwrap()
+            .parse()
+            .unwrap();
+        left.push(r);
+    }
+    assert!(left.windows(2).all(|w| w[1] < w[0]), "{left:?}");
+    // No subject needed, nothing refused.
+    assert_eq!(call(&server, "GET", "/read", &[]).await.status, 200);
+}
+
 #[test]
 fn demo_server_refuses_bad_flags() {
     for args in [
@@ -127,6 +153,7 @@ fn demo_server_refuses_bad_flags() {
         &["--admin-token", ""],
         &["--admin-token-file", "/nonexistent/token"],
         &["--lease-idle", "500"],
+        &["--quota", "count"],
     ] {
         let output = Command::new(server_binary()).args(args).output().unwrap();
         assert_eq!(output.status.code(), Some(2), "{args:?}");
