@@ -642,6 +642,36 @@ async fn another_instance_gets_the_units_once_the_holder_is_idle() {
     assert_eq!(refused.usage[0].held_elsewhere_until, None);
 }
 
+#[tokio::test(start_paused = true)]
+async fn a_lower_limit_is_never_passed_by_units_taken_under_a_higher_one() {
+    // Two instances busy on a plan of 1 000; the caller moves to a plan of
+    // 40. Without leases, exactly 40 would be admitted in all: the blocks
+    // taken under the old plan must not admit past the new limit.
+    let shared = MemoryStore::new();
+    let a = LeasedStore::new(shared.clone());
+    let b = LeasedStore::new(shared.clone());
+    let mut now = t0();
+    busy(&a, &mut now, 20, 1_000, 1).await;
+    busy(&b, &mut now, 20, 1_000, 1).await;
+    assert!(a.held() > 0 && b.held() > 0, "both hold a block");
+    let mut admitted = 40;
+    for _ in 0..50 {
+        for leased in [&a, &b] {
+            if call(leased, now, 40).await.admitted {
+                admitted += 1;
+            }
+        }
+        tokio::time::advance(Duration::from_millis(1)).await;
+        now += SignedDuration::from_millis(1);
+    }
+    assert_eq!(admitted, 40, "none past the new limit");
+    // What the old blocks held goes back: the store counts what was served.
+    tokio::time::advance(Duration::from_millis(1_300)).await;
+    tokio::task::yield_now().await;
+    now += SignedDuration::from_millis(1_300);
+    assert_eq!(counted(&shared, now).await, 40);
+}
+
 /// How many instances the lease mark of the day's counter counts at `now`.
 async fn holders<St: Store>(store: &St, now: Timestamp) -> u64 {
     let mark = ChargeLine {

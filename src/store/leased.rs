@@ -596,6 +596,10 @@ struct Counter {
     /// by the layer's: a give-back goes only to a counter made by then.
     block_since: Option<Instant>,
     taken_at: Option<Timestamp>,
+    /// The lowest limit a unit of the block was charged under: a request
+    /// under a lower one (its caller's plan changed) spends nothing from
+    /// it, whose units the store admitted under a limit it no longer has.
+    block_limit: u64,
     /// The counter's limit and count (this instance's units included) as
     /// the store last told, and its reset.
     limit: u64,
@@ -943,6 +947,7 @@ impl<St: Store> LeasedStore<St> {
         // listed twice takes from its block twice.
         let mut taken: SmallVec<[u64; 2]> = SmallVec::with_capacity(request.lines.len());
         let mut stale = Vec::new();
+        let mut stale_first = false;
         let mut unmarked = Vec::new();
         let mut alone = None;
         // A line whose counter this instance does not know (a first
@@ -971,10 +976,14 @@ impl<St: Store> LeasedStore<St> {
             let fresh = counter
                 .block_since
                 .is_some_and(|since| at.saturating_duration_since(since) < lease_time);
-            if counter.units > 0 && !fresh {
-                // Past its lease time: given back beside the charge (see
-                // `send`), which is sent again if the store refused it
-                // before the units were back.
+            let over = line.limit < counter.block_limit;
+            if counter.units > 0 && (!fresh || over) {
+                stale_first |= over;
+                // Past its lease time, or taken under a higher limit than
+                // this request's: given back beside the charge (see `send`),
+                // which is sent again if the store refused it before the
+                // units were back. (Units taken under a higher limit, spent
+                // here, could pass the lower one with other instances'.)
                 stale.push((
                     line.key.clone(),
                     counter.units,
@@ -1087,6 +1096,7 @@ impl<St: Store> LeasedStore<St> {
             known,
             taken,
             stale,
+            stale_first,
             unmarked,
             reserved: Reserved {
                 shared: Arc::clone(&self.shared),
@@ -1225,6 +1235,7 @@ impl<St: Store> LeasedStore<St> {
             unmarked: Vec::new(),
             taken: smallvec::smallvec![0],
             stale: Vec::new(),
+            stale_first: false,
             reserved: Reserved {
                 shared: Arc::clone(&self.shared),
                 lines: Vec::new(),
@@ -1256,6 +1267,7 @@ impl<St: Store> LeasedStore<St> {
             known,
             taken,
             stale,
+            stale_first,
             unmarked,
             mut reserved,
         } = plan;
@@ -1299,7 +1311,7 @@ impl<St: Store> LeasedStore<St> {
         // of their own: a request dropped meanwhile does not cut them short,
         // and the charge does not wait for them (it is sent again once they
         // landed, if the store refused it).
-        let (mut stale, giving_back) = match tokio::runtime::Handle::try_current() {
+        let (mut stale, mut giving_back) = match tokio::runtime::Handle::try_current() {
             Ok(runtime) if !stale.is_empty() => {
                 let inner = self.inner.clone();
                 let busy = Busy::new(&self.shared);
@@ -1319,6 +1331,11 @@ impl<St: Store> LeasedStore<St> {
             // Without a runtime, before the charge, as they must land first.
             for (key, units, taken_at) in stale.drain(..) {
                 give_back(&store.inner, request.now, key, units, taken_at).await;
+            }
+            if stale_first {
+                if let Some(giving_back) = giving_back.take() {
+                    let _ = giving_back.await;
+                }
             }
             let costs: Vec<u64> = request.lines.iter().map(|line| line.cost).collect();
             let leasing = blocks.iter().any(|&b| b > 0);
@@ -1516,6 +1533,7 @@ impl<St: Store> LeasedStore<St> {
                         units: 0,
                         block_since: None,
                         taken_at: None,
+                        block_limit: line.limit,
                         limit: usage.limit,
                         store_used: usage.used,
                         resets_at: usage.resets_at,
@@ -1602,6 +1620,11 @@ impl<St: Store> LeasedStore<St> {
                     unmarked.push((line.key.clone(), counter.generation));
                 }
             } else if took {
+                counter.block_limit = if counter.units == 0 {
+                    line.limit
+                } else {
+                    counter.block_limit.min(line.limit)
+                };
                 counter.units += block;
                 counter.block_since.get_or_insert(at);
                 counter.taken_at.get_or_insert(made_by);
@@ -1998,6 +2021,11 @@ struct Plan {
     /// Blocks past their lease time (and when they were taken), given back
     /// first.
     stale: Vec<(PeriodKey, u64, Timestamp)>,
+    /// Whether the charge waits until `stale` is back: a block taken under
+    /// a higher limit than the request's, whose units the store would
+    /// otherwise count against it (the usage told would then count units
+    /// nobody spent).
+    stale_first: bool,
     /// The lines paid from blocks here.
     reserved: Reserved,
 }
