@@ -207,9 +207,15 @@ impl QuotaStatus {
         self.tickets.iter().find(|t| t.policy == policy)
     }
 
-    /// Whether a line of any policy counts on `key`.
-    pub(crate) fn counts(&self, key: &PeriodKey) -> bool {
-        self.tickets.iter().any(|ticket| ticket.counts(key))
+    /// Whether a line on the counter at `key` of the store with identity
+    /// `store` counts already: one of policy `policy`'s own, or of another
+    /// policy on the same store. A policy on another store (or one without
+    /// an identity) has counters of its own, whatever their keys.
+    pub(crate) fn counts(&self, key: &PeriodKey, policy: u64, store: Option<usize>) -> bool {
+        self.tickets.iter().any(|ticket| {
+            (ticket.policy == policy || (store.is_some() && ticket.store == store))
+                && ticket.counts(key)
+        })
     }
 
     /// Records `ticket` in the status in `extensions`, made if there is
@@ -250,6 +256,8 @@ impl fmt::Debug for QuotaStatus {
 pub(crate) struct Ticket {
     /// The policy's identity.
     pub(crate) policy: u64,
+    /// Its store's ([`Store::identity`](crate::Store::identity)).
+    pub(crate) store: Option<usize>,
     /// The request's instant: every layer of the policy charges it at the
     /// same one, so a request near a boundary counts in one period.
     pub(crate) now: Timestamp,

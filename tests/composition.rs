@@ -679,6 +679,36 @@ on_every_store!(
 );
 
 #[tokio::test]
+async fn layers_on_two_stores_each_count_on_their_own_whatever_their_keys() {
+    // Two quick layers, each with a store of its own: the same key in
+    // each store (default namespace and allowance), two counters.
+    let app = Router::new()
+        .route("/", get(entries))
+        .route_layer(QuotaLayer::daily(1, FromHeader::account("x-account-id")))
+        .layer(QuotaLayer::daily(100, FromHeader::account("x-account-id")));
+    let admitted = send(&app, call("/", ACME)).await;
+    assert_eq!(admitted.status(), StatusCode::OK);
+    // The system clock's: only what is left is compared.
+    let left = |field: String| -> Vec<String> {
+        field
+            .split(", ")
+            .map(|item| item.split(";t=").next().unwrap().to_owned())
+            .collect()
+    };
+    assert_eq!(
+        left(header(&admitted, "ratelimit")),
+        ["\"default-day\";r=99", "\"default-day\";r=0"]
+    );
+    let refused = send(&app, call("/", ACME)).await;
+    assert_eq!(refused.status(), StatusCode::TOO_MANY_REQUESTS);
+    // The inner store's refusal gave the outer charge back.
+    assert_eq!(
+        left(header(&refused, "ratelimit")),
+        ["\"default-day\";r=99", "\"default-day\";r=0"]
+    );
+}
+
+#[tokio::test]
 async fn status_entries_come_policy_by_policy() {
     let account = policy(tower_quota::MemoryStore::new(), "account").build();
     let partner = policy(tower_quota::MemoryStore::new(), "partner").build();

@@ -104,6 +104,7 @@ pub(crate) fn plan<E: SubjectExtractor, St: crate::store::Store>(
             match identify(policy, parts) {
                 Ok(Some(caller)) => Ticket {
                     policy: policy.id,
+                    store: policy.store.identity(),
                     now,
                     caller: Some(caller),
                     charges: Default::default(),
@@ -138,6 +139,7 @@ fn skipped(quotas: &[Quota]) {
 pub(crate) fn uncounted(policy: u64, now: Timestamp) -> Ticket {
     Ticket {
         policy,
+        store: None,
         now,
         caller: None,
         charges: Default::default(),
@@ -274,7 +276,7 @@ fn lines(
             quota.line_with_limit(&settings.namespace, &caller.subject, ticket.now, 0, limit);
         // A counter charged for this request by a layer further out, of this
         // policy or another on the same store, counts once.
-        if status.is_some_and(|s| s.counts(&line.key)) {
+        if status.is_some_and(|s| s.counts(&line.key, ticket.policy, ticket.store)) {
             counted.push(i);
         } else {
             lines.push(line);
