@@ -811,6 +811,21 @@ async fn not_found_under_a_router_wide_layer_is_given_back() {
 }
 
 #[tokio::test]
+async fn not_found_gets_no_fields_even_when_it_cost_nothing() {
+    let policy = QuotaPolicy::builder(FromHeader::account("x-account-id")).build();
+    let app = Router::new()
+        .route("/", get(|| async { "hi" }))
+        .fallback(unrouted::NotFound)
+        .layer(policy.layer(Quota::daily(1)).cost(0));
+    let missing = send(&app, call(Method::GET, "/nowhere", ACME)).await;
+    assert_eq!(missing.status(), StatusCode::NOT_FOUND);
+    assert!(!missing.headers().contains_key("ratelimit"));
+    assert!(!missing.headers().contains_key("ratelimit-policy"));
+    let found = send(&app, call(Method::GET, "/", ACME)).await;
+    assert!(found.headers().contains_key("ratelimit"));
+}
+
+#[tokio::test]
 async fn the_same_quota_hidden_inside_is_charged_once() {
     let policy = QuotaPolicy::builder(FromHeader::account("x-account-id")).build();
     let daily = || policy.layer(Quota::daily(10).allowance("read"));

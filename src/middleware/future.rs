@@ -485,7 +485,12 @@ where
                     };
                     if ops.is_empty() {
                         return Poll::Ready(result.map(|response| {
-                            charged.finish(response, None).map(ResponseBody::inner)
+                            let response = if fields {
+                                charged.finish(response, None)
+                            } else {
+                                response
+                            };
+                            response.map(ResponseBody::inner)
                         }));
                     }
                     let now = settings.clock.now();
