@@ -79,25 +79,39 @@ measure() {
         "$program" --listen "127.0.0.1:$port" "$@" >"$work/$name.log" 2>&1 &
     pid=$!
     pids+=("$pid")
+    local started=false
     for _ in $(seq 300); do
-        grep -q "listening on" "$work/$name.log" 2>/dev/null && break
+        grep -q "listening on" "$work/$name.log" 2>/dev/null && started=true && break
         sleep 0.1
     done
+    if ! $started; then
+        echo "$name: the server did not start under valgrind; its log:" >&2
+        cat "$work/$name.log" >&2
+        exit 1
+    fi
     local url="http://127.0.0.1:$port/read"
     wrk -t1 -c"$connections" -d3s -s "$work/subjects.lua" "$url" >/dev/null
-    callgrind_control -i on "$pid" >/dev/null 2>&1
+    # Through vgdb: the server must be one this user may trace.
+    if ! callgrind_control -i on "$pid" >"$work/$name.control" 2>&1; then
+        echo "$name: callgrind_control could not reach the server:" >&2
+        cat "$work/$name.control" >&2
+        exit 1
+    fi
     wrk -t1 -c"$connections" -d"${seconds}s" -s "$work/subjects.lua" "$url" >"$work/$name.wrk"
-    callgrind_control -i off "$pid" >/dev/null 2>&1
-    callgrind_control -d "$pid" >/dev/null 2>&1
+    callgrind_control -i off "$pid" >/dev/null 2>&1 || true
+    callgrind_control -d "$pid" >/dev/null 2>&1 || true
     sleep 1
     kill "$pid" 2>/dev/null || true
     wait "$pid" 2>/dev/null || true
     local requests instructions
     requests=$(awk '/requests in/ { print $1 }' "$work/$name.wrk")
-    # The dump made on demand is the largest of the files written.
+    # The dump made on demand, between the two `callgrind_control` calls.
+    if [ -z "$requests" ] || [ ! -s "$out.1" ]; then
+        echo "$name: no requests counted, or no dump written" >&2
+        exit 1
+    fi
     instructions=$(
-        # shellcheck disable=SC2012
-        callgrind_annotate "$(ls -S "$out"* | head -1)" 2>/dev/null |
+        callgrind_annotate "$out.1" 2>/dev/null |
             awk '/PROGRAM TOTALS/ { gsub(",", "", $1); print $1 }'
     )
     echo "$name $requests $instructions" | awk '{ printf "%-18s %8d requests  %7.0f instructions per request\n", $1, $2, $3 / $2 }'

@@ -51,6 +51,7 @@ trait PolicyView<St>: Send + Sync {
     fn quotas(&self) -> Vec<Quota>;
     fn extract(&self, parts: &Parts) -> Result<Subject, SubjectError>;
     fn kinds(&self) -> Option<Vec<SubjectKind>>;
+    fn challenge(&self) -> Option<http::HeaderValue>;
     fn plan_as_charged(&self, plan: Option<String>) -> Result<Option<String>, String>;
 }
 
@@ -69,6 +70,9 @@ impl<E: SubjectExtractor, St: Send + Sync> PolicyView<St> for Policy<E, St> {
     }
     fn kinds(&self) -> Option<Vec<SubjectKind>> {
         self.extractor.kinds()
+    }
+    fn challenge(&self) -> Option<http::HeaderValue> {
+        Policy::challenge(self)
     }
     fn plan_as_charged(&self, plan: Option<String>) -> Result<Option<String>, String> {
         Policy::plan_as_charged(self, plan)
@@ -223,7 +227,12 @@ impl<St: Store> QuotaHandle<St> {
     /// }
     /// ```
     pub async fn standing(&self, parts: &Parts) -> Result<Vec<QuotaUsage>, StandingError> {
-        let subject = self.subject_of(parts).map_err(StandingError::Subject)?;
+        let subject = self
+            .subject_of(parts)
+            .map_err(|error| StandingError::Subject {
+                challenge: self.shared.challenge(),
+                error,
+            })?;
         let plan = self.known_plan(self.plan_of(parts))?;
         let zone = self.zone_of(parts).map_err(StandingError::Zone)?;
         let handle = match zone {
@@ -421,8 +430,15 @@ impl<St: fmt::Debug> fmt::Debug for QuotaHandle<St> {
 /// Why [`QuotaHandle::standing`] could not tell where a caller stands.
 #[derive(Debug)]
 pub enum StandingError {
-    /// The request names no usable subject.
-    Subject(SubjectError),
+    /// The request names no usable subject; its answer (401 for a missing
+    /// one) carries the policy's `challenge` in `WWW-Authenticate`.
+    Subject {
+        /// Why no subject could be read.
+        error: SubjectError,
+        /// The policy's challenge
+        /// ([`QuotaPolicyBuilder::challenge`](crate::QuotaPolicyBuilder::challenge)).
+        challenge: Option<http::HeaderValue>,
+    },
     /// The request names a time zone that cannot be used.
     Zone(InvalidRequest),
     /// The request names a plan no quota has, and the policy refuses
@@ -435,7 +451,7 @@ pub enum StandingError {
 impl fmt::Display for StandingError {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         match self {
-            Self::Subject(error) => error.fmt(f),
+            Self::Subject { error, .. } => error.fmt(f),
             Self::Zone(error) => error.fmt(f),
             Self::Plan(plan) => write!(
                 f,
@@ -450,7 +466,7 @@ impl fmt::Display for StandingError {
 impl std::error::Error for StandingError {
     fn source(&self) -> Option<&(dyn std::error::Error + 'static)> {
         match self {
-            Self::Subject(error) => Some(error),
+            Self::Subject { error, .. } => Some(error),
             Self::Zone(error) => Some(error),
             Self::Plan(_) => None,
             Self::Store(error) => Some(error),

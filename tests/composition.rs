@@ -709,6 +709,34 @@ async fn layers_on_two_stores_each_count_on_their_own_whatever_their_keys() {
 }
 
 #[tokio::test]
+async fn a_counter_charged_further_out_counts_once_after_a_failure_in_between() {
+    // Two policies on one store share the daily `read` counter. Between
+    // them, a layer of the outer policy fails open, without a ledger: the
+    // read charged further out still counts for the inner policy.
+    let memory = tower_quota::MemoryStore::new();
+    let outer = policy(
+        Rigged::new(memory.clone(), Rig::Fail, Some("burst")),
+        "shared",
+    )
+    .on_store_error(tower_quota::OnStoreError::FailOpen)
+    .max_owed_counters(0)
+    .build();
+    let inner = policy(memory.clone(), "shared").build();
+    let app = Router::new()
+        .route("/search", get(entries))
+        .route_layer(inner.layer(Quota::daily(10).allowance("read")))
+        .route_layer(outer.layer(Quota::per_minute(5).allowance("burst")))
+        .route_layer(outer.layer(Quota::daily(10).allowance("read")));
+    let admitted = send(&app, call("/search", ACME)).await;
+    assert_eq!(admitted.status(), StatusCode::OK);
+    assert_eq!(
+        used(&inner, "acme", "read-day").await,
+        1,
+        "one request, one unit"
+    );
+}
+
+#[tokio::test]
 async fn status_entries_come_policy_by_policy() {
     let account = policy(tower_quota::MemoryStore::new(), "account").build();
     let partner = policy(tower_quota::MemoryStore::new(), "partner").build();

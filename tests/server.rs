@@ -58,13 +58,17 @@ async fn demo_server_enforces_read_and_write_allowances() {
         serde_json::from_str(&call(&server, "GET", "/quota", ACME).await.body).unwrap();
     assert_eq!(again["read"]["used"], 3);
 
-    assert_eq!(call(&server, "GET", "/read", &[]).await.status, 401);
+    let unnamed = call(&server, "GET", "/read", &[]).await;
+    assert_eq!(unnamed.status, 401);
+    let challenge = Some("ApiKey header=\"x-account-id\"");
+    assert_eq!(unnamed.header("www-authenticate"), challenge);
     let anonymous = call(&server, "GET", "/quota", &[]).await;
     assert_eq!(anonymous.status, 401);
     assert_eq!(
         anonymous.header("content-type"),
         Some("application/problem+json")
     );
+    assert_eq!(anonymous.header("www-authenticate"), challenge);
     assert_eq!(
         call(&server, "GET", "/read", &[("x-account-id", "other")])
             .await

@@ -369,7 +369,16 @@ impl axum::response::IntoResponse for StandingError {
     /// whose details go to the logs only.
     fn into_response(self) -> Response {
         match self {
-            StandingError::Subject(error) => error.into_response(),
+            StandingError::Subject { error, challenge } => {
+                let missing = matches!(error, crate::subject::SubjectError::Missing);
+                let mut response = error.into_response();
+                if let Some(challenge) = challenge.filter(|_| missing) {
+                    response
+                        .headers_mut()
+                        .insert(http::header::WWW_AUTHENTICATE, challenge);
+                }
+                response
+            }
             StandingError::Zone(error) => problem(StatusCode::BAD_REQUEST, error.reason()),
             StandingError::Plan(_) => problem(StatusCode::FORBIDDEN, &self.to_string()),
             StandingError::Store(error) => unavailable(&error),

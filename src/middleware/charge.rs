@@ -177,11 +177,7 @@ fn identify<E: SubjectExtractor, St>(
                     tracing::debug!(%error, %status, "request refused: no usable subject");
                     let mut answer = response::early(status, &error.to_string(), parts);
                     if status == StatusCode::UNAUTHORIZED && !response::is_grpc(&parts.headers) {
-                        let challenge = settings
-                            .challenge
-                            .clone()
-                            .or_else(|| policy.extractor.challenge());
-                        if let Some(challenge) = challenge {
+                        if let Some(challenge) = policy.challenge() {
                             answer
                                 .headers_mut()
                                 .insert(http::header::WWW_AUTHENTICATE, challenge);

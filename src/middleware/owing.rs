@@ -45,8 +45,10 @@ pub(crate) fn owe<E, St>(
     } = charge;
     if policy.settings.max_owed == 0 {
         let mut uncounted = charge::uncounted(policy.id, ticket.now);
-        // What layers further out charged stays theirs to give back.
+        // What layers further out charged stays theirs to give back, and
+        // counted on their store.
         uncounted.charges = ticket.charges;
+        uncounted.store = ticket.store;
         QuotaStatus::put_in(extensions, uncounted);
         return None;
     }

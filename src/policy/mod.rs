@@ -217,6 +217,18 @@ impl<E, St> Policy<E, St> {
             .clone()
     }
 
+    /// The `WWW-Authenticate` challenge of a 401 for a missing subject:
+    /// the policy's, or else its extractor's.
+    pub(crate) fn challenge(&self) -> Option<HeaderValue>
+    where
+        E: crate::SubjectExtractor,
+    {
+        self.settings
+            .challenge
+            .clone()
+            .or_else(|| self.extractor.challenge())
+    }
+
     /// `plan` as the layers charge it: itself when the policy knows it;
     /// else no plan (the quotas' own limits), or `Err` with the plan when the
     /// policy refuses unknown plans ([`UnknownPlan::Reject`]).

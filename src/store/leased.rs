@@ -596,7 +596,7 @@ struct Counter {
     /// by the layer's: a give-back goes only to a counter made by then.
     block_since: Option<Instant>,
     taken_at: Option<Timestamp>,
-    /// The lowest limit a unit of the block was charged under: a request
+    /// The highest limit a unit of the block was charged under: a request
     /// under a lower one (its caller's plan changed) spends nothing from
     /// it, whose units the store admitted under a limit it no longer has.
     block_limit: u64,
@@ -1086,7 +1086,12 @@ impl<St: Store> LeasedStore<St> {
                 let counter = counter.expect("a block was spent");
                 // Kept while the store is asked, however long that takes.
                 counter.reserved += units;
-                reserved.push((line.key.clone(), units, counter.generation));
+                reserved.push((
+                    line.key.clone(),
+                    units,
+                    counter.generation,
+                    counter.block_limit,
+                ));
             }
         }
         // Boxed: the store is asked next, and the plan waits for it.
@@ -1310,7 +1315,9 @@ impl<St: Store> LeasedStore<St> {
         // Blocks past their lease time go back beside the charge, in a task
         // of their own: a request dropped meanwhile does not cut them short,
         // and the charge does not wait for them (it is sent again once they
-        // landed, if the store refused it).
+        // landed, if the store refused it), unless one was taken under a
+        // higher limit than the request's (`stale_first`): the store would
+        // count its units against the lower one.
         let (mut stale, mut giving_back) = match tokio::runtime::Handle::try_current() {
             Ok(runtime) if !stale.is_empty() => {
                 let inner = self.inner.clone();
@@ -1623,7 +1630,7 @@ impl<St: Store> LeasedStore<St> {
                 counter.block_limit = if counter.units == 0 {
                     line.limit
                 } else {
-                    counter.block_limit.min(line.limit)
+                    counter.block_limit.max(line.limit)
                 };
                 counter.units += block;
                 counter.block_since.get_or_insert(at);
@@ -2043,9 +2050,9 @@ struct Known {
 /// dropped.
 struct Reserved {
     shared: Arc<Shared>,
-    /// Key, units, and the generation of the entry they came from: a
-    /// reset meanwhile drops them.
-    lines: Vec<(PeriodKey, u64, u64)>,
+    /// Key, units, the generation of the entry they came from (a reset
+    /// meanwhile drops them), and the limit of the block they came from.
+    lines: Vec<(PeriodKey, u64, u64, u64)>,
     spent: bool,
 }
 
@@ -2056,8 +2063,8 @@ impl Drop for Reserved {
         }
         let mut counters = self
             .shared
-            .counters(self.lines.iter().map(|(key, _, _)| key));
-        for (key, units, generation) in &self.lines {
+            .counters(self.lines.iter().map(|(key, _, _, _)| key));
+        for (key, units, generation, limit) in &self.lines {
             if let Some(counter) = counters
                 .get_mut(key)
                 .filter(|c| c.generation == *generation)
@@ -2069,6 +2076,13 @@ impl Drop for Reserved {
                         counter.taken_at = None;
                     }
                 } else {
+                    // Back with the limit they were taken under, whatever
+                    // block was taken since.
+                    counter.block_limit = if counter.units == 0 {
+                        *limit
+                    } else {
+                        counter.block_limit.max(*limit)
+                    };
                     counter.units += units;
                 }
             }
