@@ -1142,6 +1142,56 @@ async fn units_taken_for_a_request_the_store_refuses_late_come_back_to_the_block
     assert_eq!(counted(&shared, now).await, 200);
 }
 
+#[tokio::test(start_paused = true)]
+async fn units_set_aside_never_go_back_into_a_block_of_a_counter_made_since() {
+    let slow = Slow::default();
+    let shared = slow.inner.clone();
+    let leased = LeasedStore::new(slow.clone());
+    let mut now = t0();
+    busy(&leased, &mut now, 200, 10_000, 10).await;
+    while leased.held() > 1 {
+        assert!(call(&leased, now, 10_000).await.admitted);
+    }
+    // A request of two lines sets the block's last unit aside, and waits
+    // for the store on its other line, which it will refuse.
+    slow.delay.store(50, Ordering::Relaxed);
+    let mut both = request(now, 10_000);
+    both.lines.push(ChargeLine {
+        key: PeriodKey::from_string("quota:{account:acme}:other:2026-12-04".into()),
+        limit: 0,
+        cost: 1,
+        lifetime: day(),
+    });
+    let waiting = tokio::spawn(leased.charge(both));
+    tokio::time::sleep(Duration::from_millis(5)).await;
+    slow.delay.store(0, Ordering::Relaxed);
+    assert_eq!(leased.held(), 0, "the last unit is set aside");
+    // Meanwhile the counter is reset in the store itself (not through this
+    // instance), and a request makes it anew, under a limit of 10.
+    assert!(shared.reset(day_key()).await.unwrap());
+    let mut admitted = 0;
+    while leased.held() == 0 {
+        assert!(call(&leased, now, 10).await.admitted);
+        admitted += 1;
+        tokio::time::advance(Duration::from_millis(1)).await;
+        now += SignedDuration::from_millis(1);
+    }
+    assert!(
+        admitted < 10,
+        "{admitted}: a block of the new counter is taken early"
+    );
+    // The refusal puts the unit set aside back: not into the new counter's
+    // block, whose store never counted it. And the new block goes back
+    // (guarded) by its own instant, not by the old block's.
+    assert!(!waiting.await.unwrap().unwrap().admitted);
+    while call(&leased, now, 10).await.admitted {
+        admitted += 1;
+    }
+    assert_eq!(admitted, 10, "the new counter's limit, every unit served");
+    leased.shutdown().await;
+    assert_eq!(counted(&shared, now).await, 10);
+}
+
 mod through_the_layer {
     //! The same requests through the same app, once on a memory store and
     //! once on a leased one: every answer, and every count the support

@@ -1086,12 +1086,13 @@ impl<St: Store> LeasedStore<St> {
                 let counter = counter.expect("a block was spent");
                 // Kept while the store is asked, however long that takes.
                 counter.reserved += units;
-                reserved.push((
-                    line.key.clone(),
+                reserved.push(Aside {
+                    key: line.key.clone(),
                     units,
-                    counter.generation,
-                    counter.block_limit,
-                ));
+                    generation: counter.generation,
+                    limit: counter.block_limit,
+                    first_call: counter.first_call,
+                });
             }
         }
         // Boxed: the store is asked next, and the plan waits for it.
@@ -1632,9 +1633,17 @@ impl<St: Store> LeasedStore<St> {
                 } else {
                     counter.block_limit.max(line.limit)
                 };
+                if counter.units == 0 {
+                    // A block of its own, whatever an emptied one left
+                    // (units set aside for a request on its way, which go
+                    // back only into a block of the same counter).
+                    counter.block_since = Some(at);
+                    counter.taken_at = Some(made_by);
+                } else {
+                    counter.block_since.get_or_insert(at);
+                    counter.taken_at.get_or_insert(made_by);
+                }
                 counter.units += block;
-                counter.block_since.get_or_insert(at);
-                counter.taken_at.get_or_insert(made_by);
                 counter.block = block;
                 counter.back = false;
                 crate::metrics::lease_block();
@@ -2050,10 +2059,22 @@ struct Known {
 /// dropped.
 struct Reserved {
     shared: Arc<Shared>,
-    /// Key, units, the generation of the entry they came from (a reset
-    /// meanwhile drops them), and the limit of the block they came from.
-    lines: Vec<(PeriodKey, u64, u64, u64)>,
+    lines: Vec<Aside>,
     spent: bool,
+}
+
+/// Units set aside from a counter's block for a request on its way.
+struct Aside {
+    key: PeriodKey,
+    units: u64,
+    /// The entry they came from: a reset through this instance meanwhile
+    /// makes a new one, and drops them.
+    generation: u64,
+    /// The highest limit they were taken under.
+    limit: u64,
+    /// The counter they were charged on, as its first call tells: a reset
+    /// made elsewhere meanwhile (the counter made anew) drops them too.
+    first_call: Option<Timestamp>,
 }
 
 impl Drop for Reserved {
@@ -2063,27 +2084,27 @@ impl Drop for Reserved {
         }
         let mut counters = self
             .shared
-            .counters(self.lines.iter().map(|(key, _, _, _)| key));
-        for (key, units, generation, limit) in &self.lines {
+            .counters(self.lines.iter().map(|aside| &aside.key));
+        for aside in &self.lines {
             if let Some(counter) = counters
-                .get_mut(key)
-                .filter(|c| c.generation == *generation)
+                .get_mut(&aside.key)
+                .filter(|c| c.generation == aside.generation)
             {
-                counter.reserved = counter.reserved.saturating_sub(*units);
+                counter.reserved = counter.reserved.saturating_sub(aside.units);
                 if self.spent {
                     if counter.units == 0 {
                         counter.block_since = None;
                         counter.taken_at = None;
                     }
-                } else {
+                } else if counter.first_call == aside.first_call {
                     // Back with the limit they were taken under, whatever
                     // block was taken since.
                     counter.block_limit = if counter.units == 0 {
-                        *limit
+                        aside.limit
                     } else {
-                        counter.block_limit.max(*limit)
+                        counter.block_limit.max(aside.limit)
                     };
-                    counter.units += units;
+                    counter.units += aside.units;
                 }
             }
         }
