@@ -1184,6 +1184,12 @@ async fn units_set_aside_never_go_back_into_a_block_of_a_counter_made_since() {
     // block, whose store never counted it. And the new block goes back
     // (guarded) by its own instant, not by the old block's.
     assert!(!waiting.await.unwrap().unwrap().admitted);
+    // Idle: the new block goes back, to the counter it was taken from.
+    tokio::time::advance(Duration::from_millis(1_300)).await;
+    tokio::task::yield_now().await;
+    now += SignedDuration::from_millis(1_300);
+    assert_eq!(leased.held(), 0);
+    assert_eq!(counted(&shared, now).await, admitted, "what was served");
     while call(&leased, now, 10).await.admitted {
         admitted += 1;
     }
