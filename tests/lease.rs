@@ -1143,6 +1143,47 @@ async fn units_taken_for_a_request_the_store_refuses_late_come_back_to_the_block
 }
 
 #[tokio::test(start_paused = true)]
+async fn units_set_aside_go_back_by_their_blocks_instant_after_the_block_went_back() {
+    // As above, the rest of the block goes back while a unit is set aside;
+    // the unit comes back into the block once the request is refused. Then
+    // the counter is reset and made anew elsewhere: the unit's give-back
+    // goes by its block's instant, and the new counter keeps its count.
+    let slow = Slow::default();
+    let shared = slow.inner.clone();
+    let leased = LeasedStore::new(slow.clone());
+    let mut now = t0();
+    busy(&leased, &mut now, 200, 10_000, 10).await;
+    slow.delay.store(3_000, Ordering::Relaxed);
+    let mut both = request(now, 10_000);
+    both.lines.push(ChargeLine {
+        key: PeriodKey::from_string("quota:{account:acme}:other:2026-12-04".into()),
+        limit: 0,
+        cost: 1,
+        lifetime: day(),
+    });
+    let waiting = tokio::spawn(leased.charge(both));
+    tokio::time::sleep(Duration::from_millis(5)).await;
+    slow.delay.store(0, Ordering::Relaxed);
+    assert!(!waiting.await.unwrap().unwrap().admitted);
+    assert_eq!(leased.held(), 1, "the unit set aside is back in the block");
+    assert_eq!(counted(&shared, now).await, 201);
+    // Reset and made anew elsewhere, later than the block was taken.
+    now += SignedDuration::from_secs(3);
+    assert!(shared.reset(day_key()).await.unwrap());
+    assert!(shared.charge(request(now, 10_000)).await.unwrap().admitted);
+    // Idle: the unit goes back, guarded by its block's instant.
+    tokio::time::advance(Duration::from_millis(1_300)).await;
+    tokio::task::yield_now().await;
+    now += SignedDuration::from_millis(1_300);
+    assert_eq!(leased.held(), 0);
+    assert_eq!(
+        counted(&shared, now).await,
+        1,
+        "the new counter keeps its count"
+    );
+}
+
+#[tokio::test(start_paused = true)]
 async fn units_set_aside_never_go_back_into_a_block_of_a_counter_made_since() {
     let slow = Slow::default();
     let shared = slow.inner.clone();
@@ -1152,6 +1193,7 @@ async fn units_set_aside_never_go_back_into_a_block_of_a_counter_made_since() {
     while leased.held() > 1 {
         assert!(call(&leased, now, 10_000).await.admitted);
     }
+    assert_eq!(leased.held(), 1);
     // A request of two lines sets the block's last unit aside, and waits
     // for the store on its other line, which it will refuse.
     slow.delay.store(50, Ordering::Relaxed);

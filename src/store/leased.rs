@@ -1092,6 +1092,8 @@ impl<St: Store> LeasedStore<St> {
                     generation: counter.generation,
                     limit: counter.block_limit,
                     first_call: counter.first_call,
+                    block_since: counter.block_since,
+                    taken_at: counter.taken_at,
                 });
             }
         }
@@ -1613,7 +1615,12 @@ impl<St: Store> LeasedStore<St> {
             counter.limit = usage.limit;
             counter.store_used = usage.used.saturating_sub(returned);
             counter.resets_at = usage.resets_at;
-            counter.first_call = usage.first_call;
+            // A counter made anew has a later first call than the one it
+            // replaced: a late answer of the old one does not move it back.
+            counter.first_call = match (counter.first_call, usage.first_call) {
+                (Some(known), Some(told)) => Some(known.max(told)),
+                (_, told) => told,
+            };
             counter.seen = request.now;
             counter.seen_at = at;
             counter.charged_at = at;
@@ -2063,6 +2070,14 @@ struct Reserved {
     spent: bool,
 }
 
+/// The earlier of two instants, either when the other is unknown.
+fn older<T: Ord>(a: Option<T>, b: Option<T>) -> Option<T> {
+    match (a, b) {
+        (Some(a), Some(b)) => Some(a.min(b)),
+        (a, b) => a.or(b),
+    }
+}
+
 /// Units set aside from a counter's block for a request on its way.
 struct Aside {
     key: PeriodKey,
@@ -2075,6 +2090,10 @@ struct Aside {
     /// The counter they were charged on, as its first call tells: a reset
     /// made elsewhere meanwhile (the counter made anew) drops them too.
     first_call: Option<Timestamp>,
+    /// When their block was taken: what they go back to the store by, once
+    /// back in a block (the block's own instants may be gone meanwhile).
+    block_since: Option<Instant>,
+    taken_at: Option<Timestamp>,
 }
 
 impl Drop for Reserved {
@@ -2096,14 +2115,20 @@ impl Drop for Reserved {
                         counter.block_since = None;
                         counter.taken_at = None;
                     }
-                } else if counter.first_call == aside.first_call {
-                    // Back with the limit they were taken under, whatever
-                    // block was taken since.
+                } else if aside.first_call.is_none()
+                    || counter.first_call.is_none()
+                    || counter.first_call == aside.first_call
+                {
+                    // Back with the limit and the instants they were taken
+                    // under, whatever block was taken since: the older
+                    // instants, which a counter made later never passes.
                     counter.block_limit = if counter.units == 0 {
                         aside.limit
                     } else {
                         counter.block_limit.max(aside.limit)
                     };
+                    counter.block_since = older(counter.block_since, aside.block_since);
+                    counter.taken_at = older(counter.taken_at, aside.taken_at);
                     counter.units += aside.units;
                 }
             }
