@@ -1143,6 +1143,35 @@ async fn units_taken_for_a_request_the_store_refuses_late_come_back_to_the_block
 }
 
 #[tokio::test(start_paused = true)]
+async fn a_shutdown_gives_back_units_set_aside_for_a_request_refused_meanwhile() {
+    let slow = Slow::default();
+    let shared = slow.inner.clone();
+    let leased = LeasedStore::new(slow.clone());
+    let mut now = t0();
+    busy(&leased, &mut now, 200, 10_000, 10).await;
+    slow.delay.store(50, Ordering::Relaxed);
+    let mut both = request(now, 10_000);
+    both.lines.push(ChargeLine {
+        key: PeriodKey::from_string("quota:{account:acme}:other:2026-12-04".into()),
+        limit: 0,
+        cost: 1,
+        lifetime: day(),
+    });
+    let waiting = tokio::spawn(leased.charge(both));
+    tokio::time::sleep(Duration::from_millis(5)).await;
+    slow.delay.store(0, Ordering::Relaxed);
+    // The shutdown begins while the request waits on its other line.
+    leased.shutdown().await;
+    assert!(!waiting.await.unwrap().unwrap().admitted);
+    assert_eq!(leased.held(), 0);
+    assert_eq!(
+        counted(&shared, now).await,
+        200,
+        "what was served, no unit left"
+    );
+}
+
+#[tokio::test(start_paused = true)]
 async fn units_set_aside_go_back_by_their_blocks_instant_after_the_block_went_back() {
     // As above, the rest of the block goes back while a unit is set aside;
     // the unit comes back into the block once the request is refused. Then

@@ -299,6 +299,7 @@ impl<St: Store> LeasedStoreBuilder<St> {
                 generations: AtomicU64::new(0),
                 prefetch: Mutex::default(),
                 busy: AtomicUsize::new(0),
+                setting_aside: AtomicUsize::new(0),
             }),
         }
     }
@@ -346,6 +347,10 @@ struct Shared {
     /// blocks taken, and what their answers give back): a shutdown waits
     /// for it.
     busy: AtomicUsize,
+    /// Requests on their way with units set aside from a block: a shutdown
+    /// lets them land (their units back in the block, or spent) before it
+    /// gives the blocks back.
+    setting_aside: AtomicUsize,
 }
 
 /// One piece of the work a shutdown waits for, while it lives.
@@ -812,6 +817,13 @@ impl<St: Store> LeasedStore<St> {
     /// counters' periods end. Returns the units given back.
     pub async fn shutdown(&self) -> u64 {
         self.shared.closed.store(true, Ordering::SeqCst);
+        // Units set aside for requests on their way come back into their
+        // block if the store refuses them: let those land first, for a
+        // lease time at most (a request whose store never answers).
+        let deadline = Instant::now() + self.shared.settings.lease_time;
+        while self.shared.setting_aside.load(Ordering::SeqCst) > 0 && Instant::now() < deadline {
+            tokio::time::sleep(Duration::from_millis(1)).await;
+        }
         let at = Instant::now();
         let mut drained = Vec::new();
         self.shared.each_shard(|counters| {
@@ -1106,11 +1118,7 @@ impl<St: Store> LeasedStore<St> {
             stale,
             stale_first,
             unmarked,
-            reserved: Reserved {
-                shared: Arc::clone(&self.shared),
-                lines: reserved,
-                spent: false,
-            },
+            reserved: Reserved::new(&self.shared, reserved),
         }))
     }
 
@@ -1244,11 +1252,7 @@ impl<St: Store> LeasedStore<St> {
             taken: smallvec::smallvec![0],
             stale: Vec::new(),
             stale_first: false,
-            reserved: Reserved {
-                shared: Arc::clone(&self.shared),
-                lines: Vec::new(),
-                spent: false,
-            },
+            reserved: Reserved::new(&self.shared, Vec::new()),
         };
         Some(self.send(request, plan, at))
     }
@@ -2070,6 +2074,16 @@ struct Reserved {
     spent: bool,
 }
 
+/// One request with units set aside less, once its units are back in their
+/// block (or dropped with it).
+struct SetAside<'a>(&'a Shared);
+
+impl Drop for SetAside<'_> {
+    fn drop(&mut self) {
+        self.0.setting_aside.fetch_sub(1, Ordering::SeqCst);
+    }
+}
+
 /// The earlier of two instants, either when the other is unknown.
 fn older<T: Ord>(a: Option<T>, b: Option<T>) -> Option<T> {
     match (a, b) {
@@ -2096,11 +2110,25 @@ struct Aside {
     taken_at: Option<Timestamp>,
 }
 
+impl Reserved {
+    fn new(shared: &Arc<Shared>, lines: Vec<Aside>) -> Self {
+        if !lines.is_empty() {
+            shared.setting_aside.fetch_add(1, Ordering::SeqCst);
+        }
+        Self {
+            shared: Arc::clone(shared),
+            lines,
+            spent: false,
+        }
+    }
+}
+
 impl Drop for Reserved {
     fn drop(&mut self) {
         if self.lines.is_empty() {
             return;
         }
+        let _landed = SetAside(&self.shared);
         let mut counters = self
             .shared
             .counters(self.lines.iter().map(|aside| &aside.key));
