@@ -814,7 +814,10 @@ impl<St: Store> LeasedStore<St> {
     /// now on (requests are then charged one by one). Await it on a
     /// graceful shutdown, once the server stopped taking requests: what an
     /// instance holds when it stops without it stays charged until the
-    /// counters' periods end. Returns the units given back.
+    /// counters' periods end. Requests still on their way with units of a
+    /// block set aside (a request of several lines whose others the store
+    /// is asked for) are waited for first, a lease time at most. Returns
+    /// the units given back.
     pub async fn shutdown(&self) -> u64 {
         self.shared.closed.store(true, Ordering::SeqCst);
         // Units set aside for requests on their way come back into their
