@@ -736,6 +736,33 @@ async fn a_counter_charged_further_out_counts_once_after_a_failure_in_between() 
     );
 }
 
+#[tokio::test(start_paused = true)]
+async fn a_request_dropped_while_an_inner_layer_settles_spends_nothing_anywhere() {
+    // The outer policy on a memory store; the inner one on a store whose
+    // changes take 200 ms, with a cost known from the response (3, for 1
+    // up front). A timeout around both drops the request while the inner
+    // layer waits for its add: the client got no answer, so neither
+    // policy keeps a charge.
+    let rigged = Rigged::new(tower_quota::MemoryStore::new(), Rig::Fail, Some("never"));
+    rigged.slow_changes.store(200, Ordering::Relaxed);
+    let inner = policy(rigged, "inner").build();
+    let outer = policy(tower_quota::MemoryStore::new(), "outer").build();
+    let app = Router::new()
+        .route("/search", get(entries))
+        .route_layer(
+            inner
+                .layer(Quota::daily(10).allowance("tokens"))
+                .deferred_cost(1, |_| 3),
+        )
+        .route_layer(outer.layer(Quota::daily(10).allowance("read")));
+    let answer = tokio::time::timeout(Duration::from_millis(50), send(&app, call("/search", ACME)));
+    assert!(answer.await.is_err(), "dropped before the answer");
+    // The add lands, then what the inner layer charged goes back.
+    tokio::time::sleep(Duration::from_millis(1_000)).await;
+    assert_eq!(used(&outer, "acme", "read-day").await, 0);
+    assert_eq!(used(&inner, "acme", "tokens-day").await, 0);
+}
+
 #[tokio::test]
 async fn status_entries_come_policy_by_policy() {
     let account = policy(tower_quota::MemoryStore::new(), "account").build();

@@ -611,6 +611,45 @@ fn is_unrouted(_: &http::Extensions) -> bool {
     false
 }
 
+/// What goes back of `lines` when their request turns out not served after
+/// `ops` (those `kept` applied) were sent: per line, its cost and what was
+/// added, less what was refunded. Only lines this layer gives back (a line
+/// claimed by a refund of `ops`, or claimed now), and only counters still
+/// the one charged at `now`.
+pub(crate) fn unserved(
+    lines: &[Line],
+    ops: &[(usize, Adjust)],
+    kept: &[bool],
+    now: Timestamp,
+) -> Vec<(usize, u64)> {
+    lines
+        .iter()
+        .enumerate()
+        .filter_map(|(i, line)| {
+            let mine = ops
+                .iter()
+                .zip(kept)
+                .filter(|((j, _), &kept)| *j == i && kept)
+                .map(|((_, op), _)| *op);
+            let (mut added, mut refunded, mut claimed) = (0u64, 0u64, false);
+            for op in mine {
+                match op {
+                    Adjust::Add(more) => added = added.saturating_add(more),
+                    Adjust::Refund(back) => {
+                        refunded = refunded.saturating_add(back);
+                        claimed = true;
+                    }
+                }
+            }
+            if !claimed && !line.claim_give_back() {
+                return None;
+            }
+            let amount = line.cost.saturating_add(added).saturating_sub(refunded);
+            (amount > 0 && line.is_live(now)).then_some((i, amount))
+        })
+        .collect()
+}
+
 /// Where each of `lines` stands once the store applied `ops` and answered
 /// `results` (what the counter holds after, `None`: no live counter).
 pub(crate) fn settled(

@@ -70,17 +70,15 @@ pin_project! {
         // The store applies what the response changes before the fields are
         // written.
         Settling {
-            adjust: Adjusting,
+            settle: Settle<E, St>,
             // Armed once the store does not answer at once: past the
             // store's timeout the response goes out with the fields as
             // charged, and the changes carry on in their task.
             timeout: Option<Pin<Box<Sleep>>>,
-            ops: Vec<(usize, Adjust)>,
             // Whether the response gets the fields (not when no route
             // served it).
             fields: bool,
             result: Option<Result<S::Response, S::Error>>,
-            charged: Option<Charged<E, St>>,
         },
         Rejected {
             response: Option<Response<Bytes>>,
@@ -494,25 +492,33 @@ where
                         }));
                     }
                     let now = settings.clock.now();
-                    let adjust = adjust(&charged, now, &ops);
+                    let (adjust, kept) = adjust_kept(&charged, now, &ops);
                     this.state.set(State::Settling {
-                        adjust,
+                        settle: Settle {
+                            adjust: Some(adjust),
+                            ops,
+                            kept,
+                            charged: Some(charged),
+                        },
                         timeout: None,
-                        ops,
                         fields,
                         result: Some(result),
-                        charged: Some(charged),
                     });
                 }
                 StateProj::Settling {
-                    adjust,
+                    settle,
                     timeout,
-                    ops,
                     fields,
                     result,
-                    charged,
                 } => {
-                    let results = match adjust.as_mut().poll(cx) {
+                    let Settle {
+                        adjust,
+                        ops,
+                        charged,
+                        ..
+                    } = settle;
+                    let adjusting = adjust.as_mut().expect("polled after completion");
+                    let results = match adjusting.as_mut().poll(cx) {
                         Poll::Ready(results) => Some(results),
                         Poll::Pending => {
                             let bound = &charged.as_ref().expect("polled after completion").bound;
@@ -529,6 +535,9 @@ where
                             None
                         }
                     };
+                    // The response goes out: what the store has yet to
+                    // apply carries on in its task.
+                    *adjust = None;
                     let charged = charged.take().expect("polled after completion");
                     let result = result.take().expect("polled after completion");
                     if !*fields {
@@ -558,6 +567,18 @@ fn adjust<E, St: Store>(
     now: Timestamp,
     ops: &[(usize, Adjust)],
 ) -> Adjusting {
+    adjust_kept(charged, now, ops).0
+}
+
+/// As [`adjust`], with which of `ops` were kept (a refund whose line was
+/// given back already, or a change of a first-use counter that ended, is
+/// left out).
+fn adjust_kept<E, St: Store>(
+    charged: &Charged<E, St>,
+    now: Timestamp,
+    ops: &[(usize, Adjust)],
+) -> (Adjusting, Vec<bool>) {
+    let mut kept = Vec::with_capacity(ops.len());
     let keyed: Vec<_> = ops
         .iter()
         .filter(|(i, op)| {
@@ -568,7 +589,9 @@ fn adjust<E, St: Store>(
             };
             // A first-use counter whose period ended since is not the one
             // that was charged any more, even if a new one has the same key.
-            claimed && line.is_live(now)
+            let keep = claimed && line.is_live(now);
+            kept.push(keep);
+            keep
         })
         .map(|(i, op)| (*i, charged.lines[*i].key.clone(), *op))
         .collect();
@@ -581,7 +604,7 @@ fn adjust<E, St: Store>(
             .collect(),
     );
     let all: Vec<usize> = ops.iter().map(|(i, _)| *i).collect();
-    Box::pin(async move {
+    let adjusting = Box::pin(async move {
         let results = applied.await;
         // Per op, in `ops`' order; `None` for an op left out.
         all.iter()
@@ -593,5 +616,57 @@ fn adjust<E, St: Store>(
                     .and_then(|(_, r)| *r)
             })
             .collect()
-    })
+    });
+    (adjusting, kept)
+}
+
+/// What a layer applies once its inner service answered, before the
+/// response goes out. Dropped before that (a timeout further out, a client
+/// gone), the response never went out and the request was not served:
+/// what the layer charged goes back, changes included, once the changes
+/// on their way landed.
+pub(crate) struct Settle<E, St: Store> {
+    adjust: Option<Adjusting>,
+    ops: Vec<(usize, Adjust)>,
+    /// Per op, whether `adjust` applies it.
+    kept: Vec<bool>,
+    charged: Option<Charged<E, St>>,
+}
+
+impl<E, St: Store> Drop for Settle<E, St> {
+    fn drop(&mut self) {
+        let (Some(charged), Some(adjusting)) = (self.charged.take(), self.adjust.take()) else {
+            return;
+        };
+        let now = charged.bound.policy.settings.clock.now();
+        let back = charge::unserved(&charged.lines, &self.ops, &self.kept, now)
+            .into_iter()
+            .map(|(i, amount)| {
+                let line = &charged.lines[i];
+                (
+                    line.key.clone(),
+                    Adjust::Refund(amount),
+                    line.made_by(charged.now),
+                )
+            })
+            .collect::<Vec<_>>();
+        if back.is_empty() {
+            return;
+        }
+        let store = charged.bound.policy.store.clone();
+        let work = async move {
+            // After the changes: a refund before an add would leave the add.
+            adjusting.await;
+            apply(store, now, back).await;
+        };
+        match tokio::runtime::Handle::try_current() {
+            Ok(runtime) => drop(runtime.spawn(work)),
+            Err(_) => {
+                let mut work = std::pin::pin!(work);
+                let _ = work
+                    .as_mut()
+                    .poll(&mut Context::from_waker(std::task::Waker::noop()));
+            }
+        }
+    }
 }

@@ -3,8 +3,9 @@
 
 use std::future::Future;
 use std::pin::Pin;
-use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::Arc;
+use std::time::Duration;
 
 use tokio::sync::Notify;
 use tower_quota::jiff::Timestamp;
@@ -47,6 +48,10 @@ pub struct Rigged<St> {
     /// While set, refunds and adds fail as calls the store never sent.
     #[allow(dead_code)]
     pub unsent: Arc<AtomicBool>,
+    /// While above 0, refunds and adds are made (and answered) this many
+    /// milliseconds of the runtime's time late.
+    #[allow(dead_code)]
+    pub slow_changes: Arc<AtomicU64>,
 }
 
 impl<St> Rigged<St> {
@@ -60,6 +65,7 @@ impl<St> Rigged<St> {
             away: Arc::default(),
             stalled: Arc::default(),
             unsent: Arc::default(),
+            slow_changes: Arc::default(),
         }
     }
 
@@ -75,16 +81,26 @@ impl<St> Rigged<St> {
     /// made then: the memory store applies a change when it is made.
     fn change<F>(
         &self,
-        make: impl FnOnce() -> F,
+        make: impl FnOnce() -> F + Send,
     ) -> impl Future<Output = Result<Option<u64>, StoreError>> + Send
     where
         F: Future<Output = Result<Option<u64>, StoreError>> + Send,
     {
         let stalled = self.stalled.load(Ordering::Relaxed);
-        let change = (!stalled && !self.unsent.load(Ordering::Relaxed)).then(make);
+        let sent = !stalled && !self.unsent.load(Ordering::Relaxed);
+        let slow = Duration::from_millis(self.slow_changes.load(Ordering::Relaxed));
+        let mut make = Some(make);
+        // Made at once, unless slow.
+        let mut change = (sent && slow.is_zero())
+            .then(|| make.take().map(|make| make()))
+            .flatten();
         async move {
             if stalled {
                 std::future::pending::<()>().await;
+            }
+            if sent && !slow.is_zero() {
+                tokio::time::sleep(slow).await;
+                change = make.take().map(|make| make());
             }
             match change {
                 Some(change) => change.await,

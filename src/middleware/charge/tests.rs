@@ -382,3 +382,36 @@ fn a_deferred_cost_charges_or_gives_back_the_difference() {
     let settled = super::settled(&lines, &[(0, Adjust::Add(3))], &[None]);
     assert_eq!(settled[0].used, 2, "no live counter: as charged");
 }
+
+#[test]
+fn a_request_not_served_after_all_gives_back_its_cost_and_its_changes() {
+    let deferred = layer(&[Quota::daily(10)], |b| b).deferred_cost(2, |_| 2);
+    let now = at("2026-12-02T10:00:00Z");
+    // An add of 3 on its way: the cost and the add go back.
+    let lines = admitted(&deferred, 2);
+    assert_eq!(
+        unserved(&lines, &[(0, Adjust::Add(3))], &[true], now),
+        vec![(0, 5)]
+    );
+    assert!(lines[0].is_given_back(), "claimed: given back once");
+    assert_eq!(unserved(&lines, &[], &[], now), vec![], "not twice");
+    // A refund of 1 on its way (its line claimed by it): the rest.
+    let lines = admitted(&deferred, 2);
+    assert!(lines[0].claim_give_back());
+    assert_eq!(
+        unserved(&lines, &[(0, Adjust::Refund(1))], &[true], now),
+        vec![(0, 1)]
+    );
+    // All of it refunded (refused further in): nothing more.
+    assert_eq!(
+        unserved(&lines, &[(0, Adjust::Refund(2))], &[true], now),
+        vec![]
+    );
+    // A refund left out (another layer gave the line back): nothing.
+    let lines = admitted(&deferred, 2);
+    assert!(lines[0].claim_give_back());
+    assert_eq!(
+        unserved(&lines, &[(0, Adjust::Refund(2))], &[false], now),
+        vec![]
+    );
+}
