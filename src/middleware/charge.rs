@@ -612,10 +612,11 @@ fn is_unrouted(_: &http::Extensions) -> bool {
 }
 
 /// What goes back of `lines` when their request turns out not served after
-/// `ops` (those `kept` applied) were sent: per line, its cost and what was
-/// added, less what was refunded. Only lines this layer gives back (a line
-/// claimed by a refund of `ops`, or claimed now), and only counters still
-/// the one charged at `now`.
+/// `ops` (those `kept` applied) were sent: per line, its cost less what was
+/// refunded (a refund whose answer is lost may have landed: counted as if
+/// it did), before what the store says it added (see [`added`]). Only lines
+/// this layer gives back (a line claimed by a refund of `ops`, or claimed
+/// now), and only counters still the one charged at `now`.
 pub(crate) fn unserved(
     lines: &[Line],
     ops: &[(usize, Adjust)],
@@ -631,23 +632,34 @@ pub(crate) fn unserved(
                 .zip(kept)
                 .filter(|((j, _), &kept)| *j == i && kept)
                 .map(|((_, op), _)| *op);
-            let (mut added, mut refunded, mut claimed) = (0u64, 0u64, false);
+            let (mut refunded, mut claimed) = (0u64, false);
             for op in mine {
-                match op {
-                    Adjust::Add(more) => added = added.saturating_add(more),
-                    Adjust::Refund(back) => {
-                        refunded = refunded.saturating_add(back);
-                        claimed = true;
-                    }
+                if let Adjust::Refund(back) = op {
+                    refunded = refunded.saturating_add(back);
+                    claimed = true;
                 }
             }
             if !claimed && !line.claim_give_back() {
                 return None;
             }
-            let amount = line.cost.saturating_add(added).saturating_sub(refunded);
-            (amount > 0 && line.is_live(now)).then_some((i, amount))
+            let amount = line.cost.saturating_sub(refunded);
+            line.is_live(now).then_some((i, amount))
         })
         .collect()
+}
+
+/// What `ops` added to line `line`, as far as the store answered them
+/// (`results`, per op; an add whose answer is lost is taken as not made:
+/// giving back what was not charged would uncount other requests).
+pub(crate) fn added(ops: &[(usize, Adjust)], results: &[Option<u64>], line: usize) -> u64 {
+    ops.iter()
+        .zip(results)
+        .filter(|((i, _), result)| *i == line && result.is_some())
+        .map(|((_, op), _)| match op {
+            Adjust::Add(more) => *more,
+            Adjust::Refund(_) => 0,
+        })
+        .fold(0, u64::saturating_add)
 }
 
 /// Where each of `lines` stands once the store applied `ops` and answered

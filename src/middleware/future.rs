@@ -639,24 +639,29 @@ impl<E, St: Store> Drop for Settle<E, St> {
             return;
         };
         let now = charged.bound.policy.settings.clock.now();
-        let back = charge::unserved(&charged.lines, &self.ops, &self.kept, now)
+        // Claimed now, so that no other layer gives them back too.
+        let lines: Vec<_> = charge::unserved(&charged.lines, &self.ops, &self.kept, now)
             .into_iter()
             .map(|(i, amount)| {
                 let line = &charged.lines[i];
-                (
-                    line.key.clone(),
-                    Adjust::Refund(amount),
-                    line.made_by(charged.now),
-                )
+                (i, line.key.clone(), amount, line.made_by(charged.now))
             })
-            .collect::<Vec<_>>();
-        if back.is_empty() {
+            .collect();
+        if lines.is_empty() {
             return;
         }
+        let ops = std::mem::take(&mut self.ops);
         let store = charged.bound.policy.store.clone();
         let work = async move {
             // After the changes: a refund before an add would leave the add.
-            adjusting.await;
+            let results = adjusting.await;
+            let back = lines
+                .into_iter()
+                .filter_map(|(i, key, amount, made_by)| {
+                    let amount = amount.saturating_add(charge::added(&ops, &results, i));
+                    (amount > 0).then_some((key, Adjust::Refund(amount), made_by))
+                })
+                .collect();
             apply(store, now, back).await;
         };
         match tokio::runtime::Handle::try_current() {

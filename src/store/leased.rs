@@ -823,7 +823,9 @@ impl<St: Store> LeasedStore<St> {
         // Units set aside for requests on their way come back into their
         // block if the store refuses them: let those land first, for a
         // lease time at most (a request whose store never answers).
-        let deadline = Instant::now() + self.shared.settings.lease_time;
+        let deadline = Instant::now()
+            .checked_add(self.shared.settings.lease_time)
+            .unwrap_or_else(|| Instant::now() + Duration::from_secs(3_600));
         while self.shared.setting_aside.load(Ordering::SeqCst) > 0 && Instant::now() < deadline {
             tokio::time::sleep(Duration::from_millis(1)).await;
         }
@@ -1071,6 +1073,23 @@ impl<St: Store> LeasedStore<St> {
                 admitted: true,
                 usage,
             });
+        }
+        // Units set aside while the store is asked: a shutdown waits for
+        // them (see `shutdown`); once one began, they stay in their blocks
+        // and the store is asked for all of it. (Counted before `closed` is
+        // read, as `shutdown` sets it before it reads the count: one of the
+        // two sees the other.)
+        if taken.iter().any(|&units| units > 0) {
+            self.shared.setting_aside.fetch_add(1, Ordering::SeqCst);
+            if self.shared.closed.load(Ordering::SeqCst) {
+                self.shared.setting_aside.fetch_sub(1, Ordering::SeqCst);
+                for (line, units) in request.lines.iter().zip(taken.iter_mut()) {
+                    if let Some(counter) = counters.get_mut(&line.key) {
+                        counter.units += *units;
+                    }
+                    *units = 0;
+                }
+            }
         }
         let runtime = tokio::runtime::Handle::try_current().is_ok();
         let mut reserved = Vec::new();
@@ -2114,10 +2133,9 @@ struct Aside {
 }
 
 impl Reserved {
+    /// `lines` set aside, counted in `setting_aside` already when there
+    /// are any (see `spend_locally`).
     fn new(shared: &Arc<Shared>, lines: Vec<Aside>) -> Self {
-        if !lines.is_empty() {
-            shared.setting_aside.fetch_add(1, Ordering::SeqCst);
-        }
         Self {
             shared: Arc::clone(shared),
             lines,

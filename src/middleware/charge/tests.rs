@@ -387,12 +387,13 @@ fn a_deferred_cost_charges_or_gives_back_the_difference() {
 fn a_request_not_served_after_all_gives_back_its_cost_and_its_changes() {
     let deferred = layer(&[Quota::daily(10)], |b| b).deferred_cost(2, |_| 2);
     let now = at("2026-12-02T10:00:00Z");
-    // An add of 3 on its way: the cost and the add go back.
+    // An add of 3 on its way: the cost goes back, and the add once the
+    // store says it made it.
     let lines = admitted(&deferred, 2);
-    assert_eq!(
-        unserved(&lines, &[(0, Adjust::Add(3))], &[true], now),
-        vec![(0, 5)]
-    );
+    let add = [(0, Adjust::Add(3))];
+    assert_eq!(unserved(&lines, &add, &[true], now), vec![(0, 2)]);
+    assert_eq!(added(&add, &[Some(5)], 0), 3);
+    assert_eq!(added(&add, &[None], 0), 0, "an add not made stays out");
     assert!(lines[0].is_given_back(), "claimed: given back once");
     assert_eq!(unserved(&lines, &[], &[], now), vec![], "not twice");
     // A refund of 1 on its way (its line claimed by it): the rest.
@@ -405,7 +406,7 @@ fn a_request_not_served_after_all_gives_back_its_cost_and_its_changes() {
     // All of it refunded (refused further in): nothing more.
     assert_eq!(
         unserved(&lines, &[(0, Adjust::Refund(2))], &[true], now),
-        vec![]
+        vec![(0, 0)]
     );
     // A refund left out (another layer gave the line back): nothing.
     let lines = admitted(&deferred, 2);
