@@ -1,6 +1,8 @@
 //! The layer driven as users drive it: an axum `Router`, real requests through
 //! `oneshot`, and a manual clock to cross period boundaries.
 
+mod interest;
+
 use std::collections::BTreeMap;
 use std::future::{pending, ready, Future};
 use std::sync::Arc;
@@ -980,6 +982,7 @@ impl tracing::Subscriber for CountEvents {
 async fn a_store_outage_is_logged_a_few_times_a_second() {
     let errors = CountEvents(tracing::Level::ERROR, Arc::default());
     let _guard = tracing::subscriber::set_default(errors.clone());
+    let _interest = interest::every_subscriber_asked();
     let policy = tower_quota::QuotaPolicy::builder(account())
         .store(Broken { hang: false })
         .build();

@@ -7,6 +7,8 @@
 #[allow(dead_code)]
 mod rigged;
 
+mod interest;
+
 use std::future::Future;
 use std::sync::atomic::Ordering;
 use std::sync::{Arc, Mutex};
@@ -349,6 +351,7 @@ fn keys_of(quota: &Quota, ids: &[&str], at: &str) -> Vec<PeriodKey> {
 fn observed<F: Future<Output = ()>>(work: impl FnOnce() -> F) -> (Vec<String>, Ledger) {
     let logs = Logs::default();
     let _guard = tracing::subscriber::set_default(logs.clone());
+    let _interest = interest::every_subscriber_asked();
     let runtime = tokio::runtime::Builder::new_current_thread()
         .enable_all()
         .start_paused(true)

@@ -4,6 +4,8 @@
 
 mod redis_support;
 
+mod interest;
+
 use std::time::{Duration, Instant};
 
 use axum::body::Body;
@@ -720,6 +722,7 @@ async fn healing_an_undated_counter_is_logged() {
 
     let recorder = Recorder::default();
     let _guard = tracing::subscriber::set_default(recorder.clone());
+    let _interest = interest::every_subscriber_asked();
     // A peek writes nothing: it logs that the counter is undated.
     store
         .peek(first_use(&key, 10, 0, Timestamp::now(), hour()))

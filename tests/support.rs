@@ -1,5 +1,7 @@
 //! The support router: what it logs, what it accepts, how it answers errors.
 
+mod interest;
+
 use std::sync::{Arc, Mutex};
 
 #[allow(dead_code)]
@@ -98,11 +100,7 @@ async fn send(app: &Router, method: Method, uri: &str) -> Response<Body> {
 async fn support_logs_name_the_subject_by_kind_and_hash_never_by_id() {
     let logs = Logs::default();
     let _guard = tracing::subscriber::set_default(logs.clone());
-    // Other tests of this file, on other threads and without a subscriber,
-    // may have met the support's log lines first, while this subscriber was
-    // being registered: what each line's interest was then is worked out
-    // again, this subscriber included.
-    tracing::callsite::rebuild_interest_cache();
+    let _interest = interest::every_subscriber_asked();
     let (app, admin) = apps();
     for _ in 0..3 {
         assert_eq!(send(&app, Method::GET, "/").await.status(), StatusCode::OK);
@@ -491,8 +489,7 @@ async fn store_errors_are_logged_without_the_subject_id() {
     for fail_open in [true, false] {
         let logs = Logs::default();
         let _guard = tracing::subscriber::set_default(logs.clone());
-        // As above: interests worked out again, this subscriber included.
-        tracing::callsite::rebuild_interest_cache();
+        let _interest = interest::every_subscriber_asked();
         let store = rigged::Rigged::new(tower_quota::MemoryStore::new(), rigged::Rig::Fail, None);
         let on_error = if fail_open {
             tower_quota::OnStoreError::FailOpen
