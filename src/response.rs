@@ -501,6 +501,23 @@ pub(crate) fn early(
     grpc_answer(code, detail, None)
 }
 
+/// Puts `challenge()` in `response`'s `WWW-Authenticate` when the response
+/// is a 401, as HTTP requires of every 401. (A gRPC answer is an HTTP 200:
+/// its status says it.)
+pub(crate) fn challenged<B>(
+    mut response: Response<B>,
+    challenge: impl FnOnce() -> Option<HeaderValue>,
+) -> Response<B> {
+    if response.status() == StatusCode::UNAUTHORIZED {
+        if let Some(challenge) = challenge() {
+            response
+                .headers_mut()
+                .insert(http::header::WWW_AUTHENTICATE, challenge);
+        }
+    }
+    response
+}
+
 /// Whether a request with these headers is a gRPC call
 /// (`content-type: application/grpc` and its variants), answered as one if
 /// refused.

@@ -370,14 +370,7 @@ impl axum::response::IntoResponse for StandingError {
     fn into_response(self) -> Response {
         match self {
             StandingError::Subject { error, challenge } => {
-                let missing = matches!(error, crate::subject::SubjectError::Missing);
-                let mut response = error.into_response();
-                if let Some(challenge) = challenge.filter(|_| missing) {
-                    response
-                        .headers_mut()
-                        .insert(http::header::WWW_AUTHENTICATE, challenge);
-                }
-                response
+                response::challenged(error.into_response(), || challenge)
             }
             StandingError::Zone(error) => problem(StatusCode::BAD_REQUEST, error.reason()),
             StandingError::Plan(_) => problem(StatusCode::FORBIDDEN, &self.to_string()),

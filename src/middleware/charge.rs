@@ -175,15 +175,8 @@ fn identify<E: SubjectExtractor, St>(
                         default
                     };
                     tracing::debug!(%error, %status, "request refused: no usable subject");
-                    let mut answer = response::early(status, &error.to_string(), parts);
-                    if status == StatusCode::UNAUTHORIZED && !response::is_grpc(&parts.headers) {
-                        if let Some(challenge) = policy.challenge() {
-                            answer
-                                .headers_mut()
-                                .insert(http::header::WWW_AUTHENTICATE, challenge);
-                        }
-                    }
-                    Err(answer)
+                    let answer = response::early(status, &error.to_string(), parts);
+                    Err(response::challenged(answer, || policy.challenge()))
                 }
             };
         }
