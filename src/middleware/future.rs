@@ -662,16 +662,13 @@ impl<E, St: Store> Drop for Settle<E, St> {
                     (amount > 0).then_some((key, Adjust::Refund(amount), made_by))
                 })
                 .collect();
-            apply(store, now, back).await;
+            apply(store, now, back).await
         };
         match tokio::runtime::Handle::try_current() {
             Ok(runtime) => drop(runtime.spawn(work)),
-            Err(_) => {
-                let mut work = std::pin::pin!(work);
-                let _ = work
-                    .as_mut()
-                    .poll(&mut Context::from_waker(std::task::Waker::noop()));
-            }
+            // Finished at once by a store that answers at once; logged
+            // otherwise.
+            Err(_) => detach(Box::pin(work)),
         }
     }
 }

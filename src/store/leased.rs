@@ -1661,18 +1661,15 @@ impl<St: Store> LeasedStore<St> {
                     unmarked.push((line.key.clone(), counter.generation));
                 }
             } else if took {
-                counter.block_limit = if counter.units == 0 {
-                    line.limit
-                } else {
-                    counter.block_limit.max(line.limit)
-                };
                 if counter.units == 0 {
                     // A block of its own, whatever an emptied one left
                     // (units set aside for a request on its way, which go
                     // back only into a block of the same counter).
+                    counter.block_limit = line.limit;
                     counter.block_since = Some(at);
                     counter.taken_at = Some(made_by);
                 } else {
+                    counter.block_limit = counter.block_limit.max(line.limit);
                     counter.block_since.get_or_insert(at);
                     counter.taken_at.get_or_insert(made_by);
                 }
