@@ -61,6 +61,11 @@
 #[path = "shared/period.rs"]
 mod period;
 
+// Only its `RateLimit` value, for `--quota fields`.
+#[allow(dead_code)]
+#[path = "shared/floor.rs"]
+mod floor;
+
 use std::net::SocketAddr;
 use std::process::exit;
 use std::time::Duration;
@@ -547,18 +552,11 @@ fn with_fields(mut response: Response) -> Response {
     static SERVED: AtomicU64 = AtomicU64::new(0);
     const LIMIT: u64 = 1_000_000_000;
     let served = SERVED.fetch_add(1, Ordering::Relaxed) % LIMIT;
-    let mut digits = itoa::Buffer::new();
-    let mut value = Vec::with_capacity(48);
-    value.extend_from_slice(b"\"read-day\";r=");
-    value.extend_from_slice(digits.format(LIMIT - 1 - served).as_bytes());
-    value.extend_from_slice(b";t=");
-    value.extend_from_slice(digits.format(86_400 - served % 86_400).as_bytes());
-    let value = http::HeaderValue::from_maybe_shared(bytes::Bytes::from(value))
-        .expect("digits and quotes are a valid field value");
+    let value = floor::ratelimit_value(LIMIT - 1 - served, 86_400 - served % 86_400);
     let headers = response.headers_mut();
     headers.insert(
         response::RATELIMIT_POLICY.clone(),
-        http::HeaderValue::from_static("\"read-day\";q=1000000000;w=86400"),
+        http::HeaderValue::from_static("\"default\";q=1000000000;w=86400"),
     );
     headers.insert(response::RATELIMIT.clone(), value);
     response

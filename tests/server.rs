@@ -126,7 +126,7 @@ async fn demo_server_with_fields_only_writes_them_and_counts_nothing() {
         assert_eq!(reply.status, 200);
         assert_eq!(
             reply.header("ratelimit-policy"),
-            Some("\"read-day\";q=1000000000;w=86400")
+            Some("\"default\";q=1000000000;w=86400")
         );
         let field = reply.header("ratelimit").unwrap().to_owned();
         let r: u64 = field

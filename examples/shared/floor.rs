@@ -1,8 +1,8 @@
 //! The least a quota layer does per request, beside its HTTP plumbing:
 //! build the subject's counter key (namespace, subject, day, allowance; on
 //! the stack), count it in a map under a lock, and make the `RateLimit`
-//! value. Shared by the `fields_floor` example (`--count`) and the floor in
-//! `benches/layer.rs`.
+//! value. Shared by the `fields_floor` example (`--count`), the floor in
+//! `benches/layer.rs`, and the demo server's `--quota fields` (the value).
 
 use std::collections::HashMap;
 use std::sync::Mutex;
