@@ -1109,6 +1109,30 @@ async fn a_key_listed_twice_takes_from_its_block_twice() {
     assert_eq!(counted(&shared, now).await, 220 + 2 * (held + 3));
 }
 
+/// Sends `leased` a request of the day's line and a line the store refuses
+/// (a quota without room), while the store takes `delay_ms` to answer: the
+/// day's line is paid from the block meanwhile, where it can be. Returns
+/// once the request is on its way; the store answers at once again after.
+async fn with_a_refused_line(
+    slow: &Slow,
+    leased: &LeasedStore<Slow>,
+    now: Timestamp,
+    delay_ms: u64,
+) -> tokio::task::JoinHandle<Result<ChargeOutcome, StoreError>> {
+    slow.delay.store(delay_ms, Ordering::Relaxed);
+    let mut both = request(now, 10_000);
+    both.lines.push(ChargeLine {
+        key: PeriodKey::from_string("quota:{account:acme}:other:2026-12-04".into()),
+        limit: 0,
+        cost: 1,
+        lifetime: day(),
+    });
+    let waiting = tokio::spawn(leased.charge(both));
+    tokio::time::sleep(Duration::from_millis(5)).await;
+    slow.delay.store(0, Ordering::Relaxed);
+    waiting
+}
+
 #[tokio::test(start_paused = true)]
 async fn units_taken_for_a_request_the_store_refuses_late_come_back_to_the_block() {
     let slow = Slow::default();
@@ -1121,17 +1145,7 @@ async fn units_taken_for_a_request_the_store_refuses_late_come_back_to_the_block
     // The day's line could be paid from the block; the other line, a quota
     // without room, must be asked of the store, which answers only after
     // the idle bound passed, and refuses.
-    slow.delay.store(3_000, Ordering::Relaxed);
-    let mut both = request(now, 10_000);
-    both.lines.push(ChargeLine {
-        key: PeriodKey::from_string("quota:{account:acme}:other:2026-12-04".into()),
-        limit: 0,
-        cost: 1,
-        lifetime: day(),
-    });
-    let refused = leased.charge(both);
-    let waiting = tokio::spawn(refused);
-    tokio::time::sleep(Duration::from_millis(5)).await;
+    let waiting = with_a_refused_line(&slow, &leased, now, 3_000).await;
     assert!(leased.held() < held, "a unit is set aside meanwhile");
     let outcome = waiting.await.unwrap().unwrap();
     assert!(!outcome.admitted);
@@ -1149,17 +1163,7 @@ async fn a_shutdown_gives_back_units_set_aside_for_a_request_refused_meanwhile()
     let leased = LeasedStore::new(slow.clone());
     let mut now = t0();
     busy(&leased, &mut now, 200, 10_000, 10).await;
-    slow.delay.store(50, Ordering::Relaxed);
-    let mut both = request(now, 10_000);
-    both.lines.push(ChargeLine {
-        key: PeriodKey::from_string("quota:{account:acme}:other:2026-12-04".into()),
-        limit: 0,
-        cost: 1,
-        lifetime: day(),
-    });
-    let waiting = tokio::spawn(leased.charge(both));
-    tokio::time::sleep(Duration::from_millis(5)).await;
-    slow.delay.store(0, Ordering::Relaxed);
+    let waiting = with_a_refused_line(&slow, &leased, now, 50).await;
     // The shutdown begins while the request waits on its other line.
     leased.shutdown().await;
     assert!(!waiting.await.unwrap().unwrap().admitted);
@@ -1182,17 +1186,7 @@ async fn units_set_aside_go_back_by_their_blocks_instant_after_the_block_went_ba
     let leased = LeasedStore::new(slow.clone());
     let mut now = t0();
     busy(&leased, &mut now, 200, 10_000, 10).await;
-    slow.delay.store(3_000, Ordering::Relaxed);
-    let mut both = request(now, 10_000);
-    both.lines.push(ChargeLine {
-        key: PeriodKey::from_string("quota:{account:acme}:other:2026-12-04".into()),
-        limit: 0,
-        cost: 1,
-        lifetime: day(),
-    });
-    let waiting = tokio::spawn(leased.charge(both));
-    tokio::time::sleep(Duration::from_millis(5)).await;
-    slow.delay.store(0, Ordering::Relaxed);
+    let waiting = with_a_refused_line(&slow, &leased, now, 3_000).await;
     assert!(!waiting.await.unwrap().unwrap().admitted);
     assert_eq!(leased.held(), 1, "the unit set aside is back in the block");
     assert_eq!(counted(&shared, now).await, 201);
@@ -1225,17 +1219,7 @@ async fn units_set_aside_never_go_back_into_a_block_of_a_counter_made_since() {
     assert_eq!(leased.held(), 1);
     // A request of two lines sets the block's last unit aside, and waits
     // for the store on its other line, which it will refuse.
-    slow.delay.store(50, Ordering::Relaxed);
-    let mut both = request(now, 10_000);
-    both.lines.push(ChargeLine {
-        key: PeriodKey::from_string("quota:{account:acme}:other:2026-12-04".into()),
-        limit: 0,
-        cost: 1,
-        lifetime: day(),
-    });
-    let waiting = tokio::spawn(leased.charge(both));
-    tokio::time::sleep(Duration::from_millis(5)).await;
-    slow.delay.store(0, Ordering::Relaxed);
+    let waiting = with_a_refused_line(&slow, &leased, now, 50).await;
     assert_eq!(leased.held(), 0, "the last unit is set aside");
     // Meanwhile the counter is reset in the store itself (not through this
     // instance), and a request makes it anew, under a limit of 10.
