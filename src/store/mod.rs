@@ -315,9 +315,14 @@ impl Usage {
     /// made the counter first). A counter made anew after a reset is
     /// younger than both.
     pub(crate) fn made_by(&self, charged_at: Timestamp) -> Timestamp {
-        self.first_call
-            .map_or(charged_at, |first| first.max(charged_at))
+        made_by(charged_at, self.first_call)
     }
+}
+
+/// The instant a give-back of a charge made at `charged_at`, to a counter
+/// whose first call was `first_call`, goes by: see [`Usage::made_by`].
+pub(crate) fn made_by(charged_at: Timestamp, first_call: Option<Timestamp>) -> Timestamp {
+    first_call.map_or(charged_at, |first| first.max(charged_at))
 }
 
 /// The answer to a charge.

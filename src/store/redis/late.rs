@@ -57,9 +57,8 @@ impl<T> GiveBack<T> {
 /// charge with a later instant made one first). A counter made anew after
 /// a reset is younger than both.
 pub(super) fn made_by(now: Timestamp, first_call: Option<i64>) -> Timestamp {
-    first_call
-        .and_then(|ms| Timestamp::from_millisecond(ms).ok())
-        .map_or(now, |first| first.max(now))
+    let first_call = first_call.and_then(|ms| Timestamp::from_millisecond(ms).ok());
+    crate::store::made_by(now, first_call)
 }
 
 /// The latest first call (ms) among the lines of a charge's reply in the
