@@ -263,6 +263,7 @@ async fn charge_all(store: &RedisStore, callers: usize, now: Timestamp, end: Tim
                         limit: LIMIT,
                         cost: 1,
                         lifetime: Lifetime::Calendar { start: now, end },
+                        shadow_limit: None,
                     }],
                 };
                 let outcome = store.charge(request).await.expect("a charge");

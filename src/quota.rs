@@ -464,6 +464,7 @@ impl Quota {
                 limit,
                 cost,
                 lifetime: Lifetime::Calendar { start, end },
+                shadow_limit: None,
             }),
             Anchor::FirstUse => ChargeLine {
                 key: namespace.key(subject, &inner.allowance, &inner.first_use_label),
@@ -472,6 +473,7 @@ impl Quota {
                 lifetime: Lifetime::FirstUse {
                     deadline: inner.period.end_of_first_use(at),
                 },
+                shadow_limit: None,
             },
         }
     }

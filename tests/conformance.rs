@@ -405,6 +405,7 @@ mod broken {
                             limit: u64::MAX,
                             cost: debt.amount,
                             lifetime: debt.lifetime,
+                            shadow_limit: None,
                         }],
                     };
                     let outcome = store.charge(request).await?;

@@ -165,6 +165,7 @@ fn line_of(subject: &str, limit: u64) -> ChargeLine {
         limit,
         cost: 1,
         lifetime: day(),
+        shadow_limit: None,
     }
 }
 
@@ -428,6 +429,7 @@ async fn a_first_use_counter_takes_no_block_for_no_request() {
         lifetime: Lifetime::FirstUse {
             deadline: now + SignedDuration::from_hours(24),
         },
+        shadow_limit: None,
     };
     let mut held = false;
     let mut ran_out = 0;
@@ -643,6 +645,46 @@ async fn another_instance_gets_the_units_once_the_holder_is_idle() {
 }
 
 #[tokio::test(start_paused = true)]
+async fn a_shadow_limit_sizes_blocks_as_an_enforced_one_does() {
+    // A spends 70 of 100 at a good pace, then B calls: B's count is off by
+    // the units A holds, as few near a shadow limit as near an enforced
+    // one, so B tells the shadow quota passed no earlier than it would
+    // refuse an enforced one.
+    async fn run(shadow: bool) -> (u64, u64) {
+        let shared = MemoryStore::new();
+        let a = LeasedStore::new(shared.clone());
+        let b = LeasedStore::new(shared.clone());
+        let mut now = t0();
+        let charge = |leased: &LeasedStore<MemoryStore>, now: Timestamp| {
+            let mut request = request(now, 100);
+            if shadow {
+                request.lines[0].limit = u64::MAX;
+                request.lines[0].shadow_limit = Some(100);
+            }
+            leased.charge(request)
+        };
+        for _ in 0..70 {
+            assert!(charge(&a, now).await.unwrap().admitted);
+            tokio::time::advance(Duration::from_millis(1)).await;
+            now += SignedDuration::from_millis(1);
+        }
+        let mut within = 0;
+        loop {
+            let outcome = charge(&b, now).await.unwrap();
+            if !outcome.admitted || outcome.usage[0].used > 100 {
+                break;
+            }
+            within += 1;
+        }
+        (a.held(), within)
+    }
+    let (held, within) = run(false).await;
+    assert!(held > 0, "a block is held");
+    assert_eq!(within, 30 - held);
+    assert_eq!(run(true).await, (held, within));
+}
+
+#[tokio::test(start_paused = true)]
 async fn a_lower_limit_is_never_passed_by_units_taken_under_a_higher_one() {
     // Two instances busy on a plan of 1 000; the caller moves to a plan of
     // 45. Without leases, exactly 45 would be admitted in all.
@@ -707,6 +749,7 @@ async fn holders<St: Store>(store: &St, now: Timestamp) -> u64 {
         lifetime: Lifetime::FirstUse {
             deadline: now + SignedDuration::from_secs(10),
         },
+        shadow_limit: None,
     };
     let request = ChargeRequest {
         now,
@@ -1126,6 +1169,7 @@ async fn with_a_refused_line(
         limit: 0,
         cost: 1,
         lifetime: day(),
+        shadow_limit: None,
     });
     let waiting = tokio::spawn(leased.charge(both));
     tokio::time::sleep(Duration::from_millis(5)).await;
@@ -1435,6 +1479,7 @@ async fn a_key_without_a_lease_mark_is_forgotten_once_idle() {
                 limit: 100_000,
                 cost: 1,
                 lifetime: day(),
+                shadow_limit: None,
             }],
         };
         assert!(leased.charge(request).await.unwrap().admitted);

@@ -475,6 +475,7 @@ fn leases_are_counted() {
                     start: "2026-12-04T00:00:00Z".parse().unwrap(),
                     end: "2026-12-05T00:00:00Z".parse().unwrap(),
                 },
+                shadow_limit: None,
             }],
         };
         for _ in 0..500 {

@@ -73,6 +73,7 @@ fn first_use(
             lifetime: Lifetime::FirstUse {
                 deadline: now + period,
             },
+            shadow_limit: None,
         }],
     }
 }
@@ -91,6 +92,7 @@ fn calendar(
             limit,
             cost,
             lifetime: Lifetime::Calendar { start: now, end },
+            shadow_limit: None,
         }],
     }
 }

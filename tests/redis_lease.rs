@@ -45,6 +45,7 @@ fn request(subject: &str, limit: u64) -> ChargeRequest {
             lifetime: Lifetime::FirstUse {
                 deadline: now + jiff::SignedDuration::from_hours(24),
             },
+            shadow_limit: None,
         }],
     }
 }

@@ -36,6 +36,7 @@ fn charge(key: &PeriodKey, limit: u64) -> ChargeRequest {
             lifetime: Lifetime::FirstUse {
                 deadline: now + SignedDuration::from_hours(1),
             },
+            shadow_limit: None,
         }],
     }
 }
@@ -437,6 +438,7 @@ async fn batched_charges_on_existing_counters_are_told_what_a_lone_charge_is() {
             limit,
             cost: 1,
             lifetime: Lifetime::Calendar { start: t0, end },
+            shadow_limit: None,
         }],
     };
     let keys = |anchor: &str| -> Vec<PeriodKey> {

@@ -136,6 +136,7 @@ fn first_use(key: &PeriodKey, limit: u64, cost: u64, now: Timestamp) -> ChargeLi
         lifetime: Lifetime::FirstUse {
             deadline: now + SignedDuration::from_hours(1),
         },
+        shadow_limit: None,
     }
 }
 
@@ -151,6 +152,7 @@ fn calendar(
         limit,
         cost,
         lifetime: Lifetime::Calendar { start, end },
+        shadow_limit: None,
     }
 }
 

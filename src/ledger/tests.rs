@@ -327,6 +327,7 @@ async fn used(store: &MemoryStore, key: &PeriodKey, now: Timestamp) -> u64 {
             lifetime: Lifetime::FirstUse {
                 deadline: now + minutes(60),
             },
+            shadow_limit: None,
         }],
     };
     let outcome: ChargeOutcome = store.charge(request).await.unwrap();

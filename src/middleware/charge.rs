@@ -254,15 +254,15 @@ fn lines(
     // layers, or a sub-request): rare, so no allocation until one is met.
     let mut counted = Vec::new();
     for (i, quota) in all.iter().enumerate() {
-        // A shadow quota is counted, never refusing: its real limit is
-        // reported, not enforced.
-        let limit = if quota.is_shadow() {
-            u64::MAX
-        } else {
-            quota.limit_for(caller.plan.as_deref())
-        };
-        let line =
+        let limit = quota.limit_for(caller.plan.as_deref());
+        let mut line =
             quota.line_with_limit(&settings.namespace, &caller.subject, ticket.now, 0, limit);
+        // A shadow quota is counted, never refusing: its limit is reported,
+        // not enforced.
+        if quota.is_shadow() {
+            line.limit = u64::MAX;
+            line.shadow_limit = Some(limit);
+        }
         // A counter charged for this request by a layer further out, of this
         // policy or another on the same store, counts once.
         if status.is_some_and(|s| s.counts(&line.key, ticket.policy, ticket.store)) {

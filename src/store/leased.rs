@@ -64,7 +64,9 @@ static GIVE_BACK_ERRORS: Throttle = Throttle::new(5);
 ///   of what the counter had left when last seen, so near the limit blocks
 ///   are single units and every request is a charge of its own (exact, as
 ///   without leases). A charge whose block no longer fits (other instances
-///   spent meanwhile) is sent again for the request alone.
+///   spent meanwhile) is sent again for the request alone. A shadow
+///   quota's blocks shrink by its limit ([`ChargeLine::shadow_limit`]) as
+///   an enforced quota's do, so the count told near it is as exact.
 /// - **Unused units go back** to the store, with a refund (which never
 ///   creates a counter and never moves a deadline, and goes only to a
 ///   counter made by the time the units were taken: never to one made
@@ -601,9 +603,10 @@ struct Counter {
     /// by the layer's: a give-back goes only to a counter made by then.
     block_since: Option<Instant>,
     taken_at: Option<Timestamp>,
-    /// The highest limit a unit of the block was charged under: a request
-    /// under a lower one (its caller's plan changed) spends nothing from
-    /// it, whose units the store admitted under a limit it no longer has.
+    /// The highest limit a unit of the block was charged under (see
+    /// [`sized_by`]): a request under a lower one (its caller's plan
+    /// changed) spends nothing from it, whose units the store admitted
+    /// under a limit it no longer has.
     block_limit: u64,
     /// The counter's limit and count (this instance's units included) as
     /// the store last told, and its reset.
@@ -924,7 +927,7 @@ impl<St: Store> LeasedStore<St> {
         } else {
             rate
         };
-        let left = line.limit.saturating_sub(counter.store_used);
+        let left = sized_by(line).saturating_sub(counter.store_used);
         let block = [
             wanted,
             settings.max_block,
@@ -993,7 +996,7 @@ impl<St: Store> LeasedStore<St> {
             let fresh = counter
                 .block_since
                 .is_some_and(|since| at.saturating_duration_since(since) < lease_time);
-            let over = line.limit < counter.block_limit;
+            let over = sized_by(line) < counter.block_limit;
             if counter.units > 0 && (!fresh || over) {
                 stale_first |= over;
                 // Past its lease time, or taken under a higher limit than
@@ -1569,7 +1572,7 @@ impl<St: Store> LeasedStore<St> {
                         units: 0,
                         block_since: None,
                         taken_at: None,
-                        block_limit: line.limit,
+                        block_limit: sized_by(line),
                         limit: usage.limit,
                         store_used: usage.used,
                         resets_at: usage.resets_at,
@@ -1665,11 +1668,11 @@ impl<St: Store> LeasedStore<St> {
                     // A block of its own, whatever an emptied one left
                     // (units set aside for a request on its way, which go
                     // back only into a block of the same counter).
-                    counter.block_limit = line.limit;
+                    counter.block_limit = sized_by(line);
                     counter.block_since = Some(at);
                     counter.taken_at = Some(made_by);
                 } else {
-                    counter.block_limit = counter.block_limit.max(line.limit);
+                    counter.block_limit = counter.block_limit.max(sized_by(line));
                     counter.block_since.get_or_insert(at);
                     counter.taken_at.get_or_insert(made_by);
                 }
@@ -1985,6 +1988,13 @@ fn split_marks(marks: &[Option<PeriodKey>], outcome: &mut ChargeOutcome) -> Vec<
         .collect()
 }
 
+/// The limit `line`'s blocks are sized by, and taken under: its own, or
+/// a shadow quota's, which the store does not enforce but whose count near
+/// it is told as exactly as an enforced one's.
+fn sized_by(line: &ChargeLine) -> u64 {
+    line.shadow_limit.unwrap_or(line.limit)
+}
+
 /// The charge line of the lease mark at `key`: `cost` holders more, never
 /// refused, living until `deadline` when it is made.
 fn mark_line(key: PeriodKey, cost: u64, deadline: Timestamp, max: u64) -> ChargeLine {
@@ -1993,6 +2003,7 @@ fn mark_line(key: PeriodKey, cost: u64, deadline: Timestamp, max: u64) -> Charge
         limit: max,
         cost,
         lifetime: Lifetime::FirstUse { deadline },
+        shadow_limit: None,
     }
 }
 

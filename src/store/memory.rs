@@ -1071,6 +1071,7 @@ mod room_tests {
             lifetime: Lifetime::FirstUse {
                 deadline: now + SignedDuration::from_hours(1),
             },
+            shadow_limit: None,
         };
         store
             .charge_now(&ChargeRequest {

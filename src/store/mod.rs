@@ -216,6 +216,13 @@ pub struct ChargeLine {
     pub cost: u64,
     /// The counter's lifetime.
     pub lifetime: Lifetime,
+    /// A shadow quota's limit: told to the client, never enforced (`limit`
+    /// is then `u64::MAX`, so the store never refuses the line). A store
+    /// that counts the line as charged needs nothing else; one that takes
+    /// units ahead of requests ([`LeasedStore`])
+    /// sizes them by it as by an enforced limit, so the count near it stays
+    /// as exact as near an enforced one.
+    pub shadow_limit: Option<u64>,
 }
 
 /// What [`Store::charge_at_once`] gives: the charge's answer, or the future
@@ -583,6 +590,7 @@ pub trait Store: Clone + Send + Sync + 'static {
                     limit: store.max_count(),
                     cost: debt.amount,
                     lifetime: debt.lifetime,
+                    shadow_limit: None,
                 }],
             };
             let outcome = store.charge(request).await?;

@@ -29,6 +29,7 @@ fn first_use(key: PeriodKey, limit: u64, cost: u64, deadline: Timestamp) -> Char
         limit,
         cost,
         lifetime: Lifetime::FirstUse { deadline },
+        shadow_limit: None,
     }
 }
 
@@ -41,6 +42,7 @@ fn calendar(key: PeriodKey, limit: u64, cost: u64, start: &str, end: &str) -> Ch
             start: at(start),
             end: at(end),
         },
+        shadow_limit: None,
     }
 }
 
@@ -696,6 +698,7 @@ mod model {
                         start: Timestamp::from_second(start).unwrap(),
                         end: Timestamp::from_second(start + 10).unwrap(),
                     },
+                    shadow_limit: None,
                 }
             }
         }

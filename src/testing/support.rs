@@ -180,6 +180,7 @@ pub(super) fn first_use(key: &PeriodKey, limit: u64, cost: u64, deadline: Timest
         limit,
         cost,
         lifetime: Lifetime::FirstUse { deadline },
+        shadow_limit: None,
     }
 }
 
@@ -195,6 +196,7 @@ pub(super) fn calendar_line(
         limit,
         cost,
         lifetime: Lifetime::Calendar { start, end },
+        shadow_limit: None,
     }
 }
 

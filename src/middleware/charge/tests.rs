@@ -261,6 +261,7 @@ fn a_shadow_quota_is_charged_without_a_limit_and_reports_its_own() {
     let layer = layer(&[Quota::daily(1).shadow()], |b| b);
     let charge = charge_of(&layer, &head(ACME));
     assert_eq!(charge.request.lines[0].limit, u64::MAX);
+    assert_eq!(charge.request.lines[0].shadow_limit, Some(1));
     let Decision::Admit(lines) = decide(
         &charge,
         &layer.bound.scope,

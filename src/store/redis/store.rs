@@ -583,6 +583,7 @@ impl RedisStore {
             limit: 0,
             cost: debt.amount,
             lifetime: debt.lifetime,
+            shadow_limit: None,
         };
         let args = self.line_args(now, &line);
         let key = line.key;
