@@ -685,6 +685,42 @@ async fn a_shadow_limit_sizes_blocks_as_an_enforced_one_does() {
 }
 
 #[tokio::test(start_paused = true)]
+async fn a_request_refused_while_its_instances_units_are_on_their_way_back_waits_for_them() {
+    // A holds a block of a counter B then spends to the limit. A goes idle
+    // and gives its block back, slowly; a request on A meanwhile is one the
+    // store refuses, counting the units on their way. It waits for them.
+    let shared = MemoryStore::new();
+    let slow = Slow::new(shared.clone(), 0);
+    let a = LeasedStore::new(slow.clone());
+    let b = LeasedStore::new(shared.clone());
+    let mut now = t0();
+    busy(&a, &mut now, 70, 100, 1).await;
+    let held = a.held();
+    assert!(held > 0, "a block is held");
+    let mut served = 70;
+    while call(&b, now, 100).await.admitted {
+        served += 1;
+    }
+    assert_eq!(served, 100 - held);
+    slow.slow_refunds.store(10, Ordering::Relaxed);
+    tokio::time::advance(Duration::from_millis(1_250)).await;
+    for _ in 0..5 {
+        tokio::task::yield_now().await;
+    }
+    now += SignedDuration::from_millis(1_250);
+    assert_eq!(a.held(), 0, "the block is on its way back");
+    assert_eq!(counted(&shared, now).await, 100, "not landed yet");
+    let outcome = call(&a, now, 100).await;
+    assert!(outcome.admitted, "{outcome:?}");
+    served += 1;
+    assert_eq!(outcome.usage[0].used, served);
+    tokio::time::advance(Duration::from_millis(1_300)).await;
+    tokio::task::yield_now().await;
+    now += SignedDuration::from_millis(1_300);
+    assert_eq!(counted(&shared, now).await, served);
+}
+
+#[tokio::test(start_paused = true)]
 async fn a_lower_limit_is_never_passed_by_units_taken_under_a_higher_one() {
     // Two instances busy on a plan of 1 000; the caller moves to a plan of
     // 45. Without leases, exactly 45 would be admitted in all.

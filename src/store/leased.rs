@@ -73,7 +73,10 @@ static GIVE_BACK_ERRORS: Throttle = Throttle::new(5);
 ///   since, after a reset; see [`Store::refund_made_by`]), when the subject has
 ///   been idle on this instance for the idle bound (1 s by default), when a
 ///   block is older than the lease time (10 s by default, whatever the
-///   subject does), and on [`LeasedStore::shutdown`].
+///   subject does), and on [`LeasedStore::shutdown`]. The store counts
+///   them until they land: a request it refuses meanwhile, on the instance
+///   that gives them back, waits for them (25 ms at most) and is sent
+///   again, rather than being refused while they are on their way.
 /// - **A block of a period that has ended is dropped**, not given back: a
 ///   calendar window that closed, or a first-use period past its deadline.
 ///   A support [`reset`](Store::reset) through this store drops this
@@ -418,6 +421,12 @@ impl Drop for Queued {
     }
 }
 
+/// How long a request the store refused waits for units of its counters
+/// on their way back from this instance (one store call each, nearly
+/// always), before it is sent again: a refusal that waits longer might
+/// pass the layer's store timeout.
+const RETURN_WAIT: Duration = Duration::from_millis(25);
+
 /// How long a busy subject's next block waits to be taken once its block
 /// ran out, so that the takes of the subjects whose blocks run out meanwhile
 /// go to the store together: one call for them all with a store that
@@ -496,6 +505,28 @@ impl Shared {
     /// The counter at `key`, its shard locked.
     fn counter(&self, key: &PeriodKey) -> Counters<'_> {
         self.counters(std::iter::once(key))
+    }
+
+    /// Waits while units of the counters of `lines` are on their way back
+    /// to the store from here, [`RETURN_WAIT`] at most; whether any were.
+    async fn wait_for_returns(&self, lines: &[ChargeLine]) -> bool {
+        let returning = || {
+            lines.iter().any(|line| {
+                self.counter(&line.key)
+                    .get_mut(&line.key)
+                    .is_some_and(|counter| counter.returning > 0)
+            })
+        };
+        // Waited for on a runtime only: without one, nothing gives units
+        // back in a task of its own.
+        if tokio::runtime::Handle::try_current().is_err() || !returning() {
+            return false;
+        }
+        let deadline = Instant::now() + RETURN_WAIT;
+        while returning() && Instant::now() < deadline {
+            tokio::time::sleep(Duration::from_millis(1)).await;
+        }
+        true
     }
 
     /// Runs `f` on every shard in turn, each locked while `f` runs on it.
@@ -647,6 +678,10 @@ struct Counter {
     /// store deleted it, no block is taken, which would be taken from the
     /// counter about to go and outlive it here.
     resetting: u32,
+    /// Give-backs of this counter's units on their way to the store (see
+    /// [`GiveBack`]): the store counts them until they land, so a request
+    /// it refuses meanwhile waits for them and is sent again.
+    returning: u32,
 }
 
 /// One instance's part in a counter's lease mark. Joining goes with the
@@ -1004,10 +1039,15 @@ impl<St: Store> LeasedStore<St> {
                 // which is sent again if the store refused it before the
                 // units were back. (Units taken under a higher limit, spent
                 // here, could pass the lower one with other instances'.)
-                stale.push((
+                let taken_at = counter.taken_at.unwrap_or(request.now);
+                let units = counter.units;
+                stale.push(GiveBack::tracked(
+                    &self.shared,
+                    counter,
                     line.key.clone(),
-                    counter.units,
-                    counter.taken_at.unwrap_or(request.now),
+                    request.now,
+                    units,
+                    taken_at,
                 ));
                 counter.store_used = counter.store_used.saturating_sub(counter.units);
                 counter.units = 0;
@@ -1354,11 +1394,10 @@ impl<St: Store> LeasedStore<St> {
             Ok(runtime) if !stale.is_empty() => {
                 let inner = self.inner.clone();
                 let busy = Busy::new(&self.shared);
-                let now = request.now;
                 let task = runtime.spawn(async move {
                     let _busy = busy;
-                    for (key, units, taken_at) in stale {
-                        give_back(&inner, now, key, units, taken_at).await;
+                    for back in stale {
+                        back.send(&inner).await;
                     }
                 });
                 (Vec::new(), Some(task))
@@ -1368,8 +1407,8 @@ impl<St: Store> LeasedStore<St> {
         let store = self.clone();
         Box::pin(async move {
             // Without a runtime, before the charge, as they must land first.
-            for (key, units, taken_at) in stale.drain(..) {
-                give_back(&store.inner, request.now, key, units, taken_at).await;
+            for back in stale.drain(..) {
+                back.send(&store.inner).await;
             }
             if stale_first {
                 if let Some(giving_back) = giving_back.take() {
@@ -1405,13 +1444,20 @@ impl<St: Store> LeasedStore<St> {
             // A charge that costs nothing beyond its blocks (the next block
             // of a busy subject) has no request to send alone.
             let refused = !outcome.admitted && costs.iter().any(|&cost| cost > 0);
-            if refused && (leasing || giving_back.is_some()) {
-                // The blocks did not fit (other instances spent meanwhile),
-                // or the old blocks' units were not back yet: the request
-                // alone, once they are.
+            // The blocks did not fit (other instances spent meanwhile), or
+            // the old blocks' units were not back yet: the request alone,
+            // once they are.
+            let mut again = refused && (leasing || giving_back.is_some());
+            if refused {
                 if let Some(giving_back) = giving_back {
                     let _ = giving_back.await;
                 }
+                // Units of its counters on their way back from here (an
+                // idle block, an old one, another request's), which the
+                // store still counted: likewise.
+                again |= store.shared.wait_for_returns(&request.lines).await;
+            }
+            if again {
                 for (line, cost) in request.lines.iter_mut().zip(&costs) {
                     line.cost = *cost;
                 }
@@ -1590,13 +1636,19 @@ impl<St: Store> LeasedStore<St> {
                         reserved: 0,
                         mark: Mark::default(),
                         resetting: 0,
+                        returning: 0,
                     })
                 }
                 None => {
                     if closed && outcome.admitted && block > 0 {
                         // Taken while the store shut down, its entry gone
                         // with the others: straight back.
-                        back.push((line.key.clone(), request.now, block, made_by));
+                        back.push(GiveBack::untracked(
+                            line.key.clone(),
+                            request.now,
+                            block,
+                            made_by,
+                        ));
                     }
                     unmarked.extend(joined_for(None));
                     if !outcome.admitted {
@@ -1616,7 +1668,14 @@ impl<St: Store> LeasedStore<St> {
                 // landed after the reset deleted the counter); a counter
                 // made since, or none (it landed before), takes nothing.
                 if outcome.admitted && block > 0 {
-                    back.push((line.key.clone(), request.now, block, made_by));
+                    back.push(GiveBack::tracked(
+                        &self.shared,
+                        counter,
+                        line.key.clone(),
+                        request.now,
+                        block,
+                        made_by,
+                    ));
                     returned = block;
                 }
                 block = 0;
@@ -1659,7 +1718,14 @@ impl<St: Store> LeasedStore<St> {
                 // Taken while the store shut down: straight back, and out of
                 // the mark it joined.
                 counter.store_used = counter.store_used.saturating_sub(block);
-                back.push((line.key.clone(), request.now, block, made_by));
+                back.push(GiveBack::tracked(
+                    &self.shared,
+                    counter,
+                    line.key.clone(),
+                    request.now,
+                    block,
+                    made_by,
+                ));
                 if counter.mark.leave(now, margin) {
                     unmarked.push((line.key.clone(), counter.generation));
                 }
@@ -1715,8 +1781,8 @@ impl<St: Store> LeasedStore<St> {
             let busy = Busy::new(&self.shared);
             runtime.spawn(async move {
                 let _busy = busy;
-                for (key, now, units, taken_at) in back {
-                    give_back(&inner, now, key, units, taken_at).await;
+                for back in back {
+                    back.send(&inner).await;
                 }
                 for (key, generation) in joins {
                     join(&inner, &shared, now, key, generation, lease, max).await;
@@ -1873,11 +1939,14 @@ async fn sweep<St: Store>(shared: Weak<Shared>, inner: St, settings: Settings) {
                 let now = counter.now(at);
                 if (idle || old) && counter.units > 0 {
                     if !counter.ended(now) {
-                        back.push((
+                        let taken_at = counter.taken_at.unwrap_or(now);
+                        back.push(GiveBack::tracked(
+                            &shared,
+                            counter,
                             key.to_period_key(),
                             now,
                             counter.units,
-                            counter.taken_at.unwrap_or(now),
+                            taken_at,
                         ));
                     }
                     counter.store_used = counter.store_used.saturating_sub(counter.units);
@@ -1900,6 +1969,7 @@ async fn sweep<St: Store>(shared: Weak<Shared>, inner: St, settings: Settings) {
                     || remembered
                     || counter.taking
                     || counter.reserved > 0
+                    || counter.returning > 0
                     || counter.mark.may_count(now)
             });
         });
@@ -1907,13 +1977,13 @@ async fn sweep<St: Store>(shared: Weak<Shared>, inner: St, settings: Settings) {
         // many idle subjects would keep the last ones' units from other
         // instances for as many round trips.
         let mut giving = tokio::task::JoinSet::new();
-        for (key, now, units, taken_at) in back {
+        for back in back {
             if giving.len() >= SWEEP_GIVE_BACKS {
                 giving.join_next().await;
             }
             let inner = inner.clone();
             giving.spawn(async move {
-                give_back(&inner, now, key, units, taken_at).await;
+                back.send(&inner).await;
             });
         }
         while giving.join_next().await.is_some() {}
@@ -1922,6 +1992,66 @@ async fn sweep<St: Store>(shared: Weak<Shared>, inner: St, settings: Settings) {
         }
         drop(busy);
         drop(shared);
+    }
+}
+
+/// Unused units of a block on their way back to the store. While one is,
+/// the entry of its counter here counts it (see [`Counter::returning`]),
+/// unless there is none.
+struct GiveBack {
+    key: PeriodKey,
+    now: Timestamp,
+    units: u64,
+    taken_at: Timestamp,
+    /// Whose entry of `key` counts it, until it landed or failed.
+    tracked_by: Option<Arc<Shared>>,
+}
+
+impl GiveBack {
+    /// `units` of `counter`, the entry at `key`, taken at `taken_at`, to
+    /// give back at `now`.
+    fn tracked(
+        shared: &Arc<Shared>,
+        counter: &mut Counter,
+        key: PeriodKey,
+        now: Timestamp,
+        units: u64,
+        taken_at: Timestamp,
+    ) -> Self {
+        counter.returning += 1;
+        Self {
+            key,
+            now,
+            units,
+            taken_at,
+            tracked_by: Some(Arc::clone(shared)),
+        }
+    }
+
+    /// Units no entry here counts (its entry is gone).
+    fn untracked(key: PeriodKey, now: Timestamp, units: u64, taken_at: Timestamp) -> Self {
+        Self {
+            key,
+            now,
+            units,
+            taken_at,
+            tracked_by: None,
+        }
+    }
+
+    /// Gives the units back (see [`give_back`]).
+    async fn send<St: Store>(self, inner: &St) {
+        give_back(inner, self.now, self.key.clone(), self.units, self.taken_at).await;
+    }
+}
+
+impl Drop for GiveBack {
+    fn drop(&mut self) {
+        if let Some(shared) = self.tracked_by.take() {
+            if let Some(counter) = shared.counter(&self.key).get_mut(&self.key) {
+                counter.returning = counter.returning.saturating_sub(1);
+            }
+        }
     }
 }
 
@@ -2075,9 +2205,8 @@ struct Plan {
     unmarked: Vec<(PeriodKey, u64)>,
     /// Per line, what blocks here pay of its cost.
     taken: SmallVec<[u64; 2]>,
-    /// Blocks past their lease time (and when they were taken), given back
-    /// first.
-    stale: Vec<(PeriodKey, u64, Timestamp)>,
+    /// Blocks past their lease time, given back first.
+    stale: Vec<GiveBack>,
     /// Whether the charge waits until `stale` is back: a block taken under
     /// a higher limit than the request's, whose units the store would
     /// otherwise count against it (the usage told would then count units
