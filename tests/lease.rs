@@ -1056,6 +1056,40 @@ async fn units_held_across_a_reset_made_elsewhere_never_go_back_to_the_new_count
 /// A refund of a request charged before a reset lands neither in a block
 /// of the counter made since nor on that counter.
 #[tokio::test(start_paused = true)]
+async fn a_late_answer_of_a_counter_reset_since_leaves_the_new_counters_block_alone() {
+    // A request on A is applied to the day's counter and answered late.
+    // Meanwhile the counter is reset elsewhere, and A's subject, busy,
+    // takes a block of the counter made anew. The late answer, of the
+    // counter gone, neither drops that block nor changes what A knows.
+    let slow = Slow::default();
+    let shared = slow.inner.clone();
+    let a = LeasedStore::new(slow.clone());
+    let mut now = t0();
+    slow.late.store(50, Ordering::Relaxed);
+    let late = tokio::spawn({
+        let a = a.clone();
+        async move { call(&a, now, 10_000).await }
+    });
+    tokio::task::yield_now().await;
+    assert_eq!(counted(&shared, now).await, 1, "applied at once");
+    slow.late.store(0, Ordering::Relaxed);
+    tokio::time::advance(Duration::from_millis(5)).await;
+    now += SignedDuration::from_millis(5);
+    assert!(shared.reset(day_key()).await.unwrap());
+    busy(&a, &mut now, 20, 10_000, 1).await;
+    let held = a.held();
+    assert!(held > 0, "a block of the new counter");
+    assert!(late.await.unwrap().admitted);
+    assert_eq!(a.held(), held, "the block is the new counter's");
+    // Idle: every unit not served goes back to the new counter.
+    tokio::time::advance(Duration::from_millis(1_300)).await;
+    tokio::task::yield_now().await;
+    now += SignedDuration::from_millis(1_300);
+    assert_eq!(a.held(), 0);
+    assert_eq!(counted(&shared, now).await, 20, "what was served since");
+}
+
+#[tokio::test(start_paused = true)]
 async fn a_refund_made_before_a_reset_never_lands_in_a_block_of_the_new_counter() {
     let shared = MemoryStore::new();
     let leased = LeasedStore::new(shared.clone());

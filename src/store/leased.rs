@@ -1661,12 +1661,22 @@ impl<St: Store> LeasedStore<St> {
             unmarked.extend(joined_for(Some(counter)));
             // Units of a block taken here and given back at once.
             let mut returned = 0;
-            if known.is_some_and(|k| k.generation != counter.generation) {
-                // Reset here while the charge was on its way: the block it
-                // took is not this entry's. Given back to the counter it
-                // was charged to, if that one was made by the charge (it
-                // landed after the reset deleted the counter); a counter
-                // made since, or none (it landed before), takes nothing.
+            // An answer of a counter older than the one this entry knows (a
+            // charge sent before a reset made elsewhere, or before a
+            // first-use period ended, and answered after a charge of the
+            // counter made since): it tells of a counter gone, and changes
+            // nothing of what this entry knows of the live one.
+            let older = matches!(
+                (counter.first_call, usage.first_call),
+                (Some(known), Some(told)) if told < known
+            );
+            if older || known.is_some_and(|k| k.generation != counter.generation) {
+                // Of an older counter, or reset here while the charge was on
+                // its way: the block it took is not this entry's. Given back
+                // to the counter it was charged to, if that one was made by
+                // the charge (it landed after the reset deleted the
+                // counter); a counter made since, or none (it landed
+                // before), takes nothing.
                 if outcome.admitted && block > 0 {
                     back.push(GiveBack::tracked(
                         &self.shared,
@@ -1692,23 +1702,21 @@ impl<St: Store> LeasedStore<St> {
             // Whether the mark read may count this instance: as things
             // stood when the charge was sent, or stand now.
             let counted = known.is_some_and(|k| k.in_mark) || counter.mark.may_count(now);
-            if !counter.same_period(usage) && counter.units > 0 {
-                // Another counter (a first-use period that ended and opened
-                // again, or one made anew after a reset elsewhere): the old
-                // block is dropped, its units gone with the counter.
-                counter.units = 0;
-                counter.block_since = None;
-                counter.taken_at = None;
+            if !older {
+                if !counter.same_period(usage) && counter.units > 0 {
+                    // Another counter (a first-use period that ended and
+                    // opened again, or one made anew after a reset
+                    // elsewhere): the old block is dropped, its units gone
+                    // with the counter.
+                    counter.units = 0;
+                    counter.block_since = None;
+                    counter.taken_at = None;
+                }
+                counter.limit = usage.limit;
+                counter.store_used = usage.used.saturating_sub(returned);
+                counter.resets_at = usage.resets_at;
+                counter.first_call = usage.first_call;
             }
-            counter.limit = usage.limit;
-            counter.store_used = usage.used.saturating_sub(returned);
-            counter.resets_at = usage.resets_at;
-            // A counter made anew has a later first call than the one it
-            // replaced: a late answer of the old one does not move it back.
-            counter.first_call = match (counter.first_call, usage.first_call) {
-                (Some(known), Some(told)) => Some(known.max(told)),
-                (_, told) => told,
-            };
             counter.seen = request.now;
             counter.seen_at = at;
             counter.charged_at = at;
