@@ -684,11 +684,11 @@ async fn a_shadow_limit_sizes_blocks_as_an_enforced_one_does() {
     assert_eq!(run(true).await, (held, within));
 }
 
-#[tokio::test(start_paused = true)]
-async fn a_request_refused_while_its_instances_units_are_on_their_way_back_waits_for_them() {
-    // A holds a block of a counter B then spends to the limit. A goes idle
-    // and gives its block back, slowly; a request on A meanwhile is one the
-    // store refuses, counting the units on their way. It waits for them.
+/// Two instances on a limit of 100: A spends 70 and holds a block, B
+/// spends the rest; then A goes idle, and its block is on its way back,
+/// taking `slow_ms` to land. Returns A, the store, the instant, and what
+/// was served.
+async fn a_block_on_its_way_back(slow_ms: u64) -> (LeasedStore<Slow>, MemoryStore, Timestamp, u64) {
     let shared = MemoryStore::new();
     let slow = Slow::new(shared.clone(), 0);
     let a = LeasedStore::new(slow.clone());
@@ -702,7 +702,7 @@ async fn a_request_refused_while_its_instances_units_are_on_their_way_back_waits
         served += 1;
     }
     assert_eq!(served, 100 - held);
-    slow.slow_refunds.store(10, Ordering::Relaxed);
+    slow.slow_refunds.store(slow_ms, Ordering::Relaxed);
     tokio::time::advance(Duration::from_millis(1_250)).await;
     for _ in 0..5 {
         tokio::task::yield_now().await;
@@ -710,6 +710,14 @@ async fn a_request_refused_while_its_instances_units_are_on_their_way_back_waits
     now += SignedDuration::from_millis(1_250);
     assert_eq!(a.held(), 0, "the block is on its way back");
     assert_eq!(counted(&shared, now).await, 100, "not landed yet");
+    (a, shared, now, served)
+}
+
+#[tokio::test(start_paused = true)]
+async fn a_request_refused_while_its_instances_units_are_on_their_way_back_waits_for_them() {
+    // The store refuses A's next request, counting the units on their way:
+    // it waits for them, and is sent again.
+    let (a, shared, mut now, mut served) = a_block_on_its_way_back(10).await;
     let outcome = call(&a, now, 100).await;
     assert!(outcome.admitted, "{outcome:?}");
     served += 1;
@@ -718,6 +726,21 @@ async fn a_request_refused_while_its_instances_units_are_on_their_way_back_waits
     tokio::task::yield_now().await;
     now += SignedDuration::from_millis(1_300);
     assert_eq!(counted(&shared, now).await, served);
+}
+
+#[tokio::test(start_paused = true)]
+async fn a_refusal_waits_for_units_on_their_way_back_a_bounded_time() {
+    // Units that take longer to land than the wait: refused once waited,
+    // not sent again.
+    let (a, _, now, _) = a_block_on_its_way_back(200).await;
+    let sent = tokio::time::Instant::now();
+    let outcome = call(&a, now, 100).await;
+    let waited = sent.elapsed();
+    assert!(!outcome.admitted);
+    assert!(
+        waited >= Duration::from_millis(25) && waited < Duration::from_millis(50),
+        "{waited:?}"
+    );
 }
 
 #[tokio::test(start_paused = true)]

@@ -507,23 +507,27 @@ impl Shared {
         self.counters(std::iter::once(key))
     }
 
-    /// Waits while units of the counters of `lines` are on their way back
-    /// to the store from here, [`RETURN_WAIT`] at most; whether any were.
-    async fn wait_for_returns(&self, lines: &[ChargeLine]) -> bool {
+    /// Waits while units of the counters at `keys` are on their way back
+    /// to the store from here, [`RETURN_WAIT`] at most; whether there were
+    /// some, and they all landed.
+    async fn wait_for_returns(&self, keys: &[&PeriodKey]) -> bool {
         let returning = || {
-            lines.iter().any(|line| {
-                self.counter(&line.key)
-                    .get_mut(&line.key)
+            keys.iter().any(|key| {
+                self.counter(key)
+                    .get_mut(key)
                     .is_some_and(|counter| counter.returning > 0)
             })
         };
         // Waited for on a runtime only: without one, nothing gives units
         // back in a task of its own.
-        if tokio::runtime::Handle::try_current().is_err() || !returning() {
+        if keys.is_empty() || tokio::runtime::Handle::try_current().is_err() || !returning() {
             return false;
         }
         let deadline = Instant::now() + RETURN_WAIT;
-        while returning() && Instant::now() < deadline {
+        while returning() {
+            if Instant::now() >= deadline {
+                return false;
+            }
             tokio::time::sleep(Duration::from_millis(1)).await;
         }
         true
@@ -992,6 +996,8 @@ impl<St: Store> LeasedStore<St> {
         // Blocks held here go back once idle, by a sweep: started again
         // if the runtime that ran it stopped (a load, nearly always).
         self.start_sweeping();
+        // Before the shards' guards: a give-back dropped locks its shard.
+        let mut stale = Vec::new();
         let mut counters = self
             .shared
             .counters(request.lines.iter().map(|line| &line.key));
@@ -1001,7 +1007,6 @@ impl<St: Store> LeasedStore<St> {
         // cost, part of it, or none. Taken as the lines come, so a key
         // listed twice takes from its block twice.
         let mut taken: SmallVec<[u64; 2]> = SmallVec::with_capacity(request.lines.len());
-        let mut stale = Vec::new();
         let mut stale_first = false;
         let mut unmarked = Vec::new();
         let mut alone = None;
@@ -1452,10 +1457,18 @@ impl<St: Store> LeasedStore<St> {
                 if let Some(giving_back) = giving_back {
                     let _ = giving_back.await;
                 }
-                // Units of its counters on their way back from here (an
-                // idle block, an old one, another request's), which the
-                // store still counted: likewise.
-                again |= store.shared.wait_for_returns(&request.lines).await;
+                // Units on their way back from here (an idle block, an old
+                // one, another request's) of the counters without room,
+                // which the store still counted: likewise, if they landed.
+                let full: SmallVec<[&PeriodKey; 2]> = request
+                    .lines
+                    .iter()
+                    .zip(&costs)
+                    .zip(&outcome.usage)
+                    .filter(|((_, &cost), usage)| usage.used.saturating_add(cost) > usage.limit)
+                    .map(|((line, _), _)| &line.key)
+                    .collect();
+                again |= store.shared.wait_for_returns(&full).await;
             }
             if again {
                 for (line, cost) in request.lines.iter_mut().zip(&costs) {
@@ -1582,6 +1595,8 @@ impl<St: Store> LeasedStore<St> {
         mut outcome: ChargeOutcome,
         at: Instant,
     ) -> ChargeOutcome {
+        // Before the shards' guards: a give-back dropped locks its shard.
+        let mut back = Vec::new();
         let mut counters = self
             .shared
             .counters(request.lines.iter().map(|line| &line.key));
@@ -1591,7 +1606,6 @@ impl<St: Store> LeasedStore<St> {
         let mut sweep = false;
         let margin = self.shared.settings.mark_margin();
         let lease = self.shared.settings.lease();
-        let mut back = Vec::new();
         let mut unmarked = Vec::new();
         let mut joins = Vec::new();
         for (i, (line, usage)) in request.lines.iter().zip(&mut outcome.usage).enumerate() {
@@ -2130,7 +2144,8 @@ fn split_marks(marks: &[Option<PeriodKey>], outcome: &mut ChargeOutcome) -> Vec<
 /// a shadow quota's, which the store does not enforce but whose count near
 /// it is told as exactly as an enforced one's.
 fn sized_by(line: &ChargeLine) -> u64 {
-    line.shadow_limit.unwrap_or(line.limit)
+    line.shadow_limit
+        .map_or(line.limit, |shadow| shadow.min(line.limit))
 }
 
 /// The charge line of the lease mark at `key`: `cost` holders more, never
