@@ -1113,6 +1113,48 @@ async fn a_late_answer_of_a_counter_reset_since_leaves_the_new_counters_block_al
 }
 
 #[tokio::test(start_paused = true)]
+async fn an_answer_sent_before_the_last_one_learned_never_moves_the_count_back() {
+    // Two charges of one counter on their way from A: the first takes a
+    // block and is applied first but answered late, after the second.
+    let slow = Slow::default();
+    let a = LeasedStore::new(slow.clone());
+    let mut now = t0();
+    busy(&a, &mut now, 20, 10_000, 1).await;
+    let mut served = 20;
+    while a.held() > 0 {
+        assert!(call(&a, now, 10_000).await.admitted);
+        served += 1;
+    }
+    slow.late.store(50, Ordering::Relaxed);
+    let late = tokio::spawn({
+        let a = a.clone();
+        async move { call(&a, now, 10_000).await }
+    });
+    tokio::task::yield_now().await;
+    slow.late.store(0, Ordering::Relaxed);
+    tokio::time::advance(Duration::from_millis(1)).await;
+    now += SignedDuration::from_millis(1);
+    assert!(call(&a, now, 10_000).await.admitted);
+    assert!(late.await.unwrap().admitted);
+    served += 2;
+    assert!(a.held() > 0, "the first charge took a block");
+    // The late answer's count is older than the second's: the block's
+    // next request is told every one served.
+    let next = call(&a, now, 10_000).await;
+    assert!(next.admitted);
+    served += 1;
+    assert_eq!(next.usage[0].used, served);
+    // A refund lands in the block, whole.
+    a.refund(now, day_key(), 3).await.unwrap();
+    served -= 3;
+    tokio::time::advance(Duration::from_millis(1_300)).await;
+    tokio::task::yield_now().await;
+    now += SignedDuration::from_millis(1_300);
+    assert_eq!(a.held(), 0);
+    assert_eq!(counted(&slow.inner, now).await, served);
+}
+
+#[tokio::test(start_paused = true)]
 async fn a_refund_made_before_a_reset_never_lands_in_a_block_of_the_new_counter() {
     let shared = MemoryStore::new();
     let leased = LeasedStore::new(shared.clone());

@@ -1692,14 +1692,14 @@ impl<St: Store> LeasedStore<St> {
                 // counter); a counter made since, or none (it landed
                 // before), takes nothing.
                 if outcome.admitted && block > 0 {
-                    back.push(GiveBack::tracked(
-                        &self.shared,
-                        counter,
-                        line.key.clone(),
-                        request.now,
-                        block,
-                        made_by,
-                    ));
+                    let key = line.key.clone();
+                    back.push(if older {
+                        // Refused back by the counter made since: nothing
+                        // for a refusal of the live one to wait for.
+                        GiveBack::untracked(key, request.now, block, made_by)
+                    } else {
+                        GiveBack::tracked(&self.shared, counter, key, request.now, block, made_by)
+                    });
                     returned = block;
                 }
                 block = 0;
@@ -1716,7 +1716,14 @@ impl<St: Store> LeasedStore<St> {
             // Whether the mark read may count this instance: as things
             // stood when the charge was sent, or stand now.
             let counted = known.is_some_and(|k| k.in_mark) || counter.mark.may_count(now);
-            if !older {
+            // An answer to a charge sent before the last one this entry
+            // learned from (several on their way, answered out of order):
+            // the count it tells is older, and may only raise the one
+            // known (units it took are counted in it, or in the later one).
+            let fresh = at >= counter.charged_at;
+            if older {
+                // Nothing of the live counter.
+            } else if fresh {
                 if !counter.same_period(usage) && counter.units > 0 {
                     // Another counter (a first-use period that ended and
                     // opened again, or one made anew after a reset
@@ -1730,11 +1737,16 @@ impl<St: Store> LeasedStore<St> {
                 counter.store_used = usage.used.saturating_sub(returned);
                 counter.resets_at = usage.resets_at;
                 counter.first_call = usage.first_call;
+            } else {
+                counter.store_used = counter.store_used.max(usage.used.saturating_sub(returned));
             }
-            counter.seen = request.now;
-            counter.seen_at = at;
-            counter.charged_at = at;
-            counter.hits = 0;
+            if fresh {
+                counter.charged_at = at;
+                counter.hits = 0;
+            }
+            // (`seen` and `seen_at` are the last request's, set as it came:
+            // an answer landing after later requests does not move them
+            // back.)
             let took = outcome.admitted && block > 0;
             if took && closed {
                 // Taken while the store shut down: straight back, and out of
