@@ -1155,6 +1155,43 @@ async fn an_answer_sent_before_the_last_one_learned_never_moves_the_count_back()
 }
 
 #[tokio::test(start_paused = true)]
+async fn a_counter_made_anew_by_an_instance_whose_clock_is_behind_is_taken_up() {
+    // A knows the day's counter, made at 10:00. It is reset elsewhere, and
+    // made anew by an instance whose clock is 5 s behind: its first call
+    // says 09:59:55, earlier than the counter it replaces.
+    let shared = MemoryStore::new();
+    let a = LeasedStore::new(shared.clone());
+    let mut now = t0();
+    busy(&a, &mut now, 20, 10_000, 1).await;
+    assert!(shared.reset(day_key()).await.unwrap());
+    assert!(
+        call(&shared, now - SignedDuration::from_secs(5), 10_000)
+            .await
+            .admitted
+    );
+    let mut served = 1;
+    // A spends what it held of the old counter, then charges the new one
+    // and leases from it as from any.
+    while a.held() > 0 {
+        assert!(call(&a, now, 10_000).await.admitted);
+    }
+    for _ in 0..40 {
+        let outcome = call(&a, now, 10_000).await;
+        assert!(outcome.admitted);
+        served += 1;
+        assert_eq!(outcome.usage[0].used, served);
+        tokio::time::advance(Duration::from_millis(1)).await;
+        now += SignedDuration::from_millis(1);
+    }
+    assert!(a.held() > 0, "a block of the new counter");
+    tokio::time::advance(Duration::from_millis(1_300)).await;
+    tokio::task::yield_now().await;
+    now += SignedDuration::from_millis(1_300);
+    assert_eq!(a.held(), 0);
+    assert_eq!(counted(&shared, now).await, served);
+}
+
+#[tokio::test(start_paused = true)]
 async fn a_refund_made_before_a_reset_never_lands_in_a_block_of_the_new_counter() {
     let shared = MemoryStore::new();
     let leased = LeasedStore::new(shared.clone());

@@ -1675,15 +1675,18 @@ impl<St: Store> LeasedStore<St> {
             unmarked.extend(joined_for(Some(counter)));
             // Units of a block taken here and given back at once.
             let mut returned = 0;
-            // An answer of a counter older than the one this entry knows (a
-            // charge sent before a reset made elsewhere, or before a
-            // first-use period ended, and answered after a charge of the
-            // counter made since): it tells of a counter gone, and changes
-            // nothing of what this entry knows of the live one.
-            let older = matches!(
-                (counter.first_call, usage.first_call),
-                (Some(known), Some(told)) if told < known
-            );
+            // An answer to a charge sent before the last one this entry
+            // learned from (several on their way, answered out of order)
+            // tells less than the entry knows: an older count, which may
+            // only raise the one known (units it took are counted in it,
+            // or in the later one); or, of another counter, one gone (the
+            // charge was sent before a reset made elsewhere, or before a
+            // first-use period ended), which changes nothing of what the
+            // entry knows of the live one. (By the order the charges were
+            // sent, not by the counters' first calls: instances' clocks
+            // may differ.)
+            let fresh = at >= counter.charged_at;
+            let older = !fresh && !counter.same_period(usage);
             if older || known.is_some_and(|k| k.generation != counter.generation) {
                 // Of an older counter, or reset here while the charge was on
                 // its way: the block it took is not this entry's. Given back
@@ -1716,11 +1719,6 @@ impl<St: Store> LeasedStore<St> {
             // Whether the mark read may count this instance: as things
             // stood when the charge was sent, or stand now.
             let counted = known.is_some_and(|k| k.in_mark) || counter.mark.may_count(now);
-            // An answer to a charge sent before the last one this entry
-            // learned from (several on their way, answered out of order):
-            // the count it tells is older, and may only raise the one
-            // known (units it took are counted in it, or in the later one).
-            let fresh = at >= counter.charged_at;
             if older {
                 // Nothing of the live counter.
             } else if fresh {
