@@ -1654,15 +1654,18 @@ impl<St: Store> LeasedStore<St> {
                     })
                 }
                 None => {
-                    if closed && outcome.admitted && block > 0 {
+                    if outcome.admitted && block > 0 {
                         // Taken while the store shut down, its entry gone
-                        // with the others: straight back.
+                        // with the others, or for an entry gone meanwhile
+                        // (forgotten once idle) or never made (no room for
+                        // it): straight back.
                         back.push(GiveBack::untracked(
                             line.key.clone(),
                             request.now,
                             block,
                             made_by,
                         ));
+                        usage.used = usage.used.saturating_sub(block);
                     }
                     unmarked.extend(joined_for(None));
                     if !outcome.admitted {
