@@ -744,6 +744,42 @@ async fn a_refusal_waits_for_units_on_their_way_back_a_bounded_time() {
 }
 
 #[tokio::test(start_paused = true)]
+async fn requests_refused_while_a_block_is_on_its_way_here_are_served_from_it() {
+    // Near the limit, A's block runs out and a burst comes: the first
+    // request takes the next block, those after it are charged alone
+    // meanwhile, and the store, counting the block, refuses the last ones.
+    // Without leases exactly the rest of the limit would be admitted: so
+    // it is, the last ones served from the block once it landed.
+    let slow = Slow::default();
+    let a = LeasedStore::new(slow.clone());
+    let mut now = t0();
+    busy(&a, &mut now, 40, 100, 1).await;
+    let mut served = 40;
+    while a.held() > 0 {
+        assert!(call(&a, now, 100).await.admitted);
+        served += 1;
+    }
+    slow.delay.store(5, Ordering::Relaxed);
+    let burst: Vec<_> = (0..(100 - served + 5))
+        .map(|_| {
+            let a = a.clone();
+            tokio::spawn(async move { call(&a, now, 100).await })
+        })
+        .collect();
+    for request in burst {
+        if request.await.unwrap().admitted {
+            served += 1;
+        }
+    }
+    assert_eq!(served, 100);
+    tokio::time::advance(Duration::from_millis(1_300)).await;
+    tokio::task::yield_now().await;
+    now += SignedDuration::from_millis(1_300);
+    assert_eq!(a.held(), 0);
+    assert_eq!(counted(&slow.inner, now).await, 100);
+}
+
+#[tokio::test(start_paused = true)]
 async fn a_lower_limit_is_never_passed_by_units_taken_under_a_higher_one() {
     // Two instances busy on a plan of 1 000; the caller moves to a plan of
     // 45. Without leases, exactly 45 would be admitted in all.

@@ -64,7 +64,10 @@ static GIVE_BACK_ERRORS: Throttle = Throttle::new(5);
 ///   of what the counter had left when last seen, so near the limit blocks
 ///   are single units and every request is a charge of its own (exact, as
 ///   without leases). A charge whose block no longer fits (other instances
-///   spent meanwhile) is sent again for the request alone. A shadow
+///   spent meanwhile) is sent again for the request alone; one the store
+///   refuses because it counted a block on its way to this instance (taken
+///   by another request's charge a moment before) waits for the block, 25
+///   ms at most, and is served from it. A shadow
 ///   quota's blocks shrink by its limit ([`ChargeLine::shadow_limit`]) as
 ///   an enforced quota's do, so the count told near it is as exact.
 /// - **Unused units go back** to the store, with a refund (which never
@@ -531,6 +534,48 @@ impl Shared {
             tokio::time::sleep(Duration::from_millis(1)).await;
         }
         true
+    }
+
+    /// Waits while a block is on its way here for a line of `lines` that
+    /// had no room (`full`) and whose block has not the units for it,
+    /// [`RETURN_WAIT`] at most; whether every such line's block has them
+    /// now.
+    async fn wait_for_blocks(&self, lines: &[ChargeLine], full: &[bool]) -> bool {
+        let lines: SmallVec<[&ChargeLine; 2]> = lines
+            .iter()
+            .zip(full)
+            .filter(|(line, &full)| full && line.cost > 0)
+            .map(|(line, _)| line)
+            .collect();
+        if lines.is_empty() {
+            return false;
+        }
+        // Whether every line's block has the units, and whether one is on
+        // its way for a line whose block has not.
+        let state = || {
+            let mut counters = self.counters(lines.iter().map(|line| &line.key));
+            let (mut held, mut taking) = (true, false);
+            for line in &lines {
+                let counter = counters.get_mut(&line.key);
+                if counter.as_ref().is_none_or(|c| c.units < line.cost) {
+                    held = false;
+                    taking |= counter.is_some_and(|c| c.taking);
+                }
+            }
+            (held, taking)
+        };
+        if tokio::runtime::Handle::try_current().is_err() {
+            return false;
+        }
+        let deadline = Instant::now() + RETURN_WAIT;
+        loop {
+            match state() {
+                (true, _) => return true,
+                (false, false) => return false,
+                (false, true) if Instant::now() >= deadline => return false,
+                (false, true) => tokio::time::sleep(Duration::from_millis(1)).await,
+            }
+        }
     }
 
     /// Runs `f` on every shard in turn, each locked while `f` runs on it.
@@ -1324,13 +1369,23 @@ impl<St: Store> LeasedStore<St> {
             stale_first: false,
             reserved: Reserved::new(&self.shared, Vec::new()),
         };
-        Some(self.send(request, plan, at))
+        Some(self.send(request, plan, at, false))
     }
 
     /// Spends `request` from this instance's blocks, or sends it to the
     /// store: the charge sent, which runs when polled. (Copied only when it
     /// is sent.)
     fn start(&self, request: Cow<'_, ChargeRequest>) -> Result<ChargeOutcome, RemoteCharge> {
+        self.start_with(request, true)
+    }
+
+    /// As [`start`](Self::start); a refusal waits for a block on its way
+    /// here only if `wait`.
+    fn start_with(
+        &self,
+        request: Cow<'_, ChargeRequest>,
+        wait: bool,
+    ) -> Result<ChargeOutcome, RemoteCharge> {
         // Never spent from a block either: a first-use key names every
         // period of its subject, and a block of the live one may be held.
         if let Some(error) = super::past_its_period(&request) {
@@ -1338,11 +1393,17 @@ impl<St: Store> LeasedStore<St> {
         }
         let at = Instant::now();
         self.spend_locally(&request, at)
-            .map_err(|plan| self.send(request.into_owned(), *plan, at))
+            .map_err(|plan| self.send(request.into_owned(), *plan, at, wait))
     }
 
     /// The charge of `request` through the store, as `plan` says.
-    fn send(&self, mut request: ChargeRequest, plan: Plan, at: Instant) -> RemoteCharge {
+    fn send(
+        &self,
+        mut request: ChargeRequest,
+        plan: Plan,
+        at: Instant,
+        wait: bool,
+    ) -> RemoteCharge {
         let Plan {
             blocks,
             joins,
@@ -1481,6 +1542,15 @@ impl<St: Store> LeasedStore<St> {
                     .charge(store.reading(&marks, &joins, &request))
                     .await?;
             }
+            // The lines without room, if refused.
+            let full: SmallVec<[bool; 2]> = request
+                .lines
+                .iter()
+                .zip(&outcome.usage)
+                .map(|(line, usage)| {
+                    !outcome.admitted && usage.used.saturating_add(line.cost) > usage.limit
+                })
+                .collect();
             let marks = split_marks(&marks, &mut outcome);
             drop(taking);
             // Per line that tried to join: the end of the mark it joined,
@@ -1502,7 +1572,23 @@ impl<St: Store> LeasedStore<St> {
             }
             // Restored before the usage is read, if the store refused.
             drop(reserved);
-            Ok(store.learn(&request, &blocks, &joined, &known, &marks, outcome, at))
+            let outcome = store.learn(&request, &blocks, &joined, &known, &marks, outcome, at);
+            if !refused || outcome.admitted || !wait {
+                return Ok(outcome);
+            }
+            // Refused while a block of its counters was on its way here
+            // (taken by another request's charge), which the store counted:
+            // the request again, from the block, once it landed.
+            for (line, (&cost, &units)) in request.lines.iter_mut().zip(costs.iter().zip(&taken)) {
+                line.cost = cost + units;
+            }
+            if !store.shared.wait_for_blocks(&request.lines, &full).await {
+                return Ok(outcome);
+            }
+            match store.start_with(Cow::Owned(request), false) {
+                Ok(outcome) => Ok(outcome),
+                Err(remote) => remote.await,
+            }
         })
     }
 
