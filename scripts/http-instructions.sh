@@ -9,6 +9,7 @@
 #   BENCH_STORES=off,memory,governor,redis scripts/http-instructions.sh
 #   BENCH_SECONDS=8 BENCH_CONNECTIONS=16 scripts/http-instructions.sh
 #   BENCH_BASE_SERVER=path/to/server BENCH_STORES=off,memory,memory-base scripts/http-instructions.sh
+#   BENCH_SUBJECTS=200 BENCH_STORES=off,memory,redis-lease scripts/http-instructions.sh
 #
 # Each server runs under callgrind with counting off; wrk sends `GET /read`
 # for one of 10 000 accounts at random (`BENCH_SUBJECTS`) over
@@ -17,10 +18,13 @@
 # the instructions counted over the requests wrk completed meanwhile.
 # Servers, as in `scripts/http-bench.sh`: `off`, `fields` (the demo server
 # with `--quota fields`: the two fields written, nothing counted),
-# `memory`, `governor`, `redis`, and `memory-base` from
-# `BENCH_BASE_SERVER`. Not the leased
-# server: slowed down some fifty times, its subjects idle between two
-# requests, and its background work falls on few requests. Installs Debian's valgrind and wrk (and
+# `memory`, `governor`, `redis`, `redis-lease` (`--lease`), and
+# `memory-base` from `BENCH_BASE_SERVER`. Under callgrind a server runs
+# some fifty times slower: with 10 000 accounts the leased server's
+# subjects are idle between two requests and take no block; measure it
+# with `BENCH_SUBJECTS=200`, each subject then as busy as in
+# `scripts/http-bench.sh` (its timed background work still falls on fifty
+# times fewer requests). Installs Debian's valgrind and wrk (and
 # redis-server, redis-tools when a Redis server is measured) when missing.
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -31,7 +35,7 @@ subjects=${BENCH_SUBJECTS:-10000}
 IFS=, read -r -a stores <<<"${BENCH_STORES:-off,fields,memory,governor}"
 for name in "${stores[@]}"; do
     case $name in
-    off | fields | memory | governor | redis) ;;
+    off | fields | memory | governor | redis | redis-lease) ;;
     memory-base)
         if [ ! -x "${BENCH_BASE_SERVER:-}" ]; then
             echo "BENCH_STORES: $name needs BENCH_BASE_SERVER, the path of another build's demo server" >&2
@@ -39,7 +43,7 @@ for name in "${stores[@]}"; do
         fi
         ;;
     *)
-        echo "BENCH_STORES: unknown server $name (off, fields, memory, governor, redis, memory-base)" >&2
+        echo "BENCH_STORES: unknown server $name (off, fields, memory, governor, redis, redis-lease, memory-base)" >&2
         exit 2
         ;;
     esac
@@ -126,6 +130,7 @@ for name in "${stores[@]}"; do
     memory) measure memory "$server" --limit 1000000000 --store memory ;;
     governor) measure governor "$server" --limit 1000000000 --quota governor ;;
     redis) measure redis "$server" --limit 1000000000 --store "$(redis_url)" ;;
+    redis-lease) measure redis-lease "$server" --limit 1000000000 --store "$(redis_url)" --lease ;;
     memory-base) measure memory-base "$base" --limit 1000000000 --store memory ;;
     esac
 done
