@@ -941,6 +941,43 @@ async fn an_instance_counts_once_in_the_mark_and_leaves_it_when_it_holds_nothing
 }
 
 #[tokio::test(start_paused = true)]
+async fn a_block_taken_while_leaving_the_mark_joins_it_again_once_left() {
+    // A holds a block, goes idle: the block goes back, then A leaves the
+    // mark, slowly. Its subject is back meanwhile, and A takes a block
+    // again: A is a holder once its leaving landed, as other instances'
+    // refusals should tell.
+    let slow = Slow::default();
+    let shared = slow.inner.clone();
+    let a = LeasedStore::new(slow.clone());
+    let mut now = t0();
+    busy(&a, &mut now, 50, 1_000_000, 1).await;
+    assert_eq!(holders(&shared, now).await, 1);
+    slow.delay.store(30, Ordering::Relaxed);
+    tokio::time::advance(Duration::from_millis(1_250)).await;
+    for _ in 0..5 {
+        tokio::task::yield_now().await;
+    }
+    // The block lands back; the leaving is sent.
+    tokio::time::advance(Duration::from_millis(30)).await;
+    for _ in 0..5 {
+        tokio::task::yield_now().await;
+    }
+    now += SignedDuration::from_millis(1_280);
+    assert_eq!(a.held(), 0);
+    slow.delay.store(0, Ordering::Relaxed);
+    busy(&a, &mut now, 5, 1_000_000, 1).await;
+    assert!(a.held() > 0, "a block again");
+    // The leaving lands.
+    tokio::time::advance(Duration::from_millis(30)).await;
+    for _ in 0..5 {
+        tokio::task::yield_now().await;
+    }
+    now += SignedDuration::from_millis(30);
+    assert!(a.held() > 0);
+    assert_eq!(holders(&shared, now).await, 1, "A holds a block");
+}
+
+#[tokio::test(start_paused = true)]
 async fn a_block_charge_dropped_on_its_way_leaves_no_joining_hanging() {
     // A charge that takes a block joins the lease mark in the same call.
     // Dropped on its way, it may or may not have landed: the instance takes

@@ -751,6 +751,8 @@ struct Mark {
     /// To leave once the joining on its way lands: the block is gone.
     leave_when_joined: bool,
     leaving: bool,
+    /// To join once the leaving on its way lands: a block came meanwhile.
+    join_when_left: bool,
 }
 
 impl Counter {
@@ -815,7 +817,12 @@ impl Mark {
     /// Whether a holder of a new block joins the mark now.
     fn join(&mut self, now: Timestamp) -> bool {
         self.leave_when_joined = false;
-        if self.joining || self.leaving || self.counted(now) {
+        if self.leaving {
+            // Joined again once the leaving landed (see `left`).
+            self.join_when_left = true;
+            return false;
+        }
+        if self.joining || self.counted(now) {
             return false;
         }
         self.joining = true;
@@ -845,6 +852,7 @@ impl Mark {
     /// its own, and a refund landing after that could take one from a new
     /// mark.
     fn leave(&mut self, now: Timestamp, margin: SignedDuration) -> bool {
+        self.join_when_left = false;
         if self.joining {
             self.leave_when_joined = true;
             return false;
@@ -859,13 +867,18 @@ impl Mark {
         true
     }
 
-    /// The leaving landed (`ok`: the store took it).
-    fn left(&mut self, ok: bool) {
+    /// The leaving landed (`ok`: the store took it). Whether to join
+    /// again now, in a call of its own: a block came while it was on its
+    /// way.
+    fn left(&mut self, ok: bool) -> bool {
         self.leaving = false;
         if !ok {
             self.unsure_until = self.counted_until.max(self.unsure_until);
         }
         self.counted_until = None;
+        let join = std::mem::take(&mut self.join_when_left);
+        self.joining |= join;
+        join
     }
 }
 
@@ -1640,7 +1653,10 @@ impl<St: Store> LeasedStore<St> {
                         .get_mut(key)
                         .filter(|c| c.generation == *generation)
                     {
-                        counter.mark.left(false);
+                        // Nor joining again, for the same reason.
+                        if counter.mark.left(false) {
+                            counter.mark.joining = false;
+                        }
                     }
                 }
             }
@@ -2304,12 +2320,16 @@ async fn leave<St: Store>(
     generation: u64,
 ) {
     let ok = unmark(inner, now, &key).await;
-    if let Some(counter) = shared
+    // A block came while the leaving was on its way: joined again, at the
+    // counter's instant now.
+    let rejoin = shared
         .counter(&key)
         .get_mut(&key)
         .filter(|c| c.generation == generation)
-    {
-        counter.mark.left(ok);
+        .and_then(|counter| counter.mark.left(ok).then(|| counter.now(Instant::now())));
+    if let Some(now) = rejoin {
+        let (lease, max) = (shared.settings.lease(), inner.max_count());
+        Box::pin(join(inner, shared, now, key, generation, lease, max)).await;
     }
 }
 
