@@ -759,13 +759,18 @@ async fn requests_refused_while_a_block_is_on_its_way_here_are_served_from_it() 
         assert!(call(&a, now, 100).await.admitted);
         served += 1;
     }
+    // The first takes the block, answered 10 ms after the store applied
+    // it; the others are answered at once, refused before it landed.
     slow.delay.store(5, Ordering::Relaxed);
-    let burst: Vec<_> = (0..(100 - served + 5))
-        .map(|_| {
-            let a = a.clone();
-            tokio::spawn(async move { call(&a, now, 100).await })
-        })
-        .collect();
+    slow.late.store(10, Ordering::Relaxed);
+    let spawn = || {
+        let a = a.clone();
+        tokio::spawn(async move { call(&a, now, 100).await })
+    };
+    let mut burst = vec![spawn()];
+    tokio::task::yield_now().await;
+    slow.late.store(0, Ordering::Relaxed);
+    burst.extend((1..(100 - served + 5)).map(|_| spawn()));
     for request in burst {
         if request.await.unwrap().admitted {
             served += 1;

@@ -308,6 +308,7 @@ impl<St: Store> LeasedStoreBuilder<St> {
                 prefetch: Mutex::default(),
                 busy: AtomicUsize::new(0),
                 setting_aside: AtomicUsize::new(0),
+                sent: AtomicU64::new(0),
             }),
         }
     }
@@ -359,6 +360,10 @@ struct Shared {
     /// lets them land (their units back in the block, or spent) before it
     /// gives the blocks back.
     setting_aside: AtomicUsize,
+    /// The charges sent to the store so far: each is numbered as it is
+    /// planned, under its counters' locks, so that their answers are known
+    /// in the order they were sent, however they land.
+    sent: AtomicU64,
 }
 
 /// One piece of the work a shutdown waits for, while it lives.
@@ -424,10 +429,11 @@ impl Drop for Queued {
     }
 }
 
-/// How long a request the store refused waits for units of its counters
-/// on their way back from this instance (one store call each, nearly
-/// always), before it is sent again: a refusal that waits longer might
-/// pass the layer's store timeout.
+/// How long, in all, a request the store refused waits for units of its
+/// counters on their way back from this instance, and then for a block on
+/// its way here (one store call each, nearly always), before it is sent
+/// again: a refusal that waits longer might pass the layer's store
+/// timeout.
 const RETURN_WAIT: Duration = Duration::from_millis(25);
 
 /// How long a busy subject's next block waits to be taken once its block
@@ -457,6 +463,11 @@ impl Shared {
                 .lock()
                 .unwrap_or_else(std::sync::PoisonError::into_inner),
         )
+    }
+
+    /// The number of a charge sent now.
+    fn next_sent(&self) -> u64 {
+        self.sent.fetch_add(1, Ordering::Relaxed) + 1
     }
 
     /// A new counter entry's generation.
@@ -511,9 +522,9 @@ impl Shared {
     }
 
     /// Waits while units of the counters at `keys` are on their way back
-    /// to the store from here, [`RETURN_WAIT`] at most; whether there were
+    /// to the store from here, until `deadline` at most; whether there were
     /// some, and they all landed.
-    async fn wait_for_returns(&self, keys: &[&PeriodKey]) -> bool {
+    async fn wait_for_returns(&self, keys: &[&PeriodKey], deadline: Instant) -> bool {
         let returning = || {
             keys.iter().any(|key| {
                 self.counter(key)
@@ -526,7 +537,6 @@ impl Shared {
         if keys.is_empty() || tokio::runtime::Handle::try_current().is_err() || !returning() {
             return false;
         }
-        let deadline = Instant::now() + RETURN_WAIT;
         while returning() {
             if Instant::now() >= deadline {
                 return false;
@@ -537,10 +547,15 @@ impl Shared {
     }
 
     /// Waits while a block is on its way here for a line of `lines` that
-    /// had no room (`full`) and whose block has not the units for it,
-    /// [`RETURN_WAIT`] at most; whether every such line's block has them
-    /// now.
-    async fn wait_for_blocks(&self, lines: &[ChargeLine], full: &[bool]) -> bool {
+    /// had no room (`full`) and whose block cannot pay for it, until
+    /// `deadline` at most; whether every such line's block can now (units
+    /// enough, and room under the line's limit for what was served).
+    async fn wait_for_blocks(
+        &self,
+        lines: &[ChargeLine],
+        full: &[bool],
+        deadline: Instant,
+    ) -> bool {
         let lines: SmallVec<[&ChargeLine; 2]> = lines
             .iter()
             .zip(full)
@@ -550,14 +565,23 @@ impl Shared {
         if lines.is_empty() {
             return false;
         }
-        // Whether every line's block has the units, and whether one is on
-        // its way for a line whose block has not.
+        // Whether every line's block can pay for it (as `spend_locally`
+        // would), and whether one is on its way for a line whose block
+        // cannot.
         let state = || {
             let mut counters = self.counters(lines.iter().map(|line| &line.key));
             let (mut held, mut taking) = (true, false);
             for line in &lines {
                 let counter = counters.get_mut(&line.key);
-                if counter.as_ref().is_none_or(|c| c.units < line.cost) {
+                let lease_time = self.settings.lease_time;
+                let pays = counter.as_ref().is_some_and(|c| {
+                    c.units >= line.cost
+                        && c.usage().used.saturating_add(line.cost) <= line.limit
+                        && sized_by(line) >= c.block_limit
+                        && c.block_since
+                            .is_some_and(|since| since.elapsed() < lease_time)
+                });
+                if !pays {
                     held = false;
                     taking |= counter.is_some_and(|c| c.taking);
                 }
@@ -567,7 +591,6 @@ impl Shared {
         if tokio::runtime::Handle::try_current().is_err() {
             return false;
         }
-        let deadline = Instant::now() + RETURN_WAIT;
         loop {
             match state() {
                 (true, _) => return true,
@@ -710,6 +733,9 @@ struct Counter {
     /// Requests since the last charge sent, and when it was sent: the rate.
     hits: u64,
     charged_at: Instant,
+    /// The number of the charge whose answer the entry last took in whole
+    /// (see [`Shared::sent`]).
+    learned: u64,
     /// The last block's size.
     block: u64,
     /// Whether a charge with a block is on its way (one at a time).
@@ -1247,6 +1273,7 @@ impl<St: Store> LeasedStore<St> {
             stale_first,
             unmarked,
             reserved: Reserved::new(&self.shared, reserved),
+            sent: self.shared.next_sent(),
         }))
     }
 
@@ -1371,6 +1398,7 @@ impl<St: Store> LeasedStore<St> {
             generation,
             in_mark: counter.mark.may_count(now),
         };
+        let sent = self.shared.next_sent();
         drop(counters);
         let plan = Plan {
             blocks: vec![block],
@@ -1381,6 +1409,7 @@ impl<St: Store> LeasedStore<St> {
             stale: Vec::new(),
             stale_first: false,
             reserved: Reserved::new(&self.shared, Vec::new()),
+            sent,
         };
         Some(self.send(request, plan, at, false))
     }
@@ -1426,6 +1455,7 @@ impl<St: Store> LeasedStore<St> {
             stale_first,
             unmarked,
             mut reserved,
+            sent,
         } = plan;
         let joining = Joining {
             shared: Arc::clone(&self.shared),
@@ -1527,6 +1557,10 @@ impl<St: Store> LeasedStore<St> {
             // the old blocks' units were not back yet: the request alone,
             // once they are.
             let mut again = refused && (leasing || giving_back.is_some());
+            // What a refusal waits for (units on their way back, then a
+            // block on its way here) it waits for this long in all, and
+            // once: not again when the request is sent again.
+            let deadline = Instant::now() + RETURN_WAIT;
             if refused {
                 if let Some(giving_back) = giving_back {
                     let _ = giving_back.await;
@@ -1542,7 +1576,7 @@ impl<St: Store> LeasedStore<St> {
                     .filter(|((_, &cost), usage)| usage.used.saturating_add(cost) > usage.limit)
                     .map(|((line, _), _)| &line.key)
                     .collect();
-                again |= store.shared.wait_for_returns(&full).await;
+                again |= wait && store.shared.wait_for_returns(&full, deadline).await;
             }
             if again {
                 for (line, cost) in request.lines.iter_mut().zip(&costs) {
@@ -1585,7 +1619,9 @@ impl<St: Store> LeasedStore<St> {
             }
             // Restored before the usage is read, if the store refused.
             drop(reserved);
-            let outcome = store.learn(&request, &blocks, &joined, &known, &marks, outcome, at);
+            let outcome = store.learn(
+                &request, &blocks, &joined, &known, &marks, outcome, at, sent,
+            );
             if !refused || outcome.admitted || !wait {
                 return Ok(outcome);
             }
@@ -1595,7 +1631,11 @@ impl<St: Store> LeasedStore<St> {
             for (line, (&cost, &units)) in request.lines.iter_mut().zip(costs.iter().zip(&taken)) {
                 line.cost = cost + units;
             }
-            if !store.shared.wait_for_blocks(&request.lines, &full).await {
+            if !store
+                .shared
+                .wait_for_blocks(&request.lines, &full, deadline)
+                .await
+            {
                 return Ok(outcome);
             }
             match store.start_with(Cow::Owned(request), false) {
@@ -1696,6 +1736,7 @@ impl<St: Store> LeasedStore<St> {
         seen: &[Option<Usage>],
         mut outcome: ChargeOutcome,
         at: Instant,
+        sent: u64,
     ) -> ChargeOutcome {
         // Before the shards' guards: a give-back dropped locks its shard.
         let mut back = Vec::new();
@@ -1746,6 +1787,7 @@ impl<St: Store> LeasedStore<St> {
                         generation: self.shared.next_generation(),
                         hits: 0,
                         charged_at: at,
+                        learned: sent,
                         block: 0,
                         taking: false,
                         prefetching: false,
@@ -1790,24 +1832,32 @@ impl<St: Store> LeasedStore<St> {
             // entry knows of the live one. (By the order the charges were
             // sent, not by the counters' first calls: instances' clocks
             // may differ.)
-            let fresh = at >= counter.charged_at;
-            let older = !fresh && !counter.same_period(usage);
-            if older || known.is_some_and(|k| k.generation != counter.generation) {
-                // Of an older counter, or reset here while the charge was on
-                // its way: the block it took is not this entry's. Given back
-                // to the counter it was charged to, if that one was made by
-                // the charge (it landed after the reset deleted the
-                // counter); a counter made since, or none (it landed
-                // before), takes nothing.
+            let fresh = sent >= counter.learned;
+            let older = !fresh
+                && matches!(
+                    (counter.first_call, usage.first_call),
+                    (Some(known), Some(told)) if known != told
+                );
+            if older {
+                // The block it took is of the counter gone, its units gone
+                // with it: not given back, which would land in the live
+                // counter if its maker's clock is behind.
+                block = 0;
+            } else if known.is_some_and(|k| k.generation != counter.generation) {
+                // Reset here while the charge was on its way: the block it
+                // took is not this entry's. Given back to the counter it
+                // was charged to, if that one was made by the charge (it
+                // landed after the reset deleted the counter); a counter
+                // made since, or none (it landed before), takes nothing.
                 if outcome.admitted && block > 0 {
-                    let key = line.key.clone();
-                    back.push(if older {
-                        // Refused back by the counter made since: nothing
-                        // for a refusal of the live one to wait for.
-                        GiveBack::untracked(key, request.now, block, made_by)
-                    } else {
-                        GiveBack::tracked(&self.shared, counter, key, request.now, block, made_by)
-                    });
+                    back.push(GiveBack::tracked(
+                        &self.shared,
+                        counter,
+                        line.key.clone(),
+                        request.now,
+                        block,
+                        made_by,
+                    ));
                     returned = block;
                 }
                 block = 0;
@@ -1844,6 +1894,7 @@ impl<St: Store> LeasedStore<St> {
                 counter.store_used = counter.store_used.max(usage.used.saturating_sub(returned));
             }
             if fresh {
+                counter.learned = sent;
                 counter.charged_at = at;
                 counter.hits = 0;
             }
@@ -2356,6 +2407,8 @@ struct Plan {
     stale_first: bool,
     /// The lines paid from blocks here.
     reserved: Reserved,
+    /// The charge's number (see [`Shared::sent`]).
+    sent: u64,
 }
 
 /// A counter's entry as a charge sent to the store found it.
