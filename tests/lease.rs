@@ -969,6 +969,7 @@ async fn a_block_taken_while_leaving_the_mark_joins_it_again_once_left() {
     }
     now += SignedDuration::from_millis(1_280);
     assert_eq!(a.held(), 0);
+    assert_eq!(holders(&shared, now).await, 1, "the leaving is on its way");
     slow.delay.store(0, Ordering::Relaxed);
     busy(&a, &mut now, 5, 1_000_000, 1).await;
     assert!(a.held() > 0, "a block again");

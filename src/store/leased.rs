@@ -895,14 +895,14 @@ impl Mark {
 
     /// The leaving landed (`ok`: the store took it). Whether to join
     /// again now, in a call of its own: a block came while it was on its
-    /// way.
-    fn left(&mut self, ok: bool) -> bool {
+    /// way, and the instance is `holding` units still.
+    fn left(&mut self, ok: bool, holding: bool) -> bool {
         self.leaving = false;
         if !ok {
             self.unsure_until = self.counted_until.max(self.unsure_until);
         }
         self.counted_until = None;
-        let join = std::mem::take(&mut self.join_when_left);
+        let join = std::mem::take(&mut self.join_when_left) && holding;
         self.joining |= join;
         join
     }
@@ -1694,9 +1694,7 @@ impl<St: Store> LeasedStore<St> {
                         .filter(|c| c.generation == *generation)
                     {
                         // Nor joining again, for the same reason.
-                        if counter.mark.left(false) {
-                            counter.mark.joining = false;
-                        }
+                        counter.mark.left(false, false);
                     }
                 }
             }
@@ -1834,10 +1832,16 @@ impl<St: Store> LeasedStore<St> {
             // may differ.)
             let fresh = sent >= counter.learned;
             let older = !fresh
-                && matches!(
-                    (counter.first_call, usage.first_call),
-                    (Some(known), Some(told)) if known != told
-                );
+                && match (counter.first_call, usage.first_call) {
+                    (Some(known), Some(told)) => known != told,
+                    // Undated (a store that does not tell first calls): by
+                    // its reset, past the jitter of a first-use counter's,
+                    // read from its remaining life.
+                    _ => {
+                        let apart = counter.resets_at.duration_since(usage.resets_at);
+                        apart.abs() > SignedDuration::from_secs(1)
+                    }
+                };
             if older {
                 // The block it took is of the counter gone, its units gone
                 // with it: not given back, which would land in the live
@@ -2377,7 +2381,13 @@ async fn leave<St: Store>(
         .counter(&key)
         .get_mut(&key)
         .filter(|c| c.generation == generation)
-        .and_then(|counter| counter.mark.left(ok).then(|| counter.now(Instant::now())));
+        .and_then(|counter| {
+            let holding = counter.units > 0 || counter.reserved > 0 || counter.taking;
+            counter
+                .mark
+                .left(ok, holding)
+                .then(|| counter.now(Instant::now()))
+        });
     if let Some(now) = rejoin {
         let (lease, max) = (shared.settings.lease(), inner.max_count());
         Box::pin(join(inner, shared, now, key, generation, lease, max)).await;
