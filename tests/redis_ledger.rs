@@ -420,6 +420,62 @@ async fn a_settle_redis_applies_late_is_given_back() {
     assert_eq!(used(&server, &key), "3", "counted once");
 }
 
+/// A settle Redis applies late to a counter a charge with a later instant
+/// made first (a subject back after the outage, its first request
+/// stamped after the ledger's settle) is given back all the same: the
+/// give-back goes by the counter's first call, not only the settle's.
+#[tokio::test]
+async fn a_settle_applied_late_to_a_counter_made_after_its_instant_is_given_back() {
+    if !redis_available() {
+        return;
+    }
+    let server = RedisServer::start();
+    let store = RedisStore::builder(server.url())
+        .timeout(Duration::from_millis(100))
+        .build()
+        .unwrap();
+    store.preload().await.unwrap();
+    let now = Timestamp::now();
+    let key = Namespace::default().key(&Subject::account("acme"), "late", "PT1H");
+    let lifetime = Lifetime::FirstUse {
+        deadline: now + SignedDuration::from_hours(1),
+    };
+    let later = now + SignedDuration::from_millis(50);
+    let charge = tower_quota::store::ChargeRequest {
+        now: later,
+        lines: smallvec::smallvec![tower_quota::store::ChargeLine {
+            key: key.clone(),
+            limit: 100,
+            cost: 1,
+            lifetime: Lifetime::FirstUse {
+                deadline: later + SignedDuration::from_hours(1),
+            },
+            shadow_limit: None,
+        }],
+    };
+    assert!(store.charge(charge).await.unwrap().admitted);
+    let debt = Debt {
+        key: key.clone(),
+        amount: 3,
+        lifetime,
+        since: now,
+    };
+
+    let mut stopped = Stopped::new(&server);
+    let error = store.settle_debt(now, debt.clone()).await.unwrap_err();
+    assert_eq!(error.kind(), StoreErrorKind::Timeout, "{error}");
+    stopped.resume();
+    let deadline = Instant::now() + Duration::from_secs(10);
+    while store.in_flight() > 0 {
+        assert!(Instant::now() < deadline, "{store:?}");
+        tokio::time::sleep(Duration::from_millis(10)).await;
+    }
+    assert_eq!(used(&server, &key), "1", "applied late, and given back");
+
+    assert_eq!(store.settle_debt(now, debt).await.unwrap(), Some(4));
+    assert_eq!(used(&server, &key), "4", "counted once");
+}
+
 /// What the store cannot take is an error, and nothing is written.
 #[tokio::test]
 async fn a_settle_on_what_is_no_counter_or_beyond_2_53_writes_nothing() {

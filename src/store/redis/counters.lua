@@ -612,21 +612,28 @@ if op == 's' then
     return redis.error_reply('ERR tower-quota: the amount to settle' .. NOT_A_NUMBER)
   end
   local at = now + 0
+  -- The reply: the count afterwards (-1 when nothing was written), and
+  -- the counter's first call (-1 when it has none), which a give-back of
+  -- a settle Redis applied after its caller stopped waiting goes by.
   if anchor == 'c' and at >= ends + 0 then
     -- The debt's window is over: never charged to a later one.
-    return -1
+    return { -1, -1 }
   end
-  local kind, used, _, recorded = read(key)
+  local kind, used, dated, recorded = read(key)
   if kind == nil then
     return redis.error_reply('ERR tower-quota: ' .. key .. NOT_A_COUNTER)
   end
   if kind ~= 0 and recorded ~= nil and at >= recorded + 0 then
     -- A counter whose window is over, kept through its grace.
-    return -1
+    return { -1, -1 }
   end
   local added = add_exactly(key, kind, used, amount, 'a settle')
-  if added ~= nil then
+  if type(added) == 'table' then
+    -- An error reply.
     return added
+  end
+  if added ~= nil then
+    return { added, dated and dated + 0 or -1 }
   end
   -- A new counter, as a charge creates one: its first call (the debt's),
   -- a calendar window's end, and its deadline, all in this call.
@@ -637,7 +644,7 @@ if op == 's' then
   end
   call('HSET', key, unpack(fields))
   call('PEXPIRE', key, ttl)
-  return amount + 0
+  return { amount + 0, first + 0 }
 end
 
 if op == 'c' then

@@ -205,7 +205,7 @@ pub(super) async fn refund_lines(
     now: Timestamp,
     made_by: Timestamp,
 ) {
-    let (mut refunded, mut missed) = (0, 0);
+    let (mut refunded, mut missed, mut refused) = (0, 0, 0);
     let mut first_miss: Option<(PeriodKey, String)> = None;
     let mut answering = true;
     for (key, cost) in lines {
@@ -224,6 +224,12 @@ pub(super) async fn refund_lines(
             .arg(made_by.as_millisecond());
         let refund = invocation.invoke_async::<i64>(conn);
         let why = match tokio::time::timeout(FOLLOW_THROUGH, refund).await {
+            // No live counter made by `made_by`: gone since, or never
+            // charged.
+            Ok(Ok(-1)) => {
+                refused += 1;
+                continue;
+            }
             Ok(Ok(_)) => {
                 refunded += 1;
                 continue;
@@ -254,6 +260,7 @@ pub(super) async fn refund_lines(
     let total = inner.given_back.fetch_add(1, Ordering::Relaxed) + 1;
     tracing::debug!(
         lines = refunded,
+        refused,
         total,
         "gave back a charge Redis applied after its caller stopped waiting"
     );

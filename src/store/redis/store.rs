@@ -22,7 +22,8 @@ use super::errors::{broken, fault_error, redis_error};
 use super::hash::jitter;
 use super::late::{give_back, refund_lines, Call, GiveBack, Sends};
 use super::script::{
-    as_millis, clamp, live_count, millis_until, outcome, Invocation, CLOCK_KEY, COUNTERS_LUA,
+    as_millis, clamp, live_count, millis_until, outcome, unexpected, Invocation, CLOCK_KEY,
+    COUNTERS_LUA,
 };
 use crate::key::PeriodKey;
 use crate::store::{
@@ -598,11 +599,12 @@ impl RedisStore {
             .arg(args.end)
             .arg(debt.since.as_millisecond().max(0));
         let give_back = GiveBack {
-            // The count afterwards; -1 when the debt's period is over and
-            // nothing was written.
-            applied: |count: &i64| *count >= 0,
-            // The settle's answer is the count alone.
-            first_call: |_: &i64| None,
+            // The count afterwards (-1 when the debt's period is over and
+            // nothing was written), and the counter's first call.
+            applied: |reply: &Vec<i64>| reply.first().is_some_and(|&count| count >= 0),
+            // A give-back goes to the counter the settle added to, though a
+            // charge with a later instant made it first.
+            first_call: |reply: &Vec<i64>| reply.get(1).copied().filter(|&ms| ms >= 0),
             // As for a charge, a line of nothing has nothing to give back.
             lines: (debt.amount > 0)
                 .then(|| (key.clone(), debt.amount))
@@ -617,7 +619,13 @@ impl RedisStore {
                 let result = invocation.invoke_async(&mut conn).await;
                 (conn, result)
             },
-            |count: i64| live_count(&key, "a settle", count),
+            |reply: Vec<i64>| match reply.as_slice() {
+                [count, _] => live_count(&key, "a settle", *count),
+                _ => Err(unexpected(format!(
+                    "{reply:?} as the answer to a settle on {}",
+                    key.logged()
+                ))),
+            },
         )
         .await
     }
