@@ -109,6 +109,14 @@ static GIVE_BACK_ERRORS: Throttle = Throttle::new(5);
 ///   back: its unused units stay charged until the period ends. Keep the
 ///   instances' clocks synchronised (NTP keeps them within milliseconds),
 ///   or give every policy the Redis server's (`RedisStore::server_clock`).
+/// - Answers are taken in by the order their charges were sent: one that
+///   lands after the answer to a later charge and tells of another
+///   counter is of a counter gone (reset elsewhere, or a first-use period
+///   that ended), and a block it took is dropped with it, not given back.
+///   Should the store have applied the two charges in the other order
+///   than they were sent, across that reset or period's end (one round
+///   trip apart), the block was charged to the live counter: its units
+///   then stay charged until the period ends.
 /// - The usage a leased charge reports counts this instance's unused units
 ///   as not spent (they are not, yet), and other instances' as spent.
 /// - Store calls beyond the charges: a give-back per block that was not
