@@ -422,7 +422,9 @@ fn routes() -> (Router, Router, Router) {
     (read, search, write)
 }
 
-fn app<St: Store>(options: &Options, store: St) -> Router {
+/// The app, and its quota policy (none unless `--quota on`), whose ledger
+/// a shutdown settles.
+fn app<St: Store>(options: &Options, store: St) -> (Router, Option<QuotaPolicy<FromHeader, St>>) {
     let (read, search, write) = routes();
     let health = Router::new().route("/healthz", get(|| async { "ok\n" }));
     match options.quota {
@@ -441,22 +443,24 @@ fn app<St: Store>(options: &Options, store: St) -> Router {
             }
         }
         Mode::Off => {
-            return read
+            let app = read
                 .merge(search)
                 .merge(write)
                 .merge(health)
                 .route("/quota", get(|| async { Json(json!({})) }));
+            return (app, None);
         }
         Mode::Fields => {
             // What telling clients where they stand costs by itself: the
             // two fields a quota writes, on the same routes, counting
             // nothing (what is "left" goes down by one per request).
-            return read
+            let app = read
                 .merge(search)
                 .merge(write)
                 .route_layer(tower::util::MapResponseLayer::new(with_fields))
                 .merge(health)
                 .route("/quota", get(|| async { Json(json!({})) }));
+            return (app, None);
         }
         Mode::Governor => {
             // Another rate limiter on the same routes, keyed by the same
@@ -475,12 +479,13 @@ fn app<St: Store>(options: &Options, store: St) -> Router {
                     limiter.retain_recent();
                 }
             });
-            return read
+            let app = read
                 .merge(search)
                 .merge(write)
                 .route_layer(tower_governor::GovernorLayer::new(config))
                 .merge(health)
                 .route("/quota", get(|| async { Json(json!({})) }));
+            return (app, None);
         }
     }
 
@@ -542,7 +547,8 @@ fn app<St: Store>(options: &Options, store: St) -> Router {
         app = app.nest("/admin", admin);
     }
     // Wrong methods answer 405 without a subject and without a charge.
-    app.method_not_allowed_fallback(unrouted::MethodNotAllowed)
+    let app = app.method_not_allowed_fallback(unrouted::MethodNotAllowed);
+    (app, Some(policy))
 }
 
 /// `response` with the `RateLimit-Policy` and `RateLimit` fields of a
@@ -653,7 +659,7 @@ async fn leased_or_not<St: Store>(options: &Options, store: St) {
 }
 
 async fn run<St: Store>(options: &Options, store: St) {
-    let app = app(options, store);
+    let (app, policy) = app(options, store);
     let app = if options.metrics {
         with_metrics(app)
     } else {
@@ -681,6 +687,17 @@ async fn run<St: Store>(options: &Options, store: St) {
         .with_graceful_shutdown(stop_signal())
         .await
         .unwrap();
+    // Admissions made while the store was away (`--on-store-error open`)
+    // are counted before the server goes.
+    if let Some(policy) = policy {
+        let owed = policy.settle_owed(Duration::from_secs(5)).await;
+        if owed.units > 0 {
+            eprintln!(
+                "{} units owed on {} counters go uncounted: the store did not take them in 5 s",
+                owed.units, owed.counters
+            );
+        }
+    }
 }
 
 /// Ctrl-C, or SIGTERM on Unix.

@@ -170,6 +170,11 @@ struct Book {
     earliest_end: Option<Timestamp>,
     /// Whether a task settles the ledger.
     settling: bool,
+    /// Whether someone waits for the ledger to be settled
+    /// ([`QuotaPolicy::settle_owed`](crate::QuotaPolicy::settle_owed)): the
+    /// task then tries again soon while the store fails, not after its
+    /// growing waits.
+    hurry: u32,
     /// The entry the task is settling: kept while the store answers.
     in_flight: Option<InFlight>,
 }
@@ -238,6 +243,36 @@ impl Ledger {
         self.book.lock().unwrap_or_else(|e| e.into_inner())
     }
 
+    /// Settles what the ledger owes in `store` now, trying again soon while
+    /// the store fails, and waits `within` at most until nothing is owed;
+    /// what is owed then.
+    pub(crate) async fn settle_now<St: Store>(
+        self: &Arc<Self>,
+        store: &St,
+        settings: &Settings,
+        within: Duration,
+    ) -> Owed {
+        /// The hurry taken back however the wait ends (its future dropped
+        /// included).
+        struct Hurry<'a>(&'a Ledger);
+        impl Drop for Hurry<'_> {
+            fn drop(&mut self) {
+                self.0.lock().hurry -= 1;
+            }
+        }
+        self.lock().hurry += 1;
+        let _hurry = Hurry(self);
+        self.start(store, settings);
+        let deadline = tokio::time::Instant::now() + within;
+        loop {
+            let owed = self.owed();
+            if owed.counters == 0 || tokio::time::Instant::now() >= deadline {
+                return owed;
+            }
+            tokio::time::sleep(Duration::from_millis(5)).await;
+        }
+    }
+
     /// What the ledger owes now.
     pub(crate) fn owed(&self) -> Owed {
         let book = self.lock();
@@ -299,6 +334,14 @@ impl Ledger {
                 }
             }
         }
+        drop(book);
+        self.start(store, settings);
+    }
+
+    /// Starts a task on the tokio runtime that settles what the ledger
+    /// owes in `store`, unless one runs already or nothing is owed.
+    pub(crate) fn start<St: Store>(self: &Arc<Self>, store: &St, settings: &Settings) {
+        let mut book = self.lock();
         if book.settling || book.queue.is_empty() {
             return;
         }
@@ -721,7 +764,7 @@ async fn settle<St: Store>(
                     "quota ledger could not settle any counter it owes; the store still fails"
                 );
                 failures = 0;
-                tokio::time::sleep(wait).await;
+                pause(&claim, wait).await;
                 wait = (wait * 2).min(LAST_RETRY);
             }
         }
@@ -730,6 +773,25 @@ async fn settle<St: Store>(
         }
     }
 }
+
+/// Waits `wait` before the settling task tries again, or [`FIRST_RETRY`]
+/// at most while someone waits for the ledger to be settled.
+async fn pause(claim: &Settling, wait: Duration) {
+    let start = tokio::time::Instant::now();
+    loop {
+        let hurry = claim.ledger().is_some_and(|ledger| ledger.lock().hurry > 0);
+        let wait = if hurry { wait.min(FIRST_RETRY) } else { wait };
+        let left = wait.saturating_sub(start.elapsed());
+        if left.is_zero() {
+            return;
+        }
+        tokio::time::sleep(left.min(PAUSE_STEP)).await;
+    }
+}
+
+/// How often a settling task waiting to try again looks whether someone
+/// waits for the ledger to be settled.
+const PAUSE_STEP: Duration = Duration::from_millis(20);
 
 /// `settle`, answered within `timeout`: the timer is armed only for a
 /// store that does not answer at once (as the layer's charge).

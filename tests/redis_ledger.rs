@@ -271,6 +271,44 @@ async fn fail_open_through_an_outage_counts_every_admission() {
     );
 }
 
+/// The demo server, failing open through an outage, is stopped with
+/// SIGTERM as soon as Redis is back, while its ledger waits seconds between
+/// tries: it settles what it owes before it goes.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_server_stopped_after_an_outage_counts_every_admission_before_it_goes() {
+    if !redis_available() {
+        return;
+    }
+    let mut redis = RedisServer::start_with(&["--appendonly", "yes", "--appendfsync", "always"]);
+    let mut server = demo_server::start(&[
+        "--limit",
+        "100",
+        "--store",
+        &redis.url(),
+        "--on-store-error",
+        "open",
+    ]);
+    let read = || demo_server::call(&server.addr, "GET", "/read", &[("x-account-id", "gone")]);
+    for _ in 0..3 {
+        assert_eq!(read().await.status, 200);
+    }
+    redis.kill();
+    for _ in 0..5 {
+        assert_eq!(read().await.status, 200, "fail open");
+    }
+    // Down for a while: the ledger now waits 1.6 s and more between tries.
+    tokio::time::sleep(Duration::from_secs(3)).await;
+    redis.restart();
+    server.stop("TERM");
+    let keys = redis.cli(&["KEYS", "quota:{account:gone}:read:*"]);
+    let key = keys.lines().next().expect("a counter");
+    assert_eq!(
+        redis.cli(&["HGET", key, "n"]),
+        "8",
+        "every admission counted"
+    );
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_first_use_counter_the_ledger_creates_ends_with_the_requests_period() {
     if !redis_available() {

@@ -367,6 +367,57 @@ async fn the_ledger_settles_once_the_store_is_back_and_waits_longer_between_trie
     assert_eq!(used(&store.inner, &a, now).await, 2);
 }
 
+/// A shutdown settles what the ledger owes as soon as the store is back,
+/// not after the task's growing wait, and says what it could not.
+#[tokio::test(start_paused = true)]
+async fn settling_now_tries_again_soon_and_tells_what_is_still_owed() {
+    let now = at(NOON);
+    let settings = settings(now);
+    let store = Away::default();
+    store.away.store(true, Ordering::Relaxed);
+    let a = key("a", "PT1H");
+    let ledger = Arc::new(Ledger::default());
+    ledger.owe(&store, &settings, [first_use(&a, 2, now)]);
+    // Ten seconds of failures: the task now waits 5 s between tries.
+    tokio::time::sleep(Duration::from_secs(10)).await;
+    let owed = Owed {
+        counters: 1,
+        units: 2,
+    };
+    // Still away: owed after the wait, tried every 100 ms meanwhile.
+    let tries = store.tries.load(Ordering::Relaxed);
+    let left = ledger
+        .settle_now(&store, &settings, Duration::from_secs(1))
+        .await;
+    assert_eq!(left, owed);
+    let more = store.tries.load(Ordering::Relaxed) - tries;
+    assert!((8..=11).contains(&more), "{more} tries in 1 s");
+    // Back 300 ms into the wait: settled within 100 ms, not 5 s.
+    store.away.store(true, Ordering::Relaxed);
+    let back = {
+        let away = Arc::clone(&store.away);
+        async move {
+            tokio::time::sleep(Duration::from_millis(300)).await;
+            away.store(false, Ordering::Relaxed);
+        }
+    };
+    let start = tokio::time::Instant::now();
+    let (left, ()) = tokio::join!(
+        ledger.settle_now(&store, &settings, Duration::from_secs(5)),
+        back
+    );
+    assert_eq!(left, Owed::default());
+    let took = start.elapsed();
+    assert!(took <= Duration::from_millis(450), "{took:?}");
+    assert_eq!(used(&store.inner, &a, now).await, 2);
+    assert_eq!(ledger.lock().hurry, 0);
+    // Nothing owed: answered at once.
+    let left = ledger
+        .settle_now(&store, &settings, Duration::from_secs(5))
+        .await;
+    assert_eq!(left, Owed::default());
+}
+
 #[tokio::test(start_paused = true)]
 async fn a_dropped_policy_stops_the_task() {
     let now = at(NOON);

@@ -285,6 +285,36 @@ impl<E, St> QuotaPolicy<E, St> {
     pub fn owed(&self) -> Owed {
         self.core.ledger.owed()
     }
+
+    /// Settles what the policy's ledger owes (see [`owed`](Self::owed))
+    /// now, and waits `within` at most until nothing is owed: what an
+    /// application that shuts down awaits, once it stopped taking
+    /// requests, so that no admission made while the store was away goes
+    /// uncounted. While it waits, a store that fails is tried again every
+    /// 100 ms, not after the growing waits (up to 5 s) of the ledger's
+    /// task. Answers what is still owed (nothing, once settled).
+    ///
+    /// ```
+    /// # #[tokio::main(flavor = "current_thread")]
+    /// # async fn main() {
+    /// use std::time::Duration;
+    /// use tower_quota::{FromHeader, QuotaPolicy};
+    ///
+    /// let policy = QuotaPolicy::builder(FromHeader::account("x-account-id")).build();
+    /// // ... serve, until a shutdown signal ...
+    /// let owed = policy.settle_owed(Duration::from_secs(5)).await;
+    /// assert_eq!(owed.units, 0);
+    /// # }
+    /// ```
+    pub async fn settle_owed(&self, within: Duration) -> Owed
+    where
+        St: Store,
+    {
+        let core = &self.core;
+        core.ledger
+            .settle_now(&core.store, &core.settings, within)
+            .await
+    }
 }
 
 impl<E> QuotaPolicy<E, MemoryStore> {
