@@ -633,7 +633,13 @@ async fn serve(options: Options) {
             if let Err(e) = store.preload().await {
                 eprintln!("warning: {url} is not answering yet: {e}");
             }
-            leased_or_not(&options, store).await;
+            leased_or_not(&options, store.clone()).await;
+            // Calls followed after their callers stopped waiting (a charge or
+            // a settle Redis may apply late, then given back) finish first.
+            let deadline = tokio::time::Instant::now() + Duration::from_secs(5);
+            while store.in_flight() > 0 && tokio::time::Instant::now() < deadline {
+                tokio::time::sleep(Duration::from_millis(10)).await;
+            }
         }
         other => fail(&format!(
             "--store {other:?}: use `memory`{}",

@@ -260,15 +260,20 @@ impl Ledger {
                 self.0.lock().hurry -= 1;
             }
         }
+        if tokio::runtime::Handle::try_current().is_err() {
+            // Nothing settles without a runtime.
+            return self.owed();
+        }
         self.lock().hurry += 1;
         let _hurry = Hurry(self);
-        self.start(store, settings);
         let deadline = tokio::time::Instant::now() + within;
         loop {
             let owed = self.owed();
             if owed.counters == 0 || tokio::time::Instant::now() >= deadline {
                 return owed;
             }
+            // Started again if its task ended (its runtime stopped).
+            self.start(store, settings);
             tokio::time::sleep(Duration::from_millis(5)).await;
         }
     }
@@ -779,7 +784,12 @@ async fn settle<St: Store>(
 async fn pause(claim: &Settling, wait: Duration) {
     let start = tokio::time::Instant::now();
     loop {
-        let hurry = claim.ledger().is_some_and(|ledger| ledger.lock().hurry > 0);
+        let Some(ledger) = claim.ledger() else {
+            // The policy is gone: nothing to try again.
+            return;
+        };
+        let hurry = ledger.lock().hurry > 0;
+        drop(ledger);
         let wait = if hurry { wait.min(FIRST_RETRY) } else { wait };
         let left = wait.saturating_sub(start.elapsed());
         if left.is_zero() {

@@ -292,7 +292,12 @@ impl<E, St> QuotaPolicy<E, St> {
     /// requests, so that no admission made while the store was away goes
     /// uncounted. While it waits, a store that fails is tried again every
     /// 100 ms, not after the growing waits (up to 5 s) of the ledger's
-    /// task. Answers what is still owed (nothing, once settled).
+    /// task. Answers what is still owed (nothing, once settled; a settle
+    /// on its way when the time is up counts as owed, though it may land).
+    /// A store may still have calls of its own on their way then: the
+    /// Redis store follows a settle it did not answer in time, to give it
+    /// back if Redis applied it late (see `RedisStore::in_flight`), which a
+    /// shutdown waits for too.
     ///
     /// ```
     /// # #[tokio::main(flavor = "current_thread")]

@@ -20,9 +20,12 @@
 --      anchor ('f' first use, 'c' calendar), ARGV[5] the ttl (ms) of a
 --      counter created now, ARGV[6] the calendar window's end (ms; 0 for
 --      first use), ARGV[7] the first call (ms) a created counter records.
---      A live counter keeps its TTL and its first call. A debt whose window
---      is over at now, or a key whose counter records a window over at now
---      (kept through its grace), writes nothing and answers -1; so does a
+--      A live counter keeps its TTL and its first call. Answers {count,
+--      t}: the count afterwards and the counter's first call (-1 when it
+--      records none), which a give-back of a settle applied after its
+--      caller stopped waiting goes by. A debt whose window is over at now,
+--      or a key whose counter records a window over at now (kept through
+--      its grace), writes nothing and answers {-1, -1}; so does a
 --      first-use debt the caller found past its deadline, which it never
 --      sends. A count that would go beyond 2^53 is an error reply, and
 --      nothing is written.
