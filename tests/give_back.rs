@@ -272,7 +272,8 @@ async fn a_store_answering_without_usage_never_panics_the_response() {
 }
 
 /// A give-back the store does not answer holds the response no longer than
-/// the store's timeout: it goes out with the fields as charged.
+/// the store's timeout: it goes out with the fields as the give-back, which
+/// carries on in its task, will leave the counter.
 #[tokio::test(start_paused = true)]
 async fn a_give_back_the_store_does_not_answer_delays_the_response_by_the_store_timeout_at_most() {
     let store = Rigged::new(MemoryStore::new(), Rig::Fail, Some("nothing"));
@@ -297,7 +298,7 @@ async fn a_give_back_the_store_does_not_answer_delays_the_response_by_the_store_
     assert!(started.elapsed() <= Duration::from_millis(150));
     assert_eq!(
         header(&response, "ratelimit"),
-        "\"default-day\";r=9;t=50400"
+        "\"default-day\";r=10;t=50400"
     );
 }
 
@@ -403,4 +404,19 @@ async fn a_panic_in_the_inner_call_gives_the_charge_back() {
     }));
     assert!(caught.is_err());
     assert_eq!(used(&policy, "default-day").await, 0);
+}
+
+/// A deferred cost that panics (a header it unwraps is missing) takes the
+/// response down: the request does not go out, and its charge goes back.
+#[tokio::test]
+async fn a_deferred_cost_that_panics_leaves_nothing_charged() {
+    let policy = policy(MemoryStore::new(), "panics").build();
+    let app = Router::new().route("/", get(ok)).layer(
+        policy
+            .layer(Quota::daily(10))
+            .deferred_cost(1, |_| panic!("no cost header")),
+    );
+    let served = tokio::spawn(app.oneshot(call("/")));
+    assert!(served.await.unwrap_err().is_panic());
+    assert_eq!(settles(&policy, "default-day", 0).await, 0);
 }

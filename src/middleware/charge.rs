@@ -541,11 +541,13 @@ pub(crate) enum Outcome {
 }
 
 /// What a response with head `response` (`None`: the inner service
-/// failed) changes for `lines`, charged by a layer costing `cost`.
+/// failed) changes for `lines`, charged by a layer costing `cost` on a
+/// store that counts up to `max_count` exactly.
 pub(crate) fn outcome(
     lines: &[Line],
     cost: &Cost,
     settings: &Settings,
+    max_count: u64,
     response: Option<&http::response::Parts>,
 ) -> Outcome {
     let Some(response) = response else {
@@ -570,7 +572,13 @@ pub(crate) fn outcome(
         .iter()
         .enumerate()
         .filter_map(|(i, line)| match real.cmp(&line.cost) {
-            std::cmp::Ordering::Greater => Some((i, Adjust::Add(real - line.cost))),
+            // What the store can hold of it (it refuses a count past
+            // `max_count` whole): the counter at its most, not the request
+            // nearly free.
+            std::cmp::Ordering::Greater => {
+                let room = max_count.saturating_sub(line.usage.used);
+                Some((i, Adjust::Add((real - line.cost).min(room))))
+            }
             std::cmp::Ordering::Less => Some((i, Adjust::Refund(line.cost - real))),
             std::cmp::Ordering::Equal => None,
         })
@@ -667,6 +675,21 @@ pub(crate) fn settled(
         if let Some(used) = result {
             usage[*i].used = *used;
         }
+    }
+    usage
+}
+
+/// Where `lines` stand once the `kept` ones of `ops` land, as the layer
+/// reckons: for a response that goes out before the store answered them
+/// (they carry on in their task).
+pub(crate) fn expected(lines: &[Line], ops: &[(usize, Adjust)], kept: &[bool]) -> Vec<Usage> {
+    let mut usage: Vec<Usage> = lines.iter().map(|line| line.usage).collect();
+    for ((i, op), _) in ops.iter().zip(kept).filter(|(_, &kept)| kept) {
+        let used = &mut usage[*i].used;
+        *used = match op {
+            Adjust::Refund(n) => used.saturating_sub(*n),
+            Adjust::Add(n) => used.saturating_add(*n),
+        };
     }
     usage
 }

@@ -102,6 +102,21 @@ pub(crate) struct Charged<E, St> {
     spread: u64,
 }
 
+impl<E, St: Store> Charged<E, St> {
+    /// What the response with head `response` (`None`: the inner service
+    /// failed) changes for the lines charged.
+    fn outcome(&self, response: Option<&http::response::Parts>) -> Outcome {
+        let bound = &self.bound;
+        charge::outcome(
+            &self.lines,
+            &bound.scope.cost,
+            &bound.policy.settings,
+            bound.policy.store.max_count(),
+            response,
+        )
+    }
+}
+
 impl<S, E, St, ReqBody> ResponseFuture<S, E, St, ReqBody>
 where
     S: Service<Request<ReqBody>>,
@@ -460,23 +475,25 @@ where
                     if let Some(owing) = owing.take() {
                         result = owing.answered(result);
                     }
-                    let Some(charged) = charged.answered() else {
+                    // What the response changes, worked out while the charge
+                    // is still given back if this panics (the application's
+                    // deferred cost runs here): the response would not go out.
+                    let Some(answered) = charged.0.as_ref() else {
                         return Poll::Ready(result.map(|r| r.map(ResponseBody::inner)));
                     };
-                    let settings = &charged.bound.policy.settings;
-                    let cost = &charged.bound.scope.cost;
                     let (result, outcome) = match result {
                         Ok(response) => {
                             let (parts, body) = response.into_parts();
-                            let outcome =
-                                charge::outcome(&charged.lines, cost, settings, Some(&parts));
+                            let outcome = answered.outcome(Some(&parts));
                             (Ok(Response::from_parts(parts, body)), outcome)
                         }
                         Err(error) => {
-                            let outcome = charge::outcome(&charged.lines, cost, settings, None);
+                            let outcome = answered.outcome(None);
                             (Err(error), outcome)
                         }
                     };
+                    let charged = charged.answered().expect("looked at above");
+                    let settings = &charged.bound.policy.settings;
                     let (ops, fields) = match outcome {
                         Outcome::Unrouted => (charge::refund_all(&charged.lines), false),
                         Outcome::Served(ops) => (ops, true),
@@ -514,8 +531,8 @@ where
                     let Settle {
                         adjust,
                         ops,
+                        kept,
                         charged,
-                        ..
                     } = settle;
                     let adjusting = adjust.as_mut().expect("polled after completion");
                     let results = match adjusting.as_mut().poll(cx) {
@@ -543,11 +560,15 @@ where
                     if !*fields {
                         return Poll::Ready(result.map(|r| r.map(ResponseBody::inner)));
                     }
-                    let usage =
-                        results.map(|results| charge::settled(&charged.lines, ops, &results));
+                    // As the store answered, or, past its timeout, as the
+                    // changes will leave the counters once they land.
+                    let usage = match results {
+                        Some(results) => charge::settled(&charged.lines, ops, &results),
+                        None => charge::expected(&charged.lines, ops, kept),
+                    };
                     return Poll::Ready(result.map(|response| {
                         charged
-                            .finish(response, usage.as_deref())
+                            .finish(response, Some(&usage))
                             .map(ResponseBody::inner)
                     }));
                 }

@@ -93,15 +93,16 @@ impl<E, St: Store> Owing<E, St> {
         let policy = &self.bound.policy;
         let settings = &policy.settings;
         let cost = &self.bound.scope.cost;
+        let most = policy.store.max_count();
         let (result, outcome) = match result {
             Ok(response) => {
                 let (parts, body) = response.into_parts();
-                let outcome = charge::outcome(&self.lines, cost, settings, Some(&parts));
+                let outcome = charge::outcome(&self.lines, cost, settings, most, Some(&parts));
                 (Ok(Response::from_parts(parts, body)), outcome)
             }
             Err(error) => (
                 Err(error),
-                charge::outcome(&self.lines, cost, settings, None),
+                charge::outcome(&self.lines, cost, settings, most, None),
             ),
         };
         let Outcome::Served(ops) = outcome else {

@@ -451,8 +451,8 @@ impl<E, St> QuotaPolicyBuilder<E, St> {
     /// not answer at once (never to [`MemoryStore`]) and uses tokio's timer.
     /// It also bounds how long a response waits for what it changes after
     /// the handler answered (a give-back, a deferred cost's rest): past it,
-    /// the response goes out with its fields as charged, and the change
-    /// carries on in its own task.
+    /// the response goes out with its fields as the change will leave the
+    /// counters, and the change carries on in its own task.
     ///
     /// # Panics
     ///

@@ -56,7 +56,10 @@ static X_FORWARDED_FOR: HeaderName = HeaderName::from_static("x-forwarded-for");
 /// the grouping with [`ipv6_prefix`](ClientIp::ipv6_prefix) and
 /// [`ipv4_prefix`](ClientIp::ipv4_prefix). An IPv4-mapped IPv6 address
 /// (`::ffff:203.0.113.7`, as a dual-stack socket reports IPv4 peers) is the
-/// IPv4 address, for the trust check as for the id.
+/// IPv4 address, for the trust check as for the id; so is an address of
+/// the NAT64 well-known prefix (`64:ff9b::203.0.113.7`, an IPv4 client as
+/// a translator presents it), which would otherwise put every IPv4 client
+/// in one /64.
 ///
 /// Behind a proxy that is *not* trusted, every client is charged as the
 /// proxy: one counter for everyone.
@@ -358,10 +361,21 @@ fn peer_ip(parts: &Parts) -> Option<IpAddr> {
         .or_else(|| parts.extensions.get::<IpAddr>().copied())
 }
 
-/// IPv4-mapped IPv6 addresses as the IPv4 address they carry.
+/// IPv4-mapped IPv6 addresses, and those of the NAT64 well-known prefix
+/// `64:ff9b::/96` (RFC 6052), as the IPv4 address they carry.
 fn canonical(ip: IpAddr) -> IpAddr {
     match ip {
-        IpAddr::V6(v6) => v6.to_ipv4_mapped().map_or(ip, IpAddr::V4),
+        IpAddr::V6(v6) => {
+            if let Some(v4) = v6.to_ipv4_mapped() {
+                return IpAddr::V4(v4);
+            }
+            let [a, b, c, d, e, f, _, _] = v6.segments();
+            if [a, b, c, d, e, f] == [0x64, 0xff9b, 0, 0, 0, 0] {
+                let [.., w, x, y, z] = v6.octets();
+                return IpAddr::V4(Ipv4Addr::new(w, x, y, z));
+            }
+            ip
+        }
         IpAddr::V4(_) => ip,
     }
 }
@@ -880,6 +894,22 @@ mod tests {
         let mapped = ClientIp::new().trust_proxy_cidrs(["::ffff:10.0.0.0/104"]);
         let parts = from("10.0.0.1", &[("x-forwarded-for", "203.0.113.7")]);
         assert_eq!(id(&mapped, &parts).unwrap(), "203.0.113.7");
+    }
+
+    #[test]
+    fn nat64_addresses_are_the_ipv4_clients_they_carry() {
+        // Two IPv4 clients behind a translator: two subjects, not one /64.
+        let ex = behind_proxies();
+        for (forwarded, client) in [
+            ("64:ff9b::203.0.113.7", "203.0.113.7"),
+            ("64:ff9b::c633:6408", "198.51.100.8"),
+        ] {
+            let parts = from("10.0.0.1", &[("x-forwarded-for", forwarded)]);
+            assert_eq!(id(&ex, &parts).unwrap(), client);
+        }
+        // Another prefix is IPv6, grouped by its /64.
+        let parts = from("10.0.0.1", &[("x-forwarded-for", "64:ff9c::c633:6408")]);
+        assert_eq!(id(&ex, &parts).unwrap(), "64:ff9c::/64");
     }
 
     #[test]

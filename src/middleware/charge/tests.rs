@@ -312,12 +312,12 @@ fn what_a_response_changes() {
     let lines = admitted(&plain, 1);
     let ok = response_head(StatusCode::OK, |_| {});
     assert_eq!(
-        outcome(&lines, cost, settings, Some(&ok)),
+        outcome(&lines, cost, settings, u64::MAX, Some(&ok)),
         Outcome::Served(vec![])
     );
     let failed = response_head(StatusCode::INTERNAL_SERVER_ERROR, |_| {});
     assert_eq!(
-        outcome(&lines, cost, settings, Some(&failed)),
+        outcome(&lines, cost, settings, u64::MAX, Some(&failed)),
         Outcome::Served(vec![]),
         "server errors are charged unless the policy refunds them"
     );
@@ -328,7 +328,7 @@ fn what_a_response_changes() {
         e.insert(Refused);
     });
     assert_eq!(
-        outcome(&lines, cost, settings, Some(&refused_inside)),
+        outcome(&lines, cost, settings, u64::MAX, Some(&refused_inside)),
         Outcome::Served(vec![(0, Adjust::Refund(1))])
     );
 
@@ -336,11 +336,11 @@ fn what_a_response_changes() {
     let lines = admitted(&refunding, 1);
     let settings = &refunding.bound.policy.settings;
     assert_eq!(
-        outcome(&lines, cost, settings, Some(&failed)),
+        outcome(&lines, cost, settings, u64::MAX, Some(&failed)),
         Outcome::Served(vec![(0, Adjust::Refund(1))])
     );
     assert_eq!(
-        outcome(&lines, cost, settings, None),
+        outcome(&lines, cost, settings, u64::MAX, None),
         Outcome::Served(vec![(0, Adjust::Refund(1))]),
         "an inner service that fails is a server error"
     );
@@ -366,16 +366,42 @@ fn a_deferred_cost_charges_or_gives_back_the_difference() {
         response.into_parts().0
     };
     assert_eq!(
-        outcome(&lines, cost, settings, Some(&tokens("5"))),
+        outcome(&lines, cost, settings, u64::MAX, Some(&tokens("5"))),
         Outcome::Served(vec![(0, Adjust::Add(3))])
     );
     assert_eq!(
-        outcome(&lines, cost, settings, Some(&tokens("0"))),
+        outcome(&lines, cost, settings, u64::MAX, Some(&tokens("0"))),
         Outcome::Served(vec![(0, Adjust::Refund(2))])
     );
     assert_eq!(
-        outcome(&lines, cost, settings, Some(&tokens("2"))),
+        outcome(&lines, cost, settings, u64::MAX, Some(&tokens("2"))),
         Outcome::Served(vec![])
+    );
+    // Past what the store counts exactly (2^53 on Redis, which refuses a
+    // count beyond it whole): the counter at its most, not the request
+    // charged only its upfront cost.
+    let most = 1 << 53;
+    assert_eq!(
+        outcome(
+            &lines,
+            cost,
+            settings,
+            most,
+            Some(&tokens("18446744073709551615"))
+        ),
+        Outcome::Served(vec![(0, Adjust::Add(most - 2))])
+    );
+    // Past the store's timeout, as the changes will leave the counters
+    // (those kept: not a line given back already).
+    let added = expected(
+        &lines,
+        &[(0, Adjust::Add(3)), (0, Adjust::Refund(1))],
+        &[true, false],
+    );
+    assert_eq!(added[0].used, 5);
+    assert_eq!(
+        expected(&lines, &[(0, Adjust::Refund(2))], &[true])[0].used,
+        0
     );
     // The counters after: what the store answered, where it did.
     let settled = settled(&lines, &[(0, Adjust::Add(3))], &[Some(5)]);
