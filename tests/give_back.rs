@@ -420,3 +420,44 @@ async fn a_deferred_cost_that_panics_leaves_nothing_charged() {
     assert!(served.await.unwrap_err().is_panic());
     assert_eq!(settles(&policy, "default-day", 0).await, 0);
 }
+
+/// A deferred cost's add the store never sent is sent again only within
+/// its counter's period: past it, a counter with the same key (a first-use
+/// one made anew) is another period's, which the request never spent.
+#[tokio::test(start_paused = true)]
+async fn an_add_never_sent_is_not_sent_again_into_the_next_period() {
+    let clock = ManualClock::new(NOW.parse().unwrap());
+    let store = Rigged::new(MemoryStore::new(), Rig::Fail, Some("none"));
+    let unsent = Arc::clone(&store.unsent);
+    let policy = QuotaPolicy::builder(FromHeader::account("x-account-id"))
+        .store(store)
+        .clock(clock.clone())
+        .build();
+    let quota = Quota::per_minute(100).anchored(tower_quota::Anchor::FirstUse);
+    let name = quota.name().to_owned();
+    let app = Router::new()
+        .route("/", get(ok))
+        .layer(policy.layer(quota).deferred_cost(1, |_| 3));
+    unsent.store(true, std::sync::atomic::Ordering::Relaxed);
+    let response = app.clone().oneshot(call("/")).await.unwrap();
+    assert_eq!(response.status(), StatusCode::OK);
+    // The store away for the whole period: the add of 2 is never sent.
+    let step = |seconds: u64| {
+        let clock = clock.clone();
+        async move {
+            for _ in 0..seconds * 10 {
+                tokio::time::advance(Duration::from_millis(100)).await;
+                clock.advance(tower_quota::jiff::SignedDuration::from_millis(100));
+                tokio::task::yield_now().await;
+            }
+        }
+    };
+    step(58).await;
+    unsent.store(false, std::sync::atomic::Ordering::Relaxed);
+    step(3).await;
+    // A new period: its first request makes the counter anew.
+    let response = app.oneshot(call("/")).await.unwrap();
+    assert_eq!(response.status(), StatusCode::OK);
+    step(5).await;
+    assert_eq!(used(&policy, &name).await, 3, "this period's alone");
+}

@@ -282,17 +282,32 @@ const RESEND_FOR: Duration = Duration::from_secs(60);
 /// response future dropped meanwhile does not cut a refund short. A refund
 /// goes only to a counter made by the instant beside it (see
 /// [`Line::made_by`](crate::status::Line::made_by)): not to one made anew since (a reset while the
-/// request was served).
+/// request was served). An add is sent again only within its counter's
+/// period (the counter's reset beside it): past it, a counter with the
+/// same key is another period's.
 fn apply<St: Store>(
     store: St,
     now: Timestamp,
-    ops: Vec<(crate::key::PeriodKey, Adjust, Timestamp)>,
+    ops: Vec<(crate::key::PeriodKey, Adjust, Timestamp, Timestamp)>,
 ) -> Adjusting {
     let work = async move {
         let mut results = Vec::with_capacity(ops.len());
-        for (key, op, made_by) in ops {
+        for (key, op, made_by, resets_at) in ops {
             let mut wait = FIRST_RESEND;
             let mut resent = Duration::ZERO;
+            let resend_for = match op {
+                Adjust::Refund(_) => RESEND_FOR,
+                // Sent again only if it would still be sent within the
+                // period: the last wait ends before the reset.
+                Adjust::Add(_) => {
+                    let left = if resets_at > now {
+                        resets_at.duration_since(now).unsigned_abs()
+                    } else {
+                        Duration::ZERO
+                    };
+                    RESEND_FOR.min(left.saturating_sub(MAX_RESEND_WAIT))
+                }
+            };
             let result = loop {
                 let result = match op {
                     Adjust::Refund(amount) => {
@@ -309,7 +324,7 @@ fn apply<St: Store>(
                 match &result {
                     Err(error)
                         if error.is_unsent()
-                            && resent < RESEND_FOR
+                            && resent < resend_for
                             && tokio::runtime::Handle::try_current().is_ok() =>
                     {
                         tokio::time::sleep(wait).await;
@@ -621,7 +636,15 @@ fn adjust_kept<E, St: Store>(
         now,
         keyed
             .iter()
-            .map(|(i, key, op)| (key.clone(), *op, charged.lines[*i].made_by(charged.now)))
+            .map(|(i, key, op)| {
+                let line = &charged.lines[*i];
+                (
+                    key.clone(),
+                    *op,
+                    line.made_by(charged.now),
+                    line.usage.resets_at,
+                )
+            })
             .collect(),
     );
     let all: Vec<usize> = ops.iter().map(|(i, _)| *i).collect();
@@ -665,7 +688,8 @@ impl<E, St: Store> Drop for Settle<E, St> {
             .into_iter()
             .map(|(i, amount)| {
                 let line = &charged.lines[i];
-                (i, line.key.clone(), amount, line.made_by(charged.now))
+                let made_by = line.made_by(charged.now);
+                (i, line.key.clone(), amount, made_by, line.usage.resets_at)
             })
             .collect();
         if lines.is_empty() {
@@ -678,9 +702,9 @@ impl<E, St: Store> Drop for Settle<E, St> {
             let results = adjusting.await;
             let back = lines
                 .into_iter()
-                .filter_map(|(i, key, amount, made_by)| {
+                .filter_map(|(i, key, amount, made_by, resets_at)| {
                     let amount = amount.saturating_add(charge::added(&ops, &results, i));
-                    (amount > 0).then_some((key, Adjust::Refund(amount), made_by))
+                    (amount > 0).then_some((key, Adjust::Refund(amount), made_by, resets_at))
                 })
                 .collect();
             apply(store, now, back).await
