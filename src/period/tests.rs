@@ -396,6 +396,51 @@ fn berlin_day_when_clocks_go_back_lasts_25_hours() {
     );
 }
 
+// America/Santiago: clocks change at midnight. In April the Saturday ends
+// at 24:00 -03 and 23:00 -04 comes again: a 25-hour Saturday, and Sunday
+// starts at the one real midnight. In September Sunday's 00:00 never
+// comes: the day starts at 01:00 and lasts 23 hours.
+
+#[test]
+fn santiago_saturday_when_clocks_go_back_at_midnight_lasts_25_hours() {
+    let day = Period::day().in_time_zone(zone("America/Santiago"));
+    let saturday = day.window(ts("2026-04-04T12:00:00Z"));
+    assert_window(
+        &saturday,
+        "2026-04-04T03:00:00Z",
+        "2026-04-05T04:00:00Z",
+        "2026-04-04[America/Santiago]",
+    );
+    assert_eq!(saturday.length(), hours(25));
+    // The hour of 23:00 that comes twice is Saturday's, both times.
+    assert_eq!(
+        day.window(ts("2026-04-05T03:30:00Z")).stamp(),
+        "2026-04-04[America/Santiago]"
+    );
+    assert_eq!(
+        day.window(ts("2026-04-05T04:00:00Z")).stamp(),
+        "2026-04-05[America/Santiago]"
+    );
+}
+
+#[test]
+fn santiago_sunday_when_clocks_go_forward_at_midnight_starts_at_one() {
+    let day = Period::day().in_time_zone(zone("America/Santiago"));
+    let sunday = day.window(ts("2026-09-06T12:00:00Z"));
+    // 01:00 -03, the first instant of the day, to Monday's 00:00 -03.
+    assert_window(
+        &sunday,
+        "2026-09-06T04:00:00Z",
+        "2026-09-07T03:00:00Z",
+        "2026-09-06[America/Santiago]",
+    );
+    assert_eq!(sunday.length(), hours(23));
+    assert_eq!(
+        day.window(ts("2026-09-06T03:59:59Z")).stamp(),
+        "2026-09-05[America/Santiago]"
+    );
+}
+
 #[test]
 fn berlin_hours_of_the_23_hour_day() {
     let hour = Period::hour().in_time_zone(berlin());
@@ -1005,6 +1050,10 @@ const ZONES: &[&str] = &[
     "America/New_York",
     "America/Sao_Paulo",
     "America/Havana",
+    // Clocks change at midnight: a day that starts at 01:00, a 25-hour
+    // Saturday.
+    "America/Santiago",
+    "Asia/Beirut",
     "America/St_Johns",
     "America/Toronto",
     "America/Caracas",
