@@ -274,19 +274,15 @@ fn parse_args() -> Options {
                 }
             }
             "--plans" => options.plans = parse_plans(&value).unwrap_or_else(|e| fail(&e)),
-            "--admin-token" if value.is_empty() => fail("--admin-token needs a non-empty token"),
-            "--admin-token" => options.admin_token = Some(value),
+            "--admin-token" => options.admin_token = Some(admin_token(&value, "--admin-token")),
             "--admin-token-file" => {
                 let text = std::fs::read_to_string(&value)
                     .unwrap_or_else(|e| fail(&format!("--admin-token-file {value:?}: {e}")));
-                match text.lines().next().map(str::trim) {
-                    Some(token) if !token.is_empty() => {
-                        options.admin_token = Some(token.to_owned())
-                    }
-                    _ => fail(&format!(
-                        "--admin-token-file {value:?}: the file's first line is empty"
-                    )),
-                }
+                let line = text.lines().next().unwrap_or("").trim();
+                options.admin_token = Some(admin_token(
+                    line,
+                    &format!("--admin-token-file {value:?}: the file's first line"),
+                ));
             }
             "--zone-header" => {
                 options.zone_header = Some(
@@ -375,23 +371,43 @@ async fn quota_status<St: Store>(State(handle): State<QuotaHandle<St>>, parts: P
     Json(Value::Object(body)).into_response()
 }
 
+/// `token` as the support routes' token, or the server stops: a token a
+/// request can send (not empty, no whitespace nor control characters, which
+/// HTTP would strip or refuse).
+fn admin_token(token: &str, what: &str) -> String {
+    if token.is_empty() {
+        fail(&format!("{what}: an empty token"));
+    }
+    if token
+        .bytes()
+        .any(|b| b.is_ascii_whitespace() || b.is_ascii_control())
+    {
+        fail(&format!(
+            "{what}: a token with whitespace or control characters"
+        ));
+    }
+    token.to_owned()
+}
+
 /// Lets through only requests with `Authorization: Bearer <token>`.
 async fn bearer(token: &str, request: Request, next: Next) -> Response {
-    // The scheme is case-insensitive (RFC 9110).
+    // The scheme is case-insensitive, and one or more spaces follow it
+    // (RFC 9110).
     let sent = request
         .headers()
         .get(http::header::AUTHORIZATION)
         .map(|v| v.as_bytes())
         .filter(|v| v.len() > 7 && v[..7].eq_ignore_ascii_case(b"bearer "))
-        .map(|v| &v[7..]);
-    // Compared in full, over the longer of the two, whatever the first
-    // difference: timing tells nothing about the token's bytes.
+        .map(|v| v[7..].trim_ascii_start());
+    // Compared over the token's length, whatever the token sent and its
+    // first difference: timing tells nothing of the token's bytes, nor of
+    // its length.
     let matches = sent.is_some_and(|sent| {
         let token = token.as_bytes();
-        let differ = (0..sent.len().max(token.len())).fold(0u8, |acc, i| {
-            acc | (sent.get(i).copied().unwrap_or(0) ^ token.get(i).copied().unwrap_or(0))
+        let differ = (0..token.len()).fold(u8::from(sent.len() != token.len()), |acc, i| {
+            acc | (sent.get(i).copied().unwrap_or(0) ^ token[i])
         });
-        differ == 0 && sent.len() == token.len()
+        differ == 0
     });
     if matches {
         next.run(request).await

@@ -155,6 +155,8 @@ fn demo_server_refuses_bad_flags() {
         &["--plans", "free"],
         &["--plans", "free=1,free=2"],
         &["--admin-token", ""],
+        &["--admin-token", " s3cret"],
+        &["--admin-token", "s3 cret"],
         &["--admin-token-file", "/nonexistent/token"],
         &["--lease-idle", "500"],
         &["--quota", "count"],
@@ -349,6 +351,12 @@ async fn demo_server_reads_the_admin_token_from_a_file() {
     assert_eq!(call(&server, "GET", path, admin).await.status, 200);
     let wrong: &[(&str, &str)] = &[("authorization", "Bearer s3cret2")];
     assert_eq!(call(&server, "GET", path, wrong).await.status, 401);
+    let short: &[(&str, &str)] = &[("authorization", "Bearer s3cre")];
+    assert_eq!(call(&server, "GET", path, short).await.status, 401);
+    // More than one space after the scheme (RFC 9110), and the scheme in
+    // any case.
+    let spaced: &[(&str, &str)] = &[("authorization", "bearer   s3cret")];
+    assert_eq!(call(&server, "GET", path, spaced).await.status, 200);
     // A file whose first line is empty is refused, not a token "".
     let empty = dir.join("empty");
     std::fs::write(&empty, "\nsecond line\n").unwrap();
