@@ -11,9 +11,8 @@
 //! it. The layer sees `content-type: application/grpc` and answers a refused
 //! call as gRPC: status `RESOURCE_EXHAUSTED` (8), a message naming the quota
 //! and its reset, `retry-after` and the `ratelimit` fields in the metadata.
-//! A call without `x-account-id` gets the layer's plain HTTP 401 with a
-//! problem document, not a gRPC status: tonic's client reports it as
-//! `INTERNAL`, with "401 Unauthorized" in the message.
+//! A call without `x-account-id` gets status `UNAUTHENTICATED` (16), the
+//! reason in its message.
 //!
 //! Try it with grpcurl, given the health service's `.proto` (the server
 //! offers no reflection):

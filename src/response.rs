@@ -315,6 +315,9 @@ pub struct Refusal {
     /// Whether the request is a gRPC call (`content-type: application/grpc`
     /// and its variants).
     pub grpc: bool,
+    /// The gRPC call's content type, which the answer to it repeats (a
+    /// client checks it before it reads the status).
+    grpc_content_type: Option<HeaderValue>,
 }
 
 impl Refusal {
@@ -326,7 +329,7 @@ impl Refusal {
         cost_of_line: impl Fn(usize) -> u64,
         now: Timestamp,
         subject: u64,
-        grpc: bool,
+        grpc: Option<HeaderValue>,
     ) -> Self {
         let mut violated = Vec::new();
         let mut detail = String::new();
@@ -406,12 +409,16 @@ impl Refusal {
             violated,
             retry_after,
             detail,
-            grpc,
+            grpc: grpc.is_some(),
+            grpc_content_type: grpc,
         }
     }
 
     /// The refusal of a request whose store failed, under fail-closed.
-    pub(crate) fn store_unavailable(retry_after: std::time::Duration, grpc: bool) -> Self {
+    pub(crate) fn store_unavailable(
+        retry_after: std::time::Duration,
+        grpc: Option<HeaderValue>,
+    ) -> Self {
         let secs = retry_after
             .as_secs()
             .saturating_add(u64::from(retry_after.subsec_nanos() > 0));
@@ -421,7 +428,8 @@ impl Refusal {
             resets_at: None,
             retry_after: Some(secs.max(1)),
             detail: "The quota service is unavailable; try again later.".to_owned(),
-            grpc,
+            grpc: grpc.is_some(),
+            grpc_content_type: grpc,
         }
     }
 
@@ -475,7 +483,12 @@ impl Refusal {
         } else {
             14
         };
-        grpc_answer(code, &self.detail, self.retry_after)
+        grpc_answer(
+            code,
+            &self.detail,
+            self.retry_after,
+            self.grpc_content_type.as_ref(),
+        )
     }
 }
 
@@ -495,10 +508,11 @@ pub(crate) fn early(
     let code: u16 = match status {
         StatusCode::UNAUTHORIZED => 16,
         StatusCode::FORBIDDEN => 7,
+        StatusCode::TOO_MANY_REQUESTS => 8,
         s if s.is_client_error() => 3,
         _ => 14,
     };
-    grpc_answer(code, detail, None)
+    grpc_answer(code, detail, None, parts.headers.get(CONTENT_TYPE))
 }
 
 /// Puts `challenge()` in `response`'s `WWW-Authenticate` when the response
@@ -522,9 +536,18 @@ pub(crate) fn challenged<B>(
 /// (`content-type: application/grpc` and its variants), answered as one if
 /// refused.
 pub(crate) fn is_grpc(headers: &http::HeaderMap) -> bool {
-    headers
-        .get(CONTENT_TYPE)
-        .is_some_and(|v| v.as_bytes().starts_with(b"application/grpc"))
+    // A media type is case-insensitive.
+    const GRPC: &[u8] = b"application/grpc";
+    headers.get(CONTENT_TYPE).is_some_and(|v| {
+        v.as_bytes()
+            .get(..GRPC.len())
+            .is_some_and(|start| start.eq_ignore_ascii_case(GRPC))
+    })
+}
+
+/// The content type of a gRPC call with these headers, if it is one.
+pub(crate) fn grpc_content_type(headers: &http::HeaderMap) -> Option<HeaderValue> {
+    is_grpc(headers).then(|| headers[CONTENT_TYPE].clone())
 }
 
 /// Whether `response` is a gRPC answer (HTTP 200, `content-type:
@@ -558,11 +581,20 @@ pub(crate) fn echo(text: &str) -> String {
     format!("{}…", &text[..end])
 }
 
-/// A gRPC trailers-only answer: HTTP 200, `grpc-status`, `grpc-message`.
-fn grpc_answer(code: u16, detail: &str, retry_after: Option<u64>) -> Response<Bytes> {
+/// A gRPC trailers-only answer: HTTP 200, `grpc-status`, `grpc-message`,
+/// and the call's `content_type` (its variant of `application/grpc`).
+fn grpc_answer(
+    code: u16,
+    detail: &str,
+    retry_after: Option<u64>,
+    content_type: Option<&HeaderValue>,
+) -> Response<Bytes> {
     let mut response = Response::new(Bytes::new());
     let headers = response.headers_mut();
-    headers.insert(CONTENT_TYPE, HeaderValue::from_static("application/grpc"));
+    let content_type = content_type
+        .cloned()
+        .unwrap_or_else(|| HeaderValue::from_static("application/grpc"));
+    headers.insert(CONTENT_TYPE, content_type);
     headers.insert(GRPC_STATUS.clone(), HeaderValue::from(code));
     let message = percent_encoding::utf8_percent_encode(detail, GRPC_MESSAGE_ESCAPES);
     let message = HeaderValue::try_from(message.to_string())
@@ -605,7 +637,7 @@ mod tests {
             let now = resets_at.checked_sub(jiff::SignedDuration::from_millis(before)).unwrap();
             let usage = [Usage { limit: 1, used: 1, resets_at, first_call: None, held_elsewhere_until: None }];
             let real = seconds_until(now, resets_at);
-            let refusal = Refusal::quota_exceeded(std::slice::from_ref(&quota), &usage, |_| 1, now, subject, false);
+            let refusal = Refusal::quota_exceeded(std::slice::from_ref(&quota), &usage, |_| 1, now, subject, None);
             let told = refusal.retry_after.unwrap();
             prop_assert!(told >= real && told <= real + spread, "{told} vs {real}+{spread}");
             let mut headers = http::HeaderMap::new();
@@ -644,7 +676,7 @@ mod tests {
                 |_| 1,
                 now,
                 subject,
-                false,
+                None,
             );
             let told = refusal.retry_after.unwrap();
             assert!(
@@ -669,15 +701,54 @@ mod tests {
         let now: Timestamp = "2026-12-02T10:00:00Z".parse().unwrap();
         let usage = [usage_of(10, 1, "2026-12-03T00:00:00Z")];
         let refusal =
-            Refusal::quota_exceeded(std::slice::from_ref(&quota), &usage, |_| 1, now, 0, false);
+            Refusal::quota_exceeded(std::slice::from_ref(&quota), &usage, |_| 1, now, 0, None);
         assert!(refusal.violated.is_empty());
         assert!(!refusal.detail.is_empty());
         assert_eq!(refusal.retry_after, Some(1));
     }
 
     #[test]
+    fn a_grpc_answer_repeats_the_calls_content_type_and_maps_the_status() {
+        let call = |content_type: &str| {
+            http::Request::post("/")
+                .header(CONTENT_TYPE, content_type)
+                .body(())
+                .unwrap()
+                .into_parts()
+                .0
+        };
+        for content_type in [
+            "application/grpc",
+            "application/grpc+json",
+            "application/grpc-web+proto",
+            "Application/gRPC",
+        ] {
+            let parts = call(content_type);
+            let answer = early(StatusCode::TOO_MANY_REQUESTS, "slow down", &parts);
+            assert_eq!(answer.status(), StatusCode::OK, "{content_type}");
+            assert_eq!(answer.headers()[CONTENT_TYPE], content_type);
+            assert_eq!(answer.headers()[&GRPC_STATUS], "8", "RESOURCE_EXHAUSTED");
+            let refusal = Refusal::store_unavailable(
+                Duration::from_secs(1),
+                grpc_content_type(&parts.headers),
+            );
+            assert!(refusal.grpc);
+            assert_eq!(refusal.standard().headers()[CONTENT_TYPE], content_type);
+        }
+        let answer = early(StatusCode::UNAUTHORIZED, "who?", &call("application/grpc"));
+        assert_eq!(answer.headers()[&GRPC_STATUS], "16", "UNAUTHENTICATED");
+        // Not gRPC: a problem document.
+        let answer = early(
+            StatusCode::TOO_MANY_REQUESTS,
+            "slow",
+            &call("application/json"),
+        );
+        assert_eq!(answer.status(), StatusCode::TOO_MANY_REQUESTS);
+    }
+
+    #[test]
     fn the_longest_retry_after_of_an_unavailable_store_saturates() {
-        let refusal = Refusal::store_unavailable(Duration::MAX, false);
+        let refusal = Refusal::store_unavailable(Duration::MAX, None);
         assert_eq!(refusal.retry_after, Some(u64::MAX));
     }
 

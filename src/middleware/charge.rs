@@ -476,7 +476,12 @@ fn shadow_limits(charge: &Charge, quotas: &[Quota], usage: &mut [Usage]) {
 
 /// The refusal of `charge`, made by a layer of `scope`, whose lines stand
 /// at `usage`.
-pub(crate) fn refusal(charge: &Charge, scope: &Scope, usage: &[Usage], grpc: bool) -> Refusal {
+pub(crate) fn refusal(
+    charge: &Charge,
+    scope: &Scope,
+    usage: &[Usage],
+    grpc: Option<http::HeaderValue>,
+) -> Refusal {
     Refusal::quota_exceeded(
         charge.quotas(scope),
         usage,

@@ -239,7 +239,7 @@ where
         // The layers further out give their own charges back when they see
         // the refusal go by (see `charge::outcome`).
         Decision::Refuse(usage) => {
-            let grpc = crate::response::is_grpc(request.headers());
+            let grpc = crate::response::grpc_content_type(request.headers());
             let refusal = charge::refusal(&charge, &bound.scope, &usage, grpc);
             State::Rejected {
                 response: Some(charge::refused(
@@ -252,7 +252,7 @@ where
             }
         }
         Decision::Unavailable(retry_after) => {
-            let grpc = crate::response::is_grpc(request.headers());
+            let grpc = crate::response::grpc_content_type(request.headers());
             let refusal = crate::response::Refusal::store_unavailable(retry_after, grpc);
             State::Rejected {
                 response: Some(charge::refused(

@@ -191,7 +191,7 @@ fn a_refusal_names_the_quota_without_room_and_waits_for_its_reset() {
         }),
     );
     assert!(matches!(&decision, Decision::Refuse(u) if u[..] == usage[..]));
-    let refusal = refusal(&charge, &layer.bound.scope, &usage, false);
+    let refusal = refusal(&charge, &layer.bound.scope, &usage, None);
     let response = refused(
         &layer.bound.policy.settings,
         &refusal,
@@ -243,7 +243,7 @@ fn a_store_error_follows_the_policy() {
     ) else {
         panic!("fail closed");
     };
-    let refusal = Refusal::store_unavailable(retry_after, false);
+    let refusal = Refusal::store_unavailable(retry_after, None);
     let response = refused(
         &closed.bound.policy.settings,
         &refusal,
