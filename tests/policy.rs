@@ -1041,7 +1041,10 @@ async fn a_grpc_call_is_refused_with_resource_exhausted() {
     );
     let headers = refused.headers();
     assert_eq!(headers["grpc-status"], "8");
-    assert_eq!(headers["content-type"], "application/grpc");
+    assert_eq!(
+        headers["content-type"], "application/grpc+proto",
+        "the call's own"
+    );
     assert_eq!(headers["retry-after"], "60");
     let message = headers["grpc-message"].to_str().unwrap();
     assert!(
