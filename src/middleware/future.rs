@@ -300,11 +300,8 @@ fn apply<St: Store>(
                 // Sent again only if it would still be sent within the
                 // period: the last wait ends before the reset.
                 Adjust::Add(_) => {
-                    let left = if resets_at > now {
-                        resets_at.duration_since(now).unsigned_abs()
-                    } else {
-                        Duration::ZERO
-                    };
+                    let left =
+                        Duration::try_from(resets_at.duration_since(now)).unwrap_or_default();
                     RESEND_FOR.min(left.saturating_sub(MAX_RESEND_WAIT))
                 }
             };
