@@ -301,6 +301,21 @@ async fn background_takes_its_blocks() {
     }
 }
 
+/// Requests of "acme" at `now` on `leased`, each admitted, until it holds
+/// no unit any more; how many were served.
+async fn spend_what_is_held<St: Store>(
+    leased: &LeasedStore<St>,
+    now: Timestamp,
+    limit: u64,
+) -> u64 {
+    let mut served = 0;
+    while leased.held() > 0 {
+        assert!(call(leased, now, limit).await.admitted);
+        served += 1;
+    }
+    served
+}
+
 /// Requests of "acme" on `leased`, 50 ms apart, until a block that was
 /// held ran out with one of them; how many were served.
 async fn until_a_block_runs_out<St: Store>(leased: &LeasedStore<St>, now: &mut Timestamp) -> u64 {
@@ -754,11 +769,7 @@ async fn requests_refused_while_a_block_is_on_its_way_here_are_served_from_it() 
     let a = LeasedStore::new(slow.clone());
     let mut now = t0();
     busy(&a, &mut now, 40, 100, 1).await;
-    let mut served = 40;
-    while a.held() > 0 {
-        assert!(call(&a, now, 100).await.admitted);
-        served += 1;
-    }
+    let mut served = 40 + spend_what_is_held(&a, now, 100).await;
     // The first takes the block, answered 10 ms after the store applied
     // it; the others are answered at once, refused before it landed.
     slow.delay.store(5, Ordering::Relaxed);
@@ -1199,11 +1210,7 @@ async fn an_answer_sent_before_the_last_one_learned_never_moves_the_count_back()
     let a = LeasedStore::new(slow.clone());
     let mut now = t0();
     busy(&a, &mut now, 20, 10_000, 1).await;
-    let mut served = 20;
-    while a.held() > 0 {
-        assert!(call(&a, now, 10_000).await.admitted);
-        served += 1;
-    }
+    let mut served = 20 + spend_what_is_held(&a, now, 10_000).await;
     slow.late.store(50, Ordering::Relaxed);
     let late = tokio::spawn({
         let a = a.clone();
@@ -1251,9 +1258,7 @@ async fn a_counter_made_anew_by_an_instance_whose_clock_is_behind_is_taken_up() 
     let mut served = 1;
     // A spends what it held of the old counter, then charges the new one
     // and leases from it as from any.
-    while a.held() > 0 {
-        assert!(call(&a, now, 10_000).await.admitted);
-    }
+    spend_what_is_held(&a, now, 10_000).await;
     for _ in 0..40 {
         let outcome = call(&a, now, 10_000).await;
         assert!(outcome.admitted);

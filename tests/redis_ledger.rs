@@ -427,11 +427,7 @@ async fn a_settle_redis_applies_late_is_given_back() {
         return;
     }
     let server = RedisServer::start();
-    let store = RedisStore::builder(server.url())
-        .timeout(Duration::from_millis(100))
-        .build()
-        .unwrap();
-    store.preload().await.unwrap();
+    let store = store_answering_in_100_ms(&server).await;
     let now = Timestamp::now();
     let key = Namespace::default().key(&Subject::account("acme"), "late", "PT1H");
     let debt = Debt {
@@ -443,15 +439,7 @@ async fn a_settle_redis_applies_late_is_given_back() {
         since: now,
     };
 
-    let mut stopped = Stopped::new(&server);
-    let error = store.settle_debt(now, debt.clone()).await.unwrap_err();
-    assert_eq!(error.kind(), StoreErrorKind::Timeout, "{error}");
-    stopped.resume();
-    let deadline = Instant::now() + Duration::from_secs(10);
-    while store.in_flight() > 0 {
-        assert!(Instant::now() < deadline, "{store:?}");
-        tokio::time::sleep(Duration::from_millis(10)).await;
-    }
+    settle_applied_late(&server, &store, now, &debt).await;
     assert_eq!(used(&server, &key), "0", "applied late, and given back");
 
     assert_eq!(store.settle_debt(now, debt).await.unwrap(), Some(3));
@@ -468,11 +456,7 @@ async fn a_settle_applied_late_to_a_counter_made_after_its_instant_is_given_back
         return;
     }
     let server = RedisServer::start();
-    let store = RedisStore::builder(server.url())
-        .timeout(Duration::from_millis(100))
-        .build()
-        .unwrap();
-    store.preload().await.unwrap();
+    let store = store_answering_in_100_ms(&server).await;
     let now = Timestamp::now();
     let key = Namespace::default().key(&Subject::account("acme"), "late", "PT1H");
     let lifetime = Lifetime::FirstUse {
@@ -499,7 +483,33 @@ async fn a_settle_applied_late_to_a_counter_made_after_its_instant_is_given_back
         since: now,
     };
 
-    let mut stopped = Stopped::new(&server);
+    settle_applied_late(&server, &store, now, &debt).await;
+    assert_eq!(used(&server, &key), "1", "applied late, and given back");
+
+    assert_eq!(store.settle_debt(now, debt).await.unwrap(), Some(4));
+    assert_eq!(used(&server, &key), "4", "counted once");
+}
+
+/// A store on `server` that waits 100 ms for an answer, its script loaded.
+async fn store_answering_in_100_ms(server: &RedisServer) -> RedisStore {
+    let store = RedisStore::builder(server.url())
+        .timeout(Duration::from_millis(100))
+        .build()
+        .unwrap();
+    store.preload().await.unwrap();
+    store
+}
+
+/// Settles `debt` at `now` while `server` is stopped (the store stops
+/// waiting), then lets it go on: Redis applies the settle late, and the
+/// store follows it to its answer.
+async fn settle_applied_late(
+    server: &RedisServer,
+    store: &RedisStore,
+    now: Timestamp,
+    debt: &Debt,
+) {
+    let mut stopped = Stopped::new(server);
     let error = store.settle_debt(now, debt.clone()).await.unwrap_err();
     assert_eq!(error.kind(), StoreErrorKind::Timeout, "{error}");
     stopped.resume();
@@ -508,10 +518,6 @@ async fn a_settle_applied_late_to_a_counter_made_after_its_instant_is_given_back
         assert!(Instant::now() < deadline, "{store:?}");
         tokio::time::sleep(Duration::from_millis(10)).await;
     }
-    assert_eq!(used(&server, &key), "1", "applied late, and given back");
-
-    assert_eq!(store.settle_debt(now, debt).await.unwrap(), Some(4));
-    assert_eq!(used(&server, &key), "4", "counted once");
 }
 
 /// What the store cannot take is an error, and nothing is written.
