@@ -400,3 +400,123 @@ async fn a_node_that_lost_the_script_gets_it_while_another_is_stalled() {
         started.elapsed()
     );
 }
+
+/// `CLUSTER MYID` of `node`.
+fn id_of(node: &redis_support::RedisServer) -> String {
+    node.cli(&["cluster", "myid"])
+}
+
+/// Moves `keys` from `from` to `to` (both in loopback), as
+/// `redis-cli --cluster reshard` does, their counts and deadlines with them.
+fn migrate(from: &redis_support::RedisServer, to: &redis_support::RedisServer, keys: &[&str]) {
+    let port = to.port().to_string();
+    let mut args = vec![
+        "migrate",
+        "127.0.0.1",
+        port.as_str(),
+        "",
+        "0",
+        "5000",
+        "keys",
+    ];
+    args.extend_from_slice(keys);
+    assert_eq!(from.cli(&args), "OK", "MIGRATE of {keys:?}");
+}
+
+/// A slot moved to another node while its subject is charged (a
+/// resharding): every request is served and counted once. While the slot
+/// migrates, its node answers `ASK` for the keys already moved and
+/// `TRYAGAIN` for a charge whose keys are on both nodes; once it moved,
+/// `MOVED`. None of them ran the charge, which is sent where it is told.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_subject_is_charged_exactly_while_its_slot_moves() {
+    const LIMIT: u64 = 20;
+
+    if !redis_available() {
+        return;
+    }
+    let cluster = RedisCluster::start();
+    let store = RedisStore::cluster_builder(vec![cluster.nodes[2].url()])
+        .timeout(Duration::from_millis(1_500))
+        .connect_timeout(Duration::from_millis(300))
+        .build()
+        .expect("a Redis Cluster store");
+    let app = Router::new().route("/", get(|| async { "ok" })).layer(
+        QuotaPolicy::builder(FromHeader::account("x-account-id"))
+            .store(store)
+            .store_timeout(Some(Duration::from_secs(2)))
+            .build()
+            .layer(Quota::daily(LIMIT))
+            .quota(Quota::monthly(LIMIT)),
+    );
+    let [account, _, _] = subject_per_node(&cluster);
+    let (source, target) = (&cluster.nodes[0], &cluster.nodes[1]);
+    let left = std::cell::Cell::new(LIMIT);
+    let served = |(status, remaining): (StatusCode, Option<u64>), step: &str| {
+        assert_eq!(status, StatusCode::OK, "{step}");
+        left.set(left.get() - 1);
+        assert_eq!(remaining, Some(left.get()), "{step}");
+    };
+    served(request(&app, &account).await, "before the move");
+
+    let keys_on = |node: &redis_support::RedisServer, slot: &str| {
+        let keys = node.cli(&["cluster", "getkeysinslot", slot, "10"]);
+        keys.lines().map(str::to_owned).collect::<Vec<_>>()
+    };
+    // Every counter of the subject is in its slot, whatever the period.
+    let key = Namespace::default().key(&Subject::account(account.as_str()), "read", "any");
+    let slot = source.cli(&["cluster", "keyslot", key.as_str()]);
+    let keys = keys_on(source, &slot);
+    assert_eq!(keys.len(), 2, "one counter per quota: {keys:?}");
+    let ttls: Vec<String> = keys.iter().map(|k| source.cli(&["pttl", k])).collect();
+
+    assert_eq!(
+        target.cli(&["cluster", "setslot", &slot, "importing", &id_of(source)]),
+        "OK"
+    );
+    assert_eq!(
+        source.cli(&["cluster", "setslot", &slot, "migrating", &id_of(target)]),
+        "OK"
+    );
+    served(request(&app, &account).await, "migrating, no key moved");
+
+    // One key moved: the source answers TRYAGAIN until the other follows.
+    migrate(source, target, &[keys[0].as_str()]);
+    let pending = tokio::spawn({
+        let app = app.clone();
+        let account = account.clone();
+        async move { request(&app, &account).await }
+    });
+    tokio::time::sleep(Duration::from_millis(200)).await;
+    migrate(source, target, &[keys[1].as_str()]);
+    served(pending.await.unwrap(), "keys on both nodes, then moved");
+    // Every key moved: the source answers ASK.
+    served(request(&app, &account).await, "every key moved");
+
+    for node in &cluster.nodes {
+        assert_eq!(
+            node.cli(&["cluster", "setslot", &slot, "node", &id_of(target)]),
+            "OK"
+        );
+    }
+    // The source answers MOVED, once: the slots are read again.
+    served(request(&app, &account).await, "moved");
+    served(request(&app, &account).await, "after the move");
+
+    assert_eq!(source.cli(&["cluster", "countkeysinslot", &slot]), "0");
+    for (key, before) in keys.iter().zip(&ttls) {
+        let after: i64 = target.cli(&["pttl", key]).parse().unwrap();
+        let before: i64 = before.parse().unwrap();
+        assert!(
+            after <= before && after > before - 60_000,
+            "{key}'s deadline moved: {before} ms left before, {after} after"
+        );
+    }
+    while left.get() > 0 {
+        served(request(&app, &account).await, "up to the limit");
+    }
+    assert_eq!(
+        request(&app, &account).await.0,
+        StatusCode::TOO_MANY_REQUESTS
+    );
+}

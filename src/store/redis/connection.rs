@@ -37,8 +37,12 @@
 //!
 //! The cluster client never retries a request by itself (redis-rs retries up
 //! to 16 times by default, after connection errors too, which could apply a
-//! charge twice). A redirect after a resharding fails that one request and
-//! refreshes the slot map for the next.
+//! charge twice). A call a node redirects while its slot moves (a
+//! resharding: `MOVED`, `ASK`) is sent where it is told, and one answered
+//! `TRYAGAIN` (its keys on both nodes of a moving slot) is sent again a
+//! moment later: a node answers those before it runs anything (see
+//! `Invocation::invoke_async`). The slot map is read again after a
+//! `MOVED`, for the next calls.
 //!
 //! Pools built elsewhere (`deadpool_redis::Pool`, and its cluster kind) are
 //! used as they are: one pooled connection per call (or batch of charges),
@@ -695,6 +699,108 @@ impl Connection {
             #[cfg(feature = "redis-cluster")]
             Connection::ClusterPool(conn) => drop(deadpool_redis::cluster::Connection::take(conn)),
             _ => {}
+        }
+    }
+}
+
+/// Where a cluster node told a call to go instead: the call was not run.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub(super) enum Redirect {
+    /// `MOVED`: the slot is served by that node now.
+    Moved { host: String, port: u16 },
+    /// `ASK`: the slot is moving to that node, which takes the call once
+    /// told `ASKING`.
+    Ask { host: String, port: u16 },
+}
+
+impl Redirect {
+    /// The redirect `error` tells, if it is one.
+    pub(super) fn of(error: &RedisError) -> Option<Self> {
+        use redis::{ErrorKind, ServerErrorKind};
+
+        let (address, _slot) = error.redirect_node()?;
+        let (host, port) = address.rsplit_once(':')?;
+        let host = host
+            .trim_start_matches('[')
+            .trim_end_matches(']')
+            .to_owned();
+        let port = port.parse().ok()?;
+        match error.kind() {
+            ErrorKind::Server(ServerErrorKind::Moved) => Some(Redirect::Moved { host, port }),
+            ErrorKind::Server(ServerErrorKind::Ask) => Some(Redirect::Ask { host, port }),
+            _ => None,
+        }
+    }
+}
+
+impl Connection {
+    /// Whether this is a cluster's connection, whose nodes may redirect a
+    /// call.
+    pub(super) fn is_cluster(&self) -> bool {
+        match self {
+            Connection::Server { .. } | Connection::Pool { .. } => false,
+            #[cfg(feature = "redis-cluster")]
+            Connection::Cluster { .. } | Connection::ClusterPool(_) => true,
+        }
+    }
+
+    /// `cmd` sent to the node `redirect` names (after `ASKING`, for an
+    /// `ASK`), on a cluster's connection.
+    #[cfg_attr(not(feature = "redis-cluster"), allow(unused_variables))]
+    pub(super) async fn redirected(
+        &mut self,
+        cmd: &redis::Cmd,
+        redirect: &Redirect,
+    ) -> redis::RedisResult<Value> {
+        match self {
+            #[cfg(feature = "redis-cluster")]
+            Connection::Cluster { conn, .. } => route_to(conn, cmd, redirect).await,
+            #[cfg(feature = "redis-cluster")]
+            Connection::ClusterPool(conn) => route_to(conn, cmd, redirect).await,
+            Connection::Server { .. } | Connection::Pool { .. } => Err(RedisError::from((
+                redis::ErrorKind::Client,
+                "a single server's connection follows no redirect",
+            ))),
+        }
+    }
+}
+
+/// `cmd` on the node `redirect` names, its reply or the error it tells.
+#[cfg(feature = "redis-cluster")]
+async fn route_to(
+    conn: &mut redis::cluster_async::ClusterConnection,
+    cmd: &redis::Cmd,
+    redirect: &Redirect,
+) -> redis::RedisResult<Value> {
+    use redis::cluster_routing::{RoutingInfo, SingleNodeRoutingInfo};
+
+    match redirect {
+        Redirect::Moved { host, port } => {
+            let node = SingleNodeRoutingInfo::ByAddress {
+                host: host.clone(),
+                port: *port,
+            };
+            let reply = conn
+                .route_command(cmd.clone(), RoutingInfo::SingleNode(node))
+                .await?;
+            reply.extract_error()
+        }
+        Redirect::Ask { host, port } => {
+            let node = SingleNodeRoutingInfo::ByAddress {
+                host: host.clone(),
+                port: *port,
+            };
+            let mut asking = redis::pipe();
+            asking.cmd("ASKING").add_command(cmd.clone());
+            // The call's reply alone: `ASKING`'s is skipped.
+            let mut replies = conn.route_pipeline(asking, 1, 1, node).await?;
+            match replies.pop() {
+                Some(reply) => reply.extract_error(),
+                None => Err(RedisError::from((
+                    redis::ErrorKind::UnexpectedReturnType,
+                    "no reply to a call sent after ASKING",
+                ))),
+            }
         }
     }
 }

@@ -4,10 +4,11 @@ use std::sync::LazyLock;
 use std::time::Duration;
 
 use deadpool_redis::redis::{
-    self, ErrorKind, FromRedisValue, Script, ServerErrorKind, ToRedisArgs,
+    self, ErrorKind, FromRedisValue, Script, ServerErrorKind, ToRedisArgs, Value,
 };
 use jiff::{SignedDuration, Timestamp};
 
+use super::connection::{Connection, Redirect};
 use crate::key::PeriodKey;
 use crate::store::{ChargeOutcome, ChargeRequest, Lifetime, StoreError, StoreErrorKind, Usage};
 
@@ -59,20 +60,76 @@ impl Invocation {
         command
     }
 
-    /// Runs the script on `conn`, which knows it as `SCRIPT` or not at all.
+    /// Runs the script on `conn`, whose node knows it as `SCRIPT` or not
+    /// at all. On a cluster whose slot of the call's keys moves (a
+    /// resharding), the call goes where the slot's node tells it to go
+    /// (`MOVED`, `ASK`), and is sent again a moment later when its keys
+    /// are on both nodes (`TRYAGAIN`): a node answers those before it runs
+    /// anything, so a call sent again is never applied twice.
     pub(super) async fn invoke_async<T: FromRedisValue>(
         &self,
-        conn: &mut (impl redis::aio::ConnectionLike + Send),
+        conn: &mut Connection,
     ) -> redis::RedisResult<T> {
+        let mut redirect = None;
+        let mut wait = FIRST_TRY_AGAIN_WAIT;
+        for _ in 0..MAX_REDIRECTS {
+            match self.run(conn, redirect.as_ref()).await {
+                Err(error) if conn.is_cluster() => {
+                    if let Some(to) = Redirect::of(&error) {
+                        redirect = Some(to);
+                    } else if error.kind() == ErrorKind::Server(ServerErrorKind::TryAgain) {
+                        // The slot's node says again where the call goes.
+                        redirect = None;
+                        tokio::time::sleep(wait).await;
+                        wait = (wait * 2).min(MAX_TRY_AGAIN_WAIT);
+                    } else {
+                        return Err(error);
+                    }
+                }
+                reply => return Ok(T::from_redis_value(reply?)?),
+            }
+        }
+        Ok(T::from_redis_value(
+            self.run(conn, redirect.as_ref()).await?,
+        )?)
+    }
+
+    /// The script's reply on `conn`, sent where `redirect` says, or by its
+    /// keys.
+    async fn run(
+        &self,
+        conn: &mut Connection,
+        redirect: Option<&Redirect>,
+    ) -> redis::RedisResult<Value> {
         let sha = self.command("EVALSHA", SCRIPT.get_hash());
-        match sha.query_async(conn).await {
+        match send(conn, &sha, redirect).await {
             Err(error) if error.kind() == ErrorKind::Server(ServerErrorKind::NoScript) => {
-                self.command("EVAL", COUNTERS_LUA).query_async(conn).await
+                send(conn, &self.command("EVAL", COUNTERS_LUA), redirect).await
             }
             other => other,
         }
     }
 }
+
+async fn send(
+    conn: &mut Connection,
+    command: &redis::Cmd,
+    redirect: Option<&Redirect>,
+) -> redis::RedisResult<Value> {
+    match redirect {
+        None => command.query_async(conn).await,
+        Some(to) => conn.redirected(command, to).await,
+    }
+}
+
+/// Redirects and `TRYAGAIN`s a call follows; the next answer is its own.
+const MAX_REDIRECTS: usize = 8;
+
+/// The wait before a call answered `TRYAGAIN` is sent again, twice as long
+/// each time up to `MAX_TRY_AGAIN_WAIT` (the keys of a slot move in
+/// batches: the rest follow in milliseconds).
+const FIRST_TRY_AGAIN_WAIT: Duration = Duration::from_millis(10);
+const MAX_TRY_AGAIN_WAIT: Duration = Duration::from_millis(100);
 
 /// Fields per line in the script's reply.
 pub(super) const FIELDS: usize = 5;
