@@ -260,13 +260,17 @@ impl Quota {
     ///
     /// # Panics
     ///
-    /// When `spread` is not a whole number of seconds, or longer than 100
-    /// years.
+    /// When `spread` is not a whole number of seconds, or longer than half
+    /// the period (12 hours for a day, 30 seconds for a minute, 15 days for
+    /// a month): a reset told later would pass the next window's, in which
+    /// the allowance has come back already.
     #[must_use]
     pub fn spread_reset(mut self, spread: Duration) -> Self {
+        let most = self.0.period.nominal_seconds() / 2;
         assert!(
-            spread.subsec_nanos() == 0 && spread.as_secs() <= crate::period::MAX_FIXED_SECONDS,
-            "a reset spread is a whole number of seconds, at most 100 years (got {spread:?})"
+            spread.subsec_nanos() == 0 && spread.as_secs() <= most,
+            "a reset spread is a whole number of seconds, at most half the period: {most} s for {} (got {spread:?})",
+            self.0.period.name()
         );
         self.inner().spread = spread.as_secs();
         self

@@ -629,7 +629,7 @@ mod tests {
         #[test]
         fn a_spread_reset_is_never_earlier(
             subject in any::<u64>(),
-            spread in 0u64..86_400,
+            spread in 0u64..=43_200,
             before in 1i64..200_000,
         ) {
             let quota = Quota::daily(1).spread_reset(Duration::from_secs(spread));
@@ -649,16 +649,37 @@ mod tests {
     }
 
     #[test]
-    #[should_panic(expected = "at most 100 years")]
-    fn a_spread_past_100_years_is_refused_where_the_quota_is_made() {
+    #[should_panic(expected = "at most half the period")]
+    fn a_huge_spread_is_refused_where_the_quota_is_made() {
         let _ = Quota::daily(1).spread_reset(Duration::from_secs(u64::MAX));
+    }
+
+    /// A spread as long as the period would tell a subject refused in one
+    /// window to wait past the next, whose allowance it could spend.
+    #[test]
+    fn a_spread_is_at_most_half_the_period() {
+        let _ = Quota::daily(1).spread_reset(Duration::from_secs(43_200));
+        let _ = Quota::per_minute(1).spread_reset(Duration::from_secs(30));
+        let _ = Quota::monthly(1).spread_reset(Duration::from_secs(15 * 86_400));
+        for quota in [
+            Quota::daily(1),
+            Quota::per_minute(1),
+            Quota::fixed_window(1, Duration::from_secs(90)),
+        ] {
+            let most = quota.period().nominal_seconds() / 2;
+            let refused =
+                std::panic::catch_unwind(|| quota.spread_reset(Duration::from_secs(most + 1)));
+            assert!(refused.is_err(), "a spread of {} s", most + 1);
+        }
     }
 
     /// The longest spread, added to a wait until the end of time, fits.
     #[test]
     fn the_longest_spread_is_told_without_overflow() {
-        let spread = crate::period::MAX_FIXED_SECONDS;
-        let quota = Quota::daily(1).spread_reset(Duration::from_secs(spread));
+        let period = crate::period::MAX_FIXED_SECONDS;
+        let spread = period / 2;
+        let quota = Quota::fixed_window(1, Duration::from_secs(period))
+            .spread_reset(Duration::from_secs(spread));
         let now: Timestamp = "2026-12-02T10:00:00Z".parse().unwrap();
         let resets_at = Timestamp::MAX;
         let usage = [Usage {

@@ -77,9 +77,18 @@ impl ManualClock {
     }
 
     /// Moves the clock forward by `by` (backwards when negative).
+    ///
+    /// # Panics
+    ///
+    /// When the clock would leave the years 1678 to 2262, as [`new`](Self::new)
+    /// and [`set`](Self::set) do: it never wraps around.
     pub fn advance(&self, by: SignedDuration) {
         let by = i64::try_from(by.as_nanos()).expect("advance by less than 292 years");
-        self.nanos.fetch_add(by, Ordering::SeqCst);
+        self.nanos
+            .fetch_update(Ordering::SeqCst, Ordering::SeqCst, |nanos| {
+                nanos.checked_add(by)
+            })
+            .expect("ManualClock covers the years 1678 to 2262");
     }
 }
 
@@ -97,4 +106,26 @@ impl fmt::Debug for ManualClock {
 
 fn to_nanos(at: Timestamp) -> i64 {
     i64::try_from(at.as_nanosecond()).expect("ManualClock covers the years 1678 to 2262")
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    #[should_panic(expected = "covers the years 1678 to 2262")]
+    fn a_manual_clock_never_wraps_around() {
+        let clock = ManualClock::new("2262-01-01T00:00:00Z".parse().unwrap());
+        clock.advance(SignedDuration::from_hours(24 * 365));
+    }
+
+    #[test]
+    fn a_manual_clock_moves_both_ways() {
+        let start: Timestamp = "2026-12-05T00:00:00Z".parse().unwrap();
+        let clock = ManualClock::new(start);
+        clock.advance(SignedDuration::from_secs(90));
+        assert_eq!(clock.now(), "2026-12-05T00:01:30Z".parse().unwrap());
+        clock.advance(SignedDuration::from_secs(-120));
+        assert_eq!(clock.now(), "2026-12-04T23:59:30Z".parse().unwrap());
+    }
 }
