@@ -51,6 +51,7 @@ trait PolicyView<St>: Send + Sync {
     fn quotas(&self) -> Vec<Quota>;
     fn extract(&self, parts: &Parts) -> Result<Subject, SubjectError>;
     fn kinds(&self) -> Option<Vec<SubjectKind>>;
+    fn subject_named(&self, kind: &SubjectKind, id: &[u8]) -> Result<Subject, SubjectError>;
     fn challenge(&self) -> Option<http::HeaderValue>;
     fn plan_as_charged(&self, plan: Option<String>) -> Result<Option<String>, String>;
 }
@@ -70,6 +71,9 @@ impl<E: SubjectExtractor, St: Send + Sync> PolicyView<St> for Policy<E, St> {
     }
     fn kinds(&self) -> Option<Vec<SubjectKind>> {
         self.extractor.kinds()
+    }
+    fn subject_named(&self, kind: &SubjectKind, id: &[u8]) -> Result<Subject, SubjectError> {
+        self.extractor.subject_named(kind, id)
     }
     fn challenge(&self) -> Option<http::HeaderValue> {
         Policy::challenge(self)
@@ -168,6 +172,26 @@ impl<St> QuotaHandle<St> {
     pub fn subject_of(&self, parts: &Parts) -> Result<Subject, SubjectError> {
         self.shared
             .extract(parts)?
+            .checked(self.settings().max_subject_len)
+    }
+
+    /// The subject the policy charges a request naming `id` as its subject
+    /// of kind `kind`: `id` as the extractor rewrites it
+    /// ([`SubjectExtractor::subject_named`]; `ClientIp` groups an address
+    /// into its network), checked as a request's subject is. What support
+    /// tools look up, reset and refund.
+    ///
+    /// # Errors
+    ///
+    /// When no request could be charged as `id` (empty, too long, not an
+    /// address for `ClientIp`).
+    pub fn subject(
+        &self,
+        kind: &SubjectKind,
+        id: impl AsRef<[u8]>,
+    ) -> Result<Subject, SubjectError> {
+        self.shared
+            .subject_named(kind, id.as_ref())?
             .checked(self.settings().max_subject_len)
     }
 

@@ -518,3 +518,103 @@ async fn store_errors_are_logged_without_the_subject_id() {
         }
     }
 }
+
+/// A support call names a client as its address or network, written any
+/// way: it reaches the counter the layer charges that client to (its /64,
+/// its IPv4 address), and refuses what no client is charged as.
+#[tokio::test(flavor = "current_thread")]
+async fn support_calls_reach_the_counter_a_client_ip_is_charged_to() {
+    use axum::extract::ConnectInfo;
+    use std::net::SocketAddr;
+    use tower_quota::ClientIp;
+
+    let policy = QuotaPolicy::builder(ClientIp::new().ipv4_prefix(24)).build();
+    let app = Router::new()
+        .route("/", get(|| async { "hi" }))
+        .route_layer(policy.layer(Quota::daily(1).allowance("read")));
+    let admin = Router::new().nest("/admin", policy.handle().router());
+    let from = |peer: &str| {
+        let mut request = Request::get("/").body(Body::empty()).unwrap();
+        let peer: SocketAddr = peer.parse().unwrap();
+        request.extensions_mut().insert(ConnectInfo(peer));
+        let app = app.clone();
+        async move { app.oneshot(request).await.unwrap().status() }
+    };
+    for (client, named) in [
+        ("[2001:db8:1:2::9]:1", "2001:db8:1:2::9"),
+        ("[2001:db8:1:2::9]:1", "2001:DB8:1:2::%2F64"),
+        ("[2001:db8:1:2::9]:1", "2001:db8:1:2:abcd::%2F80"),
+        ("203.0.113.7:1", "203.0.113.99"),
+        ("203.0.113.7:1", "::ffff:203.0.113.7"),
+        ("203.0.113.7:1", "203.0.113.0%2F24"),
+    ] {
+        assert_eq!(from(client).await, StatusCode::OK, "{client}");
+        assert_eq!(
+            from(client).await,
+            StatusCode::TOO_MANY_REQUESTS,
+            "{client}"
+        );
+        let shown = send(&admin, Method::GET, &format!("/admin/quota/ip/{named}")).await;
+        assert_eq!(shown.status(), StatusCode::OK, "{named}");
+        let shown = problem_or_json(shown).await;
+        assert_eq!(shown["allowances"][0]["used"], 1, "{named}: {shown}");
+        let reset = send(
+            &admin,
+            Method::POST,
+            &format!("/admin/reset/ip/{named}/read"),
+        )
+        .await;
+        assert_eq!(reset.status(), StatusCode::OK, "{named}");
+        assert_eq!(from(client).await, StatusCode::OK, "{client} after {named}");
+        let refund = format!("/admin/refund/ip/{named}/read?amount=1");
+        assert_eq!(
+            send(&admin, Method::POST, &refund).await.status(),
+            StatusCode::OK
+        );
+        assert_eq!(from(client).await, StatusCode::OK, "{client} refunded");
+        let reset = send(
+            &admin,
+            Method::POST,
+            &format!("/admin/reset/ip/{named}/read"),
+        )
+        .await;
+        assert_eq!(reset.status(), StatusCode::OK, "{named}");
+    }
+    for named in ["2001:db8::%2F48", "203.0.0.0%2F16", "not-an-address", "%00"] {
+        for (method, uri) in [
+            (Method::GET, format!("/admin/quota/ip/{named}")),
+            (Method::POST, format!("/admin/reset/ip/{named}/read")),
+        ] {
+            let response = send(&admin, method, &uri).await;
+            assert_eq!(response.status(), StatusCode::BAD_REQUEST, "{uri}");
+            assert_eq!(problem(response).await["status"], 400, "{uri}");
+        }
+    }
+}
+
+/// A header carries no control character: a support call naming an id
+/// with one is refused, as no request could be charged as it.
+#[tokio::test(flavor = "current_thread")]
+async fn support_calls_refuse_ids_a_header_cannot_carry() {
+    let (_, admin) = apps();
+    for uri in [
+        "/admin/quota/account/acme%0A",
+        "/admin/reset/account/%00/read",
+    ] {
+        let method = if uri.contains("reset") {
+            Method::POST
+        } else {
+            Method::GET
+        };
+        let response = send(&admin, method, uri).await;
+        assert_eq!(response.status(), StatusCode::BAD_REQUEST, "{uri}");
+        assert_eq!(problem(response).await["status"], 400, "{uri}");
+    }
+}
+
+async fn problem_or_json(response: Response<Body>) -> serde_json::Value {
+    let body = axum::body::to_bytes(response.into_body(), 1 << 16)
+        .await
+        .unwrap();
+    serde_json::from_slice(&body).unwrap()
+}

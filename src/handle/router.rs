@@ -42,11 +42,16 @@ impl<St: Store> QuotaHandle<St> {
     ///   caller's zone answers it 400: no layer writes such counters. (A
     ///   caller the policy counts in a fixed offset, not an IANA zone, is
     ///   reached through [`QuotaHandle::in_zone`] instead.)
+    /// - `{id}` names the subject as a request sends it, and reaches the
+    ///   counter the layers charge it to ([`QuotaHandle::subject`]): for
+    ///   `ClientIp`, an address or a network (`%2F` for its `/`) is
+    ///   grouped as requests are, so `2001:db8:1:2::9` is its /64.
     ///
     /// Errors are `application/problem+json`: 400 for a malformed kind, id or
     /// amount (an id the layers would refuse: empty, all whitespace, longer
-    /// than the policy's `max_subject_len`; a path segment that is not
-    /// UTF-8), 403 for a plan the policy refuses
+    /// than the policy's `max_subject_len`, one no request could send, such
+    /// as a control character in a header's id or a network wider than
+    /// `ClientIp` groups; a path segment that is not UTF-8), 403 for a plan the policy refuses
     /// ([`UnknownPlan::Reject`](crate::UnknownPlan::Reject)), 404 for an
     /// allowance no quota charges, a kind of subject the policy's extractor
     /// never answers ([`SubjectExtractor::kinds`](crate::SubjectExtractor::kinds))
@@ -276,8 +281,8 @@ fn subject<St>(handle: &QuotaHandle<St>, kind: &str, id: &str) -> Result<Subject
             ));
         }
     }
-    Subject::new(kind, id.as_bytes())
-        .checked(handle.settings().max_subject_len)
+    handle
+        .subject(&kind, id)
         .map_err(IntoResponse::into_response)
 }
 

@@ -80,6 +80,21 @@ impl SubjectExtractor for FromHeader {
         Some(vec![self.kind.clone()])
     }
 
+    /// The id as a request sends it in the header: refused when a header
+    /// value cannot carry it (control characters other than tab).
+    fn subject_named(&self, kind: &SubjectKind, id: &[u8]) -> Result<Subject, SubjectError> {
+        match HeaderValue::from_bytes(id) {
+            Ok(_) => Ok(Subject::new(kind.clone(), id)),
+            Err(_) => Err(SubjectError::Malformed(
+                format!(
+                    "no request can send this id: the {} header cannot carry control characters",
+                    self.name
+                )
+                .into(),
+            )),
+        }
+    }
+
     /// `ApiKey header="<name>"`: send the header.
     fn challenge(&self) -> Option<HeaderValue> {
         // A header name is lowercase token characters: nothing to escape.

@@ -343,6 +343,38 @@ impl SubjectExtractor for ClientIp {
     fn kinds(&self) -> Option<Vec<SubjectKind>> {
         Some(vec![SubjectKind::IP])
     }
+
+    /// The counter a client at the address `id`, or any client in the
+    /// network `id` (at least as narrow as the grouping), is charged to:
+    /// `2001:db8:1:2::9` and `2001:DB8:1:2::/64` are both
+    /// `2001:db8:1:2::/64` under the default grouping, `::ffff:203.0.113.7`
+    /// is `203.0.113.7`. Anything else is refused.
+    fn subject_named(&self, kind: &SubjectKind, id: &[u8]) -> Result<Subject, SubjectError> {
+        let text = std::str::from_utf8(id).unwrap_or_default();
+        let ip = if let Ok(ip) = text.parse::<IpAddr>() {
+            canonical(ip)
+        } else if let Ok(net) = text.parse::<IpNet>() {
+            let net = canonical_net(net);
+            let grouped = match net {
+                IpNet::V4(_) => self.ipv4_prefix,
+                IpNet::V6(_) => self.ipv6_prefix,
+            };
+            if net.prefix_len() < grouped {
+                return Err(SubjectError::Malformed(
+                    format!(
+                        "{net} spans many counters: clients are counted per /{grouped} network"
+                    )
+                    .into(),
+                ));
+            }
+            canonical(net.network())
+        } else {
+            return Err(SubjectError::Malformed(
+                "a client's id is an IP address or network".into(),
+            ));
+        };
+        Ok(Subject::new(kind.clone(), self.id(ip)))
+    }
 }
 
 /// The peer address the server put in the request extensions.

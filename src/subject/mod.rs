@@ -382,6 +382,18 @@ pub trait SubjectExtractor: Send + Sync + 'static {
         None
     }
 
+    /// The subject this extractor charges a request that names `id` as its
+    /// subject of kind `kind`: the subject a support call naming them
+    /// addresses ([`QuotaHandle::subject`](crate::QuotaHandle::subject), the
+    /// support router). The default takes the id as it is. An extractor
+    /// that rewrites what requests send rewrites `id` the same way
+    /// ([`ClientIp`] groups addresses into networks), and one that can tell
+    /// refuses an id no request could be charged as
+    /// ([`SubjectError::Malformed`]): a reset of it would change nothing.
+    fn subject_named(&self, kind: &SubjectKind, id: &[u8]) -> Result<Subject, SubjectError> {
+        Ok(Subject::new(kind.clone(), id))
+    }
+
     /// Asks `self`, and `other` when `self` finds no subject
     /// ([`SubjectError::Missing`]): "the token's account, or else the
     /// `x-api-key` header".
@@ -442,6 +454,10 @@ impl<E: SubjectExtractor + ?Sized> SubjectExtractor for std::sync::Arc<E> {
 
     fn challenge(&self) -> Option<HeaderValue> {
         (**self).challenge()
+    }
+
+    fn subject_named(&self, kind: &SubjectKind, id: &[u8]) -> Result<Subject, SubjectError> {
+        (**self).subject_named(kind, id)
     }
 }
 

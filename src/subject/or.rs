@@ -39,6 +39,17 @@ where
         Some(kinds)
     }
 
+    /// As the extractor that answers subjects of `kind` names them: the
+    /// first, unless only the second tells it answers that kind.
+    fn subject_named(&self, kind: &SubjectKind, id: &[u8]) -> Result<Subject, SubjectError> {
+        let answers = |kinds: Option<Vec<SubjectKind>>| kinds.is_some_and(|k| k.contains(kind));
+        if !answers(self.first.kinds()) && answers(self.second.kinds()) {
+            self.second.subject_named(kind, id)
+        } else {
+            self.first.subject_named(kind, id)
+        }
+    }
+
     /// Both challenges, as one list (either alone when the other has none).
     fn challenge(&self) -> Option<HeaderValue> {
         match (self.first.challenge(), self.second.challenge()) {
@@ -112,6 +123,20 @@ mod tests {
             three().extract(&last),
             Err(SubjectError::Malformed(_))
         ));
+    }
+
+    #[test]
+    fn an_id_is_named_by_the_extractor_of_its_kind() {
+        let ex = FromHeader::account("x-account-id").or(crate::ClientIp::new());
+        assert_eq!(
+            ex.subject_named(&SubjectKind::IP, b"2001:db8:1:2::9"),
+            Ok(Subject::new(SubjectKind::IP, "2001:db8:1:2::/64"))
+        );
+        assert_eq!(
+            ex.subject_named(&SubjectKind::ACCOUNT, b"2001:db8:1:2::9"),
+            Ok(Subject::account("2001:db8:1:2::9"))
+        );
+        assert!(ex.subject_named(&SubjectKind::ACCOUNT, b"a\nb").is_err());
     }
 
     #[test]
