@@ -266,10 +266,11 @@ impl Ledger {
         }
         self.lock().hurry += 1;
         let _hurry = Hurry(self);
-        let deadline = tokio::time::Instant::now() + within;
+        // `None`: a wait past any instant the clock holds, no limit.
+        let deadline = tokio::time::Instant::now().checked_add(within);
         loop {
             let owed = self.owed();
-            if owed.counters == 0 || tokio::time::Instant::now() >= deadline {
+            if owed.counters == 0 || deadline.is_some_and(|d| tokio::time::Instant::now() >= d) {
                 return owed;
             }
             // Started again if its task ended (its runtime stopped).

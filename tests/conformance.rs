@@ -415,6 +415,15 @@ mod broken {
                     return Ok(None);
                 }
                 let live = store.live(&debt.key, now);
+                let opened_after = |c: &Counter| {
+                    matches!(debt.lifetime, Lifetime::FirstUse { .. })
+                        && c.first_call
+                            .is_some_and(|first| first >= debt.lifetime.end())
+                };
+                if live.as_ref().is_some_and(opened_after) {
+                    // A period opened at or past the debt's deadline.
+                    return Ok(None);
+                }
                 if debt.amount == 0 {
                     // Nothing to add: the count, and nothing written.
                     return Ok(Some(live.map_or(0, |c| c.used)));

@@ -287,7 +287,8 @@ impl<E, St> QuotaPolicy<E, St> {
     }
 
     /// Settles what the policy's ledger owes (see [`owed`](Self::owed))
-    /// now, and waits `within` at most until nothing is owed: what an
+    /// now, and waits `within` at most (`Duration::MAX`: as long as it
+    /// takes) until nothing is owed: what an
     /// application that shuts down awaits, once it stopped taking
     /// requests, so that no admission made while the store was away goes
     /// uncounted. While it waits, a store that fails is tried again every
@@ -309,6 +310,8 @@ impl<E, St> QuotaPolicy<E, St> {
     /// // ... serve, until a shutdown signal ...
     /// let owed = policy.settle_owed(Duration::from_secs(5)).await;
     /// assert_eq!(owed.units, 0);
+    /// // Nothing owed: no wait, however long it may be.
+    /// assert_eq!(policy.settle_owed(Duration::MAX).await.units, 0);
     /// # }
     /// ```
     pub async fn settle_owed(&self, within: Duration) -> Owed

@@ -993,6 +993,16 @@ impl MemoryStore {
             let mut shard = lock(&self.inner.shards[index]);
             shard.sweep(now, SWEEP_BUDGET);
             let existing = match shard.get_mut(debt.key.as_str()) {
+                // A first-use period opened at or past the debt's deadline
+                // (by a charge with a later instant than the settle's):
+                // never charged to a period after the debt's own.
+                Some(counter)
+                    if counter.deadline > Nanos::of(now)
+                        && counter.first_use
+                        && counter.first_call >= Nanos::of(debt.lifetime.end()) =>
+                {
+                    return Ok(None);
+                }
                 Some(counter) if counter.deadline > Nanos::of(now) => {
                     counter.used = counter.used.saturating_add(debt.amount);
                     return Ok(Some(counter.used));

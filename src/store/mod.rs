@@ -550,7 +550,10 @@ pub trait Store: Clone + Send + Sync + 'static {
     /// debt whose requests fell in an earlier period (one that has ended, or
     /// that the store never held) goes to a period opened after them, by a
     /// charge made once the store answered; never to one opened at or past
-    /// the debt's deadline, since a settle then writes nothing. Where there
+    /// the debt's deadline: a settle then writes nothing and answers
+    /// `None`, whether the deadline has passed by `now` or a charge with a
+    /// later instant (another instance's clock ahead) opened the counter
+    /// found live. Where there
     /// is none, the settle creates it as the requests' charges would have:
     /// with `debt.lifetime` (the window's end, or the first-use deadline
     /// computed at the requests' instant, never a later one) and

@@ -373,7 +373,8 @@ pub async fn add_never_creates_nor_moves_a_deadline<S: ConformanceHooks>(store: 
 /// call; creates a missing counter with the debt's own lifetime and first
 /// call (never a deadline counted from the settle); opens the debt's period
 /// where the counter before it expired; writes nothing for a debt whose
-/// calendar window or first-use period is over; and, for a debt of nothing,
+/// calendar window or first-use period is over, nor to a first-use counter
+/// opened at or past the debt's deadline; and, for a debt of nothing,
 /// writes nothing and answers what the counter holds (0 where there is
 /// none).
 ///
@@ -540,6 +541,45 @@ pub async fn settle_debt_keeps_to_the_debts_period<S: ConformanceHooks>(store: &
     assert_eq!(
         peeked[0].first_call, None,
         "a debt of a period that is over must not open a period"
+    );
+
+    // A first-use period opened at the debt's deadline (a charge with a
+    // later instant than the settle's: another instance's clock ahead)
+    // takes none of it.
+    let later = fresh_key("settle-after-deadline");
+    let owed_deadline = now + period / 8;
+    let opened = charge(
+        store,
+        owed_deadline,
+        vec![first_use(&later, 10, 1, owed_deadline + period)],
+    )
+    .await;
+    assert!(
+        opened.0,
+        "a first charge on an empty counter must be admitted"
+    );
+    let debt = Debt {
+        key: later.clone(),
+        amount: 1,
+        lifetime: Lifetime::FirstUse {
+            deadline: owed_deadline,
+        },
+        since: owed_deadline - period,
+    };
+    assert_eq!(
+        settle(store, now, debt).await,
+        None,
+        "a debt must not go to a period opened at or past its deadline"
+    );
+    let peeked = peek(
+        store,
+        owed_deadline,
+        vec![first_use(&later, 10, 0, owed_deadline + period)],
+    )
+    .await;
+    assert_eq!(
+        peeked[0].used, 1,
+        "a period opened past the debt's deadline holds its own charges only"
     );
 
     // The live counter's period ends: a debt of the next one opens its own.

@@ -605,7 +605,8 @@ if op == 's' then
   if anchor ~= 'f' and anchor ~= 'c' then
     return redis.error_reply('ERR tower-quota: an anchor that is neither f nor c')
   end
-  if anchor == 'c' and not instant(ends) then
+  -- A calendar window's end, or the debt's first-use deadline.
+  if not instant(ends) then
     return redis.error_reply('ERR tower-quota: a window end' .. NOT_A_NUMBER)
   end
   if not digits(ttl) or ttl == '0' then
@@ -628,6 +629,12 @@ if op == 's' then
   end
   if kind ~= 0 and recorded ~= nil and at >= recorded + 0 then
     -- A counter whose window is over, kept through its grace.
+    return { -1, -1 }
+  end
+  if anchor == 'f' and kind ~= 0 and dated ~= nil and dated + 0 >= ends + 0 then
+    -- A first-use period opened at or past the debt's deadline (by an
+    -- instance whose clock is ahead, or a charge the settle waited
+    -- behind): never charged to a period after the debt's own.
     return { -1, -1 }
   end
   local added = add_exactly(key, kind, used, amount, 'a settle')

@@ -596,7 +596,9 @@ impl RedisStore {
             .arg(now.as_millisecond())
             .arg(args.anchor)
             .arg(args.ttl)
-            .arg(args.end)
+            // The window's end, or the first-use deadline: a counter
+            // opened at or past it takes none of the debt.
+            .arg(debt.lifetime.end().as_millisecond().max(0))
             .arg(debt.since.as_millisecond().max(0));
         let give_back = GiveBack {
             // The count afterwards (-1 when the debt's period is over and
