@@ -326,9 +326,15 @@ fn caller_zone(
     parts: &Parts,
     header: &http::HeaderName,
 ) -> Result<Option<TimeZone>, InvalidRequest> {
-    let Some(value) = parts.headers.get(header) else {
+    let mut values = parts.headers.get_all(header).iter();
+    let Some(value) = values.next() else {
         return Ok(None);
     };
+    if values.next().is_some() {
+        return Err(InvalidRequest::new(format!(
+            "{header} is sent more than once"
+        )));
+    }
     let name = value
         .to_str()
         .ok()

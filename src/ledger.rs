@@ -131,6 +131,7 @@ pub(crate) const DEFAULT_MAX_OWED: usize = 10_000;
 static FULL: Throttle = Throttle::new(5);
 static ENDED: Throttle = Throttle::new(5);
 static REFUSED: Throttle = Throttle::new(5);
+static TOO_LARGE: Throttle = Throttle::new(5);
 static ABANDONED: Throttle = Throttle::new(5);
 static NO_RUNTIME: Throttle = Throttle::new(5);
 
@@ -313,7 +314,7 @@ impl Ledger {
                     crate::metrics::dropped::REFUSED,
                     debt.amount - most,
                 );
-                if let Some(suppressed) = FULL.admit() {
+                if let Some(suppressed) = TOO_LARGE.admit() {
                     tracing::warn!(
                         amount = debt.amount,
                         most,

@@ -312,13 +312,21 @@ async fn the_demo_server_reads_the_callers_zone_from_a_header() {
         "New York's midnight: {resets_at}"
     );
 
-    // Unknown: 400, a problem document, nothing charged.
+    // Unknown, or two zones: 400, a problem document, nothing charged.
     let unknown = call(&[("x-account-id", "acme"), ("x-time-zone", "Mars/Base")]).await;
     assert_eq!(unknown.status, 400);
     assert_eq!(
         unknown.header("content-type"),
         Some("application/problem+json")
     );
+    let two = call(&[
+        ("x-account-id", "acme"),
+        ("x-time-zone", "Asia/Tokyo"),
+        ("x-time-zone", "Europe/Berlin"),
+    ])
+    .await;
+    assert_eq!(two.status, 400);
+    assert_eq!(two.header("content-type"), Some("application/problem+json"));
     let json: serde_json::Value = serde_json::from_str(
         &demo_server::call(&server.addr, "GET", "/quota", tokyo)
             .await
