@@ -1298,17 +1298,51 @@ async fn a_refund_made_before_a_reset_never_lands_in_a_block_of_the_new_counter(
     assert_eq!(counted(&shared, now).await, 200);
 }
 
+/// A request's own refund (what the layer gives back for a request this
+/// instance served) goes into its block.
 #[tokio::test(start_paused = true)]
-async fn a_refund_lands_in_the_block_and_goes_back_with_it() {
+async fn a_requests_refund_lands_in_the_block_and_goes_back_with_it() {
     let shared = MemoryStore::new();
     let leased = LeasedStore::new(shared.clone());
     let mut now = t0();
+    let served_at = now;
     busy(&leased, &mut now, 200, 10_000, 1).await;
     let held = leased.held();
-    assert_eq!(leased.refund(now, day_key(), 5).await.unwrap(), Some(195));
+    let refunded = leased
+        .refund_made_by(now, day_key(), 5, served_at)
+        .await
+        .unwrap();
+    assert_eq!(refunded, Some(195));
     assert_eq!(leased.held(), held + 5);
     assert_eq!(leased.shutdown().await, held + 5);
     assert_eq!(counted(&shared, now).await, 195);
+}
+
+/// A support refund (any amount, of units any instance spent) goes to the
+/// store: credited to this instance's block from what it last heard of
+/// the count, it was cut to what this instance had seen spent, and the
+/// rest was lost.
+#[tokio::test(start_paused = true)]
+async fn a_support_refund_goes_to_the_store_whatever_an_instance_holds() {
+    const LIMIT: u64 = 1_000;
+    let shared = MemoryStore::new();
+    let leased = LeasedStore::new(shared.clone());
+    let mut now = t0();
+    busy(&leased, &mut now, 5, LIMIT, 1).await;
+    let held = leased.held();
+    assert!(held > 0, "a block held");
+    // Another instance spends 500; support gives 300 back through this one.
+    for _ in 0..500 {
+        assert!(call(&shared, now, LIMIT).await.admitted);
+    }
+    leased.refund(now, day_key(), 300).await.unwrap();
+    assert_eq!(
+        counted(&shared, now).await,
+        5 + held + 500 - 300,
+        "the store counts the 505 served, less the 300 refunded, and the units held"
+    );
+    assert_eq!(leased.shutdown().await, held);
+    assert_eq!(counted(&shared, now).await, 205);
 }
 
 /// The instant on the test's day (`t0`) as far past it as real time is past

@@ -96,7 +96,11 @@ static GIVE_BACK_ERRORS: Throttle = Throttle::new(5);
 ///   below).
 /// - A reset or a refund made elsewhere reaches this instance when it next
 ///   asks the store: within the lease time at most, since no block is spent
-///   past it.
+///   past it. A refund of a request this instance served goes into its
+///   block; any other refund ([`Store::refund`], a support refund) goes to
+///   the store. A support refund larger than what was spent takes the count
+///   below the units instances hold, which they then spend on top of the
+///   limit: refund at most what the subject was charged.
 /// - An instance that stops without [`LeasedStore::shutdown`] (a crash, a
 ///   kill) leaves its unused units charged until the counter's period ends:
 ///   at most one block per subject it served in the last lease time, each
@@ -2039,8 +2043,14 @@ impl<St: Store> LeasedStore<St> {
         }
     }
 
-    /// A refund (guarded by `made_by` in the store, if given): into this
-    /// instance's block of `key` when it holds one, else to the store.
+    /// A refund (guarded by `made_by` in the store, if given). A request's
+    /// own (guarded: what the layer gives back of a request this instance
+    /// served, at most what it charged) goes into this instance's block of
+    /// `key` when it holds one. Any other (a support refund, of units any
+    /// instance may have spent) goes to the store: this instance's view of
+    /// the count is as old as its last answer, and crediting its block
+    /// from it would give back units others gave back already, or fewer
+    /// than asked.
     async fn refund_to(
         &self,
         now: Timestamp,
@@ -2048,7 +2058,7 @@ impl<St: Store> LeasedStore<St> {
         amount: u64,
         made_by: Option<Timestamp>,
     ) -> Result<Option<u64>, StoreError> {
-        {
+        if made_by.is_some() {
             let mut counters = self.shared.counter(&key);
             if let Some(counter) = counters.get_mut(&key) {
                 // Into the block only when it is of the counter charged: not
