@@ -2124,3 +2124,59 @@ fn a_runtime_stopped_while_its_sweep_ran_leaves_the_next_runtime_a_sweep() {
         assert_eq!(counted(&shared, now).await, 200);
     });
 }
+
+/// One request of `subject` at `now` on `leased`, admitted.
+async fn served_for<St: Store>(leased: &St, subject: &str, now: Timestamp) {
+    let lines = smallvec::smallvec![line_of(subject, 1_000_000)];
+    let outcome = leased.charge(ChargeRequest { now, lines }).await.unwrap();
+    assert!(outcome.admitted, "{subject}");
+}
+
+/// Many subjects going idle together leave their lease marks together, as
+/// their units go back: one after the other, a pass of the sweep took a
+/// round trip per subject (2 s here), and a subject that went idle
+/// meanwhile kept its units from other instances until the pass ended.
+#[tokio::test(start_paused = true)]
+async fn many_subjects_going_idle_together_keep_no_other_subjects_units() {
+    let shared = MemoryStore::new();
+    let slow = Slow::new(shared.clone(), 0);
+    let leased = LeasedStore::new(slow.clone());
+    let mut now = t0();
+    let subjects: Vec<String> = (0..200).map(|i| format!("s{i}")).collect();
+    let step = |now: &mut Timestamp| {
+        *now += SignedDuration::from_millis(1);
+        tokio::time::advance(Duration::from_millis(1))
+    };
+    for _ in 0..5 {
+        for subject in &subjects {
+            served_for(&leased, subject, now).await;
+        }
+        step(&mut now).await;
+    }
+    assert!(
+        leased.held() >= 200,
+        "every subject holds a block: {}",
+        leased.held()
+    );
+    // Round trips of 10 ms from now on. The others go idle: their units
+    // go back, then their marks are left.
+    slow.delay.store(10, Ordering::Relaxed);
+    for _ in 0..1_300 {
+        step(&mut now).await;
+    }
+    assert_eq!(leased.held(), 0, "the others' units went back");
+    // `z` is busy a while meanwhile, then goes idle.
+    let mut served = 0;
+    for _ in 0..5 {
+        served_for(&leased, "z", now).await;
+        served += 1;
+        now += SignedDuration::from_millis(10);
+    }
+    // Its idle bound and a sweep later, `z`'s units are back.
+    let since = tokio::time::Instant::now();
+    while since.elapsed() < Duration::from_millis(1_500) {
+        step(&mut now).await;
+        tokio::task::yield_now().await;
+    }
+    assert_eq!(counted_for(&shared, "z", now).await, served);
+}

@@ -979,25 +979,38 @@ impl<St: Store> LeasedStore<St> {
         });
         let margin = self.shared.settings.mark_margin();
         let mut returned = 0;
+        // Counters together, a bounded number at a time, as the sweep
+        // gives back: one after the other, a shutdown under a grace period
+        // would be cut short with most blocks still charged.
+        let mut returning = tokio::task::JoinSet::new();
         for (key, mut counter, now) in drained {
-            // The units first, then the mark: never a holder's units
-            // charged with no holder marked.
-            if counter.units > 0
-                && !counter.ended(now)
-                && give_back(
-                    &self.inner,
-                    now,
-                    key.clone(),
-                    counter.units,
-                    counter.taken_at.unwrap_or(now),
-                )
-                .await
-            {
-                returned += counter.units;
+            if returning.len() >= SWEEP_GIVE_BACKS {
+                returned += returning
+                    .join_next()
+                    .await
+                    .and_then(Result::ok)
+                    .unwrap_or(0);
             }
-            if counter.mark.leave(now, margin) {
-                unmark(&self.inner, now, &key).await;
-            }
+            let units = if counter.ended(now) { 0 } else { counter.units };
+            let taken_at = counter.taken_at.unwrap_or(now);
+            let leaving = counter.mark.leave(now, margin);
+            let inner = self.inner.clone();
+            returning.spawn(async move {
+                // The units first, then the mark: never a holder's units
+                // charged with no holder marked.
+                let back = units > 0 && give_back(&inner, now, key.clone(), units, taken_at).await;
+                if leaving {
+                    unmark(&inner, now, &key).await;
+                }
+                if back {
+                    units
+                } else {
+                    0
+                }
+            });
+        }
+        while let Some(back) = returning.join_next().await {
+            returned += back.unwrap_or(0);
         }
         // A next block taken in the background may still be on its way:
         // it goes back as soon as it lands (see `learn`).
@@ -2197,9 +2210,18 @@ async fn sweep<St: Store>(shared: Weak<Shared>, inner: St, settings: Settings) {
             });
         }
         while giving.join_next().await.is_some() {}
+        // The marks left after the units, together too.
         for (key, now, generation) in unmarked {
-            leave(&inner, &shared, now, key, generation).await;
+            if giving.len() >= SWEEP_GIVE_BACKS {
+                giving.join_next().await;
+            }
+            let inner = inner.clone();
+            let shared = Arc::clone(&shared);
+            giving.spawn(async move {
+                leave(&inner, &shared, now, key, generation).await;
+            });
         }
+        while giving.join_next().await.is_some() {}
         drop(busy);
         drop(shared);
     }
