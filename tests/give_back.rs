@@ -371,6 +371,73 @@ async fn a_give_back_after_a_reset_leaves_the_new_counter_alone() {
     assert_eq!(used(&policy, "default-day").await, 1);
 }
 
+/// A deferred cost's rest goes to the counter the request was charged to
+/// only: a support reset while it was served, and a charge that made the
+/// counter anew, leave the new counter as it is when the cost is known.
+#[tokio::test]
+async fn a_deferred_cost_after_a_reset_leaves_the_new_counter_alone() {
+    let clock = ManualClock::new(NOW.parse().unwrap());
+    let policy = QuotaPolicy::builder(FromHeader::account("x-account-id"))
+        .store(MemoryStore::new())
+        .clock(clock.clone())
+        .build();
+    deferred_cost_after_a_reset(&policy, &clock).await;
+}
+
+/// Serves a request of deferred cost 50 on `policy` while its subject is
+/// reset and charged anew, and checks the new counter holds its own charge
+/// only.
+pub async fn deferred_cost_after_a_reset<St: Store>(
+    policy: &QuotaPolicy<FromHeader, St>,
+    clock: &ManualClock,
+) {
+    let release = Arc::new(tokio::sync::Notify::new());
+    let app = Router::new()
+        .route(
+            "/slow",
+            get({
+                let release = Arc::clone(&release);
+                move || async move {
+                    release.notified().await;
+                    ([("x-cost", "50")], "done")
+                }
+            }),
+        )
+        .route("/", get(|| async { ([("x-cost", "1")], "ok") }))
+        .layer(
+            policy
+                .layer(Quota::daily(100))
+                .deferred_cost(1, |response| {
+                    response
+                        .headers
+                        .get("x-cost")
+                        .and_then(|v| v.to_str().ok()?.parse().ok())
+                        .unwrap_or(1)
+                }),
+        );
+    let slow = tokio::spawn(app.clone().oneshot(call("/slow")));
+    while used(policy, "default-day").await == 0 {
+        tokio::task::yield_now().await;
+    }
+    policy
+        .handle()
+        .reset(&Subject::account("acme"))
+        .await
+        .unwrap();
+    clock.advance(tower_quota::jiff::SignedDuration::from_secs(1));
+    let response = app.clone().oneshot(call("/")).await.unwrap();
+    assert_eq!(response.status(), StatusCode::OK);
+    assert_eq!(used(policy, "default-day").await, 1);
+    release.notify_one();
+    let served = slow.await.unwrap().unwrap();
+    assert_eq!(served.status(), StatusCode::OK);
+    assert_eq!(
+        used(policy, "default-day").await,
+        1,
+        "the 49 more of a request charged before the reset"
+    );
+}
+
 /// An inner service whose `call` panics.
 #[derive(Clone)]
 struct Panics;

@@ -2207,3 +2207,37 @@ async fn a_guarded_refund_takes_from_a_counter_that_records_no_first_call() {
         .unwrap();
     assert_eq!(refunded, Some(4));
 }
+
+/// A deferred cost's rest goes to the counter the request was charged to
+/// only: one reset and made anew since takes none of it.
+#[tokio::test]
+async fn a_guarded_add_leaves_a_counter_made_since_alone() {
+    let server = redis_server_or_skip!();
+    let store = store(&server);
+    for (name, first_use_anchor) in [("add-first-use", true), ("add-calendar", false)] {
+        let request = |key: &PeriodKey, now: Timestamp| {
+            if first_use_anchor {
+                first_use(key, 100, 1, now, hour())
+            } else {
+                calendar(key, 100, 1, now, now + hour())
+            }
+        };
+        let key = key(name);
+        let t0 = Timestamp::now();
+        admit(&store, request(&key, t0)).await;
+        assert_eq!(
+            store.add_made_by(t0, key.clone(), 4, t0).await.unwrap(),
+            Some(5),
+            "{name}: the counter charged"
+        );
+        assert!(store.reset(key.clone()).await.unwrap());
+        let later = t0 + SignedDuration::from_secs(1);
+        admit(&store, request(&key, later)).await;
+        assert_eq!(
+            store.add_made_by(later, key.clone(), 49, t0).await.unwrap(),
+            None,
+            "{name}: a counter made since"
+        );
+        assert_eq!(server.cli(&["hget", key.as_str(), "n"]), "1", "{name}");
+    }
+}

@@ -312,7 +312,9 @@ fn apply<St: Store>(
                             .refund_made_by(now, key.clone(), amount, made_by)
                             .await
                     }
-                    Adjust::Add(amount) => store.add(now, key.clone(), amount).await,
+                    Adjust::Add(amount) => {
+                        store.add_made_by(now, key.clone(), amount, made_by).await
+                    }
                 };
                 // A change the store never sent applied nothing: sent again
                 // a while later, for as long as `RESEND_FOR`, so that an

@@ -2748,6 +2748,21 @@ impl<St: Store> Store for LeasedStore<St> {
         Ok(self.told(&key, result))
     }
 
+    /// Adds `amount` in the store, to the counter charged at `made_by` only.
+    async fn add_made_by(
+        &self,
+        now: Timestamp,
+        key: PeriodKey,
+        amount: u64,
+        made_by: Timestamp,
+    ) -> Result<Option<u64>, StoreError> {
+        let result = self
+            .inner
+            .add_made_by(now, key.clone(), amount, made_by)
+            .await?;
+        Ok(self.told(&key, result))
+    }
+
     /// Settles `debt` in the store (a settle never checks a limit, so it
     /// takes nothing from a block, as an add).
     async fn settle_debt(&self, now: Timestamp, debt: Debt) -> Result<Option<u64>, StoreError> {

@@ -960,6 +960,21 @@ impl Store for MemoryStore {
         ))
     }
 
+    fn add_made_by(
+        &self,
+        now: Timestamp,
+        key: PeriodKey,
+        amount: u64,
+        made_by: Timestamp,
+    ) -> impl Future<Output = Result<Option<u64>, StoreError>> + Send {
+        ready(Ok(self.change_live_made_by(
+            now,
+            &key,
+            Some(made_by),
+            |used| used.saturating_add(amount),
+        )))
+    }
+
     fn reset(&self, key: PeriodKey) -> impl Future<Output = Result<bool, StoreError>> + Send {
         let mut shard = lock(&self.inner.shards[self.shard_of(&key)]);
         ready(Ok(shard.remove(key.as_str())))

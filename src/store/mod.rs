@@ -86,6 +86,9 @@
 //!     fn add(&self, now: Timestamp, key: PeriodKey, amount: u64) -> impl Future<Output = Result<Option<u64>, StoreError>> + Send {
 //!         self.inner.add(now, key, amount)
 //!     }
+//!     fn add_made_by(&self, now: Timestamp, key: PeriodKey, amount: u64, made_by: Timestamp) -> impl Future<Output = Result<Option<u64>, StoreError>> + Send {
+//!         self.inner.add_made_by(now, key, amount, made_by)
+//!     }
 //!     fn reset(&self, key: PeriodKey) -> impl Future<Output = Result<bool, StoreError>> + Send {
 //!         self.inner.reset(key)
 //!     }
@@ -535,6 +538,24 @@ pub trait Store: Clone + Send + Sync + 'static {
         key: PeriodKey,
         amount: u64,
     ) -> impl Future<Output = Result<Option<u64>, StoreError>> + Send;
+
+    /// [`add`](Self::add), only to the counter a request charged at
+    /// `made_by` was charged to (the instant [`refund_made_by`](Self::refund_made_by)
+    /// takes): never to one made since (the counter reset by support and
+    /// made anew by a later charge), which answers `None` and is left as
+    /// it is. What the layer adds once a deferred cost is known. The
+    /// default adds to whatever counter is live; a store that wraps another
+    /// passes it on.
+    fn add_made_by(
+        &self,
+        now: Timestamp,
+        key: PeriodKey,
+        amount: u64,
+        made_by: Timestamp,
+    ) -> impl Future<Output = Result<Option<u64>, StoreError>> + Send {
+        let _ = made_by;
+        self.add(now, key, amount)
+    }
 
     /// Adds `debt.amount` to the counter at `debt.key` without checking its
     /// limit: what requests admitted while the store could not count them

@@ -555,10 +555,13 @@ if op == 'r' or op == 'a' then
   if kind == nil then
     return redis.error_reply('ERR tower-quota: ' .. key .. NOT_A_COUNTER)
   end
+  -- Only to the counter made by this instant, if given: not to one made
+  -- since (reset, and made anew by a later charge).
   local made_by = ARGV[4]
-  if op == 'r' and made_by ~= nil and not digits(made_by) then
+  if made_by ~= nil and not digits(made_by) then
     return redis.error_reply('ERR tower-quota: an instant' .. NOT_A_NUMBER)
   end
+  local made_since = made_by ~= nil and kind == 1 and first ~= nil and first + 0 > made_by + 0
   -- Live: the key exists and its window, if it records one, is not over
   -- (its key may live on through the grace).
   local live = kind ~= 0 and (ends == nil or now + 0 < ends + 0)
@@ -566,10 +569,7 @@ if op == 'r' or op == 'a' then
     if not digits(amount) then
       return redis.error_reply('ERR tower-quota: an amount' .. NOT_A_NUMBER)
     end
-    if not live then
-      return -1
-    end
-    if made_by ~= nil and kind == 1 and first ~= nil and first + 0 > made_by + 0 then
+    if not live or made_since then
       return -1
     end
     local give = math.min(used, amount + 0)
@@ -584,9 +584,10 @@ if op == 'r' or op == 'a' then
   if string.find(amount or '', '^%d+$') == nil then
     return redis.error_reply('ERR tower-quota: the amount to add is not a whole number')
   end
-  if not live then
+  if not live or made_since then
     -- Nothing live to add to: the counter expired, its window ended, or it
-    -- never was. INCRBY would create it without a deadline.
+    -- never was (INCRBY would create it without a deadline); or it was
+    -- made since.
     return -1
   end
   if not digits(amount) then

@@ -868,6 +868,17 @@ impl Store for RedisStore {
             .change_live("a", now, key, amount, None, "an add")
     }
 
+    fn add_made_by(
+        &self,
+        now: Timestamp,
+        key: PeriodKey,
+        amount: u64,
+        made_by: Timestamp,
+    ) -> impl Future<Output = Result<Option<u64>, StoreError>> + Send {
+        self.clone()
+            .change_live("a", now, key, amount, Some(made_by), "an add")
+    }
+
     fn reset(&self, key: PeriodKey) -> impl Future<Output = Result<bool, StoreError>> + Send {
         let store = self.clone();
         async move {
