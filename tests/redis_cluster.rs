@@ -430,12 +430,29 @@ fn migrate(from: &redis_support::RedisServer, to: &redis_support::RedisServer, k
 /// `MOVED`. None of them ran the charge, which is sent where it is told.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_subject_is_charged_exactly_while_its_slot_moves() {
-    const LIMIT: u64 = 20;
-
     if !redis_available() {
         return;
     }
     let cluster = RedisCluster::start();
+    charged_exactly_while_its_slot_moves(&cluster, 1).await;
+}
+
+/// As above, to a master added to the cluster for it (a scale-out), which
+/// the cluster's connection does not reach until it serves a slot.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_subject_is_charged_exactly_while_its_slot_moves_to_a_new_master() {
+    if !redis_available() {
+        return;
+    }
+    let mut cluster = RedisCluster::start();
+    let added = cluster.add_master();
+    charged_exactly_while_its_slot_moves(&cluster, added).await;
+}
+
+/// Moves the slot of a subject of node 0 to node `to` while it is charged.
+async fn charged_exactly_while_its_slot_moves(cluster: &RedisCluster, to: usize) {
+    const LIMIT: u64 = 20;
+
     let store = RedisStore::cluster_builder(vec![cluster.nodes[2].url()])
         .timeout(Duration::from_millis(1_500))
         .connect_timeout(Duration::from_millis(300))
@@ -449,8 +466,8 @@ async fn a_subject_is_charged_exactly_while_its_slot_moves() {
             .layer(Quota::daily(LIMIT))
             .quota(Quota::monthly(LIMIT)),
     );
-    let [account, _, _] = subject_per_node(&cluster);
-    let (source, target) = (&cluster.nodes[0], &cluster.nodes[1]);
+    let [account, _, _] = subject_per_node(cluster);
+    let (source, target) = (&cluster.nodes[0], &cluster.nodes[to]);
     let left = std::cell::Cell::new(LIMIT);
     let served = |(status, remaining): (StatusCode, Option<u64>), step: &str| {
         assert_eq!(status, StatusCode::OK, "{step}");

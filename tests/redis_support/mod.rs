@@ -326,4 +326,51 @@ impl RedisCluster {
     pub fn urls(&self) -> Vec<String> {
         self.nodes.iter().map(RedisServer::url).collect()
     }
+
+    /// A master joined to the cluster with no slot (as `redis-cli --cluster
+    /// add-node` leaves it, before a resharding gives it some); its index.
+    pub fn add_master(&mut self) -> usize {
+        let node = RedisServer::start_with_ports(
+            &[
+                "--cluster-enabled",
+                "yes",
+                "--cluster-config-file",
+                "nodes.conf",
+                "--cluster-node-timeout",
+                "15000",
+            ],
+            |_| vec!["--cluster-port".into(), free_port().to_string()],
+        );
+        // `127.0.0.1:port@bus-port`: the bus port is not the default one.
+        let seed = self.nodes[0].cli(&["cluster", "nodes"]);
+        let myself = seed
+            .lines()
+            .find(|line| line.contains("myself"))
+            .expect("a node lists itself");
+        let address = myself.split_whitespace().nth(1).expect("an address");
+        let (port, bus) = address
+            .rsplit_once(':')
+            .and_then(|(_, ports)| ports.split(',').next()?.split_once('@'))
+            .expect("port@bus-port");
+        assert_eq!(node.cli(&["cluster", "meet", "127.0.0.1", port, bus]), "OK");
+        let id = node.cli(&["cluster", "myid"]);
+        let deadline = Instant::now() + Duration::from_secs(20);
+        for known in self.nodes.iter().chain([&node]) {
+            while known.cli(&["cluster", "nodes"]).lines().count() < self.nodes.len() + 1
+                || !known.cli(&["cluster", "nodes"]).contains(&id)
+            {
+                assert!(Instant::now() < deadline, "the new master was not met");
+                std::thread::sleep(Duration::from_millis(50));
+            }
+        }
+        while !node.cli(&["cluster", "info"]).contains("cluster_state:ok") {
+            assert!(
+                Instant::now() < deadline,
+                "the new master did not learn the slots"
+            );
+            std::thread::sleep(Duration::from_millis(50));
+        }
+        self.nodes.push(node);
+        self.nodes.len() - 1
+    }
 }

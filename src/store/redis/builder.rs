@@ -199,6 +199,7 @@ impl RedisStoreBuilder {
             Source::Pool(pool) => Connections::Pool(pool),
             #[cfg(feature = "redis-cluster")]
             Source::ClusterUrls(urls) => {
+                let first = urls.first().cloned().unwrap_or_default();
                 let client = redis::cluster::ClusterClientBuilder::new(urls)
                     // A charge is never sent twice; see the connection module.
                     .retries(0)
@@ -207,8 +208,23 @@ impl RedisStoreBuilder {
                     .response_timeout(super::FOLLOW_THROUGH)
                     .build()
                     .map_err(|e| invalid("cluster URLs", e))?;
+                // How to reach a node the cluster names, as the first URL
+                // says (credentials, TLS), for `ASK`s to a master the
+                // cluster's connection does not reach.
+                let seed = redis::IntoConnectionInfo::into_connection_info(first.as_str())
+                    .map_err(|e| invalid("cluster URLs", e))?
+                    .set_tcp_settings(tcp_settings());
+                let outside = super::connection::Outside::new(
+                    seed,
+                    redis::AsyncConnectionConfig::new()
+                        .set_connection_timeout(Some(self.connect_timeout))
+                        .set_response_timeout(Some(super::FOLLOW_THROUGH)),
+                );
                 Connections::Cluster(Arc::new(Shared::new(
-                    super::connection::ClusterConnector { client },
+                    super::connection::ClusterConnector {
+                        client,
+                        outside: Arc::new(outside),
+                    },
                     size,
                     self.connect_timeout,
                 )))

@@ -41,8 +41,11 @@
 //! resharding: `MOVED`, `ASK`) is sent where it is told, and one answered
 //! `TRYAGAIN` (its keys on both nodes of a moving slot) is sent again a
 //! moment later: a node answers those before it runs anything (see
-//! `Invocation::invoke_async`). The slot map is read again after a
-//! `MOVED`, for the next calls.
+//! `Invocation::invoke_async`). A redirect to a master the cluster's
+//! connection does not reach (it serves no slot yet: added for a
+//! scale-out) goes through a connection of its own to that master
+//! (`Outside`). The slot map is read again after a `MOVED`, for the next
+//! calls.
 //!
 //! Pools built elsewhere (`deadpool_redis::Pool`, and its cluster kind) are
 //! used as they are: one pooled connection per call (or batch of charges),
@@ -102,6 +105,103 @@ impl Connect for ServerConnector {
 #[cfg(feature = "redis-cluster")]
 pub(super) struct ClusterConnector {
     pub(super) client: redis::cluster::ClusterClient,
+    pub(super) outside: Arc<Outside>,
+}
+
+/// Connections to nodes the cluster's connection does not reach: a master
+/// that serves no slot yet, to which a slot is moving (a scale-out), named
+/// by the `ASK`s of the slot's keys already moved. The cluster's
+/// connection reaches only the nodes that serve slots.
+#[cfg(feature = "redis-cluster")]
+pub(super) struct Outside {
+    /// The first URL's: credentials and TLS, its address replaced.
+    seed: redis::ConnectionInfo,
+    config: redis::AsyncConnectionConfig,
+    nodes: Mutex<std::collections::HashMap<(String, u16), MultiplexedConnection>>,
+}
+
+#[cfg(feature = "redis-cluster")]
+impl Outside {
+    /// Nodes kept at most: a cluster adds a few at a time.
+    const MAX_NODES: usize = 16;
+
+    pub(super) fn new(seed: redis::ConnectionInfo, config: redis::AsyncConnectionConfig) -> Self {
+        Self {
+            seed,
+            config,
+            nodes: Mutex::default(),
+        }
+    }
+
+    /// `cmd` on the node at `host:port` (after `ASKING`, if `asking`).
+    async fn send(
+        &self,
+        host: &str,
+        port: u16,
+        cmd: &redis::Cmd,
+        asking: bool,
+    ) -> redis::RedisResult<Value> {
+        let mut conn = self.connection(host, port).await?;
+        let result = if asking {
+            let mut pipe = redis::pipe();
+            pipe.cmd("ASKING").add_command(cmd.clone());
+            conn.req_packed_commands(&pipe, 1, 1)
+                .await
+                .and_then(|mut replies| {
+                    replies.pop().ok_or_else(|| {
+                        RedisError::from((
+                            redis::ErrorKind::UnexpectedReturnType,
+                            "no reply to a call sent after ASKING",
+                        ))
+                    })
+                })
+        } else {
+            conn.req_packed_command(cmd).await
+        };
+        if result.as_ref().is_err_and(|e| !super::came_back(e)) {
+            // Lost on the wire: opened anew for the next call.
+            self.nodes
+                .lock()
+                .unwrap_or_else(|e| e.into_inner())
+                .remove(&(host.to_owned(), port));
+        }
+        result.and_then(Value::extract_error)
+    }
+
+    async fn connection(&self, host: &str, port: u16) -> redis::RedisResult<MultiplexedConnection> {
+        let node = (host.to_owned(), port);
+        if let Some(conn) = self
+            .nodes
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .get(&node)
+        {
+            return Ok(conn.clone());
+        }
+        let addr = match self.seed.addr() {
+            redis::ConnectionAddr::TcpTls {
+                insecure,
+                tls_params,
+                ..
+            } => redis::ConnectionAddr::TcpTls {
+                host: node.0.clone(),
+                port,
+                insecure: *insecure,
+                tls_params: tls_params.clone(),
+            },
+            _ => redis::ConnectionAddr::Tcp(node.0.clone(), port),
+        };
+        let client = redis::Client::open(self.seed.clone().set_addr(addr))?;
+        let conn = client
+            .get_multiplexed_async_connection_with_config(&self.config)
+            .await?;
+        let mut nodes = self.nodes.lock().unwrap_or_else(|e| e.into_inner());
+        if nodes.len() >= Self::MAX_NODES {
+            nodes.clear();
+        }
+        nodes.insert(node, conn.clone());
+        Ok(conn)
+    }
 }
 
 #[cfg(feature = "redis-cluster")]
@@ -516,9 +616,13 @@ impl Connections {
                     })
             }
             #[cfg(feature = "redis-cluster")]
-            Connections::Cluster(shared) => shared
-                .ready()
-                .map(|(epoch, conn, _)| Connection::Cluster { epoch, conn }),
+            Connections::Cluster(shared) => {
+                shared.ready().map(|(epoch, conn, _)| Connection::Cluster {
+                    epoch,
+                    conn,
+                    outside: Arc::clone(&shared.connector.outside),
+                })
+            }
             _ => None,
         }
     }
@@ -551,7 +655,11 @@ impl Connections {
             Connections::Cluster(shared) => shared
                 .get()
                 .await
-                .map(|(epoch, conn, _)| Connection::Cluster { epoch, conn })
+                .map(|(epoch, conn, _)| Connection::Cluster {
+                    epoch,
+                    conn,
+                    outside: Arc::clone(&shared.connector.outside),
+                })
                 .map_err(Fault::Redis),
             #[cfg(feature = "redis-cluster")]
             Connections::ClusterPool(pool) => get!(pool, Connection::ClusterPool),
@@ -625,6 +733,7 @@ pub(super) enum Connection {
     Cluster {
         epoch: u64,
         conn: redis::cluster_async::ClusterConnection,
+        outside: Arc<Outside>,
     },
     #[cfg(feature = "redis-cluster")]
     ClusterPool(deadpool_redis::cluster::Connection),
@@ -754,9 +863,11 @@ impl Connection {
     ) -> redis::RedisResult<Value> {
         match self {
             #[cfg(feature = "redis-cluster")]
-            Connection::Cluster { conn, .. } => route_to(conn, cmd, redirect).await,
+            Connection::Cluster { conn, outside, .. } => {
+                route_to(conn, Some(outside), cmd, redirect).await
+            }
             #[cfg(feature = "redis-cluster")]
-            Connection::ClusterPool(conn) => route_to(conn, cmd, redirect).await,
+            Connection::ClusterPool(conn) => route_to(conn, None, cmd, redirect).await,
             Connection::Server { .. } | Connection::Pool { .. } => Err(RedisError::from((
                 redis::ErrorKind::Client,
                 "a single server's connection follows no redirect",
@@ -765,43 +876,50 @@ impl Connection {
     }
 }
 
-/// `cmd` on the node `redirect` names, its reply or the error it tells.
+/// `cmd` on the node `redirect` names, its reply or the error it tells:
+/// through the cluster's connection, or, for a node it does not reach,
+/// through one of `outside`'s.
 #[cfg(feature = "redis-cluster")]
 async fn route_to(
     conn: &mut redis::cluster_async::ClusterConnection,
+    outside: Option<&Outside>,
     cmd: &redis::Cmd,
     redirect: &Redirect,
 ) -> redis::RedisResult<Value> {
     use redis::cluster_routing::{RoutingInfo, SingleNodeRoutingInfo};
 
-    match redirect {
-        Redirect::Moved { host, port } => {
-            let node = SingleNodeRoutingInfo::ByAddress {
-                host: host.clone(),
-                port: *port,
-            };
-            let reply = conn
-                .route_command(cmd.clone(), RoutingInfo::SingleNode(node))
-                .await?;
-            reply.extract_error()
+    let (Redirect::Moved { host, port } | Redirect::Ask { host, port }) = redirect;
+    let asking = matches!(redirect, Redirect::Ask { .. });
+    let node = SingleNodeRoutingInfo::ByAddress {
+        host: host.clone(),
+        port: *port,
+    };
+    let result = if asking {
+        let mut pipe = redis::pipe();
+        pipe.cmd("ASKING").add_command(cmd.clone());
+        // The call's reply alone: `ASKING`'s is skipped.
+        conn.route_pipeline(pipe, 1, 1, node)
+            .await
+            .and_then(|mut replies| {
+                replies.pop().ok_or_else(|| {
+                    RedisError::from((
+                        redis::ErrorKind::UnexpectedReturnType,
+                        "no reply to a call sent after ASKING",
+                    ))
+                })
+            })
+    } else {
+        conn.route_command(cmd.clone(), RoutingInfo::SingleNode(node))
+            .await
+    };
+    match (result, outside) {
+        // Sent nowhere: the node is not one the connection reaches.
+        (Err(error), Some(outside))
+            if error.kind() == redis::ErrorKind::ClusterConnectionNotFound =>
+        {
+            outside.send(host, *port, cmd, asking).await
         }
-        Redirect::Ask { host, port } => {
-            let node = SingleNodeRoutingInfo::ByAddress {
-                host: host.clone(),
-                port: *port,
-            };
-            let mut asking = redis::pipe();
-            asking.cmd("ASKING").add_command(cmd.clone());
-            // The call's reply alone: `ASKING`'s is skipped.
-            let mut replies = conn.route_pipeline(asking, 1, 1, node).await?;
-            match replies.pop() {
-                Some(reply) => reply.extract_error(),
-                None => Err(RedisError::from((
-                    redis::ErrorKind::UnexpectedReturnType,
-                    "no reply to a call sent after ASKING",
-                ))),
-            }
-        }
+        (result, _) => result.and_then(Value::extract_error),
     }
 }
 
@@ -866,14 +984,18 @@ impl ConnectionLike for Connection {
 /// within `within`: what a replacement must be to take a failed one's place.
 #[cfg(all(feature = "testing", feature = "redis-cluster"))]
 pub(crate) async fn cluster_is_complete(seed: String, within: Duration) -> bool {
-    let Ok(client) = redis::cluster::ClusterClientBuilder::new(vec![seed])
+    let Ok(client) = redis::cluster::ClusterClientBuilder::new(vec![seed.clone()])
         .retries(0)
         .connection_timeout(within)
         .build()
     else {
         return false;
     };
-    let connector = ClusterConnector { client };
+    let Ok(seed) = redis::IntoConnectionInfo::into_connection_info(seed.as_str()) else {
+        return false;
+    };
+    let outside = Arc::new(Outside::new(seed, redis::AsyncConnectionConfig::new()));
+    let connector = ClusterConnector { client, outside };
     let checked = async {
         let mut conn = connector.connect().await.ok()?;
         Some(ClusterConnector::complete(&mut conn).await)

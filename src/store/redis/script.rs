@@ -63,35 +63,42 @@ impl Invocation {
     /// Runs the script on `conn`, whose node knows it as `SCRIPT` or not
     /// at all. On a cluster whose slot of the call's keys moves (a
     /// resharding), the call goes where the slot's node tells it to go
-    /// (`MOVED`, `ASK`), and is sent again a moment later when its keys
-    /// are on both nodes (`TRYAGAIN`): a node answers those before it runs
-    /// anything, so a call sent again is never applied twice.
+    /// (`MOVED`, `ASK`; [`MAX_REDIRECTS`] in a row at most), and is sent
+    /// again a moment later while its keys are on both nodes (`TRYAGAIN`,
+    /// for [`TRY_AGAIN_FOR`] at most, or until the caller stops waiting): a
+    /// node answers those before it runs anything, so a call sent again is
+    /// never applied twice.
     pub(super) async fn invoke_async<T: FromRedisValue>(
         &self,
         conn: &mut Connection,
     ) -> redis::RedisResult<T> {
         let mut redirect = None;
+        let mut redirects = 0;
         let mut wait = FIRST_TRY_AGAIN_WAIT;
-        for _ in 0..MAX_REDIRECTS {
-            match self.run(conn, redirect.as_ref()).await {
-                Err(error) if conn.is_cluster() => {
-                    if let Some(to) = Redirect::of(&error) {
-                        redirect = Some(to);
-                    } else if error.kind() == ErrorKind::Server(ServerErrorKind::TryAgain) {
-                        // The slot's node says again where the call goes.
-                        redirect = None;
-                        tokio::time::sleep(wait).await;
-                        wait = (wait * 2).min(MAX_TRY_AGAIN_WAIT);
-                    } else {
-                        return Err(error);
-                    }
-                }
+        let mut waited = Duration::ZERO;
+        loop {
+            let error = match self.run(conn, redirect.as_ref()).await {
+                Err(error) if conn.is_cluster() => error,
                 reply => return Ok(T::from_redis_value(reply?)?),
+            };
+            match Redirect::of(&error) {
+                Some(to) if redirects < MAX_REDIRECTS => {
+                    redirects += 1;
+                    redirect = Some(to);
+                }
+                None if error.kind() == ErrorKind::Server(ServerErrorKind::TryAgain)
+                    && waited < TRY_AGAIN_FOR =>
+                {
+                    // The slot's node says again where the call goes.
+                    redirect = None;
+                    redirects = 0;
+                    tokio::time::sleep(wait).await;
+                    waited += wait;
+                    wait = (wait * 2).min(MAX_TRY_AGAIN_WAIT);
+                }
+                _ => return Err(error),
             }
         }
-        Ok(T::from_redis_value(
-            self.run(conn, redirect.as_ref()).await?,
-        )?)
     }
 
     /// The script's reply on `conn`, sent where `redirect` says, or by its
@@ -122,14 +129,19 @@ async fn send(
     }
 }
 
-/// Redirects and `TRYAGAIN`s a call follows; the next answer is its own.
-const MAX_REDIRECTS: usize = 8;
+/// Redirects in a row a call follows; the next answer is its own. (A slot
+/// moves once at a time: one `ASK` or `MOVED` is the usual case.)
+const MAX_REDIRECTS: usize = 4;
+
+/// How long a call answered `TRYAGAIN` is sent again: the keys of a slot
+/// move in batches, the rest follow in milliseconds; a move stuck half
+/// way (its tool stopped) is the operator's to finish.
+const TRY_AGAIN_FOR: Duration = Duration::from_secs(1);
 
 /// The wait before a call answered `TRYAGAIN` is sent again, twice as long
-/// each time up to `MAX_TRY_AGAIN_WAIT` (the keys of a slot move in
-/// batches: the rest follow in milliseconds).
-const FIRST_TRY_AGAIN_WAIT: Duration = Duration::from_millis(10);
-const MAX_TRY_AGAIN_WAIT: Duration = Duration::from_millis(100);
+/// each time up to `MAX_TRY_AGAIN_WAIT`.
+const FIRST_TRY_AGAIN_WAIT: Duration = Duration::from_millis(1);
+const MAX_TRY_AGAIN_WAIT: Duration = Duration::from_millis(10);
 
 /// Fields per line in the script's reply.
 pub(super) const FIELDS: usize = 5;
