@@ -2241,3 +2241,75 @@ async fn a_guarded_add_leaves_a_counter_made_since_alone() {
         assert_eq!(server.cli(&["hget", key.as_str(), "n"]), "1", "{name}");
     }
 }
+
+/// A late charge of two lines goes back line by line, each to the counter
+/// it was charged to: a line whose counter was reset and made anew in
+/// between is left alone, though the other line's counter was made later
+/// still.
+#[tokio::test]
+async fn a_late_charge_of_two_lines_goes_back_to_each_lines_own_counter() {
+    let server = redis_server_or_skip!();
+    let store = RedisStore::builder(server.url())
+        .timeout(Duration::from_millis(100))
+        .build()
+        .unwrap();
+    let other = RedisStore::builder(server.url())
+        .timeout(Duration::from_secs(3))
+        .build()
+        .unwrap();
+    let (a, b) = (key("late-two-a"), key("late-two-b"));
+    let two = |now: Timestamp| ChargeRequest {
+        now,
+        lines: smallvec::smallvec![
+            first_use(&a, 10, 1, now, hour()).lines[0].clone(),
+            first_use(&b, 10, 1, now, hour()).lines[0].clone(),
+        ],
+    };
+    let t0 = Timestamp::now();
+    // B made first, by a charge with a later instant.
+    admit(
+        &other,
+        first_use(&b, 10, 1, t0 + SignedDuration::from_millis(50), hour()),
+    )
+    .await;
+    admit(&other, first_use(&a, 10, 0, t0, hour())).await;
+
+    // While Redis holds every command: the two-line charge, which times
+    // out; a reset of A; a charge of A that makes it anew, dated between
+    // the charge's instant and B's first call.
+    assert_eq!(server.cli(&["client", "pause", "600", "all"]), "OK");
+    let error = store
+        .charge(two(t0))
+        .await
+        .expect_err("held past the store's timeout");
+    assert_eq!(error.kind(), StoreErrorKind::Timeout, "{error}");
+    let port = server.port();
+    let deleting = {
+        let a = a.as_str().to_owned();
+        std::thread::spawn(move || redis_support::cli(port, &["del", &a]))
+    };
+    tokio::time::sleep(Duration::from_millis(50)).await;
+    let anew = other
+        .charge(first_use(
+            &a,
+            10,
+            1,
+            t0 + SignedDuration::from_millis(20),
+            hour(),
+        ))
+        .await
+        .unwrap();
+    assert!(anew.admitted);
+    assert_eq!(deleting.join().unwrap(), "1");
+    tokio::time::sleep(Duration::from_millis(500)).await;
+    assert_eq!(
+        server.cli(&["hget", a.as_str(), "n"]),
+        "1",
+        "A's new counter: its own charge"
+    );
+    assert_eq!(
+        server.cli(&["hget", b.as_str(), "n"]),
+        "1",
+        "B: the late charge given back"
+    );
+}

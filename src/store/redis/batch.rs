@@ -31,7 +31,7 @@ use jiff::Timestamp;
 use smallvec::SmallVec;
 use tokio::sync::{oneshot, OwnedSemaphorePermit};
 
-use super::late::{latest_first_call, made_by};
+use super::late::{first_call_of, made_by, Refund};
 use super::{broken, refund_lines, wait_for, Inner, COUNTERS_LUA, FOLLOW_THROUGH, LATE};
 use crate::key::PeriodKey;
 
@@ -118,9 +118,10 @@ impl Answer {
 struct GiveBack {
     inner: Arc<Inner>,
     now: Timestamp,
-    /// The latest first call (ms) of the counters charged, as the reply
-    /// told: the give-back goes to counters made by then (see [`made_by`]).
-    first_call: Option<i64>,
+    /// Each line's counter's first call (ms), when the charge was applied
+    /// and the reply told: its give-back goes to a counter made by then
+    /// (see [`made_by`]).
+    first_calls: SmallVec<[Option<i64>; 2]>,
     /// The applied charge's lines; none once it is taken, or when it was
     /// not applied.
     lines: Lines,
@@ -132,16 +133,21 @@ impl Drop for GiveBack {
     fn drop(&mut self) {
         // The lines worth a refund, listed only now: an answer taken (the
         // common case) lists nothing.
-        let lines: Vec<(PeriodKey, u64)> = std::mem::take(&mut self.lines)
+        let now = self.now;
+        let lines: Vec<Refund> = std::mem::take(&mut self.lines)
             .into_iter()
-            .filter(|line| line.cost > 0)
-            .map(|line| (line.key, line.cost.unsigned_abs()))
+            .enumerate()
+            .filter(|(_, line)| line.cost > 0)
+            .map(|(i, line)| Refund {
+                key: line.key,
+                cost: line.cost.unsigned_abs(),
+                made_by: made_by(now, self.first_calls.get(i).copied().flatten()),
+            })
             .collect();
         if lines.is_empty() {
             return;
         }
         let inner = Arc::clone(&self.inner);
-        let (now, made_by) = (self.now, made_by(self.now, self.first_call));
         let permit = self.permit.take();
         let give_back = async move {
             let _permit = permit;
@@ -152,7 +158,7 @@ impl Drop for GiveBack {
             };
             let deadline = tokio::time::Instant::now() + FOLLOW_THROUGH;
             match inner.connections.ready_or_get(&timeouts, deadline).await {
-                Some(Ok(mut conn)) => refund_lines(&inner, &mut conn, lines, now, made_by).await,
+                Some(Ok(mut conn)) => refund_lines(&inner, &mut conn, lines, now).await,
                 _ => {
                     if let Some(suppressed) = LATE.admit() {
                         tracing::warn!(
@@ -417,20 +423,22 @@ fn answer(
     let mut values = values.into_iter();
     for pending in batch {
         let (applied, reply) = split(&mut values, &pending.lines);
+        let pending_lines = pending.lines.len();
         let Pending {
             now,
             lines,
             answer,
             permit,
         } = pending;
-        let first_call = match (&reply, applied) {
-            (Ok(reply), true) => latest_first_call(reply.as_slice()),
-            _ => None,
-        };
         let give_back = GiveBack {
             inner: Arc::clone(inner),
             now,
-            first_call,
+            first_calls: match (&reply, applied) {
+                (Ok(reply), true) => (0..pending_lines)
+                    .map(|i| first_call_of(reply, i))
+                    .collect(),
+                _ => SmallVec::new(),
+            },
             lines: if applied { lines } else { Lines::new() },
             permit: Some(permit),
         };

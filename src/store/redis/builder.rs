@@ -60,6 +60,10 @@ pub struct RedisStoreBuilder {
     batch_charges: bool,
 }
 
+/// The longest budget a store takes: well within the time a call is
+/// followed after its caller stopped waiting.
+const MAX_TIMEOUT: Duration = Duration::from_secs(10);
+
 impl RedisStoreBuilder {
     pub(super) fn new(source: Source) -> Self {
         Self {
@@ -85,7 +89,17 @@ impl RedisStoreBuilder {
     /// timeout](crate::QuotaPolicyBuilder::store_timeout) (100 ms by
     /// default), which stays an outer bound: past it the layer answers
     /// without the store's own error.
+    ///
+    /// # Panics
+    ///
+    /// When `timeout` is longer than 10 s: a call is followed for 30 s
+    /// from when it was sent, to give its charge back if Redis applies it
+    /// late, and that must leave time past the budget.
     pub fn timeout(mut self, timeout: Duration) -> Self {
+        assert!(
+            timeout <= MAX_TIMEOUT,
+            "a Redis store's timeout is at most {MAX_TIMEOUT:?} (got {timeout:?})"
+        );
         self.timeout = timeout;
         self
     }
@@ -304,4 +318,25 @@ fn tcp_settings() -> redis::io::tcp::TcpSettings {
     #[cfg(any(target_os = "android", target_os = "fuchsia", target_os = "linux"))]
     let settings = settings.set_user_timeout(TCP_USER_TIMEOUT);
     settings
+}
+
+#[cfg(test)]
+mod timeout_tests {
+    use std::time::Duration;
+
+    use crate::store::RedisStore;
+
+    #[test]
+    fn a_budget_of_ten_seconds_is_taken() {
+        let _ = RedisStore::builder("redis://127.0.0.1:1").timeout(Duration::from_secs(10));
+    }
+
+    /// A charge Redis applies after its caller stopped waiting is followed
+    /// for 30 s from when it was sent: a budget near that would leave it
+    /// unfollowed, and charged.
+    #[test]
+    #[should_panic(expected = "timeout is at most")]
+    fn a_budget_near_the_follow_through_is_refused() {
+        let _ = RedisStore::builder("redis://127.0.0.1:1").timeout(Duration::from_secs(31));
+    }
 }

@@ -35,42 +35,61 @@ pub(super) enum Sends {
 pub(super) struct GiveBack<T> {
     /// Whether the answer says the charge was applied.
     pub(super) applied: fn(&T) -> bool,
-    /// The latest first call (ms) of the counters the answer says were
-    /// charged, if it tells.
-    pub(super) first_call: fn(&T) -> Option<i64>,
-    pub(super) lines: Vec<(PeriodKey, u64)>,
+    /// The first call (ms) of the counter the line at an index of the
+    /// charge was charged to, if the answer tells.
+    pub(super) first_call: fn(&T, usize) -> Option<i64>,
+    /// The lines worth a refund: each one's index in the charge, key and
+    /// cost.
+    pub(super) lines: Vec<(usize, PeriodKey, u64)>,
     /// The instant of the charge: the refund goes to the counters live then.
     pub(super) now: Timestamp,
 }
 
 impl<T> GiveBack<T> {
-    /// The instant the give-back of a charge answered with `value` goes
-    /// by: see [`made_by`].
-    pub(super) fn made_by(&self, value: &T) -> Timestamp {
-        made_by(self.now, (self.first_call)(value))
+    /// The refunds of a charge answered with `value`: each line's key and
+    /// cost, and the instant its refund goes by (see [`made_by`]), from its
+    /// own counter's first call.
+    pub(super) fn refunds(self, value: &T) -> Vec<Refund> {
+        self.lines
+            .into_iter()
+            .map(|(i, key, cost)| Refund {
+                key,
+                cost,
+                made_by: made_by(self.now, (self.first_call)(value, i)),
+            })
+            .collect()
     }
 }
 
-/// The instant a give-back of a charge made at `now` goes by: only to
-/// counters made by then. The charge's instant, or the latest `first_call`
-/// (ms) of the counters it was charged to when that is later (a concurrent
-/// charge with a later instant made one first). A counter made anew after
-/// a reset is younger than both.
+/// A line of a charge Redis applied after its caller stopped waiting, to
+/// give back.
+pub(super) struct Refund {
+    pub(super) key: PeriodKey,
+    pub(super) cost: u64,
+    /// Only to a counter made by this instant (see [`made_by`]).
+    pub(super) made_by: Timestamp,
+}
+
+/// The instant a give-back of a line charged at `now` goes by: only to a
+/// counter made by then. The charge's instant, or the first call (ms) of
+/// the counter the line was charged to when that is later (a concurrent
+/// charge with a later instant made it first). A counter made anew after
+/// a reset is younger than both. Each line by its own counter's: a line
+/// going by another's later first call could reach a counter made anew in
+/// between.
 pub(super) fn made_by(now: Timestamp, first_call: Option<i64>) -> Timestamp {
     let first_call = first_call.and_then(|ms| Timestamp::from_millisecond(ms).ok());
     crate::store::made_by(now, first_call)
 }
 
-/// The latest first call (ms) among the lines of a charge's reply in the
-/// script's form (the admission, then five values per line, the fourth the
-/// counter's first call, -1 when it has none).
-pub(super) fn latest_first_call(reply: &[i64]) -> Option<i64> {
+/// The first call (ms) of the counter of line `i` in a charge's reply in
+/// the script's form (the admission, then five values per line, the fourth
+/// the counter's first call, -1 when it has none).
+pub(super) fn first_call_of(reply: &[i64], i: usize) -> Option<i64> {
     reply
-        .get(1..)?
-        .chunks_exact(super::FIELDS)
-        .map(|fields| fields[3])
+        .get(1 + i * super::FIELDS + 3)
+        .copied()
         .filter(|&ms| ms >= 0)
-        .max()
 }
 
 /// The give-back of a charge (`op` `c`); other calls have none.
@@ -78,12 +97,13 @@ pub(super) fn give_back(op: &str, request: &ChargeRequest) -> Option<GiveBack<Ve
     (op == "c").then(|| GiveBack {
         // The script's reply opens with 1 when every line was charged.
         applied: |reply: &Vec<i64>| reply.first() == Some(&1),
-        first_call: |reply: &Vec<i64>| latest_first_call(reply),
+        first_call: |reply: &Vec<i64>, i| first_call_of(reply, i),
         lines: request
             .lines
             .iter()
-            .filter(|line| line.cost > 0)
-            .map(|line| (line.key.clone(), line.cost))
+            .enumerate()
+            .filter(|(_, line)| line.cost > 0)
+            .map(|(i, line)| (i, line.key.clone(), line.cost))
             .collect(),
         now: request.now,
     })
@@ -191,24 +211,23 @@ pub(super) async fn follow_through<T>(
     if !(give_back.applied)(&value) {
         return;
     }
-    let made_by = give_back.made_by(&value);
-    refund_lines(&inner, &mut conn, give_back.lines, give_back.now, made_by).await;
+    let now = give_back.now;
+    refund_lines(&inner, &mut conn, give_back.refunds(&value), now).await;
 }
 
 /// Gives back an applied charge whose caller stopped waiting, line by line,
 /// with the refund of [`Store::refund_made_by`] at the charge's instant
-/// `now`, to counters made by `made_by` (see [`made_by`]).
+/// `now`, each to a counter made by its `made_by` (see [`made_by`]).
 pub(super) async fn refund_lines(
     inner: &Inner,
     conn: &mut Connection,
-    lines: Vec<(PeriodKey, u64)>,
+    lines: Vec<Refund>,
     now: Timestamp,
-    made_by: Timestamp,
 ) {
     let (mut refunded, mut missed, mut refused) = (0, 0, 0);
     let mut first_miss: Option<(PeriodKey, String)> = None;
     let mut answering = true;
-    for (key, cost) in lines {
+    for Refund { key, cost, made_by } in lines {
         if !answering {
             // The connection stopped answering: the rest waits no longer.
             missed += 1;

@@ -490,18 +490,15 @@ impl RedisStore {
                     .give_back
                     .take()
                     .filter(|back| (back.applied)(&value))
-                    .map(|back| {
-                        let made_by = back.made_by(&value);
-                        (back, made_by)
-                    });
+                    .map(|back| (back.now, back.refunds(&value)));
                 let read = read(value);
-                if let (Err(_), Some((back, made_by))) = (&read, give_back) {
+                if let (Err(_), Some((now, refunds))) = (&read, give_back) {
                     // Applied, but not an answer this store can stand by.
                     let inner = Arc::clone(inner);
                     let permit = call.permit.take();
                     tokio::spawn(async move {
                         let _permit = permit;
-                        refund_lines(&inner, &mut conn, back.lines, back.now, made_by).await;
+                        refund_lines(&inner, &mut conn, refunds, now).await;
                     });
                 }
                 read
@@ -606,10 +603,10 @@ impl RedisStore {
             applied: |reply: &Vec<i64>| reply.first().is_some_and(|&count| count >= 0),
             // A give-back goes to the counter the settle added to, though a
             // charge with a later instant made it first.
-            first_call: |reply: &Vec<i64>| reply.get(1).copied().filter(|&ms| ms >= 0),
+            first_call: |reply: &Vec<i64>, _| reply.get(1).copied().filter(|&ms| ms >= 0),
             // As for a charge, a line of nothing has nothing to give back.
             lines: (debt.amount > 0)
-                .then(|| (key.clone(), debt.amount))
+                .then(|| (0, key.clone(), debt.amount))
                 .into_iter()
                 .collect(),
             now,
