@@ -92,6 +92,21 @@ async fn the_same_quota_of_two_policies_on_one_store_counts_once() {
     assert_eq!(used(&a, "default-day").await, 1, "one admission");
 }
 
+/// The same quota in two policies on one store, one reading each caller's
+/// zone and the other not, would count a caller on two counters (the
+/// caller's day and the quota's): refused where the second layer is made.
+#[test]
+#[should_panic(expected = "one reading each caller's time zone and the other not")]
+fn the_same_quota_of_two_policies_keyed_in_different_zones_is_refused() {
+    let store = MemoryStore::new();
+    let zoned = policy(store.clone(), "quota")
+        .time_zone(|_| Ok(None))
+        .build();
+    let plain = policy(store, "quota").build();
+    let _a = zoned.layer(Quota::daily(10));
+    let _b = plain.layer(Quota::daily(10));
+}
+
 /// A policy whose store fails further in lets the request through (fail
 /// open); dropped later while another policy's store stalls, the request
 /// gets its outer charge back: it was never answered.

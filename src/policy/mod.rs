@@ -136,8 +136,17 @@ impl<E, St: Store> Policy<E, St> {
             if claim.store != store
                 || claim.policy == self.id
                 || claim.namespace != self.settings.namespace
-                || claim.quota.same_as(quota)
             {
+                continue;
+            }
+            if claim.quota.same_as(quota) {
+                // One budget, counted once per request, only if both
+                // policies key a caller's calendar counters alike.
+                assert!(
+                    claim.any_zone == any_zone || quota.anchor() != crate::Anchor::Calendar,
+                    "the same quota {:?} in two policies on one store and namespace, one reading each caller's time zone and the other not, would count a caller on two counters; give both policies the same time_zone, or the quota its own allowance in one of them",
+                    quota.name(),
+                );
                 continue;
             }
             assert!(
