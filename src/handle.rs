@@ -259,9 +259,14 @@ impl<St: Store> QuotaHandle<St> {
             })?;
         let plan = self.known_plan(self.plan_of(parts))?;
         let zone = self.zone_of(parts).map_err(StandingError::Zone)?;
+        // A request that names no zone counts in the quotas' own, whatever
+        // zone this handle is in.
         let handle = match zone {
             Some(zone) => self.in_zone(zone),
-            None => self.clone(),
+            None => Self {
+                zone: None,
+                ..self.clone()
+            },
         };
         handle
             .usage_on_plan(&subject, plan.as_deref())
@@ -315,16 +320,20 @@ impl<St: Store> QuotaHandle<St> {
     }
 
     /// Gives `amount` back to `subject` on every quota's current counter,
-    /// e.g. after a request failed on the server's side. Creates nothing and
-    /// moves no deadline. Same as [`QuotaHandle::refund_at`] at the clock's
-    /// current instant.
+    /// whenever it was made: a support gesture. Creates nothing and moves no
+    /// deadline. To undo a request's own charge (it failed on the server's
+    /// side), use [`QuotaHandle::refund_at`] with the instant it was
+    /// charged ([`QuotaStatus::charged_at`](crate::QuotaStatus::charged_at)),
+    /// which leaves a counter made since alone.
     pub async fn refund(
         &self,
         subject: &Subject,
         amount: u64,
     ) -> Result<Vec<Option<u64>>, StoreError> {
+        let quotas = self.quotas();
         let now = self.settings().clock.now();
-        self.refund_at(subject, now, amount).await
+        self.refund_quotas(&quotas, subject, now, None, amount)
+            .await
     }
 
     /// Gives `amount` back to `subject` on the counters of the periods that
@@ -333,11 +342,10 @@ impl<St: Store> QuotaHandle<St> {
     ///
     /// Returns, per quota, what the counter holds afterwards, or `None` when
     /// nothing was refunded: that period has ended (calendar), or the
-    /// subject's first-use period started after `charged_at`.
-    ///
-    /// A first-use counter is read, then refunded, in two calls to the
-    /// store: if its period ends and a new one opens in between, the new
-    /// period gets the refund.
+    /// counter was made after `charged_at` (the subject's first-use period
+    /// started later, or support reset the counter and a later charge made
+    /// it anew), as the layer's own give-backs
+    /// ([`Store::refund_made_by`]).
     pub async fn refund_at(
         &self,
         subject: &Subject,
@@ -345,38 +353,27 @@ impl<St: Store> QuotaHandle<St> {
         amount: u64,
     ) -> Result<Vec<Option<u64>>, StoreError> {
         let quotas = self.quotas();
-        self.refund_quotas(&quotas, subject, charged_at, amount)
+        self.refund_quotas(&quotas, subject, charged_at, Some(charged_at), amount)
             .await
     }
 
+    /// Refunds `amount` on the counters of `quotas` for `subject` in the
+    /// periods open at `at`; only to counters made by `made_by`, if given.
     async fn refund_quotas(
         &self,
         quotas: &[Quota],
         subject: &Subject,
-        charged_at: Timestamp,
+        at: Timestamp,
+        made_by: Option<Timestamp>,
         amount: u64,
     ) -> Result<Vec<Option<u64>>, StoreError> {
         let now = self.settings().clock.now();
-        let lines = self.lines(quotas, subject, charged_at, None);
-        let current = self
-            .shared
-            .store()
-            .peek(ChargeRequest {
-                now,
-                lines: lines.iter().cloned().collect(),
-            })
-            .await?;
-        let mut refunded = Vec::with_capacity(lines.len());
-        for ((line, usage), quota) in lines.into_iter().zip(current).zip(quotas) {
-            // A first-use period that opened after the charge is not the one
-            // charged. (A calendar counter's first call tells no period: the
-            // window is in its key.)
-            let later_period = quota.anchor() == crate::period::Anchor::FirstUse
-                && usage.first_call.is_some_and(|first| first > charged_at);
-            refunded.push(if later_period {
-                None
-            } else {
-                self.shared.store().refund(now, line.key, amount).await?
+        let store = self.shared.store();
+        let mut refunded = Vec::with_capacity(quotas.len());
+        for line in self.lines(quotas, subject, at, None) {
+            refunded.push(match made_by {
+                Some(made_by) => store.refund_made_by(now, line.key, amount, made_by).await?,
+                None => store.refund(now, line.key, amount).await?,
             });
         }
         Ok(refunded)
@@ -413,7 +410,9 @@ impl<St: Store> QuotaHandle<St> {
     ) -> Result<Vec<Option<u64>>, StoreError> {
         let quotas = self.quotas_of(allowance);
         let now = self.settings().clock.now();
-        self.refund_quotas(&quotas, subject, now, amount).await
+        // The current counters, whoever made them and when.
+        self.refund_quotas(&quotas, subject, now, None, amount)
+            .await
     }
 
     fn quotas_of(&self, allowance: &str) -> Vec<Quota> {

@@ -309,7 +309,10 @@ impl Ledger {
             }
             if debt.amount > most {
                 // More than the store counts: it would refuse the whole
-                // settle. What it can hold is owed; the rest goes uncounted.
+                // settle. What it can hold is owed; the rest goes uncounted,
+                // owed and dropped at once (so that owed is what was
+                // settled and dropped).
+                crate::metrics::ledger_owed(debt.amount - most);
                 crate::metrics::ledger_dropped(
                     crate::metrics::dropped::REFUSED,
                     debt.amount - most,

@@ -1168,6 +1168,29 @@ fn allowance_tags_must_be_printable_ascii() {
     let _ = Quota::daily(1).allowance("lesen\n");
 }
 
+/// Undoing a request's charge after support reset the counter and a later
+/// request made it anew leaves the new counter alone, as the layer's own
+/// give-backs do; a support refund goes to the current counter.
+#[tokio::test]
+async fn a_refund_of_a_charge_made_before_a_reset_leaves_the_new_counter_alone() {
+    let t0 = at("2026-12-02T10:00:00Z");
+    let clock = ManualClock::new(t0);
+    let layer = QuotaPolicy::builder(account())
+        .clock(clock.clone())
+        .build()
+        .layer(Quota::daily(5));
+    let handle = layer.handle();
+    let app = hello(layer);
+    let acme = tower_quota::Subject::account("acme");
+    assert_eq!(get_as(&app, "/", "acme").await.status, StatusCode::OK);
+    handle.reset(&acme).await.unwrap();
+    clock.set(at("2026-12-02T10:00:01Z"));
+    assert_eq!(get_as(&app, "/", "acme").await.status, StatusCode::OK);
+    assert_eq!(handle.refund_at(&acme, t0, 1).await.unwrap(), [None]);
+    assert_eq!(handle.usage(&acme).await.unwrap()[0].used(), 1);
+    assert_eq!(handle.refund(&acme, 1).await.unwrap(), [Some(0)]);
+}
+
 #[tokio::test]
 async fn a_refund_after_midnight_does_not_credit_the_new_day() {
     let clock = ManualClock::new(at("2026-12-02T23:59:59Z"));

@@ -451,6 +451,31 @@ fn a_shadow_quota_over_its_limit_is_counted_as_shadow_refused() {
     assert_eq!(shadow, 1, "one series, for the two requests over the limit");
 }
 
+/// A request an enforced quota refuses was not let through by a shadow
+/// quota beside it: not counted as the shadow quota's refusal.
+#[test]
+fn a_request_refused_is_no_shadow_refusal() {
+    let seen = recorded(|| async {
+        let app = Router::new().route("/", get(|| async { "hi" })).layer(
+            QuotaLayer::new(Quota::per_minute(2).allowance("read"), account())
+                .quota(Quota::per_minute(1).allowance("trial").shadow()),
+        );
+        for expected in [
+            StatusCode::OK,
+            StatusCode::OK,
+            StatusCode::TOO_MANY_REQUESTS,
+        ] {
+            assert_eq!(get_as(&app, "/", Some(SUBJECT), &[]).await, expected);
+        }
+    });
+    let trial = [("outcome", "shadow_refused"), ("allowance", "trial")];
+    assert_eq!(
+        seen.counter(DECISIONS, &trial),
+        1,
+        "the second request only"
+    );
+}
+
 /// A leased store counts the blocks it takes, the charges it answers from
 /// them, and the unused units it gives back.
 #[test]

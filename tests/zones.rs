@@ -336,6 +336,25 @@ async fn the_demo_server_reads_the_callers_zone_from_a_header() {
     assert_eq!(json["read"]["used"], 1);
 }
 
+/// A handle in a zone tells a request that names none where it stands in
+/// the quotas' own zone, where the layer counted it.
+#[tokio::test]
+async fn a_handle_in_a_zone_reads_a_request_without_one_in_the_quotas_zone() {
+    let clock = ManualClock::new(at("2026-12-02T10:00:00Z"));
+    let (app, policy) = app(&clock);
+    assert_eq!(send(&app, "acme", None).await.status(), StatusCode::OK);
+    let tokyo = policy
+        .handle()
+        .in_zone(TimeZone::get("Asia/Tokyo").unwrap());
+    let (parts, ()) = Request::get("/")
+        .header("x-account-id", "acme")
+        .body(())
+        .unwrap()
+        .into_parts();
+    let standing = tokyo.standing(&parts).await.unwrap();
+    assert_eq!(standing[0].used(), 1);
+}
+
 /// The support router's `?zone=` reaches the caller's own counters.
 #[tokio::test]
 async fn the_support_router_sees_and_resets_a_callers_day_in_their_zone() {

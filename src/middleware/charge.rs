@@ -405,7 +405,7 @@ pub(crate) fn decide(
     charge.span.record("outcome", outcome);
     match answer {
         Ok(mut outcome) => {
-            shadow_limits(charge, quotas, &mut outcome.usage);
+            shadow_limits(charge, quotas, &mut outcome.usage, outcome.admitted);
             if !outcome.admitted {
                 return Decision::Refuse(outcome.usage);
             }
@@ -447,8 +447,10 @@ pub(crate) fn hidden(error: &StoreError) -> String {
 }
 
 /// Shadow quotas were charged without a limit: their usage gets the limit
-/// the client is told, and a request over it is logged and counted.
-fn shadow_limits(charge: &Charge, quotas: &[Quota], usage: &mut [Usage]) {
+/// the client is told, and a request `admitted` over it is logged and
+/// counted (one refused by an enforced quota was not let through by the
+/// shadow one).
+fn shadow_limits(charge: &Charge, quotas: &[Quota], usage: &mut [Usage], admitted: bool) {
     let plan = charge.caller().plan.as_deref();
     for (quota, usage) in quotas.iter().zip(usage) {
         if !quota.is_shadow() {
@@ -456,7 +458,7 @@ fn shadow_limits(charge: &Charge, quotas: &[Quota], usage: &mut [Usage]) {
         }
         let limit = quota.limit_for(plan);
         usage.limit = limit;
-        if usage.used > limit {
+        if admitted && usage.used > limit {
             crate::metrics::decisions(
                 crate::metrics::outcome::SHADOW_REFUSED,
                 std::iter::once(quota.allowance_shared()),
