@@ -55,8 +55,9 @@
 //! requests are counted from blocks taken from the store (Redis) in one
 //! charge, and the unused units go back when the subject has been idle for
 //! `--lease-idle` milliseconds (1000 by default). On Ctrl-C or SIGTERM the
-//! server stops taking requests, finishes those under way, gives every
-//! unused unit back, and exits.
+//! server stops taking requests, finishes those under way (for 5 s at
+//! most, or until a second signal), gives every unused unit back, and
+//! exits.
 
 #[path = "shared/period.rs"]
 mod period;
@@ -68,6 +69,7 @@ mod floor;
 
 use std::net::SocketAddr;
 use std::process::exit;
+use std::sync::Arc;
 use std::time::Duration;
 
 use period::parse_period;
@@ -88,7 +90,7 @@ use tower_quota::{
 
 const USAGE: &str =
     "usage: server [--listen ADDR] [--limit N] [--period 10s|1m|1h|1d|1w|1mo|Ns|Nm|Nh] \
-[--anchor calendar|first-use] [--tz ZONE] [--subject account|user|device] [--store memory|redis://HOST:PORT/|rediss://HOST:PORT/|redis+unix:///PATH] \
+[--anchor calendar|first-use] [--tz ZONE] [--subject account|user|device] [--store memory|redis://HOST:PORT/|redis+unix:///PATH] \
 [--on-store-error open|closed] [--quota on|off|fields|governor] [--burst N] [--plans NAME=N,NAME=N] [--admin-token T | --admin-token-file PATH] \
 [--shadow] [--metrics] [--zone-header NAME] [--lease] [--lease-idle MS]";
 
@@ -191,6 +193,9 @@ fn parse_args() -> Options {
     };
     let mut tz = None;
     let mut lease_idle_given = false;
+    // Flags that shape the quota, refused when there is none.
+    let mut quota_flags: Vec<String> = Vec::new();
+    let mut calendar_period = true;
     let mut args = std::env::args().skip(1);
     while let Some(flag) = args.next() {
         if flag == "--help" || flag == "-h" {
@@ -213,6 +218,18 @@ fn parse_args() -> Options {
         let value = args
             .next()
             .unwrap_or_else(|| fail(&format!("{flag} needs a value")));
+        if [
+            "--burst",
+            "--on-store-error",
+            "--plans",
+            "--admin-token",
+            "--admin-token-file",
+            "--zone-header",
+        ]
+        .contains(&flag.as_str())
+        {
+            quota_flags.push(flag.clone());
+        }
         let whole = |value: &str| -> u64 {
             value
                 .parse()
@@ -233,7 +250,10 @@ fn parse_args() -> Options {
                 }
             },
             "--burst" => options.burst = whole(&value),
-            "--period" => options.period = parse_period(&value).unwrap_or_else(|e| fail(&e)),
+            "--period" => {
+                options.period = parse_period(&value).unwrap_or_else(|e| fail(&e));
+                calendar_period = ["1m", "1h", "1d", "1w", "1mo"].contains(&value.as_str());
+            }
             "--anchor" => {
                 options.anchor = match value.as_str() {
                     "calendar" => Anchor::Calendar,
@@ -299,6 +319,24 @@ fn parse_args() -> Options {
     }
     if lease_idle_given && !options.lease {
         fail("--lease-idle sets the idle bound of --lease, which is not given");
+    }
+    if options.shadow {
+        quota_flags.push("--shadow".into());
+    }
+    if options.lease {
+        quota_flags.push("--lease".into());
+    }
+    if options.quota != Mode::On && !quota_flags.is_empty() {
+        fail(&format!(
+            "{} shape the quota, which --quota off, fields or governor leaves out",
+            quota_flags.join(", ")
+        ));
+    }
+    if options.lease && options.store == "memory" {
+        fail("--lease takes blocks of a store many servers share (a redis:// URL); the memory store is this process's own");
+    }
+    if options.zone_header.is_some() && (options.anchor == Anchor::FirstUse || !calendar_period) {
+        fail("--zone-header sets where each caller's calendar days turn: it needs --anchor calendar and a calendar --period (1m, 1h, 1d, 1w, 1mo)");
     }
     options
 }
@@ -644,16 +682,15 @@ async fn serve(options: Options) {
             leased_or_not(&options, store).await;
         }
         #[cfg(feature = "redis")]
-        url if url.starts_with("redis://")
-            || url.starts_with("rediss://")
-            || url.starts_with("redis+unix://") =>
-        {
+        // (No `rediss://`: the crate's Redis client is built without TLS.)
+        url if url.starts_with("redis://") || url.starts_with("redis+unix://") => {
+            let shown = without_password(url);
             let store = tower_quota::store::RedisStore::new(url)
-                .unwrap_or_else(|e| fail(&format!("--store {url:?}: {e}")));
+                .unwrap_or_else(|e| fail(&format!("--store {shown:?}: {e}")));
             // Open a connection and load the script now, so the first
             // requests do not pay for it (and a wrong URL shows at once).
             if let Err(e) = store.preload().await {
-                eprintln!("warning: {url} is not answering yet: {e}");
+                eprintln!("warning: {shown} is not answering yet: {e}");
             }
             leased_or_not(&options, store.clone()).await;
             // Calls followed after their callers stopped waiting (a charge or
@@ -664,9 +701,10 @@ async fn serve(options: Options) {
             }
         }
         other => fail(&format!(
-            "--store {other:?}: use `memory`{}",
+            "--store {:?}: use `memory`{}",
+            without_password(other),
             if cfg!(feature = "redis") {
-                " or a redis://, rediss:// or redis+unix:// URL"
+                " or a redis:// or redis+unix:// URL"
             } else {
                 " (build with --features redis for a redis:// URL)"
             }
@@ -702,7 +740,7 @@ async fn run<St: Store>(options: &Options, store: St) {
         options.limit,
         options.period.name(),
         options.anchor,
-        options.store,
+        without_password(&options.store),
         if options.lease { ", leased" } else { "" },
         match options.quota {
             Mode::On => "on",
@@ -711,10 +749,27 @@ async fn run<St: Store>(options: &Options, store: St) {
             Mode::Governor => "governor",
         },
     );
-    axum::serve(listener, app)
-        .with_graceful_shutdown(stop_signal())
-        .await
-        .unwrap();
+    // On a signal, new connections stop and those open finish their
+    // requests: for `DRAIN` at most (a client that never finishes sending
+    // its request would hold the server forever), or until a second signal.
+    let stopping = Arc::new(tokio::sync::Notify::new());
+    let serving = axum::serve(listener, app).with_graceful_shutdown({
+        let stopping = Arc::clone(&stopping);
+        async move {
+            stop_signal().await;
+            stopping.notify_one();
+        }
+    });
+    tokio::select! {
+        served = serving => served.unwrap(),
+        () = async {
+            stopping.notified().await;
+            tokio::select! {
+                () = tokio::time::sleep(DRAIN) => {}
+                () = stop_signal() => {}
+            }
+        } => eprintln!("connections still open when the server stopped were closed"),
+    }
     // Admissions made while the store was away (`--on-store-error open`)
     // are counted before the server goes.
     if let Some(policy) = policy {
@@ -727,6 +782,23 @@ async fn run<St: Store>(options: &Options, store: St) {
         }
     }
 }
+
+/// `url` with its user part (a name and password), if any, shown as
+/// `***`: what the server prints of a Redis URL.
+fn without_password(url: &str) -> String {
+    let Some((scheme, rest)) = url.split_once("://") else {
+        return url.to_owned();
+    };
+    let authority_end = rest.find('/').unwrap_or(rest.len());
+    match rest[..authority_end].rsplit_once('@') {
+        Some((_, host)) => format!("{scheme}://***@{host}{}", &rest[authority_end..]),
+        None => url.to_owned(),
+    }
+}
+
+/// How long the server waits, once told to stop, for the requests on its
+/// connections to finish.
+const DRAIN: Duration = Duration::from_secs(5);
 
 /// Ctrl-C, or SIGTERM on Unix.
 async fn stop_signal() {

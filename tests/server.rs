@@ -160,6 +160,13 @@ fn demo_server_refuses_bad_flags() {
         &["--admin-token-file", "/nonexistent/token"],
         &["--lease-idle", "500"],
         &["--quota", "count"],
+        // Flags of a quota, with none, or where they would do nothing.
+        &["--quota", "off", "--admin-token", "s3cret"],
+        &["--quota", "fields", "--plans", "a=1"],
+        &["--quota", "governor", "--shadow"],
+        &["--lease"],
+        &["--anchor", "first-use", "--zone-header", "x-tz"],
+        &["--period", "10s", "--zone-header", "x-tz"],
     ] {
         let output = Command::new(server_binary()).args(args).output().unwrap();
         assert_eq!(output.status.code(), Some(2), "{args:?}");
@@ -456,4 +463,69 @@ async fn demo_server_serves_its_metrics_uncharged() {
     let status = call(&server, "GET", "/quota", ACME).await;
     let json: serde_json::Value = serde_json::from_str(&status.body).unwrap();
     assert_eq!(json["read"]["used"], 2);
+}
+
+/// A client that never finishes sending its request does not hold the
+/// server once it is told to stop: it stops within its drain time, or at
+/// once on a second signal.
+#[test]
+fn a_stalled_client_does_not_hold_a_stopping_server() {
+    use std::io::Write;
+    use std::time::Duration;
+
+    for second_signal in [false, true] {
+        let mut server = start(&[]);
+        let mut stalled = std::net::TcpStream::connect(&server.addr).unwrap();
+        stalled
+            .write_all(b"GET /read HTTP/1.1\r\nhost: test\r\n")
+            .unwrap();
+        std::thread::sleep(Duration::from_millis(200));
+        server.signal("TERM");
+        if second_signal {
+            std::thread::sleep(Duration::from_millis(200));
+            server.signal("TERM");
+            assert!(
+                server.ended_within(Duration::from_secs(2)),
+                "a second signal stops the server at once"
+            );
+        } else {
+            assert!(
+                !server.ended_within(Duration::from_secs(1)),
+                "the open request is given time to finish"
+            );
+            assert!(
+                server.ended_within(Duration::from_secs(8)),
+                "the server stops within its drain time"
+            );
+        }
+        drop(stalled);
+    }
+}
+
+/// The password of a Redis URL is never printed: the first line shows the
+/// store with its user part hidden, and so does the warning that it does
+/// not answer.
+#[cfg(feature = "redis")]
+#[test]
+fn demo_server_hides_the_password_of_its_redis_url() {
+    use std::io::{BufRead, BufReader};
+    use std::process::Stdio;
+
+    let mut child = Command::new(server_binary())
+        .args(["--listen", "127.0.0.1:0"])
+        .args(["--store", "redis://admin:hunter2@127.0.0.1:1/"])
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped())
+        .spawn()
+        .unwrap();
+    let mut line = String::new();
+    BufReader::new(child.stdout.take().unwrap())
+        .read_line(&mut line)
+        .unwrap();
+    let _ = child.kill();
+    let output = child.wait_with_output().unwrap();
+    let stderr = String::from_utf8_lossy(&output.stderr);
+    assert!(line.contains("redis://***@127.0.0.1:1/"), "{line}");
+    assert!(!line.contains("hunter2"), "{line}");
+    assert!(!stderr.contains("hunter2"), "{stderr}");
 }
