@@ -9,7 +9,7 @@ use std::sync::Arc;
 
 use http::request::Parts;
 use jiff::tz::TimeZone;
-use jiff::Timestamp;
+use jiff::{SignedDuration, Timestamp};
 
 use crate::middleware::QuotaLayer;
 use crate::policy::{InvalidRequest, Policy, QuotaPolicy, Settings};
@@ -353,6 +353,12 @@ impl<St: Store> QuotaHandle<St> {
         amount: u64,
     ) -> Result<Vec<Option<u64>>, StoreError> {
         let quotas = self.quotas();
+        // No period of a charge centuries away from now is open: nothing
+        // to refund (and no window to compute near the end of time).
+        let now = self.settings().clock.now();
+        if charged_at.duration_since(now).abs() > SignedDuration::from_hours(100 * 366 * 24) {
+            return Ok(vec![None; quotas.len()]);
+        }
         self.refund_quotas(&quotas, subject, charged_at, Some(charged_at), amount)
             .await
     }

@@ -1191,6 +1191,24 @@ async fn a_refund_of_a_charge_made_before_a_reset_leaves_the_new_counter_alone()
     assert_eq!(handle.refund(&acme, 1).await.unwrap(), [Some(0)]);
 }
 
+/// A charge's instant at the end of time has no open period: nothing to
+/// refund, and no panic computing one.
+#[tokio::test]
+async fn a_refund_at_the_end_of_time_refunds_nothing() {
+    let layer = QuotaPolicy::builder(account())
+        .build()
+        .layer(Quota::daily(5))
+        .quota(Quota::rolling(5, std::time::Duration::from_secs(3_600)));
+    let handle = layer.handle();
+    let acme = tower_quota::Subject::account("acme");
+    for at in [
+        tower_quota::jiff::Timestamp::MAX,
+        tower_quota::jiff::Timestamp::MIN,
+    ] {
+        assert_eq!(handle.refund_at(&acme, at, 1).await.unwrap(), [None, None]);
+    }
+}
+
 #[tokio::test]
 async fn a_refund_after_midnight_does_not_credit_the_new_day() {
     let clock = ManualClock::new(at("2026-12-02T23:59:59Z"));
