@@ -783,16 +783,22 @@ async fn run<St: Store>(options: &Options, store: St) {
     }
 }
 
-/// `url` with its user part (a name and password), if any, shown as
-/// `***`: what the server prints of a Redis URL.
+/// `url` with its user part (a name and password) and its query (where a
+/// `redis+unix://` URL takes `pass=`), if any, shown as `***`: what the
+/// server prints of a Redis URL.
 fn without_password(url: &str) -> String {
     let Some((scheme, rest)) = url.split_once("://") else {
         return url.to_owned();
     };
+    let (rest, query) = match rest.split_once('?') {
+        Some((rest, _)) => (rest, "?***"),
+        None => (rest, ""),
+    };
     let authority_end = rest.find('/').unwrap_or(rest.len());
-    match rest[..authority_end].rsplit_once('@') {
-        Some((_, host)) => format!("{scheme}://***@{host}{}", &rest[authority_end..]),
-        None => url.to_owned(),
+    let (authority, path) = rest.split_at(authority_end);
+    match authority.rsplit_once('@') {
+        Some((_, host)) => format!("{scheme}://***@{host}{path}{query}"),
+        None => format!("{scheme}://{rest}{query}"),
     }
 }
 

@@ -83,6 +83,11 @@ impl<E: SubjectExtractor, St: Send + Sync> PolicyView<St> for Policy<E, St> {
     }
 }
 
+/// How much later than the instant of a charge `refund_at` undoes its
+/// counter may have been made: by a request stamped a moment later that
+/// reached the store first, or by an instance whose clock is ahead.
+const MADE_BY_SLACK: SignedDuration = SignedDuration::from_secs(1);
+
 impl<St: Send + Sync + 'static> QuotaHandle<St> {
     fn of_policy<E: SubjectExtractor>(policy: Arc<Policy<E, St>>) -> Self {
         Self {
@@ -342,10 +347,13 @@ impl<St: Store> QuotaHandle<St> {
     ///
     /// Returns, per quota, what the counter holds afterwards, or `None` when
     /// nothing was refunded: that period has ended (calendar), or the
-    /// counter was made after `charged_at` (the subject's first-use period
-    /// started later, or support reset the counter and a later charge made
-    /// it anew), as the layer's own give-backs
-    /// ([`Store::refund_made_by`]).
+    /// counter was made more than a second after `charged_at` (the
+    /// subject's first-use period started later, or support reset the
+    /// counter and a later charge made it anew), as the layer's own
+    /// give-backs ([`Store::refund_made_by`]). The second tolerates a
+    /// counter that a request stamped a moment later made first (requests
+    /// at once, instances' clocks apart), which the request being undone
+    /// was charged to.
     pub async fn refund_at(
         &self,
         subject: &Subject,
@@ -359,7 +367,10 @@ impl<St: Store> QuotaHandle<St> {
         if charged_at.duration_since(now).abs() > SignedDuration::from_hours(100 * 366 * 24) {
             return Ok(vec![None; quotas.len()]);
         }
-        self.refund_quotas(&quotas, subject, charged_at, Some(charged_at), amount)
+        let made_by = charged_at
+            .saturating_add(MADE_BY_SLACK)
+            .unwrap_or(charged_at);
+        self.refund_quotas(&quotas, subject, charged_at, Some(made_by), amount)
             .await
     }
 

@@ -1184,11 +1184,35 @@ async fn a_refund_of_a_charge_made_before_a_reset_leaves_the_new_counter_alone()
     let acme = tower_quota::Subject::account("acme");
     assert_eq!(get_as(&app, "/", "acme").await.status, StatusCode::OK);
     handle.reset(&acme).await.unwrap();
-    clock.set(at("2026-12-02T10:00:01Z"));
+    clock.set(at("2026-12-02T10:00:02Z"));
     assert_eq!(get_as(&app, "/", "acme").await.status, StatusCode::OK);
     assert_eq!(handle.refund_at(&acme, t0, 1).await.unwrap(), [None]);
     assert_eq!(handle.usage(&acme).await.unwrap()[0].used(), 1);
     assert_eq!(handle.refund(&acme, 1).await.unwrap(), [Some(0)]);
+}
+
+/// A counter made first by a request stamped a moment later (requests at
+/// once) is the one an earlier-stamped request was charged to: undoing
+/// that request's charge reaches it.
+#[tokio::test]
+async fn a_refund_reaches_a_counter_a_request_stamped_later_made() {
+    let t0 = at("2026-12-02T10:00:00Z");
+    let clock = ManualClock::new(t0 + SignedDuration::from_millis(5));
+    let layer = QuotaPolicy::builder(account())
+        .clock(clock.clone())
+        .build()
+        .layer(Quota::daily(5))
+        .quota(Quota::rolling(5, std::time::Duration::from_secs(3_600)));
+    let handle = layer.handle();
+    let app = hello(layer);
+    let acme = tower_quota::Subject::account("acme");
+    assert_eq!(get_as(&app, "/", "acme").await.status, StatusCode::OK);
+    clock.set(t0);
+    assert_eq!(get_as(&app, "/", "acme").await.status, StatusCode::OK);
+    assert_eq!(
+        handle.refund_at(&acme, t0, 1).await.unwrap(),
+        [Some(1), Some(1)]
+    );
 }
 
 /// A charge's instant at the end of time has no open period: nothing to

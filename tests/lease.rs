@@ -2180,3 +2180,34 @@ async fn many_subjects_going_idle_together_keep_no_other_subjects_units() {
     }
     assert_eq!(counted_for(&shared, "z", now).await, served);
 }
+
+/// A shutdown awaited outside any tokio runtime (the runtime that served
+/// is gone) still gives every unit back, on a store that answers at once.
+#[test]
+fn a_shutdown_without_a_runtime_gives_every_unit_back() {
+    use std::future::Future;
+
+    let shared = MemoryStore::new();
+    let leased = LeasedStore::new(shared.clone());
+    let mut now = t0();
+    tokio::runtime::Builder::new_current_thread()
+        .enable_time()
+        .start_paused(true)
+        .build()
+        .unwrap()
+        .block_on(busy(&leased, &mut now, 200, 10_000, 1));
+    let held = leased.held();
+    assert!(held > 0, "a block held");
+    let mut shutdown = std::pin::pin!(leased.shutdown());
+    let mut context = std::task::Context::from_waker(std::task::Waker::noop());
+    let std::task::Poll::Ready(returned) = shutdown.as_mut().poll(&mut context) else {
+        panic!("a store that answers at once is given back at once");
+    };
+    assert_eq!(returned, held);
+    let lines = smallvec::smallvec![line_of("acme", u64::MAX)];
+    let mut peek = std::pin::pin!(shared.peek(ChargeRequest { now, lines }));
+    let std::task::Poll::Ready(usage) = peek.as_mut().poll(&mut context) else {
+        panic!("the memory store answers at once");
+    };
+    assert_eq!(usage.unwrap()[0].used, 200);
+}

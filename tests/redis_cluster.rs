@@ -507,8 +507,34 @@ async fn charged_exactly_while_its_slot_moves(cluster: &RedisCluster, to: usize)
     tokio::time::sleep(Duration::from_millis(200)).await;
     migrate(source, target, &[keys[1].as_str()]);
     served(pending.await.unwrap(), "keys on both nodes, then moved");
-    // Every key moved: the source answers ASK.
+    // Every key moved: the source answers ASK, every time, and nothing
+    // connects anew for it (but the one connection to the target the
+    // first `ASK` opened).
+    let connections = || -> u64 {
+        cluster
+            .nodes
+            .iter()
+            .map(|node| {
+                node.cli(&["info", "stats"])
+                    .lines()
+                    .find_map(|l| l.strip_prefix("total_connections_received:"))
+                    .and_then(|n| n.trim().parse::<u64>().ok())
+                    .expect("a count of connections")
+            })
+            .sum()
+    };
     served(request(&app, &account).await, "every key moved");
+    let before = connections();
+    for _ in 0..5 {
+        served(request(&app, &account).await, "every key moved, again");
+    }
+    // Each `cli` call above connects once per node.
+    let cli_calls = cluster.nodes.len() as u64;
+    assert!(
+        connections() - before <= cli_calls,
+        "charges redirected by ASK connected anew: {} connections",
+        connections() - before - cli_calls
+    );
 
     for node in &cluster.nodes {
         assert_eq!(

@@ -511,21 +511,32 @@ fn demo_server_hides_the_password_of_its_redis_url() {
     use std::io::{BufRead, BufReader};
     use std::process::Stdio;
 
-    let mut child = Command::new(server_binary())
-        .args(["--listen", "127.0.0.1:0"])
-        .args(["--store", "redis://admin:hunter2@127.0.0.1:1/"])
-        .stdout(Stdio::piped())
-        .stderr(Stdio::piped())
-        .spawn()
-        .unwrap();
-    let mut line = String::new();
-    BufReader::new(child.stdout.take().unwrap())
-        .read_line(&mut line)
-        .unwrap();
-    let _ = child.kill();
-    let output = child.wait_with_output().unwrap();
-    let stderr = String::from_utf8_lossy(&output.stderr);
-    assert!(line.contains("redis://***@127.0.0.1:1/"), "{line}");
-    assert!(!line.contains("hunter2"), "{line}");
-    assert!(!stderr.contains("hunter2"), "{stderr}");
+    for (url, shown) in [
+        (
+            "redis://admin:hunter2@127.0.0.1:1/",
+            "redis://***@127.0.0.1:1/",
+        ),
+        (
+            "redis+unix:///nonexistent/redis.sock?pass=hunter2",
+            "redis+unix:///nonexistent/redis.sock?***",
+        ),
+    ] {
+        let mut child = Command::new(server_binary())
+            .args(["--listen", "127.0.0.1:0"])
+            .args(["--store", url])
+            .stdout(Stdio::piped())
+            .stderr(Stdio::piped())
+            .spawn()
+            .unwrap();
+        let mut line = String::new();
+        BufReader::new(child.stdout.take().unwrap())
+            .read_line(&mut line)
+            .unwrap();
+        let _ = child.kill();
+        let output = child.wait_with_output().unwrap();
+        let stderr = String::from_utf8_lossy(&output.stderr);
+        assert!(line.contains(shown), "{line}");
+        assert!(!line.contains("hunter2"), "{line}");
+        assert!(!stderr.contains("hunter2"), "{stderr}");
+    }
 }

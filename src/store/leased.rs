@@ -981,9 +981,19 @@ impl<St: Store> LeasedStore<St> {
         let mut returned = 0;
         // Counters together, a bounded number at a time, as the sweep
         // gives back: one after the other, a shutdown under a grace period
-        // would be cut short with most blocks still charged.
+        // would be cut short with most blocks still charged. (One after the
+        // other without a tokio runtime, which tasks need.)
+        let on_runtime = tokio::runtime::Handle::try_current().is_ok();
         let mut returning = tokio::task::JoinSet::new();
         for (key, mut counter, now) in drained {
+            let units = if counter.ended(now) { 0 } else { counter.units };
+            let taken_at = counter.taken_at.unwrap_or(now);
+            let leaving = counter.mark.leave(now, margin);
+            let back = return_one(self.inner.clone(), now, key, units, taken_at, leaving);
+            if !on_runtime {
+                returned += back.await;
+                continue;
+            }
             if returning.len() >= SWEEP_GIVE_BACKS {
                 returned += returning
                     .join_next()
@@ -991,23 +1001,7 @@ impl<St: Store> LeasedStore<St> {
                     .and_then(Result::ok)
                     .unwrap_or(0);
             }
-            let units = if counter.ended(now) { 0 } else { counter.units };
-            let taken_at = counter.taken_at.unwrap_or(now);
-            let leaving = counter.mark.leave(now, margin);
-            let inner = self.inner.clone();
-            returning.spawn(async move {
-                // The units first, then the mark: never a holder's units
-                // charged with no holder marked.
-                let back = units > 0 && give_back(&inner, now, key.clone(), units, taken_at).await;
-                if leaving {
-                    unmark(&inner, now, &key).await;
-                }
-                if back {
-                    units
-                } else {
-                    0
-                }
-            });
+            returning.spawn(back);
         }
         while let Some(back) = returning.join_next().await {
             returned += back.unwrap_or(0);
@@ -2123,6 +2117,28 @@ impl Drop for Sweeping {
         if let Some(shared) = self.0.upgrade() {
             shared.sweeping.store(false, Ordering::Release);
         }
+    }
+}
+
+/// Gives `units` of `key` taken at `taken_at` back at `now`, then leaves
+/// its lease mark if `leaving`: the units first, never a holder's units
+/// charged with no holder marked. The units given back.
+async fn return_one<St: Store>(
+    inner: St,
+    now: Timestamp,
+    key: PeriodKey,
+    units: u64,
+    taken_at: Timestamp,
+    leaving: bool,
+) -> u64 {
+    let back = units > 0 && give_back(&inner, now, key.clone(), units, taken_at).await;
+    if leaving {
+        unmark(&inner, now, &key).await;
+    }
+    if back {
+        units
+    } else {
+        0
     }
 }
 

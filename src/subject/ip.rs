@@ -367,7 +367,9 @@ impl SubjectExtractor for ClientIp {
                     .into(),
                 ));
             }
-            canonical(net.network())
+            // Folded already where it names IPv4 clients; a wider IPv6
+            // network is its own counter's, whatever its first address.
+            net.network()
         } else {
             return Err(SubjectError::Malformed(
                 "a client's id is an IP address or network".into(),
@@ -412,15 +414,15 @@ fn canonical(ip: IpAddr) -> IpAddr {
     }
 }
 
-/// Networks of IPv4-mapped IPv6 addresses as the IPv4 network, so that they
-/// match the canonical addresses.
+/// Networks of IPv4-mapped or NAT64 (`64:ff9b::/96`) IPv6 addresses as the
+/// IPv4 network, so that they match the canonical addresses.
 fn canonical_net(net: IpNet) -> IpNet {
     match net {
-        IpNet::V6(v6) if v6.prefix_len() >= 96 => match v6.network().to_ipv4_mapped() {
-            Some(v4) => IpNet::V4(
+        IpNet::V6(v6) if v6.prefix_len() >= 96 => match canonical(IpAddr::V6(v6.network())) {
+            IpAddr::V4(v4) => IpNet::V4(
                 Ipv4Net::new(v4, v6.prefix_len() - 96).expect("a prefix of at most 32 bits"),
             ),
-            None => net,
+            IpAddr::V6(_) => net,
         },
         _ => net,
     }
@@ -942,6 +944,54 @@ mod tests {
         // Another prefix is IPv6, grouped by its /64.
         let parts = from("10.0.0.1", &[("x-forwarded-for", "64:ff9c::c633:6408")]);
         assert_eq!(id(&ex, &parts).unwrap(), "64:ff9c::/64");
+    }
+
+    /// A support call names a client as an address or a network, which is
+    /// the counter `extract` charges it to, or a refusal.
+    #[test]
+    fn a_named_address_or_network_is_the_counter_its_clients_are_charged_to() {
+        let named = |ex: &ClientIp, id: &str| {
+            ex.subject_named(&SubjectKind::IP, id.as_bytes())
+                .map(|s| String::from_utf8(s.id().to_vec()).unwrap())
+        };
+        let ex = ClientIp::new();
+        for (id, counter) in [
+            ("2001:db8:1:2::9", "2001:db8:1:2::/64"),
+            ("2001:DB8:1:2::/64", "2001:db8:1:2::/64"),
+            ("::ffff:203.0.113.7", "203.0.113.7"),
+            ("64:ff9b::203.0.113.7", "203.0.113.7"),
+            ("64:ff9b::cb00:7107/128", "203.0.113.7"),
+            // NAT64's /64 holds IPv6 clients outside its /96 too: theirs.
+            ("64:ff9b::/64", "64:ff9b::/64"),
+        ] {
+            assert_eq!(named(&ex, id).as_deref(), Ok(counter), "{id}");
+        }
+        for id in [
+            "64:ff9b::cb00:7100/120",
+            "2001:db8::/48",
+            "203.0.113.0/24",
+            "x",
+            "",
+        ] {
+            assert!(named(&ex, id).is_err(), "{id}");
+        }
+        let by_24 = ClientIp::new().ipv4_prefix(24);
+        assert_eq!(
+            named(&by_24, "64:ff9b::cb00:7100/120").as_deref(),
+            Ok("203.0.113.0/24")
+        );
+    }
+
+    /// A trusted proxy range written in NAT64 form is the IPv4 range its
+    /// hops are read as.
+    #[test]
+    fn a_trusted_nat64_range_is_its_ipv4_range() {
+        let ex = ClientIp::new().trust_proxy_cidrs(["64:ff9b::a00:0/104"]);
+        let parts = from(
+            "10.0.0.1",
+            &[("x-forwarded-for", "203.0.113.7, 64:ff9b::a00:2")],
+        );
+        assert_eq!(id(&ex, &parts).unwrap(), "203.0.113.7");
     }
 
     #[test]

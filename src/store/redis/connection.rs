@@ -37,15 +37,19 @@
 //!
 //! The cluster client never retries a request by itself (redis-rs retries up
 //! to 16 times by default, after connection errors too, which could apply a
-//! charge twice). A call a node redirects while its slot moves (a
-//! resharding: `MOVED`, `ASK`) is sent where it is told, and one answered
-//! `TRYAGAIN` (its keys on both nodes of a moving slot) is sent again a
-//! moment later: a node answers those before it runs anything (see
-//! `Invocation::invoke_async`). A redirect to a master the cluster's
-//! connection does not reach (it serves no slot yet: added for a
-//! scale-out) goes through a connection of its own to that master
-//! (`Outside`). The slot map is read again after a `MOVED`, for the next
-//! calls.
+//! charge twice). A call of the counters script (a charge, refund, add or
+//! settle) that a node redirects while its slot moves (a resharding:
+//! `MOVED`, `ASK`) is sent where it is told, and one answered `TRYAGAIN`
+//! (its keys on both nodes of a moving slot) is sent again a moment later:
+//! a node answers those before it runs anything (see
+//! `Invocation::invoke_async`). A redirected call goes through a
+//! connection of its own to the node named (`Outside`): the cluster's
+//! connection, asked for a node it does not reach (a master that serves no
+//! slot yet, added for a scale-out), would connect to every node anew. The
+//! slot map is read again after a `MOVED`, for the next calls. A support
+//! reset (`DEL`) of a key whose slot is moving is not redirected: it fails,
+//! to be sent again. A cluster pool built elsewhere follows redirects as
+//! its own client does.
 //!
 //! Pools built elsewhere (`deadpool_redis::Pool`, and its cluster kind) are
 //! used as they are: one pooled connection per call (or batch of charges),
@@ -621,6 +625,7 @@ impl Connections {
                     epoch,
                     conn,
                     outside: Arc::clone(&shared.connector.outside),
+                    failed_outside: false,
                 })
             }
             _ => None,
@@ -659,6 +664,7 @@ impl Connections {
                     epoch,
                     conn,
                     outside: Arc::clone(&shared.connector.outside),
+                    failed_outside: false,
                 })
                 .map_err(Fault::Redis),
             #[cfg(feature = "redis-cluster")]
@@ -734,6 +740,10 @@ pub(super) enum Connection {
         epoch: u64,
         conn: redis::cluster_async::ClusterConnection,
         outside: Arc<Outside>,
+        /// The call was redirected to a node outside the cluster's
+        /// connection, and failed there: that node's, not this
+        /// connection's, failure.
+        failed_outside: bool,
     },
     #[cfg(feature = "redis-cluster")]
     ClusterPool(deadpool_redis::cluster::Connection),
@@ -762,6 +772,9 @@ impl Lost {
 
 /// What to close after a failure.
 pub(super) enum Failed {
+    /// Nothing of this store's: a side connection, dropped already.
+    #[cfg(feature = "redis-cluster")]
+    Nothing,
     Epoch(u64),
     Pooled(Connection),
 }
@@ -777,6 +790,11 @@ impl Connection {
     pub(super) fn failed(self) -> Failed {
         match self {
             Connection::Server { epoch, .. } => Failed::Epoch(epoch),
+            #[cfg(feature = "redis-cluster")]
+            Connection::Cluster {
+                failed_outside: true,
+                ..
+            } => Failed::Nothing,
             #[cfg(feature = "redis-cluster")]
             Connection::Cluster { epoch, .. } => Failed::Epoch(epoch),
             pooled => Failed::Pooled(pooled),
@@ -849,77 +867,42 @@ impl Connection {
         match self {
             Connection::Server { .. } | Connection::Pool { .. } => false,
             #[cfg(feature = "redis-cluster")]
-            Connection::Cluster { .. } | Connection::ClusterPool(_) => true,
+            Connection::Cluster { .. } => true,
+            // A pool built elsewhere follows redirects as its client was
+            // built to (redis-rs retries them by default).
+            #[cfg(feature = "redis-cluster")]
+            Connection::ClusterPool(_) => false,
         }
     }
 
     /// `cmd` sent to the node `redirect` names (after `ASKING`, for an
-    /// `ASK`), on a cluster's connection.
-    #[cfg_attr(not(feature = "redis-cluster"), allow(unused_variables))]
+    /// `ASK`), on a connection of its own to that node: the cluster's
+    /// connection is asked for no node by address (one it does not reach,
+    /// a master that serves no slot yet, would make it connect to every
+    /// node anew). A failure there is that node's, not this connection's.
     pub(super) async fn redirected(
         &mut self,
         cmd: &redis::Cmd,
         redirect: &Redirect,
     ) -> redis::RedisResult<Value> {
-        match self {
-            #[cfg(feature = "redis-cluster")]
-            Connection::Cluster { conn, outside, .. } => {
-                route_to(conn, Some(outside), cmd, redirect).await
-            }
-            #[cfg(feature = "redis-cluster")]
-            Connection::ClusterPool(conn) => route_to(conn, None, cmd, redirect).await,
-            Connection::Server { .. } | Connection::Pool { .. } => Err(RedisError::from((
-                redis::ErrorKind::Client,
-                "a single server's connection follows no redirect",
-            ))),
-        }
-    }
-}
-
-/// `cmd` on the node `redirect` names, its reply or the error it tells:
-/// through the cluster's connection, or, for a node it does not reach,
-/// through one of `outside`'s.
-#[cfg(feature = "redis-cluster")]
-async fn route_to(
-    conn: &mut redis::cluster_async::ClusterConnection,
-    outside: Option<&Outside>,
-    cmd: &redis::Cmd,
-    redirect: &Redirect,
-) -> redis::RedisResult<Value> {
-    use redis::cluster_routing::{RoutingInfo, SingleNodeRoutingInfo};
-
-    let (Redirect::Moved { host, port } | Redirect::Ask { host, port }) = redirect;
-    let asking = matches!(redirect, Redirect::Ask { .. });
-    let node = SingleNodeRoutingInfo::ByAddress {
-        host: host.clone(),
-        port: *port,
-    };
-    let result = if asking {
-        let mut pipe = redis::pipe();
-        pipe.cmd("ASKING").add_command(cmd.clone());
-        // The call's reply alone: `ASKING`'s is skipped.
-        conn.route_pipeline(pipe, 1, 1, node)
-            .await
-            .and_then(|mut replies| {
-                replies.pop().ok_or_else(|| {
-                    RedisError::from((
-                        redis::ErrorKind::UnexpectedReturnType,
-                        "no reply to a call sent after ASKING",
-                    ))
-                })
-            })
-    } else {
-        conn.route_command(cmd.clone(), RoutingInfo::SingleNode(node))
-            .await
-    };
-    match (result, outside) {
-        // Sent nowhere: the node is not one the connection reaches.
-        (Err(error), Some(outside))
-            if error.kind() == redis::ErrorKind::ClusterConnectionNotFound =>
+        #[cfg(feature = "redis-cluster")]
+        if let Connection::Cluster {
+            outside,
+            failed_outside,
+            ..
+        } = self
         {
-            outside.send(host, *port, cmd, asking).await
+            let (Redirect::Moved { host, port } | Redirect::Ask { host, port }) = redirect;
+            let asking = matches!(redirect, Redirect::Ask { .. });
+            let result = outside.send(host, *port, cmd, asking).await;
+            *failed_outside = result.as_ref().is_err_and(|e| !super::came_back(e));
+            return result;
         }
-        (result, _) => result.and_then(Value::extract_error),
+        let _ = (cmd, redirect);
+        Err(RedisError::from((
+            redis::ErrorKind::Client,
+            "only this store's own cluster connection follows redirects",
+        )))
     }
 }
 
