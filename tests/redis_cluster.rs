@@ -458,11 +458,12 @@ async fn charged_exactly_while_its_slot_moves(cluster: &RedisCluster, to: usize)
         .connect_timeout(Duration::from_millis(300))
         .build()
         .expect("a Redis Cluster store");
+    let policy = QuotaPolicy::builder(FromHeader::account("x-account-id"))
+        .store(store)
+        .store_timeout(Some(Duration::from_secs(2)))
+        .build();
     let app = Router::new().route("/", get(|| async { "ok" })).layer(
-        QuotaPolicy::builder(FromHeader::account("x-account-id"))
-            .store(store)
-            .store_timeout(Some(Duration::from_secs(2)))
-            .build()
+        policy
             .layer(Quota::daily(LIMIT))
             .quota(Quota::monthly(LIMIT)),
     );
@@ -535,6 +536,19 @@ async fn charged_exactly_while_its_slot_moves(cluster: &RedisCluster, to: usize)
         "charges redirected by ASK connected anew: {} connections",
         connections() - before - cli_calls
     );
+    // A support reset is redirected too: the counters are deleted where
+    // they are now, and the allowance starts again.
+    let subject = Subject::account(account.as_str());
+    let quotas = policy
+        .handle()
+        .reset_allowance(&subject, "default")
+        .await
+        .expect("a reset while the slot moves");
+    assert_eq!(quotas, 2);
+    assert_eq!(target.cli(&["cluster", "countkeysinslot", &slot]), "0");
+    // (Redis refuses a call that would create keys of a moving slot on
+    // the importing node, as `TRYAGAIN`, until the move ends.)
+    left.set(LIMIT);
 
     for node in &cluster.nodes {
         assert_eq!(

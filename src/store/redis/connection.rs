@@ -37,8 +37,8 @@
 //!
 //! The cluster client never retries a request by itself (redis-rs retries up
 //! to 16 times by default, after connection errors too, which could apply a
-//! charge twice). A call of the counters script (a charge, refund, add or
-//! settle) that a node redirects while its slot moves (a resharding:
+//! charge twice). A call of the counters script (a charge, refund, add,
+//! settle or reset) that a node redirects while its slot moves (a resharding:
 //! `MOVED`, `ASK`) is sent where it is told, and one answered `TRYAGAIN`
 //! (its keys on both nodes of a moving slot) is sent again a moment later:
 //! a node answers those before it runs anything (see
@@ -46,10 +46,12 @@
 //! connection of its own to the node named (`Outside`): the cluster's
 //! connection, asked for a node it does not reach (a master that serves no
 //! slot yet, added for a scale-out), would connect to every node anew. The
-//! slot map is read again after a `MOVED`, for the next calls. A support
-//! reset (`DEL`) of a key whose slot is moving is not redirected: it fails,
-//! to be sent again. A cluster pool built elsewhere follows redirects as
-//! its own client does.
+//! slot map is read again after a `MOVED`, for the next calls. Redis
+//! answers `TRYAGAIN` until the move ends to a call that would create
+//! several keys of a moving slot at once (a charge of several quotas whose
+//! counters do not exist yet: a subject's first call of a period): such a
+//! charge is tried again for a second, then fails. A cluster pool built
+//! elsewhere follows redirects as its own client does.
 //!
 //! Pools built elsewhere (`deadpool_redis::Pool`, and its cluster kind) are
 //! used as they are: one pooled connection per call (or batch of charges),

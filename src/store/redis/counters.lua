@@ -12,24 +12,28 @@
 --      answer is -1); a string counter, which records no t, takes it
 --   a  add ARGV[2] to KEYS[1] at ARGV[3] = now (ms) without a limit check (a
 --      cost known only after the response), never creating it, never
---      touching its TTL; a count that would go beyond 2^53 is an error
---      reply, and nothing is written
+--      touching its TTL; with ARGV[4] (ms), only to a counter whose first
+--      call t is no later, as `r`; a count that would go beyond 2^53 is an
+--      error reply, and nothing is written
 --   s  settle a debt: add ARGV[2] to KEYS[1] at ARGV[3] = now (ms) without
 --      a limit check, creating the counter when there is none live: what
 --      requests admitted while the store failed owe. ARGV[4] is the
 --      anchor ('f' first use, 'c' calendar), ARGV[5] the ttl (ms) of a
---      counter created now, ARGV[6] the calendar window's end (ms; 0 for
---      first use), ARGV[7] the first call (ms) a created counter records.
+--      counter created now, ARGV[6] the calendar window's end or the
+--      first-use deadline (ms), ARGV[7] the first call (ms) a created
+--      counter records.
 --      A live counter keeps its TTL and its first call. Answers {count,
 --      t}: the count afterwards and the counter's first call (-1 when it
 --      records none), which a give-back of a settle applied after its
 --      caller stopped waiting goes by. A debt whose window is over at now,
 --      or a key whose counter records a window over at now (kept through
 --      its grace), writes nothing and answers {-1, -1}; so does a
---      first-use debt the caller found past its deadline, which it never
---      sends. A count that would go beyond 2^53 is an error reply, and
+--      first-use debt whose counter found live was made at or past its
+--      deadline (and one the caller found past it, which it never sends). A count that would go beyond 2^53 is an error reply, and
 --      nothing is written.
 --   t  the server's TIME (KEYS[1] only routes the call on a cluster)
+--   d  delete KEYS[1] (a support reset); answers how many keys went (as
+--      DEL), through the script so that a cluster's redirects are followed
 --
 -- A counter is a hash: n = units spent, t = the first call (ms since the
 -- epoch), and for calendar counters e = the window's end (ms since the
@@ -486,6 +490,10 @@ if op == 'b' then
     end
     return out
   end
+end
+
+if op == 'd' then
+  return redis.call('DEL', KEYS[1])
 end
 
 -- The common refund, in short (a give-back of leased units, a lease mark

@@ -879,12 +879,13 @@ impl Store for RedisStore {
     fn reset(&self, key: PeriodKey) -> impl Future<Output = Result<bool, StoreError>> + Send {
         let store = self.clone();
         async move {
+            // Through the script, as every call of the counters: on a
+            // cluster whose slot moves, it follows the redirects.
+            let mut invocation = Invocation::on(key.as_str());
+            invocation.arg("d");
             let deleted: i64 = store
                 .exchange(Sends::Write, |mut conn| async move {
-                    let result = redis::cmd("DEL")
-                        .arg(key.as_str())
-                        .query_async(&mut conn)
-                        .await;
+                    let result = invocation.invoke_async(&mut conn).await;
                     (conn, result)
                 })
                 .await?;
