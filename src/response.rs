@@ -215,6 +215,37 @@ fn sf_integer(n: u64) -> u64 {
     n.min(MAX_SF_INTEGER)
 }
 
+/// Nested layers whose quotas share a name, logged a few times per second
+/// at most.
+static SAME_NAMES: crate::throttle::Throttle = crate::throttle::Throttle::new(1);
+
+/// The names (quoted, as written) of the members of a `RateLimit` or
+/// `RateLimit-Policy` value: each member opens with its name, a String.
+fn member_names(value: &[u8]) -> Vec<&[u8]> {
+    let mut names = Vec::new();
+    let mut at = 0;
+    while at < value.len() {
+        if value[at] != b'"' {
+            break;
+        }
+        // The closing quote: the first one not escaped.
+        let mut end = at + 1;
+        while end < value.len() && value[end] != b'"' {
+            end += if value[end] == b'\\' { 2 } else { 1 };
+        }
+        let Some(name) = value.get(at..=end) else {
+            break;
+        };
+        names.push(name);
+        // The next member, past this one's parameters.
+        match value[end..].windows(2).position(|w| w == b", ") {
+            Some(next) => at = end + next + 2,
+            None => break,
+        }
+    }
+    names
+}
+
 /// `value`, then the values `headers` has for `name`, as one list.
 fn prepend(headers: &mut http::HeaderMap, name: &HeaderName, value: HeaderValue) {
     match headers.entry(name) {
@@ -222,6 +253,25 @@ fn prepend(headers: &mut http::HeaderMap, name: &HeaderName, value: HeaderValue)
             entry.insert(value);
         }
         http::header::Entry::Occupied(mut entry) => {
+            // Layers of different policies nested, with quotas of one name
+            // (two `QuotaLayer::daily` are both "default-day"): a client
+            // tells policies apart by name only.
+            if *name == RATELIMIT_POLICY {
+                let outer = member_names(value.as_bytes());
+                let repeated = entry
+                    .iter()
+                    .flat_map(|inner| member_names(inner.as_bytes()))
+                    .find(|inner| outer.contains(inner))
+                    .map(|name| String::from_utf8_lossy(name).into_owned());
+                if let (Some(repeated), Some(suppressed)) = (repeated, SAME_NAMES.admit()) {
+                    tracing::warn!(
+                        name = repeated,
+                        suppressed,
+                        "nested quota layers tell clients two quotas of one name: give them names \
+                         of their own (Quota::named), or clients cannot tell them apart"
+                    );
+                }
+            }
             let mut list = value.as_bytes().to_vec();
             for inner in entry.iter() {
                 list.extend_from_slice(b", ");
@@ -622,6 +672,22 @@ mod tests {
     use proptest::prelude::*;
 
     use super::*;
+
+    #[test]
+    fn member_names_are_read_past_escapes_and_parameters() {
+        let names = |value: &str| {
+            member_names(value.as_bytes())
+                .into_iter()
+                .map(|n| String::from_utf8_lossy(n).into_owned())
+                .collect::<Vec<_>>()
+        };
+        assert_eq!(
+            names(r#""default-day";q=10;w=86400, "a \"b\", c";q=1;w=60"#),
+            [r#""default-day""#, r#""a \"b\", c""#]
+        );
+        assert_eq!(names(""), Vec::<String>::new());
+        assert_eq!(names(r#""unclosed"#), Vec::<String>::new());
+    }
 
     proptest! {
         /// A spread reset is never told earlier than the real one, nor

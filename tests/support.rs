@@ -618,3 +618,31 @@ async fn problem_or_json(response: Response<Body>) -> serde_json::Value {
         .unwrap();
     serde_json::from_slice(&body).unwrap()
 }
+
+/// Two layers of different policies nested, with quotas of one name (two
+/// `QuotaLayer::daily` are both `default-day`): clients cannot tell them
+/// apart in the fields, which is logged as a warning; quotas named apart
+/// are not.
+#[tokio::test(flavor = "current_thread")]
+async fn nested_layers_telling_two_quotas_of_one_name_are_logged() {
+    use tower_quota::{FromHeader, QuotaLayer};
+
+    let warned = |outer: Quota| async move {
+        let logs = Logs::default();
+        let _guard = tracing::subscriber::set_default(logs.clone());
+        let _interest = interest::every_subscriber_asked();
+        let app = Router::new()
+            .route("/", get(|| async { "hi" }))
+            .route_layer(QuotaLayer::daily(1, FromHeader::account("x-account-id")))
+            .layer(QuotaLayer::new(outer, FromHeader::account("x-account-id")));
+        assert_eq!(send(&app, Method::GET, "/").await.status(), StatusCode::OK);
+        let logs = logs.0.lock().unwrap();
+        logs.iter().any(|(level, fields)| {
+            *level == tracing::Level::WARN
+                && field(fields, "message").is_some_and(|m| m.contains("of one name"))
+                && field(fields, "name") == Some("\"default-day\"")
+        })
+    };
+    assert!(warned(Quota::daily(100)).await);
+    assert!(!warned(Quota::daily(100).named("ip-day")).await);
+}
