@@ -2211,3 +2211,111 @@ fn a_shutdown_without_a_runtime_gives_every_unit_back() {
     };
     assert_eq!(usage.unwrap()[0].used, 200);
 }
+
+/// A request refused by a quota that is full whatever its block (a spent
+/// daily quota, beside a per-minute one that takes blocks) is refused in
+/// one charge, not sent again without its blocks: two round trips would
+/// pass the layer's store timeout on a slow store.
+#[tokio::test(start_paused = true)]
+async fn a_request_refused_by_a_full_line_takes_one_charge() {
+    let inner = Counting::default();
+    let leased = LeasedStore::new(inner.clone());
+    let mut now = t0();
+    for _ in 0..10 {
+        assert!(call(&inner.inner, now, 10).await.admitted);
+    }
+    let both = |now: Timestamp| {
+        let mut both = request(now, 10);
+        both.lines.push(ChargeLine {
+            key: PeriodKey::from_string("quota:{account:acme}:burst:2026-12-04".into()),
+            limit: 1_000_000,
+            cost: 1,
+            lifetime: day(),
+            shadow_limit: None,
+        });
+        both
+    };
+    for _ in 0..20 {
+        let before = inner.charges.load(Ordering::Relaxed);
+        let refused = leased.charge(both(now)).await.unwrap();
+        assert!(!refused.admitted);
+        assert_eq!(
+            inner.charges.load(Ordering::Relaxed) - before,
+            1,
+            "one charge for a refusal"
+        );
+        tokio::time::advance(Duration::from_millis(1)).await;
+        now += SignedDuration::from_millis(1);
+    }
+}
+
+/// A guarded refund of more than this instance heard was spent (support
+/// undoing requests other instances served, through the handle) puts what
+/// it can into the block and the rest in the store: none of it is lost.
+#[tokio::test(start_paused = true)]
+async fn a_guarded_refund_larger_than_the_block_takes_goes_on_to_the_store() {
+    const LIMIT: u64 = 1_000;
+    let shared = MemoryStore::new();
+    let leased = LeasedStore::new(shared.clone());
+    let mut now = t0();
+    let served_at = now;
+    busy(&leased, &mut now, 5, LIMIT, 1).await;
+    let held = leased.held();
+    assert!(held > 0, "a block held");
+    for _ in 0..500 {
+        assert!(call(&shared, now, LIMIT).await.admitted);
+    }
+    leased
+        .refund_made_by(now, day_key(), 300, served_at)
+        .await
+        .unwrap();
+    assert_eq!(leased.shutdown().await, held + 5);
+    assert_eq!(counted(&shared, now).await, 205);
+}
+
+/// A request refused while the block's last unit is set aside for another
+/// request (of two lines, the other waiting on the store) waits for it:
+/// that request refused, the unit comes back and pays for this one, which
+/// the store, counting it, would have refused until the day ends.
+#[tokio::test(start_paused = true)]
+async fn a_request_refused_while_units_are_set_aside_is_served_from_them() {
+    let slow = Slow::default();
+    let shared = slow.inner.clone();
+    let leased = LeasedStore::new(slow.clone());
+    let mut now = t0();
+    busy(&leased, &mut now, 200, 10_000, 10).await;
+    while leased.held() > 1 {
+        assert!(call(&leased, now, 10_000).await.admitted);
+    }
+    let waiting = with_a_refused_line(&slow, &leased, now, 15).await;
+    assert_eq!(leased.held(), 0, "the last unit is set aside");
+    // Other instances spend the rest: as far as the store knows, full.
+    let counted_now = counted(&shared, now).await;
+    shared
+        .add(now, day_key(), 10_000 - counted_now)
+        .await
+        .unwrap();
+    let served = call(&leased, now, 10_000).await;
+    assert!(served.admitted, "served from the unit that came back");
+    assert!(!waiting.await.unwrap().unwrap().admitted);
+    assert_eq!(leased.held(), 0);
+}
+
+/// A line that costs nothing is refused once its counter is over its limit
+/// (a deferred cost added past it), as the store refuses it: not admitted
+/// from a block for free.
+#[tokio::test(start_paused = true)]
+async fn a_line_of_nothing_over_its_limit_is_refused_as_the_store_does() {
+    let shared = MemoryStore::new();
+    let leased = LeasedStore::new(shared.clone());
+    let mut now = t0();
+    busy(&leased, &mut now, 20, 100, 1).await;
+    assert!(leased.held() > 0, "a block held");
+    // Costs known after the responses take the counter past its limit.
+    leased.add(now, day_key(), 200).await.unwrap();
+    let mut free = request(now, 100);
+    free.lines[0].cost = 0;
+    let store = shared.charge(free.clone()).await.unwrap();
+    assert!(!store.admitted, "the store refuses it");
+    assert!(!leased.charge(free).await.unwrap().admitted);
+}

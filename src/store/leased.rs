@@ -558,8 +558,9 @@ impl Shared {
         true
     }
 
-    /// Waits while a block is on its way here for a line of `lines` that
-    /// had no room (`full`) and whose block cannot pay for it, until
+    /// Waits while a block is on its way here, or units of its block are
+    /// set aside for another request, for a line of `lines` that had no
+    /// room (`full`) and whose block cannot pay for it, until
     /// `deadline` at most; whether every such line's block can now (units
     /// enough, and room under the line's limit for what was served).
     async fn wait_for_blocks(
@@ -595,7 +596,9 @@ impl Shared {
                 });
                 if !pays {
                     held = false;
-                    taking |= counter.is_some_and(|c| c.taking);
+                    // A block on its way here, or units set aside for
+                    // another request, which come back if it is refused.
+                    taking |= counter.is_some_and(|c| c.taking || c.reserved > 0);
                 }
             }
             (held, taking)
@@ -1114,7 +1117,9 @@ impl<St: Store> LeasedStore<St> {
         let mut unmarked = Vec::new();
         let mut alone = None;
         // A line whose counter this instance does not know (a first
-        // charge, or one that costs nothing) is the store's to answer.
+        // charge, or one that costs nothing), or that has no room for what
+        // it costs (nothing, too: the store refuses a line over its limit
+        // whatever it costs), is the store's to answer.
         let mut unknown = false;
         for line in &request.lines {
             let Some(counter) = counters.get_mut(&line.key) else {
@@ -1174,11 +1179,12 @@ impl<St: Store> LeasedStore<St> {
             } else {
                 0
             };
+            unknown |= !room;
             counter.units -= units;
             taken.push(units);
             // A request of one line, paid from the block, is answered
             // without looking its counter up again.
-            if request.lines.len() == 1 && units == line.cost && counter.units > 0 {
+            if request.lines.len() == 1 && room && units == line.cost && counter.units > 0 {
                 alone = Some(counter.usage_under(line.limit));
             }
         }
@@ -1575,7 +1581,14 @@ impl<St: Store> LeasedStore<St> {
             // The blocks did not fit (other instances spent meanwhile), or
             // the old blocks' units were not back yet: the request alone,
             // once they are.
-            let mut again = refused && (leasing || giving_back.is_some());
+            // Sent again without its blocks only if each line has room
+            // for its own cost: a line full whatever its block (a quota
+            // spent, beside another that takes blocks) is refused again.
+            let fits_alone = costs
+                .iter()
+                .zip(&outcome.usage)
+                .all(|(&cost, usage)| usage.used.saturating_add(cost) <= usage.limit);
+            let mut again = refused && ((leasing && fits_alone) || giving_back.is_some());
             // What a refusal waits for (units on their way back, then a
             // block on its way here) it waits for this long in all, and
             // once: not again when the request is sent again.
@@ -2065,6 +2078,7 @@ impl<St: Store> LeasedStore<St> {
         amount: u64,
         made_by: Option<Timestamp>,
     ) -> Result<Option<u64>, StoreError> {
+        let mut amount = amount;
         if made_by.is_some() {
             let mut counters = self.shared.counter(&key);
             if let Some(counter) = counters.get_mut(&key) {
@@ -2073,9 +2087,16 @@ impl<St: Store> LeasedStore<St> {
                 let same_counter = made_by
                     .is_none_or(|made_by| counter.first_call.is_none_or(|first| first <= made_by));
                 if counter.units > 0 && !counter.ended(now) && same_counter {
+                    // As much as this instance last heard was spent; the
+                    // rest (a refund of more, made through the handle) goes
+                    // to the store.
                     let room = counter.store_used.saturating_sub(counter.units);
-                    counter.units += amount.min(room);
-                    return Ok(Some(counter.usage().used));
+                    let into_block = amount.min(room);
+                    counter.units += into_block;
+                    amount -= into_block;
+                    if amount == 0 {
+                        return Ok(Some(counter.usage().used));
+                    }
                 }
             }
         }
