@@ -1311,3 +1311,34 @@ fn a_store_timeout_of_zero_is_refused_when_the_policy_is_made() {
     let _ = QuotaPolicy::builder(FromHeader::account("x-account-id"))
         .store_timeout(Some(std::time::Duration::ZERO));
 }
+
+/// A quota with a plan's limit on a policy that reads no plan would give
+/// every caller the quota's own limit: refused where the layer is made.
+#[test]
+#[should_panic(expected = "the policy reads no plan")]
+fn a_plan_limit_on_a_policy_that_reads_no_plan_is_refused() {
+    let policy = QuotaPolicy::builder(FromHeader::account("x-account-id")).build();
+    let _ = policy.layer(Quota::daily(100).plan("pro", 10_000));
+}
+
+/// A quota's plan that the policy's declared plans do not name (a typo:
+/// `Pro` for `pro`) is refused where the layer is made: its callers would
+/// be charged the quota's own limit.
+#[test]
+#[should_panic(expected = "do not name")]
+fn a_plan_limit_outside_the_declared_plans_is_refused() {
+    let policy = QuotaPolicy::builder(FromHeader::account("x-account-id"))
+        .plan(|parts| Some(parts.headers.get("x-plan")?.to_str().ok()?.to_owned()))
+        .plans(["free", "pro"])
+        .build();
+    let _ = policy.layer(Quota::daily(100).plan("Pro", 10_000));
+}
+
+/// A rejection with a status that is no error (a redirect) is refused
+/// where it is set, not swapped for 401 at each request.
+#[test]
+#[should_panic(expected = "4xx or 5xx")]
+fn a_subject_rejection_that_is_no_error_is_refused() {
+    let _ = QuotaPolicy::builder(FromHeader::account("x-account-id"))
+        .on_missing_subject(tower_quota::SubjectPolicy::Reject(StatusCode::FOUND));
+}

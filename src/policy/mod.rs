@@ -99,6 +99,16 @@ struct Claim {
     quota: Quota,
 }
 
+/// Panics when `policy` rejects with a status that is no error.
+fn check_rejection(policy: &SubjectPolicy) {
+    if let SubjectPolicy::Reject(status) = policy {
+        assert!(
+            status.is_client_error() || status.is_server_error(),
+            "a request without a usable subject is rejected with a 4xx or 5xx status (got {status})"
+        );
+    }
+}
+
 /// The claims of every live policy on a store with an identity.
 static CLAIMS: Mutex<Vec<Claim>> = Mutex::new(Vec::new());
 
@@ -111,6 +121,23 @@ impl<E, St: Store> Policy<E, St> {
     /// policy, or of another policy on the same store and namespace, or
     /// carries the name of a different quota of the policy.
     pub(crate) fn register(&self, quota: &Quota) {
+        if let Some((plan, _)) = quota.plans().next() {
+            assert!(
+                self.settings.plan.is_some(),
+                "quota {:?} has a limit for plan {plan:?}, but the policy reads no plan (QuotaPolicyBuilder::plan): every caller would get the quota's own limit",
+                quota.name()
+            );
+            let declared = &self.settings.plans;
+            if let Some((plan, _)) = quota
+                .plans()
+                .find(|(plan, _)| !declared.is_empty() && !declared.iter().any(|d| **d == **plan))
+            {
+                panic!(
+                    "quota {:?} has a limit for plan {plan:?}, which the policy's declared plans (QuotaPolicyBuilder::plans) do not name",
+                    quota.name()
+                );
+            }
+        }
         let max = self.store.max_count();
         let limits = std::iter::once(quota.limit()).chain(quota.plans().map(|(_, l)| l));
         for limit in limits {
@@ -406,13 +433,25 @@ impl<E, St> QuotaPolicyBuilder<E, St> {
     }
 
     /// What to do when the request names no subject. Default: 401.
+    ///
+    /// # Panics
+    ///
+    /// When `policy` rejects with a status that is not a client or server
+    /// error (4xx, 5xx).
     pub fn on_missing_subject(mut self, policy: SubjectPolicy) -> Self {
+        check_rejection(&policy);
         self.settings.on_missing = policy;
         self
     }
 
     /// What to do when the request's subject is malformed. Default: 400.
+    ///
+    /// # Panics
+    ///
+    /// When `policy` rejects with a status that is not a client or server
+    /// error (4xx, 5xx).
     pub fn on_malformed_subject(mut self, policy: SubjectPolicy) -> Self {
+        check_rejection(&policy);
         self.settings.on_malformed = policy;
         self
     }
@@ -575,15 +614,21 @@ impl<E, St> QuotaPolicyBuilder<E, St> {
     /// use tower_quota::jiff::tz::TimeZone;
     /// use tower_quota::{FromHeader, InvalidRequest, QuotaPolicy};
     ///
+    /// // What the application's authentication layer puts in the request:
+    /// // the account's own settings, which its owner does not change per
+    /// // request.
+    /// #[derive(Clone)]
+    /// struct Account {
+    ///     zone: Option<TimeZone>,
+    /// }
+    ///
     /// let policy = QuotaPolicy::builder(FromHeader::account("x-account-id"))
     ///     .time_zone(|parts| {
-    ///         let Some(value) = parts.headers.get("x-time-zone") else {
-    ///             return Ok(None);
-    ///         };
-    ///         let name = value.to_str().map_err(|_| InvalidRequest::new("x-time-zone is not text"))?;
-    ///         TimeZone::get(name)
-    ///             .map(Some)
-    ///             .map_err(|_| InvalidRequest::new(format!("unknown time zone {name:?}")))
+    ///         let account = parts
+    ///             .extensions
+    ///             .get::<Account>()
+    ///             .ok_or_else(|| InvalidRequest::new("not authenticated"))?;
+    ///         Ok(account.zone.clone())
     ///     })
     ///     .build();
     /// # let _ = policy;

@@ -16,9 +16,8 @@ use crate::response::Refusal;
 /// What to do with a request whose subject is missing or malformed.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum SubjectPolicy {
-    /// Answer with this status and a problem document; the inner service is
-    /// not called. A status that is not a 4xx or 5xx falls back to the
-    /// default (401 for a missing subject, 400 for a malformed one).
+    /// Answer with this status (a 4xx or 5xx: the builder refuses any
+    /// other) and a problem document; the inner service is not called.
     Reject(StatusCode),
     /// Let the request through without charging any quota (and without
     /// rate-limit fields). Unidentified requests never share a counter: they
