@@ -183,13 +183,20 @@ impl<E, St: Store> Policy<E, St> {
                 quota.allowance_tag(),
             );
         }
-        claims.push(Claim {
-            store,
-            namespace: self.settings.namespace.clone(),
-            policy: self.id,
-            any_zone,
-            quota: quota.clone(),
-        });
+        // Once per quota of the policy, however many layers carry it (an
+        // application that builds its routers anew from one policy).
+        let claimed = claims
+            .iter()
+            .any(|claim| claim.policy == self.id && claim.quota.same_as(quota));
+        if !claimed {
+            claims.push(Claim {
+                store,
+                namespace: self.settings.namespace.clone(),
+                policy: self.id,
+                any_zone,
+                quota: quota.clone(),
+            });
+        }
     }
 }
 
@@ -737,5 +744,34 @@ impl<E: Clone, St: Clone> Clone for QuotaPolicyBuilder<E, St> {
             extractor: self.extractor.clone(),
             store: self.store.clone(),
         }
+    }
+}
+
+#[cfg(test)]
+mod claim_tests {
+    use super::*;
+    use crate::{FromHeader, Quota};
+
+    /// A policy claims each quota once, however many layers carry it.
+    #[test]
+    fn a_quota_is_claimed_once_per_policy() {
+        let policy = QuotaPolicy::builder(FromHeader::account("x-account-id")).build();
+        let id = policy.core.id;
+        let mine = || {
+            CLAIMS
+                .lock()
+                .unwrap_or_else(|e| e.into_inner())
+                .iter()
+                .filter(|claim| claim.policy == id)
+                .count()
+        };
+        for _ in 0..100 {
+            let _ = policy.layer(Quota::daily(10));
+        }
+        assert_eq!(mine(), 1);
+        let _ = policy.layer(Quota::hourly(10));
+        assert_eq!(mine(), 2);
+        drop(policy);
+        assert_eq!(mine(), 0);
     }
 }
