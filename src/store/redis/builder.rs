@@ -222,9 +222,8 @@ impl RedisStoreBuilder {
                     .response_timeout(super::FOLLOW_THROUGH)
                     .build()
                     .map_err(|e| invalid("cluster URLs", e))?;
-                // How to reach a node the cluster names, as the first URL
-                // says (credentials, TLS), for `ASK`s to a master the
-                // cluster's connection does not reach.
+                // How to reach a node a redirect names, as the first URL
+                // says (credentials, TLS).
                 let seed = redis::IntoConnectionInfo::into_connection_info(first.as_str())
                     .map_err(|e| invalid("cluster URLs", e))?
                     .set_tcp_settings(tcp_settings());

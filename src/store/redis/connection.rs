@@ -114,10 +114,11 @@ pub(super) struct ClusterConnector {
     pub(super) outside: Arc<Outside>,
 }
 
-/// Connections to nodes the cluster's connection does not reach: a master
-/// that serves no slot yet, to which a slot is moving (a scale-out), named
-/// by the `ASK`s of the slot's keys already moved. The cluster's
-/// connection reaches only the nodes that serve slots.
+/// Connections of their own to the nodes redirected calls go to (see the
+/// module's docs): the cluster's connection, asked for a node by address,
+/// reaches only the nodes that serve slots, and connects to every node
+/// anew for one that serves none yet (a master a slot is moving to, in a
+/// scale-out).
 #[cfg(feature = "redis-cluster")]
 pub(super) struct Outside {
     /// The first URL's: credentials and TLS, its address replaced.
@@ -139,16 +140,11 @@ impl Outside {
         }
     }
 
-    /// `cmd` on the node at `host:port` (after `ASKING`, if `asking`).
-    async fn send(
-        &self,
-        host: &str,
-        port: u16,
-        cmd: &redis::Cmd,
-        asking: bool,
-    ) -> redis::RedisResult<Value> {
+    /// `cmd` on the node `to` names (after `ASKING`, for an `ASK`).
+    async fn send(&self, to: &Redirect, cmd: &redis::Cmd) -> redis::RedisResult<Value> {
+        let (host, port) = (to.host.as_str(), to.port);
         let mut conn = self.connection(host, port).await?;
-        let result = if asking {
+        let result = if to.ask {
             let mut pipe = redis::pipe();
             pipe.cmd("ASKING").add_command(cmd.clone());
             conn.req_packed_commands(&pipe, 1, 1)
@@ -834,12 +830,12 @@ impl Connection {
 
 /// Where a cluster node told a call to go instead: the call was not run.
 #[derive(Clone, Debug, PartialEq, Eq)]
-pub(super) enum Redirect {
-    /// `MOVED`: the slot is served by that node now.
-    Moved { host: String, port: u16 },
+pub(super) struct Redirect {
+    host: String,
+    port: u16,
     /// `ASK`: the slot is moving to that node, which takes the call once
-    /// told `ASKING`.
-    Ask { host: String, port: u16 },
+    /// told `ASKING`. Else `MOVED`: the slot is served by that node now.
+    ask: bool,
 }
 
 impl Redirect {
@@ -854,11 +850,9 @@ impl Redirect {
             .trim_end_matches(']')
             .to_owned();
         let port = port.parse().ok()?;
-        match error.kind() {
-            ErrorKind::Server(ServerErrorKind::Moved) => Some(Redirect::Moved { host, port }),
-            ErrorKind::Server(ServerErrorKind::Ask) => Some(Redirect::Ask { host, port }),
-            _ => None,
-        }
+        // (`redirect_node` answers only for a `MOVED` or an `ASK`.)
+        let ask = error.kind() == ErrorKind::Server(ServerErrorKind::Ask);
+        Some(Redirect { host, port, ask })
     }
 }
 
@@ -894,9 +888,7 @@ impl Connection {
             ..
         } = self
         {
-            let (Redirect::Moved { host, port } | Redirect::Ask { host, port }) = redirect;
-            let asking = matches!(redirect, Redirect::Ask { .. });
-            let result = outside.send(host, *port, cmd, asking).await;
+            let result = outside.send(redirect, cmd).await;
             *failed_outside = result.as_ref().is_err_and(|e| !super::came_back(e));
             return result;
         }
