@@ -993,18 +993,11 @@ impl<St: Store> LeasedStore<St> {
             let taken_at = counter.taken_at.unwrap_or(now);
             let leaving = counter.mark.leave(now, margin);
             let back = return_one(self.inner.clone(), now, key, units, taken_at, leaving);
-            if !on_runtime {
-                returned += back.await;
-                continue;
-            }
-            if returning.len() >= SWEEP_GIVE_BACKS {
-                returned += returning
-                    .join_next()
-                    .await
-                    .and_then(Result::ok)
-                    .unwrap_or(0);
-            }
-            returning.spawn(back);
+            returned += if on_runtime {
+                spawn_bounded(&mut returning, back).await.unwrap_or(0)
+            } else {
+                back.await
+            };
         }
         while let Some(back) = returning.join_next().await {
             returned += back.unwrap_or(0);
@@ -1120,11 +1113,11 @@ impl<St: Store> LeasedStore<St> {
         // charge, or one that costs nothing), or that has no room for what
         // it costs (nothing, too: the store refuses a line over its limit
         // whatever it costs), is the store's to answer.
-        let mut unknown = false;
+        let mut to_store = false;
         for line in &request.lines {
             let Some(counter) = counters.get_mut(&line.key) else {
                 taken.push(0);
-                unknown = true;
+                to_store = true;
                 continue;
             };
             counter.hits += 1;
@@ -1179,7 +1172,7 @@ impl<St: Store> LeasedStore<St> {
             } else {
                 0
             };
-            unknown |= !room;
+            to_store |= !room;
             counter.units -= units;
             taken.push(units);
             // A request of one line, paid from the block, is answered
@@ -1196,7 +1189,7 @@ impl<St: Store> LeasedStore<St> {
             });
         }
         let local = !request.lines.is_empty()
-            && !unknown
+            && !to_store
             && stale.is_empty()
             && unmarked.is_empty()
             && request
@@ -2079,13 +2072,12 @@ impl<St: Store> LeasedStore<St> {
         made_by: Option<Timestamp>,
     ) -> Result<Option<u64>, StoreError> {
         let mut amount = amount;
-        if made_by.is_some() {
+        if let Some(made_by) = made_by {
             let mut counters = self.shared.counter(&key);
             if let Some(counter) = counters.get_mut(&key) {
                 // Into the block only when it is of the counter charged: not
                 // of one made since (after a reset), which takes nothing.
-                let same_counter = made_by
-                    .is_none_or(|made_by| counter.first_call.is_none_or(|first| first <= made_by));
+                let same_counter = counter.first_call.is_none_or(|first| first <= made_by);
                 if counter.units > 0 && !counter.ended(now) && same_counter {
                     // As much as this instance last heard was spent; the
                     // rest (a refund of more, made through the handle) goes
@@ -2166,6 +2158,21 @@ async fn return_one<St: Store>(
 /// Give-backs a sweep has on their way at most.
 const SWEEP_GIVE_BACKS: usize = 64;
 
+/// Spawns `work` on `set` once fewer than [`SWEEP_GIVE_BACKS`] are on their
+/// way there: what the one that ended to make room answered, if any.
+async fn spawn_bounded<T: Send + 'static>(
+    set: &mut tokio::task::JoinSet<T>,
+    work: impl Future<Output = T> + Send + 'static,
+) -> Option<T> {
+    let ended = if set.len() >= SWEEP_GIVE_BACKS {
+        set.join_next().await.and_then(Result::ok)
+    } else {
+        None
+    };
+    set.spawn(work);
+    ended
+}
+
 /// Gives idle and old blocks back every quarter of the shorter bound, until
 /// the store is dropped.
 async fn sweep<St: Store>(shared: Weak<Shared>, inner: St, settings: Settings) {
@@ -2238,25 +2245,16 @@ async fn sweep<St: Store>(shared: Weak<Shared>, inner: St, settings: Settings) {
         // instances for as many round trips.
         let mut giving = tokio::task::JoinSet::new();
         for back in back {
-            if giving.len() >= SWEEP_GIVE_BACKS {
-                giving.join_next().await;
-            }
             let inner = inner.clone();
-            giving.spawn(async move {
-                back.send(&inner).await;
-            });
+            spawn_bounded(&mut giving, async move { back.send(&inner).await }).await;
         }
         while giving.join_next().await.is_some() {}
         // The marks left after the units, together too.
         for (key, now, generation) in unmarked {
-            if giving.len() >= SWEEP_GIVE_BACKS {
-                giving.join_next().await;
-            }
             let inner = inner.clone();
             let shared = Arc::clone(&shared);
-            giving.spawn(async move {
-                leave(&inner, &shared, now, key, generation).await;
-            });
+            let leaving = async move { leave(&inner, &shared, now, key, generation).await };
+            spawn_bounded(&mut giving, leaving).await;
         }
         while giving.join_next().await.is_some() {}
         drop(busy);
