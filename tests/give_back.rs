@@ -340,17 +340,18 @@ async fn a_give_back_the_store_never_sent_is_sent_again_when_it_is_back() {
     assert_eq!(settles(&policy, "outer-day", 0).await, 0);
 }
 
-/// A request's charge goes back to the counter it was charged to only: a
-/// support reset while it was served, and a charge that made the counter
-/// anew, leave the new counter as it is when the request fails.
-#[tokio::test]
-async fn a_give_back_after_a_reset_leaves_the_new_counter_alone() {
-    let clock = ManualClock::new(NOW.parse().unwrap());
-    let policy = QuotaPolicy::builder(FromHeader::account("x-account-id"))
-        .store(MemoryStore::new())
-        .clock(clock.clone())
-        .refund_server_errors(true)
-        .build();
+/// Serves `/slow` (answering `slow` once released) through `layer` while
+/// support resets the subject and its next request, a second later, makes
+/// the counter anew; checks that the new counter holds that request's own
+/// charge only once `/slow` answered.
+async fn served_across_a_reset<R>(
+    policy: &QuotaPolicy<FromHeader>,
+    clock: &ManualClock,
+    layer: tower_quota::QuotaLayer<FromHeader>,
+    slow: R,
+) where
+    R: axum::response::IntoResponse + Clone + Send + Sync + 'static,
+{
     let release = Arc::new(tokio::sync::Notify::new());
     let app = Router::new()
         .route(
@@ -359,78 +360,13 @@ async fn a_give_back_after_a_reset_leaves_the_new_counter_alone() {
                 let release = Arc::clone(&release);
                 move || async move {
                     release.notified().await;
-                    StatusCode::INTERNAL_SERVER_ERROR
+                    slow
                 }
             }),
         )
         .route("/", get(ok))
-        .layer(policy.layer(Quota::daily(10)));
-    let slow = tokio::spawn(app.clone().oneshot(call("/slow")));
-    tokio::task::yield_now().await;
-    assert_eq!(used(&policy, "default-day").await, 1);
-    // Support resets the subject while the request is served, and the
-    // subject's next request, a second later, makes the counter anew.
-    policy
-        .handle()
-        .reset(&Subject::account("acme"))
-        .await
-        .unwrap();
-    clock.advance(tower_quota::jiff::SignedDuration::from_secs(1));
-    let response = app.clone().oneshot(call("/")).await.unwrap();
-    assert_eq!(response.status(), StatusCode::OK);
-    // The first request fails: its charge was on the counter that was
-    // reset, and nothing comes off the new one.
-    release.notify_one();
-    let failed = slow.await.unwrap().unwrap();
-    assert_eq!(failed.status(), StatusCode::INTERNAL_SERVER_ERROR);
-    assert_eq!(used(&policy, "default-day").await, 1);
-}
-
-/// A deferred cost's rest goes to the counter the request was charged to
-/// only: a support reset while it was served, and a charge that made the
-/// counter anew, leave the new counter as it is when the cost is known.
-#[tokio::test]
-async fn a_deferred_cost_after_a_reset_leaves_the_new_counter_alone() {
-    let clock = ManualClock::new(NOW.parse().unwrap());
-    let policy = QuotaPolicy::builder(FromHeader::account("x-account-id"))
-        .store(MemoryStore::new())
-        .clock(clock.clone())
-        .build();
-    deferred_cost_after_a_reset(&policy, &clock).await;
-}
-
-/// Serves a request of deferred cost 50 on `policy` while its subject is
-/// reset and charged anew, and checks the new counter holds its own charge
-/// only.
-pub async fn deferred_cost_after_a_reset<St: Store>(
-    policy: &QuotaPolicy<FromHeader, St>,
-    clock: &ManualClock,
-) {
-    let release = Arc::new(tokio::sync::Notify::new());
-    let app = Router::new()
-        .route(
-            "/slow",
-            get({
-                let release = Arc::clone(&release);
-                move || async move {
-                    release.notified().await;
-                    ([("x-cost", "50")], "done")
-                }
-            }),
-        )
-        .route("/", get(|| async { ([("x-cost", "1")], "ok") }))
-        .layer(
-            policy
-                .layer(Quota::daily(100))
-                .deferred_cost(1, |response| {
-                    response
-                        .headers
-                        .get("x-cost")
-                        .and_then(|v| v.to_str().ok()?.parse().ok())
-                        .unwrap_or(1)
-                }),
-        );
-    let slow = tokio::spawn(app.clone().oneshot(call("/slow")));
+        .layer(layer);
+    let pending = tokio::spawn(app.clone().oneshot(call("/slow")));
     while used(policy, "default-day").await == 0 {
         tokio::task::yield_now().await;
     }
@@ -444,13 +380,48 @@ pub async fn deferred_cost_after_a_reset<St: Store>(
     assert_eq!(response.status(), StatusCode::OK);
     assert_eq!(used(policy, "default-day").await, 1);
     release.notify_one();
-    let served = slow.await.unwrap().unwrap();
-    assert_eq!(served.status(), StatusCode::OK);
+    pending.await.unwrap().unwrap();
     assert_eq!(
         used(policy, "default-day").await,
         1,
-        "the 49 more of a request charged before the reset"
+        "the new counter's own charge, nothing of the request charged before the reset"
     );
+}
+
+/// A request's charge goes back to the counter it was charged to only: a
+/// support reset while it was served, and a charge that made the counter
+/// anew, leave the new counter as it is when the request fails.
+#[tokio::test]
+async fn a_give_back_after_a_reset_leaves_the_new_counter_alone() {
+    let clock = ManualClock::new(NOW.parse().unwrap());
+    let policy = QuotaPolicy::builder(FromHeader::account("x-account-id"))
+        .clock(clock.clone())
+        .refund_server_errors(true)
+        .build();
+    let layer = policy.layer(Quota::daily(10));
+    served_across_a_reset(&policy, &clock, layer, StatusCode::INTERNAL_SERVER_ERROR).await;
+}
+
+/// A deferred cost's rest goes to the counter the request was charged to
+/// only: a support reset while it was served, and a charge that made the
+/// counter anew, leave the new counter as it is when the cost is known (50
+/// here, where the new counter's request cost 1).
+#[tokio::test]
+async fn a_deferred_cost_after_a_reset_leaves_the_new_counter_alone() {
+    let clock = ManualClock::new(NOW.parse().unwrap());
+    let policy = QuotaPolicy::builder(FromHeader::account("x-account-id"))
+        .clock(clock.clone())
+        .build();
+    let layer = policy
+        .layer(Quota::daily(100))
+        .deferred_cost(1, |response| {
+            response
+                .headers
+                .get("x-cost")
+                .and_then(|v| v.to_str().ok()?.parse().ok())
+                .unwrap_or(1)
+        });
+    served_across_a_reset(&policy, &clock, layer, [("x-cost", "50")]).await;
 }
 
 /// An inner service whose `call` panics.
