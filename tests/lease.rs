@@ -1318,31 +1318,52 @@ async fn a_requests_refund_lands_in_the_block_and_goes_back_with_it() {
     assert_eq!(counted(&shared, now).await, 195);
 }
 
+/// Serves 5 requests of the day on a leased instance, which takes a block,
+/// lets another instance spend 500, then has `refund` give 300 back
+/// through the leased instance: whatever part of it goes into the block,
+/// the store counts the 505 served less the 300 refunded once the
+/// instance shut down.
+async fn refund_after_others_spent<F, R>(refund: F)
+where
+    F: FnOnce(LeasedStore<MemoryStore>, Timestamp, Timestamp) -> R,
+    R: std::future::Future<Output = Result<Option<u64>, StoreError>>,
+{
+    const LIMIT: u64 = 1_000;
+    let shared = MemoryStore::new();
+    let leased = LeasedStore::new(shared.clone());
+    let mut now = t0();
+    let served_at = now;
+    busy(&leased, &mut now, 5, LIMIT, 1).await;
+    assert!(leased.held() > 0, "a block held");
+    for _ in 0..500 {
+        assert!(call(&shared, now, LIMIT).await.admitted);
+    }
+    refund(leased.clone(), now, served_at).await.unwrap();
+    leased.shutdown().await;
+    assert_eq!(counted(&shared, now).await, 205);
+}
+
 /// A support refund (any amount, of units any instance spent) goes to the
 /// store: credited to this instance's block from what it last heard of
 /// the count, it was cut to what this instance had seen spent, and the
 /// rest was lost.
 #[tokio::test(start_paused = true)]
 async fn a_support_refund_goes_to_the_store_whatever_an_instance_holds() {
-    const LIMIT: u64 = 1_000;
-    let shared = MemoryStore::new();
-    let leased = LeasedStore::new(shared.clone());
-    let mut now = t0();
-    busy(&leased, &mut now, 5, LIMIT, 1).await;
-    let held = leased.held();
-    assert!(held > 0, "a block held");
-    // Another instance spends 500; support gives 300 back through this one.
-    for _ in 0..500 {
-        assert!(call(&shared, now, LIMIT).await.admitted);
-    }
-    leased.refund(now, day_key(), 300).await.unwrap();
-    assert_eq!(
-        counted(&shared, now).await,
-        5 + held + 500 - 300,
-        "the store counts the 505 served, less the 300 refunded, and the units held"
-    );
-    assert_eq!(leased.shutdown().await, held);
-    assert_eq!(counted(&shared, now).await, 205);
+    refund_after_others_spent(
+        |leased, now, _| async move { leased.refund(now, day_key(), 300).await },
+    )
+    .await;
+}
+
+/// A guarded refund of more than this instance heard was spent (support
+/// undoing requests other instances served, through the handle) puts what
+/// it can into the block and the rest in the store: none of it is lost.
+#[tokio::test(start_paused = true)]
+async fn a_guarded_refund_larger_than_the_block_takes_goes_on_to_the_store() {
+    refund_after_others_spent(|leased, now, served_at| async move {
+        leased.refund_made_by(now, day_key(), 300, served_at).await
+    })
+    .await;
 }
 
 /// The instant on the test's day (`t0`) as far past it as real time is past
@@ -2247,30 +2268,6 @@ async fn a_request_refused_by_a_full_line_takes_one_charge() {
         tokio::time::advance(Duration::from_millis(1)).await;
         now += SignedDuration::from_millis(1);
     }
-}
-
-/// A guarded refund of more than this instance heard was spent (support
-/// undoing requests other instances served, through the handle) puts what
-/// it can into the block and the rest in the store: none of it is lost.
-#[tokio::test(start_paused = true)]
-async fn a_guarded_refund_larger_than_the_block_takes_goes_on_to_the_store() {
-    const LIMIT: u64 = 1_000;
-    let shared = MemoryStore::new();
-    let leased = LeasedStore::new(shared.clone());
-    let mut now = t0();
-    let served_at = now;
-    busy(&leased, &mut now, 5, LIMIT, 1).await;
-    let held = leased.held();
-    assert!(held > 0, "a block held");
-    for _ in 0..500 {
-        assert!(call(&shared, now, LIMIT).await.admitted);
-    }
-    leased
-        .refund_made_by(now, day_key(), 300, served_at)
-        .await
-        .unwrap();
-    assert_eq!(leased.shutdown().await, held + 5);
-    assert_eq!(counted(&shared, now).await, 205);
 }
 
 /// A request refused while the block's last unit is set aside for another
