@@ -2149,47 +2149,65 @@ async fn limits_and_costs_past_what_redis_counts_exactly_are_refused() {
 #[tokio::test]
 async fn a_late_charge_goes_back_to_the_counter_it_was_charged_to_only() {
     let server = redis_server_or_skip!();
-    let store = RedisStore::builder(server.url())
-        .timeout(Duration::from_millis(100))
-        .build()
-        .unwrap();
-    let other = RedisStore::builder(server.url())
-        .timeout(Duration::from_secs(3))
-        .build()
-        .unwrap();
+    let (store, other) = impatient_and_patient(&server);
     let key = key("late-reset");
     let t0 = Timestamp::now();
     admit(&store, first_use(&key, 10, 1, t0, hour())).await;
     admit(&other, first_use(&key, 10, 0, t0, hour())).await;
-
-    // While Redis holds every command: a charge that times out, a reset of
-    // its counter, and a charge a second later that makes it anew. Redis
-    // runs them in that order once it resumes; then the late charge is
-    // given back, which must not come off the new counter.
-    assert_eq!(server.cli(&["client", "pause", "600", "all"]), "OK");
-    let late = store.charge(first_use(&key, 10, 1, t0, hour()));
-    let error = late.await.expect_err("held past the store's timeout");
-    assert_eq!(error.kind(), StoreErrorKind::Timeout, "{error}");
-    // The reset, from a client of its own, held as well.
-    let port = server.port();
-    let deleting = {
-        let key = key.as_str().to_owned();
-        std::thread::spawn(move || redis_support::cli(port, &["del", &key]))
-    };
-    tokio::time::sleep(Duration::from_millis(50)).await;
-    let later = t0 + SignedDuration::from_secs(1);
-    let anew = other
-        .charge(first_use(&key, 10, 1, later, hour()))
-        .await
-        .unwrap();
-    assert!(anew.admitted);
-    assert_eq!(deleting.join().unwrap(), "1");
-    tokio::time::sleep(Duration::from_millis(500)).await;
+    // A charge that times out, a reset of its counter, and a charge a
+    // second later that makes it anew; then the late charge is given back,
+    // which must not come off the new counter.
+    let late = first_use(&key, 10, 1, t0, hour());
+    let anew = first_use(&key, 10, 1, t0 + SignedDuration::from_secs(1), hour());
+    late_then_reset_then_anew(&server, (&store, late), &key, (&other, anew)).await;
     assert_eq!(
         server.cli(&["hget", key.as_str(), "n"]),
         "1",
         "the new counter's own charge"
     );
+}
+
+/// Two stores on `server`: one that gives up on a call after 100 ms, and
+/// one that waits 3 s.
+fn impatient_and_patient(server: &RedisServer) -> (RedisStore, RedisStore) {
+    let store = |timeout| {
+        RedisStore::builder(server.url())
+            .timeout(timeout)
+            .build()
+            .unwrap()
+    };
+    (
+        store(Duration::from_millis(100)),
+        store(Duration::from_secs(3)),
+    )
+}
+
+/// While Redis holds every command: the `late` charge (its store stops
+/// waiting for it), a reset of `reset` from a client of its own, and the
+/// `anew` charge, admitted. Redis runs them in that order once it resumes;
+/// returns once the late charge's give-back had time to land.
+async fn late_then_reset_then_anew(
+    server: &RedisServer,
+    late: (&RedisStore, ChargeRequest),
+    reset: &PeriodKey,
+    anew: (&RedisStore, ChargeRequest),
+) {
+    assert_eq!(server.cli(&["client", "pause", "600", "all"]), "OK");
+    let error = late
+        .0
+        .charge(late.1)
+        .await
+        .expect_err("held past the store's timeout");
+    assert_eq!(error.kind(), StoreErrorKind::Timeout, "{error}");
+    let port = server.port();
+    let deleting = {
+        let key = reset.as_str().to_owned();
+        std::thread::spawn(move || redis_support::cli(port, &["del", &key]))
+    };
+    tokio::time::sleep(Duration::from_millis(50)).await;
+    assert!(anew.0.charge(anew.1).await.unwrap().admitted);
+    assert_eq!(deleting.join().unwrap(), "1");
+    tokio::time::sleep(Duration::from_millis(500)).await;
 }
 
 #[tokio::test]
@@ -2249,59 +2267,21 @@ async fn a_guarded_add_leaves_a_counter_made_since_alone() {
 #[tokio::test]
 async fn a_late_charge_of_two_lines_goes_back_to_each_lines_own_counter() {
     let server = redis_server_or_skip!();
-    let store = RedisStore::builder(server.url())
-        .timeout(Duration::from_millis(100))
-        .build()
-        .unwrap();
-    let other = RedisStore::builder(server.url())
-        .timeout(Duration::from_secs(3))
-        .build()
-        .unwrap();
+    let (store, other) = impatient_and_patient(&server);
     let (a, b) = (key("late-two-a"), key("late-two-b"));
-    let two = |now: Timestamp| ChargeRequest {
-        now,
-        lines: smallvec::smallvec![
-            first_use(&a, 10, 1, now, hour()).lines[0].clone(),
-            first_use(&b, 10, 1, now, hour()).lines[0].clone(),
-        ],
-    };
     let t0 = Timestamp::now();
     // B made first, by a charge with a later instant.
-    admit(
-        &other,
-        first_use(&b, 10, 1, t0 + SignedDuration::from_millis(50), hour()),
-    )
-    .await;
+    let b_first = t0 + SignedDuration::from_millis(50);
+    admit(&other, first_use(&b, 10, 1, b_first, hour())).await;
     admit(&other, first_use(&a, 10, 0, t0, hour())).await;
-
-    // While Redis holds every command: the two-line charge, which times
-    // out; a reset of A; a charge of A that makes it anew, dated between
-    // the charge's instant and B's first call.
-    assert_eq!(server.cli(&["client", "pause", "600", "all"]), "OK");
-    let error = store
-        .charge(two(t0))
-        .await
-        .expect_err("held past the store's timeout");
-    assert_eq!(error.kind(), StoreErrorKind::Timeout, "{error}");
-    let port = server.port();
-    let deleting = {
-        let a = a.as_str().to_owned();
-        std::thread::spawn(move || redis_support::cli(port, &["del", &a]))
-    };
-    tokio::time::sleep(Duration::from_millis(50)).await;
-    let anew = other
-        .charge(first_use(
-            &a,
-            10,
-            1,
-            t0 + SignedDuration::from_millis(20),
-            hour(),
-        ))
-        .await
-        .unwrap();
-    assert!(anew.admitted);
-    assert_eq!(deleting.join().unwrap(), "1");
-    tokio::time::sleep(Duration::from_millis(500)).await;
+    // The two-line charge, which times out; a reset of A; a charge of A
+    // that makes it anew, dated between the charge's instant and B's first
+    // call.
+    let mut late = first_use(&a, 10, 1, t0, hour());
+    late.lines
+        .push(first_use(&b, 10, 1, t0, hour()).lines[0].clone());
+    let anew = first_use(&a, 10, 1, t0 + SignedDuration::from_millis(20), hour());
+    late_then_reset_then_anew(&server, (&store, late), &a, (&other, anew)).await;
     assert_eq!(
         server.cli(&["hget", a.as_str(), "n"]),
         "1",
