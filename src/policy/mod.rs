@@ -121,22 +121,18 @@ impl<E, St: Store> Policy<E, St> {
     /// policy, or of another policy on the same store and namespace, or
     /// carries the name of a different quota of the policy.
     pub(crate) fn register(&self, quota: &Quota) {
-        if let Some((plan, _)) = quota.plans().next() {
+        let declared = &self.settings.plans;
+        for (plan, _) in quota.plans() {
             assert!(
                 self.settings.plan.is_some(),
                 "quota {:?} has a limit for plan {plan:?}, but the policy reads no plan (QuotaPolicyBuilder::plan): every caller would get the quota's own limit",
                 quota.name()
             );
-            let declared = &self.settings.plans;
-            if let Some((plan, _)) = quota
-                .plans()
-                .find(|(plan, _)| !declared.is_empty() && !declared.iter().any(|d| **d == **plan))
-            {
-                panic!(
-                    "quota {:?} has a limit for plan {plan:?}, which the policy's declared plans (QuotaPolicyBuilder::plans) do not name",
-                    quota.name()
-                );
-            }
+            assert!(
+                declared.is_empty() || declared.iter().any(|d| **d == *plan),
+                "quota {:?} has a limit for plan {plan:?}, which the policy's declared plans (QuotaPolicyBuilder::plans) do not name",
+                quota.name()
+            );
         }
         let max = self.store.max_count();
         let limits = std::iter::once(quota.limit()).chain(quota.plans().map(|(_, l)| l));
