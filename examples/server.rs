@@ -37,7 +37,7 @@
 //!
 //! Unknown paths (404) and wrong methods (405) are never charged. With
 //! `--plans free=100,pro=10000`, the caller's plan comes from the `x-plan`
-//! header (absent: the first plan listed; unknown: 403) and its number
+//! header (absent: the first plan listed; unknown, or two named: 403) and its number
 //! replaces `--limit` for `read` and `write`. With `--shadow`, every quota
 //! is counted and reported but never refuses. With `--zone-header NAME`,
 //! each caller's calendar days (weeks, months) turn at midnight in the IANA
@@ -557,11 +557,19 @@ fn app<St: Store>(options: &Options, store: St) -> (Router, Option<QuotaPolicy<F
         let first = first.clone();
         policy = policy
             .plan(move |parts| {
-                let plan = parts
+                // Two plans named is no plan: all of them are told back in
+                // the 403, as one unknown plan.
+                let named: Vec<_> = parts
                     .headers
-                    .get("x-plan")
-                    .map(|v| v.to_str().unwrap_or("\u{fffd}").to_owned());
-                Some(plan.unwrap_or_else(|| first.clone()))
+                    .get_all("x-plan")
+                    .iter()
+                    .map(|v| v.to_str().unwrap_or("\u{fffd}"))
+                    .collect();
+                Some(match named.as_slice() {
+                    [] => first.clone(),
+                    [plan] => (*plan).to_owned(),
+                    several => several.join(", "),
+                })
             })
             .plans(options.plans.iter().map(|(name, _)| name.clone()))
             .on_unknown_plan(UnknownPlan::Reject);

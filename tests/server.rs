@@ -274,6 +274,20 @@ async fn demo_server_plans_set_the_limit() {
         unknown.header("content-type"),
         Some("application/problem+json")
     );
+    // Two plans named: refused, not charged on the first.
+    let free: &[(&str, &str)] = &[("x-account-id", "zeta"), ("x-plan", "free")];
+    let both: &[(&str, &str)] = &[
+        ("x-account-id", "zeta"),
+        ("x-plan", "pro"),
+        ("x-plan", "free"),
+    ];
+    let ambiguous = call(&server, "GET", "/read", both).await;
+    assert_eq!(ambiguous.status, 403);
+    assert!(ambiguous.body.contains("pro, free"), "{}", ambiguous.body);
+    assert_eq!(
+        quota(&call(&server, "GET", "/quota", free).await)["read"]["used"],
+        0
+    );
 }
 
 #[tokio::test]
