@@ -514,3 +514,63 @@ async fn an_add_never_sent_is_not_sent_again_into_the_next_period() {
     step(5).await;
     assert_eq!(used(&policy, &name).await, 3, "this period's alone");
 }
+
+/// Drops `app`'s answer to `/` while its outermost layer (of `outer`, a
+/// store whose changes land a second late) waits for the store to apply
+/// the request's deferred cost: the response never went out, so nothing
+/// stays charged, inner layers' quotas (`inner`'s `read-day`) included.
+async fn dropped_while_the_outer_layer_settles<St: Store>(
+    app: Router,
+    outer: &QuotaPolicy<FromHeader, Rigged<MemoryStore>>,
+    inner: &QuotaPolicy<FromHeader, St>,
+) {
+    outer
+        .store()
+        .slow_changes
+        .store(1_000, std::sync::atomic::Ordering::Relaxed);
+    let timed_out = tokio::time::timeout(Duration::from_millis(100), app.oneshot(call("/"))).await;
+    assert!(timed_out.is_err(), "dropped while the deferred cost lands");
+    assert_eq!(settles(outer, "big-day", 0).await, 0, "outer: not served");
+    assert_eq!(settles(inner, "read-day", 0).await, 0, "inner: not served");
+}
+
+/// A deferred cost that the store applies late.
+fn costly(
+    layer: tower_quota::QuotaLayer<FromHeader, Rigged<MemoryStore>>,
+) -> tower_quota::QuotaLayer<FromHeader, Rigged<MemoryStore>> {
+    layer.deferred_cost(1, |_| 5)
+}
+
+/// Nested layers of one policy: the inner layer answered and kept its
+/// charge, the outer one was dropped before the response went out.
+#[tokio::test(start_paused = true)]
+async fn a_drop_while_the_outer_layer_settles_gives_inner_charges_back() {
+    let policy = policy(
+        Rigged::new(MemoryStore::new(), Rig::Fail, Some("never")),
+        "one",
+    )
+    .store_timeout(None)
+    .build();
+    let app = Router::new()
+        .route("/", get(ok))
+        .route_layer(policy.layer(Quota::daily(10).allowance("read")))
+        .layer(costly(policy.layer(Quota::daily(100).allowance("big"))));
+    dropped_while_the_outer_layer_settles(app, &policy, &policy).await;
+}
+
+/// The same with the inner layer of another policy, on a store of its own.
+#[tokio::test(start_paused = true)]
+async fn a_drop_while_the_outer_layer_settles_gives_another_policys_charges_back() {
+    let outer = policy(
+        Rigged::new(MemoryStore::new(), Rig::Fail, Some("never")),
+        "outer",
+    )
+    .store_timeout(None)
+    .build();
+    let inner = policy(MemoryStore::new(), "inner").build();
+    let app = Router::new()
+        .route("/", get(ok))
+        .route_layer(inner.layer(Quota::daily(10).allowance("read")))
+        .layer(costly(outer.layer(Quota::daily(100).allowance("big"))));
+    dropped_while_the_outer_layer_settles(app, &outer, &inner).await;
+}

@@ -100,6 +100,9 @@ pub(crate) struct Charged<E, St> {
     lines: Arc<Lines>,
     now: Timestamp,
     spread: u64,
+    /// Whether a quota layer further out saw the request first (see
+    /// [`KeptInside`]).
+    nested: bool,
 }
 
 impl<E, St: Store> Charged<E, St> {
@@ -219,6 +222,7 @@ where
                 lines,
                 now,
                 spread,
+                nested: charge.nested,
             }));
             State::Calling {
                 future: inner.call(request),
@@ -515,7 +519,8 @@ where
                     if ops.is_empty() {
                         return Poll::Ready(result.map(|response| {
                             let response = if fields {
-                                charged.finish(response, None)
+                                let response = charged.finish(response, None);
+                                Kept::tell(response, charged, Vec::new(), Vec::new(), None)
                             } else {
                                 response
                             };
@@ -524,12 +529,20 @@ where
                     }
                     let now = settings.clock.now();
                     let (adjust, kept) = adjust_kept(&charged, now, &ops);
+                    // What layers further in keep charged, given back with
+                    // this layer's charge if the response never goes out.
+                    let inside = result
+                        .as_ref()
+                        .ok()
+                        .and_then(|response| response.extensions().get::<KeptInside>())
+                        .cloned();
                     this.state.set(State::Settling {
                         settle: Settle {
                             adjust: Some(adjust),
                             ops,
                             kept,
                             charged: Some(charged),
+                            inside,
                         },
                         timeout: None,
                         fields,
@@ -547,6 +560,7 @@ where
                         ops,
                         kept,
                         charged,
+                        inside: _,
                     } = settle;
                     let adjusting = adjust.as_mut().expect("polled after completion");
                     let results = match adjusting.as_mut().poll(cx) {
@@ -576,14 +590,14 @@ where
                     }
                     // As the store answered, or, past its timeout, as the
                     // changes will leave the counters once they land.
-                    let usage = match results {
-                        Some(results) => charge::settled(&charged.lines, ops, &results),
+                    let usage = match &results {
+                        Some(results) => charge::settled(&charged.lines, ops, results),
                         None => charge::expected(&charged.lines, ops, kept),
                     };
+                    let (ops, kept) = (std::mem::take(ops), std::mem::take(kept));
                     return Poll::Ready(result.map(|response| {
-                        charged
-                            .finish(response, Some(&usage))
-                            .map(ResponseBody::inner)
+                        let response = charged.finish(response, Some(&usage));
+                        Kept::tell(response, charged, ops, kept, results).map(ResponseBody::inner)
                     }));
                 }
                 StateProj::Rejected { response } => {
@@ -674,6 +688,8 @@ pub(crate) struct Settle<E, St: Store> {
     /// Per op, whether `adjust` applies it.
     kept: Vec<bool>,
     charged: Option<Charged<E, St>>,
+    /// What the layers further in keep charged for the response held.
+    inside: Option<KeptInside>,
 }
 
 impl<E, St: Store> Drop for Settle<E, St> {
@@ -681,6 +697,11 @@ impl<E, St: Store> Drop for Settle<E, St> {
         let (Some(charged), Some(adjusting)) = (self.charged.take(), self.adjust.take()) else {
             return;
         };
+        // The layers further in answered, and their response never goes
+        // out either.
+        for kept in self.inside.take().iter().flat_map(|inside| &inside.0) {
+            kept.give_back();
+        }
         let now = charged.bound.policy.settings.clock.now();
         // Claimed now, so that no other layer gives them back too.
         let lines: Vec<_> = charge::unserved(&charged.lines, &self.ops, &self.kept, now)
@@ -713,6 +734,90 @@ impl<E, St: Store> Drop for Settle<E, St> {
             // Finished at once by a store that answers at once; logged
             // otherwise.
             Err(_) => detach(Box::pin(work)),
+        }
+    }
+}
+
+/// What the quota layers further in keep charged for the response that
+/// carries this (of any policy): a layer further out that is dropped
+/// before the response goes out (while it waits for the store to apply
+/// what the response changes) gives it back with its own charge. Only
+/// nested layers tell it; it does nothing once the response went out.
+#[derive(Clone, Default)]
+pub(crate) struct KeptInside(Vec<Arc<dyn GiveBack>>);
+
+/// A charge kept for a response that may not go out after all.
+pub(crate) trait GiveBack: Send + Sync {
+    /// Gives back what is still charged of it, once: its lines are claimed.
+    fn give_back(&self);
+}
+
+/// What a layer kept charged once it answered: its lines after `ops`
+/// (those `kept` were sent), which the store answered with `results`
+/// (`None`: not in time, its adds are then taken as not made).
+struct Kept<E, St> {
+    charged: Charged<E, St>,
+    ops: Vec<(usize, Adjust)>,
+    kept: Vec<bool>,
+    results: Option<Vec<Option<u64>>>,
+}
+
+impl<E, St> Kept<E, St>
+where
+    E: SubjectExtractor,
+    St: Store,
+{
+    /// `response`, telling the layers further out what `charged` keeps:
+    /// only when there is one such layer.
+    fn tell<B>(
+        mut response: Response<B>,
+        charged: Charged<E, St>,
+        ops: Vec<(usize, Adjust)>,
+        kept: Vec<bool>,
+        results: Option<Vec<Option<u64>>>,
+    ) -> Response<B> {
+        if charged.nested {
+            let kept = Kept {
+                charged,
+                ops,
+                kept,
+                results,
+            };
+            let inside = response
+                .extensions_mut()
+                .get_or_insert_default::<KeptInside>();
+            inside.0.push(Arc::new(kept));
+        }
+        response
+    }
+}
+
+impl<E, St> GiveBack for Kept<E, St>
+where
+    E: SubjectExtractor,
+    St: Store,
+{
+    fn give_back(&self) {
+        let charged = &self.charged;
+        let now = charged.bound.policy.settings.clock.now();
+        let results = self.results.as_deref().unwrap_or_default();
+        let back: Vec<_> = charge::unserved(&charged.lines, &self.ops, &self.kept, now)
+            .into_iter()
+            .filter_map(|(i, amount)| {
+                let line = &charged.lines[i];
+                let amount = amount.saturating_add(charge::added(&self.ops, results, i));
+                (amount > 0).then(|| {
+                    (
+                        line.key.clone(),
+                        Adjust::Refund(amount),
+                        line.made_by(charged.now),
+                        line.usage.resets_at,
+                    )
+                })
+            })
+            .collect();
+        if !back.is_empty() {
+            detach(apply(charged.bound.policy.store.clone(), now, back));
         }
     }
 }

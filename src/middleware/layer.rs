@@ -27,8 +27,9 @@ use crate::subject::SubjectExtractor;
 /// `RateLimit-Policy` and `RateLimit` fields.
 ///
 /// A request that is not served spends nothing: a refusal further in, or a
-/// request dropped before the inner service answered (a timeout around the
-/// layer, a client gone), gives the layer's charge back. A timeout inside
+/// request dropped before the response left the outermost quota layer (a
+/// timeout around the layers, a client gone), gives the layer's charge
+/// back. A timeout inside
 /// the layer answers, and the request stays charged.
 ///
 /// A layer made with [`QuotaLayer::daily`] (or `hourly`, `new`, ...) is a
