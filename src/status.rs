@@ -4,7 +4,7 @@
 
 use std::fmt;
 use std::sync::atomic::{AtomicBool, Ordering};
-use std::sync::{Arc, OnceLock};
+use std::sync::{Arc, Mutex, OnceLock};
 
 use http::Extensions;
 use jiff::tz::TimeZone;
@@ -218,6 +218,28 @@ impl QuotaStatus {
         })
     }
 
+    /// As [`QuotaStatus::put_in`], answering the lines the layers further
+    /// out charged for the request, of every policy: those the layer of
+    /// `ticket`, which charged it too, tells what it keeps (see
+    /// [`GiveBack`]). Empty, without an allocation, for the outermost.
+    pub(crate) fn put_in_charged(extensions: &mut Extensions, ticket: Ticket) -> Vec<Arc<Lines>> {
+        match extensions.get_mut::<QuotaStatus>() {
+            Some(status) => {
+                let outer = status
+                    .tickets
+                    .iter()
+                    .flat_map(|ticket| ticket.charges.iter().cloned())
+                    .collect();
+                status.put(ticket);
+                outer
+            }
+            None => {
+                Self::put_in(extensions, ticket);
+                Vec::new()
+            }
+        }
+    }
+
     /// Records `ticket` in the status in `extensions`, made if there is
     /// none yet.
     pub(crate) fn put_in(extensions: &mut Extensions, ticket: Ticket) {
@@ -405,6 +427,22 @@ pub(crate) struct Lines {
     /// The quotas of the lines.
     quotas: QuotaSet,
     lines: SmallVec<[Line; 1]>,
+    /// What the layers further in kept charged for the same request, told
+    /// when they answered: given back if this layer is dropped before its
+    /// response goes out (the request was not served after all).
+    inside: Mutex<Vec<Arc<dyn GiveBack>>>,
+}
+
+/// What a layer kept charged for a request it answered, told to the layers
+/// further out that charged the request too (of any policy): the response
+/// may still not go out (one of them, or a middleware between, dropped
+/// before it answers: a timeout around the layers, a client gone), and the
+/// request then spends nothing. Told on the request's side, so a
+/// middleware that builds a new response loses nothing.
+pub(crate) trait GiveBack: Send + Sync {
+    /// Gives back what is still charged of it; once, however often it is
+    /// called (a layer is told by every layer further out).
+    fn give_back(&self);
 }
 
 impl Lines {
@@ -418,7 +456,23 @@ impl Lines {
             layer,
             quotas,
             lines,
+            inside: Mutex::default(),
         }
+    }
+
+    /// Tells these lines' layer what a layer further in kept.
+    pub(crate) fn tell(&self, kept: Arc<dyn GiveBack>) {
+        self.inside
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .push(kept);
+    }
+
+    /// What the layers further in kept, taken: given back by a layer
+    /// dropped before its response went out. (Once its response went out,
+    /// it goes with the lines.)
+    pub(crate) fn take_inside(&self) -> Vec<Arc<dyn GiveBack>> {
+        std::mem::take(&mut *self.inside.lock().unwrap_or_else(|e| e.into_inner()))
     }
 
     /// The quotas the lines count, in their order.

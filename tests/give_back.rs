@@ -574,3 +574,109 @@ async fn a_drop_while_the_outer_layer_settles_gives_another_policys_charges_back
         .layer(costly(outer.layer(Quota::daily(100).allowance("big"))));
     dropped_while_the_outer_layer_settles(app, &outer, &inner).await;
 }
+
+/// A middleware between two layers that works on after the inner layer
+/// answered (an audit log, a body rewritten) is dropped with the request:
+/// the inner layer's charge goes back with the outer one's.
+#[tokio::test(start_paused = true)]
+async fn a_drop_in_a_middleware_between_layers_gives_inner_charges_back() {
+    let outer = policy(MemoryStore::new(), "outer").build();
+    let inner = policy(MemoryStore::new(), "inner").build();
+    let slow_after = axum::middleware::from_fn(
+        |request: axum::extract::Request, next: axum::middleware::Next| async move {
+            let response = next.run(request).await;
+            tokio::time::sleep(Duration::from_secs(5)).await;
+            response
+        },
+    );
+    let app = Router::new()
+        .route("/", get(ok))
+        .route_layer(inner.layer(Quota::daily(10).allowance("read")))
+        .route_layer(slow_after)
+        .route_layer(outer.layer(Quota::daily(100).allowance("big")));
+    let timed_out = tokio::time::timeout(Duration::from_millis(100), app.oneshot(call("/"))).await;
+    assert!(timed_out.is_err(), "dropped while the middleware works");
+    assert_eq!(settles(&outer, "big-day", 0).await, 0, "outer: not served");
+    assert_eq!(settles(&inner, "read-day", 0).await, 0, "inner: not served");
+}
+
+/// A middleware between two layers that answers with a response of its
+/// own (the inner response's extensions lost): the request was served, and
+/// both charges stay, also once the response is dropped.
+#[tokio::test]
+async fn a_new_response_between_layers_leaves_both_charges() {
+    let outer = policy(MemoryStore::new(), "outer").build();
+    let inner = policy(MemoryStore::new(), "inner").build();
+    let rebuilt = axum::middleware::from_fn(
+        |request: axum::extract::Request, next: axum::middleware::Next| async move {
+            let response = next.run(request).await;
+            (response.status(), "rebuilt").into_response()
+        },
+    );
+    let app = Router::new()
+        .route("/", get(ok))
+        .route_layer(inner.layer(Quota::daily(10).allowance("read")))
+        .route_layer(rebuilt)
+        .route_layer(outer.layer(Quota::daily(100).allowance("big")));
+    let response = app.oneshot(call("/")).await.unwrap();
+    assert_eq!(response.status(), StatusCode::OK);
+    drop(response);
+    tokio::time::sleep(Duration::from_millis(50)).await;
+    assert_eq!(used(&outer, "big-day").await, 1);
+    assert_eq!(used(&inner, "read-day").await, 1);
+}
+
+/// An inner layer whose deferred cost its store applied past its timeout
+/// (the response went on without waiting), then an outer layer dropped
+/// while its own cost lands: the inner layer's whole charge goes back,
+/// the late add included.
+#[tokio::test(start_paused = true)]
+async fn a_drop_after_an_inner_layer_settled_late_gives_its_late_add_back() {
+    let outer = policy(
+        Rigged::new(MemoryStore::new(), Rig::Fail, Some("never")),
+        "outer",
+    )
+    .store_timeout(None)
+    .build();
+    let inner = policy(
+        Rigged::new(MemoryStore::new(), Rig::Fail, Some("never")),
+        "inner",
+    )
+    .store_timeout(Some(Duration::from_millis(50)))
+    .build();
+    inner
+        .store()
+        .slow_changes
+        .store(1_000, std::sync::atomic::Ordering::Relaxed);
+    let app = Router::new()
+        .route("/", get(ok))
+        .route_layer(costly(inner.layer(Quota::daily(10).allowance("read"))))
+        .layer(costly(outer.layer(Quota::daily(100).allowance("big"))));
+    dropped_while_the_outer_layer_settles(app, &outer, &inner).await;
+}
+
+/// Nested layers whose outer one settles past its store's timeout: the
+/// response goes out, and every charge stays, the costs included.
+#[tokio::test(start_paused = true)]
+async fn a_nested_request_served_past_the_outer_timeout_keeps_its_charges() {
+    let outer = policy(
+        Rigged::new(MemoryStore::new(), Rig::Fail, Some("never")),
+        "outer",
+    )
+    .store_timeout(Some(Duration::from_millis(50)))
+    .build();
+    outer
+        .store()
+        .slow_changes
+        .store(1_000, std::sync::atomic::Ordering::Relaxed);
+    let inner = policy(MemoryStore::new(), "inner").build();
+    let app = Router::new()
+        .route("/", get(ok))
+        .route_layer(inner.layer(Quota::daily(10).allowance("read")))
+        .layer(costly(outer.layer(Quota::daily(100).allowance("big"))));
+    let response = app.oneshot(call("/")).await.unwrap();
+    assert_eq!(response.status(), StatusCode::OK);
+    drop(response);
+    assert_eq!(settles(&outer, "big-day", 5).await, 5);
+    assert_eq!(used(&inner, "read-day").await, 1);
+}

@@ -60,10 +60,6 @@ pub(crate) struct Charge {
     /// The decision's span (disabled unless the crate's debug logs are on):
     /// subject kind and hash, allowances, anchors, outcome.
     pub(crate) span: tracing::Span,
-    /// Whether a quota layer further out (of any policy) saw the request
-    /// first: the response then tells it what this layer keeps charged
-    /// (see [`KeptInside`](super::future::KeptInside)).
-    pub(crate) nested: bool,
 }
 
 impl Charge {
@@ -325,7 +321,6 @@ fn lines(
     let owes = ticket.owes();
     let charge = Charge {
         span,
-        nested: status.is_some(),
         request: ChargeRequest {
             now: ticket.now,
             lines,

@@ -16,7 +16,7 @@ use super::layer::Bound;
 use super::owing::Owing;
 use crate::body::ResponseBody;
 use crate::response::RateLimitFields;
-use crate::status::{LayerQuotas, Lines, QuotaSet, QuotaStatus};
+use crate::status::{GiveBack, LayerQuotas, Lines, QuotaSet, QuotaStatus};
 use crate::store::{Store, StoreError, StoreErrorKind, Usage};
 use crate::subject::SubjectExtractor;
 use crate::throttle::Throttle;
@@ -100,12 +100,19 @@ pub(crate) struct Charged<E, St> {
     lines: Arc<Lines>,
     now: Timestamp,
     spread: u64,
-    /// Whether a quota layer further out saw the request first (see
-    /// [`KeptInside`]).
-    nested: bool,
+    /// The lines the layers further out charged for the request: told what
+    /// this layer keeps once it answered (see [`GiveBack`]).
+    outer: Vec<Arc<Lines>>,
 }
 
 impl<E, St: Store> Charged<E, St> {
+    /// Whether a quota layer further out charged the request too: this
+    /// one then tells it what it keeps once it answered.
+    #[inline]
+    fn is_nested(&self) -> bool {
+        !self.outer.is_empty()
+    }
+
     /// What the response with head `response` (`None`: the inner service
     /// failed) changes for the lines charged.
     fn outcome(&self, response: Option<&http::response::Parts>) -> Outcome {
@@ -214,7 +221,7 @@ where
             let quotas = std::mem::replace(&mut charge.quotas, QuotaSet::Own);
             let lines = Arc::new(Lines::new(layer, quotas, lines));
             charge.ticket.charges.push(Arc::clone(&lines));
-            QuotaStatus::put_in(request.extensions_mut(), charge.ticket);
+            let outer = QuotaStatus::put_in_charged(request.extensions_mut(), charge.ticket);
             // Made before the inner service is called: if its `call`
             // panics, dropping it gives the charge back.
             let charged = Unanswered(Some(Charged {
@@ -222,7 +229,7 @@ where
                 lines,
                 now,
                 spread,
-                nested: charge.nested,
+                outer,
             }));
             State::Calling {
                 future: inner.call(request),
@@ -404,6 +411,7 @@ impl<E, St: Store> Drop for Unanswered<E, St> {
     /// client gone): the request was not served, and its charge goes back.
     fn drop(&mut self) {
         if let Some(charged) = self.0.take() {
+            give_back_inside(&charged);
             let now = charged.bound.policy.settings.clock.now();
             detach(adjust(&charged, now, &charge::refund_all(&charged.lines)));
         }
@@ -517,32 +525,27 @@ where
                         Outcome::Served(ops) => (ops, true),
                     };
                     if ops.is_empty() {
-                        return Poll::Ready(result.map(|response| {
+                        let result = result.map(|response| {
                             let response = if fields {
-                                let response = charged.finish(response, None);
-                                Kept::tell(response, charged, Vec::new(), Vec::new(), None)
+                                charged.finish(response, None)
                             } else {
                                 response
                             };
                             response.map(ResponseBody::inner)
-                        }));
+                        });
+                        if charged.is_nested() {
+                            Kept::tell(charged, Vec::new(), Vec::new(), Some(Vec::new()), None);
+                        }
+                        return Poll::Ready(result);
                     }
                     let now = settings.clock.now();
                     let (adjust, kept) = adjust_kept(&charged, now, &ops);
-                    // What layers further in keep charged, given back with
-                    // this layer's charge if the response never goes out.
-                    let inside = result
-                        .as_ref()
-                        .ok()
-                        .and_then(|response| response.extensions().get::<KeptInside>())
-                        .cloned();
                     this.state.set(State::Settling {
                         settle: Settle {
                             adjust: Some(adjust),
                             ops,
                             kept,
                             charged: Some(charged),
-                            inside,
                         },
                         timeout: None,
                         fields,
@@ -560,7 +563,6 @@ where
                         ops,
                         kept,
                         charged,
-                        inside: _,
                     } = settle;
                     let adjusting = adjust.as_mut().expect("polled after completion");
                     let results = match adjusting.as_mut().poll(cx) {
@@ -582,23 +584,31 @@ where
                     };
                     // The response goes out: what the store has yet to
                     // apply carries on in its task.
-                    *adjust = None;
+                    let pending = adjust.take().filter(|_| results.is_none());
                     let charged = charged.take().expect("polled after completion");
                     let result = result.take().expect("polled after completion");
+                    let (ops, kept) = (std::mem::take(ops), std::mem::take(kept));
                     if !*fields {
+                        if charged.is_nested() {
+                            Kept::tell(charged, ops, kept, results, pending);
+                        }
                         return Poll::Ready(result.map(|r| r.map(ResponseBody::inner)));
                     }
                     // As the store answered, or, past its timeout, as the
                     // changes will leave the counters once they land.
                     let usage = match &results {
-                        Some(results) => charge::settled(&charged.lines, ops, results),
-                        None => charge::expected(&charged.lines, ops, kept),
+                        Some(results) => charge::settled(&charged.lines, &ops, results),
+                        None => charge::expected(&charged.lines, &ops, &kept),
                     };
-                    let (ops, kept) = (std::mem::take(ops), std::mem::take(kept));
-                    return Poll::Ready(result.map(|response| {
-                        let response = charged.finish(response, Some(&usage));
-                        Kept::tell(response, charged, ops, kept, results).map(ResponseBody::inner)
-                    }));
+                    let result = result.map(|response| {
+                        charged
+                            .finish(response, Some(&usage))
+                            .map(ResponseBody::inner)
+                    });
+                    if charged.is_nested() {
+                        Kept::tell(charged, ops, kept, results, pending);
+                    }
+                    return Poll::Ready(result);
                 }
                 StateProj::Rejected { response } => {
                     let response = response.take().expect("polled after completion");
@@ -688,8 +698,6 @@ pub(crate) struct Settle<E, St: Store> {
     /// Per op, whether `adjust` applies it.
     kept: Vec<bool>,
     charged: Option<Charged<E, St>>,
-    /// What the layers further in keep charged for the response held.
-    inside: Option<KeptInside>,
 }
 
 impl<E, St: Store> Drop for Settle<E, St> {
@@ -697,69 +705,79 @@ impl<E, St: Store> Drop for Settle<E, St> {
         let (Some(charged), Some(adjusting)) = (self.charged.take(), self.adjust.take()) else {
             return;
         };
-        // The layers further in answered, and their response never goes
-        // out either.
-        for kept in self.inside.take().iter().flat_map(|inside| &inside.0) {
-            kept.give_back();
-        }
-        let now = charged.bound.policy.settings.clock.now();
-        // Claimed now, so that no other layer gives them back too.
-        let lines: Vec<_> = charge::unserved(&charged.lines, &self.ops, &self.kept, now)
-            .into_iter()
-            .map(|(i, amount)| {
-                let line = &charged.lines[i];
-                let made_by = line.made_by(charged.now);
-                (i, line.key.clone(), amount, made_by, line.usage.resets_at)
-            })
-            .collect();
-        if lines.is_empty() {
-            return;
-        }
-        let ops = std::mem::take(&mut self.ops);
-        let store = charged.bound.policy.store.clone();
-        let work = async move {
-            // After the changes: a refund before an add would leave the add.
-            let results = adjusting.await;
-            let back = lines
-                .into_iter()
-                .filter_map(|(i, key, amount, made_by, resets_at)| {
-                    let amount = amount.saturating_add(charge::added(&ops, &results, i));
-                    (amount > 0).then_some((key, Adjust::Refund(amount), made_by, resets_at))
-                })
-                .collect();
-            apply(store, now, back).await
-        };
-        match tokio::runtime::Handle::try_current() {
-            Ok(runtime) => drop(runtime.spawn(work)),
-            // Finished at once by a store that answers at once; logged
-            // otherwise.
-            Err(_) => detach(Box::pin(work)),
-        }
+        give_back_inside(&charged);
+        give_back_unserved(
+            &charged,
+            std::mem::take(&mut self.ops),
+            &self.kept,
+            adjusting,
+        );
     }
 }
 
-/// What the quota layers further in keep charged for the response that
-/// carries this (of any policy): a layer further out that is dropped
-/// before the response goes out (while it waits for the store to apply
-/// what the response changes) gives it back with its own charge. Only
-/// nested layers tell it; it does nothing once the response went out.
-#[derive(Clone, Default)]
-pub(crate) struct KeptInside(Vec<Arc<dyn GiveBack>>);
-
-/// A charge kept for a response that may not go out after all.
-pub(crate) trait GiveBack: Send + Sync {
-    /// Gives back what is still charged of it, once: its lines are claimed.
-    fn give_back(&self);
+/// Gives back what the layers further in kept for the request of
+/// `charged`: its layer is dropped before its response went out.
+fn give_back_inside<E, St>(charged: &Charged<E, St>) {
+    for kept in charged.lines.take_inside() {
+        kept.give_back();
+    }
 }
 
-/// What a layer kept charged once it answered: its lines after `ops`
-/// (those `kept` were sent), which the store answered with `results`
-/// (`None`: not in time, its adds are then taken as not made).
+/// Gives back what `charged` still holds of a request that turns out not
+/// served, once `adjusting` (the changes `ops` of which `kept` were sent)
+/// answered: per line, its cost less what was refunded, with what the
+/// store says was added.
+fn give_back_unserved<E, St: Store>(
+    charged: &Charged<E, St>,
+    ops: Vec<(usize, Adjust)>,
+    kept: &[bool],
+    adjusting: Adjusting,
+) {
+    let now = charged.bound.policy.settings.clock.now();
+    // Claimed now, so that no other layer gives them back too.
+    let lines: Vec<_> = charge::unserved(&charged.lines, &ops, kept, now)
+        .into_iter()
+        .map(|(i, amount)| {
+            let line = &charged.lines[i];
+            let made_by = line.made_by(charged.now);
+            (i, line.key.clone(), amount, made_by, line.usage.resets_at)
+        })
+        .collect();
+    if lines.is_empty() {
+        return;
+    }
+    let store = charged.bound.policy.store.clone();
+    let work = async move {
+        // After the changes: a refund before an add would leave the add.
+        let results = adjusting.await;
+        let back = lines
+            .into_iter()
+            .filter_map(|(i, key, amount, made_by, resets_at)| {
+                let amount = amount.saturating_add(charge::added(&ops, &results, i));
+                (amount > 0).then_some((key, Adjust::Refund(amount), made_by, resets_at))
+            })
+            .collect();
+        apply(store, now, back).await
+    };
+    match tokio::runtime::Handle::try_current() {
+        Ok(runtime) => drop(runtime.spawn(work)),
+        // Finished at once by a store that answers at once; logged
+        // otherwise.
+        Err(_) => detach(Box::pin(work)),
+    }
+}
+
+/// What a layer kept charged once it answered, for the layers further out
+/// (see [`GiveBack`]): its lines after `ops` (those `kept` were sent),
+/// which the store answered with `results`, or, past the store's timeout,
+/// will answer with `pending`.
 struct Kept<E, St> {
     charged: Charged<E, St>,
     ops: Vec<(usize, Adjust)>,
     kept: Vec<bool>,
     results: Option<Vec<Option<u64>>>,
+    pending: std::sync::Mutex<Option<Adjusting>>,
+    given: std::sync::atomic::AtomicBool,
 }
 
 impl<E, St> Kept<E, St>
@@ -767,28 +785,32 @@ where
     E: SubjectExtractor,
     St: Store,
 {
-    /// `response`, telling the layers further out what `charged` keeps:
-    /// only when there is one such layer.
-    fn tell<B>(
-        mut response: Response<B>,
-        charged: Charged<E, St>,
+    /// Tells the layers further out that charged the request (see
+    /// [`Charged::is_nested`]) what `charged` keeps, now that its layer
+    /// answered. (What the layers further in told this one, each told
+    /// those further out too.)
+    #[cold]
+    fn tell(
+        mut charged: Charged<E, St>,
         ops: Vec<(usize, Adjust)>,
         kept: Vec<bool>,
         results: Option<Vec<Option<u64>>>,
-    ) -> Response<B> {
-        if charged.nested {
-            let kept = Kept {
-                charged,
-                ops,
-                kept,
-                results,
-            };
-            let inside = response
-                .extensions_mut()
-                .get_or_insert_default::<KeptInside>();
-            inside.0.push(Arc::new(kept));
+        pending: Option<Adjusting>,
+    ) {
+        // Told to every layer further out, which each hold it: it holds
+        // none of them.
+        let outer = std::mem::take(&mut charged.outer);
+        let kept: Arc<dyn GiveBack> = Arc::new(Kept {
+            charged,
+            ops,
+            kept,
+            results,
+            pending: std::sync::Mutex::new(pending),
+            given: std::sync::atomic::AtomicBool::new(false),
+        });
+        for lines in &outer {
+            lines.tell(Arc::clone(&kept));
         }
-        response
     }
 }
 
@@ -798,26 +820,18 @@ where
     St: Store,
 {
     fn give_back(&self) {
-        let charged = &self.charged;
-        let now = charged.bound.policy.settings.clock.now();
-        let results = self.results.as_deref().unwrap_or_default();
-        let back: Vec<_> = charge::unserved(&charged.lines, &self.ops, &self.kept, now)
-            .into_iter()
-            .filter_map(|(i, amount)| {
-                let line = &charged.lines[i];
-                let amount = amount.saturating_add(charge::added(&self.ops, results, i));
-                (amount > 0).then(|| {
-                    (
-                        line.key.clone(),
-                        Adjust::Refund(amount),
-                        line.made_by(charged.now),
-                        line.usage.resets_at,
-                    )
-                })
-            })
-            .collect();
-        if !back.is_empty() {
-            detach(apply(charged.bound.policy.store.clone(), now, back));
+        if self.given.swap(true, std::sync::atomic::Ordering::AcqRel) {
+            return;
         }
+        let pending = self
+            .pending
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .take();
+        let adjusting = match pending {
+            Some(pending) => pending,
+            None => Box::pin(std::future::ready(self.results.clone().unwrap_or_default())),
+        };
+        give_back_unserved(&self.charged, self.ops.clone(), &self.kept, adjusting);
     }
 }
