@@ -1366,6 +1366,177 @@ async fn a_guarded_refund_larger_than_the_block_takes_goes_on_to_the_store() {
     .await;
 }
 
+/// A request's own refund larger than the block (a deferred cost's
+/// estimate given back) fills the block up to what it held when taken, and
+/// sends the rest to the store: a block never grows past its bound, which
+/// is what an instance that dies leaves charged.
+#[tokio::test(start_paused = true)]
+async fn a_large_refund_of_a_request_never_grows_the_block_past_its_size() {
+    let shared = MemoryStore::new();
+    let leased = LeasedStore::builder(shared.clone()).max_block(10).build();
+    let mut now = t0();
+    busy(&leased, &mut now, 30, 100_000, 5).await;
+    let mut costly = request(now, 100_000);
+    costly.lines[0].cost = 500;
+    let charged = leased.charge(costly).await.unwrap();
+    assert!(charged.admitted);
+    let made_by = charged.usage[0].first_call.unwrap().max(now);
+    leased
+        .refund_made_by(now, day_key(), 480, made_by)
+        .await
+        .unwrap();
+    assert!(leased.held() <= 10, "{} units held", leased.held());
+    // Dies without giving back: what stays charged beyond the 30 served
+    // and the 20 kept of the costly one is its block at most.
+    let counted = counted(&shared, now).await;
+    drop(leased);
+    assert!(counted <= 30 + 20 + 10, "counted {counted}");
+}
+
+/// A store that dates no counter (no first calls told), and reads a
+/// first-use counter's reset from its remaining life: a millisecond apart
+/// from call to call.
+#[derive(Clone, Default)]
+struct Undated {
+    inner: MemoryStore,
+    calls: Arc<AtomicU64>,
+}
+
+impl Store for Undated {
+    type ChargeFuture = std::pin::Pin<
+        Box<dyn std::future::Future<Output = Result<ChargeOutcome, StoreError>> + Send>,
+    >;
+
+    fn charge(&self, request: ChargeRequest) -> Self::ChargeFuture {
+        let jitter = (self.calls.fetch_add(1, Ordering::Relaxed) % 2) as i64;
+        let lifetimes: Vec<_> = request.lines.iter().map(|line| line.lifetime).collect();
+        let charged = self.inner.charge(request);
+        Box::pin(async move {
+            let mut outcome = charged.await?;
+            for (usage, lifetime) in outcome.usage.iter_mut().zip(lifetimes) {
+                usage.first_call = None;
+                if matches!(lifetime, Lifetime::FirstUse { .. }) {
+                    usage.resets_at -= SignedDuration::from_millis(jitter);
+                }
+            }
+            Ok(outcome)
+        })
+    }
+    async fn peek(&self, request: ChargeRequest) -> Result<Vec<Usage>, StoreError> {
+        self.inner.peek(request).await
+    }
+    async fn refund(
+        &self,
+        now: Timestamp,
+        key: PeriodKey,
+        amount: u64,
+    ) -> Result<Option<u64>, StoreError> {
+        self.inner.refund(now, key, amount).await
+    }
+    async fn add(
+        &self,
+        now: Timestamp,
+        key: PeriodKey,
+        amount: u64,
+    ) -> Result<Option<u64>, StoreError> {
+        self.inner.add(now, key, amount).await
+    }
+    async fn reset(&self, key: PeriodKey) -> Result<bool, StoreError> {
+        self.inner.reset(key).await
+    }
+}
+
+/// On a store that dates no counter, an answer about a first-use counter
+/// whose reset reads a millisecond off is of the same counter: the block
+/// held stays (it was dropped, its units charged and never served).
+#[tokio::test(start_paused = true)]
+async fn an_undated_first_use_counter_keeps_its_block_through_jittered_answers() {
+    let store = Undated::default();
+    let leased = LeasedStore::new(store.clone());
+    let start = t0();
+    let hour = ChargeLine {
+        key: PeriodKey::from_string("quota:{account:acme}:hour:PT1H".to_owned()),
+        limit: 10_000,
+        cost: 1,
+        lifetime: Lifetime::FirstUse {
+            deadline: start + SignedDuration::from_hours(1),
+        },
+        shadow_limit: None,
+    };
+    let mut now = start;
+    let mut served = 0;
+    for _ in 0..40 {
+        let alone = ChargeRequest {
+            now,
+            lines: smallvec::smallvec![hour.clone()],
+        };
+        assert!(leased.charge(alone).await.unwrap().admitted);
+        served += 1;
+        tokio::time::advance(Duration::from_millis(5)).await;
+        now += SignedDuration::from_millis(5);
+    }
+    assert!(leased.held() > 0, "a block held");
+    // The hour from the block, the day asked of the store.
+    let both = ChargeRequest {
+        now,
+        lines: smallvec::smallvec![hour.clone(), line_of("acme", 10_000)],
+    };
+    assert!(leased.charge(both).await.unwrap().admitted);
+    served += 1;
+    let alone = ChargeRequest {
+        now,
+        lines: smallvec::smallvec![hour],
+    };
+    let counted = store.inner.peek(alone).await.unwrap()[0].used;
+    assert_eq!(counted, served + leased.held(), "every unit served or held");
+}
+
+/// An answer that lands after a later charge's and is of a counter gone
+/// (reset elsewhere meanwhile) tells that counter's first call: the
+/// request's refund, guarded by it, does not land in the live counter,
+/// which never counted the request.
+#[tokio::test(start_paused = true)]
+async fn a_late_answer_of_a_counter_gone_tells_its_own_first_call() {
+    let shared = MemoryStore::new();
+    let slow = Slow::new(shared.clone(), 0);
+    let leased = LeasedStore::new(slow.clone());
+    let now = t0();
+    let first = call(&leased, now, 100).await.usage[0].first_call;
+    // Charged on the first counter, answered late.
+    slow.late.store(50, Ordering::Relaxed);
+    let at = now + SignedDuration::from_millis(1);
+    let late = tokio::spawn({
+        let leased = leased.clone();
+        async move { leased.charge(request(at, 100)).await }
+    });
+    tokio::task::yield_now().await;
+    slow.late.store(0, Ordering::Relaxed);
+    tokio::time::sleep(Duration::from_millis(1)).await;
+    // Reset elsewhere; another instance makes the counter anew.
+    shared.reset(day_key()).await.unwrap();
+    let made = now + SignedDuration::from_millis(2);
+    assert!(call(&shared, made, 100).await.admitted);
+    // This instance hears of the new counter first.
+    let _ = call(&leased, now + SignedDuration::from_millis(3), 100).await;
+    let late = late.await.unwrap().unwrap();
+    assert_eq!(
+        late.usage[0].first_call, first,
+        "the counter it was charged on"
+    );
+    let made_by = late.usage[0].first_call.map_or(at, |first| first.max(at));
+    let later = now + SignedDuration::from_millis(4);
+    let (before, held) = (counted(&shared, later).await, leased.held());
+    leased
+        .refund_made_by(later, day_key(), 1, made_by)
+        .await
+        .unwrap();
+    assert_eq!(
+        (counted(&shared, later).await, leased.held()),
+        (before, held),
+        "nothing of the live counter given back"
+    );
+}
+
 /// The instant on the test's day (`t0`) as far past it as real time is past
 /// `start`: instants that move with the runtime, whatever the date.
 fn on_the_day(start: std::time::Instant) -> Timestamp {

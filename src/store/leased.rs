@@ -829,7 +829,7 @@ impl Counter {
     fn same_period(&self, usage: &Usage) -> bool {
         match (self.first_call, usage.first_call) {
             (Some(known), Some(told)) => known == told,
-            _ => self.resets_at == usage.resets_at,
+            _ => same_reset(self.resets_at, usage.resets_at),
         }
     }
 
@@ -838,6 +838,13 @@ impl Counter {
     fn ended(&self, now: Timestamp) -> bool {
         now >= self.resets_at
     }
+}
+
+/// Whether two resets a store that does not tell first calls reported are
+/// of one counter: a first-use counter's is read from its remaining life,
+/// which moves by a millisecond here and there.
+fn same_reset(known: Timestamp, told: Timestamp) -> bool {
+    known.duration_since(told).abs() <= SignedDuration::from_secs(1)
 }
 
 impl Mark {
@@ -1862,10 +1869,7 @@ impl<St: Store> LeasedStore<St> {
                     // Undated (a store that does not tell first calls): by
                     // its reset, past the jitter of a first-use counter's,
                     // read from its remaining life.
-                    _ => {
-                        let apart = counter.resets_at.duration_since(usage.resets_at);
-                        apart.abs() > SignedDuration::from_secs(1)
-                    }
+                    _ => !same_reset(counter.resets_at, usage.resets_at),
                 };
             if older {
                 // The block it took is of the counter gone, its units gone
@@ -1977,7 +1981,15 @@ impl<St: Store> LeasedStore<St> {
             if !took && !holding && counter.mark.leave(now, margin) {
                 unmarked.push((line.key.clone(), counter.generation));
             }
+            let told = *usage;
             *usage = counter.usage();
+            if older {
+                // Of the counter gone: what the request was charged on, so
+                // that its refund or its deferred cost, guarded by the
+                // counter's making, never lands in the live one.
+                usage.first_call = told.first_call;
+                usage.resets_at = told.resets_at;
+            }
             if !outcome.admitted {
                 usage.held_elsewhere_until = self.held_elsewhere(mark, counted, now);
             }
@@ -2079,10 +2091,16 @@ impl<St: Store> LeasedStore<St> {
                 // of one made since (after a reset), which takes nothing.
                 let same_counter = counter.first_call.is_none_or(|first| first <= made_by);
                 if counter.units > 0 && !counter.ended(now) && same_counter {
-                    // As much as this instance last heard was spent; the
-                    // rest (a refund of more, made through the handle) goes
-                    // to the store.
-                    let room = counter.store_used.saturating_sub(counter.units);
+                    // As much as this instance last heard was spent, and
+                    // never more than the block held when taken (a large
+                    // deferred cost given back would otherwise grow it past
+                    // its bound: units other instances wait for, and that
+                    // stay charged if this instance dies); the rest goes to
+                    // the store.
+                    let room = counter
+                        .store_used
+                        .saturating_sub(counter.units)
+                        .min(counter.block.saturating_sub(counter.units));
                     let into_block = amount.min(room);
                     counter.units += into_block;
                     amount -= into_block;
