@@ -1537,6 +1537,132 @@ async fn a_late_answer_of_a_counter_gone_tells_its_own_first_call() {
     );
 }
 
+/// A memory store whose charges wait at a gate while it is closed.
+#[derive(Clone)]
+struct Gated {
+    inner: MemoryStore,
+    closed: Arc<std::sync::atomic::AtomicBool>,
+    waiting: Arc<AtomicU64>,
+    gate: Arc<tokio::sync::Semaphore>,
+}
+
+impl Gated {
+    fn new() -> Self {
+        Self {
+            inner: MemoryStore::new(),
+            closed: Arc::default(),
+            waiting: Arc::default(),
+            gate: Arc::new(tokio::sync::Semaphore::new(0)),
+        }
+    }
+
+    fn open(&self) {
+        self.closed.store(false, Ordering::SeqCst);
+        self.gate.add_permits(1 << 20);
+    }
+}
+
+impl Store for Gated {
+    type ChargeFuture = std::pin::Pin<
+        Box<dyn std::future::Future<Output = Result<ChargeOutcome, StoreError>> + Send>,
+    >;
+
+    fn charge(&self, request: ChargeRequest) -> Self::ChargeFuture {
+        let (inner, gate) = (self.inner.clone(), Arc::clone(&self.gate));
+        let closed = self.closed.load(Ordering::SeqCst);
+        if closed {
+            self.waiting.fetch_add(1, Ordering::SeqCst);
+        }
+        Box::pin(async move {
+            if closed {
+                let _ = gate.acquire().await;
+            }
+            inner.charge(request).await
+        })
+    }
+    async fn peek(&self, request: ChargeRequest) -> Result<Vec<Usage>, StoreError> {
+        self.inner.peek(request).await
+    }
+    async fn refund(
+        &self,
+        now: Timestamp,
+        key: PeriodKey,
+        amount: u64,
+    ) -> Result<Option<u64>, StoreError> {
+        self.inner.refund(now, key, amount).await
+    }
+    async fn refund_made_by(
+        &self,
+        now: Timestamp,
+        key: PeriodKey,
+        amount: u64,
+        made_by: Timestamp,
+    ) -> Result<Option<u64>, StoreError> {
+        self.inner.refund_made_by(now, key, amount, made_by).await
+    }
+    async fn add(
+        &self,
+        now: Timestamp,
+        key: PeriodKey,
+        amount: u64,
+    ) -> Result<Option<u64>, StoreError> {
+        self.inner.add(now, key, amount).await
+    }
+    async fn reset(&self, key: PeriodKey) -> Result<bool, StoreError> {
+        self.inner.reset(key).await
+    }
+}
+
+/// A shutdown awaited outside any runtime (an executor of its own) while a
+/// busy subject's next block is on its way in a task of the runtime: it
+/// waits for the block, and gives it back, without a timer of tokio's.
+#[test]
+fn a_shutdown_outside_a_runtime_waits_for_a_block_on_its_way() {
+    const LIMIT: u64 = 100_000;
+    let runtime = tokio::runtime::Builder::new_multi_thread()
+        .worker_threads(1)
+        .enable_all()
+        .build()
+        .unwrap();
+    let store = Gated::new();
+    let leased = LeasedStore::new(store.clone());
+    let mut now = t0();
+    let served = runtime.block_on(async {
+        let mut served = 0;
+        while leased.held() == 0 {
+            assert!(call(&leased, now, LIMIT).await.admitted);
+            served += 1;
+            now += SignedDuration::from_millis(1);
+        }
+        store.closed.store(true, Ordering::SeqCst);
+        while leased.held() > 0 {
+            assert!(call(&leased, now, LIMIT).await.admitted);
+            served += 1;
+        }
+        // The next block is taken in the background, and waits at the gate.
+        while store.waiting.load(Ordering::SeqCst) == 0 {
+            tokio::time::sleep(Duration::from_millis(1)).await;
+        }
+        served
+    });
+    let opener = std::thread::spawn({
+        let store = store.clone();
+        move || {
+            std::thread::sleep(Duration::from_millis(50));
+            store.open();
+        }
+    });
+    let mut shutdown = std::pin::pin!(leased.shutdown());
+    let mut cx = std::task::Context::from_waker(std::task::Waker::noop());
+    while std::future::Future::poll(shutdown.as_mut(), &mut cx).is_pending() {
+        std::thread::sleep(Duration::from_millis(1));
+    }
+    opener.join().unwrap();
+    assert_eq!(leased.held(), 0);
+    let counted = runtime.block_on(counted(&store.inner, now));
+    assert_eq!(counted, served, "the block taken at the end went back");
+}
+
 /// The instant on the test's day (`t0`) as far past it as real time is past
 /// `start`: instants that move with the runtime, whatever the date.
 fn on_the_day(start: std::time::Instant) -> Timestamp {

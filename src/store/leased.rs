@@ -840,6 +840,18 @@ impl Counter {
     }
 }
 
+/// A millisecond's wait of a shutdown for work on its way: on the tokio
+/// runtime's timer, or, awaited outside a runtime (while tasks of one run
+/// elsewhere), with the thread blocked.
+async fn pause() {
+    const PAUSE: Duration = Duration::from_millis(1);
+    if tokio::runtime::Handle::try_current().is_ok() {
+        tokio::time::sleep(PAUSE).await;
+    } else {
+        std::thread::sleep(PAUSE);
+    }
+}
+
 /// Whether two resets a store that does not tell first calls reported are
 /// of one counter: a first-use counter's is read from its remaining life,
 /// which moves by a millisecond here and there.
@@ -965,7 +977,8 @@ impl<St: Store> LeasedStore<St> {
     /// counters' periods end. Requests still on their way with units of a
     /// block set aside (a request of several lines whose others the store
     /// is asked for) are waited for first, a lease time at most. Returns
-    /// the units given back.
+    /// the units given back. Awaited outside a tokio runtime, it blocks
+    /// its thread while it waits for such work, done in tasks of one.
     pub async fn shutdown(&self) -> u64 {
         self.shared.closed.store(true, Ordering::SeqCst);
         // Units set aside for requests on their way come back into their
@@ -975,7 +988,7 @@ impl<St: Store> LeasedStore<St> {
             .checked_add(self.shared.settings.lease_time)
             .unwrap_or_else(|| Instant::now() + Duration::from_secs(3_600));
         while self.shared.setting_aside.load(Ordering::SeqCst) > 0 && Instant::now() < deadline {
-            tokio::time::sleep(Duration::from_millis(1)).await;
+            pause().await;
         }
         let at = Instant::now();
         let mut drained = Vec::new();
@@ -1012,7 +1025,7 @@ impl<St: Store> LeasedStore<St> {
         // A next block taken in the background may still be on its way:
         // it goes back as soon as it lands (see `learn`).
         while self.shared.busy.load(Ordering::SeqCst) > 0 {
-            tokio::time::sleep(Duration::from_millis(1)).await;
+            pause().await;
         }
         returned
     }
