@@ -565,3 +565,114 @@ fn what_a_dropped_policy_still_owes_is_counted_as_abandoned() {
         );
     }
 }
+
+/// An outer layer dropped before its response goes out (a middleware
+/// between the layers still working) gives back its own charge and the
+/// charges of the layers further in: the request was not served, and a
+/// layer further in that failed open owes nothing either.
+#[tokio::test(start_paused = true)]
+async fn a_drop_between_layers_leaves_no_inner_debt() {
+    let clock = clock();
+    let outer = QuotaPolicy::builder(FromHeader::account("x-account-id"))
+        .store(MemoryStore::new())
+        .clock(clock.clone())
+        .namespace("outer")
+        .build();
+    let inner = policy(Rigged::new(MemoryStore::new(), Rig::Fail, None), &clock)
+        .namespace("inner")
+        .build();
+    let slow_after = axum::middleware::from_fn(
+        |request: axum::extract::Request, next: axum::middleware::Next| async move {
+            let response = next.run(request).await;
+            tokio::time::sleep(Duration::from_secs(5)).await;
+            response
+        },
+    );
+    let app = Router::new()
+        .route("/", get(|| async { "ok" }))
+        .route_layer(inner.layer(Quota::daily(10).allowance("read")))
+        .route_layer(slow_after)
+        .route_layer(outer.layer(Quota::daily(100).allowance("big")));
+    let timed_out =
+        tokio::time::timeout(Duration::from_millis(100), app.oneshot(call("/", "acme"))).await;
+    assert!(timed_out.is_err());
+    tokio::time::sleep(Duration::from_millis(100)).await;
+    assert_eq!(
+        used(&outer, "acme", "big-day").await,
+        0,
+        "outer: given back"
+    );
+    inner.settle_owed(Duration::from_secs(1)).await;
+    assert_eq!(
+        used(&inner, "acme", "read-day").await,
+        0,
+        "inner: owes nothing"
+    );
+}
+
+/// The same with one policy: the outer quota charged, the inner one failed.
+#[tokio::test(start_paused = true)]
+async fn a_drop_between_layers_of_one_policy_leaves_no_inner_debt() {
+    let clock = clock();
+    let policy = policy(
+        Rigged::new(MemoryStore::new(), Rig::Fail, Some("read")),
+        &clock,
+    )
+    .build();
+    let slow_after = axum::middleware::from_fn(
+        |request: axum::extract::Request, next: axum::middleware::Next| async move {
+            let response = next.run(request).await;
+            tokio::time::sleep(Duration::from_secs(5)).await;
+            response
+        },
+    );
+    let app = Router::new()
+        .route("/", get(|| async { "ok" }))
+        .route_layer(policy.layer(Quota::daily(10).allowance("read")))
+        .route_layer(slow_after)
+        .route_layer(policy.layer(Quota::daily(100).allowance("big")));
+    let timed_out =
+        tokio::time::timeout(Duration::from_millis(100), app.oneshot(call("/", "acme"))).await;
+    assert!(timed_out.is_err());
+    tokio::time::sleep(Duration::from_millis(100)).await;
+    assert_eq!(
+        used(&policy, "acme", "big-day").await,
+        0,
+        "outer: given back"
+    );
+    policy.settle_owed(Duration::from_secs(1)).await;
+    assert_eq!(
+        used(&policy, "acme", "read-day").await,
+        0,
+        "inner: owes nothing"
+    );
+}
+
+/// Served through an outer layer that charged, a request that failed open
+/// further in owes its charge once the outer layer lets go of it.
+#[tokio::test(start_paused = true)]
+async fn a_fail_open_inside_a_charging_layer_is_owed_once_served() {
+    let clock = clock();
+    let outer = QuotaPolicy::builder(FromHeader::account("x-account-id"))
+        .store(MemoryStore::new())
+        .clock(clock.clone())
+        .namespace("outer")
+        .build();
+    let inner = policy(
+        Rigged::new(MemoryStore::new(), Rig::Fail, Some("read")),
+        &clock,
+    )
+    .namespace("inner")
+    .build();
+    let app = Router::new()
+        .route("/", get(|| async { "ok" }))
+        .route_layer(inner.layer(Quota::daily(10).allowance("read")))
+        .route_layer(outer.layer(Quota::daily(100).allowance("big")));
+    for _ in 0..3 {
+        let response = app.clone().oneshot(call("/", "acme")).await.unwrap();
+        assert_eq!(response.status(), StatusCode::OK);
+    }
+    inner.settle_owed(Duration::from_secs(1)).await;
+    assert_eq!(used(&inner, "acme", "read-day").await, 3, "counted once each");
+    assert_eq!(used(&outer, "acme", "big-day").await, 3);
+}

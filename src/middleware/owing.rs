@@ -1,7 +1,7 @@
 //! Requests that pass on a failed charge (fail open): what they owe the
 //! policy's ledger once their answer is known (see the ledger module).
 
-use std::sync::Arc;
+use std::sync::{Arc, Mutex};
 
 use http::{Extensions, Response};
 use jiff::Timestamp;
@@ -9,8 +9,9 @@ use smallvec::SmallVec;
 
 use super::charge::{self, Adjust, Charge, Outcome};
 use super::layer::Bound;
-use crate::status::{Line, QuotaStatus};
+use crate::status::{GiveBack, Line, Lines, QuotaStatus};
 use crate::store::{Debt, Lifetime, Store, Usage};
+use crate::subject::SubjectExtractor;
 
 /// What a layer's lines owe for a request that passed on a failed charge,
 /// recorded once its answer is known: the request was served, and owes
@@ -25,6 +26,10 @@ pub(crate) struct Owing<E, St> {
     lifetimes: SmallVec<[Lifetime; 2]>,
     /// The request's instant.
     now: Timestamp,
+    /// The lines the layers further out charged for the request: the debt
+    /// waits in them until they know the request was served (see
+    /// [`PendingDebts`]).
+    outer: Vec<Arc<Lines>>,
 }
 
 /// Lets the request of `charge` through without a charge, its ticket in
@@ -72,7 +77,7 @@ pub(crate) fn owe<E, St>(
     ticket
         .owed
         .extend(request.lines.into_iter().map(|line| line.key));
-    QuotaStatus::put_in(extensions, ticket);
+    let outer = QuotaStatus::put_in_charged(extensions, ticket);
     // Boxed: the response future stays small for the requests that owe
     // nothing.
     Some(Box::new(Owing {
@@ -80,10 +85,11 @@ pub(crate) fn owe<E, St>(
         lines,
         lifetimes,
         now,
+        outer,
     }))
 }
 
-impl<E, St: Store> Owing<E, St> {
+impl<E: SubjectExtractor, St: Store> Owing<E, St> {
     /// The inner service's answer (`Err`: it failed): the debts it leaves
     /// go to the ledger, and it goes on untouched.
     pub(crate) fn answered<B, Er>(
@@ -124,7 +130,50 @@ impl<E, St: Store> Owing<E, St> {
                 since: self.now,
             }
         });
-        policy.ledger.owe(&policy.store, settings, debts);
+        if self.outer.is_empty() {
+            policy.ledger.owe(&policy.store, settings, debts);
+        } else {
+            // A layer further out may still be dropped before the response
+            // goes out: the request was then not served, and owes nothing.
+            let pending: Arc<dyn GiveBack> = Arc::new(PendingDebts {
+                bound: Arc::clone(&self.bound),
+                debts: Mutex::new(Some(debts.collect())),
+            });
+            for lines in &self.outer {
+                lines.tell(Arc::clone(&pending));
+            }
+        }
         result
+    }
+}
+
+/// What a request that passed on a failed charge owes, while a layer
+/// further out (which charged the request) has yet to send the response:
+/// forgiven if that layer is dropped before (the request was not served),
+/// owed to the ledger once it lets go of it (dropped with the lines that
+/// hold it, when its response went out).
+struct PendingDebts<E, St: Store> {
+    bound: Arc<Bound<E, St>>,
+    debts: Mutex<Option<Vec<Debt>>>,
+}
+
+impl<E, St: Store> PendingDebts<E, St> {
+    fn take(&self) -> Option<Vec<Debt>> {
+        self.debts.lock().unwrap_or_else(|e| e.into_inner()).take()
+    }
+}
+
+impl<E: SubjectExtractor, St: Store> GiveBack for PendingDebts<E, St> {
+    fn give_back(&self) {
+        drop(self.take());
+    }
+}
+
+impl<E, St: Store> Drop for PendingDebts<E, St> {
+    fn drop(&mut self) {
+        if let Some(debts) = self.take() {
+            let policy = &self.bound.policy;
+            policy.ledger.owe(&policy.store, &policy.settings, debts);
+        }
     }
 }
