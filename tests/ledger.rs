@@ -673,6 +673,10 @@ async fn a_fail_open_inside_a_charging_layer_is_owed_once_served() {
         assert_eq!(response.status(), StatusCode::OK);
     }
     inner.settle_owed(Duration::from_secs(1)).await;
-    assert_eq!(used(&inner, "acme", "read-day").await, 3, "counted once each");
+    assert_eq!(
+        used(&inner, "acme", "read-day").await,
+        3,
+        "counted once each"
+    );
     assert_eq!(used(&outer, "acme", "big-day").await, 3);
 }

@@ -6,6 +6,7 @@ mod redis_support;
 
 mod interest;
 
+use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
 use axum::body::Body;
@@ -2292,4 +2293,77 @@ async fn a_late_charge_of_two_lines_goes_back_to_each_lines_own_counter() {
         "1",
         "B: the late charge given back"
     );
+}
+
+/// A TCP proxy whose target can be switched: new connections go to the
+/// new target, as a name or a virtual address moves after a failover.
+async fn switchable_proxy(target: Arc<Mutex<u16>>) -> u16 {
+    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let port = listener.local_addr().unwrap().port();
+    tokio::spawn(async move {
+        loop {
+            let (mut inbound, _) = listener.accept().await.unwrap();
+            let to = *target.lock().unwrap();
+            tokio::spawn(async move {
+                if let Ok(mut outbound) = tokio::net::TcpStream::connect(("127.0.0.1", to)).await {
+                    let _ = tokio::io::copy_bidirectional(&mut inbound, &mut outbound).await;
+                }
+            });
+        }
+    });
+    port
+}
+
+/// A failover that leaves the store's connections open to the old master,
+/// now a replica (a managed endpoint or a virtual address moved, without
+/// the old connections killed): it refuses every write with `READONLY`
+/// and answers pings. The store opens new connections, which reach the
+/// new master, instead of failing every charge until it restarts.
+#[tokio::test(flavor = "multi_thread")]
+async fn a_store_on_a_demoted_master_reconnects_to_the_new_one() {
+    let old = RedisServer::start();
+    let new = RedisServer::start();
+    let target = Arc::new(Mutex::new(old.port()));
+    let port = switchable_proxy(Arc::clone(&target)).await;
+    for batched in [true, false] {
+        *target.lock().unwrap() = old.port();
+        old.cli(&["replicaof", "no", "one"]);
+        let store = RedisStore::builder(format!("redis://127.0.0.1:{port}/"))
+            .batch_charges(batched)
+            .build()
+            .unwrap();
+        let charge = || {
+            let now = Timestamp::now();
+            ChargeRequest {
+                now,
+                lines: smallvec::smallvec![ChargeLine {
+                    key: Namespace::default().key(&Subject::account("acme"), "failover", "PT1H"),
+                    limit: 1_000,
+                    cost: 1,
+                    lifetime: Lifetime::FirstUse {
+                        deadline: now + SignedDuration::from_hours(1),
+                    },
+                    shadow_limit: None,
+                }],
+            }
+        };
+        for _ in 0..4 {
+            assert!(store.charge(charge()).await.unwrap().admitted);
+        }
+        old.cli(&["replicaof", "127.0.0.1", &new.port().to_string()]);
+        *target.lock().unwrap() = new.port();
+        let mut failed = 0;
+        for _ in 0..20 {
+            if store.charge(charge()).await.is_err() {
+                failed += 1;
+            }
+            tokio::time::sleep(Duration::from_millis(20)).await;
+        }
+        // The connections opened before the failover fail once each (two
+        // by default) at most.
+        assert!(
+            failed <= 2,
+            "batched {batched}: {failed} of 20 charges failed"
+        );
+    }
 }

@@ -27,7 +27,7 @@ pub(crate) use self::connection::cluster_is_complete;
 
 // What the batch and connection modules take from their parent.
 use self::connection::{Connection, Fault};
-use self::errors::{broken, came_back};
+use self::errors::{came_back, retires};
 use self::late::{refund_lines, wait_for, LATE};
 use self::script::{COUNTERS_LUA, FIELDS, SCRIPT};
 use self::store::Inner;

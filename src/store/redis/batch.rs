@@ -32,7 +32,7 @@ use smallvec::SmallVec;
 use tokio::sync::{oneshot, OwnedSemaphorePermit};
 
 use super::late::{first_call_of, made_by, Refund};
-use super::{broken, refund_lines, wait_for, Inner, COUNTERS_LUA, FOLLOW_THROUGH, LATE};
+use super::{refund_lines, retires, wait_for, Inner, COUNTERS_LUA, FOLLOW_THROUGH, LATE};
 use crate::key::PeriodKey;
 
 /// The most charges in one batch.
@@ -414,7 +414,7 @@ fn answer(
             return fail(batch, &error);
         }
         Err(error) => {
-            if broken(&error) {
+            if retires(&error) {
                 inner.connections.failed(conn.failed());
             }
             return fail(batch, &error);

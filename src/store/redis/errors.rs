@@ -17,6 +17,15 @@ pub(super) fn broken(error: &RedisError) -> bool {
     !error.is_timeout() && (error.is_unrecoverable_error() || error.is_io_error())
 }
 
+/// Whether the store opens a new connection after `error`: its connection
+/// is broken, or it reaches a server that is no master any more (a
+/// failover moved the address the store was given to another server, and
+/// the old master, now a replica, refuses every write with `READONLY`
+/// while it answers pings). A refusal writes nothing: it still came back.
+pub(super) fn retires(error: &RedisError) -> bool {
+    broken(error) || error.code() == Some("READONLY")
+}
+
 pub(super) fn fault_error(fault: Fault) -> StoreError {
     match fault {
         Fault::Redis(error) => redis_error(error),

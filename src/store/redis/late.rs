@@ -11,7 +11,7 @@ use jiff::Timestamp;
 use tokio::sync::OwnedSemaphorePermit;
 
 use super::connection::{Connection, Lost};
-use super::errors::broken;
+use super::errors::retires;
 use super::script::clamp;
 use super::store::Inner;
 use super::{FOLLOW_THROUGH, SILENCE};
@@ -186,7 +186,7 @@ pub(super) async fn follow_through<T>(
     let (mut conn, value) = match wait_for(&inner, &mut trip, sent, &mut lost).await {
         Ok((conn, Ok(value))) => (conn, value),
         Ok((conn, Err(error))) => {
-            if broken(&error) {
+            if retires(&error) {
                 inner.connections.failed(conn.failed());
             }
             return;

@@ -18,7 +18,7 @@ use super::batch::{Batches, LineArgs, Lines, Pending};
 use super::builder::{RedisStoreBuilder, Source};
 use super::clock::{refresh_offset, ServerClock};
 use super::connection::{Connection, Connections};
-use super::errors::{broken, fault_error, redis_error};
+use super::errors::{fault_error, redis_error, retires};
 use super::hash::jitter;
 use super::late::{give_back, refund_lines, Call, GiveBack, Sends};
 use super::script::{
@@ -505,9 +505,10 @@ impl RedisStore {
             }
             Ok((conn, Err(error))) => {
                 call.trip = None;
-                // A broken connection is not used again, nor are the others
+                // A broken connection (or one to a server that is no master
+                // any more) is not used again, nor are the others
                 // opened before it; a refusal by the server spoils nothing.
-                if broken(&error) {
+                if retires(&error) {
                     inner.connections.failed(conn.failed());
                 }
                 Err(redis_error(error))
