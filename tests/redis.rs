@@ -2168,6 +2168,27 @@ async fn a_late_charge_goes_back_to_the_counter_it_was_charged_to_only() {
     );
 }
 
+/// The same with the new counter made by a charge dated before the late
+/// one (another instance's clock, a request that waited): it is still not
+/// the counter the late charge was applied to, and keeps its own charge.
+#[tokio::test]
+async fn a_late_charge_goes_back_not_to_a_counter_made_since_with_an_earlier_instant() {
+    let server = redis_server_or_skip!();
+    let (store, other) = impatient_and_patient(&server);
+    let key = key("late-reset-earlier");
+    let t0 = Timestamp::now();
+    admit(&store, first_use(&key, 10, 1, t0, hour())).await;
+    admit(&other, first_use(&key, 10, 0, t0, hour())).await;
+    let late = first_use(&key, 10, 1, t0, hour());
+    let anew = first_use(&key, 10, 1, t0 - SignedDuration::from_millis(5), hour());
+    late_then_reset_then_anew(&server, (&store, late), &key, (&other, anew)).await;
+    assert_eq!(
+        server.cli(&["hget", key.as_str(), "n"]),
+        "1",
+        "the new counter's own charge"
+    );
+}
+
 /// Two stores on `server`: one that gives up on a call after 100 ms, and
 /// one that waits 3 s.
 fn impatient_and_patient(server: &RedisServer) -> (RedisStore, RedisStore) {

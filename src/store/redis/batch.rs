@@ -31,7 +31,7 @@ use jiff::Timestamp;
 use smallvec::SmallVec;
 use tokio::sync::{oneshot, OwnedSemaphorePermit};
 
-use super::late::{first_call_of, made_by, Refund};
+use super::late::{first_call_of, Refund};
 use super::{refund_lines, retires, wait_for, Inner, COUNTERS_LUA, FOLLOW_THROUGH, LATE};
 use crate::key::PeriodKey;
 
@@ -138,10 +138,9 @@ impl Drop for GiveBack {
             .into_iter()
             .enumerate()
             .filter(|(_, line)| line.cost > 0)
-            .map(|(i, line)| Refund {
-                key: line.key,
-                cost: line.cost.unsigned_abs(),
-                made_by: made_by(now, self.first_calls.get(i).copied().flatten()),
+            .map(|(i, line)| {
+                let first_call = self.first_calls.get(i).copied().flatten();
+                Refund::new(line.key, line.cost.unsigned_abs(), now, first_call)
             })
             .collect();
         if lines.is_empty() {

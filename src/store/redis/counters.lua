@@ -502,6 +502,8 @@ end
 -- anything else goes there.
 if op == 'r' then
   local key, amount, now, made_by = KEYS[1], ARGV[2], ARGV[3], ARGV[4]
+  -- 'exact': only to the counter whose first call is made_by.
+  local exact = ARGV[5] == 'exact'
   if digits(now) and digits(amount) and (made_by == nil or digits(made_by)) then
     local r = try('HGETALL', key)
     if r.err == nil and #r == 0 then
@@ -513,7 +515,7 @@ if op == 'r' then
       if e ~= nil and now + 0 >= e + 0 then
         return -1
       end
-      if made_by ~= nil and t + 0 > made_by + 0 then
+      if made_by ~= nil and (t + 0 > made_by + 0 or (exact and t + 0 ~= made_by + 0)) then
         return -1
       end
       local used = n + 0
@@ -569,7 +571,12 @@ if op == 'r' or op == 'a' then
   if made_by ~= nil and not digits(made_by) then
     return redis.error_reply('ERR tower-quota: an instant' .. NOT_A_NUMBER)
   end
-  local made_since = made_by ~= nil and kind == 1 and first ~= nil and first + 0 > made_by + 0
+  -- With 'exact', only to the counter whose first call is made_by: the one
+  -- a late charge's reply named, not one made since with an earlier first
+  -- call (another instance's, or a request's that waited).
+  local exact = ARGV[5] == 'exact'
+  local made_since = made_by ~= nil and kind == 1 and first ~= nil
+    and (first + 0 > made_by + 0 or (exact and first + 0 ~= made_by + 0))
   -- Live: the key exists and its window, if it records one, is not over
   -- (its key may live on through the grace).
   local live = kind ~= 0 and (ends == nil or now + 0 < ends + 0)

@@ -47,16 +47,11 @@ pub(super) struct GiveBack<T> {
 
 impl<T> GiveBack<T> {
     /// The refunds of a charge answered with `value`: each line's key and
-    /// cost, and the instant its refund goes by (see [`made_by`]), from its
-    /// own counter's first call.
+    /// cost, to the counter the line was charged to (see [`Refund::new`]).
     pub(super) fn refunds(self, value: &T) -> Vec<Refund> {
         self.lines
             .into_iter()
-            .map(|(i, key, cost)| Refund {
-                key,
-                cost,
-                made_by: made_by(self.now, (self.first_call)(value, i)),
-            })
+            .map(|(i, key, cost)| Refund::new(key, cost, self.now, (self.first_call)(value, i)))
             .collect()
     }
 }
@@ -66,20 +61,31 @@ impl<T> GiveBack<T> {
 pub(super) struct Refund {
     pub(super) key: PeriodKey,
     pub(super) cost: u64,
-    /// Only to a counter made by this instant (see [`made_by`]).
-    pub(super) made_by: Timestamp,
+    /// Only to the counter whose first call (ms) this is, as the charge's
+    /// reply told; or, when it told none, to a counter made by the
+    /// charge's instant (a counter made anew after a reset is younger).
+    pub(super) counter: Made,
 }
 
-/// The instant a give-back of a line charged at `now` goes by: only to a
-/// counter made by then. The charge's instant, or the first call (ms) of
-/// the counter the line was charged to when that is later (a concurrent
-/// charge with a later instant made it first). A counter made anew after
-/// a reset is younger than both. Each line by its own counter's: a line
-/// going by another's later first call could reach a counter made anew in
-/// between.
-pub(super) fn made_by(now: Timestamp, first_call: Option<i64>) -> Timestamp {
-    let first_call = first_call.and_then(|ms| Timestamp::from_millisecond(ms).ok());
-    crate::store::made_by(now, first_call)
+/// Which counter a give-back goes to.
+#[derive(Clone, Copy, Debug)]
+pub(super) enum Made {
+    /// The one whose first call (ms) this is.
+    At(i64),
+    /// One made by this instant.
+    By(Timestamp),
+}
+
+impl Refund {
+    /// The give-back of `cost` on `key`, charged at `now` to the counter
+    /// whose first call (ms) the reply told, if it did.
+    pub(super) fn new(key: PeriodKey, cost: u64, now: Timestamp, first_call: Option<i64>) -> Self {
+        let counter = match first_call {
+            Some(ms) => Made::At(ms),
+            None => Made::By(now),
+        };
+        Self { key, cost, counter }
+    }
 }
 
 /// The first call (ms) of the counter of line `i` in a charge's reply in
@@ -217,7 +223,7 @@ pub(super) async fn follow_through<T>(
 
 /// Gives back an applied charge whose caller stopped waiting, line by line,
 /// with the refund of [`Store::refund_made_by`] at the charge's instant
-/// `now`, each to a counter made by its `made_by` (see [`made_by`]).
+/// `now`, each to the counter it was charged to (see [`Refund::counter`]).
 pub(super) async fn refund_lines(
     inner: &Inner,
     conn: &mut Connection,
@@ -227,24 +233,26 @@ pub(super) async fn refund_lines(
     let (mut refunded, mut missed, mut refused) = (0, 0, 0);
     let mut first_miss: Option<(PeriodKey, String)> = None;
     let mut answering = true;
-    for Refund { key, cost, made_by } in lines {
+    for Refund { key, cost, counter } in lines {
         if !answering {
             // The connection stopped answering: the rest waits no longer.
             missed += 1;
             continue;
         }
         let mut invocation = super::script::Invocation::on(key.as_str());
-        // Only to the counter charged, or an older one: not to one made
-        // since (the counter reset or expired, and a new charge made it).
+        // Only to the counter charged: not to one made since (the counter
+        // reset or expired, and a new charge made it).
         invocation
             .arg("r")
             .arg(clamp(cost))
-            .arg(now.as_millisecond())
-            .arg(made_by.as_millisecond());
+            .arg(now.as_millisecond());
+        match counter {
+            Made::At(first_call) => invocation.arg(first_call).arg("exact"),
+            Made::By(made_by) => invocation.arg(made_by.as_millisecond()),
+        };
         let refund = invocation.invoke_async::<i64>(conn);
         let why = match tokio::time::timeout(FOLLOW_THROUGH, refund).await {
-            // No live counter made by `made_by`: gone since, or never
-            // charged.
+            // No live counter charged: gone since, or never charged.
             Ok(Ok(-1)) => {
                 refused += 1;
                 continue;
