@@ -54,6 +54,8 @@ trait PolicyView<St>: Send + Sync {
     fn subject_named(&self, kind: &SubjectKind, id: &[u8]) -> Result<Subject, SubjectError>;
     fn challenge(&self) -> Option<http::HeaderValue>;
     fn plan_as_charged(&self, plan: Option<String>) -> Result<Option<String>, String>;
+    /// Forgets what the policy's ledger owes the counter at `key`.
+    fn forget_owed(&self, key: &crate::key::PeriodKey);
 }
 
 impl<E: SubjectExtractor, St: Send + Sync> PolicyView<St> for Policy<E, St> {
@@ -80,6 +82,9 @@ impl<E: SubjectExtractor, St: Send + Sync> PolicyView<St> for Policy<E, St> {
     }
     fn plan_as_charged(&self, plan: Option<String>) -> Result<Option<String>, String> {
         Policy::plan_as_charged(self, plan)
+    }
+    fn forget_owed(&self, key: &crate::key::PeriodKey) {
+        self.ledger.forget(key);
     }
 }
 
@@ -397,7 +402,10 @@ impl<St: Store> QuotaHandle<St> {
     }
 
     /// Gives `subject` a fresh allowance on every quota: the current counters
-    /// are deleted (a first-use period restarts at the next call).
+    /// are deleted (a first-use period restarts at the next call), and so is
+    /// what this instance's fail-open ledger owes them (requests made before
+    /// the reset, uncounted yet). Another instance's ledger settles what it
+    /// owes into the fresh counters.
     pub async fn reset(&self, subject: &Subject) -> Result<(), StoreError> {
         let quotas = self.quotas();
         self.reset_quotas(&quotas, subject).await.map(drop)
@@ -442,7 +450,10 @@ impl<St: Store> QuotaHandle<St> {
     async fn reset_quotas(&self, quotas: &[Quota], subject: &Subject) -> Result<(), StoreError> {
         let now = self.settings().clock.now();
         for line in self.lines(quotas, subject, now, None) {
-            self.shared.store().reset(line.key).await?;
+            self.shared.store().reset(line.key.clone()).await?;
+            // What requests of before the reset owe (they passed on a failed
+            // charge) goes with their counter: not into the fresh one.
+            self.shared.forget_owed(&line.key);
         }
         Ok(())
     }

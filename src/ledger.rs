@@ -280,6 +280,40 @@ impl Ledger {
         }
     }
 
+    /// Forgets what is owed to the counters at `key`, which support reset:
+    /// the caller starts afresh, and requests made before the reset count
+    /// no more than those the store counted. (A settle on its way lands,
+    /// before or after the reset, as the store runs them.)
+    pub(crate) fn forget(&self, key: &PeriodKey) {
+        let mut book = self.lock();
+        let in_flight = book
+            .in_flight
+            .as_ref()
+            .map(|sent| (sent.key.clone(), sent.id));
+        let forgotten: Vec<(u64, u64)> = book
+            .owed
+            .get(key)
+            .into_iter()
+            .flatten()
+            .filter(|entry| {
+                in_flight
+                    .as_ref()
+                    .is_none_or(|(k, id)| !(k == key && *id == entry.id))
+            })
+            .map(|entry| (entry.id, entry.amount))
+            .collect();
+        let mut units = 0u64;
+        for (id, amount) in forgotten {
+            book.remove(key, id);
+            book.units = book.units.saturating_sub(amount);
+            units = units.saturating_add(amount);
+        }
+        drop(book);
+        if units > 0 {
+            crate::metrics::ledger_dropped(crate::metrics::dropped::RESET, units);
+        }
+    }
+
     /// What the ledger owes now.
     pub(crate) fn owed(&self) -> Owed {
         let book = self.lock();

@@ -120,7 +120,8 @@
 //!   [`refused`](dropped::REFUSED), a debt the store cannot take (its key
 //!   holds no counter, or the sum is beyond what it counts exactly);
 //!   [`abandoned`](dropped::ABANDONED), still owed when the policy was
-//!   dropped (its ledger goes with it).
+//!   dropped (its ledger goes with it); [`reset`](dropped::RESET), owed to
+//!   a counter support reset before the store took it.
 //!
 //! Once everything is settled, `owed = settled + dropped{reason!="full"}`.
 //! [`tower_quota_ledger_counters`](LEDGER_COUNTERS) is how many counters the
@@ -183,6 +184,10 @@ pub mod dropped {
     pub const REFUSED: &str = "refused";
     /// Still owed when the policy was dropped.
     pub const ABANDONED: &str = "abandoned";
+    /// Owed to a counter that support reset
+    /// ([`QuotaHandle::reset`](crate::QuotaHandle::reset) and the like)
+    /// before the store took it: the caller starts afresh.
+    pub const RESET: &str = "reset";
 }
 
 /// The values of the `outcome` label of [`DECISIONS`].

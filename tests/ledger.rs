@@ -680,3 +680,32 @@ async fn a_fail_open_inside_a_charging_layer_is_owed_once_served() {
     );
     assert_eq!(used(&outer, "acme", "big-day").await, 3);
 }
+
+/// A support reset while the ledger owes the caller's counter: the caller
+/// starts afresh, and what requests of before the reset owe does not land
+/// in the new counter (a charge of before is wiped by the reset too).
+#[tokio::test(start_paused = true)]
+async fn a_support_reset_forgets_what_the_caller_owed() {
+    let clock = clock();
+    let store = Rigged::new(MemoryStore::new(), Rig::Fail, None);
+    store.away.store(true, Ordering::Relaxed);
+    let policy = policy(store.clone(), &clock).build();
+    let app = Router::new()
+        .route("/", get(|| async { "ok" }))
+        .layer(policy.layer(Quota::daily(10)));
+    for _ in 0..3 {
+        assert_eq!(send(&app, call("/", "acme")).await, StatusCode::OK);
+    }
+    assert_eq!(send(&app, call("/", "zeta")).await, StatusCode::OK);
+    assert_eq!(policy.owed().units, 4);
+    policy
+        .handle()
+        .reset(&Subject::account("acme"))
+        .await
+        .unwrap();
+    assert_eq!(policy.owed().units, 1, "only the other caller's");
+    store.away.store(false, Ordering::Relaxed);
+    settled(&policy).await;
+    assert_eq!(used(&policy, "acme", "default-day").await, 0, "afresh");
+    assert_eq!(used(&policy, "zeta", "default-day").await, 1);
+}
