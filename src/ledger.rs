@@ -311,6 +311,12 @@ impl Ledger {
         drop(book);
         if units > 0 {
             crate::metrics::ledger_dropped(crate::metrics::dropped::RESET, units);
+            tracing::info!(
+                units,
+                key = key.logged(),
+                "quota ledger forgets what requests that passed on a failed charge (fail open) \
+                 owed to a counter support reset"
+            );
         }
     }
 
