@@ -234,7 +234,10 @@ impl QuotaStatus {
                 outer
             }
             None => {
-                Self::put_in(extensions, ticket);
+                extensions.insert(QuotaStatus {
+                    tickets: smallvec::smallvec![ticket],
+                    entries: OnceLock::new(),
+                });
                 Vec::new()
             }
         }
