@@ -1393,6 +1393,49 @@ async fn a_large_refund_of_a_request_never_grows_the_block_past_its_size() {
     assert!(counted <= 30 + 20 + 10, "counted {counted}");
 }
 
+/// The same while units of the block are set aside for a request on its
+/// way (its other line asked of the store): refused there, they come back
+/// into the block, which must still hold no more than it was taken with.
+#[tokio::test(start_paused = true)]
+async fn a_refund_while_units_are_set_aside_never_grows_the_block_past_its_size() {
+    let shared = MemoryStore::new();
+    let slow = Slow::new(shared.clone(), 0);
+    let leased = LeasedStore::builder(slow.clone()).max_block(10).build();
+    let mut now = t0();
+    busy(&leased, &mut now, 200, 100_000, 1).await;
+    let mut first = call(&leased, now, 100_000).await;
+    for _ in 0..1000 {
+        if leased.held() >= 8 {
+            break;
+        }
+        first = call(&leased, now, 100_000).await;
+        tokio::time::advance(Duration::from_millis(1)).await;
+        now += SignedDuration::from_millis(1);
+    }
+    let made_by = first.usage[0].first_call.unwrap_or(now).max(now);
+    slow.delay.store(50, Ordering::Relaxed);
+    // Two lines: acme's from the block (set aside), other's asked of the
+    // (slow) store, where it is refused.
+    let two = ChargeRequest {
+        now,
+        lines: smallvec::smallvec![line_of("acme", 100_000), line_of("other", 0)],
+    };
+    let pending = tokio::spawn({
+        let leased = leased.clone();
+        async move { leased.charge(two).await }
+    });
+    tokio::task::yield_now().await;
+    tokio::time::advance(Duration::from_millis(1)).await;
+    // A request's own refund (a deferred cost's estimate given back).
+    leased
+        .refund_made_by(now, day_key(), 100, made_by)
+        .await
+        .unwrap();
+    let outcome = pending.await.unwrap().unwrap();
+    assert!(!outcome.admitted, "refused on the other line");
+    assert!(leased.held() <= 10, "{} units held", leased.held());
+}
+
 /// A store that dates no counter (no first calls told), and reads a
 /// first-use counter's reset from its remaining life: a millisecond apart
 /// from call to call.

@@ -2105,15 +2105,17 @@ impl<St: Store> LeasedStore<St> {
                 let same_counter = counter.first_call.is_none_or(|first| first <= made_by);
                 if counter.units > 0 && !counter.ended(now) && same_counter {
                     // As much as this instance last heard was spent, and
-                    // never more than the block held when taken (a large
+                    // never more than the block held when taken, units set
+                    // aside for a request on its way included (a large
                     // deferred cost given back would otherwise grow it past
                     // its bound: units other instances wait for, and that
                     // stay charged if this instance dies); the rest goes to
                     // the store.
-                    let room = counter
-                        .store_used
-                        .saturating_sub(counter.units)
-                        .min(counter.block.saturating_sub(counter.units));
+                    let room = counter.store_used.saturating_sub(counter.units).min(
+                        counter
+                            .block
+                            .saturating_sub(counter.units.saturating_add(counter.reserved)),
+                    );
                     let into_block = amount.min(room);
                     counter.units += into_block;
                     amount -= into_block;
