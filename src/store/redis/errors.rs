@@ -23,7 +23,13 @@ pub(super) fn broken(error: &RedisError) -> bool {
 /// the old master, now a replica, refuses every write with `READONLY`
 /// while it answers pings). A refusal writes nothing: it still came back.
 pub(super) fn retires(error: &RedisError) -> bool {
-    broken(error) || error.code() == Some("READONLY")
+    broken(error) || is_read_only(error)
+}
+
+/// Whether `error` is a write refused by a server that is no master: a
+/// `READONLY` reply, or, before Redis 7, a script's error that carries one.
+fn is_read_only(error: &RedisError) -> bool {
+    error.code() == Some("READONLY") || error.to_string().contains("READONLY You can't write")
 }
 
 pub(super) fn fault_error(fault: Fault) -> StoreError {
@@ -59,17 +65,9 @@ pub(super) fn redis_error(error: RedisError) -> StoreError {
         || matches!(error.kind(), ErrorKind::ClusterConnectionNotFound)
         || matches!(
             error.code(),
-            Some(
-                "OOM"
-                    | "LOADING"
-                    | "BUSY"
-                    | "MASTERDOWN"
-                    | "MISCONF"
-                    | "READONLY"
-                    | "NOREPLICAS"
-                    | "TRYAGAIN"
-            )
+            Some("OOM" | "LOADING" | "BUSY" | "MASTERDOWN" | "MISCONF" | "NOREPLICAS" | "TRYAGAIN")
         )
+        || is_read_only(&error)
         || error.to_string().contains("OOM command not allowed")
     {
         StoreErrorKind::Unavailable
@@ -83,4 +81,37 @@ pub(super) fn redis_error(error: RedisError) -> StoreError {
         return StoreError::new(kind, format!("Redis failed: {shown}"));
     }
     StoreError::new(kind, "Redis failed").with_source(error)
+}
+
+#[cfg(test)]
+mod tests {
+    use deadpool_redis::redis::{self, Value};
+
+    use super::*;
+
+    /// `reply`, an error on the wire, as the client hands it over.
+    fn error_of(reply: &[u8]) -> RedisError {
+        match redis::parse_redis_value(reply).expect("a reply") {
+            Value::ServerError(error) => error.into(),
+            other => panic!("not an error: {other:?}"),
+        }
+    }
+
+    /// A write refused by a replica retires the connection, as Redis 7
+    /// answers it and as a script's error carried it before.
+    #[test]
+    fn a_replica_refusing_a_write_retires_the_connection() {
+        for reply in [
+            &b"-READONLY You can't write against a read only replica.\r\n"[..],
+            b"-ERR Error running script (call to f_0123): @user_script:12: -READONLY You can't \
+              write against a read only replica.\r\n",
+        ] {
+            let error = error_of(reply);
+            assert!(retires(&error), "{error}");
+            assert!(came_back(&error), "nothing was written: {error}");
+            assert_eq!(redis_error(error).kind(), StoreErrorKind::Unavailable);
+        }
+        let refused = error_of(b"-ERR tower-quota: an amount is not a number\r\n");
+        assert!(!retires(&refused));
+    }
 }
