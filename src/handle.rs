@@ -450,9 +450,12 @@ impl<St: Store> QuotaHandle<St> {
     async fn reset_quotas(&self, quotas: &[Quota], subject: &Subject) -> Result<(), StoreError> {
         let now = self.settings().clock.now();
         for line in self.lines(quotas, subject, now, None) {
-            self.shared.store().reset(line.key.clone()).await?;
             // What requests of before the reset owe (they passed on a failed
-            // charge) goes with their counter: not into the fresh one.
+            // charge) goes with their counter, not into the fresh one:
+            // forgotten before (no settle starts meanwhile) and after (a
+            // debt recorded meanwhile).
+            self.shared.forget_owed(&line.key);
+            self.shared.store().reset(line.key.clone()).await?;
             self.shared.forget_owed(&line.key);
         }
         Ok(())

@@ -186,6 +186,10 @@ struct InFlight {
     key: PeriodKey,
     id: u64,
     amount: u64,
+    /// What support's reset of the counter forgot of the entry while its
+    /// settle was on its way: dropped if the settle fails, rather than
+    /// sent again into the fresh counter.
+    forgotten: u64,
 }
 
 impl InFlight {
@@ -282,42 +286,31 @@ impl Ledger {
 
     /// Forgets what is owed to the counters at `key`, which support reset:
     /// the caller starts afresh, and requests made before the reset count
-    /// no more than those the store counted. (A settle on its way lands,
-    /// before or after the reset, as the store runs them.)
+    /// no more than those the store counted. A settle on its way lands,
+    /// before or after the reset, as the store runs them; if it fails, what
+    /// it carried is forgotten then.
     pub(crate) fn forget(&self, key: &PeriodKey) {
         let mut book = self.lock();
-        let in_flight = book
-            .in_flight
-            .as_ref()
-            .map(|sent| (sent.key.clone(), sent.id));
-        let forgotten: Vec<(u64, u64)> = book
+        let entries: Vec<(u64, u64)> = book
             .owed
             .get(key)
             .into_iter()
             .flatten()
-            .filter(|entry| {
-                in_flight
-                    .as_ref()
-                    .is_none_or(|(k, id)| !(k == key && *id == entry.id))
-            })
             .map(|entry| (entry.id, entry.amount))
             .collect();
         let mut units = 0u64;
-        for (id, amount) in forgotten {
-            book.remove(key, id);
-            book.units = book.units.saturating_sub(amount);
-            units = units.saturating_add(amount);
+        for (id, amount) in entries {
+            match &mut book.in_flight {
+                Some(sent) if sent.is(key, id) => sent.forgotten = amount,
+                _ => {
+                    book.remove(key, id);
+                    book.units = book.units.saturating_sub(amount);
+                    units = units.saturating_add(amount);
+                }
+            }
         }
         drop(book);
-        if units > 0 {
-            crate::metrics::ledger_dropped(crate::metrics::dropped::RESET, units);
-            tracing::info!(
-                units,
-                key = key.logged(),
-                "quota ledger forgets what requests that passed on a failed charge (fail open) \
-                 owed to a counter support reset"
-            );
-        }
+        forgotten(key, units);
     }
 
     /// What the ledger owes now.
@@ -568,6 +561,7 @@ impl Book {
                 key: key.clone(),
                 id,
                 amount: entry.amount,
+                forgotten: 0,
             });
             let debt = Debt {
                 key: key.clone(),
@@ -583,6 +577,25 @@ impl Book {
     /// of the queue, so that the others are tried before it again. How many
     /// entries are owed.
     fn postpone(&mut self, key: &PeriodKey, id: u64) -> usize {
+        let forgot = self
+            .in_flight
+            .as_ref()
+            .filter(|sent| sent.is(key, id))
+            .map_or(0, |sent| sent.forgotten);
+        if forgot > 0 {
+            // Support reset the counter meanwhile: what the reset forgot
+            // is not sent again (what was owed since stays).
+            if let Some(entry) = self.entry(key, id) {
+                let dropped = forgot.min(entry.amount);
+                entry.amount -= dropped;
+                let left = entry.amount;
+                self.units = self.units.saturating_sub(dropped);
+                if left == 0 {
+                    self.remove(key, id);
+                }
+                forgotten(key, dropped);
+            }
+        }
         self.release();
         if let Some(at) = self.queue.iter().position(|(k, i)| k == key && *i == id) {
             let entry = self.queue.remove(at).expect("found in the queue");
@@ -641,6 +654,21 @@ impl Book {
         }
         crate::metrics::ledger_counters(-1);
     }
+}
+
+/// Logs and counts `units` owed to the counters at `key`, which support
+/// reset before the store took them.
+fn forgotten(key: &PeriodKey, units: u64) {
+    if units == 0 {
+        return;
+    }
+    crate::metrics::ledger_dropped(crate::metrics::dropped::RESET, units);
+    tracing::info!(
+        units,
+        key = key.logged(),
+        "quota ledger forgets what requests that passed on a failed charge (fail open) owed to \
+         a counter support reset"
+    );
 }
 
 /// Logs and counts `units` owed on `counters` counters whose periods were

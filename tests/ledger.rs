@@ -709,3 +709,97 @@ async fn a_support_reset_forgets_what_the_caller_owed() {
     assert_eq!(used(&policy, "acme", "default-day").await, 0, "afresh");
     assert_eq!(used(&policy, "zeta", "default-day").await, 1);
 }
+
+/// A store whose charges fail, and whose settles hang a second and fail,
+/// while told so.
+#[derive(Clone, Default)]
+struct Hanging {
+    inner: MemoryStore,
+    hang: Arc<std::sync::atomic::AtomicBool>,
+}
+
+impl Store for Hanging {
+    type ChargeFuture = std::pin::Pin<
+        Box<
+            dyn Future<Output = Result<tower_quota::store::ChargeOutcome, tower_quota::StoreError>>
+                + Send,
+        >,
+    >;
+
+    fn charge(&self, request: ChargeRequest) -> Self::ChargeFuture {
+        if self.hang.load(Ordering::SeqCst) {
+            let down = tower_quota::StoreError::new(
+                tower_quota::store::StoreErrorKind::Unavailable,
+                "down",
+            );
+            return Box::pin(std::future::ready(Err(down)));
+        }
+        Box::pin(self.inner.charge(request))
+    }
+    async fn peek(
+        &self,
+        request: ChargeRequest,
+    ) -> Result<Vec<tower_quota::Usage>, tower_quota::StoreError> {
+        self.inner.peek(request).await
+    }
+    async fn refund(
+        &self,
+        now: Timestamp,
+        key: PeriodKey,
+        amount: u64,
+    ) -> Result<Option<u64>, tower_quota::StoreError> {
+        self.inner.refund(now, key, amount).await
+    }
+    async fn add(
+        &self,
+        now: Timestamp,
+        key: PeriodKey,
+        amount: u64,
+    ) -> Result<Option<u64>, tower_quota::StoreError> {
+        self.inner.add(now, key, amount).await
+    }
+    async fn reset(&self, key: PeriodKey) -> Result<bool, tower_quota::StoreError> {
+        self.inner.reset(key).await
+    }
+    async fn settle_debt(
+        &self,
+        now: Timestamp,
+        debt: tower_quota::store::Debt,
+    ) -> Result<Option<u64>, tower_quota::StoreError> {
+        if self.hang.load(Ordering::SeqCst) {
+            tokio::time::sleep(Duration::from_secs(1)).await;
+            return Err(tower_quota::StoreError::new(
+                tower_quota::store::StoreErrorKind::Timeout,
+                "hung",
+            ));
+        }
+        self.inner.settle_debt(now, debt).await
+    }
+}
+
+/// A support reset while the ledger's settle of the caller's counter is on
+/// its way, and fails: what the reset forgot is not sent again into the
+/// fresh counter.
+#[tokio::test(start_paused = true)]
+async fn a_support_reset_during_a_settle_that_fails_forgets_it_too() {
+    let clock = clock();
+    let store = Hanging::default();
+    store.hang.store(true, Ordering::SeqCst);
+    let policy = policy(store.clone(), &clock).build();
+    let app = Router::new()
+        .route("/", get(|| async { "ok" }))
+        .layer(policy.layer(Quota::daily(10)));
+    for _ in 0..3 {
+        assert_eq!(send(&app, call("/", "acme")).await, StatusCode::OK);
+    }
+    // The settle is on its way.
+    tokio::time::sleep(Duration::from_millis(100)).await;
+    policy
+        .handle()
+        .reset(&Subject::account("acme"))
+        .await
+        .unwrap();
+    store.hang.store(false, Ordering::SeqCst);
+    settled(&policy).await;
+    assert_eq!(used(&policy, "acme", "default-day").await, 0, "afresh");
+}
