@@ -434,6 +434,8 @@ pub(crate) struct Lines {
     /// when they answered: given back if this layer is dropped before its
     /// response goes out (the request was not served after all).
     inside: Mutex<Vec<Arc<dyn GiveBack>>>,
+    /// Whether `inside` was told anything: most requests pass one layer.
+    told: AtomicBool,
 }
 
 /// What a layer kept charged for a request it answered, told to the layers
@@ -446,6 +448,10 @@ pub(crate) trait GiveBack: Send + Sync {
     /// Gives back what is still charged of it; once, however often it is
     /// called (a layer is told by every layer further out).
     fn give_back(&self);
+
+    /// The response went out from the outermost layer that charged the
+    /// request: the request was served, and what it kept stays.
+    fn went_out(&self) {}
 }
 
 impl Lines {
@@ -460,6 +466,7 @@ impl Lines {
             quotas,
             lines,
             inside: Mutex::default(),
+            told: AtomicBool::new(false),
         }
     }
 
@@ -469,6 +476,18 @@ impl Lines {
             .lock()
             .unwrap_or_else(|e| e.into_inner())
             .push(kept);
+        self.told.store(true, Ordering::Release);
+    }
+
+    /// The response of these lines' layer, the outermost that charged the
+    /// request, went out: what the layers further in kept was served.
+    #[inline]
+    pub(crate) fn went_out(&self) {
+        if self.told.load(Ordering::Acquire) {
+            for kept in self.take_inside() {
+                kept.went_out();
+            }
+        }
     }
 
     /// What the layers further in kept, taken: given back by a layer

@@ -803,3 +803,38 @@ async fn a_support_reset_during_a_settle_that_fails_forgets_it_too() {
     settled(&policy).await;
     assert_eq!(used(&policy, "acme", "default-day").await, 0, "afresh");
 }
+
+/// A handler that keeps its `QuotaStatus` past the request (an audit task,
+/// a cache): what a fail-open layer nested in a charging one owes goes to
+/// the ledger once the response went out all the same.
+#[tokio::test(start_paused = true)]
+async fn a_nested_debt_is_owed_once_the_response_went_out_whoever_keeps_the_status() {
+    let clock = clock();
+    let outer = QuotaPolicy::builder(FromHeader::account("x-account-id"))
+        .store(MemoryStore::new())
+        .clock(clock.clone())
+        .namespace("outer")
+        .build();
+    let store = Rigged::new(MemoryStore::new(), Rig::Fail, None);
+    store.away.store(true, Ordering::Relaxed);
+    let inner = policy(store, &clock).namespace("inner").build();
+    let kept: Arc<Mutex<Vec<QuotaStatus>>> = Arc::default();
+    let app = Router::new()
+        .route(
+            "/",
+            get({
+                let kept = Arc::clone(&kept);
+                move |status: QuotaStatus| async move {
+                    kept.lock().unwrap().push(status);
+                    "ok"
+                }
+            }),
+        )
+        .route_layer(inner.layer(Quota::daily(10).allowance("read")))
+        .route_layer(outer.layer(Quota::daily(100).allowance("big")));
+    for _ in 0..3 {
+        assert_eq!(send(&app, call("/", "acme")).await, StatusCode::OK);
+    }
+    assert_eq!(inner.owed().units, 3, "owed while the statuses are kept");
+    assert_eq!(kept.lock().unwrap().len(), 3);
+}

@@ -535,6 +535,8 @@ where
                         });
                         if charged.is_nested() {
                             Kept::tell(charged, Vec::new(), Vec::new(), Some(Vec::new()), None);
+                        } else {
+                            charged.lines.went_out();
                         }
                         return Poll::Ready(result);
                     }
@@ -591,6 +593,8 @@ where
                     if !*fields {
                         if charged.is_nested() {
                             Kept::tell(charged, ops, kept, results, pending);
+                        } else {
+                            charged.lines.went_out();
                         }
                         return Poll::Ready(result.map(|r| r.map(ResponseBody::inner)));
                     }
@@ -607,6 +611,8 @@ where
                     });
                     if charged.is_nested() {
                         Kept::tell(charged, ops, kept, results, pending);
+                    } else {
+                        charged.lines.went_out();
                     }
                     return Poll::Ready(result);
                 }

@@ -150,8 +150,8 @@ impl<E: SubjectExtractor, St: Store> Owing<E, St> {
 /// What a request that passed on a failed charge owes, while a layer
 /// further out (which charged the request) has yet to send the response:
 /// forgiven if that layer is dropped before (the request was not served),
-/// owed to the ledger once it lets go of it (dropped with the lines that
-/// hold it, when its response went out).
+/// owed to the ledger once its response went out (or, failing word of
+/// either, once the lines that hold it let go of it).
 struct PendingDebts<E, St: Store> {
     bound: Arc<Bound<E, St>>,
     debts: Mutex<Option<Vec<Debt>>>,
@@ -163,17 +163,28 @@ impl<E, St: Store> PendingDebts<E, St> {
     }
 }
 
+impl<E, St: Store> PendingDebts<E, St> {
+    /// Owes the debts to the ledger, unless forgiven or owed already.
+    fn owe(&self) {
+        if let Some(debts) = self.take() {
+            let policy = &self.bound.policy;
+            policy.ledger.owe(&policy.store, &policy.settings, debts);
+        }
+    }
+}
+
 impl<E: SubjectExtractor, St: Store> GiveBack for PendingDebts<E, St> {
     fn give_back(&self) {
         drop(self.take());
+    }
+
+    fn went_out(&self) {
+        self.owe();
     }
 }
 
 impl<E, St: Store> Drop for PendingDebts<E, St> {
     fn drop(&mut self) {
-        if let Some(debts) = self.take() {
-            let policy = &self.bound.policy;
-            policy.ledger.owe(&policy.store, &policy.settings, debts);
-        }
+        self.owe();
     }
 }
