@@ -198,6 +198,16 @@ fn a_fixed_cost_past_max_count_is_refused_when_the_layer_is_made() {
     let _layer = p.layer(Quota::daily(100)).cost(1_000);
 }
 
+/// A deferred cost of nothing up front would never count (its real cost
+/// goes only to counters the request was charged on): refused when the
+/// layer is made.
+#[test]
+#[should_panic(expected = "a deferred cost of 0 up front would never count")]
+fn a_deferred_cost_of_nothing_up_front_is_refused_when_the_layer_is_made() {
+    let p = policy(MemoryStore::new(), "deferred").build();
+    let _layer = p.layer(Quota::daily(3)).deferred_cost(0, |_| 5);
+}
+
 /// A shadow quota and an enforced one on one counter are two different
 /// quotas: refused when the second layer is made.
 #[test]

@@ -386,7 +386,10 @@ impl<E, St: Store> QuotaLayer<E, St> {
     }
 
     /// Works out each request's cost from its head, e.g. from a `?n=` query
-    /// parameter. An error is answered with 400 and the error's text.
+    /// parameter. An error is answered with 400 and the error's text. A
+    /// cost of 0 is admitted while the count is at most the limit, nothing
+    /// left included: refuse it (or make it 1) where such a request does
+    /// work.
     #[must_use]
     pub fn cost_fn<F>(self, f: F) -> Self
     where
@@ -419,13 +422,20 @@ impl<E, St: Store> QuotaLayer<E, St> {
     ///
     /// # Panics
     ///
-    /// When `upfront` is more than the policy's store counts exactly
+    /// When `upfront` is 0 (a request charged nothing up front has no
+    /// counter for its real cost to go to: the quota would never count),
+    /// or more than the policy's store counts exactly
     /// ([`Store::max_count`]).
     #[must_use]
     pub fn deferred_cost<F>(self, upfront: u64, real: F) -> Self
     where
         F: Fn(&http::response::Parts) -> u64 + Send + Sync + 'static,
     {
+        assert!(
+            upfront > 0,
+            "a deferred cost of 0 up front would never count: the real cost goes only to the \
+             counters the request was charged on (charge at least 1 up front)"
+        );
         self.check_cost(upfront);
         self.with_scope(|_, c| {
             *c = Cost::Deferred {
