@@ -560,7 +560,12 @@ pub(crate) fn early(
         s if s.is_client_error() => 3,
         _ => 14,
     };
-    grpc_answer(code, detail, None, parts.headers.get(CONTENT_TYPE))
+    grpc_answer(
+        code,
+        detail,
+        None,
+        grpc_content_type(&parts.headers).as_ref(),
+    )
 }
 
 /// Puts `challenge()` in `response`'s `WWW-Authenticate` when the response
@@ -584,18 +589,45 @@ pub(crate) fn challenged<B>(
 /// (`content-type: application/grpc` and its variants), answered as one if
 /// refused.
 pub(crate) fn is_grpc(headers: &http::HeaderMap) -> bool {
-    // A media type is case-insensitive.
-    const GRPC: &[u8] = b"application/grpc";
-    headers.get(CONTENT_TYPE).is_some_and(|v| {
-        v.as_bytes()
-            .get(..GRPC.len())
-            .is_some_and(|start| start.eq_ignore_ascii_case(GRPC))
-    })
+    headers
+        .get(CONTENT_TYPE)
+        .and_then(|v| grpc_variant(v.as_bytes()))
+        .is_some()
 }
 
-/// The content type of a gRPC call with these headers, if it is one.
+/// What follows `application/grpc` in a gRPC content type (`+proto`,
+/// `-web`, `-web-text`, parameters), case aside; `None` for any other
+/// media type (`application/grpcx` included).
+fn grpc_variant(value: &[u8]) -> Option<&[u8]> {
+    const GRPC: &[u8] = b"application/grpc";
+    let start = value.get(..GRPC.len())?;
+    // A media type is case-insensitive.
+    if !start.eq_ignore_ascii_case(GRPC) {
+        return None;
+    }
+    let rest = &value[GRPC.len()..];
+    let web = rest.len() >= 4 && rest[..4].eq_ignore_ascii_case(b"-web");
+    (rest.is_empty() || rest[0] == b'+' || rest[0] == b';' || web).then_some(rest)
+}
+
+/// The longest content type a gRPC answer echoes: a longer one is answered
+/// with the plain one of its protocol.
+const MAX_ECHOED_CONTENT_TYPE: usize = 64;
+
+/// The content type of the answer to a gRPC call with these headers, if it
+/// is one: the call's own, when short.
 pub(crate) fn grpc_content_type(headers: &http::HeaderMap) -> Option<HeaderValue> {
-    is_grpc(headers).then(|| headers[CONTENT_TYPE].clone())
+    let value = headers.get(CONTENT_TYPE)?;
+    let variant = grpc_variant(value.as_bytes())?;
+    if value.len() <= MAX_ECHOED_CONTENT_TYPE {
+        return Some(value.clone());
+    }
+    let web = variant.len() >= 4 && variant[..4].eq_ignore_ascii_case(b"-web");
+    Some(HeaderValue::from_static(if web {
+        "application/grpc-web"
+    } else {
+        "application/grpc"
+    }))
 }
 
 /// Whether `response` is a gRPC answer (HTTP 200, `content-type:
@@ -971,5 +1003,48 @@ mod tests {
             headers[&RATELIMIT_POLICY],
             "\"read-day\";q=100;w=86400, \"burst-minute\";q=2;w=60"
         );
+    }
+
+    /// gRPC's content types are told apart from others that start alike,
+    /// and a long one is not echoed back whole.
+    #[test]
+    fn a_grpc_call_is_known_by_its_content_type_and_answered_briefly() {
+        let headers = |value: &str| {
+            let mut headers = http::HeaderMap::new();
+            headers.insert(CONTENT_TYPE, HeaderValue::try_from(value).unwrap());
+            headers
+        };
+        for grpc in [
+            "application/grpc",
+            "Application/GRPC+proto",
+            "application/grpc;charset=utf-8",
+            "application/grpc-web",
+            "application/grpc-web-text",
+        ] {
+            assert!(is_grpc(&headers(grpc)), "{grpc}");
+            assert_eq!(grpc_content_type(&headers(grpc)).unwrap(), grpc);
+        }
+        for other in ["application/grpcx", "application/json", "application/grp"] {
+            assert!(!is_grpc(&headers(other)), "{other}");
+            assert!(grpc_content_type(&headers(other)).is_none(), "{other}");
+        }
+        let long = format!("application/grpc+{}", "a".repeat(20_000));
+        assert_eq!(
+            grpc_content_type(&headers(&long)).unwrap(),
+            "application/grpc"
+        );
+        let long_web = format!("application/grpc-web+{}", "a".repeat(100));
+        assert_eq!(
+            grpc_content_type(&headers(&long_web)).unwrap(),
+            "application/grpc-web"
+        );
+        let parts = http::Request::get("/")
+            .header(CONTENT_TYPE, long.as_str())
+            .body(())
+            .unwrap()
+            .into_parts()
+            .0;
+        let early = early(StatusCode::UNAUTHORIZED, "no account", &parts);
+        assert_eq!(early.headers()[CONTENT_TYPE], "application/grpc");
     }
 }
