@@ -283,6 +283,25 @@ fn prepend(headers: &mut http::HeaderMap, name: &HeaderName, value: HeaderValue)
     }
 }
 
+/// What a client is told when the server cannot tell who it is (its setup
+/// is wrong; the reason goes to the logs).
+pub(crate) const UNIDENTIFIABLE: &str = "The server cannot tell who this request is from.";
+
+/// Setup mistakes that leave a server unable to tell who requests are
+/// from, logged once a second at most.
+static UNIDENTIFIABLE_LOGGED: crate::throttle::Throttle = crate::throttle::Throttle::new(1);
+
+/// Logs `error`: the server cannot tell who a request is from.
+pub(crate) fn unidentifiable(error: &crate::subject::SubjectError) {
+    if let Some(suppressed) = UNIDENTIFIABLE_LOGGED.admit() {
+        tracing::error!(
+            %error,
+            suppressed,
+            "quota layer cannot tell who requests are from: they are answered 500"
+        );
+    }
+}
+
 /// An `application/problem+json` response with the `about:blank` type.
 pub fn problem(status: StatusCode, detail: &str) -> Response<Bytes> {
     problem_of_type(

@@ -1280,3 +1280,33 @@ async fn limits_past_fifteen_digits_keep_the_fields_valid() {
     assert_eq!(q, 999_999_999_999_999);
     assert_eq!(r, 999_999_999_999_999);
 }
+
+/// `ClientIp` on a server that hands over no peer address (axum served
+/// without `into_make_service_with_connect_info`): a setup mistake, answered
+/// 500 whatever the policy says of missing subjects, not a 401 to every
+/// client, nor every request let through uncounted.
+#[tokio::test]
+async fn client_ip_without_the_peers_address_is_the_servers_mistake() {
+    use tower_quota::{ClientIp, SubjectPolicy};
+
+    for allow in [false, true] {
+        let mut policy = QuotaPolicy::builder(ClientIp::new());
+        if allow {
+            policy = policy.on_missing_subject(SubjectPolicy::Allow);
+        }
+        let policy = policy.build();
+        let app = Router::new()
+            .route("/", get(|| async { "ok" }))
+            .layer(policy.layer(Quota::daily(10)));
+        let response = app
+            .oneshot(Request::get("/").body(Body::empty()).unwrap())
+            .await
+            .unwrap();
+        assert_eq!(response.status(), StatusCode::INTERNAL_SERVER_ERROR);
+        assert_eq!(
+            response.headers()["content-type"],
+            "application/problem+json"
+        );
+        assert!(!response.headers().contains_key("www-authenticate"));
+    }
+}

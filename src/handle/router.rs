@@ -385,12 +385,17 @@ impl axum::response::IntoResponse for StandingError {
 }
 
 impl axum::response::IntoResponse for crate::subject::SubjectError {
-    /// 401 for a missing subject, 400 for a malformed one, as
+    /// 401 for a missing subject, 400 for a malformed one, 500 when the
+    /// server cannot tell (its reason goes to the logs only), as
     /// `application/problem+json`.
     fn into_response(self) -> Response {
         let status = match self {
             crate::subject::SubjectError::Missing => StatusCode::UNAUTHORIZED,
             crate::subject::SubjectError::Malformed(_) => StatusCode::BAD_REQUEST,
+            crate::subject::SubjectError::Unavailable(_) => {
+                response::unidentifiable(&self);
+                return problem(StatusCode::INTERNAL_SERVER_ERROR, response::UNIDENTIFIABLE);
+            }
         };
         problem(status, &self.to_string())
     }

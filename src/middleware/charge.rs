@@ -162,6 +162,11 @@ fn identify<E: SubjectExtractor, St>(
             let (choice, default) = match &error {
                 SubjectError::Missing => (settings.on_missing, StatusCode::UNAUTHORIZED),
                 SubjectError::Malformed(_) => (settings.on_malformed, StatusCode::BAD_REQUEST),
+                SubjectError::Unavailable(_) => {
+                    response::unidentifiable(&error);
+                    let status = StatusCode::INTERNAL_SERVER_ERROR;
+                    return Err(response::early(status, response::UNIDENTIFIABLE, parts));
+                }
             };
             return match choice {
                 SubjectPolicy::Allow => {

@@ -22,7 +22,9 @@ static X_FORWARDED_FOR: HeaderName = HeaderName::from_static("x-forwarded-for");
 /// axum's `ConnectInfo<SocketAddr>` (with the `axum` feature, on by default;
 /// serve the app with `into_make_service_with_connect_info::<SocketAddr>()`),
 /// else a [`SocketAddr`], else an [`IpAddr`] that your own server inserted. A
-/// request with none of them is [`SubjectError::Missing`].
+/// request with none of them is [`SubjectError::Unavailable`]: the server
+/// was set up without them, and every request is answered 500 (logged as
+/// an error), not taken for a client that did not say who it is.
 ///
 /// Forwarding headers are read only when the peer is a proxy you trust
 /// ([`trust_proxies`](ClientIp::trust_proxies)); `ClientIp::new()` trusts
@@ -261,7 +263,7 @@ impl ClientIp {
     /// The client's address, before grouping into networks; IPv4-mapped
     /// IPv6 addresses as IPv4.
     pub fn client_ip(&self, parts: &Parts) -> Result<IpAddr, SubjectError> {
-        let peer = peer_ip(parts).ok_or(SubjectError::Missing)?;
+        let peer = peer_ip(parts).ok_or_else(no_peer)?;
         self.client_behind(parts, canonical(peer))
     }
 
@@ -380,6 +382,17 @@ impl SubjectExtractor for ClientIp {
 }
 
 /// The peer address the server put in the request extensions.
+/// A request without its peer's address: the server does not hand it over
+/// (axum serves it with `into_make_service_with_connect_info`).
+fn no_peer() -> SubjectError {
+    SubjectError::Unavailable(
+        "ClientIp found no peer address in the request: serve the app with \
+         `into_make_service_with_connect_info::<SocketAddr>()`, or put the peer's `SocketAddr` \
+         or `IpAddr` in the request's extensions"
+            .into(),
+    )
+}
+
 fn peer_ip(parts: &Parts) -> Option<IpAddr> {
     #[cfg(feature = "axum")]
     if let Some(axum::extract::ConnectInfo(addr)) = parts
@@ -632,9 +645,9 @@ mod tests {
     }
 
     #[test]
-    fn no_peer_is_missing() {
+    fn no_peer_is_the_servers_mistake() {
         let parts = Request::get("/").body(()).unwrap().into_parts().0;
-        assert_eq!(ClientIp::new().extract(&parts), Err(SubjectError::Missing));
+        assert_eq!(ClientIp::new().extract(&parts), Err(no_peer()));
         // Headers alone say nothing: they could come from anyone.
         let parts = Request::get("/")
             .header("x-forwarded-for", "203.0.113.7")
@@ -642,7 +655,7 @@ mod tests {
             .unwrap()
             .into_parts()
             .0;
-        assert_eq!(behind_proxies().extract(&parts), Err(SubjectError::Missing));
+        assert_eq!(behind_proxies().extract(&parts), Err(no_peer()));
     }
 
     #[test]
@@ -1048,11 +1061,12 @@ mod tests {
         );
         // The proxy's own address is a counter of its own, untouched so far.
         assert_eq!(status(call("10.0.0.1", None).await), StatusCode::OK);
-        // No peer address at all: 401.
+        // No peer address at all: the server's setup, not the client, is
+        // at fault.
         let anonymous = Request::get("/").body(Body::empty()).unwrap();
         assert_eq!(
             app.clone().oneshot(anonymous).await.unwrap().status(),
-            StatusCode::UNAUTHORIZED
+            StatusCode::INTERNAL_SERVER_ERROR
         );
     }
 
@@ -1113,7 +1127,9 @@ mod tests {
                 match ex.extract(&parts) {
                     Ok(subject) => prop_assert!(!subject.id().is_empty()),
                     Err(SubjectError::Malformed(reason)) => prop_assert!(!reason.is_empty()),
-                    Err(SubjectError::Missing) => prop_assert!(false, "the peer is known"),
+                    Err(SubjectError::Missing | SubjectError::Unavailable(_)) => {
+                        prop_assert!(false, "the peer is known")
+                    }
                 }
             }
         }

@@ -292,6 +292,11 @@ pub enum SubjectError {
     /// The request says who it is, but not in a usable way (400 by default):
     /// an empty id, one longer than the layer's bound, a repeated header.
     Malformed(Cow<'static, str>),
+    /// The server cannot tell who the request is from: a setup mistake, not
+    /// the client's (`ClientIp` where the server hands over no peer
+    /// address). Answered with 500 whatever the policy says of missing
+    /// subjects, and logged as an error.
+    Unavailable(Cow<'static, str>),
 }
 
 impl SubjectError {
@@ -306,6 +311,12 @@ impl fmt::Display for SubjectError {
         match self {
             Self::Missing => f.write_str("the request does not identify who it is charged to"),
             Self::Malformed(reason) => write!(f, "the request's subject is malformed: {reason}"),
+            Self::Unavailable(reason) => {
+                write!(
+                    f,
+                    "the server cannot tell who the request is from: {reason}"
+                )
+            }
         }
     }
 }
