@@ -558,11 +558,15 @@ pub(crate) fn is_nameable(tz: &TimeZone) -> bool {
     tz.iana_name().is_some() || tz.to_fixed_offset().is_ok()
 }
 
+/// The zone's part of a window's stamp: `None` for UTC under any of its
+/// names (and GMT's, which is UTC in the time zone database: no offset, no
+/// clock change), the IANA name of any other, or a fixed offset.
 fn zone_label(tz: &TimeZone) -> Option<Arc<str>> {
     match tz.iana_name() {
         Some(
             "UTC" | "Etc/UTC" | "Etc/UCT" | "UCT" | "Etc/Zulu" | "Zulu" | "Universal"
-            | "Etc/Universal",
+            | "Etc/Universal" | "GMT" | "Etc/GMT" | "Etc/GMT+0" | "Etc/GMT-0" | "Etc/GMT0" | "GMT0"
+            | "GMT+0" | "GMT-0" | "Greenwich" | "Etc/Greenwich",
         ) => None,
         Some(name) => Some(name.into()),
         None => {

@@ -148,12 +148,24 @@ fn utc_month() {
 #[test]
 fn utc_zone_names_give_the_same_stamps_as_the_default() {
     let at = ts("2026-12-02T13:05:42Z");
-    for tz in [
-        TimeZone::UTC,
-        zone("UTC"),
-        zone("Etc/UTC"),
-        TimeZone::fixed(Offset::UTC),
-    ] {
+    let names = [
+        "UTC",
+        "Etc/UTC",
+        "utc",
+        "Zulu",
+        "GMT",
+        "Etc/GMT",
+        "Etc/GMT+0",
+        "Etc/GMT-0",
+        "GMT0",
+        "Greenwich",
+        "Etc/Greenwich",
+    ];
+    let zones = names.into_iter().map(zone);
+    for tz in [TimeZone::UTC, TimeZone::fixed(Offset::UTC)]
+        .into_iter()
+        .chain(zones)
+    {
         for period in [
             Period::minute(),
             Period::hour(),
