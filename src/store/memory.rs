@@ -1154,3 +1154,113 @@ mod room_tests {
         );
     }
 }
+
+#[cfg(test)]
+mod bound_tests {
+    use std::sync::atomic::Ordering;
+
+    use jiff::{SignedDuration, Timestamp};
+    use proptest::prelude::*;
+
+    use super::MemoryStore;
+    use crate::key::Namespace;
+    use crate::store::{ChargeLine, ChargeRequest, Debt, Lifetime, Store};
+    use crate::subject::Subject;
+
+    /// Subject `subject`'s line of quota `quota` at `now`: a first-use one
+    /// of 2 s, or a calendar one of 3 s windows.
+    fn line(quota: usize, subject: u8, now: Timestamp, cost: u64) -> ChargeLine {
+        let key = |period: &str| {
+            Namespace::default().key(&Subject::account(format!("s{subject}")), "a", period)
+        };
+        if quota == 0 {
+            return ChargeLine {
+                key: key("PT2S"),
+                limit: 5,
+                cost,
+                lifetime: Lifetime::FirstUse {
+                    deadline: now + SignedDuration::from_secs(2),
+                },
+                shadow_limit: None,
+            };
+        }
+        let start = now.as_second().div_euclid(3) * 3;
+        ChargeLine {
+            key: key(&format!("w{start}")),
+            limit: 4,
+            cost,
+            lifetime: Lifetime::Calendar {
+                start: Timestamp::from_second(start).unwrap(),
+                end: Timestamp::from_second(start + 3).unwrap(),
+            },
+            shadow_limit: None,
+        }
+    }
+
+    #[derive(Clone, Debug)]
+    enum Op {
+        Advance(i64),
+        Charge(u8, Vec<usize>, u64),
+        Settle(u8, usize, u64, i64),
+        Reset(u8, usize),
+        Purge,
+    }
+
+    fn op() -> impl Strategy<Value = Op> {
+        prop_oneof![
+            (0i64..2500).prop_map(Op::Advance),
+            (0u8..6, proptest::collection::vec(0usize..2, 1..4), 0u64..3)
+                .prop_map(|(s, quotas, cost)| Op::Charge(s, quotas, cost)),
+            (0u8..6, 0usize..2, 0u64..3, 0i64..3000)
+                .prop_map(|(s, quota, amount, ago)| Op::Settle(s, quota, amount, ago)),
+            (0u8..6, 0usize..2).prop_map(|(s, quota)| Op::Reset(s, quota)),
+            Just(Op::Purge),
+        ]
+    }
+
+    proptest! {
+        #![proptest_config(ProptestConfig::with_cases(500))]
+
+        /// Whatever the charges, settles, resets, sweeps and steps of the
+        /// clock around the grace, the store's count of its counters is
+        /// what it holds, and never past its bound.
+        #[test]
+        fn the_count_of_counters_is_what_the_store_holds_within_its_bound(
+            ops in proptest::collection::vec(op(), 1..80),
+            shards in 1usize..4,
+            max in 1usize..6,
+        ) {
+            let store = MemoryStore::with_shards(shards).max_counters(max);
+            let mut now: Timestamp = "2026-12-02T10:00:00Z".parse().unwrap();
+            for op in ops {
+                match &op {
+                    Op::Advance(ms) => now += SignedDuration::from_millis(*ms),
+                    Op::Charge(s, quotas, cost) => {
+                        let lines = quotas.iter().map(|&q| line(q, *s, now, *cost)).collect();
+                        let _ = store.charge_now(&ChargeRequest { now, lines });
+                    }
+                    Op::Settle(s, quota, amount, ago) => {
+                        let since = now - SignedDuration::from_millis(*ago);
+                        let line = line(*quota, *s, since, 0);
+                        let debt = Debt {
+                            key: line.key,
+                            amount: *amount,
+                            lifetime: line.lifetime,
+                            since,
+                        };
+                        let _ = store.settle_now(now, &debt);
+                    }
+                    Op::Reset(s, quota) => {
+                        let reset = store.reset(line(*quota, *s, now, 0).key);
+                        let mut cx = std::task::Context::from_waker(std::task::Waker::noop());
+                        let _ = std::future::Future::poll(std::pin::pin!(reset), &mut cx);
+                    }
+                    Op::Purge => store.purge_expired(now),
+                }
+                let held = store.inner.held.load(Ordering::Relaxed);
+                prop_assert_eq!(held, store.len(), "after {:?}", op);
+                prop_assert!(held <= max, "{} held, bound {}", held, max);
+            }
+        }
+    }
+}
