@@ -219,8 +219,8 @@ impl QuotaStatus {
     }
 
     /// As [`QuotaStatus::put_in`], answering the lines the layers further
-    /// out charged for the request, of every policy: those the layer of
-    /// `ticket`, which charged it too, tells what it keeps (see
+    /// out charged (or owe) for the request, of every policy: those the
+    /// layer of `ticket`, which charged it too, tells what it keeps (see
     /// [`GiveBack`]). Empty, without an allocation, for the outermost.
     pub(crate) fn put_in_charged(extensions: &mut Extensions, ticket: Ticket) -> Vec<Arc<Lines>> {
         match extensions.get_mut::<QuotaStatus>() {
@@ -228,7 +228,7 @@ impl QuotaStatus {
                 let outer = status
                     .tickets
                     .iter()
-                    .flat_map(|ticket| ticket.charges.iter().cloned())
+                    .flat_map(|ticket| ticket.charges.iter().chain(&ticket.owing).cloned())
                     .collect();
                 status.put(ticket);
                 outer
@@ -299,6 +299,10 @@ pub(crate) struct Ticket {
     /// Not empty: the layers further in owe their quotas too, without
     /// asking the store.
     pub(crate) owed: Vec<PeriodKey>,
+    /// The lines of the policy's layers that owe their charges for the
+    /// request (their store failed, fail open), one entry per layer: what
+    /// the layers further in keep is told to them too (see [`GiveBack`]).
+    pub(crate) owing: Vec<Arc<Lines>>,
 }
 
 /// The lines a policy's layers charged for a request, one entry per layer.

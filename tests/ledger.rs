@@ -838,3 +838,87 @@ async fn a_nested_debt_is_owed_once_the_response_went_out_whoever_keeps_the_stat
     assert_eq!(inner.owed().units, 3, "owed while the statuses are kept");
     assert_eq!(kept.lock().unwrap().len(), 3);
 }
+
+/// A middleware between two layers that works on after the inner one
+/// answered, with the outer layer failed open (it owes, charges nothing):
+/// dropped there, the request was not served, and the inner layer's debt
+/// or charge goes too.
+#[tokio::test(start_paused = true)]
+async fn a_drop_inside_a_layer_that_failed_open_leaves_nothing_further_in() {
+    let clock = clock();
+    let outer_store = Rigged::new(MemoryStore::new(), Rig::Fail, None);
+    outer_store.away.store(true, Ordering::Relaxed);
+    let outer = policy(outer_store.clone(), &clock)
+        .namespace("outer")
+        .build();
+    let failing = Rigged::new(MemoryStore::new(), Rig::Fail, None);
+    let owing_inside = policy(failing.clone(), &clock).namespace("inner").build();
+    let charging_inside = policy(MemoryStore::new(), &clock)
+        .namespace("charged")
+        .build();
+    let slow_after = axum::middleware::from_fn(
+        |request: axum::extract::Request, next: axum::middleware::Next| async move {
+            let response = next.run(request).await;
+            tokio::time::sleep(Duration::from_secs(5)).await;
+            response
+        },
+    );
+    let app = Router::new()
+        .route("/", get(|| async { "ok" }))
+        .route_layer(charging_inside.layer(Quota::daily(10).allowance("write")))
+        .route_layer(owing_inside.layer(Quota::daily(10).allowance("read")))
+        .route_layer(slow_after)
+        .route_layer(outer.layer(Quota::daily(100).allowance("big")));
+    let timed_out =
+        tokio::time::timeout(Duration::from_millis(100), app.oneshot(call("/", "acme"))).await;
+    assert!(timed_out.is_err());
+    tokio::time::sleep(Duration::from_millis(100)).await;
+    assert_eq!(
+        used(&charging_inside, "acme", "write-day").await,
+        0,
+        "given back"
+    );
+    outer_store.away.store(false, Ordering::Relaxed);
+    outer.settle_owed(Duration::from_secs(1)).await;
+    owing_inside.settle_owed(Duration::from_secs(1)).await;
+    assert_eq!(owing_inside.owed().units, 0);
+    assert_eq!(
+        used(&owing_inside, "acme", "read-day").await,
+        0,
+        "owes nothing"
+    );
+    assert_eq!(used(&outer, "acme", "big-day").await, 0, "owes nothing");
+}
+
+/// The same layers, the request served: the inner charge stays, and every
+/// layer that failed open owes its charge.
+#[tokio::test(start_paused = true)]
+async fn a_request_served_inside_a_layer_that_failed_open_counts_everywhere() {
+    let clock = clock();
+    let outer_store = Rigged::new(MemoryStore::new(), Rig::Fail, None);
+    outer_store.away.store(true, Ordering::Relaxed);
+    let outer = policy(outer_store.clone(), &clock)
+        .namespace("outer")
+        .build();
+    let failing = Rigged::new(MemoryStore::new(), Rig::Fail, None);
+    failing.away.store(true, Ordering::Relaxed);
+    let owing_inside = policy(failing.clone(), &clock).namespace("inner").build();
+    let charging_inside = policy(MemoryStore::new(), &clock)
+        .namespace("charged")
+        .build();
+    let app = Router::new()
+        .route("/", get(|| async { "ok" }))
+        .route_layer(charging_inside.layer(Quota::daily(10).allowance("write")))
+        .route_layer(owing_inside.layer(Quota::daily(10).allowance("read")))
+        .route_layer(outer.layer(Quota::daily(100).allowance("big")));
+    assert_eq!(send(&app, call("/", "acme")).await, StatusCode::OK);
+    assert_eq!(used(&charging_inside, "acme", "write-day").await, 1);
+    assert_eq!(owing_inside.owed().units, 1);
+    assert_eq!(outer.owed().units, 1);
+    outer_store.away.store(false, Ordering::Relaxed);
+    failing.away.store(false, Ordering::Relaxed);
+    settled(&outer).await;
+    settled(&owing_inside).await;
+    assert_eq!(used(&owing_inside, "acme", "read-day").await, 1);
+    assert_eq!(used(&outer, "acme", "big-day").await, 1);
+}

@@ -109,6 +109,7 @@ pub(crate) fn plan<E: SubjectExtractor, St: crate::store::Store>(
                     caller: Some(caller),
                     charges: Default::default(),
                     owed: Vec::new(),
+                    owing: Vec::new(),
                 },
                 Ok(None) => {
                     skipped(&bound.scope.quotas);
@@ -144,6 +145,7 @@ pub(crate) fn uncounted(policy: u64, now: Timestamp) -> Ticket {
         caller: None,
         charges: Default::default(),
         owed: Vec::new(),
+        owing: Vec::new(),
     }
 }
 

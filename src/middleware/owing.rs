@@ -9,7 +9,7 @@ use smallvec::SmallVec;
 
 use super::charge::{self, Adjust, Charge, Outcome};
 use super::layer::Bound;
-use crate::status::{GiveBack, Line, Lines, QuotaStatus};
+use crate::status::{GiveBack, LayerQuotas, Line, Lines, QuotaStatus};
 use crate::store::{Debt, Lifetime, Store, Usage};
 use crate::subject::SubjectExtractor;
 
@@ -20,8 +20,12 @@ use crate::subject::SubjectExtractor;
 /// dropped before its answer, or that no route served, owes nothing.
 pub(crate) struct Owing<E, St> {
     bound: Arc<Bound<E, St>>,
-    /// The lines as if charged (the usage is not known, and not used).
-    lines: Vec<Line>,
+    /// The lines as if charged (the usage is not known, and not used); the
+    /// layers further in tell them what they keep, as they tell a
+    /// charging layer's.
+    lines: Arc<Lines>,
+    /// Whether the inner service answered.
+    answered: bool,
     /// Each line's lifetime, as its charge line had it.
     lifetimes: SmallVec<[Lifetime; 2]>,
     /// The request's instant.
@@ -36,7 +40,7 @@ pub(crate) struct Owing<E, St> {
 /// `extensions`: owing the charge, so that the policy's layers further in
 /// owe theirs too without asking the store; or, when the policy keeps no
 /// ledger, uncounted, so that they pass.
-pub(crate) fn owe<E, St>(
+pub(crate) fn owe<E: SubjectExtractor, St: Store>(
     bound: &Arc<Bound<E, St>>,
     charge: Charge,
     extensions: &mut Extensions,
@@ -53,13 +57,14 @@ pub(crate) fn owe<E, St>(
         // What layers further out charged stays theirs to give back, and
         // counted on their store.
         uncounted.charges = ticket.charges;
+        uncounted.owing = ticket.owing;
         uncounted.store = ticket.store;
         QuotaStatus::put_in(extensions, uncounted);
         return None;
     }
     let now = ticket.now;
-    let quotas = quotas.quotas(&bound.scope);
     let lines = quotas
+        .quotas(&bound.scope)
         .iter()
         .zip(&request.lines)
         .map(|(quota, line)| {
@@ -73,29 +78,52 @@ pub(crate) fn owe<E, St>(
             Line::new(quota, line.key.clone(), line.cost, usage)
         })
         .collect();
+    // The same allocation as `bound`: one reference count.
+    let layer: Arc<dyn LayerQuotas> = Arc::clone(bound) as _;
+    let lines = Arc::new(Lines::new(layer, quotas, lines));
     let lifetimes = request.lines.iter().map(|line| line.lifetime).collect();
     ticket
         .owed
         .extend(request.lines.into_iter().map(|line| line.key));
+    ticket.owing.push(Arc::clone(&lines));
     let outer = QuotaStatus::put_in_charged(extensions, ticket);
     // Boxed: the response future stays small for the requests that owe
     // nothing.
     Some(Box::new(Owing {
         bound: Arc::clone(bound),
         lines,
+        answered: false,
         lifetimes,
         now,
         outer,
     }))
 }
 
+impl<E, St> Drop for Owing<E, St> {
+    /// Dropped before the inner service answered: the request was not
+    /// served, and what the layers further in kept goes back.
+    fn drop(&mut self) {
+        if !self.answered {
+            for kept in self.lines.take_inside() {
+                kept.give_back();
+            }
+        }
+    }
+}
+
 impl<E: SubjectExtractor, St: Store> Owing<E, St> {
     /// The inner service's answer (`Err`: it failed): the debts it leaves
     /// go to the ledger, and it goes on untouched.
     pub(crate) fn answered<B, Er>(
-        self,
+        mut self,
         result: Result<Response<B>, Er>,
     ) -> Result<Response<B>, Er> {
+        self.answered = true;
+        if self.outer.is_empty() {
+            // The outermost layer that charged or owes: the response goes
+            // out, and what the layers further in kept was served.
+            self.lines.went_out();
+        }
         let policy = &self.bound.policy;
         let settings = &policy.settings;
         let cost = &self.bound.scope.cost;
