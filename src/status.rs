@@ -234,10 +234,7 @@ impl QuotaStatus {
                 outer
             }
             None => {
-                extensions.insert(QuotaStatus {
-                    tickets: smallvec::smallvec![ticket],
-                    entries: OnceLock::new(),
-                });
+                extensions.insert(QuotaStatus::of(ticket));
                 Vec::new()
             }
         }
@@ -249,11 +246,16 @@ impl QuotaStatus {
         match extensions.get_mut::<QuotaStatus>() {
             Some(status) => status.put(ticket),
             None => {
-                extensions.insert(QuotaStatus {
-                    tickets: smallvec::smallvec![ticket],
-                    entries: OnceLock::new(),
-                });
+                extensions.insert(QuotaStatus::of(ticket));
             }
+        }
+    }
+
+    /// The status of a request one policy's layers saw, as `ticket` says.
+    fn of(ticket: Ticket) -> Self {
+        QuotaStatus {
+            tickets: smallvec::smallvec![ticket],
+            entries: OnceLock::new(),
         }
     }
 

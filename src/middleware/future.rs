@@ -533,11 +533,7 @@ where
                             };
                             response.map(ResponseBody::inner)
                         });
-                        if charged.is_nested() {
-                            Kept::tell(charged, Vec::new(), Vec::new(), Some(Vec::new()), None);
-                        } else {
-                            charged.lines.went_out();
-                        }
+                        Kept::went_out(charged, Vec::new(), Vec::new(), Some(Vec::new()), None);
                         return Poll::Ready(result);
                     }
                     let now = settings.clock.now();
@@ -591,11 +587,7 @@ where
                     let result = result.take().expect("polled after completion");
                     let (ops, kept) = (std::mem::take(ops), std::mem::take(kept));
                     if !*fields {
-                        if charged.is_nested() {
-                            Kept::tell(charged, ops, kept, results, pending);
-                        } else {
-                            charged.lines.went_out();
-                        }
+                        Kept::went_out(charged, ops, kept, results, pending);
                         return Poll::Ready(result.map(|r| r.map(ResponseBody::inner)));
                     }
                     // As the store answered, or, past its timeout, as the
@@ -609,11 +601,7 @@ where
                             .finish(response, Some(&usage))
                             .map(ResponseBody::inner)
                     });
-                    if charged.is_nested() {
-                        Kept::tell(charged, ops, kept, results, pending);
-                    } else {
-                        charged.lines.went_out();
-                    }
+                    Kept::went_out(charged, ops, kept, results, pending);
                     return Poll::Ready(result);
                 }
                 StateProj::Rejected { response } => {
@@ -791,10 +779,28 @@ where
     E: SubjectExtractor,
     St: Store,
 {
-    /// Tells the layers further out that charged the request (see
-    /// [`Charged::is_nested`]) what `charged` keeps, now that its layer
-    /// answered. (What the layers further in told this one, each told
-    /// those further out too.)
+    /// The response of `charged`'s layer goes out, its lines after `ops`
+    /// (see [`Kept`]): the layers further out that charged the request are
+    /// told what it keeps; with none (the outermost), the layers further in
+    /// learn that their request was served.
+    #[inline]
+    fn went_out(
+        charged: Charged<E, St>,
+        ops: Vec<(usize, Adjust)>,
+        kept: Vec<bool>,
+        results: Option<Vec<Option<u64>>>,
+        pending: Option<Adjusting>,
+    ) {
+        if charged.is_nested() {
+            Self::tell(charged, ops, kept, results, pending);
+        } else {
+            charged.lines.went_out();
+        }
+    }
+
+    /// Tells the layers further out that charged the request what
+    /// `charged` keeps. (What the layers further in told this one, each
+    /// told those further out too.)
     #[cold]
     fn tell(
         mut charged: Charged<E, St>,
