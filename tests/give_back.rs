@@ -592,17 +592,10 @@ async fn a_drop_while_the_outer_layer_settles_gives_another_policys_charges_back
 async fn a_drop_in_a_middleware_between_layers_gives_inner_charges_back() {
     let outer = policy(MemoryStore::new(), "outer").build();
     let inner = policy(MemoryStore::new(), "inner").build();
-    let slow_after = axum::middleware::from_fn(
-        |request: axum::extract::Request, next: axum::middleware::Next| async move {
-            let response = next.run(request).await;
-            tokio::time::sleep(Duration::from_secs(5)).await;
-            response
-        },
-    );
     let app = Router::new()
         .route("/", get(ok))
         .route_layer(inner.layer(Quota::daily(10).allowance("read")))
-        .route_layer(slow_after)
+        .route_layer(axum::middleware::from_fn(rigged::slow_after))
         .route_layer(outer.layer(Quota::daily(100).allowance("big")));
     let timed_out = tokio::time::timeout(Duration::from_millis(100), app.oneshot(call("/"))).await;
     assert!(timed_out.is_err(), "dropped while the middleware works");

@@ -566,6 +566,28 @@ fn what_a_dropped_policy_still_owes_is_counted_as_abandoned() {
     }
 }
 
+/// Sends `/` through `app`, dropped while a middleware between its layers
+/// works on the answer: the request was not served, so what `outer`
+/// charged (`big-day`) goes back, and `inner` (which failed open on
+/// `read-day`) owes nothing.
+async fn dropped_between_layers<A: Store, B: Store>(
+    app: Router,
+    outer: &QuotaPolicy<FromHeader, A>,
+    inner: &QuotaPolicy<FromHeader, B>,
+) {
+    let timed_out =
+        tokio::time::timeout(Duration::from_millis(100), app.oneshot(call("/", "acme"))).await;
+    assert!(timed_out.is_err());
+    tokio::time::sleep(Duration::from_millis(100)).await;
+    assert_eq!(used(outer, "acme", "big-day").await, 0, "outer: given back");
+    inner.settle_owed(Duration::from_secs(1)).await;
+    assert_eq!(
+        used(inner, "acme", "read-day").await,
+        0,
+        "inner: owes nothing"
+    );
+}
+
 /// An outer layer dropped before its response goes out (a middleware
 /// between the layers still working) gives back its own charge and the
 /// charges of the layers further in: the request was not served, and a
@@ -581,33 +603,12 @@ async fn a_drop_between_layers_leaves_no_inner_debt() {
     let inner = policy(Rigged::new(MemoryStore::new(), Rig::Fail, None), &clock)
         .namespace("inner")
         .build();
-    let slow_after = axum::middleware::from_fn(
-        |request: axum::extract::Request, next: axum::middleware::Next| async move {
-            let response = next.run(request).await;
-            tokio::time::sleep(Duration::from_secs(5)).await;
-            response
-        },
-    );
     let app = Router::new()
         .route("/", get(|| async { "ok" }))
         .route_layer(inner.layer(Quota::daily(10).allowance("read")))
-        .route_layer(slow_after)
+        .route_layer(axum::middleware::from_fn(rigged::slow_after))
         .route_layer(outer.layer(Quota::daily(100).allowance("big")));
-    let timed_out =
-        tokio::time::timeout(Duration::from_millis(100), app.oneshot(call("/", "acme"))).await;
-    assert!(timed_out.is_err());
-    tokio::time::sleep(Duration::from_millis(100)).await;
-    assert_eq!(
-        used(&outer, "acme", "big-day").await,
-        0,
-        "outer: given back"
-    );
-    inner.settle_owed(Duration::from_secs(1)).await;
-    assert_eq!(
-        used(&inner, "acme", "read-day").await,
-        0,
-        "inner: owes nothing"
-    );
+    dropped_between_layers(app, &outer, &inner).await;
 }
 
 /// The same with one policy: the outer quota charged, the inner one failed.
@@ -619,33 +620,12 @@ async fn a_drop_between_layers_of_one_policy_leaves_no_inner_debt() {
         &clock,
     )
     .build();
-    let slow_after = axum::middleware::from_fn(
-        |request: axum::extract::Request, next: axum::middleware::Next| async move {
-            let response = next.run(request).await;
-            tokio::time::sleep(Duration::from_secs(5)).await;
-            response
-        },
-    );
     let app = Router::new()
         .route("/", get(|| async { "ok" }))
         .route_layer(policy.layer(Quota::daily(10).allowance("read")))
-        .route_layer(slow_after)
+        .route_layer(axum::middleware::from_fn(rigged::slow_after))
         .route_layer(policy.layer(Quota::daily(100).allowance("big")));
-    let timed_out =
-        tokio::time::timeout(Duration::from_millis(100), app.oneshot(call("/", "acme"))).await;
-    assert!(timed_out.is_err());
-    tokio::time::sleep(Duration::from_millis(100)).await;
-    assert_eq!(
-        used(&policy, "acme", "big-day").await,
-        0,
-        "outer: given back"
-    );
-    policy.settle_owed(Duration::from_secs(1)).await;
-    assert_eq!(
-        used(&policy, "acme", "read-day").await,
-        0,
-        "inner: owes nothing"
-    );
+    dropped_between_layers(app, &policy, &policy).await;
 }
 
 /// Served through an outer layer that charged, a request that failed open
@@ -856,18 +836,11 @@ async fn a_drop_inside_a_layer_that_failed_open_leaves_nothing_further_in() {
     let charging_inside = policy(MemoryStore::new(), &clock)
         .namespace("charged")
         .build();
-    let slow_after = axum::middleware::from_fn(
-        |request: axum::extract::Request, next: axum::middleware::Next| async move {
-            let response = next.run(request).await;
-            tokio::time::sleep(Duration::from_secs(5)).await;
-            response
-        },
-    );
     let app = Router::new()
         .route("/", get(|| async { "ok" }))
         .route_layer(charging_inside.layer(Quota::daily(10).allowance("write")))
         .route_layer(owing_inside.layer(Quota::daily(10).allowance("read")))
-        .route_layer(slow_after)
+        .route_layer(axum::middleware::from_fn(rigged::slow_after))
         .route_layer(outer.layer(Quota::daily(100).allowance("big")));
     let timed_out =
         tokio::time::timeout(Duration::from_millis(100), app.oneshot(call("/", "acme"))).await;

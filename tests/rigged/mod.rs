@@ -189,3 +189,17 @@ impl<St: Store> Store for Rigged<St> {
         self.max.unwrap_or_else(|| self.inner.max_count())
     }
 }
+
+/// A middleware that works on for 5 s after the layers further in
+/// answered (an audit log, a body rewritten): a request dropped meanwhile
+/// was answered inside, and never served.
+// Not every test file that includes this module uses it.
+#[allow(dead_code)]
+pub async fn slow_after(
+    request: axum::extract::Request,
+    next: axum::middleware::Next,
+) -> axum::response::Response {
+    let response = next.run(request).await;
+    tokio::time::sleep(Duration::from_secs(5)).await;
+    response
+}
