@@ -46,15 +46,11 @@ pin_project! {
     {
         // Waiting for the store's answer: the charge was sent when the
         // layer made it (see `QuotaService::call`), and was not answered at
-        // once.
+        // once. Boxed, as the other states but `Calling`: the future of
+        // every request stays as small as the one state most take, and is
+        // cheap to move.
         Charging {
-            charge: St::ChargeFuture,
-            // Armed only for a store that does not answer at once.
-            timeout: Option<Pin<Box<Sleep>>>,
-            // Boxed: only a store that does not answer at once needs it,
-            // and the future of every other request stays small.
-            pending: Option<Box<Pending<S, E, St, ReqBody>>>,
-            timer: crate::metrics::ChargeTimer,
+            waiting: Box<Waiting<S, E, St, ReqBody>>,
         },
         // The inner service answers; `charged` is what this layer charged
         // (nothing, for a request it let pass), given back if the request
@@ -70,20 +66,33 @@ pin_project! {
         // The store applies what the response changes before the fields are
         // written.
         Settling {
-            settle: Settle<E, St>,
-            // Armed once the store does not answer at once: past the
-            // store's timeout the response goes out with the fields as
-            // charged, and the changes carry on in their task.
-            timeout: Option<Pin<Box<Sleep>>>,
-            // Whether the response gets the fields (not when no route
-            // served it).
-            fields: bool,
-            result: Option<Result<S::Response, S::Error>>,
+            settling: Box<Settling<E, St, Result<S::Response, S::Error>>>,
         },
         Rejected {
-            response: Option<Response<Bytes>>,
+            response: Option<Box<Response<Bytes>>>,
         },
     }
+}
+
+/// A request waiting for the store's answer to its charge.
+pub(crate) struct Waiting<S, E, St: Store, ReqBody> {
+    charge: St::ChargeFuture,
+    // Armed only for a store that does not answer at once.
+    timeout: Option<Pin<Box<Sleep>>>,
+    timer: crate::metrics::ChargeTimer,
+    pending: Option<Pending<S, E, St, ReqBody>>,
+}
+
+/// A response waiting for the store to apply what it changes.
+pub(crate) struct Settling<E, St: Store, R> {
+    settle: Settle<E, St>,
+    // Armed once the store does not answer at once: past the store's
+    // timeout the response goes out with the fields as charged, and the
+    // changes carry on in their task.
+    timeout: Option<Pin<Box<Sleep>>>,
+    // Whether the response gets the fields (not when no route served it).
+    fields: bool,
+    result: Option<R>,
 }
 
 /// A request waiting for its charge.
@@ -145,15 +154,17 @@ where
     ) -> Self {
         Self {
             state: State::Charging {
-                charge: answer,
-                timeout: None,
-                timer,
-                pending: Some(Box::new(Pending {
-                    inner,
-                    request,
-                    charge,
-                    bound,
-                })),
+                waiting: Box::new(Waiting {
+                    charge: answer,
+                    timeout: None,
+                    timer,
+                    pending: Some(Pending {
+                        inner,
+                        request,
+                        charge,
+                        bound,
+                    }),
+                }),
             },
         }
     }
@@ -192,7 +203,7 @@ where
     pub(crate) fn rejected(response: Response<Bytes>) -> Self {
         Self {
             state: State::Rejected {
-                response: Some(response),
+                response: Some(Box::new(response)),
             },
         }
     }
@@ -253,26 +264,26 @@ where
             let grpc = crate::response::grpc_content_type(request.headers());
             let refusal = charge::refusal(&charge, &bound.scope, &usage, grpc);
             State::Rejected {
-                response: Some(charge::refused(
+                response: Some(Box::new(charge::refused(
                     settings,
                     &refusal,
                     &charge,
                     &bound.scope,
                     &usage,
-                )),
+                ))),
             }
         }
         Decision::Unavailable(retry_after) => {
             let grpc = crate::response::grpc_content_type(request.headers());
             let refusal = crate::response::Refusal::store_unavailable(retry_after, grpc);
             State::Rejected {
-                response: Some(charge::refused(
+                response: Some(Box::new(charge::refused(
                     settings,
                     &refusal,
                     &charge,
                     &bound.scope,
                     &[],
-                )),
+                ))),
             }
         }
     }
@@ -451,12 +462,13 @@ where
         let mut this = self.project();
         loop {
             match this.state.as_mut().project() {
-                StateProj::Charging {
-                    charge,
-                    timeout,
-                    pending,
-                    timer,
-                } => {
+                StateProj::Charging { waiting } => {
+                    let Waiting {
+                        charge,
+                        timeout,
+                        timer,
+                        pending,
+                    } = &mut **waiting;
                     let answer = match Pin::new(charge).poll(cx) {
                         Poll::Ready(answer) => answer,
                         Poll::Pending => {
@@ -488,7 +500,7 @@ where
                         request,
                         charge,
                         bound,
-                    } = *pending.take().expect("polled after completion");
+                    } = pending.take().expect("polled after completion");
                     this.state
                         .set(decided(&mut inner, request, charge, &bound, answer));
                 }
@@ -539,23 +551,26 @@ where
                     let now = settings.clock.now();
                     let (adjust, kept) = adjust_kept(&charged, now, &ops);
                     this.state.set(State::Settling {
-                        settle: Settle {
-                            adjust: Some(adjust),
-                            ops,
-                            kept,
-                            charged: Some(charged),
-                        },
-                        timeout: None,
-                        fields,
-                        result: Some(result),
+                        settling: Box::new(Settling {
+                            settle: Settle {
+                                adjust: Some(adjust),
+                                ops,
+                                kept,
+                                charged: Some(charged),
+                            },
+                            timeout: None,
+                            fields,
+                            result: Some(result),
+                        }),
                     });
                 }
-                StateProj::Settling {
-                    settle,
-                    timeout,
-                    fields,
-                    result,
-                } => {
+                StateProj::Settling { settling } => {
+                    let Settling {
+                        settle,
+                        timeout,
+                        fields,
+                        result,
+                    } = &mut **settling;
                     let Settle {
                         adjust,
                         ops,
@@ -606,7 +621,7 @@ where
                 }
                 StateProj::Rejected { response } => {
                     let response = response.take().expect("polled after completion");
-                    return Poll::Ready(Ok(response.map(ResponseBody::full)));
+                    return Poll::Ready(Ok((*response).map(ResponseBody::full)));
                 }
             }
         }
