@@ -252,7 +252,9 @@ fn parse_args() -> Options {
             "--burst" => options.burst = whole(&value),
             "--period" => {
                 options.period = parse_period(&value).unwrap_or_else(|e| fail(&e));
-                calendar_period = ["1m", "1h", "1d", "1w", "1mo"].contains(&value.as_str());
+                // `01d` is a day as `1d` is: what was parsed says.
+                calendar_period = ["minute", "hour", "day", "week", "month"]
+                    .contains(&options.period.name().as_str());
             }
             "--anchor" => {
                 options.anchor = match value.as_str() {

@@ -30,7 +30,9 @@
 //!
 //! - [`admitted`](outcome::ADMITTED): charged on every quota, passed on;
 //! - [`refused`](outcome::REFUSED): some quota had no room (the 429, or the
-//!   gRPC `RESOURCE_EXHAUSTED`); nothing was charged;
+//!   gRPC `RESOURCE_EXHAUSTED`); nothing was charged. A shadow quota's
+//!   allowance is not counted here: it refuses nothing (see
+//!   `shadow_refused`);
 //! - [`store_error`](outcome::STORE_ERROR): the store failed or did not
 //!   answer within `store_timeout`; the request passed, its charge owed to
 //!   the policy's ledger (fail open), or got the 503 (fail closed), whichever
@@ -38,7 +40,8 @@
 //!   charge without asking the store, and counts it here too;
 //! - [`skipped`](outcome::SKIPPED): let through uncounted, by a `skip_if`
 //!   rule or by [`SubjectPolicy::Allow`](crate::SubjectPolicy::Allow) for a
-//!   request without a usable subject;
+//!   request without a usable subject; counted by each layer of the policy
+//!   the request passes, for that layer's allowances;
 //! - [`shadow_refused`](outcome::SHADOW_REFUSED): a quota in shadow mode
 //!   ([`Quota::shadow`](crate::Quota::shadow)) that would have refused the
 //!   request, which passed (labelled with that quota's allowance, beside
@@ -343,9 +346,8 @@ mod imp {
         counter!(COUNTERS_HEALED).increment(1);
     }
 
-    /// A charge given back after the store had made it. A store that gives
-    /// back charges of its own accord (one whose caller went away before
-    /// the answer, say) calls this too.
+    /// A charge given back after the store had made it: a layer's refund of
+    /// a request that was not served (see [`ABANDONED_CHARGES_REFUNDED`]).
     pub(crate) fn refunded() {
         counter!(ABANDONED_CHARGES_REFUNDED).increment(1);
     }

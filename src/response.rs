@@ -563,7 +563,9 @@ impl Refusal {
 /// an unknown plan, a cost that cannot be worked out): a problem document
 /// with `status`, or for a gRPC call the matching gRPC status
 /// (UNAUTHENTICATED for 401, PERMISSION_DENIED for 403, INVALID_ARGUMENT for
-/// other 4xx, UNAVAILABLE otherwise).
+/// other 4xx, UNAVAILABLE for 503, INTERNAL for any other 5xx: a server that
+/// cannot tell who a call is from fails every call, which a client's retry
+/// policy should not take for a passing outage).
 pub(crate) fn early(
     status: StatusCode,
     detail: &str,
@@ -577,7 +579,8 @@ pub(crate) fn early(
         StatusCode::FORBIDDEN => 7,
         StatusCode::TOO_MANY_REQUESTS => 8,
         s if s.is_client_error() => 3,
-        _ => 14,
+        StatusCode::SERVICE_UNAVAILABLE => 14,
+        _ => 13,
     };
     grpc_answer(
         code,
@@ -872,6 +875,20 @@ mod tests {
         }
         let answer = early(StatusCode::UNAUTHORIZED, "who?", &call("application/grpc"));
         assert_eq!(answer.headers()[&GRPC_STATUS], "16", "UNAUTHENTICATED");
+        // A server that cannot tell who calls fails every call: no passing
+        // outage, which a client would retry.
+        let answer = early(
+            StatusCode::INTERNAL_SERVER_ERROR,
+            UNIDENTIFIABLE,
+            &call("application/grpc"),
+        );
+        assert_eq!(answer.headers()[&GRPC_STATUS], "13", "INTERNAL");
+        let answer = early(
+            StatusCode::SERVICE_UNAVAILABLE,
+            "later",
+            &call("application/grpc"),
+        );
+        assert_eq!(answer.headers()[&GRPC_STATUS], "14", "UNAVAILABLE");
         // Not gRPC: a problem document.
         let answer = early(
             StatusCode::TOO_MANY_REQUESTS,

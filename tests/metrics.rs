@@ -204,6 +204,40 @@ fn skipped_requests_are_counted_and_never_timed() {
     seen.assert_no_subject_in_labels();
 }
 
+/// A request a skip rule lets through is skipped by every layer of the
+/// policy, each counting it for its own allowances, as each counts what
+/// it admits.
+#[test]
+fn skipped_requests_are_counted_by_every_layer_they_pass() {
+    let seen = recorded(|| async {
+        let policy = QuotaPolicy::builder(account())
+            .skip_if(|parts| parts.headers.contains_key("x-internal"))
+            .build();
+        let app = Router::new()
+            .route(
+                "/search",
+                get(|| async { "found" })
+                    .layer(policy.layer(Quota::per_minute(1).allowance("search"))),
+            )
+            .layer(policy.layer(Quota::daily(1).allowance("read")));
+        for _ in 0..2 {
+            let internal = [("x-internal", "1")];
+            assert_eq!(
+                get_as(&app, "/search", Some(SUBJECT), &internal).await,
+                StatusCode::OK
+            );
+        }
+    });
+    let skipped = |allowance| {
+        seen.counter(
+            DECISIONS,
+            &[("outcome", "skipped"), ("allowance", allowance)],
+        )
+    };
+    assert_eq!(skipped("read"), 2);
+    assert_eq!(skipped("search"), 2);
+}
+
 #[test]
 fn requests_without_a_subject_are_not_decisions() {
     let seen = recorded(|| async {
@@ -474,6 +508,35 @@ fn a_request_refused_is_no_shadow_refusal() {
         1,
         "the second request only"
     );
+}
+
+/// A shadow quota refuses nothing: when an enforced quota beside it
+/// refuses, only the enforced quota's allowance is counted as refused.
+#[test]
+fn a_shadow_quota_is_never_counted_as_refused() {
+    let seen = recorded(|| async {
+        let app = Router::new().route("/", get(|| async { "hi" })).layer(
+            QuotaLayer::new(Quota::per_minute(2).allowance("read"), account())
+                .quota(Quota::per_minute(100).allowance("trial").shadow()),
+        );
+        for _ in 0..2 {
+            assert_eq!(get_as(&app, "/", Some(SUBJECT), &[]).await, StatusCode::OK);
+        }
+        for _ in 0..3 {
+            assert_eq!(
+                get_as(&app, "/", Some(SUBJECT), &[]).await,
+                StatusCode::TOO_MANY_REQUESTS
+            );
+        }
+    });
+    let count = |outcome, allowance| {
+        seen.counter(DECISIONS, &[("outcome", outcome), ("allowance", allowance)])
+    };
+    assert_eq!(count("refused", "read"), 3);
+    assert_eq!(count("refused", "trial"), 0, "the shadow quota had room");
+    assert_eq!(count("admitted", "read"), 2);
+    assert_eq!(count("admitted", "trial"), 2);
+    assert_eq!(count("shadow_refused", "trial"), 0);
 }
 
 /// A leased store counts the blocks it takes, the charges it answers from

@@ -48,7 +48,7 @@ impl<St: Store> QuotaHandle<St> {
     ///   grouped as requests are, so `2001:db8:1:2::9` is its /64.
     ///
     /// Errors are `application/problem+json`: 400 for a malformed kind, id or
-    /// amount (an id the layers would refuse: empty, all whitespace, longer
+    /// amount (an id the layers would refuse: all whitespace, longer
     /// than the policy's `max_subject_len`, one no request could send, such
     /// as a control character in a header's id or a network wider than
     /// `ClientIp` groups; a path segment that is not UTF-8), 403 for a plan the policy refuses

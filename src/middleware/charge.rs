@@ -92,7 +92,12 @@ pub(crate) fn plan<E: SubjectExtractor, St: crate::store::Store>(
         .get::<QuotaStatus>()
         .and_then(|status| status.ticket(policy.id));
     let ticket = match known {
-        Some(ticket) if ticket.caller.is_none() => return Step::Pass,
+        // Let through uncounted further out: this layer's quotas are
+        // skipped too, and say so.
+        Some(ticket) if ticket.caller.is_none() => {
+            skipped(&bound.scope.quotas);
+            return Step::Pass;
+        }
         Some(ticket) => ticket.clone(),
         None => {
             let now = settings.clock.now();
@@ -408,7 +413,13 @@ pub(crate) fn decide(
         Ok(_) => crate::metrics::outcome::REFUSED,
         Err(_) => crate::metrics::outcome::STORE_ERROR,
     };
-    crate::metrics::decisions(outcome, quotas.iter().map(Quota::allowance_shared));
+    // A shadow quota refuses nothing: its allowance is not counted as
+    // refused (an enforced quota of the same allowance is).
+    let refused = matches!(&answer, Ok(outcome) if !outcome.admitted);
+    let refusing = quotas
+        .iter()
+        .filter(|quota| !(refused && quota.is_shadow()));
+    crate::metrics::decisions(outcome, refusing.map(Quota::allowance_shared));
     charge.span.record("outcome", outcome);
     match answer {
         Ok(mut outcome) => {

@@ -102,37 +102,25 @@ where
                 let timer = crate::metrics::ChargeTimer::start();
                 // A store that answers at once is answered here, and the
                 // inner service called now; any other, in the future.
-                let mut answer = match self.bound.policy.store.charge_at_once(&charge.request) {
-                    ChargeAnswer::Now(answer) => Ok(answer),
-                    ChargeAnswer::Later(future) => Err(future),
+                let answer = match self.bound.policy.store.charge_at_once(&charge.request) {
+                    ChargeAnswer::Now(answer) => answer,
+                    ChargeAnswer::Later(mut future) => {
+                        // Polled once: a future may answer at once too.
+                        let mut cx = Context::from_waker(Waker::noop());
+                        match Pin::new(&mut future).poll(&mut cx) {
+                            Poll::Ready(answer) => answer,
+                            Poll::Pending => {
+                                let bound = Arc::clone(&self.bound);
+                                let inner = self.take_ready();
+                                return ResponseFuture::charging(
+                                    future, timer, charge, bound, inner, request,
+                                );
+                            }
+                        }
+                    }
                 };
-                if let Err(future) = &mut answer {
-                    // Polled once: a future may answer at once too.
-                    let mut cx = Context::from_waker(Waker::noop());
-                    if let Poll::Ready(ready) = Pin::new(future).poll(&mut cx) {
-                        answer = Ok(ready);
-                    }
-                }
-                match answer {
-                    Ok(answer) => {
-                        timer.stop(crate::store::metrics_label::<St>());
-                        ResponseFuture::decided(
-                            &mut self.inner,
-                            request,
-                            charge,
-                            &self.bound,
-                            answer,
-                        )
-                    }
-                    Err(future) => ResponseFuture::charging(
-                        future,
-                        timer,
-                        charge,
-                        Arc::clone(&self.bound),
-                        self.take_ready(),
-                        request,
-                    ),
-                }
+                timer.stop(crate::store::metrics_label::<St>());
+                ResponseFuture::decided(&mut self.inner, request, charge, &self.bound, answer)
             }
         }
     }
