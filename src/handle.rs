@@ -56,6 +56,8 @@ trait PolicyView<St>: Send + Sync {
     fn plan_as_charged(&self, plan: Option<String>) -> Result<Option<String>, String>;
     /// Forgets what the policy's ledger owes the counter at `key`.
     fn forget_owed(&self, key: &crate::key::PeriodKey);
+    /// The policy's identity, as its tickets carry it.
+    fn id(&self) -> u64;
 }
 
 impl<E: SubjectExtractor, St: Send + Sync> PolicyView<St> for Policy<E, St> {
@@ -85,6 +87,9 @@ impl<E: SubjectExtractor, St: Send + Sync> PolicyView<St> for Policy<E, St> {
     }
     fn forget_owed(&self, key: &crate::key::PeriodKey) {
         self.ledger.forget(key);
+    }
+    fn id(&self) -> u64 {
+        self.id
     }
 }
 
@@ -332,9 +337,8 @@ impl<St: Store> QuotaHandle<St> {
     /// Gives `amount` back to `subject` on every quota's current counter,
     /// whenever it was made: a support gesture. Creates nothing and moves no
     /// deadline. To undo a request's own charge (it failed on the server's
-    /// side), use [`QuotaHandle::refund_at`] with the instant it was
-    /// charged ([`QuotaStatus::charged_at`](crate::QuotaStatus::charged_at)),
-    /// which leaves a counter made since alone.
+    /// side), use [`QuotaHandle::refund_request`], which gives back what was
+    /// charged on the very counters charged.
     pub async fn refund(
         &self,
         subject: &Subject,
@@ -348,7 +352,12 @@ impl<St: Store> QuotaHandle<St> {
 
     /// Gives `amount` back to `subject` on the counters of the periods that
     /// were open at `charged_at`, the instant of the charge being undone, so a
-    /// refund made after a boundary never credits the next period.
+    /// refund made after a boundary never credits the next period. The
+    /// counters are those of the handle's zone: for a caller counted in
+    /// a zone of its own ([`QuotaPolicyBuilder::time_zone`](crate::QuotaPolicyBuilder::time_zone)),
+    /// a handle [`in_zone`](Self::in_zone) of the caller's zone. To undo a
+    /// request the handler holds, [`QuotaHandle::refund_request`] needs
+    /// neither the instant nor the zone.
     ///
     /// Returns, per quota, what the counter holds afterwards, or `None` when
     /// nothing was refunded: that period has ended (calendar), or the
@@ -377,6 +386,94 @@ impl<St: Store> QuotaHandle<St> {
             .unwrap_or(charged_at);
         self.refund_quotas(&quotas, subject, charged_at, Some(made_by), amount)
             .await
+    }
+
+    /// Gives back what the handle's quotas charged the request of `status`:
+    /// each line's cost, on the very counter charged (the caller's zone,
+    /// plan and allowances, as the layers counted them), only while that
+    /// counter is the one charged (a calendar window not over, a counter
+    /// not made anew since, as [`refund_at`](Self::refund_at)). What a
+    /// handler calls to undo the request it serves when it fails on its
+    /// side:
+    ///
+    /// ```
+    /// use axum::{extract::State, http::StatusCode, routing::post, Router};
+    /// use tower_quota::{FromHeader, QuotaHandle, QuotaLayer, QuotaStatus};
+    ///
+    /// async fn send(State(quota): State<QuotaHandle>, status: QuotaStatus) -> StatusCode {
+    ///     let delivered = false; // the upstream failed
+    ///     if !delivered {
+    ///         let _ = quota.refund_request(&status).await;
+    ///     }
+    ///     StatusCode::ACCEPTED
+    /// }
+    ///
+    /// let layer = QuotaLayer::daily(1_000, FromHeader::account("x-account-id"));
+    /// let app: Router = Router::new()
+    ///     .route("/send", post(send))
+    ///     .with_state(layer.handle())
+    ///     .layer(layer);
+    /// ```
+    ///
+    /// Once per line: a line given back already (by an earlier call, or by
+    /// the layer, for a response it refunds) is not given back again, nor
+    /// does the layer give it back later, or add a deferred cost to it.
+    /// Returns, per line of the handle's quotas that charged the request
+    /// (a layer's handle: that layer's quotas; a policy's: every layer's,
+    /// outer layers first), what the counter holds afterwards, or `None`
+    /// when nothing was given back. A request that owes its charge (it
+    /// passed on a failed charge under
+    /// [`OnStoreError::FailOpen`](crate::OnStoreError::FailOpen)) has no
+    /// line: its debt is counted as served.
+    ///
+    /// # Errors
+    ///
+    /// When the store fails; the lines not given back then stay charged,
+    /// and a later call gives them back.
+    pub async fn refund_request(
+        &self,
+        status: &crate::QuotaStatus,
+    ) -> Result<Vec<Option<u64>>, StoreError>
+    where
+        St: Store,
+    {
+        let Some(ticket) = status.ticket(self.shared.id()) else {
+            return Ok(Vec::new());
+        };
+        let names: Option<Vec<&str>> = self
+            .only
+            .as_ref()
+            .map(|only| only.iter().map(Quota::name).collect());
+        let store = self.shared.store();
+        let mut refunded = Vec::new();
+        for lines in &ticket.charges {
+            for (quota, line) in lines.with_quotas() {
+                if names
+                    .as_ref()
+                    .is_some_and(|names| !names.contains(&quota.name()))
+                {
+                    continue;
+                }
+                let now = self.settings().clock.now();
+                if line.cost == 0 || !line.is_live(now) || !line.claim_give_back() {
+                    refunded.push(None);
+                    continue;
+                }
+                let made_by = line.made_by(ticket.now);
+                match store
+                    .refund_made_by(now, line.key.clone(), line.cost, made_by)
+                    .await
+                {
+                    Ok(count) => refunded.push(count),
+                    Err(error) => {
+                        // Not given back: a later call may.
+                        line.unclaim_give_back();
+                        return Err(error);
+                    }
+                }
+            }
+        }
+        Ok(refunded)
     }
 
     /// Refunds `amount` on the counters of `quotas` for `subject` in the

@@ -183,7 +183,11 @@ impl QuotaStatus {
 
     /// The instant the request was first charged: what
     /// [`QuotaHandle::refund_at`](crate::QuotaHandle::refund_at) takes to
-    /// undo it later. `None` when nothing was charged.
+    /// undo it later, with a handle in the caller's zone
+    /// ([`QuotaHandle::in_zone`](crate::QuotaHandle::in_zone)) when the
+    /// policy reads one per caller. While the request is served,
+    /// [`QuotaHandle::refund_request`](crate::QuotaHandle::refund_request)
+    /// undoes it with neither. `None` when nothing was charged.
     ///
     /// A request that passed on a failed charge under
     /// [`OnStoreError::FailOpen`](crate::OnStoreError::FailOpen) owes its
@@ -566,9 +570,26 @@ impl Line {
         self.usage.made_by(charged_at)
     }
 
+    /// Where the line's counter stands as far as the request knows: as
+    /// charged, less the line's cost once it was given back (by the
+    /// handler, say: [`QuotaHandle::refund_request`](crate::QuotaHandle::refund_request)).
+    pub(crate) fn standing(&self) -> Usage {
+        let mut usage = self.usage;
+        if self.is_given_back() {
+            usage.used = usage.used.saturating_sub(self.cost);
+        }
+        usage
+    }
+
     /// Claims the line's give-back: `true` for the first caller only.
     pub(crate) fn claim_give_back(&self) -> bool {
         !self.given_back.swap(true, Ordering::AcqRel)
+    }
+
+    /// Releases a claim whose give-back failed before it reached the
+    /// store: a later give-back may claim the line.
+    pub(crate) fn unclaim_give_back(&self) {
+        self.given_back.store(false, Ordering::Release);
     }
 
     /// Whether the line was given back.

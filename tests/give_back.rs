@@ -683,3 +683,50 @@ async fn a_nested_request_served_past_the_outer_timeout_keeps_its_charges() {
     assert_eq!(settles(&outer, "big-day", 5).await, 5);
     assert_eq!(used(&inner, "read-day").await, 1);
 }
+
+/// A request its handler undid (`QuotaHandle::refund_request`) is given
+/// back once: not again by the layer for its 5xx under
+/// `refund_server_errors`, nor by a nested layer for the same request, nor
+/// by the drop of a request whose handler undid it and then stalled.
+#[tokio::test(start_paused = true)]
+async fn a_request_its_handler_undid_is_not_given_back_again() {
+    use axum::extract::State;
+    use tower_quota::{QuotaHandle, QuotaStatus};
+
+    let policy = policy(MemoryStore::new(), "undone")
+        .refund_server_errors(true)
+        .build();
+    async fn fails(State(handle): State<QuotaHandle>, status: QuotaStatus) -> StatusCode {
+        assert_eq!(handle.refund_request(&status).await.unwrap(), [Some(1)]);
+        StatusCode::INTERNAL_SERVER_ERROR
+    }
+    async fn stalls(State(handle): State<QuotaHandle>, status: QuotaStatus) -> StatusCode {
+        assert_eq!(handle.refund_request(&status).await.unwrap(), [Some(1)]);
+        tokio::time::sleep(Duration::from_secs(60)).await;
+        StatusCode::OK
+    }
+    let app = Router::new()
+        .route("/", get(|| async { "served" }))
+        .route("/fails", get(fails))
+        .route("/stalls", get(stalls))
+        .with_state(policy.handle())
+        .layer(policy.layer(Quota::daily(10)));
+    let response = app.clone().oneshot(call("/")).await.unwrap();
+    assert_eq!(response.status(), StatusCode::OK);
+    assert_eq!(used(&policy, "default-day").await, 1);
+
+    let response = app.clone().oneshot(call("/fails")).await.unwrap();
+    assert_eq!(response.status(), StatusCode::INTERNAL_SERVER_ERROR);
+    assert_eq!(
+        header(&response, "ratelimit"),
+        "\"default-day\";r=9;t=50400",
+        "the fields tell the counter as the handler left it"
+    );
+    assert_eq!(used(&policy, "default-day").await, 1, "given back once");
+
+    let dropped =
+        tokio::time::timeout(Duration::from_secs(1), app.clone().oneshot(call("/stalls"))).await;
+    assert!(dropped.is_err(), "dropped while the handler stalls");
+    tokio::task::yield_now().await;
+    assert_eq!(used(&policy, "default-day").await, 1, "given back once");
+}

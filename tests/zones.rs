@@ -22,6 +22,12 @@ fn at(s: &str) -> Timestamp {
 /// A daily quota of 2 per account, each caller's day in the zone its
 /// `x-time-zone` header names (absent: UTC).
 fn app(clock: &ManualClock) -> (Router, QuotaPolicy<FromHeader>) {
+    app_with(clock, Quota::daily(2))
+}
+
+/// `quota` per account, each caller's calendar in the zone its
+/// `x-time-zone` header names (absent: UTC).
+fn app_with(clock: &ManualClock, quota: Quota) -> (Router, QuotaPolicy<FromHeader>) {
     let policy = QuotaPolicy::builder(FromHeader::account("x-account-id"))
         .clock(clock.clone())
         .time_zone(|parts| {
@@ -46,7 +52,7 @@ fn app(clock: &ManualClock) -> (Router, QuotaPolicy<FromHeader>) {
     };
     let app = Router::new()
         .route("/", get(names))
-        .layer(policy.layer(Quota::daily(2)));
+        .layer(policy.layer(quota));
     (app, policy)
 }
 
@@ -394,5 +400,118 @@ async fn the_support_router_sees_and_resets_a_callers_day_in_their_zone() {
     assert_eq!(
         send(&app, "tokyo-co", Some("Asia/Tokyo")).await.status(),
         StatusCode::OK
+    );
+}
+
+/// A minute is the same instants in every zone (and an hour in every zone
+/// at a whole-hour offset): a caller that names another zone, or another
+/// name of its zone, spends the same burst allowance, where a counter per
+/// zone name would let it spend one per name.
+#[tokio::test]
+async fn a_minute_or_a_whole_hour_is_one_counter_whatever_zone_the_caller_names() {
+    let clock = ManualClock::new(at("2026-12-02T13:05:10Z"));
+    let (minute, _) = app_with(&clock, Quota::per_minute(1));
+    let first = send(&minute, "acme", None).await;
+    assert_eq!(first.status(), StatusCode::OK);
+    assert_eq!(
+        body(first).await,
+        "quota:{account:acme}:default:2026-12-02T13:05"
+    );
+    for zone in [
+        "Europe/Berlin",
+        "Asia/Tokyo",
+        "America/New_York",
+        "US/Eastern",
+        "Asia/Kolkata",
+    ] {
+        let response = send(&minute, "acme", Some(zone)).await;
+        assert_eq!(response.status(), StatusCode::TOO_MANY_REQUESTS, "{zone}");
+    }
+    // Another account's minute is its own.
+    assert_eq!(
+        send(&minute, "globex", Some("Asia/Tokyo")).await.status(),
+        StatusCode::OK
+    );
+
+    let (hour, _) = app_with(&clock, Quota::hourly(1));
+    assert_eq!(
+        send(&hour, "acme", Some("Europe/Berlin")).await.status(),
+        StatusCode::OK
+    );
+    for zone in ["Asia/Tokyo", "US/Eastern"] {
+        let response = send(&hour, "acme", Some(zone)).await;
+        assert_eq!(response.status(), StatusCode::TOO_MANY_REQUESTS, "{zone}");
+    }
+    // At +05:30 the hours turn at half past: a window of its own.
+    let kolkata = send(&hour, "acme", Some("Asia/Kolkata")).await;
+    assert_eq!(kolkata.status(), StatusCode::OK);
+    assert_eq!(
+        body(kolkata).await,
+        "quota:{account:acme}:default:2026-12-02T18+05:30[Asia/Kolkata]"
+    );
+}
+
+/// A handler that undoes its request gives back what was charged on the
+/// caller's own counter (its zone's day), once; neither the quotas' own
+/// zone's counter nor a second call changes anything.
+#[tokio::test]
+async fn a_handler_undoes_its_request_on_the_callers_own_counter() {
+    use axum::extract::State;
+    use tower_quota::QuotaHandle;
+
+    let clock = ManualClock::new(at("2026-12-02T20:00:00Z"));
+    let policy = QuotaPolicy::builder(FromHeader::account("x-account-id"))
+        .clock(clock.clone())
+        .time_zone(|parts| {
+            Ok(parts
+                .headers
+                .get("x-time-zone")
+                .and_then(|v| v.to_str().ok())
+                .and_then(|name| TimeZone::get(name).ok()))
+        })
+        .build();
+    let layer = policy.layer(Quota::daily(1));
+    // Undoes its request when asked to, and answers what each of two
+    // calls gave back.
+    async fn undo(State(handle): State<QuotaHandle>, status: QuotaStatus) -> String {
+        let first = handle.refund_request(&status).await.unwrap();
+        let again = handle.refund_request(&status).await.unwrap();
+        format!("{first:?} {again:?}")
+    }
+    let app = Router::new()
+        .route("/", get(|| async { "served" }))
+        .route("/undo", get(undo))
+        .with_state(layer.handle())
+        .layer(layer);
+    let send_to = |path: &'static str, zone: Option<&'static str>| {
+        let app = app.clone();
+        async move {
+            let mut request = Request::get(path).header("x-account-id", "acme");
+            if let Some(zone) = zone {
+                request = request.header("x-time-zone", zone);
+            }
+            app.oneshot(request.body(Body::empty()).unwrap())
+                .await
+                .unwrap()
+        }
+    };
+    // The UTC day: spent.
+    assert_eq!(send_to("/", None).await.status(), StatusCode::OK);
+    // Tokyo's day (already 2026-12-03 there): charged, then undone.
+    let undone = send_to("/undo", Some("Asia/Tokyo")).await;
+    assert_eq!(undone.status(), StatusCode::OK);
+    assert_eq!(body(undone).await, "[Some(0)] [None]");
+    // Tokyo's allowance is whole again; UTC's is still spent.
+    assert_eq!(
+        send_to("/", Some("Asia/Tokyo")).await.status(),
+        StatusCode::OK
+    );
+    assert_eq!(
+        send_to("/", Some("Asia/Tokyo")).await.status(),
+        StatusCode::TOO_MANY_REQUESTS
+    );
+    assert_eq!(
+        send_to("/", None).await.status(),
+        StatusCode::TOO_MANY_REQUESTS
     );
 }

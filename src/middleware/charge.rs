@@ -689,13 +689,15 @@ pub(crate) fn added(ops: &[(usize, Adjust)], results: &[Option<u64>], line: usiz
 }
 
 /// Where each of `lines` stands once the store applied `ops` and answered
-/// `results` (what the counter holds after, `None`: no live counter).
+/// `results` (what the counter holds after, `None`: no live counter, or an
+/// op left out; such a line stands as the request knows it, see
+/// [`Line::standing`]).
 pub(crate) fn settled(
     lines: &[Line],
     ops: &[(usize, Adjust)],
     results: &[Option<u64>],
 ) -> Vec<Usage> {
-    let mut usage: Vec<Usage> = lines.iter().map(|line| line.usage).collect();
+    let mut usage: Vec<Usage> = lines.iter().map(Line::standing).collect();
     for ((i, _), result) in ops.iter().zip(results) {
         if let Some(used) = result {
             usage[*i].used = *used;
@@ -708,7 +710,20 @@ pub(crate) fn settled(
 /// reckons: for a response that goes out before the store answered them
 /// (they carry on in their task).
 pub(crate) fn expected(lines: &[Line], ops: &[(usize, Adjust)], kept: &[bool]) -> Vec<Usage> {
-    let mut usage: Vec<Usage> = lines.iter().map(|line| line.usage).collect();
+    // A line this layer changes starts as charged; any other as the
+    // request knows it (given back by its handler, say).
+    let mut usage: Vec<Usage> = lines
+        .iter()
+        .enumerate()
+        .map(|(i, line)| {
+            let changed = ops.iter().zip(kept).any(|((j, _), &kept)| *j == i && kept);
+            if changed {
+                line.usage
+            } else {
+                line.standing()
+            }
+        })
+        .collect();
     for ((i, op), _) in ops.iter().zip(kept).filter(|(_, &kept)| kept) {
         let used = &mut usage[*i].used;
         *used = match op {

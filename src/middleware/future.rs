@@ -441,7 +441,7 @@ impl<E, St: Store> Charged<E, St> {
             .enumerate()
             .map(|(i, (quota, line))| {
                 let usage = usage.and_then(|usage| usage.get(i).copied());
-                (quota, usage.unwrap_or(line.usage))
+                (quota, usage.unwrap_or_else(|| line.standing()))
             });
         let cache = self.lines.policy_cache();
         RateLimitFields::new(entries, self.now, cache, self.spread)

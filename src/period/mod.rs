@@ -204,10 +204,14 @@ impl Period {
     /// `2026-12-02T13:05` (minute), `2026-12-02T13` (hour), `2026-12-02`
     /// (day), `2026-W49` (week), `2026-12` (month), and
     /// `2026-12-02T13:33:20Z/PT10S` for fixed periods. Outside UTC the stamp
-    /// ends with the zone's name, `2026-12-02[Europe/Berlin]`, and hours and
-    /// minutes also carry their UTC offset, so the repeated hour when clocks
-    /// go back gets a stamp of its own. Two different windows never share a
-    /// stamp.
+    /// of a day, week or month ends with the zone's name,
+    /// `2026-12-02[Europe/Berlin]`. A minute or an hour that is a minute or
+    /// an hour of UTC (every minute in today's zones; every hour at a
+    /// whole-hour offset, as in Berlin) is named as in UTC, whatever the
+    /// zone: the same instants, one counter. Any other (an hour in
+    /// Kolkata, at +05:30) carries its UTC offset and the zone's name,
+    /// `2026-12-02T13+05:30[Asia/Kolkata]`. Two different windows never
+    /// share a stamp.
     ///
     /// # Panics
     ///
@@ -233,6 +237,22 @@ impl Period {
             Unit::Minute | Unit::Hour => {
                 let step = if self.unit == Unit::Minute { 60 } else { 3600 };
                 let (start, end) = sub_day_window(at, tz, step)?;
+                // The same instants as a minute or an hour of UTC (every
+                // minute in today's zones, every hour at a whole-hour
+                // offset): named as in UTC, so that callers in every such
+                // zone count on one counter.
+                let floor = start.as_second();
+                if start.subsec_nanosecond() == 0
+                    && floor.rem_euclid(step) == 0
+                    && end.as_second() - floor == step
+                {
+                    let format = match self.unit {
+                        Unit::Minute => "%Y-%m-%dT%H:%M",
+                        _ => "%Y-%m-%dT%H",
+                    };
+                    write!(stamp, "{}", start.strftime(format)).expect("infallible");
+                    return Ok(Window::new(start, end, stamp));
+                }
                 let local = start.to_zoned_datetime(tz.clone());
                 let format = match (self.unit, self.tz_label.is_some()) {
                     (Unit::Minute, false) => "%Y-%m-%dT%H:%M",
@@ -299,10 +319,12 @@ impl Period {
     }
 
     /// Which calendar the stamps of this period come from: quotas with the
-    /// same identity write the same stamps. Fixed windows ignore the zone.
+    /// same identity may write the same stamps. Fixed windows ignore the
+    /// zone; so may minutes and hours (see [`Period::window`]).
     pub(crate) fn calendar_identity(&self) -> String {
         match (self.unit, &self.tz_label) {
             (Unit::Fixed(s), _) => format!("fixed/{s}"),
+            (unit @ (Unit::Minute | Unit::Hour), _) => format!("{unit:?}"),
             (unit, None) => format!("{unit:?}"),
             (unit, Some(zone)) => format!("{unit:?}[{zone}]"),
         }

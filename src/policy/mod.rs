@@ -595,13 +595,18 @@ impl<E, St> QuotaPolicyBuilder<E, St> {
     }
 
     /// Reads each caller's own time zone from the request (e.g. from the
-    /// authenticated account): the caller's calendar quotas (days, weeks,
-    /// months, and hours or minutes in zones with odd offsets) then turn at
-    /// the caller's midnight, each zone on counters of its own. `Ok(None)`
-    /// means the request names no zone: each quota's own zone applies
-    /// ([`Quota::in_time_zone`], UTC by default). An error is answered with
-    /// 400 and its text, and nothing is charged. Fixed windows and first-use
-    /// quotas do not depend on a zone.
+    /// authenticated account): the caller's calendar quotas then turn at
+    /// the caller's midnight (days, weeks, months), each zone on counters
+    /// of its own. A minute, and an hour at a whole-hour offset, is the same
+    /// instants in every zone and one counter whatever zone the caller
+    /// names ([`Period::window`](crate::Period::window)); an hour at a
+    /// half-hour offset (Kolkata) turns at half past, on a counter of its
+    /// own. `Ok(None)` means the request names no zone: each quota's own
+    /// zone applies ([`Quota::in_time_zone`], UTC by default). An error is
+    /// answered with 400 and its text, and nothing is charged. Fixed
+    /// windows do not depend on a zone, nor first-use quotas on the
+    /// caller's (a first-use month ends on the same day and time of the
+    /// month in the quota's own zone).
     ///
     /// The zone must have an IANA name or a fixed offset (it names the
     /// calendar window in the counter's key); any other is refused with 400.
@@ -681,9 +686,10 @@ impl<E, St> QuotaPolicyBuilder<E, St> {
     /// trailers after a streamed body is not read, and stays charged.
     /// DEADLINE_EXCEEDED stays charged too: the client sets the deadline,
     /// often after the work was done. The refund goes to the counters that were
-    /// charged, even when a calendar boundary passed meanwhile, and never
-    /// to one made anew since (a support reset while the request was
-    /// served). Stores date counters by the clock of the instance that made
+    /// charged while they live, and never to one made anew since (a
+    /// support reset while the request was served): a calendar counter
+    /// whose window ended meanwhile takes none (its period is over, and
+    /// nothing in it is enforced any more; it keeps counting the request). Stores date counters by the clock of the instance that made
     /// them: keep the clocks of instances that share a store synchronised
     /// (or give the policy the Redis server's, `RedisStore::server_clock`),
     /// or a refund may find its counter dated after the request.
