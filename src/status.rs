@@ -3,7 +3,7 @@
 //! of it ([`QuotaStatus`]).
 
 use std::fmt;
-use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU8, Ordering};
 use std::sync::{Arc, Mutex, OnceLock};
 
 use http::Extensions;
@@ -444,9 +444,18 @@ pub(crate) struct Lines {
     /// when they answered: given back if this layer is dropped before its
     /// response goes out (the request was not served after all).
     inside: Mutex<Vec<Arc<dyn GiveBack>>>,
-    /// Whether `inside` was told anything: most requests pass one layer.
-    told: AtomicBool,
+    /// Where `inside` stands: nothing told yet (most requests pass one
+    /// layer), told, or closed (given back, or the response went out), after
+    /// which what is told late (a layer further in that a spawned task
+    /// polled on) follows at once.
+    state: AtomicU8,
 }
+
+/// The states of [`Lines::state`].
+const OPEN: u8 = 0;
+const TOLD: u8 = 1;
+const GIVEN_BACK: u8 = 2;
+const WENT_OUT: u8 = 3;
 
 /// What a layer kept charged for a request it answered, told to the layers
 /// further out that charged the request too (of any policy): the response
@@ -476,35 +485,55 @@ impl Lines {
             quotas,
             lines,
             inside: Mutex::default(),
-            told: AtomicBool::new(false),
+            state: AtomicU8::new(OPEN),
         }
     }
 
-    /// Tells these lines' layer what a layer further in kept.
+    /// Tells these lines' layer what a layer further in kept: kept until
+    /// the layer's response goes out or it is dropped; told after either,
+    /// it follows at once (served, or given back).
     pub(crate) fn tell(&self, kept: Arc<dyn GiveBack>) {
-        self.inside
-            .lock()
-            .unwrap_or_else(|e| e.into_inner())
-            .push(kept);
-        self.told.store(true, Ordering::Release);
+        let mut inside = self.inside.lock().unwrap_or_else(|e| e.into_inner());
+        match self
+            .state
+            .compare_exchange(OPEN, TOLD, Ordering::AcqRel, Ordering::Acquire)
+        {
+            Ok(_) | Err(TOLD) => inside.push(kept),
+            Err(GIVEN_BACK) => {
+                drop(inside);
+                kept.give_back();
+            }
+            Err(_) => {
+                drop(inside);
+                kept.went_out();
+            }
+        }
     }
 
     /// The response of these lines' layer, the outermost that charged the
     /// request, went out: what the layers further in kept was served.
     #[inline]
     pub(crate) fn went_out(&self) {
-        if self.told.load(Ordering::Acquire) {
-            for kept in self.take_inside() {
+        if self.state.swap(WENT_OUT, Ordering::AcqRel) == TOLD {
+            let inside =
+                std::mem::take(&mut *self.inside.lock().unwrap_or_else(|e| e.into_inner()));
+            for kept in inside {
                 kept.went_out();
             }
         }
     }
 
-    /// What the layers further in kept, taken: given back by a layer
-    /// dropped before its response went out. (Once its response went out,
-    /// it goes with the lines.)
-    pub(crate) fn take_inside(&self) -> Vec<Arc<dyn GiveBack>> {
-        std::mem::take(&mut *self.inside.lock().unwrap_or_else(|e| e.into_inner()))
+    /// Gives back what the layers further in kept, and what they tell
+    /// later: these lines' layer is dropped before its response went out.
+    pub(crate) fn give_back_inside(&self) {
+        let inside = {
+            let mut inside = self.inside.lock().unwrap_or_else(|e| e.into_inner());
+            self.state.store(GIVEN_BACK, Ordering::Release);
+            std::mem::take(&mut *inside)
+        };
+        for kept in inside {
+            kept.give_back();
+        }
     }
 
     /// The quotas the lines count, in their order.

@@ -603,6 +603,37 @@ async fn a_drop_in_a_middleware_between_layers_gives_inner_charges_back() {
     assert_eq!(settles(&inner, "read-day", 0).await, 0, "inner: not served");
 }
 
+/// A middleware between two layers that runs the rest of the request in a
+/// task of its own: dropped with the request, it leaves the task running,
+/// and the inner layer answers after the outer one gave its charge back.
+/// What the inner layer tells it then goes back at once: the response
+/// never went out.
+#[tokio::test(start_paused = true)]
+async fn an_inner_layer_that_answers_after_the_outer_one_gave_back_gives_back_too() {
+    let outer = policy(MemoryStore::new(), "outer").build();
+    let inner = policy(MemoryStore::new(), "inner").build();
+    let spawned = axum::middleware::from_fn(
+        |request: axum::extract::Request, next: axum::middleware::Next| async move {
+            tokio::spawn(next.run(request)).await.unwrap()
+        },
+    );
+    let slow = || async {
+        tokio::time::sleep(Duration::from_secs(5)).await;
+        "served late"
+    };
+    let app = Router::new()
+        .route("/", get(slow))
+        .route_layer(inner.layer(Quota::daily(10).allowance("read")))
+        .route_layer(spawned)
+        .route_layer(outer.layer(Quota::daily(100).allowance("big")));
+    let timed_out = tokio::time::timeout(Duration::from_secs(1), app.oneshot(call("/"))).await;
+    assert!(timed_out.is_err(), "dropped while the handler works");
+    assert_eq!(settles(&outer, "big-day", 0).await, 0, "outer: not served");
+    // The task runs on: the inner layer answers, and tells the outer one.
+    tokio::time::sleep(Duration::from_secs(10)).await;
+    assert_eq!(settles(&inner, "read-day", 0).await, 0, "inner: not served");
+}
+
 /// A middleware between two layers that answers with a response of its
 /// own (the inner response's extensions lost): the request was served, and
 /// both charges stay, also once the response is dropped.

@@ -422,7 +422,7 @@ impl<E, St: Store> Drop for Unanswered<E, St> {
     /// client gone): the request was not served, and its charge goes back.
     fn drop(&mut self) {
         if let Some(charged) = self.0.take() {
-            give_back_inside(&charged);
+            charged.lines.give_back_inside();
             let now = charged.bound.policy.settings.clock.now();
             detach(adjust(&charged, now, &charge::refund_all(&charged.lines)));
         }
@@ -714,21 +714,13 @@ impl<E, St: Store> Drop for Settle<E, St> {
         let (Some(charged), Some(adjusting)) = (self.charged.take(), self.adjust.take()) else {
             return;
         };
-        give_back_inside(&charged);
+        charged.lines.give_back_inside();
         give_back_unserved(
             &charged,
             std::mem::take(&mut self.ops),
             &self.kept,
             adjusting,
         );
-    }
-}
-
-/// Gives back what the layers further in kept for the request of
-/// `charged`: its layer is dropped before its response went out.
-fn give_back_inside<E, St>(charged: &Charged<E, St>) {
-    for kept in charged.lines.take_inside() {
-        kept.give_back();
     }
 }
 

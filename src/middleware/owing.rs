@@ -104,9 +104,7 @@ impl<E, St> Drop for Owing<E, St> {
     /// served, and what the layers further in kept goes back.
     fn drop(&mut self) {
         if !self.answered {
-            for kept in self.lines.take_inside() {
-                kept.give_back();
-            }
+            self.lines.give_back_inside();
         }
     }
 }
