@@ -426,10 +426,15 @@ impl<St: Store> QuotaHandle<St> {
     /// [`OnStoreError::FailOpen`](crate::OnStoreError::FailOpen)) has no
     /// line: its debt is counted as served.
     ///
+    /// The refunds are sent in a task of their own on a tokio runtime, so
+    /// that a handler dropped while the store answers (a client gone)
+    /// gives back all the same.
+    ///
     /// # Errors
     ///
-    /// When the store fails; the lines not given back then stay charged,
-    /// and a later call gives them back.
+    /// When the store fails: a refund that never reached it leaves its
+    /// line charged (a later call, or the layer, gives it back); one that
+    /// may have landed (a timeout) counts as given back.
     pub async fn refund_request(
         &self,
         status: &crate::QuotaStatus,
@@ -444,36 +449,62 @@ impl<St: Store> QuotaHandle<St> {
             .only
             .as_ref()
             .map(|only| only.iter().map(Quota::name).collect());
-        let store = self.shared.store();
-        let mut refunded = Vec::new();
+        let now = self.settings().clock.now();
+        // Claimed here: from now on no layer gives these lines back.
+        let mut claimed = Vec::new();
         for lines in &ticket.charges {
-            for (quota, line) in lines.with_quotas() {
+            for (i, (quota, line)) in lines.with_quotas().enumerate() {
                 if names
                     .as_ref()
                     .is_some_and(|names| !names.contains(&quota.name()))
                 {
                     continue;
                 }
-                let now = self.settings().clock.now();
-                if line.cost == 0 || !line.is_live(now) || !line.claim_give_back() {
+                let mine = line.cost > 0 && line.is_live(now) && line.claim_give_back();
+                claimed.push(mine.then(|| (Arc::clone(lines), i, line.made_by(ticket.now))));
+            }
+        }
+        if claimed.iter().all(Option::is_none) {
+            return Ok(vec![None; claimed.len()]);
+        }
+        let store = self.shared.store().clone();
+        let work = async move {
+            let mut refunded = Vec::with_capacity(claimed.len());
+            let mut failed = None;
+            for claim in claimed {
+                let Some((lines, i, made_by)) = claim else {
                     refunded.push(None);
                     continue;
-                }
-                let made_by = line.made_by(ticket.now);
+                };
+                let line = &lines[i];
                 match store
                     .refund_made_by(now, line.key.clone(), line.cost, made_by)
                     .await
                 {
                     Ok(count) => refunded.push(count),
                     Err(error) => {
-                        // Not given back: a later call may.
-                        line.unclaim_give_back();
-                        return Err(error);
+                        if error.is_unsent() {
+                            line.unclaim_give_back();
+                        }
+                        refunded.push(None);
+                        failed.get_or_insert(error);
                     }
                 }
             }
+            match failed {
+                Some(error) => Err(error),
+                None => Ok(refunded),
+            }
+        };
+        match tokio::runtime::Handle::try_current() {
+            Ok(runtime) => runtime.spawn(work).await.unwrap_or_else(|_| {
+                Err(StoreError::new(
+                    crate::store::StoreErrorKind::Other,
+                    "the quota store panicked while giving a request back",
+                ))
+            }),
+            Err(_) => work.await,
         }
-        Ok(refunded)
     }
 
     /// Refunds `amount` on the counters of `quotas` for `subject` in the

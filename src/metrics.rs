@@ -40,8 +40,9 @@
 //!   charge without asking the store, and counts it here too;
 //! - [`skipped`](outcome::SKIPPED): let through uncounted, by a `skip_if`
 //!   rule or by [`SubjectPolicy::Allow`](crate::SubjectPolicy::Allow) for a
-//!   request without a usable subject; counted by each layer of the policy
-//!   the request passes, for that layer's allowances;
+//!   request without a usable subject; counted once, by the policy's
+//!   outermost layer the request passes, for that layer's allowances (the
+//!   layers further in pass it without a decision of their own);
 //! - [`shadow_refused`](outcome::SHADOW_REFUSED): a quota in shadow mode
 //!   ([`Quota::shadow`](crate::Quota::shadow)) that would have refused the
 //!   request, which passed (labelled with that quota's allowance, beside

@@ -482,8 +482,8 @@ impl Quota {
         }
     }
 
-    /// Whether two quotas would count on the same keys; with `any_zone`,
-    /// whether they would for some caller, whose zone replaces theirs.
+    /// Whether two quotas may count on the same keys; with `any_zone`,
+    /// whether they may for some caller, whose zone replaces theirs.
     pub(crate) fn shares_counters_with(&self, other: &Quota, any_zone: bool) -> bool {
         if self.0.allowance != other.0.allowance || self.0.anchor != other.0.anchor {
             return false;
@@ -491,9 +491,7 @@ impl Quota {
         match self.0.anchor {
             Anchor::FirstUse => self.0.first_use_label == other.0.first_use_label,
             Anchor::Calendar if any_zone => self.0.period.same_unit(&other.0.period),
-            Anchor::Calendar => {
-                self.0.period.calendar_identity() == other.0.period.calendar_identity()
-            }
+            Anchor::Calendar => self.0.period.may_share_stamps(&other.0.period),
         }
     }
 
@@ -503,6 +501,8 @@ impl Quota {
     pub(crate) fn same_as(&self, other: &Quota) -> bool {
         Arc::ptr_eq(&self.0, &other.0)
             || (self.shares_counters_with(other, false)
+                && (self.0.anchor == Anchor::FirstUse
+                    || self.0.period.calendar_identity() == other.0.period.calendar_identity())
                 && self.0.name == other.0.name
                 && self.0.limit == other.0.limit
                 && self.0.shadow == other.0.shadow

@@ -761,3 +761,56 @@ async fn a_request_its_handler_undid_is_not_given_back_again() {
     tokio::task::yield_now().await;
     assert_eq!(used(&policy, "default-day").await, 1, "given back once");
 }
+
+/// A handler's give-back is sent in a task of its own: the request dropped
+/// while the store answers it (a client gone) is given back all the same,
+/// once.
+#[tokio::test(start_paused = true)]
+async fn a_handlers_give_back_lands_when_the_request_is_dropped_meanwhile() {
+    use axum::extract::State;
+    use tower_quota::{QuotaHandle, QuotaStatus};
+
+    let store = Rigged::new(MemoryStore::new(), Rig::Fail, Some("nothing"));
+    let slow = Arc::clone(&store.slow_changes);
+    let policy = policy(store, "undone").build();
+    async fn undo(State(handle): State<QuotaHandle<Rigged<MemoryStore>>>, status: QuotaStatus) {
+        handle.refund_request(&status).await.unwrap();
+    }
+    let app = Router::new()
+        .route("/", get(undo))
+        .with_state(policy.handle())
+        .layer(policy.layer(Quota::daily(10)));
+    slow.store(5_000, std::sync::atomic::Ordering::Relaxed);
+    let dropped = tokio::time::timeout(Duration::from_secs(1), app.oneshot(call("/"))).await;
+    assert!(dropped.is_err(), "dropped while the store gives back");
+    assert_eq!(used(&policy, "default-day").await, 1, "on its way");
+    tokio::time::sleep(Duration::from_secs(10)).await;
+    assert_eq!(used(&policy, "default-day").await, 0, "given back once");
+}
+
+/// A handler's give-back the store never sent leaves the line to give
+/// back: the layer gives it back for the 5xx that follows.
+#[tokio::test]
+async fn a_handlers_give_back_never_sent_is_left_to_the_layer() {
+    use axum::extract::State;
+    use tower_quota::{QuotaHandle, QuotaStatus};
+
+    let store = Rigged::new(MemoryStore::new(), Rig::Fail, Some("nothing"));
+    let unsent = Arc::clone(&store.unsent);
+    let policy = policy(store, "undone").refund_server_errors(true).build();
+    type Handle = QuotaHandle<Rigged<MemoryStore>>;
+    let fails = move |State(handle): State<Handle>, status: QuotaStatus| async move {
+        unsent.store(true, std::sync::atomic::Ordering::Relaxed);
+        let error = handle.refund_request(&status).await.unwrap_err();
+        assert!(error.is_unsent());
+        unsent.store(false, std::sync::atomic::Ordering::Relaxed);
+        StatusCode::BAD_GATEWAY
+    };
+    let app = Router::new()
+        .route("/", get(fails))
+        .with_state(policy.handle())
+        .layer(policy.layer(Quota::daily(10)));
+    let response = app.oneshot(call("/")).await.unwrap();
+    assert_eq!(response.status(), StatusCode::BAD_GATEWAY);
+    assert_eq!(settles(&policy, "default-day", 0).await, 0);
+}

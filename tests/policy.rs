@@ -561,6 +561,31 @@ fn two_different_quotas_on_one_counter_are_refused() {
         .route_layer(policy.layer(Quota::daily(20).allowance("read")));
 }
 
+/// A minute (or an hour) counts on the counters of UTC's minutes in every
+/// zone whose offset is whole: two minute quotas of one policy, one in
+/// Berlin and one in UTC, would count on one counter. And an hour in
+/// Kolkata is not the same quota as an hour in UTC, though both are named
+/// `default-hour` and have the same limit.
+#[test]
+#[should_panic(expected = "would count on one counter")]
+fn minutes_in_two_zones_are_refused_as_one_counter() {
+    use tower_quota::jiff::tz::TimeZone;
+    let berlin = TimeZone::get("Europe/Berlin").unwrap();
+    let policy = QuotaPolicy::builder(FromHeader::account("x-account-id")).build();
+    let _utc = policy.layer(Quota::per_minute(10));
+    let _berlin = policy.layer(Quota::per_minute(20).in_time_zone(berlin));
+}
+
+#[test]
+#[should_panic(expected = "two different quotas of one policy")]
+fn an_hour_in_kolkata_is_not_the_same_quota_as_an_hour_in_utc() {
+    use tower_quota::jiff::tz::TimeZone;
+    let kolkata = TimeZone::get("Asia/Kolkata").unwrap();
+    let policy = QuotaPolicy::builder(FromHeader::account("x-account-id")).build();
+    let _utc = policy.layer(Quota::hourly(10));
+    let _kolkata = policy.layer(Quota::hourly(10).in_time_zone(kolkata));
+}
+
 #[tokio::test]
 async fn the_same_quota_on_two_routers_is_one_budget() {
     let policy = QuotaPolicy::builder(FromHeader::account("x-account-id")).build();

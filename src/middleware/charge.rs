@@ -92,12 +92,9 @@ pub(crate) fn plan<E: SubjectExtractor, St: crate::store::Store>(
         .get::<QuotaStatus>()
         .and_then(|status| status.ticket(policy.id));
     let ticket = match known {
-        // Let through uncounted further out: this layer's quotas are
-        // skipped too, and say so.
-        Some(ticket) if ticket.caller.is_none() => {
-            skipped(&bound.scope.quotas);
-            return Step::Pass;
-        }
+        // Let through uncounted further out (counted there as skipped, or
+        // as a store error under fail open without a ledger).
+        Some(ticket) if ticket.caller.is_none() => return Step::Pass,
         Some(ticket) => ticket.clone(),
         None => {
             let now = settings.clock.now();
@@ -688,16 +685,16 @@ pub(crate) fn added(ops: &[(usize, Adjust)], results: &[Option<u64>], line: usiz
         .fold(0, u64::saturating_add)
 }
 
-/// Where each of `lines` stands once the store applied `ops` and answered
-/// `results` (what the counter holds after, `None`: no live counter, or an
-/// op left out; such a line stands as the request knows it, see
-/// [`Line::standing`]).
+/// Where each of `lines` stands once the store applied `ops` (those `kept`
+/// were sent) and answered `results` (what the counter holds after,
+/// `None`: no live counter, a failure, or an op left out).
 pub(crate) fn settled(
     lines: &[Line],
     ops: &[(usize, Adjust)],
+    kept: &[bool],
     results: &[Option<u64>],
 ) -> Vec<Usage> {
-    let mut usage: Vec<Usage> = lines.iter().map(Line::standing).collect();
+    let mut usage = before_ops(lines, ops, kept);
     for ((i, _), result) in ops.iter().zip(results) {
         if let Some(used) = result {
             usage[*i].used = *used;
@@ -710,9 +707,23 @@ pub(crate) fn settled(
 /// reckons: for a response that goes out before the store answered them
 /// (they carry on in their task).
 pub(crate) fn expected(lines: &[Line], ops: &[(usize, Adjust)], kept: &[bool]) -> Vec<Usage> {
-    // A line this layer changes starts as charged; any other as the
-    // request knows it (given back by its handler, say).
-    let mut usage: Vec<Usage> = lines
+    let mut usage = before_ops(lines, ops, kept);
+    for ((i, op), _) in ops.iter().zip(kept).filter(|(_, &kept)| kept) {
+        let used = &mut usage[*i].used;
+        *used = match op {
+            Adjust::Refund(n) => used.saturating_sub(*n),
+            Adjust::Add(n) => used.saturating_add(*n),
+        };
+    }
+    usage
+}
+
+/// Where `lines` stand before the `kept` ones of `ops` apply: a line they
+/// change as charged (claimed by this layer's refund, it is not given back
+/// until the store says so); any other as the request knows it (given back
+/// by its handler, say: see [`Line::standing`]).
+fn before_ops(lines: &[Line], ops: &[(usize, Adjust)], kept: &[bool]) -> Vec<Usage> {
+    lines
         .iter()
         .enumerate()
         .map(|(i, line)| {
@@ -723,15 +734,7 @@ pub(crate) fn expected(lines: &[Line], ops: &[(usize, Adjust)], kept: &[bool]) -
                 line.standing()
             }
         })
-        .collect();
-    for ((i, op), _) in ops.iter().zip(kept).filter(|(_, &kept)| kept) {
-        let used = &mut usage[*i].used;
-        *used = match op {
-            Adjust::Refund(n) => used.saturating_sub(*n),
-            Adjust::Add(n) => used.saturating_add(*n),
-        };
-    }
-    usage
+        .collect()
 }
 
 #[cfg(test)]

@@ -608,7 +608,7 @@ where
                     // As the store answered, or, past its timeout, as the
                     // changes will leave the counters once they land.
                     let usage = match &results {
-                        Some(results) => charge::settled(&charged.lines, &ops, results),
+                        Some(results) => charge::settled(&charged.lines, &ops, &kept, results),
                         None => charge::expected(&charged.lines, &ops, &kept),
                     };
                     let result = result.map(|response| {

@@ -313,18 +313,26 @@ impl Period {
         !matches!(self.unit, Unit::Fixed(_))
     }
 
+    /// Whether two periods may write the same stamps: the same calendar, or
+    /// minutes (hours) in two zones, which share the windows that are
+    /// minutes (hours) of UTC (see [`Period::window`]).
+    pub(crate) fn may_share_stamps(&self, other: &Period) -> bool {
+        match self.unit {
+            Unit::Minute | Unit::Hour => self.unit == other.unit,
+            _ => self.calendar_identity() == other.calendar_identity(),
+        }
+    }
+
     /// Whether two periods have the same unit, whatever their zones.
     pub(crate) fn same_unit(&self, other: &Period) -> bool {
         self.unit == other.unit
     }
 
     /// Which calendar the stamps of this period come from: quotas with the
-    /// same identity may write the same stamps. Fixed windows ignore the
-    /// zone; so may minutes and hours (see [`Period::window`]).
+    /// same identity write the same stamps. Fixed windows ignore the zone.
     pub(crate) fn calendar_identity(&self) -> String {
         match (self.unit, &self.tz_label) {
             (Unit::Fixed(s), _) => format!("fixed/{s}"),
-            (unit @ (Unit::Minute | Unit::Hour), _) => format!("{unit:?}"),
             (unit, None) => format!("{unit:?}"),
             (unit, Some(zone)) => format!("{unit:?}[{zone}]"),
         }

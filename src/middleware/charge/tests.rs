@@ -404,10 +404,23 @@ fn a_deferred_cost_charges_or_gives_back_the_difference() {
         0
     );
     // The counters after: what the store answered, where it did.
-    let settled = settled(&lines, &[(0, Adjust::Add(3))], &[Some(5)]);
+    let settled = settled(&lines, &[(0, Adjust::Add(3))], &[true], &[Some(5)]);
     assert_eq!(settled[0].used, 5);
-    let settled = super::settled(&lines, &[(0, Adjust::Add(3))], &[None]);
+    let settled = super::settled(&lines, &[(0, Adjust::Add(3))], &[true], &[None]);
     assert_eq!(settled[0].used, 2, "no live counter: as charged");
+    // A refund of this layer's that the store failed (claimed before it
+    // was sent): as charged, not as refunded.
+    assert!(lines[0].claim_give_back());
+    let failed = super::settled(&lines, &[(0, Adjust::Refund(2))], &[true], &[None]);
+    assert_eq!(failed[0].used, 2);
+    // Given back by the request's handler (this layer's refund then left
+    // out): less its cost, whether the store answered or not.
+    let undone = super::settled(&lines, &[(0, Adjust::Refund(2))], &[false], &[None]);
+    assert_eq!(undone[0].used, 0);
+    assert_eq!(
+        expected(&lines, &[(0, Adjust::Refund(2))], &[false])[0].used,
+        0
+    );
 }
 
 #[test]
