@@ -46,12 +46,18 @@
 //! connection of its own to the node named (`Outside`): the cluster's
 //! connection, asked for a node it does not reach (a master that serves no
 //! slot yet, added for a scale-out), would connect to every node anew. The
-//! slot map is read again after a `MOVED`, for the next calls. Redis
-//! answers `TRYAGAIN` until the move ends to a call that would create
-//! several keys of a moving slot at once (a charge of several quotas whose
-//! counters do not exist yet: a subject's first call of a period): such a
-//! charge is tried again for a second, then fails. A cluster pool built
-//! elsewhere follows redirects as its own client does.
+//! slot map is read again after a `MOVED`, for the next calls. While a
+//! slot moves, its old node answers `TRYAGAIN` to a call of several keys
+//! of which some are still there and some are not (not yet made, or moved
+//! already), until those it holds have moved: a charge of several quotas
+//! on a subject's first call of a period (a day's counter to make beside
+//! a month's that exists), and every charge of a `LeasedStore` (a counter
+//! and its lease mark, which seldom exists). Such a call is tried again
+//! for a second, then fails: the charges of the subjects of a slot that
+//! moves fail (as a store error: the policy's fail open or closed) until
+//! its keys have moved, which a resharding tool does slot by slot, its
+//! keys in batches. A cluster pool built elsewhere follows redirects as
+//! its own client does.
 //!
 //! Pools built elsewhere (`deadpool_redis::Pool`, and its cluster kind) are
 //! used as they are: one pooled connection per call (or batch of charges),

@@ -1,5 +1,12 @@
 //! Calls followed after their callers stopped waiting: their answers
 //! awaited, and the charges Redis applied late given back.
+//!
+//! A give-back takes the count back, not the counter: a late charge that
+//! made a first-use counter leaves it, at 0, with its period started at
+//! the request that was not served (the subject's next requests reset
+//! when that period ends, not one period after the first of them).
+//! Deleting it instead would take a counter that another instance's
+//! request charged meanwhile and had given back too.
 
 use std::future::Future;
 use std::pin::Pin;
