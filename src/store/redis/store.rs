@@ -8,7 +8,7 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use deadpool::managed::Timeouts;
-use deadpool_redis::redis::{self, RedisError, Script};
+use deadpool_redis::redis::{RedisError, Script};
 use deadpool_redis::Pool;
 use jiff::Timestamp;
 use smallvec::SmallVec;
@@ -632,9 +632,9 @@ impl RedisStore {
 
     /// Runs `command` on the counters' connection; for tests and tools.
     #[cfg(feature = "testing")]
-    pub(crate) async fn command<T: redis::FromRedisValue + Send + 'static>(
+    pub(crate) async fn command<T: deadpool_redis::redis::FromRedisValue + Send + 'static>(
         &self,
-        command: redis::Cmd,
+        command: deadpool_redis::redis::Cmd,
     ) -> Result<T, StoreError> {
         self.exchange(Sends::Write, |mut conn| async move {
             let result = command.query_async(&mut conn).await;
