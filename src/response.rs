@@ -752,7 +752,7 @@ mod tests {
             let quota = Quota::daily(1).spread_reset(Duration::from_secs(spread));
             let resets_at: Timestamp = "2026-12-03T00:00:00Z".parse().unwrap();
             let now = resets_at.checked_sub(jiff::SignedDuration::from_millis(before)).unwrap();
-            let usage = [Usage { limit: 1, used: 1, resets_at, first_call: None, held_elsewhere_until: None }];
+            let usage = [Usage { limit: 1, used: 1, resets_at, first_call: None, held_elsewhere_until: None, counted_at: None }];
             let real = seconds_until(now, resets_at);
             let refusal = Refusal::quota_exceeded(std::slice::from_ref(&quota), &usage, |_| 1, now, subject, None);
             let told = refusal.retry_after.unwrap();
@@ -801,6 +801,7 @@ mod tests {
         let resets_at = Timestamp::MAX;
         let usage = [Usage {
             held_elsewhere_until: None,
+            counted_at: None,
             limit: 1,
             used: 1,
             resets_at,
@@ -907,6 +908,7 @@ mod tests {
     fn usage_of(limit: u64, used: u64, resets_at: &str) -> Usage {
         Usage {
             held_elsewhere_until: None,
+            counted_at: None,
             limit,
             used,
             resets_at: resets_at.parse().unwrap(),

@@ -179,6 +179,7 @@ mod broken {
                     };
                     Usage {
                         held_elsewhere_until: None,
+                        counted_at: None,
                         limit: line.limit,
                         used: counter.map_or(0, |c| c.used),
                         resets_at,

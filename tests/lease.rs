@@ -1141,6 +1141,31 @@ async fn a_reset_through_the_leased_store_drops_its_block() {
     assert_eq!(counted(&shared, now).await, 1 + leased.held());
 }
 
+/// A reset through the leased store that does not land (it fails, or its
+/// caller stops waiting) leaves the counter, and the block it let go of
+/// goes back to it: no unit stays charged that nothing served. One that
+/// lands leaves nothing for the block to go back to.
+#[tokio::test(start_paused = true)]
+async fn a_reset_that_never_lands_gives_its_block_back() {
+    let shared = MemoryStore::new();
+    let slow = Slow::new(shared.clone(), 0);
+    let a = LeasedStore::new(slow.clone());
+    let mut now = t0();
+    busy(&a, &mut now, 200, 10_000, 1).await;
+    assert!(a.held() > 0);
+    slow.delay.store(500, Ordering::Relaxed);
+    let dropped = tokio::time::timeout(Duration::from_millis(50), a.reset(day_key())).await;
+    assert!(dropped.is_err(), "the reset's caller stopped waiting");
+    assert_eq!(a.held(), 0);
+    tokio::time::advance(Duration::from_secs(12)).await;
+    for _ in 0..5 {
+        tokio::task::yield_now().await;
+    }
+    now += SignedDuration::from_secs(12);
+    assert_eq!(a.shutdown().await, 0);
+    assert_eq!(counted(&shared, now).await, 200, "what was served, no more");
+}
+
 #[tokio::test(start_paused = true)]
 async fn units_held_across_a_reset_made_elsewhere_never_go_back_to_the_new_counter() {
     let shared = MemoryStore::new();
@@ -1164,6 +1189,54 @@ async fn units_held_across_a_reset_made_elsewhere_never_go_back_to_the_new_count
     now += SignedDuration::from_millis(1_300);
     assert_eq!(a.held(), 0);
     assert_eq!(counted(&shared, now).await, 5);
+}
+
+/// A request served from a block taken before a reset made elsewhere was
+/// charged when the block was taken, on the counter that was reset: its
+/// answer says so (`counted_at`), and its give-back, which goes by that
+/// instant, never comes off the counter made since, whatever this
+/// instance has learned of it meanwhile.
+#[tokio::test(start_paused = true)]
+async fn a_request_served_from_a_block_taken_before_a_reset_is_never_refunded_to_the_new_counter() {
+    let shared = MemoryStore::new();
+    let a = LeasedStore::new(shared.clone());
+    let mut now = t0();
+    busy(&a, &mut now, 200, 10_000, 1).await;
+    assert!(a.held() > 0);
+    // Support resets the counter through another instance, and the
+    // subject starts afresh there.
+    let reset_at = now;
+    assert!(shared.reset(day_key()).await.unwrap());
+    tokio::time::advance(Duration::from_millis(1)).await;
+    now += SignedDuration::from_millis(1);
+    for _ in 0..5 {
+        assert!(call(&shared, now, 10_000).await.admitted);
+    }
+    // A serves a request from its old block.
+    tokio::time::advance(Duration::from_millis(5)).await;
+    now += SignedDuration::from_millis(5);
+    let served = call(&a, now, 10_000).await;
+    assert!(served.admitted);
+    let usage = served.usage[0];
+    let counted_at = usage.counted_at.expect("served from a block");
+    assert!(counted_at < reset_at, "charged when the block was taken");
+    // What the layer gives back by (`Usage::made_by`): the earlier of the
+    // two instants, or the counter's first call if later.
+    let made_by = counted_at
+        .min(now)
+        .max(usage.first_call.unwrap_or(counted_at));
+    // A goes idle (its old block is refused back), then charges once and
+    // learns of the new counter.
+    tokio::time::advance(Duration::from_millis(1_300)).await;
+    tokio::task::yield_now().await;
+    now += SignedDuration::from_millis(1_300);
+    assert_eq!(a.held(), 0);
+    assert!(call(&a, now, 10_000).await.admitted);
+    assert_eq!(counted(&shared, now).await, 6);
+    let refunded = a.refund_made_by(now, day_key(), 1, made_by).await.unwrap();
+    assert_eq!(refunded, None, "the counter charged is gone");
+    assert_eq!(a.shutdown().await, 0);
+    assert_eq!(counted(&shared, now).await, 6);
 }
 
 /// A refund of a request charged before a reset lands neither in a block

@@ -70,6 +70,7 @@ pub(crate) fn owe<E: SubjectExtractor, St: Store>(
         .map(|(quota, line)| {
             let usage = Usage {
                 held_elsewhere_until: None,
+                counted_at: None,
                 limit: 0,
                 used: 0,
                 resets_at: now,

@@ -800,6 +800,7 @@ impl Counter {
     fn usage(&self) -> Usage {
         Usage {
             held_elsewhere_until: None,
+            counted_at: None,
             limit: self.limit,
             used: self.store_used.saturating_sub(self.units),
             resets_at: self.resets_at,
@@ -1126,6 +1127,10 @@ impl<St: Store> LeasedStore<St> {
         // cost, part of it, or none. Taken as the lines come, so a key
         // listed twice takes from its block twice.
         let mut taken: SmallVec<[u64; 2]> = SmallVec::with_capacity(request.lines.len());
+        // Per line, when the units taken from its block were charged in the
+        // store (the block's oldest): what a give-back of them goes by.
+        let mut counted: SmallVec<[Option<Timestamp>; 2]> =
+            SmallVec::with_capacity(request.lines.len());
         let mut stale_first = false;
         let mut unmarked = Vec::new();
         let mut alone = None;
@@ -1137,6 +1142,7 @@ impl<St: Store> LeasedStore<St> {
         for line in &request.lines {
             let Some(counter) = counters.get_mut(&line.key) else {
                 taken.push(0);
+                counted.push(None);
                 to_store = true;
                 continue;
             };
@@ -1193,12 +1199,16 @@ impl<St: Store> LeasedStore<St> {
                 0
             };
             to_store |= !room;
+            counted.push(counter.taken_at.filter(|_| units > 0));
             counter.units -= units;
             taken.push(units);
             // A request of one line, paid from the block, is answered
             // without looking its counter up again.
             if request.lines.len() == 1 && room && units == line.cost && counter.units > 0 {
-                alone = Some(counter.usage_under(line.limit));
+                alone = Some(Usage {
+                    counted_at: counter.taken_at.filter(|_| units > 0),
+                    ..counter.usage_under(line.limit)
+                });
             }
         }
         if let Some(usage) = alone.filter(|_| stale.is_empty() && unmarked.is_empty()) {
@@ -1223,7 +1233,8 @@ impl<St: Store> LeasedStore<St> {
                 .lines
                 .iter()
                 .zip(&taken)
-                .map(|(line, &units)| {
+                .zip(&counted)
+                .map(|((line, &units), &counted_at)| {
                     let counter = counters.get_mut(&line.key).expect("a block was spent");
                     if counter.units == 0 {
                         counter.block_since = None;
@@ -1232,7 +1243,10 @@ impl<St: Store> LeasedStore<St> {
                             ran_out.push(line);
                         }
                     }
-                    counter.usage_under(line.limit)
+                    Usage {
+                        counted_at,
+                        ..counter.usage_under(line.limit)
+                    }
                 })
                 .collect();
             for line in ran_out {
@@ -2839,11 +2853,15 @@ impl<St: Store> Store for LeasedStore<St> {
         Ok(self.told(&key, result))
     }
 
-    /// Drops this instance's block of `key` (not given back: the counter
-    /// is gone), and what is on its way for it (a block being taken, units
-    /// to put back), and leaves its lease mark; then deletes the counter.
+    /// Lets go of this instance's block of `key` and of what is on its
+    /// way for it (a block being taken, units to put back), and leaves its
+    /// lease mark; then deletes the counter. The block is given back beside
+    /// the reset, guarded as every give-back: nothing once the counter is
+    /// gone or made anew, and its units back if the reset fails or is
+    /// dropped (they would stay charged otherwise).
     fn reset(&self, key: PeriodKey) -> impl Future<Output = Result<bool, StoreError>> + Send {
         let mut resetting = None;
+        let mut block = None;
         let leaving = self.shared.counter(&key).get_mut(&key).and_then(|counter| {
             let now = counter.now(Instant::now());
             counter.resetting += 1;
@@ -2851,11 +2869,27 @@ impl<St: Store> Store for LeasedStore<St> {
                 shared: Arc::clone(&self.shared),
                 key: key.clone(),
             });
+            if let (units @ 1.., Some(taken_at)) = (counter.units, counter.taken_at) {
+                block = Some(GiveBack::untracked(key.clone(), now, units, taken_at));
+            }
             self.renew(counter, now)
         });
         let inner = self.inner.clone();
         let shared = Arc::clone(&self.shared);
+        // In a task of its own on a runtime: a reset dropped meanwhile does
+        // not cut it short.
+        let block = match (block, tokio::runtime::Handle::try_current()) {
+            (Some(block), Ok(runtime)) => {
+                let inner = inner.clone();
+                drop(runtime.spawn(async move { block.send(&inner).await }));
+                None
+            }
+            (block, _) => block,
+        };
         async move {
+            if let Some(block) = block {
+                block.send(&inner).await;
+            }
             if let Some((now, generation)) = leaving {
                 leave(&inner, &shared, now, key.clone(), generation).await;
             }

@@ -820,6 +820,7 @@ fn usage_of(line: &ChargeLine, counter: Option<Counter>) -> Usage {
     match line.lifetime {
         Lifetime::Calendar { end, .. } => Usage {
             held_elsewhere_until: None,
+            counted_at: None,
             limit: line.limit,
             used: counter.map_or(0, |c| c.used),
             resets_at: end,
@@ -827,6 +828,7 @@ fn usage_of(line: &ChargeLine, counter: Option<Counter>) -> Usage {
         },
         Lifetime::FirstUse { deadline } => Usage {
             held_elsewhere_until: None,
+            counted_at: None,
             limit: line.limit,
             used: counter.map_or(0, |c| c.used),
             resets_at: counter.map_or(deadline, |c| c.deadline.timestamp()),

@@ -232,6 +232,10 @@ pub struct ChargeLine {
 /// that will give it.
 #[derive(Debug)]
 #[must_use = "the charge is made: its answer says whether it was admitted"]
+// The answer given at once is the one on every request's path: boxed, it
+// would cost each an allocation, to save a few bytes of a value that lives
+// for one call.
+#[allow(clippy::large_enum_variant)]
 pub enum ChargeAnswer<F> {
     /// The store answered at once.
     Now(Result<ChargeOutcome, StoreError>),
@@ -310,6 +314,14 @@ pub struct Usage {
     /// `resets_at`; it is a hint, not a promise (see the lease marks in
     /// [`LeasedStore`]). `None` from every other store.
     pub held_elsewhere_until: Option<Timestamp>,
+    /// When the store counted the charge, if before the charge's own
+    /// instant: a [`LeasedStore`] that admits from a block answers with
+    /// the instant the block was taken, when the store counted its units.
+    /// A give-back of the charge goes only to a counter made by then
+    /// ([`Store::refund_made_by`]): not to one made anew since (a reset
+    /// elsewhere while this instance still held the block). `None` from
+    /// every other store: it counted the charge at its instant.
+    pub counted_at: Option<Timestamp>,
 }
 
 impl Usage {
@@ -320,12 +332,16 @@ impl Usage {
 
     /// The instant a give-back of a charge made at `charged_at`, answered
     /// with this usage, goes by ([`Store::refund_made_by`]): only to a
-    /// counter made by then. The charge's instant, or the counter's first
-    /// call when that is later (a concurrent charge with a later instant
-    /// made the counter first). A counter made anew after a reset is
-    /// younger than both.
+    /// counter made by then. The instant the store counted it (the charge's
+    /// own, or [`counted_at`](Self::counted_at) when earlier), or the
+    /// counter's first call when that is later (a concurrent charge with a
+    /// later instant made the counter first). A counter made anew after a
+    /// reset is younger than both.
     pub(crate) fn made_by(&self, charged_at: Timestamp) -> Timestamp {
-        made_by(charged_at, self.first_call)
+        let counted = self
+            .counted_at
+            .map_or(charged_at, |counted| counted.min(charged_at));
+        made_by(counted, self.first_call)
     }
 }
 

@@ -1145,3 +1145,34 @@ fn resets_and_reclaiming_give_room_back() {
     );
     assert!(charge(&store, at("2026-12-02T11:00:00Z"), vec![eleven]).admitted);
 }
+
+/// A give-back goes by the instant the store counted the charge: a leased
+/// block's, when earlier than the request's; the counter's first call
+/// when later than both.
+#[test]
+fn a_give_back_goes_by_the_instant_the_charge_was_counted() {
+    let at = |s: &str| s.parse::<Timestamp>().unwrap();
+    let usage = |first_call: Option<&str>, counted_at: Option<&str>| Usage {
+        limit: 10,
+        used: 1,
+        resets_at: at("2026-12-05T00:00:00Z"),
+        first_call: first_call.map(at),
+        held_elsewhere_until: None,
+        counted_at: counted_at.map(at),
+    };
+    let charged_at = at("2026-12-04T10:00:05Z");
+    assert_eq!(usage(None, None).made_by(charged_at), charged_at);
+    let later = "2026-12-04T10:00:06Z";
+    assert_eq!(usage(Some(later), None).made_by(charged_at), at(later));
+    let block = "2026-12-04T10:00:01Z";
+    let first = "2026-12-04T10:00:00Z";
+    assert_eq!(
+        usage(Some(first), Some(block)).made_by(charged_at),
+        at(block)
+    );
+    // A counted instant after the request's (clocks apart) moves nothing.
+    assert_eq!(
+        usage(None, Some("2026-12-04T10:00:09Z")).made_by(charged_at),
+        charged_at
+    );
+}

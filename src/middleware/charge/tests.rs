@@ -52,6 +52,7 @@ fn charge_of(layer: &QuotaLayer<FromHeader>, parts: &Parts) -> Charge {
 fn usage(limit: u64, used: u64, resets_at: &str) -> Usage {
     Usage {
         held_elsewhere_until: None,
+        counted_at: None,
         limit,
         used,
         resets_at: at(resets_at),

@@ -207,6 +207,7 @@ pub(super) fn outcome(
             Ok(match line.lifetime {
                 Lifetime::Calendar { end, .. } => Usage {
                     held_elsewhere_until: None,
+                    counted_at: None,
                     limit: line.limit,
                     used,
                     resets_at: end,
@@ -214,6 +215,7 @@ pub(super) fn outcome(
                 },
                 Lifetime::FirstUse { deadline } => Usage {
                     held_elsewhere_until: None,
+                    counted_at: None,
                     limit: line.limit,
                     used,
                     resets_at: if pttl >= 0 {
