@@ -82,8 +82,10 @@ static GIVE_BACK_ERRORS: Throttle = Throttle::new(5);
 ///   again, rather than being refused while they are on their way.
 /// - **A block of a period that has ended is dropped**, not given back: a
 ///   calendar window that closed, or a first-use period past its deadline.
-///   A support [`reset`](Store::reset) through this store drops this
-///   instance's block of that counter.
+///   A support [`reset`](Store::reset) through this store lets go of this
+///   instance's block of that counter, given back beside the reset (which
+///   takes nothing once the counter is gone: it matters only when the
+///   reset fails).
 ///
 /// # What leases cost
 ///
@@ -97,7 +99,9 @@ static GIVE_BACK_ERRORS: Throttle = Throttle::new(5);
 /// - A reset or a refund made elsewhere reaches this instance when it next
 ///   asks the store: within the lease time at most, since no block is spent
 ///   past it. A refund of a request this instance served goes into its
-///   block; any other refund ([`Store::refund`], a support refund) goes to
+///   block (only if the block is of the counter the request was counted
+///   on: a request served from a block goes by the instant the block was
+///   taken, [`Usage::counted_at`]); any other refund ([`Store::refund`], a support refund) goes to
 ///   the store. A support refund larger than what was spent takes the count
 ///   below the units instances hold, which they then spend on top of the
 ///   limit: refund at most what the subject was charged.
