@@ -1239,6 +1239,69 @@ async fn a_request_served_from_a_block_taken_before_a_reset_is_never_refunded_to
     assert_eq!(counted(&shared, now).await, 6);
 }
 
+/// A reset through the leased store gives its block back before it
+/// deletes the counter: however slow the give-back, it never lands on a
+/// counter made after the delete (one whose first call an earlier clock
+/// dated before the block was taken).
+#[tokio::test(start_paused = true)]
+async fn a_resets_block_goes_back_before_the_delete() {
+    let shared = MemoryStore::new();
+    let slow = Slow::new(shared.clone(), 0);
+    let a = LeasedStore::new(slow.clone());
+    let mut now = t0();
+    busy(&a, &mut now, 200, 10_000, 1).await;
+    assert!(a.held() > 0);
+    slow.slow_refunds.store(50, Ordering::Relaxed);
+    assert!(a.reset(day_key()).await.unwrap());
+    // A new counter, made by requests whose clock reads the day's start.
+    for _ in 0..20 {
+        assert!(call(&shared, t0(), 10_000).await.admitted);
+    }
+    tokio::time::sleep(Duration::from_secs(1)).await;
+    now += SignedDuration::from_secs(1);
+    assert_eq!(
+        counted(&shared, now).await,
+        20,
+        "nothing came off the new counter"
+    );
+}
+
+/// A request of two lines, one paid from a block taken before a reset
+/// made elsewhere and one sent to the store: the line paid from the block
+/// is told as counted when the block was taken, and its give-back never
+/// comes off the counter made since.
+#[tokio::test(start_paused = true)]
+async fn a_line_paid_from_an_old_block_beside_one_the_store_charged_is_told_when_it_was_counted() {
+    let shared = MemoryStore::new();
+    let a = LeasedStore::new(shared.clone());
+    let mut now = t0();
+    busy(&a, &mut now, 200, 10_000, 1).await;
+    assert!(a.held() > 0);
+    let reset_at = now;
+    assert!(shared.reset(day_key()).await.unwrap());
+    tokio::time::advance(Duration::from_millis(1)).await;
+    now += SignedDuration::from_millis(1);
+    for _ in 0..5 {
+        assert!(call(&shared, now, 10_000).await.admitted);
+    }
+    let both = ChargeRequest {
+        now,
+        lines: smallvec::smallvec![line_of("acme", 10_000), line_of("beta", 10_000)],
+    };
+    let outcome = a.charge(both).await.unwrap();
+    assert!(outcome.admitted);
+    let usage = outcome.usage[0];
+    let counted_at = usage.counted_at.expect("paid from a block");
+    assert!(counted_at < reset_at);
+    assert_eq!(outcome.usage[1].counted_at, None, "charged by the store");
+    let made_by = counted_at
+        .min(now)
+        .max(usage.first_call.unwrap_or(counted_at));
+    let refunded = a.refund_made_by(now, day_key(), 1, made_by).await.unwrap();
+    assert_eq!(refunded, None, "the counter charged is gone");
+    assert_eq!(counted(&shared, now).await, 5);
+}
+
 /// A refund of a request charged before a reset lands neither in a block
 /// of the counter made since nor on that counter.
 #[tokio::test(start_paused = true)]

@@ -1131,9 +1131,10 @@ impl<St: Store> LeasedStore<St> {
         // cost, part of it, or none. Taken as the lines come, so a key
         // listed twice takes from its block twice.
         let mut taken: SmallVec<[u64; 2]> = SmallVec::with_capacity(request.lines.len());
-        // Per line, when the units taken from its block were charged in the
-        // store (the block's oldest): what a give-back of them goes by.
-        let mut counted: SmallVec<[Option<Timestamp>; 2]> =
+        // Per line paid from a block, when its units were charged in the
+        // store (the block's oldest) and the first call of the counter they
+        // were charged on: what a give-back of them goes by.
+        let mut counted: SmallVec<[Option<Counted>; 2]> =
             SmallVec::with_capacity(request.lines.len());
         let mut stale_first = false;
         let mut unmarked = Vec::new();
@@ -1203,7 +1204,10 @@ impl<St: Store> LeasedStore<St> {
                 0
             };
             to_store |= !room;
-            counted.push(counter.taken_at.filter(|_| units > 0));
+            counted.push(counter.taken_at.filter(|_| units > 0).map(|at| Counted {
+                at,
+                first_call: counter.first_call,
+            }));
             counter.units -= units;
             taken.push(units);
             // A request of one line, paid from the block, is answered
@@ -1238,7 +1242,7 @@ impl<St: Store> LeasedStore<St> {
                 .iter()
                 .zip(&taken)
                 .zip(&counted)
-                .map(|((line, &units), &counted_at)| {
+                .map(|((line, &units), counted)| {
                     let counter = counters.get_mut(&line.key).expect("a block was spent");
                     if counter.units == 0 {
                         counter.block_since = None;
@@ -1248,7 +1252,7 @@ impl<St: Store> LeasedStore<St> {
                         }
                     }
                     Usage {
-                        counted_at,
+                        counted_at: counted.map(|counted| counted.at),
                         ..counter.usage_under(line.limit)
                     }
                 })
@@ -1325,6 +1329,7 @@ impl<St: Store> LeasedStore<St> {
             joins,
             known,
             taken,
+            counted,
             stale,
             stale_first,
             unmarked,
@@ -1462,6 +1467,7 @@ impl<St: Store> LeasedStore<St> {
             known: vec![Some(known)],
             unmarked: Vec::new(),
             taken: smallvec::smallvec![0],
+            counted: smallvec::smallvec![None],
             stale: Vec::new(),
             stale_first: false,
             reserved: Reserved::new(&self.shared, Vec::new()),
@@ -1507,6 +1513,7 @@ impl<St: Store> LeasedStore<St> {
             joins,
             known,
             taken,
+            counted,
             stale,
             stale_first,
             unmarked,
@@ -1682,9 +1689,25 @@ impl<St: Store> LeasedStore<St> {
             }
             // Restored before the usage is read, if the store refused.
             drop(reserved);
-            let outcome = store.learn(
+            let mut outcome = store.learn(
                 &request, &blocks, &joined, &known, &marks, outcome, at, sent,
             );
+            if outcome.admitted {
+                // A line paid from a block here was counted when the block
+                // was taken, on the counter it was taken from: its
+                // give-back goes by then (part of it paid by the store
+                // too, the earlier instant: never to a counter made since).
+                for (usage, counted) in outcome.usage.iter_mut().zip(&counted) {
+                    if let Some(counted) = counted {
+                        usage.counted_at = Some(counted.at);
+                        // The counter the block was taken from, which the
+                        // store may have reset and made anew meanwhile.
+                        if counted.first_call.is_some() {
+                            usage.first_call = counted.first_call;
+                        }
+                    }
+                }
+            }
             if !refused || outcome.admitted || !wait {
                 return Ok(outcome);
             }
@@ -2534,6 +2557,10 @@ struct Plan {
     unmarked: Vec<(PeriodKey, u64)>,
     /// Per line, what blocks here pay of its cost.
     taken: SmallVec<[u64; 2]>,
+    /// Per line paid from a block, when the store counted those units (the
+    /// block's oldest), on which counter: what a give-back of the line goes
+    /// by, told in the answer ([`Usage::counted_at`]).
+    counted: SmallVec<[Option<Counted>; 2]>,
     /// Blocks past their lease time, given back first.
     stale: Vec<GiveBack>,
     /// Whether the charge waits until `stale` is back: a block taken under
@@ -2545,6 +2572,14 @@ struct Plan {
     reserved: Reserved,
     /// The charge's number (see [`Shared::sent`]).
     sent: u64,
+}
+
+/// When units a request was paid from were charged in the store (their
+/// block's take), and the first call of the counter they were charged on.
+#[derive(Clone, Copy, Debug)]
+struct Counted {
+    at: Timestamp,
+    first_call: Option<Timestamp>,
 }
 
 /// A counter's entry as a charge sent to the store found it.
@@ -2859,10 +2894,10 @@ impl<St: Store> Store for LeasedStore<St> {
 
     /// Lets go of this instance's block of `key` and of what is on its
     /// way for it (a block being taken, units to put back), and leaves its
-    /// lease mark; then deletes the counter. The block is given back beside
-    /// the reset, guarded as every give-back: nothing once the counter is
-    /// gone or made anew, and its units back if the reset fails or is
-    /// dropped (they would stay charged otherwise).
+    /// lease mark; then deletes the counter. The block is given back first,
+    /// to the counter it was taken from: its units back if the reset fails
+    /// or is dropped (they would stay charged otherwise), and nothing left
+    /// to land on a counter made after the delete.
     fn reset(&self, key: PeriodKey) -> impl Future<Output = Result<bool, StoreError>> + Send {
         let mut resetting = None;
         let mut block = None;
@@ -2880,19 +2915,22 @@ impl<St: Store> Store for LeasedStore<St> {
         });
         let inner = self.inner.clone();
         let shared = Arc::clone(&self.shared);
-        // In a task of its own on a runtime: a reset dropped meanwhile does
-        // not cut it short.
-        let block = match (block, tokio::runtime::Handle::try_current()) {
+        // In a task of its own on a runtime, which the delete waits for: a
+        // reset dropped meanwhile does not cut it short.
+        let (block, giving_back) = match (block, tokio::runtime::Handle::try_current()) {
             (Some(block), Ok(runtime)) => {
                 let inner = inner.clone();
-                drop(runtime.spawn(async move { block.send(&inner).await }));
-                None
+                let task = runtime.spawn(async move { block.send(&inner).await });
+                (None, Some(task))
             }
-            (block, _) => block,
+            (block, _) => (block, None),
         };
         async move {
             if let Some(block) = block {
                 block.send(&inner).await;
+            }
+            if let Some(giving_back) = giving_back {
+                let _ = giving_back.await;
             }
             if let Some((now, generation)) = leaving {
                 leave(&inner, &shared, now, key.clone(), generation).await;
