@@ -1221,10 +1221,8 @@ async fn a_request_served_from_a_block_taken_before_a_reset_is_never_refunded_to
     let counted_at = usage.counted_at.expect("served from a block");
     assert!(counted_at < reset_at, "charged when the block was taken");
     // What the layer gives back by (`Usage::made_by`): the earlier of the
-    // two instants, or the counter's first call if later.
-    let made_by = counted_at
-        .min(now)
-        .max(usage.first_call.unwrap_or(counted_at));
+    // two instants.
+    let made_by = counted_at.min(now);
     // A goes idle (its old block is refused back), then charges once and
     // learns of the new counter.
     tokio::time::advance(Duration::from_millis(1_300)).await;
@@ -1294,11 +1292,49 @@ async fn a_line_paid_from_an_old_block_beside_one_the_store_charged_is_told_when
     let counted_at = usage.counted_at.expect("paid from a block");
     assert!(counted_at < reset_at);
     assert_eq!(outcome.usage[1].counted_at, None, "charged by the store");
-    let made_by = counted_at
-        .min(now)
-        .max(usage.first_call.unwrap_or(counted_at));
+    let made_by = counted_at.min(now);
     let refunded = a.refund_made_by(now, day_key(), 1, made_by).await.unwrap();
     assert_eq!(refunded, None, "the counter charged is gone");
+    assert_eq!(counted(&shared, now).await, 5);
+}
+
+/// A block kept across a reset made elsewhere, which this instance learns
+/// of only from answers to lines the block paid (they cost the store
+/// nothing, and make no counter): requests served from it are given back
+/// by the block's instant, not to the counter made since, whatever first
+/// call this instance learned meanwhile.
+#[tokio::test(start_paused = true)]
+async fn a_block_kept_across_a_reset_made_elsewhere_is_never_refunded_to_the_new_counter() {
+    let shared = MemoryStore::new();
+    let a = LeasedStore::new(shared.clone());
+    let mut now = t0();
+    busy(&a, &mut now, 200, 10_000, 1).await;
+    assert!(a.held() > 0);
+    let reset_at = now;
+    assert!(shared.reset(day_key()).await.unwrap());
+    let both = |now| ChargeRequest {
+        now,
+        lines: smallvec::smallvec![line_of("acme", 10_000), line_of("beta", 10_000)],
+    };
+    tokio::time::advance(Duration::from_millis(1)).await;
+    now += SignedDuration::from_millis(1);
+    assert!(a.charge(both(now)).await.unwrap().admitted);
+    // The counter made anew elsewhere.
+    for _ in 0..5 {
+        assert!(call(&shared, now, 10_000).await.admitted);
+    }
+    tokio::time::advance(Duration::from_millis(1)).await;
+    now += SignedDuration::from_millis(1);
+    let outcome = a.charge(both(now)).await.unwrap();
+    assert!(outcome.admitted);
+    let served = call(&a, now, 10_000).await;
+    for usage in [outcome.usage[0], served.usage[0]] {
+        let counted_at = usage.counted_at.expect("paid from the old block");
+        assert!(counted_at < reset_at);
+        let made_by = counted_at.min(now);
+        let refunded = a.refund_made_by(now, day_key(), 1, made_by).await.unwrap();
+        assert_eq!(refunded, None, "the counter charged is gone");
+    }
     assert_eq!(counted(&shared, now).await, 5);
 }
 

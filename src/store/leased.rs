@@ -101,7 +101,10 @@ static GIVE_BACK_ERRORS: Throttle = Throttle::new(5);
 ///   past it. A refund of a request this instance served goes into its
 ///   block (only if the block is of the counter the request was counted
 ///   on: a request served from a block goes by the instant the block was
-///   taken, [`Usage::counted_at`]); any other refund ([`Store::refund`], a support refund) goes to
+///   taken, [`Usage::counted_at`], so that after a reset elsewhere it goes
+///   nowhere; one paid in part by the store too goes by that instant
+///   whole, and after such a reset the store's part stays charged); any
+///   other refund ([`Store::refund`], a support refund) goes to
 ///   the store. A support refund larger than what was spent takes the count
 ///   below the units instances hold, which they then spend on top of the
 ///   limit: refund at most what the subject was charged.
@@ -1132,9 +1135,8 @@ impl<St: Store> LeasedStore<St> {
         // listed twice takes from its block twice.
         let mut taken: SmallVec<[u64; 2]> = SmallVec::with_capacity(request.lines.len());
         // Per line paid from a block, when its units were charged in the
-        // store (the block's oldest) and the first call of the counter they
-        // were charged on: what a give-back of them goes by.
-        let mut counted: SmallVec<[Option<Counted>; 2]> =
+        // store (the block's oldest): what a give-back of them goes by.
+        let mut counted: SmallVec<[Option<Timestamp>; 2]> =
             SmallVec::with_capacity(request.lines.len());
         let mut stale_first = false;
         let mut unmarked = Vec::new();
@@ -1204,10 +1206,7 @@ impl<St: Store> LeasedStore<St> {
                 0
             };
             to_store |= !room;
-            counted.push(counter.taken_at.filter(|_| units > 0).map(|at| Counted {
-                at,
-                first_call: counter.first_call,
-            }));
+            counted.push(counter.taken_at.filter(|_| units > 0));
             counter.units -= units;
             taken.push(units);
             // A request of one line, paid from the block, is answered
@@ -1242,7 +1241,7 @@ impl<St: Store> LeasedStore<St> {
                 .iter()
                 .zip(&taken)
                 .zip(&counted)
-                .map(|((line, &units), counted)| {
+                .map(|((line, &units), &counted_at)| {
                     let counter = counters.get_mut(&line.key).expect("a block was spent");
                     if counter.units == 0 {
                         counter.block_since = None;
@@ -1252,7 +1251,7 @@ impl<St: Store> LeasedStore<St> {
                         }
                     }
                     Usage {
-                        counted_at: counted.map(|counted| counted.at),
+                        counted_at,
                         ..counter.usage_under(line.limit)
                     }
                 })
@@ -1696,15 +1695,11 @@ impl<St: Store> LeasedStore<St> {
                 // A line paid from a block here was counted when the block
                 // was taken, on the counter it was taken from: its
                 // give-back goes by then (part of it paid by the store
-                // too, the earlier instant: never to a counter made since).
-                for (usage, counted) in outcome.usage.iter_mut().zip(&counted) {
-                    if let Some(counted) = counted {
-                        usage.counted_at = Some(counted.at);
-                        // The counter the block was taken from, which the
-                        // store may have reset and made anew meanwhile.
-                        if counted.first_call.is_some() {
-                            usage.first_call = counted.first_call;
-                        }
+                // too, the earlier instant: never to a counter made since,
+                // at the cost of that part's give-back, refused by one).
+                for (usage, counted_at) in outcome.usage.iter_mut().zip(&counted) {
+                    if counted_at.is_some() {
+                        usage.counted_at = *counted_at;
                     }
                 }
             }
@@ -2558,9 +2553,9 @@ struct Plan {
     /// Per line, what blocks here pay of its cost.
     taken: SmallVec<[u64; 2]>,
     /// Per line paid from a block, when the store counted those units (the
-    /// block's oldest), on which counter: what a give-back of the line goes
-    /// by, told in the answer ([`Usage::counted_at`]).
-    counted: SmallVec<[Option<Counted>; 2]>,
+    /// block's oldest): what a give-back of the line goes by, told in the
+    /// answer ([`Usage::counted_at`]).
+    counted: SmallVec<[Option<Timestamp>; 2]>,
     /// Blocks past their lease time, given back first.
     stale: Vec<GiveBack>,
     /// Whether the charge waits until `stale` is back: a block taken under
@@ -2572,14 +2567,6 @@ struct Plan {
     reserved: Reserved,
     /// The charge's number (see [`Shared::sent`]).
     sent: u64,
-}
-
-/// When units a request was paid from were charged in the store (their
-/// block's take), and the first call of the counter they were charged on.
-#[derive(Clone, Copy, Debug)]
-struct Counted {
-    at: Timestamp,
-    first_call: Option<Timestamp>,
 }
 
 /// A counter's entry as a charge sent to the store found it.
@@ -2920,7 +2907,12 @@ impl<St: Store> Store for LeasedStore<St> {
         let (block, giving_back) = match (block, tokio::runtime::Handle::try_current()) {
             (Some(block), Ok(runtime)) => {
                 let inner = inner.clone();
-                let task = runtime.spawn(async move { block.send(&inner).await });
+                // Work a shutdown waits for.
+                let busy = Busy::new(&self.shared);
+                let task = runtime.spawn(async move {
+                    let _busy = busy;
+                    block.send(&inner).await;
+                });
                 (None, Some(task))
             }
             (block, _) => (block, None),

@@ -332,16 +332,18 @@ impl Usage {
 
     /// The instant a give-back of a charge made at `charged_at`, answered
     /// with this usage, goes by ([`Store::refund_made_by`]): only to a
-    /// counter made by then. The instant the store counted it (the charge's
-    /// own, or [`counted_at`](Self::counted_at) when earlier), or the
-    /// counter's first call when that is later (a concurrent charge with a
-    /// later instant made the counter first). A counter made anew after a
-    /// reset is younger than both.
+    /// counter made by then. The charge's instant, or the counter's first
+    /// call when that is later (a concurrent charge with a later instant
+    /// made the counter first); for a charge the store counted earlier
+    /// ([`counted_at`](Self::counted_at): a leased block's take, which went
+    /// by the first call of the counter it was taken from already), that
+    /// instant, whatever counter this usage tells of since. A counter made
+    /// anew after a reset is younger than both.
     pub(crate) fn made_by(&self, charged_at: Timestamp) -> Timestamp {
-        let counted = self
-            .counted_at
-            .map_or(charged_at, |counted| counted.min(charged_at));
-        made_by(counted, self.first_call)
+        match self.counted_at {
+            Some(counted) => counted.min(charged_at),
+            None => made_by(charged_at, self.first_call),
+        }
     }
 }
 

@@ -1147,8 +1147,9 @@ fn resets_and_reclaiming_give_room_back() {
 }
 
 /// A give-back goes by the instant the store counted the charge: a leased
-/// block's, when earlier than the request's; the counter's first call
-/// when later than both.
+/// block's, when earlier than the request's, whatever counter the answer
+/// tells of; otherwise the request's, or the counter's first call when
+/// later.
 #[test]
 fn a_give_back_goes_by_the_instant_the_charge_was_counted() {
     let at = |s: &str| s.parse::<Timestamp>().unwrap();
@@ -1168,6 +1169,12 @@ fn a_give_back_goes_by_the_instant_the_charge_was_counted() {
     let first = "2026-12-04T10:00:00Z";
     assert_eq!(
         usage(Some(first), Some(block)).made_by(charged_at),
+        at(block)
+    );
+    // The answer tells of a counter made since the block was taken (reset
+    // elsewhere): the block's instant all the same.
+    assert_eq!(
+        usage(Some(later), Some(block)).made_by(charged_at),
         at(block)
     );
     // A counted instant after the request's (clocks apart) moves nothing.
