@@ -1608,6 +1608,42 @@ async fn a_refund_while_units_are_set_aside_never_grows_the_block_past_its_size(
     assert!(leased.held() <= 10, "{} units held", leased.held());
 }
 
+/// Units set aside for a request on its way (its other line asked of the
+/// store) when a reset through this instance lets go of their entry, and
+/// the reset never lands: refused, the request's units go back to the
+/// counter that survived, as the block does. Nothing stays charged that
+/// nothing served.
+#[tokio::test(start_paused = true)]
+async fn units_set_aside_across_a_reset_that_never_lands_go_back() {
+    let shared = MemoryStore::new();
+    let slow = Slow::new(shared.clone(), 0);
+    let a = LeasedStore::new(slow.clone());
+    let mut now = t0();
+    busy(&a, &mut now, 200, 100_000, 1).await;
+    assert!(a.held() > 0);
+    slow.delay.store(50, Ordering::Relaxed);
+    // Two lines: acme's from the block (set aside), other's asked of the
+    // (slow) store, where it is refused.
+    let two = ChargeRequest {
+        now,
+        lines: smallvec::smallvec![line_of("acme", 100_000), line_of("other", 0)],
+    };
+    let pending = tokio::spawn({
+        let a = a.clone();
+        async move { a.charge(two).await }
+    });
+    tokio::task::yield_now().await;
+    // A reset through A whose caller stops waiting before it lands.
+    let dropped = tokio::time::timeout(Duration::from_millis(10), a.reset(day_key())).await;
+    assert!(dropped.is_err());
+    let outcome = pending.await.unwrap().unwrap();
+    assert!(!outcome.admitted, "refused on the other line");
+    tokio::time::sleep(Duration::from_secs(1)).await;
+    now += SignedDuration::from_secs(1);
+    assert_eq!(a.held(), 0);
+    assert_eq!(counted(&shared, now).await, 200, "what was served, no more");
+}
+
 /// A store that dates no counter (no first calls told), and reads a
 /// first-use counter's reset from its remaining life: a millisecond apart
 /// from call to call.

@@ -315,7 +315,7 @@ impl<St: Store> LeasedStoreBuilder<St> {
     /// The store.
     pub fn build(self) -> LeasedStore<St> {
         LeasedStore {
-            inner: self.inner,
+            inner: self.inner.clone(),
             shared: Arc::new(Shared {
                 settings: self.settings,
                 shards: (0..shard_count()).map(|_| Mutex::default()).collect(),
@@ -328,10 +328,46 @@ impl<St: Store> LeasedStoreBuilder<St> {
                 busy: AtomicUsize::new(0),
                 setting_aside: AtomicUsize::new(0),
                 sent: AtomicU64::new(0),
+                orphans: orphans(self.inner),
             }),
         }
     }
 }
+
+/// Sends back units that no entry here holds any more, in a task of their
+/// own on a tokio runtime (a shutdown waits for it): units set aside for a
+/// request whose entry was let go of meanwhile (a reset through this
+/// instance, which may fail; a shutdown's drain). A guarded give-back, as
+/// every one: nothing once their counter is gone or made anew.
+fn orphans<St: Store>(inner: St) -> Orphans {
+    Box::new(move |shared: &Arc<Shared>, backs: Vec<GiveBack>| {
+        match tokio::runtime::Handle::try_current() {
+            Ok(runtime) => {
+                let inner = inner.clone();
+                let busy = Busy::new(shared);
+                drop(runtime.spawn(async move {
+                    let _busy = busy;
+                    for back in backs {
+                        back.send(&inner).await;
+                    }
+                }));
+            }
+            Err(_) => {
+                if let Some(suppressed) = GIVE_BACK_ERRORS.admit() {
+                    let units: u64 = backs.iter().map(|back| back.units).sum();
+                    tracing::warn!(
+                        units,
+                        suppressed,
+                        "leased units set aside for a request were let go of outside a tokio runtime: they stay charged"
+                    );
+                }
+            }
+        }
+    })
+}
+
+/// See [`orphans`].
+type Orphans = Box<dyn Fn(&Arc<Shared>, Vec<GiveBack>) + Send + Sync>;
 
 /// Shards of the counters an instance knows: enough that requests of
 /// different subjects on different cores seldom wait for each other.
@@ -383,6 +419,8 @@ struct Shared {
     /// planned, under its counters' locks, so that their answers are known
     /// in the order they were sent, however they land.
     sent: AtomicU64,
+    /// Sends back units no entry holds any more (see [`orphans`]).
+    orphans: Orphans,
 }
 
 /// One piece of the work a shutdown waits for, while it lives.
@@ -2643,11 +2681,26 @@ impl Drop for Reserved {
         let mut counters = self
             .shared
             .counters(self.lines.iter().map(|aside| &aside.key));
+        // Units not spent whose entry is gone or was made anew here (a
+        // reset through this instance, a shutdown): back to the store.
+        let mut orphans = Vec::new();
         for aside in &self.lines {
-            if let Some(counter) = counters
+            let entry = counters
                 .get_mut(&aside.key)
-                .filter(|c| c.generation == aside.generation)
-            {
+                .filter(|c| c.generation == aside.generation);
+            if entry.is_none() && !self.spent {
+                if let (Some(taken_at), Some(since)) = (aside.taken_at, aside.block_since) {
+                    let elapsed = span(Instant::now().saturating_duration_since(since));
+                    let now = taken_at.saturating_add(elapsed).unwrap_or(taken_at);
+                    orphans.push(GiveBack::untracked(
+                        aside.key.clone(),
+                        now,
+                        aside.units,
+                        taken_at,
+                    ));
+                }
+            }
+            if let Some(counter) = entry {
                 counter.reserved = counter.reserved.saturating_sub(aside.units);
                 if self.spent {
                     if counter.units == 0 {
@@ -2671,6 +2724,10 @@ impl Drop for Reserved {
                     counter.units += aside.units;
                 }
             }
+        }
+        drop(counters);
+        if !orphans.is_empty() {
+            (self.shared.orphans)(&self.shared, orphans);
         }
     }
 }
