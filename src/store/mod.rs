@@ -336,14 +336,12 @@ impl Usage {
     /// call when that is later (a concurrent charge with a later instant
     /// made the counter first); for a charge the store counted earlier
     /// ([`counted_at`](Self::counted_at): a leased block's take, which went
-    /// by the first call of the counter it was taken from already), that
-    /// instant, whatever counter this usage tells of since. A counter made
-    /// anew after a reset is younger than both.
+    /// by the first call of the counter it was taken from already), never
+    /// later than that instant, whatever counter this usage tells of
+    /// since. A counter made anew after a reset is younger than both.
     pub(crate) fn made_by(&self, charged_at: Timestamp) -> Timestamp {
-        match self.counted_at {
-            Some(counted) => counted.min(charged_at),
-            None => made_by(charged_at, self.first_call),
-        }
+        let made = made_by(charged_at, self.first_call);
+        self.counted_at.map_or(made, |counted| counted.min(made))
     }
 }
 

@@ -1171,6 +1171,14 @@ fn a_give_back_goes_by_the_instant_the_charge_was_counted() {
         usage(Some(first), Some(block)).made_by(charged_at),
         at(block)
     );
+    // A block taken from a counter made after the request's instant (an
+    // instance whose clock is behind): the counter's first call, which
+    // the block's take went by.
+    let block_at_first = "2026-12-04T10:00:06Z";
+    assert_eq!(
+        usage(Some(block_at_first), Some(block_at_first)).made_by(charged_at),
+        at(block_at_first)
+    );
     // The answer tells of a counter made since the block was taken (reset
     // elsewhere): the block's instant all the same.
     assert_eq!(
