@@ -302,11 +302,7 @@ impl Ledger {
         for (id, amount) in entries {
             match &mut book.in_flight {
                 Some(sent) if sent.is(key, id) => sent.forgotten = amount,
-                _ => {
-                    book.remove(key, id);
-                    book.units = book.units.saturating_sub(amount);
-                    units = units.saturating_add(amount);
-                }
+                _ => units = units.saturating_add(book.take_off(key, id, amount)),
             }
         }
         drop(book);
@@ -585,16 +581,8 @@ impl Book {
         if forgot > 0 {
             // Support reset the counter meanwhile: what the reset forgot
             // is not sent again (what was owed since stays).
-            if let Some(entry) = self.entry(key, id) {
-                let dropped = forgot.min(entry.amount);
-                entry.amount -= dropped;
-                let left = entry.amount;
-                self.units = self.units.saturating_sub(dropped);
-                if left == 0 {
-                    self.remove(key, id);
-                }
-                forgotten(key, dropped);
-            }
+            let dropped = self.take_off(key, id, forgot);
+            forgotten(key, dropped);
         }
         self.release();
         if let Some(at) = self.queue.iter().position(|(k, i)| k == key && *i == id) {
@@ -607,16 +595,24 @@ impl Book {
     /// `amount` of entry `id` of `key` is settled (or dropped): what was
     /// added to it meanwhile stays owed.
     fn paid(&mut self, key: &PeriodKey, id: u64, amount: u64) {
-        if let Some(entry) = self.entry(key, id) {
-            let paid = amount.min(entry.amount);
-            entry.amount -= paid;
-            let left = entry.amount;
-            self.units = self.units.saturating_sub(paid);
-            if left == 0 {
-                self.remove(key, id);
-            }
-        }
+        self.take_off(key, id, amount);
         self.release();
+    }
+
+    /// Takes up to `amount` off entry `id` of `key`, removed once nothing
+    /// is left of it: what was taken.
+    fn take_off(&mut self, key: &PeriodKey, id: u64, amount: u64) -> u64 {
+        let Some(entry) = self.entry(key, id) else {
+            return 0;
+        };
+        let taken = amount.min(entry.amount);
+        entry.amount -= taken;
+        let left = entry.amount;
+        self.units = self.units.saturating_sub(taken);
+        if left == 0 {
+            self.remove(key, id);
+        }
+        taken
     }
 
     /// The entry being settled is back among the others, if it is still
