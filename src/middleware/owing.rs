@@ -185,12 +185,11 @@ struct PendingDebts<E, St: Store> {
 }
 
 impl<E, St: Store> PendingDebts<E, St> {
+    /// The debts, unless forgiven or owed already.
     fn take(&self) -> Option<Vec<Debt>> {
         self.debts.lock().unwrap_or_else(|e| e.into_inner()).take()
     }
-}
 
-impl<E, St: Store> PendingDebts<E, St> {
     /// Owes the debts to the ledger, unless forgiven or owed already.
     fn owe(&self) {
         if let Some(debts) = self.take() {

@@ -685,11 +685,12 @@ impl<E, St> QuotaPolicyBuilder<E, St> {
     /// answer, the way tonic answers a failed unary call; a status sent in
     /// trailers after a streamed body is not read, and stays charged.
     /// DEADLINE_EXCEEDED stays charged too: the client sets the deadline,
-    /// often after the work was done. The refund goes to the counters that were
-    /// charged while they live, and never to one made anew since (a
+    /// often after the work was done. The refund goes to the counters that
+    /// were charged while they live, and never to one made anew since (a
     /// support reset while the request was served): a calendar counter
     /// whose window ended meanwhile takes none (its period is over, and
-    /// nothing in it is enforced any more; it keeps counting the request). Stores date counters by the clock of the instance that made
+    /// nothing in it is enforced any more; it keeps counting the request).
+    /// Stores date counters by the clock of the instance that made
     /// them: keep the clocks of instances that share a store synchronised
     /// (or give the policy the Redis server's, `RedisStore::server_clock`),
     /// or a refund may find its counter dated after the request.

@@ -83,9 +83,9 @@ static GIVE_BACK_ERRORS: Throttle = Throttle::new(5);
 /// - **A block of a period that has ended is dropped**, not given back: a
 ///   calendar window that closed, or a first-use period past its deadline.
 ///   A support [`reset`](Store::reset) through this store lets go of this
-///   instance's block of that counter, given back beside the reset (which
-///   takes nothing once the counter is gone: it matters only when the
-///   reset fails).
+///   instance's block of that counter, given back before the counter is
+///   deleted (so that a reset that fails leaves nothing charged that
+///   nothing served).
 ///
 /// # What leases cost
 ///
@@ -1244,14 +1244,15 @@ impl<St: Store> LeasedStore<St> {
                 0
             };
             to_store |= !room;
-            counted.push(counter.taken_at.filter(|_| units > 0));
+            let counted_at = counter.taken_at.filter(|_| units > 0);
+            counted.push(counted_at);
             counter.units -= units;
             taken.push(units);
             // A request of one line, paid from the block, is answered
             // without looking its counter up again.
             if request.lines.len() == 1 && room && units == line.cost && counter.units > 0 {
                 alone = Some(Usage {
-                    counted_at: counter.taken_at.filter(|_| units > 0),
+                    counted_at,
                     ..counter.usage_under(line.limit)
                 });
             }

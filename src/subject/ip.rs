@@ -381,7 +381,6 @@ impl SubjectExtractor for ClientIp {
     }
 }
 
-/// The peer address the server put in the request extensions.
 /// A request without its peer's address: the server does not hand it over
 /// (axum serves it with `into_make_service_with_connect_info`).
 fn no_peer() -> SubjectError {
@@ -393,6 +392,7 @@ fn no_peer() -> SubjectError {
     )
 }
 
+/// The peer address the server put in the request extensions.
 fn peer_ip(parts: &Parts) -> Option<IpAddr> {
     #[cfg(feature = "axum")]
     if let Some(axum::extract::ConnectInfo(addr)) = parts
