@@ -4,7 +4,7 @@
 
 use std::fmt;
 use std::sync::atomic::{AtomicBool, AtomicU8, Ordering};
-use std::sync::{Arc, Mutex, OnceLock};
+use std::sync::{Arc, Mutex};
 
 use http::Extensions;
 use jiff::tz::TimeZone;
@@ -156,29 +156,32 @@ pub struct QuotaStatus {
     /// One per policy whose layers the request passed, in the order it met
     /// them (nearly always one).
     tickets: SmallVec<[Ticket; 1]>,
-    /// What the handler reads, built on first use: most handlers never look.
-    entries: OnceLock<Vec<QuotaUsage>>,
 }
 
 impl QuotaStatus {
-    /// One entry per quota that applied to the request, outer layers first.
+    /// One entry per quota that applied to the request, outer layers first,
+    /// as the request leaves its counters now: as charged, less what was
+    /// given back since (by
+    /// [`QuotaHandle::refund_request`](crate::QuotaHandle::refund_request)).
     /// A quota whose charge the request owes (it passed on a failed charge
     /// under [`OnStoreError::FailOpen`](crate::OnStoreError::FailOpen)) has
     /// none: the store did not say where the caller stands.
-    pub fn entries(&self) -> &[QuotaUsage] {
-        self.entries.get_or_init(|| {
-            self.tickets
-                .iter()
-                .flat_map(|ticket| ticket.charges.iter())
-                .flat_map(|lines| lines.with_quotas())
-                .map(|(quota, line)| QuotaUsage::new(quota.clone(), line.key.clone(), line.usage))
-                .collect()
-        })
+    pub fn entries(&self) -> Vec<QuotaUsage> {
+        self.usages().collect()
     }
 
-    /// The entry of the quota named `name`.
-    pub fn get(&self, name: &str) -> Option<&QuotaUsage> {
-        self.entries().iter().find(|e| e.name() == name)
+    /// The entry of the quota named `name`, as [`entries`](Self::entries)
+    /// has it.
+    pub fn get(&self, name: &str) -> Option<QuotaUsage> {
+        self.usages().find(|e| e.name() == name)
+    }
+
+    fn usages(&self) -> impl Iterator<Item = QuotaUsage> + '_ {
+        self.tickets
+            .iter()
+            .flat_map(|ticket| ticket.charges.iter())
+            .flat_map(|lines| lines.with_quotas())
+            .map(|(quota, line)| QuotaUsage::new(quota.clone(), line.key.clone(), line.standing()))
     }
 
     /// The instant the request was first charged: what
@@ -259,13 +262,11 @@ impl QuotaStatus {
     fn of(ticket: Ticket) -> Self {
         QuotaStatus {
             tickets: smallvec::smallvec![ticket],
-            entries: OnceLock::new(),
         }
     }
 
     /// Records `ticket`, replacing what its policy knew before.
     pub(crate) fn put(&mut self, ticket: Ticket) {
-        self.entries = OnceLock::new();
         match self.tickets.iter_mut().find(|t| t.policy == ticket.policy) {
             Some(known) => *known = ticket,
             None => self.tickets.push(ticket),

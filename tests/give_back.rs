@@ -728,7 +728,14 @@ async fn a_request_its_handler_undid_is_not_given_back_again() {
         .refund_server_errors(true)
         .build();
     async fn fails(State(handle): State<QuotaHandle>, status: QuotaStatus) -> StatusCode {
+        assert_eq!(status.entries()[0].used(), 2);
         assert_eq!(handle.refund_request(&status).await.unwrap(), [Some(1)]);
+        assert_eq!(
+            status.get("default-day").map(|usage| usage.used()),
+            Some(1),
+            "the status tells the counter as the handler left it"
+        );
+        assert_eq!(status.entries()[0].remaining(), 9);
         StatusCode::INTERNAL_SERVER_ERROR
     }
     async fn stalls(State(handle): State<QuotaHandle>, status: QuotaStatus) -> StatusCode {

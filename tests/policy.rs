@@ -678,7 +678,8 @@ async fn quotas_of_a_layer_the_request_never_reached_are_given_back() {
     // The burst layer guards GET only; the read layer wraps the whole method
     // router, so it cannot tell which method will pass the burst layer.
     let names = |status: QuotaStatus| async move {
-        let names: Vec<&str> = status.entries().iter().map(|e| e.name()).collect();
+        let entries = status.entries();
+        let names: Vec<&str> = entries.iter().map(|e| e.name()).collect();
         names.join(",")
     };
     let methods = get(|| async { "found" })
