@@ -24,12 +24,22 @@ use crate::key::PeriodKey;
 /// pays for a whole period's worth of reclaiming.
 pub(super) const SWEEP_BUDGET: usize = 32;
 
-/// How long a counter outlives its deadline before it is reclaimed. A
-/// request reads the clock before it charges, so a charge stamped just
-/// before a deadline can reach the store after one stamped just after it;
-/// the grace keeps the ended window's counter for the late one, which then
-/// finds it spent, not a fresh counter to be admitted on.
-pub(super) const RECLAIM_GRACE: SignedDuration = SignedDuration::from_secs(1);
+/// How long a counter outlives its deadline before a sweep reclaims it. A
+/// request is stamped once, by its policy's outermost layer, and each layer
+/// charges it at that instant: a layer further in (behind a queue, an
+/// authentication call) may reach the store well after the window it
+/// charges ended, and after charges stamped since. The grace keeps the
+/// ended window's counter for the late one, which then finds it spent, not
+/// a fresh counter to be admitted on. (The Redis store's default grace is
+/// the same.) A store at its bound reclaims them sooner: [`ROOM_GRACE`].
+pub(super) const RECLAIM_GRACE: SignedDuration = SignedDuration::from_secs(60);
+
+/// How long a counter outlives its deadline when the store needs its room
+/// for a new one: at a calendar boundary, a store near its bound would
+/// otherwise refuse the new window's subjects for the whole
+/// [`RECLAIM_GRACE`]. A charge stamped before the deadline that reaches the
+/// store later than this then finds a fresh counter.
+pub(super) const ROOM_GRACE: SignedDuration = SignedDuration::from_secs(1);
 
 /// Deadlines a purge goes through each time it holds a shard's lock.
 const PURGE_STEP: usize = 512;
@@ -47,9 +57,10 @@ pub(super) const ROOM_BUDGET: usize = 256;
 ///   different subjects rarely wait on each other.
 /// - One hash lookup per quota and charge. Creating a counter also files its
 ///   deadline in the shard's deadline heap (logarithmic in the shard's size).
-/// - Bounded memory: a counter is reclaimed a second after its deadline at
-///   the earliest (a charge stamped just before the deadline that reaches the
-///   store late still finds it); every charge reclaims up to 32 such counters of its
+/// - Bounded memory: a counter is reclaimed a minute after its deadline at
+///   the earliest (a charge stamped before the deadline that reaches the
+///   store late still finds it), or a second after it when the store is
+///   at its bound; every charge reclaims up to 32 such counters of its
 ///   own shard, and every eighth charge of a shard as many of another shard
 ///   in turn (skipped when that shard is busy), so expired counters go away
 ///   without traffic to them as long as the store sees any traffic, and
@@ -212,10 +223,12 @@ impl MemoryStore {
     /// [`MemoryStore::DEFAULT_MAX_COUNTERS`]); for this store and every
     /// clone of it.
     ///
-    /// A counter is held until a second after its period ends, so at a
-    /// calendar boundary the ended windows' counters still count for that
-    /// second beside the new window's: size the bound for the subjects of
-    /// a period and those that start the next one within a second.
+    /// A counter is held until a minute after its period ends, for charges
+    /// stamped before the end that reach the store late, or until a second
+    /// after it when the store needs its room: at a calendar boundary the
+    /// ended windows' counters still count for that second beside the new
+    /// window's. Size the bound for the subjects of a period and those that
+    /// start the next one within a second.
     ///
     /// ```
     /// use tower_quota::MemoryStore;
@@ -249,7 +262,7 @@ impl MemoryStore {
             if *budget == 0 {
                 break;
             }
-            *budget -= shard.sweep(now, *budget).0;
+            *budget -= shard.sweep(room_by(now), *budget).0;
             if self.reserve(new) {
                 return true;
             }
@@ -286,7 +299,7 @@ impl MemoryStore {
             }
             visited += 1;
             if let Some(mut shard) = try_lock(&shards[start.wrapping_add(i) % shards.len()]) {
-                let (gone_through, removed) = shard.sweep(now, *budget);
+                let (gone_through, removed) = shard.sweep(room_by(now), *budget);
                 *budget -= gone_through;
                 reclaimed += removed;
             }
@@ -403,15 +416,15 @@ impl MemoryStore {
         Some(counter.used)
     }
 
-    /// Reclaims every counter whose deadline is a second or more before
-    /// `now` (a counter outlives its deadline by a second, for the charges
+    /// Reclaims every counter whose deadline is a minute or more before
+    /// `now` (a counter outlives its deadline by a minute, for the charges
     /// stamped before it that reach the store late).
     ///
     /// Each shard is reclaimed a few hundred counters at a time, letting go
     /// of its lock between them, so charges wait little on a purge.
     pub fn purge_expired(&self, now: Timestamp) {
         for shard in self.inner.shards.iter() {
-            while lock(shard).sweep(now, PURGE_STEP).0 == PURGE_STEP {}
+            while lock(shard).sweep(reclaimed_by(now), PURGE_STEP).0 == PURGE_STEP {}
         }
     }
 
@@ -433,7 +446,7 @@ impl MemoryStore {
         let mut another = None;
         let result = if lines.iter().skip(1).all(|l| self.shard_of(&l.key) == first) {
             let mut guard = lock(&self.inner.shards[first]);
-            guard.sweep(now, SWEEP_BUDGET);
+            guard.sweep(reclaimed_by(now), SWEEP_BUDGET);
             another = self.turn(&mut guard, first);
             f(&mut Locked::One(&mut guard))
         } else {
@@ -446,7 +459,7 @@ impl MemoryStore {
                 .map(|i| (i, lock(&self.inner.shards[i])))
                 .collect();
             for (_, guard) in &mut guards {
-                guard.sweep(now, SWEEP_BUDGET);
+                guard.sweep(reclaimed_by(now), SWEEP_BUDGET);
             }
             if let Some((index, guard)) = guards.first_mut() {
                 another = self.turn(guard, *index);
@@ -479,7 +492,7 @@ impl MemoryStore {
     /// Called with no shard locked.
     fn sweep_another(&self, another: Option<usize>, now: Timestamp) {
         if let Some(mut shard) = another.and_then(|i| try_lock(&self.inner.shards[i])) {
-            shard.sweep(now, SWEEP_BUDGET);
+            shard.sweep(reclaimed_by(now), SWEEP_BUDGET);
         }
     }
 
@@ -491,7 +504,7 @@ impl MemoryStore {
         let mut tried = false;
         let outcome = loop {
             let mut shard = lock(&self.inner.shards[index]);
-            shard.sweep(now, SWEEP_BUDGET);
+            shard.sweep(reclaimed_by(now), SWEEP_BUDGET);
             if !tried {
                 another = self.turn(&mut shard, index);
             }
@@ -590,8 +603,8 @@ impl MemoryStore {
             }
         }
         // Counters this charge may add, each key once: those with no
-        // counter, or one past its grace, which making room may reclaim
-        // first. (One that ended within its grace is replaced where it is:
+        // counter, or one past its room grace, which making room may
+        // reclaim first. (One that ended within it is replaced where it is:
         // making room, at the same instant, cannot reclaim it.)
         let mut reserved = 0;
         if admitted {
@@ -660,9 +673,10 @@ impl Locked<'_, '_> {
     }
 
     /// Whether charging `key` at `now` may add a counter to the shard of
-    /// line `line`: it has none, or one a sweep at `now` reclaims.
+    /// line `line`: it has none, or one that making room at `now` may
+    /// reclaim.
     fn needs_room(&mut self, line: usize, key: &PeriodKey, now: Timestamp) -> bool {
-        let cutoff = reclaimed_by(now);
+        let cutoff = room_by(now);
         self.shard(line)
             .get(key.as_str())
             .is_none_or(|c| c.deadline <= cutoff)
@@ -778,15 +792,15 @@ impl Shard {
         removed
     }
 
-    /// Reclaims the counters whose deadline is [`RECLAIM_GRACE`] or more
-    /// before `now`, going through `budget` deadlines at most: how many it
-    /// went through, and how many counters it removed.
-    fn sweep(&mut self, now: Timestamp, budget: usize) -> (usize, usize) {
-        let now = reclaimed_by(now);
+    /// Reclaims the counters whose deadline is `cutoff` or before (at `now`,
+    /// [`reclaimed_by`] it; to make room, [`room_by`] it), going through
+    /// `budget` deadlines at most: how many it went through, and how many
+    /// counters it removed.
+    fn sweep(&mut self, cutoff: Nanos, budget: usize) -> (usize, usize) {
         let (mut gone_through, mut removed) = (0, 0);
         while gone_through < budget {
             match self.deadlines.peek() {
-                Some(Reverse((deadline, _))) if *deadline <= now => {}
+                Some(Reverse((deadline, _))) if *deadline <= cutoff => {}
                 _ => break,
             }
             let Some(Reverse((deadline, hash))) = self.deadlines.pop() else {
@@ -812,7 +826,17 @@ impl Shard {
 
 /// The latest deadline a sweep at `now` reclaims: [`RECLAIM_GRACE`] before.
 fn reclaimed_by(now: Timestamp) -> Nanos {
-    let grace = RECLAIM_GRACE.as_nanos() as i64;
+    before(now, RECLAIM_GRACE)
+}
+
+/// The latest deadline a charge at `now` that needs room reclaims:
+/// [`ROOM_GRACE`] before.
+fn room_by(now: Timestamp) -> Nanos {
+    before(now, ROOM_GRACE)
+}
+
+fn before(now: Timestamp, grace: SignedDuration) -> Nanos {
+    let grace = grace.as_nanos() as i64;
     Nanos(Nanos::of(now).0.saturating_sub(grace))
 }
 
@@ -1008,7 +1032,7 @@ impl MemoryStore {
         let mut tried = false;
         loop {
             let mut shard = lock(&self.inner.shards[index]);
-            shard.sweep(now, SWEEP_BUDGET);
+            shard.sweep(reclaimed_by(now), SWEEP_BUDGET);
             let existing = match shard.get_mut(debt.key.as_str()) {
                 // A first-use period opened at or past the debt's deadline
                 // (by a charge with a later instant than the settle's):

@@ -179,8 +179,9 @@ pub enum Lifetime {
     /// the counter may be reclaimed after it. (Not at once: a charge
     /// stamped just before `end` can reach the store after one stamped
     /// later, and must still find the window's counter, or it is admitted
-    /// on a fresh one. The memory store keeps a counter a second past its
-    /// end, the Redis store a minute by default.)
+    /// on a fresh one. The memory store keeps a counter a minute past its
+    /// end (a second when it needs the room), the Redis store a minute by
+    /// default.)
     Calendar {
         /// The window's first instant.
         start: Timestamp,

@@ -418,6 +418,47 @@ fn a_charge_stamped_before_a_deadline_finds_its_counter_after_a_later_sweep() {
     assert_eq!(store.len(), 1, "only the next day's counter is left");
 }
 
+/// A layer further in charges a request at the instant its policy's
+/// outermost layer stamped it: behind a queue, that can reach the store
+/// many seconds after the window ended and after later charges swept the
+/// shard. The counter is still there, spent: the late charge is refused,
+/// not admitted on a fresh counter of a window that ended.
+#[test]
+fn a_charge_that_waited_seconds_between_layers_finds_its_spent_counter() {
+    let end = at("2026-12-02T10:01:00Z");
+    let stamped = end - SignedDuration::from_millis(200);
+    let minute = |id: &str| {
+        calendar(
+            key(id, "burst", "2026-12-02T10:00"),
+            1,
+            1,
+            "2026-12-02T10:00:00Z",
+            "2026-12-02T10:01:00Z",
+        )
+    };
+    let store = MemoryStore::with_shards(1);
+    assert!(charge(&store, stamped, vec![minute("acme")]).admitted);
+    // Other subjects' charges of the next minutes sweep the shard, up to
+    // half a minute on.
+    for (i, seconds) in [1, 2, 5, 10, 30].into_iter().enumerate() {
+        let next = calendar(
+            key(&format!("other-{i}"), "burst", "2026-12-02T10:01"),
+            1,
+            1,
+            "2026-12-02T10:01:00Z",
+            "2026-12-02T10:02:00Z",
+        );
+        let later = end + SignedDuration::from_secs(seconds);
+        assert!(charge(&store, later, vec![next]).admitted);
+    }
+    store.purge_expired(end + SignedDuration::from_secs(30));
+    let late = charge(&store, stamped, vec![minute("acme")]);
+    assert!(!late.admitted, "the minute's allowance was spent");
+    assert_eq!(late.usage[0].used, 1);
+    store.purge_expired(end + memory::RECLAIM_GRACE);
+    assert_eq!(store.len(), 5, "the ended minute's counter went at last");
+}
+
 #[test]
 fn purge_reclaims_everything_expired() {
     // One shard, and more counters than a purge reclaims under one lock.
@@ -906,14 +947,15 @@ fn a_full_store_reclaims_expired_counters_of_other_shards_too() {
     assert_eq!(store.len(), 4);
 }
 
-/// A full store refuses a new subject when nothing is past its grace, and, a
-/// moment later, reclaims what has expired since, in any shard.
+/// A full store refuses a new subject when no counter is past its room
+/// grace, and, a moment later, reclaims what is past it since (within the
+/// longer grace of a store with room), in any shard.
 #[test]
 fn a_full_store_that_found_no_room_reclaims_what_expired_since() {
     let store = MemoryStore::with_shards(16).max_counters(4);
     let t0 = at("2026-12-02T10:00:00Z");
-    // Reclaimable a millisecond after t0, at the end of their grace.
-    let soon = at("2026-12-02T10:00:00.001Z") - memory::RECLAIM_GRACE;
+    // Reclaimable to make room a millisecond after t0.
+    let soon = at("2026-12-02T10:00:00.001Z") - memory::ROOM_GRACE;
     for id in ["a", "b", "c", "d"] {
         let line = first_use(key(id, "read", "PT1S"), 10, 1, soon);
         assert!(charge(&store, soon - SignedDuration::from_secs(1), vec![line]).admitted);
@@ -921,7 +963,7 @@ fn a_full_store_that_found_no_room_reclaims_what_expired_since() {
     let new = |id: &str| first_use(key(id, "read", "PT1H"), 10, 1, at("2026-12-02T11:00:00Z"));
     let full = try_charge(&store, t0, vec![new("e")]).unwrap_err();
     assert_eq!(full.kind(), StoreErrorKind::Full);
-    // Every counter's grace ended a millisecond later.
+    // Every counter's room grace ended a millisecond later.
     let later = t0 + SignedDuration::from_millis(20);
     for id in ["f", "g", "h", "i"] {
         assert!(
