@@ -484,6 +484,31 @@ async fn a_deferred_cost_that_panics_leaves_nothing_charged() {
     assert_eq!(settles(&policy, "default-day", 0).await, 0);
 }
 
+/// The same in a layer that owes its charge (its store failed, fail open):
+/// the response does not go out, so the layers further in, which charged
+/// the request, give their charges back.
+#[tokio::test]
+async fn a_deferred_cost_that_panics_in_an_owing_layer_gives_inner_charges_back() {
+    let outer = policy(
+        Rigged::new(MemoryStore::new(), Rig::Fail, Some("big")),
+        "outer",
+    )
+    .on_store_error(OnStoreError::FailOpen)
+    .build();
+    let inner = policy(MemoryStore::new(), "inner").build();
+    let app = Router::new()
+        .route("/", get(ok))
+        .route_layer(inner.layer(Quota::daily(10).allowance("read")))
+        .layer(
+            outer
+                .layer(Quota::daily(100).allowance("big"))
+                .deferred_cost(1, |_| panic!("no cost header")),
+        );
+    let served = tokio::spawn(app.oneshot(call("/")));
+    assert!(served.await.unwrap_err().is_panic());
+    assert_eq!(settles(&inner, "read-day", 0).await, 0, "not served");
+}
+
 /// A deferred cost's add the store never sent is sent again only within
 /// its counter's period: past it, a counter with the same key (a first-use
 /// one made anew) is another period's, which the request never spent.

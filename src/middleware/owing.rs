@@ -117,16 +117,13 @@ impl<E: SubjectExtractor, St: Store> Owing<E, St> {
         mut self,
         result: Result<Response<B>, Er>,
     ) -> Result<Response<B>, Er> {
-        self.answered = true;
-        if self.outer.is_empty() {
-            // The outermost layer that charged or owes: the response goes
-            // out, and what the layers further in kept was served.
-            self.lines.went_out();
-        }
         let policy = &self.bound.policy;
         let settings = &policy.settings;
         let cost = &self.bound.scope.cost;
         let most = policy.store.max_count();
+        // Worked out first: the application's deferred cost runs in it,
+        // and if it panics, dropping `self` gives back what the layers
+        // further in kept, as for any request not served.
         let (result, outcome) = match result {
             Ok(response) => {
                 let (parts, body) = response.into_parts();
@@ -138,6 +135,12 @@ impl<E: SubjectExtractor, St: Store> Owing<E, St> {
                 charge::outcome(&self.lines, cost, settings, most, None),
             ),
         };
+        self.answered = true;
+        if self.outer.is_empty() {
+            // The outermost layer that charged or owes: the response goes
+            // out, and what the layers further in kept was served.
+            self.lines.went_out();
+        }
         let Outcome::Served(ops) = outcome else {
             // No route served it: nothing owed.
             return result;
