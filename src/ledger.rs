@@ -593,9 +593,21 @@ impl Book {
     }
 
     /// `amount` of entry `id` of `key` is settled (or dropped): what was
-    /// added to it meanwhile stays owed.
+    /// added to it meanwhile stays owed, unless a support reset forgot it
+    /// meanwhile too.
     fn paid(&mut self, key: &PeriodKey, id: u64, amount: u64) {
+        let forgot = self
+            .in_flight
+            .as_ref()
+            .filter(|sent| sent.is(key, id))
+            .map_or(0, |sent| sent.forgotten);
         self.take_off(key, id, amount);
+        if forgot > amount {
+            // What joined the entry before the reset, beyond what this
+            // settle carried.
+            let dropped = self.take_off(key, id, forgot - amount);
+            forgotten(key, dropped);
+        }
         self.release();
     }
 

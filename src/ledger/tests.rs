@@ -224,6 +224,31 @@ fn the_entry_being_settled_is_not_let_go_of() {
     assert_eq!((book.queue.len(), book.units), (0, 0));
 }
 
+/// A support reset while an entry's settle is on its way, after more debts
+/// joined the entry: once the settle lands, what joined before the reset
+/// is forgotten too, not settled into the counter made since.
+#[test]
+fn a_reset_forgets_what_joined_an_entry_being_settled() {
+    let ledger = Ledger::default();
+    let now = at(NOON);
+    let acme = key("acme", "2026-12-02");
+    let (key, id) = {
+        let mut book = ledger.lock();
+        book.record(calendar(&acme, 5, now), now, 10);
+        let (key, id, debt) = book.next(now).unwrap();
+        assert_eq!(debt.amount, 5);
+        book.record(calendar(&acme, 3, now + minutes(1)), now, 10);
+        (key, id)
+    };
+    ledger.forget(&acme);
+    let since = now + minutes(2);
+    ledger.lock().record(calendar(&acme, 2, since), since, 10);
+    ledger.lock().paid(&key, id, 5);
+    let book = ledger.lock();
+    assert_eq!(book.units, 2, "only what was owed since the reset");
+    assert_queue_holds_every_entry_once(&book);
+}
+
 /// At the bound, with the entry being settled over, a debt on a new counter
 /// does not go through the book again for it; once the settle failed, the
 /// entry is let go of as any other.
