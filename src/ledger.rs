@@ -103,6 +103,7 @@
 
 use std::collections::{HashMap, VecDeque};
 use std::future::Future;
+use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Mutex, MutexGuard, Weak};
 use std::time::Duration;
 
@@ -151,6 +152,11 @@ pub struct Owed {
 #[derive(Default)]
 pub(crate) struct Ledger {
     book: Mutex<Book>,
+    /// Set while the ledger owes and no task settles it, because the last
+    /// one could not start (no tokio runtime) or ended without finishing
+    /// (its runtime shut down): the next request of the policy starts one
+    /// (see [`Ledger::wake`]), not only the next debt.
+    stranded: AtomicBool,
 }
 
 /// What the ledger owes, and whether a task settles it.
@@ -385,16 +391,18 @@ impl Ledger {
             return;
         }
         let Ok(runtime) = tokio::runtime::Handle::try_current() else {
+            self.stranded.store(true, Ordering::Relaxed);
             if let Some(suppressed) = NO_RUNTIME.admit() {
                 tracing::warn!(
                     suppressed,
                     "quota ledger cannot settle what it owes: no tokio runtime here; it tries \
-                     again with the next debt recorded on one"
+                     again with the policy's next request on one"
                 );
             }
             return;
         };
         book.settling = true;
+        self.stranded.store(false, Ordering::Relaxed);
         drop(book);
         let guard = Settling {
             ledger: Some(Arc::downgrade(self)),
@@ -402,6 +410,19 @@ impl Ledger {
         };
         let (clock, timeout) = (Arc::clone(&settings.clock), settings.store_timeout);
         drop(runtime.spawn(settle(guard, store.clone(), clock, timeout)));
+    }
+}
+
+impl Ledger {
+    /// Starts the settling task if the ledger owes and none runs since the
+    /// last one could not start or ended unfinished: called on every
+    /// request of the policy, so that debts settle once a runtime serves
+    /// requests again, though no new debt is recorded (the store is back).
+    #[inline]
+    pub(crate) fn wake<St: Store>(self: &Arc<Self>, store: &St, settings: &Settings) {
+        if self.stranded.load(Ordering::Relaxed) {
+            self.start(store, settings);
+        }
     }
 }
 
@@ -710,7 +731,7 @@ fn abandoned(units: u64, counters: usize) {
 }
 
 /// The settling task's claim on the ledger: if the task ends without
-/// saying so (it panicked, or its runtime shut down), the next debt starts
+/// saying so (its runtime shut down), the policy's next request starts
 /// another.
 struct Settling {
     ledger: Option<Weak<Ledger>>,
@@ -737,6 +758,9 @@ impl Drop for Settling {
             Some(ledger) => {
                 let mut book = ledger.lock();
                 book.settling = false;
+                if !book.queue.is_empty() {
+                    ledger.stranded.store(true, Ordering::Relaxed);
+                }
                 book.release();
             }
             None => {
@@ -782,7 +806,7 @@ async fn settle<St: Store>(
         };
         let amount = debt.amount;
         claim.sent = Some(amount);
-        let result = within(timeout, store.settle_debt(now, debt)).await;
+        let result = caught(|| within(timeout, store.settle_debt(now, debt))).await;
         // A failure worth another try (a timeout, the store unreachable or
         // full) leaves the entry owed, behind the others; any other answer
         // settles it or drops it.
@@ -858,6 +882,32 @@ async fn settle<St: Store>(
             return;
         }
     }
+}
+
+/// The answer of the future `settling` makes, or an error if making or
+/// polling it panics (a store of the application's own with a bug): the
+/// debt is then dropped as one the store refuses, and the task goes on
+/// with the others, where a task that panicked would leave them to wait.
+async fn caught<F>(settling: impl FnOnce() -> F) -> Result<Option<u64>, StoreError>
+where
+    F: Future<Output = Result<Option<u64>, StoreError>>,
+{
+    use std::panic::{catch_unwind, AssertUnwindSafe};
+    let panicked = || {
+        Err(StoreError::new(
+            StoreErrorKind::Other,
+            "the quota store panicked while settling a debt",
+        ))
+    };
+    let Ok(future) = catch_unwind(AssertUnwindSafe(settling)) else {
+        return panicked();
+    };
+    let mut future = std::pin::pin!(future);
+    std::future::poll_fn(|cx| {
+        catch_unwind(AssertUnwindSafe(|| future.as_mut().poll(cx)))
+            .unwrap_or_else(|_| std::task::Poll::Ready(panicked()))
+    })
+    .await
 }
 
 /// Waits `wait` before the settling task tries again, or [`FIRST_RETRY`]

@@ -101,6 +101,49 @@ async fn a_request_passed_on_a_failed_charge_is_counted_once_the_store_answers()
     );
 }
 
+/// A ledger whose settling task went with its runtime (a side runtime shut
+/// down while the store was away) settles from the policy's next request
+/// on another runtime, though that request owes nothing: the store is
+/// back, and no new debt would start a task.
+#[test]
+fn a_ledger_whose_runtime_shut_down_settles_from_the_next_request() {
+    let clock = clock();
+    let store = Rigged::new(MemoryStore::new(), Rig::Fail, Some("read"));
+    store.away.store(true, Ordering::Relaxed);
+    let policy = policy(store.clone(), &clock).build();
+    let app = Router::new()
+        .route(
+            "/read",
+            get(|| async { "read" }).route_layer(policy.layer(Quota::daily(10).allowance("read"))),
+        )
+        .route(
+            "/write",
+            get(|| async { "written" })
+                .route_layer(policy.layer(Quota::daily(10).allowance("write"))),
+        );
+    let runtime = || {
+        tokio::runtime::Builder::new_current_thread()
+            .enable_all()
+            .build()
+            .unwrap()
+    };
+    let first = runtime();
+    first.block_on(async {
+        for _ in 0..3 {
+            assert_eq!(send(&app, call("/read", "acme")).await, StatusCode::OK);
+        }
+    });
+    drop(first);
+    assert_eq!(policy.owed().units, 3, "owed, and no task settles it");
+    store.away.store(false, Ordering::Relaxed);
+    runtime().block_on(async {
+        assert_eq!(send(&app, call("/write", "acme")).await, StatusCode::OK);
+        assert_eq!(policy.owed().units, 3, "the write owes nothing");
+        settled(&policy).await;
+        assert_eq!(used(&policy, "acme", "read-day").await, 3);
+    });
+}
+
 #[tokio::test(start_paused = true)]
 async fn the_policys_layers_further_in_owe_theirs_without_asking_the_store() {
     let clock = clock();

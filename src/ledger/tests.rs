@@ -276,13 +276,14 @@ fn the_entry_being_settled_starts_no_search_for_ended_ones() {
 }
 
 /// A memory store that fails every settle while `away`, and every settle
-/// on `broken`, counting the tries; while `held`, a settle waits for
-/// `release` first.
+/// on `broken`, counting the tries, and panics on a settle on `panics`;
+/// while `held`, a settle waits for `release` first.
 #[derive(Clone, Default)]
 struct Away {
     inner: MemoryStore,
     away: Arc<AtomicBool>,
     broken: Arc<std::sync::Mutex<Option<PeriodKey>>>,
+    panics: Arc<std::sync::Mutex<Option<PeriodKey>>>,
     tries: Arc<AtomicUsize>,
     held: Arc<AtomicBool>,
     release: Arc<tokio::sync::Notify>,
@@ -325,6 +326,10 @@ impl Store for Away {
         debt: Debt,
     ) -> impl Future<Output = Result<Option<u64>, StoreError>> + Send {
         self.tries.fetch_add(1, Ordering::Relaxed);
+        assert!(
+            self.panics.lock().unwrap().as_ref() != Some(&debt.key),
+            "the store panics on this debt"
+        );
         let away = self.away.load(Ordering::Relaxed)
             || self.broken.lock().unwrap().as_ref() == Some(&debt.key);
         let inner = self.inner.clone();
@@ -504,6 +509,30 @@ async fn a_key_the_store_keeps_failing_holds_up_no_other() {
     tokio::time::sleep(Duration::from_secs(6)).await;
     assert_eq!(ledger.owed(), Owed::default());
     assert_eq!(used(&store.inner, &a, now).await, 1);
+}
+
+/// A debt the store panics on (a bug in a store of the application's own)
+/// is dropped, as one the store refuses: the task goes on with the others.
+#[tokio::test(start_paused = true)]
+async fn a_debt_the_store_panics_on_holds_up_no_other() {
+    let now = at(NOON);
+    let settings = settings(now);
+    let store = Away::default();
+    let (a, b) = (key("a", "PT1H"), key("b", "PT1H"));
+    *store.panics.lock().unwrap() = Some(a.clone());
+    let ledger = Arc::new(Ledger::default());
+    ledger.owe(
+        &store,
+        &settings,
+        [first_use(&a, 1, now), first_use(&b, 2, now)],
+    );
+    tokio::time::sleep(Duration::from_millis(1)).await;
+    assert_eq!(used(&store.inner, &b, now).await, 2);
+    assert_eq!(ledger.owed(), Owed::default());
+    let c = key("c", "PT1H");
+    ledger.owe(&store, &settings, [first_use(&c, 3, now)]);
+    tokio::time::sleep(Duration::from_millis(1)).await;
+    assert_eq!(used(&store.inner, &c, now).await, 3);
 }
 
 /// A ledger dropped with its policy while a settle is on its way: the

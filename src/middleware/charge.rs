@@ -97,6 +97,9 @@ pub(crate) fn plan<E: SubjectExtractor, St: crate::store::Store>(
         Some(ticket) if ticket.caller.is_none() => return Step::Pass,
         Some(ticket) => ticket.clone(),
         None => {
+            // A ledger left owing without a task (its runtime shut down)
+            // settles again from a request on a runtime.
+            policy.ledger.wake(&policy.store, settings);
             let now = settings.clock.now();
             if settings.skips(parts) {
                 skipped(&bound.scope.quotas);
