@@ -67,13 +67,15 @@ impl Store for Counting {
 /// A memory store that takes `delay` milliseconds of the runtime's time to
 /// answer anything (none by default; a test may change it on the way),
 /// answers a charge `late` milliseconds after it applied it, and takes
-/// `slow_refunds` milliseconds more for a refund.
+/// `slow_refunds` milliseconds more for a refund; while `away`, a give-back
+/// fails without reaching it (never sent).
 #[derive(Clone, Default)]
 struct Slow {
     inner: MemoryStore,
     delay: Arc<AtomicU64>,
     late: Arc<AtomicU64>,
     slow_refunds: Arc<AtomicU64>,
+    away: Arc<std::sync::atomic::AtomicBool>,
 }
 
 impl Slow {
@@ -83,6 +85,7 @@ impl Slow {
             delay: Arc::new(AtomicU64::new(delay_ms)),
             late: Arc::default(),
             slow_refunds: Arc::default(),
+            away: Arc::default(),
         }
     }
 
@@ -128,6 +131,10 @@ impl Store for Slow {
     ) -> Result<Option<u64>, StoreError> {
         let slow = Duration::from_millis(self.slow_refunds.load(Ordering::Relaxed));
         tokio::time::sleep(self.delay() + slow).await;
+        if self.away.load(Ordering::Relaxed) {
+            let away = tower_quota::store::StoreErrorKind::Unavailable;
+            return Err(StoreError::new(away, "away").unsent());
+        }
         self.inner.refund_made_by(now, key, amount, made_by).await
     }
     async fn add(
@@ -657,6 +664,34 @@ async fn another_instance_gets_the_units_once_the_holder_is_idle() {
     let refused = call(&b, now, 100).await;
     assert!(!refused.admitted);
     assert_eq!(refused.usage[0].held_elsewhere_until, None);
+}
+
+/// A give-back of an idle block that never reaches the store (it is away
+/// a moment) leaves the block here, not charged in the store for nobody:
+/// it goes back once the store is.
+#[tokio::test(start_paused = true)]
+async fn an_idle_block_the_store_never_got_back_is_held_until_it_does() {
+    let shared = MemoryStore::new();
+    let store = Slow::new(shared.clone(), 0);
+    let away = Arc::clone(&store.away);
+    let a = LeasedStore::new(store);
+    let mut now = t0();
+    busy(&a, &mut now, 70, 100, 1).await;
+    let held = a.held();
+    assert!(held > 0, "a block is held");
+    assert_eq!(counted(&shared, now).await, 70 + held);
+    away.store(true, Ordering::Relaxed);
+    tokio::time::advance(Duration::from_millis(1_300)).await;
+    tokio::task::yield_now().await;
+    now += SignedDuration::from_millis(1_300);
+    assert_eq!(a.held(), held, "still here: the store never got it");
+    assert_eq!(counted(&shared, now).await, 70 + held);
+    away.store(false, Ordering::Relaxed);
+    tokio::time::advance(Duration::from_millis(1_300)).await;
+    tokio::task::yield_now().await;
+    now += SignedDuration::from_millis(1_300);
+    assert_eq!(a.held(), 0);
+    assert_eq!(counted(&shared, now).await, 70, "what was served");
 }
 
 #[tokio::test(start_paused = true)]

@@ -128,6 +128,12 @@ static GIVE_BACK_ERRORS: Throttle = Throttle::new(5);
 ///   than they were sent, across that reset or period's end (one round
 ///   trip apart), the block was charged to the live counter: its units
 ///   then stay charged until the period ends.
+/// - A give-back of a block the store never got (it was away: no
+///   connection) leaves the block with this instance, which spends it
+///   while it is fresh and gives it back when it is next idle or old. One
+///   that failed otherwise (a timeout: it may have landed) is not sent
+///   again; its units stay charged until the period ends, as do those of
+///   a shutdown's give-backs that fail.
 /// - The usage a leased charge reports counts this instance's unused units
 ///   as not spent (they are not, yet), and other instances' as spent.
 /// - Store calls beyond the charges: a give-back per block that was not
@@ -1216,20 +1222,12 @@ impl<St: Store> LeasedStore<St> {
                 // which is sent again if the store refused it before the
                 // units were back. (Units taken under a higher limit, spent
                 // here, could pass the lower one with other instances'.)
-                let taken_at = counter.taken_at.unwrap_or(request.now);
-                let units = counter.units;
-                stale.push(GiveBack::tracked(
+                stale.push(GiveBack::block(
                     &self.shared,
                     counter,
                     line.key.clone(),
                     request.now,
-                    units,
-                    taken_at,
                 ));
-                counter.store_used = counter.store_used.saturating_sub(counter.units);
-                counter.units = 0;
-                counter.block_since = None;
-                counter.taken_at = None;
                 if counter.mark.leave(request.now, margin) {
                     unmarked.push((line.key.clone(), counter.generation));
                 }
@@ -2252,7 +2250,13 @@ async fn return_one<St: Store>(
     taken_at: Timestamp,
     leaving: bool,
 ) -> u64 {
-    let back = units > 0 && give_back(&inner, now, key.clone(), units, taken_at).await;
+    let back = units > 0
+        && give_back(&inner, now, key.clone(), units, taken_at)
+            .await
+            .unwrap_or_else(|error| {
+                stay_charged(&error, units);
+                false
+            });
     if leaving {
         unmark(&inner, now, &key).await;
     }
@@ -2313,21 +2317,14 @@ async fn sweep<St: Store>(shared: Weak<Shared>, inner: St, settings: Settings) {
                 });
                 let now = counter.now(at);
                 if (idle || old) && counter.units > 0 {
-                    if !counter.ended(now) {
-                        let taken_at = counter.taken_at.unwrap_or(now);
-                        back.push(GiveBack::tracked(
-                            &shared,
-                            counter,
-                            key.to_period_key(),
-                            now,
-                            counter.units,
-                            taken_at,
-                        ));
+                    if counter.ended(now) {
+                        counter.store_used = counter.store_used.saturating_sub(counter.units);
+                        counter.units = 0;
+                        counter.block_since = None;
+                        counter.taken_at = None;
+                    } else {
+                        back.push(GiveBack::block(&shared, counter, key.to_period_key(), now));
                     }
-                    counter.store_used = counter.store_used.saturating_sub(counter.units);
-                    counter.units = 0;
-                    counter.block_since = None;
-                    counter.taken_at = None;
                 }
                 let holding = counter.units > 0 || counter.taking || counter.reserved > 0;
                 if (idle || old) && !holding && counter.mark.leave(now, settings.mark_margin()) {
@@ -2380,6 +2377,18 @@ struct GiveBack {
     taken_at: Timestamp,
     /// Whose entry of `key` counts it, until it landed or failed.
     tracked_by: Option<Arc<Shared>>,
+    /// The block the units were, to put them back into its entry if the
+    /// store never got them (see [`GiveBack::send`]): units given back
+    /// for being idle or old, not those of a counter gone.
+    block: Option<Block>,
+}
+
+/// What a block given back was, for [`GiveBack::put_back`].
+#[derive(Clone, Copy, Debug)]
+struct Block {
+    generation: u64,
+    since: Option<Instant>,
+    limit: u64,
 }
 
 impl GiveBack {
@@ -2400,7 +2409,27 @@ impl GiveBack {
             units,
             taken_at,
             tracked_by: Some(Arc::clone(shared)),
+            block: None,
         }
+    }
+
+    /// The whole block of `counter`, the entry at `key`, to give back at
+    /// `now` (it was idle here, or old): put back into the entry if the
+    /// store never gets it. The entry no longer holds it.
+    fn block(shared: &Arc<Shared>, counter: &mut Counter, key: PeriodKey, now: Timestamp) -> Self {
+        let block = Block {
+            generation: counter.generation,
+            since: counter.block_since,
+            limit: counter.block_limit,
+        };
+        let (units, taken_at) = (counter.units, counter.taken_at.unwrap_or(now));
+        counter.store_used = counter.store_used.saturating_sub(units);
+        counter.units = 0;
+        counter.block_since = None;
+        counter.taken_at = None;
+        let mut back = Self::tracked(shared, counter, key, now, units, taken_at);
+        back.block = Some(block);
+        back
     }
 
     /// Units no entry here counts (its entry is gone).
@@ -2411,12 +2440,54 @@ impl GiveBack {
             units,
             taken_at,
             tracked_by: None,
+            block: None,
         }
     }
 
-    /// Gives the units back (see [`give_back`]).
-    async fn send<St: Store>(self, inner: &St) {
-        give_back(inner, self.now, self.key.clone(), self.units, self.taken_at).await;
+    /// Gives the units back (see [`give_back`]). Units of a block the
+    /// store never got (it was away: nothing of the refund applied) go
+    /// back into their entry, if it is the same and its period is not
+    /// over: this instance holds them again, spends them while they are
+    /// fresh, and gives them back when next idle or old. Otherwise they
+    /// would stay charged in the store until the period ends.
+    async fn send<St: Store>(mut self, inner: &St) {
+        let sent = give_back(inner, self.now, self.key.clone(), self.units, self.taken_at).await;
+        if let Err(error) = sent {
+            if !self.put_back() {
+                stay_charged(&error, self.units);
+            }
+        }
+    }
+
+    /// Puts the units back into the block they were taken from; whether
+    /// they went.
+    fn put_back(&mut self) -> bool {
+        let (Some(block), Some(shared)) = (self.block, self.tracked_by.as_ref()) else {
+            return false;
+        };
+        if shared.closed.load(Ordering::SeqCst) {
+            return false;
+        }
+        let mut counters = shared.counter(&self.key);
+        let Some(counter) = counters.get_mut(&self.key) else {
+            return false;
+        };
+        if counter.generation != block.generation || counter.ended(counter.now(Instant::now())) {
+            return false;
+        }
+        counter.units += self.units;
+        counter.store_used = counter.store_used.saturating_add(self.units);
+        counter.block_since = match (counter.block_since, block.since) {
+            (Some(a), Some(b)) => Some(a.min(b)),
+            (a, b) => a.or(b),
+        };
+        counter.taken_at = Some(
+            counter
+                .taken_at
+                .map_or(self.taken_at, |at| at.min(self.taken_at)),
+        );
+        counter.block_limit = counter.block_limit.max(block.limit);
+        true
     }
 }
 
@@ -2432,31 +2503,39 @@ impl Drop for GiveBack {
 
 /// Refunds `units` unused units, taken at `taken_at`, to the live counter
 /// at `key` if it was made by then (not to one made since, after a reset);
-/// whether the store took them.
+/// whether the store took them, or the error of a refund it never got
+/// (see [`StoreError::is_unsent`]). Any other failure is logged: the
+/// units stay charged.
 async fn give_back<St: Store>(
     inner: &St,
     now: Timestamp,
     key: PeriodKey,
     units: u64,
     taken_at: Timestamp,
-) -> bool {
+) -> Result<bool, StoreError> {
     match inner.refund_made_by(now, key, units, taken_at).await {
         Ok(Some(_)) => {
             crate::metrics::lease_returned(units);
-            true
+            Ok(true)
         }
-        Ok(None) => false,
+        Ok(None) => Ok(false),
+        Err(error) if error.is_unsent() => Err(error),
         Err(error) => {
-            if let Some(suppressed) = GIVE_BACK_ERRORS.admit() {
-                tracing::warn!(
-                    error = crate::key::scrubbed(&error.to_string()),
-                    units,
-                    suppressed,
-                    "quota store failed to take back unused leased units: they stay charged"
-                );
-            }
-            false
+            stay_charged(&error, units);
+            Ok(false)
         }
+    }
+}
+
+/// Logs `units` the store failed to take back with `error`.
+fn stay_charged(error: &StoreError, units: u64) {
+    if let Some(suppressed) = GIVE_BACK_ERRORS.admit() {
+        tracing::warn!(
+            error = crate::key::scrubbed(&error.to_string()),
+            units,
+            suppressed,
+            "quota store failed to take back unused leased units: they stay charged"
+        );
     }
 }
 
