@@ -1000,7 +1000,7 @@ async fn a_store_outage_is_logged_a_few_times_a_second() {
     let logged = errors.1.swap(0, std::sync::atomic::Ordering::Relaxed);
     assert!(logged <= 5 * seconds, "{logged} lines in {seconds} s");
 
-    let support = policy.handle().router();
+    let support: axum::Router = policy.handle().router();
     let started = std::time::Instant::now();
     for _ in 0..200 {
         let reply = get_as(&support, "/quota/account/acme", "acme").await;

@@ -646,3 +646,25 @@ async fn nested_layers_telling_two_quotas_of_one_name_are_logged() {
     assert!(warned(Quota::daily(100)).await);
     assert!(!warned(Quota::daily(100).named("ip-day")).await);
 }
+
+/// The support router nests in an application's router of any state, before
+/// its `with_state`, as axum's own routers do.
+#[tokio::test(flavor = "current_thread")]
+async fn the_support_router_nests_in_a_router_with_state() {
+    #[derive(Clone)]
+    struct App {
+        name: &'static str,
+    }
+    let policy = QuotaPolicy::builder(FromHeader::account("x-account-id")).build();
+    let app: Router = Router::new()
+        .route(
+            "/",
+            get(|axum::extract::State(app): axum::extract::State<App>| async move { app.name }),
+        )
+        .route_layer(policy.layer(Quota::daily(10).allowance("read")))
+        .nest("/admin", policy.handle().router())
+        .with_state(App { name: "app" });
+    assert_eq!(send(&app, Method::GET, "/").await.status(), StatusCode::OK);
+    let shown = send(&app, Method::GET, "/admin/quota/account/acme").await;
+    assert_eq!(shown.status(), StatusCode::OK);
+}

@@ -58,6 +58,9 @@ impl<St: Store> QuotaHandle<St> {
     /// or any other path, 405 for a route called with another method, 503
     /// when the store fails.
     ///
+    /// It fits a router of any state (`Router<S>`): nest it before or after
+    /// the application's `with_state`.
+    ///
     /// Mount it with `Router::nest` under a prefix of its own, as below: its
     /// 404 answers only the paths under that prefix. (`Router::merge` would
     /// make it the application's 404, and panics when the application has
@@ -88,7 +91,10 @@ impl<St: Store> QuotaHandle<St> {
     /// assert_eq!(body["allowances"][0]["remaining"], 100);
     /// # }
     /// ```
-    pub fn router(&self) -> Router {
+    pub fn router<S>(&self) -> Router<S>
+    where
+        S: Clone + Send + Sync + 'static,
+    {
         Router::new()
             .route("/quota/{kind}/{id}", get(show::<St>))
             .route("/reset/{kind}/{id}/{allowance}", post(reset::<St>))

@@ -76,13 +76,30 @@ impl ManualClock {
         self.nanos.store(to_nanos(at), Ordering::SeqCst);
     }
 
-    /// Moves the clock forward by `by` (backwards when negative).
+    /// Moves the clock forward by `by`: a [`std::time::Duration`], as the
+    /// crate's settings and tokio's `time::advance` take, or a jiff
+    /// [`SignedDuration`] (backwards when negative).
+    ///
+    /// ```
+    /// use std::time::Duration;
+    /// use tower_quota::ManualClock;
+    ///
+    /// let clock = ManualClock::new("2026-12-02T23:59:00Z".parse().unwrap());
+    /// clock.advance(Duration::from_secs(60));
+    /// clock.advance(jiff::SignedDuration::from_mins(-2));
+    /// assert_eq!(clock.now().to_string(), "2026-12-02T23:58:00Z");
+    /// ```
     ///
     /// # Panics
     ///
     /// When the clock would leave the years 1678 to 2262, as [`new`](Self::new)
     /// and [`set`](Self::set) do: it never wraps around.
-    pub fn advance(&self, by: SignedDuration) {
+    pub fn advance<D>(&self, by: D)
+    where
+        D: TryInto<SignedDuration>,
+        D::Error: fmt::Debug,
+    {
+        let by: SignedDuration = by.try_into().expect("advance by less than 292 years");
         let by = i64::try_from(by.as_nanos()).expect("advance by less than 292 years");
         self.nanos
             .fetch_update(Ordering::SeqCst, Ordering::SeqCst, |nanos| {
