@@ -43,6 +43,29 @@ async fn leased_memory_store_conforms() {
     }
 }
 
+/// Either store keeps the contract of the store it holds, either way.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn either_store_conforms_with_either_store() {
+    use tower_quota::store::EitherStore;
+    type Either = EitherStore<MemoryStore, tower_quota::LeasedStore<MemoryStore>>;
+    let stores: [Either; 2] = [
+        EitherStore::Left(MemoryStore::new()),
+        EitherStore::Right(tower_quota::LeasedStore::new(MemoryStore::new())),
+    ];
+    for store in stores {
+        for (name, verdict) in testing::run_all(&store).await {
+            if name == "undated_counter_is_healed" {
+                assert!(
+                    matches!(verdict, Verdict::NotApplicable(_)),
+                    "{name}: {verdict:?}"
+                );
+            } else {
+                assert_eq!(verdict, Verdict::Passed, "{name}");
+            }
+        }
+    }
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn memory_store_conforms_with_one_shard() {
     let verdicts = testing::run_all(&MemoryStore::with_shards(1)).await;

@@ -1310,3 +1310,29 @@ async fn client_ip_without_the_peers_address_is_the_servers_mistake() {
         assert!(!response.headers().contains_key("www-authenticate"));
     }
 }
+
+/// A store chosen at start-up (`EitherStore`) counts as the store it holds,
+/// over HTTP: exactly the limit, then a 429, whichever it is.
+#[tokio::test]
+async fn a_store_chosen_at_start_up_counts_as_the_store_it_holds() {
+    use tower_quota::store::EitherStore;
+    type AppStore = EitherStore<MemoryStore, tower_quota::LeasedStore<MemoryStore>>;
+    for store in [
+        AppStore::Left(MemoryStore::new()),
+        AppStore::Right(tower_quota::LeasedStore::new(MemoryStore::new())),
+    ] {
+        let policy = QuotaPolicy::builder(FromHeader::account("x-account-id"))
+            .store(store)
+            .build();
+        let app = Router::new()
+            .route("/", get(|| async { "ok" }))
+            .layer(policy.layer(Quota::daily(3)));
+        for _ in 0..3 {
+            assert_eq!(get_as(&app, "/", "acme").await.status, StatusCode::OK);
+        }
+        assert_eq!(
+            get_as(&app, "/", "acme").await.status,
+            StatusCode::TOO_MANY_REQUESTS
+        );
+    }
+}

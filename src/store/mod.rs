@@ -120,6 +120,7 @@
 //! # }
 //! ```
 
+mod either;
 mod leased;
 mod memory;
 #[cfg(feature = "redis")]
@@ -149,6 +150,7 @@ use smallvec::SmallVec;
 
 use crate::key::PeriodKey;
 
+pub use self::either::{EitherChargeFuture, EitherStore};
 pub use self::leased::{LeasedChargeFuture, LeasedStore, LeasedStoreBuilder};
 pub use self::memory::{MemoryChargeFuture, MemoryStore};
 #[cfg(feature = "redis")]

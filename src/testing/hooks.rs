@@ -146,6 +146,37 @@ impl ConformanceHooks for crate::store::RedisStore {
     }
 }
 
+/// Either store answers as the store it holds: its hooks are that store's.
+impl<A: ConformanceHooks, B: ConformanceHooks> ConformanceHooks
+    for crate::store::EitherStore<A, B>
+{
+    fn expiry(&self) -> Expiry {
+        match self {
+            Self::Left(store) => store.expiry(),
+            Self::Right(store) => store.expiry(),
+        }
+    }
+
+    async fn plant_undated(
+        &self,
+        key: PeriodKey,
+        used: u64,
+        first_call: Option<Timestamp>,
+    ) -> Result<Planted, StoreError> {
+        match self {
+            Self::Left(store) => store.plant_undated(key, used, first_call).await,
+            Self::Right(store) => store.plant_undated(key, used, first_call).await,
+        }
+    }
+
+    async fn stored_deadline(&self, key: PeriodKey) -> Result<StoredDeadline, StoreError> {
+        match self {
+            Self::Left(store) => store.stored_deadline(key).await,
+            Self::Right(store) => store.stored_deadline(key).await,
+        }
+    }
+}
+
 /// A leased store answers as the store it leases from: its hooks are that
 /// store's.
 impl<St: ConformanceHooks> ConformanceHooks for crate::store::LeasedStore<St> {
