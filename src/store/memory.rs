@@ -377,6 +377,16 @@ impl MemoryStore {
             .sum()
     }
 
+    /// Deadlines filed, over every shard (what sweeps go through).
+    #[cfg(test)]
+    pub(super) fn filed_deadlines(&self) -> usize {
+        self.inner
+            .shards
+            .iter()
+            .map(|s| lock(s).deadlines.len())
+            .sum()
+    }
+
     /// Whether the store holds no counter.
     pub fn is_empty(&self) -> bool {
         self.len() == 0
@@ -757,6 +767,9 @@ impl Shard {
         };
         let hash = self.hash(key.as_str());
         self.deadlines.push(Reverse((deadline, hash)));
+        if self.deadlines.len() > 2 * self.counters.len() + 64 {
+            self.refile_deadlines();
+        }
         let hasher = &self.hasher;
         let grew = match self.counters.entry(
             hash,
@@ -776,6 +789,27 @@ impl Shard {
             }
         };
         (counter, grew)
+    }
+
+    /// Files the deadline of every counter held anew, dropping those of
+    /// counters gone: a counter reset and made again before its deadline
+    /// (a support tool's resets, over and over) leaves its old deadline
+    /// filed until then, which would otherwise grow the heap beyond the
+    /// bound on counters. Once the heap holds twice the counters: its cost
+    /// is that of the pushes since the last time.
+    #[cold]
+    fn refile_deadlines(&mut self) {
+        let hasher = &self.hasher;
+        self.deadlines = self
+            .counters
+            .iter()
+            .map(|entry| {
+                Reverse((
+                    entry.counter.deadline,
+                    hasher.hash_one(entry.key.as_bytes()),
+                ))
+            })
+            .collect();
     }
 
     /// Removes the counter at `key`; whether there was one.
