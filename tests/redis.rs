@@ -751,7 +751,7 @@ async fn healing_an_undated_counter_is_logged() {
                 && e.contains(what)
         })
     };
-    assert!(logged("the next admitted charge heals it"), "{events:?}");
+    assert!(logged("the next charge heals it"), "{events:?}");
     assert!(logged("first call plus one period"), "{events:?}");
     assert!(
         events.iter().all(|e| !e.contains("sk_live_secret")),
@@ -1419,7 +1419,7 @@ async fn a_first_call_past_the_latest_instant_is_an_error_that_charges_nothing()
 }
 
 #[tokio::test]
-async fn a_refused_charge_heals_nothing_and_an_admitted_one_heals() {
+async fn a_refused_charge_heals_deadlines_and_counts_nothing() {
     let server = redis_server_or_skip!();
     let store = store(&server);
     let mut redis = client(&server).await;
@@ -1488,11 +1488,21 @@ async fn a_refused_charge_heals_nothing_and_an_admitted_one_heals() {
         refused.usage.iter().map(|u| u.used).collect::<Vec<_>>(),
         [2, 3, 0, 4, 1]
     );
+    // Healed, counts as they were: the one whose period was over is gone.
     for (key, before) in keys.into_iter().zip(&before) {
         let after = snapshot(&mut redis, key.as_str()).await;
-        unchanged(before, &after, key.as_str());
-        assert_eq!(after.2, -1, "{}: still undated", key.as_str());
+        if key == &over {
+            assert_eq!(after.0, None, "ended: deleted");
+            continue;
+        }
+        assert_eq!(after.0, before.0, "{}: the value changed", key.as_str());
+        assert!(after.2 > 0, "{}: dated", key.as_str());
     }
+    let peeked = store.peek(request(1)).await.unwrap();
+    assert_eq!(
+        peeked.iter().map(|u| u.used).collect::<Vec<_>>(),
+        [2, 3, 0, 4, 1]
+    );
 
     let admitted = store.charge(request(0)).await.unwrap();
     assert!(admitted.admitted);
@@ -1516,6 +1526,33 @@ async fn a_refused_charge_heals_nothing_and_an_admitted_one_heals() {
     assert!((3_599_000..=3_600_000).contains(&over_ttl), "{over_ttl}");
     let daily_ttl = ttl(&daily).await;
     assert!(daily_ttl >= 3_599_000, "{daily_ttl}");
+}
+
+/// The trap of a first-use counter that lost its deadline: at its limit, it
+/// refuses every charge, and an admitted charge never comes to heal it. A
+/// refused charge dates it: the subject is refused until one period from
+/// now, not for ever.
+#[tokio::test]
+async fn an_undated_counter_at_its_limit_locks_no_one_out_for_ever() {
+    let server = redis_server_or_skip!();
+    let store = store(&server);
+    let mut redis = client(&server).await;
+    let now = Timestamp::now();
+    let stuck = key("undated-at-limit");
+    let () = redis.set(stuck.as_str(), 10).await.unwrap();
+    let refused = store
+        .charge(first_use(&stuck, 10, 1, now, hour()))
+        .await
+        .unwrap();
+    assert!(!refused.admitted);
+    assert_eq!(refused.usage[0].used, 10);
+    let ttl: i64 = redis.pttl(stuck.as_str()).await.unwrap();
+    assert!(
+        (3_599_000..=3_600_000).contains(&ttl),
+        "one period from now: {ttl}"
+    );
+    let count: i64 = redis.get(stuck.as_str()).await.unwrap();
+    assert_eq!(count, 10, "a refused charge counts nothing");
 }
 
 #[tokio::test]

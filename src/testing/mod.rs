@@ -27,7 +27,7 @@
 //!   dropped before it answered ends either not applied, or applied and
 //!   given back.
 //! - [`undated_counter_is_healed`]: a counter found without a deadline gets
-//!   one from the next admitted charge.
+//!   one from the next charge that counts on it.
 //! - [`calendar_counters_are_distinct_per_period_and_dated`]: each calendar
 //!   window has its own counter, and that counter has a deadline.
 //! - [`counts_never_pass_the_limit_nor_wrap`]: at the top of `u64`, a charge

@@ -73,8 +73,9 @@
 --   2 undated counter dated to now + period (first call unknown)
 --   3 undated first-use counter whose period was over: ended
 --   4 undated calendar counter given its housekeeping deadline
--- A heal is written only by an admitted charge, in its commit phase: a peek
--- and a refused charge report it and write nothing. A calendar counter that
+-- A heal is written by a charge, admitted or refused (it changes no count:
+-- an undated counter at its limit would otherwise refuse every charge, and
+-- never end); a peek reports it and writes nothing. A calendar counter that
 -- records its window's end (e) got its deadline from the call that wrote e:
 -- its deadline is not read (pttl -3), as the window's end, not the
 -- deadline, decides when it counts; one left undated by another tool stays
@@ -361,8 +362,8 @@ local function rest()
       c.spent = c.spent + cost
     end
 
-    -- Commit phase: only an admitted charge writes. A key's heal is written
-    -- before its first count.
+    -- Commit phase: only an admitted charge counts; any charge heals. A
+    -- key's heal is written before its first count.
     local commit = charging and admitted
     local reply = { admitted and 1 or 0, 0, 0, 0, 0, 0 }
     local r = 1
@@ -371,7 +372,7 @@ local function rest()
       local a = a0 + (i - 1) * 5
       local c = counters[key]
       local cost = ARGV[a + 2]
-      if commit and c.heal ~= 0 and not c.healed then
+      if charging and c.heal ~= 0 and not c.healed then
         c.healed = true
         if c.heal == 3 then
           call('DEL', key)

@@ -188,7 +188,7 @@ pub(super) fn outcome(
                 )));
             }
             if heal != 0 {
-                log_heal(key, heal, op == "c" && admitted);
+                log_heal(key, heal, op == "c");
             }
             // -3: a calendar counter's deadline, not read.
             let calendar = matches!(line.lifetime, Lifetime::Calendar { .. });
@@ -248,7 +248,7 @@ pub(super) fn log_heal(key: &PeriodKey, heal: i64, charging: bool) {
     } else {
         tracing::warn!(
             key = key.logged(),
-            "quota counter has no deadline; the next admitted charge heals it"
+            "quota counter has no deadline; the next charge heals it"
         );
     }
 }

@@ -49,13 +49,13 @@ use crate::store::{
 ///   only in the script that creates it, and every later write is a
 ///   `HINCRBY`, which keeps it: hits never re-date a counter. A counter
 ///   found without a deadline (written by another tool, or restored without
-///   one) is healed by the next admitted charge, to first call + period when
-///   the first call is known, else to one period from now, and the healing
-///   is logged at `warn`. A peek or a refused charge writes nothing, so it
-///   heals nothing either (it logs that the counter is undated): an undated
-///   counter without a first call that is at its limit refuses every charge
-///   until it is [reset](Store::reset). The reset reported to clients is the
-///   counter's remaining life.
+///   one) is healed by the next charge, admitted or refused, to first call
+///   + period when the first call is known, else to one period from now
+///   (one whose period is over is deleted), and the healing is logged at
+///   `warn`: an undated counter at its limit refuses charges until that
+///   deadline, not for ever. A refused charge counts nothing; a peek writes
+///   nothing (it logs that the counter is undated). The reset reported to
+///   clients is the counter's remaining life.
 /// - **Calendar counters** carry the window's stamp in their key. Their
 ///   deadline is housekeeping only: the window's end plus
 ///   [a grace](RedisStoreBuilder::calendar_grace) plus [a
