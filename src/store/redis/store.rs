@@ -49,9 +49,9 @@ use crate::store::{
 ///   only in the script that creates it, and every later write is a
 ///   `HINCRBY`, which keeps it: hits never re-date a counter. A counter
 ///   found without a deadline (written by another tool, or restored without
-///   one) is healed by the next charge, admitted or refused, to first call
-///   + period when the first call is known, else to one period from now
-///   (one whose period is over is deleted), and the healing is logged at
+///   one) is healed by the next charge, admitted or refused, to its first
+///   call plus one period when the first call is known, else to one period
+///   from now (one whose period is over is deleted), and the healing is logged at
 ///   `warn`: an undated counter at its limit refuses charges until that
 ///   deadline, not for ever. A refused charge counts nothing; a peek writes
 ///   nothing (it logs that the counter is undated). The reset reported to
