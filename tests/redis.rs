@@ -321,21 +321,26 @@ async fn preload_loads_the_script_and_reports_an_unreachable_server() {
 #[tokio::test]
 async fn the_script_is_loaded_again_after_a_flush() {
     let server = redis_server_or_skip!();
-    let store = store(&server);
-    let key = key("flush");
-    store
-        .charge(first_use(&key, 10, 1, Timestamp::now(), hour()))
-        .await
-        .unwrap();
-    assert_eq!(server.cli(&["script", "flush"]), "OK");
-    let exists = server.cli(&["script", "exists", store.script_sha()]);
-    assert_eq!(exists, "0");
-    let outcome = store
-        .charge(first_use(&key, 10, 1, Timestamp::now(), hour()))
-        .await
-        .unwrap();
-    assert_eq!(outcome.usage[0].used, 2);
-    assert_eq!(server.cli(&["script", "exists", store.script_sha()]), "1");
+    for batched in [true, false] {
+        let store = RedisStore::builder(server.url())
+            .batch_charges(batched)
+            .build()
+            .unwrap();
+        let key = key(&format!("flush-{batched}"));
+        store
+            .charge(first_use(&key, 10, 1, Timestamp::now(), hour()))
+            .await
+            .unwrap();
+        assert_eq!(server.cli(&["script", "flush"]), "OK");
+        let exists = server.cli(&["script", "exists", store.script_sha()]);
+        assert_eq!(exists, "0");
+        let outcome = store
+            .charge(first_use(&key, 10, 1, Timestamp::now(), hour()))
+            .await
+            .unwrap();
+        assert_eq!(outcome.usage[0].used, 2, "batched {batched}");
+        assert_eq!(server.cli(&["script", "exists", store.script_sha()]), "1");
+    }
 }
 
 #[tokio::test]

@@ -588,19 +588,30 @@ fn command(batch: &[Pending]) -> redis::Cmd {
     command
 }
 
-/// Runs `command`, loading the script first if the server does not know
-/// it. An error reply to the whole command is an error; errors of single
-/// charges stay in the reply.
+/// Runs `command`, with the script's text if the server does not know it
+/// (an `EVAL`, which also loads it: no `SCRIPT LOAD` that a failover or a
+/// `SCRIPT FLUSH` could undo before the call). An error reply to the whole
+/// command is an error; errors of single charges stay in the reply.
 async fn eval(conn: &mut super::Connection, command: &redis::Cmd) -> Result<Value, RedisError> {
     match top_level(conn.req_packed_command(command).await) {
         Err(error) if error.kind() == ErrorKind::Server(ServerErrorKind::NoScript) => {
-            let mut load = redis::cmd("SCRIPT");
-            load.arg("LOAD").arg(COUNTERS_LUA);
-            top_level(conn.req_packed_command(&load).await)?;
-            top_level(conn.req_packed_command(command).await)
+            top_level(conn.req_packed_command(&with_text(command)).await)
         }
         other => other,
     }
+}
+
+/// `command`, an `EVALSHA` of the counters script, as an `EVAL` of its
+/// text.
+fn with_text(command: &redis::Cmd) -> redis::Cmd {
+    let mut eval = redis::cmd("EVAL");
+    eval.arg(COUNTERS_LUA);
+    for arg in command.args_iter().skip(2) {
+        if let redis::Arg::Simple(bytes) = arg {
+            eval.arg(bytes);
+        }
+    }
+    eval
 }
 
 fn top_level(value: Result<Value, RedisError>) -> Result<Value, RedisError> {
@@ -681,6 +692,24 @@ mod tests {
         ]
         .concat();
         assert_eq!(got, expected);
+    }
+
+    /// A batch the server does not know the script of goes again as an
+    /// `EVAL` of the text, its arguments as they were: one call, which a
+    /// `SCRIPT FLUSH` cannot come between.
+    #[test]
+    fn a_batch_goes_again_with_the_scripts_text() {
+        let batch = [
+            pending(&[("a", 10, "c", 900, 5000)], 100),
+            pending(&[("b", 10, "c", 899, 5000)], 101),
+        ];
+        let sha = command(&batch);
+        let text = with_text(&sha);
+        let (sha, text) = (args(&sha), args(&text));
+        assert_eq!(sha[0], "EVALSHA");
+        assert_eq!(text[0], "EVAL");
+        assert_eq!(text[1], COUNTERS_LUA);
+        assert_eq!(sha[2..], text[2..]);
     }
 
     fn take(values: Vec<Value>, lines: &[LineArgs]) -> (bool, Result<Reply, RedisError>) {
