@@ -397,7 +397,12 @@ impl Quota {
             (Anchor::Calendar, _) => {
                 self.with_window(now, |start, end, _| seconds_until(start, end))
             }
-            (Anchor::FirstUse, Some(first)) => seconds_until(first, period.end_of_first_use(first)),
+            // A first call the store reports near the end of time (written
+            // by another tool): the period's length as one opened now.
+            (Anchor::FirstUse, Some(first)) => match period.checked_end_of_first_use(first) {
+                Some(end) => seconds_until(first, end),
+                None => seconds_until(now, period.end_of_first_use(now)),
+            },
             (Anchor::FirstUse, None) => seconds_until(now, period.end_of_first_use(now)),
         };
         seconds.max(1)
@@ -564,6 +569,20 @@ pub(crate) fn fnv1a_64_from(hash: u64, bytes: &[u8]) -> u64 {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// A first call a store reports at the end of time (another tool wrote
+    /// it) tells the window of a period opened now, never a panic.
+    #[test]
+    fn a_first_call_at_the_end_of_time_tells_the_periods_length() {
+        let now: Timestamp = "2026-12-02T10:00:00Z".parse().unwrap();
+        let last = Timestamp::MAX - jiff::SignedDuration::from_hours(1);
+        for (quota, length) in [
+            (Quota::rolling(10, Duration::from_secs(86_400)), 86_400),
+            (Quota::monthly(10).anchored(Anchor::FirstUse), 31 * 86_400),
+        ] {
+            assert_eq!(quota.window_seconds(now, Some(last)), length);
+        }
+    }
 
     #[test]
     fn fnv1a_64_test_vectors() {

@@ -383,6 +383,14 @@ impl Period {
     ///
     /// Within a period of the ends of the range `jiff` supports.
     pub fn end_of_first_use(&self, first_call: Timestamp) -> Timestamp {
+        self.checked_end_of_first_use(first_call)
+            .expect("the instant lies within the supported range of years")
+    }
+
+    /// As [`end_of_first_use`](Self::end_of_first_use), `None` past the
+    /// range `jiff` supports: for a first call a store reports, which
+    /// another tool may have written.
+    pub(crate) fn checked_end_of_first_use(&self, first_call: Timestamp) -> Option<Timestamp> {
         let secs = match self.unit {
             Unit::Minute => 60,
             Unit::Hour => 3_600,
@@ -393,13 +401,11 @@ impl Period {
                 return first_call
                     .to_zoned_datetime(self.tz.clone())
                     .checked_add(1.month())
-                    .expect("the instant lies within the supported range of years")
-                    .timestamp()
+                    .ok()
+                    .map(|end| end.timestamp())
             }
         };
-        first_call
-            .checked_add(SignedDuration::from_secs(secs))
-            .expect("the instant lies within the supported range of years")
+        first_call.checked_add(SignedDuration::from_secs(secs)).ok()
     }
 
     /// The part of a first-use counter's key that names its period: the
