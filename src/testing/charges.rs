@@ -154,10 +154,11 @@ pub async fn all_or_nothing_across_quotas<S: ConformanceHooks>(store: &S) -> Ver
     Verdict::Passed
 }
 
-/// A refused charge writes nothing: every counter of the request keeps its
-/// count, its first call and its deadline, a counter without a deadline
-/// stays without one (healing it is a write, left to the next admitted
-/// charge), and the request creates no counter. Peeks write nothing either.
+/// A refused charge counts nothing: every counter of the request keeps its
+/// count, its first call and its deadline, and the request creates no
+/// counter. A counter without a deadline may get one, as
+/// [`undated_counter_is_healed`](super::undated_counter_is_healed) says
+/// (its first call plus one period), or stay without. Peeks write nothing.
 ///
 /// The request names a first-use counter and a calendar counter with room, a
 /// key never charged, an undated counter (when the store can hold one, see
@@ -231,13 +232,26 @@ pub async fn a_refused_charge_writes_nothing<S: ConformanceHooks>(store: &S) -> 
                 usage.first_call, before[i].first_call,
                 "a refused charge must write nothing: the first call of {key} changed ({what})"
             );
+            // An undated counter's reset is the one it is healed to, which
+            // a peek before may not tell.
+            let reset = if deadlines[i] == StoredDeadline::Undated {
+                usage.resets_at
+            } else {
+                before[i].resets_at
+            };
             time.assert_near(
                 usage.resets_at,
-                before[i].resets_at,
+                reset,
                 &format!("a refused charge must write nothing: the reset of {key} moved ({what})"),
             );
         }
         match (deadlines[i], stored(store, &line.key).await) {
+            // Healed: dated to its first call plus one period.
+            (StoredDeadline::Undated, StoredDeadline::At(is)) => time.assert_near(
+                is,
+                now - period / 2 + period,
+                &format!("a refused charge may only heal the deadline of undated {key}"),
+            ),
             (StoredDeadline::At(was), StoredDeadline::At(is)) => time.assert_near(
                 is,
                 was,

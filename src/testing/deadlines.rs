@@ -633,10 +633,11 @@ pub async fn settle_debt_keeps_to_the_debts_period<S: ConformanceHooks>(store: &
     Verdict::Passed
 }
 
-/// A counter found without a deadline gets one from the next admitted
-/// charge: its first call plus one period when the first call is known, else
-/// one period from now; and a counter whose period is long over starts
-/// afresh.
+/// A counter found without a deadline gets one from the next charge,
+/// admitted or refused: its first call plus one period when the first call
+/// is known, else one period from now; and a counter whose period is long
+/// over starts afresh. One at its limit is refused, and dated all the same:
+/// it never locks its subject out for ever.
 ///
 /// # Panics
 ///
@@ -704,6 +705,23 @@ pub async fn undated_counter_is_healed<S: ConformanceHooks>(store: &S) -> Verdic
         now + period,
         "the new period ends one period from now",
     );
+
+    let stuck = fresh_key("undated-at-limit");
+    store
+        .plant_undated(stuck.clone(), 10, None)
+        .await
+        .unwrap_or_else(|e| panic!("the store failed to plant an undated counter: {e}"));
+    let refused = charge(store, now, vec![first_use(&stuck, 10, 1, now + period)]).await;
+    assert!(!refused.0, "a charge over the limit must be refused");
+    assert_eq!(refused.1[0].used, 10, "a refused charge counts nothing");
+    expect_deadline(
+        store,
+        &time,
+        &stuck,
+        now + period,
+        "an undated counter at its limit, after a refused charge (else it refuses for ever)",
+    )
+    .await;
 
     let calendar = fresh_key("undated-calendar");
     store

@@ -21,13 +21,13 @@
 //! - [`all_or_nothing_across_quotas`]: a request refused on one quota is
 //!   charged on none.
 //! - [`a_refused_charge_writes_nothing`]: a refused request leaves every
-//!   counter it names exactly as it was (count, first call, deadline, and
-//!   an undated counter undated), and creates none.
+//!   counter it names as it was (count, first call, deadline; an undated
+//!   counter undated, or healed), and creates none.
 //! - [`an_abandoned_charge_spends_nothing`]: a charge whose future is
 //!   dropped before it answered ends either not applied, or applied and
 //!   given back.
 //! - [`undated_counter_is_healed`]: a counter found without a deadline gets
-//!   one from the next charge that counts on it.
+//!   one from the next charge, admitted or refused.
 //! - [`calendar_counters_are_distinct_per_period_and_dated`]: each calendar
 //!   window has its own counter, and that counter has a deadline.
 //! - [`counts_never_pass_the_limit_nor_wrap`]: at the top of `u64`, a charge
