@@ -150,12 +150,15 @@ fn policy_value<'a>(
 
 impl RateLimitFields {
     /// The fields of `entries` (each quota, and where the subject stands on
-    /// it) at `now`, for the subject hashed to `subject` (for spread
-    /// resets). `cache` keeps the policy field of one layer's quotas, which
-    /// must then be the quotas of `entries`, in their order.
+    /// it) charged at `now`, told at `told` (the seconds until each reset
+    /// are counted from then: a response goes out after its handler ran),
+    /// for the subject hashed to `subject` (for spread resets). `cache`
+    /// keeps the policy field of one layer's quotas, which must then be the
+    /// quotas of `entries`, in their order.
     pub(crate) fn new<'a>(
         entries: impl Iterator<Item = (&'a Quota, Usage)> + Clone,
         now: Timestamp,
+        told: Timestamp,
         cache: Option<&PolicyCache>,
         subject: u64,
     ) -> Self {
@@ -187,7 +190,7 @@ impl RateLimitFields {
             limit.push_str(digits.format(sf_integer(usage.remaining())));
             limit.push_str(";t=");
             let wait =
-                seconds_until(now, usage.resets_at).saturating_add(quota.spread_for(subject));
+                seconds_until(told, usage.resets_at).saturating_add(quota.spread_for(subject));
             limit.push_str(digits.format(sf_integer(wait)));
         }
         // One allocation, of the value's exact size.
@@ -758,7 +761,7 @@ mod tests {
             let told = refusal.retry_after.unwrap();
             prop_assert!(told >= real && told <= real + spread, "{told} vs {real}+{spread}");
             let mut headers = http::HeaderMap::new();
-            RateLimitFields::new([(&quota, usage[0])].into_iter(), now, None, subject)
+            RateLimitFields::new([(&quota, usage[0])].into_iter(), now, now, None, subject)
                 .prepend_to(&mut headers);
             let field = headers["ratelimit"].to_str().unwrap().to_owned();
             prop_assert!(field.ends_with(&format!(";t={told}")), "{}", field);
@@ -823,7 +826,7 @@ mod tests {
                 "{told} vs {real}+{spread}"
             );
             let mut headers = http::HeaderMap::new();
-            RateLimitFields::new([(&quota, usage[0])].into_iter(), now, None, subject)
+            RateLimitFields::new([(&quota, usage[0])].into_iter(), now, now, None, subject)
                 .prepend_to(&mut headers);
             assert!(headers["ratelimit"]
                 .to_str()
@@ -923,7 +926,7 @@ mod tests {
         cache: Option<&PolicyCache>,
     ) -> HeaderValue {
         let mut headers = http::HeaderMap::new();
-        RateLimitFields::new(quotas.iter().zip(usage.iter().copied()), now, cache, 0)
+        RateLimitFields::new(quotas.iter().zip(usage.iter().copied()), now, now, cache, 0)
             .prepend_to(&mut headers);
         headers[&RATELIMIT_POLICY].clone()
     }
@@ -1021,12 +1024,14 @@ mod tests {
         RateLimitFields::new(
             inner.iter().zip([usage_of(2, 1, "2026-12-02T10:01:00Z")]),
             now,
+            now,
             None,
             0,
         )
         .prepend_to(&mut headers);
         RateLimitFields::new(
             outer.iter().zip([usage_of(100, 2, "2026-12-03T00:00:00Z")]),
+            now,
             now,
             None,
             0,

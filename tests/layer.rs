@@ -1336,3 +1336,33 @@ async fn a_store_chosen_at_start_up_counts_as_the_store_it_holds() {
         );
     }
 }
+
+/// The seconds until a reset (`t`) are told from the instant the response
+/// goes out: a handler that ran a while (a model's answer, an upstream
+/// call) leaves the client less to wait than at the charge, and none once
+/// the window ended meanwhile. The window (`w`) stays the one charged.
+#[tokio::test]
+async fn the_reset_is_told_from_the_responses_instant() {
+    let clock = ManualClock::new(at("2026-12-02T10:00:10Z"));
+    let policy = QuotaPolicy::builder(account()).clock(clock.clone()).build();
+    let slow = {
+        let clock = clock.clone();
+        move || {
+            let clock = clock.clone();
+            async move {
+                clock.advance(Duration::from_secs(40));
+                "answered"
+            }
+        }
+    };
+    let app = Router::new()
+        .route("/", get(slow))
+        .layer(policy.layer(Quota::per_minute(2)));
+    let answered = get_as(&app, "/", "acme").await;
+    assert_eq!(answered.status, StatusCode::OK);
+    assert_eq!(answered.ratelimit()["default-minute"], (1, 10));
+    assert_eq!(answered.policy()["default-minute"], (2, 60));
+    // Charged at 10:00:50, answered at 10:01:30: the minute is over.
+    let late = get_as(&app, "/", "acme").await;
+    assert_eq!(late.ratelimit()["default-minute"], (0, 0));
+}

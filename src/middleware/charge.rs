@@ -529,7 +529,8 @@ pub(crate) fn refused(
     };
     if refusal.status == StatusCode::TOO_MANY_REQUESTS {
         let entries = charge.quotas(scope).iter().zip(usage.iter().copied());
-        RateLimitFields::new(entries, charge.ticket.now, None, charge.caller().spread)
+        let now = charge.ticket.now;
+        RateLimitFields::new(entries, now, now, None, charge.caller().spread)
             .prepend_to(response.headers_mut());
     }
     response.extensions_mut().insert(Refused);

@@ -444,7 +444,10 @@ impl<E, St: Store> Charged<E, St> {
                 (quota, usage.unwrap_or_else(|| line.standing()))
             });
         let cache = self.lines.policy_cache();
-        RateLimitFields::new(entries, self.now, cache, self.spread)
+        // The seconds until each reset, counted from the response's own
+        // instant: a handler may have run a while since the charge.
+        let told = self.bound.policy.settings.clock.now().max(self.now);
+        RateLimitFields::new(entries, self.now, told, cache, self.spread)
             .prepend_to(response.headers_mut());
         response
     }
