@@ -306,7 +306,10 @@ const TCP_USER_TIMEOUT: Duration = Duration::from_secs(3);
 /// fails within seconds, where the calls on it would wait for their follow
 /// through (30 s) holding their room in `max_in_flight`: keepalive probes
 /// after 5 s of silence, and on Linux a bound on unacknowledged data. A
-/// Redis that is stalled but alive still acknowledges what it is sent.
+/// Redis that is stalled but alive still acknowledges what it is sent, as
+/// long as its socket's buffers hold it: a stall past the bound with some
+/// thousands of calls queued fails the connection too, and what Redis runs
+/// of them later has no answer to follow (the store's docs, Faults).
 fn tcp_settings() -> redis::io::tcp::TcpSettings {
     let keepalive = redis::io::tcp::socket2::TcpKeepalive::new().with_time(Duration::from_secs(5));
     #[cfg(any(target_os = "linux", target_os = "macos", target_os = "windows"))]

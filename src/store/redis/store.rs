@@ -136,7 +136,12 @@ use crate::store::{
 ///   line, with the same refund as [`Store::refund`] (which never creates a
 ///   counter nor moves a deadline), and logged at `debug`. So a charge that
 ///   timed out is a [`StoreErrorKind::Timeout`] that charges nothing, and a
-///   stall of Redis leaves no charge behind once the queued scripts ran.
+///   stall of Redis leaves no charge behind once the queued scripts ran, as
+///   long as the connection holds. It holds through a stall of 3 s at
+///   least; past that, calls enough to fill the socket's buffers (some
+///   thousands) leave data the kernel cannot deliver, and it fails the
+///   connection (Linux's `TCP_USER_TIMEOUT`, which also fails one whose
+///   host vanished): the calls on it are failures on the wire, below.
 ///   (A request a layer lets through on such a charge under
 ///   [`OnStoreError::FailOpen`](crate::OnStoreError::FailOpen) owes it, and
 ///   its policy's ledger adds it with [`Store::settle_debt`] once Redis
@@ -361,19 +366,22 @@ impl RedisStore {
         Ok(ServerClock { offset })
     }
 
-    /// The server's time minus the local time, in microseconds.
+    /// The server's time minus the local time, in microseconds: the local
+    /// time is the middle of the round trip alone, not of the wait for room
+    /// or a connection before it (which would put it early by half that
+    /// wait).
     pub(super) async fn server_offset(&self) -> Result<i64, StoreError> {
-        let before = Timestamp::now();
         let mut invocation = Invocation::on(CLOCK_KEY);
         invocation.arg("t");
-        let (secs, micros): (i64, i64) = self
+        let (secs, micros, local) = self
             .exchange(Sends::Read, |mut conn| async move {
-                let result = invocation.invoke_async(&mut conn).await;
-                (conn, result)
+                let before = Timestamp::now();
+                let result = invocation.invoke_async::<(i64, i64)>(&mut conn).await;
+                let after = Timestamp::now();
+                let local = (before.as_microsecond() + after.as_microsecond()) / 2;
+                (conn, result.map(|(secs, micros)| (secs, micros, local)))
             })
             .await?;
-        let after = Timestamp::now();
-        let local = (before.as_microsecond() + after.as_microsecond()) / 2;
         server_offset(secs, micros, local)
     }
 
