@@ -193,10 +193,10 @@ impl Scope {
     }
 }
 
-/// What tells zones apart: the IANA name (borrowed: nothing to allocate for
-/// the request), or the fixed offset.
+/// What tells zones apart: the primary IANA name, which aliases share
+/// (borrowed: nothing to allocate for the request), or the fixed offset.
 fn zone_key(zone: &TimeZone) -> Cow<'_, str> {
-    match zone.iana_name() {
+    match crate::period::zone_name(zone) {
         Some(name) => Cow::Borrowed(name),
         None => Cow::Owned(format!("{:?}", zone.to_fixed_offset().ok())),
     }

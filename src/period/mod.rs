@@ -594,11 +594,22 @@ pub(crate) fn is_nameable(tz: &TimeZone) -> bool {
     tz.iana_name().is_some() || tz.to_fixed_offset().is_ok()
 }
 
+/// The name that tells `tz` apart in keys: its primary IANA name, which its
+/// aliases share (`US/Eastern` is `America/New_York`, `Asia/Calcutta` is
+/// `Asia/Kolkata`, UTC's and GMT's names are all `UTC`), so that instances
+/// configured with either, and callers naming either, count on one
+/// counter. (jiff keeps the table of primary names: a release of the time
+/// zone database that renames a zone, as `Europe/Kiev` became
+/// `Europe/Kyiv`, gives its subjects new counters once.)
+pub(crate) fn zone_name(tz: &TimeZone) -> Option<&str> {
+    tz.primary_iana_name().or_else(|| tz.iana_name())
+}
+
 /// The zone's part of a window's stamp: `None` for UTC under any of its
 /// names (and GMT's, which is UTC in the time zone database: no offset, no
-/// clock change), the IANA name of any other, or a fixed offset.
+/// clock change), the primary IANA name of any other, or a fixed offset.
 fn zone_label(tz: &TimeZone) -> Option<Arc<str>> {
-    match tz.iana_name() {
+    match zone_name(tz) {
         Some(
             "UTC" | "Etc/UTC" | "Etc/UCT" | "UCT" | "Etc/Zulu" | "Zulu" | "Universal"
             | "Etc/Universal" | "GMT" | "Etc/GMT" | "Etc/GMT+0" | "Etc/GMT-0" | "Etc/GMT0" | "GMT0"

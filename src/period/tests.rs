@@ -39,6 +39,25 @@ fn assert_window(window: &Window, start: &str, end: &str, stamp: &str) {
     );
 }
 
+/// A zone's aliases name one day: instances configured with either, and
+/// callers naming either, count on one counter. UTC's names are all UTC.
+#[test]
+fn a_zones_aliases_stamp_its_windows_alike() {
+    let at = ts("2026-12-02T13:05:10Z");
+    for names in [
+        ["America/New_York", "US/Eastern"],
+        ["Asia/Kolkata", "Asia/Calcutta"],
+        ["Asia/Kathmandu", "Asia/Katmandu"],
+        ["UTC", "Etc/GMT"],
+    ] {
+        let [a, b] = names.map(|name| Period::day().in_time_zone(zone(name)).window(at));
+        assert_eq!(a.stamp(), b.stamp(), "{names:?}");
+        assert_eq!((a.start(), a.end()), (b.start(), b.end()), "{names:?}");
+    }
+    let day = Period::day().in_time_zone(zone("US/Eastern")).window(at);
+    assert_eq!(day.stamp(), "2026-12-02[America/New_York]");
+}
+
 /// Every window from the one containing `from` up to the one containing
 /// `until`, following each window's end to the next.
 fn windows_between(period: &Period, from: Timestamp, until: Timestamp) -> Vec<Window> {
