@@ -423,23 +423,45 @@ impl Refusal {
                     usage.limit
                 )
             } else {
+                let whole = |at: Timestamp| {
+                    let rounded = TimestampRound::new()
+                        .smallest(Unit::Second)
+                        .mode(RoundMode::Ceil);
+                    quota
+                        .period()
+                        .format_instant(at.round(rounded).unwrap_or(at))
+                };
                 write!(
                     detail,
-                    "Quota {:?} allows {} per {}; {} used, this request costs {}; it resets at {}.",
+                    "Quota {:?} allows {} per {}; {} used, this request costs {}; it resets at {}",
                     quota.name(),
                     usage.limit,
                     quota.period().name(),
                     usage.used,
                     cost,
-                    usage
-                        .resets_at
-                        .round(
-                            TimestampRound::new()
-                                .smallest(Unit::Second)
-                                .mode(RoundMode::Ceil)
-                        )
-                        .unwrap_or(usage.resets_at),
+                    whole(usage.resets_at),
                 )
+                .and_then(|()| {
+                    // Clients told apart by the spread of resets: this one's
+                    // turn, which `Retry-After` tells too.
+                    let spread = quota.spread_for(subject);
+                    let turn = usage
+                        .resets_at
+                        .checked_add(jiff::SignedDuration::from_secs(
+                            i64::try_from(spread).unwrap_or(i64::MAX),
+                        ))
+                        .ok()
+                        .filter(|_| {
+                            let sooner = usage
+                                .held_elsewhere_until
+                                .is_some_and(|until| until < usage.resets_at);
+                            spread > 0 && !sooner
+                        });
+                    match turn {
+                        Some(turn) => write!(detail, "; retry from {}.", whole(turn)),
+                        None => detail.write_str("."),
+                    }
+                })
             }
             .expect("infallible");
             // A request that costs more than a whole period allows can never
@@ -833,6 +855,47 @@ mod tests {
                 .unwrap()
                 .ends_with(&format!(";t={told}")));
         }
+    }
+
+    /// The detail tells the reset in the quota's own zone, and, with resets
+    /// spread, the subject's own turn, which `Retry-After` tells too.
+    #[test]
+    fn the_detail_tells_the_reset_in_the_quotas_zone_and_the_subjects_turn() {
+        let berlin = jiff::tz::TimeZone::get("Europe/Berlin").unwrap();
+        let now: Timestamp = "2026-12-02T10:00:00Z".parse().unwrap();
+        let usage = [usage_of(1, 1, "2026-12-02T23:00:00Z")];
+        let quota = Quota::daily(1).in_time_zone(berlin);
+        let refusal =
+            Refusal::quota_exceeded(std::slice::from_ref(&quota), &usage, |_| 1, now, 0, None);
+        assert!(
+            refusal
+                .detail
+                .ends_with("it resets at 2026-12-03T00:00:00+01:00[Europe/Berlin]."),
+            "{}",
+            refusal.detail
+        );
+        let spread = Quota::daily(1).spread_reset(std::time::Duration::from_secs(3_600));
+        let usage = [usage_of(1, 1, "2026-12-03T00:00:00Z")];
+        let subject = 7;
+        let turn = spread.spread_for(subject);
+        assert!(turn > 0);
+        let refusal = Refusal::quota_exceeded(
+            std::slice::from_ref(&spread),
+            &usage,
+            |_| 1,
+            now,
+            subject,
+            None,
+        );
+        assert_eq!(refusal.retry_after, Some(50_400 + turn));
+        let expected = usage[0].resets_at + jiff::SignedDuration::from_secs(turn as i64);
+        assert!(
+            refusal.detail.ends_with(&format!(
+                "it resets at 2026-12-03T00:00:00Z; retry from {expected}."
+            )),
+            "{}",
+            refusal.detail
+        );
     }
 
     /// A store that refuses while its answer shows room still gets a 429
