@@ -350,7 +350,12 @@ impl Period {
             (Anchor::FirstUse, Unit::Month) => {
                 format!("one month after the first call (same day and time, {zone})")
             }
-            (Anchor::FirstUse, _) => format!("{} after the first call", self.name()),
+            // The exact length: "a day after" reads as the next day.
+            (Anchor::FirstUse, Unit::Minute) => "1m after the first call".to_owned(),
+            (Anchor::FirstUse, Unit::Hour) => "1h after the first call".to_owned(),
+            (Anchor::FirstUse, Unit::Day) => "24h after the first call".to_owned(),
+            (Anchor::FirstUse, Unit::Week) => "168h (7 days) after the first call".to_owned(),
+            (Anchor::FirstUse, Unit::Fixed(_)) => format!("{} after the first call", self.name()),
             (Anchor::Calendar, Unit::Minute) => format!("at the start of every minute ({zone})"),
             (Anchor::Calendar, Unit::Hour) => format!("at the start of every hour ({zone})"),
             (Anchor::Calendar, Unit::Day) => format!("every day at 00:00 {zone}"),

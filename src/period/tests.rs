@@ -1352,3 +1352,17 @@ fn a_clock_set_back_just_after_midnight_stays_in_the_day_that_began_last() {
         assert!(window.contains(ts("1987-10-25T02:40:00Z")), "{window:?}");
     }
 }
+
+/// A first-use period is told by its exact length: "a day after the first
+/// call" would read as the next calendar day.
+#[test]
+fn a_first_use_reset_is_told_by_its_exact_length() {
+    for (period, words) in [
+        (Period::minute(), "1m after the first call"),
+        (Period::hour(), "1h after the first call"),
+        (Period::day(), "24h after the first call"),
+        (Period::week(), "168h (7 days) after the first call"),
+    ] {
+        assert_eq!(period.describe_reset(super::Anchor::FirstUse), words);
+    }
+}
