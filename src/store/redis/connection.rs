@@ -772,6 +772,19 @@ impl Lost {
             .as_ref()
             .is_none_or(|(answers, seen)| answers.load(Ordering::Relaxed) == *seen)
     }
+
+    /// How much longer than [`SILENCE`](super::SILENCE) a call waits before
+    /// its connection is taken for silent: on a cluster, where the call
+    /// itself is watched, the time a call answered `TRYAGAIN` is sent again
+    /// (a slot on the move is not a node gone silent, and would otherwise
+    /// make every node's connection anew).
+    pub(super) fn patience(&self) -> std::time::Duration {
+        if self.answers.is_some() {
+            std::time::Duration::ZERO
+        } else {
+            super::script::TRY_AGAIN_FOR
+        }
+    }
 }
 
 /// What to close after a failure.

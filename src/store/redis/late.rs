@@ -165,16 +165,20 @@ impl<T: Send + 'static> Drop for Call<T> {
 
 /// Waits for `trip`, sent at `sent`, until `FOLLOW_THROUGH` from then. If
 /// nothing at all came back on its connection within `SILENCE` (or the
-/// store's timeout, if longer), the connection went silent (a socket left
-/// half-open would hold every call sent on it): it takes no new calls,
-/// while this one is still waited for.
+/// store's timeout, if longer; on a cluster, plus the time a call is sent
+/// again while its slot moves: [`Lost::patience`]), the connection went
+/// silent (a socket left half-open would hold every call sent on it): it
+/// takes no new calls, while this one is still waited for.
 pub(super) async fn wait_for<F: Future + Unpin>(
     inner: &Inner,
     trip: &mut F,
     sent: tokio::time::Instant,
     lost: &mut Option<Lost>,
 ) -> Result<F::Output, tokio::time::error::Elapsed> {
-    let silence = sent + SILENCE.max(inner.timeout);
+    let patience = lost
+        .as_ref()
+        .map_or(std::time::Duration::ZERO, Lost::patience);
+    let silence = sent + SILENCE.max(inner.timeout) + patience;
     if let Ok(answer) = tokio::time::timeout_at(silence, &mut *trip).await {
         return Ok(answer);
     }

@@ -136,7 +136,7 @@ const MAX_REDIRECTS: usize = 4;
 /// How long a call answered `TRYAGAIN` is sent again: the keys of a slot
 /// move in batches, the rest follow in milliseconds; a move stuck half
 /// way (its tool stopped) is the operator's to finish.
-const TRY_AGAIN_FOR: Duration = Duration::from_secs(1);
+pub(super) const TRY_AGAIN_FOR: Duration = Duration::from_secs(1);
 
 /// The wait before a call answered `TRYAGAIN` is sent again, twice as long
 /// each time up to `MAX_TRY_AGAIN_WAIT`.
