@@ -128,12 +128,11 @@ static GIVE_BACK_ERRORS: Throttle = Throttle::new(5);
 ///   than they were sent, across that reset or period's end (one round
 ///   trip apart), the block was charged to the live counter: its units
 ///   then stay charged until the period ends.
-/// - A give-back of a block the store never got (it was away: no
-///   connection) leaves the block with this instance, which spends it
-///   while it is fresh and gives it back when it is next idle or old. One
-///   that failed otherwise (a timeout: it may have landed) is not sent
-///   again; its units stay charged until the period ends, as do those of
-///   a shutdown's give-backs that fail.
+/// - A give-back the store never got (it was away, or had no room for the
+///   call) is sent again a while later, for a minute at most, as the
+///   layer's own give-backs are. One that failed otherwise (a timeout: it
+///   may have landed) is not sent again; its units stay charged until the
+///   period ends, as do those of a shutdown's give-backs that fail.
 /// - The usage a leased charge reports counts this instance's unused units
 ///   as not spent (they are not, yet), and other instances' as spent.
 /// - Store calls beyond the charges: a give-back per block that was not
@@ -1222,7 +1221,7 @@ impl<St: Store> LeasedStore<St> {
                 // which is sent again if the store refused it before the
                 // units were back. (Units taken under a higher limit, spent
                 // here, could pass the lower one with other instances'.)
-                stale.push(GiveBack::block(
+                stale.push(GiveBack::all_of(
                     &self.shared,
                     counter,
                     line.key.clone(),
@@ -2323,7 +2322,7 @@ async fn sweep<St: Store>(shared: Weak<Shared>, inner: St, settings: Settings) {
                         counter.block_since = None;
                         counter.taken_at = None;
                     } else {
-                        back.push(GiveBack::block(&shared, counter, key.to_period_key(), now));
+                        back.push(GiveBack::all_of(&shared, counter, key.to_period_key(), now));
                     }
                 }
                 let holding = counter.units > 0 || counter.taking || counter.reserved > 0;
@@ -2377,18 +2376,6 @@ struct GiveBack {
     taken_at: Timestamp,
     /// Whose entry of `key` counts it, until it landed or failed.
     tracked_by: Option<Arc<Shared>>,
-    /// The block the units were, to put them back into its entry if the
-    /// store never got them (see [`GiveBack::send`]): units given back
-    /// for being idle or old, not those of a counter gone.
-    block: Option<Block>,
-}
-
-/// What a block given back was, for [`GiveBack::put_back`].
-#[derive(Clone, Copy, Debug)]
-struct Block {
-    generation: u64,
-    since: Option<Instant>,
-    limit: u64,
 }
 
 impl GiveBack {
@@ -2409,27 +2396,19 @@ impl GiveBack {
             units,
             taken_at,
             tracked_by: Some(Arc::clone(shared)),
-            block: None,
         }
     }
 
     /// The whole block of `counter`, the entry at `key`, to give back at
-    /// `now` (it was idle here, or old): put back into the entry if the
-    /// store never gets it. The entry no longer holds it.
-    fn block(shared: &Arc<Shared>, counter: &mut Counter, key: PeriodKey, now: Timestamp) -> Self {
-        let block = Block {
-            generation: counter.generation,
-            since: counter.block_since,
-            limit: counter.block_limit,
-        };
+    /// `now` (it was idle here, or old); the entry holds none of it from
+    /// now on.
+    fn all_of(shared: &Arc<Shared>, counter: &mut Counter, key: PeriodKey, now: Timestamp) -> Self {
         let (units, taken_at) = (counter.units, counter.taken_at.unwrap_or(now));
         counter.store_used = counter.store_used.saturating_sub(units);
         counter.units = 0;
         counter.block_since = None;
         counter.taken_at = None;
-        let mut back = Self::tracked(shared, counter, key, now, units, taken_at);
-        back.block = Some(block);
-        back
+        Self::tracked(shared, counter, key, now, units, taken_at)
     }
 
     /// Units no entry here counts (its entry is gone).
@@ -2440,54 +2419,51 @@ impl GiveBack {
             units,
             taken_at,
             tracked_by: None,
-            block: None,
         }
     }
 
-    /// Gives the units back (see [`give_back`]). Units of a block the
-    /// store never got (it was away: nothing of the refund applied) go
-    /// back into their entry, if it is the same and its period is not
-    /// over: this instance holds them again, spends them while they are
-    /// fresh, and gives them back when next idle or old. Otherwise they
-    /// would stay charged in the store until the period ends.
-    async fn send<St: Store>(mut self, inner: &St) {
-        let sent = give_back(inner, self.now, self.key.clone(), self.units, self.taken_at).await;
-        if let Err(error) = sent {
-            if !self.put_back() {
-                stay_charged(&error, self.units);
+    /// Gives the units back (see [`give_back`]). One the store never got
+    /// (it was away, or had no room for the call: nothing of it applied)
+    /// is sent again a while later, in a task of its own, for as long as
+    /// the layer sends again what it gives back after a response
+    /// ([`RESEND_FOR`](crate::store::RESEND_FOR)); the entry counts it as
+    /// on its way meanwhile. Past that, its units stay charged until the
+    /// period ends.
+    async fn send<St: Store>(self, inner: &St) {
+        let Err(error) =
+            give_back(inner, self.now, self.key.clone(), self.units, self.taken_at).await
+        else {
+            return;
+        };
+        if tokio::runtime::Handle::try_current().is_err() {
+            stay_charged(&error, self.units);
+            return;
+        }
+        tokio::spawn(self.resend(inner.clone(), error));
+    }
+
+    /// Sends the give-back again while the store never gets it.
+    async fn resend<St: Store>(self, inner: St, mut error: StoreError) {
+        let mut wait = crate::store::FIRST_RESEND;
+        let mut waited = Duration::ZERO;
+        while waited < crate::store::RESEND_FOR {
+            tokio::time::sleep(wait).await;
+            waited += wait;
+            wait = (wait * 2).min(crate::store::MAX_RESEND_WAIT);
+            match give_back(
+                &inner,
+                self.now,
+                self.key.clone(),
+                self.units,
+                self.taken_at,
+            )
+            .await
+            {
+                Ok(_) => return,
+                Err(again) => error = again,
             }
         }
-    }
-
-    /// Puts the units back into the block they were taken from; whether
-    /// they went.
-    fn put_back(&mut self) -> bool {
-        let (Some(block), Some(shared)) = (self.block, self.tracked_by.as_ref()) else {
-            return false;
-        };
-        if shared.closed.load(Ordering::SeqCst) {
-            return false;
-        }
-        let mut counters = shared.counter(&self.key);
-        let Some(counter) = counters.get_mut(&self.key) else {
-            return false;
-        };
-        if counter.generation != block.generation || counter.ended(counter.now(Instant::now())) {
-            return false;
-        }
-        counter.units += self.units;
-        counter.store_used = counter.store_used.saturating_add(self.units);
-        counter.block_since = match (counter.block_since, block.since) {
-            (Some(a), Some(b)) => Some(a.min(b)),
-            (a, b) => a.or(b),
-        };
-        counter.taken_at = Some(
-            counter
-                .taken_at
-                .map_or(self.taken_at, |at| at.min(self.taken_at)),
-        );
-        counter.block_limit = counter.block_limit.max(block.limit);
-        true
+        stay_charged(&error, self.units);
     }
 }
 
