@@ -767,9 +767,6 @@ impl Shard {
         };
         let hash = self.hash(key.as_str());
         self.deadlines.push(Reverse((deadline, hash)));
-        if self.deadlines.len() > 2 * self.counters.len() + 64 {
-            self.refile_deadlines();
-        }
         let hasher = &self.hasher;
         let grew = match self.counters.entry(
             hash,
@@ -788,6 +785,10 @@ impl Shard {
                 true
             }
         };
+        // Once the counter is in the map: its deadline is filed anew too.
+        if self.deadlines.len() > 2 * self.counters.len() + 64 {
+            self.refile_deadlines();
+        }
         (counter, grew)
     }
 
