@@ -388,6 +388,8 @@ impl Ledger {
     pub(crate) fn start<St: Store>(self: &Arc<Self>, store: &St, settings: &Settings) {
         let mut book = self.lock();
         if book.settling || book.queue.is_empty() {
+            // Nothing owed (a reset forgot it), or a task settles it.
+            self.stranded.store(false, Ordering::Relaxed);
             return;
         }
         let Ok(runtime) = tokio::runtime::Handle::try_current() else {

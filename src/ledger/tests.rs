@@ -276,14 +276,16 @@ fn the_entry_being_settled_starts_no_search_for_ended_ones() {
 }
 
 /// A memory store that fails every settle while `away`, and every settle
-/// on `broken`, counting the tries, and panics on a settle on `panics`;
-/// while `held`, a settle waits for `release` first.
+/// on `broken`, counting the tries, and panics on a settle on `panics` (as
+/// it is called) or on `panics_later` (as its future is polled); while
+/// `held`, a settle waits for `release` first.
 #[derive(Clone, Default)]
 struct Away {
     inner: MemoryStore,
     away: Arc<AtomicBool>,
     broken: Arc<std::sync::Mutex<Option<PeriodKey>>>,
     panics: Arc<std::sync::Mutex<Option<PeriodKey>>>,
+    panics_later: Arc<std::sync::Mutex<Option<PeriodKey>>>,
     tries: Arc<AtomicUsize>,
     held: Arc<AtomicBool>,
     release: Arc<tokio::sync::Notify>,
@@ -335,7 +337,9 @@ impl Store for Away {
         let inner = self.inner.clone();
         let held = self.held.load(Ordering::Relaxed);
         let release = Arc::clone(&self.release);
+        let panics = self.panics_later.lock().unwrap().as_ref() == Some(&debt.key);
         async move {
+            assert!(!panics, "the store panics on this debt, later");
             if held {
                 release.notified().await;
             }
@@ -518,13 +522,18 @@ async fn a_debt_the_store_panics_on_holds_up_no_other() {
     let now = at(NOON);
     let settings = settings(now);
     let store = Away::default();
-    let (a, b) = (key("a", "PT1H"), key("b", "PT1H"));
+    let (a, later, b) = (key("a", "PT1H"), key("later", "PT1H"), key("b", "PT1H"));
     *store.panics.lock().unwrap() = Some(a.clone());
+    *store.panics_later.lock().unwrap() = Some(later.clone());
     let ledger = Arc::new(Ledger::default());
     ledger.owe(
         &store,
         &settings,
-        [first_use(&a, 1, now), first_use(&b, 2, now)],
+        [
+            first_use(&a, 1, now),
+            first_use(&later, 5, now),
+            first_use(&b, 2, now),
+        ],
     );
     tokio::time::sleep(Duration::from_millis(1)).await;
     assert_eq!(used(&store.inner, &b, now).await, 2);
