@@ -342,9 +342,12 @@ impl Period {
     /// can read to a customer: `every day at 00:00 Europe/Berlin`,
     /// `every Monday at 00:00 UTC`, `24h after the first call`.
     pub fn describe_reset(&self, anchor: Anchor) -> String {
-        let zone = match &self.tz_label {
-            Some(zone) => zone.to_string(),
-            None => "UTC".to_owned(),
+        // The zone as configured, as `format_instant` tells its instants
+        // (keys carry its primary name).
+        let zone = match (&self.tz_label, self.tz.iana_name()) {
+            (None, _) => "UTC".to_owned(),
+            (Some(_), Some(name)) => name.to_owned(),
+            (Some(label), None) => label.to_string(),
         };
         match (anchor, self.unit) {
             (Anchor::FirstUse, Unit::Month) => {

@@ -34,10 +34,16 @@ use crate::key::PeriodKey;
 ///         .build()
 /// }
 ///
+/// # async fn run() {
 /// let policy = policy(std::env::var_os("QUOTA_SHARED").is_some());
 /// let layer = policy.layer(Quota::daily(1_000));
 /// let handle: QuotaHandle<AppStore> = policy.handle();
+/// // ... serve, then on a graceful shutdown:
+/// if let EitherStore::Right(leased) = policy.store() {
+///     leased.shutdown().await; // the unused units go back
+/// }
 /// # let _ = (layer, handle);
+/// # }
 /// ```
 #[derive(Clone, Debug)]
 pub enum EitherStore<A, B> {
