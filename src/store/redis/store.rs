@@ -482,6 +482,17 @@ impl RedisStore {
                 .unsent())
             }
         };
+        // Room and a connection took the whole budget: a call sent now
+        // would be abandoned as it leaves, and a charge it carried would
+        // hold units from other requests until its give-back lands.
+        if tokio::time::Instant::now() >= deadline {
+            return Err(StoreError::new(
+                StoreErrorKind::Timeout,
+                "room for the call and a Redis connection took the store's timeout; nothing was \
+                 sent",
+            )
+            .unsent());
+        }
         let mut call = Call {
             inner: Arc::clone(inner),
             lost: conn.lost(),
