@@ -128,11 +128,14 @@ static GIVE_BACK_ERRORS: Throttle = Throttle::new(5);
 ///   than they were sent, across that reset or period's end (one round
 ///   trip apart), the block was charged to the live counter: its units
 ///   then stay charged until the period ends.
-/// - A give-back the store never got (it was away, or had no room for the
-///   call) is sent again a while later, for a minute at most, as the
-///   layer's own give-backs are. One that failed otherwise (a timeout: it
-///   may have landed) is not sent again; its units stay charged until the
-///   period ends, as do those of a shutdown's give-backs that fail.
+/// - A give-back of an idle or old block that the store never got (it was
+///   away, or had no room for the call) puts the block back with this
+///   instance, if nothing changed there since (no answer of the store
+///   taken in, no reset, the same period): it is spent while fresh, and
+///   given back when next idle or old, or on a shutdown. Otherwise, and
+///   for a give-back that failed after it was sent (a timeout: it may
+///   have landed), the units stay charged until the period ends, as do
+///   those of a shutdown's give-backs that fail.
 /// - The usage a leased charge reports counts this instance's unused units
 ///   as not spent (they are not, yet), and other instances' as spent.
 /// - Store calls beyond the charges: a give-back per block that was not
@@ -2376,6 +2379,22 @@ struct GiveBack {
     taken_at: Timestamp,
     /// Whose entry of `key` counts it, until it landed or failed.
     tracked_by: Option<Arc<Shared>>,
+    /// The entry as the block left it, to put the block back if the store
+    /// never gets it (see [`GiveBack::put_back`]).
+    left: Option<Left>,
+}
+
+/// An entry as a whole block left it: what [`GiveBack::put_back`] finds
+/// again before it puts the block back.
+#[derive(Clone, Copy, Debug)]
+struct Left {
+    generation: u64,
+    learned: u64,
+    store_used: u64,
+    resets_at: Timestamp,
+    first_call: Option<Timestamp>,
+    block_since: Option<Instant>,
+    block_limit: u64,
 }
 
 impl GiveBack {
@@ -2396,19 +2415,35 @@ impl GiveBack {
             units,
             taken_at,
             tracked_by: Some(Arc::clone(shared)),
+            left: None,
         }
     }
 
     /// The whole block of `counter`, the entry at `key`, to give back at
     /// `now` (it was idle here, or old); the entry holds none of it from
-    /// now on.
+    /// now on, unless the store never gets it.
     fn all_of(shared: &Arc<Shared>, counter: &mut Counter, key: PeriodKey, now: Timestamp) -> Self {
-        let (units, taken_at) = (counter.units, counter.taken_at.unwrap_or(now));
+        let (units, taken_at, block_since) = (
+            counter.units,
+            counter.taken_at.unwrap_or(now),
+            counter.block_since,
+        );
         counter.store_used = counter.store_used.saturating_sub(units);
         counter.units = 0;
         counter.block_since = None;
         counter.taken_at = None;
-        Self::tracked(shared, counter, key, now, units, taken_at)
+        let left = Left {
+            generation: counter.generation,
+            learned: counter.learned,
+            store_used: counter.store_used,
+            resets_at: counter.resets_at,
+            first_call: counter.first_call,
+            block_since,
+            block_limit: counter.block_limit,
+        };
+        let mut back = Self::tracked(shared, counter, key, now, units, taken_at);
+        back.left = Some(left);
+        back
     }
 
     /// Units no entry here counts (its entry is gone).
@@ -2419,51 +2454,57 @@ impl GiveBack {
             units,
             taken_at,
             tracked_by: None,
+            left: None,
         }
     }
 
-    /// Gives the units back (see [`give_back`]). One the store never got
-    /// (it was away, or had no room for the call: nothing of it applied)
-    /// is sent again a while later, in a task of its own, for as long as
-    /// the layer sends again what it gives back after a response
-    /// ([`RESEND_FOR`](crate::store::RESEND_FOR)); the entry counts it as
-    /// on its way meanwhile. Past that, its units stay charged until the
-    /// period ends.
-    async fn send<St: Store>(self, inner: &St) {
-        let Err(error) =
-            give_back(inner, self.now, self.key.clone(), self.units, self.taken_at).await
-        else {
-            return;
-        };
-        if tokio::runtime::Handle::try_current().is_err() {
-            stay_charged(&error, self.units);
-            return;
-        }
-        tokio::spawn(self.resend(inner.clone(), error));
-    }
-
-    /// Sends the give-back again while the store never gets it.
-    async fn resend<St: Store>(self, inner: St, mut error: StoreError) {
-        let mut wait = crate::store::FIRST_RESEND;
-        let mut waited = Duration::ZERO;
-        while waited < crate::store::RESEND_FOR {
-            tokio::time::sleep(wait).await;
-            waited += wait;
-            wait = (wait * 2).min(crate::store::MAX_RESEND_WAIT);
-            match give_back(
-                &inner,
-                self.now,
-                self.key.clone(),
-                self.units,
-                self.taken_at,
-            )
-            .await
-            {
-                Ok(_) => return,
-                Err(again) => error = again,
+    /// Gives the units back (see [`give_back`]). A whole block the store
+    /// never got (it was away, or had no room for the call: nothing of it
+    /// applied) goes back into its entry if nothing changed there since
+    /// (see [`GiveBack::put_back`]): this instance holds it again, spends
+    /// it while it is fresh, gives it back when next idle or old, and on a
+    /// shutdown. Otherwise its units stay charged until the period ends.
+    async fn send<St: Store>(mut self, inner: &St) {
+        let sent = give_back(inner, self.now, self.key.clone(), self.units, self.taken_at).await;
+        if let Err(error) = sent {
+            if !self.put_back() {
+                stay_charged(&error, self.units);
             }
         }
-        stay_charged(&error, self.units);
+    }
+
+    /// Puts the block back into its entry, if the entry is as the block
+    /// left it: the same entry (no reset here since), no answer of the
+    /// store taken in since (its count would include the block already),
+    /// the same period, not over, and the store not shut down. Whether it
+    /// went back.
+    fn put_back(&mut self) -> bool {
+        let (Some(left), Some(shared)) = (self.left, self.tracked_by.as_ref()) else {
+            return false;
+        };
+        if shared.closed.load(Ordering::SeqCst) {
+            return false;
+        }
+        let mut counters = shared.counter(&self.key);
+        let Some(counter) = counters.get_mut(&self.key) else {
+            return false;
+        };
+        let unchanged = counter.generation == left.generation
+            && counter.learned == left.learned
+            && counter.store_used == left.store_used
+            && counter.resets_at == left.resets_at
+            && counter.first_call == left.first_call
+            && counter.units == 0
+            && !counter.taking;
+        if !unchanged || counter.ended(counter.now(Instant::now())) {
+            return false;
+        }
+        counter.units = self.units;
+        counter.store_used = counter.store_used.saturating_add(self.units);
+        counter.block_since = left.block_since;
+        counter.taken_at = Some(self.taken_at);
+        counter.block_limit = left.block_limit;
+        true
     }
 }
 

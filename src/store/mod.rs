@@ -160,8 +160,8 @@ pub use self::redis::{RedisChargeFuture, RedisStore, RedisStoreBuilder, ServerCl
 type BoxError = Box<dyn StdError + Send + Sync>;
 
 /// The wait before a change the store never got ([`StoreError::is_unsent`]:
-/// a refund, an add, a leased block's give-back) is sent again; doubled
-/// after each try, up to [`MAX_RESEND_WAIT`].
+/// a refund or an add after a response) is sent again; doubled after each
+/// try, up to [`MAX_RESEND_WAIT`].
 pub(crate) const FIRST_RESEND: std::time::Duration = std::time::Duration::from_millis(100);
 pub(crate) const MAX_RESEND_WAIT: std::time::Duration = std::time::Duration::from_secs(5);
 /// How long a change the store never got is sent again, at most.
