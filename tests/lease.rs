@@ -687,6 +687,11 @@ async fn an_idle_block_the_store_never_got_back_stays_until_it_does() {
         now += SignedDuration::from_millis(1_300);
         assert_eq!(a.held(), held, "still here: the store never got it");
         assert_eq!(counted(&shared, now).await, 70 + held);
+        assert_eq!(
+            holders(&shared, now).await,
+            1,
+            "in the lease mark again: another instance tells a short wait"
+        );
         away.store(false, Ordering::Relaxed);
         if shut_down {
             assert_eq!(a.shutdown().await, held);

@@ -825,6 +825,11 @@ struct Counter {
     /// [`GiveBack`]): the store counts them until they land, so a request
     /// it refuses meanwhile waits for them and is sent again.
     returning: u32,
+    /// Answers of the store to calls other than charges (a refund, an add)
+    /// taken in: each sets `store_used` as the store told it, which a
+    /// block's give-back the store never got may not add to again (see
+    /// [`GiveBack::put_back`]).
+    told: u32,
 }
 
 /// One instance's part in a counter's lease mark. Joining goes with the
@@ -1913,6 +1918,7 @@ impl<St: Store> LeasedStore<St> {
                         mark: Mark::default(),
                         resetting: 0,
                         returning: 0,
+                        told: 0,
                     })
                 }
                 None => {
@@ -2150,6 +2156,7 @@ impl<St: Store> LeasedStore<St> {
         match self.shared.counter(key).get_mut(key) {
             Some(counter) => {
                 counter.store_used = used;
+                counter.told = counter.told.wrapping_add(1);
                 Some(used.saturating_sub(counter.units))
             }
             None => Some(used),
@@ -2390,6 +2397,7 @@ struct GiveBack {
 struct Left {
     generation: u64,
     learned: u64,
+    told: u32,
     store_used: u64,
     resets_at: Timestamp,
     first_call: Option<Timestamp>,
@@ -2435,6 +2443,7 @@ impl GiveBack {
         let left = Left {
             generation: counter.generation,
             learned: counter.learned,
+            told: counter.told,
             store_used: counter.store_used,
             resets_at: counter.resets_at,
             first_call: counter.first_call,
@@ -2466,9 +2475,17 @@ impl GiveBack {
     /// shutdown. Otherwise its units stay charged until the period ends.
     async fn send<St: Store>(mut self, inner: &St) {
         let sent = give_back(inner, self.now, self.key.clone(), self.units, self.taken_at).await;
-        if let Err(error) = sent {
-            if !self.put_back() {
-                stay_charged(&error, self.units);
+        let Err(error) = sent else {
+            return;
+        };
+        match self.put_back() {
+            PutBack::No => stay_charged(&error, self.units),
+            PutBack::Held => {}
+            PutBack::Join(now, generation) => {
+                if let Some(shared) = &self.tracked_by {
+                    let (lease, max) = (shared.settings.lease(), inner.max_count());
+                    join(inner, shared, now, self.key.clone(), generation, lease, max).await;
+                }
             }
         }
     }
@@ -2476,36 +2493,55 @@ impl GiveBack {
     /// Puts the block back into its entry, if the entry is as the block
     /// left it: the same entry (no reset here since), no answer of the
     /// store taken in since (its count would include the block already),
-    /// the same period, not over, and the store not shut down. Whether it
-    /// went back.
-    fn put_back(&mut self) -> bool {
+    /// the same period, not over, and the store not shut down. The entry
+    /// holds the block again, and so joins the lease mark again, which it
+    /// left for the block's sake: once the leaving on its way landed, or
+    /// now (the caller sends the joining).
+    fn put_back(&mut self) -> PutBack {
         let (Some(left), Some(shared)) = (self.left, self.tracked_by.as_ref()) else {
-            return false;
+            return PutBack::No;
         };
         if shared.closed.load(Ordering::SeqCst) {
-            return false;
+            return PutBack::No;
         }
         let mut counters = shared.counter(&self.key);
         let Some(counter) = counters.get_mut(&self.key) else {
-            return false;
+            return PutBack::No;
         };
         let unchanged = counter.generation == left.generation
             && counter.learned == left.learned
+            && counter.told == left.told
             && counter.store_used == left.store_used
             && counter.resets_at == left.resets_at
             && counter.first_call == left.first_call
             && counter.units == 0
             && !counter.taking;
-        if !unchanged || counter.ended(counter.now(Instant::now())) {
-            return false;
+        let now = counter.now(Instant::now());
+        if !unchanged || counter.ended(now) {
+            return PutBack::No;
         }
         counter.units = self.units;
         counter.store_used = counter.store_used.saturating_add(self.units);
         counter.block_since = left.block_since;
         counter.taken_at = Some(self.taken_at);
         counter.block_limit = left.block_limit;
-        true
+        if counter.mark.join(now) {
+            PutBack::Join(now, counter.generation)
+        } else {
+            PutBack::Held
+        }
     }
+}
+
+/// What became of a block whose give-back the store never got.
+enum PutBack {
+    /// Its units stay charged in the store (the entry changed since).
+    No,
+    /// Back in its entry, which is (or will be) in the lease mark.
+    Held,
+    /// Back in its entry, which joins the lease mark now, at this instant,
+    /// as its entry of this generation.
+    Join(Timestamp, u64),
 }
 
 impl Drop for GiveBack {
