@@ -12,6 +12,16 @@ pub(super) fn came_back(error: &RedisError) -> bool {
     !broken(error) && !error.is_timeout()
 }
 
+/// Whether `error` is Redis's answer that it cannot run a call for now (out
+/// of memory under `noeviction`, loading, busy with a script, a slot on
+/// the move): a reply that applied nothing.
+pub(super) fn for_now(error: &RedisError) -> bool {
+    matches!(
+        error.code(),
+        Some("OOM" | "LOADING" | "BUSY" | "MASTERDOWN" | "MISCONF" | "NOREPLICAS" | "TRYAGAIN")
+    )
+}
+
 /// Whether `error` leaves its connection unusable.
 pub(super) fn broken(error: &RedisError) -> bool {
     !error.is_timeout() && (error.is_unrecoverable_error() || error.is_io_error())
@@ -63,10 +73,7 @@ pub(super) fn redis_error(error: RedisError) -> StoreError {
         || error.is_connection_refusal()
         || error.is_cluster_error()
         || matches!(error.kind(), ErrorKind::ClusterConnectionNotFound)
-        || matches!(
-            error.code(),
-            Some("OOM" | "LOADING" | "BUSY" | "MASTERDOWN" | "MISCONF" | "NOREPLICAS" | "TRYAGAIN")
-        )
+        || for_now(&error)
         || is_read_only(&error)
         || error.to_string().contains("OOM command not allowed")
     {
@@ -113,5 +120,22 @@ mod tests {
         }
         let refused = error_of(b"-ERR tower-quota: an amount is not a number\r\n");
         assert!(!retires(&refused));
+    }
+
+    /// Redis's answers that it cannot run a call for now applied nothing:
+    /// a give-back answered so is worth sending again; a script's own
+    /// error is not.
+    #[test]
+    fn answers_for_now_are_told_apart() {
+        for reply in [
+            &b"-OOM command not allowed when used memory > 'maxmemory'.\r\n"[..],
+            b"-BUSY Redis is busy running a script.\r\n",
+            b"-LOADING Redis is loading the dataset in memory\r\n",
+        ] {
+            let error = error_of(reply);
+            assert!(for_now(&error) && came_back(&error), "{error}");
+        }
+        let refused = error_of(b"-ERR tower-quota: an amount is not a number\r\n");
+        assert!(!for_now(&refused));
     }
 }

@@ -18,7 +18,7 @@ use jiff::Timestamp;
 use tokio::sync::OwnedSemaphorePermit;
 
 use super::connection::{Connection, Lost};
-use super::errors::retires;
+use super::errors::{came_back, for_now, retires};
 use super::script::clamp;
 use super::store::Inner;
 use super::{FOLLOW_THROUGH, SILENCE};
@@ -261,8 +261,7 @@ pub(super) async fn refund_lines(
             Made::At(first_call) => invocation.arg(first_call).arg("exact"),
             Made::By(made_by) => invocation.arg(made_by.as_millisecond()),
         };
-        let refund = invocation.invoke_async::<i64>(conn);
-        let why = match tokio::time::timeout(FOLLOW_THROUGH, refund).await {
+        let why = match tokio::time::timeout(FOLLOW_THROUGH, refund_line(&invocation, conn)).await {
             // No live counter charged: gone since, or never charged.
             Ok(Ok(-1)) => {
                 refused += 1;
@@ -303,6 +302,33 @@ pub(super) async fn refund_lines(
         "gave back a charge Redis applied after its caller stopped waiting"
     );
 }
+
+/// A give-back's refund on `conn`, sent again a moment later while Redis
+/// answers that it cannot run it now (out of memory under `noeviction`,
+/// loading, busy with a script: a reply that applied nothing), a few
+/// times over some seconds: such a refusal would otherwise leave the
+/// charge applied without an admission.
+async fn refund_line(
+    invocation: &super::script::Invocation,
+    conn: &mut Connection,
+) -> Result<i64, RedisError> {
+    let mut wait = std::time::Duration::from_millis(100);
+    let mut tries = 1;
+    loop {
+        match invocation.invoke_async::<i64>(conn).await {
+            Err(error) if tries < REFUND_TRIES && came_back(&error) && for_now(&error) => {
+                tokio::time::sleep(wait).await;
+                wait *= 2;
+                tries += 1;
+            }
+            answer => return answer,
+        }
+    }
+}
+
+/// Tries of a give-back's refund that Redis cannot run for now: over some
+/// three seconds, with the waits between them.
+const REFUND_TRIES: u32 = 5;
 
 /// Lets a few warnings a second through about calls followed after their
 /// callers stopped waiting (during an outage, there is one per call).
