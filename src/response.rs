@@ -7,7 +7,7 @@ use std::sync::OnceLock;
 use bytes::Bytes;
 use http::header::{HeaderName, HeaderValue, CONTENT_TYPE, RETRY_AFTER};
 use http::{Response, StatusCode};
-use jiff::{RoundMode, Timestamp, TimestampRound, Unit};
+use jiff::{RoundMode, SignedDuration, Timestamp, TimestampRound, Unit};
 use serde_json::{json, Value};
 
 use crate::period::seconds_until;
@@ -415,6 +415,8 @@ impl Refusal {
             if !detail.is_empty() {
                 detail.push(' ');
             }
+            // A request that costs more than a whole period allows can never
+            // be admitted: waiting would not help, so no Retry-After is sent.
             if cost > usage.limit {
                 write!(
                     detail,
@@ -422,70 +424,63 @@ impl Refusal {
                     quota.name(),
                     usage.limit
                 )
-            } else {
-                let whole = |at: Timestamp| {
-                    let rounded = TimestampRound::new()
-                        .smallest(Unit::Second)
-                        .mode(RoundMode::Ceil);
-                    quota
-                        .period()
-                        .format_instant(at.round(rounded).unwrap_or(at))
-                };
-                write!(
-                    detail,
-                    "Quota {:?} allows {} per {}; {} used, this request costs {}; it resets at {}",
-                    quota.name(),
-                    usage.limit,
-                    quota.period().name(),
-                    usage.used,
-                    cost,
-                    whole(usage.resets_at),
-                )
-                .and_then(|()| {
-                    // Clients told apart by the spread of resets: this one's
-                    // turn, which `Retry-After` tells too.
-                    let spread = quota.spread_for(subject);
-                    let turn = usage
-                        .resets_at
-                        .checked_add(jiff::SignedDuration::from_secs(
-                            i64::try_from(spread).unwrap_or(i64::MAX),
-                        ))
-                        .ok()
-                        .filter(|_| {
-                            let sooner = usage
-                                .held_elsewhere_until
-                                .is_some_and(|until| until < usage.resets_at);
-                            spread > 0 && !sooner
-                        });
-                    match turn {
-                        Some(turn) => write!(detail, "; retry from {}.", whole(turn)),
-                        None => detail.write_str("."),
-                    }
-                })
-            }
-            .expect("infallible");
-            // A request that costs more than a whole period allows can never
-            // be admitted: waiting would not help, so no Retry-After is sent.
-            if cost > usage.limit {
+                .expect("infallible");
                 retry_after = None;
                 continue;
             }
+            let whole = |at: Timestamp| {
+                let rounded = TimestampRound::new()
+                    .smallest(Unit::Second)
+                    .mode(RoundMode::Ceil);
+                quota
+                    .period()
+                    .format_instant(at.round(rounded).unwrap_or(at))
+            };
+            write!(
+                detail,
+                "Quota {:?} allows {} per {}; {} used, this request costs {}; it resets at {}",
+                quota.name(),
+                usage.limit,
+                quota.period().name(),
+                usage.used,
+                cost,
+                whole(usage.resets_at),
+            )
+            .expect("infallible");
             // Units another instance holds unused come back soon (leased
-            // counting): worth a try then, before the reset.
+            // counting): worth a try then, before the reset. Otherwise the
+            // subject's turn after the reset, when resets are spread.
             let (back_at, wait) = match usage.held_elsewhere_until {
                 Some(until) if until < usage.resets_at => {
                     write!(
                         detail,
-                        " Other instances hold unused units of it, back within {} s.",
+                        ". Other instances hold unused units of it, back within {} s.",
                         seconds_until(now, until)
                     )
                     .expect("infallible");
                     (until, seconds_until(now, until))
                 }
-                _ => (
-                    usage.resets_at,
-                    seconds_until(now, usage.resets_at).saturating_add(quota.spread_for(subject)),
-                ),
+                _ => {
+                    let spread = quota.spread_for(subject);
+                    let turn = i64::try_from(spread)
+                        .ok()
+                        .and_then(|s| {
+                            usage
+                                .resets_at
+                                .checked_add(SignedDuration::from_secs(s))
+                                .ok()
+                        })
+                        .filter(|_| spread > 0);
+                    match turn {
+                        Some(turn) => write!(detail, "; retry from {}.", whole(turn)),
+                        None => detail.write_str("."),
+                    }
+                    .expect("infallible");
+                    (
+                        usage.resets_at,
+                        seconds_until(now, usage.resets_at).saturating_add(spread),
+                    )
+                }
             };
             retry_after = retry_after.map(|r| r.max(wait));
             resets_at = Some(resets_at.map_or(back_at, |r| r.max(back_at)));
