@@ -292,7 +292,12 @@ where
 /// Refunds and adds that failed, logged a few times per second at most.
 static ADJUST_ERRORS: Throttle = Throttle::new(5);
 
-use crate::store::{FIRST_RESEND, MAX_RESEND_WAIT, RESEND_FOR};
+/// The wait before a refund or an add the store never sent is sent again;
+/// doubled after each try, up to [`MAX_RESEND_WAIT`].
+const FIRST_RESEND: Duration = Duration::from_millis(100);
+const MAX_RESEND_WAIT: Duration = Duration::from_secs(5);
+/// How long a refund or an add the store never sent is sent again, at most.
+const RESEND_FOR: Duration = Duration::from_secs(60);
 
 /// Applies `ops` in the store: at once when the store answers at once,
 /// otherwise in a task of its own when a tokio runtime is at hand, so a

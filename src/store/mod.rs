@@ -159,14 +159,6 @@ pub use self::redis::{RedisChargeFuture, RedisStore, RedisStoreBuilder, ServerCl
 
 type BoxError = Box<dyn StdError + Send + Sync>;
 
-/// The wait before a change the store never got ([`StoreError::is_unsent`]:
-/// a refund or an add after a response) is sent again; doubled after each
-/// try, up to [`MAX_RESEND_WAIT`].
-pub(crate) const FIRST_RESEND: std::time::Duration = std::time::Duration::from_millis(100);
-pub(crate) const MAX_RESEND_WAIT: std::time::Duration = std::time::Duration::from_secs(5);
-/// How long a change the store never got is sent again, at most.
-pub(crate) const RESEND_FOR: std::time::Duration = std::time::Duration::from_secs(60);
-
 /// The `store` label of `St` in the metrics: the type's name is no stable
 /// interface, its identity is.
 pub(crate) fn metrics_label<St: 'static>() -> &'static str {
