@@ -167,21 +167,23 @@ impl QuotaStatus {
     /// under [`OnStoreError::FailOpen`](crate::OnStoreError::FailOpen)) has
     /// none: the store did not say where the caller stands.
     pub fn entries(&self) -> Vec<QuotaUsage> {
-        self.usages().collect()
+        self.lines().map(entry).collect()
     }
 
     /// The entry of the quota named `name`, as [`entries`](Self::entries)
     /// has it.
     pub fn get(&self, name: &str) -> Option<QuotaUsage> {
-        self.usages().find(|e| e.name() == name)
+        self.lines()
+            .find(|(quota, _)| quota.name() == name)
+            .map(entry)
     }
 
-    fn usages(&self) -> impl Iterator<Item = QuotaUsage> + '_ {
+    /// Every line charged, with its quota, outer layers first.
+    fn lines(&self) -> impl Iterator<Item = (&Quota, &Line)> {
         self.tickets
             .iter()
             .flat_map(|ticket| ticket.charges.iter())
             .flat_map(|lines| lines.with_quotas())
-            .map(|(quota, line)| QuotaUsage::new(quota.clone(), line.key.clone(), line.standing()))
     }
 
     /// The instant the request was first charged: what
@@ -272,6 +274,11 @@ impl QuotaStatus {
             None => self.tickets.push(ticket),
         }
     }
+}
+
+/// The entry of `line`, charged on `quota`, as the request leaves it.
+fn entry((quota, line): (&Quota, &Line)) -> QuotaUsage {
+    QuotaUsage::new(quota.clone(), line.key.clone(), line.standing())
 }
 
 impl fmt::Debug for QuotaStatus {
