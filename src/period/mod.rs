@@ -191,9 +191,20 @@ impl Period {
             Unit::Day => "day".into(),
             Unit::Week => "week".into(),
             Unit::Month => "month".into(),
-            Unit::Fixed(s) if s % 3600 == 0 => format!("{}h", s / 3600),
-            Unit::Fixed(s) if s % 60 == 0 => format!("{}m", s / 60),
-            Unit::Fixed(s) => format!("{s}s"),
+            Unit::Fixed(s) => length_name(s),
+        }
+    }
+
+    /// The period's length in seconds, when every period has the same
+    /// (all but months).
+    fn fixed_seconds(&self) -> Option<i64> {
+        match self.unit {
+            Unit::Minute => Some(60),
+            Unit::Hour => Some(3_600),
+            Unit::Day => Some(86_400),
+            Unit::Week => Some(604_800),
+            Unit::Fixed(s) => Some(s),
+            Unit::Month => None,
         }
     }
 
@@ -354,11 +365,12 @@ impl Period {
                 format!("one month after the first call (same day and time, {zone})")
             }
             // The exact length: "a day after" reads as the next day.
-            (Anchor::FirstUse, Unit::Minute) => "1m after the first call".to_owned(),
-            (Anchor::FirstUse, Unit::Hour) => "1h after the first call".to_owned(),
-            (Anchor::FirstUse, Unit::Day) => "24h after the first call".to_owned(),
-            (Anchor::FirstUse, Unit::Week) => "168h (7 days) after the first call".to_owned(),
-            (Anchor::FirstUse, Unit::Fixed(_)) => format!("{} after the first call", self.name()),
+            (Anchor::FirstUse, _) => {
+                let seconds = self
+                    .fixed_seconds()
+                    .expect("all but months have one length");
+                format!("{} after the first call", length_name(seconds))
+            }
             (Anchor::Calendar, Unit::Minute) => format!("at the start of every minute ({zone})"),
             (Anchor::Calendar, Unit::Hour) => format!("at the start of every hour ({zone})"),
             (Anchor::Calendar, Unit::Day) => format!("every day at 00:00 {zone}"),
@@ -399,21 +411,14 @@ impl Period {
     /// range `jiff` supports: for a first call a store reports, which
     /// another tool may have written.
     pub(crate) fn checked_end_of_first_use(&self, first_call: Timestamp) -> Option<Timestamp> {
-        let secs = match self.unit {
-            Unit::Minute => 60,
-            Unit::Hour => 3_600,
-            Unit::Day => 86_400,
-            Unit::Week => 604_800,
-            Unit::Fixed(s) => s,
-            Unit::Month => {
-                return first_call
-                    .to_zoned_datetime(self.tz.clone())
-                    .checked_add(1.month())
-                    .ok()
-                    .map(|end| end.timestamp())
-            }
-        };
-        first_call.checked_add(SignedDuration::from_secs(secs)).ok()
+        match self.fixed_seconds() {
+            Some(secs) => first_call.checked_add(SignedDuration::from_secs(secs)).ok(),
+            None => first_call
+                .to_zoned_datetime(self.tz.clone())
+                .checked_add(1.month())
+                .ok()
+                .map(|end| end.timestamp()),
+        }
     }
 
     /// The part of a first-use counter's key that names its period: the
@@ -594,6 +599,17 @@ pub(crate) fn seconds_until(now: Timestamp, at: Timestamp) -> u64 {
         return 0;
     }
     d.as_secs().unsigned_abs() + u64::from(d.subsec_nanos() != 0)
+}
+
+/// A length of `seconds` in the largest whole unit: `24h`, `10m`, `90s`.
+fn length_name(seconds: i64) -> String {
+    if seconds % 3600 == 0 {
+        format!("{}h", seconds / 3600)
+    } else if seconds % 60 == 0 {
+        format!("{}m", seconds / 60)
+    } else {
+        format!("{seconds}s")
+    }
 }
 
 /// Whether `tz` can name calendar windows in counter keys: it has an IANA

@@ -1361,7 +1361,7 @@ fn a_first_use_reset_is_told_by_its_exact_length() {
         (Period::minute(), "1m after the first call"),
         (Period::hour(), "1h after the first call"),
         (Period::day(), "24h after the first call"),
-        (Period::week(), "168h (7 days) after the first call"),
+        (Period::week(), "168h after the first call"),
     ] {
         assert_eq!(period.describe_reset(super::Anchor::FirstUse), words);
     }
