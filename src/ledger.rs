@@ -413,9 +413,7 @@ impl Ledger {
         let (clock, timeout) = (Arc::clone(&settings.clock), settings.store_timeout);
         drop(runtime.spawn(settle(guard, store.clone(), clock, timeout)));
     }
-}
 
-impl Ledger {
     /// Starts the settling task if the ledger owes and none runs since the
     /// last one could not start or ended unfinished: called on every
     /// request of the policy, so that debts settle once a runtime serves
