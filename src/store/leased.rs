@@ -855,6 +855,15 @@ struct Mark {
 }
 
 impl Counter {
+    /// Lets go of the block: the entry holds none of its units, which the
+    /// store's count here no longer includes. Its units, when they were
+    /// taken, by the layer's clock and the runtime's.
+    fn let_go(&mut self) -> (u64, Option<Timestamp>, Option<Instant>) {
+        let units = std::mem::take(&mut self.units);
+        self.store_used = self.store_used.saturating_sub(units);
+        (units, self.taken_at.take(), self.block_since.take())
+    }
+
     fn usage(&self) -> Usage {
         Usage {
             held_elsewhere_until: None,
@@ -2327,10 +2336,7 @@ async fn sweep<St: Store>(shared: Weak<Shared>, inner: St, settings: Settings) {
                 let now = counter.now(at);
                 if (idle || old) && counter.units > 0 {
                     if counter.ended(now) {
-                        counter.store_used = counter.store_used.saturating_sub(counter.units);
-                        counter.units = 0;
-                        counter.block_since = None;
-                        counter.taken_at = None;
+                        counter.let_go();
                     } else {
                         back.push(GiveBack::all_of(&shared, counter, key.to_period_key(), now));
                     }
@@ -2431,15 +2437,8 @@ impl GiveBack {
     /// `now` (it was idle here, or old); the entry holds none of it from
     /// now on, unless the store never gets it.
     fn all_of(shared: &Arc<Shared>, counter: &mut Counter, key: PeriodKey, now: Timestamp) -> Self {
-        let (units, taken_at, block_since) = (
-            counter.units,
-            counter.taken_at.unwrap_or(now),
-            counter.block_since,
-        );
-        counter.store_used = counter.store_used.saturating_sub(units);
-        counter.units = 0;
-        counter.block_since = None;
-        counter.taken_at = None;
+        let (units, taken_at, block_since) = counter.let_go();
+        let taken_at = taken_at.unwrap_or(now);
         let left = Left {
             generation: counter.generation,
             learned: counter.learned,
