@@ -77,6 +77,14 @@ where
     }
 }
 
+/// `answer`, its future (if it has one) made that of `EitherStore` by `wrap`.
+fn later<F, G>(answer: ChargeAnswer<F>, wrap: impl FnOnce(F) -> G) -> ChargeAnswer<G> {
+    match answer {
+        ChargeAnswer::Now(answer) => ChargeAnswer::Now(answer),
+        ChargeAnswer::Later(future) => ChargeAnswer::Later(wrap(future)),
+    }
+}
+
 impl<A: Store, B: Store> Store for EitherStore<A, B> {
     type ChargeFuture = EitherChargeFuture<A::ChargeFuture, B::ChargeFuture>;
 
@@ -89,18 +97,8 @@ impl<A: Store, B: Store> Store for EitherStore<A, B> {
 
     fn charge_at_once(&self, request: &ChargeRequest) -> ChargeAnswer<Self::ChargeFuture> {
         match self {
-            Self::Left(store) => match store.charge_at_once(request) {
-                ChargeAnswer::Now(answer) => ChargeAnswer::Now(answer),
-                ChargeAnswer::Later(future) => {
-                    ChargeAnswer::Later(EitherChargeFuture::Left(future))
-                }
-            },
-            Self::Right(store) => match store.charge_at_once(request) {
-                ChargeAnswer::Now(answer) => ChargeAnswer::Now(answer),
-                ChargeAnswer::Later(future) => {
-                    ChargeAnswer::Later(EitherChargeFuture::Right(future))
-                }
-            },
+            Self::Left(store) => later(store.charge_at_once(request), EitherChargeFuture::Left),
+            Self::Right(store) => later(store.charge_at_once(request), EitherChargeFuture::Right),
         }
     }
 
