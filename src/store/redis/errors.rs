@@ -14,7 +14,7 @@ pub(super) fn came_back(error: &RedisError) -> bool {
 
 /// Whether `error` is Redis's answer that it cannot run a call for now (out
 /// of memory under `noeviction`, loading, busy with a script, a slot on
-/// the move): a reply that applied nothing.
+/// the move): a reply (it came back) that applied nothing.
 pub(super) fn for_now(error: &RedisError) -> bool {
     matches!(
         error.code(),

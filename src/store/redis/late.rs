@@ -18,7 +18,7 @@ use jiff::Timestamp;
 use tokio::sync::OwnedSemaphorePermit;
 
 use super::connection::{Connection, Lost};
-use super::errors::{came_back, for_now, retires};
+use super::errors::{for_now, retires};
 use super::script::clamp;
 use super::store::Inner;
 use super::{FOLLOW_THROUGH, SILENCE};
@@ -316,7 +316,7 @@ async fn refund_line(
     let mut tries = 1;
     loop {
         match invocation.invoke_async::<i64>(conn).await {
-            Err(error) if tries < REFUND_TRIES && came_back(&error) && for_now(&error) => {
+            Err(error) if tries < REFUND_TRIES && for_now(&error) => {
                 tokio::time::sleep(wait).await;
                 wait *= 2;
                 tries += 1;
