@@ -232,10 +232,10 @@ pub async fn a_refused_charge_writes_nothing<S: ConformanceHooks>(store: &S) -> 
                 usage.first_call, before[i].first_call,
                 "a refused charge must write nothing: the first call of {key} changed ({what})"
             );
-            // An undated counter's reset is the one it is healed to, which
-            // a peek before may not tell.
+            // An undated counter's reset is the one it is healed to (its
+            // first call plus one period), which a peek before may not tell.
             let reset = if deadlines[i] == StoredDeadline::Undated {
-                usage.resets_at
+                now - period / 2 + period
             } else {
                 before[i].resets_at
             };
