@@ -432,9 +432,12 @@ impl<St: Store> QuotaHandle<St> {
     ///
     /// # Errors
     ///
-    /// When the store fails: a refund that never reached it leaves its
-    /// line charged (a later call, or the layer, gives it back); one that
-    /// may have landed (a timeout) counts as given back.
+    /// When the store fails. A refund that never reached it (the store was
+    /// away) is sent again in the background, within its counter's period,
+    /// and counts as given back meanwhile: no later call or layer gives the
+    /// line back twice. (Without a tokio runtime it is not sent again, and
+    /// a later call, or the layer, gives it back.) One that may have landed
+    /// (a timeout) counts as given back.
     pub async fn refund_request(
         &self,
         status: &crate::QuotaStatus,
@@ -484,7 +487,7 @@ impl<St: Store> QuotaHandle<St> {
                     Ok(count) => refunded.push(count),
                     Err(error) => {
                         if error.is_unsent() {
-                            line.unclaim_give_back();
+                            resend_later(&store, now, &lines, i, made_by);
                         }
                         refunded.push(None);
                         failed.get_or_insert(error);
@@ -588,6 +591,46 @@ impl<St: Store> QuotaHandle<St> {
         }
         Ok(())
     }
+}
+
+/// Give-backs that never reached the store, logged a few times per second
+/// at most.
+static GIVE_BACK_ERRORS: crate::throttle::Throttle = crate::throttle::Throttle::new(5);
+
+/// Sends line `i` of `lines`' refund again in the background, after the
+/// store answered that it never sent it: within the counter's period, and
+/// with the line still claimed, so that no layer gives it back twice
+/// meanwhile (a request dropped, a 5xx). Without a tokio runtime to send it
+/// on, the claim is released for a later give-back.
+fn resend_later<St: Store>(
+    store: &St,
+    now: Timestamp,
+    lines: &Arc<crate::status::Lines>,
+    i: usize,
+    made_by: Timestamp,
+) {
+    let Ok(runtime) = tokio::runtime::Handle::try_current() else {
+        lines[i].unclaim_give_back();
+        return;
+    };
+    let (store, lines) = (store.clone(), Arc::clone(lines));
+    let window = crate::store::resend::window(now, lines[i].usage.resets_at);
+    runtime.spawn(async move {
+        let line = &lines[i];
+        let resent = crate::store::resend::resending(window, || {
+            store.refund_made_by(now, line.key.clone(), line.cost, made_by)
+        })
+        .await;
+        if let Err(error) = resent {
+            if let Some(suppressed) = GIVE_BACK_ERRORS.admit() {
+                tracing::warn!(
+                    error = crate::key::scrubbed(&error.to_string()),
+                    suppressed,
+                    "a request's give-back never reached the quota store: it stays charged"
+                );
+            }
+        }
+    });
 }
 
 impl<St> Clone for QuotaHandle<St> {

@@ -820,10 +820,10 @@ async fn a_handlers_give_back_lands_when_the_request_is_dropped_meanwhile() {
     assert_eq!(used(&policy, "default-day").await, 0, "given back once");
 }
 
-/// A handler's give-back the store never sent leaves the line to give
-/// back: the layer gives it back for the 5xx that follows.
+/// A handler's give-back the store never sent is sent again: the 5xx
+/// that follows gives nothing back twice.
 #[tokio::test]
-async fn a_handlers_give_back_never_sent_is_left_to_the_layer() {
+async fn a_handlers_give_back_never_sent_is_sent_again() {
     use axum::extract::State;
     use tower_quota::{QuotaHandle, QuotaStatus};
 
@@ -845,4 +845,96 @@ async fn a_handlers_give_back_never_sent_is_left_to_the_layer() {
     let response = app.oneshot(call("/")).await.unwrap();
     assert_eq!(response.status(), StatusCode::BAD_GATEWAY);
     assert_eq!(settles(&policy, "default-day", 0).await, 0);
+}
+
+/// A handler's give-back that fails as never sent after its request was
+/// dropped (the layer found the line claimed, and left it) is sent again:
+/// the request that was not served spends nothing.
+#[tokio::test(start_paused = true)]
+async fn a_handlers_give_back_never_sent_after_a_drop_is_sent_again() {
+    use axum::extract::State;
+    use std::sync::atomic::Ordering::Relaxed;
+    use tower_quota::{QuotaHandle, QuotaStatus};
+
+    let store = Rigged::new(MemoryStore::new(), Rig::Fail, Some("nothing"));
+    let (unsent, slow) = (Arc::clone(&store.unsent), Arc::clone(&store.slow_changes));
+    let policy = policy(store, "dropped-undo").build();
+    type Handle = QuotaHandle<Rigged<MemoryStore>>;
+    let undo = {
+        let (unsent, slow) = (Arc::clone(&unsent), Arc::clone(&slow));
+        move |State(handle): State<Handle>, status: QuotaStatus| async move {
+            // The store is away: the refund fails, as never sent, 2 s on.
+            unsent.store(true, Relaxed);
+            slow.store(2_000, Relaxed);
+            let _ = handle.refund_request(&status).await;
+            "undone"
+        }
+    };
+    let app = Router::new()
+        .route("/", get(undo))
+        .with_state(policy.handle())
+        .layer(policy.layer(Quota::daily(10)));
+    let dropped = tokio::time::timeout(Duration::from_secs(1), app.oneshot(call("/"))).await;
+    assert!(dropped.is_err(), "dropped while the handler's refund waits");
+    unsent.store(false, Relaxed);
+    slow.store(0, Relaxed);
+    tokio::time::sleep(Duration::from_secs(10)).await;
+    assert_eq!(used(&policy, "default-day").await, 0, "not served");
+}
+
+/// A give-back the store never sent while it was away for minutes is
+/// sent once it is back: within the counter's period, not for a minute.
+#[tokio::test(start_paused = true)]
+async fn a_give_back_is_sent_again_after_a_long_outage() {
+    use std::sync::atomic::Ordering::Relaxed;
+
+    let store = Rigged::new(MemoryStore::new(), Rig::Fail, Some("nothing"));
+    let unsent = Arc::clone(&store.unsent);
+    let policy = policy(store, "long-outage").build();
+    let slow = || async {
+        tokio::time::sleep(Duration::from_secs(5)).await;
+        "late"
+    };
+    let app = Router::new()
+        .route("/", get(slow))
+        .layer(policy.layer(Quota::daily(100)));
+    unsent.store(true, Relaxed);
+    let dropped = tokio::time::timeout(Duration::from_secs(1), app.oneshot(call("/"))).await;
+    assert!(dropped.is_err(), "dropped: not served");
+    tokio::time::sleep(Duration::from_secs(600)).await;
+    assert_eq!(
+        used(&policy, "default-day").await,
+        1,
+        "the store still away"
+    );
+    unsent.store(false, Relaxed);
+    tokio::time::sleep(Duration::from_secs(10)).await;
+    assert_eq!(used(&policy, "default-day").await, 0, "given back");
+}
+
+/// A deferred cost's add the store never sent while it was away for
+/// minutes is sent once it is back: the served request counts what it
+/// cost.
+#[tokio::test(start_paused = true)]
+async fn an_add_is_sent_again_after_a_long_outage() {
+    use std::sync::atomic::Ordering::Relaxed;
+
+    let store = Rigged::new(MemoryStore::new(), Rig::Fail, Some("nothing"));
+    let unsent = Arc::clone(&store.unsent);
+    let policy = policy(store, "long-add").build();
+    let app = Router::new()
+        .route("/", get(ok))
+        .layer(policy.layer(Quota::daily(100)).deferred_cost(1, |_| 5));
+    unsent.store(true, Relaxed);
+    let response = app.oneshot(call("/")).await.unwrap();
+    assert_eq!(response.status(), StatusCode::OK);
+    tokio::time::sleep(Duration::from_secs(600)).await;
+    assert_eq!(
+        used(&policy, "default-day").await,
+        1,
+        "the store still away"
+    );
+    unsent.store(false, Relaxed);
+    tokio::time::sleep(Duration::from_secs(10)).await;
+    assert_eq!(used(&policy, "default-day").await, 5, "what it cost");
 }

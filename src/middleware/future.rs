@@ -2,7 +2,6 @@ use std::future::Future;
 use std::pin::Pin;
 use std::sync::Arc;
 use std::task::{ready, Context, Poll};
-use std::time::Duration;
 
 use bytes::Bytes;
 use http::{Request, Response};
@@ -292,21 +291,14 @@ where
 /// Refunds and adds that failed, logged a few times per second at most.
 static ADJUST_ERRORS: Throttle = Throttle::new(5);
 
-/// The wait before a refund or an add the store never sent is sent again;
-/// doubled after each try, up to [`MAX_RESEND_WAIT`].
-const FIRST_RESEND: Duration = Duration::from_millis(100);
-const MAX_RESEND_WAIT: Duration = Duration::from_secs(5);
-/// How long a refund or an add the store never sent is sent again, at most.
-const RESEND_FOR: Duration = Duration::from_secs(60);
-
 /// Applies `ops` in the store: at once when the store answers at once,
 /// otherwise in a task of its own when a tokio runtime is at hand, so a
 /// response future dropped meanwhile does not cut a refund short. A refund
 /// goes only to a counter made by the instant beside it (see
 /// [`Line::made_by`](crate::status::Line::made_by)): not to one made anew since (a reset while the
-/// request was served). An add is sent again only within its counter's
-/// period (the counter's reset beside it): past it, a counter with the
-/// same key is another period's.
+/// request was served). A change the store never sent is sent again
+/// within its counter's period (the counter's reset beside it): past it, a
+/// counter with the same key is another period's.
 fn apply<St: Store>(
     store: St,
     now: Timestamp,
@@ -315,46 +307,24 @@ fn apply<St: Store>(
     let work = async move {
         let mut results = Vec::with_capacity(ops.len());
         for (key, op, made_by, resets_at) in ops {
-            let mut wait = FIRST_RESEND;
-            let mut resent = Duration::ZERO;
-            let resend_for = match op {
-                Adjust::Refund(_) => RESEND_FOR,
-                // Sent again only if it would still be sent within the
-                // period: the last wait ends before the reset.
-                Adjust::Add(_) => {
-                    let left =
-                        Duration::try_from(resets_at.duration_since(now)).unwrap_or_default();
-                    RESEND_FOR.min(left.saturating_sub(MAX_RESEND_WAIT))
+            // A change the store never sent applied nothing: sent again a
+            // while later, within the counter's period, so that an outage
+            // does not leave a request charged that was not served, nor
+            // one served under-counted. (Its response does not wait: see
+            // `Settling`.)
+            let window = crate::store::resend::window(now, resets_at);
+            let result = crate::store::resend::resending(window, || {
+                let (store, key) = (&store, key.clone());
+                async move {
+                    match op {
+                        Adjust::Refund(amount) => {
+                            store.refund_made_by(now, key, amount, made_by).await
+                        }
+                        Adjust::Add(amount) => store.add_made_by(now, key, amount, made_by).await,
+                    }
                 }
-            };
-            let result = loop {
-                let result = match op {
-                    Adjust::Refund(amount) => {
-                        store
-                            .refund_made_by(now, key.clone(), amount, made_by)
-                            .await
-                    }
-                    Adjust::Add(amount) => {
-                        store.add_made_by(now, key.clone(), amount, made_by).await
-                    }
-                };
-                // A change the store never sent applied nothing: sent again
-                // a while later, for as long as `RESEND_FOR`, so that an
-                // outage does not leave a request charged that was not
-                // served. (Its response does not wait: see `Settling`.)
-                match &result {
-                    Err(error)
-                        if error.is_unsent()
-                            && resent < resend_for
-                            && tokio::runtime::Handle::try_current().is_ok() =>
-                    {
-                        tokio::time::sleep(wait).await;
-                        resent += wait;
-                        wait = (wait * 2).min(MAX_RESEND_WAIT);
-                    }
-                    _ => break result,
-                }
-            };
+            })
+            .await;
             if let (Adjust::Refund(_), Ok(Some(_))) = (op, &result) {
                 crate::metrics::refunded();
             }

@@ -125,6 +125,7 @@ mod leased;
 mod memory;
 #[cfg(feature = "redis")]
 pub mod redis;
+pub(crate) mod resend;
 mod slot_key;
 #[cfg(test)]
 mod tests;

@@ -48,8 +48,8 @@ pub struct Rigged<St> {
     /// While set, refunds and adds fail as calls the store never sent.
     #[allow(dead_code)]
     pub unsent: Arc<AtomicBool>,
-    /// While above 0, refunds and adds are made (and answered) this many
-    /// milliseconds of the runtime's time late.
+    /// While above 0, refunds and adds are made and answered (or fail, as
+    /// never sent) this many milliseconds of the runtime's time late.
     #[allow(dead_code)]
     pub slow_changes: Arc<AtomicU64>,
 }
@@ -98,9 +98,11 @@ impl<St> Rigged<St> {
             if stalled {
                 std::future::pending::<()>().await;
             }
-            if sent && !slow.is_zero() {
+            if !slow.is_zero() {
                 tokio::time::sleep(slow).await;
-                change = make.take().map(|make| make());
+                if sent {
+                    change = make.take().map(|make| make());
+                }
             }
             match change {
                 Some(change) => change.await,
