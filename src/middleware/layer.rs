@@ -367,6 +367,12 @@ impl<E, St: Store> QuotaLayer<E, St> {
 
     /// Every request costs `cost` units (default 1).
     ///
+    /// A quota that a layer further out charged for the request already is
+    /// not charged again here: it counts once, at that layer's cost (and
+    /// deferred cost). To price one route higher on a router-wide quota,
+    /// work the cost out in the router-wide layer ([`QuotaLayer::cost_fn`],
+    /// from the path), or give the route's layer a quota of its own.
+    ///
     /// # Panics
     ///
     /// When `cost` is more than the policy's store counts exactly
