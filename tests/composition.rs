@@ -1009,3 +1009,25 @@ fn random_nests_charge_exactly_the_admitted_requests_on_redis() {
     };
     run_nests(&runtime, store);
 }
+
+/// The same quota in two layers of one policy counts once, at the cost of
+/// the outer layer: the inner layer's cost (fixed or deferred) is not
+/// charged on top.
+#[tokio::test]
+async fn the_same_quota_in_two_layers_counts_at_the_outer_layers_cost() {
+    let p = policy(tower_quota::MemoryStore::new(), "outer-cost").build();
+    let app = Router::new()
+        .route("/", get(|| async { "ok" }))
+        .route_layer(p.layer(Quota::daily(10)).cost(8))
+        .route_layer(p.layer(Quota::daily(10)).deferred_cost(1, |_| 1))
+        .layer(p.layer(Quota::daily(10)).cost(2));
+    for left in [8, 6, 4] {
+        let response = send(&app, call("/", ACME)).await;
+        assert_eq!(response.status(), StatusCode::OK);
+        assert_eq!(
+            header(&response, "ratelimit"),
+            format!("\"default-day\";r={left};t=50400")
+        );
+    }
+    assert_eq!(used(&p, "acme", "default-day").await, 6);
+}
