@@ -2944,3 +2944,49 @@ async fn a_line_of_nothing_over_its_limit_is_refused_as_the_store_does() {
     assert!(!store.admitted, "the store refuses it");
     assert!(!leased.charge(free).await.unwrap().admitted);
 }
+
+/// A block whose charge was stamped at the very instant a reset elsewhere
+/// and a new request made the counter anew goes back by the first call of
+/// the counter it was taken from: not onto the new counter, which never
+/// counted its units.
+#[tokio::test(start_paused = true)]
+async fn a_block_taken_at_the_instant_a_counter_is_made_anew_goes_back_to_the_old_one() {
+    let shared = MemoryStore::new();
+    let a = LeasedStore::new(shared.clone());
+    let b = LeasedStore::new(shared.clone());
+    let mut now = t0();
+    // B busy until one of its charges takes a block.
+    let mut held = 0;
+    for _ in 0..200 {
+        assert!(call(&b, now, 1_000).await.admitted);
+        if b.held() > held {
+            break;
+        }
+        held = b.held();
+        tokio::time::advance(Duration::from_millis(20)).await;
+        now += SignedDuration::from_millis(20);
+    }
+    let block = b.held();
+    assert!(block > 0, "B holds a block taken at {now}");
+    // Support resets the counter elsewhere; A's request at the same instant
+    // makes it anew.
+    assert!(shared.reset(day_key()).await.unwrap());
+    for _ in 0..3 {
+        assert!(call(&shared, now, 1_000).await.admitted);
+    }
+    assert_eq!(
+        counted(&shared, now).await,
+        3,
+        "the new counter counts A's three requests"
+    );
+    // B goes idle: its block goes back.
+    tokio::time::sleep(Duration::from_secs(3)).await;
+    a.shutdown().await;
+    let later = now + SignedDuration::from_secs(3);
+    assert_eq!(b.held(), 0);
+    assert_eq!(
+        counted(&shared, later).await,
+        3,
+        "B's block of the counter gone landed on the new counter (block {block})"
+    );
+}

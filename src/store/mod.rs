@@ -336,9 +336,11 @@ impl Usage {
 
     /// The instant a give-back of a charge made at `charged_at`, answered
     /// with this usage, goes by ([`Store::refund_made_by`]): only to a
-    /// counter made by then. The charge's instant, or the counter's first
-    /// call when that is later (a concurrent charge with a later instant
-    /// made the counter first); for a charge the store counted earlier
+    /// counter made by then. The first call of the counter charged, when
+    /// the store tells it (earlier than the charge's instant, it keeps out
+    /// a counter made anew after a reset at that very instant; later, a
+    /// concurrent charge with a later instant made the counter first), or
+    /// the charge's instant; for a charge the store counted earlier
     /// ([`counted_at`](Self::counted_at): a leased block's take, which went
     /// by the first call of the counter it was taken from already), never
     /// later than that instant, whatever counter this usage tells of
@@ -352,7 +354,7 @@ impl Usage {
 /// The instant a give-back of a charge made at `charged_at`, to a counter
 /// whose first call was `first_call`, goes by: see [`Usage::made_by`].
 pub(crate) fn made_by(charged_at: Timestamp, first_call: Option<Timestamp>) -> Timestamp {
-    first_call.map_or(charged_at, |first| first.max(charged_at))
+    first_call.unwrap_or(charged_at)
 }
 
 /// The answer to a charge.

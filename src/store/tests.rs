@@ -1222,8 +1222,8 @@ fn resets_and_reclaiming_give_room_back() {
 
 /// A give-back goes by the instant the store counted the charge: a leased
 /// block's, when earlier than the request's, whatever counter the answer
-/// tells of; otherwise the request's, or the counter's first call when
-/// later.
+/// tells of; otherwise the counter's first call when told, or the
+/// request's.
 #[test]
 fn a_give_back_goes_by_the_instant_the_charge_was_counted() {
     let at = |s: &str| s.parse::<Timestamp>().unwrap();
@@ -1239,11 +1239,14 @@ fn a_give_back_goes_by_the_instant_the_charge_was_counted() {
     assert_eq!(usage(None, None).made_by(charged_at), charged_at);
     let later = "2026-12-04T10:00:06Z";
     assert_eq!(usage(Some(later), None).made_by(charged_at), at(later));
-    let block = "2026-12-04T10:00:01Z";
+    // A counter made before the request: by its first call, so that a
+    // counter made anew after a reset at the request's instant is kept out.
     let first = "2026-12-04T10:00:00Z";
+    assert_eq!(usage(Some(first), None).made_by(charged_at), at(first));
+    let block = "2026-12-04T10:00:01Z";
     assert_eq!(
         usage(Some(first), Some(block)).made_by(charged_at),
-        at(block)
+        at(first)
     );
     // A block taken from a counter made after the request's instant (an
     // instance whose clock is behind): the counter's first call, which
