@@ -2990,3 +2990,84 @@ async fn a_block_taken_at_the_instant_a_counter_is_made_anew_goes_back_to_the_ol
         "B's block of the counter gone landed on the new counter (block {block})"
     );
 }
+
+fn fu_request(now: Timestamp, cost: u64) -> ChargeRequest {
+    ChargeRequest {
+        now,
+        lines: smallvec::smallvec![ChargeLine {
+            key: PeriodKey::from_string("quota:{account:acme}:fu:PT1M".to_string()),
+            limit: 100,
+            cost,
+            lifetime: Lifetime::FirstUse {
+                deadline: now + SignedDuration::from_secs(30),
+            },
+            shadow_limit: None,
+        }],
+    }
+}
+
+/// A line of nothing on a first-use counter whose period ended is
+/// answered as the store answers it, not from this instance's view of the
+/// period gone.
+#[tokio::test(start_paused = true)]
+async fn a_line_of_nothing_after_a_first_use_period_ended_is_the_stores() {
+    let shared = MemoryStore::new();
+    let a = LeasedStore::new(shared.clone());
+    let mut now = t0();
+    for _ in 0..50 {
+        assert!(a.charge(fu_request(now, 1)).await.unwrap().admitted);
+        tokio::time::advance(Duration::from_millis(20)).await;
+        now += SignedDuration::from_millis(20);
+    }
+    // The period ends; the subject comes back with a request of nothing.
+    tokio::time::sleep(Duration::from_secs(31)).await;
+    now += SignedDuration::from_secs(31);
+    let store = shared.charge(fu_request(now, 0)).await.unwrap();
+    let leased = a.charge(fu_request(now, 0)).await.unwrap();
+    assert!(leased.admitted);
+    assert_eq!(
+        (leased.usage[0].used, leased.usage[0].resets_at),
+        (store.usage[0].used, store.usage[0].resets_at),
+        "as the store answers (reset in the past: {})",
+        leased.usage[0].resets_at < now
+    );
+}
+
+/// A line of nothing is refused, as the store refuses it, once another
+/// instance's adds took the counter past its limit: this instance's view
+/// is kept no longer than the block it holds, the lease time.
+#[tokio::test(start_paused = true)]
+async fn a_line_of_nothing_over_a_limit_passed_elsewhere_is_refused() {
+    let shared = MemoryStore::new();
+    let lease_time = Duration::from_secs(2);
+    let a = LeasedStore::builder(shared.clone())
+        .lease_time(lease_time)
+        .build();
+    let b = LeasedStore::new(shared.clone());
+    let mut now = t0();
+    busy(&a, &mut now, 20, 100, 1).await;
+    // B's deferred costs take the counter past its limit.
+    assert!(call(&b, now, 100).await.admitted);
+    b.add(now, day_key(), 200).await.unwrap();
+    let mut free = request(now, 100);
+    free.lines[0].cost = 0;
+    assert!(
+        !shared.charge(free.clone()).await.unwrap().admitted,
+        "the store refuses it"
+    );
+    let mut admitted = Vec::new();
+    for _ in 0..100 {
+        tokio::time::advance(Duration::from_millis(100)).await;
+        free.now += SignedDuration::from_millis(100);
+        if a.charge(free.clone()).await.unwrap().admitted {
+            admitted.push(free.now);
+        }
+    }
+    let bound = now + SignedDuration::try_from(lease_time).unwrap();
+    assert!(
+        admitted.iter().all(|&at| at <= bound),
+        "admitted {} of them, the last at {:?}, past {bound}",
+        admitted.len(),
+        admitted.last()
+    );
+}

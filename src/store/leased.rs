@@ -1248,6 +1248,11 @@ impl<St: Store> LeasedStore<St> {
                     unmarked.push((line.key.clone(), counter.generation));
                 }
             }
+            // A line of nothing is answered here only while this instance
+            // holds a fresh block of its counter: its view of the counter is
+            // then no older than the lease time (a counter passed its limit
+            // elsewhere, or a first-use period over, is the store's to tell).
+            to_store |= line.cost == 0 && !(fresh && counter.units > 0);
             // Only as far as what was served leaves room under this
             // request's limit (a caller's plan may change while a block is
             // held).
