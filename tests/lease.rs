@@ -3071,3 +3071,51 @@ async fn a_line_of_nothing_over_a_limit_passed_elsewhere_is_refused() {
         admitted.last()
     );
 }
+
+/// An answer that lands after a later one, which told of no counter yet,
+/// tells the request the making of the counter it was charged on: a
+/// request stamped later made it, and the request's give-back goes by
+/// that making, or the store refuses it and its unit stays charged.
+#[tokio::test(start_paused = true)]
+async fn a_late_answer_tells_the_making_of_the_counter_charged() {
+    let shared = MemoryStore::new();
+    let slow = Slow::new(shared.clone(), 50);
+    let leased = LeasedStore::new(slow.clone());
+    let first = t0();
+    // Sent first, applied 50 ms on.
+    let early = tokio::spawn({
+        let leased = leased.clone();
+        async move { leased.charge(request(first, 100)).await.unwrap() }
+    });
+    tokio::task::yield_now().await;
+    // Sent next, applied at once: more than the limit, refused, no counter.
+    slow.delay.store(0, Ordering::Relaxed);
+    let mut over = request(first, 100);
+    over.lines[0].cost = 101;
+    let refused = leased.charge(over).await.unwrap();
+    assert!(!refused.admitted);
+    assert_eq!(refused.usage[0].first_call, None);
+    // Another instance's request, stamped later, makes the counter.
+    let later = first + SignedDuration::from_millis(10);
+    tokio::time::advance(Duration::from_millis(10)).await;
+    assert!(call(&shared, later, 100).await.admitted);
+    let early = early.await.unwrap();
+    assert!(early.admitted);
+    assert_eq!(
+        early.usage[0].first_call,
+        Some(later),
+        "the counter's making"
+    );
+    // Its give-back lands.
+    let made_by = early.usage[0].first_call.unwrap();
+    leased
+        .refund_made_by(later, day_key(), 1, made_by)
+        .await
+        .unwrap();
+    leased.shutdown().await;
+    assert_eq!(
+        counted(&shared, later).await,
+        1,
+        "the other instance's alone"
+    );
+}

@@ -2033,6 +2033,12 @@ impl<St: Store> LeasedStore<St> {
                 counter.first_call = usage.first_call;
             } else {
                 counter.store_used = counter.store_used.max(usage.used.saturating_sub(returned));
+                // An entry made from an answer that told of no counter (a
+                // refusal before any charge) learns its making from the
+                // first answer of the same period that tells it.
+                if counter.first_call.is_none() && same_reset(counter.resets_at, usage.resets_at) {
+                    counter.first_call = usage.first_call;
+                }
             }
             if fresh {
                 counter.learned = sent;
@@ -2091,6 +2097,9 @@ impl<St: Store> LeasedStore<St> {
             }
             let told = *usage;
             *usage = counter.usage();
+            // The counter charged is the one the store's answer tells of:
+            // a give-back of the request goes by its making.
+            usage.first_call = usage.first_call.or(told.first_call);
             if older {
                 // Of the counter gone: what the request was charged on, so
                 // that its refund or its deferred cost, guarded by the
