@@ -103,9 +103,13 @@ static GIVE_BACK_ERRORS: Throttle = Throttle::new(5);
 ///   on: a request served from a block goes by the instant the block was
 ///   taken, [`Usage::counted_at`], so that after a reset elsewhere it goes
 ///   nowhere; one paid in part by the store too goes by that instant
-///   whole, and after such a reset the store's part stays charged); any
-///   other refund ([`Store::refund`], a support refund) goes to
-///   the store. A support refund larger than what was spent takes the count
+///   whole, and after such a reset the store's part stays charged). So
+///   does any refund guarded by the counter's making
+///   ([`Store::refund_made_by`]: [`QuotaHandle::refund_at`](crate::QuotaHandle::refund_at)
+///   too), as far as the block has room for it: other instances see it once
+///   the block goes back. Any other refund ([`Store::refund`],
+///   [`QuotaHandle::refund`](crate::QuotaHandle::refund)) goes to the
+///   store. A support refund larger than what was spent takes the count
 ///   below the units instances hold, which they then spend on top of the
 ///   limit: refund at most what the subject was charged.
 /// - An instance that stops without [`LeasedStore::shutdown`] (a crash, a
@@ -2186,11 +2190,12 @@ impl<St: Store> LeasedStore<St> {
         }
     }
 
-    /// A refund (guarded by `made_by` in the store, if given). A request's
-    /// own (guarded: what the layer gives back of a request this instance
-    /// served, at most what it charged) goes into this instance's block of
-    /// `key` when it holds one. Any other (a support refund, of units any
-    /// instance may have spent) goes to the store: this instance's view of
+    /// A refund (guarded by `made_by` in the store, if given). A guarded
+    /// one (what the layer gives back of a request this instance served,
+    /// at most what it charged; or a support refund by a charge's
+    /// instant) goes into this instance's block of `key` when it holds
+    /// one. Any other (a support refund, of units any instance may have
+    /// spent) goes to the store: this instance's view of
     /// the count is as old as its last answer, and crediting its block
     /// from it would give back units others gave back already, or fewer
     /// than asked.
