@@ -408,7 +408,7 @@ impl Refusal {
         for (line, (quota, usage)) in quotas.iter().zip(usage).enumerate() {
             let cost = cost_of_line(line);
             // A shadow quota never refuses: it is not what refused this one.
-            if quota.is_shadow() || usage.used.saturating_add(cost) <= usage.limit {
+            if quota.is_shadow() || crate::store::has_room(usage.used, cost, usage.limit) {
                 continue;
             }
             violated.push((quota.clone(), *usage, cost));

@@ -1366,3 +1366,30 @@ async fn the_reset_is_told_from_the_responses_instant() {
     let late = get_as(&app, "/", "acme").await;
     assert_eq!(late.ratelimit()["default-minute"], (0, 0));
 }
+
+/// A limit of `u64::MAX`: a cost whose sum with what was spent passes
+/// `u64` is refused as over the limit, and the refusal says so (the quota
+/// it violates, and when to retry), not as a store's passing refusal.
+#[tokio::test]
+async fn a_sum_past_u64_is_refused_as_over_the_limit() {
+    let app = Router::new().route("/", get(|| async { "hello" })).layer(
+        QuotaPolicy::builder(account())
+            .clock(ManualClock::new(at("2026-12-02T10:00:00Z")))
+            .build()
+            .layer(Quota::daily(u64::MAX))
+            .cost_fn(|parts| {
+                let n = parts.uri.query().and_then(|q| q.strip_prefix("n="));
+                Ok(n.and_then(|n| n.parse().ok()).unwrap_or(1))
+            }),
+    );
+    let bulk = format!("/?n={}", u64::MAX - 1);
+    assert_eq!(get_as(&app, &bulk, "acme").await.status, StatusCode::OK);
+    let refused = get_as(&app, "/?n=5", "acme").await;
+    assert_eq!(refused.status, StatusCode::TOO_MANY_REQUESTS);
+    assert_eq!(
+        refused.json()["violated-policies"],
+        serde_json::json!(["default-day"])
+    );
+    let retry_after = refused.headers["retry-after"].to_str().unwrap();
+    assert_eq!(retry_after, "50400", "at the day's end");
+}

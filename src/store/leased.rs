@@ -646,7 +646,7 @@ impl Shared {
                 let lease_time = self.settings.lease_time;
                 let pays = counter.as_ref().is_some_and(|c| {
                     c.units >= line.cost
-                        && c.usage().used.saturating_add(line.cost) <= line.limit
+                        && super::has_room(c.usage().used, line.cost, line.limit)
                         && sized_by(line) >= c.block_limit
                         && c.block_since
                             .is_some_and(|since| since.elapsed() < lease_time)
@@ -1260,7 +1260,7 @@ impl<St: Store> LeasedStore<St> {
             // Only as far as what was served leaves room under this
             // request's limit (a caller's plan may change while a block is
             // held).
-            let room = counter.usage().used.saturating_add(line.cost) <= line.limit;
+            let room = super::has_room(counter.usage().used, line.cost, line.limit);
             let units = if room {
                 counter.units.min(line.cost)
             } else {
@@ -1686,7 +1686,7 @@ impl<St: Store> LeasedStore<St> {
             let fits_alone = costs
                 .iter()
                 .zip(&outcome.usage)
-                .all(|(&cost, usage)| usage.used.saturating_add(cost) <= usage.limit);
+                .all(|(&cost, usage)| super::has_room(usage.used, cost, usage.limit));
             let mut again = refused && ((leasing && fits_alone) || giving_back.is_some());
             // What a refusal waits for (units on their way back, then a
             // block on its way here) it waits for this long in all, and
@@ -1704,7 +1704,7 @@ impl<St: Store> LeasedStore<St> {
                     .iter()
                     .zip(&costs)
                     .zip(&outcome.usage)
-                    .filter(|((_, &cost), usage)| usage.used.saturating_add(cost) > usage.limit)
+                    .filter(|((_, &cost), usage)| !super::has_room(usage.used, cost, usage.limit))
                     .map(|((line, _), _)| &line.key)
                     .collect();
                 again |= wait && store.shared.wait_for_returns(&full, deadline).await;
@@ -1726,7 +1726,7 @@ impl<St: Store> LeasedStore<St> {
                 .iter()
                 .zip(&outcome.usage)
                 .map(|(line, usage)| {
-                    !outcome.admitted && usage.used.saturating_add(line.cost) > usage.limit
+                    !outcome.admitted && !super::has_room(usage.used, line.cost, usage.limit)
                 })
                 .collect();
             let marks = split_marks(&marks, &mut outcome);

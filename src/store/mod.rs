@@ -351,6 +351,13 @@ impl Usage {
     }
 }
 
+/// Whether a counter at `used` has room for `cost` under `limit`. A sum
+/// beyond `u64` is beyond any limit: no room, never wrapped or saturated
+/// (a limit of `u64::MAX` would otherwise fit any cost).
+pub(crate) fn has_room(used: u64, cost: u64, limit: u64) -> bool {
+    used.checked_add(cost).is_some_and(|after| after <= limit)
+}
+
 /// The instant a give-back of a charge made at `charged_at`, to a counter
 /// whose first call was `first_call`, goes by: see [`Usage::made_by`].
 pub(crate) fn made_by(charged_at: Timestamp, first_call: Option<Timestamp>) -> Timestamp {
