@@ -5,7 +5,9 @@ use super::{Subject, SubjectError, SubjectExtractor, SubjectKind};
 
 /// Reads the subject from one header, such as `x-account-id`.
 ///
-/// The header's raw bytes are the id. A missing header is
+/// The header's raw bytes are the id, without spaces or tabs around them
+/// (HTTP's field values have none: HTTP/1.1 parsers strip them, and a
+/// client sending them over HTTP/2 names the same subject). A missing header is
 /// [`SubjectError::Missing`]; the header sent twice is malformed, never
 /// resolved by picking one.
 ///
@@ -72,8 +74,16 @@ impl SubjectExtractor for FromHeader {
                 format!("the {} header is sent more than once", self.name).into(),
             ));
         }
-        // The header value's bytes, shared: no copy.
-        Ok(Subject::from_header(self.kind.clone(), value))
+        // A field's value has no whitespace around it (RFC 9110, 5.5):
+        // HTTP/1.1 parsers strip it, and an HTTP/2 request that sends some
+        // names the same subject. The header value's bytes, shared: no
+        // copy, but for such a value.
+        // (A header value holds no other whitespace than spaces and tabs.)
+        let trimmed = value.as_bytes().trim_ascii();
+        if trimmed.len() == value.len() {
+            return Ok(Subject::from_header(self.kind.clone(), value));
+        }
+        Ok(Subject::new(self.kind.clone(), trimmed))
     }
 
     fn kinds(&self) -> Option<Vec<SubjectKind>> {
@@ -81,8 +91,18 @@ impl SubjectExtractor for FromHeader {
     }
 
     /// The id as a request sends it in the header: refused when a header
-    /// value cannot carry it (control characters other than tab).
+    /// value cannot carry it (control characters other than tab), or the
+    /// layer would never see it (spaces or tabs around it, which it trims).
     fn subject_named(&self, kind: &SubjectKind, id: &[u8]) -> Result<Subject, SubjectError> {
+        if id.trim_ascii().len() != id.len() {
+            return Err(SubjectError::Malformed(
+                format!(
+                    "no request can send this id: the spaces or tabs around a {} header's value are not part of it",
+                    self.name
+                )
+                .into(),
+            ));
+        }
         match HeaderValue::from_bytes(id) {
             Ok(_) => Ok(Subject::new(kind.clone(), id)),
             Err(_) => Err(SubjectError::Malformed(
@@ -123,6 +143,27 @@ mod tests {
             .unwrap();
         assert_eq!(subject.kind(), &SubjectKind::ACCOUNT);
         assert_eq!(subject.id(), b"acme\xff");
+    }
+
+    /// Spaces and tabs around a value are not part of the id (HTTP/1.1
+    /// parsers strip them; an HTTP/2 request may send them): one subject,
+    /// whichever way the header came. Support cannot name such an id.
+    #[test]
+    fn whitespace_around_a_value_is_not_part_of_the_id() {
+        let ex = FromHeader::account("x-account-id");
+        for value in [&b"ws"[..], b"ws ", b" ws", b"\tws \t", b"  ws  "] {
+            let subject = ex.extract(&parts(&[("x-account-id", value)])).unwrap();
+            assert_eq!(subject, Subject::account("ws"), "{value:?}");
+        }
+        let inner = ex.extract(&parts(&[("x-account-id", b" w s ")])).unwrap();
+        assert_eq!(inner, Subject::account("w s"));
+        let blank = ex.extract(&parts(&[("x-account-id", b"   ")])).unwrap();
+        assert!(blank.checked(256).is_err(), "refused as empty");
+        let kind = SubjectKind::ACCOUNT;
+        assert!(ex.subject_named(&kind, b"ws").is_ok());
+        for id in [&b"ws "[..], b" ws", b"\tws"] {
+            assert!(ex.subject_named(&kind, id).is_err(), "{id:?}");
+        }
     }
 
     #[test]
