@@ -319,6 +319,11 @@ fn parse_args() -> Options {
     if let Some(tz) = tz {
         options.period = options.period.in_time_zone(tz);
     }
+    // A caller without a plan is on the first one listed: its number is the
+    // quotas' own limit, which support tells for a subject without a plan.
+    if let Some((_, first)) = options.plans.first() {
+        options.limit = *first;
+    }
     if lease_idle_given && !options.lease {
         fail("--lease-idle sets the idle bound of --lease, which is not given");
     }

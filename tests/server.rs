@@ -245,7 +245,14 @@ async fn demo_server_refunds_server_errors() {
 
 #[tokio::test]
 async fn demo_server_plans_set_the_limit() {
-    let server = start(&["--limit", "1000", "--plans", "free=2,pro=3"]);
+    let server = start(&[
+        "--limit",
+        "1000",
+        "--plans",
+        "free=2,pro=3",
+        "--admin-token",
+        "s3cret",
+    ]);
     let pro: &[(&str, &str)] = &[("x-account-id", "acme"), ("x-plan", "pro")];
     // No plan header: the first plan listed.
     let first = call(&server, "GET", "/read", ACME).await;
@@ -255,6 +262,27 @@ async fn demo_server_plans_set_the_limit() {
     );
     assert_eq!(call(&server, "GET", "/read", ACME).await.status, 200);
     assert_eq!(call(&server, "GET", "/read", ACME).await.status, 429);
+    // Support tells a subject without a plan the first plan's limit, as the
+    // layers count it; `?plan=` another's.
+    let admin: &[(&str, &str)] = &[("authorization", "Bearer s3cret")];
+    for (path, limit) in [
+        ("/admin/quota/account/acme", 2),
+        ("/admin/quota/account/acme?plan=pro", 3),
+    ] {
+        let json = quota(&call(&server, "GET", path, admin).await);
+        let read = json["allowances"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .find(|a| a["allowance"] == "read")
+            .unwrap()
+            .clone();
+        assert_eq!(
+            (read["limit"].clone(), read["used"].clone()),
+            (limit.into(), 2.into()),
+            "{path}"
+        );
+    }
     // Upgraded: the two spent still count.
     let upgraded = call(&server, "GET", "/read", pro).await;
     assert_eq!(upgraded.status, 200);
