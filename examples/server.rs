@@ -385,6 +385,17 @@ fn caller_zone(
         .ok()
         .filter(|name| !name.is_empty() && name.len() <= 64)
         .ok_or_else(|| InvalidRequest::new(format!("{header} is not a time zone name")))?;
+    // Files of the system's zone database that name no zone of their own:
+    // this server's zone, the default POSIX rules, and the copies under
+    // `posix/` and `right/` (the latter counting leap seconds).
+    let file_only = matches!(name, "localtime" | "posixrules")
+        || name.starts_with("posix/")
+        || name.starts_with("right/");
+    if file_only {
+        return Err(InvalidRequest::new(format!(
+            "{header}: unknown time zone {name:?}"
+        )));
+    }
     TimeZone::get(name)
         .map(Some)
         .map_err(|_| InvalidRequest::new(format!("{header}: unknown time zone {name:?}")))

@@ -319,12 +319,24 @@ async fn the_demo_server_reads_the_callers_zone_from_a_header() {
     );
 
     // Unknown, or two zones: 400, a problem document, nothing charged.
-    let unknown = call(&[("x-account-id", "acme"), ("x-time-zone", "Mars/Base")]).await;
-    assert_eq!(unknown.status, 400);
-    assert_eq!(
-        unknown.header("content-type"),
-        Some("application/problem+json")
-    );
+    // So are the files of the zone database that name no zone of their own
+    // (this server's zone, the POSIX rules, the copies).
+    for name in [
+        "Mars/Base",
+        "localtime",
+        "posixrules",
+        "posix/Asia/Tokyo",
+        "right/Asia/Tokyo",
+    ] {
+        let headers = vec![("x-account-id", "acme"), ("x-time-zone", name)];
+        let headers: &'static [(&str, &str)] = Vec::leak(headers);
+        let unknown = call(headers).await;
+        assert_eq!(unknown.status, 400, "{name}");
+        assert_eq!(
+            unknown.header("content-type"),
+            Some("application/problem+json")
+        );
+    }
     let two = call(&[
         ("x-account-id", "acme"),
         ("x-time-zone", "Asia/Tokyo"),
