@@ -1,13 +1,12 @@
 //! The support handle over HTTP, for an application to mount behind its own
 //! admin authentication.
 
-use axum::extract::rejection::PathRejection;
-use axum::extract::{Path, RawQuery, State};
+use axum::extract::{RawQuery, State};
 use axum::response::{IntoResponse, Response};
 use axum::routing::{get, post};
 use axum::Router;
 use http::header::CONTENT_TYPE;
-use http::StatusCode;
+use http::{StatusCode, Uri};
 use serde_json::json;
 
 use super::{QuotaHandle, StandingError};
@@ -42,16 +41,20 @@ impl<St: Store> QuotaHandle<St> {
     ///   caller's zone answers it 400: no layer writes such counters. (A
     ///   caller the policy counts in a fixed offset, not an IANA zone, is
     ///   reached through [`QuotaHandle::in_zone`] instead.)
-    /// - `{id}` names the subject as a request sends it, and reaches the
-    ///   counter the layers charge it to ([`QuotaHandle::subject`]): for
-    ///   `ClientIp`, an address or a network (`%2F` for its `/`) is
-    ///   grouped as requests are, so `2001:db8:1:2::9` is its /64.
+    /// - `{id}` names the subject as a request sends it, percent-encoded,
+    ///   and reaches the counter the layers charge it to
+    ///   ([`QuotaHandle::subject`]): for `ClientIp`, an address or a
+    ///   network (`%2F` for its `/`) is grouped as requests are, so
+    ///   `2001:db8:1:2::9` is its /64. An id that is not UTF-8 (a header
+    ///   may carry any bytes) is reached with its bytes percent-encoded
+    ///   (`ac%FFme`), and its answer's `subject` adds `id_encoded`, that
+    ///   form, beside an `id` that cannot show it.
     ///
     /// Errors are `application/problem+json`: 400 for a malformed kind, id or
     /// amount (an id the layers would refuse: all whitespace, longer
     /// than the policy's `max_subject_len`, one no request could send, such
     /// as a control character in a header's id or a network wider than
-    /// `ClientIp` groups; a path segment that is not UTF-8), 403 for a plan the policy refuses
+    /// `ClientIp` groups; a kind or allowance that is not UTF-8), 403 for a plan the policy refuses
     /// ([`UnknownPlan::Reject`](crate::UnknownPlan::Reject)), 404 for an
     /// allowance no quota charges, a kind of subject the policy's extractor
     /// never answers ([`SubjectExtractor::kinds`](crate::SubjectExtractor::kinds))
@@ -107,10 +110,10 @@ impl<St: Store> QuotaHandle<St> {
 
 async fn show<St: Store>(
     State(handle): State<QuotaHandle<St>>,
-    path: Result<Path<(String, String)>, PathRejection>,
+    uri: Uri,
     RawQuery(query): RawQuery,
 ) -> Response {
-    let (kind, id) = match segments(path) {
+    let (kind, id, _) = match segments(&uri) {
         Ok(segments) => segments,
         Err(response) => return response,
     };
@@ -164,11 +167,12 @@ fn zoned<St>(handle: &QuotaHandle<St>, query: Option<&str>) -> Result<QuotaHandl
 
 async fn reset<St: Store>(
     State(handle): State<QuotaHandle<St>>,
-    path: Result<Path<(String, String, String)>, PathRejection>,
+    uri: Uri,
     RawQuery(query): RawQuery,
 ) -> Response {
-    let (kind, id, allowance) = match segments(path) {
-        Ok(segments) => segments,
+    let (kind, id, allowance) = match segments(&uri) {
+        Ok((kind, id, Some(allowance))) => (kind, id, allowance),
+        Ok(_) => return not_found().await,
         Err(response) => return response,
     };
     let subject = match subject(&handle, &kind, &id) {
@@ -201,11 +205,12 @@ async fn reset<St: Store>(
 
 async fn refund<St: Store>(
     State(handle): State<QuotaHandle<St>>,
-    path: Result<Path<(String, String, String)>, PathRejection>,
+    uri: Uri,
     RawQuery(query): RawQuery,
 ) -> Response {
-    let (kind, id, allowance) = match segments(path) {
-        Ok(segments) => segments,
+    let (kind, id, allowance) = match segments(&uri) {
+        Ok((kind, id, Some(allowance))) => (kind, id, allowance),
+        Ok(_) => return not_found().await,
         Err(response) => return response,
     };
     let subject = match subject(&handle, &kind, &id) {
@@ -246,22 +251,35 @@ async fn refund<St: Store>(
     }
 }
 
-/// The segments of a support path, or a problem document where axum's own
-/// rejection would answer plain text (a segment that is not UTF-8 once
-/// percent-decoded).
+/// The segments of a support path after its route's name, percent-decoded:
+/// the kind, the id, and the allowance if the route has one. The id is
+/// bytes, as a header may carry any (an id that is not UTF-8 is reached
+/// with its bytes percent-encoded); the kind and the allowance are UTF-8,
+/// or the answer is a problem document.
 #[allow(clippy::result_large_err)]
-fn segments<T>(path: Result<Path<T>, PathRejection>) -> Result<T, Response> {
-    path.map(|Path(segments)| segments).map_err(|_| {
-        problem(
-            StatusCode::BAD_REQUEST,
-            "the kind, id and allowance of a support path are percent-encoded UTF-8",
-        )
-    })
+fn segments(uri: &Uri) -> Result<(String, Vec<u8>, Option<String>), Response> {
+    let mut decoded = uri
+        .path()
+        .split('/')
+        .skip(2)
+        .map(|segment| percent_encoding::percent_decode_str(segment).collect::<Vec<u8>>());
+    let utf8 = |bytes: Vec<u8>| {
+        String::from_utf8(bytes).map_err(|_| {
+            problem(
+                StatusCode::BAD_REQUEST,
+                "the kind and allowance of a support path are percent-encoded UTF-8",
+            )
+        })
+    };
+    let kind = utf8(decoded.next().unwrap_or_default())?;
+    let id = decoded.next().unwrap_or_default();
+    let allowance = decoded.next().map(utf8).transpose()?;
+    Ok((kind, id, allowance))
 }
 
 /// The subject a support path names, checked as a request's would be.
 #[allow(clippy::result_large_err)]
-fn subject<St>(handle: &QuotaHandle<St>, kind: &str, id: &str) -> Result<Subject, Response> {
+fn subject<St>(handle: &QuotaHandle<St>, kind: &str, id: &[u8]) -> Result<Subject, Response> {
     let valid_kind = !kind.is_empty()
         && kind.len() <= 64
         && kind
@@ -292,6 +310,13 @@ fn subject<St>(handle: &QuotaHandle<St>, kind: &str, id: &str) -> Result<Subject
         .map_err(IntoResponse::into_response)
 }
 
+/// What a path segment percent-encodes: all but the unreserved characters.
+const PATH_SEGMENT: &percent_encoding::AsciiSet = &percent_encoding::NON_ALPHANUMERIC
+    .remove(b'-')
+    .remove(b'.')
+    .remove(b'_')
+    .remove(b'~');
+
 /// The subject's standing on `plan`'s limits, if it has one.
 async fn standing<St: Store>(
     handle: &QuotaHandle<St>,
@@ -300,11 +325,18 @@ async fn standing<St: Store>(
 ) -> Response {
     match handle.usage_on_plan(subject, plan).await {
         Ok(usage) => {
+            let mut shown = json!({
+                "kind": subject.kind().as_str(),
+                "id": String::from_utf8_lossy(subject.id()),
+            });
+            // An id that is not UTF-8, which `id` cannot show apart from
+            // others: its bytes as a support path names them.
+            if std::str::from_utf8(subject.id()).is_err() {
+                let encoded = percent_encoding::percent_encode(subject.id(), PATH_SEGMENT);
+                shown["id_encoded"] = encoded.to_string().into();
+            }
             let body = json!({
-                "subject": {
-                    "kind": subject.kind().as_str(),
-                    "id": String::from_utf8_lossy(subject.id()),
-                },
+                "subject": shown,
                 "allowances": usage.iter().map(QuotaUsage::to_json).collect::<Vec<_>>(),
             });
             ([(CONTENT_TYPE, "application/json")], body.to_string()).into_response()
