@@ -710,3 +710,25 @@ async fn support_reaches_an_id_that_is_not_utf8() {
     let plain = problem_or_json(send(&admin, Method::GET, "/admin/quota/account/acme").await).await;
     assert!(plain["subject"].get("id_encoded").is_none(), "{plain}");
 }
+
+/// The store away: a support route answers 503 with `Retry-After`, as the
+/// layers' own 503 does, in a problem document.
+#[tokio::test(flavor = "current_thread")]
+async fn support_tells_when_to_retry_while_the_store_is_away() {
+    let store = rigged::Rigged::new(
+        tower_quota::MemoryStore::new(),
+        rigged::Rig::Fail,
+        Some("none"),
+    );
+    let away = std::sync::Arc::clone(&store.away);
+    let policy = QuotaPolicy::builder(FromHeader::account("x-account-id"))
+        .store(store)
+        .build();
+    let _layer = policy.layer(Quota::daily(10).allowance("read"));
+    let admin = Router::new().nest("/admin", policy.handle().router());
+    away.store(true, std::sync::atomic::Ordering::Relaxed);
+    let response = send(&admin, Method::GET, "/admin/quota/account/acme").await;
+    assert_eq!(response.status(), StatusCode::SERVICE_UNAVAILABLE);
+    assert_eq!(response.headers()["retry-after"], "1");
+    assert_eq!(problem(response).await["status"], 503);
+}

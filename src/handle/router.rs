@@ -384,10 +384,16 @@ fn unavailable(error: &crate::store::StoreError) -> Response {
             "quota store failed answering a support request"
         );
     }
-    problem(
+    let mut response = problem(
         StatusCode::SERVICE_UNAVAILABLE,
         "The quota store is unavailable; try again later.",
-    )
+    );
+    // As the layers' own 503: a moment, not at once.
+    response.headers_mut().insert(
+        http::header::RETRY_AFTER,
+        http::HeaderValue::from_static("1"),
+    );
+    response
 }
 
 /// The value of `name` in a query string, percent-decoded.
@@ -408,8 +414,8 @@ fn problem(status: StatusCode, detail: &str) -> Response {
 
 impl axum::response::IntoResponse for StandingError {
     /// 401 or 400 for the subject and 400 for the zone, as the layers
-    /// answer; 503 for the store,
-    /// whose details go to the logs only.
+    /// answer; 503 with `Retry-After: 1` for the store, whose details go
+    /// to the logs only.
     fn into_response(self) -> Response {
         match self {
             StandingError::Subject { error, challenge } => {

@@ -38,8 +38,8 @@ pub struct Rigged<St> {
     /// The largest count the store says it decides on (the inner store's
     /// by default).
     pub max: Option<u64>,
-    /// While set, settles of debts fail too (the store is away); otherwise
-    /// they reach the inner store.
+    /// While set, settles of debts and reads (`peek`) fail too (the store
+    /// is away); otherwise they reach the inner store.
     pub away: Arc<AtomicBool>,
     /// While set, refunds and adds never answer.
     // Not every test file that includes this module uses it.
@@ -148,7 +148,14 @@ impl<St: Store> Store for Rigged<St> {
         &self,
         request: ChargeRequest,
     ) -> impl Future<Output = Result<Vec<Usage>, StoreError>> + Send {
-        self.inner.peek(request)
+        let away = self.away.load(Ordering::Relaxed);
+        let peek = self.inner.peek(request);
+        async move {
+            if away {
+                return Err(StoreError::new(StoreErrorKind::Unavailable, "rigged: away"));
+            }
+            peek.await
+        }
     }
     fn refund(
         &self,
