@@ -197,7 +197,7 @@ fn made_by(usage: &Usage, charged_at: Timestamp) -> Timestamp {
     usage.counted_at.map_or(made, |counted| counted.min(made))
 }
 
-#[derive(Default)]
+#[derive(Clone, Default)]
 struct Count {
     admitted: u64,
     refunded: u64,
@@ -205,12 +205,14 @@ struct Count {
     limit: u64,
 }
 
+/// A request admitted: its instance, instant, lines with their usage, and
+/// whether it was given back or added to already.
+type Served = (usize, Timestamp, Vec<(ChargeLine, Usage)>, bool);
+
 #[derive(Default)]
 struct Model {
     counters: HashMap<CounterId, Count>,
-    /// Requests admitted: instance, instant, lines with their usage, and
-    /// whether they were given back or added to already.
-    served: Vec<(usize, Timestamp, Vec<(ChargeLine, Usage)>, bool)>,
+    served: Vec<Served>,
     broken: Vec<String>,
 }
 
@@ -355,15 +357,17 @@ async fn run(seed: u64, steps: usize, mix: Mix) -> Vec<String> {
     while tasks.join_next().await.is_some() {}
     // Everything quiet: idle blocks go back.
     tokio::time::sleep(Duration::from_secs(3)).await;
-    let model = model.lock().unwrap();
-    let mut broken = model.broken.clone();
+    let (mut broken, counters) = {
+        let model = model.lock().unwrap();
+        (model.broken.clone(), model.counters.clone())
+    };
     for (i, store) in stores.iter().enumerate() {
         if store.held() != 0 {
             broken.push(format!("instance {i} still holds {}", store.held()));
         }
     }
     let now = now_of();
-    for (id, count) in &model.counters {
+    for (id, count) in &counters {
         // A reset lets instances admit from blocks taken before it, within
         // the lease bound: past the limit, and on counters made anew.
         if mix.resets {
