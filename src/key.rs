@@ -242,11 +242,24 @@ pub(crate) fn scrubbed(text: &str) -> String {
     out
 }
 
-/// A hash of `tag` keyed with a secret drawn when the process starts.
+/// A hash of `tag`, 32 bits, keyed with a secret drawn from the operating
+/// system's randomness when the process first logs one (SipHash, the
+/// standard library's keyed hash).
 fn secret_hash(tag: &str) -> u64 {
     use std::hash::BuildHasher;
-    static SECRET: std::sync::OnceLock<foldhash::fast::RandomState> = std::sync::OnceLock::new();
+    static SECRET: std::sync::OnceLock<std::hash::RandomState> = std::sync::OnceLock::new();
     SECRET.get_or_init(Default::default).hash_one(tag) >> 32
+}
+
+/// What logs name `subject` by: the hash of the `kind:id` part its keys
+/// carry, as [`PeriodKey::logged`] shows it, so that a decision's span and
+/// a warning naming one of the subject's keys name it alike.
+pub(crate) fn log_hash(subject: &Subject) -> u32 {
+    let mut tag = Text::default();
+    push_encoded(&mut tag, subject.kind().as_str().as_bytes());
+    tag.push_str(":");
+    push_encoded(&mut tag, subject.id());
+    secret_hash(tag.as_str()) as u32
 }
 
 impl PeriodKey {

@@ -242,13 +242,11 @@ impl Subject {
 
     /// What logs name the subject by, with its kind, in place of its id:
     /// ids can be API keys, so this is a hash keyed with a secret drawn when
-    /// the process starts, cut to 32 bits (eight hex digits). The same
-    /// subject has the same hash throughout the process, and only there.
+    /// the process starts, cut to 32 bits (eight hex digits), the one the
+    /// subject's keys show in logs. The same subject has the same hash
+    /// throughout the process, and only there.
     pub(crate) fn log_hash(&self) -> LogHash {
-        use std::hash::BuildHasher;
-        static KEY: std::sync::OnceLock<foldhash::fast::RandomState> = std::sync::OnceLock::new();
-        let hash = KEY.get_or_init(Default::default).hash_one(self);
-        LogHash((hash >> 32) as u32)
+        LogHash(crate::key::log_hash(self))
     }
 
     /// The subject, if a layer would charge it: an id that is not empty,
@@ -517,6 +515,21 @@ mod tests {
         );
         // The kind is part of what is hashed.
         assert!((0..16).any(|i| Subject::account(i).log_hash() != Subject::user(i).log_hash()));
+    }
+
+    /// A decision's span and a warning naming one of the subject's keys
+    /// name the subject alike, whatever bytes its id holds.
+    #[test]
+    fn log_hash_is_the_one_its_keys_show() {
+        for subject in [
+            Subject::account("acme"),
+            Subject::user(&b"sk_live\xff:{x}%"[..]),
+            Subject::new(SubjectKind::custom("api-key"), "a b"),
+        ] {
+            let key = crate::key::Namespace::default().key(&subject, "read", "2026-12-02");
+            let shown = format!("{}:#{}", subject.kind(), subject.log_hash());
+            assert!(key.logged().contains(&shown), "{} / {shown}", key.logged());
+        }
     }
 
     #[test]
