@@ -539,6 +539,31 @@ fn a_shadow_quota_is_never_counted_as_refused() {
     assert_eq!(count("shadow_refused", "trial"), 0);
 }
 
+/// A refusal is counted against the quotas without room, not against a
+/// quota beside them that had room: an alert on a budget running out
+/// fires for that budget alone.
+#[test]
+fn a_refusal_is_counted_against_the_quotas_without_room() {
+    let seen = recorded(|| async {
+        let app = Router::new().route("/", get(|| async { "hi" })).layer(
+            QuotaLayer::new(Quota::daily(100).allowance("read"), account())
+                .quota(Quota::per_minute(1).allowance("burst")),
+        );
+        assert_eq!(get_as(&app, "/", Some(SUBJECT), &[]).await, StatusCode::OK);
+        assert_eq!(
+            get_as(&app, "/", Some(SUBJECT), &[]).await,
+            StatusCode::TOO_MANY_REQUESTS
+        );
+    });
+    let count = |outcome, allowance| {
+        seen.counter(DECISIONS, &[("outcome", outcome), ("allowance", allowance)])
+    };
+    assert_eq!(count("refused", "burst"), 1);
+    assert_eq!(count("refused", "read"), 0, "the day had room");
+    assert_eq!(count("admitted", "read"), 1);
+    assert_eq!(count("admitted", "burst"), 1);
+}
+
 /// A leased store counts the blocks it takes, the charges it answers from
 /// them, and the unused units it gives back.
 #[test]

@@ -413,13 +413,13 @@ pub(crate) fn decide(
         Ok(_) => crate::metrics::outcome::REFUSED,
         Err(_) => crate::metrics::outcome::STORE_ERROR,
     };
-    // A shadow quota refuses nothing: its allowance is not counted as
-    // refused (an enforced quota of the same allowance is).
-    let refused = matches!(&answer, Ok(outcome) if !outcome.admitted);
-    let refusing = quotas
-        .iter()
-        .filter(|quota| !(refused && quota.is_shadow()));
-    crate::metrics::decisions(outcome, refusing.map(Quota::allowance_shared));
+    match &answer {
+        Ok(refusal) if !refusal.admitted => {
+            let refusing = refusing(quotas, &charge.request.lines, &refusal.usage);
+            crate::metrics::decisions(outcome, refusing.into_iter().map(Quota::allowance_shared));
+        }
+        _ => crate::metrics::decisions(outcome, quotas.iter().map(Quota::allowance_shared)),
+    }
     charge.span.record("outcome", outcome);
     match answer {
         Ok(mut outcome) => {
@@ -455,6 +455,32 @@ pub(crate) fn decide(
                 Decision::Unavailable(retry_after)
             }
         },
+    }
+}
+
+/// The quotas a refusal is counted against: the enforced ones without room
+/// for the request (a shadow quota refuses nothing, and one with room did
+/// not refuse it), or every enforced one when the store's answer shows
+/// none full (a store refusing for a reason of its own).
+fn refusing<'a>(
+    quotas: &'a [Quota],
+    lines: &[crate::store::ChargeLine],
+    usage: &[Usage],
+) -> SmallVec<[&'a Quota; 2]> {
+    let enforced = || quotas.iter().filter(|quota| !quota.is_shadow());
+    let full: SmallVec<[&Quota; 2]> = quotas
+        .iter()
+        .zip(lines)
+        .zip(usage)
+        .filter(|((quota, line), usage)| {
+            !quota.is_shadow() && !crate::store::has_room(usage.used, line.cost, usage.limit)
+        })
+        .map(|((quota, _), _)| quota)
+        .collect();
+    if full.is_empty() {
+        enforced().collect()
+    } else {
+        full
     }
 }
 
