@@ -15,9 +15,9 @@ use tracing::{Event, Metadata, Subscriber};
 /// One span's fields, as text.
 type SpanFields = Vec<(String, String)>;
 
-/// The fields of every `quota` span.
+/// The fields of every `quota` span, and the span of each event.
 #[derive(Clone, Default)]
-struct Spans(Arc<Mutex<Vec<SpanFields>>>);
+struct Spans(Arc<Mutex<Vec<SpanFields>>>, Arc<Mutex<Vec<Option<u64>>>>);
 
 struct Fields<'a>(&'a mut Vec<(String, String)>);
 
@@ -47,7 +47,10 @@ impl Subscriber for Spans {
         values.record(&mut Fields(&mut spans[index]));
     }
     fn record_follows_from(&self, _: &Id, _: &Id) {}
-    fn event(&self, _: &Event<'_>) {}
+    fn event(&self, event: &Event<'_>) {
+        let parent = event.parent().map(Id::into_u64);
+        self.1.lock().unwrap().push(parent);
+    }
     fn enter(&self, _: &Id) {}
     fn exit(&self, _: &Id) {}
 }
@@ -74,6 +77,7 @@ async fn every_decision_has_a_span_without_the_subject_id() {
         app.clone().oneshot(call()).await.unwrap().status(),
         StatusCode::TOO_MANY_REQUESTS
     );
+    let events = Arc::clone(&spans.1);
     let spans = spans.0.lock().unwrap();
     assert_eq!(spans.len(), 2, "{spans:?}");
     let field = |span: &SpanFields, name: &str| {
@@ -96,4 +100,17 @@ async fn every_decision_has_a_span_without_the_subject_id() {
         field(&spans[0], "subject.hash"),
         field(&spans[1], "subject.hash")
     );
+    // Each decision is an event in its span: what a log of events (a
+    // plain `fmt` subscriber) prints the span by.
+    let events = events.lock().unwrap();
+    for span in [1, 2] {
+        assert_eq!(
+            events
+                .iter()
+                .filter(|&&parent| parent == Some(span))
+                .count(),
+            1,
+            "{events:?}"
+        );
+    }
 }

@@ -421,6 +421,8 @@ pub(crate) fn decide(
         _ => crate::metrics::decisions(outcome, quotas.iter().map(Quota::allowance_shared)),
     }
     charge.span.record("outcome", outcome);
+    // The span's one event: what a log of events prints it by.
+    tracing::debug!(parent: &charge.span, "quota decision");
     match answer {
         Ok(mut outcome) => {
             shadow_limits(charge, quotas, &mut outcome.usage, outcome.admitted);
@@ -508,10 +510,13 @@ fn shadow_limits(charge: &Charge, quotas: &[Quota], usage: &mut [Usage], admitte
                 std::iter::once(quota.allowance_shared()),
             );
             if let Some(suppressed) = SHADOW_REFUSALS.admit() {
+                let subject = &charge.caller().subject;
                 tracing::info!(
                     quota = quota.name(),
                     limit,
                     used = usage.used,
+                    subject.kind = %subject.kind(),
+                    subject.hash = %subject.log_hash(),
                     suppressed,
                     "shadow quota exceeded: enforced, it would have refused this request"
                 );
