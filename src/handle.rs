@@ -600,8 +600,9 @@ static GIVE_BACK_ERRORS: crate::throttle::Throttle = crate::throttle::Throttle::
 /// Sends line `i` of `lines`' refund again in the background, after the
 /// store answered that it never sent it: within the counter's period, and
 /// with the line still claimed, so that no layer gives it back twice
-/// meanwhile (a request dropped, a 5xx). Without a tokio runtime to send it
-/// on, the claim is released for a later give-back.
+/// meanwhile (a request dropped, a 5xx). When it cannot be sent again (no
+/// tokio runtime, too many changes waiting), the claim is released for a
+/// later give-back.
 fn resend_later<St: Store>(
     store: &St,
     now: Timestamp,
@@ -617,18 +618,24 @@ fn resend_later<St: Store>(
     let window = crate::store::resend::window(now, lines[i].usage.resets_at);
     runtime.spawn(async move {
         let line = &lines[i];
-        let resent = crate::store::resend::resending(window, || {
+        let resent = crate::store::resend::again(window, || {
             store.refund_made_by(now, line.key.clone(), line.cost, made_by)
         })
         .await;
-        if let Err(error) = resent {
-            if let Some(suppressed) = GIVE_BACK_ERRORS.admit() {
-                tracing::warn!(
-                    error = crate::key::scrubbed(&error.to_string()),
-                    suppressed,
-                    "a request's give-back never reached the quota store: it stays charged"
-                );
+        match resent {
+            Some(Ok(_)) => {}
+            Some(Err(error)) => {
+                if let Some(suppressed) = GIVE_BACK_ERRORS.admit() {
+                    tracing::warn!(
+                        error = crate::key::scrubbed(&error.to_string()),
+                        suppressed,
+                        "a request's give-back never reached the quota store: it stays charged"
+                    );
+                }
             }
+            // Not sent again (too many waiting, or the period about to
+            // end): left to a later give-back.
+            None => line.unclaim_give_back(),
         }
     });
 }

@@ -938,3 +938,30 @@ async fn an_add_is_sent_again_after_a_long_outage() {
     tokio::time::sleep(Duration::from_secs(10)).await;
     assert_eq!(used(&policy, "default-day").await, 5, "what it cost");
 }
+
+/// A response does not wait for the changes the store never sent, which
+/// are sent again for as long as their counter's period lasts: not even
+/// under a policy that waits for its store without a timeout.
+#[tokio::test(start_paused = true)]
+async fn a_response_does_not_wait_for_changes_sent_again() {
+    use std::sync::atomic::Ordering::Relaxed;
+
+    let store = Rigged::new(MemoryStore::new(), Rig::Fail, Some("nothing"));
+    let unsent = Arc::clone(&store.unsent);
+    let policy = policy(store, "no-wait").store_timeout(None).build();
+    let app = Router::new()
+        .route("/", get(ok))
+        .layer(policy.layer(Quota::daily(100)).deferred_cost(1, |_| 5));
+    unsent.store(true, Relaxed);
+    let answered = tokio::time::timeout(Duration::from_secs(1), app.oneshot(call("/"))).await;
+    let response = answered.expect("answered at once").unwrap();
+    assert_eq!(response.status(), StatusCode::OK);
+    // As the add will leave the counter once it lands.
+    assert_eq!(
+        header(&response, "ratelimit"),
+        "\"default-day\";r=95;t=50400"
+    );
+    unsent.store(false, Relaxed);
+    tokio::time::sleep(Duration::from_secs(10)).await;
+    assert_eq!(used(&policy, "default-day").await, 5, "what it cost");
+}

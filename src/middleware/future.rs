@@ -24,6 +24,11 @@ use crate::throttle::Throttle;
 /// counter holds afterwards (`None`: no live counter, or the store failed).
 type Adjusting = Pin<Box<dyn Future<Output = Vec<Option<u64>>> + Send>>;
 
+/// Told once every change of an [`Adjusting`] had its first answer, if the
+/// store never sent some of them: those are sent again, and a response does
+/// not wait for them.
+type Resending = tokio::sync::oneshot::Receiver<()>;
+
 pin_project! {
     /// The response future of [`QuotaService`](crate::QuotaService).
     pub struct ResponseFuture<S, E, St, ReqBody>
@@ -89,6 +94,9 @@ pub(crate) struct Settling<E, St: Store, R> {
     // timeout the response goes out with the fields as charged, and the
     // changes carry on in their task.
     timeout: Option<Pin<Box<Sleep>>>,
+    // Told when the store never sent some changes, which are sent again:
+    // the response goes out then, as past the timeout.
+    resending: Option<Resending>,
     // Whether the response gets the fields (not when no route served it).
     fields: bool,
     result: Option<R>,
@@ -303,61 +311,80 @@ fn apply<St: Store>(
     store: St,
     now: Timestamp,
     ops: Vec<(crate::key::PeriodKey, Adjust, Timestamp, Timestamp)>,
-) -> Adjusting {
+) -> (Adjusting, Resending) {
+    let (first_answers, resending) = tokio::sync::oneshot::channel();
     let work = async move {
-        let mut results = Vec::with_capacity(ops.len());
-        for (key, op, made_by, resets_at) in ops {
-            // A change the store never sent applied nothing: sent again a
-            // while later, within the counter's period, so that an outage
-            // does not leave a request charged that was not served, nor
-            // one served under-counted. (Its response does not wait: see
-            // `Settling`.)
-            let window = crate::store::resend::window(now, resets_at);
-            let result = crate::store::resend::resending(window, || {
-                let (store, key) = (&store, key.clone());
-                async move {
-                    match op {
-                        Adjust::Refund(amount) => {
-                            store.refund_made_by(now, key, amount, made_by).await
-                        }
-                        Adjust::Add(amount) => store.add_made_by(now, key, amount, made_by).await,
-                    }
+        let send = |key: &crate::key::PeriodKey, op: Adjust, made_by: Timestamp| {
+            let (store, key) = (store.clone(), key.clone());
+            async move {
+                match op {
+                    Adjust::Refund(amount) => store.refund_made_by(now, key, amount, made_by).await,
+                    Adjust::Add(amount) => store.add_made_by(now, key, amount, made_by).await,
                 }
-            })
-            .await;
-            if let (Adjust::Refund(_), Ok(Some(_))) = (op, &result) {
-                crate::metrics::refunded();
             }
-            results.push(result.unwrap_or_else(|error| {
-                if let Some(suppressed) = ADJUST_ERRORS.admit() {
-                    let error = charge::hidden(&error);
-                    tracing::warn!(
-                        error,
-                        ?op,
-                        suppressed,
-                        "quota store failed to adjust a charge after the response"
-                    );
-                }
-                None
-            }));
+        };
+        let mut answers = Vec::with_capacity(ops.len());
+        for (key, op, made_by, _) in &ops {
+            answers.push(send(key, *op, *made_by).await);
         }
-        results
+        // A change the store never sent applied nothing: sent again a while
+        // later, within the counter's period, so that an outage does not
+        // leave a request charged that was not served, nor one served
+        // under-counted. The response does not wait for it (see
+        // `Settling`).
+        let mut first_answers = Some(first_answers);
+        for (answer, (key, op, made_by, resets_at)) in answers.iter_mut().zip(&ops) {
+            if !matches!(answer, Err(error) if error.is_unsent()) {
+                continue;
+            }
+            if let Some(first_answers) = first_answers.take() {
+                let _ = first_answers.send(());
+            }
+            let window = crate::store::resend::window(now, *resets_at);
+            if let Some(again) =
+                crate::store::resend::again(window, || send(key, *op, *made_by)).await
+            {
+                *answer = again;
+            }
+        }
+        answers
+            .into_iter()
+            .zip(&ops)
+            .map(|(answer, (_, op, _, _))| {
+                if let (Adjust::Refund(_), Ok(Some(_))) = (op, &answer) {
+                    crate::metrics::refunded();
+                }
+                answer.unwrap_or_else(|error| {
+                    if let Some(suppressed) = ADJUST_ERRORS.admit() {
+                        let error = charge::hidden(&error);
+                        tracing::warn!(
+                            error,
+                            ?op,
+                            suppressed,
+                            "quota store failed to adjust a charge after the response"
+                        );
+                    }
+                    None
+                })
+            })
+            .collect()
     };
     // A store that answers at once (the memory store) is done here.
-    let mut work = Box::pin(work);
+    let mut work: Adjusting = Box::pin(work);
     if let Poll::Ready(results) = work
         .as_mut()
         .poll(&mut Context::from_waker(std::task::Waker::noop()))
     {
-        return Box::pin(std::future::ready(results));
+        return (Box::pin(std::future::ready(results)), resending);
     }
-    match tokio::runtime::Handle::try_current() {
+    let work: Adjusting = match tokio::runtime::Handle::try_current() {
         Ok(runtime) => {
             let task = runtime.spawn(work);
             Box::pin(async move { task.await.unwrap_or_default() })
         }
         Err(_) => work,
-    }
+    };
+    (work, resending)
 }
 
 /// Runs `adjusting` to the end without waiting for it: in a task of its own
@@ -522,7 +549,7 @@ where
                         return Poll::Ready(result);
                     }
                     let now = settings.clock.now();
-                    let (adjust, kept) = adjust_kept(&charged, now, &ops);
+                    let (adjust, kept, resending) = adjust_kept(&charged, now, &ops);
                     this.state.set(State::Settling {
                         settling: Box::new(Settling {
                             settle: Settle {
@@ -532,6 +559,7 @@ where
                                 charged: Some(charged),
                             },
                             timeout: None,
+                            resending: Some(resending),
                             fields,
                             result: Some(result),
                         }),
@@ -541,6 +569,7 @@ where
                     let Settling {
                         settle,
                         timeout,
+                        resending,
                         fields,
                         result,
                     } = &mut **settling;
@@ -553,6 +582,7 @@ where
                     let adjusting = adjust.as_mut().expect("polled after completion");
                     let results = match adjusting.as_mut().poll(cx) {
                         Poll::Ready(results) => Some(results),
+                        Poll::Pending if sent_again(resending, cx) => None,
                         Poll::Pending => {
                             let bound = &charged.as_ref().expect("polled after completion").bound;
                             let store_timeout = bound.policy.settings.store_timeout;
@@ -601,6 +631,21 @@ where
     }
 }
 
+/// Whether `resending` tells that changes the store never sent are being
+/// sent again (they carry on in their task: the response does not wait).
+fn sent_again(resending: &mut Option<Resending>, cx: &mut Context<'_>) -> bool {
+    let Some(receiver) = resending.as_mut() else {
+        return false;
+    };
+    match Pin::new(receiver).poll(cx) {
+        Poll::Ready(told) => {
+            *resending = None;
+            told.is_ok()
+        }
+        Poll::Pending => false,
+    }
+}
+
 /// Applies `ops` to the lines of `charged`: refunds claim their line, so a
 /// line is never given back twice.
 fn adjust<E, St: Store>(
@@ -613,12 +658,12 @@ fn adjust<E, St: Store>(
 
 /// As [`adjust`], with which of `ops` were kept (a refund whose line was
 /// given back already, or a change of a first-use counter that ended, is
-/// left out).
+/// left out), and what tells that some are being sent again.
 fn adjust_kept<E, St: Store>(
     charged: &Charged<E, St>,
     now: Timestamp,
     ops: &[(usize, Adjust)],
-) -> (Adjusting, Vec<bool>) {
+) -> (Adjusting, Vec<bool>, Resending) {
     let mut kept = Vec::with_capacity(ops.len());
     let keyed: Vec<_> = ops
         .iter()
@@ -636,7 +681,7 @@ fn adjust_kept<E, St: Store>(
         })
         .map(|(i, op)| (*i, charged.lines[*i].key.clone(), *op))
         .collect();
-    let applied = apply(
+    let (applied, resending) = apply(
         charged.bound.policy.store.clone(),
         now,
         keyed
@@ -666,7 +711,7 @@ fn adjust_kept<E, St: Store>(
             })
             .collect()
     });
-    (adjusting, kept)
+    (adjusting, kept, resending)
 }
 
 /// What a layer applies once its inner service answered, before the
@@ -731,7 +776,7 @@ fn give_back_unserved<E, St: Store>(
                 (amount > 0).then_some((key, Adjust::Refund(amount), made_by, resets_at))
             })
             .collect();
-        apply(store, now, back).await
+        apply(store, now, back).0.await
     };
     match tokio::runtime::Handle::try_current() {
         Ok(runtime) => drop(runtime.spawn(work)),
