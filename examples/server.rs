@@ -385,20 +385,15 @@ fn caller_zone(
         .ok()
         .filter(|name| !name.is_empty() && name.len() <= 64)
         .ok_or_else(|| InvalidRequest::new(format!("{header} is not a time zone name")))?;
-    // Files of the system's zone database that name no zone of their own:
-    // this server's zone, the default POSIX rules, and the copies under
-    // `posix/` and `right/` (the latter counting leap seconds).
-    let file_only = matches!(name, "localtime" | "posixrules")
-        || name.starts_with("posix/")
-        || name.starts_with("right/");
-    if file_only {
-        return Err(InvalidRequest::new(format!(
-            "{header}: unknown time zone {name:?}"
-        )));
+    let unknown = || InvalidRequest::new(format!("{header}: unknown time zone {name:?}"));
+    let zone = TimeZone::get(name).map_err(|_| unknown())?;
+    // A file of the system's zone database that names no zone of the IANA
+    // list (this server's `localtime`, the default `posixrules`, in any
+    // case) has no primary name: refused, or each would count apart.
+    if zone.primary_iana_name().is_none() {
+        return Err(unknown());
     }
-    TimeZone::get(name)
-        .map(Some)
-        .map_err(|_| InvalidRequest::new(format!("{header}: unknown time zone {name:?}")))
+    Ok(Some(zone))
 }
 
 fn problem(status: StatusCode, detail: &str) -> Response {

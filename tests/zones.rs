@@ -324,7 +324,9 @@ async fn the_demo_server_reads_the_callers_zone_from_a_header() {
     for name in [
         "Mars/Base",
         "localtime",
+        "LocalTime",
         "posixrules",
+        "PosixRules",
         "posix/Asia/Tokyo",
         "right/Asia/Tokyo",
     ] {

@@ -166,6 +166,17 @@ where
     fn kinds(&self) -> Option<Vec<SubjectKind>> {
         Some(vec![self.kind.clone()])
     }
+
+    /// The id as is, if it is text: a value's `Display` writes nothing
+    /// else, so no request is charged as an id that is not UTF-8.
+    fn subject_named(&self, kind: &SubjectKind, id: &[u8]) -> Result<Subject, SubjectError> {
+        if std::str::from_utf8(id).is_err() {
+            return Err(SubjectError::malformed(
+                "no request can send this id: the extension's ids are text (UTF-8)",
+            ));
+        }
+        Ok(Subject::new(kind.clone(), id))
+    }
 }
 
 /// Reads the subject from a field of a typed request extension. See
@@ -216,6 +227,22 @@ where
 mod tests {
     use super::*;
     use http::Request;
+
+    /// Support cannot name an id no request is charged as: the text of a
+    /// value's `Display` is UTF-8.
+    #[test]
+    fn an_extensions_ids_are_text() {
+        let ex = FromExtension::<String>::account();
+        let kind = SubjectKind::ACCOUNT;
+        assert_eq!(
+            ex.subject_named(&kind, b"acme"),
+            Ok(Subject::account("acme"))
+        );
+        assert!(matches!(
+            ex.subject_named(&kind, b"ac\xffme"),
+            Err(SubjectError::Malformed(_))
+        ));
+    }
 
     #[derive(Clone)]
     struct Claims {
