@@ -52,14 +52,7 @@ async fn either_store_conforms_with_either_store() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn memory_store_conforms_with_one_shard() {
-    let verdicts = testing::run_all(&MemoryStore::with_shards(1)).await;
-    assert_eq!(
-        verdicts
-            .iter()
-            .filter(|(_, v)| *v == Verdict::Passed)
-            .count(),
-        11
-    );
+    conforms_over_memory(testing::run_all(&MemoryStore::with_shards(1)).await);
 }
 
 #[cfg(feature = "redis")]

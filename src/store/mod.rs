@@ -306,10 +306,11 @@ pub struct Usage {
     /// call (since a reset, if any). `None` when no period is open, or from
     /// a store that does not date its counters.
     ///
-    /// The layer gives a request's charge back only to a counter made by
-    /// then ([`Store::refund_made_by`]): this instant, when it is later
-    /// than the request's (the counter was made by a concurrent request
-    /// with a later instant that reached the store first).
+    /// The layer gives a request's charge back, and adds its deferred
+    /// cost, only to a counter made by this instant
+    /// ([`Store::refund_made_by`]): a store reports exactly the instant it
+    /// compares there (not one rounded down from it), or the request's
+    /// give-back is refused.
     pub first_call: Option<Timestamp>,
     /// With leased counting ([`LeasedStore`]), in a refusal: when the
     /// unused units that other instances hold of this counter are expected
@@ -536,9 +537,11 @@ pub trait Store: Clone + Send + Sync + 'static {
     /// `made_by`: units charged at `made_by` and given back later (the
     /// unused part of a [`LeasedStore`] block) must not land on a counter
     /// made since, after a reset. `None` when the live counter at `key` is
-    /// younger, as when there is none. The default, for a store that does
-    /// not record when a counter was made, refunds as [`Store::refund`]
-    /// does; [`MemoryStore`] and the Redis store check.
+    /// younger, as when there is none. A counter's
+    /// [`first_call`](Usage::first_call), as the store reported it, is
+    /// `made_by` enough for that counter. The default, for a store that
+    /// does not record when a counter was made, refunds as
+    /// [`Store::refund`] does; [`MemoryStore`] and the Redis store check.
     fn refund_made_by(
         &self,
         now: Timestamp,

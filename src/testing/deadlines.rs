@@ -9,6 +9,7 @@ use super::support::{
 use crate::key::PeriodKey;
 use crate::store::{Debt, Lifetime};
 use crate::subject::Subject;
+use jiff::SignedDuration;
 
 /// Hits never extend a first-use deadline, whatever the write path, and the
 /// period ends at that deadline.
@@ -814,5 +815,63 @@ pub async fn calendar_counters_are_distinct_per_period_and_dated<S: ConformanceH
         }
         other => panic!("a calendar counter must carry a deadline (found {other:?})"),
     }
+    Verdict::Passed
+}
+
+/// A change guarded by the counter's making lands when it goes by the
+/// first call the store reported for that counter: the layer gives a
+/// request back, and adds its deferred cost, by that instant
+/// ([`Store::refund_made_by`](crate::store::Store::refund_made_by),
+/// [`Store::add_made_by`](crate::store::Store::add_made_by)). A store that
+/// reports a first call rounded down from what it compares would refuse
+/// them, and leave requests charged that were not served.
+///
+/// # Panics
+///
+/// When the store breaks the rule, or fails to answer.
+pub async fn changes_by_the_reported_first_call_land<S: ConformanceHooks>(store: &S) -> Verdict {
+    let mut time = Timeline::new(store.expiry());
+    let period = time.period();
+    let key = fresh_key("made-by");
+    // A first call with a fraction of a millisecond, as a layer's clock
+    // gives.
+    time.pass(SignedDuration::from_micros(1_234)).await;
+    let made = time.now();
+    let deadline = made + period;
+    let first = charge(store, made, vec![first_use(&key, 10, 1, deadline)]).await;
+    assert!(
+        first.0,
+        "a first charge on an empty counter must be admitted"
+    );
+    let Some(first_call) = first.1[0].first_call else {
+        return Verdict::NotApplicable("the store does not date its counters");
+    };
+    time.pass(SignedDuration::from_millis(1_500)).await;
+    let later = time.now();
+    let second = charge(store, later, vec![first_use(&key, 10, 1, deadline)]).await;
+    assert!(second.0, "a second charge with room must be admitted");
+    assert_eq!(
+        second.1[0].first_call,
+        Some(first_call),
+        "a counter's first call must be reported alike by every charge"
+    );
+    let refunded = store
+        .refund_made_by(later, key.clone(), 1, first_call)
+        .await
+        .unwrap_or_else(|e| panic!("the store failed to refund: {e}"));
+    assert_eq!(
+        refunded,
+        Some(1),
+        "a refund made by the reported first call must land on that counter"
+    );
+    let added = store
+        .add_made_by(later, key.clone(), 2, first_call)
+        .await
+        .unwrap_or_else(|e| panic!("the store failed to add: {e}"));
+    assert_eq!(
+        added,
+        Some(3),
+        "an add made by the reported first call must land on that counter"
+    );
     Verdict::Passed
 }

@@ -33,6 +33,9 @@
 //! - [`counts_never_pass_the_limit_nor_wrap`]: at the top of `u64`, a charge
 //!   that would pass its limit is refused and an add never leaves a smaller
 //!   count: nothing wraps.
+//! - [`changes_by_the_reported_first_call_land`]: a refund or an add made
+//!   by the first call a charge reported lands on that counter (what the
+//!   layer's give-backs go by).
 //!
 //! A store tells the suite what it cannot be driven to do through the trait
 //! through [`ConformanceHooks`]: how its deadlines pass ([`Expiry`]), how to
@@ -68,8 +71,9 @@ pub use self::charges::{
 };
 pub use self::deadlines::{
     add_never_creates_nor_moves_a_deadline, calendar_counters_are_distinct_per_period_and_dated,
-    hits_never_extend_a_first_use_deadline, refund_after_expiry_does_not_resurrect,
-    settle_debt_keeps_to_the_debts_period, undated_counter_is_healed,
+    changes_by_the_reported_first_call_land, hits_never_extend_a_first_use_deadline,
+    refund_after_expiry_does_not_resurrect, settle_debt_keeps_to_the_debts_period,
+    undated_counter_is_healed,
 };
 pub use self::hooks::{ConformanceHooks, Expiry, Planted, StoredDeadline, Verdict};
 
@@ -127,6 +131,10 @@ pub async fn run_all<S: ConformanceHooks>(store: &S) -> Vec<(&'static str, Verdi
         (
             "a_charge_past_its_period_is_an_error",
             a_charge_past_its_period_is_an_error(store).await,
+        ),
+        (
+            "changes_by_the_reported_first_call_land",
+            changes_by_the_reported_first_call_land(store).await,
         ),
     ]
 }
