@@ -846,5 +846,14 @@ async fn stop_signal() {
 
 #[tokio::main]
 async fn main() {
+    // The layer's warnings (a store failing, a ledger dropping a debt) on
+    // stderr; `RUST_LOG=info` adds support's actions and shadow quotas
+    // exceeded, `RUST_LOG=tower_quota=debug` each decision.
+    let filter = tracing_subscriber::EnvFilter::try_from_default_env()
+        .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new("warn"));
+    tracing_subscriber::fmt()
+        .with_env_filter(filter)
+        .with_writer(std::io::stderr)
+        .init();
     serve(parse_args()).await;
 }
