@@ -233,6 +233,13 @@ impl Quota {
     /// before it is enforced. A request over a shadow quota's limit is
     /// logged at info level, a few times per second at most.
     ///
+    /// It counts what was served: every request, those over its limit
+    /// too. Enforced, it would not have counted those, so where requests
+    /// cost alike the shadow refusals are the refusals enforcing it would
+    /// make; where costs differ (a cheap request after a refused expensive
+    /// one), requests past the first over the limit count as shadow
+    /// refusals until the reset, some an enforced quota would have admitted.
+    ///
     /// ```
     /// use tower_quota::Quota;
     ///
