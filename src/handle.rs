@@ -453,6 +453,7 @@ impl<St: Store> QuotaHandle<St> {
             .as_ref()
             .map(|only| only.iter().map(Quota::name).collect());
         let now = self.settings().clock.now();
+        let started = tokio::time::Instant::now();
         // Claimed here: from now on no layer gives these lines back.
         let mut claimed = Vec::new();
         for lines in &ticket.charges {
@@ -487,7 +488,7 @@ impl<St: Store> QuotaHandle<St> {
                     Ok(count) => refunded.push(count),
                     Err(error) => {
                         if error.is_unsent() {
-                            resend_later(&store, now, &lines, i, made_by);
+                            resend_later(&store, started, now, &lines, i, made_by);
                         }
                         refunded.push(None);
                         failed.get_or_insert(error);
@@ -598,30 +599,31 @@ impl<St: Store> QuotaHandle<St> {
 static GIVE_BACK_ERRORS: crate::throttle::Throttle = crate::throttle::Throttle::new(5);
 
 /// Sends line `i` of `lines`' refund again in the background, after the
-/// store answered that it never sent it: within the counter's period, and
-/// with the line still claimed, so that no layer gives it back twice
-/// meanwhile (a request dropped, a 5xx). When it cannot be sent again (no
-/// tokio runtime, too many changes waiting), the claim is released for a
-/// later give-back.
+/// store answered that it never sent it (first sent at `now`, `started` on
+/// the runtime's clock): within the counter's period, and with the line
+/// still claimed, so that no layer gives it back twice meanwhile (a
+/// request dropped, a 5xx). When it cannot be sent again (no time left, no
+/// tokio runtime, too many changes waiting), the claim is released at once
+/// for a later give-back.
 fn resend_later<St: Store>(
     store: &St,
+    started: tokio::time::Instant,
     now: Timestamp,
     lines: &Arc<crate::status::Lines>,
     i: usize,
     made_by: Timestamp,
 ) {
-    let Ok(runtime) = tokio::runtime::Handle::try_current() else {
+    let resend = crate::store::resend::Resend::until(started, now, lines[i].usage.resets_at);
+    let (Some(resend), Ok(runtime)) = (resend, tokio::runtime::Handle::try_current()) else {
         lines[i].unclaim_give_back();
         return;
     };
     let (store, lines) = (store.clone(), Arc::clone(lines));
-    let window = crate::store::resend::window(now, lines[i].usage.resets_at);
     runtime.spawn(async move {
         let line = &lines[i];
-        let resent = crate::store::resend::again(window, || {
-            store.refund_made_by(now, line.key.clone(), line.cost, made_by)
-        })
-        .await;
+        let resent = resend
+            .send(|| store.refund_made_by(now, line.key.clone(), line.cost, made_by))
+            .await;
         match resent {
             Some(Ok(_)) => {}
             Some(Err(error)) => {
@@ -633,8 +635,7 @@ fn resend_later<St: Store>(
                     );
                 }
             }
-            // Not sent again (too many waiting, or the period about to
-            // end): left to a later give-back.
+            // Not sent again: the period ends before a try would.
             None => line.unclaim_give_back(),
         }
     });

@@ -965,3 +965,55 @@ async fn a_response_does_not_wait_for_changes_sent_again() {
     tokio::time::sleep(Duration::from_secs(10)).await;
     assert_eq!(used(&policy, "default-day").await, 5, "what it cost");
 }
+
+/// Changes the store never sent are sent again one after another, each
+/// only within its own counter's period counted from when it was first
+/// sent: an add of a minute's counter that waited behind a day's is
+/// dropped once its minute is over, not added to the next minute's
+/// counter (a store that does not date its counters could not tell).
+#[tokio::test(start_paused = true)]
+async fn a_change_sent_again_keeps_to_its_own_period() {
+    use std::sync::atomic::Ordering::Relaxed;
+
+    let clock = ManualClock::new(NOW.parse().unwrap());
+    let store = Rigged::new(MemoryStore::new(), Rig::Fail, Some("nothing"));
+    let unsent = Arc::clone(&store.unsent);
+    let policy = QuotaPolicy::builder(FromHeader::account("x-account-id"))
+        .store(store)
+        .clock(clock.clone())
+        .build();
+    let minute = Quota::rolling(100, Duration::from_secs(60));
+    let name = minute.name().to_owned();
+    let app = Router::new().route("/", get(ok)).layer(
+        policy
+            .layer(Quota::daily(100))
+            .quota(minute)
+            .deferred_cost(1, |_| 5),
+    );
+    let step = |seconds: u64| {
+        let clock = clock.clone();
+        async move {
+            for _ in 0..seconds {
+                tokio::time::advance(Duration::from_secs(1)).await;
+                clock.advance(tower_quota::jiff::SignedDuration::from_secs(1));
+                tokio::task::yield_now().await;
+            }
+        }
+    };
+    unsent.store(true, Relaxed);
+    let response = app.clone().oneshot(call("/")).await.unwrap();
+    assert_eq!(response.status(), StatusCode::OK);
+    step(600).await;
+    // A request of a later minute, while the store still takes no change.
+    let response = app.oneshot(call("/")).await.unwrap();
+    assert_eq!(response.status(), StatusCode::OK);
+    step(5).await;
+    unsent.store(false, Relaxed);
+    step(30).await;
+    assert_eq!(
+        used(&policy, "default-day").await,
+        10,
+        "both days' adds landed"
+    );
+    assert_eq!(used(&policy, &name).await, 5, "this minute's request alone");
+}

@@ -16,6 +16,7 @@ use super::owing::Owing;
 use crate::body::ResponseBody;
 use crate::response::RateLimitFields;
 use crate::status::{GiveBack, LayerQuotas, Lines, QuotaSet, QuotaStatus};
+use crate::store::resend::Resend;
 use crate::store::{Store, StoreError, StoreErrorKind, Usage};
 use crate::subject::SubjectExtractor;
 use crate::throttle::Throttle;
@@ -313,6 +314,9 @@ fn apply<St: Store>(
     ops: Vec<(crate::key::PeriodKey, Adjust, Timestamp, Timestamp)>,
 ) -> (Adjusting, Resending) {
     let (first_answers, resending) = tokio::sync::oneshot::channel();
+    // When the changes are first sent, on the runtime's clock: what they
+    // are sent again until counts from here.
+    let started = tokio::time::Instant::now();
     let work = async move {
         let send = |key: &crate::key::PeriodKey, op: Adjust, made_by: Timestamp| {
             let (store, key) = (store.clone(), key.clone());
@@ -332,19 +336,24 @@ fn apply<St: Store>(
         // leave a request charged that was not served, nor one served
         // under-counted. The response does not wait for it (see
         // `Settling`).
-        let mut first_answers = Some(first_answers);
-        for (answer, (key, op, made_by, resets_at)) in answers.iter_mut().zip(&ops) {
-            if !matches!(answer, Err(error) if error.is_unsent()) {
-                continue;
-            }
-            if let Some(first_answers) = first_answers.take() {
-                let _ = first_answers.send(());
-            }
-            let window = crate::store::resend::window(now, *resets_at);
-            if let Some(again) =
-                crate::store::resend::again(window, || send(key, *op, *made_by)).await
-            {
-                *answer = again;
+        let resends: Vec<_> = answers
+            .iter()
+            .zip(&ops)
+            .map(|(answer, (_, _, _, resets_at))| {
+                let unsent = matches!(answer, Err(error) if error.is_unsent());
+                unsent
+                    .then(|| Resend::until(started, now, *resets_at))
+                    .flatten()
+            })
+            .collect();
+        if resends.iter().any(Option::is_some) {
+            let _ = first_answers.send(());
+        }
+        for ((answer, resend), (key, op, made_by, _)) in answers.iter_mut().zip(resends).zip(&ops) {
+            if let Some(resend) = resend {
+                if let Some(again) = resend.send(|| send(key, *op, *made_by)).await {
+                    *answer = again;
+                }
             }
         }
         answers
@@ -766,9 +775,13 @@ fn give_back_unserved<E, St: Store>(
         return;
     }
     let store = charged.bound.policy.store.clone();
+    let clock = charged.bound.policy.settings.clock.clone();
     let work = async move {
         // After the changes: a refund before an add would leave the add.
         let results = adjusting.await;
+        // Sent now, and sent again (if the store never sent it) within
+        // what is left of the period from now.
+        let now = clock.now();
         let back = lines
             .into_iter()
             .filter_map(|(i, key, amount, made_by, resets_at)| {

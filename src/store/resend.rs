@@ -8,6 +8,7 @@ use std::sync::atomic::{AtomicUsize, Ordering};
 use std::time::Duration;
 
 use jiff::Timestamp;
+use tokio::time::Instant;
 
 use super::StoreError;
 use crate::throttle::Throttle;
@@ -22,70 +23,115 @@ const MAX_WAIT: Duration = Duration::from_secs(5);
 /// logged, rather than waited on in a task of its own.
 pub(crate) const MAX_WAITING: usize = 10_000;
 
-/// Changes being sent again now.
-static WAITING: AtomicUsize = AtomicUsize::new(0);
+/// The process's room for changes sent again.
+static WAITING: Pool = Pool::new(MAX_WAITING);
 
-/// Changes dropped past [`MAX_WAITING`], logged a few times a second.
+/// Changes dropped for want of room, logged a few times a second.
 static DROPPED: Throttle = Throttle::new(5);
 
-/// How long a change of a counter that resets at `resets_at`, first sent
-/// at `now`, is sent again: while its last wait still ends before the
-/// reset. Past it, a counter with the same key is another period's, which
-/// the request never spent.
-pub(crate) fn window(now: Timestamp, resets_at: Timestamp) -> Duration {
-    let left = Duration::try_from(resets_at.duration_since(now)).unwrap_or_default();
-    left.saturating_sub(MAX_WAIT)
+/// Room for at most `most` changes sent again at once.
+pub(crate) struct Pool {
+    waiting: AtomicUsize,
+    most: usize,
 }
 
-/// Sends again, with `send`, a change the store answered it never sent:
-/// after a wait (100 ms, doubled up to 5 s), again while the store answers
-/// so, until `window` from now has passed. The last answer; `None` when it
-/// was not sent again: no window, no tokio runtime to wait on, or
-/// [`MAX_WAITING`] changes waiting already.
-pub(crate) async fn again<T, F, Fut>(window: Duration, mut send: F) -> Option<Result<T, StoreError>>
-where
-    F: FnMut() -> Fut,
-    Fut: Future<Output = Result<T, StoreError>>,
-{
-    if window.is_zero() || tokio::runtime::Handle::try_current().is_err() {
-        return None;
-    }
-    let _waiting = Waiting::join()?;
-    let deadline = tokio::time::Instant::now() + window;
-    let mut wait = FIRST_WAIT;
-    loop {
-        tokio::time::sleep(wait).await;
-        let answer = send().await;
-        wait = (wait * 2).min(MAX_WAIT);
-        let unsent = matches!(&answer, Err(error) if error.is_unsent());
-        if !unsent || tokio::time::Instant::now() + wait >= deadline {
-            return Some(answer);
+impl Pool {
+    pub(crate) const fn new(most: usize) -> Self {
+        Self {
+            waiting: AtomicUsize::new(0),
+            most,
         }
     }
-}
 
-/// One change among those sent again, while it is.
-struct Waiting;
-
-impl Waiting {
-    fn join() -> Option<Self> {
-        if WAITING.fetch_add(1, Ordering::Relaxed) < MAX_WAITING {
-            return Some(Waiting);
+    fn take(&'static self) -> Option<Slot> {
+        if self.waiting.fetch_add(1, Ordering::Relaxed) < self.most {
+            return Some(Slot(self));
         }
-        WAITING.fetch_sub(1, Ordering::Relaxed);
+        self.waiting.fetch_sub(1, Ordering::Relaxed);
         if let Some(suppressed) = DROPPED.admit() {
             tracing::warn!(
                 suppressed,
-                "{MAX_WAITING} changes wait for the quota store already: one it never sent is dropped"
+                "{} changes wait for the quota store already: one it never sent is dropped",
+                self.most
             );
         }
         None
     }
 }
 
-impl Drop for Waiting {
+/// One change's room in a [`Pool`], while it is sent again.
+struct Slot(&'static Pool);
+
+impl Drop for Slot {
     fn drop(&mut self) {
-        WAITING.fetch_sub(1, Ordering::Relaxed);
+        self.0.waiting.fetch_sub(1, Ordering::Relaxed);
+    }
+}
+
+/// A change the store never sent, to send again until a deadline, with its
+/// room taken.
+pub(crate) struct Resend {
+    deadline: Instant,
+    _slot: Slot,
+}
+
+impl Resend {
+    /// Room to send again a change of a counter that resets at
+    /// `resets_at`, first sent at `now` (the policy's clock), which was
+    /// `started` on the runtime's: until its last wait still ends before
+    /// the reset (past it, a counter with the same key is another
+    /// period's, which the request never spent). `None` when no time is
+    /// left, there is no tokio runtime to wait on, or [`MAX_WAITING`]
+    /// changes wait already.
+    pub(crate) fn until(started: Instant, now: Timestamp, resets_at: Timestamp) -> Option<Self> {
+        Self::in_pool(&WAITING, started, now, resets_at)
+    }
+
+    fn in_pool(
+        pool: &'static Pool,
+        started: Instant,
+        now: Timestamp,
+        resets_at: Timestamp,
+    ) -> Option<Self> {
+        let left = Duration::try_from(resets_at.duration_since(now)).unwrap_or_default();
+        let window = left.saturating_sub(MAX_WAIT);
+        let deadline = started + window;
+        if window.is_zero()
+            || Instant::now() >= deadline
+            || tokio::runtime::Handle::try_current().is_err()
+        {
+            return None;
+        }
+        Some(Self {
+            deadline,
+            _slot: pool.take()?,
+        })
+    }
+
+    /// Sends the change again with `send`: after a wait (100 ms, doubled
+    /// up to 5 s), again while the store answers that it never sent it,
+    /// each time only if the wait ends before the deadline. The last
+    /// answer; `None` when the deadline came before any (the change waited
+    /// its turn behind others).
+    pub(crate) async fn send<T, F, Fut>(self, mut send: F) -> Option<Result<T, StoreError>>
+    where
+        F: FnMut() -> Fut,
+        Fut: Future<Output = Result<T, StoreError>>,
+    {
+        let mut wait = FIRST_WAIT;
+        let mut last = None;
+        loop {
+            if Instant::now() + wait >= self.deadline {
+                return last;
+            }
+            tokio::time::sleep(wait).await;
+            let answer = send().await;
+            if !matches!(&answer, Err(error) if error.is_unsent()) {
+                return Some(answer);
+            }
+            last = Some(answer);
+            wait = (wait * 2).min(MAX_WAIT);
+        }
     }
 }
 
@@ -98,20 +144,28 @@ mod tests {
         StoreError::new(StoreErrorKind::Unavailable, "away").unsent()
     }
 
+    fn at(text: &str) -> Timestamp {
+        text.parse().unwrap()
+    }
+
     /// Sent again until the window ends, counting the time each try takes,
     /// not only the waits between them.
     #[tokio::test(start_paused = true)]
     async fn the_window_counts_the_tries_too() {
-        let start = tokio::time::Instant::now();
+        static POOL: Pool = Pool::new(1);
+        let start = Instant::now();
+        let (now, reset) = (at("2026-12-02T10:00:00Z"), at("2026-12-02T10:01:05Z"));
+        let resend = Resend::in_pool(&POOL, start, now, reset).expect("a minute left");
         let mut tries = 0;
-        let answer = again(Duration::from_secs(60), || {
-            tries += 1;
-            async {
-                tokio::time::sleep(Duration::from_secs(10)).await;
-                Err::<(), _>(unsent())
-            }
-        })
-        .await;
+        let answer = resend
+            .send(|| {
+                tries += 1;
+                async {
+                    tokio::time::sleep(Duration::from_secs(10)).await;
+                    Err::<(), _>(unsent())
+                }
+            })
+            .await;
         assert!(matches!(answer, Some(Err(error)) if error.is_unsent()));
         let took = start.elapsed();
         assert!(
@@ -124,31 +178,61 @@ mod tests {
         );
     }
 
+    /// The deadline runs from when the change was first sent: time spent
+    /// before it is sent again (other changes' tries) counts.
+    #[tokio::test(start_paused = true)]
+    async fn the_window_runs_from_the_first_try() {
+        static POOL: Pool = Pool::new(1);
+        let start = Instant::now();
+        let (now, reset) = (at("2026-12-02T10:00:00Z"), at("2026-12-02T10:01:05Z"));
+        tokio::time::advance(Duration::from_secs(61)).await;
+        assert!(Resend::in_pool(&POOL, start, now, reset).is_none());
+    }
+
     /// An answer other than "never sent" ends the tries.
     #[tokio::test(start_paused = true)]
     async fn an_answer_ends_the_tries() {
+        static POOL: Pool = Pool::new(1);
+        let (now, reset) = (at("2026-12-02T10:00:00Z"), at("2026-12-03T00:00:00Z"));
+        let resend = Resend::in_pool(&POOL, Instant::now(), now, reset).unwrap();
         let mut tries = 0;
-        let answer = again(Duration::from_secs(60), || {
-            tries += 1;
-            let answer = if tries < 3 { Err(unsent()) } else { Ok(tries) };
-            std::future::ready(answer)
-        })
-        .await;
-        assert_eq!(answer.map(Result::ok), Some(Some(3)));
+        let answer = resend
+            .send(|| {
+                tries += 1;
+                let answer = if tries < 3 { Err(unsent()) } else { Ok(tries) };
+                std::future::ready(answer)
+            })
+            .await;
+        assert_eq!(answer.and_then(Result::ok), Some(3));
     }
 
-    /// Nothing is sent again without a window, nor past the most changes
-    /// waiting at once.
+    /// A change whose deadline passed while it waited its turn is not sent.
     #[tokio::test(start_paused = true)]
-    async fn not_sent_again_without_a_window_or_room() {
-        let never = || async { Ok::<_, StoreError>(()) };
-        assert!(again(Duration::ZERO, never).await.is_none());
-        let held: Vec<_> = std::iter::from_fn(Waiting::join)
-            .take(MAX_WAITING + 1)
-            .collect();
-        assert!(held.len() <= MAX_WAITING);
-        assert!(again(Duration::from_secs(60), never).await.is_none());
-        drop(held);
-        assert!(again(Duration::from_secs(60), never).await.is_some());
+    async fn a_change_past_its_deadline_is_not_sent() {
+        static POOL: Pool = Pool::new(1);
+        let (now, reset) = (at("2026-12-02T10:00:00Z"), at("2026-12-02T10:01:05Z"));
+        let resend = Resend::in_pool(&POOL, Instant::now(), now, reset).unwrap();
+        tokio::time::advance(Duration::from_secs(60)).await;
+        let answer: Option<Result<(), _>> = resend
+            .send(|| async { panic!("sent past its deadline") })
+            .await;
+        assert!(answer.is_none());
+    }
+
+    /// Nothing is sent again without time before the reset, nor past the
+    /// most changes waiting at once; room comes back as changes end.
+    #[tokio::test(start_paused = true)]
+    async fn not_sent_again_without_time_or_room() {
+        static POOL: Pool = Pool::new(2);
+        let now = at("2026-12-02T10:00:00Z");
+        let soon = at("2026-12-02T10:00:04Z");
+        let later = at("2026-12-03T00:00:00Z");
+        assert!(Resend::in_pool(&POOL, Instant::now(), now, soon).is_none());
+        let first = Resend::in_pool(&POOL, Instant::now(), now, later).unwrap();
+        let second = Resend::in_pool(&POOL, Instant::now(), now, later).unwrap();
+        assert!(Resend::in_pool(&POOL, Instant::now(), now, later).is_none());
+        drop(first);
+        assert!(Resend::in_pool(&POOL, Instant::now(), now, later).is_some());
+        drop(second);
     }
 }
