@@ -40,13 +40,19 @@ where
     }
 
     /// As the extractor that answers subjects of `kind` names them: the
-    /// first, unless only the second tells it answers that kind.
+    /// first, unless only the second tells it answers that kind, or the
+    /// first could never charge `id` (it refuses it as malformed) and the
+    /// second answers that kind too (a header's id that is not text,
+    /// behind an extension's).
     fn subject_named(&self, kind: &SubjectKind, id: &[u8]) -> Result<Subject, SubjectError> {
         let answers = |kinds: Option<Vec<SubjectKind>>| kinds.is_some_and(|k| k.contains(kind));
-        if !answers(self.first.kinds()) && answers(self.second.kinds()) {
-            self.second.subject_named(kind, id)
-        } else {
-            self.first.subject_named(kind, id)
+        let second = answers(self.second.kinds());
+        if !answers(self.first.kinds()) && second {
+            return self.second.subject_named(kind, id);
+        }
+        match self.first.subject_named(kind, id) {
+            Err(SubjectError::Malformed(_)) if second => self.second.subject_named(kind, id),
+            answer => answer,
         }
     }
 
@@ -69,6 +75,36 @@ mod tests {
     use super::*;
     use crate::subject::{from_fn, FromHeader};
     use http::Request;
+
+    /// An id the first extractor could never charge, which the second can,
+    /// is the second's to name: support reaches every subject the layer
+    /// charges.
+    #[test]
+    fn an_id_only_the_second_can_charge_is_named_by_the_second() {
+        let both =
+            crate::FromExtension::<String>::account().or(FromHeader::account("x-account-id"));
+        let kind = SubjectKind::ACCOUNT;
+        assert_eq!(
+            both.subject_named(&kind, b"ac\xffme"),
+            Ok(Subject::account(&b"ac\xffme"[..]))
+        );
+        assert_eq!(
+            both.subject_named(&kind, b"acme"),
+            Ok(Subject::account("acme"))
+        );
+        // The other way round: spaces around an extension's id.
+        let header_first =
+            FromHeader::account("x-account-id").or(crate::FromExtension::<String>::account());
+        assert_eq!(
+            header_first.subject_named(&kind, b" acme"),
+            Ok(Subject::account(" acme"))
+        );
+        // Refused by both.
+        assert!(matches!(
+            header_first.subject_named(&kind, b" ac\xffme"),
+            Err(SubjectError::Malformed(_))
+        ));
+    }
 
     fn parts(headers: &[(&str, &str)]) -> Parts {
         let mut request = Request::get("/");
