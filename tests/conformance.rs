@@ -98,6 +98,8 @@ mod redis {
         undated_counter_is_healed,
         calendar_counters_are_distinct_per_period_and_dated,
         counts_never_pass_the_limit_nor_wrap,
+        a_charge_past_its_period_is_an_error,
+        changes_by_the_reported_first_call_land,
     );
 }
 

@@ -348,7 +348,7 @@ fn lines(
             outcome,
             charge.quotas(scope).iter().map(Quota::allowance_shared),
         );
-        charge.span.record("outcome", outcome);
+        decided(&charge.span, outcome);
         return Step::Owe(charge);
     }
     Step::Charge(charge)
@@ -420,9 +420,7 @@ pub(crate) fn decide(
         }
         _ => crate::metrics::decisions(outcome, quotas.iter().map(Quota::allowance_shared)),
     }
-    charge.span.record("outcome", outcome);
-    // The span's one event: what a log of events prints it by.
-    tracing::debug!(parent: &charge.span, "quota decision");
+    decided(&charge.span, outcome);
     match answer {
         Ok(mut outcome) => {
             shadow_limits(charge, quotas, &mut outcome.usage, outcome.admitted);
@@ -458,6 +456,13 @@ pub(crate) fn decide(
             }
         },
     }
+}
+
+/// Records a decision's `outcome` in its span, with the span's one event:
+/// what a log of events prints the span by.
+fn decided(span: &tracing::Span, outcome: &'static str) {
+    span.record("outcome", outcome);
+    tracing::debug!(parent: span, "quota decision");
 }
 
 /// The quotas a refusal is counted against: the enforced ones without room
