@@ -453,6 +453,67 @@ async fn out_of_memory_under_noeviction_is_a_store_error() {
     assert_eq!(outcome.usage[0].used, 2, "the refused charge spent nothing");
 }
 
+/// A refund or an add Redis refuses for now (out of memory under
+/// `noeviction`) applied nothing: its error says so (never sent), and the
+/// layer sends it again once Redis takes writes again, so that a request
+/// not served does not stay charged.
+#[tokio::test]
+async fn a_change_refused_for_now_is_sent_again() {
+    use axum::{body::Body, http::Request, routing::get, Router};
+    use tower::ServiceExt;
+    use tower_quota::{FromHeader, Quota, QuotaPolicy, Subject};
+
+    let server = redis_server_or_skip!();
+    let store = store(&server);
+    let key = key("for-now");
+    admit(&store, first_use(&key, 10, 1, Timestamp::now(), hour())).await;
+    assert_eq!(server.cli(&["config", "set", "maxmemory", "1"]), "OK");
+    let refund = store.refund(Timestamp::now(), key.clone(), 1).await;
+    let error = refund.expect_err("a full server refuses the refund");
+    assert!(error.is_unsent(), "{error}");
+    let add = store.add(Timestamp::now(), key.clone(), 1).await;
+    assert!(add.expect_err("and the add").is_unsent());
+    assert_eq!(server.cli(&["config", "set", "maxmemory", "0"]), "OK");
+
+    // Through the layer: a 500 given back while Redis is full.
+    let policy = QuotaPolicy::builder(FromHeader::account("x-account-id"))
+        .store(store)
+        .refund_server_errors(true)
+        .build();
+    let port = server.port();
+    let app = Router::new()
+        .route(
+            "/",
+            get(move || async move {
+                let _ = redis_support::cli(port, &["config", "set", "maxmemory", "1"]);
+                http::StatusCode::INTERNAL_SERVER_ERROR
+            }),
+        )
+        .layer(policy.layer(Quota::daily(10)));
+    let request = Request::get("/")
+        .header("x-account-id", "acme")
+        .body(Body::empty())
+        .unwrap();
+    let response = app.oneshot(request).await.unwrap();
+    assert_eq!(response.status(), http::StatusCode::INTERNAL_SERVER_ERROR);
+    assert_eq!(server.cli(&["config", "set", "maxmemory", "0"]), "OK");
+    let handle = policy.handle();
+    let mut used = u64::MAX;
+    for _ in 0..50 {
+        tokio::time::sleep(std::time::Duration::from_millis(100)).await;
+        let usage = handle.usage(&Subject::account("acme")).await.unwrap();
+        used = usage
+            .iter()
+            .find(|u| u.name() == "default-day")
+            .unwrap()
+            .used();
+        if used == 0 {
+            break;
+        }
+    }
+    assert_eq!(used, 0, "given back once Redis took writes again");
+}
+
 #[tokio::test]
 async fn an_unreachable_server_fails_fast() {
     let (dead, _reserved) = redis_support::dead_address();

@@ -22,6 +22,15 @@ pub(super) fn for_now(error: &RedisError) -> bool {
     )
 }
 
+/// Whether `error` is a reply that applied nothing and may not be the
+/// answer a moment later: Redis cannot run the call for now
+/// ([`for_now`]), or the server is no master any more (a failover). A
+/// change so refused is as one never sent: sent again, on a fresh
+/// connection.
+pub(super) fn applied_nothing(error: &RedisError) -> bool {
+    for_now(error) || is_read_only(error) || error.to_string().contains("OOM command not allowed")
+}
+
 /// Whether `error` leaves its connection unusable.
 pub(super) fn broken(error: &RedisError) -> bool {
     !error.is_timeout() && (error.is_unrecoverable_error() || error.is_io_error())

@@ -327,7 +327,7 @@ async fn refund_line(
 }
 
 /// Tries of a give-back's refund that Redis cannot run for now: over some
-/// three seconds, with the waits between them.
+/// one and a half seconds, with the waits between them.
 const REFUND_TRIES: u32 = 5;
 
 /// Lets a few warnings a second through about calls followed after their

@@ -18,7 +18,7 @@ use super::batch::{Batches, LineArgs, Lines, Pending};
 use super::builder::{RedisStoreBuilder, Source};
 use super::clock::{refresh_offset, ServerClock};
 use super::connection::{Connection, Connections};
-use super::errors::{fault_error, redis_error, retires};
+use super::errors::{applied_nothing, fault_error, redis_error, retires};
 use super::hash::jitter;
 use super::late::{give_back, refund_lines, Call, GiveBack, Sends};
 use super::script::{
@@ -530,7 +530,13 @@ impl RedisStore {
                 if retires(&error) {
                     inner.connections.failed(conn.failed());
                 }
-                Err(redis_error(error))
+                // A change Redis refused for now applied nothing: the
+                // caller may send it again, as one never sent (a give-back
+                // of a request not served, or a deferred cost, would
+                // otherwise be lost).
+                let again = matches!(sends, Sends::Write) && applied_nothing(&error);
+                let error = redis_error(error);
+                Err(if again { error.unsent() } else { error })
             }
             // Dropping `call` hands the round trip over to a task that
             // follows it to its end.
