@@ -190,10 +190,13 @@ use crate::store::{
 ///
 /// Keys and deadlines are computed from the layer's clock (by default each
 /// instance's own). Deadlines are sent as durations (`PEXPIRE`), so a skewed
-/// instance never shortens or lengthens a period; but instances whose clocks
-/// disagree may name different calendar windows around a boundary. Where
-/// that matters, give the layer [`RedisStore::server_clock`], which reads the
-/// server's `TIME`.
+/// instance never shortens or lengthens a first-use period; but instances
+/// whose clocks disagree may name different calendar windows around a
+/// boundary, and the instance that makes a calendar window's counter times
+/// its end (plus the grace and jitter) by its own clock: one ahead by more
+/// than the grace ends the counter early, and the window's later requests
+/// count afresh. Where that matters, give the layer
+/// [`RedisStore::server_clock`], which reads the server's `TIME`.
 ///
 /// # Example
 ///
