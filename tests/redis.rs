@@ -2491,3 +2491,59 @@ async fn a_store_on_a_demoted_master_reconnects_to_the_new_one() {
         );
     }
 }
+
+/// A settle that meets a first-use counter without its deadline (another
+/// tool took it) heals it as a charge does: a counter whose period is long
+/// over is as good as expired, and the debt opens a counter of its own,
+/// rather than adding to the dead one, which the next charge deletes with
+/// the debt in it.
+#[tokio::test]
+async fn a_settle_heals_a_first_use_counter_that_lost_its_deadline() {
+    let server = redis_server_or_skip!();
+    let store = store(&server);
+    let live = key("settle-undated-live");
+    let key = key("settle-undated");
+    let period = SignedDuration::from_millis(1_000);
+    for _ in 0..2 {
+        admit(&store, first_use(&key, 10, 1, Timestamp::now(), period)).await;
+    }
+    assert_eq!(server.cli(&["persist", key.as_str()]), "1");
+    tokio::time::sleep(std::time::Duration::from_millis(1_200)).await;
+    let now = Timestamp::now();
+    let debt = tower_quota::store::Debt {
+        key: key.clone(),
+        amount: 2,
+        lifetime: Lifetime::FirstUse {
+            deadline: now + period,
+        },
+        since: now,
+    };
+    let settled = store.settle_debt(now, debt).await.unwrap();
+    assert_eq!(
+        settled,
+        Some(2),
+        "the old period is over: a counter of the debt's own"
+    );
+    let next = store
+        .charge(first_use(&key, 10, 1, Timestamp::now(), period))
+        .await
+        .unwrap();
+    assert_eq!(next.usage[0].used, 3, "the debt counted");
+
+    // Within its period: dated again, by its first call, and the debt added.
+    let hour_long = hour();
+    admit(&store, first_use(&live, 10, 1, Timestamp::now(), hour_long)).await;
+    assert_eq!(server.cli(&["persist", live.as_str()]), "1");
+    let now = Timestamp::now();
+    let debt = tower_quota::store::Debt {
+        key: live.clone(),
+        amount: 2,
+        lifetime: Lifetime::FirstUse {
+            deadline: now + hour_long,
+        },
+        since: now,
+    };
+    assert_eq!(store.settle_debt(now, debt).await.unwrap(), Some(3));
+    let pttl: i64 = server.cli(&["pttl", live.as_str()]).parse().unwrap();
+    assert!(pttl > 0 && pttl <= 3_600_000, "dated again: {pttl}");
+}

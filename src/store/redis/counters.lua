@@ -654,6 +654,21 @@ if op == 's' then
     -- behind): never charged to a period after the debt's own.
     return { -1, -1 }
   end
+  if anchor == 'f' and kind ~= 0 and call('PTTL', key) == -1 then
+    -- A first-use counter without its deadline (another tool took it),
+    -- healed as a charge heals it, by its first call and the debt's
+    -- period: dated again, or, its period long over, as good as expired
+    -- (the debt then opens a counter of its own, below).
+    local length = ends - first
+    if dated == nil then
+      call('PEXPIRE', key, ttl)
+    elseif dated + length > at then
+      call('PEXPIRE', key, dated + length - at)
+    else
+      call('DEL', key)
+      kind, used, dated = 0, 0, nil
+    end
+  end
   local added = add_exactly(key, kind, used, amount, 'a settle')
   if type(added) == 'table' then
     -- An error reply.
