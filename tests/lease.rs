@@ -3119,3 +3119,26 @@ async fn a_late_answer_tells_the_making_of_the_counter_charged() {
         "the other instance's alone"
     );
 }
+
+/// A refund that goes in part into the block, and whose rest the store
+/// never gets (it is away), is taken back off the block: sent again whole,
+/// it is counted once, not the block's part twice.
+#[tokio::test(start_paused = true)]
+async fn a_refund_sent_again_after_the_store_was_away_counts_once() {
+    let shared = MemoryStore::new();
+    let slow = Slow::new(shared.clone(), 0);
+    let leased = LeasedStore::new(slow.clone());
+    let mut now = t0();
+    busy(&leased, &mut now, 70, 100, 20).await;
+    assert!(leased.held() > 0, "a block held");
+    slow.away.store(true, Ordering::Relaxed);
+    let refund = leased.refund_made_by(now, day_key(), 60, t0()).await;
+    assert!(refund.expect_err("the store is away").is_unsent());
+    slow.away.store(false, Ordering::Relaxed);
+    leased
+        .refund_made_by(now, day_key(), 60, t0())
+        .await
+        .unwrap();
+    leased.shutdown().await;
+    assert_eq!(counted(&shared, now).await, 10, "70 served, 60 given back");
+}

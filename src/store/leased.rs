@@ -2207,6 +2207,9 @@ impl<St: Store> LeasedStore<St> {
         made_by: Option<Timestamp>,
     ) -> Result<Option<u64>, StoreError> {
         let mut amount = amount;
+        // What went into the block, of which entry: taken back if the store
+        // never gets the rest, so that the refund is sent again whole.
+        let mut in_block = None;
         if let Some(made_by) = made_by {
             let mut counters = self.shared.counter(&key);
             if let Some(counter) = counters.get_mut(&key) {
@@ -2232,6 +2235,7 @@ impl<St: Store> LeasedStore<St> {
                     if amount == 0 {
                         return Ok(Some(counter.usage().used));
                     }
+                    in_block = Some((into_block, counter.generation)).filter(|(n, _)| *n > 0);
                 }
             }
         }
@@ -2239,11 +2243,49 @@ impl<St: Store> LeasedStore<St> {
             Some(made_by) => {
                 self.inner
                     .refund_made_by(now, key.clone(), amount, made_by)
-                    .await?
+                    .await
             }
-            None => self.inner.refund(now, key.clone(), amount).await?,
+            None => self.inner.refund(now, key.clone(), amount).await,
         };
-        Ok(self.told(&key, result))
+        match result {
+            Ok(result) => Ok(self.told(&key, result)),
+            Err(error) if error.is_unsent() => Err(self.take_back(&key, in_block, error)),
+            Err(error) => Err(error),
+        }
+    }
+
+    /// `error`, a refund's the store never sent, once what the refund put
+    /// into the block of `key` (`in_block`: units, and the entry's
+    /// generation) is taken back off it: the refund is then sent again
+    /// whole, as if nothing of it was applied. Units spent from the block
+    /// meanwhile cannot be taken back: the error then says the refund may
+    /// have been applied in part, so that it is not sent again whole (the
+    /// rest stays charged, rather than admissions go uncounted).
+    fn take_back(
+        &self,
+        key: &PeriodKey,
+        in_block: Option<(u64, u64)>,
+        error: StoreError,
+    ) -> StoreError {
+        let Some((units, generation)) = in_block else {
+            return error;
+        };
+        let mut counters = self.shared.counter(key);
+        let taken = match counters.get_mut(key) {
+            Some(counter) if counter.generation == generation && counter.units >= units => {
+                counter.units -= units;
+                true
+            }
+            _ => false,
+        };
+        if taken {
+            return error;
+        }
+        StoreError::new(
+            error.kind(),
+            "a refund went in part into a leased block, whose units were spent since, and the \
+             store never got the rest: not sent again",
+        )
     }
 
     /// Starts the task that gives idle and old blocks back and forgets idle
