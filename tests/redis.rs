@@ -2546,4 +2546,22 @@ async fn a_settle_heals_a_first_use_counter_that_lost_its_deadline() {
     assert_eq!(store.settle_debt(now, debt).await.unwrap(), Some(3));
     let pttl: i64 = server.cli(&["pttl", live.as_str()]).parse().unwrap();
     assert!(pttl > 0 && pttl <= 3_600_000, "dated again: {pttl}");
+
+    // A settle past what the script counts exactly writes nothing, heal
+    // included.
+    assert_eq!(server.cli(&["persist", live.as_str()]), "1");
+    let huge = tower_quota::store::Debt {
+        key: live.clone(),
+        amount: 1 << 53,
+        lifetime: Lifetime::FirstUse {
+            deadline: now + hour_long,
+        },
+        since: now,
+    };
+    assert!(store.settle_debt(now, huge).await.is_err());
+    assert_eq!(
+        server.cli(&["pttl", live.as_str()]),
+        "-1",
+        "nothing written"
+    );
 }

@@ -22,15 +22,18 @@
 --      counter created now, ARGV[6] the calendar window's end or the
 --      first-use deadline (ms), ARGV[7] the first call (ms) a created
 --      counter records.
---      A live counter keeps its TTL and its first call. Answers {count,
+--      A live counter keeps its TTL and its first call (a first-use one
+--      found without a TTL is healed first, as a charge heals it: dated
+--      again, or deleted when its period is long over). Answers {count,
 --      t}: the count afterwards and the counter's first call (-1 when it
 --      records none), which a give-back of a settle applied after its
 --      caller stopped waiting goes by. A debt whose window is over at now,
 --      or a key whose counter records a window over at now (kept through
 --      its grace), writes nothing and answers {-1, -1}; so does a
 --      first-use debt whose counter found live was made at or past its
---      deadline (and one the caller found past it, which it never sends). A count that would go beyond 2^53 is an error reply, and
---      nothing is written.
+--      deadline (and one the caller found past it, which it never sends).
+--      A count that would go beyond 2^53 is an error reply, and nothing is
+--      written.
 --   t  the server's TIME (KEYS[1] only routes the call on a cluster)
 --   d  delete KEYS[1] (a support reset); answers how many keys went (as
 --      DEL), through the script so that a cluster's redirects are followed
@@ -539,11 +542,21 @@ local NOT_A_COUNTER, NOT_A_NUMBER = S.NOT_A_COUNTER, S.NOT_A_NUMBER
 -- without forming used + amount (a double may round it back to 2^53): an
 -- amount of 2^53 or more is refused whatever the count, since a double
 -- cannot tell 2^53 + 1 from 2^53; what names the change in the error.
-local function add_exactly(key, kind, used, amount, what)
+-- The error reply of `what`, adding `amount` to `used` on `key`, when the
+-- count would go beyond 2^53; nil when it fits.
+local function beyond_exact(key, used, amount, what)
   local exact = 2 ^ 53
   if amount + 0 >= exact or amount + 0 > exact - used then
     return redis.error_reply('ERR tower-quota: ' .. what .. ' of ' .. amount .. ' on ' .. key
       .. ' goes beyond 2^53, the most the counters script counts exactly')
+  end
+  return nil
+end
+
+local function add_exactly(key, kind, used, amount, what)
+  local beyond = beyond_exact(key, used, amount, what)
+  if beyond ~= nil then
+    return beyond
   end
   if amount == '0' then
     return used
@@ -654,20 +667,31 @@ if op == 's' then
     -- behind): never charged to a period after the debt's own.
     return { -1, -1 }
   end
+  -- A first-use counter without its deadline (another tool took it) is
+  -- healed as a charge heals it, by its first call and the debt's period:
+  -- dated again, or, its period long over, as good as expired (the debt
+  -- then opens a counter of its own, below). Decided first, written once
+  -- the count is known to fit.
+  local heal = nil
   if anchor == 'f' and kind ~= 0 and call('PTTL', key) == -1 then
-    -- A first-use counter without its deadline (another tool took it),
-    -- healed as a charge heals it, by its first call and the debt's
-    -- period: dated again, or, its period long over, as good as expired
-    -- (the debt then opens a counter of its own, below).
     local length = ends - first
     if dated == nil then
-      call('PEXPIRE', key, ttl)
+      heal = ttl
     elseif dated + length > at then
-      call('PEXPIRE', key, dated + length - at)
+      heal = dated + length - at
     else
-      call('DEL', key)
+      heal = 'gone'
       kind, used, dated = 0, 0, nil
     end
+  end
+  local beyond = beyond_exact(key, used, amount, 'a settle')
+  if beyond ~= nil then
+    return beyond
+  end
+  if heal == 'gone' then
+    call('DEL', key)
+  elseif heal ~= nil then
+    call('PEXPIRE', key, heal)
   end
   local added = add_exactly(key, kind, used, amount, 'a settle')
   if type(added) == 'table' then
