@@ -31,9 +31,10 @@
 //! - [`admitted`](outcome::ADMITTED): charged on every quota, passed on;
 //! - [`refused`](outcome::REFUSED): some quota had no room (the 429, or the
 //!   gRPC `RESOURCE_EXHAUSTED`); nothing was charged. Labelled with the
-//!   allowances of the quotas without room (of every enforced quota of the layer
-//!   when the store's answer shows none full): a quota beside them that
-//!   had room, or a shadow quota, refused nothing (see `shadow_refused`);
+//!   allowances of the quotas without room (of every enforced quota of
+//!   the layer when the store's answer shows none full): a quota beside
+//!   them that had room, or a shadow quota, refused nothing (see
+//!   `shadow_refused`);
 //! - [`store_error`](outcome::STORE_ERROR): the store failed or did not
 //!   answer within `store_timeout`; the request passed, its charge owed to
 //!   the policy's ledger (fail open), or got the 503 (fail closed), whichever

@@ -82,9 +82,7 @@ pub(super) fn redis_error(error: RedisError) -> StoreError {
         || error.is_connection_refusal()
         || error.is_cluster_error()
         || matches!(error.kind(), ErrorKind::ClusterConnectionNotFound)
-        || for_now(&error)
-        || is_read_only(&error)
-        || error.to_string().contains("OOM command not allowed")
+        || applied_nothing(&error)
     {
         StoreErrorKind::Unavailable
     } else {
