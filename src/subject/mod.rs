@@ -139,37 +139,18 @@ pub struct Subject {
 
 /// A subject's id: its own bytes, or those of the header it was read from,
 /// shared with the request (a header value's bytes are kept without a
-/// copy), or, for a short one, copied in place: cheaper than sharing (no
-/// reference count to raise and drop), and what most ids are.
+/// copy).
 #[derive(Clone)]
 enum Id {
     Bytes(Bytes),
     Header(HeaderValue),
-    Short { len: u8, bytes: [u8; SHORT_ID] },
 }
-
-/// The longest id kept in place (the size of a shared one, nearly).
-const SHORT_ID: usize = 38;
 
 impl Id {
     fn as_bytes(&self) -> &[u8] {
         match self {
             Id::Bytes(bytes) => bytes,
             Id::Header(value) => value.as_bytes(),
-            Id::Short { len, bytes } => &bytes[..usize::from(*len)],
-        }
-    }
-
-    /// `id` copied in place when it is short, else shared from `value`.
-    fn of_header(value: &HeaderValue) -> Self {
-        let id = value.as_bytes();
-        match u8::try_from(id.len()) {
-            Ok(len) if id.len() <= SHORT_ID => {
-                let mut bytes = [0; SHORT_ID];
-                bytes[..id.len()].copy_from_slice(id);
-                Id::Short { len, bytes }
-            }
-            _ => Id::Header(value.clone()),
         }
     }
 }
@@ -206,12 +187,11 @@ impl Subject {
         }
     }
 
-    /// A subject of `kind` whose id is the bytes of `value` (shared with
-    /// it, unless short).
+    /// A subject of `kind` whose id is the bytes of `value`, shared with it.
     pub(crate) fn from_header(kind: SubjectKind, value: &HeaderValue) -> Self {
         Self {
             kind,
-            id: Id::of_header(value),
+            id: Id::Header(value.clone()),
         }
     }
 
@@ -522,30 +502,6 @@ where
 #[cfg(test)]
 mod tests {
     use super::*;
-
-    /// A header's id is kept in place when short and shared when long: the
-    /// subject is the same either way, equal (and hashed alike) to one
-    /// made from the same bytes, at every length around the boundary.
-    #[test]
-    fn an_id_read_from_a_header_is_the_same_subject_at_every_length() {
-        use std::hash::BuildHasher;
-        let hasher = std::collections::hash_map::RandomState::new();
-        for len in 1..=2 * SHORT_ID {
-            let id: Vec<u8> = (0..len).map(|i| b'a' + (i % 26) as u8).collect();
-            let value = HeaderValue::from_bytes(&id).unwrap();
-            let read = Subject::from_header(SubjectKind::ACCOUNT, &value);
-            let made = Subject::account(id.as_slice());
-            assert_eq!(read.id(), id.as_slice(), "{len} bytes");
-            assert_eq!(read, made, "{len} bytes");
-            assert_eq!(read.clone(), made, "{len} bytes");
-            assert_eq!(
-                hasher.hash_one(&read),
-                hasher.hash_one(&made),
-                "{len} bytes"
-            );
-            assert_eq!(read.log_hash().to_string(), made.log_hash().to_string());
-        }
-    }
 
     #[test]
     fn log_hash_is_eight_hex_digits_and_stable_in_the_process() {
