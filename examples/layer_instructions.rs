@@ -7,7 +7,7 @@
 //!
 //! `layer_instructions <bare|layer> <requests> [subjects]`: each request
 //! is built with the `x-account-id` header of one of `subjects` (default 1)
-//! in turn, as in `benches/layer.rs`.
+//! in turn, as `benches/layer.rs` builds them.
 
 use std::convert::Infallible;
 
@@ -31,10 +31,8 @@ where
 {
     for i in 0..requests {
         let id = &ids[(i % ids.len() as u64) as usize];
-        let request = Request::builder()
-            .header("x-account-id", id)
-            .body(())
-            .expect("a valid request");
+        let mut request = Request::new(());
+        request.headers_mut().insert("x-account-id", id.clone());
         let ready = service.ready().await.expect("ready");
         let response = ready.call(request).await.expect("answered");
         std::hint::black_box(response);
@@ -53,7 +51,7 @@ fn main() {
         .map_or(Some(1), |n| n.parse().ok())
         .unwrap_or_else(|| usage());
     let ids: Vec<HeaderValue> = (0..subjects.max(1))
-        .map(|i| HeaderValue::from_str(&format!("acct-{i}")).expect("a valid id"))
+        .map(|i| HeaderValue::try_from(format!("account-{i:06}")).expect("a valid id"))
         .collect();
     let runtime = tokio::runtime::Builder::new_current_thread()
         .build()
