@@ -1092,9 +1092,10 @@ impl MemoryStore {
             // the store.
             let new = usize::from(!existing);
             if self.room_in(&mut [&mut shard], new, now, &mut budget) {
-                // As the requests' charges would have: the debt's first
-                // call and lifetime.
-                let (_, grown) = shard.create(&debt.key, debt.amount, debt.since, debt.lifetime);
+                // With the debt's lifetime, as the requests' charges would
+                // have made it, and made now: a give-back of a charge made
+                // before (of a counter since reset) never lands here.
+                let (_, grown) = shard.create(&debt.key, debt.amount, now, debt.lifetime);
                 self.settle(new, usize::from(grown));
                 return Ok(Some(debt.amount));
             }

@@ -607,12 +607,14 @@ pub trait Store: Clone + Send + Sync + 'static {
     /// `None`, whether the deadline has passed by `now` or a charge with a
     /// later instant (another instance's clock ahead) opened the counter
     /// found live. Where there
-    /// is none, the settle creates it as the requests' charges would have:
-    /// with `debt.lifetime` (the window's end, or the first-use deadline
-    /// computed at the requests' instant, never a later one) and
-    /// `debt.since` as its first call, which may open a period at a request
-    /// that fell in an earlier period. A debt of nothing writes nothing, and answers what the
-    /// counter holds (0 where there is none). A store fails rather than hold
+    /// is none, the settle creates it with `debt.lifetime`, as the
+    /// requests' charges would have (the window's end, or the first-use
+    /// deadline computed at the requests' instant, never a later one), and
+    /// `now` as its first call ([`Usage::first_call`]): the counter is made
+    /// now, so a give-back of a charge made before it (to a counter that
+    /// support has reset since) never lands there. A debt of nothing
+    /// writes nothing, and answers what the counter holds (0 where there is
+    /// none). A store fails rather than hold
     /// a count other than the sum, as [`Store::add`] does.
     ///
     /// The ledger sends a settle that failed again: one that fails, or whose
@@ -626,7 +628,7 @@ pub trait Store: Clone + Send + Sync + 'static {
     /// The default makes it a [`Store::charge`] of one line at `now`, with
     /// the largest limit the store counts exactly ([`Store::max_count`]): it
     /// adds to a live counter and creates a missing one with the debt's
-    /// lifetime, but records `now` as a new counter's first call. A store
+    /// lifetime and `now` as its first call. A store
     /// that can do better overrides it; a store that wraps another passes it
     /// on.
     fn settle_debt(

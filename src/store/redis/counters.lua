@@ -20,8 +20,10 @@
 --      requests admitted while the store failed owe. ARGV[4] is the
 --      anchor ('f' first use, 'c' calendar), ARGV[5] the ttl (ms) of a
 --      counter created now, ARGV[6] the calendar window's end or the
---      first-use deadline (ms), ARGV[7] the first call (ms) a created
---      counter records.
+--      first-use deadline (ms), ARGV[7] the debt's first request (ms), from
+--      which a first-use period runs. A created counter records now as its
+--      first call: it was made now, and a give-back of a charge made
+--      before (of a counter since deleted) never lands there.
 --      A live counter keeps its TTL and its first call (a first-use one
 --      found without a TTL is healed first, as a charge heals it: dated
 --      again, or deleted when its period is long over). Answers {count,
@@ -701,16 +703,16 @@ if op == 's' then
   if added ~= nil then
     return { added, dated and dated + 0 or -1 }
   end
-  -- A new counter, as a charge creates one: its first call (the debt's),
-  -- a calendar window's end, and its deadline, all in this call.
-  local fields = { 'n', amount, 't', first }
+  -- A new counter, as a charge creates one: its first call (now), a
+  -- calendar window's end, and its deadline (the debt's), all in this call.
+  local fields = { 'n', amount, 't', now }
   if anchor == 'c' then
     fields[5] = 'e'
     fields[6] = ends
   end
   call('HSET', key, unpack(fields))
   call('PEXPIRE', key, ttl)
-  return { amount + 0, first + 0 }
+  return { amount + 0, at }
 end
 
 if op == 'c' then
