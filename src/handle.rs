@@ -56,6 +56,9 @@ trait PolicyView<St>: Send + Sync {
     fn plan_as_charged(&self, plan: Option<String>) -> Result<Option<String>, String>;
     /// Forgets what the policy's ledger owes the counter at `key`.
     fn forget_owed(&self, key: &crate::key::PeriodKey);
+    /// Holds back the ledger's settles of what is owed to the counter at
+    /// `key` while support resets it.
+    fn hold_owed(&self, key: &crate::key::PeriodKey) -> crate::ledger::Hold;
     /// The policy's identity, as its tickets carry it.
     fn id(&self) -> u64;
 }
@@ -87,6 +90,9 @@ impl<E: SubjectExtractor, St: Send + Sync> PolicyView<St> for Policy<E, St> {
     }
     fn forget_owed(&self, key: &crate::key::PeriodKey) {
         self.ledger.forget(key);
+    }
+    fn hold_owed(&self, key: &crate::key::PeriodKey) -> crate::ledger::Hold {
+        self.ledger.hold(key)
     }
     fn id(&self) -> u64 {
         self.id
@@ -583,10 +589,13 @@ impl<St: Store> QuotaHandle<St> {
         let now = self.settings().clock.now();
         for line in self.lines(quotas, subject, now, None) {
             // What requests of before the reset owe (they passed on a failed
-            // charge) goes with their counter, not into the fresh one:
-            // forgotten before (no settle starts meanwhile) and after (a
-            // debt recorded meanwhile).
-            self.shared.forget_owed(&line.key);
+            // charge) goes with their counter, not into the fresh one: no
+            // settle of it starts while the reset is on its way, and once
+            // the reset is done it is forgotten (a settle on its way then
+            // lands, before or after the reset, as the store runs them). A
+            // reset that fails forgets nothing: the debts are settled as
+            // before.
+            let _held = self.shared.hold_owed(&line.key);
             self.shared.store().reset(line.key.clone()).await?;
             self.shared.forget_owed(&line.key);
         }

@@ -184,6 +184,31 @@ struct Book {
     hurry: u32,
     /// The entry the task is settling: kept while the store answers.
     in_flight: Option<InFlight>,
+    /// The keys whose counters support is resetting, each with the number
+    /// of resets on their way: their entries are not settled meanwhile
+    /// (see [`Ledger::hold`]).
+    held: HashMap<PeriodKey, usize>,
+}
+
+/// What the settling task does next.
+enum Next {
+    /// Settle entry `id` of the key, this debt.
+    Settle(PeriodKey, u64, Debt),
+    /// Every entry owed is of a counter support is resetting: wait.
+    Held,
+    /// Nothing is owed: the task ends.
+    Done,
+}
+
+#[cfg(test)]
+impl Next {
+    /// The entry to settle, if there is one to settle now.
+    fn settle(self) -> Option<(PeriodKey, u64, Debt)> {
+        match self {
+            Next::Settle(key, id, debt) => Some((key, id, debt)),
+            Next::Held | Next::Done => None,
+        }
+    }
 }
 
 /// The entry being settled, and the units its settle carries.
@@ -201,6 +226,25 @@ struct InFlight {
 impl InFlight {
     fn is(&self, key: &PeriodKey, id: u64) -> bool {
         self.key == *key && self.id == id
+    }
+}
+
+/// A support reset's hold on the settles of one key (see
+/// [`Ledger::hold`]).
+pub(crate) struct Hold {
+    ledger: Arc<Ledger>,
+    key: PeriodKey,
+}
+
+impl Drop for Hold {
+    fn drop(&mut self) {
+        let mut book = self.ledger.lock();
+        if let Some(holds) = book.held.get_mut(&self.key) {
+            *holds -= 1;
+            if *holds == 0 {
+                book.held.remove(&self.key);
+            }
+        }
     }
 }
 
@@ -313,6 +357,19 @@ impl Ledger {
         }
         drop(book);
         forgotten(key, units);
+    }
+
+    /// Holds back the settles of what is owed to the counters at `key`
+    /// while support resets them, until the guard is dropped: a settle that
+    /// started meanwhile could land in the fresh counter. The reset then
+    /// [forgets](Ledger::forget) what is owed, or, if it failed, the debts
+    /// are settled as before.
+    pub(crate) fn hold(self: &Arc<Self>, key: &PeriodKey) -> Hold {
+        *self.lock().held.entry(key.clone()).or_insert(0) += 1;
+        Hold {
+            ledger: Arc::clone(self),
+            key: key.clone(),
+        }
     }
 
     /// What the ledger owes now.
@@ -559,11 +616,22 @@ impl Book {
     /// The next debt to settle at `now`: the oldest entry, once the entries
     /// before it whose period is over are dropped. With none, the task that
     /// asks ends.
-    fn next(&mut self, now: Timestamp) -> Option<(PeriodKey, u64, Debt)> {
+    fn next(&mut self, now: Timestamp) -> Next {
         loop {
-            let Some((key, id)) = self.queue.front().cloned() else {
-                self.settling = false;
-                return None;
+            // The oldest entry of a counter support is not resetting.
+            let free = if self.held.is_empty() {
+                self.queue.front()
+            } else {
+                self.queue
+                    .iter()
+                    .find(|(key, _)| !self.held.contains_key(key))
+            };
+            let Some((key, id)) = free.cloned() else {
+                if self.queue.is_empty() {
+                    self.settling = false;
+                    return Next::Done;
+                }
+                return Next::Held;
             };
             let entry = *self
                 .entry(&key, id)
@@ -586,7 +654,7 @@ impl Book {
                 lifetime: entry.lifetime,
                 since: entry.since,
             };
-            return Some((key, id, debt));
+            return Next::Settle(key, id, debt);
         }
     }
 
@@ -594,18 +662,7 @@ impl Book {
     /// of the queue, so that the others are tried before it again. How many
     /// entries are owed.
     fn postpone(&mut self, key: &PeriodKey, id: u64) -> usize {
-        let forgot = self
-            .in_flight
-            .as_ref()
-            .filter(|sent| sent.is(key, id))
-            .map_or(0, |sent| sent.forgotten);
-        if forgot > 0 {
-            // Support reset the counter meanwhile: what the reset forgot
-            // is not sent again (what was owed since stays).
-            let dropped = self.take_off(key, id, forgot);
-            forgotten(key, dropped);
-        }
-        self.release();
+        self.unsettled();
         if let Some(at) = self.queue.iter().position(|(k, i)| k == key && *i == id) {
             let entry = self.queue.remove(at).expect("found in the queue");
             self.queue.push_back(entry);
@@ -646,6 +703,26 @@ impl Book {
             self.remove(key, id);
         }
         taken
+    }
+
+    /// The settle on its way failed, or was dropped before it answered:
+    /// its entry is back among the others, less what support's reset of
+    /// the counter forgot meanwhile, which is not sent again into the
+    /// fresh counter (what was owed since stays).
+    fn unsettled(&mut self) {
+        if let Some(InFlight {
+            key,
+            id,
+            forgotten: forgot,
+            ..
+        }) = self.in_flight.clone()
+        {
+            if forgot > 0 {
+                let dropped = self.take_off(&key, id, forgot);
+                forgotten(&key, dropped);
+            }
+        }
+        self.release();
     }
 
     /// The entry being settled is back among the others, if it is still
@@ -758,10 +835,11 @@ impl Drop for Settling {
             Some(ledger) => {
                 let mut book = ledger.lock();
                 book.settling = false;
+                // A settle dropped on its way is one that failed.
+                book.unsettled();
                 if !book.queue.is_empty() {
                     ledger.stranded.store(true, Ordering::Relaxed);
                 }
-                book.release();
             }
             None => {
                 if let Some(units) = self.sent.take() {
@@ -792,17 +870,25 @@ async fn settle<St: Store>(
         let now = clock.now();
         let next = ledger.lock().next(now);
         drop(ledger);
-        let Some((key, id, debt)) = next else {
-            claim.done();
-            if units > 0 {
-                tracing::info!(
-                    units,
-                    counters,
-                    "quota ledger settled what requests that passed on a failed charge (fail \
-                     open) owed"
-                );
+        let (key, id, debt) = match next {
+            Next::Settle(key, id, debt) => (key, id, debt),
+            Next::Held => {
+                // A support reset takes one call of the store.
+                pause(&claim, FIRST_RETRY).await;
+                continue;
             }
-            return;
+            Next::Done => {
+                claim.done();
+                if units > 0 {
+                    tracing::info!(
+                        units,
+                        counters,
+                        "quota ledger settled what requests that passed on a failed charge \
+                         (fail open) owed"
+                    );
+                }
+                return;
+            }
         };
         let amount = debt.amount;
         claim.sent = Some(amount);

@@ -10,7 +10,7 @@ mod rigged;
 mod interest;
 
 use std::future::Future;
-use std::sync::atomic::Ordering;
+use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
@@ -23,10 +23,10 @@ use rigged::{Rig, Rigged};
 use tokio::sync::Notify;
 use tower::ServiceExt;
 use tower_quota::jiff::{SignedDuration, Timestamp};
-use tower_quota::store::ChargeRequest;
+use tower_quota::store::{ChargeOutcome, ChargeRequest, Debt, StoreErrorKind};
 use tower_quota::{
     unrouted, FromHeader, ManualClock, MemoryStore, Namespace, OnStoreError, PeriodKey, Quota,
-    QuotaPolicy, QuotaPolicyBuilder, QuotaStatus, Store, Subject,
+    QuotaPolicy, QuotaPolicyBuilder, QuotaStatus, Store, StoreError, Subject, Usage,
 };
 
 const NOW: &str = "2026-12-02T10:00:00Z";
@@ -733,36 +733,34 @@ async fn a_support_reset_forgets_what_the_caller_owed() {
     assert_eq!(used(&policy, "zeta", "default-day").await, 1);
 }
 
-/// A store whose charges fail, and whose settles hang a second and fail,
-/// while told so.
+/// A memory store whose calls fail or hang while told so: charges fail
+/// (`failing`); settles hang a second and time out (`slow`), never answer
+/// (`holding`), or fail at once (`away`); resets fail (`resets_fail`).
 #[derive(Clone, Default)]
-struct Hanging {
+struct Gate {
     inner: MemoryStore,
-    hang: Arc<std::sync::atomic::AtomicBool>,
+    failing: Arc<AtomicBool>,
+    slow: Arc<AtomicBool>,
+    holding: Arc<AtomicBool>,
+    away: Arc<AtomicBool>,
+    resets_fail: Arc<AtomicBool>,
 }
 
-impl Store for Hanging {
-    type ChargeFuture = std::pin::Pin<
-        Box<
-            dyn Future<Output = Result<tower_quota::store::ChargeOutcome, tower_quota::StoreError>>
-                + Send,
-        >,
-    >;
+fn unavailable(what: &'static str) -> StoreError {
+    StoreError::new(StoreErrorKind::Unavailable, what)
+}
+
+impl Store for Gate {
+    type ChargeFuture =
+        std::pin::Pin<Box<dyn Future<Output = Result<ChargeOutcome, StoreError>> + Send>>;
 
     fn charge(&self, request: ChargeRequest) -> Self::ChargeFuture {
-        if self.hang.load(Ordering::SeqCst) {
-            let down = tower_quota::StoreError::new(
-                tower_quota::store::StoreErrorKind::Unavailable,
-                "down",
-            );
-            return Box::pin(std::future::ready(Err(down)));
+        if self.failing.load(Ordering::SeqCst) {
+            return Box::pin(std::future::ready(Err(unavailable("down"))));
         }
         Box::pin(self.inner.charge(request))
     }
-    async fn peek(
-        &self,
-        request: ChargeRequest,
-    ) -> Result<Vec<tower_quota::Usage>, tower_quota::StoreError> {
+    async fn peek(&self, request: ChargeRequest) -> Result<Vec<Usage>, StoreError> {
         self.inner.peek(request).await
     }
     async fn refund(
@@ -770,33 +768,66 @@ impl Store for Hanging {
         now: Timestamp,
         key: PeriodKey,
         amount: u64,
-    ) -> Result<Option<u64>, tower_quota::StoreError> {
+    ) -> Result<Option<u64>, StoreError> {
         self.inner.refund(now, key, amount).await
+    }
+    async fn refund_made_by(
+        &self,
+        now: Timestamp,
+        key: PeriodKey,
+        amount: u64,
+        made_by: Timestamp,
+    ) -> Result<Option<u64>, StoreError> {
+        self.inner.refund_made_by(now, key, amount, made_by).await
     }
     async fn add(
         &self,
         now: Timestamp,
         key: PeriodKey,
         amount: u64,
-    ) -> Result<Option<u64>, tower_quota::StoreError> {
+    ) -> Result<Option<u64>, StoreError> {
         self.inner.add(now, key, amount).await
     }
-    async fn reset(&self, key: PeriodKey) -> Result<bool, tower_quota::StoreError> {
-        self.inner.reset(key).await
+    fn reset(&self, key: PeriodKey) -> impl Future<Output = Result<bool, StoreError>> + Send {
+        let fail = self.resets_fail.load(Ordering::SeqCst);
+        let inner = self.inner.clone();
+        async move {
+            if fail {
+                return Err(unavailable("away"));
+            }
+            inner.reset(key).await
+        }
     }
-    async fn settle_debt(
+    fn settle_debt(
         &self,
         now: Timestamp,
-        debt: tower_quota::store::Debt,
-    ) -> Result<Option<u64>, tower_quota::StoreError> {
-        if self.hang.load(Ordering::SeqCst) {
-            tokio::time::sleep(Duration::from_secs(1)).await;
-            return Err(tower_quota::StoreError::new(
-                tower_quota::store::StoreErrorKind::Timeout,
-                "hung",
-            ));
+        debt: Debt,
+    ) -> impl Future<Output = Result<Option<u64>, StoreError>> + Send {
+        let (slow, hold) = (
+            self.slow.load(Ordering::SeqCst),
+            self.holding.load(Ordering::SeqCst),
+        );
+        let away = self.away.load(Ordering::SeqCst);
+        let inner = self.inner.clone();
+        async move {
+            if away {
+                return Err(unavailable("away"));
+            }
+            if slow {
+                tokio::time::sleep(Duration::from_secs(1)).await;
+                return Err(StoreError::new(StoreErrorKind::Timeout, "hung"));
+            }
+            if hold {
+                std::future::pending::<()>().await;
+            }
+            inner.settle_debt(now, debt).await
         }
-        self.inner.settle_debt(now, debt).await
+    }
+    fn identity(&self) -> Option<usize> {
+        self.inner.identity()
+    }
+    fn max_count(&self) -> u64 {
+        self.inner.max_count()
     }
 }
 
@@ -806,8 +837,9 @@ impl Store for Hanging {
 #[tokio::test(start_paused = true)]
 async fn a_support_reset_during_a_settle_that_fails_forgets_it_too() {
     let clock = clock();
-    let store = Hanging::default();
-    store.hang.store(true, Ordering::SeqCst);
+    let store = Gate::default();
+    store.failing.store(true, Ordering::SeqCst);
+    store.slow.store(true, Ordering::SeqCst);
     let policy = policy(store.clone(), &clock).build();
     let app = Router::new()
         .route("/", get(|| async { "ok" }))
@@ -822,9 +854,144 @@ async fn a_support_reset_during_a_settle_that_fails_forgets_it_too() {
         .reset(&Subject::account("acme"))
         .await
         .unwrap();
-    store.hang.store(false, Ordering::SeqCst);
+    store.failing.store(false, Ordering::SeqCst);
+    store.slow.store(false, Ordering::SeqCst);
     settled(&policy).await;
     assert_eq!(used(&policy, "acme", "default-day").await, 0, "afresh");
+}
+
+/// A support reset that fails (the store is away, as it is while the
+/// ledger owes) changes nothing: what the ledger owes is still settled.
+#[tokio::test(start_paused = true)]
+async fn a_failed_reset_forgets_nothing_the_ledger_owes() {
+    let clock = clock();
+    let store = Gate::default();
+    store.failing.store(true, Ordering::SeqCst);
+    store.away.store(true, Ordering::SeqCst);
+    let policy = policy(store.clone(), &clock).build();
+    let app = Router::new()
+        .route("/", get(|| async { "ok" }))
+        .layer(policy.layer(Quota::daily(100)));
+    for _ in 0..3 {
+        assert_eq!(send(&app, call("/", "acme")).await, StatusCode::OK);
+    }
+    assert_eq!(policy.owed().units, 3);
+    store.resets_fail.store(true, Ordering::SeqCst);
+    let reset = policy.handle().reset(&Subject::account("acme")).await;
+    assert!(reset.is_err());
+    assert_eq!(
+        policy.owed().units,
+        3,
+        "a reset that failed forgets nothing"
+    );
+    for flag in [&store.resets_fail, &store.away, &store.failing] {
+        flag.store(false, Ordering::SeqCst);
+    }
+    assert_eq!(policy.settle_owed(Duration::from_secs(10)).await.units, 0);
+    assert_eq!(used(&policy, "acme", "default-day").await, 3);
+}
+
+/// A support reset while the ledger's settle is on its way, whose runtime
+/// then shuts down (the settle dropped before it answered): what the reset
+/// forgot stays forgotten, as when the settle fails, and is not settled
+/// into the fresh counter from the next runtime.
+#[test]
+fn a_reset_during_a_settle_whose_runtime_shuts_down_stays_forgotten() {
+    let clock = clock();
+    let store = Gate::default();
+    store.failing.store(true, Ordering::SeqCst);
+    store.holding.store(true, Ordering::SeqCst);
+    let policy = policy(store.clone(), &clock).store_timeout(None).build();
+    let app = Router::new()
+        .route("/", get(|| async { "ok" }))
+        .layer(policy.layer(Quota::daily(100)));
+    let runtime = || {
+        tokio::runtime::Builder::new_current_thread()
+            .enable_all()
+            .start_paused(true)
+            .build()
+            .unwrap()
+    };
+    runtime().block_on(async {
+        for _ in 0..3 {
+            assert_eq!(send(&app, call("/", "acme")).await, StatusCode::OK);
+        }
+        // The settle is on its way, and never answers.
+        tokio::time::sleep(Duration::from_millis(50)).await;
+        assert_eq!(policy.owed().units, 3);
+        policy
+            .handle()
+            .reset(&Subject::account("acme"))
+            .await
+            .unwrap();
+    });
+    store.failing.store(false, Ordering::SeqCst);
+    store.holding.store(false, Ordering::SeqCst);
+    runtime().block_on(async {
+        assert_eq!(send(&app, call("/", "acme")).await, StatusCode::OK);
+        settled(&policy).await;
+        assert_eq!(
+            used(&policy, "acme", "default-day").await,
+            1,
+            "only the request after the reset counts in the fresh counter"
+        );
+    });
+}
+
+/// Another instance's debt, settled after a support reset, makes the
+/// fresh counter: a handler's `refund_request` of a request charged to the
+/// counter before the reset must not take that admission off.
+#[tokio::test(start_paused = true)]
+async fn refund_request_never_lands_on_a_counter_made_anew_by_a_settle() {
+    let clock = clock();
+    let memory = MemoryStore::new();
+    let away = Gate {
+        inner: memory.clone(),
+        ..Gate::default()
+    };
+    away.failing.store(true, Ordering::SeqCst);
+    away.away.store(true, Ordering::SeqCst);
+    let a = policy(memory.clone(), &clock).build();
+    let b = policy(away.clone(), &clock).build();
+    let kept: Arc<Mutex<Option<QuotaStatus>>> = Arc::default();
+    let a_app = {
+        let kept = Arc::clone(&kept);
+        let handler = move |status: QuotaStatus| {
+            *kept.lock().unwrap() = Some(status);
+            async { "ok" }
+        };
+        Router::new()
+            .route("/", get(handler))
+            .layer(a.layer(Quota::daily(100)))
+    };
+    let b_app = Router::new()
+        .route("/", get(|| async { "ok" }))
+        .layer(b.layer(Quota::daily(100)));
+    // B's request passes on a failed charge; a second later A's request
+    // makes the counter; support resets it.
+    assert_eq!(send(&b_app, call("/", "acme")).await, StatusCode::OK);
+    assert_eq!(b.owed().units, 1);
+    clock.advance(Duration::from_secs(1));
+    assert_eq!(send(&a_app, call("/", "acme")).await, StatusCode::OK);
+    a.handle().reset(&Subject::account("acme")).await.unwrap();
+    // A moment later B's store is back: its debt makes the fresh counter.
+    clock.advance(Duration::from_millis(1));
+    away.away.store(false, Ordering::SeqCst);
+    away.failing.store(false, Ordering::SeqCst);
+    settled(&b).await;
+    assert_eq!(used(&a, "acme", "default-day").await, 1);
+    let status = kept.lock().unwrap().take().unwrap();
+    let refunded = a.handle().refund_request(&status).await.unwrap();
+    assert_eq!(
+        refunded,
+        [None],
+        "the counter A's request was charged to is gone"
+    );
+    assert_eq!(
+        used(&a, "acme", "default-day").await,
+        1,
+        "B's admission stays counted"
+    );
 }
 
 /// A handler that keeps its `QuotaStatus` past the request (an audit task,

@@ -97,7 +97,7 @@ fn debts_on_one_calendar_counter_add_up_in_one_entry() {
     assert!(book.record(calendar(&acme, 2, now + minutes(1)), now, 10));
     assert!(book.record(calendar(&other, 1, now), now, 10));
     assert_eq!((book.queue.len(), book.units), (2, 4));
-    let (_, _, debt) = book.next(now).unwrap();
+    let (_, _, debt) = book.next(now).settle().unwrap();
     assert_eq!(
         debt,
         calendar(&acme, 3, now),
@@ -118,10 +118,10 @@ fn first_use_debts_share_an_entry_within_the_earliest_ones_period() {
     // Past that period: an entry of its own.
     assert!(book.record(first_use(&acme, 1, t0 + minutes(65)), t0, 10));
     assert_eq!((book.queue.len(), book.units), (2, 4));
-    let (key, id, debt) = book.next(t0).unwrap();
+    let (key, id, debt) = book.next(t0).settle().unwrap();
     assert_eq!(debt, first_use(&acme, 3, t0));
     book.paid(&key, id, 3);
-    let (_, _, debt) = book.next(t0).unwrap();
+    let (_, _, debt) = book.next(t0).settle().unwrap();
     assert_eq!(debt, first_use(&acme, 1, t0 + minutes(65)));
 }
 
@@ -145,7 +145,7 @@ fn an_earlier_debt_joins_only_a_period_that_holds_the_whole_entry() {
     assert_queue_holds_every_entry_once(&book);
     assert_eq!(book.units, 3);
     // At 92 min A's period is over: A goes, B and C are settled.
-    let (key, id, debt) = book.next(late).expect("B and C still owed");
+    let (key, id, debt) = book.next(late).settle().expect("B and C still owed");
     assert_eq!(
         debt,
         Debt {
@@ -158,7 +158,7 @@ fn an_earlier_debt_joins_only_a_period_that_holds_the_whole_entry() {
         }
     );
     book.paid(&key, id, 2);
-    assert!(book.next(late).is_none());
+    assert!(book.next(late).settle().is_none());
     assert_eq!(book.units, 0);
 }
 
@@ -183,7 +183,7 @@ fn past_the_bound_a_new_counter_is_refused_and_ended_ones_make_room() {
     assert!(book.record(first_use(&c, 1, later), later, 2));
     assert_eq!((book.queue.len(), book.units), (2, 2));
     assert_queue_holds_every_entry_once(&book);
-    assert_eq!(book.next(later).unwrap().2.key, b);
+    assert_eq!(book.next(later).settle().unwrap().2.key, b);
 }
 
 #[test]
@@ -194,17 +194,17 @@ fn the_next_debt_skips_periods_that_are_over_and_what_joins_meanwhile_stays() {
     book.record(first_use(&a, 2, now), now, 10);
     book.record(first_use(&b, 3, now + minutes(30)), now, 10);
     let later = now + minutes(70);
-    let (key, id, debt) = book.next(later).unwrap();
+    let (key, id, debt) = book.next(later).settle().unwrap();
     assert_eq!(debt.key, b, "a's period is over: dropped");
     assert_eq!((book.queue.len(), book.units), (1, 3));
     // A request joins b while its debt is on its way.
     book.record(first_use(&b, 1, now + minutes(31)), later, 10);
     book.paid(&key, id, debt.amount);
     assert_eq!((book.queue.len(), book.units), (1, 1));
-    let (key, id, debt) = book.next(later).unwrap();
+    let (key, id, debt) = book.next(later).settle().unwrap();
     assert_eq!(debt.amount, 1);
     book.paid(&key, id, 1);
-    assert!(book.next(later).is_none());
+    assert!(book.next(later).settle().is_none());
     assert!(!book.settling);
     assert!(book.owed.is_empty() && book.queue.is_empty());
 }
@@ -215,7 +215,7 @@ fn the_entry_being_settled_is_not_let_go_of() {
     let now = at(NOON);
     let (a, b) = (key("a", "PT1H"), key("b", "PT1H"));
     book.record(first_use(&a, 2, now), now, 1);
-    let (key, id, _) = book.next(now).unwrap();
+    let (key, id, _) = book.next(now).settle().unwrap();
     // The bound is reached and a's period ends while its settle is on its
     // way: it stays until the store answers.
     let later = now + minutes(61);
@@ -235,7 +235,7 @@ fn a_reset_forgets_what_joined_an_entry_being_settled() {
     let (key, id) = {
         let mut book = ledger.lock();
         book.record(calendar(&acme, 5, now), now, 10);
-        let (key, id, debt) = book.next(now).unwrap();
+        let (key, id, debt) = book.next(now).settle().unwrap();
         assert_eq!(debt.amount, 5);
         book.record(calendar(&acme, 3, now + minutes(1)), now, 10);
         (key, id)
@@ -258,7 +258,7 @@ fn the_entry_being_settled_starts_no_search_for_ended_ones() {
     let now = at(NOON);
     let (a, b) = (key("a", "PT1H"), key("b", "PT1H"));
     book.record(first_use(&a, 2, now), now, 1);
-    let (key, id, _) = book.next(now).unwrap();
+    let (key, id, _) = book.next(now).settle().unwrap();
     let later = now + minutes(61);
     assert!(!book.record(first_use(&b, 1, later), later, 1));
     assert!(
@@ -272,7 +272,7 @@ fn the_entry_being_settled_starts_no_search_for_ended_ones() {
     assert_eq!(book.earliest_end, Some(now + minutes(60)));
     assert!(book.record(first_use(&b, 1, later), later, 1));
     assert_eq!(book.units, 1);
-    assert_eq!(book.next(later).unwrap().2.key, b);
+    assert_eq!(book.next(later).settle().unwrap().2.key, b);
 }
 
 /// A memory store that fails every settle while `away`, and every settle
