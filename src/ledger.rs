@@ -660,14 +660,18 @@ impl Book {
 
     /// The store failed to settle entry `id` of `key`: it goes to the back
     /// of the queue, so that the others are tried before it again. How many
-    /// entries are owed.
+    /// entries are owed that the task may try now.
     fn postpone(&mut self, key: &PeriodKey, id: u64) -> usize {
         self.unsettled();
         if let Some(at) = self.queue.iter().position(|(k, i)| k == key && *i == id) {
             let entry = self.queue.remove(at).expect("found in the queue");
             self.queue.push_back(entry);
         }
-        self.queue.len()
+        // Those of counters support is resetting wait: not tried now.
+        self.queue
+            .iter()
+            .filter(|(key, _)| !self.held.contains_key(key))
+            .count()
     }
 
     /// `amount` of entry `id` of `key` is settled (or dropped): what was

@@ -133,6 +133,7 @@ mod broken {
         wraps: bool,
         settle_redates: bool,
         settle_opens_ended: bool,
+        settle_by_charge: bool,
         charges_past_the_period: bool,
     }
 
@@ -397,6 +398,22 @@ mod broken {
         ) -> impl Future<Output = Result<Option<u64>, StoreError>> + Send {
             let store = self.clone();
             async move {
+                if store.bugs.settle_by_charge {
+                    // As the trait's default does: a charge at the settle's
+                    // instant, which records that instant as the first call.
+                    let request = ChargeRequest {
+                        now,
+                        lines: smallvec::smallvec![tower_quota::store::ChargeLine {
+                            key: debt.key,
+                            limit: u64::MAX,
+                            cost: debt.amount,
+                            lifetime: debt.lifetime,
+                            shadow_limit: None,
+                        }],
+                    };
+                    let outcome = store.charge(request).await?;
+                    return Ok(Some(outcome.usage[0].used));
+                }
                 if debt.lifetime.end() <= now && !store.bugs.settle_opens_ended {
                     return Ok(None);
                 }
@@ -428,7 +445,10 @@ mod broken {
                         } else {
                             debt.lifetime.end()
                         }),
-                        first_call: Some(now),
+                        first_call: Some(match debt.lifetime {
+                            Lifetime::Calendar { .. } => now,
+                            Lifetime::FirstUse { .. } => debt.since,
+                        }),
                     },
                 };
                 counters.insert(debt.key, counter);
@@ -613,6 +633,19 @@ mod broken {
     async fn a_settle_of_a_period_that_is_over_is_caught() {
         let store = Buggy::with(Bugs {
             settle_opens_ended: true,
+            ..Bugs::default()
+        });
+        testing::settle_debt_keeps_to_the_debts_period(&store).await;
+    }
+
+    /// The trait's default settle, a charge at the settle's instant, counts
+    /// right but records that instant as a new counter's first call: the
+    /// suite tells a store of its own to do better.
+    #[tokio::test]
+    #[should_panic(expected = "a counter a settle creates records the debt's first call")]
+    async fn a_settle_made_a_charge_is_caught() {
+        let store = Buggy::with(Bugs {
+            settle_by_charge: true,
             ..Bugs::default()
         });
         testing::settle_debt_keeps_to_the_debts_period(&store).await;

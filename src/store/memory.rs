@@ -1056,7 +1056,8 @@ impl Store for MemoryStore {
 
 impl MemoryStore {
     /// [`Store::settle_debt`]: adds to the live counter at the debt's key,
-    /// or creates it with the debt's lifetime and first call, making room
+    /// or creates it with the debt's lifetime (see [`settled_first_call`]
+    /// for its first call), making room
     /// as a charge does; nothing when the debt's lifetime ended by `now`.
     fn settle_now(&self, now: Timestamp, debt: &Debt) -> Result<Option<u64>, StoreError> {
         if debt.lifetime.end() <= now {
@@ -1092,10 +1093,8 @@ impl MemoryStore {
             // the store.
             let new = usize::from(!existing);
             if self.room_in(&mut [&mut shard], new, now, &mut budget) {
-                // With the debt's lifetime, as the requests' charges would
-                // have made it, and made now: a give-back of a charge made
-                // before (of a counter since reset) never lands here.
-                let (_, grown) = shard.create(&debt.key, debt.amount, now, debt.lifetime);
+                let first = settled_first_call(now, debt);
+                let (_, grown) = shard.create(&debt.key, debt.amount, first, debt.lifetime);
                 self.settle(new, usize::from(grown));
                 return Ok(Some(debt.amount));
             }
@@ -1105,6 +1104,19 @@ impl MemoryStore {
             }
             tried = true;
         }
+    }
+}
+
+/// The first call a counter a settle of `debt` creates at `now` records.
+/// A first-use counter's is the debt's first request, which its period
+/// runs from, as the requests' charges would have made it. A calendar
+/// counter's period is its window, and its first call only tells when it
+/// was made: now, so that a give-back of a charge made before (to a
+/// counter support reset since) never lands on it.
+fn settled_first_call(now: Timestamp, debt: &Debt) -> Timestamp {
+    match debt.lifetime {
+        Lifetime::Calendar { .. } => now,
+        Lifetime::FirstUse { .. } => debt.since,
     }
 }
 

@@ -273,7 +273,8 @@ pub struct Debt {
     /// period the earliest of the requests opened).
     pub lifetime: Lifetime,
     /// The instant of the earliest of the requests: the first call of a
-    /// counter the settle creates.
+    /// first-use counter the settle creates (a calendar one records the
+    /// settle's instant).
     pub since: Timestamp,
 }
 
@@ -303,8 +304,9 @@ pub struct Usage {
     pub resets_at: Timestamp,
     /// The call that made the counter: for a first-use counter, the call
     /// that opened the period; for a calendar counter, the window's first
-    /// call (since a reset, if any). `None` when no period is open, or from
-    /// a store that does not date its counters.
+    /// call (since a reset, if any), or the settle of a debt that made it
+    /// ([`Store::settle_debt`]). `None` when no period is open, or from a
+    /// store that does not date its counters.
     ///
     /// The layer gives a request's charge back, and adds its deferred
     /// cost, only to a counter made by this instant
@@ -607,14 +609,15 @@ pub trait Store: Clone + Send + Sync + 'static {
     /// `None`, whether the deadline has passed by `now` or a charge with a
     /// later instant (another instance's clock ahead) opened the counter
     /// found live. Where there
-    /// is none, the settle creates it with `debt.lifetime`, as the
-    /// requests' charges would have (the window's end, or the first-use
-    /// deadline computed at the requests' instant, never a later one), and
-    /// `now` as its first call ([`Usage::first_call`]): the counter is made
-    /// now, so a give-back of a charge made before it (to a counter that
-    /// support has reset since) never lands there. A debt of nothing
-    /// writes nothing, and answers what the counter holds (0 where there is
-    /// none). A store fails rather than hold
+    /// is none, the settle creates it as the requests' charges would have:
+    /// with `debt.lifetime` (the window's end, or the first-use deadline
+    /// computed at the requests' instant, never a later one). A first-use
+    /// counter records `debt.since` as its first call, which may open a
+    /// period at a request that fell in an earlier period; a calendar
+    /// counter records `now` (its window is its period; made now, it takes
+    /// no give-back of a charge made before, to a counter support reset
+    /// since). A debt of nothing writes nothing, and answers what the
+    /// counter holds (0 where there is none). A store fails rather than hold
     /// a count other than the sum, as [`Store::add`] does.
     ///
     /// The ledger sends a settle that failed again: one that fails, or whose
@@ -628,9 +631,9 @@ pub trait Store: Clone + Send + Sync + 'static {
     /// The default makes it a [`Store::charge`] of one line at `now`, with
     /// the largest limit the store counts exactly ([`Store::max_count`]): it
     /// adds to a live counter and creates a missing one with the debt's
-    /// lifetime and `now` as its first call. A store
-    /// that can do better overrides it; a store that wraps another passes it
-    /// on.
+    /// lifetime, but records `now` as a new first-use counter's first call.
+    /// A store that can do better overrides it; a store that wraps another
+    /// passes it on.
     fn settle_debt(
         &self,
         now: Timestamp,

@@ -372,9 +372,9 @@ pub async fn add_never_creates_nor_moves_a_deadline<S: ConformanceHooks>(store: 
 /// A debt settled after the fact ([`Store::settle_debt`](crate::store::Store::settle_debt))
 /// goes past the limit of a live counter, keeping its deadline and first
 /// call; creates a missing counter with the debt's own lifetime (never a
-/// deadline counted from the settle) and the settle's instant as its first
-/// call (it is made then: no give-back of a charge made before it, to a
-/// counter since reset, lands there); opens the debt's period
+/// deadline counted from the settle) and, for first use, the debt's first
+/// call (for a calendar window, the settle's instant: a counter made then
+/// takes no give-back of a charge made before); opens the debt's period
 /// where the counter before it expired; writes nothing for a debt whose
 /// calendar window or first-use period is over, nor to a first-use counter
 /// opened at or past the debt's deadline; and, for a debt of nothing,
@@ -449,8 +449,8 @@ pub async fn settle_debt_keeps_to_the_debts_period<S: ConformanceHooks>(store: &
     );
     time.assert_near_opt(
         peeked[0].first_call,
-        now,
-        "a counter a settle creates records the settle's instant as its first call",
+        since,
+        "a counter a settle creates records the debt's first call",
     );
     expect_deadline(
         store,
@@ -499,6 +499,16 @@ pub async fn settle_debt_keeps_to_the_debts_period<S: ConformanceHooks>(store: &
         charged.1[0].used, 5,
         "the window's charges count on top of its debt"
     );
+    // Made by the settle, and no earlier (for a store that dates its
+    // counters): a give-back of a charge made before it (to a counter
+    // support reset since) must not land on it.
+    if let Some(first) = charged.1[0].first_call {
+        time.assert_near(
+            first,
+            now,
+            "a calendar counter a settle creates records the settle's instant as its first call",
+        );
+    }
 
     // Periods that are over: nothing written, no period opened.
     let now = time.now();

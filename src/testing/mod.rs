@@ -15,8 +15,8 @@
 //! - [`settle_debt_keeps_to_the_debts_period`]: a settled debt
 //!   ([`Store::settle_debt`]) goes past the limit of a live counter without
 //!   moving its deadline, creates a missing counter with the debt's own
-//!   lifetime and the settle's instant as its first call, and writes
-//!   nothing for a period that is over.
+//!   lifetime (and first call, for first use; the settle's instant, for a
+//!   calendar window), and writes nothing for a period that is over.
 //! - [`exactly_the_limit_under_concurrency`]: many tasks charging one subject
 //!   at once get exactly the limit admitted.
 //! - [`all_or_nothing_across_quotas`]: a request refused on one quota is

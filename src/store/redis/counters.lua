@@ -20,10 +20,11 @@
 --      requests admitted while the store failed owe. ARGV[4] is the
 --      anchor ('f' first use, 'c' calendar), ARGV[5] the ttl (ms) of a
 --      counter created now, ARGV[6] the calendar window's end or the
---      first-use deadline (ms), ARGV[7] the debt's first request (ms), from
---      which a first-use period runs. A created counter records now as its
---      first call: it was made now, and a give-back of a charge made
---      before (of a counter since deleted) never lands there.
+--      first-use deadline (ms), ARGV[7] the debt's first request (ms), the
+--      first call a created first-use counter records (its period runs
+--      from it); a created calendar counter records now (it was made now:
+--      a give-back of a charge made before, to a counter since deleted,
+--      never lands there).
 --      A live counter keeps its TTL and its first call (a first-use one
 --      found without a TTL is healed first, as a charge heals it: dated
 --      again, or deleted when its period is long over). Answers {count,
@@ -703,16 +704,21 @@ if op == 's' then
   if added ~= nil then
     return { added, dated and dated + 0 or -1 }
   end
-  -- A new counter, as a charge creates one: its first call (now), a
-  -- calendar window's end, and its deadline (the debt's), all in this call.
-  local fields = { 'n', amount, 't', now }
+  -- A new counter, as a charge creates one: its first call (the debt's
+  -- for first use, now for a calendar window), a calendar window's end,
+  -- and its deadline, all in this call.
+  local made = first
+  if anchor == 'c' then
+    made = now
+  end
+  local fields = { 'n', amount, 't', made }
   if anchor == 'c' then
     fields[5] = 'e'
     fields[6] = ends
   end
   call('HSET', key, unpack(fields))
   call('PEXPIRE', key, ttl)
-  return { amount + 0, at }
+  return { amount + 0, made + 0 }
 end
 
 if op == 'c' then

@@ -625,8 +625,6 @@ impl RedisStore {
             // The window's end, or the first-use deadline: a counter
             // opened at or past it takes none of the debt.
             .arg(debt.lifetime.end().as_millisecond().max(0))
-            // The debt's first request, from which a first-use period
-            // runs (a counter the settle creates is dated now).
             .arg(debt.since.as_millisecond().max(0));
         let give_back = GiveBack {
             // The count afterwards (-1 when the debt's period is over and
