@@ -613,10 +613,11 @@ pub trait Store: Clone + Send + Sync + 'static {
     /// with `debt.lifetime` (the window's end, or the first-use deadline
     /// computed at the requests' instant, never a later one). A first-use
     /// counter records `debt.since` as its first call, which may open a
-    /// period at a request that fell in an earlier period; a calendar
-    /// counter records `now` (its window is its period; made now, it takes
-    /// no give-back of a charge made before, to a counter support reset
-    /// since). A debt of nothing writes nothing, and answers what the
+    /// period at a request that fell in an earlier period (and a give-back
+    /// of a charge made after that request but before a support reset of
+    /// the key may then land on it); a calendar counter records `now` (its
+    /// window is its period; made now, it takes no give-back of a charge
+    /// made before, to a counter support reset since). A debt of nothing writes nothing, and answers what the
     /// counter holds (0 where there is none). A store fails rather than hold
     /// a count other than the sum, as [`Store::add`] does.
     ///
