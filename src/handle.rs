@@ -542,8 +542,10 @@ impl<St: Store> QuotaHandle<St> {
     /// Gives `subject` a fresh allowance on every quota: the current counters
     /// are deleted (a first-use period restarts at the next call), and so is
     /// what this instance's fail-open ledger owes them (requests made before
-    /// the reset, uncounted yet). Another instance's ledger settles what it
-    /// owes into the fresh counters.
+    /// the reset, uncounted yet), unless the store never got the reset (an
+    /// error that [was never sent](StoreError::is_unsent): the debts are
+    /// settled as before). Another instance's ledger settles what it owes
+    /// into the fresh counters.
     pub async fn reset(&self, subject: &Subject) -> Result<(), StoreError> {
         let quotas = self.quotas();
         self.reset_quotas(&quotas, subject).await.map(drop)
@@ -591,15 +593,40 @@ impl<St: Store> QuotaHandle<St> {
             // What requests of before the reset owe (they passed on a failed
             // charge) goes with their counter, not into the fresh one: no
             // settle of it starts while the reset is on its way, and once
-            // the reset is done it is forgotten (a settle on its way then
-            // lands, before or after the reset, as the store runs them). A
-            // reset that fails forgets nothing: the debts are settled as
-            // before.
+            // the reset may have reached the store it is forgotten (a
+            // settle on its way then lands, before or after the reset, as
+            // the store runs them). A reset the store never sent (it is
+            // away) forgets nothing: the debts are settled as before.
             let _held = self.shared.hold_owed(&line.key);
-            self.shared.store().reset(line.key.clone()).await?;
-            self.shared.forget_owed(&line.key);
+            // Dropped after the hold: it forgets while no settle can start,
+            // also when the reset's future is dropped on its way.
+            let mut forget = ForgetOwed {
+                shared: &*self.shared,
+                key: &line.key,
+                armed: true,
+            };
+            if let Err(error) = self.shared.store().reset(line.key.clone()).await {
+                forget.armed = !error.is_unsent();
+                return Err(error);
+            }
         }
         Ok(())
+    }
+}
+
+/// Forgets what the policy's ledger owes the counter at `key` when dropped,
+/// unless disarmed: the reset of the counter may have reached the store.
+struct ForgetOwed<'a, St> {
+    shared: &'a dyn PolicyView<St>,
+    key: &'a crate::key::PeriodKey,
+    armed: bool,
+}
+
+impl<St> Drop for ForgetOwed<'_, St> {
+    fn drop(&mut self) {
+        if self.armed {
+            self.shared.forget_owed(self.key);
+        }
     }
 }
 

@@ -735,7 +735,9 @@ async fn a_support_reset_forgets_what_the_caller_owed() {
 
 /// A memory store whose calls fail or hang while told so: charges fail
 /// (`failing`); settles hang a second and time out (`slow`), never answer
-/// (`holding`), or fail at once (`away`); resets fail (`resets_fail`).
+/// (`holding`), or fail at once (`away`); resets are never sent
+/// (`resets_fail`), applied and answered as timed out (`resets_late`), or
+/// applied and answered a second later (`resets_slow`).
 #[derive(Clone, Default)]
 struct Gate {
     inner: MemoryStore,
@@ -744,6 +746,8 @@ struct Gate {
     holding: Arc<AtomicBool>,
     away: Arc<AtomicBool>,
     resets_fail: Arc<AtomicBool>,
+    resets_late: Arc<AtomicBool>,
+    resets_slow: Arc<AtomicBool>,
 }
 
 fn unavailable(what: &'static str) -> StoreError {
@@ -790,12 +794,25 @@ impl Store for Gate {
     }
     fn reset(&self, key: PeriodKey) -> impl Future<Output = Result<bool, StoreError>> + Send {
         let fail = self.resets_fail.load(Ordering::SeqCst);
+        let late = self.resets_late.load(Ordering::SeqCst);
+        let slow = self.resets_slow.load(Ordering::SeqCst);
         let inner = self.inner.clone();
         async move {
             if fail {
-                return Err(unavailable("away"));
+                // Away: never sent.
+                return Err(unavailable("away").unsent());
             }
-            inner.reset(key).await
+            let done = inner.reset(key).await;
+            if late {
+                // Applied, but answered too late (as a Redis reset past the
+                // store's timeout, followed to its end).
+                return Err(StoreError::new(StoreErrorKind::Timeout, "late"));
+            }
+            if slow {
+                // Applied, and answered a second later.
+                tokio::time::sleep(Duration::from_secs(1)).await;
+            }
+            done
         }
     }
     fn settle_debt(
@@ -889,6 +906,69 @@ async fn a_failed_reset_forgets_nothing_the_ledger_owes() {
     }
     assert_eq!(policy.settle_owed(Duration::from_secs(10)).await.units, 0);
     assert_eq!(used(&policy, "acme", "default-day").await, 3);
+}
+
+/// A reset the store applied but answered too late (a timeout, not a call
+/// never sent) forgets what the ledger owed the counter, as one answered
+/// in time: the debts of before it do not land in the fresh counter.
+#[tokio::test(start_paused = true)]
+async fn a_reset_applied_but_answered_late_forgets_what_was_owed() {
+    let clock = clock();
+    let store = Gate::default();
+    store.failing.store(true, Ordering::SeqCst);
+    store.away.store(true, Ordering::SeqCst);
+    let policy = policy(store.clone(), &clock).build();
+    let app = Router::new()
+        .route("/", get(|| async { "ok" }))
+        .layer(policy.layer(Quota::daily(100)));
+    for _ in 0..3 {
+        assert_eq!(send(&app, call("/", "acme")).await, StatusCode::OK);
+    }
+    assert_eq!(policy.owed().units, 3);
+    store.resets_late.store(true, Ordering::SeqCst);
+    let reset = policy.handle().reset(&Subject::account("acme")).await;
+    assert!(reset.is_err());
+    for flag in [&store.resets_late, &store.away, &store.failing] {
+        flag.store(false, Ordering::SeqCst);
+    }
+    assert_eq!(policy.settle_owed(Duration::from_secs(10)).await.units, 0);
+    assert_eq!(
+        used(&policy, "acme", "default-day").await,
+        0,
+        "the counter was reset: what was owed before it is not counted in the fresh one"
+    );
+}
+
+/// No settle starts while a reset is on its way (the counter deleted, its
+/// answer not yet in): the debts of before it would land in the fresh
+/// counter.
+#[tokio::test(start_paused = true)]
+async fn no_settle_starts_while_a_reset_is_on_its_way() {
+    let clock = clock();
+    let store = Gate::default();
+    store.failing.store(true, Ordering::SeqCst);
+    store.away.store(true, Ordering::SeqCst);
+    let policy = policy(store.clone(), &clock).build();
+    let app = Router::new()
+        .route("/", get(|| async { "ok" }))
+        .layer(policy.layer(Quota::daily(100)));
+    for _ in 0..3 {
+        assert_eq!(send(&app, call("/", "acme")).await, StatusCode::OK);
+    }
+    assert_eq!(policy.owed().units, 3);
+    store.resets_slow.store(true, Ordering::SeqCst);
+    let handle = policy.handle();
+    let subject = Subject::account("acme");
+    // The store comes back while the reset is on its way.
+    let (reset, ()) = tokio::join!(handle.reset(&subject), async {
+        tokio::time::sleep(Duration::from_millis(10)).await;
+        store.away.store(false, Ordering::SeqCst);
+        store.failing.store(false, Ordering::SeqCst);
+    });
+    reset.unwrap();
+    store.resets_slow.store(false, Ordering::SeqCst);
+    assert_eq!(policy.settle_owed(Duration::from_secs(10)).await.units, 0);
+    assert_eq!(used(&policy, "acme", "default-day").await, 0);
 }
 
 /// A support reset while the ledger's settle is on its way, whose runtime
