@@ -877,15 +877,13 @@ async fn a_support_reset_during_a_settle_that_fails_forgets_it_too() {
     assert_eq!(used(&policy, "acme", "default-day").await, 0, "afresh");
 }
 
-/// A support reset that fails (the store is away, as it is while the
-/// ledger owes) changes nothing: what the ledger owes is still settled.
-#[tokio::test(start_paused = true)]
-async fn a_failed_reset_forgets_nothing_the_ledger_owes() {
-    let clock = clock();
+/// A policy on a `Gate` store that is away (charges and settles fail),
+/// whose ledger owes three requests of `acme` on a daily quota of 100.
+async fn owing_three() -> (Gate, QuotaPolicy<FromHeader, Gate>) {
     let store = Gate::default();
     store.failing.store(true, Ordering::SeqCst);
     store.away.store(true, Ordering::SeqCst);
-    let policy = policy(store.clone(), &clock).build();
+    let policy = policy(store.clone(), &clock()).build();
     let app = Router::new()
         .route("/", get(|| async { "ok" }))
         .layer(policy.layer(Quota::daily(100)));
@@ -893,6 +891,14 @@ async fn a_failed_reset_forgets_nothing_the_ledger_owes() {
         assert_eq!(send(&app, call("/", "acme")).await, StatusCode::OK);
     }
     assert_eq!(policy.owed().units, 3);
+    (store, policy)
+}
+
+/// A support reset that fails (the store is away, as it is while the
+/// ledger owes) changes nothing: what the ledger owes is still settled.
+#[tokio::test(start_paused = true)]
+async fn a_failed_reset_forgets_nothing_the_ledger_owes() {
+    let (store, policy) = owing_three().await;
     store.resets_fail.store(true, Ordering::SeqCst);
     let reset = policy.handle().reset(&Subject::account("acme")).await;
     assert!(reset.is_err());
@@ -913,18 +919,7 @@ async fn a_failed_reset_forgets_nothing_the_ledger_owes() {
 /// in time: the debts of before it do not land in the fresh counter.
 #[tokio::test(start_paused = true)]
 async fn a_reset_applied_but_answered_late_forgets_what_was_owed() {
-    let clock = clock();
-    let store = Gate::default();
-    store.failing.store(true, Ordering::SeqCst);
-    store.away.store(true, Ordering::SeqCst);
-    let policy = policy(store.clone(), &clock).build();
-    let app = Router::new()
-        .route("/", get(|| async { "ok" }))
-        .layer(policy.layer(Quota::daily(100)));
-    for _ in 0..3 {
-        assert_eq!(send(&app, call("/", "acme")).await, StatusCode::OK);
-    }
-    assert_eq!(policy.owed().units, 3);
+    let (store, policy) = owing_three().await;
     store.resets_late.store(true, Ordering::SeqCst);
     let reset = policy.handle().reset(&Subject::account("acme")).await;
     assert!(reset.is_err());
@@ -944,18 +939,7 @@ async fn a_reset_applied_but_answered_late_forgets_what_was_owed() {
 /// counter.
 #[tokio::test(start_paused = true)]
 async fn no_settle_starts_while_a_reset_is_on_its_way() {
-    let clock = clock();
-    let store = Gate::default();
-    store.failing.store(true, Ordering::SeqCst);
-    store.away.store(true, Ordering::SeqCst);
-    let policy = policy(store.clone(), &clock).build();
-    let app = Router::new()
-        .route("/", get(|| async { "ok" }))
-        .layer(policy.layer(Quota::daily(100)));
-    for _ in 0..3 {
-        assert_eq!(send(&app, call("/", "acme")).await, StatusCode::OK);
-    }
-    assert_eq!(policy.owed().units, 3);
+    let (store, policy) = owing_three().await;
     store.resets_slow.store(true, Ordering::SeqCst);
     let handle = policy.handle();
     let subject = Subject::account("acme");
