@@ -362,8 +362,8 @@ impl Ledger {
     /// Holds back the settles of what is owed to the counters at `key`
     /// while support resets them, until the guard is dropped: a settle that
     /// started meanwhile could land in the fresh counter. The reset then
-    /// [forgets](Ledger::forget) what is owed, or, if it failed, the debts
-    /// are settled as before.
+    /// [forgets](Ledger::forget) what is owed, unless the store never got
+    /// it: then the debts are settled as before.
     pub(crate) fn hold(self: &Arc<Self>, key: &PeriodKey) -> Hold {
         *self.lock().held.entry(key.clone()).or_insert(0) += 1;
         Hold {
@@ -613,9 +613,11 @@ impl Book {
         self.owed.get_mut(key)?.iter_mut().find(|e| e.id == id)
     }
 
-    /// The next debt to settle at `now`: the oldest entry, once the entries
-    /// before it whose period is over are dropped. With none, the task that
-    /// asks ends.
+    /// The next debt to settle at `now`: the oldest entry of a counter
+    /// support is not resetting, once the entries before it whose period is
+    /// over are dropped. With none, the task waits while entries of
+    /// counters being reset remain ([`Next::Held`]), and ends when nothing
+    /// is owed.
     fn next(&mut self, now: Timestamp) -> Next {
         loop {
             // The oldest entry of a counter support is not resetting.

@@ -1056,9 +1056,9 @@ impl Store for MemoryStore {
 
 impl MemoryStore {
     /// [`Store::settle_debt`]: adds to the live counter at the debt's key,
-    /// or creates it with the debt's lifetime (see [`settled_first_call`]
-    /// for its first call), making room
-    /// as a charge does; nothing when the debt's lifetime ended by `now`.
+    /// or creates it with the debt's lifetime (and the first call
+    /// [`settled_first_call`] gives), making room as a charge does;
+    /// nothing when the debt's lifetime ended by `now`.
     fn settle_now(&self, now: Timestamp, debt: &Debt) -> Result<Option<u64>, StoreError> {
         if debt.lifetime.end() <= now {
             return Ok(None);

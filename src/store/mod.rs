@@ -600,26 +600,26 @@ pub trait Store: Clone + Send + Sync + 'static {
     /// deadline): then nothing is written, so a debt is never charged to a
     /// period after its own.
     ///
-    /// A live counter keeps its deadline (and its first call), and takes the
-    /// debt whatever period it counts: a first-use key names no period, so a
-    /// debt whose requests fell in an earlier period (one that has ended, or
-    /// that the store never held) goes to a period opened after them, by a
-    /// charge made once the store answered; never to one opened at or past
-    /// the debt's deadline: a settle then writes nothing and answers
-    /// `None`, whether the deadline has passed by `now` or a charge with a
-    /// later instant (another instance's clock ahead) opened the counter
-    /// found live. Where there
-    /// is none, the settle creates it as the requests' charges would have:
-    /// with `debt.lifetime` (the window's end, or the first-use deadline
-    /// computed at the requests' instant, never a later one). A first-use
-    /// counter records `debt.since` as its first call, which may open a
-    /// period at a request that fell in an earlier period (and a give-back
-    /// of a charge made after that request but before a support reset of
-    /// the key may then land on it); a calendar counter records `now` (its
-    /// window is its period; made now, it takes no give-back of a charge
-    /// made before, to a counter support reset since). A debt of nothing writes nothing, and answers what the
-    /// counter holds (0 where there is none). A store fails rather than hold
-    /// a count other than the sum, as [`Store::add`] does.
+    /// A live counter keeps its deadline (and its first call), and takes
+    /// the debt whatever period it counts: a first-use key names no period,
+    /// so a debt whose requests fell in an earlier period (one that has
+    /// ended, or that the store never held) goes to a period opened after
+    /// them, by a charge made once the store answered; never to one opened
+    /// at or past the debt's deadline: a settle then writes nothing and
+    /// answers `None`, whether the deadline has passed by `now` or a charge
+    /// with a later instant (another instance's clock ahead) opened the
+    /// counter found live. Where there is none, the settle creates it as
+    /// the requests' charges would have: with `debt.lifetime` (the window's
+    /// end, or the first-use deadline computed at the requests' instant,
+    /// never a later one). A first-use counter records `debt.since` as its
+    /// first call, which may open a period at a request that fell in an
+    /// earlier period (and a give-back of a charge made after that request
+    /// but before a support reset of the key may then land on it); a
+    /// calendar counter records `now` (its window is its period; made now,
+    /// it takes no give-back of a charge made before, to a counter support
+    /// reset since). A debt of nothing writes nothing, and answers what the
+    /// counter holds (0 where there is none). A store fails rather than
+    /// hold a count other than the sum, as [`Store::add`] does.
     ///
     /// The ledger sends a settle that failed again: one that fails, or whose
     /// future is dropped before it answers, must leave nothing added once the

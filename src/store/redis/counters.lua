@@ -707,14 +707,12 @@ if op == 's' then
   -- A new counter, as a charge creates one: its first call (the debt's
   -- for first use, now for a calendar window), a calendar window's end,
   -- and its deadline, all in this call.
-  local made = first
+  local made, fields = first, nil
   if anchor == 'c' then
     made = now
-  end
-  local fields = { 'n', amount, 't', made }
-  if anchor == 'c' then
-    fields[5] = 'e'
-    fields[6] = ends
+    fields = { 'n', amount, 't', made, 'e', ends }
+  else
+    fields = { 'n', amount, 't', made }
   end
   call('HSET', key, unpack(fields))
   call('PEXPIRE', key, ttl)
