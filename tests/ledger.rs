@@ -792,6 +792,15 @@ impl Store for Gate {
     ) -> Result<Option<u64>, StoreError> {
         self.inner.add(now, key, amount).await
     }
+    async fn add_made_by(
+        &self,
+        now: Timestamp,
+        key: PeriodKey,
+        amount: u64,
+        made_by: Timestamp,
+    ) -> Result<Option<u64>, StoreError> {
+        self.inner.add_made_by(now, key, amount, made_by).await
+    }
     fn reset(&self, key: PeriodKey) -> impl Future<Output = Result<bool, StoreError>> + Send {
         let fail = self.resets_fail.load(Ordering::SeqCst);
         let late = self.resets_late.load(Ordering::SeqCst);
@@ -932,6 +941,25 @@ async fn a_reset_applied_but_answered_late_forgets_what_was_owed() {
         0,
         "the counter was reset: what was owed before it is not counted in the fresh one"
     );
+}
+
+/// A reset whose future is dropped once the store applied it (support's
+/// client gone before the answer) forgets what the ledger owed the
+/// counter, as one answered: the debts of before it do not land in the
+/// fresh counter.
+#[tokio::test(start_paused = true)]
+async fn a_reset_dropped_on_its_way_forgets_what_was_owed() {
+    let (store, policy) = owing_three().await;
+    store.resets_slow.store(true, Ordering::SeqCst);
+    let handle = policy.handle();
+    let subject = Subject::account("acme");
+    let dropped = tokio::time::timeout(Duration::from_millis(10), handle.reset(&subject)).await;
+    assert!(dropped.is_err(), "dropped before its answer");
+    for flag in [&store.resets_slow, &store.away, &store.failing] {
+        flag.store(false, Ordering::SeqCst);
+    }
+    assert_eq!(policy.settle_owed(Duration::from_secs(10)).await.units, 0);
+    assert_eq!(used(&policy, "acme", "default-day").await, 0);
 }
 
 /// No settle starts while a reset is on its way (the counter deleted, its
