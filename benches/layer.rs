@@ -32,26 +32,22 @@
 //! thread.
 
 use std::convert::Infallible;
-use std::future::Future;
 use std::hint::black_box;
-use std::pin::Pin;
 use std::sync::Arc;
-use std::task::{ready, Context, Poll};
 use std::time::{Duration, Instant};
 
 use criterion::{criterion_group, criterion_main, Criterion};
-use http::{HeaderName, HeaderValue, Request, Response, StatusCode};
+use http::{HeaderValue, Request, Response, StatusCode};
 use tokio::runtime::Runtime;
 use tower::{service_fn, Layer, Service, ServiceExt};
 use tower_quota::{FromHeader, QuotaLayer};
 
 #[path = "../examples/shared/floor.rs"]
 mod floor;
+#[path = "../examples/shared/floor_layer.rs"]
+mod floor_layer;
 
-const HEADER: &str = "x-account-id";
-
-/// More than the benchmark ever spends on one subject.
-const LIMIT: u64 = 1 << 40;
+use floor_layer::{Floor, HEADER, LIMIT, POLICY, RATELIMIT, RATELIMIT_POLICY};
 
 async fn trivial(_: Request<()>) -> Result<Response<String>, Infallible> {
     Ok(Response::new(String::new()))
@@ -77,10 +73,6 @@ impl tower_governor::key_extractor::KeyExtractor for SubjectHeader {
     }
 }
 
-static RATELIMIT: HeaderName = HeaderName::from_static("ratelimit");
-static RATELIMIT_POLICY: HeaderName = HeaderName::from_static("ratelimit-policy");
-const POLICY: HeaderValue = HeaderValue::from_static("\"default\";q=1099511627776;w=86400");
-
 /// `trivial`, answering with the two fields a quota layer writes.
 async fn with_fields(request: Request<()>) -> Result<Response<String>, Infallible> {
     let mut response = Response::new(String::new());
@@ -94,69 +86,6 @@ async fn with_fields(request: Request<()>) -> Result<Response<String>, Infallibl
     headers.insert(RATELIMIT_POLICY.clone(), POLICY);
     headers.insert(RATELIMIT.clone(), value);
     Ok(response)
-}
-
-/// The least a quota layer does per request, written by hand around
-/// `trivial`: read the subject, build its counter's key (on the stack),
-/// count it in a map under a lock, put where the subject stands in the
-/// request's extensions for the handler, and write the two fields into
-/// the response (`examples/shared/floor.rs`, which the `fields_floor`
-/// example serves too). No plans, zones, refunds, nested layers or
-/// policies: a floor under any layer that counts and tells.
-#[derive(Clone)]
-struct Floor<S> {
-    inner: S,
-    counts: Arc<floor::Counts>,
-}
-
-impl<S> Service<Request<()>> for Floor<S>
-where
-    S: Service<Request<()>, Response = Response<String>, Error = Infallible>,
-{
-    type Response = Response<String>;
-    type Error = Infallible;
-    type Future = FloorFuture<S::Future>;
-
-    fn poll_ready(&mut self, cx: &mut Context<'_>) -> Poll<Result<(), Infallible>> {
-        self.inner.poll_ready(cx)
-    }
-
-    fn call(&mut self, mut request: Request<()>) -> Self::Future {
-        let id = request.headers().get(HEADER).expect("a subject");
-        let standing = floor::count(&self.counts, id.as_bytes()).expect("a short id");
-        request.extensions_mut().insert(standing);
-        FloorFuture {
-            inner: self.inner.call(request),
-            remaining: LIMIT - standing.used,
-            resets_in: standing.resets_in,
-        }
-    }
-}
-
-pin_project_lite::pin_project! {
-    struct FloorFuture<F> {
-        #[pin]
-        inner: F,
-        remaining: u64,
-        resets_in: u64,
-    }
-}
-
-impl<F> Future for FloorFuture<F>
-where
-    F: Future<Output = Result<Response<String>, Infallible>>,
-{
-    type Output = F::Output;
-
-    fn poll(self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<Self::Output> {
-        let this = self.project();
-        let mut response = ready!(this.inner.poll(cx))?;
-        let value = floor::ratelimit_value(*this.remaining, *this.resets_in);
-        let headers = response.headers_mut();
-        headers.insert(RATELIMIT_POLICY.clone(), POLICY);
-        headers.insert(RATELIMIT.clone(), value);
-        Poll::Ready(Ok(response))
-    }
 }
 
 /// Requests naming the subjects in turn, from where the last batch stopped.
@@ -224,10 +153,7 @@ fn layer(c: &mut Criterion) {
     });
 
     for (count, name) in [(1, "1 subject"), (100_000, "100000 subjects")] {
-        let mut floor = Floor {
-            inner: service_fn(trivial),
-            counts: Arc::default(),
-        };
+        let mut floor = Floor::new(service_fn(trivial));
         let mut subjects = Subjects::new(count);
         drive(&runtime, &mut floor, &mut subjects, count as u64);
         group.bench_function(format!("floor of a quota layer, {name}"), |b| {

@@ -5,9 +5,11 @@
 //! request counts, so that start-up and exit cancel out and what remains is
 //! the instructions of one request.
 //!
-//! `layer_instructions <bare|layer> <requests> [subjects]`: each request
-//! is built with the `x-account-id` header of one of `subjects` (default 1)
-//! in turn, as `benches/layer.rs` builds them.
+//! `layer_instructions <bare|layer|floor> <requests> [subjects]`: each
+//! request is built with the `x-account-id` header of one of `subjects`
+//! (default 1) in turn, as `benches/layer.rs` builds them. `floor` is the
+//! floor of a quota layer of that bench, written by hand
+//! (`shared/floor_layer.rs`): what any layer that counts and tells spends.
 
 use std::convert::Infallible;
 
@@ -15,12 +17,17 @@ use http::{HeaderValue, Request, Response};
 use tower::{service_fn, Layer, Service, ServiceExt};
 use tower_quota::{FromHeader, QuotaLayer};
 
+#[path = "shared/floor.rs"]
+mod floor;
+#[path = "shared/floor_layer.rs"]
+mod floor_layer;
+
 async fn trivial(_: Request<()>) -> Result<Response<String>, Infallible> {
     Ok(Response::new(String::new()))
 }
 
 fn usage() -> ! {
-    eprintln!("usage: layer_instructions <bare|layer> <requests> [subjects]");
+    eprintln!("usage: layer_instructions <bare|layer|floor> <requests> [subjects]");
     std::process::exit(2)
 }
 
@@ -63,6 +70,7 @@ fn main() {
                 let layer = QuotaLayer::daily(1 << 40, FromHeader::account("x-account-id"));
                 send(layer.layer(service_fn(trivial)), requests, &ids).await
             }
+            "floor" => send(floor_layer::Floor::new(service_fn(trivial)), requests, &ids).await,
             _ => usage(),
         }
     });

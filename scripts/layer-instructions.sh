@@ -1,6 +1,8 @@
 #!/usr/bin/env bash
-# Instructions per request through `QuotaLayer::daily` and through the bare
-# service it wraps, counted by valgrind's callgrind: a figure that does not
+# Instructions per request through `QuotaLayer::daily`, through the bare
+# service it wraps, and through the floor of a quota layer written by hand
+# around that service (`examples/shared/floor_layer.rs`, as in `cargo bench
+# --bench layer`), counted by valgrind's callgrind: a figure that does not
 # move with the machine's noise, unlike the times of `cargo bench --bench
 # layer`, so that two builds compare within a fraction of a percent.
 #
@@ -34,7 +36,7 @@ count() { # mode requests
     echo "$refs"
 }
 
-for mode in bare layer; do
+for mode in bare floor layer; do
     low=$(count "$mode" 20000)
     high=$(count "$mode" 60000)
     echo "$mode, $subjects subject(s): $(((high - low) / 40000)) instructions per request"
