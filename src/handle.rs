@@ -146,12 +146,13 @@ impl<St> QuotaHandle<St> {
     ///
     /// # Panics
     ///
-    /// When `zone` has neither an IANA name nor a fixed offset.
+    /// When `zone` is neither a zone of the IANA list (with a primary name)
+    /// nor a fixed offset: no layer counts a caller in it.
     #[must_use]
     pub fn in_zone(&self, zone: TimeZone) -> Self {
         assert!(
             crate::period::is_nameable(&zone),
-            "a caller's time zone needs an IANA name or a fixed offset, got {zone:?}"
+            "a caller's time zone is a zone of the IANA list or a fixed offset, got {zone:?}"
         );
         Self {
             zone: Some(zone),

@@ -228,6 +228,14 @@ async fn an_unknown_or_malformed_zone_is_a_400_and_charges_nothing() {
         "../../etc/passwd",
         "",
         "Europe/Berlin\u{0}",
+        // Files of the system's zone database that are no zone of the IANA
+        // list: their rules differ from host to host (`localtime` is each
+        // host's own zone), so instances sharing a store would count
+        // different days under one name.
+        "localtime",
+        "posixrules",
+        "posix/Asia/Tokyo",
+        "right/Asia/Tokyo",
     ] {
         let mut request = Request::get("/").header("x-account-id", "acme");
         if let Ok(value) = http::HeaderValue::from_str(zone) {
@@ -415,6 +423,26 @@ async fn the_support_router_sees_and_resets_a_callers_day_in_their_zone() {
         send(&app, "tokyo-co", Some("Asia/Tokyo")).await.status(),
         StatusCode::OK
     );
+
+    // A zone the layer refuses is refused here too: its counters are ones
+    // no layer writes.
+    for zone in ["localtime", "posixrules", "right/Asia/Tokyo", "Mars/Base"] {
+        for (method, path) in [
+            ("GET", "/admin/quota/account/tokyo-co"),
+            ("POST", "/admin/reset/account/tokyo-co/default"),
+        ] {
+            let refused = admin
+                .clone()
+                .oneshot(call(method, &format!("{path}?zone={zone}")))
+                .await
+                .unwrap();
+            assert_eq!(refused.status(), StatusCode::BAD_REQUEST, "{method} {zone}");
+            assert_eq!(
+                refused.headers()["content-type"],
+                "application/problem+json"
+            );
+        }
+    }
 }
 
 /// A minute is the same instants in every zone (and an hour in every zone

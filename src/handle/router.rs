@@ -157,7 +157,7 @@ fn zoned<St>(handle: &QuotaHandle<St>, query: Option<&str>) -> Result<QuotaHandl
         ));
     }
     match jiff::tz::TimeZone::get(&name) {
-        Ok(zone) if zone.iana_name().is_some() => Ok(handle.in_zone(zone)),
+        Ok(zone) if crate::period::is_nameable(&zone) => Ok(handle.in_zone(zone)),
         _ => Err(problem(
             StatusCode::BAD_REQUEST,
             "?zone= names an IANA time zone, e.g. Europe/Berlin",

@@ -612,10 +612,14 @@ fn length_name(seconds: i64) -> String {
     }
 }
 
-/// Whether `tz` can name calendar windows in counter keys: it has an IANA
-/// name or a fixed offset (a bare POSIX TZ string has neither).
+/// Whether `tz` can be a caller's zone, naming calendar windows in counter
+/// keys: a zone of the IANA list (it has a primary name) or a fixed offset.
+/// A bare POSIX TZ string has neither; nor has a file of the system's zone
+/// database that is no zone of the list (`localtime`, `posixrules`,
+/// `right/…`), whose rules differ from host to host, so that instances
+/// sharing a store would count different windows under one name.
 pub(crate) fn is_nameable(tz: &TimeZone) -> bool {
-    tz.iana_name().is_some() || tz.to_fixed_offset().is_ok()
+    tz.primary_iana_name().is_some() || tz.to_fixed_offset().is_ok()
 }
 
 /// The name that tells `tz` apart in keys: its primary IANA name, which its

@@ -608,8 +608,12 @@ impl<E, St> QuotaPolicyBuilder<E, St> {
     /// caller's (a first-use month ends on the same day and time of the
     /// month in the quota's own zone).
     ///
-    /// The zone must have an IANA name or a fixed offset (it names the
-    /// calendar window in the counter's key); any other is refused with 400.
+    /// The zone must be one of the IANA list (it has a primary name: its
+    /// aliases count as it) or a fixed offset, as it names the calendar
+    /// window in the counter's key; any other is refused with 400: a POSIX
+    /// TZ string, or a file of the system's zone database that is no zone of
+    /// the list (`localtime`, `posixrules`), whose rules differ from host to
+    /// host.
     ///
     /// Each zone counts on counters of its own, so read the zone from what
     /// the caller cannot change at will (its account's settings, set by an

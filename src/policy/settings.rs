@@ -148,7 +148,7 @@ impl Settings {
             None | Some(Ok(None)) => Ok(None),
             Some(Ok(Some(zone))) if crate::period::is_nameable(&zone) => Ok(Some(zone)),
             Some(Ok(Some(_))) => Err(InvalidRequest::new(
-                "The time zone has neither an IANA name nor a fixed offset.",
+                "The time zone is neither a zone of the IANA list nor a fixed offset.",
             )),
             Some(Err(error)) => Err(error),
         }
