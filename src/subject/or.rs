@@ -40,16 +40,18 @@ where
     }
 
     /// As the extractor that answers subjects of `kind` names them: the
-    /// first, unless only the second tells it answers that kind, or the
-    /// first could never charge `id` (it refuses it as malformed) and the
-    /// second answers that kind too (a header's id that is not text,
-    /// behind an extension's).
+    /// first, unless it tells it never answers that kind, or it could never
+    /// charge `id` (it refuses it as malformed) and the second may answer
+    /// that kind (a header's id that is not text, behind an extension's).
+    /// An extractor that does not tell its kinds (a closure's) may answer
+    /// any.
     fn subject_named(&self, kind: &SubjectKind, id: &[u8]) -> Result<Subject, SubjectError> {
-        let answers = |kinds: Option<Vec<SubjectKind>>| kinds.is_some_and(|k| k.contains(kind));
-        let second = answers(self.second.kinds());
-        if !answers(self.first.kinds()) && second {
+        let may_answer =
+            |kinds: Option<Vec<SubjectKind>>| kinds.is_none_or(|kinds| kinds.contains(kind));
+        if !may_answer(self.first.kinds()) {
             return self.second.subject_named(kind, id);
         }
+        let second = may_answer(self.second.kinds());
         match self.first.subject_named(kind, id) {
             Err(SubjectError::Malformed(_)) if second => self.second.subject_named(kind, id),
             answer => answer,
@@ -104,6 +106,37 @@ mod tests {
             header_first.subject_named(&kind, b" ac\xffme"),
             Err(SubjectError::Malformed(_))
         ));
+    }
+
+    /// A closure tells no kinds: it may answer any, and charge ids the other
+    /// extractor would refuse, which support then reaches too.
+    #[test]
+    fn a_closure_that_tells_no_kinds_may_answer_any() {
+        let token = from_fn(|_: &Parts| Ok(Subject::account(" acme")));
+        let kind = SubjectKind::ACCOUNT;
+        let closure_first = token.clone().or(FromHeader::account("x-account-id"));
+        assert_eq!(
+            closure_first.subject_named(&kind, b" acme"),
+            Ok(Subject::account(" acme"))
+        );
+        assert_eq!(
+            closure_first.subject_named(&kind, b"a\x01b"),
+            Ok(Subject::account(&b"a\x01b"[..]))
+        );
+        // Behind a header the closure's ids are reached too, once the
+        // header refuses them.
+        let header_first = FromHeader::account("x-account-id").or(token.clone());
+        assert_eq!(
+            header_first.subject_named(&kind, b" acme"),
+            Ok(Subject::account(" acme"))
+        );
+        // A kind the header never answers is the closure's.
+        let user = SubjectKind::USER;
+        assert_eq!(
+            header_first.subject_named(&user, b"u"),
+            Ok(Subject::user("u"))
+        );
+        assert_eq!(closure_first.kinds(), None);
     }
 
     fn parts(headers: &[(&str, &str)]) -> Parts {
