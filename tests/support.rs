@@ -311,6 +311,27 @@ async fn support_reads_plans_as_the_layers_do() {
     }
     let refused = send(&admin, Method::GET, "/admin/quota/account/acme?plan=gold").await;
     assert_eq!(refused.status(), StatusCode::FORBIDDEN);
+    // A query as forms and `URLSearchParams` write it: `+` is a space, and
+    // a name may be percent-encoded too.
+    let spaced = QuotaPolicy::builder(FromHeader::account("x-account-id"))
+        .plan(|parts| Some(parts.headers.get("x-plan")?.to_str().ok()?.to_owned()))
+        .on_unknown_plan(tower_quota::UnknownPlan::Reject)
+        .build();
+    let _layer = spaced.layer(Quota::daily(10).plan("pro plus", 100).allowance("read"));
+    let spaced_admin = Router::new().nest("/admin", spaced.handle().router());
+    for uri in [
+        "/admin/quota/account/acme?plan=pro%20plus",
+        "/admin/quota/account/acme?plan=pro+plus",
+        "/admin/quota/account/acme?%70lan=pro+plus",
+    ] {
+        let response = send(&spaced_admin, Method::GET, uri).await;
+        assert_eq!(response.status(), StatusCode::OK, "{uri}");
+        let body = axum::body::to_bytes(response.into_body(), 1 << 16)
+            .await
+            .unwrap();
+        let body: serde_json::Value = serde_json::from_slice(&body).unwrap();
+        assert_eq!(limit(&body), 100, "{uri}");
+    }
     assert!(problem(refused).await["detail"]
         .as_str()
         .unwrap()

@@ -396,16 +396,13 @@ fn unavailable(error: &crate::store::StoreError) -> Response {
     response
 }
 
-/// The value of `name` in a query string, percent-decoded.
+/// The value of `name` in a query string, decoded as forms and
+/// `URLSearchParams` encode it (`+` is a space, names and values
+/// percent-encoded).
 fn param(query: Option<&str>, name: &str) -> Option<String> {
-    query?.split('&').find_map(|pair| {
-        let (key, value) = pair.split_once('=')?;
-        (key == name).then(|| {
-            percent_encoding::percent_decode_str(value)
-                .decode_utf8_lossy()
-                .into_owned()
-        })
-    })
+    form_urlencoded::parse(query?.as_bytes())
+        .find(|(key, _)| key == name)
+        .map(|(_, value)| value.into_owned())
 }
 
 fn problem(status: StatusCode, detail: &str) -> Response {
