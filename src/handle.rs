@@ -206,12 +206,20 @@ impl<St> QuotaHandle<St> {
     /// # Errors
     ///
     /// When no request could be charged as `id` (empty, too long, not an
-    /// address for `ClientIp`).
+    /// address for `ClientIp`), or as a subject of `kind` (the extractor
+    /// tells its kinds, and `kind` is not one of them).
     pub fn subject(
         &self,
         kind: &SubjectKind,
         id: impl AsRef<[u8]>,
     ) -> Result<Subject, SubjectError> {
+        if let Some(kinds) = self.subject_kinds() {
+            if !kinds.contains(kind) {
+                return Err(SubjectError::Malformed(
+                    format!("the policy charges no subject of kind {kind}").into(),
+                ));
+            }
+        }
         self.shared
             .subject_named(kind, id.as_ref())?
             .checked(self.settings().max_subject_len)

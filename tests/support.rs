@@ -605,6 +605,18 @@ async fn support_calls_reach_the_counter_a_client_ip_is_charged_to() {
         .await;
         assert_eq!(reset.status(), StatusCode::OK, "{named}");
     }
+    // The handle names only subjects of kinds its extractor charges.
+    let handle = policy.handle();
+    assert_eq!(
+        handle
+            .subject(&tower_quota::SubjectKind::IP, "2001:db8:1:2::9")
+            .map(|s| s.id().to_vec()),
+        Ok(b"2001:db8:1:2::/64".to_vec())
+    );
+    assert!(matches!(
+        handle.subject(&tower_quota::SubjectKind::ACCOUNT, "2001:db8:1:2::9"),
+        Err(tower_quota::SubjectError::Malformed(_))
+    ));
     for named in ["2001:db8::%2F48", "203.0.0.0%2F16", "not-an-address", "%00"] {
         for (method, uri) in [
             (Method::GET, format!("/admin/quota/ip/{named}")),
