@@ -233,6 +233,15 @@ impl Quota {
     /// before it is enforced. A request over a shadow quota's limit is
     /// logged at info level, a few times per second at most.
     ///
+    /// Nor does a layer whose quotas are all shadow quotas refuse for any
+    /// other reason: when the store fails, even under
+    /// [`OnStoreError::FailClosed`](crate::OnStoreError::FailClosed), the
+    /// request passes and owes its charge to the policy's ledger, as under
+    /// fail open; a request it cannot charge (no usable subject, an unknown
+    /// plan, a cost or zone it cannot read) passes it uncounted. The
+    /// policy's enforced layers still decide for themselves, and refuse
+    /// what they refuse.
+    ///
     /// It counts what was served: every request, those over its limit
     /// too. Enforced, it would not have counted those, so where requests
     /// cost alike the shadow refusals are the refusals enforcing it would

@@ -1056,6 +1056,144 @@ async fn a_store_that_never_answers_is_bounded_by_the_timeout() {
     assert_eq!(get_as(&open, "/", "acme").await.status, StatusCode::OK);
 }
 
+/// A layer of shadow quotas never refuses, not even when the store fails
+/// under fail closed: the request passes, owing its charge to the ledger.
+/// The policy's enforced layers still refuse when the store fails.
+#[tokio::test]
+async fn a_layer_of_shadow_quotas_passes_when_the_store_fails() {
+    for max_owed in [10_000, 0] {
+        let policy = QuotaPolicy::builder(account())
+            .store(Broken { hang: false })
+            .max_owed_counters(max_owed)
+            .build();
+        let shadow_only = Router::new()
+            .route("/", get(|| async { "hello" }))
+            .layer(policy.layer(Quota::daily(1).allowance("trial").shadow()));
+        let reply = get_as(&shadow_only, "/", "acme").await;
+        assert_eq!(reply.status, StatusCode::OK, "max_owed {max_owed}");
+        assert_eq!(reply.body, b"hello");
+        assert_eq!(
+            policy.owed().units,
+            if max_owed == 0 { 0 } else { 1 },
+            "max_owed {max_owed}"
+        );
+
+        // Inside it, an enforced layer of the policy asks the store itself,
+        // and refuses, as fail closed says; nothing is owed for a request
+        // refused.
+        let policy = QuotaPolicy::builder(account())
+            .store(Broken { hang: false })
+            .max_owed_counters(max_owed)
+            .build();
+        let both = Router::new()
+            .route("/", get(|| async { "hello" }))
+            .route_layer(policy.layer(Quota::daily(1).allowance("read")))
+            .layer(policy.layer(Quota::daily(1).allowance("trial").shadow()));
+        let reply = get_as(&both, "/", "acme").await;
+        assert_eq!(
+            reply.status,
+            StatusCode::SERVICE_UNAVAILABLE,
+            "max_owed {max_owed}"
+        );
+        assert_eq!(policy.owed().units, 0, "max_owed {max_owed}");
+    }
+}
+
+/// A layer of shadow quotas lets through what it cannot charge (no subject,
+/// an unknown plan, a cost it cannot read), where an enforced layer of the
+/// policy refuses it.
+#[tokio::test]
+async fn a_layer_of_shadow_quotas_never_refuses_a_request_it_cannot_charge() {
+    let policy = || {
+        QuotaPolicy::builder(account())
+            .plan(|parts| Some(parts.headers.get("x-plan")?.to_str().ok()?.to_owned()))
+            .on_unknown_plan(tower_quota::UnknownPlan::Reject)
+            .build()
+    };
+    let cost = |parts: &Parts| {
+        parts.headers.get("x-cost").map_or(Ok(1), |v| {
+            v.to_str()
+                .ok()
+                .and_then(|v| v.parse().ok())
+                .ok_or(tower_quota::InvalidRequest::new("x-cost is not a number"))
+        })
+    };
+    let shadow = policy();
+    let shadow_only = Router::new().route("/", get(|| async { "hello" })).layer(
+        shadow
+            .layer(Quota::daily(10).plan("pro", 100).shadow())
+            .cost_fn(cost),
+    );
+    let enforced = policy();
+    let both = Router::new()
+        .route("/", get(|| async { "hello" }))
+        .route_layer(enforced.layer(Quota::daily(10).plan("pro", 100).allowance("read")))
+        .layer(
+            enforced
+                .layer(Quota::daily(10).plan("pro", 100).shadow())
+                .cost_fn(cost),
+        );
+    let requests: [(&[(&str, &str)], StatusCode); 3] = [
+        (&[], StatusCode::UNAUTHORIZED),
+        (
+            &[("x-account-id", "acme"), ("x-plan", "gold")],
+            StatusCode::FORBIDDEN,
+        ),
+        (
+            &[("x-account-id", "acme"), ("x-cost", "lots")],
+            StatusCode::OK,
+        ),
+    ];
+    for (headers, inner) in requests {
+        let request = || {
+            let mut request = Request::get("/");
+            for (name, value) in headers {
+                request = request.header(*name, *value);
+            }
+            request.body(Body::empty()).unwrap()
+        };
+        let reply = send(&shadow_only, request()).await;
+        assert_eq!(reply.status, StatusCode::OK, "{headers:?}");
+        assert!(!reply.headers.contains_key("ratelimit"), "{headers:?}");
+        let reply = send(&both, request()).await;
+        assert_eq!(reply.status, inner, "{headers:?}");
+    }
+}
+
+/// A layer further in refuses a while after the request's first charge
+/// (middleware between took 30 s): its `Retry-After` and its `RateLimit`
+/// member count the wait from the refusal, as the outer member does from
+/// the response.
+#[tokio::test]
+async fn a_refusal_further_in_counts_its_wait_from_its_own_instant() {
+    let clock = ManualClock::new(at("2026-12-02T10:00:00Z"));
+    let policy = QuotaPolicy::builder(account()).clock(clock.clone()).build();
+    let slow = {
+        let clock = clock.clone();
+        axum::middleware::from_fn(
+            move |request: axum::extract::Request, next: axum::middleware::Next| {
+                clock.advance(SignedDuration::from_secs(30));
+                next.run(request)
+            },
+        )
+    };
+    let app = Router::new()
+        .route("/", get(|| async { "hello" }))
+        .route_layer(policy.layer(Quota::daily(1).allowance("inner")))
+        .layer(slow)
+        .layer(policy.layer(Quota::hourly(100).allowance("outer")));
+    assert_eq!(get_as(&app, "/", "acme").await.status, StatusCode::OK);
+    // Charged at 10:00:30 further out, refused at 10:01:00 further in.
+    let refused = get_as(&app, "/", "acme").await;
+    assert_eq!(refused.status, StatusCode::TOO_MANY_REQUESTS);
+    let day_left = (at("2026-12-03T00:00:00Z") - at("2026-12-02T10:01:00Z")).as_secs();
+    assert_eq!(refused.header("retry-after"), day_left.to_string());
+    assert_eq!(
+        refused.header("ratelimit"),
+        format!("\"outer-hour\";r=99;t=3540, \"inner-day\";r=0;t={day_left}")
+    );
+}
+
 // --- support handle --------------------------------------------------------
 
 #[tokio::test]

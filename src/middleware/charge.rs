@@ -107,6 +107,15 @@ pub(crate) fn plan<E: SubjectExtractor, St: crate::store::Store>(
                 return Step::PassUncounted(uncounted(policy.id, now));
             }
             match identify(policy, parts) {
+                // A layer of shadow quotas never refuses: the policy's other
+                // layers, if any, decide as they would alone.
+                Err(_) if bound.scope.only_shadow() => {
+                    skipped(&bound.scope.quotas);
+                    tracing::trace!(
+                        "request passes a layer of shadow quotas uncounted: it cannot be charged"
+                    );
+                    return Step::Pass;
+                }
                 Ok(Some(caller)) => Ticket {
                     policy: policy.id,
                     store: policy.store.identity(),
@@ -299,6 +308,9 @@ fn lines(
     };
     let charged = quotas.quotas(scope);
     let cost = match scope.cost.upfront(parts) {
+        // A layer of shadow quotas never refuses (see `plan`).
+        Ok(cost) if cost > max_count && scope.only_shadow() => return Step::Pass,
+        Err(_) if scope.only_shadow() => return Step::Pass,
         Ok(cost) if cost > max_count => {
             let detail = format!(
                 "This request costs {cost}, more than the quota store counts exactly ({max_count})."
@@ -330,7 +342,11 @@ fn lines(
     } else {
         tracing::Span::none()
     };
-    let owes = ticket.owes();
+    // Under fail open, a layer further out that failed on the store decides
+    // for the policy: this one owes as it does. Under fail closed only a
+    // layer of shadow quotas owes (it never refuses): this one asks the
+    // store, and refuses if it fails.
+    let owes = ticket.owes() && settings.on_store_error == OnStoreError::FailOpen;
     let charge = Charge {
         span,
         request: ChargeRequest {
@@ -392,8 +408,9 @@ pub(crate) enum Decision {
     Admit(SmallVec<[Line; 1]>),
     /// Some quota had no room; nothing was charged. Where each line stands.
     Refuse(SmallVec<[Usage; 2]>),
-    /// The store failed and the policy lets the request through: it owes
-    /// its charge to the policy's ledger (uncounted, without one).
+    /// The store failed and the policy lets the request through (fail
+    /// open, or shadow quotas only): it owes its charge to the policy's
+    /// ledger (uncounted, without one).
     PassUncounted,
     /// The store failed and the policy refuses: the 503's `Retry-After`.
     Unavailable(std::time::Duration),
@@ -436,6 +453,15 @@ pub(crate) fn decide(
             Decision::Admit(lines)
         }
         Err(error) => match settings.on_store_error {
+            // Shadow quotas never refuse, not even for a failed store: the
+            // request passes, owing their charge.
+            OnStoreError::FailClosed { .. } if quotas.iter().all(Quota::is_shadow) => {
+                if let Some(suppressed) = STORE_ERRORS.admit() {
+                    let error = hidden(&error);
+                    tracing::warn!(error, suppressed, "quota store failed; request passes, as its quotas are shadow quotas, its charge owed until the store answers");
+                }
+                Decision::PassUncounted
+            }
             OnStoreError::FailOpen => {
                 if let Some(suppressed) = STORE_ERRORS.admit() {
                     let error = hidden(&error);
@@ -531,18 +557,21 @@ fn shadow_limits(charge: &Charge, quotas: &[Quota], usage: &mut [Usage], admitte
 }
 
 /// The refusal of `charge`, made by a layer of `scope`, whose lines stand
-/// at `usage`.
+/// at `usage`, told at `told` (the waits are counted from then: layers and
+/// middleware further out may have taken a while since the charge's
+/// instant).
 pub(crate) fn refusal(
     charge: &Charge,
     scope: &Scope,
     usage: &[Usage],
+    told: Timestamp,
     grpc: Option<http::HeaderValue>,
 ) -> Refusal {
     Refusal::quota_exceeded(
         charge.quotas(scope),
         usage,
         |_| charge.cost(),
-        charge.ticket.now,
+        told,
         charge.caller().spread,
         grpc,
     )
@@ -550,14 +579,16 @@ pub(crate) fn refusal(
 
 /// The answer to a refused request: the policy's hook or the standard
 /// answer, with the fields of this layer's quotas where they stand (`usage`,
-/// none for a store failure), marked as a refusal so that the layers
-/// further out give their charges back and put their fields in front.
+/// none for a store failure) told at `told` (as the refusal), marked as a
+/// refusal so that the layers further out give their charges back and put
+/// their fields in front.
 pub(crate) fn refused(
     settings: &Settings,
     refusal: &Refusal,
     charge: &Charge,
     scope: &Scope,
     usage: &[Usage],
+    told: Timestamp,
 ) -> Response<Bytes> {
     let mut response = match &settings.refusal {
         Some(hook) => hook(refusal),
@@ -566,7 +597,7 @@ pub(crate) fn refused(
     if refusal.status == StatusCode::TOO_MANY_REQUESTS {
         let entries = charge.quotas(scope).iter().zip(usage.iter().copied());
         let now = charge.ticket.now;
-        RateLimitFields::new(entries, now, now, None, charge.caller().spread)
+        RateLimitFields::new(entries, now, told, None, charge.caller().spread)
             .prepend_to(response.headers_mut());
     }
     response.extensions_mut().insert(Refused);

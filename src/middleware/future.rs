@@ -270,7 +270,9 @@ where
         // the refusal go by (see `charge::outcome`).
         Decision::Refuse(usage) => {
             let grpc = crate::response::grpc_content_type(request.headers());
-            let refusal = charge::refusal(&charge, &bound.scope, &usage, grpc);
+            // The waits told are counted from the refusal's own instant.
+            let told = settings.clock.now().max(charge.ticket.now);
+            let refusal = charge::refusal(&charge, &bound.scope, &usage, told, grpc);
             State::Rejected {
                 response: Some(Box::new(charge::refused(
                     settings,
@@ -278,6 +280,7 @@ where
                     &charge,
                     &bound.scope,
                     &usage,
+                    told,
                 ))),
             }
         }
@@ -291,6 +294,7 @@ where
                     &charge,
                     &bound.scope,
                     &[],
+                    charge.ticket.now,
                 ))),
             }
         }

@@ -155,6 +155,12 @@ impl Scope {
         }
     }
 
+    /// Whether every quota of the layer is a shadow quota: it then never
+    /// refuses a request.
+    pub(crate) fn only_shadow(&self) -> bool {
+        self.quotas.iter().all(Quota::is_shadow)
+    }
+
     /// The layer's quotas as a caller in `zone` counts them: its own, as
     /// they are, for none.
     pub(crate) fn quotas_in(&self, zone: Option<&TimeZone>) -> QuotaSet {

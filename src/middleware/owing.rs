@@ -9,6 +9,7 @@ use smallvec::SmallVec;
 
 use super::charge::{self, Adjust, Charge, Outcome};
 use super::layer::Bound;
+use crate::policy::OnStoreError;
 use crate::status::{GiveBack, LayerQuotas, Line, Lines, QuotaStatus};
 use crate::store::{Debt, Lifetime, Store, Usage};
 use crate::subject::SubjectExtractor;
@@ -53,6 +54,13 @@ pub(crate) fn owe<E: SubjectExtractor, St: Store>(
         ..
     } = charge;
     if policy.settings.max_owed == 0 {
+        if policy.settings.on_store_error != OnStoreError::FailOpen {
+            // A layer of shadow quotas under fail closed: it alone lets the
+            // request through uncounted; the policy's other layers ask the
+            // store.
+            QuotaStatus::put_in(extensions, ticket);
+            return None;
+        }
         let mut uncounted = charge::uncounted(policy.id, ticket.now);
         // What layers further out charged stays theirs to give back, and
         // counted on their store.

@@ -39,7 +39,9 @@ pub enum OnStoreError {
     /// answers, goes uncounted, logged and counted in the metrics.
     FailOpen,
     /// Answer 503 with a problem document and `Retry-After` (in seconds).
-    /// Enforcement over availability.
+    /// Enforcement over availability. A layer of shadow quotas only, which
+    /// never refuses, lets the request through as under `FailOpen`
+    /// ([`Quota::shadow`](crate::Quota::shadow)).
     FailClosed {
         /// The `Retry-After` sent with the 503.
         retry_after: Duration,

@@ -4,6 +4,7 @@ use std::time::Duration;
 
 use http::header::RETRY_AFTER;
 use http::{Request, StatusCode};
+use jiff::SignedDuration;
 
 use super::*;
 use crate::policy::{QuotaPolicy, UnknownPlan};
@@ -192,13 +193,14 @@ fn a_refusal_names_the_quota_without_room_and_waits_for_its_reset() {
         }),
     );
     assert!(matches!(&decision, Decision::Refuse(u) if u[..] == usage[..]));
-    let refusal = refusal(&charge, &layer.bound.scope, &usage, None);
+    let refusal = refusal(&charge, &layer.bound.scope, &usage, charge.ticket.now, None);
     let response = refused(
         &layer.bound.policy.settings,
         &refusal,
         &charge,
         &layer.bound.scope,
         &usage,
+        charge.ticket.now,
     );
     assert_eq!(response.status(), StatusCode::TOO_MANY_REQUESTS);
     assert_eq!(response.headers()[RETRY_AFTER], "50370");
@@ -212,6 +214,24 @@ fn a_refusal_names_the_quota_without_room_and_waits_for_its_reset() {
         "\"default-minute\";r=7;t=30, \"default-day\";r=0;t=50370"
     );
     assert!(response.extensions().get::<Refused>().is_some());
+
+    // Told 30 s after the charge (layers and middleware further out took
+    // that long): the waits are counted from then.
+    let told = charge.ticket.now + SignedDuration::from_secs(30);
+    let later = super::refusal(&charge, &layer.bound.scope, &usage, told, None);
+    let response = refused(
+        &layer.bound.policy.settings,
+        &later,
+        &charge,
+        &layer.bound.scope,
+        &usage,
+        told,
+    );
+    assert_eq!(response.headers()[RETRY_AFTER], "50340");
+    assert_eq!(
+        response.headers()["ratelimit"],
+        "\"default-minute\";r=7;t=0, \"default-day\";r=0;t=50340"
+    );
 }
 
 #[test]
@@ -251,10 +271,29 @@ fn a_store_error_follows_the_policy() {
         &charge,
         &closed.bound.scope,
         &[],
+        charge.ticket.now,
     );
     assert_eq!(response.status(), StatusCode::SERVICE_UNAVAILABLE);
     assert_eq!(response.headers()[RETRY_AFTER], "2");
     assert!(!response.headers().contains_key("ratelimit"));
+
+    // Shadow quotas never refuse: under fail closed too, the request
+    // passes, owing its charge.
+    let shadow = layer(&[Quota::daily(1).shadow()], |b| {
+        b.on_store_error(OnStoreError::FailClosed {
+            retry_after: Duration::from_secs(1),
+        })
+    });
+    let charge = charge_of(&shadow, &head(ACME));
+    assert!(matches!(
+        decide(
+            &charge,
+            &shadow.bound.scope,
+            &shadow.bound.policy.settings,
+            error()
+        ),
+        Decision::PassUncounted
+    ));
 }
 
 #[test]
