@@ -14,11 +14,21 @@ pub(super) fn came_back(error: &RedisError) -> bool {
 
 /// Whether `error` is Redis's answer that it cannot run a call for now (out
 /// of memory under `noeviction`, loading, busy with a script, a slot on
-/// the move): a reply (it came back) that applied nothing.
+/// the move, a cluster down or a slot no node serves): a reply (it came
+/// back) that applied nothing.
 pub(super) fn for_now(error: &RedisError) -> bool {
     matches!(
         error.code(),
-        Some("OOM" | "LOADING" | "BUSY" | "MASTERDOWN" | "MISCONF" | "NOREPLICAS" | "TRYAGAIN")
+        Some(
+            "OOM"
+                | "LOADING"
+                | "BUSY"
+                | "MASTERDOWN"
+                | "MISCONF"
+                | "NOREPLICAS"
+                | "TRYAGAIN"
+                | "CLUSTERDOWN"
+        )
     )
 }
 
@@ -138,9 +148,12 @@ mod tests {
             &b"-OOM command not allowed when used memory > 'maxmemory'.\r\n"[..],
             b"-BUSY Redis is busy running a script.\r\n",
             b"-LOADING Redis is loading the dataset in memory\r\n",
+            b"-CLUSTERDOWN The cluster is down\r\n",
+            b"-CLUSTERDOWN Hash slot not served\r\n",
         ] {
             let error = error_of(reply);
             assert!(for_now(&error) && came_back(&error), "{error}");
+            assert!(applied_nothing(&error), "{error}");
         }
         let refused = error_of(b"-ERR tower-quota: an amount is not a number\r\n");
         assert!(!for_now(&refused));
