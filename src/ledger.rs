@@ -900,9 +900,10 @@ async fn settle<St: Store>(
         claim.sent = Some(amount);
         let result = caught(|| within(timeout, store.settle_debt(now, debt))).await;
         // A failure worth another try (a timeout, the store unreachable or
-        // full) leaves the entry owed, behind the others; any other answer
-        // settles it or drops it.
-        let failed = matches!(&result, Err(error) if error.kind() != StoreErrorKind::Other);
+        // full, or a call the store never sent, whatever its kind) leaves
+        // the entry owed, behind the others; any other answer settles it or
+        // drops it.
+        let failed = matches!(&result, Err(error) if error.kind() != StoreErrorKind::Other || error.is_unsent());
         let ledger = claim.ledger();
         // Accounted for below, whatever became of the ledger.
         claim.sent = None;

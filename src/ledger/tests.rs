@@ -289,6 +289,9 @@ struct Away {
     tries: Arc<AtomicUsize>,
     held: Arc<AtomicBool>,
     release: Arc<tokio::sync::Notify>,
+    /// Settles fail with an error of no kind worth another try, which the
+    /// store says it never sent (credentials refused to a new connection).
+    unsent: Arc<AtomicBool>,
 }
 
 impl Store for Away {
@@ -338,10 +341,14 @@ impl Store for Away {
         let held = self.held.load(Ordering::Relaxed);
         let release = Arc::clone(&self.release);
         let panics = self.panics_later.lock().unwrap().as_ref() == Some(&debt.key);
+        let unsent = self.unsent.load(Ordering::Relaxed);
         async move {
             assert!(!panics, "the store panics on this debt, later");
             if held {
                 release.notified().await;
+            }
+            if unsent {
+                return Err(StoreError::new(StoreErrorKind::Other, "credentials refused").unsent());
             }
             if away {
                 return Err(StoreError::new(StoreErrorKind::Unavailable, "away"));
@@ -398,6 +405,32 @@ async fn the_ledger_settles_once_the_store_is_back_and_waits_longer_between_trie
     tokio::time::sleep(Duration::from_secs(6)).await;
     assert_eq!(ledger.owed(), Owed::default());
     assert!(!ledger.lock().settling, "the task ended");
+    assert_eq!(used(&store.inner, &a, now).await, 2);
+}
+
+/// A settle the store never sent applied nothing, whatever its error's
+/// kind: the debt stays owed until the store takes it.
+#[tokio::test(start_paused = true)]
+async fn a_settle_never_sent_keeps_its_debt_whatever_the_errors_kind() {
+    let now = at(NOON);
+    let settings = settings(now);
+    let store = Away::default();
+    let ledger = Arc::new(Ledger::default());
+    store.unsent.store(true, Ordering::Relaxed);
+    let a = key("a", "PT1H");
+    ledger.owe(&store, &settings, [first_use(&a, 2, now)]);
+    tokio::time::sleep(Duration::from_secs(1)).await;
+    assert!(store.tries.load(Ordering::Relaxed) > 0);
+    assert_eq!(
+        ledger.owed(),
+        Owed {
+            counters: 1,
+            units: 2
+        }
+    );
+    store.unsent.store(false, Ordering::Relaxed);
+    tokio::time::sleep(Duration::from_secs(6)).await;
+    assert_eq!(ledger.owed(), Owed::default());
     assert_eq!(used(&store.inner, &a, now).await, 2);
 }
 

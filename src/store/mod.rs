@@ -621,9 +621,12 @@ pub trait Store: Clone + Send + Sync + 'static {
     /// counter holds (0 where there is none). A store fails rather than
     /// hold a count other than the sum, as [`Store::add`] does.
     ///
-    /// The ledger sends a settle that failed again: one that fails, or whose
-    /// future is dropped before it answers, must leave nothing added once the
-    /// store is done with it (as a charge). Where the store cannot learn
+    /// The ledger sends a settle that failed again (an error of any kind but
+    /// [`StoreErrorKind::Other`], or one [`StoreError::unsent`]; an `Other`
+    /// error the store may have sent is its refusal, and the debt is
+    /// dropped): one that fails, or whose future is dropped before it
+    /// answers, must leave nothing added once the store is done with it (as
+    /// a charge). Where the store cannot learn
     /// what became of a call (its connection lost after it was sent), a
     /// settle it applied and reported failed is sent again and counts
     /// twice: the settle carries no marker that would let the store tell
