@@ -10,7 +10,7 @@ use http::{Response, StatusCode};
 use jiff::{RoundMode, SignedDuration, Timestamp, TimestampRound, Unit};
 use serde_json::{json, Value};
 
-use crate::period::seconds_until;
+use crate::period::{seconds_until, seconds_until_turn};
 use crate::quota::Quota;
 use crate::store::Usage;
 
@@ -189,8 +189,7 @@ impl RateLimitFields {
             limit.push_str(";r=");
             limit.push_str(digits.format(sf_integer(usage.remaining())));
             limit.push_str(";t=");
-            let wait =
-                seconds_until(told, usage.resets_at).saturating_add(quota.spread_for(subject));
+            let wait = seconds_until_turn(told, usage.resets_at, quota.spread_for(subject));
             limit.push_str(digits.format(sf_integer(wait)));
         }
         // One allocation, of the value's exact size.
@@ -478,7 +477,7 @@ impl Refusal {
                     .expect("infallible");
                     (
                         usage.resets_at,
-                        seconds_until(now, usage.resets_at).saturating_add(spread),
+                        seconds_until_turn(now, usage.resets_at, spread),
                     )
                 }
             };
@@ -782,6 +781,32 @@ mod tests {
                 .prepend_to(&mut headers);
             let field = headers["ratelimit"].to_str().unwrap().to_owned();
             prop_assert!(field.ends_with(&format!(";t={told}")), "{}", field);
+        }
+    }
+
+    /// A response that goes out after the window it was charged in ended
+    /// tells the subject's turn as it still is: what is left of its spread,
+    /// not the whole spread from now.
+    #[test]
+    fn a_response_after_the_reset_tells_what_is_left_of_the_spread() {
+        let quota = Quota::daily(1).spread_reset(Duration::from_secs(600));
+        let resets_at: Timestamp = "2026-12-03T00:00:00Z".parse().unwrap();
+        let charged = resets_at - jiff::SignedDuration::from_millis(500);
+        let usage = usage_of(1, 1, "2026-12-03T00:00:00Z");
+        let subject = (0..)
+            .find(|&s| quota.spread_for(s) > 100)
+            .expect("a subject whose turn is past 100 s");
+        let turn = quota.spread_for(subject);
+        for (after_reset, t) in [(0, turn), (100, turn - 100), (turn + 5, 0)] {
+            let told = resets_at + jiff::SignedDuration::from_secs(after_reset as i64);
+            let mut headers = http::HeaderMap::new();
+            RateLimitFields::new([(&quota, usage)].into_iter(), charged, told, None, subject)
+                .prepend_to(&mut headers);
+            let field = headers["ratelimit"].to_str().unwrap();
+            assert!(
+                field.ends_with(&format!(";t={t}")),
+                "{after_reset}: {field}"
+            );
         }
     }
 

@@ -601,6 +601,24 @@ pub(crate) fn seconds_until(now: Timestamp, at: Timestamp) -> u64 {
     d.as_secs().unsigned_abs() + u64::from(d.subsec_nanos() != 0)
 }
 
+/// Whole seconds from `now` until `spread` seconds after `at` (a subject's
+/// turn, when resets are spread), rounded up: 0 once that is past, and
+/// less than the spread once `at` is.
+pub(crate) fn seconds_until_turn(now: Timestamp, at: Timestamp, spread: u64) -> u64 {
+    if spread == 0 {
+        return seconds_until(now, at);
+    }
+    let turn = i64::try_from(spread)
+        .ok()
+        .and_then(|spread| at.checked_add(SignedDuration::from_secs(spread)).ok());
+    match turn {
+        Some(turn) => seconds_until(now, turn),
+        // Past the last instant a timestamp holds: as far as it goes, then
+        // the spread.
+        None => seconds_until(now, at).saturating_add(spread),
+    }
+}
+
 /// A length of `seconds` in the largest whole unit: `24h`, `10m`, `90s`.
 fn length_name(seconds: i64) -> String {
     if seconds % 3600 == 0 {
