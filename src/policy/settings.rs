@@ -36,7 +36,10 @@ pub enum OnStoreError {
     /// request served is counted. The ledger holds a bound of counters
     /// ([`QuotaPolicyBuilder::max_owed_counters`](crate::QuotaPolicyBuilder::max_owed_counters));
     /// a debt past it, or owed to a period that is over before the store
-    /// answers, goes uncounted, logged and counted in the metrics.
+    /// answers, goes uncounted, logged and counted in the metrics. Its
+    /// response carries no `RateLimit` fields for the quotas it owes (where
+    /// the subject stands is not known), and its handler's
+    /// [`QuotaStatus`](crate::QuotaStatus) no entries for them.
     FailOpen,
     /// Answer 503 with a problem document and `Retry-After` (in seconds).
     /// Enforcement over availability. A layer of shadow quotas only, which
