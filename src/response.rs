@@ -340,19 +340,23 @@ fn problem_of_type(
 /// A refused request, and everything the layer knows about why: what a
 /// refusal hook ([`QuotaPolicyBuilder::refusal`](crate::QuotaPolicyBuilder::refusal))
 /// builds the response from. The `RateLimit` fields are added to whatever
-/// the hook answers, for a quota without room.
+/// the hook answers, for a quota without room; `Retry-After` is the hook's
+/// to send ([`Refusal::retry_after`]).
 ///
 /// ```
 /// use bytes::Bytes;
-/// use http::{Response, StatusCode};
+/// use http::{header::RETRY_AFTER, Response, StatusCode};
 /// use tower_quota::{response::Refusal, FromHeader, QuotaPolicy};
 ///
-/// // A plain-text 429 for one client; the standard answers for the others.
+/// // A plain-text 429; the standard answers for the rest.
 /// let policy = QuotaPolicy::builder(FromHeader::account("x-account-id"))
 ///     .refusal(|refusal: &Refusal| {
 ///         if refusal.status == StatusCode::TOO_MANY_REQUESTS && !refusal.grpc {
 ///             let mut response = Response::new(Bytes::from(format!("slow down: {}", refusal.detail)));
 ///             *response.status_mut() = refusal.status;
+///             if let Some(seconds) = refusal.retry_after {
+///                 response.headers_mut().insert(RETRY_AFTER, seconds.into());
+///             }
 ///             response
 ///         } else {
 ///             refusal.standard()
