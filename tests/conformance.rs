@@ -100,6 +100,7 @@ mod redis {
         counts_never_pass_the_limit_nor_wrap,
         a_charge_past_its_period_is_an_error,
         changes_by_the_reported_first_call_land,
+        changes_made_before_a_counter_do_not_land,
     );
 }
 
@@ -135,6 +136,10 @@ mod broken {
         settle_opens_ended: bool,
         settle_by_charge: bool,
         charges_past_the_period: bool,
+        /// Reports first calls, and refunds or adds whatever counter lives
+        /// at the key: the trait's defaults of `refund_made_by` and
+        /// `add_made_by`.
+        ignores_made_by: bool,
     }
 
     #[derive(Clone, Copy)]
@@ -189,6 +194,17 @@ mod broken {
                     }
                 })
                 .collect()
+        }
+
+        /// Whether the live counter at `key` was made after `made_by` (a
+        /// guarded change must then leave it), unless the planted bug
+        /// ignores it.
+        fn made_after(&self, key: &PeriodKey, now: Timestamp, made_by: Timestamp) -> bool {
+            !self.bugs.ignores_made_by
+                && self
+                    .live(key, now)
+                    .and_then(|c| c.first_call)
+                    .is_some_and(|first| first > made_by)
         }
 
         fn heal(&self, request: &ChargeRequest) {
@@ -347,6 +363,40 @@ mod broken {
                 None => None,
             };
             std::future::ready(Ok(left))
+        }
+
+        fn refund_made_by(
+            &self,
+            now: Timestamp,
+            key: PeriodKey,
+            amount: u64,
+            made_by: Timestamp,
+        ) -> impl Future<Output = Result<Option<u64>, StoreError>> + Send {
+            let younger = self.made_after(&key, now, made_by);
+            let refund = self.refund(now, key, amount);
+            async move {
+                if younger {
+                    return Ok(None);
+                }
+                refund.await
+            }
+        }
+
+        fn add_made_by(
+            &self,
+            now: Timestamp,
+            key: PeriodKey,
+            amount: u64,
+            made_by: Timestamp,
+        ) -> impl Future<Output = Result<Option<u64>, StoreError>> + Send {
+            let younger = self.made_after(&key, now, made_by);
+            let add = self.add(now, key, amount);
+            async move {
+                if younger {
+                    return Ok(None);
+                }
+                add.await
+            }
         }
 
         fn add(
@@ -649,6 +699,19 @@ mod broken {
             ..Bugs::default()
         });
         testing::settle_debt_keeps_to_the_debts_period(&store).await;
+    }
+
+    /// A store that reports when its counters were made, and refunds
+    /// whatever counter lives at a key, takes a give-back of a request
+    /// charged before a reset off the counter made since.
+    #[tokio::test]
+    #[should_panic(expected = "a refund made by an instant before the counter was made")]
+    async fn a_change_that_ignores_the_counters_making_is_caught() {
+        let store = Buggy::with(Bugs {
+            ignores_made_by: true,
+            ..Bugs::default()
+        });
+        testing::changes_made_before_a_counter_do_not_land(&store).await;
     }
 
     #[tokio::test]

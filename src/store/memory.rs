@@ -368,7 +368,10 @@ impl MemoryStore {
     }
 
     /// Live and not yet reclaimed counters. Counters past their deadline count
-    /// until they are reclaimed.
+    /// until they are reclaimed. Read shard by shard, not at one instant:
+    /// while other threads charge, it may count a counter twice (or miss
+    /// one) and read above `max_counters`, which the store itself never
+    /// holds more than.
     pub fn len(&self) -> usize {
         self.inner
             .shards

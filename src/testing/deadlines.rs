@@ -889,3 +889,66 @@ pub async fn changes_by_the_reported_first_call_land<S: ConformanceHooks>(store:
     );
     Verdict::Passed
 }
+
+/// A change guarded by the counter's making does not land on a counter made
+/// after that instant: a request charged before a support reset, given back
+/// (or its deferred cost added) after the reset and a new charge that made
+/// the counter again, must leave the new counter as it is
+/// ([`Store::refund_made_by`](crate::store::Store::refund_made_by),
+/// [`Store::add_made_by`](crate::store::Store::add_made_by)). A store that
+/// reports a first call and refunds whatever counter lives at the key would
+/// uncount a request that was served.
+///
+/// # Panics
+///
+/// When the store breaks the rule, or fails to answer.
+pub async fn changes_made_before_a_counter_do_not_land<S: ConformanceHooks>(store: &S) -> Verdict {
+    let mut time = Timeline::new(store.expiry());
+    let period = time.period();
+    let key = fresh_key("made-before");
+    let made = time.now();
+    let first = charge(store, made, vec![first_use(&key, 10, 1, made + period)]).await;
+    assert!(
+        first.0,
+        "a first charge on an empty counter must be admitted"
+    );
+    let Some(first_call) = first.1[0].first_call else {
+        return Verdict::NotApplicable("the store does not date its counters");
+    };
+    store
+        .reset(key.clone())
+        .await
+        .unwrap_or_else(|e| panic!("the store failed to reset: {e}"));
+    // Later by a few milliseconds (a store that counts in them tells the
+    // two counters apart).
+    time.pass(SignedDuration::from_millis(20)).await;
+    let later = time.now();
+    let again = charge(store, later, vec![first_use(&key, 10, 1, later + period)]).await;
+    assert!(again.0, "a charge after a reset must be admitted");
+    assert!(
+        again.1[0].first_call.is_some_and(|at| at > first_call),
+        "a counter made again after a reset must report its own first call, after the old one's"
+    );
+    let refunded = store
+        .refund_made_by(later, key.clone(), 1, first_call)
+        .await
+        .unwrap_or_else(|e| panic!("the store failed to refund: {e}"));
+    assert_eq!(
+        refunded, None,
+        "a refund made by an instant before the counter was made must not land on it"
+    );
+    let added = store
+        .add_made_by(later, key.clone(), 1, first_call)
+        .await
+        .unwrap_or_else(|e| panic!("the store failed to add: {e}"));
+    assert_eq!(
+        added, None,
+        "an add made by an instant before the counter was made must not land on it"
+    );
+    let now = peek(store, later, vec![first_use(&key, 10, 0, later + period)]).await;
+    assert_eq!(
+        now[0].used, 1,
+        "the counter made after the reset must hold its own charge only"
+    );
+    Verdict::Passed
+}

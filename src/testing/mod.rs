@@ -37,6 +37,9 @@
 //! - [`changes_by_the_reported_first_call_land`]: a refund or an add made
 //!   by the first call a charge reported lands on that counter (what the
 //!   layer's give-backs go by).
+//! - [`changes_made_before_a_counter_do_not_land`]: a refund or an add made
+//!   by an instant before the counter was made (a request charged before
+//!   a support reset) leaves the counter made since as it is.
 //!
 //! A store tells the suite what it cannot be driven to do through the trait
 //! through [`ConformanceHooks`]: how its deadlines pass ([`Expiry`]), how to
@@ -72,9 +75,9 @@ pub use self::charges::{
 };
 pub use self::deadlines::{
     add_never_creates_nor_moves_a_deadline, calendar_counters_are_distinct_per_period_and_dated,
-    changes_by_the_reported_first_call_land, hits_never_extend_a_first_use_deadline,
-    refund_after_expiry_does_not_resurrect, settle_debt_keeps_to_the_debts_period,
-    undated_counter_is_healed,
+    changes_by_the_reported_first_call_land, changes_made_before_a_counter_do_not_land,
+    hits_never_extend_a_first_use_deadline, refund_after_expiry_does_not_resurrect,
+    settle_debt_keeps_to_the_debts_period, undated_counter_is_healed,
 };
 pub use self::hooks::{ConformanceHooks, Expiry, Planted, StoredDeadline, Verdict};
 
@@ -136,6 +139,10 @@ pub async fn run_all<S: ConformanceHooks>(store: &S) -> Vec<(&'static str, Verdi
         (
             "changes_by_the_reported_first_call_land",
             changes_by_the_reported_first_call_land(store).await,
+        ),
+        (
+            "changes_made_before_a_counter_do_not_land",
+            changes_made_before_a_counter_do_not_land(store).await,
         ),
     ]
 }
