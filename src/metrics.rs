@@ -48,7 +48,9 @@
 //! - [`shadow_refused`](outcome::SHADOW_REFUSED): a quota in shadow mode
 //!   ([`Quota::shadow`](crate::Quota::shadow)) that would have refused the
 //!   request, which passed (labelled with that quota's allowance, beside
-//!   the request's own `admitted`).
+//!   the request's own `admitted`); also a shadow quota whose counter holds
+//!   the most its store counts, which the request passes uncounted (the
+//!   charge goes again without it).
 //!
 //! Each decision a layer takes on the store's answer counts once: a request
 //! is decided once by each layer that charges quotas of its own, so a
@@ -57,7 +59,8 @@
 //! `search`), and a `read` charge given back because the burst layer
 //! refused shows in [`ABANDONED_CHARGES_REFUNDED`]. Requests answered
 //! before any charge (no subject, a malformed subject, an unknown plan, an
-//! invalid cost or zone) are not counted here: they never reached the
+//! invalid cost or zone), or let through by a layer of shadow quotas that
+//! could not charge them, are not counted here: they never reached the
 //! quotas.
 //!
 //! `allowance` is the allowance tag of the quotas charged. A request

@@ -1160,6 +1160,91 @@ async fn a_layer_of_shadow_quotas_never_refuses_a_request_it_cannot_charge() {
     }
 }
 
+/// A shadow quota's counter at the most its store counts takes no more, and
+/// still refuses nothing: alone in its layer, the request passes it
+/// uncounted; beside an enforced quota, the charge goes again without it,
+/// and the enforced quota counts and refuses as it would alone.
+#[tokio::test]
+async fn a_shadow_counter_at_the_stores_most_refuses_nothing() {
+    let clock = ManualClock::new(at("2026-12-02T10:00:00Z"));
+    let store = MemoryStore::new();
+    let policy = QuotaPolicy::builder(account())
+        .store(store.clone())
+        .clock(clock.clone())
+        .build();
+    let cost = |parts: &Parts| {
+        Ok(parts
+            .headers
+            .get("x-cost")
+            .map_or(1, |v| v.to_str().unwrap().parse().unwrap()))
+    };
+    let shadow_only = Router::new().route("/", get(|| async { "hello" })).layer(
+        policy
+            .layer(Quota::daily(2).allowance("trial").shadow())
+            .cost_fn(cost),
+    );
+    let most = Request::get("/")
+        .header("x-account-id", "acme")
+        .header("x-cost", u64::MAX.to_string())
+        .body(Body::empty())
+        .unwrap();
+    assert_eq!(send(&shadow_only, most).await.status, StatusCode::OK);
+    for _ in 0..3 {
+        let reply = get_as(&shadow_only, "/", "acme").await;
+        assert_eq!(reply.status, StatusCode::OK);
+        assert_eq!(reply.body, b"hello");
+    }
+
+    // Beside an enforced quota: the enforced one counts, and refuses at its
+    // limit; the shadow one stays at the most.
+    let keys = |status: QuotaStatus| async move {
+        status
+            .entries()
+            .iter()
+            .map(|e| e.key().as_str().to_owned())
+            .collect::<Vec<_>>()
+            .join(" ")
+    };
+    let both = Router::new().route("/", get(keys)).layer(
+        policy
+            .layer(Quota::daily(3).allowance("read"))
+            .quota(Quota::monthly(5).allowance("trial-month").shadow()),
+    );
+    let first = get_as(&both, "/", "globex").await;
+    assert_eq!(first.status, StatusCode::OK);
+    let body = String::from_utf8(first.body.to_vec()).unwrap();
+    let month = body.split(' ').find(|k| k.contains("trial-month")).unwrap();
+    let month = tower_quota::PeriodKey::from_string(month.to_owned());
+    let now = clock.now();
+    assert_eq!(
+        store.add(now, month.clone(), u64::MAX - 1).await.unwrap(),
+        Some(u64::MAX)
+    );
+    for _ in 0..2 {
+        let reply = get_as(&both, "/", "globex").await;
+        assert_eq!(reply.status, StatusCode::OK);
+        assert!(
+            reply.header("ratelimit").contains("\"read-day\";r="),
+            "{}",
+            reply.header("ratelimit")
+        );
+    }
+    let refused = get_as(&both, "/", "globex").await;
+    assert_eq!(refused.status, StatusCode::TOO_MANY_REQUESTS);
+    assert_eq!(
+        refused.json()["violated-policies"],
+        serde_json::json!(["read-day"])
+    );
+    let usage = policy
+        .handle()
+        .usage(&tower_quota::Subject::account("globex"))
+        .await
+        .unwrap();
+    let used = |name: &str| usage.iter().find(|u| u.name() == name).unwrap().used();
+    assert_eq!(used("read-day"), 3);
+    assert_eq!(used("trial-month-month"), u64::MAX);
+}
+
 /// A layer further in refuses a while after the request's first charge
 /// (middleware between took 30 s): its `Retry-After` and its `RateLimit`
 /// member count the wait from the refusal, as the outer member does from

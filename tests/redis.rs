@@ -560,6 +560,63 @@ fn call(account: &str) -> Request<Body> {
         .unwrap()
 }
 
+/// A shadow counter at the most Redis counts exactly (2^53 - 1) takes no
+/// more and refuses nothing: beside an enforced quota, the charge goes again
+/// without it (a second call, answered later), and the enforced quota
+/// counts and refuses as it would alone.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_shadow_counter_at_the_most_redis_counts_refuses_nothing() {
+    let server = redis_server_or_skip!();
+    let most = store(&server).max_count();
+    let policy = QuotaPolicy::builder(FromHeader::account("x-account-id"))
+        .store(store(&server))
+        .store_timeout(Some(Duration::from_secs(2)))
+        .build();
+    let cost = |parts: &http::request::Parts| {
+        Ok(parts
+            .headers
+            .get("x-cost")
+            .map_or(1, |v| v.to_str().unwrap().parse().unwrap()))
+    };
+    let app = Router::new().route("/", get(|| async { "ok" })).layer(
+        policy
+            .layer(Quota::monthly(most).allowance("trial").shadow())
+            .cost_fn(cost),
+    );
+    let heavy = Request::get("/")
+        .header("x-account-id", "acme")
+        .header("x-cost", most.to_string())
+        .body(Body::empty())
+        .unwrap();
+    assert_eq!(
+        app.clone().oneshot(heavy).await.unwrap().status(),
+        StatusCode::OK
+    );
+    for _ in 0..3 {
+        let reply = app.clone().oneshot(call("acme")).await.unwrap();
+        assert_eq!(reply.status(), StatusCode::OK);
+    }
+    let both = Router::new().route("/", get(|| async { "ok" })).layer(
+        policy
+            .layer(Quota::daily(2).allowance("read"))
+            .quota(Quota::monthly(most).allowance("trial").shadow()),
+    );
+    for _ in 0..2 {
+        let reply = both.clone().oneshot(call("acme")).await.unwrap();
+        assert_eq!(reply.status(), StatusCode::OK);
+    }
+    let refused = both.clone().oneshot(call("acme")).await.unwrap();
+    assert_eq!(refused.status(), StatusCode::TOO_MANY_REQUESTS);
+    let usage = policy
+        .handle()
+        .usage(&tower_quota::Subject::account("acme"))
+        .await
+        .unwrap();
+    let used = |name: &str| usage.iter().find(|u| u.name() == name).unwrap().used();
+    assert_eq!(used("read-day"), 2);
+    assert_eq!(used("trial-month"), most);
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn two_instances_sharing_one_redis_enforce_one_quota_exactly() {
     let server = redis_server_or_skip!();

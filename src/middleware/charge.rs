@@ -78,6 +78,43 @@ impl Charge {
     pub(crate) fn quotas<'a>(&'a self, scope: &'a Scope) -> &'a [Quota] {
         self.quotas.quotas(scope)
     }
+
+    /// The same charge without the lines at `left_out` (by index), made by
+    /// a layer of `scope`; `None` when no line is left.
+    pub(crate) fn without(self, left_out: &[usize], scope: &Scope) -> Option<Self> {
+        let kept = |i: &usize| !left_out.contains(i);
+        let all = self.quotas(scope);
+        if !(0..all.len()).any(|i| kept(&i)) {
+            return None;
+        }
+        let quotas = (0..all.len())
+            .filter(kept)
+            .map(|i| all[i].clone())
+            .collect();
+        let quotas = QuotaSet::Other(Arc::new(OtherQuotas::uncached(quotas)));
+        let Charge {
+            ticket,
+            request,
+            span,
+            ..
+        } = self;
+        let lines = request
+            .lines
+            .into_iter()
+            .enumerate()
+            .filter(|(i, _)| kept(i))
+            .map(|(_, line)| line)
+            .collect();
+        Some(Charge {
+            ticket,
+            quotas,
+            request: ChargeRequest {
+                now: request.now,
+                lines,
+            },
+            span,
+        })
+    }
 }
 
 /// What the layer of `bound` does with the request with head `parts`.
@@ -108,9 +145,10 @@ pub(crate) fn plan<E: SubjectExtractor, St: crate::store::Store>(
             }
             match identify(policy, parts) {
                 // A layer of shadow quotas never refuses: the policy's other
-                // layers, if any, decide as they would alone.
+                // layers, if any, decide as they would alone. Not counted in
+                // the metrics, as a request refused before any charge is
+                // not.
                 Err(_) if bound.scope.only_shadow() => {
-                    skipped(&bound.scope.quotas);
                     tracing::trace!(
                         "request passes a layer of shadow quotas uncounted: it cannot be charged"
                     );
@@ -279,9 +317,10 @@ fn lines(
         let mut line =
             quota.line_with_limit(&settings.namespace, &caller.subject, ticket.now, 0, limit);
         // A shadow quota is counted, never refusing: its limit is reported,
-        // not enforced.
+        // not enforced. Its line has no limit but the most the store counts,
+        // where its counter stops (see `saturated`).
         if quota.is_shadow() {
-            line.limit = u64::MAX;
+            line.limit = max_count;
             line.shadow_limit = Some(limit);
         }
         // A counter charged for this request by a layer further out, of this
@@ -408,6 +447,11 @@ pub(crate) enum Decision {
     Admit(SmallVec<[Line; 1]>),
     /// Some quota had no room; nothing was charged. Where each line stands.
     Refuse(SmallVec<[Usage; 2]>),
+    /// Nothing was charged, and only shadow quotas had no room: their
+    /// counters hold the most the store counts, and take no more. The
+    /// charge goes again without these lines (see [`Charge::without`]):
+    /// a shadow quota never refuses.
+    Saturated(SmallVec<[usize; 1]>),
     /// The store failed and the policy lets the request through (fail
     /// open, or shadow quotas only): it owes its charge to the policy's
     /// ledger (uncounted, without one).
@@ -425,6 +469,25 @@ pub(crate) fn decide(
     answer: Result<ChargeOutcome, StoreError>,
 ) -> Decision {
     let quotas = charge.quotas(scope);
+    if let Ok(refusal) = &answer {
+        if let Some(saturated) = saturated(quotas, &charge.request.lines, &refusal.usage) {
+            if let Some(suppressed) = SATURATED.admit() {
+                let subject = &charge.caller().subject;
+                tracing::warn!(
+                    subject.kind = %subject.kind(),
+                    subject.hash = %subject.log_hash(),
+                    suppressed,
+                    "a shadow quota's counter holds the most its store counts: it counts this subject's requests no further until it resets"
+                );
+            }
+            // Over its limit, as enforced it would have refused.
+            crate::metrics::decisions(
+                crate::metrics::outcome::SHADOW_REFUSED,
+                saturated.iter().map(|&i| quotas[i].allowance_shared()),
+            );
+            return Decision::Saturated(saturated);
+        }
+    }
     let outcome = match &answer {
         Ok(outcome) if outcome.admitted => crate::metrics::outcome::ADMITTED,
         Ok(_) => crate::metrics::outcome::REFUSED,
@@ -489,6 +552,33 @@ pub(crate) fn decide(
 fn decided(span: &tracing::Span, outcome: &'static str) {
     span.record("outcome", outcome);
     tracing::debug!(parent: span, "quota decision");
+}
+
+/// Shadow quotas at the most their store counts, logged a few times per
+/// second at most.
+static SATURATED: Throttle = Throttle::new(1);
+
+/// The lines of a refused charge to go again without, when the only lines
+/// without room (for their cost, at what the store answered) are of shadow
+/// quotas, whose lines have no limit of their own: their counters hold
+/// the most the store counts. `None` when an enforced quota had no room
+/// (a refusal), or none at all (a store refusing for a reason of its own).
+fn saturated(
+    quotas: &[Quota],
+    lines: &[crate::store::ChargeLine],
+    usage: &[Usage],
+) -> Option<SmallVec<[usize; 1]>> {
+    let mut saturated = SmallVec::new();
+    for (i, ((quota, line), usage)) in quotas.iter().zip(lines).zip(usage).enumerate() {
+        if crate::store::has_room(usage.used, line.cost, usage.limit) {
+            continue;
+        }
+        if !quota.is_shadow() {
+            return None;
+        }
+        saturated.push(i);
+    }
+    (!saturated.is_empty()).then_some(saturated)
 }
 
 /// The quotas a refusal is counted against: the enforced ones without room

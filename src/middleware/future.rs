@@ -17,7 +17,7 @@ use crate::body::ResponseBody;
 use crate::response::RateLimitFields;
 use crate::status::{GiveBack, LayerQuotas, Lines, QuotaSet, QuotaStatus};
 use crate::store::resend::Resend;
-use crate::store::{Store, StoreError, StoreErrorKind, Usage};
+use crate::store::{ChargeAnswer, Store, StoreError, StoreErrorKind, Usage};
 use crate::subject::SubjectExtractor;
 use crate::throttle::Throttle;
 
@@ -146,7 +146,7 @@ impl<E, St: Store> Charged<E, St> {
 
 impl<S, E, St, ReqBody> ResponseFuture<S, E, St, ReqBody>
 where
-    S: Service<Request<ReqBody>>,
+    S: Service<Request<ReqBody>> + Clone,
     E: SubjectExtractor,
     St: Store,
 {
@@ -226,7 +226,7 @@ fn decided<S, E, St, ReqBody>(
     answer: Result<crate::store::ChargeOutcome, StoreError>,
 ) -> State<S, E, St, ReqBody>
 where
-    S: Service<Request<ReqBody>>,
+    S: Service<Request<ReqBody>> + Clone,
     E: SubjectExtractor,
     St: Store,
 {
@@ -254,6 +254,44 @@ where
                 future: inner.call(request),
                 charged,
                 owing: None,
+            }
+        }
+        Decision::Saturated(left_out) => {
+            // Shadow quotas at the most their store counts never refuse:
+            // the charge goes again without them, or, with nothing left,
+            // the request passes this layer uncounted.
+            let Some(charge) = charge.without(&left_out, &bound.scope) else {
+                return State::Calling {
+                    future: inner.call(request),
+                    charged: Unanswered(None),
+                    owing: None,
+                };
+            };
+            let timer = crate::metrics::ChargeTimer::start();
+            match bound.policy.store.charge_at_once(&charge.request) {
+                ChargeAnswer::Now(answer) => {
+                    timer.stop(crate::store::metrics_label::<St>());
+                    decided(inner, request, charge, bound, answer)
+                }
+                ChargeAnswer::Later(answer) => {
+                    // The instance `poll_ready` readied goes with the
+                    // request; a clone stays.
+                    let clone = inner.clone();
+                    let inner = std::mem::replace(inner, clone);
+                    State::Charging {
+                        waiting: Box::new(Waiting {
+                            charge: answer,
+                            timeout: None,
+                            timer,
+                            pending: Some(Pending {
+                                inner,
+                                request,
+                                charge,
+                                bound: Arc::clone(bound),
+                            }),
+                        }),
+                    }
+                }
             }
         }
         Decision::PassUncounted => {
@@ -465,7 +503,7 @@ impl<E, St: Store> Charged<E, St> {
 
 impl<S, E, St, ReqBody, ResBody> Future for ResponseFuture<S, E, St, ReqBody>
 where
-    S: Service<Request<ReqBody>, Response = Response<ResBody>>,
+    S: Service<Request<ReqBody>, Response = Response<ResBody>> + Clone,
     E: SubjectExtractor,
     St: Store,
 {
