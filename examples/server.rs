@@ -352,17 +352,21 @@ fn bulk_cost(parts: &Parts) -> Result<u64, InvalidRequest> {
     if parts.uri.path() != "/bulk" {
         return Ok(1);
     }
-    let n = parts
-        .uri
-        .query()
-        .unwrap_or("")
-        .split('&')
-        .find_map(|pair| pair.strip_prefix("n="))
-        .ok_or_else(|| InvalidRequest::new("POST /bulk needs ?n=K"))?;
+    // Read as forms write a query; `n` once, in digits.
+    let query = parts.uri.query().unwrap_or("");
+    let mut given = form_urlencoded::parse(query.as_bytes()).filter(|(name, _)| name == "n");
+    let n = given
+        .next()
+        .ok_or_else(|| InvalidRequest::new("POST /bulk needs ?n=K"))?
+        .1;
+    if given.next().is_some() {
+        return Err(InvalidRequest::new("?n= is given more than once"));
+    }
+    let digits = !n.is_empty() && n.bytes().all(|b| b.is_ascii_digit());
     match n.parse() {
         // Nothing to write is not a free pass past a spent allowance.
-        Ok(0) | Err(_) => Err(InvalidRequest::new("n must be a whole number above 0")),
-        Ok(n) => Ok(n),
+        Ok(n) if digits && n > 0 => Ok(n),
+        _ => Err(InvalidRequest::new("n must be a whole number above 0")),
     }
 }
 

@@ -41,6 +41,11 @@ async fn demo_server_enforces_read_and_write_allowances() {
     assert_eq!(call(&server, "POST", "/bulk?n=x", ACME).await.status, 400);
     // Nothing to write is no free pass past a spent allowance.
     assert_eq!(call(&server, "POST", "/bulk?n=0", ACME).await.status, 400);
+    // `n` once, in digits.
+    for query in ["n=1&n=2", "n=%2B1", "n=", "n=-1", "n=1.0"] {
+        let reply = call(&server, "POST", &format!("/bulk?{query}"), ACME).await;
+        assert_eq!(reply.status, 400, "{query}");
+    }
 
     let status = call(&server, "GET", "/quota", ACME).await;
     assert_eq!(status.status, 200);
