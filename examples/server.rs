@@ -656,9 +656,21 @@ fn with_fields(mut response: Response) -> Response {
 /// `GET /metrics`, in the Prometheus text format, outside every quota layer.
 #[cfg(feature = "metrics")]
 fn with_metrics(app: Router) -> Router {
-    use metrics_exporter_prometheus::PrometheusBuilder;
+    use metrics_exporter_prometheus::{Matcher, PrometheusBuilder};
 
+    // The charge's duration as a Prometheus histogram (buckets from 50 µs
+    // to 1 s), which dashboards aggregate across instances; without
+    // buckets the exporter renders a summary.
+    const CHARGE_SECONDS: &[f64] = &[
+        0.000_05, 0.000_1, 0.000_25, 0.000_5, 0.001, 0.002_5, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25,
+        0.5, 1.0,
+    ];
     let handle = PrometheusBuilder::new()
+        .set_buckets_for_metric(
+            Matcher::Full(tower_quota::metrics::CHARGE_DURATION.to_owned()),
+            CHARGE_SECONDS,
+        )
+        .expect("buckets")
         .install_recorder()
         .unwrap_or_else(|e| fail(&format!("--metrics: {e}")));
     tower_quota::metrics::describe();

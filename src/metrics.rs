@@ -79,7 +79,10 @@
 //! ([`MemoryStore`](crate::MemoryStore)), `redis` (`RedisStore`) or `other`
 //! (any other type, wrappers of those two included). One observation per
 //! charge, so one per layer that charges a request. A charge cut short by
-//! `store_timeout` is recorded at the time waited.
+//! `store_timeout` is recorded at the time waited. A Prometheus exporter
+//! renders a histogram as a summary unless it is given buckets for it
+//! (`metrics-exporter-prometheus`: `set_buckets_for_metric`, as the demo
+//! server does); with buckets, instances aggregate.
 //!
 //! # `tower_quota_counters_healed_total`
 //!

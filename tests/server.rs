@@ -499,8 +499,13 @@ async fn demo_server_serves_its_metrics_uncharged() {
     assert_eq!(decisions("admitted"), Some(2.0), "{text}");
     assert_eq!(decisions("refused"), Some(1.0), "{text}");
     assert_eq!(decisions("skipped"), None, "{text}");
+    // A histogram, with buckets: what dashboards aggregate across instances.
     assert!(
-        text.contains("tower_quota_charge_duration_seconds"),
+        text.contains("# TYPE tower_quota_charge_duration_seconds histogram"),
+        "{text}"
+    );
+    assert!(
+        text.contains("tower_quota_charge_duration_seconds_bucket{"),
         "{text}"
     );
     assert!(text.contains("store=\"memory\""), "{text}");
