@@ -469,7 +469,7 @@ pub(crate) fn decide(
     answer: Result<ChargeOutcome, StoreError>,
 ) -> Decision {
     let quotas = charge.quotas(scope);
-    if let Ok(refusal) = &answer {
+    if let Some(refusal) = answer.as_ref().ok().filter(|outcome| !outcome.admitted) {
         if let Some(saturated) = saturated(quotas, &charge.request.lines, &refusal.usage) {
             if let Some(suppressed) = SATURATED.admit() {
                 let subject = &charge.caller().subject;

@@ -150,44 +150,15 @@ where
     E: SubjectExtractor,
     St: Store,
 {
-    /// Waits for `answer`, the store's future for `charge`, then calls
-    /// `inner`.
-    pub(crate) fn charging(
-        answer: St::ChargeFuture,
-        timer: crate::metrics::ChargeTimer,
-        charge: Charge,
-        bound: Arc<Bound<E, St>>,
-        inner: S,
-        request: Request<ReqBody>,
-    ) -> Self {
-        Self {
-            state: State::Charging {
-                waiting: Box::new(Waiting {
-                    charge: answer,
-                    timeout: None,
-                    timer,
-                    pending: Some(Pending {
-                        inner,
-                        request,
-                        charge,
-                        bound,
-                    }),
-                }),
-            },
-        }
-    }
-
-    /// What follows the store's `answer` to `charge`, at once: `inner`
-    /// called with `request`, or the refusal.
-    pub(crate) fn decided(
+    /// Sends `charge` to the store (see [`send`]).
+    pub(crate) fn sent(
         inner: &mut S,
         request: Request<ReqBody>,
         charge: Charge,
         bound: &Arc<Bound<E, St>>,
-        answer: Result<crate::store::ChargeOutcome, StoreError>,
     ) -> Self {
         Self {
-            state: decided(inner, request, charge, bound, answer),
+            state: send(inner, request, charge, bound),
         }
     }
 
@@ -215,6 +186,52 @@ where
             },
         }
     }
+}
+
+/// Sends `charge` to the store, and the state that follows: the store's
+/// answer decided at once when it answers at once (or its future does, on
+/// a first poll), then `inner` called; otherwise a wait for the answer with
+/// `inner`, the instance `poll_ready` readied (a clone stays in its place).
+#[inline]
+fn send<S, E, St, ReqBody>(
+    inner: &mut S,
+    request: Request<ReqBody>,
+    charge: Charge,
+    bound: &Arc<Bound<E, St>>,
+) -> State<S, E, St, ReqBody>
+where
+    S: Service<Request<ReqBody>> + Clone,
+    E: SubjectExtractor,
+    St: Store,
+{
+    let timer = crate::metrics::ChargeTimer::start();
+    let answer = match bound.policy.store.charge_at_once(&charge.request) {
+        ChargeAnswer::Now(answer) => answer,
+        ChargeAnswer::Later(mut future) => {
+            let mut cx = Context::from_waker(std::task::Waker::noop());
+            match Pin::new(&mut future).poll(&mut cx) {
+                Poll::Ready(answer) => answer,
+                Poll::Pending => {
+                    let clone = inner.clone();
+                    return State::Charging {
+                        waiting: Box::new(Waiting {
+                            charge: future,
+                            timeout: None,
+                            timer,
+                            pending: Some(Pending {
+                                inner: std::mem::replace(inner, clone),
+                                request,
+                                charge,
+                                bound: Arc::clone(bound),
+                            }),
+                        }),
+                    };
+                }
+            }
+        }
+    };
+    timer.stop(crate::store::metrics_label::<St>());
+    decided(inner, request, charge, bound, answer)
 }
 
 /// The state that follows the store's `answer` to `charge`.
@@ -267,32 +284,7 @@ where
                     owing: None,
                 };
             };
-            let timer = crate::metrics::ChargeTimer::start();
-            match bound.policy.store.charge_at_once(&charge.request) {
-                ChargeAnswer::Now(answer) => {
-                    timer.stop(crate::store::metrics_label::<St>());
-                    decided(inner, request, charge, bound, answer)
-                }
-                ChargeAnswer::Later(answer) => {
-                    // The instance `poll_ready` readied goes with the
-                    // request; a clone stays.
-                    let clone = inner.clone();
-                    let inner = std::mem::replace(inner, clone);
-                    State::Charging {
-                        waiting: Box::new(Waiting {
-                            charge: answer,
-                            timeout: None,
-                            timer,
-                            pending: Some(Pending {
-                                inner,
-                                request,
-                                charge,
-                                bound: Arc::clone(bound),
-                            }),
-                        }),
-                    }
-                }
-            }
+            send(inner, request, charge, bound)
         }
         Decision::PassUncounted => {
             // The store is failing: the request owes its charge, and the

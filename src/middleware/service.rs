@@ -1,9 +1,6 @@
 use std::fmt;
-use std::future::Future;
-use std::mem;
-use std::pin::Pin;
 use std::sync::Arc;
-use std::task::{Context, Poll, Waker};
+use std::task::{Context, Poll};
 
 use http::{Request, Response};
 use tower_service::Service;
@@ -13,7 +10,7 @@ use super::future::ResponseFuture;
 use super::layer::Bound;
 use crate::body::ResponseBody;
 use crate::status::QuotaStatus;
-use crate::store::{ChargeAnswer, Store};
+use crate::store::Store;
 use crate::subject::SubjectExtractor;
 
 /// The service of a [`QuotaLayer`](crate::QuotaLayer): charges each request
@@ -99,38 +96,8 @@ where
             Step::Reject(response) => ResponseFuture::rejected(charge::marked(response)),
             Step::Charge(charge) => {
                 let request = Request::from_parts(parts, body);
-                let timer = crate::metrics::ChargeTimer::start();
-                // A store that answers at once is answered here, and the
-                // inner service called now; any other, in the future.
-                let answer = match self.bound.policy.store.charge_at_once(&charge.request) {
-                    ChargeAnswer::Now(answer) => answer,
-                    ChargeAnswer::Later(mut future) => {
-                        // Polled once: a future may answer at once too.
-                        let mut cx = Context::from_waker(Waker::noop());
-                        match Pin::new(&mut future).poll(&mut cx) {
-                            Poll::Ready(answer) => answer,
-                            Poll::Pending => {
-                                let bound = Arc::clone(&self.bound);
-                                let inner = self.take_ready();
-                                return ResponseFuture::charging(
-                                    future, timer, charge, bound, inner, request,
-                                );
-                            }
-                        }
-                    }
-                };
-                timer.stop(crate::store::metrics_label::<St>());
-                ResponseFuture::decided(&mut self.inner, request, charge, &self.bound, answer)
+                ResponseFuture::sent(&mut self.inner, request, charge, &self.bound)
             }
         }
-    }
-}
-
-impl<S: Clone, E, St> QuotaService<S, E, St> {
-    /// The instance that `poll_ready` readied; a clone stays for the next
-    /// request.
-    fn take_ready(&mut self) -> S {
-        let clone = self.inner.clone();
-        mem::replace(&mut self.inner, clone)
     }
 }
