@@ -50,7 +50,8 @@
 //!   request, which passed (labelled with that quota's allowance, beside
 //!   the request's own `admitted`); also a shadow quota whose counter holds
 //!   the most its store counts, which the request passes uncounted (the
-//!   charge goes again without it).
+//!   charge goes again without it, counted on its own: no `admitted` when
+//!   the layer has no other quota).
 //!
 //! Each decision a layer takes on the store's answer counts once: a request
 //! is decided once by each layer that charges quotas of its own, so a
@@ -78,7 +79,8 @@
 //! From sending a charge to the store's answer, by `store`: `memory`
 //! ([`MemoryStore`](crate::MemoryStore)), `redis` (`RedisStore`) or `other`
 //! (any other type, wrappers of those two included). One observation per
-//! charge, so one per layer that charges a request. A charge cut short by
+//! charge, so one per layer that charges a request (two when the charge
+//! goes again without a shadow quota whose counter is full). A charge cut short by
 //! `store_timeout` is recorded at the time waited. A Prometheus exporter
 //! renders a histogram as a summary unless it is given buckets for it
 //! (`metrics-exporter-prometheus`: `set_buckets_for_metric`, as the demo

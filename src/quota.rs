@@ -242,6 +242,14 @@ impl Quota {
     /// policy's enforced layers still decide for themselves, and refuse
     /// what they refuse.
     ///
+    /// A shadow quota counts until its counter holds the most its store
+    /// counts (`u64::MAX` on the memory store, 2^53 - 1 on Redis); then it
+    /// takes no more until it resets: the request's charge goes to the
+    /// store again without it (a second call, with a `store_timeout` of its
+    /// own), and the quota is left out of that request's fields and
+    /// [`QuotaStatus`](crate::QuotaStatus). It is logged, and counted as
+    /// `shadow_refused`.
+    ///
     /// It counts what was served: every request, those over its limit
     /// too. Enforced, it would not have counted those, so where requests
     /// cost alike the shadow refusals are the refusals enforcing it would

@@ -1243,6 +1243,28 @@ async fn a_shadow_counter_at_the_stores_most_refuses_nothing() {
     let used = |name: &str| usage.iter().find(|u| u.name() == name).unwrap().used();
     assert_eq!(used("read-day"), 3);
     assert_eq!(used("trial-month-month"), u64::MAX);
+
+    // An admitted charge that fills a shadow counter to the most exactly is
+    // an admission like any other: charged once.
+    let first = get_as(&both, "/", "initech").await;
+    assert_eq!(first.status, StatusCode::OK);
+    let key = |subject: &str| {
+        tower_quota::PeriodKey::from_string(month.as_str().replace("globex", subject))
+    };
+    assert_eq!(
+        store.add(now, key("initech"), u64::MAX - 2).await.unwrap(),
+        Some(u64::MAX - 1)
+    );
+    let filling = get_as(&both, "/", "initech").await;
+    assert_eq!(filling.status, StatusCode::OK);
+    let usage = policy
+        .handle()
+        .usage(&tower_quota::Subject::account("initech"))
+        .await
+        .unwrap();
+    let used = |name: &str| usage.iter().find(|u| u.name() == name).unwrap().used();
+    assert_eq!(used("read-day"), 2, "charged once");
+    assert_eq!(used("trial-month-month"), u64::MAX);
 }
 
 /// A layer further in refuses a while after the request's first charge

@@ -44,16 +44,29 @@ where
     /// charge `id` (it refuses it as malformed) and the second may answer
     /// that kind (a header's id that is not text, behind an extension's).
     /// An extractor that does not tell its kinds (a closure's) may answer
-    /// any.
+    /// any; where the first tells nothing and the second tells it answers
+    /// `kind`, the second names the subject (it may rewrite ids, as
+    /// [`ClientIp`](crate::ClientIp) groups addresses), and the first only
+    /// ids the second refuses.
     fn subject_named(&self, kind: &SubjectKind, id: &[u8]) -> Result<Subject, SubjectError> {
-        let may_answer =
-            |kinds: Option<Vec<SubjectKind>>| kinds.is_none_or(|kinds| kinds.contains(kind));
-        if !may_answer(self.first.kinds()) {
+        let first = self.first.kinds();
+        let second = self.second.kinds();
+        let may_answer = |kinds: &Option<Vec<SubjectKind>>| {
+            kinds.as_ref().is_none_or(|kinds| kinds.contains(kind))
+        };
+        if !may_answer(&first) {
             return self.second.subject_named(kind, id);
         }
-        let second = may_answer(self.second.kinds());
+        if first.is_none() && second.as_ref().is_some_and(|kinds| kinds.contains(kind)) {
+            return match self.second.subject_named(kind, id) {
+                Err(SubjectError::Malformed(_)) => self.first.subject_named(kind, id),
+                answer => answer,
+            };
+        }
         match self.first.subject_named(kind, id) {
-            Err(SubjectError::Malformed(_)) if second => self.second.subject_named(kind, id),
+            Err(SubjectError::Malformed(_)) if may_answer(&second) => {
+                self.second.subject_named(kind, id)
+            }
             answer => answer,
         }
     }
@@ -137,6 +150,15 @@ mod tests {
             Ok(Subject::user("u"))
         );
         assert_eq!(closure_first.kinds(), None);
+
+        // Before an extractor that rewrites ids, a closure leaves the
+        // naming to it: a support call reaches the network's counter.
+        let ip = from_fn(|_: &Parts| Err(SubjectError::Missing)).or(crate::ClientIp::new());
+        let named = ip.subject_named(&SubjectKind::IP, b"2001:db8:1:2::9");
+        assert_eq!(
+            named,
+            Ok(Subject::new(SubjectKind::IP, "2001:db8:1:2::/64"))
+        );
     }
 
     fn parts(headers: &[(&str, &str)]) -> Parts {
