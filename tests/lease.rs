@@ -260,6 +260,32 @@ async fn a_busy_subject_spends_blocks_locally_and_the_store_counts_every_admissi
     assert_eq!(counted(&inner, now).await, 1_000);
 }
 
+/// Blocks follow the units a subject spends, not its requests: a subject
+/// whose requests cost 10 units each is served from blocks as one whose
+/// requests cost 1, and the store counts every unit.
+#[tokio::test(start_paused = true)]
+async fn costly_requests_are_served_from_blocks_too() {
+    for cost in [1u64, 10] {
+        let inner = Counting::default();
+        let leased = LeasedStore::new(inner.clone());
+        let mut now = t0();
+        for _ in 0..1_000 {
+            let mut costly = request(now, 100_000_000);
+            costly.lines[0].cost = cost;
+            assert!(leased.charge(costly).await.unwrap().admitted);
+            tokio::time::advance(Duration::from_millis(1)).await;
+            now += SignedDuration::from_millis(1);
+        }
+        let charges = inner.charges.load(Ordering::Relaxed);
+        assert!(
+            charges <= 20,
+            "cost {cost}: {charges} store charges for 1000 requests"
+        );
+        leased.shutdown().await;
+        assert_eq!(counted(&inner.inner, now).await, 1_000 * cost);
+    }
+}
+
 #[tokio::test(start_paused = true)]
 async fn a_busy_subjects_next_block_is_taken_when_its_block_runs_out() {
     // 20 requests a second: the next request comes 50 ms after the one

@@ -802,7 +802,8 @@ struct Counter {
     /// way for the old one (units to put back, a mark's joining) does not
     /// land on it.
     generation: u64,
-    /// Requests since the last charge sent, and when it was sent: the rate.
+    /// Units requested since the last charge sent, and when it was sent:
+    /// the rate (in units: a block follows what the subject spends).
     hits: u64,
     charged_at: Instant,
     /// The number of the charge whose answer the entry last took in whole
@@ -1129,7 +1130,7 @@ impl<St: Store> LeasedStore<St> {
         {
             return 0;
         }
-        // The rate since the last charge sent, over four fifths of a lease
+        // The rate (units) since the last charge sent, over four fifths of a lease
         // time: a steady subject spends its block before the lease time
         // ends, and takes the next one when it runs out (one store call),
         // instead of giving back what is left at the end of the lease and
@@ -1217,7 +1218,7 @@ impl<St: Store> LeasedStore<St> {
                 to_store = true;
                 continue;
             };
-            counter.hits += 1;
+            counter.hits = counter.hits.saturating_add(line.cost);
             counter.seen = request.now;
             counter.gap = at.saturating_duration_since(counter.seen_at);
             counter.back |= counter.gap >= self.shared.settings.idle;
