@@ -260,6 +260,27 @@ async fn a_busy_subject_spends_blocks_locally_and_the_store_counts_every_admissi
     assert_eq!(counted(&inner, now).await, 1_000);
 }
 
+/// A leased store waits up to 25 ms for units on their way back before it
+/// answers a refusal: a policy whose `store_timeout` is no longer would turn
+/// each such wait into a failure (a 503, or under fail open an admission
+/// past the limit), and is refused when it is built.
+#[test]
+fn a_store_timeout_within_the_leased_wait_is_refused_when_the_policy_is_built() {
+    let policy = |ms: u64| {
+        tower_quota::QuotaPolicy::builder(tower_quota::FromHeader::account("x-account-id"))
+            .store(LeasedStore::new(MemoryStore::new()))
+            .store_timeout(Some(Duration::from_millis(ms)))
+            .build()
+    };
+    let _ = policy(26);
+    let refused = std::panic::catch_unwind(|| policy(25)).expect_err("refused");
+    let message = refused.downcast_ref::<String>().expect("a message");
+    assert!(
+        message.contains("must be longer than the 25ms"),
+        "{message}"
+    );
+}
+
 /// Blocks follow the units a subject spends, not its requests: a subject
 /// whose requests cost 10 units each is served from blocks as one whose
 /// requests cost 1, and the store counts every unit.

@@ -508,6 +508,10 @@ impl<E, St> QuotaPolicyBuilder<E, St> {
     /// the response goes out with its fields as the change will leave the
     /// counters, and the change carries on in its own task.
     ///
+    /// It must be longer than what the store may wait on purpose before it
+    /// answers ([`Store::longest_wait`]: 25 ms for a
+    /// [`LeasedStore`](crate::LeasedStore)): [`build`](Self::build) checks.
+    ///
     /// # Panics
     ///
     /// When `timeout` is zero. A request whose store does not answer at once
@@ -717,7 +721,25 @@ impl<E, St> QuotaPolicyBuilder<E, St> {
     }
 
     /// The policy.
-    pub fn build(self) -> QuotaPolicy<E, St> {
+    ///
+    /// # Panics
+    ///
+    /// When `store_timeout` is no longer than the wait the store may take
+    /// on purpose before it answers ([`Store::longest_wait`]: 25 ms for a
+    /// [`LeasedStore`](crate::LeasedStore)).
+    pub fn build(self) -> QuotaPolicy<E, St>
+    where
+        St: Store,
+    {
+        if let Some(timeout) = self.settings.store_timeout {
+            let wait = self.store.longest_wait();
+            assert!(
+                timeout > wait,
+                "store_timeout ({timeout:?}) must be longer than the {wait:?} its store may wait \
+                 before it answers (a LeasedStore waits for units on their way back): each such \
+                 wait would fail the request"
+            );
+        }
         static NEXT: AtomicU64 = AtomicU64::new(1);
         let plans: Arc<[Arc<str>]> = self.settings.plans.clone().into();
         QuotaPolicy {

@@ -186,4 +186,11 @@ impl<A: Store, B: Store> Store for EitherStore<A, B> {
             Self::Right(store) => store.max_count(),
         }
     }
+
+    fn longest_wait(&self) -> std::time::Duration {
+        match self {
+            Self::Left(store) => store.longest_wait(),
+            Self::Right(store) => store.longest_wait(),
+        }
+    }
 }

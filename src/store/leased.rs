@@ -3191,4 +3191,9 @@ impl<St: Store> Store for LeasedStore<St> {
     fn max_count(&self) -> u64 {
         self.inner.max_count()
     }
+
+    /// The wait for units on their way back, beside the inner store's.
+    fn longest_wait(&self) -> Duration {
+        RETURN_WAIT.saturating_add(self.inner.longest_wait())
+    }
 }

@@ -697,4 +697,15 @@ pub trait Store: Clone + Send + Sync + 'static {
     fn max_count(&self) -> u64 {
         u64::MAX
     }
+
+    /// How long this store may wait on purpose before it answers a charge
+    /// (a [`LeasedStore`] waits up to 25 ms for units on their way back
+    /// before it answers a refusal): a policy's `store_timeout` must be
+    /// longer, or each such wait would fail the request (a 503, or under
+    /// fail open an admission past the limit), and the policy refuses one
+    /// that is not when it is built. Zero by default; a store that wraps
+    /// another adds its own to the inner store's.
+    fn longest_wait(&self) -> std::time::Duration {
+        std::time::Duration::ZERO
+    }
 }
