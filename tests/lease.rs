@@ -281,6 +281,41 @@ fn a_store_timeout_within_the_leased_wait_is_refused_when_the_policy_is_built() 
     );
 }
 
+/// A request refused while a block of its counter is on its way here, which
+/// costs more than that block, is served once the block lands: from the
+/// block, and the rest from the store's room, as it would be without leases.
+#[tokio::test(start_paused = true)]
+async fn a_request_costing_more_than_the_block_on_its_way_is_served_from_it_and_the_store() {
+    let slow = Slow::default();
+    let a = LeasedStore::new(slow.clone());
+    let mut now = t0();
+    busy(&a, &mut now, 40, 100, 1).await;
+    let served = 40 + spend_what_is_held(&a, now, 100).await;
+    assert_eq!(counted(&slow.inner, now).await, served);
+    let left = 100 - served;
+    slow.delay.store(5, Ordering::Relaxed);
+    slow.late.store(10, Ordering::Relaxed);
+    let a0 = a.clone();
+    let r0 = tokio::spawn(async move { call(&a0, now, 100).await });
+    tokio::task::yield_now().await;
+    slow.late.store(0, Ordering::Relaxed);
+    tokio::time::advance(Duration::from_millis(1)).await;
+    let mut big = request(now, 100);
+    big.lines[0].cost = left - 1;
+    let r1 = a.charge(big).await.unwrap();
+    let r0 = r0.await.unwrap();
+    assert!(r0.admitted);
+    assert!(
+        r1.admitted,
+        "room for it: the block here and the store's rest"
+    );
+    assert_eq!(
+        counted(&slow.inner, now).await - a.held(),
+        100,
+        "every unit admitted, none more"
+    );
+}
+
 /// Blocks follow the units a subject spends, not its requests: a subject
 /// whose requests cost 10 units each is served from blocks as one whose
 /// requests cost 1, and the store counts every unit.

@@ -635,9 +635,10 @@ impl Shared {
         if lines.is_empty() {
             return false;
         }
-        // Whether every line's block can pay for it (as `spend_locally`
-        // would), and whether one is on its way for a line whose block
-        // cannot.
+        // Whether every line's block can pay for it, with the store's room
+        // for the rest of its cost (as the request sent again pays: from
+        // the block, then the store), and whether one is on its way for a
+        // line whose block cannot.
         let state = || {
             let mut counters = self.counters(lines.iter().map(|line| &line.key));
             let (mut held, mut taking) = (true, false);
@@ -645,7 +646,7 @@ impl Shared {
                 let counter = counters.get_mut(&line.key);
                 let lease_time = self.settings.lease_time;
                 let pays = counter.as_ref().is_some_and(|c| {
-                    c.units >= line.cost
+                    c.units > 0
                         && super::has_room(c.usage().used, line.cost, line.limit)
                         && sized_by(line) >= c.block_limit
                         && c.block_since
