@@ -223,14 +223,27 @@ mod tests {
             })
             .collect();
         let cache = Arc::new(WindowCache::default());
+        // The writer writes until both readers made their rounds, then
+        // says so; each reader then probes every window once more (the last
+        // one stays kept, so it reads one at least).
+        let rounds_done = Arc::new(std::sync::atomic::AtomicUsize::new(0));
+        let written = Arc::new(std::sync::atomic::AtomicBool::new(false));
         let readers: Vec<_> = (0..2)
             .map(|_| {
                 let cache = Arc::clone(&cache);
                 let windows = windows.clone();
+                let (rounds_done, written) = (Arc::clone(&rounds_done), Arc::clone(&written));
                 std::thread::spawn(move || {
-                    let mut seen = 0;
-                    for round in 0..200_000 {
+                    let (mut seen, mut round, mut after) = (0, 0, 0);
+                    while after < windows.len() {
+                        if round == 200_000 {
+                            rounds_done.fetch_add(1, Ordering::Release);
+                        }
+                        if written.load(Ordering::Acquire) {
+                            after += 1;
+                        }
                         let i = round % windows.len();
+                        round += 1;
                         let probe = windows[i].start();
                         if let Some(kept) = read(&cache, probe) {
                             let expected = &windows[i];
@@ -249,15 +262,14 @@ mod tests {
                 })
             })
             .collect();
-        for _ in 0..50 {
+        while rounds_done.load(Ordering::Acquire) < 2 {
             // Start over: a fresh cache takes the earliest window again.
             cache.len.store(0, Ordering::Relaxed);
             for window in &windows {
                 cache.put(window);
             }
         }
-        // The last window stays kept: readers still probing find it, so
-        // the test reads windows, whenever the writer is done.
+        written.store(true, Ordering::Release);
         let seen: usize = readers
             .into_iter()
             .map(|reader| reader.join().expect("no reader saw a torn window"))
