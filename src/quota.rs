@@ -419,7 +419,7 @@ impl Quota {
         let period = &self.0.period;
         let seconds = match (self.0.anchor, first_call) {
             (Anchor::Calendar, _) => {
-                self.with_window(now, |start, end, _| seconds_until(start, end))
+                self.with_window(now, true, |start, end, _| seconds_until(start, end))
             }
             // A first call the store reports near the end of time (written
             // by another tool): the period's length as one opened now.
@@ -436,7 +436,10 @@ impl Quota {
     /// window a counter created at `at` would have).
     pub fn window(&self, at: Timestamp) -> Window {
         match self.0.anchor {
-            Anchor::Calendar => self.with_window(at, |start, end, stamp| {
+            // Read from the windows kept for requests, never kept from here:
+            // a look at a window to come (a status page's next reset) would
+            // take the place of the current one until it starts.
+            Anchor::Calendar => self.with_window(at, false, |start, end, stamp| {
                 Window::new(start, end, String::from_utf8_lossy(stamp).into_owned())
             }),
             Anchor::FirstUse => Window::first_use(
@@ -449,8 +452,10 @@ impl Quota {
 
     /// Runs `f` on the calendar window containing `at` (its start, end and
     /// stamp, as the bytes of a `str`), computed once per window and shared
-    /// by the quota's clones.
-    fn with_window<R, F>(&self, at: Timestamp, f: F) -> R
+    /// by the quota's clones; a window computed here is kept for the next
+    /// requests when `keep` (for a request's own instant, not for a look
+    /// elsewhere in time).
+    fn with_window<R, F>(&self, at: Timestamp, keep: bool, f: F) -> R
     where
         F: FnOnce(Timestamp, Timestamp, &[u8]) -> R,
     {
@@ -458,7 +463,9 @@ impl Quota {
             Ok(result) => result,
             Err(f) => {
                 let window = self.0.period.window(at);
-                self.0.current.put(&window);
+                if keep {
+                    self.0.current.put(&window);
+                }
                 f(window.start(), window.end(), window.stamp().as_bytes())
             }
         }
@@ -478,10 +485,12 @@ impl Quota {
         at: Timestamp,
         cost: u64,
     ) -> ChargeLine {
-        self.line_with_limit(namespace, subject, at, cost, self.0.limit)
+        // Not kept: `at` may be anywhere in time (see `Quota::window`).
+        self.line_kept(namespace, subject, at, cost, self.0.limit, false)
     }
 
-    /// As [`Quota::line`], against `limit` (a plan's).
+    /// As [`Quota::line`], against `limit` (a plan's), for a request at
+    /// `at` (its window is kept for the next requests).
     pub(crate) fn line_with_limit(
         &self,
         namespace: &Namespace,
@@ -490,9 +499,24 @@ impl Quota {
         cost: u64,
         limit: u64,
     ) -> ChargeLine {
+        self.line_kept(namespace, subject, at, cost, limit, true)
+    }
+
+    /// As [`Quota::line_with_limit`], keeping the window computed when
+    /// `keep` (see [`Quota::with_window`]).
+    #[inline]
+    fn line_kept(
+        &self,
+        namespace: &Namespace,
+        subject: &Subject,
+        at: Timestamp,
+        cost: u64,
+        limit: u64,
+        keep: bool,
+    ) -> ChargeLine {
         let inner = &*self.0;
         match inner.anchor {
-            Anchor::Calendar => self.with_window(at, |start, end, stamp| ChargeLine {
+            Anchor::Calendar => self.with_window(at, keep, |start, end, stamp| ChargeLine {
                 key: namespace.key_with_period(subject, &inner.allowance, stamp),
                 limit,
                 cost,
@@ -606,6 +630,26 @@ mod tests {
         ] {
             assert_eq!(quota.window_seconds(now, Some(last)), length);
         }
+    }
+
+    /// A look at a window to come (a status page's next reset) leaves the
+    /// window kept for the requests of today as it is: they find it.
+    #[test]
+    fn a_look_at_tomorrow_keeps_todays_window_for_requests() {
+        let today: Timestamp = "2026-12-02T10:00:00Z".parse().unwrap();
+        let tomorrow: Timestamp = "2026-12-03T10:00:00Z".parse().unwrap();
+        let quota = Quota::daily(10);
+        let subject = Subject::account("acme");
+        let namespace = Namespace::default();
+        let _ = quota.line_with_limit(&namespace, &subject, today, 1, 10);
+        let kept = |at| quota.0.current.with(at, |_, _, _| ()).is_ok();
+        assert!(kept(today));
+        assert_eq!(quota.window(tomorrow).stamp(), "2026-12-03");
+        assert_eq!(
+            quota.line(&namespace, &subject, tomorrow, 1).key,
+            namespace.key(&subject, "default", "2026-12-03")
+        );
+        assert!(kept(today), "today's window is still kept");
     }
 
     #[test]
