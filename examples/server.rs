@@ -264,9 +264,14 @@ fn parse_args() -> Options {
                 }
             }
             "--tz" => {
-                tz = Some(
-                    TimeZone::get(&value).unwrap_or_else(|e| fail(&format!("--tz {value:?}: {e}"))),
-                )
+                let zone =
+                    TimeZone::get(&value).unwrap_or_else(|e| fail(&format!("--tz {value:?}: {e}")));
+                // As a caller's zone: one of the IANA list, the same on
+                // every host that shares the store.
+                if zone.primary_iana_name().is_none() && zone.to_fixed_offset().is_err() {
+                    fail(&format!("--tz {value:?}: not a zone of the IANA list"));
+                }
+                tz = Some(zone);
             }
             "--subject" => {
                 options.subject = match value.as_str() {

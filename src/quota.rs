@@ -160,7 +160,8 @@ impl Quota {
     ///
     /// # Panics
     ///
-    /// When `tz` has neither an IANA name nor a fixed offset.
+    /// When `tz` is neither a zone of the IANA list nor a fixed offset (see
+    /// [`Period::in_time_zone`]).
     #[must_use]
     pub fn in_time_zone(mut self, tz: TimeZone) -> Self {
         let inner = self.inner();

@@ -168,8 +168,11 @@ impl Period {
     ///
     /// # Panics
     ///
-    /// When `tz` has neither an IANA name nor a fixed offset (a bare POSIX TZ
-    /// string): counter keys need a stable name for the zone.
+    /// When `tz` is neither a zone of the IANA list (it has a primary name)
+    /// nor a fixed offset: a bare POSIX TZ string, or a file of the system's
+    /// zone database that is no zone of the list (`localtime`,
+    /// `posixrules`, `right/…`), whose rules differ from host to host.
+    /// Counter keys need a name that means one zone everywhere.
     #[must_use]
     pub fn in_time_zone(mut self, tz: TimeZone) -> Self {
         self.tz_label = zone_label(&tz);
@@ -655,6 +658,13 @@ pub(crate) fn zone_name(tz: &TimeZone) -> Option<&str> {
 /// names (and GMT's, which is UTC in the time zone database: no offset, no
 /// clock change), the primary IANA name of any other, or a fixed offset.
 fn zone_label(tz: &TimeZone) -> Option<Arc<str>> {
+    if let (Some(name), None) = (tz.iana_name(), tz.primary_iana_name()) {
+        panic!(
+            "a quota's time zone is a zone of the IANA list or a fixed offset; {name:?} is a file \
+             of this system's zone database that names no zone of the list, and means another \
+             zone on another host"
+        );
+    }
     match zone_name(tz) {
         Some(
             "UTC" | "Etc/UTC" | "Etc/UCT" | "UCT" | "Etc/Zulu" | "Zulu" | "Universal"

@@ -936,6 +936,29 @@ fn fixed_windows_before_the_epoch_round_down() {
     );
 }
 
+/// A file of the system's zone database that names no zone of the IANA list
+/// (`localtime` is each host's own zone) means another zone on another host:
+/// a quota's zone is refused where the quota is made. (Where the database
+/// lacks these files, there is nothing to refuse.)
+#[test]
+fn a_zone_file_that_names_no_iana_zone_is_refused() {
+    for name in ["localtime", "posixrules", "right/Asia/Tokyo"] {
+        let Ok(tz) = TimeZone::get(name) else {
+            continue;
+        };
+        let refused = std::panic::catch_unwind(|| Period::day().in_time_zone(tz));
+        let message = refused.expect_err(name);
+        let message = message.downcast_ref::<String>().expect("a message");
+        assert!(
+            message.contains("names no zone of the list"),
+            "{name}: {message}"
+        );
+    }
+    // Aliases and primary names are zones of the list.
+    let _ = Period::day().in_time_zone(zone("US/Eastern"));
+    let _ = Period::day().in_time_zone(zone("Asia/Kolkata"));
+}
+
 #[test]
 #[should_panic(expected = "whole number of seconds")]
 fn fixed_period_of_a_fraction_of_a_second_is_refused() {
