@@ -281,7 +281,11 @@ impl Quota {
     /// `RateLimit` field's `t` and in `Retry-After`, so refused clients do
     /// not all come back in the same second when the window turns. Never
     /// earlier than the real reset. No effect on first-use quotas, whose
-    /// resets are spread already.
+    /// resets are spread already. The bound below is half the nominal
+    /// period: where a window is shorter than that (the 15 minutes left of
+    /// an hour when a zone's clocks move by 45, as Pacific/Chatham's do), a
+    /// subject may be told a reset past the next window's end, later than
+    /// needed, never earlier.
     ///
     /// # Panics
     ///
