@@ -56,8 +56,9 @@
 //! charge, and the unused units go back when the subject has been idle for
 //! `--lease-idle` milliseconds (1000 by default). On Ctrl-C or SIGTERM the
 //! server stops taking requests, finishes those under way (for 5 s at
-//! most, or until a second signal), gives every unused unit back, and
-//! exits.
+//! most, or until a second signal), settles what the fail-open ledger owes
+//! (5 s at most), gives every unused unit back, and exits; a signal during
+//! either of those stops it at once.
 
 #[path = "shared/period.rs"]
 mod period;
@@ -762,8 +763,12 @@ async fn leased_or_not<St: Store>(options: &Options, store: St) {
     }
     let leased = LeasedStore::builder(store).idle(options.lease_idle).build();
     run(options, leased.clone()).await;
-    let units = leased.shutdown().await;
-    println!("gave back {units} leased units");
+    tokio::select! {
+        units = leased.shutdown() => println!("gave back {units} leased units"),
+        // Told to stop again: the units held stay charged until their
+        // lease mark ends.
+        () = stop_signal() => eprintln!("stopped before the leased units went back"),
+    }
 }
 
 async fn run<St: Store>(options: &Options, store: St) {
@@ -815,10 +820,14 @@ async fn run<St: Store>(options: &Options, store: St) {
     // Admissions made while the store was away (`--on-store-error open`)
     // are counted before the server goes.
     if let Some(policy) = policy {
-        let owed = policy.settle_owed(Duration::from_secs(5)).await;
+        let owed = tokio::select! {
+            owed = policy.settle_owed(Duration::from_secs(5)) => owed,
+            // Told to stop again: at once, what is owed uncounted.
+            () = stop_signal() => policy.owed(),
+        };
         if owed.units > 0 {
             eprintln!(
-                "{} units owed on {} counters go uncounted: the store did not take them in 5 s",
+                "{} units owed on {} counters go uncounted: the store did not take them",
                 owed.units, owed.counters
             );
         }

@@ -309,6 +309,42 @@ async fn a_server_stopped_after_an_outage_counts_every_admission_before_it_goes(
     );
 }
 
+/// Told to stop again while it waits for the store to take what it owes,
+/// the demo server stops at once, and says what goes uncounted.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_second_signal_stops_a_server_waiting_to_settle() {
+    if !redis_available() {
+        return;
+    }
+    let mut redis = RedisServer::start();
+    let mut server = demo_server::start(&[
+        "--limit",
+        "100",
+        "--store",
+        &redis.url(),
+        "--on-store-error",
+        "open",
+    ]);
+    redis.kill();
+    let read = || demo_server::call(&server.addr, "GET", "/read", &[("x-account-id", "gone")]);
+    for _ in 0..2 {
+        assert_eq!(read().await.status, 200, "fail open");
+    }
+    server.signal("TERM");
+    // The drain ends at once (no connection open); the settle waits for a
+    // store that is away, up to 5 s.
+    tokio::time::sleep(Duration::from_millis(500)).await;
+    assert!(
+        !server.ended_within(Duration::from_millis(50)),
+        "waiting to settle"
+    );
+    server.signal("TERM");
+    assert!(
+        server.ended_within(Duration::from_secs(2)),
+        "stopped at once by the second signal"
+    );
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_first_use_counter_the_ledger_creates_ends_with_the_requests_period() {
     if !redis_available() {
