@@ -640,7 +640,13 @@ fn length_name(seconds: i64) -> String {
 /// `right/…`), whose rules differ from host to host, so that instances
 /// sharing a store would count different windows under one name.
 pub(crate) fn is_nameable(tz: &TimeZone) -> bool {
-    tz.primary_iana_name().is_some() || tz.to_fixed_offset().is_ok()
+    match (tz.primary_iana_name(), tz.iana_name()) {
+        (Some(_), _) => true,
+        // A file of the database that names no zone of the list, whatever
+        // its offsets: its name means another zone on another host.
+        (None, Some(_)) => false,
+        (None, None) => tz.to_fixed_offset().is_ok(),
+    }
 }
 
 /// The name that tells `tz` apart in keys: its primary IANA name, which its
@@ -658,13 +664,12 @@ pub(crate) fn zone_name(tz: &TimeZone) -> Option<&str> {
 /// names (and GMT's, which is UTC in the time zone database: no offset, no
 /// clock change), the primary IANA name of any other, or a fixed offset.
 fn zone_label(tz: &TimeZone) -> Option<Arc<str>> {
-    if let (Some(name), None) = (tz.iana_name(), tz.primary_iana_name()) {
-        panic!(
-            "a quota's time zone is a zone of the IANA list or a fixed offset; {name:?} is a file \
-             of this system's zone database that names no zone of the list, and means another \
-             zone on another host"
-        );
-    }
+    assert!(
+        is_nameable(tz),
+        "a quota's time zone is a zone of the IANA list or a fixed offset, got {tz:?}: a bare \
+         POSIX TZ string, or a file of this system's zone database that names no zone of the \
+         list and means another zone on another host, has no name that counter keys can carry"
+    );
     match zone_name(tz) {
         Some(
             "UTC" | "Etc/UTC" | "Etc/UCT" | "UCT" | "Etc/Zulu" | "Zulu" | "Universal"
@@ -673,9 +678,9 @@ fn zone_label(tz: &TimeZone) -> Option<Arc<str>> {
         ) => None,
         Some(name) => Some(name.into()),
         None => {
-            let offset = tz.to_fixed_offset().unwrap_or_else(|_| {
-                panic!("a quota's time zone needs an IANA name or a fixed offset, got {tz:?}")
-            });
+            let offset = tz
+                .to_fixed_offset()
+                .expect("a nameable zone without a name");
             if offset.seconds() == 0 {
                 None
             } else {
