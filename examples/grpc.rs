@@ -64,6 +64,9 @@ fn parse_args() -> Options {
             println!("{USAGE}");
             exit(0);
         }
+        if !["--listen", "--limit", "--period", "--anchor"].contains(&flag.as_str()) {
+            fail(&format!("unknown flag {flag}"));
+        }
         let value = args
             .next()
             .unwrap_or_else(|| fail(&format!("{flag} needs a value")));
@@ -86,7 +89,7 @@ fn parse_args() -> Options {
                     _ => fail("--anchor takes calendar or first-use"),
                 }
             }
-            _ => fail(&format!("unknown flag {flag}")),
+            _ => unreachable!("{flag} is a known flag"),
         }
     }
     options

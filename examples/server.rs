@@ -95,6 +95,26 @@ const USAGE: &str =
 [--on-store-error open|closed] [--quota on|off|fields|governor] [--burst N] [--plans NAME=N,NAME=N] [--admin-token T | --admin-token-file PATH] \
 [--shadow] [--metrics] [--zone-header NAME] [--lease] [--lease-idle MS]";
 
+/// The flags that take a value: any other but `--shadow`, `--metrics`,
+/// `--lease` and `--help` is unknown.
+const VALUED_FLAGS: [&str; 15] = [
+    "--listen",
+    "--limit",
+    "--lease-idle",
+    "--burst",
+    "--period",
+    "--anchor",
+    "--tz",
+    "--subject",
+    "--store",
+    "--on-store-error",
+    "--quota",
+    "--plans",
+    "--admin-token",
+    "--admin-token-file",
+    "--zone-header",
+];
+
 struct Options {
     listen: SocketAddr,
     limit: u64,
@@ -216,6 +236,9 @@ fn parse_args() -> Options {
             options.lease = true;
             continue;
         }
+        if !VALUED_FLAGS.contains(&flag.as_str()) {
+            fail(&format!("unknown flag {flag}"));
+        }
         let value = args
             .next()
             .unwrap_or_else(|| fail(&format!("{flag} needs a value")));
@@ -319,7 +342,7 @@ fn parse_args() -> Options {
                     }),
                 )
             }
-            _ => fail(&format!("unknown flag {flag}")),
+            _ => unreachable!("{flag} is one of VALUED_FLAGS"),
         }
     }
     if let Some(tz) = tz {

@@ -172,13 +172,20 @@ fn demo_server_refuses_bad_flags() {
         &["--lease"],
         &["--anchor", "first-use", "--zone-header", "x-tz"],
         &["--period", "10s", "--zone-header", "x-tz"],
+        // An unknown flag, last or not.
+        &["--limit", "5", "--bogus"],
+        &["--bogus", "5"],
     ] {
         let output = Command::new(server_binary()).args(args).output().unwrap();
         assert_eq!(output.status.code(), Some(2), "{args:?}");
-        assert!(
-            String::from_utf8_lossy(&output.stderr).contains("error:"),
-            "{args:?}"
-        );
+        let stderr = String::from_utf8_lossy(&output.stderr);
+        assert!(stderr.contains("error:"), "{args:?}");
+        if args.contains(&"--bogus") {
+            assert!(
+                stderr.contains("unknown flag --bogus"),
+                "{args:?}: {stderr}"
+            );
+        }
     }
 }
 
