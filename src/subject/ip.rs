@@ -42,7 +42,9 @@ static X_FORWARDED_FOR: HeaderName = HeaderName::from_static("x-forwarded-for");
 /// proxy itself) is charged as the client.
 ///
 /// An entry that has to be read and is not an address (garbage, `unknown`,
-/// an obfuscated `for=_hidden`, a `Forwarded` element without `for=`) makes
+/// an obfuscated `for=_hidden`, a `Forwarded` element without `for=`, or
+/// with a parameter whose name is no token or whose quoted value is not
+/// closed, which would swallow what the proxy appended after it) makes
 /// the subject [`SubjectError::Malformed`] (400 by default): the request is
 /// never charged to the proxy's own address, which every client behind it
 /// would share. Entries may carry a port (`203.0.113.7:4711`,
@@ -461,12 +463,17 @@ fn forwarded_element(element: &[u8]) -> Result<IpAddr, &'static str> {
             .iter()
             .position(|&b| b == b'=')
             .ok_or("a parameter is not name=value")?;
-        // Every value whole: a quote opened in one (a client's own
-        // `x="`) must not swallow what a proxy appended after it.
+        // Every name a token and every value whole: a quote opened in
+        // either (a client's own `x="` or `"x`) must not swallow what a
+        // proxy appended after it.
+        let name = pair[..eq].trim_ascii();
+        if !is_token(name) {
+            return Err("a parameter's name is not a token");
+        }
         if !whole_value(pair[eq + 1..].trim_ascii()) {
             return Err("a parameter's value is an unclosed or cut quoted-string");
         }
-        if pair[..eq].trim_ascii().eq_ignore_ascii_case(b"for") {
+        if name.eq_ignore_ascii_case(b"for") {
             if found.is_some() {
                 return Err("an element has for= twice");
             }
@@ -475,6 +482,15 @@ fn forwarded_element(element: &[u8]) -> Result<IpAddr, &'static str> {
     }
     let value = unquote(found.ok_or("an element has no for=")?)?;
     node(&value)
+}
+
+/// Whether `name` is an RFC 9110 token: one character at least, each a
+/// letter, a digit or one of ``!#$%&'*+-.^_`|~``.
+fn is_token(name: &[u8]) -> bool {
+    !name.is_empty()
+        && name
+            .iter()
+            .all(|&b| b.is_ascii_alphanumeric() || b"!#$%&'*+-.^_`|~".contains(&b))
 }
 
 /// A token, or a quoted-string without its quotes and escapes.
@@ -862,6 +878,15 @@ mod tests {
             "for=198.51.100.1;x=\", for=203.0.113.9",
             "for=198.51.100.1;x=\", for=\"[2001:db8::5]\"",
             "for=198.51.100.1;x=a\"b",
+            // A quote in a parameter's name swallows it the same way.
+            "for=6.6.6.6;\"x, for=203.0.113.9",
+            "for=6.6.6.6;\"x=, for=203.0.113.9",
+            "for=6.6.6.6;\"x, for=\"[2001:db8::5]\"",
+            "for=6.6.6.6;x\"y=1, for=203.0.113.9",
+            // A name that is no token, or none.
+            "for=203.0.113.7;=1",
+            "for=203.0.113.7;a b=1",
+            "f\u{f6}r=203.0.113.7",
         ] {
             let parts = from("10.0.0.1", &[("forwarded", value)]);
             let reason = malformed(id(&ex, &parts));
@@ -869,6 +894,34 @@ mod tests {
         }
         let hidden = from("10.0.0.1", &[("forwarded", "for=_hidden")]);
         assert!(malformed(id(&ex, &hidden)).contains("hides"));
+    }
+
+    /// What the trusted proxy at 10.0.0.1 forwards for the client
+    /// 203.0.113.9 when it appends its element to the line the client sent
+    /// (nginx: `"$http_forwarded, for=$remote_addr"`): whatever the client
+    /// wrote, it is charged as itself or refused, never as another.
+    #[test]
+    fn forwarded_appended_to_a_clients_line_names_the_client() {
+        let ex = behind_proxies().proxy_header(ProxyHeader::Forwarded);
+        for client_sent in [
+            "",
+            "for=6.6.6.6, ",
+            "for=6.6.6.6;\"x, ",
+            "for=6.6.6.6;\"x=, ",
+            "for=6.6.6.6;x=\", ",
+            "for=6.6.6.6;x=a\"b, ",
+            "for=\"6.6.6.6, ",
+            "for=6.6.6.6;x\"=1, ",
+            "\"for=6.6.6.6, ",
+        ] {
+            let value = format!("{client_sent}for=203.0.113.9");
+            let got = id(&ex, &from("10.0.0.1", &[("forwarded", &value)]));
+            assert!(
+                matches!(&got, Err(SubjectError::Malformed(_)))
+                    || got.as_deref() == Ok("203.0.113.9"),
+                "{value}: {got:?}"
+            );
+        }
     }
 
     #[test]
