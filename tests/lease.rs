@@ -75,6 +75,7 @@ struct Slow {
     delay: Arc<AtomicU64>,
     late: Arc<AtomicU64>,
     slow_refunds: Arc<AtomicU64>,
+    slow_resets: Arc<AtomicU64>,
     away: Arc<std::sync::atomic::AtomicBool>,
 }
 
@@ -85,6 +86,7 @@ impl Slow {
             delay: Arc::new(AtomicU64::new(delay_ms)),
             late: Arc::default(),
             slow_refunds: Arc::default(),
+            slow_resets: Arc::default(),
             away: Arc::default(),
         }
     }
@@ -147,7 +149,8 @@ impl Store for Slow {
         self.inner.add(now, key, amount).await
     }
     async fn reset(&self, key: PeriodKey) -> Result<bool, StoreError> {
-        tokio::time::sleep(self.delay()).await;
+        let slow = Duration::from_millis(self.slow_resets.load(Ordering::Relaxed));
+        tokio::time::sleep(self.delay() + slow).await;
         self.inner.reset(key).await
     }
 }
@@ -1301,6 +1304,54 @@ async fn a_reset_through_the_leased_store_drops_its_block() {
     let outcome = call(&leased, now, 10_000).await;
     assert_eq!(outcome.usage[0].used, 1, "a fresh count");
     assert_eq!(counted(&shared, now).await, 1 + leased.held());
+}
+
+/// A slow reset through an instance that does not know the subject yet
+/// (or forgot it, idle), while the subject calls it: no block is taken
+/// from the counter about to go, and every request served after the
+/// delete is counted on the counter made since.
+#[tokio::test(start_paused = true)]
+async fn a_slow_reset_guards_a_counter_this_instance_meets_meanwhile() {
+    for knows_it in [false, true] {
+        let shared = MemoryStore::new();
+        let slow = Slow::new(shared.clone(), 0);
+        let a = LeasedStore::new(slow.clone());
+        let mut now = t0();
+        for _ in 0..100 {
+            assert!(call(&shared, now, 10_000).await.admitted);
+        }
+        if knows_it {
+            // A met the subject once, then forgets it: quiet past the
+            // idle bound while the reset is on its way.
+            assert!(call(&a, now, 10_000).await.admitted);
+            slow.slow_resets.store(3_000, Ordering::Relaxed);
+        } else {
+            slow.slow_resets.store(300, Ordering::Relaxed);
+        }
+        let reset = tokio::spawn({
+            let a = a.clone();
+            async move { a.reset(day_key()).await }
+        });
+        tokio::task::yield_now().await;
+        if knows_it {
+            for _ in 0..150 {
+                tokio::time::advance(Duration::from_millis(10)).await;
+                tokio::task::yield_now().await;
+            }
+            now += SignedDuration::from_millis(1_500);
+        }
+        // The subject calls A while the delete is on its way.
+        busy(&a, &mut now, 3, 10_000, 10).await;
+        assert_eq!(a.held(), 0, "no block of the counter about to go");
+        assert!(reset.await.unwrap().unwrap());
+        busy(&a, &mut now, 20, 10_000, 10).await;
+        a.shutdown().await;
+        assert_eq!(
+            counted(&shared, now).await,
+            20,
+            "served after the delete (knows it: {knows_it})"
+        );
+    }
 }
 
 /// A reset through the leased store that does not land (it fails, or its

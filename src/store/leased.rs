@@ -85,7 +85,8 @@ static GIVE_BACK_ERRORS: Throttle = Throttle::new(5);
 ///   A support [`reset`](Store::reset) through this store lets go of this
 ///   instance's block of that counter, given back before the counter is
 ///   deleted (so that a reset that fails leaves nothing charged that
-///   nothing served).
+///   nothing served), and takes no block of it until the delete is
+///   answered, whether or not this instance knew the subject.
 ///
 /// # What leases cost
 ///
@@ -340,6 +341,7 @@ impl<St: Store> LeasedStoreBuilder<St> {
                 busy: AtomicUsize::new(0),
                 setting_aside: AtomicUsize::new(0),
                 sent: AtomicU64::new(0),
+                resets: Mutex::default(),
                 orphans: orphans(self.inner),
             }),
         }
@@ -431,6 +433,13 @@ struct Shared {
     /// planned, under its counters' locks, so that their answers are known
     /// in the order they were sent, however they land.
     sent: AtomicU64,
+    /// The counters whose resets are on their way through this instance,
+    /// with how many: until the store deleted a counter, no block of it is
+    /// taken, which would be taken from the counter about to go and
+    /// outlive it here. Kept apart from the entries: a reset guards a
+    /// counter this instance does not know yet, or forgets meanwhile (once
+    /// its subject is idle) and meets again. Nearly always empty.
+    resets: Mutex<Vec<(PeriodKey, u32)>>,
     /// Sends back units no entry holds any more (see [`orphans`]).
     orphans: Orphans,
 }
@@ -452,16 +461,41 @@ impl Drop for Busy {
 }
 
 /// A reset of a counter on its way through this instance (see
-/// [`Counter::resetting`]), over when dropped: answered, or given up.
+/// [`Shared::resets`]), over when dropped: answered, or given up.
 struct Resetting {
     shared: Arc<Shared>,
     key: PeriodKey,
 }
 
+impl Resetting {
+    fn new(shared: &Arc<Shared>, key: &PeriodKey) -> Self {
+        let mut resets = shared
+            .resets
+            .lock()
+            .unwrap_or_else(std::sync::PoisonError::into_inner);
+        match resets.iter_mut().find(|(k, _)| k == key) {
+            Some((_, n)) => *n += 1,
+            None => resets.push((key.clone(), 1)),
+        }
+        Self {
+            shared: Arc::clone(shared),
+            key: key.clone(),
+        }
+    }
+}
+
 impl Drop for Resetting {
     fn drop(&mut self) {
-        if let Some(counter) = self.shared.counter(&self.key).get_mut(&self.key) {
-            counter.resetting = counter.resetting.saturating_sub(1);
+        let mut resets = self
+            .shared
+            .resets
+            .lock()
+            .unwrap_or_else(std::sync::PoisonError::into_inner);
+        if let Some(at) = resets.iter().position(|(k, _)| *k == self.key) {
+            resets[at].1 -= 1;
+            if resets[at].1 == 0 {
+                resets.swap_remove(at);
+            }
         }
     }
 }
@@ -583,6 +617,16 @@ impl Shared {
             shared: self,
             guards,
         }
+    }
+
+    /// Whether a reset of the counter at `key` is on its way through this
+    /// instance (see [`Shared::resets`]).
+    fn is_resetting(&self, key: &PeriodKey) -> bool {
+        self.resets
+            .lock()
+            .unwrap_or_else(std::sync::PoisonError::into_inner)
+            .iter()
+            .any(|(k, _)| k == key)
     }
 
     /// The counter at `key`, its shard locked.
@@ -823,10 +867,6 @@ struct Counter {
     /// The counter's lease mark (see "Lease marks" above) as far as this
     /// instance's own joining and leaving go.
     mark: Mark,
-    /// Resets of the counter on their way through this instance: until the
-    /// store deleted it, no block is taken, which would be taken from the
-    /// counter about to go and outlive it here.
-    resetting: u32,
     /// Give-backs of this counter's units on their way to the store (see
     /// [`GiveBack`]): the store counts them until they land, so a request
     /// it refuses meanwhile waits for them and is sent again.
@@ -1125,7 +1165,7 @@ impl<St: Store> LeasedStore<St> {
         // block given back before spending it, and one back after a pause
         // may be back for one request: no block.
         if counter.taking
-            || counter.resetting > 0
+            || self.shared.is_resetting(&line.key)
             || counter.ended(now)
             || counter.gap >= settings.idle
         {
@@ -1936,7 +1976,6 @@ impl<St: Store> LeasedStore<St> {
                         prefetching: false,
                         reserved: 0,
                         mark: Mark::default(),
-                        resetting: 0,
                         returning: 0,
                         told: 0,
                     })
@@ -3138,15 +3177,12 @@ impl<St: Store> Store for LeasedStore<St> {
     /// or is dropped (they would stay charged otherwise), and nothing left
     /// to land on a counter made after the delete.
     fn reset(&self, key: PeriodKey) -> impl Future<Output = Result<bool, StoreError>> + Send {
-        let mut resetting = None;
+        // Before the entry is looked at: a block taken from here on waits
+        // for the delete.
+        let resetting = Resetting::new(&self.shared, &key);
         let mut block = None;
         let leaving = self.shared.counter(&key).get_mut(&key).and_then(|counter| {
             let now = counter.now(Instant::now());
-            counter.resetting += 1;
-            resetting = Some(Resetting {
-                shared: Arc::clone(&self.shared),
-                key: key.clone(),
-            });
             if let (units @ 1.., Some(taken_at)) = (counter.units, counter.taken_at) {
                 block = Some(GiveBack::untracked(key.clone(), now, units, taken_at));
             }
