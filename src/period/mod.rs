@@ -227,10 +227,13 @@ impl Period {
     /// `2026-12-02T13+05:30[Asia/Kolkata]`. Two different windows never
     /// share a stamp.
     ///
+    /// A fixed window that would begin or end beyond the range `jiff`
+    /// supports (years -9999 and 9999) is cut at its first or last instant.
+    ///
     /// # Panics
     ///
-    /// Within a few days of the ends of the range `jiff` supports (years
-    /// -9999 and 9999).
+    /// For a calendar period (a minute to a month), within a month of the
+    /// ends of that range.
     pub fn window(&self, at: Timestamp) -> Window {
         self.try_window(at)
             .expect("the instant lies within the supported range of years")
@@ -242,8 +245,10 @@ impl Period {
         let (start, end) = match self.unit {
             Unit::Fixed(len) => {
                 let floor = floor_seconds(at).div_euclid(len) * len;
-                let start = Timestamp::from_second(floor)?;
-                let end = Timestamp::from_second(floor + len)?;
+                // Cut at the ends of the range: a window of up to 100 years
+                // reaches past them from decades away.
+                let start = Timestamp::from_second(floor).unwrap_or(Timestamp::MIN);
+                let end = Timestamp::from_second(floor + len).unwrap_or(Timestamp::MAX);
                 write!(stamp, "{}/", start.strftime("%Y-%m-%dT%H:%M:%SZ")).expect("infallible");
                 write_duration(&mut stamp, len);
                 return Ok(Window::new(start, end, stamp));

@@ -1389,3 +1389,38 @@ fn a_first_use_reset_is_told_by_its_exact_length() {
         assert_eq!(period.describe_reset(super::Anchor::FirstUse), words);
     }
 }
+
+/// A fixed window of up to 100 years reaches past the last instant `jiff`
+/// names from decades away: it is cut there, not a panic (on a request's
+/// path, with a clock of the application's own).
+#[test]
+fn a_fixed_window_past_the_ends_of_time_is_cut_there() {
+    let century = Duration::from_secs(100 * 31_557_600);
+    let period = Period::fixed(century);
+    for at in [
+        ts("9975-01-01T00:00:00Z"),
+        Timestamp::MAX,
+        ts("-009990-01-01T00:00:00Z"),
+        Timestamp::MIN,
+    ] {
+        let window = period.window(at);
+        assert!(
+            window.start() <= at && at < window.end() || at == Timestamp::MAX,
+            "{at}"
+        );
+        assert!(window.end() <= Timestamp::MAX && window.start() >= Timestamp::MIN);
+    }
+    assert_eq!(
+        period.window(ts("9975-01-01T00:00:00Z")).end(),
+        Timestamp::MAX
+    );
+    assert_eq!(
+        period.window(ts("-009990-01-01T00:00:00Z")).start(),
+        Timestamp::MIN
+    );
+    let quota = crate::Quota::fixed_window(1, century);
+    assert_eq!(
+        quota.window(ts("9975-01-01T00:00:00Z")).end(),
+        Timestamp::MAX
+    );
+}

@@ -83,6 +83,14 @@ pub(super) const ROOM_BUDGET: usize = 256;
 ///   decides, while subjects that have a counter keep being charged as
 ///   before.
 ///
+/// - Instants in nanoseconds, in 64 bits: from 1677-09-21 to 2262-04-11.
+///   A charge (or a settle) at an instant beyond, or one that would make a
+///   counter ending beyond (a first-use period opened late in 2262), fails
+///   with [`StoreErrorKind::Other`](super::StoreErrorKind::Other) and
+///   charges nothing: reachable only with a [`Clock`](crate::Clock) of
+///   the application's own (or a [`ManualClock`](crate::ManualClock)) set
+///   there.
+///
 /// Clones share the counters. Counters are lost when the process exits; use
 /// a shared store when several instances enforce one quota.
 #[derive(Clone)]
@@ -146,23 +154,28 @@ struct Counter {
 }
 
 /// An instant in nanoseconds since the Unix epoch, held in an `i64` (the
-/// years 1678 to 2262; instants beyond saturate): half a `Timestamp`.
+/// years 1678 to 2262; instants beyond saturate, and a charge or a settle
+/// at one, or making a counter that ends at one, fails: see
+/// [`beyond_its_years`]): half a `Timestamp`.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, PartialOrd, Ord)]
 struct Nanos(i64);
 
 impl Nanos {
     fn of(at: Timestamp) -> Self {
-        // In `i64` arithmetic (every charge converts its instant): an
-        // instant beyond the range saturates.
-        let nanos = at
-            .as_second()
-            .checked_mul(1_000_000_000)
-            .and_then(|n| n.checked_add(i64::from(at.subsec_nanosecond())));
-        Self(nanos.unwrap_or(if at.as_second() < 0 {
+        Self::exact(at).unwrap_or(Self(if at.as_second() < 0 {
             i64::MIN
         } else {
             i64::MAX
         }))
+    }
+
+    /// `at`, if an `i64` of nanoseconds holds it.
+    fn exact(at: Timestamp) -> Option<Self> {
+        // In `i64` arithmetic (every charge converts its instant).
+        at.as_second()
+            .checked_mul(1_000_000_000)
+            .and_then(|n| n.checked_add(i64::from(at.subsec_nanosecond())))
+            .map(Self)
     }
 
     fn timestamp(self) -> Timestamp {
@@ -170,6 +183,22 @@ impl Nanos {
         Timestamp::new(self.0.div_euclid(1_000_000_000), nanos)
             .expect("an i64 of nanoseconds is a valid timestamp")
     }
+}
+
+/// The error of a charge or a settle at one of `instants` (its own, and
+/// the ends of the counters it may make) that the store cannot hold
+/// exactly, beyond the years 1678 to 2262: a counter would end at once, or
+/// too early. `None` when it holds them all.
+fn beyond_its_years(instants: impl IntoIterator<Item = Timestamp>) -> Option<StoreError> {
+    instants
+        .into_iter()
+        .any(|at| Nanos::exact(at).is_none())
+        .then(|| {
+            StoreError::new(
+                StoreErrorKind::Other,
+                "the memory store counts instants from 1677-09-21 to 2262-04-11 only: nothing charged",
+            )
+        })
 }
 
 impl Default for MemoryStore {
@@ -567,6 +596,10 @@ impl MemoryStore {
 
     fn charge_now(&self, request: &ChargeRequest) -> Result<ChargeOutcome, StoreError> {
         if let Some(error) = super::past_its_period(request) {
+            return Err(error);
+        }
+        let ends = request.lines.iter().map(|line| line.lifetime.end());
+        if let Some(error) = beyond_its_years(std::iter::once(request.now).chain(ends)) {
             return Err(error);
         }
         let now = request.now;
@@ -1066,6 +1099,9 @@ impl MemoryStore {
         if debt.lifetime.end() <= now {
             return Ok(None);
         }
+        if let Some(error) = beyond_its_years([now, debt.lifetime.end(), debt.since]) {
+            return Err(error);
+        }
         let index = self.shard_of(&debt.key);
         let mut budget = ROOM_BUDGET;
         let mut tried = false;
@@ -1128,6 +1164,75 @@ mod nanos_tests {
     use jiff::Timestamp;
 
     use super::Nanos;
+
+    /// Past 2262-04-11 a counter's deadline would be cut short (told too
+    /// early), and at its last nanosecond every counter would end as it is
+    /// made (every request admitted): such charges and settles fail.
+    #[test]
+    fn instants_beyond_its_years_are_refused_not_cut_short() {
+        use crate::store::{ChargeLine, ChargeRequest, Debt, Lifetime, StoreErrorKind};
+        use crate::{MemoryStore, PeriodKey};
+
+        let at = |text: &str| -> Timestamp { text.parse().unwrap() };
+        let store = MemoryStore::new();
+        let key = PeriodKey::from_string("quota:{account:acme}:default:x".to_owned());
+        let charge = |now: Timestamp, lifetime: Lifetime| {
+            let line = ChargeLine {
+                key: key.clone(),
+                limit: 1,
+                cost: 1,
+                lifetime,
+                shadow_limit: None,
+            };
+            let request = ChargeRequest {
+                now,
+                lines: smallvec::smallvec![line],
+            };
+            store.charge_now(&request).map_err(|error| error.kind())
+        };
+        let first_use = |now: Timestamp| Lifetime::FirstUse {
+            deadline: now + jiff::SignedDuration::from_hours(24),
+        };
+        for now in [
+            at("2262-04-11T12:00:00Z"),
+            at("2262-04-11T23:47:16.854775807Z"),
+            at("2263-01-01T12:00:00Z"),
+            at("1600-01-01T00:00:00Z"),
+        ] {
+            assert_eq!(
+                charge(now, first_use(now)),
+                Err(StoreErrorKind::Other),
+                "{now}"
+            );
+        }
+        let last_day = Lifetime::Calendar {
+            start: at("2262-04-11T00:00:00Z"),
+            end: at("2262-04-12T00:00:00Z"),
+        };
+        assert_eq!(
+            charge(at("2262-04-11T23:47:16.854775807Z"), last_day),
+            Err(StoreErrorKind::Other)
+        );
+        let debt = Debt {
+            key: key.clone(),
+            amount: 1,
+            lifetime: last_day,
+            since: at("2262-04-11T10:00:00Z"),
+        };
+        let settled = store.settle_now(at("2262-04-11T12:00:00Z"), &debt);
+        assert_eq!(settled.map_err(|e| e.kind()), Err(StoreErrorKind::Other));
+        assert!(store.is_empty());
+        // The last day it holds whole is counted as any other.
+        let now = at("2262-04-10T12:00:00Z");
+        let day = Lifetime::Calendar {
+            start: at("2262-04-10T00:00:00Z"),
+            end: at("2262-04-11T00:00:00Z"),
+        };
+        let admitted = charge(now, day).unwrap();
+        assert!(admitted.admitted);
+        assert_eq!(admitted.usage[0].resets_at, at("2262-04-11T00:00:00Z"));
+        assert!(!charge(now, day).unwrap().admitted);
+    }
 
     #[test]
     fn instants_convert_both_ways_and_saturate_beyond_i64() {
