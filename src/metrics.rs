@@ -12,6 +12,7 @@
 //! | [`tower_quota_charge_duration_seconds`](CHARGE_DURATION) | histogram | `store` |
 //! | [`tower_quota_counters_healed_total`](COUNTERS_HEALED) | counter | none |
 //! | [`tower_quota_abandoned_charges_refunded_total`](ABANDONED_CHARGES_REFUNDED) | counter | none |
+//! | [`tower_quota_changes_lost_total`](CHANGES_LOST) | counter | `change` |
 //! | [`tower_quota_lease_blocks_total`](LEASE_BLOCKS) | counter | none |
 //! | [`tower_quota_lease_units_returned_total`](LEASE_UNITS_RETURNED) | counter | none |
 //! | [`tower_quota_lease_local_charges_total`](LEASE_LOCAL_CHARGES) | counter | none |
@@ -103,6 +104,19 @@
 //! deferred cost did not use. Refunds through [`QuotaHandle`](crate::QuotaHandle) are support
 //! actions and are not counted.
 //!
+//! # `tower_quota_changes_lost_total`
+//!
+//! Units of the changes a response makes after it was charged that the
+//! store never applied, by `change`: [`refund`](change::REFUND), a charge
+//! to give back (a request not served, a server error with
+//! `refund_server_errors`, the unused part of an up-front cost) that stays
+//! charged; [`add`](change::ADD), a deferred cost beyond the up-front one
+//! that goes uncounted. Each was sent again while the store answered that
+//! it never sent it, within its counter's period; lost are those the store
+//! failed otherwise, those still unsent at the period's end, and those past
+//! the 10 000 that wait to be sent again at once. Should stay at zero
+//! while the store is healthy.
+//!
 //! # Leases
 //!
 //! A [`LeasedStore`](crate::store::LeasedStore) counts the blocks it took
@@ -162,6 +176,18 @@ pub const COUNTERS_HEALED: &str = "tower_quota_counters_healed_total";
 
 /// Counter: charges given back after the store had made them.
 pub const ABANDONED_CHARGES_REFUNDED: &str = "tower_quota_abandoned_charges_refunded_total";
+
+/// Counter: units of refunds and adds after a response that the store
+/// never applied, by `change` (see [`change`]).
+pub const CHANGES_LOST: &str = "tower_quota_changes_lost_total";
+
+/// The values of the `change` label of [`CHANGES_LOST`].
+pub mod change {
+    /// A charge to give back, which stays charged.
+    pub const REFUND: &str = "refund";
+    /// A deferred cost to add, which goes uncounted.
+    pub const ADD: &str = "add";
+}
 
 /// Counter: blocks of allowance a [`LeasedStore`](crate::store::LeasedStore)
 /// took from its store.
@@ -233,8 +259,8 @@ pub use self::imp::describe;
 // `healed` is for the Redis store alone.
 #[cfg_attr(not(feature = "redis"), allow(unused_imports))]
 pub(crate) use self::imp::{
-    decisions, healed, lease_block, lease_local, lease_returned, ledger_counters, ledger_dropped,
-    ledger_owed, ledger_settled, refunded, ChargeTimer,
+    change_lost, decisions, healed, lease_block, lease_local, lease_returned, ledger_counters,
+    ledger_dropped, ledger_owed, ledger_settled, refunded, ChargeTimer,
 };
 
 #[cfg(feature = "metrics")]
@@ -247,7 +273,7 @@ mod imp {
     };
 
     use super::{ABANDONED_CHARGES_REFUNDED, CHARGE_DURATION};
-    use super::{COUNTERS_HEALED, DECISIONS};
+    use super::{CHANGES_LOST, COUNTERS_HEALED, DECISIONS};
     use super::{LEASE_BLOCKS, LEASE_LOCAL_CHARGES, LEASE_UNITS_RETURNED};
     use super::{LEDGER_COUNTERS, LEDGER_DROPPED, LEDGER_OWED, LEDGER_SETTLED};
 
@@ -273,6 +299,11 @@ mod imp {
             ABANDONED_CHARGES_REFUNDED,
             Unit::Count,
             "Quota charges given back after the store had made them"
+        );
+        describe_counter!(
+            CHANGES_LOST,
+            Unit::Count,
+            "Units of quota refunds and adds after a response that the store never applied"
         );
         describe_counter!(
             LEASE_BLOCKS,
@@ -363,6 +394,12 @@ mod imp {
         counter!(ABANDONED_CHARGES_REFUNDED).increment(1);
     }
 
+    /// `units` of a refund or an add (`change`, a value of
+    /// [`change`](super::change)) that the store never applied.
+    pub(crate) fn change_lost(change: &'static str, units: u64) {
+        counter!(CHANGES_LOST, "change" => change).increment(units);
+    }
+
     /// A block taken by a leased store.
     pub(crate) fn lease_block() {
         counter!(LEASE_BLOCKS).increment(1);
@@ -412,6 +449,9 @@ mod imp {
 
     #[inline(always)]
     pub(crate) fn lease_block() {}
+
+    #[inline(always)]
+    pub(crate) fn change_lost(_: &'static str, _: u64) {}
 
     #[inline(always)]
     pub(crate) fn lease_returned(_: u64) {}

@@ -331,6 +331,81 @@ fn store_errors_are_counted_whether_failing_open_or_closed() {
     seen.assert_no_subject_in_labels();
 }
 
+/// A store that charges as the memory store does and fails every refund
+/// and add: the store is there, but cannot take the changes.
+#[derive(Clone, Default)]
+struct NoChanges(tower_quota::MemoryStore);
+
+impl Store for NoChanges {
+    type ChargeFuture = <tower_quota::MemoryStore as Store>::ChargeFuture;
+
+    fn charge(&self, request: ChargeRequest) -> Self::ChargeFuture {
+        self.0.charge(request)
+    }
+    fn peek(
+        &self,
+        request: ChargeRequest,
+    ) -> impl Future<Output = Result<Vec<Usage>, StoreError>> + Send {
+        self.0.peek(request)
+    }
+    fn refund(
+        &self,
+        _: Timestamp,
+        _: PeriodKey,
+        _: u64,
+    ) -> impl Future<Output = Result<Option<u64>, StoreError>> + Send {
+        down()
+    }
+    fn add(
+        &self,
+        _: Timestamp,
+        _: PeriodKey,
+        _: u64,
+    ) -> impl Future<Output = Result<Option<u64>, StoreError>> + Send {
+        down()
+    }
+    fn reset(&self, key: PeriodKey) -> impl Future<Output = Result<bool, StoreError>> + Send {
+        self.0.reset(key)
+    }
+}
+
+#[test]
+fn refunds_and_adds_the_store_never_applied_are_counted_lost() {
+    use tower_quota::metrics::CHANGES_LOST;
+
+    let seen = recorded(|| async {
+        let policy = QuotaPolicy::builder(account())
+            .store(NoChanges::default())
+            .refund_server_errors(true)
+            .build();
+        let app = Router::new()
+            .route("/read", get(|| async { "read" }))
+            .route(
+                "/fail",
+                get(|| async { (StatusCode::INTERNAL_SERVER_ERROR, "failed") }),
+            )
+            .route_layer(
+                policy
+                    .layer(Quota::daily(100).allowance("read"))
+                    .deferred_cost(2, |_| 7),
+            );
+        assert_eq!(
+            get_as(&app, "/read", Some(SUBJECT), &[]).await,
+            StatusCode::OK
+        );
+        assert_eq!(
+            get_as(&app, "/fail", Some(SUBJECT), &[]).await,
+            StatusCode::INTERNAL_SERVER_ERROR
+        );
+    });
+    // The served request's 5 units beyond the 2 up front; the failed
+    // one's 2 up front, to give back.
+    assert_eq!(seen.counter(CHANGES_LOST, &[("change", "add")]), 5);
+    assert_eq!(seen.counter(CHANGES_LOST, &[("change", "refund")]), 2);
+    assert_eq!(seen.counter(ABANDONED_CHARGES_REFUNDED, &[]), 0);
+    seen.assert_no_subject_in_labels();
+}
+
 #[test]
 fn nested_layers_count_once_per_allowance_and_refunds_are_counted() {
     let seen = recorded(|| async {

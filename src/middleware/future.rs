@@ -398,6 +398,14 @@ fn apply<St: Store>(
                     crate::metrics::refunded();
                 }
                 answer.unwrap_or_else(|error| {
+                    match *op {
+                        Adjust::Refund(units) => {
+                            crate::metrics::change_lost(crate::metrics::change::REFUND, units)
+                        }
+                        Adjust::Add(units) => {
+                            crate::metrics::change_lost(crate::metrics::change::ADD, units)
+                        }
+                    }
                     if let Some(suppressed) = ADJUST_ERRORS.admit() {
                         let error = charge::hidden(&error);
                         tracing::warn!(
