@@ -249,6 +249,16 @@ impl QuotaStatus {
         }
     }
 
+    /// Puts an empty status in `extensions` when there is none: a request
+    /// a layer passes without a ticket of its policy (a layer of shadow
+    /// quotas that could not charge it) still finds one in the handler,
+    /// and the policy's layers further in decide as they would alone.
+    pub(crate) fn ensure_in(extensions: &mut Extensions) {
+        if extensions.get::<QuotaStatus>().is_none() {
+            extensions.insert(QuotaStatus::default());
+        }
+    }
+
     /// Records `ticket` in the status in `extensions`, made if there is
     /// none yet.
     pub(crate) fn put_in(extensions: &mut Extensions, ticket: Ticket) {

@@ -1119,14 +1119,19 @@ async fn a_layer_of_shadow_quotas_never_refuses_a_request_it_cannot_charge() {
         })
     };
     let shadow = policy();
-    let shadow_only = Router::new().route("/", get(|| async { "hello" })).layer(
+    // The handler finds a status all the same (without entries).
+    let hello = |status: QuotaStatus| async move {
+        assert!(status.entries().is_empty() && status.is_exempt());
+        "hello"
+    };
+    let shadow_only = Router::new().route("/", get(hello)).layer(
         shadow
             .layer(Quota::daily(10).plan("pro", 100).shadow())
             .cost_fn(cost),
     );
     let enforced = policy();
     let both = Router::new()
-        .route("/", get(|| async { "hello" }))
+        .route("/", get(|_: QuotaStatus| async { "hello" }))
         .route_layer(enforced.layer(Quota::daily(10).plan("pro", 100).allowance("read")))
         .layer(
             enforced
@@ -1178,11 +1183,13 @@ async fn a_shadow_counter_at_the_stores_most_refuses_nothing() {
             .get("x-cost")
             .map_or(1, |v| v.to_str().unwrap().parse().unwrap()))
     };
-    let shadow_only = Router::new().route("/", get(|| async { "hello" })).layer(
-        policy
-            .layer(Quota::daily(2).allowance("trial").shadow())
-            .cost_fn(cost),
-    );
+    let shadow_only = Router::new()
+        .route("/", get(|_: QuotaStatus| async { "hello" }))
+        .layer(
+            policy
+                .layer(Quota::daily(2).allowance("trial").shadow())
+                .cost_fn(cost),
+        );
     let most = Request::get("/")
         .header("x-account-id", "acme")
         .header("x-cost", u64::MAX.to_string())

@@ -82,6 +82,7 @@ where
         let (mut parts, body) = request.into_parts();
         match charge::plan(&self.bound, &parts) {
             Step::Pass => {
+                QuotaStatus::ensure_in(&mut parts.extensions);
                 ResponseFuture::passing(self.inner.call(Request::from_parts(parts, body)))
             }
             Step::PassUncounted(ticket) => {
