@@ -1031,3 +1031,51 @@ async fn the_same_quota_in_two_layers_counts_at_the_outer_layers_cost() {
     }
     assert_eq!(used(&p, "acme", "default-day").await, 6);
 }
+
+/// A wrong method spends nothing however the layer is applied: also where
+/// it wraps a whole method router (`route_service`, `nest_service`), which
+/// answers the 405 inside the layer, out of reach of the router's
+/// `method_not_allowed_fallback`. (Such a layer sees the request before
+/// the method router does: without a subject it answers 401, where a
+/// `route_layer` never sees a wrong method.)
+#[tokio::test]
+async fn a_wrong_method_spends_nothing_however_the_layer_is_applied() {
+    async fn entries(status: QuotaStatus) -> String {
+        format!("{}", status.entries().len())
+    }
+    for hidden in 0..4 {
+        let policy = policy(tower_quota::MemoryStore::new(), "method").build();
+        let burst = policy.layer(Quota::per_minute(2).allowance("search"));
+        let search = match hidden {
+            0 => Router::new()
+                .route("/search", get(entries))
+                .route_layer(burst),
+            1 => Router::new().route("/search", get(entries.layer(burst))),
+            2 => Router::new().route_service("/search", burst.layer(get(entries).with_state(()))),
+            _ => Router::new().nest_service("/search", burst.layer(get(entries).with_state(()))),
+        };
+        let app = Router::new()
+            .route("/read", get(entries))
+            .merge(search)
+            .route_layer(policy.layer(Quota::daily(10).allowance("read")))
+            .method_not_allowed_fallback(unrouted::MethodNotAllowed);
+        let post = Request::post("/search")
+            .header("x-account-id", "acme")
+            .body(Body::empty())
+            .unwrap();
+        let response = send(&app, post).await;
+        assert_eq!(
+            response.status(),
+            StatusCode::METHOD_NOT_ALLOWED,
+            "{hidden}"
+        );
+        assert_eq!(header(&response, "ratelimit"), "", "{hidden}");
+        assert_eq!(used(&policy, "acme", "read-day").await, 0, "{hidden}");
+        assert_eq!(used(&policy, "acme", "search-minute").await, 0, "{hidden}");
+        // The search itself is charged on both.
+        let found = send(&app, call("/search", ACME)).await;
+        assert_eq!(found.status(), StatusCode::OK, "{hidden}");
+        assert_eq!(body(found).await, "2", "{hidden}");
+        assert_eq!(used(&policy, "acme", "read-day").await, 1, "{hidden}");
+    }
+}
