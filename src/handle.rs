@@ -14,7 +14,7 @@ use jiff::{SignedDuration, Timestamp};
 use crate::middleware::QuotaLayer;
 use crate::policy::{InvalidRequest, Policy, QuotaPolicy, Settings};
 use crate::quota::Quota;
-use crate::status::QuotaUsage;
+use crate::status::{QuotaStatus, QuotaUsage};
 use crate::store::{ChargeLine, ChargeRequest, MemoryStore, Store, StoreError};
 use crate::subject::{Subject, SubjectError, SubjectExtractor, SubjectKind};
 
@@ -363,6 +363,20 @@ impl<St: Store> QuotaHandle<St> {
         let now = self.settings().clock.now();
         self.refund_quotas(&quotas, subject, now, None, amount)
             .await
+    }
+
+    /// The instant this handle's policy charged the request whose status is
+    /// `status`: what [`QuotaHandle::refund_at`] takes to undo it later.
+    /// Each policy on a route charges at its own instant (a policy further
+    /// in, behind an authentication call, may charge the next period), so
+    /// with several policies this is the one of the policy whose counters
+    /// the refund goes to, where [`QuotaStatus::charged_at`] is the first
+    /// policy's. `None` when this policy did not count the request.
+    pub fn charged_at(&self, status: &QuotaStatus) -> Option<Timestamp> {
+        status
+            .ticket(self.shared.id())
+            .filter(|ticket| ticket.counted())
+            .map(|ticket| ticket.now)
     }
 
     /// Gives `amount` back to `subject` on the counters of the periods that

@@ -186,13 +186,17 @@ impl QuotaStatus {
             .flat_map(|lines| lines.with_quotas())
     }
 
-    /// The instant the request was first charged: what
+    /// The instant the request was first charged (by the first policy that
+    /// counted it): what
     /// [`QuotaHandle::refund_at`](crate::QuotaHandle::refund_at) takes to
     /// undo it later, with a handle in the caller's zone
     /// ([`QuotaHandle::in_zone`](crate::QuotaHandle::in_zone)) when the
     /// policy reads one per caller. While the request is served,
     /// [`QuotaHandle::refund_request`](crate::QuotaHandle::refund_request)
-    /// undoes it with neither. `None` when nothing was charged.
+    /// undoes it with neither. `None` when nothing was charged. With
+    /// several policies on the route, each charges at its own instant:
+    /// [`QuotaHandle::charged_at`](crate::QuotaHandle::charged_at) tells a
+    /// policy's own.
     ///
     /// A request that passed on a failed charge under
     /// [`OnStoreError::FailOpen`](crate::OnStoreError::FailOpen) owes its

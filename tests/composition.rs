@@ -1079,3 +1079,50 @@ async fn a_wrong_method_spends_nothing_however_the_layer_is_applied() {
         assert_eq!(used(&policy, "acme", "read-day").await, 1, "{hidden}");
     }
 }
+
+/// Two policies on a route charge at their own instants: an
+/// authentication call between their layers that takes the inner one past
+/// midnight has it charge the next day, and its handle tells that instant,
+/// which undoes the request on its counters.
+#[tokio::test]
+async fn each_policy_tells_the_instant_it_charged() {
+    let clock = ManualClock::new(at("2026-12-02T23:59:59.900Z"));
+    let outer = QuotaPolicy::builder(FromHeader::account("x-account-id"))
+        .namespace("ip")
+        .clock(clock.clone())
+        .build();
+    let inner = QuotaPolicy::builder(FromHeader::account("x-account-id"))
+        .namespace("acct")
+        .clock(clock.clone())
+        .build();
+    let (slow, handle) = (clock.clone(), inner.handle());
+    let undo = move |status: QuotaStatus| {
+        let handle = handle.clone();
+        async move {
+            let at = handle.charged_at(&status).unwrap();
+            let back = handle
+                .refund_at(&Subject::account("acme"), at, 1)
+                .await
+                .unwrap();
+            format!("{at} {back:?} {}", status.charged_at().unwrap())
+        }
+    };
+    let app = Router::new()
+        .route("/", get(undo))
+        .route_layer(inner.layer(Quota::daily(10).allowance("calls")))
+        .route_layer(axum::middleware::from_fn(
+            move |request: axum::extract::Request, next: axum::middleware::Next| {
+                slow.advance(Duration::from_millis(200));
+                next.run(request)
+            },
+        ))
+        .route_layer(outer.layer(Quota::daily(10).allowance("ip")));
+    let response = send(&app, call("/", ACME)).await;
+    assert_eq!(response.status(), StatusCode::OK);
+    assert_eq!(
+        body(response).await,
+        "2026-12-03T00:00:00.1Z [Some(0)] 2026-12-02T23:59:59.9Z"
+    );
+    // Read on the day the inner policy charged.
+    assert_eq!(used(&inner, "acme", "calls-day").await, 0);
+}
