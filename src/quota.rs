@@ -112,6 +112,10 @@ impl Quota {
 
     /// `limit` per `length`, counted from each subject's first call.
     ///
+    /// The first call charged opens the period, also one whose charge is
+    /// given back (refused by a layer further in, not served, refunded):
+    /// it spends nothing, and the period it opened runs on.
+    ///
     /// # Panics
     ///
     /// When `length` is shorter than a second, longer than 100 years, or not
