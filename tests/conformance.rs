@@ -140,6 +140,9 @@ mod broken {
         /// at the key: the trait's defaults of `refund_made_by` and
         /// `add_made_by`.
         ignores_made_by: bool,
+        /// Refunds a block's units to whatever counter was made by its
+        /// first call: the trait's default of `refund_made_at`.
+        refunds_at_as_by: bool,
     }
 
     #[derive(Clone, Copy)]
@@ -372,13 +375,37 @@ mod broken {
             amount: u64,
             made_by: Timestamp,
         ) -> impl Future<Output = Result<Option<u64>, StoreError>> + Send {
+            // Refunds (at once) only when the counter is not younger.
             let younger = self.made_after(&key, now, made_by);
-            let refund = self.refund(now, key, amount);
+            let refund = (!younger).then(|| self.refund(now, key, amount));
             async move {
-                if younger {
-                    return Ok(None);
+                match refund {
+                    Some(refund) => refund.await,
+                    None => Ok(None),
                 }
-                refund.await
+            }
+        }
+
+        fn refund_made_at(
+            &self,
+            now: Timestamp,
+            key: PeriodKey,
+            amount: u64,
+            first_call: Timestamp,
+        ) -> impl Future<Output = Result<Option<u64>, StoreError>> + Send {
+            let another = if self.bugs.refunds_at_as_by {
+                self.made_after(&key, now, first_call)
+            } else {
+                self.live(&key, now)
+                    .and_then(|c| c.first_call)
+                    .is_some_and(|first| first != first_call)
+            };
+            let refund = (!another).then(|| self.refund(now, key, amount));
+            async move {
+                match refund {
+                    Some(refund) => refund.await,
+                    None => Ok(None),
+                }
             }
         }
 
@@ -390,12 +417,12 @@ mod broken {
             made_by: Timestamp,
         ) -> impl Future<Output = Result<Option<u64>, StoreError>> + Send {
             let younger = self.made_after(&key, now, made_by);
-            let add = self.add(now, key, amount);
+            let add = (!younger).then(|| self.add(now, key, amount));
             async move {
-                if younger {
-                    return Ok(None);
+                match add {
+                    Some(add) => add.await,
+                    None => Ok(None),
                 }
-                add.await
             }
         }
 
@@ -712,6 +739,19 @@ mod broken {
             ..Bugs::default()
         });
         testing::changes_made_before_a_counter_do_not_land(&store).await;
+    }
+
+    /// A store that gives a block's units back to whatever counter was
+    /// made by its first call takes them off a counter made since by an
+    /// earlier charge.
+    #[tokio::test]
+    #[should_panic(expected = "a refund made at another counter's first call")]
+    async fn a_give_back_to_a_counter_made_earlier_since_is_caught() {
+        let store = Buggy::with(Bugs {
+            refunds_at_as_by: true,
+            ..Bugs::default()
+        });
+        testing::refunds_made_at_a_first_call_land_on_that_counter_only(&store).await;
     }
 
     #[tokio::test]

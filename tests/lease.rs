@@ -1404,6 +1404,38 @@ async fn units_held_across_a_reset_made_elsewhere_never_go_back_to_the_new_count
     assert_eq!(counted(&shared, now).await, 5);
 }
 
+/// After a reset made elsewhere, an instance whose clock is behind makes
+/// the counter again with a first call before the old one's: the units
+/// this instance held of the old counter, given back once it is idle, go
+/// to that counter alone, and not off the new one, whose requests were
+/// served.
+#[tokio::test(start_paused = true)]
+async fn units_held_across_a_reset_never_go_to_a_counter_made_since_by_a_clock_behind() {
+    let shared = MemoryStore::new();
+    let a = LeasedStore::new(shared.clone());
+    let mut now = t0();
+    busy(&a, &mut now, 200, 10_000, 1).await;
+    let held = a.held();
+    assert!(held > 0);
+    assert!(shared.reset(day_key()).await.unwrap());
+    for _ in 0..500 {
+        let behind = now - SignedDuration::from_secs(2);
+        assert!(call(&shared, behind, 10_000).await.admitted);
+    }
+    // A goes idle and gives its block back.
+    tokio::time::advance(Duration::from_millis(1_500)).await;
+    for _ in 0..5 {
+        tokio::task::yield_now().await;
+    }
+    now += SignedDuration::from_millis(1_500);
+    assert_eq!(a.held(), 0);
+    assert_eq!(
+        counted(&shared, now).await,
+        500,
+        "the {held} units held came off the new counter"
+    );
+}
+
 /// A request served from a block taken before a reset made elsewhere was
 /// charged when the block was taken, on the counter that was reset: its
 /// answer says so (`counted_at`), and its give-back, which goes by that

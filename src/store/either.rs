@@ -134,6 +134,19 @@ impl<A: Store, B: Store> Store for EitherStore<A, B> {
         }
     }
 
+    async fn refund_made_at(
+        &self,
+        now: Timestamp,
+        key: PeriodKey,
+        amount: u64,
+        first_call: Timestamp,
+    ) -> Result<Option<u64>, StoreError> {
+        match self {
+            Self::Left(store) => store.refund_made_at(now, key, amount, first_call).await,
+            Self::Right(store) => store.refund_made_at(now, key, amount, first_call).await,
+        }
+    }
+
     async fn add(
         &self,
         now: Timestamp,

@@ -71,9 +71,10 @@ static GIVE_BACK_ERRORS: Throttle = Throttle::new(5);
 ///   quota's blocks shrink by its limit ([`ChargeLine::shadow_limit`]) as
 ///   an enforced quota's do, so the count told near it is as exact.
 /// - **Unused units go back** to the store, with a refund (which never
-///   creates a counter and never moves a deadline, and goes only to a
-///   counter made by the time the units were taken: never to one made
-///   since, after a reset; see [`Store::refund_made_by`]), when the subject has
+///   creates a counter and never moves a deadline, and goes only to the
+///   counter the units were taken from, by its first call: never to one
+///   made since, after a reset, whatever its first call; see
+///   [`Store::refund_made_at`]), when the subject has
 ///   been idle on this instance for the idle bound (1 s by default), when a
 ///   block is older than the lease time (10 s by default, whatever the
 ///   subject does), and on [`LeasedStore::shutdown`]. The store counts
@@ -458,6 +459,18 @@ impl Drop for Busy {
     fn drop(&mut self) {
         self.0.busy.fetch_sub(1, Ordering::SeqCst);
     }
+}
+
+/// Which counter a refund through this store goes to, by its first call
+/// (see [`Store::refund_made_by`] and [`Store::refund_made_at`]).
+#[derive(Clone, Copy, PartialEq, Eq)]
+enum Made {
+    /// Whichever lives at the key.
+    Any,
+    /// One made at or before this instant.
+    By(Timestamp),
+    /// The one made at this instant.
+    At(Timestamp),
 }
 
 /// A reset of a counter on its way through this instance (see
@@ -2245,18 +2258,22 @@ impl<St: Store> LeasedStore<St> {
         now: Timestamp,
         key: PeriodKey,
         amount: u64,
-        made_by: Option<Timestamp>,
+        made: Made,
     ) -> Result<Option<u64>, StoreError> {
         let mut amount = amount;
         // What went into the block, of which entry: taken back if the store
         // never gets the rest, so that the refund is sent again whole.
         let mut in_block = None;
-        if let Some(made_by) = made_by {
+        if made != Made::Any {
             let mut counters = self.shared.counter(&key);
             if let Some(counter) = counters.get_mut(&key) {
                 // Into the block only when it is of the counter charged: not
                 // of one made since (after a reset), which takes nothing.
-                let same_counter = counter.first_call.is_none_or(|first| first <= made_by);
+                let same_counter = counter.first_call.is_none_or(|first| match made {
+                    Made::At(at) => first == at,
+                    Made::By(by) => first <= by,
+                    Made::Any => true,
+                });
                 if counter.units > 0 && !counter.ended(now) && same_counter {
                     // As much as this instance last heard was spent, and
                     // never more than the block held when taken, units set
@@ -2280,13 +2297,18 @@ impl<St: Store> LeasedStore<St> {
                 }
             }
         }
-        let result = match made_by {
-            Some(made_by) => {
+        let result = match made {
+            Made::By(made_by) => {
                 self.inner
                     .refund_made_by(now, key.clone(), amount, made_by)
                     .await
             }
-            None => self.inner.refund(now, key.clone(), amount).await,
+            Made::At(first_call) => {
+                self.inner
+                    .refund_made_at(now, key.clone(), amount, first_call)
+                    .await
+            }
+            Made::Any => self.inner.refund(now, key.clone(), amount).await,
         };
         match result {
             Ok(result) => Ok(self.told(&key, result)),
@@ -2667,7 +2689,7 @@ async fn give_back<St: Store>(
     units: u64,
     taken_at: Timestamp,
 ) -> Result<bool, StoreError> {
-    match inner.refund_made_by(now, key, units, taken_at).await {
+    match inner.refund_made_at(now, key, units, taken_at).await {
         Ok(Some(_)) => {
             crate::metrics::lease_returned(units);
             Ok(true)
@@ -3121,7 +3143,7 @@ impl<St: Store> Store for LeasedStore<St> {
         key: PeriodKey,
         amount: u64,
     ) -> Result<Option<u64>, StoreError> {
-        self.refund_to(now, key, amount, None).await
+        self.refund_to(now, key, amount, Made::Any).await
     }
 
     /// As [`refund`](Self::refund), guarded by `made_by` in the store.
@@ -3132,7 +3154,19 @@ impl<St: Store> Store for LeasedStore<St> {
         amount: u64,
         made_by: Timestamp,
     ) -> Result<Option<u64>, StoreError> {
-        self.refund_to(now, key, amount, Some(made_by)).await
+        self.refund_to(now, key, amount, Made::By(made_by)).await
+    }
+
+    /// As [`refund`](Self::refund), only to the counter whose first call
+    /// was `first_call`, in the store.
+    async fn refund_made_at(
+        &self,
+        now: Timestamp,
+        key: PeriodKey,
+        amount: u64,
+        first_call: Timestamp,
+    ) -> Result<Option<u64>, StoreError> {
+        self.refund_to(now, key, amount, Made::At(first_call)).await
     }
 
     /// Adds `amount` in the store (an add never checks a limit, so it

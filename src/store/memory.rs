@@ -185,6 +185,17 @@ impl Nanos {
     }
 }
 
+/// Which counter a refund or an add may change, by its first call.
+#[derive(Clone, Copy)]
+enum Made {
+    /// Whichever lives at the key.
+    Any,
+    /// One made at or before this instant.
+    By(Timestamp),
+    /// The one made at this instant.
+    At(Timestamp),
+}
+
 /// The error of a charge or a settle at one of `instants` (its own, and
 /// the ends of the counters it may make) that the store cannot hold
 /// exactly, beyond the years 1678 to 2262: a counter would end at once, or
@@ -434,16 +445,15 @@ impl MemoryStore {
         key: &PeriodKey,
         change: impl FnOnce(u64) -> u64,
     ) -> Option<u64> {
-        self.change_live_made_by(now, key, None, change)
+        self.change_live_made(now, key, Made::Any, change)
     }
 
-    /// As `change_live`, only on a counter made at or before `made_by`
-    /// when one is given.
-    fn change_live_made_by(
+    /// As `change_live`, only on a counter `made` names.
+    fn change_live_made(
         &self,
         now: Timestamp,
         key: &PeriodKey,
-        made_by: Option<Timestamp>,
+        made: Made,
         change: impl FnOnce(u64) -> u64,
     ) -> Option<u64> {
         let mut shard = lock(&self.inner.shards[self.shard_of(key)]);
@@ -451,7 +461,12 @@ impl MemoryStore {
         if counter.deadline <= Nanos::of(now) {
             return None;
         }
-        if made_by.is_some_and(|made_by| counter.first_call > Nanos::of(made_by)) {
+        let named = match made {
+            Made::Any => true,
+            Made::By(by) => counter.first_call <= Nanos::of(by),
+            Made::At(at) => counter.first_call == Nanos::of(at),
+        };
+        if !named {
             return None;
         }
         counter.used = change(counter.used);
@@ -1038,10 +1053,25 @@ impl Store for MemoryStore {
         amount: u64,
         made_by: Timestamp,
     ) -> impl Future<Output = Result<Option<u64>, StoreError>> + Send {
-        ready(Ok(self.change_live_made_by(
+        ready(Ok(self.change_live_made(
             now,
             &key,
-            Some(made_by),
+            Made::By(made_by),
+            |used| used.saturating_sub(amount),
+        )))
+    }
+
+    fn refund_made_at(
+        &self,
+        now: Timestamp,
+        key: PeriodKey,
+        amount: u64,
+        first_call: Timestamp,
+    ) -> impl Future<Output = Result<Option<u64>, StoreError>> + Send {
+        ready(Ok(self.change_live_made(
+            now,
+            &key,
+            Made::At(first_call),
             |used| used.saturating_sub(amount),
         )))
     }
@@ -1064,10 +1094,10 @@ impl Store for MemoryStore {
         amount: u64,
         made_by: Timestamp,
     ) -> impl Future<Output = Result<Option<u64>, StoreError>> + Send {
-        ready(Ok(self.change_live_made_by(
+        ready(Ok(self.change_live_made(
             now,
             &key,
-            Some(made_by),
+            Made::By(made_by),
             |used| used.saturating_add(amount),
         )))
     }

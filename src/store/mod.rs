@@ -83,6 +83,9 @@
 //!     fn refund_made_by(&self, now: Timestamp, key: PeriodKey, amount: u64, made_by: Timestamp) -> impl Future<Output = Result<Option<u64>, StoreError>> + Send {
 //!         self.inner.refund_made_by(now, key, amount, made_by)
 //!     }
+//!     fn refund_made_at(&self, now: Timestamp, key: PeriodKey, amount: u64, first_call: Timestamp) -> impl Future<Output = Result<Option<u64>, StoreError>> + Send {
+//!         self.inner.refund_made_at(now, key, amount, first_call)
+//!     }
 //!     fn add(&self, now: Timestamp, key: PeriodKey, amount: u64) -> impl Future<Output = Result<Option<u64>, StoreError>> + Send {
 //!         self.inner.add(now, key, amount)
 //!     }
@@ -553,6 +556,26 @@ pub trait Store: Clone + Send + Sync + 'static {
     ) -> impl Future<Output = Result<Option<u64>, StoreError>> + Send {
         let _ = made_by;
         self.refund(now, key, amount)
+    }
+
+    /// As [`Store::refund_made_by`], only to the counter whose first call
+    /// was `first_call`, exactly as the store reported it
+    /// ([`Usage::first_call`]): units taken from one counter (the unused
+    /// part of a [`LeasedStore`] block) go back to that counter alone,
+    /// never to one made since with an earlier first call (after a reset,
+    /// by a charge stamped earlier: an instance whose clock is behind, a
+    /// request that waited). `None` when the live counter at `key` is
+    /// another, as when there is none. The default refunds as
+    /// `refund_made_by(now, key, amount, first_call)` does; [`MemoryStore`]
+    /// and the Redis store check.
+    fn refund_made_at(
+        &self,
+        now: Timestamp,
+        key: PeriodKey,
+        amount: u64,
+        first_call: Timestamp,
+    ) -> impl Future<Output = Result<Option<u64>, StoreError>> + Send {
+        self.refund_made_by(now, key, amount, first_call)
     }
 
     /// Adds `amount` to the live counter at `key`, without checking its limit:

@@ -952,3 +952,73 @@ pub async fn changes_made_before_a_counter_do_not_land<S: ConformanceHooks>(stor
     );
     Verdict::Passed
 }
+
+/// A refund made at a counter's first call
+/// ([`Store::refund_made_at`](crate::store::Store::refund_made_at)) lands
+/// on that counter, and on no other: not on one made after a support reset
+/// by a charge stamped earlier (an instance whose clock is behind, a
+/// request that waited), whose first call is before the old one's. A
+/// [`LeasedStore`](crate::store::LeasedStore) gives the unused units of its
+/// blocks back so; a store that refunds any counter made by that instant
+/// would take them off the new counter, whose requests were served.
+///
+/// # Panics
+///
+/// When the store breaks the rule, or fails to answer.
+pub async fn refunds_made_at_a_first_call_land_on_that_counter_only<S: ConformanceHooks>(
+    store: &S,
+) -> Verdict {
+    let mut time = Timeline::new(store.expiry());
+    let period = time.period();
+    let key = fresh_key("made-at");
+    time.pass(SignedDuration::from_millis(40)).await;
+    let made = time.now();
+    let first = charge(store, made, vec![first_use(&key, 10, 3, made + period)]).await;
+    assert!(
+        first.0,
+        "a first charge on an empty counter must be admitted"
+    );
+    let Some(first_call) = first.1[0].first_call else {
+        return Verdict::NotApplicable("the store does not date its counters");
+    };
+    let refunded = store
+        .refund_made_at(made, key.clone(), 1, first_call)
+        .await
+        .unwrap_or_else(|e| panic!("the store failed to refund: {e}"));
+    assert_eq!(
+        refunded,
+        Some(2),
+        "a refund made at the reported first call must land on that counter"
+    );
+    store
+        .reset(key.clone())
+        .await
+        .unwrap_or_else(|e| panic!("the store failed to reset: {e}"));
+    // Made again by a charge stamped before the old counter's first call.
+    let earlier = made - SignedDuration::from_millis(20);
+    let again = charge(
+        store,
+        earlier,
+        vec![first_use(&key, 10, 1, earlier + period)],
+    )
+    .await;
+    assert!(again.0, "a charge after a reset must be admitted");
+    assert!(
+        again.1[0].first_call.is_some_and(|at| at < first_call),
+        "a counter made again by an earlier charge must report its own first call"
+    );
+    let refunded = store
+        .refund_made_at(made, key.clone(), 1, first_call)
+        .await
+        .unwrap_or_else(|e| panic!("the store failed to refund: {e}"));
+    assert_eq!(
+        refunded, None,
+        "a refund made at another counter's first call must not land on this one"
+    );
+    let now = peek(store, made, vec![first_use(&key, 10, 0, made + period)]).await;
+    assert_eq!(
+        now[0].used, 1,
+        "the counter made again must hold its own charge only"
+    );
+    Verdict::Passed
+}

@@ -40,6 +40,9 @@
 //! - [`changes_made_before_a_counter_do_not_land`]: a refund or an add made
 //!   by an instant before the counter was made (a request charged before
 //!   a support reset) leaves the counter made since as it is.
+//! - [`refunds_made_at_a_first_call_land_on_that_counter_only`]: a refund
+//!   made at a counter's first call (a leased block given back) lands on
+//!   that counter, not on one made since with an earlier first call.
 //!
 //! A store tells the suite what it cannot be driven to do through the trait
 //! through [`ConformanceHooks`]: how its deadlines pass ([`Expiry`]), how to
@@ -77,7 +80,8 @@ pub use self::deadlines::{
     add_never_creates_nor_moves_a_deadline, calendar_counters_are_distinct_per_period_and_dated,
     changes_by_the_reported_first_call_land, changes_made_before_a_counter_do_not_land,
     hits_never_extend_a_first_use_deadline, refund_after_expiry_does_not_resurrect,
-    settle_debt_keeps_to_the_debts_period, undated_counter_is_healed,
+    refunds_made_at_a_first_call_land_on_that_counter_only, settle_debt_keeps_to_the_debts_period,
+    undated_counter_is_healed,
 };
 pub use self::hooks::{ConformanceHooks, Expiry, Planted, StoredDeadline, Verdict};
 
@@ -143,6 +147,10 @@ pub async fn run_all<S: ConformanceHooks>(store: &S) -> Vec<(&'static str, Verdi
         (
             "changes_made_before_a_counter_do_not_land",
             changes_made_before_a_counter_do_not_land(store).await,
+        ),
+        (
+            "refunds_made_at_a_first_call_land_on_that_counter_only",
+            refunds_made_at_a_first_call_land_on_that_counter_only(store).await,
         ),
     ]
 }

@@ -20,7 +20,7 @@ use super::clock::{refresh_offset, ServerClock};
 use super::connection::{Connection, Connections};
 use super::errors::{applied_nothing, fault_error, redis_error, retires};
 use super::hash::jitter;
-use super::late::{give_back, refund_lines, Call, GiveBack, Sends};
+use super::late::{give_back, refund_lines, Call, GiveBack, Made, Sends};
 use super::script::{
     as_millis, clamp, live_count, millis_until, outcome, unexpected, Invocation, CLOCK_KEY,
     COUNTERS_LUA,
@@ -570,22 +570,29 @@ impl RedisStore {
         now: Timestamp,
         key: PeriodKey,
         amount: u64,
-        made_by: Option<Timestamp>,
+        made: Option<Made>,
         what: &str,
     ) -> Result<Option<u64>, StoreError> {
         let mut invocation = Invocation::on(key.as_str());
         invocation.arg(op).arg(amount).arg(now.as_millisecond());
-        if let Some(made_by) = made_by {
-            // Whole milliseconds, rounded up: a counter made within the
-            // same millisecond is the one charged.
-            let ms = made_by
-                .round(
-                    jiff::TimestampRound::new()
-                        .smallest(jiff::Unit::Millisecond)
-                        .mode(jiff::RoundMode::Ceil),
-                )
-                .unwrap_or(made_by);
-            invocation.arg(ms.as_millisecond().max(0));
+        match made {
+            Some(Made::By(made_by)) => {
+                // Whole milliseconds, rounded up: a counter made within the
+                // same millisecond is the one charged.
+                let ms = made_by
+                    .round(
+                        jiff::TimestampRound::new()
+                            .smallest(jiff::Unit::Millisecond)
+                            .mode(jiff::RoundMode::Ceil),
+                    )
+                    .unwrap_or(made_by);
+                invocation.arg(ms.as_millisecond().max(0));
+            }
+            // A first call the script reported: whole milliseconds.
+            Some(Made::At(ms)) => {
+                invocation.arg(ms.max(0)).arg("exact");
+            }
+            None => {}
         }
         let count: i64 = self
             .exchange(Sends::Write, |mut conn| async move {
@@ -877,7 +884,24 @@ impl Store for RedisStore {
             now,
             key,
             amount.min(1 << 53),
-            Some(made_by),
+            Some(Made::By(made_by)),
+            "a refund",
+        )
+    }
+
+    fn refund_made_at(
+        &self,
+        now: Timestamp,
+        key: PeriodKey,
+        amount: u64,
+        first_call: Timestamp,
+    ) -> impl Future<Output = Result<Option<u64>, StoreError>> + Send {
+        self.clone().change_live(
+            "r",
+            now,
+            key,
+            amount.min(1 << 53),
+            Some(Made::At(first_call.as_millisecond())),
             "a refund",
         )
     }
@@ -902,7 +926,7 @@ impl Store for RedisStore {
         made_by: Timestamp,
     ) -> impl Future<Output = Result<Option<u64>, StoreError>> + Send {
         self.clone()
-            .change_live("a", now, key, amount, Some(made_by), "an add")
+            .change_live("a", now, key, amount, Some(Made::By(made_by)), "an add")
     }
 
     fn reset(&self, key: PeriodKey) -> impl Future<Output = Result<bool, StoreError>> + Send {
