@@ -265,8 +265,9 @@ impl<St: Store> QuotaHandle<St> {
     /// Where the caller of a request with head `parts` stands on every
     /// quota, on its plan's limits, as the policy's layers would charge it:
     /// the subject and plan are read as the layers read them. Charges
-    /// nothing. With the `axum` feature the error answers itself (401, 400
-    /// or 503 as `application/problem+json`).
+    /// nothing. With the `axum` feature the error answers itself (401, 400,
+    /// 403 for an unknown plan, or 503, as `application/problem+json`, with
+    /// the layer's words).
     ///
     /// ```
     /// use axum::{extract::State, response::{IntoResponse, Response}, Json};
@@ -745,9 +746,10 @@ impl fmt::Display for StandingError {
         match self {
             Self::Subject { error, .. } => error.fmt(f),
             Self::Zone(error) => error.fmt(f),
+            // As the layer says it.
             Self::Plan(plan) => write!(
                 f,
-                "the plan {:?} has no quota here",
+                "The plan {:?} has no quota here.",
                 crate::response::echo(plan)
             ),
             Self::Store(error) => write!(f, "the quota store failed: {error}"),

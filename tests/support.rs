@@ -274,7 +274,10 @@ async fn support_reads_plans_as_the_layers_do() {
         .header("x-account-id", "acme")
         .body(Body::empty())
         .unwrap();
-    assert_eq!(app.oneshot(charge).await.unwrap().status(), StatusCode::OK);
+    assert_eq!(
+        app.clone().oneshot(charge).await.unwrap().status(),
+        StatusCode::OK
+    );
     // A refund or reset with a refused plan changes nothing.
     for uri in [
         "/admin/refund/account/acme/read?amount=1&plan=gold",
@@ -345,10 +348,22 @@ async fn support_reads_plans_as_the_layers_do() {
         .unwrap()
         .into_parts()
         .0;
+    let refused = handle.standing(&parts).await;
     assert!(matches!(
-        handle.standing(&parts).await,
+        &refused,
         Err(tower_quota::StandingError::Plan(plan)) if plan == "gold"
     ));
+    // In the layer's words.
+    let gold = Request::get("/")
+        .header("x-account-id", "acme")
+        .header("x-plan", "gold")
+        .body(Body::empty())
+        .unwrap();
+    let layer_said = problem(app.oneshot(gold).await.unwrap()).await;
+    assert_eq!(
+        refused.unwrap_err().to_string(),
+        layer_said["detail"].as_str().unwrap()
+    );
 }
 
 /// What a client sends is echoed short in a problem document.
