@@ -2622,3 +2622,43 @@ async fn a_settle_heals_a_first_use_counter_that_lost_its_deadline() {
         "nothing written"
     );
 }
+
+/// Two instances that disagree on the window of one stamp (time zone rules
+/// of different releases: one day, two midnights): past the end the
+/// counter records, a charge whose window runs on counts on a counter of
+/// its own, as on the memory store, and never on none (every charge
+/// admitted until the counter's grace ended).
+#[tokio::test]
+async fn a_counter_over_by_the_end_it_records_gives_way_to_the_lines_window() {
+    let server = redis_server_or_skip!();
+    for batch in [true, false] {
+        let store = RedisStore::builder(server.url())
+            .timeout(Duration::from_secs(1))
+            .batch_charges(batch)
+            .build()
+            .unwrap();
+        let memory = tower_quota::MemoryStore::new();
+        let k = Namespace::default().key(
+            &Subject::account("acme"),
+            &format!("disagree-{batch}"),
+            "2026-10-25[Europe/X]",
+        );
+        let t0 = Timestamp::from_millisecond(Timestamp::now().as_millisecond()).unwrap();
+        // One instance: the window ends at t0 + 1 s.
+        let early = calendar(&k, 3, 1, t0, t0 + SignedDuration::from_secs(1));
+        assert!(store.charge(early.clone()).await.unwrap().admitted);
+        assert!(memory.charge(early).await.unwrap().admitted);
+        // Another, 2 s later: the same stamp's window ends an hour later.
+        let t1 = t0 + SignedDuration::from_secs(2);
+        let late = calendar(&k, 3, 1, t1, t1 + hour());
+        let mut admitted = (0, 0);
+        for _ in 0..10 {
+            admitted.0 += u32::from(store.charge(late.clone()).await.unwrap().admitted);
+            admitted.1 += u32::from(memory.charge(late.clone()).await.unwrap().admitted);
+        }
+        assert_eq!(admitted, (3, 3), "batch {batch}");
+        let peek = store.peek(late.clone()).await.unwrap();
+        assert_eq!(peek, memory.peek(late).await.unwrap(), "batch {batch}");
+        assert_eq!(peek[0].used, 3, "batch {batch}");
+    }
+}

@@ -393,12 +393,21 @@ local function rest()
           else
             c.used = call('HINCRBY', key, 'n', cost)
           end
-        elseif c.kind ~= 0 and c.heal ~= 3 then
-          -- A calendar counter whose window is over, kept through its grace:
-          -- a charge at `now` counts on no live counter, and leaves it as it
-          -- is.
+        elseif c.kind ~= 0 and c.heal ~= 3
+            and ARGV[a + 3] ~= 'f' and at >= ARGV[a + 5] + 0 then
+          -- The line's own window is over (the store refuses such a charge
+          -- before it is sent): it counts on no live counter, and leaves
+          -- the counter as it is.
           c.used = c.used + cost
         else
+          if c.kind ~= 0 and c.heal ~= 3 then
+            -- A counter over at `now` by the window end it records, which
+            -- the line's window outlasts: instances that disagree on the
+            -- window of one stamp (time zone rules of different releases).
+            -- Replaced by this line's, as once its grace ends: counting on
+            -- none would admit every charge until then.
+            call('DEL', key)
+          end
           -- A new counter: its first call, a calendar window's end, and its
           -- deadline, all in this call and never again.
           local ttl = ttl or ARGV[a + 4]
