@@ -2662,3 +2662,52 @@ async fn a_counter_over_by_the_end_it_records_gives_way_to_the_lines_window() {
         assert_eq!(peek[0].used, 3, "batch {batch}");
     }
 }
+
+/// A charge Redis applies after its caller stopped waiting is given back,
+/// also when Redis answers the give-back "busy" (another client's slow
+/// script) for seconds: such an answer applied nothing, and the give-back
+/// is sent again until Redis runs it.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_late_charge_is_given_back_through_seconds_of_busy_answers() {
+    let server = redis_server_or_skip!();
+    let store = RedisStore::builder(server.url())
+        .timeout(Duration::from_millis(100))
+        .build()
+        .unwrap();
+    let k = key("late-busy");
+    let now = Timestamp::now();
+    admit(&store, first_use(&k, 10, 1, now, hour())).await;
+    assert_eq!(
+        server.cli(&["config", "set", "busy-reply-threshold", "20"]),
+        "OK"
+    );
+    // Redis runs the next charge only after its caller stopped waiting.
+    assert_eq!(server.cli(&["client", "pause", "400", "all"]), "OK");
+    let late = store.charge(first_use(&k, 10, 1, now, hour())).await;
+    assert!(late.is_err(), "{late:?}");
+    // Then another client's script keeps Redis busy for 2.5 s, from just
+    // after the late charge ran: its give-back is answered BUSY meanwhile.
+    let port = server.port();
+    let busy = std::thread::spawn(move || {
+        redis_support::cli(
+            port,
+            &[
+                "eval",
+                "local t = redis.call('TIME') local n repeat n = redis.call('TIME') \
+                 until (n[1] - t[1]) * 1000000 + (n[2] - t[2]) > 2500000 return 1",
+                "0",
+            ],
+        )
+    });
+    assert_eq!(busy.join().unwrap(), "1");
+    let deadline = tokio::time::Instant::now() + Duration::from_secs(5);
+    while server.cli(&["hget", k.as_str(), "n"]) != "1" && tokio::time::Instant::now() < deadline {
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    assert_eq!(
+        server.cli(&["hget", k.as_str(), "n"]),
+        "1",
+        "the late charge was not given back (given back: {})",
+        store.given_back()
+    );
+}

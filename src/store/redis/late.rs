@@ -305,30 +305,29 @@ pub(super) async fn refund_lines(
 
 /// A give-back's refund on `conn`, sent again a moment later while Redis
 /// answers that it cannot run it now (out of memory under `noeviction`,
-/// loading, busy with a script: a reply that applied nothing), a few
-/// times over some seconds: such a refusal would otherwise leave the
-/// charge applied without an admission.
+/// loading, busy with a script, the cluster down: a reply that applied
+/// nothing), for as long as the caller waits ([`FOLLOW_THROUGH`]): such a
+/// refusal would otherwise leave the charge applied without an admission,
+/// and sending it again is safe.
 async fn refund_line(
     invocation: &super::script::Invocation,
     conn: &mut Connection,
 ) -> Result<i64, RedisError> {
     let mut wait = std::time::Duration::from_millis(100);
-    let mut tries = 1;
     loop {
         match invocation.invoke_async::<i64>(conn).await {
-            Err(error) if tries < REFUND_TRIES && for_now(&error) => {
+            Err(error) if for_now(&error) => {
                 tokio::time::sleep(wait).await;
-                wait *= 2;
-                tries += 1;
+                wait = (wait * 2).min(MAX_REFUND_WAIT);
             }
             answer => return answer,
         }
     }
 }
 
-/// Tries of a give-back's refund that Redis cannot run for now: over some
-/// one and a half seconds, with the waits between them.
-const REFUND_TRIES: u32 = 5;
+/// The longest wait between two tries of a give-back's refund that Redis
+/// cannot run for now: once it can, the charge is given back within it.
+const MAX_REFUND_WAIT: std::time::Duration = std::time::Duration::from_secs(1);
 
 /// Lets a few warnings a second through about calls followed after their
 /// callers stopped waiting (during an outage, there is one per call).
