@@ -2711,3 +2711,28 @@ async fn a_late_charge_is_given_back_through_seconds_of_busy_answers() {
         store.given_back()
     );
 }
+
+/// A cost past the most the script counts exactly is refused whole, never
+/// charged short (a limit past it is sent as the largest exact one).
+#[tokio::test]
+async fn a_cost_past_what_redis_counts_exactly_is_refused_not_cut() {
+    let server = redis_server_or_skip!();
+    for batch in [true, false] {
+        let store = RedisStore::builder(server.url())
+            .timeout(Duration::from_secs(1))
+            .batch_charges(batch)
+            .build()
+            .unwrap();
+        let max = store.max_count();
+        let k = key(&format!("past-exact-{batch}"));
+        for limit in [max, u64::MAX] {
+            let request = first_use(&k, limit, max + 1, Timestamp::now(), hour());
+            let refused = store.charge(request).await;
+            assert!(
+                matches!(&refused, Err(e) if e.kind() == StoreErrorKind::Other),
+                "batch {batch}, limit {limit}: {refused:?}"
+            );
+        }
+        assert_eq!(server.cli(&["exists", k.as_str()]), "0", "batch {batch}");
+    }
+}

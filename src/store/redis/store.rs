@@ -23,7 +23,7 @@ use super::hash::jitter;
 use super::late::{give_back, refund_lines, Call, GiveBack, Made, Sends};
 use super::script::{
     as_millis, clamp, live_count, millis_until, outcome, unexpected, Invocation, CLOCK_KEY,
-    COUNTERS_LUA,
+    COUNTERS_LUA, MAX_EXACT,
 };
 use crate::key::PeriodKey;
 use crate::store::{
@@ -833,6 +833,19 @@ impl Store for RedisStore {
 
     fn charge(&self, request: ChargeRequest) -> Self::ChargeFuture {
         if let Some(error) = crate::store::past_its_period(&request) {
+            return Box::pin(std::future::ready(Err(error)));
+        }
+        // A limit past it is sent as the largest exact one (a shadow
+        // quota's, as good as unlimited); a cost past it would be charged
+        // short.
+        if let Some(line) = request.lines.iter().find(|line| line.cost > MAX_EXACT) {
+            let error = StoreError::new(
+                StoreErrorKind::Other,
+                format!(
+                    "a cost of {} is beyond {MAX_EXACT}, the most the Redis store counts exactly: nothing charged",
+                    line.cost
+                ),
+            );
             return Box::pin(std::future::ready(Err(error)));
         }
         if self.inner.batches.is_none() || request.lines.is_empty() {
