@@ -2736,3 +2736,51 @@ async fn a_cost_past_what_redis_counts_exactly_is_refused_not_cut() {
         assert_eq!(server.cli(&["exists", k.as_str()]), "0", "batch {batch}");
     }
 }
+
+/// A first-use counter that lost its deadline is dated again by its first
+/// call, but never more than one period from now: a first call ahead (an
+/// instance whose clock is ahead wrote it) would lock the subject out for
+/// longer than a period.
+#[tokio::test]
+async fn a_heal_never_dates_a_counter_past_one_period_from_now() {
+    let server = redis_server_or_skip!();
+    let store = store(&server);
+    let mut redis = client(&server).await;
+    let now = Timestamp::now();
+    let ahead = (now + SignedDuration::from_mins(30)).as_millisecond();
+    for (k, heal) in [
+        (key("heal-ahead-charge"), "charge"),
+        (key("heal-ahead-settle"), "settle"),
+    ] {
+        let () = redis::cmd("HSET")
+            .arg(k.as_str())
+            .arg("n")
+            .arg(10)
+            .arg("t")
+            .arg(ahead)
+            .query_async(&mut redis)
+            .await
+            .unwrap();
+        if heal == "charge" {
+            store
+                .charge(first_use(&k, 10, 1, now, hour()))
+                .await
+                .unwrap();
+        } else {
+            let debt = tower_quota::store::Debt {
+                key: k.clone(),
+                amount: 1,
+                lifetime: Lifetime::FirstUse {
+                    deadline: now + hour(),
+                },
+                since: now,
+            };
+            store.settle_debt(now, debt).await.unwrap();
+        }
+        let pttl: i64 = redis.pttl(k.as_str()).await.unwrap();
+        assert!(
+            (0..=hour().as_millis() as i64).contains(&pttl),
+            "{heal}: healed to {pttl} ms"
+        );
+    }
+}

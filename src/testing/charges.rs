@@ -357,15 +357,18 @@ pub async fn an_abandoned_charge_spends_nothing<S: ConformanceHooks>(store: &S) 
     Verdict::Passed
 }
 
-/// Counts at the top of `u64` never wrap: with a limit of `u64::MAX`, a
-/// charge of `u64::MAX - 1` is admitted, and one more of 5 is refused, alone
-/// or with another line, and leaves the count as it was; an add of `u64::MAX`
-/// either fails (a store that counts less far, see [`Store::add`](crate::store::Store::add)) or leaves
-/// a count no smaller than before.
+/// Counts at the top of what a store counts never wrap: with a limit of
+/// `u64::MAX`, a charge of one less than the most the store counts exactly
+/// ([`Store::max_count`](crate::store::Store::max_count): `u64::MAX` for
+/// the memory store) is admitted, and one more of 5 is refused, alone or
+/// with another line, and leaves the count as it was; an add of
+/// `u64::MAX` either fails (a store that counts less far, see
+/// [`Store::add`](crate::store::Store::add)) or leaves a count no smaller
+/// than before.
 ///
-/// (A store may count less far than `u64` and treat a limit beyond its
+/// (A store that counts less far than `u64` treats a limit beyond its
 /// range as unlimited: the check reads the count the store reports after
-/// the first charge, not `u64::MAX - 1`.)
+/// the first charge.)
 ///
 /// # Panics
 ///
@@ -379,10 +382,11 @@ pub async fn counts_never_pass_the_limit_nor_wrap<S: ConformanceHooks>(store: &S
     let other = keys.key("other");
     let line = |cost| first_use(&top, u64::MAX, cost, now + period);
 
-    let first = charge(store, now, vec![line(u64::MAX - 1)]).await;
+    let most = store.max_count();
+    let first = charge(store, now, vec![line(most - 1)]).await;
     assert!(
         first.0,
-        "a charge within a limit of u64::MAX must be admitted"
+        "a charge within a limit of u64::MAX, of less than the most the store counts, must be admitted"
     );
     let used = first.1[0].used;
     assert!(used > 0, "an admitted charge must count");

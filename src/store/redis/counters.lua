@@ -337,7 +337,10 @@ local function rest()
             elseif first + ttl > at then
               -- `ttl` is the length of a period opened now; for months it
               -- can differ from the one opened at `first` by a few days.
-              pttl = first + ttl - at
+              -- Never more than one period from now: a first call ahead
+              -- of `now` (an instance whose clock is ahead) must not date
+              -- the counter further.
+              pttl = math.min(first + ttl - at, ttl)
               heal = 1
             else
               -- The period ended long ago: as good as expired.
@@ -690,7 +693,8 @@ if op == 's' then
     if dated == nil then
       heal = ttl
     elseif dated + length > at then
-      heal = dated + length - at
+      -- Never more than the debt's own period from now (see `lines`).
+      heal = math.min(dated + length - at, ttl + 0)
     else
       heal = 'gone'
       kind, used, dated = 0, 0, nil
