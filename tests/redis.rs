@@ -2784,3 +2784,31 @@ async fn a_heal_never_dates_a_counter_past_one_period_from_now() {
         );
     }
 }
+
+/// A settle heals a first-use counter that lost its deadline by the
+/// counter's own first call: a debt of requests made before it (a store
+/// failing then) does not end it early.
+#[tokio::test]
+async fn a_settle_heal_keeps_the_counters_own_deadline() {
+    let server = redis_server_or_skip!();
+    let store = store(&server);
+    let k = key("settle-heal-own");
+    let now = Timestamp::now();
+    admit(&store, first_use(&k, 10, 1, now, hour())).await;
+    assert_eq!(server.cli(&["persist", k.as_str()]), "1");
+    let since = now - SignedDuration::from_mins(30);
+    let debt = tower_quota::store::Debt {
+        key: k.clone(),
+        amount: 1,
+        lifetime: Lifetime::FirstUse {
+            deadline: since + hour(),
+        },
+        since,
+    };
+    assert_eq!(store.settle_debt(now, debt).await.unwrap(), Some(2));
+    let pttl: i64 = server.cli(&["pttl", k.as_str()]).parse().unwrap();
+    assert!(
+        (3_500_000..=3_600_000).contains(&pttl),
+        "healed to {pttl} ms: the counter opened now lasts an hour"
+    );
+}

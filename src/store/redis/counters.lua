@@ -9,7 +9,8 @@
 --   r  refund ARGV[2] to KEYS[1] at ARGV[3] = now (ms), never creating it,
 --      never touching its TTL; with ARGV[4] (ms), only to a counter whose
 --      first call t is no later (one made since is left as it is, and the
---      answer is -1); a string counter, which records no t, takes it
+--      answer is -1), and with ARGV[5] = 'exact' only to the one whose t is
+--      ARGV[4]; a string counter, which records no t, takes it
 --   a  add ARGV[2] to KEYS[1] at ARGV[3] = now (ms) without a limit check (a
 --      cost known only after the response), never creating it, never
 --      touching its TTL; with ARGV[4] (ms), only to a counter whose first
@@ -693,8 +694,10 @@ if op == 's' then
     if dated == nil then
       heal = ttl
     elseif dated + length > at then
-      -- Never more than the debt's own period from now (see `lines`).
-      heal = math.min(dated + length - at, ttl + 0)
+      -- Never more than one period from now (see `lines`): `length` is
+      -- the period (the debt's deadline less its first call), where `ttl`
+      -- is what is left of the debt's.
+      heal = math.min(dated + length - at, length)
     else
       heal = 'gone'
       kind, used, dated = 0, 0, nil
