@@ -7,16 +7,15 @@
 //! Neither request is served, so neither should cost anything. These
 //! handlers answer the same as axum's own (axum adds `Allow` to the 405) and
 //! mark their response, so a quota layer that charged the request gives the
-//! charge back and sends no rate-limit fields. A layer does the same for
-//! every `405 Method Not Allowed`, whoever answers it (a method router a
-//! layer wraps whole, behind `route_service` or `nest_service`, which the
-//! router's fallback cannot replace); a 404 it gives back only when one of
-//! these handlers answered it (a handler's own 404 tells of a lookup it
-//! served).
+//! charge back and sends no rate-limit fields.
 //!
 //! Set them last, after the quota layers: axum then puts them in place of
 //! the answers the layers wrapped, so the layers never see these requests at
-//! all, and they need no subject either:
+//! all, and they need no subject either. A method router that a quota layer
+//! wraps whole (behind `route_service` or `nest_service`) answers a wrong
+//! method inside the layer, out of the router's reach: give it its own,
+//! `get(handler).fallback(unrouted::MethodNotAllowed)`, and the layer gives
+//! the charge back. A handler's own 404 or 405 is charged: it ran.
 //!
 //! ```
 //! use axum::{body::Body, routing::post, Router};

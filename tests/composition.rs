@@ -1035,9 +1035,9 @@ async fn the_same_quota_in_two_layers_counts_at_the_outer_layers_cost() {
 /// A wrong method spends nothing however the layer is applied: also where
 /// it wraps a whole method router (`route_service`, `nest_service`), which
 /// answers the 405 inside the layer, out of reach of the router's
-/// `method_not_allowed_fallback`. (Such a layer sees the request before
-/// the method router does: without a subject it answers 401, where a
-/// `route_layer` never sees a wrong method.)
+/// `method_not_allowed_fallback`, given its own. (Such a layer sees the
+/// request before the method router does: without a subject it answers
+/// 401, where a `route_layer` never sees a wrong method.)
 #[tokio::test]
 async fn a_wrong_method_spends_nothing_however_the_layer_is_applied() {
     async fn entries(status: QuotaStatus) -> String {
@@ -1046,13 +1046,18 @@ async fn a_wrong_method_spends_nothing_however_the_layer_is_applied() {
     for hidden in 0..4 {
         let policy = policy(tower_quota::MemoryStore::new(), "method").build();
         let burst = policy.layer(Quota::per_minute(2).allowance("search"));
+        let whole = || {
+            get(entries)
+                .fallback(unrouted::MethodNotAllowed)
+                .with_state(())
+        };
         let search = match hidden {
             0 => Router::new()
                 .route("/search", get(entries))
                 .route_layer(burst),
             1 => Router::new().route("/search", get(entries.layer(burst))),
-            2 => Router::new().route_service("/search", burst.layer(get(entries).with_state(()))),
-            _ => Router::new().nest_service("/search", burst.layer(get(entries).with_state(()))),
+            2 => Router::new().route_service("/search", burst.layer(whole())),
+            _ => Router::new().nest_service("/search", burst.layer(whole())),
         };
         let app = Router::new()
             .route("/read", get(entries))
@@ -1078,6 +1083,42 @@ async fn a_wrong_method_spends_nothing_however_the_layer_is_applied() {
         assert_eq!(body(found).await, "2", "{hidden}");
         assert_eq!(used(&policy, "acme", "read-day").await, 1, "{hidden}");
     }
+}
+
+/// A handler that does its work and answers 405 (the resource no longer
+/// allows the operation) is charged, as for its own 404: only the
+/// router's answers, marked by the `unrouted` handlers, are given back.
+#[tokio::test]
+async fn a_handlers_own_405_is_charged() {
+    let served = Arc::new(AtomicUsize::new(0));
+    let policy = policy(tower_quota::MemoryStore::new(), "own405").build();
+    let work = {
+        let served = Arc::clone(&served);
+        move || {
+            let served = Arc::clone(&served);
+            async move {
+                served.fetch_add(1, Ordering::SeqCst);
+                (
+                    StatusCode::METHOD_NOT_ALLOWED,
+                    "this job can no longer be cancelled",
+                )
+            }
+        }
+    };
+    let app = Router::new()
+        .route("/jobs/7/cancel", get(work))
+        .route_layer(policy.layer(Quota::daily(2).allowance("jobs")));
+    for _ in 0..5 {
+        send(&app, call("/jobs/7/cancel", ACME)).await;
+    }
+    assert_eq!(
+        (
+            served.load(Ordering::SeqCst),
+            used(&policy, "acme", "jobs-day").await
+        ),
+        (2, 2),
+        "(times the handler ran, units counted) with a limit of 2"
+    );
 }
 
 /// Two policies on a route charge at their own instants: an

@@ -741,7 +741,7 @@ pub(crate) fn outcome(
         };
         return Outcome::Served(ops);
     };
-    if is_unrouted(response) {
+    if is_unrouted(&response.extensions) {
         return Outcome::Unrouted;
     }
     let refused_inside = response.extensions.get::<Refused>().is_some();
@@ -784,21 +784,14 @@ pub(crate) fn refund_all(lines: &[Line]) -> Vec<(usize, Adjust)> {
         .collect()
 }
 
-/// Whether no route served the response: a `405 Method Not Allowed`,
-/// whoever answered it (axum's method router, also one a layer wraps whole
-/// behind `route_service` or `nest_service`, where the router's fallback
-/// cannot take its place), or an answer of the `unrouted` handlers.
-fn is_unrouted(response: &http::response::Parts) -> bool {
-    response.status == StatusCode::METHOD_NOT_ALLOWED || is_marked_unrouted(&response.extensions)
-}
-
+/// Whether no route served the response (see the `unrouted` handlers).
 #[cfg(feature = "axum")]
-fn is_marked_unrouted(extensions: &http::Extensions) -> bool {
+fn is_unrouted(extensions: &http::Extensions) -> bool {
     extensions.get::<crate::unrouted::Unrouted>().is_some()
 }
 
 #[cfg(not(feature = "axum"))]
-fn is_marked_unrouted(_: &http::Extensions) -> bool {
+fn is_unrouted(_: &http::Extensions) -> bool {
     false
 }
 

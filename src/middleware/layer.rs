@@ -26,11 +26,10 @@ use crate::subject::SubjectExtractor;
 /// Every charged response, admitted or refused, carries the
 /// `RateLimit-Policy` and `RateLimit` fields.
 ///
-/// A request that is not served spends nothing: a refusal further in, a
-/// `405 Method Not Allowed` or an answer of the `unrouted`
-/// handlers, or a request dropped before the response left the outermost
-/// quota layer (a timeout around the layers, a client gone), gives the
-/// layer's charge back. A timeout inside
+/// A request that is not served spends nothing: a refusal further in, or a
+/// request dropped before the response left the outermost quota layer (a
+/// timeout around the layers, a client gone), gives the layer's charge
+/// back. A timeout inside
 /// the layer answers, and the request stays charged.
 ///
 /// A layer made with [`QuotaLayer::daily`] (or `hourly`, `new`, ...) is a
