@@ -2812,3 +2812,44 @@ async fn a_settle_heal_keeps_the_counters_own_deadline() {
         "healed to {pttl} ms: the counter opened now lasts an hour"
     );
 }
+
+/// As a charge, a settle past the end a counter records, of a debt whose
+/// window runs on (instances that disagree on the window of one stamp),
+/// counts on a counter of the debt's window, as on the memory store: the
+/// requests owed are counted, not dropped.
+#[tokio::test]
+async fn a_settle_past_the_end_a_counter_records_counts_the_debt() {
+    let server = redis_server_or_skip!();
+    let store = store(&server);
+    let memory = tower_quota::MemoryStore::new();
+    let k = Namespace::default().key(
+        &Subject::account("acme"),
+        "disagree-settle",
+        "2026-10-25[Europe/X]",
+    );
+    let t0 = Timestamp::from_millisecond(Timestamp::now().as_millisecond()).unwrap();
+    let early = calendar(&k, 3, 1, t0, t0 + SignedDuration::from_secs(1));
+    assert!(store.charge(early.clone()).await.unwrap().admitted);
+    assert!(memory.charge(early).await.unwrap().admitted);
+    let t1 = t0 + SignedDuration::from_secs(2);
+    let debt = tower_quota::store::Debt {
+        key: k.clone(),
+        amount: 2,
+        lifetime: Lifetime::Calendar {
+            start: t1,
+            end: t1 + hour(),
+        },
+        since: t1,
+    };
+    let settled = (
+        store.settle_debt(t1, debt.clone()).await.unwrap(),
+        memory.settle_debt(t1, debt).await.unwrap(),
+    );
+    let late = calendar(&k, 3, 1, t1, t1 + hour());
+    let mut admitted = (0, 0);
+    for _ in 0..10 {
+        admitted.0 += u32::from(store.charge(late.clone()).await.unwrap().admitted);
+        admitted.1 += u32::from(memory.charge(late.clone()).await.unwrap().admitted);
+    }
+    assert_eq!((settled, admitted), ((Some(2), Some(2)), (1, 1)));
+}

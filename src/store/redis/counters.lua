@@ -673,9 +673,12 @@ if op == 's' then
   if kind == nil then
     return redis.error_reply('ERR tower-quota: ' .. key .. NOT_A_COUNTER)
   end
-  if kind ~= 0 and recorded ~= nil and at >= recorded + 0 then
-    -- A counter whose window is over, kept through its grace.
-    return { -1, -1 }
+  -- A counter over by the window end it records, which the debt's window
+  -- outlasts (checked above): instances that disagree on the window of one
+  -- stamp. Replaced by the debt's, as a charge replaces it; written below.
+  local replace = kind ~= 0 and recorded ~= nil and at >= recorded + 0
+  if replace then
+    kind, used, dated = 0, 0, nil
   end
   if anchor == 'f' and kind ~= 0 and dated ~= nil and dated + 0 >= ends + 0 then
     -- A first-use period opened at or past the debt's deadline (by an
@@ -707,7 +710,7 @@ if op == 's' then
   if beyond ~= nil then
     return beyond
   end
-  if heal == 'gone' then
+  if heal == 'gone' or replace then
     call('DEL', key)
   elseif heal ~= nil then
     call('PEXPIRE', key, heal)
