@@ -2623,6 +2623,24 @@ async fn a_settle_heals_a_first_use_counter_that_lost_its_deadline() {
     );
 }
 
+/// A key of `allowance` whose stamp two instances read as two windows (one
+/// day, two midnights), with a counter of 1 of a limit of 3 made on `store`
+/// and on `memory` alike by the instance whose window ends first, a second
+/// after the counter's first call; and an instant two seconds later, when
+/// the other instance's window, of an hour from then, runs on.
+async fn disagreed(
+    store: &RedisStore,
+    memory: &tower_quota::MemoryStore,
+    allowance: &str,
+) -> (PeriodKey, Timestamp) {
+    let k = Namespace::default().key(&Subject::account("acme"), allowance, "2026-10-25[Europe/X]");
+    let t0 = Timestamp::from_millisecond(Timestamp::now().as_millisecond()).unwrap();
+    let early = calendar(&k, 3, 1, t0, t0 + SignedDuration::from_secs(1));
+    assert!(store.charge(early.clone()).await.unwrap().admitted);
+    assert!(memory.charge(early).await.unwrap().admitted);
+    (k, t0 + SignedDuration::from_secs(2))
+}
+
 /// Two instances that disagree on the window of one stamp (time zone rules
 /// of different releases: one day, two midnights): past the end the
 /// counter records, a charge whose window runs on counts on a counter of
@@ -2638,18 +2656,7 @@ async fn a_counter_over_by_the_end_it_records_gives_way_to_the_lines_window() {
             .build()
             .unwrap();
         let memory = tower_quota::MemoryStore::new();
-        let k = Namespace::default().key(
-            &Subject::account("acme"),
-            &format!("disagree-{batch}"),
-            "2026-10-25[Europe/X]",
-        );
-        let t0 = Timestamp::from_millisecond(Timestamp::now().as_millisecond()).unwrap();
-        // One instance: the window ends at t0 + 1 s.
-        let early = calendar(&k, 3, 1, t0, t0 + SignedDuration::from_secs(1));
-        assert!(store.charge(early.clone()).await.unwrap().admitted);
-        assert!(memory.charge(early).await.unwrap().admitted);
-        // Another, 2 s later: the same stamp's window ends an hour later.
-        let t1 = t0 + SignedDuration::from_secs(2);
+        let (k, t1) = disagreed(&store, &memory, &format!("disagree-{batch}")).await;
         let late = calendar(&k, 3, 1, t1, t1 + hour());
         let mut admitted = (0, 0);
         for _ in 0..10 {
@@ -2822,16 +2829,7 @@ async fn a_settle_past_the_end_a_counter_records_counts_the_debt() {
     let server = redis_server_or_skip!();
     let store = store(&server);
     let memory = tower_quota::MemoryStore::new();
-    let k = Namespace::default().key(
-        &Subject::account("acme"),
-        "disagree-settle",
-        "2026-10-25[Europe/X]",
-    );
-    let t0 = Timestamp::from_millisecond(Timestamp::now().as_millisecond()).unwrap();
-    let early = calendar(&k, 3, 1, t0, t0 + SignedDuration::from_secs(1));
-    assert!(store.charge(early.clone()).await.unwrap().admitted);
-    assert!(memory.charge(early).await.unwrap().admitted);
-    let t1 = t0 + SignedDuration::from_secs(2);
+    let (k, t1) = disagreed(&store, &memory, "disagree-settle").await;
     let debt = tower_quota::store::Debt {
         key: k.clone(),
         amount: 2,

@@ -603,6 +603,20 @@ impl RedisStore {
         live_count(&key, what, count)
     }
 
+    /// Refunds `amount` on the live counter at `key` that `made` names, if
+    /// given (see [`RedisStore::change_live`]).
+    async fn refund_to(
+        self,
+        now: Timestamp,
+        key: PeriodKey,
+        amount: u64,
+        made: Option<Made>,
+    ) -> Result<Option<u64>, StoreError> {
+        // Clamped: a refund of more than a counter can hold empties it.
+        self.change_live("r", now, key, amount.min(1 << 53), made, "a refund")
+            .await
+    }
+
     /// Settles `debt` at `now` (see [`Store::settle_debt`]): one script call
     /// on the debt's key. It is sent as a charge is: one that times out or
     /// whose caller stops waiting is followed, and given back if Redis adds
@@ -880,9 +894,7 @@ impl Store for RedisStore {
         key: PeriodKey,
         amount: u64,
     ) -> impl Future<Output = Result<Option<u64>, StoreError>> + Send {
-        // Clamped: a refund of more than a counter can hold empties it.
-        self.clone()
-            .change_live("r", now, key, amount.min(1 << 53), None, "a refund")
+        self.clone().refund_to(now, key, amount, None)
     }
 
     fn refund_made_by(
@@ -892,14 +904,8 @@ impl Store for RedisStore {
         amount: u64,
         made_by: Timestamp,
     ) -> impl Future<Output = Result<Option<u64>, StoreError>> + Send {
-        self.clone().change_live(
-            "r",
-            now,
-            key,
-            amount.min(1 << 53),
-            Some(Made::By(made_by)),
-            "a refund",
-        )
+        self.clone()
+            .refund_to(now, key, amount, Some(Made::By(made_by)))
     }
 
     fn refund_made_at(
@@ -909,14 +915,8 @@ impl Store for RedisStore {
         amount: u64,
         first_call: Timestamp,
     ) -> impl Future<Output = Result<Option<u64>, StoreError>> + Send {
-        self.clone().change_live(
-            "r",
-            now,
-            key,
-            amount.min(1 << 53),
-            Some(Made::At(first_call.as_millisecond())),
-            "a refund",
-        )
+        let made = Made::At(first_call.as_millisecond());
+        self.clone().refund_to(now, key, amount, Some(made))
     }
 
     fn add(
