@@ -256,7 +256,9 @@ impl<St> QuotaHandle<St> {
         let namespace = &self.settings().namespace;
         quotas
             .iter()
-            .map(|q| q.line_with_limit(namespace, subject, at, 0, q.limit_for(plan)))
+            // Not kept for requests: `at` may be anywhere in time (a
+            // charge's instant given back, a caller's bogus one).
+            .map(|q| q.line_not_kept(namespace, subject, at, q.limit_for(plan)))
             .collect()
     }
 }
@@ -397,7 +399,11 @@ impl<St: Store> QuotaHandle<St> {
     /// give-backs ([`Store::refund_made_by`]). The second tolerates a
     /// counter that a request stamped a moment later made first (requests
     /// at once, instances' clocks apart), which the request being undone
-    /// was charged to.
+    /// was charged to; by the same second, a first-use period opened
+    /// within it after the charge's own ended (or after a reset) takes the
+    /// refund, which an instant cannot tell apart.
+    /// [`QuotaHandle::refund_request`], which knows the counters charged,
+    /// never gives back to another.
     pub async fn refund_at(
         &self,
         subject: &Subject,

@@ -511,6 +511,25 @@ impl Quota {
         self.line_kept(namespace, subject, at, cost, limit, true)
     }
 
+    /// As [`Quota::line`], against `limit` (a plan's), at `at` anywhere in
+    /// time: the window computed is not kept for requests (support's
+    /// lookups).
+    pub(crate) fn line_not_kept(
+        &self,
+        namespace: &Namespace,
+        subject: &Subject,
+        at: Timestamp,
+        limit: u64,
+    ) -> ChargeLine {
+        self.line_kept(namespace, subject, at, 0, limit, false)
+    }
+
+    /// Whether the window containing `at` is the one kept for requests.
+    #[cfg(test)]
+    pub(crate) fn keeps_window_of(&self, at: Timestamp) -> bool {
+        self.0.current.with(at, |_, _, _| ()).is_ok()
+    }
+
     /// As [`Quota::line_with_limit`], keeping the window computed when
     /// `keep` (see [`Quota::with_window`]).
     #[inline]
@@ -659,6 +678,28 @@ mod tests {
             namespace.key(&subject, "default", "2026-12-03")
         );
         assert!(kept(today), "today's window is still kept");
+    }
+
+    /// Support's lookups at an instant anywhere in time (a refund of a
+    /// charge at a bogus instant to come) leave the window kept for
+    /// requests as it is: the layer would compute its window and key
+    /// afresh on every request until then.
+    #[tokio::test]
+    async fn supports_lookups_keep_todays_window_for_requests() {
+        let today: Timestamp = "2026-12-02T10:00:00Z".parse().unwrap();
+        let later: Timestamp = "2026-12-09T10:00:00Z".parse().unwrap();
+        let policy = crate::QuotaPolicy::builder(crate::FromHeader::account("x-account-id"))
+            .clock(crate::ManualClock::new(today))
+            .build();
+        let quota = Quota::daily(10);
+        let _layer = policy.layer(quota.clone());
+        let subject = Subject::account("acme");
+        let _ = quota.line_with_limit(&Namespace::default(), &subject, today, 1, 10);
+        assert!(quota.keeps_window_of(today));
+        let handle = policy.handle();
+        assert_eq!(handle.refund_at(&subject, later, 1).await.unwrap(), [None]);
+        let _ = handle.usage(&subject).await.unwrap();
+        assert!(quota.keeps_window_of(today), "today's window is still kept");
     }
 
     #[test]
