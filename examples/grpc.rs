@@ -26,11 +26,14 @@
 
 #[path = "shared/period.rs"]
 mod period;
+#[path = "shared/stop_signal.rs"]
+mod stop_signal;
 
 use std::net::SocketAddr;
 use std::process::exit;
 
 use period::parse_period;
+use stop_signal::stop_signal;
 
 use tonic::transport::server::TcpIncoming;
 use tonic::transport::Server;
@@ -119,9 +122,7 @@ async fn main() {
     Server::builder()
         .layer(layer)
         .add_service(health)
-        .serve_with_incoming_shutdown(TcpIncoming::from(listener), async {
-            let _ = tokio::signal::ctrl_c().await;
-        })
+        .serve_with_incoming_shutdown(TcpIncoming::from(listener), stop_signal())
         .await
         .unwrap_or_else(|e| fail(&format!("server failed: {e}")));
 }

@@ -62,6 +62,8 @@
 
 #[path = "shared/period.rs"]
 mod period;
+#[path = "shared/stop_signal.rs"]
+mod stop_signal;
 
 // Only its `RateLimit` value, for `--quota fields`.
 #[allow(dead_code)]
@@ -74,6 +76,7 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use period::parse_period;
+use stop_signal::stop_signal;
 
 use axum::extract::{Request, State};
 use axum::middleware::{self, Next};
@@ -879,23 +882,6 @@ fn without_password(url: &str) -> String {
 /// How long the server waits, once told to stop, for the requests on its
 /// connections to finish.
 const DRAIN: Duration = Duration::from_secs(5);
-
-/// Ctrl-C, or SIGTERM on Unix.
-async fn stop_signal() {
-    #[cfg(unix)]
-    {
-        use tokio::signal::unix::{signal, SignalKind};
-        let mut term = signal(SignalKind::terminate()).expect("a SIGTERM handler");
-        tokio::select! {
-            _ = tokio::signal::ctrl_c() => {}
-            _ = term.recv() => {}
-        }
-    }
-    #[cfg(not(unix))]
-    {
-        let _ = tokio::signal::ctrl_c().await;
-    }
-}
 
 #[tokio::main]
 async fn main() {

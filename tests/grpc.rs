@@ -91,3 +91,20 @@ async fn a_call_without_the_account_is_unauthenticated() {
     assert_eq!(refused.code(), Code::Unauthenticated, "{refused:?}");
     assert!(refused.message().contains("charged to"), "{refused:?}");
 }
+
+/// SIGTERM (what a container runtime sends) stops the server as Ctrl-C
+/// does: it exits cleanly, once its clients' connections are closed. (Two
+/// worker threads: the client's connection closes while the test waits.)
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn sigterm_stops_the_grpc_example_cleanly() {
+    let mut server = start(&[]);
+    let mut health = client(&server).await;
+    assert!(health.check(check(Some("acme"))).await.is_ok());
+    drop(health);
+    server.signal("TERM");
+    let status = server.exit_within(std::time::Duration::from_secs(5));
+    assert!(
+        status.is_some_and(|status| status.success()),
+        "exited {status:?}"
+    );
+}

@@ -46,14 +46,19 @@ impl Server {
 
     /// Waits `within` at most for the process to end; whether it did.
     pub fn ended_within(&mut self, within: std::time::Duration) -> bool {
+        self.exit_within(within).is_some()
+    }
+
+    /// Waits `within` at most for the process to end; how it did.
+    pub fn exit_within(&mut self, within: std::time::Duration) -> Option<std::process::ExitStatus> {
         let deadline = std::time::Instant::now() + within;
         while std::time::Instant::now() < deadline {
-            if self.child.try_wait().ok().flatten().is_some() {
-                return true;
+            if let Some(status) = self.child.try_wait().ok().flatten() {
+                return Some(status);
             }
             std::thread::sleep(std::time::Duration::from_millis(20));
         }
-        false
+        None
     }
 }
 
