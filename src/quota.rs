@@ -670,7 +670,7 @@ mod tests {
         let subject = Subject::account("acme");
         let namespace = Namespace::default();
         let _ = quota.line_with_limit(&namespace, &subject, today, 1, 10);
-        let kept = |at| quota.0.current.with(at, |_, _, _| ()).is_ok();
+        let kept = |at| quota.keeps_window_of(at);
         assert!(kept(today));
         assert_eq!(quota.window(tomorrow).stamp(), "2026-12-03");
         assert_eq!(

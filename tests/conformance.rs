@@ -300,6 +300,25 @@ mod broken {
     }
 
     /// Dates the undated counters of `request`'s lines as a charge heals them.
+    /// `change`, made at once (the store changes its counters when a call
+    /// is made, and answers a future that is ready), unless `skip`: then
+    /// nothing, answered `None`.
+    fn unless<F>(
+        skip: bool,
+        change: impl FnOnce() -> F,
+    ) -> impl Future<Output = Result<Option<u64>, StoreError>> + Send
+    where
+        F: Future<Output = Result<Option<u64>, StoreError>> + Send,
+    {
+        let change = (!skip).then(change);
+        async move {
+            match change {
+                Some(change) => change.await,
+                None => Ok(None),
+            }
+        }
+    }
+
     fn heal(counters: &mut HashMap<PeriodKey, Counter>, request: &ChargeRequest) {
         for line in &request.lines {
             let Some(counter) = counters.get_mut(&line.key) else {
@@ -375,15 +394,9 @@ mod broken {
             amount: u64,
             made_by: Timestamp,
         ) -> impl Future<Output = Result<Option<u64>, StoreError>> + Send {
-            // Refunds (at once) only when the counter is not younger.
-            let younger = self.made_after(&key, now, made_by);
-            let refund = (!younger).then(|| self.refund(now, key, amount));
-            async move {
-                match refund {
-                    Some(refund) => refund.await,
-                    None => Ok(None),
-                }
-            }
+            unless(self.made_after(&key, now, made_by), move || {
+                self.refund(now, key, amount)
+            })
         }
 
         fn refund_made_at(
@@ -400,13 +413,7 @@ mod broken {
                     .and_then(|c| c.first_call)
                     .is_some_and(|first| first != first_call)
             };
-            let refund = (!another).then(|| self.refund(now, key, amount));
-            async move {
-                match refund {
-                    Some(refund) => refund.await,
-                    None => Ok(None),
-                }
-            }
+            unless(another, move || self.refund(now, key, amount))
         }
 
         fn add_made_by(
@@ -416,14 +423,9 @@ mod broken {
             amount: u64,
             made_by: Timestamp,
         ) -> impl Future<Output = Result<Option<u64>, StoreError>> + Send {
-            let younger = self.made_after(&key, now, made_by);
-            let add = (!younger).then(|| self.add(now, key, amount));
-            async move {
-                match add {
-                    Some(add) => add.await,
-                    None => Ok(None),
-                }
-            }
+            unless(self.made_after(&key, now, made_by), move || {
+                self.add(now, key, amount)
+            })
         }
 
         fn add(

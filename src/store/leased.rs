@@ -17,8 +17,8 @@ use tokio::time::Instant;
 
 use super::slot_key::MapKey;
 use super::{
-    ChargeAnswer, ChargeLine, ChargeOutcome, ChargeRequest, Debt, Lifetime, Store, StoreError,
-    StoreErrorKind, Usage,
+    ChargeAnswer, ChargeLine, ChargeOutcome, ChargeRequest, Debt, Lifetime, Made, Store,
+    StoreError, StoreErrorKind, Usage,
 };
 use crate::key::PeriodKey;
 use crate::throttle::Throttle;
@@ -459,18 +459,6 @@ impl Drop for Busy {
     fn drop(&mut self) {
         self.0.busy.fetch_sub(1, Ordering::SeqCst);
     }
-}
-
-/// Which counter a refund through this store goes to, by its first call
-/// (see [`Store::refund_made_by`] and [`Store::refund_made_at`]).
-#[derive(Clone, Copy, PartialEq, Eq)]
-enum Made {
-    /// Whichever lives at the key.
-    Any,
-    /// One made at or before this instant.
-    By(Timestamp),
-    /// The one made at this instant.
-    At(Timestamp),
 }
 
 /// A reset of a counter on its way through this instance (see
@@ -2269,11 +2257,7 @@ impl<St: Store> LeasedStore<St> {
             if let Some(counter) = counters.get_mut(&key) {
                 // Into the block only when it is of the counter charged: not
                 // of one made since (after a reset), which takes nothing.
-                let same_counter = counter.first_call.is_none_or(|first| match made {
-                    Made::At(at) => first == at,
-                    Made::By(by) => first <= by,
-                    Made::Any => true,
-                });
+                let same_counter = counter.first_call.is_none_or(|first| made.names(first));
                 if counter.units > 0 && !counter.ended(now) && same_counter {
                     // As much as this instance last heard was spent, and
                     // never more than the block held when taken, units set

@@ -15,8 +15,8 @@ use jiff::{SignedDuration, Timestamp};
 
 use super::slot_key::MapKey;
 use super::{
-    ChargeAnswer, ChargeLine, ChargeOutcome, ChargeRequest, Debt, Lifetime, Store, StoreError,
-    StoreErrorKind, Usage,
+    ChargeAnswer, ChargeLine, ChargeOutcome, ChargeRequest, Debt, Lifetime, Made, Store,
+    StoreError, StoreErrorKind, Usage,
 };
 use crate::key::PeriodKey;
 
@@ -183,17 +183,6 @@ impl Nanos {
         Timestamp::new(self.0.div_euclid(1_000_000_000), nanos)
             .expect("an i64 of nanoseconds is a valid timestamp")
     }
-}
-
-/// Which counter a refund or an add may change, by its first call.
-#[derive(Clone, Copy)]
-enum Made {
-    /// Whichever lives at the key.
-    Any,
-    /// One made at or before this instant.
-    By(Timestamp),
-    /// The one made at this instant.
-    At(Timestamp),
 }
 
 /// The error of a charge or a settle at one of `instants` (its own, and
@@ -461,12 +450,7 @@ impl MemoryStore {
         if counter.deadline <= Nanos::of(now) {
             return None;
         }
-        let named = match made {
-            Made::Any => true,
-            Made::By(by) => counter.first_call <= Nanos::of(by),
-            Made::At(at) => counter.first_call == Nanos::of(at),
-        };
-        if !named {
+        if !made.names(counter.first_call.timestamp()) {
             return None;
         }
         counter.used = change(counter.used);

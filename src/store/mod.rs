@@ -364,6 +364,29 @@ pub(crate) fn has_room(used: u64, cost: u64, limit: u64) -> bool {
     used.checked_add(cost).is_some_and(|after| after <= limit)
 }
 
+/// Which counter a refund or an add goes to, by its first call: see
+/// [`Store::refund_made_by`] and [`Store::refund_made_at`].
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(crate) enum Made {
+    /// Whichever lives at the key.
+    Any,
+    /// One made at or before this instant.
+    By(Timestamp),
+    /// The one made at this instant.
+    At(Timestamp),
+}
+
+impl Made {
+    /// Whether a counter whose first call was `first_call` is one of those.
+    pub(crate) fn names(self, first_call: Timestamp) -> bool {
+        match self {
+            Made::Any => true,
+            Made::By(by) => first_call <= by,
+            Made::At(at) => first_call == at,
+        }
+    }
+}
+
 /// The instant a give-back of a charge made at `charged_at`, to a counter
 /// whose first call was `first_call`, goes by: see [`Usage::made_by`].
 pub(crate) fn made_by(charged_at: Timestamp, first_call: Option<Timestamp>) -> Timestamp {
