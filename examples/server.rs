@@ -293,9 +293,9 @@ fn parse_args() -> Options {
             "--tz" => {
                 let zone =
                     TimeZone::get(&value).unwrap_or_else(|e| fail(&format!("--tz {value:?}: {e}")));
-                // As a caller's zone: one of the IANA list, the same on
-                // every host that shares the store.
-                if zone.primary_iana_name().is_none() && zone.to_fixed_offset().is_err() {
+                // One of the IANA list, the same on every host that shares
+                // the store (what the quota requires of its zone).
+                if !tower_quota::period::is_nameable(&zone) {
                     fail(&format!("--tz {value:?}: not a zone of the IANA list"));
                 }
                 tz = Some(zone);

@@ -156,6 +156,7 @@ fn demo_server_refuses_bad_flags() {
         &["--limit", "many"],
         &["--period", "100000000000h"],
         &["--tz", "Mars/Olympus"],
+        &["--tz", "localtime"],
         &["--burst", "-1"],
         &["--plans", "free"],
         &["--plans", "free=1,free=2"],

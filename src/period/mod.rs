@@ -638,13 +638,24 @@ fn length_name(seconds: i64) -> String {
     }
 }
 
-/// Whether `tz` can be a caller's zone, naming calendar windows in counter
-/// keys: a zone of the IANA list (it has a primary name) or a fixed offset.
-/// A bare POSIX TZ string has neither; nor has a file of the system's zone
+/// Whether `tz` can be a quota's zone ([`Period::in_time_zone`], which
+/// panics on any other) or a caller's (a zone the policy's reader returns
+/// is refused otherwise), naming calendar windows in counter keys: a zone
+/// of the IANA list (it has a primary name) or a fixed offset. A bare
+/// POSIX TZ string has neither; nor has a file of the system's zone
 /// database that is no zone of the list (`localtime`, `posixrules`,
 /// `right/…`), whose rules differ from host to host, so that instances
-/// sharing a store would count different windows under one name.
-pub(crate) fn is_nameable(tz: &TimeZone) -> bool {
+/// sharing a store would count different windows under one name. Check a
+/// zone read from configuration with it before making a quota.
+///
+/// ```
+/// use tower_quota::jiff::tz::TimeZone;
+/// use tower_quota::period::is_nameable;
+///
+/// assert!(is_nameable(&TimeZone::UTC));
+/// assert!(!is_nameable(&TimeZone::posix("EST5EDT,M3.2.0,M11.1.0").unwrap()));
+/// ```
+pub fn is_nameable(tz: &TimeZone) -> bool {
     match (tz.primary_iana_name(), tz.iana_name()) {
         (Some(_), _) => true,
         // A file of the database that names no zone of the list, whatever
