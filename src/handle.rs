@@ -501,7 +501,8 @@ impl<St: Store> QuotaHandle<St> {
                     continue;
                 }
                 let mine = line.cost > 0 && line.is_live(now) && line.claim_give_back();
-                claimed.push(mine.then(|| (Arc::clone(lines), i, line.made_by(ticket.now))));
+                claimed
+                    .push(mine.then(|| (Arc::clone(lines), i, line.charged_counter(ticket.now))));
             }
         }
         if claimed.iter().all(Option::is_none) {
@@ -512,19 +513,16 @@ impl<St: Store> QuotaHandle<St> {
             let mut refunded = Vec::with_capacity(claimed.len());
             let mut failed = None;
             for claim in claimed {
-                let Some((lines, i, made_by)) = claim else {
+                let Some((lines, i, made)) = claim else {
                     refunded.push(None);
                     continue;
                 };
                 let line = &lines[i];
-                match store
-                    .refund_made_by(now, line.key.clone(), line.cost, made_by)
-                    .await
-                {
+                match made.refund(&store, now, line.key.clone(), line.cost).await {
                     Ok(count) => refunded.push(count),
                     Err(error) => {
                         if error.is_unsent() {
-                            resend_later(&store, started, now, &lines, i, made_by);
+                            resend_later(&store, started, now, &lines, i, made);
                         }
                         refunded.push(None);
                         failed.get_or_insert(error);
@@ -677,7 +675,7 @@ fn resend_later<St: Store>(
     now: Timestamp,
     lines: &Arc<crate::status::Lines>,
     i: usize,
-    made_by: Timestamp,
+    made: crate::store::Made,
 ) {
     let resend = crate::store::resend::Resend::until(started, now, lines[i].usage.resets_at);
     let (Some(resend), Ok(runtime)) = (resend, tokio::runtime::Handle::try_current()) else {
@@ -688,7 +686,7 @@ fn resend_later<St: Store>(
     runtime.spawn(async move {
         let line = &lines[i];
         let resent = resend
-            .send(|| store.refund_made_by(now, line.key.clone(), line.cost, made_by))
+            .send(|| made.refund(&store, now, line.key.clone(), line.cost))
             .await;
         match resent {
             Some(Ok(_)) => {}

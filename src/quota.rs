@@ -112,9 +112,12 @@ impl Quota {
 
     /// `limit` per `length`, counted from each subject's first call.
     ///
-    /// The first call charged opens the period, also one whose charge is
-    /// given back (refused by a layer further in, not served, refunded):
-    /// it spends nothing, and the period it opened runs on.
+    /// The first call served opens the period. One whose charge is given
+    /// back (refused by a layer further in, not served, a 5xx under
+    /// `refund_server_errors`, undone by its handler) opens none: the
+    /// period its charge opened closes with the give-back, unless another
+    /// call was charged in it meanwhile. (A support refund of everything
+    /// spent leaves the period open, its reset as it was.)
     ///
     /// # Panics
     ///

@@ -615,10 +615,10 @@ impl Line {
         }
     }
 
-    /// The instant a give-back of this line, charged at `charged_at`, goes
-    /// by (see [`Usage::made_by`]).
-    pub(crate) fn made_by(&self, charged_at: Timestamp) -> Timestamp {
-        self.usage.made_by(charged_at)
+    /// The counter a give-back of this line, charged at `charged_at`,
+    /// goes to (see [`Usage::charged_counter`]).
+    pub(crate) fn charged_counter(&self, charged_at: Timestamp) -> crate::store::Made {
+        self.usage.charged_counter(charged_at)
     }
 
     /// Where the line's counter stands as far as the request knows: as

@@ -101,6 +101,7 @@ mod redis {
         a_charge_past_its_period_is_an_error,
         changes_by_the_reported_first_call_land,
         changes_made_before_a_counter_do_not_land,
+        give_backs_that_empty_a_first_use_counter_close_its_period,
     );
 }
 
@@ -143,6 +144,9 @@ mod broken {
         /// Refunds a block's units to whatever counter was made by its
         /// first call: the trait's default of `refund_made_at`.
         refunds_at_as_by: bool,
+        /// Keeps a first-use counter that a give-back at its first call
+        /// emptied: the trait's default of `refund_made_at`.
+        keeps_emptied: bool,
     }
 
     #[derive(Clone, Copy)]
@@ -406,14 +410,24 @@ mod broken {
             amount: u64,
             first_call: Timestamp,
         ) -> impl Future<Output = Result<Option<u64>, StoreError>> + Send {
+            let live = self.live(&key, now);
             let another = if self.bugs.refunds_at_as_by {
                 self.made_after(&key, now, first_call)
             } else {
-                self.live(&key, now)
-                    .and_then(|c| c.first_call)
+                live.and_then(|c| c.first_call)
                     .is_some_and(|first| first != first_call)
             };
-            unless(another, move || self.refund(now, key, amount))
+            // Only first-use counters report a first call here.
+            let empties = live.is_some_and(|c| c.first_call.is_some() && c.used <= amount);
+            let emptied = !another && empties && !self.bugs.keeps_emptied;
+            if emptied {
+                self.counters.lock().unwrap().remove(&key);
+            }
+            let refund = unless(another || emptied, move || self.refund(now, key, amount));
+            async move {
+                let refunded = refund.await?;
+                Ok(if emptied { Some(0) } else { refunded })
+            }
         }
 
         fn add_made_by(
@@ -754,6 +768,18 @@ mod broken {
             ..Bugs::default()
         });
         testing::refunds_made_at_a_first_call_land_on_that_counter_only(&store).await;
+    }
+
+    /// A store that keeps a first-use counter that a give-back emptied
+    /// keeps the period a request not served opened.
+    #[tokio::test]
+    #[should_panic(expected = "leaves no period open")]
+    async fn a_period_kept_open_by_an_emptied_counter_is_caught() {
+        let store = Buggy::with(Bugs {
+            keeps_emptied: true,
+            ..Bugs::default()
+        });
+        testing::give_backs_that_empty_a_first_use_counter_close_its_period(&store).await;
     }
 
     #[tokio::test]

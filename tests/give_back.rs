@@ -1017,3 +1017,82 @@ async fn a_change_sent_again_keeps_to_its_own_period() {
     );
     assert_eq!(used(&policy, &name).await, 5, "this minute's request alone");
 }
+
+/// A rolling period opens with the first request served. Three requests
+/// that were not (refused by a burst quota further in, a 5xx given back
+/// under `refund_server_errors`, one its handler undid) each have their
+/// charge given back: the period their charge opened goes with it, and
+/// the next request served, ten minutes later, opens its own.
+#[tokio::test]
+async fn a_charge_given_back_leaves_no_rolling_period_open() {
+    use axum::extract::State;
+    use tower_quota::jiff::SignedDuration;
+    use tower_quota::{QuotaHandle, QuotaStatus};
+
+    async fn undone(State(handle): State<QuotaHandle>, status: QuotaStatus) -> &'static str {
+        handle.refund_request(&status).await.unwrap();
+        "undone"
+    }
+    async fn fails() -> StatusCode {
+        StatusCode::INTERNAL_SERVER_ERROR
+    }
+    let start: tower_quota::jiff::Timestamp = NOW.parse().unwrap();
+    for path in ["/refused", "/fails", "/undone"] {
+        let clock = ManualClock::new(start);
+        let store = MemoryStore::new();
+        let policy = QuotaPolicy::builder(FromHeader::account("x-account-id"))
+            .store(store)
+            .clock(clock.clone())
+            .refund_server_errors(true)
+            .build();
+        let hour = Quota::rolling(100, Duration::from_secs(3600)).named("hour");
+        let burst = Quota::per_minute(1).allowance("burst");
+        // `/warm` spends the burst quota alone; `/refused` then passes the
+        // rolling quota and is refused by the burst one.
+        let warm = Router::new()
+            .route("/warm", get(ok))
+            .route_layer(policy.layer(burst.clone()));
+        let counted = Router::new()
+            .route("/refused", get(ok))
+            .route_layer(policy.layer(burst))
+            .route("/fails", get(fails))
+            .route("/undone", get(undone))
+            .route("/served", get(ok))
+            .with_state(policy.handle())
+            .route_layer(policy.layer(hour));
+        let app = warm.merge(counted);
+        if path == "/refused" {
+            let response = app.clone().oneshot(call("/warm")).await.unwrap();
+            assert_eq!(response.status(), StatusCode::OK);
+        }
+        let response = app.clone().oneshot(call(path)).await.unwrap();
+        // `/undone` answers 200, its charge undone by its handler.
+        assert_eq!(
+            response.status() == StatusCode::OK,
+            path == "/undone",
+            "{path}"
+        );
+        assert_eq!(settles(&policy, "hour", 0).await, 0, "{path}: given back");
+        clock.advance(SignedDuration::from_mins(10));
+        let response = app.oneshot(call("/served")).await.unwrap();
+        assert_eq!(response.status(), StatusCode::OK);
+        let usage = policy
+            .handle()
+            .usage(&Subject::account("acme"))
+            .await
+            .unwrap();
+        let hour = usage.iter().find(|u| u.name() == "hour").unwrap();
+        let served_at = start + SignedDuration::from_mins(10);
+        assert_eq!(hour.used(), 1, "{path}");
+        assert_eq!(
+            hour.first_call(),
+            Some(served_at),
+            "{path}: the period opens with the request served"
+        );
+        assert_eq!(
+            hour.resets_at(),
+            served_at + SignedDuration::from_hours(1),
+            "{path}: and ends an hour after it"
+        );
+    }
+}

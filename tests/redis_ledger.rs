@@ -476,7 +476,11 @@ async fn a_settle_redis_applies_late_is_given_back() {
     };
 
     settle_applied_late(&server, &store, now, &debt).await;
-    assert_eq!(used(&server, &key), "0", "applied late, and given back");
+    assert_eq!(
+        used(&server, &key),
+        "",
+        "applied late, and given back: the first-use counter it made goes with it"
+    );
 
     assert_eq!(store.settle_debt(now, debt).await.unwrap(), Some(3));
     assert_eq!(used(&server, &key), "3", "counted once");

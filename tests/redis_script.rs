@@ -438,6 +438,69 @@ async fn a_refund_and_an_add_write_only_the_count_of_a_live_counter() {
     assert!(writes.take().is_empty(), "wrote without a live counter");
 }
 
+/// A give-back at a first-use counter's first call that empties it
+/// deletes the counter, whether the script reads it on its short path
+/// (fields in the order it writes them) or its full one (another order):
+/// the period it opened spent nothing. A calendar counter, a hash without
+/// a first call, and a first-use counter emptied by a plain refund stay.
+#[tokio::test]
+async fn an_exact_give_back_that_empties_a_first_use_counter_deletes_it() {
+    let server = redis_server_or_skip!();
+    let store = store(&server, true);
+    let mut redis = client(&server).await;
+    let now = Timestamp::now();
+    let ms = now.as_millisecond();
+    let at = Timestamp::from_millisecond(ms).unwrap();
+    let end = now + SignedDuration::from_hours(2);
+    let (short, full, daily, untimed, refunded) = (
+        key("emptied", "short"),
+        key("emptied", "full"),
+        key("emptied", "daily"),
+        key("emptied", "untimed"),
+        key("emptied", "refunded"),
+    );
+    assert!(charge(&store, now, vec![first_use(&short, 10, 2, now)]).await);
+    assert!(charge(&store, now, vec![first_use(&refunded, 10, 2, now)]).await);
+    assert!(charge(&store, now, vec![calendar(&daily, 10, 2, now, end)]).await);
+    let () = redis
+        .hset_multiple(full.as_str(), &[("t", ms), ("n", 2)])
+        .await
+        .unwrap();
+    let () = redis.pexpire(full.as_str(), 3_600_000).await.unwrap();
+    let () = redis.hset(untimed.as_str(), "n", 2).await.unwrap();
+    for key in [&short, &full] {
+        assert_eq!(
+            store.refund_made_at(now, key.clone(), 1, at).await.unwrap(),
+            Some(1)
+        );
+        let exists: bool = redis.exists(key.as_str()).await.unwrap();
+        assert!(exists, "{key}: units still spent");
+        assert_eq!(
+            store.refund_made_at(now, key.clone(), 5, at).await.unwrap(),
+            Some(0)
+        );
+        let exists: bool = redis.exists(key.as_str()).await.unwrap();
+        assert!(!exists, "{key}: an emptied first-use counter stays");
+    }
+    for key in [&daily, &untimed] {
+        assert_eq!(
+            store.refund_made_at(now, key.clone(), 2, at).await.unwrap(),
+            Some(0)
+        );
+        let exists: bool = redis.exists(key.as_str()).await.unwrap();
+        assert!(exists, "{key}: deleted");
+    }
+    assert_eq!(
+        store
+            .refund_made_by(now, refunded.clone(), 2, at)
+            .await
+            .unwrap(),
+        Some(0)
+    );
+    let exists: bool = redis.exists(refunded.as_str()).await.unwrap();
+    assert!(exists, "a plain refund deleted the counter it emptied");
+}
+
 /// What a charge answers, as a test compares it: admitted, and per line
 /// the limit, the count and the first call.
 type Answer = (bool, Vec<(u64, u64, Option<Timestamp>)>);

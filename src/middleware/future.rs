@@ -17,7 +17,7 @@ use crate::body::ResponseBody;
 use crate::response::RateLimitFields;
 use crate::status::{GiveBack, LayerQuotas, Lines, QuotaSet, QuotaStatus};
 use crate::store::resend::Resend;
-use crate::store::{ChargeAnswer, Store, StoreError, StoreErrorKind, Usage};
+use crate::store::{ChargeAnswer, Made, Store, StoreError, StoreErrorKind, Usage};
 use crate::subject::SubjectExtractor;
 use crate::throttle::Throttle;
 
@@ -339,32 +339,32 @@ static ADJUST_ERRORS: Throttle = Throttle::new(5);
 /// otherwise in a task of its own when a tokio runtime is at hand, so a
 /// response future dropped meanwhile does not cut a refund short. A refund
 /// goes only to a counter made by the instant beside it (see
-/// [`Line::made_by`](crate::status::Line::made_by)): not to one made anew since (a reset while the
+/// [`Line::charged_counter`](crate::status::Line::charged_counter)): not to one made anew since (a reset while the
 /// request was served). A change the store never sent is sent again
 /// within its counter's period (the counter's reset beside it): past it, a
 /// counter with the same key is another period's.
 fn apply<St: Store>(
     store: St,
     now: Timestamp,
-    ops: Vec<(crate::key::PeriodKey, Adjust, Timestamp, Timestamp)>,
+    ops: Vec<(crate::key::PeriodKey, Adjust, Made, Timestamp)>,
 ) -> (Adjusting, Resending) {
     let (first_answers, resending) = tokio::sync::oneshot::channel();
     // When the changes are first sent, on the runtime's clock: what they
     // are sent again until counts from here.
     let started = tokio::time::Instant::now();
     let work = async move {
-        let send = |key: &crate::key::PeriodKey, op: Adjust, made_by: Timestamp| {
+        let send = |key: &crate::key::PeriodKey, op: Adjust, made: Made| {
             let (store, key) = (store.clone(), key.clone());
             async move {
                 match op {
-                    Adjust::Refund(amount) => store.refund_made_by(now, key, amount, made_by).await,
-                    Adjust::Add(amount) => store.add_made_by(now, key, amount, made_by).await,
+                    Adjust::Refund(amount) => made.refund(&store, now, key, amount).await,
+                    Adjust::Add(amount) => made.add(&store, now, key, amount).await,
                 }
             }
         };
         let mut answers = Vec::with_capacity(ops.len());
-        for (key, op, made_by, _) in &ops {
-            answers.push(send(key, *op, *made_by).await);
+        for (key, op, made, _) in &ops {
+            answers.push(send(key, *op, *made).await);
         }
         // A change the store never sent applied nothing: sent again a while
         // later, within the counter's period, so that an outage does not
@@ -384,9 +384,9 @@ fn apply<St: Store>(
         if resends.iter().any(Option::is_some) {
             let _ = first_answers.send(());
         }
-        for ((answer, resend), (key, op, made_by, _)) in answers.iter_mut().zip(resends).zip(&ops) {
+        for ((answer, resend), (key, op, made, _)) in answers.iter_mut().zip(resends).zip(&ops) {
             if let Some(resend) = resend {
-                if let Some(again) = resend.send(|| send(key, *op, *made_by)).await {
+                if let Some(again) = resend.send(|| send(key, *op, *made)).await {
                     *answer = again;
                 }
             }
@@ -743,7 +743,7 @@ fn adjust_kept<E, St: Store>(
                 (
                     key.clone(),
                     *op,
-                    line.made_by(charged.now),
+                    line.charged_counter(charged.now),
                     line.usage.resets_at,
                 )
             })
@@ -810,8 +810,8 @@ fn give_back_unserved<E, St: Store>(
         .into_iter()
         .map(|(i, amount)| {
             let line = &charged.lines[i];
-            let made_by = line.made_by(charged.now);
-            (i, line.key.clone(), amount, made_by, line.usage.resets_at)
+            let made = line.charged_counter(charged.now);
+            (i, line.key.clone(), amount, made, line.usage.resets_at)
         })
         .collect();
     if lines.is_empty() {
@@ -827,9 +827,9 @@ fn give_back_unserved<E, St: Store>(
         let now = clock.now();
         let back = lines
             .into_iter()
-            .filter_map(|(i, key, amount, made_by, resets_at)| {
+            .filter_map(|(i, key, amount, made, resets_at)| {
                 let amount = amount.saturating_add(charge::added(&ops, &results, i));
-                (amount > 0).then_some((key, Adjust::Refund(amount), made_by, resets_at))
+                (amount > 0).then_some((key, Adjust::Refund(amount), made, resets_at))
             })
             .collect();
         apply(store, now, back).0.await

@@ -2281,19 +2281,7 @@ impl<St: Store> LeasedStore<St> {
                 }
             }
         }
-        let result = match made {
-            Made::By(made_by) => {
-                self.inner
-                    .refund_made_by(now, key.clone(), amount, made_by)
-                    .await
-            }
-            Made::At(first_call) => {
-                self.inner
-                    .refund_made_at(now, key.clone(), amount, first_call)
-                    .await
-            }
-            Made::Any => self.inner.refund(now, key.clone(), amount).await,
-        };
+        let result = made.refund(&self.inner, now, key.clone(), amount).await;
         match result {
             Ok(result) => Ok(self.told(&key, result)),
             Err(error) if error.is_unsent() => Err(self.take_back(&key, in_block, error)),

@@ -454,7 +454,13 @@ impl MemoryStore {
             return None;
         }
         counter.used = change(counter.used);
-        Some(counter.used)
+        let used = counter.used;
+        // A give-back at its first call that empties a first-use counter:
+        // the period it opened spent nothing (see `Store::refund_made_at`).
+        if used == 0 && counter.first_use && matches!(made, Made::At(_)) {
+            shard.remove(key.as_str());
+        }
+        Some(used)
     }
 
     /// Reclaims every counter whose deadline is a minute or more before

@@ -25,7 +25,10 @@
 //!   and charges nothing: a counter made for it would be over as soon as
 //!   made, and the next charge would find none, so such lines would be
 //!   admitted however often they came.
-//! - [`Store::refund`] never creates a counter and never touches a deadline.
+//! - [`Store::refund`] never creates a counter and never touches a deadline;
+//!   a give-back at a first-use counter's first call
+//!   ([`Store::refund_made_at`]) that leaves it at zero deletes it, so that
+//!   a period opens with the first request served.
 //! - [`Store::add`] (a cost known only once the response is, charged after
 //!   the fact) never checks a limit, never creates a counter and never
 //!   touches a deadline: an add to a counter that expired in the meantime
@@ -311,9 +314,10 @@ pub struct Usage {
     /// ([`Store::settle_debt`]). `None` when no period is open, or from a
     /// store that does not date its counters.
     ///
-    /// The layer gives a request's charge back, and adds its deferred
-    /// cost, only to a counter made by this instant
-    /// ([`Store::refund_made_by`]): a store reports exactly the instant it
+    /// The layer gives a request's charge back only to the counter whose
+    /// first call this is ([`Store::refund_made_at`]), and adds its
+    /// deferred cost only to a counter made by this instant
+    /// ([`Store::add_made_by`]): a store reports exactly the instant it
     /// compares there (not one rounded down from it), or the request's
     /// give-back is refused.
     pub first_call: Option<Timestamp>,
@@ -355,6 +359,22 @@ impl Usage {
         let made = made_by(charged_at, self.first_call);
         self.counted_at.map_or(made, |counted| counted.min(made))
     }
+
+    /// The counter a give-back (or a deferred cost) of a charge made at
+    /// `charged_at`, answered with this usage, goes to: the one whose
+    /// first call the store told, exactly ([`Store::refund_made_at`],
+    /// which also closes the first-use period that a give-back empties).
+    /// From a store that told none, or of a counter made after the store
+    /// counted the charge (a leased block taken from a counter reset
+    /// since), one made by [`made_by`](Self::made_by).
+    pub(crate) fn charged_counter(&self, charged_at: Timestamp) -> Made {
+        match self.first_call {
+            Some(first_call) if self.counted_at.is_none_or(|counted| first_call <= counted) => {
+                Made::At(first_call)
+            }
+            _ => Made::By(self.made_by(charged_at)),
+        }
+    }
 }
 
 /// Whether a counter at `used` has room for `cost` under `limit`. A sum
@@ -383,6 +403,38 @@ impl Made {
             Made::Any => true,
             Made::By(by) => first_call <= by,
             Made::At(at) => first_call == at,
+        }
+    }
+
+    /// Refunds `amount` to the counter at `key` that this names, with the
+    /// store's refund for it (one `At` a first call deletes the first-use
+    /// counter it empties: see [`Store::refund_made_at`]).
+    pub(crate) async fn refund<St: Store>(
+        self,
+        store: &St,
+        now: Timestamp,
+        key: PeriodKey,
+        amount: u64,
+    ) -> Result<Option<u64>, StoreError> {
+        match self {
+            Made::Any => store.refund(now, key, amount).await,
+            Made::By(by) => store.refund_made_by(now, key, amount, by).await,
+            Made::At(at) => store.refund_made_at(now, key, amount, at).await,
+        }
+    }
+
+    /// Adds `amount` to the counter at `key` made by this instant (an add
+    /// has no exact form: it never deletes, so the first call does).
+    pub(crate) async fn add<St: Store>(
+        self,
+        store: &St,
+        now: Timestamp,
+        key: PeriodKey,
+        amount: u64,
+    ) -> Result<Option<u64>, StoreError> {
+        match self {
+            Made::Any => store.add(now, key, amount).await,
+            Made::By(by) | Made::At(by) => store.add_made_by(now, key, amount, by).await,
         }
     }
 }
@@ -588,9 +640,20 @@ pub trait Store: Clone + Send + Sync + 'static {
     /// never to one made since with an earlier first call (after a reset,
     /// by a charge stamped earlier: an instance whose clock is behind, a
     /// request that waited). `None` when the live counter at `key` is
-    /// another, as when there is none. The default refunds as
-    /// `refund_made_by(now, key, amount, first_call)` does; [`MemoryStore`]
-    /// and the Redis store check.
+    /// another, as when there is none.
+    ///
+    /// What the layer gives back of a request not served goes this way,
+    /// and so does a block's unused part: a first-use counter that such a
+    /// refund leaves at zero is deleted (its answer is `Some(0)`). Nothing
+    /// was spent in the period it opened, so no period is open: the next
+    /// charge opens one, and a rolling period runs from the first request
+    /// served, not from one refused further in. (A refund of any other
+    /// kind, such as a support refund, leaves a counter at zero live, its
+    /// deadline as it was.)
+    ///
+    /// The default refunds as `refund_made_by(now, key, amount,
+    /// first_call)` does, and deletes nothing; [`MemoryStore`] and the
+    /// Redis store check the first call, and delete.
     fn refund_made_at(
         &self,
         now: Timestamp,

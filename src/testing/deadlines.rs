@@ -1022,3 +1022,88 @@ pub async fn refunds_made_at_a_first_call_land_on_that_counter_only<S: Conforman
     );
     Verdict::Passed
 }
+
+/// A give-back at a first-use counter's first call
+/// ([`Store::refund_made_at`](crate::store::Store::refund_made_at)) that
+/// leaves it at zero closes the period it opened: the next charge opens a
+/// period of its own, so a rolling period runs from the first request
+/// served, not from one refused further in or given back as a server error.
+/// A refund of another kind that empties the counter (a support refund)
+/// leaves it live, its deadline as it was.
+///
+/// # Panics
+///
+/// When the store breaks the rule, or fails to answer.
+pub async fn give_backs_that_empty_a_first_use_counter_close_its_period<S: ConformanceHooks>(
+    store: &S,
+) -> Verdict {
+    let mut time = Timeline::new(store.expiry());
+    let period = time.period();
+    let key = fresh_key("emptied");
+    time.pass(SignedDuration::from_millis(40)).await;
+    let opened = time.now();
+    let first = charge(store, opened, vec![first_use(&key, 10, 2, opened + period)]).await;
+    assert!(
+        first.0,
+        "a first charge on an empty counter must be admitted"
+    );
+    let Some(first_call) = first.1[0].first_call else {
+        return Verdict::NotApplicable("the store does not date its counters");
+    };
+    let give_back = |amount| store.refund_made_at(opened, key.clone(), amount, first_call);
+    let refunded = give_back(1)
+        .await
+        .unwrap_or_else(|e| panic!("the store failed to refund: {e}"));
+    assert_eq!(
+        refunded,
+        Some(1),
+        "a give-back that leaves units spent keeps the counter"
+    );
+    let refunded = give_back(1)
+        .await
+        .unwrap_or_else(|e| panic!("the store failed to refund: {e}"));
+    assert_eq!(
+        refunded,
+        Some(0),
+        "a give-back that empties the counter answers what it holds"
+    );
+    let now = peek(store, opened, vec![first_use(&key, 10, 0, opened + period)]).await;
+    assert_eq!(
+        (now[0].used, now[0].first_call),
+        (0, None),
+        "a first-use counter emptied by a give-back at its first call leaves no period open"
+    );
+    time.pass(SignedDuration::from_millis(40)).await;
+    let served = time.now();
+    let again = charge(store, served, vec![first_use(&key, 10, 1, served + period)]).await;
+    assert!(again.0, "a charge after the give-back must be admitted");
+    time.assert_near_opt(
+        again.1[0].first_call,
+        served,
+        "the next charge opens the period",
+    );
+    time.assert_near(
+        again.1[0].resets_at,
+        served + period,
+        "a period that ends one period after the charge that opened it",
+    );
+    let first_call = again.1[0].first_call.unwrap_or(served);
+    // A support refund of all that was spent.
+    let refunded = store
+        .refund_made_by(served, key.clone(), 1, first_call)
+        .await
+        .unwrap_or_else(|e| panic!("the store failed to refund: {e}"));
+    assert_eq!(refunded, Some(0), "a refund lands on the counter");
+    let now = peek(store, served, vec![first_use(&key, 10, 0, served + period)]).await;
+    assert_eq!(
+        now[0].first_call,
+        Some(first_call),
+        "a refund of another kind that empties the counter leaves its period open"
+    );
+    time.assert_near(
+        now[0].resets_at,
+        served + period,
+        "and its deadline as it was",
+    );
+    Verdict::Passed
+}

@@ -43,6 +43,10 @@
 //! - [`refunds_made_at_a_first_call_land_on_that_counter_only`]: a refund
 //!   made at a counter's first call (a leased block given back) lands on
 //!   that counter, not on one made since with an earlier first call.
+//! - [`give_backs_that_empty_a_first_use_counter_close_its_period`]: a first-use
+//!   counter that a give-back at its first call empties leaves no period
+//!   open (a rolling period runs from the first request served);
+//!   a support refund that empties it leaves its period as it was.
 //!
 //! A store tells the suite what it cannot be driven to do through the trait
 //! through [`ConformanceHooks`]: how its deadlines pass ([`Expiry`]), how to
@@ -79,6 +83,7 @@ pub use self::charges::{
 pub use self::deadlines::{
     add_never_creates_nor_moves_a_deadline, calendar_counters_are_distinct_per_period_and_dated,
     changes_by_the_reported_first_call_land, changes_made_before_a_counter_do_not_land,
+    give_backs_that_empty_a_first_use_counter_close_its_period,
     hits_never_extend_a_first_use_deadline, refund_after_expiry_does_not_resurrect,
     refunds_made_at_a_first_call_land_on_that_counter_only, settle_debt_keeps_to_the_debts_period,
     undated_counter_is_healed,
@@ -151,6 +156,10 @@ pub async fn run_all<S: ConformanceHooks>(store: &S) -> Vec<(&'static str, Verdi
         (
             "refunds_made_at_a_first_call_land_on_that_counter_only",
             refunds_made_at_a_first_call_land_on_that_counter_only(store).await,
+        ),
+        (
+            "give_backs_that_empty_a_first_use_counter_close_its_period",
+            give_backs_that_empty_a_first_use_counter_close_its_period(store).await,
         ),
     ]
 }

@@ -10,7 +10,9 @@
 --      never touching its TTL; with ARGV[4] (ms), only to a counter whose
 --      first call t is no later (one made since is left as it is, and the
 --      answer is -1), and with ARGV[5] = 'exact' only to the one whose t is
---      ARGV[4]; a string counter, which records no t, takes it
+--      ARGV[4]; a string counter, which records no t, takes it. An exact
+--      refund that leaves a first-use counter (no e) at zero deletes it,
+--      and answers 0: the period it opened spent nothing
 --   a  add ARGV[2] to KEYS[1] at ARGV[3] = now (ms) without a limit check (a
 --      cost known only after the response), never creating it, never
 --      touching its TTL; with ARGV[4] (ms), only to a counter whose first
@@ -540,6 +542,12 @@ if op == 'r' then
       end
       local used = n + 0
       local give = math.min(used, amount + 0)
+      if exact and e == nil and used == give then
+        -- A give-back at its first call that empties a first-use counter:
+        -- the period it opened spent nothing, and goes with it.
+        redis.call('DEL', key)
+        return 0
+      end
       if give == 0 then
         return used
       end
@@ -618,6 +626,11 @@ if op == 'r' or op == 'a' then
       return -1
     end
     local give = math.min(used, amount + 0)
+    if exact and kind == 1 and first ~= nil and ends == nil and used == give then
+      -- As above: an emptied first-use counter goes with its period.
+      redis.call('DEL', key)
+      return 0
+    end
     if give == 0 then
       return used
     end
