@@ -98,26 +98,6 @@ const USAGE: &str =
 [--on-store-error open|closed] [--quota on|off|fields|governor] [--burst N] [--plans NAME=N,NAME=N] [--admin-token T | --admin-token-file PATH] \
 [--shadow] [--metrics] [--zone-header NAME] [--lease] [--lease-idle MS]";
 
-/// The flags that take a value: any other but `--shadow`, `--metrics`,
-/// `--lease` and `--help` is unknown.
-const VALUED_FLAGS: [&str; 15] = [
-    "--listen",
-    "--limit",
-    "--lease-idle",
-    "--burst",
-    "--period",
-    "--anchor",
-    "--tz",
-    "--subject",
-    "--store",
-    "--on-store-error",
-    "--quota",
-    "--plans",
-    "--admin-token",
-    "--admin-token-file",
-    "--zone-header",
-];
-
 struct Options {
     listen: SocketAddr,
     limit: u64,
@@ -239,12 +219,13 @@ fn parse_args() -> Options {
             options.lease = true;
             continue;
         }
-        if !VALUED_FLAGS.contains(&flag.as_str()) {
-            fail(&format!("unknown flag {flag}"));
-        }
-        let value = args
-            .next()
-            .unwrap_or_else(|| fail(&format!("{flag} needs a value")));
+        // Taken by the flag's arm below: an unknown flag given last is
+        // reported as unknown, not as one that needs a value.
+        let next = args.next();
+        let value = || {
+            next.clone()
+                .unwrap_or_else(|| fail(&format!("{flag} needs a value")))
+        };
         if [
             "--burst",
             "--on-store-error",
@@ -264,33 +245,36 @@ fn parse_args() -> Options {
         };
         match flag.as_str() {
             "--listen" => {
+                let value = value();
                 options.listen = value
                     .parse()
                     .unwrap_or_else(|_| fail(&format!("--listen {value:?}: expected ADDR:PORT")))
             }
-            "--limit" => options.limit = whole(&value),
-            "--lease-idle" => match whole(&value) {
+            "--limit" => options.limit = whole(&value()),
+            "--lease-idle" => match whole(&value()) {
                 0 => fail("--lease-idle takes a number of milliseconds above 0"),
                 ms => {
                     options.lease_idle = Duration::from_millis(ms);
                     lease_idle_given = true;
                 }
             },
-            "--burst" => options.burst = whole(&value),
+            "--burst" => options.burst = whole(&value()),
             "--period" => {
+                let value = value();
                 options.period = parse_period(&value).unwrap_or_else(|e| fail(&e));
                 // `01d` is a day as `1d` is: what was parsed says.
                 calendar_period = ["minute", "hour", "day", "week", "month"]
                     .contains(&options.period.name().as_str());
             }
             "--anchor" => {
-                options.anchor = match value.as_str() {
+                options.anchor = match value().as_str() {
                     "calendar" => Anchor::Calendar,
                     "first-use" => Anchor::FirstUse,
                     _ => fail("--anchor takes calendar or first-use"),
                 }
             }
             "--tz" => {
+                let value = value();
                 let zone =
                     TimeZone::get(&value).unwrap_or_else(|e| fail(&format!("--tz {value:?}: {e}")));
                 // One of the IANA list, the same on every host that shares
@@ -301,16 +285,16 @@ fn parse_args() -> Options {
                 tz = Some(zone);
             }
             "--subject" => {
-                options.subject = match value.as_str() {
+                options.subject = match value().as_str() {
                     "account" => FromHeader::account("x-account-id"),
                     "user" => FromHeader::user("x-user-id"),
                     "device" => FromHeader::device("x-device-id"),
                     _ => fail("--subject takes account, user or device"),
                 }
             }
-            "--store" => options.store = value,
+            "--store" => options.store = value(),
             "--on-store-error" => {
-                options.on_store_error = match value.as_str() {
+                options.on_store_error = match value().as_str() {
                     "open" => OnStoreError::FailOpen,
                     "closed" => OnStoreError::FailClosed {
                         retry_after: Duration::from_secs(1),
@@ -319,7 +303,7 @@ fn parse_args() -> Options {
                 }
             }
             "--quota" => {
-                options.quota = match value.as_str() {
+                options.quota = match value().as_str() {
                     "on" => Mode::On,
                     "off" => Mode::Off,
                     "fields" => Mode::Fields,
@@ -327,9 +311,10 @@ fn parse_args() -> Options {
                     _ => fail("--quota takes on, off, fields or governor"),
                 }
             }
-            "--plans" => options.plans = parse_plans(&value).unwrap_or_else(|e| fail(&e)),
-            "--admin-token" => options.admin_token = Some(admin_token(&value, "--admin-token")),
+            "--plans" => options.plans = parse_plans(&value()).unwrap_or_else(|e| fail(&e)),
+            "--admin-token" => options.admin_token = Some(admin_token(&value(), "--admin-token")),
             "--admin-token-file" => {
+                let value = value();
                 let text = std::fs::read_to_string(&value)
                     .unwrap_or_else(|e| fail(&format!("--admin-token-file {value:?}: {e}")));
                 let line = text.lines().next().unwrap_or("").trim();
@@ -339,13 +324,14 @@ fn parse_args() -> Options {
                 ));
             }
             "--zone-header" => {
+                let value = value();
                 options.zone_header = Some(
                     http::HeaderName::try_from(value.as_str()).unwrap_or_else(|_| {
                         fail(&format!("--zone-header {value:?}: not a header name"))
                     }),
                 )
             }
-            _ => unreachable!("{flag} is one of VALUED_FLAGS"),
+            _ => fail(&format!("unknown flag {flag}")),
         }
     }
     if let Some(tz) = tz {
