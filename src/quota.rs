@@ -112,12 +112,12 @@ impl Quota {
 
     /// `limit` per `length`, counted from each subject's first call.
     ///
-    /// The first call served opens the period. One whose charge is given
-    /// back (refused by a layer further in, not served, a 5xx under
-    /// `refund_server_errors`, undone by its handler) opens none: the
-    /// period its charge opened closes with the give-back, unless another
-    /// call was charged in it meanwhile. (A support refund of everything
-    /// spent leaves the period open, its reset as it was.)
+    /// The first call that spends opens the period. One whose charge is
+    /// given back whole (refused by a layer further in, not served, a 5xx
+    /// under `refund_server_errors`, undone by its handler, a deferred
+    /// cost of 0) opens none: the period its charge opened closes with the
+    /// give-back when nothing else is spent in it by then. A support
+    /// refund never closes a period itself.
     ///
     /// # Panics
     ///

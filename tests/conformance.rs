@@ -418,7 +418,7 @@ mod broken {
                     .is_some_and(|first| first != first_call)
             };
             // Only first-use counters report a first call here.
-            let empties = live.is_some_and(|c| c.first_call.is_some() && c.used <= amount);
+            let empties = live.is_some_and(|c| c.first_call.is_some() && c.used == amount);
             let emptied = !another && empties && !self.bugs.keeps_emptied;
             if emptied {
                 self.counters.lock().unwrap().remove(&key);

@@ -1096,3 +1096,23 @@ async fn a_charge_given_back_leaves_no_rolling_period_open() {
         );
     }
 }
+
+/// A request served whose deferred cost comes to nothing spent nothing:
+/// as a free request, it opens no rolling period.
+#[tokio::test]
+async fn a_request_whose_deferred_cost_is_nothing_opens_no_rolling_period() {
+    let policy = policy(MemoryStore::new(), "free").build();
+    let hour = Quota::rolling(100, Duration::from_secs(3600)).named("hour");
+    let app = Router::new()
+        .route("/", get(ok))
+        .layer(policy.layer(hour).deferred_cost(1, |_| 0));
+    let response = app.oneshot(call("/")).await.unwrap();
+    assert_eq!(response.status(), StatusCode::OK);
+    let usage = policy
+        .handle()
+        .usage(&Subject::account("acme"))
+        .await
+        .unwrap();
+    let hour = usage.iter().find(|u| u.name() == "hour").unwrap();
+    assert_eq!((hour.used(), hour.first_call()), (0, None));
+}

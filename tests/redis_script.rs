@@ -438,11 +438,12 @@ async fn a_refund_and_an_add_write_only_the_count_of_a_live_counter() {
     assert!(writes.take().is_empty(), "wrote without a live counter");
 }
 
-/// A give-back at a first-use counter's first call that empties it
+/// A give-back at a first-use counter's first call of all it holds
 /// deletes the counter, whether the script reads it on its short path
 /// (fields in the order it writes them) or its full one (another order):
 /// the period it opened spent nothing. A calendar counter, a hash without
-/// a first call, and a first-use counter emptied by a plain refund stay.
+/// a first call, a first-use counter given back more than it holds, and
+/// one emptied by a plain refund stay.
 #[tokio::test]
 async fn an_exact_give_back_that_empties_a_first_use_counter_deletes_it() {
     let server = redis_server_or_skip!();
@@ -476,19 +477,31 @@ async fn an_exact_give_back_that_empties_a_first_use_counter_deletes_it() {
         let exists: bool = redis.exists(key.as_str()).await.unwrap();
         assert!(exists, "{key}: units still spent");
         assert_eq!(
-            store.refund_made_at(now, key.clone(), 5, at).await.unwrap(),
+            store.refund_made_at(now, key.clone(), 1, at).await.unwrap(),
             Some(0)
         );
         let exists: bool = redis.exists(key.as_str()).await.unwrap();
-        assert!(!exists, "{key}: an emptied first-use counter stays");
+        assert!(
+            !exists,
+            "{key}: a first-use counter given back all it holds stays"
+        );
     }
-    for key in [&daily, &untimed] {
+    // More than it holds: a refund capped at zero, which leaves it.
+    let () = redis
+        .hset_multiple(full.as_str(), &[("n", 1), ("t", ms)])
+        .await
+        .unwrap();
+    let () = redis.pexpire(full.as_str(), 3_600_000).await.unwrap();
+    for key in [&daily, &untimed, &full] {
         assert_eq!(
             store.refund_made_at(now, key.clone(), 2, at).await.unwrap(),
             Some(0)
         );
         let exists: bool = redis.exists(key.as_str()).await.unwrap();
-        assert!(exists, "{key}: deleted");
+        assert!(
+            exists,
+            "{key}: a calendar counter, one without a first call, or one given back more than it holds, went"
+        );
     }
     assert_eq!(
         store

@@ -73,8 +73,9 @@ static GIVE_BACK_ERRORS: Throttle = Throttle::new(5);
 /// - **Unused units go back** to the store, with a refund (which never
 ///   creates a counter and never moves a deadline, and goes only to the
 ///   counter the units were taken from, by its first call: never to one
-///   made since, after a reset, whatever its first call; see
-///   [`Store::refund_made_at`]), when the subject has
+///   made since, after a reset, whatever its first call; one that takes
+///   back all a first-use counter holds deletes it, as every give-back
+///   does; see [`Store::refund_made_at`]), when the subject has
 ///   been idle on this instance for the idle bound (1 s by default), when a
 ///   block is older than the lease time (10 s by default, whatever the
 ///   subject does), and on [`LeasedStore::shutdown`]. The store counts

@@ -454,13 +454,33 @@ impl MemoryStore {
             return None;
         }
         counter.used = change(counter.used);
-        let used = counter.used;
-        // A give-back at its first call that empties a first-use counter:
-        // the period it opened spent nothing (see `Store::refund_made_at`).
-        if used == 0 && counter.first_use && matches!(made, Made::At(_)) {
-            shard.remove(key.as_str());
+        Some(counter.used)
+    }
+
+    /// A give-back of `amount` to the live counter at `key` whose first
+    /// call was `first_call` (see [`Store::refund_made_at`]): when it is a
+    /// first-use counter that holds `amount` exactly, nothing else is
+    /// spent in the period it opened, and the counter goes.
+    fn give_back_at(
+        &self,
+        now: Timestamp,
+        key: &PeriodKey,
+        amount: u64,
+        first_call: Timestamp,
+    ) -> Option<u64> {
+        let mut shard = lock(&self.inner.shards[self.shard_of(key)]);
+        let counter = shard.get_mut(key.as_str())?;
+        if counter.deadline <= Nanos::of(now)
+            || !Made::At(first_call).names(counter.first_call.timestamp())
+        {
+            return None;
         }
-        Some(used)
+        if counter.first_use && counter.used == amount {
+            shard.remove(key.as_str());
+            return Some(0);
+        }
+        counter.used = counter.used.saturating_sub(amount);
+        Some(counter.used)
     }
 
     /// Reclaims every counter whose deadline is a minute or more before
@@ -1058,12 +1078,7 @@ impl Store for MemoryStore {
         amount: u64,
         first_call: Timestamp,
     ) -> impl Future<Output = Result<Option<u64>, StoreError>> + Send {
-        ready(Ok(self.change_live_made(
-            now,
-            &key,
-            Made::At(first_call),
-            |used| used.saturating_sub(amount),
-        )))
+        ready(Ok(self.give_back_at(now, &key, amount, first_call)))
     }
 
     fn add(

@@ -26,9 +26,9 @@
 //!   made, and the next charge would find none, so such lines would be
 //!   admitted however often they came.
 //! - [`Store::refund`] never creates a counter and never touches a deadline;
-//!   a give-back at a first-use counter's first call
-//!   ([`Store::refund_made_at`]) that leaves it at zero deletes it, so that
-//!   a period opens with the first request served.
+//!   a give-back at a first-use counter's first call of all it holds
+//!   ([`Store::refund_made_at`]) deletes it, so that a period runs from the
+//!   first request that spends.
 //! - [`Store::add`] (a cost known only once the response is, charged after
 //!   the fact) never checks a limit, never creates a counter and never
 //!   touches a deadline: an add to a counter that expired in the meantime
@@ -331,10 +331,10 @@ pub struct Usage {
     /// When the store counted the charge, if before the charge's own
     /// instant: a [`LeasedStore`] that admits from a block answers with
     /// the instant the block was taken, when the store counted its units.
-    /// A give-back of the charge goes only to a counter made by then
-    /// ([`Store::refund_made_by`]): not to one made anew since (a reset
-    /// elsewhere while this instance still held the block). `None` from
-    /// every other store: it counted the charge at its instant.
+    /// A give-back of the charge goes only to a counter made by then: not
+    /// to one made anew since (a reset elsewhere while this instance still
+    /// held the block), even when this usage tells its first call. `None`
+    /// from every other store: it counted the charge at its instant.
     pub counted_at: Option<Timestamp>,
 }
 
@@ -642,14 +642,16 @@ pub trait Store: Clone + Send + Sync + 'static {
     /// request that waited). `None` when the live counter at `key` is
     /// another, as when there is none.
     ///
-    /// What the layer gives back of a request not served goes this way,
-    /// and so does a block's unused part: a first-use counter that such a
-    /// refund leaves at zero is deleted (its answer is `Some(0)`). Nothing
-    /// was spent in the period it opened, so no period is open: the next
-    /// charge opens one, and a rolling period runs from the first request
-    /// served, not from one refused further in. (A refund of any other
-    /// kind, such as a support refund, leaves a counter at zero live, its
-    /// deadline as it was.)
+    /// What the layer gives back goes this way (a request not served, a
+    /// 5xx refunded, a deferred cost below what was charged up front), and
+    /// so does a block's unused part. A first-use counter that holds
+    /// `amount` exactly is deleted (the answer is `Some(0)`): nothing else
+    /// is spent in the period it opened, so the next charge opens a
+    /// period, and a rolling period runs from the first request that
+    /// spends, not from one refused further in. A refund of more than the
+    /// counter holds (given back twice over, say by a support refund
+    /// first) takes it to zero and leaves it, as a refund of any other
+    /// kind does: such refunds never close a period.
     ///
     /// The default refunds as `refund_made_by(now, key, amount,
     /// first_call)` does, and deletes nothing; [`MemoryStore`] and the

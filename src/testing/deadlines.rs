@@ -832,9 +832,11 @@ pub async fn calendar_counters_are_distinct_per_period_and_dated<S: ConformanceH
 
 /// A change guarded by the counter's making lands when it goes by the
 /// first call the store reported for that counter: the layer gives a
-/// request back, and adds its deferred cost, by that instant
-/// ([`Store::refund_made_by`](crate::store::Store::refund_made_by),
-/// [`Store::add_made_by`](crate::store::Store::add_made_by)). A store that
+/// request back at that instant
+/// ([`Store::refund_made_at`](crate::store::Store::refund_made_at)), adds
+/// its deferred cost by it
+/// ([`Store::add_made_by`](crate::store::Store::add_made_by)), and support
+/// refunds by it ([`Store::refund_made_by`](crate::store::Store::refund_made_by)). A store that
 /// reports a first call rounded down from what it compares would refuse
 /// them, and leave requests charged that were not served.
 ///
@@ -887,6 +889,34 @@ pub async fn changes_by_the_reported_first_call_land<S: ConformanceHooks>(store:
         Some(3),
         "an add made by the reported first call must land on that counter"
     );
+    let refunded = store
+        .refund_made_at(later, key.clone(), 1, first_call)
+        .await
+        .unwrap_or_else(|e| panic!("the store failed to refund: {e}"));
+    assert_eq!(
+        refunded,
+        Some(2),
+        "a refund made at the reported first call must land on that counter"
+    );
+    // A calendar counter, given back by the first call its charge reported.
+    let daily = fresh_key("made-by-calendar");
+    let (start, end) = (made - period, made + period);
+    let charged = charge(store, made, vec![calendar_line(&daily, 10, 2, start, end)]).await;
+    assert!(
+        charged.0,
+        "a first charge on an empty counter must be admitted"
+    );
+    if let Some(first_call) = charged.1[0].first_call {
+        let refunded = store
+            .refund_made_at(later, daily.clone(), 1, first_call)
+            .await
+            .unwrap_or_else(|e| panic!("the store failed to refund: {e}"));
+        assert_eq!(
+            refunded,
+            Some(1),
+            "a refund made at a calendar counter's reported first call must land on it"
+        );
+    }
     Verdict::Passed
 }
 
@@ -1024,12 +1054,13 @@ pub async fn refunds_made_at_a_first_call_land_on_that_counter_only<S: Conforman
 }
 
 /// A give-back at a first-use counter's first call
-/// ([`Store::refund_made_at`](crate::store::Store::refund_made_at)) that
-/// leaves it at zero closes the period it opened: the next charge opens a
-/// period of its own, so a rolling period runs from the first request
-/// served, not from one refused further in or given back as a server error.
-/// A refund of another kind that empties the counter (a support refund)
-/// leaves it live, its deadline as it was.
+/// ([`Store::refund_made_at`](crate::store::Store::refund_made_at)) of all
+/// it holds closes the period it opened: the next charge opens a period of
+/// its own, so a rolling period runs from the first request that spends,
+/// not from one refused further in or given back as a server error. A
+/// refund of another kind that empties the counter (a support refund), and
+/// a give-back of more than it holds, leave it live, its deadline as it
+/// was.
 ///
 /// # Panics
 ///
@@ -1104,6 +1135,19 @@ pub async fn give_backs_that_empty_a_first_use_counter_close_its_period<S: Confo
         now[0].resets_at,
         served + period,
         "and its deadline as it was",
+    );
+    // Given back again, more than the counter holds (a request refunded by
+    // support, then undone by its handler): a refund capped at zero.
+    let refunded = store
+        .refund_made_at(served, key.clone(), 1, first_call)
+        .await
+        .unwrap_or_else(|e| panic!("the store failed to refund: {e}"));
+    assert_eq!(refunded, Some(0), "a give-back lands on the counter");
+    let now = peek(store, served, vec![first_use(&key, 10, 0, served + period)]).await;
+    assert_eq!(
+        now[0].first_call,
+        Some(first_call),
+        "a give-back of more than the counter holds leaves its period open"
     );
     Verdict::Passed
 }

@@ -44,9 +44,9 @@
 //!   made at a counter's first call (a leased block given back) lands on
 //!   that counter, not on one made since with an earlier first call.
 //! - [`give_backs_that_empty_a_first_use_counter_close_its_period`]: a first-use
-//!   counter that a give-back at its first call empties leaves no period
-//!   open (a rolling period runs from the first request served);
-//!   a support refund that empties it leaves its period as it was.
+//!   counter given back all it holds at its first call leaves no period
+//!   open (a rolling period runs from the first request that spends); a
+//!   support refund that empties it leaves its period as it was.
 //!
 //! A store tells the suite what it cannot be driven to do through the trait
 //! through [`ConformanceHooks`]: how its deadlines pass ([`Expiry`]), how to

@@ -11,8 +11,8 @@
 --      first call t is no later (one made since is left as it is, and the
 --      answer is -1), and with ARGV[5] = 'exact' only to the one whose t is
 --      ARGV[4]; a string counter, which records no t, takes it. An exact
---      refund that leaves a first-use counter (no e) at zero deletes it,
---      and answers 0: the period it opened spent nothing
+--      refund of all a first-use counter (no e) holds, no more, deletes it
+--      and answers 0: nothing else is spent in the period it opened
 --   a  add ARGV[2] to KEYS[1] at ARGV[3] = now (ms) without a limit check (a
 --      cost known only after the response), never creating it, never
 --      touching its TTL; with ARGV[4] (ms), only to a counter whose first
@@ -542,9 +542,11 @@ if op == 'r' then
       end
       local used = n + 0
       local give = math.min(used, amount + 0)
-      if exact and e == nil and used == give then
-        -- A give-back at its first call that empties a first-use counter:
-        -- the period it opened spent nothing, and goes with it.
+      if exact and e == nil and used == amount + 0 then
+        -- A give-back at its first call of all a first-use counter holds:
+        -- nothing else is spent in the period it opened, which goes with
+        -- it. (A calendar counter of an older version, without e, goes
+        -- too: the next charge makes it again for its window.)
         redis.call('DEL', key)
         return 0
       end
@@ -626,8 +628,8 @@ if op == 'r' or op == 'a' then
       return -1
     end
     local give = math.min(used, amount + 0)
-    if exact and kind == 1 and first ~= nil and ends == nil and used == give then
-      -- As above: an emptied first-use counter goes with its period.
+    if exact and kind == 1 and first ~= nil and ends == nil and used == amount + 0 then
+      -- As above: a first-use counter given back all it holds goes.
       redis.call('DEL', key)
       return 0
     end

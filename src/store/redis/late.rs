@@ -1,12 +1,11 @@
 //! Calls followed after their callers stopped waiting: their answers
 //! awaited, and the charges Redis applied late given back.
 //!
-//! A give-back takes the count back, not the counter: a late charge that
-//! made a first-use counter leaves it, at 0, with its period started at
-//! the request that was not served (the subject's next requests reset
-//! when that period ends, not one period after the first of them).
-//! Deleting it instead would take a counter that another instance's
-//! request charged meanwhile and had given back too.
+//! A give-back goes to the counter charged, by its first call when the
+//! reply told it: one that takes back all a first-use counter holds
+//! deletes it (see [`Store::refund_made_at`](crate::store::Store::refund_made_at)),
+//! so a late charge for a request that was not served leaves no period
+//! open behind it.
 
 use std::future::Future;
 use std::pin::Pin;
@@ -233,8 +232,10 @@ pub(super) async fn follow_through<T>(
 }
 
 /// Gives back an applied charge whose caller stopped waiting, line by line,
-/// with the refund of [`Store::refund_made_by`] at the charge's instant
-/// `now`, each to the counter it was charged to (see [`Refund::counter`]).
+/// at the charge's instant `now`, each to the counter it was charged to
+/// (see [`Refund::counter`]): by its first call, exactly, as
+/// [`Store::refund_made_at`] does, or made by an instant, as
+/// [`Store::refund_made_by`] does.
 pub(super) async fn refund_lines(
     inner: &Inner,
     conn: &mut Connection,
