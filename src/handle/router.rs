@@ -113,16 +113,10 @@ async fn show<St: Store>(
     uri: Uri,
     RawQuery(query): RawQuery,
 ) -> Response {
-    let (kind, id, _) = match segments(&uri) {
-        Ok(segments) => segments,
-        Err(response) => return response,
-    };
-    let subject = match subject(&handle, &kind, &id) {
-        Ok(subject) => subject,
-        Err(response) => return response,
-    };
-    let handle = match zoned(&handle, query.as_deref()) {
-        Ok(handle) => handle,
+    let Target {
+        subject, handle, ..
+    } = match target(&handle, &uri, query.as_deref()) {
+        Ok(target) => target,
         Err(response) => return response,
     };
     let plan = match planned(&handle, query.as_deref()) {
@@ -130,6 +124,32 @@ async fn show<St: Store>(
         Err(response) => return response,
     };
     standing(&handle, &subject, plan.as_deref()).await
+}
+
+/// What a support path names: its subject, its allowance if the route has
+/// one, and the handle to answer with, in the zone `?zone=` names.
+struct Target<St> {
+    subject: Subject,
+    allowance: Option<String>,
+    handle: QuotaHandle<St>,
+}
+
+/// The [`Target`] of `uri` and `query`, or the problem document that says
+/// what is wrong with them.
+#[allow(clippy::result_large_err)]
+fn target<St>(
+    handle: &QuotaHandle<St>,
+    uri: &Uri,
+    query: Option<&str>,
+) -> Result<Target<St>, Response> {
+    let (kind, id, allowance) = segments(uri)?;
+    let subject = subject(handle, &kind, &id)?;
+    let handle = zoned(handle, query)?;
+    Ok(Target {
+        subject,
+        allowance,
+        handle,
+    })
 }
 
 /// The plan `?plan=` names, as the layers read it (see
@@ -170,17 +190,13 @@ async fn reset<St: Store>(
     uri: Uri,
     RawQuery(query): RawQuery,
 ) -> Response {
-    let (kind, id, allowance) = match segments(&uri) {
-        Ok((kind, id, Some(allowance))) => (kind, id, allowance),
+    let (subject, allowance, handle) = match target(&handle, &uri, query.as_deref()) {
+        Ok(Target {
+            subject,
+            allowance: Some(allowance),
+            handle,
+        }) => (subject, allowance, handle),
         Ok(_) => return not_found().await,
-        Err(response) => return response,
-    };
-    let subject = match subject(&handle, &kind, &id) {
-        Ok(subject) => subject,
-        Err(response) => return response,
-    };
-    let handle = match zoned(&handle, query.as_deref()) {
-        Ok(handle) => handle,
         Err(response) => return response,
     };
     // Checked before anything is written: a refused plan changes nothing.
@@ -208,17 +224,13 @@ async fn refund<St: Store>(
     uri: Uri,
     RawQuery(query): RawQuery,
 ) -> Response {
-    let (kind, id, allowance) = match segments(&uri) {
-        Ok((kind, id, Some(allowance))) => (kind, id, allowance),
+    let (subject, allowance, handle) = match target(&handle, &uri, query.as_deref()) {
+        Ok(Target {
+            subject,
+            allowance: Some(allowance),
+            handle,
+        }) => (subject, allowance, handle),
         Ok(_) => return not_found().await,
-        Err(response) => return response,
-    };
-    let subject = match subject(&handle, &kind, &id) {
-        Ok(subject) => subject,
-        Err(response) => return response,
-    };
-    let handle = match zoned(&handle, query.as_deref()) {
-        Ok(handle) => handle,
         Err(response) => return response,
     };
     let Some(amount) = param(query.as_deref(), "amount").and_then(|a| a.parse::<u64>().ok()) else {
