@@ -395,9 +395,11 @@ impl<St: Store> QuotaHandle<St> {
     /// nothing was refunded: that period has ended (calendar), or the
     /// counter was made more than a second after `charged_at` (the
     /// subject's first-use period started later, or support reset the
-    /// counter and a later charge made it anew), as for the layer's own
-    /// give-backs ([`Store::refund_made_by`]; a support refund never closes a
-    /// period, even one it empties). The second tolerates a
+    /// counter and a later charge made it anew), by
+    /// [`Store::refund_made_by`]: a support refund never closes a period,
+    /// even one it empties, and from then on no give-back of a request
+    /// closes that period either (see [`Store::refund_made_at`]). The
+    /// second tolerates a
     /// counter that a request stamped a moment later made first (requests
     /// at once, instances' clocks apart), which the request being undone
     /// was charged to; by the same second, a first-use period opened

@@ -117,7 +117,8 @@ impl Quota {
     /// under `refund_server_errors`, undone by its handler, a deferred
     /// cost of 0) opens none: the period its charge opened closes with the
     /// give-back when nothing else is spent in it by then. A support
-    /// refund never closes a period itself.
+    /// refund never closes a period, and once one lowered the count, no
+    /// give-back closes that period either.
     ///
     /// # Panics
     ///

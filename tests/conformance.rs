@@ -147,13 +147,20 @@ mod broken {
         /// Keeps a first-use counter that a give-back at its first call
         /// emptied: the trait's default of `refund_made_at`.
         keeps_emptied: bool,
+        /// Marks no counter a support refund lowered: a give-back of all
+        /// it holds then closes a period holding a served request's units.
+        forgets_support_refunds: bool,
     }
 
-    #[derive(Clone, Copy)]
+    #[derive(Clone, Copy, Default)]
     struct Counter {
         used: u64,
         deadline: Option<Timestamp>,
         first_call: Option<Timestamp>,
+        first_use: bool,
+        /// Lowered by a refund of another kind than a give-back at its
+        /// first call: no give-back closes its period.
+        kept: bool,
     }
 
     #[derive(Clone, Default)]
@@ -292,6 +299,8 @@ mod broken {
                         used: line.cost,
                         deadline,
                         first_call: Some(now),
+                        first_use: matches!(line.lifetime, Lifetime::FirstUse { .. }),
+                        kept: false,
                     },
                 };
                 counters.insert(line.key.clone(), counter);
@@ -373,6 +382,10 @@ mod broken {
         ) -> impl Future<Output = Result<Option<u64>, StoreError>> + Send {
             let left = match self.live(&key, now) {
                 Some(mut c) => {
+                    c.kept |= c.first_use
+                        && c.used > 0
+                        && amount > 0
+                        && !self.bugs.forgets_support_refunds;
                     c.used = c.used.saturating_sub(amount);
                     self.counters.lock().unwrap().insert(key, c);
                     Some(c.used)
@@ -382,6 +395,7 @@ mod broken {
                         used: 0,
                         deadline: None,
                         first_call: Some(now),
+                        ..Counter::default()
                     };
                     self.counters.lock().unwrap().insert(key, counter);
                     Some(0)
@@ -417,17 +431,26 @@ mod broken {
                 live.and_then(|c| c.first_call)
                     .is_some_and(|first| first != first_call)
             };
-            // Only first-use counters report a first call here.
-            let empties = live.is_some_and(|c| c.first_call.is_some() && c.used == amount);
-            let emptied = !another && empties && !self.bugs.keeps_emptied;
-            if emptied {
-                self.counters.lock().unwrap().remove(&key);
-            }
-            let refund = unless(another || emptied, move || self.refund(now, key, amount));
-            async move {
-                let refunded = refund.await?;
-                Ok(if emptied { Some(0) } else { refunded })
-            }
+            let left = match live {
+                _ if another => None,
+                None => None,
+                Some(c)
+                    if c.first_use
+                        && !c.kept
+                        && amount > 0
+                        && c.used == amount
+                        && !self.bugs.keeps_emptied =>
+                {
+                    self.counters.lock().unwrap().remove(&key);
+                    Some(0)
+                }
+                Some(mut c) => {
+                    c.used = c.used.saturating_sub(amount);
+                    self.counters.lock().unwrap().insert(key, c);
+                    Some(c.used)
+                }
+            };
+            std::future::ready(Ok(left))
         }
 
         fn add_made_by(
@@ -471,6 +494,7 @@ mod broken {
                         used: amount,
                         deadline: None,
                         first_call: None,
+                        ..Counter::default()
                     };
                     self.counters.lock().unwrap().insert(key, counter);
                     Some(amount)
@@ -542,6 +566,8 @@ mod broken {
                             Lifetime::Calendar { .. } => now,
                             Lifetime::FirstUse { .. } => debt.since,
                         }),
+                        first_use: matches!(debt.lifetime, Lifetime::FirstUse { .. }),
+                        kept: false,
                     },
                 };
                 counters.insert(debt.key, counter);
@@ -561,6 +587,7 @@ mod broken {
                 used,
                 deadline: None,
                 first_call,
+                ..Counter::default()
             };
             self.counters.lock().unwrap().insert(key, counter);
             std::future::ready(Ok(Planted::Planted))
@@ -777,6 +804,19 @@ mod broken {
     async fn a_period_kept_open_by_an_emptied_counter_is_caught() {
         let store = Buggy::with(Bugs {
             keeps_emptied: true,
+            ..Bugs::default()
+        });
+        testing::give_backs_that_empty_a_first_use_counter_close_its_period(&store).await;
+    }
+
+    /// A store that forgets a support refund lowered a counter closes a
+    /// period a served request's units are in, when a give-back of another
+    /// request's charge equals what is left.
+    #[tokio::test]
+    #[should_panic(expected = "after a support refund lowered it leaves its period open")]
+    async fn a_period_closed_after_a_support_refund_is_caught() {
+        let store = Buggy::with(Bugs {
+            forgets_support_refunds: true,
             ..Bugs::default()
         });
         testing::give_backs_that_empty_a_first_use_counter_close_its_period(&store).await;

@@ -1715,8 +1715,9 @@ async fn a_refund_made_before_a_reset_never_lands_in_a_block_of_the_new_counter(
     assert_eq!(counted(&shared, now).await, 200);
 }
 
-/// A request's own refund (what the layer gives back for a request this
-/// instance served) goes into its block.
+/// A request's own give-back (what the layer gives back for a request this
+/// instance served, at the counter's first call) goes into its block; a
+/// support refund by a charge's instant goes to the store.
 #[tokio::test(start_paused = true)]
 async fn a_requests_refund_lands_in_the_block_and_goes_back_with_it() {
     let shared = MemoryStore::new();
@@ -1725,14 +1726,24 @@ async fn a_requests_refund_lands_in_the_block_and_goes_back_with_it() {
     let served_at = now;
     busy(&leased, &mut now, 200, 10_000, 1).await;
     let held = leased.held();
+    let lines = smallvec::smallvec![line_of("acme", 10_000)];
+    let first_call = shared.peek(ChargeRequest { now, lines }).await.unwrap()[0]
+        .first_call
+        .expect("the memory store dates its counters");
     let refunded = leased
-        .refund_made_by(now, day_key(), 5, served_at)
+        .refund_made_at(now, day_key(), 5, first_call)
         .await
         .unwrap();
     assert_eq!(refunded, Some(195));
     assert_eq!(leased.held(), held + 5);
+    let refunded = leased
+        .refund_made_by(now, day_key(), 2, served_at)
+        .await
+        .unwrap();
+    assert_eq!(refunded, Some(193));
+    assert_eq!(leased.held(), held + 5, "a support refund is the store's");
     assert_eq!(leased.shutdown().await, held + 5);
-    assert_eq!(counted(&shared, now).await, 195);
+    assert_eq!(counted(&shared, now).await, 193);
 }
 
 /// Serves 5 requests of the day on a leased instance, which takes a block,

@@ -373,8 +373,9 @@ async fn a_peek_a_refused_charge_and_a_failed_one_write_nothing() {
     }
 }
 
-/// A refund and an add write the count of a live counter and nothing else:
-/// no deadline set, moved or dropped (an undated counter stays undated),
+/// A refund and an add write the count of a live counter and nothing else
+/// (but the mark a refund leaves on a first-use counter that records its
+/// first call): no deadline set, moved or dropped (an undated counter stays undated),
 /// and on a key without a live counter (none, or a calendar counter whose
 /// window ended, kept through its grace) they write nothing at all.
 #[tokio::test]
@@ -399,10 +400,11 @@ async fn a_refund_and_an_add_write_only_the_count_of_a_live_counter() {
     writes.take();
 
     for (key, written) in [
-        (&hash, ["hincrby", "hincrby"]),
-        (&daily, ["hincrby", "hincrby"]),
-        (&string, ["incrby", "incrby"]),
-        (&undated, ["hincrby", "hincrby"]),
+        // A first-use counter is marked by a refund (see the script's `k`).
+        (&hash, &["hset", "hincrby", "hincrby"][..]),
+        (&daily, &["hincrby", "hincrby"]),
+        (&string, &["incrby", "incrby"]),
+        (&undated, &["hincrby", "hincrby"]),
     ] {
         let before = pttl(&mut redis, key).await;
         assert_eq!(store.refund(now, key.clone(), 2).await.unwrap(), Some(3));

@@ -337,10 +337,11 @@ static ADJUST_ERRORS: Throttle = Throttle::new(5);
 
 /// Applies `ops` in the store: at once when the store answers at once,
 /// otherwise in a task of its own when a tokio runtime is at hand, so a
-/// response future dropped meanwhile does not cut a refund short. A refund
-/// goes only to a counter made by the instant beside it (see
-/// [`Line::charged_counter`](crate::status::Line::charged_counter)): not to one made anew since (a reset while the
-/// request was served). A change the store never sent is sent again
+/// response future dropped meanwhile does not cut a refund short. A change
+/// goes only to the counter the request was charged on, named beside it
+/// (see [`Line::charged_counter`](crate::status::Line::charged_counter)):
+/// not to one made anew since (a reset while the request was served). A
+/// change the store never sent is sent again
 /// within its counter's period (the counter's reset beside it): past it, a
 /// counter with the same key is another period's.
 fn apply<St: Store>(

@@ -107,12 +107,18 @@ static GIVE_BACK_ERRORS: Throttle = Throttle::new(5);
 ///   taken, [`Usage::counted_at`], so that after a reset elsewhere it goes
 ///   nowhere; one paid in part by the store too goes by that instant
 ///   whole, and after such a reset the store's part stays charged). So
-///   does any refund guarded by the counter's making
-///   ([`Store::refund_made_by`]: [`QuotaHandle::refund_at`](crate::QuotaHandle::refund_at)
-///   too), as far as the block has room for it: other instances see it once
-///   the block goes back. Any other refund ([`Store::refund`],
-///   [`QuotaHandle::refund`](crate::QuotaHandle::refund)) goes to the
-///   store. A support refund larger than what was spent takes the count
+///   does any other give-back at the counter's first call
+///   ([`Store::refund_made_at`]), as far as the block has room for it:
+///   other instances see it once the block goes back. (A first-use
+///   counter's period opened by a request that took a block and was then
+///   not served stays open when a request is served from that block: it
+///   then runs from the block's take, at most the lease time before the
+///   first request served.) Any other refund
+///   ([`Store::refund`], [`Store::refund_made_by`]: support's,
+///   [`QuotaHandle::refund`](crate::QuotaHandle::refund) and
+///   [`QuotaHandle::refund_at`](crate::QuotaHandle::refund_at)) goes to the
+///   store, which then knows that no give-back closes the counter's period
+///   (see [`Store::refund_made_at`]). A support refund larger than what was spent takes the count
 ///   below the units instances hold, which they then spend on top of the
 ///   limit: refund at most what the subject was charged.
 /// - An instance that stops without [`LeasedStore::shutdown`] (a crash, a
@@ -2233,15 +2239,15 @@ impl<St: Store> LeasedStore<St> {
         }
     }
 
-    /// A refund (guarded by `made_by` in the store, if given). A guarded
-    /// one (what the layer gives back of a request this instance served,
-    /// at most what it charged; or a support refund by a charge's
-    /// instant) goes into this instance's block of `key` when it holds
-    /// one. Any other (a support refund, of units any instance may have
-    /// spent) goes to the store: this instance's view of
-    /// the count is as old as its last answer, and crediting its block
-    /// from it would give back units others gave back already, or fewer
-    /// than asked.
+    /// A refund (guarded by `made` in the store). A give-back at the
+    /// counter's first call (what the layer gives back of a request this
+    /// instance served, at most what it charged) goes into this instance's
+    /// block of `key` when it holds one. Any other (a support refund, of
+    /// units any instance may have spent) goes to the store: this
+    /// instance's view of the count is as old as its last answer, and
+    /// crediting its block from it would give back units others gave back
+    /// already, or fewer than asked; and the store learns from it that no
+    /// give-back closes the counter's period.
     async fn refund_to(
         &self,
         now: Timestamp,
@@ -2253,7 +2259,7 @@ impl<St: Store> LeasedStore<St> {
         // What went into the block, of which entry: taken back if the store
         // never gets the rest, so that the refund is sent again whole.
         let mut in_block = None;
-        if made != Made::Any {
+        if matches!(made, Made::At(_)) {
             let mut counters = self.shared.counter(&key);
             if let Some(counter) = counters.get_mut(&key) {
                 // Into the block only when it is of the counter charged: not

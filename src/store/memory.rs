@@ -151,6 +151,10 @@ struct Counter {
     first_call: Nanos,
     deadline: Nanos,
     first_use: bool,
+    /// Whether a refund of another kind than a give-back at its first call
+    /// (support's) lowered it: its count then no longer tells what the
+    /// requests charged on it hold, and no give-back closes its period.
+    kept: bool,
 }
 
 /// An instant in nanoseconds since the Unix epoch, held in an `i64` (the
@@ -453,14 +457,17 @@ impl MemoryStore {
         if !made.names(counter.first_call.timestamp()) {
             return None;
         }
-        counter.used = change(counter.used);
+        let before = counter.used;
+        counter.used = change(before);
+        counter.kept |= counter.used < before;
         Some(counter.used)
     }
 
     /// A give-back of `amount` to the live counter at `key` whose first
     /// call was `first_call` (see [`Store::refund_made_at`]): when it is a
-    /// first-use counter that holds `amount` exactly, nothing else is
-    /// spent in the period it opened, and the counter goes.
+    /// first-use counter that holds `amount` exactly, and no other refund
+    /// lowered it, nothing else is spent in the period it opened, and the
+    /// counter goes.
     fn give_back_at(
         &self,
         now: Timestamp,
@@ -475,7 +482,7 @@ impl MemoryStore {
         {
             return None;
         }
-        if counter.first_use && counter.used == amount {
+        if counter.first_use && !counter.kept && amount > 0 && counter.used == amount {
             shard.remove(key.as_str());
             return Some(0);
         }
@@ -825,6 +832,7 @@ impl Shard {
             first_call: Nanos::of(first_call),
             deadline,
             first_use,
+            kept: false,
         };
         let hash = self.hash(key.as_str());
         self.deadlines.push(Reverse((deadline, hash)));

@@ -27,8 +27,9 @@
 //!   admitted however often they came.
 //! - [`Store::refund`] never creates a counter and never touches a deadline;
 //!   a give-back at a first-use counter's first call of all it holds
-//!   ([`Store::refund_made_at`]) deletes it, so that a period runs from the
-//!   first request that spends.
+//!   ([`Store::refund_made_at`]) deletes it, unless a refund of another kind
+//!   lowered it before, so that a period runs from the first request that
+//!   spends.
 //! - [`Store::add`] (a cost known only once the response is, charged after
 //!   the fact) never checks a limit, never creates a counter and never
 //!   touches a deadline: an add to a counter that expired in the meantime
@@ -315,10 +316,12 @@ pub struct Usage {
     /// store that does not date its counters.
     ///
     /// The layer gives a request's charge back only to the counter whose
-    /// first call this is ([`Store::refund_made_at`]), and adds its
-    /// deferred cost only to a counter made by this instant
-    /// ([`Store::add_made_by`]): a store reports exactly the instant it
-    /// compares there (not one rounded down from it), or the request's
+    /// first call this is ([`Store::refund_made_at`]; but for a leased
+    /// block's charge, when this is later than
+    /// [`counted_at`](Self::counted_at): then to a counter made by that
+    /// instant), and adds its deferred cost only to a counter made by this
+    /// instant ([`Store::add_made_by`]): a store reports exactly the instant
+    /// it compares there (not one rounded down from it), or the request's
     /// give-back is refused.
     pub first_call: Option<Timestamp>,
     /// With leased counting ([`LeasedStore`]), in a refusal: when the
@@ -645,13 +648,16 @@ pub trait Store: Clone + Send + Sync + 'static {
     /// What the layer gives back goes this way (a request not served, a
     /// 5xx refunded, a deferred cost below what was charged up front), and
     /// so does a block's unused part. A first-use counter that holds
-    /// `amount` exactly is deleted (the answer is `Some(0)`): nothing else
-    /// is spent in the period it opened, so the next charge opens a
-    /// period, and a rolling period runs from the first request that
-    /// spends, not from one refused further in. A refund of more than the
-    /// counter holds (given back twice over, say by a support refund
-    /// first) takes it to zero and leaves it, as a refund of any other
-    /// kind does: such refunds never close a period.
+    /// `amount` exactly (more than 0) is deleted (the answer is
+    /// `Some(0)`): nothing else is spent in the period it opened, so the
+    /// next charge opens a period, and a rolling period runs from the first
+    /// request that spends, not from one refused further in. That holds
+    /// while every unit that left the counter was given back this way: a
+    /// refund of another kind ([`Store::refund`], [`Store::refund_made_by`]:
+    /// support's), which says nothing of whose units it takes, marks a
+    /// first-use counter it lowers, and no give-back deletes a marked
+    /// counter. Nor does one of more than the counter holds (a request
+    /// given back twice over): it takes it to zero and leaves it.
     ///
     /// The default refunds as `refund_made_by(now, key, amount,
     /// first_call)` does, and deletes nothing; [`MemoryStore`] and the

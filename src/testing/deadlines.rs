@@ -1119,35 +1119,71 @@ pub async fn give_backs_that_empty_a_first_use_counter_close_its_period<S: Confo
         "a period that ends one period after the charge that opened it",
     );
     let first_call = again.1[0].first_call.unwrap_or(served);
-    // A support refund of all that was spent.
-    let refunded = store
+    let open = Open {
+        time: &time,
+        key: &key,
+        first_call,
+        ends: served + period,
+        at: served,
+    };
+    let give_back = |amount| store.refund_made_at(served, key.clone(), amount, first_call);
+    let charge_one = || charge(store, served, vec![first_use(&key, 10, 1, served + period)]);
+    // Given back more than it holds (a request given back twice over): a
+    // refund capped at zero.
+    open.after(
+        store,
+        give_back(2).await,
+        "a give-back of more than the counter holds",
+    )
+    .await;
+    open.after(store, give_back(0).await, "a give-back of nothing")
+        .await;
+    // A support refund of all that was spent, then a request charged and
+    // given back: the count tells no longer whose units remain.
+    assert!(charge_one().await.0, "a charge with room is admitted");
+    let refund = store
         .refund_made_by(served, key.clone(), 1, first_call)
-        .await
-        .unwrap_or_else(|e| panic!("the store failed to refund: {e}"));
-    assert_eq!(refunded, Some(0), "a refund lands on the counter");
-    let now = peek(store, served, vec![first_use(&key, 10, 0, served + period)]).await;
-    assert_eq!(
-        now[0].first_call,
-        Some(first_call),
-        "a refund of another kind that empties the counter leaves its period open"
-    );
-    time.assert_near(
-        now[0].resets_at,
-        served + period,
-        "and its deadline as it was",
-    );
-    // Given back again, more than the counter holds (a request refunded by
-    // support, then undone by its handler): a refund capped at zero.
-    let refunded = store
-        .refund_made_at(served, key.clone(), 1, first_call)
-        .await
-        .unwrap_or_else(|e| panic!("the store failed to refund: {e}"));
-    assert_eq!(refunded, Some(0), "a give-back lands on the counter");
-    let now = peek(store, served, vec![first_use(&key, 10, 0, served + period)]).await;
-    assert_eq!(
-        now[0].first_call,
-        Some(first_call),
-        "a give-back of more than the counter holds leaves its period open"
-    );
+        .await;
+    open.after(store, refund, "a support refund that empties the counter")
+        .await;
+    assert!(charge_one().await.0, "a charge with room is admitted");
+    open.after(
+        store,
+        give_back(1).await,
+        "a give-back of all the counter holds, after a support refund lowered it",
+    )
+    .await;
     Verdict::Passed
+}
+
+/// A first-use period that must stay open, as a check finds it.
+struct Open<'a> {
+    time: &'a Timeline,
+    key: &'a PeriodKey,
+    first_call: jiff::Timestamp,
+    ends: jiff::Timestamp,
+    at: jiff::Timestamp,
+}
+
+impl Open<'_> {
+    /// Checks that `refund` (what `why` names) took the counter to zero
+    /// and left its period as it was.
+    async fn after<S: ConformanceHooks>(
+        &self,
+        store: &S,
+        refund: Result<Option<u64>, crate::store::StoreError>,
+        why: &str,
+    ) {
+        let refund = refund.unwrap_or_else(|e| panic!("the store failed to refund: {e}"));
+        assert_eq!(refund, Some(0), "{why}: lands on the counter");
+        let line = first_use(self.key, 10, 0, self.ends);
+        let now = peek(store, self.at, vec![line]).await;
+        assert_eq!(
+            now[0].first_call,
+            Some(self.first_call),
+            "{why} leaves its period open"
+        );
+        self.time
+            .assert_near(now[0].resets_at, self.ends, "its deadline as it was");
+    }
 }

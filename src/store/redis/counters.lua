@@ -12,7 +12,9 @@
 --      answer is -1), and with ARGV[5] = 'exact' only to the one whose t is
 --      ARGV[4]; a string counter, which records no t, takes it. An exact
 --      refund of all a first-use counter (no e) holds, no more, deletes it
---      and answers 0: nothing else is spent in the period it opened
+--      and answers 0: nothing else is spent in the period it opened; but
+--      not once a refund of another kind (not exact) marked it (k = 1),
+--      since the count then no longer tells what requests charged hold
 --   a  add ARGV[2] to KEYS[1] at ARGV[3] = now (ms) without a limit check (a
 --      cost known only after the response), never creating it, never
 --      touching its TTL; with ARGV[4] (ms), only to a counter whose first
@@ -47,14 +49,16 @@
 -- A counter is a hash: n = units spent, t = the first call (ms since the
 -- epoch), and for calendar counters e = the window's end (ms since the
 -- epoch). t and e are written once, when the script creates the counter.
+-- A first-use counter that took a refund of another kind than an exact
+-- give-back (support's) holds k = 1 too, from then on.
 -- HINCRBY keeps the key's TTL, so the deadline set when the counter is
 -- created is never moved. A plain string counter (written by another tool)
 -- is read with GET and changed with INCRBY/DECRBY, which keep the TTL too.
 --
--- Every value is strict: n, t, e and a string counter are whole numbers
+-- Every value is strict: n, t, e, k and a string counter are whole numbers
 -- from 0 to 2^53 written as Redis writes integers (digits only, no sign, no
 -- leading zero, no point, no exponent, no space), t and e are no later than
--- 9999-12-30T22:00:00Z, and a hash holds no other field. Anything else
+-- 9999-12-30T22:00:00Z, k is 1, and a hash holds no other field. Anything else
 -- (another type, `1.0`, `1e0`, ` 1`, `-1`, a count
 -- beyond 2^53) is no counter: the request is an error reply naming the key,
 -- and nothing is written on any key.
@@ -242,16 +246,17 @@ local function rest()
     return slow
   end
   local NOT_A_COUNTER = ' holds a value that is not a counter (a whole number from 0 to'
-    .. ' 2^53, or a hash of such numbers n, t and e, t and e no later than'
-    .. ' 9999-12-30T22:00:00Z)'
+    .. ' 2^53, or a hash of such numbers n, t, e and k, t and e no later than'
+    .. ' 9999-12-30T22:00:00Z, k 1)'
   local NOT_A_NUMBER = ' that is not a whole number from 0 to 2^53'
   local NOT_AN_INSTANT = ' that is not an instant from 1970 to 9999-12-30T22:00:00Z'
 
   -- Reads the counter at `key`, writing nothing. Returns its kind (0 no key:
   -- a counter with nothing spent, created as a hash; 1 a hash; 2 a plain
-  -- string counter), the units spent (a number), and its first call and its
-  -- window's end (digits, or nil); or nothing when the key holds something
-  -- that is no counter.
+  -- string counter), the units spent (a number), its first call and its
+  -- window's end (digits, or nil), and whether a refund of another kind
+  -- than a give-back marked it (k); or nothing when the key holds
+  -- something that is no counter.
   local function read(key)
     local r = try('HGETALL', key)
     if r.err ~= nil then
@@ -269,7 +274,7 @@ local function rest()
     if size == 0 then
       return 0, 0
     end
-    local used, first, ends
+    local used, first, ends, kept
     for i = 1, size, 2 do
       local field, value = r[i], r[i + 1]
       if not digits(value) then
@@ -281,6 +286,8 @@ local function rest()
         first = value
       elseif field == 'e' and instant(value) then
         ends = value
+      elseif field == 'k' and value == '1' then
+        kept = true
       else
         return nil
       end
@@ -288,7 +295,7 @@ local function rest()
     if used == nil then
       return nil
     end
-    return 1, used, first, ends
+    return 1, used, first, ends, kept
   end
 
   -- Charges (or, `charging` false, peeks at) the lines of one request at
@@ -542,13 +549,22 @@ if op == 'r' then
       end
       local used = n + 0
       local give = math.min(used, amount + 0)
-      if exact and e == nil and used == amount + 0 then
-        -- A give-back at its first call of all a first-use counter holds:
-        -- nothing else is spent in the period it opened, which goes with
-        -- it. (A calendar counter of an older version, without e, goes
-        -- too: the next charge makes it again for its window.)
-        redis.call('DEL', key)
-        return 0
+      if e == nil and give > 0 then
+        if exact and used == give and give == amount + 0 then
+          -- A give-back at its first call of all a first-use counter
+          -- holds, in a counter no other refund marked: nothing else is
+          -- spent in the period it opened, which goes with it. (A calendar
+          -- counter of an older version, without e, goes too: the next
+          -- charge makes it again for its window.)
+          call('DEL', key)
+          return 0
+        end
+        if not exact then
+          -- A refund of another kind (support's): the count no longer
+          -- tells what the requests charged still hold, and no give-back
+          -- closes this period.
+          call('HSET', key, 'k', '1')
+        end
       end
       if give == 0 then
         return used
@@ -601,7 +617,7 @@ if op == 'r' or op == 'a' then
   if not digits(now) then
     return redis.error_reply('ERR tower-quota: an instant' .. NOT_A_NUMBER)
   end
-  local kind, used, first, ends = read(key)
+  local kind, used, first, ends, kept = read(key)
   if kind == nil then
     return redis.error_reply('ERR tower-quota: ' .. key .. NOT_A_COUNTER)
   end
@@ -628,10 +644,16 @@ if op == 'r' or op == 'a' then
       return -1
     end
     local give = math.min(used, amount + 0)
-    if exact and kind == 1 and first ~= nil and ends == nil and used == amount + 0 then
-      -- As above: a first-use counter given back all it holds goes.
-      redis.call('DEL', key)
-      return 0
+    if kind == 1 and ends == nil and give > 0 then
+      -- As above: a first-use counter given back all it holds goes, unless
+      -- a refund of another kind marked it; such a refund marks it.
+      if exact and first ~= nil and not kept and used == give and give == amount + 0 then
+        call('DEL', key)
+        return 0
+      end
+      if not exact and not kept and first ~= nil then
+        call('HSET', key, 'k', '1')
+      end
     end
     if give == 0 then
       return used
