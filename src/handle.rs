@@ -407,6 +407,12 @@ impl<St: Store> QuotaHandle<St> {
     /// refund, which an instant cannot tell apart.
     /// [`QuotaHandle::refund_request`], which knows the counters charged,
     /// never gives back to another.
+    ///
+    /// # Errors
+    ///
+    /// When the store fails, with a [`LeasedStore`](crate::LeasedStore) too
+    /// (a support refund goes to its store, never into a block). Nothing is
+    /// sent again: call again once the store is back.
     pub async fn refund_at(
         &self,
         subject: &Subject,

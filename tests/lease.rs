@@ -94,6 +94,19 @@ impl Slow {
     fn delay(&self) -> Duration {
         Duration::from_millis(self.delay.load(Ordering::Relaxed))
     }
+
+    /// What a give-back waits before it reaches the memory store: the
+    /// delay, and the refunds' own; while away, the error of one never
+    /// sent.
+    async fn refund_waits(&self) -> Result<(), StoreError> {
+        let slow = Duration::from_millis(self.slow_refunds.load(Ordering::Relaxed));
+        tokio::time::sleep(self.delay() + slow).await;
+        if self.away.load(Ordering::Relaxed) {
+            let away = tower_quota::store::StoreErrorKind::Unavailable;
+            return Err(StoreError::new(away, "away").unsent());
+        }
+        Ok(())
+    }
 }
 
 impl Store for Slow {
@@ -131,13 +144,20 @@ impl Store for Slow {
         amount: u64,
         made_by: Timestamp,
     ) -> Result<Option<u64>, StoreError> {
-        let slow = Duration::from_millis(self.slow_refunds.load(Ordering::Relaxed));
-        tokio::time::sleep(self.delay() + slow).await;
-        if self.away.load(Ordering::Relaxed) {
-            let away = tower_quota::store::StoreErrorKind::Unavailable;
-            return Err(StoreError::new(away, "away").unsent());
-        }
+        self.refund_waits().await?;
         self.inner.refund_made_by(now, key, amount, made_by).await
+    }
+    async fn refund_made_at(
+        &self,
+        now: Timestamp,
+        key: PeriodKey,
+        amount: u64,
+        first_call: Timestamp,
+    ) -> Result<Option<u64>, StoreError> {
+        self.refund_waits().await?;
+        self.inner
+            .refund_made_at(now, key, amount, first_call)
+            .await
     }
     async fn add(
         &self,
@@ -1697,8 +1717,10 @@ async fn a_refund_made_before_a_reset_never_lands_in_a_block_of_the_new_counter(
     let shared = MemoryStore::new();
     let leased = LeasedStore::new(shared.clone());
     let mut now = t0();
-    let charged_at = now;
-    assert!(call(&leased, now, 10_000).await.admitted);
+    let charged = call(&leased, now, 10_000).await;
+    assert!(charged.admitted);
+    // What the layer gives back at: the first call the charge told.
+    let first_call = charged.usage[0].first_call.expect("a dated counter");
     assert!(leased.reset(day_key()).await.unwrap());
     tokio::time::advance(Duration::from_millis(10)).await;
     now += SignedDuration::from_millis(10);
@@ -1706,7 +1728,7 @@ async fn a_refund_made_before_a_reset_never_lands_in_a_block_of_the_new_counter(
     let held = leased.held();
     assert!(held > 0);
     let refunded = leased
-        .refund_made_by(now, day_key(), 1, charged_at)
+        .refund_made_at(now, day_key(), 1, first_call)
         .await
         .unwrap();
     assert_eq!(refunded, None, "the counter charged is gone");
@@ -1808,9 +1830,9 @@ async fn a_large_refund_of_a_request_never_grows_the_block_past_its_size() {
     costly.lines[0].cost = 500;
     let charged = leased.charge(costly).await.unwrap();
     assert!(charged.admitted);
-    let made_by = charged.usage[0].first_call.unwrap().max(now);
+    let first_call = charged.usage[0].first_call.unwrap();
     leased
-        .refund_made_by(now, day_key(), 480, made_by)
+        .refund_made_at(now, day_key(), 480, first_call)
         .await
         .unwrap();
     assert!(leased.held() <= 10, "{} units held", leased.held());
@@ -1840,7 +1862,7 @@ async fn a_refund_while_units_are_set_aside_never_grows_the_block_past_its_size(
         tokio::time::advance(Duration::from_millis(1)).await;
         now += SignedDuration::from_millis(1);
     }
-    let made_by = first.usage[0].first_call.unwrap_or(now).max(now);
+    let first_call = first.usage[0].first_call.expect("a dated counter");
     slow.delay.store(50, Ordering::Relaxed);
     // Two lines: acme's from the block (set aside), other's asked of the
     // (slow) store, where it is refused.
@@ -1856,7 +1878,7 @@ async fn a_refund_while_units_are_set_aside_never_grows_the_block_past_its_size(
     tokio::time::advance(Duration::from_millis(1)).await;
     // A request's own refund (a deferred cost's estimate given back).
     leased
-        .refund_made_by(now, day_key(), 100, made_by)
+        .refund_made_at(now, day_key(), 100, first_call)
         .await
         .unwrap();
     let outcome = pending.await.unwrap().unwrap();
@@ -3307,12 +3329,16 @@ async fn a_refund_sent_again_after_the_store_was_away_counts_once() {
     let mut now = t0();
     busy(&leased, &mut now, 70, 100, 20).await;
     assert!(leased.held() > 0, "a block held");
+    let lines = smallvec::smallvec![line_of("acme", 100)];
+    let first_call = shared.peek(ChargeRequest { now, lines }).await.unwrap()[0]
+        .first_call
+        .expect("the memory store dates its counters");
     slow.away.store(true, Ordering::Relaxed);
-    let refund = leased.refund_made_by(now, day_key(), 60, t0()).await;
+    let refund = leased.refund_made_at(now, day_key(), 60, first_call).await;
     assert!(refund.expect_err("the store is away").is_unsent());
     slow.away.store(false, Ordering::Relaxed);
     leased
-        .refund_made_by(now, day_key(), 60, t0())
+        .refund_made_at(now, day_key(), 60, first_call)
         .await
         .unwrap();
     leased.shutdown().await;

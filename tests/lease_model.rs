@@ -197,6 +197,26 @@ fn made_by(usage: &Usage, charged_at: Timestamp) -> Timestamp {
     usage.counted_at.map_or(made, |counted| counted.min(made))
 }
 
+/// Gives `line`'s cost back as the layer does (see
+/// `Usage::charged_counter`): to the counter at the first call `usage`
+/// tells, exactly, unless that counter was made after the store counted
+/// the charge; then to a counter made `by` then.
+async fn give_back<St: Store>(
+    store: &St,
+    now: Timestamp,
+    line: &ChargeLine,
+    usage: &Usage,
+    by: Timestamp,
+) -> Result<Option<u64>, StoreError> {
+    let key = line.key.clone();
+    match usage.first_call {
+        Some(first) if usage.counted_at.is_none_or(|counted| first <= counted) => {
+            store.refund_made_at(now, key, line.cost, first).await
+        }
+        _ => store.refund_made_by(now, key, line.cost, by).await,
+    }
+}
+
 #[derive(Clone, Default)]
 struct Count {
     admitted: u64,
@@ -318,10 +338,7 @@ async fn run(seed: u64, steps: usize, mix: Mix) -> Vec<String> {
                         if let Ok(Some(_)) = store.add_made_by(now, line.key.clone(), 1, by).await {
                             model.lock().unwrap().counters.get_mut(&id).unwrap().added += 1;
                         }
-                    } else if let Ok(Some(_)) = store
-                        .refund_made_by(now, line.key.clone(), line.cost, by)
-                        .await
-                    {
+                    } else if let Ok(Some(_)) = give_back(&store, now, &line, &usage, by).await {
                         model
                             .lock()
                             .unwrap()

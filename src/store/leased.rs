@@ -75,7 +75,8 @@ static GIVE_BACK_ERRORS: Throttle = Throttle::new(5);
 ///   counter the units were taken from, by its first call: never to one
 ///   made since, after a reset, whatever its first call; one that takes
 ///   back all a first-use counter holds deletes it, as every give-back
-///   does; see [`Store::refund_made_at`]), when the subject has
+///   does, unless a support refund marked it; see
+///   [`Store::refund_made_at`]), when the subject has
 ///   been idle on this instance for the idle bound (1 s by default), when a
 ///   block is older than the lease time (10 s by default, whatever the
 ///   subject does), and on [`LeasedStore::shutdown`]. The store counts
@@ -101,15 +102,16 @@ static GIVE_BACK_ERRORS: Throttle = Throttle::new(5);
 ///   below).
 /// - A reset or a refund made elsewhere reaches this instance when it next
 ///   asks the store: within the lease time at most, since no block is spent
-///   past it. A refund of a request this instance served goes into its
-///   block (only if the block is of the counter the request was counted
-///   on: a request served from a block goes by the instant the block was
-///   taken, [`Usage::counted_at`], so that after a reset elsewhere it goes
-///   nowhere; one paid in part by the store too goes by that instant
-///   whole, and after such a reset the store's part stays charged). So
-///   does any other give-back at the counter's first call
-///   ([`Store::refund_made_at`]), as far as the block has room for it:
-///   other instances see it once the block goes back. (A first-use
+///   past it. The layer's give-back of a request this instance served
+///   goes into its block (at the first call of the counter the request
+///   was counted on; a request served from a block of a counter reset
+///   elsewhere since, whose answer tells the new counter's later first
+///   call, goes by the instant the block was taken, [`Usage::counted_at`],
+///   to the store, where it finds nothing: so does one paid in part by the
+///   store too, whose store part then stays charged). So does any other
+///   give-back at the counter's first call ([`Store::refund_made_at`]),
+///   as far as the block has room for it: other instances see it once the
+///   block goes back. (A first-use
 ///   counter's period opened by a request that took a block and was then
 ///   not served stays open when a request is served from that block: it
 ///   then runs from the block's take, at most the lease time before the

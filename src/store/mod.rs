@@ -608,7 +608,9 @@ pub trait Store: Clone + Send + Sync + 'static {
     /// Gives `amount` back to the live counter at `key` (never below zero).
     /// Returns what the counter holds afterwards, or `None` when there is no
     /// live counter: a refund never creates a counter and never changes a
-    /// deadline.
+    /// deadline. It does not say whose units it takes: a first-use counter
+    /// it lowers is marked, and no give-back closes its period afterwards
+    /// (see [`Store::refund_made_at`]).
     fn refund(
         &self,
         now: Timestamp,
@@ -617,14 +619,16 @@ pub trait Store: Clone + Send + Sync + 'static {
     ) -> impl Future<Output = Result<Option<u64>, StoreError>> + Send;
 
     /// As [`Store::refund`], only to a counter made at or before
-    /// `made_by`: units charged at `made_by` and given back later (the
-    /// unused part of a [`LeasedStore`] block) must not land on a counter
-    /// made since, after a reset. `None` when the live counter at `key` is
-    /// younger, as when there is none. A counter's
+    /// `made_by`: units charged at `made_by` and refunded later (support's
+    /// [`QuotaHandle::refund_at`](crate::QuotaHandle::refund_at)) must not
+    /// land on a counter made since, after a reset. `None` when the live
+    /// counter at `key` is younger, as when there is none. A counter's
     /// [`first_call`](Usage::first_call), as the store reported it, is
-    /// `made_by` enough for that counter. The default, for a store that
-    /// does not record when a counter was made, refunds as
-    /// [`Store::refund`] does; [`MemoryStore`] and the Redis store check.
+    /// `made_by` enough for that counter. As [`Store::refund`], it marks a
+    /// first-use counter it lowers, whose period no give-back then closes
+    /// (see [`Store::refund_made_at`]). The default, for a store that does
+    /// not record when a counter was made, refunds as [`Store::refund`]
+    /// does; [`MemoryStore`] and the Redis store check.
     fn refund_made_by(
         &self,
         now: Timestamp,

@@ -46,7 +46,9 @@
 //! - [`give_backs_that_empty_a_first_use_counter_close_its_period`]: a first-use
 //!   counter given back all it holds at its first call leaves no period
 //!   open (a rolling period runs from the first request that spends); a
-//!   support refund that empties it leaves its period as it was.
+//!   support refund that empties it, a give-back of more than it holds or
+//!   of nothing, and any give-back after a support refund lowered it leave
+//!   its period as it was.
 //!
 //! A store tells the suite what it cannot be driven to do through the trait
 //! through [`ConformanceHooks`]: how its deadlines pass ([`Expiry`]), how to
