@@ -450,13 +450,7 @@ impl MemoryStore {
         change: impl FnOnce(u64) -> u64,
     ) -> Option<u64> {
         let mut shard = lock(&self.inner.shards[self.shard_of(key)]);
-        let counter = shard.get_mut(key.as_str())?;
-        if counter.deadline <= Nanos::of(now) {
-            return None;
-        }
-        if !made.names(counter.first_call.timestamp()) {
-            return None;
-        }
+        let counter = shard.live_made(key, now, made)?;
         let before = counter.used;
         counter.used = change(before);
         counter.kept |= counter.used < before;
@@ -476,12 +470,7 @@ impl MemoryStore {
         first_call: Timestamp,
     ) -> Option<u64> {
         let mut shard = lock(&self.inner.shards[self.shard_of(key)]);
-        let counter = shard.get_mut(key.as_str())?;
-        if counter.deadline <= Nanos::of(now)
-            || !Made::At(first_call).names(counter.first_call.timestamp())
-        {
-            return None;
-        }
+        let counter = shard.live_made(key, now, Made::At(first_call))?;
         if counter.first_use && !counter.kept && amount > 0 && counter.used == amount {
             shard.remove(key.as_str());
             return Some(0);
@@ -796,6 +785,13 @@ impl Shard {
         self.get(key)
             .copied()
             .filter(|c| c.deadline > Nanos::of(now))
+    }
+
+    /// The live counter at `key` at `now`, if `made` names it: what a
+    /// refund or an add may change.
+    fn live_made(&mut self, key: &PeriodKey, now: Timestamp, made: Made) -> Option<&mut Counter> {
+        self.get_mut(key.as_str())
+            .filter(|c| c.deadline > Nanos::of(now) && made.names(c.first_call.timestamp()))
     }
 
     /// Charges `line` at `now`, and whether that added a key to the map (the
