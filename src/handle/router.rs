@@ -152,6 +152,23 @@ fn target<St>(
     })
 }
 
+/// The [`Target`] of a route that names an allowance: its subject, the
+/// allowance, and the handle.
+#[allow(clippy::result_large_err)]
+fn allowance_target<St>(
+    handle: &QuotaHandle<St>,
+    uri: &Uri,
+    query: Option<&str>,
+) -> Result<(Subject, String, QuotaHandle<St>), Response> {
+    let Target {
+        subject,
+        allowance,
+        handle,
+    } = target(handle, uri, query)?;
+    let allowance = allowance.ok_or_else(no_route)?;
+    Ok((subject, allowance, handle))
+}
+
 /// The plan `?plan=` names, as the layers read it (see
 /// `QuotaHandle::known_plan`).
 #[allow(clippy::result_large_err)]
@@ -190,13 +207,8 @@ async fn reset<St: Store>(
     uri: Uri,
     RawQuery(query): RawQuery,
 ) -> Response {
-    let (subject, allowance, handle) = match target(&handle, &uri, query.as_deref()) {
-        Ok(Target {
-            subject,
-            allowance: Some(allowance),
-            handle,
-        }) => (subject, allowance, handle),
-        Ok(_) => return not_found().await,
+    let (subject, allowance, handle) = match allowance_target(&handle, &uri, query.as_deref()) {
+        Ok(target) => target,
         Err(response) => return response,
     };
     // Checked before anything is written: a refused plan changes nothing.
@@ -224,13 +236,8 @@ async fn refund<St: Store>(
     uri: Uri,
     RawQuery(query): RawQuery,
 ) -> Response {
-    let (subject, allowance, handle) = match target(&handle, &uri, query.as_deref()) {
-        Ok(Target {
-            subject,
-            allowance: Some(allowance),
-            handle,
-        }) => (subject, allowance, handle),
-        Ok(_) => return not_found().await,
+    let (subject, allowance, handle) = match allowance_target(&handle, &uri, query.as_deref()) {
+        Ok(target) => target,
         Err(response) => return response,
     };
     let Some(amount) = param(query.as_deref(), "amount").and_then(|a| a.parse::<u64>().ok()) else {
@@ -359,6 +366,11 @@ async fn standing<St: Store>(
 
 /// A path no support route serves.
 async fn not_found() -> Response {
+    no_route()
+}
+
+/// The answer to a path that names no support route.
+fn no_route() -> Response {
     problem(
         StatusCode::NOT_FOUND,
         "no support route here: GET /quota/{kind}/{id}, POST /reset/{kind}/{id}/{allowance}, \
