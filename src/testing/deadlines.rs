@@ -3,8 +3,8 @@
 
 use super::hooks::{ConformanceHooks, Expiry, Planted, StoredDeadline, Verdict};
 use super::support::{
-    add, calendar_line, charge, expect_deadline, first_use, fresh_key, fresh_namespace, peek,
-    refund, settle, stored, Timeline,
+    add, answered, calendar_line, charge, expect_deadline, first_use, fresh_key, fresh_namespace,
+    peek, refund, settle, stored, Timeline,
 };
 use crate::key::PeriodKey;
 use crate::store::{Debt, Lifetime};
@@ -662,11 +662,12 @@ pub async fn undated_counter_is_healed<S: ConformanceHooks>(store: &S) -> Verdic
 
     let known = fresh_key("undated-known");
     let first_call = now - period / 2;
-    if store
-        .plant_undated(known.clone(), 3, Some(first_call))
-        .await
-        .unwrap_or_else(|e| panic!("the store failed to plant an undated counter: {e}"))
-        == Planted::NotApplicable
+    if answered(
+        store
+            .plant_undated(known.clone(), 3, Some(first_call))
+            .await,
+        "plant an undated counter",
+    ) == Planted::NotApplicable
     {
         return Verdict::NotApplicable("the store cannot hold a counter without a deadline");
     }
@@ -689,10 +690,10 @@ pub async fn undated_counter_is_healed<S: ConformanceHooks>(store: &S) -> Verdic
     expect_deadline(store, &time, &known, first_call + period, "after healing").await;
 
     let unknown = fresh_key("undated-unknown");
-    store
-        .plant_undated(unknown.clone(), 5, None)
-        .await
-        .unwrap_or_else(|e| panic!("the store failed to plant an undated counter: {e}"));
+    answered(
+        store.plant_undated(unknown.clone(), 5, None).await,
+        "plant an undated counter",
+    );
     let healed = charge(store, now, vec![first_use(&unknown, 10, 1, now + period)]).await;
     assert_eq!(healed.1[0].used, 6, "healing keeps the count");
     time.assert_near(
@@ -703,10 +704,12 @@ pub async fn undated_counter_is_healed<S: ConformanceHooks>(store: &S) -> Verdic
     expect_deadline(store, &time, &unknown, now + period, "after healing").await;
 
     let over = fresh_key("undated-over");
-    store
-        .plant_undated(over.clone(), 10, Some(now - period * 2))
-        .await
-        .unwrap_or_else(|e| panic!("the store failed to plant an undated counter: {e}"));
+    answered(
+        store
+            .plant_undated(over.clone(), 10, Some(now - period * 2))
+            .await,
+        "plant an undated counter",
+    );
     let fresh = charge(store, now, vec![first_use(&over, 10, 1, now + period)]).await;
     assert!(
         fresh.0,
@@ -720,10 +723,10 @@ pub async fn undated_counter_is_healed<S: ConformanceHooks>(store: &S) -> Verdic
     );
 
     let stuck = fresh_key("undated-at-limit");
-    store
-        .plant_undated(stuck.clone(), 10, None)
-        .await
-        .unwrap_or_else(|e| panic!("the store failed to plant an undated counter: {e}"));
+    answered(
+        store.plant_undated(stuck.clone(), 10, None).await,
+        "plant an undated counter",
+    );
     let refused = charge(store, now, vec![first_use(&stuck, 10, 1, now + period)]).await;
     assert!(!refused.0, "a charge over the limit must be refused");
     assert_eq!(refused.1[0].used, 10, "a refused charge counts nothing");
@@ -737,10 +740,10 @@ pub async fn undated_counter_is_healed<S: ConformanceHooks>(store: &S) -> Verdic
     .await;
 
     let calendar = fresh_key("undated-calendar");
-    store
-        .plant_undated(calendar.clone(), 2, None)
-        .await
-        .unwrap_or_else(|e| panic!("the store failed to plant an undated counter: {e}"));
+    answered(
+        store.plant_undated(calendar.clone(), 2, None).await,
+        "plant an undated counter",
+    );
     let end = now + period;
     let charged = charge(store, now, vec![calendar_line(&calendar, 10, 1, now, end)]).await;
     assert_eq!(charged.1[0].used, 3, "healing keeps the count");
@@ -871,28 +874,32 @@ pub async fn changes_by_the_reported_first_call_land<S: ConformanceHooks>(store:
         Some(first_call),
         "a counter's first call must be reported alike by every charge"
     );
-    let refunded = store
-        .refund_made_by(later, key.clone(), 1, first_call)
-        .await
-        .unwrap_or_else(|e| panic!("the store failed to refund: {e}"));
+    let refunded = answered(
+        store
+            .refund_made_by(later, key.clone(), 1, first_call)
+            .await,
+        "refund",
+    );
     assert_eq!(
         refunded,
         Some(1),
         "a refund made by the reported first call must land on that counter"
     );
-    let added = store
-        .add_made_by(later, key.clone(), 2, first_call)
-        .await
-        .unwrap_or_else(|e| panic!("the store failed to add: {e}"));
+    let added = answered(
+        store.add_made_by(later, key.clone(), 2, first_call).await,
+        "add",
+    );
     assert_eq!(
         added,
         Some(3),
         "an add made by the reported first call must land on that counter"
     );
-    let refunded = store
-        .refund_made_at(later, key.clone(), 1, first_call)
-        .await
-        .unwrap_or_else(|e| panic!("the store failed to refund: {e}"));
+    let refunded = answered(
+        store
+            .refund_made_at(later, key.clone(), 1, first_call)
+            .await,
+        "refund",
+    );
     assert_eq!(
         refunded,
         Some(2),
@@ -907,10 +914,12 @@ pub async fn changes_by_the_reported_first_call_land<S: ConformanceHooks>(store:
         "a first charge on an empty counter must be admitted"
     );
     if let Some(first_call) = charged.1[0].first_call {
-        let refunded = store
-            .refund_made_at(later, daily.clone(), 1, first_call)
-            .await
-            .unwrap_or_else(|e| panic!("the store failed to refund: {e}"));
+        let refunded = answered(
+            store
+                .refund_made_at(later, daily.clone(), 1, first_call)
+                .await,
+            "refund",
+        );
         assert_eq!(
             refunded,
             Some(1),
@@ -945,10 +954,7 @@ pub async fn changes_made_before_a_counter_do_not_land<S: ConformanceHooks>(stor
     let Some(first_call) = first.1[0].first_call else {
         return Verdict::NotApplicable("the store does not date its counters");
     };
-    store
-        .reset(key.clone())
-        .await
-        .unwrap_or_else(|e| panic!("the store failed to reset: {e}"));
+    answered(store.reset(key.clone()).await, "reset");
     // Later by a few milliseconds (a store that counts in them tells the
     // two counters apart).
     time.pass(SignedDuration::from_millis(20)).await;
@@ -959,18 +965,20 @@ pub async fn changes_made_before_a_counter_do_not_land<S: ConformanceHooks>(stor
         again.1[0].first_call.is_some_and(|at| at > first_call),
         "a counter made again after a reset must report its own first call, after the old one's"
     );
-    let refunded = store
-        .refund_made_by(later, key.clone(), 1, first_call)
-        .await
-        .unwrap_or_else(|e| panic!("the store failed to refund: {e}"));
+    let refunded = answered(
+        store
+            .refund_made_by(later, key.clone(), 1, first_call)
+            .await,
+        "refund",
+    );
     assert_eq!(
         refunded, None,
         "a refund made by an instant before the counter was made must not land on it"
     );
-    let added = store
-        .add_made_by(later, key.clone(), 1, first_call)
-        .await
-        .unwrap_or_else(|e| panic!("the store failed to add: {e}"));
+    let added = answered(
+        store.add_made_by(later, key.clone(), 1, first_call).await,
+        "add",
+    );
     assert_eq!(
         added, None,
         "an add made by an instant before the counter was made must not land on it"
@@ -1011,19 +1019,16 @@ pub async fn refunds_made_at_a_first_call_land_on_that_counter_only<S: Conforman
     let Some(first_call) = first.1[0].first_call else {
         return Verdict::NotApplicable("the store does not date its counters");
     };
-    let refunded = store
-        .refund_made_at(made, key.clone(), 1, first_call)
-        .await
-        .unwrap_or_else(|e| panic!("the store failed to refund: {e}"));
+    let refunded = answered(
+        store.refund_made_at(made, key.clone(), 1, first_call).await,
+        "refund",
+    );
     assert_eq!(
         refunded,
         Some(2),
         "a refund made at the reported first call must land on that counter"
     );
-    store
-        .reset(key.clone())
-        .await
-        .unwrap_or_else(|e| panic!("the store failed to reset: {e}"));
+    answered(store.reset(key.clone()).await, "reset");
     // Made again by a charge stamped before the old counter's first call.
     let earlier = made - SignedDuration::from_millis(20);
     let again = charge(
@@ -1037,10 +1042,10 @@ pub async fn refunds_made_at_a_first_call_land_on_that_counter_only<S: Conforman
         again.1[0].first_call.is_some_and(|at| at < first_call),
         "a counter made again by an earlier charge must report its own first call"
     );
-    let refunded = store
-        .refund_made_at(made, key.clone(), 1, first_call)
-        .await
-        .unwrap_or_else(|e| panic!("the store failed to refund: {e}"));
+    let refunded = answered(
+        store.refund_made_at(made, key.clone(), 1, first_call).await,
+        "refund",
+    );
     assert_eq!(
         refunded, None,
         "a refund made at another counter's first call must not land on this one"
@@ -1082,17 +1087,13 @@ pub async fn give_backs_that_empty_a_first_use_counter_close_its_period<S: Confo
         return Verdict::NotApplicable("the store does not date its counters");
     };
     let give_back = |amount| store.refund_made_at(opened, key.clone(), amount, first_call);
-    let refunded = give_back(1)
-        .await
-        .unwrap_or_else(|e| panic!("the store failed to refund: {e}"));
+    let refunded = answered(give_back(1).await, "refund");
     assert_eq!(
         refunded,
         Some(1),
         "a give-back that leaves units spent keeps the counter"
     );
-    let refunded = give_back(1)
-        .await
-        .unwrap_or_else(|e| panic!("the store failed to refund: {e}"));
+    let refunded = answered(give_back(1).await, "refund");
     assert_eq!(
         refunded,
         Some(0),
@@ -1174,7 +1175,7 @@ impl Open<'_> {
         refund: Result<Option<u64>, crate::store::StoreError>,
         why: &str,
     ) {
-        let refund = refund.unwrap_or_else(|e| panic!("the store failed to refund: {e}"));
+        let refund = answered(refund, "refund");
         assert_eq!(refund, Some(0), "{why}: lands on the counter");
         let line = first_use(self.key, 10, 0, self.ends);
         let now = peek(store, self.at, vec![line]).await;

@@ -6,7 +6,7 @@ use jiff::{SignedDuration, Timestamp};
 
 use super::hooks::{ConformanceHooks, Expiry, StoredDeadline};
 use crate::key::{Namespace, PeriodKey};
-use crate::store::{ChargeLine, ChargeRequest, Debt, Lifetime, Store, Usage};
+use crate::store::{ChargeLine, ChargeRequest, Debt, Lifetime, Store, StoreError, Usage};
 use crate::subject::Subject;
 
 /// The suite's view of time: its own clock for stores whose deadlines follow
@@ -108,10 +108,16 @@ pub(super) async fn expect_deadline<S: ConformanceHooks>(
 }
 
 pub(super) async fn stored<S: ConformanceHooks>(store: &S, key: &PeriodKey) -> StoredDeadline {
-    store
-        .stored_deadline(key.clone())
-        .await
-        .unwrap_or_else(|e| panic!("the store failed to report a deadline: {e}"))
+    answered(
+        store.stored_deadline(key.clone()).await,
+        "report a deadline",
+    )
+}
+
+/// What the store answered to a call (`what` names it: "refund", "add"),
+/// or a panic that says it failed.
+pub(super) fn answered<T>(result: Result<T, StoreError>, what: &str) -> T {
+    result.unwrap_or_else(|e| panic!("the store failed to {what}: {e}"))
 }
 
 pub(super) async fn charge<S: Store>(
@@ -119,13 +125,15 @@ pub(super) async fn charge<S: Store>(
     now: Timestamp,
     lines: Vec<ChargeLine>,
 ) -> (bool, Vec<Usage>) {
-    let outcome = store
-        .charge(ChargeRequest {
-            now,
-            lines: lines.into(),
-        })
-        .await
-        .unwrap_or_else(|e| panic!("the store failed to charge: {e}"));
+    let outcome = answered(
+        store
+            .charge(ChargeRequest {
+                now,
+                lines: lines.into(),
+            })
+            .await,
+        "charge",
+    );
     (outcome.admitted, outcome.usage.into_vec())
 }
 
@@ -134,13 +142,15 @@ pub(super) async fn peek<S: Store>(
     now: Timestamp,
     lines: Vec<ChargeLine>,
 ) -> Vec<Usage> {
-    store
-        .peek(ChargeRequest {
-            now,
-            lines: lines.into(),
-        })
-        .await
-        .unwrap_or_else(|e| panic!("the store failed to peek: {e}"))
+    answered(
+        store
+            .peek(ChargeRequest {
+                now,
+                lines: lines.into(),
+            })
+            .await,
+        "peek",
+    )
 }
 
 pub(super) async fn refund<S: Store>(
@@ -149,10 +159,7 @@ pub(super) async fn refund<S: Store>(
     key: &PeriodKey,
     amount: u64,
 ) -> Option<u64> {
-    store
-        .refund(now, key.clone(), amount)
-        .await
-        .unwrap_or_else(|e| panic!("the store failed to refund: {e}"))
+    answered(store.refund(now, key.clone(), amount).await, "refund")
 }
 
 pub(super) async fn add<S: Store>(
@@ -161,17 +168,11 @@ pub(super) async fn add<S: Store>(
     key: &PeriodKey,
     amount: u64,
 ) -> Option<u64> {
-    store
-        .add(now, key.clone(), amount)
-        .await
-        .unwrap_or_else(|e| panic!("the store failed to add: {e}"))
+    answered(store.add(now, key.clone(), amount).await, "add")
 }
 
 pub(super) async fn settle<S: Store>(store: &S, now: Timestamp, debt: Debt) -> Option<u64> {
-    store
-        .settle_debt(now, debt)
-        .await
-        .unwrap_or_else(|e| panic!("the store failed to settle a debt: {e}"))
+    answered(store.settle_debt(now, debt).await, "settle a debt")
 }
 
 pub(super) fn first_use(key: &PeriodKey, limit: u64, cost: u64, deadline: Timestamp) -> ChargeLine {
