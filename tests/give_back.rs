@@ -17,7 +17,7 @@ use rigged::{Rig, Rigged};
 use tower::ServiceExt;
 use tower_quota::{
     FromHeader, ManualClock, MemoryStore, OnStoreError, Quota, QuotaPolicy, QuotaPolicyBuilder,
-    Store, Subject,
+    QuotaUsage, Store, Subject,
 };
 
 const NOW: &str = "2026-12-02T10:00:00Z";
@@ -44,13 +44,18 @@ fn policy<St: Store>(store: St, namespace: &str) -> QuotaPolicyBuilder<FromHeade
         .clock(ManualClock::new(NOW.parse().unwrap()))
 }
 
-async fn used<St: Store>(policy: &QuotaPolicy<FromHeader, St>, name: &str) -> u64 {
+/// Where acme stands on the quota `name`.
+async fn usage_of<St: Store>(policy: &QuotaPolicy<FromHeader, St>, name: &str) -> QuotaUsage {
     let usage = policy
         .handle()
         .usage(&Subject::account("acme"))
         .await
         .unwrap();
-    usage.iter().find(|u| u.name() == name).unwrap().used()
+    usage.into_iter().find(|u| u.name() == name).unwrap()
+}
+
+async fn used<St: Store>(policy: &QuotaPolicy<FromHeader, St>, name: &str) -> u64 {
+    usage_of(policy, name).await.used()
 }
 
 async fn settles<St: Store>(
@@ -1076,12 +1081,7 @@ async fn a_charge_given_back_leaves_no_rolling_period_open() {
         clock.advance(SignedDuration::from_mins(10));
         let response = app.oneshot(call("/served")).await.unwrap();
         assert_eq!(response.status(), StatusCode::OK);
-        let usage = policy
-            .handle()
-            .usage(&Subject::account("acme"))
-            .await
-            .unwrap();
-        let hour = usage.iter().find(|u| u.name() == "hour").unwrap();
+        let hour = usage_of(&policy, "hour").await;
         let served_at = start + SignedDuration::from_mins(10);
         assert_eq!(hour.used(), 1, "{path}");
         assert_eq!(
@@ -1108,11 +1108,6 @@ async fn a_request_whose_deferred_cost_is_nothing_opens_no_rolling_period() {
         .layer(policy.layer(hour).deferred_cost(1, |_| 0));
     let response = app.oneshot(call("/")).await.unwrap();
     assert_eq!(response.status(), StatusCode::OK);
-    let usage = policy
-        .handle()
-        .usage(&Subject::account("acme"))
-        .await
-        .unwrap();
-    let hour = usage.iter().find(|u| u.name() == "hour").unwrap();
+    let hour = usage_of(&policy, "hour").await;
     assert_eq!((hour.used(), hour.first_call()), (0, None));
 }
