@@ -18,11 +18,10 @@ use tokio::sync::OwnedSemaphorePermit;
 
 use super::connection::{Connection, Lost};
 use super::errors::{for_now, retires};
-use super::script::clamp;
 use super::store::Inner;
 use super::{FOLLOW_THROUGH, SILENCE};
 use crate::key::PeriodKey;
-use crate::store::ChargeRequest;
+use crate::store::{ChargeRequest, Made};
 use crate::throttle::Throttle;
 
 /// What a call does to what Redis holds: what a caller that stopped waiting
@@ -73,21 +72,12 @@ pub(super) struct Refund {
     pub(super) counter: Made,
 }
 
-/// Which counter a give-back goes to.
-#[derive(Clone, Copy, Debug)]
-pub(super) enum Made {
-    /// The one whose first call (ms) this is.
-    At(i64),
-    /// One made by this instant.
-    By(Timestamp),
-}
-
 impl Refund {
     /// The give-back of `cost` on `key`, charged at `now` to the counter
     /// whose first call (ms) the reply told, if it did.
     pub(super) fn new(key: PeriodKey, cost: u64, now: Timestamp, first_call: Option<i64>) -> Self {
-        let counter = match first_call {
-            Some(ms) => Made::At(ms),
+        let counter = match first_call.and_then(|ms| Timestamp::from_millisecond(ms).ok()) {
+            Some(first_call) => Made::At(first_call),
             None => Made::By(now),
         };
         Self { key, cost, counter }
@@ -251,17 +241,11 @@ pub(super) async fn refund_lines(
             missed += 1;
             continue;
         }
-        let mut invocation = super::script::Invocation::on(key.as_str());
         // Only to the counter charged: not to one made since (the counter
         // reset or expired, and a new charge made it).
-        invocation
-            .arg("r")
-            .arg(clamp(cost))
-            .arg(now.as_millisecond());
-        match counter {
-            Made::At(first_call) => invocation.arg(first_call).arg("exact"),
-            Made::By(made_by) => invocation.arg(made_by.as_millisecond()),
-        };
+        // Clamped as every refund is: more than a counter holds empties it.
+        let amount = cost.min(1 << 53);
+        let invocation = super::script::Invocation::change("r", &key, amount, now, counter);
         let why = match tokio::time::timeout(FOLLOW_THROUGH, refund_line(&invocation, conn)).await {
             // No live counter charged: gone since, or never charged.
             Ok(Ok(-1)) => {

@@ -10,7 +10,9 @@ use jiff::{SignedDuration, Timestamp};
 
 use super::connection::{Connection, Redirect};
 use crate::key::PeriodKey;
-use crate::store::{ChargeOutcome, ChargeRequest, Lifetime, StoreError, StoreErrorKind, Usage};
+use crate::store::{
+    ChargeOutcome, ChargeRequest, Lifetime, Made, StoreError, StoreErrorKind, Usage,
+};
 
 /// The counters script: check-then-commit for charges, plus peek, refund,
 /// add and the server's time, so that one SHA serves every call.
@@ -48,6 +50,39 @@ impl Invocation {
     pub(super) fn arg<T: ToRedisArgs>(&mut self, arg: T) -> &mut Self {
         arg.write_redis_args(&mut self.args);
         self
+    }
+
+    /// A refund (`op` `r`) or an add (`a`) of `amount` at `now` on the
+    /// counter at `key` that `made` names, as the script takes it.
+    pub(super) fn change(
+        op: &str,
+        key: &PeriodKey,
+        amount: u64,
+        now: Timestamp,
+        made: Made,
+    ) -> Self {
+        let mut call = Self::on(key.as_str());
+        call.arg(op).arg(amount).arg(now.as_millisecond());
+        match made {
+            Made::Any => {}
+            Made::By(made_by) => {
+                // Whole milliseconds, rounded up: a counter made within the
+                // same millisecond is the one charged.
+                let ms = made_by
+                    .round(
+                        jiff::TimestampRound::new()
+                            .smallest(jiff::Unit::Millisecond)
+                            .mode(jiff::RoundMode::Ceil),
+                    )
+                    .unwrap_or(made_by);
+                call.arg(ms.as_millisecond().max(0));
+            }
+            // A first call the script reported: whole milliseconds.
+            Made::At(first_call) => {
+                call.arg(first_call.as_millisecond().max(0)).arg("exact");
+            }
+        }
+        call
     }
 
     fn command(&self, verb: &str, script: &str) -> redis::Cmd {

@@ -20,15 +20,15 @@ use super::clock::{refresh_offset, ServerClock};
 use super::connection::{Connection, Connections};
 use super::errors::{applied_nothing, fault_error, redis_error, retires};
 use super::hash::jitter;
-use super::late::{give_back, refund_lines, Call, GiveBack, Made, Sends};
+use super::late::{give_back, refund_lines, Call, GiveBack, Sends};
 use super::script::{
     as_millis, clamp, live_count, millis_until, outcome, unexpected, Invocation, CLOCK_KEY,
     COUNTERS_LUA, MAX_EXACT,
 };
 use crate::key::PeriodKey;
 use crate::store::{
-    ChargeLine, ChargeOutcome, ChargeRequest, Debt, Lifetime, Store, StoreError, StoreErrorKind,
-    Usage,
+    ChargeLine, ChargeOutcome, ChargeRequest, Debt, Lifetime, Made, Store, StoreError,
+    StoreErrorKind, Usage,
 };
 
 /// Counters in Redis (or Valkey, 6.2 and later), so that any number of app
@@ -570,30 +570,10 @@ impl RedisStore {
         now: Timestamp,
         key: PeriodKey,
         amount: u64,
-        made: Option<Made>,
+        made: Made,
         what: &str,
     ) -> Result<Option<u64>, StoreError> {
-        let mut invocation = Invocation::on(key.as_str());
-        invocation.arg(op).arg(amount).arg(now.as_millisecond());
-        match made {
-            Some(Made::By(made_by)) => {
-                // Whole milliseconds, rounded up: a counter made within the
-                // same millisecond is the one charged.
-                let ms = made_by
-                    .round(
-                        jiff::TimestampRound::new()
-                            .smallest(jiff::Unit::Millisecond)
-                            .mode(jiff::RoundMode::Ceil),
-                    )
-                    .unwrap_or(made_by);
-                invocation.arg(ms.as_millisecond().max(0));
-            }
-            // A first call the script reported: whole milliseconds.
-            Some(Made::At(ms)) => {
-                invocation.arg(ms.max(0)).arg("exact");
-            }
-            None => {}
-        }
+        let invocation = Invocation::change(op, &key, amount, now, made);
         let count: i64 = self
             .exchange(Sends::Write, |mut conn| async move {
                 let result = invocation.invoke_async(&mut conn).await;
@@ -610,7 +590,7 @@ impl RedisStore {
         now: Timestamp,
         key: PeriodKey,
         amount: u64,
-        made: Option<Made>,
+        made: Made,
     ) -> Result<Option<u64>, StoreError> {
         // Clamped: a refund of more than a counter can hold empties it.
         self.change_live("r", now, key, amount.min(1 << 53), made, "a refund")
@@ -894,7 +874,7 @@ impl Store for RedisStore {
         key: PeriodKey,
         amount: u64,
     ) -> impl Future<Output = Result<Option<u64>, StoreError>> + Send {
-        self.clone().refund_to(now, key, amount, None)
+        self.clone().refund_to(now, key, amount, Made::Any)
     }
 
     fn refund_made_by(
@@ -904,8 +884,7 @@ impl Store for RedisStore {
         amount: u64,
         made_by: Timestamp,
     ) -> impl Future<Output = Result<Option<u64>, StoreError>> + Send {
-        self.clone()
-            .refund_to(now, key, amount, Some(Made::By(made_by)))
+        self.clone().refund_to(now, key, amount, Made::By(made_by))
     }
 
     fn refund_made_at(
@@ -915,8 +894,8 @@ impl Store for RedisStore {
         amount: u64,
         first_call: Timestamp,
     ) -> impl Future<Output = Result<Option<u64>, StoreError>> + Send {
-        let made = Made::At(first_call.as_millisecond());
-        self.clone().refund_to(now, key, amount, Some(made))
+        self.clone()
+            .refund_to(now, key, amount, Made::At(first_call))
     }
 
     fn add(
@@ -928,7 +907,7 @@ impl Store for RedisStore {
         // The exact amount, not clamped: the script refuses a count beyond
         // 2^53 instead of storing one that says less.
         self.clone()
-            .change_live("a", now, key, amount, None, "an add")
+            .change_live("a", now, key, amount, Made::Any, "an add")
     }
 
     fn add_made_by(
@@ -939,7 +918,7 @@ impl Store for RedisStore {
         made_by: Timestamp,
     ) -> impl Future<Output = Result<Option<u64>, StoreError>> + Send {
         self.clone()
-            .change_live("a", now, key, amount, Some(Made::By(made_by)), "an add")
+            .change_live("a", now, key, amount, Made::By(made_by), "an add")
     }
 
     fn reset(&self, key: PeriodKey) -> impl Future<Output = Result<bool, StoreError>> + Send {
