@@ -1267,4 +1267,28 @@ fn a_give_back_goes_by_the_instant_the_charge_was_counted() {
         usage(None, Some("2026-12-04T10:00:09Z")).made_by(charged_at),
         charged_at
     );
+
+    // The counter a give-back goes to: the one whose first call was told,
+    // exactly; by an instant when none was told, or when the counter told
+    // of was made after the block was taken (reset elsewhere since).
+    assert_eq!(
+        usage(Some(first), None).charged_counter(charged_at),
+        Made::At(at(first))
+    );
+    assert_eq!(
+        usage(Some(first), Some(block)).charged_counter(charged_at),
+        Made::At(at(first))
+    );
+    assert_eq!(
+        usage(Some(block_at_first), Some(block_at_first)).charged_counter(charged_at),
+        Made::At(at(block_at_first))
+    );
+    assert_eq!(
+        usage(Some(later), Some(block)).charged_counter(charged_at),
+        Made::By(at(block))
+    );
+    assert_eq!(
+        usage(None, None).charged_counter(charged_at),
+        Made::By(charged_at)
+    );
 }
