@@ -308,7 +308,7 @@ fn lines(
         .expect("a charged ticket has a caller");
     let zoned = scope.quotas_in(caller.zone.as_ref());
     let all = zoned.quotas(scope);
-    let mut lines = SmallVec::<[_; 2]>::with_capacity(all.len());
+    let mut lines = SmallVec::<[_; 2]>::new();
     // Quotas a layer further out charged already (the same quota in two
     // layers, or a sub-request): rare, so no allocation until one is met.
     let mut counted = Vec::new();
@@ -507,12 +507,12 @@ pub(crate) fn decide(
             if !outcome.admitted {
                 return Decision::Refuse(outcome.usage);
             }
-            let mut lines = SmallVec::with_capacity(quotas.len());
-            for ((quota, line), usage) in
-                quotas.iter().zip(&charge.request.lines).zip(&outcome.usage)
-            {
-                lines.push(Line::new(quota, line.key.clone(), line.cost, *usage));
-            }
+            let lines = quotas
+                .iter()
+                .zip(&charge.request.lines)
+                .zip(&outcome.usage)
+                .map(|((quota, line), usage)| Line::new(quota, line.key.clone(), line.cost, *usage))
+                .collect();
             Decision::Admit(lines)
         }
         Err(error) => match settings.on_store_error {
