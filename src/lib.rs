@@ -112,7 +112,8 @@ pub use crate::subject::{
     SubjectError, SubjectExtractor, SubjectKind,
 };
 
-/// The README's examples, compiled and run as doctests.
-#[cfg(doctest)]
+/// The README's examples, compiled and run as doctests (they use axum, and
+/// one the Redis store).
+#[cfg(all(doctest, feature = "axum", feature = "redis"))]
 #[doc = include_str!("../README.md")]
 struct ReadmeDoctests;

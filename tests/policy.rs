@@ -616,6 +616,45 @@ async fn the_same_quota_on_two_routers_is_one_budget() {
     );
 }
 
+/// The README's recipe for reads and writes on one path: a router per
+/// allowance, merged.
+#[tokio::test]
+async fn reads_and_writes_on_one_path_spend_their_own_allowances() {
+    let policy = QuotaPolicy::builder(FromHeader::account("x-account-id")).build();
+    let app = Router::new()
+        .route("/items", get(|| async { "items" }))
+        .route_layer(policy.layer(Quota::daily(2).allowance("read")))
+        .merge(
+            Router::new()
+                .route("/items", post(|| async { "created" }))
+                .route_layer(policy.layer(Quota::daily(1).allowance("write"))),
+        )
+        .method_not_allowed_fallback(unrouted::MethodNotAllowed);
+    for expected in [
+        StatusCode::OK,
+        StatusCode::OK,
+        StatusCode::TOO_MANY_REQUESTS,
+    ] {
+        let response = send(&app, call(Method::GET, "/items", ACME)).await;
+        assert_eq!(response.status(), expected);
+    }
+    let created = send(&app, call(Method::POST, "/items", ACME)).await;
+    assert_eq!(created.status(), StatusCode::OK);
+    let told = created.headers()["ratelimit"].to_str().unwrap();
+    assert!(told.starts_with("\"write-day\";r=0;t="), "{told}");
+    assert_eq!(
+        send(&app, call(Method::POST, "/items", ACME))
+            .await
+            .status(),
+        StatusCode::TOO_MANY_REQUESTS
+    );
+    // A method neither router serves: 405, and neither allowance spent.
+    let deleted = send(&app, call(Method::DELETE, "/items", ACME)).await;
+    assert_eq!(deleted.status(), StatusCode::METHOD_NOT_ALLOWED);
+    assert_eq!(used(&policy, "read-day").await, 2);
+    assert_eq!(used(&policy, "write-day").await, 1);
+}
+
 /// A service shared behind a lock: cloning it does not clone what is inside,
 /// so the layers around it cannot see the layers within.
 struct Opaque<S>(std::sync::Arc<std::sync::Mutex<S>>);
