@@ -1563,13 +1563,14 @@ async fn a_line_paid_from_an_old_block_beside_one_the_store_charged_is_told_when
     assert_eq!(counted(&shared, now).await, 5);
 }
 
-/// A block kept across a reset made elsewhere, which this instance learns
-/// of only from answers to lines the block paid (they cost the store
-/// nothing, and make no counter): requests served from it are given back
-/// by the block's instant, not to the counter made since, whatever first
-/// call this instance learned meanwhile.
+/// A block kept across a reset made elsewhere goes with its counter once an
+/// answer tells this instance that the counter is gone (here, to a line the
+/// block paid, which costs the store nothing and makes no counter): a
+/// request served from it before is given back by the block's instant, to
+/// the counter gone, not to the one made since; the requests after are
+/// charged on the new counter.
 #[tokio::test(start_paused = true)]
-async fn a_block_kept_across_a_reset_made_elsewhere_is_never_refunded_to_the_new_counter() {
+async fn a_block_of_a_counter_reset_elsewhere_goes_once_an_answer_tells_it_is_gone() {
     let shared = MemoryStore::new();
     let a = LeasedStore::new(shared.clone());
     let mut now = t0();
@@ -1583,24 +1584,28 @@ async fn a_block_kept_across_a_reset_made_elsewhere_is_never_refunded_to_the_new
     };
     tokio::time::advance(Duration::from_millis(1)).await;
     now += SignedDuration::from_millis(1);
-    assert!(a.charge(both(now)).await.unwrap().admitted);
+    let outcome = a.charge(both(now)).await.unwrap();
+    assert!(outcome.admitted);
+    let counted_at = outcome.usage[0]
+        .counted_at
+        .expect("paid from the old block");
+    assert!(counted_at < reset_at);
+    assert_eq!(a.held(), 0, "the old block went with its counter");
+    let refunded = a
+        .refund_made_by(now, day_key(), 1, counted_at.min(now))
+        .await
+        .unwrap();
+    assert_eq!(refunded, None, "the counter charged is gone");
     // The counter made anew elsewhere.
     for _ in 0..5 {
         assert!(call(&shared, now, 10_000).await.admitted);
     }
     tokio::time::advance(Duration::from_millis(1)).await;
     now += SignedDuration::from_millis(1);
-    let outcome = a.charge(both(now)).await.unwrap();
-    assert!(outcome.admitted);
     let served = call(&a, now, 10_000).await;
-    for usage in [outcome.usage[0], served.usage[0]] {
-        let counted_at = usage.counted_at.expect("paid from the old block");
-        assert!(counted_at < reset_at);
-        let made_by = counted_at.min(now);
-        let refunded = a.refund_made_by(now, day_key(), 1, made_by).await.unwrap();
-        assert_eq!(refunded, None, "the counter charged is gone");
-    }
-    assert_eq!(counted(&shared, now).await, 5);
+    assert!(served.admitted);
+    assert!(served.usage[0].counted_at.is_none_or(|at| at >= reset_at));
+    assert_eq!(counted(&shared, now).await - a.held(), 6);
 }
 
 /// A refund of a request charged before a reset lands neither in a block
@@ -3343,4 +3348,82 @@ async fn a_refund_sent_again_after_the_store_was_away_counts_once() {
         .unwrap();
     leased.shutdown().await;
     assert_eq!(counted(&shared, now).await, 10, "70 served, 60 given back");
+}
+
+/// A block taken for a shadow quota was admitted by the store under the
+/// most it counts, not under the shadow limit: once the quota is enforced
+/// at that limit, the block goes back before a request spends from it, and
+/// the store, which counted past the limit meanwhile, refuses.
+#[tokio::test(start_paused = true)]
+async fn a_shadow_quotas_block_is_not_spent_once_the_quota_is_enforced() {
+    let memory = MemoryStore::new();
+    let a = LeasedStore::new(memory.clone());
+    let shadow = |now| {
+        let mut request = request(now, u64::MAX);
+        request.lines[0].shadow_limit = Some(60);
+        request
+    };
+    let mut now = t0();
+    for _ in 0..5 {
+        assert!(a.charge(shadow(now)).await.unwrap().admitted);
+        tokio::time::advance(Duration::from_millis(1)).await;
+        now += SignedDuration::from_millis(1);
+    }
+    assert!(a.held() > 0, "a block taken");
+    // Another instance counts past the shadow limit.
+    for _ in 0..100 {
+        assert!(memory.charge(shadow(now)).await.unwrap().admitted);
+    }
+    let spent = counted(&memory, now).await - a.held();
+    assert!(
+        !call(&a, now, 60).await.admitted,
+        "enforced at 60 with {spent} spent"
+    );
+    assert_eq!(a.held(), 0, "the block went back");
+}
+
+/// A calendar counter reset elsewhere while this instance holds a block of
+/// it: a request paying its line from the block learns from the store that
+/// the counter is gone, and the block goes with it; the block then taken
+/// from the counter made anew goes back to that counter once the subject
+/// idles, and the count is what was served on it.
+#[tokio::test(start_paused = true)]
+async fn a_block_of_a_counter_reset_elsewhere_is_not_merged_into_the_next() {
+    let slow = Slow::new(MemoryStore::new(), 0);
+    let a = LeasedStore::new(slow.clone());
+    let mut now = t0();
+    busy(&a, &mut now, 40, 1_000, 1).await;
+    background_takes_its_blocks().await;
+    now += SignedDuration::from_millis(20);
+    let held = a.held();
+    assert!(held > 0);
+    assert!(
+        slow.inner.reset(day_key()).await.unwrap(),
+        "reset elsewhere"
+    );
+    slow.delay.store(5, Ordering::Relaxed);
+    // The whole block set aside for one request, whose other line the
+    // store refuses.
+    let mut first = request(now, 1_000);
+    first.lines[0].cost = held;
+    first.lines.push(line_of("other", 0));
+    let first = tokio::spawn(a.charge(first));
+    tokio::task::yield_now().await;
+    tokio::time::advance(Duration::from_millis(1)).await;
+    now += SignedDuration::from_millis(1);
+    // A millisecond later, a request that takes a block of the new counter.
+    let a2 = a.clone();
+    let second = tokio::spawn(async move { call(&a2, now, 1_000).await });
+    assert!(!first.await.unwrap().unwrap().admitted);
+    assert!(second.await.unwrap().admitted);
+    slow.delay.store(0, Ordering::Relaxed);
+    // Idle: what is held goes back.
+    tokio::time::sleep(Duration::from_millis(1_500)).await;
+    now += SignedDuration::from_millis(1_500);
+    assert_eq!(a.held(), 0);
+    assert_eq!(
+        counted(&slow.inner, now).await,
+        1,
+        "one request admitted on the new counter"
+    );
 }

@@ -102,7 +102,13 @@ static GIVE_BACK_ERRORS: Throttle = Throttle::new(5);
 ///   below).
 /// - A reset or a refund made elsewhere reaches this instance when it next
 ///   asks the store: within the lease time at most, since no block is spent
-///   past it. The layer's give-back of a request this instance served
+///   past it. So does a plan changed while other instances served the
+///   caller: units this instance took under a plan are spent under that
+///   plan or a higher one while it holds them, though other instances
+///   served the caller on a higher plan meanwhile and the count passed the
+///   lower limit (at most one block, for at most the lease time; a
+///   request under a lower plan than the block's gives the block back
+///   first and asks the store). The layer's give-back of a request this instance served
 ///   goes into its block (at the first call of the counter the request
 ///   was counted on; a request served from a block of a counter reset
 ///   elsewhere since, whose answer tells the new counter's later first
@@ -702,7 +708,7 @@ impl Shared {
                 let pays = counter.as_ref().is_some_and(|c| {
                     c.units > 0
                         && super::has_room(c.usage().used, line.cost, line.limit)
-                        && sized_by(line) >= c.block_limit
+                        && line.limit >= c.block_limit
                         && c.block_since
                             .is_some_and(|since| since.elapsed() < lease_time)
                 });
@@ -833,10 +839,11 @@ struct Counter {
     /// by the layer's: a give-back goes only to a counter made by then.
     block_since: Option<Instant>,
     taken_at: Option<Timestamp>,
-    /// The highest limit a unit of the block was charged under (see
-    /// [`sized_by`]): a request under a lower one (its caller's plan
-    /// changed) spends nothing from it, whose units the store admitted
-    /// under a limit it no longer has.
+    /// The highest limit a unit of the block was charged under, as the
+    /// store checked it (a shadow quota's: the most the store counts, not
+    /// its shadow limit): a request under a lower one (its caller's plan
+    /// changed, or the quota is enforced now) spends nothing from it, whose
+    /// units the store admitted under a limit it no longer has.
     block_limit: u64,
     /// The counter's limit and count (this instance's units included) as
     /// the store last told, and its reset.
@@ -953,6 +960,10 @@ impl Counter {
     fn same_period(&self, usage: &Usage) -> bool {
         match (self.first_call, usage.first_call) {
             (Some(known), Some(told)) => known == told,
+            // The store told this counter's first call, and tells none
+            // now: the counter is gone (reset elsewhere, or its period
+            // over), whatever its reset would be.
+            (Some(_), None) => false,
             _ => same_reset(self.resets_at, usage.resets_at),
         }
     }
@@ -1286,7 +1297,7 @@ impl<St: Store> LeasedStore<St> {
             let fresh = counter
                 .block_since
                 .is_some_and(|since| at.saturating_duration_since(since) < lease_time);
-            let over = sized_by(line) < counter.block_limit;
+            let over = line.limit < counter.block_limit;
             if counter.units > 0 && (!fresh || over) {
                 stale_first |= over;
                 // Past its lease time, or taken under a higher limit than
@@ -1968,7 +1979,7 @@ impl<St: Store> LeasedStore<St> {
                         units: 0,
                         block_since: None,
                         taken_at: None,
-                        block_limit: sized_by(line),
+                        block_limit: line.limit,
                         limit: usage.limit,
                         store_used: usage.used,
                         resets_at: usage.resets_at,
@@ -2124,11 +2135,11 @@ impl<St: Store> LeasedStore<St> {
                     // A block of its own, whatever an emptied one left
                     // (units set aside for a request on its way, which go
                     // back only into a block of the same counter).
-                    counter.block_limit = sized_by(line);
+                    counter.block_limit = line.limit;
                     counter.block_since = Some(at);
                     counter.taken_at = Some(made_by);
                 } else {
-                    counter.block_limit = counter.block_limit.max(sized_by(line));
+                    counter.block_limit = counter.block_limit.max(line.limit);
                     counter.block_since.get_or_insert(at);
                     counter.taken_at.get_or_insert(made_by);
                 }
