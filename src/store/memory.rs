@@ -669,25 +669,37 @@ impl MemoryStore {
                 admitted = false;
             }
         }
-        // Counters this charge may add, each key once: those with no
-        // counter, or one past its room grace, which making room may
-        // reclaim first. (One that ended within it is replaced where it is:
-        // making room, at the same instant, cannot reclaim it.)
+        // Counters this charge adds, each key once: those with no counter.
+        // One that ended is replaced where it is, as a charge of one line
+        // replaces it, unless making room for the new ones reclaims it
+        // first: then it needs room too.
         let mut reserved = 0;
         if admitted {
-            reserved = lines
-                .iter()
-                .enumerate()
-                .filter(|(i, line)| {
-                    line.cost > 0
-                        && !lines[..*i].iter().any(|l| l.key == line.key && l.cost > 0)
-                        && locked.needs_room(*i, &line.key, now)
-                })
-                .count();
+            let new = |locked: &mut Locked<'_, '_>| {
+                lines
+                    .iter()
+                    .enumerate()
+                    .filter(|(i, line)| {
+                        line.cost > 0
+                            && !lines[..*i].iter().any(|l| l.key == line.key && l.cost > 0)
+                            && locked.has_none(*i, &line.key)
+                    })
+                    .count()
+            };
+            let before = new(locked);
             // The list of shards is built only when the charge adds a
             // counter, not for every charge of counters that exist.
-            if reserved > 0 && !self.room_in(&mut locked.shards(), reserved, now, budget) {
-                return Err(reserved);
+            if before > 0 {
+                if !self.room_in(&mut locked.shards(), before, now, budget) {
+                    return Err(before);
+                }
+                reserved = before;
+                let reclaimed = new(locked) - before;
+                if reclaimed > 0 && !self.reserve(reclaimed) {
+                    self.settle(reserved, 0);
+                    return Err(before + reclaimed);
+                }
+                reserved += reclaimed;
             }
         }
         let mut grown = 0;
@@ -742,11 +754,10 @@ impl Locked<'_, '_> {
     /// Whether charging `key` at `now` may add a counter to the shard of
     /// line `line`: it has none, or one that making room at `now` may
     /// reclaim.
-    fn needs_room(&mut self, line: usize, key: &PeriodKey, now: Timestamp) -> bool {
-        let cutoff = room_by(now);
-        self.shard(line)
-            .get(key.as_str())
-            .is_none_or(|c| c.deadline <= cutoff)
+    /// Whether the shard of line `line` has no counter at `key`, live or
+    /// not.
+    fn has_none(&mut self, line: usize, key: &PeriodKey) -> bool {
+        self.shard(line).get(key.as_str()).is_none()
     }
 
     fn shards(&mut self) -> Vec<&mut Shard> {

@@ -1292,3 +1292,64 @@ fn a_give_back_goes_by_the_instant_the_charge_was_counted() {
         Made::By(charged_at)
     );
 }
+
+/// A full store replaces a subject's ended counters where they are for a
+/// charge of several lines, as it does for a charge of one: room is made
+/// only for counters the charge adds, so deadlines left filed by counters
+/// started again in place (which use up a sweep's budget) cannot refuse it.
+#[test]
+fn a_full_store_charges_a_known_subjects_lines_on_its_ended_counters() {
+    let t0 = at("2026-12-02T10:00:00Z");
+    let secs = |s: i64| t0 + SignedDuration::from_secs(s);
+    let fillers = 260;
+    let store = MemoryStore::with_shards(1).max_counters(fillers + 2);
+    // Fillers end at t0+1s and are started again in place at t0+2s: each
+    // leaves its first deadline filed.
+    for i in 0..fillers {
+        let k = key(&format!("f{i}"), "read", "PT1S");
+        assert!(charge(&store, t0, vec![first_use(k, 10, 1, secs(1))]).admitted);
+    }
+    let acme = |now| {
+        vec![
+            first_use(
+                key("acme", "read", "PT5S"),
+                10,
+                1,
+                now + SignedDuration::from_secs(5),
+            ),
+            first_use(
+                key("acme", "write", "PT5S"),
+                10,
+                1,
+                now + SignedDuration::from_secs(5),
+            ),
+        ]
+    };
+    assert!(charge(&store, t0, acme(t0)).admitted);
+    for i in 0..fillers {
+        let k = key(&format!("f{i}"), "read", "PT1S");
+        assert!(charge(&store, secs(2), vec![first_use(k, 10, 1, secs(3_602))]).admitted);
+    }
+    assert_eq!(store.len(), fillers + 2);
+    // acme's counters ended at t0+5s: at t0+7s its two lines are charged
+    // on them, as each line alone would be.
+    let now = secs(7);
+    let both = try_charge(&store, now, acme(now));
+    assert!(
+        both.as_ref().is_ok_and(|o| o.admitted),
+        "acme's two-line charge: {both:?}"
+    );
+    assert_eq!(store.len(), fillers + 2);
+    // A new subject still finds no room.
+    let beta = try_charge(
+        &store,
+        now,
+        vec![first_use(
+            key("beta", "read", "PT5S"),
+            10,
+            1,
+            now + SignedDuration::from_secs(5),
+        )],
+    );
+    assert!(beta.is_err(), "{beta:?}");
+}
