@@ -2549,6 +2549,72 @@ async fn a_store_on_a_demoted_master_reconnects_to_the_new_one() {
     }
 }
 
+/// A first-use counter without its deadline and without its first call
+/// (another tool wrote it) is dated a period from now by a settle, as by a
+/// charge: not by what is left of the debt's period, which would end it,
+/// and every unit it holds, within moments.
+#[tokio::test]
+async fn a_settle_dates_a_counter_without_first_call_a_period_from_now() {
+    let server = redis_server_or_skip!();
+    let store = store(&server);
+    let (by_charge, by_settle) = (key("undated-charge"), key("undated-settle"));
+    for key in [&by_charge, &by_settle] {
+        assert_eq!(server.cli(&["hset", key.as_str(), "n", "10"]), "1");
+    }
+    let now = Timestamp::now();
+    let refused = store
+        .charge(first_use(&by_charge, 10, 1, now, hour()))
+        .await
+        .unwrap();
+    assert!(!refused.admitted);
+    // A debt whose period ends in 200 ms.
+    let deadline = now + SignedDuration::from_millis(200);
+    let debt = tower_quota::store::Debt {
+        key: by_settle.clone(),
+        amount: 1,
+        lifetime: Lifetime::FirstUse { deadline },
+        since: deadline - hour(),
+    };
+    assert_eq!(store.settle_debt(now, debt).await.unwrap(), Some(11));
+    let pttl = |key: &PeriodKey| server.cli(&["pttl", key.as_str()]).parse::<i64>().unwrap();
+    let (charged, settled) = (pttl(&by_charge), pttl(&by_settle));
+    assert!(
+        settled > 3_500_000 && charged > 3_500_000,
+        "dated by a charge to {charged} ms, by a settle to {settled} ms"
+    );
+}
+
+/// A debt of nothing writes nothing: not even the replacement of a
+/// calendar counter past the window end it records, which a settle of more
+/// makes.
+#[tokio::test]
+async fn a_settle_of_nothing_writes_nothing() {
+    let server = redis_server_or_skip!();
+    let store = store(&server);
+    let key = Namespace::default().key(&Subject::account("acme"), "nothing", "2026-10-25");
+    let t0 = Timestamp::from_millisecond(Timestamp::now().as_millisecond()).unwrap();
+    let end = t0 + SignedDuration::from_secs(1);
+    admit(&store, calendar(&key, 3, 2, t0, end)).await;
+    // Past the window the counter records; the debt's window outlasts it.
+    let t1 = t0 + SignedDuration::from_secs(2);
+    let debt = tower_quota::store::Debt {
+        key: key.clone(),
+        amount: 0,
+        lifetime: Lifetime::Calendar {
+            start: t1,
+            end: t1 + hour(),
+        },
+        since: t1,
+    };
+    let settled = store.settle_debt(t1, debt).await.unwrap();
+    assert_eq!(settled, Some(0), "the counter counts nothing at t1");
+    assert_eq!(
+        server.cli(&["hget", key.as_str(), "n"]),
+        "2",
+        "nothing written"
+    );
+}
+
 /// A settle that meets a first-use counter without its deadline (another
 /// tool took it) heals it as a charge does: a counter whose period is long
 /// over is as good as expired, and the debt opens a counter of its own,

@@ -32,7 +32,8 @@
 --      never lands there).
 --      A live counter keeps its TTL and its first call (a first-use one
 --      found without a TTL is healed first, as a charge heals it: dated
---      again, or deleted when its period is long over). Answers {count,
+--      again, or deleted when its period is long over). A debt of nothing
+--      writes nothing, and answers what the counter holds. Answers {count,
 --      t}: the count afterwards and the counter's first call (-1 when it
 --      records none), which a give-back of a settle applied after its
 --      caller stopped waiting goes by. A debt whose window is over at now,
@@ -730,18 +731,27 @@ if op == 's' then
   -- the count is known to fit.
   local heal = nil
   if anchor == 'f' and kind ~= 0 and call('PTTL', key) == -1 then
+    -- The period: the debt's deadline less its first call (`ttl` is what
+    -- is left of the debt's).
     local length = ends - first
     if dated == nil then
-      heal = ttl
+      -- First call unknown: a period from now, as a charge dates it.
+      heal = length
     elseif dated + length > at then
-      -- Never more than one period from now (see `lines`): `length` is
-      -- the period (the debt's deadline less its first call), where `ttl`
-      -- is what is left of the debt's.
+      -- Never more than one period from now (see `lines`).
       heal = math.min(dated + length - at, length)
     else
       heal = 'gone'
       kind, used, dated = 0, 0, nil
     end
+  end
+  if amount == '0' then
+    -- A debt of nothing writes nothing (no heal, no replacement), and
+    -- answers what the counter holds.
+    if kind == 0 then
+      return { 0, -1 }
+    end
+    return { used, dated and dated + 0 or -1 }
   end
   local beyond = beyond_exact(key, used, amount, 'a settle')
   if beyond ~= nil then
