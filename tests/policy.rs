@@ -1181,6 +1181,28 @@ async fn shadow_quotas_count_and_never_refuse<St: Store>(store: St) {
     assert_eq!(used(&policy, "default-day").await, 3, "counted");
 }
 
+/// A layer whose quotas left to charge are shadow quotas only (its other
+/// quota was charged by a layer further out) never refuses, as a layer of
+/// shadow quotas never does: a cost it cannot work out lets the request
+/// through uncounted by it, not a 400.
+#[tokio::test]
+async fn a_layer_left_with_shadow_quotas_only_never_refuses() {
+    let policy = QuotaPolicy::builder(FromHeader::account("x-account-id")).build();
+    let daily = Quota::daily(10).allowance("read");
+    let app = Router::new()
+        .route("/", get(|| async { "hi" }))
+        .route_layer(
+            policy
+                .layer(daily.clone())
+                .quota(Quota::per_minute(10).allowance("burst").shadow())
+                .cost_fn(|_| Err(tower_quota::InvalidRequest::new("no cost"))),
+        )
+        .route_layer(policy.layer(daily));
+    let response = send(&app, call(Method::GET, "/", ACME)).await;
+    assert_eq!(response.status(), StatusCode::OK);
+    assert_eq!(used(&policy, "read-day").await, 1, "charged further out");
+}
+
 #[tokio::test]
 async fn shadow_quotas_on_the_memory_store() {
     shadow_quotas_count_and_never_refuse(MemoryStore::new()).await;

@@ -346,10 +346,13 @@ fn lines(
         )))
     };
     let charged = quotas.quotas(scope);
+    // Shadow quotas never refuse (see `plan`): nor does a layer whose
+    // quotas left to charge are shadow quotas only (the others counted
+    // further out).
+    let only_shadow = charged.iter().all(Quota::is_shadow);
     let cost = match scope.cost.upfront(parts) {
-        // A layer of shadow quotas never refuses (see `plan`).
-        Ok(cost) if cost > max_count && scope.only_shadow() => return Step::Pass,
-        Err(_) if scope.only_shadow() => return Step::Pass,
+        Ok(cost) if cost > max_count && only_shadow => return Step::Pass,
+        Err(_) if only_shadow => return Step::Pass,
         Ok(cost) if cost > max_count => {
             let detail = format!(
                 "This request costs {cost}, more than the quota store counts exactly ({max_count})."
