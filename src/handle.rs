@@ -462,7 +462,11 @@ impl<St: Store> QuotaHandle<St> {
     ///
     /// Once per line: a line given back already (by an earlier call, or by
     /// the layer, for a response it refunds) is not given back again, nor
-    /// does the layer give it back later, or add a deferred cost to it.
+    /// does the layer give it back later, or add a deferred cost to it. A
+    /// call made once the response went out through the layer (from a task
+    /// the handler spawned, or a body that fails while it streams) gives
+    /// back what the request holds then: its cost, with a deferred cost's
+    /// add or refund if the layer made it already.
     /// Returns, per line of the handle's quotas that charged the request
     /// (a layer's handle: that layer's quotas; a policy's: every layer's,
     /// outer layers first), what the counter holds afterwards, or `None`
@@ -509,9 +513,16 @@ impl<St: Store> QuotaHandle<St> {
                 {
                     continue;
                 }
-                let mine = line.cost > 0 && line.is_live(now) && line.claim_give_back();
-                claimed
-                    .push(mine.then(|| (Arc::clone(lines), i, line.charged_counter(ticket.now))));
+                // What the request holds: its cost, with what the layer
+                // changed of it after the response (a deferred cost).
+                let held = if line.is_live(now) && line.held() > 0 {
+                    line.claim_give_back()
+                } else {
+                    None
+                };
+                claimed.push(
+                    held.map(|held| (Arc::clone(lines), i, held, line.charged_counter(ticket.now))),
+                );
             }
         }
         if claimed.iter().all(Option::is_none) {
@@ -522,16 +533,16 @@ impl<St: Store> QuotaHandle<St> {
             let mut refunded = Vec::with_capacity(claimed.len());
             let mut failed = None;
             for claim in claimed {
-                let Some((lines, i, made)) = claim else {
+                let Some((lines, i, held, made)) = claim else {
                     refunded.push(None);
                     continue;
                 };
                 let line = &lines[i];
-                match made.refund(&store, now, line.key.clone(), line.cost).await {
+                match made.refund(&store, now, line.key.clone(), held).await {
                     Ok(count) => refunded.push(count),
                     Err(error) => {
                         if error.is_unsent() {
-                            resend_later(&store, started, now, &lines, i, made);
+                            resend_later(&store, started, now, &lines, i, held, made);
                         }
                         refunded.push(None);
                         failed.get_or_insert(error);
@@ -684,18 +695,19 @@ fn resend_later<St: Store>(
     now: Timestamp,
     lines: &Arc<crate::status::Lines>,
     i: usize,
+    held: u64,
     made: crate::store::Made,
 ) {
     let resend = crate::store::resend::Resend::until(started, now, lines[i].usage.resets_at);
     let (Some(resend), Ok(runtime)) = (resend, tokio::runtime::Handle::try_current()) else {
-        lines[i].unclaim_give_back();
+        lines[i].unclaim_give_back(held);
         return;
     };
     let (store, lines) = (store.clone(), Arc::clone(lines));
     runtime.spawn(async move {
         let line = &lines[i];
         let resent = resend
-            .send(|| made.refund(&store, now, line.key.clone(), line.cost))
+            .send(|| made.refund(&store, now, line.key.clone(), held))
             .await;
         match resent {
             Some(Ok(_)) => {}
@@ -709,7 +721,7 @@ fn resend_later<St: Store>(
                 }
             }
             // Not sent again: the period ends before a try would.
-            None => line.unclaim_give_back(),
+            None => line.unclaim_give_back(held),
         }
     });
 }

@@ -3,7 +3,7 @@
 //! of it ([`QuotaStatus`]).
 
 use std::fmt;
-use std::sync::atomic::{AtomicBool, AtomicU8, Ordering};
+use std::sync::atomic::{AtomicU64, AtomicU8, Ordering};
 use std::sync::{Arc, Mutex};
 
 use http::Extensions;
@@ -598,10 +598,17 @@ pub(crate) struct Line {
     pub(crate) usage: Usage,
     /// Whether the quota is anchored at first use.
     first_use: bool,
-    /// Set by whoever gives the line back first: a line is given back at
-    /// most once, however many layers see the request fail.
-    given_back: AtomicBool,
+    /// What the request holds on the line's counter, as the layer's
+    /// changes after the response were decided (its cost, plus a deferred
+    /// cost's add, less a deferred cost's refund), with [`GIVEN_BACK_BIT`] set
+    /// by whoever gives the line back first: a line is given back at most
+    /// once, however many layers see the request fail, and whatever the
+    /// layer changed of it before.
+    held: AtomicU64,
 }
+
+/// The bit of [`Line::held`] set once the line is given back.
+const GIVEN_BACK_BIT: u64 = 1 << 63;
 
 impl Line {
     /// A line of `quota`.
@@ -611,7 +618,7 @@ impl Line {
             key,
             cost,
             usage,
-            given_back: AtomicBool::new(false),
+            held: AtomicU64::new(cost.min(!GIVEN_BACK_BIT)),
         }
     }
 
@@ -632,20 +639,44 @@ impl Line {
         usage
     }
 
-    /// Claims the line's give-back: `true` for the first caller only.
-    pub(crate) fn claim_give_back(&self) -> bool {
-        !self.given_back.swap(true, Ordering::AcqRel)
+    /// Claims the line's give-back: for the first caller only, what the
+    /// request holds on the counter, to give back.
+    pub(crate) fn claim_give_back(&self) -> Option<u64> {
+        let held = self.held.swap(GIVEN_BACK_BIT, Ordering::AcqRel);
+        (held & GIVEN_BACK_BIT == 0).then_some(held)
     }
 
-    /// Releases a claim whose give-back failed before it reached the
-    /// store: a later give-back may claim the line.
-    pub(crate) fn unclaim_give_back(&self) {
-        self.given_back.store(false, Ordering::Release);
+    /// Releases a claim of `held` whose give-back failed before it reached
+    /// the store: a later give-back may claim the line.
+    pub(crate) fn unclaim_give_back(&self, held: u64) {
+        self.held.store(held & !GIVEN_BACK_BIT, Ordering::Release);
+    }
+
+    /// Records a change of what the request holds (a deferred cost's add
+    /// or refund) before it is sent, unless the line was given back: then
+    /// the change is left out (`false`).
+    pub(crate) fn change_held(&self, change: impl Fn(u64) -> u64) -> bool {
+        self.held
+            .fetch_update(Ordering::AcqRel, Ordering::Acquire, |held| {
+                (held & GIVEN_BACK_BIT == 0).then(|| change(held) & !GIVEN_BACK_BIT)
+            })
+            .is_ok()
+    }
+
+    /// What the request holds on the counter, as far as the changes decided
+    /// go (0 once given back).
+    pub(crate) fn held(&self) -> u64 {
+        let held = self.held.load(Ordering::Acquire);
+        if held & GIVEN_BACK_BIT == 0 {
+            held
+        } else {
+            0
+        }
     }
 
     /// Whether the line was given back.
     pub(crate) fn is_given_back(&self) -> bool {
-        self.given_back.load(Ordering::Acquire)
+        self.held.load(Ordering::Acquire) & GIVEN_BACK_BIT != 0
     }
 
     /// Whether the counter at the line's key is still the one charged, at

@@ -1111,3 +1111,49 @@ async fn a_request_whose_deferred_cost_is_nothing_opens_no_rolling_period() {
     let hour = usage_of(&policy, "hour").await;
     assert_eq!((hour.used(), hour.first_call()), (0, None));
 }
+
+/// A handler's `refund_request` made once its response went out through
+/// the layer (from a task it spawned, or a body that fails while it
+/// streams) gives back what the request holds then: its cost with the
+/// deferred cost's add or refund the layer made meanwhile, so that the
+/// request spends nothing.
+#[tokio::test]
+async fn a_refund_after_the_response_gives_back_the_deferred_cost_too() {
+    type Kept = Arc<std::sync::Mutex<Option<tower_quota::QuotaStatus>>>;
+    for (up_front, real) in [(1, 5), (5, 2)] {
+        let policy = policy(MemoryStore::new(), "after").build();
+        let kept: Kept = Arc::default();
+        let handler = {
+            let kept = Arc::clone(&kept);
+            move |status: tower_quota::QuotaStatus| async move {
+                *kept.lock().unwrap() = Some(status);
+                Response::builder()
+                    .header("x-tokens", real.to_string())
+                    .body(Body::empty())
+                    .unwrap()
+            }
+        };
+        let tokens = |response: &http::response::Parts| {
+            response.headers["x-tokens"]
+                .to_str()
+                .unwrap()
+                .parse()
+                .unwrap()
+        };
+        let app = Router::new().route("/", get(handler)).layer(
+            policy
+                .layer(Quota::daily(100))
+                .deferred_cost(up_front, tokens),
+        );
+        let response = app.oneshot(call("/")).await.unwrap();
+        assert_eq!(response.status(), StatusCode::OK);
+        assert_eq!(used(&policy, "default-day").await, real, "the real cost");
+        let status = kept.lock().unwrap().take().unwrap();
+        let refunded = policy.handle().refund_request(&status).await.unwrap();
+        assert_eq!(refunded, vec![Some(0)], "up front {up_front}, real {real}");
+        assert_eq!(used(&policy, "default-day").await, 0, "nothing spent");
+        // Once.
+        let again = policy.handle().refund_request(&status).await.unwrap();
+        assert_eq!(again, vec![None]);
+    }
+}

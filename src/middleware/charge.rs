@@ -799,11 +799,12 @@ fn is_unrouted(_: &http::Extensions) -> bool {
 }
 
 /// What goes back of `lines` when their request turns out not served after
-/// `ops` (those `kept` applied) were sent: per line, its cost less what was
-/// refunded (a refund whose answer is lost may have landed: counted as if
-/// it did), before what the store says it added (see [`added`]). Only lines
-/// this layer gives back (a line claimed by a refund of `ops`, or claimed
-/// now), and only counters still the one charged at `now`.
+/// `ops` (those `kept` applied) were sent: per line, what the request holds
+/// (its cost less a deferred refund, which may have landed though its
+/// answer is lost: counted as if it did), before what the store says it
+/// added (see [`added`]). Only lines this layer gives back (claimed now, or
+/// by a refund of `ops` of all the line's cost: nothing more then), and
+/// only counters still the one charged at `now`.
 pub(crate) fn unserved(
     lines: &[Line],
     ops: &[(usize, Adjust)],
@@ -819,17 +820,19 @@ pub(crate) fn unserved(
                 .zip(kept)
                 .filter(|((j, _), &kept)| *j == i && kept)
                 .map(|((_, op), _)| *op);
-            let (mut refunded, mut claimed) = (0u64, false);
+            let mut added = 0u64;
             for op in mine {
-                if let Adjust::Refund(back) = op {
-                    refunded = refunded.saturating_add(back);
-                    claimed = true;
+                match op {
+                    Adjust::Refund(all) if all >= line.cost => {
+                        return line.is_live(now).then_some((i, 0))
+                    }
+                    Adjust::Refund(_) => {}
+                    Adjust::Add(more) => added = added.saturating_add(more),
                 }
             }
-            if !claimed && !line.claim_give_back() {
-                return None;
-            }
-            let amount = line.cost.saturating_sub(refunded);
+            let held = line.claim_give_back()?;
+            // The adds go back as far as they landed (see `added`).
+            let amount = held.saturating_sub(added);
             line.is_live(now).then_some((i, amount))
         })
         .collect()

@@ -722,9 +722,14 @@ fn adjust_kept<E, St: Store>(
         .iter()
         .filter(|(i, op)| {
             let line = &charged.lines[*i];
-            let claimed = match op {
-                Adjust::Refund(_) => line.claim_give_back(),
-                Adjust::Add(_) => !line.is_given_back(),
+            // A refund of all the line's cost gives the line back; a
+            // deferred cost's refund of part of it, or its add, changes
+            // what the request holds, which a give-back later (the
+            // handler's, say) gives back whole.
+            let claimed = match *op {
+                Adjust::Refund(n) if n >= line.cost => line.claim_give_back().is_some(),
+                Adjust::Refund(n) => line.change_held(|held| held.saturating_sub(n)),
+                Adjust::Add(n) => line.change_held(|held| held.saturating_add(n)),
             };
             // A first-use counter whose period ended since is not the one
             // that was charged any more, even if a new one has the same key.

@@ -450,7 +450,7 @@ fn a_deferred_cost_charges_or_gives_back_the_difference() {
     assert_eq!(settled[0].used, 2, "no live counter: as charged");
     // A refund of this layer's that the store failed (claimed before it
     // was sent): as charged, not as refunded.
-    assert!(lines[0].claim_give_back());
+    assert!(lines[0].claim_give_back().is_some());
     let failed = super::settled(&lines, &[(0, Adjust::Refund(2))], &[true], &[None]);
     assert_eq!(failed[0].used, 2);
     // Given back by the request's handler (this layer's refund then left
@@ -471,14 +471,18 @@ fn a_request_not_served_after_all_gives_back_its_cost_and_its_changes() {
     // store says it made it.
     let lines = admitted(&deferred, 2);
     let add = [(0, Adjust::Add(3))];
+    assert!(
+        lines[0].change_held(|held| held + 3),
+        "the add, as the layer records it"
+    );
     assert_eq!(unserved(&lines, &add, &[true], now), vec![(0, 2)]);
     assert_eq!(added(&add, &[Some(5)], 0), 3);
     assert_eq!(added(&add, &[None], 0), 0, "an add not made stays out");
     assert!(lines[0].is_given_back(), "claimed: given back once");
     assert_eq!(unserved(&lines, &[], &[], now), vec![], "not twice");
-    // A refund of 1 on its way (its line claimed by it): the rest.
+    // A refund of 1 on its way (what the request holds less it): the rest.
     let lines = admitted(&deferred, 2);
-    assert!(lines[0].claim_give_back());
+    assert!(lines[0].change_held(|held| held - 1));
     assert_eq!(
         unserved(&lines, &[(0, Adjust::Refund(1))], &[true], now),
         vec![(0, 1)]
@@ -490,7 +494,7 @@ fn a_request_not_served_after_all_gives_back_its_cost_and_its_changes() {
     );
     // A refund left out (another layer gave the line back): nothing.
     let lines = admitted(&deferred, 2);
-    assert!(lines[0].claim_give_back());
+    assert!(lines[0].claim_give_back().is_some());
     assert_eq!(
         unserved(&lines, &[(0, Adjust::Refund(2))], &[false], now),
         vec![]
