@@ -29,11 +29,18 @@
 //! use tower_quota::{subject, QuotaLayer, Subject, SubjectError};
 //!
 //! # #[tokio::main(flavor = "current_thread")] async fn main() {
-//! // Charge the tenant named in the first path segment: /t/{tenant}/...
+//! // Charge the tenant named in the first path segment: /t/{tenant}/...,
+//! // decoded as axum decodes it for the handler: left encoded, each
+//! // spelling of one tenant (`acme`, `%61cme`) would be counted apart.
 //! let tenant = subject::from_fn(|parts: &Parts| {
 //!     let mut segments = parts.uri.path().split('/').skip(1);
 //!     match (segments.next(), segments.next()) {
-//!         (Some("t"), Some(id)) if !id.is_empty() => Ok(Subject::account(id)),
+//!         (Some("t"), Some(id)) if !id.is_empty() => {
+//!             let id = percent_encoding::percent_decode_str(id)
+//!                 .decode_utf8()
+//!                 .map_err(|_| SubjectError::malformed("a tenant is UTF-8"))?;
+//!             Ok(Subject::account(id.as_ref()))
+//!         }
 //!         _ => Err(SubjectError::Missing),
 //!     }
 //! });
@@ -42,9 +49,14 @@
 //!     .route("/t/{tenant}/report", get(|| async { "report" }))
 //!     .layer(QuotaLayer::daily(1, tenant));
 //!
-//! let call = || Request::get("/t/acme/report").body(Body::empty()).unwrap();
-//! assert_eq!(app.clone().oneshot(call()).await.unwrap().status(), StatusCode::OK);
-//! assert_eq!(app.clone().oneshot(call()).await.unwrap().status(), StatusCode::TOO_MANY_REQUESTS);
+//! let call = |uri| Request::get(uri).body(Body::empty()).unwrap();
+//! let status = |uri| {
+//!     let app = app.clone();
+//!     async move { app.oneshot(call(uri)).await.unwrap().status() }
+//! };
+//! assert_eq!(status("/t/acme/report").await, StatusCode::OK);
+//! assert_eq!(status("/t/acme/report").await, StatusCode::TOO_MANY_REQUESTS);
+//! assert_eq!(status("/t/%61cme/report").await, StatusCode::TOO_MANY_REQUESTS);
 //! # }
 //! ```
 
