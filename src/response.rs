@@ -190,14 +190,6 @@ impl RateLimitFields {
             limit.push_str(digits.format(sf_integer(usage.remaining())));
             limit.push_str(";t=");
             let wait = seconds_until_turn(told, usage.resets_at, quota.spread_for(subject));
-            // An exhausted quota returns in a second at the soonest, as a
-            // refusal's `Retry-After` tells (its counter's reset may have
-            // passed since the request was charged, further out).
-            let wait = if usage.remaining() == 0 {
-                wait.max(1)
-            } else {
-                wait
-            };
             limit.push_str(digits.format(sf_integer(wait)));
         }
         // One allocation, of the value's exact size.
