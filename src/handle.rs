@@ -89,7 +89,7 @@ impl<E: SubjectExtractor, St: Send + Sync> PolicyView<St> for Policy<E, St> {
         Policy::plan_as_charged(self, plan)
     }
     fn forget_owed(&self, key: &crate::key::PeriodKey) {
-        self.ledger.forget(key);
+        self.ledger.forget(key, self.settings.clock.now());
     }
     fn hold_owed(&self, key: &crate::key::PeriodKey) -> crate::ledger::Hold {
         self.ledger.hold(key)

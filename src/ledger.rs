@@ -188,7 +188,15 @@ struct Book {
     /// of resets on their way: their entries are not settled meanwhile
     /// (see [`Ledger::hold`]).
     held: HashMap<PeriodKey, usize>,
+    /// The instant of each key's last support reset, kept a day (resets
+    /// are rare): a request made before it and answered after it owes
+    /// nothing, as the reset forgot what requests made before it owed.
+    resets: HashMap<PeriodKey, Timestamp>,
 }
+
+/// How long the ledger remembers a support reset, for requests made before
+/// it that are answered after it.
+const RESET_MEMORY: jiff::SignedDuration = jiff::SignedDuration::from_hours(24);
 
 /// What the settling task does next.
 enum Next {
@@ -334,13 +342,18 @@ impl Ledger {
         }
     }
 
-    /// Forgets what is owed to the counters at `key`, which support reset:
-    /// the caller starts afresh, and requests made before the reset count
-    /// no more than those the store counted. A settle on its way lands,
-    /// before or after the reset, as the store runs them; if it fails, what
-    /// it carried is forgotten then.
-    pub(crate) fn forget(&self, key: &PeriodKey) {
+    /// Forgets what is owed to the counters at `key`, which support reset
+    /// at `at`: the caller starts afresh, and requests made before the
+    /// reset count no more than those the store counted, whether they were
+    /// answered before it or are answered after it. A settle on its way
+    /// lands, before or after the reset, as the store runs them; if it
+    /// fails, what it carried is forgotten then.
+    pub(crate) fn forget(&self, key: &PeriodKey, at: Timestamp) {
         let mut book = self.lock();
+        let kept_since = at.saturating_sub(RESET_MEMORY).unwrap_or(at);
+        book.resets.retain(|_, reset| *reset >= kept_since);
+        let last = book.resets.entry(key.clone()).or_insert(at);
+        *last = (*last).max(at);
         let entries: Vec<(u64, u64)> = book
             .owed
             .get(key)
@@ -395,8 +408,20 @@ impl Ledger {
         let most = store.max_count();
         let now = settings.clock.now();
         let mut book = self.lock();
+        let mut forgot = Vec::new();
         for mut debt in debts {
             if debt.amount == 0 {
+                continue;
+            }
+            if book
+                .resets
+                .get(&debt.key)
+                .is_some_and(|reset| debt.since < *reset)
+            {
+                // Made before a support reset of its counter, answered
+                // after it: forgotten, as the reset forgot what was owed.
+                crate::metrics::ledger_owed(debt.amount);
+                forgot.push((debt.key, debt.amount));
                 continue;
             }
             if debt.amount > most {
@@ -437,6 +462,9 @@ impl Ledger {
             }
         }
         drop(book);
+        for (key, units) in forgot {
+            forgotten(&key, units);
+        }
         self.start(store, settings);
     }
 

@@ -1197,3 +1197,48 @@ async fn a_request_served_inside_a_layer_that_failed_open_counts_everywhere() {
     assert_eq!(used(&owing_inside, "acme", "read-day").await, 1);
     assert_eq!(used(&outer, "acme", "big-day").await, 1);
 }
+
+/// A support reset forgets what requests made before it owe, whether they
+/// were answered before it or are answered after it: a request in flight
+/// across the reset is not settled into the counter made since.
+#[tokio::test(start_paused = true)]
+async fn a_request_made_before_a_reset_and_answered_after_it_owes_nothing() {
+    let clock = clock();
+    let store = Rigged::new(MemoryStore::new(), Rig::Fail, None);
+    store.away.store(true, Ordering::Relaxed);
+    let policy = policy(store.clone(), &clock).build();
+    let gate = Arc::new(Notify::new());
+    let slow = {
+        let gate = Arc::clone(&gate);
+        move || async move {
+            gate.notified().await;
+            "ok"
+        }
+    };
+    let app = Router::new()
+        .route("/", get(|| async { "ok" }))
+        .route("/slow", get(slow))
+        .layer(policy.layer(Quota::daily(10)));
+    assert_eq!(send(&app, call("/", "acme")).await, StatusCode::OK);
+    let pending = tokio::spawn(app.clone().oneshot(call("/slow", "acme")));
+    tokio::time::sleep(Duration::from_millis(10)).await;
+    clock.advance(Duration::from_secs(1));
+    policy
+        .handle()
+        .reset(&Subject::account("acme"))
+        .await
+        .unwrap();
+    assert_eq!(policy.owed().units, 0, "the answered request is forgotten");
+    gate.notify_one();
+    assert_eq!(pending.await.unwrap().unwrap().status(), StatusCode::OK);
+    assert_eq!(
+        policy.owed().units,
+        0,
+        "so is the one answered after the reset"
+    );
+    // A request made after the reset owes its charge.
+    assert_eq!(send(&app, call("/", "acme")).await, StatusCode::OK);
+    store.away.store(false, Ordering::Relaxed);
+    policy.settle_owed(Duration::from_secs(5)).await;
+    assert_eq!(used(&policy, "acme", "default-day").await, 1);
+}

@@ -240,7 +240,7 @@ fn a_reset_forgets_what_joined_an_entry_being_settled() {
         book.record(calendar(&acme, 3, now + minutes(1)), now, 10);
         (key, id)
     };
-    ledger.forget(&acme);
+    ledger.forget(&acme, now + minutes(1));
     let since = now + minutes(2);
     ledger.lock().record(calendar(&acme, 2, since), since, 10);
     ledger.lock().paid(&key, id, 5);
