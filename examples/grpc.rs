@@ -26,6 +26,8 @@
 
 #[path = "shared/period.rs"]
 mod period;
+// Stopping on the first signal only: the demo server uses the rest.
+#[allow(dead_code)]
 #[path = "shared/stop_signal.rs"]
 mod stop_signal;
 
@@ -33,7 +35,7 @@ use std::net::SocketAddr;
 use std::process::exit;
 
 use period::parse_period;
-use stop_signal::stop_signal;
+use stop_signal::Stops;
 
 use tonic::transport::server::TcpIncoming;
 use tonic::transport::Server;
@@ -100,6 +102,8 @@ fn parse_args() -> Options {
 
 #[tokio::main]
 async fn main() {
+    // A signal from now on stops the server gracefully.
+    let stops = Stops::listen();
     let options = parse_args();
     // Reports every service as SERVING.
     let (_reporter, health) = tonic_health::server::health_reporter();
@@ -122,7 +126,7 @@ async fn main() {
     Server::builder()
         .layer(layer)
         .add_service(health)
-        .serve_with_incoming_shutdown(TcpIncoming::from(listener), stop_signal())
+        .serve_with_incoming_shutdown(TcpIncoming::from(listener), stops.reached(1))
         .await
         .unwrap_or_else(|e| fail(&format!("server failed: {e}")));
 }

@@ -76,7 +76,7 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use period::parse_period;
-use stop_signal::stop_signal;
+use stop_signal::Stops;
 
 use axum::extract::{Request, State};
 use axum::middleware::{self, Next};
@@ -721,7 +721,7 @@ fn with_metrics(_: Router) -> Router {
     fail("--metrics needs a build with `--features metrics`")
 }
 
-async fn serve(options: Options) {
+async fn serve(options: Options, stops: Stops) {
     match options.store.as_str() {
         "memory" => {
             let store = MemoryStore::new();
@@ -734,7 +734,7 @@ async fn serve(options: Options) {
                     purge.purge_expired(tower_quota::jiff::Timestamp::now());
                 }
             });
-            leased_or_not(&options, store).await;
+            leased_or_not(&options, store, &stops).await;
         }
         #[cfg(feature = "redis")]
         // (No `rediss://`: the crate's Redis client is built without TLS.)
@@ -747,7 +747,7 @@ async fn serve(options: Options) {
             if let Err(e) = store.preload().await {
                 eprintln!("warning: {shown} is not answering yet: {e}");
             }
-            leased_or_not(&options, store.clone()).await;
+            leased_or_not(&options, store.clone(), &stops).await;
             // Calls followed after their callers stopped waiting (a charge or
             // a settle Redis may apply late, then given back) finish first.
             let deadline = tokio::time::Instant::now() + Duration::from_secs(5);
@@ -769,21 +769,22 @@ async fn serve(options: Options) {
 
 /// Serves on `store`, or with `--lease` on a `LeasedStore` of it, whose
 /// unused units go back once the server stopped.
-async fn leased_or_not<St: Store>(options: &Options, store: St) {
+async fn leased_or_not<St: Store>(options: &Options, store: St, stops: &Stops) {
     if !options.lease {
-        return run(options, store).await;
+        return run(options, store, stops).await;
     }
     let leased = LeasedStore::builder(store).idle(options.lease_idle).build();
-    run(options, leased.clone()).await;
+    run(options, leased.clone(), stops).await;
+    let stopping = stops.another();
     tokio::select! {
         units = leased.shutdown() => println!("gave back {units} leased units"),
         // Told to stop again: the units held stay charged until their
         // lease mark ends.
-        () = stop_signal() => eprintln!("stopped before the leased units went back"),
+        () = stopping => eprintln!("stopped before the leased units went back"),
     }
 }
 
-async fn run<St: Store>(options: &Options, store: St) {
+async fn run<St: Store>(options: &Options, store: St, stops: &Stops) {
     let (app, policy) = app(options, store);
     let app = if options.metrics {
         with_metrics(app)
@@ -813,9 +814,10 @@ async fn run<St: Store>(options: &Options, store: St) {
     // its request would hold the server forever), or until a second signal.
     let stopping = Arc::new(tokio::sync::Notify::new());
     let serving = axum::serve(listener, app).with_graceful_shutdown({
-        let stopping = Arc::clone(&stopping);
+        let (stopping, stops) = (Arc::clone(&stopping), stops.clone());
         async move {
-            stop_signal().await;
+            // Any signal since start-up, this one's output included.
+            stops.reached(1).await;
             stopping.notify_one();
         }
     });
@@ -825,7 +827,7 @@ async fn run<St: Store>(options: &Options, store: St) {
             stopping.notified().await;
             tokio::select! {
                 () = tokio::time::sleep(DRAIN) => {}
-                () = stop_signal() => {}
+                () = stops.reached(2) => {}
             }
         } => eprintln!("connections still open when the server stopped were closed"),
     }
@@ -835,7 +837,7 @@ async fn run<St: Store>(options: &Options, store: St) {
         let owed = tokio::select! {
             owed = policy.settle_owed(Duration::from_secs(5)) => owed,
             // Told to stop again: at once, what is owed uncounted.
-            () = stop_signal() => policy.owed(),
+            () = stops.another() => policy.owed(),
         };
         if owed.units > 0 {
             eprintln!(
@@ -853,16 +855,18 @@ fn without_password(url: &str) -> String {
     let Some((scheme, rest)) = url.split_once("://") else {
         return url.to_owned();
     };
+    // The user part runs to the last `@`: a password may hold a `/` or a
+    // `?` (unescaped, the URL is invalid, and its error is where it shows).
+    // An `@` further on hides more than the user part, never less.
+    let (user, rest) = match rest.rsplit_once('@') {
+        Some((_, host)) => ("***@", host),
+        None => ("", rest),
+    };
     let (rest, query) = match rest.split_once('?') {
         Some((rest, _)) => (rest, "?***"),
         None => (rest, ""),
     };
-    let authority_end = rest.find('/').unwrap_or(rest.len());
-    let (authority, path) = rest.split_at(authority_end);
-    match authority.rsplit_once('@') {
-        Some((_, host)) => format!("{scheme}://***@{host}{path}{query}"),
-        None => format!("{scheme}://{rest}{query}"),
-    }
+    format!("{scheme}://{user}{rest}{query}")
 }
 
 /// How long the server waits, once told to stop, for the requests on its
@@ -880,5 +884,8 @@ async fn main() {
         .with_env_filter(filter)
         .with_writer(std::io::stderr)
         .init();
-    serve(parse_args()).await;
+    // Before anything that may take a while: a signal from now on stops
+    // the server gracefully.
+    let stops = Stops::listen();
+    serve(parse_args(), stops).await;
 }

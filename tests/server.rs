@@ -600,3 +600,47 @@ fn demo_server_hides_the_password_of_its_redis_url() {
         assert!(!stderr.contains("hunter2"), "{stderr}");
     }
 }
+
+/// A password holding a `/` or a `?` (unescaped: the URL is invalid) is
+/// not printed either, in the error that tells the URL is wrong.
+#[cfg(feature = "redis")]
+#[test]
+fn demo_server_hides_a_password_with_a_slash_or_a_question_mark() {
+    for url in [
+        "redis://admin:hun/ter2@127.0.0.1:1/",
+        "redis://admin:hun?ter2@127.0.0.1:1/",
+    ] {
+        let output = Command::new(server_binary())
+            .args(["--listen", "127.0.0.1:0"])
+            .args(["--store", url])
+            .output()
+            .unwrap();
+        let printed = format!(
+            "{}{}",
+            String::from_utf8_lossy(&output.stdout),
+            String::from_utf8_lossy(&output.stderr)
+        );
+        assert!(!output.status.success(), "{url}: {printed}");
+        assert!(
+            !printed.contains("hun") && !printed.contains("ter2"),
+            "{url}: {printed}"
+        );
+        assert!(printed.contains("redis://***@127.0.0.1:1/"), "{printed}");
+    }
+}
+
+/// A SIGTERM sent as soon as the server says it listens stops it
+/// gracefully (exit 0), as a later one does: the handlers are in place
+/// before the line is printed.
+#[cfg(unix)]
+#[test]
+fn a_sigterm_right_after_the_ready_line_stops_the_server_gracefully() {
+    for round in 0..10 {
+        let mut server = start(&[]);
+        server.signal("TERM");
+        let status = server
+            .exit_within(std::time::Duration::from_secs(10))
+            .expect("the server stops");
+        assert_eq!(status.code(), Some(0), "round {round}: {status:?}");
+    }
+}
