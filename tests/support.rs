@@ -224,6 +224,17 @@ async fn every_support_error_is_a_problem_document() {
             "/admin/refund/account/acme/read?amount=x",
             400,
         ),
+        // A parameter given twice: which one was meant is anyone's guess.
+        (
+            Method::POST,
+            "/admin/refund/account/acme/read?amount=1&amount=2",
+            400,
+        ),
+        (
+            Method::GET,
+            "/admin/quota/account/acme?plan=free&plan=pro",
+            400,
+        ),
         (
             Method::POST,
             "/admin/refund/account/acme/nope?amount=1",

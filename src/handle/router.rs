@@ -174,7 +174,7 @@ fn allowance_target<St>(
 #[allow(clippy::result_large_err)]
 fn planned<St>(handle: &QuotaHandle<St>, query: Option<&str>) -> Result<Option<String>, Response> {
     handle
-        .known_plan(param(query, "plan"))
+        .known_plan(param(query, "plan")?)
         .map_err(IntoResponse::into_response)
 }
 
@@ -182,7 +182,7 @@ fn planned<St>(handle: &QuotaHandle<St>, query: Option<&str>) -> Result<Option<S
 /// as it is.
 #[allow(clippy::result_large_err)]
 fn zoned<St>(handle: &QuotaHandle<St>, query: Option<&str>) -> Result<QuotaHandle<St>, Response> {
-    let Some(name) = param(query, "zone") else {
+    let Some(name) = param(query, "zone")? else {
         return Ok(handle.clone());
     };
     if !handle.reads_caller_zones() {
@@ -240,7 +240,11 @@ async fn refund<St: Store>(
         Ok(target) => target,
         Err(response) => return response,
     };
-    let Some(amount) = param(query.as_deref(), "amount").and_then(|a| a.parse::<u64>().ok()) else {
+    let amount = match param(query.as_deref(), "amount") {
+        Ok(amount) => amount.and_then(|a| a.parse::<u64>().ok()),
+        Err(response) => return response,
+    };
+    let Some(amount) = amount else {
         return problem(StatusCode::BAD_REQUEST, "send ?amount=N, a whole number");
     };
     // Checked before anything is written: a refused plan changes nothing.
@@ -422,11 +426,22 @@ fn unavailable(error: &crate::store::StoreError) -> Response {
 
 /// The value of `name` in a query string, decoded as forms and
 /// `URLSearchParams` encode it (`+` is a space, names and values
-/// percent-encoded).
-fn param(query: Option<&str>, name: &str) -> Option<String> {
-    form_urlencoded::parse(query?.as_bytes())
-        .find(|(key, _)| key == name)
-        .map(|(_, value)| value.into_owned())
+/// percent-encoded); a 400 when it is given twice, which of the two a
+/// support tool meant being anyone's guess.
+#[allow(clippy::result_large_err)]
+fn param(query: Option<&str>, name: &str) -> Result<Option<String>, Response> {
+    let Some(query) = query else {
+        return Ok(None);
+    };
+    let mut values = form_urlencoded::parse(query.as_bytes()).filter(|(key, _)| key == name);
+    let value = values.next().map(|(_, value)| value.into_owned());
+    if values.next().is_some() {
+        return Err(problem(
+            StatusCode::BAD_REQUEST,
+            &format!("?{name}= is given more than once"),
+        ));
+    }
+    Ok(value)
 }
 
 fn problem(status: StatusCode, detail: &str) -> Response {
