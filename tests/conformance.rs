@@ -132,6 +132,15 @@ mod broken {
         leaves_undated: bool,
         heals_only_when_admitted: bool,
         keeps_abandoned: bool,
+        // Broken on purpose for `each_call_answers_as_documented`.
+        admits_creating: bool,
+        zero_cost_creates: bool,
+        reset_says_false: bool,
+        refund_wraps: bool,
+        add_made_by_creates: bool,
+        plain_refund_unmarked: bool,
+        peek_counts_cost: bool,
+        past_period_unavailable: bool,
         wraps: bool,
         settle_redates: bool,
         settle_opens_ended: bool,
@@ -231,7 +240,11 @@ mod broken {
                 && request.lines.iter().any(|line| line.lifetime.end() <= now)
             {
                 return Err(StoreError::new(
-                    StoreErrorKind::Other,
+                    if self.bugs.past_period_unavailable {
+                        StoreErrorKind::Unavailable
+                    } else {
+                        StoreErrorKind::Other
+                    },
                     "a line past its period",
                 ));
             }
@@ -264,6 +277,7 @@ mod broken {
                     .filter(|c| c.deadline.is_none_or(|d| d > now))
                     .map_or(0, |c| c.used);
                 within(used, line.cost, line.limit)
+                    || (self.bugs.admits_creating && self.live(&line.key, now).is_none())
             });
             if self.bugs.checks_then_yields {
                 tokio::task::yield_now().await;
@@ -277,7 +291,10 @@ mod broken {
                 } else {
                     admitted
                 };
-                if !commit || line.cost == 0 {
+                if !commit
+                    || (line.cost == 0
+                        && !(self.bugs.zero_cost_creates && self.live(&line.key, now).is_none()))
+                {
                     continue;
                 }
                 let live = self.live(&line.key, now);
@@ -371,7 +388,13 @@ mod broken {
             &self,
             request: ChargeRequest,
         ) -> impl Future<Output = Result<Vec<Usage>, StoreError>> + Send {
-            std::future::ready(Ok(self.usage(&request)))
+            let mut usage = self.usage(&request);
+            if self.bugs.peek_counts_cost {
+                for (u, line) in usage.iter_mut().zip(&request.lines) {
+                    u.used += line.cost;
+                }
+            }
+            std::future::ready(Ok(usage))
         }
 
         fn refund(
@@ -385,8 +408,13 @@ mod broken {
                     c.kept |= c.first_use
                         && c.used > 0
                         && amount > 0
-                        && !self.bugs.forgets_support_refunds;
-                    c.used = c.used.saturating_sub(amount);
+                        && !self.bugs.forgets_support_refunds
+                        && !self.bugs.plain_refund_unmarked;
+                    c.used = if self.bugs.refund_wraps {
+                        c.used.wrapping_sub(amount)
+                    } else {
+                        c.used.saturating_sub(amount)
+                    };
                     self.counters.lock().unwrap().insert(key, c);
                     Some(c.used)
                 }
@@ -413,7 +441,14 @@ mod broken {
             made_by: Timestamp,
         ) -> impl Future<Output = Result<Option<u64>, StoreError>> + Send {
             unless(self.made_after(&key, now, made_by), move || {
-                self.refund(now, key, amount)
+                let refunded = self.refund(now, key.clone(), amount);
+                if self.bugs.plain_refund_unmarked && amount > 0 {
+                    // Only the made_by path marks.
+                    if let Some(c) = self.counters.lock().unwrap().get_mut(&key) {
+                        c.kept |= c.first_use;
+                    }
+                }
+                refunded
             })
         }
 
@@ -460,6 +495,14 @@ mod broken {
             amount: u64,
             made_by: Timestamp,
         ) -> impl Future<Output = Result<Option<u64>, StoreError>> + Send {
+            if self.bugs.add_made_by_creates && self.live(&key, now).is_none() {
+                // As a script that guards on the first call, then HINCRBY.
+                let counter = Counter {
+                    used: 0,
+                    ..Counter::default()
+                };
+                self.counters.lock().unwrap().insert(key.clone(), counter);
+            }
             unless(self.made_after(&key, now, made_by), move || {
                 self.add(now, key, amount)
             })
@@ -505,7 +548,8 @@ mod broken {
         }
 
         fn reset(&self, key: PeriodKey) -> impl Future<Output = Result<bool, StoreError>> + Send {
-            std::future::ready(Ok(self.counters.lock().unwrap().remove(&key).is_some()))
+            let was = self.counters.lock().unwrap().remove(&key).is_some();
+            std::future::ready(Ok(was && !self.bugs.reset_says_false))
         }
 
         fn settle_debt(
@@ -830,5 +874,87 @@ mod broken {
             ..Bugs::default()
         });
         testing::an_abandoned_charge_spends_nothing(&store).await;
+    }
+
+    /// Each small rule of `each_call_answers_as_documented`, broken on
+    /// purpose, is caught.
+    #[tokio::test]
+    #[should_panic(expected = "a charge over its limit on a new key must be refused")]
+    async fn a_new_counter_charged_past_its_limit_is_caught() {
+        let store = Buggy::with(Bugs {
+            admits_creating: true,
+            ..Bugs::default()
+        });
+        testing::each_call_answers_as_documented(&store).await;
+    }
+
+    #[tokio::test]
+    #[should_panic(expected = "a charge of nothing must create no counter")]
+    async fn a_counter_made_by_a_charge_of_nothing_is_caught() {
+        let store = Buggy::with(Bugs {
+            zero_cost_creates: true,
+            ..Bugs::default()
+        });
+        testing::each_call_answers_as_documented(&store).await;
+    }
+
+    #[tokio::test]
+    #[should_panic(expected = "a reset of a live counter must answer that there was one")]
+    async fn a_reset_that_misreports_is_caught() {
+        let store = Buggy::with(Bugs {
+            reset_says_false: true,
+            ..Bugs::default()
+        });
+        testing::each_call_answers_as_documented(&store).await;
+    }
+
+    #[tokio::test]
+    #[should_panic(expected = "never below")]
+    async fn a_refund_that_wraps_below_zero_is_caught() {
+        let store = Buggy::with(Bugs {
+            refund_wraps: true,
+            ..Bugs::default()
+        });
+        testing::each_call_answers_as_documented(&store).await;
+    }
+
+    #[tokio::test]
+    #[should_panic(expected = "add_made_by on a key never charged must find no counter")]
+    async fn a_counter_made_by_add_made_by_is_caught() {
+        let store = Buggy::with(Bugs {
+            add_made_by_creates: true,
+            ..Bugs::default()
+        });
+        testing::each_call_answers_as_documented(&store).await;
+    }
+
+    #[tokio::test]
+    #[should_panic(expected = "after a plain refund (support's) lowered a first-use counter")]
+    async fn a_plain_refund_that_marks_nothing_is_caught() {
+        let store = Buggy::with(Bugs {
+            plain_refund_unmarked: true,
+            ..Bugs::default()
+        });
+        testing::each_call_answers_as_documented(&store).await;
+    }
+
+    #[tokio::test]
+    #[should_panic(expected = "a peek must ignore the costs it is given")]
+    async fn a_peek_that_counts_costs_is_caught() {
+        let store = Buggy::with(Bugs {
+            peek_counts_cost: true,
+            ..Bugs::default()
+        });
+        testing::each_call_answers_as_documented(&store).await;
+    }
+
+    #[tokio::test]
+    #[should_panic(expected = "a charge past its period must be an error of kind Other")]
+    async fn a_charge_past_its_period_of_another_kind_is_caught() {
+        let store = Buggy::with(Bugs {
+            past_period_unavailable: true,
+            ..Bugs::default()
+        });
+        testing::a_charge_past_its_period_is_an_error(&store).await;
     }
 }

@@ -482,12 +482,17 @@ pub async fn a_charge_past_its_period_is_an_error<S: ConformanceHooks>(store: &S
                 ChargeAnswer::Later(future) => future.await,
             };
             assert!(
-                answer.is_err(),
-                "a charge past its period must be an error (charge_at_once, round {round})"
+                answer
+                    .as_ref()
+                    .is_err_and(|e| e.kind() == crate::store::StoreErrorKind::Other),
+                "a charge past its period must be an error of kind Other (charge_at_once, round {round})"
             );
             assert!(
-                store.charge(request).await.is_err(),
-                "a charge past its period must be an error (charge, round {round})"
+                store
+                    .charge(request)
+                    .await
+                    .is_err_and(|e| e.kind() == crate::store::StoreErrorKind::Other),
+                "a charge past its period must be an error of kind Other (charge, round {round})"
             );
         }
     }
@@ -509,6 +514,129 @@ pub async fn a_charge_past_its_period_is_an_error<S: ConformanceHooks>(store: &S
     assert_eq!(
         busy_after[0].used, busy_before[0].used,
         "a charge past its period must charge nothing, on a key charged often too"
+    );
+    Verdict::Passed
+}
+
+/// The small rules of each call, as [`Store`](crate::Store) documents
+/// them: a charge over its limit creates no counter, a charge of nothing
+/// creates none (a first-use period opens with the first charge that
+/// spends); `reset` tells whether there was a counter; a refund never
+/// takes a count below zero; `add_made_by` never creates a counter; a
+/// plain refund (support's) marks a first-use counter it lowers, so that
+/// no give-back closes its period afterwards; a peek ignores costs.
+pub async fn each_call_answers_as_documented<S: ConformanceHooks>(store: &S) -> Verdict {
+    let time = Timeline::new(store.expiry());
+    let period = time.period() * 10;
+    let now = time.now();
+    let keys = Keys::new();
+
+    let over = keys.key("over-its-limit");
+    let refused = charge(store, now, vec![first_use(&over, 3, 5, now + period)]).await;
+    assert!(
+        !refused.0,
+        "a charge over its limit on a new key must be refused"
+    );
+    let left = peek(store, now, vec![first_use(&over, 3, 0, now + period)]).await;
+    assert!(
+        left[0].used == 0 && left[0].first_call.is_none(),
+        "a charge over its limit must create no counter"
+    );
+
+    let nothing = keys.key("charged-nothing");
+    let free = charge(store, now, vec![first_use(&nothing, 10, 0, now + period)]).await;
+    assert!(free.0, "a charge of nothing must be admitted");
+    let left = peek(store, now, vec![first_use(&nothing, 10, 0, now + period)]).await;
+    assert!(
+        left[0].first_call.is_none(),
+        "a charge of nothing must create no counter: the period opens with the first charge that spends"
+    );
+
+    let reset = keys.key("reset");
+    assert!(
+        charge(store, now, vec![first_use(&reset, 10, 1, now + period)])
+            .await
+            .0
+    );
+    assert!(
+        super::support::answered(store.reset(reset.clone()).await, "reset"),
+        "a reset of a live counter must answer that there was one"
+    );
+    assert!(
+        !super::support::answered(store.reset(reset.clone()).await, "reset"),
+        "a reset of no counter must answer that there was none"
+    );
+
+    let below = keys.key("refund-below-zero");
+    assert!(
+        charge(store, now, vec![first_use(&below, 10, 1, now + period)])
+            .await
+            .0
+    );
+    let refunded = super::support::refund(store, now, &below, 5).await;
+    assert_eq!(
+        refunded,
+        Some(0),
+        "a refund of more than a counter holds must leave it at zero, never below"
+    );
+    let after = charge(store, now, vec![first_use(&below, 10, 1, now + period)]).await;
+    assert!(
+        after.0 && after.1[0].used == 1,
+        "a refund of more than a counter holds must leave it at zero, never below"
+    );
+
+    let never = keys.key("add-made-by-never-charged");
+    let added = super::support::answered(
+        store.add_made_by(now, never.clone(), 5, now).await,
+        "add_made_by",
+    );
+    assert_eq!(
+        added, None,
+        "add_made_by on a key never charged must find no counter"
+    );
+    assert!(
+        matches!(
+            stored(store, &never).await,
+            StoredDeadline::NoCounter | StoredDeadline::Unknown
+        ),
+        "add_made_by must never create a counter"
+    );
+
+    let marked = keys.key("refunded-by-support");
+    let first = charge(store, now, vec![first_use(&marked, 10, 1, now + period)]).await;
+    let second = charge(store, now, vec![first_use(&marked, 10, 1, now + period)]).await;
+    assert!(
+        first.0 && second.0,
+        "two charges with room must be admitted"
+    );
+    if let Some(first_call) = first.1[0].first_call {
+        // Support refunds one unit; then the first request's charge is
+        // given back: the second request's unit was served, and its
+        // period stays open.
+        super::support::refund(store, now, &marked, 1).await;
+        super::support::answered(
+            store
+                .refund_made_at(now, marked.clone(), 1, first_call)
+                .await,
+            "refund_made_at",
+        );
+        let left = peek(store, now, vec![first_use(&marked, 10, 0, now + period)]).await;
+        assert!(
+            left[0].first_call.is_some(),
+            "a give-back after a plain refund (support's) lowered a first-use counter must leave its period open"
+        );
+    }
+
+    let costly = keys.key("peeked-with-a-cost");
+    assert!(
+        charge(store, now, vec![first_use(&costly, 10, 1, now + period)])
+            .await
+            .0
+    );
+    let peeked = peek(store, now, vec![first_use(&costly, 10, 3, now + period)]).await;
+    assert_eq!(
+        peeked[0].used, 1,
+        "a peek must ignore the costs it is given"
     );
     Verdict::Passed
 }

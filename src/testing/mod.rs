@@ -49,6 +49,11 @@
 //!   support refund that empties it, a give-back of more than it holds or
 //!   of nothing, and any give-back after a support refund lowered it leave
 //!   its period as it was.
+//! - [`each_call_answers_as_documented`]: a charge over its limit or of
+//!   nothing creates no counter, `reset` tells whether there was one, a
+//!   refund never goes below zero, `add_made_by` never creates a counter,
+//!   a plain refund marks the first-use counter it lowers, and a peek
+//!   ignores costs.
 //!
 //! A store tells the suite what it cannot be driven to do through the trait
 //! through [`ConformanceHooks`]: how its deadlines pass ([`Expiry`]), how to
@@ -80,7 +85,8 @@ mod support;
 pub use self::charges::{
     a_charge_past_its_period_is_an_error, a_refused_charge_writes_nothing,
     all_or_nothing_across_quotas, an_abandoned_charge_spends_nothing,
-    counts_never_pass_the_limit_nor_wrap, exactly_the_limit_under_concurrency,
+    counts_never_pass_the_limit_nor_wrap, each_call_answers_as_documented,
+    exactly_the_limit_under_concurrency,
 };
 pub use self::deadlines::{
     add_never_creates_nor_moves_a_deadline, calendar_counters_are_distinct_per_period_and_dated,
@@ -162,6 +168,10 @@ pub async fn run_all<S: ConformanceHooks>(store: &S) -> Vec<(&'static str, Verdi
         (
             "give_backs_that_empty_a_first_use_counter_close_its_period",
             give_backs_that_empty_a_first_use_counter_close_its_period(store).await,
+        ),
+        (
+            "each_call_answers_as_documented",
+            each_call_answers_as_documented(store).await,
         ),
     ]
 }
