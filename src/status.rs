@@ -654,11 +654,12 @@ impl Line {
 
     /// Records a change of what the request holds (a deferred cost's add
     /// or refund) before it is sent, unless the line was given back: then
-    /// the change is left out (`false`).
+    /// the change is left out (`false`). What it holds stops at the most
+    /// the bits below [`GIVEN_BACK_BIT`] carry.
     pub(crate) fn change_held(&self, change: impl Fn(u64) -> u64) -> bool {
         self.held
             .fetch_update(Ordering::AcqRel, Ordering::Acquire, |held| {
-                (held & GIVEN_BACK_BIT == 0).then(|| change(held) & !GIVEN_BACK_BIT)
+                (held & GIVEN_BACK_BIT == 0).then(|| change(held).min(!GIVEN_BACK_BIT))
             })
             .is_ok()
     }

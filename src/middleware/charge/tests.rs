@@ -500,3 +500,16 @@ fn a_request_not_served_after_all_gives_back_its_cost_and_its_changes() {
         vec![]
     );
 }
+
+/// What a request holds on a line grows with a deferred cost's add up to
+/// the most a line keeps, never wrapping into a small number past it.
+#[test]
+fn what_a_line_holds_stops_at_its_most() {
+    let deferred = layer(&[Quota::daily(10)], |b| b).deferred_cost(2, |_| 2);
+    let lines = admitted(&deferred, 2);
+    let most = u64::MAX >> 1;
+    assert!(lines[0].change_held(|held| held.saturating_add(most - 1)));
+    assert!(lines[0].change_held(|held| held.saturating_add(5)));
+    assert_eq!(lines[0].held(), most, "held at its most, not wrapped");
+    assert_eq!(lines[0].claim_give_back(), Some(most));
+}
