@@ -751,9 +751,6 @@ impl Locked<'_, '_> {
         self.shard(line).live(key.as_str(), now)
     }
 
-    /// Whether charging `key` at `now` may add a counter to the shard of
-    /// line `line`: it has none, or one that making room at `now` may
-    /// reclaim.
     /// Whether the shard of line `line` has no counter at `key`, live or
     /// not.
     fn has_none(&mut self, line: usize, key: &PeriodKey) -> bool {
