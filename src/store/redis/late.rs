@@ -243,8 +243,7 @@ pub(super) async fn refund_lines(
         }
         // Only to the counter charged: not to one made since (the counter
         // reset or expired, and a new charge made it).
-        // Clamped as every refund is: more than a counter holds empties it.
-        let amount = cost.min(1 << 53);
+        let amount = super::script::refund_amount(cost);
         let invocation = super::script::Invocation::change("r", &key, amount, now, counter);
         let why = match tokio::time::timeout(FOLLOW_THROUGH, refund_line(&invocation, conn)).await {
             // No live counter charged: gone since, or never charged.

@@ -324,6 +324,12 @@ pub(super) fn as_millis(d: Duration) -> i64 {
 /// the limit).
 pub(crate) const MAX_EXACT: u64 = (1 << 53) - 1;
 
+/// What a refund of `amount` sends: at most 2^53, as more than a counter
+/// can hold empties it all the same.
+pub(super) fn refund_amount(amount: u64) -> u64 {
+    amount.min(1 << 53)
+}
+
 /// Counts travel as Redis integers. Larger limits and costs are refused
 /// before they reach the store, but for a shadow quota's, which has none:
 /// sent as the largest exact one, as good as unlimited.

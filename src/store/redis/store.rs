@@ -592,8 +592,8 @@ impl RedisStore {
         amount: u64,
         made: Made,
     ) -> Result<Option<u64>, StoreError> {
-        // Clamped: a refund of more than a counter can hold empties it.
-        self.change_live("r", now, key, amount.min(1 << 53), made, "a refund")
+        let amount = super::script::refund_amount(amount);
+        self.change_live("r", now, key, amount, made, "a refund")
             .await
     }
 
