@@ -72,7 +72,6 @@ mod floor;
 
 use std::net::SocketAddr;
 use std::process::exit;
-use std::sync::Arc;
 use std::time::Duration;
 
 use period::parse_period;
@@ -812,19 +811,15 @@ async fn run<St: Store>(options: &Options, store: St, stops: &Stops) {
     // On a signal, new connections stop and those open finish their
     // requests: for `DRAIN` at most (a client that never finishes sending
     // its request would hold the server forever), or until a second signal.
-    let stopping = Arc::new(tokio::sync::Notify::new());
     let serving = axum::serve(listener, app).with_graceful_shutdown({
-        let (stopping, stops) = (Arc::clone(&stopping), stops.clone());
-        async move {
-            // Any signal since start-up, this one's output included.
-            stops.reached(1).await;
-            stopping.notify_one();
-        }
+        let stops = stops.clone();
+        // Any signal since start-up, this one's output included.
+        async move { stops.reached(1).await }
     });
     tokio::select! {
         served = serving => served.unwrap(),
         () = async {
-            stopping.notified().await;
+            stops.reached(1).await;
             tokio::select! {
                 () = tokio::time::sleep(DRAIN) => {}
                 () = stops.reached(2) => {}
