@@ -199,8 +199,24 @@ fn parse_args() -> Options {
     // Flags that shape the quota, refused when there is none.
     let mut quota_flags: Vec<String> = Vec::new();
     let mut calendar_period = true;
+    // Each flag once: a second value would silently replace the first
+    // (`--limit 100 ... --limit 10`); the two token flags name one token.
+    let mut given: Vec<String> = Vec::new();
     let mut args = std::env::args().skip(1);
     while let Some(flag) = args.next() {
+        let one_of = |f: &str| ["--admin-token", "--admin-token-file"].contains(&f);
+        if let Some(earlier) = given
+            .iter()
+            .find(|seen| **seen == flag || one_of(seen) && one_of(&flag))
+        {
+            if *earlier == flag {
+                fail(&format!("{flag} is given more than once"));
+            }
+            fail(&format!("{earlier} and {flag} are given: one token, once"));
+        }
+        if flag.starts_with("--") {
+            given.push(flag.clone());
+        }
         if flag == "--help" || flag == "-h" {
             println!("{USAGE}");
             exit(0);

@@ -190,6 +190,56 @@ fn demo_server_refuses_bad_flags() {
     }
 }
 
+#[test]
+fn demo_server_refuses_a_flag_given_twice() {
+    for (args, told) in [
+        // The second value would silently replace the first.
+        (
+            &["--limit", "5", "--limit", "6"][..],
+            "--limit is given more than once",
+        ),
+        (
+            &["--shadow", "--shadow"],
+            "--shadow is given more than once",
+        ),
+        // Two flags that name one token.
+        (
+            &["--admin-token", "s3cret", "--admin-token-file", "/dev/null"],
+            "--admin-token and --admin-token-file are given",
+        ),
+    ] {
+        // Each of these starts a server where the flag is not refused:
+        // waited for a while, then stopped.
+        let mut child = Command::new(server_binary())
+            .args(["--listen", "127.0.0.1:0"])
+            .args(args)
+            .stdout(std::process::Stdio::null())
+            .stderr(std::process::Stdio::piped())
+            .spawn()
+            .unwrap();
+        let deadline = std::time::Instant::now() + std::time::Duration::from_secs(10);
+        let status = loop {
+            if let Some(status) = child.try_wait().unwrap() {
+                break Some(status);
+            }
+            if std::time::Instant::now() > deadline {
+                child.kill().unwrap();
+                child.wait().unwrap();
+                break None;
+            }
+            std::thread::sleep(std::time::Duration::from_millis(20));
+        };
+        assert_eq!(
+            status.and_then(|s| s.code()),
+            Some(2),
+            "{args:?} started a server"
+        );
+        let mut stderr = String::new();
+        std::io::Read::read_to_string(&mut child.stderr.take().unwrap(), &mut stderr).unwrap();
+        assert!(stderr.contains(told), "{args:?}: {stderr}");
+    }
+}
+
 fn quota(reply: &Reply) -> serde_json::Value {
     assert_eq!(reply.status, 200, "{}", reply.body);
     serde_json::from_str(&reply.body).unwrap()
