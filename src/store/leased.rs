@@ -1265,6 +1265,10 @@ impl<St: Store> LeasedStore<St> {
         // store (the block's oldest): what a give-back of them goes by.
         let mut counted: SmallVec<[Option<Timestamp>; 2]> =
             SmallVec::with_capacity(request.lines.len());
+        // Per line paid from a block, the first call of the counter the
+        // block was taken from: the counter the line was charged on.
+        let mut counted_on: SmallVec<[Option<Timestamp>; 2]> =
+            SmallVec::with_capacity(request.lines.len());
         let mut stale_first = false;
         let mut unmarked = Vec::new();
         let mut alone = None;
@@ -1277,6 +1281,7 @@ impl<St: Store> LeasedStore<St> {
             let Some(counter) = counters.get_mut(&line.key) else {
                 taken.push(0);
                 counted.push(None);
+                counted_on.push(None);
                 to_store = true;
                 continue;
             };
@@ -1332,6 +1337,7 @@ impl<St: Store> LeasedStore<St> {
             to_store |= !room;
             let counted_at = counter.taken_at.filter(|_| units > 0);
             counted.push(counted_at);
+            counted_on.push(counter.first_call.filter(|_| units > 0));
             counter.units -= units;
             taken.push(units);
             // A request of one line, paid from the block, is answered
@@ -1454,6 +1460,7 @@ impl<St: Store> LeasedStore<St> {
             known,
             taken,
             counted,
+            counted_on,
             stale,
             stale_first,
             unmarked,
@@ -1592,6 +1599,7 @@ impl<St: Store> LeasedStore<St> {
             unmarked: Vec::new(),
             taken: smallvec::smallvec![0],
             counted: smallvec::smallvec![None],
+            counted_on: smallvec::smallvec![None],
             stale: Vec::new(),
             stale_first: false,
             reserved: Reserved::new(&self.shared, Vec::new()),
@@ -1638,6 +1646,7 @@ impl<St: Store> LeasedStore<St> {
             known,
             taken,
             counted,
+            counted_on,
             stale,
             stale_first,
             unmarked,
@@ -1822,9 +1831,19 @@ impl<St: Store> LeasedStore<St> {
                 // give-back goes by then (part of it paid by the store
                 // too, the earlier instant: never to a counter made since,
                 // at the cost of that part's give-back, refused by one).
-                for (usage, counted_at) in outcome.usage.iter_mut().zip(&counted) {
+                for ((usage, counted_at), on) in
+                    outcome.usage.iter_mut().zip(&counted).zip(&counted_on)
+                {
                     if counted_at.is_some() {
                         usage.counted_at = *counted_at;
+                        // And on the counter the block was taken from,
+                        // whatever counter the answer tells of since (one
+                        // made anew after a reset elsewhere, whose first
+                        // call a clock behind may date before the block's
+                        // take): the give-back goes to that counter alone.
+                        if on.is_some() {
+                            usage.first_call = *on;
+                        }
                     }
                 }
             }
@@ -2842,6 +2861,10 @@ struct Plan {
     /// block's oldest): what a give-back of the line goes by, told in the
     /// answer ([`Usage::counted_at`]).
     counted: SmallVec<[Option<Timestamp>; 2]>,
+    /// Per line paid from a block, the first call of the counter the block
+    /// was taken from: told in the answer as the counter charged
+    /// ([`Usage::first_call`]), whatever counter the store tells of since.
+    counted_on: SmallVec<[Option<Timestamp>; 2]>,
     /// Blocks past their lease time, given back first.
     stale: Vec<GiveBack>,
     /// Whether the charge waits until `stale` is back: a block taken under
@@ -3258,5 +3281,144 @@ impl<St: Store> Store for LeasedStore<St> {
     /// The wait for units on their way back, beside the inner store's.
     fn longest_wait(&self) -> Duration {
         RETURN_WAIT.saturating_add(self.inner.longest_wait())
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::MemoryStore;
+
+    fn t0() -> Timestamp {
+        "2026-12-04T10:00:00Z".parse().unwrap()
+    }
+
+    /// The key of `subject`'s counter for the test's day.
+    fn key_of(subject: &str) -> PeriodKey {
+        PeriodKey::from_string(format!("quota:{{account:{subject}}}:default:2026-12-04"))
+    }
+
+    /// A line of `subject`'s counter for the test's day, costing one.
+    fn line_of(subject: &str, limit: u64) -> ChargeLine {
+        ChargeLine {
+            key: key_of(subject),
+            limit,
+            cost: 1,
+            lifetime: Lifetime::Calendar {
+                start: "2026-12-04T00:00:00Z".parse().unwrap(),
+                end: "2026-12-05T00:00:00Z".parse().unwrap(),
+            },
+            shadow_limit: None,
+        }
+    }
+
+    fn one(subject: &str, now: Timestamp, limit: u64) -> ChargeRequest {
+        ChargeRequest {
+            now,
+            lines: smallvec::smallvec![line_of(subject, limit)],
+        }
+    }
+
+    /// What the store counts on `subject`'s counter of the day at `now`.
+    async fn counted<St: Store>(store: &St, subject: &str, now: Timestamp) -> u64 {
+        store.peek(one(subject, now, u64::MAX)).await.unwrap()[0].used
+    }
+
+    /// `n` requests of `subject` on `leased`, each admitted, 1 ms apart.
+    async fn busy<St: Store>(leased: &St, subject: &str, now: &mut Timestamp, n: u64, limit: u64) {
+        for _ in 0..n {
+            assert!(
+                leased
+                    .charge(one(subject, *now, limit))
+                    .await
+                    .unwrap()
+                    .admitted
+            );
+            tokio::time::advance(Duration::from_millis(1)).await;
+            *now += SignedDuration::from_millis(1);
+        }
+    }
+
+    /// A request of two lines: "acme" paid from a block taken before a
+    /// reset made elsewhere, "beta" charged by the store. The store's
+    /// answer tells of acme's counter made anew since, by an instance whose
+    /// clock is behind (a first call before the old counter's). The request
+    /// is not served: the layer gives acme's line back to the counter its
+    /// usage names (`Usage::charged_counter`, as `give_back_unserved` does).
+    /// The line was counted on the counter gone, so nothing may come off
+    /// the new one, whose five requests were all served.
+    #[tokio::test(start_paused = true)]
+    async fn a_line_paid_from_an_old_block_is_never_given_back_to_a_counter_made_since_by_a_clock_behind(
+    ) {
+        let shared = MemoryStore::new();
+        let a = LeasedStore::new(shared.clone());
+        let mut now = t0();
+        busy(&a, "acme", &mut now, 200, 10_000).await;
+        assert!(a.held() > 0);
+        assert!(shared.reset(key_of("acme")).await.unwrap());
+        let behind = now - SignedDuration::from_secs(2);
+        for _ in 0..5 {
+            let made_anew = shared.charge(one("acme", behind, 10_000)).await.unwrap();
+            assert!(made_anew.admitted);
+        }
+        let both = ChargeRequest {
+            now,
+            lines: smallvec::smallvec![line_of("acme", 10_000), line_of("beta", 10_000)],
+        };
+        let outcome = a.charge(both).await.unwrap();
+        assert!(outcome.admitted);
+        let usage = outcome.usage[0];
+        assert!(
+            usage.counted_at.is_some(),
+            "acme's line paid from the block"
+        );
+        let made = usage.charged_counter(now);
+        made.refund(&a, now, key_of("acme"), 1).await.unwrap();
+        a.shutdown().await;
+        assert_eq!(
+            counted(&shared, "acme", now).await,
+            5,
+            "the give-back went by {made:?} (usage {usage:?}) onto the new counter"
+        );
+    }
+
+    /// As above, for a request of one line costing more than the old block
+    /// holds: paid from the block, and its last unit (with a new block)
+    /// charged by the store on the counter made anew. Given back as the
+    /// layer does, it must not take the new counter below what was served
+    /// there (the store's part may stay charged; the block's part was never
+    /// counted on the new counter).
+    #[tokio::test(start_paused = true)]
+    async fn a_line_paid_in_part_from_an_old_block_never_takes_a_counter_made_since_below_what_it_served(
+    ) {
+        let shared = MemoryStore::new();
+        let a = LeasedStore::new(shared.clone());
+        let mut now = t0();
+        busy(&a, "acme", &mut now, 200, 10_000).await;
+        let held = a.held();
+        assert!(held > 0);
+        assert!(shared.reset(key_of("acme")).await.unwrap());
+        let behind = now - SignedDuration::from_secs(2);
+        for _ in 0..5 {
+            let made_anew = shared.charge(one("acme", behind, 10_000)).await.unwrap();
+            assert!(made_anew.admitted);
+        }
+        let mut costly = one("acme", now, 10_000);
+        costly.lines[0].cost = held + 1;
+        let outcome = a.charge(costly).await.unwrap();
+        assert!(outcome.admitted);
+        let usage = outcome.usage[0];
+        assert!(usage.counted_at.is_some(), "paid in part from the block");
+        let made = usage.charged_counter(now);
+        made.refund(&a, now, key_of("acme"), held + 1)
+            .await
+            .unwrap();
+        a.shutdown().await;
+        let counted = counted(&shared, "acme", now).await;
+        assert!(
+            counted >= 5,
+            "{counted}: the give-back of {} went by {made:?} (usage {usage:?}) onto the new counter",
+            held + 1
+        );
     }
 }
