@@ -76,7 +76,8 @@ pub(super) const ROOM_BUDGET: usize = 256;
 ///   at that moment, in turn from where the last such charge stopped, then
 ///   tries once more. It goes through 256 deadlines at most (and 64 shards),
 ///   so no charge pays for a whole store's worth of reclaiming; while such
-///   visits find nothing, the next ones wait 10 ms, so that a
+///   visits find nothing (every shard gone through, none busy), the next
+///   ones wait 10 ms, so that a
 ///   flood of new ids costs little each. If the store is still full, the
 ///   charge fails with [`StoreErrorKind::Full`](super::StoreErrorKind::Full)
 ///   and creates nothing, so the layer's fail-open or fail-closed policy
@@ -90,6 +91,12 @@ pub(super) const ROOM_BUDGET: usize = 256;
 ///   charges nothing: reachable only with a [`Clock`](crate::Clock) of
 ///   the application's own (or a [`ManualClock`](crate::ManualClock)) set
 ///   there.
+/// - One clock for every caller: the store keeps no clock of its own and
+///   judges every counter it sweeps by the instant of the call that sweeps.
+///   Policies that share one store should read one clock (the system's, by
+///   default); a caller whose clock runs far ahead of the others' ends
+///   their counters early, as a shared store's server would if its clock
+///   jumped.
 ///
 /// Clones share the counters. Counters are lost when the process exits; use
 /// a shared store when several instances enforce one quota.
@@ -325,6 +332,9 @@ impl MemoryStore {
         let mut reclaimed = 0;
         let mut visited: usize = 0;
         let mut stopped = false;
+        // A shard busy at the moment was not gone through: it may hold
+        // expired counters, and the visit is not fruitless.
+        let mut skipped = false;
         for i in 0..visits {
             if *budget == 0 || self.fits(new) {
                 stopped = true;
@@ -335,6 +345,8 @@ impl MemoryStore {
                 let (gone_through, removed) = shard.sweep(room_by(now), *budget);
                 *budget -= gone_through;
                 reclaimed += removed;
+            } else {
+                skipped = true;
             }
         }
         // The next visit starts at the last shard of this one if this one
@@ -347,7 +359,7 @@ impl MemoryStore {
         self.inner.room_cursor.fetch_add(advance, Ordering::Relaxed);
         // A visit of its whole share of shards (all of them, or the most one
         // charge visits) that found nothing pauses the next ones.
-        if reclaimed == 0 && visited == visits && *budget > 0 {
+        if reclaimed == 0 && visited == visits && *budget > 0 && !skipped {
             self.inner.fruitless.store(at, Ordering::Relaxed);
         }
         self.fits(new)
@@ -1362,6 +1374,34 @@ mod room_tests {
         let later = t0 + SignedDuration::from_hours(2);
         assert_eq!(charge(&store, later, &other), Ok(true));
         assert_eq!(store.len(), 1);
+    }
+
+    /// A visit that skipped a shard busy at the moment did not go through
+    /// it: it pauses no other visit, and the next charge reclaims there.
+    #[test]
+    fn a_visit_that_skipped_a_busy_shard_pauses_no_other() {
+        let store = MemoryStore::with_shards(2).max_counters(1);
+        let shard_of = |id: &str| {
+            store.shard_of(&Namespace::default().key(&Subject::account(id), "read", "PT1H"))
+        };
+        let mut others = (0..)
+            .map(|i| format!("s{i}"))
+            .filter(|id| shard_of(id) != shard_of("a"));
+        let (b, c) = (others.next().unwrap(), others.next().unwrap());
+        let t0: Timestamp = "2026-12-02T10:00:00Z".parse().unwrap();
+        assert_eq!(charge(&store, t0, "a"), Ok(true));
+        // Two hours on, a's counter is long over; its shard is busy while
+        // b needs room.
+        let later = t0 + SignedDuration::from_hours(2);
+        {
+            let _busy = store.inner.shards[shard_of("a")].lock().unwrap();
+            assert_eq!(charge(&store, later, &b), Err(StoreErrorKind::Full));
+        }
+        assert_eq!(
+            charge(&store, later, &c),
+            Ok(true),
+            "a's shard is free again and holds an expired counter"
+        );
     }
 
     /// With more shards than one charge visits, a full store whose visits
