@@ -103,7 +103,7 @@
 
 use std::collections::{HashMap, VecDeque};
 use std::future::Future;
-use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicI64, Ordering};
 use std::sync::{Arc, Mutex, MutexGuard, Weak};
 use std::time::Duration;
 
@@ -149,7 +149,6 @@ pub struct Owed {
 }
 
 /// A policy's ledger. Its bound is the policy's setting (`max_owed`).
-#[derive(Default)]
 pub(crate) struct Ledger {
     book: Mutex<Book>,
     /// Set while the ledger owes and no task settles it, because the last
@@ -157,7 +156,32 @@ pub(crate) struct Ledger {
     /// (its runtime shut down): the next request of the policy starts one
     /// (see [`Ledger::wake`]), not only the next debt.
     stranded: AtomicBool,
+    /// The settling task's last sign of life, in seconds on the policy's
+    /// clock ([`IDLE`] while none settles): a task whose runtime went idle
+    /// or is blocked (a current-thread runtime made for one call and kept)
+    /// shows none, and a request on a runtime starts another in its place
+    /// (see [`Ledger::wake`]).
+    beat: AtomicI64,
 }
+
+impl Default for Ledger {
+    fn default() -> Self {
+        Self {
+            book: Mutex::default(),
+            stranded: AtomicBool::new(false),
+            beat: AtomicI64::new(IDLE),
+        }
+    }
+}
+
+/// `Ledger::beat` while no task settles the ledger.
+const IDLE: i64 = i64::MIN;
+
+/// How long, on the policy's clock, a settling task may show no sign of
+/// life (it shows one at each try, and every [`PAUSE_STEP`] while it waits)
+/// with no settle of its on the way, before a request starts another in
+/// its place: far beyond its longest wait, [`LAST_RETRY`].
+const SILENT_SECS: i64 = 30;
 
 /// What the ledger owes, and whether a task settles it.
 #[derive(Default)]
@@ -177,6 +201,10 @@ struct Book {
     earliest_end: Option<Timestamp>,
     /// Whether a task settles the ledger.
     settling: bool,
+    /// The number of the task that settles it (or last did): one that was
+    /// taken over (see [`Ledger::start`]) ends at its next step, and leaves
+    /// the book to the task that took over.
+    task: u64,
     /// Whether someone waits for the ledger to be settled
     /// ([`QuotaPolicy::settle_owed`](crate::QuotaPolicy::settle_owed)): the
     /// task then tries again soon while the store fails, not after its
@@ -472,8 +500,13 @@ impl Ledger {
     /// owes in `store`, unless one runs already or nothing is owed.
     pub(crate) fn start<St: Store>(self: &Arc<Self>, store: &St, settings: &Settings) {
         let mut book = self.lock();
-        if book.settling || book.queue.is_empty() {
-            // Nothing owed (a reset forgot it), or a task settles it.
+        // Nothing owed (a reset forgot it), or a task settles it; unless
+        // that task has shown no sign of life for a while, with no settle
+        // of its on the way: its runtime went idle or is blocked, and this
+        // one takes over (that one ends at its next step, if it ever runs).
+        if book.queue.is_empty()
+            || (book.settling && (book.in_flight.is_some() || !self.silent(settings.clock.now())))
+        {
             self.stranded.store(false, Ordering::Relaxed);
             return;
         }
@@ -489,25 +522,44 @@ impl Ledger {
             return;
         };
         book.settling = true;
+        book.task = book.task.wrapping_add(1);
+        let task = book.task;
+        self.beat(settings.clock.now());
         self.stranded.store(false, Ordering::Relaxed);
         drop(book);
         let guard = Settling {
             ledger: Some(Arc::downgrade(self)),
             sent: None,
+            task,
         };
         let (clock, timeout) = (Arc::clone(&settings.clock), settings.store_timeout);
         drop(runtime.spawn(settle(guard, store.clone(), clock, timeout)));
     }
 
     /// Starts the settling task if the ledger owes and none runs since the
-    /// last one could not start or ended unfinished: called on every
-    /// request of the policy, so that debts settle once a runtime serves
-    /// requests again, though no new debt is recorded (the store is back).
+    /// last one could not start or ended unfinished, or shows no sign of
+    /// life (its runtime went idle or is blocked): called on every request
+    /// of the policy, so that debts settle once a runtime serves requests
+    /// again, though no new debt is recorded (the store is back).
     #[inline]
     pub(crate) fn wake<St: Store>(self: &Arc<Self>, store: &St, settings: &Settings) {
-        if self.stranded.load(Ordering::Relaxed) {
+        if self.stranded.load(Ordering::Relaxed)
+            || (self.beat.load(Ordering::Relaxed) != IDLE && self.silent(settings.clock.now()))
+        {
             self.start(store, settings);
         }
+    }
+
+    /// The settling task shows a sign of life at `now`.
+    fn beat(&self, now: Timestamp) {
+        self.beat.store(now.as_second(), Ordering::Relaxed);
+    }
+
+    /// Whether a settling task has shown no sign of life for
+    /// [`SILENT_SECS`] at `now`.
+    fn silent(&self, now: Timestamp) -> bool {
+        let beat = self.beat.load(Ordering::Relaxed);
+        beat != IDLE && now.as_second().saturating_sub(beat) >= SILENT_SECS
     }
 }
 
@@ -849,6 +901,8 @@ struct Settling {
     /// The units of the settle on its way: the task's to account for if
     /// the ledger is dropped meanwhile (abandoned, if the task ends first).
     sent: Option<u64>,
+    /// The task's number (`Book::task`).
+    task: u64,
 }
 
 impl Settling {
@@ -868,7 +922,12 @@ impl Drop for Settling {
         match self.ledger() {
             Some(ledger) => {
                 let mut book = ledger.lock();
+                if book.task != self.task {
+                    // Taken over: the book is the other task's.
+                    return;
+                }
                 book.settling = false;
+                ledger.beat.store(IDLE, Ordering::Relaxed);
                 // A settle dropped on its way is one that failed.
                 book.unsettled();
                 if !book.queue.is_empty() {
@@ -902,13 +961,25 @@ async fn settle<St: Store>(
             return;
         };
         let now = clock.now();
-        let next = ledger.lock().next(now);
+        let next = {
+            let mut book = ledger.lock();
+            if book.task != claim.task {
+                // Taken over while its runtime was idle: the other settles.
+                return;
+            }
+            let next = book.next(now);
+            match next {
+                Next::Done => ledger.beat.store(IDLE, Ordering::Relaxed),
+                _ => ledger.beat(now),
+            }
+            next
+        };
         drop(ledger);
         let (key, id, debt) = match next {
             Next::Settle(key, id, debt) => (key, id, debt),
             Next::Held => {
                 // A support reset takes one call of the store.
-                pause(&claim, FIRST_RETRY).await;
+                pause(&claim, &*clock, FIRST_RETRY).await;
                 continue;
             }
             Next::Done => {
@@ -995,7 +1066,7 @@ async fn settle<St: Store>(
                     "quota ledger could not settle any counter it owes; the store still fails"
                 );
                 failures = 0;
-                pause(&claim, wait).await;
+                pause(&claim, &*clock, wait).await;
                 wait = (wait * 2).min(LAST_RETRY);
             }
         }
@@ -1033,14 +1104,21 @@ where
 
 /// Waits `wait` before the settling task tries again, or [`FIRST_RETRY`]
 /// at most while someone waits for the ledger to be settled.
-async fn pause(claim: &Settling, wait: Duration) {
+async fn pause(claim: &Settling, clock: &dyn Clock, wait: Duration) {
     let start = tokio::time::Instant::now();
     loop {
         let Some(ledger) = claim.ledger() else {
             // The policy is gone: nothing to try again.
             return;
         };
-        let hurry = ledger.lock().hurry > 0;
+        let (hurry, taken_over) = {
+            let book = ledger.lock();
+            (book.hurry > 0, book.task != claim.task)
+        };
+        if taken_over {
+            return;
+        }
+        ledger.beat(clock.now());
         drop(ledger);
         let wait = if hurry { wait.min(FIRST_RETRY) } else { wait };
         let left = wait.saturating_sub(start.elapsed());

@@ -646,3 +646,68 @@ fn a_settle_on_its_way_when_the_ledger_is_dropped_is_its_tasks_to_account() {
     );
     assert_eq!(counters, 0.0);
 }
+
+/// A debt recorded on a runtime that then goes idle (a current-thread
+/// runtime made for one call and kept, not dropped) is settled from the
+/// policy's requests on another runtime once the store is back: the task
+/// spawned on the idle runtime never runs again, and its claim must not
+/// keep every other runtime from settling.
+#[tokio::test(start_paused = true)]
+async fn a_debt_owed_on_a_runtime_gone_idle_is_settled_from_another() {
+    let now = at(NOON);
+    let clock = ManualClock::new(now);
+    let settings = Settings {
+        clock: Arc::new(clock.clone()),
+        store_timeout: None,
+        max_owed: 10,
+        ..Settings::default()
+    };
+    let store = Away::default();
+    store.away.store(true, Ordering::Relaxed);
+    let ledger = Arc::new(Ledger::default());
+    let a = key("a", "PT1H");
+    // One call on a runtime of its own, while the store is away: the
+    // settling task starts there, fails once and waits to try again.
+    let side = {
+        let (ledger, store, settings, a) = (
+            Arc::clone(&ledger),
+            store.clone(),
+            settings.clone(),
+            a.clone(),
+        );
+        std::thread::spawn(move || {
+            let runtime = tokio::runtime::Builder::new_current_thread()
+                .enable_all()
+                .build()
+                .unwrap();
+            runtime.block_on(async {
+                ledger.owe(&store, &settings, [first_use(&a, 2, now)]);
+                tokio::time::sleep(Duration::from_millis(10)).await;
+            });
+            // Kept: the caller holds it for its next call, which never comes.
+            runtime
+        })
+        .join()
+        .unwrap()
+    };
+    assert!(
+        store.tries.load(Ordering::Relaxed) >= 1,
+        "tried on the side runtime"
+    );
+    // The store is back; the policy serves requests on this runtime for
+    // two minutes.
+    store.away.store(false, Ordering::Relaxed);
+    for _ in 0..120 {
+        ledger.wake(&store, &settings);
+        tokio::time::sleep(Duration::from_secs(1)).await;
+        clock.advance(Duration::from_secs(1));
+    }
+    let owed = ledger.owed();
+    std::thread::spawn(move || drop(side)).join().unwrap();
+    assert_eq!(
+        owed,
+        Owed::default(),
+        "still owed after two minutes of requests"
+    );
+    assert_eq!(used(&store.inner, &a, now).await, 2);
+}
