@@ -101,8 +101,22 @@ mod redis {
         a_charge_past_its_period_is_an_error,
         changes_by_the_reported_first_call_land,
         changes_made_before_a_counter_do_not_land,
+        refunds_made_at_a_first_call_land_on_that_counter_only,
         give_backs_that_empty_a_first_use_counter_close_its_period,
+        each_call_answers_as_documented,
+        changes_to_an_ended_counter_do_not_land,
+        an_abandoned_settle_adds_nothing,
+        clones_share_an_identity_no_other_store_has,
     );
+
+    /// The Redis store's deadlines pass on its own clock: the suite cannot
+    /// call it at a deadline's very instant.
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn a_first_use_counter_ends_at_its_deadline() {
+        let server = redis_server_or_skip!();
+        let verdict = testing::a_first_use_counter_ends_at_its_deadline(&store(server.url())).await;
+        assert!(matches!(verdict, Verdict::NotApplicable(_)), "{verdict:?}");
+    }
 }
 
 /// Stores with one planted bug each: the suite must catch every one.
@@ -159,6 +173,41 @@ mod broken {
         /// Marks no counter a support refund lowered: a give-back of all
         /// it holds then closes a period holding a served request's units.
         forgets_support_refunds: bool,
+        /// Reopens a first-use key whose counter ended with the ended
+        /// counter's first call (a counter replaced where it is, its
+        /// first call left as it was): a give-back of the ended period's
+        /// request lands on the period opened since.
+        reuses_ended_first_call: bool,
+        /// Refuses a give-back at a first call only on a counter made
+        /// since with an earlier first call, and takes one on a counter
+        /// made since with a later one (after a reset).
+        refund_at_guards_earlier_only: bool,
+        /// Holds a counter live at its very deadline (`>=` for `>`).
+        live_at_deadline: bool,
+        /// The calls guarded by a first call (`refund_made_by`,
+        /// `refund_made_at`, `add_made_by`) find a counter live at its very
+        /// deadline.
+        made_calls_live_at_deadline: bool,
+        /// Settles a debt at its very deadline (`<` for `<=`).
+        settles_at_its_deadline: bool,
+        /// Adds a settle's debt, then answers a poll later: dropped in
+        /// between (a settle timed out, which the ledger sends again), it
+        /// stays added.
+        keeps_abandoned_settles: bool,
+        /// An identity of the handle, not of the counters it shares with
+        /// its clones.
+        identity_per_handle: bool,
+        /// One identity for every store of the type.
+        identity_shared: bool,
+        /// A settle whose sum is beyond `u64` wraps.
+        settle_wraps: bool,
+        /// `refund_made_by` and `refund_made_at` write a zero counter,
+        /// undated, where there is no live one (as a script that guards on
+        /// the first call, then `HSET`s).
+        guarded_refund_creates: bool,
+        /// A settle of a calendar window makes its counter anew, over the
+        /// one its charges made.
+        calendar_settle_overwrites: bool,
     }
 
     #[derive(Clone, Copy, Default)]
@@ -188,10 +237,34 @@ mod broken {
 
         fn live(&self, key: &PeriodKey, now: Timestamp) -> Option<Counter> {
             let counters = self.counters.lock().unwrap();
+            counters.get(key).copied().filter(|c| {
+                c.deadline
+                    .is_none_or(|d| d > now || (self.bugs.live_at_deadline && d == now))
+            })
+        }
+
+        /// The live counter at `key` for a call guarded by a first call.
+        fn live_made(&self, key: &PeriodKey, now: Timestamp) -> Option<Counter> {
+            if !self.bugs.made_calls_live_at_deadline {
+                return self.live(key, now);
+            }
+            let counters = self.counters.lock().unwrap();
             counters
                 .get(key)
                 .copied()
-                .filter(|c| c.deadline.is_none_or(|d| d > now))
+                .filter(|c| c.deadline.is_none_or(|d| d >= now))
+        }
+
+        /// The planted `guarded_refund_creates`: an undated zero counter
+        /// where there is no live one.
+        fn plant_guarded(&self, key: &PeriodKey, now: Timestamp) {
+            if self.bugs.guarded_refund_creates && self.live(key, now).is_none() {
+                let counter = Counter {
+                    used: 0,
+                    ..Counter::default()
+                };
+                self.counters.lock().unwrap().insert(key.clone(), counter);
+            }
         }
 
         fn usage(&self, request: &ChargeRequest) -> Vec<Usage> {
@@ -225,9 +298,81 @@ mod broken {
         fn made_after(&self, key: &PeriodKey, now: Timestamp, made_by: Timestamp) -> bool {
             !self.bugs.ignores_made_by
                 && self
-                    .live(key, now)
+                    .live_made(key, now)
                     .and_then(|c| c.first_call)
                     .is_some_and(|first| first > made_by)
+        }
+
+        /// A refund of `amount` to `found`, the counter at `key` if live.
+        fn refund_found(
+            &self,
+            found: Option<Counter>,
+            now: Timestamp,
+            key: PeriodKey,
+            amount: u64,
+        ) -> Option<u64> {
+            match found {
+                Some(mut c) => {
+                    c.kept |= c.first_use
+                        && c.used > 0
+                        && amount > 0
+                        && !self.bugs.forgets_support_refunds
+                        && !self.bugs.plain_refund_unmarked;
+                    c.used = if self.bugs.refund_wraps {
+                        c.used.wrapping_sub(amount)
+                    } else {
+                        c.used.saturating_sub(amount)
+                    };
+                    self.counters.lock().unwrap().insert(key, c);
+                    Some(c.used)
+                }
+                None if self.bugs.refund_creates => {
+                    let counter = Counter {
+                        used: 0,
+                        deadline: None,
+                        first_call: Some(now),
+                        ..Counter::default()
+                    };
+                    self.counters.lock().unwrap().insert(key, counter);
+                    Some(0)
+                }
+                None => None,
+            }
+        }
+
+        /// An add of `amount` to `found`, the counter at `key` if live.
+        fn add_found(
+            &self,
+            found: Option<Counter>,
+            now: Timestamp,
+            key: PeriodKey,
+            amount: u64,
+        ) -> Option<u64> {
+            match found {
+                Some(mut c) => {
+                    c.used = c.used.saturating_add(amount);
+                    if self.bugs.add_redates {
+                        // As `INCRBY` then `EXPIRE key period` would.
+                        if let (Some(deadline), Some(first)) = (c.deadline, c.first_call) {
+                            c.deadline = Some(now + deadline.duration_since(first));
+                        }
+                    }
+                    self.counters.lock().unwrap().insert(key, c);
+                    Some(c.used)
+                }
+                None if self.bugs.add_creates => {
+                    // As a bare `INCRBY` would: a counter with no deadline.
+                    let counter = Counter {
+                        used: amount,
+                        deadline: None,
+                        first_call: None,
+                        ..Counter::default()
+                    };
+                    self.counters.lock().unwrap().insert(key, counter);
+                    Some(amount)
+                }
+                None => None,
+            }
         }
 
         fn heal(&self, request: &ChargeRequest) {
@@ -274,7 +419,10 @@ mod broken {
             let admitted = request.lines.iter().all(|line| {
                 let used = healed
                     .get(&line.key)
-                    .filter(|c| c.deadline.is_none_or(|d| d > now))
+                    .filter(|c| {
+                        c.deadline
+                            .is_none_or(|d| d > now || (self.bugs.live_at_deadline && d == now))
+                    })
                     .map_or(0, |c| c.used);
                 within(used, line.cost, line.limit)
                     || (self.bugs.admits_creating && self.live(&line.key, now).is_none())
@@ -315,7 +463,14 @@ mod broken {
                     None => Counter {
                         used: line.cost,
                         deadline,
-                        first_call: Some(now),
+                        first_call: if self.bugs.reuses_ended_first_call {
+                            counters
+                                .get(&line.key)
+                                .and_then(|c| c.first_call)
+                                .or(Some(now))
+                        } else {
+                            Some(now)
+                        },
                         first_use: matches!(line.lifetime, Lifetime::FirstUse { .. }),
                         kept: false,
                     },
@@ -330,25 +485,6 @@ mod broken {
     }
 
     /// Dates the undated counters of `request`'s lines as a charge heals them.
-    /// `change`, made at once (the store changes its counters when a call
-    /// is made, and answers a future that is ready), unless `skip`: then
-    /// nothing, answered `None`.
-    fn unless<F>(
-        skip: bool,
-        change: impl FnOnce() -> F,
-    ) -> impl Future<Output = Result<Option<u64>, StoreError>> + Send
-    where
-        F: Future<Output = Result<Option<u64>, StoreError>> + Send,
-    {
-        let change = (!skip).then(change);
-        async move {
-            match change {
-                Some(change) => change.await,
-                None => Ok(None),
-            }
-        }
-    }
-
     fn heal(counters: &mut HashMap<PeriodKey, Counter>, request: &ChargeRequest) {
         for line in &request.lines {
             let Some(counter) = counters.get_mut(&line.key) else {
@@ -403,34 +539,12 @@ mod broken {
             key: PeriodKey,
             amount: u64,
         ) -> impl Future<Output = Result<Option<u64>, StoreError>> + Send {
-            let left = match self.live(&key, now) {
-                Some(mut c) => {
-                    c.kept |= c.first_use
-                        && c.used > 0
-                        && amount > 0
-                        && !self.bugs.forgets_support_refunds
-                        && !self.bugs.plain_refund_unmarked;
-                    c.used = if self.bugs.refund_wraps {
-                        c.used.wrapping_sub(amount)
-                    } else {
-                        c.used.saturating_sub(amount)
-                    };
-                    self.counters.lock().unwrap().insert(key, c);
-                    Some(c.used)
-                }
-                None if self.bugs.refund_creates => {
-                    let counter = Counter {
-                        used: 0,
-                        deadline: None,
-                        first_call: Some(now),
-                        ..Counter::default()
-                    };
-                    self.counters.lock().unwrap().insert(key, counter);
-                    Some(0)
-                }
-                None => None,
-            };
-            std::future::ready(Ok(left))
+            std::future::ready(Ok(self.refund_found(
+                self.live(&key, now),
+                now,
+                key,
+                amount,
+            )))
         }
 
         fn refund_made_by(
@@ -440,8 +554,12 @@ mod broken {
             amount: u64,
             made_by: Timestamp,
         ) -> impl Future<Output = Result<Option<u64>, StoreError>> + Send {
-            unless(self.made_after(&key, now, made_by), move || {
-                let refunded = self.refund(now, key.clone(), amount);
+            self.plant_guarded(&key, now);
+            let left = if self.made_after(&key, now, made_by) {
+                None
+            } else {
+                let refunded =
+                    self.refund_found(self.live_made(&key, now), now, key.clone(), amount);
                 if self.bugs.plain_refund_unmarked && amount > 0 {
                     // Only the made_by path marks.
                     if let Some(c) = self.counters.lock().unwrap().get_mut(&key) {
@@ -449,7 +567,8 @@ mod broken {
                     }
                 }
                 refunded
-            })
+            };
+            std::future::ready(Ok(left))
         }
 
         fn refund_made_at(
@@ -459,9 +578,13 @@ mod broken {
             amount: u64,
             first_call: Timestamp,
         ) -> impl Future<Output = Result<Option<u64>, StoreError>> + Send {
-            let live = self.live(&key, now);
+            self.plant_guarded(&key, now);
+            let live = self.live_made(&key, now);
             let another = if self.bugs.refunds_at_as_by {
                 self.made_after(&key, now, first_call)
+            } else if self.bugs.refund_at_guards_earlier_only {
+                live.and_then(|c| c.first_call)
+                    .is_some_and(|first| first < first_call)
             } else {
                 live.and_then(|c| c.first_call)
                     .is_some_and(|first| first != first_call)
@@ -503,9 +626,12 @@ mod broken {
                 };
                 self.counters.lock().unwrap().insert(key.clone(), counter);
             }
-            unless(self.made_after(&key, now, made_by), move || {
-                self.add(now, key, amount)
-            })
+            let added = if self.made_after(&key, now, made_by) {
+                None
+            } else {
+                self.add_found(self.live_made(&key, now), now, key, amount)
+            };
+            std::future::ready(Ok(added))
         }
 
         fn add(
@@ -519,32 +645,7 @@ mod broken {
             } else {
                 self.live(&key, now)
             };
-            let total = match found {
-                Some(mut c) => {
-                    c.used = c.used.saturating_add(amount);
-                    if self.bugs.add_redates {
-                        // As `INCRBY` then `EXPIRE key period` would.
-                        if let (Some(deadline), Some(first)) = (c.deadline, c.first_call) {
-                            c.deadline = Some(now + deadline.duration_since(first));
-                        }
-                    }
-                    self.counters.lock().unwrap().insert(key, c);
-                    Some(c.used)
-                }
-                None if self.bugs.add_creates => {
-                    // As a bare `INCRBY` would: a counter with no deadline.
-                    let counter = Counter {
-                        used: amount,
-                        deadline: None,
-                        first_call: None,
-                        ..Counter::default()
-                    };
-                    self.counters.lock().unwrap().insert(key, counter);
-                    Some(amount)
-                }
-                None => None,
-            };
-            std::future::ready(Ok(total))
+            std::future::ready(Ok(self.add_found(found, now, key, amount)))
         }
 
         fn reset(&self, key: PeriodKey) -> impl Future<Output = Result<bool, StoreError>> + Send {
@@ -559,68 +660,108 @@ mod broken {
         ) -> impl Future<Output = Result<Option<u64>, StoreError>> + Send {
             let store = self.clone();
             async move {
-                if store.bugs.settle_by_charge {
-                    // As the trait's default does: a charge at the settle's
-                    // instant, which records that instant as the first call.
-                    let request = ChargeRequest {
-                        now,
-                        lines: smallvec::smallvec![tower_quota::store::ChargeLine {
-                            key: debt.key,
-                            limit: u64::MAX,
-                            cost: debt.amount,
-                            lifetime: debt.lifetime,
-                            shadow_limit: None,
-                        }],
-                    };
-                    let outcome = store.charge(request).await?;
-                    return Ok(Some(outcome.usage[0].used));
+                let keeps = store.bugs.keeps_abandoned_settles;
+                let answer = store.settle_now(now, debt).await;
+                if keeps {
+                    // Answers a poll later, the debt added: dropped in
+                    // between, it stays added.
+                    tokio::task::yield_now().await;
                 }
-                if debt.lifetime.end() <= now && !store.bugs.settle_opens_ended {
-                    return Ok(None);
-                }
-                let live = store.live(&debt.key, now);
-                let opened_after = |c: &Counter| {
-                    matches!(debt.lifetime, Lifetime::FirstUse { .. })
-                        && c.first_call
-                            .is_some_and(|first| first >= debt.lifetime.end())
-                };
-                if live.as_ref().is_some_and(opened_after) {
-                    // A period opened at or past the debt's deadline.
-                    return Ok(None);
-                }
-                if debt.amount == 0 {
-                    // Nothing to add: the count, and nothing written.
-                    return Ok(Some(live.map_or(0, |c| c.used)));
-                }
-                let mut counters = store.counters.lock().unwrap();
-                let counter = match live {
-                    Some(mut c) => {
-                        c.used = c.used.saturating_add(debt.amount);
-                        c
-                    }
-                    None => Counter {
-                        used: debt.amount,
-                        deadline: Some(if store.bugs.settle_redates {
-                            // One period counted from the settle.
-                            now + debt.lifetime.end().duration_since(debt.since)
-                        } else {
-                            debt.lifetime.end()
-                        }),
-                        first_call: Some(match debt.lifetime {
-                            Lifetime::Calendar { .. } => now,
-                            Lifetime::FirstUse { .. } => debt.since,
-                        }),
-                        first_use: matches!(debt.lifetime, Lifetime::FirstUse { .. }),
-                        kept: false,
-                    },
-                };
-                counters.insert(debt.key, counter);
-                Ok(Some(counter.used))
+                answer
             }
+        }
+
+        fn identity(&self) -> Option<usize> {
+            if self.bugs.identity_shared {
+                return Some(1);
+            }
+            if self.bugs.identity_per_handle {
+                return Some(std::ptr::from_ref(self) as usize);
+            }
+            Some(Arc::as_ptr(&self.counters) as *const () as usize)
+        }
+    }
+
+    impl Buggy {
+        async fn settle_now(self, now: Timestamp, debt: Debt) -> Result<Option<u64>, StoreError> {
+            let store = self;
+            if store.bugs.settle_by_charge {
+                // As the trait's default does: a charge at the settle's
+                // instant, which records that instant as the first call.
+                let request = ChargeRequest {
+                    now,
+                    lines: smallvec::smallvec![tower_quota::store::ChargeLine {
+                        key: debt.key,
+                        limit: u64::MAX,
+                        cost: debt.amount,
+                        lifetime: debt.lifetime,
+                        shadow_limit: None,
+                    }],
+                };
+                let outcome = store.charge(request).await?;
+                return Ok(Some(outcome.usage[0].used));
+            }
+            let ended = if store.bugs.settles_at_its_deadline {
+                debt.lifetime.end() < now
+            } else {
+                debt.lifetime.end() <= now
+            };
+            if ended && !store.bugs.settle_opens_ended {
+                return Ok(None);
+            }
+            let live = store.live(&debt.key, now);
+            let opened_after = |c: &Counter| {
+                matches!(debt.lifetime, Lifetime::FirstUse { .. })
+                    && c.first_call
+                        .is_some_and(|first| first >= debt.lifetime.end())
+            };
+            if live.as_ref().is_some_and(opened_after) {
+                // A period opened at or past the debt's deadline.
+                return Ok(None);
+            }
+            if debt.amount == 0 {
+                // Nothing to add: the count, and nothing written.
+                return Ok(Some(live.map_or(0, |c| c.used)));
+            }
+            let mut counters = store.counters.lock().unwrap();
+            let counter = match live {
+                Some(mut c)
+                    if !(store.bugs.calendar_settle_overwrites
+                        && matches!(debt.lifetime, Lifetime::Calendar { .. })) =>
+                {
+                    c.used = if store.bugs.settle_wraps {
+                        c.used.wrapping_add(debt.amount)
+                    } else {
+                        c.used.saturating_add(debt.amount)
+                    };
+                    c
+                }
+                _ => Counter {
+                    used: debt.amount,
+                    deadline: Some(if store.bugs.settle_redates {
+                        // One period counted from the settle.
+                        now + debt.lifetime.end().duration_since(debt.since)
+                    } else {
+                        debt.lifetime.end()
+                    }),
+                    first_call: Some(match debt.lifetime {
+                        Lifetime::Calendar { .. } => now,
+                        Lifetime::FirstUse { .. } => debt.since,
+                    }),
+                    first_use: matches!(debt.lifetime, Lifetime::FirstUse { .. }),
+                    kept: false,
+                },
+            };
+            counters.insert(debt.key, counter);
+            Ok(Some(counter.used))
         }
     }
 
     impl ConformanceHooks for Buggy {
+        fn another_store(&self) -> Option<Self> {
+            Some(Buggy::with(self.bugs))
+        }
+
         fn plant_undated(
             &self,
             key: PeriodKey,
@@ -957,4 +1098,42 @@ mod broken {
         });
         testing::a_charge_past_its_period_is_an_error(&store).await;
     }
+
+    /// Each planted bug below, which the suite as it stood let pass, is
+    /// caught by `run_all`.
+    macro_rules! caught {
+        ($($case:ident: $bug:ident => $expected:literal),* $(,)?) => {$(
+            #[tokio::test]
+            #[should_panic(expected = $expected)]
+            async fn $case() {
+                let store = Buggy::with(Bugs { $bug: true, ..Bugs::default() });
+                testing::run_all(&store).await;
+            }
+        )*};
+    }
+
+    caught!(
+        a_reopened_counter_with_the_ended_ones_first_call_is_caught: reuses_ended_first_call
+            => "a counter opened after its key's period ended must report its own first call",
+        a_give_back_to_a_counter_made_later_since_is_caught: refund_at_guards_earlier_only
+            => "a give-back at an ended counter's first call must not land on the counter opened since",
+        a_counter_live_at_its_deadline_is_caught: live_at_deadline
+            => "a first-use counter ends at its deadline: a peek at that instant",
+        guarded_changes_at_the_deadline_are_caught: made_calls_live_at_deadline
+            => "a first-use counter ends at its deadline: a refund made by its first call at that instant",
+        a_settle_at_its_deadline_is_caught: settles_at_its_deadline
+            => "a first-use counter ends at its deadline: a settle of a debt of its period",
+        a_settle_kept_for_a_caller_gone_is_caught: keeps_abandoned_settles
+            => "an abandoned settle must add nothing",
+        an_identity_of_the_handle_is_caught: identity_per_handle
+            => "the clones of a store must share its identity",
+        an_identity_shared_with_another_store_is_caught: identity_shared
+            => "must not share another live store's identity",
+        a_settle_that_wraps_is_caught: settle_wraps
+            => "a settle must never leave a smaller count",
+        a_counter_made_by_a_guarded_refund_is_caught: guarded_refund_creates
+            => "refund_made_by on a key never charged must find no counter",
+        a_calendar_counter_made_anew_by_a_settle_is_caught: calendar_settle_overwrites
+            => "a settle adds to a live calendar counter, never makes it anew",
+    );
 }

@@ -55,7 +55,12 @@ async fn the_store_keeps_every_rule_on_a_cluster() {
     assert!(slots.len() > 10, "subjects spread over slots: {slots:?}");
 
     for (name, verdict) in testing::run_all(&store).await {
-        assert_eq!(verdict, Verdict::Passed, "{name}");
+        if name == "a_first_use_counter_ends_at_its_deadline" {
+            // Deadlines on the server's clock: no call at their very instant.
+            assert!(matches!(verdict, Verdict::NotApplicable(_)), "{name}");
+        } else {
+            assert_eq!(verdict, Verdict::Passed, "{name}");
+        }
     }
 
     // Subjects on every node, each with a daily and a rolling quota.

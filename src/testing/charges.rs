@@ -6,7 +6,7 @@ use std::time::Duration;
 
 use super::hooks::{ConformanceHooks, Planted, StoredDeadline, Verdict};
 use super::support::{calendar_line, charge, first_use, peek, stored, Keys, Timeline};
-use crate::store::{ChargeAnswer, ChargeLine, ChargeRequest};
+use crate::store::{ChargeAnswer, ChargeLine, ChargeRequest, Debt, Lifetime};
 
 /// Many tasks charging one subject at once: exactly the limit is admitted.
 ///
@@ -364,7 +364,7 @@ pub async fn an_abandoned_charge_spends_nothing<S: ConformanceHooks>(store: &S) 
 /// with another line, and leaves the count as it was; an add of
 /// `u64::MAX` either fails (a store that counts less far, see
 /// [`Store::add`](crate::store::Store::add)) or leaves a count no smaller
-/// than before.
+/// than before, and so does a settle of a debt of `u64::MAX`.
 ///
 /// (A store that counts less far than `u64` treats a limit beyond its
 /// range as unlimited: the check reads the count the store reports after
@@ -420,6 +420,21 @@ pub async fn counts_never_pass_the_limit_nor_wrap<S: ConformanceHooks>(store: &S
         assert!(
             after >= used,
             "an add must never leave a smaller count (from {used} to {after}): it saturates"
+        );
+    }
+    let before = peek(store, now, vec![line(0)]).await[0].used;
+    let debt = Debt {
+        key: top.clone(),
+        amount: u64::MAX,
+        lifetime: Lifetime::FirstUse {
+            deadline: now + period,
+        },
+        since: now,
+    };
+    if let Ok(Some(after)) = store.settle_debt(now, debt).await {
+        assert!(
+            after >= before,
+            "a settle must never leave a smaller count (from {before} to {after}): it saturates, or fails"
         );
     }
     let peeked = peek(store, now, vec![line(0)]).await;
@@ -522,7 +537,8 @@ pub async fn a_charge_past_its_period_is_an_error<S: ConformanceHooks>(store: &S
 /// them: a charge over its limit creates no counter, a charge of nothing
 /// creates none (a first-use period opens with the first charge that
 /// spends); `reset` tells whether there was a counter; a refund never
-/// takes a count below zero; `add_made_by` never creates a counter; a
+/// takes a count below zero; `add_made_by`, `refund_made_by` and
+/// `refund_made_at` never create a counter; a
 /// plain refund (support's) marks a first-use counter it lowers, so that
 /// no give-back closes its period afterwards; a peek ignores costs.
 pub async fn each_call_answers_as_documented<S: ConformanceHooks>(store: &S) -> Verdict {
@@ -602,6 +618,42 @@ pub async fn each_call_answers_as_documented<S: ConformanceHooks>(store: &S) -> 
         "add_made_by must never create a counter"
     );
 
+    let never = keys.key("guarded-refund-never-charged");
+    let guarded = [
+        (
+            super::support::answered(
+                store.refund_made_by(now, never.clone(), 1, now).await,
+                "refund_made_by",
+            ),
+            "refund_made_by",
+        ),
+        (
+            super::support::answered(
+                store.refund_made_at(now, never.clone(), 1, now).await,
+                "refund_made_at",
+            ),
+            "refund_made_at",
+        ),
+    ];
+    for (answer, what) in guarded {
+        assert_eq!(
+            answer, None,
+            "{what} on a key never charged must find no counter"
+        );
+    }
+    assert!(
+        matches!(
+            stored(store, &never).await,
+            StoredDeadline::NoCounter | StoredDeadline::Unknown
+        ),
+        "refund_made_by and refund_made_at must never create a counter"
+    );
+    let left = peek(store, now, vec![first_use(&never, 10, 0, now + period)]).await;
+    assert!(
+        left[0].used == 0 && left[0].first_call.is_none(),
+        "refund_made_by and refund_made_at must never create a counter"
+    );
+
     let marked = keys.key("refunded-by-support");
     let first = charge(store, now, vec![first_use(&marked, 10, 1, now + period)]).await;
     let second = charge(store, now, vec![first_use(&marked, 10, 1, now + period)]).await;
@@ -638,5 +690,149 @@ pub async fn each_call_answers_as_documented<S: ConformanceHooks>(store: &S) -> 
         peeked[0].used, 1,
         "a peek must ignore the costs it is given"
     );
+    Verdict::Passed
+}
+
+/// A settle whose caller stopped waiting adds nothing: a
+/// [`Store::settle_debt`](crate::store::Store::settle_debt) future dropped
+/// after a first poll that left it pending (a settle that timed out, which
+/// the ledger sends again) ends either not applied, or applied and given
+/// back. The count comes back to what the answered settles made it, and
+/// stays there. (A store whose settles answer on their first poll passes
+/// at once.)
+///
+/// # Panics
+///
+/// When the store breaks the rule, or fails to answer.
+pub async fn an_abandoned_settle_adds_nothing<S: ConformanceHooks>(store: &S) -> Verdict {
+    use std::task::{Context, Poll, Waker};
+
+    let time = Timeline::new(store.expiry());
+    let period = time.period() * 10;
+    let now = time.now();
+    let keys = Keys::new();
+    let key = keys.key("abandoned-settle");
+    let line = || first_use(&key, 1_000, 1, now + period);
+    let (admitted, _) = charge(store, now, vec![line()]).await;
+    assert!(admitted, "a charge with room must be admitted");
+    let mut answered = 1;
+    let debt = || Debt {
+        key: key.clone(),
+        amount: 1,
+        lifetime: Lifetime::FirstUse {
+            deadline: now + period,
+        },
+        since: now,
+    };
+    // Polled once, as the ledger polls a settle, then dropped unless it
+    // answered.
+    let mut pending = 0;
+    for _ in 0..20 {
+        let mut future = std::pin::pin!(store.settle_debt(now, debt()));
+        match future
+            .as_mut()
+            .poll(&mut Context::from_waker(Waker::noop()))
+        {
+            Poll::Ready(Ok(Some(_))) => answered += 1,
+            Poll::Ready(Ok(None)) => {
+                panic!("a settle of a debt of a live counter's period must add to it")
+            }
+            Poll::Ready(Err(_)) | Poll::Pending => pending += 1,
+        }
+    }
+    let costless = || vec![ChargeLine { cost: 0, ..line() }];
+    let settle = Duration::from_secs(10);
+    let started = std::time::Instant::now();
+    let mut steady = 0;
+    loop {
+        let used = peek(store, now, costless()).await[0].used;
+        if used == answered {
+            steady += 1;
+            if steady == 10 {
+                break;
+            }
+        } else {
+            steady = 0;
+            assert!(
+                started.elapsed() < settle,
+                "an abandoned settle must add nothing: {used} units counted after {answered} \
+                 answered charges and settles ({pending} settles dropped while pending)"
+            );
+        }
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+    Verdict::Passed
+}
+
+/// A store's identity ([`Store::identity`](crate::store::Store::identity))
+/// is one its clones share, wherever they are, and no other live store
+/// has: policies on one store check their quotas against each other by
+/// it, and a layer takes a line another policy's layer already charged on
+/// the same identity and key as counted. A handle's own identity (its
+/// address, say) leaves two policies on one store unchecked, each charging
+/// its line; an identity shared with another store leaves a request
+/// uncounted on one of them. The second store comes from
+/// [`ConformanceHooks::another_store`]; without one, only the clones are
+/// checked.
+///
+/// # Panics
+///
+/// When the store breaks the rule.
+pub async fn clones_share_an_identity_no_other_store_has<S: ConformanceHooks>(
+    store: &S,
+) -> Verdict {
+    let Some(id) = store.identity() else {
+        return Verdict::NotApplicable(
+            "the store tells no identity: policies on it are not checked against each other",
+        );
+    };
+    let clone = store.clone();
+    assert_eq!(
+        clone.identity(),
+        Some(id),
+        "the clones of a store must share its identity"
+    );
+    let clone_of_clone = clone.clone();
+    drop(clone);
+    assert_eq!(
+        clone_of_clone.identity(),
+        Some(id),
+        "the clones of a store must share its identity (a clone of a clone)"
+    );
+    let moved = store.clone();
+    let theirs = tokio::spawn(async move { moved.identity() })
+        .await
+        .expect("a task that tells an identity panicked");
+    assert_eq!(
+        theirs,
+        Some(id),
+        "the clones of a store must share its identity (a clone moved into a task)"
+    );
+    if let Some(other) = store.another_store() {
+        let time = Timeline::new(store.expiry());
+        let now = time.now();
+        let period = time.period() * 10;
+        let key = Keys::new().key("another-store");
+        let line = |cost| vec![first_use(&key, 10, cost, now + period)];
+        assert!(
+            charge(&other, now, line(1)).await.0,
+            "a charge with room must be admitted"
+        );
+        assert_eq!(
+            peek(store, now, line(0)).await[0].used,
+            0,
+            "ConformanceHooks::another_store must give a store with counters of its own"
+        );
+        assert_ne!(
+            other.identity(),
+            Some(id),
+            "a store with counters of its own must not share another live store's identity"
+        );
+        assert_eq!(
+            other.clone().identity(),
+            other.identity(),
+            "the clones of a store must share its identity"
+        );
+    }
     Verdict::Passed
 }

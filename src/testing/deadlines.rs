@@ -510,6 +510,37 @@ pub async fn settle_debt_keeps_to_the_debts_period<S: ConformanceHooks>(store: &
         );
     }
 
+    // A calendar counter its charges made: the debt adds to it, and the
+    // counter stays the one they made.
+    let charged = fresh_key("settle-calendar-charged");
+    let now = time.now();
+    let (start, end) = (now - period / 4, now + period);
+    let made = charge(store, now, vec![calendar_line(&charged, 10, 2, start, end)]).await;
+    assert!(
+        made.0,
+        "a first charge on an empty counter must be admitted"
+    );
+    let debt = Debt {
+        key: charged.clone(),
+        amount: 3,
+        lifetime: Lifetime::Calendar { start, end },
+        since: start,
+    };
+    assert_eq!(
+        settle(store, now, debt).await,
+        Some(5),
+        "a settle adds to a live calendar counter, never makes it anew"
+    );
+    let peeked = peek(store, now, vec![calendar_line(&charged, 10, 0, start, end)]).await;
+    assert_eq!(
+        peeked[0].used, 5,
+        "a settle adds to a live calendar counter, never makes it anew"
+    );
+    assert_eq!(
+        peeked[0].first_call, made.1[0].first_call,
+        "a settle keeps a live calendar counter's first call"
+    );
+
     // Periods that are over: nothing written, no period opened.
     let now = time.now();
     let ended = fresh_key("settle-calendar-over");
@@ -1187,4 +1218,311 @@ impl Open<'_> {
         self.time
             .assert_near(now[0].resets_at, self.ends, "its deadline as it was");
     }
+}
+
+/// A counter that ended, at its deadline or by a reset, takes no change
+/// guarded by its first call, and neither does the counter opened at its
+/// key since: a request of the ended period given back
+/// ([`Store::refund_made_at`](crate::store::Store::refund_made_at)), its
+/// deferred cost added
+/// ([`Store::add_made_by`](crate::store::Store::add_made_by)), or support's
+/// refund of it ([`Store::refund_made_by`](crate::store::Store::refund_made_by))
+/// finds no counter: nothing lands, nothing is created, no period opens. A
+/// counter opened after its key's period ended reports its own first call
+/// (a counter replaced where it was, its first call left as it was, would
+/// take the ended period's give-backs: a give-back of all it holds would
+/// even close its period).
+///
+/// # Panics
+///
+/// When the store breaks the rule, or fails to answer.
+pub async fn changes_to_an_ended_counter_do_not_land<S: ConformanceHooks>(store: &S) -> Verdict {
+    let mut time = Timeline::new(store.expiry());
+    let period = time.period();
+
+    // Ended at its deadline.
+    let key = fresh_key("ended-at-its-deadline");
+    let t0 = time.now();
+    let deadline = t0 + period;
+    let first = charge(store, t0, vec![first_use(&key, 10, 1, deadline)]).await;
+    assert!(
+        first.0,
+        "a first charge on an empty counter must be admitted"
+    );
+    let Some(ended) = first.1[0].first_call else {
+        return Verdict::NotApplicable("the store does not date its counters");
+    };
+    time.pass_beyond(deadline).await;
+    let now = time.now();
+    let changes = [
+        (
+            answered(
+                store.refund_made_by(now, key.clone(), 1, ended).await,
+                "refund",
+            ),
+            "a refund made by",
+        ),
+        (
+            answered(
+                store.refund_made_at(now, key.clone(), 1, ended).await,
+                "refund",
+            ),
+            "a give-back at",
+        ),
+        (
+            answered(store.add_made_by(now, key.clone(), 1, ended).await, "add"),
+            "an add made by",
+        ),
+    ];
+    for (answer, what) in changes {
+        assert_eq!(
+            answer, None,
+            "{what} the first call of a counter past its deadline must find no counter"
+        );
+    }
+    match stored(store, &key).await {
+        StoredDeadline::At(at) if at > time.now() => panic!(
+            "a change by the first call of a counter past its deadline must not create a counter (found one, deadline {at})"
+        ),
+        StoredDeadline::Undated => panic!(
+            "a change by the first call of a counter past its deadline must not create a counter (found one, undated)"
+        ),
+        _ => {}
+    }
+    let peeked = peek(store, now, vec![first_use(&key, 10, 0, now + period)]).await;
+    assert_eq!(
+        (peeked[0].used, peeked[0].first_call),
+        (0, None),
+        "a change by the first call of a counter past its deadline must not open a period"
+    );
+
+    // The key's next period, opened since: none of the ended one's changes
+    // land on it.
+    time.pass(SignedDuration::from_millis(20)).await;
+    let reopened_at = time.now();
+    let reopened = charge(
+        store,
+        reopened_at,
+        vec![first_use(&key, 10, 2, reopened_at + period)],
+    )
+    .await;
+    assert!(
+        reopened.0,
+        "the first charge of a new period must be admitted"
+    );
+    let own = reopened.1[0].first_call;
+    assert!(
+        own.is_some_and(|own| own > ended),
+        "a counter opened after its key's period ended must report its own first call, after the ended one's (ended {ended}, got {own:?})"
+    );
+    // All the new counter holds: a give-back that lands would close its
+    // period.
+    assert_eq!(
+        answered(
+            store
+                .refund_made_at(reopened_at, key.clone(), 2, ended)
+                .await,
+            "refund"
+        ),
+        None,
+        "a give-back at an ended counter's first call must not land on the counter opened since"
+    );
+    assert_eq!(
+        answered(
+            store
+                .refund_made_by(reopened_at, key.clone(), 1, ended)
+                .await,
+            "refund"
+        ),
+        None,
+        "a refund made by an ended counter's first call must not land on the counter opened since"
+    );
+    assert_eq!(
+        answered(
+            store.add_made_by(reopened_at, key.clone(), 1, ended).await,
+            "add"
+        ),
+        None,
+        "an add made by an ended counter's first call must not land on the counter opened since"
+    );
+    let now = peek(
+        store,
+        reopened_at,
+        vec![first_use(&key, 10, 0, reopened_at + period)],
+    )
+    .await;
+    assert_eq!(
+        (now[0].used, now[0].first_call),
+        (2, own),
+        "the counter opened after the period ended must hold its own charge only, its period open"
+    );
+
+    // Ended by a reset, made again by a later charge.
+    let reset = fresh_key("ended-by-a-reset");
+    let made = time.now();
+    let first = charge(store, made, vec![first_use(&reset, 10, 1, made + period)]).await;
+    assert!(
+        first.0,
+        "a first charge on an empty counter must be admitted"
+    );
+    let old = first.1[0].first_call.unwrap_or(made);
+    answered(store.reset(reset.clone()).await, "reset");
+    time.pass(SignedDuration::from_millis(20)).await;
+    let later = time.now();
+    let again = charge(store, later, vec![first_use(&reset, 10, 2, later + period)]).await;
+    assert!(again.0, "a charge after a reset must be admitted");
+    let own = again.1[0].first_call;
+    assert_eq!(
+        answered(
+            store.refund_made_at(later, reset.clone(), 2, old).await,
+            "refund"
+        ),
+        None,
+        "a give-back at a reset counter's first call must not land on the counter made since, with a later first call"
+    );
+    let now = peek(store, later, vec![first_use(&reset, 10, 0, later + period)]).await;
+    assert_eq!(
+        (now[0].used, now[0].first_call),
+        (2, own),
+        "the counter made after a reset must hold its own charge only, its period open"
+    );
+    Verdict::Passed
+}
+
+/// A first-use counter ends at its deadline, not an instant later: the
+/// deadline *is* the reset told to the client. At that very instant a peek
+/// finds no period open; a refund, an add, a give-back at its first call,
+/// a refund or an add made by it, and a settle of a debt whose period
+/// ends then (first use, or a calendar window) find no counter, change
+/// nothing and create nothing; and a charge opens a new period.
+///
+/// Only for a store whose deadlines follow the calls
+/// ([`Expiry::FollowsRequests`]): the suite cannot call a store on its own
+/// clock at a deadline's very instant.
+///
+/// # Panics
+///
+/// When the store breaks the rule, or fails to answer.
+pub async fn a_first_use_counter_ends_at_its_deadline<S: ConformanceHooks>(store: &S) -> Verdict {
+    let mut time = Timeline::new(store.expiry());
+    if time.expiry != Expiry::FollowsRequests {
+        return Verdict::NotApplicable(
+            "deadlines pass on the store's clock: the suite cannot call at a deadline's very instant",
+        );
+    }
+    let period = time.period();
+    let key = fresh_key("at-its-deadline");
+    let t0 = time.now();
+    let deadline = t0 + period;
+    let first = charge(store, t0, vec![first_use(&key, 2, 2, deadline)]).await;
+    assert!(
+        first.0,
+        "a first charge on an empty counter must be admitted"
+    );
+    let made = first.1[0].first_call.unwrap_or(t0);
+    time.pass(deadline.duration_since(t0)).await;
+    let at = time.now();
+    assert_eq!(at, deadline);
+
+    let peeked = peek(store, at, vec![first_use(&key, 2, 0, at + period)]).await;
+    assert_eq!(
+        (peeked[0].used, peeked[0].first_call),
+        (0, None),
+        "a first-use counter ends at its deadline: a peek at that instant must find no period open"
+    );
+    let debt = Debt {
+        key: key.clone(),
+        amount: 1,
+        lifetime: Lifetime::FirstUse { deadline },
+        since: t0,
+    };
+    let changes = [
+        (refund(store, at, &key, 1).await, "a refund"),
+        (
+            answered(
+                store.refund_made_by(at, key.clone(), 1, made).await,
+                "refund",
+            ),
+            "a refund made by its first call",
+        ),
+        (
+            answered(
+                store.refund_made_at(at, key.clone(), 2, made).await,
+                "refund",
+            ),
+            "a give-back at its first call",
+        ),
+        (add(store, at, &key, 1).await, "an add"),
+        (
+            answered(store.add_made_by(at, key.clone(), 1, made).await, "add"),
+            "an add made by its first call",
+        ),
+        (
+            settle(store, at, debt).await,
+            "a settle of a debt of its period",
+        ),
+    ];
+    for (answer, what) in changes {
+        assert_eq!(
+            answer, None,
+            "a first-use counter ends at its deadline: {what} at that instant must find no counter"
+        );
+    }
+    let peeked = peek(store, at, vec![first_use(&key, 2, 0, at + period)]).await;
+    assert_eq!(
+        (peeked[0].used, peeked[0].first_call),
+        (0, None),
+        "a first-use counter ends at its deadline: a call at that instant must not bring it back, nor open a period"
+    );
+    match stored(store, &key).await {
+        StoredDeadline::At(found) if found > at => panic!(
+            "a first-use counter ends at its deadline: a call at that instant must not create a counter (found one, deadline {found})"
+        ),
+        StoredDeadline::Undated => panic!(
+            "a first-use counter ends at its deadline: a call at that instant must not create a counter (found one, undated)"
+        ),
+        _ => {}
+    }
+
+    // A calendar window's debt, settled at the window's end.
+    let window = fresh_key("settled-at-its-end");
+    let (start, end) = (at - period, at);
+    let debt = Debt {
+        key: window.clone(),
+        amount: 1,
+        lifetime: Lifetime::Calendar { start, end },
+        since: start,
+    };
+    assert_eq!(
+        settle(store, at, debt).await,
+        None,
+        "a debt of a calendar window settled at the window's end must not be settled"
+    );
+    assert!(
+        matches!(
+            stored(store, &window).await,
+            StoredDeadline::NoCounter | StoredDeadline::Unknown
+        ),
+        "a debt of a calendar window settled at the window's end must not create a counter"
+    );
+
+    // The allowance is back at that instant.
+    let reopened = charge(store, at, vec![first_use(&key, 2, 2, at + period)]).await;
+    assert!(
+        reopened.0,
+        "a first-use counter ends at its deadline: a charge at that instant must open a new period, with the whole allowance"
+    );
+    assert_eq!(reopened.1[0].used, 2, "a new period starts from zero");
+    assert_eq!(
+        reopened.1[0].resets_at,
+        at + period,
+        "a period opened at the old deadline ends one period after it"
+    );
+    if let Some(first_call) = reopened.1[0].first_call {
+        assert_eq!(
+            first_call, at,
+            "a period opened at the old deadline records that instant as its first call"
+        );
+    }
+    Verdict::Passed
 }

@@ -77,6 +77,14 @@ pub trait ConformanceHooks: Store {
         async { Ok(Planted::NotApplicable) }
     }
 
+    /// Another store of this type, with counters of its own (not a clone):
+    /// [`clones_share_an_identity_no_other_store_has`](super::clones_share_an_identity_no_other_store_has)
+    /// checks that its identity differs from this one's. Default: `None`,
+    /// and only clones are checked.
+    fn another_store(&self) -> Option<Self> {
+        None
+    }
+
     /// The deadline the store holds for the counter at `key`. Default:
     /// [`StoredDeadline::Unknown`], in which case the suite checks deadlines
     /// through what the store reports and when counters end.
@@ -93,7 +101,11 @@ pub trait ConformanceHooks: Store {
 /// with, and nothing else writes to it, so it cannot hold an undated counter:
 /// [`undated_counter_is_healed`](super::undated_counter_is_healed) does not apply. Its counters end when a
 /// call's `now` reaches their deadline.
-impl ConformanceHooks for MemoryStore {}
+impl ConformanceHooks for MemoryStore {
+    fn another_store(&self) -> Option<Self> {
+        Some(MemoryStore::new())
+    }
+}
 
 #[cfg(feature = "redis")]
 impl ConformanceHooks for crate::store::RedisStore {
@@ -157,6 +169,13 @@ impl<A: ConformanceHooks, B: ConformanceHooks> ConformanceHooks
         }
     }
 
+    fn another_store(&self) -> Option<Self> {
+        match self {
+            Self::Left(store) => store.another_store().map(Self::Left),
+            Self::Right(store) => store.another_store().map(Self::Right),
+        }
+    }
+
     async fn plant_undated(
         &self,
         key: PeriodKey,
@@ -182,6 +201,12 @@ impl<A: ConformanceHooks, B: ConformanceHooks> ConformanceHooks
 impl<St: ConformanceHooks> ConformanceHooks for crate::store::LeasedStore<St> {
     fn expiry(&self) -> Expiry {
         self.inner().expiry()
+    }
+
+    fn another_store(&self) -> Option<Self> {
+        self.inner()
+            .another_store()
+            .map(crate::store::LeasedStore::new)
     }
 
     fn plant_undated(

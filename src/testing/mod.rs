@@ -14,9 +14,10 @@
 //!   counter, never brings an expired one back and never moves a deadline.
 //! - [`settle_debt_keeps_to_the_debts_period`]: a settled debt
 //!   ([`Store::settle_debt`]) goes past the limit of a live counter without
-//!   moving its deadline, creates a missing counter with the debt's own
-//!   lifetime (and first call, for first use; the settle's instant, for a
-//!   calendar window), and writes nothing for a period that is over.
+//!   moving its deadline (a calendar one too, never made anew), creates a
+//!   missing counter with the debt's own lifetime (and first call, for first
+//!   use; the settle's instant, for a calendar window), and writes nothing
+//!   for a period that is over.
 //! - [`exactly_the_limit_under_concurrency`]: many tasks charging one subject
 //!   at once get exactly the limit admitted.
 //! - [`all_or_nothing_across_quotas`]: a request refused on one quota is
@@ -32,8 +33,8 @@
 //! - [`calendar_counters_are_distinct_per_period_and_dated`]: each calendar
 //!   window has its own counter, and that counter has a deadline.
 //! - [`counts_never_pass_the_limit_nor_wrap`]: at the top of `u64`, a charge
-//!   that would pass its limit is refused and an add never leaves a smaller
-//!   count: nothing wraps.
+//!   that would pass its limit is refused and an add or a settle never
+//!   leaves a smaller count: nothing wraps.
 //! - [`changes_by_the_reported_first_call_land`]: a refund or an add made
 //!   by the first call a charge reported lands on that counter (what the
 //!   layer's give-backs go by).
@@ -51,13 +52,29 @@
 //!   its period as it was.
 //! - [`each_call_answers_as_documented`]: a charge over its limit or of
 //!   nothing creates no counter, `reset` tells whether there was one, a
-//!   refund never goes below zero, `add_made_by` never creates a counter,
-//!   a plain refund marks the first-use counter it lowers, and a peek
-//!   ignores costs.
+//!   refund never goes below zero, `add_made_by`, `refund_made_by` and
+//!   `refund_made_at` never create a counter, a plain refund marks the
+//!   first-use counter it lowers, and a peek ignores costs.
+//! - [`changes_to_an_ended_counter_do_not_land`]: a give-back, a refund or
+//!   an add by the first call of a counter that ended (at its deadline, or
+//!   by a reset) finds no counter, creates none, and leaves the counter
+//!   opened at its key since as it is; that counter reports its own first
+//!   call.
+//! - [`a_first_use_counter_ends_at_its_deadline`]: at a first-use
+//!   deadline's very instant the counter is over: no call finds it, no call
+//!   brings it back, a settle of a debt whose period ends then writes
+//!   nothing, and a charge opens a new period (for a store whose deadlines
+//!   follow the calls).
+//! - [`an_abandoned_settle_adds_nothing`]: a settle whose future is dropped
+//!   while pending ends either not applied, or applied and given back.
+//! - [`clones_share_an_identity_no_other_store_has`]: a store's clones
+//!   share its identity, and another store
+//!   ([`ConformanceHooks::another_store`]) has another.
 //!
 //! A store tells the suite what it cannot be driven to do through the trait
 //! through [`ConformanceHooks`]: how its deadlines pass ([`Expiry`]), how to
-//! plant a counter without a deadline, and how to read a stored deadline.
+//! plant a counter without a deadline, how to read a stored deadline, and
+//! how to make another store of its type.
 //! Every hook has a default, so `impl ConformanceHooks for MyStore {}` is
 //! enough to start.
 //!
@@ -85,12 +102,14 @@ mod support;
 pub use self::charges::{
     a_charge_past_its_period_is_an_error, a_refused_charge_writes_nothing,
     all_or_nothing_across_quotas, an_abandoned_charge_spends_nothing,
+    an_abandoned_settle_adds_nothing, clones_share_an_identity_no_other_store_has,
     counts_never_pass_the_limit_nor_wrap, each_call_answers_as_documented,
     exactly_the_limit_under_concurrency,
 };
 pub use self::deadlines::{
-    add_never_creates_nor_moves_a_deadline, calendar_counters_are_distinct_per_period_and_dated,
-    changes_by_the_reported_first_call_land, changes_made_before_a_counter_do_not_land,
+    a_first_use_counter_ends_at_its_deadline, add_never_creates_nor_moves_a_deadline,
+    calendar_counters_are_distinct_per_period_and_dated, changes_by_the_reported_first_call_land,
+    changes_made_before_a_counter_do_not_land, changes_to_an_ended_counter_do_not_land,
     give_backs_that_empty_a_first_use_counter_close_its_period,
     hits_never_extend_a_first_use_deadline, refund_after_expiry_does_not_resurrect,
     refunds_made_at_a_first_call_land_on_that_counter_only, settle_debt_keeps_to_the_debts_period,
@@ -172,6 +191,22 @@ pub async fn run_all<S: ConformanceHooks>(store: &S) -> Vec<(&'static str, Verdi
         (
             "each_call_answers_as_documented",
             each_call_answers_as_documented(store).await,
+        ),
+        (
+            "changes_to_an_ended_counter_do_not_land",
+            changes_to_an_ended_counter_do_not_land(store).await,
+        ),
+        (
+            "a_first_use_counter_ends_at_its_deadline",
+            a_first_use_counter_ends_at_its_deadline(store).await,
+        ),
+        (
+            "an_abandoned_settle_adds_nothing",
+            an_abandoned_settle_adds_nothing(store).await,
+        ),
+        (
+            "clones_share_an_identity_no_other_store_has",
+            clones_share_an_identity_no_other_store_has(store).await,
         ),
     ]
 }
