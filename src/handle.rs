@@ -538,7 +538,9 @@ impl<St: Store> QuotaHandle<St> {
                     continue;
                 };
                 let line = &lines[i];
-                match made.refund(&store, now, line.key.clone(), held).await {
+                // Less a deferred cost's add that never landed.
+                let amount = line.landed(held);
+                match made.refund(&store, now, line.key.clone(), amount).await {
                     Ok(count) => refunded.push(count),
                     Err(error) => {
                         if error.is_unsent() {
@@ -706,8 +708,9 @@ fn resend_later<St: Store>(
     let (store, lines) = (store.clone(), Arc::clone(lines));
     runtime.spawn(async move {
         let line = &lines[i];
+        let amount = line.landed(held);
         let resent = resend
-            .send(|| made.refund(&store, now, line.key.clone(), held))
+            .send(|| made.refund(&store, now, line.key.clone(), amount))
             .await;
         match resent {
             Some(Ok(_)) => {}

@@ -605,6 +605,10 @@ pub(crate) struct Line {
     /// once, however many layers see the request fail, and whatever the
     /// layer changed of it before.
     held: AtomicU64,
+    /// What of `held` the layer's adds never put on the counter: a
+    /// deferred cost's add the store failed (or found no counter for),
+    /// which a give-back of the request must not take from the counter.
+    unlanded: AtomicU64,
 }
 
 /// The bit of [`Line::held`] set once the line is given back.
@@ -619,7 +623,24 @@ impl Line {
             cost,
             usage,
             held: AtomicU64::new(cost.min(!GIVEN_BACK_BIT)),
+            unlanded: AtomicU64::new(0),
         }
+    }
+
+    /// Records an add of `amount`, counted in what the request holds,
+    /// that never landed on the counter.
+    pub(crate) fn add_unlanded(&self, amount: u64) {
+        let _ = self
+            .unlanded
+            .fetch_update(Ordering::AcqRel, Ordering::Acquire, |n| {
+                Some(n.saturating_add(amount))
+            });
+    }
+
+    /// What a give-back of `held` (as claimed) takes from the counter:
+    /// less the adds that never landed on it.
+    pub(crate) fn landed(&self, held: u64) -> u64 {
+        held.saturating_sub(self.unlanded.load(Ordering::Acquire))
     }
 
     /// The counter a give-back of this line, charged at `charged_at`,

@@ -1157,3 +1157,128 @@ async fn a_refund_after_the_response_gives_back_the_deferred_cost_too() {
         assert_eq!(again, vec![None]);
     }
 }
+
+/// A memory store whose adds fail: sent, answered with an error, nothing
+/// written (a store failing past its count, a connection lost).
+#[derive(Clone, Debug)]
+struct FailingAdds(MemoryStore);
+
+impl Store for FailingAdds {
+    type ChargeFuture = <MemoryStore as Store>::ChargeFuture;
+
+    fn charge(&self, request: tower_quota::store::ChargeRequest) -> Self::ChargeFuture {
+        self.0.charge(request)
+    }
+    fn charge_at_once(
+        &self,
+        request: &tower_quota::store::ChargeRequest,
+    ) -> tower_quota::store::ChargeAnswer<Self::ChargeFuture> {
+        self.0.charge_at_once(request)
+    }
+    fn peek(
+        &self,
+        request: tower_quota::store::ChargeRequest,
+    ) -> impl Future<Output = Result<Vec<tower_quota::Usage>, tower_quota::StoreError>> + Send {
+        self.0.peek(request)
+    }
+    fn refund(
+        &self,
+        now: tower_quota::jiff::Timestamp,
+        key: tower_quota::PeriodKey,
+        amount: u64,
+    ) -> impl Future<Output = Result<Option<u64>, tower_quota::StoreError>> + Send {
+        self.0.refund(now, key, amount)
+    }
+    fn refund_made_by(
+        &self,
+        now: tower_quota::jiff::Timestamp,
+        key: tower_quota::PeriodKey,
+        amount: u64,
+        made_by: tower_quota::jiff::Timestamp,
+    ) -> impl Future<Output = Result<Option<u64>, tower_quota::StoreError>> + Send {
+        self.0.refund_made_by(now, key, amount, made_by)
+    }
+    fn refund_made_at(
+        &self,
+        now: tower_quota::jiff::Timestamp,
+        key: tower_quota::PeriodKey,
+        amount: u64,
+        first_call: tower_quota::jiff::Timestamp,
+    ) -> impl Future<Output = Result<Option<u64>, tower_quota::StoreError>> + Send {
+        self.0.refund_made_at(now, key, amount, first_call)
+    }
+    fn add(
+        &self,
+        _: tower_quota::jiff::Timestamp,
+        _: tower_quota::PeriodKey,
+        _: u64,
+    ) -> impl Future<Output = Result<Option<u64>, tower_quota::StoreError>> + Send {
+        std::future::ready(Err(tower_quota::StoreError::new(
+            tower_quota::store::StoreErrorKind::Other,
+            "adds fail here",
+        )))
+    }
+    fn reset(
+        &self,
+        key: tower_quota::PeriodKey,
+    ) -> impl Future<Output = Result<bool, tower_quota::StoreError>> + Send {
+        self.0.reset(key)
+    }
+    fn identity(&self) -> Option<usize> {
+        self.0.identity()
+    }
+    fn max_count(&self) -> u64 {
+        self.0.max_count()
+    }
+}
+
+/// A handler's `refund_request` made after the response, once the layer's
+/// add of a deferred cost failed (nothing written), gives back what the
+/// request was charged: not the add that never landed, which would take
+/// the units of requests truly served.
+#[tokio::test]
+async fn a_refund_after_a_failed_add_gives_back_only_what_was_charged() {
+    type Kept = Arc<std::sync::Mutex<Option<tower_quota::QuotaStatus>>>;
+    let policy = policy(FailingAdds(MemoryStore::new()), "lost-add").build();
+    let kept: Kept = Arc::default();
+    let handler = {
+        let kept = Arc::clone(&kept);
+        move |status: tower_quota::QuotaStatus| async move {
+            *kept.lock().unwrap() = Some(status);
+            Response::builder()
+                .header("x-tokens", "5")
+                .body(Body::empty())
+                .unwrap()
+        }
+    };
+    let tokens = |response: &http::response::Parts| {
+        response
+            .headers
+            .get("x-tokens")
+            .map_or(1, |v| v.to_str().unwrap().parse().unwrap())
+    };
+    let app = Router::new()
+        .route("/", get(ok))
+        .route("/costly", get(handler))
+        .layer(policy.layer(Quota::daily(100)).deferred_cost(1, tokens));
+    // A request served at its cost of 1.
+    let response = app.clone().oneshot(call("/")).await.unwrap();
+    assert_eq!(response.status(), StatusCode::OK);
+    assert_eq!(used(&policy, "default-day").await, 1);
+    // One charged 1 up front, whose add of 4 more fails.
+    let response = app.clone().oneshot(call("/costly")).await.unwrap();
+    assert_eq!(response.status(), StatusCode::OK);
+    assert_eq!(
+        used(&policy, "default-day").await,
+        2,
+        "the add never landed"
+    );
+    let status = kept.lock().unwrap().take().unwrap();
+    let refunded = policy.handle().refund_request(&status).await.unwrap();
+    assert_eq!(
+        used(&policy, "default-day").await,
+        1,
+        "the first request was served: only the 1 charged is given back"
+    );
+    assert_eq!(refunded, vec![Some(1)]);
+}

@@ -348,6 +348,9 @@ fn apply<St: Store>(
     store: St,
     now: Timestamp,
     ops: Vec<(crate::key::PeriodKey, Adjust, Made, Timestamp)>,
+    // The lines of the ops, by index, when they are those of a layer's
+    // response: an add that never lands is recorded on its line.
+    lines: Option<(Arc<Lines>, Vec<usize>)>,
 ) -> (Adjusting, Resending) {
     let (first_answers, resending) = tokio::sync::oneshot::channel();
     // When the changes are first sent, on the runtime's clock: what they
@@ -395,9 +398,18 @@ fn apply<St: Store>(
         answers
             .into_iter()
             .zip(&ops)
-            .map(|(answer, (_, op, _, _))| {
+            .enumerate()
+            .map(|(n, (answer, (_, op, _, _)))| {
                 if let (Adjust::Refund(_), Ok(Some(_))) = (op, &answer) {
                     crate::metrics::refunded();
+                }
+                // An add that never landed (failed, or no counter to add
+                // to) is no part of what a give-back of the request takes
+                // from the counter.
+                if let (Adjust::Add(amount), false, Some((lines, index))) =
+                    (op, matches!(answer, Ok(Some(_))), &lines)
+                {
+                    lines[index[n]].add_unlanded(*amount);
                 }
                 answer.unwrap_or_else(|error| {
                     match *op {
@@ -739,6 +751,7 @@ fn adjust_kept<E, St: Store>(
         })
         .map(|(i, op)| (*i, charged.lines[*i].key.clone(), *op))
         .collect();
+    let indices = keyed.iter().map(|(i, _, _)| *i).collect();
     let (applied, resending) = apply(
         charged.bound.policy.store.clone(),
         now,
@@ -754,6 +767,7 @@ fn adjust_kept<E, St: Store>(
                 )
             })
             .collect(),
+        Some((Arc::clone(&charged.lines), indices)),
     );
     let all: Vec<usize> = ops.iter().map(|(i, _)| *i).collect();
     let adjusting = Box::pin(async move {
@@ -838,7 +852,7 @@ fn give_back_unserved<E, St: Store>(
                 (amount > 0).then_some((key, Adjust::Refund(amount), made, resets_at))
             })
             .collect();
-        apply(store, now, back).0.await
+        apply(store, now, back, None).0.await
     };
     match tokio::runtime::Handle::try_current() {
         Ok(runtime) => drop(runtime.spawn(work)),
