@@ -154,6 +154,10 @@ impl<St> QuotaHandle<St> {
             crate::period::is_nameable(&zone),
             "a caller's time zone is a zone of the IANA list or a fixed offset, got {zone:?}"
         );
+        // Under its primary name, as the layers count a caller who names
+        // an alias: what the handle tells names the zone as the layer told
+        // the caller.
+        let zone = crate::period::under_primary_name(&zone);
         Self {
             zone: Some(zone),
             ..self.clone()

@@ -580,3 +580,31 @@ async fn a_refusal_names_the_zone_alike_for_every_alias() {
         assert!(text.contains("[America/New_York]"), "{alias}: {text}");
     }
 }
+
+/// A support handle in a zone an alias names tells the reset as the layer
+/// tells it to a caller who names that alias: in the zone's primary name,
+/// on the counter they share.
+#[tokio::test]
+async fn a_handle_in_an_aliased_zone_names_the_zone_as_the_layer_does() {
+    let clock = ManualClock::new(at("2026-12-02T20:00:00Z"));
+    let policy = QuotaPolicy::builder(FromHeader::account("x-account-id"))
+        .clock(clock.clone())
+        .time_zone(|parts| {
+            let name = parts.headers["x-time-zone"].to_str().unwrap();
+            Ok(Some(TimeZone::get(name).unwrap()))
+        })
+        .build();
+    let told = |status: QuotaStatus| async move { status.entries()[0].explain_reset() };
+    let app = Router::new()
+        .route("/", get(told))
+        .layer(policy.layer(Quota::daily(5)));
+    let by_layer = body(send(&app, "acme", Some("US/Eastern")).await).await;
+    assert!(by_layer.contains("America/New_York"), "{by_layer}");
+
+    let handle = policy
+        .handle()
+        .in_zone(TimeZone::get("US/Eastern").unwrap());
+    let usage = handle.usage(&Subject::account("acme")).await.unwrap();
+    assert_eq!(usage[0].used(), 1, "the same counter");
+    assert_eq!(usage[0].explain_reset(), by_layer);
+}

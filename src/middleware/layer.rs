@@ -180,29 +180,25 @@ impl Scope {
             let kept = zones[slot].get_or_init(|| {
                 Box::new(ZoneSlot {
                     name: name.as_ref().into(),
-                    quotas: OtherQuotas::cached(self.in_zone(zone, &name)),
+                    quotas: OtherQuotas::cached(self.in_zone(zone)),
                 })
             });
             if *kept.name == *name {
                 return QuotaSet::Zoned(slot);
             }
         }
-        QuotaSet::Other(Arc::new(OtherQuotas::uncached(self.in_zone(zone, &name))))
+        QuotaSet::Other(Arc::new(OtherQuotas::uncached(self.in_zone(zone))))
     }
 
-    /// The layer's quotas in `zone`, whose key is `name`: under the zone's
-    /// primary name, which its aliases share, so that what callers are told
-    /// (a refusal's detail, `QuotaUsage::explain_reset`) names the zone
-    /// alike whichever alias reached the layer first.
-    fn in_zone(&self, zone: &TimeZone, name: &str) -> Box<[Quota]> {
-        let primary = match zone.iana_name() {
-            Some(given) if given != name => TimeZone::get(name).ok(),
-            _ => None,
-        };
-        let zone = primary.as_ref().unwrap_or(zone);
+    /// The layer's quotas in `zone`: under the zone's primary name, which
+    /// its aliases share, so that what callers are told (a refusal's
+    /// detail, `QuotaUsage::explain_reset`) names the zone alike whichever
+    /// alias reached the layer first.
+    fn in_zone(&self, zone: &TimeZone) -> Box<[Quota]> {
+        let zone = crate::period::under_primary_name(zone);
         self.quotas
             .iter()
-            .map(|q| q.in_callers_zone(zone))
+            .map(|q| q.in_callers_zone(&zone))
             .collect()
     }
 }

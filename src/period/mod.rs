@@ -676,6 +676,19 @@ pub(crate) fn zone_name(tz: &TimeZone) -> Option<&str> {
     tz.primary_iana_name().or_else(|| tz.iana_name())
 }
 
+/// `tz` under its primary IANA name (`US/Eastern` as `America/New_York`):
+/// what a quota in it tells (a refusal's detail,
+/// `QuotaUsage::explain_reset`) then names the zone alike, whichever alias
+/// named it. `tz` itself when it has no other name.
+pub(crate) fn under_primary_name(tz: &TimeZone) -> TimeZone {
+    match (tz.iana_name(), tz.primary_iana_name()) {
+        (Some(given), Some(primary)) if given != primary => {
+            TimeZone::get(primary).unwrap_or_else(|_| tz.clone())
+        }
+        _ => tz.clone(),
+    }
+}
+
 /// The zone's part of a window's stamp: `None` for UTC under any of its
 /// names (and GMT's, which is UTC in the time zone database: no offset, no
 /// clock change), the primary IANA name of any other, or a fixed offset.
