@@ -690,6 +690,19 @@ pub(crate) fn is_grpc_server_failure(response: &http::response::Parts) -> bool {
             .is_some_and(|code| matches!(code.as_bytes(), b"2" | b"12" | b"13" | b"14" | b"15"))
 }
 
+/// Whether `response` is an error: a 4xx or 5xx status, or a gRPC answer
+/// whose head carries a `grpc-status` other than OK (a trailers-only
+/// refusal).
+pub(crate) fn is_error_answer(response: &http::response::Parts) -> bool {
+    response.status.is_client_error()
+        || response.status.is_server_error()
+        || (is_grpc(&response.headers)
+            && response
+                .headers
+                .get(&GRPC_STATUS)
+                .is_some_and(|code| code.as_bytes() != b"0"))
+}
+
 /// What a client sent (a plan, an allowance) is echoed in an answer up to
 /// this many bytes.
 const MAX_ECHO: usize = 64;

@@ -3,7 +3,7 @@
 //! of it ([`QuotaStatus`]).
 
 use std::fmt;
-use std::sync::atomic::{AtomicU64, AtomicU8, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU64, AtomicU8, Ordering};
 use std::sync::{Arc, Mutex};
 
 use http::Extensions;
@@ -156,6 +156,13 @@ pub struct QuotaStatus {
     /// One per policy whose layers the request passed, in the order it met
     /// them (nearly always one).
     tickets: SmallVec<[Ticket; 1]>,
+    /// The lines the layers passed so far charged (or owe) for the
+    /// request: a layer further in that refuses it marks them (see
+    /// [`QuotaStatus::refuse_in`]), so that their layers give them back
+    /// when the answer they see is an error, whatever became of the
+    /// refusal's response on its way out (a middleware between that builds
+    /// a response of its own).
+    here: SmallVec<[Arc<Lines>; 2]>,
 }
 
 impl QuotaStatus {
@@ -235,7 +242,13 @@ impl QuotaStatus {
     /// out charged (or owe) for the request, of every policy: those the
     /// layer of `ticket`, which charged it too, tells what it keeps (see
     /// [`GiveBack`]). Empty, without an allocation, for the outermost.
-    pub(crate) fn put_in_charged(extensions: &mut Extensions, ticket: Ticket) -> Vec<Arc<Lines>> {
+    /// `lines`, those the layer charged (or owes), are marked if a layer
+    /// further in refuses the request (see [`QuotaStatus::refuse_in`]).
+    pub(crate) fn put_in_charged(
+        extensions: &mut Extensions,
+        ticket: Ticket,
+        lines: &Arc<Lines>,
+    ) -> Vec<Arc<Lines>> {
         match extensions.get_mut::<QuotaStatus>() {
             Some(status) => {
                 let outer = status
@@ -244,11 +257,26 @@ impl QuotaStatus {
                     .flat_map(|ticket| ticket.charges.iter().chain(&ticket.owing).cloned())
                     .collect();
                 status.put(ticket);
+                status.here.push(Arc::clone(lines));
                 outer
             }
             None => {
-                extensions.insert(QuotaStatus::of(ticket));
+                let mut status = QuotaStatus::of(ticket);
+                status.here.push(Arc::clone(lines));
+                extensions.insert(status);
                 Vec::new()
+            }
+        }
+    }
+
+    /// A layer refuses the request with these `extensions`: the lines the
+    /// layers further out charged (or owe) for it are marked, and their
+    /// layers give them back when they answer, as for a response marked
+    /// refused.
+    pub(crate) fn refuse_in(extensions: &Extensions) {
+        if let Some(status) = extensions.get::<QuotaStatus>() {
+            for lines in &status.here {
+                lines.refuse();
             }
         }
     }
@@ -278,6 +306,7 @@ impl QuotaStatus {
     fn of(ticket: Ticket) -> Self {
         QuotaStatus {
             tickets: smallvec::smallvec![ticket],
+            here: SmallVec::new(),
         }
     }
 
@@ -471,6 +500,9 @@ pub(crate) struct Lines {
     /// which what is told late (a layer further in that a spawned task
     /// polled on) follows at once.
     state: AtomicU8,
+    /// Whether a layer further in refused the request (see
+    /// [`QuotaStatus::refuse_in`]).
+    refused_inside: AtomicBool,
 }
 
 /// The states of [`Lines::state`].
@@ -508,7 +540,19 @@ impl Lines {
             lines,
             inside: Mutex::default(),
             state: AtomicU8::new(OPEN),
+            refused_inside: AtomicBool::new(false),
         }
+    }
+
+    /// A layer further in refused the request these lines were charged
+    /// for: it was not served.
+    pub(crate) fn refuse(&self) {
+        self.refused_inside.store(true, Ordering::Release);
+    }
+
+    /// Whether a layer further in refused the request.
+    pub(crate) fn is_refused_inside(&self) -> bool {
+        self.refused_inside.load(Ordering::Acquire)
     }
 
     /// Tells these lines' layer what a layer further in kept: kept until

@@ -711,6 +711,60 @@ async fn a_hidden_inner_layer_that_refuses_gives_the_outer_charge_back() {
     );
 }
 
+/// A middleware between two layers that answers a refusal with a response
+/// of its own (an application's own 429 body, say) drops the refusal's
+/// mark: the layer further in refused all the same, and the request was
+/// not served, so the layer further out gives its charge back, and its
+/// fields tell what is truly left. So does a refusal before any charge (a
+/// request another policy further in cannot charge).
+#[tokio::test]
+async fn a_refusal_rebuilt_on_its_way_out_gives_the_outer_charge_back() {
+    let policy = QuotaPolicy::builder(FromHeader::account("x-account-id")).build();
+    let other = QuotaPolicy::builder(FromHeader::account("x-partner-id")).build();
+    // Builds a response of its own for every error: the extensions of the
+    // layer's answer are not in it.
+    let rebuild = axum::middleware::map_response(|response: axum::response::Response| async move {
+        if response.status().is_success() {
+            return response;
+        }
+        let (status, headers) = (response.status(), response.headers().clone());
+        (status, headers, "try again later").into_response()
+    });
+    let app = Router::new()
+        .merge(
+            Router::new()
+                .route("/search", get(|| async { "found" }))
+                .route_layer(policy.layer(Quota::per_minute(1).allowance("search")))
+                .layer(rebuild.clone()),
+        )
+        .merge(
+            Router::new()
+                .route("/partner", get(|| async { "partner" }))
+                .route_layer(other.layer(Quota::daily(10).allowance("partner")))
+                .layer(rebuild),
+        )
+        .route_layer(policy.layer(Quota::daily(10).allowance("read")));
+    let first = send(&app, call(Method::GET, "/search", ACME)).await;
+    assert_eq!(first.status(), StatusCode::OK);
+    let refused = send(&app, call(Method::GET, "/search", ACME)).await;
+    assert_eq!(refused.status(), StatusCode::TOO_MANY_REQUESTS);
+    let fields = refused.headers()["ratelimit"].to_str().unwrap().to_owned();
+    assert!(fields.starts_with("\"read-day\";r=9;"), "{fields}");
+    assert_eq!(
+        used(&policy, "read-day").await,
+        1,
+        "the refused search spent no read"
+    );
+    // No partner id: the partner policy refuses with 401 before any charge.
+    let unauthorized = send(&app, call(Method::GET, "/partner", ACME)).await;
+    assert_eq!(unauthorized.status(), StatusCode::UNAUTHORIZED);
+    assert_eq!(
+        used(&policy, "read-day").await,
+        1,
+        "the refused partner call spent no read"
+    );
+}
+
 #[tokio::test]
 async fn quotas_of_a_layer_the_request_never_reached_are_given_back() {
     let policy = QuotaPolicy::builder(FromHeader::account("x-account-id")).build();

@@ -734,6 +734,7 @@ pub(crate) fn outcome(
     cost: &Cost,
     settings: &Settings,
     max_count: u64,
+    marked_refused: bool,
     response: Option<&http::response::Parts>,
 ) -> Outcome {
     let Some(response) = response else {
@@ -747,7 +748,11 @@ pub(crate) fn outcome(
     if is_unrouted(&response.extensions) {
         return Outcome::Unrouted;
     }
-    let refused_inside = response.extensions.get::<Refused>().is_some();
+    // Refused further in: the refusal's response says so, or, if a
+    // middleware between built an answer of its own, the request's lines
+    // were marked and the answer is an error.
+    let refused_inside = response.extensions.get::<Refused>().is_some()
+        || (marked_refused && response::is_error_answer(response));
     if refused_inside || (settings.refund_server_errors && is_server_failure(response)) {
         return Outcome::Served(refund_all(lines));
     }

@@ -95,7 +95,7 @@ pub(crate) fn owe<E: SubjectExtractor, St: Store>(
         .owed
         .extend(request.lines.into_iter().map(|line| line.key));
     ticket.owing.push(Arc::clone(&lines));
-    let outer = QuotaStatus::put_in_charged(extensions, ticket);
+    let outer = QuotaStatus::put_in_charged(extensions, ticket, &lines);
     // Boxed: the response future stays small for the requests that owe
     // nothing.
     Some(Box::new(Owing {
@@ -135,12 +135,14 @@ impl<E: SubjectExtractor, St: Store> Owing<E, St> {
         let (result, outcome) = match result {
             Ok(response) => {
                 let (parts, body) = response.into_parts();
-                let outcome = charge::outcome(&self.lines, cost, settings, most, Some(&parts));
+                let marked = self.lines.is_refused_inside();
+                let outcome =
+                    charge::outcome(&self.lines, cost, settings, most, marked, Some(&parts));
                 (Ok(Response::from_parts(parts, body)), outcome)
             }
             Err(error) => (
                 Err(error),
-                charge::outcome(&self.lines, cost, settings, most, None),
+                charge::outcome(&self.lines, cost, settings, most, false, None),
             ),
         };
         self.answered = true;

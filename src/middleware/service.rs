@@ -94,7 +94,10 @@ where
                 let future = self.inner.call(Request::from_parts(parts, body));
                 ResponseFuture::owing(future, owing)
             }
-            Step::Reject(response) => ResponseFuture::rejected(charge::marked(response)),
+            Step::Reject(response) => {
+                QuotaStatus::refuse_in(&parts.extensions);
+                ResponseFuture::rejected(charge::marked(response))
+            }
             Step::Charge(charge) => {
                 let request = Request::from_parts(parts, body);
                 ResponseFuture::sent(&mut self.inner, request, charge, &self.bound)

@@ -352,12 +352,12 @@ fn what_a_response_changes() {
     let lines = admitted(&plain, 1);
     let ok = response_head(StatusCode::OK, |_| {});
     assert_eq!(
-        outcome(&lines, cost, settings, u64::MAX, Some(&ok)),
+        outcome(&lines, cost, settings, u64::MAX, false, Some(&ok)),
         Outcome::Served(vec![])
     );
     let failed = response_head(StatusCode::INTERNAL_SERVER_ERROR, |_| {});
     assert_eq!(
-        outcome(&lines, cost, settings, u64::MAX, Some(&failed)),
+        outcome(&lines, cost, settings, u64::MAX, false, Some(&failed)),
         Outcome::Served(vec![]),
         "server errors are charged unless the policy refunds them"
     );
@@ -368,7 +368,14 @@ fn what_a_response_changes() {
         e.insert(Refused);
     });
     assert_eq!(
-        outcome(&lines, cost, settings, u64::MAX, Some(&refused_inside)),
+        outcome(
+            &lines,
+            cost,
+            settings,
+            u64::MAX,
+            false,
+            Some(&refused_inside)
+        ),
         Outcome::Served(vec![(0, Adjust::Refund(1))])
     );
 
@@ -376,13 +383,57 @@ fn what_a_response_changes() {
     let lines = admitted(&refunding, 1);
     let settings = &refunding.bound.policy.settings;
     assert_eq!(
-        outcome(&lines, cost, settings, u64::MAX, Some(&failed)),
+        outcome(&lines, cost, settings, u64::MAX, false, Some(&failed)),
         Outcome::Served(vec![(0, Adjust::Refund(1))])
     );
     assert_eq!(
-        outcome(&lines, cost, settings, u64::MAX, None),
+        outcome(&lines, cost, settings, u64::MAX, false, None),
         Outcome::Served(vec![(0, Adjust::Refund(1))]),
         "an inner service that fails is a server error"
+    );
+}
+
+/// Lines a layer further in marked refused (its refusal's response may
+/// have been rebuilt on the way out, its mark lost) are given back when the
+/// answer is an error, HTTP or gRPC; a success (a sub-request refused
+/// inside, the request served all the same) keeps them charged.
+#[test]
+fn lines_marked_refused_go_back_with_an_error_answer_only() {
+    let plain = layer(&[Quota::daily(10)], |b| b);
+    let settings = &plain.bound.policy.settings;
+    let cost = &plain.bound.scope.cost;
+    let lines = admitted(&plain, 1);
+    let back = Outcome::Served(vec![(0, Adjust::Refund(1))]);
+    for status in [
+        StatusCode::TOO_MANY_REQUESTS,
+        StatusCode::UNAUTHORIZED,
+        StatusCode::SERVICE_UNAVAILABLE,
+    ] {
+        let rebuilt = response_head(status, |_| {});
+        assert_eq!(
+            outcome(&lines, cost, settings, u64::MAX, true, Some(&rebuilt)),
+            back,
+            "{status}"
+        );
+    }
+    let mut grpc = response_head(StatusCode::OK, |_| {});
+    grpc.headers
+        .insert("content-type", "application/grpc".parse().unwrap());
+    grpc.headers.insert("grpc-status", "8".parse().unwrap());
+    assert_eq!(
+        outcome(&lines, cost, settings, u64::MAX, true, Some(&grpc)),
+        back
+    );
+    let ok = response_head(StatusCode::OK, |_| {});
+    assert_eq!(
+        outcome(&lines, cost, settings, u64::MAX, true, Some(&ok)),
+        Outcome::Served(vec![]),
+        "served all the same"
+    );
+    grpc.headers.insert("grpc-status", "0".parse().unwrap());
+    assert_eq!(
+        outcome(&lines, cost, settings, u64::MAX, true, Some(&grpc)),
+        Outcome::Served(vec![])
     );
 }
 
@@ -406,15 +457,15 @@ fn a_deferred_cost_charges_or_gives_back_the_difference() {
         response.into_parts().0
     };
     assert_eq!(
-        outcome(&lines, cost, settings, u64::MAX, Some(&tokens("5"))),
+        outcome(&lines, cost, settings, u64::MAX, false, Some(&tokens("5"))),
         Outcome::Served(vec![(0, Adjust::Add(3))])
     );
     assert_eq!(
-        outcome(&lines, cost, settings, u64::MAX, Some(&tokens("0"))),
+        outcome(&lines, cost, settings, u64::MAX, false, Some(&tokens("0"))),
         Outcome::Served(vec![(0, Adjust::Refund(2))])
     );
     assert_eq!(
-        outcome(&lines, cost, settings, u64::MAX, Some(&tokens("2"))),
+        outcome(&lines, cost, settings, u64::MAX, false, Some(&tokens("2"))),
         Outcome::Served(vec![])
     );
     // Past what the store counts exactly (2^53 on Redis, which refuses a
@@ -427,6 +478,7 @@ fn a_deferred_cost_charges_or_gives_back_the_difference() {
             cost,
             settings,
             most,
+            false,
             Some(&tokens("18446744073709551615"))
         ),
         Outcome::Served(vec![(0, Adjust::Add(most - 2))])
