@@ -156,13 +156,6 @@ pub struct QuotaStatus {
     /// One per policy whose layers the request passed, in the order it met
     /// them (nearly always one).
     tickets: SmallVec<[Ticket; 1]>,
-    /// The lines the layers passed so far charged (or owe) for the
-    /// request: a layer further in that refuses it marks them (see
-    /// [`QuotaStatus::refuse_in`]), so that their layers give them back
-    /// when the answer they see is an error, whatever became of the
-    /// refusal's response on its way out (a middleware between that builds
-    /// a response of its own).
-    here: SmallVec<[Arc<Lines>; 2]>,
 }
 
 impl QuotaStatus {
@@ -242,13 +235,7 @@ impl QuotaStatus {
     /// out charged (or owe) for the request, of every policy: those the
     /// layer of `ticket`, which charged it too, tells what it keeps (see
     /// [`GiveBack`]). Empty, without an allocation, for the outermost.
-    /// `lines`, those the layer charged (or owes), are marked if a layer
-    /// further in refuses the request (see [`QuotaStatus::refuse_in`]).
-    pub(crate) fn put_in_charged(
-        extensions: &mut Extensions,
-        ticket: Ticket,
-        lines: &Arc<Lines>,
-    ) -> Vec<Arc<Lines>> {
+    pub(crate) fn put_in_charged(extensions: &mut Extensions, ticket: Ticket) -> Vec<Arc<Lines>> {
         match extensions.get_mut::<QuotaStatus>() {
             Some(status) => {
                 let outer = status
@@ -257,26 +244,26 @@ impl QuotaStatus {
                     .flat_map(|ticket| ticket.charges.iter().chain(&ticket.owing).cloned())
                     .collect();
                 status.put(ticket);
-                status.here.push(Arc::clone(lines));
                 outer
             }
             None => {
-                let mut status = QuotaStatus::of(ticket);
-                status.here.push(Arc::clone(lines));
-                extensions.insert(status);
+                extensions.insert(QuotaStatus::of(ticket));
                 Vec::new()
             }
         }
     }
 
     /// A layer refuses the request with these `extensions`: the lines the
-    /// layers further out charged (or owe) for it are marked, and their
-    /// layers give them back when they answer, as for a response marked
-    /// refused.
+    /// layers further out charged (or owe) for it, of every policy, are
+    /// marked, and their layers give them back when the answer they see is
+    /// an error, whatever became of the refusal's response on its way out
+    /// (a middleware between that builds a response of its own).
     pub(crate) fn refuse_in(extensions: &Extensions) {
         if let Some(status) = extensions.get::<QuotaStatus>() {
-            for lines in &status.here {
-                lines.refuse();
+            for ticket in &status.tickets {
+                for lines in ticket.charges.iter().chain(&ticket.owing) {
+                    lines.refuse();
+                }
             }
         }
     }
@@ -306,7 +293,6 @@ impl QuotaStatus {
     fn of(ticket: Ticket) -> Self {
         QuotaStatus {
             tickets: smallvec::smallvec![ticket],
-            here: SmallVec::new(),
         }
     }
 

@@ -258,8 +258,7 @@ where
             let quotas = std::mem::replace(&mut charge.quotas, QuotaSet::Own);
             let lines = Arc::new(Lines::new(layer, quotas, lines));
             charge.ticket.charges.push(Arc::clone(&lines));
-            let outer =
-                QuotaStatus::put_in_charged(request.extensions_mut(), charge.ticket, &lines);
+            let outer = QuotaStatus::put_in_charged(request.extensions_mut(), charge.ticket);
             // Made before the inner service is called: if its `call`
             // panics, dropping it gives the charge back.
             let charged = Unanswered(Some(Charged {
