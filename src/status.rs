@@ -130,7 +130,9 @@ impl QuotaUsage {
 /// request they already charged: a request built with another request's
 /// extensions (a sub-request of a batch endpoint) passes those layers
 /// uncharged, and a refusal or a drop inside it leaves the request's charge
-/// as it is. Remove
+/// as it is, as long as the request is served (a refusal inside marks the
+/// request's lines: answered with an error itself, a 4xx, a 5xx or a gRPC
+/// status other than OK, the request is given back as refused). Remove
 /// `QuotaStatus` from the extensions you copy when the sub-request must be
 /// charged on its own.
 ///
