@@ -3,6 +3,7 @@ use std::collections::BinaryHeap;
 
 use foldhash::fast::RandomState;
 use hashbrown::HashTable;
+use smallvec::SmallVec;
 use std::fmt;
 use std::future::{ready, Future};
 use std::hash::BuildHasher;
@@ -72,13 +73,12 @@ pub(super) const ROOM_BUDGET: usize = 256;
 ///   another): one client inventing ids cannot grow the process without end,
 ///   and concurrent charges never take it past the bound. A charge that would
 ///   create a counter beyond the bound first reclaims expired counters of its
-///   own shard, then lets go of it and reclaims in the other shards not busy
-///   at that moment, in turn from where the last such charge stopped, then
-///   tries once more. It goes through 256 deadlines at most (and 64 shards),
-///   so no charge pays for a whole store's worth of reclaiming; while such
-///   visits find nothing (every shard gone through, none busy), the next
-///   ones wait 10 ms, so that a
-///   flood of new ids costs little each. If the store is still full, the
+///   own shard, then lets go of it and reclaims in the other shards (those
+///   busy at that moment last, once free), in turn from where the last such
+///   charge stopped, then tries once more. It goes through 256 deadlines at
+///   most (and 64 shards), so no charge pays for a whole store's worth of
+///   reclaiming; while such visits find nothing, the next ones wait 10 ms,
+///   so that a flood of new ids costs little each. If the store is still full, the
 ///   charge fails with [`StoreErrorKind::Full`](super::StoreErrorKind::Full)
 ///   and creates nothing, so the layer's fail-open or fail-closed policy
 ///   decides, while subjects that have a counter keep being charged as
@@ -312,8 +312,9 @@ impl MemoryStore {
 
     /// Reclaims expired counters in the shards, for a charge that found no
     /// room for `new` counters and holds no shard's lock: shards busy at
-    /// the moment are skipped, and the visit goes through what is left of
-    /// the charge's `budget` of deadlines and [`ROOM_SHARDS`] shards at most,
+    /// the moment are gone through last, once their lock is free, if the
+    /// others did not make room; the visit goes through what is left of the
+    /// charge's `budget` of deadlines and [`ROOM_SHARDS`] shards at most,
     /// starting where the last one stopped. Whether they fit now (the
     /// charge then tries again).
     ///
@@ -332,22 +333,34 @@ impl MemoryStore {
         let mut reclaimed = 0;
         let mut visited: usize = 0;
         let mut stopped = false;
-        // A shard busy at the moment was not gone through: it may hold
-        // expired counters, and the visit is not fruitless.
-        let mut skipped = false;
+        // Shards busy at the moment: they may hold expired counters, and a
+        // visit that left them out would not have gone through its share.
+        let mut busy: SmallVec<[usize; 4]> = SmallVec::new();
         for i in 0..visits {
             if *budget == 0 || self.fits(new) {
                 stopped = true;
                 break;
             }
             visited += 1;
-            if let Some(mut shard) = try_lock(&shards[start.wrapping_add(i) % shards.len()]) {
-                let (gone_through, removed) = shard.sweep(room_by(now), *budget);
-                *budget -= gone_through;
-                reclaimed += removed;
-            } else {
-                skipped = true;
+            let index = start.wrapping_add(i) % shards.len();
+            match try_lock(&shards[index]) {
+                Some(mut shard) => {
+                    let (gone_through, removed) = shard.sweep(room_by(now), *budget);
+                    *budget -= gone_through;
+                    reclaimed += removed;
+                }
+                None => busy.push(index),
             }
+        }
+        // Waited for, as a charge of theirs waits: this charge holds no lock.
+        for index in busy {
+            if *budget == 0 || self.fits(new) {
+                stopped = true;
+                break;
+            }
+            let (gone_through, removed) = lock(&shards[index]).sweep(room_by(now), *budget);
+            *budget -= gone_through;
+            reclaimed += removed;
         }
         // The next visit starts at the last shard of this one if this one
         // stopped short (it may hold more), else after it.
@@ -359,7 +372,7 @@ impl MemoryStore {
         self.inner.room_cursor.fetch_add(advance, Ordering::Relaxed);
         // A visit of its whole share of shards (all of them, or the most one
         // charge visits) that found nothing pauses the next ones.
-        if reclaimed == 0 && visited == visits && *budget > 0 && !skipped {
+        if reclaimed == 0 && visited == visits && *budget > 0 {
             self.inner.fruitless.store(at, Ordering::Relaxed);
         }
         self.fits(new)
@@ -1376,10 +1389,12 @@ mod room_tests {
         assert_eq!(store.len(), 1);
     }
 
-    /// A visit that skipped a shard busy at the moment did not go through
-    /// it: it pauses no other visit, and the next charge reclaims there.
+    /// A shard busy while a charge needs room is waited for, not left out:
+    /// its expired counter makes the room, and no visit is taken for one
+    /// that found nothing (which would refuse every new subject for a
+    /// while).
     #[test]
-    fn a_visit_that_skipped_a_busy_shard_pauses_no_other() {
+    fn a_shard_busy_while_a_charge_needs_room_is_waited_for() {
         let store = MemoryStore::with_shards(2).max_counters(1);
         let shard_of = |id: &str| {
             store.shard_of(&Namespace::default().key(&Subject::account(id), "read", "PT1H"))
@@ -1390,17 +1405,30 @@ mod room_tests {
         let (b, c) = (others.next().unwrap(), others.next().unwrap());
         let t0: Timestamp = "2026-12-02T10:00:00Z".parse().unwrap();
         assert_eq!(charge(&store, t0, "a"), Ok(true));
-        // Two hours on, a's counter is long over; its shard is busy while
-        // b needs room.
+        // Two hours on, a's counter is long over; its shard is busy (held
+        // by another thread for a moment) while b needs room.
         let later = t0 + SignedDuration::from_hours(2);
-        {
-            let _busy = store.inner.shards[shard_of("a")].lock().unwrap();
-            assert_eq!(charge(&store, later, &b), Err(StoreErrorKind::Full));
-        }
+        let (held, release) = (
+            std::sync::Barrier::new(2),
+            std::time::Duration::from_millis(50),
+        );
+        std::thread::scope(|scope| {
+            scope.spawn(|| {
+                let _busy = store.inner.shards[shard_of("a")].lock().unwrap();
+                held.wait();
+                std::thread::sleep(release);
+            });
+            held.wait();
+            assert_eq!(
+                charge(&store, later, &b),
+                Ok(true),
+                "a's expired counter made room"
+            );
+        });
         assert_eq!(
             charge(&store, later, &c),
-            Ok(true),
-            "a's shard is free again and holds an expired counter"
+            Err(StoreErrorKind::Full),
+            "b's counter is live"
         );
     }
 
