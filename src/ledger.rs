@@ -100,6 +100,17 @@
 //! exactly). The task
 //! ends when nothing is owed, or when the policy is dropped: what the ledger
 //! still owes then is lost with it, logged and counted as abandoned.
+//!
+//! The task runs on the runtime of the request that started it. If that
+//! runtime stops being driven (a current-thread runtime kept for a call
+//! that never comes), the task shows no sign of life, and after 30 s (on
+//! the policy's clock) a request on another runtime starts one in its
+//! place; the silent one ends at its next step, if it ever runs. Not while
+//! a settle of the silent task is on its way: it may still land, and
+//! settling its entry again could count it twice, so the ledger waits for
+//! that answer (a store whose answers the idle runtime drives, as Redis's
+//! are, leaves the ledger waiting until that runtime runs again or is
+//! dropped).
 
 use std::collections::{HashMap, VecDeque};
 use std::future::Future;

@@ -132,7 +132,9 @@ impl QuotaUsage {
 /// uncharged, and a refusal or a drop inside it leaves the request's charge
 /// as it is, as long as the request is served (a refusal inside marks the
 /// request's lines: answered with an error itself, a 4xx, a 5xx or a gRPC
-/// status other than OK, the request is given back as refused). Remove
+/// status other than OK, the request is given back as refused, unless a
+/// quota layer let a request carrying the status through since, as a
+/// retry's next attempt). Remove
 /// `QuotaStatus` from the extensions you copy when the sub-request must be
 /// charged on its own.
 ///
@@ -240,10 +242,15 @@ impl QuotaStatus {
     pub(crate) fn put_in_charged(extensions: &mut Extensions, ticket: Ticket) -> Vec<Arc<Lines>> {
         match extensions.get_mut::<QuotaStatus>() {
             Some(status) => {
+                // Let through further in: a refusal an earlier attempt
+                // of the request met (a retry, which clones the request
+                // with its status) no longer speaks for the answer.
                 let outer = status
                     .tickets
                     .iter()
-                    .flat_map(|ticket| ticket.charges.iter().chain(&ticket.owing).cloned())
+                    .flat_map(|ticket| ticket.charges.iter().chain(&ticket.owing))
+                    .inspect(|lines| lines.let_through())
+                    .cloned()
                     .collect();
                 status.put(ticket);
                 outer
@@ -536,6 +543,16 @@ impl Lines {
     /// for: it was not served.
     pub(crate) fn refuse(&self) {
         self.refused_inside.store(true, Ordering::Release);
+    }
+
+    /// A layer further in let the request these lines were charged for
+    /// through (charged, or owing): a refusal marked before (an earlier
+    /// attempt of a retry) is not what answers it.
+    #[inline]
+    pub(crate) fn let_through(&self) {
+        if self.refused_inside.load(Ordering::Relaxed) {
+            self.refused_inside.store(false, Ordering::Release);
+        }
     }
 
     /// Whether a layer further in refused the request.

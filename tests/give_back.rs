@@ -1282,3 +1282,91 @@ async fn a_refund_after_a_failed_add_gives_back_only_what_was_charged() {
     );
     assert_eq!(refunded, vec![Some(1)]);
 }
+
+/// A retry between two layers, as `tower::retry` makes it: each attempt a
+/// clone of the request, extensions (its `QuotaStatus`) and all. The first
+/// attempt is refused further in (a per-minute burst), the second, once
+/// the refusal's wait is over, is served: the application answers it with
+/// a 404 of its own (no such item), which is charged as any 4xx. The
+/// refusal of the first attempt must not give the served request back.
+async fn retried_after_a_refusal_inside<St: Store>(
+    account: QuotaPolicy<FromHeader, St>,
+    clock: ManualClock,
+) -> (StatusCode, StatusCode) {
+    let burst = policy(MemoryStore::new(), "burst")
+        .clock(clock.clone())
+        .build();
+    let inner: Router = Router::new()
+        .route(
+            "/item",
+            get(|| async { (StatusCode::NOT_FOUND, "no such item") }),
+        )
+        .route_layer(burst.layer(Quota::per_minute(1).allowance("burst")));
+    // Retries once on a 429, once its wait is over.
+    let retry = tower::service_fn(move |request: Request<Body>| {
+        let (inner, clock) = (inner.clone(), clock.clone());
+        async move {
+            let (parts, _) = request.into_parts();
+            let attempt = || {
+                let mut again = Request::builder()
+                    .method(parts.method.clone())
+                    .uri(parts.uri.clone())
+                    .body(Body::empty())
+                    .unwrap();
+                *again.headers_mut() = parts.headers.clone();
+                *again.extensions_mut() = parts.extensions.clone();
+                again
+            };
+            let first = inner.clone().oneshot(attempt()).await?;
+            if first.status() != StatusCode::TOO_MANY_REQUESTS {
+                return Ok::<_, std::convert::Infallible>(first);
+            }
+            clock.advance(Duration::from_secs(60));
+            inner.oneshot(attempt()).await
+        }
+    });
+    let app = tower::ServiceBuilder::new()
+        .layer(account.layer(Quota::daily(10).allowance("read")))
+        .service(retry);
+    // Served at once (404), then served on the second attempt (404).
+    let first = app.clone().oneshot(call("/item")).await.unwrap().status();
+    let second = app.oneshot(call("/item")).await.unwrap().status();
+    (first, second)
+}
+
+#[tokio::test]
+async fn a_request_served_on_a_retry_after_a_refusal_inside_stays_charged() {
+    let clock = ManualClock::new(NOW.parse().unwrap());
+    let account = policy(MemoryStore::new(), "account")
+        .clock(clock.clone())
+        .build();
+    let statuses = retried_after_a_refusal_inside(account.clone(), clock).await;
+    assert_eq!(statuses, (StatusCode::NOT_FOUND, StatusCode::NOT_FOUND));
+    assert_eq!(
+        used(&account, "read-day").await,
+        2,
+        "both requests were served (404): the second, retried after a refusal inside, was given back"
+    );
+}
+
+/// As above, the outer layer owing its charge (its store fails, fail
+/// open): the served request's debt must not be forgiven.
+#[tokio::test]
+async fn a_request_served_on_a_retry_after_a_refusal_inside_stays_owed() {
+    let clock = ManualClock::new(NOW.parse().unwrap());
+    let account = policy(
+        Rigged::new(MemoryStore::new(), Rig::Fail, Some("read")),
+        "account",
+    )
+    .clock(clock.clone())
+    .on_store_error(OnStoreError::FailOpen)
+    .build();
+    let statuses = retried_after_a_refusal_inside(account.clone(), clock).await;
+    assert_eq!(statuses, (StatusCode::NOT_FOUND, StatusCode::NOT_FOUND));
+    account.settle_owed(Duration::from_secs(2)).await;
+    assert_eq!(
+        used(&account, "read-day").await,
+        2,
+        "both requests were served (404): the second's debt, retried after a refusal inside, was forgiven"
+    );
+}
