@@ -1695,12 +1695,36 @@ impl<St: Store> LeasedStore<St> {
         // landed, if the store refused it), unless one was taken under a
         // higher limit than the request's (`stale_first`): the store would
         // count its units against the lower one.
+        //
+        // Beside the charge, they are sent once the store answered it (or
+        // it failed, or was dropped): the answer then counts their units
+        // for sure, which the usage told is taken off (`beside`), as this
+        // instance's unused units are. Sent at the same time, the store
+        // could apply either first, and a count that includes them would
+        // be told to the client as spent (and kept as the store's count
+        // until its next answer).
+        let mut beside: SmallVec<[(PeriodKey, u64, Left); 1]> = SmallVec::new();
+        let mut release = None;
         let (mut stale, mut giving_back) = match tokio::runtime::Handle::try_current() {
             Ok(runtime) if !stale.is_empty() => {
                 let inner = self.inner.clone();
                 let busy = Busy::new(&self.shared);
+                let gate = if stale_first {
+                    None
+                } else {
+                    beside = stale
+                        .iter()
+                        .filter_map(|back| Some((back.key.clone(), back.units, back.left?)))
+                        .collect();
+                    let (answered, gate) = tokio::sync::oneshot::channel::<()>();
+                    release = Some(answered);
+                    Some(gate)
+                };
                 let task = runtime.spawn(async move {
                     let _busy = busy;
+                    if let Some(gate) = gate {
+                        let _ = gate.await;
+                    }
                     for back in stale {
                         back.send(&inner).await;
                     }
@@ -1745,6 +1769,22 @@ impl<St: Store> LeasedStore<St> {
                 }
                 answer => answer?,
             };
+            // The old blocks' units beside the charge: counted in this
+            // answer (of the counter they were taken from), on their way
+            // back from now on.
+            for (line, usage) in request.lines.iter().zip(outcome.usage.iter_mut()) {
+                for (key, units, left) in &beside {
+                    let same = match (left.first_call, usage.first_call) {
+                        (Some(known), Some(told)) => known == told,
+                        (Some(_), None) => false,
+                        _ => same_reset(left.resets_at, usage.resets_at),
+                    };
+                    if line.key == *key && same {
+                        usage.used = usage.used.saturating_sub(*units);
+                    }
+                }
+            }
+            drop(release.take());
             let mut blocks = blocks;
             // A charge that costs nothing beyond its blocks (the next block
             // of a busy subject) has no request to send alone.
