@@ -23,16 +23,20 @@
 //! ```
 //!
 //! `tests/grpc.rs` calls it with tonic's generated `HealthClient`.
+//!
+//! On Ctrl-C or SIGTERM the server stops taking connections, lets the calls
+//! under way finish (5 s at most, or until a second signal), and exits.
 
 #[path = "shared/period.rs"]
 mod period;
-// Stopping on the first signal only: the demo server uses the rest.
+// The first two signals only: the demo server uses the rest.
 #[allow(dead_code)]
 #[path = "shared/stop_signal.rs"]
 mod stop_signal;
 
 use std::net::SocketAddr;
 use std::process::exit;
+use std::time::Duration;
 
 use period::parse_period;
 use stop_signal::Stops;
@@ -123,10 +127,25 @@ async fn main() {
     );
     // The layer wraps the whole tonic router: every call of every service is
     // charged.
-    Server::builder()
+    let serving = Server::builder()
         .layer(layer)
         .add_service(health)
-        .serve_with_incoming_shutdown(TcpIncoming::from(listener), stops.reached(1))
-        .await
-        .unwrap_or_else(|e| fail(&format!("server failed: {e}")));
+        .serve_with_incoming_shutdown(TcpIncoming::from(listener), stops.reached(1));
+    // On a signal, calls under way finish: for `DRAIN` at most (a `Watch`
+    // stream never ends, a stalled client never finishes its request), or
+    // until a second signal.
+    tokio::select! {
+        served = serving => served.unwrap_or_else(|e| fail(&format!("server failed: {e}"))),
+        () = async {
+            stops.reached(1).await;
+            tokio::select! {
+                () = tokio::time::sleep(DRAIN) => {}
+                () = stops.reached(2) => {}
+            }
+        } => eprintln!("calls still open when the server stopped were ended"),
+    }
 }
+
+/// How long the server waits, once told to stop, for the calls under way
+/// to finish.
+const DRAIN: Duration = Duration::from_secs(5);

@@ -57,8 +57,9 @@
 //! `--lease-idle` milliseconds (1000 by default). On Ctrl-C or SIGTERM the
 //! server stops taking requests, finishes those under way (for 5 s at
 //! most, or until a second signal), settles what the fail-open ledger owes
-//! (5 s at most), gives every unused unit back, and exits; a signal during
-//! either of those stops it at once.
+//! (5 s at most), gives every unused unit back, waits for the Redis calls
+//! still in flight (5 s at most), and exits; a signal during any of those
+//! stops it at once.
 
 #[path = "shared/period.rs"]
 mod period;
@@ -87,8 +88,8 @@ use http::StatusCode;
 use serde_json::{json, Value};
 use tower_quota::jiff::tz::TimeZone;
 use tower_quota::{
-    response, unrouted, Anchor, FromHeader, InvalidRequest, LeasedStore, MemoryStore, OnStoreError,
-    Period, Quota, QuotaHandle, QuotaPolicy, Store, UnknownPlan,
+    response, Anchor, FromHeader, InvalidRequest, LeasedStore, MemoryStore, OnStoreError, Period,
+    Quota, QuotaHandle, QuotaPolicy, Store, UnknownPlan,
 };
 
 const USAGE: &str =
@@ -664,8 +665,6 @@ fn app<St: Store>(options: &Options, store: St) -> (Router, Option<QuotaPolicy<F
             }));
         app = app.nest("/admin", admin);
     }
-    // Wrong methods answer 405 without a subject and without a charge.
-    let app = app.method_not_allowed_fallback(unrouted::MethodNotAllowed);
     (app, Some(policy))
 }
 
@@ -762,12 +761,20 @@ async fn serve(options: Options, stops: Stops) {
             if let Err(e) = store.preload().await {
                 eprintln!("warning: {shown} is not answering yet: {e}");
             }
-            leased_or_not(&options, store.clone(), &stops).await;
+            let at_once = leased_or_not(&options, store.clone(), &stops).await;
             // Calls followed after their callers stopped waiting (a charge or
-            // a settle Redis may apply late, then given back) finish first.
+            // a settle Redis may apply late, then given back) finish first,
+            // unless a signal said to stop at once.
             let deadline = tokio::time::Instant::now() + Duration::from_secs(5);
-            while store.in_flight() > 0 && tokio::time::Instant::now() < deadline {
-                tokio::time::sleep(Duration::from_millis(10)).await;
+            if !at_once {
+                tokio::select! {
+                    () = async {
+                        while store.in_flight() > 0 && tokio::time::Instant::now() < deadline {
+                            tokio::time::sleep(Duration::from_millis(10)).await;
+                        }
+                    } => {}
+                    () = stops.another() => {}
+                }
             }
         }
         other => fail(&format!(
@@ -783,29 +790,50 @@ async fn serve(options: Options, stops: Stops) {
 }
 
 /// Serves on `store`, or with `--lease` on a `LeasedStore` of it, whose
-/// unused units go back once the server stopped.
-async fn leased_or_not<St: Store>(options: &Options, store: St, stops: &Stops) {
+/// unused units go back once the server stopped; whether a signal said to
+/// stop at once meanwhile.
+async fn leased_or_not<St: Store>(options: &Options, store: St, stops: &Stops) -> bool {
     if !options.lease {
         return run(options, store, stops).await;
     }
     let leased = LeasedStore::builder(store).idle(options.lease_idle).build();
-    run(options, leased.clone(), stops).await;
+    if run(options, leased.clone(), stops).await {
+        eprintln!("stopped before the leased units went back");
+        return true;
+    }
     let stopping = stops.another();
     tokio::select! {
         units = leased.shutdown() => println!("gave back {units} leased units"),
         // Told to stop again: the units held stay charged until their
         // lease mark ends.
-        () = stopping => eprintln!("stopped before the leased units went back"),
+        () = stopping => {
+            eprintln!("stopped before the leased units went back");
+            return true;
+        }
     }
+    false
 }
 
-async fn run<St: Store>(options: &Options, store: St, stops: &Stops) {
+/// Serves until a signal; whether another said to stop at once while the
+/// ledger settled.
+async fn run<St: Store>(options: &Options, store: St, stops: &Stops) -> bool {
     let (app, policy) = app(options, store);
     let app = if options.metrics {
         with_metrics(app)
     } else {
         app
     };
+    // Unknown paths (404) and wrong methods (405, axum adds `Allow`) answer
+    // problem documents, as every other error. Set last, over every route
+    // and outside the quota layers: never charged, no subject needed.
+    let app = app
+        .method_not_allowed_fallback(|| async {
+            problem(
+                StatusCode::METHOD_NOT_ALLOWED,
+                "this route takes another method",
+            )
+        })
+        .fallback(|| async { problem(StatusCode::NOT_FOUND, "no route here") });
     let listener = tokio::net::TcpListener::bind(options.listen)
         .await
         .unwrap_or_else(|e| fail(&format!("cannot listen on {}: {e}", options.listen)));
@@ -844,11 +872,15 @@ async fn run<St: Store>(options: &Options, store: St, stops: &Stops) {
     }
     // Admissions made while the store was away (`--on-store-error open`)
     // are counted before the server goes.
+    let mut at_once = false;
     if let Some(policy) = policy {
         let owed = tokio::select! {
             owed = policy.settle_owed(Duration::from_secs(5)) => owed,
             // Told to stop again: at once, what is owed uncounted.
-            () = stops.another() => policy.owed(),
+            () = stops.another() => {
+                at_once = true;
+                policy.owed()
+            }
         };
         if owed.units > 0 {
             eprintln!(
@@ -857,6 +889,7 @@ async fn run<St: Store>(options: &Options, store: St, stops: &Stops) {
             );
         }
     }
+    at_once
 }
 
 /// `url` with its user part (a name and password) and its query (where a

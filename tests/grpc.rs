@@ -108,3 +108,33 @@ async fn sigterm_stops_the_grpc_example_cleanly() {
         "exited {status:?}"
     );
 }
+
+/// A call that never ends (a `Watch` stream, which a health checker keeps
+/// open) does not hold a stopping server: it stops within its drain time,
+/// or at once on a second signal, and exits cleanly, as the demo server
+/// does.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_open_watch_stream_does_not_hold_a_stopping_grpc_example() {
+    for second_signal in [false, true] {
+        let mut server = start(&[]);
+        let mut health = client(&server).await;
+        let mut watch = health
+            .watch(check(Some("acme")))
+            .await
+            .unwrap()
+            .into_inner();
+        assert!(watch.message().await.unwrap().is_some());
+        server.signal("TERM");
+        if second_signal {
+            tokio::time::sleep(std::time::Duration::from_millis(200)).await;
+            server.signal("TERM");
+        }
+        let within = if second_signal { 2 } else { 8 };
+        let status = server.exit_within(std::time::Duration::from_secs(within));
+        assert!(
+            status.is_some_and(|status| status.success()),
+            "second signal {second_signal}: exited {status:?}"
+        );
+        drop(watch);
+    }
+}

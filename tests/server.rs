@@ -1,6 +1,8 @@
 //! Black-box tests of the demo server: the built example, spoken to over TCP.
 
 mod demo_server;
+#[cfg(feature = "redis")]
+mod redis_support;
 
 use std::process::Command;
 
@@ -693,4 +695,86 @@ fn a_sigterm_right_after_the_ready_line_stops_the_server_gracefully() {
             .expect("the server stops");
         assert_eq!(status.code(), Some(0), "round {round}: {status:?}");
     }
+}
+
+/// Every error of the demo server is a problem document: an unknown path
+/// (under `/admin` too) and a wrong method as well, uncharged as before.
+#[tokio::test]
+async fn demo_server_answers_unknown_paths_and_wrong_methods_with_problems() {
+    let server = start(&["--limit", "1", "--admin-token", "s3cret"]);
+    let admin: &[(&str, &str)] = &[("authorization", "Bearer s3cret")];
+    for (method, path, headers, status) in [
+        ("GET", "/nowhere", ACME, 404),
+        ("GET", "/nowhere", &[][..], 404),
+        ("GET", "/admin/", admin, 404),
+        ("DELETE", "/read", ACME, 405),
+        ("GET", "/write", &[][..], 405),
+        ("POST", "/quota", ACME, 405),
+    ] {
+        let reply = call(&server, method, path, headers).await;
+        assert_eq!(reply.status, status, "{method} {path}");
+        assert_eq!(
+            reply.header("content-type"),
+            Some("application/problem+json"),
+            "{method} {path}"
+        );
+        assert!(
+            reply.body.contains(&format!("\"status\":{status}")),
+            "{method} {path}: {}",
+            reply.body
+        );
+        assert_eq!(reply.header("ratelimit"), None, "{method} {path}");
+    }
+    assert_eq!(
+        call(&server, "GET", "/write", ACME).await.header("allow"),
+        Some("POST")
+    );
+    assert_eq!(
+        quota(&call(&server, "GET", "/quota", ACME).await)["read"]["used"],
+        0
+    );
+}
+
+/// Told to stop again while it waits to settle with a Redis that hangs
+/// (stopped, not gone: its calls stay in flight), the demo server stops at
+/// once, as its documentation says, not after the 5 s it gives calls in
+/// flight.
+#[cfg(feature = "redis")]
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_second_signal_stops_a_server_settling_with_a_hung_redis() {
+    use std::time::Duration;
+
+    if !redis_support::redis_available() {
+        return;
+    }
+    let redis = redis_support::RedisServer::start();
+    let mut server = start(&[
+        "--limit",
+        "100",
+        "--store",
+        &redis.url(),
+        "--on-store-error",
+        "open",
+    ]);
+    assert_eq!(call(&server, "GET", "/read", ACME).await.status, 200);
+    let _hung = redis_support::Stopped::new(&redis);
+    for _ in 0..2 {
+        assert_eq!(
+            call(&server, "GET", "/read", ACME).await.status,
+            200,
+            "fail open"
+        );
+    }
+    server.signal("TERM");
+    tokio::time::sleep(Duration::from_millis(500)).await;
+    assert!(
+        !server.ended_within(Duration::from_millis(50)),
+        "waiting to settle"
+    );
+    server.signal("TERM");
+    let status = server.exit_within(Duration::from_secs(2));
+    assert!(
+        status.is_some_and(|s| s.success()),
+        "stopped at once by the second signal: {status:?}"
+    );
 }
