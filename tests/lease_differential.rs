@@ -467,15 +467,14 @@ fn run(ops: &[Op]) -> Result<(), String> {
             }
         }
         leased_store.shutdown().await;
-        for who in 0..SUBJECTS.len() {
+        for (who, subject) in SUBJECTS.iter().enumerate() {
             let (a, b) = (
                 standing(&plain_handle, who).await,
                 standing(&leased_handle, who).await,
             );
             if a != b {
                 return Err(format!(
-                    "after shutdown: {}'s standing\n  plain:  {a}\n  leased: {b}",
-                    SUBJECTS[who]
+                    "after shutdown: {subject}'s standing\n  plain:  {a}\n  leased: {b}"
                 ));
             }
         }
