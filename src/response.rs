@@ -263,13 +263,17 @@ fn prepend(headers: &mut http::HeaderMap, name: &HeaderName, value: HeaderValue)
                     .flat_map(|inner| member_names(inner.as_bytes()))
                     .find(|inner| outer.clone().any(|name| name == *inner))
                     .map(|name| String::from_utf8_lossy(name).into_owned());
-                if let (Some(repeated), Some(suppressed)) = (repeated, SAME_NAMES.admit()) {
-                    tracing::warn!(
-                        name = repeated,
-                        suppressed,
-                        "nested quota layers tell clients two quotas of one name: give them names \
-                         of their own (Quota::named), or clients cannot tell them apart"
-                    );
+                // Asked only for a line to log: the throttle counts each
+                // call it lets not through as a line left out.
+                if let Some(repeated) = repeated {
+                    if let Some(suppressed) = SAME_NAMES.admit() {
+                        tracing::warn!(
+                            name = repeated,
+                            suppressed,
+                            "nested quota layers tell clients two quotas of one name: give them \
+                             names of their own (Quota::named), or clients cannot tell them apart"
+                        );
+                    }
                 }
             }
             let mut list = value.as_bytes().to_vec();

@@ -683,3 +683,27 @@ fn leases_are_counted() {
     assert!(local + blocks <= 500);
     assert_eq!(seen.counter(LEASE_UNITS_RETURNED, &[]), held);
 }
+
+/// Two shadow quotas of one allowance, both over their limits, are one
+/// `shadow_refused` decision for that allowance: each allowance counts
+/// once per decision however many of its quotas applied (as `admitted`,
+/// `refused` and a saturated shadow quota's `shadow_refused` do).
+#[test]
+fn two_shadow_quotas_of_one_allowance_over_their_limits_count_once() {
+    let seen = recorded(|| async {
+        let app = Router::new().route("/", get(|| async { "hi" })).layer(
+            QuotaLayer::new(Quota::per_minute(1).allowance("trial").shadow(), account())
+                .quota(Quota::daily(1).allowance("trial").shadow()),
+        );
+        for _ in 0..2 {
+            assert_eq!(get_as(&app, "/", Some(SUBJECT), &[]).await, StatusCode::OK);
+        }
+    });
+    let count = |outcome| seen.counter(DECISIONS, &[("outcome", outcome), ("allowance", "trial")]);
+    assert_eq!(count("admitted"), 2, "one per request");
+    assert_eq!(
+        count("shadow_refused"),
+        1,
+        "the second request, once for its allowance"
+    );
+}

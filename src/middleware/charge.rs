@@ -622,6 +622,8 @@ pub(crate) fn hidden(error: &StoreError) -> String {
 /// shadow one).
 fn shadow_limits(charge: &Charge, quotas: &[Quota], usage: &mut [Usage], admitted: bool) {
     let plan = charge.caller().plan.as_deref();
+    // Counted once per allowance, however many of its quotas are over.
+    let mut over = SmallVec::<[&Quota; 2]>::new();
     for (quota, usage) in quotas.iter().zip(usage) {
         if !quota.is_shadow() {
             continue;
@@ -629,10 +631,7 @@ fn shadow_limits(charge: &Charge, quotas: &[Quota], usage: &mut [Usage], admitte
         let limit = quota.limit_for(plan);
         usage.limit = limit;
         if admitted && usage.used > limit {
-            crate::metrics::decisions(
-                crate::metrics::outcome::SHADOW_REFUSED,
-                std::iter::once(quota.allowance_shared()),
-            );
+            over.push(quota);
             if let Some(suppressed) = SHADOW_REFUSALS.admit() {
                 let subject = &charge.caller().subject;
                 tracing::info!(
@@ -646,6 +645,12 @@ fn shadow_limits(charge: &Charge, quotas: &[Quota], usage: &mut [Usage], admitte
                 );
             }
         }
+    }
+    if !over.is_empty() {
+        crate::metrics::decisions(
+            crate::metrics::outcome::SHADOW_REFUSED,
+            over.iter().map(|quota| quota.allowance_shared()),
+        );
     }
 }
 
