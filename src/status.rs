@@ -3,7 +3,7 @@
 //! of it ([`QuotaStatus`]).
 
 use std::fmt;
-use std::sync::atomic::{AtomicBool, AtomicU64, AtomicU8, Ordering};
+use std::sync::atomic::{AtomicU64, AtomicU8, AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex};
 
 use http::Extensions;
@@ -132,9 +132,9 @@ impl QuotaUsage {
 /// uncharged, and a refusal or a drop inside it leaves the request's charge
 /// as it is, as long as the request is served (a refusal inside marks the
 /// request's lines: answered with an error itself, a 4xx, a 5xx or a gRPC
-/// status other than OK, the request is given back as refused, unless a
-/// quota layer let a request carrying the status through since, as a
-/// retry's next attempt). Remove
+/// status other than OK, the request is given back as refused, unless the
+/// quota layer that refused it let a request carrying the status through
+/// since, as a retry's next attempt). Remove
 /// `QuotaStatus` from the extensions you copy when the sub-request must be
 /// charged on its own.
 ///
@@ -239,17 +239,24 @@ impl QuotaStatus {
     /// out charged (or owe) for the request, of every policy: those the
     /// layer of `ticket`, which charged it too, tells what it keeps (see
     /// [`GiveBack`]). Empty, without an allocation, for the outermost.
-    pub(crate) fn put_in_charged(extensions: &mut Extensions, ticket: Ticket) -> Vec<Arc<Lines>> {
+    /// `layer` is the charging layer's [`layer_id`].
+    pub(crate) fn put_in_charged(
+        extensions: &mut Extensions,
+        ticket: Ticket,
+        layer: usize,
+    ) -> Vec<Arc<Lines>> {
         match extensions.get_mut::<QuotaStatus>() {
             Some(status) => {
-                // Let through further in: a refusal an earlier attempt
-                // of the request met (a retry, which clones the request
-                // with its status) no longer speaks for the answer.
+                // Let through further in by the layer that refused an
+                // earlier attempt of the request (a retry, which clones
+                // the request with its status): that refusal no longer
+                // speaks for the answer. A refusal by another layer (a
+                // sibling call of a fan-out) still does.
                 let outer = status
                     .tickets
                     .iter()
                     .flat_map(|ticket| ticket.charges.iter().chain(&ticket.owing))
-                    .inspect(|lines| lines.let_through())
+                    .inspect(|lines| lines.let_through(layer))
                     .cloned()
                     .collect();
                 status.put(ticket);
@@ -267,11 +274,12 @@ impl QuotaStatus {
     /// marked, and their layers give them back when the answer they see is
     /// an error, whatever became of the refusal's response on its way out
     /// (a middleware between that builds a response of its own).
-    pub(crate) fn refuse_in(extensions: &Extensions) {
+    /// `layer` is the refusing layer's [`layer_id`].
+    pub(crate) fn refuse_in(extensions: &Extensions, layer: usize) {
         if let Some(status) = extensions.get::<QuotaStatus>() {
             for ticket in &status.tickets {
                 for lines in ticket.charges.iter().chain(&ticket.owing) {
-                    lines.refuse();
+                    lines.refuse(layer);
                 }
             }
         }
@@ -495,9 +503,16 @@ pub(crate) struct Lines {
     /// which what is told late (a layer further in that a spawned task
     /// polled on) follows at once.
     state: AtomicU8,
-    /// Whether a layer further in refused the request (see
-    /// [`QuotaStatus::refuse_in`]).
-    refused_inside: AtomicBool,
+    /// The [`layer_id`] of the layer further in that refused the request
+    /// (see [`QuotaStatus::refuse_in`]); 0: none did.
+    refused_inside: AtomicUsize,
+}
+
+/// A quota layer's identity while it lives, as refusal marks tell it (see
+/// [`Lines::let_through`]): the address of what its services share, never
+/// 0.
+pub(crate) fn layer_id<T: ?Sized>(layer: &Arc<T>) -> usize {
+    Arc::as_ptr(layer).cast::<()>().addr()
 }
 
 /// The states of [`Lines::state`].
@@ -535,29 +550,32 @@ impl Lines {
             lines,
             inside: Mutex::default(),
             state: AtomicU8::new(OPEN),
-            refused_inside: AtomicBool::new(false),
+            refused_inside: AtomicUsize::new(0),
         }
     }
 
     /// A layer further in refused the request these lines were charged
     /// for: it was not served.
-    pub(crate) fn refuse(&self) {
-        self.refused_inside.store(true, Ordering::Release);
+    pub(crate) fn refuse(&self, layer: usize) {
+        self.refused_inside.store(layer, Ordering::Release);
     }
 
-    /// A layer further in let the request these lines were charged for
-    /// through (charged, or owing): a refusal marked before (an earlier
-    /// attempt of a retry) is not what answers it.
+    /// `layer`, further in, let the request these lines were charged for
+    /// through (charged, or owing): a refusal it marked before (an earlier
+    /// attempt of a retry) is not what answers it. One another layer
+    /// marked (a sibling call's) still is.
     #[inline]
-    pub(crate) fn let_through(&self) {
-        if self.refused_inside.load(Ordering::Relaxed) {
-            self.refused_inside.store(false, Ordering::Release);
+    pub(crate) fn let_through(&self, layer: usize) {
+        if self.refused_inside.load(Ordering::Relaxed) == layer {
+            let _ =
+                self.refused_inside
+                    .compare_exchange(layer, 0, Ordering::AcqRel, Ordering::Relaxed);
         }
     }
 
     /// Whether a layer further in refused the request.
     pub(crate) fn is_refused_inside(&self) -> bool {
-        self.refused_inside.load(Ordering::Acquire)
+        self.refused_inside.load(Ordering::Acquire) != 0
     }
 
     /// Tells these lines' layer what a layer further in kept: kept until

@@ -1370,3 +1370,60 @@ async fn a_request_served_on_a_retry_after_a_refusal_inside_stays_owed() {
         "both requests were served (404): the second's debt, retried after a refusal inside, was forgiven"
     );
 }
+
+/// Not a retry: a handler (a fan-out, a batch endpoint) calls two inner
+/// services with the request's extensions, its `QuotaStatus` with them. The
+/// first, behind a quota of its own, refuses; the second, behind another
+/// quota, lets its call through. The handler answers the whole request
+/// with an error of its own (the refusal rebuilt): the outer charge goes
+/// back, as for any refusal rebuilt between two layers. The second
+/// service's admission must not clear the mark the first one's refusal set.
+#[tokio::test]
+async fn a_sibling_admitted_after_a_refusal_inside_does_not_keep_the_outer_charge() {
+    let account = policy(MemoryStore::new(), "account").build();
+    let spent = policy(MemoryStore::new(), "spent").build();
+    let roomy = policy(MemoryStore::new(), "roomy").build();
+    let refusing: Router = Router::new()
+        .route("/part", get(ok))
+        .route_layer(spent.layer(Quota::daily(1).allowance("spent")));
+    let admitting: Router = Router::new()
+        .route("/part", get(ok))
+        .route_layer(roomy.layer(Quota::daily(10).allowance("roomy")));
+    // The refusing quota is spent already.
+    let first = refusing.clone().oneshot(call("/part")).await.unwrap();
+    assert_eq!(first.status(), StatusCode::OK);
+    let fan_out = tower::service_fn(move |request: Request<Body>| {
+        let (refusing, admitting) = (refusing.clone(), admitting.clone());
+        async move {
+            let (parts, _) = request.into_parts();
+            let part = || {
+                let mut part = Request::get("/part")
+                    .header("x-account-id", "acme")
+                    .body(Body::empty())
+                    .unwrap();
+                *part.extensions_mut() = parts.extensions.clone();
+                part
+            };
+            let one = refusing.oneshot(part()).await?;
+            let two = admitting.oneshot(part()).await?;
+            assert_eq!(
+                (one.status(), two.status()),
+                (StatusCode::TOO_MANY_REQUESTS, StatusCode::OK)
+            );
+            // The refusal rebuilt: a 429 of the handler's own.
+            Ok::<_, std::convert::Infallible>(
+                (StatusCode::TOO_MANY_REQUESTS, "a part was refused").into_response(),
+            )
+        }
+    });
+    let app = tower::ServiceBuilder::new()
+        .layer(account.layer(Quota::daily(10).allowance("read")))
+        .service(fan_out);
+    let response = app.oneshot(call("/batch")).await.unwrap();
+    assert_eq!(response.status(), StatusCode::TOO_MANY_REQUESTS);
+    assert_eq!(
+        used(&account, "read-day").await,
+        0,
+        "answered with the refusal of a part: the outer charge stayed"
+    );
+}

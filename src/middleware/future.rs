@@ -258,7 +258,11 @@ where
             let quotas = std::mem::replace(&mut charge.quotas, QuotaSet::Own);
             let lines = Arc::new(Lines::new(layer, quotas, lines));
             charge.ticket.charges.push(Arc::clone(&lines));
-            let outer = QuotaStatus::put_in_charged(request.extensions_mut(), charge.ticket);
+            let outer = QuotaStatus::put_in_charged(
+                request.extensions_mut(),
+                charge.ticket,
+                crate::status::layer_id(bound),
+            );
             // Made before the inner service is called: if its `call`
             // panics, dropping it gives the charge back.
             let charged = Unanswered(Some(Charged {
@@ -301,7 +305,7 @@ where
         // The layers further out give their own charges back when they see
         // the refusal go by (see `charge::outcome`).
         Decision::Refuse(usage) => {
-            QuotaStatus::refuse_in(request.extensions());
+            QuotaStatus::refuse_in(request.extensions(), crate::status::layer_id(bound));
             let grpc = crate::response::grpc_content_type(request.headers());
             // The waits told are counted from the refusal's own instant.
             let told = settings.clock.now().max(charge.ticket.now);
@@ -318,7 +322,7 @@ where
             }
         }
         Decision::Unavailable(retry_after) => {
-            QuotaStatus::refuse_in(request.extensions());
+            QuotaStatus::refuse_in(request.extensions(), crate::status::layer_id(bound));
             let grpc = crate::response::grpc_content_type(request.headers());
             let refusal = crate::response::Refusal::store_unavailable(retry_after, grpc);
             State::Rejected {

@@ -95,7 +95,7 @@ pub(crate) fn owe<E: SubjectExtractor, St: Store>(
         .owed
         .extend(request.lines.into_iter().map(|line| line.key));
     ticket.owing.push(Arc::clone(&lines));
-    let outer = QuotaStatus::put_in_charged(extensions, ticket);
+    let outer = QuotaStatus::put_in_charged(extensions, ticket, crate::status::layer_id(bound));
     // Boxed: the response future stays small for the requests that owe
     // nothing.
     Some(Box::new(Owing {

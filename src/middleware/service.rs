@@ -95,7 +95,7 @@ where
                 ResponseFuture::owing(future, owing)
             }
             Step::Reject(response) => {
-                QuotaStatus::refuse_in(&parts.extensions);
+                QuotaStatus::refuse_in(&parts.extensions, crate::status::layer_id(&self.bound));
                 ResponseFuture::rejected(charge::marked(response))
             }
             Step::Charge(charge) => {
