@@ -227,19 +227,9 @@ impl Period {
     /// `2026-12-02T13+05:30[Asia/Kolkata]`. Two different windows never
     /// share a stamp.
     ///
-    /// A fixed window that would begin or end beyond the range `jiff`
-    /// supports (years -9999 and 9999) is cut at its first or last instant.
-    ///
-    /// # Panics
-    ///
-    /// For a calendar period (a minute to a month), within a month of the
-    /// ends of that range.
+    /// A window that would begin or end beyond the range `jiff` supports
+    /// (years -9999 and 9999) is cut at its first or last instant.
     pub fn window(&self, at: Timestamp) -> Window {
-        self.try_window(at)
-            .expect("the instant lies within the supported range of years")
-    }
-
-    fn try_window(&self, at: Timestamp) -> Result<Window, jiff::Error> {
         let tz = &self.tz;
         let mut stamp = String::with_capacity(40);
         let (start, end) = match self.unit {
@@ -251,11 +241,11 @@ impl Period {
                 let end = Timestamp::from_second(floor + len).unwrap_or(Timestamp::MAX);
                 write!(stamp, "{}/", start.strftime("%Y-%m-%dT%H:%M:%SZ")).expect("infallible");
                 write_duration(&mut stamp, len);
-                return Ok(Window::new(start, end, stamp));
+                return Window::new(start, end, stamp);
             }
             Unit::Minute | Unit::Hour => {
                 let step = if self.unit == Unit::Minute { 60 } else { 3600 };
-                let (start, end) = sub_day_window(at, tz, step)?;
+                let (start, end) = sub_day_window(at, tz, step);
                 // The same instants as a minute or an hour of UTC (every
                 // minute in today's zones, every hour at a whole-hour
                 // offset): named as in UTC, so that callers in every such
@@ -270,7 +260,7 @@ impl Period {
                         _ => "%Y-%m-%dT%H",
                     };
                     write!(stamp, "{}", start.strftime(format)).expect("infallible");
-                    return Ok(Window::new(start, end, stamp));
+                    return Window::new(start, end, stamp);
                 }
                 let local = start.to_zoned_datetime(tz.clone());
                 let format = match (self.unit, self.tz_label.is_some()) {
@@ -287,43 +277,58 @@ impl Period {
             // midnight (St. John's did so at 00:01 from 1987 to 2010) shows
             // the day before again after the next one began, and the window
             // is the one that began last.
+            // Past the range of instants `jiff` holds (within a window of
+            // the years -9999 and 9999), the window is cut at its first or
+            // last instant, as a fixed one is.
             Unit::Day => {
                 let mut date = at.to_zoned_datetime(tz.clone()).date();
-                let mut end = midnight(date.tomorrow()?, tz)?;
-                while at >= end {
-                    date = date.tomorrow()?;
-                    end = midnight(date.tomorrow()?, tz)?;
+                let mut next = date.tomorrow().ok();
+                let mut end = starts(next, tz, Timestamp::MAX);
+                while at >= end && end < Timestamp::MAX {
+                    let Some(day) = next else { break };
+                    date = day;
+                    next = day.tomorrow().ok();
+                    end = starts(next, tz, Timestamp::MAX);
                 }
                 write!(stamp, "{}", date.strftime("%Y-%m-%d")).expect("infallible");
-                (midnight(date, tz)?, end)
+                (starts(Some(date), tz, Timestamp::MIN), end)
             }
             Unit::Week => {
                 let date = at.to_zoned_datetime(tz.clone()).date();
-                let mut monday =
-                    date.checked_sub(i64::from(date.weekday().to_monday_zero_offset()).days())?;
-                let mut end = midnight(monday.checked_add(7.days())?, tz)?;
-                while at >= end {
-                    monday = monday.checked_add(7.days())?;
-                    end = midnight(monday.checked_add(7.days())?, tz)?;
+                let back = i64::from(date.weekday().to_monday_zero_offset());
+                // A day of the window's week (its Monday, when there is
+                // one): it names the week.
+                let mut day = date;
+                let mut start = starts(date.checked_sub(back.days()).ok(), tz, Timestamp::MIN);
+                let mut next = date.checked_add((7 - back).days()).ok();
+                let mut end = starts(next, tz, Timestamp::MAX);
+                while at >= end && end < Timestamp::MAX {
+                    let Some(monday) = next else { break };
+                    (day, start) = (monday, end);
+                    next = monday.checked_add(7.days()).ok();
+                    end = starts(next, tz, Timestamp::MAX);
                 }
-                write!(stamp, "{}", monday.strftime("%G-W%V")).expect("infallible");
-                (midnight(monday, tz)?, end)
+                write!(stamp, "{}", day.strftime("%G-W%V")).expect("infallible");
+                (start, end)
             }
             Unit::Month => {
                 let mut first = at.to_zoned_datetime(tz.clone()).date().first_of_month();
-                let mut end = midnight(first.checked_add(1.month())?, tz)?;
-                while at >= end {
-                    first = first.checked_add(1.month())?;
-                    end = midnight(first.checked_add(1.month())?, tz)?;
+                let mut next = first.checked_add(1.month()).ok();
+                let mut end = starts(next, tz, Timestamp::MAX);
+                while at >= end && end < Timestamp::MAX {
+                    let Some(month) = next else { break };
+                    first = month;
+                    next = month.checked_add(1.month()).ok();
+                    end = starts(next, tz, Timestamp::MAX);
                 }
                 write!(stamp, "{}", first.strftime("%Y-%m")).expect("infallible");
-                (midnight(first, tz)?, end)
+                (starts(Some(first), tz, Timestamp::MIN), end)
             }
         };
         if let Some(label) = &self.tz_label {
             write!(stamp, "[{label}]").expect("infallible");
         }
-        Ok(Window::new(start, end, stamp))
+        Window::new(start, end, stamp)
     }
 
     /// Whether the period's windows move with its time zone: every unit but
@@ -405,14 +410,11 @@ impl Period {
         }
     }
 
-    /// The instant a first-use period opened at `first_call` ends.
-    ///
-    /// # Panics
-    ///
-    /// Within a period of the ends of the range `jiff` supports.
+    /// The instant a first-use period opened at `first_call` ends: the last
+    /// instant `jiff` supports (in the year 9999), when it would end later.
     pub fn end_of_first_use(&self, first_call: Timestamp) -> Timestamp {
         self.checked_end_of_first_use(first_call)
-            .expect("the instant lies within the supported range of years")
+            .unwrap_or(Timestamp::MAX)
     }
 
     /// As [`end_of_first_use`](Self::end_of_first_use), `None` past the
@@ -560,32 +562,39 @@ fn midnight(date: Date, tz: &TimeZone) -> Result<Timestamp, jiff::Error> {
     Ok(start)
 }
 
+/// The instant `date` begins in `tz`; `bound` when there is no such date,
+/// or it begins beyond the range of instants `jiff` holds.
+fn starts(date: Option<Date>, tz: &TimeZone, bound: Timestamp) -> Timestamp {
+    date.and_then(|date| midnight(date, tz).ok())
+        .unwrap_or(bound)
+}
+
 /// Minute and hour windows follow the local clock: truncate the local time,
 /// and split the window at an offset change inside it (zones whose offsets
 /// move by half an hour).
-fn sub_day_window(
-    at: Timestamp,
-    tz: &TimeZone,
-    step: i64,
-) -> Result<(Timestamp, Timestamp), jiff::Error> {
+fn sub_day_window(at: Timestamp, tz: &TimeZone, step: i64) -> (Timestamp, Timestamp) {
     let offset = i64::from(tz.to_offset(at).seconds());
     let local = floor_seconds(at) + offset;
     let floor = local.div_euclid(step) * step;
-    let mut start = Timestamp::from_second(floor - offset)?;
-    let mut end = Timestamp::from_second(floor + step - offset)?;
+    // Cut at the ends of the range of instants `jiff` holds.
+    let mut start = Timestamp::from_second(floor - offset).unwrap_or(Timestamp::MIN);
+    let mut end = Timestamp::from_second(floor + step - offset).unwrap_or(Timestamp::MAX);
     let current = tz.to_offset(at);
     if tz.to_offset(start) != current {
-        let just_after = at.checked_add(SignedDuration::from_nanos(1))?;
+        let just_after = at.checked_add(SignedDuration::from_nanos(1)).unwrap_or(at);
         if let Some(t) = tz.preceding(just_after).next() {
             start = start.max(t.timestamp());
         }
     }
-    if tz.to_offset(end.checked_sub(SignedDuration::from_nanos(1))?) != current {
+    let last = end
+        .checked_sub(SignedDuration::from_nanos(1))
+        .unwrap_or(end);
+    if tz.to_offset(last) != current {
         if let Some(t) = tz.following(at).next() {
             end = end.min(t.timestamp());
         }
     }
-    Ok((start, end))
+    (start, end)
 }
 
 fn write_duration(out: &mut String, secs: i64) {

@@ -987,10 +987,39 @@ fn fixed_period_of_a_century_works_at_both_ends_of_the_clock() {
     }
 }
 
+/// A calendar window that reaches past the ends of the range `jiff`
+/// supports is cut there, as a fixed one is: not a panic (on a request's
+/// path, with a clock of the application's own).
 #[test]
-#[should_panic(expected = "supported range")]
-fn window_at_the_end_of_time_panics_with_a_reason() {
-    let _ = Period::month().window(Timestamp::MAX);
+fn a_calendar_window_past_the_ends_of_time_is_cut_there() {
+    let tokyo = TimeZone::get("Asia/Tokyo").unwrap();
+    for period in [
+        Period::minute(),
+        Period::hour(),
+        Period::day(),
+        Period::week(),
+        Period::month(),
+        Period::day().in_time_zone(tokyo.clone()),
+        Period::month().in_time_zone(tokyo),
+    ] {
+        for at in [
+            Timestamp::MAX,
+            ts("9999-12-30T12:00:00Z"),
+            ts("9999-12-15T00:00:00Z"),
+            Timestamp::MIN,
+            ts("-009999-01-05T00:00:00Z"),
+        ] {
+            let window = period.window(at);
+            assert!(
+                window.start() <= at && (at < window.end() || at == Timestamp::MAX),
+                "{period:?} at {at}: {window:?}"
+            );
+        }
+        assert_eq!(period.window(Timestamp::MAX).end(), Timestamp::MAX);
+        assert_eq!(period.end_of_first_use(Timestamp::MAX), Timestamp::MAX);
+    }
+    assert_eq!(Period::month().window(Timestamp::MAX).stamp(), "9999-12");
+    assert_eq!(Period::week().window(Timestamp::MAX).stamp(), "9999-W52");
 }
 
 // First use: exact durations, and calendar months.

@@ -312,12 +312,19 @@ impl<St: Store> LeasedStoreBuilder<St> {
     ///
     /// # Panics
     ///
-    /// When `lease_time` is zero.
+    /// When `lease_time` is zero, or longer than 100 years: a lease's mark
+    /// would outlive every instant its store counts (the years 1678 to
+    /// 2262 on a [`MemoryStore`](crate::MemoryStore)), which would fail
+    /// every charge.
     #[must_use]
     pub fn lease_time(mut self, lease_time: Duration) -> Self {
         assert!(
             !lease_time.is_zero(),
             "the lease time of leases must not be zero"
+        );
+        assert!(
+            lease_time.as_secs() <= crate::period::MAX_FIXED_SECONDS,
+            "the lease time of leases is at most 100 years (got {lease_time:?})"
         );
         self.settings.lease_time = lease_time;
         self

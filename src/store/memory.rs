@@ -276,8 +276,16 @@ impl MemoryStore {
     /// let store = MemoryStore::new().max_counters(50_000);
     /// # let _ = store;
     /// ```
+    ///
+    /// # Panics
+    ///
+    /// When `max` is zero: every charge would fail.
     #[must_use]
     pub fn max_counters(self, max: usize) -> Self {
+        assert!(
+            max > 0,
+            "a memory store holds at least one counter: with none, every charge fails"
+        );
         self.inner.max.store(max, Ordering::Relaxed);
         self
     }

@@ -144,7 +144,8 @@ impl RedisStoreBuilder {
 
     /// Part of the [budget](Self::timeout): the longest a call waits for
     /// room among the calls in flight, or, on an existing pool, for a pooled
-    /// connection (default: the whole budget).
+    /// connection (default: the whole budget; a longer wait is the whole
+    /// budget too).
     pub fn wait_timeout(mut self, timeout: Duration) -> Self {
         self.wait_timeout = Some(timeout);
         self
@@ -260,7 +261,12 @@ impl RedisStoreBuilder {
                 batches,
                 script: &SCRIPT,
                 timeout: self.timeout,
-                wait_timeout: self.wait_timeout.unwrap_or(self.timeout),
+                // Within the budget: a longer wait (`Duration::MAX` for no
+                // bound of its own) is the whole budget, never an instant
+                // past the end of the clock.
+                wait_timeout: self
+                    .wait_timeout
+                    .map_or(self.timeout, |wait| wait.min(self.timeout)),
                 connect_timeout: self.connect_timeout,
                 max_in_flight: self.max_in_flight,
                 in_flight: Arc::new(Semaphore::new(self.max_in_flight)),

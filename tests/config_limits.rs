@@ -1,0 +1,143 @@
+//! Settings at the edges of their ranges: each is refused when it is made,
+//! or works; a request never panics.
+
+use std::time::Duration;
+
+use axum::body::Body;
+use axum::routing::get;
+use axum::Router;
+use http::{Request, StatusCode};
+use tower::ServiceExt;
+use tower_quota::jiff::Timestamp;
+use tower_quota::{
+    Clock, FromHeader, LeasedStore, MemoryStore, Period, Quota, QuotaLayer, QuotaPolicy, Store,
+};
+
+fn at(s: &str) -> Timestamp {
+    s.parse().unwrap()
+}
+
+/// A clock stopped at any instant jiff holds (a `ManualClock` covers the
+/// years 1678 to 2262 only).
+#[derive(Clone, Copy)]
+struct Stopped(Timestamp);
+
+impl Clock for Stopped {
+    fn now(&self) -> Timestamp {
+        self.0
+    }
+}
+
+fn account() -> FromHeader {
+    FromHeader::account("x-account-id")
+}
+
+fn app<St: Store>(layer: QuotaLayer<FromHeader, St>) -> Router {
+    Router::new()
+        .route("/", get(|| async { "ok" }))
+        .layer(layer)
+}
+
+/// The status of one request, or the message of the panic it caused.
+async fn status(app: &Router) -> Result<StatusCode, String> {
+    let request = Request::get("/")
+        .header("x-account-id", "acme")
+        .body(Body::empty())
+        .unwrap();
+    let app = app.clone();
+    match tokio::spawn(async move { app.oneshot(request).await.unwrap() }).await {
+        Ok(response) => Ok(response.status()),
+        Err(error) => {
+            let panic = error.into_panic();
+            Err(panic
+                .downcast_ref::<String>()
+                .cloned()
+                .or_else(|| panic.downcast_ref::<&str>().map(|s| (*s).to_owned()))
+                .unwrap_or_default())
+        }
+    }
+}
+
+/// A clock near the ends of the range of instants jiff holds: the memory
+/// store counts no such instant, so the request is answered as a store
+/// failure (503 under the default fail closed), never with a panic.
+#[tokio::test]
+async fn a_clock_at_the_ends_of_time_is_answered_never_a_panic() {
+    for (now, quota) in [
+        ("9999-12-30T12:00:00Z", Quota::daily(10)),
+        ("9999-12-28T12:00:00Z", Quota::weekly(10)),
+        ("9999-12-15T12:00:00Z", Quota::monthly(10)),
+        ("9999-12-30T22:00:00Z", Quota::hourly(10)),
+        ("9999-12-30T22:00:00Z", Quota::per_minute(10)),
+        (
+            "9999-12-30T12:00:00Z",
+            Quota::rolling(10, Duration::from_secs(86_400)),
+        ),
+        (
+            "9950-01-01T00:00:00Z",
+            Quota::rolling(10, Duration::from_secs(100 * 31_557_600)),
+        ),
+        ("-009999-01-02T02:00:00Z", Quota::daily(10)),
+        ("-009999-01-02T02:00:00Z", Quota::weekly(10)),
+        ("-009999-01-02T02:00:00Z", Quota::monthly(10)),
+    ] {
+        let name = quota.name().to_owned();
+        let policy = QuotaPolicy::builder(account())
+            .clock(Stopped(at(now)))
+            .build();
+        let app = app(policy.layer(quota));
+        assert_eq!(
+            status(&app).await,
+            Ok(StatusCode::SERVICE_UNAVAILABLE),
+            "{name} at {now}"
+        );
+    }
+}
+
+/// A calendar window that would end past the last instant jiff holds is
+/// cut there, as a fixed window is.
+#[test]
+fn a_calendar_window_at_the_end_of_time_is_cut_there() {
+    let window = Period::day().window(at("9999-12-30T12:00:00Z"));
+    assert_eq!(window.stamp(), "9999-12-30");
+    assert_eq!(window.start(), at("9999-12-30T00:00:00Z"));
+    assert_eq!(window.end(), Timestamp::MAX);
+    let window = Period::month().window(at("-009999-01-02T02:00:00Z"));
+    assert_eq!(window.stamp(), "-9999-01");
+    assert_eq!(window.start(), Timestamp::MIN);
+    assert_eq!(window.end(), at("-009999-02-01T00:00:00Z"));
+}
+
+/// A lease time so long that a lease's mark would outlive every instant
+/// the store counts fails every charge: refused when the store is made.
+#[test]
+#[should_panic(expected = "lease time")]
+fn a_lease_time_of_centuries_is_refused_when_made() {
+    let _ = LeasedStore::builder(MemoryStore::new()).lease_time(Duration::MAX);
+}
+
+/// A memory store that may hold no counter fails every charge: refused
+/// when it is made.
+#[test]
+#[should_panic(expected = "at least one counter")]
+fn a_memory_store_of_no_counters_is_refused_when_made() {
+    let _ = MemoryStore::new().max_counters(0);
+}
+
+/// A Redis store whose wait for room is `Duration::MAX` (no bound of its
+/// own: the whole budget) waits within its budget: a request on a server
+/// that does not answer is a 503, never a panic.
+#[cfg(feature = "redis")]
+#[tokio::test]
+async fn a_redis_wait_timeout_of_duration_max_is_the_whole_budget() {
+    use tower_quota::store::RedisStore;
+
+    // Nothing listens on port 1.
+    let store = RedisStore::builder("redis://127.0.0.1:1/")
+        .wait_timeout(Duration::MAX)
+        .build()
+        .unwrap();
+    let policy = QuotaPolicy::builder(account()).store(store).build();
+    let app = app(policy.layer(Quota::daily(3)));
+    assert_eq!(status(&app).await, Ok(StatusCode::SERVICE_UNAVAILABLE));
+}
