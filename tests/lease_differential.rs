@@ -14,14 +14,16 @@
 //! store's documented bound: a larger one is spent on top of the limit).
 //! The runtime's time is paused, each case on a runtime of its own.
 
+#[path = "differential/mod.rs"]
+mod differential;
+
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::time::Duration;
 
 use axum::body::Body;
-use axum::extract::State;
 use axum::routing::get;
 use axum::Router;
-use http::{HeaderMap, Request, StatusCode};
+use http::Request;
 use http_body_util::BodyExt;
 use jiff::{SignedDuration, Timestamp};
 use proptest::prelude::*;
@@ -108,60 +110,7 @@ fn app<St: Store>(store: St, clock: ManualClock) -> (Router, QuotaHandle<St>) {
                 .unwrap_or(1)
         });
     let handle = policy.handle();
-    let router = Router::new()
-        .route(
-            "/read",
-            get(|status: QuotaStatus| async move { describe(&status.entries()) }),
-        )
-        .route(
-            "/fail",
-            get(|status: QuotaStatus| async move {
-                (
-                    StatusCode::INTERNAL_SERVER_ERROR,
-                    describe(&status.entries()),
-                )
-            }),
-        )
-        .route(
-            "/undo",
-            get(
-                |State(handle): State<QuotaHandle<St>>, status: QuotaStatus| async move {
-                    let undone = handle.refund_request(&status).await;
-                    format!("{undone:?} {}", describe(&status.entries()))
-                },
-            ),
-        )
-        .route(
-            "/undo-fail",
-            get(
-                |State(handle): State<QuotaHandle<St>>, status: QuotaStatus| async move {
-                    let undone = handle.refund_request(&status).await;
-                    (
-                        StatusCode::INTERNAL_SERVER_ERROR,
-                        format!("{undone:?} {}", describe(&status.entries())),
-                    )
-                },
-            ),
-        )
-        .route(
-            "/write",
-            get(|status: QuotaStatus| async move { describe(&status.entries()) })
-                .route_layer(write),
-        )
-        .route_layer(read)
-        .route(
-            "/tokens",
-            get(|headers: HeaderMap, status: QuotaStatus| async move {
-                let used = headers
-                    .get("x-cost")
-                    .and_then(|v| v.to_str().ok())
-                    .unwrap_or("1")
-                    .to_owned();
-                ([("x-tokens-used", used)], describe(&status.entries()))
-            })
-            .route_layer(tokens),
-        )
-        .with_state(handle.clone());
+    let router = differential::routes(Router::new(), read, write, tokens, handle.clone(), describe);
     (router, handle)
 }
 

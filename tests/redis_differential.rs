@@ -40,15 +40,16 @@
 
 mod redis_support;
 
+#[path = "differential/mod.rs"]
+mod differential;
+
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::time::{Duration, Instant};
 
 use axum::body::Body;
-use axum::extract::State;
-use axum::routing::get;
 use axum::Router;
 use deadpool_redis::redis;
-use http::{HeaderMap, Request, StatusCode};
+use http::Request;
 use http_body_util::BodyExt;
 use jiff::{RoundMode, SignedDuration, Timestamp, TimestampRound, Unit};
 use proptest::prelude::*;
@@ -57,7 +58,7 @@ use tower::ServiceExt;
 use tower_quota::store::RedisStore;
 use tower_quota::{
     Anchor, FromHeader, InvalidRequest, ManualClock, MemoryStore, Period, Quota, QuotaHandle,
-    QuotaPolicy, QuotaStatus, QuotaUsage, Store, Subject, UnknownPlan,
+    QuotaPolicy, QuotaUsage, Store, Subject, UnknownPlan,
 };
 
 use redis_support::{redis_available, RedisServer};
@@ -206,64 +207,8 @@ fn app<St: Store>(store: St, clock: ManualClock) -> (Router, QuotaHandle<St>) {
             )
         });
     let handle = policy.handle();
-    let router = Router::new()
-        .route(
-            "/bulk",
-            get(|status: QuotaStatus| async move { describe(&status.entries()) }).route_layer(bulk),
-        )
-        .route(
-            "/read",
-            get(|status: QuotaStatus| async move { describe(&status.entries()) }),
-        )
-        .route(
-            "/fail",
-            get(|status: QuotaStatus| async move {
-                (
-                    StatusCode::INTERNAL_SERVER_ERROR,
-                    describe(&status.entries()),
-                )
-            }),
-        )
-        .route(
-            "/undo",
-            get(
-                |State(handle): State<QuotaHandle<St>>, status: QuotaStatus| async move {
-                    let undone = handle.refund_request(&status).await;
-                    format!("{undone:?} {}", describe(&status.entries()))
-                },
-            ),
-        )
-        .route(
-            "/undo-fail",
-            get(
-                |State(handle): State<QuotaHandle<St>>, status: QuotaStatus| async move {
-                    let undone = handle.refund_request(&status).await;
-                    (
-                        StatusCode::INTERNAL_SERVER_ERROR,
-                        format!("{undone:?} {}", describe(&status.entries())),
-                    )
-                },
-            ),
-        )
-        .route(
-            "/write",
-            get(|status: QuotaStatus| async move { describe(&status.entries()) })
-                .route_layer(write),
-        )
-        .route_layer(read)
-        .route(
-            "/tokens",
-            get(|headers: HeaderMap, status: QuotaStatus| async move {
-                let used = headers
-                    .get("x-cost")
-                    .and_then(|v| v.to_str().ok())
-                    .unwrap_or("1")
-                    .to_owned();
-                ([("x-tokens-used", used)], describe(&status.entries()))
-            })
-            .route_layer(tokens),
-        )
-        .with_state(handle.clone());
+    let bulk = Router::new().route("/bulk", differential::entries(describe).route_layer(bulk));
+    let router = differential::routes(bulk, read, write, tokens, handle.clone(), describe);
     (router, handle)
 }
 
