@@ -511,13 +511,22 @@ impl Ledger {
     /// owes in `store`, unless one runs already or nothing is owed.
     pub(crate) fn start<St: Store>(self: &Arc<Self>, store: &St, settings: &Settings) {
         let mut book = self.lock();
+        let now = settings.clock.now();
         // Nothing owed (a reset forgot it), or a task settles it; unless
         // that task has shown no sign of life for a while, with no settle
         // of its on the way: its runtime went idle or is blocked, and this
         // one takes over (that one ends at its next step, if it ever runs).
         if book.queue.is_empty()
-            || (book.settling && (book.in_flight.is_some() || !self.silent(settings.clock.now())))
+            || (book.settling && (book.in_flight.is_some() || !self.silent(now)))
         {
+            if !book.settling {
+                // No task to watch (a beat left by one taken over).
+                self.beat.store(IDLE, Ordering::Relaxed);
+            } else if book.in_flight.is_some() {
+                // A silent task's settle on its way is waited for: looked
+                // at again after another while, not on every request.
+                self.beat(now);
+            }
             self.stranded.store(false, Ordering::Relaxed);
             return;
         }
@@ -535,7 +544,7 @@ impl Ledger {
         book.settling = true;
         book.task = book.task.wrapping_add(1);
         let task = book.task;
-        self.beat(settings.clock.now());
+        self.beat(now);
         self.stranded.store(false, Ordering::Relaxed);
         drop(book);
         let guard = Settling {
@@ -1122,14 +1131,17 @@ async fn pause(claim: &Settling, clock: &dyn Clock, wait: Duration) {
             // The policy is gone: nothing to try again.
             return;
         };
-        let (hurry, taken_over) = {
+        let hurry = {
             let book = ledger.lock();
-            (book.hurry > 0, book.task != claim.task)
+            if book.task != claim.task {
+                // Taken over: this task ends, and leaves the beat alone.
+                return;
+            }
+            // Under the lock, as every beat: a task that ended since
+            // (`IDLE`) is never made to look alive.
+            ledger.beat(clock.now());
+            book.hurry > 0
         };
-        if taken_over {
-            return;
-        }
-        ledger.beat(clock.now());
         drop(ledger);
         let wait = if hurry { wait.min(FIRST_RETRY) } else { wait };
         let left = wait.saturating_sub(start.elapsed());

@@ -711,3 +711,24 @@ async fn a_debt_owed_on_a_runtime_gone_idle_is_settled_from_another() {
     );
     assert_eq!(used(&store.inner, &a, now).await, 2);
 }
+
+/// A beat left by a task that no longer settles (one taken over, whose
+/// last step came after the task in its place ended) makes every request
+/// look at the ledger under its lock: the first such look finds no task
+/// and clears the beat, so the next requests pass with one atomic read.
+#[tokio::test]
+async fn a_beat_with_no_task_behind_it_is_cleared_by_the_first_request() {
+    let now = at(NOON);
+    let clock = ManualClock::new(now);
+    let settings = Settings {
+        clock: Arc::new(clock.clone()),
+        ..Settings::default()
+    };
+    let store = Away::default();
+    let ledger = Arc::new(Ledger::default());
+    ledger.beat(now);
+    clock.advance(Duration::from_secs(60));
+    ledger.wake(&store, &settings);
+    assert_eq!(ledger.beat.load(Ordering::Relaxed), IDLE);
+    assert_eq!(ledger.owed(), Owed::default());
+}
