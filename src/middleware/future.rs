@@ -339,6 +339,21 @@ where
     }
 }
 
+/// One change [`apply`] sends to a counter of a line.
+struct Change {
+    key: crate::key::PeriodKey,
+    adjust: Adjust,
+    /// The counter the line was charged on: the change goes to it only,
+    /// not to one made anew since.
+    made: Made,
+    /// When that counter's period ends: a change the store never sent is
+    /// sent again until then.
+    resets_at: Timestamp,
+    /// The line's index in the response's lines, when the change is one of
+    /// a layer's response (see [`apply`]).
+    line: Option<usize>,
+}
+
 /// Refunds and adds that failed, logged a few times per second at most.
 static ADJUST_ERRORS: Throttle = Throttle::new(5);
 
@@ -354,10 +369,10 @@ static ADJUST_ERRORS: Throttle = Throttle::new(5);
 fn apply<St: Store>(
     store: St,
     now: Timestamp,
-    ops: Vec<(crate::key::PeriodKey, Adjust, Made, Timestamp)>,
-    // The lines of the ops, by index, when they are those of a layer's
-    // response: an add that never lands is recorded on its line.
-    lines: Option<(Arc<Lines>, Vec<usize>)>,
+    ops: Vec<Change>,
+    // The lines the ops name (see `Change::line`): an add that never lands
+    // is recorded on its line.
+    lines: Option<Arc<Lines>>,
 ) -> (Adjusting, Resending) {
     let (first_answers, resending) = tokio::sync::oneshot::channel();
     // When the changes are first sent, on the runtime's clock: what they
@@ -374,8 +389,8 @@ fn apply<St: Store>(
             }
         };
         let mut answers = Vec::with_capacity(ops.len());
-        for (key, op, made, _) in &ops {
-            answers.push(send(key, *op, *made).await);
+        for change in &ops {
+            answers.push(send(&change.key, change.adjust, change.made).await);
         }
         // A change the store never sent applied nothing: sent again a while
         // later, within the counter's period, so that an outage does not
@@ -385,19 +400,20 @@ fn apply<St: Store>(
         let resends: Vec<_> = answers
             .iter()
             .zip(&ops)
-            .map(|(answer, (_, _, _, resets_at))| {
+            .map(|(answer, change)| {
                 let unsent = matches!(answer, Err(error) if error.is_unsent());
                 unsent
-                    .then(|| Resend::until(started, now, *resets_at))
+                    .then(|| Resend::until(started, now, change.resets_at))
                     .flatten()
             })
             .collect();
         if resends.iter().any(Option::is_some) {
             let _ = first_answers.send(());
         }
-        for ((answer, resend), (key, op, made, _)) in answers.iter_mut().zip(resends).zip(&ops) {
+        for ((answer, resend), change) in answers.iter_mut().zip(resends).zip(&ops) {
             if let Some(resend) = resend {
-                if let Some(again) = resend.send(|| send(key, *op, *made)).await {
+                let again = resend.send(|| send(&change.key, change.adjust, change.made));
+                if let Some(again) = again.await {
                     *answer = again;
                 }
             }
@@ -405,18 +421,18 @@ fn apply<St: Store>(
         answers
             .into_iter()
             .zip(&ops)
-            .enumerate()
-            .map(|(n, (answer, (_, op, _, _)))| {
+            .map(|(answer, change)| {
+                let op = &change.adjust;
                 if let (Adjust::Refund(_), Ok(Some(_))) = (op, &answer) {
                     crate::metrics::refunded();
                 }
                 // An add that never landed (failed, or no counter to add
                 // to) is no part of what a give-back of the request takes
                 // from the counter.
-                if let (Adjust::Add(amount), false, Some((lines, index))) =
-                    (op, matches!(answer, Ok(Some(_))), &lines)
+                if let (Adjust::Add(amount), false, Some(lines), Some(line)) =
+                    (op, matches!(answer, Ok(Some(_))), &lines, change.line)
                 {
-                    lines[index[n]].add_unlanded(*amount);
+                    lines[line].add_unlanded(*amount);
                 }
                 answer.unwrap_or_else(|error| {
                     match *op {
@@ -758,7 +774,6 @@ fn adjust_kept<E, St: Store>(
         })
         .map(|(i, op)| (*i, charged.lines[*i].key.clone(), *op))
         .collect();
-    let indices = keyed.iter().map(|(i, _, _)| *i).collect();
     let (applied, resending) = apply(
         charged.bound.policy.store.clone(),
         now,
@@ -766,15 +781,16 @@ fn adjust_kept<E, St: Store>(
             .iter()
             .map(|(i, key, op)| {
                 let line = &charged.lines[*i];
-                (
-                    key.clone(),
-                    *op,
-                    line.charged_counter(charged.now),
-                    line.usage.resets_at,
-                )
+                Change {
+                    key: key.clone(),
+                    adjust: *op,
+                    made: line.charged_counter(charged.now),
+                    resets_at: line.usage.resets_at,
+                    line: Some(*i),
+                }
             })
             .collect(),
-        Some((Arc::clone(&charged.lines), indices)),
+        Some(Arc::clone(&charged.lines)),
     );
     let all: Vec<usize> = ops.iter().map(|(i, _)| *i).collect();
     let adjusting = Box::pin(async move {
@@ -837,8 +853,14 @@ fn give_back_unserved<E, St: Store>(
         .into_iter()
         .map(|(i, amount)| {
             let line = &charged.lines[i];
-            let made = line.charged_counter(charged.now);
-            (i, line.key.clone(), amount, made, line.usage.resets_at)
+            let refund = Change {
+                key: line.key.clone(),
+                adjust: Adjust::Refund(amount),
+                made: line.charged_counter(charged.now),
+                resets_at: line.usage.resets_at,
+                line: None,
+            };
+            (i, amount, refund)
         })
         .collect();
     if lines.is_empty() {
@@ -854,9 +876,12 @@ fn give_back_unserved<E, St: Store>(
         let now = clock.now();
         let back = lines
             .into_iter()
-            .filter_map(|(i, key, amount, made, resets_at)| {
+            .filter_map(|(i, amount, refund)| {
                 let amount = amount.saturating_add(charge::added(&ops, &results, i));
-                (amount > 0).then_some((key, Adjust::Refund(amount), made, resets_at))
+                (amount > 0).then_some(Change {
+                    adjust: Adjust::Refund(amount),
+                    ..refund
+                })
             })
             .collect();
         apply(store, now, back, None).0.await
