@@ -17,6 +17,8 @@
 #[path = "differential/mod.rs"]
 mod differential;
 
+use differential::{route, Route};
+
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::time::Duration;
 
@@ -37,6 +39,7 @@ use tower_quota::{
 
 const SUBJECTS: [&str; 2] = ["acme", "globex"];
 const ALLOWANCES: [&str; 3] = ["read", "write", "tokens"];
+const PLANS: [Option<&str>; 3] = [None, Some("free"), Some("pro")];
 
 /// Each entry as a client or support tool reads it.
 fn describe(entries: &[QuotaUsage]) -> String {
@@ -115,16 +118,6 @@ fn app<St: Store>(store: St, clock: ManualClock) -> (Router, QuotaHandle<St>) {
 }
 
 #[derive(Clone, Copy, Debug)]
-enum Route {
-    Read,
-    Fail,
-    Undo,
-    UndoFail,
-    Write,
-    Tokens(u8),
-}
-
-#[derive(Clone, Copy, Debug)]
 enum Wait {
     /// Past the idle bound.
     Idle,
@@ -165,21 +158,10 @@ enum Op {
     },
 }
 
-fn route() -> impl Strategy<Value = Route> {
-    prop_oneof![
-        6 => Just(Route::Read),
-        1 => Just(Route::Fail),
-        1 => Just(Route::Undo),
-        1 => Just(Route::UndoFail),
-        2 => Just(Route::Write),
-        2 => (0u8..12).prop_map(Route::Tokens),
-    ]
-}
-
 fn op() -> impl Strategy<Value = Op> {
     let who = 0..SUBJECTS.len();
     prop_oneof![
-        40 => (who.clone(), route(), 0..3usize, prop_oneof![8 => 0u16..12, 1 => 150u16..280]).prop_map(|(who, route, plan, gap_ms)| Op::Call { who, route, plan, gap_ms }),
+        40 => (who.clone(), route(false), 0..3usize, prop_oneof![8 => 0u16..12, 1 => 150u16..280]).prop_map(|(who, route, plan, gap_ms)| Op::Call { who, route, plan, gap_ms }),
         1 => Just(Op::Wait(Wait::Idle)),
         1 => Just(Op::Wait(Wait::Lease)),
         1 => Just(Op::Wait(Wait::FirstUse)),
@@ -194,36 +176,7 @@ fn op() -> impl Strategy<Value = Op> {
 
 /// The status, the fields a client reads, and the body.
 async fn ask(app: &Router, route: Route, who: usize, plan: usize) -> String {
-    let path = match route {
-        Route::Read => "/read",
-        Route::Fail => "/fail",
-        Route::Undo => "/undo",
-        Route::UndoFail => "/undo-fail",
-        Route::Write => "/write",
-        Route::Tokens(_) => "/tokens",
-    };
-    let mut request = Request::get(path).header("x-account-id", SUBJECTS[who]);
-    if let Some(plan) = [None, Some("free"), Some("pro")][plan] {
-        request = request.header("x-plan", plan);
-    }
-    if let Route::Tokens(cost) = route {
-        request = request.header("x-cost", cost.to_string());
-    }
-    let response = app
-        .clone()
-        .oneshot(request.body(Body::empty()).unwrap())
-        .await
-        .unwrap();
-    let mut seen = response.status().to_string();
-    for name in ["ratelimit", "ratelimit-policy", "retry-after"] {
-        for value in response.headers().get_all(name) {
-            seen.push_str(&format!(" {name}: {}", value.to_str().unwrap()));
-        }
-    }
-    let body = response.into_body().collect().await.unwrap().to_bytes();
-    seen.push_str(" | ");
-    seen.push_str(&String::from_utf8_lossy(&body));
-    seen
+    differential::ask(app, route, SUBJECTS[who], PLANS[plan]).await
 }
 
 /// Where `who` stands, on the default limits and on each plan's.
@@ -234,7 +187,7 @@ async fn standing<St: Store>(handle: &QuotaHandle<St>, who: usize) -> String {
 async fn standing_as<St: Store>(handle: &QuotaHandle<St>, who: usize, leniently: bool) -> String {
     let subject = Subject::account(SUBJECTS[who]);
     let mut seen = String::new();
-    for plan in [None, Some("free"), Some("pro")] {
+    for plan in PLANS {
         let usage = handle.usage_on_plan(&subject, plan).await.unwrap();
         seen.push_str(&format!("{plan:?}: {} ", describe_as(&usage, leniently)));
     }

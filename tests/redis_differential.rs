@@ -43,18 +43,16 @@ mod redis_support;
 #[path = "differential/mod.rs"]
 mod differential;
 
+use differential::{route, Route};
+
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::time::{Duration, Instant};
 
-use axum::body::Body;
 use axum::Router;
 use deadpool_redis::redis;
-use http::Request;
-use http_body_util::BodyExt;
 use jiff::{RoundMode, SignedDuration, Timestamp, TimestampRound, Unit};
 use proptest::prelude::*;
 use proptest::test_runner::{Config, TestCaseError, TestRunner};
-use tower::ServiceExt;
 use tower_quota::store::RedisStore;
 use tower_quota::{
     Anchor, FromHeader, InvalidRequest, ManualClock, MemoryStore, Period, Quota, QuotaHandle,
@@ -213,19 +211,6 @@ fn app<St: Store>(store: St, clock: ManualClock) -> (Router, QuotaHandle<St>) {
 }
 
 #[derive(Clone, Copy, Debug)]
-enum Route {
-    Read,
-    Fail,
-    Undo,
-    UndoFail,
-    Write,
-    /// The cost the handler reports (the deferred cost).
-    Tokens(u8),
-    /// The cost the request asks for.
-    Bulk(u8),
-}
-
-#[derive(Clone, Copy, Debug)]
 enum Wait {
     /// Past the first-use minute.
     FirstUse,
@@ -276,22 +261,10 @@ enum Op {
     },
 }
 
-fn route() -> impl Strategy<Value = Route> {
-    prop_oneof![
-        6 => Just(Route::Read),
-        1 => Just(Route::Fail),
-        1 => Just(Route::Undo),
-        1 => Just(Route::UndoFail),
-        2 => Just(Route::Write),
-        2 => (0u8..12).prop_map(Route::Tokens),
-        2 => prop_oneof![3 => 0u8..5, 1 => 5u8..20].prop_map(Route::Bulk),
-    ]
-}
-
 fn op() -> impl Strategy<Value = Op> {
     let who = 0..SUBJECTS.len();
     prop_oneof![
-        40 => (who.clone(), route(), 0..PLANS.len(), prop_oneof![8 => Just(0u8), 2 => 1u8..3, 1 => 5u8..40])
+        40 => (who.clone(), route(true), 0..PLANS.len(), prop_oneof![8 => Just(0u8), 2 => 1u8..3, 1 => 5u8..40])
             .prop_map(|(who, route, plan, gap_s)| Op::Call { who, route, plan, gap_s }),
         6 => prop_oneof![
             Just(Wait::FirstUse),
@@ -302,51 +275,13 @@ fn op() -> impl Strategy<Value = Op> {
             Just(Wait::BeforeDeadline),
         ]
         .prop_map(Op::Wait),
-        4 => (proptest::array::uniform5((route(), 0..PLANS.len())), 0..SUBJECTS.len(), 2..=SUBJECTS.len())
+        4 => (proptest::array::uniform5((route(true), 0..PLANS.len())), 0..SUBJECTS.len(), 2..=SUBJECTS.len())
             .prop_map(|(calls, first, len)| Op::Burst { calls, first, len }),
         1 => (who.clone(), 0u64..8).prop_map(|(who, amount)| Op::Refund { who, amount }),
         1 => (who.clone(), 0..ALLOWANCES.len(), 0u64..8).prop_map(|(who, allowance, amount)| Op::RefundAllowance { who, allowance, amount }),
         1 => who.clone().prop_map(|who| Op::Reset { who }),
         1 => (who, 0..ALLOWANCES.len()).prop_map(|(who, allowance)| Op::ResetAllowance { who, allowance }),
     ]
-}
-
-/// The status, the fields a client reads, and the body.
-async fn ask(app: &Router, route: Route, who: usize, plan: usize) -> String {
-    let path = match route {
-        Route::Read => "/read",
-        Route::Fail => "/fail",
-        Route::Undo => "/undo",
-        Route::UndoFail => "/undo-fail",
-        Route::Write => "/write",
-        Route::Tokens(_) => "/tokens",
-        Route::Bulk(_) => "/bulk",
-    };
-    let mut request = Request::get(path).header("x-account-id", SUBJECTS[who]);
-    if let Some(plan) = PLANS[plan] {
-        request = request.header("x-plan", plan);
-    }
-    if let Route::Tokens(cost) = route {
-        request = request.header("x-cost", cost.to_string());
-    }
-    if let Route::Bulk(units) = route {
-        request = request.header("x-units", units.to_string());
-    }
-    let response = app
-        .clone()
-        .oneshot(request.body(Body::empty()).unwrap())
-        .await
-        .unwrap();
-    let mut seen = response.status().to_string();
-    for name in ["ratelimit", "ratelimit-policy", "retry-after"] {
-        for value in response.headers().get_all(name) {
-            seen.push_str(&format!(" {name}: {}", value.to_str().unwrap()));
-        }
-    }
-    let body = response.into_body().collect().await.unwrap().to_bytes();
-    seen.push_str(" | ");
-    seen.push_str(&String::from_utf8_lossy(&body));
-    seen
 }
 
 /// `calls[i]` for `whos[i]`, all at once; their answers in that order.
@@ -364,6 +299,11 @@ async fn burst(app: &Router, calls: &[(Route, usize); 5], whos: &[usize]) -> Str
         seen.push(task.await.unwrap());
     }
     seen.join(" || ")
+}
+
+/// The status, the fields a client reads, and the body.
+async fn ask(app: &Router, route: Route, who: usize, plan: usize) -> String {
+    differential::ask(app, route, SUBJECTS[who], PLANS[plan]).await
 }
 
 /// Where `who` stands, on the default limits and on each plan's.

@@ -2,10 +2,14 @@
 //! `redis_differential.rs`) serve on each of their two apps: the handlers
 //! answer the request's `QuotaStatus` entries as the test reads them.
 
+use axum::body::Body;
 use axum::extract::State;
 use axum::routing::{get, MethodRouter};
 use axum::Router;
-use http::{HeaderMap, StatusCode};
+use http::{HeaderMap, Request, StatusCode};
+use http_body_util::BodyExt;
+use proptest::prelude::*;
+use tower::ServiceExt;
 use tower_quota::{FromHeader, QuotaHandle, QuotaLayer, QuotaStatus, QuotaUsage, Store};
 
 /// How a test writes a request's entries.
@@ -74,4 +78,72 @@ pub fn routes<St: Store>(
             .route_layer(tokens),
         )
         .with_state(handle)
+}
+
+/// A request of a script, by the route it asks.
+#[derive(Clone, Copy, Debug)]
+pub enum Route {
+    Read,
+    Fail,
+    Undo,
+    UndoFail,
+    Write,
+    /// The cost the handler reports (the deferred cost).
+    Tokens(u8),
+    /// The cost the request asks for (`/bulk`, which a test's `base`
+    /// routes serve).
+    Bulk(u8),
+}
+
+/// The routes of a script, `/bulk` among them if `bulk`.
+pub fn route(bulk: bool) -> BoxedStrategy<Route> {
+    let bulk_weight = if bulk { 2 } else { 0 };
+    prop_oneof![
+        6 => Just(Route::Read),
+        1 => Just(Route::Fail),
+        1 => Just(Route::Undo),
+        1 => Just(Route::UndoFail),
+        2 => Just(Route::Write),
+        2 => (0u8..12).prop_map(Route::Tokens),
+        bulk_weight => prop_oneof![3 => 0u8..5, 1 => 5u8..20].prop_map(Route::Bulk),
+    ]
+    .boxed()
+}
+
+/// The status, the fields a client reads, and the body of `route` asked
+/// for `subject` on `plan`.
+pub async fn ask(app: &Router, route: Route, subject: &str, plan: Option<&str>) -> String {
+    let path = match route {
+        Route::Read => "/read",
+        Route::Fail => "/fail",
+        Route::Undo => "/undo",
+        Route::UndoFail => "/undo-fail",
+        Route::Write => "/write",
+        Route::Tokens(_) => "/tokens",
+        Route::Bulk(_) => "/bulk",
+    };
+    let mut request = Request::get(path).header("x-account-id", subject);
+    if let Some(plan) = plan {
+        request = request.header("x-plan", plan);
+    }
+    match route {
+        Route::Tokens(cost) => request = request.header("x-cost", cost.to_string()),
+        Route::Bulk(units) => request = request.header("x-units", units.to_string()),
+        _ => {}
+    }
+    let response = app
+        .clone()
+        .oneshot(request.body(Body::empty()).unwrap())
+        .await
+        .unwrap();
+    let mut seen = response.status().to_string();
+    for name in ["ratelimit", "ratelimit-policy", "retry-after"] {
+        for value in response.headers().get_all(name) {
+            seen.push_str(&format!(" {name}: {}", value.to_str().unwrap()));
+        }
+    }
+    let body = response.into_body().collect().await.unwrap().to_bytes();
+    seen.push_str(" | ");
+    seen.push_str(&String::from_utf8_lossy(&body));
+    seen
 }
