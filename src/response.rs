@@ -694,6 +694,20 @@ pub(crate) fn is_grpc_server_failure(response: &http::response::Parts) -> bool {
             .is_some_and(|code| matches!(code.as_bytes(), b"2" | b"12" | b"13" | b"14" | b"15"))
 }
 
+/// Whether `response` is a gRPC answer (HTTP 200, `content-type:
+/// application/grpc*`) whose head carries `grpc-status` 12
+/// (`UNIMPLEMENTED`): the server has no such method (tonic's router answers
+/// a call to an unknown service or method so), gRPC's 404, which no quota
+/// charges.
+pub(crate) fn is_grpc_unimplemented(response: &http::response::Parts) -> bool {
+    response.status == StatusCode::OK
+        && is_grpc(&response.headers)
+        && response
+            .headers
+            .get(&GRPC_STATUS)
+            .is_some_and(|code| code.as_bytes() == b"12")
+}
+
 /// Whether `response` is an error: a 4xx or 5xx status, or a gRPC answer
 /// whose head carries a `grpc-status` other than OK (a trailers-only
 /// refusal).

@@ -138,3 +138,44 @@ async fn an_open_watch_stream_does_not_hold_a_stopping_grpc_example() {
         drop(watch);
     }
 }
+
+/// A call to a method the server does not have (tonic answers
+/// UNIMPLEMENTED, gRPC's 404) is not charged, as an unknown path never is.
+#[tokio::test(flavor = "current_thread")]
+async fn a_call_to_an_unknown_method_is_not_charged() {
+    use tonic_health::pb::HealthCheckResponse;
+    use tower_quota::{FromHeader, Quota, QuotaPolicy, Subject};
+
+    let policy = QuotaPolicy::builder(FromHeader::account("x-account-id")).build();
+    let (_reporter, health) = tonic_health::server::health_reporter();
+    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let addr = listener.local_addr().unwrap();
+    let serving = tonic::transport::Server::builder()
+        .layer(policy.layer(Quota::daily(3)))
+        .add_service(health)
+        .serve_with_incoming(tonic::transport::server::TcpIncoming::from(listener));
+    let server = tokio::spawn(serving);
+    let channel = Channel::from_shared(format!("http://{addr}"))
+        .unwrap()
+        .connect()
+        .await
+        .unwrap();
+    let mut grpc = tonic::client::Grpc::new(channel);
+    for _ in 0..2 {
+        grpc.ready().await.unwrap();
+        let codec = tonic::codec::ProstCodec::<HealthCheckRequest, HealthCheckResponse>::default();
+        let path = http::uri::PathAndQuery::from_static("/nope.v1.Nope/Call");
+        let refused = grpc
+            .unary(check(Some("acme")), path, codec)
+            .await
+            .unwrap_err();
+        assert_eq!(refused.code(), Code::Unimplemented, "{refused:?}");
+    }
+    let usage = policy
+        .handle()
+        .usage(&Subject::account("acme"))
+        .await
+        .unwrap();
+    assert_eq!(usage[0].used(), 0, "calls to no method were charged");
+    server.abort();
+}

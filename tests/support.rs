@@ -791,3 +791,36 @@ async fn support_tells_when_to_retry_while_the_store_is_away() {
     assert_eq!(response.headers()["retry-after"], "1");
     assert_eq!(problem(response).await["status"], 503);
 }
+
+/// Mounted in an application whose quota layer covers every route
+/// (`Router::layer`, with `unrouted`'s answers set last, as the README
+/// says), the support router's own 404 and 405 are not charged, as the
+/// application's are not: no route served them.
+#[tokio::test(flavor = "current_thread")]
+async fn the_support_routers_404_and_405_are_never_charged() {
+    let policy = QuotaPolicy::builder(FromHeader::account("x-account-id")).build();
+    let app = Router::new()
+        .route("/", get(|| async { "hi" }))
+        .nest("/admin", policy.handle().router())
+        .layer(policy.layer(Quota::daily(10)))
+        .method_not_allowed_fallback(tower_quota::unrouted::MethodNotAllowed)
+        .fallback(tower_quota::unrouted::NotFound);
+    let subject = Subject::account("sk_live_secret_key");
+    let used = || async { policy.handle().usage(&subject).await.unwrap()[0].used() };
+    for (method, uri, status) in [
+        (Method::GET, "/nothing", 404),
+        (Method::POST, "/", 405),
+        (Method::GET, "/admin/nothing", 404),
+        (Method::POST, "/admin/quota/account/acme", 405),
+        (Method::GET, "/admin/reset/account/acme/default", 405),
+    ] {
+        let response = send(&app, method.clone(), uri).await;
+        assert_eq!(response.status().as_u16(), status, "{method} {uri}");
+        assert!(
+            !response.headers().contains_key("ratelimit"),
+            "{method} {uri}: {:?}",
+            response.headers()
+        );
+        assert_eq!(used().await, 0, "{method} {uri} was charged");
+    }
+}

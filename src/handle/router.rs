@@ -368,9 +368,18 @@ async fn standing<St: Store>(
     }
 }
 
-/// A path no support route serves.
+/// A path no support route serves: marked, as `unrouted::NotFound`
+/// marks its answer, so that a quota layer around the application
+/// (`Router::layer`) gives back what it charged.
 async fn not_found() -> Response {
-    no_route()
+    unrouted(no_route())
+}
+
+/// `response`, marked as no route's answer: a quota layer wrapping it
+/// gives its charge back and sends no fields (see `crate::unrouted`).
+fn unrouted(mut response: Response) -> Response {
+    response.extensions_mut().insert(crate::unrouted::Unrouted);
+    response
 }
 
 /// The answer to a path that names no support route.
@@ -383,11 +392,12 @@ fn no_route() -> Response {
 }
 
 /// A route called with another method; axum adds the `Allow` field.
+/// Marked as no route's answer, as `not_found`'s.
 async fn method_not_allowed() -> Response {
-    problem(
+    unrouted(problem(
         StatusCode::METHOD_NOT_ALLOWED,
         "this support route takes another method",
-    )
+    ))
 }
 
 fn unknown_allowance(allowance: &str) -> Response {

@@ -750,7 +750,9 @@ pub(crate) fn outcome(
         };
         return Outcome::Served(ops);
     };
-    if is_unrouted(&response.extensions) {
+    // No route served it: an unrouted answer, or a gRPC call to a method
+    // the server does not have.
+    if is_unrouted(&response.extensions) || response::is_grpc_unimplemented(response) {
         return Outcome::Unrouted;
     }
     // Refused further in: the refusal's response says so, or, if a

@@ -688,8 +688,10 @@ impl<E, St> QuotaPolicyBuilder<E, St> {
     ///
     /// A gRPC call (HTTP 200, `content-type: application/grpc*`) counts as
     /// failed when its response head carries a `grpc-status` of a server
-    /// failure: 2 UNKNOWN, 12 UNIMPLEMENTED, 13 INTERNAL, 14 UNAVAILABLE or
-    /// 15 DATA_LOSS, the codes that map to a 5xx. That is a trailers-only
+    /// failure: 2 UNKNOWN, 13 INTERNAL, 14 UNAVAILABLE or 15 DATA_LOSS, the
+    /// codes that map to a 5xx. (12 UNIMPLEMENTED, a method the server does
+    /// not have, is gRPC's 404: never charged, this setting on or off.)
+    /// That is a trailers-only
     /// answer, the way tonic answers a failed unary call; a status sent in
     /// trailers after a streamed body is not read, and stays charged.
     /// DEADLINE_EXCEEDED stays charged too: the client sets the deadline,
