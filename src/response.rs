@@ -681,8 +681,9 @@ pub(crate) fn grpc_content_type(headers: &http::HeaderMap) -> Option<HeaderValue
 
 /// Whether `response` is a gRPC answer (HTTP 200, `content-type:
 /// application/grpc*`) whose head carries a `grpc-status` of the server's
-/// failure: UNKNOWN, UNIMPLEMENTED, INTERNAL, UNAVAILABLE or DATA_LOSS, the
-/// codes that map to a 5xx. Not DEADLINE_EXCEEDED: the client sets the
+/// failure: UNKNOWN, INTERNAL, UNAVAILABLE or DATA_LOSS, the codes that
+/// map to a 5xx (UNIMPLEMENTED is no route's answer: see
+/// [`is_grpc_unimplemented`]). Not DEADLINE_EXCEEDED: the client sets the
 /// deadline, often after the work was done. Only the head is read: a
 /// status in trailers, after a streamed body, is not seen.
 pub(crate) fn is_grpc_server_failure(response: &http::response::Parts) -> bool {
@@ -691,7 +692,7 @@ pub(crate) fn is_grpc_server_failure(response: &http::response::Parts) -> bool {
         && response
             .headers
             .get(&GRPC_STATUS)
-            .is_some_and(|code| matches!(code.as_bytes(), b"2" | b"12" | b"13" | b"14" | b"15"))
+            .is_some_and(|code| matches!(code.as_bytes(), b"2" | b"13" | b"14" | b"15"))
 }
 
 /// Whether `response` is a gRPC answer (HTTP 200, `content-type:
