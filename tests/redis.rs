@@ -2917,3 +2917,82 @@ async fn a_settle_past_the_end_a_counter_records_counts_the_debt() {
     }
     assert_eq!((settled, admitted), ((Some(2), Some(2)), (1, 1)));
 }
+
+/// A server restarted (its counters kept by its append-only file) within
+/// the second in which a connection used since is not pinged: the store's
+/// connection to the old process is closed before a change is sent on it,
+/// so the change was never sent. It must say so (never sent), or find a
+/// fresh connection: the layer sends again only a change never sent, and a
+/// give-back lost so leaves a request that was not served charged.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_change_after_a_quick_restart_is_applied_or_sent_again() {
+    if !redis_support::redis_available() {
+        return;
+    }
+    let server = Arc::new(Mutex::new(RedisServer::start_with(&[
+        "--appendonly",
+        "yes",
+        "--appendfsync",
+        "always",
+    ])));
+    let (url, port) = {
+        let server = server.lock().unwrap();
+        (server.url(), server.port())
+    };
+    let store = RedisStore::builder(url)
+        .pool_size(1)
+        .timeout(Duration::from_secs(1))
+        .build()
+        .unwrap();
+
+    // The store alone: an add after the restart.
+    let key = key("quick-change");
+    let now = Timestamp::now();
+    admit(&store, first_use(&key, 10, 1, now, hour())).await;
+    server.lock().unwrap().restart();
+    assert_eq!(redis_support::cli(port, &["hget", key.as_str(), "n"]), "1");
+    match store.add(now, key.clone(), 5).await {
+        Ok(Some(6)) => {}
+        Err(error) if error.is_unsent() => {}
+        other => panic!("an add never sent is neither applied nor said unsent: {other:?}"),
+    }
+
+    // Through the layer: a 500 given back, the server restarted while the
+    // handler ran.
+    let policy = QuotaPolicy::builder(FromHeader::account("x-account-id"))
+        .store(store)
+        .refund_server_errors(true)
+        .build();
+    let restarted = Arc::clone(&server);
+    let app = Router::new()
+        .route(
+            "/",
+            get(move || {
+                let restarted = Arc::clone(&restarted);
+                async move {
+                    tokio::task::spawn_blocking(move || restarted.lock().unwrap().restart())
+                        .await
+                        .unwrap();
+                    StatusCode::INTERNAL_SERVER_ERROR
+                }
+            }),
+        )
+        .layer(policy.layer(Quota::daily(10)));
+    let response = app.oneshot(call("acme")).await.unwrap();
+    assert_eq!(response.status(), StatusCode::INTERNAL_SERVER_ERROR);
+    let handle = policy.handle();
+    let mut used = u64::MAX;
+    for _ in 0..30 {
+        tokio::time::sleep(Duration::from_millis(100)).await;
+        let usage = handle.usage(&Subject::account("acme")).await.unwrap();
+        used = usage
+            .iter()
+            .find(|u| u.name() == "default-day")
+            .unwrap()
+            .used();
+        if used == 0 {
+            break;
+        }
+    }
+    assert_eq!(used, 0, "the request answered with a 500 stays charged");
+}

@@ -18,7 +18,12 @@
 //! gives up. The calls already on it are still followed, and a connection
 //! merely busy, answering the calls sent before, is kept. A server's
 //! connection idle for a second is pinged before it is used again, so that
-//! a restart during a lull costs no call (a cluster's: below).
+//! a restart during a lull costs no call (a cluster's: below). One used
+//! within that second is not, but before a change (a give-back, an add) is
+//! sent on it, it is checked for a socket the server closed already (a
+//! restart within the second): a change queued on it would fail as one
+//! lost on the wire, which may have been applied and is never sent again.
+//! It then goes on a fresh connection (see `Connection::closed`).
 //!
 //! A cluster's connection spans every node, and what failed is most likely
 //! one node: the others still answer on it. So a cluster's connection that
@@ -815,6 +820,29 @@ impl Connection {
             #[cfg(feature = "redis-cluster")]
             Connection::Cluster { epoch, .. } => Failed::Epoch(epoch),
             pooled => Failed::Pooled(pooled),
+        }
+    }
+
+    /// Whether this connection is known to be closed already: its driver
+    /// ended (the server closed the socket: a restart, within the second in
+    /// which a connection used since is not pinged), so that a command
+    /// queued on it now would never be written, and fail as one lost on the
+    /// wire. Costs a `PING` queued on a live connection, whose answer
+    /// nobody waits for. Pooled connections are pinged when checked out,
+    /// and a cluster's serves while replaced: for them, false.
+    pub(super) async fn closed(&self) -> bool {
+        match self {
+            Connection::Server { conn, .. } => {
+                let mut probe = conn.clone();
+                // Queued at once on a live connection, then not waited
+                // for; refused at once by one whose driver ended.
+                probe.set_response_timeout(Duration::ZERO);
+                redis::cmd("PING")
+                    .query_async::<Value>(&mut probe)
+                    .await
+                    .is_err_and(|error| super::errors::broken(&error))
+            }
+            _ => false,
         }
     }
 

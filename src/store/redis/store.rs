@@ -473,18 +473,23 @@ impl RedisStore {
             create: Some(inner.connect_timeout),
             recycle: Some(inner.timeout),
         };
-        let conn = match inner.connections.ready_or_get(&timeouts, deadline).await {
+        let mut conn = match inner.connections.ready_or_get(&timeouts, deadline).await {
             Some(Ok(conn)) => conn,
             Some(Err(fault)) => return Err(fault_error(fault).unsent()),
-            None => {
-                return Err(StoreError::new(
-                    StoreErrorKind::Timeout,
-                    "no Redis connection could be had within the store's timeout; nothing was \
-                     sent",
-                )
-                .unsent())
-            }
+            None => return Err(no_connection()),
         };
+        // A change that fails on the wire is not sent again (it may have
+        // been applied): one on a connection known closed already (the
+        // server restarted since it was last used) would fail so though it
+        // was never written. It goes on a fresh connection instead.
+        if matches!(sends, Sends::Write) && conn.closed().await {
+            inner.connections.failed(conn.failed());
+            conn = match inner.connections.ready_or_get(&timeouts, deadline).await {
+                Some(Ok(conn)) => conn,
+                Some(Err(fault)) => return Err(fault_error(fault).unsent()),
+                None => return Err(no_connection()),
+            };
+        }
         // Room and a connection took the whole budget: a call sent now
         // would be abandoned as it leaves, and a charge it carried would
         // hold units from other requests until its give-back lands.
@@ -955,6 +960,15 @@ impl Store for RedisStore {
     fn max_count(&self) -> u64 {
         super::script::MAX_EXACT
     }
+}
+
+/// The error of a call that found no Redis connection in time.
+fn no_connection() -> StoreError {
+    StoreError::new(
+        StoreErrorKind::Timeout,
+        "no Redis connection could be had within the store's timeout; nothing was sent",
+    )
+    .unsent()
 }
 
 /// The most the server's clock may be from this host's, in microseconds.
