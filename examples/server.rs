@@ -404,36 +404,6 @@ fn bulk_cost(parts: &Parts) -> Result<u64, InvalidRequest> {
     }
 }
 
-/// The IANA zone the `header` of a request names; `None` when it names none.
-fn caller_zone(
-    parts: &Parts,
-    header: &http::HeaderName,
-) -> Result<Option<TimeZone>, InvalidRequest> {
-    let mut values = parts.headers.get_all(header).iter();
-    let Some(value) = values.next() else {
-        return Ok(None);
-    };
-    if values.next().is_some() {
-        return Err(InvalidRequest::new(format!(
-            "{header} is sent more than once"
-        )));
-    }
-    let name = value
-        .to_str()
-        .ok()
-        .filter(|name| !name.is_empty() && name.len() <= 64)
-        .ok_or_else(|| InvalidRequest::new(format!("{header} is not a time zone name")))?;
-    let unknown = || InvalidRequest::new(format!("{header}: unknown time zone {name:?}"));
-    let zone = TimeZone::get(name).map_err(|_| unknown())?;
-    // A file of the system's zone database that names no zone of the IANA
-    // list (this server's `localtime`, the default `posixrules`, in any
-    // case) has no primary name: refused, or each would count apart.
-    if zone.primary_iana_name().is_none() {
-        return Err(unknown());
-    }
-    Ok(Some(zone))
-}
-
 fn problem(status: StatusCode, detail: &str) -> Response {
     response::problem(status, detail)
         .map(axum::body::Body::from)
@@ -626,7 +596,7 @@ fn app<St: Store>(options: &Options, store: St) -> (Router, Option<QuotaPolicy<F
             .on_unknown_plan(UnknownPlan::Reject);
     }
     if let Some(header) = options.zone_header.clone() {
-        policy = policy.time_zone(move |parts| caller_zone(parts, &header));
+        policy = policy.time_zone(tower_quota::zone_from_header(header.as_str()));
     }
     let policy = policy.build();
 

@@ -608,3 +608,72 @@ async fn a_handle_in_an_aliased_zone_names_the_zone_as_the_layer_does() {
     assert_eq!(usage[0].used(), 1, "the same counter");
     assert_eq!(usage[0].explain_reset(), by_layer);
 }
+
+/// `zone_from_header` reads an IANA name, its aliases as it; no header is
+/// the quotas' own zone; a header sent twice, a name of no IANA zone, a
+/// file of the database that is none, bytes that are not text, or a name
+/// too long to be one, are 400 problem documents that charge nothing.
+#[tokio::test]
+async fn a_zone_read_from_a_header_counts_its_aliases_as_it_and_refuses_the_rest() {
+    let clock = ManualClock::new(at("2026-12-02T16:00:00Z"));
+    let policy = QuotaPolicy::builder(FromHeader::account("x-account-id"))
+        .clock(clock.clone())
+        .time_zone(tower_quota::zone_from_header("X-Account-Zone"))
+        .build();
+    let app = Router::new()
+        .route(
+            "/",
+            get(|status: QuotaStatus| async move { status.entries()[0].key().to_string() }),
+        )
+        .layer(policy.layer(Quota::daily(10)));
+    let ask = |zones: Vec<&'static [u8]>| {
+        let app = app.clone();
+        async move {
+            let mut request = Request::get("/").header("x-account-id", "acme");
+            for zone in zones {
+                request = request.header("x-account-zone", zone);
+            }
+            app.oneshot(request.body(Body::empty()).unwrap())
+                .await
+                .unwrap()
+        }
+    };
+    // 16:00 UTC is 01:00 on the 3rd in Tokyo.
+    let tokyo = body(ask(vec![b"Asia/Tokyo"]).await).await;
+    assert!(
+        tokyo.contains("2026-12-03") && tokyo.contains("Asia/Tokyo"),
+        "{tokyo}"
+    );
+    assert_eq!(body(ask(vec![b"Japan"]).await).await, tokyo);
+    let utc = body(ask(vec![]).await).await;
+    assert!(
+        utc.contains("2026-12-02") && !utc.contains("Tokyo"),
+        "{utc}"
+    );
+
+    let long = "Asia/".repeat(20).into_bytes().leak() as &'static [u8];
+    for zones in [
+        vec![b"Asia/Tokyo" as &[u8], b"Europe/Berlin"],
+        vec![b"Mars/Base"],
+        vec![b"localtime"],
+        vec![b"posixrules"],
+        vec![b"EST5EDT,M3.2.0,M11.1.0"],
+        vec![b""],
+        vec![b"Asia/T\xF6kyo"],
+        vec![long],
+    ] {
+        let response = ask(zones.clone()).await;
+        assert_eq!(response.status(), StatusCode::BAD_REQUEST, "{zones:?}");
+        assert_eq!(field(&response, "content-type"), "application/problem+json");
+        let detail = body(response).await;
+        assert!(detail.contains("x-account-zone"), "{detail}");
+    }
+    let used = policy
+        .handle()
+        .in_zone(TimeZone::get("Asia/Tokyo").unwrap())
+        .usage(&Subject::account("acme"))
+        .await
+        .unwrap()[0]
+        .used();
+    assert_eq!(used, 2, "the refusals charged nothing");
+}

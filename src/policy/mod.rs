@@ -23,6 +23,69 @@ use crate::store::{MemoryStore, Store};
 pub(crate) use self::settings::Settings;
 pub use self::settings::{InvalidRequest, OnStoreError, SubjectPolicy, UnknownPlan};
 
+/// A reader of each caller's time zone, for
+/// [`QuotaPolicyBuilder::time_zone`], from the request header `name`
+/// (case-insensitive): an IANA name (`Asia/Tokyo`; its aliases count as it,
+/// `Japan` too). No such header: `Ok(None)`, each quota's own zone applies.
+/// The header sent twice, or naming no zone of the IANA list (nor any zone
+/// at all): a 400 that says so, and nothing is charged.
+///
+/// Each zone counts on counters of its own: take the header from a layer
+/// the caller cannot get around (an API gateway, the application's
+/// authentication), which sets it from the account's settings, never from
+/// what the client sent.
+///
+/// ```
+/// use tower_quota::{zone_from_header, FromHeader, Quota, QuotaPolicy};
+///
+/// let policy = QuotaPolicy::builder(FromHeader::account("x-account-id"))
+///     .time_zone(zone_from_header("x-account-zone"))
+///     .build();
+/// let daily = policy.layer(Quota::daily(1_000));
+/// # let _ = daily;
+/// ```
+///
+/// # Panics
+///
+/// When `name` is not a valid header name.
+pub fn zone_from_header(
+    name: &str,
+) -> impl Fn(&Parts) -> Result<Option<TimeZone>, InvalidRequest> + Clone + Send + Sync + 'static {
+    let header = http::HeaderName::from_bytes(name.as_bytes())
+        .unwrap_or_else(|_| panic!("{name:?} is not a valid header name"));
+    move |parts: &Parts| {
+        let mut values = parts.headers.get_all(&header).iter();
+        let Some(value) = values.next() else {
+            return Ok(None);
+        };
+        if values.next().is_some() {
+            return Err(InvalidRequest::new(format!(
+                "The header {header} is sent more than once."
+            )));
+        }
+        let unknown = || {
+            InvalidRequest::new(format!(
+                "The header {header} names no time zone of the IANA list."
+            ))
+        };
+        // The longest IANA name is 32 bytes: a longer value is no zone,
+        // and is not looked up in the database.
+        let zone_name = value
+            .to_str()
+            .ok()
+            .filter(|zone| !zone.is_empty() && zone.len() <= 64)
+            .ok_or_else(unknown)?;
+        let zone = TimeZone::get(zone_name).map_err(|_| unknown())?;
+        // A file of the system's database that is no zone of the list
+        // (`localtime`, `posixrules`) has no primary name: its rules differ
+        // from host to host.
+        if zone.primary_iana_name().is_none() {
+            return Err(unknown());
+        }
+        Ok(Some(zone))
+    }
+}
+
 /// The quotas of one application: one store, one clock, one namespace, one
 /// way to name the subject, its plan and its time zone, and every layer of
 /// the app made from it with [`QuotaPolicy::layer`].
