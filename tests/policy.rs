@@ -229,6 +229,15 @@ async fn a_plan_change_keeps_the_count<St: Store>(store: St) {
     let unknown = send(&app, call(Method::GET, "/", gold)).await;
     assert_eq!(unknown.status(), StatusCode::FORBIDDEN);
     assert!(body(unknown).await.contains("gold"));
+    // A plan read empty (a header sent empty) is no plan, not an unknown
+    // one: the quota's own limit.
+    let empty: &[(&str, &str)] = &[("x-account-id", "acme"), ("x-plan", "")];
+    let none = send(&app, call(Method::GET, "/", empty)).await;
+    assert_eq!(none.status(), StatusCode::TOO_MANY_REQUESTS);
+    assert_eq!(
+        none.headers()["ratelimit-policy"],
+        "\"default-day\";q=2;w=86400"
+    );
 }
 
 /// A gRPC trailers-only answer with status `code`.

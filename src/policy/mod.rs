@@ -336,6 +336,8 @@ impl<E, St> Policy<E, St> {
     /// policy refuses unknown plans ([`UnknownPlan::Reject`]).
     pub(crate) fn plan_as_charged(&self, plan: Option<String>) -> Result<Option<String>, String> {
         match plan {
+            // No plan is named so (see `Quota::plan`): no plan at all.
+            Some(plan) if plan.is_empty() => Ok(None),
             Some(plan) if !self.knows_plan(&plan) => match self.settings.unknown_plan {
                 UnknownPlan::DefaultLimits => Ok(None),
                 UnknownPlan::Reject => Err(plan),
@@ -615,9 +617,10 @@ impl<E, St> QuotaPolicyBuilder<E, St> {
 
     /// Reads the subject's plan from each request (e.g. from a value an
     /// authentication layer inserted); quotas give plans their limits with
-    /// [`Quota::plan`]. `None` means no plan: each quota's own limit. The plan
-    /// is not part of any key, so a subject whose plan changes keeps its
-    /// count.
+    /// [`Quota::plan`]. `None` means no plan: each quota's own limit, and so
+    /// does an empty name (no plan has one: a header sent empty, say). The
+    /// plan is not part of any key, so a subject whose plan changes keeps
+    /// its count.
     ///
     /// ```
     /// use tower_quota::{FromHeader, Quota, QuotaPolicy, UnknownPlan};
