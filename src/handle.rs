@@ -519,14 +519,22 @@ impl<St: Store> QuotaHandle<St> {
                 }
                 // What the request holds: its cost, with what the layer
                 // changed of it after the response (a deferred cost).
+                // Less what of a deferred cost's add has not landed: one
+                // on its way goes back once it lands (see `apply`).
                 let held = if line.is_live(now) && line.held() > 0 {
-                    line.claim_give_back()
+                    line.claim_request()
                 } else {
                     None
                 };
-                claimed.push(
-                    held.map(|held| (Arc::clone(lines), i, held, line.charged_counter(ticket.now))),
-                );
+                claimed.push(held.map(|(held, amount)| {
+                    (
+                        Arc::clone(lines),
+                        i,
+                        held,
+                        amount,
+                        line.charged_counter(ticket.now),
+                    )
+                }));
             }
         }
         if claimed.iter().all(Option::is_none) {
@@ -537,18 +545,16 @@ impl<St: Store> QuotaHandle<St> {
             let mut refunded = Vec::with_capacity(claimed.len());
             let mut failed = None;
             for claim in claimed {
-                let Some((lines, i, held, made)) = claim else {
+                let Some((lines, i, held, amount, made)) = claim else {
                     refunded.push(None);
                     continue;
                 };
                 let line = &lines[i];
-                // Less a deferred cost's add that never landed.
-                let amount = line.landed(held);
                 match made.refund(&store, now, line.key.clone(), amount).await {
                     Ok(count) => refunded.push(count),
                     Err(error) => {
                         if error.is_unsent() {
-                            resend_later(&store, started, now, &lines, i, held, made);
+                            resend_later(&store, started, now, &lines, i, (held, amount), made);
                         }
                         refunded.push(None);
                         failed.get_or_insert(error);
@@ -701,18 +707,17 @@ fn resend_later<St: Store>(
     now: Timestamp,
     lines: &Arc<crate::status::Lines>,
     i: usize,
-    held: u64,
+    (held, amount): (u64, u64),
     made: crate::store::Made,
 ) {
     let resend = crate::store::resend::Resend::until(started, now, lines[i].usage.resets_at);
     let (Some(resend), Ok(runtime)) = (resend, tokio::runtime::Handle::try_current()) else {
-        lines[i].unclaim_give_back(held);
+        lines[i].unclaim_request(held);
         return;
     };
     let (store, lines) = (store.clone(), Arc::clone(lines));
     runtime.spawn(async move {
         let line = &lines[i];
-        let amount = line.landed(held);
         let resent = resend
             .send(|| made.refund(&store, now, line.key.clone(), amount))
             .await;
@@ -728,7 +733,7 @@ fn resend_later<St: Store>(
                 }
             }
             // Not sent again: the period ends before a try would.
-            None => line.unclaim_give_back(held),
+            None => line.unclaim_request(held),
         }
     });
 }

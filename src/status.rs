@@ -672,10 +672,25 @@ pub(crate) struct Line {
     /// once, however many layers see the request fail, and whatever the
     /// layer changed of it before.
     held: AtomicU64,
-    /// What of `held` the layer's adds never put on the counter: a
-    /// deferred cost's add the store failed (or found no counter for),
-    /// which a give-back of the request must not take from the counter.
-    unlanded: AtomicU64,
+    /// What of `held` the layer's adds have not put on the counter: a
+    /// deferred cost's add on its way (sent again, say, after the store
+    /// was away) or one the store failed (or found no counter for), which
+    /// a give-back of the request must not take from the counter.
+    adds: Mutex<Adds>,
+}
+
+/// The adds of a deferred cost on a line, as far as the store answered.
+#[derive(Debug, Default)]
+struct Adds {
+    /// Decided (counted in `held`), not answered yet.
+    pending: u64,
+    /// Answered without landing.
+    unlanded: u64,
+    /// Of `pending`, what the handler's give-back left out when it claimed
+    /// the line (see [`Line::claim_request`]): given back once it lands.
+    excluded: u64,
+    /// What was given back so, since that claim.
+    followed: u64,
 }
 
 /// The bit of [`Line::held`] set once the line is given back.
@@ -690,24 +705,67 @@ impl Line {
             cost,
             usage,
             held: AtomicU64::new(cost.min(!GIVEN_BACK_BIT)),
-            unlanded: AtomicU64::new(0),
+            adds: Mutex::default(),
         }
     }
 
-    /// Records an add of `amount`, counted in what the request holds,
-    /// that never landed on the counter.
-    pub(crate) fn add_unlanded(&self, amount: u64) {
-        let _ = self
-            .unlanded
-            .fetch_update(Ordering::AcqRel, Ordering::Acquire, |n| {
-                Some(n.saturating_add(amount))
-            });
+    fn adds(&self) -> std::sync::MutexGuard<'_, Adds> {
+        self.adds.lock().unwrap_or_else(|e| e.into_inner())
     }
 
-    /// What a give-back of `held` (as claimed) takes from the counter:
-    /// less the adds that never landed on it.
-    pub(crate) fn landed(&self, held: u64) -> u64 {
-        held.saturating_sub(self.unlanded.load(Ordering::Acquire))
+    /// Records an add of `amount` (a deferred cost) in what the request
+    /// holds, on its way to the store, unless the line was given back
+    /// (`false`: then it is not sent).
+    pub(crate) fn decide_add(&self, amount: u64) -> bool {
+        let mut adds = self.adds();
+        let decided = self.change_held(|held| held.saturating_add(amount));
+        if decided {
+            adds.pending = adds.pending.saturating_add(amount);
+        }
+        decided
+    }
+
+    /// The store answered an add of `amount` decided by
+    /// [`decide_add`](Self::decide_add): it `landed` on the counter, or
+    /// not. Answers what of it goes back now: what the handler's give-back
+    /// left out, as it had not landed when the line was claimed.
+    pub(crate) fn add_answered(&self, amount: u64, landed: bool) -> u64 {
+        let mut adds = self.adds();
+        adds.pending = adds.pending.saturating_sub(amount);
+        let excluded = adds.excluded.min(amount);
+        adds.excluded -= excluded;
+        if !landed {
+            adds.unlanded = adds.unlanded.saturating_add(amount);
+            return 0;
+        }
+        adds.followed = adds.followed.saturating_add(excluded);
+        excluded
+    }
+
+    /// Claims the line's give-back for the handler
+    /// ([`QuotaHandle::refund_request`](crate::QuotaHandle::refund_request)):
+    /// what the request holds, and what of it to take from the counter
+    /// now (less the adds that have not landed: one that lands later goes
+    /// back then, see [`add_answered`](Self::add_answered)).
+    pub(crate) fn claim_request(&self) -> Option<(u64, u64)> {
+        let mut adds = self.adds();
+        let held = self.claim_give_back()?;
+        let amount = held
+            .saturating_sub(adds.unlanded)
+            .saturating_sub(adds.pending);
+        adds.excluded = adds.pending;
+        adds.followed = 0;
+        Some((held, amount))
+    }
+
+    /// Releases a claim of [`claim_request`](Self::claim_request) whose
+    /// give-back never reached the store: what went back of the adds
+    /// since is held no more.
+    pub(crate) fn unclaim_request(&self, held: u64) {
+        let mut adds = self.adds();
+        adds.excluded = 0;
+        let followed = std::mem::take(&mut adds.followed);
+        self.unclaim_give_back(held.saturating_sub(followed));
     }
 
     /// The counter a give-back of this line, charged at `charged_at`,

@@ -1427,3 +1427,68 @@ async fn a_sibling_admitted_after_a_refusal_inside_does_not_keep_the_outer_charg
         "answered with the refusal of a part: the outer charge stayed"
     );
 }
+
+/// A handler's `refund_request` made while the layer's add of a deferred
+/// cost is being sent again (the store was away when the response went
+/// out) gives back what the request holds on the counter: the add that
+/// lands afterwards is not left charged to the request undone, and the
+/// refund takes nothing of another request's units meanwhile.
+#[tokio::test(start_paused = true)]
+async fn a_refund_while_an_add_is_sent_again_leaves_nothing_charged() {
+    use std::sync::atomic::Ordering::Relaxed;
+    use tower_quota::QuotaStatus;
+
+    type Kept = Arc<std::sync::Mutex<Option<QuotaStatus>>>;
+    let store = Rigged::new(MemoryStore::new(), Rig::Fail, Some("nothing"));
+    let unsent = Arc::clone(&store.unsent);
+    let policy = policy(store, "add-then-undo").build();
+    let kept: Kept = Arc::default();
+    let handler = {
+        let kept = Arc::clone(&kept);
+        move |status: QuotaStatus| async move {
+            *kept.lock().unwrap() = Some(status);
+            Response::builder()
+                .header("x-tokens", "5")
+                .body(Body::empty())
+                .unwrap()
+        }
+    };
+    let tokens = |response: &http::response::Parts| {
+        response
+            .headers
+            .get("x-tokens")
+            .map_or(1, |v| v.to_str().unwrap().parse().unwrap())
+    };
+    let app = Router::new()
+        .route("/", get(ok))
+        .route("/costly", get(handler))
+        .layer(policy.layer(Quota::daily(100)).deferred_cost(1, tokens));
+    // A request served at its cost of 1.
+    let response = app.clone().oneshot(call("/")).await.unwrap();
+    assert_eq!(response.status(), StatusCode::OK);
+    // One charged 1 up front, whose add of 4 more the store never sent:
+    // it is sent again, and the response does not wait for it.
+    unsent.store(true, Relaxed);
+    let response = app.clone().oneshot(call("/costly")).await.unwrap();
+    assert_eq!(response.status(), StatusCode::OK);
+    unsent.store(false, Relaxed);
+    assert_eq!(
+        used(&policy, "default-day").await,
+        2,
+        "the add not landed yet"
+    );
+    // The handler undoes its request (a task it spawned, say).
+    let status = kept.lock().unwrap().take().unwrap();
+    policy.handle().refund_request(&status).await.unwrap();
+    assert_eq!(
+        used(&policy, "default-day").await,
+        1,
+        "the first request's unit is not taken"
+    );
+    tokio::time::sleep(Duration::from_secs(10)).await;
+    assert_eq!(
+        used(&policy, "default-day").await,
+        1,
+        "the request undone holds nothing once the add landed"
+    );
+}

@@ -418,6 +418,32 @@ fn apply<St: Store>(
                 }
             }
         }
+        // An add answered: one that never landed (failed, or no counter to
+        // add to) is no part of what a give-back of the request takes from
+        // the counter; one that landed after the handler gave the request
+        // back (it was on its way then, and left out) goes back now.
+        if let Some(lines) = &lines {
+            for (answer, change) in answers.iter().zip(&ops) {
+                let (Adjust::Add(amount), Some(line)) = (change.adjust, change.line) else {
+                    continue;
+                };
+                let back = lines[line].add_answered(amount, matches!(answer, Ok(Some(_))));
+                if back > 0 {
+                    let refund = send(&change.key, Adjust::Refund(back), change.made).await;
+                    if let Err(error) = refund {
+                        crate::metrics::change_lost(crate::metrics::change::REFUND, back);
+                        if let Some(suppressed) = ADJUST_ERRORS.admit() {
+                            let error = charge::hidden(&error);
+                            tracing::warn!(
+                                error,
+                                suppressed,
+                                "quota store failed to give back an add that landed after its request was given back"
+                            );
+                        }
+                    }
+                }
+            }
+        }
         answers
             .into_iter()
             .zip(&ops)
@@ -425,14 +451,6 @@ fn apply<St: Store>(
                 let op = &change.adjust;
                 if let (Adjust::Refund(_), Ok(Some(_))) = (op, &answer) {
                     crate::metrics::refunded();
-                }
-                // An add that never landed (failed, or no counter to add
-                // to) is no part of what a give-back of the request takes
-                // from the counter.
-                if let (Adjust::Add(amount), false, Some(lines), Some(line)) =
-                    (op, matches!(answer, Ok(Some(_))), &lines, change.line)
-                {
-                    lines[line].add_unlanded(*amount);
                 }
                 answer.unwrap_or_else(|error| {
                     match *op {
@@ -761,14 +779,17 @@ fn adjust_kept<E, St: Store>(
             // deferred cost's refund of part of it, or its add, changes
             // what the request holds, which a give-back later (the
             // handler's, say) gives back whole.
+            // A first-use counter whose period ended since is not the one
+            // that was charged any more, even if a new one has the same key.
+            let live = line.is_live(now);
             let claimed = match *op {
                 Adjust::Refund(n) if n >= line.cost => line.claim_give_back().is_some(),
                 Adjust::Refund(n) => line.change_held(|held| held.saturating_sub(n)),
+                // On its way until the store answers it (see `apply`).
+                Adjust::Add(n) if live => line.decide_add(n),
                 Adjust::Add(n) => line.change_held(|held| held.saturating_add(n)),
             };
-            // A first-use counter whose period ended since is not the one
-            // that was charged any more, even if a new one has the same key.
-            let keep = claimed && line.is_live(now);
+            let keep = claimed && live;
             kept.push(keep);
             keep
         })
