@@ -3427,3 +3427,51 @@ async fn a_block_of_a_counter_reset_elsewhere_is_not_merged_into_the_next() {
         "one request admitted on the new counter"
     );
 }
+
+#[tokio::test(start_paused = true)]
+async fn a_charge_that_waited_for_an_old_blocks_give_back_keeps_the_block_it_takes_after_a_reset() {
+    // A holds a block taken on a plan of 1 000; a request on a lower plan
+    // gives it back first (slowly), and only then goes to the store. A
+    // request planned after it goes at once, then support resets the
+    // counter through B. The waiting request's charge makes the counter
+    // anew and takes a block of it: A holds it and gives it back when
+    // idle, and the store counts what was served, not units nobody holds.
+    let shared = MemoryStore::new();
+    let slow = Slow::new(shared.clone(), 0);
+    let a = LeasedStore::new(slow.clone());
+    let b = LeasedStore::new(shared.clone());
+    let mut now = t0();
+    busy(&a, &mut now, 40, 1_000, 1).await;
+    assert!(a.held() > 0, "a block is held");
+    slow.slow_refunds.store(50, Ordering::Relaxed);
+    let lower = tokio::spawn({
+        let a = a.clone();
+        async move { call(&a, now, 500).await }
+    });
+    for _ in 0..5 {
+        tokio::task::yield_now().await;
+    }
+    assert!(
+        call(&a, now, 1_000).await.admitted,
+        "planned later, sent at once"
+    );
+    assert!(b.reset(day_key()).await.unwrap());
+    tokio::time::advance(Duration::from_millis(100)).await;
+    let outcome = lower.await.unwrap();
+    assert!(outcome.admitted, "{outcome:?}");
+    assert!(a.held() > 0, "the block taken of the new counter is held");
+    // Idle: what A holds goes back (slowly).
+    for _ in 0..4 {
+        tokio::time::advance(Duration::from_secs(1)).await;
+        for _ in 0..5 {
+            tokio::task::yield_now().await;
+        }
+    }
+    now += SignedDuration::from_secs(4);
+    assert_eq!(a.held(), 0);
+    assert_eq!(
+        counted(&shared, now).await,
+        1,
+        "the one request served since the reset"
+    );
+}

@@ -141,14 +141,19 @@ static GIVE_BACK_ERRORS: Throttle = Throttle::new(5);
 ///   back: its unused units stay charged until the period ends. Keep the
 ///   instances' clocks synchronised (NTP keeps them within milliseconds),
 ///   or give every policy the Redis server's (`RedisStore::server_clock`).
-/// - Answers are taken in by the order their charges were sent: one that
-///   lands after the answer to a later charge and tells of another
+/// - Answers are taken in by the order their charges were sent (numbered
+///   as they go to the store, after any wait for an old block's return):
+///   one that lands after the answer to a later charge and tells of another
 ///   counter is of a counter gone (reset elsewhere, or a first-use period
 ///   that ended), and a block it took is dropped with it, not given back.
 ///   Should the store have applied the two charges in the other order
 ///   than they were sent, across that reset or period's end (one round
 ///   trip apart), the block was charged to the live counter: its units
-///   then stay charged until the period ends.
+///   then stay charged until the period ends. A block held here when a
+///   later answer tells of another counter, or of none (the store applied
+///   that charge before the earlier one that made the counter), goes back
+///   to the counter it was taken from, by that counter's first call: it
+///   lands there if that counter lives, and nowhere otherwise.
 /// - A give-back of an idle or old block that the store never got (it was
 ///   away, or had no room for the call) puts the block back with this
 ///   instance, if nothing changed there since (no answer of the store
@@ -452,9 +457,9 @@ struct Shared {
     /// lets them land (their units back in the block, or spent) before it
     /// gives the blocks back.
     setting_aside: AtomicUsize,
-    /// The charges sent to the store so far: each is numbered as it is
-    /// planned, under its counters' locks, so that their answers are known
-    /// in the order they were sent, however they land.
+    /// The charges sent to the store so far: each is numbered as it goes
+    /// to the store (again, when it is sent again), so that their answers
+    /// are known in the order they were sent, however they land.
     sent: AtomicU64,
     /// The counters whose resets are on their way through this instance,
     /// with how many: until the store deleted a counter, no block of it is
@@ -1472,7 +1477,6 @@ impl<St: Store> LeasedStore<St> {
             stale_first,
             unmarked,
             reserved: Reserved::new(&self.shared, reserved),
-            sent: self.shared.next_sent(),
         }))
     }
 
@@ -1597,7 +1601,6 @@ impl<St: Store> LeasedStore<St> {
             generation,
             in_mark: counter.mark.may_count(now),
         };
-        let sent = self.shared.next_sent();
         drop(counters);
         let plan = Plan {
             blocks: vec![block],
@@ -1610,7 +1613,6 @@ impl<St: Store> LeasedStore<St> {
             stale: Vec::new(),
             stale_first: false,
             reserved: Reserved::new(&self.shared, Vec::new()),
-            sent,
         };
         Some(self.send(request, plan, at, false))
     }
@@ -1658,7 +1660,6 @@ impl<St: Store> LeasedStore<St> {
             stale_first,
             unmarked,
             mut reserved,
-            sent,
         } = plan;
         let joining = Joining {
             shared: Arc::clone(&self.shared),
@@ -1760,6 +1761,13 @@ impl<St: Store> LeasedStore<St> {
             }
             let tried = joins.clone();
             let mut joins = joins;
+            // Numbered as it goes to the store, not as it was planned: one
+            // that waited first (for an old block's give-back) goes after
+            // charges planned later, and its answer, of the counter made
+            // since a reset elsewhere meanwhile, is the live counter's, not
+            // an older one's whose block would be dropped (and stay
+            // charged, nothing holding it, until the period ends).
+            let mut sent = store.shared.next_sent();
             let mut outcome = match store
                 .inner
                 .charge(store.reading(&marks, &joins, &request))
@@ -1769,6 +1777,7 @@ impl<St: Store> LeasedStore<St> {
                 // charge again, without joining.
                 Err(error) if error.kind() == StoreErrorKind::Full && joins.contains(&true) => {
                     joins.iter_mut().for_each(|j| *j = false);
+                    sent = store.shared.next_sent();
                     store
                         .inner
                         .charge(store.reading(&marks, &joins, &request))
@@ -1834,6 +1843,7 @@ impl<St: Store> LeasedStore<St> {
                 }
                 blocks.iter_mut().for_each(|b| *b = 0);
                 joins.iter_mut().for_each(|j| *j = false);
+                sent = store.shared.next_sent();
                 outcome = store
                     .inner
                     .charge(store.reading(&marks, &joins, &request))
@@ -2153,8 +2163,15 @@ impl<St: Store> LeasedStore<St> {
                 if !counter.same_period(usage) && counter.units > 0 {
                     // Another counter (a first-use period that ended and
                     // opened again, or one made anew after a reset
-                    // elsewhere): the old block is dropped, its units gone
-                    // with the counter.
+                    // elsewhere), or none (the store applied this charge
+                    // before an earlier one that made the counter, which
+                    // lives): the old block goes back to the counter it was
+                    // taken from, by its first call exactly, which finds
+                    // nothing if that counter is gone (never one made since).
+                    if let Some(taken_at) = counter.taken_at {
+                        let units = counter.units;
+                        back.push(GiveBack::untracked(line.key.clone(), now, units, taken_at));
+                    }
                     counter.units = 0;
                     counter.block_since = None;
                     counter.taken_at = None;
@@ -2921,8 +2938,6 @@ struct Plan {
     stale_first: bool,
     /// The lines paid from blocks here.
     reserved: Reserved,
-    /// The charge's number (see [`Shared::sent`]).
-    sent: u64,
 }
 
 /// A counter's entry as a charge sent to the store found it.
