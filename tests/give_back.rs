@@ -1492,3 +1492,64 @@ async fn a_refund_while_an_add_is_sent_again_leaves_nothing_charged() {
         "the request undone holds nothing once the add landed"
     );
 }
+
+/// The give-back of a deferred cost's add that lands after the handler's
+/// `refund_request` left it out (it was on its way then) is sent again when
+/// the store never sent it, as the handler's own give-back is: the request
+/// undone is not left holding the add.
+#[tokio::test(start_paused = true)]
+async fn the_give_back_of_an_add_that_landed_late_is_sent_again() {
+    use std::sync::atomic::Ordering::Relaxed;
+    use tower_quota::QuotaStatus;
+
+    type Kept = Arc<std::sync::Mutex<Option<QuotaStatus>>>;
+    let store = Rigged::new(MemoryStore::new(), Rig::Fail, Some("nothing"));
+    let (unsent, slow) = (Arc::clone(&store.unsent), Arc::clone(&store.slow_changes));
+    let policy = policy(store, "late-add-back").build();
+    let kept: Kept = Arc::default();
+    let handler = {
+        let kept = Arc::clone(&kept);
+        move |status: QuotaStatus| async move {
+            *kept.lock().unwrap() = Some(status);
+            Response::builder()
+                .header("x-tokens", "5")
+                .body(Body::empty())
+                .unwrap()
+        }
+    };
+    let tokens = |response: &http::response::Parts| {
+        response
+            .headers
+            .get("x-tokens")
+            .map_or(1, |v| v.to_str().unwrap().parse().unwrap())
+    };
+    let app = Router::new()
+        .route("/", get(ok))
+        .route("/costly", get(handler))
+        .layer(policy.layer(Quota::daily(100)).deferred_cost(1, tokens));
+    let response = app.clone().oneshot(call("/")).await.unwrap();
+    assert_eq!(response.status(), StatusCode::OK);
+    // Charged 1 up front; its add of 4 more the store never sent: sent
+    // again 100 ms later.
+    unsent.store(true, Relaxed);
+    let response = app.clone().oneshot(call("/costly")).await.unwrap();
+    assert_eq!(response.status(), StatusCode::OK);
+    unsent.store(false, Relaxed);
+    let status = kept.lock().unwrap().take().unwrap();
+    policy.handle().refund_request(&status).await.unwrap();
+    assert_eq!(used(&policy, "default-day").await, 1);
+    // The add sent again lands (50 ms after it is sent); the store is away
+    // again when its give-back is sent, and back a moment later.
+    slow.store(50, Relaxed);
+    tokio::time::sleep(Duration::from_millis(120)).await;
+    unsent.store(true, Relaxed);
+    tokio::time::sleep(Duration::from_millis(100)).await;
+    unsent.store(false, Relaxed);
+    slow.store(0, Relaxed);
+    tokio::time::sleep(Duration::from_secs(30)).await;
+    assert_eq!(
+        used(&policy, "default-day").await,
+        1,
+        "the request undone holds nothing once the add landed"
+    );
+}

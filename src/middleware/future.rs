@@ -407,8 +407,11 @@ fn apply<St: Store>(
                     .flatten()
             })
             .collect();
+        let mut first_answers = Some(first_answers);
         if resends.iter().any(Option::is_some) {
-            let _ = first_answers.send(());
+            if let Some(told) = first_answers.take() {
+                let _ = told.send(());
+            }
         }
         for ((answer, resend), change) in answers.iter_mut().zip(resends).zip(&ops) {
             if let Some(resend) = resend {
@@ -429,7 +432,23 @@ fn apply<St: Store>(
                 };
                 let back = lines[line].add_answered(amount, matches!(answer, Ok(Some(_))));
                 if back > 0 {
-                    let refund = send(&change.key, Adjust::Refund(back), change.made).await;
+                    let give_back = || send(&change.key, Adjust::Refund(back), change.made);
+                    let mut refund = give_back().await;
+                    // Never sent (the store away again): sent again within
+                    // the counter's period, as the handler's own give-back
+                    // is, without holding up the response.
+                    let unsent = matches!(&refund, Err(error) if error.is_unsent());
+                    if let Some(resend) = unsent
+                        .then(|| Resend::until(started, now, change.resets_at))
+                        .flatten()
+                    {
+                        if let Some(told) = first_answers.take() {
+                            let _ = told.send(());
+                        }
+                        if let Some(again) = resend.send(give_back).await {
+                            refund = again;
+                        }
+                    }
                     if let Err(error) = refund {
                         crate::metrics::change_lost(crate::metrics::change::REFUND, back);
                         if let Some(suppressed) = ADJUST_ERRORS.admit() {
