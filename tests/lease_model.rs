@@ -72,6 +72,10 @@ struct Truth {
     /// a charge its instance sent later, which was charged on another
     /// counter (the one before a reset or a first-use period's end).
     stranded: HashMap<CounterId, u64>,
+    /// The counter each add landed on, by its key and the instant it went
+    /// by (every request's instant is distinct, and each request is added
+    /// to at most once): see `landed`.
+    landed: HashMap<(String, Timestamp), Option<Timestamp>>,
 }
 
 impl Jitter {
@@ -116,7 +120,11 @@ impl Store for Jitter {
             let (before, after) = (this.delay(), this.delay());
             tokio::time::sleep(before).await;
             let answer = this.inner.charge(request.clone()).await;
-            if let Some(outcome) = answer.as_ref().ok().filter(|o| o.admitted) {
+            // Refusals too: the instance takes in a refusal's answer by the
+            // order its charge was sent as any other, and the counter it
+            // tells makes an earlier-sent charge's answer, landing after
+            // it, one of a counter gone (its block dropped).
+            if let Ok(outcome) = answer.as_ref() {
                 let mut truth = this.truth.lock().unwrap();
                 let truth = &mut *truth;
                 for (line, usage) in request.lines.iter().zip(&outcome.usage) {
@@ -128,9 +136,10 @@ impl Store for Jitter {
                         .applied
                         .entry((this.instance, key.clone()))
                         .or_default();
-                    if applied
-                        .iter()
-                        .any(|&(later, on)| later > sent && on != usage.first_call)
+                    if outcome.admitted
+                        && applied
+                            .iter()
+                            .any(|&(later, on)| later > sent && on != usage.first_call)
                     {
                         *truth.stranded.entry((key, usage.first_call)).or_default() += line.cost;
                     }
@@ -138,8 +147,9 @@ impl Store for Jitter {
                 }
             }
             trace!(
-                "{:?} store charge now={} {:?} -> {:?}",
+                "{:?} store charge on {} #{sent} now={} {:?} -> {:?}",
                 this.start.elapsed(),
+                this.instance,
                 request.now,
                 request
                     .lines
@@ -205,8 +215,9 @@ impl Store for Jitter {
             .refund_made_at(now, key, amount, first_call)
             .await;
         trace!(
-            "{:?} store refund_made_at {k} {amount} at {first_call} -> {answer:?}",
-            self.start.elapsed()
+            "{:?} store refund_made_at on {} {k} {amount} at {first_call} -> {answer:?}",
+            self.start.elapsed(),
+            self.instance
         );
         tokio::time::sleep(after).await;
         answer
@@ -229,7 +240,24 @@ impl Store for Jitter {
         let (before, after) = (self.delay(), self.delay());
         tokio::time::sleep(before).await;
         let k = key.as_str().to_owned();
-        let answer = self.inner.add_made_by(now, key, amount, made_by).await;
+        let answer = self
+            .inner
+            .add_made_by(now, key.clone(), amount, made_by)
+            .await;
+        // The counter it landed on, read in the same turn of the runtime
+        // (the memory store answers at once): nothing comes between.
+        if let Ok(Some(_)) = answer {
+            let request = ChargeRequest {
+                now,
+                lines: smallvec::smallvec![line_of(&k, now)],
+            };
+            let on = self.inner.peek(request).await.unwrap()[0].first_call;
+            self.truth
+                .lock()
+                .unwrap()
+                .landed
+                .insert((k.clone(), made_by), on);
+        }
         trace!(
             "{:?} store add_made_by {k} {amount} by {made_by} -> {answer:?}",
             self.start.elapsed()
@@ -250,8 +278,9 @@ impl Store for Jitter {
         let usage = self.inner.peek(request).await.unwrap()[0];
         let answer = self.inner.reset(key.clone()).await;
         trace!(
-            "{:?} store reset {key:?} deletes {:?} -> {answer:?}",
+            "{:?} store reset on {} {key:?} deletes {:?} -> {answer:?}",
             self.start.elapsed(),
+            self.instance,
             usage.first_call
         );
         if usage.resets_at > now && usage.first_call.is_some() {
@@ -384,6 +413,12 @@ struct Count {
     limit: u64,
     /// The last instant a charge was admitted on it.
     last_admitted: Option<Timestamp>,
+    /// Units admitted on it (as the usage tells) by lines paid in part
+    /// from a block of an older counter of the key: see `split`.
+    split_down: u64,
+    /// Units admitted on it (as the usage tells) by lines whose store part
+    /// may have been charged on a later counter of the key: see `split`.
+    split_off: u64,
 }
 
 /// A request admitted: its instance, instant, lines with their usage, and
@@ -393,6 +428,11 @@ type Served = (usize, Timestamp, Vec<(ChargeLine, Usage)>, bool);
 #[derive(Default)]
 struct Model {
     counters: HashMap<CounterId, Count>,
+    /// Lines attributed to a counter (the block's) whose store part may
+    /// have been charged on a later counter of the key: the key, the
+    /// block's counter's first call, and at most how many units: see
+    /// `split`.
+    split_up: Vec<(String, Timestamp, u64)>,
     served: Vec<Served>,
     broken: Vec<String>,
 }
@@ -488,11 +528,40 @@ async fn run(seed: u64, steps: usize, mix: Mix) -> Vec<String> {
                             request.now, line.key, usage.resets_at
                         ));
                     }
-                    if line.cost > 0 && usage.first_call.is_none() {
+                    // (A line paid from a block tells the counter it was
+                    // taken from by `counted_at`: its first call is none
+                    // when the block's units were set aside for a request
+                    // on its way while an answer told of no counter, and
+                    // put back (`Reserved`'s drop); a give-back goes by
+                    // `counted_at` then, as `Usage::charged_counter` does.)
+                    if line.cost > 0 && usage.first_call.is_none() && usage.counted_at.is_none() {
                         model.broken.push(format!(
                             "admitted at {} on {} with no first call",
                             request.now, line.key
                         ));
+                    }
+                    // A line paid in part from a block (`counted_at`, at
+                    // least one unit) and in part by the store is split
+                    // between the block's counter and the one the store
+                    // charged, which differ when the block's was deleted
+                    // meanwhile (a reset elsewhere); the usage does not
+                    // tell the split (`LeasedStore` docs: such a line's
+                    // give-back goes to the block's counter, and "its store
+                    // part then stays charged"). The usage tells either the
+                    // block's counter (its store part, at most `cost - 1`,
+                    // may be on a later one) or, when the block's counter
+                    // is unknown to it, the store's, later than
+                    // `counted_at` (at least one unit is not on it).
+                    if let (Some(counted), Some(first)) = (usage.counted_at, usage.first_call) {
+                        if first > counted {
+                            let count = model.counters.entry(counter_of(line, usage)).or_default();
+                            count.split_down += line.cost;
+                        } else if line.cost > 1 {
+                            let key = line.key.as_str().to_owned();
+                            model.split_up.push((key, first, line.cost - 1));
+                            let count = model.counters.entry(counter_of(line, usage)).or_default();
+                            count.split_off += line.cost - 1;
+                        }
                     }
                     let count = model.counters.entry(counter_of(line, usage)).or_default();
                     count.admitted += line.cost;
@@ -524,6 +593,7 @@ async fn run(seed: u64, steps: usize, mix: Mix) -> Vec<String> {
             };
             let store = stores[at].clone();
             let model = Arc::clone(&model);
+            let truth = Arc::clone(&truth);
             let add = mix.adds && rng.below(2) == 0;
             tasks.spawn(async move {
                 for (line, usage) in lines {
@@ -534,7 +604,23 @@ async fn run(seed: u64, steps: usize, mix: Mix) -> Vec<String> {
                     let id = counter_of(&line, &usage);
                     if add {
                         if let Ok(Some(_)) = store.add_made_by(now, line.key.clone(), 1, by).await {
-                            model.lock().unwrap().counters.get_mut(&id).unwrap().added += 1;
+                            // A line that named no counter (a cost of
+                            // nothing, answered before any counter was
+                            // made) adds to whichever counter was made by
+                            // the request's instant (`Store::add_made_by`),
+                            // as a concurrent request with an earlier
+                            // instant may have made since: the one it
+                            // landed on, as the store tells.
+                            let id = match usage.first_call {
+                                Some(_) => id,
+                                None => {
+                                    let key = line.key.as_str().to_owned();
+                                    let on = truth.lock().unwrap().landed[&(key.clone(), by)];
+                                    (key, on)
+                                }
+                            };
+                            let mut model = model.lock().unwrap();
+                            model.counters.entry(id).or_default().added += 1;
                         }
                     } else if let Ok(Some(_)) = give_back(&store, now, &line, &usage, by).await {
                         model
@@ -572,9 +658,13 @@ async fn run(seed: u64, steps: usize, mix: Mix) -> Vec<String> {
     while tasks.join_next().await.is_some() {}
     // Everything quiet: idle blocks go back.
     tokio::time::sleep(Duration::from_secs(3)).await;
-    let (mut broken, counters) = {
+    let (mut broken, counters, split_up) = {
         let model = model.lock().unwrap();
-        (model.broken.clone(), model.counters.clone())
+        (
+            model.broken.clone(),
+            model.counters.clone(),
+            model.split_up.clone(),
+        )
     };
     for (i, store) in stores.iter().enumerate() {
         if store.held() != 0 {
@@ -597,7 +687,12 @@ async fn run(seed: u64, steps: usize, mix: Mix) -> Vec<String> {
     // tells that counter's first call: see `Usage::counted_at`); the limit
     // holds on each ("the limit holds exactly across instances").
     for (id, count) in &counters {
-        if count.admitted.saturating_sub(count.refunded) > count.limit {
+        // (Less the units of lines split between a block and the store
+        // that may be on another counter: see `split`.)
+        let admitted = count
+            .admitted
+            .saturating_sub(count.split_down + count.split_off);
+        if admitted.saturating_sub(count.refunded) > count.limit {
             broken.push(format!(
                 "{id:?}: admitted {}, given back {}, over the limit {}",
                 count.admitted, count.refunded, count.limit
@@ -651,8 +746,15 @@ async fn run(seed: u64, steps: usize, mix: Mix) -> Vec<String> {
         // instance drops with the answer; "its units then stay charged
         // until the period ends". At most what such charges charged here.
         let expected = (count.admitted + count.added).checked_sub(count.refunded);
-        let slack = stranded.get(&id).copied().unwrap_or(0);
-        if expected.is_none_or(|e| usage.used < e || usage.used > e + slack) {
+        // And by the lines split between a block and the store (see
+        // `split_up` and `split_down`), as far as they go.
+        let split_up: u64 = split_up
+            .iter()
+            .filter(|(key, first, _)| *key == id.0 && id.1.is_some_and(|f| f > *first))
+            .map(|(_, _, units)| units)
+            .sum();
+        let slack = stranded.get(&id).copied().unwrap_or(0) + split_up;
+        if expected.is_none_or(|e| usage.used + count.split_down < e || usage.used > e + slack) {
             broken.push(format!(
                 "{id:?}: the store counts {}, where {} were admitted, {} given back, {} added \
                  ({slack} charged out of order)",
@@ -671,7 +773,13 @@ fn runs(seeds: std::ops::Range<u64>, mix: Mix) {
         Err(_) => seeds,
     };
     let mut broke = Vec::new();
+    let only = std::env::var("LEASE_MODEL_ONLY")
+        .ok()
+        .map(|s| s.parse::<u64>().unwrap());
     for seed in seeds {
+        if only.is_some_and(|o| o != seed) {
+            continue;
+        }
         let runtime = tokio::runtime::Builder::new_current_thread()
             .enable_all()
             .start_paused(true)
@@ -685,6 +793,12 @@ fn runs(seeds: std::ops::Range<u64>, mix: Mix) {
         if !broken.is_empty() {
             broke.push((seed, broken));
         }
+    }
+    if !broke.is_empty() {
+        eprintln!(
+            "{mix:?}: seeds broken: {:?}",
+            broke.iter().map(|b| b.0).collect::<Vec<_>>()
+        );
     }
     broke.truncate(3);
     assert!(broke.is_empty(), "{mix:?}: {broke:#?}");
@@ -747,4 +861,23 @@ fn charges_across_resets() {
         resets: true,
     };
     runs(0..60, mix);
+}
+
+/// Seeds beyond the default range that found defects, run every time:
+/// each left a block nobody held charged until its period ended.
+#[test]
+fn seeds_that_found_defects() {
+    let mix = |resets| Mix {
+        jitter: 30,
+        refunds: true,
+        adds: true,
+        resets,
+    };
+    // A block held when a later answer told of no counter (the store
+    // applied that charge first), dropped.
+    runs(830..831, mix(false));
+    runs(1899..1900, mix(false));
+    // Units set aside from a block put back beside a block of a counter
+    // made since, and given back with it by the old counter's first call.
+    runs(876..877, mix(true));
 }

@@ -3040,10 +3040,7 @@ impl Drop for Reserved {
                         counter.block_since = None;
                         counter.taken_at = None;
                     }
-                } else if aside.first_call.is_none()
-                    || counter.first_call.is_none()
-                    || counter.first_call == aside.first_call
-                {
+                } else if aside.first_call.is_none() || counter.first_call == aside.first_call {
                     // Back with the limit and the instants they were taken
                     // under, whatever block was taken since: the older
                     // instants, which a counter made later never passes.
@@ -3055,6 +3052,27 @@ impl Drop for Reserved {
                     counter.block_since = older(counter.block_since, aside.block_since);
                     counter.taken_at = older(counter.taken_at, aside.taken_at);
                     counter.units += aside.units;
+                } else if counter.first_call.is_none() {
+                    // An answer told of no counter since they were set
+                    // aside (a reset elsewhere, or a charge the store
+                    // applied before the one that made the counter): back
+                    // to the counter they were taken from, by its first
+                    // call, as a block held then went (see `learn`). Put
+                    // back into the block, they would be spent as units of
+                    // a counter that may be gone, and a block taken next
+                    // (of the counter made since) would join them and go
+                    // back by their first call, to nothing: its units
+                    // charged until the period ends.
+                    if let (Some(taken_at), Some(since)) = (aside.taken_at, aside.block_since) {
+                        let elapsed = span(Instant::now().saturating_duration_since(since));
+                        let now = taken_at.saturating_add(elapsed).unwrap_or(taken_at);
+                        orphans.push(GiveBack::untracked(
+                            aside.key.clone(),
+                            now,
+                            aside.units,
+                            taken_at,
+                        ));
+                    }
                 }
             }
         }
