@@ -145,15 +145,17 @@ static GIVE_BACK_ERRORS: Throttle = Throttle::new(5);
 ///   as they go to the store, after any wait for an old block's return):
 ///   one that lands after the answer to a later charge and tells of another
 ///   counter is of a counter gone (reset elsewhere, or a first-use period
-///   that ended), and a block it took is dropped with it, not given back.
-///   Should the store have applied the two charges in the other order
-///   than they were sent, across that reset or period's end (one round
-///   trip apart), the block was charged to the live counter: its units
-///   then stay charged until the period ends. A block held here when a
-///   later answer tells of another counter, or of none (the store applied
-///   that charge before the earlier one that made the counter), goes back
-///   to the counter it was taken from, by that counter's first call: it
-///   lands there if that counter lives, and nowhere otherwise.
+///   that ended): a block it took goes back to that counter by its first
+///   call, exactly, and so lands nowhere, the counter being gone; or,
+///   should the store have applied the two charges in the other order than
+///   they were sent, across that reset or period's end (one round trip
+///   apart), on the live counter, of which nobody here holds those units.
+///   Likewise, a block held here when a later answer tells of another
+///   counter, or of none (the store applied that charge before the earlier
+///   one that made the counter), goes back to the counter it was taken
+///   from, by that counter's first call. (From a store that tells no first
+///   calls, such blocks are dropped: their units stay charged until the
+///   period ends.)
 /// - A give-back of an idle or old block that the store never got (it was
 ///   away, or had no room for the call) puts the block back with this
 ///   instance, if nothing changed there since (no answer of the store
@@ -2122,9 +2124,24 @@ impl<St: Store> LeasedStore<St> {
                     _ => !same_reset(counter.resets_at, usage.resets_at),
                 };
             if older {
-                // The block it took is of the counter gone, its units gone
-                // with it: not given back, which would land in the live
-                // counter if its maker's clock is behind.
+                // The block it took is of another counter than the live one
+                // this entry knows: most likely one gone (reset elsewhere,
+                // or a first-use period that ended), its units gone with
+                // it. Unless the store applied this charge after the later
+                // one (across that reset or period's end): then it is the
+                // live counter's, which nobody here holds. Either way it
+                // goes back to that counter by its first call, exactly: it
+                // lands there if the counter lives, and nowhere otherwise.
+                // (A store that tells no first call: dropped.)
+                if let (true, Some(first_call)) = (outcome.admitted && block > 0, usage.first_call)
+                {
+                    back.push(GiveBack::untracked(
+                        line.key.clone(),
+                        now,
+                        block,
+                        first_call,
+                    ));
+                }
                 block = 0;
             } else if known.is_some_and(|k| k.generation != counter.generation) {
                 // Reset here while the charge was on its way: the block it
