@@ -1428,24 +1428,21 @@ async fn a_sibling_admitted_after_a_refusal_inside_does_not_keep_the_outer_charg
     );
 }
 
-/// A handler's `refund_request` made while the layer's add of a deferred
-/// cost is being sent again (the store was away when the response went
-/// out) gives back what the request holds on the counter: the add that
-/// lands afterwards is not left charged to the request undone, and the
-/// refund takes nothing of another request's units meanwhile.
-#[tokio::test(start_paused = true)]
-async fn a_refund_while_an_add_is_sent_again_leaves_nothing_charged() {
-    use std::sync::atomic::Ordering::Relaxed;
-    use tower_quota::QuotaStatus;
+/// The status of the last request to `/costly`, kept by its handler.
+type Kept = Arc<std::sync::Mutex<Option<tower_quota::QuotaStatus>>>;
 
-    type Kept = Arc<std::sync::Mutex<Option<QuotaStatus>>>;
-    let store = Rigged::new(MemoryStore::new(), Rig::Fail, Some("nothing"));
-    let unsent = Arc::clone(&store.unsent);
-    let policy = policy(store, "add-then-undo").build();
+/// `/`, served at its cost of 1, and `/costly`, charged 1 up front and 5 in
+/// all once it answered (a deferred cost), whose handler keeps the
+/// request's status; a daily quota of 100 on `store`, in `namespace`.
+fn costly_app<St: Store>(
+    store: St,
+    namespace: &str,
+) -> (Router, QuotaPolicy<FromHeader, St>, Kept) {
+    let policy = policy(store, namespace).build();
     let kept: Kept = Arc::default();
     let handler = {
         let kept = Arc::clone(&kept);
-        move |status: QuotaStatus| async move {
+        move |status: tower_quota::QuotaStatus| async move {
             *kept.lock().unwrap() = Some(status);
             Response::builder()
                 .header("x-tokens", "5")
@@ -1463,6 +1460,21 @@ async fn a_refund_while_an_add_is_sent_again_leaves_nothing_charged() {
         .route("/", get(ok))
         .route("/costly", get(handler))
         .layer(policy.layer(Quota::daily(100)).deferred_cost(1, tokens));
+    (app, policy, kept)
+}
+
+/// A handler's `refund_request` made while the layer's add of a deferred
+/// cost is being sent again (the store was away when the response went
+/// out) gives back what the request holds on the counter: the add that
+/// lands afterwards is not left charged to the request undone, and the
+/// refund takes nothing of another request's units meanwhile.
+#[tokio::test(start_paused = true)]
+async fn a_refund_while_an_add_is_sent_again_leaves_nothing_charged() {
+    use std::sync::atomic::Ordering::Relaxed;
+
+    let store = Rigged::new(MemoryStore::new(), Rig::Fail, Some("nothing"));
+    let unsent = Arc::clone(&store.unsent);
+    let (app, policy, kept) = costly_app(store, "add-then-undo");
     // A request served at its cost of 1.
     let response = app.clone().oneshot(call("/")).await.unwrap();
     assert_eq!(response.status(), StatusCode::OK);
@@ -1500,33 +1512,10 @@ async fn a_refund_while_an_add_is_sent_again_leaves_nothing_charged() {
 #[tokio::test(start_paused = true)]
 async fn the_give_back_of_an_add_that_landed_late_is_sent_again() {
     use std::sync::atomic::Ordering::Relaxed;
-    use tower_quota::QuotaStatus;
 
-    type Kept = Arc<std::sync::Mutex<Option<QuotaStatus>>>;
     let store = Rigged::new(MemoryStore::new(), Rig::Fail, Some("nothing"));
     let (unsent, slow) = (Arc::clone(&store.unsent), Arc::clone(&store.slow_changes));
-    let policy = policy(store, "late-add-back").build();
-    let kept: Kept = Arc::default();
-    let handler = {
-        let kept = Arc::clone(&kept);
-        move |status: QuotaStatus| async move {
-            *kept.lock().unwrap() = Some(status);
-            Response::builder()
-                .header("x-tokens", "5")
-                .body(Body::empty())
-                .unwrap()
-        }
-    };
-    let tokens = |response: &http::response::Parts| {
-        response
-            .headers
-            .get("x-tokens")
-            .map_or(1, |v| v.to_str().unwrap().parse().unwrap())
-    };
-    let app = Router::new()
-        .route("/", get(ok))
-        .route("/costly", get(handler))
-        .layer(policy.layer(Quota::daily(100)).deferred_cost(1, tokens));
+    let (app, policy, kept) = costly_app(store, "late-add-back");
     let response = app.clone().oneshot(call("/")).await.unwrap();
     assert_eq!(response.status(), StatusCode::OK);
     // Charged 1 up front; its add of 4 more the store never sent: sent

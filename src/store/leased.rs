@@ -3022,6 +3022,23 @@ impl Reserved {
     }
 }
 
+impl Aside {
+    /// The units given back to the counter they were taken from, by its
+    /// first call, at the instant their block's take was plus the time
+    /// since; `None` if that is not known.
+    fn give_back(&self) -> Option<GiveBack> {
+        let (taken_at, since) = (self.taken_at?, self.block_since?);
+        let elapsed = span(Instant::now().saturating_duration_since(since));
+        let now = taken_at.saturating_add(elapsed).unwrap_or(taken_at);
+        Some(GiveBack::untracked(
+            self.key.clone(),
+            now,
+            self.units,
+            taken_at,
+        ))
+    }
+}
+
 impl Drop for Reserved {
     fn drop(&mut self) {
         if self.lines.is_empty() {
@@ -3039,16 +3056,7 @@ impl Drop for Reserved {
                 .get_mut(&aside.key)
                 .filter(|c| c.generation == aside.generation);
             if entry.is_none() && !self.spent {
-                if let (Some(taken_at), Some(since)) = (aside.taken_at, aside.block_since) {
-                    let elapsed = span(Instant::now().saturating_duration_since(since));
-                    let now = taken_at.saturating_add(elapsed).unwrap_or(taken_at);
-                    orphans.push(GiveBack::untracked(
-                        aside.key.clone(),
-                        now,
-                        aside.units,
-                        taken_at,
-                    ));
-                }
+                orphans.extend(aside.give_back());
             }
             if let Some(counter) = entry {
                 counter.reserved = counter.reserved.saturating_sub(aside.units);
@@ -3080,16 +3088,7 @@ impl Drop for Reserved {
                     // (of the counter made since) would join them and go
                     // back by their first call, to nothing: its units
                     // charged until the period ends.
-                    if let (Some(taken_at), Some(since)) = (aside.taken_at, aside.block_since) {
-                        let elapsed = span(Instant::now().saturating_duration_since(since));
-                        let now = taken_at.saturating_add(elapsed).unwrap_or(taken_at);
-                        orphans.push(GiveBack::untracked(
-                            aside.key.clone(),
-                            now,
-                            aside.units,
-                            taken_at,
-                        ));
-                    }
+                    orphans.extend(aside.give_back());
                 }
             }
         }
