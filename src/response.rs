@@ -679,34 +679,31 @@ pub(crate) fn grpc_content_type(headers: &http::HeaderMap) -> Option<HeaderValue
     }))
 }
 
-/// Whether `response` is a gRPC answer (HTTP 200, `content-type:
-/// application/grpc*`) whose head carries a `grpc-status` of the server's
-/// failure: UNKNOWN, INTERNAL, UNAVAILABLE or DATA_LOSS, the codes that
-/// map to a 5xx (UNIMPLEMENTED is no route's answer: see
-/// [`is_grpc_unimplemented`]). Not DEADLINE_EXCEEDED: the client sets the
-/// deadline, often after the work was done. Only the head is read: a
-/// status in trailers, after a streamed body, is not seen.
-pub(crate) fn is_grpc_server_failure(response: &http::response::Parts) -> bool {
-    response.status == StatusCode::OK
-        && is_grpc(&response.headers)
-        && response
-            .headers
-            .get(&GRPC_STATUS)
-            .is_some_and(|code| matches!(code.as_bytes(), b"2" | b"13" | b"14" | b"15"))
+/// The `grpc-status` in the head of `response`, if it is a gRPC answer
+/// (`content-type: application/grpc*`): a trailers-only answer, the way
+/// tonic answers a failed unary call. Only the head is read: a status in
+/// trailers, after a streamed body, is not seen.
+fn grpc_status(response: &http::response::Parts) -> Option<&[u8]> {
+    let status = response.headers.get(&GRPC_STATUS)?;
+    is_grpc(&response.headers).then(|| status.as_bytes())
 }
 
-/// Whether `response` is a gRPC answer (HTTP 200, `content-type:
-/// application/grpc*`) whose head carries `grpc-status` 12
-/// (`UNIMPLEMENTED`): the server has no such method (tonic's router answers
-/// a call to an unknown service or method so), gRPC's 404, which no quota
-/// charges.
-pub(crate) fn is_grpc_unimplemented(response: &http::response::Parts) -> bool {
+/// Whether `response` is a gRPC answer over HTTP 200 whose head carries a
+/// `grpc-status` of the server's failure: UNKNOWN, INTERNAL, UNAVAILABLE
+/// or DATA_LOSS, the codes that map to a 5xx (UNIMPLEMENTED is no route's
+/// answer: see [`is_grpc_unimplemented`]). Not DEADLINE_EXCEEDED: the
+/// client sets the deadline, often after the work was done.
+pub(crate) fn is_grpc_server_failure(response: &http::response::Parts) -> bool {
     response.status == StatusCode::OK
-        && is_grpc(&response.headers)
-        && response
-            .headers
-            .get(&GRPC_STATUS)
-            .is_some_and(|code| code.as_bytes() == b"12")
+        && grpc_status(response).is_some_and(|code| matches!(code, b"2" | b"13" | b"14" | b"15"))
+}
+
+/// Whether `response` is a gRPC answer over HTTP 200 whose head carries
+/// `grpc-status` 12 (`UNIMPLEMENTED`): the server has no such method
+/// (tonic's router answers a call to an unknown service or method so),
+/// gRPC's 404, which no quota charges.
+pub(crate) fn is_grpc_unimplemented(response: &http::response::Parts) -> bool {
+    response.status == StatusCode::OK && grpc_status(response) == Some(b"12".as_slice())
 }
 
 /// Whether `response` is an error: a 4xx or 5xx status, or a gRPC answer
@@ -715,11 +712,7 @@ pub(crate) fn is_grpc_unimplemented(response: &http::response::Parts) -> bool {
 pub(crate) fn is_error_answer(response: &http::response::Parts) -> bool {
     response.status.is_client_error()
         || response.status.is_server_error()
-        || (is_grpc(&response.headers)
-            && response
-                .headers
-                .get(&GRPC_STATUS)
-                .is_some_and(|code| code.as_bytes() != b"0"))
+        || grpc_status(response).is_some_and(|code| code != b"0")
 }
 
 /// What a client sent (a plan, an allowance) is echoed in an answer up to
