@@ -407,11 +407,8 @@ fn apply<St: Store>(
                     .flatten()
             })
             .collect();
-        let mut first_answers = Some(first_answers);
         if resends.iter().any(Option::is_some) {
-            if let Some(told) = first_answers.take() {
-                let _ = told.send(());
-            }
+            let _ = first_answers.send(());
         }
         for ((answer, resend), change) in answers.iter_mut().zip(resends).zip(&ops) {
             if let Some(resend) = resend {
@@ -424,43 +421,31 @@ fn apply<St: Store>(
         // An add answered: one that never landed (failed, or no counter to
         // add to) is no part of what a give-back of the request takes from
         // the counter; one that landed after the handler gave the request
-        // back (it was on its way then, and left out) goes back now.
+        // back (it was on its way then, and left out) goes back now, as any
+        // change (sent again if the store never got it), in a task of its
+        // own: the response does not wait for it.
         if let Some(lines) = &lines {
-            for (answer, change) in answers.iter().zip(&ops) {
-                let (Adjust::Add(amount), Some(line)) = (change.adjust, change.line) else {
-                    continue;
-                };
-                let back = lines[line].add_answered(amount, matches!(answer, Ok(Some(_))));
-                if back > 0 {
-                    let give_back = || send(&change.key, Adjust::Refund(back), change.made);
-                    let mut refund = give_back().await;
-                    // Never sent (the store away again): sent again within
-                    // the counter's period, as the handler's own give-back
-                    // is, without holding up the response.
-                    let unsent = matches!(&refund, Err(error) if error.is_unsent());
-                    if let Some(resend) = unsent
-                        .then(|| Resend::until(started, now, change.resets_at))
-                        .flatten()
-                    {
-                        if let Some(told) = first_answers.take() {
-                            let _ = told.send(());
-                        }
-                        if let Some(again) = resend.send(give_back).await {
-                            refund = again;
-                        }
-                    }
-                    if let Err(error) = refund {
-                        crate::metrics::change_lost(crate::metrics::change::REFUND, back);
-                        if let Some(suppressed) = ADJUST_ERRORS.admit() {
-                            let error = charge::hidden(&error);
-                            tracing::warn!(
-                                error,
-                                suppressed,
-                                "quota store failed to give back an add that landed after its request was given back"
-                            );
-                        }
-                    }
-                }
+            let back: Vec<Change> = answers
+                .iter()
+                .zip(&ops)
+                .filter_map(|(answer, change)| {
+                    let (Adjust::Add(amount), Some(line)) = (change.adjust, change.line) else {
+                        return None;
+                    };
+                    let back = lines[line].add_answered(amount, matches!(answer, Ok(Some(_))));
+                    (back > 0).then(|| Change {
+                        key: change.key.clone(),
+                        adjust: Adjust::Refund(back),
+                        made: change.made,
+                        resets_at: change.resets_at,
+                        line: None,
+                    })
+                })
+                .collect();
+            if !back.is_empty() {
+                let since = jiff::SignedDuration::try_from(started.elapsed()).unwrap_or_default();
+                let later = now.checked_add(since).unwrap_or(now);
+                detach(apply(store.clone(), later, back, None).0);
             }
         }
         answers
