@@ -972,14 +972,7 @@ impl Counter {
     /// first-use counter's reset is read from its remaining life, which
     /// moves by a millisecond here and there), else by its reset.
     fn same_period(&self, usage: &Usage) -> bool {
-        match (self.first_call, usage.first_call) {
-            (Some(known), Some(told)) => known == told,
-            // The store told this counter's first call, and tells none
-            // now: the counter is gone (reset elsewhere, or its period
-            // over), whatever its reset would be.
-            (Some(_), None) => false,
-            _ => same_reset(self.resets_at, usage.resets_at),
-        }
+        same_counter(self.first_call, self.resets_at, usage)
     }
 
     /// Whether the counter's period is over at `now`: its units are
@@ -1004,6 +997,19 @@ async fn pause() {
 /// Whether two resets a store that does not tell first calls reported are
 /// of one counter: a first-use counter's is read from its remaining life,
 /// which moves by a millisecond here and there.
+/// Whether `usage` is of the counter known by `first_call` (when the store
+/// told it) and `resets_at`: see [`Counter::same_period`].
+fn same_counter(first_call: Option<Timestamp>, resets_at: Timestamp, usage: &Usage) -> bool {
+    match (first_call, usage.first_call) {
+        (Some(known), Some(told)) => known == told,
+        // The store told this counter's first call, and tells none now:
+        // the counter is gone (reset elsewhere, or its period over),
+        // whatever its reset would be.
+        (Some(_), None) => false,
+        _ => same_reset(resets_at, usage.resets_at),
+    }
+}
+
 fn same_reset(known: Timestamp, told: Timestamp) -> bool {
     known.duration_since(told).abs() <= SignedDuration::from_secs(1)
 }
@@ -1792,12 +1798,7 @@ impl<St: Store> LeasedStore<St> {
             // back from now on.
             for (line, usage) in request.lines.iter().zip(outcome.usage.iter_mut()) {
                 for (key, units, left) in &beside {
-                    let same = match (left.first_call, usage.first_call) {
-                        (Some(known), Some(told)) => known == told,
-                        (Some(_), None) => false,
-                        _ => same_reset(left.resets_at, usage.resets_at),
-                    };
-                    if line.key == *key && same {
+                    if line.key == *key && same_counter(left.first_call, left.resets_at, usage) {
                         usage.used = usage.used.saturating_sub(*units);
                     }
                 }
@@ -3077,17 +3078,18 @@ impl Drop for Reserved {
                     counter.block_since = older(counter.block_since, aside.block_since);
                     counter.taken_at = older(counter.taken_at, aside.taken_at);
                     counter.units += aside.units;
-                } else if counter.first_call.is_none() {
-                    // An answer told of no counter since they were set
-                    // aside (a reset elsewhere, or a charge the store
-                    // applied before the one that made the counter): back
-                    // to the counter they were taken from, by its first
-                    // call, as a block held then went (see `learn`). Put
-                    // back into the block, they would be spent as units of
-                    // a counter that may be gone, and a block taken next
-                    // (of the counter made since) would join them and go
-                    // back by their first call, to nothing: its units
-                    // charged until the period ends.
+                } else {
+                    // An answer told of another counter since they were set
+                    // aside, or of none (a reset elsewhere, a first-use
+                    // period that ended, or a charge the store applied
+                    // before the one that made the counter): back to the
+                    // counter they were taken from, by its first call, as a
+                    // block held then went (see `learn`). Put back into the
+                    // block, they would be spent as units of a counter that
+                    // may be gone, and a block taken next (of the counter
+                    // made since) would join them and go back by their first
+                    // call, to nothing: its units charged until the period
+                    // ends.
                     orphans.extend(aside.give_back());
                 }
             }
