@@ -1238,29 +1238,7 @@ impl Store for FailingAdds {
 /// the units of requests truly served.
 #[tokio::test]
 async fn a_refund_after_a_failed_add_gives_back_only_what_was_charged() {
-    type Kept = Arc<std::sync::Mutex<Option<tower_quota::QuotaStatus>>>;
-    let policy = policy(FailingAdds(MemoryStore::new()), "lost-add").build();
-    let kept: Kept = Arc::default();
-    let handler = {
-        let kept = Arc::clone(&kept);
-        move |status: tower_quota::QuotaStatus| async move {
-            *kept.lock().unwrap() = Some(status);
-            Response::builder()
-                .header("x-tokens", "5")
-                .body(Body::empty())
-                .unwrap()
-        }
-    };
-    let tokens = |response: &http::response::Parts| {
-        response
-            .headers
-            .get("x-tokens")
-            .map_or(1, |v| v.to_str().unwrap().parse().unwrap())
-    };
-    let app = Router::new()
-        .route("/", get(ok))
-        .route("/costly", get(handler))
-        .layer(policy.layer(Quota::daily(100)).deferred_cost(1, tokens));
+    let (app, policy, kept) = costly_app(FailingAdds(MemoryStore::new()), "lost-add");
     // A request served at its cost of 1.
     let response = app.clone().oneshot(call("/")).await.unwrap();
     assert_eq!(response.status(), StatusCode::OK);
