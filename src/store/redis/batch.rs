@@ -32,7 +32,7 @@ use smallvec::SmallVec;
 use tokio::sync::{oneshot, OwnedSemaphorePermit};
 
 use super::late::{first_call_of, Refund};
-use super::{refund_lines, retires, wait_for, Inner, COUNTERS_LUA, FOLLOW_THROUGH, LATE};
+use super::{refund_lines, retires, wait_for, Check, Inner, COUNTERS_LUA, FOLLOW_THROUGH, LATE};
 use crate::key::PeriodKey;
 
 /// The most charges in one batch.
@@ -156,7 +156,11 @@ impl Drop for GiveBack {
                 recycle: Some(inner.timeout),
             };
             let deadline = tokio::time::Instant::now() + FOLLOW_THROUGH;
-            match inner.connections.ready_or_get(&timeouts, deadline).await {
+            match inner
+                .connections
+                .ready_or_get(&timeouts, deadline, Check::Always)
+                .await
+            {
                 Some(Ok(mut conn)) => refund_lines(&inner, &mut conn, lines, now).await,
                 _ => {
                     if let Some(suppressed) = LATE.admit() {
@@ -322,7 +326,11 @@ async fn send(inner: &Arc<Inner>, batch: Vec<Pending>) {
         recycle: Some(inner.timeout),
     };
     let deadline = tokio::time::Instant::now() + FOLLOW_THROUGH;
-    let mut conn = match inner.connections.ready_or_get(&timeouts, deadline).await {
+    let mut conn = match inner
+        .connections
+        .ready_or_get(&timeouts, deadline, Check::IfQuiet)
+        .await
+    {
         Some(Ok(conn)) => conn,
         Some(Err(fault)) => {
             let error = match fault {

@@ -19,11 +19,13 @@
 //! merely busy, answering the calls sent before, is kept. A server's
 //! connection idle for a second is pinged before it is used again, so that
 //! a restart during a lull costs no call (a cluster's: below). One used
-//! within that second is not, but before a change (a give-back, an add) is
-//! sent on it, it is checked for a socket the server closed already (a
-//! restart within the second): a change queued on it would fail as one
-//! lost on the wire, which may have been applied and is never sent again.
-//! It then goes on a fresh connection (see `Connection::closed`).
+//! within that second is not pinged, but it is checked for a socket the
+//! server closed already (a restart within the second) before a call is
+//! sent on it, when it was unused for a few milliseconds (as no connection
+//! is under load), and before every change (a give-back, an add): a call
+//! queued on it would fail as one lost on the wire, a charge refused or
+//! uncounted, a change that may have been applied and is never sent again.
+//! The call then goes on a fresh connection (see `Connection::closed`).
 //!
 //! A cluster's connection spans every node, and what failed is most likely
 //! one node: the others still answer on it. So a cluster's connection that
@@ -82,6 +84,13 @@ use crate::throttle::Throttle;
 
 /// A connection idle for this long is pinged before it is used again.
 const IDLE: Duration = Duration::from_secs(1);
+
+/// A server's connection unused for this long is checked for a socket the
+/// server closed meanwhile (a restart) before a call is sent on it: queued
+/// on it, the call would fail as one lost on the wire (see
+/// [`Connection::closed`]). Shorter than any restart, and far longer than
+/// the gaps between calls under load, which then cost no check.
+const QUIET: Duration = Duration::from_millis(5);
 
 /// Lets a few warnings a second through about replacements that could not
 /// be opened (during an outage, one per call).
@@ -338,6 +347,30 @@ impl<T: Clone> Slot<T> {
     }
 }
 
+/// A slot's connection as handed to one call.
+pub(super) struct Handed<T> {
+    /// The epoch it was opened in.
+    epoch: u64,
+    conn: T,
+    /// How many answers came back on it.
+    answers: Arc<AtomicU64>,
+    /// Unused for [`QUIET`] (and not pinged since): the server may have
+    /// closed it meanwhile (see [`Connection::closed`]).
+    quiet: bool,
+}
+
+impl<T> Handed<T> {
+    /// A connection in use a moment ago, just pinged, or just opened.
+    fn new(epoch: u64, conn: T, answers: Arc<AtomicU64>) -> Self {
+        Self {
+            epoch,
+            conn,
+            answers,
+            quiet: false,
+        }
+    }
+}
+
 impl<C: Connect> Shared<C> {
     pub(super) fn new(connector: C, size: usize, ping_timeout: Duration) -> Self {
         let slots = (0..size.max(1))
@@ -461,7 +494,7 @@ impl<C: Connect> Shared<C> {
     /// in the current epoch (or serving while replaced) and used within
     /// [`IDLE`]. Otherwise nothing, and the slot is left for
     /// [`get`](Self::get), which pings, opens or reopens it.
-    fn ready(self: &Arc<Self>) -> Option<(u64, C::Conn, Arc<AtomicU64>)> {
+    fn ready(self: &Arc<Self>) -> Option<Handed<C::Conn>> {
         let now = self.now();
         let mut next = self.next.load(Ordering::Relaxed);
         // A few tries: callers that race for one turn each take the next.
@@ -471,7 +504,8 @@ impl<C: Connect> Shared<C> {
             // marked this slot used (and may be pinging it) took its turn
             // before: the exchange below then fails, and the connection it
             // checks is not handed out unchecked.
-            if now.saturating_sub(slot.used.load(Ordering::Acquire)) >= IDLE.as_millis() as u64 {
+            let idle = now.saturating_sub(slot.used.load(Ordering::Acquire));
+            if idle >= IDLE.as_millis() as u64 {
                 return None;
             }
             let epoch = self.epoch.load(Ordering::Acquire);
@@ -485,7 +519,12 @@ impl<C: Connect> Shared<C> {
             ) {
                 Ok(_) => {
                     slot.used.fetch_max(now, Ordering::Relaxed);
-                    return Some((opened, conn, answers));
+                    return Some(Handed {
+                        epoch: opened,
+                        conn,
+                        answers,
+                        quiet: idle >= QUIET.as_millis() as u64,
+                    });
                 }
                 Err(current) => next = current,
             }
@@ -496,7 +535,7 @@ impl<C: Connect> Shared<C> {
     /// A connection, opened first if need be. A connection is opened in a
     /// task of its own, so it is opened for the next callers even when this
     /// one stops waiting.
-    async fn get(self: &Arc<Self>) -> Result<(u64, C::Conn, Arc<AtomicU64>), RedisError> {
+    async fn get(self: &Arc<Self>) -> Result<Handed<C::Conn>, RedisError> {
         let index = self.next.fetch_add(1, Ordering::Relaxed) % self.slots.len();
         let slot = &self.slots[index];
         let now = self.now();
@@ -506,20 +545,23 @@ impl<C: Connect> Shared<C> {
         if let Some((opened, mut conn, answers)) = self.usable(index, epoch) {
             if opened != epoch {
                 // Serving while its replacement opens.
-                return Ok((opened, conn, answers));
+                return Ok(Handed::new(opened, conn, answers));
             }
             if idle < IDLE.as_millis() as u64 {
-                return Ok((epoch, conn, answers));
+                return Ok(Handed {
+                    quiet: idle >= QUIET.as_millis() as u64,
+                    ..Handed::new(epoch, conn, answers)
+                });
             }
             if C::SERVES_WHILE_REPLACED {
                 // A node that does not answer would hold this caller for
                 // nothing: the connection serves the others either way.
                 self.check(index, epoch, conn.clone());
-                return Ok((epoch, conn, answers));
+                return Ok(Handed::new(epoch, conn, answers));
             }
             if self.ping(&mut conn).await {
                 answers.fetch_add(1, Ordering::Relaxed);
-                return Ok((epoch, conn, answers));
+                return Ok(Handed::new(epoch, conn, answers));
             }
             // This caller waits for a fresh connection: after a restart
             // during a lull, the old one would fail every call.
@@ -535,10 +577,10 @@ impl<C: Connect> Shared<C> {
                 if opened != epoch {
                     self.replace(index);
                 }
-                return Ok((opened, conn, answers));
+                return Ok(Handed::new(opened, conn, answers));
             }
         } else if let Some((conn, answers)) = slot.current(epoch) {
-            return Ok((epoch, conn, answers));
+            return Ok(Handed::new(epoch, conn, answers));
         }
         let shared = Arc::clone(self);
         let opening = tokio::spawn(async move {
@@ -552,7 +594,7 @@ impl<C: Connect> Shared<C> {
             opened
         });
         match opening.await {
-            Ok(opened) => opened.map(|(conn, answers)| (epoch, conn, answers)),
+            Ok(opened) => opened.map(|(conn, answers)| Handed::new(epoch, conn, answers)),
             Err(error) => Err(RedisError::from(std::io::Error::other(format!(
                 "opening a Redis connection failed: {error}"
             )))),
@@ -597,6 +639,19 @@ impl<C: Connect> Shared<C> {
     }
 }
 
+/// When a call checks its connection for a socket the server closed
+/// already before it is sent on it (see [`Connection::closed`]): a call
+/// queued on such a connection fails as one lost on the wire.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(super) enum Check {
+    /// Every time: a change (a give-back, an add), which, lost on the wire,
+    /// may have been applied and is never sent again.
+    Always,
+    /// When the connection was quiet (unused for [`QUIET`]): a charge or a
+    /// read, which would otherwise fail after a restart during a lull.
+    IfQuiet,
+}
+
 /// Why no connection was had.
 pub(super) enum Fault {
     Redis(RedisError),
@@ -619,23 +674,17 @@ impl Connections {
     /// pool, or when the connection must be pinged or opened first.
     pub(super) fn ready(&self) -> Option<Connection> {
         match self {
-            Connections::Server(shared) => {
-                shared
-                    .ready()
-                    .map(|(epoch, conn, answers)| Connection::Server {
-                        epoch,
-                        conn,
-                        answers,
-                    })
-            }
+            Connections::Server(shared) => shared.ready().map(Connection::server),
             #[cfg(feature = "redis-cluster")]
             Connections::Cluster(shared) => {
-                shared.ready().map(|(epoch, conn, _)| Connection::Cluster {
-                    epoch,
-                    conn,
-                    outside: Arc::clone(&shared.connector.outside),
-                    failed_outside: false,
-                })
+                shared
+                    .ready()
+                    .map(|Handed { epoch, conn, .. }| Connection::Cluster {
+                        epoch,
+                        conn,
+                        outside: Arc::clone(&shared.connector.outside),
+                        failed_outside: false,
+                    })
             }
             _ => None,
         }
@@ -658,18 +707,14 @@ impl Connections {
             Connections::Server(shared) => shared
                 .get()
                 .await
-                .map(|(epoch, conn, answers)| Connection::Server {
-                    epoch,
-                    conn,
-                    answers,
-                })
+                .map(Connection::server)
                 .map_err(Fault::Redis),
             Connections::Pool(pool) => get!(pool, Connection::pooled),
             #[cfg(feature = "redis-cluster")]
             Connections::Cluster(shared) => shared
                 .get()
                 .await
-                .map(|(epoch, conn, _)| Connection::Cluster {
+                .map(|Handed { epoch, conn, .. }| Connection::Cluster {
                     epoch,
                     conn,
                     outside: Arc::clone(&shared.connector.outside),
@@ -683,16 +728,44 @@ impl Connections {
 
     /// A connection for one call by `deadline`: a [ready](Self::ready) one
     /// at once, or else the wait for one ([`get`](Self::get)), boxed: a
-    /// large future that a call only needs at times. `None` when none came
-    /// in time.
+    /// large future that a call only needs at times. Checked as `check`
+    /// says for a socket the server closed already (see
+    /// [`Connection::closed`]), and a fresh one had in its place. `None`
+    /// when none came in time.
     pub(super) async fn ready_or_get(
         &self,
         timeouts: &Timeouts,
         deadline: tokio::time::Instant,
+        check: Check,
     ) -> Option<Result<Connection, Fault>> {
-        if let Some(conn) = self.ready() {
+        let conn = match self.ready() {
+            Some(conn) => conn,
+            None => match self.wait_for(timeouts, deadline).await? {
+                Ok(conn) => conn,
+                Err(fault) => return Some(Err(fault)),
+            },
+        };
+        let checked = match check {
+            Check::Always => true,
+            Check::IfQuiet => conn.quiet(),
+        };
+        if !checked || !Box::pin(conn.closed()).await {
             return Some(Ok(conn));
         }
+        self.failed(conn.failed());
+        match self.ready() {
+            Some(conn) => Some(Ok(conn)),
+            None => self.wait_for(timeouts, deadline).await,
+        }
+    }
+
+    /// A connection by `deadline` ([`get`](Self::get), boxed); `None` when
+    /// none came in time.
+    async fn wait_for(
+        &self,
+        timeouts: &Timeouts,
+        deadline: tokio::time::Instant,
+    ) -> Option<Result<Connection, Fault>> {
         tokio::time::timeout_at(deadline, Box::pin(self.get(timeouts)))
             .await
             .ok()
@@ -733,6 +806,8 @@ pub(super) enum Connection {
         /// Answers that came back on this connection, whoever sent them
         /// (counted as they come, see `counted`).
         answers: Arc<AtomicU64>,
+        /// Unused for a while before this call (see [`Handed::quiet`]).
+        quiet: bool,
     },
     Pool {
         /// Checked out of the pool for the call's round trip.
@@ -802,6 +877,27 @@ pub(super) enum Failed {
 }
 
 impl Connection {
+    fn server(handed: Handed<MultiplexedConnection>) -> Self {
+        let Handed {
+            epoch,
+            conn,
+            answers,
+            quiet,
+        } = handed;
+        Connection::Server {
+            epoch,
+            conn,
+            answers,
+            quiet,
+        }
+    }
+
+    /// Whether the connection was unused for a while before this call
+    /// (see [`Handed::quiet`]).
+    fn quiet(&self) -> bool {
+        matches!(self, Connection::Server { quiet: true, .. })
+    }
+
     fn pooled(pooled: deadpool_redis::Connection) -> Self {
         let mut conn = MultiplexedConnection::clone(&pooled);
         conn.set_response_timeout(super::FOLLOW_THROUGH);

@@ -17,7 +17,7 @@ use tokio::sync::{OwnedSemaphorePermit, Semaphore};
 use super::batch::{Batches, LineArgs, Lines, Pending};
 use super::builder::{RedisStoreBuilder, Source};
 use super::clock::{refresh_offset, ServerClock};
-use super::connection::{Connection, Connections};
+use super::connection::{Check, Connection, Connections};
 use super::errors::{applied_nothing, fault_error, redis_error, retires};
 use super::hash::jitter;
 use super::late::{give_back, refund_lines, Call, GiveBack, Sends};
@@ -162,7 +162,12 @@ use crate::store::{
 ///   sent twice: one that failed on the wire may have been applied. After a
 ///   command failed on the wire, every connection opened before it is
 ///   dropped and the next calls open fresh ones, so requests succeed again
-///   as soon as Redis is back (on a cluster, see below).
+///   as soon as Redis is back (on a cluster, see below). A connection the
+///   server closed while no call was on it (a restart during a lull, or
+///   between two calls) fails no call: one unused for a second is pinged
+///   before it serves again, and one unused for a few milliseconds (or
+///   about to carry a give-back or an add) is checked for a closed socket
+///   first, a `PING` nobody waits for; no connection under load is.
 /// - **One node of a cluster.** A cluster node that stops answering fails
 ///   the subjects it holds, and only them: the cluster connection that
 ///   waited on it goes on serving the other nodes while a replacement is
@@ -473,23 +478,24 @@ impl RedisStore {
             create: Some(inner.connect_timeout),
             recycle: Some(inner.timeout),
         };
-        let mut conn = match inner.connections.ready_or_get(&timeouts, deadline).await {
+        // A change that fails on the wire is not sent again (it may have
+        // been applied): one on a connection known closed already (the
+        // server restarted since it was last used) would fail so though it
+        // was never written. It is checked first, and goes on a fresh
+        // connection instead.
+        let check = match sends {
+            Sends::Write => Check::Always,
+            Sends::Charge | Sends::Read => Check::IfQuiet,
+        };
+        let conn = match inner
+            .connections
+            .ready_or_get(&timeouts, deadline, check)
+            .await
+        {
             Some(Ok(conn)) => conn,
             Some(Err(fault)) => return Err(fault_error(fault).unsent()),
             None => return Err(no_connection()),
         };
-        // A change that fails on the wire is not sent again (it may have
-        // been applied): one on a connection known closed already (the
-        // server restarted since it was last used) would fail so though it
-        // was never written. It goes on a fresh connection instead.
-        if matches!(sends, Sends::Write) && conn.closed().await {
-            inner.connections.failed(conn.failed());
-            conn = match inner.connections.ready_or_get(&timeouts, deadline).await {
-                Some(Ok(conn)) => conn,
-                Some(Err(fault)) => return Err(fault_error(fault).unsent()),
-                None => return Err(no_connection()),
-            };
-        }
         // Room and a connection took the whole budget: a call sent now
         // would be abandoned as it leaves, and a charge it carried would
         // hold units from other requests until its give-back lands.
