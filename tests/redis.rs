@@ -3003,3 +3003,51 @@ async fn a_change_after_a_quick_restart_is_applied_or_sent_again() {
     }
     assert_eq!(used, 0, "the request answered with a 500 stays charged");
 }
+
+/// Many callers at once after a restart within the second, on one
+/// connection and more worker threads than two: a caller handed the
+/// connection just after another, which checks it, is checked too (the
+/// connection is not known open yet), and none fails.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn callers_racing_for_a_quiet_connection_after_a_quick_restart_fail_none() {
+    let mut server = redis_server_or_skip!();
+    let store = RedisStore::builder(server.url())
+        .pool_size(1)
+        .timeout(Duration::from_secs(1))
+        .build()
+        .unwrap();
+    let key = key("quick-race");
+    let mut failed = Vec::new();
+    for round in 0..30 {
+        admit(
+            &store,
+            first_use(&key, 1_000_000, 1, Timestamp::now(), hour()),
+        )
+        .await;
+        tokio::time::sleep(Duration::from_millis(10)).await;
+        server.restart();
+        let mut calls = tokio::task::JoinSet::new();
+        for i in 0..64 {
+            let store = store.clone();
+            let key = key.clone();
+            calls.spawn(async move {
+                let request = first_use(&key, 1_000_000, 1, Timestamp::now(), hour());
+                if i % 2 == 0 {
+                    store.peek(request).await.map(|_| ())
+                } else {
+                    store.charge(request).await.map(|_| ())
+                }
+            });
+        }
+        while let Some(result) = calls.join_next().await {
+            if let Err(error) = result.unwrap() {
+                failed.push((round, error.to_string()));
+            }
+        }
+    }
+    assert!(
+        failed.is_empty(),
+        "{} calls failed: {failed:?}",
+        failed.len()
+    );
+}

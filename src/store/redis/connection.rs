@@ -312,6 +312,11 @@ struct Slot<T> {
     current: Mutex<Option<(u64, T, Arc<AtomicU64>)>>,
     /// When the slot was last used, in milliseconds from `Shared::origin`.
     used: AtomicU64,
+    /// When a call was last sent on the slot's connection known open then
+    /// (used a moment before, pinged, opened or checked), in milliseconds
+    /// from `Shared::origin`. Not moved by a caller handed it quiet, before
+    /// its check: callers handed it meanwhile are checked too.
+    sent: AtomicU64,
     /// Held while this slot's connection is being opened.
     connecting: Arc<tokio::sync::Mutex<()>>,
     /// Replacements in a row that could not be opened (see
@@ -349,6 +354,8 @@ impl<T: Clone> Slot<T> {
 
 /// A slot's connection as handed to one call.
 pub(super) struct Handed<T> {
+    /// The slot it is of.
+    slot: usize,
     /// The epoch it was opened in.
     epoch: u64,
     conn: T,
@@ -361,8 +368,9 @@ pub(super) struct Handed<T> {
 
 impl<T> Handed<T> {
     /// A connection in use a moment ago, just pinged, or just opened.
-    fn new(epoch: u64, conn: T, answers: Arc<AtomicU64>) -> Self {
+    fn new(slot: usize, epoch: u64, conn: T, answers: Arc<AtomicU64>) -> Self {
         Self {
+            slot,
             epoch,
             conn,
             answers,
@@ -377,6 +385,7 @@ impl<C: Connect> Shared<C> {
             .map(|_| Slot {
                 current: Mutex::new(None),
                 used: AtomicU64::new(0),
+                sent: AtomicU64::new(0),
                 connecting: Arc::new(tokio::sync::Mutex::new(())),
                 failures: AtomicU32::new(0),
             })
@@ -508,6 +517,8 @@ impl<C: Connect> Shared<C> {
             if idle >= IDLE.as_millis() as u64 {
                 return None;
             }
+            let quiet =
+                now.saturating_sub(slot.sent.load(Ordering::Acquire)) >= QUIET.as_millis() as u64;
             let epoch = self.epoch.load(Ordering::Acquire);
             // Missing or stale: the turn is left for `get`, which opens it.
             let (opened, conn, answers) = self.usable(next % self.slots.len(), epoch)?;
@@ -519,11 +530,15 @@ impl<C: Connect> Shared<C> {
             ) {
                 Ok(_) => {
                     slot.used.fetch_max(now, Ordering::Relaxed);
+                    if !quiet {
+                        slot.sent.fetch_max(now, Ordering::Release);
+                    }
                     return Some(Handed {
+                        slot: next % self.slots.len(),
                         epoch: opened,
                         conn,
                         answers,
-                        quiet: idle >= QUIET.as_millis() as u64,
+                        quiet,
                     });
                 }
                 Err(current) => next = current,
@@ -545,23 +560,29 @@ impl<C: Connect> Shared<C> {
         if let Some((opened, mut conn, answers)) = self.usable(index, epoch) {
             if opened != epoch {
                 // Serving while its replacement opens.
-                return Ok(Handed::new(opened, conn, answers));
+                return Ok(Handed::new(index, opened, conn, answers));
             }
             if idle < IDLE.as_millis() as u64 {
+                let quiet = now.saturating_sub(slot.sent.load(Ordering::Acquire))
+                    >= QUIET.as_millis() as u64;
+                if !quiet {
+                    slot.sent.fetch_max(now, Ordering::Release);
+                }
                 return Ok(Handed {
-                    quiet: idle >= QUIET.as_millis() as u64,
-                    ..Handed::new(epoch, conn, answers)
+                    quiet,
+                    ..Handed::new(index, epoch, conn, answers)
                 });
             }
             if C::SERVES_WHILE_REPLACED {
                 // A node that does not answer would hold this caller for
                 // nothing: the connection serves the others either way.
                 self.check(index, epoch, conn.clone());
-                return Ok(Handed::new(epoch, conn, answers));
+                return Ok(Handed::new(index, epoch, conn, answers));
             }
             if self.ping(&mut conn).await {
                 answers.fetch_add(1, Ordering::Relaxed);
-                return Ok(Handed::new(epoch, conn, answers));
+                self.sent(index);
+                return Ok(Handed::new(index, epoch, conn, answers));
             }
             // This caller waits for a fresh connection: after a restart
             // during a lull, the old one would fail every call.
@@ -577,10 +598,11 @@ impl<C: Connect> Shared<C> {
                 if opened != epoch {
                     self.replace(index);
                 }
-                return Ok(Handed::new(opened, conn, answers));
+                return Ok(Handed::new(index, opened, conn, answers));
             }
         } else if let Some((conn, answers)) = slot.current(epoch) {
-            return Ok(Handed::new(epoch, conn, answers));
+            self.sent(index);
+            return Ok(Handed::new(index, epoch, conn, answers));
         }
         let shared = Arc::clone(self);
         let opening = tokio::spawn(async move {
@@ -594,7 +616,10 @@ impl<C: Connect> Shared<C> {
             opened
         });
         match opening.await {
-            Ok(opened) => opened.map(|(conn, answers)| Handed::new(epoch, conn, answers)),
+            Ok(opened) => opened.map(|(conn, answers)| {
+                self.sent(index);
+                Handed::new(index, epoch, conn, answers)
+            }),
             Err(error) => Err(RedisError::from(std::io::Error::other(format!(
                 "opening a Redis connection failed: {error}"
             )))),
@@ -629,6 +654,15 @@ impl<C: Connect> Shared<C> {
         let cmd = redis::cmd("PING");
         let ping = cmd.query_async::<String>(conn);
         matches!(tokio::time::timeout(self.ping_timeout, ping).await, Ok(Ok(pong)) if pong == "PONG")
+    }
+
+    /// A call goes on slot `index`'s connection, known open now (just
+    /// opened, pinged or checked): the callers handed it next need not
+    /// check it.
+    fn sent(&self, index: usize) {
+        self.slots[index]
+            .sent
+            .fetch_max(self.now(), Ordering::Release);
     }
 
     /// A connection of `epoch` failed on the wire: that epoch is over.
@@ -749,7 +783,14 @@ impl Connections {
             Check::Always => true,
             Check::IfQuiet => conn.quiet(),
         };
-        if !checked || !Box::pin(conn.closed()).await {
+        if !checked {
+            return Some(Ok(conn));
+        }
+        if !Box::pin(conn.closed()).await {
+            // Known open: the callers handed it next need not check it.
+            if let (Connections::Server(shared), Connection::Server { slot, .. }) = (self, &conn) {
+                shared.sent(*slot);
+            }
             return Some(Ok(conn));
         }
         self.failed(conn.failed());
@@ -801,6 +842,8 @@ impl Connections {
 /// pool.
 pub(super) enum Connection {
     Server {
+        /// The slot it is of.
+        slot: usize,
         epoch: u64,
         conn: MultiplexedConnection,
         /// Answers that came back on this connection, whoever sent them
@@ -879,12 +922,14 @@ pub(super) enum Failed {
 impl Connection {
     fn server(handed: Handed<MultiplexedConnection>) -> Self {
         let Handed {
+            slot,
             epoch,
             conn,
             answers,
             quiet,
         } = handed;
         Connection::Server {
+            slot,
             epoch,
             conn,
             answers,
