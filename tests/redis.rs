@@ -3004,6 +3004,40 @@ async fn a_change_after_a_quick_restart_is_applied_or_sent_again() {
     assert_eq!(used, 0, "the request answered with a 500 stays charged");
 }
 
+/// Through the layer, failing closed: many requests at once after a
+/// restart within the second are all served (no 503 with Redis back).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn requests_at_once_after_a_quick_restart_get_no_503() {
+    let mut server = redis_server_or_skip!();
+    let app = app(store(&server), 10_000);
+    for _ in 0..4 {
+        assert_eq!(
+            app.clone().oneshot(call("a")).await.unwrap().status(),
+            StatusCode::OK
+        );
+    }
+    tokio::time::sleep(Duration::from_millis(20)).await;
+    server.restart();
+    let mut calls = tokio::task::JoinSet::new();
+    for i in 0..32 {
+        let app = app.clone();
+        calls.spawn(async move {
+            app.oneshot(call(&format!("acct{}", i % 5)))
+                .await
+                .unwrap()
+                .status()
+        });
+    }
+    let mut statuses = Vec::new();
+    while let Some(status) = calls.join_next().await {
+        statuses.push(status.unwrap());
+    }
+    assert!(
+        statuses.iter().all(|s| *s == StatusCode::OK),
+        "{statuses:?}"
+    );
+}
+
 /// Many callers at once after a restart within the second, on one
 /// connection and more worker threads than two: a caller handed the
 /// connection just after another, which checks it, is checked too (the
