@@ -701,7 +701,8 @@ pub(crate) fn is_grpc_server_failure(response: &http::response::Parts) -> bool {
 /// Whether `response` is a gRPC answer over HTTP 200 whose head carries
 /// `grpc-status` 12 (`UNIMPLEMENTED`): the server has no such method
 /// (tonic's router answers a call to an unknown service or method so),
-/// gRPC's 404, which no quota charges.
+/// gRPC's 404, which no quota charges. A handler's own `UNIMPLEMENTED`
+/// looks the same, and is not charged either (the README says so).
 pub(crate) fn is_grpc_unimplemented(response: &http::response::Parts) -> bool {
     response.status == StatusCode::OK && grpc_status(response) == Some(b"12".as_slice())
 }
