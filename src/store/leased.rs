@@ -1700,6 +1700,24 @@ impl<St: Store> LeasedStore<St> {
         for (line, units) in request.lines.iter_mut().zip(&taken) {
             line.cost -= units;
         }
+        // A line paid whole from a block here is not the store's to refuse:
+        // its units were charged when the block was taken, and the store's
+        // count, which holds them, may be past the limit (a deferred cost
+        // or a debt added since) while what was served is not. Sent with
+        // the most the store counts as its limit; its own limit told again
+        // in the answer.
+        let paid: SmallVec<[Option<u64>; 2]> = request
+            .lines
+            .iter()
+            .zip(&taken)
+            .map(|(line, &units)| (units > 0 && line.cost == 0).then_some(line.limit))
+            .collect();
+        let max = self.inner.max_count();
+        for (line, paid) in request.lines.iter_mut().zip(&paid) {
+            if paid.is_some() {
+                line.limit = max;
+            }
+        }
         // Leaving a mark is nothing to wait for.
         self.spawn_leaves(request.now, unmarked);
         // Each line's counter's lease mark, read with the charge.
@@ -1882,6 +1900,18 @@ impl<St: Store> LeasedStore<St> {
             }
             // Restored before the usage is read, if the store refused.
             drop(reserved);
+            // The lines paid from a block here, with their own limits again.
+            for ((line, usage), paid) in request
+                .lines
+                .iter_mut()
+                .zip(outcome.usage.iter_mut())
+                .zip(&paid)
+            {
+                if let Some(limit) = *paid {
+                    line.limit = limit;
+                    usage.limit = limit;
+                }
+            }
             let mut outcome = store.learn(
                 &request, &blocks, &joined, &known, &marks, outcome, at, sent,
             );
