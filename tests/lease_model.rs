@@ -12,6 +12,10 @@
 //! admitted on it, less what was given back, plus what was added. The runtime's time is paused: a
 //! run is the same on every machine, and takes milliseconds.
 
+mod seeded;
+
+use seeded::Rng;
+
 use std::collections::HashMap;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
@@ -254,19 +258,6 @@ impl Store for Jitter {
     }
     fn identity(&self) -> Option<usize> {
         self.inner.identity()
-    }
-}
-
-/// splitmix64: the run's choices, from its seed.
-struct Rng(u64);
-
-impl Rng {
-    fn below(&mut self, n: u64) -> u64 {
-        self.0 = self.0.wrapping_add(0x9E37_79B9_7F4A_7C15);
-        let mut z = self.0;
-        z = (z ^ (z >> 30)).wrapping_mul(0xBF58_476D_1CE4_E5B9);
-        z = (z ^ (z >> 27)).wrapping_mul(0x94D0_49BB_1331_11EB);
-        (z ^ (z >> 31)) % n
     }
 }
 

@@ -20,6 +20,10 @@
 //!
 //! `LEDGER_MODEL_SEEDS=n` runs `n` seeds; `LEDGER_MODEL_ONLY=seed` one.
 
+mod seeded;
+
+use seeded::Rng;
+
 use std::collections::{HashMap, HashSet};
 use std::future::Future;
 use std::pin::Pin;
@@ -55,14 +59,6 @@ macro_rules! trace {
 }
 const ROLLING: u64 = 60;
 
-fn mix(x: &mut u64) -> u64 {
-    *x = x.wrapping_add(0x9E37_79B9_7F4A_7C15);
-    let mut z = *x;
-    z = (z ^ (z >> 30)).wrapping_mul(0xBF58_476D_1CE4_E5B9);
-    z = (z ^ (z >> 27)).wrapping_mul(0x94D0_49BB_1331_11EB);
-    z ^ (z >> 31)
-}
-
 #[derive(Clone, Copy, PartialEq, Eq, Debug)]
 enum Mode {
     Healthy,
@@ -77,7 +73,7 @@ enum Mode {
 
 struct FlakyState {
     mode: Mode,
-    rng: u64,
+    rng: Rng,
     /// The charges answered admitted to their caller: the request's
     /// instant and the line's key.
     delivered: HashSet<(Timestamp, String)>,
@@ -102,7 +98,7 @@ impl Flaky {
     fn draw(&self) -> (Mode, Duration) {
         let mut state = self.state.lock().unwrap();
         let mode = state.mode;
-        let r = mix(&mut state.rng);
+        let r = state.rng.next();
         let ms = match mode {
             Mode::Healthy | Mode::Away => 0,
             Mode::Slow => 1 + r % 60,
@@ -460,14 +456,14 @@ fn cost(sent: &Sent, status: StatusCode, inner: bool, charged: bool) -> u64 {
 }
 
 async fn run(seed: u64, steps: usize) -> Vec<String> {
-    let mut rng = seed.wrapping_mul(0x2545_F491_4F6C_DD1D) ^ 0xDEAD_BEEF;
+    let mut rng = Rng(seed.wrapping_mul(0x2545_F491_4F6C_DD1D) ^ 0xDEAD_BEEF);
     let clock = ManualClock::new("2026-12-02T23:57:30Z".parse().unwrap());
     let memory = MemoryStore::new();
     let store = Flaky {
         inner: memory.clone(),
         state: Arc::new(Mutex::new(FlakyState {
             mode: Mode::Healthy,
-            rng: seed ^ 0x5151,
+            rng: Rng(seed ^ 0x5151),
             delivered: HashSet::new(),
             landed: HashMap::new(),
         })),
@@ -485,16 +481,16 @@ async fn run(seed: u64, steps: usize) -> Vec<String> {
     let mut broken = Vec::new();
     let subjects = 3;
     for step in 0..steps {
-        let r = mix(&mut rng) % 100;
+        let r = rng.next() % 100;
         match r {
             0..=54 => {
                 // A request, at an instant of its own.
                 clock.advance(SignedDuration::from_millis(1));
-                let subject = (mix(&mut rng) % subjects as u64) as usize;
-                let route = match mix(&mut rng) % 10 {
+                let subject = (rng.next() % subjects as u64) as usize;
+                let route = match rng.next() % 10 {
                     0..=3 => Route::Ok,
                     4 => Route::Fail,
-                    5 | 6 => Route::Deferred(mix(&mut rng) % 4),
+                    5 | 6 => Route::Deferred(rng.next() % 4),
                     7 | 8 => Route::Undo,
                     _ => Route::Slow,
                 };
@@ -511,8 +507,8 @@ async fn run(seed: u64, steps: usize) -> Vec<String> {
                     .unwrap();
                 let served = Arc::new(Mutex::new(None));
                 // Dropped after a while, or awaited.
-                let drop_after = (mix(&mut rng).is_multiple_of(4))
-                    .then(|| Duration::from_millis(mix(&mut rng) % 400));
+                let drop_after =
+                    (rng.next().is_multiple_of(4)).then(|| Duration::from_millis(rng.next() % 400));
                 let call = app.clone().oneshot(request);
                 let into = Arc::clone(&served);
                 tasks.push(tokio::spawn(async move {
@@ -541,11 +537,11 @@ async fn run(seed: u64, steps: usize) -> Vec<String> {
                 }
             }
             55..=74 => {
-                let ms = mix(&mut rng) % 300;
+                let ms = rng.next() % 300;
                 tokio::time::sleep(Duration::from_millis(ms)).await;
             }
             75..=84 => {
-                let mode = match mix(&mut rng) % 4 {
+                let mode = match rng.next() % 4 {
                     0 => Mode::Healthy,
                     1 => Mode::Slow,
                     2 => Mode::Late,
@@ -557,10 +553,10 @@ async fn run(seed: u64, steps: usize) -> Vec<String> {
             85..=94 => {
                 // The clock steps on: within a second, or across minutes
                 // and first-use deadlines.
-                let ms = if mix(&mut rng).is_multiple_of(3) {
-                    5_000 + mix(&mut rng) % 70_000
+                let ms = if rng.next().is_multiple_of(3) {
+                    5_000 + rng.next() % 70_000
                 } else {
-                    mix(&mut rng) % 1_000
+                    rng.next() % 1_000
                 };
                 clock.advance(SignedDuration::from_millis(ms as i64));
                 trace!("clock {}", clock.now());

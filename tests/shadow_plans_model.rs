@@ -10,6 +10,10 @@
 
 #![cfg(feature = "metrics")]
 
+mod seeded;
+
+use seeded::Rng;
+
 use std::collections::HashMap;
 use std::time::Duration;
 
@@ -30,25 +34,6 @@ use tower_quota::{
 
 /// Counters by name and sorted labels.
 type Seen = HashMap<(String, Vec<(String, String)>), u64>;
-
-struct Rng(u64);
-
-impl Rng {
-    fn next(&mut self) -> u64 {
-        // splitmix64
-        self.0 = self.0.wrapping_add(0x9E37_79B9_7F4A_7C15);
-        let mut z = self.0;
-        z = (z ^ (z >> 30)).wrapping_mul(0xBF58_476D_1CE4_E5B9);
-        z = (z ^ (z >> 27)).wrapping_mul(0x94D0_49BB_1331_11EB);
-        z ^ (z >> 31)
-    }
-    fn below(&mut self, n: u64) -> u64 {
-        self.next() % n
-    }
-    fn pick<'a, T>(&mut self, items: &'a [T]) -> &'a T {
-        &items[self.below(items.len() as u64) as usize]
-    }
-}
 
 /// A quota of the model: name, allowance, period in seconds, own limit,
 /// plan limits, shadow.
