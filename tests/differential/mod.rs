@@ -136,6 +136,12 @@ pub async fn ask(app: &Router, route: Route, subject: &str, plan: Option<&str>) 
         .oneshot(request.body(Body::empty()).unwrap())
         .await
         .unwrap();
+    answer(response).await
+}
+
+/// What the differential tests compare of a response: its status, its
+/// fields and `Retry-After`, its body.
+pub async fn answer(response: http::Response<Body>) -> String {
     let mut seen = response.status().to_string();
     for name in ["ratelimit", "ratelimit-policy", "retry-after"] {
         for value in response.headers().get_all(name) {
