@@ -159,13 +159,30 @@ fn fail(message: &str) -> ! {
 fn parse_plans(text: &str) -> Result<Vec<(String, u64)>, String> {
     let mut plans: Vec<(String, u64)> = Vec::new();
     for item in text.split(',') {
+        // Spaces around a name or a number are no part of it (`free=100,
+        // pro=10000`): HTTP strips those around a header's value, so no
+        // `x-plan` header could send them.
         let (name, limit) = item
             .split_once('=')
+            .map(|(name, limit)| {
+                (
+                    name.trim_matches([' ', '\t']),
+                    limit.trim_matches([' ', '\t']),
+                )
+            })
             .filter(|(name, _)| !name.is_empty())
             .ok_or_else(|| format!("--plans {text:?}: expected NAME=N,NAME=N"))?;
         let limit = limit
             .parse()
             .map_err(|_| format!("--plans {text:?}: {limit:?} is not a whole number"))?;
+        // The server reads an `x-plan` value that is not visible ASCII as
+        // no plan it knows: a plan named so could never be chosen.
+        if !name.bytes().all(|b| b == b' ' || b.is_ascii_graphic()) {
+            return Err(format!(
+                "--plans {text:?}: plan {name:?} is no name an x-plan header can send (visible \
+                 ASCII and inner spaces only)"
+            ));
+        }
         if plans.iter().any(|(n, _)| n == name) {
             return Err(format!("--plans {text:?}: plan {name:?} is listed twice"));
         }

@@ -242,6 +242,63 @@ fn demo_server_refuses_a_flag_given_twice() {
     }
 }
 
+#[test]
+fn demo_server_refuses_a_plan_no_x_plan_header_can_name() {
+    // The server reads an `x-plan` value that is not visible ASCII as no
+    // plan it knows: a plan named so could never be chosen, every request
+    // naming it answered 403.
+    for plans in ["free=1,pr\u{f3}=2", "free=1,pro\u{7f}=2", "free=1,a\tb=2"] {
+        let mut child = Command::new(server_binary())
+            .args(["--listen", "127.0.0.1:0", "--plans", plans])
+            .stdout(std::process::Stdio::null())
+            .stderr(std::process::Stdio::piped())
+            .spawn()
+            .unwrap();
+        let deadline = std::time::Instant::now() + std::time::Duration::from_secs(10);
+        let status = loop {
+            if let Some(status) = child.try_wait().unwrap() {
+                break Some(status);
+            }
+            if std::time::Instant::now() > deadline {
+                child.kill().unwrap();
+                child.wait().unwrap();
+                break None;
+            }
+            std::thread::sleep(std::time::Duration::from_millis(20));
+        };
+        assert_eq!(
+            status.and_then(|s| s.code()),
+            Some(2),
+            "--plans {plans:?} started a server"
+        );
+        let mut stderr = String::new();
+        std::io::Read::read_to_string(&mut child.stderr.take().unwrap(), &mut stderr).unwrap();
+        assert!(stderr.contains("x-plan header"), "{plans:?}: {stderr}");
+    }
+}
+
+#[tokio::test]
+async fn demo_server_plans_listed_with_spaces_are_named_without_them() {
+    // HTTP strips the spaces around a header's value: `x-plan: pro` names
+    // the plan listed as ` pro`.
+    let server = start(&["--plans", "free=1, pro = 2 ,\tteam=3"]);
+    for (plan, limit) in [("free", 1), ("pro", 2), ("team", 3)] {
+        let reply = call(
+            &server,
+            "GET",
+            "/read",
+            &[("x-account-id", plan), ("x-plan", plan)],
+        )
+        .await;
+        assert_eq!(reply.status, 200, "{plan}: {}", reply.body);
+        assert_eq!(
+            reply.header("ratelimit-policy"),
+            Some(format!("\"read-day\";q={limit};w=86400").as_str()),
+            "{plan}"
+        );
+    }
+}
+
 fn quota(reply: &Reply) -> serde_json::Value {
     assert_eq!(reply.status, 200, "{}", reply.body);
     serde_json::from_str(&reply.body).unwrap()
