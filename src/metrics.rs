@@ -190,7 +190,8 @@ pub mod change {
 }
 
 /// Counter: blocks of allowance a [`LeasedStore`](crate::store::LeasedStore)
-/// took from its store.
+/// took from its store (one given straight back as it lands included: the
+/// store shut down, or the counter was reset here, while it was on its way).
 pub const LEASE_BLOCKS: &str = "tower_quota_lease_blocks_total";
 
 /// Counter: unused leased units given back to the store.

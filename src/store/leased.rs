@@ -1261,11 +1261,14 @@ impl<St: Store> LeasedStore<St> {
     /// with room. Otherwise the request goes to the store: the lines whose
     /// block has room are spent from it (and restored if the store refuses
     /// the rest), the others are charged there, each asking for a block
-    /// when its subject is busy here.
+    /// when its subject is busy here. A request answered from the blocks
+    /// counts as a local charge if `first`: not when it is sent again, once
+    /// the store refused it (it asked the store).
     fn spend_locally(
         &self,
         request: &ChargeRequest,
         at: Instant,
+        first: bool,
     ) -> Result<ChargeOutcome, Box<Plan>> {
         // Blocks held here go back once idle, by a sweep: started again
         // if the runtime that ran it stopped (a load, nearly always).
@@ -1370,7 +1373,9 @@ impl<St: Store> LeasedStore<St> {
             }
         }
         if let Some(usage) = alone.filter(|_| stale.is_empty() && unmarked.is_empty()) {
-            crate::metrics::lease_local();
+            if first {
+                crate::metrics::lease_local();
+            }
             return Ok(ChargeOutcome {
                 admitted: true,
                 usage: smallvec::smallvec![usage],
@@ -1410,7 +1415,9 @@ impl<St: Store> LeasedStore<St> {
             for line in ran_out {
                 self.take_next_block(&mut counters, line, request.now, at);
             }
-            crate::metrics::lease_local();
+            if first {
+                crate::metrics::lease_local();
+            }
             return Ok(ChargeOutcome {
                 admitted: true,
                 usage,
@@ -1645,7 +1652,9 @@ impl<St: Store> LeasedStore<St> {
             return Err(Box::pin(std::future::ready(Err(error))));
         }
         let at = Instant::now();
-        self.spend_locally(&request, at)
+        // Sent again (`!wait`) once the store refused it: it asked the
+        // store, and is no local charge if a block answers it now.
+        self.spend_locally(&request, at, wait)
             .map_err(|plan| self.send(request.into_owned(), *plan, at, wait))
     }
 
@@ -2066,6 +2075,13 @@ impl<St: Store> LeasedStore<St> {
         let mut joins = Vec::new();
         for (i, (line, usage)) in request.lines.iter().zip(&mut outcome.usage).enumerate() {
             let (mut block, mark, known) = (blocks[i], seen[i].as_ref(), known[i]);
+            if outcome.admitted && block > 0 {
+                // Taken from the store, whatever becomes of it here: kept,
+                // or given straight back (the store shut down, the entry
+                // was reset or is gone, the counter is another), whose
+                // units then count as returned.
+                crate::metrics::lease_block();
+            }
             // Units of this charge's block go back only to a counter made
             // by then.
             let made_by = usage.made_by(now);
@@ -2277,7 +2293,6 @@ impl<St: Store> LeasedStore<St> {
                 counter.units += block;
                 counter.block = block;
                 counter.back = false;
-                crate::metrics::lease_block();
                 // A holder now. The charge joined the mark already, unless
                 // it could not (no room for a new mark in the store): then
                 // it joins in a call of its own, after the charge. A key
