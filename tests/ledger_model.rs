@@ -11,14 +11,21 @@
 //! window cost (less what was given back, plus what was added); a live
 //! first-use counter holds what the store says it charged to it, plus at
 //! most the debts of requests within a period of its first call (README
-//! "Two cases count otherwise": a first-use debt lands in the counter live
+//! "cases that count otherwise": a first-use debt lands in the counter live
 //! when it is settled). Debts of periods over before the store came back
 //! go uncounted (README "When the store fails"), counters of periods over
 //! are not read, nor those of periods that end within 10 s (a give-back
 //! never sent in a period's last 5 s is not sent again: `store::resend`).
-//! The runtime's time is paused: a run takes milliseconds.
+//! The ledger's metrics agree with what it owes after every step, and at
+//! each quiet point with what the requests whose charges failed owe and
+//! what the store settled (two more variants add support resets, and a
+//! small bound on counters owed). The runtime's time is paused: a run
+//! takes milliseconds.
 //!
-//! `LEDGER_MODEL_SEEDS=n` runs `n` seeds; `LEDGER_MODEL_ONLY=seed` one.
+//! `LEDGER_MODEL_SEEDS=n` runs `n` seeds; `LEDGER_MODEL_ONLY=seed` one;
+//! `LEDGER_MODEL_METRICS` prints the metrics at each quiet point.
+
+#![cfg(feature = "metrics")]
 
 mod seeded;
 
@@ -43,6 +50,56 @@ use tower_quota::{
     FromHeader, ManualClock, MemoryStore, OnStoreError, PeriodKey, Quota, QuotaHandle, QuotaPolicy,
     QuotaStatus, Store, StoreError, Subject, Usage,
 };
+
+use metrics_util::debugging::{DebugValue, DebuggingRecorder, Snapshotter};
+use tower_quota::metrics::{LEDGER_COUNTERS, LEDGER_DROPPED, LEDGER_OWED, LEDGER_SETTLED};
+
+/// The ledger's metrics so far.
+#[derive(Default, Debug, Clone)]
+struct LedgerMetrics {
+    owed: u64,
+    settled: u64,
+    dropped: HashMap<String, u64>,
+    counters: f64,
+}
+
+impl LedgerMetrics {
+    fn read(&mut self, snapshotter: &Snapshotter) {
+        for (key, _, _, value) in snapshotter.snapshot().into_vec() {
+            let key = key.key();
+            let reason = key
+                .labels()
+                .find(|l| l.key() == "reason")
+                .map(|l| l.value().to_owned());
+            match (key.name(), value) {
+                (n, DebugValue::Counter(v)) if n == LEDGER_OWED => self.owed += v,
+                (n, DebugValue::Counter(v)) if n == LEDGER_SETTLED => self.settled += v,
+                (n, DebugValue::Counter(v)) if n == LEDGER_DROPPED => {
+                    *self.dropped.entry(reason.unwrap_or_default()).or_default() += v;
+                }
+                (n, DebugValue::Gauge(v)) if n == LEDGER_COUNTERS => {
+                    self.counters += v.into_inner();
+                }
+                _ => {}
+            }
+        }
+    }
+
+    fn dropped(&self, reason: &str) -> u64 {
+        self.dropped.get(reason).copied().unwrap_or(0)
+    }
+
+    /// Units owed and not accounted for (settled, or dropped once owed).
+    fn open(&self) -> i128 {
+        let dropped: u64 = self
+            .dropped
+            .iter()
+            .filter(|(r, _)| r.as_str() != "full")
+            .map(|(_, v)| *v)
+            .sum();
+        self.owed as i128 - self.settled as i128 - dropped as i128
+    }
+}
 
 const LIMIT: u64 = 1_000_000;
 
@@ -81,6 +138,9 @@ struct FlakyState {
     /// store answered (a charge lands in the counter live when the store
     /// runs it: see `quiet`).
     landed: HashMap<(Timestamp, String), Option<Timestamp>>,
+    /// Units of the settles whose caller got `Ok(Some(_))`: what the
+    /// ledger counts as settled.
+    settled: u64,
 }
 
 /// A memory store whose calls answer at once, late, or never reach it.
@@ -315,8 +375,10 @@ impl Store for Flaky {
     ) -> impl Future<Output = Result<Option<u64>, StoreError>> + Send {
         let (mode, delay) = self.draw();
         let inner = self.inner.clone();
+        let state = Arc::clone(&self.state);
+        let amount = debt.amount;
         async move {
-            match mode {
+            let answer = match mode {
                 Mode::Away => Err(unsent()),
                 Mode::Healthy => {
                     let what = format!("{debt:?}");
@@ -343,7 +405,11 @@ impl Store for Flaky {
                         Err(StoreError::new(StoreErrorKind::Other, "flaky: lost"))
                     })
                 }
+            };
+            if let Ok(Some(_)) = answer {
+                state.lock().unwrap().settled += amount;
             }
+            answer
         }
     }
     fn reset(&self, key: PeriodKey) -> impl Future<Output = Result<bool, StoreError>> + Send {
@@ -455,7 +521,23 @@ fn cost(sent: &Sent, status: StatusCode, inner: bool, charged: bool) -> u64 {
     }
 }
 
-async fn run(seed: u64, steps: usize) -> Vec<String> {
+/// What a run adds to the plain model: support resets, a small bound of
+/// counters owed. Either makes the store's counts inexact (a reset forgets,
+/// a debt past the bound goes uncounted): only the metrics are checked.
+#[derive(Clone, Copy, Debug, Default)]
+struct Variant {
+    resets: bool,
+    max_owed: Option<usize>,
+}
+
+impl Variant {
+    fn exact(&self) -> bool {
+        !self.resets && self.max_owed.is_none()
+    }
+}
+
+async fn run(seed: u64, steps: usize, snapshotter: &Snapshotter, variant: Variant) -> Vec<String> {
+    let mut seen = LedgerMetrics::default();
     let mut rng = Rng(seed.wrapping_mul(0x2545_F491_4F6C_DD1D) ^ 0xDEAD_BEEF);
     let clock = ManualClock::new("2026-12-02T23:57:30Z".parse().unwrap());
     let memory = MemoryStore::new();
@@ -466,14 +548,19 @@ async fn run(seed: u64, steps: usize) -> Vec<String> {
             rng: Rng(seed ^ 0x5151),
             delivered: HashSet::new(),
             landed: HashMap::new(),
+            settled: 0,
         })),
     };
     let policy = QuotaPolicy::builder(FromHeader::account("x-account-id"))
         .store(store.clone())
         .clock(clock.clone())
         .on_store_error(OnStoreError::FailOpen)
-        .refund_server_errors(true)
-        .build();
+        .refund_server_errors(true);
+    let policy = match variant.max_owed {
+        Some(max) => policy.max_owed_counters(max),
+        None => policy,
+    }
+    .build();
     let quotas = Quotas::new();
     let app = app(&policy, &quotas);
     let mut sent: Vec<Sent> = Vec::new();
@@ -561,7 +648,25 @@ async fn run(seed: u64, steps: usize) -> Vec<String> {
                 clock.advance(SignedDuration::from_millis(ms as i64));
                 trace!("clock {}", clock.now());
             }
+            _ if variant.resets => {
+                let subject = rng.next() % subjects as u64;
+                let who = Subject::account(account(subject as usize));
+                let reset = policy.handle().reset(&who).await;
+                trace!("reset s{subject} at {}: {reset:?}", clock.now());
+            }
             _ => {}
+        }
+        // At any point the test task runs, the ledger's metrics agree with
+        // what it owes: each change to the book and its metrics is made
+        // without an await between them.
+        seen.read(snapshotter);
+        let owed = policy.owed();
+        if seen.counters != owed.counters as f64 || seen.open() != i128::from(owed.units) {
+            broken.push(format!(
+                "step {step}: metrics {seen:?} (open {}), ledger owes {owed:?}",
+                seen.open()
+            ));
+            break;
         }
         if step % 60 == 59 || step == steps - 1 {
             quiet(
@@ -574,13 +679,74 @@ async fn run(seed: u64, steps: usize) -> Vec<String> {
                 &mut tasks,
                 subjects,
                 &mut broken,
+                variant.exact(),
             )
             .await;
+            seen.read(snapshotter);
+            check_metrics(
+                &seen,
+                &store,
+                &policy,
+                &quotas,
+                &sent,
+                &mut broken,
+                variant,
+                true,
+            );
             if !broken.is_empty() {
                 break;
             }
         }
     }
+    if !broken.is_empty() {
+        return broken;
+    }
+    // The store goes away with debts owed, and the policy is dropped: what
+    // its ledger owed is abandoned, and the gauge back to zero.
+    store.state.lock().unwrap().mode = Mode::Away;
+    for subject in 0..subjects {
+        clock.advance(SignedDuration::from_millis(1));
+        let request = Request::get("/ok")
+            .header("x-account-id", account(subject))
+            .body(Body::empty())
+            .unwrap();
+        let status = app.clone().oneshot(request).await.unwrap().status();
+        sent.push(Sent {
+            at: clock.now(),
+            subject,
+            route: Route::Ok,
+            served: Arc::new(Mutex::new(Some(status))),
+        });
+    }
+    for task in tasks.drain(..) {
+        task.await.unwrap();
+    }
+    tokio::time::sleep(Duration::from_millis(rng.next() % 300)).await;
+    let namespace = policy.namespace().clone();
+    let keep = QuotaPolicy::builder(FromHeader::account("x-account-id"))
+        .store(store.clone())
+        .namespace(namespace.as_str())
+        .build();
+    drop(app);
+    drop(policy);
+    tokio::time::sleep(Duration::from_secs(10)).await;
+    seen.read(snapshotter);
+    if seen.open() != 0 || seen.counters != 0.0 {
+        broken.push(format!(
+            "after the policy was dropped: {seen:?} (open {})",
+            seen.open()
+        ));
+    }
+    check_metrics(
+        &seen,
+        &store,
+        &keep,
+        &quotas,
+        &sent,
+        &mut broken,
+        variant,
+        false,
+    );
     broken
 }
 
@@ -595,6 +761,7 @@ async fn quiet(
     tasks: &mut Vec<tokio::task::JoinHandle<()>>,
     subjects: usize,
     broken: &mut Vec<String>,
+    exact: bool,
 ) {
     store.state.lock().unwrap().mode = Mode::Healthy;
     for task in tasks.drain(..) {
@@ -606,6 +773,9 @@ async fn quiet(
     tokio::time::sleep(Duration::from_secs(30)).await;
     if left.units != 0 || policy.owed().units != 0 {
         broken.push(format!("owed at quiet: {left:?} then {:?}", policy.owed()));
+    }
+    if !exact {
+        return;
     }
     let now = clock.now();
     trace!("quiet at {now}");
@@ -739,7 +909,79 @@ async fn quiet(
     }
 }
 
-fn runs(seeds: std::ops::Range<u64>, steps: usize) {
+/// At a quiet point: the ledger took on what the served requests whose
+/// charges failed owe, per line; what it settled is what the store
+/// answered settled; the rest was dropped, for periods over (nothing is
+/// full, refused, abandoned or reset here); and it owes no counter.
+#[allow(clippy::too_many_arguments)] // The quiet point's whole state.
+fn check_metrics(
+    seen: &LedgerMetrics,
+    store: &Flaky,
+    policy: &QuotaPolicy<FromHeader, Flaky>,
+    quotas: &Quotas,
+    sent: &[Sent],
+    broken: &mut Vec<String>,
+    variant: Variant,
+    settled_all: bool,
+) {
+    let ns = policy.namespace();
+    let delivered = store.state.lock().unwrap().delivered.clone();
+    let mut owed = 0u64;
+    for s in sent {
+        let Some(status) = *s.served.lock().unwrap() else {
+            continue;
+        };
+        let who = Subject::account(account(s.subject));
+        let inner = match s.route {
+            Route::Deferred(_) => &quotas.d,
+            _ => &quotas.b,
+        };
+        for (quota, is_inner) in [(&quotas.a, false), (&quotas.r, false), (inner, true)] {
+            let key = quota.line(ns, &who, s.at, 1).key.as_str().to_owned();
+            if !delivered.contains(&(s.at, key)) {
+                owed += cost(s, status, is_inner, false);
+            }
+        }
+    }
+    let settled = store.state.lock().unwrap().settled;
+    if std::env::var_os("LEDGER_MODEL_METRICS").is_some() {
+        eprintln!("quiet: owed {owed}, {seen:?}");
+    }
+    let ctx = format!("metrics {seen:?}; model owed {owed}, store settled {settled}");
+    // Dropped as full: never taken on.
+    if seen.owed + seen.dropped("full") != owed {
+        broken.push(format!(
+            "owed_total + full {} != model {owed}: {ctx}",
+            seen.owed
+        ));
+    }
+    if seen.settled != settled {
+        broken.push(format!(
+            "settled_total {} != store {settled}: {ctx}",
+            seen.settled
+        ));
+    }
+    if seen.open() != 0 || seen.counters != 0.0 {
+        broken.push(format!("not all accounted for at quiet: {ctx}"));
+    }
+    let mut none = vec!["refused"];
+    if settled_all {
+        none.push("abandoned");
+    }
+    if !variant.resets {
+        none.push("reset");
+    }
+    if variant.max_owed.is_none() {
+        none.push("full");
+    }
+    for reason in none {
+        if seen.dropped(reason) != 0 {
+            broken.push(format!("dropped {reason}: {ctx}"));
+        }
+    }
+}
+
+fn runs(seeds: std::ops::Range<u64>, steps: usize, variant: Variant) {
     let seeds = match std::env::var("LEDGER_MODEL_SEEDS") {
         Ok(n) => seeds.start..seeds.start + n.parse::<u64>().expect("a number of seeds"),
         Err(_) => seeds,
@@ -757,7 +999,11 @@ fn runs(seeds: std::ops::Range<u64>, steps: usize) {
             .start_paused(true)
             .build()
             .unwrap();
-        let broken = runtime.block_on(run(seed, steps));
+        let recorder = DebuggingRecorder::new();
+        let snapshotter = recorder.snapshotter();
+        let broken = metrics::with_local_recorder(&recorder, || {
+            runtime.block_on(run(seed, steps, &snapshotter, variant))
+        });
         if !broken.is_empty() {
             failed.push((seed, broken));
         }
@@ -772,5 +1018,29 @@ fn runs(seeds: std::ops::Range<u64>, steps: usize) {
 
 #[test]
 fn fail_open_admissions_are_counted_once() {
-    runs(0..40, 300);
+    runs(0..40, 300, Variant::default());
+}
+
+#[test]
+fn ledger_metrics_match_with_resets_and_a_small_bound() {
+    runs(
+        1_000..1_040,
+        300,
+        Variant {
+            resets: true,
+            max_owed: Some(3),
+        },
+    );
+}
+
+#[test]
+fn ledger_metrics_match_with_resets() {
+    runs(
+        2_000..2_040,
+        300,
+        Variant {
+            resets: true,
+            max_owed: None,
+        },
+    );
 }
