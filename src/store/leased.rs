@@ -108,15 +108,19 @@ static GIVE_BACK_ERRORS: Throttle = Throttle::new(5);
 ///   served the caller on a higher plan meanwhile and the count passed the
 ///   lower limit (at most one block, for at most the lease time; a
 ///   request under a lower plan than the block's gives the block back
-///   first and asks the store). The layer's give-back of a request this instance served
-///   goes into its block (at the first call of the counter the request
-///   was counted on; a request served from a block of a counter reset
-///   elsewhere since, whose answer tells the new counter's later first
-///   call, goes by the instant the block was taken, [`Usage::counted_at`],
-///   to the store, where it finds nothing: so does one paid in part by the
-///   store too, whose store part then stays charged). So does any other
-///   give-back at the counter's first call ([`Store::refund_made_at`]),
-///   as far as the block has room for it: other instances see it once the
+///   first and asks the store). The layer's give-back of a request this
+///   instance served goes into its block (at the first call of the counter
+///   the request was counted on, and only while no request was charged here
+///   on that counter under a higher limit than the block was taken under:
+///   the units of a request on a higher plan, spent under the block's lower
+///   limit, would pass it, and such a give-back goes to the store; a request
+///   served from a block of a counter reset elsewhere since, whose answer
+///   tells the new counter's later first call, goes by the instant the block
+///   was taken, [`Usage::counted_at`], to the store, where it finds nothing:
+///   so does one paid in part by the store too, whose store part then stays
+///   charged). So does any other give-back at the counter's first call
+///   ([`Store::refund_made_at`]), as far as the block has room for it: other
+///   instances see it once the
 ///   block goes back. (A first-use
 ///   counter's period opened by a request that took a block and was then
 ///   not served stays open when a request is served from that block: it
@@ -859,6 +863,11 @@ struct Counter {
     /// changed, or the quota is enforced now) spends nothing from it, whose
     /// units the store admitted under a limit it no longer has.
     block_limit: u64,
+    /// The highest limit a request was charged under here on this counter
+    /// (its caller's plan's): a give-back goes into the block only when
+    /// this is no higher than the block's limit, since the units of a
+    /// request given back may have been charged under it.
+    limit_seen: u64,
     /// The counter's limit and count (this instance's units included) as
     /// the store last told, and its reset.
     limit: u64,
@@ -1309,6 +1318,7 @@ impl<St: Store> LeasedStore<St> {
                 continue;
             };
             counter.hits = counter.hits.saturating_add(line.cost);
+            counter.limit_seen = counter.limit_seen.max(line.limit);
             counter.seen = request.now;
             counter.gap = at.saturating_duration_since(counter.seen_at);
             counter.back |= counter.gap >= self.shared.settings.idle;
@@ -2105,6 +2115,7 @@ impl<St: Store> LeasedStore<St> {
                         block_since: None,
                         taken_at: None,
                         block_limit: line.limit,
+                        limit_seen: line.limit,
                         limit: usage.limit,
                         store_used: usage.used,
                         resets_at: usage.resets_at,
@@ -2149,6 +2160,8 @@ impl<St: Store> LeasedStore<St> {
                 }
             };
             unmarked.extend(joined_for(Some(counter)));
+            // (A request with no entry here when it was sent.)
+            counter.limit_seen = counter.limit_seen.max(line.limit);
             // Units of a block taken here and given back at once.
             let mut returned = 0;
             // An answer to a charge sent before the last one this entry
@@ -2424,7 +2437,13 @@ impl<St: Store> LeasedStore<St> {
                 // Into the block only when it is of the counter charged: not
                 // of one made since (after a reset), which takes nothing.
                 let same_counter = counter.first_call.is_none_or(|first| made.names(first));
-                if counter.units > 0 && !counter.ended(now) && same_counter {
+                // Nor when a request was charged here under a higher limit
+                // than the block was taken under (its caller's plan
+                // changed): the units given back may be that request's,
+                // which the block's limit left no room for; spent from the
+                // block under it, they would pass it.
+                let same_limit = counter.limit_seen <= counter.block_limit;
+                if counter.units > 0 && !counter.ended(now) && same_counter && same_limit {
                     // As much as this instance last heard was spent, and
                     // never more than the block held when taken, units set
                     // aside for a request on its way included (a large
