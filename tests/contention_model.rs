@@ -7,7 +7,6 @@
 //! limit; a burst of plain calls over the limit admits exactly the limit.
 //! A multi-thread runtime, real (millisecond) time.
 
-#[path = "seeded/mod.rs"]
 mod seeded;
 
 use std::collections::HashMap;
