@@ -120,12 +120,11 @@ static GIVE_BACK_ERRORS: Throttle = Throttle::new(5);
 ///   so does one paid in part by the store too, whose store part then stays
 ///   charged). So does any other give-back at the counter's first call
 ///   ([`Store::refund_made_at`]), as far as the block has room for it: other
-///   instances see it once the
-///   block goes back. (A first-use
-///   counter's period opened by a request that took a block and was then
-///   not served stays open when a request is served from that block: it
-///   then runs from the block's take, at most the lease time before the
-///   first request served.) Any other refund
+///   instances see it once the block goes back. (A first-use counter's
+///   period opened by a request that took a block and was then not served
+///   stays open when a request is served from that block: it then runs
+///   from the block's take, at most the lease time before the first
+///   request served.) Any other refund
 ///   ([`Store::refund`], [`Store::refund_made_by`]: support's,
 ///   [`QuotaHandle::refund`](crate::QuotaHandle::refund) and
 ///   [`QuotaHandle::refund_at`](crate::QuotaHandle::refund_at)) goes to the
@@ -1003,9 +1002,6 @@ async fn pause() {
     }
 }
 
-/// Whether two resets a store that does not tell first calls reported are
-/// of one counter: a first-use counter's is read from its remaining life,
-/// which moves by a millisecond here and there.
 /// Whether `usage` is of the counter known by `first_call` (when the store
 /// told it) and `resets_at`: see [`Counter::same_period`].
 fn same_counter(first_call: Option<Timestamp>, resets_at: Timestamp, usage: &Usage) -> bool {
@@ -1019,6 +1015,9 @@ fn same_counter(first_call: Option<Timestamp>, resets_at: Timestamp, usage: &Usa
     }
 }
 
+/// Whether two resets a store that does not tell first calls reported are
+/// of one counter: a first-use counter's is read from its remaining life,
+/// which moves by a millisecond here and there.
 fn same_reset(known: Timestamp, told: Timestamp) -> bool {
     known.duration_since(told).abs() <= SignedDuration::from_secs(1)
 }
