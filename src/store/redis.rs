@@ -26,7 +26,7 @@ pub use self::store::{RedisChargeFuture, RedisStore};
 pub(crate) use self::connection::cluster_is_complete;
 
 // What the batch and connection modules take from their parent.
-use self::connection::{Check, Connection, Fault};
+use self::connection::{Connection, Fault};
 use self::errors::{came_back, retires};
 use self::late::{refund_lines, wait_for, LATE};
 use self::script::{COUNTERS_LUA, FIELDS, SCRIPT};

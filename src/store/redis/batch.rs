@@ -31,8 +31,9 @@ use jiff::Timestamp;
 use smallvec::SmallVec;
 use tokio::sync::{oneshot, OwnedSemaphorePermit};
 
+use super::late::Sends;
 use super::late::{first_call_of, Refund};
-use super::{refund_lines, retires, wait_for, Check, Inner, COUNTERS_LUA, FOLLOW_THROUGH, LATE};
+use super::{refund_lines, retires, wait_for, Inner, COUNTERS_LUA, FOLLOW_THROUGH, LATE};
 use crate::key::PeriodKey;
 
 /// The most charges in one batch.
@@ -158,7 +159,7 @@ impl Drop for GiveBack {
             let deadline = tokio::time::Instant::now() + FOLLOW_THROUGH;
             match inner
                 .connections
-                .ready_or_get(&timeouts, deadline, Check::Always)
+                .ready_or_get(&timeouts, deadline, Sends::Write)
                 .await
             {
                 Some(Ok(mut conn)) => refund_lines(&inner, &mut conn, lines, now).await,
@@ -328,7 +329,7 @@ async fn send(inner: &Arc<Inner>, batch: Vec<Pending>) {
     let deadline = tokio::time::Instant::now() + FOLLOW_THROUGH;
     let mut conn = match inner
         .connections
-        .ready_or_get(&timeouts, deadline, Check::IfQuiet)
+        .ready_or_get(&timeouts, deadline, Sends::Charge)
         .await
     {
         Some(Ok(conn)) => conn,

@@ -80,6 +80,7 @@ use deadpool::managed::{PoolError, Timeouts};
 use deadpool_redis::redis::aio::{ConnectionLike, MultiplexedConnection};
 use deadpool_redis::redis::{self, RedisError, Value};
 
+use super::late::Sends;
 use crate::throttle::Throttle;
 
 /// A connection idle for this long is pinged before it is used again.
@@ -324,6 +325,20 @@ struct Slot<T> {
     failures: AtomicU32,
 }
 
+impl<T> Slot<T> {
+    /// Whether the slot's connection, handed to a call at `now`, is quiet
+    /// (no call sent on it known open for [`QUIET`]): the call checks it
+    /// first. One that is not counts as known open for this call too.
+    fn quiet(&self, now: u64) -> bool {
+        let quiet =
+            now.saturating_sub(self.sent.load(Ordering::Acquire)) >= QUIET.as_millis() as u64;
+        if !quiet {
+            self.sent.fetch_max(now, Ordering::Release);
+        }
+        quiet
+    }
+}
+
 impl<T: Clone> Slot<T> {
     /// The slot's connection and its count of answers, if it was opened in
     /// `epoch`. A stale one (opened before) is dropped here, so that its
@@ -517,8 +532,6 @@ impl<C: Connect> Shared<C> {
             if idle >= IDLE.as_millis() as u64 {
                 return None;
             }
-            let quiet =
-                now.saturating_sub(slot.sent.load(Ordering::Acquire)) >= QUIET.as_millis() as u64;
             let epoch = self.epoch.load(Ordering::Acquire);
             // Missing or stale: the turn is left for `get`, which opens it.
             let (opened, conn, answers) = self.usable(next % self.slots.len(), epoch)?;
@@ -530,15 +543,12 @@ impl<C: Connect> Shared<C> {
             ) {
                 Ok(_) => {
                     slot.used.fetch_max(now, Ordering::Relaxed);
-                    if !quiet {
-                        slot.sent.fetch_max(now, Ordering::Release);
-                    }
                     return Some(Handed {
                         slot: next % self.slots.len(),
                         epoch: opened,
                         conn,
                         answers,
-                        quiet,
+                        quiet: slot.quiet(now),
                     });
                 }
                 Err(current) => next = current,
@@ -563,13 +573,8 @@ impl<C: Connect> Shared<C> {
                 return Ok(Handed::new(index, opened, conn, answers));
             }
             if idle < IDLE.as_millis() as u64 {
-                let quiet = now.saturating_sub(slot.sent.load(Ordering::Acquire))
-                    >= QUIET.as_millis() as u64;
-                if !quiet {
-                    slot.sent.fetch_max(now, Ordering::Release);
-                }
                 return Ok(Handed {
-                    quiet,
+                    quiet: slot.quiet(now),
                     ..Handed::new(index, epoch, conn, answers)
                 });
             }
@@ -673,19 +678,6 @@ impl<C: Connect> Shared<C> {
     }
 }
 
-/// When a call checks its connection for a socket the server closed
-/// already before it is sent on it (see [`Connection::closed`]): a call
-/// queued on such a connection fails as one lost on the wire.
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub(super) enum Check {
-    /// Every time: a change (a give-back, an add), which, lost on the wire,
-    /// may have been applied and is never sent again.
-    Always,
-    /// When the connection was quiet (unused for [`QUIET`]): a charge or a
-    /// read, which would otherwise fail after a restart during a lull.
-    IfQuiet,
-}
-
 /// Why no connection was had.
 pub(super) enum Fault {
     Redis(RedisError),
@@ -762,15 +754,18 @@ impl Connections {
 
     /// A connection for one call by `deadline`: a [ready](Self::ready) one
     /// at once, or else the wait for one ([`get`](Self::get)), boxed: a
-    /// large future that a call only needs at times. Checked as `check`
-    /// says for a socket the server closed already (see
-    /// [`Connection::closed`]), and a fresh one had in its place. `None`
-    /// when none came in time.
+    /// large future that a call only needs at times. Checked for a socket
+    /// the server closed already (see [`Connection::closed`]), and a fresh
+    /// one had in its place: before a change (`sends` a write: lost on the
+    /// wire, it may have been applied and is never sent again), and before
+    /// a charge or a read on a connection quiet for a while (which would
+    /// otherwise fail after a restart during a lull). `None` when none came
+    /// in time.
     pub(super) async fn ready_or_get(
         &self,
         timeouts: &Timeouts,
         deadline: tokio::time::Instant,
-        check: Check,
+        sends: Sends,
     ) -> Option<Result<Connection, Fault>> {
         let conn = match self.ready() {
             Some(conn) => conn,
@@ -779,11 +774,7 @@ impl Connections {
                 Err(fault) => return Some(Err(fault)),
             },
         };
-        let checked = match check {
-            Check::Always => true,
-            Check::IfQuiet => conn.quiet(),
-        };
-        if !checked {
+        if !matches!(sends, Sends::Write) && !conn.quiet() {
             return Some(Ok(conn));
         }
         if !Box::pin(conn.closed()).await {

@@ -17,7 +17,7 @@ use tokio::sync::{OwnedSemaphorePermit, Semaphore};
 use super::batch::{Batches, LineArgs, Lines, Pending};
 use super::builder::{RedisStoreBuilder, Source};
 use super::clock::{refresh_offset, ServerClock};
-use super::connection::{Check, Connection, Connections};
+use super::connection::{Connection, Connections};
 use super::errors::{applied_nothing, fault_error, redis_error, retires};
 use super::hash::jitter;
 use super::late::{give_back, refund_lines, Call, GiveBack, Sends};
@@ -478,18 +478,9 @@ impl RedisStore {
             create: Some(inner.connect_timeout),
             recycle: Some(inner.timeout),
         };
-        // A change that fails on the wire is not sent again (it may have
-        // been applied): one on a connection known closed already (the
-        // server restarted since it was last used) would fail so though it
-        // was never written. It is checked first, and goes on a fresh
-        // connection instead.
-        let check = match sends {
-            Sends::Write => Check::Always,
-            Sends::Charge | Sends::Read => Check::IfQuiet,
-        };
         let conn = match inner
             .connections
-            .ready_or_get(&timeouts, deadline, check)
+            .ready_or_get(&timeouts, deadline, sends)
             .await
         {
             Some(Ok(conn)) => conn,
