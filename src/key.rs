@@ -16,16 +16,8 @@
 use std::fmt::{self, Write as _};
 use std::sync::Arc;
 
-use percent_encoding::{percent_encode, AsciiSet, NON_ALPHANUMERIC};
-
 use crate::subject::Subject;
-
-const PART: &AsciiSet = &NON_ALPHANUMERIC
-    .remove(b'-')
-    .remove(b'_')
-    .remove(b'.')
-    .remove(b'~')
-    .remove(b'@');
+use crate::text::{push_encoded, secret_hash, Text};
 
 /// The prefix every key of a layer starts with. The default is `quota`.
 #[derive(Clone, Debug, PartialEq, Eq)]
@@ -73,124 +65,12 @@ impl Namespace {
         let mut key = Text::default();
         key.push_str(&self.prefix);
         key.push_str(":{");
-        push_encoded(&mut key, subject.kind().as_str().as_bytes());
-        key.push_str(":");
-        push_encoded(&mut key, subject.id());
+        subject.push_tag(&mut key);
         key.push_str("}:");
         push_encoded(&mut key, allowance.as_bytes());
         key.push_str(":");
         key.push_ascii_or_utf8(period);
         PeriodKey(Arc::from(key.as_str()))
-    }
-}
-
-/// The bytes a key part keeps as they are: ASCII letters, digits and
-/// `-_.~@` (what `PART` leaves unescaped).
-const PLAIN: [bool; 256] = {
-    let mut plain = [false; 256];
-    let mut b = 0;
-    while b < 256 {
-        let c = b as u8;
-        plain[b] = c.is_ascii_alphanumeric()
-            || c == b'-'
-            || c == b'_'
-            || c == b'.'
-            || c == b'~'
-            || c == b'@';
-        b += 1;
-    }
-    plain
-};
-
-fn push_encoded(out: &mut Text, bytes: &[u8]) {
-    // Most ids need no escaping at all; plain bytes are ASCII.
-    if bytes.iter().all(|&b| PLAIN[usize::from(b)]) {
-        out.push_ascii(bytes);
-        return;
-    }
-    write!(out, "{}", percent_encode(bytes, PART)).expect("writing a key cannot fail")
-}
-
-/// Text being written (a key, a field value): on the stack while it is
-/// short (nearly always), so that its only allocation is the final copy, of
-/// its exact size.
-pub(crate) struct Text {
-    short: [u8; 192],
-    len: usize,
-    long: Option<String>,
-}
-
-impl Default for Text {
-    fn default() -> Self {
-        Self {
-            short: [0; 192],
-            len: 0,
-            long: None,
-        }
-    }
-}
-
-impl Text {
-    #[inline]
-    pub(crate) fn push_str(&mut self, text: &str) {
-        self.push_ascii_or_utf8(text.as_bytes());
-    }
-
-    /// Bytes that are ASCII (plain key parts).
-    #[inline]
-    fn push_ascii(&mut self, bytes: &[u8]) {
-        debug_assert!(bytes.is_ascii());
-        self.push_ascii_or_utf8(bytes);
-    }
-
-    /// Only the bytes of whole UTF-8 strings, or ASCII bytes, come in, so
-    /// the text stays UTF-8 (and `as_str` checks it).
-    #[inline]
-    fn push_ascii_or_utf8(&mut self, bytes: &[u8]) {
-        let end = self.len + bytes.len();
-        if self.long.is_none() && end <= self.short.len() {
-            self.short[self.len..end].copy_from_slice(bytes);
-            self.len = end;
-        } else {
-            self.push_long(bytes);
-        }
-    }
-
-    /// Past the stack's room: the text moves to the heap.
-    #[cold]
-    fn push_long(&mut self, bytes: &[u8]) {
-        let text = std::str::from_utf8(bytes).expect("keys are UTF-8");
-        match &mut self.long {
-            Some(long) => long.push_str(text),
-            None => {
-                let mut long = String::with_capacity((self.len + bytes.len()) * 2);
-                long.push_str(self.as_str());
-                long.push_str(text);
-                self.long = Some(long);
-            }
-        }
-    }
-
-    pub(crate) fn as_bytes(&self) -> &[u8] {
-        match &self.long {
-            Some(long) => long.as_bytes(),
-            None => &self.short[..self.len],
-        }
-    }
-
-    fn as_str(&self) -> &str {
-        match &self.long {
-            Some(long) => long,
-            // Only whole `&str`s and ASCII are copied in: the bytes are UTF-8.
-            None => std::str::from_utf8(&self.short[..self.len]).expect("keys are UTF-8"),
-        }
-    }
-}
-
-impl fmt::Write for Text {
-    fn write_str(&mut self, text: &str) -> std::fmt::Result {
-        self.push_str(text);
-        Ok(())
     }
 }
 
@@ -240,26 +120,6 @@ pub(crate) fn scrubbed(text: &str) -> String {
     }
     out.push_str(rest);
     out
-}
-
-/// A hash of `tag`, 32 bits, keyed with a secret drawn from the operating
-/// system's randomness when the process first logs one (SipHash, the
-/// standard library's keyed hash).
-fn secret_hash(tag: &str) -> u64 {
-    use std::hash::BuildHasher;
-    static SECRET: std::sync::OnceLock<std::hash::RandomState> = std::sync::OnceLock::new();
-    SECRET.get_or_init(Default::default).hash_one(tag) >> 32
-}
-
-/// What logs name `subject` by: the hash of the `kind:id` part its keys
-/// carry, as [`PeriodKey::logged`] shows it, so that a decision's span and
-/// a warning naming one of the subject's keys name it alike.
-pub(crate) fn log_hash(subject: &Subject) -> u32 {
-    let mut tag = Text::default();
-    push_encoded(&mut tag, subject.kind().as_str().as_bytes());
-    tag.push_str(":");
-    push_encoded(&mut tag, subject.id());
-    secret_hash(tag.as_str()) as u32
 }
 
 impl PeriodKey {
@@ -446,14 +306,6 @@ mod tests {
             "app:q:{account:a%3Ab}:read%held:2026-12-02"
         );
         assert_eq!(PeriodKey::from_string("plain".into()).lease_mark(), None);
-    }
-
-    #[test]
-    fn the_plain_bytes_are_those_the_encoding_keeps() {
-        for b in 0..=255u8 {
-            let kept = percent_encode(&[b], PART).to_string() == char::from(b).to_string();
-            assert_eq!(PLAIN[usize::from(b)], kept, "byte {b}");
-        }
     }
 
     #[test]

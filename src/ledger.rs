@@ -123,7 +123,6 @@ use smallvec::SmallVec;
 
 use crate::key::PeriodKey;
 use crate::period::Clock;
-use crate::policy::Settings;
 use crate::store::{Debt, Lifetime, Store, StoreError, StoreErrorKind};
 use crate::throttle::Throttle;
 
@@ -135,6 +134,17 @@ const LAST_RETRY: Duration = Duration::from_secs(5);
 
 /// The default bound of counters a policy's ledger owes at once.
 pub(crate) const DEFAULT_MAX_OWED: usize = 10_000;
+
+/// What a ledger reads of its policy's settings, which own them.
+#[derive(Clone, Copy)]
+pub(crate) struct Terms<'a> {
+    /// The policy's clock.
+    pub(crate) clock: &'a Arc<dyn Clock>,
+    /// The most counters owed at once.
+    pub(crate) max_owed: usize,
+    /// How long a settle is waited for.
+    pub(crate) store_timeout: Option<Duration>,
+}
 
 /// Debts dropped, and ledgers that cannot settle, logged a few times a
 /// second at most: during an outage there may be one per request. Each
@@ -351,7 +361,7 @@ impl Ledger {
     pub(crate) async fn settle_now<St: Store>(
         self: &Arc<Self>,
         store: &St,
-        settings: &Settings,
+        terms: Terms<'_>,
         within: Duration,
     ) -> Owed {
         /// The hurry taken back however the wait ends (its future dropped
@@ -376,7 +386,7 @@ impl Ledger {
                 return owed;
             }
             // Started again if its task ended (its runtime stopped).
-            self.start(store, settings);
+            self.start(store, terms);
             tokio::time::sleep(Duration::from_millis(5)).await;
         }
     }
@@ -433,19 +443,19 @@ impl Ledger {
         }
     }
 
-    /// Records `debts` at the policy's now within its bound (`settings`,
-    /// whose ledger is on: a request owes only then), and starts a task on
+    /// Records `debts` at the policy's now within its bound (`terms`, of a
+    /// policy whose ledger is on: a request owes only then), and starts a task on
     /// the tokio runtime that settles them in `store` (each settle waited
     /// for the policy's `store_timeout` at most), unless one runs already.
     pub(crate) fn owe<St: Store>(
         self: &Arc<Self>,
         store: &St,
-        settings: &Settings,
+        terms: Terms<'_>,
         debts: impl IntoIterator<Item = Debt>,
     ) {
-        let max = settings.max_owed;
+        let max = terms.max_owed;
         let most = store.max_count();
-        let now = settings.clock.now();
+        let now = terms.clock.now();
         let mut book = self.lock();
         let mut forgot = Vec::new();
         for mut debt in debts {
@@ -504,14 +514,14 @@ impl Ledger {
         for (key, units) in forgot {
             forgotten(&key, units);
         }
-        self.start(store, settings);
+        self.start(store, terms);
     }
 
     /// Starts a task on the tokio runtime that settles what the ledger
     /// owes in `store`, unless one runs already or nothing is owed.
-    pub(crate) fn start<St: Store>(self: &Arc<Self>, store: &St, settings: &Settings) {
+    pub(crate) fn start<St: Store>(self: &Arc<Self>, store: &St, terms: Terms<'_>) {
         let mut book = self.lock();
-        let now = settings.clock.now();
+        let now = terms.clock.now();
         // Nothing owed (a reset forgot it), or a task settles it; unless
         // that task has shown no sign of life for a while, with no settle
         // of its on the way: its runtime went idle or is blocked, and this
@@ -552,7 +562,7 @@ impl Ledger {
             sent: None,
             task,
         };
-        let (clock, timeout) = (Arc::clone(&settings.clock), settings.store_timeout);
+        let (clock, timeout) = (Arc::clone(terms.clock), terms.store_timeout);
         drop(runtime.spawn(settle(guard, store.clone(), clock, timeout)));
     }
 
@@ -562,11 +572,11 @@ impl Ledger {
     /// of the policy, so that debts settle once a runtime serves requests
     /// again, though no new debt is recorded (the store is back).
     #[inline]
-    pub(crate) fn wake<St: Store>(self: &Arc<Self>, store: &St, settings: &Settings) {
+    pub(crate) fn wake<St: Store>(self: &Arc<Self>, store: &St, terms: Terms<'_>) {
         if self.stranded.load(Ordering::Relaxed)
-            || (self.beat.load(Ordering::Relaxed) != IDLE && self.silent(settings.clock.now()))
+            || (self.beat.load(Ordering::Relaxed) != IDLE && self.silent(terms.clock.now()))
         {
-            self.start(store, settings);
+            self.start(store, terms);
         }
     }
 

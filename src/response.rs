@@ -180,7 +180,7 @@ impl RateLimitFields {
             None => policy_value(quotas, windows()),
         };
         let mut digits = itoa::Buffer::new();
-        let mut limit = crate::key::Text::default();
+        let mut limit = crate::text::Text::default();
         for (i, (quota, usage)) in entries.enumerate() {
             if i > 0 {
                 limit.push_str(", ");

@@ -45,14 +45,29 @@ fn first_use(key: &PeriodKey, amount: u64, since: Timestamp) -> Debt {
     }
 }
 
+/// What a policy's settings tell its ledger.
+#[derive(Clone)]
+struct Settings {
+    clock: Arc<dyn Clock>,
+    max_owed: usize,
+}
+
+impl Settings {
+    fn ledger(&self) -> Terms<'_> {
+        Terms {
+            clock: &self.clock,
+            max_owed: self.max_owed,
+            store_timeout: None,
+        }
+    }
+}
+
 /// A policy's settings at `now` for the ledger: a bound of 10 counters, no
 /// timeout.
 fn settings(now: Timestamp) -> Settings {
     Settings {
         clock: Arc::new(ManualClock::new(now)),
-        store_timeout: None,
         max_owed: 10,
-        ..Settings::default()
     }
 }
 
@@ -382,12 +397,16 @@ async fn the_ledger_settles_once_the_store_is_back_and_waits_longer_between_trie
     let store = Away::default();
     let ledger = Arc::new(Ledger::default());
     assert!(!ledger.lock().settling, "nothing owed, nothing running");
-    ledger.owe(&store, &settings, [first_use(&key("a", "PT1H"), 0, now)]);
+    ledger.owe(
+        &store,
+        settings.ledger(),
+        [first_use(&key("a", "PT1H"), 0, now)],
+    );
     assert!(!ledger.lock().settling, "a debt of nothing starts nothing");
 
     store.away.store(true, Ordering::Relaxed);
     let a = key("a", "PT1H");
-    ledger.owe(&store, &settings, [first_use(&a, 2, now)]);
+    ledger.owe(&store, settings.ledger(), [first_use(&a, 2, now)]);
     assert!(ledger.lock().settling);
     // Ten seconds of failures: tries 100 ms, then 200, 400 ... 5 s apart.
     tokio::time::sleep(Duration::from_secs(10)).await;
@@ -418,7 +437,7 @@ async fn a_settle_never_sent_keeps_its_debt_whatever_the_errors_kind() {
     let ledger = Arc::new(Ledger::default());
     store.unsent.store(true, Ordering::Relaxed);
     let a = key("a", "PT1H");
-    ledger.owe(&store, &settings, [first_use(&a, 2, now)]);
+    ledger.owe(&store, settings.ledger(), [first_use(&a, 2, now)]);
     tokio::time::sleep(Duration::from_secs(1)).await;
     assert!(store.tries.load(Ordering::Relaxed) > 0);
     assert_eq!(
@@ -444,7 +463,7 @@ async fn settling_now_tries_again_soon_and_tells_what_is_still_owed() {
     store.away.store(true, Ordering::Relaxed);
     let a = key("a", "PT1H");
     let ledger = Arc::new(Ledger::default());
-    ledger.owe(&store, &settings, [first_use(&a, 2, now)]);
+    ledger.owe(&store, settings.ledger(), [first_use(&a, 2, now)]);
     // Ten seconds of failures: the task now waits 5 s between tries.
     tokio::time::sleep(Duration::from_secs(10)).await;
     let owed = Owed {
@@ -454,7 +473,7 @@ async fn settling_now_tries_again_soon_and_tells_what_is_still_owed() {
     // Still away: owed after the wait, tried every 100 ms meanwhile.
     let tries = store.tries.load(Ordering::Relaxed);
     let left = ledger
-        .settle_now(&store, &settings, Duration::from_secs(1))
+        .settle_now(&store, settings.ledger(), Duration::from_secs(1))
         .await;
     assert_eq!(left, owed);
     let more = store.tries.load(Ordering::Relaxed) - tries;
@@ -470,7 +489,7 @@ async fn settling_now_tries_again_soon_and_tells_what_is_still_owed() {
     };
     let start = tokio::time::Instant::now();
     let (left, ()) = tokio::join!(
-        ledger.settle_now(&store, &settings, Duration::from_secs(5)),
+        ledger.settle_now(&store, settings.ledger(), Duration::from_secs(5)),
         back
     );
     assert_eq!(left, Owed::default());
@@ -480,7 +499,7 @@ async fn settling_now_tries_again_soon_and_tells_what_is_still_owed() {
     assert_eq!(ledger.lock().hurry, 0);
     // Nothing owed: answered at once.
     let left = ledger
-        .settle_now(&store, &settings, Duration::from_secs(5))
+        .settle_now(&store, settings.ledger(), Duration::from_secs(5))
         .await;
     assert_eq!(left, Owed::default());
 }
@@ -492,7 +511,11 @@ async fn a_dropped_policy_stops_the_task() {
     let store = Away::default();
     store.away.store(true, Ordering::Relaxed);
     let ledger = Arc::new(Ledger::default());
-    ledger.owe(&store, &settings, [first_use(&key("a", "PT1H"), 1, now)]);
+    ledger.owe(
+        &store,
+        settings.ledger(),
+        [first_use(&key("a", "PT1H"), 1, now)],
+    );
     tokio::time::sleep(Duration::from_secs(1)).await;
     drop(ledger);
     let tries = store.tries.load(Ordering::Relaxed);
@@ -516,7 +539,7 @@ async fn a_key_the_store_keeps_failing_holds_up_no_other() {
     let ledger = Arc::new(Ledger::default());
     ledger.owe(
         &store,
-        &settings,
+        settings.ledger(),
         [first_use(&a, 1, now), first_use(&b, 2, now)],
     );
     tokio::time::sleep(Duration::from_millis(1)).await;
@@ -537,7 +560,7 @@ async fn a_key_the_store_keeps_failing_holds_up_no_other() {
     assert!((5..=9).contains(&more), "{more} tries in 10 s");
 
     // A debt recorded meanwhile is settled on the task's next round.
-    ledger.owe(&store, &settings, [first_use(&c, 3, now)]);
+    ledger.owe(&store, settings.ledger(), [first_use(&c, 3, now)]);
     tokio::time::sleep(Duration::from_secs(6)).await;
     assert_eq!(used(&store.inner, &c, now).await, 3);
     assert_eq!(ledger.owed().units, 1, "a still owed");
@@ -561,7 +584,7 @@ async fn a_debt_the_store_panics_on_holds_up_no_other() {
     let ledger = Arc::new(Ledger::default());
     ledger.owe(
         &store,
-        &settings,
+        settings.ledger(),
         [
             first_use(&a, 1, now),
             first_use(&later, 5, now),
@@ -572,7 +595,7 @@ async fn a_debt_the_store_panics_on_holds_up_no_other() {
     assert_eq!(used(&store.inner, &b, now).await, 2);
     assert_eq!(ledger.owed(), Owed::default());
     let c = key("c", "PT1H");
-    ledger.owe(&store, &settings, [first_use(&c, 3, now)]);
+    ledger.owe(&store, settings.ledger(), [first_use(&c, 3, now)]);
     tokio::time::sleep(Duration::from_millis(1)).await;
     assert_eq!(used(&store.inner, &c, now).await, 3);
 }
@@ -603,7 +626,7 @@ fn a_settle_on_its_way_when_the_ledger_is_dropped_is_its_tasks_to_account() {
             let ledger = Arc::new(Ledger::default());
             ledger.owe(
                 &store,
-                &settings,
+                settings.ledger(),
                 [first_use(&a, 2, now), first_use(&b, 3, now)],
             );
             tokio::time::sleep(Duration::from_millis(1)).await;
@@ -616,7 +639,7 @@ fn a_settle_on_its_way_when_the_ledger_is_dropped_is_its_tasks_to_account() {
 
             // This time the runtime ends before the store answers.
             let ledger = Arc::new(Ledger::default());
-            ledger.owe(&store, &settings, [first_use(&c, 4, now)]);
+            ledger.owe(&store, settings.ledger(), [first_use(&c, 4, now)]);
             tokio::time::sleep(Duration::from_millis(1)).await;
             assert_eq!(store.tries.load(Ordering::Relaxed), 2, "c on its way");
             drop(ledger);
@@ -658,9 +681,7 @@ async fn a_debt_owed_on_a_runtime_gone_idle_is_settled_from_another() {
     let clock = ManualClock::new(now);
     let settings = Settings {
         clock: Arc::new(clock.clone()),
-        store_timeout: None,
         max_owed: 10,
-        ..Settings::default()
     };
     let store = Away::default();
     store.away.store(true, Ordering::Relaxed);
@@ -681,7 +702,7 @@ async fn a_debt_owed_on_a_runtime_gone_idle_is_settled_from_another() {
                 .build()
                 .unwrap();
             runtime.block_on(async {
-                ledger.owe(&store, &settings, [first_use(&a, 2, now)]);
+                ledger.owe(&store, settings.ledger(), [first_use(&a, 2, now)]);
                 tokio::time::sleep(Duration::from_millis(10)).await;
             });
             // Kept: the caller holds it for its next call, which never comes.
@@ -698,7 +719,7 @@ async fn a_debt_owed_on_a_runtime_gone_idle_is_settled_from_another() {
     // two minutes.
     store.away.store(false, Ordering::Relaxed);
     for _ in 0..120 {
-        ledger.wake(&store, &settings);
+        ledger.wake(&store, settings.ledger());
         tokio::time::sleep(Duration::from_secs(1)).await;
         clock.advance(Duration::from_secs(1));
     }
@@ -722,13 +743,13 @@ async fn a_beat_with_no_task_behind_it_is_cleared_by_the_first_request() {
     let clock = ManualClock::new(now);
     let settings = Settings {
         clock: Arc::new(clock.clone()),
-        ..Settings::default()
+        max_owed: crate::ledger::DEFAULT_MAX_OWED,
     };
     let store = Away::default();
     let ledger = Arc::new(Ledger::default());
     ledger.beat(now);
     clock.advance(Duration::from_secs(60));
-    ledger.wake(&store, &settings);
+    ledger.wake(&store, settings.ledger());
     assert_eq!(ledger.beat.load(Ordering::Relaxed), IDLE);
     assert_eq!(ledger.owed(), Owed::default());
 }

@@ -136,7 +136,7 @@ pub(crate) fn plan<E: SubjectExtractor, St: crate::store::Store>(
         None => {
             // A ledger left owing without a task (its runtime shut down)
             // settles again from a request on a runtime.
-            policy.ledger.wake(&policy.store, settings);
+            policy.ledger.wake(&policy.store, settings.ledger());
             let now = settings.clock.now();
             if settings.skips(parts) {
                 skipped(&bound.scope.quotas);

@@ -171,7 +171,7 @@ impl<E: SubjectExtractor, St: Store> Owing<E, St> {
             }
         });
         if self.outer.is_empty() {
-            policy.ledger.owe(&policy.store, settings, debts);
+            policy.ledger.owe(&policy.store, settings.ledger(), debts);
         } else {
             // A layer further out may still be dropped before the response
             // goes out: the request was then not served, and owes nothing.
@@ -207,7 +207,9 @@ impl<E, St: Store> PendingDebts<E, St> {
     fn owe(&self) {
         if let Some(debts) = self.take() {
             let policy = &self.bound.policy;
-            policy.ledger.owe(&policy.store, &policy.settings, debts);
+            policy
+                .ledger
+                .owe(&policy.store, policy.settings.ledger(), debts);
         }
     }
 }

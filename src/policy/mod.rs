@@ -424,7 +424,7 @@ impl<E, St> QuotaPolicy<E, St> {
     {
         let core = &self.core;
         core.ledger
-            .settle_now(&core.store, &core.settings, within)
+            .settle_now(&core.store, core.settings.ledger(), within)
             .await
     }
 }

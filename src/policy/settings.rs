@@ -10,6 +10,7 @@ use http::StatusCode;
 use jiff::tz::TimeZone;
 
 use crate::key::Namespace;
+use crate::ledger::Terms;
 use crate::period::{Clock, SystemClock};
 use crate::response::Refusal;
 
@@ -145,6 +146,15 @@ impl Default for Settings {
 }
 
 impl Settings {
+    /// What the policy's ledger reads of these settings.
+    pub(crate) fn ledger(&self) -> Terms<'_> {
+        Terms {
+            clock: &self.clock,
+            max_owed: self.max_owed,
+            store_timeout: self.store_timeout,
+        }
+    }
+
     /// The caller's own time zone for the request with head `parts`, when
     /// the policy reads one and the request names one that can name
     /// calendar windows in keys.

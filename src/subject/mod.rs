@@ -73,6 +73,8 @@ use std::fmt;
 
 use http::request::Parts;
 
+use crate::text::{push_encoded, secret_hash, Text};
+
 pub use self::extension::{FromExtension, MapExtension};
 pub use self::header::FromHeader;
 pub use self::id::{IntoSubjectId, MaybeSubjectId};
@@ -258,7 +260,17 @@ impl Subject {
     /// subject's keys show in logs. The same subject has the same hash
     /// throughout the process, and only there.
     pub(crate) fn log_hash(&self) -> LogHash {
-        LogHash(crate::key::log_hash(self))
+        let mut tag = Text::default();
+        self.push_tag(&mut tag);
+        LogHash(secret_hash(tag.as_str()) as u32)
+    }
+
+    /// Writes the part of a key that names the subject, `kind:id`, each
+    /// percent-encoded: the key's hash tag, and what logs hash.
+    pub(crate) fn push_tag(&self, out: &mut Text) {
+        push_encoded(out, self.kind().as_str().as_bytes());
+        out.push_str(":");
+        push_encoded(out, self.id());
     }
 
     /// The subject, if a layer would charge it: an id that is not empty,
