@@ -9,6 +9,7 @@
 mod redis_support;
 
 mod rigged;
+mod seeded;
 
 use std::convert::Infallible;
 use std::future::Future;
@@ -29,6 +30,7 @@ use http::{Request, Response, StatusCode};
 use proptest::prelude::*;
 use proptest::test_runner::{Config, TestCaseError, TestRunner};
 use rigged::{Rig, Rigged};
+use seeded::Rng;
 use tokio::sync::Notify;
 use tower::buffer::Buffer;
 use tower::steer::Steer;
@@ -37,8 +39,8 @@ use tower::{Layer, Service, ServiceExt};
 use tower_quota::jiff::tz::TimeZone;
 use tower_quota::jiff::Timestamp;
 use tower_quota::{
-    unrouted, FromHeader, ManualClock, Quota, QuotaLayer, QuotaPolicy, QuotaPolicyBuilder,
-    QuotaStatus, Store, Subject,
+    unrouted, FromHeader, ManualClock, Quota, QuotaHandle, QuotaLayer, QuotaPolicy,
+    QuotaPolicyBuilder, QuotaStatus, Store, Subject,
 };
 
 /// Every policy's clock: 10:00 UTC, 11:00 in Berlin, 19:00 in Tokyo.
@@ -1166,4 +1168,976 @@ async fn each_policy_tells_the_instant_it_charged() {
     );
     // Read on the day the inner policy charged.
     assert_eq!(used(&inner, "acme", "calls-day").await, 0);
+}
+
+// A seeded random model of composed policies: two or three policies (own
+// or shared memory stores, namespaces of their own; skip rules, plans,
+// per-caller zones, shadow quotas, 5xx refunds or not), their layers
+// applied every way there is around one handler, with fixed and deferred
+// costs and a middleware rebuilding error answers between layers. After
+// each request: the status, every RateLimit and RateLimit-Policy member,
+// the handler's QuotaStatus, and every counter through the handles.
+//
+// `COMPOSITION_MODEL_CASES` sets how many cases run (default 12),
+// `COMPOSITION_MODEL_SEED` the first seed, `COMPOSITION_MODEL_TRACE`
+// prints each request.
+
+/// How a level's layer is applied.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+enum Apply {
+    RouteLayer,
+    RouterLayer,
+    /// `Handler::layer`: the innermost level only (else a `route_layer`).
+    HandlerLayer,
+    NestService,
+    Steered,
+    Buffered,
+    Shared,
+}
+
+const APPLY: [Apply; 7] = [
+    Apply::RouteLayer,
+    Apply::RouterLayer,
+    Apply::HandlerLayer,
+    Apply::NestService,
+    Apply::Steered,
+    Apply::Buffered,
+    Apply::Shared,
+];
+
+/// A policy of the model.
+#[derive(Clone, Debug)]
+struct MPolicy {
+    /// Its store: 0 is shared with the other policies that say 0.
+    store: usize,
+    /// Its namespace: that of the policy with this index (which then has
+    /// the same quotas, read the same way).
+    ns: usize,
+    /// A request without its subject passes uncounted (else 401).
+    allow_missing: bool,
+    /// Keyed on `x-user-id` (a user, absent at times), else `x-account-id`.
+    user: bool,
+    zones: bool,
+    plans: bool,
+    reject_unknown: bool,
+    refund: bool,
+}
+
+/// A quota of the model.
+#[derive(Clone, Debug)]
+struct MQuota {
+    allowance: String,
+    /// 0: per minute, 1: hourly, 2: daily.
+    period: usize,
+    limit: u64,
+    pro: Option<u64>,
+    shadow: bool,
+}
+
+impl MQuota {
+    fn quota(&self) -> Quota {
+        let mut quota = match self.period {
+            0 => Quota::per_minute(self.limit),
+            1 => Quota::hourly(self.limit),
+            _ => Quota::daily(self.limit),
+        }
+        .allowance(self.allowance.clone());
+        if let Some(pro) = self.pro {
+            quota = quota.plan("pro", pro);
+        }
+        if self.shadow {
+            quota = quota.shadow();
+        }
+        quota
+    }
+
+    fn name(&self) -> String {
+        let period = ["minute", "hour", "day"][self.period];
+        format!("{}-{period}", self.allowance)
+    }
+
+    fn limit_for(&self, plan: Option<&str>) -> u64 {
+        match (plan, self.pro) {
+            (Some("pro"), Some(pro)) => pro,
+            _ => self.limit,
+        }
+    }
+
+    /// The counter a caller in `zone` (none: UTC) counts on at `now`: a
+    /// minute, or an hour at a whole-hour offset, is one counter in every
+    /// zone; a day is its zone's own.
+    fn window(&self, zone: Option<&str>, now: Timestamp) -> (String, i64) {
+        self.window_and_end(zone, now).0
+    }
+
+    /// As [`MQuota::window`], with the instant the window ends.
+    fn window_and_end(&self, zone: Option<&str>, now: Timestamp) -> ((String, i64), i64) {
+        let tz = zone.map_or(TimeZone::UTC, |z| TimeZone::get(z).unwrap());
+        let offset = i64::from(tz.to_offset(now).seconds());
+        let local = now.as_second() + offset;
+        let len = [60, 3_600, 86_400][self.period];
+        let start = local.div_euclid(len) * len - offset;
+        let own = match self.period {
+            0 => false,
+            1 => offset % 3_600 != 0,
+            _ => true,
+        };
+        let zone = if own { zone.unwrap_or("UTC") } else { "" };
+        ((zone.to_owned(), start), start + len)
+    }
+}
+
+#[derive(Clone, Copy, Debug)]
+enum MCost {
+    Fixed(u64),
+    Deferred(u64),
+    /// From the request's `x-cost-{level}`: a 400 when it is no number.
+    Computed,
+}
+
+#[derive(Clone, Debug)]
+struct MLevel {
+    policy: usize,
+    /// Indices into the policy's quotas.
+    quotas: Vec<usize>,
+    cost: MCost,
+    apply: Apply,
+    /// A middleware between this layer and what it wraps rebuilds every
+    /// error answer (status and fields kept, extensions lost).
+    rewrap: bool,
+}
+
+#[derive(Clone, Debug)]
+struct MCase {
+    policies: Vec<MPolicy>,
+    quotas: Vec<Vec<MQuota>>,
+    levels: Vec<MLevel>,
+}
+
+fn random_case(rng: &mut Rng) -> MCase {
+    let n = 2 + rng.below(2) as usize;
+    let mut policies: Vec<MPolicy> = (0..n)
+        .map(|p| MPolicy {
+            store: rng.below(2) as usize * (p + 1),
+            ns: p,
+            allow_missing: rng.below(3) == 0,
+            user: p == 2 || rng.below(4) == 0,
+            zones: rng.below(2) == 0,
+            plans: rng.below(2) == 0,
+            reject_unknown: rng.below(2) == 0,
+            refund: rng.below(2) == 0,
+        })
+        .collect();
+    // Now and then the second policy shares the first one's store and
+    // namespace, and so its quotas: a counter one charged for a request
+    // the other does not charge again.
+    if rng.below(3) == 0 {
+        let first = policies[0].clone();
+        let second = &mut policies[1];
+        second.store = first.store;
+        second.ns = 0;
+        second.user = first.user;
+        second.zones = first.zones;
+        second.plans = first.plans;
+    }
+    let mut quotas: Vec<Vec<MQuota>> = policies
+        .iter()
+        .enumerate()
+        .map(|(p, policy)| {
+            (0..3)
+                .map(|j| {
+                    let period = rng.below(3) as usize;
+                    let limit = [2 + rng.below(4), 3 + rng.below(6), 4 + rng.below(9)][period];
+                    MQuota {
+                        allowance: format!("p{p}q{j}"),
+                        period,
+                        limit,
+                        pro: (policy.plans && rng.below(2) == 0).then(|| limit * 2),
+                        shadow: rng.below(4) == 0,
+                    }
+                })
+                .collect()
+        })
+        .collect();
+    for p in 0..n {
+        let ns = policies[p].ns;
+        quotas[p] = quotas[ns].clone();
+    }
+    let depth = 2 + rng.below(5) as usize;
+    let levels = (0..depth)
+        .map(|k| {
+            // Each policy has a layer at least.
+            let policy = if k < n {
+                k
+            } else {
+                rng.below(n as u64) as usize
+            };
+            let first = rng.below(3) as usize;
+            let mut picked = vec![first];
+            if rng.below(3) == 0 {
+                picked.push((first + 1 + rng.below(2) as usize) % 3);
+            }
+            MLevel {
+                policy,
+                quotas: picked,
+                cost: match rng.below(6) {
+                    0 | 1 => MCost::Deferred(1 + rng.below(2)),
+                    2 => MCost::Computed,
+                    _ => MCost::Fixed(1 + rng.below(2)),
+                },
+                apply: *rng.pick(&APPLY),
+                rewrap: rng.below(5) == 0,
+            }
+        })
+        .collect::<Vec<_>>();
+    // Shuffle the levels so that a policy's first layer is not always
+    // outermost.
+    let mut levels = levels;
+    for i in (1..levels.len()).rev() {
+        let j = rng.below(i as u64 + 1) as usize;
+        levels.swap(i, j);
+    }
+    MCase {
+        policies,
+        quotas,
+        levels,
+    }
+}
+
+fn model_policies<St: Store>(
+    case: &MCase,
+    seed: u64,
+    clock: &ManualClock,
+    shared: &St,
+    own: &dyn Fn() -> St,
+) -> Vec<QuotaPolicy<FromHeader, St>> {
+    let mut stores: std::collections::HashMap<usize, St> = std::collections::HashMap::new();
+    stores.insert(0, shared.clone());
+    case.policies
+        .iter()
+        .enumerate()
+        .map(|(p, m)| {
+            let store = stores.entry(m.store).or_insert_with(own).clone();
+            let extractor = if m.user {
+                FromHeader::user("x-user-id")
+            } else {
+                FromHeader::account("x-account-id")
+            };
+            let flag = format!("x-skip-{p}");
+            let mut builder = QuotaPolicy::builder(extractor)
+                .store(store)
+                .namespace(&format!("model{seed}-p{}", m.ns))
+                .clock(clock.clone())
+                .store_timeout(Some(Duration::from_secs(5)))
+                .skip_if(move |parts| parts.headers.contains_key(flag.as_str()))
+                .refund_server_errors(m.refund);
+            if m.allow_missing {
+                builder = builder.on_missing_subject(tower_quota::SubjectPolicy::Allow);
+            }
+            if m.zones {
+                builder = builder.time_zone(tower_quota::zone_from_header("x-zone"));
+            }
+            if m.plans {
+                builder = builder
+                    .plan(|parts| {
+                        parts
+                            .headers
+                            .get("x-plan")
+                            .map(|v| v.to_str().unwrap().to_owned())
+                    })
+                    .plans(["pro", "team"])
+                    .on_unknown_plan(if m.reject_unknown {
+                        tower_quota::UnknownPlan::Reject
+                    } else {
+                        tower_quota::UnknownPlan::DefaultLimits
+                    });
+            }
+            builder.build()
+        })
+        .collect()
+}
+
+type Answer = Pin<Box<dyn Future<Output = axum::response::Response> + Send>>;
+
+/// The model's handler: gives the request back on the policy its
+/// `x-undo` names (through `handles`), answers its `x-status`, echoes its
+/// `x-real-*` (the deferred costs) and lists its status entries as
+/// `name:used/limit/remaining`.
+fn model_handler<St: Store>(
+    handles: Vec<QuotaHandle<St>>,
+) -> impl Fn(http::HeaderMap, QuotaStatus) -> Answer + Clone + Send + Sync + 'static {
+    move |headers, status| Box::pin(model_answer(handles.clone(), headers, status))
+}
+
+async fn model_answer<St: Store>(
+    handles: Vec<QuotaHandle<St>>,
+    headers: http::HeaderMap,
+    status: QuotaStatus,
+) -> axum::response::Response {
+    if let Some(undo) = headers.get("x-undo") {
+        let p: usize = undo.to_str().unwrap().parse().unwrap();
+        handles[p].refund_request(&status).await.unwrap();
+    }
+    let code = headers.get("x-status").map_or(StatusCode::OK, |v| {
+        StatusCode::from_bytes(v.as_bytes()).unwrap()
+    });
+    let text = status
+        .entries()
+        .iter()
+        .map(|e| format!("{}:{}/{}/{}", e.name(), e.used(), e.limit(), e.remaining()))
+        .collect::<Vec<_>>()
+        .join(",");
+    let mut response = (code, text).into_response();
+    for (name, value) in &headers {
+        if name.as_str().starts_with("x-real-") {
+            response.headers_mut().insert(name.clone(), value.clone());
+        }
+    }
+    response
+}
+
+/// An error answer rebuilt: status, headers and body kept, extensions lost.
+fn rebuilt(response: axum::response::Response) -> axum::response::Response {
+    if !(response.status().is_client_error() || response.status().is_server_error()) {
+        return response;
+    }
+    let (parts, body) = response.into_parts();
+    let mut fresh = axum::response::Response::new(body);
+    *fresh.status_mut() = parts.status;
+    *fresh.headers_mut() = parts.headers;
+    fresh
+}
+
+fn model_layer<St: Store>(
+    case: &MCase,
+    policies: &[QuotaPolicy<FromHeader, St>],
+    k: usize,
+) -> QuotaLayer<FromHeader, St> {
+    let level = &case.levels[k];
+    let quotas = &case.quotas[level.policy];
+    let policy = &policies[level.policy];
+    let mut layer = policy.layer(quotas[level.quotas[0]].quota());
+    for &q in &level.quotas[1..] {
+        layer = layer.quota(quotas[q].quota());
+    }
+    let real = format!("x-real-{k}");
+    match level.cost {
+        MCost::Fixed(cost) => layer.cost(cost),
+        MCost::Computed => {
+            let asked = format!("x-cost-{k}");
+            layer.cost_fn(move |parts| {
+                parts
+                    .headers
+                    .get(asked.as_str())
+                    .and_then(|v| v.to_str().ok()?.parse().ok())
+                    .ok_or_else(|| tower_quota::InvalidRequest::new("no cost"))
+            })
+        }
+        MCost::Deferred(upfront) => layer.deferred_cost(upfront, move |response| {
+            response
+                .headers
+                .get(real.as_str())
+                .and_then(|v| v.to_str().ok()?.parse().ok())
+                .unwrap_or(upfront)
+        }),
+    }
+}
+
+/// The app: the levels around the handler, outer first; requests go to
+/// [`MODEL_PATH`].
+fn model_app<St: Store>(case: &MCase, policies: &[QuotaPolicy<FromHeader, St>]) -> Boxed {
+    let last = case.levels.len() - 1;
+    let handler = model_handler(policies.iter().map(QuotaPolicy::handle).collect());
+    let mut service: Option<Boxed> = None;
+    for k in (0..=last).rev() {
+        let level = &case.levels[k];
+        let layer = model_layer(case, policies, k);
+        let inner = match service.take() {
+            None if level.apply == Apply::HandlerLayer => {
+                service = Some(boxed(
+                    Router::new().route("/{*rest}", get(handler.clone().layer(layer))),
+                ));
+                continue;
+            }
+            None => boxed(Router::new().route("/{*rest}", get(handler.clone()))),
+            Some(inner) => inner,
+        };
+        let inner = if level.rewrap {
+            boxed(inner.map_response(rebuilt as fn(_) -> _))
+        } else {
+            inner
+        };
+        service = Some(match level.apply {
+            Apply::RouteLayer | Apply::HandlerLayer => boxed(
+                Router::new()
+                    .route_service("/{*rest}", inner)
+                    .route_layer(layer),
+            ),
+            Apply::RouterLayer => {
+                boxed(Router::new().route_service("/{*rest}", inner).layer(layer))
+            }
+            // (A nest under a route of another router trips an assertion
+            // of axum's on the outer route's matched path: dropped first.)
+            Apply::NestService => boxed(
+                Router::new()
+                    .nest_service("/x", layer.layer(inner))
+                    .map_request(|mut request: Request<Body>| {
+                        request
+                            .extensions_mut()
+                            .remove::<axum::extract::MatchedPath>();
+                        request
+                    }),
+            ),
+            Apply::Steered => {
+                let nowhere = boxed(tower::service_fn(|_: Request<Body>| async {
+                    Ok::<_, Infallible>(StatusCode::NOT_FOUND.into_response())
+                }));
+                let steer = Steer::new(
+                    [boxed(layer.layer(inner)), nowhere],
+                    |request: &Request<Body>, _: &[Boxed]| {
+                        usize::from(request.headers().contains_key("x-nowhere"))
+                    },
+                );
+                boxed(Synced(Mutex::new(steer)))
+            }
+            Apply::Buffered => boxed(HandleError::new(
+                Buffer::new(layer.layer(inner), 16),
+                buffer_failed,
+            )),
+            Apply::Shared => boxed(Shared::new(layer.layer(inner))),
+        });
+    }
+    service.expect("a level at least")
+}
+
+const MODEL_PATH: &str = "/x/x/x/x/x/x/x/x";
+const MODEL_ACCOUNTS: [&str; 2] = ["acme", "globex"];
+const MODEL_USERS: [Option<&str>; 4] = [Some("ann"), Some("bob"), Some("ann"), None];
+const MODEL_PLANS: [Option<&str>; 5] = [None, Some("pro"), Some("team"), Some("gold"), Some("pro")];
+const MODEL_ZONES: [Option<&str>; 6] = [
+    None,
+    Some("Europe/Berlin"),
+    Some("Asia/Tokyo"),
+    Some("Asia/Kolkata"),
+    None,
+    Some("Nowhere/Bogus"),
+];
+
+/// One request of the model.
+#[derive(Clone, Debug)]
+struct MRequest {
+    account: &'static str,
+    user: Option<&'static str>,
+    plan: Option<&'static str>,
+    zone: Option<&'static str>,
+    skip: Vec<bool>,
+    status: u16,
+    /// Per level, the real cost the handler reports.
+    real: Vec<u64>,
+    /// Per level, the cost asked (`None`: one that is no number).
+    cost: Vec<Option<u64>>,
+    /// The policy whose handle the handler gives the request back on.
+    undo: Option<usize>,
+}
+
+/// A counter of the model: store, namespace, allowance, subject, zone and
+/// window.
+type MKey = (usize, usize, String, String, (String, i64));
+
+/// Who a policy charges a request to: subject, plan, zone.
+type MCaller = (String, Option<&'static str>, Option<&'static str>);
+
+/// A refusal: its status, the refusing layer's lines (policy, quota,
+/// counter), the quotas it names as violated.
+type MRefusal = (u16, Vec<(usize, usize, u64)>, Vec<String>);
+
+/// One layer's charge for a request, as the model reckons it.
+struct MCharged {
+    level: usize,
+    /// Quota index, key, cost, counter after the charge.
+    lines: Vec<(usize, MKey, u64, u64)>,
+}
+
+/// What the model expects of one request.
+struct MExpect {
+    status: u16,
+    /// `RateLimit` members, in order: name, remaining, seconds to reset.
+    fields: Vec<(String, u64, u64)>,
+    /// `RateLimit-Policy` members, in order: name and limit.
+    limits: Vec<(String, u64)>,
+    /// The handler's body, when it ran.
+    body: Option<String>,
+    /// The quotas a 429 names as violated.
+    violated: Vec<String>,
+}
+
+struct Model {
+    counters: std::collections::HashMap<MKey, u64>,
+}
+
+impl Model {
+    fn used(&self, key: &MKey) -> u64 {
+        self.counters.get(key).copied().unwrap_or(0)
+    }
+
+    fn add(&mut self, key: &MKey, by: i64) -> u64 {
+        let counter = self.counters.entry(key.clone()).or_default();
+        *counter = counter.saturating_add_signed(by);
+        *counter
+    }
+
+    /// Sends `request` through the model of `case` at `now`.
+    fn run(&mut self, case: &MCase, request: &MRequest, now: Timestamp) -> MExpect {
+        // Per policy: not met, met and uncounted (None), or its caller.
+        let mut tickets: Vec<Option<Option<MCaller>>> = vec![None; case.policies.len()];
+        let mut order: Vec<usize> = Vec::new();
+        let mut charged: Vec<MCharged> = Vec::new();
+        let mut refused: Option<MRefusal> = None;
+        for (k, level) in case.levels.iter().enumerate() {
+            let p = level.policy;
+            let policy = &case.policies[p];
+            let quotas = &case.quotas[p];
+            let only_shadow = level.quotas.iter().all(|&q| quotas[q].shadow);
+            let caller = match &tickets[p] {
+                Some(None) => continue,
+                Some(Some(caller)) => caller.clone(),
+                None => {
+                    if request.skip[p] {
+                        tickets[p] = Some(None);
+                        order.push(p);
+                        continue;
+                    }
+                    let subject = if policy.user {
+                        request.user
+                    } else {
+                        Some(request.account)
+                    };
+                    if subject.is_none() && policy.allow_missing {
+                        tickets[p] = Some(None);
+                        order.push(p);
+                        continue;
+                    }
+                    let error = match subject {
+                        None => Some(401),
+                        Some(_)
+                            if policy.plans
+                                && policy.reject_unknown
+                                && request.plan == Some("gold") =>
+                        {
+                            Some(403)
+                        }
+                        Some(_) if policy.zones && request.zone == Some("Nowhere/Bogus") => {
+                            Some(400)
+                        }
+                        Some(_) => None,
+                    };
+                    if let Some(error) = error {
+                        if only_shadow {
+                            continue;
+                        }
+                        refused = Some((error, Vec::new(), Vec::new()));
+                        break;
+                    }
+                    let plan = if policy.plans { request.plan } else { None };
+                    let zone = if policy.zones { request.zone } else { None };
+                    (subject.unwrap().to_owned(), plan, zone)
+                }
+            };
+            // Charged further out, by this policy or another on its store.
+            let counted: Vec<MKey> = charged
+                .iter()
+                .flat_map(|c| c.lines.iter().map(|line| line.1.clone()))
+                .collect();
+            let lines: Vec<(usize, MKey)> = level
+                .quotas
+                .iter()
+                .map(|&q| {
+                    let key = (
+                        policy.store,
+                        policy.ns,
+                        quotas[q].allowance.clone(),
+                        caller.0.clone(),
+                        quotas[q].window(caller.2, now),
+                    );
+                    (q, key)
+                })
+                .filter(|(_, key)| !counted.contains(key))
+                .collect();
+            // A new ticket with nothing to charge (every quota counted by
+            // another policy on the store) is not kept.
+            if lines.is_empty() {
+                continue;
+            }
+            let cost = match level.cost {
+                MCost::Fixed(cost) | MCost::Deferred(cost) => Some(cost),
+                MCost::Computed => request.cost[k],
+            };
+            let Some(cost) = cost else {
+                // Shadow quotas never refuse: the layer lets it pass.
+                if lines.iter().all(|(q, _)| quotas[*q].shadow) {
+                    continue;
+                }
+                refused = Some((400, Vec::new(), Vec::new()));
+                break;
+            };
+            if tickets[p].is_none() {
+                tickets[p] = Some(Some(caller.clone()));
+                order.push(p);
+            }
+            let full: Vec<String> = lines
+                .iter()
+                .filter(|(q, key)| {
+                    !quotas[*q].shadow && self.used(key) + cost > quotas[*q].limit_for(caller.1)
+                })
+                .map(|(q, _)| quotas[*q].name())
+                .collect();
+            if !full.is_empty() {
+                let fields = lines
+                    .iter()
+                    .map(|(q, key)| (p, *q, self.used(key)))
+                    .collect();
+                refused = Some((429, fields, full));
+                break;
+            }
+            let lines = lines
+                .into_iter()
+                .map(|(q, key)| {
+                    let after = self.add(&key, cost as i64);
+                    (q, key, cost, after)
+                })
+                .collect();
+            charged.push(MCharged { level: k, lines });
+        }
+        let caller_of = |p: usize| match &tickets[p] {
+            Some(Some(caller)) => (caller.1, caller.2),
+            _ => (None, None),
+        };
+        let plan_of = |p: usize| caller_of(p).0;
+        let member = |p: usize, q: usize, used: u64| {
+            let quota = &case.quotas[p][q];
+            let (plan, zone) = caller_of(p);
+            let limit = quota.limit_for(plan);
+            let reset = quota.window_and_end(zone, now).1 - now.as_second();
+            (
+                (quota.name(), limit.saturating_sub(used), reset as u64),
+                (quota.name(), limit),
+            )
+        };
+        let mut fields = Vec::new();
+        let mut limits = Vec::new();
+        if let Some((status, own, violated)) = refused {
+            // Everything charged goes back; the layers further out tell
+            // what is left after.
+            for c in &charged {
+                let p = case.levels[c.level].policy;
+                for (q, key, cost, _) in &c.lines {
+                    let after = self.add(key, -(*cost as i64));
+                    let (f, l) = member(p, *q, after);
+                    fields.push(f);
+                    limits.push(l);
+                }
+            }
+            for (p, q, used) in own {
+                let (f, l) = member(p, q, used);
+                fields.push(f);
+                limits.push(l);
+            }
+            return MExpect {
+                status,
+                fields,
+                limits,
+                body: None,
+                violated,
+            };
+        }
+        // The handler gives the request back on one policy's counters:
+        // its layers change them no more.
+        let undone = |c: &MCharged| Some(case.levels[c.level].policy) == request.undo;
+        for c in charged.iter_mut().filter(|c| undone(c)) {
+            for (_, key, cost, after) in &mut c.lines {
+                self.add(key, -(*cost as i64));
+                *after -= *cost;
+            }
+        }
+        let mut body = Vec::new();
+        for &p in &order {
+            for c in charged.iter().filter(|c| case.levels[c.level].policy == p) {
+                for (q, _, _, after) in &c.lines {
+                    let quota = &case.quotas[p][*q];
+                    let limit = quota.limit_for(plan_of(p));
+                    body.push(format!(
+                        "{}:{after}/{limit}/{}",
+                        quota.name(),
+                        limit.saturating_sub(*after)
+                    ));
+                }
+            }
+        }
+        // The way out, inner layers first; each puts its fields in front.
+        for c in charged.iter().rev() {
+            let level = &case.levels[c.level];
+            let p = level.policy;
+            let refund = request.status >= 500 && case.policies[p].refund && !undone(c);
+            let mut members = Vec::new();
+            let mut members_limits = Vec::new();
+            for (q, key, cost, after) in &c.lines {
+                let now_used = if refund {
+                    self.add(key, -(*cost as i64))
+                } else if undone(c) {
+                    *after
+                } else if let MCost::Deferred(upfront) = level.cost {
+                    let real = request.real[c.level];
+                    if real == upfront {
+                        *after
+                    } else {
+                        self.add(key, real as i64 - upfront as i64)
+                    }
+                } else {
+                    *after
+                };
+                let (f, l) = member(p, *q, now_used);
+                members.push(f);
+                members_limits.push(l);
+            }
+            members.extend(fields);
+            members_limits.extend(limits);
+            fields = members;
+            limits = members_limits;
+        }
+        MExpect {
+            status: request.status,
+            fields,
+            limits,
+            body: Some(body.join(",")),
+            violated: Vec::new(),
+        }
+    }
+}
+
+/// The members of the `name` fields of `response`: each member's name and
+/// its `params` (`r` and `t`, or `q`), in that order.
+fn members(response: &Response<Body>, name: &str, params: &[&str]) -> Vec<(String, Vec<u64>)> {
+    let mut out = Vec::new();
+    for value in response.headers().get_all(name) {
+        for item in value.to_str().unwrap().split(',') {
+            let mut parts = item.trim().split(';');
+            let name = parts.next().unwrap().trim_matches('"').to_owned();
+            let parts: Vec<&str> = parts.collect();
+            let values = params
+                .iter()
+                .map(|param| {
+                    parts
+                        .iter()
+                        .find_map(|p| p.strip_prefix(&format!("{param}=")))
+                        .unwrap()
+                        .parse()
+                        .unwrap()
+                })
+                .collect();
+            out.push((name, values));
+        }
+    }
+    out
+}
+
+fn random_request(rng: &mut Rng, case: &MCase) -> MRequest {
+    MRequest {
+        account: MODEL_ACCOUNTS[rng.below(MODEL_ACCOUNTS.len() as u64) as usize],
+        user: *rng.pick(&MODEL_USERS),
+        plan: *rng.pick(&MODEL_PLANS),
+        zone: *rng.pick(&MODEL_ZONES),
+        skip: case.policies.iter().map(|_| rng.below(10) == 0).collect(),
+        status: *rng.pick(&[200, 200, 200, 200, 500, 503]),
+        real: case.levels.iter().map(|_| rng.below(5)).collect(),
+        cost: case
+            .levels
+            .iter()
+            .map(|_| (rng.below(10) != 0).then(|| rng.below(3)))
+            .collect(),
+        undo: (rng.below(6) == 0).then(|| rng.below(case.policies.len() as u64) as usize),
+    }
+}
+
+async fn model_case<St: Store>(
+    seed: u64,
+    steps: usize,
+    trace: bool,
+    shared: &St,
+    own: &dyn Fn() -> St,
+) {
+    let mut rng = Rng(seed);
+    let case = random_case(&mut rng);
+    let clock = ManualClock::new(at("2026-12-02T22:58:30Z"));
+    let policies = model_policies(&case, seed, &clock, shared, own);
+    let app = model_app(&case, &policies);
+    let mut model = Model {
+        counters: std::collections::HashMap::new(),
+    };
+    if trace {
+        eprintln!("seed {seed}: {case:#?}");
+    }
+    for step in 0..steps {
+        if rng.below(8) == 0 {
+            let secs = *rng.pick(&[20u64, 40, 61, 600, 3_600, 5 * 3_600, 86_400]);
+            clock.advance(Duration::from_secs(secs));
+            continue;
+        }
+        let request = random_request(&mut rng, &case);
+        let now = clock.now();
+        let expect = model.run(&case, &request, now);
+        let mut http = Request::get(MODEL_PATH).header("x-account-id", request.account);
+        if let Some(user) = request.user {
+            http = http.header("x-user-id", user);
+        }
+        if let Some(plan) = request.plan {
+            http = http.header("x-plan", plan);
+        }
+        if let Some(zone) = request.zone {
+            http = http.header("x-zone", zone);
+        }
+        for (p, skip) in request.skip.iter().enumerate() {
+            if *skip {
+                http = http.header(format!("x-skip-{p}"), "1");
+            }
+        }
+        http = http.header("x-status", request.status.to_string());
+        for (k, real) in request.real.iter().enumerate() {
+            http = http.header(format!("x-real-{k}"), real.to_string());
+        }
+        for (k, cost) in request.cost.iter().enumerate() {
+            let cost = cost.map_or("x".to_owned(), |c| c.to_string());
+            http = http.header(format!("x-cost-{k}"), cost);
+        }
+        if let Some(p) = request.undo {
+            http = http.header("x-undo", p.to_string());
+        }
+        let response = app
+            .clone()
+            .oneshot(http.body(Body::empty()).unwrap())
+            .await
+            .unwrap();
+        let ctx = format!("seed {seed} step {step} at {now}: {request:?}");
+        let fields = members(&response, "ratelimit", &["r", "t"]);
+        let limits = members(&response, "ratelimit-policy", &["q"]);
+        let status = response.status().as_u16();
+        let text = body(response).await;
+        if trace {
+            eprintln!("{ctx}\n  -> {status} {fields:?} {text}");
+        }
+        assert_eq!(status, expect.status, "{ctx}: {text}");
+        let expected: Vec<(String, Vec<u64>)> = expect
+            .fields
+            .iter()
+            .map(|(name, r, t)| (name.clone(), vec![*r, *t]))
+            .collect();
+        assert_eq!(fields, expected, "{ctx}: RateLimit, {text}");
+        let expected: Vec<(String, Vec<u64>)> = expect
+            .limits
+            .iter()
+            .map(|(name, q)| (name.clone(), vec![*q]))
+            .collect();
+        assert_eq!(limits, expected, "{ctx}: RateLimit-Policy");
+        if let Some(expected) = &expect.body {
+            assert_eq!(&text, expected, "{ctx}: the handler's status");
+        }
+        for name in &expect.violated {
+            assert!(text.contains(&format!("\"{name}\"")), "{ctx}: {text}");
+        }
+        // Every counter, through the handles.
+        for (p, policy) in policies.iter().enumerate() {
+            let m = &case.policies[p];
+            let subjects: Vec<(Subject, String)> = if m.user {
+                ["ann", "bob"]
+                    .iter()
+                    .map(|u| (Subject::user(*u), (*u).to_owned()))
+                    .collect()
+            } else {
+                MODEL_ACCOUNTS
+                    .iter()
+                    .map(|a| (Subject::account(*a), (*a).to_owned()))
+                    .collect()
+            };
+            let zones: &[Option<&str>] = if m.zones {
+                &[
+                    None,
+                    Some("Europe/Berlin"),
+                    Some("Asia/Tokyo"),
+                    Some("Asia/Kolkata"),
+                ]
+            } else {
+                &[None]
+            };
+            for zone in zones {
+                let handle = match zone {
+                    Some(z) => policy.handle().in_zone(TimeZone::get(z).unwrap()),
+                    None => policy.handle(),
+                };
+                for (subject, id) in &subjects {
+                    for usage in handle.usage(subject).await.unwrap() {
+                        let quota = case.quotas[p]
+                            .iter()
+                            .find(|q| q.name() == usage.name())
+                            .unwrap();
+                        let key = (
+                            m.store,
+                            m.ns,
+                            quota.allowance.clone(),
+                            id.clone(),
+                            quota.window(*zone, now),
+                        );
+                        assert_eq!(
+                            usage.used(),
+                            model.used(&key),
+                            "{ctx}: after it, policy {p}'s {} for {id} in {zone:?}",
+                            usage.name()
+                        );
+                    }
+                }
+            }
+        }
+    }
+}
+
+/// The seeds to run (`COMPOSITION_MODEL_CASES`, `COMPOSITION_MODEL_SEED`)
+/// and whether to trace them.
+fn model_seeds(default_cases: u64) -> (std::ops::Range<u64>, bool) {
+    let var = |name: &str| std::env::var(name).ok().and_then(|v| v.parse().ok());
+    let cases: u64 = var("COMPOSITION_MODEL_CASES").unwrap_or(default_cases);
+    let first: u64 = var("COMPOSITION_MODEL_SEED").unwrap_or(1);
+    let trace = std::env::var_os("COMPOSITION_MODEL_TRACE").is_some();
+    (first..first + cases, trace)
+}
+
+#[test]
+fn random_compositions_of_policies_answer_as_the_model_on_memory_stores() {
+    let (seeds, trace) = model_seeds(12);
+    let runtime = tokio::runtime::Builder::new_current_thread()
+        .enable_all()
+        .build()
+        .unwrap();
+    let own = tower_quota::MemoryStore::new;
+    for seed in seeds {
+        runtime.block_on(model_case(seed, 60, trace, &own(), &own));
+    }
+}
+
+#[cfg(feature = "redis")]
+#[test]
+fn random_compositions_of_policies_answer_as_the_model_on_redis_and_memory_stores() {
+    use tower_quota::store::EitherStore;
+    let server = crate::redis_server_or_skip!();
+    let (seeds, trace) = model_seeds(3);
+    let runtime = tokio::runtime::Builder::new_multi_thread()
+        .worker_threads(2)
+        .enable_all()
+        .build()
+        .unwrap();
+    let redis = {
+        let _entered = runtime.enter();
+        EitherStore::Right(redis_store(&server))
+    };
+    let own = || EitherStore::Left(tower_quota::MemoryStore::new());
+    for seed in seeds {
+        runtime.block_on(model_case(seed, 60, trace, &redis, &own));
+    }
 }
