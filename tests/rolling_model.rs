@@ -11,6 +11,7 @@
 //! `ROLLING_MODEL_SEED` the first seed, `ROLLING_MODEL_TRACE` prints each
 //! step.
 
+mod fields;
 mod seeded;
 
 use seeded::Rng;
@@ -223,28 +224,6 @@ impl Model {
         c.used = after;
         Some(after)
     }
-}
-
-/// `RateLimit` fields: name -> (r, t).
-fn fields(headers: &HeaderMap) -> HashMap<String, (u64, u64)> {
-    let mut out = HashMap::new();
-    for value in headers.get_all("ratelimit") {
-        for item in value.to_str().unwrap().split(',') {
-            let mut parts = item.trim().split(';');
-            let name = parts.next().unwrap().trim_matches('"').to_owned();
-            let (mut r, mut t) = (None, None);
-            for p in parts {
-                if let Some(v) = p.strip_prefix("r=") {
-                    r = Some(v.parse().unwrap());
-                }
-                if let Some(v) = p.strip_prefix("t=") {
-                    t = Some(v.parse().unwrap());
-                }
-            }
-            out.insert(name, (r.unwrap(), t.unwrap()));
-        }
-    }
-    out
 }
 
 fn ceil_secs(now: Timestamp, at: Timestamp) -> u64 {
@@ -641,7 +620,7 @@ async fn run_case<St: Store + Clone>(
             }
             // What the client is told.
             if head.status == StatusCode::OK && path != "/undo" {
-                let f = fields(&head.headers);
+                let f = fields::ratelimit(&head.headers);
                 for (q, _, _) in &charged {
                     let name = QS[*q].name();
                     let c = seen[q];

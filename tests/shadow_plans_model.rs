@@ -10,6 +10,7 @@
 
 #![cfg(feature = "metrics")]
 
+mod fields;
 mod seeded;
 
 use seeded::Rng;
@@ -229,23 +230,6 @@ async fn handler(headers: HeaderMap) -> (StatusCode, [(&'static str, String); 1]
         .map(|v| v.to_str().unwrap().to_owned())
         .unwrap_or_else(|| "1".to_owned());
     (status, [("x-tokens-used", tokens)])
-}
-
-/// The `r` of each quota named in the response's RateLimit fields.
-fn remaining(headers: &HeaderMap) -> HashMap<String, u64> {
-    let mut out = HashMap::new();
-    for value in headers.get_all("ratelimit") {
-        for item in value.to_str().unwrap().split(',') {
-            let mut parts = item.trim().split(';');
-            let name = parts.next().unwrap().trim_matches('"').to_owned();
-            for p in parts {
-                if let Some(r) = p.strip_prefix("r=") {
-                    out.insert(name.clone(), r.parse().unwrap());
-                }
-            }
-        }
-    }
-    out
 }
 
 struct App<St: Store> {
@@ -490,7 +474,7 @@ async fn run_case<St: Store + Clone>(
                         }
                     }
                     if status == StatusCode::OK {
-                        let r = remaining(response.headers());
+                        let r = fields::remaining(response.headers());
                         for q in &charged {
                             if q.name.starts_with("tokens") {
                                 continue;
