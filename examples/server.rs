@@ -6,6 +6,7 @@
 //!     --anchor calendar [--tz UTC] [--subject account|user|device] [--store memory] \
 //!     [--on-store-error open|closed] [--quota on|off|fields|governor] [--burst 10] [--plans free=100,pro=10000] \
 //!     [--admin-token T | --admin-token-file PATH] [--shadow] [--metrics] [--zone-header NAME] [--lease] [--lease-idle MS]
+//!     [--store-timeout MS]
 //! ```
 //!
 //! With `--features redis`, `--store redis://127.0.0.1:6379/` keeps the
@@ -50,6 +51,10 @@
 //! writes the two `RateLimit` fields on them and counts nothing, `--quota
 //! governor` puts tower_governor's layer in front, keyed by the same header
 //! with a limit nothing reaches: the references of the benchmarks.
+//!
+//! `--store-timeout MS` sets how long a call to the store is waited for
+//! before it counts as failed (100 ms by default; above 25 with `--lease`,
+//! the longest a leased store waits on purpose before it answers).
 //!
 //! With `--lease`, the store is wrapped in a `LeasedStore`: a busy subject's
 //! requests are counted from blocks taken from the store (Redis) in one
@@ -96,7 +101,7 @@ const USAGE: &str =
     "usage: server [--listen ADDR] [--limit N] [--period 10s|1m|1h|1d|1w|1mo|Ns|Nm|Nh] \
 [--anchor calendar|first-use] [--tz ZONE] [--subject account|user|device] [--store memory|redis://HOST:PORT/|redis+unix:///PATH] \
 [--on-store-error open|closed] [--quota on|off|fields|governor] [--burst N] [--plans NAME=N,NAME=N] [--admin-token T | --admin-token-file PATH] \
-[--shadow] [--metrics] [--zone-header NAME] [--lease] [--lease-idle MS]";
+[--shadow] [--metrics] [--zone-header NAME] [--lease] [--lease-idle MS] [--store-timeout MS]";
 
 struct Options {
     listen: SocketAddr,
@@ -115,6 +120,7 @@ struct Options {
     zone_header: Option<http::HeaderName>,
     lease: bool,
     lease_idle: Duration,
+    store_timeout: Duration,
 }
 
 /// `--quota`: this crate's layer, none, the fields alone, or
@@ -211,6 +217,7 @@ fn parse_args() -> Options {
         zone_header: None,
         lease: false,
         lease_idle: Duration::from_secs(1),
+        store_timeout: Duration::from_millis(100),
     };
     let mut tz = None;
     let mut lease_idle_given = false;
@@ -266,6 +273,7 @@ fn parse_args() -> Options {
             "--admin-token",
             "--admin-token-file",
             "--zone-header",
+            "--store-timeout",
         ]
         .contains(&flag.as_str())
         {
@@ -290,6 +298,10 @@ fn parse_args() -> Options {
                     options.lease_idle = Duration::from_millis(ms);
                     lease_idle_given = true;
                 }
+            },
+            "--store-timeout" => match whole(&value()) {
+                0 => fail("--store-timeout takes a number of milliseconds above 0"),
+                ms => options.store_timeout = Duration::from_millis(ms),
             },
             "--burst" => options.burst = whole(&value()),
             "--period" => {
@@ -590,6 +602,7 @@ fn app<St: Store>(options: &Options, store: St) -> (Router, Option<QuotaPolicy<F
     let mut policy = QuotaPolicy::builder(options.subject.clone())
         .store(store)
         .on_store_error(options.on_store_error)
+        .store_timeout(Some(options.store_timeout))
         .refund_server_errors(true);
     if let Some((first, _)) = options.plans.first() {
         let first = first.clone();
@@ -784,6 +797,14 @@ async fn leased_or_not<St: Store>(options: &Options, store: St, stops: &Stops) -
         return run(options, store, stops).await;
     }
     let leased = LeasedStore::builder(store).idle(options.lease_idle).build();
+    let wait = leased.longest_wait();
+    if options.store_timeout <= wait {
+        fail(&format!(
+            "--store-timeout must be above {} ms with --lease: a leased store may wait that long \
+             before it answers",
+            wait.as_millis()
+        ));
+    }
     if run(options, leased.clone(), stops).await {
         eprintln!("stopped before the leased units went back");
         return true;

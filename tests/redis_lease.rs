@@ -414,3 +414,20 @@ async fn units_held_across_a_reset_never_go_back_to_the_new_counter() {
     );
     assert_eq!(counted(&redis, "reset-back"), 3);
 }
+
+/// `--store-timeout` no longer than what a leased store may wait on
+/// purpose before it answers is refused at start, naming that wait.
+#[test]
+fn a_leased_server_refuses_a_store_timeout_its_waits_would_pass() {
+    let redis = redis_server_or_skip!();
+    let output = std::process::Command::new(demo_server::binary())
+        .args(["--store", &redis.url(), "--lease", "--store-timeout", "25"])
+        .output()
+        .unwrap();
+    assert_eq!(output.status.code(), Some(2));
+    let stderr = String::from_utf8_lossy(&output.stderr);
+    assert!(
+        stderr.contains("--store-timeout must be above 25 ms with --lease"),
+        "{stderr}"
+    );
+}
