@@ -33,8 +33,8 @@ use proptest::test_runner::{Config, TestCaseError, TestRunner};
 use tower::ServiceExt;
 use tower_quota::store::LeasedStore;
 use tower_quota::{
-    Anchor, FromHeader, ManualClock, MemoryStore, Period, Quota, QuotaHandle, QuotaPolicy,
-    QuotaStatus, QuotaUsage, Store, Subject, UnknownPlan,
+    Anchor, FromHeader, ManualClock, MemoryStore, Quota, QuotaHandle, QuotaPolicy, QuotaStatus,
+    QuotaUsage, Store, Subject,
 };
 
 const SUBJECTS: [&str; 2] = ["acme", "globex"];
@@ -72,49 +72,16 @@ fn describe_as(entries: &[QuotaUsage], leniently: bool) -> String {
 fn app<St: Store>(store: St, clock: ManualClock) -> (Router, QuotaHandle<St>) {
     let policy = QuotaPolicy::builder(FromHeader::account("x-account-id"))
         .store(store)
-        .clock(clock)
-        .plan(|parts| Some(parts.headers.get("x-plan")?.to_str().ok()?.to_owned()))
-        .on_unknown_plan(UnknownPlan::DefaultLimits)
-        .refund_server_errors(true)
-        .build();
-    let read = policy
-        .layer(
-            Quota::daily(40)
-                .plan("free", 30)
-                .plan("pro", 60)
-                .allowance("read")
-                .named("read-day"),
-        )
-        .quota(
-            Quota::new(30, Period::minute(), Anchor::FirstUse)
-                .plan("pro", 45)
-                .allowance("read")
-                .named("read-fu"),
-        )
-        .quota(
-            Quota::hourly(25)
-                .allowance("read")
-                .named("read-shadow")
-                .shadow(),
-        );
-    let write = policy.layer(
-        Quota::new(12, Period::hour(), Anchor::FirstUse)
-            .plan("pro", 20)
-            .allowance("write")
-            .named("write-fu"),
-    );
-    let tokens = policy
-        .layer(Quota::daily(150).allowance("tokens").named("tokens-day"))
-        .deferred_cost(1, |response| {
-            response
-                .headers
-                .get("x-tokens-used")
-                .and_then(|v| v.to_str().ok()?.parse().ok())
-                .unwrap_or(1)
-        });
-    let handle = policy.handle();
-    let router = differential::routes(Router::new(), read, write, tokens, handle.clone(), describe);
-    (router, handle)
+        .clock(clock);
+    let limits = differential::Limits {
+        read_day: [40, 30, 60],
+        read_fu: [30, 45],
+        read_shadow: 25,
+        write_fu: [12, 20],
+        tokens_day: 150,
+        bulk: None,
+    };
+    differential::app(policy, &limits, describe)
 }
 
 #[derive(Clone, Copy, Debug)]

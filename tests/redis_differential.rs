@@ -55,8 +55,8 @@ use proptest::prelude::*;
 use proptest::test_runner::{Config, TestCaseError, TestRunner};
 use tower_quota::store::RedisStore;
 use tower_quota::{
-    Anchor, FromHeader, InvalidRequest, ManualClock, MemoryStore, Period, Quota, QuotaHandle,
-    QuotaPolicy, QuotaUsage, Store, Subject, UnknownPlan,
+    Anchor, FromHeader, ManualClock, MemoryStore, QuotaHandle, QuotaPolicy, QuotaUsage, Store,
+    Subject,
 };
 
 use redis_support::{redis_available, RedisServer};
@@ -146,68 +146,16 @@ fn app<St: Store>(store: St, clock: ManualClock) -> (Router, QuotaHandle<St>) {
         .clock(clock)
         // Redis on a loaded CI machine, unoptimised: no store timeout
         // should decide anything here.
-        .store_timeout(Some(Duration::from_secs(5)))
-        .plan(|parts| Some(parts.headers.get("x-plan")?.to_str().ok()?.to_owned()))
-        .on_unknown_plan(UnknownPlan::DefaultLimits)
-        .refund_server_errors(true)
-        .build();
-    let read = policy
-        .layer(
-            Quota::daily(14)
-                .plan("free", 9)
-                .plan("pro", 20)
-                .allowance("read")
-                .named("read-day"),
-        )
-        .quota(
-            Quota::new(7, Period::minute(), Anchor::FirstUse)
-                .plan("pro", 11)
-                .allowance("read")
-                .named("read-fu"),
-        )
-        .quota(
-            Quota::hourly(6)
-                .allowance("read")
-                .named("read-shadow")
-                .shadow(),
-        );
-    let write = policy.layer(
-        Quota::new(4, Period::hour(), Anchor::FirstUse)
-            .plan("pro", 6)
-            .allowance("write")
-            .named("write-fu"),
-    );
-    let tokens = policy
-        .layer(Quota::daily(30).allowance("tokens").named("tokens-day"))
-        .deferred_cost(1, |response| {
-            response
-                .headers
-                .get("x-tokens-used")
-                .and_then(|v| v.to_str().ok()?.parse().ok())
-                .unwrap_or(1)
-        });
-    // A cost from the request (0 too, and more than a whole period allows).
-    let bulk = policy
-        .layer(
-            Quota::new(10, Period::hour(), Anchor::FirstUse)
-                .plan("pro", 16)
-                .allowance("bulk")
-                .named("bulk-fu"),
-        )
-        .quota(Quota::daily(18).allowance("bulk").named("bulk-day"))
-        .cost_fn(|parts| {
-            Ok::<_, InvalidRequest>(
-                parts
-                    .headers
-                    .get("x-units")
-                    .and_then(|v| v.to_str().ok()?.parse().ok())
-                    .unwrap_or(1),
-            )
-        });
-    let handle = policy.handle();
-    let bulk = Router::new().route("/bulk", differential::entries(describe).route_layer(bulk));
-    let router = differential::routes(bulk, read, write, tokens, handle.clone(), describe);
-    (router, handle)
+        .store_timeout(Some(Duration::from_secs(5)));
+    let limits = differential::Limits {
+        read_day: [14, 9, 20],
+        read_fu: [7, 11],
+        read_shadow: 6,
+        write_fu: [4, 6],
+        tokens_day: 30,
+        bulk: Some(([10, 16], 18)),
+    };
+    differential::app(policy, &limits, describe)
 }
 
 #[derive(Clone, Copy, Debug)]

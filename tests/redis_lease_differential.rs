@@ -59,8 +59,7 @@ use proptest::prelude::*;
 use proptest::test_runner::{Config, TestCaseError, TestRunner};
 use tower_quota::store::{LeasedStore, RedisStore};
 use tower_quota::{
-    Anchor, FromHeader, InvalidRequest, ManualClock, Period, Quota, QuotaHandle, QuotaPolicy,
-    QuotaUsage, Store, Subject, UnknownPlan,
+    Anchor, FromHeader, ManualClock, QuotaHandle, QuotaPolicy, QuotaUsage, Store, Subject,
 };
 
 use redis_support::{redis_available, RedisCluster, RedisServer};
@@ -123,67 +122,16 @@ fn app<St: Store>(store: St, clock: ManualClock, namespace: &str) -> (Router, Qu
         .clock(clock)
         .namespace(namespace)
         // The runtime's time stands still during a request.
-        .store_timeout(Some(Duration::from_secs(5)))
-        .plan(|parts| Some(parts.headers.get("x-plan")?.to_str().ok()?.to_owned()))
-        .on_unknown_plan(UnknownPlan::DefaultLimits)
-        .refund_server_errors(true)
-        .build();
-    let read = policy
-        .layer(
-            Quota::daily(20)
-                .plan("free", 12)
-                .plan("pro", 30)
-                .allowance("read")
-                .named("read-day"),
-        )
-        .quota(
-            Quota::new(12, Period::minute(), Anchor::FirstUse)
-                .plan("pro", 18)
-                .allowance("read")
-                .named("read-fu"),
-        )
-        .quota(
-            Quota::hourly(10)
-                .allowance("read")
-                .named("read-shadow")
-                .shadow(),
-        );
-    let write = policy.layer(
-        Quota::new(6, Period::hour(), Anchor::FirstUse)
-            .plan("pro", 9)
-            .allowance("write")
-            .named("write-fu"),
-    );
-    let tokens = policy
-        .layer(Quota::daily(40).allowance("tokens").named("tokens-day"))
-        .deferred_cost(1, |response| {
-            response
-                .headers
-                .get("x-tokens-used")
-                .and_then(|v| v.to_str().ok()?.parse().ok())
-                .unwrap_or(1)
-        });
-    let bulk = policy
-        .layer(
-            Quota::new(14, Period::hour(), Anchor::FirstUse)
-                .plan("pro", 20)
-                .allowance("bulk")
-                .named("bulk-fu"),
-        )
-        .quota(Quota::daily(24).allowance("bulk").named("bulk-day"))
-        .cost_fn(|parts| {
-            Ok::<_, InvalidRequest>(
-                parts
-                    .headers
-                    .get("x-units")
-                    .and_then(|v| v.to_str().ok()?.parse().ok())
-                    .unwrap_or(1),
-            )
-        });
-    let handle = policy.handle();
-    let bulk = Router::new().route("/bulk", differential::entries(describe).route_layer(bulk));
-    let router = differential::routes(bulk, read, write, tokens, handle.clone(), describe);
-    (router, handle)
+        .store_timeout(Some(Duration::from_secs(5)));
+    let limits = differential::Limits {
+        read_day: [20, 12, 30],
+        read_fu: [12, 18],
+        read_shadow: 10,
+        write_fu: [6, 9],
+        tokens_day: 40,
+        bulk: Some(([14, 20], 24)),
+    };
+    differential::app(policy, &limits, describe)
 }
 
 #[derive(Clone, Copy, Debug)]

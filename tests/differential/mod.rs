@@ -10,7 +10,10 @@ use http::{HeaderMap, Request, StatusCode};
 use http_body_util::BodyExt;
 use proptest::prelude::*;
 use tower::ServiceExt;
-use tower_quota::{FromHeader, QuotaHandle, QuotaLayer, QuotaStatus, QuotaUsage, Store};
+use tower_quota::{
+    Anchor, FromHeader, InvalidRequest, Period, Quota, QuotaHandle, QuotaLayer, QuotaPolicyBuilder,
+    QuotaStatus, QuotaUsage, Store, UnknownPlan,
+};
 
 /// How a test writes a request's entries.
 pub type Describe = fn(&[QuotaUsage]) -> String;
@@ -78,6 +81,109 @@ pub fn routes<St: Store>(
             .route_layer(tokens),
         )
         .with_state(handle)
+}
+
+/// The limits of a differential app's quotas: each test sizes them to
+/// what its scripts reach.
+pub struct Limits {
+    /// `read-day`: its own, `free`'s and `pro`'s.
+    pub read_day: [u64; 3],
+    /// `read-fu` (first use, a minute): its own and `pro`'s.
+    pub read_fu: [u64; 2],
+    /// `read-shadow` (hourly, never enforced).
+    pub read_shadow: u64,
+    /// `write-fu` (first use, an hour): its own and `pro`'s.
+    pub write_fu: [u64; 2],
+    /// `tokens-day` (a deferred cost).
+    pub tokens_day: u64,
+    /// `/bulk`, if served (a cost the request asks for in `x-units`):
+    /// `bulk-fu`'s own and `pro`'s (first use, an hour), and `bulk-day`.
+    pub bulk: Option<([u64; 2], u64)>,
+}
+
+/// The app every differential test serves on each side: `policy` (its
+/// store, clock and namespace set by the test) with plans from `x-plan`
+/// (unknown ones on the quotas' own limits) and 5xx refunded, `read`,
+/// `write` and `tokens` quotas of `limits` on [`routes`], and `/bulk` if
+/// `limits` has it.
+pub fn app<St: Store>(
+    policy: QuotaPolicyBuilder<FromHeader, St>,
+    limits: &Limits,
+    describe: Describe,
+) -> (Router, QuotaHandle<St>) {
+    let policy = policy
+        .plan(|parts| Some(parts.headers.get("x-plan")?.to_str().ok()?.to_owned()))
+        .on_unknown_plan(UnknownPlan::DefaultLimits)
+        .refund_server_errors(true)
+        .build();
+    let [day, free, pro] = limits.read_day;
+    let read = policy
+        .layer(
+            Quota::daily(day)
+                .plan("free", free)
+                .plan("pro", pro)
+                .allowance("read")
+                .named("read-day"),
+        )
+        .quota(
+            Quota::new(limits.read_fu[0], Period::minute(), Anchor::FirstUse)
+                .plan("pro", limits.read_fu[1])
+                .allowance("read")
+                .named("read-fu"),
+        )
+        .quota(
+            Quota::hourly(limits.read_shadow)
+                .allowance("read")
+                .named("read-shadow")
+                .shadow(),
+        );
+    let write = policy.layer(
+        Quota::new(limits.write_fu[0], Period::hour(), Anchor::FirstUse)
+            .plan("pro", limits.write_fu[1])
+            .allowance("write")
+            .named("write-fu"),
+    );
+    let tokens = policy
+        .layer(
+            Quota::daily(limits.tokens_day)
+                .allowance("tokens")
+                .named("tokens-day"),
+        )
+        .deferred_cost(1, |response| {
+            response
+                .headers
+                .get("x-tokens-used")
+                .and_then(|v| v.to_str().ok()?.parse().ok())
+                .unwrap_or(1)
+        });
+    let handle = policy.handle();
+    let base = match limits.bulk {
+        None => Router::new(),
+        Some(([fu, fu_pro], day)) => {
+            // A cost from the request (0 too, and more than a whole period
+            // allows).
+            let bulk = policy
+                .layer(
+                    Quota::new(fu, Period::hour(), Anchor::FirstUse)
+                        .plan("pro", fu_pro)
+                        .allowance("bulk")
+                        .named("bulk-fu"),
+                )
+                .quota(Quota::daily(day).allowance("bulk").named("bulk-day"))
+                .cost_fn(|parts| {
+                    Ok::<_, InvalidRequest>(
+                        parts
+                            .headers
+                            .get("x-units")
+                            .and_then(|v| v.to_str().ok()?.parse().ok())
+                            .unwrap_or(1),
+                    )
+                });
+            Router::new().route("/bulk", entries(describe).route_layer(bulk))
+        }
+    };
+    let router = routes(base, read, write, tokens, handle.clone(), describe);
+    (router, handle)
 }
 
 /// A request of a script, by the route it asks.
