@@ -101,8 +101,8 @@ pub use crate::ledger::Owed;
 pub use crate::middleware::{QuotaLayer, QuotaService, ResponseFuture};
 pub use crate::period::{Anchor, Clock, ManualClock, Period, SystemClock, Window};
 pub use crate::policy::{
-    zone_from_header, InvalidRequest, OnStoreError, QuotaPolicy, QuotaPolicyBuilder, SubjectPolicy,
-    UnknownPlan,
+    zone_from_header, CallerInfo, InvalidRequest, OnStoreError, QuotaPolicy, QuotaPolicyBuilder,
+    SubjectPolicy, UnknownPlan,
 };
 pub use crate::quota::{Quota, DEFAULT_ALLOWANCE};
 #[cfg(feature = "axum")]

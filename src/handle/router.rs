@@ -10,6 +10,7 @@ use http::{StatusCode, Uri};
 use serde_json::json;
 
 use super::{QuotaHandle, StandingError};
+use crate::policy::CallerInfo;
 use crate::response;
 use crate::status::QuotaUsage;
 use crate::store::Store;
@@ -41,6 +42,14 @@ impl<St: Store> QuotaHandle<St> {
     ///   caller's zone answers it 400: no layer writes such counters. (A
     ///   caller the policy counts in a fixed offset, not an IANA zone, is
     ///   reached through [`QuotaHandle::in_zone`] instead.)
+    /// - A call that names no `?plan=` (or no `?zone=`) is answered on the
+    ///   plan (in the zone) the policy's
+    ///   [`caller_info`](crate::QuotaPolicyBuilder::caller_info) gives for
+    ///   the subject, if the policy has one (503 when it fails, 500 when it
+    ///   gives a plan the policy refuses or a zone no key can name, nothing
+    ///   changed either way); otherwise on the quotas' own limits and in
+    ///   their own zones, which are not the counters of a customer counted
+    ///   on a plan or in a zone of its own.
     /// - `{id}` names the subject as a request sends it, percent-encoded,
     ///   and reaches the counter the layers charge it to
     ///   ([`QuotaHandle::subject`]): for `ClientIp`, an address or a
@@ -113,78 +122,101 @@ async fn show<St: Store>(
     uri: Uri,
     RawQuery(query): RawQuery,
 ) -> Response {
-    let Target {
-        subject, handle, ..
-    } = match target(&handle, &uri, query.as_deref()) {
-        Ok(target) => target,
+    let subject = match target(&handle, &uri) {
+        Ok((subject, _)) => subject,
         Err(response) => return response,
     };
-    let plan = match planned(&handle, query.as_deref()) {
-        Ok(plan) => plan,
+    let (handle, plan) = match caller(&handle, &subject, query.as_deref()).await {
+        Ok(caller) => caller,
         Err(response) => return response,
     };
     standing(&handle, &subject, plan.as_deref()).await
 }
 
-/// What a support path names: its subject, its allowance if the route has
-/// one, and the handle to answer with, in the zone `?zone=` names.
-struct Target<St> {
-    subject: Subject,
-    allowance: Option<String>,
-    handle: QuotaHandle<St>,
-}
-
-/// The [`Target`] of `uri` and `query`, or the problem document that says
-/// what is wrong with them.
+/// What a support path names: its subject, and its allowance if the route
+/// has one; or the problem document that says what is wrong with it.
 #[allow(clippy::result_large_err)]
-fn target<St>(
-    handle: &QuotaHandle<St>,
-    uri: &Uri,
-    query: Option<&str>,
-) -> Result<Target<St>, Response> {
+fn target<St>(handle: &QuotaHandle<St>, uri: &Uri) -> Result<(Subject, Option<String>), Response> {
     let (kind, id, allowance) = segments(uri)?;
     let subject = subject(handle, &kind, &id)?;
-    let handle = zoned(handle, query)?;
-    Ok(Target {
-        subject,
-        allowance,
-        handle,
-    })
+    Ok((subject, allowance))
 }
 
-/// The [`Target`] of a route that names an allowance: its subject, the
-/// allowance, and the handle.
+/// What the path of a route that names an allowance names: its subject and
+/// the allowance.
 #[allow(clippy::result_large_err)]
 fn allowance_target<St>(
     handle: &QuotaHandle<St>,
     uri: &Uri,
-    query: Option<&str>,
-) -> Result<(Subject, String, QuotaHandle<St>), Response> {
-    let Target {
-        subject,
-        allowance,
-        handle,
-    } = target(handle, uri, query)?;
+) -> Result<(Subject, String), Response> {
+    let (subject, allowance) = target(handle, uri)?;
     let allowance = allowance.ok_or_else(no_route)?;
-    Ok((subject, allowance, handle))
+    Ok((subject, allowance))
 }
 
-/// The plan `?plan=` names, as the layers read it (see
-/// `QuotaHandle::known_plan`).
+/// The handle (in the caller's zone) and the plan a call on `subject`
+/// answers with: those `?zone=` and `?plan=` name, as the layers read
+/// them; for one not named, what the policy's
+/// [`caller_info`](crate::QuotaPolicyBuilder::caller_info) gives for the
+/// subject, if it has one; otherwise the quotas' own zones and limits.
 #[allow(clippy::result_large_err)]
-fn planned<St>(handle: &QuotaHandle<St>, query: Option<&str>) -> Result<Option<String>, Response> {
-    handle
-        .known_plan(param(query, "plan")?)
-        .map_err(IntoResponse::into_response)
-}
-
-/// The handle in the caller's zone that `?zone=` names (an IANA name), or
-/// as it is.
-#[allow(clippy::result_large_err)]
-fn zoned<St>(handle: &QuotaHandle<St>, query: Option<&str>) -> Result<QuotaHandle<St>, Response> {
-    let Some(name) = param(query, "zone")? else {
-        return Ok(handle.clone());
+async fn caller<St>(
+    handle: &QuotaHandle<St>,
+    subject: &Subject,
+    query: Option<&str>,
+) -> Result<(QuotaHandle<St>, Option<String>), Response> {
+    let zone = param(query, "zone")?;
+    let plan = param(query, "plan")?;
+    let info = match &handle.settings().caller_info {
+        Some(info) if zone.is_none() || plan.is_none() => match info(subject).await {
+            Ok(info) => info,
+            Err(error) => {
+                tracing::warn!(
+                    subject.kind = %subject.kind(),
+                    subject.hash = %subject.log_hash(),
+                    %error,
+                    "the policy's caller info failed: support changed nothing"
+                );
+                return Err(problem(
+                    StatusCode::SERVICE_UNAVAILABLE,
+                    "the caller's plan and zone could not be read; nothing was changed",
+                ));
+            }
+        },
+        _ => CallerInfo::default(),
     };
+    let handle = match (zone, info.zone) {
+        (Some(name), _) => zoned(handle, &name)?,
+        (None, Some(zone)) if handle.reads_caller_zones() => {
+            if !crate::period::is_nameable(&zone) {
+                return Err(problem(
+                    StatusCode::INTERNAL_SERVER_ERROR,
+                    "the caller info gives a zone no key can name (neither of the IANA list \
+                     nor a fixed offset); nothing was changed",
+                ));
+            }
+            handle.in_zone(zone)
+        }
+        (None, _) => handle.clone(),
+    };
+    let plan = match (plan, info.plan) {
+        (Some(plan), _) => handle
+            .known_plan(Some(plan))
+            .map_err(IntoResponse::into_response)?,
+        (None, Some(plan)) => handle.known_plan(Some(plan)).map_err(|_| {
+            problem(
+                StatusCode::INTERNAL_SERVER_ERROR,
+                "the caller info gives a plan this policy refuses; nothing was changed",
+            )
+        })?,
+        (None, None) => None,
+    };
+    Ok((handle, plan))
+}
+
+/// The handle in the caller's zone that `?zone=` names (an IANA name).
+#[allow(clippy::result_large_err)]
+fn zoned<St>(handle: &QuotaHandle<St>, name: &str) -> Result<QuotaHandle<St>, Response> {
     if !handle.reads_caller_zones() {
         // Its counters would be ones no layer writes: a reset or refund
         // there would change nothing the caller sees.
@@ -193,7 +225,7 @@ fn zoned<St>(handle: &QuotaHandle<St>, query: Option<&str>) -> Result<QuotaHandl
             "?zone= names a caller's zone, and this policy counts every caller in its quotas' own zones",
         ));
     }
-    match jiff::tz::TimeZone::get(&name) {
+    match jiff::tz::TimeZone::get(name) {
         Ok(zone) if crate::period::is_nameable(&zone) => Ok(handle.in_zone(zone)),
         _ => Err(problem(
             StatusCode::BAD_REQUEST,
@@ -207,13 +239,13 @@ async fn reset<St: Store>(
     uri: Uri,
     RawQuery(query): RawQuery,
 ) -> Response {
-    let (subject, allowance, handle) = match allowance_target(&handle, &uri, query.as_deref()) {
+    let (subject, allowance) = match allowance_target(&handle, &uri) {
         Ok(target) => target,
         Err(response) => return response,
     };
     // Checked before anything is written: a refused plan changes nothing.
-    let plan = match planned(&handle, query.as_deref()) {
-        Ok(plan) => plan,
+    let (handle, plan) = match caller(&handle, &subject, query.as_deref()).await {
+        Ok(caller) => caller,
         Err(response) => return response,
     };
     match handle.reset_allowance(&subject, &allowance).await {
@@ -236,7 +268,7 @@ async fn refund<St: Store>(
     uri: Uri,
     RawQuery(query): RawQuery,
 ) -> Response {
-    let (subject, allowance, handle) = match allowance_target(&handle, &uri, query.as_deref()) {
+    let (subject, allowance) = match allowance_target(&handle, &uri) {
         Ok(target) => target,
         Err(response) => return response,
     };
@@ -248,8 +280,8 @@ async fn refund<St: Store>(
         return problem(StatusCode::BAD_REQUEST, "send ?amount=N, a whole number");
     };
     // Checked before anything is written: a refused plan changes nothing.
-    let plan = match planned(&handle, query.as_deref()) {
-        Ok(plan) => plan,
+    let (handle, plan) = match caller(&handle, &subject, query.as_deref()).await {
+        Ok(caller) => caller,
         Err(response) => return response,
     };
     if !handle

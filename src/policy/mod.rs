@@ -19,9 +19,10 @@ use crate::period::Clock;
 use crate::quota::Quota;
 use crate::response::Refusal;
 use crate::store::{MemoryStore, Store};
+use crate::subject::Subject;
 
 pub(crate) use self::settings::Settings;
-pub use self::settings::{InvalidRequest, OnStoreError, SubjectPolicy, UnknownPlan};
+pub use self::settings::{CallerInfo, InvalidRequest, OnStoreError, SubjectPolicy, UnknownPlan};
 
 /// A reader of each caller's time zone, for
 /// [`QuotaPolicyBuilder::time_zone`], from the request header `name`
@@ -726,6 +727,58 @@ impl<E, St> QuotaPolicyBuilder<E, St> {
         F: Fn(&Parts) -> Result<Option<TimeZone>, InvalidRequest> + Send + Sync + 'static,
     {
         self.settings.zone = Some(Arc::new(zone));
+        self
+    }
+
+    /// What the application knows of a caller's plan and zone outside its
+    /// requests, for the [support router](crate::QuotaHandle::router): a
+    /// call that names no `?plan=` (`?zone=`) is answered on the plan (in
+    /// the zone) `info` gives for its subject, so that support staff reach
+    /// the counters a customer with a plan or zone of its own is charged
+    /// on without knowing either. Read from the same data as the policy's
+    /// [`plan`](Self::plan) and [`time_zone`](Self::time_zone) readers (the
+    /// account's settings). A zone is used only by a policy that reads
+    /// callers' zones.
+    ///
+    /// When `info` fails, the router answers 503 and changes nothing; when
+    /// it gives a plan the policy refuses ([`UnknownPlan::Reject`]) or a
+    /// zone no key can name (neither of the IANA list nor a fixed offset),
+    /// 500. Without it, such a call is answered on the quotas' own limits
+    /// and zones.
+    ///
+    /// ```
+    /// use std::collections::HashMap;
+    /// use std::sync::Arc;
+    /// use tower_quota::jiff::tz::TimeZone;
+    /// use tower_quota::{CallerInfo, FromHeader, QuotaPolicy};
+    ///
+    /// // The application's accounts: a plan and a zone each.
+    /// let accounts: Arc<HashMap<Vec<u8>, (String, TimeZone)>> = Arc::default();
+    /// let policy = QuotaPolicy::builder(FromHeader::account("x-account-id"))
+    ///     .caller_info(move |subject| {
+    ///         let account = accounts.get(subject.id()).cloned();
+    ///         async move {
+    ///             Ok(match account {
+    ///                 Some((plan, zone)) => CallerInfo::new().plan(plan).zone(zone),
+    ///                 None => CallerInfo::new(),
+    ///             })
+    ///         }
+    ///     })
+    ///     .build();
+    /// # let _ = policy;
+    /// ```
+    pub fn caller_info<F, Fut>(mut self, info: F) -> Self
+    where
+        F: Fn(&Subject) -> Fut + Send + Sync + 'static,
+        Fut: std::future::Future<
+                Output = Result<CallerInfo, Box<dyn std::error::Error + Send + Sync>>,
+            > + Send
+            + 'static,
+    {
+        self.settings.caller_info = Some(Arc::new(move |subject: &Subject| {
+            Box::pin(info(subject))
+                as std::pin::Pin<Box<dyn std::future::Future<Output = _> + Send>>
+        }));
         self
     }
 

@@ -2,6 +2,8 @@
 
 use std::borrow::Cow;
 use std::fmt;
+use std::future::Future;
+use std::pin::Pin;
 use std::sync::Arc;
 use std::time::Duration;
 
@@ -13,6 +15,7 @@ use crate::key::Namespace;
 use crate::ledger::Terms;
 use crate::period::{Clock, SystemClock};
 use crate::response::Refusal;
+use crate::subject::Subject;
 
 /// What to do with a request whose subject is missing or malformed.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -93,6 +96,44 @@ pub(crate) type SkipFn = dyn Fn(&Parts) -> bool + Send + Sync;
 pub(crate) type PlanFn = dyn Fn(&Parts) -> Option<String> + Send + Sync;
 pub(crate) type ZoneFn = dyn Fn(&Parts) -> Result<Option<TimeZone>, InvalidRequest> + Send + Sync;
 pub(crate) type RefusalFn = dyn Fn(&Refusal) -> http::Response<bytes::Bytes> + Send + Sync;
+pub(crate) type CallerInfoFn = dyn Fn(&Subject) -> Pin<Box<dyn Future<Output = Result<CallerInfo, BoxError>> + Send>>
+    + Send
+    + Sync;
+
+type BoxError = Box<dyn std::error::Error + Send + Sync>;
+
+/// What the application knows of a caller outside its requests: the plan
+/// and the calendar zone the policy's readers
+/// ([`plan`](crate::QuotaPolicyBuilder::plan),
+/// [`time_zone`](crate::QuotaPolicyBuilder::time_zone)) find in its
+/// requests. The support router reads it
+/// ([`QuotaPolicyBuilder::caller_info`](crate::QuotaPolicyBuilder::caller_info))
+/// for a call that names no `?plan=` or `?zone=`.
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
+pub struct CallerInfo {
+    pub(crate) plan: Option<String>,
+    pub(crate) zone: Option<TimeZone>,
+}
+
+impl CallerInfo {
+    /// A caller on the quotas' own limits, in their own zones.
+    pub fn new() -> Self {
+        Self::default()
+    }
+
+    /// The caller's plan, as the policy's plan reader finds it.
+    pub fn plan(mut self, plan: impl Into<String>) -> Self {
+        self.plan = Some(plan.into());
+        self
+    }
+
+    /// The caller's own calendar zone, as the policy's zone reader finds
+    /// it.
+    pub fn zone(mut self, zone: TimeZone) -> Self {
+        self.zone = Some(zone);
+        self
+    }
+}
 
 /// Every setting of a policy, in one place.
 #[derive(Clone)]
@@ -115,6 +156,9 @@ pub(crate) struct Settings {
     pub(crate) zone: Option<Arc<ZoneFn>>,
     pub(crate) refund_server_errors: bool,
     pub(crate) refusal: Option<Arc<RefusalFn>>,
+    /// What the application knows of a caller's plan and zone, for the
+    /// support router.
+    pub(crate) caller_info: Option<Arc<CallerInfoFn>>,
     /// The most counters the policy's ledger owes at once; 0: the ledger
     /// is off (a request that passes on a failed charge goes uncounted).
     pub(crate) max_owed: usize,
@@ -140,6 +184,7 @@ impl Default for Settings {
             zone: None,
             refund_server_errors: false,
             refusal: None,
+            caller_info: None,
             max_owed: crate::ledger::DEFAULT_MAX_OWED,
         }
     }
@@ -190,6 +235,7 @@ impl fmt::Debug for Settings {
             .field("plans", &self.plan.is_some())
             .field("unknown_plan", &self.unknown_plan)
             .field("time_zone_per_caller", &self.zone.is_some())
+            .field("caller_info", &self.caller_info.is_some())
             .field("refund_server_errors", &self.refund_server_errors)
             .field("max_owed_counters", &self.max_owed)
             .finish_non_exhaustive()

@@ -1,0 +1,310 @@
+//! The support router on a customer counted on a plan and in a zone of
+//! its own: what the policy's `caller_info` gives for the subject stands in
+//! for the `?plan=` and `?zone=` a call does not name, so support staff
+//! reach the counters the layers charge without knowing either.
+
+use std::collections::HashMap;
+use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::Arc;
+
+use axum::body::Body;
+use axum::routing::get;
+use axum::Router;
+use http::{Request, Response, StatusCode};
+use tower::ServiceExt;
+use tower_quota::jiff::tz::TimeZone;
+use tower_quota::jiff::Timestamp;
+use tower_quota::{
+    CallerInfo, FromHeader, ManualClock, Quota, QuotaPolicy, QuotaPolicyBuilder, UnknownPlan,
+};
+
+/// An account's settings, as the application keeps them.
+#[derive(Clone)]
+struct Account {
+    plan: &'static str,
+    zone: &'static str,
+}
+
+fn accounts() -> HashMap<&'static str, Account> {
+    HashMap::from([
+        (
+            "tokyo-co",
+            Account {
+                plan: "pro",
+                zone: "Asia/Tokyo",
+            },
+        ),
+        (
+            "posix-co",
+            Account {
+                plan: "free",
+                zone: "EST5EDT,M3.2.0,M11.1.0",
+            },
+        ),
+        (
+            "gold-co",
+            Account {
+                plan: "gold",
+                zone: "UTC",
+            },
+        ),
+    ])
+}
+
+/// A zone by name, or a POSIX TZ string.
+fn zone(name: &str) -> TimeZone {
+    TimeZone::get(name).unwrap_or_else(|_| TimeZone::posix(name).unwrap())
+}
+
+/// A policy whose layers read each account's plan and zone from its
+/// settings (found by the `x-account-id` header, as an authentication
+/// layer would), with `info` telling support the same.
+fn policy(clock: &ManualClock) -> QuotaPolicyBuilder<FromHeader> {
+    let (by_plan, by_zone) = (accounts(), accounts());
+    QuotaPolicy::builder(FromHeader::account("x-account-id"))
+        .clock(clock.clone())
+        .plan(move |parts| {
+            let id = parts.headers.get("x-account-id")?.to_str().ok()?;
+            Some(by_plan.get(id)?.plan.to_owned())
+        })
+        .plans(["free", "pro"])
+        .on_unknown_plan(UnknownPlan::Reject)
+        .time_zone(move |parts| {
+            let id = parts
+                .headers
+                .get("x-account-id")
+                .and_then(|v| v.to_str().ok());
+            Ok(id.and_then(|id| by_zone.get(id)).map(|a| zone(a.zone)))
+        })
+}
+
+/// `info` from the accounts' settings, counting its calls; an account
+/// named `down` fails.
+fn with_info(
+    builder: QuotaPolicyBuilder<FromHeader>,
+    calls: &Arc<AtomicUsize>,
+) -> QuotaPolicy<FromHeader> {
+    let (accounts, calls) = (accounts(), Arc::clone(calls));
+    builder
+        .caller_info(move |subject| {
+            calls.fetch_add(1, Ordering::Relaxed);
+            let id = String::from_utf8_lossy(subject.id()).into_owned();
+            let account = accounts.get(id.as_str()).cloned();
+            async move {
+                if id == "down" {
+                    return Err("the accounts database is away".into());
+                }
+                Ok(match account {
+                    Some(account) => CallerInfo::new()
+                        .plan(account.plan)
+                        .zone(zone(account.zone)),
+                    None => CallerInfo::new(),
+                })
+            }
+        })
+        .build()
+}
+
+fn app(policy: &QuotaPolicy<FromHeader>) -> Router {
+    Router::new()
+        .route("/read", get(|| async { "read" }))
+        .route_layer(policy.layer(Quota::daily(2).plan("pro", 3).allowance("read")))
+        .nest("/admin", policy.handle().router())
+}
+
+async fn send(app: &Router, method: &str, uri: &str, account: Option<&str>) -> Response<Body> {
+    let mut request = Request::builder().method(method).uri(uri);
+    if let Some(account) = account {
+        request = request.header("x-account-id", account);
+    }
+    app.clone()
+        .oneshot(request.body(Body::empty()).unwrap())
+        .await
+        .unwrap()
+}
+
+async fn json(response: Response<Body>) -> (StatusCode, serde_json::Value) {
+    let status = response.status();
+    let body = axum::body::to_bytes(response.into_body(), 1 << 16)
+        .await
+        .unwrap();
+    (status, serde_json::from_slice(&body).unwrap())
+}
+
+/// 10:00 UTC: 19:00 in Tokyo, whose day is not UTC's.
+fn clock() -> ManualClock {
+    ManualClock::new("2026-12-02T10:00:00Z".parse::<Timestamp>().unwrap())
+}
+
+#[tokio::test]
+async fn support_reads_and_resets_a_customers_own_counters_without_naming_them() {
+    let clock = clock();
+    let calls = Arc::new(AtomicUsize::new(0));
+    let app = app(&with_info(policy(&clock), &calls));
+    for _ in 0..3 {
+        let served = send(&app, "GET", "/read", Some("tokyo-co")).await;
+        assert_eq!(served.status(), StatusCode::OK);
+    }
+    assert_eq!(
+        send(&app, "GET", "/read", Some("tokyo-co")).await.status(),
+        StatusCode::TOO_MANY_REQUESTS
+    );
+
+    // Its plan's limit, its zone's counter.
+    let (status, shown) =
+        json(send(&app, "GET", "/admin/quota/account/tokyo-co", None).await).await;
+    assert_eq!(status, StatusCode::OK, "{shown}");
+    let read = &shown["allowances"][0];
+    assert_eq!(
+        (read["limit"].as_u64(), read["used"].as_u64()),
+        (Some(3), Some(3)),
+        "{shown}"
+    );
+    assert!(
+        read["reset"].as_str().unwrap().contains("Asia/Tokyo"),
+        "{shown}"
+    );
+
+    // A reset reaches the counter the customer is refused on.
+    let (status, reset) =
+        json(send(&app, "POST", "/admin/reset/account/tokyo-co/read", None).await).await;
+    assert_eq!(status, StatusCode::OK, "{reset}");
+    assert_eq!(reset["allowances"][0]["used"], 0, "{reset}");
+    assert_eq!(
+        send(&app, "GET", "/read", Some("tokyo-co")).await.status(),
+        StatusCode::OK
+    );
+
+    // A refund too.
+    let (status, refunded) = json(
+        send(
+            &app,
+            "POST",
+            "/admin/refund/account/tokyo-co/read?amount=1",
+            None,
+        )
+        .await,
+    )
+    .await;
+    assert_eq!(status, StatusCode::OK, "{refunded}");
+    assert_eq!(refunded["allowances"][0]["used"], 0, "{refunded}");
+    assert_eq!(calls.load(Ordering::Relaxed), 3);
+
+    // A customer the application does not know: the quotas' own.
+    let (status, unknown) =
+        json(send(&app, "GET", "/admin/quota/account/nobody", None).await).await;
+    assert_eq!(status, StatusCode::OK);
+    assert_eq!(unknown["allowances"][0]["limit"], 2, "{unknown}");
+    assert!(unknown["allowances"][0]["reset"]
+        .as_str()
+        .unwrap()
+        .contains("UTC"));
+}
+
+#[tokio::test]
+async fn what_a_call_names_stands_over_the_caller_info() {
+    let clock = clock();
+    let calls = Arc::new(AtomicUsize::new(0));
+    let app = app(&with_info(policy(&clock), &calls));
+    for _ in 0..2 {
+        assert_eq!(
+            send(&app, "GET", "/read", Some("tokyo-co")).await.status(),
+            StatusCode::OK
+        );
+    }
+    // Both named: the info is not asked.
+    let (_, utc) = json(
+        send(
+            &app,
+            "GET",
+            "/admin/quota/account/tokyo-co?zone=UTC&plan=free",
+            None,
+        )
+        .await,
+    )
+    .await;
+    assert_eq!(utc["allowances"][0]["used"], 0, "{utc}");
+    assert_eq!(utc["allowances"][0]["limit"], 2, "{utc}");
+    assert_eq!(calls.load(Ordering::Relaxed), 0);
+    // One named: the info gives the other.
+    let (_, free) =
+        json(send(&app, "GET", "/admin/quota/account/tokyo-co?plan=free", None).await).await;
+    assert_eq!(free["allowances"][0]["used"], 2, "{free}");
+    assert_eq!(free["allowances"][0]["limit"], 2, "{free}");
+    let (_, zoned) =
+        json(send(&app, "GET", "/admin/quota/account/tokyo-co?zone=UTC", None).await).await;
+    assert_eq!(zoned["allowances"][0]["used"], 0, "{zoned}");
+    assert_eq!(zoned["allowances"][0]["limit"], 3, "{zoned}");
+    assert_eq!(calls.load(Ordering::Relaxed), 2);
+}
+
+#[tokio::test]
+async fn caller_info_that_fails_or_names_what_no_layer_charges_changes_nothing() {
+    let clock = clock();
+    let calls = Arc::new(AtomicUsize::new(0));
+    let app = app(&with_info(policy(&clock), &calls));
+    for (account, status) in [
+        ("down", StatusCode::SERVICE_UNAVAILABLE),
+        // A POSIX TZ string names no key; a plan the policy refuses.
+        ("posix-co", StatusCode::INTERNAL_SERVER_ERROR),
+        ("gold-co", StatusCode::INTERNAL_SERVER_ERROR),
+    ] {
+        for (method, path) in [
+            ("GET", format!("/admin/quota/account/{account}")),
+            ("POST", format!("/admin/reset/account/{account}/read")),
+            (
+                "POST",
+                format!("/admin/refund/account/{account}/read?amount=1"),
+            ),
+        ] {
+            let response = send(&app, method, &path, None).await;
+            assert_eq!(response.status(), status, "{method} {path}");
+            assert_eq!(
+                response.headers()["content-type"],
+                "application/problem+json"
+            );
+            let (_, problem) = json(response).await;
+            let detail = problem["detail"].as_str().unwrap();
+            assert!(detail.contains("nothing was changed"), "{detail}");
+            // The error's own text (the application's) is logged, not told.
+            assert!(!detail.contains("database"), "{detail}");
+        }
+    }
+}
+
+#[tokio::test]
+async fn without_caller_info_a_call_naming_nothing_reads_the_quotas_own() {
+    let clock = clock();
+    let app = app(&policy(&clock).build());
+    for _ in 0..2 {
+        assert_eq!(
+            send(&app, "GET", "/read", Some("tokyo-co")).await.status(),
+            StatusCode::OK
+        );
+    }
+    let (_, shown) = json(send(&app, "GET", "/admin/quota/account/tokyo-co", None).await).await;
+    assert_eq!(shown["allowances"][0]["used"], 0, "{shown}");
+    assert_eq!(shown["allowances"][0]["limit"], 2, "{shown}");
+}
+
+/// A zone the info gives is used only by a policy that reads callers'
+/// zones: its counters are the ones the layers charge.
+#[tokio::test]
+async fn a_policy_that_reads_no_callers_zone_keeps_the_quotas_zone() {
+    let clock = clock();
+    let calls = Arc::new(AtomicUsize::new(0));
+    let builder = QuotaPolicy::builder(FromHeader::account("x-account-id"))
+        .clock(clock.clone())
+        .plan(|parts| Some(parts.headers.get("x-plan")?.to_str().ok()?.to_owned()));
+    let app = app(&with_info(builder, &calls));
+    assert_eq!(
+        send(&app, "GET", "/read", Some("tokyo-co")).await.status(),
+        StatusCode::OK
+    );
+    let (status, shown) =
+        json(send(&app, "GET", "/admin/quota/account/tokyo-co", None).await).await;
+    // In UTC, where the layer charged it; on its plan.
+    assert_eq!(status, StatusCode::OK, "{shown}");
+    assert_eq!(shown["allowances"][0]["used"], 1, "{shown}");
+    assert_eq!(shown["allowances"][0]["limit"], 3, "{shown}");
+}
