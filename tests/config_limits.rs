@@ -141,3 +141,61 @@ async fn a_redis_wait_timeout_of_duration_max_is_the_whole_budget() {
     let app = app(policy.layer(Quota::daily(3)));
     assert_eq!(status(&app).await, Ok(StatusCode::SERVICE_UNAVAILABLE));
 }
+
+/// The one-liners panic, where they do, as their docs say: a rolling
+/// period past 100 years, and a quota naming a plan in a layer that is a
+/// policy of its own (which reads no plan).
+#[test]
+#[should_panic(expected = "from one second to 100 years")]
+fn a_rolling_layer_of_centuries_is_refused_when_made() {
+    let _ = QuotaLayer::rolling(1, Duration::from_secs(101 * 31_557_600), account());
+}
+
+#[test]
+#[should_panic(expected = "the policy reads no plan")]
+fn a_layer_of_its_own_with_a_plan_is_refused_when_made() {
+    let _ = QuotaLayer::new(Quota::daily(10).plan("pro", 100), account());
+}
+
+#[test]
+#[should_panic(expected = "declared plans")]
+fn a_quota_naming_an_undeclared_plan_is_refused_when_its_layer_is_made() {
+    let policy = QuotaPolicy::builder(account())
+        .plan(|_| None)
+        .plans(["free"])
+        .build();
+    let _ = policy.layer(Quota::daily(10).plan("pro", 100));
+}
+
+#[test]
+#[should_panic(expected = "one reading each caller's time zone and the other not")]
+fn a_quota_shared_by_a_zoned_and_an_unzoned_policy_is_refused() {
+    let store = MemoryStore::new();
+    let plain = QuotaPolicy::builder(account()).store(store.clone()).build();
+    let zoned = QuotaPolicy::builder(account())
+        .store(store)
+        .time_zone(|_| Ok(None))
+        .build();
+    let _a = plain.layer(Quota::daily(10));
+    let _b = zoned.layer(Quota::daily(10));
+}
+
+/// A `ManualClock` takes what an `i64` of nanoseconds holds, as its docs
+/// say: 1677-09-21 is in, 2262-04-12 is out, through `new` and `set`.
+#[test]
+fn a_manual_clock_takes_the_range_its_docs_name() {
+    use tower_quota::ManualClock;
+    let first = at("1677-09-21T00:12:43.145224192Z");
+    let last = at("2262-04-11T23:47:16.854775807Z");
+    let clock = ManualClock::new(first);
+    assert_eq!(clock.now(), first);
+    clock.set(last);
+    assert_eq!(clock.now(), last);
+    let out = |f: fn()| std::panic::catch_unwind(f).is_err();
+    assert!(out(|| {
+        let _ = ManualClock::new(at("2262-04-12T00:00:00Z"));
+    }));
+    assert!(out(|| {
+        ManualClock::new(at("2026-01-01T00:00:00Z")).set(at("1677-09-21T00:00:00Z"));
+    }));
+}

@@ -252,6 +252,14 @@ impl<E> QuotaLayer<E, MemoryStore> {
     /// A layer charging `quota` (more with [`QuotaLayer::quota`]) to the
     /// subjects `extractor` names, as a policy of its own on a fresh
     /// [`MemoryStore`].
+    ///
+    /// # Panics
+    ///
+    /// When `quota` names a plan ([`Quota::plan`]): a policy of its own
+    /// reads no plan, so every caller would get the quota's own limit. Make
+    /// a [`QuotaPolicy`] that reads the plan
+    /// ([`QuotaPolicyBuilder::plan`](crate::QuotaPolicyBuilder::plan)) and
+    /// take the layer from it.
     pub fn new(quota: Quota, extractor: E) -> Self {
         QuotaPolicy::new(extractor).layer(quota)
     }
@@ -309,8 +317,8 @@ impl<E> QuotaLayer<E, MemoryStore> {
     ///
     /// # Panics
     ///
-    /// When `length` is shorter than a second or not a whole number of
-    /// seconds.
+    /// When `length` is shorter than a second, longer than 100 years, or
+    /// not a whole number of seconds.
     pub fn rolling(limit: u64, length: Duration, extractor: E) -> Self {
         Self::new(Quota::rolling(limit, length), extractor)
     }
@@ -329,7 +337,16 @@ impl<E, St: Store> QuotaPolicy<E, St> {
     /// policy (or of another policy on the same store and namespace), has
     /// the name of a different quota of the policy, or has a limit (or a
     /// plan's) above what the store counts exactly
-    /// ([`Store::max_count`](crate::Store::max_count)).
+    /// ([`Store::max_count`](crate::Store::max_count)); when it names a
+    /// plan ([`Quota::plan`]) and the policy reads none
+    /// ([`QuotaPolicyBuilder::plan`](crate::QuotaPolicyBuilder::plan)), or
+    /// one its declared plans
+    /// ([`QuotaPolicyBuilder::plans`](crate::QuotaPolicyBuilder::plans))
+    /// do not name; or when it is a calendar quota that another policy on
+    /// the same store and namespace has too, and one of the two policies
+    /// reads each caller's time zone
+    /// ([`QuotaPolicyBuilder::time_zone`](crate::QuotaPolicyBuilder::time_zone))
+    /// and the other does not.
     pub fn layer(&self, quota: Quota) -> QuotaLayer<E, St> {
         self.core.register(&quota);
         QuotaLayer {
@@ -360,10 +377,15 @@ impl<E, St: Store> QuotaLayer<E, St> {
     ///
     /// # Panics
     ///
-    /// When the layer has this quota already, or `quota` would count on the
-    /// counter of a different quota of the policy, has the name of one, or
-    /// has a limit (or a plan's) above what the store counts exactly
-    /// ([`Store::max_count`](crate::Store::max_count)).
+    /// When the layer has this quota already, or for any reason
+    /// [`QuotaPolicy::layer`] panics: `quota` would count on the counter of
+    /// a different quota of the policy (or of another policy on the same
+    /// store and namespace), has the name of one, has a limit (or a plan's)
+    /// above what the store counts exactly
+    /// ([`Store::max_count`](crate::Store::max_count)), names a plan the
+    /// policy does not read or declare, or shares its counters with another
+    /// policy's that reads callers' zones where this one does not (or the
+    /// other way round).
     #[must_use]
     pub fn quota(self, quota: Quota) -> Self {
         assert!(

@@ -58,7 +58,9 @@ impl ManualClock {
     ///
     /// # Panics
     ///
-    /// When `at` lies outside the years 1678 to 2262.
+    /// When `at` lies outside what an `i64` of nanoseconds holds: before
+    /// 1677-09-21T00:12:43.145224192Z or after
+    /// 2262-04-11T23:47:16.854775807Z.
     pub fn new(at: Timestamp) -> Self {
         Self {
             nanos: Arc::new(AtomicI64::new(to_nanos(at))),
@@ -72,6 +74,10 @@ impl ManualClock {
     }
 
     /// Moves the clock to `at` (backwards too).
+    ///
+    /// # Panics
+    ///
+    /// When `at` lies outside the range [`new`](Self::new) takes.
     pub fn set(&self, at: Timestamp) {
         self.nanos.store(to_nanos(at), Ordering::SeqCst);
     }
@@ -92,8 +98,9 @@ impl ManualClock {
     ///
     /// # Panics
     ///
-    /// When the clock would leave the years 1678 to 2262, as [`new`](Self::new)
-    /// and [`set`](Self::set) do: it never wraps around.
+    /// When the clock would leave the range [`new`](Self::new) and
+    /// [`set`](Self::set) take (about the years 1678 to 2262): it never
+    /// wraps around.
     pub fn advance<D>(&self, by: D)
     where
         D: TryInto<SignedDuration>,
