@@ -740,7 +740,9 @@ impl<E, St> QuotaPolicyBuilder<E, St> {
     /// account's settings). A zone is used only by a policy that reads
     /// callers' zones.
     ///
-    /// When `info` fails, the router answers 503 and changes nothing; when
+    /// When `info` fails, the router answers 503 and changes nothing (the
+    /// error is logged at warn, with the subject by its kind and hash:
+    /// keep ids out of its text); when
     /// it gives a plan the policy refuses ([`UnknownPlan::Reject`]) or a
     /// zone no key can name (neither of the IANA list nor a fixed offset),
     /// 500. Without it, such a call is answered on the quotas' own limits
