@@ -17,6 +17,7 @@
 
 mod redis_support;
 mod seeded;
+mod zone_names;
 
 use redis_support::{redis_available, RedisServer};
 use seeded::Rng;
@@ -310,27 +311,7 @@ fn zone_label(name: &str) -> Option<Option<String>> {
     }
     let zone = TimeZone::get(name).ok()?;
     let primary = zone.primary_iana_name()?.to_owned();
-    let utc = [
-        "UTC",
-        "Etc/UTC",
-        "Etc/UCT",
-        "UCT",
-        "Etc/Zulu",
-        "Zulu",
-        "Universal",
-        "Etc/Universal",
-        "GMT",
-        "Etc/GMT",
-        "Etc/GMT+0",
-        "Etc/GMT-0",
-        "Etc/GMT0",
-        "GMT0",
-        "GMT+0",
-        "GMT-0",
-        "Greenwich",
-        "Etc/Greenwich",
-    ];
-    Some(if utc.contains(&primary.as_str()) {
+    Some(if zone_names::UTC_NAMES.contains(&primary.as_str()) {
         None
     } else {
         Some(primary)
