@@ -94,12 +94,15 @@ fn with_info(
                 if id == "down" {
                     return Err("the accounts database is away".into());
                 }
-                Ok(match account {
-                    Some(account) => CallerInfo::new()
+                if id == "plain-co" {
+                    // Known, with no plan or zone of its own.
+                    return Ok(Some(CallerInfo::new()));
+                }
+                Ok(account.map(|account| {
+                    CallerInfo::new()
                         .plan(account.plan)
-                        .zone(zone(account.zone)),
-                    None => CallerInfo::new(),
-                })
+                        .zone(zone(account.zone))
+                }))
             }
         })
         .build()
@@ -190,15 +193,32 @@ async fn support_reads_and_resets_a_customers_own_counters_without_naming_them()
     assert_eq!(refunded["allowances"][0]["used"], 0, "{refunded}");
     assert_eq!(calls.load(Ordering::Relaxed), 3);
 
-    // A customer the application does not know: the quotas' own.
-    let (status, unknown) =
-        json(send(&app, "GET", "/admin/quota/account/nobody", None).await).await;
+    // A customer known with no plan or zone of its own: the quotas' own.
+    let (status, plain) =
+        json(send(&app, "GET", "/admin/quota/account/plain-co", None).await).await;
     assert_eq!(status, StatusCode::OK);
-    assert_eq!(unknown["allowances"][0]["limit"], 2, "{unknown}");
-    assert!(unknown["allowances"][0]["reset"]
+    assert_eq!(plain["allowances"][0]["limit"], 2, "{plain}");
+    assert!(plain["allowances"][0]["reset"]
         .as_str()
         .unwrap()
         .contains("UTC"));
+    // One it does not know: 404, nothing changed.
+    for (method, path) in [
+        ("GET", "/admin/quota/account/nobody"),
+        ("POST", "/admin/reset/account/nobody/read"),
+        ("POST", "/admin/refund/account/nobody/read?amount=1"),
+    ] {
+        let response = send(&app, method, path, None).await;
+        assert_eq!(response.status(), StatusCode::NOT_FOUND, "{method} {path}");
+        let (_, problem) = json(response).await;
+        assert!(
+            problem["detail"]
+                .as_str()
+                .unwrap()
+                .contains("knows no such caller"),
+            "{problem}"
+        );
+    }
 }
 
 #[tokio::test]
@@ -259,6 +279,9 @@ async fn caller_info_that_fails_or_names_what_no_layer_charges_changes_nothing()
         ] {
             let response = send(&app, method, &path, None).await;
             assert_eq!(response.status(), status, "{method} {path}");
+            if status == StatusCode::SERVICE_UNAVAILABLE {
+                assert_eq!(response.headers()["retry-after"], "1");
+            }
             assert_eq!(
                 response.headers()["content-type"],
                 "application/problem+json"
@@ -307,4 +330,54 @@ async fn a_policy_that_reads_no_callers_zone_keeps_the_quotas_zone() {
     assert_eq!(status, StatusCode::OK, "{shown}");
     assert_eq!(shown["allowances"][0]["used"], 1, "{shown}");
     assert_eq!(shown["allowances"][0]["limit"], 3, "{shown}");
+}
+
+/// A call refused for what it names (a zone no key can name, a plan the
+/// policy refuses, an allowance no quota charges) is refused as it is
+/// without caller info, and the info is not asked: its failure, or a plan
+/// it gives that the policy refuses, does not turn the caller's 400, 403 or
+/// 404 into a 503 or a 500.
+#[tokio::test]
+async fn a_call_refused_for_what_it_names_does_not_ask_the_info() {
+    let clock = clock();
+    let calls = Arc::new(AtomicUsize::new(0));
+    let zoned = app(&with_info(policy(&clock), &calls));
+    let mut wrong = Vec::new();
+    for account in ["down", "gold-co", "tokyo-co"] {
+        for (method, path, status) in [
+            ("GET", "/admin/quota/account/{}?zone=Not/AZone", 400),
+            ("POST", "/admin/reset/account/{}/read?zone=Not/AZone", 400),
+            (
+                "POST",
+                "/admin/refund/account/{}/read?amount=1&zone=Not/AZone",
+                400,
+            ),
+            ("GET", "/admin/quota/account/{}?plan=gold", 403),
+            ("POST", "/admin/reset/account/{}/read?plan=gold", 403),
+            (
+                "POST",
+                "/admin/refund/account/{}/read?amount=1&plan=gold",
+                403,
+            ),
+            ("POST", "/admin/reset/account/{}/nope", 404),
+            ("POST", "/admin/refund/account/{}/nope?amount=1", 404),
+        ] {
+            let path = path.replace("{}", account);
+            let got = send(&zoned, method, &path, None).await.status().as_u16();
+            if got != status {
+                wrong.push(format!("{method} {path}: {got}, not {status}"));
+            }
+        }
+    }
+    assert!(wrong.is_empty(), "{wrong:#?}");
+    assert_eq!(calls.load(Ordering::Relaxed), 0);
+
+    // A policy that reads no caller's zone refuses any ?zone=, as before.
+    let builder = QuotaPolicy::builder(FromHeader::account("x-account-id"))
+        .clock(clock.clone())
+        .plan(|parts| Some(parts.headers.get("x-plan")?.to_str().ok()?.to_owned()));
+    let unzoned = app(&with_info(builder, &calls));
+    let response = send(&unzoned, "GET", "/admin/quota/account/down?zone=UTC", None).await;
+    assert_eq!(response.status(), StatusCode::BAD_REQUEST);
+    assert_eq!(calls.load(Ordering::Relaxed), 0);
 }

@@ -122,54 +122,108 @@ async fn show<St: Store>(
     uri: Uri,
     RawQuery(query): RawQuery,
 ) -> Response {
-    let subject = match target(&handle, &uri) {
-        Ok((subject, _)) => subject,
+    let Target { subject, named, .. } = match target(&handle, &uri, query.as_deref()) {
+        Ok(target) => target,
         Err(response) => return response,
     };
-    let (handle, plan) = match caller(&handle, &subject, query.as_deref()).await {
+    let plan = match planned(&named.handle, query.as_deref()) {
+        Ok(plan) => plan,
+        Err(response) => return response,
+    };
+    let (handle, plan) = match caller(named, plan, &subject).await {
         Ok(caller) => caller,
         Err(response) => return response,
     };
     standing(&handle, &subject, plan.as_deref()).await
 }
 
-/// What a support path names: its subject, and its allowance if the route
-/// has one; or the problem document that says what is wrong with it.
-#[allow(clippy::result_large_err)]
-fn target<St>(handle: &QuotaHandle<St>, uri: &Uri) -> Result<(Subject, Option<String>), Response> {
-    let (kind, id, allowance) = segments(uri)?;
-    let subject = subject(handle, &kind, &id)?;
-    Ok((subject, allowance))
+/// What a support path names: its subject, its allowance if the route has
+/// one, and the handle to answer with, in the zone `?zone=` names.
+struct Target<St> {
+    subject: Subject,
+    allowance: Option<String>,
+    named: Zoned<St>,
 }
 
-/// What the path of a route that names an allowance names: its subject and
-/// the allowance.
+/// The handle in the zone `?zone=` names, or as it is when it names none.
+struct Zoned<St> {
+    handle: QuotaHandle<St>,
+    named: bool,
+}
+
+/// The [`Target`] of `uri` and `query`, or the problem document that says
+/// what is wrong with them.
+#[allow(clippy::result_large_err)]
+fn target<St>(
+    handle: &QuotaHandle<St>,
+    uri: &Uri,
+    query: Option<&str>,
+) -> Result<Target<St>, Response> {
+    let (kind, id, allowance) = segments(uri)?;
+    let subject = subject(handle, &kind, &id)?;
+    let named = zoned(handle, query)?;
+    Ok(Target {
+        subject,
+        allowance,
+        named,
+    })
+}
+
+/// The [`Target`] of a route that names an allowance: its subject, the
+/// allowance, and the handle.
 #[allow(clippy::result_large_err)]
 fn allowance_target<St>(
     handle: &QuotaHandle<St>,
     uri: &Uri,
-) -> Result<(Subject, String), Response> {
-    let (subject, allowance) = target(handle, uri)?;
+    query: Option<&str>,
+) -> Result<(Subject, String, Zoned<St>), Response> {
+    let Target {
+        subject,
+        allowance,
+        named,
+    } = target(handle, uri, query)?;
     let allowance = allowance.ok_or_else(no_route)?;
-    Ok((subject, allowance))
+    Ok((subject, allowance, named))
+}
+
+/// The plan `?plan=` names, as the layers read it (see
+/// `QuotaHandle::known_plan`); `None` when it names none.
+#[allow(clippy::result_large_err)]
+fn planned<St>(
+    handle: &QuotaHandle<St>,
+    query: Option<&str>,
+) -> Result<Option<Option<String>>, Response> {
+    let Some(plan) = param(query, "plan")? else {
+        return Ok(None);
+    };
+    handle
+        .known_plan(Some(plan))
+        .map(Some)
+        .map_err(IntoResponse::into_response)
 }
 
 /// The handle (in the caller's zone) and the plan a call on `subject`
-/// answers with: those `?zone=` and `?plan=` name, as the layers read
-/// them; for one not named, what the policy's
+/// answers with: those `?zone=` and `?plan=` name (`zoned`, `plan`),
+/// checked already; for one not named, what the policy's
 /// [`caller_info`](crate::QuotaPolicyBuilder::caller_info) gives for the
 /// subject, if it has one; otherwise the quotas' own zones and limits.
+/// Asked last, once nothing else refuses the call.
 #[allow(clippy::result_large_err)]
 async fn caller<St>(
-    handle: &QuotaHandle<St>,
+    zoned: Zoned<St>,
+    plan: Option<Option<String>>,
     subject: &Subject,
-    query: Option<&str>,
 ) -> Result<(QuotaHandle<St>, Option<String>), Response> {
-    let zone = param(query, "zone")?;
-    let plan = param(query, "plan")?;
+    let Zoned { handle, named } = zoned;
     let info = match &handle.settings().caller_info {
-        Some(info) if zone.is_none() || plan.is_none() => match info(subject).await {
-            Ok(info) => info,
+        Some(info) if !named || plan.is_none() => match info(subject).await {
+            Ok(Some(info)) => info,
+            Ok(None) => {
+                return Err(problem(
+                    StatusCode::NOT_FOUND,
+                    "the application knows no such caller; nothing was changed",
+                ))
+            }
             Err(error) => {
                 tracing::warn!(
                     subject.kind = %subject.kind(),
@@ -177,17 +231,22 @@ async fn caller<St>(
                     %error,
                     "the policy's caller info failed: support changed nothing"
                 );
-                return Err(problem(
+                let mut response = problem(
                     StatusCode::SERVICE_UNAVAILABLE,
                     "the caller's plan and zone could not be read; nothing was changed",
-                ));
+                );
+                // As the store's own 503: a moment, not at once.
+                response.headers_mut().insert(
+                    http::header::RETRY_AFTER,
+                    http::HeaderValue::from_static("1"),
+                );
+                return Err(response);
             }
         },
         _ => CallerInfo::default(),
     };
-    let handle = match (zone, info.zone) {
-        (Some(name), _) => zoned(handle, &name)?,
-        (None, Some(zone)) if handle.reads_caller_zones() => {
+    let handle = match info.zone {
+        Some(zone) if !named && handle.reads_caller_zones() => {
             if !crate::period::is_nameable(&zone) {
                 return Err(problem(
                     StatusCode::INTERNAL_SERVER_ERROR,
@@ -197,12 +256,10 @@ async fn caller<St>(
             }
             handle.in_zone(zone)
         }
-        (None, _) => handle.clone(),
+        _ => handle,
     };
     let plan = match (plan, info.plan) {
-        (Some(plan), _) => handle
-            .known_plan(Some(plan))
-            .map_err(IntoResponse::into_response)?,
+        (Some(plan), _) => plan,
         (None, Some(plan)) => handle.known_plan(Some(plan)).map_err(|_| {
             problem(
                 StatusCode::INTERNAL_SERVER_ERROR,
@@ -214,9 +271,16 @@ async fn caller<St>(
     Ok((handle, plan))
 }
 
-/// The handle in the caller's zone that `?zone=` names (an IANA name).
+/// The handle in the caller's zone that `?zone=` names (an IANA name), or
+/// as it is.
 #[allow(clippy::result_large_err)]
-fn zoned<St>(handle: &QuotaHandle<St>, name: &str) -> Result<QuotaHandle<St>, Response> {
+fn zoned<St>(handle: &QuotaHandle<St>, query: Option<&str>) -> Result<Zoned<St>, Response> {
+    let Some(name) = param(query, "zone")? else {
+        return Ok(Zoned {
+            handle: handle.clone(),
+            named: false,
+        });
+    };
     if !handle.reads_caller_zones() {
         // Its counters would be ones no layer writes: a reset or refund
         // there would change nothing the caller sees.
@@ -225,8 +289,11 @@ fn zoned<St>(handle: &QuotaHandle<St>, name: &str) -> Result<QuotaHandle<St>, Re
             "?zone= names a caller's zone, and this policy counts every caller in its quotas' own zones",
         ));
     }
-    match jiff::tz::TimeZone::get(name) {
-        Ok(zone) if crate::period::is_nameable(&zone) => Ok(handle.in_zone(zone)),
+    match jiff::tz::TimeZone::get(&name) {
+        Ok(zone) if crate::period::is_nameable(&zone) => Ok(Zoned {
+            handle: handle.in_zone(zone),
+            named: true,
+        }),
         _ => Err(problem(
             StatusCode::BAD_REQUEST,
             "?zone= names an IANA time zone, e.g. Europe/Berlin",
@@ -234,17 +301,43 @@ fn zoned<St>(handle: &QuotaHandle<St>, name: &str) -> Result<QuotaHandle<St>, Re
     }
 }
 
+/// The handle and plan of a call on `subject`'s `allowance`: the plan it
+/// names checked, and the allowance one a quota charges, before the
+/// [`caller`] is asked.
+#[allow(clippy::result_large_err)]
+async fn allowance_caller<St>(
+    named: Zoned<St>,
+    query: Option<&str>,
+    allowance: &str,
+    subject: &Subject,
+) -> Result<(QuotaHandle<St>, Option<String>), Response> {
+    let plan = planned(&named.handle, query)?;
+    if !charges(&named.handle, allowance) {
+        return Err(unknown_allowance(allowance));
+    }
+    caller(named, plan, subject).await
+}
+
+/// Whether a quota of the handle charges `allowance`.
+fn charges<St>(handle: &QuotaHandle<St>, allowance: &str) -> bool {
+    handle
+        .quotas()
+        .iter()
+        .any(|q| q.allowance_tag() == allowance)
+}
+
 async fn reset<St: Store>(
     State(handle): State<QuotaHandle<St>>,
     uri: Uri,
     RawQuery(query): RawQuery,
 ) -> Response {
-    let (subject, allowance) = match allowance_target(&handle, &uri) {
+    let (subject, allowance, named) = match allowance_target(&handle, &uri, query.as_deref()) {
         Ok(target) => target,
         Err(response) => return response,
     };
     // Checked before anything is written: a refused plan changes nothing.
-    let (handle, plan) = match caller(&handle, &subject, query.as_deref()).await {
+    let (handle, plan) = match allowance_caller(named, query.as_deref(), &allowance, &subject).await
+    {
         Ok(caller) => caller,
         Err(response) => return response,
     };
@@ -268,7 +361,7 @@ async fn refund<St: Store>(
     uri: Uri,
     RawQuery(query): RawQuery,
 ) -> Response {
-    let (subject, allowance) = match allowance_target(&handle, &uri) {
+    let (subject, allowance, named) = match allowance_target(&handle, &uri, query.as_deref()) {
         Ok(target) => target,
         Err(response) => return response,
     };
@@ -280,17 +373,11 @@ async fn refund<St: Store>(
         return problem(StatusCode::BAD_REQUEST, "send ?amount=N, a whole number");
     };
     // Checked before anything is written: a refused plan changes nothing.
-    let (handle, plan) = match caller(&handle, &subject, query.as_deref()).await {
+    let (handle, plan) = match allowance_caller(named, query.as_deref(), &allowance, &subject).await
+    {
         Ok(caller) => caller,
         Err(response) => return response,
     };
-    if !handle
-        .quotas()
-        .iter()
-        .any(|q| q.allowance_tag() == allowance)
-    {
-        return unknown_allowance(&allowance);
-    }
     match handle.refund_allowance(&subject, &allowance, amount).await {
         Ok(_) => {
             tracing::info!(

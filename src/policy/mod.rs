@@ -731,22 +731,33 @@ impl<E, St> QuotaPolicyBuilder<E, St> {
     }
 
     /// What the application knows of a caller's plan and zone outside its
-    /// requests, for the [support router](crate::QuotaHandle::router): a
-    /// call that names no `?plan=` (`?zone=`) is answered on the plan (in
-    /// the zone) `info` gives for its subject, so that support staff reach
-    /// the counters a customer with a plan or zone of its own is charged
-    /// on without knowing either. Read from the same data as the policy's
-    /// [`plan`](Self::plan) and [`time_zone`](Self::time_zone) readers (the
-    /// account's settings). A zone is used only by a policy that reads
-    /// callers' zones.
+    /// requests, for the [support router](crate::QuotaHandle::router) (the
+    /// handle's own methods take the zone and plan they are given:
+    /// [`QuotaHandle::in_zone`](crate::QuotaHandle::in_zone),
+    /// [`QuotaHandle::usage_on_plan`](crate::QuotaHandle::usage_on_plan)).
+    /// A support call that names no `?plan=` (or no `?zone=`) is answered on
+    /// the plan (in the zone) `info` gives for its subject, so that support
+    /// staff reach the counters a customer with a plan or zone of its own
+    /// is charged on without knowing either; one that names both does not
+    /// ask. Read from the same data as the policy's [`plan`](Self::plan)
+    /// and [`time_zone`](Self::time_zone) readers (the account's settings),
+    /// by the subject's id and, with an extractor that answers several
+    /// kinds, its kind. A zone is used only by a policy that reads callers'
+    /// zones.
     ///
-    /// When `info` fails, the router answers 503 and changes nothing (the
-    /// error is logged at warn, with the subject by its kind and hash:
-    /// keep ids out of its text); when
-    /// it gives a plan the policy refuses ([`UnknownPlan::Reject`]) or a
-    /// zone no key can name (neither of the IANA list nor a fixed offset),
-    /// 500. Without it, such a call is answered on the quotas' own limits
-    /// and zones.
+    /// `info` answers `Ok(None)` for a caller the application does not know:
+    /// the router answers 404 and changes nothing (`Ok(Some(CallerInfo::new()))`
+    /// is a known caller on the quotas' own limits and zones). When it
+    /// fails, 503 with `Retry-After: 1` (the error is logged at warn, with
+    /// the subject by its kind and hash: keep ids out of its text); when it
+    /// gives a plan the policy refuses ([`UnknownPlan::Reject`]) or a zone
+    /// no key can name (neither of the IANA list nor a fixed offset), 500;
+    /// nothing is changed either way. A call the router refuses for what it
+    /// names (its path, zone, plan, amount or allowance) is refused before
+    /// `info` is asked. The router waits for `info` as long as it takes:
+    /// bound the lookup in it (a database client's own timeout). Without
+    /// `info`, a call that names neither is answered on the quotas' own
+    /// limits and zones.
     ///
     /// ```
     /// use std::collections::HashMap;
@@ -760,10 +771,7 @@ impl<E, St> QuotaPolicyBuilder<E, St> {
     ///     .caller_info(move |subject| {
     ///         let account = accounts.get(subject.id()).cloned();
     ///         async move {
-    ///             Ok(match account {
-    ///                 Some((plan, zone)) => CallerInfo::new().plan(plan).zone(zone),
-    ///                 None => CallerInfo::new(),
-    ///             })
+    ///             Ok(account.map(|(plan, zone)| CallerInfo::new().plan(plan).zone(zone)))
     ///         }
     ///     })
     ///     .build();
@@ -773,7 +781,7 @@ impl<E, St> QuotaPolicyBuilder<E, St> {
     where
         F: Fn(&Subject) -> Fut + Send + Sync + 'static,
         Fut: std::future::Future<
-                Output = Result<CallerInfo, Box<dyn std::error::Error + Send + Sync>>,
+                Output = Result<Option<CallerInfo>, Box<dyn std::error::Error + Send + Sync>>,
             > + Send
             + 'static,
     {

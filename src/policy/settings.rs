@@ -96,7 +96,7 @@ pub(crate) type SkipFn = dyn Fn(&Parts) -> bool + Send + Sync;
 pub(crate) type PlanFn = dyn Fn(&Parts) -> Option<String> + Send + Sync;
 pub(crate) type ZoneFn = dyn Fn(&Parts) -> Result<Option<TimeZone>, InvalidRequest> + Send + Sync;
 pub(crate) type RefusalFn = dyn Fn(&Refusal) -> http::Response<bytes::Bytes> + Send + Sync;
-pub(crate) type CallerInfoFn = dyn Fn(&Subject) -> Pin<Box<dyn Future<Output = Result<CallerInfo, BoxError>> + Send>>
+pub(crate) type CallerInfoFn = dyn Fn(&Subject) -> Pin<Box<dyn Future<Output = Result<Option<CallerInfo>, BoxError>> + Send>>
     + Send
     + Sync;
 
