@@ -228,6 +228,54 @@ async fn fail_closed_through_a_stall_leaves_its_refusals_uncharged() {
     );
 }
 
+/// What the README's graceful shutdown awaits (`settle_owed`, then the
+/// process exits) leaves no charge behind: requests answered while Redis
+/// stalled (503, fail closed; fail open, settled) have charges Redis
+/// applies once it resumes, and their give-backs land before
+/// `settle_owed` returns, not after the process is gone.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn settle_owed_returns_once_late_charges_are_given_back() {
+    let Some(server) = stalling_server() else {
+        return;
+    };
+    let closed = OnStoreError::FailClosed {
+        retry_after: Duration::from_secs(1),
+    };
+    for (id, rule) in [("closed", closed), ("open", OnStoreError::FailOpen)] {
+        let store = RedisStore::new(server.url()).unwrap();
+        store.preload().await.unwrap();
+        let policy = QuotaPolicy::builder(account())
+            .store(store)
+            .on_store_error(rule)
+            .build();
+        let quota = Quota::daily(1_000);
+        let app = Router::new()
+            .route("/", get(|| async { "ok" }))
+            .layer(policy.layer(quota.clone()));
+        let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+        let addr = listener.local_addr().unwrap().to_string();
+        let serving = tokio::spawn(axum::serve(listener, app).into_future());
+        let mut stopped = Stopped::new(&server);
+        let mut served = 0;
+        for _ in 0..3 {
+            let reply = demo_server::call(&addr, "GET", "/", &[("x-account-id", id)]).await;
+            served += u64::from(reply.status == 200);
+        }
+        serving.abort();
+        stopped.resume();
+        // The shutdown: then the process exits, and its tasks with it.
+        assert_eq!(policy.settle_owed(Duration::from_secs(5)).await.units, 0);
+        // Read at once: nothing left on its way to give back later.
+        let in_flight = policy.store().in_flight();
+        let key = key_of(&quota, id, Timestamp::now());
+        assert_eq!(
+            (in_flight, used(&server, &key)),
+            (0, served.to_string()),
+            "{rule:?}: calls in flight and Redis's count when settle_owed returned"
+        );
+    }
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn fail_open_through_an_outage_counts_every_admission() {
     if !redis_available() {

@@ -400,10 +400,11 @@ impl<E, St> QuotaPolicy<E, St> {
     /// 100 ms, not after the growing waits (up to 5 s) of the ledger's
     /// task. Answers what is still owed (nothing, once settled; a settle
     /// on its way when the time is up counts as owed, though it may land).
-    /// A store may still have calls of its own on their way then: the
-    /// Redis store follows a settle it did not answer in time, to give it
-    /// back if Redis applied it late (see `RedisStore::in_flight`), which a
-    /// shutdown waits for too.
+    /// Once nothing is owed, it waits too (within the same time) for the
+    /// store's calls still on their way ([`Store::calls_in_flight`]): the
+    /// Redis store follows a charge or a settle it did not answer in time,
+    /// to give it back if Redis applied it late, and a process that exits
+    /// before that give-back leaves the request counted twice.
     ///
     /// ```
     /// # #[tokio::main(flavor = "current_thread")]
@@ -424,9 +425,23 @@ impl<E, St> QuotaPolicy<E, St> {
         St: Store,
     {
         let core = &self.core;
-        core.ledger
+        let start = tokio::time::Instant::now();
+        let owed = core
+            .ledger
             .settle_now(&core.store, core.settings.ledger(), within)
-            .await
+            .await;
+        if owed.counters > 0 || tokio::runtime::Handle::try_current().is_err() {
+            return owed;
+        }
+        // The store's follow-ups of charges and settles Redis may apply
+        // late: their give-backs land before the caller exits.
+        let deadline = start.checked_add(within);
+        while core.store.calls_in_flight() > 0
+            && deadline.is_none_or(|d| tokio::time::Instant::now() < d)
+        {
+            tokio::time::sleep(Duration::from_millis(5)).await;
+        }
+        owed
     }
 }
 

@@ -206,4 +206,11 @@ impl<A: Store, B: Store> Store for EitherStore<A, B> {
             Self::Right(store) => store.longest_wait(),
         }
     }
+
+    fn calls_in_flight(&self) -> usize {
+        match self {
+            Self::Left(store) => store.calls_in_flight(),
+            Self::Right(store) => store.calls_in_flight(),
+        }
+    }
 }

@@ -3443,6 +3443,10 @@ impl<St: Store> Store for LeasedStore<St> {
     fn longest_wait(&self) -> Duration {
         RETURN_WAIT.saturating_add(self.inner.longest_wait())
     }
+
+    fn calls_in_flight(&self) -> usize {
+        self.inner.calls_in_flight()
+    }
 }
 
 #[cfg(test)]

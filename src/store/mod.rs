@@ -829,4 +829,15 @@ pub trait Store: Clone + Send + Sync + 'static {
     fn longest_wait(&self) -> std::time::Duration {
         std::time::Duration::ZERO
     }
+
+    /// How many calls of this store are still on their way, followed after
+    /// their callers stopped waiting included (a charge or a settle the
+    /// Redis store gives back if Redis applied it late): what
+    /// [`QuotaPolicy::settle_owed`](crate::QuotaPolicy::settle_owed) waits
+    /// for, so that a process that exits after it leaves no such charge
+    /// counted. Zero by default; a store that wraps another adds the inner
+    /// store's.
+    fn calls_in_flight(&self) -> usize {
+        0
+    }
 }

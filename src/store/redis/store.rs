@@ -957,6 +957,10 @@ impl Store for RedisStore {
     fn max_count(&self) -> u64 {
         super::script::MAX_EXACT
     }
+
+    fn calls_in_flight(&self) -> usize {
+        self.in_flight()
+    }
 }
 
 /// The error of a call that found no Redis connection in time.
