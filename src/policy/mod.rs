@@ -844,8 +844,10 @@ impl<E, St> QuotaPolicyBuilder<E, St> {
     /// That is a trailers-only
     /// answer, the way tonic answers a failed unary call; a status sent in
     /// trailers after a streamed body is not read, and stays charged.
-    /// DEADLINE_EXCEEDED stays charged too: the client sets the deadline,
-    /// often after the work was done. The refund goes to the counters that
+    /// DEADLINE_EXCEEDED in the head stays charged too: the client sets
+    /// the deadline, often after the work was done. (A call a server ends
+    /// at its deadline outside the layer, as tonic's does for the client's
+    /// `grpc-timeout`, is dropped before its head: not charged.) The refund goes to the counters that
     /// were charged while they live, and never to one made anew since (a
     /// support reset while the request was served): a calendar counter
     /// whose window ended meanwhile takes none (its period is over, and
