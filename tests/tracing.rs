@@ -114,3 +114,64 @@ async fn every_decision_has_a_span_without_the_subject_id() {
         );
     }
 }
+
+/// Every event's message and level.
+#[derive(Clone, Default)]
+struct Messages(Arc<Mutex<Vec<(tracing::Level, String)>>>);
+
+impl Subscriber for Messages {
+    fn enabled(&self, metadata: &Metadata<'_>) -> bool {
+        metadata.target().starts_with("tower_quota")
+    }
+    fn new_span(&self, _: &Attributes<'_>) -> Id {
+        Id::from_u64(1)
+    }
+    fn record(&self, _: &Id, _: &Record<'_>) {}
+    fn record_follows_from(&self, _: &Id, _: &Id) {}
+    fn event(&self, event: &Event<'_>) {
+        let mut fields = Vec::new();
+        event.record(&mut Fields(&mut fields));
+        let message = fields
+            .into_iter()
+            .find(|(name, _)| name == "message")
+            .map(|(_, m)| m)
+            .unwrap_or_default();
+        let level = *event.metadata().level();
+        self.0.lock().unwrap().push((level, message));
+    }
+    fn enter(&self, _: &Id) {}
+    fn exit(&self, _: &Id) {}
+}
+
+/// A layer of shadow quotas passes a request it cannot charge: the logs say
+/// it passed, never that it was refused (an operator watching a shadow
+/// rollout at `debug` would count refusals that never happened).
+#[tokio::test(flavor = "current_thread")]
+async fn a_shadow_layer_logs_no_refusal_for_a_request_it_passes() {
+    let messages = Messages::default();
+    let _guard = tracing::subscriber::set_default(messages.clone());
+    let policy = QuotaPolicy::builder(FromHeader::account("x-account-id")).build();
+    let app = Router::new()
+        .route("/", get(|| async { "hi" }))
+        .route_layer(policy.layer(Quota::daily(1).allowance("read").shadow()));
+    for request in [
+        Request::get("/").body(Body::empty()).unwrap(),
+        Request::get("/")
+            .header("x-account-id", " ")
+            .body(Body::empty())
+            .unwrap(),
+    ] {
+        assert_eq!(
+            app.clone().oneshot(request).await.unwrap().status(),
+            StatusCode::OK
+        );
+    }
+    let logged = messages.0.lock().unwrap().clone();
+    assert!(
+        logged
+            .iter()
+            .all(|(_, message)| !message.contains("refused")),
+        "{logged:?}"
+    );
+    assert_eq!(logged.len(), 2, "{logged:?}");
+}

@@ -143,13 +143,15 @@ pub(crate) fn plan<E: SubjectExtractor, St: crate::store::Store>(
                 tracing::trace!("request passes uncounted: a skip rule");
                 return Step::PassUncounted(uncounted(policy.id, now));
             }
-            match identify(policy, parts) {
+            let only_shadow = bound.scope.only_shadow();
+            match identify(policy, parts, only_shadow) {
                 // A layer of shadow quotas never refuses: the policy's other
                 // layers, if any, decide as they would alone. Not counted in
                 // the metrics, as a request refused before any charge is
-                // not.
-                Err(_) if bound.scope.only_shadow() => {
+                // not; nor logged as refused, as it is not.
+                Err(response) if only_shadow => {
                     tracing::trace!(
+                        would_be = %response.status(),
                         "request passes a layer of shadow quotas uncounted: it cannot be charged"
                     );
                     return Step::Pass;
@@ -203,11 +205,14 @@ pub(crate) fn uncounted(policy: u64, now: Timestamp) -> Ticket {
 
 /// Who the request is charged to: its subject, plan and zone, or the answer
 /// when it cannot be charged; `None` when the policy lets it through.
+/// `passes`: the request passes whatever this answers (a layer of shadow
+/// quotas), so a refusal is not logged as one.
 // The error is the answer itself, made once for a refused request.
 #[allow(clippy::result_large_err)]
 fn identify<E: SubjectExtractor, St>(
     policy: &Policy<E, St>,
     parts: &Parts,
+    passes: bool,
 ) -> Result<Option<Caller>, Response<Bytes>> {
     let settings = &policy.settings;
     let subject = match subject(&policy.extractor, parts, settings.max_subject_len) {
@@ -233,7 +238,9 @@ fn identify<E: SubjectExtractor, St>(
                     } else {
                         default
                     };
-                    tracing::debug!(%error, %status, "request refused: no usable subject");
+                    if !passes {
+                        tracing::debug!(%error, %status, "request refused: no usable subject");
+                    }
                     let answer = response::early(status, &error.to_string(), parts);
                     Err(response::challenged(answer, || policy.challenge()))
                 }
@@ -243,7 +250,9 @@ fn identify<E: SubjectExtractor, St>(
     let plan = match policy.plan_as_charged(settings.plan.as_ref().and_then(|plan| plan(parts))) {
         Ok(plan) => plan.map(String::into_boxed_str),
         Err(plan) => {
-            tracing::debug!("request refused: unknown plan");
+            if !passes {
+                tracing::debug!("request refused: unknown plan");
+            }
             let detail = format!("The plan {:?} has no quota here.", response::echo(&plan));
             return Err(response::early(StatusCode::FORBIDDEN, &detail, parts));
         }
@@ -251,7 +260,9 @@ fn identify<E: SubjectExtractor, St>(
     let zone = match settings.caller_zone(parts) {
         Ok(zone) => zone,
         Err(error) => {
-            tracing::debug!(%error, "request refused: invalid time zone");
+            if !passes {
+                tracing::debug!(%error, "request refused: invalid time zone");
+            }
             return Err(response::early(
                 StatusCode::BAD_REQUEST,
                 error.reason(),
