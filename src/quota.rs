@@ -615,6 +615,8 @@ impl fmt::Debug for Quota {
             .field("plans", &self.0.plans)
             .field("period", &self.0.period)
             .field("anchor", &self.0.anchor)
+            .field("shadow", &self.0.shadow)
+            .field("spread_reset_secs", &self.0.spread)
             .finish()
     }
 }
