@@ -297,14 +297,25 @@ pub(crate) const UNIDENTIFIABLE: &str = "The server cannot tell who this request
 /// from, logged once a second at most.
 static UNIDENTIFIABLE_LOGGED: crate::throttle::Throttle = crate::throttle::Throttle::new(1);
 
-/// Logs `error`: the server cannot tell who a request is from.
-pub(crate) fn unidentifiable(error: &crate::subject::SubjectError) {
+/// Logs `error`: the server cannot tell who a request is from. `passes`:
+/// the request passes all the same (a layer of shadow quotas), uncounted,
+/// not answered 500.
+pub(crate) fn unidentifiable(error: &crate::subject::SubjectError, passes: bool) {
     if let Some(suppressed) = UNIDENTIFIABLE_LOGGED.admit() {
-        tracing::error!(
-            %error,
-            suppressed,
-            "quota layer cannot tell who requests are from: they are answered 500"
-        );
+        if passes {
+            tracing::error!(
+                %error,
+                suppressed,
+                "quota layer cannot tell who requests are from: a layer of shadow quotas lets \
+                 them through uncounted"
+            );
+        } else {
+            tracing::error!(
+                %error,
+                suppressed,
+                "quota layer cannot tell who requests are from: they are answered 500"
+            );
+        }
     }
 }
 

@@ -276,6 +276,32 @@ async fn settle_owed_returns_once_late_charges_are_given_back() {
     }
 }
 
+/// What `settle_owed` waits for once nothing is owed is the give-backs of
+/// charges (and settles) Redis may run late: a read has none. A server
+/// clock refreshed while Redis stalls always has a read on its way; with
+/// nothing owed and nothing charged, a shutdown does not wait on them (with
+/// `Duration::MAX`, it would never end while Redis stalls).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn settle_owed_waits_on_no_read() {
+    let Some(server) = stalling_server() else {
+        return;
+    };
+    let store = RedisStore::new(server.url()).unwrap();
+    store.preload().await.unwrap();
+    let _clock = store.server_clock(Duration::from_millis(50)).await.unwrap();
+    let policy = QuotaPolicy::builder(account()).store(store).build();
+    let _stopped = Stopped::new(&server);
+    // The clock's reads go unanswered, each followed for up to 30 s.
+    tokio::time::sleep(Duration::from_millis(500)).await;
+    assert!(policy.store().in_flight() > 0, "a read is on its way");
+    let settled =
+        tokio::time::timeout(Duration::from_secs(3), policy.settle_owed(Duration::MAX)).await;
+    assert!(
+        matches!(settled, Ok(owed) if owed.units == 0),
+        "settle_owed(MAX), nothing owed nor charged, Redis stalled: {settled:?}"
+    );
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn fail_open_through_an_outage_counts_every_admission() {
     if !redis_available() {

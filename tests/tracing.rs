@@ -175,3 +175,26 @@ async fn a_shadow_layer_logs_no_refusal_for_a_request_it_passes() {
     );
     assert_eq!(logged.len(), 2, "{logged:?}");
 }
+
+/// A layer of shadow quotas that cannot tell who a request is from (no
+/// `ConnectInfo` for `ClientIp`) lets it through: the setup mistake is
+/// logged, but never as a 500 the client did not get.
+#[tokio::test(flavor = "current_thread")]
+async fn a_shadow_layer_without_subjects_does_not_log_500s_it_never_answers() {
+    let messages = Messages::default();
+    let _guard = tracing::subscriber::set_default(messages.clone());
+    let policy = QuotaPolicy::builder(tower_quota::subject::ClientIp::new()).build();
+    let app = Router::new()
+        .route("/", get(|| async { "hi" }))
+        .route_layer(policy.layer(Quota::daily(1).shadow()));
+    let request = Request::get("/").body(Body::empty()).unwrap();
+    assert_eq!(app.oneshot(request).await.unwrap().status(), StatusCode::OK);
+    let logged = messages.0.lock().unwrap().clone();
+    assert!(!logged.is_empty(), "the setup mistake is logged");
+    assert!(
+        logged
+            .iter()
+            .all(|(_, message)| !message.contains("500") && !message.contains("refused")),
+        "{logged:?}"
+    );
+}

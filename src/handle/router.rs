@@ -602,7 +602,7 @@ impl axum::response::IntoResponse for crate::subject::SubjectError {
             crate::subject::SubjectError::Missing => StatusCode::UNAUTHORIZED,
             crate::subject::SubjectError::Malformed(_) => StatusCode::BAD_REQUEST,
             crate::subject::SubjectError::Unavailable(_) => {
-                response::unidentifiable(&self);
+                response::unidentifiable(&self, false);
                 return problem(StatusCode::INTERNAL_SERVER_ERROR, response::UNIDENTIFIABLE);
             }
         };

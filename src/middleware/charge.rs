@@ -222,7 +222,7 @@ fn identify<E: SubjectExtractor, St>(
                 SubjectError::Missing => (settings.on_missing, StatusCode::UNAUTHORIZED),
                 SubjectError::Malformed(_) => (settings.on_malformed, StatusCode::BAD_REQUEST),
                 SubjectError::Unavailable(_) => {
-                    response::unidentifiable(&error);
+                    response::unidentifiable(&error, passes);
                     let status = StatusCode::INTERNAL_SERVER_ERROR;
                     return Err(response::early(status, response::UNIDENTIFIABLE, parts));
                 }

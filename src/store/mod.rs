@@ -830,13 +830,15 @@ pub trait Store: Clone + Send + Sync + 'static {
         std::time::Duration::ZERO
     }
 
-    /// How many calls of this store are still on their way, followed after
-    /// their callers stopped waiting included (a charge or a settle the
-    /// Redis store gives back if Redis applied it late): what
-    /// [`QuotaPolicy::settle_owed`](crate::QuotaPolicy::settle_owed) waits
-    /// for, so that a process that exits after it leaves no such charge
-    /// counted. Zero by default; a store that wraps another adds the inner
-    /// store's.
+    /// How many charges (and settles) of this store are still on their
+    /// way, followed after their callers stopped waiting included (a charge
+    /// or a settle the Redis store gives back if Redis applied it late):
+    /// what [`QuotaPolicy::settle_owed`](crate::QuotaPolicy::settle_owed)
+    /// waits for, so that a process that exits after it leaves no such
+    /// charge counted. Reads and changes, with nothing to give back, are
+    /// not counted (a server clock's reads, or a leased store's give-backs,
+    /// to a stalled Redis would hold a shutdown for its whole wait). Zero
+    /// by default; a store that wraps another adds the inner store's.
     fn calls_in_flight(&self) -> usize {
         0
     }

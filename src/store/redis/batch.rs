@@ -29,7 +29,7 @@ use deadpool_redis::redis::aio::ConnectionLike;
 use deadpool_redis::redis::{self, ErrorKind, FromRedisValue, RedisError, ServerErrorKind, Value};
 use jiff::Timestamp;
 use smallvec::SmallVec;
-use tokio::sync::{oneshot, OwnedSemaphorePermit};
+use tokio::sync::oneshot;
 
 use super::late::Sends;
 use super::late::{first_call_of, Refund};
@@ -86,7 +86,7 @@ pub(super) struct Pending {
     pub(super) lines: Lines,
     pub(super) answer: oneshot::Sender<Answer>,
     /// Keeps the charge counted in flight until it is over.
-    pub(super) permit: OwnedSemaphorePermit,
+    pub(super) permit: super::late::Room,
 }
 
 /// Redis's answer to one charge: the script's reply, or why there is none.
@@ -127,7 +127,7 @@ struct GiveBack {
     /// not applied.
     lines: Lines,
     /// Held until the charge is over: taken, or given back.
-    permit: Option<OwnedSemaphorePermit>,
+    permit: Option<super::late::Room>,
 }
 
 impl Drop for GiveBack {
@@ -637,6 +637,7 @@ mod tests {
 
     fn pending(lines: &[(&str, i64, &'static str, i64, i64)], now: i64) -> Pending {
         let permit = Arc::new(Semaphore::new(1)).try_acquire_owned().unwrap();
+        let permit = crate::store::redis::late::Room::new(permit);
         Pending {
             now: Timestamp::from_millisecond(now).unwrap(),
             lines: lines

@@ -270,6 +270,7 @@ impl RedisStoreBuilder {
                 connect_timeout: self.connect_timeout,
                 max_in_flight: self.max_in_flight,
                 in_flight: Arc::new(Semaphore::new(self.max_in_flight)),
+                charges: Arc::default(),
                 given_back: AtomicU64::new(0),
                 calendar_grace: self.calendar_grace,
                 calendar_jitter: self.calendar_jitter,

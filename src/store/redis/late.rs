@@ -9,7 +9,7 @@
 
 use std::future::Future;
 use std::pin::Pin;
-use std::sync::atomic::Ordering;
+use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::Arc;
 
 use deadpool_redis::redis::RedisError;
@@ -23,6 +23,42 @@ use super::{FOLLOW_THROUGH, SILENCE};
 use crate::key::PeriodKey;
 use crate::store::{ChargeRequest, Made};
 use crate::throttle::Throttle;
+
+/// A call's room among the calls in flight, held until it is over; a
+/// charge's (a settle's too) also counts it among the charges a shutdown
+/// waits for ([`Store::calls_in_flight`](crate::store::Store::calls_in_flight)):
+/// until it was answered, or given back if Redis applied it late. A read or
+/// a change has nothing to give back, and a process may exit while one is
+/// on its way.
+pub(super) struct Room {
+    _permit: OwnedSemaphorePermit,
+    charge: Option<Charging>,
+}
+
+impl Room {
+    pub(super) fn new(permit: OwnedSemaphorePermit) -> Self {
+        Self {
+            _permit: permit,
+            charge: None,
+        }
+    }
+
+    /// The room of a charge, counted in `charges` until it is over.
+    pub(super) fn charging(mut self, charges: &Arc<AtomicUsize>) -> Self {
+        charges.fetch_add(1, Ordering::Relaxed);
+        self.charge = Some(Charging(Arc::clone(charges)));
+        self
+    }
+}
+
+/// One charge counted on its way.
+struct Charging(Arc<AtomicUsize>);
+
+impl Drop for Charging {
+    fn drop(&mut self) {
+        self.0.fetch_sub(1, Ordering::Relaxed);
+    }
+}
 
 /// What a call does to what Redis holds: what a caller that stopped waiting
 /// is told.
@@ -125,7 +161,7 @@ pub(super) struct Call<T: Send + 'static> {
     /// When it was sent.
     pub(super) sent: tokio::time::Instant,
     /// Keeps the call counted in flight until it is over.
-    pub(super) permit: Option<OwnedSemaphorePermit>,
+    pub(super) permit: Option<Room>,
     pub(super) give_back: Option<GiveBack<T>>,
 }
 
@@ -186,7 +222,7 @@ pub(super) async fn follow_through<T>(
     mut trip: RoundTrip<T>,
     mut lost: Option<Lost>,
     sent: tokio::time::Instant,
-    _permit: Option<OwnedSemaphorePermit>,
+    _permit: Option<Room>,
     give_back: Option<GiveBack<T>>,
 ) {
     let (mut conn, value) = match wait_for(&inner, &mut trip, sent, &mut lost).await {

@@ -12,7 +12,7 @@ use deadpool_redis::redis::{RedisError, Script};
 use deadpool_redis::Pool;
 use jiff::Timestamp;
 use smallvec::SmallVec;
-use tokio::sync::{OwnedSemaphorePermit, Semaphore};
+use tokio::sync::Semaphore;
 
 use super::batch::{Batches, LineArgs, Lines, Pending};
 use super::builder::{RedisStoreBuilder, Source};
@@ -20,7 +20,7 @@ use super::clock::{refresh_offset, ServerClock};
 use super::connection::{Connection, Connections};
 use super::errors::{applied_nothing, fault_error, redis_error, retires};
 use super::hash::jitter;
-use super::late::{give_back, refund_lines, Call, GiveBack, Sends};
+use super::late::{give_back, refund_lines, Call, GiveBack, Room, Sends};
 use super::script::{
     as_millis, clamp, live_count, millis_until, outcome, unexpected, Invocation, CLOCK_KEY,
     COUNTERS_LUA, MAX_EXACT,
@@ -232,6 +232,9 @@ pub(super) struct Inner {
     pub(super) connect_timeout: Duration,
     pub(super) max_in_flight: usize,
     pub(super) in_flight: Arc<Semaphore>,
+    /// Charges and settles on their way, until answered or given back
+    /// (see [`Room`]).
+    pub(super) charges: Arc<std::sync::atomic::AtomicUsize>,
     /// Charges given back after their callers stopped waiting.
     pub(super) given_back: AtomicU64,
     pub(super) calendar_grace: Duration,
@@ -409,22 +412,13 @@ impl RedisStore {
 
     /// Room for one call among the calls in flight, found within the wait:
     /// its permit, the call's deadline, and the end of its wait.
-    async fn room(
-        &self,
-    ) -> Result<
-        (
-            OwnedSemaphorePermit,
-            tokio::time::Instant,
-            tokio::time::Instant,
-        ),
-        StoreError,
-    > {
+    async fn room(&self) -> Result<(Room, tokio::time::Instant, tokio::time::Instant), StoreError> {
         let inner = &self.inner;
         let started = tokio::time::Instant::now();
         let deadline = started + inner.timeout;
         let room = deadline.min(started + inner.wait_timeout);
         match tokio::time::timeout_at(room, Arc::clone(&inner.in_flight).acquire_owned()).await {
-            Ok(Ok(permit)) => Ok((permit, deadline, room)),
+            Ok(Ok(permit)) => Ok((Room::new(permit), deadline, room)),
             Ok(Err(_)) => Err(StoreError::new(
                 StoreErrorKind::Unavailable,
                 "the Redis store is closed",
@@ -473,6 +467,10 @@ impl RedisStore {
     {
         let inner = &self.inner;
         let (permit, deadline, room) = self.room().await?;
+        let permit = match &give_back {
+            Some(_) => permit.charging(&inner.charges),
+            None => permit,
+        };
         let timeouts = Timeouts {
             wait: Some(room.saturating_duration_since(tokio::time::Instant::now())),
             create: Some(inner.connect_timeout),
@@ -753,6 +751,7 @@ impl RedisStore {
         lines: Lines,
     ) -> Result<ChargeOutcome, StoreError> {
         let (permit, deadline, _) = self.room().await?;
+        let permit = permit.charging(&self.inner.charges);
         let (answer, mut answered) = tokio::sync::oneshot::channel();
         let mut sender = Batches::push(
             &self.inner,
@@ -958,8 +957,11 @@ impl Store for RedisStore {
         super::script::MAX_EXACT
     }
 
+    /// The charges and settles on their way (answered, or given back if
+    /// Redis applied them late), not the reads and changes
+    /// ([`in_flight`](Self::in_flight) counts every call).
     fn calls_in_flight(&self) -> usize {
-        self.in_flight()
+        self.inner.charges.load(Ordering::Relaxed)
     }
 }
 
