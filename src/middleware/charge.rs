@@ -143,13 +143,15 @@ pub(crate) fn plan<E: SubjectExtractor, St: crate::store::Store>(
                 tracing::trace!("request passes uncounted: a skip rule");
                 return Step::PassUncounted(uncounted(policy.id, now));
             }
-            let only_shadow = bound.scope.only_shadow();
+            // Asked only of a request that cannot be charged: a look at
+            // every quota of the layer, kept off the path of the others.
+            let only_shadow = || bound.scope.only_shadow();
             match identify(policy, parts, only_shadow) {
                 // A layer of shadow quotas never refuses: the policy's other
                 // layers, if any, decide as they would alone. Not counted in
                 // the metrics, as a request refused before any charge is
                 // not; nor logged as refused, as it is not.
-                Err(response) if only_shadow => {
+                Err(response) if only_shadow() => {
                     tracing::trace!(
                         would_be = %response.status(),
                         "request passes a layer of shadow quotas uncounted: it cannot be charged"
@@ -205,14 +207,14 @@ pub(crate) fn uncounted(policy: u64, now: Timestamp) -> Ticket {
 
 /// Who the request is charged to: its subject, plan and zone, or the answer
 /// when it cannot be charged; `None` when the policy lets it through.
-/// `passes`: the request passes whatever this answers (a layer of shadow
-/// quotas), so a refusal is not logged as one.
+/// `passes`: whether the request passes whatever this answers (a layer of
+/// shadow quotas), so that a refusal is not logged as one.
 // The error is the answer itself, made once for a refused request.
 #[allow(clippy::result_large_err)]
 fn identify<E: SubjectExtractor, St>(
     policy: &Policy<E, St>,
     parts: &Parts,
-    passes: bool,
+    passes: impl Fn() -> bool,
 ) -> Result<Option<Caller>, Response<Bytes>> {
     let settings = &policy.settings;
     let subject = match subject(&policy.extractor, parts, settings.max_subject_len) {
@@ -222,7 +224,7 @@ fn identify<E: SubjectExtractor, St>(
                 SubjectError::Missing => (settings.on_missing, StatusCode::UNAUTHORIZED),
                 SubjectError::Malformed(_) => (settings.on_malformed, StatusCode::BAD_REQUEST),
                 SubjectError::Unavailable(_) => {
-                    response::unidentifiable(&error, passes);
+                    response::unidentifiable(&error, passes());
                     let status = StatusCode::INTERNAL_SERVER_ERROR;
                     return Err(response::early(status, response::UNIDENTIFIABLE, parts));
                 }
@@ -238,7 +240,7 @@ fn identify<E: SubjectExtractor, St>(
                     } else {
                         default
                     };
-                    if !passes {
+                    if !passes() {
                         tracing::debug!(%error, %status, "request refused: no usable subject");
                     }
                     let answer = response::early(status, &error.to_string(), parts);
@@ -250,7 +252,7 @@ fn identify<E: SubjectExtractor, St>(
     let plan = match policy.plan_as_charged(settings.plan.as_ref().and_then(|plan| plan(parts))) {
         Ok(plan) => plan.map(String::into_boxed_str),
         Err(plan) => {
-            if !passes {
+            if !passes() {
                 tracing::debug!("request refused: unknown plan");
             }
             let detail = format!("The plan {:?} has no quota here.", response::echo(&plan));
@@ -260,7 +262,7 @@ fn identify<E: SubjectExtractor, St>(
     let zone = match settings.caller_zone(parts) {
         Ok(zone) => zone,
         Err(error) => {
-            if !passes {
+            if !passes() {
                 tracing::debug!(%error, "request refused: invalid time zone");
             }
             return Err(response::early(
