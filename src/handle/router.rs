@@ -231,16 +231,10 @@ async fn caller<St>(
                     %error,
                     "the policy's caller info failed: support changed nothing"
                 );
-                let mut response = problem(
+                return Err(retry_soon(problem(
                     StatusCode::SERVICE_UNAVAILABLE,
                     "the caller's plan and zone could not be read; nothing was changed",
-                );
-                // As the store's own 503: a moment, not at once.
-                response.headers_mut().insert(
-                    http::header::RETRY_AFTER,
-                    http::HeaderValue::from_static("1"),
-                );
-                return Err(response);
+                )));
             }
         },
         _ => CallerInfo::default(),
@@ -541,11 +535,15 @@ fn unavailable(error: &crate::store::StoreError) -> Response {
             "quota store failed answering a support request"
         );
     }
-    let mut response = problem(
+    retry_soon(problem(
         StatusCode::SERVICE_UNAVAILABLE,
         "The quota store is unavailable; try again later.",
-    );
-    // As the layers' own 503: a moment, not at once.
+    ))
+}
+
+/// `response` (a 503) with `Retry-After: 1`, as the layers' own 503: a
+/// moment, not at once.
+fn retry_soon(mut response: Response) -> Response {
     response.headers_mut().insert(
         http::header::RETRY_AFTER,
         http::HeaderValue::from_static("1"),

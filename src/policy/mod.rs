@@ -401,7 +401,7 @@ impl<E, St> QuotaPolicy<E, St> {
     /// task. Answers what is still owed (nothing, once settled; a settle
     /// on its way when the time is up counts as owed, though it may land).
     /// Once nothing is owed, it waits too (within the same time) for the
-    /// store's calls still on their way ([`Store::calls_in_flight`]): the
+    /// store's charges still on their way ([`Store::charges_in_flight`]): the
     /// Redis store follows a charge or a settle it did not answer in time,
     /// to give it back if Redis applied it late, and a process that exits
     /// before that give-back leaves the request counted twice.
@@ -436,7 +436,7 @@ impl<E, St> QuotaPolicy<E, St> {
         // The store's follow-ups of charges and settles Redis may apply
         // late: their give-backs land before the caller exits.
         let deadline = start.checked_add(within);
-        while core.store.calls_in_flight() > 0
+        while core.store.charges_in_flight() > 0
             && deadline.is_none_or(|d| tokio::time::Instant::now() < d)
         {
             tokio::time::sleep(Duration::from_millis(5)).await;

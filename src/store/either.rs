@@ -207,10 +207,10 @@ impl<A: Store, B: Store> Store for EitherStore<A, B> {
         }
     }
 
-    fn calls_in_flight(&self) -> usize {
+    fn charges_in_flight(&self) -> usize {
         match self {
-            Self::Left(store) => store.calls_in_flight(),
-            Self::Right(store) => store.calls_in_flight(),
+            Self::Left(store) => store.charges_in_flight(),
+            Self::Right(store) => store.charges_in_flight(),
         }
     }
 }

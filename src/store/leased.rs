@@ -3444,8 +3444,8 @@ impl<St: Store> Store for LeasedStore<St> {
         RETURN_WAIT.saturating_add(self.inner.longest_wait())
     }
 
-    fn calls_in_flight(&self) -> usize {
-        self.inner.calls_in_flight()
+    fn charges_in_flight(&self) -> usize {
+        self.inner.charges_in_flight()
     }
 }
 

@@ -839,7 +839,7 @@ pub trait Store: Clone + Send + Sync + 'static {
     /// not counted (a server clock's reads, or a leased store's give-backs,
     /// to a stalled Redis would hold a shutdown for its whole wait). Zero
     /// by default; a store that wraps another adds the inner store's.
-    fn calls_in_flight(&self) -> usize {
+    fn charges_in_flight(&self) -> usize {
         0
     }
 }

@@ -960,7 +960,7 @@ impl Store for RedisStore {
     /// The charges and settles on their way (answered, or given back if
     /// Redis applied them late), not the reads and changes
     /// ([`in_flight`](Self::in_flight) counts every call).
-    fn calls_in_flight(&self) -> usize {
+    fn charges_in_flight(&self) -> usize {
         self.inner.charges.load(Ordering::Relaxed)
     }
 }
