@@ -12,7 +12,7 @@ use jiff::tz::TimeZone;
 use jiff::{SignedDuration, Timestamp};
 
 use crate::middleware::QuotaLayer;
-use crate::policy::{InvalidRequest, Policy, QuotaPolicy, Settings};
+use crate::policy::{CallerInfo, InvalidRequest, Policy, QuotaPolicy, Settings};
 use crate::quota::Quota;
 use crate::status::{QuotaStatus, QuotaUsage};
 use crate::store::{ChargeLine, ChargeRequest, MemoryStore, Store, StoreError};
@@ -42,6 +42,9 @@ pub struct QuotaHandle<St = MemoryStore> {
     only: Option<Arc<[Quota]>>,
     /// A caller's own zone, for its calendar quotas.
     zone: Option<TimeZone>,
+    /// A caller's plan, for [`QuotaHandle::usage`] (from
+    /// [`QuotaHandle::for_caller`]).
+    plan: Option<String>,
 }
 
 /// What a handle needs of its policy, whatever its subject extractor.
@@ -110,6 +113,7 @@ impl<St: Send + Sync + 'static> QuotaHandle<St> {
             shared: policy,
             only: None,
             zone: None,
+            plan: None,
         }
     }
 }
@@ -170,6 +174,116 @@ impl<St> QuotaHandle<St> {
     /// [`in_zone`](Self::in_zone) names counters no layer writes.
     pub fn reads_caller_zones(&self) -> bool {
         self.settings().zone.is_some()
+    }
+
+    /// This handle for `subject` as the policy's layers count it: in the
+    /// calendar zone, and with [`usage`](Self::usage) on the plan, that the
+    /// policy's [`caller_info`](crate::QuotaPolicyBuilder::caller_info)
+    /// gives for it. What it gives no zone or plan for (and every caller,
+    /// without `caller_info`) is counted as a request that names none is:
+    /// in the quotas' own zones, on their own limits. A zone is used only
+    /// by a policy that [reads callers' zones](Self::reads_caller_zones).
+    /// Resets and refunds through the handle reach the counters the layers
+    /// charge that caller, which a handle outside its zone does not name.
+    ///
+    /// ```
+    /// use tower_quota::jiff::tz::TimeZone;
+    /// use tower_quota::{zone_from_header, CallerInfo, FromHeader, Quota, QuotaPolicy, Subject};
+    ///
+    /// # #[tokio::main(flavor = "current_thread")] async fn main() {
+    /// let policy = QuotaPolicy::builder(FromHeader::account("x-account-id"))
+    ///     .plan(|parts| Some(parts.headers.get("x-plan")?.to_str().ok()?.to_owned()))
+    ///     .time_zone(zone_from_header("x-account-zone"))
+    ///     .caller_info(|subject| {
+    ///         // The application's own account settings.
+    ///         let known = subject.id() == b"acme";
+    ///         async move {
+    ///             let tokyo = TimeZone::get("Asia/Tokyo")?;
+    ///             Ok(known.then(|| CallerInfo::new().plan("pro").zone(tokyo)))
+    ///         }
+    ///     })
+    ///     .build();
+    /// let _layer = policy.layer(Quota::daily(100).plan("pro", 10_000));
+    ///
+    /// let acme = Subject::account("acme");
+    /// let handle = policy.handle().for_caller(&acme).await.unwrap();
+    /// assert_eq!(handle.plan(), Some("pro"));
+    /// assert_eq!(handle.zone().and_then(|z| z.iana_name()), Some("Asia/Tokyo"));
+    /// let usage = handle.usage(&acme).await.unwrap();
+    /// assert_eq!(usage[0].limit(), 10_000);
+    /// // A caller the application does not know:
+    /// assert!(policy.handle().for_caller(&Subject::account("nobody")).await.is_err());
+    /// # }
+    /// ```
+    ///
+    /// # Errors
+    ///
+    /// [`StandingError::UnknownCaller`] when `caller_info` answers that the
+    /// application knows no such caller; [`StandingError::CallerInfo`] when
+    /// it fails (logged at warn, with the subject's kind and hash) or gives
+    /// a zone no key can name; [`StandingError::Plan`] when it gives a
+    /// plan the policy refuses.
+    pub async fn for_caller(&self, subject: &Subject) -> Result<Self, StandingError> {
+        let info = self.caller_info(subject).await?;
+        let zone = match info.zone {
+            Some(zone) if self.reads_caller_zones() => {
+                if !crate::period::is_nameable(&zone) {
+                    tracing::warn!(
+                        subject.kind = %subject.kind(),
+                        subject.hash = %subject.log_hash(),
+                        ?zone,
+                        "the policy's caller info gives a zone no key can name"
+                    );
+                    return Err(StandingError::CallerInfo(
+                        "the caller info gives a zone no key can name (neither of the IANA \
+                         list nor a fixed offset)"
+                            .into(),
+                    ));
+                }
+                Some(crate::period::under_primary_name(&zone))
+            }
+            _ => None,
+        };
+        let plan = self.known_plan(info.plan)?;
+        Ok(Self {
+            zone,
+            plan,
+            ..self.clone()
+        })
+    }
+
+    /// What the policy's [`caller_info`](crate::QuotaPolicyBuilder::caller_info)
+    /// gives for `subject`: nothing without one.
+    pub(crate) async fn caller_info(&self, subject: &Subject) -> Result<CallerInfo, StandingError> {
+        let Some(info) = &self.settings().caller_info else {
+            return Ok(CallerInfo::default());
+        };
+        match info(subject).await {
+            Ok(Some(info)) => Ok(info),
+            Ok(None) => Err(StandingError::UnknownCaller),
+            Err(error) => {
+                tracing::warn!(
+                    subject.kind = %subject.kind(),
+                    subject.hash = %subject.log_hash(),
+                    %error,
+                    "the policy's caller info failed: the caller's plan and zone are not known"
+                );
+                Err(StandingError::CallerInfo(error))
+            }
+        }
+    }
+
+    /// The caller's plan this handle reads [`usage`](Self::usage) on, from
+    /// [`for_caller`](Self::for_caller); `None` for the quotas' own limits.
+    pub fn plan(&self) -> Option<&str> {
+        self.plan.as_deref()
+    }
+
+    /// The caller's own zone this handle counts calendar quotas in
+    /// ([`in_zone`](Self::in_zone), [`for_caller`](Self::for_caller));
+    /// `None` for the quotas' own zones.
+    pub fn zone(&self) -> Option<&TimeZone> {
+        self.zone.as_ref()
     }
 
     /// The quotas this handle sees: for a policy's handle, those of every
@@ -323,10 +437,11 @@ impl<St: Store> QuotaHandle<St> {
     }
 
     /// Where `subject` stands on every quota now, against each quota's own
-    /// limit (see [`QuotaHandle::usage_on_plan`] for a subject on a plan).
-    /// Charges nothing.
+    /// limit, or the limits of the handle's [`plan`](Self::plan) (see
+    /// [`for_caller`](Self::for_caller); [`usage_on_plan`](Self::usage_on_plan)
+    /// names one). Charges nothing.
     pub async fn usage(&self, subject: &Subject) -> Result<Vec<QuotaUsage>, StoreError> {
-        self.usage_on_plan(subject, None).await
+        self.usage_on_plan(subject, self.plan.as_deref()).await
     }
 
     /// Where `subject` stands on every quota now, on `plan`'s limits.
@@ -744,6 +859,7 @@ impl<St> Clone for QuotaHandle<St> {
             shared: Arc::clone(&self.shared),
             only: self.only.clone(),
             zone: self.zone.clone(),
+            plan: self.plan.clone(),
         }
     }
 }
@@ -757,7 +873,8 @@ impl<St: fmt::Debug> fmt::Debug for QuotaHandle<St> {
     }
 }
 
-/// Why [`QuotaHandle::standing`] could not tell where a caller stands.
+/// Why [`QuotaHandle::standing`] or [`QuotaHandle::for_caller`] could not tell
+/// where a caller stands.
 #[derive(Debug)]
 pub enum StandingError {
     /// The request names no usable subject; its answer (401 for a missing
@@ -776,6 +893,14 @@ pub enum StandingError {
     Plan(String),
     /// The store failed.
     Store(StoreError),
+    /// The policy's [`caller_info`](crate::QuotaPolicyBuilder::caller_info)
+    /// answers that the application knows no such caller
+    /// ([`QuotaHandle::for_caller`]).
+    UnknownCaller,
+    /// The policy's [`caller_info`](crate::QuotaPolicyBuilder::caller_info)
+    /// failed, or gave a zone no key can name
+    /// ([`QuotaHandle::for_caller`]).
+    CallerInfo(Box<dyn std::error::Error + Send + Sync>),
 }
 
 impl fmt::Display for StandingError {
@@ -790,6 +915,10 @@ impl fmt::Display for StandingError {
                 crate::response::echo(plan)
             ),
             Self::Store(error) => write!(f, "the quota store failed: {error}"),
+            Self::UnknownCaller => f.write_str("the application knows no such caller"),
+            Self::CallerInfo(error) => {
+                write!(f, "the caller's plan and zone could not be read: {error}")
+            }
         }
     }
 }
@@ -801,6 +930,8 @@ impl std::error::Error for StandingError {
             Self::Zone(error) => Some(error),
             Self::Plan(_) => None,
             Self::Store(error) => Some(error),
+            Self::UnknownCaller => None,
+            Self::CallerInfo(error) => Some(&**error),
         }
     }
 }

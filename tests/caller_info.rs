@@ -15,7 +15,8 @@ use tower::ServiceExt;
 use tower_quota::jiff::tz::TimeZone;
 use tower_quota::jiff::Timestamp;
 use tower_quota::{
-    CallerInfo, FromHeader, ManualClock, Quota, QuotaPolicy, QuotaPolicyBuilder, UnknownPlan,
+    CallerInfo, FromHeader, ManualClock, Quota, QuotaPolicy, QuotaPolicyBuilder, StandingError,
+    Subject, UnknownPlan,
 };
 
 /// An account's settings, as the application keeps them.
@@ -380,4 +381,105 @@ async fn a_call_refused_for_what_it_names_does_not_ask_the_info() {
     let response = send(&unzoned, "GET", "/admin/quota/account/down?zone=UTC", None).await;
     assert_eq!(response.status(), StatusCode::BAD_REQUEST);
     assert_eq!(calls.load(Ordering::Relaxed), 0);
+}
+
+/// The handle for a caller (`for_caller`): in its zone and on its plan, as
+/// the layers count it, so a handler or a support tool of the
+/// application's own reads, resets and refunds the counters the caller is
+/// refused on, without knowing its zone or plan.
+#[tokio::test]
+async fn the_handle_for_a_caller_reaches_its_own_counters() {
+    let clock = clock();
+    let calls = Arc::new(AtomicUsize::new(0));
+    let policy = with_info(policy(&clock), &calls);
+    let app = app(&policy);
+    for _ in 0..3 {
+        let served = send(&app, "GET", "/read", Some("tokyo-co")).await;
+        assert_eq!(served.status(), StatusCode::OK);
+    }
+    let tokyo = Subject::account("tokyo-co");
+    let handle = policy.handle().for_caller(&tokyo).await.unwrap();
+    assert_eq!(handle.plan(), Some("pro"));
+    assert_eq!(
+        handle.zone().and_then(|zone| zone.iana_name()),
+        Some("Asia/Tokyo")
+    );
+    let usage = handle.usage(&tokyo).await.unwrap();
+    assert_eq!((usage[0].limit(), usage[0].used()), (3, 3));
+    // The handle alone reads the quotas' own zone and limits.
+    let own = policy.handle().usage(&tokyo).await.unwrap();
+    assert_eq!((own[0].limit(), own[0].used()), (2, 0));
+
+    // A reset through it reaches the counter the caller is refused on.
+    assert_eq!(
+        send(&app, "GET", "/read", Some("tokyo-co")).await.status(),
+        StatusCode::TOO_MANY_REQUESTS
+    );
+    handle.reset_allowance(&tokyo, "read").await.unwrap();
+    assert_eq!(
+        send(&app, "GET", "/read", Some("tokyo-co")).await.status(),
+        StatusCode::OK
+    );
+    assert_eq!(handle.usage(&tokyo).await.unwrap()[0].used(), 1);
+
+    // Known, with no plan or zone of its own: the quotas' own.
+    let plain = policy
+        .handle()
+        .for_caller(&Subject::account("plain-co"))
+        .await
+        .unwrap();
+    assert_eq!((plain.plan(), plain.zone()), (None, None));
+    // A handle in a zone already, for a caller of no zone of its own:
+    // the quotas' zone, as the layers count that caller.
+    let elsewhere = policy.handle().in_zone(zone("Asia/Tokyo"));
+    let plain = elsewhere
+        .for_caller(&Subject::account("plain-co"))
+        .await
+        .unwrap();
+    assert_eq!(plain.zone(), None);
+}
+
+#[tokio::test]
+async fn the_handle_for_a_caller_the_info_cannot_tell_is_an_error() {
+    let clock = clock();
+    let calls = Arc::new(AtomicUsize::new(0));
+    let with_info = with_info(policy(&clock), &calls);
+    let handle = with_info.handle();
+    let cases = [
+        ("nobody", StatusCode::NOT_FOUND),
+        ("down", StatusCode::SERVICE_UNAVAILABLE),
+        ("posix-co", StatusCode::SERVICE_UNAVAILABLE),
+        ("gold-co", StatusCode::FORBIDDEN),
+    ];
+    for (account, status) in cases {
+        let error = match handle.for_caller(&Subject::account(account)).await {
+            Ok(_) => panic!("{account}: a handle"),
+            Err(error) => error,
+        };
+        match (account, &error) {
+            ("nobody", StandingError::UnknownCaller)
+            | ("down" | "posix-co", StandingError::CallerInfo(_))
+            | ("gold-co", StandingError::Plan(_)) => {}
+            _ => panic!("{account}: {error:?}"),
+        }
+        let response = axum::response::IntoResponse::into_response(error);
+        assert_eq!(response.status(), status, "{account}");
+        if status == StatusCode::SERVICE_UNAVAILABLE {
+            assert_eq!(response.headers()["retry-after"], "1");
+        }
+        let (_, problem) = json(response).await;
+        // The application's own error text is not told.
+        let detail = problem["detail"].as_str().unwrap();
+        assert!(!detail.contains("database"), "{detail}");
+    }
+
+    // Without caller info, every caller as its requests would count it
+    // naming no plan or zone.
+    let plain = policy(&clock).build();
+    let handle = plain
+        .handle()
+        .for_caller(&Subject::account("nobody"))
+        .await
+        .unwrap();
+    assert_eq!((handle.plan(), handle.zone()), (None, None));
 }

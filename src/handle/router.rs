@@ -215,29 +215,24 @@ async fn caller<St>(
     subject: &Subject,
 ) -> Result<(QuotaHandle<St>, Option<String>), Response> {
     let Zoned { handle, named } = zoned;
-    let info = match &handle.settings().caller_info {
-        Some(info) if !named || plan.is_none() => match info(subject).await {
-            Ok(Some(info)) => info,
-            Ok(None) => {
+    let info = if !named || plan.is_none() {
+        match handle.caller_info(subject).await {
+            Ok(info) => info,
+            Err(StandingError::UnknownCaller) => {
                 return Err(problem(
                     StatusCode::NOT_FOUND,
                     "the application knows no such caller; nothing was changed",
                 ))
             }
-            Err(error) => {
-                tracing::warn!(
-                    subject.kind = %subject.kind(),
-                    subject.hash = %subject.log_hash(),
-                    %error,
-                    "the policy's caller info failed: support changed nothing"
-                );
+            Err(_) => {
                 return Err(retry_soon(problem(
                     StatusCode::SERVICE_UNAVAILABLE,
                     "the caller's plan and zone could not be read; nothing was changed",
-                )));
+                )))
             }
-        },
-        _ => CallerInfo::default(),
+        }
+    } else {
+        CallerInfo::default()
     };
     let handle = match info.zone {
         Some(zone) if !named && handle.reads_caller_zones() => {
@@ -577,8 +572,9 @@ fn problem(status: StatusCode, detail: &str) -> Response {
 
 impl axum::response::IntoResponse for StandingError {
     /// 401 or 400 for the subject and 400 for the zone, as the layers
-    /// answer; 503 with `Retry-After: 1` for the store, whose details go
-    /// to the logs only.
+    /// answer; 403 for the plan; 404 for a caller the application does not
+    /// know; 503 with `Retry-After: 1` for the store or the caller info,
+    /// whose details go to the logs only.
     fn into_response(self) -> Response {
         match self {
             StandingError::Subject { error, challenge } => {
@@ -587,6 +583,12 @@ impl axum::response::IntoResponse for StandingError {
             StandingError::Zone(error) => problem(StatusCode::BAD_REQUEST, error.reason()),
             StandingError::Plan(_) => problem(StatusCode::FORBIDDEN, &self.to_string()),
             StandingError::Store(error) => unavailable(&error),
+            StandingError::UnknownCaller => problem(StatusCode::NOT_FOUND, &self.to_string()),
+            // Logged where it failed.
+            StandingError::CallerInfo(_) => retry_soon(problem(
+                StatusCode::SERVICE_UNAVAILABLE,
+                "the caller's plan and zone could not be read",
+            )),
         }
     }
 }

@@ -772,7 +772,9 @@ impl<E, St> QuotaPolicyBuilder<E, St> {
     /// `info` is asked. The router waits for `info` as long as it takes:
     /// bound the lookup in it (a database client's own timeout). Without
     /// `info`, a call that names neither is answered on the quotas' own
-    /// limits and zones.
+    /// limits and zones. The handle asks it too, for
+    /// [`QuotaHandle::for_caller`](crate::QuotaHandle::for_caller): the
+    /// handle in the caller's zone and on its plan.
     ///
     /// ```
     /// use std::collections::HashMap;

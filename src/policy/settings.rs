@@ -108,7 +108,9 @@ type BoxError = Box<dyn std::error::Error + Send + Sync>;
 /// [`time_zone`](crate::QuotaPolicyBuilder::time_zone)) find in its
 /// requests. The support router reads it
 /// ([`QuotaPolicyBuilder::caller_info`](crate::QuotaPolicyBuilder::caller_info))
-/// for a call that names no `?plan=` or `?zone=`.
+/// for a call that names no `?plan=` or `?zone=`, and
+/// [`QuotaHandle::for_caller`](crate::QuotaHandle::for_caller) for the
+/// handle in a caller's zone and on its plan.
 #[derive(Clone, Debug, Default, PartialEq, Eq)]
 pub struct CallerInfo {
     pub(crate) plan: Option<String>,
