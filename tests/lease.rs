@@ -1312,6 +1312,32 @@ async fn a_block_of_a_window_that_ended_is_dropped_not_given_back() {
     assert_eq!(old, 500 + held);
 }
 
+/// A busy subject's blocks near the end of its window hold what it spends
+/// until the end, at its rate: the window's counter, whose last block is
+/// dropped once it ends, counts what was served, not a block more.
+#[tokio::test(start_paused = true)]
+async fn a_block_taken_near_the_windows_end_holds_what_the_rest_of_it_spends() {
+    let shared = MemoryStore::new();
+    let leased = LeasedStore::new(shared.clone());
+    // The last two seconds of the day, a request a millisecond, steady.
+    let mut now: Timestamp = "2026-12-04T23:59:58Z".parse().unwrap();
+    busy(&leased, &mut now, 2_000, 1_000_000, 1).await;
+    tokio::time::advance(Duration::from_secs(2)).await;
+    tokio::task::yield_now().await;
+    assert_eq!(leased.held(), 0, "the ended window's block is dropped");
+    let counted = shared
+        .peek(request("2026-12-04T23:59:59.9Z".parse().unwrap(), u64::MAX))
+        .await
+        .unwrap()[0]
+        .used;
+    // Each block rounds up to a whole unit, and the rate is read from
+    // whole requests.
+    assert!(
+        (2_000..=2_010).contains(&counted),
+        "{counted} counted for 2000 served"
+    );
+}
+
 #[tokio::test(start_paused = true)]
 async fn a_reset_through_the_leased_store_drops_its_block() {
     let shared = MemoryStore::new();

@@ -1248,9 +1248,28 @@ impl<St: Store> LeasedStore<St> {
         } else {
             rate
         };
+        // No more than the subject spends before the period ends: a block
+        // of a period that ended is dropped, and what it held stays counted
+        // in that period, never served. At its rate since the last charge
+        // sent, over the time that really passed (a millisecond at least):
+        // read over the idle bound, as above, the rate of a subject whose
+        // blocks last less than it would look lower than it is, and its
+        // blocks would shrink to single units, a store call per request,
+        // for the last second of every period.
+        let until_end = counter.resets_at.duration_since(now).as_secs_f64();
+        let since_charge = at
+            .saturating_duration_since(counter.charged_at)
+            .as_secs_f64()
+            .max(0.001);
+        let until_end = if until_end > 0.0 {
+            (counter.hits as f64 * until_end / since_charge).ceil() as u64
+        } else {
+            0
+        };
         let left = sized_by(line).saturating_sub(counter.store_used);
         let block = [
             wanted,
+            until_end,
             settings.max_block,
             counter.block.saturating_mul(4).saturating_add(8),
             left.saturating_sub(line.cost) / 4,
