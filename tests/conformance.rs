@@ -105,6 +105,7 @@ mod redis {
         give_backs_that_empty_a_first_use_counter_close_its_period,
         each_call_answers_as_documented,
         changes_to_an_ended_counter_do_not_land,
+        a_late_charge_finds_its_spent_counter,
         an_abandoned_settle_adds_nothing,
         clones_share_an_identity_no_other_store_has,
     );
@@ -208,6 +209,10 @@ mod broken {
         /// A settle of a calendar window makes its counter anew, over the
         /// one its charges made.
         calendar_settle_overwrites: bool,
+        /// Drops every counter whose deadline is not after a charge's
+        /// instant (a sweep, or a time-to-live at the deadline): a charge
+        /// stamped before a deadline that comes late finds a fresh one.
+        sweeps_at_deadline: bool,
     }
 
     #[derive(Clone, Copy, Default)]
@@ -381,6 +386,10 @@ mod broken {
 
         async fn charge_now(self, request: ChargeRequest) -> Result<ChargeOutcome, StoreError> {
             let now = request.now;
+            if self.bugs.sweeps_at_deadline {
+                let mut counters = self.counters.lock().unwrap();
+                counters.retain(|_, c| c.deadline.is_none_or(|d| d > now));
+            }
             if !self.bugs.charges_past_the_period
                 && request.lines.iter().any(|line| line.lifetime.end() <= now)
             {
@@ -1135,5 +1144,7 @@ mod broken {
             => "refund_made_by on a key never charged must find no counter",
         a_calendar_counter_made_anew_by_a_settle_is_caught: calendar_settle_overwrites
             => "a settle adds to a live calendar counter, never makes it anew",
+        a_counter_dropped_at_its_deadline_is_caught: sweeps_at_deadline
+            => "must find the window's counter spent, never a fresh one",
     );
 }

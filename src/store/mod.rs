@@ -20,6 +20,17 @@
 //! - [`Lifetime::Calendar`] counters are named by their window, so their
 //!   deadline is only housekeeping, and the reset reported is the window's
 //!   end.
+//! - A calendar counter outlives its window for the charges stamped in it:
+//!   a request is stamped once, by its policy's outermost layer, and a
+//!   layer further in (behind an authentication call, a queue) charges it
+//!   at that instant, after calls stamped since; an instance's clock may be
+//!   behind another's. A charge stamped before the window's end that
+//!   reaches the store late must still find the window's counter, or it is
+//!   admitted on a fresh one, past the window's limit: the memory store
+//!   keeps a counter a minute past its end (a second when it needs the
+//!   room), the Redis store a minute by default. A store that drops a
+//!   counter at its end (a sweep at the latest call's instant, a
+//!   time-to-live at the end) serves such requests past the limit.
 //! - A charge with a line whose lifetime is over at the charge's instant (a
 //!   window that ends at it or before, a deadline not after it) is an error,
 //!   and charges nothing: a counter made for it would be over as soon as

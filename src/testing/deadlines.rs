@@ -4,7 +4,7 @@
 use super::hooks::{ConformanceHooks, Expiry, Planted, StoredDeadline, Verdict};
 use super::support::{
     add, answered, calendar_line, charge, expect_deadline, first_use, fresh_key, fresh_namespace,
-    peek, refund, settle, stored, Timeline,
+    peek, refund, settle, stored, Keys, Timeline,
 };
 use crate::key::PeriodKey;
 use crate::store::{Debt, Lifetime};
@@ -1524,5 +1524,57 @@ pub async fn a_first_use_counter_ends_at_its_deadline<S: ConformanceHooks>(store
             "a period opened at the old deadline records that instant as its first call"
         );
     }
+    Verdict::Passed
+}
+
+/// A charge stamped in a calendar window that reaches the store after a
+/// call stamped past the window's end still finds the window's counter,
+/// spent, and is refused: a request is stamped once, by its policy's
+/// outermost layer, and a layer further in (behind an authentication call,
+/// a queue) charges it at that instant, after requests stamped since; an
+/// instance whose clock is behind does the same. A store that drops a
+/// counter at its end (a sweep at the latest call's instant, a time-to-live
+/// at the end) admits the late charge on a fresh counter, past the
+/// window's limit. (The memory store and the Redis store keep a counter a
+/// minute past its window: see [`Lifetime::Calendar`].)
+///
+/// # Panics
+///
+/// When the store breaks the rule, or fails to answer.
+pub async fn a_late_charge_finds_its_spent_counter<S: ConformanceHooks>(store: &S) -> Verdict {
+    let mut time = Timeline::new(store.expiry());
+    let period = time.period();
+    let keys = Keys::new();
+    let daily = keys.key("late-calendar");
+    let start = time.now();
+    let end = start + period;
+    let line = |cost| vec![calendar_line(&daily, 2, cost, start, end)];
+    assert!(
+        charge(store, start, line(2)).await.0,
+        "a charge with room must be admitted"
+    );
+    time.pass_beyond(end).await;
+    let after = time.now();
+    // A call stamped past the window's end: the next window's counter.
+    let next = keys.key("late-calendar-next");
+    assert!(
+        charge(
+            store,
+            after,
+            vec![calendar_line(&next, 2, 1, end, end + period)]
+        )
+        .await
+        .0,
+        "a charge with room must be admitted"
+    );
+    let late = end - SignedDuration::from_millis(1);
+    let (admitted, usage) = charge(store, late, line(1)).await;
+    assert!(
+        !admitted && usage[0].used == 2,
+        "a charge stamped in a calendar window that reaches the store after a call stamped \
+         past its end must find the window's counter spent, never a fresh one (admitted: \
+         {admitted}, used: {})",
+        usage[0].used
+    );
     Verdict::Passed
 }

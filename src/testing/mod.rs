@@ -65,6 +65,10 @@
 //!   brings it back, a settle of a debt whose period ends then writes
 //!   nothing, and a charge opens a new period (for a store whose deadlines
 //!   follow the calls).
+//! - [`a_late_charge_finds_its_spent_counter`]: a charge stamped in a
+//!   calendar window that reaches the store after a call stamped past its
+//!   end (an inner layer's, an instance's whose clock is behind) finds the
+//!   window's spent counter, never a fresh one.
 //! - [`an_abandoned_settle_adds_nothing`]: a settle whose future is dropped
 //!   while pending ends either not applied, or applied and given back.
 //! - [`clones_share_an_identity_no_other_store_has`]: a store's clones
@@ -107,9 +111,10 @@ pub use self::charges::{
     exactly_the_limit_under_concurrency,
 };
 pub use self::deadlines::{
-    a_first_use_counter_ends_at_its_deadline, add_never_creates_nor_moves_a_deadline,
-    calendar_counters_are_distinct_per_period_and_dated, changes_by_the_reported_first_call_land,
-    changes_made_before_a_counter_do_not_land, changes_to_an_ended_counter_do_not_land,
+    a_first_use_counter_ends_at_its_deadline, a_late_charge_finds_its_spent_counter,
+    add_never_creates_nor_moves_a_deadline, calendar_counters_are_distinct_per_period_and_dated,
+    changes_by_the_reported_first_call_land, changes_made_before_a_counter_do_not_land,
+    changes_to_an_ended_counter_do_not_land,
     give_backs_that_empty_a_first_use_counter_close_its_period,
     hits_never_extend_a_first_use_deadline, refund_after_expiry_does_not_resurrect,
     refunds_made_at_a_first_call_land_on_that_counter_only, settle_debt_keeps_to_the_debts_period,
@@ -199,6 +204,10 @@ pub async fn run_all<S: ConformanceHooks>(store: &S) -> Vec<(&'static str, Verdi
         (
             "a_first_use_counter_ends_at_its_deadline",
             a_first_use_counter_ends_at_its_deadline(store).await,
+        ),
+        (
+            "a_late_charge_finds_its_spent_counter",
+            a_late_charge_finds_its_spent_counter(store).await,
         ),
         (
             "an_abandoned_settle_adds_nothing",
