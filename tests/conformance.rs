@@ -92,6 +92,7 @@ mod redis {
         add_never_creates_nor_moves_a_deadline,
         settle_debt_keeps_to_the_debts_period,
         exactly_the_limit_under_concurrency,
+        extra_units_take_only_the_room_left,
         all_or_nothing_across_quotas,
         a_refused_charge_writes_nothing,
         an_abandoned_charge_spends_nothing,

@@ -5,6 +5,7 @@ use std::pin::Pin;
 use std::task::{Context, Poll};
 
 use jiff::Timestamp;
+use smallvec::SmallVec;
 
 use super::{ChargeAnswer, ChargeOutcome, ChargeRequest, Debt, Store, StoreError, Usage};
 use crate::key::PeriodKey;
@@ -99,6 +100,17 @@ impl<A: Store, B: Store> Store for EitherStore<A, B> {
         match self {
             Self::Left(store) => later(store.charge_at_once(request), EitherChargeFuture::Left),
             Self::Right(store) => later(store.charge_at_once(request), EitherChargeFuture::Right),
+        }
+    }
+
+    async fn charge_taking(
+        &self,
+        request: ChargeRequest,
+        extra: SmallVec<[u64; 2]>,
+    ) -> Result<(ChargeOutcome, SmallVec<[u64; 2]>), StoreError> {
+        match self {
+            Self::Left(store) => store.charge_taking(request, extra).await,
+            Self::Right(store) => store.charge_taking(request, extra).await,
         }
     }
 

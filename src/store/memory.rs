@@ -661,13 +661,79 @@ impl MemoryStore {
         if let [line] = lines.as_slice() {
             return self.charge_one(line, now);
         }
+        self.charge_all(lines, now, |locked, budget| {
+            self.charge_locked(locked, lines, now, budget)
+        })
+    }
+
+    /// [`Store::charge_taking`] at once: each line's extra units as many
+    /// as fit, read and charged under the same locks as the request.
+    fn charge_taking_now(
+        &self,
+        request: &ChargeRequest,
+        extra: &[u64],
+    ) -> Result<(ChargeOutcome, SmallVec<[u64; 2]>), StoreError> {
+        let extra = super::takeable(request, extra);
+        if extra.iter().all(|&units| units == 0) {
+            return self.charge_now(request).map(|outcome| (outcome, extra));
+        }
+        if let Some(error) = super::past_its_period(request) {
+            return Err(error);
+        }
+        let ends = request.lines.iter().map(|line| line.lifetime.end());
+        if let Some(error) = beyond_its_years(std::iter::once(request.now).chain(ends)) {
+            return Err(error);
+        }
+        let now = request.now;
+        let lines = &request.lines;
+        self.charge_all(lines, now, |locked, budget| {
+            // A line with extra units names a key no other line does: its
+            // room is its counter's alone.
+            let taken: SmallVec<[u64; 2]> = lines
+                .iter()
+                .zip(&extra)
+                .enumerate()
+                .map(|(i, (line, &units))| {
+                    if units == 0 {
+                        return 0;
+                    }
+                    let used = locked.live(i, &line.key, now).map_or(0, |c| c.used);
+                    let room = line.limit.saturating_sub(used);
+                    room.checked_sub(line.cost)
+                        .map_or(0, |left| left.min(units))
+                })
+                .collect();
+            let with_taken: SmallVec<[ChargeLine; 2]> = lines
+                .iter()
+                .zip(&taken)
+                .map(|(line, &units)| ChargeLine {
+                    cost: line.cost + units,
+                    ..line.clone()
+                })
+                .collect();
+            let outcome = self.charge_locked(locked, &with_taken, now, budget)?;
+            let taken = if outcome.admitted {
+                taken
+            } else {
+                smallvec::smallvec![0; lines.len()]
+            };
+            Ok((outcome, taken))
+        })
+    }
+
+    /// Runs `charge` on the locked shards of `lines`; when it finds no room
+    /// for the `n` counters it would create (`Err(n)`, nothing charged),
+    /// makes room in the other shards and runs it once more.
+    fn charge_all<R>(
+        &self,
+        lines: &[ChargeLine],
+        now: Timestamp,
+        mut charge: impl FnMut(&mut Locked<'_, '_>, &mut usize) -> Result<R, usize>,
+    ) -> Result<R, StoreError> {
         let mut budget = ROOM_BUDGET;
         let mut tried = false;
         loop {
-            // `Err(n)`: no room for the `n` counters the charge would create.
-            let charged = self.locked(lines, now, |locked| {
-                self.charge_locked(locked, lines, now, &mut budget)
-            });
+            let charged = self.locked(lines, now, |locked| charge(locked, &mut budget));
             match charged {
                 Ok(outcome) => return Ok(outcome),
                 // Room made in the other shards, without holding this
@@ -1072,6 +1138,15 @@ impl Store for MemoryStore {
     /// Always at once: the counters are here.
     fn charge_at_once(&self, request: &ChargeRequest) -> ChargeAnswer<Self::ChargeFuture> {
         ChargeAnswer::Now(self.charge_now(request))
+    }
+
+    /// In one step: each line takes as many of its extra units as fit.
+    fn charge_taking(
+        &self,
+        request: ChargeRequest,
+        extra: SmallVec<[u64; 2]>,
+    ) -> impl Future<Output = Result<(ChargeOutcome, SmallVec<[u64; 2]>), StoreError>> + Send {
+        ready(self.charge_taking_now(&request, &extra))
     }
 
     fn peek(

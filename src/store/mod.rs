@@ -391,6 +391,25 @@ impl Usage {
     }
 }
 
+/// The units each line of `request` may take beside its cost, of those
+/// asked (`extra`, 0 past its end): none on a line whose key the request
+/// lists more than once (see [`Store::charge_taking`]).
+pub(crate) fn takeable(request: &ChargeRequest, extra: &[u64]) -> SmallVec<[u64; 2]> {
+    let lines = &request.lines;
+    lines
+        .iter()
+        .enumerate()
+        .map(|(i, line)| {
+            let once = lines.iter().filter(|l| l.key == line.key).count() == 1;
+            if once {
+                extra.get(i).copied().unwrap_or(0)
+            } else {
+                0
+            }
+        })
+        .collect()
+}
+
 /// Whether a counter at `used` has room for `cost` under `limit`. A sum
 /// beyond `u64` is beyond any limit: no room, never wrapped or saturated
 /// (a limit of `u64::MAX` would otherwise fit any cost).
@@ -597,6 +616,52 @@ pub trait Store: Clone + Send + Sync + 'static {
     /// sends one: it charges the window that contains the request's
     /// instant.)
     fn charge(&self, request: ChargeRequest) -> Self::ChargeFuture;
+
+    /// Charges `request` as [`Store::charge`] does, and on each line up to
+    /// `extra[i]` units more, as many as its counter has room for under the
+    /// line's limit once every line's cost is charged: a [`LeasedStore`]'s
+    /// block, taken with the request it was planned for. The extras never
+    /// refuse the request: it is admitted exactly when `charge` would admit
+    /// it, and then answered with the units each line took beside its cost
+    /// (counted in its `used`), none when refused. A line whose key the
+    /// request lists more than once takes none, and `extra` is read as 0
+    /// past its end.
+    ///
+    /// The default charges the request with all its extras and, when that
+    /// is refused while each line has room for its own cost, the request
+    /// alone: two calls, taking every extra unit or none. The memory store
+    /// and the Redis store take what fits in one step.
+    fn charge_taking(
+        &self,
+        request: ChargeRequest,
+        extra: SmallVec<[u64; 2]>,
+    ) -> impl Future<Output = Result<(ChargeOutcome, SmallVec<[u64; 2]>), StoreError>> + Send {
+        async move {
+            let extra = takeable(&request, &extra);
+            if extra.iter().all(|&units| units == 0) {
+                let outcome = self.charge(request).await?;
+                return Ok((outcome, extra));
+            }
+            let mut with_extra = request.clone();
+            for (line, &units) in with_extra.lines.iter_mut().zip(&extra) {
+                line.cost = line.cost.saturating_add(units);
+            }
+            let outcome = self.charge(with_extra).await?;
+            if outcome.admitted {
+                return Ok((outcome, extra));
+            }
+            let fits_alone = request
+                .lines
+                .iter()
+                .zip(&outcome.usage)
+                .all(|(line, usage)| has_room(usage.used, line.cost, usage.limit));
+            let none = smallvec::smallvec![0; request.lines.len()];
+            if !fits_alone {
+                return Ok((outcome, none));
+            }
+            Ok((self.charge(request).await?, none))
+        }
+    }
 
     /// Charges `request` as [`Store::charge`] does, answering at once when
     /// the store can: [`ChargeAnswer::Now`] with the answer, made without a

@@ -1353,3 +1353,37 @@ fn a_full_store_charges_a_known_subjects_lines_on_its_ended_counters() {
     );
     assert!(beta.is_err(), "{beta:?}");
 }
+
+/// The memory store takes a charge's extra units as many as fit, in the
+/// same step as the charge: a counter nearly full gives what is left, and
+/// one whose cost does not fit takes nothing and charges nothing.
+#[test]
+fn extra_units_take_what_is_left_in_one_step() {
+    let store = MemoryStore::new();
+    let now = at("2026-12-04T10:00:00Z");
+    let deadline = at("2026-12-04T11:00:00Z");
+    let (a, b) = (key("acme", "read", "PT1H"), key("acme", "write", "PT1H"));
+    let taking = |cost, extra: [u64; 2]| {
+        let request = ChargeRequest {
+            now,
+            lines: smallvec::smallvec![
+                first_use(a.clone(), 10, cost, deadline),
+                first_use(b.clone(), 100, cost, deadline),
+            ],
+        };
+        now_of(store.charge_taking(request, extra.into_iter().collect())).unwrap()
+    };
+    let (outcome, taken) = taking(2, [5, 5]);
+    assert!(outcome.admitted);
+    assert_eq!(taken.as_slice(), [5, 5]);
+    assert_eq!((outcome.usage[0].used, outcome.usage[1].used), (7, 7));
+    // Room for the cost and one more on `a`; all five on `b`.
+    let (outcome, taken) = taking(2, [5, 5]);
+    assert!(outcome.admitted);
+    assert_eq!(taken.as_slice(), [1, 5]);
+    assert_eq!((outcome.usage[0].used, outcome.usage[1].used), (10, 14));
+    let (outcome, taken) = taking(1, [5, 5]);
+    assert!(!outcome.admitted);
+    assert_eq!(taken.as_slice(), [0, 0]);
+    assert_eq!((outcome.usage[0].used, outcome.usage[1].used), (10, 14));
+}

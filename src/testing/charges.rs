@@ -836,3 +836,127 @@ pub async fn clones_share_an_identity_no_other_store_has<S: ConformanceHooks>(
     }
     Verdict::Passed
 }
+
+/// [`Store::charge_taking`](crate::store::Store::charge_taking): a request
+/// with extra units is admitted exactly when it fits alone, takes no more
+/// than it asked for and never past a line's limit, and what it says it
+/// took is counted beside its cost (nothing at all when refused). Extra
+/// units on a key the request lists twice are never taken. Run
+/// concurrently, exactly the limit is spent.
+///
+/// # Panics
+///
+/// When the store breaks the rule, or fails to answer.
+pub async fn extra_units_take_only_the_room_left<S: ConformanceHooks>(store: &S) -> Verdict {
+    let time = Timeline::new(store.expiry());
+    let period = time.period() * 10;
+    let keys = Keys::new();
+    let (a, b) = (keys.key("extra-a"), keys.key("extra-b"));
+    let start = time.now();
+    let line = |key, limit, cost| calendar_line(key, limit, cost, start, start + period);
+    let taking = |lines: Vec<ChargeLine>, extra: &[u64]| {
+        let request = ChargeRequest {
+            now: start,
+            lines: lines.into(),
+        };
+        let extra = extra.iter().copied().collect();
+        async move {
+            match store.charge_taking(request, extra).await {
+                Ok((outcome, taken)) => (outcome, taken.into_vec()),
+                Err(error) => panic!("the store failed a charge with extra units: {error}"),
+            }
+        }
+    };
+    // Spent before each request, and what each asks: cost 2 with 5 more
+    // on `a` (limit 10), cost 1 with 5 more on `b` (limit 3).
+    let mut spent = (0, 0);
+    for _ in 0..6 {
+        let (outcome, taken) = taking(vec![line(&a, 10, 2), line(&b, 3, 1)], &[5, 5]).await;
+        let fits = spent.0 + 2 <= 10 && spent.1 < 3;
+        assert_eq!(
+            outcome.admitted, fits,
+            "a request with extra units is admitted exactly when it fits alone \
+             (spent {spent:?}, taken {taken:?})"
+        );
+        assert_eq!(taken.len(), 2, "one figure per line");
+        if !fits {
+            assert_eq!(taken, [0, 0], "a refused request takes nothing");
+            assert_eq!(
+                (outcome.usage[0].used, outcome.usage[1].used),
+                spent,
+                "a refused request charges nothing"
+            );
+            continue;
+        }
+        assert!(
+            taken[0] <= 5 && taken[1] <= 5,
+            "no more than asked: {taken:?}"
+        );
+        spent = (spent.0 + 2 + taken[0], spent.1 + 1 + taken[1]);
+        assert_eq!(
+            (outcome.usage[0].used, outcome.usage[1].used),
+            spent,
+            "the units taken are counted beside the cost"
+        );
+        assert!(
+            spent.0 <= 10 && spent.1 <= 3,
+            "extra units never pass a limit: {spent:?}"
+        );
+    }
+    let usage = peek(store, start, vec![line(&a, 10, 0), line(&b, 3, 0)]).await;
+    assert_eq!(
+        (usage[0].used, usage[1].used),
+        spent,
+        "the counters hold what the answers told"
+    );
+
+    // A key listed twice takes no extra units, on either line.
+    let twice = keys.key("extra-twice");
+    let (outcome, taken) = taking(vec![line(&twice, 10, 1), line(&twice, 10, 1)], &[4, 4]).await;
+    assert!(outcome.admitted, "a charge with room must be admitted");
+    assert_eq!(taken, [0, 0], "a key listed twice takes no extra units");
+    assert_eq!(outcome.usage[1].used, 2);
+
+    // Concurrently: the limit exactly, whatever each took.
+    const LIMIT: u64 = 40;
+    let shared = keys.key("extra-concurrent");
+    let mut tasks = tokio::task::JoinSet::new();
+    for _ in 0..16 {
+        let (store, shared) = (store.clone(), shared.clone());
+        let line = calendar_line(&shared, LIMIT, 1, start, start + period);
+        tasks.spawn(async move {
+            let mut spent = 0;
+            for _ in 0..4 {
+                let request = ChargeRequest {
+                    now: start,
+                    lines: smallvec::smallvec![line.clone()],
+                };
+                let (outcome, taken) = store
+                    .charge_taking(request, smallvec::smallvec![3])
+                    .await
+                    .unwrap_or_else(|e| panic!("the store failed under concurrency: {e}"));
+                if outcome.admitted {
+                    spent += 1 + taken[0];
+                }
+            }
+            spent
+        });
+    }
+    let mut total = 0;
+    while let Some(result) = tasks.join_next().await {
+        total += result.expect("a charging task panicked");
+    }
+    let usage = peek(
+        store,
+        start,
+        vec![calendar_line(&shared, LIMIT, 0, start, start + period)],
+    )
+    .await;
+    assert_eq!(
+        (total, usage[0].used),
+        (LIMIT, LIMIT),
+        "concurrent requests with extra units spend exactly the limit, and the counter \
+         holds what they were told they took"
+    );
+    Verdict::Passed
+}

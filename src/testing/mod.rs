@@ -20,6 +20,9 @@
 //!   for a period that is over.
 //! - [`exactly_the_limit_under_concurrency`]: many tasks charging one subject
 //!   at once get exactly the limit admitted.
+//! - [`extra_units_take_only_the_room_left`]: a charge with extra units
+//!   ([`Store::charge_taking`]) is admitted exactly when it fits alone, and
+//!   takes no more than asked, never past a limit, all of it counted.
 //! - [`all_or_nothing_across_quotas`]: a request refused on one quota is
 //!   charged on none.
 //! - [`a_refused_charge_writes_nothing`]: a refused request leaves every
@@ -97,6 +100,7 @@
 //! [`Store`]: crate::store::Store
 //! [`Store::add`]: crate::store::Store::add
 //! [`Store::settle_debt`]: crate::store::Store::settle_debt
+//! [`Store::charge_taking`]: crate::store::Store::charge_taking
 
 mod charges;
 mod deadlines;
@@ -108,7 +112,7 @@ pub use self::charges::{
     all_or_nothing_across_quotas, an_abandoned_charge_spends_nothing,
     an_abandoned_settle_adds_nothing, clones_share_an_identity_no_other_store_has,
     counts_never_pass_the_limit_nor_wrap, each_call_answers_as_documented,
-    exactly_the_limit_under_concurrency,
+    exactly_the_limit_under_concurrency, extra_units_take_only_the_room_left,
 };
 pub use self::deadlines::{
     a_first_use_counter_ends_at_its_deadline, a_late_charge_finds_its_spent_counter,
@@ -148,6 +152,10 @@ pub async fn run_all<S: ConformanceHooks>(store: &S) -> Vec<(&'static str, Verdi
         (
             "exactly_the_limit_under_concurrency",
             exactly_the_limit_under_concurrency(store).await,
+        ),
+        (
+            "extra_units_take_only_the_room_left",
+            extra_units_take_only_the_room_left(store).await,
         ),
         (
             "all_or_nothing_across_quotas",
