@@ -3085,3 +3085,87 @@ async fn callers_racing_for_a_quiet_connection_after_a_quick_restart_fail_none()
         failed.len()
     );
 }
+
+/// A charge taking extra units (a leased block with its request) takes as
+/// many as fit in the one call of the script: what is left of a counter
+/// nearly full, nothing when the request is refused.
+#[tokio::test]
+async fn a_charge_takes_the_extra_units_that_fit_in_one_call() {
+    let server = redis_server_or_skip!();
+    let store = store(&server);
+    let (a, b) = (key("take-a"), key("take-b"));
+    let now = Timestamp::now();
+    let taking = |cost, extra: [u64; 2]| {
+        let mut request = first_use(&a, 10, cost, now, hour());
+        request
+            .lines
+            .push(first_use(&b, 100, cost, now, hour()).lines[0].clone());
+        store.charge_taking(request, extra.into_iter().collect())
+    };
+    store.preload().await.unwrap();
+    let before = server.cli(&["info", "commandstats"]);
+    let (outcome, taken) = taking(2, [5, 5]).await.unwrap();
+    assert!(outcome.admitted);
+    assert_eq!(taken.as_slice(), [5, 5]);
+    assert_eq!((outcome.usage[0].used, outcome.usage[1].used), (7, 7));
+    let (outcome, taken) = taking(2, [5, 5]).await.unwrap();
+    assert!(outcome.admitted);
+    assert_eq!(taken.as_slice(), [1, 5]);
+    assert_eq!((outcome.usage[0].used, outcome.usage[1].used), (10, 14));
+    let (outcome, taken) = taking(1, [5, 5]).await.unwrap();
+    assert!(!outcome.admitted);
+    assert_eq!(taken.as_slice(), [0, 0]);
+    assert_eq!(server.cli(&["hget", a.as_str(), "n"]), "10");
+    assert_eq!(server.cli(&["hget", b.as_str(), "n"]), "14");
+    let calls = |stats: &str| {
+        stats
+            .lines()
+            .filter(|line| {
+                line.starts_with("cmdstat_evalsha:") || line.starts_with("cmdstat_eval:")
+            })
+            .filter_map(|line| {
+                line.split("calls=")
+                    .nth(1)?
+                    .split(',')
+                    .next()?
+                    .parse::<u64>()
+                    .ok()
+            })
+            .sum::<u64>()
+    };
+    let after = server.cli(&["info", "commandstats"]);
+    assert_eq!(
+        calls(&after) - calls(&before),
+        3,
+        "one call of the script each"
+    );
+}
+
+/// A charge taking extra units that Redis runs after its caller stopped
+/// waiting is given back whole: its cost and the units it took.
+#[tokio::test]
+async fn a_late_charge_taking_units_gives_them_back_with_its_cost() {
+    let server = redis_server_or_skip!();
+    let store = RedisStore::builder(server.url())
+        .timeout(Duration::from_millis(100))
+        .build()
+        .unwrap();
+    let key = key("take-late");
+    admit(&store, first_use(&key, 100, 1, Timestamp::now(), hour())).await;
+
+    assert_eq!(server.cli(&["client", "pause", "600", "all"]), "OK");
+    let error = store
+        .charge_taking(
+            first_use(&key, 100, 2, Timestamp::now(), hour()),
+            smallvec::smallvec![10],
+        )
+        .await
+        .expect_err("a server that does not answer in time is an error");
+    assert_eq!(error.kind(), StoreErrorKind::Timeout, "{error}");
+    tokio::time::sleep(Duration::from_millis(900)).await;
+    assert_eq!(
+        server.cli(&["hget", key.as_str(), "n"]),
+        "1",
+        "the late charge and the units it took were given back"
+    );
+}

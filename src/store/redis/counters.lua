@@ -3,6 +3,11 @@
 --
 --   c  charge: check every line, then commit all of them or none
 --   p  peek: read every line, write nothing
+--   x  charge as `c`, each line taking up to so many units more as fit
+--      (ARGV[3 + 5 * n + i] for line i, after the lines' arguments) once
+--      every line's cost fits: admitted exactly when `c` would admit the
+--      charge. A line whose key the charge lists twice takes none. The
+--      reply is `c`'s, then the units each line took (all 0 when refused)
 --   b  a batch of charges, each one as `c` on its own lines, one after the
 --      other in this one call; the reply is one flat array: each charge's
 --      reply (below), after the one before
@@ -301,9 +306,10 @@ local function rest()
 
   -- Charges (or, `charging` false, peeks at) the lines of one request at
   -- `now` (ms): n keys from KEYS[k0 + 1], and from ARGV[a0 + 1] five
-  -- arguments per line, but for a one-line charge its ttl `ttl` when given.
+  -- arguments per line, but for a one-line charge its ttl `ttl` when given;
+  -- with `x0`, line i takes up to ARGV[x0 + i] units more (see `x`).
   -- Returns its reply, or an error reply having written nothing.
-  local function lines(k0, n, now, a0, charging, ttl)
+  local function lines(k0, n, now, a0, charging, ttl, x0)
     if not instant(now) then
       return redis.error_reply('ERR tower-quota: an instant' .. NOT_AN_INSTANT)
     end
@@ -382,6 +388,34 @@ local function rest()
       c.spent = c.spent + cost
     end
 
+    -- The units each line takes beyond its cost: what its counter has
+    -- room for once every cost is counted, up to what it asks; none on a
+    -- key listed twice, nor when refused.
+    local taken
+    if x0 ~= nil then
+      taken = {}
+      local listed = {}
+      for i = 1, n do
+        local key = KEYS[k0 + i]
+        listed[key] = (listed[key] or 0) + 1
+      end
+      for i = 1, n do
+        local want, got = ARGV[x0 + i], 0
+        if not digits(want) then
+          return redis.error_reply('ERR tower-quota: units to take' .. NOT_A_NUMBER)
+        end
+        local key = KEYS[k0 + i]
+        if charging and admitted and want ~= '0' and listed[key] == 1 then
+          local c = counters[key]
+          local room = ARGV[a0 + (i - 1) * 5 + 1] - (c.used + c.spent)
+          if room > 0 then
+            got = math.min(want + 0, room)
+          end
+        end
+        taken[i] = got
+      end
+    end
+
     -- Commit phase: only an admitted charge counts; any charge heals. A
     -- key's heal is written before its first count.
     local commit = charging and admitted
@@ -392,6 +426,11 @@ local function rest()
       local a = a0 + (i - 1) * 5
       local c = counters[key]
       local cost = ARGV[a + 2]
+      if taken ~= nil and taken[i] > 0 then
+        -- Written as Redis writes integers (a sum within the limit, so
+        -- within 2^53).
+        cost = string.format('%.0f', cost + taken[i])
+      end
       if charging and c.heal ~= 0 and not c.healed then
         c.healed = true
         if c.heal == 3 then
@@ -447,6 +486,11 @@ local function rest()
       reply[r + 4] = c.first
       reply[r + 5] = c.heal
       r = r + 5
+    end
+    if taken ~= nil then
+      for i = 1, n do
+        reply[r + i] = taken[i]
+      end
     end
     return reply
   end
@@ -791,6 +835,13 @@ end
 
 if op == 'p' then
   return lines(0, #KEYS, ARGV[2], 2, false)
+end
+
+if op == 'x' then
+  if #ARGV ~= 2 + 6 * #KEYS then
+    return redis.error_reply('ERR tower-quota: a malformed charge taking units')
+  end
+  return lines(0, #KEYS, ARGV[2], 2, true, nil, 2 + 5 * #KEYS)
 end
 
 if op == 'b' then

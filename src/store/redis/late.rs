@@ -79,6 +79,9 @@ pub(super) struct GiveBack<T> {
     /// The first call (ms) of the counter the line at an index of the
     /// charge was charged to, if the answer tells.
     pub(super) first_call: fn(&T, usize) -> Option<i64>,
+    /// The units the line at an index of the charge took beyond its cost,
+    /// as the answer tells ([`Store::charge_taking`](crate::store::Store::charge_taking)).
+    pub(super) taken: fn(&T, usize) -> u64,
     /// The lines worth a refund: each one's index in the charge, key and
     /// cost.
     pub(super) lines: Vec<(usize, PeriodKey, u64)>,
@@ -92,7 +95,11 @@ impl<T> GiveBack<T> {
     pub(super) fn refunds(self, value: &T) -> Vec<Refund> {
         self.lines
             .into_iter()
-            .map(|(i, key, cost)| Refund::new(key, cost, self.now, (self.first_call)(value, i)))
+            .map(|(i, key, cost)| {
+                let cost = cost.saturating_add((self.taken)(value, i));
+                Refund::new(key, cost, self.now, (self.first_call)(value, i))
+            })
+            .filter(|refund| refund.cost > 0)
             .collect()
     }
 }
@@ -136,6 +143,7 @@ pub(super) fn give_back(op: &str, request: &ChargeRequest) -> Option<GiveBack<Ve
         // The script's reply opens with 1 when every line was charged.
         applied: |reply: &Vec<i64>| reply.first() == Some(&1),
         first_call: |reply: &Vec<i64>, i| first_call_of(reply, i),
+        taken: |_, _| 0,
         lines: request
             .lines
             .iter()
@@ -145,6 +153,32 @@ pub(super) fn give_back(op: &str, request: &ChargeRequest) -> Option<GiveBack<Ve
             .collect(),
         now: request.now,
     })
+}
+
+/// The give-back of a charge taking units beyond its costs (`op` `x`): each
+/// line's cost and the units the reply says it took.
+pub(super) fn give_back_taking(request: &ChargeRequest, extra: &[u64]) -> GiveBack<Vec<i64>> {
+    GiveBack {
+        applied: |reply: &Vec<i64>| reply.first() == Some(&1),
+        first_call: |reply: &Vec<i64>, i| first_call_of(reply, i),
+        // After the lines' fields, one figure per line.
+        taken: |reply: &Vec<i64>, i| {
+            let lines = reply.len().saturating_sub(1) / (super::FIELDS + 1);
+            reply
+                .get(1 + super::FIELDS * lines + i)
+                .and_then(|&units| u64::try_from(units).ok())
+                .unwrap_or(0)
+        },
+        lines: request
+            .lines
+            .iter()
+            .zip(extra)
+            .enumerate()
+            .filter(|(_, (line, &units))| line.cost > 0 || units > 0)
+            .map(|(i, (line, _))| (i, line.key.clone(), line.cost))
+            .collect(),
+        now: request.now,
+    }
 }
 
 pub(super) type RoundTrip<T> =

@@ -10,6 +10,8 @@ use jiff::{SignedDuration, Timestamp};
 
 use super::connection::{Connection, Redirect};
 use crate::key::PeriodKey;
+use smallvec::SmallVec;
+
 use crate::store::{
     ChargeOutcome, ChargeRequest, Lifetime, Made, StoreError, StoreErrorKind, Usage,
 };
@@ -265,6 +267,34 @@ pub(super) fn outcome(
         })
         .collect::<Result<_, StoreError>>()?;
     Ok(ChargeOutcome { admitted, usage })
+}
+
+/// The answer to a charge taking units beyond its costs (`x`): the
+/// charge's, then the units each line took, none when refused, never more
+/// than asked.
+pub(super) fn taken_outcome(
+    request: &ChargeRequest,
+    extra: &[u64],
+    reply: &[i64],
+) -> Result<(ChargeOutcome, SmallVec<[u64; 2]>), StoreError> {
+    let n = request.lines.len();
+    if reply.len() != 1 + (FIELDS + 1) * n {
+        return Err(unexpected(format!(
+            "{} values for {n} lines taking units",
+            reply.len()
+        )));
+    }
+    let (charge, taken) = reply.split_at(1 + FIELDS * n);
+    let outcome = outcome("c", request, charge)?;
+    let taken = taken
+        .iter()
+        .zip(extra)
+        .map(|(&units, &asked)| match u64::try_from(units) {
+            Ok(units) if units <= asked && (outcome.admitted || units == 0) => Ok(units),
+            _ => Err(unexpected(format!("{units} units taken of {asked}"))),
+        })
+        .collect::<Result<_, StoreError>>()?;
+    Ok((outcome, taken))
 }
 
 /// Logs a counter found without a deadline; by its key without the

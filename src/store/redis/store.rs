@@ -20,10 +20,10 @@ use super::clock::{refresh_offset, ServerClock};
 use super::connection::{Connection, Connections};
 use super::errors::{applied_nothing, fault_error, redis_error, retires};
 use super::hash::jitter;
-use super::late::{give_back, refund_lines, Call, GiveBack, Room, Sends};
+use super::late::{give_back, give_back_taking, refund_lines, Call, GiveBack, Room, Sends};
 use super::script::{
-    as_millis, clamp, live_count, millis_until, outcome, unexpected, Invocation, CLOCK_KEY,
-    COUNTERS_LUA, MAX_EXACT,
+    as_millis, clamp, live_count, millis_until, outcome, taken_outcome, unexpected, Invocation,
+    CLOCK_KEY, COUNTERS_LUA, MAX_EXACT,
 };
 use crate::key::PeriodKey;
 use crate::store::{
@@ -634,6 +634,7 @@ impl RedisStore {
             // A give-back goes to the counter the settle added to, though a
             // charge with a later instant made it first.
             first_call: |reply: &Vec<i64>, _| reply.get(1).copied().filter(|&ms| ms >= 0),
+            taken: |_, _| 0,
             // As for a charge, a line of nothing has nothing to give back.
             lines: (debt.amount > 0)
                 .then(|| (0, key.clone(), debt.amount))
@@ -712,6 +713,42 @@ impl RedisStore {
                 (conn, result)
             },
             |reply: Vec<i64>| outcome(op, &request, &reply),
+        )
+        .await
+    }
+
+    /// [`Store::charge_taking`] in one call of the script (`x`), never
+    /// batched with other callers' charges: a leased store's, a few per
+    /// second per busy subject.
+    async fn taking(
+        self,
+        request: ChargeRequest,
+        extra: SmallVec<[u64; 2]>,
+    ) -> Result<(ChargeOutcome, SmallVec<[u64; 2]>), StoreError> {
+        let now = request.now;
+        let mut invocation = Invocation::default();
+        invocation.arg("x").arg(now.as_millisecond());
+        for line in &request.lines {
+            let line = self.line_args(now, line);
+            invocation
+                .key(line.key.as_str())
+                .arg(line.limit)
+                .arg(line.cost)
+                .arg(line.anchor)
+                .arg(line.ttl)
+                .arg(line.end);
+        }
+        for &units in &extra {
+            invocation.arg(clamp(units));
+        }
+        self.follow(
+            Sends::Charge,
+            Some(give_back_taking(&request, &extra)),
+            |mut conn| async move {
+                let result = invocation.invoke_async(&mut conn).await;
+                (conn, result)
+            },
+            |reply: Vec<i64>| taken_outcome(&request, &extra, &reply),
         )
         .await
     }
@@ -819,6 +856,20 @@ impl fmt::Debug for RedisStore {
     }
 }
 
+/// The error of a charge with a cost the store cannot count exactly, if it
+/// has one. (A limit past it is sent as the largest exact one, a shadow
+/// quota's, as good as unlimited; a cost past it would be charged short.)
+fn beyond_exact(request: &ChargeRequest) -> Option<StoreError> {
+    let line = request.lines.iter().find(|line| line.cost > MAX_EXACT)?;
+    Some(StoreError::new(
+        StoreErrorKind::Other,
+        format!(
+            "a cost of {} is beyond {MAX_EXACT}, the most the Redis store counts exactly: nothing charged",
+            line.cost
+        ),
+    ))
+}
+
 /// The future of [`RedisStore::charge`].
 pub type RedisChargeFuture =
     Pin<Box<dyn Future<Output = Result<ChargeOutcome, StoreError>> + Send>>;
@@ -830,17 +881,7 @@ impl Store for RedisStore {
         if let Some(error) = crate::store::past_its_period(&request) {
             return Box::pin(std::future::ready(Err(error)));
         }
-        // A limit past it is sent as the largest exact one (a shadow
-        // quota's, as good as unlimited); a cost past it would be charged
-        // short.
-        if let Some(line) = request.lines.iter().find(|line| line.cost > MAX_EXACT) {
-            let error = StoreError::new(
-                StoreErrorKind::Other,
-                format!(
-                    "a cost of {} is beyond {MAX_EXACT}, the most the Redis store counts exactly: nothing charged",
-                    line.cost
-                ),
-            );
+        if let Some(error) = beyond_exact(&request) {
             return Box::pin(std::future::ready(Err(error)));
         }
         if self.inner.batches.is_none() || request.lines.is_empty() {
@@ -854,6 +895,28 @@ impl Store for RedisStore {
             .map(|line| store.line_args(request.now, line))
             .collect();
         Box::pin(async move { store.charge_in_batch(request, lines).await })
+    }
+
+    /// In one call: each line takes as many of its extra units as fit.
+    fn charge_taking(
+        &self,
+        request: ChargeRequest,
+        extra: SmallVec<[u64; 2]>,
+    ) -> impl Future<Output = Result<(ChargeOutcome, SmallVec<[u64; 2]>), StoreError>> + Send {
+        let extra = crate::store::takeable(&request, &extra);
+        let store = self.clone();
+        async move {
+            if extra.iter().all(|&units| units == 0) || request.lines.is_empty() {
+                return store.charge(request).await.map(|outcome| (outcome, extra));
+            }
+            if let Some(error) = crate::store::past_its_period(&request) {
+                return Err(error);
+            }
+            if let Some(error) = beyond_exact(&request) {
+                return Err(error);
+            }
+            store.taking(request, extra).await
+        }
     }
 
     fn peek(
