@@ -11,6 +11,9 @@ use tower_quota::store::{
 };
 use tower_quota::{MemoryStore, PeriodKey};
 
+/// The units each line of a charge took beyond its cost.
+type Taken = smallvec::SmallVec<[u64; 2]>;
+
 /// A store that counts the charges sent to it.
 #[derive(Clone, Default)]
 struct Counting {
@@ -24,6 +27,14 @@ impl Store for Counting {
     fn charge(&self, request: ChargeRequest) -> Self::ChargeFuture {
         self.charges.fetch_add(1, Ordering::Relaxed);
         self.inner.charge(request)
+    }
+    fn charge_taking(
+        &self,
+        request: ChargeRequest,
+        extra: smallvec::SmallVec<[u64; 2]>,
+    ) -> impl std::future::Future<Output = Result<(ChargeOutcome, Taken), StoreError>> + Send {
+        self.charges.fetch_add(1, Ordering::Relaxed);
+        self.inner.charge_taking(request, extra)
     }
     fn peek(
         &self,
@@ -123,6 +134,17 @@ impl Store for Slow {
             tokio::time::sleep(late).await;
             answer
         })
+    }
+    async fn charge_taking(
+        &self,
+        request: ChargeRequest,
+        extra: smallvec::SmallVec<[u64; 2]>,
+    ) -> Result<(ChargeOutcome, Taken), StoreError> {
+        let late = Duration::from_millis(self.late.load(Ordering::Relaxed));
+        tokio::time::sleep(self.delay()).await;
+        let answer = self.inner.charge_taking(request, extra).await;
+        tokio::time::sleep(late).await;
+        answer
     }
     async fn peek(&self, request: ChargeRequest) -> Result<Vec<Usage>, StoreError> {
         tokio::time::sleep(self.delay()).await;
@@ -1088,6 +1110,49 @@ async fn a_refusal_takes_one_round_trip_however_the_marks_stand() {
     let refused = call(&b, now, 100).await;
     assert!(!refused.admitted);
     assert!(refused.usage[0].held_elsewhere_until.is_some());
+}
+
+/// A request whose block no longer fits (other instances spent meanwhile)
+/// but which fits itself is served in one round trip, with part of what
+/// is left as its block: never refused and sent again, which a slow
+/// store's timeout would turn into a failure; nor holding all that is left,
+/// which other instances would be refused for.
+#[tokio::test(start_paused = true)]
+async fn a_request_whose_block_no_longer_fits_is_served_in_one_round_trip() {
+    let delay = Duration::from_millis(60);
+    let shared = MemoryStore::new();
+    let slow = Slow::new(shared.clone(), 0);
+    let a = LeasedStore::new(slow.clone());
+    let mut now = t0();
+    busy(&a, &mut now, 200, 1_000, 1).await;
+    assert!(a.held() > 0, "a busy subject holds a block");
+    // Another instance spends all but 10 of what nobody holds.
+    while counted(&shared, now).await < 990 {
+        assert!(call(&shared, now, 1_000).await.admitted);
+    }
+    slow.delay
+        .store(delay.as_millis() as u64, Ordering::Relaxed);
+    let mut served = 0;
+    let mut slowest = Duration::ZERO;
+    loop {
+        let started = tokio::time::Instant::now();
+        let outcome = call(&a, now, 1_000).await;
+        let took = started.elapsed();
+        slowest = slowest.max(took);
+        if !outcome.admitted {
+            break;
+        }
+        if took >= delay {
+            // Asked the store: a block of at most a quarter of what is left.
+            assert!(a.held() <= 3, "{} held", a.held());
+        }
+        served += 1;
+        tokio::time::advance(Duration::from_millis(1)).await;
+        now += SignedDuration::from_millis(1);
+    }
+    assert!(slowest < delay * 2, "a request took {slowest:?}");
+    a.shutdown().await;
+    assert_eq!(counted(&shared, now).await, 1_000, "{served} served here");
 }
 
 #[tokio::test(start_paused = true)]

@@ -592,10 +592,10 @@ impl<E, St> QuotaPolicyBuilder<E, St> {
     /// It must be longer than what the store may wait on purpose before it
     /// answers ([`Store::longest_wait`]: 25 ms for a
     /// [`LeasedStore`](crate::LeasedStore)): [`build`](Self::build) checks.
-    /// A `LeasedStore` may also send a request its first call refused again
-    /// (alone, when the block taken with it did not fit; or once its own
-    /// units on their way back landed, an old block's give-back among
-    /// them): a refusal can take three calls in a row to the inner store,
+    /// A `LeasedStore` may also send a request its first call refused again,
+    /// once its own units on their way back landed (an old block's
+    /// give-back among them): a refusal can take three calls in a row to
+    /// the inner store,
     /// so keep the timeout above three times its slowest ordinary answer
     /// plus that wait.
     ///

@@ -63,8 +63,11 @@ static GIVE_BACK_ERRORS: Throttle = Throttle::new(5);
 /// - **It shrinks as the allowance runs low**: a block is at most a quarter
 ///   of what the counter had left when last seen, so near the limit blocks
 ///   are single units and every request is a charge of its own (exact, as
-///   without leases). A charge whose block no longer fits (other instances
-///   spent meanwhile) is sent again for the request alone; one the store
+///   without leases). A request's block is taken with its charge as far as
+///   it fits ([`Store::charge_taking`]: what is left, when other instances
+///   spent meanwhile), in the one call: the block never refuses the
+///   request. (A subject's next block taken without a request, sent with
+///   other subjects', is taken whole or not at all.) A request the store
 ///   refuses because it counted a block on its way to this instance (taken
 ///   by another request's charge a moment before) waits for the block, 25
 ///   ms at most, and is served from it. A shadow
@@ -1816,12 +1819,35 @@ impl<St: Store> LeasedStore<St> {
                 }
             }
             let costs: Vec<u64> = request.lines.iter().map(|line| line.cost).collect();
-            let leasing = blocks.iter().any(|&b| b > 0);
-            if leasing {
+            // A request's blocks are taken with it as far as they fit
+            // ([`Store::charge_taking`]): one call, which refuses only a
+            // request that has no room itself. A charge that costs nothing
+            // beyond its blocks (the next block of a busy subject) takes
+            // them whole or not at all, as a plain charge the store may
+            // send with others'.
+            let with_request = blocks.iter().any(|&b| b > 0) && costs.iter().any(|&cost| cost > 0);
+            if !with_request {
                 for (line, block) in request.lines.iter_mut().zip(&blocks) {
                     line.cost = line.cost.saturating_add(*block);
                 }
             }
+            let inner = &store.inner;
+            let charge = |joins: &[bool]| {
+                let sent = store.reading(&marks, joins, &request);
+                let blocks: SmallVec<[u64; 2]> = blocks.iter().copied().collect();
+                async move {
+                    if with_request {
+                        return inner.charge_taking(sent, blocks).await;
+                    }
+                    let outcome = inner.charge(sent).await?;
+                    let taken = if outcome.admitted {
+                        blocks
+                    } else {
+                        smallvec::smallvec![0; blocks.len()]
+                    };
+                    Ok((outcome, taken))
+                }
+            };
             let tried = joins.clone();
             let mut joins = joins;
             // Numbered as it goes to the store, not as it was planned: one
@@ -1831,20 +1857,13 @@ impl<St: Store> LeasedStore<St> {
             // an older one's whose block would be dropped (and stay
             // charged, nothing holding it, until the period ends).
             let mut sent = store.shared.next_sent();
-            let mut outcome = match store
-                .inner
-                .charge(store.reading(&marks, &joins, &request))
-                .await
-            {
+            let (mut outcome, taken_here) = match charge(&joins).await {
                 // No room for a new mark (a memory store at its bound): the
                 // charge again, without joining.
                 Err(error) if error.kind() == StoreErrorKind::Full && joins.contains(&true) => {
                     joins.iter_mut().for_each(|j| *j = false);
                     sent = store.shared.next_sent();
-                    store
-                        .inner
-                        .charge(store.reading(&marks, &joins, &request))
-                        .await?
+                    charge(&joins).await?
                 }
                 answer => answer?,
             };
@@ -1859,21 +1878,17 @@ impl<St: Store> LeasedStore<St> {
                 }
             }
             drop(release.take());
-            let mut blocks = blocks;
+            // What the store gave of each block.
+            let planned = blocks;
+            let mut blocks: Vec<u64> = taken_here.iter().take(planned.len()).copied().collect();
+            blocks.resize(costs.len(), 0);
             // A charge that costs nothing beyond its blocks (the next block
             // of a busy subject) has no request to send alone.
             let refused = !outcome.admitted && costs.iter().any(|&cost| cost > 0);
-            // The blocks did not fit (other instances spent meanwhile), or
-            // the old blocks' units were not back yet: the request alone,
-            // once they are.
-            // Sent again without its blocks only if each line has room
-            // for its own cost: a line full whatever its block (a quota
-            // spent, beside another that takes blocks) is refused again.
-            let fits_alone = costs
-                .iter()
-                .zip(&outcome.usage)
-                .all(|(&cost, usage)| super::has_room(usage.used, cost, usage.limit));
-            let mut again = refused && ((leasing && fits_alone) || giving_back.is_some());
+            // Refused while the old blocks' units were not back yet: the
+            // request again, once they are. (A request refused with its
+            // blocks had no room itself: the blocks never refuse it.)
+            let mut again = refused && giving_back.is_some();
             // What a refusal waits for (units on their way back, then a
             // block on its way here) it waits for this long in all, and
             // once: not again when the request is sent again.
@@ -1950,7 +1965,7 @@ impl<St: Store> LeasedStore<St> {
                 }
             }
             let mut outcome = store.learn(
-                &request, &blocks, &joined, &known, &marks, outcome, at, sent,
+                &request, &planned, &blocks, &joined, &known, &marks, outcome, at, sent,
             );
             if outcome.admitted {
                 // A line paid from a block here was counted when the block
@@ -2074,12 +2089,14 @@ impl<St: Store> LeasedStore<St> {
     }
 
     /// Records what the store answered to `request` (whose lines took
-    /// `blocks` beyond their costs; their counters' lease marks stood at
-    /// `seen`, read for a refusal), and the outcome as the layer sees it.
+    /// `blocks` beyond their costs, of the `planned`; their counters' lease
+    /// marks stood at `seen`, read for a refusal), and the outcome as the
+    /// layer sees it.
     #[allow(clippy::too_many_arguments)]
     fn learn(
         &self,
         request: &ChargeRequest,
+        planned: &[u64],
         blocks: &[u64],
         joined: &[Option<Option<Timestamp>>],
         known: &[Option<Known>],
@@ -2103,6 +2120,22 @@ impl<St: Store> LeasedStore<St> {
         let mut joins = Vec::new();
         for (i, (line, usage)) in request.lines.iter().zip(&mut outcome.usage).enumerate() {
             let (mut block, mark, known) = (blocks[i], seen[i].as_ref(), known[i]);
+            if outcome.admitted && block > 0 && block < planned.get(i).copied().unwrap_or(0) {
+                // The store gave less than planned: all it had left (other
+                // instances spent meanwhile). Kept as a planned block is
+                // sized, a quarter of that; the rest straight back, so that
+                // near the limit blocks stay small, and other instances are
+                // not refused for units this one holds.
+                let keep = block / 4;
+                back.push(GiveBack::untracked(
+                    line.key.clone(),
+                    now,
+                    block - keep,
+                    usage.made_by(now),
+                ));
+                usage.used = usage.used.saturating_sub(block - keep);
+                block = keep;
+            }
             if outcome.admitted && block > 0 {
                 // Taken from the store, whatever becomes of it here: kept,
                 // or given straight back (the store shut down, the entry
