@@ -55,7 +55,10 @@ use crate::store::{
 ///   `warn`: an undated counter at its limit refuses charges until that
 ///   deadline, not for ever. A refused charge counts nothing; a peek writes
 ///   nothing (it logs that the counter is undated). The reset reported to
-///   clients is the counter's remaining life.
+///   clients is the counter's remaining life. That life runs on Redis's own
+///   clock: a policy clock that does not follow real time (a
+///   [`ManualClock`](crate::ManualClock) in tests) moves calendar windows,
+///   never a first-use deadline, which a test crosses on the memory store.
 /// - **Calendar counters** carry the window's stamp in their key. Their
 ///   deadline is housekeeping only: the window's end plus
 ///   [a grace](RedisStoreBuilder::calendar_grace) plus [a
