@@ -214,6 +214,10 @@ mod broken {
         /// instant (a sweep, or a time-to-live at the deadline): a charge
         /// stamped before a deadline that comes late finds a fresh one.
         sweeps_at_deadline: bool,
+        /// A charge of one line takes extra units up to its limit as its
+        /// count stood before its cost (a one-line fast path that forgets
+        /// the cost): past the limit by up to the cost.
+        one_line_takes_ignoring_cost: bool,
     }
 
     #[derive(Clone, Copy, Default)]
@@ -530,6 +534,42 @@ mod broken {
             })
         }
 
+        /// In one step: each line's extra units, as many as fit, once
+        /// the request is charged.
+        fn charge_taking(
+            &self,
+            request: ChargeRequest,
+            extra: smallvec::SmallVec<[u64; 2]>,
+        ) -> impl Future<Output = Result<(ChargeOutcome, smallvec::SmallVec<[u64; 2]>), StoreError>> + Send
+        {
+            let store = self.clone();
+            async move {
+                let n = request.lines.len();
+                let mut outcome = store.clone().charge_now(request.clone()).await?;
+                let mut taken: smallvec::SmallVec<[u64; 2]> = smallvec::smallvec![0; n];
+                if !outcome.admitted {
+                    return Ok((outcome, taken));
+                }
+                let mut counters = store.counters.lock().unwrap();
+                for (i, line) in request.lines.iter().enumerate() {
+                    let want = extra.get(i).copied().unwrap_or(0);
+                    let twice = request.lines.iter().filter(|l| l.key == line.key).count() > 1;
+                    let Some(counter) = counters.get_mut(&line.key).filter(|_| want > 0 && !twice)
+                    else {
+                        continue;
+                    };
+                    let mut room = line.limit.saturating_sub(counter.used);
+                    if store.bugs.one_line_takes_ignoring_cost && n == 1 {
+                        room += line.cost;
+                    }
+                    taken[i] = room.min(want);
+                    counter.used += taken[i];
+                    outcome.usage[i].used = counter.used;
+                }
+                Ok((outcome, taken))
+            }
+        }
+
         fn peek(
             &self,
             request: ChargeRequest,
@@ -808,6 +848,18 @@ mod broken {
         for (name, verdict) in testing::run_all(&Buggy::default()).await {
             assert_eq!(verdict, Verdict::Passed, "{name}");
         }
+    }
+
+    /// A one-line charge that takes extra units past its limit (by its
+    /// cost) is caught, whatever limit the concurrent part happens to use.
+    #[tokio::test]
+    #[should_panic(expected = "extra units never pass a limit")]
+    async fn a_one_line_charge_taking_past_its_limit_is_caught() {
+        let store = Buggy::with(Bugs {
+            one_line_takes_ignoring_cost: true,
+            ..Bugs::default()
+        });
+        testing::extra_units_take_only_the_room_left(&store).await;
     }
 
     #[tokio::test]

@@ -3566,3 +3566,42 @@ async fn a_charge_that_waited_for_an_old_blocks_give_back_keeps_the_block_it_tak
         "the one request served since the reset"
     );
 }
+
+/// A block cut short goes back as a block given back does: a request of
+/// the same instance refused meanwhile, for units on their way back from
+/// it, waits for them (as the README says) and is served, never refused
+/// while the subject has room.
+#[tokio::test(start_paused = true)]
+async fn a_request_refused_while_a_cut_block_goes_back_waits_for_it() {
+    let shared = MemoryStore::new();
+    let slow = Slow::new(shared.clone(), 0);
+    // A give-back takes a round trip (5 ms); a charge is answered at once.
+    slow.slow_refunds.store(5, Ordering::Relaxed);
+    let a = LeasedStore::new(slow.clone());
+    let mut now = t0();
+    busy(&a, &mut now, 200, 1_000, 1).await;
+    assert!(a.held() > 3, "a busy subject holds a block");
+    // Another instance spends all but 3 of what nobody holds.
+    while counted(&shared, now).await < 997 {
+        assert!(call(&shared, now, 1_000).await.admitted);
+    }
+    let mut served = 0;
+    loop {
+        let outcome = call(&a, now, 1_000).await;
+        if !outcome.admitted {
+            break;
+        }
+        served += 1;
+        now += SignedDuration::from_millis(1);
+    }
+    // Whatever was on its way back has landed.
+    tokio::time::advance(Duration::from_millis(100)).await;
+    tokio::task::yield_now().await;
+    a.shutdown().await;
+    assert_eq!(
+        counted(&shared, now).await,
+        1_000,
+        "refused with room left ({served} served here, {} held)",
+        a.held()
+    );
+}

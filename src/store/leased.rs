@@ -2120,20 +2120,19 @@ impl<St: Store> LeasedStore<St> {
         let mut joins = Vec::new();
         for (i, (line, usage)) in request.lines.iter().zip(&mut outcome.usage).enumerate() {
             let (mut block, mark, known) = (blocks[i], seen[i].as_ref(), known[i]);
+            // Units of a block cut short that go straight back.
+            let mut cut = 0;
             if outcome.admitted && block > 0 && block < planned.get(i).copied().unwrap_or(0) {
                 // The store gave less than planned: all it had left (other
                 // instances spent meanwhile). Kept as a planned block is
-                // sized, a quarter of that; the rest straight back, so that
-                // near the limit blocks stay small, and other instances are
-                // not refused for units this one holds.
+                // sized, a quarter of that; the rest straight back (below,
+                // counted by the entry while on its way, as a refusal here
+                // waits for it), so that near the limit blocks stay small,
+                // and other instances are not refused for units this one
+                // holds.
                 let keep = block / 4;
-                back.push(GiveBack::untracked(
-                    line.key.clone(),
-                    now,
-                    block - keep,
-                    usage.made_by(now),
-                ));
-                usage.used = usage.used.saturating_sub(block - keep);
+                cut = block - keep;
+                usage.used = usage.used.saturating_sub(cut);
                 block = keep;
             }
             if outcome.admitted && block > 0 {
@@ -2189,6 +2188,9 @@ impl<St: Store> LeasedStore<St> {
                     })
                 }
                 None => {
+                    if cut > 0 {
+                        back.push(GiveBack::untracked(line.key.clone(), now, cut, made_by));
+                    }
                     if outcome.admitted && block > 0 {
                         // Taken while the store shut down, its entry gone
                         // with the others, or for an entry gone meanwhile
@@ -2211,6 +2213,16 @@ impl<St: Store> LeasedStore<St> {
                 }
             };
             unmarked.extend(joined_for(Some(counter)));
+            if cut > 0 {
+                back.push(GiveBack::tracked(
+                    &self.shared,
+                    counter,
+                    line.key.clone(),
+                    now,
+                    cut,
+                    made_by,
+                ));
+            }
             // (A request with no entry here when it was sent.)
             counter.limit_seen = counter.limit_seen.max(line.limit);
             // Units of a block taken here and given back at once.

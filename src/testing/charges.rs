@@ -910,6 +910,33 @@ pub async fn extra_units_take_only_the_room_left<S: ConformanceHooks>(store: &S)
         "the counters hold what the answers told"
     );
 
+    // One line alone (a store's path for one-line charges may be its own):
+    // cost 2 with 4 more under a limit of 9, until the cost no longer
+    // fits; the second takes the 1 left beside its cost.
+    let one = keys.key("extra-one");
+    let mut used = 0;
+    for _ in 0..3 {
+        let (outcome, taken) = taking(vec![line(&one, 9, 2)], &[4]).await;
+        let fits = used + 2 <= 9;
+        assert_eq!(
+            outcome.admitted, fits,
+            "a request with extra units is admitted exactly when it fits alone \
+             (spent {used}, taken {taken:?})"
+        );
+        assert_eq!(taken.len(), 1, "one figure per line");
+        if fits {
+            assert!(taken[0] <= 4, "no more than asked: {taken:?}");
+            used += 2 + taken[0];
+        } else {
+            assert_eq!(taken, [0], "a refused request takes nothing");
+        }
+        assert_eq!(
+            outcome.usage[0].used, used,
+            "the units taken are counted beside the cost, nothing when refused"
+        );
+        assert!(used <= 9, "extra units never pass a limit: {used}");
+    }
+
     // A key listed twice takes no extra units, on either line.
     let twice = keys.key("extra-twice");
     let (outcome, taken) = taking(vec![line(&twice, 10, 1), line(&twice, 10, 1)], &[4, 4]).await;
