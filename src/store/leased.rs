@@ -64,9 +64,9 @@ static GIVE_BACK_ERRORS: Throttle = Throttle::new(5);
 ///   of what the counter had left when last seen, so near the limit blocks
 ///   are single units and every request is a charge of its own (exact, as
 ///   without leases). A request's block is taken with its charge as far as
-///   it fits ([`Store::charge_taking`]: what is left, when other instances
-///   spent meanwhile), in the one call: the block never refuses the
-///   request. (A subject's next block taken without a request, sent with
+///   it fits ([`Store::charge_taking`]; when other instances spent
+///   meanwhile, a quarter of what is left is kept, the rest goes straight
+///   back), in the one call: the block never refuses the request. (A subject's next block taken without a request, sent with
 ///   other subjects', is taken whole or not at all.) A request the store
 ///   refuses because it counted a block on its way to this instance (taken
 ///   by another request's charge a moment before) waits for the block, 25
