@@ -53,6 +53,33 @@
 //!   `metrics` facade; the `metrics` module lists the names and labels.
 //! - `testing`: the `testing` module, the conformance suite every store must
 //!   pass.
+//!
+//! # gRPC
+//!
+//! A tonic server takes the layer like any tower layer
+//! (`Server::builder().layer(..)`), on every call of every service; to
+//! charge one service or method only, `skip_if` on `parts.uri.path()`,
+//! which is `/package.Service/Method` (`examples/grpc.rs`).
+//!
+//! - A refusal is a `RESOURCE_EXHAUSTED` status whose message is the
+//!   problem's detail, with `retry-after`, `ratelimit-policy` and
+//!   `ratelimit` metadata; a missing or malformed subject is
+//!   `UNAUTHENTICATED` or `INVALID_ARGUMENT`, a refused plan
+//!   `PERMISSION_DENIED`, a store failure `UNAVAILABLE`. A customer at its
+//!   limit is refused before the server looks the method up:
+//!   `RESOURCE_EXHAUSTED` for a method it does not have too.
+//! - Under `refund_server_errors`, `UNKNOWN`, `INTERNAL`, `UNAVAILABLE` and
+//!   `DATA_LOSS` in the response head are given back; a status in trailers
+//!   after a streamed body is not read. A deferred cost is read from the
+//!   head, so a stream's cost known only at its end cannot be charged that
+//!   way: give it a fixed or priced cost.
+//! - A call dropped before its head, such as one tonic's server ends at the
+//!   client's `grpc-timeout` outside the layer, is not charged. A call to a
+//!   method the server does not have (`UNIMPLEMENTED`, gRPC's 404) is never
+//!   charged; nor is a handler's own `UNIMPLEMENTED`, which the layer
+//!   cannot tell from it: answer another code (`FAILED_PRECONDITION`, say)
+//!   for a call that ran and should count.
+//! - A subject read from a `-bin` key is its base64 text as sent.
 
 #![deny(unsafe_code)]
 #![warn(

@@ -88,6 +88,10 @@ static GIVE_BACK_ERRORS: Throttle = Throttle::new(5);
 ///   again, rather than being refused while they are on their way.
 /// - **A block of a period that has ended is dropped**, not given back: a
 ///   calendar window that closed, or a first-use period past its deadline.
+///   Blocks taken near a period's end hold what the subject spends until
+///   then at its rate here, so a subject that slows down or stops just
+///   before the end leaves the ended period counting a few units it was
+///   not served (bill from what was served if that matters).
 ///   A support [`reset`](Store::reset) through this store lets go of this
 ///   instance's block of that counter, given back before the counter is
 ///   deleted (so that a reset that fails leaves nothing charged that
@@ -102,7 +106,8 @@ static GIVE_BACK_ERRORS: Throttle = Throttle::new(5);
 ///   lease time, if the subject keeps calling there). Such a refusal tells
 ///   the client so: its `Retry-After` is the idle bound, not the wait until
 ///   the reset (see [`Usage::held_elsewhere_until`] and the lease marks
-///   below).
+///   below), while its `RateLimit` field tells the window's reset and
+///   `r=0`, what the store counts now.
 /// - A reset or a refund made elsewhere reaches this instance when it next
 ///   asks the store: within the lease time at most, since no block is spent
 ///   past it. So does a plan changed while other instances served the

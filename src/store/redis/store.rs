@@ -44,8 +44,11 @@ use crate::store::{
 ///   own (see [Connections](#connections)). All keys of a subject share the
 ///   key's `{subject}` hash tag, so the script is valid on a cluster too,
 ///   where each charge is one `EVALSHA` of its own.
-/// - **First-use counters keep their deadline.** A counter is a hash of the
-///   count and the first call's instant. Its deadline is set with `PEXPIRE`
+/// - **First-use counters keep their deadline.** A counter is a hash at its
+///   key (see the [`key`](crate::key) module: ids and allowances
+///   percent-encoded) of the count (field `n`) and the first call's instant
+///   (`t`); keys whose allowance part ends in `%held` are a
+///   [`LeasedStore`](crate::LeasedStore)'s lease marks, not counters. Its deadline is set with `PEXPIRE`
 ///   only in the script that creates it, and every later write is a
 ///   `HINCRBY`, which keeps it: hits never re-date a counter. A counter
 ///   found without a deadline (written by another tool, or restored without
@@ -183,6 +186,10 @@ use crate::store::{
 ///   holds until the cluster itself declares the node failed
 ///   (`cluster-node-timeout`): without a replica to take over, a cluster
 ///   that requires full coverage (the default) then refuses every request.
+/// - **A slot on the move.** While a resharding moves a slot, the charges of
+///   its subjects that name several keys (a layer with several quotas, and
+///   every charge of a [`LeasedStore`](crate::LeasedStore), which reads its
+///   lease marks) are store errors until the slot's keys have moved.
 ///
 /// # What the quota depends on
 ///
