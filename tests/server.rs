@@ -169,6 +169,13 @@ fn demo_server_refuses_bad_flags() {
         &["--lease-idle", "500"],
         &["--store-timeout", "0"],
         &["--store-timeout", "soon"],
+        // More than a Redis store waits for its own call.
+        &[
+            "--store",
+            "redis://127.0.0.1:1/",
+            "--store-timeout",
+            "12501",
+        ],
         &["--quota", "count"],
         // Flags of a quota, with none, or where they would do nothing.
         &["--quota", "off", "--admin-token", "s3cret"],
@@ -810,4 +817,38 @@ async fn a_second_signal_stops_a_server_settling_with_a_hung_redis() {
         status.is_some_and(|s| s.success()),
         "stopped at once by the second signal: {status:?}"
     );
+}
+
+/// `--store-timeout` is how long a call to the store is waited for, on
+/// Redis too: not the Redis store's own default budget (80 ms).
+#[cfg(feature = "redis")]
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn store_timeout_is_how_long_a_redis_call_is_waited_for() {
+    use std::time::Duration;
+
+    if !redis_support::redis_available() {
+        return;
+    }
+    let redis = redis_support::RedisServer::start();
+    let server = start(&[
+        "--limit",
+        "10",
+        "--store",
+        &redis.url(),
+        "--store-timeout",
+        "3000",
+    ]);
+    assert_eq!(call(&server, "GET", "/read", ACME).await.status, 200);
+    // Redis answers 300 ms late: well within the 3 s the server waits.
+    let mut stalled = redis_support::Stopped::new(&redis);
+    let addr = server.addr.clone();
+    let slow = tokio::spawn(async move { demo_server::call(&addr, "GET", "/read", ACME).await });
+    tokio::time::sleep(Duration::from_millis(300)).await;
+    stalled.resume();
+    let reply = slow.await.unwrap();
+    assert_eq!(reply.status, 200, "{}", reply.body);
+    assert!(reply
+        .header("ratelimit")
+        .unwrap()
+        .starts_with("\"read-day\";r=8;"));
 }
