@@ -589,6 +589,11 @@ impl<E, St> QuotaPolicyBuilder<E, St> {
     /// the response goes out with its fields as the change will leave the
     /// counters, and the change carries on in its own task.
     ///
+    /// A store may give up on a call sooner on its own: the Redis store
+    /// answers within its budget (`RedisStoreBuilder::timeout`, 80 ms by
+    /// default), so a longer timeout here waits for nothing more unless
+    /// that budget grows with it (keep it a little below this one).
+    ///
     /// It must be longer than what the store may wait on purpose before it
     /// answers ([`Store::longest_wait`]: 25 ms for a
     /// [`LeasedStore`](crate::LeasedStore)): [`build`](Self::build) checks.
