@@ -1403,6 +1403,56 @@ async fn a_block_taken_near_the_windows_end_holds_what_the_rest_of_it_spends() {
     );
 }
 
+/// The layer's clock says when a window ends, and so how much a busy
+/// subject spends before it does: near the end, its blocks are sized by
+/// its rate on that clock, whatever the runtime's time does meanwhile (a
+/// `ManualClock` a test moves, the runtime's time standing still).
+#[tokio::test(start_paused = true)]
+async fn a_block_near_the_windows_end_is_sized_on_the_layers_clock() {
+    let shared = MemoryStore::new();
+    let leased = LeasedStore::new(shared.clone());
+    // The last two seconds of the day, a request a millisecond on the
+    // layer's clock; the runtime's time does not move.
+    let mut now: Timestamp = "2026-12-04T23:59:58Z".parse().unwrap();
+    for _ in 0..2_000 {
+        assert!(call(&leased, now, 1_000_000).await.admitted);
+        tokio::task::yield_now().await;
+        now += SignedDuration::from_millis(1);
+    }
+    tokio::time::advance(Duration::from_secs(2)).await;
+    tokio::task::yield_now().await;
+    assert_eq!(leased.held(), 0, "the ended window's block is dropped");
+    let counted = shared
+        .peek(request("2026-12-04T23:59:59.9Z".parse().unwrap(), u64::MAX))
+        .await
+        .unwrap()[0]
+        .used;
+    assert!(
+        (2_000..=2_010).contains(&counted),
+        "{counted} counted for 2000 served"
+    );
+}
+
+/// A layer's clock standing still (a `ManualClock` a test does not move)
+/// a moment before a window's end, while the runtime's time moves: on
+/// that clock the window does not end, and a busy subject keeps taking
+/// blocks, not a store call per request.
+#[tokio::test(start_paused = true)]
+async fn a_clock_standing_still_before_the_windows_end_leaves_blocks_their_size() {
+    let inner = Counting::default();
+    let leased = LeasedStore::new(inner.clone());
+    let now: Timestamp = "2026-12-04T23:59:59.999Z".parse().unwrap();
+    for _ in 0..2_000 {
+        assert!(call(&leased, now, 1_000_000).await.admitted);
+        tokio::time::advance(Duration::from_millis(1)).await;
+    }
+    let charges = inner.charges.load(Ordering::Relaxed);
+    // Blocks growing by what the subject spent from the last one (a
+    // millisecond left, read at the rate of a millisecond at least), not
+    // a store call every other request.
+    assert!(charges <= 100, "{charges} charges for 2 000 requests");
+}
+
 #[tokio::test(start_paused = true)]
 async fn a_reset_through_the_leased_store_drops_its_block() {
     let shared = MemoryStore::new();

@@ -895,9 +895,11 @@ struct Counter {
     /// land on it.
     generation: u64,
     /// Units requested since the last charge sent, and when it was sent:
-    /// the rate (in units: a block follows what the subject spends).
+    /// the rate (in units: a block follows what the subject spends). By
+    /// the runtime's clock, and by the layer's, on which the period ends.
     hits: u64,
     charged_at: Instant,
+    charged_now: Timestamp,
     /// The number of the charge whose answer the entry last took in whole
     /// (see [`Shared::sent`]).
     learned: u64,
@@ -1263,10 +1265,13 @@ impl<St: Store> LeasedStore<St> {
         // read over the idle bound, as above, the rate of a subject whose
         // blocks last less than it would look lower than it is, and its
         // blocks would shrink to single units, a store call per request,
-        // for the last second of every period.
+        // for the last second of every period. Both on the layer's clock,
+        // which ends the period: a `ManualClock` moved by a test while the
+        // runtime's time stands still (or the reverse) sizes blocks as
+        // its own time passes.
         let until_end = counter.resets_at.duration_since(now).as_secs_f64();
-        let since_charge = at
-            .saturating_duration_since(counter.charged_at)
+        let since_charge = now
+            .duration_since(counter.charged_now)
             .as_secs_f64()
             .max(0.001);
         let until_end = if until_end > 0.0 {
@@ -2182,6 +2187,7 @@ impl<St: Store> LeasedStore<St> {
                         generation: self.shared.next_generation(),
                         hits: 0,
                         charged_at: at,
+                        charged_now: request.now,
                         learned: sent,
                         block: 0,
                         taking: false,
@@ -2337,6 +2343,7 @@ impl<St: Store> LeasedStore<St> {
             if fresh {
                 counter.learned = sent;
                 counter.charged_at = at;
+                counter.charged_now = now;
                 counter.hits = 0;
             }
             // (`seen` and `seen_at` are the last request's, set as it came:
