@@ -182,7 +182,8 @@ impl<St> QuotaHandle<St> {
     /// gives for it. What it gives no zone or plan for (and every caller,
     /// without `caller_info`) is counted as a request that names none is:
     /// in the quotas' own zones, on their own limits. A zone is used only
-    /// by a policy that [reads callers' zones](Self::reads_caller_zones).
+    /// by a policy that [reads callers' zones](Self::reads_caller_zones),
+    /// a plan only by one that reads plans.
     /// Resets and refunds through the handle reach the counters the layers
     /// charge that caller, which a handle outside its zone does not name.
     ///
@@ -244,12 +245,23 @@ impl<St> QuotaHandle<St> {
             }
             _ => None,
         };
-        let plan = self.known_plan(info.plan)?;
+        // A policy that reads no plan charges every caller on the quotas'
+        // own limits, whatever the info says.
+        let plan = match info.plan {
+            Some(_) if !self.reads_plans() => None,
+            plan => self.known_plan(plan)?,
+        };
         Ok(Self {
             zone,
             plan,
             ..self.clone()
         })
+    }
+
+    /// Whether the policy reads a plan per request
+    /// ([`QuotaPolicyBuilder::plan`](crate::QuotaPolicyBuilder::plan)).
+    pub(crate) fn reads_plans(&self) -> bool {
+        self.settings().plan.is_some()
     }
 
     /// What the policy's [`caller_info`](crate::QuotaPolicyBuilder::caller_info)

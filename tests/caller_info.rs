@@ -483,3 +483,32 @@ async fn the_handle_for_a_caller_the_info_cannot_tell_is_an_error() {
         .unwrap();
     assert_eq!((handle.plan(), handle.zone()), (None, None));
 }
+
+/// A plan the info gives is used only by a policy that reads plans: one
+/// that reads none charges every caller on the quotas' own limits, and
+/// refuses no caller for it, whatever its rule for unknown plans.
+#[tokio::test]
+async fn a_policy_that_reads_no_plan_keeps_the_quotas_limits() {
+    let clock = clock();
+    let calls = Arc::new(AtomicUsize::new(0));
+    let builder = QuotaPolicy::builder(FromHeader::account("x-account-id"))
+        .clock(clock.clone())
+        .on_unknown_plan(UnknownPlan::Reject);
+    let policy = with_info(builder, &calls);
+    let app = Router::new()
+        .route("/read", get(|| async { "read" }))
+        .route_layer(policy.layer(Quota::daily(2).allowance("read")))
+        .nest("/admin", policy.handle().router());
+    assert_eq!(
+        send(&app, "GET", "/read", Some("gold-co")).await.status(),
+        StatusCode::OK
+    );
+    let gold = Subject::account("gold-co");
+    let handle = policy.handle().for_caller(&gold).await.unwrap();
+    assert_eq!(handle.plan(), None);
+    let usage = handle.usage(&gold).await.unwrap();
+    assert_eq!((usage[0].limit(), usage[0].used()), (2, 1));
+    let (status, shown) = json(send(&app, "GET", "/admin/quota/account/gold-co", None).await).await;
+    assert_eq!(status, StatusCode::OK, "{shown}");
+    assert_eq!(shown["allowances"][0]["used"], 1, "{shown}");
+}

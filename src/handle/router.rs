@@ -249,6 +249,9 @@ async fn caller<St>(
     };
     let plan = match (plan, info.plan) {
         (Some(plan), _) => plan,
+        // A policy that reads no plan charges every caller on the quotas'
+        // own limits, whatever the info says.
+        (None, Some(_)) if !handle.reads_plans() => None,
         (None, Some(plan)) => handle.known_plan(Some(plan)).map_err(|_| {
             problem(
                 StatusCode::INTERNAL_SERVER_ERROR,
