@@ -62,15 +62,17 @@
 //! which is `/package.Service/Method` (`examples/grpc.rs`).
 //!
 //! - A refusal is a `RESOURCE_EXHAUSTED` status whose message is the
-//!   problem's detail, with `retry-after`, `ratelimit-policy` and
-//!   `ratelimit` metadata; a missing or malformed subject is
+//!   problem's detail, with `ratelimit-policy` and `ratelimit` metadata,
+//!   and `retry-after` when waiting helps (not for a call that costs more
+//!   than a whole period allows); a missing or malformed subject is
 //!   `UNAUTHENTICATED` or `INVALID_ARGUMENT`, a refused plan
 //!   `PERMISSION_DENIED`, a store failure `UNAVAILABLE`. A customer at its
 //!   limit is refused before the server looks the method up:
 //!   `RESOURCE_EXHAUSTED` for a method it does not have too.
 //! - Under `refund_server_errors`, `UNKNOWN`, `INTERNAL`, `UNAVAILABLE` and
 //!   `DATA_LOSS` in the response head are given back; a status in trailers
-//!   after a streamed body is not read. A deferred cost is read from the
+//!   is not read (a stream's error, even as its first item: tonic sends
+//!   the head before it polls the stream). A deferred cost is read from the
 //!   head, so a stream's cost known only at its end cannot be charged that
 //!   way: give it a fixed or priced cost.
 //! - A call dropped before its head, such as one tonic's server ends at the
