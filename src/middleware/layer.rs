@@ -443,7 +443,10 @@ impl<E, St: Store> QuotaLayer<E, St> {
     /// then charged, past the limit if need be (the request was served), or
     /// given back, never below zero. It goes to the counters the request was
     /// charged on, creating none and moving no deadline; the fields sent
-    /// with the response count it. Replaces [`QuotaLayer::cost`] and
+    /// with the response count it. A response answered once its request's
+    /// period is over (a calendar window that ended, a rolling period past
+    /// its deadline) changes nothing: the ended period's counter takes no
+    /// more, and the next period is not charged for it. Replaces [`QuotaLayer::cost`] and
     /// [`QuotaLayer::cost_fn`]: the last of the three called is the cost.
     ///
     /// ```
