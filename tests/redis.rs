@@ -3169,3 +3169,36 @@ async fn a_late_charge_taking_units_gives_them_back_with_its_cost() {
         "the late charge and the units it took were given back"
     );
 }
+
+/// A policy whose `store_timeout` is far longer than the Redis store's own
+/// budget for a call waits for nothing more: its build says so, and says
+/// nothing when the two are set together.
+#[test]
+fn a_store_timeout_far_past_the_stores_budget_is_logged_when_built() {
+    let recorder = Recorder::default();
+    let _guard = tracing::subscriber::set_default(recorder.clone());
+    let _interest = interest::every_subscriber_asked();
+    let build = |budget: Option<Duration>, timeout: Duration| {
+        let mut store = RedisStore::builder("redis://127.0.0.1:1/");
+        if let Some(budget) = budget {
+            store = store.timeout(budget);
+        }
+        let _ = QuotaPolicy::builder(FromHeader::account("x-account-id"))
+            .store(store.build().unwrap())
+            .store_timeout(Some(timeout))
+            .build();
+        let warned = recorder
+            .0
+            .lock()
+            .unwrap()
+            .drain(..)
+            .any(|event| event.contains("far longer than the store's own budget"));
+        warned
+    };
+    assert!(build(None, Duration::from_secs(3)), "80 ms against 3 s");
+    assert!(!build(None, Duration::from_millis(100)), "the defaults");
+    assert!(!build(
+        Some(Duration::from_millis(2_500)),
+        Duration::from_secs(3)
+    ));
+}

@@ -592,7 +592,9 @@ impl<E, St> QuotaPolicyBuilder<E, St> {
     /// A store may give up on a call sooner on its own: the Redis store
     /// answers within its budget (`RedisStoreBuilder::timeout`, 80 ms by
     /// default), so a longer timeout here waits for nothing more unless
-    /// that budget grows with it (keep it a little below this one).
+    /// that budget grows with it (keep it a little below this one);
+    /// [`build`](Self::build) logs a warning when this one is more than
+    /// four such calls and the store's wait ([`Store::call_budget`]).
     ///
     /// It must be longer than what the store may wait on purpose before it
     /// answers ([`Store::longest_wait`]: 25 ms for a
@@ -900,6 +902,19 @@ impl<E, St> QuotaPolicyBuilder<E, St> {
                  before it answers (a LeasedStore waits for units on their way back): each such \
                  wait would fail the request"
             );
+            // A leased refusal may take three calls and its wait: a
+            // timeout past four calls and the wait waits for nothing more.
+            if let Some(budget) = self.store.call_budget() {
+                if timeout > budget.saturating_mul(4).saturating_add(wait) {
+                    tracing::warn!(
+                        ?timeout,
+                        ?budget,
+                        "store_timeout is far longer than the store's own budget for a call: a \
+                         slow store fails at its budget, not at store_timeout; raise the store's \
+                         budget with it (RedisStoreBuilder::timeout)"
+                    );
+                }
+            }
         }
         static NEXT: AtomicU64 = AtomicU64::new(1);
         let plans: Arc<[Arc<str>]> = self.settings.plans.clone().into();

@@ -212,6 +212,13 @@ impl<A: Store, B: Store> Store for EitherStore<A, B> {
         }
     }
 
+    fn call_budget(&self) -> Option<std::time::Duration> {
+        match self {
+            Self::Left(store) => store.call_budget(),
+            Self::Right(store) => store.call_budget(),
+        }
+    }
+
     fn longest_wait(&self) -> std::time::Duration {
         match self {
             Self::Left(store) => store.longest_wait(),

@@ -3523,6 +3523,10 @@ impl<St: Store> Store for LeasedStore<St> {
     fn charges_in_flight(&self) -> usize {
         self.inner.charges_in_flight()
     }
+
+    fn call_budget(&self) -> Option<Duration> {
+        self.inner.call_budget()
+    }
 }
 
 #[cfg(test)]

@@ -906,6 +906,16 @@ pub trait Store: Clone + Send + Sync + 'static {
         std::time::Duration::ZERO
     }
 
+    /// The longest this store waits for one call of its own before it
+    /// fails it, if it bounds its calls (the Redis store's budget,
+    /// [`RedisStoreBuilder::timeout`](crate::store::redis::RedisStoreBuilder::timeout)):
+    /// a policy whose `store_timeout` is far longer waits for nothing more,
+    /// which it logs when it is built. `None` by default; a store that
+    /// wraps another answers the inner store's.
+    fn call_budget(&self) -> Option<std::time::Duration> {
+        None
+    }
+
     /// How many charges (and settles) of this store are still on their
     /// way, followed after their callers stopped waiting included (a charge
     /// or a settle the Redis store gives back if Redis applied it late):

@@ -1036,6 +1036,11 @@ impl Store for RedisStore {
     fn charges_in_flight(&self) -> usize {
         self.inner.charges.load(Ordering::Relaxed)
     }
+
+    /// Its budget ([`RedisStoreBuilder::timeout`], 80 ms by default).
+    fn call_budget(&self) -> Option<Duration> {
+        Some(self.inner.timeout)
+    }
 }
 
 /// The error of a call that found no Redis connection in time.
