@@ -431,3 +431,154 @@ fn a_leased_server_refuses_a_store_timeout_its_waits_would_pass() {
         "{stderr}"
     );
 }
+
+/// A Redis store whose refunds, while `unsent` is set, fail as calls it
+/// never sent (Redis out of reach for them: no room among the calls in
+/// flight during a stall, a connection refused while it restarts); every
+/// other call reaches Redis.
+#[derive(Clone)]
+struct RefundsUnsent {
+    inner: RedisStore,
+    unsent: Arc<std::sync::atomic::AtomicBool>,
+}
+
+impl RefundsUnsent {
+    fn check(&self) -> Result<(), tower_quota::StoreError> {
+        match self.unsent.load(Ordering::SeqCst) {
+            true => Err(tower_quota::StoreError::new(StoreErrorKind::Timeout, "not sent").unsent()),
+            false => Ok(()),
+        }
+    }
+}
+
+impl Store for RefundsUnsent {
+    type ChargeFuture = <RedisStore as Store>::ChargeFuture;
+
+    fn charge(&self, request: ChargeRequest) -> Self::ChargeFuture {
+        self.inner.charge(request)
+    }
+    fn charge_taking(
+        &self,
+        request: ChargeRequest,
+        extra: smallvec::SmallVec<[u64; 2]>,
+    ) -> impl std::future::Future<
+        Output = Result<
+            (
+                tower_quota::store::ChargeOutcome,
+                smallvec::SmallVec<[u64; 2]>,
+            ),
+            tower_quota::StoreError,
+        >,
+    > + Send {
+        self.inner.charge_taking(request, extra)
+    }
+    async fn peek(
+        &self,
+        request: ChargeRequest,
+    ) -> Result<Vec<tower_quota::Usage>, tower_quota::StoreError> {
+        self.inner.peek(request).await
+    }
+    async fn refund(
+        &self,
+        now: Timestamp,
+        key: PeriodKey,
+        amount: u64,
+    ) -> Result<Option<u64>, tower_quota::StoreError> {
+        self.check()?;
+        self.inner.refund(now, key, amount).await
+    }
+    async fn refund_made_by(
+        &self,
+        now: Timestamp,
+        key: PeriodKey,
+        amount: u64,
+        made_by: Timestamp,
+    ) -> Result<Option<u64>, tower_quota::StoreError> {
+        self.check()?;
+        self.inner.refund_made_by(now, key, amount, made_by).await
+    }
+    async fn refund_made_at(
+        &self,
+        now: Timestamp,
+        key: PeriodKey,
+        amount: u64,
+        first_call: Timestamp,
+    ) -> Result<Option<u64>, tower_quota::StoreError> {
+        self.check()?;
+        self.inner
+            .refund_made_at(now, key, amount, first_call)
+            .await
+    }
+    async fn add(
+        &self,
+        now: Timestamp,
+        key: PeriodKey,
+        amount: u64,
+    ) -> Result<Option<u64>, tower_quota::StoreError> {
+        self.inner.add(now, key, amount).await
+    }
+    async fn reset(&self, key: PeriodKey) -> Result<bool, tower_quota::StoreError> {
+        self.inner.reset(key).await
+    }
+    async fn settle_debt(
+        &self,
+        now: Timestamp,
+        debt: tower_quota::store::Debt,
+    ) -> Result<Option<u64>, tower_quota::StoreError> {
+        self.inner.settle_debt(now, debt).await
+    }
+    fn identity(&self) -> Option<usize> {
+        self.inner.identity()
+    }
+    fn max_count(&self) -> u64 {
+        self.inner.max_count()
+    }
+}
+
+/// A block cut short (another instance spent meanwhile: the store gives
+/// what is left, this instance keeps a quarter of it and gives the rest
+/// straight back) whose give-back Redis never got: the units are this
+/// instance's still, never served, and must not stay charged once
+/// everything settled, as the units of an idle block that met the same
+/// fate do not (they are put back, and given back on the shutdown).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_rest_of_a_block_cut_short_is_not_left_charged_when_its_give_back_never_left() {
+    let redis = redis_server_or_skip!();
+    let unsent = Arc::new(std::sync::atomic::AtomicBool::new(false));
+    let a = LeasedStore::builder(RefundsUnsent {
+        inner: redis_store(redis.url()),
+        unsent: Arc::clone(&unsent),
+    })
+    .build();
+    let limit = 1_000;
+    let mut admitted = 0;
+    for _ in 0..200 {
+        assert!(a.charge(request("cut", limit)).await.unwrap().admitted);
+        admitted += 1;
+    }
+    // (Its next block may be on its way.)
+    tokio::time::sleep(Duration::from_millis(50)).await;
+    assert!(a.held() > 0, "a busy subject holds a block");
+    // Another instance spends all but a few units of what Redis has left.
+    let other = redis_store(redis.url());
+    let mut spent = request("cut", limit);
+    spent.lines[0].cost = limit - counted(&redis, "cut") - 40;
+    let other_cost = spent.lines[0].cost;
+    assert!(other.charge(spent).await.unwrap().admitted);
+    // From now on Redis is out of reach for refunds.
+    unsent.store(true, Ordering::SeqCst);
+    for _ in 0..limit {
+        if !a.charge(request("cut", limit)).await.unwrap().admitted {
+            break;
+        }
+        admitted += 1;
+    }
+    unsent.store(false, Ordering::SeqCst);
+    a.shutdown().await;
+    tokio::time::sleep(Duration::from_millis(300)).await;
+    assert_eq!(
+        counted(&redis, "cut"),
+        admitted + other_cost,
+        "counted equals what was served"
+    );
+}

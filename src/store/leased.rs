@@ -171,10 +171,12 @@ static GIVE_BACK_ERRORS: Throttle = Throttle::new(5);
 ///   away, or had no room for the call) puts the block back with this
 ///   instance, if nothing changed there since (no answer of the store
 ///   taken in, no reset, the same period): it is spent while fresh, and
-///   given back when next idle or old, or on a shutdown. Otherwise, and
-///   for a give-back that failed after it was sent (a timeout: it may
-///   have landed), the units stay charged until the period ends, as do
-///   those of a shutdown's give-backs that fail.
+///   given back when next idle or old, or on a shutdown. Otherwise (and
+///   for the rest of a block cut short, which no entry holds) it is sent
+///   again, 100 ms later, then twice as long each time, for about 6 s. A
+///   give-back that failed after it was sent (a timeout: it may have
+///   landed), or never got through so, leaves its units charged until the
+///   period ends.
 /// - The usage a leased charge reports counts this instance's unused units
 ///   as not spent (they are not, yet), and other instances' as spent.
 /// - Store calls beyond the charges: a give-back per block that was not
@@ -585,6 +587,11 @@ const RETURN_WAIT: Duration = Duration::from_millis(25);
 /// go to the store together: one call for them all with a store that
 /// batches concurrent charges (as `RedisStore` does), instead of one each.
 const PREFETCH_DELAY: Duration = Duration::from_millis(10);
+
+/// The longest pause between two sends of a give-back the store never got
+/// (and that no entry holds again): 100 ms, then twice as long each time,
+/// up to this.
+const RESEND_UNTIL: Duration = Duration::from_millis(3_200);
 
 /// A busy subject's next block, to take without waiting for its next
 /// request: the counter's line (costing nothing), and the instant its
@@ -2834,7 +2841,32 @@ impl GiveBack {
             return;
         };
         match self.put_back() {
-            PutBack::No => stay_charged(&error, self.units),
+            // Never sent, and held by no entry here (the rest of a block cut
+            // short, a block of an entry changed since): sent again a
+            // moment later, in a task of its own (a charge may be waiting
+            // for this give-back), or its units would stay charged, never
+            // served.
+            PutBack::No => match tokio::runtime::Handle::try_current() {
+                Ok(runtime) => {
+                    let (key, now, units, taken_at) =
+                        (self.key.clone(), self.now, self.units, self.taken_at);
+                    let inner = inner.clone();
+                    runtime.spawn(async move {
+                        let mut pause = Duration::from_millis(100);
+                        let mut error = error;
+                        while pause <= RESEND_UNTIL {
+                            tokio::time::sleep(pause).await;
+                            match give_back(&inner, now, key.clone(), units, taken_at).await {
+                                Err(again) => error = again,
+                                Ok(_) => return,
+                            }
+                            pause *= 2;
+                        }
+                        stay_charged(&error, units);
+                    });
+                }
+                Err(_) => stay_charged(&error, self.units),
+            },
             PutBack::Held => {}
             PutBack::Join(now, generation) => {
                 if let Some(shared) = &self.tracked_by {
