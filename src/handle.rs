@@ -226,36 +226,45 @@ impl<St> QuotaHandle<St> {
     /// plan the policy refuses.
     pub async fn for_caller(&self, subject: &Subject) -> Result<Self, StandingError> {
         let info = self.caller_info(subject).await?;
-        let zone = match info.zone {
-            Some(zone) if self.reads_caller_zones() => {
-                if !crate::period::is_nameable(&zone) {
-                    tracing::warn!(
-                        subject.kind = %subject.kind(),
-                        subject.hash = %subject.log_hash(),
-                        ?zone,
-                        "the policy's caller info gives a zone no key can name"
-                    );
-                    return Err(StandingError::CallerInfo(
-                        "the caller info gives a zone no key can name (neither of the IANA \
-                         list nor a fixed offset)"
-                            .into(),
-                    ));
-                }
-                Some(crate::period::under_primary_name(&zone))
+        Self {
+            zone: None,
+            plan: None,
+            ..self.clone()
+        }
+        .with_info(subject, info)
+    }
+
+    /// This handle in the zone and on the plan `info` gives for `subject`:
+    /// a zone for a policy that reads callers' zones, a plan for one that
+    /// reads plans; what it gives none of stays as this handle has it.
+    pub(crate) fn with_info(
+        &self,
+        subject: &Subject,
+        info: CallerInfo,
+    ) -> Result<Self, StandingError> {
+        let mut handle = self.clone();
+        if let Some(zone) = info.zone.filter(|_| self.reads_caller_zones()) {
+            if !crate::period::is_nameable(&zone) {
+                tracing::warn!(
+                    subject.kind = %subject.kind(),
+                    subject.hash = %subject.log_hash(),
+                    ?zone,
+                    "the policy's caller info gives a zone no key can name"
+                );
+                return Err(StandingError::CallerInfo(
+                    "the caller info gives a zone no key can name (neither of the IANA list nor \
+                     a fixed offset)"
+                        .into(),
+                ));
             }
-            _ => None,
-        };
+            handle.zone = Some(crate::period::under_primary_name(&zone));
+        }
         // A policy that reads no plan charges every caller on the quotas'
         // own limits, whatever the info says.
-        let plan = match info.plan {
-            Some(_) if !self.reads_plans() => None,
-            plan => self.known_plan(plan)?,
-        };
-        Ok(Self {
-            zone,
-            plan,
-            ..self.clone()
-        })
+        if let Some(plan) = info.plan.filter(|_| self.reads_plans()) {
+            handle.plan = self.known_plan(Some(plan))?;
+        }
+        Ok(handle)
     }
 
     /// Whether the policy reads a plan per request

@@ -215,7 +215,7 @@ async fn caller<St>(
     subject: &Subject,
 ) -> Result<(QuotaHandle<St>, Option<String>), Response> {
     let Zoned { handle, named } = zoned;
-    let info = if !named || plan.is_none() {
+    let mut info = if !named || plan.is_none() {
         match handle.caller_info(subject).await {
             Ok(info) => info,
             Err(StandingError::UnknownCaller) => {
@@ -234,33 +234,25 @@ async fn caller<St>(
     } else {
         CallerInfo::default()
     };
-    let handle = match info.zone {
-        Some(zone) if !named && handle.reads_caller_zones() => {
-            if !crate::period::is_nameable(&zone) {
-                return Err(problem(
-                    StatusCode::INTERNAL_SERVER_ERROR,
-                    "the caller info gives a zone no key can name (neither of the IANA list \
-                     nor a fixed offset); nothing was changed",
-                ));
-            }
-            handle.in_zone(zone)
-        }
-        _ => handle,
-    };
-    let plan = match (plan, info.plan) {
-        (Some(plan), _) => plan,
-        // A policy that reads no plan charges every caller on the quotas'
-        // own limits, whatever the info says.
-        (None, Some(_)) if !handle.reads_plans() => None,
-        (None, Some(plan)) => handle.known_plan(Some(plan)).map_err(|_| {
-            problem(
-                StatusCode::INTERNAL_SERVER_ERROR,
-                "the caller info gives a plan this policy refuses; nothing was changed",
-            )
-        })?,
-        (None, None) => None,
-    };
-    Ok((handle, plan))
+    // What the call names stands over what the info gives.
+    if named {
+        info.zone = None;
+    }
+    if plan.is_some() {
+        info.plan = None;
+    }
+    let caller = handle.with_info(subject, info).map_err(|error| {
+        let what = match error {
+            StandingError::Plan(_) => "a plan this policy refuses",
+            _ => "a zone no key can name (neither of the IANA list nor a fixed offset)",
+        };
+        problem(
+            StatusCode::INTERNAL_SERVER_ERROR,
+            &format!("the caller info gives {what}; nothing was changed"),
+        )
+    })?;
+    let plan = plan.unwrap_or_else(|| caller.plan.clone());
+    Ok((caller, plan))
 }
 
 /// The handle in the caller's zone that `?zone=` names (an IANA name), or

@@ -753,8 +753,9 @@ impl<E, St> QuotaPolicyBuilder<E, St> {
     }
 
     /// What the application knows of a caller's plan and zone outside its
-    /// requests, for the [support router](crate::QuotaHandle::router) (the
-    /// handle's own methods take the zone and plan they are given:
+    /// requests, for the [support router](crate::QuotaHandle::router) and
+    /// [`QuotaHandle::for_caller`](crate::QuotaHandle::for_caller) (the
+    /// handle's other methods take the zone and plan they are given:
     /// [`QuotaHandle::in_zone`](crate::QuotaHandle::in_zone),
     /// [`QuotaHandle::usage_on_plan`](crate::QuotaHandle::usage_on_plan)).
     /// A support call that names no `?plan=` (or no `?zone=`) is answered on
@@ -765,7 +766,7 @@ impl<E, St> QuotaPolicyBuilder<E, St> {
     /// and [`time_zone`](Self::time_zone) readers (the account's settings),
     /// by the subject's id and, with an extractor that answers several
     /// kinds, its kind. A zone is used only by a policy that reads callers'
-    /// zones.
+    /// zones, a plan only by one that reads plans.
     ///
     /// `info` answers `Ok(None)` for a caller the application does not know:
     /// the router answers 404 and changes nothing (`Ok(Some(CallerInfo::new()))`
@@ -779,9 +780,7 @@ impl<E, St> QuotaPolicyBuilder<E, St> {
     /// `info` is asked. The router waits for `info` as long as it takes:
     /// bound the lookup in it (a database client's own timeout). Without
     /// `info`, a call that names neither is answered on the quotas' own
-    /// limits and zones. The handle asks it too, for
-    /// [`QuotaHandle::for_caller`](crate::QuotaHandle::for_caller): the
-    /// handle in the caller's zone and on its plan.
+    /// limits and zones.
     ///
     /// ```
     /// use std::collections::HashMap;
