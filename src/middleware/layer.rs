@@ -446,8 +446,9 @@ impl<E, St: Store> QuotaLayer<E, St> {
     /// with the response count it. A response answered once its request's
     /// period is over (a calendar window that ended, a rolling period past
     /// its deadline) changes nothing: the ended period's counter takes no
-    /// more, and the next period is not charged for it. Replaces [`QuotaLayer::cost`] and
-    /// [`QuotaLayer::cost_fn`]: the last of the three called is the cost.
+    /// more, and the next period is not charged for it. Replaces
+    /// [`QuotaLayer::cost`] and [`QuotaLayer::cost_fn`]: the last of the
+    /// three called is the cost.
     ///
     /// ```
     /// use tower_quota::{FromHeader, QuotaLayer};

@@ -602,9 +602,8 @@ impl<E, St> QuotaPolicyBuilder<E, St> {
     /// A `LeasedStore` may also send a request its first call refused again,
     /// once its own units on their way back landed (an old block's
     /// give-back among them): a refusal can take three calls in a row to
-    /// the inner store,
-    /// so keep the timeout above three times its slowest ordinary answer
-    /// plus that wait.
+    /// the inner store, so keep the timeout above three times its slowest
+    /// ordinary answer plus that wait.
     ///
     /// # Panics
     ///
@@ -855,8 +854,8 @@ impl<E, St> QuotaPolicyBuilder<E, St> {
     /// DEADLINE_EXCEEDED in the head stays charged too: the client sets
     /// the deadline, often after the work was done. (A call a server ends
     /// at its deadline outside the layer, as tonic's does for the client's
-    /// `grpc-timeout`, is dropped before its head: not charged.) The refund goes to the counters that
-    /// were charged while they live, and never to one made anew since (a
+    /// `grpc-timeout`, is dropped before its head: not charged.) The refund
+    /// goes to the counters that were charged while they live, and never to one made anew since (a
     /// support reset while the request was served): a calendar counter
     /// whose window ended meanwhile takes none (its period is over, and
     /// nothing in it is enforced any more; it keeps counting the request).

@@ -66,8 +66,9 @@ static GIVE_BACK_ERRORS: Throttle = Throttle::new(5);
 ///   without leases). A request's block is taken with its charge as far as
 ///   it fits ([`Store::charge_taking`]; when other instances spent
 ///   meanwhile, a quarter of what is left is kept, the rest goes straight
-///   back), in the one call: the block never refuses the request. (A subject's next block taken without a request, sent with
-///   other subjects', is taken whole or not at all.) A request the store
+///   back), in the one call: the block never refuses the request. (A
+///   subject's next block taken without a request, sent with other
+///   subjects', is taken whole or not at all.) A request the store
 ///   refuses because it counted a block on its way to this instance (taken
 ///   by another request's charge a moment before) waits for the block, 25
 ///   ms at most, and is served from it. A shadow

@@ -218,6 +218,20 @@ impl Default for MemoryStore {
     }
 }
 
+/// The error of a charge the store refuses as it is asked, whatever its
+/// counters hold: a line whose period is over at its instant, or an
+/// instant the store cannot hold.
+fn refused_as_asked(request: &ChargeRequest) -> Result<(), StoreError> {
+    if let Some(error) = super::past_its_period(request) {
+        return Err(error);
+    }
+    let ends = request.lines.iter().map(|line| line.lifetime.end());
+    match beyond_its_years(std::iter::once(request.now).chain(ends)) {
+        Some(error) => Err(error),
+        None => Ok(()),
+    }
+}
+
 impl MemoryStore {
     /// The most counters a store holds unless told otherwise: a million,
     /// about 220 MB with keys of about 50 bytes.
@@ -649,13 +663,7 @@ impl MemoryStore {
     }
 
     fn charge_now(&self, request: &ChargeRequest) -> Result<ChargeOutcome, StoreError> {
-        if let Some(error) = super::past_its_period(request) {
-            return Err(error);
-        }
-        let ends = request.lines.iter().map(|line| line.lifetime.end());
-        if let Some(error) = beyond_its_years(std::iter::once(request.now).chain(ends)) {
-            return Err(error);
-        }
+        refused_as_asked(request)?;
         let now = request.now;
         let lines = &request.lines;
         if let [line] = lines.as_slice() {
@@ -677,13 +685,7 @@ impl MemoryStore {
         if extra.iter().all(|&units| units == 0) {
             return self.charge_now(request).map(|outcome| (outcome, extra));
         }
-        if let Some(error) = super::past_its_period(request) {
-            return Err(error);
-        }
-        let ends = request.lines.iter().map(|line| line.lifetime.end());
-        if let Some(error) = beyond_its_years(std::iter::once(request.now).chain(ends)) {
-            return Err(error);
-        }
+        refused_as_asked(request)?;
         let now = request.now;
         let lines = &request.lines;
         self.charge_all(lines, now, |locked, budget| {

@@ -8,10 +8,10 @@ use deadpool_redis::redis::{
 };
 use jiff::{SignedDuration, Timestamp};
 
-use super::connection::{Connection, Redirect};
-use crate::key::PeriodKey;
 use smallvec::SmallVec;
 
+use super::connection::{Connection, Redirect};
+use crate::key::PeriodKey;
 use crate::store::{
     ChargeOutcome, ChargeRequest, Lifetime, Made, StoreError, StoreErrorKind, Usage,
 };

@@ -48,8 +48,9 @@ use crate::store::{
 ///   key (see the [`key`](crate::key) module: ids and allowances
 ///   percent-encoded) of the count (field `n`) and the first call's instant
 ///   (`t`); keys whose allowance part ends in `%held` are a
-///   [`LeasedStore`](crate::LeasedStore)'s lease marks, not counters. Its deadline is set with `PEXPIRE`
-///   only in the script that creates it, and every later write is a
+///   [`LeasedStore`](crate::LeasedStore)'s lease marks, not counters. Its
+///   deadline is set with `PEXPIRE` only in the script that creates it,
+///   and every later write is a
 ///   `HINCRBY`, which keeps it: hits never re-date a counter. A counter
 ///   found without a deadline (written by another tool, or restored without
 ///   one) is healed by the next charge, admitted or refused, to its first
@@ -694,23 +695,7 @@ impl RedisStore {
                 usage: SmallVec::new(),
             });
         }
-        let now = request.now;
-        let args: Vec<LineArgs> = request
-            .lines
-            .iter()
-            .map(|line| self.line_args(now, line))
-            .collect();
-        let mut invocation = Invocation::default();
-        invocation.arg(op).arg(now.as_millisecond());
-        for line in &args {
-            invocation
-                .key(line.key.as_str())
-                .arg(line.limit)
-                .arg(line.cost)
-                .arg(line.anchor)
-                .arg(line.ttl)
-                .arg(line.end);
-        }
+        let invocation = self.invocation(op, &request);
         self.follow(
             if op == "c" {
                 Sends::Charge
@@ -735,19 +720,7 @@ impl RedisStore {
         request: ChargeRequest,
         extra: SmallVec<[u64; 2]>,
     ) -> Result<(ChargeOutcome, SmallVec<[u64; 2]>), StoreError> {
-        let now = request.now;
-        let mut invocation = Invocation::default();
-        invocation.arg("x").arg(now.as_millisecond());
-        for line in &request.lines {
-            let line = self.line_args(now, line);
-            invocation
-                .key(line.key.as_str())
-                .arg(line.limit)
-                .arg(line.cost)
-                .arg(line.anchor)
-                .arg(line.ttl)
-                .arg(line.end);
-        }
+        let mut invocation = self.invocation("x", &request);
         for &units in &extra {
             invocation.arg(clamp(units));
         }
@@ -761,6 +734,25 @@ impl RedisStore {
             |reply: Vec<i64>| taken_outcome(&request, &extra, &reply),
         )
         .await
+    }
+
+    /// The script's call `op` on the lines of `request`: its instant, then
+    /// each line's key and five arguments.
+    fn invocation(&self, op: &str, request: &ChargeRequest) -> Invocation {
+        let now = request.now;
+        let mut invocation = Invocation::default();
+        invocation.arg(op).arg(now.as_millisecond());
+        for line in &request.lines {
+            let line = self.line_args(now, line);
+            invocation
+                .key(line.key.as_str())
+                .arg(line.limit)
+                .arg(line.cost)
+                .arg(line.anchor)
+                .arg(line.ttl)
+                .arg(line.end);
+        }
+        invocation
     }
 
     /// What the script takes for `line`, charged at `now`.
