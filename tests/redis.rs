@@ -3183,8 +3183,14 @@ fn a_store_timeout_far_past_the_stores_budget_is_logged_when_built() {
         if let Some(budget) = budget {
             store = store.timeout(budget);
         }
+        let store = store.build().unwrap();
+        // A leased store over it has the same budget for a call.
+        assert_eq!(
+            tower_quota::LeasedStore::new(store.clone()).call_budget(),
+            store.call_budget()
+        );
         let _ = QuotaPolicy::builder(FromHeader::account("x-account-id"))
-            .store(store.build().unwrap())
+            .store(store)
             .store_timeout(Some(timeout))
             .build();
         let warned = recorder

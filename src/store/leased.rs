@@ -1896,10 +1896,23 @@ impl<St: Store> LeasedStore<St> {
                 }
             }
             drop(release.take());
-            // What the store gave of each block.
+            // What the store gave of each block: never more than asked, and
+            // nothing with a refusal, whatever a store of one's own answers
+            // (units counted as held here that the store never charged
+            // would be admitted past the limit).
             let planned = blocks;
-            let mut blocks: Vec<u64> = taken_here.iter().take(planned.len()).copied().collect();
-            blocks.resize(costs.len(), 0);
+            let mut blocks: Vec<u64> = planned
+                .iter()
+                .enumerate()
+                .map(|(i, &asked)| {
+                    let taken = taken_here.get(i).copied().unwrap_or(0);
+                    if outcome.admitted {
+                        taken.min(asked)
+                    } else {
+                        0
+                    }
+                })
+                .collect();
             // A charge that costs nothing beyond its blocks (the next block
             // of a busy subject) has no request to send alone.
             let refused = !outcome.admitted && costs.iter().any(|&cost| cost > 0);
