@@ -116,6 +116,17 @@ impl Config {
             _ => (masked(addr, bits), bits),
         };
         let group = if addr.is_ipv4() { self.v4 } else { self.v6 };
+        // Narrower than the grouping but wider than a /96 of IPv4 clients
+        // it holds (IPv4-mapped, NAT64): those and its IPv6 clients are on
+        // different counters.
+        let holds_ipv4_clients = addr.is_ipv6()
+            && bits < 96
+            && ["::ffff:0:0", "64:ff9b::"]
+                .iter()
+                .any(|folded| masked(folded.parse().unwrap(), bits) == addr);
+        if bits > group && holds_ipv4_clients {
+            return None;
+        }
         (bits >= group).then(|| self.group(addr))
     }
 }

@@ -655,6 +655,76 @@ async fn support_calls_reach_the_counter_a_client_ip_is_charged_to() {
     }
 }
 
+/// A network wider than a /96 that holds the IPv4-mapped (`::ffff:0:0/96`)
+/// or NAT64 (`64:ff9b::/96`) addresses spans many counters: its IPv4
+/// clients are each charged as their IPv4 address. A support call naming
+/// one is refused, as one naming `::ffff:0:0/96` is, and never reaches the
+/// counter of the IPv6 clients whose /64 holds it (`::1`'s here).
+#[tokio::test(flavor = "current_thread")]
+async fn support_refuses_a_network_of_ipv4_clients_wider_than_their_mapping() {
+    use axum::extract::ConnectInfo;
+    use std::net::SocketAddr;
+    use tower_quota::ClientIp;
+
+    let policy = QuotaPolicy::builder(ClientIp::new()).build();
+    let app = Router::new()
+        .route("/", get(|| async { "hi" }))
+        .route_layer(policy.layer(Quota::daily(1).allowance("read")));
+    let admin = Router::new().nest("/admin", policy.handle().router());
+    let from = |peer: &str| {
+        let mut request = Request::get("/").body(Body::empty()).unwrap();
+        let peer: SocketAddr = peer.parse().unwrap();
+        request.extensions_mut().insert(ConnectInfo(peer));
+        let app = app.clone();
+        async move { app.oneshot(request).await.unwrap().status() }
+    };
+    // `::1` is charged to `::/64`, `64:ff9b::1:0:0` (outside the NAT64 /96) to `64:ff9b::/64`.
+    for client in ["[::1]:1", "[64:ff9b::1:0:0]:1"] {
+        assert_eq!(from(client).await, StatusCode::OK, "{client}");
+        assert_eq!(
+            from(client).await,
+            StatusCode::TOO_MANY_REQUESTS,
+            "{client}"
+        );
+    }
+    for named in [
+        "%3A%3Affff%3A0%3A0%2F96",
+        "%3A%3Affff%3A0%3A0%2F80",
+        "%3A%3Affff%3A0%3A0%2F95",
+        "64%3Aff9b%3A%3A%2F80",
+    ] {
+        for (method, uri) in [
+            (Method::GET, format!("/admin/quota/ip/{named}")),
+            (Method::POST, format!("/admin/reset/ip/{named}/read")),
+            (
+                Method::POST,
+                format!("/admin/refund/ip/{named}/read?amount=1"),
+            ),
+        ] {
+            let response = send(&admin, method, &uri).await;
+            assert_eq!(response.status(), StatusCode::BAD_REQUEST, "{uri}");
+            assert_eq!(problem(response).await["status"], 400, "{uri}");
+        }
+    }
+    for client in ["[::1]:1", "[64:ff9b::1:0:0]:1"] {
+        assert_eq!(
+            from(client).await,
+            StatusCode::TOO_MANY_REQUESTS,
+            "{client}: spent, whatever support named"
+        );
+    }
+    // The counters' own ids, and addresses in them, still reach them.
+    for named in ["%3A%3A%2F64", "%3A%3A1", "64%3Aff9b%3A%3A%2F64"] {
+        let shown = send(&admin, Method::GET, &format!("/admin/quota/ip/{named}")).await;
+        assert_eq!(shown.status(), StatusCode::OK, "{named}");
+        assert_eq!(
+            problem_or_json(shown).await["allowances"][0]["used"],
+            1,
+            "{named}"
+        );
+    }
+}
+
 /// A header carries no control character: a support call naming an id
 /// with one is refused, as no request could be charged as it.
 #[tokio::test(flavor = "current_thread")]

@@ -371,6 +371,25 @@ impl SubjectExtractor for ClientIp {
                     .into(),
                 ));
             }
+            // Narrower than the grouping yet wider than a /96 that holds
+            // IPv4 clients (IPv4-mapped, NAT64), each charged as its IPv4
+            // address: its clients are on those counters and on its IPv6
+            // ones', not on one (a network written as the grouping is a
+            // counter's own id, and names it).
+            if let IpNet::V6(v6) = net {
+                if v6.prefix_len() > self.ipv6_prefix
+                    && v6.prefix_len() < 96
+                    && FOLDED.iter().any(|folded| v6.contains(folded))
+                {
+                    return Err(SubjectError::Malformed(
+                        format!(
+                            "{net} spans many counters: its IPv4-mapped and NAT64 clients are \
+                             counted per IPv4 address"
+                        )
+                        .into(),
+                    ));
+                }
+            }
             // Folded already where it names IPv4 clients; a wider IPv6
             // network is its own counter's, whatever its first address.
             net.network()
@@ -409,6 +428,13 @@ fn peer_ip(parts: &Parts) -> Option<IpAddr> {
         .map(SocketAddr::ip)
         .or_else(|| parts.extensions.get::<IpAddr>().copied())
 }
+
+/// The first addresses of the IPv6 /96 networks whose addresses are IPv4
+/// clients (see [`canonical`]): IPv4-mapped and NAT64.
+const FOLDED: [Ipv6Addr; 2] = [
+    Ipv6Addr::new(0, 0, 0, 0, 0, 0xffff, 0, 0),
+    Ipv6Addr::new(0x64, 0xff9b, 0, 0, 0, 0, 0, 0),
+];
 
 /// IPv4-mapped IPv6 addresses, and those of the NAT64 well-known prefix
 /// `64:ff9b::/96` (RFC 6052), as the IPv4 address they carry.
