@@ -54,7 +54,9 @@
 //!
 //! `--store-timeout MS` sets how long a call to the store is waited for
 //! before it counts as failed (100 ms by default; above 25 with `--lease`,
-//! the longest a leased store waits on purpose before it answers). A Redis
+//! the longest a leased store waits on purpose before it answers), while
+//! the store answers nothing: a Redis that keeps answering other calls is
+//! waited for up to ten times as long. A Redis
 //! store gives up on its own call at four fifths of it (80 ms of the
 //! default), so that its own error reaches the layer; as a Redis store
 //! waits 10 s at most, `--store-timeout` is then at most 12500.

@@ -769,3 +769,162 @@ async fn a_busy_connection_is_kept() {
         );
     }
 }
+
+/// A TCP proxy in front of a server that answers slowly, one answer at a
+/// time, once `slow` is called on it: each chunk of bytes from the server
+/// is passed on `pace` after it came, and `pace` after the one before it,
+/// as from a Redis whose every call takes that long to run. A call behind
+/// others then waits for theirs first, while answers keep coming.
+struct SlowProxy {
+    addr: std::net::SocketAddr,
+    pace_ms: std::sync::Arc<std::sync::atomic::AtomicU64>,
+}
+
+impl SlowProxy {
+    async fn start(server: &RedisServer) -> Self {
+        use std::sync::atomic::Ordering;
+        use tokio::io::{AsyncReadExt, AsyncWriteExt};
+
+        let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+        let addr = listener.local_addr().unwrap();
+        let target = format!("127.0.0.1:{}", server.port());
+        let pace_ms = std::sync::Arc::new(std::sync::atomic::AtomicU64::new(0));
+        let pace = std::sync::Arc::clone(&pace_ms);
+        tokio::spawn(async move {
+            while let Ok((client, _)) = listener.accept().await {
+                let Ok(upstream) = tokio::net::TcpStream::connect(&target).await else {
+                    continue;
+                };
+                let (mut client_read, mut client_write) = client.into_split();
+                let (mut upstream_read, mut upstream_write) = upstream.into_split();
+                tokio::spawn(async move {
+                    let _ = tokio::io::copy(&mut client_read, &mut upstream_write).await;
+                });
+                let (chunks, mut paced) = tokio::sync::mpsc::unbounded_channel();
+                tokio::spawn(async move {
+                    let mut buffer = vec![0; 64 * 1024];
+                    while let Ok(read @ 1..) = upstream_read.read(&mut buffer).await {
+                        let came = tokio::time::Instant::now();
+                        let _ = chunks.send((came, buffer[..read].to_vec()));
+                    }
+                });
+                let pace = std::sync::Arc::clone(&pace);
+                tokio::spawn(async move {
+                    let mut last = tokio::time::Instant::now();
+                    while let Some((came, chunk)) = paced.recv().await {
+                        let pace = Duration::from_millis(pace.load(Ordering::SeqCst));
+                        last = (came + pace).max(last + pace);
+                        tokio::time::sleep_until(last).await;
+                        if client_write.write_all(&chunk).await.is_err() {
+                            return;
+                        }
+                    }
+                });
+            }
+        });
+        Self { addr, pace_ms }
+    }
+
+    fn url(&self) -> String {
+        format!("redis://{}/", self.addr)
+    }
+
+    /// From now on, one answer every `pace`.
+    fn slow(&self, pace: Duration) {
+        let pace = u64::try_from(pace.as_millis()).unwrap();
+        self.pace_ms
+            .store(pace, std::sync::atomic::Ordering::SeqCst);
+    }
+}
+
+/// A Redis slow under load answers every call, each 50 ms after the one
+/// before: charges sent 2 ms apart wait longer and longer (the tenth about
+/// 480 ms), far past the store's 80 ms, while Redis answers others all
+/// along. They are waited for, not failed: load alone is no store error.
+/// (A charge just before the proxy slows down keeps the connection from
+/// looking quiet, which would cost a check of its own.)
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn charges_behind_others_on_a_slow_redis_are_waited_for() {
+    let server = redis_server_or_skip!();
+    for batched in [true, false] {
+        let proxy = SlowProxy::start(&server).await;
+        let store = ready(
+            RedisStore::builder(proxy.url())
+                .pool_size(1)
+                .timeout(Duration::from_millis(80))
+                .batch_charges(batched),
+        )
+        .await;
+        let key = key(&format!("slow-{batched}"));
+        store.charge(charge(&key, 1_000)).await.unwrap();
+        proxy.slow(Duration::from_millis(50));
+        let mut calls = tokio::task::JoinSet::new();
+        for _ in 0..10 {
+            let (store, key) = (store.clone(), key.clone());
+            calls.spawn(async move {
+                let started = Instant::now();
+                let outcome = store.charge(charge(&key, 1_000)).await;
+                (outcome.map(|outcome| outcome.admitted), started.elapsed())
+            });
+            tokio::time::sleep(Duration::from_millis(2)).await;
+        }
+        let answers = calls.join_all().await;
+        let slowest = answers.iter().map(|(_, waited)| *waited).max().unwrap();
+        assert!(
+            answers
+                .iter()
+                .all(|(outcome, _)| matches!(outcome, Ok(true))),
+            "batched {batched}: {answers:?}"
+        );
+        assert!(
+            slowest > Duration::from_millis(80),
+            "{slowest:?}: slow enough"
+        );
+        quiet(&store).await;
+        assert_eq!(used(&server, &key), "11");
+    }
+}
+
+/// The same through the layer, at its defaults (100 ms, and the store's
+/// 80 ms): requests behind others on a slow Redis are served, none is
+/// answered 503.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn requests_behind_others_on_a_slow_redis_are_served() {
+    let server = redis_server_or_skip!();
+    let proxy = SlowProxy::start(&server).await;
+    let store = ready(RedisStore::builder(proxy.url()).pool_size(1)).await;
+    let app = Router::new().route("/", get(|| async { "ok" })).layer(
+        QuotaPolicy::builder(FromHeader::account("x-account-id"))
+            .store(store.clone())
+            .build()
+            .layer(Quota::daily(1_000)),
+    );
+    let first = app.clone().oneshot(call("queued")).await.unwrap();
+    assert_eq!(first.status(), StatusCode::OK);
+    proxy.slow(Duration::from_millis(50));
+    let mut calls = tokio::task::JoinSet::new();
+    for _ in 0..10 {
+        let app = app.clone();
+        calls.spawn(async move {
+            let started = Instant::now();
+            let response = app.oneshot(call("queued")).await.unwrap();
+            let status = response.status();
+            let body = axum::body::to_bytes(response.into_body(), usize::MAX)
+                .await
+                .unwrap();
+            (
+                status,
+                started.elapsed(),
+                String::from_utf8_lossy(&body).into_owned(),
+            )
+        });
+        tokio::time::sleep(Duration::from_millis(10)).await;
+    }
+    let statuses = calls.join_all().await;
+    assert!(
+        statuses
+            .iter()
+            .all(|(status, _, _)| *status == StatusCode::OK),
+        "{statuses:?}"
+    );
+}

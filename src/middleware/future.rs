@@ -2,6 +2,7 @@ use std::future::Future;
 use std::pin::Pin;
 use std::sync::Arc;
 use std::task::{ready, Context, Poll};
+use std::time::Duration;
 
 use bytes::Bytes;
 use http::{Request, Response};
@@ -16,6 +17,7 @@ use super::owing::Owing;
 use crate::body::ResponseBody;
 use crate::response::RateLimitFields;
 use crate::status::{GiveBack, LayerQuotas, Lines, QuotaSet, QuotaStatus};
+use crate::store::patience::{Patience, PatientTimer};
 use crate::store::resend::Resend;
 use crate::store::{ChargeAnswer, Made, Store, StoreError, StoreErrorKind, Usage};
 use crate::subject::SubjectExtractor;
@@ -82,8 +84,9 @@ pin_project! {
 /// A request waiting for the store's answer to its charge.
 pub(crate) struct Waiting<S, E, St: Store, ReqBody> {
     charge: St::ChargeFuture,
-    // Armed only for a store that does not answer at once.
-    timeout: Option<Pin<Box<Sleep>>>,
+    // Armed only for a store that does not answer at once: the policy's
+    // `store_timeout`, waited for longer while the store answers others.
+    timeout: Option<PatientTimer>,
     timer: crate::metrics::ChargeTimer,
     pending: Option<Pending<S, E, St, ReqBody>>,
 }
@@ -582,22 +585,27 @@ where
                     let answer = match Pin::new(charge).poll(cx) {
                         Poll::Ready(answer) => answer,
                         Poll::Pending => {
-                            let store_timeout = pending
+                            let policy = &pending
                                 .as_ref()
                                 .expect("polled after completion")
                                 .bound
-                                .policy
-                                .settings
-                                .store_timeout;
-                            if let (None, Some(limit)) = (timeout.as_ref(), store_timeout) {
+                                .policy;
+                            if let (None, Some(limit)) =
+                                (timeout.as_ref(), policy.settings.store_timeout)
+                            {
                                 if tokio::runtime::Handle::try_current().is_ok() {
-                                    *timeout = Some(Box::pin(tokio::time::sleep(limit)));
+                                    let started = tokio::time::Instant::now();
+                                    let patience = Patience::new(started, limit, Duration::MAX);
+                                    *timeout = Some(PatientTimer::new(
+                                        patience,
+                                        policy.store.last_answer(),
+                                    ));
                                 }
                             }
-                            let Some(sleep) = timeout.as_mut() else {
+                            let Some(timer) = timeout.as_mut() else {
                                 return Poll::Pending;
                             };
-                            ready!(sleep.as_mut().poll(cx));
+                            ready!(timer.poll_expired(cx, || policy.store.last_answer()));
                             Err(StoreError::new(
                                 StoreErrorKind::Timeout,
                                 "the quota store did not answer in time",

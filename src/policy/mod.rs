@@ -584,14 +584,22 @@ impl<E, St> QuotaPolicyBuilder<E, St> {
     /// How long to wait for the store before treating it as failed (default
     /// 100 ms; `None` waits forever). The wait applies only to stores that do
     /// not answer at once (never to [`MemoryStore`]) and uses tokio's timer.
-    /// It also bounds how long a response waits for what it changes after
+    /// It is the time a charge waits while the store answers *nothing*: a
+    /// store that tells when it last had an answer from its server
+    /// ([`Store::last_answer`]: the Redis store does) and keeps answering
+    /// other calls is slow under load, not failing, and a charge then waits
+    /// until the timeout has passed since the store's last answer, up to ten
+    /// times the timeout in all. So load alone (saturated cores, a queue of
+    /// charges) does not turn into 503s, while a store that stalls fails
+    /// its calls after the timeout. It also bounds how long a response waits for what it changes after
     /// the handler answered (a give-back, a deferred cost's rest): past it,
     /// the response goes out with its fields as the change will leave the
     /// counters, and the change carries on in its own task.
     ///
     /// A store may give up on a call sooner on its own: the Redis store
     /// answers within its budget (`RedisStoreBuilder::timeout`, 80 ms by
-    /// default), so a longer timeout here waits for nothing more unless
+    /// default, waited for the same way), so a longer timeout here waits for
+    /// nothing more unless
     /// that budget grows with it (keep it a little below this one);
     /// [`build`](Self::build) logs a warning when this one is more than
     /// four such calls and the store's wait ([`Store::call_budget`]).
@@ -602,8 +610,7 @@ impl<E, St> QuotaPolicyBuilder<E, St> {
     /// A `LeasedStore` may also send a request its first call refused again,
     /// once its own units on their way back landed (an old block's
     /// give-back among them): a refusal can take three calls in a row to
-    /// the inner store, so keep the timeout above three times its slowest
-    /// ordinary answer plus that wait.
+    /// the inner store, each an answer that moves the wait on.
     ///
     /// # Panics
     ///

@@ -219,6 +219,13 @@ impl<A: Store, B: Store> Store for EitherStore<A, B> {
         }
     }
 
+    fn last_answer(&self) -> Option<tokio::time::Instant> {
+        match self {
+            Self::Left(store) => store.last_answer(),
+            Self::Right(store) => store.last_answer(),
+        }
+    }
+
     fn longest_wait(&self) -> std::time::Duration {
         match self {
             Self::Left(store) => store.longest_wait(),

@@ -3573,6 +3573,10 @@ impl<St: Store> Store for LeasedStore<St> {
     fn call_budget(&self) -> Option<Duration> {
         self.inner.call_budget()
     }
+
+    fn last_answer(&self) -> Option<tokio::time::Instant> {
+        self.inner.last_answer()
+    }
 }
 
 #[cfg(test)]

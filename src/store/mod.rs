@@ -141,6 +141,7 @@
 mod either;
 mod leased;
 mod memory;
+pub(crate) mod patience;
 #[cfg(feature = "redis")]
 pub mod redis;
 pub(crate) mod resend;
@@ -913,6 +914,18 @@ pub trait Store: Clone + Send + Sync + 'static {
     /// which it logs when it is built. `None` by default; a store that
     /// wraps another answers the inner store's.
     fn call_budget(&self) -> Option<std::time::Duration> {
+        None
+    }
+
+    /// When this store last had an answer from the server it calls, to any
+    /// call, if it calls one and had one (the Redis store: any reply from
+    /// Redis). A policy waits for a charge past its
+    /// [`store_timeout`](crate::QuotaPolicyBuilder::store_timeout) while
+    /// such answers keep coming: a store slow under load, not one that
+    /// stalled. `None` by default (a store that answers at once, or tells
+    /// nothing: its charges are waited for `store_timeout` at most); a store
+    /// that wraps another answers the inner store's.
+    fn last_answer(&self) -> Option<tokio::time::Instant> {
         None
     }
 

@@ -159,7 +159,7 @@ impl Drop for GiveBack {
             let deadline = tokio::time::Instant::now() + FOLLOW_THROUGH;
             match inner
                 .connections
-                .ready_or_get(&timeouts, deadline, Sends::Write)
+                .ready_or_get(&timeouts, deadline, Sends::Write, &inner.last_answer)
                 .await
             {
                 Some(Ok(mut conn)) => refund_lines(&inner, &mut conn, lines, now).await,
@@ -329,7 +329,7 @@ async fn send(inner: &Arc<Inner>, batch: Vec<Pending>) {
     let deadline = tokio::time::Instant::now() + FOLLOW_THROUGH;
     let mut conn = match inner
         .connections
-        .ready_or_get(&timeouts, deadline, Sends::Charge)
+        .ready_or_get(&timeouts, deadline, Sends::Charge, &inner.last_answer)
         .await
     {
         Some(Ok(conn)) => conn,
@@ -368,9 +368,10 @@ async fn send(inner: &Arc<Inner>, batch: Vec<Pending>) {
     let (conn, result) = match tokio::time::timeout_at(sent + inner.timeout, trip.as_mut()).await {
         Ok(answer) => answer,
         Err(_) => {
-            // Every caller in the batch has given up by now. The batch is
-            // followed in a task of its own, so that the next one leaves at
-            // once (and does not wait behind a connection gone silent).
+            // The batch is followed in a task of its own, so that the next
+            // one leaves at once (and does not wait behind a connection gone
+            // silent); its callers that still wait (Redis answering others
+            // meanwhile: see `Patience`) get their answers from there.
             let inner = Arc::clone(inner);
             tokio::spawn(async move {
                 match wait_for(&inner, &mut trip, sent, &mut lost).await {
@@ -412,6 +413,7 @@ fn answer(
     conn: super::Connection,
     result: Result<Value, RedisError>,
 ) {
+    inner.heard(&result);
     let values = match result {
         Ok(Value::Array(values)) => values,
         Ok(other) => {

@@ -62,7 +62,7 @@ pub struct RedisStoreBuilder {
 
 /// The longest budget a store takes: well within the time a call is
 /// followed after its caller stopped waiting.
-const MAX_TIMEOUT: Duration = Duration::from_secs(10);
+pub(super) const MAX_TIMEOUT: Duration = Duration::from_secs(10);
 
 impl RedisStoreBuilder {
     pub(super) fn new(source: Source) -> Self {
@@ -83,7 +83,10 @@ impl RedisStoreBuilder {
     /// included (room among the calls in flight, a connection, the round
     /// trip). Default 80 ms. A call not answered in time fails with
     /// [`StoreErrorKind::Timeout`]; a charge that did is given back if Redis
-    /// applies it later, so it charges nothing.
+    /// applies it later, so it charges nothing. While Redis keeps answering
+    /// other calls of the store (slow under load, not stalled), a round trip
+    /// is waited for until the budget has passed since Redis last answered,
+    /// up to ten budgets (and 10 s) in all: load alone is not a failure.
     ///
     /// Keep it below the layer's [store
     /// timeout](crate::QuotaPolicyBuilder::store_timeout) (100 ms by
@@ -274,6 +277,7 @@ impl RedisStoreBuilder {
                 given_back: AtomicU64::new(0),
                 calendar_grace: self.calendar_grace,
                 calendar_jitter: self.calendar_jitter,
+                last_answer: Arc::new(crate::store::patience::LastAnswer::new()),
             }),
         })
     }

@@ -81,6 +81,7 @@ use deadpool_redis::redis::aio::{ConnectionLike, MultiplexedConnection};
 use deadpool_redis::redis::{self, RedisError, Value};
 
 use super::late::Sends;
+use crate::store::patience::LastAnswer;
 use crate::throttle::Throttle;
 
 /// A connection idle for this long is pinged before it is used again.
@@ -92,6 +93,10 @@ const IDLE: Duration = Duration::from_secs(1);
 /// [`Connection::closed`]). Shorter than any restart, and far longer than
 /// the gaps between calls under load, which then cost no check.
 const QUIET: Duration = Duration::from_millis(5);
+
+/// How long the answer of a check for a closed socket is waited for, in
+/// its task (see [`Connection::closed`]).
+const PROBE_ANSWER: Duration = Duration::from_secs(1);
 
 /// Lets a few warnings a second through about replacements that could not
 /// be opened (during an outage, one per call).
@@ -766,6 +771,7 @@ impl Connections {
         timeouts: &Timeouts,
         deadline: tokio::time::Instant,
         sends: Sends,
+        last_answer: &Arc<LastAnswer>,
     ) -> Option<Result<Connection, Fault>> {
         let conn = match self.ready() {
             Some(conn) => conn,
@@ -777,7 +783,7 @@ impl Connections {
         if !matches!(sends, Sends::Write) && !conn.quiet() {
             return Some(Ok(conn));
         }
-        if !Box::pin(conn.closed()).await {
+        if !conn.closed(last_answer) {
             // Known open: the callers handed it next need not check it.
             if let (Connections::Server(shared), Connection::Server { slot, .. }) = (self, &conn) {
                 shared.sent(*slot);
@@ -960,19 +966,39 @@ impl Connection {
     /// which a connection used since is not pinged), so that a command
     /// queued on it now would never be written, and fail as one lost on the
     /// wire. Costs a `PING` queued on a live connection, whose answer
-    /// nobody waits for. Pooled connections are pinged when checked out,
-    /// and a cluster's serves while replaced: for them, false.
-    pub(super) async fn closed(&self) -> bool {
+    /// nobody waits for but a task that notes it in `last_answer` (behind
+    /// the calls sent before it, it is an answer from Redis: see
+    /// `Patience`). Pooled connections are pinged when checked out, and a
+    /// cluster's serves while replaced: for them, false.
+    pub(super) fn closed(&self, last_answer: &Arc<LastAnswer>) -> bool {
         match self {
-            Connection::Server { conn, .. } => {
+            Connection::Server { conn, answers, .. } => {
                 let mut probe = conn.clone();
-                // Queued at once on a live connection, then not waited
-                // for; refused at once by one whose driver ended.
-                probe.set_response_timeout(Duration::ZERO);
-                redis::cmd("PING")
-                    .query_async::<Value>(&mut probe)
-                    .await
-                    .is_err_and(|error| super::errors::broken(&error))
+                probe.set_response_timeout(PROBE_ANSWER);
+                let (answers, last_answer) = (Arc::clone(answers), Arc::clone(last_answer));
+                let mut ping = Box::pin(async move {
+                    let answer = redis::cmd("PING").query_async::<Value>(&mut probe).await;
+                    if answer.as_ref().map_or_else(super::came_back, |_| true) {
+                        answers.fetch_add(1, Ordering::Relaxed);
+                        last_answer.heard();
+                    }
+                    answer
+                });
+                // Queued at once on a live connection, whose answer is then
+                // awaited in a task; refused at once by one whose driver
+                // ended.
+                let mut cx = std::task::Context::from_waker(std::task::Waker::noop());
+                match ping.as_mut().poll(&mut cx) {
+                    std::task::Poll::Ready(answer) => {
+                        answer.is_err_and(|error| super::errors::broken(&error))
+                    }
+                    std::task::Poll::Pending => {
+                        if let Ok(runtime) = tokio::runtime::Handle::try_current() {
+                            drop(runtime.spawn(ping));
+                        }
+                        false
+                    }
+                }
             }
             _ => false,
         }

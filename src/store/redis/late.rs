@@ -259,7 +259,11 @@ pub(super) async fn follow_through<T>(
     _permit: Option<Room>,
     give_back: Option<GiveBack<T>>,
 ) {
-    let (mut conn, value) = match wait_for(&inner, &mut trip, sent, &mut lost).await {
+    let answer = wait_for(&inner, &mut trip, sent, &mut lost).await;
+    if let Ok((_, result)) = &answer {
+        inner.heard(result);
+    }
+    let (mut conn, value) = match answer {
         Ok((conn, Ok(value))) => (conn, value),
         Ok((conn, Err(error))) => {
             if retires(&error) {

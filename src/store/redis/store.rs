@@ -18,7 +18,7 @@ use super::batch::{Batches, LineArgs, Lines, Pending};
 use super::builder::{RedisStoreBuilder, Source};
 use super::clock::{refresh_offset, ServerClock};
 use super::connection::{Connection, Connections};
-use super::errors::{applied_nothing, fault_error, redis_error, retires};
+use super::errors::{applied_nothing, came_back, fault_error, redis_error, retires};
 use super::hash::jitter;
 use super::late::{give_back, give_back_taking, refund_lines, Call, GiveBack, Room, Sends};
 use super::script::{
@@ -26,6 +26,7 @@ use super::script::{
     CLOCK_KEY, COUNTERS_LUA, MAX_EXACT,
 };
 use crate::key::PeriodKey;
+use crate::store::patience::{LastAnswer, Patience};
 use crate::store::{
     ChargeLine, ChargeOutcome, ChargeRequest, Debt, Lifetime, Made, Store, StoreError,
     StoreErrorKind, Usage,
@@ -130,7 +131,11 @@ use crate::store::{
 ///   layer's 100 ms [store
 ///   timeout](crate::QuotaPolicyBuilder::store_timeout), so the layer sees
 ///   the store's own error): room among the calls in flight, a connection
-///   and the round trip all fit in it.
+///   and the round trip all fit in it. The budget is Redis's silence, not
+///   a call's age: while Redis answers other calls, a call behind them is
+///   waited for until a budget has passed since the last answer, up to ten
+///   budgets in all, so that a machine too busy to read the answers at once
+///   does not fail its charges.
 /// - **A bound on load.** At most
 ///   [`max_in_flight`](RedisStoreBuilder::max_in_flight) calls (4096 by
 ///   default) are in flight at once; a call that finds no room within the
@@ -250,6 +255,25 @@ pub(super) struct Inner {
     pub(super) given_back: AtomicU64,
     pub(super) calendar_grace: Duration,
     pub(super) calendar_jitter: Duration,
+    /// When Redis last answered a call (see [`Patience`]).
+    pub(super) last_answer: Arc<LastAnswer>,
+}
+
+impl Inner {
+    /// How long a call that started at `started` waits for its answer: the
+    /// store's timeout with nothing at all from Redis, up to ten while
+    /// Redis answers other calls (see [`Patience`]).
+    pub(super) fn patience(&self, started: tokio::time::Instant) -> Patience {
+        Patience::new(started, self.timeout, super::builder::MAX_TIMEOUT)
+    }
+
+    /// Notes a reply from Redis, if `result` is one (an error Redis
+    /// answered is one; a broken connection is not).
+    pub(super) fn heard<T>(&self, result: &Result<T, RedisError>) {
+        if result.as_ref().map_or_else(came_back, |_| true) {
+            self.last_answer.heard();
+        }
+    }
 }
 
 impl RedisStore {
@@ -422,14 +446,13 @@ impl RedisStore {
     }
 
     /// Room for one call among the calls in flight, found within the wait:
-    /// its permit, the call's deadline, and the end of its wait.
+    /// its permit, when the call started, and the end of its wait.
     async fn room(&self) -> Result<(Room, tokio::time::Instant, tokio::time::Instant), StoreError> {
         let inner = &self.inner;
         let started = tokio::time::Instant::now();
-        let deadline = started + inner.timeout;
-        let room = deadline.min(started + inner.wait_timeout);
+        let room = started + inner.wait_timeout.min(inner.timeout);
         match tokio::time::timeout_at(room, Arc::clone(&inner.in_flight).acquire_owned()).await {
-            Ok(Ok(permit)) => Ok((Room::new(permit), deadline, room)),
+            Ok(Ok(permit)) => Ok((Room::new(permit), started, room)),
             Ok(Err(_)) => Err(StoreError::new(
                 StoreErrorKind::Unavailable,
                 "the Redis store is closed",
@@ -477,7 +500,8 @@ impl RedisStore {
         Fut: Future<Output = (Connection, Result<T, RedisError>)> + Send + 'static,
     {
         let inner = &self.inner;
-        let (permit, deadline, room) = self.room().await?;
+        let (permit, started, room) = self.room().await?;
+        let deadline = started + inner.timeout;
         let permit = match &give_back {
             Some(_) => permit.charging(&inner.charges),
             None => permit,
@@ -489,7 +513,7 @@ impl RedisStore {
         };
         let conn = match inner
             .connections
-            .ready_or_get(&timeouts, deadline, sends)
+            .ready_or_get(&timeouts, deadline, sends, &inner.last_answer)
             .await
         {
             Some(Ok(conn)) => conn,
@@ -516,7 +540,14 @@ impl RedisStore {
             give_back,
         };
         let trip = call.trip.as_mut().expect("the call is on its way");
-        match tokio::time::timeout_at(deadline, trip).await {
+        let answer = inner
+            .patience(started)
+            .wait(|| inner.last_answer.last(), trip)
+            .await;
+        if let Some((_, result)) = &answer {
+            inner.heard(result);
+        }
+        match answer.ok_or(()) {
             Ok((mut conn, Ok(value))) => {
                 call.trip = None;
                 let give_back = call
@@ -789,7 +820,7 @@ impl RedisStore {
         request: ChargeRequest,
         lines: Lines,
     ) -> Result<ChargeOutcome, StoreError> {
-        let (permit, deadline, _) = self.room().await?;
+        let (permit, started, _) = self.room().await?;
         let permit = permit.charging(&self.inner.charges);
         let (answer, mut answered) = tokio::sync::oneshot::channel();
         let mut sender = Batches::push(
@@ -811,7 +842,13 @@ impl RedisStore {
             }
             Pin::new(&mut answered).poll(cx)
         });
-        match tokio::time::timeout_at(deadline, answer).await {
+        let inner = &self.inner;
+        match inner
+            .patience(started)
+            .wait(|| inner.last_answer.last(), answer)
+            .await
+            .ok_or(())
+        {
             Ok(Ok(answer)) => {
                 // Read before it is taken: a reply that cannot be read drops
                 // the answer untaken, and an applied charge is given back.
@@ -1032,6 +1069,11 @@ impl Store for RedisStore {
     /// Its budget ([`RedisStoreBuilder::timeout`], 80 ms by default).
     fn call_budget(&self) -> Option<Duration> {
         Some(self.inner.timeout)
+    }
+
+    /// When Redis last answered a call of this store.
+    fn last_answer(&self) -> Option<tokio::time::Instant> {
+        self.inner.last_answer.last()
     }
 }
 
