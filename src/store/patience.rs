@@ -15,6 +15,7 @@
 
 use std::future::Future;
 use std::pin::Pin;
+#[cfg(any(feature = "redis", test))]
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::task::{ready, Context, Poll};
 use std::time::Duration;
@@ -58,6 +59,7 @@ impl Patience {
 
     /// Waits for `call` with this patience, `last_answer` telling when the
     /// store last answered: `None` once the call failed.
+    #[cfg(any(feature = "redis", test))]
     pub(crate) async fn wait<F: Future>(
         self,
         last_answer: impl Fn() -> Option<Instant>,
@@ -137,6 +139,7 @@ fn far_future() -> Instant {
 }
 
 /// When a store last had an answer from what it calls, kept without a lock.
+#[cfg(any(feature = "redis", test))]
 #[derive(Debug)]
 pub(crate) struct LastAnswer {
     epoch: Instant,
@@ -145,6 +148,7 @@ pub(crate) struct LastAnswer {
     micros: AtomicU64,
 }
 
+#[cfg(any(feature = "redis", test))]
 impl LastAnswer {
     pub(crate) fn new() -> Self {
         Self {
