@@ -3004,6 +3004,104 @@ async fn a_change_after_a_quick_restart_is_applied_or_sent_again() {
     assert_eq!(used, 0, "the request answered with a 500 stays charged");
 }
 
+/// A server restarted (its counters kept by its append-only file) behind
+/// a layer whose `/fail` handler restarts it, blocking the runtime's one
+/// thread while it does, as a busy thread would be.
+fn restarting_app() -> (
+    Arc<Mutex<RedisServer>>,
+    QuotaPolicy<FromHeader, RedisStore>,
+    Router,
+) {
+    let server = Arc::new(Mutex::new(RedisServer::start_with(&[
+        "--appendonly",
+        "yes",
+        "--appendfsync",
+        "always",
+    ])));
+    let url = server.lock().unwrap().url();
+    let store = RedisStore::builder(url)
+        .pool_size(1)
+        .timeout(Duration::from_secs(1))
+        .build()
+        .unwrap();
+    let policy = QuotaPolicy::builder(FromHeader::account("x-account-id"))
+        .store(store)
+        .refund_server_errors(true)
+        .build();
+    let restarted = Arc::clone(&server);
+    let app = Router::new()
+        .route("/", get(|| async { "ok" }))
+        .route(
+            "/fail",
+            get(move || {
+                let restarted = Arc::clone(&restarted);
+                async move {
+                    restarted.lock().unwrap().restart();
+                    StatusCode::INTERNAL_SERVER_ERROR
+                }
+            }),
+        )
+        .layer(policy.layer(Quota::daily(10)));
+    (server, policy, app)
+}
+
+/// A restart within the second on a runtime of one thread: the old
+/// process's socket is closed when the next charge comes, before the
+/// connection's driver ran to read that (the restart blocked the thread).
+/// The check of the quiet connection lets the driver run, finds it closed,
+/// and the charge goes on a fresh connection: no 503 with Redis back.
+#[tokio::test]
+async fn a_quick_restart_on_a_single_thread_runtime_costs_no_request() {
+    if !redis_support::redis_available() {
+        return;
+    }
+    let (server, _policy, app) = restarting_app();
+    assert_eq!(
+        app.clone().oneshot(call("acme")).await.unwrap().status(),
+        StatusCode::OK
+    );
+    tokio::time::sleep(Duration::from_millis(20)).await;
+    server.lock().unwrap().restart();
+    assert_eq!(
+        app.clone().oneshot(call("acme")).await.unwrap().status(),
+        StatusCode::OK,
+        "a charge after a quick restart"
+    );
+}
+
+/// Likewise for a give-back (a change, always checked first): the
+/// handler restarts the server and answers 500, and the give-back of its
+/// charge is applied or said unsent (and sent again), never lost on the
+/// old socket: the request is charged nothing.
+#[tokio::test]
+async fn a_give_back_after_a_quick_restart_on_a_single_thread_runtime_is_not_lost() {
+    if !redis_support::redis_available() {
+        return;
+    }
+    let (_server, policy, app) = restarting_app();
+    let failing = Request::get("/fail")
+        .header("x-account-id", "acme")
+        .body(Body::empty())
+        .unwrap();
+    let response = app.oneshot(failing).await.unwrap();
+    assert_eq!(response.status(), StatusCode::INTERNAL_SERVER_ERROR);
+    let handle = policy.handle();
+    let mut used = u64::MAX;
+    for _ in 0..30 {
+        tokio::time::sleep(Duration::from_millis(100)).await;
+        let usage = handle.usage(&Subject::account("acme")).await.unwrap();
+        used = usage
+            .iter()
+            .find(|u| u.name() == "default-day")
+            .unwrap()
+            .used();
+        if used == 0 {
+            break;
+        }
+    }
+    assert_eq!(used, 0, "the request answered with a 500 stays charged");
+}
+
 /// Through the layer, failing closed: many requests at once after a
 /// restart within the second are all served (no 503 with Redis back).
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

@@ -86,7 +86,11 @@ impl RedisStoreBuilder {
     /// applies it later, so it charges nothing. While Redis keeps answering
     /// other calls of the store (slow under load, not stalled), a round trip
     /// is waited for until the budget has passed since Redis last answered,
-    /// up to ten budgets (and 10 s) in all: load alone is not a failure.
+    /// up to ten budgets (and 10 s) in all: load alone is not a failure. (On
+    /// a single server: a cluster's nodes answer apart, so there each call
+    /// has one budget. A connection gone silent beside one that answers, on
+    /// a single server, holds the calls sent on it up to ten budgets, and is
+    /// then retired.)
     ///
     /// Keep it below the layer's [store
     /// timeout](crate::QuotaPolicyBuilder::store_timeout) (100 ms by

@@ -783,7 +783,7 @@ impl Connections {
         if !matches!(sends, Sends::Write) && !conn.quiet() {
             return Some(Ok(conn));
         }
-        if !conn.closed(last_answer) {
+        if !Box::pin(conn.closed(last_answer)).await {
             // Known open: the callers handed it next need not check it.
             if let (Connections::Server(shared), Connection::Server { slot, .. }) = (self, &conn) {
                 shared.sent(*slot);
@@ -818,6 +818,16 @@ impl Connections {
             (Connections::Cluster(shared), Failed::Epoch(epoch)) => shared.failed(epoch),
             (_, Failed::Pooled(conn)) => conn.discard(),
             _ => {}
+        }
+    }
+
+    /// Whether this is a cluster's: its nodes answer apart, and one
+    /// node's answers tell nothing of another's silence.
+    pub(super) fn cluster(&self) -> bool {
+        match self {
+            Connections::Server(_) | Connections::Pool(_) => false,
+            #[cfg(feature = "redis-cluster")]
+            Connections::Cluster(_) | Connections::ClusterPool(_) => true,
         }
     }
 
@@ -970,7 +980,7 @@ impl Connection {
     /// the calls sent before it, it is an answer from Redis: see
     /// `Patience`). Pooled connections are pinged when checked out, and a
     /// cluster's serves while replaced: for them, false.
-    pub(super) fn closed(&self, last_answer: &Arc<LastAnswer>) -> bool {
+    pub(super) async fn closed(&self, last_answer: &Arc<LastAnswer>) -> bool {
         match self {
             Connection::Server { conn, answers, .. } => {
                 let mut probe = conn.clone();
@@ -985,20 +995,23 @@ impl Connection {
                     answer
                 });
                 // Queued at once on a live connection, whose answer is then
-                // awaited in a task; refused at once by one whose driver
-                // ended.
-                let mut cx = std::task::Context::from_waker(std::task::Waker::noop());
-                match ping.as_mut().poll(&mut cx) {
-                    std::task::Poll::Ready(answer) => {
-                        answer.is_err_and(|error| super::errors::broken(&error))
-                    }
-                    std::task::Poll::Pending => {
-                        if let Ok(runtime) = tokio::runtime::Handle::try_current() {
-                            drop(runtime.spawn(ping));
-                        }
-                        false
-                    }
+                // awaited in a task; refused by one whose driver ended. The
+                // connection's driver must have run to see a socket the
+                // server closed (a restart while this thread was busy): the
+                // zero timeout waits for the timer's next tick, and a yield
+                // lets the tasks the I/O driver woke meanwhile (the
+                // connection's driver among them) run first. Polled once and
+                // left at once, the probe would miss the closed socket, and
+                // the call would go out on it.
+                if let Ok(answer) = tokio::time::timeout(Duration::ZERO, ping.as_mut()).await {
+                    return answer.is_err_and(|error| super::errors::broken(&error));
                 }
+                tokio::task::yield_now().await;
+                if let Ok(answer) = tokio::time::timeout(Duration::ZERO, ping.as_mut()).await {
+                    return answer.is_err_and(|error| super::errors::broken(&error));
+                }
+                drop(tokio::spawn(ping));
+                false
             }
             _ => false,
         }

@@ -135,7 +135,8 @@ use crate::store::{
 ///   a call's age: while Redis answers other calls, a call behind them is
 ///   waited for until a budget has passed since the last answer, up to ten
 ///   budgets in all, so that a machine too busy to read the answers at once
-///   does not fail its charges.
+///   does not fail its charges (on a single server; on a cluster, whose
+///   nodes answer apart, each call has one budget).
 /// - **A bound on load.** At most
 ///   [`max_in_flight`](RedisStoreBuilder::max_in_flight) calls (4096 by
 ///   default) are in flight at once; a call that finds no room within the
@@ -268,9 +269,11 @@ impl Inner {
     }
 
     /// Notes a reply from Redis, if `result` is one (an error Redis
-    /// answered is one; a broken connection is not).
+    /// answered is one; a broken connection is not). A cluster's replies
+    /// are not noted: one node's answers say nothing of another that
+    /// stalled, whose subjects' calls must still fail after one budget.
     pub(super) fn heard<T>(&self, result: &Result<T, RedisError>) {
-        if result.as_ref().map_or_else(came_back, |_| true) {
+        if !self.connections.cluster() && result.as_ref().map_or_else(came_back, |_| true) {
             self.last_answer.heard();
         }
     }
