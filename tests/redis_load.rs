@@ -717,6 +717,58 @@ async fn a_silent_connection_holds_up_only_the_calls_already_on_it() {
     }
 }
 
+/// A connection gone silent beside one that answers: the calls sent on the
+/// silent one fail after about one budget, as on a Redis that stalled. The
+/// answers on the other connection tell nothing of theirs (they would
+/// otherwise be waited for up to ten budgets).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn calls_on_a_silent_connection_beside_an_answering_one_fail_after_a_budget() {
+    let server = redis_server_or_skip!();
+    for batched in [true, false] {
+        let proxy = Silencer::start(&server).await;
+        let budget = Duration::from_millis(80);
+        let store = RedisStore::builder(proxy.url())
+            .pool_size(2)
+            .timeout(budget)
+            .batch_charges(batched)
+            .build()
+            .unwrap();
+        let key = key(&format!("beside-{batched}"));
+        // The first slot's connection opens for a first charge, and goes
+        // silent; the second opens afterwards, and answers.
+        store.charge(charge(&key, 1_000)).await.unwrap();
+        proxy.silence();
+        let mut calls = tokio::task::JoinSet::new();
+        for _ in 0..20 {
+            let (store, key) = (store.clone(), key.clone());
+            calls.spawn(async move {
+                let started = Instant::now();
+                let outcome = store.charge(charge(&key, 1_000)).await;
+                (outcome.is_ok(), started.elapsed())
+            });
+            tokio::time::sleep(Duration::from_millis(10)).await;
+        }
+        let answers = calls.join_all().await;
+        let failed: Vec<Duration> = answers
+            .iter()
+            .filter(|(ok, _)| !ok)
+            .map(|(_, waited)| *waited)
+            .collect();
+        assert!(
+            answers.iter().any(|(ok, _)| *ok),
+            "batched {batched}: the other connection answers: {answers:?}"
+        );
+        assert!(
+            !failed.is_empty(),
+            "batched {batched}: the silent connection was used: {answers:?}"
+        );
+        assert!(
+            failed.iter().all(|waited| *waited < budget * 9 / 4),
+            "batched {batched}: failed after about a budget: {answers:?}"
+        );
+    }
+}
+
 /// Connections that keep answering are kept, however long the queue on
 /// them: calls that wait past the budget on a busy connection fail on their
 /// own and open no new connection.

@@ -87,6 +87,9 @@ pub(super) struct Pending {
     pub(super) answer: oneshot::Sender<Answer>,
     /// Keeps the charge counted in flight until it is over.
     pub(super) permit: super::late::Room,
+    /// Set when its batch is sent: what the connection answers from then
+    /// on (see `Inner::last_answer_for`).
+    pub(super) sent: Arc<std::sync::OnceLock<super::connection::AnswersAfter>>,
 }
 
 /// Redis's answer to one charge: the script's reply, or why there is none.
@@ -361,6 +364,11 @@ async fn send(inner: &Arc<Inner>, batch: Vec<Pending>) {
     let command = command(&batch);
     let mut lost = conn.lost();
     let sent = tokio::time::Instant::now();
+    for pending in &batch {
+        if let Some(after) = conn.answers_after(sent) {
+            let _ = pending.sent.set(after);
+        }
+    }
     let mut trip = Box::pin(async move {
         let result = eval(&mut conn, &command).await;
         (conn, result)
@@ -439,6 +447,7 @@ fn answer(
             lines,
             answer,
             permit,
+            ..
         } = pending;
         let give_back = GiveBack {
             inner: Arc::clone(inner),
@@ -655,6 +664,7 @@ mod tests {
                 .collect(),
             answer: oneshot::channel().0,
             permit,
+            sent: Arc::default(),
         }
     }
 

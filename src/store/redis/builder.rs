@@ -88,9 +88,9 @@ impl RedisStoreBuilder {
     /// is waited for until the budget has passed since Redis last answered,
     /// up to ten budgets (and 10 s) in all: load alone is not a failure. (On
     /// a single server: a cluster's nodes answer apart, so there each call
-    /// has one budget. A connection gone silent beside one that answers, on
-    /// a single server, holds the calls sent on it up to ten budgets, and is
-    /// then retired.)
+    /// has one budget. Answers on other connections do not count for a call
+    /// sent on a connection that gave nothing back since: one gone silent,
+    /// half-open beside others, fails its calls a budget after they left.)
     ///
     /// Keep it below the layer's [store
     /// timeout](crate::QuotaPolicyBuilder::store_timeout) (100 ms by

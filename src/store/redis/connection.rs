@@ -917,6 +917,25 @@ impl Lost {
     }
 }
 
+/// What a connection answers after a call was sent on it at `sent` (a
+/// single server's; a cluster's connection answers for every node, and a
+/// pool's is the call's own): whether it went silent since, for the call's
+/// wait (see `Inner::last_answer_for`).
+#[derive(Debug)]
+pub(super) struct AnswersAfter {
+    answers: Arc<AtomicU64>,
+    seen: u64,
+    pub(super) sent: tokio::time::Instant,
+}
+
+impl AnswersAfter {
+    /// Whether anything came back on the connection since the call was
+    /// sent.
+    pub(super) fn any(&self) -> bool {
+        self.answers.load(Ordering::Relaxed) != self.seen
+    }
+}
+
 /// What to close after a failure.
 pub(super) enum Failed {
     /// Nothing of this store's: a side connection, dropped already.
@@ -1019,6 +1038,18 @@ impl Connection {
 
     /// What to close when a call about to be sent on this connection never
     /// comes back; a pooled connection is in the lost call's hands.
+    /// What this connection answers after a call sent on it now.
+    pub(super) fn answers_after(&self, sent: tokio::time::Instant) -> Option<AnswersAfter> {
+        match self {
+            Connection::Server { answers, .. } => Some(AnswersAfter {
+                seen: answers.load(Ordering::Relaxed),
+                answers: Arc::clone(answers),
+                sent,
+            }),
+            _ => None,
+        }
+    }
+
     pub(super) fn lost(&self) -> Option<Lost> {
         match self {
             Connection::Server { epoch, answers, .. } => Some(Lost {

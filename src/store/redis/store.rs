@@ -17,7 +17,7 @@ use tokio::sync::Semaphore;
 use super::batch::{Batches, LineArgs, Lines, Pending};
 use super::builder::{RedisStoreBuilder, Source};
 use super::clock::{refresh_offset, ServerClock};
-use super::connection::{Connection, Connections};
+use super::connection::{AnswersAfter, Connection, Connections};
 use super::errors::{applied_nothing, came_back, fault_error, redis_error, retires};
 use super::hash::jitter;
 use super::late::{give_back, give_back_taking, refund_lines, Call, GiveBack, Room, Sends};
@@ -266,6 +266,21 @@ impl Inner {
     /// Redis answers other calls (see [`Patience`]).
     pub(super) fn patience(&self, started: tokio::time::Instant) -> Patience {
         Patience::new(started, self.timeout, super::builder::MAX_TIMEOUT)
+    }
+
+    /// When Redis last answered, as a call waits for it: while it waits to
+    /// be sent, any answer (the queue ahead of it moves); once `sent` on a
+    /// connection that gave nothing back since (gone silent, half-open
+    /// beside others that answer), only the answers before it was sent.
+    pub(super) fn last_answer_for(
+        &self,
+        sent: Option<&AnswersAfter>,
+    ) -> Option<tokio::time::Instant> {
+        let last = self.last_answer.last();
+        match sent {
+            Some(sent) if !sent.any() => last.map(|at| at.min(sent.sent)),
+            _ => last,
+        }
     }
 
     /// Notes a reply from Redis, if `result` is one (an error Redis
@@ -534,10 +549,12 @@ impl RedisStore {
             )
             .unsent());
         }
+        let sent = tokio::time::Instant::now();
+        let answers_after = conn.answers_after(sent);
         let mut call = Call {
             inner: Arc::clone(inner),
             lost: conn.lost(),
-            sent: tokio::time::Instant::now(),
+            sent,
             trip: Some(Box::pin(f(conn))),
             permit: Some(permit),
             give_back,
@@ -545,7 +562,7 @@ impl RedisStore {
         let trip = call.trip.as_mut().expect("the call is on its way");
         let answer = inner
             .patience(started)
-            .wait(|| inner.last_answer.last(), trip)
+            .wait(|| inner.last_answer_for(answers_after.as_ref()), trip)
             .await;
         if let Some((_, result)) = &answer {
             inner.heard(result);
@@ -826,6 +843,7 @@ impl RedisStore {
         let (permit, started, _) = self.room().await?;
         let permit = permit.charging(&self.inner.charges);
         let (answer, mut answered) = tokio::sync::oneshot::channel();
+        let sent = Arc::new(std::sync::OnceLock::new());
         let mut sender = Batches::push(
             &self.inner,
             Pending {
@@ -833,6 +851,7 @@ impl RedisStore {
                 lines,
                 answer,
                 permit,
+                sent: Arc::clone(&sent),
             },
         );
         // Drives the batch this call started, if any, until the answer
@@ -848,7 +867,7 @@ impl RedisStore {
         let inner = &self.inner;
         match inner
             .patience(started)
-            .wait(|| inner.last_answer.last(), answer)
+            .wait(|| inner.last_answer_for(sent.get()), answer)
             .await
             .ok_or(())
         {
