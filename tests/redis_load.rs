@@ -820,6 +820,7 @@ async fn a_busy_connection_is_kept() {
 struct SlowProxy {
     addr: std::net::SocketAddr,
     pace_ms: std::sync::Arc<std::sync::atomic::AtomicU64>,
+    connect_ms: std::sync::Arc<std::sync::atomic::AtomicU64>,
 }
 
 impl SlowProxy {
@@ -832,8 +833,12 @@ impl SlowProxy {
         let target = format!("127.0.0.1:{}", server.port());
         let pace_ms = std::sync::Arc::new(std::sync::atomic::AtomicU64::new(0));
         let pace = std::sync::Arc::clone(&pace_ms);
+        let connect_ms = std::sync::Arc::new(std::sync::atomic::AtomicU64::new(0));
+        let connect = std::sync::Arc::clone(&connect_ms);
         tokio::spawn(async move {
             while let Ok((client, _)) = listener.accept().await {
+                let delay = Duration::from_millis(connect.load(Ordering::SeqCst));
+                tokio::time::sleep(delay).await;
                 let Ok(upstream) = tokio::net::TcpStream::connect(&target).await else {
                     continue;
                 };
@@ -864,7 +869,11 @@ impl SlowProxy {
                 });
             }
         });
-        Self { addr, pace_ms }
+        Self {
+            addr,
+            pace_ms,
+            connect_ms,
+        }
     }
 
     fn url(&self) -> String {
@@ -876,6 +885,14 @@ impl SlowProxy {
         let pace = u64::try_from(pace.as_millis()).unwrap();
         self.pace_ms
             .store(pace, std::sync::atomic::Ordering::SeqCst);
+    }
+
+    /// From now on, a new connection reaches the server `delay` after it
+    /// was accepted (a machine too busy to open one at once).
+    fn slow_to_connect(&self, delay: Duration) {
+        let delay = u64::try_from(delay.as_millis()).unwrap();
+        self.connect_ms
+            .store(delay, std::sync::atomic::Ordering::SeqCst);
     }
 }
 
@@ -969,4 +986,37 @@ async fn requests_behind_others_on_a_slow_redis_are_served() {
             .all(|(status, _, _)| *status == StatusCode::OK),
         "{statuses:?}"
     );
+}
+
+/// A burst on a store that opened one of its two connections yet, while
+/// the next takes 300 ms to open: the charges go on the open one while the
+/// other opens beside, and none waits for it past the store's 80 ms.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn charges_go_on_an_open_connection_while_the_next_opens() {
+    let server = redis_server_or_skip!();
+    for batched in [true, false] {
+        let proxy = SlowProxy::start(&server).await;
+        let store = RedisStore::builder(proxy.url())
+            .pool_size(2)
+            .timeout(Duration::from_millis(80))
+            .batch_charges(batched)
+            .build()
+            .unwrap();
+        let key = key(&format!("opening-{batched}"));
+        // The first slot's connection opens for a first charge.
+        store.charge(charge(&key, 1_000)).await.unwrap();
+        proxy.slow_to_connect(Duration::from_millis(300));
+        let mut calls = tokio::task::JoinSet::new();
+        for _ in 0..10 {
+            let (store, key) = (store.clone(), key.clone());
+            calls.spawn(async move { store.charge(charge(&key, 1_000)).await.map(|o| o.admitted) });
+        }
+        let answers = calls.join_all().await;
+        assert!(
+            answers.iter().all(|answer| matches!(answer, Ok(true))),
+            "batched {batched}: {answers:?}"
+        );
+        quiet(&store).await;
+        assert_eq!(used(&server, &key), "11");
+    }
 }

@@ -47,6 +47,12 @@ impl Patience {
         }
     }
 
+    /// The instant past which the call fails, whatever the store answered.
+    #[cfg(feature = "redis")]
+    pub(crate) fn cap(&self) -> Instant {
+        self.cap
+    }
+
     /// When the call fails unless it is answered first, the store having
     /// last answered at `last_answer`.
     pub(crate) fn deadline(&self, last_answer: Option<Instant>) -> Instant {

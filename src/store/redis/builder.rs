@@ -203,6 +203,7 @@ impl RedisStoreBuilder {
             StoreError::new(StoreErrorKind::Other, format!("invalid Redis {what}")).with_source(e)
         };
         let size = self.pool_size.unwrap_or(DEFAULT_POOL_SIZE);
+        let last_answer = Arc::new(crate::store::patience::LastAnswer::new());
         let connections = match self.source {
             Source::Url(url) => {
                 let info = redis::IntoConnectionInfo::into_connection_info(url.as_str())
@@ -216,7 +217,12 @@ impl RedisStoreBuilder {
                         .set_connection_timeout(Some(self.connect_timeout))
                         .set_response_timeout(None),
                 };
-                Connections::Server(Arc::new(Shared::new(connector, size, self.connect_timeout)))
+                Connections::Server(Arc::new(Shared::new(
+                    connector,
+                    size,
+                    self.connect_timeout,
+                    Arc::clone(&last_answer),
+                )))
             }
             Source::Pool(pool) => Connections::Pool(pool),
             #[cfg(feature = "redis-cluster")]
@@ -248,6 +254,8 @@ impl RedisStoreBuilder {
                     },
                     size,
                     self.connect_timeout,
+                    // A cluster's answers move no wait (see `Inner::heard`).
+                    Arc::new(crate::store::patience::LastAnswer::new()),
                 )))
             }
             #[cfg(feature = "redis-cluster")]
@@ -281,7 +289,7 @@ impl RedisStoreBuilder {
                 given_back: AtomicU64::new(0),
                 calendar_grace: self.calendar_grace,
                 calendar_jitter: self.calendar_jitter,
-                last_answer: Arc::new(crate::store::patience::LastAnswer::new()),
+                last_answer,
             }),
         })
     }

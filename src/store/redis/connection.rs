@@ -310,6 +310,8 @@ pub(super) struct Shared<C: Connect> {
     /// Bumped when a connection fails on the wire: connections opened in an
     /// earlier epoch are not handed out again.
     epoch: AtomicU64,
+    /// Where the answers to checks of idle connections are noted.
+    last_answer: Arc<LastAnswer>,
 }
 
 struct Slot<T> {
@@ -400,7 +402,14 @@ impl<T> Handed<T> {
 }
 
 impl<C: Connect> Shared<C> {
-    pub(super) fn new(connector: C, size: usize, ping_timeout: Duration) -> Self {
+    /// `last_answer` notes the answers to the checks of idle connections
+    /// (see `Patience`).
+    pub(super) fn new(
+        connector: C,
+        size: usize,
+        ping_timeout: Duration,
+        last_answer: Arc<LastAnswer>,
+    ) -> Self {
         let slots = (0..size.max(1))
             .map(|_| Slot {
                 current: Mutex::new(None),
@@ -417,6 +426,7 @@ impl<C: Connect> Shared<C> {
             origin: Instant::now(),
             ping_timeout,
             epoch: AtomicU64::new(0),
+            last_answer,
         }
     }
 
@@ -591,12 +601,18 @@ impl<C: Connect> Shared<C> {
             }
             if self.ping(&mut conn).await {
                 answers.fetch_add(1, Ordering::Relaxed);
+                self.last_answer.heard();
                 self.sent(index);
                 return Ok(Handed::new(index, epoch, conn, answers));
             }
             // This caller waits for a fresh connection: after a restart
             // during a lull, the old one would fail every call.
             self.failed(epoch);
+        }
+        if !C::SERVES_WHILE_REPLACED {
+            if let Some(open) = self.open_beside(index, epoch, now) {
+                return Ok(open);
+            }
         }
         let connecting = Arc::clone(&slot.connecting).lock_owned().await;
         let epoch = self.epoch.load(Ordering::Acquire);
@@ -634,6 +650,47 @@ impl<C: Connect> Shared<C> {
                 "opening a Redis connection failed: {error}"
             )))),
         }
+    }
+
+    /// Another slot's connection, open in `epoch` and used within the
+    /// second, for a caller whose slot `index` has none: that one opens in a
+    /// task of its own (unless it is being opened already), and no caller
+    /// waits for a connection while another is open (a burst on a store
+    /// that opened one connection yet, on a machine too busy to open the
+    /// next at once, would otherwise fail charges while Redis answers).
+    fn open_beside(
+        self: &Arc<Self>,
+        index: usize,
+        epoch: u64,
+        now: u64,
+    ) -> Option<Handed<C::Conn>> {
+        let count = self.slots.len();
+        let (other, conn, answers) = (1..count).map(|k| (index + k) % count).find_map(|other| {
+            let slot = &self.slots[other];
+            let idle = now.saturating_sub(slot.used.load(Ordering::Acquire));
+            if idle >= IDLE.as_millis() as u64 {
+                return None;
+            }
+            let (conn, answers) = slot.current(epoch)?;
+            Some((other, conn, answers))
+        })?;
+        if let Ok(connecting) = Arc::clone(&self.slots[index].connecting).try_lock_owned() {
+            let shared = Arc::clone(self);
+            drop(tokio::spawn(async move {
+                let _connecting = connecting;
+                if shared.slots[index].current(epoch).is_none() {
+                    // A failure is the store's whole (see `open`); the next
+                    // caller of this slot tries again.
+                    let _ = shared.open(index, epoch).await;
+                }
+            }));
+        }
+        let slot = &self.slots[other];
+        slot.used.fetch_max(now, Ordering::Relaxed);
+        Some(Handed {
+            quiet: slot.quiet(now),
+            ..Handed::new(other, epoch, conn, answers)
+        })
     }
 
     /// Opens the connection of slot `index`, in `epoch`.

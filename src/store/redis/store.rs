@@ -519,7 +519,8 @@ impl RedisStore {
     {
         let inner = &self.inner;
         let (permit, started, room) = self.room().await?;
-        let deadline = started + inner.timeout;
+        // Room, a connection and the round trip, waited for as one call.
+        let patience = inner.patience(started);
         let permit = match &give_back {
             Some(_) => permit.charging(&inner.charges),
             None => permit,
@@ -529,10 +530,14 @@ impl RedisStore {
             create: Some(inner.connect_timeout),
             recycle: Some(inner.timeout),
         };
-        let conn = match inner
-            .connections
-            .ready_or_get(&timeouts, deadline, sends, &inner.last_answer)
+        let connection =
+            inner
+                .connections
+                .ready_or_get(&timeouts, patience.cap(), sends, &inner.last_answer);
+        let conn = match patience
+            .wait(|| inner.last_answer.last(), connection)
             .await
+            .flatten()
         {
             Some(Ok(conn)) => conn,
             Some(Err(fault)) => return Err(fault_error(fault).unsent()),
@@ -541,7 +546,7 @@ impl RedisStore {
         // Room and a connection took the whole budget: a call sent now
         // would be abandoned as it leaves, and a charge it carried would
         // hold units from other requests until its give-back lands.
-        if tokio::time::Instant::now() >= deadline {
+        if tokio::time::Instant::now() >= patience.deadline(inner.last_answer.last()) {
             return Err(StoreError::new(
                 StoreErrorKind::Timeout,
                 "room for the call and a Redis connection took the store's timeout; nothing was \
@@ -560,8 +565,7 @@ impl RedisStore {
             give_back,
         };
         let trip = call.trip.as_mut().expect("the call is on its way");
-        let answer = inner
-            .patience(started)
+        let answer = patience
             .wait(|| inner.last_answer_for(answers_after.as_ref()), trip)
             .await;
         if let Some((_, result)) = &answer {
