@@ -1020,3 +1020,99 @@ async fn charges_go_on_an_open_connection_while_the_next_opens() {
         assert_eq!(used(&server, &key), "11");
     }
 }
+
+/// A restart while only one of four connections was open: a burst after
+/// it is served on fresh connections, none of it failed.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_burst_after_a_quick_restart_with_one_connection_open_is_served() {
+    let mut server = redis_server_or_skip!();
+    let store = RedisStore::builder(server.url())
+        .pool_size(4)
+        .timeout(Duration::from_millis(500))
+        .build()
+        .unwrap();
+    let key = key("beside-restart");
+    store.charge(charge(&key, 1_000_000)).await.unwrap();
+    server.restart();
+    let mut calls = tokio::task::JoinSet::new();
+    for _ in 0..50 {
+        let (store, key) = (store.clone(), key.clone());
+        calls.spawn(async move {
+            store
+                .charge(charge(&key, 1_000_000))
+                .await
+                .map(|o| o.admitted)
+        });
+    }
+    let answers = calls.join_all().await;
+    let failed: Vec<_> = answers.iter().filter(|a| !matches!(a, Ok(true))).collect();
+    quiet(&store).await;
+    assert!(failed.is_empty(), "{failed:?}");
+}
+
+/// The idle connection is pinged, found dead after a restart; the other,
+/// used within the second, is of the epoch now over.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_failed_ping_takes_no_connection_of_the_epoch_over() {
+    let mut server = redis_server_or_skip!();
+    let store = RedisStore::builder(server.url())
+        .pool_size(2)
+        .timeout(Duration::from_millis(500))
+        .build()
+        .unwrap();
+    let key = key("ping-beside");
+    store.preload().await.unwrap();
+    tokio::time::sleep(Duration::from_millis(1_100)).await;
+    for i in 0..2 {
+        store.charge(charge(&key, 1_000_000)).await.unwrap();
+        if i == 0 {
+            tokio::time::sleep(Duration::from_millis(600)).await;
+        }
+    }
+    server.restart();
+    tokio::time::sleep(Duration::from_millis(500)).await;
+    for i in 0..10 {
+        if let Err(error) = store.charge(charge(&key, 1_000_000)).await {
+            panic!("charge {i} after the restart failed: {error}");
+        }
+    }
+    quiet(&store).await;
+}
+
+/// A stopped Redis while the second connection opens beside the first:
+/// every charge fails within about a budget.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_stopped_redis_fails_charges_while_a_connection_opens_beside() {
+    let server = redis_server_or_skip!();
+    for batched in [true, false] {
+        let store = RedisStore::builder(server.url())
+            .pool_size(2)
+            .timeout(Duration::from_millis(80))
+            .batch_charges(batched)
+            .build()
+            .unwrap();
+        let key = key(&format!("stopped-beside-{batched}"));
+        store.charge(charge(&key, 1_000_000)).await.unwrap();
+        let stopped = Stopped::new(&server);
+        let mut calls = tokio::task::JoinSet::new();
+        for _ in 0..20 {
+            let (store, key) = (store.clone(), key.clone());
+            calls.spawn(async move {
+                let started = Instant::now();
+                let result = store.charge(charge(&key, 1_000_000)).await;
+                (result.is_ok(), started.elapsed())
+            });
+        }
+        let answers = calls.join_all().await;
+        drop(stopped);
+        let slowest = answers.iter().map(|(_, took)| *took).max().unwrap();
+        assert!(
+            answers.iter().all(|(ok, _)| !ok),
+            "batched {batched}: {answers:?}"
+        );
+        assert!(
+            slowest < Duration::from_millis(300),
+            "batched {batched}: {answers:?}"
+        );
+    }
+}

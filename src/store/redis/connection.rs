@@ -610,6 +610,8 @@ impl<C: Connect> Shared<C> {
             self.failed(epoch);
         }
         if !C::SERVES_WHILE_REPLACED {
+            // Read again: a failed ping above ended the epoch it read.
+            let epoch = self.epoch.load(Ordering::Acquire);
             if let Some(open) = self.open_beside(index, epoch, now) {
                 return Ok(open);
             }
@@ -678,6 +680,9 @@ impl<C: Connect> Shared<C> {
             let shared = Arc::clone(self);
             drop(tokio::spawn(async move {
                 let _connecting = connecting;
+                // The epoch when it runs: one that ended meanwhile opens
+                // nothing of its own.
+                let epoch = shared.epoch.load(Ordering::Acquire);
                 if shared.slots[index].current(epoch).is_none() {
                     // A failure is the store's whole (see `open`); the next
                     // caller of this slot tries again.
