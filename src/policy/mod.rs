@@ -590,8 +590,10 @@ impl<E, St> QuotaPolicyBuilder<E, St> {
     /// other calls is slow under load, not failing, and a charge then waits
     /// until the timeout has passed since the store's last answer, up to ten
     /// times the timeout in all. So load alone (saturated cores, a queue of
-    /// charges) does not turn into 503s, while a store that stalls fails
-    /// its calls after the timeout. It also bounds how long a response waits for what it changes after
+    /// charges) does not turn into 503s, while a store that stalls fails its
+    /// calls after the timeout.
+    ///
+    /// It also bounds how long a response waits for what it changes after
     /// the handler answered (a give-back, a deferred cost's rest): past it,
     /// the response goes out with its fields as the change will leave the
     /// counters, and the change carries on in its own task.
@@ -599,10 +601,10 @@ impl<E, St> QuotaPolicyBuilder<E, St> {
     /// A store may give up on a call sooner on its own: the Redis store
     /// answers within its budget (`RedisStoreBuilder::timeout`, 80 ms by
     /// default, waited for the same way), so a longer timeout here waits for
-    /// nothing more unless
-    /// that budget grows with it (keep it a little below this one);
-    /// [`build`](Self::build) logs a warning when this one is more than
-    /// four such calls and the store's wait ([`Store::call_budget`]).
+    /// nothing more unless that budget grows with it (keep it a little below
+    /// this one); [`build`](Self::build) logs a warning when this one is
+    /// more than four such calls and the store's wait
+    /// ([`Store::call_budget`]).
     ///
     /// It must be longer than what the store may wait on purpose before it
     /// answers ([`Store::longest_wait`]: 25 ms for a
