@@ -162,7 +162,7 @@ impl Drop for GiveBack {
             let deadline = tokio::time::Instant::now() + FOLLOW_THROUGH;
             match inner
                 .connections
-                .ready_or_get(&timeouts, deadline, Sends::Write, &inner.last_answer)
+                .ready_or_get(&timeouts, deadline, Sends::Write)
                 .await
             {
                 Some(Ok(mut conn)) => refund_lines(&inner, &mut conn, lines, now).await,
@@ -332,7 +332,7 @@ async fn send(inner: &Arc<Inner>, batch: Vec<Pending>) {
     let deadline = tokio::time::Instant::now() + FOLLOW_THROUGH;
     let mut conn = match inner
         .connections
-        .ready_or_get(&timeouts, deadline, Sends::Charge, &inner.last_answer)
+        .ready_or_get(&timeouts, deadline, Sends::Charge)
         .await
     {
         Some(Ok(conn)) => conn,
@@ -364,9 +364,9 @@ async fn send(inner: &Arc<Inner>, batch: Vec<Pending>) {
     let command = command(&batch);
     let mut lost = conn.lost();
     let sent = tokio::time::Instant::now();
-    for pending in &batch {
-        if let Some(after) = conn.answers_after(sent) {
-            let _ = pending.sent.set(after);
+    if let Some(after) = conn.answers_after(sent) {
+        for pending in &batch {
+            let _ = pending.sent.set(after.clone());
         }
     }
     let mut trip = Box::pin(async move {

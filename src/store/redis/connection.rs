@@ -833,7 +833,6 @@ impl Connections {
         timeouts: &Timeouts,
         deadline: tokio::time::Instant,
         sends: Sends,
-        last_answer: &Arc<LastAnswer>,
     ) -> Option<Result<Connection, Fault>> {
         let conn = match self.ready() {
             Some(conn) => conn,
@@ -845,7 +844,12 @@ impl Connections {
         if !matches!(sends, Sends::Write) && !conn.quiet() {
             return Some(Ok(conn));
         }
-        if !Box::pin(conn.closed(last_answer)).await {
+        // Only a server's connections are checked (see `Connection::closed`).
+        let closed = match self {
+            Connections::Server(shared) => Box::pin(conn.closed(&shared.last_answer)).await,
+            _ => false,
+        };
+        if !closed {
             // Known open: the callers handed it next need not check it.
             if let (Connections::Server(shared), Connection::Server { slot, .. }) = (self, &conn) {
                 shared.sent(*slot);
@@ -896,14 +900,15 @@ impl Connections {
     /// Whether this is a cluster, and how many connections it keeps (or
     /// the most the pool opens).
     pub(super) fn status(&self) -> (bool, usize) {
-        match self {
-            Connections::Server(shared) => (false, shared.slots.len()),
-            Connections::Pool(pool) => (false, pool.status().max_size),
+        let size = match self {
+            Connections::Server(shared) => shared.slots.len(),
+            Connections::Pool(pool) => pool.status().max_size,
             #[cfg(feature = "redis-cluster")]
-            Connections::Cluster(shared) => (true, shared.slots.len()),
+            Connections::Cluster(shared) => shared.slots.len(),
             #[cfg(feature = "redis-cluster")]
-            Connections::ClusterPool(pool) => (true, pool.status().max_size),
-        }
+            Connections::ClusterPool(pool) => pool.status().max_size,
+        };
+        (self.cluster(), size)
     }
 }
 
@@ -983,7 +988,7 @@ impl Lost {
 /// single server's; a cluster's connection answers for every node, and a
 /// pool's is the call's own): whether it went silent since, for the call's
 /// wait (see `Inner::last_answer_for`).
-#[derive(Debug)]
+#[derive(Clone, Debug)]
 pub(super) struct AnswersAfter {
     answers: Arc<AtomicU64>,
     seen: u64,
@@ -1098,8 +1103,6 @@ impl Connection {
         }
     }
 
-    /// What to close when a call about to be sent on this connection never
-    /// comes back; a pooled connection is in the lost call's hands.
     /// What this connection answers after a call sent on it now.
     pub(super) fn answers_after(&self, sent: tokio::time::Instant) -> Option<AnswersAfter> {
         match self {
@@ -1112,6 +1115,8 @@ impl Connection {
         }
     }
 
+    /// What to close when a call about to be sent on this connection never
+    /// comes back; a pooled connection is in the lost call's hands.
     pub(super) fn lost(&self) -> Option<Lost> {
         match self {
             Connection::Server { epoch, answers, .. } => Some(Lost {

@@ -530,10 +530,9 @@ impl RedisStore {
             create: Some(inner.connect_timeout),
             recycle: Some(inner.timeout),
         };
-        let connection =
-            inner
-                .connections
-                .ready_or_get(&timeouts, patience.cap(), sends, &inner.last_answer);
+        let connection = inner
+            .connections
+            .ready_or_get(&timeouts, patience.cap(), sends);
         let conn = match patience
             .wait(|| inner.last_answer.last(), connection)
             .await
