@@ -494,14 +494,8 @@ fn every_admission_counted_through_a_misbehaving_redis() {
     if !redis_available() {
         return;
     }
-    let cases: u64 = std::env::var("REDIS_CHAOS_CASES")
-        .ok()
-        .and_then(|v| v.parse().ok())
-        .unwrap_or(1);
-    let first: u64 = std::env::var("REDIS_CHAOS_SEED")
-        .ok()
-        .and_then(|v| v.parse().ok())
-        .unwrap_or(0);
+    let cases: u64 = seeded::env_u64("REDIS_CHAOS_CASES", 1);
+    let first: u64 = seeded::env_u64("REDIS_CHAOS_SEED", 0);
     let runtime = tokio::runtime::Builder::new_multi_thread()
         .worker_threads(2)
         .enable_all()

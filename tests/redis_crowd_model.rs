@@ -330,14 +330,8 @@ fn crowds_on_a_healthy_redis_are_served_and_counted() {
     if !redis_available() {
         return;
     }
-    let cases: u64 = std::env::var("REDIS_CROWD_CASES")
-        .ok()
-        .and_then(|v| v.parse().ok())
-        .unwrap_or(1);
-    let first: u64 = std::env::var("REDIS_CROWD_SEED")
-        .ok()
-        .and_then(|v| v.parse().ok())
-        .unwrap_or(0);
+    let cases: u64 = seeded::env_u64("REDIS_CROWD_CASES", 1);
+    let first: u64 = seeded::env_u64("REDIS_CROWD_SEED", 0);
     let runtime = tokio::runtime::Builder::new_multi_thread()
         .worker_threads(2)
         .enable_all()

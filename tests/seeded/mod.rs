@@ -26,3 +26,12 @@ impl Rng {
         &items[self.below(items.len() as u64) as usize]
     }
 }
+
+/// The number in the environment variable `name` (a run's case count or
+/// first seed), or `default` when it is unset or no number.
+pub fn env_u64(name: &str, default: u64) -> u64 {
+    std::env::var(name)
+        .ok()
+        .and_then(|value| value.parse().ok())
+        .unwrap_or(default)
+}
