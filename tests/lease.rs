@@ -1387,20 +1387,29 @@ async fn a_block_taken_near_the_windows_end_holds_what_the_rest_of_it_spends() {
     // The last two seconds of the day, a request a millisecond, steady.
     let mut now: Timestamp = "2026-12-04T23:59:58Z".parse().unwrap();
     busy(&leased, &mut now, 2_000, 1_000_000, 1).await;
-    tokio::time::advance(Duration::from_secs(2)).await;
-    tokio::task::yield_now().await;
-    assert_eq!(leased.held(), 0, "the ended window's block is dropped");
-    let counted = shared
-        .peek(request("2026-12-04T23:59:59.9Z".parse().unwrap(), u64::MAX))
-        .await
-        .unwrap()[0]
-        .used;
+    let counted = counted_once_the_day_ended(&leased, &shared).await;
     // Each block rounds up to a whole unit, and the rate is read from
     // whole requests.
     assert!(
         (2_000..=2_010).contains(&counted),
         "{counted} counted for 2000 served"
     );
+}
+
+/// What the shared store counts for 2026-12-04 once that day ended (two
+/// seconds from now) and the leased store dropped its block of it.
+async fn counted_once_the_day_ended(
+    leased: &LeasedStore<MemoryStore>,
+    shared: &MemoryStore,
+) -> u64 {
+    tokio::time::advance(Duration::from_secs(2)).await;
+    tokio::task::yield_now().await;
+    assert_eq!(leased.held(), 0, "the ended window's block is dropped");
+    shared
+        .peek(request("2026-12-04T23:59:59.9Z".parse().unwrap(), u64::MAX))
+        .await
+        .unwrap()[0]
+        .used
 }
 
 /// The layer's clock says when a window ends, and so how much a busy
@@ -1419,14 +1428,7 @@ async fn a_block_near_the_windows_end_is_sized_on_the_layers_clock() {
         tokio::task::yield_now().await;
         now += SignedDuration::from_millis(1);
     }
-    tokio::time::advance(Duration::from_secs(2)).await;
-    tokio::task::yield_now().await;
-    assert_eq!(leased.held(), 0, "the ended window's block is dropped");
-    let counted = shared
-        .peek(request("2026-12-04T23:59:59.9Z".parse().unwrap(), u64::MAX))
-        .await
-        .unwrap()[0]
-        .used;
+    let counted = counted_once_the_day_ended(&leased, &shared).await;
     assert!(
         (2_000..=2_010).contains(&counted),
         "{counted} counted for 2000 served"
