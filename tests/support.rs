@@ -148,6 +148,23 @@ async fn support_logs_name_the_subject_by_kind_and_hash_never_by_id() {
     assert_eq!(field(support[1], "amount"), Some("1"));
 }
 
+/// Every support route (standing, reset, refund of `read`) answers a
+/// problem 400 for the subject of `kind` named `id` (as in the path).
+async fn every_route_refuses(admin: &Router, kind: &str, id: &str) {
+    for (method, uri) in [
+        (Method::GET, format!("/admin/quota/{kind}/{id}")),
+        (Method::POST, format!("/admin/reset/{kind}/{id}/read")),
+        (
+            Method::POST,
+            format!("/admin/refund/{kind}/{id}/read?amount=1"),
+        ),
+    ] {
+        let response = send(admin, method, &uri).await;
+        assert_eq!(response.status(), StatusCode::BAD_REQUEST, "{uri}");
+        assert_eq!(problem(response).await["status"], 400, "{uri}");
+    }
+}
+
 async fn problem(response: Response<Body>) -> serde_json::Value {
     assert_eq!(
         response.headers()["content-type"],
@@ -179,18 +196,7 @@ async fn support_router_refuses_the_ids_the_layer_refuses() {
     };
     for (id, path) in [("  ", "%20%20"), ("\t", "%09"), ("123456789", "123456789")] {
         assert_eq!(layer(id).await, StatusCode::BAD_REQUEST, "{id:?}");
-        for (method, uri) in [
-            (Method::GET, format!("/admin/quota/account/{path}")),
-            (Method::POST, format!("/admin/reset/account/{path}/read")),
-            (
-                Method::POST,
-                format!("/admin/refund/account/{path}/read?amount=1"),
-            ),
-        ] {
-            let response = send(&admin, method, &uri).await;
-            assert_eq!(response.status(), StatusCode::BAD_REQUEST, "{uri}");
-            assert_eq!(problem(response).await["status"], 400, "{uri}");
-        }
+        every_route_refuses(&admin, "account", path).await;
     }
     // Spaces around an id are not part of it (HTTP strips them): the layer
     // counts " a " as "a", and support names it so, never as " a ".
@@ -693,18 +699,7 @@ async fn support_refuses_a_network_of_ipv4_clients_wider_than_their_mapping() {
         "%3A%3Affff%3A0%3A0%2F95",
         "64%3Aff9b%3A%3A%2F80",
     ] {
-        for (method, uri) in [
-            (Method::GET, format!("/admin/quota/ip/{named}")),
-            (Method::POST, format!("/admin/reset/ip/{named}/read")),
-            (
-                Method::POST,
-                format!("/admin/refund/ip/{named}/read?amount=1"),
-            ),
-        ] {
-            let response = send(&admin, method, &uri).await;
-            assert_eq!(response.status(), StatusCode::BAD_REQUEST, "{uri}");
-            assert_eq!(problem(response).await["status"], 400, "{uri}");
-        }
+        every_route_refuses(&admin, "ip", named).await;
     }
     for client in ["[::1]:1", "[64:ff9b::1:0:0]:1"] {
         assert_eq!(
