@@ -576,27 +576,36 @@ async fn store_errors_are_logged_without_the_subject_id() {
     }
 }
 
+/// An app charging each client address `daily(1)` of `read` with
+/// `extractor`, and its policy's support router under `/admin`.
+fn client_ip_apps(
+    extractor: tower_quota::ClientIp,
+) -> (QuotaPolicy<tower_quota::ClientIp>, Router, Router) {
+    let policy = QuotaPolicy::builder(extractor).build();
+    let app = Router::new()
+        .route("/", get(|| async { "hi" }))
+        .route_layer(policy.layer(Quota::daily(1).allowance("read")));
+    let admin = Router::new().nest("/admin", policy.handle().router());
+    (policy, app, admin)
+}
+
+/// What `app` answers a request from the peer at `peer`.
+async fn from_peer(app: &Router, peer: &str) -> StatusCode {
+    let mut request = Request::get("/").body(Body::empty()).unwrap();
+    let peer: std::net::SocketAddr = peer.parse().unwrap();
+    request
+        .extensions_mut()
+        .insert(axum::extract::ConnectInfo(peer));
+    app.clone().oneshot(request).await.unwrap().status()
+}
+
 /// A support call names a client as its address or network, written any
 /// way: it reaches the counter the layer charges that client to (its /64,
 /// its IPv4 address), and refuses what no client is charged as.
 #[tokio::test(flavor = "current_thread")]
 async fn support_calls_reach_the_counter_a_client_ip_is_charged_to() {
-    use axum::extract::ConnectInfo;
-    use std::net::SocketAddr;
-    use tower_quota::ClientIp;
-
-    let policy = QuotaPolicy::builder(ClientIp::new().ipv4_prefix(24)).build();
-    let app = Router::new()
-        .route("/", get(|| async { "hi" }))
-        .route_layer(policy.layer(Quota::daily(1).allowance("read")));
-    let admin = Router::new().nest("/admin", policy.handle().router());
-    let from = |peer: &str| {
-        let mut request = Request::get("/").body(Body::empty()).unwrap();
-        let peer: SocketAddr = peer.parse().unwrap();
-        request.extensions_mut().insert(ConnectInfo(peer));
-        let app = app.clone();
-        async move { app.oneshot(request).await.unwrap().status() }
-    };
+    let (policy, app, admin) = client_ip_apps(tower_quota::ClientIp::new().ipv4_prefix(24));
+    let from = |peer| from_peer(&app, peer);
     for (client, named) in [
         ("[2001:db8:1:2::9]:1", "2001:db8:1:2::9"),
         ("[2001:db8:1:2::9]:1", "2001:DB8:1:2::%2F64"),
@@ -668,22 +677,8 @@ async fn support_calls_reach_the_counter_a_client_ip_is_charged_to() {
 /// counter of the IPv6 clients whose /64 holds it (`::1`'s here).
 #[tokio::test(flavor = "current_thread")]
 async fn support_refuses_a_network_of_ipv4_clients_wider_than_their_mapping() {
-    use axum::extract::ConnectInfo;
-    use std::net::SocketAddr;
-    use tower_quota::ClientIp;
-
-    let policy = QuotaPolicy::builder(ClientIp::new()).build();
-    let app = Router::new()
-        .route("/", get(|| async { "hi" }))
-        .route_layer(policy.layer(Quota::daily(1).allowance("read")));
-    let admin = Router::new().nest("/admin", policy.handle().router());
-    let from = |peer: &str| {
-        let mut request = Request::get("/").body(Body::empty()).unwrap();
-        let peer: SocketAddr = peer.parse().unwrap();
-        request.extensions_mut().insert(ConnectInfo(peer));
-        let app = app.clone();
-        async move { app.oneshot(request).await.unwrap().status() }
-    };
+    let (_policy, app, admin) = client_ip_apps(tower_quota::ClientIp::new());
+    let from = |peer| from_peer(&app, peer);
     // `::1` is charged to `::/64`, `64:ff9b::1:0:0` (outside the NAT64 /96) to `64:ff9b::/64`.
     for client in ["[::1]:1", "[64:ff9b::1:0:0]:1"] {
         assert_eq!(from(client).await, StatusCode::OK, "{client}");
