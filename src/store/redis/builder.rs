@@ -221,7 +221,7 @@ impl RedisStoreBuilder {
                     connector,
                     size,
                     self.connect_timeout,
-                    Arc::clone(&last_answer),
+                    Some(Arc::clone(&last_answer)),
                 )))
             }
             Source::Pool(pool) => Connections::Pool(pool),
@@ -255,7 +255,7 @@ impl RedisStoreBuilder {
                     size,
                     self.connect_timeout,
                     // A cluster's answers move no wait (see `Inner::heard`).
-                    Arc::new(crate::store::patience::LastAnswer::new()),
+                    None,
                 )))
             }
             #[cfg(feature = "redis-cluster")]

@@ -311,7 +311,8 @@ pub(super) struct Shared<C: Connect> {
     /// earlier epoch are not handed out again.
     epoch: AtomicU64,
     /// Where the answers to checks of idle connections are noted.
-    last_answer: Arc<LastAnswer>,
+    /// None on a cluster, whose answers move no wait (see `Inner::heard`).
+    last_answer: Option<Arc<LastAnswer>>,
 }
 
 struct Slot<T> {
@@ -408,7 +409,7 @@ impl<C: Connect> Shared<C> {
         connector: C,
         size: usize,
         ping_timeout: Duration,
-        last_answer: Arc<LastAnswer>,
+        last_answer: Option<Arc<LastAnswer>>,
     ) -> Self {
         let slots = (0..size.max(1))
             .map(|_| Slot {
@@ -601,7 +602,9 @@ impl<C: Connect> Shared<C> {
             }
             if self.ping(&mut conn).await {
                 answers.fetch_add(1, Ordering::Relaxed);
-                self.last_answer.heard();
+                if let Some(last_answer) = &self.last_answer {
+                    last_answer.heard();
+                }
                 self.sent(index);
                 return Ok(Handed::new(index, epoch, conn, answers));
             }
@@ -846,7 +849,7 @@ impl Connections {
         }
         // Only a server's connections are checked (see `Connection::closed`).
         let closed = match self {
-            Connections::Server(shared) => Box::pin(conn.closed(&shared.last_answer)).await,
+            Connections::Server(shared) => Box::pin(conn.closed(shared.last_answer.as_ref())).await,
             _ => false,
         };
         if !closed {
@@ -1066,17 +1069,19 @@ impl Connection {
     /// the calls sent before it, it is an answer from Redis: see
     /// `Patience`). Pooled connections are pinged when checked out, and a
     /// cluster's serves while replaced: for them, false.
-    pub(super) async fn closed(&self, last_answer: &Arc<LastAnswer>) -> bool {
+    pub(super) async fn closed(&self, last_answer: Option<&Arc<LastAnswer>>) -> bool {
         match self {
             Connection::Server { conn, answers, .. } => {
                 let mut probe = conn.clone();
                 probe.set_response_timeout(PROBE_ANSWER);
-                let (answers, last_answer) = (Arc::clone(answers), Arc::clone(last_answer));
+                let (answers, last_answer) = (Arc::clone(answers), last_answer.cloned());
                 let mut ping = Box::pin(async move {
                     let answer = redis::cmd("PING").query_async::<Value>(&mut probe).await;
                     if answer.as_ref().map_or_else(super::came_back, |_| true) {
                         answers.fetch_add(1, Ordering::Relaxed);
-                        last_answer.heard();
+                        if let Some(last_answer) = &last_answer {
+                            last_answer.heard();
+                        }
                     }
                     answer
                 });
