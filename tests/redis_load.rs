@@ -944,6 +944,53 @@ async fn charges_behind_others_on_a_slow_redis_are_waited_for() {
     }
 }
 
+/// Charges that find every room among the calls in flight taken
+/// (`max_in_flight` 2) wait for it while Redis answers the calls that hold
+/// it, slowly (the proxy passes one chunk every 50 ms: a call is answered
+/// about every 100 ms): the last of six waits about 400 ms for room, far
+/// past the store's 80 ms, and is served all the same. (A stalled Redis fails them
+/// after one budget: `calls_beyond_max_in_flight_fail_within_the_budget_and_send_nothing`.)
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn charges_waiting_for_room_on_a_slow_redis_are_waited_for() {
+    let server = redis_server_or_skip!();
+    let proxy = SlowProxy::start(&server).await;
+    let store = ready(
+        RedisStore::builder(proxy.url())
+            .pool_size(1)
+            .max_in_flight(2)
+            .batch_charges(false)
+            .timeout(Duration::from_millis(80)),
+    )
+    .await;
+    let key = key("slow-room");
+    store.charge(charge(&key, 1_000)).await.unwrap();
+    proxy.slow(Duration::from_millis(50));
+    let mut calls = tokio::task::JoinSet::new();
+    for _ in 0..6 {
+        let (store, key) = (store.clone(), key.clone());
+        calls.spawn(async move {
+            let started = Instant::now();
+            let outcome = store.charge(charge(&key, 1_000)).await;
+            (outcome.map(|outcome| outcome.admitted), started.elapsed())
+        });
+        tokio::time::sleep(Duration::from_millis(2)).await;
+    }
+    let answers = calls.join_all().await;
+    let slowest = answers.iter().map(|(_, waited)| *waited).max().unwrap();
+    assert!(
+        answers
+            .iter()
+            .all(|(outcome, _)| matches!(outcome, Ok(true))),
+        "{answers:?}"
+    );
+    assert!(
+        slowest > Duration::from_millis(160),
+        "{slowest:?}: slow enough"
+    );
+    quiet(&store).await;
+    assert_eq!(used(&server, &key), "7");
+}
+
 /// The same through the layer, at its defaults (100 ms, and the store's
 /// 80 ms): requests behind others on a slow Redis are served, none is
 /// answered 503.

@@ -113,8 +113,9 @@ impl RedisStoreBuilder {
 
     /// The most calls the store has in flight at once (default 4096): sent
     /// to Redis or about to be, and not yet answered, including charges
-    /// followed after their callers stopped waiting. A call that finds no
-    /// room within its [wait](Self::wait_timeout) fails with
+    /// followed after their callers stopped waiting. A call waits for room
+    /// while Redis answers the calls in flight; one that finds none after
+    /// Redis answered nothing for its [wait](Self::wait_timeout) fails with
     /// [`StoreErrorKind::Timeout`] and sends nothing: this sheds only load
     /// that Redis does not answer, such as during a stall.
     ///
@@ -149,10 +150,11 @@ impl RedisStoreBuilder {
         self
     }
 
-    /// Part of the [budget](Self::timeout): the longest a call waits for
-    /// room among the calls in flight, or, on an existing pool, for a pooled
-    /// connection (default: the whole budget; a longer wait is the whole
-    /// budget too).
+    /// Part of the [budget](Self::timeout): how long a call waits for room
+    /// among the calls in flight while Redis answers none of them, or, on an
+    /// existing pool, for a pooled connection (default: the whole budget; a
+    /// longer wait is the whole budget too). As with the budget, a wait
+    /// goes on while Redis answers other calls, up to ten times this.
     pub fn wait_timeout(mut self, timeout: Duration) -> Self {
         self.wait_timeout = Some(timeout);
         self

@@ -139,9 +139,10 @@ use crate::store::{
 ///   nodes answer apart, each call has one budget).
 /// - **A bound on load.** At most
 ///   [`max_in_flight`](RedisStoreBuilder::max_in_flight) calls (4096 by
-///   default) are in flight at once; a call that finds no room within the
-///   budget fails with [`StoreErrorKind::Timeout`] and sends nothing. That
-///   sheds only load Redis cannot answer.
+///   default) are in flight at once; a call waits for room while Redis
+///   answers them, and one that finds none after a budget of Redis's
+///   silence fails with [`StoreErrorKind::Timeout`] and sends nothing. That
+///   sheds only load Redis does not answer.
 /// - **No charge without an admission.** Each call (or batch) is followed
 ///   to its end, in a task of its own, even after its caller stopped waiting
 ///   (the store's timeout, the layer's, a dropped future). A charge Redis
@@ -464,23 +465,32 @@ impl RedisStore {
     }
 
     /// Room for one call among the calls in flight, found within the wait:
-    /// its permit, when the call started, and the end of its wait.
+    /// its permit, when the call started, and the end of its wait. The wait
+    /// counts Redis's silence, as a call's budget does (see
+    /// [`Patience`]): while Redis answers the calls in flight, their room
+    /// frees up, and a call waiting for it is load, not a failure.
     async fn room(&self) -> Result<(Room, tokio::time::Instant, tokio::time::Instant), StoreError> {
         let inner = &self.inner;
         let started = tokio::time::Instant::now();
-        let room = started + inner.wait_timeout.min(inner.timeout);
-        match tokio::time::timeout_at(room, Arc::clone(&inner.in_flight).acquire_owned()).await {
-            Ok(Ok(permit)) => Ok((Room::new(permit), started, room)),
-            Ok(Err(_)) => Err(StoreError::new(
+        let patience = Patience::new(
+            started,
+            inner.wait_timeout.min(inner.timeout),
+            super::builder::MAX_TIMEOUT,
+        );
+        let last_answer = || inner.last_answer.last();
+        let acquire = Arc::clone(&inner.in_flight).acquire_owned();
+        match patience.wait(last_answer, acquire).await {
+            Some(Ok(permit)) => Ok((Room::new(permit), started, patience.deadline(last_answer()))),
+            Some(Err(_)) => Err(StoreError::new(
                 StoreErrorKind::Unavailable,
                 "the Redis store is closed",
             )
             .unsent()),
-            Err(_) => Err(StoreError::new(
+            None => Err(StoreError::new(
                 StoreErrorKind::Timeout,
                 format!(
-                    "the Redis store has {} calls in flight, its max_in_flight, and none \
-                     finished in time; nothing was sent",
+                    "the Redis store has {} calls in flight, its max_in_flight, and Redis \
+                     answered none of them in time; nothing was sent",
                     inner.max_in_flight
                 ),
             )
