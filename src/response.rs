@@ -162,6 +162,33 @@ impl RateLimitFields {
         cache: Option<&PolicyCache>,
         subject: u64,
     ) -> Self {
+        Self::build(entries, now, told, cache, subject, None)
+    }
+
+    /// The fields of a refusal of a request costing `cost`, as
+    /// [`RateLimitFields::new`] makes them, but that each enforced quota
+    /// without room for it is told a wait of a second at least, as
+    /// `Retry-After` is: a refusal told once that quota's reset has come
+    /// (the store answered across it) would otherwise say `t=0`, a reset
+    /// already there, beside the request it refused.
+    pub(crate) fn refused<'a>(
+        entries: impl Iterator<Item = (&'a Quota, Usage)> + Clone,
+        now: Timestamp,
+        told: Timestamp,
+        subject: u64,
+        cost: u64,
+    ) -> Self {
+        Self::build(entries, now, told, None, subject, Some(cost))
+    }
+
+    fn build<'a>(
+        entries: impl Iterator<Item = (&'a Quota, Usage)> + Clone,
+        now: Timestamp,
+        told: Timestamp,
+        cache: Option<&PolicyCache>,
+        subject: u64,
+        refused_cost: Option<u64>,
+    ) -> Self {
         let quotas = entries.clone().map(|(q, _)| q);
         let windows = || {
             entries
@@ -189,7 +216,13 @@ impl RateLimitFields {
             limit.push_str(";r=");
             limit.push_str(digits.format(sf_integer(usage.remaining())));
             limit.push_str(";t=");
-            let wait = seconds_until_turn(told, usage.resets_at, quota.spread_for(subject));
+            let mut wait = seconds_until_turn(told, usage.resets_at, quota.spread_for(subject));
+            // What refused the request (see `Refusal::quota_exceeded`).
+            if refused_cost.is_some_and(|cost| {
+                !quota.is_shadow() && !crate::store::has_room(usage.used, cost, usage.limit)
+            }) {
+                wait = wait.max(1);
+            }
             limit.push_str(digits.format(sf_integer(wait)));
         }
         // One allocation, of the value's exact size.

@@ -823,6 +823,45 @@ async fn refusal_is_a_problem_document_with_retry_after() {
     assert_eq!(reply.policy()["read-day"], (1, 86_400));
 }
 
+/// A clock that moves on by `step` each time it is read, as a real clock
+/// moves on while a charge is on its way to the store and back.
+#[derive(Clone)]
+struct Moving(ManualClock, SignedDuration);
+
+impl tower_quota::Clock for Moving {
+    fn now(&self) -> Timestamp {
+        let now = self.0.now();
+        self.0.advance(self.1);
+        now
+    }
+}
+
+/// A request charged just before midnight and refused, whose refusal is
+/// told once midnight has passed (the store answered across it), is told
+/// a wait of a second, as `Retry-After` says, never a `t` of 0 beside
+/// `r=0`: a 429 tells no reset that has already come.
+#[tokio::test]
+async fn a_refusal_told_past_its_reset_tells_a_wait_of_a_second_at_least() {
+    let clock = ManualClock::new(at("2026-12-02T23:59:58Z"));
+    let app = hello(
+        QuotaPolicy::builder(account())
+            .clock(Moving(clock.clone(), SignedDuration::from_millis(700)))
+            .build()
+            .layer(Quota::daily(1).allowance("read"))
+            .quota(Quota::per_minute(5).allowance("burst")),
+    );
+    assert_eq!(get_as(&app, "/", "acme").await.status, StatusCode::OK);
+    // Charged at 23:59:59.5, told at 00:00:00.2.
+    clock.set(at("2026-12-02T23:59:59.5Z"));
+    let reply = get_as(&app, "/", "acme").await;
+    assert_eq!(reply.status, StatusCode::TOO_MANY_REQUESTS);
+    assert_eq!(reply.header("retry-after"), "1");
+    let (r, t) = reply.ratelimit()["read-day"];
+    assert_eq!((r, t), (0, 1), "{}", reply.header("ratelimit"));
+    // The quota with room is told as it stands: its minute turned too.
+    assert_eq!(reply.ratelimit()["burst-minute"], (4, 0));
+}
+
 #[tokio::test]
 async fn fields_of_several_quotas_and_nested_layers_form_one_list() {
     let app = Router::new()

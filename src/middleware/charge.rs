@@ -708,7 +708,7 @@ pub(crate) fn refused(
     if refusal.status == StatusCode::TOO_MANY_REQUESTS {
         let entries = charge.quotas(scope).iter().zip(usage.iter().copied());
         let now = charge.ticket.now;
-        RateLimitFields::new(entries, now, told, None, charge.caller().spread)
+        RateLimitFields::refused(entries, now, told, charge.caller().spread, charge.cost())
             .prepend_to(response.headers_mut());
     }
     response.extensions_mut().insert(Refused);
