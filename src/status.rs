@@ -3,7 +3,7 @@
 //! of it ([`QuotaStatus`]).
 
 use std::fmt;
-use std::sync::atomic::{AtomicU64, AtomicU8, AtomicUsize, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU64, AtomicU8, Ordering};
 use std::sync::{Arc, Mutex};
 
 use http::Extensions;
@@ -233,6 +233,28 @@ impl QuotaStatus {
             (ticket.policy == policy || (store.is_some() && ticket.store == store))
                 && ticket.counts(key)
         })
+    }
+
+    /// The instants, other than `now`, at which other policies than
+    /// `policy` on the store with identity `store` counted the request:
+    /// each charges at its own instant, which may be in another calendar
+    /// window, where a quota the policies share was counted for it.
+    pub(crate) fn instants_of_others(
+        &self,
+        policy: u64,
+        store: Option<usize>,
+        now: Timestamp,
+    ) -> impl Iterator<Item = Timestamp> + '_ {
+        self.tickets
+            .iter()
+            .filter(move |ticket| {
+                store.is_some()
+                    && ticket.store == store
+                    && ticket.policy != policy
+                    && ticket.now != now
+                    && ticket.counted()
+            })
+            .map(|ticket| ticket.now)
     }
 
     /// As [`QuotaStatus::put_in`], answering the lines the layers further
@@ -503,9 +525,15 @@ pub(crate) struct Lines {
     /// which what is told late (a layer further in that a spawned task
     /// polled on) follows at once.
     state: AtomicU8,
-    /// The [`layer_id`] of the layer further in that refused the request
-    /// (see [`QuotaStatus::refuse_in`]); 0: none did.
-    refused_inside: AtomicUsize,
+    /// Whether a layer further in refused the request and has not let it
+    /// through since: whether `refused_by` names one (read without its
+    /// lock, on every nested admission).
+    refused_inside: AtomicBool,
+    /// The [`layer_id`]s of the layers further in that refused the request
+    /// (see [`QuotaStatus::refuse_in`]) and have not let it through since:
+    /// each clears its own mark only, so one layer's admission (a sibling
+    /// call's) leaves another's refusal marked.
+    refused_by: Mutex<SmallVec<[usize; 1]>>,
 }
 
 /// A quota layer's identity while it lives, as refusal marks tell it (see
@@ -550,14 +578,19 @@ impl Lines {
             lines,
             inside: Mutex::default(),
             state: AtomicU8::new(OPEN),
-            refused_inside: AtomicUsize::new(0),
+            refused_inside: AtomicBool::new(false),
+            refused_by: Mutex::default(),
         }
     }
 
     /// A layer further in refused the request these lines were charged
     /// for: it was not served.
     pub(crate) fn refuse(&self, layer: usize) {
-        self.refused_inside.store(layer, Ordering::Release);
+        let mut by = self.refused_by.lock().unwrap_or_else(|e| e.into_inner());
+        if !by.contains(&layer) {
+            by.push(layer);
+        }
+        self.refused_inside.store(true, Ordering::Release);
     }
 
     /// `layer`, further in, let the request these lines were charged for
@@ -566,16 +599,17 @@ impl Lines {
     /// marked (a sibling call's) still is.
     #[inline]
     pub(crate) fn let_through(&self, layer: usize) {
-        if self.refused_inside.load(Ordering::Relaxed) == layer {
-            let _ =
-                self.refused_inside
-                    .compare_exchange(layer, 0, Ordering::AcqRel, Ordering::Relaxed);
+        if !self.refused_inside.load(Ordering::Relaxed) {
+            return;
         }
+        let mut by = self.refused_by.lock().unwrap_or_else(|e| e.into_inner());
+        by.retain(|refused| *refused != layer);
+        self.refused_inside.store(!by.is_empty(), Ordering::Release);
     }
 
     /// Whether a layer further in refused the request.
     pub(crate) fn is_refused_inside(&self) -> bool {
-        self.refused_inside.load(Ordering::Acquire) != 0
+        self.refused_inside.load(Ordering::Acquire)
     }
 
     /// Tells these lines' layer what a layer further in kept: kept until

@@ -97,6 +97,66 @@ async fn the_same_quota_of_two_policies_on_one_store_counts_once() {
     assert_eq!(used(&a, "default-day").await, 1, "one admission");
 }
 
+/// Each policy charges at its own instant: a middleware between the two
+/// policies' layers that takes the request past midnight leaves the inner
+/// policy in the next day. The quota they share still counts the request
+/// once, on the day the outer policy charged it, not once on each day.
+#[tokio::test]
+async fn the_same_quota_of_two_policies_counts_once_across_midnight() {
+    use axum::extract::Request as AxumRequest;
+    use axum::middleware::{from_fn, Next};
+    use tower_quota::QuotaStatus;
+
+    let clock = ManualClock::new("2026-12-02T23:59:59Z".parse().unwrap());
+    let store = MemoryStore::new();
+    let policy = || {
+        QuotaPolicy::builder(FromHeader::account("x-account-id"))
+            .store(store.clone())
+            .namespace("quota")
+            .clock(clock.clone())
+            .build()
+    };
+    let (a, b) = (policy(), policy());
+    let slow = clock.clone();
+    async fn entries(status: QuotaStatus) -> String {
+        let entries = status.entries();
+        let names: Vec<_> = entries.iter().map(|e| e.key().as_str()).collect();
+        names.join(" ")
+    }
+    let app = Router::new()
+        .route("/", get(entries))
+        .route_layer(b.layer(Quota::daily(10)))
+        // An authentication call, say, that takes two seconds.
+        .route_layer(from_fn(move |request: AxumRequest, next: Next| {
+            let clock = slow.clone();
+            async move {
+                clock.advance(Duration::from_secs(2));
+                next.run(request).await
+            }
+        }))
+        .route_layer(a.layer(Quota::daily(10)));
+    let response = app.oneshot(call("/")).await.unwrap();
+    assert_eq!(response.status(), StatusCode::OK);
+    assert_eq!(
+        header(&response, "ratelimit"),
+        "\"default-day\";r=9;t=0",
+        "one member: the day the request was charged in"
+    );
+    let body = axum::body::to_bytes(response.into_body(), 1 << 16)
+        .await
+        .unwrap();
+    let keys = String::from_utf8(body.to_vec()).unwrap();
+    assert!(
+        keys.ends_with(":default:2026-12-02") && !keys.contains(' '),
+        "charged once, on 2 December: {keys}"
+    );
+    assert_eq!(
+        used(&b, "default-day").await,
+        0,
+        "nothing charged on 3 December"
+    );
+}
+
 /// The same quota in two policies on one store, one reading each caller's
 /// zone and the other not, would count a caller on two counters (the
 /// caller's day and the quota's): refused where the second layer is made.
@@ -1389,6 +1449,76 @@ async fn a_sibling_admitted_after_a_refusal_inside_does_not_keep_the_outer_charg
                 (StatusCode::TOO_MANY_REQUESTS, StatusCode::OK)
             );
             // The refusal rebuilt: a 429 of the handler's own.
+            Ok::<_, std::convert::Infallible>(
+                (StatusCode::TOO_MANY_REQUESTS, "a part was refused").into_response(),
+            )
+        }
+    });
+    let app = tower::ServiceBuilder::new()
+        .layer(account.layer(Quota::daily(10).allowance("read")))
+        .service(fan_out);
+    let response = app.oneshot(call("/batch")).await.unwrap();
+    assert_eq!(response.status(), StatusCode::TOO_MANY_REQUESTS);
+    assert_eq!(
+        used(&account, "read-day").await,
+        0,
+        "answered with the refusal of a part: the outer charge stayed"
+    );
+}
+
+/// As above, with a third part: one part refused by one layer, a second
+/// refused by another layer, which then lets a third through. The first
+/// layer's refusal still speaks for the answer (that layer let nothing
+/// through since): answered with a part's refusal, the request is given
+/// back, as it is without the later parts.
+#[tokio::test]
+async fn a_refusal_inside_stays_marked_when_another_layer_refuses_and_admits_after_it() {
+    let account = policy(MemoryStore::new(), "account").build();
+    let spent = policy(MemoryStore::new(), "spent").build();
+    let priced = policy(MemoryStore::new(), "priced").build();
+    let refusing: Router = Router::new()
+        .route("/part", get(ok))
+        .route_layer(spent.layer(Quota::daily(1).allowance("spent")));
+    let cost = |parts: &http::request::Parts| {
+        Ok(parts
+            .headers
+            .get("x-cost")
+            .map_or(1, |v| v.to_str().unwrap().parse().unwrap()))
+    };
+    let pricing: Router = Router::new().route("/part", get(ok)).route_layer(
+        priced
+            .layer(Quota::daily(10).allowance("priced"))
+            .cost_fn(cost),
+    );
+    // The refusing quota is spent already.
+    let first = refusing.clone().oneshot(call("/part")).await.unwrap();
+    assert_eq!(first.status(), StatusCode::OK);
+    let fan_out = tower::service_fn(move |request: Request<Body>| {
+        let (refusing, pricing) = (refusing.clone(), pricing.clone());
+        async move {
+            let (parts, _) = request.into_parts();
+            let part = |cost: u64| {
+                let mut part = Request::get("/part")
+                    .header("x-account-id", "acme")
+                    .header("x-cost", cost.to_string())
+                    .body(Body::empty())
+                    .unwrap();
+                *part.extensions_mut() = parts.extensions.clone();
+                part
+            };
+            let one = refusing.oneshot(part(1)).await?;
+            // Too dear for the other layer, then one it lets through.
+            let two = pricing.clone().oneshot(part(100)).await?;
+            let three = pricing.oneshot(part(1)).await?;
+            assert_eq!(
+                (one.status(), two.status(), three.status()),
+                (
+                    StatusCode::TOO_MANY_REQUESTS,
+                    StatusCode::TOO_MANY_REQUESTS,
+                    StatusCode::OK
+                )
+            );
+            // The first refusal rebuilt: a 429 of the handler's own.
             Ok::<_, std::convert::Infallible>(
                 (StatusCode::TOO_MANY_REQUESTS, "a part was refused").into_response(),
             )

@@ -337,8 +337,22 @@ fn lines(
             line.shadow_limit = Some(limit);
         }
         // A counter charged for this request by a layer further out, of this
-        // policy or another on the same store, counts once.
-        if status.is_some_and(|s| s.counts(&line.key, ticket.policy, ticket.store)) {
+        // policy or another on the same store, counts once: another policy
+        // charged at its own instant, whose window (a calendar quota's) may
+        // not be this one's, as when a middleware between took the request
+        // past midnight.
+        let charged_already = status.is_some_and(|s| {
+            s.counts(&line.key, ticket.policy, ticket.store)
+                || s.instants_of_others(ticket.policy, ticket.store, ticket.now)
+                    .filter(|at| !line.lifetime.covers(*at))
+                    .any(|at| {
+                        let key = quota
+                            .line_not_kept(&settings.namespace, &caller.subject, at, limit)
+                            .key;
+                        s.counts(&key, ticket.policy, ticket.store)
+                    })
+        });
+        if charged_already {
             counted.push(i);
         } else {
             lines.push(line);

@@ -220,6 +220,15 @@ pub enum Lifetime {
 }
 
 impl Lifetime {
+    /// Whether a charge at `at` goes to the same counter: one of the same
+    /// calendar window; a first-use counter's key has no instant in it.
+    pub(crate) fn covers(&self, at: Timestamp) -> bool {
+        match *self {
+            Lifetime::Calendar { start, end } => start <= at && at < end,
+            Lifetime::FirstUse { .. } => true,
+        }
+    }
+
     /// When a counter of this lifetime is over: the calendar window's end,
     /// or the first-use deadline.
     pub fn end(&self) -> Timestamp {
