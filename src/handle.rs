@@ -57,11 +57,12 @@ trait PolicyView<St>: Send + Sync {
     fn subject_named(&self, kind: &SubjectKind, id: &[u8]) -> Result<Subject, SubjectError>;
     fn challenge(&self) -> Option<http::HeaderValue>;
     fn plan_as_charged(&self, plan: Option<String>) -> Result<Option<String>, String>;
-    /// Forgets what the policy's ledger owes the counter at `key`.
-    fn forget_owed(&self, key: &crate::key::PeriodKey);
+    /// Forgets what the policy's ledger owes the counter at `key` for
+    /// requests made by `at`, when its reset was sent.
+    fn forget_owed(&self, key: &crate::key::PeriodKey, at: Timestamp);
     /// Holds back the ledger's settles of what is owed to the counter at
-    /// `key` while support resets it.
-    fn hold_owed(&self, key: &crate::key::PeriodKey) -> crate::ledger::Hold;
+    /// `key` while support resets it with a call sent at `at`.
+    fn hold_owed(&self, key: &crate::key::PeriodKey, at: Timestamp) -> crate::ledger::Hold;
     /// The policy's identity, as its tickets carry it.
     fn id(&self) -> u64;
 }
@@ -91,11 +92,11 @@ impl<E: SubjectExtractor, St: Send + Sync> PolicyView<St> for Policy<E, St> {
     fn plan_as_charged(&self, plan: Option<String>) -> Result<Option<String>, String> {
         Policy::plan_as_charged(self, plan)
     }
-    fn forget_owed(&self, key: &crate::key::PeriodKey) {
-        self.ledger.forget(key, self.settings.clock.now());
+    fn forget_owed(&self, key: &crate::key::PeriodKey, at: Timestamp) {
+        self.ledger.forget(key, at);
     }
-    fn hold_owed(&self, key: &crate::key::PeriodKey) -> crate::ledger::Hold {
-        self.ledger.hold(key)
+    fn hold_owed(&self, key: &crate::key::PeriodKey, at: Timestamp) -> crate::ledger::Hold {
+        self.ledger.hold(key, at)
     }
     fn id(&self) -> u64 {
         self.id
@@ -793,12 +794,17 @@ impl<St: Store> QuotaHandle<St> {
             // settle on its way then lands, before or after the reset, as
             // the store runs them). A reset the store never sent (it is
             // away) forgets nothing: the debts are settled as before.
-            let _held = self.shared.hold_owed(&line.key);
+            // The reset's instant is when it is sent: a request made after
+            // it, while it is on its way, may be charged after it in the
+            // store, and what it owes is not forgotten.
+            let at = self.settings().clock.now();
+            let _held = self.shared.hold_owed(&line.key, at);
             // Dropped after the hold: it forgets while no settle can start,
             // also when the reset's future is dropped on its way.
             let mut forget = ForgetOwed {
                 shared: &*self.shared,
                 key: &line.key,
+                at,
                 armed: true,
             };
             if let Err(error) = self.shared.store().reset(line.key.clone()).await {
@@ -815,13 +821,15 @@ impl<St: Store> QuotaHandle<St> {
 struct ForgetOwed<'a, St> {
     shared: &'a dyn PolicyView<St>,
     key: &'a crate::key::PeriodKey,
+    /// When the reset was sent.
+    at: Timestamp,
     armed: bool,
 }
 
 impl<St> Drop for ForgetOwed<'_, St> {
     fn drop(&mut self) {
         if self.armed {
-            self.shared.forget_owed(self.key);
+            self.shared.forget_owed(self.key, self.at);
         }
     }
 }

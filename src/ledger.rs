@@ -233,10 +233,12 @@ struct Book {
     hurry: u32,
     /// The entry the task is settling: kept while the store answers.
     in_flight: Option<InFlight>,
-    /// The keys whose counters support is resetting, each with the number
-    /// of resets on their way: their entries are not settled meanwhile
-    /// (see [`Ledger::hold`]).
-    held: HashMap<PeriodKey, usize>,
+    /// The keys whose counters support is resetting, each with the
+    /// instants the resets on their way were sent at: their entries are not
+    /// settled meanwhile (see [`Ledger::hold`]), and a debt of a request
+    /// made after such an instant never joins an entry of requests made
+    /// before it (the reset forgets the one, not the other).
+    held: HashMap<PeriodKey, SmallVec<[Timestamp; 1]>>,
     /// The instant of each key's last support reset, kept a day (resets
     /// are rare): a request made before it and answered after it owes
     /// nothing, as the reset forgot what requests made before it owed.
@@ -291,14 +293,18 @@ impl InFlight {
 pub(crate) struct Hold {
     ledger: Arc<Ledger>,
     key: PeriodKey,
+    /// The instant the reset was sent at.
+    at: Timestamp,
 }
 
 impl Drop for Hold {
     fn drop(&mut self) {
         let mut book = self.ledger.lock();
         if let Some(holds) = book.held.get_mut(&self.key) {
-            *holds -= 1;
-            if *holds == 0 {
+            if let Some(i) = holds.iter().position(|at| *at == self.at) {
+                holds.remove(i);
+            }
+            if holds.is_empty() {
                 book.held.remove(&self.key);
             }
         }
@@ -392,11 +398,13 @@ impl Ledger {
     }
 
     /// Forgets what is owed to the counters at `key`, which support reset
-    /// at `at`: the caller starts afresh, and requests made before the
-    /// reset count no more than those the store counted, whether they were
-    /// answered before it or are answered after it. A settle on its way
-    /// lands, before or after the reset, as the store runs them; if it
-    /// fails, what it carried is forgotten then.
+    /// with a call sent at `at`: the caller starts afresh, and requests
+    /// made before the reset (at `at` or before) count no more than those
+    /// the store counted, whether they were answered before it or are
+    /// answered after it. Requests made after `at`, while the reset was on
+    /// its way, stay owed: the store may run their charges after the
+    /// reset. A settle on its way lands, before or after the reset, as the
+    /// store runs them; if it fails, what it carried is forgotten then.
     pub(crate) fn forget(&self, key: &PeriodKey, at: Timestamp) {
         let mut book = self.lock();
         let kept_since = at.saturating_sub(RESET_MEMORY).unwrap_or(at);
@@ -408,6 +416,9 @@ impl Ledger {
             .get(key)
             .into_iter()
             .flatten()
+            // An entry of requests made after the reset was sent (none
+            // joins one of before it while the reset is on its way) stays.
+            .filter(|entry| entry.since <= at)
             .map(|entry| (entry.id, entry.amount))
             .collect();
         let mut units = 0u64;
@@ -426,11 +437,12 @@ impl Ledger {
     /// started meanwhile could land in the fresh counter. The reset then
     /// [forgets](Ledger::forget) what is owed, unless the store never got
     /// it: then the debts are settled as before.
-    pub(crate) fn hold(self: &Arc<Self>, key: &PeriodKey) -> Hold {
-        *self.lock().held.entry(key.clone()).or_insert(0) += 1;
+    pub(crate) fn hold(self: &Arc<Self>, key: &PeriodKey, at: Timestamp) -> Hold {
+        self.lock().held.entry(key.clone()).or_default().push(at);
         Hold {
             ledger: Arc::clone(self),
             key: key.clone(),
+            at,
         }
     }
 
@@ -625,9 +637,19 @@ impl Book {
     /// its settle whole): a debt that would take it there opens an entry of
     /// its own.
     fn record_within(&mut self, debt: Debt, now: Timestamp, max: usize, most: u64) -> bool {
+        // The instants resets of the key on their way were sent at: a debt
+        // joins only an entry on its side of each (see `Ledger::forget`).
+        let resets = self.held.get(&debt.key);
+        let same_side = |e: &Entry| {
+            resets.into_iter().flatten().all(|at| {
+                let before = debt.since <= *at;
+                (e.since <= *at) == before && (e.latest <= *at) == before
+            })
+        };
         if let Some(entry) = self.owed.get_mut(&debt.key).and_then(|entries| {
             entries.iter_mut().find(|e| {
                 e.covers(&debt)
+                    && same_side(e)
                     && e.amount
                         .checked_add(debt.amount)
                         .is_some_and(|sum| sum <= most)

@@ -1242,3 +1242,42 @@ async fn a_request_made_before_a_reset_and_answered_after_it_owes_nothing() {
     policy.settle_owed(Duration::from_secs(5)).await;
     assert_eq!(used(&policy, "acme", "default-day").await, 1);
 }
+
+/// A support reset applied at once and answered a second later: a request
+/// made meanwhile (after the reset was sent) passes on a failed charge. It
+/// was not made before the reset: what it owes is settled into the fresh
+/// counter, and does not go with what requests of before the reset owed.
+#[tokio::test(start_paused = true)]
+async fn a_request_made_while_a_reset_is_on_its_way_owes_its_charge() {
+    let clock = clock();
+    let store = Gate::default();
+    store.failing.store(true, Ordering::SeqCst);
+    store.away.store(true, Ordering::SeqCst);
+    let policy = policy(store.clone(), &clock).build();
+    let app = Router::new()
+        .route("/", get(|| async { "ok" }))
+        .layer(policy.layer(Quota::daily(100)));
+    for _ in 0..3 {
+        assert_eq!(send(&app, call("/", "acme")).await, StatusCode::OK);
+    }
+    assert_eq!(policy.owed().units, 3);
+    clock.advance(Duration::from_secs(1));
+    store.resets_slow.store(true, Ordering::SeqCst);
+    let handle = policy.handle();
+    let reset = tokio::spawn(async move { handle.reset(&Subject::account("acme")).await });
+    tokio::time::sleep(Duration::from_millis(100)).await;
+    clock.advance(Duration::from_millis(100));
+    // Made after the reset was sent: fail open.
+    assert_eq!(send(&app, call("/", "acme")).await, StatusCode::OK);
+    reset.await.unwrap().unwrap();
+    assert_eq!(
+        policy.owed().units,
+        1,
+        "what requests of before the reset owed is forgotten, not the one made since"
+    );
+    for flag in [&store.away, &store.failing] {
+        flag.store(false, Ordering::SeqCst);
+    }
+    assert_eq!(policy.settle_owed(Duration::from_secs(10)).await.units, 0);
+    assert_eq!(used(&policy, "acme", "default-day").await, 1);
+}

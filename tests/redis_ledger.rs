@@ -667,3 +667,55 @@ async fn a_settle_on_what_is_no_counter_or_beyond_2_53_writes_nothing() {
         Some(9_007_199_254_740_992)
     );
 }
+
+/// Support resets a subject while Redis stalls (SIGSTOP): the reset is
+/// sent, and times out. A request made after the reset was sent passes on
+/// its failed charge (fail open); Redis runs that charge after the reset
+/// (one connection: in the order sent), and it is given back, its caller
+/// having stopped waiting. The request was not made before the reset:
+/// what it owes is counted in the fresh counter once Redis answers.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_request_made_after_a_stalled_reset_was_sent_is_counted() {
+    if !redis_available() {
+        return;
+    }
+    let server = RedisServer::start();
+    let store = RedisStore::builder(server.url())
+        .pool_size(1)
+        .build()
+        .unwrap();
+    store.preload().await.unwrap();
+    let policy = QuotaPolicy::builder(account())
+        .store(store)
+        .on_store_error(OnStoreError::FailOpen)
+        .build();
+    let quota = Quota::daily(10);
+    let app = Router::new()
+        .route("/", get(|| async { "ok" }))
+        .layer(policy.layer(quota.clone()));
+    let key = key_of(&quota, "acme", Timestamp::now());
+    assert_eq!(send(&app, "acme").await, StatusCode::OK);
+    assert_eq!(used(&server, &key), "1");
+
+    let stopped = Stopped::new(&server);
+    let handle = policy.handle();
+    let reset = tokio::spawn(async move { handle.reset(&Subject::account("acme")).await });
+    tokio::time::sleep(Duration::from_millis(20)).await;
+    // Made after the reset was sent.
+    assert_eq!(send(&app, "acme").await, StatusCode::OK, "fail open");
+    let reset = reset.await.unwrap();
+    assert!(reset.is_err(), "the reset timed out: {reset:?}");
+    drop(stopped);
+
+    settled(&policy).await;
+    assert_eq!(
+        server.cli(&["exists", key.as_str()]),
+        "1",
+        "the fresh counter, made by the late charge after the reset"
+    );
+    assert_eq!(
+        used(&server, &key),
+        "1",
+        "the request made after the reset was sent is counted"
+    );
+}
