@@ -153,11 +153,19 @@ impl tower_governor::key_extractor::KeyExtractor for SubjectHeader {
         let mut values = request.headers().get_all(&self.0).iter();
         match (values.next(), values.next()) {
             (Some(value), None) => Ok(value.as_bytes().into()),
-            _ => Err(tower_governor::GovernorError::Other {
-                code: StatusCode::BAD_REQUEST,
-                msg: Some(format!("send one {} header\n", self.0)),
-                headers: None,
-            }),
+            // A problem document, as every other error of the server.
+            _ => {
+                let refused = response::problem(
+                    StatusCode::BAD_REQUEST,
+                    &format!("send one {} header", self.0),
+                );
+                let (parts, body) = refused.into_parts();
+                Err(tower_governor::GovernorError::Other {
+                    code: parts.status,
+                    msg: Some(String::from_utf8_lossy(&body).into_owned()),
+                    headers: Some(parts.headers),
+                })
+            }
         }
     }
 }
@@ -500,10 +508,16 @@ fn admin_token(token: &str, what: &str) -> String {
 /// Lets through only requests with `Authorization: Bearer <token>`.
 async fn bearer(token: &str, request: Request, next: Next) -> Response {
     // The scheme is case-insensitive, and one or more spaces follow it
-    // (RFC 9110).
-    let sent = request
+    // (RFC 9110). One field: with two, which one a proxy or the server
+    // behind it reads is anyone's guess (the layer refuses a subject
+    // header sent twice alike).
+    let mut fields = request
         .headers()
-        .get(http::header::AUTHORIZATION)
+        .get_all(http::header::AUTHORIZATION)
+        .iter();
+    let sent = fields
+        .next()
+        .filter(|_| fields.next().is_none())
         .map(|v| v.as_bytes())
         .filter(|v| v.len() > 7 && v[..7].eq_ignore_ascii_case(b"bearer "))
         .map(|v| v[7..].trim_ascii_start());

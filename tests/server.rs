@@ -124,6 +124,28 @@ async fn demo_server_without_quota_is_a_baseline() {
     }
 }
 
+/// Under `--quota governor` too, a request the governor cannot key (no
+/// subject header, or two) is refused with a problem document, as every
+/// other error of the demo server, not a bare text without a content type.
+#[tokio::test]
+async fn demo_server_with_governor_refuses_with_problems() {
+    let server = start(&["--quota", "governor"]);
+    for headers in [&[][..], &[("x-account-id", "a"), ("x-account-id", "b")]] {
+        let reply = call(&server, "GET", "/read", headers).await;
+        assert_eq!(reply.status, 400, "{headers:?}");
+        assert_eq!(
+            reply.header("content-type"),
+            Some("application/problem+json"),
+            "{headers:?}: {}",
+            reply.body
+        );
+        let problem: serde_json::Value = serde_json::from_str(&reply.body).unwrap();
+        assert_eq!(problem["status"], 400, "{problem}");
+        assert!(problem["detail"].is_string(), "{problem}");
+    }
+    assert_eq!(call(&server, "GET", "/read", ACME).await.status, 200);
+}
+
 #[tokio::test]
 async fn demo_server_with_fields_only_writes_them_and_counts_nothing() {
     let server = start(&["--quota", "fields", "--limit", "1"]);
@@ -491,6 +513,40 @@ async fn demo_server_support_routes_need_the_token() {
         quota(&call(&server, "GET", "/quota", ACME).await)["read"]["used"],
         0
     );
+}
+
+/// `Authorization` is a field sent once (RFC 9110, 11.6.2): a request
+/// with two is refused, whichever of them holds the token, as the layer
+/// refuses a subject header sent twice. The token first and another after
+/// is no admin request.
+#[tokio::test]
+async fn demo_server_refuses_two_authorization_fields() {
+    let server = start(&["--admin-token", "s3cret"]);
+    let path = "/admin/reset/account/acme/read";
+    for headers in [
+        &[
+            ("authorization", "Bearer s3cret"),
+            ("authorization", "Bearer wrong"),
+        ][..],
+        &[
+            ("authorization", "Bearer wrong"),
+            ("authorization", "Bearer s3cret"),
+        ],
+        &[
+            ("authorization", "Bearer s3cret"),
+            ("authorization", "Bearer s3cret"),
+        ],
+    ] {
+        let refused = call(&server, "POST", path, headers).await;
+        assert_eq!(refused.status, 401, "{headers:?}");
+        assert_eq!(
+            refused.header("content-type"),
+            Some("application/problem+json"),
+            "{headers:?}"
+        );
+    }
+    let admin: &[(&str, &str)] = &[("authorization", "Bearer s3cret")];
+    assert_eq!(call(&server, "POST", path, admin).await.status, 200);
 }
 
 #[tokio::test]
