@@ -3657,3 +3657,57 @@ async fn a_request_refused_while_a_cut_block_goes_back_waits_for_it() {
         a.held()
     );
 }
+
+/// A steady holder takes its later blocks while the lease mark it made
+/// still counts it, so they join nothing; the mark ends one lease time
+/// after it was made, while such a block is still held. Another
+/// instance's refusal then has to tell the short wait (the units come
+/// back within the holder's idle bound), not the wait until the reset.
+#[tokio::test(start_paused = true)]
+async fn a_refusal_while_a_steady_holder_keeps_a_block_past_its_first_mark_tells_the_short_wait() {
+    const LIMIT: u64 = 1_000_000;
+    let shared = MemoryStore::new();
+    let a = LeasedStore::new(shared.clone());
+    let b = LeasedStore::new(shared.clone());
+    let mut now = t0();
+    // A steady subject on A: a call every 10 ms for 9.9 s (past the first
+    // block's mark by nothing yet).
+    busy(&a, &mut now, 990, LIMIT, 10).await;
+    // A's subject now calls elsewhere: A is idle, and gives its block back
+    // within its idle bound (1 s).
+    tokio::time::advance(Duration::from_millis(300)).await;
+    tokio::task::yield_now().await;
+    now += SignedDuration::from_millis(300);
+    let held = a.held();
+    assert!(held > 0, "A still holds units");
+    // B asks for exactly what would be left once A's units are back.
+    let counted_now = counted(&shared, now).await;
+    let mut line = line_of("acme", LIMIT);
+    line.cost = LIMIT - (counted_now - held);
+    let ask = ChargeRequest {
+        now,
+        lines: smallvec::smallvec![line],
+    };
+    let refused = b.charge(ask.clone()).await.unwrap();
+    assert!(!refused.admitted);
+    eprintln!(
+        "held {held}; holders in the mark {}; held_elsewhere_until {:?}",
+        holders(&shared, now).await,
+        refused.usage[0].held_elsewhere_until
+    );
+    // Within A's idle bound, the same request is admitted.
+    tokio::time::advance(Duration::from_millis(1_300)).await;
+    tokio::task::yield_now().await;
+    now += SignedDuration::from_millis(1_300);
+    assert_eq!(a.held(), 0);
+    let again = ChargeRequest { now, ..ask };
+    assert!(
+        b.charge(again).await.unwrap().admitted,
+        "A's units came back"
+    );
+    // So the refusal had to tell that they would.
+    assert!(
+        refused.usage[0].held_elsewhere_until.is_some(),
+        "refused while A held {held} units, told to wait for the reset"
+    );
+}

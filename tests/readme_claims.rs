@@ -751,3 +751,57 @@ async fn a_fail_open_request_owes_what_its_answer_costs() {
     );
     assert_eq!(policy.owed().units, 7, "a report of 0 costs nothing");
 }
+
+/// README: "While an instance holds units, another may refuse the same
+/// subject for up to that bound, with `Retry-After: 1` (the idle bound)".
+/// Also for a holder whose subject called it steadily for longer than a
+/// lease time (10 s), whose first lease mark has ended.
+#[tokio::test(start_paused = true)]
+async fn a_refusal_while_a_steady_holder_keeps_units_tells_retry_after_the_idle_bound() {
+    use tower_quota::store::LeasedStore;
+    const LIMIT: u64 = 3_000;
+    let clock = clock();
+    let shared = MemoryStore::new();
+    let app = |store: LeasedStore<MemoryStore>| {
+        let policy = policy(store, &clock).build();
+        Router::new()
+            .route("/", get(|| async { "ok" }))
+            .layer(policy.layer(Quota::daily(LIMIT)))
+    };
+    let (a_store, b_store) = (
+        LeasedStore::new(shared.clone()),
+        LeasedStore::new(shared.clone()),
+    );
+    let (a, b) = (app(a_store.clone()), app(b_store));
+    let step = |ms: u64| {
+        let clock = clock.clone();
+        async move {
+            tokio::time::advance(Duration::from_millis(ms)).await;
+            clock.advance(Duration::from_millis(ms));
+        }
+    };
+    // The subject calls A every 10 ms for 10.3 s.
+    for _ in 0..1_030 {
+        let response = a.clone().oneshot(call("/")).await.unwrap();
+        assert_eq!(response.status(), StatusCode::OK);
+        step(10).await;
+    }
+    // Then B, a little later, until refused (B's own blocks are spent).
+    step(100).await;
+    let held = a_store.held();
+    assert!(held > 0, "A holds units");
+    let refused = loop {
+        let response = b.clone().oneshot(call("/")).await.unwrap();
+        if response.status() != StatusCode::OK {
+            break response;
+        }
+    };
+    assert_eq!(refused.status(), StatusCode::TOO_MANY_REQUESTS);
+    assert!(a_store.held() > 0, "A still holds units");
+    assert_eq!(
+        header(&refused, "retry-after"),
+        "1",
+        "refused while A holds {} units",
+        a_store.held()
+    );
+}

@@ -182,7 +182,9 @@ static GIVE_BACK_ERRORS: Throttle = Throttle::new(5);
 ///   as not spent (they are not, yet), and other instances' as spent.
 /// - Store calls beyond the charges: a give-back per block that was not
 ///   spent, and for the lease marks one call when an instance stops
-///   holding units of a counter before its mark ends. Each charge sent to
+///   holding units of a counter before its mark ends, and one when it
+///   still holds units of it once its mark ended (it joins a new one).
+///   Each charge sent to
 ///   the store reads the marks of its counters (one more line per counter,
 ///   in the same call), and a charge that takes a block joins its mark in
 ///   that same line.
@@ -211,8 +213,11 @@ static GIVE_BACK_ERRORS: Throttle = Throttle::new(5);
 ///
 /// The mark is a hint for clients, never a count: a holder whose subject
 /// keeps calling keeps its block up to the lease time, instances may set
-/// other idle bounds, an instance that joined a mark after it was made may
-/// hold a block beyond its end, and while this instance's own joining or
+/// other idle bounds, an instance that holds units when the mark it is
+/// counted in ends (a block taken while the mark counted it joins nothing,
+/// and a mark lives one lease time from its making) joins a new one only
+/// at its next sweep (a quarter of the shorter of its idle bound and lease
+/// time later), and while this instance's own joining or
 /// leaving is on its way, or after one failed, it takes the mark to count
 /// it (so it may tell the full wait where a short one was due, but never a
 /// short wait because of its own part).
@@ -2700,6 +2705,7 @@ async fn sweep<St: Store>(shared: Weak<Shared>, inner: St, settings: Settings) {
         let at = Instant::now();
         let mut back = Vec::new();
         let mut unmarked = Vec::new();
+        let mut rejoins = Vec::new();
         // Room is kept for new subjects: past half the bound, a subject idle
         // here is forgotten at once.
         let roomy = shared.entries.load(Ordering::Relaxed) < settings.max_counters / 2;
@@ -2721,6 +2727,19 @@ async fn sweep<St: Store>(shared: Weak<Shared>, inner: St, settings: Settings) {
                 let holding = counter.units > 0 || counter.taking || counter.reserved > 0;
                 if (idle || old) && !holding && counter.mark.leave(now, settings.mark_margin()) {
                     unmarked.push((key.to_period_key(), now, counter.generation));
+                }
+                // Units still held past the end of the mark that counted
+                // this instance (one lease time from its making: a block
+                // taken while it counted this instance joined nothing):
+                // joined again, a new mark, so that other instances'
+                // refusals keep telling the short wait while they are held.
+                // (Not while a joining or leaving is on its way, nor after
+                // one failed: the mark may count this instance then.)
+                if counter.units > 0 && !counter.mark.may_count(now) {
+                    let key = key.to_period_key();
+                    if key.lease_mark().is_some() && counter.mark.join(now) {
+                        rejoins.push((key, now, counter.generation));
+                    }
                 }
                 // A counter idle here is forgotten, unless its subject took
                 // blocks (it was busy: its next block may grow from the
@@ -2752,6 +2771,16 @@ async fn sweep<St: Store>(shared: Weak<Shared>, inner: St, settings: Settings) {
             let shared = Arc::clone(&shared);
             let leaving = async move { leave(&inner, &shared, now, key, generation).await };
             spawn_bounded(&mut giving, leaving).await;
+        }
+        while giving.join_next().await.is_some() {}
+        // The marks joined again by holders whose mark ended, together too.
+        for (key, now, generation) in rejoins {
+            let inner = inner.clone();
+            let shared = Arc::clone(&shared);
+            let (lease, max) = (settings.lease(), inner.max_count());
+            let joining =
+                async move { join(&inner, &shared, now, key, generation, lease, max).await };
+            spawn_bounded(&mut giving, joining).await;
         }
         while giving.join_next().await.is_some() {}
         drop(busy);
