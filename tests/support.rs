@@ -539,6 +539,67 @@ async fn a_zone_for_a_policy_that_reads_none_is_refused() {
     );
 }
 
+/// A query parameter a route does not take is refused, not ignored: a
+/// misspelt `?Zone=` or `?plans=` would otherwise reset or refund the
+/// counters of the default zone or plan, which support did not mean. The
+/// counter stays as it was; the parameters each route takes still work.
+#[tokio::test]
+async fn a_query_parameter_a_route_does_not_take_is_refused() {
+    let (app, admin) = apps();
+    for _ in 0..10 {
+        assert_eq!(send(&app, Method::GET, "/").await.status(), StatusCode::OK);
+    }
+    let id = "sk_live_secret_key";
+    let long = "x".repeat(60_000);
+    for (method, uri) in [
+        (Method::GET, format!("/admin/quota/account/{id}?Zone=UTC")),
+        (
+            Method::GET,
+            format!("/admin/quota/account/{id}?plan=&amount=1"),
+        ),
+        (
+            Method::POST,
+            format!("/admin/reset/account/{id}/read?Zone=Asia/Tokyo"),
+        ),
+        (
+            Method::POST,
+            format!("/admin/reset/account/{id}/read?amount=3"),
+        ),
+        (
+            Method::POST,
+            format!("/admin/refund/account/{id}/read?amount=1&plans=pro"),
+        ),
+        (
+            Method::POST,
+            format!("/admin/refund/account/{id}/read?amount=1&{long}=1"),
+        ),
+    ] {
+        let response = send(&admin, method, &uri).await;
+        assert_eq!(response.status(), StatusCode::BAD_REQUEST, "{uri:.80}");
+        let problem = problem(response).await;
+        let detail = problem["detail"].as_str().unwrap();
+        assert!(detail.contains("no parameter of this route"), "{detail}");
+        assert!(detail.len() < 300, "{detail:.300}");
+    }
+    assert_eq!(
+        send(&app, Method::GET, "/").await.status(),
+        StatusCode::TOO_MANY_REQUESTS,
+        "nothing was reset or refunded"
+    );
+    for (method, uri) in [
+        (Method::GET, format!("/admin/quota/account/{id}?plan=")),
+        (
+            Method::POST,
+            format!("/admin/refund/account/{id}/read?amount=1"),
+        ),
+        (Method::POST, format!("/admin/reset/account/{id}/read?")),
+    ] {
+        let response = send(&admin, method, &uri).await;
+        assert_eq!(response.status(), StatusCode::OK, "{uri}");
+    }
+    assert_eq!(send(&app, Method::GET, "/").await.status(), StatusCode::OK);
+}
+
 /// A store's error that names a key is logged with the subject's id hidden,
 /// fail-open and fail-closed alike.
 #[tokio::test(flavor = "current_thread")]

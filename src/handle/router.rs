@@ -63,7 +63,10 @@ impl<St: Store> QuotaHandle<St> {
     /// amount (an id the layers would refuse: all whitespace, longer
     /// than the policy's `max_subject_len`, one no request could send, such
     /// as a control character in a header's id or a network wider than
-    /// `ClientIp` groups; a kind or allowance that is not UTF-8), 403 for a plan the policy refuses
+    /// `ClientIp` groups; a kind or allowance that is not UTF-8), and for a
+    /// query parameter given twice or one the route does not take (a
+    /// misspelt `?Zone=` would otherwise reach the counters of another
+    /// zone), 403 for a plan the policy refuses
     /// ([`UnknownPlan::Reject`](crate::UnknownPlan::Reject)), 404 for an
     /// allowance no quota charges, a kind of subject the policy's extractor
     /// never answers ([`SubjectExtractor::kinds`](crate::SubjectExtractor::kinds))
@@ -122,7 +125,7 @@ async fn show<St: Store>(
     uri: Uri,
     RawQuery(query): RawQuery,
 ) -> Response {
-    let Target { subject, named, .. } = match target(&handle, &uri, query.as_deref()) {
+    let Target { subject, named, .. } = match target(&handle, &uri, query.as_deref(), PLAN_ZONE) {
         Ok(target) => target,
         Err(response) => return response,
     };
@@ -158,7 +161,9 @@ fn target<St>(
     handle: &QuotaHandle<St>,
     uri: &Uri,
     query: Option<&str>,
+    known: &[&str],
 ) -> Result<Target<St>, Response> {
+    only_known(query, known)?;
     let (kind, id, allowance) = segments(uri)?;
     let subject = subject(handle, &kind, &id)?;
     let named = zoned(handle, query)?;
@@ -176,12 +181,13 @@ fn allowance_target<St>(
     handle: &QuotaHandle<St>,
     uri: &Uri,
     query: Option<&str>,
+    known: &[&str],
 ) -> Result<(Subject, String, Zoned<St>), Response> {
     let Target {
         subject,
         allowance,
         named,
-    } = target(handle, uri, query)?;
+    } = target(handle, uri, query, known)?;
     let allowance = allowance.ok_or_else(no_route)?;
     Ok((subject, allowance, named))
 }
@@ -315,10 +321,11 @@ async fn reset<St: Store>(
     uri: Uri,
     RawQuery(query): RawQuery,
 ) -> Response {
-    let (subject, allowance, named) = match allowance_target(&handle, &uri, query.as_deref()) {
-        Ok(target) => target,
-        Err(response) => return response,
-    };
+    let (subject, allowance, named) =
+        match allowance_target(&handle, &uri, query.as_deref(), PLAN_ZONE) {
+            Ok(target) => target,
+            Err(response) => return response,
+        };
     // Checked before anything is written: a refused plan changes nothing.
     let (handle, plan) = match allowance_caller(named, query.as_deref(), &allowance, &subject).await
     {
@@ -345,10 +352,11 @@ async fn refund<St: Store>(
     uri: Uri,
     RawQuery(query): RawQuery,
 ) -> Response {
-    let (subject, allowance, named) = match allowance_target(&handle, &uri, query.as_deref()) {
-        Ok(target) => target,
-        Err(response) => return response,
-    };
+    let (subject, allowance, named) =
+        match allowance_target(&handle, &uri, query.as_deref(), AMOUNT_PLAN_ZONE) {
+            Ok(target) => target,
+            Err(response) => return response,
+        };
     let amount = match param(query.as_deref(), "amount") {
         Ok(amount) => amount.and_then(|a| a.parse::<u64>().ok()),
         Err(response) => return response,
@@ -539,6 +547,35 @@ fn retry_soon(mut response: Response) -> Response {
         http::HeaderValue::from_static("1"),
     );
     response
+}
+
+/// The query parameters of `GET /quota` and `POST /reset`.
+const PLAN_ZONE: &[&str] = &["plan", "zone"];
+/// The query parameters of `POST /refund`.
+const AMOUNT_PLAN_ZONE: &[&str] = &["amount", "plan", "zone"];
+
+/// A 400 for a query parameter the route does not read: a misspelt one
+/// (`?Zone=`, `?plans=`) would otherwise be answered as if it were absent,
+/// and a reset or a refund would change the counters of another zone or
+/// plan than support meant.
+#[allow(clippy::result_large_err)]
+fn only_known(query: Option<&str>, known: &[&str]) -> Result<(), Response> {
+    let Some(query) = query else {
+        return Ok(());
+    };
+    let unknown =
+        form_urlencoded::parse(query.as_bytes()).find(|(name, _)| !known.contains(&name.as_ref()));
+    match unknown {
+        None => Ok(()),
+        Some((name, _)) => Err(problem(
+            StatusCode::BAD_REQUEST,
+            &format!(
+                "?{}= is no parameter of this route, which takes ?{}=",
+                response::echo(&name),
+                known.join("=, ?")
+            ),
+        )),
+    }
 }
 
 /// The value of `name` in a query string, decoded as forms and
