@@ -82,7 +82,9 @@
 //! (any other type, wrappers of those two included). One observation per
 //! charge, so one per layer that charges a request (two when the charge
 //! goes again without a shadow quota whose counter is full). A charge cut short by
-//! `store_timeout` is recorded at the time waited. A Prometheus exporter
+//! `store_timeout` is recorded at the time waited; one whose request was
+//! dropped while it waited (a client gone, a timeout further out) is not
+//! recorded: its wait was cut short by something else than the store. A Prometheus exporter
 //! renders a histogram as a summary unless it is given buckets for it
 //! (`metrics-exporter-prometheus`: `set_buckets_for_metric`, as the demo
 //! server does); with buckets, instances aggregate.
