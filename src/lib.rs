@@ -82,6 +82,24 @@
 //!   cannot tell from it: answer another code (`FAILED_PRECONDITION`, say)
 //!   for a call that ran and should count.
 //! - A subject read from a `-bin` key is its base64 text as sent.
+//! - [`ClientIp`] reads the peer's `SocketAddr` from the request's
+//!   extensions, and tonic's server puts a `TcpConnectInfo` there instead:
+//!   without a layer that copies its address in, outside the quota layer,
+//!   every call is `INTERNAL` (the server cannot tell who it is from).
+//!
+//! ```
+//! /// `Server::builder().layer(MapRequestLayer::new(peer_from_tonic)).layer(policy.layer(..))`
+//! fn peer_from_tonic<B>(mut request: http::Request<B>) -> http::Request<B> {
+//!     let peer = request
+//!         .extensions()
+//!         .get::<tonic::transport::server::TcpConnectInfo>()
+//!         .and_then(|info| info.remote_addr());
+//!     if let Some(peer) = peer {
+//!         request.extensions_mut().insert(peer);
+//!     }
+//!     request
+//! }
+//! ```
 
 #![deny(unsafe_code)]
 #![warn(

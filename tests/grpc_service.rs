@@ -668,3 +668,66 @@ async fn a_call_ended_by_its_deadline_while_its_real_cost_lands_keeps_nothing() 
     assert_eq!(used().await, 5);
     server.abort();
 }
+
+/// tonic's server puts the peer in a `TcpConnectInfo`, not the `SocketAddr`
+/// that `ClientIp` reads: without a layer that copies it (as the crate
+/// documentation's gRPC section shows), every call is `INTERNAL`, and with
+/// it, calls are counted per client address.
+#[tokio::test]
+async fn client_ip_behind_tonic_counts_the_peer_the_documented_copy_puts_in() {
+    fn peer_from_tonic<B>(mut request: http::Request<B>) -> http::Request<B> {
+        let peer = request
+            .extensions()
+            .get::<tonic::transport::server::TcpConnectInfo>()
+            .and_then(|info| info.remote_addr());
+        if let Some(peer) = peer {
+            request.extensions_mut().insert(peer);
+        }
+        request
+    }
+    for copied in [false, true] {
+        let policy = QuotaPolicy::builder(tower_quota::ClientIp::new()).build();
+        let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+        let addr = listener.local_addr().unwrap();
+        let copy = tower::util::option_layer(
+            copied.then(|| tower::util::MapRequestLayer::new(peer_from_tonic)),
+        );
+        let serving = tonic::transport::Server::builder()
+            .layer(copy)
+            .layer(policy.layer(Quota::daily(2).allowance("call")))
+            .add_service(Demo)
+            .serve_with_incoming(TcpIncoming::from(listener));
+        let server = tokio::spawn(async move { serving.await.unwrap() });
+        let channel = Channel::from_shared(format!("http://{addr}"))
+            .unwrap()
+            .connect()
+            .await
+            .unwrap();
+        let mut grpc = tonic::client::Grpc::new(channel);
+        let mut codes = Vec::new();
+        for _ in 0..3 {
+            grpc.ready().await.unwrap();
+            let call = request(None, "ok", &[]);
+            let code = match grpc.unary(call, path(CALL), codec()).await {
+                Ok(_) => Code::Ok,
+                Err(status) => status.code(),
+            };
+            codes.push(code);
+        }
+        if copied {
+            assert_eq!(
+                codes,
+                [Code::Ok, Code::Ok, Code::ResourceExhausted],
+                "counted per peer"
+            );
+            let peer = policy
+                .handle()
+                .subject(&SubjectKind::IP, "127.0.0.1")
+                .unwrap();
+            assert_eq!(policy.handle().usage(&peer).await.unwrap()[0].used(), 2);
+        } else {
+            assert_eq!(codes, [Code::Internal; 3], "no peer to count");
+        }
+        server.abort();
+    }
+}

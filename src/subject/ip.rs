@@ -21,7 +21,9 @@ static X_FORWARDED_FOR: HeaderName = HeaderName::from_static("x-forwarded-for");
 /// The peer address of the connection, from the request extensions:
 /// axum's `ConnectInfo<SocketAddr>` (with the `axum` feature, on by default;
 /// serve the app with `into_make_service_with_connect_info::<SocketAddr>()`),
-/// else a [`SocketAddr`], else an [`IpAddr`] that your own server inserted. A
+/// else a [`SocketAddr`], else an [`IpAddr`] that your own server inserted
+/// (tonic's server inserts none of them: see the crate's gRPC section for
+/// the layer that copies its peer address in). A
 /// request with none of them is [`SubjectError::Unavailable`]: the server
 /// was set up without them, and every request is answered 500 (logged as
 /// an error), not taken for a client that did not say who it is.
