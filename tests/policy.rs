@@ -1374,6 +1374,33 @@ async fn a_sub_request_refused_inside_leaves_the_batch_charged() {
     assert_eq!(used(&policy, "search-minute").await, 1);
 }
 
+/// A quota its policy refuses (the name of another quota of it) claims
+/// nothing on the store: another policy on the store may count a quota of
+/// its own on that allowance, which the first policy does not have.
+#[test]
+fn a_quota_refused_by_its_policy_claims_nothing_on_the_store() {
+    let store = MemoryStore::new();
+    let first = QuotaPolicy::builder(FromHeader::account("x-account-id"))
+        .store(store.clone())
+        .build();
+    let _read = first.layer(Quota::daily(10).allowance("read").named("calls"));
+    let refused = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
+        first.layer(Quota::daily(5).allowance("write").named("calls"))
+    }));
+    assert!(refused.is_err(), "two quotas named alike are refused");
+    assert_eq!(first.quotas().len(), 1);
+    let second = QuotaPolicy::builder(FromHeader::account("x-account-id"))
+        .store(store)
+        .build();
+    let made = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
+        second.layer(Quota::daily(7).allowance("write"))
+    }));
+    assert!(
+        made.is_ok(),
+        "refused for a quota the first policy does not have"
+    );
+}
+
 #[test]
 #[should_panic(expected = "two policies on one store and namespace would count on one counter")]
 fn two_policies_on_one_store_never_give_different_quotas_one_counter() {

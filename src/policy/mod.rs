@@ -207,8 +207,16 @@ impl<E, St: Store> Policy<E, St> {
                 quota.name()
             );
         }
+        // The policy's own checks come first, under its lock: a quota it
+        // refuses (a name or a counter of another of its quotas) claims
+        // nothing on the store, which would refuse another policy's quota
+        // for one this policy does not have.
+        let mut quotas = self.quotas.lock().unwrap_or_else(|e| e.into_inner());
+        let known = self.check_own(&quotas, quota);
         self.claim(quota);
-        self.register_own(quota);
+        if !known {
+            self.record_own(&mut quotas, quota);
+        }
     }
 
     /// Checks `quota` against the quotas of the other policies on the same
@@ -270,12 +278,18 @@ impl<E, St> Drop for Policy<E, St> {
 }
 
 impl<E, St> Policy<E, St> {
-    fn register_own(&self, quota: &Quota) {
-        let mut quotas = self.quotas.lock().unwrap_or_else(|e| e.into_inner());
+    /// Checks `quota` against the policy's quotas `quotas`: whether it is
+    /// one of them already.
+    ///
+    /// # Panics
+    ///
+    /// When it would count on the counter of a different one, or carries
+    /// its name.
+    fn check_own(&self, quotas: &[Quota], quota: &Quota) -> bool {
         let per_caller = self.settings.zone.is_some();
-        for known in quotas.iter() {
+        for known in quotas {
             if known.same_as(quota) {
-                return;
+                return true;
             }
             assert!(
                 !known.shares_counters_with(quota, per_caller),
@@ -289,8 +303,12 @@ impl<E, St> Policy<E, St> {
                 quota.name()
             );
         }
+        false
+    }
+
+    /// Adds `quota`, checked, to the policy's quotas `quotas`.
+    fn record_own(&self, quotas: &mut Vec<Quota>, quota: &Quota) {
         quotas.push(quota.clone());
-        drop(quotas);
         if quota.spreads() {
             self.spreads.store(true, Ordering::Relaxed);
         }
