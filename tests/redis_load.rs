@@ -915,33 +915,47 @@ async fn charges_behind_others_on_a_slow_redis_are_waited_for() {
         )
         .await;
         let key = key(&format!("slow-{batched}"));
-        store.charge(charge(&key, 1_000)).await.unwrap();
-        proxy.slow(Duration::from_millis(50));
-        let mut calls = tokio::task::JoinSet::new();
-        for _ in 0..10 {
-            let (store, key) = (store.clone(), key.clone());
-            calls.spawn(async move {
-                let started = Instant::now();
-                let outcome = store.charge(charge(&key, 1_000)).await;
-                (outcome.map(|outcome| outcome.admitted), started.elapsed())
-            });
-            tokio::time::sleep(Duration::from_millis(2)).await;
-        }
-        let answers = calls.join_all().await;
-        let slowest = answers.iter().map(|(_, waited)| *waited).max().unwrap();
-        assert!(
-            answers
-                .iter()
-                .all(|(outcome, _)| matches!(outcome, Ok(true))),
-            "batched {batched}: {answers:?}"
-        );
+        let slowest = all_served_on_a_slow_redis(&server, &proxy, &store, &key, 10).await;
         assert!(
             slowest > Duration::from_millis(80),
-            "{slowest:?}: slow enough"
+            "batched {batched}: {slowest:?}: slow enough"
         );
-        quiet(&store).await;
-        assert_eq!(used(&server, &key), "11");
     }
+}
+
+/// Charges `n` charges on `key`, sent 2 ms apart once `proxy` slowed down
+/// (after one charge before, which keeps the connection from looking quiet):
+/// every one admitted, and counted once `store` is quiet. What the slowest
+/// waited.
+async fn all_served_on_a_slow_redis(
+    server: &RedisServer,
+    proxy: &SlowProxy,
+    store: &RedisStore,
+    key: &PeriodKey,
+    n: usize,
+) -> Duration {
+    store.charge(charge(key, 1_000)).await.unwrap();
+    proxy.slow(Duration::from_millis(50));
+    let mut calls = tokio::task::JoinSet::new();
+    for _ in 0..n {
+        let (store, key) = (store.clone(), key.clone());
+        calls.spawn(async move {
+            let started = Instant::now();
+            let outcome = store.charge(charge(&key, 1_000)).await;
+            (outcome.map(|outcome| outcome.admitted), started.elapsed())
+        });
+        tokio::time::sleep(Duration::from_millis(2)).await;
+    }
+    let answers = calls.join_all().await;
+    assert!(
+        answers
+            .iter()
+            .all(|(outcome, _)| matches!(outcome, Ok(true))),
+        "{answers:?}"
+    );
+    quiet(store).await;
+    assert_eq!(used(server, key), (n + 1).to_string());
+    answers.iter().map(|(_, waited)| *waited).max().unwrap()
 }
 
 /// Charges that find every room among the calls in flight taken
@@ -963,32 +977,11 @@ async fn charges_waiting_for_room_on_a_slow_redis_are_waited_for() {
     )
     .await;
     let key = key("slow-room");
-    store.charge(charge(&key, 1_000)).await.unwrap();
-    proxy.slow(Duration::from_millis(50));
-    let mut calls = tokio::task::JoinSet::new();
-    for _ in 0..6 {
-        let (store, key) = (store.clone(), key.clone());
-        calls.spawn(async move {
-            let started = Instant::now();
-            let outcome = store.charge(charge(&key, 1_000)).await;
-            (outcome.map(|outcome| outcome.admitted), started.elapsed())
-        });
-        tokio::time::sleep(Duration::from_millis(2)).await;
-    }
-    let answers = calls.join_all().await;
-    let slowest = answers.iter().map(|(_, waited)| *waited).max().unwrap();
-    assert!(
-        answers
-            .iter()
-            .all(|(outcome, _)| matches!(outcome, Ok(true))),
-        "{answers:?}"
-    );
+    let slowest = all_served_on_a_slow_redis(&server, &proxy, &store, &key, 6).await;
     assert!(
         slowest > Duration::from_millis(160),
         "{slowest:?}: slow enough"
     );
-    quiet(&store).await;
-    assert_eq!(used(&server, &key), "7");
 }
 
 /// The same through the layer, at its defaults (100 ms, and the store's
