@@ -43,6 +43,16 @@ async fn send(app: &Router, account: &str) -> StatusCode {
 
 /// The key of `quota`'s counter for `account` at `at`, in the default
 /// namespace.
+/// An app whose one route `policy` charges on `quota`.
+fn served<St: tower_quota::store::Store>(
+    policy: &QuotaPolicy<FromHeader, St>,
+    quota: &Quota,
+) -> Router {
+    Router::new()
+        .route("/", get(|| async { "ok" }))
+        .layer(policy.layer(quota.clone()))
+}
+
 fn key_of(quota: &Quota, account: &str, at: Timestamp) -> PeriodKey {
     quota.key(&Namespace::default(), &Subject::account(account), at)
 }
@@ -155,9 +165,7 @@ async fn fail_open_through_a_stall(limit: u64) -> (Seen, RedisStore) {
         .on_store_error(OnStoreError::FailOpen)
         .build();
     let quota = Quota::daily(limit);
-    let app = Router::new()
-        .route("/", get(|| async { "ok" }))
-        .layer(policy.layer(quota.clone()));
+    let app = served(&policy, &quota);
     let (seen, owed) = twenty_callers_through_a_stall(&server, &policy, app).await;
     assert!(seen.other.is_empty(), "{seen:?}");
     assert!(owed > 0, "requests passed on failed charges: {seen:?}");
@@ -210,9 +218,7 @@ async fn fail_closed_through_a_stall_leaves_its_refusals_uncharged() {
     store.preload().await.unwrap();
     let policy = QuotaPolicy::builder(account()).store(store).build();
     let quota = Quota::daily(1_000_000);
-    let app = Router::new()
-        .route("/", get(|| async { "ok" }))
-        .layer(policy.layer(quota.clone()));
+    let app = served(&policy, &quota);
     let (seen, owed) = twenty_callers_through_a_stall(&server, &policy, app).await;
     assert!(seen.other.is_empty() && seen.refused == 0, "{seen:?}");
     assert!(seen.unavailable > 0, "503s during the stall: {seen:?}");
@@ -249,9 +255,7 @@ async fn settle_owed_returns_once_late_charges_are_given_back() {
             .on_store_error(rule)
             .build();
         let quota = Quota::daily(1_000);
-        let app = Router::new()
-            .route("/", get(|| async { "ok" }))
-            .layer(policy.layer(quota.clone()));
+        let app = served(&policy, &quota);
         let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
         let addr = listener.local_addr().unwrap().to_string();
         let serving = tokio::spawn(axum::serve(listener, app).into_future());
@@ -315,9 +319,7 @@ async fn fail_open_through_an_outage_counts_every_admission() {
         .on_store_error(OnStoreError::FailOpen)
         .build();
     let quota = Quota::daily(10);
-    let app = Router::new()
-        .route("/", get(|| async { "ok" }))
-        .layer(policy.layer(quota.clone()));
+    let app = served(&policy, &quota);
     for _ in 0..5 {
         assert_eq!(send(&app, "acme").await, StatusCode::OK);
     }
@@ -433,9 +435,7 @@ async fn a_first_use_counter_the_ledger_creates_ends_with_the_requests_period() 
         .on_store_error(OnStoreError::FailOpen)
         .build();
     let quota = Quota::rolling(10, Duration::from_secs(3_600));
-    let app = Router::new()
-        .route("/", get(|| async { "ok" }))
-        .layer(policy.layer(quota.clone()));
+    let app = served(&policy, &quota);
 
     server.kill();
     assert_eq!(send(&app, "acme").await, StatusCode::OK);
@@ -476,9 +476,7 @@ async fn a_debt_of_a_day_that_ended_is_not_charged_to_the_next_day() {
         .on_store_error(OnStoreError::FailOpen)
         .build();
     let quota = Quota::daily(10);
-    let app = Router::new()
-        .route("/", get(|| async { "ok" }))
-        .layer(policy.layer(quota.clone()));
+    let app = served(&policy, &quota);
 
     server.kill();
     assert_eq!(send(&app, "acme").await, StatusCode::OK);
@@ -508,9 +506,7 @@ async fn past_its_bound_the_ledger_counts_the_counters_it_owes_only() {
         .max_owed_counters(2)
         .build();
     let quota = Quota::daily(10);
-    let app = Router::new()
-        .route("/", get(|| async { "ok" }))
-        .layer(policy.layer(quota.clone()));
+    let app = served(&policy, &quota);
     server.kill();
     for account in ["a", "b", "c", "a"] {
         assert_eq!(send(&app, account).await, StatusCode::OK);
@@ -690,9 +686,7 @@ async fn a_request_made_after_a_stalled_reset_was_sent_is_counted() {
         .on_store_error(OnStoreError::FailOpen)
         .build();
     let quota = Quota::daily(10);
-    let app = Router::new()
-        .route("/", get(|| async { "ok" }))
-        .layer(policy.layer(quota.clone()));
+    let app = served(&policy, &quota);
     let key = key_of(&quota, "acme", Timestamp::now());
     assert_eq!(send(&app, "acme").await, StatusCode::OK);
     assert_eq!(used(&server, &key), "1");
