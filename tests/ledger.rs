@@ -38,6 +38,13 @@ fn call(path: &str, account: &str) -> Request<Body> {
         .unwrap()
 }
 
+/// An app whose one route `policy` charges on a daily quota of `limit`.
+fn daily_app<St: Store>(policy: &QuotaPolicy<FromHeader, St>, limit: u64) -> Router {
+    Router::new()
+        .route("/", get(|| async { "ok" }))
+        .layer(policy.layer(Quota::daily(limit)))
+}
+
 fn policy<St: Store>(store: St, clock: &ManualClock) -> QuotaPolicyBuilder<FromHeader, St> {
     QuotaPolicy::builder(FromHeader::account("x-account-id"))
         .store(store)
@@ -80,9 +87,7 @@ async fn a_request_passed_on_a_failed_charge_is_counted_once_the_store_answers()
     let store = Rigged::new(MemoryStore::new(), Rig::Fail, None);
     store.away.store(true, Ordering::Relaxed);
     let policy = policy(store.clone(), &clock).build();
-    let app = Router::new()
-        .route("/", get(|| async { "ok" }))
-        .layer(policy.layer(Quota::daily(2)));
+    let app = daily_app(&policy, 2);
     for _ in 0..5 {
         assert_eq!(send(&app, call("/", "acme")).await, StatusCode::OK);
     }
@@ -302,9 +307,7 @@ async fn without_a_ledger_a_request_passed_on_a_failed_charge_goes_uncounted() {
     let clock = clock();
     let store = Rigged::new(MemoryStore::new(), Rig::Fail, None);
     let policy = policy(store, &clock).max_owed_counters(0).build();
-    let app = Router::new()
-        .route("/", get(|| async { "ok" }))
-        .layer(policy.layer(Quota::daily(2)));
+    let app = daily_app(&policy, 2);
     for _ in 0..3 {
         assert_eq!(send(&app, call("/", "acme")).await, StatusCode::OK);
     }
@@ -468,9 +471,7 @@ fn debts_past_the_bound_are_dropped_logged_and_counted() {
         let store = Rigged::new(memory.clone(), Rig::Fail, None);
         store.away.store(true, Ordering::Relaxed);
         let policy = policy(store.clone(), &clock).max_owed_counters(3).build();
-        let app = Router::new()
-            .route("/", get(|| async { "ok" }))
-            .layer(policy.layer(Quota::daily(10)));
+        let app = daily_app(&policy, 10);
         let [a, b, c, d, e] = BOUND_IDS;
         for account in [a, b, c, d, e, a, e] {
             assert_eq!(send(&app, call("/", account)).await, StatusCode::OK);
@@ -575,9 +576,7 @@ fn what_a_dropped_policy_still_owes_is_counted_as_abandoned() {
         let store = Rigged::new(MemoryStore::new(), Rig::Fail, None);
         store.away.store(true, Ordering::Relaxed);
         let policy = policy(store, &clock).build();
-        let app = Router::new()
-            .route("/", get(|| async { "ok" }))
-            .layer(policy.layer(Quota::daily(10)));
+        let app = daily_app(&policy, 10);
         for account in ["acct-a", "acct-b", "acct-a"] {
             assert_eq!(send(&app, call("/", account)).await, StatusCode::OK);
         }
@@ -713,9 +712,7 @@ async fn a_support_reset_forgets_what_the_caller_owed() {
     let store = Rigged::new(MemoryStore::new(), Rig::Fail, None);
     store.away.store(true, Ordering::Relaxed);
     let policy = policy(store.clone(), &clock).build();
-    let app = Router::new()
-        .route("/", get(|| async { "ok" }))
-        .layer(policy.layer(Quota::daily(10)));
+    let app = daily_app(&policy, 10);
     for _ in 0..3 {
         assert_eq!(send(&app, call("/", "acme")).await, StatusCode::OK);
     }
@@ -867,9 +864,7 @@ async fn a_support_reset_during_a_settle_that_fails_forgets_it_too() {
     store.failing.store(true, Ordering::SeqCst);
     store.slow.store(true, Ordering::SeqCst);
     let policy = policy(store.clone(), &clock).build();
-    let app = Router::new()
-        .route("/", get(|| async { "ok" }))
-        .layer(policy.layer(Quota::daily(10)));
+    let app = daily_app(&policy, 10);
     for _ in 0..3 {
         assert_eq!(send(&app, call("/", "acme")).await, StatusCode::OK);
     }
@@ -893,9 +888,7 @@ async fn owing_three() -> (Gate, QuotaPolicy<FromHeader, Gate>) {
     store.failing.store(true, Ordering::SeqCst);
     store.away.store(true, Ordering::SeqCst);
     let policy = policy(store.clone(), &clock()).build();
-    let app = Router::new()
-        .route("/", get(|| async { "ok" }))
-        .layer(policy.layer(Quota::daily(100)));
+    let app = daily_app(&policy, 100);
     for _ in 0..3 {
         assert_eq!(send(&app, call("/", "acme")).await, StatusCode::OK);
     }
@@ -994,9 +987,7 @@ fn a_reset_during_a_settle_whose_runtime_shuts_down_stays_forgotten() {
     store.failing.store(true, Ordering::SeqCst);
     store.holding.store(true, Ordering::SeqCst);
     let policy = policy(store.clone(), &clock).store_timeout(None).build();
-    let app = Router::new()
-        .route("/", get(|| async { "ok" }))
-        .layer(policy.layer(Quota::daily(100)));
+    let app = daily_app(&policy, 100);
     let runtime = || {
         tokio::runtime::Builder::new_current_thread()
             .enable_all()
@@ -1056,9 +1047,7 @@ async fn refund_request_never_lands_on_a_counter_made_anew_by_a_settle() {
             .route("/", get(handler))
             .layer(a.layer(Quota::daily(100)))
     };
-    let b_app = Router::new()
-        .route("/", get(|| async { "ok" }))
-        .layer(b.layer(Quota::daily(100)));
+    let b_app = daily_app(&b, 100);
     // B's request passes on a failed charge; a second later A's request
     // makes the counter; support resets it.
     assert_eq!(send(&b_app, call("/", "acme")).await, StatusCode::OK);
@@ -1254,9 +1243,7 @@ async fn a_request_made_while_a_reset_is_on_its_way_owes_its_charge() {
     store.failing.store(true, Ordering::SeqCst);
     store.away.store(true, Ordering::SeqCst);
     let policy = policy(store.clone(), &clock).build();
-    let app = Router::new()
-        .route("/", get(|| async { "ok" }))
-        .layer(policy.layer(Quota::daily(100)));
+    let app = daily_app(&policy, 100);
     for _ in 0..3 {
         assert_eq!(send(&app, call("/", "acme")).await, StatusCode::OK);
     }
