@@ -1409,51 +1409,48 @@ async fn a_request_served_on_a_retry_after_a_refusal_inside_stays_owed() {
     );
 }
 
-/// Not a retry: a handler (a fan-out, a batch endpoint) calls two inner
-/// services with the request's extensions, its `QuotaStatus` with them. The
-/// first, behind a quota of its own, refuses; the second, behind another
-/// quota, lets its call through. The handler answers the whole request
-/// with an error of its own (the refusal rebuilt): the outer charge goes
-/// back, as for any refusal rebuilt between two layers. The second
-/// service's admission must not clear the mark the first one's refusal set.
-#[tokio::test]
-async fn a_sibling_admitted_after_a_refusal_inside_does_not_keep_the_outer_charge() {
-    let account = policy(MemoryStore::new(), "account").build();
+/// A router whose `/part` is refused: its quota of one is spent already.
+async fn spent_part() -> Router {
     let spent = policy(MemoryStore::new(), "spent").build();
-    let roomy = policy(MemoryStore::new(), "roomy").build();
     let refusing: Router = Router::new()
         .route("/part", get(ok))
         .route_layer(spent.layer(Quota::daily(1).allowance("spent")));
-    let admitting: Router = Router::new()
-        .route("/part", get(ok))
-        .route_layer(roomy.layer(Quota::daily(10).allowance("roomy")));
-    // The refusing quota is spent already.
     let first = refusing.clone().oneshot(call("/part")).await.unwrap();
     assert_eq!(first.status(), StatusCode::OK);
-    let fan_out = tower::service_fn(move |request: Request<Body>| {
-        let (refusing, admitting) = (refusing.clone(), admitting.clone());
-        async move {
-            let (parts, _) = request.into_parts();
-            let part = || {
-                let mut part = Request::get("/part")
-                    .header("x-account-id", "acme")
-                    .body(Body::empty())
-                    .unwrap();
-                *part.extensions_mut() = parts.extensions.clone();
-                part
-            };
-            let one = refusing.oneshot(part()).await?;
-            let two = admitting.oneshot(part()).await?;
-            assert_eq!(
-                (one.status(), two.status()),
-                (StatusCode::TOO_MANY_REQUESTS, StatusCode::OK)
-            );
-            // The refusal rebuilt: a 429 of the handler's own.
-            Ok::<_, std::convert::Infallible>(
-                (StatusCode::TOO_MANY_REQUESTS, "a part was refused").into_response(),
-            )
-        }
-    });
+    refusing
+}
+
+/// A part of a request with `extensions` (its `QuotaStatus` among them),
+/// costing `cost` where a layer prices it.
+fn part(extensions: &http::Extensions, cost: u64) -> Request<Body> {
+    let mut part = Request::get("/part")
+        .header("x-account-id", "acme")
+        .header("x-cost", cost.to_string())
+        .body(Body::empty())
+        .unwrap();
+    *part.extensions_mut() = extensions.clone();
+    part
+}
+
+/// A part's refusal rebuilt by its handler: a 429 of the handler's own.
+fn a_part_refused() -> Result<axum::response::Response, std::convert::Infallible> {
+    Ok((StatusCode::TOO_MANY_REQUESTS, "a part was refused").into_response())
+}
+
+/// `fan_out`, which answers with a part's refusal, behind a daily quota
+/// further out: the request is given back.
+async fn outer_charge_given_back<S>(fan_out: S)
+where
+    S: tower::Service<
+            Request<Body>,
+            Response = axum::response::Response,
+            Error = std::convert::Infallible,
+        > + Clone
+        + Send
+        + 'static,
+    S::Future: Send,
+{
+    let account = policy(MemoryStore::new(), "account").build();
     let app = tower::ServiceBuilder::new()
         .layer(account.layer(Quota::daily(10).allowance("read")))
         .service(fan_out);
@@ -1466,6 +1463,36 @@ async fn a_sibling_admitted_after_a_refusal_inside_does_not_keep_the_outer_charg
     );
 }
 
+/// Not a retry: a handler (a fan-out, a batch endpoint) calls two inner
+/// services with the request's extensions, its `QuotaStatus` with them. The
+/// first, behind a quota of its own, refuses; the second, behind another
+/// quota, lets its call through. The handler answers the whole request
+/// with an error of its own (the refusal rebuilt): the outer charge goes
+/// back, as for any refusal rebuilt between two layers. The second
+/// service's admission must not clear the mark the first one's refusal set.
+#[tokio::test]
+async fn a_sibling_admitted_after_a_refusal_inside_does_not_keep_the_outer_charge() {
+    let roomy = policy(MemoryStore::new(), "roomy").build();
+    let refusing = spent_part().await;
+    let admitting: Router = Router::new()
+        .route("/part", get(ok))
+        .route_layer(roomy.layer(Quota::daily(10).allowance("roomy")));
+    let fan_out = tower::service_fn(move |request: Request<Body>| {
+        let (refusing, admitting) = (refusing.clone(), admitting.clone());
+        async move {
+            let (parts, _) = request.into_parts();
+            let one = refusing.oneshot(part(&parts.extensions, 1)).await?;
+            let two = admitting.oneshot(part(&parts.extensions, 1)).await?;
+            assert_eq!(
+                (one.status(), two.status()),
+                (StatusCode::TOO_MANY_REQUESTS, StatusCode::OK)
+            );
+            a_part_refused()
+        }
+    });
+    outer_charge_given_back(fan_out).await;
+}
+
 /// As above, with a third part: one part refused by one layer, a second
 /// refused by another layer, which then lets a third through. The first
 /// layer's refusal still speaks for the answer (that layer let nothing
@@ -1473,12 +1500,8 @@ async fn a_sibling_admitted_after_a_refusal_inside_does_not_keep_the_outer_charg
 /// back, as it is without the later parts.
 #[tokio::test]
 async fn a_refusal_inside_stays_marked_when_another_layer_refuses_and_admits_after_it() {
-    let account = policy(MemoryStore::new(), "account").build();
-    let spent = policy(MemoryStore::new(), "spent").build();
     let priced = policy(MemoryStore::new(), "priced").build();
-    let refusing: Router = Router::new()
-        .route("/part", get(ok))
-        .route_layer(spent.layer(Quota::daily(1).allowance("spent")));
+    let refusing = spent_part().await;
     let cost = |parts: &http::request::Parts| {
         Ok(parts
             .headers
@@ -1490,26 +1513,17 @@ async fn a_refusal_inside_stays_marked_when_another_layer_refuses_and_admits_aft
             .layer(Quota::daily(10).allowance("priced"))
             .cost_fn(cost),
     );
-    // The refusing quota is spent already.
-    let first = refusing.clone().oneshot(call("/part")).await.unwrap();
-    assert_eq!(first.status(), StatusCode::OK);
     let fan_out = tower::service_fn(move |request: Request<Body>| {
         let (refusing, pricing) = (refusing.clone(), pricing.clone());
         async move {
             let (parts, _) = request.into_parts();
-            let part = |cost: u64| {
-                let mut part = Request::get("/part")
-                    .header("x-account-id", "acme")
-                    .header("x-cost", cost.to_string())
-                    .body(Body::empty())
-                    .unwrap();
-                *part.extensions_mut() = parts.extensions.clone();
-                part
-            };
-            let one = refusing.oneshot(part(1)).await?;
+            let one = refusing.oneshot(part(&parts.extensions, 1)).await?;
             // Too dear for the other layer, then one it lets through.
-            let two = pricing.clone().oneshot(part(100)).await?;
-            let three = pricing.oneshot(part(1)).await?;
+            let two = pricing
+                .clone()
+                .oneshot(part(&parts.extensions, 100))
+                .await?;
+            let three = pricing.oneshot(part(&parts.extensions, 1)).await?;
             assert_eq!(
                 (one.status(), two.status(), three.status()),
                 (
@@ -1518,22 +1532,10 @@ async fn a_refusal_inside_stays_marked_when_another_layer_refuses_and_admits_aft
                     StatusCode::OK
                 )
             );
-            // The first refusal rebuilt: a 429 of the handler's own.
-            Ok::<_, std::convert::Infallible>(
-                (StatusCode::TOO_MANY_REQUESTS, "a part was refused").into_response(),
-            )
+            a_part_refused()
         }
     });
-    let app = tower::ServiceBuilder::new()
-        .layer(account.layer(Quota::daily(10).allowance("read")))
-        .service(fan_out);
-    let response = app.oneshot(call("/batch")).await.unwrap();
-    assert_eq!(response.status(), StatusCode::TOO_MANY_REQUESTS);
-    assert_eq!(
-        used(&account, "read-day").await,
-        0,
-        "answered with the refusal of a part: the outer charge stayed"
-    );
+    outer_charge_given_back(fan_out).await;
 }
 
 /// The status of the last request to `/costly`, kept by its handler.
