@@ -204,32 +204,47 @@ async fn start(store: LeasedStore<MemoryStore>, clock: &ManualClock) -> Rig4 {
             .and_then(|v| v.to_str().ok()?.parse().ok())
             .unwrap_or(1)
     };
+    let (server, grpc) = on_loopback(|incoming| {
+        tonic::transport::Server::builder()
+            .layer(call.layer(Quota::daily(5).allowance("call").plan("pro", 7)))
+            .layer(
+                watch
+                    .layer(Quota::daily(20).allowance("watch"))
+                    .deferred_cost(1, tokens),
+            )
+            .layer(keys.layer(Quota::daily(4).allowance("keys")))
+            .layer(broken.layer(Quota::daily(3).allowance("broken")))
+            .add_service(Demo)
+            .serve_with_incoming(incoming)
+    })
+    .await;
+    Rig4 {
+        call: call.handle(),
+        watch: watch.handle(),
+        keys: keys.handle(),
+        grpc,
+        server,
+    }
+}
+
+/// A server that `serve` runs on a loopback port (its `serve_with_incoming`
+/// on `incoming`), and a client connected to it.
+async fn on_loopback<F>(
+    serve: impl FnOnce(TcpIncoming) -> F,
+) -> (tokio::task::JoinHandle<()>, tonic::client::Grpc<Channel>)
+where
+    F: Future<Output = Result<(), tonic::transport::Error>> + Send + 'static,
+{
     let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
     let addr = listener.local_addr().unwrap();
-    let serving = tonic::transport::Server::builder()
-        .layer(call.layer(Quota::daily(5).allowance("call").plan("pro", 7)))
-        .layer(
-            watch
-                .layer(Quota::daily(20).allowance("watch"))
-                .deferred_cost(1, tokens),
-        )
-        .layer(keys.layer(Quota::daily(4).allowance("keys")))
-        .layer(broken.layer(Quota::daily(3).allowance("broken")))
-        .add_service(Demo)
-        .serve_with_incoming(TcpIncoming::from(listener));
+    let serving = serve(TcpIncoming::from(listener));
     let server = tokio::spawn(async move { serving.await.unwrap() });
     let channel = Channel::from_shared(format!("http://{addr}"))
         .unwrap()
         .connect()
         .await
         .unwrap();
-    Rig4 {
-        call: call.handle(),
-        watch: watch.handle(),
-        keys: keys.handle(),
-        grpc: tonic::client::Grpc::new(channel),
-        server,
-    }
+    (server, tonic::client::Grpc::new(channel))
 }
 
 fn request(
@@ -606,23 +621,17 @@ async fn a_call_ended_by_its_deadline_while_its_real_cost_lands_keeps_nothing() 
             .and_then(|v| v.to_str().ok()?.parse().ok())
             .unwrap_or(1)
     };
-    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
-    let addr = listener.local_addr().unwrap();
-    let serving = tonic::transport::Server::builder()
-        .layer(
-            policy
-                .layer(Quota::daily(100).allowance("tokens"))
-                .deferred_cost(1, tokens),
-        )
-        .add_service(Demo)
-        .serve_with_incoming(TcpIncoming::from(listener));
-    let server = tokio::spawn(async move { serving.await.unwrap() });
-    let channel = Channel::from_shared(format!("http://{addr}"))
-        .unwrap()
-        .connect()
-        .await
-        .unwrap();
-    let mut grpc = tonic::client::Grpc::new(channel);
+    let (server, mut grpc) = on_loopback(|incoming| {
+        tonic::transport::Server::builder()
+            .layer(
+                policy
+                    .layer(Quota::daily(100).allowance("tokens"))
+                    .deferred_cost(1, tokens),
+            )
+            .add_service(Demo)
+            .serve_with_incoming(incoming)
+    })
+    .await;
     let handle = policy.handle();
     let used = || async { handle.usage(&acme()).await.unwrap()[0].used() };
     store
@@ -687,23 +696,17 @@ async fn client_ip_behind_tonic_counts_the_peer_the_documented_copy_puts_in() {
     }
     for copied in [false, true] {
         let policy = QuotaPolicy::builder(tower_quota::ClientIp::new()).build();
-        let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
-        let addr = listener.local_addr().unwrap();
         let copy = tower::util::option_layer(
             copied.then(|| tower::util::MapRequestLayer::new(peer_from_tonic)),
         );
-        let serving = tonic::transport::Server::builder()
-            .layer(copy)
-            .layer(policy.layer(Quota::daily(2).allowance("call")))
-            .add_service(Demo)
-            .serve_with_incoming(TcpIncoming::from(listener));
-        let server = tokio::spawn(async move { serving.await.unwrap() });
-        let channel = Channel::from_shared(format!("http://{addr}"))
-            .unwrap()
-            .connect()
-            .await
-            .unwrap();
-        let mut grpc = tonic::client::Grpc::new(channel);
+        let (server, mut grpc) = on_loopback(|incoming| {
+            tonic::transport::Server::builder()
+                .layer(copy)
+                .layer(policy.layer(Quota::daily(2).allowance("call")))
+                .add_service(Demo)
+                .serve_with_incoming(incoming)
+        })
+        .await;
         let mut codes = Vec::new();
         for _ in 0..3 {
             grpc.ready().await.unwrap();
