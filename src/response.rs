@@ -217,10 +217,7 @@ impl RateLimitFields {
             limit.push_str(digits.format(sf_integer(usage.remaining())));
             limit.push_str(";t=");
             let mut wait = seconds_until_turn(told, usage.resets_at, quota.spread_for(subject));
-            // What refused the request (see `Refusal::quota_exceeded`).
-            if refused_cost.is_some_and(|cost| {
-                !quota.is_shadow() && !crate::store::has_room(usage.used, cost, usage.limit)
-            }) {
+            if refused_cost.is_some_and(|cost| refuses(quota, &usage, cost)) {
                 wait = wait.max(1);
             }
             limit.push_str(digits.format(sf_integer(wait)));
@@ -238,6 +235,12 @@ impl RateLimitFields {
         prepend(headers, &RATELIMIT_POLICY, self.policy);
         prepend(headers, &RATELIMIT, self.limit);
     }
+}
+
+/// Whether `quota`, standing at `usage`, refuses a request costing `cost`
+/// (a shadow quota never refuses).
+fn refuses(quota: &Quota, usage: &Usage, cost: u64) -> bool {
+    !quota.is_shadow() && !crate::store::has_room(usage.used, cost, usage.limit)
 }
 
 /// The largest Integer a Structured Field carries (15 digits, RFC 9651).
@@ -458,8 +461,7 @@ impl Refusal {
         let mut resets_at: Option<Timestamp> = None;
         for (line, (quota, usage)) in quotas.iter().zip(usage).enumerate() {
             let cost = cost_of_line(line);
-            // A shadow quota never refuses: it is not what refused this one.
-            if quota.is_shadow() || crate::store::has_room(usage.used, cost, usage.limit) {
+            if !refuses(quota, usage, cost) {
                 continue;
             }
             violated.push((quota.clone(), *usage, cost));
