@@ -15,7 +15,7 @@ use tower_quota::store::RedisStore;
 use tower_quota::testing::{self, Verdict};
 use tower_quota::{FromHeader, Namespace, Quota, QuotaPolicy, Subject};
 
-use redis_support::{redis_available, RedisCluster, Stopped};
+use redis_support::{redis_available, RedisCluster, SlowProxy, Stopped};
 
 fn store(cluster: &RedisCluster) -> RedisStore {
     RedisStore::cluster_builder(cluster.urls())
@@ -348,6 +348,63 @@ async fn a_stalled_node_fails_only_the_subjects_it_holds() {
     for account in &healthy {
         assert_eq!(request(&app, account).await.0, StatusCode::OK);
     }
+}
+
+/// A node slow under load (behind a proxy that passes its answers on one
+/// every 50 ms) answers every call, each after the one before: requests for
+/// its subject sent 10 ms apart wait longer and longer (the tenth about
+/// 400 ms), far past the store's 80 ms and the policy's 100 ms (both
+/// defaults), while the node answers others all along. They are waited
+/// for and served, as on a single server: load alone is no store error.
+/// The other nodes' subjects are served meanwhile.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn requests_behind_others_on_a_slow_node_are_served() {
+    if !redis_available() {
+        return;
+    }
+    let cluster = RedisCluster::start();
+    let proxy = SlowProxy::start(cluster.nodes[0].port()).await;
+    cluster.announce(0, proxy.port());
+    // One connection: the calls to the slow node queue on one socket.
+    let store = RedisStore::cluster_builder(vec![cluster.nodes[1].url()])
+        .pool_size(1)
+        .build()
+        .expect("a Redis Cluster store");
+    let app = Router::new().route("/", get(|| async { "ok" })).layer(
+        QuotaPolicy::builder(FromHeader::account("x-account-id"))
+            .store(store)
+            .build()
+            .layer(Quota::daily(1_000)),
+    );
+    let [slow, first, second] = subject_per_node(&cluster);
+    // The first calls open the cluster's connection (which may take longer
+    // than the store's 80 ms) and read which node serves each slot.
+    for account in [&slow, &first, &second] {
+        admitted_again(&app, account, Duration::from_secs(5)).await;
+    }
+    proxy.slow(Duration::from_millis(50));
+    let since = Instant::now();
+    let others = traffic(&app, &[first, second], since, Duration::from_millis(800));
+    let mut calls = tokio::task::JoinSet::new();
+    for _ in 0..10 {
+        let (app, slow) = (app.clone(), slow.clone());
+        calls.spawn(async move {
+            let started = Instant::now();
+            (request(&app, &slow).await.0, started.elapsed())
+        });
+        tokio::time::sleep(Duration::from_millis(10)).await;
+    }
+    let answers = calls.join_all().await;
+    assert!(
+        answers.iter().all(|(status, _)| *status == StatusCode::OK),
+        "{answers:?}"
+    );
+    let slowest = answers.iter().map(|(_, waited)| *waited).max().unwrap();
+    assert!(
+        slowest > Duration::from_millis(200),
+        "{slowest:?}: slow enough"
+    );
+    all_admitted(others).await;
 }
 
 /// A node that goes down and comes back (killed, restarted on its port)

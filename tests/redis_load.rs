@@ -19,7 +19,7 @@ use tower_quota::store::{
 };
 use tower_quota::{FromHeader, Namespace, OnStoreError, PeriodKey, Quota, QuotaPolicy, Subject};
 
-use redis_support::{RedisServer, Stopped};
+use redis_support::{RedisServer, SlowProxy, Stopped};
 
 fn key(allowance: &str) -> PeriodKey {
     Namespace::default().key(&Subject::account("acme"), allowance, "PT1H")
@@ -812,90 +812,6 @@ async fn a_busy_connection_is_kept() {
     }
 }
 
-/// A TCP proxy in front of a server that answers slowly, one answer at a
-/// time, once `slow` is called on it: each chunk of bytes from the server
-/// is passed on `pace` after it came, and `pace` after the one before it,
-/// as from a Redis whose every call takes that long to run. A call behind
-/// others then waits for theirs first, while answers keep coming.
-struct SlowProxy {
-    addr: std::net::SocketAddr,
-    pace_ms: std::sync::Arc<std::sync::atomic::AtomicU64>,
-    connect_ms: std::sync::Arc<std::sync::atomic::AtomicU64>,
-}
-
-impl SlowProxy {
-    async fn start(server: &RedisServer) -> Self {
-        use std::sync::atomic::Ordering;
-        use tokio::io::{AsyncReadExt, AsyncWriteExt};
-
-        let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
-        let addr = listener.local_addr().unwrap();
-        let target = format!("127.0.0.1:{}", server.port());
-        let pace_ms = std::sync::Arc::new(std::sync::atomic::AtomicU64::new(0));
-        let pace = std::sync::Arc::clone(&pace_ms);
-        let connect_ms = std::sync::Arc::new(std::sync::atomic::AtomicU64::new(0));
-        let connect = std::sync::Arc::clone(&connect_ms);
-        tokio::spawn(async move {
-            while let Ok((client, _)) = listener.accept().await {
-                let delay = Duration::from_millis(connect.load(Ordering::SeqCst));
-                tokio::time::sleep(delay).await;
-                let Ok(upstream) = tokio::net::TcpStream::connect(&target).await else {
-                    continue;
-                };
-                let (mut client_read, mut client_write) = client.into_split();
-                let (mut upstream_read, mut upstream_write) = upstream.into_split();
-                tokio::spawn(async move {
-                    let _ = tokio::io::copy(&mut client_read, &mut upstream_write).await;
-                });
-                let (chunks, mut paced) = tokio::sync::mpsc::unbounded_channel();
-                tokio::spawn(async move {
-                    let mut buffer = vec![0; 64 * 1024];
-                    while let Ok(read @ 1..) = upstream_read.read(&mut buffer).await {
-                        let came = tokio::time::Instant::now();
-                        let _ = chunks.send((came, buffer[..read].to_vec()));
-                    }
-                });
-                let pace = std::sync::Arc::clone(&pace);
-                tokio::spawn(async move {
-                    let mut last = tokio::time::Instant::now();
-                    while let Some((came, chunk)) = paced.recv().await {
-                        let pace = Duration::from_millis(pace.load(Ordering::SeqCst));
-                        last = (came + pace).max(last + pace);
-                        tokio::time::sleep_until(last).await;
-                        if client_write.write_all(&chunk).await.is_err() {
-                            return;
-                        }
-                    }
-                });
-            }
-        });
-        Self {
-            addr,
-            pace_ms,
-            connect_ms,
-        }
-    }
-
-    fn url(&self) -> String {
-        format!("redis://{}/", self.addr)
-    }
-
-    /// From now on, one answer every `pace`.
-    fn slow(&self, pace: Duration) {
-        let pace = u64::try_from(pace.as_millis()).unwrap();
-        self.pace_ms
-            .store(pace, std::sync::atomic::Ordering::SeqCst);
-    }
-
-    /// From now on, a new connection reaches the server `delay` after it
-    /// was accepted (a machine too busy to open one at once).
-    fn slow_to_connect(&self, delay: Duration) {
-        let delay = u64::try_from(delay.as_millis()).unwrap();
-        self.connect_ms
-            .store(delay, std::sync::atomic::Ordering::SeqCst);
-    }
-}
-
 /// A Redis slow under load answers every call, each 50 ms after the one
 /// before: charges sent 2 ms apart wait longer and longer (the tenth about
 /// 480 ms), far past the store's 80 ms, while Redis answers others all
@@ -906,7 +822,7 @@ impl SlowProxy {
 async fn charges_behind_others_on_a_slow_redis_are_waited_for() {
     let server = redis_server_or_skip!();
     for batched in [true, false] {
-        let proxy = SlowProxy::start(&server).await;
+        let proxy = SlowProxy::start(server.port()).await;
         let store = ready(
             RedisStore::builder(proxy.url())
                 .pool_size(1)
@@ -967,7 +883,7 @@ async fn all_served_on_a_slow_redis(
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn charges_waiting_for_room_on_a_slow_redis_are_waited_for() {
     let server = redis_server_or_skip!();
-    let proxy = SlowProxy::start(&server).await;
+    let proxy = SlowProxy::start(server.port()).await;
     let store = ready(
         RedisStore::builder(proxy.url())
             .pool_size(1)
@@ -990,7 +906,7 @@ async fn charges_waiting_for_room_on_a_slow_redis_are_waited_for() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn requests_behind_others_on_a_slow_redis_are_served() {
     let server = redis_server_or_skip!();
-    let proxy = SlowProxy::start(&server).await;
+    let proxy = SlowProxy::start(server.port()).await;
     let store = ready(RedisStore::builder(proxy.url()).pool_size(1)).await;
     let app = Router::new().route("/", get(|| async { "ok" })).layer(
         QuotaPolicy::builder(FromHeader::account("x-account-id"))
@@ -1035,7 +951,7 @@ async fn requests_behind_others_on_a_slow_redis_are_served() {
 async fn charges_go_on_an_open_connection_while_the_next_opens() {
     let server = redis_server_or_skip!();
     for batched in [true, false] {
-        let proxy = SlowProxy::start(&server).await;
+        let proxy = SlowProxy::start(server.port()).await;
         let store = RedisStore::builder(proxy.url())
             .pool_size(2)
             .timeout(Duration::from_millis(80))

@@ -3,7 +3,8 @@
 // By role: the store and its calls (`store`), its settings (`builder`),
 // the counters script and its replies (`script`), calls followed after
 // their callers stopped waiting (`late`), charges sent together (`batch`),
-// connections (`connection`), the server's clock (`clock`), Redis's
+// connections (`connection`), when each node of a cluster last answered
+// (`nodes`), the server's clock (`clock`), Redis's
 // failures as store errors (`errors`), and hashes (`hash`).
 
 use std::time::Duration;
@@ -15,6 +16,8 @@ mod connection;
 mod errors;
 mod hash;
 mod late;
+#[cfg(feature = "redis-cluster")]
+mod nodes;
 mod script;
 mod store;
 

@@ -327,6 +327,28 @@ impl RedisCluster {
         self.nodes.iter().map(RedisServer::url).collect()
     }
 
+    /// Has node `node` announce `port` to clients (`cluster-announce-port`,
+    /// e.g. a proxy's in front of it), and waits until every node names
+    /// it there: clients learn the port from any of them.
+    pub fn announce(&self, node: usize, port: u16) {
+        let port = port.to_string();
+        let set = self.nodes[node].cli(&["config", "set", "cluster-announce-port", &port]);
+        assert_eq!(set, "OK");
+        let id = self.nodes[node].cli(&["cluster", "myid"]);
+        let address = format!(":{port}@");
+        let deadline = Instant::now() + Duration::from_secs(20);
+        for known in &self.nodes {
+            while !known
+                .cli(&["cluster", "nodes"])
+                .lines()
+                .any(|line| line.starts_with(&id) && line.contains(&address))
+            {
+                assert!(Instant::now() < deadline, "the new port was not announced");
+                std::thread::sleep(Duration::from_millis(50));
+            }
+        }
+    }
+
     /// A master joined to the cluster with no slot (as `redis-cli --cluster
     /// add-node` leaves it, before a resharding gives it some); its index.
     pub fn add_master(&mut self) -> usize {
@@ -372,5 +394,96 @@ impl RedisCluster {
         }
         self.nodes.push(node);
         self.nodes.len() - 1
+    }
+}
+
+/// A TCP proxy in front of a server that answers slowly, one answer at a
+/// time, once `slow` is called on it: each chunk of bytes from the server
+/// is passed on `pace` after it came, and `pace` after the one before it,
+/// as from a Redis whose every call takes that long to run. A call behind
+/// others then waits for theirs first, while answers keep coming.
+pub struct SlowProxy {
+    addr: std::net::SocketAddr,
+    pace_ms: std::sync::Arc<std::sync::atomic::AtomicU64>,
+    connect_ms: std::sync::Arc<std::sync::atomic::AtomicU64>,
+}
+
+impl SlowProxy {
+    /// A proxy to the server on `port`, passing answers on at once until
+    /// `slow` is called.
+    pub async fn start(port: u16) -> Self {
+        use std::sync::atomic::Ordering;
+        use tokio::io::{AsyncReadExt, AsyncWriteExt};
+
+        let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+        let addr = listener.local_addr().unwrap();
+        let target = format!("127.0.0.1:{port}");
+        let pace_ms = std::sync::Arc::new(std::sync::atomic::AtomicU64::new(0));
+        let pace = std::sync::Arc::clone(&pace_ms);
+        let connect_ms = std::sync::Arc::new(std::sync::atomic::AtomicU64::new(0));
+        let connect = std::sync::Arc::clone(&connect_ms);
+        tokio::spawn(async move {
+            while let Ok((client, _)) = listener.accept().await {
+                let delay = Duration::from_millis(connect.load(Ordering::SeqCst));
+                tokio::time::sleep(delay).await;
+                let Ok(upstream) = tokio::net::TcpStream::connect(&target).await else {
+                    continue;
+                };
+                let (mut client_read, mut client_write) = client.into_split();
+                let (mut upstream_read, mut upstream_write) = upstream.into_split();
+                tokio::spawn(async move {
+                    let _ = tokio::io::copy(&mut client_read, &mut upstream_write).await;
+                });
+                let (chunks, mut paced) = tokio::sync::mpsc::unbounded_channel();
+                tokio::spawn(async move {
+                    let mut buffer = vec![0; 64 * 1024];
+                    while let Ok(read @ 1..) = upstream_read.read(&mut buffer).await {
+                        let came = tokio::time::Instant::now();
+                        let _ = chunks.send((came, buffer[..read].to_vec()));
+                    }
+                });
+                let pace = std::sync::Arc::clone(&pace);
+                tokio::spawn(async move {
+                    let mut last = tokio::time::Instant::now();
+                    while let Some((came, chunk)) = paced.recv().await {
+                        let pace = Duration::from_millis(pace.load(Ordering::SeqCst));
+                        last = (came + pace).max(last + pace);
+                        tokio::time::sleep_until(last).await;
+                        if client_write.write_all(&chunk).await.is_err() {
+                            return;
+                        }
+                    }
+                });
+            }
+        });
+        Self {
+            addr,
+            pace_ms,
+            connect_ms,
+        }
+    }
+
+    /// The proxy's port.
+    pub fn port(&self) -> u16 {
+        self.addr.port()
+    }
+
+    pub fn url(&self) -> String {
+        format!("redis://{}/", self.addr)
+    }
+
+    /// From now on, one answer every `pace`.
+    pub fn slow(&self, pace: Duration) {
+        let pace = u64::try_from(pace.as_millis()).unwrap();
+        self.pace_ms
+            .store(pace, std::sync::atomic::Ordering::SeqCst);
+    }
+
+    /// From now on, a new connection reaches the server `delay` after it
+    /// was accepted (a machine too busy to open one at once).
+    pub fn slow_to_connect(&self, delay: Duration) {
+        let delay = u64::try_from(delay.as_millis()).unwrap();
+        self.connect_ms
+            .store(delay, std::sync::atomic::Ordering::SeqCst);
     }
 }

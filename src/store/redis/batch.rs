@@ -421,7 +421,8 @@ fn answer(
     conn: super::Connection,
     result: Result<Value, RedisError>,
 ) {
-    inner.heard(&result);
+    // A batch is a single server's (no cluster slot).
+    inner.heard(&result, None);
     let values = match result {
         Ok(Value::Array(values)) => values,
         Ok(other) => {

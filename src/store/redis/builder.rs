@@ -256,7 +256,7 @@ impl RedisStoreBuilder {
                     },
                     size,
                     self.connect_timeout,
-                    // A cluster's answers move no wait (see `Inner::heard`).
+                    // A check's answer names no node (see `Inner::heard`).
                     None,
                 )))
             }
@@ -292,6 +292,8 @@ impl RedisStoreBuilder {
                 calendar_grace: self.calendar_grace,
                 calendar_jitter: self.calendar_jitter,
                 last_answer,
+                #[cfg(feature = "redis-cluster")]
+                nodes: cluster.then(super::nodes::NodeAnswers::new),
             }),
         })
     }

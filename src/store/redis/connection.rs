@@ -267,32 +267,13 @@ impl Connect for ClusterConnector {
     }
 }
 
-/// The masters' addresses in a `CLUSTER SLOTS` reply: each range of slots
-/// is `[start, end, [host, port, ..], replicas..]`.
+/// The masters' addresses in a `CLUSTER SLOTS` reply, each once.
 #[cfg(feature = "redis-cluster")]
 fn masters(slots: &Value) -> Vec<(String, u16)> {
     let mut masters: Vec<(String, u16)> = Vec::new();
-    let Value::Array(ranges) = slots else {
-        return masters;
-    };
-    for range in ranges {
-        let Value::Array(range) = range else { continue };
-        let Some(Value::Array(master)) = range.get(2) else {
-            continue;
-        };
-        let host = match master.first() {
-            Some(Value::BulkString(host)) => String::from_utf8_lossy(host).into_owned(),
-            Some(Value::SimpleString(host)) => host.clone(),
-            _ => continue,
-        };
-        let Some(Value::Int(port)) = master.get(1) else {
-            continue;
-        };
-        let Ok(port) = u16::try_from(*port) else {
-            continue;
-        };
-        if !masters.iter().any(|(h, p)| *h == host && *p == port) {
-            masters.push((host, port));
+    for (_, _, master) in super::nodes::slot_ranges(slots) {
+        if !masters.contains(&master) {
+            masters.push(master);
         }
     }
     masters

@@ -192,6 +192,8 @@ pub(super) struct Call<T: Send + 'static> {
     pub(super) trip: Option<RoundTrip<T>>,
     /// What to close if the round trip never comes back.
     pub(super) lost: Option<Lost>,
+    /// The cluster slot it went to, if any (see `Inner::slot`).
+    pub(super) slot: super::store::Slot,
     /// When it was sent.
     pub(super) sent: tokio::time::Instant,
     /// Keeps the call counted in flight until it is over.
@@ -208,6 +210,7 @@ impl<T: Send + 'static> Drop for Call<T> {
             Arc::clone(&self.inner),
             trip,
             self.lost.take(),
+            self.slot,
             self.sent,
             self.permit.take(),
             self.give_back.take(),
@@ -255,13 +258,14 @@ pub(super) async fn follow_through<T>(
     inner: Arc<Inner>,
     mut trip: RoundTrip<T>,
     mut lost: Option<Lost>,
+    slot: super::store::Slot,
     sent: tokio::time::Instant,
     _permit: Option<Room>,
     give_back: Option<GiveBack<T>>,
 ) {
     let answer = wait_for(&inner, &mut trip, sent, &mut lost).await;
     if let Ok((_, result)) = &answer {
-        inner.heard(result);
+        inner.heard(result, slot);
     }
     let (mut conn, value) = match answer {
         Ok((conn, Ok(value))) => (conn, value),

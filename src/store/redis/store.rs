@@ -135,8 +135,11 @@ use crate::store::{
 ///   a call's age: while Redis answers other calls, a call behind them is
 ///   waited for until a budget has passed since the last answer, up to ten
 ///   budgets in all, so that a machine too busy to read the answers at once
-///   does not fail its charges (on a single server; on a cluster, whose
-///   nodes answer apart, each call has one budget).
+///   does not fail its charges. On a cluster, whose nodes answer apart, a
+///   call sent to a node waits with that node's answers: the store reads
+///   which node serves each slot (`CLUSTER SLOTS`) on its first call and
+///   every 2 s while it makes calls, and a call to a slot it does not know
+///   yet has one budget.
 /// - **A bound on load.** At most
 ///   [`max_in_flight`](RedisStoreBuilder::max_in_flight) calls (4096 by
 ///   default) are in flight at once; a call waits for room while Redis
@@ -257,8 +260,13 @@ pub(super) struct Inner {
     pub(super) given_back: AtomicU64,
     pub(super) calendar_grace: Duration,
     pub(super) calendar_jitter: Duration,
-    /// When Redis last answered a call (see [`Patience`]).
+    /// When Redis last answered a call (see [`Patience`]); on a cluster,
+    /// any node.
     pub(super) last_answer: Arc<LastAnswer>,
+    /// On a cluster, when each node last answered: a call waits for its
+    /// own node's answers.
+    #[cfg(feature = "redis-cluster")]
+    pub(super) nodes: Option<super::nodes::NodeAnswers>,
 }
 
 impl Inner {
@@ -269,31 +277,67 @@ impl Inner {
         Patience::new(started, self.timeout, super::builder::MAX_TIMEOUT)
     }
 
-    /// When Redis last answered, as a call waits for it: while it waits to
-    /// be sent, any answer (the queue ahead of it moves); once `sent` on a
-    /// connection that gave nothing back since (gone silent, half-open
-    /// beside others that answer), only the answers before it was sent.
+    /// The slot of the key `at` on a cluster: the call that names it goes
+    /// to the slot's node, and waits for that node's answers. `None` on a
+    /// single server, or for a call that names no key.
+    pub(super) fn slot(&self, at: Option<&str>) -> Slot {
+        #[cfg(feature = "redis-cluster")]
+        if self.nodes.is_some() {
+            return at.map(|key| super::nodes::slot_of(key.as_bytes()));
+        }
+        let _ = at;
+        None
+    }
+
+    /// When the server that answers a call to `slot` last answered any
+    /// call: on a single server, any answer; on a cluster, the slot's
+    /// node's (none for a call that names no key, or a node not known).
+    pub(super) fn answered(&self, slot: Slot) -> Option<tokio::time::Instant> {
+        #[cfg(feature = "redis-cluster")]
+        if let Some(nodes) = &self.nodes {
+            return slot.and_then(|slot| nodes.last(slot));
+        }
+        let _ = slot;
+        self.last_answer.last()
+    }
+
+    /// When Redis last answered, as a call to `slot` waits for it once
+    /// sent (while it waits to be sent, any answer moves the queue ahead of
+    /// it): its server's answers (see [`Inner::answered`]), and once `sent`
+    /// on a connection that gave nothing back since (gone silent, half-open
+    /// beside others that answer), only those before it was sent.
     pub(super) fn last_answer_for(
         &self,
         sent: Option<&AnswersAfter>,
+        slot: Slot,
     ) -> Option<tokio::time::Instant> {
-        let last = self.last_answer.last();
+        let last = self.answered(slot);
         match sent {
             Some(sent) if !sent.any() => last.map(|at| at.min(sent.sent)),
             _ => last,
         }
     }
 
-    /// Notes a reply from Redis, if `result` is one (an error Redis
-    /// answered is one; a broken connection is not). A cluster's replies
-    /// are not noted: one node's answers say nothing of another that
-    /// stalled, whose subjects' calls must still fail after one budget.
-    pub(super) fn heard<T>(&self, result: &Result<T, RedisError>) {
-        if !self.connections.cluster() && result.as_ref().map_or_else(came_back, |_| true) {
-            self.last_answer.heard();
+    /// Notes a reply from Redis to a call to `slot`, if `result` is one (an
+    /// error Redis answered is one; a broken connection is not). On a
+    /// cluster, the reply is noted for the slot's node too: one node's
+    /// answers say nothing of another that stalled, whose subjects' calls
+    /// must still fail after one budget.
+    pub(super) fn heard<T>(&self, result: &Result<T, RedisError>, slot: Slot) {
+        if !result.as_ref().map_or_else(came_back, |_| true) {
+            return;
         }
+        self.last_answer.heard();
+        #[cfg(feature = "redis-cluster")]
+        if let (Some(nodes), Some(slot)) = (&self.nodes, slot) {
+            nodes.heard(slot);
+        }
+        let _ = slot;
     }
 }
+
+/// The cluster slot a call goes to (see [`Inner::slot`]).
+pub(super) type Slot = Option<u16>;
 
 impl RedisStore {
     /// A store on the Redis server at `url` (e.g. `redis://127.0.0.1:6379/`)
@@ -373,7 +417,7 @@ impl RedisStore {
         };
         for _ in 0..connections {
             let sha: String = self
-                .exchange(Sends::Read, move |mut conn| async move {
+                .exchange(Sends::Read, None, move |mut conn| async move {
                     let result = script.load_async(&mut conn).await;
                     (conn, result)
                 })
@@ -439,7 +483,7 @@ impl RedisStore {
         let mut invocation = Invocation::on(CLOCK_KEY);
         invocation.arg("t");
         let (secs, micros, local) = self
-            .exchange(Sends::Read, |mut conn| async move {
+            .exchange(Sends::Read, Some(CLOCK_KEY), |mut conn| async move {
                 let before = Timestamp::now();
                 let result = invocation.invoke_async::<(i64, i64)>(&mut conn).await;
                 let after = Timestamp::now();
@@ -500,13 +544,18 @@ impl RedisStore {
 
     /// Runs `f` on a connection, answered within the store's timeout. Nothing
     /// is sent again.
-    async fn exchange<T, F, Fut>(&self, sends: Sends, f: F) -> Result<T, StoreError>
+    async fn exchange<T, F, Fut>(
+        &self,
+        sends: Sends,
+        at: Option<&str>,
+        f: F,
+    ) -> Result<T, StoreError>
     where
         T: Send + 'static,
         F: FnOnce(Connection) -> Fut + Send + 'static,
         Fut: Future<Output = (Connection, Result<T, RedisError>)> + Send + 'static,
     {
-        self.follow(sends, None, f, Ok).await
+        self.follow(sends, at, None, f, Ok).await
     }
 
     /// Runs `f` on a connection and waits for its answer within the store's
@@ -514,10 +563,13 @@ impl RedisStore {
     /// store's timeout, a dropped future) is followed to its end in a task of
     /// its own: then a charge that Redis applied is given back
     /// (`give_back`). So is one whose answer `read` refuses: its caller is
-    /// told an error, and nothing stays charged.
+    /// told an error, and nothing stays charged. `at`: a key the call names
+    /// (on a cluster, its slot's node is the one whose answers it waits
+    /// with).
     async fn follow<T, R, F, Fut>(
         &self,
         sends: Sends,
+        at: Option<&str>,
         give_back: Option<GiveBack<T>>,
         f: F,
         read: impl FnOnce(T) -> Result<R, StoreError>,
@@ -528,6 +580,11 @@ impl RedisStore {
         Fut: Future<Output = (Connection, Result<T, RedisError>)> + Send + 'static,
     {
         let inner = &self.inner;
+        let slot = inner.slot(at);
+        #[cfg(feature = "redis-cluster")]
+        if inner.nodes.as_ref().is_some_and(|nodes| nodes.due()) {
+            tokio::spawn(self.clone().read_nodes());
+        }
         let (permit, started, room) = self.room().await?;
         // Room, a connection and the round trip, waited for as one call.
         let patience = inner.patience(started);
@@ -568,6 +625,7 @@ impl RedisStore {
         let mut call = Call {
             inner: Arc::clone(inner),
             lost: conn.lost(),
+            slot,
             sent,
             trip: Some(Box::pin(f(conn))),
             permit: Some(permit),
@@ -575,10 +633,10 @@ impl RedisStore {
         };
         let trip = call.trip.as_mut().expect("the call is on its way");
         let answer = patience
-            .wait(|| inner.last_answer_for(answers_after.as_ref()), trip)
+            .wait(|| inner.last_answer_for(answers_after.as_ref(), slot), trip)
             .await;
         if let Some((_, result)) = &answer {
-            inner.heard(result);
+            inner.heard(result, slot);
         }
         match answer.ok_or(()) {
             Ok((mut conn, Ok(value))) => {
@@ -650,7 +708,7 @@ impl RedisStore {
     ) -> Result<Option<u64>, StoreError> {
         let invocation = Invocation::change(op, &key, amount, now, made);
         let count: i64 = self
-            .exchange(Sends::Write, |mut conn| async move {
+            .exchange(Sends::Write, Some(key.as_str()), |mut conn| async move {
                 let result = invocation.invoke_async(&mut conn).await;
                 (conn, result)
             })
@@ -719,6 +777,7 @@ impl RedisStore {
         };
         self.follow(
             Sends::Charge,
+            Some(key.as_str()),
             Some(give_back),
             |mut conn| async move {
                 let result = invocation.invoke_async(&mut conn).await;
@@ -735,13 +794,36 @@ impl RedisStore {
         .await
     }
 
+    /// Reads which node serves each slot of the cluster (see the `nodes`
+    /// module), in a task of its own: a read that fails leaves the map as
+    /// it was, to be read again later.
+    /// (Boxed, its type named: a call may start it, and it makes a call.)
+    #[cfg(feature = "redis-cluster")]
+    fn read_nodes(self) -> Pin<Box<dyn Future<Output = ()> + Send>> {
+        Box::pin(async move {
+            let reply = self
+                .exchange(Sends::Read, None, |mut conn| async move {
+                    let mut slots = deadpool_redis::redis::cmd("CLUSTER");
+                    slots.arg("SLOTS");
+                    let result = slots
+                        .query_async::<deadpool_redis::redis::Value>(&mut conn)
+                        .await;
+                    (conn, result)
+                })
+                .await;
+            if let Some(nodes) = &self.inner.nodes {
+                nodes.read(reply.as_ref().ok());
+            }
+        })
+    }
+
     /// Runs `command` on the counters' connection; for tests and tools.
     #[cfg(feature = "testing")]
     pub(crate) async fn command<T: deadpool_redis::redis::FromRedisValue + Send + 'static>(
         &self,
         command: deadpool_redis::redis::Cmd,
     ) -> Result<T, StoreError> {
-        self.exchange(Sends::Write, |mut conn| async move {
+        self.exchange(Sends::Write, None, |mut conn| async move {
             let result = command.query_async(&mut conn).await;
             (conn, result)
         })
@@ -766,6 +848,7 @@ impl RedisStore {
             } else {
                 Sends::Read
             },
+            Some(request.lines[0].key.as_str()),
             give_back(op, &request),
             |mut conn| async move {
                 let result = invocation.invoke_async(&mut conn).await;
@@ -790,6 +873,7 @@ impl RedisStore {
         }
         self.follow(
             Sends::Charge,
+            Some(request.lines[0].key.as_str()),
             Some(give_back_taking(&request, &extra)),
             |mut conn| async move {
                 let result = invocation.invoke_async(&mut conn).await;
@@ -880,7 +964,7 @@ impl RedisStore {
         let inner = &self.inner;
         match inner
             .patience(started)
-            .wait(|| inner.last_answer_for(sent.get()), answer)
+            .wait(|| inner.last_answer_for(sent.get(), None), answer)
             .await
             .ok_or(())
         {
@@ -1067,7 +1151,7 @@ impl Store for RedisStore {
             let mut invocation = Invocation::on(key.as_str());
             invocation.arg("d");
             let deleted: i64 = store
-                .exchange(Sends::Write, |mut conn| async move {
+                .exchange(Sends::Write, Some(key.as_str()), |mut conn| async move {
                     let result = invocation.invoke_async(&mut conn).await;
                     (conn, result)
                 })
@@ -1106,9 +1190,11 @@ impl Store for RedisStore {
         Some(self.inner.timeout)
     }
 
-    /// When Redis last answered a call of this store.
-    fn last_answer(&self) -> Option<tokio::time::Instant> {
-        self.inner.last_answer.last()
+    /// When Redis last answered a call of this store: on a cluster, the
+    /// node of `key`'s slot.
+    fn last_answer(&self, key: &PeriodKey) -> Option<tokio::time::Instant> {
+        let inner = &self.inner;
+        inner.answered(inner.slot(Some(key.as_str())))
     }
 }
 

@@ -1,0 +1,266 @@
+//! When each node of a cluster last answered, so that a call waits for its
+//! own node as a call on a single server waits for the server (see
+//! [`Patience`](crate::store::patience::Patience)): patiently while the
+//! node answers the calls ahead of it, one budget when the node stalled.
+//! One node's answers say nothing of another: a stalled node's calls must
+//! fail after one budget while the others answer all along.
+//!
+//! A call names the slot of its keys (they share one, by their hash tag);
+//! the slot's node is read from `CLUSTER SLOTS`, which the store asks
+//! again every [`REFRESH`] while it makes calls. Until the map is read, or
+//! for a slot it does not name, a call waits one budget at most. A map
+//! read before a slot moved names the slot's old node until it is read
+//! again: the call then waits while that node answers, for [`PATIENCE`]
+//! budgets at most, as any call.
+//!
+//! [`PATIENCE`]: crate::store::patience::PATIENCE
+
+use std::collections::HashMap;
+use std::sync::atomic::{AtomicBool, AtomicU16, AtomicU64, Ordering};
+use std::sync::Mutex;
+use std::time::Duration;
+
+use deadpool_redis::redis::Value;
+use tokio::time::Instant;
+
+use crate::store::patience::LastAnswer;
+
+/// How often the map of slots to nodes is read again while the store makes
+/// calls.
+pub(super) const REFRESH: Duration = Duration::from_secs(2);
+
+/// The slots of a cluster.
+const SLOTS: usize = 16_384;
+
+/// The nodes told apart: a cluster past this many masters shares their
+/// answers between some of them (a wait then follows two nodes' answers).
+const MAX_NODES: usize = 1_024;
+
+/// The slot of a key, as Redis Cluster computes it: CRC16 (XMODEM) of its
+/// hash tag (the text between its first `{` and the next `}`, when not
+/// empty), or of the whole key, modulo 16 384.
+pub(super) fn slot_of(key: &[u8]) -> u16 {
+    let tagged = key.iter().position(|&b| b == b'{').and_then(|open| {
+        let rest = &key[open + 1..];
+        let close = rest.iter().position(|&b| b == b'}')?;
+        (close > 0).then(|| &rest[..close])
+    });
+    let hashed = crc16::State::<crc16::XMODEM>::calculate(tagged.unwrap_or(key));
+    hashed % SLOTS as u16
+}
+
+/// When each node last answered, by slot.
+pub(super) struct NodeAnswers {
+    /// Per slot, the index of its node in `answers`, plus one; zero: not
+    /// known.
+    slots: Box<[AtomicU16]>,
+    answers: Box<[LastAnswer]>,
+    /// Each node's index in `answers`, by address.
+    indices: Mutex<HashMap<(String, u16), u16>>,
+    /// When the map was last read, or asked for, in milliseconds from
+    /// `epoch`, plus one; zero: never.
+    asked: AtomicU64,
+    /// Whether a read of the map is on its way.
+    reading: AtomicBool,
+    epoch: Instant,
+}
+
+impl NodeAnswers {
+    pub(super) fn new() -> Self {
+        Self {
+            slots: (0..SLOTS).map(|_| AtomicU16::new(0)).collect(),
+            answers: (0..MAX_NODES).map(|_| LastAnswer::new()).collect(),
+            indices: Mutex::default(),
+            asked: AtomicU64::new(0),
+            reading: AtomicBool::new(false),
+            epoch: Instant::now(),
+        }
+    }
+
+    fn node(&self, slot: u16) -> Option<&LastAnswer> {
+        let index = self.slots.get(usize::from(slot))?.load(Ordering::Relaxed);
+        let index = usize::from(index.checked_sub(1)?);
+        self.answers.get(index)
+    }
+
+    /// Notes an answer now from the node of `slot`, if known.
+    pub(super) fn heard(&self, slot: u16) {
+        if let Some(node) = self.node(slot) {
+            node.heard();
+        }
+    }
+
+    /// When the node of `slot` last answered: `None` when it never did, or
+    /// is not known.
+    pub(super) fn last(&self, slot: u16) -> Option<Instant> {
+        self.node(slot)?.last()
+    }
+
+    /// Whether the map is to be read now: never read, or read more than
+    /// [`REFRESH`] ago, and no read on its way. The caller that is told so
+    /// reads it, then calls [`NodeAnswers::read`].
+    pub(super) fn due(&self) -> bool {
+        let now = self.millis();
+        let asked = self.asked.load(Ordering::Relaxed);
+        let refresh = u64::try_from(REFRESH.as_millis()).unwrap_or(u64::MAX);
+        if asked != 0 && now < asked.saturating_add(refresh) {
+            return false;
+        }
+        if self.reading.swap(true, Ordering::Acquire) {
+            return false;
+        }
+        self.asked.store(now.max(1), Ordering::Relaxed);
+        true
+    }
+
+    /// Takes the slots' nodes from a `CLUSTER SLOTS` reply (`None`: the
+    /// read failed; the map stays as it was, and is read again after
+    /// [`REFRESH`]).
+    pub(super) fn read(&self, reply: Option<&Value>) {
+        if let Some(reply) = reply {
+            let mut indices = self.indices.lock().unwrap_or_else(|e| e.into_inner());
+            for (low, high, master) in slot_ranges(reply) {
+                let next = indices.len();
+                let index = *indices.entry(master).or_insert_with(|| {
+                    // Past `MAX_NODES`, nodes share an entry.
+                    u16::try_from(next % MAX_NODES).expect("MAX_NODES fits in a u16")
+                });
+                for slot in low..=high.min(SLOTS as u16 - 1) {
+                    self.slots[usize::from(slot)].store(index + 1, Ordering::Relaxed);
+                }
+            }
+        }
+        self.reading.store(false, Ordering::Release);
+    }
+
+    fn millis(&self) -> u64 {
+        let since = Instant::now().saturating_duration_since(self.epoch);
+        u64::try_from(since.as_millis())
+            .unwrap_or(u64::MAX - 1)
+            .saturating_add(1)
+    }
+}
+
+/// The ranges of slots of a `CLUSTER SLOTS` reply, each with its master's
+/// address: each range is `[start, end, [host, port, ..], replicas..]`.
+pub(super) fn slot_ranges(slots: &Value) -> impl Iterator<Item = (u16, u16, (String, u16))> + '_ {
+    let ranges = match slots {
+        Value::Array(ranges) => ranges.as_slice(),
+        _ => &[],
+    };
+    ranges.iter().filter_map(|range| {
+        let Value::Array(range) = range else {
+            return None;
+        };
+        let bound = |at: usize| match range.get(at) {
+            Some(Value::Int(slot)) => u16::try_from(*slot).ok(),
+            _ => None,
+        };
+        let (low, high) = (bound(0)?, bound(1)?);
+        let Some(Value::Array(master)) = range.get(2) else {
+            return None;
+        };
+        let host = match master.first() {
+            Some(Value::BulkString(host)) => String::from_utf8_lossy(host).into_owned(),
+            Some(Value::SimpleString(host)) => host.clone(),
+            _ => return None,
+        };
+        let Some(Value::Int(port)) = master.get(1) else {
+            return None;
+        };
+        let port = u16::try_from(*port).ok()?;
+        Some((low, high, (host, port)))
+    })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_slot_is_the_one_redis_computes() {
+        // Values from `CLUSTER KEYSLOT`.
+        assert_eq!(slot_of(b"foo"), 12_182);
+        assert_eq!(slot_of(b"123456789"), 12_739);
+        // The hash tag alone counts, and an empty one does not.
+        assert_eq!(slot_of(b"{user1000}.following"), slot_of(b"user1000"));
+        assert_eq!(slot_of(b"foo{}{bar}"), slot_of(b"foo{}{bar}"));
+        assert_ne!(slot_of(b"foo{}{bar}"), slot_of(b"bar"));
+        assert_eq!(slot_of(b"foo{{bar}}zap"), slot_of(b"{bar"));
+        assert_eq!(
+            slot_of(b"quota:{account:acme}:read"),
+            slot_of(b"account:acme")
+        );
+    }
+
+    fn range(low: i64, high: i64, host: &str, port: i64) -> Value {
+        Value::Array(vec![
+            Value::Int(low),
+            Value::Int(high),
+            Value::Array(vec![
+                Value::BulkString(host.as_bytes().to_vec()),
+                Value::Int(port),
+            ]),
+        ])
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn each_slot_follows_the_answers_of_its_own_node() {
+        let nodes = NodeAnswers::new();
+        assert_eq!(nodes.last(7), None, "no map yet");
+        nodes.heard(7);
+        assert_eq!(
+            nodes.last(7),
+            None,
+            "an unknown node's answer is noted nowhere"
+        );
+        assert!(nodes.due());
+        assert!(!nodes.due(), "one read at a time");
+        nodes.read(Some(&Value::Array(vec![
+            range(0, 99, "10.0.0.1", 6379),
+            range(100, 16_383, "10.0.0.2", 6379),
+        ])));
+        nodes.heard(7);
+        let heard = Instant::now();
+        assert_eq!(nodes.last(99), Some(heard));
+        assert_eq!(nodes.last(100), None, "another node");
+        tokio::time::advance(Duration::from_millis(5)).await;
+        nodes.heard(16_383);
+        assert_eq!(nodes.last(100), Some(heard + Duration::from_millis(5)));
+        assert_eq!(nodes.last(0), Some(heard));
+
+        // Read again after `REFRESH`: a slot that moved follows its new node.
+        assert!(!nodes.due());
+        tokio::time::advance(REFRESH).await;
+        assert!(nodes.due());
+        nodes.read(Some(&Value::Array(vec![
+            range(0, 6, "10.0.0.1", 6379),
+            range(7, 16_383, "10.0.0.2", 6379),
+        ])));
+        assert_eq!(nodes.last(7), nodes.last(100));
+        assert_eq!(nodes.last(6), Some(heard));
+
+        // A failed read keeps the map, and is tried again after `REFRESH`.
+        tokio::time::advance(REFRESH).await;
+        assert!(nodes.due());
+        nodes.read(None);
+        assert_eq!(nodes.last(6), Some(heard));
+        assert!(!nodes.due());
+    }
+
+    #[test]
+    fn ranges_that_are_not_slots_are_left_out() {
+        let reply = Value::Array(vec![
+            range(0, 10, "a", 1),
+            range(-1, 10, "b", 2),
+            range(11, 20, "c", 70_000),
+            Value::Int(3),
+            range(21, 30, "a", 1),
+        ]);
+        let ranges: Vec<_> = slot_ranges(&reply).collect();
+        assert_eq!(
+            ranges,
+            vec![(0, 10, ("a".into(), 1)), (21, 30, ("a".into(), 1))]
+        );
+    }
+}
