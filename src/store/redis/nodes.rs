@@ -16,7 +16,7 @@
 //! [`PATIENCE`]: crate::store::patience::PATIENCE
 
 use std::collections::HashMap;
-use std::sync::atomic::{AtomicBool, AtomicU16, AtomicU64, Ordering};
+use std::sync::atomic::{AtomicU16, AtomicU64, Ordering};
 use std::sync::Mutex;
 use std::time::Duration;
 
@@ -57,11 +57,9 @@ pub(super) struct NodeAnswers {
     answers: Box<[LastAnswer]>,
     /// Each node's index in `answers`, by address.
     indices: Mutex<HashMap<(String, u16), u16>>,
-    /// When the map was last read, or asked for, in milliseconds from
-    /// `epoch`, plus one; zero: never.
+    /// When the map was last asked for, in milliseconds from `epoch`,
+    /// plus one; zero: never.
     asked: AtomicU64,
-    /// Whether a read of the map is on its way.
-    reading: AtomicBool,
     epoch: Instant,
 }
 
@@ -72,7 +70,6 @@ impl NodeAnswers {
             answers: (0..MAX_NODES).map(|_| LastAnswer::new()).collect(),
             indices: Mutex::default(),
             asked: AtomicU64::new(0),
-            reading: AtomicBool::new(false),
             epoch: Instant::now(),
         }
     }
@@ -96,9 +93,10 @@ impl NodeAnswers {
         self.node(slot)?.last()
     }
 
-    /// Whether the map is to be read now: never read, or read more than
-    /// [`REFRESH`] ago, and no read on its way. The caller that is told so
-    /// reads it, then calls [`NodeAnswers::read`].
+    /// Whether the map is to be read now: never asked for, or last asked
+    /// for [`REFRESH`] ago (a read that failed is tried again then). One
+    /// caller is told so, which reads it ([`NodeAnswers::read`]); a read
+    /// takes the store's budget at most, far below [`REFRESH`].
     pub(super) fn due(&self) -> bool {
         let now = self.millis();
         let asked = self.asked.load(Ordering::Relaxed);
@@ -106,31 +104,24 @@ impl NodeAnswers {
         if asked != 0 && now < asked.saturating_add(refresh) {
             return false;
         }
-        if self.reading.swap(true, Ordering::Acquire) {
-            return false;
-        }
-        self.asked.store(now.max(1), Ordering::Relaxed);
-        true
+        self.asked
+            .compare_exchange(asked, now, Ordering::Relaxed, Ordering::Relaxed)
+            .is_ok()
     }
 
-    /// Takes the slots' nodes from a `CLUSTER SLOTS` reply (`None`: the
-    /// read failed; the map stays as it was, and is read again after
-    /// [`REFRESH`]).
-    pub(super) fn read(&self, reply: Option<&Value>) {
-        if let Some(reply) = reply {
-            let mut indices = self.indices.lock().unwrap_or_else(|e| e.into_inner());
-            for (low, high, master) in slot_ranges(reply) {
-                let next = indices.len();
-                let index = *indices.entry(master).or_insert_with(|| {
-                    // Past `MAX_NODES`, nodes share an entry.
-                    u16::try_from(next % MAX_NODES).expect("MAX_NODES fits in a u16")
-                });
-                for slot in low..=high.min(SLOTS as u16 - 1) {
-                    self.slots[usize::from(slot)].store(index + 1, Ordering::Relaxed);
-                }
+    /// Takes the slots' nodes from a `CLUSTER SLOTS` reply.
+    pub(super) fn read(&self, reply: &Value) {
+        let mut indices = self.indices.lock().unwrap_or_else(|e| e.into_inner());
+        for (low, high, master) in slot_ranges(reply) {
+            let next = indices.len();
+            let index = *indices.entry(master).or_insert_with(|| {
+                // Past `MAX_NODES`, nodes share an entry.
+                u16::try_from(next % MAX_NODES).expect("MAX_NODES fits in a u16")
+            });
+            for slot in low..=high.min(SLOTS as u16 - 1) {
+                self.slots[usize::from(slot)].store(index + 1, Ordering::Relaxed);
             }
         }
-        self.reading.store(false, Ordering::Release);
     }
 
     fn millis(&self) -> u64 {
@@ -216,10 +207,10 @@ mod tests {
         );
         assert!(nodes.due());
         assert!(!nodes.due(), "one read at a time");
-        nodes.read(Some(&Value::Array(vec![
+        nodes.read(&Value::Array(vec![
             range(0, 99, "10.0.0.1", 6379),
             range(100, 16_383, "10.0.0.2", 6379),
-        ])));
+        ]));
         nodes.heard(7);
         let heard = Instant::now();
         assert_eq!(nodes.last(99), Some(heard));
@@ -233,19 +224,21 @@ mod tests {
         assert!(!nodes.due());
         tokio::time::advance(REFRESH).await;
         assert!(nodes.due());
-        nodes.read(Some(&Value::Array(vec![
+        nodes.read(&Value::Array(vec![
             range(0, 6, "10.0.0.1", 6379),
             range(7, 16_383, "10.0.0.2", 6379),
-        ])));
+        ]));
         assert_eq!(nodes.last(7), nodes.last(100));
         assert_eq!(nodes.last(6), Some(heard));
 
-        // A failed read keeps the map, and is tried again after `REFRESH`.
+        // A read that failed keeps the map, and is tried again after
+        // `REFRESH`.
         tokio::time::advance(REFRESH).await;
         assert!(nodes.due());
-        nodes.read(None);
         assert_eq!(nodes.last(6), Some(heard));
         assert!(!nodes.due());
+        tokio::time::advance(REFRESH).await;
+        assert!(nodes.due());
     }
 
     #[test]

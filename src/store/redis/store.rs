@@ -811,8 +811,8 @@ impl RedisStore {
                     (conn, result)
                 })
                 .await;
-            if let Some(nodes) = &self.inner.nodes {
-                nodes.read(reply.as_ref().ok());
+            if let (Some(nodes), Ok(reply)) = (&self.inner.nodes, &reply) {
+                nodes.read(reply);
             }
         })
     }
