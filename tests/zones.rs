@@ -445,6 +445,36 @@ async fn the_support_router_sees_and_resets_a_callers_day_in_their_zone() {
     }
 }
 
+/// `?zone=Etc/GMT+12` written as is (a `+` a query decodes to a space, and
+/// the zone's name holds no space) names the zone, as `%2B` does.
+#[tokio::test]
+async fn the_support_router_reads_a_plus_in_a_zone_written_as_is() {
+    let clock = ManualClock::new(at("2026-12-02T10:00:00Z"));
+    let (app, policy) = app(&clock);
+    for zone in ["Etc/GMT+12", "Etc/GMT-14"] {
+        assert_eq!(
+            send(&app, "far-co", Some(zone)).await.status(),
+            StatusCode::OK
+        );
+    }
+    let admin = Router::new().nest("/admin", policy.handle().router());
+    let used = |query: &'static str| {
+        let admin = admin.clone();
+        async move {
+            let uri = format!("/admin/quota/account/far-co?zone={query}");
+            let request = Request::get(uri).body(Body::empty()).unwrap();
+            let response = admin.oneshot(request).await.unwrap();
+            assert_eq!(response.status(), StatusCode::OK, "{query}");
+            let json: serde_json::Value = serde_json::from_str(&body(response).await).unwrap();
+            json["allowances"][0]["used"].clone()
+        }
+    };
+    assert_eq!(used("Etc/GMT%2B12").await, 1);
+    assert_eq!(used("Etc/GMT+12").await, 1);
+    assert_eq!(used("Etc/GMT-14").await, 1);
+    assert_eq!(used("UTC").await, 0);
+}
+
 /// A minute is the same instants in every zone (and an hour in every zone
 /// at a whole-hour offset): a caller that names another zone, or another
 /// name of its zone, spends the same burst allowance, where a counter per

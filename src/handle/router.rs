@@ -36,7 +36,8 @@ impl<St: Store> QuotaHandle<St> {
     ///   that fails part-way (the store failing between two quotas of the
     ///   allowance) keeps what it gave back: check the standing before
     ///   sending it again.
-    /// - Every route takes `?zone=Z` (an IANA name), the caller's own zone
+    /// - Every route takes `?zone=Z` (an IANA name; a `+` in it, as in
+    ///   `Etc/GMT+12`, may be written as is or as `%2B`), the caller's own zone
     ///   for a policy that reads one: the calendar counters of that zone
     ///   are the ones shown, reset or refunded. A policy that reads no
     ///   caller's zone answers it 400: no layer writes such counters. (A
@@ -279,6 +280,9 @@ fn zoned<St>(handle: &QuotaHandle<St>, query: Option<&str>) -> Result<Zoned<St>,
             "?zone= names a caller's zone, and this policy counts every caller in its quotas' own zones",
         ));
     }
+    // A `+` written as is in a query is a space once decoded, and no zone's
+    // name holds a space: `?zone=Etc/GMT+12` names `Etc/GMT+12`.
+    let name = name.replace(' ', "+");
     match jiff::tz::TimeZone::get(&name) {
         Ok(zone) if crate::period::is_nameable(&zone) => Ok(Zoned {
             handle: handle.in_zone(zone),
