@@ -745,7 +745,13 @@ async fn spread_resets_on_redis_tell_each_subject_its_own_turn() {
     let mut steps = 0;
     for seed in first..first + cases {
         let server = redis_support::RedisServer::start();
+        // Budgets as long as the policy's `store_timeout`: the model is of
+        // fields and resets, not of a redis-server the machine is too busy
+        // to run for 80 ms while this one call waits for it.
         let store = RedisStore::builder(server.url())
+            .timeout(Duration::from_secs(2))
+            .wait_timeout(Duration::from_secs(2))
+            .connect_timeout(Duration::from_secs(2))
             .build()
             .expect("a Redis store");
         steps += run_case(seed, trace, store, false).await;
