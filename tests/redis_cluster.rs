@@ -407,6 +407,76 @@ async fn requests_behind_others_on_a_slow_node_are_served() {
     all_admitted(others).await;
 }
 
+/// With the store's room full of calls to a node slow under load (a proxy
+/// passing one answer every 50 ms), a request for another node's subject
+/// waits for room behind them, longer than the store's 80 ms and the
+/// policy's 100 ms, while the slow node answers all along: it is load, not
+/// a failure. Once it has room, its own node (which answers at once) is
+/// given the time to answer it (10 ms, behind a proxy of its own): the
+/// call is not sent only to be abandoned as it leaves. Through the policy
+/// at its defaults (its `store_timeout` waits while any node answers), and
+/// with a long `store_timeout` (the store's own wait).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_request_behind_a_slow_node_for_room_is_served_by_its_own_node() {
+    if !redis_available() {
+        return;
+    }
+    let cluster = RedisCluster::start();
+    let proxy = SlowProxy::start(cluster.nodes[0].port()).await;
+    cluster.announce(0, proxy.port());
+    let other_proxy = SlowProxy::start(cluster.nodes[1].port()).await;
+    cluster.announce(1, other_proxy.port());
+    other_proxy.slow(Duration::from_millis(10));
+    let [slow, other, _] = subject_per_node(&cluster);
+    for store_timeout in [None, Some(Duration::from_secs(2))] {
+        proxy.slow(Duration::ZERO);
+        let store = RedisStore::cluster_builder(vec![cluster.nodes[2].url()])
+            .pool_size(1)
+            .max_in_flight(2)
+            .build()
+            .expect("a Redis Cluster store");
+        let mut policy =
+            QuotaPolicy::builder(FromHeader::account("x-account-id")).store(store.clone());
+        if store_timeout.is_some() {
+            policy = policy.store_timeout(store_timeout);
+        }
+        let app = Router::new()
+            .route("/", get(|| async { "ok" }))
+            .layer(policy.build().layer(Quota::daily(1_000)));
+        for account in [&slow, &other] {
+            admitted_again(&app, account, Duration::from_secs(5)).await;
+        }
+        // The map of slots read (the first calls asked for it).
+        tokio::time::sleep(Duration::from_millis(200)).await;
+        proxy.slow(Duration::from_millis(50));
+        let mut calls = tokio::task::JoinSet::new();
+        for _ in 0..8 {
+            let (app, slow) = (app.clone(), slow.clone());
+            calls.spawn(async move { request(&app, &slow).await.0 });
+            tokio::time::sleep(Duration::from_millis(5)).await;
+        }
+        let started = Instant::now();
+        let (status, _) = request(&app, &other).await;
+        let waited = started.elapsed();
+        let slow_statuses = calls.join_all().await;
+        assert!(
+            slow_statuses.iter().all(|status| *status == StatusCode::OK),
+            "{store_timeout:?}: {slow_statuses:?}"
+        );
+        assert!(
+            waited > Duration::from_millis(100),
+            "{store_timeout:?}: {waited:?}: behind the others"
+        );
+        assert_eq!(
+            status,
+            StatusCode::OK,
+            "{store_timeout:?}: refused after {waited:?} of waiting for room while every \
+             node answered ({} calls given back)",
+            store.given_back()
+        );
+    }
+}
+
 /// A node that goes down and comes back (killed, restarted on its port)
 /// fails the subjects it holds while it is down, and only them; they are
 /// served again once it is back.

@@ -585,25 +585,27 @@ where
                     let answer = match Pin::new(charge).poll(cx) {
                         Poll::Ready(answer) => answer,
                         Poll::Pending => {
-                            let pending = pending.as_ref().expect("polled after completion");
-                            let policy = &pending.bound.policy;
-                            // The charge's lines share one server (on a
-                            // cluster, their slot's node): its answers count.
-                            let key = pending.charge.request.lines.first().map(|line| &line.key);
-                            let last_answer = || key.and_then(|key| policy.store.last_answer(key));
+                            let policy = &pending
+                                .as_ref()
+                                .expect("polled after completion")
+                                .bound
+                                .policy;
                             if let (None, Some(limit)) =
                                 (timeout.as_ref(), policy.settings.store_timeout)
                             {
                                 if tokio::runtime::Handle::try_current().is_ok() {
                                     let started = tokio::time::Instant::now();
                                     let patience = Patience::new(started, limit, Duration::MAX);
-                                    *timeout = Some(PatientTimer::new(patience, last_answer()));
+                                    *timeout = Some(PatientTimer::new(
+                                        patience,
+                                        policy.store.last_answer(),
+                                    ));
                                 }
                             }
                             let Some(timer) = timeout.as_mut() else {
                                 return Poll::Pending;
                             };
-                            ready!(timer.poll_expired(cx, last_answer));
+                            ready!(timer.poll_expired(cx, || policy.store.last_answer()));
                             Err(StoreError::new(
                                 StoreErrorKind::Timeout,
                                 "the quota store did not answer in time",

@@ -604,8 +604,7 @@ impl<E, St> QuotaPolicyBuilder<E, St> {
     /// not answer at once (never to [`MemoryStore`]) and uses tokio's timer.
     /// It is the time a charge waits while the store answers *nothing*: a
     /// store that tells when it last had an answer from its server
-    /// ([`Store::last_answer`]: the Redis store does; on a cluster, the
-    /// node of the charge's keys) and keeps answering
+    /// ([`Store::last_answer`]: the Redis store does) and keeps answering
     /// other calls is slow under load, not failing, and a charge then waits
     /// until the timeout has passed since the store's last answer, up to ten
     /// times the timeout in all. So load alone (saturated cores, a queue of

@@ -219,10 +219,10 @@ impl<A: Store, B: Store> Store for EitherStore<A, B> {
         }
     }
 
-    fn last_answer(&self, key: &PeriodKey) -> Option<tokio::time::Instant> {
+    fn last_answer(&self) -> Option<tokio::time::Instant> {
         match self {
-            Self::Left(store) => store.last_answer(key),
-            Self::Right(store) => store.last_answer(key),
+            Self::Left(store) => store.last_answer(),
+            Self::Right(store) => store.last_answer(),
         }
     }
 

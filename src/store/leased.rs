@@ -3603,8 +3603,8 @@ impl<St: Store> Store for LeasedStore<St> {
         self.inner.call_budget()
     }
 
-    fn last_answer(&self, key: &PeriodKey) -> Option<tokio::time::Instant> {
-        self.inner.last_answer(key)
+    fn last_answer(&self) -> Option<tokio::time::Instant> {
+        self.inner.last_answer()
     }
 }
 

@@ -926,17 +926,15 @@ pub trait Store: Clone + Send + Sync + 'static {
         None
     }
 
-    /// When this store last had an answer from the server that holds
-    /// `key`, to any call, if it calls one and had one (the Redis store:
-    /// any reply from Redis; on a cluster, from the node of `key`'s slot).
-    /// A policy waits for a charge past its
+    /// When this store last had an answer from the server it calls, to any
+    /// call, if it calls one and had one (the Redis store: any reply from
+    /// Redis). A policy waits for a charge past its
     /// [`store_timeout`](crate::QuotaPolicyBuilder::store_timeout) while
     /// such answers keep coming: a store slow under load, not one that
     /// stalled. `None` by default (a store that answers at once, or tells
     /// nothing: its charges are waited for `store_timeout` at most); a store
     /// that wraps another answers the inner store's.
-    fn last_answer(&self, key: &PeriodKey) -> Option<tokio::time::Instant> {
-        let _ = key;
+    fn last_answer(&self) -> Option<tokio::time::Instant> {
         None
     }
 

@@ -87,10 +87,10 @@ impl RedisStoreBuilder {
     /// other calls of the store (slow under load, not stalled), a round trip
     /// is waited for until the budget has passed since Redis last answered,
     /// up to ten budgets (and 10 s) in all: load alone is not a failure. (On
-    /// a single server: a cluster's nodes answer apart, so there each call
-    /// has one budget. Answers on other connections do not count for a call
-    /// sent on a connection that gave nothing back since: one gone silent,
-    /// half-open beside others, fails its calls a budget after they left.)
+    /// a cluster, a call once sent waits with its own node's answers.
+    /// Answers on other connections do not count for a call sent on a
+    /// connection that gave nothing back since: one gone silent, half-open
+    /// beside others, fails its calls a budget after they left.)
     ///
     /// Keep it below the layer's [store
     /// timeout](crate::QuotaPolicyBuilder::store_timeout) (100 ms by

@@ -1,9 +1,12 @@
-//! When each node of a cluster last answered, so that a call waits for its
-//! own node as a call on a single server waits for the server (see
+//! When each node of a cluster last answered, so that a call sent to a
+//! node waits for it as a call on a single server waits for the server (see
 //! [`Patience`](crate::store::patience::Patience)): patiently while the
 //! node answers the calls ahead of it, one budget when the node stalled.
 //! One node's answers say nothing of another: a stalled node's calls must
-//! fail after one budget while the others answer all along.
+//! fail after one budget while the others answer all along. (Before it is
+//! sent, a call waits for room and a connection behind every node's calls,
+//! while any node answers; once sent, its node's silence counts from its
+//! send at the earliest.)
 //!
 //! A call names the slot of its keys (they share one, by their hash tag);
 //! the slot's node is read from `CLUSTER SLOTS`, which the store asks

@@ -136,10 +136,12 @@ use crate::store::{
 ///   waited for until a budget has passed since the last answer, up to ten
 ///   budgets in all, so that a machine too busy to read the answers at once
 ///   does not fail its charges. On a cluster, whose nodes answer apart, a
-///   call sent to a node waits with that node's answers: the store reads
-///   which node serves each slot (`CLUSTER SLOTS`) on its first call and
-///   every 2 s while it makes calls, and a call to a slot it does not know
-///   yet has one budget.
+///   call waits for room and a connection while any node answers, and once
+///   sent to a node, with that node's answers (from its send at the
+///   earliest): the store reads which node serves each slot (`CLUSTER
+///   SLOTS`) on its first call and every 2 s while it makes calls, and a
+///   call sent to a slot it does not know yet has one budget from its
+///   send.
 /// - **A bound on load.** At most
 ///   [`max_in_flight`](RedisStoreBuilder::max_in_flight) calls (4096 by
 ///   default) are in flight at once; a call waits for room while Redis
@@ -632,8 +634,21 @@ impl RedisStore {
             give_back,
         };
         let trip = call.trip.as_mut().expect("the call is on its way");
+        // On a cluster, room and a connection were waited for with every
+        // node's answers (the calls ahead of this one are every node's);
+        // once sent, the call waits with its own node's, from when it
+        // reached it at the earliest: a node that had no call to answer
+        // while this one waited for room is not silent.
+        let reached = slot.map(|_| sent);
         let answer = patience
-            .wait(|| inner.last_answer_for(answers_after.as_ref(), slot), trip)
+            .wait(
+                || {
+                    inner
+                        .last_answer_for(answers_after.as_ref(), slot)
+                        .max(reached)
+                },
+                trip,
+            )
             .await;
         if let Some((_, result)) = &answer {
             inner.heard(result, slot);
@@ -1190,11 +1205,12 @@ impl Store for RedisStore {
         Some(self.inner.timeout)
     }
 
-    /// When Redis last answered a call of this store: on a cluster, the
-    /// node of `key`'s slot.
-    fn last_answer(&self, key: &PeriodKey) -> Option<tokio::time::Instant> {
-        let inner = &self.inner;
-        inner.answered(inner.slot(Some(key.as_str())))
+    /// When Redis last answered a call of this store: on a cluster, any
+    /// node. (A charge waiting for room waits behind every node's calls;
+    /// once sent, the store fails it after one of its budgets of silence
+    /// from its own node.)
+    fn last_answer(&self) -> Option<tokio::time::Instant> {
+        self.inner.last_answer.last()
     }
 }
 
