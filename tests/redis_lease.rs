@@ -5,6 +5,7 @@
 #![cfg(feature = "redis")]
 
 mod redis_support;
+mod rigged;
 
 mod demo_server;
 
@@ -14,6 +15,7 @@ use std::time::Duration;
 
 use jiff::Timestamp;
 use redis_support::RedisServer;
+use rigged::{Rig, Rigged};
 use tower_quota::store::{
     ChargeLine, ChargeRequest, LeasedStore, Lifetime, RedisStore, Store, StoreErrorKind,
 };
@@ -581,4 +583,54 @@ async fn the_rest_of_a_block_cut_short_is_not_left_charged_when_its_give_back_ne
         admitted + other_cost,
         "counted equals what was served"
     );
+}
+
+/// An add (a deferred cost) whose answer lands after the answer of a charge
+/// sent later (which took a new block, and counts the add already): the
+/// count this instance keeps must not go back to the add's older one, or
+/// the usage its requests report (their `RateLimit` fields) says less was
+/// spent than Redis counts, for as long as the block lasts.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_add_answered_after_a_later_charge_leaves_the_usage_told_right() {
+    let redis = redis_server_or_skip!();
+    // Charges of no allowance it is rigged for: they reach Redis as they are.
+    let rigged = Rigged::new(redis_store(redis.url()), Rig::Fail, Some("none"));
+    let late = Arc::clone(&rigged.late_answers);
+    let a = LeasedStore::builder(rigged).build();
+    let limit = 100_000;
+    for _ in 0..200 {
+        assert!(a.charge(request("late-add", limit)).await.unwrap().admitted);
+    }
+    tokio::time::sleep(Duration::from_millis(50)).await;
+    assert!(a.held() > 0, "a busy subject holds a block");
+    // A deferred cost of 5, applied in Redis at once, answered 500 ms late.
+    late.store(500, Ordering::SeqCst);
+    let adding = {
+        let a = a.clone();
+        tokio::spawn(async move { a.add(Timestamp::now(), key("late-add"), 5).await })
+    };
+    tokio::time::sleep(Duration::from_millis(50)).await;
+    // The block runs out meanwhile: the next is taken, with a charge
+    // answered now, whose count includes the add.
+    let held = a.held();
+    for _ in 0..held + 5 {
+        assert!(a.charge(request("late-add", limit)).await.unwrap().admitted);
+    }
+    tokio::time::sleep(Duration::from_millis(50)).await;
+    let outcome = a.charge(request("late-add", limit)).await.unwrap();
+    assert_eq!(
+        outcome.usage[0].used,
+        counted(&redis, "late-add") - a.held(),
+        "before the add's answer lands"
+    );
+    // The add's answer lands, with the count as it stood then.
+    adding.await.unwrap().unwrap();
+    let outcome = a.charge(request("late-add", limit)).await.unwrap();
+    assert!(outcome.admitted);
+    assert_eq!(
+        outcome.usage[0].used,
+        counted(&redis, "late-add") - a.held(),
+        "the usage told once the add's answer landed: what Redis counts, less the units held here"
+    );
+    a.shutdown().await;
 }

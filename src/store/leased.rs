@@ -938,6 +938,11 @@ struct Counter {
     /// block's give-back the store never got may not add to again (see
     /// [`GiveBack::put_back`]).
     told: u32,
+    /// The number of the last call other than a charge (numbered as
+    /// charges are, see [`Shared::sent`]) whose answer set `store_used`: an
+    /// answer to a charge sent before it tells an older count, which may
+    /// only raise the one known (as an older charge's answer does).
+    told_sent: u64,
 }
 
 /// One instance's part in a counter's lease mark. Joining goes with the
@@ -2222,6 +2227,7 @@ impl<St: Store> LeasedStore<St> {
                         mark: Mark::default(),
                         returning: 0,
                         told: 0,
+                        told_sent: 0,
                     })
                 }
                 None => {
@@ -2354,7 +2360,11 @@ impl<St: Store> LeasedStore<St> {
                     counter.taken_at = None;
                 }
                 counter.limit = usage.limit;
-                counter.store_used = usage.used.saturating_sub(returned);
+                counter.store_used = if sent >= counter.told_sent {
+                    usage.used.saturating_sub(returned)
+                } else {
+                    counter.store_used.max(usage.used.saturating_sub(returned))
+                };
                 counter.resets_at = usage.resets_at;
                 counter.first_call = usage.first_call;
             } else {
@@ -2500,11 +2510,21 @@ impl<St: Store> LeasedStore<St> {
     /// What the store told a refund, an add or a settle on `key` (the count after,
     /// this instance's units included), recorded and answered with this
     /// instance's unused units counted as not spent.
-    fn told(&self, key: &PeriodKey, result: Option<u64>) -> Option<u64> {
+    /// An answer to a call sent before the last charge, refund, add or
+    /// settle whose answer the entry took in (`sent`, numbered as charges
+    /// are) tells an older count, which may only raise the one known: the
+    /// later answer counts what this call changed, or the call landed
+    /// after it.
+    fn told(&self, key: &PeriodKey, result: Option<u64>, sent: u64) -> Option<u64> {
         let used = result?;
         match self.shared.counter(key).get_mut(key) {
             Some(counter) => {
-                counter.store_used = used;
+                if sent >= counter.learned && sent >= counter.told_sent {
+                    counter.store_used = used;
+                    counter.told_sent = sent;
+                } else {
+                    counter.store_used = counter.store_used.max(used);
+                }
                 counter.told = counter.told.wrapping_add(1);
                 Some(used.saturating_sub(counter.units))
             }
@@ -2567,9 +2587,10 @@ impl<St: Store> LeasedStore<St> {
                 }
             }
         }
+        let sent = self.shared.next_sent();
         let result = made.refund(&self.inner, now, key.clone(), amount).await;
         match result {
-            Ok(result) => Ok(self.told(&key, result)),
+            Ok(result) => Ok(self.told(&key, result, sent)),
             Err(error) if error.is_unsent() => Err(self.take_back(&key, in_block, error)),
             Err(error) => Err(error),
         }
@@ -3504,8 +3525,9 @@ impl<St: Store> Store for LeasedStore<St> {
         key: PeriodKey,
         amount: u64,
     ) -> Result<Option<u64>, StoreError> {
+        let sent = self.shared.next_sent();
         let result = self.inner.add(now, key.clone(), amount).await?;
-        Ok(self.told(&key, result))
+        Ok(self.told(&key, result, sent))
     }
 
     /// Adds `amount` in the store, to the counter charged at `made_by` only.
@@ -3516,19 +3538,21 @@ impl<St: Store> Store for LeasedStore<St> {
         amount: u64,
         made_by: Timestamp,
     ) -> Result<Option<u64>, StoreError> {
+        let sent = self.shared.next_sent();
         let result = self
             .inner
             .add_made_by(now, key.clone(), amount, made_by)
             .await?;
-        Ok(self.told(&key, result))
+        Ok(self.told(&key, result, sent))
     }
 
     /// Settles `debt` in the store (a settle never checks a limit, so it
     /// takes nothing from a block, as an add).
     async fn settle_debt(&self, now: Timestamp, debt: Debt) -> Result<Option<u64>, StoreError> {
         let key = debt.key.clone();
+        let sent = self.shared.next_sent();
         let result = self.inner.settle_debt(now, debt).await?;
-        Ok(self.told(&key, result))
+        Ok(self.told(&key, result, sent))
     }
 
     /// Lets go of this instance's block of `key` and of what is on its

@@ -16,6 +16,8 @@ use tower_quota::{PeriodKey, Store, StoreError, Usage};
 #[derive(Clone, Copy, Debug)]
 pub enum Rig {
     /// Never answers.
+    // Not every test file that includes this module uses it.
+    #[allow(dead_code)]
     Stall,
     /// Fails at once.
     Fail,
@@ -52,6 +54,11 @@ pub struct Rigged<St> {
     /// never sent) this many milliseconds of the runtime's time late.
     #[allow(dead_code)]
     pub slow_changes: Arc<AtomicU64>,
+    /// While above 0, refunds and adds are made at once and answered this
+    /// many milliseconds of the runtime's time late (their answer on its
+    /// way, while other calls are answered).
+    #[allow(dead_code)]
+    pub late_answers: Arc<AtomicU64>,
 }
 
 impl<St> Rigged<St> {
@@ -66,6 +73,7 @@ impl<St> Rigged<St> {
             stalled: Arc::default(),
             unsent: Arc::default(),
             slow_changes: Arc::default(),
+            late_answers: Arc::default(),
         }
     }
 
@@ -89,6 +97,7 @@ impl<St> Rigged<St> {
         let stalled = self.stalled.load(Ordering::Relaxed);
         let sent = !stalled && !self.unsent.load(Ordering::Relaxed);
         let slow = Duration::from_millis(self.slow_changes.load(Ordering::Relaxed));
+        let late = Duration::from_millis(self.late_answers.load(Ordering::Relaxed));
         let mut make = Some(make);
         // Made at once, unless slow.
         let mut change = (sent && slow.is_zero())
@@ -104,10 +113,12 @@ impl<St> Rigged<St> {
                     change = make.take().map(|make| make());
                 }
             }
-            match change {
+            let answer = match change {
                 Some(change) => change.await,
                 None => Err(never_sent()),
-            }
+            };
+            tokio::time::sleep(late).await;
+            answer
         }
     }
 }
