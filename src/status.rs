@@ -275,9 +275,7 @@ impl QuotaStatus {
                 // speaks for the answer. A refusal by another layer (a
                 // sibling call of a fan-out) still does.
                 let outer = status
-                    .tickets
-                    .iter()
-                    .flat_map(|ticket| ticket.charges.iter().chain(&ticket.owing))
+                    .outer_lines()
                     .inspect(|lines| lines.let_through(layer))
                     .cloned()
                     .collect();
@@ -287,6 +285,28 @@ impl QuotaStatus {
             None => {
                 extensions.insert(QuotaStatus::of(ticket));
                 Vec::new()
+            }
+        }
+    }
+
+    /// The lines the layers charged (or owe) for the request, of every
+    /// policy.
+    fn outer_lines(&self) -> impl Iterator<Item = &Arc<Lines>> {
+        self.tickets
+            .iter()
+            .flat_map(|ticket| ticket.charges.iter().chain(&ticket.owing))
+    }
+
+    /// The layer `layer` (its [`layer_id`]) lets the request with these
+    /// `extensions` through without a charge of its own (nothing left to
+    /// charge, a skip rule, a failed charge let through uncounted): as
+    /// when it charges it (see [`QuotaStatus::put_in_charged`]), a refusal
+    /// it marked before (an earlier attempt of a retry) no longer speaks
+    /// for the answer.
+    pub(crate) fn let_through_in(extensions: &Extensions, layer: usize) {
+        if let Some(status) = extensions.get::<QuotaStatus>() {
+            for lines in status.outer_lines() {
+                lines.let_through(layer);
             }
         }
     }

@@ -1334,15 +1334,26 @@ async fn retried_after_a_refusal_inside<St: Store>(
     let burst = policy(MemoryStore::new(), "burst")
         .clock(clock.clone())
         .build();
+    let wait = move || clock.advance(Duration::from_secs(60));
+    retried_inside(account, burst, wait).await
+}
+
+/// As [`retried_after_a_refusal_inside`], with `burst` further in and
+/// `between` done between the two attempts.
+async fn retried_inside<St: Store, Bt: Store>(
+    account: QuotaPolicy<FromHeader, St>,
+    burst: QuotaPolicy<FromHeader, Bt>,
+    between: impl Fn() + Clone + Send + 'static,
+) -> (StatusCode, StatusCode) {
     let inner: Router = Router::new()
         .route(
             "/item",
             get(|| async { (StatusCode::NOT_FOUND, "no such item") }),
         )
         .route_layer(burst.layer(Quota::per_minute(1).allowance("burst")));
-    // Retries once on a 429, once its wait is over.
+    // Retries once on a 429, after `between`.
     let retry = tower::service_fn(move |request: Request<Body>| {
-        let (inner, clock) = (inner.clone(), clock.clone());
+        let (inner, between) = (inner.clone(), between.clone());
         async move {
             let (parts, _) = request.into_parts();
             let attempt = || {
@@ -1359,7 +1370,7 @@ async fn retried_after_a_refusal_inside<St: Store>(
             if first.status() != StatusCode::TOO_MANY_REQUESTS {
                 return Ok::<_, std::convert::Infallible>(first);
             }
-            clock.advance(Duration::from_secs(60));
+            between();
             inner.oneshot(attempt()).await
         }
     });
@@ -1406,6 +1417,30 @@ async fn a_request_served_on_a_retry_after_a_refusal_inside_stays_owed() {
         used(&account, "read-day").await,
         2,
         "both requests were served (404): the second's debt, retried after a refusal inside, was forgiven"
+    );
+}
+
+/// As above, the inner layer letting the second attempt through uncounted
+/// (fail open without a ledger, its store down for a moment) rather than
+/// charged: it let the retry through all the same, so its refusal of the
+/// first attempt no longer speaks for the answer, and the request, served
+/// (a 404 of the handler's own), stays charged further out.
+#[tokio::test]
+async fn a_retry_let_through_uncounted_after_a_refusal_inside_stays_charged() {
+    let store = Rigged::new(MemoryStore::new(), Rig::Fail, Some("none-such"));
+    let down = Arc::clone(&store.down);
+    let burst = policy(store, "burst")
+        .on_store_error(OnStoreError::FailOpen)
+        .max_owed_counters(0)
+        .build();
+    let account = policy(MemoryStore::new(), "account").build();
+    let store_down = move || down.store(true, std::sync::atomic::Ordering::Relaxed);
+    let statuses = retried_inside(account.clone(), burst, store_down).await;
+    assert_eq!(statuses, (StatusCode::NOT_FOUND, StatusCode::NOT_FOUND));
+    assert_eq!(
+        used(&account, "read-day").await,
+        2,
+        "both requests were served (404): the second, let through uncounted on its retry, was given back"
     );
 }
 

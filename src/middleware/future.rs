@@ -286,6 +286,7 @@ where
             // the charge goes again without them, or, with nothing left,
             // the request passes this layer uncounted.
             let Some(charge) = charge.without(&left_out, &bound.scope) else {
+                QuotaStatus::let_through_in(request.extensions(), crate::status::layer_id(bound));
                 QuotaStatus::ensure_in(request.extensions_mut());
                 return State::Calling {
                     future: inner.call(request),

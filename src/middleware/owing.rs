@@ -54,6 +54,9 @@ pub(crate) fn owe<E: SubjectExtractor, St: Store>(
         ..
     } = charge;
     if policy.settings.max_owed == 0 {
+        // Let through uncounted: a refusal this layer marked before (an
+        // earlier attempt of a retry) no longer speaks for the answer.
+        QuotaStatus::let_through_in(extensions, crate::status::layer_id(bound));
         if policy.settings.on_store_error != OnStoreError::FailOpen {
             // A layer of shadow quotas under fail closed: it alone lets the
             // request through uncounted; the policy's other layers ask the

@@ -82,10 +82,14 @@ where
         let (mut parts, body) = request.into_parts();
         match charge::plan(&self.bound, &parts) {
             Step::Pass => {
+                let layer = crate::status::layer_id(&self.bound);
+                QuotaStatus::let_through_in(&parts.extensions, layer);
                 QuotaStatus::ensure_in(&mut parts.extensions);
                 ResponseFuture::passing(self.inner.call(Request::from_parts(parts, body)))
             }
             Step::PassUncounted(ticket) => {
+                let layer = crate::status::layer_id(&self.bound);
+                QuotaStatus::let_through_in(&parts.extensions, layer);
                 QuotaStatus::put_in(&mut parts.extensions, ticket);
                 ResponseFuture::passing(self.inner.call(Request::from_parts(parts, body)))
             }

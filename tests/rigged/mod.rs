@@ -50,6 +50,10 @@ pub struct Rigged<St> {
     /// While set, refunds and adds fail as calls the store never sent.
     #[allow(dead_code)]
     pub unsent: Arc<AtomicBool>,
+    /// While set, every charge fails at once, rigged or not (a store away
+    /// for a moment).
+    #[allow(dead_code)]
+    pub down: Arc<AtomicBool>,
     /// While above 0, refunds and adds are made and answered (or fail, as
     /// never sent) this many milliseconds of the runtime's time late.
     #[allow(dead_code)]
@@ -72,6 +76,7 @@ impl<St> Rigged<St> {
             away: Arc::default(),
             stalled: Arc::default(),
             unsent: Arc::default(),
+            down: Arc::default(),
             slow_changes: Arc::default(),
             late_answers: Arc::default(),
         }
@@ -134,6 +139,12 @@ impl<St: Store> Store for Rigged<St> {
     type ChargeFuture = Charging;
 
     fn charge(&self, request: ChargeRequest) -> Self::ChargeFuture {
+        if self.down.load(Ordering::Relaxed) {
+            return Box::pin(std::future::ready(Err(StoreError::new(
+                StoreErrorKind::Unavailable,
+                "rigged: down",
+            ))));
+        }
         if !request.lines.iter().any(|line| self.rigged(&line.key)) {
             return Box::pin(self.inner.charge(request));
         }
