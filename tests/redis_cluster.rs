@@ -100,34 +100,6 @@ async fn statuses_of(app: &Router, account: &str, n: usize) -> Vec<StatusCode> {
     statuses
 }
 
-/// Which node of `cluster` serves `key`'s slot.
-fn node_of(cluster: &RedisCluster, key: &str) -> usize {
-    let slot: u16 = cluster.nodes[0]
-        .cli(&["cluster", "keyslot", key])
-        .parse()
-        .expect("a slot");
-    let owner = cluster.nodes[0]
-        .cli(&["cluster", "nodes"])
-        .lines()
-        .find_map(|line| {
-            let fields: Vec<&str> = line.split_whitespace().collect();
-            let serves = fields.get(8..)?.iter().any(|range| {
-                let (low, high) = range.split_once('-').unwrap_or((range, range));
-                match (low.parse::<u16>(), high.parse::<u16>()) {
-                    (Ok(low), Ok(high)) => (low..=high).contains(&slot),
-                    _ => false,
-                }
-            });
-            serves.then(|| fields[0].to_owned())
-        })
-        .expect("a node serves every slot");
-    cluster
-        .nodes
-        .iter()
-        .position(|node| node.cli(&["cluster", "myid"]) == owner)
-        .expect("the slot's node is one of the cluster's")
-}
-
 /// One request for `account`: its status and what its `RateLimit` field
 /// says remains.
 async fn request(app: &Router, account: &str) -> (StatusCode, Option<u64>) {
@@ -161,22 +133,6 @@ fn app_on(seeds: Vec<String>, limit: u64) -> Router {
             .build()
             .layer(Quota::daily(limit)),
     )
-}
-
-/// A subject held by each node, in the order of `cluster.nodes`.
-fn subject_per_node(cluster: &RedisCluster) -> [String; 3] {
-    let namespace = Namespace::default();
-    let mut on: [Option<String>; 3] = Default::default();
-    for i in 0.. {
-        let account = format!("node-fault-{i}");
-        // The slot is the subject's alone, whatever the allowance and period.
-        let key = namespace.key(&Subject::account(account.as_str()), "read", "any");
-        on[node_of(cluster, key.as_str())].get_or_insert(account);
-        if on.iter().all(Option::is_some) {
-            break;
-        }
-    }
-    on.map(|subject| subject.expect("every node holds a subject"))
 }
 
 /// Requests for `accounts` from two callers without a pause, until `until`
@@ -295,7 +251,7 @@ async fn a_stalled_node_fails_only_the_subjects_it_holds() {
     // One seed, not the node to stop: a new connection learns the other
     // nodes from it, and would lack the stopped one.
     let app = app_on(vec![cluster.nodes[1].url()], LIMIT);
-    let [stalled, first, second] = subject_per_node(&cluster);
+    let [stalled, first, second] = cluster.subject_per_node("node-fault");
     let healthy = [first, second];
     for account in std::iter::once(&stalled).chain(&healthy) {
         assert_eq!(request(&app, account).await.0, StatusCode::OK);
@@ -376,7 +332,7 @@ async fn requests_behind_others_on_a_slow_node_are_served() {
             .build()
             .layer(Quota::daily(1_000)),
     );
-    let [slow, first, second] = subject_per_node(&cluster);
+    let [slow, first, second] = cluster.subject_per_node("node-fault");
     // The first calls open the cluster's connection (which may take longer
     // than the store's 80 ms) and read which node serves each slot.
     for account in [&slow, &first, &second] {
@@ -427,7 +383,7 @@ async fn a_request_behind_a_slow_node_for_room_is_served_by_its_own_node() {
     let other_proxy = SlowProxy::start(cluster.nodes[1].port()).await;
     cluster.announce(1, other_proxy.port());
     other_proxy.slow(Duration::from_millis(10));
-    let [slow, other, _] = subject_per_node(&cluster);
+    let [slow, other, _] = cluster.subject_per_node("node-fault");
     for store_timeout in [None, Some(Duration::from_secs(2))] {
         proxy.slow(Duration::ZERO);
         let store = RedisStore::cluster_builder(vec![cluster.nodes[2].url()])
@@ -487,7 +443,7 @@ async fn a_restarted_node_fails_only_the_subjects_it_holds() {
     }
     let mut cluster = RedisCluster::start();
     let app = app_on(cluster.urls(), 1_000_000);
-    let [restarted, first, second] = subject_per_node(&cluster);
+    let [restarted, first, second] = cluster.subject_per_node("node-fault");
     let healthy = [first, second];
     for account in std::iter::once(&restarted).chain(&healthy) {
         assert_eq!(request(&app, account).await.0, StatusCode::OK);
@@ -518,7 +474,7 @@ async fn a_node_that_lost_the_script_gets_it_while_another_is_stalled() {
     }
     let cluster = RedisCluster::start();
     let app = app_on(vec![cluster.nodes[1].url()], 1_000);
-    let [stalled, _, flushed] = subject_per_node(&cluster);
+    let [stalled, _, flushed] = cluster.subject_per_node("node-fault");
     for account in [&stalled, &flushed] {
         assert_eq!(request(&app, account).await.0, StatusCode::OK);
     }
@@ -599,7 +555,7 @@ async fn charged_exactly_while_its_slot_moves(cluster: &RedisCluster, to: usize)
             .layer(Quota::daily(LIMIT))
             .quota(Quota::monthly(LIMIT)),
     );
-    let [account, _, _] = subject_per_node(cluster);
+    let [account, _, _] = cluster.subject_per_node("node-fault");
     let (source, target) = (&cluster.nodes[0], &cluster.nodes[to]);
     let left = std::cell::Cell::new(LIMIT);
     let served = |(status, remaining): (StatusCode, Option<u64>), step: &str| {

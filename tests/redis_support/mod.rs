@@ -327,6 +327,53 @@ impl RedisCluster {
         self.nodes.iter().map(RedisServer::url).collect()
     }
 
+    /// Which node serves `key`'s slot (its index in `nodes`).
+    pub fn node_of(&self, key: &str) -> usize {
+        let slot: u16 = self.nodes[0]
+            .cli(&["cluster", "keyslot", key])
+            .parse()
+            .expect("a slot");
+        let owner = self.nodes[0]
+            .cli(&["cluster", "nodes"])
+            .lines()
+            .find_map(|line| {
+                let fields: Vec<&str> = line.split_whitespace().collect();
+                let serves = fields.get(8..)?.iter().any(|range| {
+                    let (low, high) = range.split_once('-').unwrap_or((range, range));
+                    match (low.parse::<u16>(), high.parse::<u16>()) {
+                        (Ok(low), Ok(high)) => (low..=high).contains(&slot),
+                        _ => false,
+                    }
+                });
+                serves.then(|| fields[0].to_owned())
+            })
+            .expect("a node serves every slot");
+        self.nodes
+            .iter()
+            .position(|node| node.cli(&["cluster", "myid"]) == owner)
+            .expect("the slot's node is one of the cluster's")
+    }
+
+    /// An account held by each of the first three nodes, in their order,
+    /// named `{prefix}-{n}` (its slot is the subject's alone, whatever the
+    /// allowance and period).
+    pub fn subject_per_node(&self, prefix: &str) -> [String; 3] {
+        let namespace = tower_quota::Namespace::default();
+        let mut on: [Option<String>; 3] = Default::default();
+        for i in 0.. {
+            let account = format!("{prefix}-{i}");
+            let subject = tower_quota::Subject::account(account.as_str());
+            let key = namespace.key(&subject, "read", "any");
+            if let Some(node) = on.get_mut(self.node_of(key.as_str())) {
+                node.get_or_insert(account);
+            }
+            if on.iter().all(Option::is_some) {
+                break;
+            }
+        }
+        on.map(|subject| subject.expect("every node holds a subject"))
+    }
+
     /// Has node `node` announce `port` to clients (`cluster-announce-port`,
     /// e.g. a proxy's in front of it), and waits until every node names
     /// it there: clients learn the port from any of them.

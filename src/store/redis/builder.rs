@@ -120,10 +120,13 @@ impl RedisStoreBuilder {
     /// that Redis does not answer, such as during a stall.
     ///
     /// The budget is the whole store's. A followed call keeps its room for
-    /// up to 30 s, so on a cluster, a node that stalls without being declared
-    /// failed, and whose subjects are sent more than `max / 30` calls a
-    /// second, fills the budget: calls for every node then fail that way
-    /// until the node answers or the cluster fails it over.
+    /// up to 30 s, so on a cluster, a node that stalls (without being
+    /// declared failed) and whose subjects are sent many calls would fill
+    /// it, and starve the nodes that answer. So a node that has answered
+    /// nothing for the store's [timeout](Self::timeout), while calls of its
+    /// own were given up on, holds at most half of it: past that, a call to
+    /// it fails at once with [`StoreErrorKind::Timeout`] and sends nothing,
+    /// and the other nodes' calls find room.
     ///
     /// # Panics
     ///

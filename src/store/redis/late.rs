@@ -33,6 +33,9 @@ use crate::throttle::Throttle;
 pub(super) struct Room {
     _permit: OwnedSemaphorePermit,
     charge: Option<Charging>,
+    /// On a cluster, the call counted among its node's.
+    #[cfg(feature = "redis-cluster")]
+    _node: Option<super::nodes::NodeHold>,
 }
 
 impl Room {
@@ -40,6 +43,25 @@ impl Room {
         Self {
             _permit: permit,
             charge: None,
+            #[cfg(feature = "redis-cluster")]
+            _node: None,
+        }
+    }
+
+    /// The room of a call counted among its node's until it is over.
+    #[cfg(feature = "redis-cluster")]
+    pub(super) fn on_node(mut self, node: Option<super::nodes::NodeHold>) -> Self {
+        self._node = node;
+        self
+    }
+
+    /// Its caller stopped waiting (see [`NodeHold::given_up`]).
+    ///
+    /// [`NodeHold::given_up`]: super::nodes::NodeHold::given_up
+    fn given_up(&mut self) {
+        #[cfg(feature = "redis-cluster")]
+        if let Some(node) = &mut self._node {
+            node.given_up();
         }
     }
 
@@ -206,6 +228,9 @@ impl<T: Send + 'static> Drop for Call<T> {
         let Some(trip) = self.trip.take() else {
             return;
         };
+        if let Some(room) = &mut self.permit {
+            room.given_up();
+        }
         let follow = follow_through(
             Arc::clone(&self.inner),
             trip,

@@ -19,8 +19,8 @@
 //! [`PATIENCE`]: crate::store::patience::PATIENCE
 
 use std::collections::HashMap;
-use std::sync::atomic::{AtomicU16, AtomicU64, Ordering};
-use std::sync::Mutex;
+use std::sync::atomic::{AtomicU16, AtomicU64, AtomicUsize, Ordering};
+use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
 use deadpool_redis::redis::Value;
@@ -58,6 +58,11 @@ pub(super) struct NodeAnswers {
     /// known.
     slots: Box<[AtomicU16]>,
     answers: Box<[LastAnswer]>,
+    /// Per node, the calls to it that hold room among the calls in flight
+    /// (waiting for their answer, or followed after their callers gave up).
+    held: Arc<[AtomicUsize]>,
+    /// Per node, those of `held` followed after their callers gave up.
+    abandoned: Arc<[AtomicUsize]>,
     /// Each node's index in `answers`, by address.
     indices: Mutex<HashMap<(String, u16), u16>>,
     /// When the map was last asked for, in milliseconds from `epoch`,
@@ -71,16 +76,40 @@ impl NodeAnswers {
         Self {
             slots: (0..SLOTS).map(|_| AtomicU16::new(0)).collect(),
             answers: (0..MAX_NODES).map(|_| LastAnswer::new()).collect(),
+            held: (0..MAX_NODES).map(|_| AtomicUsize::new(0)).collect(),
+            abandoned: (0..MAX_NODES).map(|_| AtomicUsize::new(0)).collect(),
             indices: Mutex::default(),
             asked: AtomicU64::new(0),
             epoch: Instant::now(),
         }
     }
 
-    fn node(&self, slot: u16) -> Option<&LastAnswer> {
+    fn index(&self, slot: u16) -> Option<usize> {
         let index = self.slots.get(usize::from(slot))?.load(Ordering::Relaxed);
-        let index = usize::from(index.checked_sub(1)?);
-        self.answers.get(index)
+        Some(usize::from(index.checked_sub(1)?))
+    }
+
+    fn node(&self, slot: u16) -> Option<&LastAnswer> {
+        self.answers.get(self.index(slot)?)
+    }
+
+    /// Counts a call to the node of `slot` (if known) among those holding
+    /// room, until the guard is dropped; with how many do now, this one
+    /// included, and how many of them were given up by their callers.
+    pub(super) fn hold(&self, slot: u16) -> Option<(NodeHold, usize, usize)> {
+        let index = self.index(slot)?;
+        let held = self.held.get(index)?.fetch_add(1, Ordering::Relaxed) + 1;
+        let abandoned = self.abandoned[index].load(Ordering::Relaxed);
+        Some((
+            NodeHold {
+                held: Arc::clone(&self.held),
+                abandoned: Arc::clone(&self.abandoned),
+                index,
+                given_up: false,
+            },
+            held,
+            abandoned,
+        ))
     }
 
     /// Notes an answer now from the node of `slot`, if known.
@@ -132,6 +161,34 @@ impl NodeAnswers {
         u64::try_from(since.as_millis())
             .unwrap_or(u64::MAX - 1)
             .saturating_add(1)
+    }
+}
+
+/// A call counted among its node's calls holding room (see
+/// [`NodeAnswers::hold`]).
+pub(super) struct NodeHold {
+    held: Arc<[AtomicUsize]>,
+    abandoned: Arc<[AtomicUsize]>,
+    index: usize,
+    given_up: bool,
+}
+
+impl NodeHold {
+    /// Its caller stopped waiting: the call is followed to its end.
+    pub(super) fn given_up(&mut self) {
+        if !self.given_up {
+            self.given_up = true;
+            self.abandoned[self.index].fetch_add(1, Ordering::Relaxed);
+        }
+    }
+}
+
+impl Drop for NodeHold {
+    fn drop(&mut self) {
+        self.held[self.index].fetch_sub(1, Ordering::Relaxed);
+        if self.given_up {
+            self.abandoned[self.index].fetch_sub(1, Ordering::Relaxed);
+        }
     }
 }
 

@@ -195,7 +195,10 @@ use crate::store::{
 ///   idle cluster connection is checked in the background too, never in a
 ///   caller's time (after a restart during a lull, the restarted node's
 ///   subjects lose their first call). Once the node answers again, its
-///   subjects are served and the charges it ran late are given back. This
+///   subjects are served and the charges it ran late are given back. The
+///   calls it leaves unanswered, followed for up to 30 s, hold at most half
+///   of [`max_in_flight`](RedisStoreBuilder::max_in_flight): past that, its
+///   subjects' calls fail at once, and the other nodes' calls find room. This
 ///   holds until the cluster itself declares the node failed
 ///   (`cluster-node-timeout`): without a replica to take over, a cluster
 ///   that requires full coverage (the default) then refuses every request.
@@ -587,7 +590,38 @@ impl RedisStore {
         if inner.nodes.as_ref().is_some_and(|nodes| nodes.due()) {
             tokio::spawn(self.clone().read_nodes());
         }
+        // On a cluster, a node that stopped answering holds at most half
+        // the room with its calls (waited for, or followed after their
+        // callers gave up, for up to 30 s): past that, a call to it fails
+        // at once and sends nothing, and the other nodes' calls find room.
+        #[cfg(feature = "redis-cluster")]
+        let node = match (&inner.nodes, slot) {
+            (Some(nodes), Some(slot)) => match nodes.hold(slot) {
+                Some((hold, held, abandoned)) => {
+                    // Calls given up on, and no answer for a budget since.
+                    let silent = abandoned > 0
+                        && nodes.last(slot).is_none_or(|at| {
+                            tokio::time::Instant::now().saturating_duration_since(at)
+                                >= inner.timeout
+                        });
+                    if silent && held > (inner.max_in_flight / 2).max(1) {
+                        return Err(StoreError::new(
+                            StoreErrorKind::Timeout,
+                            "the Redis Cluster node of this call answered none of its calls \
+                             within the store's timeout, and they hold half the room for calls; \
+                             nothing was sent",
+                        )
+                        .unsent());
+                    }
+                    Some(hold)
+                }
+                None => None,
+            },
+            _ => None,
+        };
         let (permit, started, room) = self.room().await?;
+        #[cfg(feature = "redis-cluster")]
+        let permit = permit.on_node(node);
         // Room, a connection and the round trip, waited for as one call.
         let patience = inner.patience(started);
         let permit = match &give_back {
