@@ -57,12 +57,13 @@ trait PolicyView<St>: Send + Sync {
     fn subject_named(&self, kind: &SubjectKind, id: &[u8]) -> Result<Subject, SubjectError>;
     fn challenge(&self) -> Option<http::HeaderValue>;
     fn plan_as_charged(&self, plan: Option<String>) -> Result<Option<String>, String>;
-    /// Forgets what the policy's ledger owes the counter at `key` for
-    /// requests made by `at`, when its reset was sent.
+    /// Forgets what the policy's ledger (and those of the other policies
+    /// on its store, which may share the counter) owes the counter at `key`
+    /// for requests made by `at`, when its reset was sent.
     fn forget_owed(&self, key: &crate::key::PeriodKey, at: Timestamp);
-    /// Holds back the ledger's settles of what is owed to the counter at
+    /// Holds back the ledgers' settles of what is owed to the counter at
     /// `key` while support resets it with a call sent at `at`.
-    fn hold_owed(&self, key: &crate::key::PeriodKey, at: Timestamp) -> crate::ledger::Hold;
+    fn hold_owed(&self, key: &crate::key::PeriodKey, at: Timestamp) -> Vec<crate::ledger::Hold>;
     /// The policy's identity, as its tickets carry it.
     fn id(&self) -> u64;
 }
@@ -93,10 +94,16 @@ impl<E: SubjectExtractor, St: Send + Sync> PolicyView<St> for Policy<E, St> {
         Policy::plan_as_charged(self, plan)
     }
     fn forget_owed(&self, key: &crate::key::PeriodKey, at: Timestamp) {
-        self.ledger.forget(key, at);
+        for ledger in self.ledger.sharing() {
+            ledger.forget(key, at);
+        }
     }
-    fn hold_owed(&self, key: &crate::key::PeriodKey, at: Timestamp) -> crate::ledger::Hold {
-        self.ledger.hold(key, at)
+    fn hold_owed(&self, key: &crate::key::PeriodKey, at: Timestamp) -> Vec<crate::ledger::Hold> {
+        self.ledger
+            .sharing()
+            .iter()
+            .map(|ledger| ledger.hold(key, at))
+            .collect()
     }
     fn id(&self) -> u64 {
         self.id
@@ -738,11 +745,13 @@ impl<St: Store> QuotaHandle<St> {
 
     /// Gives `subject` a fresh allowance on every quota: the current counters
     /// are deleted (a first-use period restarts at the next call), and so is
-    /// what this instance's fail-open ledger owes them (requests made before
-    /// the reset, uncounted yet), unless the store never got the reset (an
-    /// error that [was never sent](StoreError::is_unsent): the debts are
-    /// settled as before). Another instance's ledger settles what it owes
-    /// into the fresh counters.
+    /// what this instance's fail-open ledgers owe them (requests made before
+    /// the reset, uncounted yet: the policy's, and those of the other
+    /// policies on the same store, which may share the quota), unless the
+    /// store never got the reset (an error that [was never
+    /// sent](StoreError::is_unsent): the debts are settled as before).
+    /// Another instance's ledger settles what it owes into the fresh
+    /// counters.
     pub async fn reset(&self, subject: &Subject) -> Result<(), StoreError> {
         let quotas = self.quotas();
         self.reset_quotas(&quotas, subject).await.map(drop)

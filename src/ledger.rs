@@ -355,7 +355,46 @@ impl Entry {
     }
 }
 
+/// The ledgers of the live policies on each store with an identity
+/// ([`Store::identity`]): policies that share a quota share its counters,
+/// and a support reset through one policy's handle forgets what any of
+/// them owes the counter.
+static ON_STORE: Mutex<Vec<(usize, Weak<Ledger>)>> = Mutex::new(Vec::new());
+
 impl Ledger {
+    /// A policy's ledger on the store with identity `store`: known to the
+    /// other policies' on the same store (see [`Ledger::sharing`]).
+    pub(crate) fn on_store(store: Option<usize>) -> Arc<Self> {
+        let ledger = Arc::new(Self::default());
+        if let Some(store) = store {
+            let mut all = ON_STORE.lock().unwrap_or_else(|e| e.into_inner());
+            all.retain(|(_, other)| other.strong_count() > 0);
+            all.push((store, Arc::downgrade(&ledger)));
+        }
+        ledger
+    }
+
+    /// This ledger, and those of the other live policies on its store: what
+    /// a support reset of a counter forgets, whichever of them owes it.
+    pub(crate) fn sharing(self: &Arc<Self>) -> Vec<Arc<Ledger>> {
+        let mut ledgers = vec![Arc::clone(self)];
+        let all = ON_STORE.lock().unwrap_or_else(|e| e.into_inner());
+        let mine = Arc::downgrade(self);
+        let Some(store) = all
+            .iter()
+            .find(|(_, ledger)| ledger.ptr_eq(&mine))
+            .map(|(store, _)| *store)
+        else {
+            return ledgers;
+        };
+        ledgers.extend(
+            all.iter()
+                .filter(|(at, ledger)| *at == store && !ledger.ptr_eq(&mine))
+                .filter_map(|(_, ledger)| ledger.upgrade()),
+        );
+        ledgers
+    }
+
     fn lock(&self) -> MutexGuard<'_, Book> {
         // Every change to the book is made whole before anything can panic.
         self.book.lock().unwrap_or_else(|e| e.into_inner())

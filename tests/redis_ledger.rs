@@ -41,8 +41,6 @@ async fn send(app: &Router, account: &str) -> StatusCode {
     app.clone().oneshot(call(account)).await.unwrap().status()
 }
 
-/// The key of `quota`'s counter for `account` at `at`, in the default
-/// namespace.
 /// An app whose one route `policy` charges on `quota`.
 fn served<St: tower_quota::store::Store>(
     policy: &QuotaPolicy<FromHeader, St>,
@@ -53,6 +51,8 @@ fn served<St: tower_quota::store::Store>(
         .layer(policy.layer(quota.clone()))
 }
 
+/// The key of `quota`'s counter for `account` at `at`, in the default
+/// namespace.
 fn key_of(quota: &Quota, account: &str, at: Timestamp) -> PeriodKey {
     quota.key(&Namespace::default(), &Subject::account(account), at)
 }
@@ -711,5 +711,56 @@ async fn a_request_made_after_a_stalled_reset_was_sent_is_counted() {
         used(&server, &key),
         "1",
         "the request made after the reset was sent is counted"
+    );
+}
+
+/// Two policies on one store share a quota. A request through the second
+/// passes on a failed charge (Redis is away) and is answered after support
+/// reset its subject through the first policy's handle: made before the
+/// reset, it owes nothing, as it would through the first policy.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_reset_forgets_what_every_policy_sharing_the_quota_owes() {
+    if !redis_available() {
+        return;
+    }
+    let mut server = RedisServer::start();
+    let store = RedisStore::new(server.url()).unwrap();
+    let quota = Quota::daily(100);
+    let policy = || {
+        QuotaPolicy::builder(account())
+            .store(store.clone())
+            .on_store_error(OnStoreError::FailOpen)
+            .build()
+    };
+    let (a, b) = (policy(), policy());
+    let reached = Arc::new(tokio::sync::Notify::new());
+    let answer = Arc::new(tokio::sync::Notify::new());
+    let slow = {
+        let (reached, answer) = (Arc::clone(&reached), Arc::clone(&answer));
+        move || async move {
+            reached.notify_one();
+            answer.notified().await;
+            "b"
+        }
+    };
+    let through_b = Router::new()
+        .route("/", get(slow))
+        .layer(b.layer(quota.clone()));
+    assert_eq!(send(&served(&a, &quota), "acme").await, StatusCode::OK);
+    server.kill();
+    // Passes on a failed charge, and waits in its handler.
+    let pending = tokio::spawn(through_b.oneshot(call("acme")));
+    reached.notified().await;
+    server.restart();
+    a.handle().reset(&Subject::account("acme")).await.unwrap();
+    answer.notify_one();
+    assert_eq!(pending.await.unwrap().unwrap().status(), StatusCode::OK);
+    let owed_a = a.settle_owed(Duration::from_secs(5)).await;
+    let owed_b = b.settle_owed(Duration::from_secs(5)).await;
+    assert_eq!((owed_a.units, owed_b.units), (0, 0));
+    assert_eq!(
+        used(&server, &key_of(&quota, "acme", Timestamp::now())),
+        "",
+        "the reset gave a fresh allowance: a request made before it takes none of it"
     );
 }

@@ -946,7 +946,7 @@ impl<E, St> QuotaPolicyBuilder<E, St> {
         QuotaPolicy {
             core: Arc::new(Policy {
                 id: NEXT.fetch_add(1, Ordering::Relaxed),
-                ledger: Arc::default(),
+                ledger: Ledger::on_store(self.store.identity()),
                 settings: self.settings,
                 extractor: self.extractor,
                 store: self.store,
