@@ -333,6 +333,45 @@ async fn a_policy_that_reads_no_callers_zone_keeps_the_quotas_zone() {
     assert_eq!(shown["allowances"][0]["limit"], 3, "{shown}");
 }
 
+/// A policy that reads plans and no caller's zone: a call that names the
+/// plan names all the info would give, and does not ask it, so a caller
+/// the application no longer knows (its counters live on) is reached.
+#[tokio::test]
+async fn a_call_naming_all_the_policy_reads_does_not_ask_the_info() {
+    let clock = clock();
+    let calls = Arc::new(AtomicUsize::new(0));
+    let builder = QuotaPolicy::builder(FromHeader::account("x-account-id"))
+        .clock(clock.clone())
+        .plan(|parts| Some(parts.headers.get("x-plan")?.to_str().ok()?.to_owned()));
+    let app = app(&with_info(builder, &calls));
+    let request = Request::get("/read")
+        .header("x-account-id", "gone-co")
+        .header("x-plan", "pro")
+        .body(Body::empty())
+        .unwrap();
+    assert_eq!(
+        app.clone().oneshot(request).await.unwrap().status(),
+        StatusCode::OK
+    );
+    let (status, shown) =
+        json(send(&app, "GET", "/admin/quota/account/gone-co?plan=pro", None).await).await;
+    assert_eq!(status, StatusCode::OK, "{shown}");
+    assert_eq!(shown["allowances"][0]["used"], 1, "{shown}");
+    assert_eq!(shown["allowances"][0]["limit"], 3, "{shown}");
+    let reset = send(
+        &app,
+        "POST",
+        "/admin/reset/account/gone-co/read?plan=pro",
+        None,
+    )
+    .await;
+    assert_eq!(reset.status(), StatusCode::OK);
+    assert_eq!(calls.load(Ordering::Relaxed), 0, "the info was not asked");
+    // Naming no plan, the info is asked, and knows no such caller.
+    let unnamed = send(&app, "GET", "/admin/quota/account/gone-co", None).await;
+    assert_eq!(unnamed.status(), StatusCode::NOT_FOUND);
+}
+
 /// A call refused for what it names (a zone no key can name, a plan the
 /// policy refuses, an allowance no quota charges) is refused as it is
 /// without caller info, and the info is not asked: its failure, or a plan

@@ -214,7 +214,8 @@ fn planned<St>(
 /// checked already; for one not named, what the policy's
 /// [`caller_info`](crate::QuotaPolicyBuilder::caller_info) gives for the
 /// subject, if it has one; otherwise the quotas' own zones and limits.
-/// Asked last, once nothing else refuses the call.
+/// Asked last, once nothing else refuses the call, and only for what the
+/// call does not name and the policy reads (a zone, a plan).
 #[allow(clippy::result_large_err)]
 async fn caller<St>(
     zoned: Zoned<St>,
@@ -222,7 +223,9 @@ async fn caller<St>(
     subject: &Subject,
 ) -> Result<(QuotaHandle<St>, Option<String>), Response> {
     let Zoned { handle, named } = zoned;
-    let mut info = if !named || plan.is_none() {
+    // Asked for what the call does not name and the policy reads.
+    let asks = (!named && handle.reads_caller_zones()) || (plan.is_none() && handle.reads_plans());
+    let mut info = if asks {
         match handle.caller_info(subject).await {
             Ok(info) => info,
             Err(StandingError::UnknownCaller) => {
