@@ -910,16 +910,22 @@ async fn run<St: Store>(options: &Options, store: St, stops: &Stops) -> bool {
             }
         } => eprintln!("connections still open when the server stopped were closed"),
     }
+    // A second signal that cut the drain short (or came while it ended)
+    // said to stop at once: nothing more is waited for.
+    let mut at_once = stops.count() >= 2;
     // Admissions made while the store was away (`--on-store-error open`)
     // are counted before the server goes.
-    let mut at_once = false;
     if let Some(policy) = policy {
-        let owed = tokio::select! {
-            owed = policy.settle_owed(Duration::from_secs(5)) => owed,
-            // Told to stop again: at once, what is owed uncounted.
-            () = stops.another() => {
-                at_once = true;
-                policy.owed()
+        let owed = if at_once {
+            policy.owed()
+        } else {
+            tokio::select! {
+                owed = policy.settle_owed(Duration::from_secs(5)) => owed,
+                // Told to stop again: at once, what is owed uncounted.
+                () = stops.reached(2) => {
+                    at_once = true;
+                    policy.owed()
+                }
             }
         };
         if owed.units > 0 {
