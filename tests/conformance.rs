@@ -111,6 +111,24 @@ mod redis {
         clones_share_an_identity_no_other_store_has,
     );
 
+    /// Leased counting over Redis keeps the contract too: every rule but
+    /// the deadline's very instant (on Redis's clock, as below).
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn leased_redis_store_conforms() {
+        let server = redis_server_or_skip!();
+        let leased = tower_quota::LeasedStore::new(store(server.url()));
+        for (name, verdict) in testing::run_all(&leased).await {
+            if name == "a_first_use_counter_ends_at_its_deadline" {
+                assert!(
+                    matches!(verdict, Verdict::NotApplicable(_)),
+                    "{name}: {verdict:?}"
+                );
+            } else {
+                assert_eq!(verdict, Verdict::Passed, "{name}");
+            }
+        }
+    }
+
     /// The Redis store's deadlines pass on its own clock: the suite cannot
     /// call it at a deadline's very instant.
     #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
