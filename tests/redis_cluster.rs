@@ -665,3 +665,53 @@ async fn charged_exactly_while_its_slot_moves(cluster: &RedisCluster, to: usize)
         StatusCode::TOO_MANY_REQUESTS
     );
 }
+
+/// A node that answers every call in 50 ms, idle for a while (its last
+/// answer is older than the store's timeout), is not silent: a request
+/// whose caller went away after its call was sent, and a second request
+/// beside it, are two calls of load on a healthy node. The second waits for
+/// room (the first's answer comes 50 ms after its send) and is served; it
+/// is not failed at once as if the node had stalled.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_idle_healthy_node_with_a_call_given_up_is_not_silent() {
+    if !redis_available() {
+        return;
+    }
+    let cluster = RedisCluster::start();
+    let proxy = SlowProxy::start(cluster.nodes[0].port()).await;
+    cluster.announce(0, proxy.port());
+    let [slow, other, _] = cluster.subject_per_node("idle-node");
+    let store = RedisStore::cluster_builder(vec![cluster.nodes[2].url()])
+        .timeout(Duration::from_millis(300))
+        .connect_timeout(Duration::from_millis(300))
+        .max_in_flight(2)
+        .build()
+        .expect("a Redis Cluster store");
+    let policy = QuotaPolicy::builder(FromHeader::account("x-account-id"))
+        .store(store.clone())
+        .store_timeout(Some(Duration::from_secs(2)))
+        .build();
+    let app = Router::new()
+        .route("/", get(|| async { "ok" }))
+        .layer(policy.layer(Quota::daily(1_000)));
+    for account in [&slow, &other] {
+        admitted_again(&app, account, Duration::from_secs(5)).await;
+    }
+    // The map of slots read; then the node stays idle past the timeout.
+    tokio::time::sleep(Duration::from_millis(200)).await;
+    proxy.slow(Duration::from_millis(50));
+    let (status, _) = request(&app, &slow).await;
+    assert_eq!(status, StatusCode::OK);
+    tokio::time::sleep(Duration::from_millis(500)).await;
+    // A client that goes away 10 ms after its request's call was sent.
+    let gone = tokio::time::timeout(Duration::from_millis(10), request(&app, &slow)).await;
+    assert!(gone.is_err(), "the node answers in 50 ms");
+    let started = Instant::now();
+    let (status, _) = request(&app, &slow).await;
+    assert_eq!(
+        status,
+        StatusCode::OK,
+        "refused after {:?} while the node answers every call in 50 ms",
+        started.elapsed()
+    );
+}

@@ -123,8 +123,9 @@ impl RedisStoreBuilder {
     /// up to 30 s, so on a cluster, a node that stalls (without being
     /// declared failed) and whose subjects are sent many calls would fill
     /// it, and starve the nodes that answer. So a node that has answered
-    /// nothing for the store's [timeout](Self::timeout), while calls of its
-    /// own were given up on, holds at most half of it: past that, a call to
+    /// nothing for the store's [timeout](Self::timeout) since it was sent a
+    /// call of its own that was then given up on (an idle node is not
+    /// silent), holds at most half of it: past that, a call to
     /// it fails at once with [`StoreErrorKind::Timeout`] and sends nothing,
     /// and the other nodes' calls find room.
     ///

@@ -58,11 +58,12 @@ impl Room {
     /// Its caller stopped waiting (see [`NodeHold::given_up`]).
     ///
     /// [`NodeHold::given_up`]: super::nodes::NodeHold::given_up
-    fn given_up(&mut self) {
+    fn given_up(&mut self, sent: tokio::time::Instant) {
         #[cfg(feature = "redis-cluster")]
         if let Some(node) = &mut self._node {
-            node.given_up();
+            node.given_up(sent);
         }
+        let _ = sent;
     }
 
     /// The room of a charge, counted in `charges` until it is over.
@@ -229,7 +230,7 @@ impl<T: Send + 'static> Drop for Call<T> {
             return;
         };
         if let Some(room) = &mut self.permit {
-            room.given_up();
+            room.given_up(self.sent);
         }
         let follow = follow_through(
             Arc::clone(&self.inner),

@@ -63,6 +63,12 @@ pub(super) struct NodeAnswers {
     held: Arc<[AtomicUsize]>,
     /// Per node, those of `held` followed after their callers gave up.
     abandoned: Arc<[AtomicUsize]>,
+    /// Per node, when the first call of the current run of calls given up
+    /// on (`abandoned` above zero since) was sent, in microseconds from
+    /// `epoch`: the node is silent only once it answered nothing for a
+    /// budget since it had such a call to answer (an idle node whose last
+    /// answer is old, sent a call its caller left at once, is not).
+    abandoned_since: Arc<[AtomicU64]>,
     /// Each node's index in `answers`, by address.
     indices: Mutex<HashMap<(String, u16), u16>>,
     /// When the map was last asked for, in milliseconds from `epoch`,
@@ -78,6 +84,7 @@ impl NodeAnswers {
             answers: (0..MAX_NODES).map(|_| LastAnswer::new()).collect(),
             held: (0..MAX_NODES).map(|_| AtomicUsize::new(0)).collect(),
             abandoned: (0..MAX_NODES).map(|_| AtomicUsize::new(0)).collect(),
+            abandoned_since: (0..MAX_NODES).map(|_| AtomicU64::new(0)).collect(),
             indices: Mutex::default(),
             asked: AtomicU64::new(0),
             epoch: Instant::now(),
@@ -95,20 +102,29 @@ impl NodeAnswers {
 
     /// Counts a call to the node of `slot` (if known) among those holding
     /// room, until the guard is dropped; with how many do now, this one
-    /// included, and how many of them were given up by their callers.
-    pub(super) fn hold(&self, slot: u16) -> Option<(NodeHold, usize, usize)> {
+    /// included, and, if some of them were given up by their callers, when
+    /// the first of those was sent (see `abandoned_since`).
+    pub(super) fn hold(&self, slot: u16) -> Option<(NodeHold, usize, Option<Instant>)> {
         let index = self.index(slot)?;
         let held = self.held.get(index)?.fetch_add(1, Ordering::Relaxed) + 1;
         let abandoned = self.abandoned[index].load(Ordering::Relaxed);
+        let since = (abandoned > 0).then(|| {
+            let micros = self.abandoned_since[index].load(Ordering::Relaxed);
+            self.epoch
+                .checked_add(Duration::from_micros(micros))
+                .unwrap_or(self.epoch)
+        });
         Some((
             NodeHold {
                 held: Arc::clone(&self.held),
                 abandoned: Arc::clone(&self.abandoned),
+                abandoned_since: Arc::clone(&self.abandoned_since),
+                epoch: self.epoch,
                 index,
                 given_up: false,
             },
             held,
-            abandoned,
+            since,
         ))
     }
 
@@ -169,16 +185,23 @@ impl NodeAnswers {
 pub(super) struct NodeHold {
     held: Arc<[AtomicUsize]>,
     abandoned: Arc<[AtomicUsize]>,
+    abandoned_since: Arc<[AtomicU64]>,
+    epoch: Instant,
     index: usize,
     given_up: bool,
 }
 
 impl NodeHold {
-    /// Its caller stopped waiting: the call is followed to its end.
-    pub(super) fn given_up(&mut self) {
+    /// Its caller stopped waiting for the call `sent` then: the call is
+    /// followed to its end.
+    pub(super) fn given_up(&mut self, sent: Instant) {
         if !self.given_up {
             self.given_up = true;
-            self.abandoned[self.index].fetch_add(1, Ordering::Relaxed);
+            if self.abandoned[self.index].fetch_add(1, Ordering::Relaxed) == 0 {
+                let micros = sent.saturating_duration_since(self.epoch).as_micros();
+                self.abandoned_since[self.index]
+                    .store(u64::try_from(micros).unwrap_or(u64::MAX), Ordering::Relaxed);
+            }
         }
     }
 }

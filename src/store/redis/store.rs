@@ -597,13 +597,15 @@ impl RedisStore {
         #[cfg(feature = "redis-cluster")]
         let node = match (&inner.nodes, slot) {
             (Some(nodes), Some(slot)) => match nodes.hold(slot) {
-                Some((hold, held, abandoned)) => {
-                    // Calls given up on, and no answer for a budget since.
-                    let silent = abandoned > 0
-                        && nodes.last(slot).is_none_or(|at| {
-                            tokio::time::Instant::now().saturating_duration_since(at)
-                                >= inner.timeout
-                        });
+                Some((hold, held, abandoned_since)) => {
+                    // Calls given up on, and no answer for a budget since
+                    // the first of them was sent: an idle node whose last
+                    // answer is old had nothing to answer before.
+                    let silent = abandoned_since.is_some_and(|since| {
+                        let quiet = nodes.last(slot).map_or(since, |at| at.max(since));
+                        tokio::time::Instant::now().saturating_duration_since(quiet)
+                            >= inner.timeout
+                    });
                     if silent && held > (inner.max_in_flight / 2).max(1) {
                         return Err(StoreError::new(
                             StoreErrorKind::Timeout,
