@@ -11,10 +11,15 @@
 //! A call names the slot of its keys (they share one, by their hash tag);
 //! the slot's node is read from `CLUSTER SLOTS`, which the store asks
 //! again every [`REFRESH`] while it makes calls. Until the map is read, or
-//! for a slot it does not name, a call waits one budget at most. A map
+//! for a slot it does not name, a call once sent waits one budget. A map
 //! read before a slot moved names the slot's old node until it is read
 //! again: the call then waits while that node answers, for [`PATIENCE`]
 //! budgets at most, as any call.
+//!
+//! Per node, it also counts the calls holding room among the store's
+//! calls in flight, and those given up on by their callers (followed for
+//! up to 30 s): a node silent since it was sent one of those holds at
+//! most half the room (see `RedisStore::follow`).
 //!
 //! [`PATIENCE`]: crate::store::patience::PATIENCE
 
