@@ -16,7 +16,7 @@ use axum::Router;
 use http::{Request, StatusCode};
 use tower::ServiceExt;
 use tower_quota::jiff::Timestamp;
-use tower_quota::store::{LeasedStore, RedisStore, Store};
+use tower_quota::store::{LeasedStore, RedisStore, RedisStoreBuilder, Store};
 use tower_quota::{FromHeader, ManualClock, Namespace, OnStoreError, Quota, QuotaPolicy, Subject};
 
 use redis_support::{redis_available, RedisCluster, Stopped};
@@ -44,12 +44,62 @@ fn counts(cluster: &RedisCluster, account: &str, at: Timestamp) -> Vec<String> {
         .collect()
 }
 
-fn cluster_store(cluster: &RedisCluster) -> RedisStore {
+/// A store on `cluster`, seeded by its second node, with 300 ms budgets.
+fn cluster_builder(cluster: &RedisCluster) -> RedisStoreBuilder {
     RedisStore::cluster_builder(vec![cluster.nodes[1].url()])
         .timeout(Duration::from_millis(300))
         .connect_timeout(Duration::from_millis(300))
+}
+
+fn cluster_store(cluster: &RedisCluster) -> RedisStore {
+    cluster_builder(cluster)
         .build()
         .expect("a Redis Cluster store")
+}
+
+/// A policy failing open on `store`, with `clock` and `store_timeout`, and
+/// an app whose one route it charges on both quotas.
+fn fail_open_app<St: Store>(
+    store: St,
+    clock: &ManualClock,
+    store_timeout: Duration,
+) -> (QuotaPolicy<FromHeader, St>, Router) {
+    let policy = QuotaPolicy::builder(FromHeader::account("x-account-id"))
+        .store(store)
+        .clock(clock.clone())
+        .on_store_error(OnStoreError::FailOpen)
+        .store_timeout(Some(store_timeout))
+        .build();
+    let [q0, q1] = quotas();
+    let app = Router::new()
+        .route("/", get(|| async { "ok" }))
+        .layer(policy.layer(q0).quota(q1));
+    (policy, app)
+}
+
+/// Once no call of `redis` is in flight (every late charge given back),
+/// each subject's counters of both quotas at `at` hold what it was served.
+async fn counted_as_served(
+    cluster: &RedisCluster,
+    redis: &RedisStore,
+    subjects: &[String; 3],
+    served: [u64; 3],
+    at: Timestamp,
+) {
+    let deadline = Instant::now() + Duration::from_secs(30);
+    while redis.in_flight() > 0 {
+        assert!(Instant::now() < deadline, "calls still in flight");
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    tokio::time::sleep(Duration::from_millis(200)).await;
+    for (i, account) in subjects.iter().enumerate() {
+        assert_eq!(
+            counts(cluster, account, at),
+            vec![served[i].to_string(); 2],
+            "{account} (node {i}): every admission counted once, on both quotas ({} given back)",
+            redis.given_back()
+        );
+    }
 }
 
 /// A minute's start: the per-minute window holds the whole test.
@@ -70,16 +120,7 @@ async fn through_a_stalled_node<St: Store>(
     after: impl AsyncFnOnce(),
 ) {
     let clock = frozen_clock();
-    let policy = QuotaPolicy::builder(FromHeader::account("x-account-id"))
-        .store(store)
-        .clock(clock.clone())
-        .on_store_error(OnStoreError::FailOpen)
-        .store_timeout(Some(store_timeout))
-        .build();
-    let [q0, q1] = quotas();
-    let app = Router::new()
-        .route("/", get(|| async { "ok" }))
-        .layer(policy.layer(q0).quota(q1));
+    let (policy, app) = fail_open_app(store, &clock, store_timeout);
     let subjects = cluster.subject_per_node(prefix);
     let mut served = [0u64; 3];
     for (i, account) in subjects.iter().enumerate() {
@@ -143,20 +184,7 @@ async fn through_a_stalled_node<St: Store>(
     let owed = policy.settle_owed(Duration::from_secs(20)).await;
     assert_eq!(owed.units, 0, "{owed:?}");
     after().await;
-    let deadline = Instant::now() + Duration::from_secs(30);
-    while redis.in_flight() > 0 {
-        assert!(Instant::now() < deadline, "calls still in flight");
-        tokio::time::sleep(Duration::from_millis(20)).await;
-    }
-    tokio::time::sleep(Duration::from_millis(200)).await;
-    for (i, account) in subjects.iter().enumerate() {
-        assert_eq!(
-            counts(cluster, account, clock.now()),
-            vec![served[i].to_string(); 2],
-            "{account} (node {i}): every admission counted once, on both quotas ({:?} given back)",
-            redis.given_back()
-        );
-    }
+    counted_as_served(cluster, redis, &subjects, served, clock.now()).await;
 }
 
 /// With the layer's `store_timeout` longer than the store's budget, and
@@ -215,16 +243,7 @@ async fn fail_open_through_a_restarted_node_counts_every_admission() {
     let mut cluster = RedisCluster::start();
     let redis = cluster_store(&cluster);
     let clock = frozen_clock();
-    let policy = QuotaPolicy::builder(FromHeader::account("x-account-id"))
-        .store(redis.clone())
-        .clock(clock.clone())
-        .on_store_error(OnStoreError::FailOpen)
-        .store_timeout(Some(Duration::from_millis(500)))
-        .build();
-    let [q0, q1] = quotas();
-    let app = Router::new()
-        .route("/", get(|| async { "ok" }))
-        .layer(policy.layer(q0).quota(q1));
+    let (policy, app) = fail_open_app(redis.clone(), &clock, Duration::from_millis(500));
     let subjects = cluster.subject_per_node("restart");
     let mut served = [0u64; 3];
     for (i, account) in subjects.iter().enumerate() {
@@ -267,18 +286,7 @@ async fn fail_open_through_a_restarted_node_counts_every_admission() {
         }
     }
     assert_eq!(policy.settle_owed(Duration::from_secs(20)).await.units, 0);
-    let deadline = Instant::now() + Duration::from_secs(30);
-    while redis.in_flight() > 0 {
-        assert!(Instant::now() < deadline, "calls still in flight");
-        tokio::time::sleep(Duration::from_millis(20)).await;
-    }
-    for (i, account) in subjects.iter().enumerate() {
-        assert_eq!(
-            counts(&cluster, account, clock.now()),
-            vec![served[i].to_string(); 2],
-            "{account} (node {i})"
-        );
-    }
+    counted_as_served(&cluster, &redis, &subjects, served, clock.now()).await;
 }
 
 /// Over a `LeasedStore`: the stalled node's subject holds a block when
@@ -294,16 +302,7 @@ async fn leased_blocks_and_resets_through_a_stalled_node() {
     let redis = cluster_store(&cluster);
     let leased = LeasedStore::new(redis.clone());
     let clock = frozen_clock();
-    let policy = QuotaPolicy::builder(FromHeader::account("x-account-id"))
-        .store(leased.clone())
-        .clock(clock.clone())
-        .on_store_error(OnStoreError::FailOpen)
-        .store_timeout(Some(Duration::from_millis(500)))
-        .build();
-    let [q0, q1] = quotas();
-    let app = Router::new()
-        .route("/", get(|| async { "ok" }))
-        .layer(policy.layer(q0).quota(q1));
+    let (policy, app) = fail_open_app(leased.clone(), &clock, Duration::from_millis(500));
     let subjects = cluster.subject_per_node("blocks");
     let mut served = [0u64; 3];
     // Busy: blocks grow.
@@ -353,20 +352,7 @@ async fn leased_blocks_and_resets_through_a_stalled_node() {
     let owed = policy.settle_owed(Duration::from_secs(20)).await;
     assert_eq!(owed.units, 0, "{owed:?}");
     leased.shutdown().await;
-    let deadline = Instant::now() + Duration::from_secs(30);
-    while redis.in_flight() > 0 {
-        assert!(Instant::now() < deadline, "calls still in flight");
-        tokio::time::sleep(Duration::from_millis(20)).await;
-    }
-    tokio::time::sleep(Duration::from_millis(200)).await;
-    for (i, account) in subjects.iter().enumerate() {
-        assert_eq!(
-            counts(&cluster, account, clock.now()),
-            vec![served[i].to_string(); 2],
-            "{account} (node {i}), {} given back",
-            redis.given_back()
-        );
-    }
+    counted_as_served(&cluster, &redis, &subjects, served, clock.now()).await;
 }
 
 /// The calls a stalled node's subjects leave behind (followed after their
@@ -379,9 +365,7 @@ async fn a_stalled_nodes_abandoned_calls_take_no_room_from_other_nodes() {
         return;
     }
     let cluster = RedisCluster::start();
-    let store = RedisStore::cluster_builder(vec![cluster.nodes[1].url()])
-        .timeout(Duration::from_millis(300))
-        .connect_timeout(Duration::from_millis(300))
+    let store = cluster_builder(&cluster)
         .max_in_flight(32)
         .build()
         .expect("a Redis Cluster store");
