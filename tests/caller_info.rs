@@ -311,16 +311,21 @@ async fn without_caller_info_a_call_naming_nothing_reads_the_quotas_own() {
     assert_eq!(shown["allowances"][0]["limit"], 2, "{shown}");
 }
 
+/// A policy that reads each request's plan (`x-plan`) and no caller's
+/// zone.
+fn plans_only(clock: &ManualClock) -> QuotaPolicyBuilder<FromHeader> {
+    QuotaPolicy::builder(FromHeader::account("x-account-id"))
+        .clock(clock.clone())
+        .plan(|parts| Some(parts.headers.get("x-plan")?.to_str().ok()?.to_owned()))
+}
+
 /// A zone the info gives is used only by a policy that reads callers'
 /// zones: its counters are the ones the layers charge.
 #[tokio::test]
 async fn a_policy_that_reads_no_callers_zone_keeps_the_quotas_zone() {
     let clock = clock();
     let calls = Arc::new(AtomicUsize::new(0));
-    let builder = QuotaPolicy::builder(FromHeader::account("x-account-id"))
-        .clock(clock.clone())
-        .plan(|parts| Some(parts.headers.get("x-plan")?.to_str().ok()?.to_owned()));
-    let app = app(&with_info(builder, &calls));
+    let app = app(&with_info(plans_only(&clock), &calls));
     assert_eq!(
         send(&app, "GET", "/read", Some("tokyo-co")).await.status(),
         StatusCode::OK
@@ -340,10 +345,7 @@ async fn a_policy_that_reads_no_callers_zone_keeps_the_quotas_zone() {
 async fn a_call_naming_all_the_policy_reads_does_not_ask_the_info() {
     let clock = clock();
     let calls = Arc::new(AtomicUsize::new(0));
-    let builder = QuotaPolicy::builder(FromHeader::account("x-account-id"))
-        .clock(clock.clone())
-        .plan(|parts| Some(parts.headers.get("x-plan")?.to_str().ok()?.to_owned()));
-    let app = app(&with_info(builder, &calls));
+    let app = app(&with_info(plans_only(&clock), &calls));
     let request = Request::get("/read")
         .header("x-account-id", "gone-co")
         .header("x-plan", "pro")
