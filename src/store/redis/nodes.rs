@@ -63,17 +63,8 @@ pub(super) struct NodeAnswers {
     /// known.
     slots: Box<[AtomicU16]>,
     answers: Box<[LastAnswer]>,
-    /// Per node, the calls to it that hold room among the calls in flight
-    /// (waiting for their answer, or followed after their callers gave up).
-    held: Arc<[AtomicUsize]>,
-    /// Per node, those of `held` followed after their callers gave up.
-    abandoned: Arc<[AtomicUsize]>,
-    /// Per node, when the first call of the current run of calls given up
-    /// on (`abandoned` above zero since) was sent, in microseconds from
-    /// `epoch`: the node is silent only once it answered nothing for a
-    /// budget since it had such a call to answer (an idle node whose last
-    /// answer is old, sent a call its caller left at once, is not).
-    abandoned_since: Arc<[AtomicU64]>,
+    /// Per node, its calls holding room among the calls in flight.
+    rooms: Arc<[NodeRoom]>,
     /// Each node's index in `answers`, by address.
     indices: Mutex<HashMap<(String, u16), u16>>,
     /// When the map was last asked for, in milliseconds from `epoch`,
@@ -87,9 +78,7 @@ impl NodeAnswers {
         Self {
             slots: (0..SLOTS).map(|_| AtomicU16::new(0)).collect(),
             answers: (0..MAX_NODES).map(|_| LastAnswer::new()).collect(),
-            held: (0..MAX_NODES).map(|_| AtomicUsize::new(0)).collect(),
-            abandoned: (0..MAX_NODES).map(|_| AtomicUsize::new(0)).collect(),
-            abandoned_since: (0..MAX_NODES).map(|_| AtomicU64::new(0)).collect(),
+            rooms: (0..MAX_NODES).map(|_| NodeRoom::default()).collect(),
             indices: Mutex::default(),
             asked: AtomicU64::new(0),
             epoch: Instant::now(),
@@ -108,22 +97,21 @@ impl NodeAnswers {
     /// Counts a call to the node of `slot` (if known) among those holding
     /// room, until the guard is dropped; with how many do now, this one
     /// included, and, if some of them were given up by their callers, when
-    /// the first of those was sent (see `abandoned_since`).
+    /// the first of those was sent (see `NodeRoom::abandoned_since`).
     pub(super) fn hold(&self, slot: u16) -> Option<(NodeHold, usize, Option<Instant>)> {
         let index = self.index(slot)?;
-        let held = self.held.get(index)?.fetch_add(1, Ordering::Relaxed) + 1;
-        let abandoned = self.abandoned[index].load(Ordering::Relaxed);
+        let room = self.rooms.get(index)?;
+        let held = room.held.fetch_add(1, Ordering::Relaxed) + 1;
+        let abandoned = room.abandoned.load(Ordering::Relaxed);
         let since = (abandoned > 0).then(|| {
-            let micros = self.abandoned_since[index].load(Ordering::Relaxed);
+            let micros = room.abandoned_since.load(Ordering::Relaxed);
             self.epoch
                 .checked_add(Duration::from_micros(micros))
                 .unwrap_or(self.epoch)
         });
         Some((
             NodeHold {
-                held: Arc::clone(&self.held),
-                abandoned: Arc::clone(&self.abandoned),
-                abandoned_since: Arc::clone(&self.abandoned_since),
+                rooms: Arc::clone(&self.rooms),
                 epoch: self.epoch,
                 index,
                 given_up: false,
@@ -185,12 +173,26 @@ impl NodeAnswers {
     }
 }
 
+/// A node's calls holding room among the calls in flight (waiting for
+/// their answer, or followed after their callers gave up).
+#[derive(Default)]
+struct NodeRoom {
+    held: AtomicUsize,
+    /// Those of `held` followed after their callers gave up.
+    abandoned: AtomicUsize,
+    /// When the first call of the current run of calls given up on
+    /// (`abandoned` above zero since) was sent, in microseconds from
+    /// `NodeAnswers::epoch`: the node is silent only once it answered
+    /// nothing for a budget since it had such a call to answer (an idle
+    /// node whose last answer is old, sent a call its caller left at once,
+    /// is not).
+    abandoned_since: AtomicU64,
+}
+
 /// A call counted among its node's calls holding room (see
 /// [`NodeAnswers::hold`]).
 pub(super) struct NodeHold {
-    held: Arc<[AtomicUsize]>,
-    abandoned: Arc<[AtomicUsize]>,
-    abandoned_since: Arc<[AtomicU64]>,
+    rooms: Arc<[NodeRoom]>,
     epoch: Instant,
     index: usize,
     given_up: bool,
@@ -202,9 +204,10 @@ impl NodeHold {
     pub(super) fn given_up(&mut self, sent: Instant) {
         if !self.given_up {
             self.given_up = true;
-            if self.abandoned[self.index].fetch_add(1, Ordering::Relaxed) == 0 {
+            let room = &self.rooms[self.index];
+            if room.abandoned.fetch_add(1, Ordering::Relaxed) == 0 {
                 let micros = sent.saturating_duration_since(self.epoch).as_micros();
-                self.abandoned_since[self.index]
+                room.abandoned_since
                     .store(u64::try_from(micros).unwrap_or(u64::MAX), Ordering::Relaxed);
             }
         }
@@ -213,9 +216,10 @@ impl NodeHold {
 
 impl Drop for NodeHold {
     fn drop(&mut self) {
-        self.held[self.index].fetch_sub(1, Ordering::Relaxed);
+        let room = &self.rooms[self.index];
+        room.held.fetch_sub(1, Ordering::Relaxed);
         if self.given_up {
-            self.abandoned[self.index].fetch_sub(1, Ordering::Relaxed);
+            room.abandoned.fetch_sub(1, Ordering::Relaxed);
         }
     }
 }
