@@ -126,7 +126,9 @@ impl QuotaUsage {
 /// skip rule, a request without a subject let through) has no entries.
 ///
 /// Quota layers insert it into the request's extensions; with the `axum`
-/// feature it is an extractor. It is also how the layers recognise a
+/// feature it is an extractor (answering 500 with `MissingQuotaStatus`
+/// behind no quota layer; `Option<QuotaStatus>` answers `None` there
+/// instead). It is also how the layers recognise a
 /// request they already charged: a request built with another request's
 /// extensions (a sub-request of a batch endpoint) passes those layers
 /// uncharged, and a refusal or a drop inside it leaves the request's charge
@@ -890,7 +892,7 @@ impl Line {
 
 #[cfg(feature = "axum")]
 mod axum_impl {
-    use axum_core::extract::FromRequestParts;
+    use axum_core::extract::{FromRequestParts, OptionalFromRequestParts};
     use axum_core::response::{IntoResponse, Response};
     use http::request::Parts;
     use http::StatusCode;
@@ -932,6 +934,20 @@ mod axum_impl {
                 .get::<QuotaStatus>()
                 .cloned()
                 .ok_or(MissingQuotaStatus)
+        }
+    }
+
+    /// `Option<QuotaStatus>`: `None` for a handler no quota layer is in
+    /// front of, for one handler served both behind a quota layer and
+    /// without one.
+    impl<S: Send + Sync> OptionalFromRequestParts<S> for QuotaStatus {
+        type Rejection = std::convert::Infallible;
+
+        async fn from_request_parts(
+            parts: &mut Parts,
+            _state: &S,
+        ) -> Result<Option<Self>, Self::Rejection> {
+            Ok(parts.extensions.get::<QuotaStatus>().cloned())
         }
     }
 }

@@ -1602,6 +1602,51 @@ async fn client_ip_without_the_peers_address_is_the_servers_mistake() {
     }
 }
 
+/// The `QuotaStatus` extractor behind no quota layer: a setup mistake,
+/// answered 500 as a problem document; `Option<QuotaStatus>` serves one
+/// handler with a layer in front and without one.
+#[tokio::test]
+async fn the_status_extractor_behind_no_layer_is_a_500_and_optional_is_none() {
+    let get_root = || {
+        Request::get("/")
+            .header("x-account-id", "acme")
+            .body(Body::empty())
+            .unwrap()
+    };
+
+    let app = Router::new().route("/", get(|_: QuotaStatus| async { "hello" }));
+    let response = app.oneshot(get_root()).await.unwrap();
+    assert_eq!(response.status(), StatusCode::INTERNAL_SERVER_ERROR);
+    assert_eq!(
+        response.headers()["content-type"],
+        "application/problem+json"
+    );
+
+    let optional = |status: Option<QuotaStatus>| async move {
+        match status {
+            Some(status) => format!("{} left", status.entries()[0].remaining()),
+            None => "no quota".to_owned(),
+        }
+    };
+    let bare = Router::new().route("/", get(optional));
+    let response = bare.oneshot(get_root()).await.unwrap();
+    assert_eq!(response.status(), StatusCode::OK);
+    assert_eq!(
+        response.into_body().collect().await.unwrap().to_bytes(),
+        "no quota"
+    );
+
+    let counted = Router::new()
+        .route("/", get(optional))
+        .layer(QuotaLayer::daily(10, FromHeader::account("x-account-id")));
+    let response = counted.oneshot(get_root()).await.unwrap();
+    assert_eq!(response.status(), StatusCode::OK);
+    assert_eq!(
+        response.into_body().collect().await.unwrap().to_bytes(),
+        "9 left"
+    );
+}
+
 /// A store chosen at start-up (`EitherStore`) counts as the store it holds,
 /// over HTTP: exactly the limit, then a 429, whichever it is.
 #[tokio::test]
