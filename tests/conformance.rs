@@ -102,7 +102,7 @@ mod redis {
         a_charge_past_its_period_is_an_error,
         changes_by_the_reported_first_call_land,
         changes_made_before_a_counter_do_not_land,
-        refunds_made_at_a_first_call_land_on_that_counter_only,
+        changes_made_at_a_first_call_land_on_that_counter_only,
         give_backs_that_empty_a_first_use_counter_close_its_period,
         each_call_answers_as_documented,
         changes_to_an_ended_counter_do_not_land,
@@ -187,6 +187,9 @@ mod broken {
         /// Refunds a block's units to whatever counter was made by its
         /// first call: the trait's default of `refund_made_at`.
         refunds_at_as_by: bool,
+        /// Adds a deferred cost to whatever counter was made by the first
+        /// call its charge reported: the trait's default of `add_made_at`.
+        adds_at_as_by: bool,
         /// Keeps a first-use counter that a give-back at its first call
         /// emptied: the trait's default of `refund_made_at`.
         keeps_emptied: bool,
@@ -702,6 +705,28 @@ mod broken {
             std::future::ready(Ok(added))
         }
 
+        fn add_made_at(
+            &self,
+            now: Timestamp,
+            key: PeriodKey,
+            amount: u64,
+            first_call: Timestamp,
+        ) -> impl Future<Output = Result<Option<u64>, StoreError>> + Send {
+            let live = self.live_made(&key, now);
+            let another = if self.bugs.adds_at_as_by {
+                self.made_after(&key, now, first_call)
+            } else {
+                live.and_then(|c| c.first_call)
+                    .is_some_and(|first| first != first_call)
+            };
+            let added = if another {
+                None
+            } else {
+                self.add_found(live, now, key, amount)
+            };
+            std::future::ready(Ok(added))
+        }
+
         fn add(
             &self,
             now: Timestamp,
@@ -1059,7 +1084,20 @@ mod broken {
             refunds_at_as_by: true,
             ..Bugs::default()
         });
-        testing::refunds_made_at_a_first_call_land_on_that_counter_only(&store).await;
+        testing::changes_made_at_a_first_call_land_on_that_counter_only(&store).await;
+    }
+
+    /// A store that adds a deferred cost to whatever counter was made by
+    /// the first call its charge reported charges a counter made since by
+    /// an earlier charge, after a reset, for a request it never admitted.
+    #[tokio::test]
+    #[should_panic(expected = "an add made at another counter's first call")]
+    async fn a_deferred_cost_on_a_counter_made_earlier_since_is_caught() {
+        let store = Buggy::with(Bugs {
+            adds_at_as_by: true,
+            ..Bugs::default()
+        });
+        testing::changes_made_at_a_first_call_land_on_that_counter_only(&store).await;
     }
 
     /// A store that keeps a first-use counter that a give-back emptied

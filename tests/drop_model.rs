@@ -153,6 +153,16 @@ impl<St: Store> Store for Slow<St> {
         let inner = self.inner.clone();
         self.late(async move { inner.add_made_by(now, key, amount, made_by).await })
     }
+    fn add_made_at(
+        &self,
+        now: Timestamp,
+        key: PeriodKey,
+        amount: u64,
+        first_call: Timestamp,
+    ) -> impl Future<Output = Result<Option<u64>, StoreError>> + Send {
+        let inner = self.inner.clone();
+        self.late(async move { inner.add_made_at(now, key, amount, first_call).await })
+    }
     fn reset(&self, key: PeriodKey) -> impl Future<Output = Result<bool, StoreError>> + Send {
         let inner = self.inner.clone();
         self.late(async move { inner.reset(key).await })

@@ -416,14 +416,16 @@ async fn a_give_back_the_store_never_sent_is_sent_again_when_it_is_back() {
 }
 
 /// Serves `/slow` (answering `slow` once released) through `layer` while
-/// support resets the subject and its next request, a second later, makes
-/// the counter anew; checks that the new counter holds that request's own
-/// charge only once `/slow` answered.
+/// support resets the subject and its next request, `after` later (earlier
+/// when negative: an instance whose clock is behind, a request that
+/// waited), makes the counter anew; checks that the new counter holds that
+/// request's own charge only once `/slow` answered.
 async fn served_across_a_reset<R>(
     policy: &QuotaPolicy<FromHeader>,
     clock: &ManualClock,
     layer: tower_quota::QuotaLayer<FromHeader>,
     slow: R,
+    after: tower_quota::jiff::SignedDuration,
 ) where
     R: axum::response::IntoResponse + Clone + Send + Sync + 'static,
 {
@@ -450,7 +452,7 @@ async fn served_across_a_reset<R>(
         .reset(&Subject::account("acme"))
         .await
         .unwrap();
-    clock.advance(tower_quota::jiff::SignedDuration::from_secs(1));
+    clock.advance(after);
     let response = app.clone().oneshot(call("/")).await.unwrap();
     assert_eq!(response.status(), StatusCode::OK);
     assert_eq!(used(policy, "default-day").await, 1);
@@ -465,7 +467,8 @@ async fn served_across_a_reset<R>(
 
 /// A request's charge goes back to the counter it was charged to only: a
 /// support reset while it was served, and a charge that made the counter
-/// anew, leave the new counter as it is when the request fails.
+/// anew (after the request, or before it by a clock behind), leave the new
+/// counter as it is when the request fails.
 #[tokio::test]
 async fn a_give_back_after_a_reset_leaves_the_new_counter_alone() {
     let clock = ManualClock::new(NOW.parse().unwrap());
@@ -474,13 +477,23 @@ async fn a_give_back_after_a_reset_leaves_the_new_counter_alone() {
         .refund_server_errors(true)
         .build();
     let layer = policy.layer(Quota::daily(10));
-    served_across_a_reset(&policy, &clock, layer, StatusCode::INTERNAL_SERVER_ERROR).await;
+    for after in [1, -1] {
+        let after = tower_quota::jiff::SignedDuration::from_secs(after);
+        let slow = StatusCode::INTERNAL_SERVER_ERROR;
+        served_across_a_reset(&policy, &clock, layer.clone(), slow, after).await;
+        policy
+            .handle()
+            .reset(&Subject::account("acme"))
+            .await
+            .unwrap();
+    }
 }
 
 /// A deferred cost's rest goes to the counter the request was charged to
 /// only: a support reset while it was served, and a charge that made the
 /// counter anew, leave the new counter as it is when the cost is known (50
-/// here, where the new counter's request cost 1).
+/// here, where the new counter's request cost 1), whether that charge was
+/// made after the request or, by a clock behind, before it.
 #[tokio::test]
 async fn a_deferred_cost_after_a_reset_leaves_the_new_counter_alone() {
     let clock = ManualClock::new(NOW.parse().unwrap());
@@ -496,7 +509,15 @@ async fn a_deferred_cost_after_a_reset_leaves_the_new_counter_alone() {
                 .and_then(|v| v.to_str().ok()?.parse().ok())
                 .unwrap_or(1)
         });
-    served_across_a_reset(&policy, &clock, layer, [("x-cost", "50")]).await;
+    for after in [1, -1] {
+        let after = tower_quota::jiff::SignedDuration::from_secs(after);
+        served_across_a_reset(&policy, &clock, layer.clone(), [("x-cost", "50")], after).await;
+        policy
+            .handle()
+            .reset(&Subject::account("acme"))
+            .await
+            .unwrap();
+    }
 }
 
 /// An inner service whose `call` panics.

@@ -231,6 +231,24 @@ impl Store for Jitter {
         tokio::time::sleep(after).await;
         answer
     }
+    async fn add_made_at(
+        &self,
+        now: Timestamp,
+        key: PeriodKey,
+        amount: u64,
+        first_call: Timestamp,
+    ) -> Result<Option<u64>, StoreError> {
+        let (before, after) = (self.delay(), self.delay());
+        tokio::time::sleep(before).await;
+        let k = key.as_str().to_owned();
+        let answer = self.inner.add_made_at(now, key, amount, first_call).await;
+        trace!(
+            "{:?} store add_made_at {k} {amount} at {first_call} -> {answer:?}",
+            self.start.elapsed()
+        );
+        tokio::time::sleep(after).await;
+        answer
+    }
     async fn reset(&self, key: PeriodKey) -> Result<bool, StoreError> {
         let (before, after) = (self.delay(), self.delay());
         tokio::time::sleep(before).await;
@@ -355,6 +373,24 @@ async fn give_back<St: Store>(
             store.refund_made_at(now, key, line.cost, first).await
         }
         _ => store.refund_made_by(now, key, line.cost, by).await,
+    }
+}
+
+/// Adds a unit to `line`'s counter as the layer adds a deferred cost: to
+/// the counter `give_back` would give the line's cost back to.
+async fn add_one<St: Store>(
+    store: &St,
+    now: Timestamp,
+    line: &ChargeLine,
+    usage: &Usage,
+    by: Timestamp,
+) -> Result<Option<u64>, StoreError> {
+    let key = line.key.clone();
+    match usage.first_call {
+        Some(first) if usage.counted_at.is_none_or(|counted| first <= counted) => {
+            store.add_made_at(now, key, 1, first).await
+        }
+        _ => store.add_made_by(now, key, 1, by).await,
     }
 }
 
@@ -556,7 +592,7 @@ async fn run(seed: u64, steps: usize, mix: Mix) -> Vec<String> {
                     let by = made_by(&usage, charged_at);
                     let id = counter_of(&line, &usage);
                     if add {
-                        if let Ok(Some(_)) = store.add_made_by(now, line.key.clone(), 1, by).await {
+                        if let Ok(Some(_)) = add_one(&store, now, &line, &usage, by).await {
                             // A line that named no counter (a cost of
                             // nothing, answered before any counter was
                             // made) adds to whichever counter was made by
@@ -819,6 +855,10 @@ fn seeds_that_found_defects() {
         adds: true,
         resets,
     };
+    // A deferred cost added by the first call its charge reported, after a
+    // reset, to a counter made since by an earlier-stamped charge.
+    runs(2018..2019, mix(true));
+    runs(2126..2127, mix(true));
     // A block held when a later answer told of no counter (the store
     // applied that charge first), dropped.
     runs(830..831, mix(false));

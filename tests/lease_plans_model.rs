@@ -223,6 +223,15 @@ impl Store for Jitter {
     ) -> Result<Option<u64>, StoreError> {
         self.inner.add_made_by(now, key, amount, made_by).await
     }
+    async fn add_made_at(
+        &self,
+        now: Timestamp,
+        key: PeriodKey,
+        amount: u64,
+        first_call: Timestamp,
+    ) -> Result<Option<u64>, StoreError> {
+        self.inner.add_made_at(now, key, amount, first_call).await
+    }
     async fn reset(&self, key: PeriodKey) -> Result<bool, StoreError> {
         tokio::time::sleep(self.delay()).await;
         let answer = self.inner.reset(key).await;

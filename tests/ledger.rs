@@ -802,6 +802,15 @@ impl Store for Gate {
     ) -> Result<Option<u64>, StoreError> {
         self.inner.add_made_by(now, key, amount, made_by).await
     }
+    async fn add_made_at(
+        &self,
+        now: Timestamp,
+        key: PeriodKey,
+        amount: u64,
+        first_call: Timestamp,
+    ) -> Result<Option<u64>, StoreError> {
+        self.inner.add_made_at(now, key, amount, first_call).await
+    }
     fn reset(&self, key: PeriodKey) -> impl Future<Output = Result<bool, StoreError>> + Send {
         let fail = self.resets_fail.load(Ordering::SeqCst);
         let late = self.resets_late.load(Ordering::SeqCst);

@@ -368,6 +368,18 @@ impl Store for Flaky {
             s.add_made_by(now, key, amount, made_by).await
         })
     }
+    fn add_made_at(
+        &self,
+        now: Timestamp,
+        key: PeriodKey,
+        amount: u64,
+        first_call: Timestamp,
+    ) -> impl Future<Output = Result<Option<u64>, StoreError>> + Send {
+        let what = format!("add_made_at {:?}", (now, key.as_str(), amount));
+        self.change(what, move |s| async move {
+            s.add_made_at(now, key, amount, first_call).await
+        })
+    }
     fn settle_debt(
         &self,
         now: Timestamp,

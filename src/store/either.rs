@@ -184,6 +184,19 @@ impl<A: Store, B: Store> Store for EitherStore<A, B> {
         }
     }
 
+    async fn add_made_at(
+        &self,
+        now: Timestamp,
+        key: PeriodKey,
+        amount: u64,
+        first_call: Timestamp,
+    ) -> Result<Option<u64>, StoreError> {
+        match self {
+            Self::Left(store) => store.add_made_at(now, key, amount, first_call).await,
+            Self::Right(store) => store.add_made_at(now, key, amount, first_call).await,
+        }
+    }
+
     async fn settle_debt(&self, now: Timestamp, debt: Debt) -> Result<Option<u64>, StoreError> {
         match self {
             Self::Left(store) => store.settle_debt(now, debt).await,

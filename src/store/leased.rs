@@ -3546,6 +3546,23 @@ impl<St: Store> Store for LeasedStore<St> {
         Ok(self.told(&key, result, sent))
     }
 
+    /// Adds `amount` in the store, to the counter whose first call was
+    /// `first_call` only.
+    async fn add_made_at(
+        &self,
+        now: Timestamp,
+        key: PeriodKey,
+        amount: u64,
+        first_call: Timestamp,
+    ) -> Result<Option<u64>, StoreError> {
+        let sent = self.shared.next_sent();
+        let result = self
+            .inner
+            .add_made_at(now, key.clone(), amount, first_call)
+            .await?;
+        Ok(self.told(&key, result, sent))
+    }
+
     /// Settles `debt` in the store (a settle never checks a limit, so it
     /// takes nothing from a block, as an add).
     async fn settle_debt(&self, now: Timestamp, debt: Debt) -> Result<Option<u64>, StoreError> {

@@ -1229,6 +1229,21 @@ impl Store for MemoryStore {
         )))
     }
 
+    fn add_made_at(
+        &self,
+        now: Timestamp,
+        key: PeriodKey,
+        amount: u64,
+        first_call: Timestamp,
+    ) -> impl Future<Output = Result<Option<u64>, StoreError>> + Send {
+        ready(Ok(self.change_live_made(
+            now,
+            &key,
+            Made::At(first_call),
+            |used| used.saturating_add(amount),
+        )))
+    }
+
     fn reset(&self, key: PeriodKey) -> impl Future<Output = Result<bool, StoreError>> + Send {
         let mut shard = lock(&self.inner.shards[self.shard_of(&key)]);
         ready(Ok(shard.remove(key.as_str())))

@@ -107,6 +107,9 @@
 //!     fn add_made_by(&self, now: Timestamp, key: PeriodKey, amount: u64, made_by: Timestamp) -> impl Future<Output = Result<Option<u64>, StoreError>> + Send {
 //!         self.inner.add_made_by(now, key, amount, made_by)
 //!     }
+//!     fn add_made_at(&self, now: Timestamp, key: PeriodKey, amount: u64, first_call: Timestamp) -> impl Future<Output = Result<Option<u64>, StoreError>> + Send {
+//!         self.inner.add_made_at(now, key, amount, first_call)
+//!     }
 //!     fn reset(&self, key: PeriodKey) -> impl Future<Output = Result<bool, StoreError>> + Send {
 //!         self.inner.reset(key)
 //!     }
@@ -466,8 +469,8 @@ impl Made {
         }
     }
 
-    /// Adds `amount` to the counter at `key` made by this instant (an add
-    /// has no exact form: it never deletes, so the first call does).
+    /// Adds `amount` to the counter at `key` that this names, with the
+    /// store's add for it.
     pub(crate) async fn add<St: Store>(
         self,
         store: &St,
@@ -477,7 +480,8 @@ impl Made {
     ) -> Result<Option<u64>, StoreError> {
         match self {
             Made::Any => store.add(now, key, amount).await,
-            Made::By(by) | Made::At(by) => store.add_made_by(now, key, amount, by).await,
+            Made::By(by) => store.add_made_by(now, key, amount, by).await,
+            Made::At(at) => store.add_made_at(now, key, amount, at).await,
         }
     }
 }
@@ -796,6 +800,25 @@ pub trait Store: Clone + Send + Sync + 'static {
     ) -> impl Future<Output = Result<Option<u64>, StoreError>> + Send {
         let _ = made_by;
         self.add(now, key, amount)
+    }
+
+    /// As [`Store::add_made_by`], only to the counter whose first call was
+    /// `first_call`, exactly as the store reported it ([`Usage::first_call`]):
+    /// never to one made since with an earlier first call (after a support
+    /// reset, by a charge stamped earlier: an instance whose clock is
+    /// behind, a request that waited), which answers `None` and is left as
+    /// it is. What the layer adds once a deferred cost is known, as
+    /// [`Store::refund_made_at`] is what it gives back. The default adds as
+    /// `add_made_by(now, key, amount, first_call)` does; [`MemoryStore`]
+    /// and the Redis store check the first call.
+    fn add_made_at(
+        &self,
+        now: Timestamp,
+        key: PeriodKey,
+        amount: u64,
+        first_call: Timestamp,
+    ) -> impl Future<Output = Result<Option<u64>, StoreError>> + Send {
+        self.add_made_by(now, key, amount, first_call)
     }
 
     /// Adds `debt.amount` to the counter at `debt.key` without checking its

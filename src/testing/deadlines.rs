@@ -1022,19 +1022,22 @@ pub async fn changes_made_before_a_counter_do_not_land<S: ConformanceHooks>(stor
     Verdict::Passed
 }
 
-/// A refund made at a counter's first call
-/// ([`Store::refund_made_at`](crate::store::Store::refund_made_at)) lands
-/// on that counter, and on no other: not on one made after a support reset
-/// by a charge stamped earlier (an instance whose clock is behind, a
-/// request that waited), whose first call is before the old one's. A
+/// A refund or an add made at a counter's first call
+/// ([`Store::refund_made_at`](crate::store::Store::refund_made_at),
+/// [`Store::add_made_at`](crate::store::Store::add_made_at)) lands on that
+/// counter, and on no other: not on one made after a support reset by a
+/// charge stamped earlier (an instance whose clock is behind, a request
+/// that waited), whose first call is before the old one's. A
 /// [`LeasedStore`](crate::store::LeasedStore) gives the unused units of its
-/// blocks back so; a store that refunds any counter made by that instant
-/// would take them off the new counter, whose requests were served.
+/// blocks back so, and the layer adds a deferred cost so; a store that
+/// changes any counter made by that instant would take units off the new
+/// counter, whose requests were served, or charge it for a request it
+/// never admitted.
 ///
 /// # Panics
 ///
 /// When the store breaks the rule, or fails to answer.
-pub async fn refunds_made_at_a_first_call_land_on_that_counter_only<S: ConformanceHooks>(
+pub async fn changes_made_at_a_first_call_land_on_that_counter_only<S: ConformanceHooks>(
     store: &S,
 ) -> Verdict {
     let mut time = Timeline::new(store.expiry());
@@ -1059,6 +1062,15 @@ pub async fn refunds_made_at_a_first_call_land_on_that_counter_only<S: Conforman
         Some(2),
         "a refund made at the reported first call must land on that counter"
     );
+    let added = answered(
+        store.add_made_at(made, key.clone(), 1, first_call).await,
+        "add",
+    );
+    assert_eq!(
+        added,
+        Some(3),
+        "an add made at the reported first call must land on that counter"
+    );
     answered(store.reset(key.clone()).await, "reset");
     // Made again by a charge stamped before the old counter's first call.
     let earlier = made - SignedDuration::from_millis(20);
@@ -1080,6 +1092,14 @@ pub async fn refunds_made_at_a_first_call_land_on_that_counter_only<S: Conforman
     assert_eq!(
         refunded, None,
         "a refund made at another counter's first call must not land on this one"
+    );
+    let added = answered(
+        store.add_made_at(made, key.clone(), 1, first_call).await,
+        "add",
+    );
+    assert_eq!(
+        added, None,
+        "an add made at another counter's first call must not land on this one"
     );
     let now = peek(store, made, vec![first_use(&key, 10, 0, made + period)]).await;
     assert_eq!(

@@ -44,9 +44,10 @@
 //! - [`changes_made_before_a_counter_do_not_land`]: a refund or an add made
 //!   by an instant before the counter was made (a request charged before
 //!   a support reset) leaves the counter made since as it is.
-//! - [`refunds_made_at_a_first_call_land_on_that_counter_only`]: a refund
-//!   made at a counter's first call (a leased block given back) lands on
-//!   that counter, not on one made since with an earlier first call.
+//! - [`changes_made_at_a_first_call_land_on_that_counter_only`]: a refund
+//!   or an add made at a counter's first call (a leased block given back,
+//!   a deferred cost) lands on that counter, not on one made since with an
+//!   earlier first call.
 //! - [`give_backs_that_empty_a_first_use_counter_close_its_period`]: a first-use
 //!   counter given back all it holds at its first call leaves no period
 //!   open (a rolling period runs from the first request that spends); a
@@ -117,12 +118,12 @@ pub use self::charges::{
 pub use self::deadlines::{
     a_first_use_counter_ends_at_its_deadline, a_late_charge_finds_its_spent_counter,
     add_never_creates_nor_moves_a_deadline, calendar_counters_are_distinct_per_period_and_dated,
-    changes_by_the_reported_first_call_land, changes_made_before_a_counter_do_not_land,
-    changes_to_an_ended_counter_do_not_land,
+    changes_by_the_reported_first_call_land,
+    changes_made_at_a_first_call_land_on_that_counter_only,
+    changes_made_before_a_counter_do_not_land, changes_to_an_ended_counter_do_not_land,
     give_backs_that_empty_a_first_use_counter_close_its_period,
     hits_never_extend_a_first_use_deadline, refund_after_expiry_does_not_resurrect,
-    refunds_made_at_a_first_call_land_on_that_counter_only, settle_debt_keeps_to_the_debts_period,
-    undated_counter_is_healed,
+    settle_debt_keeps_to_the_debts_period, undated_counter_is_healed,
 };
 pub use self::hooks::{ConformanceHooks, Expiry, Planted, StoredDeadline, Verdict};
 
@@ -194,8 +195,8 @@ pub async fn run_all<S: ConformanceHooks>(store: &S) -> Vec<(&'static str, Verdi
             changes_made_before_a_counter_do_not_land(store).await,
         ),
         (
-            "refunds_made_at_a_first_call_land_on_that_counter_only",
-            refunds_made_at_a_first_call_land_on_that_counter_only(store).await,
+            "changes_made_at_a_first_call_land_on_that_counter_only",
+            changes_made_at_a_first_call_land_on_that_counter_only(store).await,
         ),
         (
             "give_backs_that_empty_a_first_use_counter_close_its_period",

@@ -1194,6 +1194,17 @@ impl Store for RedisStore {
             .change_live("a", now, key, amount, Made::By(made_by), "an add")
     }
 
+    fn add_made_at(
+        &self,
+        now: Timestamp,
+        key: PeriodKey,
+        amount: u64,
+        first_call: Timestamp,
+    ) -> impl Future<Output = Result<Option<u64>, StoreError>> + Send {
+        self.clone()
+            .change_live("a", now, key, amount, Made::At(first_call), "an add")
+    }
+
     fn reset(&self, key: PeriodKey) -> impl Future<Output = Result<bool, StoreError>> + Send {
         let store = self.clone();
         async move {
