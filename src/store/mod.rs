@@ -339,14 +339,13 @@ pub struct Usage {
     /// ([`Store::settle_debt`]). `None` when no period is open, or from a
     /// store that does not date its counters.
     ///
-    /// The layer gives a request's charge back only to the counter whose
-    /// first call this is ([`Store::refund_made_at`]; but for a leased
+    /// The layer gives a request's charge back, and adds its deferred
+    /// cost, only to the counter whose first call this is
+    /// ([`Store::refund_made_at`], [`Store::add_made_at`]; but for a leased
     /// block's charge, when this is later than
     /// [`counted_at`](Self::counted_at): then to a counter made by that
-    /// instant), and adds its deferred cost only to a counter made by this
-    /// instant ([`Store::add_made_by`]): a store reports exactly the instant
-    /// it compares there (not one rounded down from it), or the request's
-    /// give-back is refused.
+    /// instant): a store reports exactly the instant it compares there (not
+    /// one rounded down from it), or the request's give-back is refused.
     pub first_call: Option<Timestamp>,
     /// With leased counting ([`LeasedStore`]), in a refusal: when the
     /// unused units that other instances hold of this counter are expected
