@@ -43,7 +43,7 @@
 //! is counted and reported but never refuses. With `--zone-header NAME`,
 //! each caller's calendar days (weeks, months) turn at midnight in the IANA
 //! zone its `NAME` header names (absent: `--tz`; unknown or malformed: 400,
-//! nothing charged). A demonstration: each zone has counters of its own, so
+//! nothing charged; not the subject's header nor `x-plan`). A demonstration: each zone has counters of its own, so
 //! a client that chooses its zone can spend a day's allowance in each; a
 //! real API reads the zone from the authenticated account.
 //!
@@ -429,6 +429,14 @@ fn parse_args() -> Options {
     }
     if options.zone_header.is_some() && (options.anchor == Anchor::FirstUse || !calendar_period) {
         fail("--zone-header sets where each caller's calendar days turn: it needs --anchor calendar and a calendar --period (1m, 1h, 1d, 1w, 1mo)");
+    }
+    if let Some(header) = &options.zone_header {
+        let taken = [options.subject.header_name().as_str(), "x-plan"];
+        if taken.contains(&header.as_str()) {
+            fail(&format!(
+                "--zone-header {header}: the server reads that header for something else (the subject, or the plan)"
+            ));
+        }
     }
     options
 }

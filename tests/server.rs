@@ -227,7 +227,7 @@ fn demo_server_refuses_bad_flags() {
 /// Flags whose meaning would be silently other than written: each refused
 /// with exit code 2 and the message `told`.
 #[test]
-fn demo_server_refuses_a_flag_given_twice_or_a_plan_no_request_can_name() {
+fn demo_server_refuses_flags_whose_meaning_would_be_other_than_written() {
     for (args, told) in [
         // The server reads an `x-plan` value that is not visible ASCII as
         // no plan it knows: a plan named so could never be chosen, every
@@ -248,6 +248,20 @@ fn demo_server_refuses_a_flag_given_twice_or_a_plan_no_request_can_name() {
         (
             &["--admin-token", "s3cret", "--admin-token-file", "/dev/null"],
             "--admin-token and --admin-token-file are given",
+        ),
+        // A zone read from the subject's header, or the plan's: every
+        // request would be a 400.
+        (
+            &["--zone-header", "X-Account-Id"],
+            "the server reads that header for something else",
+        ),
+        (
+            &["--subject", "user", "--zone-header", "x-user-id"],
+            "the server reads that header for something else",
+        ),
+        (
+            &["--zone-header", "x-plan"],
+            "the server reads that header for something else",
         ),
     ] {
         // Each of these starts a server where the flag is not refused:
