@@ -20,7 +20,8 @@ use jiff::SignedDuration;
 pub async fn hits_never_extend_a_first_use_deadline<S: ConformanceHooks>(store: &S) -> Verdict {
     let mut time = Timeline::new(store.expiry());
     let period = time.period();
-    let key = fresh_key("first-use");
+    let keys = Keys::new();
+    let key = keys.key("first-use");
     let t0 = time.now();
     let deadline = t0 + period;
 
@@ -109,6 +110,39 @@ pub async fn hits_never_extend_a_first_use_deadline<S: ConformanceHooks>(store: 
         deadline,
         "a refund must not move the deadline",
     );
+
+    // A hit of a request with two quotas (a store's path for several lines
+    // may be its own).
+    let beside = keys.key("first-use-beside");
+    let both = charge(
+        store,
+        time.now(),
+        vec![
+            first_use(&key, 100, 1, time.now() + period),
+            first_use(&beside, 100, 1, time.now() + period),
+        ],
+    )
+    .await;
+    assert!(both.0, "a charge with room must be admitted");
+    assert_eq!(both.1[0].used, 2, "a later hit adds to the open period");
+    time.assert_near(
+        both.1[0].resets_at,
+        deadline,
+        "a later hit of a request with two quotas must not move the first-use deadline",
+    );
+    time.assert_near_opt(
+        both.1[0].first_call,
+        t0,
+        "a later hit of a request with two quotas keeps the first call",
+    );
+    expect_deadline(
+        store,
+        &time,
+        &key,
+        deadline,
+        "after a later hit of a request with two quotas",
+    )
+    .await;
 
     time.pass_beyond(deadline).await;
     let after = peek(
@@ -956,6 +990,26 @@ pub async fn changes_by_the_reported_first_call_land<S: ConformanceHooks>(store:
             Some(1),
             "a refund made at a calendar counter's reported first call must land on it"
         );
+        // All it holds given back: a calendar counter's period is its
+        // window, and the counter stays, its first call as it was.
+        let refunded = answered(
+            store
+                .refund_made_at(later, daily.clone(), 1, first_call)
+                .await,
+            "refund",
+        );
+        assert_eq!(
+            refunded,
+            Some(0),
+            "a refund made at a calendar counter's reported first call must land on it"
+        );
+        let peeked = peek(store, later, vec![calendar_line(&daily, 10, 0, start, end)]).await;
+        assert_eq!(
+            (peeked[0].used, peeked[0].first_call),
+            (0, Some(first_call)),
+            "a give-back of all a calendar counter holds must leave it, its first call as it was: \
+             only a first-use counter's period closes so"
+        );
     }
     Verdict::Passed
 }
@@ -1116,7 +1170,8 @@ pub async fn changes_made_at_a_first_call_land_on_that_counter_only<S: Conforman
 /// not from one refused further in or given back as a server error. A
 /// refund of another kind that empties the counter (a support refund), and
 /// a give-back of more than it holds, leave it live, its deadline as it
-/// was.
+/// was; an add (a deferred cost) is no such refund: a give-back of all a
+/// counter holds after one still closes its period.
 ///
 /// # Panics
 ///
@@ -1205,6 +1260,55 @@ pub async fn give_backs_that_empty_a_first_use_counter_close_its_period<S: Confo
         "a give-back of all the counter holds, after a support refund lowered it",
     )
     .await;
+
+    // A deferred cost added to a request's charge, then all of it given
+    // back: an add lowers nothing and marks nothing, and the period closes.
+    let added = fresh_key("emptied-after-an-add");
+    let charged = charge(
+        store,
+        served,
+        vec![first_use(&added, 10, 1, served + period)],
+    )
+    .await;
+    assert!(
+        charged.0,
+        "a first charge on an empty counter must be admitted"
+    );
+    let first_call = charged.1[0].first_call.unwrap_or(served);
+    let sum = answered(
+        store
+            .add_made_by(served, added.clone(), 2, first_call)
+            .await,
+        "add",
+    );
+    assert_eq!(
+        sum,
+        Some(3),
+        "an add made by the reported first call must land on that counter"
+    );
+    let refunded = answered(
+        store
+            .refund_made_at(served, added.clone(), 3, first_call)
+            .await,
+        "refund",
+    );
+    assert_eq!(
+        refunded,
+        Some(0),
+        "a give-back that empties the counter answers what it holds"
+    );
+    let now = peek(
+        store,
+        served,
+        vec![first_use(&added, 10, 0, served + period)],
+    )
+    .await;
+    assert_eq!(
+        (now[0].used, now[0].first_call),
+        (0, None),
+        "a first-use counter emptied by a give-back at its first call leaves no period open, \
+         after an add too: an add is no refund of another kind"
+    );
     Verdict::Passed
 }
 
@@ -1414,7 +1518,9 @@ pub async fn changes_to_an_ended_counter_do_not_land<S: ConformanceHooks>(store:
 /// finds no period open; a refund, an add, a give-back at its first call,
 /// a refund or an add made by it, and a settle of a debt whose period
 /// ends then (first use, or a calendar window) find no counter, change
-/// nothing and create nothing; and a charge opens a new period.
+/// nothing and create nothing; a settle of a debt of the next period
+/// opens that period, adding nothing to the counter that ended; and a
+/// charge opens a new period.
 ///
 /// Only for a store whose deadlines follow the calls
 /// ([`Expiry::FollowsRequests`]): the suite cannot call a store on its own
@@ -1434,12 +1540,26 @@ pub async fn a_first_use_counter_ends_at_its_deadline<S: ConformanceHooks>(store
     let key = fresh_key("at-its-deadline");
     let t0 = time.now();
     let deadline = t0 + period;
+    // A key charged often: a store that keeps part of a subject's
+    // allowance at hand (a leased block) holds some of it at the deadline.
+    let busy = fresh_key("busy-at-its-deadline");
+    let roomy = 1_000_000;
+    for _ in 0..2_000 {
+        charge(store, t0, vec![first_use(&busy, roomy, 1, deadline)]).await;
+    }
     let first = charge(store, t0, vec![first_use(&key, 2, 2, deadline)]).await;
     assert!(
         first.0,
         "a first charge on an empty counter must be admitted"
     );
     let made = first.1[0].first_call.unwrap_or(t0);
+    // A second counter of the same period, for a debt of the next one.
+    let next = fresh_key("settled-at-its-deadline");
+    let second = charge(store, t0, vec![first_use(&next, 2, 2, deadline)]).await;
+    assert!(
+        second.0,
+        "a first charge on an empty counter must be admitted"
+    );
     time.pass(deadline.duration_since(t0)).await;
     let at = time.now();
     assert_eq!(at, deadline);
@@ -1504,6 +1624,28 @@ pub async fn a_first_use_counter_ends_at_its_deadline<S: ConformanceHooks>(store
         _ => {}
     }
 
+    // A debt of the period that opens at that instant: the counter that
+    // ended takes none of it, the settle opens the debt's own period.
+    let debt = Debt {
+        key: next.clone(),
+        amount: 1,
+        lifetime: Lifetime::FirstUse {
+            deadline: at + period,
+        },
+        since: at,
+    };
+    assert_eq!(
+        settle(store, at, debt).await,
+        Some(1),
+        "a first-use counter ends at its deadline: a settle at that instant of a debt of the next period must open that period, from zero"
+    );
+    let peeked = peek(store, at, vec![first_use(&next, 2, 0, at + period)]).await;
+    assert_eq!(
+        (peeked[0].used, peeked[0].resets_at),
+        (1, at + period),
+        "a first-use counter ends at its deadline: a debt settled at that instant must land in the period it opens, never on the counter that ended"
+    );
+
     // A calendar window's debt, settled at the window's end.
     let window = fresh_key("settled-at-its-end");
     let (start, end) = (at - period, at);
@@ -1544,6 +1686,17 @@ pub async fn a_first_use_counter_ends_at_its_deadline<S: ConformanceHooks>(store
             "a period opened at the old deadline records that instant as its first call"
         );
     }
+    // Nothing held of the ended period serves a charge at that instant.
+    let next = charge(store, at, vec![first_use(&busy, roomy, 1, at + period)]).await;
+    assert!(
+        next.0,
+        "a first-use counter ends at its deadline: a charge at that instant must open a new period"
+    );
+    assert_eq!(
+        (next.1[0].used, next.1[0].resets_at),
+        (1, at + period),
+        "a first-use counter ends at its deadline: a charge at that instant must be counted in a new period, never on what was held of the ended one"
+    );
     Verdict::Passed
 }
 

@@ -53,7 +53,7 @@
 //!   open (a rolling period runs from the first request that spends); a
 //!   support refund that empties it, a give-back of more than it holds or
 //!   of nothing, and any give-back after a support refund lowered it leave
-//!   its period as it was.
+//!   its period as it was; one after an add (a deferred cost) closes it.
 //! - [`each_call_answers_as_documented`]: a charge over its limit or of
 //!   nothing creates no counter, `reset` tells whether there was one, a
 //!   refund never goes below zero, `add_made_by`, `refund_made_by` and
@@ -67,7 +67,8 @@
 //! - [`a_first_use_counter_ends_at_its_deadline`]: at a first-use
 //!   deadline's very instant the counter is over: no call finds it, no call
 //!   brings it back, a settle of a debt whose period ends then writes
-//!   nothing, and a charge opens a new period (for a store whose deadlines
+//!   nothing, one of the next period's debt opens that period (the ended
+//!   counter takes none of it), and a charge opens a new period (for a store whose deadlines
 //!   follow the calls).
 //! - [`a_late_charge_finds_its_spent_counter`]: a charge stamped in a
 //!   calendar window that reaches the store after a call stamped past its
