@@ -66,6 +66,13 @@
 //!   at worst a subject finds the debt's units in the period after their
 //!   own, or a period that starts at a request that did not open one.
 //!   Calendar debts are exact: the window is in the key.
+//! - **A request made at the very instant of a support reset is on either
+//!   side of it.** The ledger tells requests made before a reset from
+//!   those made after it by their instants: one made at the reset's own
+//!   instant (two readings of the policy's clock alike to the nanosecond: a
+//!   `ManualClock` standing still, or a coarse system clock) is forgotten
+//!   if it is answered before the reset, and owed, in the fresh counter, if
+//!   it is answered after it.
 //!
 //! # The bound
 //!

@@ -1061,6 +1061,41 @@ mod tests {
         assert_eq!(answer.status(), StatusCode::TOO_MANY_REQUESTS);
     }
 
+    /// A store failure under fail closed with a wait of no time at all is
+    /// still told as a wait of a second: `Retry-After: 0` would send every
+    /// client straight back to a store that just failed.
+    #[test]
+    fn an_unavailable_store_tells_a_wait_of_a_second_at_least() {
+        for wait in [Duration::ZERO, Duration::from_millis(1)] {
+            let refusal = Refusal::store_unavailable(wait, None);
+            assert_eq!(refusal.retry_after, Some(1), "{wait:?}");
+        }
+    }
+
+    /// A request refused by two quotas without room can succeed once both
+    /// have reset: `resets_at` is the later of the resets, whatever the
+    /// order of the quotas, as `retry_after` is the longer wait.
+    #[test]
+    fn a_refusal_by_two_quotas_resets_at_the_later_reset() {
+        let now: Timestamp = "2026-12-02T10:30:00Z".parse().unwrap();
+        let (day, hour) = ("2026-12-03T00:00:00Z", "2026-12-02T11:00:00Z");
+        for (quotas, usage) in [
+            (
+                [Quota::daily(10), Quota::hourly(5)],
+                [usage_of(10, 10, day), usage_of(5, 5, hour)],
+            ),
+            (
+                [Quota::hourly(5), Quota::daily(10)],
+                [usage_of(5, 5, hour), usage_of(10, 10, day)],
+            ),
+        ] {
+            let refusal = Refusal::quota_exceeded(&quotas, &usage, |_| 1, now, 0, None);
+            assert_eq!(refusal.violated.len(), 2);
+            assert_eq!(refusal.resets_at, Some(day.parse().unwrap()));
+            assert_eq!(refusal.retry_after, Some(13 * 3600 + 30 * 60));
+        }
+    }
+
     #[test]
     fn the_longest_retry_after_of_an_unavailable_store_saturates() {
         let refusal = Refusal::store_unavailable(Duration::MAX, None);

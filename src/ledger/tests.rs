@@ -177,6 +177,84 @@ fn an_earlier_debt_joins_only_a_period_that_holds_the_whole_entry() {
     assert_eq!(book.units, 0);
 }
 
+/// A request at the very deadline of an entry's period is in the next
+/// period: it opens an entry of its own, which is settled once the first
+/// one's period is over and dropped.
+#[test]
+fn a_debt_at_an_entrys_deadline_opens_an_entry_of_its_own() {
+    let mut book = Book::default();
+    let t0 = at(NOON);
+    let acme = key("acme", "PT1H");
+    assert!(book.record(first_use(&acme, 1, t0), t0, 10));
+    let deadline = t0 + minutes(60);
+    assert!(book.record(first_use(&acme, 1, deadline), deadline, 10));
+    assert_eq!(
+        book.queue.len(),
+        2,
+        "the later request opens the next period"
+    );
+    assert_queue_holds_every_entry_once(&book);
+    // At the deadline the first period is over: its entry goes.
+    let (key, id, debt) = book
+        .next(deadline)
+        .settle()
+        .expect("the later request's debt");
+    assert_eq!(debt, first_use(&acme, 1, deadline));
+    assert_eq!(book.units, 1);
+    book.paid(&key, id, 1);
+    assert!(book.next(deadline).settle().is_none());
+}
+
+/// At the bound, an entry whose period ends at the very instant a debt on
+/// a new counter is recorded is over, and makes room for it.
+#[test]
+fn an_entry_whose_period_ends_now_makes_room_at_the_bound() {
+    let mut book = Book::default();
+    let now = at(NOON);
+    let (a, b) = (key("a", "PT1H"), key("b", "PT1H"));
+    assert!(book.record(first_use(&a, 2, now), now, 1));
+    let end = now + minutes(60);
+    assert!(
+        book.record(first_use(&b, 1, end), end, 1),
+        "a's period is over at its end"
+    );
+    assert_eq!((book.queue.len(), book.units), (1, 1));
+    assert_queue_holds_every_entry_once(&book);
+    assert_eq!(book.next(end).settle().unwrap().2.key, b);
+}
+
+/// An earlier request that joins an entry brings the entry's end forward:
+/// at the bound, the entry makes room for a new counter once that end is
+/// past, though its later request's own period is not over.
+#[test]
+fn an_entry_brought_forward_by_an_earlier_request_makes_room_once_over() {
+    let mut book = Book::default();
+    let t0 = at(NOON);
+    let (a, b) = (key("a", "PT1H"), key("b", "PT1H"));
+    // B at 40 min: [40, 100); A at 0, answered after, joins it: [0, 60).
+    let b_at = t0 + minutes(40);
+    assert!(book.record(first_use(&a, 1, b_at), b_at, 1));
+    assert!(book.record(first_use(&a, 1, t0), t0 + minutes(41), 1));
+    assert_eq!((book.queue.len(), book.units), (1, 2));
+    // At 70 min a's entry is over: it makes room for b.
+    let later = t0 + minutes(70);
+    assert!(book.record(first_use(&b, 1, later), later, 1));
+    assert_eq!((book.queue.len(), book.units), (1, 1));
+    assert_queue_holds_every_entry_once(&book);
+}
+
+/// A settling task is taken to be silent once it has shown no sign of life
+/// for 30 s on the policy's clock, not before.
+#[test]
+fn a_task_is_silent_after_thirty_seconds_without_a_beat() {
+    let now = at(NOON);
+    let ledger = Ledger::default();
+    assert!(!ledger.silent(now), "no task: none is silent");
+    ledger.beat(now);
+    assert!(!ledger.silent(now + SignedDuration::from_secs(SILENT_SECS - 1)));
+    assert!(ledger.silent(now + SignedDuration::from_secs(SILENT_SECS)));
+}
+
 #[test]
 fn past_the_bound_a_new_counter_is_refused_and_ended_ones_make_room() {
     let mut book = Book::default();
@@ -307,6 +385,8 @@ struct Away {
     /// Settles fail with an error of no kind worth another try, which the
     /// store says it never sent (credentials refused to a new connection).
     unsent: Arc<AtomicBool>,
+    /// The most the store counts exactly (`None`: any sum).
+    most: Option<u64>,
 }
 
 impl Store for Away {
@@ -371,6 +451,32 @@ impl Store for Away {
             inner.settle_debt(now, debt).await
         }
     }
+    fn max_count(&self) -> u64 {
+        self.most.unwrap_or(u64::MAX)
+    }
+}
+
+/// A debt of more than the store counts exactly (a deferred cost past it)
+/// is owed as far as the store counts: a settle of the whole would be
+/// refused, and nothing of it counted.
+#[test]
+fn a_debt_past_what_the_store_counts_is_owed_up_to_it() {
+    let now = at(NOON);
+    let settings = settings(now);
+    let store = Away {
+        most: Some(10),
+        ..Away::default()
+    };
+    let ledger = Arc::new(Ledger::default());
+    let a = key("a", "PT1H");
+    ledger.owe(&store, settings.ledger(), [first_use(&a, 15, now)]);
+    assert_eq!(
+        ledger.owed(),
+        Owed {
+            counters: 1,
+            units: 10
+        }
+    );
 }
 
 async fn used(store: &MemoryStore, key: &PeriodKey, now: Timestamp) -> u64 {
@@ -425,6 +531,37 @@ async fn the_ledger_settles_once_the_store_is_back_and_waits_longer_between_trie
     assert_eq!(ledger.owed(), Owed::default());
     assert!(!ledger.lock().settling, "the task ended");
     assert_eq!(used(&store.inner, &a, now).await, 2);
+}
+
+/// A settle that goes through starts the waits afresh: a key the store
+/// still fails after a long outage is tried again soon, not after the
+/// longest wait the outage grew to.
+#[tokio::test(start_paused = true)]
+async fn a_settle_that_goes_through_starts_the_waits_afresh() {
+    let now = at(NOON);
+    let settings = settings(now);
+    let store = Away::default();
+    let ledger = Arc::new(Ledger::default());
+    store.away.store(true, Ordering::Relaxed);
+    let (a, b) = (key("a", "PT1H"), key("b", "PT1H"));
+    ledger.owe(
+        &store,
+        settings.ledger(),
+        [first_use(&a, 1, now), first_use(&b, 1, now)],
+    );
+    // Ten seconds of failures: the waits grow to seconds.
+    tokio::time::sleep(Duration::from_secs(10)).await;
+    // The store is back, but for b's key.
+    *store.broken.lock().unwrap() = Some(b.clone());
+    store.away.store(false, Ordering::Relaxed);
+    while ledger.owed().counters > 1 {
+        tokio::time::sleep(Duration::from_millis(1)).await;
+    }
+    assert_eq!(used(&store.inner, &a, now).await, 1);
+    let tries = store.tries.load(Ordering::Relaxed);
+    tokio::time::sleep(Duration::from_secs(1)).await;
+    let more = store.tries.load(Ordering::Relaxed) - tries;
+    assert!(more >= 3, "{more} tries of b in the second after a settled");
 }
 
 /// A settle the store never sent applied nothing, whatever its error's

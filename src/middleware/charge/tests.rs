@@ -361,6 +361,11 @@ fn what_a_response_changes() {
         Outcome::Served(vec![]),
         "server errors are charged unless the policy refunds them"
     );
+    assert_eq!(
+        outcome(&lines, cost, settings, u64::MAX, false, None),
+        Outcome::Served(vec![]),
+        "so is an inner service that fails"
+    );
     // Refused further in (by a quota, a store failure or before any
     // charge): the request was not served, and this layer gives its charge
     // back.
@@ -434,6 +439,51 @@ fn lines_marked_refused_go_back_with_an_error_answer_only() {
     assert_eq!(
         outcome(&lines, cost, settings, u64::MAX, true, Some(&grpc)),
         Outcome::Served(vec![])
+    );
+}
+
+/// A deferred cost past what the store counts is added to each line as far
+/// as its own counter has room: lines that stand at different counts get
+/// different adds.
+#[test]
+fn a_deferred_cost_is_capped_per_line_at_what_the_store_counts() {
+    let deferred =
+        layer(&[Quota::daily(10), Quota::hourly(10)], |b| b).deferred_cost(2, |response| {
+            response.headers["x-tokens"]
+                .to_str()
+                .unwrap()
+                .parse()
+                .unwrap()
+        });
+    let settings = &deferred.bound.policy.settings;
+    let charge = charge_of(&deferred, &head(ACME));
+    let answer = Ok(ChargeOutcome {
+        admitted: true,
+        usage: smallvec::smallvec![
+            usage(10, 2, "2026-12-03T00:00:00Z"),
+            usage(10, 7, "2026-12-02T11:00:00Z"),
+        ],
+    });
+    let Decision::Admit(lines) = decide(&charge, &deferred.bound.scope, settings, answer) else {
+        panic!("admitted");
+    };
+    let mut response = http::Response::new(());
+    response
+        .headers_mut()
+        .insert("x-tokens", "20".parse().unwrap());
+    let (response, ()) = response.into_parts();
+    // A store that counts up to 10 exactly: room for 8 more on the day,
+    // 3 on the hour.
+    assert_eq!(
+        outcome(
+            &lines,
+            &deferred.bound.scope.cost,
+            settings,
+            10,
+            false,
+            Some(&response)
+        ),
+        Outcome::Served(vec![(0, Adjust::Add(8)), (1, Adjust::Add(3))])
     );
 }
 
