@@ -14,11 +14,12 @@ use tower_quota::{MemoryStore, PeriodKey};
 /// The units each line of a charge took beyond its cost.
 type Taken = smallvec::SmallVec<[u64; 2]>;
 
-/// A store that counts the charges sent to it.
+/// A store that counts the charges sent to it, and the give-backs.
 #[derive(Clone, Default)]
 struct Counting {
     inner: MemoryStore,
     charges: Arc<AtomicU64>,
+    give_backs: Arc<AtomicU64>,
 }
 
 impl Store for Counting {
@@ -57,6 +58,7 @@ impl Store for Counting {
         amount: u64,
         made_by: Timestamp,
     ) -> impl std::future::Future<Output = Result<Option<u64>, StoreError>> + Send {
+        self.give_backs.fetch_add(1, Ordering::Relaxed);
         self.inner.refund_made_by(now, key, amount, made_by)
     }
     fn add(
@@ -2492,9 +2494,11 @@ async fn a_shutdown_gives_back_units_set_aside_for_a_request_refused_meanwhile()
     let leased = LeasedStore::new(slow.clone());
     let mut now = t0();
     busy(&leased, &mut now, 200, 10_000, 10).await;
+    let held = leased.held();
     let waiting = with_a_refused_line(&slow, &leased, now, 50).await;
-    // The shutdown begins while the request waits on its other line.
-    leased.shutdown().await;
+    // The shutdown begins while the request waits on its other line, and
+    // gives back the unit set aside for it too, once it came back.
+    assert_eq!(leased.shutdown().await, held);
     assert!(!waiting.await.unwrap().unwrap().admitted);
     assert_eq!(leased.held(), 0);
     assert_eq!(
@@ -3710,4 +3714,317 @@ async fn a_refusal_while_a_steady_holder_keeps_a_block_past_its_first_mark_tells
         refused.usage[0].held_elsewhere_until.is_some(),
         "refused while A held {held} units, told to wait for the reset"
     );
+}
+
+#[tokio::test(start_paused = true)]
+async fn a_block_goes_back_at_its_lease_time_though_its_subject_is_not_idle_yet() {
+    let shared = MemoryStore::new();
+    let leased = LeasedStore::builder(shared.clone())
+        .lease_time(Duration::from_millis(500))
+        .idle(Duration::from_secs(10))
+        .max_block(20)
+        .build();
+    let mut now = t0();
+    busy(&leased, &mut now, 3_000, 1_000_000, 1).await;
+    assert!(leased.held() > 0);
+    // Quiet for longer than the lease time, far less than the idle bound:
+    // the block is old, and goes back without waiting for the idle bound.
+    tokio::time::advance(Duration::from_millis(800)).await;
+    for _ in 0..5 {
+        tokio::task::yield_now().await;
+    }
+    assert_eq!(leased.held(), 0, "an old block goes back by the sweep");
+    assert_eq!(counted(&shared, now).await, 3_000);
+}
+
+#[tokio::test(start_paused = true)]
+async fn a_block_past_its_lease_time_is_not_spent_while_the_sweep_is_held_up() {
+    // The sweep gives back another subject's idle block, slowly: its pass
+    // waits for that give-back, and gives nothing else back meanwhile.
+    let slow = Slow::default();
+    let shared = slow.inner.clone();
+    let leased = LeasedStore::builder(slow.clone())
+        .lease_time(Duration::from_secs(1))
+        .idle(Duration::from_millis(200))
+        .build();
+    let mut now = t0();
+    let other = |now| ChargeRequest {
+        now,
+        lines: smallvec::smallvec![line_of("other", 1_000_000)],
+    };
+    for _ in 0..100 {
+        assert!(leased.charge(other(now)).await.unwrap().admitted);
+        assert!(call(&leased, now, 1_000_000).await.admitted);
+        tokio::time::advance(Duration::from_millis(1)).await;
+        now += SignedDuration::from_millis(1);
+    }
+    slow.slow_refunds.store(60_000, Ordering::Relaxed);
+    // Only acme calls now: the other subject's block goes back once idle,
+    // and the sweep waits a minute for it.
+    busy(&leased, &mut now, 300, 1_000_000, 1).await;
+    assert!(leased.held() > 0, "acme holds a block");
+    // A reset elsewhere, then more than the lease time without a request.
+    shared.reset(day_key()).await.unwrap();
+    tokio::time::advance(Duration::from_millis(1_100)).await;
+    now += SignedDuration::from_millis(1_100);
+    // The block is past its lease time: the request is the store's, and
+    // counted on the new counter.
+    assert!(call(&leased, now, 1_000_000).await.admitted);
+    assert_eq!(counted(&shared, now).await, 1 + leased.held());
+}
+
+#[tokio::test(start_paused = true)]
+async fn a_charges_late_answer_never_takes_back_an_add_answered_before_it() {
+    // A charge that takes a block is applied first but answered late; an
+    // add through the same instance, sent after it, is answered first.
+    let slow = Slow::default();
+    let a = LeasedStore::new(slow.clone());
+    let mut now = t0();
+    busy(&a, &mut now, 20, 10_000, 1).await;
+    let mut served = 20 + spend_what_is_held(&a, now, 10_000).await;
+    slow.late.store(50, Ordering::Relaxed);
+    let late = tokio::spawn({
+        let a = a.clone();
+        async move { call(&a, now, 10_000).await }
+    });
+    tokio::task::yield_now().await;
+    slow.late.store(0, Ordering::Relaxed);
+    a.add(now, day_key(), 100).await.unwrap();
+    assert!(late.await.unwrap().admitted);
+    served += 1 + 100;
+    assert!(a.held() > 0, "the charge took a block");
+    // The late answer's count is older than the add's: the block's next
+    // request is told the units added too.
+    let next = call(&a, now, 10_000).await;
+    assert!(next.admitted);
+    served += 1;
+    assert_eq!(next.usage[0].used, served);
+}
+
+#[tokio::test(start_paused = true)]
+async fn a_busy_subject_back_after_five_lease_times_still_takes_a_large_block() {
+    let leased = LeasedStore::new(MemoryStore::new());
+    let mut now = t0();
+    let mut largest = 0;
+    for _ in 0..5 {
+        busy(&leased, &mut now, 100, 1_000_000, 1).await;
+        largest = largest.max(leased.held());
+    }
+    assert!(largest > 8);
+    // Quiet for five lease times (of 10 s), a sweep a second: remembered
+    // for six.
+    for _ in 0..50 {
+        tokio::time::advance(Duration::from_secs(1)).await;
+        tokio::task::yield_now().await;
+        now += SignedDuration::from_secs(1);
+    }
+    assert_eq!(leased.held(), 0);
+    assert!(call(&leased, now, 1_000_000).await.admitted);
+    tokio::time::advance(Duration::from_millis(200)).await;
+    now += SignedDuration::from_millis(200);
+    busy(&leased, &mut now, 1, 1_000_000, 1).await;
+    assert!(
+        leased.held() >= largest / 2,
+        "{} of {largest}",
+        leased.held()
+    );
+}
+
+#[tokio::test(start_paused = true)]
+async fn a_block_of_a_window_that_ended_is_dropped_without_a_store_call() {
+    let inner = Counting::default();
+    let leased = LeasedStore::new(inner.clone());
+    // The last second of the day.
+    let mut now: Timestamp = "2026-12-04T23:59:59Z".parse().unwrap();
+    busy(&leased, &mut now, 500, 10_000, 1).await;
+    assert!(leased.held() > 0);
+    // The window ends while the block is held, and the subject goes quiet:
+    // the block is dropped, and no give-back is sent for it.
+    tokio::time::advance(Duration::from_secs(2)).await;
+    tokio::task::yield_now().await;
+    assert_eq!(leased.held(), 0, "the ended window's block is dropped");
+    assert_eq!(inner.give_backs.load(Ordering::Relaxed), 0);
+}
+
+#[tokio::test(start_paused = true)]
+async fn a_shutdown_after_the_window_ended_gives_nothing_back() {
+    let inner = Counting::default();
+    let leased = LeasedStore::new(inner.clone());
+    let mut now: Timestamp = "2026-12-04T23:59:59Z".parse().unwrap();
+    busy(&leased, &mut now, 500, 10_000, 1).await;
+    // The window ends, the subject not idle yet: its block is still held.
+    tokio::time::advance(Duration::from_millis(600)).await;
+    tokio::task::yield_now().await;
+    assert!(leased.held() > 0);
+    assert_eq!(leased.shutdown().await, 0);
+    assert_eq!(
+        inner.give_backs.load(Ordering::Relaxed),
+        0,
+        "the ended window's block is dropped, not given back"
+    );
+}
+
+#[tokio::test(start_paused = true)]
+async fn a_first_block_is_at_most_eight_units_however_costly_the_requests() {
+    let leased = LeasedStore::new(MemoryStore::new());
+    let now = t0();
+    let mut costly = request(now, 1_000_000);
+    costly.lines[0].cost = 50;
+    assert!(leased.charge(costly.clone()).await.unwrap().admitted);
+    assert_eq!(leased.held(), 0, "the first request takes no block");
+    tokio::time::advance(Duration::from_millis(1)).await;
+    assert!(leased.charge(costly).await.unwrap().admitted);
+    let held = leased.held();
+    assert!((1..=8).contains(&held), "a first block of {held}");
+}
+
+#[tokio::test(start_paused = true)]
+async fn a_refusal_waits_no_longer_than_the_holders_mark_lives() {
+    let shared = MemoryStore::new();
+    let a = LeasedStore::new(shared.clone());
+    let b = LeasedStore::new(shared.clone());
+    let mut now = t0();
+    busy(&a, &mut now, 70, 100, 1).await;
+    assert!(a.held() > 0);
+    // A dies holding its block; its mark, made with its first block, ends
+    // a lease time (10 s) after it, less than B's idle bound from now.
+    drop(a);
+    tokio::time::advance(Duration::from_millis(9_500)).await;
+    now += SignedDuration::from_millis(9_500);
+    while call(&b, now, 100).await.admitted {}
+    tokio::task::yield_now().await;
+    let refused = call(&b, now, 100).await;
+    assert!(!refused.admitted);
+    let until = refused.usage[0]
+        .held_elsewhere_until
+        .expect("A holds units");
+    assert!(until > now);
+    assert!(
+        until < now + SignedDuration::from_secs(1),
+        "told {until}, past the end of the mark"
+    );
+}
+
+#[tokio::test(start_paused = true)]
+async fn past_its_bound_of_counters_a_subject_is_charged_request_by_request() {
+    let inner = Counting::default();
+    let leased = LeasedStore::builder(inner.clone()).max_counters(1).build();
+    let mut now = t0();
+    busy(&leased, &mut now, 100, 1_000_000, 1).await;
+    let held = leased.held();
+    assert!(held > 0, "the first subject is tracked, and takes blocks");
+    let before = inner.charges.load(Ordering::Relaxed);
+    for _ in 0..50 {
+        let other = ChargeRequest {
+            now,
+            lines: smallvec::smallvec![line_of("other", 1_000_000)],
+        };
+        assert!(leased.charge(other).await.unwrap().admitted);
+        tokio::time::advance(Duration::from_millis(1)).await;
+        now += SignedDuration::from_millis(1);
+    }
+    assert_eq!(leased.held(), held, "no block of the second subject");
+    assert_eq!(inner.charges.load(Ordering::Relaxed) - before, 50);
+    assert_eq!(counted_for(&inner, "other", now).await, 50);
+}
+
+#[tokio::test(start_paused = true)]
+async fn an_idle_holder_leaves_a_mark_that_ends_more_than_a_tenth_of_a_lease_time_later() {
+    let shared = MemoryStore::new();
+    let a = LeasedStore::new(shared.clone());
+    let mut now = t0();
+    // A's mark is made with its first block and lives a lease time (10 s).
+    busy(&a, &mut now, 600, 1_000_000, 10).await;
+    assert_eq!(holders(&shared, now).await, 1);
+    // Idle: its block goes back about 3 s before the mark ends, and it
+    // leaves the mark.
+    tokio::time::advance(Duration::from_secs(2)).await;
+    tokio::task::yield_now().await;
+    now += SignedDuration::from_secs(2);
+    assert_eq!(a.held(), 0);
+    assert_eq!(holders(&shared, now).await, 0);
+}
+
+#[tokio::test(start_paused = true)]
+async fn an_idle_holder_leaves_a_mark_that_ends_within_a_tenth_of_a_lease_time_alone() {
+    let shared = MemoryStore::new();
+    let a = LeasedStore::new(shared.clone());
+    let mut now = t0();
+    busy(&a, &mut now, 840, 1_000_000, 10).await;
+    assert_eq!(holders(&shared, now).await, 1);
+    // Idle: its block goes back less than a second before the mark ends:
+    // the mark is left alone, and ends on its own.
+    tokio::time::advance(Duration::from_millis(1_400)).await;
+    tokio::task::yield_now().await;
+    now += SignedDuration::from_millis(1_400);
+    assert_eq!(a.held(), 0);
+    assert_eq!(holders(&shared, now).await, 1);
+    tokio::time::advance(Duration::from_millis(700)).await;
+    now += SignedDuration::from_millis(700);
+    assert_eq!(holders(&shared, now).await, 0);
+}
+
+#[tokio::test(start_paused = true)]
+async fn a_block_goes_back_at_the_first_sweep_once_its_subject_was_idle_for_the_idle_bound() {
+    // Sweeps every 5 ms (a quarter of the idle bound); five subjects stop
+    // a millisecond apart, so that one of them was idle exactly the idle
+    // bound at a sweep, whatever the sweeps' phase.
+    let shared = MemoryStore::new();
+    let leased = LeasedStore::builder(shared.clone())
+        .idle(Duration::from_millis(20))
+        .build();
+    let subjects = ["s0", "s1", "s2", "s3", "s4"];
+    let mut now = t0();
+    let mut served = [0u64; 5];
+    let mut last = [now; 5];
+    for step in 0..35 {
+        for (j, subject) in subjects.iter().enumerate() {
+            if step < 30 + j {
+                let line = line_of(subject, 1_000_000);
+                let outcome = leased
+                    .charge(ChargeRequest {
+                        now,
+                        lines: smallvec::smallvec![line],
+                    })
+                    .await
+                    .unwrap();
+                assert!(outcome.admitted);
+                served[j] += 1;
+                last[j] = now;
+            }
+        }
+        tokio::time::advance(Duration::from_millis(1)).await;
+        now += SignedDuration::from_millis(1);
+    }
+    // Each subject's block is back within the idle bound and a sweep's
+    // interval (less a millisecond) of its last request.
+    for _ in 0..30 {
+        for _ in 0..5 {
+            tokio::task::yield_now().await;
+        }
+        for (j, subject) in subjects.iter().enumerate() {
+            if now == last[j] + SignedDuration::from_millis(24) {
+                assert_eq!(
+                    counted_for(&shared, subject, now).await,
+                    served[j],
+                    "{subject}'s block is back"
+                );
+            }
+        }
+        tokio::time::advance(Duration::from_millis(1)).await;
+        now += SignedDuration::from_millis(1);
+    }
+}
+
+#[tokio::test(start_paused = true)]
+async fn a_shutdown_leaves_the_mark_of_a_block_spent_to_its_last_unit() {
+    let shared = MemoryStore::new();
+    let leased = LeasedStore::new(shared.clone());
+    let mut now = t0();
+    busy(&leased, &mut now, 100, 1_000_000, 1).await;
+    spend_what_is_held(&leased, now, 1_000_000).await;
+    // Nothing held, still in the mark (it leaves with its next answer).
+    assert_eq!(holders(&shared, now).await, 1);
+    assert_eq!(leased.shutdown().await, 0);
+    assert_eq!(holders(&shared, now).await, 0, "the shutdown left the mark");
 }
