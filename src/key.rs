@@ -336,6 +336,17 @@ mod tests {
         assert_eq!(key.as_str(), "quota:{device:%FF%00%0A%25}:w:P");
     }
 
+    /// An empty `{}` is no hash tag (Redis Cluster then hashes the whole
+    /// key, as `slot_of` does): not the empty string, nor a later `{...}`.
+    #[test]
+    fn an_empty_brace_pair_is_no_hash_tag() {
+        for text in ["q:{}:x", "foo{}{bar}", "{}"] {
+            let key = PeriodKey::from_string(text.into());
+            assert_eq!(key.hash_tag(), text);
+        }
+        assert_eq!(PeriodKey::from_string("a{b}{c}".into()).hash_tag(), "b");
+    }
+
     #[test]
     fn kinds_do_not_share_keys() {
         let ns = Namespace::default();

@@ -1405,6 +1405,37 @@ fn a_clock_set_back_just_after_midnight_stays_in_the_day_that_began_last() {
     }
 }
 
+#[test]
+fn a_clock_set_back_just_after_midnight_on_the_first_stays_in_the_month_that_began_last() {
+    // St. John's, 2009-11-01: 00:01 NDT (02:31Z) back to 23:01 NST, so
+    // October 31st shows again for an hour after November began (02:30Z).
+    let month = Period::month().in_time_zone(zone("America/St_Johns"));
+    for at in [
+        "2009-11-01T02:30:00Z",
+        "2009-11-01T02:40:00Z",
+        "2009-11-01T03:29:59Z",
+    ] {
+        assert_window(
+            &month.window(ts(at)),
+            "2009-11-01T02:30:00Z",
+            "2009-12-01T03:30:00Z",
+            "2009-11[America/St_Johns]",
+        );
+    }
+    assert_window(
+        &month.window(ts("2009-11-01T02:29:59Z")),
+        "2009-10-01T02:30:00Z",
+        "2009-11-01T02:30:00Z",
+        "2009-10[America/St_Johns]",
+    );
+    let windows = windows_between(
+        &month,
+        ts("2009-09-15T00:00:00Z"),
+        ts("2009-12-15T00:00:00Z"),
+    );
+    assert_contiguous_and_distinct(&windows);
+}
+
 /// A first-use period is told by its exact length: "a day after the first
 /// call" would read as the next calendar day.
 #[test]
@@ -1452,4 +1483,23 @@ fn a_fixed_window_past_the_ends_of_time_is_cut_there() {
         quota.window(ts("9975-01-01T00:00:00Z")).end(),
         Timestamp::MAX
     );
+}
+
+/// A wait is told in whole seconds, rounded up, and a subject's spread is
+/// added to the reset, even where the reset is the last instant `jiff`
+/// holds and the turn lies past it.
+#[test]
+fn a_wait_is_rounded_up_and_spread_even_at_the_end_of_time() {
+    use super::{seconds_until, seconds_until_turn};
+    let now = ts("2026-12-02T10:00:00.5Z");
+    assert_eq!(seconds_until(now, ts("2026-12-02T10:00:10Z")), 10);
+    assert_eq!(seconds_until(now, now), 0);
+    assert_eq!(seconds_until(now, ts("2026-12-02T09:00:00Z")), 0);
+    assert_eq!(seconds_until_turn(now, ts("2026-12-02T10:00:10Z"), 0), 10);
+    assert_eq!(seconds_until_turn(now, ts("2026-12-02T10:00:10Z"), 30), 40);
+    assert_eq!(seconds_until_turn(now, ts("2026-12-02T09:59:50Z"), 30), 20);
+    let last = Timestamp::MAX;
+    let until_last = seconds_until(now, last);
+    assert_eq!(seconds_until_turn(now, last, 30), until_last + 30);
+    assert_eq!(seconds_until_turn(now, last, 0), until_last);
 }

@@ -564,6 +564,28 @@ mod tests {
         assert!(!debug.contains("secret"), "{debug}");
     }
 
+    /// A kind is 1 to 64 of a-z, 0-9, `-`, `_`, `.`: 64 bytes pass, 65
+    /// do not, and nothing else (an upper-case letter, a separator of keys)
+    /// is a kind.
+    #[test]
+    fn custom_kinds_are_checked() {
+        let longest = "k".repeat(64);
+        assert_eq!(SubjectKind::custom(longest.as_str()).as_str(), longest);
+        assert_eq!(SubjectKind::custom("a-b_c.9").as_str(), "a-b_c.9");
+        for bad in [
+            String::new(),
+            "k".repeat(65),
+            "Org".into(),
+            "a:b".into(),
+            "{a}".into(),
+            "a b".into(),
+            "a%b".into(),
+        ] {
+            let refused = std::panic::catch_unwind(|| SubjectKind::custom(bad.clone()));
+            assert!(refused.is_err(), "{bad:?} taken as a kind");
+        }
+    }
+
     #[test]
     fn checked_refuses_what_the_layer_refuses() {
         let check = |id: &[u8]| Subject::account(id).checked(8);
