@@ -43,9 +43,10 @@
 //! is counted and reported but never refuses. With `--zone-header NAME`,
 //! each caller's calendar days (weeks, months) turn at midnight in the IANA
 //! zone its `NAME` header names (absent: `--tz`; unknown or malformed: 400,
-//! nothing charged; not the subject's header nor `x-plan`). A demonstration: each zone has counters of its own, so
-//! a client that chooses its zone can spend a day's allowance in each; a
-//! real API reads the zone from the authenticated account.
+//! nothing charged; not the subject's header nor `x-plan`). A
+//! demonstration: each zone has counters of its own, so a client that
+//! chooses its zone can spend a day's allowance in each; a real API reads
+//! the zone from the authenticated account.
 //!
 //! `--quota off` serves the same routes without a quota, `--quota fields`
 //! writes the two `RateLimit` fields on them and counts nothing, `--quota
