@@ -1170,6 +1170,41 @@ async fn each_policy_tells_the_instant_it_charged() {
     assert_eq!(used(&inner, "acme", "calls-day").await, 0);
 }
 
+/// As above, the outer policy skipping the request (a skip rule): the
+/// request's instant is the one the inner policy charged at, the first
+/// that counted it, not the outer policy's.
+#[tokio::test]
+async fn the_request_is_charged_at_the_first_policy_that_counted_it() {
+    let clock = ManualClock::new(at("2026-12-02T23:59:59.900Z"));
+    let outer = QuotaPolicy::builder(FromHeader::account("x-account-id"))
+        .namespace("ip")
+        .clock(clock.clone())
+        .skip_if(|_| true)
+        .build();
+    let inner = QuotaPolicy::builder(FromHeader::account("x-account-id"))
+        .namespace("acct")
+        .clock(clock.clone())
+        .build();
+    let slow = clock.clone();
+    let app = Router::new()
+        .route(
+            "/",
+            get(|status: QuotaStatus| async move { format!("{:?}", status.charged_at()) }),
+        )
+        .route_layer(inner.layer(Quota::daily(10).allowance("calls")))
+        .route_layer(axum::middleware::from_fn(
+            move |request: axum::extract::Request, next: axum::middleware::Next| {
+                slow.advance(Duration::from_millis(200));
+                next.run(request)
+            },
+        ))
+        .route_layer(outer.layer(Quota::daily(10).allowance("ip")));
+    let response = send(&app, call("/", ACME)).await;
+    assert_eq!(response.status(), StatusCode::OK);
+    assert_eq!(body(response).await, "Some(2026-12-03T00:00:00.1Z)");
+    assert_eq!(used(&inner, "acme", "calls-day").await, 1);
+}
+
 // A seeded random model of composed policies: two or three policies (own
 // or shared memory stores, namespaces of their own; skip rules, plans,
 // per-caller zones, shadow quotas, 5xx refunds or not), their layers

@@ -252,6 +252,49 @@ async fn a_timeout_between_layers_keeps_the_outer_charge() {
     assert_eq!(header(&response, "ratelimit"), "\"read-day\";r=9;t=50400");
 }
 
+/// The fields of a response whose deferred cost the store applied before it
+/// went out tell the counter as the store answered, with what others
+/// charged on it while the handler ran: not as the layer reckons from its
+/// own charge.
+#[tokio::test]
+async fn the_fields_after_a_deferred_cost_are_as_the_store_answered() {
+    let policy = policy(MemoryStore::new(), "settled").build();
+    // Another request charged on the same counter while the handler runs.
+    let other: Router = Router::new()
+        .route("/other", get(ok))
+        .route_layer(policy.layer(Quota::daily(100).allowance("tokens")));
+    let handler = move || {
+        let other = other.clone();
+        async move {
+            let response = other.oneshot(call("/other")).await.unwrap();
+            assert_eq!(response.status(), StatusCode::OK);
+            Response::builder()
+                .header("x-tokens", "5")
+                .body(Body::empty())
+                .unwrap()
+        }
+    };
+    let tokens = |response: &http::response::Parts| {
+        response.headers["x-tokens"]
+            .to_str()
+            .unwrap()
+            .parse()
+            .unwrap()
+    };
+    let app = Router::new().route("/", get(handler)).layer(
+        policy
+            .layer(Quota::daily(100).allowance("tokens"))
+            .deferred_cost(1, tokens),
+    );
+    let response = app.oneshot(call("/")).await.unwrap();
+    assert_eq!(response.status(), StatusCode::OK);
+    assert_eq!(used(&policy, "tokens-day").await, 6, "5 and the other's 1");
+    assert_eq!(
+        header(&response, "ratelimit"),
+        "\"tokens-day\";r=94;t=50400"
+    );
+}
+
 /// A fixed cost the store cannot count exactly is refused when the layer
 /// is made.
 #[test]
@@ -1592,6 +1635,41 @@ async fn a_refusal_inside_stays_marked_when_another_layer_refuses_and_admits_aft
         }
     });
     outer_charge_given_back(fan_out).await;
+}
+
+/// As [`a_sibling_admitted_after_a_refusal_inside_does_not_keep_the_outer_charge`],
+/// the layer further out owing its charge (its store failing, fail open)
+/// rather than charging it: the refusal inside marks what it owes, and the
+/// request, answered with a part's refusal, owes nothing.
+#[tokio::test]
+async fn a_refusal_inside_forgives_the_debt_further_out() {
+    let account = policy(
+        Rigged::new(MemoryStore::new(), Rig::Fail, Some("read")),
+        "account",
+    )
+    .on_store_error(OnStoreError::FailOpen)
+    .build();
+    let refusing = spent_part().await;
+    let fan_out = tower::service_fn(move |request: Request<Body>| {
+        let refusing = refusing.clone();
+        async move {
+            let (parts, _) = request.into_parts();
+            let one = refusing.oneshot(part(&parts.extensions, 1)).await?;
+            assert_eq!(one.status(), StatusCode::TOO_MANY_REQUESTS);
+            a_part_refused()
+        }
+    });
+    let app = tower::ServiceBuilder::new()
+        .layer(account.layer(Quota::daily(10).allowance("read")))
+        .service(fan_out);
+    let response = app.oneshot(call("/batch")).await.unwrap();
+    assert_eq!(response.status(), StatusCode::TOO_MANY_REQUESTS);
+    account.settle_owed(Duration::from_secs(2)).await;
+    assert_eq!(
+        used(&account, "read-day").await,
+        0,
+        "answered with the refusal of a part: the debt further out stayed"
+    );
 }
 
 /// The status of the last request to `/costly`, kept by its handler.

@@ -246,7 +246,7 @@ async fn what_the_answer_changes_a_charge_it_changes_a_debt() {
 }
 
 /// The handler sees a request that owes its charge as counted, at its
-/// instant.
+/// instant, with no entry for the quota it owes.
 #[tokio::test(start_paused = true)]
 async fn a_request_that_owes_its_charge_is_not_exempt() {
     let clock = clock();
@@ -257,9 +257,10 @@ async fn a_request_that_owes_its_charge_is_not_exempt() {
             "/",
             get(|status: QuotaStatus| async move {
                 format!(
-                    "exempt={} charged_at={:?}",
+                    "exempt={} charged_at={:?} entries={}",
                     status.is_exempt(),
-                    status.charged_at()
+                    status.charged_at(),
+                    status.entries().len()
                 )
             }),
         )
@@ -271,7 +272,8 @@ async fn a_request_that_owes_its_charge_is_not_exempt() {
         .unwrap();
     assert_eq!(
         std::str::from_utf8(&body).unwrap(),
-        format!("exempt=false charged_at=Some({NOW})")
+        format!("exempt=false charged_at=Some({NOW}) entries=0"),
+        "the store did not say where the caller stands: no entry"
     );
     settled(&policy).await;
     assert_eq!(used(&policy, "acme", "default-day").await, 1);
@@ -701,6 +703,42 @@ async fn a_fail_open_inside_a_charging_layer_is_owed_once_served() {
         "counted once each"
     );
     assert_eq!(used(&outer, "acme", "big-day").await, 3);
+}
+
+/// Both layers failing open, each of its own policy: the inner one's debt
+/// is owed once the outer one's response goes out, even while the handler
+/// keeps the request's status (and the lines in it) past the response.
+#[tokio::test(start_paused = true)]
+async fn a_fail_open_inside_an_owing_layer_is_owed_once_served() {
+    let clock = clock();
+    let outer = policy(Rigged::new(MemoryStore::new(), Rig::Fail, None), &clock)
+        .namespace("outer")
+        .build();
+    let inner = policy(Rigged::new(MemoryStore::new(), Rig::Fail, None), &clock)
+        .namespace("inner")
+        .build();
+    let kept: Arc<Mutex<Option<QuotaStatus>>> = Arc::default();
+    let handler = {
+        let kept = Arc::clone(&kept);
+        move |status: QuotaStatus| async move {
+            *kept.lock().unwrap() = Some(status);
+            "ok"
+        }
+    };
+    let app = Router::new()
+        .route("/", get(handler))
+        .route_layer(inner.layer(Quota::daily(10).allowance("read")))
+        .route_layer(outer.layer(Quota::daily(100).allowance("big")));
+    assert_eq!(send(&app, call("/", "acme")).await, StatusCode::OK);
+    outer.settle_owed(Duration::from_secs(1)).await;
+    inner.settle_owed(Duration::from_secs(1)).await;
+    assert_eq!(used(&outer, "acme", "big-day").await, 1);
+    assert_eq!(
+        used(&inner, "acme", "read-day").await,
+        1,
+        "served: the inner debt is owed, the status still kept"
+    );
+    assert!(kept.lock().unwrap().is_some());
 }
 
 /// A support reset while the ledger owes the caller's counter: the caller
