@@ -553,3 +553,24 @@ async fn a_policy_that_reads_no_plan_keeps_the_quotas_limits() {
     assert_eq!(status, StatusCode::OK, "{shown}");
     assert_eq!(shown["allowances"][0]["used"], 1, "{shown}");
 }
+
+/// A plan the call names stands over the info's, also when the info's is
+/// one the policy refuses: the call is answered on the plan it names.
+#[tokio::test]
+async fn a_named_plan_stands_over_a_refused_one_from_the_info() {
+    let clock = clock();
+    let calls = Arc::new(AtomicUsize::new(0));
+    let app = app(&with_info(policy(&clock), &calls));
+    let (status, body) =
+        json(send(&app, "GET", "/admin/quota/account/gold-co?plan=free", None).await).await;
+    assert_eq!(status, StatusCode::OK, "{body}");
+    assert_eq!(body["allowances"][0]["limit"], 2, "{body}");
+    let response = send(
+        &app,
+        "POST",
+        "/admin/reset/account/gold-co/read?plan=pro",
+        None,
+    )
+    .await;
+    assert_eq!(response.status(), StatusCode::OK);
+}

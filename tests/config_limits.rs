@@ -3,6 +3,9 @@
 
 use std::time::Duration;
 
+#[allow(dead_code)]
+mod rigged;
+
 use axum::body::Body;
 use axum::routing::get;
 use axum::Router;
@@ -198,4 +201,71 @@ fn a_manual_clock_takes_the_range_its_docs_name() {
     assert!(out(|| {
         ManualClock::new(at("2026-01-01T00:00:00Z")).set(at("1677-09-21T00:00:00Z"));
     }));
+}
+
+/// A store that counts up to 1 000 exactly takes a quota (and a plan's
+/// limit) of 1 000, and refuses 1 001 when the layer is made, never during
+/// a request.
+#[test]
+fn a_limit_up_to_what_the_store_counts_is_taken() {
+    let mut store = rigged::Rigged::new(MemoryStore::new(), rigged::Rig::Fail, Some("none"));
+    store.max = Some(1_000);
+    let policy = QuotaPolicy::builder(account())
+        .plan(|_| None)
+        .store(store)
+        .build();
+    let _ = policy.layer(Quota::daily(1_000).plan("pro", 1_000));
+    // The memory store counts all of a u64.
+    let _ = QuotaLayer::daily(u64::MAX, account());
+}
+
+#[test]
+#[should_panic(expected = "more than its store counts exactly (1000)")]
+fn a_limit_past_what_the_store_counts_is_refused_when_made() {
+    let mut store = rigged::Rigged::new(MemoryStore::new(), rigged::Rig::Fail, Some("none"));
+    store.max = Some(1_000);
+    let policy = QuotaPolicy::builder(account()).store(store).build();
+    let _ = policy.layer(Quota::daily(1_001));
+}
+
+#[test]
+#[should_panic(expected = "more than its store counts exactly (1000)")]
+fn a_plan_limit_past_what_the_store_counts_is_refused_when_made() {
+    let mut store = rigged::Rigged::new(MemoryStore::new(), rigged::Rig::Fail, Some("none"));
+    store.max = Some(1_000);
+    let policy = QuotaPolicy::builder(account())
+        .plan(|_| None)
+        .store(store)
+        .build();
+    let _ = policy.layer(Quota::daily(10).plan("pro", 1_001));
+}
+
+/// A server error is an answer a request without a subject may get.
+#[test]
+fn a_subject_rejection_with_a_server_error_is_taken() {
+    let _ = QuotaPolicy::builder(account())
+        .on_missing_subject(tower_quota::SubjectPolicy::Reject(
+            StatusCode::SERVICE_UNAVAILABLE,
+        ))
+        .build();
+}
+
+/// Names and tags travel in response fields: DEL, an empty name or an
+/// empty plan are refused when the quota is made.
+#[test]
+#[should_panic(expected = "an allowance tag is non-empty printable ASCII")]
+fn an_allowance_tag_with_del_is_refused() {
+    let _ = Quota::daily(1).allowance("read\u{7f}");
+}
+
+#[test]
+#[should_panic(expected = "a quota name is non-empty printable ASCII")]
+fn an_empty_quota_name_is_refused() {
+    let _ = Quota::daily(1).named("");
+}
+
+#[test]
+#[should_panic(expected = "a plan name is not empty")]
+fn an_empty_plan_name_is_refused() {
+    let _ = Quota::daily(1).plan("", 10);
 }

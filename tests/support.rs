@@ -945,3 +945,105 @@ async fn the_support_routers_404_and_405_are_never_charged() {
         assert_eq!(used().await, 0, "{method} {uri} was charged");
     }
 }
+
+/// A kind of 64 characters is well formed (a policy that charges none
+/// answers 404); one of 65 is malformed (400).
+#[tokio::test(flavor = "current_thread")]
+async fn a_subject_kind_is_up_to_64_characters() {
+    let (_, admin) = apps();
+    let longest = "k".repeat(64);
+    let response = send(&admin, Method::GET, &format!("/admin/quota/{longest}/acme")).await;
+    assert_eq!(response.status(), StatusCode::NOT_FOUND);
+    let too_long = "k".repeat(65);
+    let response = send(
+        &admin,
+        Method::GET,
+        &format!("/admin/quota/{too_long}/acme"),
+    )
+    .await;
+    assert_eq!(response.status(), StatusCode::BAD_REQUEST);
+}
+
+/// A support refund of one allowance gives back to that allowance's
+/// counters only: the subject's other allowances stay as they are.
+#[tokio::test(flavor = "current_thread")]
+async fn a_refund_of_one_allowance_leaves_the_others_alone() {
+    let policy = QuotaPolicy::builder(FromHeader::account("x-account-id")).build();
+    let app = Router::new()
+        .route(
+            "/read",
+            get(|| async { "read" }).route_layer(policy.layer(Quota::daily(10).allowance("read"))),
+        )
+        .route(
+            "/write",
+            get(|| async { "write" })
+                .route_layer(policy.layer(Quota::daily(10).allowance("write"))),
+        );
+    let admin = Router::new().nest("/admin", policy.handle().router());
+    for path in ["/read", "/read", "/write", "/write"] {
+        assert_eq!(send(&app, Method::GET, path).await.status(), StatusCode::OK);
+    }
+    let response = send(
+        &admin,
+        Method::POST,
+        "/admin/refund/account/sk_live_secret_key/read?amount=2",
+    )
+    .await;
+    assert_eq!(response.status(), StatusCode::OK);
+    let handle = policy.handle();
+    let usage = handle
+        .usage(&Subject::account("sk_live_secret_key"))
+        .await
+        .unwrap();
+    let used = |allowance: &str| {
+        usage
+            .iter()
+            .find(|u| u.quota().allowance_tag() == allowance)
+            .unwrap()
+            .used()
+    };
+    assert_eq!(used("read"), 0);
+    assert_eq!(used("write"), 2, "the write allowance is not refunded");
+}
+
+/// A layer's handle gives back what that layer charged a request, and
+/// nothing the layer around it charged.
+#[tokio::test(flavor = "current_thread")]
+async fn a_layers_refund_request_gives_back_that_layers_charge_only() {
+    let policy = QuotaPolicy::builder(FromHeader::account("x-account-id")).build();
+    let outer = policy.layer(Quota::daily(10).allowance("all"));
+    let inner = policy.layer(Quota::daily(10).allowance("send"));
+    let handle = inner.handle();
+    let app = Router::new()
+        .route(
+            "/send",
+            get(move |status: tower_quota::QuotaStatus| {
+                let handle = handle.clone();
+                async move {
+                    let refunded = handle.refund_request(&status).await.unwrap();
+                    assert_eq!(refunded, [Some(0)]);
+                    "not sent"
+                }
+            })
+            .layer(inner),
+        )
+        .layer(outer);
+    assert_eq!(
+        send(&app, Method::GET, "/send").await.status(),
+        StatusCode::OK
+    );
+    let usage = policy
+        .handle()
+        .usage(&Subject::account("sk_live_secret_key"))
+        .await
+        .unwrap();
+    let used = |allowance: &str| {
+        usage
+            .iter()
+            .find(|u| u.quota().allowance_tag() == allowance)
+            .unwrap()
+            .used()
+    };
+    assert_eq!(used("send"), 0, "the inner layer's charge is given back");
+    assert_eq!(used("all"), 1, "the outer layer's charge stays");
+}
