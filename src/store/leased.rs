@@ -2596,6 +2596,21 @@ impl<St: Store> LeasedStore<St> {
         }
     }
 
+    /// An add of `amount` in the store, to the counter at `key` that `made`
+    /// names, numbered among this instance's calls so that a later answer
+    /// told first is not set back by it (see [`LeasedStore::told`]).
+    async fn add_to(
+        &self,
+        now: Timestamp,
+        key: PeriodKey,
+        amount: u64,
+        made: Made,
+    ) -> Result<Option<u64>, StoreError> {
+        let sent = self.shared.next_sent();
+        let result = made.add(&self.inner, now, key.clone(), amount).await?;
+        Ok(self.told(&key, result, sent))
+    }
+
     /// `error`, a refund's the store never sent, once what the refund put
     /// into the block of `key` (`in_block`: units, and the entry's
     /// generation) is taken back off it: the refund is then sent again
@@ -3525,9 +3540,7 @@ impl<St: Store> Store for LeasedStore<St> {
         key: PeriodKey,
         amount: u64,
     ) -> Result<Option<u64>, StoreError> {
-        let sent = self.shared.next_sent();
-        let result = self.inner.add(now, key.clone(), amount).await?;
-        Ok(self.told(&key, result, sent))
+        self.add_to(now, key, amount, Made::Any).await
     }
 
     /// Adds `amount` in the store, to the counter charged at `made_by` only.
@@ -3538,12 +3551,7 @@ impl<St: Store> Store for LeasedStore<St> {
         amount: u64,
         made_by: Timestamp,
     ) -> Result<Option<u64>, StoreError> {
-        let sent = self.shared.next_sent();
-        let result = self
-            .inner
-            .add_made_by(now, key.clone(), amount, made_by)
-            .await?;
-        Ok(self.told(&key, result, sent))
+        self.add_to(now, key, amount, Made::By(made_by)).await
     }
 
     /// Adds `amount` in the store, to the counter whose first call was
@@ -3555,12 +3563,7 @@ impl<St: Store> Store for LeasedStore<St> {
         amount: u64,
         first_call: Timestamp,
     ) -> Result<Option<u64>, StoreError> {
-        let sent = self.shared.next_sent();
-        let result = self
-            .inner
-            .add_made_at(now, key.clone(), amount, first_call)
-            .await?;
-        Ok(self.told(&key, result, sent))
+        self.add_to(now, key, amount, Made::At(first_call)).await
     }
 
     /// Settles `debt` in the store (a settle never checks a limit, so it
