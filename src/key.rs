@@ -173,13 +173,29 @@ impl PeriodKey {
     /// and its escapes are `%` and two hex digits. In the same hash tag as
     /// the counter. `None` for a key not built by a [`Namespace`].
     pub(crate) fn lease_mark(&self) -> Option<PeriodKey> {
+        self.mark(format_args!("held"))
+    }
+
+    /// The key of the mark a settle of a debt on this counter leaves (see
+    /// [`Debt::id`](crate::store::Debt::id)): the key with `%settled-` and
+    /// the settle's id in hex after its allowance,
+    /// `quota:{account:acme}:read%settled-00000000000000ff:2026-12-02`. A
+    /// lease mark's twin: no counter's key, nor a lease mark's, can be one;
+    /// in the same hash tag as the counter; `None` for a key not built by
+    /// a [`Namespace`].
+    pub(crate) fn settle_mark(&self, id: u64) -> Option<PeriodKey> {
+        self.mark(format_args!("settled-{id:016x}"))
+    }
+
+    /// The key with `%` and `what` after its allowance.
+    fn mark(&self, what: fmt::Arguments<'_>) -> Option<PeriodKey> {
         let key: &str = &self.0;
         let open = key.find('{')?;
         let close = open + key[open..].find("}:")?;
         let allowance = close + 2;
         let end = allowance + key[allowance..].find(':')?;
         Some(PeriodKey(
-            format!("{}%held{}", &key[..end], &key[end..]).into(),
+            format!("{}%{what}{}", &key[..end], &key[end..]).into(),
         ))
     }
 
@@ -306,6 +322,19 @@ mod tests {
             "app:q:{account:a%3Ab}:read%held:2026-12-02"
         );
         assert_eq!(PeriodKey::from_string("plain".into()).lease_mark(), None);
+    }
+
+    #[test]
+    fn a_settle_mark_names_its_settle_after_the_allowance() {
+        let key = Namespace::new("app:q").key(&Subject::account("a:b"), "read", "2026-12-02");
+        let mark = key.settle_mark(255).unwrap();
+        assert_eq!(
+            mark.as_str(),
+            "app:q:{account:a%3Ab}:read%settled-00000000000000ff:2026-12-02"
+        );
+        assert_eq!(mark.hash_tag(), key.hash_tag());
+        assert_ne!(key.settle_mark(256), Some(mark));
+        assert_eq!(PeriodKey::from_string("plain".into()).settle_mark(1), None);
     }
 
     #[test]

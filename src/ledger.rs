@@ -33,25 +33,29 @@
 //! - refused late (the settle, or other requests, had filled the counter):
 //!   0 + the debt = 1.
 //!
-//! A settle is sent the same way: one that fails or times out adds nothing
-//! (one that Redis applies late is given back) and is sent again later.
+//! A settle needs no give-back: each carries an id ([`Debt::id`]), and one
+//! whose answer the ledger never got (it failed, timed out, or its future
+//! was dropped) is sent again as it was, under its id and with the same
+//! units, until the store answers it; what the entry came to owe since goes
+//! in the settle after it. The store adds the debt of one id once: the
+//! Redis store leaves a mark per settle beside the counter, and adds
+//! nothing when a settle finds its own mark, whether the first was applied
+//! on time, late, or with its answer lost on the wire. (A store that cannot
+//! tell gives back a settle applied after its caller stopped waiting, as a
+//! charge.)
 //!
 //! # Known limits
 //!
-//! - **A call lost on the wire counts twice if it was applied.** The
-//!   above holds as far as the store learns what became of a call. A charge
-//!   or a settle may fail after it was sent with no answer ever to follow
-//!   (the connection breaks before Redis answers), be applied more than the
+//! - **A charge lost on the wire counts twice if it was applied.** The
+//!   above holds as far as the store learns what became of a charge. One
+//!   may fail after it was sent with no answer ever to follow (the
+//!   connection breaks before Redis answers), be applied more than the
 //!   Redis store's follow-through (30 s) after it was sent, or be applied
 //!   late with the connection failing before its give-back. If Redis
-//!   applied it, it stays: a charge lost so is counted and owed as well, so
-//!   its request counts twice; a settle lost so is sent again, so its debt
-//!   counts twice. Each call lost so adds its units once more (a request's
-//!   cost, or the units of the one entry a settle carries), and a settle
-//!   lost so again and again adds them again each time. Settles are not
-//!   idempotent: telling a settle sent again from a new one would take a
-//!   marker per settle in the store (an id the script records and checks),
-//!   which the ledger does not keep.
+//!   applied it, it stays, and its request, owed as well, counts twice.
+//!   Telling a charge applied from one never run would take a mark per
+//!   charge in the store, a write on every request; settles, rare, have
+//!   one (see above).
 //! - **A first-use debt counts in the counter live when it is settled.** A
 //!   first-use key names no period, so the store adds a debt to whatever
 //!   counter lives at the key at the settle, which need not hold the period
@@ -195,7 +199,10 @@ pub(crate) struct Ledger {
 impl Default for Ledger {
     fn default() -> Self {
         Self {
-            book: Mutex::default(),
+            book: Mutex::new(Book {
+                next_settle: random_u64(),
+                ..Book::default()
+            }),
             stranded: AtomicBool::new(false),
             beat: AtomicI64::new(IDLE),
         }
@@ -224,6 +231,9 @@ struct Book {
     queue: VecDeque<(PeriodKey, u64)>,
     units: u64,
     next_id: u64,
+    /// The id of the next settle ([`Debt::id`]): from a random start, so
+    /// that the settles of the instances sharing a store never share one.
+    next_settle: u64,
     /// The earliest end of an entry's period (or earlier), the entry being
     /// settled left out: no other entry is over before it.
     earliest_end: Option<Timestamp>,
@@ -328,6 +338,18 @@ struct Entry {
     /// The latest of the requests: every request of the entry is within
     /// its period, which starts at `since`.
     latest: Timestamp,
+    amount: u64,
+    /// The settle of the entry the store may have applied without an
+    /// answer (it failed, or its future was dropped): sent again as it
+    /// was, under its id, until the store answers it; what joined the
+    /// entry since waits for the settle after it.
+    sent: Option<Sent>,
+}
+
+/// A settle sent: its id ([`Debt::id`]) and the units it carries.
+#[derive(Clone, Copy, Debug)]
+struct Sent {
+    id: u64,
     amount: u64,
 }
 
@@ -451,6 +473,9 @@ impl Ledger {
     /// its way, stay owed: the store may run their charges after the
     /// reset. A settle on its way lands, before or after the reset, as the
     /// store runs them; if it fails, what it carried is forgotten then.
+    /// So does one that failed before the reset, if it is still on the
+    /// wire: it is not given back (see the module's docs), and lands in
+    /// the fresh counter if Redis runs it after the reset.
     pub(crate) fn forget(&self, key: &PeriodKey, at: Timestamp) {
         let mut book = self.lock();
         let kept_since = at.saturating_sub(RESET_MEMORY).unwrap_or(at);
@@ -730,6 +755,7 @@ impl Book {
             since: debt.since,
             latest: debt.since,
             amount: debt.amount,
+            sent: None,
         });
         self.units = self.units.saturating_add(debt.amount);
         crate::metrics::ledger_counters(1);
@@ -822,17 +848,31 @@ impl Book {
                 ended(entry.amount, 1);
                 continue;
             }
+            // The settle the store may have applied goes again as it was;
+            // otherwise a new one carries all the entry owes.
+            let sent = entry.sent.unwrap_or_else(|| {
+                let sent = Sent {
+                    id: self.next_settle,
+                    amount: entry.amount,
+                };
+                self.next_settle = self.next_settle.wrapping_add(1);
+                sent
+            });
+            if let Some(entry) = self.entry(&key, id) {
+                entry.sent = Some(sent);
+            }
             self.in_flight = Some(InFlight {
                 key: key.clone(),
                 id,
-                amount: entry.amount,
+                amount: sent.amount,
                 forgotten: 0,
             });
             let debt = Debt {
                 key: key.clone(),
-                amount: entry.amount,
+                amount: sent.amount,
                 lifetime: entry.lifetime,
                 since: entry.since,
+                id: sent.id,
             };
             return Next::Settle(key, id, debt);
         }
@@ -863,6 +903,9 @@ impl Book {
             .as_ref()
             .filter(|sent| sent.is(key, id))
             .map_or(0, |sent| sent.forgotten);
+        if let Some(entry) = self.entry(key, id) {
+            entry.sent = None;
+        }
         self.take_off(key, id, amount);
         if forgot > amount {
             // What joined the entry before the reset, beyond what this
@@ -890,9 +933,10 @@ impl Book {
     }
 
     /// The settle on its way failed, or was dropped before it answered:
-    /// its entry is back among the others, less what support's reset of
-    /// the counter forgot meanwhile, which is not sent again into the
-    /// fresh counter (what was owed since stays).
+    /// its entry is back among the others, to be sent again as it was (see
+    /// [`Entry::sent`]), less what support's reset of the counter forgot
+    /// meanwhile, which is not sent again into the fresh counter (what was
+    /// owed since stays, for a settle of its own).
     fn unsettled(&mut self) {
         if let Some(InFlight {
             key,
@@ -902,6 +946,9 @@ impl Book {
         }) = self.in_flight.clone()
         {
             if forgot > 0 {
+                if let Some(entry) = self.entry(&key, id) {
+                    entry.sent = None;
+                }
                 let dropped = self.take_off(&key, id, forgot);
                 forgotten(&key, dropped);
             }
@@ -1256,6 +1303,14 @@ where
                 "the quota store did not answer in time",
             ))
         })
+}
+
+/// A number no other process draws, nor this one again: the hash of a
+/// fresh `RandomState` (keyed at random per process, and differently for
+/// each one made) of the instant.
+fn random_u64() -> u64 {
+    use std::hash::{BuildHasher, RandomState};
+    RandomState::new().hash_one(std::time::SystemTime::now())
 }
 
 #[cfg(test)]

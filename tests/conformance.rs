@@ -107,7 +107,7 @@ mod redis {
         each_call_answers_as_documented,
         changes_to_an_ended_counter_do_not_land,
         a_late_charge_finds_its_spent_counter,
-        an_abandoned_settle_adds_nothing,
+        an_abandoned_settle_sent_again_counts_once,
         clones_share_an_identity_no_other_store_has,
     );
 
@@ -217,6 +217,9 @@ mod broken {
         /// between (a settle timed out, which the ledger sends again), it
         /// stays added.
         keeps_abandoned_settles: bool,
+        /// No bug: adds the debt of one settle id once, as the Redis store
+        /// does (with `keeps_abandoned_settles`, the contract's other way).
+        knows_settle_ids: bool,
         /// An identity of the handle, not of the counters it shares with
         /// its clones.
         identity_per_handle: bool,
@@ -256,13 +259,15 @@ mod broken {
     struct Buggy {
         bugs: Bugs,
         counters: Arc<Mutex<HashMap<PeriodKey, Counter>>>,
+        /// The settle ids added (with `knows_settle_ids`).
+        settled: Arc<Mutex<std::collections::HashSet<u64>>>,
     }
 
     impl Buggy {
         fn with(bugs: Bugs) -> Self {
             Self {
                 bugs,
-                counters: Arc::default(),
+                ..Self::default()
             }
         }
 
@@ -812,7 +817,9 @@ mod broken {
                 // A period opened at or past the debt's deadline.
                 return Ok(None);
             }
-            if debt.amount == 0 {
+            let seen =
+                store.bugs.knows_settle_ids && !store.settled.lock().unwrap().insert(debt.id);
+            if debt.amount == 0 || seen {
                 // Nothing to add: the count, and nothing written.
                 return Ok(Some(live.map_or(0, |c| c.used)));
             }
@@ -1217,6 +1224,21 @@ mod broken {
         testing::a_charge_past_its_period_is_an_error(&store).await;
     }
 
+    /// A store that lets a settle whose caller stopped waiting stand, and
+    /// adds nothing when it comes again under its id, keeps the contract.
+    #[tokio::test]
+    async fn a_store_that_keeps_abandoned_settles_and_knows_their_ids_conforms() {
+        let store = Buggy::with(Bugs {
+            keeps_abandoned_settles: true,
+            knows_settle_ids: true,
+            ..Bugs::default()
+        });
+        assert_eq!(
+            testing::an_abandoned_settle_sent_again_counts_once(&store).await,
+            Verdict::Passed
+        );
+    }
+
     /// Each planted bug below, which the suite as it stood let pass, is
     /// caught by `run_all`.
     macro_rules! caught {
@@ -1242,7 +1264,7 @@ mod broken {
         a_settle_at_its_deadline_is_caught: settles_at_its_deadline
             => "a first-use counter ends at its deadline: a settle of a debt of its period",
         a_settle_kept_for_a_caller_gone_is_caught: keeps_abandoned_settles
-            => "an abandoned settle must add nothing",
+            => "a settle sent again under its id must count once",
         an_identity_of_the_handle_is_caught: identity_per_handle
             => "the clones of a store must share its identity",
         an_identity_shared_with_another_store_is_caught: identity_shared

@@ -1227,6 +1227,7 @@ async fn a_settle_beyond_what_lua_counts_exactly_is_an_error_and_writes_nothing(
             deadline: Timestamp::now() + hour(),
         },
         since: Timestamp::now(),
+        id: redis_support::settle_id(),
     };
 
     let live = key("settle-huge");
@@ -2581,6 +2582,7 @@ async fn a_settle_dates_a_counter_without_first_call_a_period_from_now() {
         amount: 1,
         lifetime: Lifetime::FirstUse { deadline },
         since: deadline - hour(),
+        id: redis_support::settle_id(),
     };
     assert_eq!(store.settle_debt(now, debt).await.unwrap(), Some(11));
     let pttl = |key: &PeriodKey| server.cli(&["pttl", key.as_str()]).parse::<i64>().unwrap();
@@ -2612,6 +2614,7 @@ async fn a_settle_of_nothing_writes_nothing() {
             end: t1 + hour(),
         },
         since: t1,
+        id: redis_support::settle_id(),
     };
     let settled = store.settle_debt(t1, debt).await.unwrap();
     assert_eq!(settled, Some(0), "the counter counts nothing at t1");
@@ -2647,6 +2650,7 @@ async fn a_settle_heals_a_first_use_counter_that_lost_its_deadline() {
             deadline: now + period,
         },
         since: now,
+        id: redis_support::settle_id(),
     };
     let settled = store.settle_debt(now, debt).await.unwrap();
     assert_eq!(
@@ -2672,6 +2676,7 @@ async fn a_settle_heals_a_first_use_counter_that_lost_its_deadline() {
             deadline: now + hour_long,
         },
         since: now,
+        id: redis_support::settle_id(),
     };
     assert_eq!(store.settle_debt(now, debt).await.unwrap(), Some(3));
     let pttl: i64 = server.cli(&["pttl", live.as_str()]).parse().unwrap();
@@ -2687,6 +2692,7 @@ async fn a_settle_heals_a_first_use_counter_that_lost_its_deadline() {
             deadline: now + hour_long,
         },
         since: now,
+        id: redis_support::settle_id(),
     };
     assert!(store.settle_debt(now, huge).await.is_err());
     assert_eq!(
@@ -2854,6 +2860,7 @@ async fn a_heal_never_dates_a_counter_past_one_period_from_now() {
                     deadline: now + hour(),
                 },
                 since: now,
+                id: redis_support::settle_id(),
             };
             store.settle_debt(now, debt).await.unwrap();
         }
@@ -2884,6 +2891,7 @@ async fn a_settle_heal_keeps_the_counters_own_deadline() {
             deadline: since + hour(),
         },
         since,
+        id: redis_support::settle_id(),
     };
     assert_eq!(store.settle_debt(now, debt).await.unwrap(), Some(2));
     let pttl: i64 = server.cli(&["pttl", k.as_str()]).parse().unwrap();
@@ -2911,6 +2919,7 @@ async fn a_settle_past_the_end_a_counter_records_counts_the_debt() {
             end: t1 + hour(),
         },
         since: t1,
+        id: redis_support::settle_id(),
     };
     let settled = (
         store.settle_debt(t1, debt.clone()).await.unwrap(),

@@ -525,10 +525,11 @@ async fn past_its_bound_the_ledger_counts_the_counters_it_owes_only() {
     );
 }
 
-/// A settle is sent as a charge is: one that times out, and that Redis
-/// applies later, is given back, so the ledger's next try counts it once.
+/// A settle that times out, and that Redis applies later, stands: the
+/// ledger sends it again under its id, and Redis, finding its mark, adds
+/// nothing more. A settle under another id adds.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn a_settle_redis_applies_late_is_given_back() {
+async fn a_settle_redis_applies_late_counts_once_when_sent_again() {
     if !redis_available() {
         return;
     }
@@ -543,32 +544,120 @@ async fn a_settle_redis_applies_late_is_given_back() {
             deadline: now + SignedDuration::from_hours(1),
         },
         since: now,
+        id: redis_support::settle_id(),
     };
 
     settle_applied_late(&server, &store, now, &debt).await;
-    assert_eq!(
-        used(&server, &key),
-        "",
-        "applied late, and given back: the first-use counter it made goes with it"
-    );
+    assert_eq!(used(&server, &key), "3", "applied late, and kept");
 
-    assert_eq!(store.settle_debt(now, debt).await.unwrap(), Some(3));
+    assert_eq!(store.settle_debt(now, debt.clone()).await.unwrap(), Some(3));
     assert_eq!(used(&server, &key), "3", "counted once");
+    let next = Debt {
+        id: redis_support::settle_id(),
+        ..debt
+    };
+    assert_eq!(store.settle_debt(now, next).await.unwrap(), Some(6));
 }
 
-/// A settle Redis applies late to a counter a charge with a later instant
-/// made first (a subject back after the outage, its first request
-/// stamped after the ledger's settle) is given back all the same: the
-/// give-back goes by the counter's first call, not only the settle's.
+/// A settle Redis applied with its answer lost on the wire (the connection
+/// broke after the call was sent) counts once: sent again under its id, it
+/// finds its mark. The mark lives in the counter's hash tag, as long as a
+/// counter the settle made would, and a minute more.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_settle_whose_answer_was_lost_counts_once_when_sent_again() {
+    if !redis_available() {
+        return;
+    }
+    let server = RedisServer::start();
+    let proxy = redis_support::Wire::start(server.port()).await;
+    let store = RedisStore::builder(proxy.url())
+        .timeout(Duration::from_millis(500))
+        .build()
+        .unwrap();
+    store.preload().await.unwrap();
+    let now = Timestamp::now();
+    let key = Namespace::default().key(&Subject::account("acme"), "lost", "PT1H");
+    let debt = Debt {
+        key: key.clone(),
+        amount: 3,
+        lifetime: Lifetime::FirstUse {
+            deadline: now + SignedDuration::from_hours(1),
+        },
+        since: now,
+        id: redis_support::settle_id(),
+    };
+
+    proxy.arm();
+    let error = store.settle_debt(now, debt.clone()).await.unwrap_err();
+    assert_ne!(
+        error.kind(),
+        StoreErrorKind::Other,
+        "worth another try: {error}"
+    );
+    assert_eq!(proxy.lost(), 1);
+    assert_eq!(used(&server, &key), "3", "Redis applied it");
+
+    assert_eq!(store.settle_debt(now, debt.clone()).await.unwrap(), Some(3));
+    assert_eq!(used(&server, &key), "3", "counted once");
+
+    let marks = server.cli(&["keys", "*%settled-*"]);
+    let mark = format!("quota:{{account:acme}}:lost%settled-{:016x}:PT1H", debt.id);
+    assert_eq!(marks, mark);
+    let left: i64 = server.cli(&["pttl", &mark]).parse().unwrap();
+    let counter: i64 = server.cli(&["pttl", key.as_str()]).parse().unwrap();
+    assert!(
+        (counter + 59_000..=counter + 61_000).contains(&left),
+        "the mark lives {left} ms, the counter {counter} ms"
+    );
+}
+
+/// Through an outage of the network, under fail open, with the answer to
+/// the ledger's first settle lost on the wire once Redis can be reached
+/// again: the ledger sends that settle again under its id, and the counter
+/// ends at what was served.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_outage_then_a_settle_lost_on_the_wire_counts_every_admission_once() {
+    if !redis_available() {
+        return;
+    }
+    let server = RedisServer::start();
+    let wire = redis_support::Wire::start(server.port()).await;
+    let policy = QuotaPolicy::builder(account())
+        .store(RedisStore::new(wire.url()).unwrap())
+        .on_store_error(OnStoreError::FailOpen)
+        .build();
+    let quota = Quota::daily(100);
+    let app = served(&policy, &quota);
+    assert_eq!(send(&app, "acme").await, StatusCode::OK);
+    let key = key_of(&quota, "acme", Timestamp::now());
+
+    wire.cut(true);
+    for _ in 0..20 {
+        assert_eq!(send(&app, "acme").await, StatusCode::OK, "fail open");
+    }
+    assert_eq!(policy.owed().units, 20);
+    assert_eq!(used(&server, &key), "1", "nothing passed the cut");
+    wire.arm();
+    wire.cut(false);
+    settled(&policy).await;
+    assert_eq!(wire.lost(), 1, "the first settle's answer was lost");
+    assert_eq!(used(&server, &key), "21", "every admission counted, once");
+}
+
+/// A key built by no namespace has no mark: a settle on it that Redis
+/// applies late, to a counter a charge with a later instant made first (a
+/// subject back after the outage, its first request stamped after the
+/// ledger's settle), is given back, as a charge is: by the counter's first
+/// call, not only the settle's.
 #[tokio::test]
-async fn a_settle_applied_late_to_a_counter_made_after_its_instant_is_given_back() {
+async fn a_settle_without_a_mark_applied_late_is_given_back() {
     if !redis_available() {
         return;
     }
     let server = RedisServer::start();
     let store = store_answering_in_100_ms(&server).await;
     let now = Timestamp::now();
-    let key = Namespace::default().key(&Subject::account("acme"), "late", "PT1H");
+    let key = PeriodKey::from_string("late-settle:acme".into());
     let lifetime = Lifetime::FirstUse {
         deadline: now + SignedDuration::from_hours(1),
     };
@@ -591,6 +680,7 @@ async fn a_settle_applied_late_to_a_counter_made_after_its_instant_is_given_back
         amount: 3,
         lifetime,
         since: now,
+        id: redis_support::settle_id(),
     };
 
     settle_applied_late(&server, &store, now, &debt).await;
@@ -646,6 +736,7 @@ async fn a_settle_on_what_is_no_counter_or_beyond_2_53_writes_nothing() {
             deadline: now + SignedDuration::from_hours(1),
         },
         since: now,
+        id: redis_support::settle_id(),
     };
     let text = Namespace::default().key(&Subject::account("acme"), "text", "PT1H");
     server.cli(&["set", text.as_str(), "abc"]);

@@ -30,6 +30,7 @@ fn calendar(key: &PeriodKey, amount: u64, since: Timestamp) -> Debt {
             end: at("2026-12-03T00:00:00Z"),
         },
         since,
+        id: 0,
     }
 }
 
@@ -42,6 +43,7 @@ fn first_use(key: &PeriodKey, amount: u64, since: Timestamp) -> Debt {
             deadline: since + minutes(60),
         },
         since,
+        id: 0,
     }
 }
 
@@ -114,7 +116,7 @@ fn debts_on_one_calendar_counter_add_up_in_one_entry() {
     assert_eq!((book.queue.len(), book.units), (2, 4));
     let (_, _, debt) = book.next(now).settle().unwrap();
     assert_eq!(
-        debt,
+        Debt { id: 0, ..debt },
         calendar(&acme, 3, now),
         "the earliest request's instant"
     );
@@ -134,10 +136,13 @@ fn first_use_debts_share_an_entry_within_the_earliest_ones_period() {
     assert!(book.record(first_use(&acme, 1, t0 + minutes(65)), t0, 10));
     assert_eq!((book.queue.len(), book.units), (2, 4));
     let (key, id, debt) = book.next(t0).settle().unwrap();
-    assert_eq!(debt, first_use(&acme, 3, t0));
+    assert_eq!(Debt { id: 0, ..debt }, first_use(&acme, 3, t0));
     book.paid(&key, id, 3);
     let (_, _, debt) = book.next(t0).settle().unwrap();
-    assert_eq!(debt, first_use(&acme, 1, t0 + minutes(65)));
+    assert_eq!(
+        Debt { id: 0, ..debt },
+        first_use(&acme, 1, t0 + minutes(65))
+    );
 }
 
 /// An earlier request, answered late, shares an entry only if its period
@@ -162,7 +167,7 @@ fn an_earlier_debt_joins_only_a_period_that_holds_the_whole_entry() {
     // At 92 min A's period is over: A goes, B and C are settled.
     let (key, id, debt) = book.next(late).settle().expect("B and C still owed");
     assert_eq!(
-        debt,
+        Debt { id: 0, ..debt },
         Debt {
             key: acme.clone(),
             amount: 2,
@@ -170,6 +175,7 @@ fn an_earlier_debt_joins_only_a_period_that_holds_the_whole_entry() {
                 deadline: t0 + minutes(100),
             },
             since: t0 + minutes(40),
+            id: 0,
         }
     );
     book.paid(&key, id, 2);
@@ -199,7 +205,7 @@ fn a_debt_at_an_entrys_deadline_opens_an_entry_of_its_own() {
         .next(deadline)
         .settle()
         .expect("the later request's debt");
-    assert_eq!(debt, first_use(&acme, 1, deadline));
+    assert_eq!(Debt { id: 0, ..debt }, first_use(&acme, 1, deadline));
     assert_eq!(book.units, 1);
     book.paid(&key, id, 1);
     assert!(book.next(deadline).settle().is_none());
@@ -340,6 +346,74 @@ fn a_reset_forgets_what_joined_an_entry_being_settled() {
     let book = ledger.lock();
     assert_eq!(book.units, 2, "only what was owed since the reset");
     assert_queue_holds_every_entry_once(&book);
+}
+
+/// A settle that failed (the store may have applied it, its answer lost) is
+/// sent again as it was, under its id and with its units, though more was
+/// owed meanwhile: the store adds one id once. Once it is answered, what
+/// was owed since goes under a new id.
+#[test]
+fn a_failed_settle_is_sent_again_as_it_was_then_the_rest_under_a_new_id() {
+    let mut book = Book::default();
+    let now = at(NOON);
+    let acme = key("acme", "2026-12-02");
+    book.record(calendar(&acme, 5, now), now, 10);
+    let (key, id, first) = book.next(now).settle().unwrap();
+    assert_eq!(first.amount, 5);
+    book.record(calendar(&acme, 3, now + minutes(1)), now, 10);
+    book.postpone(&key, id);
+    let (_, _, again) = book.next(now).settle().unwrap();
+    assert_eq!(again, first, "the same settle: its id and its units");
+    // Dropped on its way this time (its task ended): the same again.
+    book.unsettled();
+    let (key, id, third) = book.next(now).settle().unwrap();
+    assert_eq!(third, first);
+    book.paid(&key, id, third.amount);
+    let (key, id, rest) = book.next(now).settle().unwrap();
+    assert_eq!(rest.amount, 3, "what was owed since");
+    assert_ne!(rest.id, first.id, "a new settle");
+    book.paid(&key, id, rest.amount);
+    assert_eq!((book.queue.len(), book.units), (0, 0));
+}
+
+/// A support reset while a settle is on its way, which then fails: what it
+/// carried is forgotten, not sent again (under its id or another); what was
+/// owed since the reset goes under a new id.
+#[test]
+fn a_settle_that_fails_after_a_reset_is_not_sent_again() {
+    let ledger = Ledger::default();
+    let now = at(NOON);
+    let acme = key("acme", "2026-12-02");
+    let first = {
+        let mut book = ledger.lock();
+        book.record(calendar(&acme, 5, now), now, 10);
+        book.next(now).settle().unwrap().2
+    };
+    ledger.forget(&acme, now + minutes(1));
+    let since = now + minutes(2);
+    ledger.lock().record(calendar(&acme, 2, since), since, 10);
+    let mut book = ledger.lock();
+    book.unsettled();
+    let (_, _, next) = book.next(since).settle().unwrap();
+    assert_eq!(next.amount, 2, "only what was owed since the reset");
+    assert_ne!(next.id, first.id);
+}
+
+/// Two ledgers (two instances, or two policies on one store) never give
+/// their settles the same ids: each starts at a number drawn at random.
+#[test]
+fn ledgers_draw_their_settle_ids_apart() {
+    let now = at(NOON);
+    let acme = key("acme", "2026-12-02");
+    let ids: Vec<u64> = (0..2)
+        .map(|_| {
+            let ledger = Ledger::default();
+            let mut book = ledger.lock();
+            book.record(calendar(&acme, 1, now), now, 10);
+            book.next(now).settle().unwrap().2.id
+        })
+        .collect();
+    assert_ne!(ids[0], ids[1]);
 }
 
 /// At the bound, with the entry being settled over, a debt on a new counter

@@ -171,6 +171,8 @@ impl<E: SubjectExtractor, St: Store> Owing<E, St> {
                 amount,
                 lifetime: self.lifetimes[i],
                 since: self.now,
+                // Each settle's own, given by the ledger when it sends one.
+                id: 0,
             }
         });
         if self.outer.is_empty() {

@@ -1390,6 +1390,7 @@ mod nanos_tests {
             amount: 1,
             lifetime: last_day,
             since: at("2262-04-11T10:00:00Z"),
+            id: 0,
         };
         let settled = store.settle_now(at("2262-04-11T12:00:00Z"), &debt);
         assert_eq!(settled.map_err(|e| e.kind()), Err(StoreErrorKind::Other));
@@ -1644,6 +1645,7 @@ mod bound_tests {
                             amount: *amount,
                             lifetime: line.lifetime,
                             since,
+                            id: 0,
                         };
                         let _ = store.settle_now(now, &debt);
                     }

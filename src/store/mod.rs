@@ -307,6 +307,14 @@ pub struct Debt {
     /// first-use counter the settle creates (a calendar one records the
     /// settle's instant).
     pub since: Timestamp,
+    /// The settle's identity: the ledger gives every settle an id of its
+    /// own, and sends a settle whose answer it never got again under the
+    /// same id, with the same amount (what was owed since goes in a later
+    /// settle). A store whose answers can be lost after it applied a call
+    /// (over a network) adds the debt of one id at most once: the Redis
+    /// store leaves a mark per settle beside the counter. See
+    /// [`Store::settle_debt`].
+    pub id: u64,
 }
 
 /// The error of a charge with a line whose lifetime is over at its instant
@@ -853,13 +861,15 @@ pub trait Store: Clone + Send + Sync + 'static {
     /// The ledger sends a settle that failed again (an error of any kind but
     /// [`StoreErrorKind::Other`], or one [`StoreError::unsent`]; an `Other`
     /// error the store may have sent is its refusal, and the debt is
-    /// dropped): one that fails, or whose future is dropped before it
-    /// answers, must leave nothing added once the store is done with it (as
-    /// a charge). Where the store cannot learn
-    /// what became of a call (its connection lost after it was sent), a
-    /// settle it applied and reported failed is sent again and counts
-    /// twice: the settle carries no marker that would let the store tell
-    /// it from a new one.
+    /// dropped), under the same [`Debt::id`] and with the same amount, until
+    /// one answers or the debt's period is over. So a settle that fails, or
+    /// whose future is dropped before it answers, must count once in all:
+    /// either it leaves nothing added once the store is done with it (as a
+    /// charge), or it may have been applied and the store adds nothing when
+    /// the same id comes again. The Redis store does the second: a call
+    /// whose connection is lost after it was sent may have been applied
+    /// with no answer ever to follow, and a mark per settle tells it the
+    /// settle sent again from a new one.
     ///
     /// The default makes it a [`Store::charge`] of one line at `now`, with
     /// the largest limit the store counts exactly ([`Store::max_count`]): it

@@ -4,7 +4,7 @@
 use super::hooks::{ConformanceHooks, Expiry, Planted, StoredDeadline, Verdict};
 use super::support::{
     add, answered, calendar_line, charge, expect_deadline, first_use, fresh_key, fresh_namespace,
-    peek, refund, settle, stored, Keys, Timeline,
+    peek, refund, settle, settle_id, stored, Keys, Timeline,
 };
 use crate::key::PeriodKey;
 use crate::store::{Debt, Lifetime};
@@ -440,6 +440,7 @@ pub async fn settle_debt_keeps_to_the_debts_period<S: ConformanceHooks>(store: &
             deadline: now + period,
         },
         since: now,
+        id: settle_id(),
     };
     assert_eq!(
         settle(store, now, debt).await,
@@ -468,6 +469,7 @@ pub async fn settle_debt_keeps_to_the_debts_period<S: ConformanceHooks>(store: &
             deadline: owed_deadline,
         },
         since,
+        id: settle_id(),
     };
     assert_eq!(
         settle(store, now, debt).await,
@@ -509,6 +511,7 @@ pub async fn settle_debt_keeps_to_the_debts_period<S: ConformanceHooks>(store: &
         amount: 4,
         lifetime: Lifetime::Calendar { start, end },
         since: start,
+        id: settle_id(),
     };
     assert_eq!(
         settle(store, now, debt).await,
@@ -559,6 +562,7 @@ pub async fn settle_debt_keeps_to_the_debts_period<S: ConformanceHooks>(store: &
         amount: 3,
         lifetime: Lifetime::Calendar { start, end },
         since: start,
+        id: settle_id(),
     };
     assert_eq!(
         settle(store, now, debt).await,
@@ -584,6 +588,7 @@ pub async fn settle_debt_keeps_to_the_debts_period<S: ConformanceHooks>(store: &
         amount: 1,
         lifetime: Lifetime::Calendar { start, end },
         since: start,
+        id: settle_id(),
     };
     assert_eq!(
         settle(store, now, debt).await,
@@ -605,6 +610,7 @@ pub async fn settle_debt_keeps_to_the_debts_period<S: ConformanceHooks>(store: &
             deadline: now - period / 4,
         },
         since: now - period - period / 4,
+        id: settle_id(),
     };
     assert_eq!(
         settle(store, now, debt).await,
@@ -643,6 +649,7 @@ pub async fn settle_debt_keeps_to_the_debts_period<S: ConformanceHooks>(store: &
             deadline: owed_deadline,
         },
         since: owed_deadline - period,
+        id: settle_id(),
     };
     assert_eq!(
         settle(store, now, debt).await,
@@ -670,6 +677,7 @@ pub async fn settle_debt_keeps_to_the_debts_period<S: ConformanceHooks>(store: &
             deadline: now + period,
         },
         since: now,
+        id: settle_id(),
     };
     assert_eq!(
         settle(store, now, debt).await,
@@ -691,6 +699,7 @@ pub async fn settle_debt_keeps_to_the_debts_period<S: ConformanceHooks>(store: &
             deadline: now + period,
         },
         since: now,
+        id: settle_id(),
     };
     assert_eq!(
         settle(store, now, nothing(&key)).await,
@@ -1575,6 +1584,7 @@ pub async fn a_first_use_counter_ends_at_its_deadline<S: ConformanceHooks>(store
         amount: 1,
         lifetime: Lifetime::FirstUse { deadline },
         since: t0,
+        id: settle_id(),
     };
     let changes = [
         (refund(store, at, &key, 1).await, "a refund"),
@@ -1633,6 +1643,7 @@ pub async fn a_first_use_counter_ends_at_its_deadline<S: ConformanceHooks>(store
             deadline: at + period,
         },
         since: at,
+        id: settle_id(),
     };
     assert_eq!(
         settle(store, at, debt).await,
@@ -1654,6 +1665,7 @@ pub async fn a_first_use_counter_ends_at_its_deadline<S: ConformanceHooks>(store
         amount: 1,
         lifetime: Lifetime::Calendar { start, end },
         since: start,
+        id: settle_id(),
     };
     assert_eq!(
         settle(store, at, debt).await,

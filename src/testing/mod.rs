@@ -74,8 +74,9 @@
 //!   calendar window that reaches the store after a call stamped past its
 //!   end (an inner layer's, an instance's whose clock is behind) finds the
 //!   window's spent counter, never a fresh one.
-//! - [`an_abandoned_settle_adds_nothing`]: a settle whose future is dropped
-//!   while pending ends either not applied, or applied and given back.
+//! - [`an_abandoned_settle_sent_again_counts_once`]: a settle whose future
+//!   is dropped while pending, sent again under its id until it answers,
+//!   counts once.
 //! - [`clones_share_an_identity_no_other_store_has`]: a store's clones
 //!   share its identity, and another store
 //!   ([`ConformanceHooks::another_store`]) has another.
@@ -112,7 +113,7 @@ mod support;
 pub use self::charges::{
     a_charge_past_its_period_is_an_error, a_refused_charge_writes_nothing,
     all_or_nothing_across_quotas, an_abandoned_charge_spends_nothing,
-    an_abandoned_settle_adds_nothing, clones_share_an_identity_no_other_store_has,
+    an_abandoned_settle_sent_again_counts_once, clones_share_an_identity_no_other_store_has,
     counts_never_pass_the_limit_nor_wrap, each_call_answers_as_documented,
     exactly_the_limit_under_concurrency, extra_units_take_only_the_room_left,
 };
@@ -220,8 +221,8 @@ pub async fn run_all<S: ConformanceHooks>(store: &S) -> Vec<(&'static str, Verdi
             a_late_charge_finds_its_spent_counter(store).await,
         ),
         (
-            "an_abandoned_settle_adds_nothing",
-            an_abandoned_settle_adds_nothing(store).await,
+            "an_abandoned_settle_sent_again_counts_once",
+            an_abandoned_settle_sent_again_counts_once(store).await,
         ),
         (
             "clones_share_an_identity_no_other_store_has",

@@ -232,6 +232,13 @@ impl Keys {
     }
 }
 
+/// A settle id ([`Debt::id`]) no other settle of the suite's has: each
+/// debt the suite settles is a new one.
+pub(super) fn settle_id() -> u64 {
+    static NEXT: AtomicU64 = AtomicU64::new(0);
+    NEXT.fetch_add(1, Ordering::Relaxed)
+}
+
 pub(super) fn fresh_key(name: &str) -> PeriodKey {
     Keys::new().key(name)
 }

@@ -46,6 +46,13 @@ macro_rules! redis_server_or_skip {
 }
 
 /// A free loopback port (free when asked; the server binds it next).
+/// A settle id (`Debt::id`) no other settle of this test binary has: each
+/// debt a test settles is a new one, unless it sends one again on purpose.
+pub fn settle_id() -> u64 {
+    static NEXT: std::sync::atomic::AtomicU64 = std::sync::atomic::AtomicU64::new(0);
+    NEXT.fetch_add(1, std::sync::atomic::Ordering::Relaxed)
+}
+
 pub fn free_port() -> u16 {
     TcpListener::bind("127.0.0.1:0")
         .and_then(|l| l.local_addr())
@@ -532,5 +539,111 @@ impl SlowProxy {
         let delay = u64::try_from(delay.as_millis()).unwrap();
         self.connect_ms
             .store(delay, std::sync::atomic::Ordering::SeqCst);
+    }
+}
+
+/// A TCP proxy in front of a server, for the network between a store and
+/// Redis: it can be cut (an outage: connections close, calls on them are
+/// not passed on, new ones are closed at once) while the server and what it
+/// holds (its scripts too) stay, and, once armed, loses the answer to the
+/// next settle (a call of the counters script's `s` operation): it passes
+/// the call on, swallows whatever the server answers on that connection
+/// from then on, and closes it, as a connection that breaks after a call
+/// was sent. Redis runs the call; its caller never learns it.
+pub struct Wire {
+    addr: std::net::SocketAddr,
+    armed: std::sync::Arc<std::sync::atomic::AtomicBool>,
+    cut: std::sync::Arc<std::sync::atomic::AtomicBool>,
+    lost: std::sync::Arc<std::sync::atomic::AtomicU64>,
+}
+
+impl Wire {
+    pub async fn start(port: u16) -> Self {
+        use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+        use std::sync::Arc;
+        use tokio::io::{AsyncReadExt, AsyncWriteExt};
+
+        /// The script's operation `s`, as the call carries it.
+        const SETTLE: &[u8] = b"\r\n$1\r\ns\r\n";
+
+        let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+        let addr = listener.local_addr().unwrap();
+        let target = format!("127.0.0.1:{port}");
+        let armed = Arc::new(AtomicBool::new(false));
+        let cut = Arc::new(AtomicBool::new(false));
+        let lost = Arc::new(AtomicU64::new(0));
+        let wire = Self {
+            addr,
+            armed: Arc::clone(&armed),
+            cut: Arc::clone(&cut),
+            lost: Arc::clone(&lost),
+        };
+        tokio::spawn(async move {
+            while let Ok((client, _)) = listener.accept().await {
+                if cut.load(Ordering::SeqCst) {
+                    continue;
+                }
+                let Ok(upstream) = tokio::net::TcpStream::connect(&target).await else {
+                    continue;
+                };
+                let (mut client_read, mut client_write) = client.into_split();
+                let (mut upstream_read, mut upstream_write) = upstream.into_split();
+                let deaf = Arc::new(AtomicBool::new(false));
+                let (armed, cut, lost) = (Arc::clone(&armed), Arc::clone(&cut), Arc::clone(&lost));
+                let deafened = Arc::clone(&deaf);
+                tokio::spawn(async move {
+                    let mut buffer = vec![0; 64 * 1024];
+                    while let Ok(read @ 1..) = client_read.read(&mut buffer).await {
+                        if cut.load(Ordering::SeqCst) {
+                            // Not passed on; the server closes its end.
+                            return;
+                        }
+                        let chunk = &buffer[..read];
+                        if chunk.windows(SETTLE.len()).any(|w| w == SETTLE)
+                            && armed.swap(false, Ordering::SeqCst)
+                        {
+                            deafened.store(true, Ordering::SeqCst);
+                            lost.fetch_add(1, Ordering::SeqCst);
+                        }
+                        if upstream_write.write_all(chunk).await.is_err() {
+                            return;
+                        }
+                    }
+                });
+                tokio::spawn(async move {
+                    let mut buffer = vec![0; 64 * 1024];
+                    while let Ok(read @ 1..) = upstream_read.read(&mut buffer).await {
+                        if deaf.load(Ordering::SeqCst) {
+                            // Swallowed, and the connection closed.
+                            let _ = client_write.shutdown().await;
+                            return;
+                        }
+                        if client_write.write_all(&buffer[..read]).await.is_err() {
+                            return;
+                        }
+                    }
+                });
+            }
+        });
+        wire
+    }
+
+    pub fn url(&self) -> String {
+        format!("redis://{}/", self.addr)
+    }
+
+    /// Cuts the wire (`true`) or mends it.
+    pub fn cut(&self, cut: bool) {
+        self.cut.store(cut, std::sync::atomic::Ordering::SeqCst);
+    }
+
+    /// Loses the answer to the next settle.
+    pub fn arm(&self) {
+        self.armed.store(true, std::sync::atomic::Ordering::SeqCst);
+    }
+
+    /// How many answers it lost.
+    pub fn lost(&self) -> u64 {
+        self.lost.load(std::sync::atomic::Ordering::SeqCst)
     }
 }

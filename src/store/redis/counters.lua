@@ -47,7 +47,12 @@
 --      first-use debt whose counter found live was made at or past its
 --      deadline (and one the caller found past it, which it never sends).
 --      A count that would go beyond 2^53 is an error reply, and nothing is
---      written.
+--      written. KEYS[2], when given, is the settle's mark: a settle that
+--      adds leaves it (for a minute longer than a counter it created would
+--      live), and one that finds it adds nothing and answers what the
+--      counter holds, as a debt of nothing: the caller sends a settle again
+--      under its mark when the answer to the first was lost, and it counts
+--      once.
 --   t  the server's TIME (KEYS[1] only routes the call on a cluster)
 --   d  delete KEYS[1] (a support reset); answers how many keys went (as
 --      DEL), through the script so that a cluster's redirects are followed
@@ -743,6 +748,19 @@ if op == 's' then
   if not digits(amount) then
     return redis.error_reply('ERR tower-quota: the amount to settle' .. NOT_A_NUMBER)
   end
+  local mark = KEYS[2]
+  if mark ~= nil and call('EXISTS', mark) == 1 then
+    -- Added already, by this very settle (the answer to it was lost):
+    -- nothing more, and the answer is what the counter holds.
+    local kind, used, dated = read(key)
+    if kind == nil then
+      return redis.error_reply('ERR tower-quota: ' .. key .. NOT_A_COUNTER)
+    end
+    if kind == 0 then
+      return { 0, -1 }
+    end
+    return { used, dated and dated + 0 or -1 }
+  end
   local at = now + 0
   -- The reply: the count afterwards (-1 when nothing was written), and
   -- the counter's first call (-1 when it has none), which a give-back of
@@ -810,6 +828,9 @@ if op == 's' then
   if type(added) == 'table' then
     -- An error reply.
     return added
+  end
+  if mark ~= nil then
+    call('SET', mark, '1', 'PX', ttl + 60000)
   end
   if added ~= nil then
     return { added, dated and dated + 0 or -1 }

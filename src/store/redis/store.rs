@@ -90,7 +90,11 @@ use crate::store::{
 ///   counter a charge of the debt's requests would have created (its first
 ///   call the earliest request's, its deadline the debt's first-use deadline
 ///   or the window's end plus grace and jitter), in the same call; and
-///   nothing, answered as such, for a window that is over.
+///   nothing, answered as such, for a window that is over. The call leaves
+///   a mark of the settle ([`Debt::id`]) beside the counter, in its hash
+///   tag, for as long as a counter it created would live: a settle sent
+///   again under the same id (the ledger's, after one whose answer was
+///   lost) adds nothing, and answers what the counter holds.
 ///
 /// - **Strict values.** A counter is a whole number from 0 to 2^53 (what the
 ///   script counts exactly), written as Redis writes integers. A key of
@@ -165,11 +169,11 @@ use crate::store::{
 ///   [`OnStoreError::FailOpen`](crate::OnStoreError::FailOpen) owes it, and
 ///   its policy's ledger adds it with [`Store::settle_debt`] once Redis
 ///   answers: one count for the request, whether the charge was never
-///   applied, or applied late and given back. A settle is followed and
-///   given back the same way, so the ledger can send it again. A charge or
-///   a settle that fails on the wire after it was sent, as below, has no
-///   answer to follow: if Redis applied it, its request, or its debt,
-///   counts twice.) A
+///   applied, or applied late and given back. A settle is not given back:
+///   the ledger sends it again under its id, which Redis adds once, whether
+///   the first was applied, late, or lost on the wire. A charge that fails
+///   on the wire after it was sent, as below, has no answer to follow: if
+///   Redis applied it, its request counts twice.) A
 ///   call is followed for 30 s at most; a connection silent that long is
 ///   dropped. A connection that answers nothing at all for a second while
 ///   a call waits on it (half-open after a network fault) takes no new
@@ -782,10 +786,12 @@ impl RedisStore {
     }
 
     /// Settles `debt` at `now` (see [`Store::settle_debt`]): one script call
-    /// on the debt's key. It is sent as a charge is: one that times out or
-    /// whose caller stops waiting is followed, and given back if Redis adds
-    /// it late, so the ledger may send it again and the counter still holds
-    /// the debt once.
+    /// on the debt's key and its settle's mark, which Redis adds once
+    /// however often the ledger sends it (a settle that failed may have
+    /// been applied, late or with its answer lost). A key built by no
+    /// [`Namespace`](crate::Namespace) has no mark: the settle is then sent
+    /// as a charge is, followed and given back if Redis applies it after
+    /// its caller stopped waiting (one lost on the wire counts twice).
     async fn settle(self, now: Timestamp, debt: Debt) -> Result<Option<u64>, StoreError> {
         if debt.lifetime.end() <= now {
             return Ok(None);
@@ -799,7 +805,11 @@ impl RedisStore {
         };
         let args = self.line_args(now, &line);
         let key = line.key;
+        let mark = key.settle_mark(debt.id);
         let mut invocation = Invocation::on(key.as_str());
+        if let Some(mark) = &mark {
+            invocation.key(mark.as_str());
+        }
         invocation
             .arg("s")
             // Exact, not clamped: the script refuses a count beyond 2^53.
@@ -811,8 +821,8 @@ impl RedisStore {
             // opened at or past it takes none of the debt.
             .arg(debt.lifetime.end().as_millisecond().max(0))
             .arg(debt.since.as_millisecond().max(0));
-        let give_back = GiveBack {
-            // The count afterwards (-1 when the debt's period is over and
+        // Without a mark only: with one, the ledger's next try finds it.
+        let give_back = mark.is_none().then(|| GiveBack {
             // nothing was written), and the counter's first call.
             applied: |reply: &Vec<i64>| reply.first().is_some_and(|&count| count >= 0),
             // A give-back goes to the counter the settle added to, though a
@@ -825,11 +835,11 @@ impl RedisStore {
                 .into_iter()
                 .collect(),
             now,
-        };
+        });
         self.follow(
             Sends::Charge,
             Some(key.as_str()),
-            Some(give_back),
+            give_back,
             |mut conn| async move {
                 let result = invocation.invoke_async(&mut conn).await;
                 (conn, result)
