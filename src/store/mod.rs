@@ -970,9 +970,10 @@ pub trait Store: Clone + Send + Sync + 'static {
         None
     }
 
-    /// How many charges (and settles) of this store are still on their
-    /// way, followed after their callers stopped waiting included (a charge
-    /// or a settle the Redis store gives back if Redis applied it late):
+    /// How many charges (and settles it would give back) of this store are
+    /// still on their way, followed after their callers stopped waiting
+    /// included (a charge the Redis store gives back if Redis applied it
+    /// late; a settle it marks has nothing to give back, and is sent again):
     /// what [`QuotaPolicy::settle_owed`](crate::QuotaPolicy::settle_owed)
     /// waits for, so that a process that exits after it leaves no such
     /// charge counted. Reads and changes, with nothing to give back, are

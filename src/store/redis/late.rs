@@ -25,7 +25,7 @@ use crate::store::{ChargeRequest, Made};
 use crate::throttle::Throttle;
 
 /// A call's room among the calls in flight, held until it is over; a
-/// charge's (a settle's too) also counts it among the charges a shutdown
+/// charge's (a settle's without a mark too) also counts it among the charges a shutdown
 /// waits for ([`Store::charges_in_flight`](crate::store::Store::charges_in_flight)):
 /// until it was answered, or given back if Redis applied it late. A read or
 /// a change has nothing to give back, and a process may exit while one is

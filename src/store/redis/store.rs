@@ -262,8 +262,8 @@ pub(super) struct Inner {
     pub(super) connect_timeout: Duration,
     pub(super) max_in_flight: usize,
     pub(super) in_flight: Arc<Semaphore>,
-    /// Charges and settles on their way, until answered or given back
-    /// (see [`Room`]).
+    /// Charges (and settles without a mark) on their way, until answered
+    /// or given back (see [`Room`]).
     pub(super) charges: Arc<std::sync::atomic::AtomicUsize>,
     /// Charges given back after their callers stopped waiting.
     pub(super) given_back: AtomicU64,
@@ -511,7 +511,7 @@ impl RedisStore {
     }
 
     /// How many calls Redis applied after their callers stopped waiting (a
-    /// charge, a settle) this store gave back (or tried to: a give-back
+    /// charge, a settle without a mark) this store gave back (or tried to: a give-back
     /// that fails is logged), since it was made. Its clones share the count.
     pub fn given_back(&self) -> u64 {
         self.inner.given_back.load(Ordering::Relaxed)
@@ -1250,8 +1250,9 @@ impl Store for RedisStore {
         super::script::MAX_EXACT
     }
 
-    /// The charges and settles on their way (answered, or given back if
-    /// Redis applied them late), not the reads and changes
+    /// The charges (and settles without a mark) on their way (answered, or
+    /// given back if Redis applied them late), not the reads, changes and
+    /// marked settles, which have nothing to give back
     /// ([`in_flight`](Self::in_flight) counts every call).
     fn charges_in_flight(&self) -> usize {
         self.inner.charges.load(Ordering::Relaxed)
