@@ -183,6 +183,7 @@ impl PeriodKey {
     /// lease mark's twin: no counter's key, nor a lease mark's, can be one;
     /// in the same hash tag as the counter; `None` for a key not built by
     /// a [`Namespace`].
+    #[cfg(feature = "redis")]
     pub(crate) fn settle_mark(&self, id: u64) -> Option<PeriodKey> {
         self.mark(format_args!("settled-{id:016x}"))
     }
@@ -325,6 +326,7 @@ mod tests {
     }
 
     #[test]
+    #[cfg(feature = "redis")]
     fn a_settle_mark_names_its_settle_after_the_allowance() {
         let key = Namespace::new("app:q").key(&Subject::account("a:b"), "read", "2026-12-02");
         let mark = key.settle_mark(255).unwrap();

@@ -108,7 +108,9 @@
 //! first-use deadline is past (a first-use debt may still land in a period
 //! opened after its requests: see the known limits above). So is one the
 //! store refuses (a key that holds no counter, a sum beyond what it counts
-//! exactly). The task
+//! exactly). Units dropped so, or abandoned below, while a settle of theirs
+//! that failed is unanswered may be in the counter all the same: that
+//! settle may have landed (the metrics count them as dropped). The task
 //! ends when nothing is owed, or when the policy is dropped: what the ledger
 //! still owes then is lost with it, logged and counted as abandoned.
 //!

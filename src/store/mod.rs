@@ -54,19 +54,20 @@
 //!   names no period, so a debt may land in a period opened after its
 //!   requests (never one opened at or past the debt's deadline, one period
 //!   after its earliest request).
-//! - A charge or a settle that fails, or whose future is dropped before it
-//!   answers, leaves nothing charged once the store is done with it (not
-//!   applied, or applied and given back): the layer counts a request that
-//!   passed on a failed charge under `OnStoreError::FailOpen` with a settle
-//!   of its own, and sends a failed settle again. A store that may keep a
-//!   failed charge counts such a request twice. A store keeps this as far
-//!   as it learns what became of a call: one that fails on the wire after
-//!   it was sent (its connection lost before the answer; for the Redis
-//!   store also one applied more than 30 s late) may have been applied
-//!   without the store knowing, and then stays. Its request then counts
-//!   twice, or, for a settle (sent again), its debt does: once more per
-//!   call lost so. Settles are not idempotent (that would take a marker per
-//!   settle in the store).
+//! - A charge that fails, or whose future is dropped before it answers,
+//!   leaves nothing charged once the store is done with it (not applied, or
+//!   applied and given back): the layer counts a request that passed on a
+//!   failed charge under `OnStoreError::FailOpen` with a settle of its own.
+//!   A store that may keep a failed charge counts such a request twice. A
+//!   store keeps this as far as it learns what became of a call: one that
+//!   fails on the wire after it was sent (its connection lost before the
+//!   answer; for the Redis store also one applied more than 30 s late) may
+//!   have been applied without the store knowing, and then stays: its
+//!   request counts twice.
+//! - A settle that fails counts once in all when the ledger sends it again
+//!   under its [`Debt::id`]: either it left nothing added (as a charge), or
+//!   the store adds nothing for an id it has added (the Redis store, whose
+//!   settles may be lost on the wire too, keeps a mark per settle).
 //!
 //! # Example: a store of your own
 //!

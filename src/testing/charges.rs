@@ -730,7 +730,8 @@ pub async fn an_abandoned_settle_sent_again_counts_once<S: ConformanceHooks>(sto
     // Polled once, as the ledger polls a settle, then dropped unless it
     // answered; a dropped one is sent again until it answers.
     let (debts, mut pending) = (20, 0);
-    for id in 0..debts {
+    for _ in 0..debts {
+        let id = settle_id();
         let answered = {
             // Dropped at the end of the block.
             let mut future = std::pin::pin!(store.settle_debt(now, debt(id)));

@@ -49,7 +49,9 @@ use crate::store::{
 ///   key (see the [`key`](crate::key) module: ids and allowances
 ///   percent-encoded) of the count (field `n`) and the first call's instant
 ///   (`t`); keys whose allowance part ends in `%held` are a
-///   [`LeasedStore`](crate::LeasedStore)'s lease marks, not counters. Its
+///   [`LeasedStore`](crate::LeasedStore)'s lease marks, and those whose
+///   allowance part ends in `%settled-` and 16 hex digits are marks of the
+///   settles of a ledger (see Debts below), not counters. Its
 ///   deadline is set with `PEXPIRE` only in the script that creates it,
 ///   and every later write is a
 ///   `HINCRBY`, which keeps it: hits never re-date a counter. A counter
