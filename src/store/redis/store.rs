@@ -94,7 +94,8 @@ use crate::store::{
 ///   or the window's end plus grace and jitter), in the same call; and
 ///   nothing, answered as such, for a window that is over. The call leaves
 ///   a mark of the settle ([`Debt::id`]) beside the counter, in its hash
-///   tag, for as long as a counter it created would live: a settle sent
+///   tag, for as long as a counter it created would live and a minute
+///   more: a settle sent
 ///   again under the same id (the ledger's, after one whose answer was
 ///   lost) adds nothing, and answers what the counter holds.
 ///
@@ -513,8 +514,9 @@ impl RedisStore {
     }
 
     /// How many calls Redis applied after their callers stopped waiting (a
-    /// charge, a settle without a mark) this store gave back (or tried to: a give-back
-    /// that fails is logged), since it was made. Its clones share the count.
+    /// charge, a settle without a mark) this store gave back (or tried to:
+    /// a give-back that fails is logged), since it was made. Its clones
+    /// share the count.
     pub fn given_back(&self) -> u64 {
         self.inner.given_back.load(Ordering::Relaxed)
     }
@@ -825,6 +827,7 @@ impl RedisStore {
             .arg(debt.since.as_millisecond().max(0));
         // Without a mark only: with one, the ledger's next try finds it.
         let give_back = mark.is_none().then(|| GiveBack {
+            // The count afterwards (-1 when the debt's period is over and
             // nothing was written), and the counter's first call.
             applied: |reply: &Vec<i64>| reply.first().is_some_and(|&count| count >= 0),
             // A give-back goes to the counter the settle added to, though a
