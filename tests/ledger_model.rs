@@ -3,8 +3,11 @@
 //! first-use quota outside, a calendar one inside, a deferred cost on one
 //! route), sent random requests of a few subjects (served, 5xx refunded,
 //! undone by their handler, dropped mid-flight) while the store switches
-//! between healthy, slow (answers within `store_timeout`), late (answers
-//! after it), and away (fails every call, unsent), and the policy's clock
+//! between healthy (one settle in four applied with its answer lost on the
+//! wire), slow (answers within `store_timeout`), late (answers after it;
+//! a settle is applied all the same, and one sent again under its id adds
+//! nothing, as the Redis store's marks make it), and away (fails every
+//! call, unsent), and the policy's clock
 //! steps on across midnight and first-use deadlines. At each quiet point
 //! (the store healthy, `settle_owed` awaited): nothing is owed, and each
 //! live calendar counter holds exactly what the requests served in its
@@ -121,8 +124,10 @@ enum Mode {
     Healthy,
     /// Answers within `store_timeout`.
     Slow,
-    /// Answers after `store_timeout`: a charge or a settle whose caller
-    /// stopped waiting is not applied; a refund or an add is.
+    /// Answers after `store_timeout`: a charge whose caller stopped
+    /// waiting is not applied (or applied and given back); a refund, an
+    /// add or a settle is (a settle sent again under its id then adds
+    /// nothing, as the Redis store's marks make it).
     Late,
     /// Every call fails, never sent.
     Away,
@@ -141,6 +146,8 @@ struct FlakyState {
     /// Units of the settles whose caller got `Ok(Some(_))`: what the
     /// ledger counts as settled.
     settled: u64,
+    /// The ids of the settles applied: one sent again adds nothing.
+    settle_ids: HashSet<u64>,
 }
 
 /// A memory store whose calls answer at once, late, or never reach it.
@@ -386,32 +393,49 @@ impl Store for Flaky {
         debt: Debt,
     ) -> impl Future<Output = Result<Option<u64>, StoreError>> + Send {
         let (mode, delay) = self.draw();
+        // One healthy settle in four is applied with its answer lost on the
+        // wire.
+        let lost = mode == Mode::Healthy && self.state.lock().unwrap().rng.next() % 4 == 0;
         let inner = self.inner.clone();
         let state = Arc::clone(&self.state);
         let amount = debt.amount;
+        // Applied once per id, as the Redis store's marks make it: one sent
+        // again adds nothing (the count it answers is not read).
+        let apply = {
+            let state = Arc::clone(&self.state);
+            move |inner: MemoryStore, debt: Debt| async move {
+                let id = debt.id;
+                if state.lock().unwrap().settle_ids.contains(&id) {
+                    trace!("  store settle at {now} {debt:?}: its id seen, nothing added");
+                    return Ok(Some(0));
+                }
+                let what = format!("{debt:?}");
+                let answer = inner.settle_debt(now, debt).await;
+                trace!("  store settle at {now} {what} -> {answer:?}");
+                if let Ok(Some(_)) = answer {
+                    state.lock().unwrap().settle_ids.insert(id);
+                }
+                answer
+            }
+        };
         async move {
             let answer = match mode {
                 Mode::Away => Err(unsent()),
-                Mode::Healthy => {
-                    let what = format!("{debt:?}");
-                    let answer = inner.settle_debt(now, debt).await;
-                    trace!("  store settle at {now} {what} -> {answer:?}");
-                    answer
+                Mode::Healthy if lost => {
+                    let _ = apply(inner, debt).await;
+                    trace!("  (its answer lost)");
+                    Err(StoreError::new(
+                        StoreErrorKind::Timeout,
+                        "flaky: answer lost",
+                    ))
                 }
+                Mode::Healthy => apply(inner, debt).await,
                 Mode::Slow | Mode::Late => {
                     let (tx, rx) = tokio::sync::oneshot::channel();
                     tokio::spawn(async move {
                         tokio::time::sleep(delay).await;
-                        if tx.is_closed() {
-                            return;
-                        }
-                        let (key, amount) = (debt.key.clone(), debt.amount);
-                        let what = format!("{debt:?}");
-                        let answer = inner.settle_debt(now, debt).await;
-                        trace!("  store settle at {now} {what} (late) -> {answer:?}");
-                        if let Err(Ok(Some(_))) = tx.send(answer) {
-                            let _ = inner.refund(now, key, amount).await;
-                        }
+                        // Applied whether its caller still waits or not.
+                        let _ = tx.send(apply(inner, debt).await);
                     });
                     rx.await.unwrap_or_else(|_| {
                         Err(StoreError::new(StoreErrorKind::Other, "flaky: lost"))
@@ -561,6 +585,7 @@ async fn run(seed: u64, steps: usize, snapshotter: &Snapshotter, variant: Varian
             delivered: HashSet::new(),
             landed: HashMap::new(),
             settled: 0,
+            settle_ids: HashSet::new(),
         })),
     };
     let policy = QuotaPolicy::builder(FromHeader::account("x-account-id"))
