@@ -46,10 +46,17 @@ fn used(server: &RedisServer, key: &PeriodKey) -> String {
     server.cli(&["hget", key.as_str(), "n"])
 }
 
-/// The store `builder` builds, its script loaded and a connection open.
+/// The store `builder` builds, its script loaded and a connection open: a
+/// few tries, as a connection made within a short budget on a busy machine
+/// (the tests' own timeouts are tens of milliseconds) may take longer.
 async fn ready(builder: RedisStoreBuilder) -> RedisStore {
     let store = builder.build().expect("a Redis store");
-    store.preload().await.expect("the test server answers");
+    let mut tries = 0;
+    while let Err(error) = store.preload().await {
+        tries += 1;
+        assert!(tries < 10, "the test server answers: {error}");
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
     store
 }
 
