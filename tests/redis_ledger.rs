@@ -537,15 +537,7 @@ async fn a_settle_redis_applies_late_counts_once_when_sent_again() {
     let store = store_answering_in_100_ms(&server).await;
     let now = Timestamp::now();
     let key = Namespace::default().key(&Subject::account("acme"), "late", "PT1H");
-    let debt = Debt {
-        key: key.clone(),
-        amount: 3,
-        lifetime: Lifetime::FirstUse {
-            deadline: now + SignedDuration::from_hours(1),
-        },
-        since: now,
-        id: redis_support::settle_id(),
-    };
+    let debt = debt_of_an_hour(&key, 3, now);
 
     settle_applied_late(&server, &store, now, &debt).await;
     assert_eq!(used(&server, &key), "3", "applied late, and kept");
@@ -577,15 +569,7 @@ async fn a_settle_whose_answer_was_lost_counts_once_when_sent_again() {
     store.preload().await.unwrap();
     let now = Timestamp::now();
     let key = Namespace::default().key(&Subject::account("acme"), "lost", "PT1H");
-    let debt = Debt {
-        key: key.clone(),
-        amount: 3,
-        lifetime: Lifetime::FirstUse {
-            deadline: now + SignedDuration::from_hours(1),
-        },
-        since: now,
-        id: redis_support::settle_id(),
-    };
+    let debt = debt_of_an_hour(&key, 3, now);
 
     proxy.arm();
     let error = store.settle_debt(now, debt.clone()).await.unwrap_err();
@@ -688,6 +672,20 @@ async fn a_settle_without_a_mark_applied_late_is_given_back() {
 
     assert_eq!(store.settle_debt(now, debt).await.unwrap(), Some(4));
     assert_eq!(used(&server, &key), "4", "counted once");
+}
+
+/// A debt of `amount` on the first-use counter at `key`, of an hour from
+/// `now`, under a settle id of its own.
+fn debt_of_an_hour(key: &PeriodKey, amount: u64, now: Timestamp) -> Debt {
+    Debt {
+        key: key.clone(),
+        amount,
+        lifetime: Lifetime::FirstUse {
+            deadline: now + SignedDuration::from_hours(1),
+        },
+        since: now,
+        id: redis_support::settle_id(),
+    }
 }
 
 /// A store on `server` that waits 100 ms for an answer, its script loaded.
