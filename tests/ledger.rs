@@ -418,6 +418,7 @@ struct Ledger {
     full: u64,
     ended: u64,
     abandoned: u64,
+    refused: u64,
     counters: i64,
 }
 
@@ -450,6 +451,7 @@ fn metrics_of(work: impl FnOnce()) -> Ledger {
             (name, Some("full")) if name == LEDGER_DROPPED => ledger.full += n,
             (name, Some("ended")) if name == LEDGER_DROPPED => ledger.ended += n,
             (name, Some("abandoned")) if name == LEDGER_DROPPED => ledger.abandoned += n,
+            (name, Some("refused")) if name == LEDGER_DROPPED => ledger.refused += n,
             _ => {}
         }
     }
@@ -772,10 +774,14 @@ async fn a_support_reset_forgets_what_the_caller_owed() {
 /// (`failing`); settles hang a second and time out (`slow`), never answer
 /// (`holding`), or fail at once (`away`); resets are never sent
 /// (`resets_fail`), applied and answered as timed out (`resets_late`), or
-/// applied and answered a second later (`resets_slow`).
+/// applied and answered a second later (`resets_slow`); settles are
+/// refused for good (`refusing`, an error of kind `Other`); `most`, when
+/// set, is the most it counts exactly.
 #[derive(Clone, Default)]
 struct Gate {
     inner: MemoryStore,
+    refusing: Arc<AtomicBool>,
+    most: Option<u64>,
     failing: Arc<AtomicBool>,
     slow: Arc<AtomicBool>,
     holding: Arc<AtomicBool>,
@@ -882,10 +888,14 @@ impl Store for Gate {
             self.holding.load(Ordering::SeqCst),
         );
         let away = self.away.load(Ordering::SeqCst);
+        let refusing = self.refusing.load(Ordering::SeqCst);
         let inner = self.inner.clone();
         async move {
             if away {
                 return Err(unavailable("away"));
+            }
+            if refusing {
+                return Err(StoreError::new(StoreErrorKind::Other, "no counter here"));
             }
             if slow {
                 tokio::time::sleep(Duration::from_secs(1)).await;
@@ -904,7 +914,7 @@ impl Store for Gate {
         self.inner.identity()
     }
     fn max_count(&self) -> u64 {
-        self.inner.max_count()
+        self.most.unwrap_or_else(|| self.inner.max_count())
     }
 }
 
@@ -1322,4 +1332,89 @@ async fn a_request_made_while_a_reset_is_on_its_way_owes_its_charge() {
     }
     assert_eq!(policy.settle_owed(Duration::from_secs(10)).await.units, 0);
     assert_eq!(used(&policy, "acme", "default-day").await, 1);
+}
+
+/// A debt the store refuses for good (an error that is no outage) is
+/// dropped as `refused`, not retried, and not counted as a period that
+/// ended.
+#[test]
+fn a_debt_the_store_refuses_is_dropped_as_refused() {
+    let (_, metrics) = observed(|| async {
+        let store = Gate::default();
+        store.failing.store(true, Ordering::SeqCst);
+        store.away.store(true, Ordering::SeqCst);
+        let policy = policy(store.clone(), &clock()).build();
+        let app = daily_app(&policy, 100);
+        for _ in 0..3 {
+            assert_eq!(send(&app, call("/", "acme")).await, StatusCode::OK);
+        }
+        store.refusing.store(true, Ordering::SeqCst);
+        store.away.store(false, Ordering::SeqCst);
+        settled(&policy).await;
+        assert_eq!(used(&policy, "acme", "default-day").await, 0);
+    });
+    if cfg!(feature = "metrics") {
+        assert_eq!(
+            metrics,
+            Ledger {
+                owed: 3,
+                refused: 3,
+                counters: 0,
+                ..Ledger::default()
+            }
+        );
+    }
+}
+
+/// A debt beyond what the store counts exactly (a deferred cost past
+/// `max_count`, owed while the store was away): what the store can hold is
+/// settled, the rest owed and dropped as `refused` at once, so that
+/// `owed = settled + dropped` still holds.
+#[test]
+fn a_debt_past_what_the_store_counts_is_owed_and_dropped_in_part() {
+    let (logs, metrics) = observed(|| async {
+        let store = Gate {
+            most: Some(100),
+            ..Gate::default()
+        };
+        store.failing.store(true, Ordering::SeqCst);
+        let policy = policy(store.clone(), &clock()).build();
+        let app = Router::new()
+            .route(
+                "/",
+                get(|| async { ([("x-tokens-used", "150")], "generated").into_response() }),
+            )
+            .route_layer(
+                policy
+                    .layer(Quota::daily(100))
+                    .deferred_cost(1, |response| {
+                        response
+                            .headers
+                            .get("x-tokens-used")
+                            .and_then(|v| v.to_str().ok()?.parse().ok())
+                            .unwrap_or(1)
+                    }),
+            );
+        assert_eq!(send(&app, call("/", "acme")).await, StatusCode::OK);
+        assert_eq!(policy.owed().units, 100, "what the store counts");
+        settled(&policy).await;
+        assert_eq!(used(&policy, "acme", "default-day").await, 100);
+    });
+    assert!(
+        logs.iter()
+            .any(|l| l.contains("owes more than the store counts")),
+        "{logs:#?}"
+    );
+    if cfg!(feature = "metrics") {
+        assert_eq!(
+            metrics,
+            Ledger {
+                owed: 101,
+                settled: 100,
+                refused: 1,
+                counters: 0,
+                ..Ledger::default()
+            }
+        );
+    }
 }
