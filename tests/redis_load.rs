@@ -518,6 +518,51 @@ async fn batched_charges_on_existing_counters_are_told_what_a_lone_charge_is() {
     assert!(calls < 12, "{calls} calls for 24 charges");
 }
 
+/// Charges of one quota but of different costs, sent together in a batch:
+/// each counter is charged its own charge's cost, not the cost of the
+/// charge before it in the batch.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn batched_charges_of_different_costs_are_each_charged_their_own() {
+    let server = redis_server_or_skip!();
+    let store = ready(RedisStore::builder(server.url()).timeout(Duration::from_secs(5))).await;
+    let subjects: Vec<(PeriodKey, u64)> = (0..24)
+        .map(|i| {
+            let key = Namespace::default().key(&Subject::account(i), "costs", "PT1H");
+            (key, 1 + i % 3)
+        })
+        .collect();
+    server.cli(&["config", "resetstat"]);
+    // While the server is stopped, the charges queue up behind the first
+    // few; they leave together once it answers again.
+    let mut stopped = Stopped::new(&server);
+    let mut calls = tokio::task::JoinSet::new();
+    for (key, cost) in &subjects {
+        let (store, key, cost) = (store.clone(), key.clone(), *cost);
+        calls.spawn(async move {
+            let mut request = charge(&key, 100);
+            request.lines[0].cost = cost;
+            (cost, store.charge(request).await)
+        });
+    }
+    tokio::time::sleep(Duration::from_millis(100)).await;
+    stopped.resume();
+    while let Some(answer) = calls.join_next().await {
+        let (cost, outcome) = answer.unwrap();
+        let outcome = outcome.unwrap();
+        assert!(outcome.admitted);
+        assert_eq!(outcome.usage[0].used, cost, "told its own cost");
+    }
+    for (key, cost) in &subjects {
+        assert_eq!(used(&server, key), cost.to_string(), "{key:?}");
+    }
+    let calls = server.script_calls();
+    assert!(
+        calls > 0 && calls < subjects.len() as u64 / 2,
+        "{calls} calls for {} charges: sent in batches",
+        subjects.len()
+    );
+}
+
 #[test]
 fn a_store_outlives_a_runtime_that_shut_down_in_the_middle_of_a_batch() {
     let server = redis_server_or_skip!();

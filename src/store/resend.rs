@@ -219,6 +219,21 @@ mod tests {
         assert!(answer.is_none());
     }
 
+    /// A change whose next wait would end past its deadline is not sent,
+    /// though the deadline has not come yet.
+    #[tokio::test(start_paused = true)]
+    async fn a_change_whose_wait_ends_past_its_deadline_is_not_sent() {
+        static POOL: Pool = Pool::new(1);
+        let (now, reset) = (at("2026-12-02T10:00:00Z"), at("2026-12-02T10:01:05Z"));
+        let resend = Resend::in_pool(&POOL, Instant::now(), now, reset).unwrap();
+        // The deadline is 60 s on; the first wait (100 ms) would end past it.
+        tokio::time::advance(Duration::from_millis(59_950)).await;
+        let answer: Option<Result<(), _>> = resend
+            .send(|| async { panic!("sent after its deadline") })
+            .await;
+        assert!(answer.is_none());
+    }
+
     /// Nothing is sent again without time before the reset, nor past the
     /// most changes waiting at once; room comes back as changes end.
     #[tokio::test(start_paused = true)]
