@@ -247,8 +247,18 @@ async fn settle_owed_returns_once_late_charges_are_given_back() {
     let closed = OnStoreError::FailClosed {
         retry_after: Duration::from_secs(1),
     };
-    for (id, rule) in [("closed", closed), ("open", OnStoreError::FailOpen)] {
-        let store = RedisStore::new(server.url()).unwrap();
+    // Batched, and each charge on its own (as behind a proxy, or on a
+    // cluster).
+    let runs = [
+        ("closed", closed, true),
+        ("open", OnStoreError::FailOpen, true),
+        ("alone", OnStoreError::FailOpen, false),
+    ];
+    for (id, rule, batched) in runs {
+        let store = RedisStore::builder(server.url())
+            .batch_charges(batched)
+            .build()
+            .unwrap();
         store.preload().await.unwrap();
         let policy = QuotaPolicy::builder(account())
             .store(store)
@@ -266,6 +276,12 @@ async fn settle_owed_returns_once_late_charges_are_given_back() {
             served += u64::from(reply.status == 200);
         }
         serving.abort();
+        // Followed after their callers stopped waiting: what a shutdown
+        // waits for.
+        assert!(
+            policy.store().charges_in_flight() > 0,
+            "{rule:?}, batched {batched}: charges on their way while Redis stalls"
+        );
         stopped.resume();
         // The shutdown: then the process exits, and its tasks with it.
         assert_eq!(policy.settle_owed(Duration::from_secs(5)).await.units, 0);
@@ -275,7 +291,7 @@ async fn settle_owed_returns_once_late_charges_are_given_back() {
         assert_eq!(
             (in_flight, used(&server, &key)),
             (0, served.to_string()),
-            "{rule:?}: calls in flight and Redis's count when settle_owed returned"
+            "{rule:?}, batched {batched}: calls in flight and Redis's count when settle_owed returned"
         );
     }
 }
