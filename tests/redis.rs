@@ -3249,32 +3249,37 @@ async fn a_charge_takes_the_extra_units_that_fit_in_one_call() {
 }
 
 /// A charge taking extra units that Redis runs after its caller stopped
-/// waiting is given back whole: its cost and the units it took.
+/// waiting is given back whole: its cost and the units it took; a line of
+/// no cost too (a block taken beside a request that costs nothing there).
 #[tokio::test]
 async fn a_late_charge_taking_units_gives_them_back_with_its_cost() {
     let server = redis_server_or_skip!();
-    let store = RedisStore::builder(server.url())
-        .timeout(Duration::from_millis(100))
-        .build()
-        .unwrap();
-    let key = key("take-late");
-    admit(&store, first_use(&key, 100, 1, Timestamp::now(), hour())).await;
+    for (name, cost) in [("take-late", 2), ("take-late-free", 0)] {
+        // A store of its own: the last one's connection is left behind,
+        // and a new one would not open while Redis is paused.
+        let store = RedisStore::builder(server.url())
+            .timeout(Duration::from_millis(100))
+            .build()
+            .unwrap();
+        let key = key(name);
+        admit(&store, first_use(&key, 100, 1, Timestamp::now(), hour())).await;
 
-    assert_eq!(server.cli(&["client", "pause", "600", "all"]), "OK");
-    let error = store
-        .charge_taking(
-            first_use(&key, 100, 2, Timestamp::now(), hour()),
-            smallvec::smallvec![10],
-        )
-        .await
-        .expect_err("a server that does not answer in time is an error");
-    assert_eq!(error.kind(), StoreErrorKind::Timeout, "{error}");
-    tokio::time::sleep(Duration::from_millis(900)).await;
-    assert_eq!(
-        server.cli(&["hget", key.as_str(), "n"]),
-        "1",
-        "the late charge and the units it took were given back"
-    );
+        assert_eq!(server.cli(&["client", "pause", "600", "all"]), "OK");
+        let error = store
+            .charge_taking(
+                first_use(&key, 100, cost, Timestamp::now(), hour()),
+                smallvec::smallvec![10],
+            )
+            .await
+            .expect_err("a server that does not answer in time is an error");
+        assert_eq!(error.kind(), StoreErrorKind::Timeout, "{error}");
+        tokio::time::sleep(Duration::from_millis(900)).await;
+        assert_eq!(
+            server.cli(&["hget", key.as_str(), "n"]),
+            "1",
+            "cost {cost}: the late charge and the units it took were given back"
+        );
+    }
 }
 
 /// A policy whose `store_timeout` is far longer than the Redis store's own
