@@ -395,7 +395,7 @@ impl Store for Flaky {
         let (mode, delay) = self.draw();
         // One healthy settle in four is applied with its answer lost on the
         // wire.
-        let lost = mode == Mode::Healthy && self.state.lock().unwrap().rng.next() % 4 == 0;
+        let lost = mode == Mode::Healthy && self.state.lock().unwrap().rng.next().is_multiple_of(4);
         let inner = self.inner.clone();
         let state = Arc::clone(&self.state);
         let amount = debt.amount;
