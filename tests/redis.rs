@@ -3320,3 +3320,70 @@ fn a_store_timeout_far_past_the_stores_budget_is_logged_when_built() {
         Duration::from_secs(3)
     ));
 }
+
+/// A refund whose answer was lost on the wire (Redis ran it, the connection
+/// broke before its answer came back) may have been applied: its error
+/// never says it was not sent, for the layer sends again only a change
+/// never sent, and a give-back sent twice hands back a unit never spent.
+#[tokio::test]
+async fn a_change_lost_on_the_wire_is_never_said_unsent() {
+    let server = redis_server_or_skip!();
+    let wire = redis_support::Wire::start(server.port()).await;
+    let store = RedisStore::builder(wire.url())
+        .timeout(Duration::from_secs(1))
+        .build()
+        .unwrap();
+    let key = key("lost-change");
+    admit(&store, first_use(&key, 10, 3, Timestamp::now(), hour())).await;
+    wire.lose_next(b'r');
+    let error = store
+        .refund(Timestamp::now(), key.clone(), 1)
+        .await
+        .expect_err("the refund's answer was lost");
+    assert!(
+        !error.is_unsent(),
+        "a refund Redis ran is said never sent: {error}"
+    );
+    assert_eq!(
+        server.cli(&["hget", key.as_str(), "n"]),
+        "2",
+        "Redis ran it"
+    );
+}
+
+/// The same failover under a store on a pool built elsewhere: a pooled
+/// connection to the old master, which refuses every write with `READONLY`
+/// and answers the pool's pings, is closed, not put back, and the next
+/// charges reach the new master.
+#[tokio::test(flavor = "multi_thread")]
+async fn a_store_on_a_pool_drops_a_connection_to_a_demoted_master() {
+    let old = RedisServer::start();
+    let new = RedisServer::start();
+    let target = Arc::new(Mutex::new(old.port()));
+    let port = switchable_proxy(Arc::clone(&target)).await;
+    let pool = deadpool_redis::Config::from_url(format!("redis://127.0.0.1:{port}/"))
+        .create_pool(Some(deadpool_redis::Runtime::Tokio1))
+        .unwrap();
+    let store = RedisStore::builder_from_pool(pool)
+        .timeout(Duration::from_secs(1))
+        .build()
+        .unwrap();
+    let key = key("pool-failover");
+    for _ in 0..4 {
+        admit(&store, first_use(&key, 1_000, 1, Timestamp::now(), hour())).await;
+    }
+    old.cli(&["replicaof", "127.0.0.1", &new.port().to_string()]);
+    *target.lock().unwrap() = new.port();
+    let mut failed = 0;
+    for _ in 0..20 {
+        if store
+            .charge(first_use(&key, 1_000, 1, Timestamp::now(), hour()))
+            .await
+            .is_err()
+        {
+            failed += 1;
+        }
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    assert!(failed <= 2, "{failed} of 20 charges failed");
+}

@@ -587,7 +587,7 @@ async fn a_settle_whose_answer_was_lost_counts_once_when_sent_again() {
     let key = Namespace::default().key(&Subject::account("acme"), "lost", "PT1H");
     let debt = debt_of_an_hour(&key, 3, now);
 
-    proxy.arm();
+    proxy.lose_next(b's');
     let error = store.settle_debt(now, debt.clone()).await.unwrap_err();
     assert_ne!(
         error.kind(),
@@ -637,7 +637,7 @@ async fn an_outage_then_a_settle_lost_on_the_wire_counts_every_admission_once() 
     }
     assert_eq!(policy.owed().units, 20);
     assert_eq!(used(&server, &key), "1", "nothing passed the cut");
-    wire.arm();
+    wire.lose_next(b's');
     wire.cut(false);
     settled(&policy).await;
     assert_eq!(wire.lost(), 1, "the first settle's answer was lost");

@@ -821,6 +821,87 @@ async fn calls_on_a_silent_connection_beside_an_answering_one_fail_after_a_budge
     }
 }
 
+/// A connection that went silent during a lull (half-open: the network
+/// dropped it without a word) is pinged before it is used again, found
+/// silent, and left for a fresh one: the first charges after the lull are
+/// served, none is sent on the silent connection.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_connection_gone_silent_during_a_lull_costs_no_charge() {
+    let server = redis_server_or_skip!();
+    let proxy = Silencer::start(&server).await;
+    let store = ready(
+        RedisStore::builder(proxy.url())
+            .pool_size(1)
+            .connect_timeout(Duration::from_millis(100))
+            .timeout(Duration::from_millis(500)),
+    )
+    .await;
+    let key = key("silent-lull");
+    assert!(store.charge(charge(&key, 1_000)).await.unwrap().admitted);
+    proxy.silence();
+    tokio::time::sleep(Duration::from_millis(1_100)).await;
+    for i in 0..3 {
+        let outcome = store
+            .charge(charge(&key, 1_000))
+            .await
+            .unwrap_or_else(|e| panic!("charge {i} after the lull failed: {e}"));
+        assert!(outcome.admitted);
+    }
+    assert_eq!(used(&server, &key), "4");
+}
+
+/// A connection whose answers keep coming is kept when a call on it waits
+/// past the second after which one that answers nothing is left: Redis
+/// slow under load (the proxy passes one answer every 300 ms) and five
+/// charges 90 ms apart, each a batch of its own behind the others, the
+/// last answered about 1.1 s after it was sent. The charge after them
+/// goes on the same connection.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_connection_slow_past_a_second_but_answering_is_kept() {
+    let server = redis_server_or_skip!();
+    let proxy = SlowProxy::start(server.port()).await;
+    let store = ready(
+        RedisStore::builder(proxy.url())
+            .pool_size(1)
+            .timeout(Duration::from_millis(80)),
+    )
+    .await;
+    let opened = |server: &RedisServer| -> u64 {
+        server
+            .cli(&["info", "stats"])
+            .lines()
+            .find_map(|line| line.strip_prefix("total_connections_received:"))
+            .expect("INFO stats counts connections")
+            .trim()
+            .parse()
+            .unwrap()
+    };
+    let key = key("slow-kept");
+    store.charge(charge(&key, 1_000)).await.unwrap();
+    let before = opened(&server);
+    proxy.slow(Duration::from_millis(300));
+    let mut calls = tokio::task::JoinSet::new();
+    for _ in 0..5 {
+        let (store, key) = (store.clone(), key.clone());
+        // Of no cost: a charge its caller stopped waiting for has nothing
+        // to give back, which would be one more slow call.
+        let mut free = charge(&key, 1_000);
+        free.lines[0].cost = 0;
+        calls.spawn(async move { store.charge(free).await.is_ok() });
+        tokio::time::sleep(Duration::from_millis(90)).await;
+    }
+    let answered = calls.join_all().await.into_iter().filter(|ok| *ok).count();
+    quiet(&store).await;
+    proxy.slow(Duration::ZERO);
+    assert!(store.charge(charge(&key, 1_000)).await.unwrap().admitted);
+    // One connection more: the `redis-cli` that reads the count.
+    assert_eq!(
+        opened(&server),
+        before + 1,
+        "{answered} of 5 answered; the connection answering all along was dropped"
+    );
+}
+
 /// Connections that keep answering are kept, however long the queue on
 /// them: calls that wait past the budget on a busy connection fail on their
 /// own and open no new connection.

@@ -546,30 +546,29 @@ impl SlowProxy {
 /// Redis: it can be cut (an outage: connections close, calls on them are
 /// not passed on, new ones are closed at once) while the server and what it
 /// holds (its scripts too) stay, and, once armed, loses the answer to the
-/// next settle (a call of the counters script's `s` operation): it passes
-/// the call on, swallows whatever the server answers on that connection
-/// from then on, and closes it, as a connection that breaks after a call
-/// was sent. Redis runs the call; its caller never learns it.
+/// next call of one operation of the counters script (`s` a settle, `r` a
+/// refund...): it passes the call on, swallows whatever the server answers
+/// on that connection from then on, and closes it, as a connection that
+/// breaks after a call was sent. Redis runs the call; its caller never
+/// learns it.
 pub struct Wire {
     addr: std::net::SocketAddr,
-    armed: std::sync::Arc<std::sync::atomic::AtomicBool>,
+    /// The operation whose next call loses its answer (0: none).
+    armed: std::sync::Arc<std::sync::atomic::AtomicU8>,
     cut: std::sync::Arc<std::sync::atomic::AtomicBool>,
     lost: std::sync::Arc<std::sync::atomic::AtomicU64>,
 }
 
 impl Wire {
     pub async fn start(port: u16) -> Self {
-        use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+        use std::sync::atomic::{AtomicBool, AtomicU64, AtomicU8, Ordering};
         use std::sync::Arc;
         use tokio::io::{AsyncReadExt, AsyncWriteExt};
-
-        /// The script's operation `s`, as the call carries it.
-        const SETTLE: &[u8] = b"\r\n$1\r\ns\r\n";
 
         let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
         let addr = listener.local_addr().unwrap();
         let target = format!("127.0.0.1:{port}");
-        let armed = Arc::new(AtomicBool::new(false));
+        let armed = Arc::new(AtomicU8::new(0));
         let cut = Arc::new(AtomicBool::new(false));
         let lost = Arc::new(AtomicU64::new(0));
         let wire = Self {
@@ -599,8 +598,12 @@ impl Wire {
                             return;
                         }
                         let chunk = &buffer[..read];
-                        if chunk.windows(SETTLE.len()).any(|w| w == SETTLE)
-                            && armed.swap(false, Ordering::SeqCst)
+                        // The operation, as the call carries it.
+                        let op = armed.load(Ordering::SeqCst);
+                        let call = [b'\r', b'\n', b'$', b'1', b'\r', b'\n', op, b'\r', b'\n'];
+                        if op != 0
+                            && chunk.windows(call.len()).any(|w| w == call)
+                            && armed.swap(0, Ordering::SeqCst) == op
                         {
                             deafened.store(true, Ordering::SeqCst);
                             lost.fetch_add(1, Ordering::SeqCst);
@@ -637,9 +640,10 @@ impl Wire {
         self.cut.store(cut, std::sync::atomic::Ordering::SeqCst);
     }
 
-    /// Loses the answer to the next settle.
-    pub fn arm(&self) {
-        self.armed.store(true, std::sync::atomic::Ordering::SeqCst);
+    /// Loses the answer to the next call of the script's operation `op`
+    /// (`b's'` a settle, `b'r'` a refund).
+    pub fn lose_next(&self, op: u8) {
+        self.armed.store(op, std::sync::atomic::Ordering::SeqCst);
     }
 
     /// How many answers it lost.
