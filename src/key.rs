@@ -304,6 +304,31 @@ mod tests {
         assert_eq!(scrubbed("plain"), "plain");
     }
 
+    /// An error that names several keys (a charge of several quotas, a
+    /// subject's keys listed) shows none of their ids, not only the first's.
+    #[test]
+    fn an_error_naming_several_keys_hides_every_id() {
+        let key = |id: &str| Namespace::default().key(&Subject::account(id), "read", "PT1H");
+        let (first, second) = (key("sk_live_secret"), key("sk_live_other"));
+        let error = format!(
+            "ERR {} and {} are not counters; {}",
+            first.as_str(),
+            second.as_str(),
+            first.as_str()
+        );
+        let shown = scrubbed(&error);
+        assert!(!shown.contains("sk_live"), "{shown}");
+        assert_eq!(
+            shown,
+            format!(
+                "ERR {} and {} are not counters; {}",
+                first.logged(),
+                second.logged(),
+                first.logged()
+            )
+        );
+    }
+
     #[test]
     fn debug_hides_the_subjects_id() {
         let key =

@@ -141,6 +141,52 @@ pub(crate) fn secret_hash(tag: &str) -> u64 {
 mod tests {
     use super::*;
 
+    /// The hash logs show is keyed with a secret of the process: this test
+    /// binary run again hashes the same tag otherwise, and SipHash with its
+    /// well-known zero key hashes it otherwise too, so that nobody can hash
+    /// guessed ids (a user's number, a short key) to find whom a log names.
+    #[test]
+    fn the_log_hash_is_keyed_with_a_secret_of_the_process() {
+        use std::hash::{BuildHasher, BuildHasherDefault};
+        const CHILD: &str = "TOWER_QUOTA_TEST_PRINT_LOG_HASH";
+        let tag = "user:42";
+        if std::env::var_os(CHILD).is_some() {
+            println!("log-hash={:08x};", secret_hash(tag));
+            return;
+        }
+        let ours = secret_hash(tag);
+        assert_eq!(ours, secret_hash(tag), "one tag, one hash in a process");
+        #[allow(deprecated)]
+        let unkeyed = [
+            BuildHasherDefault::<std::collections::hash_map::DefaultHasher>::default()
+                .hash_one(tag),
+            BuildHasherDefault::<std::hash::SipHasher>::default().hash_one(tag),
+        ];
+        for unkeyed in unkeyed {
+            assert_ne!(ours, unkeyed >> 32, "a hash anyone can compute");
+        }
+        let child = std::process::Command::new(std::env::current_exe().unwrap())
+            .args([
+                "--exact",
+                "text::tests::the_log_hash_is_keyed_with_a_secret_of_the_process",
+                "--nocapture",
+            ])
+            .env(CHILD, "1")
+            .output()
+            .unwrap();
+        let stdout = String::from_utf8_lossy(&child.stdout);
+        let theirs = stdout
+            .split("log-hash=")
+            .nth(1)
+            .and_then(|rest| rest.split(';').next())
+            .unwrap_or_else(|| panic!("no hash printed: {stdout}"));
+        assert_ne!(
+            format!("{ours:08x}"),
+            theirs,
+            "the same secret in two processes"
+        );
+    }
+
     #[test]
     fn the_plain_bytes_are_those_the_encoding_keeps() {
         for b in 0..=255u8 {

@@ -823,6 +823,49 @@ async fn refusal_is_a_problem_document_with_retry_after() {
     assert_eq!(reply.policy()["read-day"], (1, 86_400));
 }
 
+/// Over a real connection, every answer the layer writes itself (401,
+/// 400, 429) is sent whole: the `Content-Length` the server sends is the
+/// length of the problem document that follows.
+#[tokio::test]
+async fn the_layers_own_answers_are_sent_whole_over_a_connection() {
+    use tokio::io::{AsyncReadExt, AsyncWriteExt};
+    let app = hello(QuotaLayer::daily(1, account()));
+    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let address = listener.local_addr().unwrap();
+    tokio::spawn(async move { axum::serve(listener, app).await.unwrap() });
+    for (headers, status) in [
+        ("", "401"),
+        ("x-account-id: a\r\nx-account-id: b\r\n", "400"),
+        ("x-account-id: acme\r\n", "200"),
+        ("x-account-id: acme\r\n", "429"),
+    ] {
+        let mut stream = tokio::net::TcpStream::connect(address).await.unwrap();
+        let head = format!("GET / HTTP/1.1\r\nhost: x\r\nconnection: close\r\n{headers}\r\n");
+        stream.write_all(head.as_bytes()).await.unwrap();
+        let mut answer = Vec::new();
+        tokio::time::timeout(Duration::from_secs(2), stream.read_to_end(&mut answer))
+            .await
+            .expect("the answer ends")
+            .unwrap();
+        let answer = String::from_utf8(answer).unwrap();
+        assert!(
+            answer.starts_with(&format!("HTTP/1.1 {status}")),
+            "{answer}"
+        );
+        let (head, body) = answer.split_once("\r\n\r\n").unwrap();
+        let length: usize = head
+            .lines()
+            .find_map(|line| {
+                let (name, value) = line.split_once(':')?;
+                name.eq_ignore_ascii_case("content-length")
+                    .then(|| value.trim().parse().unwrap())
+            })
+            .unwrap_or_else(|| panic!("no content-length: {answer}"));
+        assert_eq!(body.len(), length, "{answer}");
+        assert!(!body.is_empty(), "{answer}");
+    }
+}
+
 /// A clock that moves on by `step` each time it is read, as a real clock
 /// moves on while a charge is on its way to the store and back.
 #[derive(Clone)]

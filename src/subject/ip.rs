@@ -827,6 +827,8 @@ mod tests {
             "203.0.113.7:",
             "203.0.113.7:123456",
             "203.0.113.7:http",
+            // An obfuscated port is `_` and one character at least.
+            "203.0.113.7:_",
             "[2001:db8::1",
             "[2001:db8::1]4711",
             "[203.0.113.7]",
@@ -867,6 +869,9 @@ mod tests {
             ),
             // Left of the client, anything goes.
             ("for=_hidden, for=203.0.113.7", "203.0.113.7"),
+            // Outside a quoted-string a backslash escapes nothing: the
+            // client's does not swallow the element appended after it.
+            ("for=6.6.6.6\\, for=203.0.113.7", "203.0.113.7"),
         ] {
             let parts = from("10.0.0.1", &[("forwarded", value)]);
             assert_eq!(id(&ex, &parts).unwrap(), want, "{value}");
@@ -981,6 +986,35 @@ mod tests {
         );
     }
 
+    /// Every grouping groups, to the last bit: under a /31 (a /127) two
+    /// neighbours share one counter, named as the network; only /32
+    /// (/128) counts single addresses.
+    #[test]
+    fn every_prefix_length_groups_neighbours() {
+        for bits in 1..=32 {
+            let ex = ClientIp::new().ipv4_prefix(bits);
+            let a = id(&ex, &from("203.0.113.6", &[])).unwrap();
+            let b = id(&ex, &from("203.0.113.7", &[])).unwrap();
+            if bits == 32 {
+                assert_ne!(a, b);
+            } else {
+                assert_eq!(a, b, "/{bits}");
+                assert!(a.ends_with(&format!("/{bits}")), "/{bits}: {a}");
+            }
+        }
+        for bits in 1..=128 {
+            let ex = ClientIp::new().ipv6_prefix(bits);
+            let a = id(&ex, &from("2001:db8::6", &[])).unwrap();
+            let b = id(&ex, &from("2001:db8::7", &[])).unwrap();
+            if bits == 128 {
+                assert_ne!(a, b);
+            } else {
+                assert_eq!(a, b, "/{bits}");
+                assert!(a.ends_with(&format!("/{bits}")), "/{bits}: {a}");
+            }
+        }
+    }
+
     #[test]
     #[should_panic(expected = "an IPv6 prefix is 1 to 128 bits")]
     fn ipv6_prefix_zero_panics() {
@@ -1086,6 +1120,30 @@ mod tests {
             &[("x-forwarded-for", "203.0.113.7, 64:ff9b::a00:2")],
         );
         assert_eq!(id(&ex, &parts).unwrap(), "203.0.113.7");
+    }
+
+    /// A trusted range that is a whole /96 of IPv4 clients (IPv4-mapped or
+    /// NAT64) is all of IPv4, as its addresses are read: the proxies in it
+    /// name their clients, each on a counter of its own, not the proxy's;
+    /// and support cannot name it as one counter.
+    #[test]
+    fn a_trusted_96_of_ipv4_clients_is_all_of_ipv4() {
+        for range in ["::ffff:0:0/96", "64:ff9b::/96"] {
+            let ex = ClientIp::new().trust_proxy_cidrs([range]);
+            for (peer, client) in [
+                ("10.0.0.1", "203.0.113.7"),
+                ("::ffff:10.0.0.1", "198.51.100.8"),
+                ("64:ff9b::a00:1", "192.0.2.44"),
+            ] {
+                let parts = from(peer, &[("x-forwarded-for", client)]);
+                assert_eq!(id(&ex, &parts).unwrap(), client, "{range}, {peer}");
+            }
+            assert!(
+                ex.subject_named(&SubjectKind::IP, range.as_bytes())
+                    .is_err(),
+                "{range}"
+            );
+        }
     }
 
     #[test]

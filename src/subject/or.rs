@@ -216,6 +216,19 @@ mod tests {
         ));
     }
 
+    /// A server that hands over no peer address is at fault (500): the
+    /// next extractor is not asked, as it is only for a missing subject,
+    /// and a header the client picks does not pay instead.
+    #[test]
+    fn unavailable_is_never_replaced() {
+        let ex = crate::ClientIp::new().or(FromHeader::account("x-account-id"));
+        let request = parts(&[("x-account-id", "a")]);
+        assert!(matches!(
+            ex.extract(&request),
+            Err(SubjectError::Unavailable(_))
+        ));
+    }
+
     #[test]
     fn an_id_is_named_by_the_extractor_of_its_kind() {
         let ex = FromHeader::account("x-account-id").or(crate::ClientIp::new());
