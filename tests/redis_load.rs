@@ -1205,3 +1205,42 @@ async fn a_stopped_redis_fails_charges_while_a_connection_opens_beside() {
         );
     }
 }
+
+/// A charge Redis applies after its caller stopped waiting counts among
+/// the charges a shutdown waits for until its give-back has landed, not
+/// only until its late answer came: Redis slow (the proxy passes one answer
+/// every 200 ms, past the store's 80 ms), the late charge's answer comes at
+/// about 200 ms and its give-back's at about 400 ms. Batched, and each
+/// charge on its own.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_late_charge_counts_in_flight_until_its_give_back_landed() {
+    let server = redis_server_or_skip!();
+    for batched in [true, false] {
+        let proxy = SlowProxy::start(server.port()).await;
+        let store = ready(
+            RedisStore::builder(proxy.url())
+                .batch_charges(batched)
+                .timeout(Duration::from_millis(80)),
+        )
+        .await;
+        let key = key(&format!("late-room-{batched}"));
+        proxy.slow(Duration::from_millis(200));
+        let error = store.charge(charge(&key, 10)).await.unwrap_err();
+        assert_eq!(error.kind(), StoreErrorKind::Timeout, "{error}");
+        let deadline = Instant::now() + Duration::from_secs(5);
+        while store.charges_in_flight() > 0 {
+            assert!(Instant::now() < deadline, "batched {batched}: {store:?}");
+            tokio::time::sleep(Duration::from_millis(5)).await;
+        }
+        assert_eq!(
+            store.given_back(),
+            1,
+            "batched {batched}: no charge in flight once its give-back landed"
+        );
+        assert_eq!(
+            used(&server, &key),
+            "",
+            "given back whole: the first-use counter it made goes with it"
+        );
+    }
+}
