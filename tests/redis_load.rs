@@ -60,6 +60,18 @@ async fn ready(builder: RedisStoreBuilder) -> RedisStore {
     store
 }
 
+/// How many connections the server has taken since it started.
+fn opened(server: &RedisServer) -> u64 {
+    server
+        .cli(&["info", "stats"])
+        .lines()
+        .find_map(|line| line.strip_prefix("total_connections_received:"))
+        .expect("INFO stats counts connections")
+        .trim()
+        .parse()
+        .unwrap()
+}
+
 /// Waits until the store has no call in flight: every queued script has
 /// been answered and every charge whose caller stopped waiting given back.
 async fn quiet(store: &RedisStore) {
@@ -866,16 +878,6 @@ async fn a_connection_slow_past_a_second_but_answering_is_kept() {
             .timeout(Duration::from_millis(80)),
     )
     .await;
-    let opened = |server: &RedisServer| -> u64 {
-        server
-            .cli(&["info", "stats"])
-            .lines()
-            .find_map(|line| line.strip_prefix("total_connections_received:"))
-            .expect("INFO stats counts connections")
-            .trim()
-            .parse()
-            .unwrap()
-    };
     let key = key("slow-kept");
     store.charge(charge(&key, 1_000)).await.unwrap();
     let before = opened(&server);
@@ -915,16 +917,6 @@ async fn a_busy_connection_is_kept() {
                 .batch_charges(batched),
         )
         .await;
-        let opened = |server: &RedisServer| -> u64 {
-            server
-                .cli(&["info", "stats"])
-                .lines()
-                .find_map(|line| line.strip_prefix("total_connections_received:"))
-                .expect("INFO stats counts connections")
-                .trim()
-                .parse()
-                .unwrap()
-        };
         let before = opened(&server);
         let mut calls = tokio::task::JoinSet::new();
         for i in 0..3_000 {
