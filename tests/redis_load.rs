@@ -60,6 +60,15 @@ async fn ready(builder: RedisStoreBuilder) -> RedisStore {
     store
 }
 
+/// Held by each test of this file while it runs: each makes its own load
+/// and times it, and two at once on a small machine would starve each
+/// other's store of the CPU that reads its answers (a connection answering
+/// all along then looks silent, and a call waits past its budget).
+async fn alone() -> tokio::sync::MutexGuard<'static, ()> {
+    static ONE_AT_A_TIME: tokio::sync::Mutex<()> = tokio::sync::Mutex::const_new(());
+    ONE_AT_A_TIME.lock().await
+}
+
 /// How many connections the server has taken since it started.
 fn opened(server: &RedisServer) -> u64 {
     server
@@ -133,11 +142,13 @@ async fn a_thousand_concurrent_requests(policy: OnStoreError) {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_thousand_concurrent_requests_admit_exactly_the_limit_failing_open() {
+    let _alone = alone().await;
     a_thousand_concurrent_requests(OnStoreError::FailOpen).await;
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_thousand_concurrent_requests_admit_exactly_the_limit_failing_closed() {
+    let _alone = alone().await;
     a_thousand_concurrent_requests(OnStoreError::FailClosed {
         retry_after: Duration::from_secs(1),
     })
@@ -146,6 +157,7 @@ async fn a_thousand_concurrent_requests_admit_exactly_the_limit_failing_closed()
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn charges_that_failed_during_a_stall_are_not_charged_after_it() {
+    let _alone = alone().await;
     let server = redis_server_or_skip!();
     let budget = Duration::from_millis(100);
     let store = ready(RedisStore::builder(server.url()).timeout(budget)).await;
@@ -196,6 +208,7 @@ async fn charges_that_failed_during_a_stall_are_not_charged_after_it() {
 /// than that are still followed, and given back once Redis applies them.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn charges_on_a_pool_are_followed_past_its_own_response_timeout() {
+    let _alone = alone().await;
     let server = redis_server_or_skip!();
     let pool = deadpool_redis::Config::from_url(server.url())
         .create_pool(Some(deadpool_redis::Runtime::Tokio1))
@@ -241,6 +254,7 @@ async fn charges_on_a_pool_are_followed_past_its_own_response_timeout() {
 /// be applied, and it is once the server answers.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_refund_that_timed_out_says_it_may_still_apply() {
+    let _alone = alone().await;
     let server = redis_server_or_skip!();
     let store = ready(RedisStore::builder(server.url()).timeout(Duration::from_millis(100))).await;
     let key = key("late-refund");
@@ -269,6 +283,7 @@ async fn a_refund_that_timed_out_says_it_may_still_apply() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_dropped_charge_never_stays_charged() {
+    let _alone = alone().await;
     let server = redis_server_or_skip!();
     let store = ready(RedisStore::builder(server.url()).timeout(Duration::from_secs(5))).await;
     let key = key("dropped");
@@ -313,6 +328,7 @@ async fn a_dropped_charge_never_stays_charged() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn calls_beyond_max_in_flight_fail_within_the_budget_and_send_nothing() {
+    let _alone = alone().await;
     let server = redis_server_or_skip!();
     let budget = Duration::from_millis(100);
     // One by one, each of the ten below is sent and followed. (In a batch,
@@ -370,6 +386,7 @@ fn given_back(store: &RedisStore) -> u64 {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn charges_sent_together_are_each_decided_on_their_own() {
+    let _alone = alone().await;
     let server = redis_server_or_skip!();
     let store = ready(RedisStore::builder(server.url()).timeout(Duration::from_secs(5))).await;
     let subjects: Vec<PeriodKey> = (0..40)
@@ -436,6 +453,7 @@ async fn charges_sent_together_are_each_decided_on_their_own() {
 /// values); each is told what a charge sent alone would be told.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn batched_charges_on_existing_counters_are_told_what_a_lone_charge_is() {
+    let _alone = alone().await;
     let server = redis_server_or_skip!();
     let store = ready(RedisStore::builder(server.url()).timeout(Duration::from_secs(5))).await;
     let t0 = Timestamp::now();
@@ -535,6 +553,7 @@ async fn batched_charges_on_existing_counters_are_told_what_a_lone_charge_is() {
 /// charge before it in the batch.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn batched_charges_of_different_costs_are_each_charged_their_own() {
+    let _alone = alone().await;
     let server = redis_server_or_skip!();
     let store = ready(RedisStore::builder(server.url()).timeout(Duration::from_secs(5))).await;
     let subjects: Vec<(PeriodKey, u64)> = (0..24)
@@ -628,6 +647,7 @@ fn a_store_outlives_a_runtime_that_shut_down_in_the_middle_of_a_batch() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn charges_go_one_by_one_when_batches_are_off() {
+    let _alone = alone().await;
     let server = redis_server_or_skip!();
     let store = ready(
         RedisStore::builder(server.url())
@@ -730,6 +750,7 @@ impl Silencer {
 /// fresh connections, exactly.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_silent_connection_holds_up_only_the_calls_already_on_it() {
+    let _alone = alone().await;
     let server = redis_server_or_skip!();
     let proxy = Silencer::start(&server).await;
     for batched in [true, false] {
@@ -787,6 +808,7 @@ async fn a_silent_connection_holds_up_only_the_calls_already_on_it() {
 /// otherwise be waited for up to ten budgets).
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn calls_on_a_silent_connection_beside_an_answering_one_fail_after_a_budget() {
+    let _alone = alone().await;
     let server = redis_server_or_skip!();
     for batched in [true, false] {
         let proxy = Silencer::start(&server).await;
@@ -839,6 +861,7 @@ async fn calls_on_a_silent_connection_beside_an_answering_one_fail_after_a_budge
 /// served, none is sent on the silent connection.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_connection_gone_silent_during_a_lull_costs_no_charge() {
+    let _alone = alone().await;
     let server = redis_server_or_skip!();
     let proxy = Silencer::start(&server).await;
     let store = ready(
@@ -870,6 +893,7 @@ async fn a_connection_gone_silent_during_a_lull_costs_no_charge() {
 /// goes on the same connection.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_connection_slow_past_a_second_but_answering_is_kept() {
+    let _alone = alone().await;
     let server = redis_server_or_skip!();
     let proxy = SlowProxy::start(server.port()).await;
     let store = ready(
@@ -909,6 +933,7 @@ async fn a_connection_slow_past_a_second_but_answering_is_kept() {
 /// own and open no new connection.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_busy_connection_is_kept() {
+    let _alone = alone().await;
     let server = redis_server_or_skip!();
     for batched in [true, false] {
         let store = ready(
@@ -945,6 +970,7 @@ async fn a_busy_connection_is_kept() {
 /// looking quiet, which would cost a check of its own.)
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn charges_behind_others_on_a_slow_redis_are_waited_for() {
+    let _alone = alone().await;
     let server = redis_server_or_skip!();
     for batched in [true, false] {
         let proxy = SlowProxy::start(server.port()).await;
@@ -1007,6 +1033,7 @@ async fn all_served_on_a_slow_redis(
 /// after one budget: `calls_beyond_max_in_flight_fail_within_the_budget_and_send_nothing`.)
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn charges_waiting_for_room_on_a_slow_redis_are_waited_for() {
+    let _alone = alone().await;
     let server = redis_server_or_skip!();
     let proxy = SlowProxy::start(server.port()).await;
     let store = ready(
@@ -1030,6 +1057,7 @@ async fn charges_waiting_for_room_on_a_slow_redis_are_waited_for() {
 /// answered 503.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn requests_behind_others_on_a_slow_redis_are_served() {
+    let _alone = alone().await;
     let server = redis_server_or_skip!();
     let proxy = SlowProxy::start(server.port()).await;
     let store = ready(RedisStore::builder(proxy.url()).pool_size(1)).await;
@@ -1074,6 +1102,7 @@ async fn requests_behind_others_on_a_slow_redis_are_served() {
 /// other opens beside, and none waits for it past the store's 80 ms.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn charges_go_on_an_open_connection_while_the_next_opens() {
+    let _alone = alone().await;
     let server = redis_server_or_skip!();
     for batched in [true, false] {
         let proxy = SlowProxy::start(server.port()).await;
@@ -1106,6 +1135,7 @@ async fn charges_go_on_an_open_connection_while_the_next_opens() {
 /// it is served on fresh connections, none of it failed.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_burst_after_a_quick_restart_with_one_connection_open_is_served() {
+    let _alone = alone().await;
     let mut server = redis_server_or_skip!();
     let store = RedisStore::builder(server.url())
         .pool_size(4)
@@ -1135,6 +1165,7 @@ async fn a_burst_after_a_quick_restart_with_one_connection_open_is_served() {
 /// used within the second, is of the epoch now over.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_failed_ping_takes_no_connection_of_the_epoch_over() {
+    let _alone = alone().await;
     let mut server = redis_server_or_skip!();
     let store = RedisStore::builder(server.url())
         .pool_size(2)
@@ -1164,6 +1195,7 @@ async fn a_failed_ping_takes_no_connection_of_the_epoch_over() {
 /// every charge fails within about a budget.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_stopped_redis_fails_charges_while_a_connection_opens_beside() {
+    let _alone = alone().await;
     let server = redis_server_or_skip!();
     for batched in [true, false] {
         let store = RedisStore::builder(server.url())
@@ -1206,6 +1238,7 @@ async fn a_stopped_redis_fails_charges_while_a_connection_opens_beside() {
 /// charge on its own.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_late_charge_counts_in_flight_until_its_give_back_landed() {
+    let _alone = alone().await;
     let server = redis_server_or_skip!();
     for batched in [true, false] {
         let proxy = SlowProxy::start(server.port()).await;
