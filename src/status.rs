@@ -381,7 +381,9 @@ impl fmt::Debug for QuotaStatus {
 
 /// What one policy knows of a request its layers saw: who is charged, on
 /// which plan and in which zone, and the lines its layers charged so far.
-#[derive(Clone, Debug)]
+/// (`Default`: an empty ticket, what a charge leaves in place of the one it
+/// gave away.)
+#[derive(Clone, Debug, Default)]
 pub(crate) struct Ticket {
     /// The policy's identity.
     pub(crate) policy: u64,
@@ -460,9 +462,10 @@ pub(crate) trait LayerQuotas: Send + Sync + 'static {
 }
 
 /// Which quotas the lines of a charge count, one per line.
-#[derive(Clone, Debug)]
+#[derive(Clone, Debug, Default)]
 pub(crate) enum QuotaSet {
     /// The layer's own, as it has them.
+    #[default]
     Own,
     /// The layer's quotas in a caller's zone, kept by the layer: a slot of
     /// its, so that a request reaches them without a reference count of

@@ -62,6 +62,23 @@ pub(crate) struct Charge {
     pub(crate) span: tracing::Span,
 }
 
+/// An empty charge: what a step that passes a charge on by reference
+/// leaves in its place when it gives the charge away (see
+/// `future::send`), so that the common path moves no charge at all.
+impl Default for Charge {
+    fn default() -> Self {
+        Self {
+            ticket: Ticket::default(),
+            quotas: QuotaSet::Own,
+            request: ChargeRequest {
+                now: Timestamp::UNIX_EPOCH,
+                lines: SmallVec::new(),
+            },
+            span: tracing::Span::none(),
+        }
+    }
+}
+
 impl Charge {
     /// What the request costs, on each line alike (a charge has one line
     /// at least).

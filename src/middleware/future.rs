@@ -158,7 +158,7 @@ where
     pub(crate) fn sent(
         inner: &mut S,
         request: Request<ReqBody>,
-        charge: Charge,
+        charge: &mut Charge,
         bound: &Arc<Bound<E, St>>,
     ) -> Self {
         Self {
@@ -200,7 +200,7 @@ where
 fn send<S, E, St, ReqBody>(
     inner: &mut S,
     request: Request<ReqBody>,
-    charge: Charge,
+    charge: &mut Charge,
     bound: &Arc<Bound<E, St>>,
 ) -> State<S, E, St, ReqBody>
 where
@@ -225,7 +225,7 @@ where
                             pending: Some(Pending {
                                 inner: std::mem::replace(inner, clone),
                                 request,
-                                charge,
+                                charge: std::mem::take(charge),
                                 bound: Arc::clone(bound),
                             }),
                         }),
@@ -242,7 +242,7 @@ where
 fn decided<S, E, St, ReqBody>(
     inner: &mut S,
     mut request: Request<ReqBody>,
-    mut charge: Charge,
+    charge: &mut Charge,
     bound: &Arc<Bound<E, St>>,
     answer: Result<crate::store::ChargeOutcome, StoreError>,
 ) -> State<S, E, St, ReqBody>
@@ -252,7 +252,7 @@ where
     St: Store,
 {
     let settings = &bound.policy.settings;
-    match charge::decide(&charge, &bound.scope, settings, answer) {
+    match charge::decide(charge, &bound.scope, settings, answer) {
         Decision::Admit(lines) => {
             let now = charge.ticket.now;
             let spread = charge.caller().spread;
@@ -263,7 +263,7 @@ where
             charge.ticket.charges.push(Arc::clone(&lines));
             let outer = QuotaStatus::put_in_charged(
                 request.extensions_mut(),
-                charge.ticket,
+                std::mem::take(&mut charge.ticket),
                 crate::status::layer_id(bound),
             );
             // Made before the inner service is called: if its `call`
@@ -285,7 +285,7 @@ where
             // Shadow quotas at the most their store counts never refuse:
             // the charge goes again without them, or, with nothing left,
             // the request passes this layer uncounted.
-            let Some(charge) = charge.without(&left_out, &bound.scope) else {
+            let Some(mut charge) = std::mem::take(charge).without(&left_out, &bound.scope) else {
                 QuotaStatus::let_through_in(request.extensions(), crate::status::layer_id(bound));
                 QuotaStatus::ensure_in(request.extensions_mut());
                 return State::Calling {
@@ -294,12 +294,12 @@ where
                     owing: None,
                 };
             };
-            send(inner, request, charge, bound)
+            send(inner, request, &mut charge, bound)
         }
         Decision::PassUncounted => {
             // The store is failing: the request owes its charge, and the
             // policy's inner layers owe theirs without asking the store.
-            let owing = super::owing::owe(bound, charge, request.extensions_mut());
+            let owing = super::owing::owe(bound, std::mem::take(charge), request.extensions_mut());
             State::Calling {
                 future: inner.call(request),
                 charged: Unanswered(None),
@@ -313,12 +313,12 @@ where
             let grpc = crate::response::grpc_content_type(request.headers());
             // The waits told are counted from the refusal's own instant.
             let told = settings.clock.now().max(charge.ticket.now);
-            let refusal = charge::refusal(&charge, &bound.scope, &usage, told, grpc);
+            let refusal = charge::refusal(charge, &bound.scope, &usage, told, grpc);
             State::Rejected {
                 response: Some(Box::new(charge::refused(
                     settings,
                     &refusal,
-                    &charge,
+                    charge,
                     &bound.scope,
                     &usage,
                     told,
@@ -333,7 +333,7 @@ where
                 response: Some(Box::new(charge::refused(
                     settings,
                     &refusal,
-                    &charge,
+                    charge,
                     &bound.scope,
                     &[],
                     charge.ticket.now,
@@ -620,8 +620,9 @@ where
                         charge,
                         bound,
                     } = pending.take().expect("polled after completion");
+                    let mut charge = charge;
                     this.state
-                        .set(decided(&mut inner, request, charge, &bound, answer));
+                        .set(decided(&mut inner, request, &mut charge, &bound, answer));
                 }
                 StateProj::Calling {
                     future,

@@ -102,7 +102,7 @@ where
                 QuotaStatus::refuse_in(&parts.extensions, crate::status::layer_id(&self.bound));
                 ResponseFuture::rejected(charge::marked(response))
             }
-            Step::Charge(charge) => {
+            Step::Charge(ref mut charge) => {
                 let request = Request::from_parts(parts, body);
                 ResponseFuture::sent(&mut self.inner, request, charge, &self.bound)
             }
