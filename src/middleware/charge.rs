@@ -513,7 +513,7 @@ pub(crate) fn decide(
     charge: &Charge,
     scope: &Scope,
     settings: &Settings,
-    answer: Result<ChargeOutcome, StoreError>,
+    answer: &mut Result<ChargeOutcome, StoreError>,
 ) -> Decision {
     let quotas = charge.quotas(scope);
     if let Some(refusal) = answer.as_ref().ok().filter(|outcome| !outcome.admitted) {
@@ -535,12 +535,12 @@ pub(crate) fn decide(
             return Decision::Saturated(saturated);
         }
     }
-    let outcome = match &answer {
+    let outcome = match answer {
         Ok(outcome) if outcome.admitted => crate::metrics::outcome::ADMITTED,
         Ok(_) => crate::metrics::outcome::REFUSED,
         Err(_) => crate::metrics::outcome::STORE_ERROR,
     };
-    match &answer {
+    match answer {
         Ok(refusal) if !refusal.admitted => {
             let refusing = refusing(quotas, &charge.request.lines, &refusal.usage);
             crate::metrics::decisions(outcome, refusing.into_iter().map(Quota::allowance_shared));
@@ -549,10 +549,10 @@ pub(crate) fn decide(
     }
     decided(&charge.span, outcome);
     match answer {
-        Ok(mut outcome) => {
+        Ok(outcome) => {
             shadow_limits(charge, quotas, &mut outcome.usage, outcome.admitted);
             if !outcome.admitted {
-                return Decision::Refuse(outcome.usage);
+                return Decision::Refuse(std::mem::take(&mut outcome.usage));
             }
             let lines = quotas
                 .iter()
@@ -567,21 +567,21 @@ pub(crate) fn decide(
             // request passes, owing their charge.
             OnStoreError::FailClosed { .. } if quotas.iter().all(Quota::is_shadow) => {
                 if let Some(suppressed) = STORE_ERRORS.admit() {
-                    let error = hidden(&error);
+                    let error = hidden(error);
                     tracing::warn!(error, suppressed, "quota store failed; request passes, as its quotas are shadow quotas, its charge owed until the store answers");
                 }
                 Decision::PassUncounted
             }
             OnStoreError::FailOpen => {
                 if let Some(suppressed) = STORE_ERRORS.admit() {
-                    let error = hidden(&error);
+                    let error = hidden(error);
                     tracing::warn!(error, suppressed, "quota store failed; request passes, its charge owed until the store answers (fail open)");
                 }
                 Decision::PassUncounted
             }
             OnStoreError::FailClosed { retry_after } => {
                 if let Some(suppressed) = STORE_ERRORS.admit() {
-                    let error = hidden(&error);
+                    let error = hidden(error);
                     tracing::error!(
                         error,
                         suppressed,

@@ -209,13 +209,19 @@ where
     St: Store,
 {
     let timer = crate::metrics::ChargeTimer::start();
-    let answer = match bound.policy.store.charge_at_once(&charge.request) {
+    // Read where it lies: a store's answer is a few hundred bytes.
+    let mut at_once = bound.policy.store.charge_at_once(&charge.request);
+    let mut first_poll = None;
+    let answer = match &mut at_once {
         ChargeAnswer::Now(answer) => answer,
-        ChargeAnswer::Later(mut future) => {
+        ChargeAnswer::Later(future) => {
             let mut cx = Context::from_waker(std::task::Waker::noop());
-            match Pin::new(&mut future).poll(&mut cx) {
-                Poll::Ready(answer) => answer,
+            match Pin::new(&mut *future).poll(&mut cx) {
+                Poll::Ready(answer) => first_poll.insert(answer),
                 Poll::Pending => {
+                    let ChargeAnswer::Later(future) = at_once else {
+                        unreachable!("matched above")
+                    };
                     let clone = inner.clone();
                     return State::Charging {
                         waiting: Box::new(Waiting {
@@ -244,7 +250,7 @@ fn decided<S, E, St, ReqBody>(
     mut request: Request<ReqBody>,
     charge: &mut Charge,
     bound: &Arc<Bound<E, St>>,
-    answer: Result<crate::store::ChargeOutcome, StoreError>,
+    answer: &mut Result<crate::store::ChargeOutcome, StoreError>,
 ) -> State<S, E, St, ReqBody>
 where
     S: Service<Request<ReqBody>> + Clone,
@@ -620,9 +626,14 @@ where
                         charge,
                         bound,
                     } = pending.take().expect("polled after completion");
-                    let mut charge = charge;
-                    this.state
-                        .set(decided(&mut inner, request, &mut charge, &bound, answer));
+                    let (mut charge, mut answer) = (charge, answer);
+                    this.state.set(decided(
+                        &mut inner,
+                        request,
+                        &mut charge,
+                        &bound,
+                        &mut answer,
+                    ));
                 }
                 StateProj::Calling {
                     future,

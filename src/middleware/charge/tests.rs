@@ -83,7 +83,7 @@ fn quotas_the_ticket_counts_already_pass() {
         &charge,
         &layer.bound.scope,
         &layer.bound.policy.settings,
-        Ok(ChargeOutcome {
+        &mut Ok(ChargeOutcome {
             admitted: true,
             usage: smallvec::smallvec![usage(100, 1, "2026-12-03T00:00:00Z")],
         }),
@@ -187,7 +187,7 @@ fn a_refusal_names_the_quota_without_room_and_waits_for_its_reset() {
         &charge,
         &layer.bound.scope,
         &layer.bound.policy.settings,
-        Ok(ChargeOutcome {
+        &mut Ok(ChargeOutcome {
             admitted: false,
             usage: usage.clone().into(),
         }),
@@ -246,7 +246,7 @@ fn a_store_error_follows_the_policy() {
             &charge,
             &open.bound.scope,
             &open.bound.policy.settings,
-            error()
+            &mut error()
         ),
         Decision::PassUncounted
     ));
@@ -260,7 +260,7 @@ fn a_store_error_follows_the_policy() {
         &charge,
         &closed.bound.scope,
         &closed.bound.policy.settings,
-        error(),
+        &mut error(),
     ) else {
         panic!("fail closed");
     };
@@ -290,7 +290,7 @@ fn a_store_error_follows_the_policy() {
             &charge,
             &shadow.bound.scope,
             &shadow.bound.policy.settings,
-            error()
+            &mut error()
         ),
         Decision::PassUncounted
     ));
@@ -306,7 +306,7 @@ fn a_shadow_quota_is_charged_without_a_limit_and_reports_its_own() {
         &charge,
         &layer.bound.scope,
         &layer.bound.policy.settings,
-        Ok(ChargeOutcome {
+        &mut Ok(ChargeOutcome {
             admitted: true,
             usage: smallvec::smallvec![usage(u64::MAX, 5, "2026-12-03T00:00:00Z")],
         }),
@@ -319,7 +319,7 @@ fn a_shadow_quota_is_charged_without_a_limit_and_reports_its_own() {
 
 fn admitted(layer: &QuotaLayer<FromHeader>, used: u64) -> SmallVec<[Line; 1]> {
     let charge = charge_of(layer, &head(ACME));
-    let answer = Ok(ChargeOutcome {
+    let mut answer = Ok(ChargeOutcome {
         admitted: true,
         usage: smallvec::smallvec![usage(10, used, "2026-12-03T00:00:00Z")],
     });
@@ -327,7 +327,7 @@ fn admitted(layer: &QuotaLayer<FromHeader>, used: u64) -> SmallVec<[Line; 1]> {
         &charge,
         &layer.bound.scope,
         &layer.bound.policy.settings,
-        answer,
+        &mut answer,
     ) {
         Decision::Admit(lines) => lines,
         _ => panic!("admitted"),
@@ -457,14 +457,15 @@ fn a_deferred_cost_is_capped_per_line_at_what_the_store_counts() {
         });
     let settings = &deferred.bound.policy.settings;
     let charge = charge_of(&deferred, &head(ACME));
-    let answer = Ok(ChargeOutcome {
+    let mut answer = Ok(ChargeOutcome {
         admitted: true,
         usage: smallvec::smallvec![
             usage(10, 2, "2026-12-03T00:00:00Z"),
             usage(10, 7, "2026-12-02T11:00:00Z"),
         ],
     });
-    let Decision::Admit(lines) = decide(&charge, &deferred.bound.scope, settings, answer) else {
+    let Decision::Admit(lines) = decide(&charge, &deferred.bound.scope, settings, &mut answer)
+    else {
         panic!("admitted");
     };
     let mut response = http::Response::new(());
