@@ -50,16 +50,16 @@ impl Namespace {
 
     /// The key of one counter.
     pub fn key(&self, subject: &Subject, allowance: &str, period: &str) -> PeriodKey {
-        self.key_with_period(subject, allowance, period.as_bytes())
+        self.key_with_period(subject, &KeyPart::new(allowance), period.as_bytes())
     }
 
-    /// [`Namespace::key`], with `period` the bytes of a `str` (a period
-    /// stamp read back from a cache, whose reader need not check them
-    /// again: the key is checked whole).
+    /// [`Namespace::key`], with the allowance encoded already, and `period`
+    /// the bytes of a `str` (a period stamp read back from a cache, whose
+    /// reader need not check them again: the key is checked whole).
     pub(crate) fn key_with_period(
         &self,
         subject: &Subject,
-        allowance: &str,
+        allowance: &KeyPart,
         period: &[u8],
     ) -> PeriodKey {
         let mut key = Text::default();
@@ -67,7 +67,7 @@ impl Namespace {
         key.push_str(":{");
         subject.push_tag(&mut key);
         key.push_str("}:");
-        push_encoded(&mut key, allowance.as_bytes());
+        key.push_str(&allowance.0);
         key.push_str(":");
         key.push_ascii_or_utf8(period);
         PeriodKey(Arc::from(key.as_str()))
@@ -77,6 +77,19 @@ impl Namespace {
 impl Default for Namespace {
     fn default() -> Self {
         Self::new("quota")
+    }
+}
+
+/// A part of a key percent-encoded once, where it is made (a quota's
+/// allowance), rather than on every request.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub(crate) struct KeyPart(Arc<str>);
+
+impl KeyPart {
+    pub(crate) fn new(part: &str) -> Self {
+        let mut text = Text::default();
+        push_encoded(&mut text, part.as_bytes());
+        Self(text.as_str().into())
     }
 }
 

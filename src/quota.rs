@@ -7,7 +7,7 @@ use std::time::Duration;
 use jiff::tz::TimeZone;
 use jiff::Timestamp;
 
-use crate::key::{Namespace, PeriodKey};
+use crate::key::{KeyPart, Namespace, PeriodKey};
 use crate::period::cache::WindowCache;
 use crate::period::seconds_until;
 use crate::period::{Anchor, Period, Window};
@@ -46,6 +46,8 @@ struct Inner {
     // Limits of named plans; a plan not listed here gets `limit`.
     plans: Vec<(Arc<str>, u64)>,
     allowance: Arc<str>,
+    // The allowance as its keys write it.
+    allowance_part: KeyPart,
     period: Period,
     anchor: Anchor,
     name: Arc<str>,
@@ -71,6 +73,7 @@ impl Quota {
             limit,
             plans: Vec::new(),
             allowance: DEFAULT_ALLOWANCE.into(),
+            allowance_part: KeyPart::new(DEFAULT_ALLOWANCE),
             period,
             anchor,
             name: "".into(),
@@ -156,7 +159,9 @@ impl Quota {
             !tag.is_empty() && tag.bytes().all(|b| (0x20..0x7f).contains(&b)),
             "an allowance tag is non-empty printable ASCII (got {tag:?})"
         );
-        self.inner().allowance = tag.into();
+        let inner = self.inner();
+        inner.allowance_part = KeyPart::new(&tag);
+        inner.allowance = tag.into();
         self.rename();
         self
     }
@@ -549,14 +554,18 @@ impl Quota {
         let inner = &*self.0;
         match inner.anchor {
             Anchor::Calendar => self.with_window(at, keep, |start, end, stamp| ChargeLine {
-                key: namespace.key_with_period(subject, &inner.allowance, stamp),
+                key: namespace.key_with_period(subject, &inner.allowance_part, stamp),
                 limit,
                 cost,
                 lifetime: Lifetime::Calendar { start, end },
                 shadow_limit: None,
             }),
             Anchor::FirstUse => ChargeLine {
-                key: namespace.key(subject, &inner.allowance, &inner.first_use_label),
+                key: namespace.key_with_period(
+                    subject,
+                    &inner.allowance_part,
+                    inner.first_use_label.as_bytes(),
+                ),
                 limit,
                 cost,
                 lifetime: Lifetime::FirstUse {

@@ -266,9 +266,11 @@ impl Subject {
     }
 
     /// Writes the part of a key that names the subject, `kind:id`, each
-    /// percent-encoded: the key's hash tag, and what logs hash.
+    /// percent-encoded: the key's hash tag, and what logs hash. (A kind is
+    /// encoded as it is: its bytes are all plain, see
+    /// [`SubjectKind::custom`].)
     pub(crate) fn push_tag(&self, out: &mut Text) {
-        push_encoded(out, self.kind().as_str().as_bytes());
+        out.push_ascii(self.kind().as_str().as_bytes());
         out.push_str(":");
         push_encoded(out, self.id());
     }
