@@ -63,7 +63,8 @@
 //!   fails on the wire after it was sent (its connection lost before the
 //!   answer; for the Redis store also one applied more than 30 s late) may
 //!   have been applied without the store knowing, and then stays: its
-//!   request counts twice.
+//!   request counts twice (or, refused under `OnStoreError::FailClosed`,
+//!   counts though it was not served).
 //! - A settle that fails counts once in all when the ledger sends it again
 //!   under its [`Debt::id`]: either it left nothing added (as a charge), or
 //!   the store adds nothing for an id it has added (the Redis store, whose

@@ -176,7 +176,8 @@ use crate::store::{
 ///   the ledger sends it again under its id, which Redis adds once, whether
 ///   the first was applied, late, or lost on the wire. A charge that fails
 ///   on the wire after it was sent, as below, has no answer to follow: if
-///   Redis applied it, its request counts twice.) A
+///   Redis applied it, its request counts twice; under fail closed, it
+///   counts though its request was refused.) A
 ///   call is followed for 30 s at most; a connection silent that long is
 ///   dropped. A connection that answers nothing at all for a second while
 ///   a call waits on it (half-open after a network fault) takes no new
