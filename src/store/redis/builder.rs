@@ -122,12 +122,16 @@ impl RedisStoreBuilder {
     /// The budget is the whole store's. A followed call keeps its room for
     /// up to 30 s, so on a cluster, a node that stalls (without being
     /// declared failed) and whose subjects are sent many calls would fill
-    /// it, and starve the nodes that answer. So a node that has answered
-    /// nothing for the store's [timeout](Self::timeout) since it was sent a
-    /// call of its own that was then given up on (an idle node is not
-    /// silent), holds at most half of it: past that, a call to
-    /// it fails at once with [`StoreErrorKind::Timeout`] and sends nothing,
-    /// and the other nodes' calls find room.
+    /// it, and starve the nodes that answer. So the calls of one node hold
+    /// at most half of it, whether they came one by one or in a burst
+    /// before the node was known to stall: past that, a call to the node
+    /// waits for one of them to end, as long as the node answers (a busy
+    /// node's calls wait, never fail), and fails with
+    /// [`StoreErrorKind::Timeout`], sending nothing, once the node has
+    /// answered nothing for the store's [timeout](Self::timeout) (at once
+    /// when it has been silent that long since a call of its own was given
+    /// up on; an idle node is not silent). The other nodes' calls find
+    /// room.
     ///
     /// # Panics
     ///

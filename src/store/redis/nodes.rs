@@ -31,7 +31,8 @@ use std::time::Duration;
 use deadpool_redis::redis::Value;
 use tokio::time::Instant;
 
-use crate::store::patience::LastAnswer;
+use super::builder::MAX_TIMEOUT;
+use crate::store::patience::{LastAnswer, Patience};
 
 /// How often the map of slots to nodes is read again while the store makes
 /// calls.
@@ -94,31 +95,83 @@ impl NodeAnswers {
         self.answers.get(self.index(slot)?)
     }
 
-    /// Counts a call to the node of `slot` (if known) among those holding
-    /// room, until the guard is dropped; with how many do now, this one
-    /// included, and, if some of them were given up by their callers, when
-    /// the first of those was sent (see `NodeRoom::abandoned_since`).
-    pub(super) fn hold(&self, slot: u16) -> Option<(NodeHold, usize, Option<Instant>)> {
-        let index = self.index(slot)?;
-        let room = self.rooms.get(index)?;
-        let held = room.held.fetch_add(1, Ordering::Relaxed) + 1;
-        let abandoned = room.abandoned.load(Ordering::Relaxed);
-        let since = (abandoned > 0).then(|| {
-            let micros = room.abandoned_since.load(Ordering::Relaxed);
-            self.epoch
-                .checked_add(Duration::from_micros(micros))
-                .unwrap_or(self.epoch)
-        });
-        Some((
-            NodeHold {
-                rooms: Arc::clone(&self.rooms),
-                epoch: self.epoch,
-                index,
-                given_up: false,
-            },
-            held,
-            since,
-        ))
+    /// Counts a call to the node of `slot` among those holding room, until
+    /// the guard is dropped (`None`: the node is not known). A node holds
+    /// at most `most` calls: past that, a call waits for one of them to
+    /// end, patiently while the node answers, and fails, sending nothing,
+    /// once the node answered none of its calls for `budget` (see
+    /// [`Patience`]). So a node that stalls takes at most `most` of the
+    /// store's room, whether its calls came one by one or in a burst
+    /// before any was given up on, and a busy node's calls wait, never
+    /// fail.
+    pub(super) async fn hold(
+        &self,
+        slot: u16,
+        most: usize,
+        budget: Duration,
+    ) -> Result<Option<NodeHold>, NodeFull> {
+        let Some(index) = self.index(slot) else {
+            return Ok(None);
+        };
+        let room = &self.rooms[index];
+        let hold = || NodeHold {
+            rooms: Arc::clone(&self.rooms),
+            epoch: self.epoch,
+            index,
+            given_up: false,
+        };
+        // A place taken, if one is free; otherwise given back at once.
+        let take = || {
+            if room.held.fetch_add(1, Ordering::SeqCst) < most {
+                return true;
+            }
+            room.give_back_place(most);
+            false
+        };
+        if take() {
+            return Ok(Some(hold()));
+        }
+        let room_made = async {
+            loop {
+                if self.silent(slot, room, budget) {
+                    return Err(NodeFull::Silent);
+                }
+                // Told of every call that ends from here on (see
+                // `NodeRoom::release`), then looked at: no end goes unseen.
+                let ended = room.ended.notified();
+                let mut ended = std::pin::pin!(ended);
+                ended.as_mut().enable();
+                room.waiting.fetch_add(1, Ordering::SeqCst);
+                if room.held.load(Ordering::SeqCst) >= most {
+                    ended.await;
+                }
+                room.waiting.fetch_sub(1, Ordering::SeqCst);
+                if take() {
+                    return Ok(hold());
+                }
+            }
+        };
+        let patience = Patience::new(Instant::now(), budget, MAX_TIMEOUT);
+        match patience.wait(|| self.last(slot), room_made).await {
+            Some(Ok(hold)) => Ok(Some(hold)),
+            Some(Err(full)) => Err(full),
+            None => Err(NodeFull::Waited),
+        }
+    }
+
+    /// Whether the node of `slot` is silent: calls given up on, and no
+    /// answer for `budget` since the first of them was sent.
+    fn silent(&self, slot: u16, room: &NodeRoom, budget: Duration) -> bool {
+        if room.abandoned.load(Ordering::Relaxed) == 0 {
+            return false;
+        }
+        let micros = room.abandoned_since.load(Ordering::Relaxed);
+        let since = self
+            .epoch
+            .checked_add(Duration::from_micros(micros))
+            .unwrap_or(self.epoch);
+        let quiet = self.last(slot).map_or(since, |at| at.max(since));
+        Instant::now().saturating_duration_since(quiet) >= budget
     }
 
     /// Notes an answer now from the node of `slot`, if known.
@@ -187,6 +240,45 @@ struct NodeRoom {
     /// node whose last answer is old, sent a call its caller left at once,
     /// is not).
     abandoned_since: AtomicU64,
+    /// Calls waiting for the node's room, told by `ended` when one of
+    /// `held` ends.
+    waiting: AtomicUsize,
+    ended: tokio::sync::Notify,
+}
+
+impl NodeRoom {
+    /// A call of `held` ended: the calls waiting for the node's room are
+    /// told.
+    fn release(&self) {
+        self.held.fetch_sub(1, Ordering::SeqCst);
+        if self.waiting.load(Ordering::SeqCst) > 0 {
+            self.ended.notify_waiters();
+        }
+    }
+
+    /// A call that counted itself in `held` found it full (past `most`)
+    /// and gives its place back: the waiting calls are told only if that
+    /// made room, which another call's place taken and given back hid
+    /// from them; otherwise calls that find the room full would wake each
+    /// other in turn.
+    fn give_back_place(&self, most: usize) {
+        let held = self.held.fetch_sub(1, Ordering::SeqCst) - 1;
+        if held < most && self.waiting.load(Ordering::SeqCst) > 0 {
+            self.ended.notify_waiters();
+        }
+    }
+}
+
+/// Why a call found no room among its node's calls (see
+/// [`NodeAnswers::hold`]).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(super) enum NodeFull {
+    /// The node's calls hold their share of the room, and it answered none
+    /// of them for a budget since one was given up on.
+    Silent,
+    /// The call waited for one of them to end, and the node answered
+    /// nothing for a budget meanwhile.
+    Waited,
 }
 
 /// A call counted among its node's calls holding room (see
@@ -217,10 +309,10 @@ impl NodeHold {
 impl Drop for NodeHold {
     fn drop(&mut self) {
         let room = &self.rooms[self.index];
-        room.held.fetch_sub(1, Ordering::Relaxed);
         if self.given_up {
             room.abandoned.fetch_sub(1, Ordering::Relaxed);
         }
+        room.release();
     }
 }
 

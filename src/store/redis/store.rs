@@ -205,8 +205,11 @@ use crate::store::{
 ///   subjects lose their first call). Once the node answers again, its
 ///   subjects are served and the charges it ran late are given back. The
 ///   calls it leaves unanswered, followed for up to 30 s, hold at most half
-///   of [`max_in_flight`](RedisStoreBuilder::max_in_flight): past that, its
-///   subjects' calls fail at once, and the other nodes' calls find room. This
+///   of [`max_in_flight`](RedisStoreBuilder::max_in_flight), even those of
+///   a burst sent before it was known to stall: past that, its subjects'
+///   calls fail, sending nothing (at once once it is known silent), and the
+///   other nodes' calls find room. (A node that answers, however busy,
+///   has its calls past that half wait for its answers.) This
 ///   holds until the cluster itself declares the node failed
 ///   (`cluster-node-timeout`): without a replica to take over, a cluster
 ///   that requires full coverage (the default) then refuses every request.
@@ -599,37 +602,37 @@ impl RedisStore {
         if inner.nodes.as_ref().is_some_and(|nodes| nodes.due()) {
             tokio::spawn(self.clone().read_nodes());
         }
-        // On a cluster, a node that stopped answering holds at most half
-        // the room with its calls (waited for, or followed after their
-        // callers gave up, for up to 30 s): past that, a call to it fails
-        // at once and sends nothing, and the other nodes' calls find room.
+        // On a cluster, a node holds at most half the room with its calls
+        // (waited for, or followed after their callers gave up, for up to
+        // 30 s): past that, a call to it waits for one of them to end while
+        // the node answers, and fails, sending nothing, once it is silent;
+        // so the other nodes' calls find room when one stalls.
         #[cfg(feature = "redis-cluster")]
-        let node = match (&inner.nodes, slot) {
-            (Some(nodes), Some(slot)) => match nodes.hold(slot) {
-                Some((hold, held, abandoned_since)) => {
-                    // Calls given up on, and no answer for a budget since
-                    // the first of them was sent: an idle node whose last
-                    // answer is old had nothing to answer before.
-                    let silent = abandoned_since.is_some_and(|since| {
-                        let quiet = nodes.last(slot).map_or(since, |at| at.max(since));
-                        tokio::time::Instant::now().saturating_duration_since(quiet)
-                            >= inner.timeout
-                    });
-                    if silent && held > (inner.max_in_flight / 2).max(1) {
-                        return Err(StoreError::new(
-                            StoreErrorKind::Timeout,
-                            "the Redis Cluster node of this call answered none of its calls \
+        let node =
+            match (&inner.nodes, slot) {
+                (Some(nodes), Some(slot)) => {
+                    let most = (inner.max_in_flight / 2).max(1);
+                    match nodes.hold(slot, most, inner.timeout).await {
+                        Ok(hold) => hold,
+                        Err(super::nodes::NodeFull::Silent) => {
+                            return Err(StoreError::new(
+                                StoreErrorKind::Timeout,
+                                "the Redis Cluster node of this call answered none of its calls \
                              within the store's timeout, and they hold half the room for calls; \
                              nothing was sent",
+                            )
+                            .unsent())
+                        }
+                        Err(super::nodes::NodeFull::Waited) => return Err(StoreError::new(
+                            StoreErrorKind::Timeout,
+                            "the Redis Cluster node of this call holds half the room for calls \
+                             and answered none of them while this call waited; nothing was sent",
                         )
-                        .unsent());
+                        .unsent()),
                     }
-                    Some(hold)
                 }
-                None => None,
-            },
-            _ => None,
-        };
+                _ => None,
+            };
         let (permit, started, room) = self.room().await?;
         #[cfg(feature = "redis-cluster")]
         let permit = permit.on_node(node);
