@@ -4028,3 +4028,126 @@ async fn a_shutdown_leaves_the_mark_of_a_block_spent_to_its_last_unit() {
     assert_eq!(leased.shutdown().await, 0);
     assert_eq!(holders(&shared, now).await, 0, "the shutdown left the mark");
 }
+
+/// Near the limit, a block is at most a quarter of what the counter had
+/// left (its request's cost aside): a block of `b` taken when the store
+/// counted `s` leaves `limit - s - cost - b >= 3b` to nobody, so that other
+/// instances are refused for as few units as this one holds.
+#[tokio::test(start_paused = true)]
+async fn a_block_is_at_most_a_quarter_of_what_the_counter_had_left() {
+    let inner = Counting::default();
+    let leased = LeasedStore::new(inner.clone());
+    let mut now = t0();
+    let limit = 1_000;
+    let (mut admitted, mut near) = (0, 0);
+    loop {
+        let before = leased.held();
+        let outcome = call(&leased, now, limit).await;
+        for _ in 0..4 {
+            tokio::task::yield_now().await;
+        }
+        if !outcome.admitted {
+            break;
+        }
+        admitted += 1;
+        let held = leased.held();
+        if held > before {
+            // A block landed: nothing else was charged since its charge.
+            let left = limit - counted(&inner, now).await;
+            assert!(
+                3 * held <= left,
+                "a block of {held} with {left} left to nobody"
+            );
+            near += u64::from(left < 400);
+        }
+        tokio::time::advance(Duration::from_millis(1)).await;
+        now += SignedDuration::from_millis(1);
+    }
+    assert!(near >= 3, "{near} blocks taken near the limit");
+    assert_eq!(admitted, limit);
+    assert_eq!(counted(&inner, now).await, limit);
+}
+
+/// A steady subject's block is what it spends in about four fifths of a
+/// lease time (50 a second here, a lease time of 10 s: 400 units, below
+/// the largest block): it is spent before the lease time ends, so no block
+/// ever goes back old, and the next one is taken as it runs out.
+#[tokio::test(start_paused = true)]
+async fn a_steady_subjects_block_is_what_it_spends_in_four_fifths_of_a_lease_time() {
+    let inner = Counting::default();
+    let leased = LeasedStore::new(inner.clone());
+    let mut now = t0();
+    let mut largest = 0;
+    for _ in 0..3_000 {
+        assert!(call(&leased, now, 1_000_000).await.admitted);
+        largest = largest.max(leased.held());
+        tokio::time::advance(Duration::from_millis(20)).await;
+        now += SignedDuration::from_millis(20);
+    }
+    assert!((380..=402).contains(&largest), "a block of {largest}");
+    assert_eq!(
+        inner.give_backs.load(Ordering::Relaxed),
+        0,
+        "no block went back"
+    );
+    let charges = inner.charges.load(Ordering::Relaxed);
+    assert!(charges <= 20, "{charges} charges for 3 000 requests");
+}
+
+/// A debt settled through an instance that holds a block of its counter
+/// (the ledger's settle of fail-open admissions) is answered as an add is:
+/// the count after it, this instance's unused units counted as not spent;
+/// and the block's next request is told the debt too.
+#[tokio::test(start_paused = true)]
+async fn a_settle_through_a_block_holder_tells_the_count_without_its_units() {
+    let shared = MemoryStore::new();
+    let a = LeasedStore::new(shared.clone());
+    let mut now = t0();
+    busy(&a, &mut now, 20, 10_000, 1).await;
+    let held = a.held();
+    assert!(held > 1, "a block is held");
+    let debt = tower_quota::store::Debt {
+        key: day_key(),
+        amount: 100,
+        lifetime: day(),
+        since: now,
+        id: 7,
+    };
+    let told = a.settle_debt(now, debt).await.unwrap();
+    assert_eq!(told, Some(20 + 100), "{held} held here");
+    assert_eq!(counted(&shared, now).await, 20 + 100 + held);
+    let next = call(&a, now, 10_000).await;
+    assert!(next.admitted);
+    assert_eq!(a.held(), held - 1, "served from the block");
+    assert_eq!(next.usage[0].used, 20 + 100 + 1);
+}
+
+/// A request whose block no longer fits (another instance spent nearly all
+/// that was left) keeps a quarter of what the store gave and sends the
+/// rest straight back: the count it is told leaves that rest out, as the
+/// store counts once it lands (what this instance holds aside).
+#[tokio::test(start_paused = true)]
+async fn the_usage_told_with_a_block_cut_short_leaves_out_what_goes_back() {
+    let shared = MemoryStore::new();
+    let a = LeasedStore::new(shared.clone());
+    let mut now = t0();
+    busy(&a, &mut now, 200, 1_000, 1).await;
+    assert!(a.held() > 0, "a block is held");
+    // Another instance spends all but 40 of what nobody holds, and this
+    // one its block.
+    while counted(&shared, now).await < 960 {
+        assert!(call(&shared, now, 1_000).await.admitted);
+    }
+    spend_what_is_held(&a, now, 1_000).await;
+    let outcome = call(&a, now, 1_000).await;
+    assert!(outcome.admitted);
+    // The rest of the block cut short lands.
+    for _ in 0..4 {
+        tokio::task::yield_now().await;
+    }
+    let held = a.held();
+    assert!((1..=10).contains(&held), "a quarter kept: {held}");
+    let counted = counted(&shared, now).await;
+    assert!(counted < 1_000, "the rest went back: {counted}");
+    assert_eq!(outcome.usage[0].used, counted - held);
+}

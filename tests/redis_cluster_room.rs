@@ -1,0 +1,175 @@
+//! The room for calls a Redis Cluster node takes, on a real three-node
+//! cluster on loopback: a node that stalled holds at most half of it with
+//! its calls, and one that answers (slow, or back from a stall) is never
+//! taken for a stalled one.
+
+#![cfg(all(feature = "redis-cluster", feature = "testing"))]
+
+mod redis_support;
+
+use std::time::{Duration, Instant};
+
+use axum::body::Body;
+use axum::routing::get;
+use axum::Router;
+use http::{Request, StatusCode};
+use tower::ServiceExt;
+use tower_quota::store::RedisStore;
+use tower_quota::{FromHeader, Quota, QuotaPolicy};
+
+use redis_support::{redis_available, RedisCluster, SlowProxy, Stopped};
+
+async fn request(app: &Router, account: &str) -> StatusCode {
+    let request = Request::get("/")
+        .header("x-account-id", account)
+        .body(Body::empty())
+        .unwrap();
+    app.clone().oneshot(request).await.unwrap().status()
+}
+
+/// Waits until a request for `account` is admitted, 5 s at most.
+async fn admitted_again(app: &Router, account: &str) {
+    let since = Instant::now();
+    loop {
+        let status = request(app, account).await;
+        if status == StatusCode::OK {
+            return;
+        }
+        assert!(since.elapsed() < Duration::from_secs(5), "still {status}");
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+}
+
+/// A store on `cluster` seeded by node `seed`, with 300 ms budgets and room
+/// for two calls, and an app charging a daily quota on it.
+fn app_on(cluster: &RedisCluster, seed: usize) -> (RedisStore, Router) {
+    let store = RedisStore::cluster_builder(vec![cluster.nodes[seed].url()])
+        .timeout(Duration::from_millis(300))
+        .connect_timeout(Duration::from_millis(300))
+        .max_in_flight(2)
+        .build()
+        .expect("a Redis Cluster store");
+    let policy = QuotaPolicy::builder(FromHeader::account("x-account-id"))
+        .store(store.clone())
+        .store_timeout(Some(Duration::from_secs(2)))
+        .build();
+    let app = Router::new()
+        .route("/", get(|| async { "ok" }))
+        .layer(policy.layer(Quota::daily(1_000_000)));
+    (store, app)
+}
+
+/// With room for two calls, a stalled node's subject has one call sent,
+/// which times out and is followed (holding its room); the next ones fail
+/// at once, sending nothing: the node holds half the room, never all of
+/// it, and the other nodes' subjects are served at once.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_stalled_node_holds_at_most_half_of_a_small_room() {
+    if !redis_available() {
+        return;
+    }
+    let cluster = RedisCluster::start();
+    let (store, app) = app_on(&cluster, 1);
+    let [stalled, first, second] = cluster.subject_per_node("half-room");
+    for account in [&stalled, &first, &second] {
+        admitted_again(&app, account).await;
+    }
+    // The map of slots read (the first calls asked for it).
+    tokio::time::sleep(Duration::from_millis(300)).await;
+    let _stopped = Stopped::new(&cluster.nodes[0]);
+    for _ in 0..3 {
+        assert_eq!(
+            request(&app, &stalled).await,
+            StatusCode::SERVICE_UNAVAILABLE
+        );
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    for account in [&first, &second] {
+        let started = Instant::now();
+        assert_eq!(request(&app, account).await, StatusCode::OK);
+        assert!(
+            started.elapsed() < Duration::from_millis(200),
+            "served after {:?}",
+            started.elapsed()
+        );
+    }
+    assert_eq!(
+        store.in_flight(),
+        1,
+        "one call of the stalled node followed"
+    );
+}
+
+/// A node that stalled, with a call given up, and came back: once that
+/// call ended, the node is as any other. Idle past the store's timeout,
+/// then two requests at once on it (behind a proxy that passes an answer
+/// every 50 ms): load on a healthy node, both served, neither failed at
+/// once as if the node still stalled.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_node_back_from_a_stall_is_not_taken_for_stalled_later() {
+    if !redis_available() {
+        return;
+    }
+    let cluster = RedisCluster::start();
+    let proxy = SlowProxy::start(cluster.nodes[0].port()).await;
+    cluster.announce(0, proxy.port());
+    let [node, other, _] = cluster.subject_per_node("back-from-stall");
+    let (store, app) = app_on(&cluster, 2);
+    for account in [&node, &other] {
+        admitted_again(&app, account).await;
+    }
+    tokio::time::sleep(Duration::from_millis(200)).await;
+    let mut stopped = Stopped::new(&cluster.nodes[0]);
+    assert_eq!(request(&app, &node).await, StatusCode::SERVICE_UNAVAILABLE);
+    stopped.resume();
+    admitted_again(&app, &node).await;
+    let since = Instant::now();
+    while store.in_flight() > 0 {
+        assert!(
+            since.elapsed() < Duration::from_secs(5),
+            "a call still followed"
+        );
+        tokio::time::sleep(Duration::from_millis(10)).await;
+    }
+    proxy.slow(Duration::from_millis(50));
+    // Idle past the store's timeout.
+    tokio::time::sleep(Duration::from_millis(500)).await;
+    let both = tokio::join!(request(&app, &node), request(&app, &node));
+    assert_eq!(both, (StatusCode::OK, StatusCode::OK));
+}
+
+/// A node slow under load (a proxy passing an answer every 250 ms) whose
+/// callers went away from two calls, 20 ms apart: 400 ms after the first
+/// was sent, the second is still on its way, and the node answered the
+/// first 150 ms ago. It answers: a request then is load, waited for and
+/// served, not failed at once as one to a node silent since the first
+/// call given up was sent.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_node_that_answers_is_not_silent_while_calls_given_up_are_on_their_way() {
+    if !redis_available() {
+        return;
+    }
+    let cluster = RedisCluster::start();
+    let proxy = SlowProxy::start(cluster.nodes[0].port()).await;
+    cluster.announce(0, proxy.port());
+    let [node, other, _] = cluster.subject_per_node("answering-node");
+    let (_store, app) = app_on(&cluster, 2);
+    for account in [&node, &other] {
+        admitted_again(&app, account).await;
+    }
+    tokio::time::sleep(Duration::from_millis(200)).await;
+    proxy.slow(Duration::from_millis(250));
+    let start = Instant::now();
+    for _ in 0..2 {
+        let gone = tokio::time::timeout(Duration::from_millis(20), request(&app, &node)).await;
+        assert!(gone.is_err(), "the node answers in 250 ms");
+    }
+    tokio::time::sleep_until((start + Duration::from_millis(400)).into()).await;
+    let started = Instant::now();
+    assert_eq!(
+        request(&app, &node).await,
+        StatusCode::OK,
+        "refused after {:?} while the node answers",
+        started.elapsed()
+    );
+}
