@@ -1096,6 +1096,55 @@ mod tests {
         }
     }
 
+    /// A request no wait lets through (it costs more than one quota allows
+    /// in a whole period) has no instant it could succeed at, even when
+    /// another quota it lacks room on resets soon: `resets_at` is `None`,
+    /// as `retry_after` is, whatever the order of the quotas.
+    #[test]
+    fn a_refusal_no_wait_helps_has_no_reset_even_beside_one_that_resets() {
+        let now: Timestamp = "2026-12-02T10:30:00Z".parse().unwrap();
+        let (day, hour) = ("2026-12-03T00:00:00Z", "2026-12-02T11:00:00Z");
+        for (quotas, usage) in [
+            (
+                [Quota::daily(10), Quota::hourly(50)],
+                [usage_of(10, 0, day), usage_of(50, 45, hour)],
+            ),
+            (
+                [Quota::hourly(50), Quota::daily(10)],
+                [usage_of(50, 45, hour), usage_of(10, 0, day)],
+            ),
+        ] {
+            let refusal = Refusal::quota_exceeded(&quotas, &usage, |_| 20, now, 0, None);
+            assert_eq!(refusal.violated.len(), 2);
+            assert_eq!(refusal.retry_after, None);
+            assert_eq!(refusal.resets_at, None);
+            assert!(refusal.problem_json().headers().get(RETRY_AFTER).is_none());
+        }
+    }
+
+    /// Only a gRPC answer over HTTP 200 is told by its `grpc-status`: an
+    /// HTTP error that carries one (a proxy's, a handler's own) is neither
+    /// a missing method (never charged) nor a gRPC failure.
+    #[test]
+    fn a_grpc_status_counts_only_in_an_answer_over_http_200() {
+        let answer = |status: StatusCode, code: &'static str| {
+            http::Response::builder()
+                .status(status)
+                .header(CONTENT_TYPE, "application/grpc")
+                .header(&GRPC_STATUS, code)
+                .body(())
+                .unwrap()
+                .into_parts()
+                .0
+        };
+        assert!(is_grpc_unimplemented(&answer(StatusCode::OK, "12")));
+        assert!(is_grpc_server_failure(&answer(StatusCode::OK, "13")));
+        for status in [StatusCode::NOT_FOUND, StatusCode::BAD_GATEWAY] {
+            assert!(!is_grpc_unimplemented(&answer(status, "12")), "{status}");
+            assert!(!is_grpc_server_failure(&answer(status, "13")), "{status}");
+        }
+    }
+
     #[test]
     fn the_longest_retry_after_of_an_unavailable_store_saturates() {
         let refusal = Refusal::store_unavailable(Duration::MAX, None);

@@ -1746,6 +1746,35 @@ async fn the_reset_is_told_from_the_responses_instant() {
     assert_eq!(late.ratelimit()["default-minute"], (0, 0));
 }
 
+/// A window whose length changes (a month) is told as the one charged, by
+/// a response that goes out in the next: January's 31 days, with the
+/// standing of January's counter, not February's 28.
+#[tokio::test]
+async fn a_response_after_the_month_ended_tells_the_month_charged() {
+    let clock = ManualClock::new(at("2027-01-31T23:59:50Z"));
+    let policy = QuotaPolicy::builder(account()).clock(clock.clone()).build();
+    let slow = {
+        let clock = clock.clone();
+        move || {
+            let clock = clock.clone();
+            async move {
+                clock.advance(Duration::from_secs(40));
+                "answered"
+            }
+        }
+    };
+    let app = Router::new()
+        .route("/", get(slow))
+        .layer(policy.layer(Quota::monthly(5)));
+    let answered = get_as(&app, "/", "acme").await;
+    assert_eq!(answered.status, StatusCode::OK);
+    assert_eq!(answered.policy()["default-month"], (5, 31 * 86_400));
+    assert_eq!(answered.ratelimit()["default-month"], (4, 0));
+    // Charged in February: February's window.
+    let next = get_as(&app, "/", "acme").await;
+    assert_eq!(next.policy()["default-month"], (5, 28 * 86_400));
+}
+
 /// A limit of `u64::MAX`: a cost whose sum with what was spent passes
 /// `u64` is refused as over the limit, and the refusal says so (the quota
 /// it violates, and when to retry), not as a store's passing refusal.

@@ -1186,6 +1186,49 @@ async fn a_grpc_call_is_refused_with_resource_exhausted() {
     assert!(body(refused).await.is_empty());
 }
 
+/// `grpc-message` is percent-encoded, `%` included: a client decodes it
+/// back to the detail, whatever the quota's name holds.
+#[tokio::test]
+async fn a_grpc_refusal_message_decodes_back_to_the_detail() {
+    let clock = ManualClock::new("2026-12-02T10:00:00Z".parse().unwrap());
+    let policy = QuotaPolicy::builder(FromHeader::account("x-account-id"))
+        .clock(clock)
+        .build();
+    let app = Router::new()
+        .route(
+            "/grpc.health.v1.Health/Check",
+            axum::routing::post(|| async { "ok" }),
+        )
+        .route_layer(policy.layer(Quota::daily(1).named("tier-%41%2F")));
+    let call = |content_type: &str| {
+        Request::post("/grpc.health.v1.Health/Check")
+            .header("x-account-id", "acme")
+            .header("content-type", content_type)
+            .body(Body::empty())
+            .unwrap()
+    };
+    assert_eq!(
+        send(&app, call("application/grpc")).await.status(),
+        StatusCode::OK
+    );
+    let refused = send(&app, call("application/grpc")).await;
+    assert_eq!(refused.headers()["grpc-status"], "8");
+    let message = refused.headers()["grpc-message"]
+        .to_str()
+        .unwrap()
+        .to_owned();
+    let decoded = percent_encoding::percent_decode_str(&message)
+        .decode_utf8()
+        .unwrap()
+        .into_owned();
+    // The same refusal as a problem document tells the detail as is.
+    let problem = send(&app, call("application/json")).await;
+    assert_eq!(problem.status(), StatusCode::TOO_MANY_REQUESTS);
+    let problem: serde_json::Value = serde_json::from_str(&body(problem).await).unwrap();
+    assert!(decoded.contains("\"tier-%41%2F\""), "{decoded}");
+    assert_eq!(decoded, problem["detail"].as_str().unwrap());
+}
+
 #[tokio::test]
 async fn a_refusal_hook_shapes_the_answer_and_keeps_the_fields() {
     let policy = QuotaPolicy::builder(FromHeader::account("x-account-id"))

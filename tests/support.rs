@@ -402,6 +402,120 @@ async fn a_long_allowance_is_echoed_short() {
     assert!(detail.len() < 200, "{} bytes", detail.len());
 }
 
+/// `GET /quota` answers each allowance with the fields the router's docs
+/// name: `anchor` `calendar` or `first-use`, `first_call` `null` unless a
+/// first-use period is open, instants in RFC 3339.
+#[tokio::test(flavor = "current_thread")]
+async fn the_standing_answers_the_documented_fields() {
+    let clock = ManualClock::new("2026-12-02T10:00:00Z".parse().unwrap());
+    let policy = QuotaPolicy::builder(FromHeader::account("x-account-id"))
+        .clock(clock.clone())
+        .build();
+    let app = Router::new()
+        .route("/", get(|| async { "hi" }))
+        .route_layer(
+            policy
+                .layer(Quota::daily(10).allowance("read"))
+                .quota(Quota::rolling(5, Duration::from_secs(3_600)).allowance("burst")),
+        );
+    let admin = Router::new().nest("/admin", policy.handle().router());
+    assert_eq!(send(&app, Method::GET, "/").await.status(), StatusCode::OK);
+    let shown = problem_or_json(
+        send(
+            &admin,
+            Method::GET,
+            "/admin/quota/account/sk_live_secret_key",
+        )
+        .await,
+    )
+    .await;
+    assert_eq!(shown["subject"]["kind"], "account", "{shown}");
+    assert_eq!(shown["subject"]["id"], "sk_live_secret_key", "{shown}");
+    let fields = [
+        "allowance",
+        "name",
+        "limit",
+        "used",
+        "remaining",
+        "resets_at",
+        "anchor",
+        "first_call",
+        "reset",
+    ];
+    for allowance in shown["allowances"].as_array().unwrap() {
+        let mut names: Vec<&str> = allowance
+            .as_object()
+            .unwrap()
+            .keys()
+            .map(String::as_str)
+            .collect();
+        names.sort_unstable();
+        let mut expected = fields.to_vec();
+        expected.sort_unstable();
+        assert_eq!(names, expected, "{allowance}");
+    }
+    let [day, burst] = [&shown["allowances"][0], &shown["allowances"][1]];
+    assert_eq!(day["allowance"], "read");
+    assert_eq!(day["anchor"], "calendar");
+    assert_eq!(day["first_call"], serde_json::Value::Null);
+    assert_eq!(day["resets_at"], "2026-12-03T00:00:00Z");
+    assert_eq!(burst["allowance"], "burst");
+    assert_eq!(burst["anchor"], "first-use");
+    assert_eq!(burst["first_call"], "2026-12-02T10:00:00Z");
+    assert_eq!(burst["resets_at"], "2026-12-02T11:00:00Z");
+    assert_eq!(
+        (burst["used"].clone(), burst["remaining"].clone()),
+        (1.into(), 4.into())
+    );
+}
+
+/// A long text of characters of many bytes is cut at a character's
+/// boundary where it is echoed, never inside one (a panic).
+#[tokio::test(flavor = "current_thread")]
+async fn a_long_text_of_many_byte_characters_is_echoed_short() {
+    let (_, admin) = apps();
+    // Byte 64 falls inside an `é`: the echo ends a byte earlier.
+    let long = format!("a{}", "\u{e9}".repeat(40));
+    let echoed = format!("a{}\u{2026}", "\u{e9}".repeat(31));
+    let encoded = percent_encoding::utf8_percent_encode(&long, percent_encoding::NON_ALPHANUMERIC)
+        .to_string();
+    for (method, uri, status) in [
+        (
+            Method::POST,
+            format!("/admin/reset/account/acme/{encoded}"),
+            StatusCode::NOT_FOUND,
+        ),
+        (
+            Method::GET,
+            format!("/admin/quota/account/acme?{encoded}=1"),
+            StatusCode::BAD_REQUEST,
+        ),
+    ] {
+        let response = send(&admin, method, &uri).await;
+        assert_eq!(response.status(), status, "{uri}");
+        let detail = problem(response).await["detail"]
+            .as_str()
+            .unwrap()
+            .to_owned();
+        assert!(detail.contains(&echoed), "{detail}");
+        assert!(!detail.contains(&long), "{detail}");
+    }
+    // A text of 64 bytes is echoed whole, with no mark of a cut.
+    let whole = "y".repeat(64);
+    let response = send(
+        &admin,
+        Method::POST,
+        &format!("/admin/reset/account/acme/{whole}"),
+    )
+    .await;
+    assert_eq!(response.status(), StatusCode::NOT_FOUND);
+    let detail = problem(response).await["detail"]
+        .as_str()
+        .unwrap()
+        .to_owned();
+    assert!(detail.contains(&format!("{whole:?}")), "{detail}");
+}
+
 #[tokio::test(flavor = "current_thread")]
 async fn a_handle_reads_the_subjects_the_layer_charges() {
     let policy = QuotaPolicy::builder(FromHeader::account("x-account-id"))
@@ -889,6 +1003,36 @@ async fn support_reaches_an_id_that_is_not_utf8() {
     assert_eq!(read(&problem_or_json(reset).await), 0);
     let plain = problem_or_json(send(&admin, Method::GET, "/admin/quota/account/acme").await).await;
     assert!(plain["subject"].get("id_encoded").is_none(), "{plain}");
+}
+
+/// `id_encoded` is the path that reaches the id again: a `%` among its
+/// bytes is encoded too, or the path would name another id.
+#[tokio::test(flavor = "current_thread")]
+async fn an_id_encoded_with_a_percent_sign_reaches_the_id_again() {
+    let (app, admin) = apps();
+    let request = Request::get("/")
+        .header(
+            "x-account-id",
+            http::HeaderValue::from_bytes(b"ac%FF\xffme").unwrap(),
+        )
+        .body(Body::empty())
+        .unwrap();
+    assert_eq!(app.oneshot(request).await.unwrap().status(), StatusCode::OK);
+    let shown =
+        problem_or_json(send(&admin, Method::GET, "/admin/quota/account/ac%25FF%FFme").await).await;
+    assert_eq!(shown["allowances"][0]["used"], 1);
+    let encoded = shown["subject"]["id_encoded"].as_str().unwrap().to_owned();
+    assert_eq!(encoded, "ac%25FF%FFme");
+    let again = problem_or_json(
+        send(
+            &admin,
+            Method::GET,
+            &format!("/admin/quota/account/{encoded}"),
+        )
+        .await,
+    )
+    .await;
+    assert_eq!(again["allowances"][0]["used"], 1, "{again}");
 }
 
 /// The store away: a support route answers 503 with `Retry-After`, as the

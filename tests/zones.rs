@@ -639,6 +639,56 @@ async fn a_handle_in_an_aliased_zone_names_the_zone_as_the_layer_does() {
     assert_eq!(usage[0].explain_reset(), by_layer);
 }
 
+/// A handle for a caller whose `caller_info` names its zone by an alias
+/// tells the reset as the layer tells that caller: in the zone's primary
+/// name, as a handle `in_zone` of the alias does.
+#[tokio::test]
+async fn a_handle_for_a_caller_in_an_aliased_zone_names_the_zone_as_the_layer_does() {
+    let clock = ManualClock::new(at("2026-12-02T20:00:00Z"));
+    let policy = QuotaPolicy::builder(FromHeader::account("x-account-id"))
+        .clock(clock.clone())
+        .time_zone(|parts| {
+            let name = parts.headers["x-time-zone"].to_str().unwrap();
+            Ok(Some(TimeZone::get(name).unwrap()))
+        })
+        .caller_info(|_subject| async move {
+            Ok(Some(
+                tower_quota::CallerInfo::new().zone(TimeZone::get("US/Eastern")?),
+            ))
+        })
+        .build();
+    let told = |status: QuotaStatus| async move { status.entries()[0].explain_reset() };
+    let app = Router::new()
+        .route("/", get(told))
+        .layer(policy.layer(Quota::daily(5)));
+    let by_layer = body(send(&app, "acme", Some("US/Eastern")).await).await;
+    assert!(by_layer.contains("America/New_York"), "{by_layer}");
+
+    let acme = Subject::account("acme");
+    let handle = policy.handle().for_caller(&acme).await.unwrap();
+    assert_eq!(
+        handle.zone().and_then(|zone| zone.iana_name()),
+        Some("America/New_York")
+    );
+    let usage = handle.usage(&acme).await.unwrap();
+    assert_eq!(usage[0].used(), 1, "the same counter");
+    assert_eq!(usage[0].explain_reset(), by_layer);
+
+    // The support router, which asks the caller info for the zone.
+    let admin = policy.handle().router::<()>();
+    let response = admin
+        .oneshot(
+            Request::get("/quota/account/acme")
+                .body(Body::empty())
+                .unwrap(),
+        )
+        .await
+        .unwrap();
+    assert_eq!(response.status(), StatusCode::OK);
+    let shown: serde_json::Value = serde_json::from_str(&body(response).await).unwrap();
+    assert_eq!(shown["allowances"][0]["reset"], by_layer.as_str());
+}
+
 /// `zone_from_header` reads an IANA name, its aliases as it; no header is
 /// the quotas' own zone; a header sent twice, a name of no IANA zone, a
 /// file of the database that is none, bytes that are not text, or a name

@@ -1450,6 +1450,54 @@ fn a_first_use_reset_is_told_by_its_exact_length() {
     }
 }
 
+/// A first-use period that would end past the last instant `jiff` holds
+/// ends there: never before its first call (a counter with no lifetime).
+#[test]
+fn a_first_use_period_past_the_end_of_time_ends_at_the_last_instant() {
+    let late = Timestamp::MAX - hours(1);
+    for period in [
+        Period::day(),
+        Period::month(),
+        Period::fixed(Duration::from_secs(100 * 31_557_600)),
+    ] {
+        assert_eq!(period.end_of_first_use(late), Timestamp::MAX, "{period:?}");
+    }
+}
+
+/// A calendar reset is told in the period's own zone, a fixed offset as
+/// that offset (never as UTC), and the instants told beside it alike.
+#[test]
+fn a_calendar_reset_is_told_in_the_periods_zone_or_offset() {
+    let calendar = super::Anchor::Calendar;
+    let at = ts("2026-12-04T23:00:00Z");
+    let kolkata_offset = TimeZone::fixed(Offset::from_seconds(5 * 3600 + 30 * 60).unwrap());
+    for (period, words, instant) in [
+        (
+            Period::day(),
+            "every day at 00:00 UTC",
+            "2026-12-04T23:00:00Z",
+        ),
+        (
+            Period::day().in_time_zone(berlin()),
+            "every day at 00:00 Europe/Berlin",
+            "2026-12-05T00:00:00+01:00[Europe/Berlin]",
+        ),
+        (
+            Period::day().in_time_zone(kolkata_offset.clone()),
+            "every day at 00:00 +05:30",
+            "2026-12-05T04:30:00+05:30",
+        ),
+        (
+            Period::week().in_time_zone(kolkata_offset),
+            "every Monday at 00:00 +05:30",
+            "2026-12-05T04:30:00+05:30",
+        ),
+    ] {
+        assert_eq!(period.describe_reset(calendar), words, "{period:?}");
+        assert_eq!(period.format_instant(at), instant, "{period:?}");
+    }
+}
+
 /// A fixed window of up to 100 years reaches past the last instant `jiff`
 /// names from decades away: it is cut there, not a panic (on a request's
 /// path, with a clock of the application's own).
