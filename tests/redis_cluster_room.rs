@@ -1,7 +1,10 @@
 //! The room for calls a Redis Cluster node takes, on a real three-node
 //! cluster on loopback: a node that stalled holds at most half of it with
 //! its calls, and one that answers (slow, or back from a stall) is never
-//! taken for a stalled one.
+//! taken for a stalled one. A burst of calls to a node that just stalled,
+//! sent before any was given up on, holds no more than half either; a node
+//! that answers, however busy, has its calls past that half wait, never
+//! fail.
 
 #![cfg(all(feature = "redis-cluster", feature = "testing"))]
 
@@ -43,10 +46,15 @@ async fn admitted_again(app: &Router, account: &str) {
 /// A store on `cluster` seeded by node `seed`, with 300 ms budgets and room
 /// for two calls, and an app charging a daily quota on it.
 fn app_on(cluster: &RedisCluster, seed: usize) -> (RedisStore, Router) {
+    app_with_room(cluster, seed, 2)
+}
+
+/// As [`app_on`], with room for `room` calls.
+fn app_with_room(cluster: &RedisCluster, seed: usize, room: usize) -> (RedisStore, Router) {
     let store = RedisStore::cluster_builder(vec![cluster.nodes[seed].url()])
         .timeout(Duration::from_millis(300))
         .connect_timeout(Duration::from_millis(300))
-        .max_in_flight(2)
+        .max_in_flight(room)
         .build()
         .expect("a Redis Cluster store");
     let policy = QuotaPolicy::builder(FromHeader::account("x-account-id"))
@@ -172,4 +180,77 @@ async fn a_node_that_answers_is_not_silent_while_calls_given_up_are_on_their_way
         "refused after {:?} while the node answers",
         started.elapsed()
     );
+}
+
+/// With room for four calls, four requests at once for the subject of a
+/// node that has just stalled: all four come before any was given up on
+/// (the node is not known silent yet). Two are sent, time out and are
+/// followed, holding half the room; the other two wait for the node's
+/// room and fail once it answered nothing for a budget, sending nothing.
+/// A request of another node's subject then finds room: served.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_burst_on_a_node_that_just_stalled_leaves_the_other_nodes_room() {
+    if !redis_available() {
+        return;
+    }
+    let cluster = RedisCluster::start();
+    let (store, app) = app_with_room(&cluster, 1, 4);
+    let [stalled, first, second] = cluster.subject_per_node("burst");
+    for account in [&stalled, &first, &second] {
+        admitted_again(&app, account).await;
+    }
+    // The map of slots read (the first calls asked for it).
+    tokio::time::sleep(Duration::from_millis(300)).await;
+    let _stopped = Stopped::new(&cluster.nodes[0]);
+    let mut burst = tokio::task::JoinSet::new();
+    for _ in 0..4 {
+        let (app, stalled) = (app.clone(), stalled.clone());
+        burst.spawn(async move { request(&app, &stalled).await });
+    }
+    let statuses = burst.join_all().await;
+    assert_eq!(statuses, vec![StatusCode::SERVICE_UNAVAILABLE; 4]);
+    for account in [&first, &second] {
+        let started = Instant::now();
+        let status = request(&app, account).await;
+        assert_eq!(
+            status,
+            StatusCode::OK,
+            "refused after {:?}, with {} calls of the stalled node followed in a room of 4",
+            started.elapsed(),
+            store.in_flight()
+        );
+    }
+    assert_eq!(store.in_flight(), 2, "half the room, followed");
+}
+
+/// With room for two calls (one per node), a node that answers every call
+/// but slowly (100 ms each, under the 300 ms budget) gets six requests at
+/// once: past its half of the room they wait for its answers, one after
+/// the other, and every one is admitted; another node's subject is served
+/// meanwhile.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_busy_node_past_its_half_of_the_room_has_its_calls_wait_not_fail() {
+    if !redis_available() {
+        return;
+    }
+    let cluster = RedisCluster::start();
+    let proxy = SlowProxy::start(cluster.nodes[0].port()).await;
+    cluster.announce(0, proxy.port());
+    let (store, app) = app_on(&cluster, 2);
+    let [busy, other, _] = cluster.subject_per_node("busy-node");
+    for account in [&busy, &other] {
+        admitted_again(&app, account).await;
+    }
+    tokio::time::sleep(Duration::from_millis(300)).await;
+    proxy.slow(Duration::from_millis(100));
+    let mut burst = tokio::task::JoinSet::new();
+    for _ in 0..6 {
+        let (app, busy) = (app.clone(), busy.clone());
+        burst.spawn(async move { request(&app, &busy).await });
+    }
+    tokio::time::sleep(Duration::from_millis(50)).await;
+    assert_eq!(request(&app, &other).await, StatusCode::OK);
+    let statuses = burst.join_all().await;
+    assert_eq!(statuses, vec![StatusCode::OK; 6]);
+    assert_eq!(store.in_flight(), 0);
 }
