@@ -1716,6 +1716,19 @@ async fn a_store_chosen_at_start_up_counts_as_the_store_it_holds() {
     }
 }
 
+/// A handler that answers once `clock` moved `by` (a model's answer, an
+/// upstream call).
+fn handler_taking(
+    clock: &ManualClock,
+    by: Duration,
+) -> impl Fn() -> std::future::Ready<&'static str> + Clone + Send + Sync + 'static {
+    let clock = clock.clone();
+    move || {
+        clock.advance(by);
+        std::future::ready("answered")
+    }
+}
+
 /// The seconds until a reset (`t`) are told from the instant the response
 /// goes out: a handler that ran a while (a model's answer, an upstream
 /// call) leaves the client less to wait than at the charge, and none once
@@ -1724,16 +1737,7 @@ async fn a_store_chosen_at_start_up_counts_as_the_store_it_holds() {
 async fn the_reset_is_told_from_the_responses_instant() {
     let clock = ManualClock::new(at("2026-12-02T10:00:10Z"));
     let policy = QuotaPolicy::builder(account()).clock(clock.clone()).build();
-    let slow = {
-        let clock = clock.clone();
-        move || {
-            let clock = clock.clone();
-            async move {
-                clock.advance(Duration::from_secs(40));
-                "answered"
-            }
-        }
-    };
+    let slow = handler_taking(&clock, Duration::from_secs(40));
     let app = Router::new()
         .route("/", get(slow))
         .layer(policy.layer(Quota::per_minute(2)));
@@ -1753,16 +1757,7 @@ async fn the_reset_is_told_from_the_responses_instant() {
 async fn a_response_after_the_month_ended_tells_the_month_charged() {
     let clock = ManualClock::new(at("2027-01-31T23:59:50Z"));
     let policy = QuotaPolicy::builder(account()).clock(clock.clone()).build();
-    let slow = {
-        let clock = clock.clone();
-        move || {
-            let clock = clock.clone();
-            async move {
-                clock.advance(Duration::from_secs(40));
-                "answered"
-            }
-        }
-    };
+    let slow = handler_taking(&clock, Duration::from_secs(40));
     let app = Router::new()
         .route("/", get(slow))
         .layer(policy.layer(Quota::monthly(5)));

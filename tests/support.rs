@@ -177,6 +177,17 @@ async fn problem(response: Response<Body>) -> serde_json::Value {
     serde_json::from_slice(&body).unwrap()
 }
 
+/// What `method` on `uri` answers in its problem document's `detail`,
+/// once its status is checked.
+async fn detail_of(admin: &Router, method: Method, uri: &str, status: StatusCode) -> String {
+    let response = send(admin, method, uri).await;
+    assert_eq!(response.status(), status, "{uri}");
+    problem(response).await["detail"]
+        .as_str()
+        .unwrap()
+        .to_owned()
+}
+
 #[tokio::test(flavor = "current_thread")]
 async fn support_router_refuses_the_ids_the_layer_refuses() {
     let policy = QuotaPolicy::builder(FromHeader::account("x-account-id"))
@@ -388,17 +399,8 @@ async fn support_reads_plans_as_the_layers_do() {
 async fn a_long_allowance_is_echoed_short() {
     let (_, admin) = apps();
     let long = "x".repeat(60_000);
-    let response = send(
-        &admin,
-        Method::POST,
-        &format!("/admin/reset/account/acme/{long}"),
-    )
-    .await;
-    assert_eq!(response.status(), StatusCode::NOT_FOUND);
-    let detail = problem(response).await["detail"]
-        .as_str()
-        .unwrap()
-        .to_owned();
+    let uri = format!("/admin/reset/account/acme/{long}");
+    let detail = detail_of(&admin, Method::POST, &uri, StatusCode::NOT_FOUND).await;
     assert!(detail.len() < 200, "{} bytes", detail.len());
 }
 
@@ -491,28 +493,14 @@ async fn a_long_text_of_many_byte_characters_is_echoed_short() {
             StatusCode::BAD_REQUEST,
         ),
     ] {
-        let response = send(&admin, method, &uri).await;
-        assert_eq!(response.status(), status, "{uri}");
-        let detail = problem(response).await["detail"]
-            .as_str()
-            .unwrap()
-            .to_owned();
+        let detail = detail_of(&admin, method, &uri, status).await;
         assert!(detail.contains(&echoed), "{detail}");
         assert!(!detail.contains(&long), "{detail}");
     }
     // A text of 64 bytes is echoed whole, with no mark of a cut.
     let whole = "y".repeat(64);
-    let response = send(
-        &admin,
-        Method::POST,
-        &format!("/admin/reset/account/acme/{whole}"),
-    )
-    .await;
-    assert_eq!(response.status(), StatusCode::NOT_FOUND);
-    let detail = problem(response).await["detail"]
-        .as_str()
-        .unwrap()
-        .to_owned();
+    let uri = format!("/admin/reset/account/acme/{whole}");
+    let detail = detail_of(&admin, Method::POST, &uri, StatusCode::NOT_FOUND).await;
     assert!(detail.contains(&format!("{whole:?}")), "{detail}");
 }
 
