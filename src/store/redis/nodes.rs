@@ -359,7 +359,8 @@ mod tests {
         assert_eq!(slot_of(b"123456789"), 12_739);
         // The hash tag alone counts, and an empty one does not.
         assert_eq!(slot_of(b"{user1000}.following"), slot_of(b"user1000"));
-        assert_eq!(slot_of(b"foo{}{bar}"), slot_of(b"foo{}{bar}"));
+        // An empty tag: the whole key is hashed (as `CLUSTER KEYSLOT` does).
+        assert_eq!(slot_of(b"foo{}{bar}"), 8_363);
         assert_ne!(slot_of(b"foo{}{bar}"), slot_of(b"bar"));
         assert_eq!(slot_of(b"foo{{bar}}zap"), slot_of(b"{bar"));
         assert_eq!(
