@@ -141,11 +141,11 @@ impl NodeAnswers {
                 let ended = room.ended.notified();
                 let mut ended = std::pin::pin!(ended);
                 ended.as_mut().enable();
-                room.waiting.fetch_add(1, Ordering::SeqCst);
+                let waiting = Waiting::on(room);
                 if room.held.load(Ordering::SeqCst) >= most {
                     ended.await;
                 }
-                room.waiting.fetch_sub(1, Ordering::SeqCst);
+                drop(waiting);
                 if take() {
                     return Ok(hold());
                 }
@@ -266,6 +266,23 @@ impl NodeRoom {
         if held < most && self.waiting.load(Ordering::SeqCst) > 0 {
             self.ended.notify_waiters();
         }
+    }
+}
+
+/// A call counted among those waiting for a node's room while it lives
+/// (dropped with its call too, when its caller goes away).
+struct Waiting<'a>(&'a NodeRoom);
+
+impl<'a> Waiting<'a> {
+    fn on(room: &'a NodeRoom) -> Self {
+        room.waiting.fetch_add(1, Ordering::SeqCst);
+        Self(room)
+    }
+}
+
+impl Drop for Waiting<'_> {
+    fn drop(&mut self) {
+        self.0.waiting.fetch_sub(1, Ordering::SeqCst);
     }
 }
 
@@ -424,6 +441,58 @@ mod tests {
         assert!(!nodes.due());
         tokio::time::advance(REFRESH).await;
         assert!(nodes.due());
+    }
+
+    /// A node's calls hold `most` places at most: past that, a call waits
+    /// while the node answers and takes the place of one that ends; it
+    /// fails once the node answered nothing for a budget, and leaves no
+    /// mark behind it (nor does one whose caller went away).
+    #[tokio::test(start_paused = true)]
+    async fn a_call_past_its_nodes_places_waits_for_one_while_the_node_answers() {
+        let budget = Duration::from_millis(80);
+        let nodes = Arc::new(NodeAnswers::new());
+        nodes.read(&Value::Array(vec![
+            range(0, 99, "10.0.0.1", 6379),
+            range(100, 16_383, "10.0.0.2", 6379),
+        ]));
+        nodes.heard(7);
+        let first = nodes.hold(7, 2, budget).await.unwrap().unwrap();
+        let _second = nodes.hold(7, 2, budget).await.unwrap().unwrap();
+        let _other_node = nodes.hold(100, 2, budget).await.unwrap().unwrap();
+
+        // The node answers every 50 ms: the third call waits, and takes the
+        // first one's place when it ends.
+        let waiting = tokio::spawn({
+            let nodes = Arc::clone(&nodes);
+            async move { nodes.hold(7, 2, budget).await }
+        });
+        for _ in 0..4 {
+            tokio::time::advance(Duration::from_millis(50)).await;
+            nodes.heard(7);
+        }
+        assert!(!waiting.is_finished(), "no place ended yet");
+        drop(first);
+        let _third = waiting.await.unwrap().unwrap().expect("a place");
+        assert_eq!(nodes.rooms[0].held.load(Ordering::SeqCst), 2);
+
+        // The node answers nothing: a budget later, the call fails.
+        let silent = tokio::spawn({
+            let nodes = Arc::clone(&nodes);
+            async move { nodes.hold(7, 2, budget).await.map(|hold| hold.is_some()) }
+        });
+        tokio::time::advance(budget + Duration::from_millis(1)).await;
+        assert_eq!(silent.await.unwrap(), Err(NodeFull::Waited));
+
+        // One whose caller goes away leaves no mark among those waiting.
+        let gone = tokio::spawn({
+            let nodes = Arc::clone(&nodes);
+            async move { nodes.hold(7, 2, budget).await.map(|hold| hold.is_some()) }
+        });
+        tokio::task::yield_now().await;
+        gone.abort();
+        let _ = gone.await;
+        assert_eq!(nodes.rooms[0].waiting.load(Ordering::SeqCst), 0);
+        assert_eq!(nodes.rooms[0].held.load(Ordering::SeqCst), 2);
     }
 
     #[test]
