@@ -57,14 +57,76 @@ fn app_with_room(cluster: &RedisCluster, seed: usize, room: usize) -> (RedisStor
         .max_in_flight(room)
         .build()
         .expect("a Redis Cluster store");
+    (store.clone(), app_of(store))
+}
+
+/// An app charging a daily quota on `store`.
+fn app_of(store: RedisStore) -> Router {
     let policy = QuotaPolicy::builder(FromHeader::account("x-account-id"))
-        .store(store.clone())
+        .store(store)
         .store_timeout(Some(Duration::from_secs(2)))
         .build();
-    let app = Router::new()
+    Router::new()
         .route("/", get(|| async { "ok" }))
-        .layer(policy.layer(Quota::daily(1_000_000)));
-    (store, app)
+        .layer(policy.layer(Quota::daily(1_000_000)))
+}
+
+/// Stops node 0 of `cluster` for `stall` while `stalled`'s subject is sent
+/// `per_tick` requests every `tick`, and asks for `other`'s subject every
+/// 100 ms meanwhile: what `other` was answered other than at once with a
+/// 200 (since the stop, status, wait, calls in flight). Once the node is
+/// back, `stalled`'s subject is served again.
+async fn stall_under_load(
+    cluster: &RedisCluster,
+    (store, app): (&RedisStore, &Router),
+    [stalled, other]: [&str; 2],
+    (per_tick, tick): (usize, Duration),
+    stall: Duration,
+) -> Vec<(Duration, StatusCode, Duration, usize)> {
+    for node in &cluster.nodes {
+        // Not voted failed during the stall.
+        assert_eq!(
+            node.cli(&["config", "set", "cluster-node-timeout", "60000"]),
+            "OK"
+        );
+    }
+    for account in [stalled, other] {
+        admitted_again(app, account).await;
+    }
+    // The map of slots read (the first calls asked for it).
+    tokio::time::sleep(Duration::from_millis(300)).await;
+    let mut stopped = Stopped::new(&cluster.nodes[0]);
+    let since = Instant::now();
+    let load = {
+        let (app, stalled) = (app.clone(), stalled.to_owned());
+        tokio::spawn(async move {
+            while since.elapsed() < stall {
+                for _ in 0..per_tick {
+                    let (app, stalled) = (app.clone(), stalled.clone());
+                    tokio::spawn(async move { request(&app, &stalled).await });
+                }
+                tokio::time::sleep(tick).await;
+            }
+        })
+    };
+    let mut refused = Vec::new();
+    while since.elapsed() < stall {
+        let started = Instant::now();
+        let status = request(app, other).await;
+        if status != StatusCode::OK || started.elapsed() > Duration::from_secs(1) {
+            refused.push((
+                since.elapsed(),
+                status,
+                started.elapsed(),
+                store.in_flight(),
+            ));
+        }
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+    load.await.unwrap();
+    stopped.resume();
+    admitted_again(app, stalled).await;
+    refused
 }
 
 /// With room for two calls, a stalled node's subject has one call sent,
@@ -253,4 +315,73 @@ async fn a_busy_node_past_its_half_of_the_room_has_its_calls_wait_not_fail() {
     let statuses = burst.join_all().await;
     assert_eq!(statuses, vec![StatusCode::OK; 6]);
     assert_eq!(store.in_flight(), 0);
+}
+
+/// With room for two calls, a node stalled for 12 s while its subject is
+/// sent a request every 50 ms: it holds one place, and its calls past it
+/// fail at once. Meanwhile the store reads the map of slots every 2 s, a
+/// call that names no key: sent to any node, it may reach the stalled one
+/// and hold the other place for 30 s, and the other nodes' subjects find
+/// no room. Sent to the node that answered last, it holds none past its
+/// answer: the other node's subject is served all along.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_map_reads_during_a_stall_leave_the_other_nodes_room() {
+    if !redis_available() {
+        return;
+    }
+    let cluster = RedisCluster::start();
+    let (store, app) = app_on(&cluster, 1);
+    let [stalled, other, _] = cluster.subject_per_node("map-reads");
+    let refused = stall_under_load(
+        &cluster,
+        (&store, &app),
+        [&stalled, &other],
+        (1, Duration::from_millis(50)),
+        Duration::from_secs(12),
+    )
+    .await;
+    assert!(
+        refused.is_empty(),
+        "the other node's subject refused or slow during the stall (since the stop, status, \
+         wait, calls in flight in a room of 2): {refused:?}"
+    );
+}
+
+/// A node stalled under sustained load on its subject (1 000 requests a
+/// second), with the default room (4096: the node's half is 2048): once it
+/// is known silent, its subject's calls fail at once, sending nothing.
+/// Were they sent until its half is full, they would fill its sockets'
+/// buffers; the kernel then fails those connections (after 3 s), and the
+/// cluster client, repairing them, sends the node's next calls to another
+/// node, reads the slots again on the `MOVED` it gets, and waits on the
+/// stalled node while it does, holding up every node's calls: the other
+/// nodes' subjects would be refused though their nodes answer.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_node_stalled_under_load_is_not_sent_what_fills_its_sockets() {
+    if !redis_available() {
+        return;
+    }
+    let cluster = RedisCluster::start();
+    let store = RedisStore::cluster_builder(vec![cluster.nodes[1].url()])
+        .timeout(Duration::from_millis(100))
+        .connect_timeout(Duration::from_millis(300))
+        .build()
+        .expect("a Redis Cluster store");
+    let app = app_of(store.clone());
+    let [stalled, other, _] = cluster.subject_per_node("loaded-stall");
+    let refused = stall_under_load(
+        &cluster,
+        (&store, &app),
+        [&stalled, &other],
+        (10, Duration::from_millis(10)),
+        Duration::from_secs(11),
+    )
+    .await;
+    assert!(
+        refused.is_empty(),
+        "the other node's subject refused or slow during the stall (since the stop, status, \
+         wait, calls in flight): {} of them, first {:?}",
+        refused.len(),
+        refused.first()
+    );
 }

@@ -128,10 +128,10 @@ impl RedisStoreBuilder {
     /// waits for one of them to end, as long as the node answers (a busy
     /// node's calls wait, never fail), and fails with
     /// [`StoreErrorKind::Timeout`], sending nothing, once the node has
-    /// answered nothing for the store's [timeout](Self::timeout) (at once
-    /// when it has been silent that long since a call of its own was given
-    /// up on; an idle node is not silent). The other nodes' calls find
-    /// room.
+    /// answered nothing for the store's [timeout](Self::timeout). A node
+    /// silent that long since a call of its own was given up on (an idle
+    /// node is not silent) is sent nothing: its calls fail at once, within
+    /// its half or not. The other nodes' calls find room.
     ///
     /// # Panics
     ///

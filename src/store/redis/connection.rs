@@ -1202,6 +1202,30 @@ impl Connection {
     }
 }
 
+#[cfg(feature = "redis-cluster")]
+impl Connection {
+    /// `CLUSTER SLOTS`, sent to the master of `slot` when given (a
+    /// cluster's connection routes it to any node otherwise).
+    pub(super) async fn cluster_slots(&mut self, slot: Option<u16>) -> redis::RedisResult<Value> {
+        use redis::cluster_routing::{Route, RoutingInfo, SingleNodeRoutingInfo, SlotAddr};
+        let mut cmd = redis::cmd("CLUSTER");
+        cmd.arg("SLOTS");
+        let to = |slot| {
+            RoutingInfo::SingleNode(SingleNodeRoutingInfo::SpecificNode(Route::new(
+                slot,
+                SlotAddr::Master,
+            )))
+        };
+        match (self, slot) {
+            (Connection::Cluster { conn, .. }, Some(slot)) => {
+                conn.route_command(cmd, to(slot)).await
+            }
+            (Connection::ClusterPool(conn), Some(slot)) => conn.route_command(cmd, to(slot)).await,
+            (conn, _) => cmd.query_async::<Value>(conn).await,
+        }
+    }
+}
+
 macro_rules! each {
     ($self:expr, $conn:ident => $body:expr) => {
         match $self {

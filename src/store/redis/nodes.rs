@@ -18,8 +18,8 @@
 //!
 //! Per node, it also counts the calls holding room among the store's
 //! calls in flight, and those given up on by their callers (followed for
-//! up to 30 s): a node silent since it was sent one of those holds at
-//! most half the room (see `RedisStore::follow`).
+//! up to 30 s): a node holds at most half the room, and one silent since
+//! it was sent one of those is sent nothing (see `RedisStore::follow`).
 //!
 //! [`PATIENCE`]: crate::store::patience::PATIENCE
 
@@ -103,7 +103,8 @@ impl NodeAnswers {
     /// [`Patience`]). So a node that stalls takes at most `most` of the
     /// store's room, whether its calls came one by one or in a burst
     /// before any was given up on, and a busy node's calls wait, never
-    /// fail.
+    /// fail. A node known silent (see `NodeAnswers::silent`) is sent
+    /// nothing: its calls fail at once, within `most` or not.
     pub(super) async fn hold(
         &self,
         slot: u16,
@@ -128,6 +129,16 @@ impl NodeAnswers {
             room.give_back_place(most);
             false
         };
+        // A node known silent is sent nothing, whether or not it holds its
+        // share of the room: sent on, its calls would fill its sockets'
+        // buffers, the kernel would fail those connections (see
+        // `TCP_USER_TIMEOUT`), and the cluster client, repairing them,
+        // would send the node's next calls to another node, read the slots
+        // again on the `MOVED` answered, and wait on the stalled node while
+        // it does, holding up every node's calls.
+        if self.silent(slot, room, budget) {
+            return Err(NodeFull::Silent);
+        }
         if take() {
             return Ok(Some(hold()));
         }
@@ -172,6 +183,31 @@ impl NodeAnswers {
             .unwrap_or(self.epoch);
         let quiet = self.last(slot).map_or(since, |at| at.max(since));
         Instant::now().saturating_duration_since(quiet) >= budget
+    }
+
+    /// A slot of the node that answered last, if any did: where the map is
+    /// read again (see `RedisStore::read_nodes`), so that a read, which
+    /// names no key, goes to a node that answers and holds room among its
+    /// calls; sent to any node, it could go to one that stalled, and hold
+    /// room among the store's calls outside that node's half for 30 s.
+    pub(super) fn answering_slot(&self) -> Option<u16> {
+        let mut best: Option<(Instant, u16)> = None;
+        let mut previous = None;
+        for slot in 0..SLOTS as u16 {
+            let index = self.index(slot);
+            // The slots of a node come in ranges: each range is looked at once.
+            if index.is_none() || index == previous {
+                continue;
+            }
+            previous = index;
+            let Some(at) = self.last(slot) else {
+                continue;
+            };
+            if best.is_none_or(|(last, _)| at > last) {
+                best = Some((at, slot));
+            }
+        }
+        best.map(|(_, slot)| slot)
     }
 
     /// Notes an answer now from the node of `slot`, if known.

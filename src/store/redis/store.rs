@@ -207,10 +207,17 @@ use crate::store::{
 ///   calls it leaves unanswered, followed for up to 30 s, hold at most half
 ///   of [`max_in_flight`](RedisStoreBuilder::max_in_flight), even those of
 ///   a burst sent before it was known to stall: past that, its subjects'
-///   calls fail, sending nothing (at once once it is known silent), and the
-///   other nodes' calls find room. (A node that answers, however busy,
-///   has its calls past that half wait for its answers.) This
-///   holds until the cluster itself declares the node failed
+///   calls fail, sending nothing, and the other nodes' calls find room.
+///   Once it is known silent (a call of its own given up on, and nothing
+///   answered for the store's timeout since), its subjects' calls fail at
+///   once, sending nothing, within that half or not: a stalled node is sent
+///   about a budget's worth of calls, far fewer than fill its sockets'
+///   buffers at the rates a node serves (the kernel would fail those
+///   connections, and the cluster client, repairing them, would hold up
+///   every node's calls while it waits on the stalled node). The map of
+///   slots is read from the node that answered last. (A node that answers,
+///   however busy, has its calls past that half wait for its answers.)
+///   This holds until the cluster itself declares the node failed
 ///   (`cluster-node-timeout`): without a replica to take over, a cluster
 ///   that requires full coverage (the default) then refuses every request.
 /// - **A slot on the move.** While a resharding moves a slot, the charges of
@@ -596,8 +603,26 @@ impl RedisStore {
         F: FnOnce(Connection) -> Fut + Send + 'static,
         Fut: Future<Output = (Connection, Result<T, RedisError>)> + Send + 'static,
     {
+        let slot = self.inner.slot(at);
+        self.follow_to(sends, slot, give_back, f, read).await
+    }
+
+    /// [`RedisStore::follow`], for a call that goes to the node of `slot`
+    /// (on a cluster; `None`: any node, or a single server).
+    async fn follow_to<T, R, F, Fut>(
+        &self,
+        sends: Sends,
+        slot: Slot,
+        give_back: Option<GiveBack<T>>,
+        f: F,
+        read: impl FnOnce(T) -> Result<R, StoreError>,
+    ) -> Result<R, StoreError>
+    where
+        T: Send + 'static,
+        F: FnOnce(Connection) -> Fut + Send + 'static,
+        Fut: Future<Output = (Connection, Result<T, RedisError>)> + Send + 'static,
+    {
         let inner = &self.inner;
-        let slot = inner.slot(at);
         #[cfg(feature = "redis-cluster")]
         if inner.nodes.as_ref().is_some_and(|nodes| nodes.due()) {
             tokio::spawn(self.clone().read_nodes());
@@ -866,20 +891,31 @@ impl RedisStore {
 
     /// Reads which node serves each slot of the cluster (see the `nodes`
     /// module), in a task of its own: a read that fails leaves the map as
-    /// it was, to be read again later.
+    /// it was, to be read again later. Once the map is known, the read
+    /// goes to the node that answered last, and holds room among that
+    /// node's calls: sent to any node, a read that reached a node that
+    /// stalled would hold room for 30 s outside that node's half, and
+    /// reads every 2 s would fill the room the other nodes' calls need.
     /// (Boxed, its type named: a call may start it, and it makes a call.)
     #[cfg(feature = "redis-cluster")]
     fn read_nodes(self) -> Pin<Box<dyn Future<Output = ()> + Send>> {
         Box::pin(async move {
+            let to = self
+                .inner
+                .nodes
+                .as_ref()
+                .and_then(|nodes| nodes.answering_slot());
             let reply = self
-                .exchange(Sends::Read, None, |mut conn| async move {
-                    let mut slots = deadpool_redis::redis::cmd("CLUSTER");
-                    slots.arg("SLOTS");
-                    let result = slots
-                        .query_async::<deadpool_redis::redis::Value>(&mut conn)
-                        .await;
-                    (conn, result)
-                })
+                .follow_to(
+                    Sends::Read,
+                    to,
+                    None,
+                    move |mut conn| async move {
+                        let result = conn.cluster_slots(to).await;
+                        (conn, result)
+                    },
+                    Ok,
+                )
                 .await;
             if let (Some(nodes), Ok(reply)) = (&self.inner.nodes, &reply) {
                 nodes.read(reply);
