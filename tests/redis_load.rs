@@ -1269,3 +1269,70 @@ async fn a_late_charge_counts_in_flight_until_its_give_back_landed() {
         );
     }
 }
+
+/// A Redis stalled past 3 s while charges keep coming, each sent on its
+/// own (as behind a proxy, `batch_charges(false)`): once Redis is known
+/// silent the store sends nothing more on its connections, so their
+/// sockets' buffers never fill, the kernel never fails them (Linux's
+/// `TCP_USER_TIMEOUT`), and no charge is lost on the wire to be applied,
+/// never given back, once Redis resumes: Redis counts the admitted
+/// charges only.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_stall_under_sustained_load_charges_only_the_admitted() {
+    let _alone = alone().await;
+    let server = redis_server_or_skip!();
+    let store = ready(RedisStore::builder(server.url()).batch_charges(false)).await;
+    // Charges of some hundred bytes: a second of them at the rate below
+    // fills a socket's buffers (on loopback, some hundred kilobytes) a few
+    // times over; what is sent until Redis is known silent does not.
+    let keys: Vec<PeriodKey> = (0..20)
+        .map(|i| {
+            let allowance = format!("{i}-{}", "x".repeat(100));
+            Namespace::default().key(&Subject::account("acme"), &allowance, "PT1H")
+        })
+        .collect();
+    let mut admitted = 0u64;
+    for key in &keys {
+        assert!(store.charge(charge(key, 1_000_000)).await.unwrap().admitted);
+        admitted += 1;
+    }
+
+    let mut stopped = Stopped::new(&server);
+    let stalled = Instant::now();
+    // 2 000 charges a second for a second, as requests keep coming.
+    let mut tick = tokio::time::interval(Duration::from_micros(500));
+    let mut calls = tokio::task::JoinSet::new();
+    let mut sent = 0;
+    while stalled.elapsed() < Duration::from_secs(1) {
+        tick.tick().await;
+        let store = store.clone();
+        let key = keys[sent % keys.len()].clone();
+        sent += 1;
+        calls.spawn(async move { store.charge(charge(&key, 1_000_000)).await });
+    }
+    while let Some(result) = calls.join_next().await {
+        if result.unwrap().is_ok_and(|outcome| outcome.admitted) {
+            admitted += 1;
+        }
+    }
+    // Past the 3 s the kernel gives data it cannot deliver.
+    tokio::time::sleep(Duration::from_millis(5_000).saturating_sub(stalled.elapsed())).await;
+    stopped.resume();
+    quiet(&store).await;
+    let counted: u64 = keys
+        .iter()
+        .map(|key| used(&server, key).parse::<u64>().unwrap())
+        .sum();
+    assert_eq!(
+        counted, admitted,
+        "Redis counts the admitted charges only ({sent} sent during the stall): {store:?}"
+    );
+    // Served again at once.
+    assert!(
+        store
+            .charge(charge(&keys[0], 1_000_000))
+            .await
+            .unwrap()
+            .admitted
+    );
+}

@@ -300,6 +300,7 @@ impl RedisStoreBuilder {
                 calendar_grace: self.calendar_grace,
                 calendar_jitter: self.calendar_jitter,
                 last_answer,
+                unanswered: Default::default(),
                 #[cfg(feature = "redis-cluster")]
                 nodes: cluster.then(super::nodes::NodeAnswers::new),
             }),

@@ -968,6 +968,72 @@ impl Lost {
     }
 }
 
+/// The connections of a single server on which a call was given up on by
+/// its caller while nothing came back since it was sent: each one's count
+/// of answers, that count when the call was sent, and when. A connection
+/// that answered nothing for the store's timeout since is known silent
+/// (its server stalled, or the socket is half-open), and is sent nothing
+/// more (see `RedisStore::follow_to`) until it answers or is left for a
+/// fresh one (see `late::wait_for`): sent on, calls at the rates a server
+/// serves would fill its socket's buffers within a second, and past a
+/// stall of 3 s the kernel would fail the connection (`TCP_USER_TIMEOUT`),
+/// the calls on it lost on the wire (a charge Redis applies once it
+/// resumes never given back).
+#[derive(Default)]
+pub(super) struct Unanswered {
+    /// How many connections are noted: none, no lock on a call's way.
+    noted: AtomicUsize,
+    silent: Mutex<Vec<(Arc<AtomicU64>, u64, tokio::time::Instant)>>,
+}
+
+impl Unanswered {
+    /// Notes a call sent at `sent` on the connection `lost` names, which
+    /// its caller gave up on.
+    pub(super) fn given_up(&self, lost: &Lost, sent: tokio::time::Instant) {
+        let Some((answers, seen)) = &lost.answers else {
+            return;
+        };
+        if answers.load(Ordering::Relaxed) != *seen {
+            return;
+        }
+        let now = tokio::time::Instant::now();
+        let mut silent = self
+            .silent
+            .lock()
+            .unwrap_or_else(std::sync::PoisonError::into_inner);
+        // Those that answered since, or were left long ago, are forgotten.
+        silent.retain(|(noted, seen, at)| {
+            noted.load(Ordering::Relaxed) == *seen
+                && now.saturating_duration_since(*at) < super::FOLLOW_THROUGH
+        });
+        if !silent.iter().any(|(noted, ..)| Arc::ptr_eq(noted, answers)) {
+            silent.push((Arc::clone(answers), *seen, sent));
+        }
+        self.noted.store(silent.len(), Ordering::Relaxed);
+    }
+
+    /// Whether `conn` answered nothing for `budget` since a call on it
+    /// was given up on.
+    pub(super) fn silent(&self, conn: &Connection, budget: Duration) -> bool {
+        if self.noted.load(Ordering::Relaxed) == 0 {
+            return false;
+        }
+        let Connection::Server { answers, .. } = conn else {
+            return false;
+        };
+        let now = tokio::time::Instant::now();
+        self.silent
+            .lock()
+            .unwrap_or_else(std::sync::PoisonError::into_inner)
+            .iter()
+            .any(|(noted, seen, at)| {
+                Arc::ptr_eq(noted, answers)
+                    && noted.load(Ordering::Relaxed) == *seen
+                    && now.saturating_duration_since(*at) >= budget
+            })
+    }
+}
+
 /// What a connection answers after a call was sent on it at `sent` (a
 /// single server's; a cluster's connection answers for every node, and a
 /// pool's is the call's own): whether it went silent since, for the call's

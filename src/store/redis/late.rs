@@ -263,6 +263,9 @@ pub(super) async fn wait_for<F: Future + Unpin>(
     sent: tokio::time::Instant,
     lost: &mut Option<Lost>,
 ) -> Result<F::Output, tokio::time::error::Elapsed> {
+    if let Some(lost) = lost.as_ref() {
+        inner.unanswered.given_up(lost, sent);
+    }
     let patience = lost
         .as_ref()
         .map_or(std::time::Duration::ZERO, Lost::patience);

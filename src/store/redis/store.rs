@@ -17,7 +17,7 @@ use tokio::sync::Semaphore;
 use super::batch::{Batches, LineArgs, Lines, Pending};
 use super::builder::{RedisStoreBuilder, Source};
 use super::clock::{refresh_offset, ServerClock};
-use super::connection::{AnswersAfter, Connection, Connections};
+use super::connection::{AnswersAfter, Connection, Connections, Unanswered};
 use super::errors::{applied_nothing, came_back, fault_error, redis_error, retires};
 use super::hash::jitter;
 use super::late::{give_back, give_back_taking, refund_lines, Call, GiveBack, Room, Sends};
@@ -163,11 +163,17 @@ use crate::store::{
 ///   counter nor moves a deadline), and logged at `debug`. So a charge that
 ///   timed out is a [`StoreErrorKind::Timeout`] that charges nothing, and a
 ///   stall of Redis leaves no charge behind once the queued scripts ran, as
-///   long as the connection holds. It holds through a stall of 3 s at
-///   least; past that, calls enough to fill the socket's buffers (some
-///   thousands) leave data the kernel cannot deliver, and it fails the
-///   connection (Linux's `TCP_USER_TIMEOUT`, which also fails one whose
-///   host vanished): the calls on it are failures on the wire, below.
+///   long as the connection holds. A connection known silent (a call on
+///   it given up on, and nothing back on it for the store's timeout since)
+///   is sent nothing more: calls that would go on it fail at once, sending
+///   nothing, until it answers or is left for a fresh one. So a stalled
+///   server is sent about a budget's worth of calls, far fewer than fill
+///   its sockets' buffers at the rates a server serves, and the connection
+///   holds through a stall past 3 s. A burst of calls enough to fill those
+///   buffers (some thousands), sent before the stall was noticed, leaves
+///   data the kernel cannot deliver, and past 3 s it fails the connection
+///   (Linux's `TCP_USER_TIMEOUT`, which also fails one whose host
+///   vanished): the calls on it are failures on the wire, below.
 ///   (A request a layer lets through on such a charge under
 ///   [`OnStoreError::FailOpen`](crate::OnStoreError::FailOpen) owes it, and
 ///   its policy's ledger adds it with [`Store::settle_debt`] once Redis
@@ -286,6 +292,8 @@ pub(super) struct Inner {
     /// When Redis last answered a call (see [`Patience`]); on a cluster,
     /// any node.
     pub(super) last_answer: Arc<LastAnswer>,
+    /// A single server's connections known silent: sent nothing.
+    pub(super) unanswered: Unanswered,
     /// On a cluster, when each node last answered: a call waits for its
     /// own node's answers.
     #[cfg(feature = "redis-cluster")]
@@ -692,6 +700,15 @@ impl RedisStore {
                 StoreErrorKind::Timeout,
                 "room for the call and a Redis connection took the store's timeout; nothing was \
                  sent",
+            )
+            .unsent());
+        }
+        // A connection known silent is sent nothing (see `Unanswered`).
+        if inner.unanswered.silent(&conn, inner.timeout) {
+            return Err(StoreError::new(
+                StoreErrorKind::Timeout,
+                "Redis answered nothing on its connection for the store's timeout since a call \
+                 on it was given up on; nothing was sent",
             )
             .unsent());
         }
