@@ -326,8 +326,8 @@ impl Drop for Waiting<'_> {
 /// [`NodeAnswers::hold`]).
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub(super) enum NodeFull {
-    /// The node's calls hold their share of the room, and it answered none
-    /// of them for a budget since one was given up on.
+    /// The node answered nothing for a budget since one of its calls was
+    /// given up on: it is sent nothing.
     Silent,
     /// The call waited for one of them to end, and the node answered
     /// nothing for a budget meanwhile.

@@ -370,6 +370,11 @@ impl Inner {
 /// The cluster slot a call goes to (see [`Inner::slot`]).
 pub(super) type Slot = Option<u16>;
 
+/// Why a call to a cluster node known silent fails.
+#[cfg(feature = "redis-cluster")]
+const SILENT_NODE: &str = "the Redis Cluster node of this call answered nothing for the store's \
+                           timeout since one of its calls was given up on; nothing was sent";
+
 impl RedisStore {
     /// A store on the Redis server at `url` (e.g. `redis://127.0.0.1:6379/`)
     /// with default settings. No connection is opened until the first call.
@@ -638,34 +643,29 @@ impl RedisStore {
         // On a cluster, a node holds at most half the room with its calls
         // (waited for, or followed after their callers gave up, for up to
         // 30 s): past that, a call to it waits for one of them to end while
-        // the node answers, and fails, sending nothing, once it is silent;
-        // so the other nodes' calls find room when one stalls.
+        // the node answers. A node known silent is sent nothing. So the
+        // other nodes' calls find room when one stalls.
         #[cfg(feature = "redis-cluster")]
-        let node =
-            match (&inner.nodes, slot) {
-                (Some(nodes), Some(slot)) => {
-                    let most = (inner.max_in_flight / 2).max(1);
-                    match nodes.hold(slot, most, inner.timeout).await {
-                        Ok(hold) => hold,
-                        Err(super::nodes::NodeFull::Silent) => {
-                            return Err(StoreError::new(
-                                StoreErrorKind::Timeout,
-                                "the Redis Cluster node of this call answered none of its calls \
-                             within the store's timeout, and they hold half the room for calls; \
-                             nothing was sent",
-                            )
-                            .unsent())
-                        }
-                        Err(super::nodes::NodeFull::Waited) => return Err(StoreError::new(
+        let node = match (&inner.nodes, slot) {
+            (Some(nodes), Some(slot)) => {
+                let most = (inner.max_in_flight / 2).max(1);
+                match nodes.hold(slot, most, inner.timeout).await {
+                    Ok(hold) => hold,
+                    Err(super::nodes::NodeFull::Silent) => {
+                        return Err(StoreError::new(StoreErrorKind::Timeout, SILENT_NODE).unsent())
+                    }
+                    Err(super::nodes::NodeFull::Waited) => {
+                        return Err(StoreError::new(
                             StoreErrorKind::Timeout,
                             "the Redis Cluster node of this call holds half the room for calls \
                              and answered none of them while this call waited; nothing was sent",
                         )
-                        .unsent()),
+                        .unsent())
                     }
                 }
-                _ => None,
-            };
+            }
+            _ => None,
+        };
         let (permit, started, room) = self.room().await?;
         #[cfg(feature = "redis-cluster")]
         let permit = permit.on_node(node);
