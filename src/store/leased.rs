@@ -174,10 +174,13 @@ static GIVE_BACK_ERRORS: Throttle = Throttle::new(5);
 ///   taken in, no reset, the same period): it is spent while fresh, and
 ///   given back when next idle or old, or on a shutdown. Otherwise (and
 ///   for the rest of a block cut short, which no entry holds) it is sent
-///   again, 100 ms later, then twice as long each time, for about 6 s. A
+///   again, 100 ms later, then twice as long each time up to every 3.2 s,
+///   until the store gets it, for 10 minutes at most (so an outage of that
+///   long leaves none of its units charged, while the process lives). A
 ///   give-back that failed after it was sent (a timeout: it may have
-///   landed), or never got through so, leaves its units charged until the
-///   period ends.
+///   landed), or never got through within those 10 minutes, or was still
+///   on its way when the process exited, leaves its units charged until
+///   the period ends.
 /// - The usage a leased charge reports counts this instance's unused units
 ///   as not spent (they are not, yet), and other instances' as spent.
 /// - Store calls beyond the charges: a give-back per block that was not
@@ -598,6 +601,11 @@ const PREFETCH_DELAY: Duration = Duration::from_millis(10);
 /// (and that no entry holds again): 100 ms, then twice as long each time,
 /// up to this.
 const RESEND_UNTIL: Duration = Duration::from_millis(3_200);
+
+/// How long a give-back the store never got, and no entry holds again, is
+/// sent again (every [`RESEND_UNTIL`] once its pauses grew that long): an
+/// outage up to this long leaves none of its units charged.
+const RESEND_UNSENT_FOR: Duration = Duration::from_secs(600);
 
 /// A busy subject's next block, to take without waiting for its next
 /// request: the counter's line (costing nothing), and the instant its
@@ -2931,15 +2939,21 @@ impl GiveBack {
                         (self.key.clone(), self.now, self.units, self.taken_at);
                     let inner = inner.clone();
                     runtime.spawn(async move {
+                        // Sent again while the store never gets it (only
+                        // such a failure comes back here: see
+                        // `give_back`), for as long as an outage lasts,
+                        // `RESEND_UNSENT_FOR` at most: never applied, it
+                        // cannot land twice.
+                        let started = tokio::time::Instant::now();
                         let mut pause = Duration::from_millis(100);
                         let mut error = error;
-                        while pause <= RESEND_UNTIL {
+                        while started.elapsed() < RESEND_UNSENT_FOR {
                             tokio::time::sleep(pause).await;
                             match give_back(&inner, now, key.clone(), units, taken_at).await {
                                 Err(again) => error = again,
                                 Ok(_) => return,
                             }
-                            pause *= 2;
+                            pause = (pause * 2).min(RESEND_UNTIL);
                         }
                         stay_charged(&error, units);
                     });
