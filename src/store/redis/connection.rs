@@ -996,16 +996,7 @@ impl Unanswered {
         if answers.load(Ordering::Relaxed) != *seen {
             return;
         }
-        let now = tokio::time::Instant::now();
-        let mut silent = self
-            .silent
-            .lock()
-            .unwrap_or_else(std::sync::PoisonError::into_inner);
-        // Those that answered since, or were left long ago, are forgotten.
-        silent.retain(|(noted, seen, at)| {
-            noted.load(Ordering::Relaxed) == *seen
-                && now.saturating_duration_since(*at) < super::FOLLOW_THROUGH
-        });
+        let mut silent = self.noted_now(tokio::time::Instant::now());
         if !silent.iter().any(|(noted, ..)| Arc::ptr_eq(noted, answers)) {
             silent.push((Arc::clone(answers), *seen, sent));
         }
@@ -1022,15 +1013,29 @@ impl Unanswered {
             return false;
         };
         let now = tokio::time::Instant::now();
-        self.silent
+        let silent = self.noted_now(now);
+        silent.iter().any(|(noted, _, at)| {
+            Arc::ptr_eq(noted, answers) && now.saturating_duration_since(*at) >= budget
+        })
+    }
+
+    /// The connections noted, locked, without those that answered since or
+    /// were noted longer than `FOLLOW_THROUGH` before `now`: once none is
+    /// left, calls take no lock.
+    fn noted_now(
+        &self,
+        now: tokio::time::Instant,
+    ) -> std::sync::MutexGuard<'_, Vec<(Arc<AtomicU64>, u64, tokio::time::Instant)>> {
+        let mut silent = self
+            .silent
             .lock()
-            .unwrap_or_else(std::sync::PoisonError::into_inner)
-            .iter()
-            .any(|(noted, seen, at)| {
-                Arc::ptr_eq(noted, answers)
-                    && noted.load(Ordering::Relaxed) == *seen
-                    && now.saturating_duration_since(*at) >= budget
-            })
+            .unwrap_or_else(std::sync::PoisonError::into_inner);
+        silent.retain(|(noted, seen, at)| {
+            noted.load(Ordering::Relaxed) == *seen
+                && now.saturating_duration_since(*at) < super::FOLLOW_THROUGH
+        });
+        self.noted.store(silent.len(), Ordering::Relaxed);
+        silent
     }
 }
 
