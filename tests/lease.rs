@@ -841,6 +841,38 @@ async fn an_idle_block_the_store_never_got_back_stays_until_it_does() {
 /// lands, and the store counts what was served.
 #[tokio::test(start_paused = true)]
 async fn a_block_never_given_back_is_not_put_back_past_a_newer_answer() {
+    let (_a, shared, away, mut now, held) = a_block_sent_again().await;
+    tokio::time::sleep(Duration::from_secs(20)).await;
+    now += SignedDuration::from_secs(20);
+    assert_eq!(counted(&shared, now).await, 71 + held, "still away");
+    away.store(false, Ordering::Relaxed);
+    tokio::time::sleep(Duration::from_secs(4)).await;
+    now += SignedDuration::from_secs(4);
+    assert_eq!(counted(&shared, now).await, 71, "what was served");
+}
+
+/// A shutdown waits for a give-back of a block let go of before, sent
+/// again while the store is away: the store back, the block lands before
+/// the shutdown ends.
+#[tokio::test(start_paused = true)]
+async fn a_shutdown_waits_for_a_block_being_sent_again() {
+    let (a, shared, away, now, _) = a_block_sent_again().await;
+    back_in(&away, Duration::from_secs(4));
+    assert_eq!(a.shutdown().await, 0, "no block held");
+    assert_eq!(counted(&shared, now).await, 71, "what was served");
+}
+
+/// A at 71 of 100 with its block given back while the store is away, the
+/// entry changed since (a newer answer, which counts the block), so the
+/// give-back is being sent again. Returns A, the store, A's store's
+/// switch, the instant, and the units of the block.
+async fn a_block_sent_again() -> (
+    LeasedStore<Slow>,
+    MemoryStore,
+    Arc<std::sync::atomic::AtomicBool>,
+    Timestamp,
+    u64,
+) {
     let shared = MemoryStore::new();
     let store = Slow::new(shared.clone(), 0);
     let away = Arc::clone(&store.away);
@@ -870,15 +902,56 @@ async fn a_block_never_given_back_is_not_put_back_past_a_newer_answer() {
     tokio::time::sleep(Duration::from_millis(1_200)).await;
     now += SignedDuration::from_millis(1_200);
     assert_eq!(a.held(), 0, "not put back past the newer answer");
-
     slow_refunds.store(0, Ordering::Relaxed);
-    tokio::time::sleep(Duration::from_secs(20)).await;
-    now += SignedDuration::from_secs(20);
-    assert_eq!(counted(&shared, now).await, 71 + held, "still away");
-    away.store(false, Ordering::Relaxed);
-    tokio::time::sleep(Duration::from_secs(4)).await;
-    now += SignedDuration::from_secs(4);
-    assert_eq!(counted(&shared, now).await, 71, "what was served");
+    (a, shared, away, now, held)
+}
+
+/// Sets `away` back to false once `after` has passed.
+fn back_in(away: &Arc<std::sync::atomic::AtomicBool>, after: Duration) {
+    let away = Arc::clone(away);
+    tokio::spawn(async move {
+        tokio::time::sleep(after).await;
+        away.store(false, Ordering::Relaxed);
+    });
+}
+
+/// A shutdown while the store is away sends its give-backs again until
+/// the store is back, within the lease time: every unused unit lands.
+#[tokio::test(start_paused = true)]
+async fn a_shutdown_while_the_store_is_away_gives_every_unit_back_once_it_is_back() {
+    let shared = MemoryStore::new();
+    let store = Slow::new(shared.clone(), 0);
+    let away = Arc::clone(&store.away);
+    let a = LeasedStore::new(store);
+    let mut now = t0();
+    busy(&a, &mut now, 100, 10_000, 1).await;
+    let held = a.held();
+    assert!(held > 0);
+    away.store(true, Ordering::Relaxed);
+    back_in(&away, Duration::from_secs(9));
+    assert_eq!(a.shutdown().await, held);
+    assert_eq!(counted(&shared, now).await, 100, "what was served");
+}
+
+/// A store away for longer than the lease time: the shutdown ends then,
+/// the units it never got stay charged.
+#[tokio::test(start_paused = true)]
+async fn a_shutdown_waits_for_a_store_away_a_lease_time_at_most() {
+    let shared = MemoryStore::new();
+    let store = Slow::new(shared.clone(), 0);
+    let away = Arc::clone(&store.away);
+    let a = LeasedStore::builder(store)
+        .lease_time(Duration::from_secs(5))
+        .build();
+    let mut now = t0();
+    busy(&a, &mut now, 100, 10_000, 1).await;
+    let held = a.held();
+    assert!(held > 0);
+    away.store(true, Ordering::Relaxed);
+    let started = tokio::time::Instant::now();
+    assert_eq!(a.shutdown().await, 0);
+    assert_eq!(started.elapsed(), Duration::from_secs(5));
+    assert_eq!(counted(&shared, now).await, 100 + held, "left charged");
 }
 
 #[tokio::test(start_paused = true)]

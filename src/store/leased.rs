@@ -176,11 +176,14 @@ static GIVE_BACK_ERRORS: Throttle = Throttle::new(5);
 ///   for the rest of a block cut short, which no entry holds) it is sent
 ///   again, 100 ms later, then twice as long each time up to every 3.2 s,
 ///   until the store gets it, for 10 minutes at most (so an outage of that
-///   long leaves none of its units charged, while the process lives). A
+///   long leaves none of its units charged, while the process lives).
+///   [`LeasedStore::shutdown`] sends its own give-backs again the same way,
+///   and waits for those still being sent again, for a lease time at most
+///   (10 s by default): a store back within it gets every unused unit. A
 ///   give-back that failed after it was sent (a timeout: it may have
-///   landed), or never got through within those 10 minutes, or was still
-///   on its way when the process exited, leaves its units charged until
-///   the period ends.
+///   landed), or never got through within those bounds, or was still on
+///   its way when the process exited, leaves its units charged until the
+///   period ends.
 /// - The usage a leased charge reports counts this instance's unused units
 ///   as not spent (they are not, yet), and other instances' as spent.
 /// - Store calls beyond the charges: a give-back per block that was not
@@ -391,6 +394,7 @@ impl<St: Store> LeasedStoreBuilder<St> {
                 generations: AtomicU64::new(0),
                 prefetch: Mutex::default(),
                 busy: AtomicUsize::new(0),
+                resending: AtomicUsize::new(0),
                 setting_aside: AtomicUsize::new(0),
                 sent: AtomicU64::new(0),
                 resets: Mutex::default(),
@@ -412,9 +416,8 @@ fn orphans<St: Store>(inner: St) -> Orphans {
                 let inner = inner.clone();
                 let busy = Busy::new(shared);
                 drop(runtime.spawn(async move {
-                    let _busy = busy;
                     for back in backs {
-                        back.send(&inner).await;
+                        back.send(&inner, &busy.shared).await;
                     }
                 }));
             }
@@ -477,6 +480,9 @@ struct Shared {
     /// blocks taken, and what their answers give back): a shutdown waits
     /// for it.
     busy: AtomicUsize,
+    /// Give-backs the store never got, sent again in tasks of their own
+    /// while it is away: a shutdown waits for them, a lease time at most.
+    resending: AtomicUsize,
     /// Requests on their way with units set aside from a block: a shutdown
     /// lets them land (their units back in the block, or spent) before it
     /// gives the blocks back.
@@ -496,19 +502,35 @@ struct Shared {
     orphans: Orphans,
 }
 
-/// One piece of the work a shutdown waits for, while it lives.
-struct Busy(Arc<Shared>);
+/// One piece of the work a shutdown waits for, while it lives: counted in
+/// [`Shared::busy`], or in [`Shared::resending`].
+struct Busy {
+    shared: Arc<Shared>,
+    count: fn(&Shared) -> &AtomicUsize,
+}
 
 impl Busy {
     fn new(shared: &Arc<Shared>) -> Self {
-        shared.busy.fetch_add(1, Ordering::SeqCst);
-        Self(Arc::clone(shared))
+        Self::counted(shared, |shared| &shared.busy)
+    }
+
+    /// A give-back the store never got, sent again.
+    fn resending(shared: &Arc<Shared>) -> Self {
+        Self::counted(shared, |shared| &shared.resending)
+    }
+
+    fn counted(shared: &Arc<Shared>, count: fn(&Shared) -> &AtomicUsize) -> Self {
+        count(shared).fetch_add(1, Ordering::SeqCst);
+        Self {
+            shared: Arc::clone(shared),
+            count,
+        }
     }
 }
 
 impl Drop for Busy {
     fn drop(&mut self) {
-        self.0.busy.fetch_sub(1, Ordering::SeqCst);
+        (self.count)(&self.shared).fetch_sub(1, Ordering::SeqCst);
     }
 }
 
@@ -1026,15 +1048,19 @@ impl Counter {
     }
 }
 
-/// A millisecond's wait of a shutdown for work on its way: on the tokio
-/// runtime's timer, or, awaited outside a runtime (while tasks of one run
-/// elsewhere), with the thread blocked.
+/// A millisecond's wait of a shutdown for work on its way (see [`sleep`]).
 async fn pause() {
-    const PAUSE: Duration = Duration::from_millis(1);
+    sleep(Duration::from_millis(1)).await;
+}
+
+/// Waits `duration`: on the tokio runtime's timer, or, awaited outside a
+/// runtime (a shutdown, while tasks of one run elsewhere), with the thread
+/// blocked.
+async fn sleep(duration: Duration) {
     if tokio::runtime::Handle::try_current().is_ok() {
-        tokio::time::sleep(PAUSE).await;
+        tokio::time::sleep(duration).await;
     } else {
-        std::thread::sleep(PAUSE);
+        std::thread::sleep(duration);
     }
 }
 
@@ -1175,18 +1201,27 @@ impl<St: Store> LeasedStore<St> {
     /// instance holds when it stops without it stays charged until the
     /// counters' periods end. Requests still on their way with units of a
     /// block set aside (a request of several lines whose others the store
-    /// is asked for) are waited for first, a lease time at most. Returns
-    /// the units given back. Awaited outside a tokio runtime, it blocks
-    /// its thread while it waits for such work, done in tasks of one.
+    /// is asked for) are waited for first, a lease time at most. A store
+    /// that is away (a give-back it never got) is waited for, the units
+    /// sent again until it takes them, for a lease time at most from the
+    /// start of the shutdown; so are give-backs of blocks let go of before
+    /// (an idle subject's) that the store never got: bound the wait with
+    /// the lease time, or with a timeout of your own around this future.
+    /// Returns the units given back. Awaited outside a tokio runtime, it
+    /// blocks its thread while it waits for such work, done in tasks of one.
     pub async fn shutdown(&self) -> u64 {
         self.shared.closed.store(true, Ordering::SeqCst);
         // Units set aside for requests on their way come back into their
         // block if the store refuses them: let those land first, for a
-        // lease time at most (a request whose store never answers).
-        let deadline = Instant::now()
+        // lease time at most (a request whose store never answers). A store
+        // away is waited for as long.
+        let started = tokio::time::Instant::now();
+        let deadline = started
             .checked_add(self.shared.settings.lease_time)
-            .unwrap_or_else(|| Instant::now() + Duration::from_secs(3_600));
-        while self.shared.setting_aside.load(Ordering::SeqCst) > 0 && Instant::now() < deadline {
+            .unwrap_or_else(|| started + Duration::from_secs(3_600));
+        while self.shared.setting_aside.load(Ordering::SeqCst) > 0
+            && tokio::time::Instant::now() < deadline
+        {
             pause().await;
         }
         let at = Instant::now();
@@ -1211,7 +1246,15 @@ impl<St: Store> LeasedStore<St> {
             let units = if counter.ended(now) { 0 } else { counter.units };
             let taken_at = counter.taken_at.unwrap_or(now);
             let leaving = counter.mark.leave(now, margin);
-            let back = return_one(self.inner.clone(), now, key, units, taken_at, leaving);
+            let back = return_one(
+                self.inner.clone(),
+                now,
+                key,
+                units,
+                taken_at,
+                leaving,
+                deadline,
+            );
             returned += if on_runtime {
                 spawn_bounded(&mut returning, back).await.unwrap_or(0)
             } else {
@@ -1224,6 +1267,13 @@ impl<St: Store> LeasedStore<St> {
         // A next block taken in the background may still be on its way:
         // it goes back as soon as it lands (see `learn`).
         while self.shared.busy.load(Ordering::SeqCst) > 0 {
+            pause().await;
+        }
+        // Give-backs of blocks let go of before, which the store never got,
+        // are sent again while it is away.
+        while self.shared.resending.load(Ordering::SeqCst) > 0
+            && tokio::time::Instant::now() < deadline
+        {
             pause().await;
         }
         returned
@@ -1831,12 +1881,11 @@ impl<St: Store> LeasedStore<St> {
                     Some(gate)
                 };
                 let task = runtime.spawn(async move {
-                    let _busy = busy;
                     if let Some(gate) = gate {
                         let _ = gate.await;
                     }
                     for back in stale {
-                        back.send(&inner).await;
+                        back.send(&inner, &busy.shared).await;
                     }
                 });
                 (Vec::new(), Some(task))
@@ -1847,7 +1896,7 @@ impl<St: Store> LeasedStore<St> {
         Box::pin(async move {
             // Without a runtime, before the charge, as they must land first.
             for back in stale.drain(..) {
-                back.send(&store.inner).await;
+                back.send(&store.inner, &store.shared).await;
             }
             if stale_first {
                 if let Some(giving_back) = giving_back.take() {
@@ -2472,7 +2521,7 @@ impl<St: Store> LeasedStore<St> {
             runtime.spawn(async move {
                 let _busy = busy;
                 for back in back {
-                    back.send(&inner).await;
+                    back.send(&inner, &shared).await;
                 }
                 for (key, generation) in joins {
                     join(&inner, &shared, now, key, generation, lease, max).await;
@@ -2693,14 +2742,19 @@ async fn return_one<St: Store>(
     units: u64,
     taken_at: Timestamp,
     leaving: bool,
+    until: tokio::time::Instant,
 ) -> u64 {
-    let back = units > 0
-        && give_back(&inner, now, key.clone(), units, taken_at)
-            .await
-            .unwrap_or_else(|error| {
-                stay_charged(&error, units);
-                false
-            });
+    let back = units > 0 && {
+        let block = GiveBack::untracked(key.clone(), now, units, taken_at);
+        match block.try_send(&inner).await {
+            Err(error) => block.resend(&inner, error, until).await,
+            sent => sent,
+        }
+        .unwrap_or_else(|error| {
+            stay_charged(&error, units);
+            false
+        })
+    };
     if leaving {
         unmark(&inner, now, &key).await;
     }
@@ -2805,8 +2859,8 @@ async fn sweep<St: Store>(shared: Weak<Shared>, inner: St, settings: Settings) {
         // instances for as many round trips.
         let mut giving = tokio::task::JoinSet::new();
         for back in back {
-            let inner = inner.clone();
-            spawn_bounded(&mut giving, async move { back.send(&inner).await }).await;
+            let (inner, shared) = (inner.clone(), Arc::clone(&shared));
+            spawn_bounded(&mut giving, async move { back.send(&inner, &shared).await }).await;
         }
         while giving.join_next().await.is_some() {}
         // The marks left after the units, together too.
@@ -2922,9 +2976,8 @@ impl GiveBack {
     /// (see [`GiveBack::put_back`]): this instance holds it again, spends
     /// it while it is fresh, gives it back when next idle or old, and on a
     /// shutdown. Otherwise its units stay charged until the period ends.
-    async fn send<St: Store>(mut self, inner: &St) {
-        let sent = give_back(inner, self.now, self.key.clone(), self.units, self.taken_at).await;
-        let Err(error) = sent else {
+    async fn send<St: Store>(mut self, inner: &St, shared: &Arc<Shared>) {
+        let Err(error) = self.try_send(inner).await else {
             return;
         };
         match self.put_back() {
@@ -2933,29 +2986,20 @@ impl GiveBack {
             // moment later, in a task of its own (a charge may be waiting
             // for this give-back), or its units would stay charged, never
             // served.
+            // (A shutdown waits for it, a lease time at most.)
             PutBack::No => match tokio::runtime::Handle::try_current() {
                 Ok(runtime) => {
-                    let (key, now, units, taken_at) =
-                        (self.key.clone(), self.now, self.units, self.taken_at);
+                    let resending = Busy::resending(shared);
                     let inner = inner.clone();
+                    let until = tokio::time::Instant::now() + RESEND_UNSENT_FOR;
+                    // No entry counts it on its way (this one is let go of).
+                    let again =
+                        Self::untracked(self.key.clone(), self.now, self.units, self.taken_at);
                     runtime.spawn(async move {
-                        // Sent again while the store never gets it (only
-                        // such a failure comes back here: see
-                        // `give_back`), for as long as an outage lasts,
-                        // `RESEND_UNSENT_FOR` at most: never applied, it
-                        // cannot land twice.
-                        let started = tokio::time::Instant::now();
-                        let mut pause = Duration::from_millis(100);
-                        let mut error = error;
-                        while started.elapsed() < RESEND_UNSENT_FOR {
-                            tokio::time::sleep(pause).await;
-                            match give_back(&inner, now, key.clone(), units, taken_at).await {
-                                Err(again) => error = again,
-                                Ok(_) => return,
-                            }
-                            pause = (pause * 2).min(RESEND_UNTIL);
+                        let _resending = resending;
+                        if let Err(error) = again.resend(&inner, error, until).await {
+                            stay_charged(&error, again.units);
                         }
-                        stay_charged(&error, units);
                     });
                 }
                 Err(_) => stay_charged(&error, self.units),
@@ -2967,6 +3011,38 @@ impl GiveBack {
                     join(inner, shared, now, self.key.clone(), generation, lease, max).await;
                 }
             }
+        }
+    }
+
+    /// Sends the give-back once (see [`give_back`]).
+    async fn try_send<St: Store>(&self, inner: &St) -> Result<bool, StoreError> {
+        give_back(inner, self.now, self.key.clone(), self.units, self.taken_at).await
+    }
+
+    /// Sends the give-back again while the store never gets it (`error`,
+    /// the last such failure: only those come back from [`give_back`]), for
+    /// as long as an outage lasts, until `until`: 100 ms after the last
+    /// try, then twice as long each time up to [`RESEND_UNTIL`], and once
+    /// more at `until`. Never applied, it cannot land twice. Whether the
+    /// store took the units, or the last failure if it never got them.
+    async fn resend<St: Store>(
+        &self,
+        inner: &St,
+        mut error: StoreError,
+        until: tokio::time::Instant,
+    ) -> Result<bool, StoreError> {
+        let mut pause = Duration::from_millis(100);
+        loop {
+            let now = tokio::time::Instant::now();
+            if now >= until {
+                return Err(error);
+            }
+            sleep(pause.min(until - now)).await;
+            match self.try_send(inner).await {
+                Err(again) => error = again,
+                sent => return sent,
+            }
+            pause = (pause * 2).min(RESEND_UNTIL);
         }
     }
 
@@ -3617,8 +3693,7 @@ impl<St: Store> Store for LeasedStore<St> {
                 // Work a shutdown waits for.
                 let busy = Busy::new(&self.shared);
                 let task = runtime.spawn(async move {
-                    let _busy = busy;
-                    block.send(&inner).await;
+                    block.send(&inner, &busy.shared).await;
                 });
                 (None, Some(task))
             }
@@ -3626,7 +3701,7 @@ impl<St: Store> Store for LeasedStore<St> {
         };
         async move {
             if let Some(block) = block {
-                block.send(&inner).await;
+                block.send(&inner, &shared).await;
             }
             if let Some(giving_back) = giving_back {
                 let _ = giving_back.await;
