@@ -862,17 +862,21 @@ async fn a_shutdown_waits_for_a_block_being_sent_again() {
     assert_eq!(counted(&shared, now).await, 71, "what was served");
 }
 
-/// A at 71 of 100 with its block given back while the store is away, the
-/// entry changed since (a newer answer, which counts the block), so the
-/// give-back is being sent again. Returns A, the store, A's store's
-/// switch, the instant, and the units of the block.
-async fn a_block_sent_again() -> (
+/// A leased store whose store is away (see [`Slow::away`]); its store,
+/// the switch, the instant, and the units of a block.
+type Away = (
     LeasedStore<Slow>,
     MemoryStore,
     Arc<std::sync::atomic::AtomicBool>,
     Timestamp,
     u64,
-) {
+);
+
+/// A at 71 of 100 with its block given back while the store is away, the
+/// entry changed since (a newer answer, which counts the block), so the
+/// give-back is being sent again. Returns A, the store, A's store's
+/// switch, the instant, and the units of the block.
+async fn a_block_sent_again() -> Away {
     let shared = MemoryStore::new();
     let store = Slow::new(shared.clone(), 0);
     let away = Arc::clone(&store.away);
@@ -919,15 +923,7 @@ fn back_in(away: &Arc<std::sync::atomic::AtomicBool>, after: Duration) {
 /// the store is back, within the lease time: every unused unit lands.
 #[tokio::test(start_paused = true)]
 async fn a_shutdown_while_the_store_is_away_gives_every_unit_back_once_it_is_back() {
-    let shared = MemoryStore::new();
-    let store = Slow::new(shared.clone(), 0);
-    let away = Arc::clone(&store.away);
-    let a = LeasedStore::new(store);
-    let mut now = t0();
-    busy(&a, &mut now, 100, 10_000, 1).await;
-    let held = a.held();
-    assert!(held > 0);
-    away.store(true, Ordering::Relaxed);
+    let (a, shared, away, now, held) = holding_while_away(Duration::from_secs(10)).await;
     back_in(&away, Duration::from_secs(9));
     assert_eq!(a.shutdown().await, held);
     assert_eq!(counted(&shared, now).await, 100, "what was served");
@@ -937,21 +933,27 @@ async fn a_shutdown_while_the_store_is_away_gives_every_unit_back_once_it_is_bac
 /// the units it never got stay charged.
 #[tokio::test(start_paused = true)]
 async fn a_shutdown_waits_for_a_store_away_a_lease_time_at_most() {
+    let (a, shared, _away, now, held) = holding_while_away(Duration::from_secs(5)).await;
+    let started = tokio::time::Instant::now();
+    assert_eq!(a.shutdown().await, 0);
+    assert_eq!(started.elapsed(), Duration::from_secs(5));
+    assert_eq!(counted(&shared, now).await, 100 + held, "left charged");
+}
+
+/// A, of `lease_time`, holding a block after 100 requests, and its store
+/// away since. Returns A, the store, A's store's switch, the instant, and
+/// the units held.
+async fn holding_while_away(lease_time: Duration) -> Away {
     let shared = MemoryStore::new();
     let store = Slow::new(shared.clone(), 0);
     let away = Arc::clone(&store.away);
-    let a = LeasedStore::builder(store)
-        .lease_time(Duration::from_secs(5))
-        .build();
+    let a = LeasedStore::builder(store).lease_time(lease_time).build();
     let mut now = t0();
     busy(&a, &mut now, 100, 10_000, 1).await;
     let held = a.held();
     assert!(held > 0);
     away.store(true, Ordering::Relaxed);
-    let started = tokio::time::Instant::now();
-    assert_eq!(a.shutdown().await, 0);
-    assert_eq!(started.elapsed(), Duration::from_secs(5));
-    assert_eq!(counted(&shared, now).await, 100 + held, "left charged");
+    (a, shared, away, now, held)
 }
 
 #[tokio::test(start_paused = true)]
