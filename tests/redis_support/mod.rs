@@ -274,6 +274,79 @@ pub fn cli(port: u16, args: &[&str]) -> String {
     String::from_utf8_lossy(&output.stdout).trim().to_owned()
 }
 
+/// `count` cluster nodes on loopback, made one cluster with `replicas`
+/// replicas per master, each voted failed after `node_timeout_ms` of
+/// silence; returned once every node says the cluster is ok.
+fn cluster_nodes(count: usize, replicas: usize, node_timeout_ms: u32) -> Vec<RedisServer> {
+    let timeout = node_timeout_ms.to_string();
+    let nodes: Vec<RedisServer> = (0..count)
+        .map(|_| {
+            RedisServer::start_with_ports(
+                &[
+                    "--cluster-enabled",
+                    "yes",
+                    "--cluster-config-file",
+                    "nodes.conf",
+                    "--cluster-node-timeout",
+                    &timeout,
+                ],
+                // The default bus port, port + 10000, may be taken or
+                // past 65535.
+                |_| vec!["--cluster-port".into(), free_port().to_string()],
+            )
+        })
+        .collect();
+    let addresses: Vec<String> = nodes
+        .iter()
+        .map(|n| format!("127.0.0.1:{}", n.port()))
+        .collect();
+    let output = Command::new("redis-cli")
+        .arg("--cluster")
+        .arg("create")
+        .args(&addresses)
+        .args(["--cluster-replicas", &replicas.to_string(), "--cluster-yes"])
+        .output()
+        .expect("redis-cli --cluster create runs");
+    assert!(
+        output.status.success(),
+        "redis-cli --cluster create failed: {}",
+        String::from_utf8_lossy(&output.stdout)
+    );
+    let deadline = Instant::now() + Duration::from_secs(30);
+    for node in &nodes {
+        while !node.cli(&["cluster", "info"]).contains("cluster_state:ok") {
+            assert!(
+                Instant::now() < deadline,
+                "the cluster did not become ready"
+            );
+            std::thread::sleep(Duration::from_millis(50));
+        }
+    }
+    nodes
+}
+
+/// The id of the node serving `key`'s slot, as node `ask` sees it.
+fn slot_owner(ask: &RedisServer, key: &str) -> String {
+    let slot: u16 = ask
+        .cli(&["cluster", "keyslot", key])
+        .parse()
+        .expect("a slot");
+    ask.cli(&["cluster", "nodes"])
+        .lines()
+        .find_map(|line| {
+            let fields: Vec<&str> = line.split_whitespace().collect();
+            let serves = fields.get(8..)?.iter().any(|range| {
+                let (low, high) = range.split_once('-').unwrap_or((range, range));
+                match (low.parse::<u16>(), high.parse::<u16>()) {
+                    (Ok(low), Ok(high)) => (low..=high).contains(&slot),
+                    _ => false,
+                }
+            });
+            serves.then(|| fields[0].to_owned())
+        })
+        .expect("a node serves every slot")
+}
+
 /// Three masters on loopback, slots spread over them, no replicas.
 pub struct RedisCluster {
     pub nodes: Vec<RedisServer>,
@@ -281,53 +354,11 @@ pub struct RedisCluster {
 
 impl RedisCluster {
     pub fn start() -> Self {
-        let nodes: Vec<RedisServer> = (0..3)
-            .map(|_| {
-                RedisServer::start_with_ports(
-                    &[
-                        "--cluster-enabled",
-                        "yes",
-                        "--cluster-config-file",
-                        "nodes.conf",
-                        // Long enough that a node stopped for a few
-                        // seconds is not voted failed (which, without
-                        // replicas, takes the whole cluster down).
-                        "--cluster-node-timeout",
-                        "15000",
-                    ],
-                    // The default bus port, port + 10000, may be taken or
-                    // past 65535.
-                    |_| vec!["--cluster-port".into(), free_port().to_string()],
-                )
-            })
-            .collect();
-        let addresses: Vec<String> = nodes
-            .iter()
-            .map(|n| format!("127.0.0.1:{}", n.port()))
-            .collect();
-        let output = Command::new("redis-cli")
-            .arg("--cluster")
-            .arg("create")
-            .args(&addresses)
-            .args(["--cluster-replicas", "0", "--cluster-yes"])
-            .output()
-            .expect("redis-cli --cluster create runs");
-        assert!(
-            output.status.success(),
-            "redis-cli --cluster create failed: {}",
-            String::from_utf8_lossy(&output.stdout)
-        );
-        let deadline = Instant::now() + Duration::from_secs(20);
-        for node in &nodes {
-            while !node.cli(&["cluster", "info"]).contains("cluster_state:ok") {
-                assert!(
-                    Instant::now() < deadline,
-                    "the cluster did not become ready"
-                );
-                std::thread::sleep(Duration::from_millis(50));
-            }
+        // Long enough that a node stopped for a few seconds is not voted
+        // failed (which, without replicas, takes the whole cluster down).
+        Self {
+            nodes: cluster_nodes(3, 0, 15_000),
         }
-        Self { nodes }
     }
 
     pub fn urls(&self) -> Vec<String> {
@@ -336,25 +367,7 @@ impl RedisCluster {
 
     /// Which node serves `key`'s slot (its index in `nodes`).
     pub fn node_of(&self, key: &str) -> usize {
-        let slot: u16 = self.nodes[0]
-            .cli(&["cluster", "keyslot", key])
-            .parse()
-            .expect("a slot");
-        let owner = self.nodes[0]
-            .cli(&["cluster", "nodes"])
-            .lines()
-            .find_map(|line| {
-                let fields: Vec<&str> = line.split_whitespace().collect();
-                let serves = fields.get(8..)?.iter().any(|range| {
-                    let (low, high) = range.split_once('-').unwrap_or((range, range));
-                    match (low.parse::<u16>(), high.parse::<u16>()) {
-                        (Ok(low), Ok(high)) => (low..=high).contains(&slot),
-                        _ => false,
-                    }
-                });
-                serves.then(|| fields[0].to_owned())
-            })
-            .expect("a node serves every slot");
+        let owner = slot_owner(&self.nodes[0], key);
         self.nodes
             .iter()
             .position(|node| node.cli(&["cluster", "myid"]) == owner)
@@ -649,5 +662,101 @@ impl Wire {
     /// How many answers it lost.
     pub fn lost(&self) -> u64 {
         self.lost.load(std::sync::atomic::Ordering::SeqCst)
+    }
+}
+
+/// Three masters and three replicas on loopback (`--cluster-replicas 1`),
+/// each node voted failed after `node_timeout_ms` of silence: a master
+/// that dies is replaced by its replica.
+pub struct ReplicatedCluster {
+    pub nodes: Vec<RedisServer>,
+}
+
+impl ReplicatedCluster {
+    pub fn start(node_timeout_ms: u32) -> Self {
+        let cluster = Self {
+            nodes: cluster_nodes(6, 1, node_timeout_ms),
+        };
+        // Every replica in sync with its master.
+        let deadline = Instant::now() + Duration::from_secs(30);
+        loop {
+            let ready = cluster.nodes.iter().all(|node| {
+                let info = node.cli(&["info", "replication"]);
+                info.contains("role:master") && info.contains("connected_slaves:1")
+                    || info.contains("master_link_status:up")
+            });
+            if ready && cluster.masters().len() == 3 {
+                break;
+            }
+            assert!(
+                Instant::now() < deadline,
+                "the cluster did not become ready"
+            );
+            std::thread::sleep(Duration::from_millis(50));
+        }
+        cluster
+    }
+
+    /// A running node (to ask the cluster things).
+    fn live(&self) -> &RedisServer {
+        self.nodes
+            .iter()
+            .find(|n| n.pid().is_some())
+            .expect("a running node")
+    }
+
+    /// The indexes of the nodes that are masters (serving slots), as a
+    /// running node sees them.
+    pub fn masters(&self) -> Vec<usize> {
+        let view = self.live().cli(&["cluster", "nodes"]);
+        let mut masters: Vec<usize> = view
+            .lines()
+            .filter(|line| {
+                line.contains("master")
+                    && !line.contains("fail")
+                    && line.split_whitespace().count() > 8
+            })
+            .filter_map(|line| {
+                let id = line.split_whitespace().next()?;
+                self.index_of(id)
+            })
+            .collect();
+        masters.sort();
+        masters
+    }
+
+    fn index_of(&self, id: &str) -> Option<usize> {
+        self.nodes
+            .iter()
+            .position(|n| n.pid().is_some() && n.cli(&["cluster", "myid"]) == id)
+    }
+
+    /// The replica of master `master` (its index).
+    pub fn replica_of(&self, master: usize) -> usize {
+        let id = self.nodes[master].cli(&["cluster", "myid"]);
+        let view = self.live().cli(&["cluster", "nodes"]);
+        let replica = view
+            .lines()
+            .find(|line| line.split_whitespace().nth(3) == Some(id.as_str()))
+            .and_then(|line| line.split_whitespace().next())
+            .expect("the master has a replica");
+        self.index_of(replica).expect("a known replica")
+    }
+
+    /// The master serving `key`'s slot (its index).
+    pub fn master_of(&self, key: &str) -> usize {
+        let owner = slot_owner(self.live(), key);
+        self.index_of(&owner).expect("a known master")
+    }
+
+    /// `HGET key field` on the master serving `key` (following redirects).
+    pub fn hget(&self, key: &str, field: &str) -> String {
+        let node = self.live();
+        let output = Command::new("redis-cli")
+            .args(["-c", "-h", "127.0.0.1", "-p", &node.port().to_string()])
+            .args(["hget", key, field])
+            .output()
+            .expect("redis-cli runs");
+        String::from_utf8_lossy(&output.stdout).trim().to_owned()
     }
 }

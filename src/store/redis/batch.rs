@@ -165,7 +165,7 @@ impl Drop for GiveBack {
                 .ready_or_get(&timeouts, deadline, Sends::Write)
                 .await
             {
-                Some(Ok(mut conn)) => refund_lines(&inner, &mut conn, lines, now).await,
+                Some(Ok(mut conn)) => refund_lines(&inner, &mut conn, lines, now, None).await,
                 _ => {
                     if let Some(suppressed) = LATE.admit() {
                         tracing::warn!(

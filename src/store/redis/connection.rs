@@ -871,6 +871,33 @@ impl Connections {
         }
     }
 
+    /// Replaces a cluster's connections (their epoch is over), and waits
+    /// until each serves anew, `within` at most; whether they all do.
+    #[cfg(feature = "redis-cluster")]
+    pub(super) async fn renew(&self, within: Duration) -> bool {
+        let Connections::Cluster(shared) = self else {
+            return true;
+        };
+        shared.failed(shared.epoch.load(Ordering::Acquire));
+        let deadline = Instant::now() + within;
+        loop {
+            let epoch = shared.epoch.load(Ordering::Acquire);
+            let mut renewed = true;
+            for index in 0..shared.slots.len() {
+                if let Some((opened, ..)) = shared.slots[index].any() {
+                    if opened != epoch {
+                        renewed = false;
+                        shared.replace(index);
+                    }
+                }
+            }
+            if renewed || Instant::now() >= deadline {
+                return renewed;
+            }
+            tokio::time::sleep(Duration::from_millis(50)).await;
+        }
+    }
+
     /// Whether this is a cluster's: its nodes answer apart, and one
     /// node's answers tell nothing of another's silence.
     pub(super) fn cluster(&self) -> bool {
@@ -1212,6 +1239,16 @@ pub(super) struct Redirect {
 }
 
 impl Redirect {
+    /// A call sent to the node at `host:port`, as a `MOVED` would send it.
+    #[cfg(feature = "redis-cluster")]
+    pub(super) fn to_node((host, port): (String, u16)) -> Self {
+        Redirect {
+            host,
+            port,
+            ask: false,
+        }
+    }
+
     /// The redirect `error` tells, if it is one.
     pub(super) fn of(error: &RedisError) -> Option<Self> {
         use redis::{ErrorKind, ServerErrorKind};

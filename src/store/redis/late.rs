@@ -16,7 +16,7 @@ use deadpool_redis::redis::RedisError;
 use jiff::Timestamp;
 use tokio::sync::OwnedSemaphorePermit;
 
-use super::connection::{Connection, Lost};
+use super::connection::{Connection, Lost, Redirect};
 use super::errors::{for_now, retires};
 use super::store::Inner;
 use super::{FOLLOW_THROUGH, SILENCE};
@@ -66,6 +66,14 @@ impl Room {
         let _ = sent;
     }
 
+    /// The node answered the call: its room among the node's calls is
+    /// free (a give-back that follows is a call of its own, sent where the
+    /// charge was; a slow node's next calls need not wait for it).
+    #[cfg(feature = "redis-cluster")]
+    fn answered(&mut self) {
+        self._node = None;
+    }
+
     /// The room of a charge, counted in `charges` until it is over.
     pub(super) fn charging(mut self, charges: &Arc<AtomicUsize>) -> Self {
         charges.fetch_add(1, Ordering::Relaxed);
@@ -110,6 +118,10 @@ pub(super) struct GiveBack<T> {
     pub(super) lines: Vec<(usize, PeriodKey, u64)>,
     /// The instant of the charge: the refund goes to the counters live then.
     pub(super) now: Timestamp,
+    /// On a cluster, the node the charge was sent to (as the store's map
+    /// named it then): the give-back goes there, and to no node that took
+    /// its slot over in a failover (see [`refund_line`]).
+    pub(super) node: Option<Redirect>,
 }
 
 impl<T> GiveBack<T> {
@@ -175,6 +187,7 @@ pub(super) fn give_back(op: &str, request: &ChargeRequest) -> Option<GiveBack<Ve
             .map(|(i, line)| (i, line.key.clone(), line.cost))
             .collect(),
         now: request.now,
+        node: None,
     })
 }
 
@@ -201,6 +214,7 @@ pub(super) fn give_back_taking(request: &ChargeRequest, extra: &[u64]) -> GiveBa
             .map(|(i, (line, _))| (i, line.key.clone(), line.cost))
             .collect(),
         now: request.now,
+        node: None,
     }
 }
 
@@ -289,7 +303,7 @@ pub(super) async fn follow_through<T>(
     mut lost: Option<Lost>,
     slot: super::store::Slot,
     sent: tokio::time::Instant,
-    _permit: Option<Room>,
+    mut _permit: Option<Room>,
     give_back: Option<GiveBack<T>>,
 ) {
     let answer = wait_for(&inner, &mut trip, sent, &mut lost).await;
@@ -318,14 +332,28 @@ pub(super) async fn follow_through<T>(
             return;
         }
     };
-    let Some(give_back) = give_back else {
+    let Some(mut give_back) = give_back else {
         return;
     };
     if !(give_back.applied)(&value) {
         return;
     }
     let now = give_back.now;
-    refund_lines(&inner, &mut conn, give_back.refunds(&value), now).await;
+    let node = give_back.node.take();
+    #[cfg(feature = "redis-cluster")]
+    if node.is_some() {
+        if let Some(room) = &mut _permit {
+            room.answered();
+        }
+    }
+    refund_lines(
+        &inner,
+        &mut conn,
+        give_back.refunds(&value),
+        now,
+        node.as_ref(),
+    )
+    .await;
 }
 
 /// Gives back an applied charge whose caller stopped waiting, line by line,
@@ -338,6 +366,7 @@ pub(super) async fn refund_lines(
     conn: &mut Connection,
     lines: Vec<Refund>,
     now: Timestamp,
+    node: Option<&Redirect>,
 ) {
     let (mut refunded, mut missed, mut refused) = (0, 0, 0);
     let mut first_miss: Option<(PeriodKey, String)> = None;
@@ -352,7 +381,8 @@ pub(super) async fn refund_lines(
         // reset or expired, and a new charge made it).
         let amount = super::script::refund_amount(cost);
         let invocation = super::script::Invocation::change("r", &key, amount, now, counter);
-        let why = match tokio::time::timeout(FOLLOW_THROUGH, refund_line(&invocation, conn)).await {
+        let refund = refund_line(&invocation, conn, node);
+        let why = match tokio::time::timeout(FOLLOW_THROUGH, refund).await {
             // No live counter charged: gone since, or never charged.
             Ok(Ok(-1)) => {
                 refused += 1;
@@ -400,19 +430,70 @@ pub(super) async fn refund_lines(
 /// nothing), for as long as the caller waits ([`FOLLOW_THROUGH`]): such a
 /// refusal would otherwise leave the charge applied without an admission,
 /// and sending it again is safe.
+///
+/// On a cluster, the refund goes to `node`, the node the charge was sent
+/// to. One that answers that another node serves the slot now is asked
+/// its role: a master (the slot moved in a resharding, its keys with it)
+/// sends the refund on where the slot went; a replica (a failover) does
+/// not: it ran the charge as a master that was failed over already (hung
+/// past the cluster's node timeout, it ran the calls queued on it once
+/// back, before it learned of its replica's promotion), on data it threw
+/// away when it turned replica, and the new master never held the charge.
+/// Given back there, the refund would take a unit from the requests it
+/// admitted. The counter charged is gone: -1, as for a counter gone since.
+/// (A charge a master ran late just before a graceful failover reached
+/// its replica: it then stays counted, though its request was refused.)
 async fn refund_line(
     invocation: &super::script::Invocation,
     conn: &mut Connection,
+    node: Option<&Redirect>,
 ) -> Result<i64, RedisError> {
     let mut wait = std::time::Duration::from_millis(100);
+    let mut node = node.filter(|_| conn.is_cluster()).cloned();
     loop {
-        match invocation.invoke_async::<i64>(conn).await {
+        let answer = match &node {
+            Some(at) => match invocation.invoke_at::<i64>(conn, at).await {
+                Err(error) if Redirect::of(&error).is_some() => {
+                    if is_replica(conn, at).await {
+                        if let Some(suppressed) = LATE.admit() {
+                            tracing::warn!(
+                                suppressed,
+                                "a charge Redis applied after its caller stopped waiting was run \
+                                 by a master failed over since: not given back to the new master, \
+                                 which never held it"
+                            );
+                        }
+                        return Ok(-1);
+                    }
+                    node = None;
+                    continue;
+                }
+                answer => answer,
+            },
+            None => invocation.invoke_async::<i64>(conn).await,
+        };
+        match answer {
             Err(error) if for_now(&error) => {
                 tokio::time::sleep(wait).await;
                 wait = (wait * 2).min(MAX_REFUND_WAIT);
             }
             answer => return answer,
         }
+    }
+}
+
+/// Whether the node `at` says it is a replica (`ROLE`).
+async fn is_replica(conn: &mut Connection, at: &Redirect) -> bool {
+    use deadpool_redis::redis::Value;
+    match conn
+        .redirected(&deadpool_redis::redis::cmd("ROLE"), at)
+        .await
+    {
+        Ok(Value::Array(role)) => matches!(
+            role.first(),
+            Some(Value::BulkString(name)) if name.as_slice() == b"slave"
+        ),
+        _ => false,
     }
 }
 

@@ -185,29 +185,52 @@ impl NodeAnswers {
         Instant::now().saturating_duration_since(quiet) >= budget
     }
 
-    /// A slot of the node that answered last, if any did: where the map is
-    /// read again (see `RedisStore::read_nodes`), so that a read, which
-    /// names no key, goes to a node that answers and holds room among its
-    /// calls; sent to any node, it could go to one that stalled, and hold
-    /// room among the store's calls outside that node's half for 30 s.
-    pub(super) fn answering_slot(&self) -> Option<u16> {
-        let mut best: Option<(Instant, u16)> = None;
+    /// A slot of the node that answered last, if any did, and is not known
+    /// silent (see [`NodeAnswers::hold`]; `budget` the store's timeout):
+    /// where the map is read again (see `RedisStore::read_nodes`), so that
+    /// a read, which names no key, goes to a node that answers and holds
+    /// room among its calls; sent to any node, it could go to one that
+    /// stalled, and hold room among the store's calls outside that node's
+    /// half for 30 s. A node that stalled is never where the map is read
+    /// from: when it was the last to answer (its subjects alone had
+    /// calls), the map would stay as it was, its slots with it, after a
+    /// failover gave them to its replica. So past the nodes that answered,
+    /// a node known that never answered will do, and `None` (any node)
+    /// when every node known is silent.
+    pub(super) fn answering_slot(&self, budget: Duration) -> Option<u16> {
+        let mut best: Option<(Option<Instant>, u16)> = None;
         let mut previous = None;
         for slot in 0..SLOTS as u16 {
             let index = self.index(slot);
             // The slots of a node come in ranges: each range is looked at once.
-            if index.is_none() || index == previous {
+            let Some(node) = index else {
+                continue;
+            };
+            if index == previous {
                 continue;
             }
             previous = index;
-            let Some(at) = self.last(slot) else {
+            if self.silent(slot, &self.rooms[node], budget) {
                 continue;
-            };
+            }
+            let at = self.last(slot);
             if best.is_none_or(|(last, _)| at > last) {
                 best = Some((at, slot));
             }
         }
         best.map(|(_, slot)| slot)
+    }
+
+    /// The address of the node of `slot`, as the map last read names it
+    /// (`None`: not known, or an entry nodes share past `MAX_NODES`).
+    pub(super) fn address(&self, slot: u16) -> Option<(String, u16)> {
+        let index = u16::try_from(self.index(slot)?).ok()?;
+        let indices = self.indices.lock().unwrap_or_else(|e| e.into_inner());
+        let mut named = indices.iter().filter(|(_, &i)| i == index).map(|(a, _)| a);
+        match (named.next(), named.next()) {
+            (Some(address), None) => Some(address.clone()),
+            _ => None,
+        }
     }
 
     /// Notes an answer now from the node of `slot`, if known.
@@ -237,6 +260,28 @@ impl NodeAnswers {
         self.asked
             .compare_exchange(asked, now, Ordering::Relaxed, Ordering::Relaxed)
             .is_ok()
+    }
+
+    /// Whether a node that serves slots in the map serves none in a
+    /// `CLUSTER SLOTS` reply (a failover: its replica took them over).
+    pub(super) fn vanished(&self, reply: &Value) -> bool {
+        let indices = self.indices.lock().unwrap_or_else(|e| e.into_inner());
+        let mut named = [false; MAX_NODES];
+        let mut any = false;
+        for (_, _, master) in slot_ranges(reply) {
+            any = true;
+            if let Some(&index) = indices.get(&master) {
+                named[usize::from(index)] = true;
+            }
+        }
+        drop(indices);
+        let mut serving = [false; MAX_NODES];
+        for slot in 0..SLOTS as u16 {
+            if let Some(index) = self.index(slot) {
+                serving[index] = true;
+            }
+        }
+        any && serving.iter().zip(named).any(|(&serves, is)| serves && !is)
     }
 
     /// Takes the slots' nodes from a `CLUSTER SLOTS` reply.

@@ -138,6 +138,16 @@ impl Invocation {
         }
     }
 
+    /// The script's reply from the node `at` alone: a redirect it answers
+    /// is not followed, but returned as the error it is.
+    pub(super) async fn invoke_at<T: FromRedisValue>(
+        &self,
+        conn: &mut Connection,
+        at: &Redirect,
+    ) -> redis::RedisResult<T> {
+        Ok(T::from_redis_value(self.run(conn, Some(at)).await?)?)
+    }
+
     /// The script's reply on `conn`, sent where `redirect` says, or by its
     /// keys.
     async fn run(

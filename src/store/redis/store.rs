@@ -17,6 +17,8 @@ use tokio::sync::Semaphore;
 use super::batch::{Batches, LineArgs, Lines, Pending};
 use super::builder::{RedisStoreBuilder, Source};
 use super::clock::{refresh_offset, ServerClock};
+#[cfg(feature = "redis-cluster")]
+use super::connection::Redirect;
 use super::connection::{AnswersAfter, Connection, Connections, Unanswered};
 use super::errors::{applied_nothing, came_back, fault_error, redis_error, retires};
 use super::hash::jitter;
@@ -226,6 +228,21 @@ use crate::store::{
 ///   This holds until the cluster itself declares the node failed
 ///   (`cluster-node-timeout`): without a replica to take over, a cluster
 ///   that requires full coverage (the default) then refuses every request.
+/// - **A failover.** With replicas, a master declared failed is replaced by
+///   its replica. Between the vote and the promotion (about a second),
+///   every node answers `CLUSTERDOWN`: every subject's charges are store
+///   errors, not only the failed master's. A stalled master's subjects are
+///   then served by the new master within seconds of the promotion,
+///   however long the old one stays stalled: the map of slots is never
+///   read from a node known silent, and a map in which a master serves no
+///   slot any more has the cluster's connection opened anew. A charge
+///   given back (its caller stopped waiting, and Redis applied it late) goes
+///   to the node it was sent to, never to another that took its slot over:
+///   a stalled master failed over runs the calls queued on it once it
+///   resumes, on data it drops when it turns replica, which the new master
+///   never held. So a charge a master applied late just before a graceful
+///   failover (`CLUSTER FAILOVER`), which reached its replica, stays
+///   counted, though its request was refused.
 /// - **A slot on the move.** While a resharding moves a slot, the charges of
 ///   its subjects that name several keys (a layer with several quotas, and
 ///   every charge of a [`LeasedStore`](crate::LeasedStore), which reads its
@@ -369,6 +386,11 @@ impl Inner {
 
 /// The cluster slot a call goes to (see [`Inner::slot`]).
 pub(super) type Slot = Option<u16>;
+
+/// How long a failover's new connection is waited for before the map of
+/// slots is taken anyway (see `RedisStore::read_nodes`).
+#[cfg(feature = "redis-cluster")]
+const RENEW_WITHIN: Duration = Duration::from_secs(10);
 
 /// Why a call to a cluster node known silent fails.
 #[cfg(feature = "redis-cluster")]
@@ -712,6 +734,15 @@ impl RedisStore {
             )
             .unsent());
         }
+        // On a cluster, a charge Redis applies late is given back to the
+        // node it was sent to (see `refund_line`).
+        #[cfg(feature = "redis-cluster")]
+        let give_back = give_back.map(|mut back| {
+            back.node = slot
+                .and_then(|slot| inner.nodes.as_ref()?.address(slot))
+                .map(Redirect::to_node);
+            back
+        });
         let sent = tokio::time::Instant::now();
         let answers_after = conn.answers_after(sent);
         let mut call = Call {
@@ -758,7 +789,7 @@ impl RedisStore {
                     let permit = call.permit.take();
                     tokio::spawn(async move {
                         let _permit = permit;
-                        refund_lines(&inner, &mut conn, refunds, now).await;
+                        refund_lines(&inner, &mut conn, refunds, now, None).await;
                     });
                 }
                 read
@@ -886,6 +917,7 @@ impl RedisStore {
                 .into_iter()
                 .collect(),
             now,
+            node: None,
         });
         self.follow(
             Sends::Charge,
@@ -921,7 +953,7 @@ impl RedisStore {
                 .inner
                 .nodes
                 .as_ref()
-                .and_then(|nodes| nodes.answering_slot());
+                .and_then(|nodes| nodes.answering_slot(self.inner.timeout));
             let reply = self
                 .follow_to(
                     Sends::Read,
@@ -935,6 +967,21 @@ impl RedisStore {
                 )
                 .await;
             if let (Some(nodes), Ok(reply)) = (&self.inner.nodes, &reply) {
+                if nodes.vanished(reply) {
+                    // A master's slots went to another node (a failover):
+                    // the cluster's connection, which learns of it from a
+                    // `MOVED` or a failure on the wire, may still send their
+                    // calls to the old master, hung, which answers neither.
+                    // A fresh one reads the slots anew. Until it serves, the
+                    // map stays as it was: the old master's subjects fail at
+                    // once (it is silent), where calls sent to the new
+                    // master's entry would go to the old one and leave the
+                    // new one taken for silent.
+                    tracing::info!(
+                        "a Redis Cluster master's slots went to another node; reconnecting"
+                    );
+                    self.inner.connections.renew(RENEW_WITHIN).await;
+                }
                 nodes.read(reply);
             }
         })
