@@ -667,6 +667,64 @@ async fn charged_exactly_while_its_slot_moves(cluster: &RedisCluster, to: usize)
     );
 }
 
+/// A charge node 0 applied after its caller stopped waiting (its answer,
+/// alone, held up 1.5 s on its way back), whose slot moved to node 1 meanwhile (a
+/// resharding): node 0, a master still, answers the give-back with
+/// `MOVED`, which the give-back follows to node 1, where the counter went.
+/// The count then says what was served.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_late_charge_whose_slot_moved_is_given_back_where_the_slot_went() {
+    if !redis_available() {
+        return;
+    }
+    let cluster = RedisCluster::start();
+    let proxy = SlowProxy::start(cluster.nodes[0].port()).await;
+    cluster.announce(0, proxy.port());
+    let [account, _, _] = cluster.subject_per_node("late-moved");
+    let app = app_on(cluster.urls(), 100);
+    for _ in 0..3 {
+        assert_eq!(request(&app, &account).await.0, StatusCode::OK);
+    }
+    let (source, target) = (&cluster.nodes[0], &cluster.nodes[1]);
+    let key = Namespace::default().key(&Subject::account(account.as_str()), "read", "any");
+    let slot = source.cli(&["cluster", "keyslot", key.as_str()]);
+    let counter = source.cli(&["cluster", "getkeysinslot", &slot, "10"]);
+    assert_eq!(counter.lines().count(), 1, "one counter: {counter}");
+
+    proxy.slow(Duration::from_millis(1_500));
+    assert_eq!(
+        request(&app, &account).await.0,
+        StatusCode::SERVICE_UNAVAILABLE
+    );
+    assert_eq!(source.cli(&["hget", &counter, "n"]), "4", "applied, late");
+    // The answers after that one come at once.
+    proxy.slow(Duration::ZERO);
+    assert_eq!(
+        target.cli(&["cluster", "setslot", &slot, "importing", &id_of(source)]),
+        "OK"
+    );
+    assert_eq!(
+        source.cli(&["cluster", "setslot", &slot, "migrating", &id_of(target)]),
+        "OK"
+    );
+    migrate(source, target, &[counter.as_str()]);
+    for node in &cluster.nodes {
+        assert_eq!(
+            node.cli(&["cluster", "setslot", &slot, "node", &id_of(target)]),
+            "OK"
+        );
+    }
+    let since = Instant::now();
+    while target.cli(&["hget", &counter, "n"]) != "3" {
+        assert!(
+            since.elapsed() < Duration::from_secs(10),
+            "the late charge not given back where its counter went: {} counted for 3 served",
+            target.cli(&["hget", &counter, "n"])
+        );
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+}
+
 /// A node that answers every call in 50 ms, idle for a while (its last
 /// answer is older than the store's timeout), is not silent: a request
 /// whose caller went away after its call was sent, and a second request
