@@ -394,7 +394,7 @@ impl<St: Store> LeasedStoreBuilder<St> {
                 generations: AtomicU64::new(0),
                 prefetch: Mutex::default(),
                 busy: AtomicUsize::new(0),
-                resending: AtomicUsize::new(0),
+                resending: Arc::default(),
                 setting_aside: AtomicUsize::new(0),
                 sent: AtomicU64::new(0),
                 resets: Mutex::default(),
@@ -482,7 +482,7 @@ struct Shared {
     busy: AtomicUsize,
     /// Give-backs the store never got, sent again in tasks of their own
     /// while it is away: a shutdown waits for them, a lease time at most.
-    resending: AtomicUsize,
+    resending: Arc<AtomicUsize>,
     /// Requests on their way with units set aside from a block: a shutdown
     /// lets them land (their units back in the block, or spent) before it
     /// gives the blocks back.
@@ -502,35 +502,42 @@ struct Shared {
     orphans: Orphans,
 }
 
-/// One piece of the work a shutdown waits for, while it lives: counted in
-/// [`Shared::busy`], or in [`Shared::resending`].
+/// One piece of the work a shutdown waits for, while it lives.
 struct Busy {
     shared: Arc<Shared>,
-    count: fn(&Shared) -> &AtomicUsize,
 }
 
 impl Busy {
     fn new(shared: &Arc<Shared>) -> Self {
-        Self::counted(shared, |shared| &shared.busy)
-    }
-
-    /// A give-back the store never got, sent again.
-    fn resending(shared: &Arc<Shared>) -> Self {
-        Self::counted(shared, |shared| &shared.resending)
-    }
-
-    fn counted(shared: &Arc<Shared>, count: fn(&Shared) -> &AtomicUsize) -> Self {
-        count(shared).fetch_add(1, Ordering::SeqCst);
+        shared.busy.fetch_add(1, Ordering::SeqCst);
         Self {
             shared: Arc::clone(shared),
-            count,
         }
     }
 }
 
 impl Drop for Busy {
     fn drop(&mut self) {
-        (self.count)(&self.shared).fetch_sub(1, Ordering::SeqCst);
+        self.shared.busy.fetch_sub(1, Ordering::SeqCst);
+    }
+}
+
+/// A give-back the store never got, sent again in a task of its own,
+/// counted in [`Shared::resending`] while it lives. It holds the count
+/// alone: the task may outlive every handle of the store, and keeps none
+/// of its entries alive.
+struct Resending(Arc<AtomicUsize>);
+
+impl Resending {
+    fn new(shared: &Shared) -> Self {
+        shared.resending.fetch_add(1, Ordering::SeqCst);
+        Self(Arc::clone(&shared.resending))
+    }
+}
+
+impl Drop for Resending {
+    fn drop(&mut self) {
+        self.0.fetch_sub(1, Ordering::SeqCst);
     }
 }
 
@@ -2976,7 +2983,7 @@ impl GiveBack {
     /// (see [`GiveBack::put_back`]): this instance holds it again, spends
     /// it while it is fresh, gives it back when next idle or old, and on a
     /// shutdown. Otherwise its units stay charged until the period ends.
-    async fn send<St: Store>(mut self, inner: &St, shared: &Arc<Shared>) {
+    async fn send<St: Store>(mut self, inner: &St, shared: &Shared) {
         let Err(error) = self.try_send(inner).await else {
             return;
         };
@@ -2989,7 +2996,7 @@ impl GiveBack {
             // (A shutdown waits for it, a lease time at most.)
             PutBack::No => match tokio::runtime::Handle::try_current() {
                 Ok(runtime) => {
-                    let resending = Busy::resending(shared);
+                    let resending = Resending::new(shared);
                     let inner = inner.clone();
                     let until = tokio::time::Instant::now() + RESEND_UNSENT_FOR;
                     // No entry counts it on its way (this one is let go of).
