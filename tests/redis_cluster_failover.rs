@@ -643,3 +643,78 @@ async fn futures_of(app: &Router, accounts: &[Account]) -> Vec<StatusCode> {
     }
     statuses
 }
+
+/// A graceful failover that the store's map of slots has not caught up
+/// with yet (it is read every 2 s): a charge of the old master's subject
+/// reaches the new master (the old one, a replica now, answers `MOVED`),
+/// is held up there past its caller's wait (`CLIENT PAUSE`), and is
+/// applied once the pause ends. The new master holds it: its give-back
+/// must reach the new master, and the count say what was served.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn a_late_charge_the_new_master_ran_before_the_map_caught_up_is_given_back() {
+    if !redis_available() {
+        return;
+    }
+    let cluster = ReplicatedCluster::start(5_000);
+    let now = Timestamp::now().as_second();
+    let at = Timestamp::from_second(now - now.rem_euclid(86_400) + 43_200).unwrap();
+    let clock = ManualClock::new(at);
+    let seeds: Vec<String> = cluster.nodes.iter().map(|n| n.url()).collect();
+    let store = RedisStore::cluster_builder(seeds)
+        .timeout(Duration::from_millis(200))
+        .build()
+        .expect("a Redis Cluster store");
+    let (_policy, app) = app(store.clone(), &clock);
+    let group = 2;
+    let name = "late-on-new-master".to_owned();
+    let key = quota(group).key(&Namespace::default(), &Subject::account(name.as_str()), at);
+    let master = cluster.master_of(key.as_str());
+    let replica = cluster.replica_of(master);
+    let account = Account {
+        name,
+        group,
+        key: key.as_str().to_owned(),
+        master,
+    };
+    // The first request reads the map: the old master serves the slot.
+    let first = Instant::now();
+    for _ in 0..3 {
+        assert_eq!(request(&app, &account).await, StatusCode::OK);
+    }
+    assert_eq!(cluster.nodes[replica].cli(&["cluster", "failover"]), "OK");
+    let rig_promoted = Instant::now();
+    let port = cluster.nodes[replica].port();
+    until(Duration::from_secs(10), move || {
+        redis_support::cli(port, &["role"]).lines().next() == Some("master")
+    })
+    .await;
+    println!(
+        "promoted {:?} after the map was read, {:?} after the failover",
+        first.elapsed(),
+        rig_promoted.elapsed()
+    );
+    // The new master holds its writes for 2 s.
+    assert_eq!(
+        cluster.nodes[replica].cli(&["client", "pause", "2000", "write"]),
+        "OK"
+    );
+    assert_eq!(
+        request(&app, &account).await,
+        StatusCode::SERVICE_UNAVAILABLE,
+        "the caller stopped waiting"
+    );
+    println!("refused {:?} after the map was read", first.elapsed());
+    tokio::time::sleep(Duration::from_millis(2_500)).await;
+    let deadline = Instant::now() + Duration::from_secs(40);
+    while store.in_flight() > 0 {
+        assert!(Instant::now() < deadline, "calls still in flight");
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    tokio::time::sleep(Duration::from_millis(300)).await;
+    assert_eq!(
+        cluster.hget(&account.key, "n"),
+        "3",
+        "3 served; given back: {}",
+        store.given_back()
+    );
+}

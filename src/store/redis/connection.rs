@@ -761,6 +761,7 @@ impl Connections {
                         conn,
                         outside: Arc::clone(&shared.connector.outside),
                         failed_outside: false,
+                        sent_to: None,
                     })
             }
             _ => None,
@@ -796,6 +797,7 @@ impl Connections {
                     conn,
                     outside: Arc::clone(&shared.connector.outside),
                     failed_outside: false,
+                    sent_to: None,
                 })
                 .map_err(Fault::Redis),
             #[cfg(feature = "redis-cluster")]
@@ -956,6 +958,9 @@ pub(super) enum Connection {
         /// connection, and failed there: that node's, not this
         /// connection's, failure.
         failed_outside: bool,
+        /// The node a redirect last sent the call to: the node that ran it,
+        /// if it was run (see `RedisStore::follow`).
+        sent_to: Option<Redirect>,
     },
     #[cfg(feature = "redis-cluster")]
     ClusterPool(deadpool_redis::cluster::Connection),
@@ -1295,9 +1300,11 @@ impl Connection {
         if let Connection::Cluster {
             outside,
             failed_outside,
+            sent_to,
             ..
         } = self
         {
+            *sent_to = Some(redirect.clone());
             let result = outside.send(redirect, cmd).await;
             *failed_outside = result.as_ref().is_err_and(|e| !super::came_back(e));
             return result;
@@ -1312,6 +1319,14 @@ impl Connection {
 
 #[cfg(feature = "redis-cluster")]
 impl Connection {
+    /// The node a redirect last sent a call on this connection to, if any.
+    pub(super) fn sent_to(&self) -> Option<&Redirect> {
+        match self {
+            Connection::Cluster { sent_to, .. } => sent_to.as_ref(),
+            _ => None,
+        }
+    }
+
     /// `CLUSTER SLOTS`, sent to the master of `slot` when given (a
     /// cluster's connection routes it to any node otherwise).
     pub(super) async fn cluster_slots(&mut self, slot: Option<u16>) -> redis::RedisResult<Value> {

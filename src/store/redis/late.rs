@@ -339,6 +339,12 @@ pub(super) async fn follow_through<T>(
         return;
     }
     let now = give_back.now;
+    // The node that ran the charge: where a redirect sent it last (the
+    // store's map may lag the cluster client's, which a `MOVED` updated),
+    // or the node the map named.
+    #[cfg(feature = "redis-cluster")]
+    let node = conn.sent_to().cloned().or(give_back.node.take());
+    #[cfg(not(feature = "redis-cluster"))]
     let node = give_back.node.take();
     #[cfg(feature = "redis-cluster")]
     if node.is_some() {
@@ -453,6 +459,13 @@ async fn refund_line(
     loop {
         let answer = match &node {
             Some(at) => match invocation.invoke_at::<i64>(conn, at).await {
+                // The node is gone (a master killed, its replica promoted):
+                // it ran nothing it answers for; the slot's node now takes
+                // the refund.
+                Err(error) if error.is_connection_refusal() => {
+                    node = None;
+                    continue;
+                }
                 Err(error) if Redirect::of(&error).is_some() => {
                     if is_replica(conn, at).await {
                         if let Some(suppressed) = LATE.admit() {

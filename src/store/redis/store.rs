@@ -237,12 +237,16 @@ use crate::store::{
 ///   read from a node known silent, and a map in which a master serves no
 ///   slot any more has the cluster's connection opened anew. A charge
 ///   given back (its caller stopped waiting, and Redis applied it late) goes
-///   to the node it was sent to, never to another that took its slot over:
+///   to the node that ran it (the node a redirect sent it to last, or the
+///   one the store's map named), never to another that took its slot over:
 ///   a stalled master failed over runs the calls queued on it once it
 ///   resumes, on data it drops when it turns replica, which the new master
 ///   never held. So a charge a master applied late just before a graceful
 ///   failover (`CLUSTER FAILOVER`), which reached its replica, stays
-///   counted, though its request was refused.
+///   counted, though its request was refused; so does one applied late by
+///   a new master that the cluster client sent it to straight away, in the
+///   moment before the store's map, read again after the first `MOVED`,
+///   named it.
 /// - **A slot on the move.** While a resharding moves a slot, the charges of
 ///   its subjects that name several keys (a layer with several quotas, and
 ///   every charge of a [`LeasedStore`](crate::LeasedStore), which reads its
