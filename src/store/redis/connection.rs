@@ -1347,6 +1347,24 @@ impl Connection {
             (conn, _) => cmd.query_async::<Value>(conn).await,
         }
     }
+
+    /// `PING`, sent to the master of `slot` on a cluster's connection (to
+    /// learn whether that node's connection is still open before a change
+    /// is sent to it); `None` on any other connection.
+    pub(super) async fn ping_slot(&mut self, slot: u16) -> Option<redis::RedisResult<Value>> {
+        use redis::cluster_routing::{Route, RoutingInfo, SingleNodeRoutingInfo, SlotAddr};
+        let to = RoutingInfo::SingleNode(SingleNodeRoutingInfo::SpecificNode(Route::new(
+            slot,
+            SlotAddr::Master,
+        )));
+        match self {
+            Connection::Cluster { conn, .. } => {
+                Some(conn.route_command(redis::cmd("PING"), to).await)
+            }
+            Connection::ClusterPool(conn) => Some(conn.route_command(redis::cmd("PING"), to).await),
+            _ => None,
+        }
+    }
 }
 
 macro_rules! each {

@@ -246,7 +246,13 @@ use crate::store::{
 ///   counted, though its request was refused; so does one applied late by
 ///   a new master that the cluster client sent it to straight away, in the
 ///   moment before the store's map, read again after the first `MOVED`,
-///   named it.
+///   named it. A change (a refund, a give-back of a
+///   [`LeasedStore`](crate::LeasedStore)'s block, an add) is sent to its
+///   node only once a `PING` to that node answered: to a master killed
+///   (its connection closed, or refused when opened anew) or silent, it
+///   fails as never sent, so a give-back is sent again until the promoted
+///   replica takes it, rather than left charged as one that may have
+///   landed.
 /// - **A slot on the move.** While a resharding moves a slot, the charges of
 ///   its subjects that name several keys (a layer with several quotas, and
 ///   every charge of a [`LeasedStore`](crate::LeasedStore), which reads its
@@ -738,6 +744,38 @@ impl RedisStore {
             )
             .unsent());
         }
+        // On a cluster, a change (a give-back, a refund, an add) goes only
+        // to a node whose connection answers: the cluster's connection
+        // serves on while one node's is closed (a master killed, before its
+        // replica's promotion), and a call queued on a closed one fails as
+        // one lost on the wire, never sent again, though it was never
+        // written. A `PING` to the slot's master first: one that fails
+        // without an answer from Redis, or none in the call's budget, fails
+        // the change as never sent.
+        #[cfg(feature = "redis-cluster")]
+        let mut conn = conn;
+        #[cfg(feature = "redis-cluster")]
+        if let (Sends::Write, Some(slot)) = (sends, slot) {
+            let deadline = patience.deadline(inner.last_answer.last());
+            match tokio::time::timeout_at(deadline, conn.ping_slot(slot)).await {
+                Ok(None | Some(Ok(_))) => {}
+                Ok(Some(Err(error))) if came_back(&error) => {}
+                Ok(Some(Err(error))) => {
+                    if retires(&error) {
+                        inner.connections.failed(conn.failed());
+                    }
+                    return Err(redis_error(error).unsent());
+                }
+                Err(_) => {
+                    return Err(StoreError::new(
+                        StoreErrorKind::Timeout,
+                        "the Redis Cluster node of this change answered no PING within the \
+                         store's timeout; nothing was sent",
+                    )
+                    .unsent())
+                }
+            }
+        }
         // On a cluster, a charge Redis applies late is given back to the
         // node it was sent to (see `refund_line`).
         #[cfg(feature = "redis-cluster")]
@@ -810,7 +848,11 @@ impl RedisStore {
                 // caller may send it again, as one never sent (a give-back
                 // of a request not served, or a deferred cost, would
                 // otherwise be lost).
-                let again = matches!(sends, Sends::Write) && applied_nothing(&error);
+                // So did one whose connection could not even be opened (a
+                // node killed: the cluster's connection opens a new one to
+                // it for the call, which the dead node refuses).
+                let again = matches!(sends, Sends::Write)
+                    && (applied_nothing(&error) || error.is_connection_refusal());
                 let error = redis_error(error);
                 Err(if again { error.unsent() } else { error })
             }
