@@ -222,12 +222,15 @@ impl NodeAnswers {
     }
 
     /// The address of the node of `slot`, as the map last read names it
-    /// (`None`: not known, or an entry nodes share past `MAX_NODES`).
+    /// (`None`: not known, an entry nodes share past `MAX_NODES`, or a node
+    /// whose endpoint the cluster does not tell: `?`, or empty, under
+    /// `cluster-preferred-endpoint-type unknown-endpoint`).
     pub(super) fn address(&self, slot: u16) -> Option<(String, u16)> {
         let index = u16::try_from(self.index(slot)?).ok()?;
         let indices = self.indices.lock().unwrap_or_else(|e| e.into_inner());
         let mut named = indices.iter().filter(|(_, &i)| i == index).map(|(a, _)| a);
         match (named.next(), named.next()) {
+            (Some((host, _)), None) if host.is_empty() || host == "?" => None,
             (Some(address), None) => Some(address.clone()),
             _ => None,
         }
@@ -574,6 +577,19 @@ mod tests {
         let _ = gone.await;
         assert_eq!(nodes.rooms[0].waiting.load(Ordering::SeqCst), 0);
         assert_eq!(nodes.rooms[0].held.load(Ordering::SeqCst), 2);
+    }
+
+    #[test]
+    fn a_node_is_named_by_the_endpoint_the_map_tells_if_it_tells_one() {
+        let nodes = NodeAnswers::new();
+        nodes.read(&Value::Array(vec![
+            range(0, 99, "10.0.0.1", 6379),
+            range(100, 199, "?", 6379),
+            range(200, 16_383, "", 6380),
+        ]));
+        assert_eq!(nodes.address(5), Some(("10.0.0.1".into(), 6379)));
+        assert_eq!(nodes.address(150), None, "unknown endpoint");
+        assert_eq!(nodes.address(300), None, "unknown endpoint");
     }
 
     #[test]
