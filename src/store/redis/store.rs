@@ -777,7 +777,8 @@ impl RedisStore {
             }
         }
         // On a cluster, a charge Redis applies late is given back to the
-        // node it was sent to (see `refund_line`).
+        // node that ran it: the one the map names now, unless a redirect
+        // sends the call elsewhere (see `follow_through`, `refund_line`).
         #[cfg(feature = "redis-cluster")]
         let give_back = give_back.map(|mut back| {
             back.node = slot
