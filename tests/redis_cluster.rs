@@ -15,7 +15,7 @@ use tower_quota::store::RedisStore;
 use tower_quota::testing::{self, Verdict};
 use tower_quota::{FromHeader, Namespace, Quota, QuotaPolicy, Subject};
 
-use redis_support::{redis_available, RedisCluster, SlowProxy, Stopped};
+use redis_support::{redis_available, RedisCluster, Stopped};
 
 fn store(cluster: &RedisCluster) -> RedisStore {
     RedisStore::cluster_builder(cluster.urls())
@@ -319,8 +319,7 @@ async fn requests_behind_others_on_a_slow_node_are_served() {
         return;
     }
     let cluster = RedisCluster::start();
-    let proxy = SlowProxy::start(cluster.nodes[0].port()).await;
-    cluster.announce(0, proxy.port());
+    let proxy = cluster.slow_proxy(0).await;
     // One connection: the calls to the slow node queue on one socket.
     let store = RedisStore::cluster_builder(vec![cluster.nodes[1].url()])
         .pool_size(1)
@@ -379,10 +378,8 @@ async fn a_request_beside_a_slow_node_is_not_queued_behind_it_and_is_served_by_i
         return;
     }
     let cluster = RedisCluster::start();
-    let proxy = SlowProxy::start(cluster.nodes[0].port()).await;
-    cluster.announce(0, proxy.port());
-    let other_proxy = SlowProxy::start(cluster.nodes[1].port()).await;
-    cluster.announce(1, other_proxy.port());
+    let proxy = cluster.slow_proxy(0).await;
+    let other_proxy = cluster.slow_proxy(1).await;
     other_proxy.slow(Duration::from_millis(10));
     let [slow, other, _] = cluster.subject_per_node("node-fault");
     for store_timeout in [None, Some(Duration::from_secs(2))] {
@@ -678,8 +675,7 @@ async fn a_late_charge_whose_slot_moved_is_given_back_where_the_slot_went() {
         return;
     }
     let cluster = RedisCluster::start();
-    let proxy = SlowProxy::start(cluster.nodes[0].port()).await;
-    cluster.announce(0, proxy.port());
+    let proxy = cluster.slow_proxy(0).await;
     let [account, _, _] = cluster.subject_per_node("late-moved");
     let app = app_on(cluster.urls(), 100);
     for _ in 0..3 {
@@ -737,8 +733,7 @@ async fn an_idle_healthy_node_with_a_call_given_up_is_not_silent() {
         return;
     }
     let cluster = RedisCluster::start();
-    let proxy = SlowProxy::start(cluster.nodes[0].port()).await;
-    cluster.announce(0, proxy.port());
+    let proxy = cluster.slow_proxy(0).await;
     let [slow, other, _] = cluster.subject_per_node("idle-node");
     let store = RedisStore::cluster_builder(vec![cluster.nodes[2].url()])
         .timeout(Duration::from_millis(300))

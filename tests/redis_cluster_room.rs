@@ -20,7 +20,7 @@ use tower::ServiceExt;
 use tower_quota::store::RedisStore;
 use tower_quota::{FromHeader, Quota, QuotaPolicy};
 
-use redis_support::{redis_available, RedisCluster, SlowProxy, Stopped};
+use redis_support::{redis_available, RedisCluster, Stopped};
 
 async fn request(app: &Router, account: &str) -> StatusCode {
     let request = Request::get("/")
@@ -181,8 +181,7 @@ async fn a_node_back_from_a_stall_is_not_taken_for_stalled_later() {
         return;
     }
     let cluster = RedisCluster::start();
-    let proxy = SlowProxy::start(cluster.nodes[0].port()).await;
-    cluster.announce(0, proxy.port());
+    let proxy = cluster.slow_proxy(0).await;
     let [node, other, _] = cluster.subject_per_node("back-from-stall");
     let (store, app) = app_on(&cluster, 2);
     for account in [&node, &other] {
@@ -220,8 +219,7 @@ async fn a_node_that_answers_is_not_silent_while_calls_given_up_are_on_their_way
         return;
     }
     let cluster = RedisCluster::start();
-    let proxy = SlowProxy::start(cluster.nodes[0].port()).await;
-    cluster.announce(0, proxy.port());
+    let proxy = cluster.slow_proxy(0).await;
     let [node, other, _] = cluster.subject_per_node("answering-node");
     let (_store, app) = app_on(&cluster, 2);
     for account in [&node, &other] {
@@ -296,8 +294,7 @@ async fn a_busy_node_past_its_half_of_the_room_has_its_calls_wait_not_fail() {
         return;
     }
     let cluster = RedisCluster::start();
-    let proxy = SlowProxy::start(cluster.nodes[0].port()).await;
-    cluster.announce(0, proxy.port());
+    let proxy = cluster.slow_proxy(0).await;
     let (store, app) = app_on(&cluster, 2);
     let [busy, other, _] = cluster.subject_per_node("busy-node");
     for account in [&busy, &other] {

@@ -12,7 +12,8 @@ use tower::ServiceExt;
 use tower_quota::jiff::tz::TimeZone;
 use tower_quota::jiff::{SignedDuration, Timestamp};
 use tower_quota::{
-    FromHeader, InvalidRequest, ManualClock, Quota, QuotaPolicy, QuotaStatus, Subject,
+    zone_from_header, FromHeader, InvalidRequest, ManualClock, Quota, QuotaPolicy, QuotaStatus,
+    Subject,
 };
 
 fn at(s: &str) -> Timestamp {
@@ -619,10 +620,7 @@ async fn a_handle_in_an_aliased_zone_names_the_zone_as_the_layer_does() {
     let clock = ManualClock::new(at("2026-12-02T20:00:00Z"));
     let policy = QuotaPolicy::builder(FromHeader::account("x-account-id"))
         .clock(clock.clone())
-        .time_zone(|parts| {
-            let name = parts.headers["x-time-zone"].to_str().unwrap();
-            Ok(Some(TimeZone::get(name).unwrap()))
-        })
+        .time_zone(zone_from_header("x-time-zone"))
         .build();
     let told = |status: QuotaStatus| async move { status.entries()[0].explain_reset() };
     let app = Router::new()
@@ -647,10 +645,7 @@ async fn a_handle_for_a_caller_in_an_aliased_zone_names_the_zone_as_the_layer_do
     let clock = ManualClock::new(at("2026-12-02T20:00:00Z"));
     let policy = QuotaPolicy::builder(FromHeader::account("x-account-id"))
         .clock(clock.clone())
-        .time_zone(|parts| {
-            let name = parts.headers["x-time-zone"].to_str().unwrap();
-            Ok(Some(TimeZone::get(name).unwrap()))
-        })
+        .time_zone(zone_from_header("x-time-zone"))
         .caller_info(|_subject| async move {
             Ok(Some(
                 tower_quota::CallerInfo::new().zone(TimeZone::get("US/Eastern")?),
@@ -698,7 +693,7 @@ async fn a_zone_read_from_a_header_counts_its_aliases_as_it_and_refuses_the_rest
     let clock = ManualClock::new(at("2026-12-02T16:00:00Z"));
     let policy = QuotaPolicy::builder(FromHeader::account("x-account-id"))
         .clock(clock.clone())
-        .time_zone(tower_quota::zone_from_header("X-Account-Zone"))
+        .time_zone(zone_from_header("X-Account-Zone"))
         .build();
     let app = Router::new()
         .route(

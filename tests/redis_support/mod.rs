@@ -416,6 +416,14 @@ impl RedisCluster {
         }
     }
 
+    /// A [`SlowProxy`] in front of node `node`, which the node announces to
+    /// clients (see [`announce`](Self::announce)).
+    pub async fn slow_proxy(&self, node: usize) -> SlowProxy {
+        let proxy = SlowProxy::start(self.nodes[node].port()).await;
+        self.announce(node, proxy.port());
+        proxy
+    }
+
     /// A master joined to the cluster with no slot (as `redis-cli --cluster
     /// add-node` leaves it, before a resharding gives it some); its index.
     pub fn add_master(&mut self) -> usize {
