@@ -1330,38 +1330,38 @@ impl Connection {
     /// `CLUSTER SLOTS`, sent to the master of `slot` when given (a
     /// cluster's connection routes it to any node otherwise).
     pub(super) async fn cluster_slots(&mut self, slot: Option<u16>) -> redis::RedisResult<Value> {
-        use redis::cluster_routing::{Route, RoutingInfo, SingleNodeRoutingInfo, SlotAddr};
         let mut cmd = redis::cmd("CLUSTER");
         cmd.arg("SLOTS");
-        let to = |slot| {
-            RoutingInfo::SingleNode(SingleNodeRoutingInfo::SpecificNode(Route::new(
-                slot,
-                SlotAddr::Master,
-            )))
-        };
-        match (self, slot) {
-            (Connection::Cluster { conn, .. }, Some(slot)) => {
-                conn.route_command(cmd, to(slot)).await
+        if let Some(slot) = slot {
+            if let Some(reply) = self.send_to_master_of(cmd.clone(), slot).await {
+                return reply;
             }
-            (Connection::ClusterPool(conn), Some(slot)) => conn.route_command(cmd, to(slot)).await,
-            (conn, _) => cmd.query_async::<Value>(conn).await,
         }
+        cmd.query_async::<Value>(self).await
     }
 
     /// `PING`, sent to the master of `slot` on a cluster's connection (to
     /// learn whether that node's connection is still open before a change
     /// is sent to it); `None` on any other connection.
     pub(super) async fn ping_slot(&mut self, slot: u16) -> Option<redis::RedisResult<Value>> {
+        self.send_to_master_of(redis::cmd("PING"), slot).await
+    }
+
+    /// `cmd`, sent to the master of `slot` on a cluster's connection;
+    /// `None` on any other connection (nothing sent).
+    async fn send_to_master_of(
+        &mut self,
+        cmd: redis::Cmd,
+        slot: u16,
+    ) -> Option<redis::RedisResult<Value>> {
         use redis::cluster_routing::{Route, RoutingInfo, SingleNodeRoutingInfo, SlotAddr};
         let to = RoutingInfo::SingleNode(SingleNodeRoutingInfo::SpecificNode(Route::new(
             slot,
             SlotAddr::Master,
         )));
         match self {
-            Connection::Cluster { conn, .. } => {
-                Some(conn.route_command(redis::cmd("PING"), to).await)
-            }
-            Connection::ClusterPool(conn) => Some(conn.route_command(redis::cmd("PING"), to).await),
+            Connection::Cluster { conn, .. } => Some(conn.route_command(cmd, to).await),
+            Connection::ClusterPool(conn) => Some(conn.route_command(cmd, to).await),
             _ => None,
         }
     }
