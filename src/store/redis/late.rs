@@ -118,10 +118,12 @@ pub(super) struct GiveBack<T> {
     pub(super) lines: Vec<(usize, PeriodKey, u64)>,
     /// The instant of the charge: the refund goes to the counters live then.
     pub(super) now: Timestamp,
-    /// On a cluster, the node the charge was sent to (as the store's map
-    /// named it then): the give-back goes there, and to no node that took
-    /// its slot over in a failover (see [`refund_line`]).
-    pub(super) node: Option<Redirect>,
+    /// On a cluster, the node the charge was sent to, as the store's map
+    /// named it then (its index there: an index names one address for
+    /// good): the give-back goes there, unless a redirect sent the charge
+    /// elsewhere, and to no node that took its slot over in a failover
+    /// (see [`refund_line`]).
+    pub(super) node: Option<u16>,
 }
 
 impl<T> GiveBack<T> {
@@ -343,9 +345,17 @@ pub(super) async fn follow_through<T>(
     // store's map may lag the cluster client's, which a `MOVED` updated),
     // or the node the map named.
     #[cfg(feature = "redis-cluster")]
-    let node = conn.sent_to().cloned().or(give_back.node.take());
+    let node = conn.sent_to().cloned().or_else(|| {
+        let index = give_back.node.take()?;
+        inner
+            .nodes
+            .as_ref()?
+            .address_of(index)
+            .map(Redirect::to_node)
+    });
+    // (Set on a cluster only.)
     #[cfg(not(feature = "redis-cluster"))]
-    let node = give_back.node.take();
+    let node: Option<Redirect> = give_back.node.take().and(None);
     #[cfg(feature = "redis-cluster")]
     if node.is_some() {
         if let Some(room) = &mut _permit {

@@ -221,12 +221,17 @@ impl NodeAnswers {
         best.map(|(_, slot)| slot)
     }
 
-    /// The address of the node of `slot`, as the map last read names it
-    /// (`None`: not known, an entry nodes share past `MAX_NODES`, or a node
-    /// whose endpoint the cluster does not tell: `?`, or empty, under
-    /// `cluster-preferred-endpoint-type unknown-endpoint`).
-    pub(super) fn address(&self, slot: u16) -> Option<(String, u16)> {
-        let index = u16::try_from(self.index(slot)?).ok()?;
+    /// The node of `slot` as the map last read names it: its index, which
+    /// names one address for good (see [`address_of`](Self::address_of)).
+    pub(super) fn node_of(&self, slot: u16) -> Option<u16> {
+        u16::try_from(self.index(slot)?).ok()
+    }
+
+    /// The address of the node at `index` (`None`: an entry nodes share
+    /// past `MAX_NODES`, or a node whose endpoint the cluster does not
+    /// tell: `?`, or empty, under `cluster-preferred-endpoint-type
+    /// unknown-endpoint`).
+    pub(super) fn address_of(&self, index: u16) -> Option<(String, u16)> {
         let indices = self.indices.lock().unwrap_or_else(|e| e.into_inner());
         let mut named = indices.iter().filter(|(_, &i)| i == index).map(|(a, _)| a);
         match (named.next(), named.next()) {
@@ -587,9 +592,10 @@ mod tests {
             range(100, 199, "?", 6379),
             range(200, 16_383, "", 6380),
         ]));
-        assert_eq!(nodes.address(5), Some(("10.0.0.1".into(), 6379)));
-        assert_eq!(nodes.address(150), None, "unknown endpoint");
-        assert_eq!(nodes.address(300), None, "unknown endpoint");
+        let address = |slot| nodes.address_of(nodes.node_of(slot)?);
+        assert_eq!(address(5), Some(("10.0.0.1".into(), 6379)));
+        assert_eq!(address(150), None, "unknown endpoint");
+        assert_eq!(address(300), None, "unknown endpoint");
     }
 
     #[test]

@@ -17,8 +17,6 @@ use tokio::sync::Semaphore;
 use super::batch::{Batches, LineArgs, Lines, Pending};
 use super::builder::{RedisStoreBuilder, Source};
 use super::clock::{refresh_offset, ServerClock};
-#[cfg(feature = "redis-cluster")]
-use super::connection::Redirect;
 use super::connection::{AnswersAfter, Connection, Connections, Unanswered};
 use super::errors::{applied_nothing, came_back, fault_error, redis_error, retires};
 use super::hash::jitter;
@@ -779,11 +777,11 @@ impl RedisStore {
         // On a cluster, a charge Redis applies late is given back to the
         // node that ran it: the one the map names now, unless a redirect
         // sends the call elsewhere (see `follow_through`, `refund_line`).
+        // Its index only, read without a lock: its address is looked up
+        // if a give-back is ever needed.
         #[cfg(feature = "redis-cluster")]
         let give_back = give_back.map(|mut back| {
-            back.node = slot
-                .and_then(|slot| inner.nodes.as_ref()?.address(slot))
-                .map(Redirect::to_node);
+            back.node = slot.and_then(|slot| inner.nodes.as_ref()?.node_of(slot));
             back
         });
         let sent = tokio::time::Instant::now();
