@@ -874,11 +874,11 @@ impl Connections {
     }
 
     /// Replaces a cluster's connections (their epoch is over), and waits
-    /// until each serves anew, `within` at most; whether they all do.
+    /// until each serves anew, `within` at most.
     #[cfg(feature = "redis-cluster")]
-    pub(super) async fn renew(&self, within: Duration) -> bool {
+    pub(super) async fn renew(&self, within: Duration) {
         let Connections::Cluster(shared) = self else {
-            return true;
+            return;
         };
         shared.failed(shared.epoch.load(Ordering::Acquire));
         let deadline = Instant::now() + within;
@@ -894,7 +894,7 @@ impl Connections {
                 }
             }
             if renewed || Instant::now() >= deadline {
-                return renewed;
+                return;
             }
             tokio::time::sleep(Duration::from_millis(50)).await;
         }
