@@ -939,8 +939,13 @@ async fn run<St: Store>(options: &Options, store: St, stops: &Stops) -> bool {
         };
         if owed.units > 0 {
             eprintln!(
-                "{} units owed on {} counters go uncounted: the store did not take them",
-                owed.units, owed.counters
+                "{} units owed on {} counters go uncounted: the store did not take them{}",
+                owed.units,
+                owed.counters,
+                match owed.unanswered {
+                    0 => String::new(),
+                    n => format!(" ({n} of them may count: the store did not answer their settle)"),
+                },
             );
         }
     }

@@ -180,6 +180,12 @@ pub struct Owed {
     pub counters: usize,
     /// Units owed, over every counter.
     pub units: u64,
+    /// Of `units`, those of settles the store may have added without
+    /// answering (one on its way, or one that timed out or lost its
+    /// connection): sent again under their id, they count once, but a
+    /// process that exits owing them leaves at most `units - unanswered`
+    /// uncounted for sure.
+    pub unanswered: u64,
 }
 
 /// A policy's ledger. Its bound is the policy's setting (`max_owed`).
@@ -353,6 +359,10 @@ struct Entry {
 struct Sent {
     id: u64,
     amount: u64,
+    /// Whether the store may have applied it: it failed after it left (a
+    /// timeout, a lost connection) or was dropped on its way; not when it
+    /// failed unsent, each time it was sent.
+    unanswered: bool,
 }
 
 impl Entry {
@@ -525,6 +535,7 @@ impl Ledger {
         Owed {
             counters: book.queue.len(),
             units: book.units,
+            unanswered: book.unanswered(),
         }
     }
 
@@ -856,6 +867,7 @@ impl Book {
                 let sent = Sent {
                     id: self.next_settle,
                     amount: entry.amount,
+                    unanswered: false,
                 };
                 self.next_settle = self.next_settle.wrapping_add(1);
                 sent
@@ -883,8 +895,8 @@ impl Book {
     /// The store failed to settle entry `id` of `key`: it goes to the back
     /// of the queue, so that the others are tried before it again. How many
     /// entries are owed that the task may try now.
-    fn postpone(&mut self, key: &PeriodKey, id: u64) -> usize {
-        self.unsettled();
+    fn postpone(&mut self, key: &PeriodKey, id: u64, unsent: bool) -> usize {
+        self.unsettled(!unsent);
         if let Some(at) = self.queue.iter().position(|(k, i)| k == key && *i == id) {
             let entry = self.queue.remove(at).expect("found in the queue");
             self.queue.push_back(entry);
@@ -934,12 +946,13 @@ impl Book {
         taken
     }
 
-    /// The settle on its way failed, or was dropped before it answered:
-    /// its entry is back among the others, to be sent again as it was (see
-    /// [`Entry::sent`]), less what support's reset of the counter forgot
-    /// meanwhile, which is not sent again into the fresh counter (what was
-    /// owed since stays, for a settle of its own).
-    fn unsettled(&mut self) {
+    /// The settle on its way failed, or was dropped before it answered
+    /// (`left`: after it may have reached the store): its entry is back
+    /// among the others, to be sent again as it was (see [`Entry::sent`]),
+    /// less what support's reset of the counter forgot meanwhile, which is
+    /// not sent again into the fresh counter (what was owed since stays,
+    /// for a settle of its own).
+    fn unsettled(&mut self, left: bool) {
         if let Some(InFlight {
             key,
             id,
@@ -947,6 +960,11 @@ impl Book {
             ..
         }) = self.in_flight.clone()
         {
+            if left {
+                if let Some(sent) = self.entry(&key, id).and_then(|e| e.sent.as_mut()) {
+                    sent.unanswered = true;
+                }
+            }
             if forgot > 0 {
                 if let Some(entry) = self.entry(&key, id) {
                     entry.sent = None;
@@ -967,6 +985,23 @@ impl Book {
         if let Some(end) = self.entry(&key, id).map(|e| e.lifetime.end()) {
             self.earliest(end);
         }
+    }
+
+    /// The units of the settles the store may have applied without an
+    /// answer: those that failed after they left, and the one on its way.
+    fn unanswered(&self) -> u64 {
+        self.owed
+            .iter()
+            .flat_map(|(key, entries)| entries.iter().map(move |entry| (key, entry)))
+            .filter_map(|(key, entry)| {
+                let sent = entry.sent?;
+                let on_its_way = self
+                    .in_flight
+                    .as_ref()
+                    .is_some_and(|flight| flight.is(key, entry.id));
+                (sent.unanswered || on_its_way).then_some(sent.amount.min(entry.amount))
+            })
+            .fold(0, u64::saturating_add)
     }
 
     /// Removes entry `id` of `key`.
@@ -1076,7 +1111,7 @@ impl Drop for Settling {
                 book.settling = false;
                 ledger.beat.store(IDLE, Ordering::Relaxed);
                 // A settle dropped on its way is one that failed.
-                book.unsettled();
+                book.unsettled(true);
                 if !book.queue.is_empty() {
                     ledger.stranded.store(true, Ordering::Relaxed);
                 }
@@ -1157,7 +1192,7 @@ async fn settle<St: Store>(
         let owed = ledger.as_ref().map_or(0, |ledger| {
             let mut book = ledger.lock();
             if failed {
-                book.postpone(&key, id)
+                book.postpone(&key, id, result.as_ref().is_err_and(StoreError::is_unsent))
             } else {
                 book.paid(&key, id, amount);
                 0

@@ -234,6 +234,64 @@ async fn fail_closed_through_a_stall_leaves_its_refusals_uncharged() {
     );
 }
 
+/// A settle sent into a stall, which times out, may have been added:
+/// `owed()` tells its units apart (`unanswered`) until Redis, resumed,
+/// counts them once, the settle sent again finding its mark. A settle
+/// that never left (Redis down, the connection refused) is not among
+/// them.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_settle_without_an_answer_is_owed_as_unanswered() {
+    let Some(mut server) = stalling_server() else {
+        return;
+    };
+    let store = RedisStore::builder(server.url())
+        .timeout(Duration::from_millis(80))
+        .build()
+        .unwrap();
+    store.preload().await.unwrap();
+    let policy = QuotaPolicy::builder(account())
+        .store(store)
+        .on_store_error(OnStoreError::FailOpen)
+        .build();
+    let quota = Quota::daily(100);
+    let app = served(&policy, &quota);
+    let port = server.port();
+    let stall =
+        tokio::task::spawn_blocking(move || redis_support::cli(port, &["debug", "sleep", "2"]));
+    tokio::time::sleep(Duration::from_millis(100)).await;
+    assert_eq!(send(&app, "acme").await, StatusCode::OK, "fail open");
+    let deadline = Instant::now() + Duration::from_millis(1_500);
+    while policy.owed().unanswered == 0 && Instant::now() < deadline {
+        tokio::time::sleep(Duration::from_millis(10)).await;
+    }
+    let owed = policy.owed();
+    assert_eq!(
+        (owed.units, owed.unanswered),
+        (1, 1),
+        "a settle timed out: {owed:?}"
+    );
+    assert_eq!(send(&app, "acme").await, StatusCode::OK, "fail open");
+    let owed = policy.owed();
+    assert_eq!(
+        (owed.units, owed.unanswered),
+        (2, 1),
+        "owed since the settle left, not in it: {owed:?}"
+    );
+    assert_eq!(stall.await.unwrap(), "OK");
+    settled(&policy).await;
+    let key = key_of(&quota, "acme", Timestamp::now());
+    assert_eq!(used(&server, &key), "2", "counted once");
+
+    server.kill();
+    assert_eq!(send(&app, "acme").await, StatusCode::OK, "fail open");
+    let owed = policy.settle_owed(Duration::from_millis(300)).await;
+    assert_eq!(
+        (owed.units, owed.unanswered),
+        (1, 0),
+        "Redis down: no settle reached it: {owed:?}"
+    );
+}
+
 /// What the README's graceful shutdown awaits (`settle_owed`, then the
 /// process exits) leaves no charge behind: requests answered while Redis
 /// stalled (503, fail closed; fail open, settled) have charges Redis

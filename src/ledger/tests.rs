@@ -360,15 +360,25 @@ fn a_failed_settle_is_sent_again_as_it_was_then_the_rest_under_a_new_id() {
     book.record(calendar(&acme, 5, now), now, 10);
     let (key, id, first) = book.next(now).settle().unwrap();
     assert_eq!(first.amount, 5);
+    assert_eq!(book.unanswered(), 5, "on its way");
     book.record(calendar(&acme, 3, now + minutes(1)), now, 10);
-    book.postpone(&key, id);
+    // Never sent (no connection): nothing of it may have been added.
+    book.postpone(&key, id, true);
+    assert_eq!((book.units, book.unanswered()), (8, 0));
     let (_, _, again) = book.next(now).settle().unwrap();
     assert_eq!(again, first, "the same settle: its id and its units");
+    // Timed out: it may have been added.
+    book.postpone(&key, id, false);
+    assert_eq!((book.units, book.unanswered()), (8, 5));
+    let (_, _, again) = book.next(now).settle().unwrap();
+    assert_eq!(again, first);
     // Dropped on its way this time (its task ended): the same again.
-    book.unsettled();
+    book.unsettled(true);
+    assert_eq!(book.unanswered(), 5);
     let (key, id, third) = book.next(now).settle().unwrap();
     assert_eq!(third, first);
     book.paid(&key, id, third.amount);
+    assert_eq!((book.units, book.unanswered()), (3, 0));
     let (key, id, rest) = book.next(now).settle().unwrap();
     assert_eq!(rest.amount, 3, "what was owed since");
     assert_ne!(rest.id, first.id, "a new settle");
@@ -393,7 +403,7 @@ fn a_settle_that_fails_after_a_reset_is_not_sent_again() {
     let since = now + minutes(2);
     ledger.lock().record(calendar(&acme, 2, since), since, 10);
     let mut book = ledger.lock();
-    book.unsettled();
+    book.unsettled(true);
     let (_, _, next) = book.next(since).settle().unwrap();
     assert_eq!(next.amount, 2, "only what was owed since the reset");
     assert_ne!(next.id, first.id);
@@ -434,7 +444,7 @@ fn the_entry_being_settled_starts_no_search_for_ended_ones() {
         book.earliest_end
     );
     // The settle failed: a is over, and makes room for b.
-    book.postpone(&key, id);
+    book.postpone(&key, id, false);
     assert_queue_holds_every_entry_once(&book);
     assert_eq!(book.earliest_end, Some(now + minutes(60)));
     assert!(book.record(first_use(&b, 1, later), later, 1));
@@ -548,7 +558,8 @@ fn a_debt_past_what_the_store_counts_is_owed_up_to_it() {
         ledger.owed(),
         Owed {
             counters: 1,
-            units: 10
+            units: 10,
+            unanswered: 0
         }
     );
 }
@@ -596,8 +607,10 @@ async fn the_ledger_settles_once_the_store_is_back_and_waits_longer_between_trie
         ledger.owed(),
         Owed {
             counters: 1,
-            units: 2
-        }
+            units: 2,
+            unanswered: 2
+        },
+        "a settle that failed after it left may have been added"
     );
 
     store.away.store(false, Ordering::Relaxed);
@@ -655,8 +668,10 @@ async fn a_settle_never_sent_keeps_its_debt_whatever_the_errors_kind() {
         ledger.owed(),
         Owed {
             counters: 1,
-            units: 2
-        }
+            units: 2,
+            unanswered: 0
+        },
+        "a settle the store never sent was not added"
     );
     store.unsent.store(false, Ordering::Relaxed);
     tokio::time::sleep(Duration::from_secs(6)).await;
@@ -680,6 +695,7 @@ async fn settling_now_tries_again_soon_and_tells_what_is_still_owed() {
     let owed = Owed {
         counters: 1,
         units: 2,
+        unanswered: 2,
     };
     // Still away: owed after the wait, tried every 100 ms meanwhile.
     let tries = store.tries.load(Ordering::Relaxed);
@@ -758,7 +774,8 @@ async fn a_key_the_store_keeps_failing_holds_up_no_other() {
         ledger.owed(),
         Owed {
             counters: 1,
-            units: 1
+            units: 1,
+            unanswered: 1
         },
         "b settled at once, behind a that failed"
     );

@@ -417,7 +417,9 @@ impl<E, St> QuotaPolicy<E, St> {
     /// uncounted. While it waits, a store that fails is tried again every
     /// 100 ms, not after the growing waits (up to 5 s) of the ledger's
     /// task. Answers what is still owed (nothing, once settled; a settle
-    /// on its way when the time is up counts as owed, though it may land).
+    /// on its way when the time is up, or one the store did not answer,
+    /// counts as owed though it may land: [`Owed::unanswered`] tells its
+    /// units).
     /// Once nothing is owed, it waits too (within the same time) for the
     /// store's charges still on their way ([`Store::charges_in_flight`]): the
     /// Redis store follows a charge or a settle it did not answer in time,
