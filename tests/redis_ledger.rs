@@ -154,16 +154,21 @@ fn stalling_server() -> Option<RedisServer> {
     redis_available().then(|| RedisServer::start_with(&["--enable-debug-command", "yes"]))
 }
 
+/// A fail-open policy on a Redis store of `server`, its script loaded.
+async fn fail_open_on(server: &RedisServer) -> QuotaPolicy<FromHeader, RedisStore> {
+    let store = RedisStore::new(server.url()).unwrap();
+    store.preload().await.unwrap();
+    QuotaPolicy::builder(account())
+        .store(store)
+        .on_store_error(OnStoreError::FailOpen)
+        .build()
+}
+
 /// Fail open through a stall, on a daily quota of `limit`: afterwards the
 /// counter holds the 200s, exactly. What the callers saw, and the store.
 async fn fail_open_through_a_stall(limit: u64) -> (Seen, RedisStore) {
     let server = stalling_server().expect("checked by the caller");
-    let store = RedisStore::new(server.url()).unwrap();
-    store.preload().await.unwrap();
-    let policy = QuotaPolicy::builder(account())
-        .store(store)
-        .on_store_error(OnStoreError::FailOpen)
-        .build();
+    let policy = fail_open_on(&server).await;
     let quota = Quota::daily(limit);
     let app = served(&policy, &quota);
     let (seen, owed) = twenty_callers_through_a_stall(&server, &policy, app).await;
@@ -244,15 +249,7 @@ async fn a_settle_without_an_answer_is_owed_as_unanswered() {
     let Some(mut server) = stalling_server() else {
         return;
     };
-    let store = RedisStore::builder(server.url())
-        .timeout(Duration::from_millis(80))
-        .build()
-        .unwrap();
-    store.preload().await.unwrap();
-    let policy = QuotaPolicy::builder(account())
-        .store(store)
-        .on_store_error(OnStoreError::FailOpen)
-        .build();
+    let policy = fail_open_on(&server).await;
     let quota = Quota::daily(100);
     let app = served(&policy, &quota);
     let port = server.port();
