@@ -592,6 +592,7 @@ pub(crate) trait GiveBack: Send + Sync {
 
 impl Lines {
     /// `lines`, counting `quotas` of `layer`.
+    #[inline]
     pub(crate) fn new(
         layer: Arc<dyn LayerQuotas>,
         quotas: QuotaSet,

@@ -547,10 +547,11 @@ impl<E, St: Store> Drop for Unanswered<E, St> {
 }
 
 impl<E, St: Store> Charged<E, St> {
-    /// The response, with the fields of this layer's quotas (standing at
-    /// `usage`, or as charged) in front of those of layers further in.
+    /// Puts the fields of this layer's quotas (standing at `usage`, or as
+    /// charged) in the response's `headers`, in front of those of layers
+    /// further in.
     #[inline]
-    fn finish<B>(&self, mut response: Response<B>, usage: Option<&[Usage]>) -> Response<B> {
+    fn finish(&self, headers: &mut http::HeaderMap, usage: Option<&[Usage]>) {
         // A line per quota, as far as the store answered for them.
         let entries = self
             .lines
@@ -564,9 +565,7 @@ impl<E, St: Store> Charged<E, St> {
         // The seconds until each reset, counted from the response's own
         // instant: a handler may have run a while since the charge.
         let told = self.bound.policy.settings.clock.now().max(self.now);
-        RateLimitFields::new(entries, self.now, told, cache, self.spread)
-            .prepend_to(response.headers_mut());
-        response
+        RateLimitFields::new(entries, self.now, told, cache, self.spread).prepend_to(headers);
     }
 }
 
@@ -668,12 +667,10 @@ where
                         Outcome::Served(ops) => (ops, true),
                     };
                     if ops.is_empty() {
-                        let result = result.map(|response| {
-                            let response = if fields {
-                                charged.finish(response, None)
-                            } else {
-                                response
-                            };
+                        let result = result.map(|mut response| {
+                            if fields {
+                                charged.finish(response.headers_mut(), None);
+                            }
                             response.map(ResponseBody::inner)
                         });
                         Kept::went_out(charged, Vec::new(), Vec::new(), Some(Vec::new()), None);
@@ -745,10 +742,9 @@ where
                         Some(results) => charge::settled(&charged.lines, &ops, &kept, results),
                         None => charge::expected(&charged.lines, &ops, &kept),
                     };
-                    let result = result.map(|response| {
-                        charged
-                            .finish(response, Some(&usage))
-                            .map(ResponseBody::inner)
+                    let result = result.map(|mut response| {
+                        charged.finish(response.headers_mut(), Some(&usage));
+                        response.map(ResponseBody::inner)
                     });
                     Kept::went_out(charged, ops, kept, results, pending);
                     return Poll::Ready(result);
