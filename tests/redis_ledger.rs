@@ -19,7 +19,7 @@ use axum::Router;
 use http::{Request, StatusCode};
 use tower::ServiceExt;
 use tower_quota::jiff::{SignedDuration, Timestamp};
-use tower_quota::store::{Debt, Lifetime, RedisStore, Store, StoreErrorKind};
+use tower_quota::store::{Debt, LeasedStore, Lifetime, RedisStore, Store, StoreErrorKind};
 use tower_quota::{
     FromHeader, ManualClock, Namespace, OnStoreError, PeriodKey, Quota, QuotaPolicy, Subject,
 };
@@ -922,5 +922,160 @@ async fn a_reset_forgets_what_every_policy_sharing_the_quota_owes() {
         used(&server, &key_of(&quota, "acme", Timestamp::now())),
         "",
         "the reset gave a fresh allowance: a request made before it takes none of it"
+    );
+}
+
+/// First use (5 per 3 s), leased, fail open, across a stall of 2 s
+/// (SIGSTOP) that covers busy's deadline and opens a newcomer's period.
+/// Once the ledger settled what the stall's requests owe (past the limit),
+/// each subject is admitted again a period after its counter's first call:
+/// no counter outlives it, though Redis ran late the charges and settles
+/// sent as it stalled (each would have ended as much later as Redis ran
+/// the call that made it).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn after_a_stall_every_first_use_counter_ends_a_period_after_its_first_call() {
+    if !redis_available() {
+        return;
+    }
+    let server = RedisServer::start();
+    let store = LeasedStore::builder(RedisStore::new(server.url()).unwrap())
+        .idle(Duration::from_millis(300))
+        .build();
+    let policy = QuotaPolicy::builder(account())
+        .store(store.clone())
+        .on_store_error(OnStoreError::FailOpen)
+        .build();
+    let period = Duration::from_secs(3);
+    let quota = Quota::rolling(5, period);
+    let app = served(&policy, &quota);
+    let start = Instant::now();
+    let epoch = Timestamp::now().as_millisecond();
+    let ms = || start.elapsed().as_millis() as i64;
+    // busy opens its period (ending at 3 s).
+    for _ in 0..5 {
+        assert_eq!(send(&app, "busy").await, StatusCode::OK);
+    }
+    tokio::time::sleep(Duration::from_millis(1500)).await;
+    let mut stopped = Stopped::new(&server);
+    while start.elapsed() < Duration::from_millis(3500) {
+        send(&app, "busy").await;
+        assert_eq!(send(&app, "newcomer").await, StatusCode::OK, "fail open");
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+    assert!(policy.owed().units > 5);
+    stopped.resume();
+    assert_eq!(policy.settle_owed(Duration::from_secs(3)).await.units, 0);
+
+    // Each counter's first call, and when it ends.
+    let now = ms();
+    let mut due = Vec::new();
+    let mut stretched = Vec::new();
+    for subject in ["busy", "newcomer"] {
+        let key = key_of(&quota, subject, Timestamp::now());
+        let Ok(t) = server.cli(&["hget", key.as_str(), "t"]).parse::<i64>() else {
+            continue;
+        };
+        let first = t - epoch;
+        let pttl: i64 = server.cli(&["pttl", key.as_str()]).parse().unwrap();
+        let ends = now + pttl;
+        let period = period.as_millis() as i64;
+        if ends > first + period + 100 {
+            stretched.push(format!(
+                "{subject}: first call at {first} ms, ends at {ends} ms"
+            ));
+        }
+        due.push((first + period + 300, subject));
+    }
+    due.sort();
+    for (at, subject) in due {
+        tokio::time::sleep(Duration::from_millis(at as u64).saturating_sub(start.elapsed())).await;
+        assert_eq!(
+            send(&app, subject).await,
+            StatusCode::OK,
+            "{subject} at {} ms, a period and 300 ms after its counter's first call; \
+             counters that outlive their period: {stretched:?}",
+            ms(),
+        );
+    }
+    assert!(stretched.is_empty(), "{stretched:?}");
+    store.shutdown().await;
+}
+
+/// A settle sent to a Redis that stalls, run once it resumes (2 s later),
+/// makes the debt's first-use counter with the debt's deadline once the
+/// ledger sends it again (it got no answer): one period from the debt's
+/// first request, not from when the settle was sent plus the stall.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_settle_run_late_ends_its_counter_at_the_debts_deadline() {
+    if !redis_available() {
+        return;
+    }
+    let server = RedisServer::start();
+    let store = RedisStore::new(server.url()).unwrap();
+    store.preload().await.unwrap();
+    let now = Timestamp::now();
+    let deadline = now + SignedDuration::from_secs(10);
+    let key = PeriodKey::from_string("quota:{account:late}:default:PT10S".into());
+    let debt = Debt {
+        key: key.clone(),
+        amount: 3,
+        lifetime: Lifetime::FirstUse { deadline },
+        since: now,
+        id: redis_support::settle_id(),
+    };
+    let mut stopped = Stopped::new(&server);
+    store.settle_debt(now, debt.clone()).await.unwrap_err();
+    tokio::time::sleep(Duration::from_secs(2)).await;
+    stopped.resume();
+    // The settle runs now; sent again under its id, it adds nothing more.
+    tokio::time::sleep(Duration::from_millis(100)).await;
+    assert_eq!(
+        store.settle_debt(Timestamp::now(), debt).await.unwrap(),
+        Some(3)
+    );
+    assert_eq!(used(&server, &key), "3");
+    let pttl: i64 = server.cli(&["pttl", key.as_str()]).parse().unwrap();
+    let ends = Timestamp::now() + SignedDuration::from_millis(pttl);
+    assert!(
+        ends <= deadline + SignedDuration::from_millis(100),
+        "the counter ends at {ends}, {} after the debt's deadline {deadline}",
+        ends.duration_since(deadline)
+    );
+}
+
+/// A debt of a first-use month lands in the subject's counter, made by a
+/// request before the debt's: that month, from another day, may be longer
+/// than the debt's 28 days, so the settle leaves its deadline alone.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_settle_leaves_a_month_from_another_first_call_alone() {
+    if !redis_available() {
+        return;
+    }
+    let server = RedisServer::start();
+    let store = RedisStore::new(server.url()).unwrap();
+    store.preload().await.unwrap();
+    let now = Timestamp::now();
+    let day = SignedDuration::from_hours(24);
+    let key = PeriodKey::from_string("quota:{account:month}:default:P1M".into());
+    // Made a day ago, for a month of 31 days: 30 days left.
+    let t = (now - day).as_millisecond().to_string();
+    server.cli(&["hset", key.as_str(), "n", "5", "t", &t]);
+    let left = (30 * day).as_millis().to_string();
+    server.cli(&["pexpire", key.as_str(), &left]);
+    let since = now - SignedDuration::from_hours(1);
+    let debt = Debt {
+        key: key.clone(),
+        amount: 1,
+        lifetime: Lifetime::FirstUse {
+            deadline: since + 28 * day,
+        },
+        since,
+        id: redis_support::settle_id(),
+    };
+    assert_eq!(store.settle_debt(now, debt).await.unwrap(), Some(6));
+    let pttl: i64 = server.cli(&["pttl", key.as_str()]).parse().unwrap();
+    assert!(
+        pttl > (29 * day).as_millis() as i64,
+        "the counter's month kept: {pttl} ms left"
     );
 }

@@ -37,7 +37,11 @@
 --      never lands there).
 --      A live counter keeps its TTL and its first call (a first-use one
 --      found without a TTL is healed first, as a charge heals it: dated
---      again, or deleted when its period is long over). A debt of nothing
+--      again, or deleted when its period is long over; and its TTL is
+--      shortened to end a period after its first call, the call that made
+--      it may have run late, also when the settle finds its mark: the
+--      debt's period, when the counter's first call is the debt's first
+--      request or the period is shorter than 20 days). A debt of nothing
 --      writes nothing, and answers what the counter holds. Answers {count,
 --      t}: the count afterwards and the counter's first call (-1 when it
 --      records none), which a give-back of a settle applied after its
@@ -748,6 +752,33 @@ if op == 's' then
   if not digits(amount) then
     return redis.error_reply('ERR tower-quota: the amount to settle' .. NOT_A_NUMBER)
   end
+  -- A first-use counter the debt lands in ends a period after its first
+  -- call at the latest, by this settle's instant. Its time to live was
+  -- reckoned when the call that made it was sent, and Redis may have run
+  -- that call late (sent while it stalled, run once it resumed: a charge,
+  -- given back only after this debt landed, or this very settle, whose
+  -- answer was lost and which the ledger sends again): it would end that
+  -- much later, and its subject, past its limit with the debt, be refused
+  -- past the period's end. The period is the debt's (its deadline less its
+  -- first request), which is the counter's when its first call is the
+  -- debt's first request, and whenever it is shorter than 20 days: every
+  -- first-use period that short has one length, as only months vary (a
+  -- month from another first call may be a few days longer or shorter,
+  -- and is left alone). Only ever shortened; left alone too when the
+  -- period is over by this instant (the clocks disagree).
+  local function bound(dated)
+    if anchor ~= 'f' or dated == nil then
+      return
+    end
+    local length = ends - first
+    if dated ~= first and length >= 1728000000 then
+      return
+    end
+    local due = dated + length - now
+    if due >= 1 and call('PTTL', key) > due then
+      call('PEXPIRE', key, string.format('%d', due))
+    end
+  end
   local mark = KEYS[2]
   if mark ~= nil and call('EXISTS', mark) == 1 then
     -- Added already, by this very settle (the answer to it was lost):
@@ -759,6 +790,7 @@ if op == 's' then
     if kind == 0 then
       return { 0, -1 }
     end
+    bound(dated)
     return { used, dated and dated + 0 or -1 }
   end
   local at = now + 0
@@ -833,6 +865,7 @@ if op == 's' then
     call('SET', mark, '1', 'PX', ttl + 60000)
   end
   if added ~= nil then
+    bound(dated)
     return { added, dated and dated + 0 or -1 }
   end
   -- A new counter, as a charge creates one: its first call (the debt's

@@ -52,9 +52,13 @@ use crate::store::{
 ///   [`LeasedStore`](crate::LeasedStore)'s lease marks, and those whose
 ///   allowance part ends in `%settled-` and 16 hex digits are marks of the
 ///   settles of a ledger (see Debts below), not counters. Its
-///   deadline is set with `PEXPIRE` only in the script that creates it,
-///   and every later write is a
-///   `HINCRBY`, which keeps it: hits never re-date a counter. A counter
+///   deadline is set with `PEXPIRE` only in the script that creates it
+///   (a settle may shorten it: see Debts), and every later write is a
+///   `HINCRBY`, which keeps it: hits never re-date a counter. The life
+///   set runs from when Redis runs that script: a charge sent while Redis
+///   stalled, and run once it resumed, makes a counter that ends as much
+///   later than a period after its first call as it ran late (a stall of
+///   seconds, against a period of minutes to months). A counter
 ///   found without a deadline (written by another tool, or restored without
 ///   one) is healed by the next charge, admitted or refused, to its first
 ///   call plus one period when the first call is known, else to one period
@@ -88,7 +92,11 @@ use crate::store::{
 ///   exactly) is refused with a [`StoreError`] before anything is written.
 /// - **Debts** ([`Store::settle_debt`], what requests that passed on a
 ///   failed charge owe) are one script call on the debt's key: an add to a
-///   live counter, past its limit if need be; where there is none, the
+///   live counter, past its limit if need be (a first-use one then ends
+///   a period after its first call at the latest: made by a call Redis ran
+///   late, as it stalled, it would end that much later; but for a month
+///   from another first call than the debt's, whose length the debt does
+///   not tell); where there is none, the
 ///   counter a charge of the debt's requests would have created (its first
 ///   call the earliest request's, its deadline the debt's first-use deadline
 ///   or the window's end plus grace and jitter), in the same call; and
