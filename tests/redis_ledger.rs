@@ -154,12 +154,17 @@ fn stalling_server() -> Option<RedisServer> {
     redis_available().then(|| RedisServer::start_with(&["--enable-debug-command", "yes"]))
 }
 
-/// A fail-open policy on a Redis store of `server`, its script loaded.
-async fn fail_open_on(server: &RedisServer) -> QuotaPolicy<FromHeader, RedisStore> {
+/// A Redis store of `server`, its script loaded.
+async fn preloaded(server: &RedisServer) -> RedisStore {
     let store = RedisStore::new(server.url()).unwrap();
     store.preload().await.unwrap();
+    store
+}
+
+/// A fail-open policy on a Redis store of `server`, its script loaded.
+async fn fail_open_on(server: &RedisServer) -> QuotaPolicy<FromHeader, RedisStore> {
     QuotaPolicy::builder(account())
-        .store(store)
+        .store(preloaded(server).await)
         .on_store_error(OnStoreError::FailOpen)
         .build()
 }
@@ -1011,8 +1016,7 @@ async fn a_settle_run_late_ends_its_counter_at_the_debts_deadline() {
         return;
     }
     let server = RedisServer::start();
-    let store = RedisStore::new(server.url()).unwrap();
-    store.preload().await.unwrap();
+    let store = preloaded(&server).await;
     let now = Timestamp::now();
     let deadline = now + SignedDuration::from_secs(10);
     let key = PeriodKey::from_string("quota:{account:late}:default:PT10S".into());
@@ -1052,8 +1056,7 @@ async fn a_settle_leaves_a_month_from_another_first_call_alone() {
         return;
     }
     let server = RedisServer::start();
-    let store = RedisStore::new(server.url()).unwrap();
-    store.preload().await.unwrap();
+    let store = preloaded(&server).await;
     let now = Timestamp::now();
     let day = SignedDuration::from_hours(24);
     let key = PeriodKey::from_string("quota:{account:month}:default:P1M".into());
