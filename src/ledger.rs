@@ -182,9 +182,9 @@ pub struct Owed {
     pub units: u64,
     /// Of `units`, those of settles the store may have added without
     /// answering (one on its way, or one that timed out or lost its
-    /// connection): sent again under their id, they count once, but a
-    /// process that exits owing them leaves at most `units - unanswered`
-    /// uncounted for sure.
+    /// connection; not one the store says it never sent): sent again under
+    /// their id, they count once. A process that exits owing leaves at
+    /// least `units - unanswered` uncounted, and at most `units`.
     pub unanswered: u64,
 }
 

@@ -3387,3 +3387,59 @@ async fn a_store_on_a_pool_drops_a_connection_to_a_demoted_master() {
     }
     assert!(failed <= 2, "{failed} of 20 charges failed");
 }
+
+/// A charge Redis runs late (its caller stopped waiting) makes a first-use
+/// counter whose time to live, reckoned when it was sent, runs from when
+/// Redis ran it; another instance's charge lands in it before the
+/// give-back. The give-back ends the counter a period after the late
+/// charge was sent, as its first call says, not as much later as Redis ran
+/// it: its subject is not refused past its period.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_late_charge_that_made_a_first_use_counter_gives_back_its_lateness_too() {
+    let server = redis_server_or_skip!();
+    for batch in [true, false] {
+        late_charge_that_made_a_counter(&server, batch).await;
+    }
+}
+
+/// See `a_late_charge_that_made_a_first_use_counter_gives_back_its_lateness_too`.
+async fn late_charge_that_made_a_counter(server: &RedisServer, batch: bool) {
+    let late = RedisStore::builder(server.url())
+        .timeout(Duration::from_millis(100))
+        .batch_charges(batch)
+        .build()
+        .unwrap();
+    let other = RedisStore::builder(server.url())
+        .timeout(Duration::from_secs(5))
+        .build()
+        .unwrap();
+    late.preload().await.unwrap();
+    other.preload().await.unwrap();
+    let k = key(&format!("late-made-{batch}"));
+    let period = SignedDuration::from_secs(10);
+    // Redis runs nothing for 1.5 s: the late charge, then the other
+    // instance's, in the order sent.
+    assert_eq!(server.cli(&["client", "pause", "1500", "all"]), "OK");
+    let sent = tokio::time::Instant::now();
+    let charge = late
+        .charge(first_use(&k, 10, 1, Timestamp::now(), period))
+        .await;
+    assert!(charge.is_err(), "batch {batch}: {charge:?}");
+    tokio::time::sleep(Duration::from_millis(50)).await;
+    let request = first_use(&k, 10, 1, Timestamp::now(), period);
+    assert!(other.charge(request).await.unwrap().admitted);
+    let deadline = tokio::time::Instant::now() + Duration::from_secs(5);
+    while late.given_back() == 0 && tokio::time::Instant::now() < deadline {
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    assert_eq!(late.given_back(), 1, "batch {batch}");
+    let n = server.cli(&["hget", k.as_str(), "n"]);
+    assert_eq!(n, "1", "batch {batch}: the other's only");
+    let pttl: u64 = server.cli(&["pttl", k.as_str()]).parse().unwrap();
+    let most = period.unsigned_abs().saturating_sub(sent.elapsed());
+    assert!(
+        Duration::from_millis(pttl) <= most + Duration::from_millis(50),
+        "batch {batch}: the counter lives {pttl} ms more, a period from the late charge {} ms",
+        most.as_millis()
+    );
+}

@@ -1048,8 +1048,8 @@ async fn a_settle_run_late_ends_its_counter_at_the_debts_deadline() {
 }
 
 /// A debt of a first-use month lands in the subject's counter, made by a
-/// request before the debt's: that month, from another day, may be longer
-/// than the debt's 28 days, so the settle leaves its deadline alone.
+/// request before the debt's: the settle leaves its deadline alone (that
+/// month, from another day, is longer than the debt's 28 days).
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_settle_leaves_a_month_from_another_first_call_alone() {
     if !redis_available() {
@@ -1080,5 +1080,60 @@ async fn a_settle_leaves_a_month_from_another_first_call_alone() {
     assert!(
         pttl > (29 * day).as_millis() as i64,
         "the counter's month kept: {pttl} ms left"
+    );
+}
+
+/// Two instances on one Redis, B's clock 10 minutes ahead of A's. A's
+/// request opens a subject's first-use hour (a period from its first call,
+/// by Redis's own clock: `PEXPIRE`); B's ledger then settles a debt of the
+/// subject's into that counter. The store's docs: "Deadlines are sent as
+/// durations (`PEXPIRE`), so a skewed instance never shortens or
+/// lengthens a first-use period".
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_settle_from_a_skewed_instance_leaves_a_first_use_period_as_it_is() {
+    if !redis_available() {
+        return;
+    }
+    let server = RedisServer::start();
+    let store = preloaded(&server).await;
+    let hour = SignedDuration::from_hours(1);
+    let key = Namespace::default().key(&Subject::account("skew"), "default", "PT1H");
+    // Instance A, its clock right: the subject's first call.
+    let a_now = Timestamp::now();
+    let charged = store
+        .charge(tower_quota::store::ChargeRequest {
+            now: a_now,
+            lines: vec![tower_quota::store::ChargeLine {
+                key: key.clone(),
+                limit: 100,
+                cost: 1,
+                lifetime: Lifetime::FirstUse {
+                    deadline: a_now + hour,
+                },
+                shadow_limit: None,
+            }]
+            .into(),
+        })
+        .await;
+    assert!(charged.is_ok(), "{charged:?}");
+    // Instance B, 10 minutes ahead: a request it served while its charge
+    // failed (fail open), settled a second later.
+    let b_now = Timestamp::now() + SignedDuration::from_mins(10);
+    let since = b_now - SignedDuration::from_secs(1);
+    let debt = Debt {
+        key: key.clone(),
+        amount: 1,
+        lifetime: Lifetime::FirstUse {
+            deadline: since + hour,
+        },
+        since,
+        id: redis_support::settle_id(),
+    };
+    assert_eq!(store.settle_debt(b_now, debt).await.unwrap(), Some(2));
+    let pttl: i64 = server.cli(&["pttl", key.as_str()]).parse().unwrap();
+    assert!(
+        pttl > SignedDuration::from_mins(59).as_millis() as i64,
+        "the hour A's first call opened ends in {} s, not ~3600 s: cut by B's skew",
+        pttl / 1000
     );
 }

@@ -122,6 +122,8 @@ impl Answer {
 struct GiveBack {
     inner: Arc<Inner>,
     now: Timestamp,
+    /// When the batch was sent (see [`Refund::made_at`]).
+    sent: Option<tokio::time::Instant>,
     /// Each line's counter's first call (ms), when the charge was applied
     /// and the reply told: its give-back goes to a counter made by then
     /// (see [`made_by`]).
@@ -144,7 +146,14 @@ impl Drop for GiveBack {
             .filter(|(_, line)| line.cost > 0)
             .map(|(i, line)| {
                 let first_call = self.first_calls.get(i).copied().flatten();
-                Refund::new(line.key, line.cost.unsigned_abs(), now, first_call)
+                let refund = Refund::new(line.key, line.cost.unsigned_abs(), now, first_call);
+                // A first-use line's ttl is its period.
+                let period = (line.anchor == "f")
+                    .then(|| std::time::Duration::from_millis(line.ttl.unsigned_abs()));
+                match self.sent {
+                    Some(sent) => refund.made_at(now, period, sent),
+                    None => refund,
+                }
             })
             .collect();
         if lines.is_empty() {
@@ -448,11 +457,12 @@ fn answer(
             lines,
             answer,
             permit,
-            ..
+            sent,
         } = pending;
         let give_back = GiveBack {
             inner: Arc::clone(inner),
             now,
+            sent: sent.get().map(|answers| answers.sent),
             first_calls: match (&reply, applied) {
                 (Ok(reply), true) => (0..pending_lines)
                     .map(|i| first_call_of(reply, i))

@@ -12,14 +12,18 @@
 --      other in this one call; the reply is one flat array: each charge's
 --      reply (below), after the one before
 --   r  refund ARGV[2] to KEYS[1] at ARGV[3] = now (ms), never creating it,
---      never touching its TTL; with ARGV[4] (ms), only to a counter whose
+--      never lengthening its TTL; with ARGV[4] (ms), only to a counter whose
 --      first call t is no later (one made since is left as it is, and the
 --      answer is -1), and with ARGV[5] = 'exact' only to the one whose t is
 --      ARGV[4]; a string counter, which records no t, takes it. An exact
 --      refund of all a first-use counter (no e) holds, no more, deletes it
 --      and answers 0: nothing else is spent in the period it opened; but
 --      not once a refund of another kind (not exact) marked it (k = 1),
---      since the count then no longer tells what requests charged hold
+--      since the count then no longer tells what requests charged hold.
+--      With ARGV[6] (ms, exact only: the give-back of a charge that made
+--      the counter, which Redis ran late), a first-use counter it leaves
+--      lives that long at most: its TTL, reckoned when the charge was sent,
+--      ran from when Redis ran it, and would end the period that much late
 --   a  add ARGV[2] to KEYS[1] at ARGV[3] = now (ms) without a limit check (a
 --      cost known only after the response), never creating it, never
 --      touching its TTL; with ARGV[4] (ms), only to a counter whose first
@@ -37,11 +41,10 @@
 --      never lands there).
 --      A live counter keeps its TTL and its first call (a first-use one
 --      found without a TTL is healed first, as a charge heals it: dated
---      again, or deleted when its period is long over; and its TTL is
---      shortened to end a period after its first call, the call that made
---      it may have run late, also when the settle finds its mark: the
---      debt's period, when the counter's first call is the debt's first
---      request or the period is shorter than 20 days). A debt of nothing
+--      again, or deleted when its period is long over; one whose first
+--      call is the debt's first request ends by the debt's deadline, its
+--      TTL shortened to it, also when the settle finds its mark: the call
+--      that made it may have run late). A debt of nothing
 --      writes nothing, and answers what the counter holds. Answers {count,
 --      t}: the count afterwards and the counter's first call (-1 when it
 --      records none), which a give-back of a settle applied after its
@@ -587,7 +590,8 @@ if op == 'r' then
   local key, amount, now, made_by = KEYS[1], ARGV[2], ARGV[3], ARGV[4]
   -- 'exact': only to the counter whose first call is made_by.
   local exact = ARGV[5] == 'exact'
-  if digits(now) and digits(amount) and (made_by == nil or digits(made_by)) then
+  if digits(now) and digits(amount) and (made_by == nil or digits(made_by))
+      and ARGV[6] == nil then
     local r = try('HGETALL', key)
     if r.err == nil and #r == 0 then
       return -1
@@ -694,6 +698,11 @@ if op == 'r' or op == 'a' then
     if not digits(amount) then
       return redis.error_reply('ERR tower-quota: an amount' .. NOT_A_NUMBER)
     end
+    local life = ARGV[6]
+    if life ~= nil and not (exact and digits(life) and life ~= '0') then
+      return redis.error_reply('ERR tower-quota: a life left' .. NOT_A_NUMBER
+        .. ' above 0, or given without exact')
+    end
     if not live or made_since then
       return -1
     end
@@ -708,6 +717,11 @@ if op == 'r' or op == 'a' then
       if not exact and not kept and first ~= nil then
         call('HSET', key, 'k', '1')
       end
+    end
+    if life ~= nil and kind == 1 and ends == nil and call('PTTL', key) > life + 0 then
+      -- A first-use counter the late charge made: one period from the
+      -- charge at the most (see the header).
+      call('PEXPIRE', key, life)
     end
     if give == 0 then
       return used
@@ -752,29 +766,23 @@ if op == 's' then
   if not digits(amount) then
     return redis.error_reply('ERR tower-quota: the amount to settle' .. NOT_A_NUMBER)
   end
-  -- A first-use counter the debt lands in ends a period after its first
-  -- call at the latest, by this settle's instant. Its time to live was
-  -- reckoned when the call that made it was sent, and Redis may have run
-  -- that call late (sent while it stalled, run once it resumed: a charge,
-  -- given back only after this debt landed, or this very settle, whose
-  -- answer was lost and which the ledger sends again): it would end that
-  -- much later, and its subject, past its limit with the debt, be refused
-  -- past the period's end. The period is the debt's (its deadline less its
-  -- first request), which is the counter's when its first call is the
-  -- debt's first request, and whenever it is shorter than 20 days: every
-  -- first-use period that short has one length, as only months vary (a
-  -- month from another first call may be a few days longer or shorter,
-  -- and is left alone). Only ever shortened; left alone too when the
-  -- period is over by this instant (the clocks disagree).
+  -- A first-use counter whose first call is the debt's first request (made
+  -- by this settle, or by that request's charge) ends at the debt's
+  -- deadline, by this settle's instant: one instance's clock reckons all
+  -- three, and its skew, if any, shortens nothing. The counter's time to
+  -- live was reckoned when the call that made it was sent, and Redis may
+  -- have run that call late (sent while it stalled, run once it resumed:
+  -- the charge, or this very settle, whose answer was lost and which the
+  -- ledger sends again): it would end that much later, and its subject,
+  -- past its limit with the debt, be refused past the period's end. (A
+  -- counter a late charge of another request made is trimmed by that
+  -- charge's give-back.) Only ever shortened; left alone when the deadline
+  -- is past by this instant.
   local function bound(dated)
-    if anchor ~= 'f' or dated == nil then
+    if anchor ~= 'f' or dated ~= first then
       return
     end
-    local length = ends - first
-    if dated ~= first and length >= 1728000000 then
-      return
-    end
-    local due = dated + length - now
+    local due = ends - now
     if due >= 1 and call('PTTL', key) > due then
       call('PEXPIRE', key, string.format('%d', due))
     end

@@ -11,17 +11,19 @@ use std::future::Future;
 use std::pin::Pin;
 use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::Arc;
+use std::time::Duration;
 
 use deadpool_redis::redis::RedisError;
 use jiff::Timestamp;
 use tokio::sync::OwnedSemaphorePermit;
+use tokio::time::Instant;
 
 use super::connection::{Connection, Lost, Redirect};
 use super::errors::{for_now, retires};
 use super::store::Inner;
 use super::{FOLLOW_THROUGH, SILENCE};
 use crate::key::PeriodKey;
-use crate::store::{ChargeRequest, Made};
+use crate::store::{ChargeLine, ChargeRequest, Lifetime, Made};
 use crate::throttle::Throttle;
 
 /// A call's room among the calls in flight, held until it is over; a
@@ -114,8 +116,8 @@ pub(super) struct GiveBack<T> {
     /// as the answer tells ([`Store::charge_taking`](crate::store::Store::charge_taking)).
     pub(super) taken: fn(&T, usize) -> u64,
     /// The lines worth a refund: each one's index in the charge, key and
-    /// cost.
-    pub(super) lines: Vec<(usize, PeriodKey, u64)>,
+    /// cost, and for a first-use line its period (see [`Refund::ends`]).
+    pub(super) lines: Vec<(usize, PeriodKey, u64, Option<Duration>)>,
     /// The instant of the charge: the refund goes to the counters live then.
     pub(super) now: Timestamp,
     /// On a cluster, the node the charge was sent to, as the store's map
@@ -127,14 +129,16 @@ pub(super) struct GiveBack<T> {
 }
 
 impl<T> GiveBack<T> {
-    /// The refunds of a charge answered with `value`: each line's key and
-    /// cost, to the counter the line was charged to (see [`Refund::new`]).
-    pub(super) fn refunds(self, value: &T) -> Vec<Refund> {
+    /// The refunds of a charge sent at `sent` and answered with `value`:
+    /// each line's key and cost, to the counter the line was charged to
+    /// (see [`Refund::new`]).
+    pub(super) fn refunds(self, value: &T, sent: Instant) -> Vec<Refund> {
         self.lines
             .into_iter()
-            .map(|(i, key, cost)| {
+            .map(|(i, key, cost, period)| {
                 let cost = cost.saturating_add((self.taken)(value, i));
-                Refund::new(key, cost, self.now, (self.first_call)(value, i))
+                let first_call = (self.first_call)(value, i);
+                Refund::new(key, cost, self.now, first_call).made_at(self.now, period, sent)
             })
             .filter(|refund| refund.cost > 0)
             .collect()
@@ -150,6 +154,11 @@ pub(super) struct Refund {
     /// reply told; or, when it told none, to a counter made by the
     /// charge's instant (a counter made anew after a reset is younger).
     pub(super) counter: Made,
+    /// When the first-use counter the charge made ends at the latest: a
+    /// period after the charge was sent. Redis, which ran the charge late,
+    /// reckoned its time to live from then, and the give-back shortens it
+    /// to this (see `counters.lua`, `r`). `None` for any other line.
+    pub(super) ends: Option<Instant>,
 }
 
 impl Refund {
@@ -160,7 +169,41 @@ impl Refund {
             Some(first_call) => Made::At(first_call),
             None => Made::By(now),
         };
-        Self { key, cost, counter }
+        Self {
+            key,
+            cost,
+            counter,
+            ends: None,
+        }
+    }
+
+    /// The same refund, which for a first-use line of `period` whose
+    /// counter the charge at `now`, sent at `sent`, made (its first call is
+    /// the charge's instant) ends that counter a period after `sent` at the
+    /// latest.
+    pub(super) fn made_at(
+        mut self,
+        now: Timestamp,
+        period: Option<Duration>,
+        sent: Instant,
+    ) -> Self {
+        if self.counter == Made::At(whole_milliseconds(now)) {
+            self.ends = period.and_then(|period| sent.checked_add(period));
+        }
+        self
+    }
+}
+
+/// `at` in whole milliseconds, as the script records a first call.
+fn whole_milliseconds(at: Timestamp) -> Timestamp {
+    Timestamp::from_millisecond(at.as_millisecond()).unwrap_or(at)
+}
+
+/// A first-use line's period, as the charge at `now` reckoned it.
+pub(super) fn first_use_period(line: &ChargeLine, now: Timestamp) -> Option<Duration> {
+    match line.lifetime {
+        Lifetime::FirstUse { deadline } => now.duration_until(deadline).try_into().ok(),
+        Lifetime::Calendar { .. } => None,
     }
 }
 
@@ -186,7 +229,10 @@ pub(super) fn give_back(op: &str, request: &ChargeRequest) -> Option<GiveBack<Ve
             .iter()
             .enumerate()
             .filter(|(_, line)| line.cost > 0)
-            .map(|(i, line)| (i, line.key.clone(), line.cost))
+            .map(|(i, line)| {
+                let period = first_use_period(line, request.now);
+                (i, line.key.clone(), line.cost, period)
+            })
             .collect(),
         now: request.now,
         node: None,
@@ -213,7 +259,10 @@ pub(super) fn give_back_taking(request: &ChargeRequest, extra: &[u64]) -> GiveBa
             .zip(extra)
             .enumerate()
             .filter(|(_, (line, &units))| line.cost > 0 || units > 0)
-            .map(|(i, (line, _))| (i, line.key.clone(), line.cost))
+            .map(|(i, (line, _))| {
+                let period = first_use_period(line, request.now);
+                (i, line.key.clone(), line.cost, period)
+            })
             .collect(),
         now: request.now,
         node: None,
@@ -365,7 +414,7 @@ pub(super) async fn follow_through<T>(
     refund_lines(
         &inner,
         &mut conn,
-        give_back.refunds(&value),
+        give_back.refunds(&value, sent),
         now,
         node.as_ref(),
     )
@@ -387,7 +436,13 @@ pub(super) async fn refund_lines(
     let (mut refunded, mut missed, mut refused) = (0, 0, 0);
     let mut first_miss: Option<(PeriodKey, String)> = None;
     let mut answering = true;
-    for Refund { key, cost, counter } in lines {
+    for Refund {
+        key,
+        cost,
+        counter,
+        ends,
+    } in lines
+    {
         if !answering {
             // The connection stopped answering: the rest waits no longer.
             missed += 1;
@@ -396,7 +451,13 @@ pub(super) async fn refund_lines(
         // Only to the counter charged: not to one made since (the counter
         // reset or expired, and a new charge made it).
         let amount = super::script::refund_amount(cost);
-        let invocation = super::script::Invocation::change("r", &key, amount, now, counter);
+        let mut invocation = super::script::Invocation::change("r", &key, amount, now, counter);
+        if let Some(ends) = ends {
+            // At least a millisecond: a counter whose period is over goes
+            // at once.
+            let left = ends.saturating_duration_since(Instant::now());
+            invocation.arg(left.as_millis().max(1) as u64);
+        }
         let refund = refund_line(&invocation, conn, node);
         let why = match tokio::time::timeout(FOLLOW_THROUGH, refund).await {
             // No live counter charged: gone since, or never charged.

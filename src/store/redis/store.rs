@@ -53,12 +53,17 @@ use crate::store::{
 ///   allowance part ends in `%settled-` and 16 hex digits are marks of the
 ///   settles of a ledger (see Debts below), not counters. Its
 ///   deadline is set with `PEXPIRE` only in the script that creates it
-///   (a settle may shorten it: see Debts), and every later write is a
-///   `HINCRBY`, which keeps it: hits never re-date a counter. The life
-///   set runs from when Redis runs that script: a charge sent while Redis
-///   stalled, and run once it resumed, makes a counter that ends as much
-///   later than a period after its first call as it ran late (a stall of
-///   seconds, against a period of minutes to months). A counter
+///   (a give-back or a settle may shorten it: below), and every later
+///   write is a `HINCRBY`, which keeps it: hits never re-date a counter.
+///   The life set runs from when Redis runs that script: a charge sent
+///   while Redis stalled, and run once it resumed, makes a counter that
+///   would end as much later than a period after its first call as it ran
+///   late. Its give-back (its caller stopped waiting) ends that counter a
+///   period after the charge was sent (by the sending process's own
+///   monotonic clock), and a settle of the debt of the request whose
+///   charge made it ends it at the debt's deadline (see Debts); a charge
+///   run later than the store follows it (30 s) is neither given back nor
+///   trimmed. A counter
 ///   found without a deadline (written by another tool, or restored without
 ///   one) is healed by the next charge, admitted or refused, to its first
 ///   call plus one period when the first call is known, else to one period
@@ -92,11 +97,11 @@ use crate::store::{
 ///   exactly) is refused with a [`StoreError`] before anything is written.
 /// - **Debts** ([`Store::settle_debt`], what requests that passed on a
 ///   failed charge owe) are one script call on the debt's key: an add to a
-///   live counter, past its limit if need be (a first-use one then ends
-///   a period after its first call at the latest: made by a call Redis ran
-///   late, as it stalled, it would end that much later; but for a month
-///   from another first call than the debt's, whose length the debt does
-///   not tell); where there is none, the
+///   live counter, past its limit if need be (a first-use one whose first
+///   call is the debt's first request then ends at the debt's deadline at
+///   the latest, reckoned on the settling instance's clock alone: made by
+///   a call Redis ran late, as it stalled, it would end that much later);
+///   where there is none, the
 ///   counter a charge of the debt's requests would have created (its first
 ///   call the earliest request's, its deadline the debt's first-use deadline
 ///   or the window's end plus grace and jitter), in the same call; and
@@ -830,7 +835,7 @@ impl RedisStore {
                     .give_back
                     .take()
                     .filter(|back| (back.applied)(&value))
-                    .map(|back| (back.now, back.refunds(&value)));
+                    .map(|back| (back.now, back.refunds(&value, call.sent)));
                 let read = read(value);
                 if let (Err(_), Some((now, refunds))) = (&read, give_back) {
                     // Applied, but not an answer this store can stand by.
@@ -965,8 +970,10 @@ impl RedisStore {
             first_call: |reply: &Vec<i64>, _| reply.get(1).copied().filter(|&ms| ms >= 0),
             taken: |_, _| 0,
             // As for a charge, a line of nothing has nothing to give back.
+            // (A counter the settle made has its first request's instant,
+            // not `now`: the give-back leaves its deadline alone.)
             lines: (debt.amount > 0)
-                .then(|| (0, key.clone(), debt.amount))
+                .then(|| (0, key.clone(), debt.amount, None))
                 .into_iter()
                 .collect(),
             now,
