@@ -63,7 +63,14 @@ use crate::store::{
 ///   monotonic clock), and a settle of the debt of the request whose
 ///   charge made it ends it at the debt's deadline (see Debts); a charge
 ///   run later than the store follows it (30 s) is neither given back nor
-///   trimmed. A counter
+///   trimmed. So it goes, too, for the charge of a layer a request reached
+///   late (behind a slow authentication call or a queue, inside another
+///   quota layer): every layer counts a request at the instant the
+///   outermost quota layer read, and a first-use counter that layer makes
+///   records it as its first call, but Redis runs its life from the
+///   charge: it ends as much later than the reset its client was told as
+///   the request took to reach the layer (the memory store ends it at the
+///   reset told). A counter
 ///   found without a deadline (written by another tool, or restored without
 ///   one) is healed by the next charge, admitted or refused, to its first
 ///   call plus one period when the first call is known, else to one period
