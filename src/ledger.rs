@@ -359,9 +359,9 @@ struct Entry {
 struct Sent {
     id: u64,
     amount: u64,
-    /// Whether the store may have applied it: it failed after it left (a
-    /// timeout, a lost connection) or was dropped on its way; not when it
-    /// failed unsent, each time it was sent.
+    /// Whether the store may have applied it: a send of it failed after it
+    /// left (a timeout, a lost connection) or was dropped on its way (not
+    /// one that failed unsent).
     unanswered: bool,
 }
 
@@ -467,9 +467,10 @@ impl Ledger {
         // `None`: a wait past any instant the clock holds, no limit.
         let deadline = tokio::time::Instant::now().checked_add(within);
         loop {
-            let owed = self.owed();
-            if owed.counters == 0 || deadline.is_some_and(|d| tokio::time::Instant::now() >= d) {
-                return owed;
+            // The counters alone while waiting: `owed` reads every entry.
+            let counters = self.lock().queue.len();
+            if counters == 0 || deadline.is_some_and(|d| tokio::time::Instant::now() >= d) {
+                return self.owed();
             }
             // Started again if its task ended (its runtime stopped).
             self.start(store, terms);
