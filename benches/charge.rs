@@ -34,6 +34,7 @@ fn requests(subjects: usize, now: Timestamp) -> Vec<ChargeRequest> {
         .map(|i| {
             let subject = Subject::account(format!("account-{i:06}"));
             ChargeRequest {
+                charged_at: None,
                 now,
                 lines: smallvec::smallvec![quota.line(&namespace, &subject, now, 1)],
             }

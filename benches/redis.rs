@@ -257,6 +257,7 @@ async fn charge_all(store: &RedisStore, callers: usize, now: Timestamp, end: Tim
                     (subject >> 33) % SUBJECTS
                 ));
                 let request = ChargeRequest {
+                    charged_at: None,
                     now,
                     lines: smallvec::smallvec![ChargeLine {
                         key,

@@ -488,6 +488,7 @@ impl<St: Store> QuotaHandle<St> {
             .shared
             .store()
             .peek(ChargeRequest {
+                charged_at: None,
                 now,
                 lines: lines.into(),
             })

@@ -254,6 +254,7 @@ async fn run(seed: u64) -> usize {
                         .collect();
                     match store
                         .charge(ChargeRequest {
+                            charged_at: None,
                             now,
                             lines: charge_lines.into(),
                         })
@@ -382,6 +383,7 @@ async fn run(seed: u64) -> usize {
             }
             let usage = store
                 .peek(ChargeRequest {
+                    charged_at: None,
                     now,
                     lines: vec![qs[q].quota.line(&ns, &subject(s), now, 0)].into(),
                 })
@@ -471,6 +473,7 @@ async fn a_leased_store_at_its_bounds_never_admits_past_a_limit() {
                     );
                     let usage = memory
                         .peek(ChargeRequest {
+                            charged_at: None,
                             now,
                             lines: vec![quota.line(
                                 &ns,

@@ -787,6 +787,7 @@ mod broken {
                 // As the trait's default does: a charge at the settle's
                 // instant, which records that instant as the first call.
                 let request = ChargeRequest {
+                    charged_at: None,
                     now,
                     lines: smallvec::smallvec![tower_quota::store::ChargeLine {
                         key: debt.key,

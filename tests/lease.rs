@@ -232,6 +232,7 @@ fn day() -> Lifetime {
 
 fn request(now: Timestamp, limit: u64) -> ChargeRequest {
     ChargeRequest {
+        charged_at: None,
         now,
         lines: smallvec::smallvec![line_of("acme", limit)],
     }
@@ -245,7 +246,15 @@ async fn counted<St: Store>(store: &St, now: Timestamp) -> u64 {
 /// What the store counts on `subject`'s counter of the day at `now`.
 async fn counted_for<St: Store>(store: &St, subject: &str, now: Timestamp) -> u64 {
     let lines = smallvec::smallvec![line_of(subject, u64::MAX)];
-    store.peek(ChargeRequest { now, lines }).await.unwrap()[0].used
+    store
+        .peek(ChargeRequest {
+            charged_at: None,
+            now,
+            lines,
+        })
+        .await
+        .unwrap()[0]
+        .used
 }
 
 /// One request at `now` on `leased`.
@@ -586,6 +595,7 @@ async fn a_first_use_counter_takes_no_block_for_no_request() {
     let mut ran_out = 0;
     for _ in 0..400 {
         let request = ChargeRequest {
+            charged_at: None,
             now,
             lines: smallvec::smallvec![line(now)],
         };
@@ -1160,6 +1170,7 @@ async fn holders<St: Store>(store: &St, now: Timestamp) -> u64 {
         shadow_limit: None,
     };
     let request = ChargeRequest {
+        charged_at: None,
         now,
         lines: smallvec::smallvec![mark],
     };
@@ -1781,6 +1792,7 @@ async fn a_line_paid_from_an_old_block_beside_one_the_store_charged_is_told_when
         assert!(call(&shared, now, 10_000).await.admitted);
     }
     let both = ChargeRequest {
+        charged_at: None,
         now,
         lines: smallvec::smallvec![line_of("acme", 10_000), line_of("beta", 10_000)],
     };
@@ -1812,6 +1824,7 @@ async fn a_block_of_a_counter_reset_elsewhere_goes_once_an_answer_tells_it_is_go
     let reset_at = now;
     assert!(shared.reset(day_key()).await.unwrap());
     let both = |now| ChargeRequest {
+        charged_at: None,
         now,
         lines: smallvec::smallvec![line_of("acme", 10_000), line_of("beta", 10_000)],
     };
@@ -1987,7 +2000,14 @@ async fn a_requests_refund_lands_in_the_block_and_goes_back_with_it() {
     busy(&leased, &mut now, 200, 10_000, 1).await;
     let held = leased.held();
     let lines = smallvec::smallvec![line_of("acme", 10_000)];
-    let first_call = shared.peek(ChargeRequest { now, lines }).await.unwrap()[0]
+    let first_call = shared
+        .peek(ChargeRequest {
+            charged_at: None,
+            now,
+            lines,
+        })
+        .await
+        .unwrap()[0]
         .first_call
         .expect("the memory store dates its counters");
     let refunded = leased
@@ -2105,6 +2125,7 @@ async fn a_refund_while_units_are_set_aside_never_grows_the_block_past_its_size(
     // Two lines: acme's from the block (set aside), other's asked of the
     // (slow) store, where it is refused.
     let two = ChargeRequest {
+        charged_at: None,
         now,
         lines: smallvec::smallvec![line_of("acme", 100_000), line_of("other", 0)],
     };
@@ -2141,6 +2162,7 @@ async fn units_set_aside_across_a_reset_that_never_lands_go_back() {
     // Two lines: acme's from the block (set aside), other's asked of the
     // (slow) store, where it is refused.
     let two = ChargeRequest {
+        charged_at: None,
         now,
         lines: smallvec::smallvec![line_of("acme", 100_000), line_of("other", 0)],
     };
@@ -2234,6 +2256,7 @@ async fn an_undated_first_use_counter_keeps_its_block_through_jittered_answers()
     let mut served = 0;
     for _ in 0..40 {
         let alone = ChargeRequest {
+            charged_at: None,
             now,
             lines: smallvec::smallvec![hour.clone()],
         };
@@ -2245,12 +2268,14 @@ async fn an_undated_first_use_counter_keeps_its_block_through_jittered_answers()
     assert!(leased.held() > 0, "a block held");
     // The hour from the block, the day asked of the store.
     let both = ChargeRequest {
+        charged_at: None,
         now,
         lines: smallvec::smallvec![hour.clone(), line_of("acme", 10_000)],
     };
     assert!(leased.charge(both).await.unwrap().admitted);
     served += 1;
     let alone = ChargeRequest {
+        charged_at: None,
         now,
         lines: smallvec::smallvec![hour],
     };
@@ -2850,6 +2875,7 @@ async fn a_key_without_a_lease_mark_is_forgotten_once_idle() {
     let mut now = t0();
     for _ in 0..200 {
         let request = ChargeRequest {
+            charged_at: None,
             now,
             lines: smallvec::smallvec![ChargeLine {
                 key: plain.clone(),
@@ -2927,7 +2953,14 @@ async fn charges_over_two_subjects() {
                 } else {
                     smallvec::smallvec![line_of(&b, LIMIT), line_of(&a, LIMIT)]
                 };
-                let outcome = leased.charge(ChargeRequest { now, lines }).await.unwrap();
+                let outcome = leased
+                    .charge(ChargeRequest {
+                        charged_at: None,
+                        now,
+                        lines,
+                    })
+                    .await
+                    .unwrap();
                 if outcome.admitted {
                     admitted += 1;
                 }
@@ -2980,6 +3013,7 @@ async fn a_charge_of_nothing_is_answered_for_a_subject_this_instance_never_saw()
     let leased = LeasedStore::new(shared.clone());
     let now = t0();
     let free = || ChargeRequest {
+        charged_at: None,
         now,
         lines: smallvec::smallvec![ChargeLine {
             cost: 0,
@@ -3030,7 +3064,14 @@ async fn the_idle_sweep_gives_many_subjects_back_together() {
     for _ in 0..40 {
         for subject in &subjects {
             let lines = smallvec::smallvec![line_of(subject, 10_000)];
-            let outcome = leased.charge(ChargeRequest { now, lines }).await.unwrap();
+            let outcome = leased
+                .charge(ChargeRequest {
+                    charged_at: None,
+                    now,
+                    lines,
+                })
+                .await
+                .unwrap();
             assert!(outcome.admitted);
             admitted += 1;
             tokio::time::advance(Duration::from_millis(1)).await;
@@ -3215,7 +3256,14 @@ fn a_runtime_stopped_while_its_sweep_ran_leaves_the_next_runtime_a_sweep() {
 /// One request of `subject` at `now` on `leased`, admitted.
 async fn served_for<St: Store>(leased: &St, subject: &str, now: Timestamp) {
     let lines = smallvec::smallvec![line_of(subject, 1_000_000)];
-    let outcome = leased.charge(ChargeRequest { now, lines }).await.unwrap();
+    let outcome = leased
+        .charge(ChargeRequest {
+            charged_at: None,
+            now,
+            lines,
+        })
+        .await
+        .unwrap();
     assert!(outcome.admitted, "{subject}");
 }
 
@@ -3292,7 +3340,11 @@ fn a_shutdown_without_a_runtime_gives_every_unit_back() {
     };
     assert_eq!(returned, held);
     let lines = smallvec::smallvec![line_of("acme", u64::MAX)];
-    let mut peek = std::pin::pin!(shared.peek(ChargeRequest { now, lines }));
+    let mut peek = std::pin::pin!(shared.peek(ChargeRequest {
+        charged_at: None,
+        now,
+        lines
+    }));
     let std::task::Poll::Ready(usage) = peek.as_mut().poll(&mut context) else {
         panic!("the memory store answers at once");
     };
@@ -3431,6 +3483,7 @@ async fn a_block_taken_at_the_instant_a_counter_is_made_anew_goes_back_to_the_ol
 
 fn fu_request(now: Timestamp, cost: u64) -> ChargeRequest {
     ChargeRequest {
+        charged_at: None,
         now,
         lines: smallvec::smallvec![ChargeLine {
             key: PeriodKey::from_string("quota:{account:acme}:fu:PT1M".to_string()),
@@ -3570,7 +3623,14 @@ async fn a_refund_sent_again_after_the_store_was_away_counts_once() {
     busy(&leased, &mut now, 70, 100, 20).await;
     assert!(leased.held() > 0, "a block held");
     let lines = smallvec::smallvec![line_of("acme", 100)];
-    let first_call = shared.peek(ChargeRequest { now, lines }).await.unwrap()[0]
+    let first_call = shared
+        .peek(ChargeRequest {
+            charged_at: None,
+            now,
+            lines,
+        })
+        .await
+        .unwrap()[0]
         .first_call
         .expect("the memory store dates its counters");
     slow.away.store(true, Ordering::Relaxed);
@@ -3777,6 +3837,7 @@ async fn a_refusal_while_a_steady_holder_keeps_a_block_past_its_first_mark_tells
     let mut line = line_of("acme", LIMIT);
     line.cost = LIMIT - (counted_now - held);
     let ask = ChargeRequest {
+        charged_at: None,
         now,
         lines: smallvec::smallvec![line],
     };
@@ -3792,7 +3853,11 @@ async fn a_refusal_while_a_steady_holder_keeps_a_block_past_its_first_mark_tells
     tokio::task::yield_now().await;
     now += SignedDuration::from_millis(1_300);
     assert_eq!(a.held(), 0);
-    let again = ChargeRequest { now, ..ask };
+    let again = ChargeRequest {
+        charged_at: None,
+        now,
+        ..ask
+    };
     assert!(
         b.charge(again).await.unwrap().admitted,
         "A's units came back"
@@ -3837,6 +3902,7 @@ async fn a_block_past_its_lease_time_is_not_spent_while_the_sweep_is_held_up() {
         .build();
     let mut now = t0();
     let other = |now| ChargeRequest {
+        charged_at: None,
         now,
         lines: smallvec::smallvec![line_of("other", 1_000_000)],
     };
@@ -4004,6 +4070,7 @@ async fn past_its_bound_of_counters_a_subject_is_charged_request_by_request() {
     let before = inner.charges.load(Ordering::Relaxed);
     for _ in 0..50 {
         let other = ChargeRequest {
+            charged_at: None,
             now,
             lines: smallvec::smallvec![line_of("other", 1_000_000)],
         };
@@ -4071,6 +4138,7 @@ async fn a_block_goes_back_at_the_first_sweep_once_its_subject_was_idle_for_the_
                 let line = line_of(subject, 1_000_000);
                 let outcome = leased
                     .charge(ChargeRequest {
+                        charged_at: None,
                         now,
                         lines: smallvec::smallvec![line],
                     })

@@ -246,6 +246,7 @@ impl World {
     fn charge_of(&self, subject: usize) -> ChargeRequest {
         let who = Subject::account(format!("s{subject}"));
         ChargeRequest {
+            charged_at: None,
             now: self.now(),
             lines: smallvec::smallvec![self.quotas[subject].line(&self.ns, &who, self.now(), 1)],
         }
@@ -410,6 +411,7 @@ fn a_block_that_lands_after_a_shutdown_counts_as_taken() {
             *world.delay.lock().unwrap() = Duration::from_millis(50);
             let who = Subject::account("s0");
             let request = ChargeRequest {
+                charged_at: None,
                 now: world.now(),
                 lines: smallvec::smallvec![world.quotas[0].line(&world.ns, &who, world.now(), 1)],
             };

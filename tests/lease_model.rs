@@ -214,6 +214,7 @@ impl Store for Jitter {
         // (the memory store answers at once): nothing comes between.
         if let Ok(Some(_)) = answer {
             let request = ChargeRequest {
+                charged_at: None,
                 now,
                 lines: smallvec::smallvec![line_of(&k, now)],
             };
@@ -256,6 +257,7 @@ impl Store for Jitter {
         // memory store answers at once): nothing comes between.
         let now = self.t0 + SignedDuration::try_from(self.start.elapsed()).unwrap();
         let request = ChargeRequest {
+            charged_at: None,
             now,
             lines: smallvec::smallvec![line_of(key.as_str(), now)],
         };
@@ -477,7 +479,11 @@ async fn run(seed: u64, steps: usize, mix: Mix) -> Vec<String> {
             if which != 0 {
                 lines.push(calendar_line(subject, now, cost));
             }
-            let request = ChargeRequest { now, lines };
+            let request = ChargeRequest {
+                charged_at: None,
+                now,
+                lines,
+            };
             let store = stores[at].clone();
             let model = Arc::clone(&model);
             tasks.spawn(async move {
@@ -703,6 +709,7 @@ async fn run(seed: u64, steps: usize, mix: Mix) -> Vec<String> {
     // what was added after the fact).
     for key in keys {
         let request = ChargeRequest {
+            charged_at: None,
             now,
             lines: smallvec::smallvec![line_of(&key, now)],
         };

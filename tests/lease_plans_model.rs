@@ -111,6 +111,7 @@ impl Jitter {
 
     async fn used(&self, now: Timestamp, key: &PeriodKey) -> u64 {
         let request = ChargeRequest {
+            charged_at: None,
             now,
             lines: smallvec::smallvec![line(key.clone(), now, 1, 0)],
         };
@@ -330,6 +331,7 @@ async fn run(seed: u64, steps: usize, mix: Mix) -> (Vec<String>, u64, u64, u64) 
             let cost = if mix.resets { 1 } else { 1 + rng.below(3) / 2 };
             let key = key_of(subject);
             let request = ChargeRequest {
+                charged_at: None,
                 now,
                 lines: smallvec::smallvec![line(key.clone(), now, cost, limit)],
             };
@@ -423,6 +425,7 @@ async fn run(seed: u64, steps: usize, mix: Mix) -> (Vec<String>, u64, u64, u64) 
             for _ in 0..=limit {
                 let now = now_of();
                 let request = ChargeRequest {
+                    charged_at: None,
                     now,
                     lines: smallvec::smallvec![line(key.clone(), now, 1, limit)],
                 };
@@ -440,6 +443,7 @@ async fn run(seed: u64, steps: usize, mix: Mix) -> (Vec<String>, u64, u64, u64) 
         }
         let now = now_of();
         let request = ChargeRequest {
+            charged_at: None,
             now,
             lines: smallvec::smallvec![line(key.clone(), now, 0, limit)],
         };
@@ -473,6 +477,7 @@ async fn run(seed: u64, steps: usize, mix: Mix) -> (Vec<String>, u64, u64, u64) 
         let key = key_of(subject);
         let now = now_of();
         let request = ChargeRequest {
+            charged_at: None,
             now,
             lines: smallvec::smallvec![line(key.clone(), now, 0, 0)],
         };
@@ -605,6 +610,7 @@ async fn a_give_back_of_a_higher_plans_request_is_not_spent_under_a_lower_plan()
     let key = key_of(9);
     let mut now: Timestamp = "2026-12-04T10:00:00Z".parse().unwrap();
     let request = |now: Timestamp, limit: u64| ChargeRequest {
+        charged_at: None,
         now,
         lines: smallvec::smallvec![line(key.clone(), now, 1, limit)],
     };

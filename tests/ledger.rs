@@ -164,6 +164,7 @@ async fn the_policys_layers_further_in_owe_theirs_without_asking_the_store() {
     let now: Timestamp = NOW.parse().unwrap();
     let line = search.line(policy.namespace(), &Subject::account("acme"), now, 1);
     let request = ChargeRequest {
+        charged_at: None,
         now,
         lines: smallvec::smallvec![line],
     };

@@ -836,6 +836,7 @@ async fn quiet(
             let key = line.key.as_str().to_owned();
             let used = memory
                 .peek(ChargeRequest {
+                    charged_at: None,
                     now,
                     lines: smallvec::smallvec![line],
                 })
@@ -892,6 +893,7 @@ async fn quiet(
         let key = line.key.as_str().to_owned();
         let usage = memory
             .peek(ChargeRequest {
+                charged_at: None,
                 now,
                 lines: smallvec::smallvec![line],
             })

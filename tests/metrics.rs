@@ -654,6 +654,7 @@ fn leases_are_counted() {
         let leased = LeasedStore::new(MemoryStore::new());
         let mut now: Timestamp = "2026-12-04T10:00:00Z".parse().unwrap();
         let request = |now: Timestamp| ChargeRequest {
+            charged_at: None,
             now,
             lines: smallvec::smallvec![ChargeLine {
                 key: PeriodKey::from_string("quota:{account:x}:default:2026-12-04".into()),

@@ -66,6 +66,7 @@ fn first_use(
     period: SignedDuration,
 ) -> ChargeRequest {
     ChargeRequest {
+        charged_at: None,
         now,
         lines: smallvec::smallvec![ChargeLine {
             key: key.clone(),
@@ -87,6 +88,7 @@ fn calendar(
     end: Timestamp,
 ) -> ChargeRequest {
     ChargeRequest {
+        charged_at: None,
         now,
         lines: smallvec::smallvec![ChargeLine {
             key: key.clone(),
@@ -712,6 +714,7 @@ async fn a_key_listed_twice_is_charged_twice_as_in_memory() {
     let key = key("twice");
     let now = Timestamp::now();
     let request = |cost| ChargeRequest {
+        charged_at: None,
         now,
         lines: smallvec::smallvec![
             first_use(&key, 3, cost, now, hour()).lines.remove(0),
@@ -2524,6 +2527,7 @@ async fn a_store_on_a_demoted_master_reconnects_to_the_new_one() {
         let charge = || {
             let now = Timestamp::now();
             ChargeRequest {
+                charged_at: None,
                 now,
                 lines: smallvec::smallvec![ChargeLine {
                     key: Namespace::default().key(&Subject::account("acme"), "failover", "PT1H"),
@@ -3442,4 +3446,82 @@ async fn late_charge_that_made_a_counter(server: &RedisServer, batch: bool) {
         "batch {batch}: the counter lives {pttl} ms more, a period from the late charge {} ms",
         most.as_millis()
     );
+}
+
+/// A request to `/` for acme, held 1 s between the quota layers of
+/// [`two_layers_around_a_slow_one`] when `slow`.
+fn held(slow: bool) -> Request<Body> {
+    let mut request = Request::get("/").header("x-account-id", "acme");
+    if slow {
+        request = request.header("x-slow", "1");
+    }
+    request.body(Body::empty()).unwrap()
+}
+
+/// Two layers of one policy on `store`: a daily quota outside, a rolling
+/// one (1 per 2 s) inside, and between them a middleware that holds a
+/// request asking for it 1 s (an authentication call, a queue).
+fn two_layers_around_a_slow_one<St: Store>(store: St) -> Router {
+    let policy = QuotaPolicy::builder(FromHeader::account("x-account-id"))
+        .store(store)
+        .build();
+    Router::new()
+        .route("/", get(|| async { "ok" }))
+        .route_layer(policy.layer(Quota::rolling(1, Duration::from_secs(2)).allowance("burst")))
+        .route_layer(axum::middleware::from_fn(
+            |request: axum::extract::Request, next: axum::middleware::Next| async move {
+                if request.headers().contains_key("x-slow") {
+                    tokio::time::sleep(Duration::from_secs(1)).await;
+                }
+                next.run(request).await
+            },
+        ))
+        .route_layer(policy.layer(Quota::daily(1_000).allowance("read")))
+}
+
+/// What `store` answers through [`two_layers_around_a_slow_one`]: the
+/// first request (held between the layers), a second at once (refused),
+/// its `Retry-After`, and a third once a period from the first call and
+/// 500 ms are past.
+async fn held_then_after_a_period<St: Store>(
+    store: St,
+) -> (StatusCode, StatusCode, u64, StatusCode) {
+    let app = two_layers_around_a_slow_one(store);
+    let start = Instant::now();
+    let first = app.clone().oneshot(held(true)).await.unwrap().status();
+    let refused = app.clone().oneshot(held(false)).await.unwrap();
+    let retry_after: u64 = refused
+        .headers()
+        .get("retry-after")
+        .map_or(0, |v| v.to_str().unwrap().parse().unwrap());
+    let due = start + Duration::from_millis(2_500);
+    tokio::time::sleep(due.saturating_duration_since(Instant::now())).await;
+    let again = app.clone().oneshot(held(false)).await.unwrap().status();
+    (first, refused.status(), retry_after, again)
+}
+
+/// A first-use counter made by a layer the request reached late (1 s
+/// behind a slow middleware, inside another quota layer) records the
+/// request's instant as its first call, and ends a period after it on
+/// Redis as in memory: its time to live runs from the charge. The refusal
+/// meanwhile tells the same wait on both.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_first_use_counter_made_by_a_layer_reached_late_ends_a_period_after_its_first_call() {
+    let server = redis_server_or_skip!();
+    let (memory, redis) = tokio::join!(
+        held_then_after_a_period(tower_quota::MemoryStore::new()),
+        held_then_after_a_period(RedisStore::new(server.url()).unwrap())
+    );
+    let expected = (
+        StatusCode::OK,
+        StatusCode::TOO_MANY_REQUESTS,
+        StatusCode::OK,
+    );
+    assert_eq!(
+        (memory.0, memory.1, memory.3),
+        expected,
+        "memory: {memory:?}"
+    );
+    assert_eq!((redis.0, redis.1, redis.3), expected, "Redis: {redis:?}");
+    assert_eq!(redis.2, memory.2, "Retry-After on Redis and in memory");
 }

@@ -39,6 +39,7 @@ fn key(subject: &str) -> PeriodKey {
 fn request(subject: &str, limit: u64) -> ChargeRequest {
     let now = Timestamp::now();
     ChargeRequest {
+        charged_at: None,
         now,
         lines: smallvec::smallvec![ChargeLine {
             key: key(subject),

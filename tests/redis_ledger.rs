@@ -723,6 +723,7 @@ async fn a_settle_without_a_mark_applied_late_is_given_back() {
     };
     let later = now + SignedDuration::from_millis(50);
     let charge = tower_quota::store::ChargeRequest {
+        charged_at: None,
         now: later,
         lines: smallvec::smallvec![tower_quota::store::ChargeLine {
             key: key.clone(),
@@ -1102,6 +1103,7 @@ async fn a_settle_from_a_skewed_instance_leaves_a_first_use_period_as_it_is() {
     let a_now = Timestamp::now();
     let charged = store
         .charge(tower_quota::store::ChargeRequest {
+            charged_at: None,
             now: a_now,
             lines: vec![tower_quota::store::ChargeLine {
                 key: key.clone(),

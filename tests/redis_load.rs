@@ -28,6 +28,7 @@ fn key(allowance: &str) -> PeriodKey {
 fn charge(key: &PeriodKey, limit: u64) -> ChargeRequest {
     let now = Timestamp::now();
     ChargeRequest {
+        charged_at: None,
         now,
         lines: smallvec::smallvec![ChargeLine {
             key: key.clone(),
@@ -459,6 +460,7 @@ async fn batched_charges_on_existing_counters_are_told_what_a_lone_charge_is() {
     let t0 = Timestamp::now();
     let end = t0 + SignedDuration::from_hours(1);
     let calendar = |key: &PeriodKey, limit: u64, now: Timestamp| ChargeRequest {
+        charged_at: None,
         now,
         lines: smallvec::smallvec![ChargeLine {
             key: key.clone(),

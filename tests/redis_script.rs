@@ -159,6 +159,7 @@ fn calendar(
 async fn charge(store: &RedisStore, now: Timestamp, lines: Vec<ChargeLine>) -> bool {
     store
         .charge(ChargeRequest {
+            charged_at: None,
             now,
             lines: lines.into(),
         })
@@ -300,6 +301,7 @@ async fn a_peek_a_refused_charge_and_a_failed_one_write_nothing() {
         };
         let peeked = store
             .peek(ChargeRequest {
+                charged_at: None,
                 now,
                 lines: lines(1).into(),
             })
@@ -343,6 +345,7 @@ async fn a_peek_a_refused_charge_and_a_failed_one_write_nothing() {
         failing.push(first_use(&foreign, 10, 1, now));
         let failed = store
             .charge(ChargeRequest {
+                charged_at: None,
                 now,
                 lines: failing.into(),
             })
@@ -523,6 +526,7 @@ type Answer = (bool, Vec<(u64, u64, Option<Timestamp>)>);
 async fn answer(store: &RedisStore, now: Timestamp, lines: Vec<ChargeLine>) -> Answer {
     let outcome = store
         .charge(ChargeRequest {
+            charged_at: None,
             now,
             lines: lines.into(),
         })
@@ -580,6 +584,7 @@ async fn a_charge_of_two_lines_answers_alike_in_a_batch_and_alone() {
             let lines = vec![calendar(&counter, limit, cost, start, end), second];
             let answer = store
                 .charge(ChargeRequest {
+                    charged_at: None,
                     now,
                     lines: lines.into(),
                 })

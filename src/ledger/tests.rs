@@ -566,6 +566,7 @@ fn a_debt_past_what_the_store_counts_is_owed_up_to_it() {
 
 async fn used(store: &MemoryStore, key: &PeriodKey, now: Timestamp) -> u64 {
     let request = ChargeRequest {
+        charged_at: None,
         now,
         lines: smallvec::smallvec![crate::store::ChargeLine {
             key: key.clone(),

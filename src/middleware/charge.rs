@@ -71,6 +71,7 @@ impl Default for Charge {
             ticket: Ticket::default(),
             quotas: QuotaSet::Own,
             request: ChargeRequest {
+                charged_at: None,
                 now: Timestamp::UNIX_EPOCH,
                 lines: SmallVec::new(),
             },
@@ -126,6 +127,7 @@ impl Charge {
             ticket,
             quotas,
             request: ChargeRequest {
+                charged_at: request.charged_at,
                 now: request.now,
                 lines,
             },
@@ -145,6 +147,9 @@ pub(crate) fn plan<E: SubjectExtractor, St: crate::store::Store>(
         .extensions
         .get::<QuotaStatus>()
         .and_then(|status| status.ticket(policy.id));
+    // A ticket found was made by a layer further out, at its instant:
+    // this layer may charge later (see `ChargeRequest::charged_at`).
+    let further_in = known.is_some();
     let ticket = match known {
         // Let through uncounted further out (counted there as skipped, or
         // as a store error under fail open without a ledger).
@@ -198,6 +203,7 @@ pub(crate) fn plan<E: SubjectExtractor, St: crate::store::Store>(
         policy.store.max_count(),
         ticket,
         parts,
+        further_in,
     )
 }
 
@@ -323,13 +329,15 @@ fn spread_hash(subject: &Subject) -> u64 {
 }
 
 /// The lines of `scope`'s quotas that `ticket` does not count yet, on a
-/// store that decides on costs up to `max_count` exactly.
+/// store that decides on costs up to `max_count` exactly; `further_in`:
+/// the ticket was made by a layer further out, at its own instant.
 fn lines(
     scope: &Scope,
     settings: &Settings,
     max_count: u64,
     ticket: Ticket,
     parts: &Parts,
+    further_in: bool,
 ) -> Step {
     let status = parts.extensions.get::<QuotaStatus>();
     let caller = ticket
@@ -436,6 +444,8 @@ fn lines(
     let charge = Charge {
         span,
         request: ChargeRequest {
+            // Never before the instant the request is counted at.
+            charged_at: further_in.then(|| settings.clock.now().max(ticket.now)),
             now: ticket.now,
             lines,
         },

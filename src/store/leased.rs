@@ -1712,6 +1712,7 @@ impl<St: Store> LeasedStore<St> {
             .saturating_add(span(at.saturating_duration_since(then)))
             .unwrap_or(now);
         let request = ChargeRequest {
+            charged_at: None,
             now,
             lines: smallvec::smallvec![line],
         };
@@ -3226,6 +3227,7 @@ async fn join<St: Store>(
     };
     let deadline = now.saturating_add(lease).unwrap_or(now);
     let request = ChargeRequest {
+        charged_at: None,
         now,
         lines: smallvec::smallvec![mark_line(mark, 1, deadline, max)],
     };
@@ -3778,6 +3780,7 @@ mod tests {
 
     fn one(subject: &str, now: Timestamp, limit: u64) -> ChargeRequest {
         ChargeRequest {
+            charged_at: None,
             now,
             lines: smallvec::smallvec![line_of(subject, limit)],
         }
@@ -3826,6 +3829,7 @@ mod tests {
             assert!(made_anew.admitted);
         }
         let both = ChargeRequest {
+            charged_at: None,
             now,
             lines: smallvec::smallvec![line_of("acme", 10_000), line_of("beta", 10_000)],
         };

@@ -1357,6 +1357,7 @@ mod nanos_tests {
                 shadow_limit: None,
             };
             let request = ChargeRequest {
+                charged_at: None,
                 now,
                 lines: smallvec::smallvec![line],
             };
@@ -1455,6 +1456,7 @@ mod room_tests {
         };
         store
             .charge_now(&ChargeRequest {
+                charged_at: None,
                 now,
                 lines: vec![line].into(),
             })
@@ -1635,7 +1637,7 @@ mod bound_tests {
                     Op::Advance(ms) => now += SignedDuration::from_millis(*ms),
                     Op::Charge(s, quotas, cost) => {
                         let lines = quotas.iter().map(|&q| line(q, *s, now, *cost)).collect();
-                        let _ = store.charge_now(&ChargeRequest { now, lines });
+                        let _ = store.charge_now(&ChargeRequest { charged_at: None, now, lines });
                     }
                     Op::Settle(s, quota, amount, ago) => {
                         let since = now - SignedDuration::from_millis(*ago);

@@ -283,12 +283,28 @@ pub enum ChargeAnswer<F> {
 /// All counters one request spends on, charged together.
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub struct ChargeRequest {
-    /// The instant of the request, from the layer's clock.
+    /// The instant of the request, from the layer's clock (every quota
+    /// layer of a request counts it at the instant the outermost one read).
     pub now: Timestamp,
+    /// When the charge is made, from the same clock, if later than `now`:
+    /// a layer the request reached late (behind a slow authentication
+    /// call, a queue, inside another quota layer). A store whose counters'
+    /// lives run from when it applies a charge (the Redis store's time to
+    /// live) reckons a first-use deadline's life from here, so that the
+    /// counter ends at the deadline, as one that records the deadline
+    /// does. `None`: at `now`.
+    pub charged_at: Option<Timestamp>,
     /// The counters, one per quota, in the layer's order (inline up to two:
     /// a request's charge allocates no list; build one with `.into()` from a
     /// `Vec`, or `smallvec::smallvec![...]`).
     pub lines: SmallVec<[ChargeLine; 2]>,
+}
+
+impl ChargeRequest {
+    /// When the charge is made: `charged_at`, or `now`.
+    pub(crate) fn charged(&self) -> Timestamp {
+        self.charged_at.unwrap_or(self.now)
+    }
 }
 
 /// What requests admitted while the store could not count them owe one
@@ -890,6 +906,7 @@ pub trait Store: Clone + Send + Sync + 'static {
                 return Ok(None);
             }
             let request = ChargeRequest {
+                charged_at: None,
                 now,
                 lines: smallvec::smallvec![ChargeLine {
                     key: debt.key,

@@ -48,6 +48,7 @@ fn calendar(key: PeriodKey, limit: u64, cost: u64, start: &str, end: &str) -> Ch
 
 fn charge(store: &MemoryStore, now: Timestamp, lines: Vec<ChargeLine>) -> ChargeOutcome {
     now_of(store.charge(ChargeRequest {
+        charged_at: None,
         now,
         lines: lines.into(),
     }))
@@ -111,6 +112,7 @@ fn refunds_never_create_or_resurrect_and_keep_the_deadline() {
         "never below zero"
     );
     let usage = now_of(store.peek(ChargeRequest {
+        charged_at: None,
         now: t0,
         lines: smallvec::smallvec![first_use(k.clone(), 5, 0, at("2026-12-09T00:00:00Z"))],
     }))
@@ -149,6 +151,7 @@ fn adds_never_create_or_resurrect_and_keep_the_deadline() {
     assert_eq!(now_of(store.add(t1, k.clone(), 0)).unwrap(), Some(7));
     let later = at("2026-12-02T11:30:00Z");
     let usage = now_of(store.peek(ChargeRequest {
+        charged_at: None,
         now: t1,
         lines: smallvec::smallvec![first_use(k.clone(), 5, 0, later)],
     }))
@@ -678,6 +681,7 @@ fn exact_under_threads_with_two_quotas() {
     });
     assert_eq!(admitted.into_inner(), 500);
     let usage = now_of(store.peek(ChargeRequest {
+        charged_at: None,
         now: t0,
         lines: smallvec::smallvec![minute(), day()],
     }))
@@ -855,6 +859,7 @@ fn try_charge(
     lines: Vec<ChargeLine>,
 ) -> Result<ChargeOutcome, StoreError> {
     now_of(store.charge(ChargeRequest {
+        charged_at: None,
         now,
         lines: lines.into(),
     }))
@@ -1365,6 +1370,7 @@ fn extra_units_take_what_is_left_in_one_step() {
     let (a, b) = (key("acme", "read", "PT1H"), key("acme", "write", "PT1H"));
     let taking = |cost, extra: [u64; 2]| {
         let request = ChargeRequest {
+            charged_at: None,
             now,
             lines: smallvec::smallvec![
                 first_use(a.clone(), 10, cost, deadline),

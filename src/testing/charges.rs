@@ -32,6 +32,7 @@ pub async fn exactly_the_limit_under_concurrency<S: ConformanceHooks>(store: &S)
             let mut admitted = 0u64;
             for i in 0..EACH {
                 let request = ChargeRequest {
+                    charged_at: None,
                     now: start,
                     lines: smallvec::smallvec![
                         first_use(&key, LIMIT, 1, start + period),
@@ -292,6 +293,7 @@ pub async fn an_abandoned_charge_spends_nothing<S: ConformanceHooks>(store: &S) 
 
     // Dropped before it was ever polled.
     drop(store.charge(ChargeRequest {
+        charged_at: None,
         now,
         lines: smallvec::smallvec![line()],
     }));
@@ -299,6 +301,7 @@ pub async fn an_abandoned_charge_spends_nothing<S: ConformanceHooks>(store: &S) 
     let mut pending = 0;
     for _ in 0..20 {
         match store.charge_at_once(&ChargeRequest {
+            charged_at: None,
             now,
             lines: smallvec::smallvec![line()],
         }) {
@@ -312,6 +315,7 @@ pub async fn an_abandoned_charge_spends_nothing<S: ConformanceHooks>(store: &S) 
     // Polled once, then dropped unless it answered at once.
     for _ in 0..20 {
         let mut future = std::pin::pin!(store.charge(ChargeRequest {
+            charged_at: None,
             now,
             lines: smallvec::smallvec![line()],
         }));
@@ -490,6 +494,7 @@ pub async fn a_charge_past_its_period_is_an_error<S: ConformanceHooks>(store: &S
     for round in 0..3 {
         for lines in &lines {
             let request = ChargeRequest {
+                charged_at: None,
                 now,
                 lines: lines.clone().into(),
             };
@@ -875,6 +880,7 @@ pub async fn extra_units_take_only_the_room_left<S: ConformanceHooks>(store: &S)
     let line = |key, limit, cost| calendar_line(key, limit, cost, start, start + period);
     let taking = |lines: Vec<ChargeLine>, extra: &[u64]| {
         let request = ChargeRequest {
+            charged_at: None,
             now: start,
             lines: lines.into(),
         };
@@ -974,6 +980,7 @@ pub async fn extra_units_take_only_the_room_left<S: ConformanceHooks>(store: &S)
             let mut spent = 0;
             for _ in 0..4 {
                 let request = ChargeRequest {
+                    charged_at: None,
                     now: start,
                     lines: smallvec::smallvec![line.clone()],
                 };

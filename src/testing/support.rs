@@ -128,6 +128,7 @@ pub(super) async fn charge<S: Store>(
     let outcome = answered(
         store
             .charge(ChargeRequest {
+                charged_at: None,
                 now,
                 lines: lines.into(),
             })
@@ -145,6 +146,7 @@ pub(super) async fn peek<S: Store>(
     answered(
         store
             .peek(ChargeRequest {
+                charged_at: None,
                 now,
                 lines: lines.into(),
             })

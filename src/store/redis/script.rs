@@ -202,7 +202,7 @@ pub(super) fn outcome(
     request: &ChargeRequest,
     reply: &[i64],
 ) -> Result<ChargeOutcome, StoreError> {
-    let now = request.now;
+    let charged = request.charged();
     if reply.len() != 1 + FIELDS * request.lines.len() {
         return Err(unexpected(format!(
             "{} values for {} lines",
@@ -265,8 +265,11 @@ pub(super) fn outcome(
                     counted_at: None,
                     limit: line.limit,
                     used,
+                    // The life left when Redis ran the charge, counted from
+                    // when it was made.
                     resets_at: if pttl >= 0 {
-                        now.saturating_add(SignedDuration::from_millis(pttl))
+                        charged
+                            .saturating_add(SignedDuration::from_millis(pttl))
                             .unwrap_or(deadline)
                     } else {
                         deadline

@@ -63,14 +63,13 @@ use crate::store::{
 ///   monotonic clock), and a settle of the debt of the request whose
 ///   charge made it ends it at the debt's deadline (see Debts); a charge
 ///   run later than the store follows it (30 s) is neither given back nor
-///   trimmed. So it goes, too, for the charge of a layer a request reached
-///   late (behind a slow authentication call or a queue, inside another
-///   quota layer): every layer counts a request at the instant the
-///   outermost quota layer read, and a first-use counter that layer makes
-///   records it as its first call, but Redis runs its life from the
-///   charge: it ends as much later than the reset its client was told as
-///   the request took to reach the layer (the memory store ends it at the
-///   reset told). A counter
+///   trimmed. A layer a request reached late (behind a slow
+///   authentication call or a queue, inside another quota layer) counts
+///   it at the instant the outermost quota layer read, which a first-use
+///   counter it makes records as its first call, and tells the store when
+///   it charges ([`ChargeRequest::charged_at`]): the counter lives from
+///   then to its deadline, and ends at the reset its client was told, as
+///   on the memory store. A counter
 ///   found without a deadline (written by another tool, or restored without
 ///   one) is healed by the next charge, admitted or refused, to its first
 ///   call plus one period when the first call is known, else to one period
@@ -949,7 +948,7 @@ impl RedisStore {
             lifetime: debt.lifetime,
             shadow_limit: None,
         };
-        let args = self.line_args(now, &line);
+        let args = self.line_args(now, now, &line);
         let key = line.key;
         let mark = key.settle_mark(debt.id);
         let mut invocation = Invocation::on(key.as_str());
@@ -1128,7 +1127,7 @@ impl RedisStore {
         let mut invocation = Invocation::default();
         invocation.arg(op).arg(now.as_millisecond());
         for line in &request.lines {
-            let line = self.line_args(now, line);
+            let line = self.line_args(now, request.charged(), line);
             invocation
                 .key(line.key.as_str())
                 .arg(line.limit)
@@ -1140,10 +1139,12 @@ impl RedisStore {
         invocation
     }
 
-    /// What the script takes for `line`, charged at `now`.
-    fn line_args(&self, now: Timestamp, line: &ChargeLine) -> LineArgs {
+    /// What the script takes for `line` of a request at `now`, charged at
+    /// `charged` (see [`ChargeRequest::charged_at`]): a first-use counter
+    /// it makes lives from the charge to its deadline.
+    fn line_args(&self, now: Timestamp, charged: Timestamp, line: &ChargeLine) -> LineArgs {
         let (anchor, ttl, end) = match line.lifetime {
-            Lifetime::FirstUse { deadline } => ("f", millis_until(now, deadline), 0),
+            Lifetime::FirstUse { deadline } => ("f", millis_until(charged, deadline), 0),
             Lifetime::Calendar { end, .. } => {
                 let housekeeping = millis_until(now, end)
                     .saturating_add(as_millis(self.inner.calendar_grace))
@@ -1287,7 +1288,7 @@ impl Store for RedisStore {
         let lines = request
             .lines
             .iter()
-            .map(|line| store.line_args(request.now, line))
+            .map(|line| store.line_args(request.now, request.charged(), line))
             .collect();
         Box::pin(async move { store.charge_in_batch(request, lines).await })
     }
