@@ -230,6 +230,15 @@ fn day() -> Lifetime {
     }
 }
 
+/// A charge of `lines` at `now`.
+fn charge_at(now: Timestamp, lines: smallvec::SmallVec<[ChargeLine; 2]>) -> ChargeRequest {
+    ChargeRequest {
+        charged_at: None,
+        now,
+        lines,
+    }
+}
+
 fn request(now: Timestamp, limit: u64) -> ChargeRequest {
     ChargeRequest {
         charged_at: None,
@@ -246,15 +255,7 @@ async fn counted<St: Store>(store: &St, now: Timestamp) -> u64 {
 /// What the store counts on `subject`'s counter of the day at `now`.
 async fn counted_for<St: Store>(store: &St, subject: &str, now: Timestamp) -> u64 {
     let lines = smallvec::smallvec![line_of(subject, u64::MAX)];
-    store
-        .peek(ChargeRequest {
-            charged_at: None,
-            now,
-            lines,
-        })
-        .await
-        .unwrap()[0]
-        .used
+    store.peek(charge_at(now, lines)).await.unwrap()[0].used
 }
 
 /// One request at `now` on `leased`.
@@ -1999,15 +2000,7 @@ async fn a_requests_refund_lands_in_the_block_and_goes_back_with_it() {
     let served_at = now;
     busy(&leased, &mut now, 200, 10_000, 1).await;
     let held = leased.held();
-    let lines = smallvec::smallvec![line_of("acme", 10_000)];
-    let first_call = shared
-        .peek(ChargeRequest {
-            charged_at: None,
-            now,
-            lines,
-        })
-        .await
-        .unwrap()[0]
+    let first_call = shared.peek(request(now, 10_000)).await.unwrap()[0]
         .first_call
         .expect("the memory store dates its counters");
     let refunded = leased
@@ -2953,14 +2946,7 @@ async fn charges_over_two_subjects() {
                 } else {
                     smallvec::smallvec![line_of(&b, LIMIT), line_of(&a, LIMIT)]
                 };
-                let outcome = leased
-                    .charge(ChargeRequest {
-                        charged_at: None,
-                        now,
-                        lines,
-                    })
-                    .await
-                    .unwrap();
+                let outcome = leased.charge(charge_at(now, lines)).await.unwrap();
                 if outcome.admitted {
                     admitted += 1;
                 }
@@ -3064,14 +3050,7 @@ async fn the_idle_sweep_gives_many_subjects_back_together() {
     for _ in 0..40 {
         for subject in &subjects {
             let lines = smallvec::smallvec![line_of(subject, 10_000)];
-            let outcome = leased
-                .charge(ChargeRequest {
-                    charged_at: None,
-                    now,
-                    lines,
-                })
-                .await
-                .unwrap();
+            let outcome = leased.charge(charge_at(now, lines)).await.unwrap();
             assert!(outcome.admitted);
             admitted += 1;
             tokio::time::advance(Duration::from_millis(1)).await;
@@ -3256,14 +3235,7 @@ fn a_runtime_stopped_while_its_sweep_ran_leaves_the_next_runtime_a_sweep() {
 /// One request of `subject` at `now` on `leased`, admitted.
 async fn served_for<St: Store>(leased: &St, subject: &str, now: Timestamp) {
     let lines = smallvec::smallvec![line_of(subject, 1_000_000)];
-    let outcome = leased
-        .charge(ChargeRequest {
-            charged_at: None,
-            now,
-            lines,
-        })
-        .await
-        .unwrap();
+    let outcome = leased.charge(charge_at(now, lines)).await.unwrap();
     assert!(outcome.admitted, "{subject}");
 }
 
@@ -3622,15 +3594,7 @@ async fn a_refund_sent_again_after_the_store_was_away_counts_once() {
     let mut now = t0();
     busy(&leased, &mut now, 70, 100, 20).await;
     assert!(leased.held() > 0, "a block held");
-    let lines = smallvec::smallvec![line_of("acme", 100)];
-    let first_call = shared
-        .peek(ChargeRequest {
-            charged_at: None,
-            now,
-            lines,
-        })
-        .await
-        .unwrap()[0]
+    let first_call = shared.peek(request(now, 100)).await.unwrap()[0]
         .first_call
         .expect("the memory store dates its counters");
     slow.away.store(true, Ordering::Relaxed);
