@@ -301,8 +301,8 @@ pub struct ChargeRequest {
 }
 
 impl ChargeRequest {
-    /// When the charge is made: `charged_at`, or `now`.
-    pub(crate) fn charged(&self) -> Timestamp {
+    /// When the charge is made: [`charged_at`](Self::charged_at), or `now`.
+    pub fn charged(&self) -> Timestamp {
         self.charged_at.unwrap_or(self.now)
     }
 }
