@@ -177,10 +177,10 @@ impl Refund {
         }
     }
 
-    /// The same refund, which for a first-use line of `period` whose
-    /// counter the charge at `now`, sent at `sent`, made (its first call is
-    /// the charge's instant) ends that counter a period after `sent` at the
-    /// latest.
+    /// The same refund, which for a first-use line whose counter the
+    /// charge at `now`, sent at `sent`, made (its first call is the
+    /// charge's instant) ends that counter `period` (what was left of the
+    /// line's period when the charge was made) after `sent` at the latest.
     pub(super) fn made_at(
         mut self,
         now: Timestamp,
@@ -199,10 +199,11 @@ fn whole_milliseconds(at: Timestamp) -> Timestamp {
     Timestamp::from_millisecond(at.as_millisecond()).unwrap_or(at)
 }
 
-/// A first-use line's period, as the charge at `now` reckoned it.
-pub(super) fn first_use_period(line: &ChargeLine, now: Timestamp) -> Option<Duration> {
+/// What is left of a first-use line's period when the charge is made at
+/// `charged` (see [`ChargeRequest::charged_at`]).
+pub(super) fn first_use_period(line: &ChargeLine, charged: Timestamp) -> Option<Duration> {
     match line.lifetime {
-        Lifetime::FirstUse { deadline } => now.duration_until(deadline).try_into().ok(),
+        Lifetime::FirstUse { deadline } => charged.duration_until(deadline).try_into().ok(),
         Lifetime::Calendar { .. } => None,
     }
 }
@@ -230,7 +231,7 @@ pub(super) fn give_back(op: &str, request: &ChargeRequest) -> Option<GiveBack<Ve
             .enumerate()
             .filter(|(_, line)| line.cost > 0)
             .map(|(i, line)| {
-                let period = first_use_period(line, request.now);
+                let period = first_use_period(line, request.charged());
                 (i, line.key.clone(), line.cost, period)
             })
             .collect(),
@@ -260,7 +261,7 @@ pub(super) fn give_back_taking(request: &ChargeRequest, extra: &[u64]) -> GiveBa
             .enumerate()
             .filter(|(_, (line, &units))| line.cost > 0 || units > 0)
             .map(|(i, (line, _))| {
-                let period = first_use_period(line, request.now);
+                let period = first_use_period(line, request.charged());
                 (i, line.key.clone(), line.cost, period)
             })
             .collect(),
