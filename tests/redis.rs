@@ -3402,12 +3402,30 @@ async fn a_store_on_a_pool_drops_a_connection_to_a_demoted_master() {
 async fn a_late_charge_that_made_a_first_use_counter_gives_back_its_lateness_too() {
     let server = redis_server_or_skip!();
     for batch in [true, false] {
-        late_charge_that_made_a_counter(&server, batch).await;
+        late_charge_that_made_a_counter(&server, batch, SignedDuration::ZERO).await;
     }
 }
 
-/// See `a_late_charge_that_made_a_first_use_counter_gives_back_its_lateness_too`.
-async fn late_charge_that_made_a_counter(server: &RedisServer, batch: bool) {
+/// As `a_late_charge_that_made_a_first_use_counter_gives_back_its_lateness_too`,
+/// for a charge of a layer the request reached 3 s late (`charged_at`): its
+/// counter's time to live runs from the charge to the deadline, and the
+/// give-back ends it by the deadline, on a store that batches charges or
+/// not (a cluster's).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_late_charge_of_a_layer_reached_late_ends_its_counter_by_the_deadline() {
+    let server = redis_server_or_skip!();
+    for batch in [true, false] {
+        late_charge_that_made_a_counter(&server, batch, SignedDuration::from_secs(3)).await;
+    }
+}
+
+/// See `a_late_charge_that_made_a_first_use_counter_gives_back_its_lateness_too`;
+/// the late charge is made `reached_late` after its request's instant.
+async fn late_charge_that_made_a_counter(
+    server: &RedisServer,
+    batch: bool,
+    reached_late: SignedDuration,
+) {
     let late = RedisStore::builder(server.url())
         .timeout(Duration::from_millis(100))
         .batch_charges(batch)
@@ -3419,15 +3437,16 @@ async fn late_charge_that_made_a_counter(server: &RedisServer, batch: bool) {
         .unwrap();
     late.preload().await.unwrap();
     other.preload().await.unwrap();
-    let k = key(&format!("late-made-{batch}"));
+    let k = key(&format!("late-made-{batch}-{}", reached_late.as_millis()));
     let period = SignedDuration::from_secs(10);
     // Redis runs nothing for 1.5 s: the late charge, then the other
     // instance's, in the order sent.
     assert_eq!(server.cli(&["client", "pause", "1500", "all"]), "OK");
     let sent = tokio::time::Instant::now();
-    let charge = late
-        .charge(first_use(&k, 10, 1, Timestamp::now(), period))
-        .await;
+    let charged = Timestamp::now();
+    let mut request = first_use(&k, 10, 1, charged - reached_late, period);
+    request.charged_at = (!reached_late.is_zero()).then_some(charged);
+    let charge = late.charge(request).await;
     assert!(charge.is_err(), "batch {batch}: {charge:?}");
     tokio::time::sleep(Duration::from_millis(50)).await;
     let request = first_use(&k, 10, 1, Timestamp::now(), period);
@@ -3440,7 +3459,10 @@ async fn late_charge_that_made_a_counter(server: &RedisServer, batch: bool) {
     let n = server.cli(&["hget", k.as_str(), "n"]);
     assert_eq!(n, "1", "batch {batch}: the other's only");
     let pttl: u64 = server.cli(&["pttl", k.as_str()]).parse().unwrap();
-    let most = period.unsigned_abs().saturating_sub(sent.elapsed());
+    // The deadline: a period after the request's instant.
+    let most = (period - reached_late)
+        .unsigned_abs()
+        .saturating_sub(sent.elapsed());
     assert!(
         Duration::from_millis(pttl) <= most + Duration::from_millis(50),
         "batch {batch}: the counter lives {pttl} ms more, a period from the late charge {} ms",

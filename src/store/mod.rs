@@ -284,14 +284,15 @@ pub enum ChargeAnswer<F> {
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub struct ChargeRequest {
     /// The instant of the request, from the layer's clock (every quota
-    /// layer of a request counts it at the instant the outermost one read).
+    /// layer of a policy counts a request at the instant the outermost one
+    /// read).
     pub now: Timestamp,
     /// When the charge is made, from the same clock, if later than `now`:
-    /// a layer the request reached late (behind a slow authentication
-    /// call, a queue, inside another quota layer). A store whose counters'
-    /// lives run from when it applies a charge (the Redis store's time to
-    /// live) reckons a first-use deadline's life from here, so that the
-    /// counter ends at the deadline, as one that records the deadline
+    /// a layer the request reached late (behind a slow authentication call
+    /// or a queue, inside another quota layer of its policy). A store whose
+    /// counters' lives run from when it applies a charge (the Redis store's
+    /// time to live) reckons a first-use deadline's life from here, so that
+    /// the counter ends at the deadline, as one that records the deadline
     /// does. `None`: at `now`.
     pub charged_at: Option<Timestamp>,
     /// The counters, one per quota, in the layer's order (inline up to two:

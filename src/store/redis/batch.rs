@@ -147,7 +147,8 @@ impl Drop for GiveBack {
             .map(|(i, line)| {
                 let first_call = self.first_calls.get(i).copied().flatten();
                 let refund = Refund::new(line.key, line.cost.unsigned_abs(), now, first_call);
-                // A first-use line's ttl is its period.
+                // A first-use line's ttl: from when it was charged to its
+                // deadline.
                 let period = (line.anchor == "f")
                     .then(|| std::time::Duration::from_millis(line.ttl.unsigned_abs()));
                 match self.sent {

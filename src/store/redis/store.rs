@@ -64,12 +64,12 @@ use crate::store::{
 ///   charge made it ends it at the debt's deadline (see Debts); a charge
 ///   run later than the store follows it (30 s) is neither given back nor
 ///   trimmed. A layer a request reached late (behind a slow
-///   authentication call or a queue, inside another quota layer) counts
-///   it at the instant the outermost quota layer read, which a first-use
-///   counter it makes records as its first call, and tells the store when
-///   it charges ([`ChargeRequest::charged_at`]): the counter lives from
-///   then to its deadline, and ends at the reset its client was told, as
-///   on the memory store. A counter
+///   authentication call or a queue, inside another quota layer of its
+///   policy) counts it at the instant the outermost one read, which a
+///   first-use counter it makes records as its first call, and tells the
+///   store when it charges ([`ChargeRequest::charged_at`]): the counter
+///   lives from then to its deadline, and ends at the reset its client was
+///   told, as on the memory store. A counter
 ///   found without a deadline (written by another tool, or restored without
 ///   one) is healed by the next charge, admitted or refused, to its first
 ///   call plus one period when the first call is known, else to one period
