@@ -424,7 +424,13 @@ impl<E, St> QuotaPolicy<E, St> {
     /// store's charges still on their way ([`Store::charges_in_flight`]): the
     /// Redis store follows a charge or a settle it did not answer in time,
     /// to give it back if Redis applied it late, and a process that exits
-    /// before that give-back leaves the request counted twice.
+    /// before that give-back leaves the request counted twice. And for the
+    /// changes responses made that the store never got (a give-back, a
+    /// deferred cost's add, refused while the store was away or full),
+    /// which wait to be sent again: they are sent at once, and again every
+    /// 100 ms while the store fails (the process's, whichever policy made
+    /// them). A process that exits before they land leaves a request that
+    /// was not served charged, or a served one under-counted.
     ///
     /// ```
     /// # #[tokio::main(flavor = "current_thread")]
@@ -460,6 +466,17 @@ impl<E, St> QuotaPolicy<E, St> {
             && deadline.is_none_or(|d| tokio::time::Instant::now() < d)
         {
             tokio::time::sleep(Duration::from_millis(5)).await;
+        }
+        // The changes of responses the store never got (a give-back, a
+        // deferred cost's add, refused while it was away or full), which
+        // wait to be sent again: sent now, before the process exits.
+        let waiting = crate::store::resend::sent_all(deadline).await;
+        if waiting > 0 {
+            tracing::warn!(
+                changes = waiting,
+                "changes the store never got (give-backs, deferred costs' adds) still wait to \
+                 be sent again at the end of the settle; lost if the process exits now"
+            );
         }
         owed
     }

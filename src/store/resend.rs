@@ -26,6 +26,45 @@ pub(crate) const MAX_WAITING: usize = 10_000;
 /// The process's room for changes sent again.
 static WAITING: Pool = Pool::new(MAX_WAITING);
 
+/// Shutdowns waiting for the changes sent again ([`sent_all`]): while one
+/// waits, a change is sent again 100 ms apart at most, not after the
+/// growing waits.
+static HURRIED: AtomicUsize = AtomicUsize::new(0);
+
+/// Wakes the changes waiting to be sent again (see [`sent_all`]).
+static HURRY: tokio::sync::Notify = tokio::sync::Notify::const_new();
+
+/// Sends the changes of the process waiting to be sent again now, and
+/// again 100 ms apart while the store answers that it never sent them,
+/// and waits until none waits or `deadline` (`None`: as long as it
+/// takes); how many still wait. What a graceful shutdown awaits
+/// ([`QuotaPolicy::settle_owed`](crate::QuotaPolicy::settle_owed)): a
+/// change still waiting when the process exits is lost, a request not
+/// served left charged or a served one under-counted.
+pub(crate) async fn sent_all(deadline: Option<Instant>) -> usize {
+    struct Hurried;
+    impl Drop for Hurried {
+        fn drop(&mut self) {
+            HURRIED.fetch_sub(1, Ordering::SeqCst);
+        }
+    }
+    if WAITING.waiting.load(Ordering::Relaxed) == 0 {
+        return 0;
+    }
+    HURRIED.fetch_add(1, Ordering::SeqCst);
+    let _hurried = Hurried;
+    // Those that wait now are sent at once; those about to wait read
+    // `HURRIED` first (see `Resend::send`).
+    HURRY.notify_waiters();
+    loop {
+        let waiting = WAITING.waiting.load(Ordering::Relaxed);
+        if waiting == 0 || deadline.is_some_and(|d| Instant::now() >= d) {
+            return waiting;
+        }
+        tokio::time::sleep(Duration::from_millis(5)).await;
+    }
+}
+
 /// Changes dropped for want of room, logged a few times a second.
 static DROPPED: Throttle = Throttle::new(5);
 
@@ -121,10 +160,17 @@ impl Resend {
         let mut wait = FIRST_WAIT;
         let mut last = None;
         loop {
-            if Instant::now() + wait >= self.deadline {
+            // A shutdown waits for it (see `sent_all`): 100 ms at most. The
+            // wake-up is taken before `HURRIED` is read, so that one that
+            // begins after the read wakes it.
+            let hurry = HURRY.notified();
+            let hurried = HURRIED.load(Ordering::SeqCst) > 0;
+            let this_wait = if hurried { wait.min(FIRST_WAIT) } else { wait };
+            if Instant::now() + this_wait >= self.deadline {
                 return last;
             }
-            tokio::time::sleep(wait).await;
+            // Woken early by a shutdown that begins meanwhile.
+            let _ = tokio::time::timeout(this_wait, hurry).await;
             let answer = send().await;
             if !matches!(&answer, Err(error) if error.is_unsent()) {
                 return Some(answer);
