@@ -234,7 +234,7 @@ impl RedisStoreBuilder {
                     Some(Arc::clone(&last_answer)),
                 )))
             }
-            Source::Pool(pool) => Connections::Pool(pool),
+            Source::Pool(pool) => Connections::Pool(pool, Arc::clone(&last_answer)),
             #[cfg(feature = "redis-cluster")]
             Source::ClusterUrls(urls) => {
                 let first = urls.first().cloned().unwrap_or_default();
@@ -277,7 +277,7 @@ impl RedisStoreBuilder {
         let batches = match &connections {
             _ if cluster || !self.batch_charges => None,
             // A pooled connection carries one batch at a time.
-            Connections::Pool(_) => Some(Batches::new(size.min(16))),
+            Connections::Pool(..) => Some(Batches::new(size.min(16))),
             _ => Some(Batches::new((2 * size).min(16))),
         };
         Ok(RedisStore {

@@ -737,7 +737,9 @@ pub(super) enum Fault {
 
 pub(super) enum Connections {
     Server(Arc<Shared<ServerConnector>>),
-    Pool(deadpool_redis::Pool),
+    /// A pool made by the app, and where the store notes Redis's answers
+    /// (see `counted`).
+    Pool(deadpool_redis::Pool, Arc<LastAnswer>),
     #[cfg(feature = "redis-cluster")]
     Cluster(Arc<Shared<ClusterConnector>>),
     #[cfg(feature = "redis-cluster")]
@@ -751,7 +753,9 @@ impl Connections {
     /// pool, or when the connection must be pinged or opened first.
     pub(super) fn ready(&self) -> Option<Connection> {
         match self {
-            Connections::Server(shared) => shared.ready().map(Connection::server),
+            Connections::Server(shared) => shared
+                .ready()
+                .map(|handed| Connection::server(handed, shared.last_answer.clone())),
             #[cfg(feature = "redis-cluster")]
             Connections::Cluster(shared) => {
                 shared
@@ -785,9 +789,15 @@ impl Connections {
             Connections::Server(shared) => shared
                 .get()
                 .await
-                .map(Connection::server)
+                .map(|handed| Connection::server(handed, shared.last_answer.clone()))
                 .map_err(Fault::Redis),
-            Connections::Pool(pool) => get!(pool, Connection::pooled),
+            // The pool pings a connection before it hands it over (or asks
+            // Redis for its name when it opens one): an answer, noted as
+            // the store's own are.
+            Connections::Pool(pool, heard) => get!(pool, |pooled| {
+                heard.heard();
+                Connection::pooled(pooled, Arc::clone(heard))
+            }),
             #[cfg(feature = "redis-cluster")]
             Connections::Cluster(shared) => shared
                 .get()
@@ -904,7 +914,7 @@ impl Connections {
     /// node's answers tell nothing of another's silence.
     pub(super) fn cluster(&self) -> bool {
         match self {
-            Connections::Server(_) | Connections::Pool(_) => false,
+            Connections::Server(_) | Connections::Pool(..) => false,
             #[cfg(feature = "redis-cluster")]
             Connections::Cluster(_) | Connections::ClusterPool(_) => true,
         }
@@ -915,7 +925,7 @@ impl Connections {
     pub(super) fn status(&self) -> (bool, usize) {
         let size = match self {
             Connections::Server(shared) => shared.slots.len(),
-            Connections::Pool(pool) => pool.status().max_size,
+            Connections::Pool(pool, _) => pool.status().max_size,
             #[cfg(feature = "redis-cluster")]
             Connections::Cluster(shared) => shared.slots.len(),
             #[cfg(feature = "redis-cluster")]
@@ -936,6 +946,10 @@ pub(super) enum Connection {
         /// Answers that came back on this connection, whoever sent them
         /// (counted as they come, see `counted`).
         answers: Arc<AtomicU64>,
+        /// Where every answer on it is noted as it comes (see `counted`):
+        /// one a call reads on its way (a `NOSCRIPT` before the script is
+        /// sent again) moves the call's wait as the call's own does.
+        heard: Option<Arc<LastAnswer>>,
         /// Unused for a while before this call (see [`Handed::quiet`]).
         quiet: bool,
     },
@@ -948,6 +962,8 @@ pub(super) enum Connection {
         /// be applied later without being given back.) The pooled
         /// connection's own setting is left as it is.
         conn: MultiplexedConnection,
+        /// Where every answer on it is noted as it comes (see `counted`).
+        heard: Arc<LastAnswer>,
     },
     #[cfg(feature = "redis-cluster")]
     Cluster {
@@ -1100,7 +1116,7 @@ pub(super) enum Failed {
 }
 
 impl Connection {
-    fn server(handed: Handed<MultiplexedConnection>) -> Self {
+    fn server(handed: Handed<MultiplexedConnection>, heard: Option<Arc<LastAnswer>>) -> Self {
         let Handed {
             slot,
             epoch,
@@ -1113,6 +1129,7 @@ impl Connection {
             epoch,
             conn,
             answers,
+            heard,
             quiet,
         }
     }
@@ -1123,10 +1140,14 @@ impl Connection {
         matches!(self, Connection::Server { quiet: true, .. })
     }
 
-    fn pooled(pooled: deadpool_redis::Connection) -> Self {
+    fn pooled(pooled: deadpool_redis::Connection, heard: Arc<LastAnswer>) -> Self {
         let mut conn = MultiplexedConnection::clone(&pooled);
         conn.set_response_timeout(super::FOLLOW_THROUGH);
-        Connection::Pool { pooled, conn }
+        Connection::Pool {
+            pooled,
+            conn,
+            heard,
+        }
     }
 
     /// What to close when this connection failed.
@@ -1380,16 +1401,26 @@ macro_rules! each {
     };
 }
 
-/// `round_trip`, counting its answer on `answers` when it is one Redis sent
-/// (a reply, or an error of its own), for [`Lost::silent`].
+/// `round_trip`, counting its answer on `answers` (a store's own
+/// connection's) when it is one Redis sent (a reply, or an error of its
+/// own), for [`Lost::silent`], and noting it in `heard`: an answer a call reads before its own (a `NOSCRIPT`, after
+/// which the script is sent again) tells that Redis answers, as the call's
+/// own answer would (see `Patience`): a call of two round trips to a
+/// Redis slow but answering is waited for.
 fn counted<'a, T: Send + 'a>(
-    answers: &'a AtomicU64,
+    answers: Option<&'a AtomicU64>,
+    heard: Option<&'a LastAnswer>,
     round_trip: redis::RedisFuture<'a, T>,
 ) -> redis::RedisFuture<'a, T> {
     Box::pin(async move {
         let result = round_trip.await;
         if result.as_ref().map_or_else(super::came_back, |_| true) {
-            answers.fetch_add(1, Ordering::Relaxed);
+            if let Some(answers) = answers {
+                answers.fetch_add(1, Ordering::Relaxed);
+            }
+            if let Some(heard) = heard {
+                heard.heard();
+            }
         }
         result
     })
@@ -1398,9 +1429,20 @@ fn counted<'a, T: Send + 'a>(
 impl ConnectionLike for Connection {
     fn req_packed_command<'a>(&'a mut self, cmd: &'a redis::Cmd) -> redis::RedisFuture<'a, Value> {
         match self {
-            Connection::Server { conn, answers, .. } => {
-                counted(answers, conn.req_packed_command(cmd))
+            Connection::Server {
+                conn,
+                answers,
+                heard,
+                ..
+            } => counted(
+                Some(answers),
+                heard.as_deref(),
+                conn.req_packed_command(cmd),
+            ),
+            Connection::Pool { conn, heard, .. } => {
+                counted(None, Some(heard), conn.req_packed_command(cmd))
             }
+            #[cfg(feature = "redis-cluster")]
             other => each!(other, conn => conn.req_packed_command(cmd)),
         }
     }
@@ -1412,9 +1454,22 @@ impl ConnectionLike for Connection {
         count: usize,
     ) -> redis::RedisFuture<'a, Vec<Value>> {
         match self {
-            Connection::Server { conn, answers, .. } => {
-                counted(answers, conn.req_packed_commands(cmd, offset, count))
-            }
+            Connection::Server {
+                conn,
+                answers,
+                heard,
+                ..
+            } => counted(
+                Some(answers),
+                heard.as_deref(),
+                conn.req_packed_commands(cmd, offset, count),
+            ),
+            Connection::Pool { conn, heard, .. } => counted(
+                None,
+                Some(heard),
+                conn.req_packed_commands(cmd, offset, count),
+            ),
+            #[cfg(feature = "redis-cluster")]
             other => each!(other, conn => conn.req_packed_commands(cmd, offset, count)),
         }
     }

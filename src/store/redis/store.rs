@@ -495,7 +495,7 @@ impl RedisStore {
         let script: &'static Script = self.inner.script;
         // Calls go to the connections in turn: one call each opens them all.
         let connections = match &self.inner.connections {
-            Connections::Pool(_) => 1,
+            Connections::Pool(..) => 1,
             #[cfg(feature = "redis-cluster")]
             Connections::ClusterPool(_) => 1,
             other => other.status().1,
