@@ -791,9 +791,11 @@ impl Connections {
                 .await
                 .map(|handed| Connection::server(handed, shared.last_answer.clone()))
                 .map_err(Fault::Redis),
-            // The pool pings a connection before it hands it over (or asks
-            // Redis for its name when it opens one): an answer, noted as
-            // the store's own are.
+            // The pool pings a connection before it hands it over, and one
+            // it opens has had its setup answered (`CLIENT SETINFO`, unless
+            // the app's connection info skips it and sets no password,
+            // database or protocol: then opening it was a TCP connect only,
+            // taken for an answer here). Noted as the store's own answers.
             Connections::Pool(pool, heard) => get!(pool, |pooled| {
                 heard.heard();
                 Connection::pooled(pooled, Arc::clone(heard))
