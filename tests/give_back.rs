@@ -1786,3 +1786,148 @@ async fn the_give_back_of_an_add_that_landed_late_is_sent_again() {
         "the request undone holds nothing once the add landed"
     );
 }
+
+/// A memory store whose first give-back takes a while to come back
+/// unsent (a connection that could not be opened in time), as a store
+/// that was away: the change is then sent again.
+#[derive(Clone, Debug)]
+struct SlowUnsentRefund {
+    inner: MemoryStore,
+    first: Arc<std::sync::atomic::AtomicBool>,
+}
+
+impl SlowUnsentRefund {
+    /// The inner store's answer, after the first give-back's slow failure
+    /// (the memory store's refund applies when it is called: it is called
+    /// only once the give-back is sent).
+    async fn refund_after<T, Fut: Future<Output = Result<T, tower_quota::StoreError>>>(
+        &self,
+        refund: impl FnOnce() -> Fut,
+    ) -> Result<T, tower_quota::StoreError> {
+        if self.first.swap(false, std::sync::atomic::Ordering::SeqCst) {
+            tokio::time::sleep(Duration::from_millis(300)).await;
+            return Err(tower_quota::StoreError::new(
+                tower_quota::store::StoreErrorKind::Unavailable,
+                "no connection in time; nothing was sent",
+            )
+            .unsent());
+        }
+        refund().await
+    }
+}
+
+impl Store for SlowUnsentRefund {
+    type ChargeFuture = <MemoryStore as Store>::ChargeFuture;
+
+    fn charge(&self, request: tower_quota::store::ChargeRequest) -> Self::ChargeFuture {
+        self.inner.charge(request)
+    }
+    fn charge_at_once(
+        &self,
+        request: &tower_quota::store::ChargeRequest,
+    ) -> tower_quota::store::ChargeAnswer<Self::ChargeFuture> {
+        self.inner.charge_at_once(request)
+    }
+    fn peek(
+        &self,
+        request: tower_quota::store::ChargeRequest,
+    ) -> impl Future<Output = Result<Vec<tower_quota::Usage>, tower_quota::StoreError>> + Send {
+        self.inner.peek(request)
+    }
+    fn refund(
+        &self,
+        now: tower_quota::jiff::Timestamp,
+        key: tower_quota::PeriodKey,
+        amount: u64,
+    ) -> impl Future<Output = Result<Option<u64>, tower_quota::StoreError>> + Send {
+        self.refund_after(move || self.inner.refund(now, key, amount))
+    }
+    fn refund_made_by(
+        &self,
+        now: tower_quota::jiff::Timestamp,
+        key: tower_quota::PeriodKey,
+        amount: u64,
+        made_by: tower_quota::jiff::Timestamp,
+    ) -> impl Future<Output = Result<Option<u64>, tower_quota::StoreError>> + Send {
+        self.refund_after(move || self.inner.refund_made_by(now, key, amount, made_by))
+    }
+    fn refund_made_at(
+        &self,
+        now: tower_quota::jiff::Timestamp,
+        key: tower_quota::PeriodKey,
+        amount: u64,
+        first_call: tower_quota::jiff::Timestamp,
+    ) -> impl Future<Output = Result<Option<u64>, tower_quota::StoreError>> + Send {
+        self.refund_after(move || self.inner.refund_made_at(now, key, amount, first_call))
+    }
+    fn add(
+        &self,
+        now: tower_quota::jiff::Timestamp,
+        key: tower_quota::PeriodKey,
+        amount: u64,
+    ) -> impl Future<Output = Result<Option<u64>, tower_quota::StoreError>> + Send {
+        self.inner.add(now, key, amount)
+    }
+    fn reset(
+        &self,
+        key: tower_quota::PeriodKey,
+    ) -> impl Future<Output = Result<bool, tower_quota::StoreError>> + Send {
+        self.inner.reset(key)
+    }
+    fn identity(&self) -> Option<usize> {
+        self.inner.identity()
+    }
+    fn max_count(&self) -> u64 {
+        self.inner.max_count()
+    }
+}
+
+/// A graceful shutdown right after a response whose give-back is still on
+/// its first way (the response left after the store timeout): that first
+/// send comes back unsent after the shutdown began, and is sent again.
+/// `settle_owed` waits for it, so that a process exiting once it returns
+/// leaves the request that was not served (a 500, given back) uncharged.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn settle_owed_waits_for_a_give_back_on_its_first_way() {
+    let memory = MemoryStore::new();
+    let store = SlowUnsentRefund {
+        inner: memory.clone(),
+        first: Arc::new(std::sync::atomic::AtomicBool::new(true)),
+    };
+    let account = policy(store, "account")
+        .refund_server_errors(true)
+        .store_timeout(Some(Duration::from_millis(50)))
+        .build();
+    let quota = Quota::daily(10);
+    // What the store holds (the policy's view counts the give-back on its
+    // way as landed).
+    let held = || {
+        let line = quota.line(
+            account.namespace(),
+            &Subject::account("acme"),
+            NOW.parse().unwrap(),
+            0,
+        );
+        let request = tower_quota::store::ChargeRequest {
+            charged_at: None,
+            now: NOW.parse().unwrap(),
+            lines: vec![line].into(),
+        };
+        let peek = memory.peek(request);
+        async move { peek.await.unwrap()[0].used }
+    };
+    let app = Router::new()
+        .route("/", get(|| async { StatusCode::INTERNAL_SERVER_ERROR }))
+        .layer(account.layer(quota.clone()));
+    let response = app.oneshot(call("/")).await.unwrap();
+    assert_eq!(response.status(), StatusCode::INTERNAL_SERVER_ERROR);
+    // The response left while its give-back was on its way.
+    assert_eq!(held().await, 1);
+    let owed = account.settle_owed(Duration::from_secs(5)).await;
+    assert_eq!(owed.units, 0);
+    assert_eq!(
+        held().await,
+        0,
+        "the 500 is given back before the settle returns: the process may exit now"
+    );
+}

@@ -388,7 +388,11 @@ fn apply<St: Store>(
     // When the changes are first sent, on the runtime's clock: what they
     // are sent again until counts from here.
     let started = tokio::time::Instant::now();
+    // A shutdown waits for these changes until they are over (see
+    // `QuotaPolicy::settle_owed`).
+    let applying = crate::store::resend::Applying::new();
     let work = async move {
+        let _applying = applying;
         let send = |key: &crate::key::PeriodKey, op: Adjust, made: Made| {
             let (store, key) = (store.clone(), key.clone());
             async move {

@@ -425,12 +425,15 @@ impl<E, St> QuotaPolicy<E, St> {
     /// Redis store follows a charge or a settle it did not answer in time,
     /// to give it back if Redis applied it late, and a process that exits
     /// before that give-back leaves the request counted twice. And for the
-    /// changes responses made that the store never got (a give-back, a
-    /// deferred cost's add, refused while the store was away or full),
-    /// which wait to be sent again: they are sent at once, and again every
-    /// 100 ms while the store fails (the process's, whichever policy made
-    /// them). A process that exits before they land leaves a request that
-    /// was not served charged, or a served one under-counted.
+    /// changes responses made (a give-back, a deferred cost's add) that are
+    /// still on their way, or that the store never got (refused while it
+    /// was away or full) and wait to be sent again: those are sent at once,
+    /// and again every 100 ms while the store fails (the process's,
+    /// whichever policy made them). A process that exits before they land
+    /// leaves a request that was not served charged, or a served one
+    /// under-counted. With `Duration::MAX`, a store that stays away holds
+    /// the settle for as long as such a change may still land: until a
+    /// little before its counter resets.
     ///
     /// ```
     /// # #[tokio::main(flavor = "current_thread")]
@@ -442,7 +445,7 @@ impl<E, St> QuotaPolicy<E, St> {
     /// // ... serve, until a shutdown signal ...
     /// let owed = policy.settle_owed(Duration::from_secs(5)).await;
     /// assert_eq!(owed.units, 0);
-    /// // Nothing owed: no wait, however long it may be.
+    /// // Nothing owed, no change on its way: no wait, however long it may be.
     /// assert_eq!(policy.settle_owed(Duration::MAX).await.units, 0);
     /// # }
     /// ```
@@ -467,15 +470,16 @@ impl<E, St> QuotaPolicy<E, St> {
         {
             tokio::time::sleep(Duration::from_millis(5)).await;
         }
-        // The changes of responses the store never got (a give-back, a
-        // deferred cost's add, refused while it was away or full), which
-        // wait to be sent again: sent now, before the process exits.
-        let waiting = crate::store::resend::sent_all(deadline).await;
-        if waiting > 0 {
+        // The changes of responses (a give-back, a deferred cost's add) on
+        // their way, or that the store never got (refused while it was away
+        // or full) and wait to be sent again: sent now, before the process
+        // exits.
+        let pending = crate::store::resend::sent_all(deadline).await;
+        if pending > 0 {
             tracing::warn!(
-                changes = waiting,
-                "changes the store never got (give-backs, deferred costs' adds) still wait to \
-                 be sent again at the end of the settle; lost if the process exits now"
+                changes = pending,
+                "changes of responses (give-backs, deferred costs' adds) are still on their way \
+                 or wait to be sent again at the end of the settle; lost if the process exits now"
             );
         }
         owed

@@ -36,41 +36,24 @@ static HURRY: tokio::sync::Notify = tokio::sync::Notify::const_new();
 
 /// Sends the changes of the process waiting to be sent again now, and
 /// again 100 ms apart while the store answers that it never sent them,
-/// and waits until none waits or `deadline` (`None`: as long as it
-/// takes); how many still wait. What a graceful shutdown awaits
+/// and waits until none waits or is on its way ([`Applying`]), or
+/// `deadline` (`None`: as long as it takes); how many still wait or are
+/// on their way. What a graceful shutdown awaits
 /// ([`QuotaPolicy::settle_owed`](crate::QuotaPolicy::settle_owed)): a
 /// change still waiting when the process exits is lost, a request not
 /// served left charged or a served one under-counted.
 pub(crate) async fn sent_all(deadline: Option<Instant>) -> usize {
-    struct Hurried;
-    impl Drop for Hurried {
-        fn drop(&mut self) {
-            HURRIED.fetch_sub(1, Ordering::SeqCst);
-        }
-    }
-    if WAITING.waiting.load(Ordering::Relaxed) == 0 {
-        return 0;
-    }
-    HURRIED.fetch_add(1, Ordering::SeqCst);
-    let _hurried = Hurried;
-    // Those that wait now are sent at once; those about to wait read
-    // `HURRIED` first (see `Resend::send`).
-    HURRY.notify_waiters();
-    loop {
-        let waiting = WAITING.waiting.load(Ordering::Relaxed);
-        if waiting == 0 || deadline.is_some_and(|d| Instant::now() >= d) {
-            return waiting;
-        }
-        tokio::time::sleep(Duration::from_millis(5)).await;
-    }
+    WAITING.sent_all(deadline).await
 }
 
 /// Changes dropped for want of room, logged a few times a second.
 static DROPPED: Throttle = Throttle::new(5);
 
-/// Room for at most `most` changes sent again at once.
+/// Room for at most `most` changes sent again at once, and the count of
+/// changes on their way ([`Applying`]).
 pub(crate) struct Pool {
     waiting: AtomicUsize,
+    applying: AtomicUsize,
     most: usize,
 }
 
@@ -78,7 +61,38 @@ impl Pool {
     pub(crate) const fn new(most: usize) -> Self {
         Self {
             waiting: AtomicUsize::new(0),
+            applying: AtomicUsize::new(0),
             most,
+        }
+    }
+
+    /// Changes waiting to be sent again, or on their way.
+    fn pending(&self) -> usize {
+        self.waiting.load(Ordering::SeqCst) + self.applying.load(Ordering::SeqCst)
+    }
+
+    /// See [`sent_all`].
+    async fn sent_all(&self, deadline: Option<Instant>) -> usize {
+        struct Hurried;
+        impl Drop for Hurried {
+            fn drop(&mut self) {
+                HURRIED.fetch_sub(1, Ordering::SeqCst);
+            }
+        }
+        if self.pending() == 0 {
+            return 0;
+        }
+        HURRIED.fetch_add(1, Ordering::SeqCst);
+        let _hurried = Hurried;
+        // Those that wait now are sent at once; those about to wait read
+        // `HURRIED` first (see `Resend::send`).
+        HURRY.notify_waiters();
+        loop {
+            let pending = self.pending();
+            if pending == 0 || deadline.is_some_and(|d| Instant::now() >= d) {
+                return pending;
+            }
+            tokio::time::sleep(Duration::from_millis(5)).await;
         }
     }
 
@@ -100,6 +114,30 @@ impl Pool {
 
 /// One change's room in a [`Pool`], while it is sent again.
 struct Slot(&'static Pool);
+
+/// Held by a response's changes from their first send until they are over
+/// (sent again if the store never got them, and what follows from their
+/// answers), so that [`sent_all`] waits for a change whose first send is
+/// still on its way, which may yet come back unsent and wait to be sent
+/// again.
+pub(crate) struct Applying(&'static Pool);
+
+impl Applying {
+    pub(crate) fn new() -> Self {
+        Self::in_pool(&WAITING)
+    }
+
+    fn in_pool(pool: &'static Pool) -> Self {
+        pool.applying.fetch_add(1, Ordering::SeqCst);
+        Self(pool)
+    }
+}
+
+impl Drop for Applying {
+    fn drop(&mut self) {
+        self.0.applying.fetch_sub(1, Ordering::SeqCst);
+    }
+}
 
 impl Drop for Slot {
     fn drop(&mut self) {
@@ -233,6 +271,23 @@ mod tests {
         let (now, reset) = (at("2026-12-02T10:00:00Z"), at("2026-12-02T10:01:05Z"));
         tokio::time::advance(Duration::from_secs(61)).await;
         assert!(Resend::in_pool(&POOL, start, now, reset).is_none());
+    }
+
+    /// A shutdown waits for a change on its way (its first send not over:
+    /// it may yet come back unsent, to be sent again), and returns once it
+    /// is over; or at its deadline, telling it.
+    #[tokio::test(start_paused = true)]
+    async fn a_shutdown_waits_for_changes_on_their_way() {
+        static POOL: Pool = Pool::new(1);
+        let applying = Applying::in_pool(&POOL);
+        let deadline = Instant::now() + Duration::from_secs(1);
+        assert_eq!(POOL.sent_all(Some(deadline)).await, 1);
+        assert!(Instant::now() >= deadline);
+        let shutdown = tokio::spawn(POOL.sent_all(None));
+        tokio::time::sleep(Duration::from_secs(10)).await;
+        assert!(!shutdown.is_finished());
+        drop(applying);
+        assert_eq!(shutdown.await.unwrap(), 0);
     }
 
     /// An answer other than "never sent" ends the tries.
