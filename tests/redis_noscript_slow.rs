@@ -16,72 +16,6 @@ use axum::Router;
 use tower_quota::store::RedisStore;
 use tower_quota::{FromHeader, Quota, QuotaPolicy};
 
-/// A TCP proxy in front of Redis that passes each chunk of its answers on
-/// `pace` after it came and `pace` after the one before (as
-/// `redis_support::SlowProxy`), with `TCP_NODELAY` on both sides: a large
-/// call (an `EVAL` with the script's text) is not held back by Nagle's
-/// algorithm meeting a delayed ACK (some 40 ms).
-struct Paced {
-    addr: std::net::SocketAddr,
-    pace_ms: std::sync::Arc<std::sync::atomic::AtomicU64>,
-}
-
-impl Paced {
-    async fn start(port: u16) -> Self {
-        use std::sync::atomic::Ordering;
-        use tokio::io::{AsyncReadExt, AsyncWriteExt};
-        let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
-        let addr = listener.local_addr().unwrap();
-        let pace_ms = std::sync::Arc::new(std::sync::atomic::AtomicU64::new(0));
-        let pace = std::sync::Arc::clone(&pace_ms);
-        tokio::spawn(async move {
-            while let Ok((client, _)) = listener.accept().await {
-                let Ok(upstream) = tokio::net::TcpStream::connect(("127.0.0.1", port)).await else {
-                    continue;
-                };
-                client.set_nodelay(true).unwrap();
-                upstream.set_nodelay(true).unwrap();
-                let (mut client_read, mut client_write) = client.into_split();
-                let (mut upstream_read, mut upstream_write) = upstream.into_split();
-                tokio::spawn(async move {
-                    let _ = tokio::io::copy(&mut client_read, &mut upstream_write).await;
-                });
-                let (chunks, mut paced) = tokio::sync::mpsc::unbounded_channel();
-                tokio::spawn(async move {
-                    let mut buffer = vec![0; 64 * 1024];
-                    while let Ok(read @ 1..) = upstream_read.read(&mut buffer).await {
-                        let came = tokio::time::Instant::now();
-                        let _ = chunks.send((came, buffer[..read].to_vec()));
-                    }
-                });
-                let pace = std::sync::Arc::clone(&pace);
-                tokio::spawn(async move {
-                    let mut last = tokio::time::Instant::now();
-                    while let Some((came, chunk)) = paced.recv().await {
-                        let pace = Duration::from_millis(pace.load(Ordering::SeqCst));
-                        last = (came + pace).max(last + pace);
-                        tokio::time::sleep_until(last).await;
-                        if client_write.write_all(&chunk).await.is_err() {
-                            return;
-                        }
-                    }
-                });
-            }
-        });
-        Self { addr, pace_ms }
-    }
-
-    fn url(&self) -> String {
-        format!("redis://{}/", self.addr)
-    }
-
-    fn slow(&self, pace: Duration) {
-        let pace = u64::try_from(pace.as_millis()).unwrap();
-        self.pace_ms
-            .store(pace, std::sync::atomic::Ordering::SeqCst);
-    }
-}
-
 /// Redis answers each call 150 ms after it came, well within the store's
 /// 250 ms of silence: slow, not stalled. Its scripts were flushed, so a
 /// charge's `EVALSHA` is answered `NOSCRIPT` (at 150 ms) and sent again as
@@ -112,7 +46,7 @@ enum Source {
 
 async fn flushed_then_slow(source: Source) {
     let server = redis_server_or_skip!();
-    let proxy = Paced::start(server.port()).await;
+    let proxy = redis_support::SlowProxy::start(server.port()).await;
     let builder = match source {
         Source::Url { batched } => RedisStore::builder(proxy.url())
             .pool_size(1)

@@ -504,6 +504,10 @@ impl SlowProxy {
                 let Ok(upstream) = tokio::net::TcpStream::connect(&target).await else {
                     continue;
                 };
+                // A large call (an `EVAL` with the script's text) is not
+                // held back by Nagle's algorithm meeting a delayed ACK.
+                let _ = client.set_nodelay(true);
+                let _ = upstream.set_nodelay(true);
                 let (mut client_read, mut client_write) = client.into_split();
                 let (mut upstream_read, mut upstream_write) = upstream.into_split();
                 tokio::spawn(async move {
