@@ -1405,10 +1405,12 @@ macro_rules! each {
 
 /// `round_trip`, counting its answer on `answers` (a store's own
 /// connection's) when it is one Redis sent (a reply, or an error of its
-/// own), for [`Lost::silent`], and noting it in `heard`: an answer a call reads before its own (a `NOSCRIPT`, after
-/// which the script is sent again) tells that Redis answers, as the call's
-/// own answer would (see `Patience`): a call of two round trips to a
-/// Redis slow but answering is waited for.
+/// own), for [`Lost::silent`], and noting it in `heard`, the one place a
+/// single server's replies are noted (see `Inner::heard`): an answer a
+/// call reads before its own (a `NOSCRIPT`, after which the script is sent
+/// again) tells that Redis answers, as the call's own answer does (see
+/// `Patience`): a call of two round trips to a Redis slow but answering
+/// is waited for.
 fn counted<'a, T: Send + 'a>(
     answers: Option<&'a AtomicU64>,
     heard: Option<&'a LastAnswer>,

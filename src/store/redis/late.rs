@@ -155,9 +155,10 @@ pub(super) struct Refund {
     /// charge's instant (a counter made anew after a reset is younger).
     pub(super) counter: Made,
     /// When the first-use counter the charge made ends at the latest: what
-    /// was left of its period when the charge was made, after it was sent. Redis, which ran the charge late,
-    /// reckoned its time to live from then, and the give-back shortens it
-    /// to this (see `counters.lua`, `r`). `None` for any other line.
+    /// was left of its period when the charge was made, after it was sent.
+    /// Redis, which ran the charge late, reckoned its time to live from
+    /// then, and the give-back shortens it to this (see `counters.lua`,
+    /// `r`). `None` for any other line.
     pub(super) ends: Option<Instant>,
 }
 

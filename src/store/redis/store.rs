@@ -397,9 +397,11 @@ impl Inner {
     /// error Redis answered is one; a broken connection is not). On a
     /// cluster, the reply is noted for the slot's node too: one node's
     /// answers say nothing of another that stalled, whose subjects' calls
-    /// must still fail after one budget.
+    /// must still fail after one budget. A single server's replies are
+    /// noted as they come, on its connection (see `connection::counted`):
+    /// nothing to do here.
     pub(super) fn heard<T>(&self, result: &Result<T, RedisError>, slot: Slot) {
-        if !result.as_ref().map_or_else(came_back, |_| true) {
+        if !self.connections.cluster() || !result.as_ref().map_or_else(came_back, |_| true) {
             return;
         }
         self.last_answer.heard();
